@@ -1,0 +1,58 @@
+#include "core/timing.h"
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include "core/cuda_runtime.h"
+
+namespace kcpp {
+
+void synchronize(Device device) {
+#if KCPP_WITH_CUDA
+  if (device.is_cuda()) {
+    cuda::DeviceGuard g(device.index);
+    KCPP_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+#else
+  (void)device;
+#endif
+}
+
+Timing time_op(Device device, const std::function<void()>& fn, int warmup, int reps) {
+  KCPP_CHECK(reps > 0, "time_op: reps must be > 0");
+  for (int i = 0; i < warmup; ++i) fn();
+  synchronize(device);
+  std::vector<double> ms(static_cast<size_t>(reps));
+#if KCPP_WITH_CUDA
+  if (device.is_cuda()) {
+    cuda::DeviceGuard g(device.index);
+    cudaEvent_t start, stop;
+    KCPP_CUDA_CHECK(cudaEventCreate(&start));
+    KCPP_CUDA_CHECK(cudaEventCreate(&stop));
+    for (double& t : ms) {
+      KCPP_CUDA_CHECK(cudaEventRecord(start, cuda::current_stream()));
+      fn();
+      KCPP_CUDA_CHECK(cudaEventRecord(stop, cuda::current_stream()));
+      KCPP_CUDA_CHECK(cudaEventSynchronize(stop));
+      float f = 0;
+      KCPP_CUDA_CHECK(cudaEventElapsedTime(&f, start, stop));
+      t = f;
+    }
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+  } else
+#endif
+  {
+    for (double& t : ms) {
+      const auto t0 = std::chrono::steady_clock::now();
+      fn();
+      t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    }
+  }
+  std::vector<double> sorted = ms;
+  std::sort(sorted.begin(), sorted.end());
+  return {sorted[sorted.size() / 2], sorted.front(), sorted.back(), reps};
+}
+
+}  // namespace kcpp

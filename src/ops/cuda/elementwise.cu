@@ -1,0 +1,61 @@
+// Reference elementwise kernels.  The op is a run-time argument (the switch is uniform across the
+// grid), which keeps this file to one kernel per dtype and arity; math in ops/math.h is shared
+// with the host loops.
+#include "core/strided.h"
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/launch.h"
+#include "ops/math.h"
+
+namespace kcpp::ops::cuda {
+namespace {
+
+constexpr int kBlock = 256;
+
+template <typename T>
+__global__ void unary_kernel(StridedLayout<2> L, int64_t n, T* out, const T* x, Unary op, float alpha) {
+  const bool flat = L.ndim <= 1 && L.strides[1][0] <= 1;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    int64_t off[2] = {i, i};
+    if (!flat) L.offsets(i, off);
+    out[off[0]] = kcpp::cuda::from_float<T>(math::unary<float>(op, kcpp::cuda::to_float(x[off[1]]), alpha));
+  }
+}
+
+template <typename T>
+__global__ void binary_kernel(StridedLayout<3> L, int64_t n, T* out, const T* a, const T* b, Binary op) {
+  const bool flat = L.ndim <= 1 && L.strides[1][0] <= 1 && L.strides[2][0] <= 1 && L.strides[1][0] == L.strides[2][0];
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    int64_t off[3] = {i, i, i};
+    if (!flat) L.offsets(i, off);
+    out[off[0]] = kcpp::cuda::from_float<T>(
+        math::binary<float>(op, kcpp::cuda::to_float(a[off[1]]), kcpp::cuda::to_float(b[off[2]])));
+  }
+}
+
+}  // namespace
+
+void unary(Unary op, const Tensor& out, const Tensor& x, double alpha) {
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  kcpp::cuda::DeviceGuard g(out.device().index);
+  const auto L = make_layout<2>(out.shape(), {&out.strides(), &x.strides()});
+  visit_cuda_float(out.dtype(), "unary", [&]<typename T>(std::type_identity<T>) {
+    unary_kernel<T><<<kcpp::cuda::grid_for(n, kBlock), kBlock, 0, kcpp::cuda::current_stream()>>>(
+        L, n, static_cast<T*>(out.data()), static_cast<const T*>(x.data()), op, static_cast<float>(alpha));
+  });
+  KCPP_CUDA_CHECK_LAUNCH("unary");
+}
+
+void binary(Binary op, const Tensor& out, const Tensor& a, const Tensor& b) {
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  kcpp::cuda::DeviceGuard g(out.device().index);
+  const auto L = make_layout<3>(out.shape(), {&out.strides(), &a.strides(), &b.strides()});
+  visit_cuda_float(out.dtype(), "binary", [&]<typename T>(std::type_identity<T>) {
+    binary_kernel<T><<<kcpp::cuda::grid_for(n, kBlock), kBlock, 0, kcpp::cuda::current_stream()>>>(
+        L, n, static_cast<T*>(out.data()), static_cast<const T*>(a.data()), static_cast<const T*>(b.data()), op);
+  });
+  KCPP_CUDA_CHECK_LAUNCH("binary");
+}
+
+}  // namespace kcpp::ops::cuda

@@ -1,0 +1,23 @@
+// The CUDA side of the reference primitives (ops/cuda/*.cu).  Arguments arrive checked; outputs
+// are allocated by the caller.  Each launcher checks its launch and names its op.
+#pragma once
+
+#include "core/tensor.h"
+#include "ops/ops.h"
+
+namespace kcpp::ops::cuda {
+
+void unary(Unary op, const Tensor& out, const Tensor& x, double alpha);
+void binary(Binary op, const Tensor& out, const Tensor& a, const Tensor& b);  // a, b expanded to out's shape
+void reduce_last(Reduce op, const Tensor& out, const Tensor& x);              // x contiguous [rows, n]
+void softmax(Softmax kind, const Tensor& out, const Tensor& x);               // x contiguous [rows, n]
+void softmax_backward(Softmax kind, const Tensor& dx, const Tensor& dy, const Tensor& y);
+void matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, int64_t batch,
+            int64_t m, int64_t n, int64_t k, bool broadcast_b);
+void embedding(const Tensor& out, const Tensor& weight, const Tensor& ids);
+void embedding_backward(const Tensor& acc_f32, const Tensor& grad, const Tensor& ids);
+void gather_last(const Tensor& out, const Tensor& x, const Tensor& idx, int64_t ignore_index);
+void scatter_last(const Tensor& out, const Tensor& values, const Tensor& idx, int64_t ignore_index);
+void valid_mask(const Tensor& out, const Tensor& idx, int64_t ignore_index);
+
+}  // namespace kcpp::ops::cuda

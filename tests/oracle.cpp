@@ -1,0 +1,267 @@
+#include "oracle.h"
+
+#include <cmath>
+#include <limits>
+
+namespace kcpp::oracle {
+
+static const double kPi = 3.14159265358979323846;
+
+double silu(double x) { return x / (1.0 + std::exp(-x)); }
+double gelu(double x) { return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0))); }
+double gelu_tanh(double x) {
+  return 0.5 * x * (1.0 + std::tanh(std::sqrt(2.0 / kPi) * (x + 0.044715 * x * x * x)));
+}
+double dsilu(double x) {
+  const double s = 1.0 / (1.0 + std::exp(-x));
+  return s + x * s * (1.0 - s);
+}
+double dgelu(double x) { return 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))) + x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * kPi); }
+double dgelu_tanh(double x) {
+  const double c = std::sqrt(2.0 / kPi), u = c * (x + 0.044715 * x * x * x), t = std::tanh(u);
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x);
+}
+
+V matmul(const V& a, const V& b, int64_t batch, int64_t m, int64_t n, int64_t k, bool ta, bool tb, bool bcast_b) {
+  V c(static_cast<size_t>(batch * m * n));
+  for (int64_t p = 0; p < batch; ++p) {
+    const double* A = a.data() + p * m * k;
+    const double* B = b.data() + (bcast_b ? 0 : p * k * n);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        double s = 0;
+        for (int64_t q = 0; q < k; ++q) s += (ta ? A[q * m + i] : A[i * k + q]) * (tb ? B[j * k + q] : B[q * n + j]);
+        c[(p * m + i) * n + j] = s;
+      }
+  }
+  return c;
+}
+
+Norm rms_norm(const V& x, const V& w, int64_t rows, int64_t h, double eps, double offset) {
+  Norm r{V(x.size()), V(static_cast<size_t>(rows)), {}};
+  for (int64_t i = 0; i < rows; ++i) {
+    double ss = 0;
+    for (int64_t j = 0; j < h; ++j) ss += x[i * h + j] * x[i * h + j];
+    const double rs = 1.0 / std::sqrt(ss / h + eps);
+    r.rstd[i] = rs;
+    for (int64_t j = 0; j < h; ++j) r.y[i * h + j] = x[i * h + j] * rs * (offset + w[j]);
+  }
+  return r;
+}
+
+NormGrad rms_norm_backward(const V& dy, const V& x, const V& w, int64_t rows, int64_t h, double eps, double offset) {
+  NormGrad g{V(x.size()), V(static_cast<size_t>(h)), {}, V(x.size()), V(static_cast<size_t>(h))};
+  for (int64_t i = 0; i < rows; ++i) {
+    double ss = 0;
+    for (int64_t j = 0; j < h; ++j) ss += x[i * h + j] * x[i * h + j];
+    const double rs = 1.0 / std::sqrt(ss / h + eps);
+    // y_j = x_j rs (o + w_j); d rs / d x_k = -rs^3 x_k / h
+    double dot = 0, adot = 0;  // sum_j dy_j (o + w_j) x_j, and over absolute values
+    for (int64_t j = 0; j < h; ++j) {
+      dot += dy[i * h + j] * (offset + w[j]) * x[i * h + j];
+      adot += std::fabs(dy[i * h + j] * (offset + w[j]) * x[i * h + j]);
+    }
+    for (int64_t k = 0; k < h; ++k) {
+      const double t1 = dy[i * h + k] * (offset + w[k]) * rs, t2 = rs * rs * rs * x[i * h + k] / h;
+      g.dx[i * h + k] = t1 - t2 * dot;
+      g.dx_mag[i * h + k] = std::fabs(t1) + std::fabs(t2) * adot;
+      g.dw[k] += dy[i * h + k] * x[i * h + k] * rs;
+      g.dw_mag[k] += std::fabs(dy[i * h + k] * x[i * h + k] * rs);
+    }
+  }
+  return g;
+}
+
+Norm layer_norm(const V& x, const V& w, const V& b, int64_t rows, int64_t h, double eps) {
+  Norm r{V(x.size()), V(static_cast<size_t>(rows)), V(static_cast<size_t>(rows))};
+  for (int64_t i = 0; i < rows; ++i) {
+    double mu = 0, var = 0;
+    for (int64_t j = 0; j < h; ++j) mu += x[i * h + j];
+    mu /= h;
+    for (int64_t j = 0; j < h; ++j) var += (x[i * h + j] - mu) * (x[i * h + j] - mu);
+    const double rs = 1.0 / std::sqrt(var / h + eps);
+    r.mean[i] = mu;
+    r.rstd[i] = rs;
+    for (int64_t j = 0; j < h; ++j) r.y[i * h + j] = (x[i * h + j] - mu) * rs * w[j] + (b.empty() ? 0.0 : b[j]);
+  }
+  return r;
+}
+
+NormGrad layer_norm_backward(const V& dy, const V& x, const V& w, int64_t rows, int64_t h, double eps) {
+  NormGrad g{V(x.size()), V(static_cast<size_t>(h)), V(static_cast<size_t>(h)), V(x.size()),
+             V(static_cast<size_t>(h))};
+  const Norm f = layer_norm(x, w, {}, rows, h, eps);
+  for (int64_t i = 0; i < rows; ++i) {
+    const double rs = f.rstd[i], mu = f.mean[i];
+    double sg = 0, sgx = 0, asg = 0, asgx = 0;
+    for (int64_t j = 0; j < h; ++j) {
+      const double xh = (x[i * h + j] - mu) * rs, gj = dy[i * h + j] * w[j];
+      sg += gj;
+      sgx += gj * xh;
+      asg += std::fabs(gj);
+      asgx += std::fabs(gj * xh);
+      g.dw[j] += dy[i * h + j] * xh;
+      g.dw_mag[j] += std::fabs(dy[i * h + j] * xh);
+      g.db[j] += dy[i * h + j];
+    }
+    for (int64_t j = 0; j < h; ++j) {
+      const double xh = (x[i * h + j] - mu) * rs, gj = dy[i * h + j] * w[j];
+      g.dx[i * h + j] = rs * (gj - sg / h - xh * sgx / h);
+      g.dx_mag[i * h + j] = rs * (std::fabs(gj) + asg / h + std::fabs(xh) * asgx / h);
+    }
+  }
+  return g;
+}
+
+V rope(const V& x, const V& cs, const V& sn, int64_t b, int64_t h, int64_t s, int64_t d, int64_t rd, int64_t cb,
+       bool backward) {
+  V y(x.size());
+  const int64_t half = rd / 2;
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (int64_t hi = 0; hi < h; ++hi)
+      for (int64_t si = 0; si < s; ++si) {
+        const double* xr = x.data() + ((bi * h + hi) * s + si) * d;
+        double* yr = y.data() + ((bi * h + hi) * s + si) * d;
+        const double* c = cs.data() + ((cb == 1 ? 0 : bi) * s + si) * rd;
+        const double* sv = sn.data() + ((cb == 1 ? 0 : bi) * s + si) * rd;
+        for (int64_t j = 0; j < half; ++j) {
+          // Forward, per pair (x1, x2) = (x_j, x_{j+half}):  y1 = x1 c_j - x2 s_j,  y2 = x2 c_{j+h} + x1 s_{j+h}.
+          // Backward is the transpose: dx1 = dy1 c_j + dy2 s_{j+h},  dx2 = dy2 c_{j+h} - dy1 s_j.
+          const double x1 = xr[j], x2 = xr[j + half];
+          if (!backward) {
+            yr[j] = x1 * c[j] - x2 * sv[j];
+            yr[j + half] = x2 * c[j + half] + x1 * sv[j + half];
+          } else {
+            yr[j] = x1 * c[j] + x2 * sv[j + half];
+            yr[j + half] = x2 * c[j + half] - x1 * sv[j];
+          }
+        }
+        for (int64_t j = rd; j < d; ++j) yr[j] = xr[j];
+      }
+  return y;
+}
+
+static double act_f(Act a, double x) { return a == Act::Silu ? silu(x) : a == Act::Gelu ? gelu(x) : gelu_tanh(x); }
+static double act_d(Act a, double x) { return a == Act::Silu ? dsilu(x) : a == Act::Gelu ? dgelu(x) : dgelu_tanh(x); }
+
+V glu(const V& gate, const V& up, Act act) {
+  V o(gate.size());
+  for (size_t i = 0; i < o.size(); ++i) o[i] = act_f(act, gate[i]) * up[i];
+  return o;
+}
+
+void glu_backward(const V& dout, const V& gate, const V& up, Act act, V& dgate, V& dup) {
+  dgate.resize(gate.size());
+  dup.resize(gate.size());
+  for (size_t i = 0; i < gate.size(); ++i) {
+    dgate[i] = dout[i] * up[i] * act_d(act, gate[i]);
+    dup[i] = dout[i] * act_f(act, gate[i]);
+  }
+}
+
+static void log_probs_row(const double* x, int64_t v, V& lp) {
+  double mx = -std::numeric_limits<double>::infinity();
+  for (int64_t j = 0; j < v; ++j) mx = std::max(mx, x[j]);
+  double s = 0;
+  for (int64_t j = 0; j < v; ++j) s += std::exp(x[j] - mx);
+  const double lse = mx + std::log(s);
+  lp.resize(static_cast<size_t>(v));
+  for (int64_t j = 0; j < v; ++j) lp[j] = x[j] - lse;
+}
+
+V cross_entropy_rows(const V& logits, const std::vector<int64_t>& t, int64_t n, int64_t v, int64_t ignore,
+                     double smoothing, int64_t& count) {
+  V loss(static_cast<size_t>(n));
+  count = 0;
+  V lp;
+  for (int64_t i = 0; i < n; ++i) {
+    if (t[i] == ignore) continue;
+    ++count;
+    log_probs_row(logits.data() + i * v, v, lp);
+    double mean_neg = 0;
+    for (int64_t j = 0; j < v; ++j) mean_neg -= lp[j];
+    mean_neg /= v;
+    loss[i] = (1 - smoothing) * -lp[t[i]] + smoothing * mean_neg;
+  }
+  return loss;
+}
+
+V cross_entropy_backward(const V& logits, const std::vector<int64_t>& t, const V& g, int64_t n, int64_t v,
+                         int64_t ignore, double smoothing, V* magnitude) {
+  V d(logits.size());
+  if (magnitude) magnitude->assign(logits.size(), 0.0);
+  V lp;
+  for (int64_t i = 0; i < n; ++i) {
+    if (t[i] == ignore) continue;
+    log_probs_row(logits.data() + i * v, v, lp);
+    // d loss / d x_j = softmax_j - (1 - eps) [j = t] - eps / V
+    for (int64_t j = 0; j < v; ++j)
+    {
+      const double hot = (1 - smoothing) * (j == t[i] ? 1.0 : 0.0);
+      d[i * v + j] = g[i] * (std::exp(lp[j]) - hot - smoothing / v);
+      if (magnitude) (*magnitude)[i * v + j] = std::fabs(g[i]) * (std::exp(lp[j]) + hot + smoothing / v);
+    }
+  }
+  return d;
+}
+
+Attn attention(const V& q, const V& k, const V& v, const V* dout, int64_t b, int64_t hq, int64_t hkv, int64_t sq,
+               int64_t skv, int64_t d, double scale, bool causal, int64_t window) {
+  Attn r{V(q.size()), V(q.size()), V(k.size()), V(v.size())};
+  const int64_t g = hq / hkv;
+  V p(static_cast<size_t>(skv)), dp(static_cast<size_t>(skv));
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (int64_t h = 0; h < hq; ++h) {
+      const int64_t kh = h / g;
+      for (int64_t i = 0; i < sq; ++i) {
+        const int64_t pos = i + skv - sq;
+        const double* qi = q.data() + ((bi * hq + h) * sq + i) * d;
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j < skv; ++j) {
+          const bool vis = (!causal || j <= pos) && (window <= 0 || pos - j < window);
+          if (!vis) {
+            p[j] = -std::numeric_limits<double>::infinity();
+            continue;
+          }
+          const double* kj = k.data() + ((bi * hkv + kh) * skv + j) * d;
+          double s = 0;
+          for (int64_t c = 0; c < d; ++c) s += qi[c] * kj[c];
+          p[j] = s * scale;
+          mx = std::max(mx, p[j]);
+        }
+        double sum = 0;
+        for (int64_t j = 0; j < skv; ++j) sum += (p[j] = std::exp(p[j] - mx));
+        for (int64_t j = 0; j < skv; ++j) p[j] /= sum;
+        double* oi = r.out.data() + ((bi * hq + h) * sq + i) * d;
+        for (int64_t j = 0; j < skv; ++j) {
+          const double* vj = v.data() + ((bi * hkv + kh) * skv + j) * d;
+          for (int64_t c = 0; c < d; ++c) oi[c] += p[j] * vj[c];
+        }
+        if (!dout) continue;
+        const double* doi = dout->data() + ((bi * hq + h) * sq + i) * d;
+        double dot = 0;
+        for (int64_t j = 0; j < skv; ++j) {
+          const double* vj = v.data() + ((bi * hkv + kh) * skv + j) * d;
+          double s = 0;
+          for (int64_t c = 0; c < d; ++c) s += doi[c] * vj[c];
+          dp[j] = s;
+          dot += p[j] * s;
+        }
+        double* dqi = r.dq.data() + ((bi * hq + h) * sq + i) * d;
+        for (int64_t j = 0; j < skv; ++j) {
+          const double ds = p[j] * (dp[j] - dot) * scale;
+          const double* kj = k.data() + ((bi * hkv + kh) * skv + j) * d;
+          double* dkj = r.dk.data() + ((bi * hkv + kh) * skv + j) * d;
+          double* dvj = r.dv.data() + ((bi * hkv + kh) * skv + j) * d;
+          for (int64_t c = 0; c < d; ++c) {
+            dqi[c] += ds * kj[c];
+            dkj[c] += ds * qi[c];
+            dvj[c] += p[j] * doi[c];
+          }
+        }
+      }
+    }
+  return r;
+}
+
+}  // namespace kcpp::oracle

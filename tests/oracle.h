@@ -1,0 +1,61 @@
+// The f64 oracle: plain loops over std::vector<double>, written from the definitions in the op
+// headers and sharing no code with ops/.  Inputs are the tensors' actual values (already rounded to
+// their dtype), so the oracle measures only the op's own error.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace kcpp::oracle {
+
+using V = std::vector<double>;
+
+double silu(double x);
+double gelu(double x);
+double gelu_tanh(double x);
+double dsilu(double x);
+double dgelu(double x);
+double dgelu_tanh(double x);
+
+// a [batch, M, K] (or [batch, K, M] if ta), b [batch or 1, K, N] (or [.., N, K] if tb).
+V matmul(const V& a, const V& b, int64_t batch, int64_t m, int64_t n, int64_t k, bool ta, bool tb, bool bcast_b);
+
+struct Norm {
+  V y, rstd, mean;
+};
+Norm rms_norm(const V& x, const V& w, int64_t rows, int64_t h, double eps, double offset);
+// Gradients, plus the magnitude of each: the same formula evaluated on absolute values of every
+// term.  A rounding error is proportional to the terms combined, not to their (possibly cancelling)
+// sum, so tests bound ||out - ref|| by tol * ||magnitude|| (the standard forward-error bound).
+struct NormGrad {
+  V dx, dw, db;
+  V dx_mag, dw_mag;
+};
+NormGrad rms_norm_backward(const V& dy, const V& x, const V& w, int64_t rows, int64_t h, double eps, double offset);
+Norm layer_norm(const V& x, const V& w, const V& b, int64_t rows, int64_t h, double eps);
+NormGrad layer_norm_backward(const V& dy, const V& x, const V& w, int64_t rows, int64_t h, double eps);
+
+// x [B, H, S, D]; cos/sin [cb, S, rd] with cb 1 or B.
+V rope(const V& x, const V& cos, const V& sin, int64_t b, int64_t h, int64_t s, int64_t d, int64_t rd, int64_t cb,
+       bool backward);
+
+enum class Act { Silu, Gelu, GeluTanh };
+V glu(const V& gate, const V& up, Act act);
+void glu_backward(const V& dout, const V& gate, const V& up, Act act, V& dgate, V& dup);
+
+// Per-row losses (0 for ignored rows) and the count of non-ignored rows.
+V cross_entropy_rows(const V& logits, const std::vector<int64_t>& t, int64_t n, int64_t v, int64_t ignore,
+                     double smoothing, int64_t& count);
+// Gradient of sum_i g[i] * loss[i] with respect to the logits.
+// With `magnitude`, also |g| (p + (1 - eps) [j = t] + eps / V): the size of the terms combined.
+V cross_entropy_backward(const V& logits, const std::vector<int64_t>& t, const V& g, int64_t n, int64_t v,
+                         int64_t ignore, double smoothing, V* magnitude = nullptr);
+
+struct Attn {
+  V out, dq, dk, dv;
+};
+// q [B, Hq, Sq, D], k/v [B, Hkv, Skv, D]; with dout given, also the gradients.
+Attn attention(const V& q, const V& k, const V& v, const V* dout, int64_t b, int64_t hq, int64_t hkv, int64_t sq,
+               int64_t skv, int64_t d, double scale, bool causal, int64_t window);
+
+}  // namespace kcpp::oracle

@@ -1,0 +1,51 @@
+// Shared test helpers: the run's seed, the devices to test, error metrics against the oracle.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "core/random.h"
+#include "core/tensor.h"
+#include "tolerances.h"
+
+namespace kcpp::test {
+
+// The seed of this run (KCPP_SEED or fresh), printed at start-up and in every failure.
+uint64_t run_seed();
+
+// A generator unique to the current test, derived from the run seed.
+Generator test_generator();
+
+// Skips the current test with the message DESIGN.md asks for when no GPU is present.
+#define KCPP_REQUIRE_DEVICE(dev)                                                       \
+  do {                                                                                 \
+    if ((dev).is_cuda() && ::kcpp::cuda_device_count() == 0) GTEST_SKIP() << "skipped: no CUDA device"; \
+  } while (0)
+
+// Floating dtypes an op supports on this device.
+std::vector<DType> float_dtypes(Device d);
+
+struct ErrorStats {
+  double rel_l2 = 0;    // ||out - ref|| / ||ref||
+  double max_abs = 0;
+  int64_t worst = -1;   // index of the largest error
+  int64_t nan_at = -1;  // first index where out is NaN and ref is not (or the reverse)
+};
+ErrorStats error_stats(const std::vector<double>& out, const std::vector<double>& ref);
+
+// out against ref by relative L2 error (composites).
+::testing::AssertionResult close_l2(const Tensor& out, const std::vector<double>& ref, double tol);
+// out against ref with the error measured against the magnitude of the terms that formed ref:
+// ||out - ref|| <= tol * ||magnitude|| (see oracle::NormGrad).
+::testing::AssertionResult close_l2_mag(const Tensor& out, const std::vector<double>& ref,
+                                        const std::vector<double>& magnitude, double tol);
+// out against ref elementwise: |out - ref| <= rtol * (|ref| + atol_scale) (primitives).
+::testing::AssertionResult close_elementwise(const Tensor& out, const std::vector<double>& ref, double rtol,
+                                             double atol_scale);
+
+std::string config_name(Device d, DType t);
+
+}  // namespace kcpp::test
