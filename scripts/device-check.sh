@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Runs on the lent GPU machine (see scripts/pack-device.sh): platform report, the whole test suite,
+# the ceilings, and PyTorch's own copy / GEMM figures in the same call as a cross-check.
+# Results go to $OUT (the device tool brings them back).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+cublas_dir=$(dirname "$(find / -name 'libcublas.so.13' -not -path '/proc/*' 2>/dev/null | head -n 1)")
+export LD_LIBRARY_PATH="$PWD/.devlibs/lib:$cublas_dir:${LD_LIBRARY_PATH:-}"
+echo "== commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u +%F)"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+echo "== kcpp info"
+.devlibs/bin/kcpp info | tee "$OUT/info.txt"
+.devlibs/bin/kcpp info --json > "$OUT/info.json"
+echo "== tests"
+.devlibs/bin/kcpp_tests --gtest_brief=1 2>&1 | tee "$OUT/tests.txt" | tail -n 40
+echo "== ceilings"
+.devlibs/bin/kcpp bench --ceilings --device cuda --json "$OUT/ceilings.json"
+.devlibs/bin/kcpp bench --ceilings --device cuda --json "$OUT/ceilings2.json" | tail -n 3
+echo "== torch cross-check (same call)"
+python3 - <<'PY'
+import torch, triton
+n = 2 * 2**30
+a = torch.empty(n, dtype=torch.uint8, device="cuda"); b = torch.empty_like(a)
+ms = triton.testing.do_bench(lambda: b.copy_(a), return_mode="median")
+print(f"torch copy 2 GiB   {ms:8.3f} ms {2 * n / 1e9 / (ms / 1e3):8.1f} GB/s")
+del a, b
+for dt in (torch.bfloat16, torch.float32):
+    m = 8192
+    x = torch.randn(m, m, dtype=dt, device="cuda"); y = torch.randn(m, m, dtype=dt, device="cuda")
+    ms = triton.testing.do_bench(lambda: x @ y, return_mode="median")
+    print(f"torch gemm {str(dt)[6:]} 8192^3 {ms:8.3f} ms {2 * m**3 / 1e12 / (ms / 1e3):8.1f} TFLOP/s (tf32 {torch.backends.cuda.matmul.allow_tf32})")
+PY
