@@ -8,7 +8,7 @@ OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
 cublas_dir=$(dirname "$(find / -name 'libcublas.so.13' -not -path '/proc/*' 2>/dev/null | head -n 1)")
 export LD_LIBRARY_PATH="$PWD/.devlibs/lib:$cublas_dir:${LD_LIBRARY_PATH:-}"
-echo "== commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u +%F)"
+echo "== commit ${KCPP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}, $(date -u +%F)"  # .git does not travel: pass KCPP_COMMIT
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
 echo "== kcpp info"
 .devlibs/bin/kcpp info | tee "$OUT/info.txt"
