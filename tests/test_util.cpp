@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <limits>
+
 namespace kcpp::test {
 
 uint64_t run_seed() {
@@ -98,6 +100,23 @@ static ::testing::AssertionResult size_mismatch(const Tensor& out, const std::ve
                                            << run_seed() << ")";
   }
   return ::testing::AssertionSuccess();
+}
+
+double rel_l2_error(const Tensor& out, const std::vector<double>& ref) {
+  const ErrorStats s = error_stats(out.to_f64_vector(), ref);
+  return s.nan_at >= 0 ? std::numeric_limits<double>::infinity() : s.rel_l2;
+}
+
+double mag_error(const Tensor& out, const std::vector<double>& ref, const std::vector<double>& magnitude) {
+  const auto o = out.to_f64_vector();
+  double num = 0, den = 0;
+  for (size_t i = 0; i < o.size(); ++i) {
+    if (std::isnan(o[i]) != std::isnan(ref[i])) return std::numeric_limits<double>::infinity();
+    if (std::isnan(o[i])) continue;
+    num += (o[i] - ref[i]) * (o[i] - ref[i]);
+    den += magnitude[i] * magnitude[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
 std::string config_name(Device d, DType t) { return fmt::format("{} {}", d.str(), dtype_name(t)); }

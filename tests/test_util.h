@@ -46,6 +46,10 @@ ErrorStats error_stats(const std::vector<double>& out, const std::vector<double>
 ::testing::AssertionResult close_elementwise(const Tensor& out, const std::vector<double>& ref, double rtol,
                                              double atol_scale);
 
+// The error figures themselves, for bounds that compare two implementations (kernel_bound).
+double rel_l2_error(const Tensor& out, const std::vector<double>& ref);
+double mag_error(const Tensor& out, const std::vector<double>& ref, const std::vector<double>& magnitude);
+
 std::string config_name(Device d, DType t);
 
 }  // namespace kcpp::test

@@ -9,6 +9,8 @@
 //    the f64 and f32 runs, whose bounds are tight.
 #pragma once
 
+#include <algorithm>
+
 #include "core/dtype.h"
 
 namespace kcpp::test {
@@ -41,5 +43,10 @@ inline double composite_rel_l2(DType t) {
     default: return 0.0;
   }
 }
+
+// DESIGN.md's bound for a kernel: its error against the f64 oracle is at most twice the error of the
+// reference (eager) implementation run in the same precision.  Where the reference is nearly exact
+// (f32 and f64 rows of a few elements), rounding noise decides; one unit of roundoff is the floor.
+inline double kernel_bound(double reference_error, DType t) { return std::max(2.0 * reference_error, unit_roundoff(t)); }
 
 }  // namespace kcpp::test

@@ -23,7 +23,7 @@ void check_ce(const Tensor& x, const Tensor& targets, const CrossEntropyOptions&
 CrossEntropyForward cross_entropy_forward(const Tensor& logits, const Tensor& targets, const CrossEntropyOptions& opt) {
   check_ce(logits, targets, opt, "cross_entropy", "logits");
   const DType dt = logits.dtype();
-  const double eps = opt.label_smoothing, v = static_cast<double>(logits.size(1));
+  const double eps = opt.label_smoothing;
   const Tensor lp = log_softmax(logits);
   const Tensor valid = valid_mask(targets, opt.ignore_index, dt);               // [N]
   Tensor loss = neg(gather_last(lp, targets, opt.ignore_index));                // [N], 0 where ignored

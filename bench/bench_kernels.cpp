@@ -1,0 +1,146 @@
+// GPU benchmark of the kernel packages against the eager reference, at the Llama-3-8B shapes that
+// ../shared/anchors/anchors.py uses (so the figures sit beside eager PyTorch, torch.compile and
+// Liger measured in the same call).  Bytes are counted as anchors.py counts them; bandwidth is
+// quoted against the device copy bandwidth measured in this same process.  Peak memory is the
+// allocator's peak during one call minus what was allocated before it (outputs and gradients
+// included, inputs excluded), as anchors.py measures torch's.
+//
+// Run: build/release/bin/kcpp_bench_kernels [--json FILE]
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "core/allocator.h"
+#include "core/cuda_runtime.h"
+#include "core/random.h"
+#include "core/timing.h"
+#include "ops/nn/rms_norm.h"
+#include "rms_norm/rms_norm.h"
+
+namespace {
+using namespace kcpp;
+
+const Device kDev = Device::cuda(0);
+nlohmann::json g_rows = nlohmann::json::array();
+double g_copy_gbps = 0;
+
+double peak_mib(const std::function<void()>& fn) {
+  synchronize(kDev);
+  Allocator& a = allocator_for(kDev);
+  const size_t base = a.stats().current;
+  a.reset_peak();
+  fn();
+  synchronize(kDev);
+  return static_cast<double>(a.stats().peak - base) / (1 << 20);
+}
+
+void row(const std::string& op, const std::string& impl, const std::function<void()>& fn, double gbytes) {
+  const Timing t = time_op(kDev, fn, 10, 50);
+  const double mib = peak_mib(fn);
+  const double gbps = gbytes / (t.median_ms * 1e-3);
+  std::printf("%-24s %-10s %9.4f ms %8.0f GB/s %5.1f%% of copy  peak %8.1f MiB\n", op.c_str(), impl.c_str(),
+              t.median_ms, gbps, 100 * gbps / g_copy_gbps, mib);
+  g_rows.push_back({{"op", op}, {"impl", impl}, {"ms", t.median_ms}, {"min_ms", t.min_ms}, {"GBps", gbps},
+                    {"pct_copy", 100 * gbps / g_copy_gbps}, {"peak_MiB", mib}});
+}
+
+void check(const char* err) {
+  if (err) throw Error(err);
+}
+
+void bench_copy() {
+  const size_t n = size_t{2} << 30;
+  const Tensor a = Tensor::full({static_cast<int64_t>(n)}, 1.0, DType::u8, kDev), b = Tensor::empty({static_cast<int64_t>(n)}, DType::u8, kDev);
+  const Timing t = time_op(kDev, [&] {
+    KCPP_CUDA_CHECK(cudaMemcpyAsync(b.data(), a.data(), n, cudaMemcpyDeviceToDevice, cuda::current_stream()));
+  }, 5, 30);
+  g_copy_gbps = 2.0 * n / 1e9 / (t.median_ms * 1e-3);
+  std::printf("%-24s %-10s %9.4f ms %8.0f GB/s\n", "copy d2d 2GiB", "cuda", t.median_ms, g_copy_gbps);
+  g_rows.push_back({{"op", "copy d2d 2GiB"}, {"impl", "cuda"}, {"ms", t.median_ms}, {"GBps", g_copy_gbps}});
+}
+
+void bench_rms_norm() {
+  const int64_t bt = 8192, h = 4096;
+  Generator gen(7);
+  const Tensor x = Tensor::randn({bt, h}, DType::bf16, kDev, gen), w = Tensor::randn({h}, DType::bf16, kDev, gen);
+  const Tensor dy = Tensor::randn({bt, h}, DType::bf16, kDev, gen);
+  const double fb = 2.0 * bt * h * 2 / 1e9, bb = 3.0 * bt * h * 2 / 1e9;  // anchors.py's byte counts
+  const ops::RMSNormOptions opt;
+
+  row("rmsnorm fwd", "reference", [&] { ops::rms_norm_forward(x, w, opt); }, fb);
+  row("rmsnorm fwd+bwd", "reference", [&] {
+    const auto f = ops::rms_norm_forward(x, w, opt);
+    ops::rms_norm_backward(dy, x, w, f.rstd, opt);
+  }, fb + bb);
+
+  liger::RMSNormParams p;
+  p.dtype = kernel::DType::bf16;
+  p.rows = bt;
+  p.hidden = h;
+  p.eps = 1e-6f;
+  p.x = x.data();
+  p.x_stride = h;
+  p.w = w.data();
+  p.y_stride = h;
+  p.dy = dy.data();
+  p.dy_stride = h;
+  p.dx_stride = h;
+  row("rmsnorm fwd", "kcpp", [&] {
+    Tensor y = Tensor::empty({bt, h}, DType::bf16, kDev), rstd = Tensor::empty({bt}, DType::f32, kDev);
+    liger::RMSNormParams q = p;
+    q.y = y.data();
+    q.rstd = rstd.data_ptr<float>();
+    check(liger::rms_norm_forward_cuda(q, cuda::current_stream()));
+  }, fb);
+  row("rmsnorm fwd+bwd", "kcpp", [&] {
+    Tensor y = Tensor::empty({bt, h}, DType::bf16, kDev), rstd = Tensor::empty({bt}, DType::f32, kDev);
+    Tensor dx = Tensor::empty({bt, h}, DType::bf16, kDev), dw = Tensor::empty({h}, DType::bf16, kDev);
+    liger::RMSNormParams q = p;
+    q.y = y.data();
+    q.rstd = rstd.data_ptr<float>();
+    q.dx = dx.data();
+    q.dw = dw.data();
+    Tensor ws = Tensor::empty({static_cast<int64_t>(liger::rms_norm_backward_workspace(q, 0))}, DType::u8, kDev);
+    q.workspace = ws.data();
+    check(liger::rms_norm_forward_cuda(q, cuda::current_stream()));
+    check(liger::rms_norm_backward_cuda(q, cuda::current_stream()));
+  }, fb + bb);
+  // The backward alone (the forward's output reused): where the fwd+bwd time goes.
+  {
+    Tensor y = Tensor::empty({bt, h}, DType::bf16, kDev), rstd = Tensor::empty({bt}, DType::f32, kDev);
+    Tensor dx = Tensor::empty({bt, h}, DType::bf16, kDev), dw = Tensor::empty({h}, DType::bf16, kDev);
+    liger::RMSNormParams q = p;
+    q.y = y.data();
+    q.rstd = rstd.data_ptr<float>();
+    q.dx = dx.data();
+    q.dw = dw.data();
+    Tensor ws = Tensor::empty({static_cast<int64_t>(liger::rms_norm_backward_workspace(q, 0))}, DType::u8, kDev);
+    q.workspace = ws.data();
+    check(liger::rms_norm_forward_cuda(q, cuda::current_stream()));
+    row("rmsnorm bwd", "kcpp", [&] { check(liger::rms_norm_backward_cuda(q, cuda::current_stream())); }, bb);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string json_path;
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::strcmp(argv[i], "--json") == 0) json_path = argv[i + 1];
+  try {
+    if (cuda_device_count() == 0) {
+      std::puts("kcpp_bench_kernels: skipped: no CUDA device");
+      return 0;
+    }
+    bench_copy();
+    bench_rms_norm();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kcpp_bench_kernels: error: %s\n", e.what());
+    return 1;
+  }
+  if (!json_path.empty()) std::ofstream(json_path) << g_rows.dump(1) << "\n";
+  return 0;
+}

@@ -1,0 +1,83 @@
+// Device helpers for kernel packages: 16-byte vector access, float conversion of the storage
+// types, warp and block reductions, the launch check.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kcpp/kernel/error.h"
+#include "kcpp/kernel/types.h"
+
+namespace kcpp::kernel::cuda {
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+
+// Rounds a float to T and back: the value an eager op would have stored as an intermediate.
+template <typename T> __device__ __forceinline__ float round_to(float v) { return to_f32(from_f32<T>(v)); }
+
+// N elements of T moved as one aligned access (16 bytes when N * sizeof(T) == 16).
+template <typename T, int N> struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+template <typename T, int N> __device__ __forceinline__ void load_f32(const T* p, float (&out)[N]) {
+  const Vec<T, N> v = *reinterpret_cast<const Vec<T, N>*>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_f32(v.v[i]);
+}
+template <typename T, int N> __device__ __forceinline__ void store_f32(T* p, const float (&in)[N]) {
+  Vec<T, N> v;
+#pragma unroll
+  for (int i = 0; i < N; ++i) v.v[i] = from_f32<T>(in[i]);
+  *reinterpret_cast<Vec<T, N>*>(p) = v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum over the block, returned to every thread.  `scratch`: 32 floats of shared memory, which the
+// call leaves free for reuse.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  v = warp_sum(v);
+  if (blockDim.x <= 32) return v;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < static_cast<int>(blockDim.x >> 5) ? scratch[lane] : 0.0f;
+  v = warp_sum(v);
+  __syncthreads();
+  return v;
+}
+
+// The device's multiprocessor count (cached per device).
+inline int sm_count(int device) {
+  static int cache[64] = {};
+  if (device < 0 || device >= 64) return 1;
+  if (!cache[device]) {
+    int n = 0;
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
+    cache[device] = n > 0 ? n : 1;
+  }
+  return cache[device];
+}
+
+inline const char* launch_error(const char* op) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return nullptr;
+  return errorf("%s: kernel launch failed: %s", op, cudaGetErrorString(e));
+}
+
+}  // namespace kcpp::kernel::cuda

@@ -1,0 +1,320 @@
+// RMSNorm on CUDA (maths in rms_norm.h).
+//
+// One block per row; blocks stride over rows, so the weight is read into registers once per block.
+// Two code paths, chosen per call:
+//  - registers: the row is held in registers as ITEMS 16-byte vectors per thread (ITEMS = 1, 2, 4,
+//    so H up to 4096 vectors: 32768 bf16 or 16384 f32), read from memory exactly once;
+//  - loop: any H and alignment; the row is read twice (the second read mostly hits L2).
+// Backward accumulates dw in registers (registers path) or in the block's own workspace row (loop
+// path); a second kernel adds the blocks' rows in a fixed order (deterministic, no atomics).
+#include "kcpp/kernel/cuda.cuh"
+#include "rms_norm.h"
+
+namespace kcpp::liger {
+namespace {
+
+using namespace kcpp::kernel::cuda;
+using kcpp::kernel::DType;
+
+constexpr int kMaxThreads = 1024;
+
+// The normalised value n as the forward rounds it (see the casting modes in rms_norm.h).
+template <typename T> __device__ __forceinline__ float normed(float x, float rstd, RMSNormCasting c) {
+  switch (c) {
+    case RMSNormCasting::Llama: return round_to<T>(x * rstd);
+    case RMSNormCasting::Gemma: return x * rstd;
+    case RMSNormCasting::None: return round_to<T>(x * round_to<T>(rstd));
+  }
+  return x * rstd;
+}
+
+// ---- forward -------------------------------------------------------------------------------------
+
+template <typename T, int VEC, int ITEMS>
+__global__ void __launch_bounds__(kMaxThreads) forward_registers(const __grid_constant__ RMSNormParams p) {
+  __shared__ float scratch[32];
+  const int64_t h = p.hidden;
+  float w[ITEMS][VEC];  // offset + w, for this thread's columns
+  bool live[ITEMS];
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
+    live[i] = c < h;
+    if (live[i]) load_f32(static_cast<const T*>(p.w) + c, w[i]);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) w[i][k] += p.offset;
+  }
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const T* x = static_cast<const T*>(p.x) + row * p.x_stride;  // [h]
+    T* y = static_cast<T*>(p.y) + row * p.y_stride;
+    float v[ITEMS][VEC];
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!live[i]) continue;
+      load_f32(x + (int64_t(i) * blockDim.x + threadIdx.x) * VEC, v[i]);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) ss += v[i][k] * v[i][k];
+    }
+    ss = block_sum(ss, scratch);
+    const float rstd = 1.0f / sqrtf(ss / static_cast<float>(h) + p.eps);
+    if (threadIdx.x == 0) p.rstd[row] = rstd;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!live[i]) continue;
+      float o[VEC];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) o[k] = normed<T>(v[i][k], rstd, p.casting) * w[i][k];
+      store_f32(y + (int64_t(i) * blockDim.x + threadIdx.x) * VEC, o);
+    }
+  }
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kMaxThreads) forward_loop(const __grid_constant__ RMSNormParams p) {
+  __shared__ float scratch[32];
+  const int64_t h = p.hidden, step = int64_t(blockDim.x) * VEC;
+  const T* wp = static_cast<const T*>(p.w);
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
+    T* y = static_cast<T*>(p.y) + row * p.y_stride;
+    float ss = 0.0f;
+    for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
+      float v[VEC];
+      load_f32(x + c, v);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) ss += v[k] * v[k];
+    }
+    ss = block_sum(ss, scratch);
+    const float rstd = 1.0f / sqrtf(ss / static_cast<float>(h) + p.eps);
+    if (threadIdx.x == 0) p.rstd[row] = rstd;
+    for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
+      float v[VEC], w[VEC], o[VEC];
+      load_f32(x + c, v);
+      load_f32(wp + c, w);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) o[k] = normed<T>(v[k], rstd, p.casting) * (w[k] + p.offset);
+      store_f32(y + c, o);
+    }
+  }
+}
+
+// ---- backward ------------------------------------------------------------------------------------
+
+template <typename T, int VEC, int ITEMS>
+__global__ void __launch_bounds__(kMaxThreads) backward_registers(const __grid_constant__ RMSNormParams p) {
+  __shared__ float scratch[32];
+  const int64_t h = p.hidden;
+  const float inv_h = 1.0f / static_cast<float>(h);
+  float w[ITEMS][VEC], dw[ITEMS][VEC];
+  bool live[ITEMS];
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
+    live[i] = c < h;
+    if (live[i]) load_f32(static_cast<const T*>(p.w) + c, w[i]);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) w[i][k] += p.offset, dw[i][k] = 0.0f;
+  }
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
+    const T* dy = static_cast<const T*>(p.dy) + row * p.dy_stride;
+    T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
+    const float rstd = p.rstd[row];
+    float n[ITEMS][VEC], g[ITEMS][VEC];
+    float dot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!live[i]) continue;
+      const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
+      float xv[VEC], dv[VEC];
+      load_f32(x + c, xv);
+      load_f32(dy + c, dv);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        n[i][k] = xv[k] * rstd;                 // unrounded: the derivative of the rounding is 1
+        g[i][k] = dv[k] * w[i][k];
+        dot += g[i][k] * n[i][k];
+        dw[i][k] += dv[k] * normed<T>(xv[k], rstd, p.casting);
+      }
+    }
+    dot = block_sum(dot, scratch) * inv_h;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!live[i]) continue;
+      float o[VEC];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) o[k] = rstd * (g[i][k] - n[i][k] * dot);
+      store_f32(dx + (int64_t(i) * blockDim.x + threadIdx.x) * VEC, o);
+    }
+  }
+  float* part = static_cast<float*>(p.workspace) + int64_t(blockIdx.x) * h;  // this block's dw row
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    if (!live[i]) continue;
+    const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) part[c + k] = dw[i][k];
+  }
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kMaxThreads) backward_loop(const __grid_constant__ RMSNormParams p) {
+  __shared__ float scratch[32];
+  const int64_t h = p.hidden, step = int64_t(blockDim.x) * VEC;
+  const float inv_h = 1.0f / static_cast<float>(h);
+  const T* wp = static_cast<const T*>(p.w);
+  float* part = static_cast<float*>(p.workspace) + int64_t(blockIdx.x) * h;  // owned by this block
+  for (int64_t c = threadIdx.x; c < h; c += blockDim.x) part[c] = 0.0f;
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
+    const T* dy = static_cast<const T*>(p.dy) + row * p.dy_stride;
+    T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
+    const float rstd = p.rstd[row];
+    float dot = 0.0f;
+    for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
+      float xv[VEC], dv[VEC], w[VEC];
+      load_f32(x + c, xv);
+      load_f32(dy + c, dv);
+      load_f32(wp + c, w);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) dot += dv[k] * (w[k] + p.offset) * xv[k] * rstd;
+    }
+    dot = block_sum(dot, scratch) * inv_h;
+    for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
+      float xv[VEC], dv[VEC], w[VEC], o[VEC];
+      load_f32(x + c, xv);
+      load_f32(dy + c, dv);
+      load_f32(wp + c, w);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        o[k] = rstd * (dv[k] * (w[k] + p.offset) - xv[k] * rstd * dot);
+        part[c + k] += dv[k] * normed<T>(xv[k], rstd, p.casting);  // each column has one owner thread
+      }
+      store_f32(dx + c, o);
+    }
+  }
+}
+
+// dw[c] = sum over blocks of the workspace rows, in block order.
+template <typename T> __global__ void reduce_dw(const float* part, int blocks, int64_t h, T* dw) {
+  for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < h; c += int64_t(gridDim.x) * blockDim.x) {
+    float s = 0.0f;
+    for (int b = 0; b < blocks; ++b) s += part[int64_t(b) * h + c];
+    dw[c] = from_f32<T>(s);
+  }
+}
+
+// ---- launch plan ---------------------------------------------------------------------------------
+
+struct Plan {
+  int vec = 1;      // elements per access
+  int items = 0;    // vectors per thread held in registers; 0: loop path
+  int threads = 32;
+};
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+Plan plan_for(const RMSNormParams& p, bool backward) {
+  const int vec = 16 / kcpp::kernel::dtype_bytes(p.dtype);
+  bool ok = p.hidden % vec == 0 && aligned16(p.x) && aligned16(p.w) && p.x_stride % vec == 0;
+  if (!backward) ok = ok && aligned16(p.y) && p.y_stride % vec == 0;
+  else ok = ok && aligned16(p.dy) && aligned16(p.dx) && p.dy_stride % vec == 0 && p.dx_stride % vec == 0;
+  auto round32 = [](int64_t t) { return static_cast<int>(std::min<int64_t>(kMaxThreads, std::max<int64_t>(32, (t + 31) / 32 * 32))); };
+  Plan plan;
+  if (!ok) {
+    plan.threads = round32(std::min<int64_t>(p.hidden, 256));
+    return plan;
+  }
+  plan.vec = vec;
+  const int64_t nvec = p.hidden / vec;
+  // Aim for ~256 threads a row; more vectors per thread when the row is long.
+  for (int items : {1, 2, 4}) {
+    if (nvec <= int64_t(256) * items || (items == 4 && nvec <= int64_t(kMaxThreads) * 4)) {
+      plan.items = items;
+      plan.threads = round32((nvec + items - 1) / items);
+      return plan;
+    }
+  }
+  plan.threads = 256;  // too long for registers: loop path with vectors
+  return plan;
+}
+
+int backward_blocks(const RMSNormParams& p, const Plan& plan, int device) {
+  // Enough resident blocks to fill the machine, no more: each block adds one f32 row to the workspace.
+  const int per_sm = std::max(1, 1024 / plan.threads);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.rows, int64_t(sm_count(device)) * per_sm)));
+}
+
+template <typename F> const char* visit_type(DType t, F&& f) {
+  switch (t) {
+    case DType::f32: return f(static_cast<float*>(nullptr));
+    case DType::bf16: return f(static_cast<__nv_bfloat16*>(nullptr));
+    case DType::f16: return f(static_cast<__half*>(nullptr));
+  }
+  return "rms_norm: unknown dtype";
+}
+
+template <typename T, int VEC, bool Backward> void launch(const Plan& plan, unsigned grid, const RMSNormParams& p, cudaStream_t s) {
+  const unsigned tb = static_cast<unsigned>(plan.threads);
+  if constexpr (Backward) {
+    switch (plan.items) {
+      case 1: backward_registers<T, VEC, 1><<<grid, tb, 0, s>>>(p); break;
+      case 2: backward_registers<T, VEC, 2><<<grid, tb, 0, s>>>(p); break;
+      case 4: backward_registers<T, VEC, 4><<<grid, tb, 0, s>>>(p); break;
+      default: backward_loop<T, VEC><<<grid, tb, 0, s>>>(p);
+    }
+  } else {
+    switch (plan.items) {
+      case 1: forward_registers<T, VEC, 1><<<grid, tb, 0, s>>>(p); break;
+      case 2: forward_registers<T, VEC, 2><<<grid, tb, 0, s>>>(p); break;
+      case 4: forward_registers<T, VEC, 4><<<grid, tb, 0, s>>>(p); break;
+      default: forward_loop<T, VEC><<<grid, tb, 0, s>>>(p);
+    }
+  }
+}
+
+}  // namespace
+
+size_t rms_norm_backward_workspace(const RMSNormParams& p, int device) {
+  const Plan plan = plan_for(p, true);
+  return static_cast<size_t>(backward_blocks(p, plan, device)) * static_cast<size_t>(p.hidden) * sizeof(float);
+}
+
+const char* rms_norm_forward_cuda(const RMSNormParams& p, cudaStream_t stream) {
+  if (const char* e = rms_norm_check(p, false)) return e;
+  if (p.rows == 0) return nullptr;
+  const Plan plan = plan_for(p, false);
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(p.rows, int64_t(1) << 30));
+  const char* err = visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
+    if (plan.vec == 1) launch<T, 1, false>(plan, grid, p, stream);
+    else launch<T, 16 / sizeof(T), false>(plan, grid, p, stream);
+    return nullptr;
+  });
+  return err ? err : launch_error("rms_norm forward");
+}
+
+const char* rms_norm_backward_cuda(const RMSNormParams& p, cudaStream_t stream) {
+  if (const char* e = rms_norm_check(p, true)) return e;
+  KCPP_KERNEL_REQUIRE(p.workspace != nullptr, "rms_norm backward: argument 'workspace' is null (see rms_norm_backward_workspace)");
+  if (p.rows == 0) {  // dw of no rows is zero
+    return cudaMemsetAsync(p.dw, 0, p.hidden * kcpp::kernel::dtype_bytes(p.dtype), stream) == cudaSuccess
+               ? nullptr
+               : "rms_norm backward: cudaMemsetAsync failed";
+  }
+  int device = 0;
+  cudaGetDevice(&device);
+  const Plan plan = plan_for(p, true);
+  const int blocks = backward_blocks(p, plan, device);
+  const char* err = visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
+    if (plan.vec == 1) launch<T, 1, true>(plan, blocks, p, stream);
+    else launch<T, 16 / sizeof(T), true>(plan, blocks, p, stream);
+    const unsigned rgrid = static_cast<unsigned>(std::min<int64_t>((p.hidden + 255) / 256, 65535));
+    reduce_dw<T><<<rgrid, 256, 0, stream>>>(static_cast<const float*>(p.workspace), blocks, p.hidden,
+                                           static_cast<T*>(p.dw));
+    return nullptr;
+  });
+  return err ? err : launch_error("rms_norm backward");
+}
+
+}  // namespace kcpp::liger

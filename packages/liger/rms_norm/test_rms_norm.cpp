@@ -1,0 +1,220 @@
+// RMSNorm kernels against the f64 oracle, held to DESIGN.md's bound: at most twice the error of
+// the eager reference (ops::rms_norm_*) run in the same precision, and within the dtype's table.
+#include <cstring>
+
+#include "core/cuda_runtime.h"
+#include "oracle.h"
+#include "ops/nn/rms_norm.h"
+#include "rms_norm.h"
+#include "test_util.h"
+
+namespace kcpp {
+namespace {
+
+using liger::RMSNormCasting;
+using liger::RMSNormParams;
+
+kernel::DType kernel_dtype(DType t) {
+  switch (t) {
+    case DType::f32: return kernel::DType::f32;
+    case DType::bf16: return kernel::DType::bf16;
+    case DType::f16: return kernel::DType::f16;
+    default: throw Error("no kernel dtype for " + std::string(dtype_name(t)));
+  }
+}
+
+std::vector<DType> kernel_dtypes() { return {DType::f32, DType::bf16, DType::f16}; }
+
+// The host side of a call, as the ABI layer will do it: tensors in, params out, errors thrown.
+struct Kernel {
+  Device dev;
+
+  RMSNormParams params(const Tensor& x, const Tensor& w, const ops::RMSNormOptions& o) const {
+    RMSNormParams p;
+    p.dtype = kernel_dtype(x.dtype());
+    p.rows = x.size(0);
+    p.hidden = x.size(1);
+    p.eps = static_cast<float>(o.eps);
+    p.offset = static_cast<float>(o.offset);
+    p.casting = static_cast<RMSNormCasting>(static_cast<int>(o.casting));
+    p.x = x.data();
+    p.x_stride = x.stride(0);
+    p.w = w.data();
+    return p;
+  }
+
+  void check(const char* err) const {
+    if (err) throw Error(err);
+#if KCPP_WITH_CUDA
+    if (dev.is_cuda()) KCPP_CUDA_CHECK(cudaDeviceSynchronize());
+#endif
+  }
+
+  const char* forward_raw(const RMSNormParams& p) const {
+#if KCPP_WITH_CUDA
+    if (dev.is_cuda()) return liger::rms_norm_forward_cuda(p, cuda::current_stream());
+#endif
+    return liger::rms_norm_forward_cpu(p);
+  }
+  const char* backward_raw(const RMSNormParams& p) const {
+#if KCPP_WITH_CUDA
+    if (dev.is_cuda()) return liger::rms_norm_backward_cuda(p, cuda::current_stream());
+#endif
+    return liger::rms_norm_backward_cpu(p);
+  }
+
+  ops::RMSNormForward forward(const Tensor& x, const Tensor& w, const ops::RMSNormOptions& o) const {
+    Tensor y = Tensor::empty(x.shape(), x.dtype(), dev), rstd = Tensor::empty({x.size(0)}, DType::f32, dev);
+    RMSNormParams p = params(x, w, o);
+    p.y = y.data();
+    p.y_stride = y.stride(0);
+    p.rstd = rstd.data_ptr<float>();
+    check(forward_raw(p));
+    return {y, rstd};
+  }
+
+  // dx_out: where dx goes (a fresh tensor, or dy itself for the in-place variant).
+  ops::RMSNormBackward backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
+                                const ops::RMSNormOptions& o, bool in_place = false) const {
+    Tensor dx = in_place ? dy : Tensor::empty(x.shape(), x.dtype(), dev), dw = Tensor::empty({x.size(1)}, x.dtype(), dev);
+    RMSNormParams p = params(x, w, o);
+    p.rstd = const_cast<float*>(rstd.data_ptr<float>());
+    p.dy = dy.data();
+    p.dy_stride = dy.stride(0);
+    p.dx = dx.data();
+    p.dx_stride = dx.stride(0);
+    p.dw = dw.data();
+    Tensor ws;
+#if KCPP_WITH_CUDA
+    if (dev.is_cuda()) {
+      ws = Tensor::empty({static_cast<int64_t>(liger::rms_norm_backward_workspace(p, dev.index))}, DType::u8, dev);
+      p.workspace = ws.data();
+    }
+#endif
+    check(backward_raw(p));
+    return {dx, dw};
+  }
+};
+
+class LigerRMSNorm : public ::testing::TestWithParam<Device> {};
+
+TEST_P(LigerRMSNorm, WithinTwiceTheReferenceError) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const Kernel k{dev};
+  // 1, primes, 4097 (scalar loop), 4096 and 8192 (registers), 40000 (vector loop: beyond registers).
+  for (DType dt : kernel_dtypes())
+    for (int64_t h : {1, 7, 111, 4096, 4097, 8192, 40000})
+      for (RMSNormCasting casting : {RMSNormCasting::Llama, RMSNormCasting::Gemma, RMSNormCasting::None})
+        for (double offset : {0.0, 1.0}) {
+          if (h == 40000 && (casting != RMSNormCasting::Llama || offset != 0.0)) continue;  // keep CI fast
+          const int64_t rows = h >= 4096 ? 7 : 37;
+          const ops::RMSNormOptions opt{1e-6, offset, static_cast<ops::RMSNormCasting>(static_cast<int>(casting))};
+          // Rows of a wider buffer: a row stride that is not the width.
+          const Tensor x = Tensor::randn({rows, h + 8}, dt, dev, gen, 0.1, 1.5).narrow(1, 0, h);
+          const Tensor w = Tensor::randn({h}, dt, dev, gen, 0.0, 1.0);
+          const Tensor dy = Tensor::randn({rows, h}, dt, dev, gen);
+          const auto xv = x.to_f64_vector(), wv = w.to_f64_vector();
+          const auto fo = oracle::rms_norm(xv, wv, rows, h, opt.eps, offset);
+          const auto bo = oracle::rms_norm_backward(dy.to_f64_vector(), xv, wv, rows, h, opt.eps, offset);
+          const std::string cfg = fmt::format("{} h={} casting={} offset={}", test::config_name(dev, dt), h,
+                                              static_cast<int>(casting), offset);
+
+          const auto ref = ops::rms_norm_forward(x, w, opt);
+          const auto got = k.forward(x, w, opt);
+          const double e_ref = test::rel_l2_error(ref.y, fo.y), e_got = test::rel_l2_error(got.y, fo.y);
+          EXPECT_LE(e_got, test::kernel_bound(e_ref, dt)) << cfg << " y (reference error " << e_ref << ")";
+          EXPECT_LE(e_got, test::composite_rel_l2(dt)) << cfg << " y";
+          const double er_ref = test::rel_l2_error(ref.rstd, fo.rstd), er = test::rel_l2_error(got.rstd, fo.rstd);
+          EXPECT_LE(er, test::kernel_bound(er_ref, DType::f32)) << cfg << " rstd (reference error " << er_ref << ")";
+
+          const auto rb = ops::rms_norm_backward(dy, x, w, ref.rstd, opt);
+          const auto gb = k.backward(dy, x, w, got.rstd, opt);
+          const double edx_ref = test::mag_error(rb.dx, bo.dx, bo.dx_mag), edx = test::mag_error(gb.dx, bo.dx, bo.dx_mag);
+          const double edw_ref = test::mag_error(rb.dw, bo.dw, bo.dw_mag), edw = test::mag_error(gb.dw, bo.dw, bo.dw_mag);
+          EXPECT_LE(edx, test::kernel_bound(edx_ref, dt)) << cfg << " dx (reference error " << edx_ref << ")";
+          EXPECT_LE(edw, test::kernel_bound(edw_ref, dt)) << cfg << " dw (reference error " << edw_ref << ")";
+          EXPECT_LE(edx, test::composite_rel_l2(dt)) << cfg << " dx";
+          EXPECT_LE(edw, test::composite_rel_l2(dt)) << cfg << " dw";
+        }
+}
+
+TEST_P(LigerRMSNorm, InPlaceBackwardAndDeterminism) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const Kernel k{dev};
+  const ops::RMSNormOptions opt;
+  for (int64_t h : {4096, 4097}) {
+    const Tensor x = Tensor::randn({301, h}, DType::bf16, dev, gen), w = Tensor::randn({h}, DType::bf16, dev, gen);
+    const Tensor dy = Tensor::randn({301, h}, DType::bf16, dev, gen);
+    const auto f = k.forward(x, w, opt);
+    const auto a = k.backward(dy, x, w, f.rstd, opt), b = k.backward(dy, x, w, f.rstd, opt);
+    EXPECT_EQ(a.dw.to_f64_vector(), b.dw.to_f64_vector()) << "dw differs between two runs, h=" << h;
+    EXPECT_EQ(a.dx.to_f64_vector(), b.dx.to_f64_vector()) << "h=" << h;
+    const Tensor dy2 = dy.clone();
+    const auto c = k.backward(dy2, x, w, f.rstd, opt, /*in_place=*/true);
+    EXPECT_TRUE(c.dx.shares_storage(dy2));
+    EXPECT_EQ(c.dx.to_f64_vector(), a.dx.to_f64_vector()) << "in-place dx differs, h=" << h;
+    EXPECT_EQ(c.dw.to_f64_vector(), a.dw.to_f64_vector()) << "in-place dw differs, h=" << h;
+  }
+}
+
+TEST_P(LigerRMSNorm, NaNStaysInItsRow) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  std::vector<double> xv(3 * 16, 0.5);
+  xv[16 + 3] = std::nan("");
+  const Tensor x = Tensor::from_f64(xv, {3, 16}, DType::bf16, dev), w = Tensor::full({16}, 1.0, DType::bf16, dev);
+  const auto y = Kernel{dev}.forward(x, w, {}).y.to_f64_vector();
+  for (int j = 0; j < 16; ++j) {
+    EXPECT_TRUE(std::isnan(y[16 + j])) << j;  // PyTorch: the row's statistics are NaN
+    EXPECT_FALSE(std::isnan(y[j]));
+    EXPECT_FALSE(std::isnan(y[32 + j]));
+  }
+}
+
+TEST_P(LigerRMSNorm, BadInputIsAnErrorNotACrash) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  const Kernel k{dev};
+  const Tensor x = Tensor::zeros({4, 8}, DType::bf16, dev), w = Tensor::zeros({8}, DType::bf16, dev);
+  const Tensor y = Tensor::empty({4, 8}, DType::bf16, dev), r = Tensor::empty({4}, DType::f32, dev);
+  RMSNormParams p = k.params(x, w, {});
+  p.y = y.data();
+  p.y_stride = 8;
+  p.rstd = r.data_ptr<float>();
+  auto expect_error = [&](RMSNormParams q, const char* needle, bool backward = false) {
+    const char* e = backward ? k.backward_raw(q) : k.forward_raw(q);
+    ASSERT_NE(e, nullptr) << "no error; expected: " << needle;
+    EXPECT_NE(std::string(e).find(needle), std::string::npos) << e;
+  };
+  RMSNormParams q = p;
+  q.x = nullptr;
+  expect_error(q, "must not be null");
+  q = p;
+  q.hidden = 0;
+  expect_error(q, "hidden > 0");
+  q = p;
+  q.casting = static_cast<RMSNormCasting>(7);
+  expect_error(q, "unknown casting mode 7");
+  q = p;
+  q.x_stride = 4;
+  expect_error(q, "row stride 4 < hidden 8");
+  q = p;
+  q.eps = std::nanf("");
+  expect_error(q, "eps");
+  q = p;
+  q.dtype = static_cast<kernel::DType>(9);
+  expect_error(q, "unsupported dtype 9");
+  q = p;  // backward without dy
+  expect_error(q, "'dy', 'dx' and 'dw' must not be null", true);
+  ASSERT_EQ(k.forward_raw(p), nullptr);  // the good call still works afterwards
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, LigerRMSNorm, ::testing::Values(Device::cpu(), Device::cuda(0)),
+                         [](const auto& info) { return info.param.is_cpu() ? std::string("cpu") : std::string("cuda"); });
+
+}  // namespace
+}  // namespace kcpp
