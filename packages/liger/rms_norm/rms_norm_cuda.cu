@@ -16,7 +16,8 @@ namespace {
 using namespace kcpp::kernel::cuda;
 using kcpp::kernel::DType;
 
-constexpr int kMaxThreads = 1024;
+constexpr int kMaxThreads = 1024;         // loop path
+constexpr int kMaxRegisterThreads = 512;  // registers path: leaves 128 registers a thread
 
 // The normalised value n as the forward rounds it (see the casting modes in rms_norm.h).
 template <typename T> __device__ __forceinline__ float normed(float x, float rstd, RMSNormCasting c) {
@@ -30,31 +31,41 @@ template <typename T> __device__ __forceinline__ float normed(float x, float rst
 
 // ---- forward -------------------------------------------------------------------------------------
 
+// The registers path holds rows as raw 16-byte vectors (4 registers per 8 bf16) and widens to f32
+// at the point of use, so that x, dy and w of a thread fit without spilling.
+template <typename T, int VEC> __device__ __forceinline__ void widen(const Vec<T, VEC>& v, float (&out)[VEC]) {
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) out[k] = to_f32(v.v[k]);
+}
+
 template <typename T, int VEC, int ITEMS>
-__global__ void __launch_bounds__(kMaxThreads) forward_registers(const __grid_constant__ RMSNormParams p) {
+__global__ void __launch_bounds__(kMaxRegisterThreads) forward_registers(const __grid_constant__ RMSNormParams p) {
   __shared__ float scratch[32];
+  using V = Vec<T, VEC>;
   const int64_t h = p.hidden;
-  float w[ITEMS][VEC];  // offset + w, for this thread's columns
+  V w[ITEMS];
   bool live[ITEMS];
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
     live[i] = c < h;
-    if (live[i]) load_f32(static_cast<const T*>(p.w) + c, w[i]);
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) w[i][k] += p.offset;
+    if (live[i]) w[i] = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + c);
   }
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const T* x = static_cast<const T*>(p.x) + row * p.x_stride;  // [h]
     T* y = static_cast<T*>(p.y) + row * p.y_stride;
-    float v[ITEMS][VEC];
+    V v[ITEMS];
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i)
+      if (live[i]) v[i] = *reinterpret_cast<const V*>(x + (int64_t(i) * blockDim.x + threadIdx.x) * VEC);
     float ss = 0.0f;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
-      load_f32(x + (int64_t(i) * blockDim.x + threadIdx.x) * VEC, v[i]);
+      float f[VEC];
+      widen(v[i], f);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) ss += v[i][k] * v[i][k];
+      for (int k = 0; k < VEC; ++k) ss += f[k] * f[k];
     }
     ss = block_sum(ss, scratch);
     const float rstd = 1.0f / sqrtf(ss / static_cast<float>(h) + p.eps);
@@ -62,9 +73,11 @@ __global__ void __launch_bounds__(kMaxThreads) forward_registers(const __grid_co
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
-      float o[VEC];
+      float f[VEC], wf[VEC], o[VEC];
+      widen(v[i], f);
+      widen(w[i], wf);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) o[k] = normed<T>(v[i][k], rstd, p.casting) * w[i][k];
+      for (int k = 0; k < VEC; ++k) o[k] = normed<T>(f[k], rstd, p.casting) * (wf[k] + p.offset);
       store_f32(y + (int64_t(i) * blockDim.x + threadIdx.x) * VEC, o);
     }
   }
@@ -102,49 +115,59 @@ __global__ void __launch_bounds__(kMaxThreads) forward_loop(const __grid_constan
 // ---- backward ------------------------------------------------------------------------------------
 
 template <typename T, int VEC, int ITEMS>
-__global__ void __launch_bounds__(kMaxThreads) backward_registers(const __grid_constant__ RMSNormParams p) {
+__global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const __grid_constant__ RMSNormParams p) {
   __shared__ float scratch[32];
+  using V = Vec<T, VEC>;
   const int64_t h = p.hidden;
   const float inv_h = 1.0f / static_cast<float>(h);
-  float w[ITEMS][VEC], dw[ITEMS][VEC];
+  V w[ITEMS];
+  float dw[ITEMS][VEC];
   bool live[ITEMS];
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
     live[i] = c < h;
-    if (live[i]) load_f32(static_cast<const T*>(p.w) + c, w[i]);
+    if (live[i]) w[i] = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + c);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) w[i][k] += p.offset, dw[i][k] = 0.0f;
+    for (int k = 0; k < VEC; ++k) dw[i][k] = 0.0f;
   }
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
     const T* dy = static_cast<const T*>(p.dy) + row * p.dy_stride;
     T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
-    const float rstd = p.rstd[row];
-    float n[ITEMS][VEC], g[ITEMS][VEC];
-    float dot = 0.0f;
+    V xv[ITEMS], dv[ITEMS];
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
       const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
-      float xv[VEC], dv[VEC];
-      load_f32(x + c, xv);
-      load_f32(dy + c, dv);
+      xv[i] = *reinterpret_cast<const V*>(x + c);
+      dv[i] = *reinterpret_cast<const V*>(dy + c);
+    }
+    const float rstd = p.rstd[row];
+    float dot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!live[i]) continue;
+      float xf[VEC], df[VEC], wf[VEC];
+      widen(xv[i], xf);
+      widen(dv[i], df);
+      widen(w[i], wf);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        n[i][k] = xv[k] * rstd;                 // unrounded: the derivative of the rounding is 1
-        g[i][k] = dv[k] * w[i][k];
-        dot += g[i][k] * n[i][k];
-        dw[i][k] += dv[k] * normed<T>(xv[k], rstd, p.casting);
+        dot += df[k] * (wf[k] + p.offset) * (xf[k] * rstd);  // g * n, n unrounded (d round / dn = 1)
+        dw[i][k] += df[k] * normed<T>(xf[k], rstd, p.casting);
       }
     }
     dot = block_sum(dot, scratch) * inv_h;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
-      float o[VEC];
+      float xf[VEC], df[VEC], wf[VEC], o[VEC];
+      widen(xv[i], xf);
+      widen(dv[i], df);
+      widen(w[i], wf);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) o[k] = rstd * (g[i][k] - n[i][k] * dot);
+      for (int k = 0; k < VEC; ++k) o[k] = rstd * (df[k] * (wf[k] + p.offset) - xf[k] * rstd * dot);
       store_f32(dx + (int64_t(i) * blockDim.x + threadIdx.x) * VEC, o);
     }
   }
@@ -215,35 +238,36 @@ struct Plan {
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
+int round32(int64_t t, int max_threads) {
+  return static_cast<int>(std::min<int64_t>(max_threads, std::max<int64_t>(32, (t + 31) / 32 * 32)));
+}
+
 Plan plan_for(const RMSNormParams& p, bool backward) {
   const int vec = 16 / kcpp::kernel::dtype_bytes(p.dtype);
   bool ok = p.hidden % vec == 0 && aligned16(p.x) && aligned16(p.w) && p.x_stride % vec == 0;
   if (!backward) ok = ok && aligned16(p.y) && p.y_stride % vec == 0;
   else ok = ok && aligned16(p.dy) && aligned16(p.dx) && p.dy_stride % vec == 0 && p.dx_stride % vec == 0;
-  auto round32 = [](int64_t t) { return static_cast<int>(std::min<int64_t>(kMaxThreads, std::max<int64_t>(32, (t + 31) / 32 * 32))); };
   Plan plan;
   if (!ok) {
-    plan.threads = round32(std::min<int64_t>(p.hidden, 256));
+    plan.threads = round32(std::min<int64_t>(p.hidden, 256), kMaxThreads);
     return plan;
   }
   plan.vec = vec;
   const int64_t nvec = p.hidden / vec;
-  // Aim for ~256 threads a row; more vectors per thread when the row is long.
-  for (int items : {1, 2, 4}) {
-    if (nvec <= int64_t(256) * items || (items == 4 && nvec <= int64_t(kMaxThreads) * 4)) {
+  // ~256 threads a row, more vectors a thread for longer rows, up to a register budget of 32 row
+  // elements a thread (forward) or 16 (backward: x, dy and the dw sums); beyond it ptxas spills
+  // (seen with -Xptxas -v), and the loop path is faster.
+  const int max_items = (backward ? 16 : 32) / vec;
+  for (int items = 1; items <= max_items; items *= 2) {
+    const int64_t cap = items == max_items ? kMaxRegisterThreads : 256;
+    if (nvec <= cap * items) {
       plan.items = items;
-      plan.threads = round32((nvec + items - 1) / items);
+      plan.threads = round32((nvec + items - 1) / items, kMaxRegisterThreads);
       return plan;
     }
   }
   plan.threads = 256;  // too long for registers: loop path with vectors
   return plan;
-}
-
-int backward_blocks(const RMSNormParams& p, const Plan& plan, int device) {
-  // Enough resident blocks to fill the machine, no more: each block adds one f32 row to the workspace.
-  const int per_sm = std::max(1, 1024 / plan.threads);
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.rows, int64_t(sm_count(device)) * per_sm)));
 }
 
 template <typename F> const char* visit_type(DType t, F&& f) {
@@ -255,66 +279,87 @@ template <typename F> const char* visit_type(DType t, F&& f) {
   return "rms_norm: unknown dtype";
 }
 
-template <typename T, int VEC, bool Backward> void launch(const Plan& plan, unsigned grid, const RMSNormParams& p, cudaStream_t s) {
-  const unsigned tb = static_cast<unsigned>(plan.threads);
-  if constexpr (Backward) {
+using KernelFn = void (*)(RMSNormParams);
+
+template <typename T, int VEC> KernelFn kernel_for(const Plan& plan, bool backward) {
+  if (backward) {
     switch (plan.items) {
-      case 1: backward_registers<T, VEC, 1><<<grid, tb, 0, s>>>(p); break;
-      case 2: backward_registers<T, VEC, 2><<<grid, tb, 0, s>>>(p); break;
-      case 4: backward_registers<T, VEC, 4><<<grid, tb, 0, s>>>(p); break;
-      default: backward_loop<T, VEC><<<grid, tb, 0, s>>>(p);
-    }
-  } else {
-    switch (plan.items) {
-      case 1: forward_registers<T, VEC, 1><<<grid, tb, 0, s>>>(p); break;
-      case 2: forward_registers<T, VEC, 2><<<grid, tb, 0, s>>>(p); break;
-      case 4: forward_registers<T, VEC, 4><<<grid, tb, 0, s>>>(p); break;
-      default: forward_loop<T, VEC><<<grid, tb, 0, s>>>(p);
+      case 1: return backward_registers<T, VEC, 1>;
+      case 2: return backward_registers<T, VEC, 2>;
+      case 4: return backward_registers<T, VEC, 4>;
+      default: return backward_loop<T, VEC>;
     }
   }
+  switch (plan.items) {
+    case 1: return forward_registers<T, VEC, 1>;
+    case 2: return forward_registers<T, VEC, 2>;
+    case 4: return forward_registers<T, VEC, 4>;
+    case 8: return forward_registers<T, VEC, 8>;
+    default: return forward_loop<T, VEC>;
+  }
+}
+
+KernelFn kernel_for(const RMSNormParams& p, const Plan& plan, bool backward) {
+  KernelFn fn = nullptr;
+  visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
+    fn = plan.vec == 1 ? kernel_for<T, 1>(plan, backward) : kernel_for<T, 16 / sizeof(T)>(plan, backward);
+    return nullptr;
+  });
+  return fn;
+}
+
+// A persistent grid: as many blocks as can be resident at once (asked of the occupancy API), each
+// striding over rows, so that per-block work (the weight load, the dw row) is paid once per block.
+int grid_for(const RMSNormParams& p, const Plan& plan, KernelFn fn, int device) {
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, plan.threads, 0) != cudaSuccess || per_sm < 1) {
+    (void)cudaGetLastError();
+    per_sm = 1;
+  }
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.rows, int64_t(sm_count(device)) * per_sm)));
 }
 
 }  // namespace
 
 size_t rms_norm_backward_workspace(const RMSNormParams& p, int device) {
+  if (rms_norm_check(p, true) || p.rows == 0) return 0;
   const Plan plan = plan_for(p, true);
-  return static_cast<size_t>(backward_blocks(p, plan, device)) * static_cast<size_t>(p.hidden) * sizeof(float);
+  return static_cast<size_t>(grid_for(p, plan, kernel_for(p, plan, true), device)) * static_cast<size_t>(p.hidden) *
+         sizeof(float);
 }
 
 const char* rms_norm_forward_cuda(const RMSNormParams& p, cudaStream_t stream) {
   if (const char* e = rms_norm_check(p, false)) return e;
   if (p.rows == 0) return nullptr;
+  int device = 0;
+  cudaGetDevice(&device);
   const Plan plan = plan_for(p, false);
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(p.rows, int64_t(1) << 30));
-  const char* err = visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
-    if (plan.vec == 1) launch<T, 1, false>(plan, grid, p, stream);
-    else launch<T, 16 / sizeof(T), false>(plan, grid, p, stream);
-    return nullptr;
-  });
-  return err ? err : launch_error("rms_norm forward");
+  const KernelFn fn = kernel_for(p, plan, false);
+  fn<<<grid_for(p, plan, fn, device), plan.threads, 0, stream>>>(p);
+  return launch_error("rms_norm forward");
 }
 
 const char* rms_norm_backward_cuda(const RMSNormParams& p, cudaStream_t stream) {
   if (const char* e = rms_norm_check(p, true)) return e;
-  KCPP_KERNEL_REQUIRE(p.workspace != nullptr, "rms_norm backward: argument 'workspace' is null (see rms_norm_backward_workspace)");
   if (p.rows == 0) {  // dw of no rows is zero
     return cudaMemsetAsync(p.dw, 0, p.hidden * kcpp::kernel::dtype_bytes(p.dtype), stream) == cudaSuccess
                ? nullptr
                : "rms_norm backward: cudaMemsetAsync failed";
   }
+  KCPP_KERNEL_REQUIRE(p.workspace != nullptr,
+                      "rms_norm backward: argument 'workspace' is null (size it with rms_norm_backward_workspace)");
   int device = 0;
   cudaGetDevice(&device);
   const Plan plan = plan_for(p, true);
-  const int blocks = backward_blocks(p, plan, device);
-  const char* err = visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
-    if (plan.vec == 1) launch<T, 1, true>(plan, blocks, p, stream);
-    else launch<T, 16 / sizeof(T), true>(plan, blocks, p, stream);
-    const unsigned rgrid = static_cast<unsigned>(std::min<int64_t>((p.hidden + 255) / 256, 65535));
+  const KernelFn fn = kernel_for(p, plan, true);
+  const int blocks = grid_for(p, plan, fn, device);
+  fn<<<blocks, plan.threads, 0, stream>>>(p);
+  const unsigned rgrid = static_cast<unsigned>(std::min<int64_t>((p.hidden + 255) / 256, 65535));
+  return visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
     reduce_dw<T><<<rgrid, 256, 0, stream>>>(static_cast<const float*>(p.workspace), blocks, p.hidden,
                                            static_cast<T*>(p.dw));
-    return nullptr;
+    return launch_error("rms_norm backward");
   });
-  return err ? err : launch_error("rms_norm backward");
 }
 
 }  // namespace kcpp::liger
