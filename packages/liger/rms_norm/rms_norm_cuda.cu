@@ -51,13 +51,22 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) forward_registers(const _
     live[i] = c < h;
     if (live[i]) w[i] = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + c);
   }
-  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+  // Software pipelining: the next row's loads are issued before this row's reduction and stores,
+  // so that every block keeps bytes in flight.
+  V next[ITEMS];
+  auto load_row = [&](int64_t row, V (&dst)[ITEMS]) {
     const T* x = static_cast<const T*>(p.x) + row * p.x_stride;  // [h]
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i)
+      if (live[i]) dst[i] = *reinterpret_cast<const V*>(x + (int64_t(i) * blockDim.x + threadIdx.x) * VEC);
+  };
+  if (blockIdx.x < p.rows) load_row(blockIdx.x, next);
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     T* y = static_cast<T*>(p.y) + row * p.y_stride;
     V v[ITEMS];
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i)
-      if (live[i]) v[i] = *reinterpret_cast<const V*>(x + (int64_t(i) * blockDim.x + threadIdx.x) * VEC);
+    for (int i = 0; i < ITEMS; ++i) v[i] = next[i];
+    if (row + gridDim.x < p.rows) load_row(row + gridDim.x, next);
     float ss = 0.0f;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
@@ -114,14 +123,16 @@ __global__ void __launch_bounds__(kMaxThreads) forward_loop(const __grid_constan
 
 // ---- backward ------------------------------------------------------------------------------------
 
+// dw is summed in shared memory ([h] f32, dynamic): each column has one owner thread, so no atomics,
+// and the registers go to keeping two rows of x and dy in flight.
 template <typename T, int VEC, int ITEMS>
 __global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const __grid_constant__ RMSNormParams p) {
   __shared__ float scratch[32];
+  extern __shared__ float dw_smem[];  // [h]
   using V = Vec<T, VEC>;
   const int64_t h = p.hidden;
   const float inv_h = 1.0f / static_cast<float>(h);
   V w[ITEMS];
-  float dw[ITEMS][VEC];
   bool live[ITEMS];
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
@@ -129,25 +140,34 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const 
     live[i] = c < h;
     if (live[i]) w[i] = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + c);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) dw[i][k] = 0.0f;
+    for (int k = 0; k < VEC; ++k)
+      if (live[i]) dw_smem[c + k] = 0.0f;
   }
-  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+  V nx[ITEMS], nd[ITEMS];  // the next row, in flight
+  auto load_row = [&](int64_t row) {
     const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
     const T* dy = static_cast<const T*>(p.dy) + row * p.dy_stride;
-    T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
-    V xv[ITEMS], dv[ITEMS];
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
       const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
-      xv[i] = *reinterpret_cast<const V*>(x + c);
-      dv[i] = *reinterpret_cast<const V*>(dy + c);
+      nx[i] = *reinterpret_cast<const V*>(x + c);
+      nd[i] = *reinterpret_cast<const V*>(dy + c);
     }
+  };
+  if (blockIdx.x < p.rows) load_row(blockIdx.x);
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
+    V xv[ITEMS], dv[ITEMS];
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) xv[i] = nx[i], dv[i] = nd[i];
     const float rstd = p.rstd[row];
+    if (row + gridDim.x < p.rows) load_row(row + gridDim.x);
     float dot = 0.0f;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
+      const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
       float xf[VEC], df[VEC], wf[VEC];
       widen(xv[i], xf);
       widen(dv[i], df);
@@ -155,7 +175,7 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const 
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         dot += df[k] * (wf[k] + p.offset) * (xf[k] * rstd);  // g * n, n unrounded (d round / dn = 1)
-        dw[i][k] += df[k] * normed<T>(xf[k], rstd, p.casting);
+        dw_smem[c + k] += df[k] * normed<T>(xf[k], rstd, p.casting);
       }
     }
     dot = block_sum(dot, scratch) * inv_h;
@@ -177,7 +197,7 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const 
     if (!live[i]) continue;
     const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) part[c + k] = dw[i][k];
+    for (int k = 0; k < VEC; ++k) part[c + k] = dw_smem[c + k];
   }
 }
 
@@ -254,13 +274,14 @@ Plan plan_for(const RMSNormParams& p, bool backward) {
   }
   plan.vec = vec;
   const int64_t nvec = p.hidden / vec;
-  // ~256 threads a row, more vectors a thread for longer rows, up to a register budget of 32 row
+  // Up to 512 threads a row, more vectors a thread for longer rows, up to a register budget of 32 row
   // elements a thread (forward) or 16 (backward: x, dy and the dw sums); beyond it ptxas spills
   // (seen with -Xptxas -v), and the loop path is faster.
   const int max_items = (backward ? 16 : 32) / vec;
-  for (int items = 1; items <= max_items; items *= 2) {
-    const int64_t cap = items == max_items ? kMaxRegisterThreads : 256;
-    if (nvec <= cap * items) {
+  // The backward's dw row lives in shared memory: at most the 48 KiB a block gets by default.
+  const bool fits = !backward || p.hidden * static_cast<int64_t>(sizeof(float)) <= 48 * 1024;
+  for (int items = 1; fits && items <= max_items; items *= 2) {
+    if (nvec <= int64_t(kMaxRegisterThreads) * items) {  // fewest vectors a thread: fewest registers
       plan.items = items;
       plan.threads = round32((nvec + items - 1) / items, kMaxRegisterThreads);
       return plan;
@@ -281,21 +302,22 @@ template <typename F> const char* visit_type(DType t, F&& f) {
 
 using KernelFn = void (*)(RMSNormParams);
 
+// Only the variants plan_for can pick are instantiated: register variants for aligned rows within
+// the register budget (items * VEC <= 32 forward, <= 16 backward), the loop path otherwise.
 template <typename T, int VEC> KernelFn kernel_for(const Plan& plan, bool backward) {
-  if (backward) {
-    switch (plan.items) {
-      case 1: return backward_registers<T, VEC, 1>;
-      case 2: return backward_registers<T, VEC, 2>;
-      case 4: return backward_registers<T, VEC, 4>;
-      default: return backward_loop<T, VEC>;
-    }
-  }
-  switch (plan.items) {
-    case 1: return forward_registers<T, VEC, 1>;
-    case 2: return forward_registers<T, VEC, 2>;
-    case 4: return forward_registers<T, VEC, 4>;
-    case 8: return forward_registers<T, VEC, 8>;
-    default: return forward_loop<T, VEC>;
+  if constexpr (VEC == 1) {
+    return backward ? backward_loop<T, 1> : forward_loop<T, 1>;
+  } else if (backward) {
+    if (plan.items == 1) return backward_registers<T, VEC, 1>;
+    if constexpr (2 * VEC <= 16) if (plan.items == 2) return backward_registers<T, VEC, 2>;
+    if constexpr (4 * VEC <= 16) if (plan.items == 4) return backward_registers<T, VEC, 4>;
+    return backward_loop<T, VEC>;
+  } else {
+    if (plan.items == 1) return forward_registers<T, VEC, 1>;
+    if constexpr (2 * VEC <= 32) if (plan.items == 2) return forward_registers<T, VEC, 2>;
+    if constexpr (4 * VEC <= 32) if (plan.items == 4) return forward_registers<T, VEC, 4>;
+    if constexpr (8 * VEC <= 32) if (plan.items == 8) return forward_registers<T, VEC, 8>;
+    return forward_loop<T, VEC>;
   }
 }
 
@@ -310,9 +332,14 @@ KernelFn kernel_for(const RMSNormParams& p, const Plan& plan, bool backward) {
 
 // A persistent grid: as many blocks as can be resident at once (asked of the occupancy API), each
 // striding over rows, so that per-block work (the weight load, the dw row) is paid once per block.
-int grid_for(const RMSNormParams& p, const Plan& plan, KernelFn fn, int device) {
+// Dynamic shared memory of a launch: the dw row of the backward registers path.
+size_t smem_for(const RMSNormParams& p, const Plan& plan, bool backward) {
+  return backward && plan.items > 0 ? static_cast<size_t>(p.hidden) * sizeof(float) : 0;
+}
+
+int grid_for(const RMSNormParams& p, const Plan& plan, KernelFn fn, int device, size_t smem) {
   int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, plan.threads, 0) != cudaSuccess || per_sm < 1) {
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, plan.threads, smem) != cudaSuccess || per_sm < 1) {
     (void)cudaGetLastError();
     per_sm = 1;
   }
@@ -324,8 +351,8 @@ int grid_for(const RMSNormParams& p, const Plan& plan, KernelFn fn, int device) 
 size_t rms_norm_backward_workspace(const RMSNormParams& p, int device) {
   if (rms_norm_check(p, true) || p.rows == 0) return 0;
   const Plan plan = plan_for(p, true);
-  return static_cast<size_t>(grid_for(p, plan, kernel_for(p, plan, true), device)) * static_cast<size_t>(p.hidden) *
-         sizeof(float);
+  return static_cast<size_t>(grid_for(p, plan, kernel_for(p, plan, true), device, smem_for(p, plan, true))) *
+         static_cast<size_t>(p.hidden) * sizeof(float);
 }
 
 const char* rms_norm_forward_cuda(const RMSNormParams& p, cudaStream_t stream) {
@@ -335,7 +362,7 @@ const char* rms_norm_forward_cuda(const RMSNormParams& p, cudaStream_t stream) {
   cudaGetDevice(&device);
   const Plan plan = plan_for(p, false);
   const KernelFn fn = kernel_for(p, plan, false);
-  fn<<<grid_for(p, plan, fn, device), plan.threads, 0, stream>>>(p);
+  fn<<<grid_for(p, plan, fn, device, 0), plan.threads, 0, stream>>>(p);
   return launch_error("rms_norm forward");
 }
 
@@ -352,8 +379,9 @@ const char* rms_norm_backward_cuda(const RMSNormParams& p, cudaStream_t stream) 
   cudaGetDevice(&device);
   const Plan plan = plan_for(p, true);
   const KernelFn fn = kernel_for(p, plan, true);
-  const int blocks = grid_for(p, plan, fn, device);
-  fn<<<blocks, plan.threads, 0, stream>>>(p);
+  const size_t smem = smem_for(p, plan, true);
+  const int blocks = grid_for(p, plan, fn, device, smem);
+  fn<<<blocks, plan.threads, smem, stream>>>(p);
   const unsigned rgrid = static_cast<unsigned>(std::min<int64_t>((p.hidden + 255) / 256, 65535));
   return visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
     reduce_dw<T><<<rgrid, 256, 0, stream>>>(static_cast<const float*>(p.workspace), blocks, p.hidden,
