@@ -5,7 +5,7 @@
 // allocator's peak during one call minus what was allocated before it (outputs and gradients
 // included, inputs excluded), as anchors.py measures torch's.
 //
-// Run: build/release/bin/kcpp_bench_kernels [--json FILE]
+// Run: build/release/bin/kcpp_bench_kernels [--json FILE] [--sweep]
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -19,6 +19,7 @@
 #include "core/timing.h"
 #include "ops/nn/rms_norm.h"
 #include "rms_norm/rms_norm.h"
+#include "rms_norm/rms_norm_tuning.h"
 
 namespace {
 using namespace kcpp;
@@ -124,12 +125,68 @@ void bench_rms_norm() {
   }
 }
 
+// Every launch configuration of the registers path at the benchmark shape, forward and backward
+// separately: the measurements behind the defaults in rms_norm_cuda.cu.
+void sweep_rms_norm() {
+  const int64_t bt = 8192, h = 4096;
+  Generator gen(7);
+  const Tensor x = Tensor::randn({bt, h}, DType::bf16, kDev, gen), w = Tensor::randn({h}, DType::bf16, kDev, gen);
+  const Tensor dy = Tensor::randn({bt, h}, DType::bf16, kDev, gen);
+  Tensor y = Tensor::empty({bt, h}, DType::bf16, kDev), rstd = Tensor::empty({bt}, DType::f32, kDev);
+  Tensor dx = Tensor::empty({bt, h}, DType::bf16, kDev), dw = Tensor::empty({h}, DType::bf16, kDev);
+  liger::RMSNormParams p;
+  p.dtype = kernel::DType::bf16;
+  p.rows = bt;
+  p.hidden = h;
+  p.x = x.data();
+  p.x_stride = h;
+  p.w = w.data();
+  p.y = y.data();
+  p.y_stride = h;
+  p.rstd = rstd.data_ptr<float>();
+  p.dy = dy.data();
+  p.dy_stride = h;
+  p.dx = dx.data();
+  p.dx_stride = h;
+  p.dw = dw.data();
+  const double fb = 2.0 * bt * h * 2 / 1e9, bb = 3.0 * bt * h * 2 / 1e9;
+  std::printf("sweep rmsnorm bf16 [%lld, %lld]: items prefetch persistent smem_dw\n", (long long)bt, (long long)h);
+  for (int items : {0, 1, 2, 4})
+    for (bool prefetch : {false, true})
+      for (bool persistent : {false, true}) {
+        const liger::RMSNormConfig c{items, prefetch, persistent, false};
+        const Timing t = time_op(kDev, [&] { check(liger::rms_norm_forward_cuda_with(p, cuda::current_stream(), c)); }, 10, 50);
+        const double gbps = fb / (t.median_ms * 1e-3);
+        std::printf("  fwd %d %d %d -  %8.4f ms %6.0f GB/s %5.1f%%\n", items, prefetch, persistent, t.median_ms, gbps,
+                    100 * gbps / g_copy_gbps);
+        g_rows.push_back({{"op", "sweep rmsnorm fwd"}, {"items", items}, {"prefetch", prefetch}, {"persistent", persistent},
+                          {"ms", t.median_ms}, {"GBps", gbps}});
+      }
+  for (int items : {0, 1, 2})
+    for (bool prefetch : {false, true})
+      for (bool smem_dw : {false, true}) {
+        const liger::RMSNormConfig c{items, prefetch, true, smem_dw};
+        Tensor ws = Tensor::empty({static_cast<int64_t>(liger::rms_norm_backward_workspace_with(p, 0, c))}, DType::u8, kDev);
+        liger::RMSNormParams q = p;
+        q.workspace = ws.data();
+        const Timing t = time_op(kDev, [&] { check(liger::rms_norm_backward_cuda_with(q, cuda::current_stream(), c)); }, 10, 50);
+        const double gbps = bb / (t.median_ms * 1e-3);
+        std::printf("  bwd %d %d 1 %d  %8.4f ms %6.0f GB/s %5.1f%%\n", items, prefetch, smem_dw, t.median_ms, gbps,
+                    100 * gbps / g_copy_gbps);
+        g_rows.push_back({{"op", "sweep rmsnorm bwd"}, {"items", items}, {"prefetch", prefetch}, {"smem_dw", smem_dw},
+                          {"ms", t.median_ms}, {"GBps", gbps}});
+      }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string json_path;
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::strcmp(argv[i], "--json") == 0) json_path = argv[i + 1];
+  bool sweep = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) json_path = argv[i + 1];
+    if (std::strcmp(argv[i], "--sweep") == 0) sweep = true;
+  }
   try {
     if (cuda_device_count() == 0) {
       std::puts("kcpp_bench_kernels: skipped: no CUDA device");
@@ -137,6 +194,7 @@ int main(int argc, char** argv) {
     }
     bench_copy();
     bench_rms_norm();
+    if (sweep) sweep_rms_norm();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kcpp_bench_kernels: error: %s\n", e.what());
     return 1;

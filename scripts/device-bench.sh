@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 echo "== kernel tests"
 .devlibs/bin/liger_tests --gtest_brief=1 2>&1 | tee "$OUT/liger_tests.txt" | tail -n 25
 echo "== kcpp kernels (1)"
-.devlibs/bin/kcpp_bench_kernels --json "$OUT/kcpp_bench_1.json"
+.devlibs/bin/kcpp_bench_kernels --json "$OUT/kcpp_bench_1.json" ${KCPP_SWEEP:+--sweep}
 if [ "${KCPP_ANCHORS:-1}" = 1 ] && [ -f .anchors/anchors.py ]; then
   echo "== anchors"
   PYTHONUNBUFFERED=1 timeout 420 python3 .anchors/anchors.py "${KCPP_ANCHORS_ARGS:-}" 2>&1 | grep -vE "^\s+(File|\^|~)" | tee "$OUT/anchors.txt" | grep -E "copy|gemm|rmsnorm|swiglu|rope|ce fwd|took|!!"

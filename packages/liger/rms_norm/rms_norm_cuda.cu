@@ -1,14 +1,17 @@
 // RMSNorm on CUDA (maths in rms_norm.h).
 //
-// One block per row; blocks stride over rows, so the weight is read into registers once per block.
-// Two code paths, chosen per call:
-//  - registers: the row is held in registers as ITEMS 16-byte vectors per thread (ITEMS = 1, 2, 4,
-//    so H up to 4096 vectors: 32768 bf16 or 16384 f32), read from memory exactly once;
+// One block per row at a time.  Two code paths, chosen per call by plan_for():
+//  - registers: the row is held in registers as raw 16-byte vectors, ITEMS per thread, and widened
+//    to f32 at the point of use; x (and dy) are read from memory exactly once.  Options, as template
+//    parameters: PREFETCH issues the next row's loads before this row's reduction; SMEM_DW sums dw in
+//    shared memory instead of registers (backward).
 //  - loop: any H and alignment; the row is read twice (the second read mostly hits L2).
-// Backward accumulates dw in registers (registers path) or in the block's own workspace row (loop
-// path); a second kernel adds the blocks' rows in a fixed order (deterministic, no atomics).
+// The grid is either one block per row or persistent (as many blocks as fit, striding over rows).
+// The backward always runs persistent: each block sums dw for its rows into its own f32 workspace
+// row, and reduce_dw adds those rows in block order (deterministic, no atomics).
 #include "kcpp/kernel/cuda.cuh"
 #include "rms_norm.h"
+#include "rms_norm_tuning.h"
 
 namespace kcpp::liger {
 namespace {
@@ -29,44 +32,46 @@ template <typename T> __device__ __forceinline__ float normed(float x, float rst
   return x * rstd;
 }
 
-// ---- forward -------------------------------------------------------------------------------------
-
-// The registers path holds rows as raw 16-byte vectors (4 registers per 8 bf16) and widens to f32
-// at the point of use, so that x, dy and w of a thread fit without spilling.
 template <typename T, int VEC> __device__ __forceinline__ void widen(const Vec<T, VEC>& v, float (&out)[VEC]) {
 #pragma unroll
   for (int k = 0; k < VEC; ++k) out[k] = to_f32(v.v[k]);
 }
 
-template <typename T, int VEC, int ITEMS>
+// Column of vector i of this thread.
+template <int VEC> __device__ __forceinline__ int64_t column(int i) {
+  return (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
+}
+
+// ---- forward -------------------------------------------------------------------------------------
+
+template <typename T, int VEC, int ITEMS, bool PREFETCH>
 __global__ void __launch_bounds__(kMaxRegisterThreads) forward_registers(const __grid_constant__ RMSNormParams p) {
   __shared__ float scratch[32];
   using V = Vec<T, VEC>;
   const int64_t h = p.hidden;
-  V w[ITEMS];
+  V w[ITEMS], next[ITEMS];
   bool live[ITEMS];
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
-    const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
-    live[i] = c < h;
-    if (live[i]) w[i] = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + c);
+    live[i] = column<VEC>(i) < h;
+    if (live[i]) w[i] = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + column<VEC>(i));
   }
-  // Software pipelining: the next row's loads are issued before this row's reduction and stores,
-  // so that every block keeps bytes in flight.
-  V next[ITEMS];
-  auto load_row = [&](int64_t row, V (&dst)[ITEMS]) {
+  auto load = [&](int64_t row, V (&dst)[ITEMS]) {
     const T* x = static_cast<const T*>(p.x) + row * p.x_stride;  // [h]
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i)
-      if (live[i]) dst[i] = *reinterpret_cast<const V*>(x + (int64_t(i) * blockDim.x + threadIdx.x) * VEC);
+      if (live[i]) dst[i] = *reinterpret_cast<const V*>(x + column<VEC>(i));
   };
-  if (blockIdx.x < p.rows) load_row(blockIdx.x, next);
+  if (PREFETCH && blockIdx.x < p.rows) load(blockIdx.x, next);
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
-    T* y = static_cast<T*>(p.y) + row * p.y_stride;
     V v[ITEMS];
+    if constexpr (PREFETCH) {
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) v[i] = next[i];
-    if (row + gridDim.x < p.rows) load_row(row + gridDim.x, next);
+      for (int i = 0; i < ITEMS; ++i) v[i] = next[i];
+      if (row + gridDim.x < p.rows) load(row + gridDim.x, next);
+    } else {
+      load(row, v);
+    }
     float ss = 0.0f;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
@@ -79,6 +84,7 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) forward_registers(const _
     ss = block_sum(ss, scratch);
     const float rstd = 1.0f / sqrtf(ss / static_cast<float>(h) + p.eps);
     if (threadIdx.x == 0) p.rstd[row] = rstd;
+    T* y = static_cast<T*>(p.y) + row * p.y_stride;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
@@ -87,7 +93,7 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) forward_registers(const _
       widen(w[i], wf);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) o[k] = normed<T>(f[k], rstd, p.casting) * (wf[k] + p.offset);
-      store_f32(y + (int64_t(i) * blockDim.x + threadIdx.x) * VEC, o);
+      store_f32(y + column<VEC>(i), o);
     }
   }
 }
@@ -123,51 +129,54 @@ __global__ void __launch_bounds__(kMaxThreads) forward_loop(const __grid_constan
 
 // ---- backward ------------------------------------------------------------------------------------
 
-// dw is summed in shared memory ([h] f32, dynamic): each column has one owner thread, so no atomics,
-// and the registers go to keeping two rows of x and dy in flight.
-template <typename T, int VEC, int ITEMS>
+template <typename T, int VEC, int ITEMS, bool PREFETCH, bool SMEM_DW>
 __global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const __grid_constant__ RMSNormParams p) {
   __shared__ float scratch[32];
-  extern __shared__ float dw_smem[];  // [h]
+  extern __shared__ float dw_smem[];  // [h] when SMEM_DW: each column has one owner thread
   using V = Vec<T, VEC>;
   const int64_t h = p.hidden;
   const float inv_h = 1.0f / static_cast<float>(h);
-  V w[ITEMS];
+  V w[ITEMS], nx[ITEMS], nd[ITEMS];
+  float dw[SMEM_DW ? 1 : ITEMS][VEC];
   bool live[ITEMS];
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
-    const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
-    live[i] = c < h;
-    if (live[i]) w[i] = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + c);
+    live[i] = column<VEC>(i) < h;
+    if (live[i]) w[i] = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + column<VEC>(i));
 #pragma unroll
-    for (int k = 0; k < VEC; ++k)
-      if (live[i]) dw_smem[c + k] = 0.0f;
+    for (int k = 0; k < VEC; ++k) {
+      if constexpr (SMEM_DW) {
+        if (live[i]) dw_smem[column<VEC>(i) + k] = 0.0f;
+      } else {
+        dw[i][k] = 0.0f;
+      }
+    }
   }
-  V nx[ITEMS], nd[ITEMS];  // the next row, in flight
-  auto load_row = [&](int64_t row) {
+  auto load = [&](int64_t row, V (&xd)[ITEMS], V (&dd)[ITEMS]) {
     const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
     const T* dy = static_cast<const T*>(p.dy) + row * p.dy_stride;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
-      const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
-      nx[i] = *reinterpret_cast<const V*>(x + c);
-      nd[i] = *reinterpret_cast<const V*>(dy + c);
+      xd[i] = *reinterpret_cast<const V*>(x + column<VEC>(i));
+      dd[i] = *reinterpret_cast<const V*>(dy + column<VEC>(i));
     }
   };
-  if (blockIdx.x < p.rows) load_row(blockIdx.x);
+  if (PREFETCH && blockIdx.x < p.rows) load(blockIdx.x, nx, nd);
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
-    T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
     V xv[ITEMS], dv[ITEMS];
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) xv[i] = nx[i], dv[i] = nd[i];
     const float rstd = p.rstd[row];
-    if (row + gridDim.x < p.rows) load_row(row + gridDim.x);
+    if constexpr (PREFETCH) {
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) xv[i] = nx[i], dv[i] = nd[i];
+      if (row + gridDim.x < p.rows) load(row + gridDim.x, nx, nd);
+    } else {
+      load(row, xv, dv);
+    }
     float dot = 0.0f;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
-      const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
       float xf[VEC], df[VEC], wf[VEC];
       widen(xv[i], xf);
       widen(dv[i], df);
@@ -175,10 +184,13 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const 
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         dot += df[k] * (wf[k] + p.offset) * (xf[k] * rstd);  // g * n, n unrounded (d round / dn = 1)
-        dw_smem[c + k] += df[k] * normed<T>(xf[k], rstd, p.casting);
+        const float contrib = df[k] * normed<T>(xf[k], rstd, p.casting);
+        if constexpr (SMEM_DW) dw_smem[column<VEC>(i) + k] += contrib;
+        else dw[i][k] += contrib;
       }
     }
     dot = block_sum(dot, scratch) * inv_h;
+    T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
@@ -188,16 +200,15 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const 
       widen(w[i], wf);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) o[k] = rstd * (df[k] * (wf[k] + p.offset) - xf[k] * rstd * dot);
-      store_f32(dx + (int64_t(i) * blockDim.x + threadIdx.x) * VEC, o);
+      store_f32(dx + column<VEC>(i), o);
     }
   }
   float* part = static_cast<float*>(p.workspace) + int64_t(blockIdx.x) * h;  // this block's dw row
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     if (!live[i]) continue;
-    const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) part[c + k] = dw_smem[c + k];
+    for (int k = 0; k < VEC; ++k) part[column<VEC>(i) + k] = SMEM_DW ? dw_smem[column<VEC>(i) + k] : dw[SMEM_DW ? 0 : i][k];
   }
 }
 
@@ -251,8 +262,8 @@ template <typename T> __global__ void reduce_dw(const float* part, int blocks, i
 // ---- launch plan ---------------------------------------------------------------------------------
 
 struct Plan {
-  int vec = 1;      // elements per access
-  int items = 0;    // vectors per thread held in registers; 0: loop path
+  int vec = 1;  // elements per access
+  RMSNormConfig config;
   int threads = 32;
 };
 
@@ -262,32 +273,51 @@ int round32(int64_t t, int max_threads) {
   return static_cast<int>(std::min<int64_t>(max_threads, std::max<int64_t>(32, (t + 31) / 32 * 32)));
 }
 
-Plan plan_for(const RMSNormParams& p, bool backward) {
-  const int vec = 16 / kcpp::kernel::dtype_bytes(p.dtype);
+bool vector_ok(const RMSNormParams& p, bool backward, int vec) {
   bool ok = p.hidden % vec == 0 && aligned16(p.x) && aligned16(p.w) && p.x_stride % vec == 0;
-  if (!backward) ok = ok && aligned16(p.y) && p.y_stride % vec == 0;
-  else ok = ok && aligned16(p.dy) && aligned16(p.dx) && p.dy_stride % vec == 0 && p.dx_stride % vec == 0;
+  if (!backward) return ok && aligned16(p.y) && p.y_stride % vec == 0;
+  return ok && aligned16(p.dy) && aligned16(p.dx) && p.dy_stride % vec == 0 && p.dx_stride % vec == 0;
+}
+
+// Register budget a thread: 32 row elements forward, 16 backward (x, dy and the dw sums); beyond it
+// ptxas spills (seen with -Xptxas -v) and the loop path is faster.
+int max_items(bool backward, int vec) { return (backward ? 16 : 32) / vec; }
+
+// The configuration used when none is given (see bench/RESULTS.md for the sweep behind it).
+RMSNormConfig default_config(const RMSNormParams& p, bool backward, int vec) {
+  RMSNormConfig c;
+  const int64_t nvec = p.hidden / vec;
+  // Fewest vectors a thread with at most 256 threads a row, within the register budget.
+  c.items = 0;
+  for (int items = 1; items <= max_items(backward, vec); items *= 2) {
+    if (nvec <= int64_t(256) * items || (items == max_items(backward, vec) && nvec <= int64_t(kMaxRegisterThreads) * items)) {
+      c.items = items;
+      break;
+    }
+  }
+  c.prefetch = false;
+  c.persistent = true;
+  c.smem_dw = false;
+  return c;
+}
+
+Plan make_plan(const RMSNormParams& p, bool backward, const RMSNormConfig* given) {
   Plan plan;
-  if (!ok) {
+  const int vec = 16 / kcpp::kernel::dtype_bytes(p.dtype);
+  if (!vector_ok(p, backward, vec)) {
+    plan.config.items = 0;
     plan.threads = round32(std::min<int64_t>(p.hidden, 256), kMaxThreads);
     return plan;
   }
   plan.vec = vec;
-  const int64_t nvec = p.hidden / vec;
-  // Up to 512 threads a row, more vectors a thread for longer rows, up to a register budget of 32 row
-  // elements a thread (forward) or 16 (backward: x, dy and the dw sums); beyond it ptxas spills
-  // (seen with -Xptxas -v), and the loop path is faster.
-  const int max_items = (backward ? 16 : 32) / vec;
-  // The backward's dw row lives in shared memory: at most the 48 KiB a block gets by default.
-  const bool fits = !backward || p.hidden * static_cast<int64_t>(sizeof(float)) <= 48 * 1024;
-  for (int items = 1; fits && items <= max_items; items *= 2) {
-    if (nvec <= int64_t(kMaxRegisterThreads) * items) {  // fewest vectors a thread: fewest registers
-      plan.items = items;
-      plan.threads = round32((nvec + items - 1) / items, kMaxRegisterThreads);
-      return plan;
-    }
-  }
-  plan.threads = 256;  // too long for registers: loop path with vectors
+  plan.config = given ? *given : default_config(p, backward, vec);
+  if (backward) plan.config.persistent = true;  // the dw workspace assumes it
+  // dw in shared memory needs the row in the default 48 KiB.
+  if (plan.config.smem_dw && p.hidden * int64_t(sizeof(float)) > 48 * 1024) plan.config.smem_dw = false;
+  if (plan.config.items > 0)
+    plan.threads = round32((p.hidden / vec + plan.config.items - 1) / plan.config.items, kMaxRegisterThreads);
+  else
+    plan.threads = 256;
   return plan;
 }
 
@@ -302,23 +332,38 @@ template <typename F> const char* visit_type(DType t, F&& f) {
 
 using KernelFn = void (*)(RMSNormParams);
 
-// Only the variants plan_for can pick are instantiated: register variants for aligned rows within
-// the register budget (items * VEC <= 32 forward, <= 16 backward), the loop path otherwise.
-template <typename T, int VEC> KernelFn kernel_for(const Plan& plan, bool backward) {
-  if constexpr (VEC == 1) {
-    return backward ? backward_loop<T, 1> : forward_loop<T, 1>;
-  } else if (backward) {
-    if (plan.items == 1) return backward_registers<T, VEC, 1>;
-    if constexpr (2 * VEC <= 16) if (plan.items == 2) return backward_registers<T, VEC, 2>;
-    if constexpr (4 * VEC <= 16) if (plan.items == 4) return backward_registers<T, VEC, 4>;
-    return backward_loop<T, VEC>;
-  } else {
-    if (plan.items == 1) return forward_registers<T, VEC, 1>;
-    if constexpr (2 * VEC <= 32) if (plan.items == 2) return forward_registers<T, VEC, 2>;
-    if constexpr (4 * VEC <= 32) if (plan.items == 4) return forward_registers<T, VEC, 4>;
-    if constexpr (8 * VEC <= 32) if (plan.items == 8) return forward_registers<T, VEC, 8>;
-    return forward_loop<T, VEC>;
+// Register variants for ITEMS within the budget, with the options as template parameters.  bf16 gets
+// every option (the tuning sweep runs on it); other dtypes only the defaults.
+// nullptr when ITEMS is beyond the direction's register budget (the caller then takes the loop path).
+template <typename T, int VEC, int ITEMS> KernelFn registers_kernel(const RMSNormConfig& c, bool backward) {
+  constexpr bool kAllOptions = std::is_same_v<T, __nv_bfloat16>;
+  if (backward) {
+    if constexpr (ITEMS * VEC <= 16) {
+      if constexpr (kAllOptions) {
+        if (c.prefetch)
+          return c.smem_dw ? backward_registers<T, VEC, ITEMS, true, true> : backward_registers<T, VEC, ITEMS, true, false>;
+        if (c.smem_dw) return backward_registers<T, VEC, ITEMS, false, true>;
+      }
+      return backward_registers<T, VEC, ITEMS, false, false>;
+    }
+    return nullptr;
   }
+  if constexpr (kAllOptions)
+    if (c.prefetch) return forward_registers<T, VEC, ITEMS, true>;
+  return forward_registers<T, VEC, ITEMS, false>;
+}
+
+template <typename T, int VEC> KernelFn kernel_for(const Plan& plan, bool backward) {
+  const RMSNormConfig& c = plan.config;
+  KernelFn fn = nullptr;
+  if constexpr (VEC > 1) {
+    if (c.items == 1) fn = registers_kernel<T, VEC, 1>(c, backward);
+    if constexpr (2 * VEC <= 32) if (c.items == 2) fn = registers_kernel<T, VEC, 2>(c, backward);
+    if constexpr (4 * VEC <= 32) if (c.items == 4) fn = registers_kernel<T, VEC, 4>(c, backward);
+    if constexpr (8 * VEC <= 32) if (c.items == 8) fn = registers_kernel<T, VEC, 8>(c, backward);
+  }
+  if (fn) return fn;
+  return backward ? backward_loop<T, VEC> : forward_loop<T, VEC>;
 }
 
 KernelFn kernel_for(const RMSNormParams& p, const Plan& plan, bool backward) {
@@ -330,14 +375,14 @@ KernelFn kernel_for(const RMSNormParams& p, const Plan& plan, bool backward) {
   return fn;
 }
 
-// A persistent grid: as many blocks as can be resident at once (asked of the occupancy API), each
-// striding over rows, so that per-block work (the weight load, the dw row) is paid once per block.
-// Dynamic shared memory of a launch: the dw row of the backward registers path.
 size_t smem_for(const RMSNormParams& p, const Plan& plan, bool backward) {
-  return backward && plan.items > 0 ? static_cast<size_t>(p.hidden) * sizeof(float) : 0;
+  return backward && plan.config.items > 0 && plan.config.smem_dw ? static_cast<size_t>(p.hidden) * sizeof(float) : 0;
 }
 
+// Persistent: as many blocks as can be resident at once (asked of the occupancy API).
 int grid_for(const RMSNormParams& p, const Plan& plan, KernelFn fn, int device, size_t smem) {
+  const int64_t cap = int64_t(1) << 30;
+  if (!plan.config.persistent) return static_cast<int>(std::min<int64_t>(p.rows, cap));
   int per_sm = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, plan.threads, smem) != cudaSuccess || per_sm < 1) {
     (void)cudaGetLastError();
@@ -346,27 +391,26 @@ int grid_for(const RMSNormParams& p, const Plan& plan, KernelFn fn, int device, 
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.rows, int64_t(sm_count(device)) * per_sm)));
 }
 
-}  // namespace
-
-size_t rms_norm_backward_workspace(const RMSNormParams& p, int device) {
-  if (rms_norm_check(p, true) || p.rows == 0) return 0;
-  const Plan plan = plan_for(p, true);
-  return static_cast<size_t>(grid_for(p, plan, kernel_for(p, plan, true), device, smem_for(p, plan, true))) *
-         static_cast<size_t>(p.hidden) * sizeof(float);
-}
-
-const char* rms_norm_forward_cuda(const RMSNormParams& p, cudaStream_t stream) {
+const char* forward(const RMSNormParams& p, cudaStream_t stream, const RMSNormConfig* config) {
   if (const char* e = rms_norm_check(p, false)) return e;
   if (p.rows == 0) return nullptr;
   int device = 0;
   cudaGetDevice(&device);
-  const Plan plan = plan_for(p, false);
+  const Plan plan = make_plan(p, false, config);
   const KernelFn fn = kernel_for(p, plan, false);
   fn<<<grid_for(p, plan, fn, device, 0), plan.threads, 0, stream>>>(p);
   return launch_error("rms_norm forward");
 }
 
-const char* rms_norm_backward_cuda(const RMSNormParams& p, cudaStream_t stream) {
+size_t workspace(const RMSNormParams& p, int device, const RMSNormConfig* config) {
+  if (rms_norm_check(p, true) || p.rows == 0) return 0;
+  const Plan plan = make_plan(p, true, config);
+  const KernelFn fn = kernel_for(p, plan, true);
+  return static_cast<size_t>(grid_for(p, plan, fn, device, smem_for(p, plan, true))) * static_cast<size_t>(p.hidden) *
+         sizeof(float);
+}
+
+const char* backward(const RMSNormParams& p, cudaStream_t stream, const RMSNormConfig* config) {
   if (const char* e = rms_norm_check(p, true)) return e;
   if (p.rows == 0) {  // dw of no rows is zero
     return cudaMemsetAsync(p.dw, 0, p.hidden * kcpp::kernel::dtype_bytes(p.dtype), stream) == cudaSuccess
@@ -377,7 +421,7 @@ const char* rms_norm_backward_cuda(const RMSNormParams& p, cudaStream_t stream) 
                       "rms_norm backward: argument 'workspace' is null (size it with rms_norm_backward_workspace)");
   int device = 0;
   cudaGetDevice(&device);
-  const Plan plan = plan_for(p, true);
+  const Plan plan = make_plan(p, true, config);
   const KernelFn fn = kernel_for(p, plan, true);
   const size_t smem = smem_for(p, plan, true);
   const int blocks = grid_for(p, plan, fn, device, smem);
@@ -388,6 +432,22 @@ const char* rms_norm_backward_cuda(const RMSNormParams& p, cudaStream_t stream) 
                                            static_cast<T*>(p.dw));
     return launch_error("rms_norm backward");
   });
+}
+
+}  // namespace
+
+size_t rms_norm_backward_workspace(const RMSNormParams& p, int device) { return workspace(p, device, nullptr); }
+const char* rms_norm_forward_cuda(const RMSNormParams& p, cudaStream_t stream) { return forward(p, stream, nullptr); }
+const char* rms_norm_backward_cuda(const RMSNormParams& p, cudaStream_t stream) { return backward(p, stream, nullptr); }
+
+size_t rms_norm_backward_workspace_with(const RMSNormParams& p, int device, const RMSNormConfig& c) {
+  return workspace(p, device, &c);
+}
+const char* rms_norm_forward_cuda_with(const RMSNormParams& p, cudaStream_t stream, const RMSNormConfig& c) {
+  return forward(p, stream, &c);
+}
+const char* rms_norm_backward_cuda_with(const RMSNormParams& p, cudaStream_t stream, const RMSNormConfig& c) {
+  return backward(p, stream, &c);
 }
 
 }  // namespace kcpp::liger

@@ -6,6 +6,7 @@
 #include "oracle.h"
 #include "ops/nn/rms_norm.h"
 #include "rms_norm.h"
+#include "rms_norm_tuning.h"
 #include "test_util.h"
 
 namespace kcpp {
@@ -212,6 +213,55 @@ TEST_P(LigerRMSNorm, BadInputIsAnErrorNotACrash) {
   expect_error(q, "'dy', 'dx' and 'dw' must not be null", true);
   ASSERT_EQ(k.forward_raw(p), nullptr);  // the good call still works afterwards
 }
+
+#if KCPP_WITH_CUDA
+// Every launch configuration the tuning sweep can choose computes the same function.
+TEST(LigerRMSNormCuda, EveryConfigurationWithinTheBound) {
+  const Device dev = Device::cuda(0);
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const ops::RMSNormOptions opt;
+  for (int64_t h : {1000, 4096}) {
+    const int64_t rows = 97;
+    const Tensor x = Tensor::randn({rows, h}, DType::bf16, dev, gen), w = Tensor::randn({h}, DType::bf16, dev, gen);
+    const Tensor dy = Tensor::randn({rows, h}, DType::bf16, dev, gen);
+    const auto xv = x.to_f64_vector(), wv = w.to_f64_vector();
+    const auto fo = oracle::rms_norm(xv, wv, rows, h, opt.eps, 0.0);
+    const auto bo = oracle::rms_norm_backward(dy.to_f64_vector(), xv, wv, rows, h, opt.eps, 0.0);
+    const auto ref = ops::rms_norm_forward(x, w, opt);
+    const auto rb = ops::rms_norm_backward(dy, x, w, ref.rstd, opt);
+    const double ey = test::kernel_bound(test::rel_l2_error(ref.y, fo.y), DType::bf16);
+    const double edx = test::kernel_bound(test::mag_error(rb.dx, bo.dx, bo.dx_mag), DType::bf16);
+    const double edw = test::kernel_bound(test::mag_error(rb.dw, bo.dw, bo.dw_mag), DType::bf16);
+    for (int items : {0, 1, 2, 4})
+      for (bool prefetch : {false, true})
+        for (bool persistent : {false, true})
+          for (bool smem_dw : {false, true}) {
+            const liger::RMSNormConfig c{items, prefetch, persistent, smem_dw};
+            const std::string cfg = fmt::format("h={} items={} prefetch={} persistent={} smem_dw={}", h, items, prefetch,
+                                                persistent, smem_dw);
+            Tensor y = Tensor::empty({rows, h}, DType::bf16, dev), rstd = Tensor::empty({rows}, DType::f32, dev);
+            Tensor dx = Tensor::empty({rows, h}, DType::bf16, dev), dw = Tensor::empty({h}, DType::bf16, dev);
+            RMSNormParams p = Kernel{dev}.params(x, w, opt);
+            p.y = y.data();
+            p.y_stride = h;
+            p.rstd = rstd.data_ptr<float>();
+            p.dy = dy.data();
+            p.dy_stride = h;
+            p.dx = dx.data();
+            p.dx_stride = h;
+            p.dw = dw.data();
+            Tensor ws = Tensor::empty({static_cast<int64_t>(liger::rms_norm_backward_workspace_with(p, 0, c))}, DType::u8, dev);
+            p.workspace = ws.data();
+            ASSERT_EQ(liger::rms_norm_forward_cuda_with(p, cuda::current_stream(), c), nullptr) << cfg;
+            ASSERT_EQ(liger::rms_norm_backward_cuda_with(p, cuda::current_stream(), c), nullptr) << cfg;
+            EXPECT_LE(test::rel_l2_error(y, fo.y), ey) << cfg;
+            EXPECT_LE(test::mag_error(dx, bo.dx, bo.dx_mag), edx) << cfg;
+            EXPECT_LE(test::mag_error(dw, bo.dw, bo.dw_mag), edw) << cfg;
+          }
+  }
+}
+#endif
 
 INSTANTIATE_TEST_SUITE_P(Devices, LigerRMSNorm, ::testing::Values(Device::cpu(), Device::cuda(0)),
                          [](const auto& info) { return info.param.is_cpu() ? std::string("cpu") : std::string("cuda"); });
