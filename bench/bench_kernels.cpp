@@ -151,10 +151,11 @@ void sweep_rms_norm() {
   p.dw = dw.data();
   const double fb = 2.0 * bt * h * 2 / 1e9, bb = 3.0 * bt * h * 2 / 1e9;
   std::printf("sweep rmsnorm bf16 [%lld, %lld]: items prefetch persistent smem_dw\n", (long long)bt, (long long)h);
-  for (int items : {0, 1, 2, 4})
+  for (int items : {-1, 0, 1, 2, 4})  // -1: one warp per row
     for (bool prefetch : {false, true})
       for (bool persistent : {false, true}) {
-        const liger::RMSNormConfig c{items, prefetch, persistent, false};
+        if (items == -1 && prefetch) continue;
+        const liger::RMSNormConfig c{std::max(items, 0), prefetch, persistent, false, items == -1};
         const Timing t = time_op(kDev, [&] { check(liger::rms_norm_forward_cuda_with(p, cuda::current_stream(), c)); }, 10, 50);
         const double gbps = fb / (t.median_ms * 1e-3);
         std::printf("  fwd %d %d %d -  %8.4f ms %6.0f GB/s %5.1f%%\n", items, prefetch, persistent, t.median_ms, gbps,

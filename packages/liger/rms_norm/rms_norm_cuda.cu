@@ -127,6 +127,40 @@ __global__ void __launch_bounds__(kMaxThreads) forward_loop(const __grid_constan
   }
 }
 
+// One warp per row, two passes (the second read of the row mostly hits L1/L2): no block barrier at
+// all, so every warp streams its rows independently; UNROLL loads are in flight per lane.
+template <typename T, int VEC, int UNROLL>
+__global__ void __launch_bounds__(256) forward_warp(const __grid_constant__ RMSNormParams p) {
+  const int64_t h = p.hidden, step = 32 * VEC;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
+  const T* wp = static_cast<const T*>(p.w);
+  for (int64_t row = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); row < p.rows; row += warps) {
+    const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
+    T* y = static_cast<T*>(p.y) + row * p.y_stride;
+    float ss = 0.0f;
+#pragma unroll UNROLL
+    for (int64_t c = lane * VEC; c < h; c += step) {
+      float v[VEC];
+      load_f32(x + c, v);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) ss += v[k] * v[k];
+    }
+    ss = warp_sum(ss);
+    const float rstd = 1.0f / sqrtf(ss / static_cast<float>(h) + p.eps);
+    if (lane == 0) p.rstd[row] = rstd;
+#pragma unroll UNROLL
+    for (int64_t c = lane * VEC; c < h; c += step) {
+      float v[VEC], w[VEC], o[VEC];
+      load_f32(x + c, v);
+      load_f32(wp + c, w);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) o[k] = normed<T>(v[k], rstd, p.casting) * (w[k] + p.offset);
+      store_f32(y + c, o);
+    }
+  }
+}
+
 // ---- backward ------------------------------------------------------------------------------------
 
 template <typename T, int VEC, int ITEMS, bool PREFETCH, bool SMEM_DW>
@@ -314,7 +348,9 @@ Plan make_plan(const RMSNormParams& p, bool backward, const RMSNormConfig* given
   if (backward) plan.config.persistent = true;  // the dw workspace assumes it
   // dw in shared memory needs the row in the default 48 KiB.
   if (plan.config.smem_dw && p.hidden * int64_t(sizeof(float)) > 48 * 1024) plan.config.smem_dw = false;
-  if (plan.config.items > 0)
+  if (backward) plan.config.warp_rows = false;  // forward only
+  if (plan.config.warp_rows) plan.threads = 256;  // 8 rows a block
+  else if (plan.config.items > 0)
     plan.threads = round32((p.hidden / vec + plan.config.items - 1) / plan.config.items, kMaxRegisterThreads);
   else
     plan.threads = 256;
@@ -355,6 +391,7 @@ template <typename T, int VEC, int ITEMS> KernelFn registers_kernel(const RMSNor
 
 template <typename T, int VEC> KernelFn kernel_for(const Plan& plan, bool backward) {
   const RMSNormConfig& c = plan.config;
+  if (!backward && c.warp_rows) return forward_warp<T, VEC, 4>;
   KernelFn fn = nullptr;
   if constexpr (VEC > 1) {
     if (c.items == 1) fn = registers_kernel<T, VEC, 1>(c, backward);
@@ -382,13 +419,15 @@ size_t smem_for(const RMSNormParams& p, const Plan& plan, bool backward) {
 // Persistent: as many blocks as can be resident at once (asked of the occupancy API).
 int grid_for(const RMSNormParams& p, const Plan& plan, KernelFn fn, int device, size_t smem) {
   const int64_t cap = int64_t(1) << 30;
-  if (!plan.config.persistent) return static_cast<int>(std::min<int64_t>(p.rows, cap));
+  const int64_t rows_per_block = plan.config.warp_rows ? plan.threads / 32 : 1;
+  const int64_t blocks = (p.rows + rows_per_block - 1) / rows_per_block;
+  if (!plan.config.persistent) return static_cast<int>(std::min<int64_t>(blocks, cap));
   int per_sm = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, plan.threads, smem) != cudaSuccess || per_sm < 1) {
     (void)cudaGetLastError();
     per_sm = 1;
   }
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.rows, int64_t(sm_count(device)) * per_sm)));
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(sm_count(device)) * per_sm)));
 }
 
 const char* forward(const RMSNormParams& p, cudaStream_t stream, const RMSNormConfig* config) {

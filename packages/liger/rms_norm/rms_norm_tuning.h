@@ -13,6 +13,7 @@ struct RMSNormConfig {
   bool prefetch = false;    // issue the next row's loads before this row's reduction
   bool persistent = true;   // grid of resident blocks striding over rows (else one block per row)
   bool smem_dw = false;     // backward: sum dw in shared memory rather than registers
+  bool warp_rows = false;   // forward: one warp per row, two passes (items is then ignored)
 };
 
 #if KCPP_WITH_CUDA
