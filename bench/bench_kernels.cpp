@@ -150,33 +150,26 @@ void sweep_rms_norm() {
   p.dx_stride = h;
   p.dw = dw.data();
   const double fb = 2.0 * bt * h * 2 / 1e9, bb = 3.0 * bt * h * 2 / 1e9;
-  std::printf("sweep rmsnorm bf16 [%lld, %lld]: items prefetch persistent smem_dw\n", (long long)bt, (long long)h);
-  for (int items : {-1, 0, 1, 2, 4})  // -1: one warp per row
-    for (bool prefetch : {false, true})
-      for (bool persistent : {false, true}) {
-        if (items == -1 && prefetch) continue;
-        const liger::RMSNormConfig c{std::max(items, 0), prefetch, persistent, false, items == -1};
-        const Timing t = time_op(kDev, [&] { check(liger::rms_norm_forward_cuda_with(p, cuda::current_stream(), c)); }, 10, 50);
-        const double gbps = fb / (t.median_ms * 1e-3);
-        std::printf("  fwd %d %d %d -  %8.4f ms %6.0f GB/s %5.1f%%\n", items, prefetch, persistent, t.median_ms, gbps,
-                    100 * gbps / g_copy_gbps);
-        g_rows.push_back({{"op", "sweep rmsnorm fwd"}, {"items", items}, {"prefetch", prefetch}, {"persistent", persistent},
-                          {"ms", t.median_ms}, {"GBps", gbps}});
-      }
-  for (int items : {0, 1, 2})
-    for (bool prefetch : {false, true})
-      for (bool smem_dw : {false, true}) {
-        const liger::RMSNormConfig c{items, prefetch, true, smem_dw};
-        Tensor ws = Tensor::empty({static_cast<int64_t>(liger::rms_norm_backward_workspace_with(p, 0, c))}, DType::u8, kDev);
-        liger::RMSNormParams q = p;
-        q.workspace = ws.data();
-        const Timing t = time_op(kDev, [&] { check(liger::rms_norm_backward_cuda_with(q, cuda::current_stream(), c)); }, 10, 50);
-        const double gbps = bb / (t.median_ms * 1e-3);
-        std::printf("  bwd %d %d 1 %d  %8.4f ms %6.0f GB/s %5.1f%%\n", items, prefetch, smem_dw, t.median_ms, gbps,
-                    100 * gbps / g_copy_gbps);
-        g_rows.push_back({{"op", "sweep rmsnorm bwd"}, {"items", items}, {"prefetch", prefetch}, {"smem_dw", smem_dw},
-                          {"ms", t.median_ms}, {"GBps", gbps}});
-      }
+  std::printf("sweep rmsnorm bf16 [%lld, %lld]: items persistent\n", (long long)bt, (long long)h);
+  for (int items : {0, 1, 2, 4})
+    for (bool persistent : {false, true}) {
+      const liger::RMSNormConfig c{items, persistent};
+      const Timing t = time_op(kDev, [&] { check(liger::rms_norm_forward_cuda_with(p, cuda::current_stream(), c)); }, 10, 50);
+      const double gbps = fb / (t.median_ms * 1e-3);
+      std::printf("  fwd %d %d  %8.4f ms %6.0f GB/s %5.1f%%\n", items, persistent, t.median_ms, gbps, 100 * gbps / g_copy_gbps);
+      g_rows.push_back({{"op", "sweep rmsnorm fwd"}, {"items", items}, {"persistent", persistent}, {"ms", t.median_ms},
+                        {"GBps", gbps}});
+    }
+  for (int items : {0, 1, 2}) {
+    const liger::RMSNormConfig c{items, true};
+    Tensor ws = Tensor::empty({static_cast<int64_t>(liger::rms_norm_backward_workspace_with(p, 0, c))}, DType::u8, kDev);
+    liger::RMSNormParams q = p;
+    q.workspace = ws.data();
+    const Timing t = time_op(kDev, [&] { check(liger::rms_norm_backward_cuda_with(q, cuda::current_stream(), c)); }, 10, 50);
+    const double gbps = bb / (t.median_ms * 1e-3);
+    std::printf("  bwd %d 1  %8.4f ms %6.0f GB/s %5.1f%%\n", items, t.median_ms, gbps, 100 * gbps / g_copy_gbps);
+    g_rows.push_back({{"op", "sweep rmsnorm bwd"}, {"items", items}, {"ms", t.median_ms}, {"GBps", gbps}});
+  }
 }
 
 }  // namespace

@@ -1,11 +1,12 @@
 // RMSNorm on CUDA (maths in rms_norm.h).
 //
-// One block per row at a time.  Two code paths, chosen per call by plan_for():
+// One block per row at a time.  Two code paths, chosen per call by make_plan():
 //  - registers: the row is held in registers as raw 16-byte vectors, ITEMS per thread, and widened
-//    to f32 at the point of use; x (and dy) are read from memory exactly once.  Options, as template
-//    parameters: PREFETCH issues the next row's loads before this row's reduction; SMEM_DW sums dw in
-//    shared memory instead of registers (backward).
+//    to f32 at the point of use; x (and dy) are read from memory exactly once;
 //  - loop: any H and alignment; the row is read twice (the second read mostly hits L2).
+// Which is faster was measured, not assumed (default_config).  Tried and dropped after measuring on
+// an H200 (bench/RESULTS.md): prefetching the next row, dw in shared memory on the registers path,
+// one warp per row.
 // The grid is either one block per row or persistent (as many blocks as fit, striding over rows).
 // The backward always runs persistent: each block sums dw for its rows into its own f32 workspace
 // row, and reduce_dw adds those rows in block order (deterministic, no atomics).
@@ -44,12 +45,12 @@ template <int VEC> __device__ __forceinline__ int64_t column(int i) {
 
 // ---- forward -------------------------------------------------------------------------------------
 
-template <typename T, int VEC, int ITEMS, bool PREFETCH>
+template <typename T, int VEC, int ITEMS>
 __global__ void __launch_bounds__(kMaxRegisterThreads) forward_registers(const __grid_constant__ RMSNormParams p) {
   __shared__ float scratch[32];
   using V = Vec<T, VEC>;
   const int64_t h = p.hidden;
-  V w[ITEMS], next[ITEMS];
+  V w[ITEMS];
   bool live[ITEMS];
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
@@ -62,16 +63,9 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) forward_registers(const _
     for (int i = 0; i < ITEMS; ++i)
       if (live[i]) dst[i] = *reinterpret_cast<const V*>(x + column<VEC>(i));
   };
-  if (PREFETCH && blockIdx.x < p.rows) load(blockIdx.x, next);
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     V v[ITEMS];
-    if constexpr (PREFETCH) {
-#pragma unroll
-      for (int i = 0; i < ITEMS; ++i) v[i] = next[i];
-      if (row + gridDim.x < p.rows) load(row + gridDim.x, next);
-    } else {
-      load(row, v);
-    }
+    load(row, v);
     float ss = 0.0f;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
@@ -127,86 +121,35 @@ __global__ void __launch_bounds__(kMaxThreads) forward_loop(const __grid_constan
   }
 }
 
-// One warp per row, two passes (the second read of the row mostly hits L1/L2): no block barrier at
-// all, so every warp streams its rows independently; UNROLL loads are in flight per lane.
-template <typename T, int VEC, int UNROLL>
-__global__ void __launch_bounds__(256) forward_warp(const __grid_constant__ RMSNormParams p) {
-  const int64_t h = p.hidden, step = 32 * VEC;
-  const int lane = threadIdx.x & 31;
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x >> 5);
-  const T* wp = static_cast<const T*>(p.w);
-  for (int64_t row = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); row < p.rows; row += warps) {
-    const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
-    T* y = static_cast<T*>(p.y) + row * p.y_stride;
-    float ss = 0.0f;
-#pragma unroll UNROLL
-    for (int64_t c = lane * VEC; c < h; c += step) {
-      float v[VEC];
-      load_f32(x + c, v);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) ss += v[k] * v[k];
-    }
-    ss = warp_sum(ss);
-    const float rstd = 1.0f / sqrtf(ss / static_cast<float>(h) + p.eps);
-    if (lane == 0) p.rstd[row] = rstd;
-#pragma unroll UNROLL
-    for (int64_t c = lane * VEC; c < h; c += step) {
-      float v[VEC], w[VEC], o[VEC];
-      load_f32(x + c, v);
-      load_f32(wp + c, w);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) o[k] = normed<T>(v[k], rstd, p.casting) * (w[k] + p.offset);
-      store_f32(y + c, o);
-    }
-  }
-}
-
 // ---- backward ------------------------------------------------------------------------------------
 
-template <typename T, int VEC, int ITEMS, bool PREFETCH, bool SMEM_DW>
+template <typename T, int VEC, int ITEMS>
 __global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const __grid_constant__ RMSNormParams p) {
   __shared__ float scratch[32];
-  extern __shared__ float dw_smem[];  // [h] when SMEM_DW: each column has one owner thread
   using V = Vec<T, VEC>;
   const int64_t h = p.hidden;
   const float inv_h = 1.0f / static_cast<float>(h);
-  V w[ITEMS], nx[ITEMS], nd[ITEMS];
-  float dw[SMEM_DW ? 1 : ITEMS][VEC];
+  V w[ITEMS];
+  float dw[ITEMS][VEC];
   bool live[ITEMS];
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     live[i] = column<VEC>(i) < h;
     if (live[i]) w[i] = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + column<VEC>(i));
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      if constexpr (SMEM_DW) {
-        if (live[i]) dw_smem[column<VEC>(i) + k] = 0.0f;
-      } else {
-        dw[i][k] = 0.0f;
-      }
-    }
+    for (int k = 0; k < VEC; ++k) dw[i][k] = 0.0f;
   }
-  auto load = [&](int64_t row, V (&xd)[ITEMS], V (&dd)[ITEMS]) {
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
     const T* dy = static_cast<const T*>(p.dy) + row * p.dy_stride;
+    V xv[ITEMS], dv[ITEMS];
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
-      xd[i] = *reinterpret_cast<const V*>(x + column<VEC>(i));
-      dd[i] = *reinterpret_cast<const V*>(dy + column<VEC>(i));
+      xv[i] = *reinterpret_cast<const V*>(x + column<VEC>(i));
+      dv[i] = *reinterpret_cast<const V*>(dy + column<VEC>(i));
     }
-  };
-  if (PREFETCH && blockIdx.x < p.rows) load(blockIdx.x, nx, nd);
-  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
-    V xv[ITEMS], dv[ITEMS];
     const float rstd = p.rstd[row];
-    if constexpr (PREFETCH) {
-#pragma unroll
-      for (int i = 0; i < ITEMS; ++i) xv[i] = nx[i], dv[i] = nd[i];
-      if (row + gridDim.x < p.rows) load(row + gridDim.x, nx, nd);
-    } else {
-      load(row, xv, dv);
-    }
     float dot = 0.0f;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
@@ -218,9 +161,7 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const 
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         dot += df[k] * (wf[k] + p.offset) * (xf[k] * rstd);  // g * n, n unrounded (d round / dn = 1)
-        const float contrib = df[k] * normed<T>(xf[k], rstd, p.casting);
-        if constexpr (SMEM_DW) dw_smem[column<VEC>(i) + k] += contrib;
-        else dw[i][k] += contrib;
+        dw[i][k] += df[k] * normed<T>(xf[k], rstd, p.casting);
       }
     }
     dot = block_sum(dot, scratch) * inv_h;
@@ -242,18 +183,25 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const 
   for (int i = 0; i < ITEMS; ++i) {
     if (!live[i]) continue;
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) part[column<VEC>(i) + k] = SMEM_DW ? dw_smem[column<VEC>(i) + k] : dw[SMEM_DW ? 0 : i][k];
+    for (int k = 0; k < VEC; ++k) part[column<VEC>(i) + k] = dw[i][k];
   }
 }
 
-template <typename T, int VEC>
+// SMEM: the block's dw row is summed in shared memory (when it fits) and written out once; else it
+// is summed in place in the block's workspace row (a read-modify-write per element and row: slow,
+// only for rows beyond 12288 f32).
+template <typename T, int VEC, bool SMEM>
 __global__ void __launch_bounds__(kMaxThreads) backward_loop(const __grid_constant__ RMSNormParams p) {
   __shared__ float scratch[32];
+  extern __shared__ float dw_smem[];
   const int64_t h = p.hidden, step = int64_t(blockDim.x) * VEC;
   const float inv_h = 1.0f / static_cast<float>(h);
   const T* wp = static_cast<const T*>(p.w);
-  float* part = static_cast<float*>(p.workspace) + int64_t(blockIdx.x) * h;  // owned by this block
-  for (int64_t c = threadIdx.x; c < h; c += blockDim.x) part[c] = 0.0f;
+  float* out_row = static_cast<float*>(p.workspace) + int64_t(blockIdx.x) * h;  // owned by this block
+  float* part = SMEM ? dw_smem : out_row;
+  for (int64_t c = threadIdx.x * VEC; c < h; c += step)
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) part[c + k] = 0.0f;  // each column is touched by one thread only
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
     const T* dy = static_cast<const T*>(p.dy) + row * p.dy_stride;
@@ -282,6 +230,10 @@ __global__ void __launch_bounds__(kMaxThreads) backward_loop(const __grid_consta
       store_f32(dx + c, o);
     }
   }
+  if constexpr (SMEM)
+    for (int64_t c = threadIdx.x * VEC; c < h; c += step)
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) out_row[c + k] = part[c + k];
 }
 
 // dw[c] = sum over blocks of the workspace rows, in block order.
@@ -317,21 +269,21 @@ bool vector_ok(const RMSNormParams& p, bool backward, int vec) {
 // ptxas spills (seen with -Xptxas -v) and the loop path is faster.
 int max_items(bool backward, int vec) { return (backward ? 16 : 32) / vec; }
 
-// The configuration used when none is given (see bench/RESULTS.md for the sweep behind it).
+// The configuration used when none is given.  Measured on an H200 at [8192, 4096] bf16 (the sweep
+// of bench/bench_kernels.cpp, bench/RESULTS.md): the forward is fastest on the loop path (two reads
+// of a row, the second from L2), the backward with one register vector a thread.
 RMSNormConfig default_config(const RMSNormParams& p, bool backward, int vec) {
   RMSNormConfig c;
-  const int64_t nvec = p.hidden / vec;
-  // Fewest vectors a thread with at most 256 threads a row, within the register budget.
+  c.persistent = true;
   c.items = 0;
-  for (int items = 1; items <= max_items(backward, vec); items *= 2) {
-    if (nvec <= int64_t(256) * items || (items == max_items(backward, vec) && nvec <= int64_t(kMaxRegisterThreads) * items)) {
+  if (!backward) return c;
+  const int64_t nvec = p.hidden / vec;
+  for (int items = 1; items <= max_items(true, vec); items *= 2) {
+    if (nvec <= int64_t(kMaxRegisterThreads) * items) {  // fewest vectors a thread: fewest registers
       c.items = items;
       break;
     }
   }
-  c.prefetch = false;
-  c.persistent = true;
-  c.smem_dw = false;
   return c;
 }
 
@@ -346,11 +298,7 @@ Plan make_plan(const RMSNormParams& p, bool backward, const RMSNormConfig* given
   plan.vec = vec;
   plan.config = given ? *given : default_config(p, backward, vec);
   if (backward) plan.config.persistent = true;  // the dw workspace assumes it
-  // dw in shared memory needs the row in the default 48 KiB.
-  if (plan.config.smem_dw && p.hidden * int64_t(sizeof(float)) > 48 * 1024) plan.config.smem_dw = false;
-  if (backward) plan.config.warp_rows = false;  // forward only
-  if (plan.config.warp_rows) plan.threads = 256;  // 8 rows a block
-  else if (plan.config.items > 0)
+  if (plan.config.items > 0)
     plan.threads = round32((p.hidden / vec + plan.config.items - 1) / plan.config.items, kMaxRegisterThreads);
   else
     plan.threads = 256;
@@ -368,59 +316,54 @@ template <typename F> const char* visit_type(DType t, F&& f) {
 
 using KernelFn = void (*)(RMSNormParams);
 
-// Register variants for ITEMS within the budget, with the options as template parameters.  bf16 gets
-// every option (the tuning sweep runs on it); other dtypes only the defaults.
 // nullptr when ITEMS is beyond the direction's register budget (the caller then takes the loop path).
-template <typename T, int VEC, int ITEMS> KernelFn registers_kernel(const RMSNormConfig& c, bool backward) {
-  constexpr bool kAllOptions = std::is_same_v<T, __nv_bfloat16>;
-  if (backward) {
-    if constexpr (ITEMS * VEC <= 16) {
-      if constexpr (kAllOptions) {
-        if (c.prefetch)
-          return c.smem_dw ? backward_registers<T, VEC, ITEMS, true, true> : backward_registers<T, VEC, ITEMS, true, false>;
-        if (c.smem_dw) return backward_registers<T, VEC, ITEMS, false, true>;
-      }
-      return backward_registers<T, VEC, ITEMS, false, false>;
-    }
-    return nullptr;
-  }
-  if constexpr (kAllOptions)
-    if (c.prefetch) return forward_registers<T, VEC, ITEMS, true>;
-  return forward_registers<T, VEC, ITEMS, false>;
+template <typename T, int VEC, int ITEMS> KernelFn registers_kernel(bool backward) {
+  if (!backward) return forward_registers<T, VEC, ITEMS>;
+  if constexpr (ITEMS * VEC <= 16) return backward_registers<T, VEC, ITEMS>;
+  return nullptr;
 }
 
-template <typename T, int VEC> KernelFn kernel_for(const Plan& plan, bool backward) {
-  const RMSNormConfig& c = plan.config;
-  if (!backward && c.warp_rows) return forward_warp<T, VEC, 4>;
+// dw of the backward loop path in shared memory: while a row of f32 fits the default 48 KiB.
+bool loop_dw_in_smem(const RMSNormParams& p) { return p.hidden * int64_t(sizeof(float)) <= 48 * 1024; }
+
+template <typename T, int VEC> KernelFn kernel_for(const RMSNormParams& p, const Plan& plan, bool backward) {
+  const int items = plan.config.items;
   KernelFn fn = nullptr;
   if constexpr (VEC > 1) {
-    if (c.items == 1) fn = registers_kernel<T, VEC, 1>(c, backward);
-    if constexpr (2 * VEC <= 32) if (c.items == 2) fn = registers_kernel<T, VEC, 2>(c, backward);
-    if constexpr (4 * VEC <= 32) if (c.items == 4) fn = registers_kernel<T, VEC, 4>(c, backward);
-    if constexpr (8 * VEC <= 32) if (c.items == 8) fn = registers_kernel<T, VEC, 8>(c, backward);
+    if (items == 1) fn = registers_kernel<T, VEC, 1>(backward);
+    if constexpr (2 * VEC <= 32) if (items == 2) fn = registers_kernel<T, VEC, 2>(backward);
+    if constexpr (4 * VEC <= 32) if (items == 4) fn = registers_kernel<T, VEC, 4>(backward);
+    if constexpr (8 * VEC <= 32) if (items == 8) fn = registers_kernel<T, VEC, 8>(backward);
   }
   if (fn) return fn;
-  return backward ? backward_loop<T, VEC> : forward_loop<T, VEC>;
+  if (!backward) return forward_loop<T, VEC>;
+  return loop_dw_in_smem(p) ? backward_loop<T, VEC, true> : backward_loop<T, VEC, false>;
 }
 
 KernelFn kernel_for(const RMSNormParams& p, const Plan& plan, bool backward) {
   KernelFn fn = nullptr;
   visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
-    fn = plan.vec == 1 ? kernel_for<T, 1>(plan, backward) : kernel_for<T, 16 / sizeof(T)>(plan, backward);
+    fn = plan.vec == 1 ? kernel_for<T, 1>(p, plan, backward) : kernel_for<T, 16 / sizeof(T)>(p, plan, backward);
     return nullptr;
   });
   return fn;
 }
 
-size_t smem_for(const RMSNormParams& p, const Plan& plan, bool backward) {
-  return backward && plan.config.items > 0 && plan.config.smem_dw ? static_cast<size_t>(p.hidden) * sizeof(float) : 0;
+// Dynamic shared memory of a launch: the dw row of the backward loop path.
+size_t smem_for(const RMSNormParams& p, KernelFn fn, bool backward) {
+  if (!backward || !loop_dw_in_smem(p)) return 0;
+  bool loop = false;
+  visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
+    loop = fn == backward_loop<T, 1, true> || fn == backward_loop<T, 16 / sizeof(T), true>;
+    return nullptr;
+  });
+  return loop ? static_cast<size_t>(p.hidden) * sizeof(float) : 0;
 }
 
 // Persistent: as many blocks as can be resident at once (asked of the occupancy API).
 int grid_for(const RMSNormParams& p, const Plan& plan, KernelFn fn, int device, size_t smem) {
   const int64_t cap = int64_t(1) << 30;
-  const int64_t rows_per_block = plan.config.warp_rows ? plan.threads / 32 : 1;
-  const int64_t blocks = (p.rows + rows_per_block - 1) / rows_per_block;
+  const int64_t blocks = p.rows;
   if (!plan.config.persistent) return static_cast<int>(std::min<int64_t>(blocks, cap));
   int per_sm = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, plan.threads, smem) != cudaSuccess || per_sm < 1) {
@@ -445,7 +388,7 @@ size_t workspace(const RMSNormParams& p, int device, const RMSNormConfig* config
   if (rms_norm_check(p, true) || p.rows == 0) return 0;
   const Plan plan = make_plan(p, true, config);
   const KernelFn fn = kernel_for(p, plan, true);
-  return static_cast<size_t>(grid_for(p, plan, fn, device, smem_for(p, plan, true))) * static_cast<size_t>(p.hidden) *
+  return static_cast<size_t>(grid_for(p, plan, fn, device, smem_for(p, fn, true))) * static_cast<size_t>(p.hidden) *
          sizeof(float);
 }
 
@@ -462,7 +405,7 @@ const char* backward(const RMSNormParams& p, cudaStream_t stream, const RMSNormC
   cudaGetDevice(&device);
   const Plan plan = make_plan(p, true, config);
   const KernelFn fn = kernel_for(p, plan, true);
-  const size_t smem = smem_for(p, plan, true);
+  const size_t smem = smem_for(p, fn, true);
   const int blocks = grid_for(p, plan, fn, device, smem);
   fn<<<blocks, plan.threads, smem, stream>>>(p);
   const unsigned rgrid = static_cast<unsigned>(std::min<int64_t>((p.hidden + 255) / 256, 65535));

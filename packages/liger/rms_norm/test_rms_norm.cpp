@@ -233,13 +233,10 @@ TEST(LigerRMSNormCuda, EveryConfigurationWithinTheBound) {
     const double ey = test::kernel_bound(test::rel_l2_error(ref.y, fo.y), DType::bf16);
     const double edx = test::kernel_bound(test::mag_error(rb.dx, bo.dx, bo.dx_mag), DType::bf16);
     const double edw = test::kernel_bound(test::mag_error(rb.dw, bo.dw, bo.dw_mag), DType::bf16);
-    for (int items : {-1, 0, 1, 2, 4})  // -1: one warp per row (forward)
-      for (bool prefetch : {false, true})
-        for (bool persistent : {false, true})
-          for (bool smem_dw : {false, true}) {
-            const liger::RMSNormConfig c{std::max(items, 0), prefetch, persistent, smem_dw, items == -1};
-            const std::string cfg = fmt::format("h={} items={} prefetch={} persistent={} smem_dw={}", h, items, prefetch,
-                                                persistent, smem_dw);
+    for (int items : {0, 1, 2, 4})
+        for (bool persistent : {false, true}) {
+            const liger::RMSNormConfig c{items, persistent};
+            const std::string cfg = fmt::format("h={} items={} persistent={}", h, items, persistent);
             Tensor y = Tensor::empty({rows, h}, DType::bf16, dev), rstd = Tensor::empty({rows}, DType::f32, dev);
             Tensor dx = Tensor::empty({rows, h}, DType::bf16, dev), dw = Tensor::empty({h}, DType::bf16, dev);
             RMSNormParams p = Kernel{dev}.params(x, w, opt);
@@ -258,7 +255,7 @@ TEST(LigerRMSNormCuda, EveryConfigurationWithinTheBound) {
             EXPECT_LE(test::rel_l2_error(y, fo.y), ey) << cfg;
             EXPECT_LE(test::mag_error(dx, bo.dx, bo.dx_mag), edx) << cfg;
             EXPECT_LE(test::mag_error(dw, bo.dw, bo.dw_mag), edw) << cfg;
-          }
+        }
   }
 }
 #endif

@@ -1,0 +1,96 @@
+// Google Benchmark on the CPU at 1024 x 4096: the reference (eager) compositions and the kernel
+// packages' CPU kernels side by side.  Issue 4's bar: each kernel at least 3x faster than the
+// reference on the 2-core CI machine.  Run: build/release/bin/kcpp_bench_cpu
+#include <benchmark/benchmark.h>
+
+#include "core/random.h"
+#include "ops/nn/glu.h"
+#include "ops/nn/rms_norm.h"
+#include "ops/ops.h"
+#include "rms_norm/rms_norm.h"
+
+namespace {
+using namespace kcpp;
+
+constexpr int64_t kRows = 1024, kHidden = 4096;
+
+kernel::DType kdt(DType t) { return t == DType::f32 ? kernel::DType::f32 : t == DType::bf16 ? kernel::DType::bf16 : kernel::DType::f16; }
+
+struct RMSNormCase {
+  Tensor x, w, dy, y, rstd, dx, dw;
+  liger::RMSNormParams p;
+  explicit RMSNormCase(DType dt) {
+    Generator gen(1);
+    x = Tensor::randn({kRows, kHidden}, dt, Device::cpu(), gen);
+    w = Tensor::randn({kHidden}, dt, Device::cpu(), gen);
+    dy = Tensor::randn({kRows, kHidden}, dt, Device::cpu(), gen);
+    y = Tensor::empty({kRows, kHidden}, dt);
+    dx = Tensor::empty({kRows, kHidden}, dt);
+    dw = Tensor::empty({kHidden}, dt);
+    rstd = Tensor::empty({kRows}, DType::f32);
+    p.dtype = kdt(dt);
+    p.rows = kRows;
+    p.hidden = kHidden;
+    p.x = x.data();
+    p.x_stride = kHidden;
+    p.w = w.data();
+    p.y = y.data();
+    p.y_stride = kHidden;
+    p.rstd = rstd.data_ptr<float>();
+    p.dy = dy.data();
+    p.dy_stride = kHidden;
+    p.dx = dx.data();
+    p.dx_stride = kHidden;
+    p.dw = dw.data();
+  }
+};
+
+void BM_rms_norm_fwd_reference(benchmark::State& st) {
+  RMSNormCase c(static_cast<DType>(st.range(0)));
+  for (auto _ : st) benchmark::DoNotOptimize(ops::rms_norm_forward(c.x, c.w).y.data());
+  st.SetBytesProcessed(st.iterations() * 2 * c.x.nbytes());
+}
+void BM_rms_norm_fwd_kernel(benchmark::State& st) {
+  RMSNormCase c(static_cast<DType>(st.range(0)));
+  for (auto _ : st) {
+    if (const char* e = liger::rms_norm_forward_cpu(c.p)) st.SkipWithError(e);
+    benchmark::ClobberMemory();
+  }
+  st.SetBytesProcessed(st.iterations() * 2 * c.x.nbytes());
+}
+void BM_rms_norm_fwd_bwd_reference(benchmark::State& st) {
+  RMSNormCase c(static_cast<DType>(st.range(0)));
+  for (auto _ : st) {
+    const auto f = ops::rms_norm_forward(c.x, c.w);
+    benchmark::DoNotOptimize(ops::rms_norm_backward(c.dy, c.x, c.w, f.rstd).dx.data());
+  }
+  st.SetBytesProcessed(st.iterations() * 5 * c.x.nbytes());
+}
+void BM_rms_norm_fwd_bwd_kernel(benchmark::State& st) {
+  RMSNormCase c(static_cast<DType>(st.range(0)));
+  for (auto _ : st) {
+    if (const char* e = liger::rms_norm_forward_cpu(c.p)) st.SkipWithError(e);
+    if (const char* e = liger::rms_norm_backward_cpu(c.p)) st.SkipWithError(e);
+    benchmark::ClobberMemory();
+  }
+  st.SetBytesProcessed(st.iterations() * 5 * c.x.nbytes());
+}
+
+#define KCPP_DTYPES ->Arg(static_cast<int>(DType::f32))->Arg(static_cast<int>(DType::bf16))->Unit(benchmark::kMillisecond)
+BENCHMARK(BM_rms_norm_fwd_reference) KCPP_DTYPES;
+BENCHMARK(BM_rms_norm_fwd_kernel) KCPP_DTYPES;
+BENCHMARK(BM_rms_norm_fwd_bwd_reference) KCPP_DTYPES;
+BENCHMARK(BM_rms_norm_fwd_bwd_kernel) KCPP_DTYPES;
+
+void BM_swiglu_fwd_reference(benchmark::State& st) {
+  Generator gen(2);
+  const DType dt = static_cast<DType>(st.range(0));
+  const Tensor g = Tensor::randn({kRows, kHidden}, dt, Device::cpu(), gen), u = Tensor::randn({kRows, kHidden}, dt, Device::cpu(), gen);
+  for (auto _ : st) benchmark::DoNotOptimize(ops::glu_forward(g, u, ops::GluActivation::Silu).data());
+  st.SetBytesProcessed(st.iterations() * 3 * g.nbytes());
+}
+BENCHMARK(BM_swiglu_fwd_reference) KCPP_DTYPES;
+
+}  // namespace
+
+BENCHMARK_MAIN();
