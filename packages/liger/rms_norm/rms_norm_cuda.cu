@@ -50,22 +50,15 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) forward_registers(const _
   __shared__ float scratch[32];
   using V = Vec<T, VEC>;
   const int64_t h = p.hidden;
-  V w[ITEMS];
   bool live[ITEMS];
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    live[i] = column<VEC>(i) < h;
-    if (live[i]) w[i] = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + column<VEC>(i));
-  }
-  auto load = [&](int64_t row, V (&dst)[ITEMS]) {
+  for (int i = 0; i < ITEMS; ++i) live[i] = column<VEC>(i) < h;
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const T* x = static_cast<const T*>(p.x) + row * p.x_stride;  // [h]
+    V v[ITEMS];
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i)
-      if (live[i]) dst[i] = *reinterpret_cast<const V*>(x + column<VEC>(i));
-  };
-  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
-    V v[ITEMS];
-    load(row, v);
+      if (live[i]) v[i] = *reinterpret_cast<const V*>(x + column<VEC>(i));
     float ss = 0.0f;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
@@ -82,9 +75,11 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) forward_registers(const _
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
+      // The weight is re-read per row (it stays in L1/L2): holding it across the reduction costs
+      // registers, and registers are occupancy here.
       float f[VEC], wf[VEC], o[VEC];
       widen(v[i], f);
-      widen(w[i], wf);
+      load_f32(static_cast<const T*>(p.w) + column<VEC>(i), wf);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) o[k] = normed<T>(f[k], rstd, p.casting) * (wf[k] + p.offset);
       store_f32(y + column<VEC>(i), o);
