@@ -6,7 +6,8 @@
 //  - loop: any H and alignment; the row is read twice (the second read mostly hits L2).
 // Which is faster was measured, not assumed (default_config).  Tried and dropped after measuring on
 // an H200 (bench/RESULTS.md): prefetching the next row, dw in shared memory on the registers path,
-// one warp per row.
+// one warp per row, holding the weight in registers across rows in the forward (59 registers
+// against 40 when re-read from L1/L2, and occupancy is what this kernel is short of).
 // The grid is either one block per row or persistent (as many blocks as fit, striding over rows).
 // The backward always runs persistent: each block sums dw for its rows into its own f32 workspace
 // row, and reduce_dw adds those rows in block order (deterministic, no atomics).
@@ -264,17 +265,18 @@ bool vector_ok(const RMSNormParams& p, bool backward, int vec) {
 // ptxas spills (seen with -Xptxas -v) and the loop path is faster.
 int max_items(bool backward, int vec) { return (backward ? 16 : 32) / vec; }
 
-// The configuration used when none is given.  Measured on an H200 at [8192, 4096] bf16 (the sweep
-// of bench/bench_kernels.cpp, bench/RESULTS.md): the forward is fastest on the loop path (two reads
-// of a row, the second from L2), the backward with one register vector a thread.
+// The configuration used when none is given, from the sweep of bench/bench_kernels.cpp on an H200
+// at [8192, 4096] bf16 (bench/RESULTS.md): the forward is fastest holding the row in registers, about
+// 128 threads a row, one block per row (4 vectors a thread: 41.7 us; the loop path: 44.3 us); the
+// backward with one register vector a thread on a persistent grid.
 RMSNormConfig default_config(const RMSNormParams& p, bool backward, int vec) {
   RMSNormConfig c;
-  c.persistent = true;
-  c.items = 0;
-  if (!backward) return c;
   const int64_t nvec = p.hidden / vec;
-  for (int items = 1; items <= max_items(true, vec); items *= 2) {
-    if (nvec <= int64_t(kMaxRegisterThreads) * items) {  // fewest vectors a thread: fewest registers
+  c.persistent = backward;
+  c.items = 0;  // loop path unless a register variant fits
+  const int64_t threads_target = backward ? kMaxRegisterThreads : 128;
+  for (int items = 1; items <= max_items(backward, vec); items *= 2) {
+    if (nvec <= threads_target * items || (items == max_items(backward, vec) && nvec <= int64_t(kMaxRegisterThreads) * items)) {
       c.items = items;
       break;
     }
