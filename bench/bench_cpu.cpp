@@ -7,6 +7,7 @@
 #include "ops/nn/glu.h"
 #include "ops/nn/rms_norm.h"
 #include "ops/ops.h"
+#include "kernel_params.h"
 #include "rms_norm/rms_norm.h"
 
 namespace {
@@ -14,34 +15,17 @@ using namespace kcpp;
 
 constexpr int64_t kRows = 1024, kHidden = 4096;
 
-kernel::DType kdt(DType t) { return t == DType::f32 ? kernel::DType::f32 : t == DType::bf16 ? kernel::DType::bf16 : kernel::DType::f16; }
-
 struct RMSNormCase {
-  Tensor x, w, dy, y, rstd, dx, dw;
+  Tensor x, w, dy;
+  test::RMSNormTensors t;
   liger::RMSNormParams p;
   explicit RMSNormCase(DType dt) {
     Generator gen(1);
     x = Tensor::randn({kRows, kHidden}, dt, Device::cpu(), gen);
     w = Tensor::randn({kHidden}, dt, Device::cpu(), gen);
     dy = Tensor::randn({kRows, kHidden}, dt, Device::cpu(), gen);
-    y = Tensor::empty({kRows, kHidden}, dt);
-    dx = Tensor::empty({kRows, kHidden}, dt);
-    dw = Tensor::empty({kHidden}, dt);
-    rstd = Tensor::empty({kRows}, DType::f32);
-    p.dtype = kdt(dt);
-    p.rows = kRows;
-    p.hidden = kHidden;
-    p.x = x.data();
-    p.x_stride = kHidden;
-    p.w = w.data();
-    p.y = y.data();
-    p.y_stride = kHidden;
-    p.rstd = rstd.data_ptr<float>();
-    p.dy = dy.data();
-    p.dy_stride = kHidden;
-    p.dx = dx.data();
-    p.dx_stride = kHidden;
-    p.dw = dw.data();
+    t = test::rms_norm_tensors(x, w, dy);
+    p = test::rms_norm_params(t);
   }
 };
 

@@ -12,12 +12,14 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <tuple>
 
 #include "core/allocator.h"
 #include "core/cuda_runtime.h"
 #include "core/random.h"
 #include "core/timing.h"
 #include "ops/nn/rms_norm.h"
+#include "kernel_params.h"
 #include "rms_norm/rms_norm.h"
 #include "rms_norm/rms_norm_tuning.h"
 
@@ -77,49 +79,29 @@ void bench_rms_norm() {
     ops::rms_norm_backward(dy, x, w, f.rstd, opt);
   }, fb + bb);
 
-  liger::RMSNormParams p;
-  p.dtype = kernel::DType::bf16;
-  p.rows = bt;
-  p.hidden = h;
-  p.eps = 1e-6f;
-  p.x = x.data();
-  p.x_stride = h;
-  p.w = w.data();
-  p.y_stride = h;
-  p.dy = dy.data();
-  p.dy_stride = h;
-  p.dx_stride = h;
+  // Outputs and workspace allocated inside each timed call, as a framework would (cached blocks).
+  auto fresh = [&](bool backward) {
+    test::RMSNormTensors t = test::rms_norm_tensors(x, w, dy);
+    if (!backward) t.dx = t.dw = Tensor();  // the forward allocates y and rstd only
+    liger::RMSNormParams q = test::rms_norm_params(t, opt);
+    Tensor ws;
+    if (backward) {
+      ws = Tensor::empty({static_cast<int64_t>(liger::rms_norm_backward_workspace(q, 0))}, DType::u8, kDev);
+      q.workspace = ws.data();
+    }
+    return std::make_tuple(t, q, ws);
+  };
   row("rmsnorm fwd", "kcpp", [&] {
-    Tensor y = Tensor::empty({bt, h}, DType::bf16, kDev), rstd = Tensor::empty({bt}, DType::f32, kDev);
-    liger::RMSNormParams q = p;
-    q.y = y.data();
-    q.rstd = rstd.data_ptr<float>();
+    auto [t, q, ws] = fresh(false);
     check(liger::rms_norm_forward_cuda(q, cuda::current_stream()));
   }, fb);
   row("rmsnorm fwd+bwd", "kcpp", [&] {
-    Tensor y = Tensor::empty({bt, h}, DType::bf16, kDev), rstd = Tensor::empty({bt}, DType::f32, kDev);
-    Tensor dx = Tensor::empty({bt, h}, DType::bf16, kDev), dw = Tensor::empty({h}, DType::bf16, kDev);
-    liger::RMSNormParams q = p;
-    q.y = y.data();
-    q.rstd = rstd.data_ptr<float>();
-    q.dx = dx.data();
-    q.dw = dw.data();
-    Tensor ws = Tensor::empty({static_cast<int64_t>(liger::rms_norm_backward_workspace(q, 0))}, DType::u8, kDev);
-    q.workspace = ws.data();
+    auto [t, q, ws] = fresh(true);
     check(liger::rms_norm_forward_cuda(q, cuda::current_stream()));
     check(liger::rms_norm_backward_cuda(q, cuda::current_stream()));
   }, fb + bb);
-  // The backward alone (the forward's output reused): where the fwd+bwd time goes.
-  {
-    Tensor y = Tensor::empty({bt, h}, DType::bf16, kDev), rstd = Tensor::empty({bt}, DType::f32, kDev);
-    Tensor dx = Tensor::empty({bt, h}, DType::bf16, kDev), dw = Tensor::empty({h}, DType::bf16, kDev);
-    liger::RMSNormParams q = p;
-    q.y = y.data();
-    q.rstd = rstd.data_ptr<float>();
-    q.dx = dx.data();
-    q.dw = dw.data();
-    Tensor ws = Tensor::empty({static_cast<int64_t>(liger::rms_norm_backward_workspace(q, 0))}, DType::u8, kDev);
-    q.workspace = ws.data();
+  {  // The backward alone (the forward's output reused): where the fwd+bwd time goes.
+    auto [t, q, ws] = fresh(true);
     check(liger::rms_norm_forward_cuda(q, cuda::current_stream()));
     row("rmsnorm bwd", "kcpp", [&] { check(liger::rms_norm_backward_cuda(q, cuda::current_stream())); }, bb);
   }
@@ -132,23 +114,8 @@ void sweep_rms_norm() {
   Generator gen(7);
   const Tensor x = Tensor::randn({bt, h}, DType::bf16, kDev, gen), w = Tensor::randn({h}, DType::bf16, kDev, gen);
   const Tensor dy = Tensor::randn({bt, h}, DType::bf16, kDev, gen);
-  Tensor y = Tensor::empty({bt, h}, DType::bf16, kDev), rstd = Tensor::empty({bt}, DType::f32, kDev);
-  Tensor dx = Tensor::empty({bt, h}, DType::bf16, kDev), dw = Tensor::empty({h}, DType::bf16, kDev);
-  liger::RMSNormParams p;
-  p.dtype = kernel::DType::bf16;
-  p.rows = bt;
-  p.hidden = h;
-  p.x = x.data();
-  p.x_stride = h;
-  p.w = w.data();
-  p.y = y.data();
-  p.y_stride = h;
-  p.rstd = rstd.data_ptr<float>();
-  p.dy = dy.data();
-  p.dy_stride = h;
-  p.dx = dx.data();
-  p.dx_stride = h;
-  p.dw = dw.data();
+  const test::RMSNormTensors t = test::rms_norm_tensors(x, w, dy);
+  const liger::RMSNormParams p = test::rms_norm_params(t);
   const double fb = 2.0 * bt * h * 2 / 1e9, bb = 3.0 * bt * h * 2 / 1e9;
   std::printf("sweep rmsnorm bf16 [%lld, %lld]: items persistent\n", (long long)bt, (long long)h);
   for (int items : {0, 1, 2, 4})

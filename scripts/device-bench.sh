@@ -3,11 +3,7 @@
 # (PyTorch eager, torch.compile, Liger from .anchors/, see ../shared/anchors/README.md) and our
 # benchmark again, all in one call so that the ratios hold.  Carry .devlibs and .anchors.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/out}"
-mkdir -p "$OUT"
-cublas_dir=$(dirname "$(find / -name 'libcublas.so.13' -not -path '/proc/*' 2>/dev/null | head -n 1)")
-export LD_LIBRARY_PATH="$PWD/.devlibs/lib:$cublas_dir:${LD_LIBRARY_PATH:-}"
+source "$(dirname "$0")/device-env.sh"
 echo "== commit ${KCPP_COMMIT:-unknown}, $(date -u +%F)"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 echo "== kernel tests"

@@ -3,11 +3,7 @@
 # the ceilings, and PyTorch's own copy / GEMM figures in the same call as a cross-check.
 # Results go to $OUT (the device tool brings them back).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/out}"
-mkdir -p "$OUT"
-cublas_dir=$(dirname "$(find / -name 'libcublas.so.13' -not -path '/proc/*' 2>/dev/null | head -n 1)")
-export LD_LIBRARY_PATH="$PWD/.devlibs/lib:$cublas_dir:${LD_LIBRARY_PATH:-}"
+source "$(dirname "$0")/device-env.sh"
 echo "== commit ${KCPP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}, $(date -u +%F)"  # .git does not travel: pass KCPP_COMMIT
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
 echo "== kcpp info"

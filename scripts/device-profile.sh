@@ -2,11 +2,7 @@
 # On the lent GPU: Nsight Compute on our RMSNorm forward and, for comparison, Liger's (from
 # .anchors/).  --clock-control none: the card's clocks are left as they are (METHOD.md).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/out}"
-mkdir -p "$OUT"
-cublas_dir=$(dirname "$(find / -name 'libcublas.so.13' -not -path '/proc/*' 2>/dev/null | head -n 1)")
-export LD_LIBRARY_PATH="$PWD/.devlibs/lib:$cublas_dir:${LD_LIBRARY_PATH:-}"
+source "$(dirname "$0")/device-env.sh"
 NCU=$(command -v ncu || find / -name ncu -type f -path '*nsight*' 2>/dev/null | head -n 1)
 sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section LaunchStats"
 "$NCU" --clock-control none $sections -k regex:'forward_(loop|registers)' -c 2 .devlibs/bin/kcpp_bench_kernels > "$OUT/ncu_kcpp.txt" 2>&1

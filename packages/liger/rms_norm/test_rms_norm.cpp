@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "core/cuda_runtime.h"
+#include "kernel_params.h"
 #include "oracle.h"
 #include "ops/nn/rms_norm.h"
 #include "rms_norm.h"
@@ -15,15 +16,6 @@ namespace {
 using liger::RMSNormCasting;
 using liger::RMSNormParams;
 
-kernel::DType kernel_dtype(DType t) {
-  switch (t) {
-    case DType::f32: return kernel::DType::f32;
-    case DType::bf16: return kernel::DType::bf16;
-    case DType::f16: return kernel::DType::f16;
-    default: throw Error("no kernel dtype for " + std::string(dtype_name(t)));
-  }
-}
-
 std::vector<DType> kernel_dtypes() { return {DType::f32, DType::bf16, DType::f16}; }
 
 // The host side of a call, as the ABI layer will do it: tensors in, params out, errors thrown.
@@ -31,17 +23,7 @@ struct Kernel {
   Device dev;
 
   RMSNormParams params(const Tensor& x, const Tensor& w, const ops::RMSNormOptions& o) const {
-    RMSNormParams p;
-    p.dtype = kernel_dtype(x.dtype());
-    p.rows = x.size(0);
-    p.hidden = x.size(1);
-    p.eps = static_cast<float>(o.eps);
-    p.offset = static_cast<float>(o.offset);
-    p.casting = static_cast<RMSNormCasting>(static_cast<int>(o.casting));
-    p.x = x.data();
-    p.x_stride = x.stride(0);
-    p.w = w.data();
-    return p;
+    return test::rms_norm_params({x, w, {}, {}, {}, {}, {}}, o);
   }
 
   void check(const char* err) const {
@@ -66,11 +48,7 @@ struct Kernel {
 
   ops::RMSNormForward forward(const Tensor& x, const Tensor& w, const ops::RMSNormOptions& o) const {
     Tensor y = Tensor::empty(x.shape(), x.dtype(), dev), rstd = Tensor::empty({x.size(0)}, DType::f32, dev);
-    RMSNormParams p = params(x, w, o);
-    p.y = y.data();
-    p.y_stride = y.stride(0);
-    p.rstd = rstd.data_ptr<float>();
-    check(forward_raw(p));
+    check(forward_raw(test::rms_norm_params({x, w, y, rstd, {}, {}, {}}, o)));
     return {y, rstd};
   }
 
@@ -78,13 +56,7 @@ struct Kernel {
   ops::RMSNormBackward backward(const Tensor& dy, const Tensor& x, const Tensor& w, const Tensor& rstd,
                                 const ops::RMSNormOptions& o, bool in_place = false) const {
     Tensor dx = in_place ? dy : Tensor::empty(x.shape(), x.dtype(), dev), dw = Tensor::empty({x.size(1)}, x.dtype(), dev);
-    RMSNormParams p = params(x, w, o);
-    p.rstd = const_cast<float*>(rstd.data_ptr<float>());
-    p.dy = dy.data();
-    p.dy_stride = dy.stride(0);
-    p.dx = dx.data();
-    p.dx_stride = dx.stride(0);
-    p.dw = dw.data();
+    RMSNormParams p = test::rms_norm_params({x, w, {}, rstd, dy, dx, dw}, o);
     Tensor ws;
 #if KCPP_WITH_CUDA
     if (dev.is_cuda()) {
@@ -182,10 +154,7 @@ TEST_P(LigerRMSNorm, BadInputIsAnErrorNotACrash) {
   const Kernel k{dev};
   const Tensor x = Tensor::zeros({4, 8}, DType::bf16, dev), w = Tensor::zeros({8}, DType::bf16, dev);
   const Tensor y = Tensor::empty({4, 8}, DType::bf16, dev), r = Tensor::empty({4}, DType::f32, dev);
-  RMSNormParams p = k.params(x, w, {});
-  p.y = y.data();
-  p.y_stride = 8;
-  p.rstd = r.data_ptr<float>();
+  RMSNormParams p = test::rms_norm_params({x, w, y, r, {}, {}, {}});
   auto expect_error = [&](RMSNormParams q, const char* needle, bool backward = false) {
     const char* e = backward ? k.backward_raw(q) : k.forward_raw(q);
     ASSERT_NE(e, nullptr) << "no error; expected: " << needle;
@@ -237,17 +206,9 @@ TEST(LigerRMSNormCuda, EveryConfigurationWithinTheBound) {
         for (bool persistent : {false, true}) {
             const liger::RMSNormConfig c{items, persistent};
             const std::string cfg = fmt::format("h={} items={} persistent={}", h, items, persistent);
-            Tensor y = Tensor::empty({rows, h}, DType::bf16, dev), rstd = Tensor::empty({rows}, DType::f32, dev);
-            Tensor dx = Tensor::empty({rows, h}, DType::bf16, dev), dw = Tensor::empty({h}, DType::bf16, dev);
-            RMSNormParams p = Kernel{dev}.params(x, w, opt);
-            p.y = y.data();
-            p.y_stride = h;
-            p.rstd = rstd.data_ptr<float>();
-            p.dy = dy.data();
-            p.dy_stride = h;
-            p.dx = dx.data();
-            p.dx_stride = h;
-            p.dw = dw.data();
+            const test::RMSNormTensors t = test::rms_norm_tensors(x, w, dy);
+            RMSNormParams p = test::rms_norm_params(t, opt);
+            const Tensor &y = t.y, &dx = t.dx, &dw = t.dw;
             Tensor ws = Tensor::empty({static_cast<int64_t>(liger::rms_norm_backward_workspace_with(p, 0, c))}, DType::u8, dev);
             p.workspace = ws.data();
             ASSERT_EQ(liger::rms_norm_forward_cuda_with(p, cuda::current_stream(), c), nullptr) << cfg;

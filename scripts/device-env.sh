@@ -1,0 +1,8 @@
+# Sourced by the scripts that run on the lent GPU machine: the output folder and the library path
+# for the binaries and Debian libraries that scripts/pack-device.sh put in .devlibs/ (cuBLAS comes
+# from that machine's CUDA install).
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+cublas_dir=$(dirname "$(find / -name 'libcublas.so.13' -not -path '/proc/*' 2>/dev/null | head -n 1)")
+export LD_LIBRARY_PATH="$PWD/.devlibs/lib:$cublas_dir:${LD_LIBRARY_PATH:-}"

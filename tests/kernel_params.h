@@ -1,0 +1,53 @@
+// Host-side glue from kcpp::Tensor to the kernel packages' params structs: what the C ABI layer
+// will do (issue 3), shared until then by the packages' tests and benchmarks.  Header-only; needs
+// no test framework.
+#pragma once
+
+#include "core/tensor.h"
+#include "ops/nn/rms_norm.h"
+#include "rms_norm/rms_norm.h"
+
+namespace kcpp::test {
+
+inline kernel::DType kernel_dtype(DType t) {
+  switch (t) {
+    case DType::f32: return kernel::DType::f32;
+    case DType::bf16: return kernel::DType::bf16;
+    case DType::f16: return kernel::DType::f16;
+    default: throw Error("no kernel dtype for " + std::string(dtype_name(t)));
+  }
+}
+
+// RMSNorm params over 2-D tensors [rows, hidden] (rows may be strided).  Outputs and backward
+// tensors may be left undefined when the call does not use them.
+struct RMSNormTensors {
+  Tensor x, w, y, rstd, dy, dx, dw;
+};
+
+inline liger::RMSNormParams rms_norm_params(const RMSNormTensors& t, const ops::RMSNormOptions& o = {}) {
+  liger::RMSNormParams p;
+  p.dtype = kernel_dtype(t.x.dtype());
+  p.rows = t.x.size(0);
+  p.hidden = t.x.size(1);
+  p.eps = static_cast<float>(o.eps);
+  p.offset = static_cast<float>(o.offset);
+  p.casting = static_cast<liger::RMSNormCasting>(static_cast<int>(o.casting));
+  p.x = t.x.data();
+  p.x_stride = t.x.stride(0);
+  p.w = t.w.data();
+  if (t.y.defined()) p.y = t.y.data(), p.y_stride = t.y.stride(0);
+  if (t.rstd.defined()) p.rstd = static_cast<float*>(t.rstd.data());
+  if (t.dy.defined()) p.dy = t.dy.data(), p.dy_stride = t.dy.stride(0);
+  if (t.dx.defined()) p.dx = t.dx.data(), p.dx_stride = t.dx.stride(0);
+  if (t.dw.defined()) p.dw = t.dw.data();
+  return p;
+}
+
+// Every tensor of a forward + backward at [rows, hidden], outputs uninitialised.
+inline RMSNormTensors rms_norm_tensors(const Tensor& x, const Tensor& w, const Tensor& dy) {
+  const Device d = x.device();
+  return {x, w, Tensor::empty(x.shape(), x.dtype(), d), Tensor::empty({x.size(0)}, DType::f32, d), dy,
+          Tensor::empty(x.shape(), x.dtype(), d), Tensor::empty({x.size(1)}, x.dtype(), d)};
+}
+
+}  // namespace kcpp::test
