@@ -81,8 +81,10 @@ void bench_rms_norm() {
 
   // Outputs and workspace allocated inside each timed call, as a framework would (cached blocks).
   auto fresh = [&](bool backward) {
-    test::RMSNormTensors t = test::rms_norm_tensors(x, w, dy);
-    if (!backward) t.dx = t.dw = Tensor();  // the forward allocates y and rstd only
+    // The forward allocates y and rstd only; the backward also dx, dw and the workspace.
+    const test::RMSNormTensors t =
+        backward ? test::rms_norm_tensors(x, w, dy)
+                 : test::RMSNormTensors{x, w, Tensor::empty({bt, h}, DType::bf16, kDev), Tensor::empty({bt}, DType::f32, kDev)};
     liger::RMSNormParams q = test::rms_norm_params(t, opt);
     Tensor ws;
     if (backward) {
