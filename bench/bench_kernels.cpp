@@ -109,6 +109,38 @@ void bench_rms_norm() {
   }
 }
 
+void bench_swiglu() {
+  const int64_t bt = 8192, inter = 14336;
+  Generator gen(11);
+  const Tensor a = Tensor::randn({bt, inter}, DType::bf16, kDev, gen), b = Tensor::randn({bt, inter}, DType::bf16, kDev, gen);
+  const Tensor dc = Tensor::randn({bt, inter}, DType::bf16, kDev, gen);
+  const double unit = double(bt) * inter * 2 / 1e9;  // anchors.py: forward 3 units, forward + backward 8
+  const auto act = ops::GluActivation::Silu;
+  row("swiglu fwd", "reference", [&] { ops::glu_forward(a, b, act); }, 3 * unit);
+  row("swiglu fwd+bwd", "reference", [&] {
+    ops::glu_forward(a, b, act);
+    ops::glu_backward(dc, a, b, act);
+  }, 8 * unit);
+  row("swiglu fwd", "kcpp", [&] {
+    Tensor out = Tensor::empty({bt, inter}, DType::bf16, kDev);
+    check(liger::glu_forward_cuda(test::glu_params(a, b, act, out), cuda::current_stream()));
+  }, 3 * unit);
+  row("swiglu fwd+bwd", "kcpp", [&] {
+    Tensor out = Tensor::empty({bt, inter}, DType::bf16, kDev);
+    Tensor dg = Tensor::empty({bt, inter}, DType::bf16, kDev), du = Tensor::empty({bt, inter}, DType::bf16, kDev);
+    check(liger::glu_forward_cuda(test::glu_params(a, b, act, out), cuda::current_stream()));
+    check(liger::glu_backward_cuda(test::glu_params(a, b, act, {}, dc, dg, du), cuda::current_stream()));
+  }, 8 * unit);
+  // In place, as Liger does: the gradients overwrite gate and up (scratch copies here, so that the
+  // inputs above stay intact; their values drift between runs, which does not change the work).
+  const Tensor a2 = a.clone(), b2 = b.clone();
+  row("swiglu fwd+bwd in-place", "kcpp", [&] {
+    Tensor out = Tensor::empty({bt, inter}, DType::bf16, kDev);
+    check(liger::glu_forward_cuda(test::glu_params(a2, b2, act, out), cuda::current_stream()));
+    check(liger::glu_backward_cuda(test::glu_params(a2, b2, act, {}, dc, a2, b2), cuda::current_stream()));
+  }, 8 * unit);
+}
+
 // Every launch configuration of the registers path at the benchmark shape, forward and backward
 // separately: the measurements behind the defaults in rms_norm_cuda.cu.
 void sweep_rms_norm() {
@@ -157,6 +189,7 @@ int main(int argc, char** argv) {
     }
     bench_copy();
     bench_rms_norm();
+    bench_swiglu();
     if (sweep) sweep_rms_norm();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kcpp_bench_kernels: error: %s\n", e.what());

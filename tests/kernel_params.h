@@ -5,6 +5,8 @@
 
 #include "core/tensor.h"
 #include "ops/nn/rms_norm.h"
+#include "glu/glu.h"
+#include "ops/nn/glu.h"
 #include "rms_norm/rms_norm.h"
 
 namespace kcpp::test {
@@ -48,6 +50,24 @@ inline RMSNormTensors rms_norm_tensors(const Tensor& x, const Tensor& w, const T
   const Device d = x.device();
   return {x, w, Tensor::empty(x.shape(), x.dtype(), d), Tensor::empty({x.size(0)}, DType::f32, d), dy,
           Tensor::empty(x.shape(), x.dtype(), d), Tensor::empty({x.size(1)}, x.dtype(), d)};
+}
+
+// GLU params over tensors of one shape; each must be contiguous (the kernel's layout).
+inline liger::GluParams glu_params(const Tensor& gate, const Tensor& up, ops::GluActivation act, const Tensor& out,
+                                   const Tensor& dout = {}, const Tensor& dgate = {}, const Tensor& dup = {}) {
+  for (const Tensor* t : {&gate, &up, &out, &dout, &dgate, &dup})
+    if (t->defined() && !t->is_contiguous()) throw Error("glu kernel: tensors must be contiguous, got " + t->str());
+  liger::GluParams p;
+  p.dtype = kernel_dtype(gate.dtype());
+  p.act = static_cast<liger::GluActivation>(static_cast<int>(act));
+  p.n = gate.numel();
+  p.gate = gate.data();
+  p.up = up.data();
+  if (out.defined()) p.out = out.data();
+  if (dout.defined()) p.dout = dout.data();
+  if (dgate.defined()) p.dgate = dgate.data();
+  if (dup.defined()) p.dup = dup.data();
+  return p;
 }
 
 }  // namespace kcpp::test

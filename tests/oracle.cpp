@@ -159,6 +159,34 @@ void glu_backward(const V& dout, const V& gate, const V& up, Act act, V& dgate, 
   }
 }
 
+GluMagnitude glu_magnitude(const V& dout, const V& gate, const V& up, Act act) {
+  GluMagnitude m{V(gate.size()), V(gate.size()), V(gate.size())};
+  const double k = std::sqrt(2.0 / kPi), c = 0.044715;
+  for (size_t i = 0; i < gate.size(); ++i) {
+    const double x = gate[i], ax = std::fabs(x);
+    double f = 0, df = 0;  // magnitudes of act(x) and act'(x)
+    if (act == Act::Silu) {
+      const double sg = 1.0 / (1.0 + std::exp(-x));
+      f = ax * sg;
+      df = sg + ax * sg * (1 - sg);
+    } else if (act == Act::Gelu) {
+      const double e = std::fabs(std::erf(x / std::sqrt(2.0)));
+      f = ax * 0.5 * (1 + e);
+      df = 0.5 * (1 + e) + ax * std::exp(-0.5 * x * x) / std::sqrt(2 * kPi);
+    } else {
+      const double t = std::tanh(k * (x + c * x * x * x)), at = std::fabs(t);
+      f = ax * 0.5 * (1 + at);
+      df = 0.5 * (1 + at) + 0.5 * ax * (1 - t * t) * k * (1 + 3 * c * x * x);
+    }
+    m.out[i] = f * std::fabs(up[i]);
+    if (!dout.empty()) {
+      m.dgate[i] = std::fabs(dout[i] * up[i]) * df;
+      m.dup[i] = std::fabs(dout[i]) * f;
+    }
+  }
+  return m;
+}
+
 static void log_probs_row(const double* x, int64_t v, V& lp) {
   double mx = -std::numeric_limits<double>::infinity();
   for (int64_t j = 0; j < v; ++j) mx = std::max(mx, x[j]);

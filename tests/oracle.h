@@ -42,6 +42,12 @@ V rope(const V& x, const V& cos, const V& sin, int64_t b, int64_t h, int64_t s, 
 enum class Act { Silu, Gelu, GeluTanh };
 V glu(const V& gate, const V& up, Act act);
 void glu_backward(const V& dout, const V& gate, const V& up, Act act, V& dgate, V& dup);
+// Magnitudes of the terms behind glu and its gradients (1 + erf and 1 + tanh cancel for very
+// negative inputs; here they become 1 + |erf|, 1 + |tanh|).  See NormGrad for why.
+struct GluMagnitude {
+  V out, dgate, dup;
+};
+GluMagnitude glu_magnitude(const V& dout, const V& gate, const V& up, Act act);
 
 // Per-row losses (0 for ignored rows) and the count of non-ignored rows.
 V cross_entropy_rows(const V& logits, const std::vector<int64_t>& t, int64_t n, int64_t v, int64_t ignore,

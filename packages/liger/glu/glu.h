@@ -1,0 +1,50 @@
+// Gated linear units of the MLP (package liger, layer contract MLP activation part, "GLU/1"):
+// SwiGLU (SiLU gate), GeGLU (GELU gate, exact or tanh), forward and backward, CPU and CUDA.
+//
+//   forward:  out = act(gate) * up                       (f32 inside, one rounding to the dtype)
+//   backward: dgate = dout * up * act'(gate),  dup = dout * act(gate)
+//             (act recomputed from gate: nothing is saved beyond the inputs)
+//   silu(x)  = x * s(x),                      silu'(x)  = s(x) (1 + x (1 - s(x))),   s = sigmoid
+//   gelu(x)  = x Phi(x),                      gelu'(x)  = Phi(x) + x phi(x)
+//   gelu_tanh(x) = x (1 + tanh(u)) / 2, u = sqrt(2/pi) (x + 0.044715 x^3)
+//   gelu_tanh'(x) = (1 + t) / 2 + x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2) / 2,  t = tanh(u)
+// Layout: gate, up, out, dout, dgate, dup are contiguous arrays of n elements of one dtype (the
+// host makes them so or refuses the call).  In-place is allowed element for element: out may be
+// gate or up; dgate may be gate and dup may be up (Liger's memory saving: no new buffers in the
+// backward).  NaN and Inf propagate as the formulas do.
+// Cost: forward reads 2n and writes n elements; backward reads 3n and writes 2n.
+#pragma once
+
+#include <cstdint>
+
+#include "kcpp/kernel/types.h"
+
+#if KCPP_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace kcpp::liger {
+
+enum class GluActivation : int32_t { Silu = 0, Gelu = 1, GeluTanh = 2 };
+
+struct GluParams {
+  kernel::DType dtype = kernel::DType::bf16;
+  GluActivation act = GluActivation::Silu;
+  int64_t n = 0;
+  const void* gate = nullptr;
+  const void* up = nullptr;
+  void* out = nullptr;         // forward
+  const void* dout = nullptr;  // backward
+  void* dgate = nullptr;
+  void* dup = nullptr;
+};
+
+const char* glu_check(const GluParams& p, bool backward);
+const char* glu_forward_cpu(const GluParams& p);
+const char* glu_backward_cpu(const GluParams& p);
+#if KCPP_WITH_CUDA
+const char* glu_forward_cuda(const GluParams& p, cudaStream_t stream);
+const char* glu_backward_cuda(const GluParams& p, cudaStream_t stream);
+#endif
+
+}  // namespace kcpp::liger

@@ -1,0 +1,97 @@
+// GLU on the CPU (maths in glu.h): chunks of rows in parallel, each widened to f32, computed in a
+// loop the compiler vectorizes, and rounded back.
+#include <algorithm>
+#include <vector>
+
+#include "glu.h"
+#include "glu_math.h"
+#include "kcpp/kernel/cpu.h"
+#include "kcpp/kernel/error.h"
+
+namespace kcpp::liger {
+namespace {
+
+using kernel::cpu::load_row;
+using kernel::cpu::store_row;
+constexpr int64_t kChunk = 4096;
+
+template <typename T, GluActivation A> void forward(const GluParams& p) {
+  const int64_t chunks = (p.n + kChunk - 1) / kChunk;
+#pragma omp parallel
+  {
+    float g[kChunk], u[kChunk];
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t b = c * kChunk, m = std::min(kChunk, p.n - b);
+      load_row(static_cast<const T*>(p.gate) + b, m, g);
+      load_row(static_cast<const T*>(p.up) + b, m, u);
+      for (int64_t i = 0; i < m; ++i) g[i] = glu_math::act<A>(g[i], nullptr) * u[i];
+      store_row(g, m, static_cast<T*>(p.out) + b);
+    }
+  }
+}
+
+template <typename T, GluActivation A> void backward(const GluParams& p) {
+  const int64_t chunks = (p.n + kChunk - 1) / kChunk;
+#pragma omp parallel
+  {
+    float g[kChunk], u[kChunk], d[kChunk];
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t b = c * kChunk, m = std::min(kChunk, p.n - b);
+      load_row(static_cast<const T*>(p.gate) + b, m, g);
+      load_row(static_cast<const T*>(p.up) + b, m, u);
+      load_row(static_cast<const T*>(p.dout) + b, m, d);
+      for (int64_t i = 0; i < m; ++i) {  // all three read before either output is written (in-place safe)
+        float da;
+        const float a = glu_math::act<A>(g[i], &da);
+        g[i] = d[i] * u[i] * da;  // dgate
+        u[i] = d[i] * a;          // dup
+      }
+      store_row(g, m, static_cast<T*>(p.dgate) + b);
+      store_row(u, m, static_cast<T*>(p.dup) + b);
+    }
+  }
+}
+
+template <bool Backward> const char* run(const GluParams& p) {
+  if (const char* e = glu_check(p, Backward)) return e;
+  auto go = [&]<typename T>(T*) {
+    switch (p.act) {
+      case GluActivation::Silu: Backward ? backward<T, GluActivation::Silu>(p) : forward<T, GluActivation::Silu>(p); break;
+      case GluActivation::Gelu: Backward ? backward<T, GluActivation::Gelu>(p) : forward<T, GluActivation::Gelu>(p); break;
+      case GluActivation::GeluTanh:
+        Backward ? backward<T, GluActivation::GeluTanh>(p) : forward<T, GluActivation::GeluTanh>(p);
+        break;
+    }
+  };
+  switch (p.dtype) {
+    case kernel::DType::f32: go(static_cast<float*>(nullptr)); break;
+    case kernel::DType::bf16: go(static_cast<kernel::cpu::bf16*>(nullptr)); break;
+    case kernel::DType::f16: go(static_cast<kernel::cpu::f16*>(nullptr)); break;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+const char* glu_check(const GluParams& p, bool backward) {
+  const char* op = backward ? "glu backward" : "glu forward";
+  KCPP_KERNEL_REQUIRE(p.dtype == kernel::DType::f32 || p.dtype == kernel::DType::bf16 || p.dtype == kernel::DType::f16,
+                      "%s: unsupported dtype %d", op, static_cast<int>(p.dtype));
+  KCPP_KERNEL_REQUIRE(static_cast<int32_t>(p.act) >= 0 && static_cast<int32_t>(p.act) <= 2, "%s: unknown activation %d",
+                      op, static_cast<int>(p.act));
+  KCPP_KERNEL_REQUIRE(p.n >= 0, "%s: n = %lld < 0", op, static_cast<long long>(p.n));
+  if (p.n == 0) return nullptr;
+  KCPP_KERNEL_REQUIRE(p.gate && p.up, "%s: arguments 'gate' and 'up' must not be null", op);
+  if (!backward) KCPP_KERNEL_REQUIRE(p.out != nullptr, "%s: argument 'out' is null", op);
+  else KCPP_KERNEL_REQUIRE(p.dout && p.dgate && p.dup, "%s: arguments 'dout', 'dgate' and 'dup' must not be null", op);
+  if (backward)
+    KCPP_KERNEL_REQUIRE(p.dgate != p.dup, "%s: 'dgate' and 'dup' must be different buffers", op);
+  return nullptr;
+}
+
+const char* glu_forward_cpu(const GluParams& p) { return run<false>(p); }
+const char* glu_backward_cpu(const GluParams& p) { return run<true>(p); }
+
+}  // namespace kcpp::liger

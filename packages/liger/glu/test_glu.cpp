@@ -1,0 +1,145 @@
+// GLU kernels against the f64 oracle, held to DESIGN.md's bound: at most twice the error of the
+// eager reference (ops::glu_*) in the same precision, and within the dtype's table.
+#include "core/cuda_runtime.h"
+#include "glu.h"
+#include "kernel_params.h"
+#include "oracle.h"
+#include "ops/nn/glu.h"
+#include "test_util.h"
+
+namespace kcpp {
+namespace {
+
+using ops::GluActivation;
+
+struct GluKernel {
+  Device dev;
+  void check(const char* err) const {
+    if (err) throw Error(err);
+#if KCPP_WITH_CUDA
+    if (dev.is_cuda()) KCPP_CUDA_CHECK(cudaDeviceSynchronize());
+#endif
+  }
+  const char* forward_raw(const liger::GluParams& p) const {
+#if KCPP_WITH_CUDA
+    if (dev.is_cuda()) return liger::glu_forward_cuda(p, cuda::current_stream());
+#endif
+    return liger::glu_forward_cpu(p);
+  }
+  const char* backward_raw(const liger::GluParams& p) const {
+#if KCPP_WITH_CUDA
+    if (dev.is_cuda()) return liger::glu_backward_cuda(p, cuda::current_stream());
+#endif
+    return liger::glu_backward_cpu(p);
+  }
+  Tensor forward(const Tensor& g, const Tensor& u, GluActivation a) const {
+    Tensor out = Tensor::empty(g.shape(), g.dtype(), dev);
+    check(forward_raw(test::glu_params(g, u, a, out)));
+    return out;
+  }
+  // dgate / dup default to fresh tensors; pass gate / up themselves for the in-place form.
+  std::pair<Tensor, Tensor> backward(const Tensor& d, const Tensor& g, const Tensor& u, GluActivation a,
+                                     Tensor dgate = {}, Tensor dup = {}) const {
+    if (!dgate.defined()) dgate = Tensor::empty(g.shape(), g.dtype(), dev);
+    if (!dup.defined()) dup = Tensor::empty(g.shape(), g.dtype(), dev);
+    check(backward_raw(test::glu_params(g, u, a, {}, d, dgate, dup)));
+    return {dgate, dup};
+  }
+};
+
+oracle::Act oracle_act(GluActivation a) {
+  return a == GluActivation::Silu ? oracle::Act::Silu : a == GluActivation::Gelu ? oracle::Act::Gelu : oracle::Act::GeluTanh;
+}
+
+class LigerGlu : public ::testing::TestWithParam<Device> {};
+
+TEST_P(LigerGlu, WithinTwiceTheReferenceError) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const GluKernel k{dev};
+  for (DType dt : {DType::f32, DType::bf16, DType::f16})
+    for (GluActivation act : {GluActivation::Silu, GluActivation::Gelu, GluActivation::GeluTanh})
+      for (int64_t n : {1, 7, 4096, 4097, 3 * 14336 + 5})
+        for (bool misaligned : {false, true}) {
+          // Misaligned: a view starting one element into its buffer, so the scalar path runs.
+          auto make = [&](double sd) {
+            const Tensor t = Tensor::randn({n + 1}, dt, dev, gen, 0.0, sd);
+            return misaligned ? t.narrow(0, 1, n) : t.narrow(0, 0, n);
+          };
+          const Tensor g = make(2.0), u = make(1.0), d = make(1.0);
+          const auto gv = g.to_f64_vector(), uv = u.to_f64_vector();
+          std::vector<double> dg, du;
+          oracle::glu_backward(d.to_f64_vector(), gv, uv, oracle_act(act), dg, du);
+          const auto fo = oracle::glu(gv, uv, oracle_act(act));
+          const auto mag = oracle::glu_magnitude(d.to_f64_vector(), gv, uv, oracle_act(act));
+          const std::string cfg = fmt::format("{} act={} n={} misaligned={}", test::config_name(dev, dt),
+                                              static_cast<int>(act), n, misaligned);
+          const double tol = test::composite_rel_l2(dt);
+          const double e_ref = test::mag_error(ops::glu_forward(g, u, act), fo, mag.out);
+          const double e = test::mag_error(k.forward(g, u, act), fo, mag.out);
+          EXPECT_LE(e, test::kernel_bound(e_ref, dt)) << cfg << " out (reference error " << e_ref << ")";
+          EXPECT_LE(e, tol) << cfg;
+          const auto rb = ops::glu_backward(d, g, u, act);
+          const auto [kg, ku] = k.backward(d, g, u, act);
+          const double eg_ref = test::mag_error(rb.dgate, dg, mag.dgate), eu_ref = test::mag_error(rb.dup, du, mag.dup);
+          const double eg = test::mag_error(kg, dg, mag.dgate), eu = test::mag_error(ku, du, mag.dup);
+          EXPECT_LE(eg, test::kernel_bound(eg_ref, dt)) << cfg << " dgate (reference error " << eg_ref << ")";
+          EXPECT_LE(eu, test::kernel_bound(eu_ref, dt)) << cfg << " dup (reference error " << eu_ref << ")";
+          EXPECT_LE(std::max(eg, eu), tol) << cfg;
+        }
+}
+
+TEST_P(LigerGlu, InPlaceMatchesOutOfPlace) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const GluKernel k{dev};
+  const Tensor g = Tensor::randn({3, 1001}, DType::bf16, dev, gen), u = Tensor::randn({3, 1001}, DType::bf16, dev, gen);
+  const Tensor d = Tensor::randn({3, 1001}, DType::bf16, dev, gen);
+  const auto [dg, du] = k.backward(d, g, u, GluActivation::Silu);
+  const Tensor g2 = g.clone(), u2 = u.clone();
+  const auto [dg2, du2] = k.backward(d, g2, u2, GluActivation::Silu, g2, u2);  // gradients over the inputs
+  EXPECT_TRUE(dg2.shares_storage(g2));
+  EXPECT_EQ(dg2.to_f64_vector(), dg.to_f64_vector());
+  EXPECT_EQ(du2.to_f64_vector(), du.to_f64_vector());
+  const Tensor out = k.forward(g, u, GluActivation::Gelu), g3 = g.clone();
+  k.check(k.forward_raw(test::glu_params(g3, u, GluActivation::Gelu, g3)));
+  EXPECT_EQ(g3.to_f64_vector(), out.to_f64_vector());
+}
+
+TEST_P(LigerGlu, NaNPropagatesAndBadInputIsAnError) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  const GluKernel k{dev};
+  std::vector<double> gv(16, 0.5);
+  gv[3] = std::nan("");
+  const Tensor g = Tensor::from_f64(gv, {16}, DType::bf16, dev), u = Tensor::full({16}, 1.0, DType::bf16, dev);
+  const auto out = k.forward(g, u, GluActivation::Silu).to_f64_vector();
+  EXPECT_TRUE(std::isnan(out[3]));
+  EXPECT_FALSE(std::isnan(out[4]));
+  liger::GluParams p = test::glu_params(g, u, GluActivation::Silu, Tensor::empty({16}, DType::bf16, dev));
+  auto expect_error = [&](liger::GluParams q, const char* needle, bool backward) {
+    const char* e = backward ? k.backward_raw(q) : k.forward_raw(q);
+    ASSERT_NE(e, nullptr) << needle;
+    EXPECT_NE(std::string(e).find(needle), std::string::npos) << e;
+  };
+  liger::GluParams q = p;
+  q.up = nullptr;
+  expect_error(q, "'gate' and 'up' must not be null", false);
+  q = p;
+  q.act = static_cast<liger::GluActivation>(5);
+  expect_error(q, "unknown activation 5", false);
+  q = p;
+  q.n = -3;
+  expect_error(q, "n = -3 < 0", false);
+  expect_error(p, "'dout', 'dgate' and 'dup' must not be null", true);
+  EXPECT_THROW(test::glu_params(Tensor::zeros({4, 6}, DType::bf16, dev).transpose(0, 1), u, GluActivation::Silu, u),
+               Error);  // non-contiguous: refused before the kernel
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, LigerGlu, ::testing::Values(Device::cpu(), Device::cuda(0)),
+                         [](const auto& info) { return info.param.is_cpu() ? std::string("cpu") : std::string("cuda"); });
+
+}  // namespace
+}  // namespace kcpp
