@@ -1,7 +1,6 @@
 // GLU on CUDA (maths in glu.h): a grid-stride loop over 16-byte vectors when every pointer is
-// aligned (scalar otherwise), several vectors a thread per iteration with all loads issued first;
-// each thread reads its gate, up (and dout) before writing, so the in-place forms are safe.  The
-// activation is a template parameter; 16-bit dtypes use the hardware exp and division.
+// aligned (scalar otherwise); each thread reads its gate, up (and dout) before writing, so the
+// in-place forms are safe.  The activation is a template parameter.
 #include "glu.h"
 #include "glu_math.h"
 #include "kcpp/kernel/cuda.cuh"
@@ -11,71 +10,36 @@ namespace {
 
 using namespace kcpp::kernel::cuda;
 
-// UNROLL vectors a thread per iteration, all loads issued before any use (bytes in flight).
-constexpr int kUnroll = 4;
-
-template <typename T> constexpr bool kFast = sizeof(T) == 2;  // fast exp / division for 16-bit outputs
-
 template <typename T, int VEC, GluActivation A>
 __global__ void __launch_bounds__(256) forward_kernel(const __grid_constant__ GluParams p) {
   const int64_t nvec = p.n / VEC, stride = int64_t(gridDim.x) * blockDim.x;
-  const T* gp = static_cast<const T*>(p.gate);
-  const T* up = static_cast<const T*>(p.up);
-  T* op = static_cast<T*>(p.out);
-  for (int64_t v0 = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v0 < nvec; v0 += stride * kUnroll) {
-    float g[kUnroll][VEC], u[kUnroll][VEC];
+  for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < nvec; v += stride) {
+    float g[VEC], u[VEC], o[VEC];
+    load_f32(static_cast<const T*>(p.gate) + v * VEC, g);
+    load_f32(static_cast<const T*>(p.up) + v * VEC, u);
 #pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const int64_t v = v0 + j * stride;
-      if (v < nvec) {
-        load_f32(gp + v * VEC, g[j]);
-        load_f32(up + v * VEC, u[j]);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const int64_t v = v0 + j * stride;
-      if (v >= nvec) break;
-      float o[VEC];
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) o[k] = glu_math::act<A, kFast<T>>(g[j][k], nullptr) * u[j][k];
-      store_f32(op + v * VEC, o);
-    }
+    for (int k = 0; k < VEC; ++k) o[k] = glu_math::act<A>(g[k], nullptr) * u[k];
+    store_f32(static_cast<T*>(p.out) + v * VEC, o);
   }
 }
 
 template <typename T, int VEC, GluActivation A>
 __global__ void __launch_bounds__(256) backward_kernel(const __grid_constant__ GluParams p) {
   const int64_t nvec = p.n / VEC, stride = int64_t(gridDim.x) * blockDim.x;
-  const T* gp = static_cast<const T*>(p.gate);
-  const T* up = static_cast<const T*>(p.up);
-  const T* dp = static_cast<const T*>(p.dout);
-  for (int64_t v0 = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v0 < nvec; v0 += stride * kUnroll) {
-    float g[kUnroll][VEC], u[kUnroll][VEC], d[kUnroll][VEC];
+  for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < nvec; v += stride) {
+    float g[VEC], u[VEC], d[VEC], dg[VEC], du[VEC];
+    load_f32(static_cast<const T*>(p.gate) + v * VEC, g);
+    load_f32(static_cast<const T*>(p.up) + v * VEC, u);
+    load_f32(static_cast<const T*>(p.dout) + v * VEC, d);
 #pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const int64_t v = v0 + j * stride;
-      if (v < nvec) {
-        load_f32(gp + v * VEC, g[j]);
-        load_f32(up + v * VEC, u[j]);
-        load_f32(dp + v * VEC, d[j]);
-      }
+    for (int k = 0; k < VEC; ++k) {
+      float da;
+      const float a = glu_math::act<A>(g[k], &da);
+      dg[k] = d[k] * u[k] * da;
+      du[k] = d[k] * a;
     }
-#pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const int64_t v = v0 + j * stride;
-      if (v >= nvec) break;
-      float dg[VEC], du[VEC];
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        float da;
-        const float a = glu_math::act<A, kFast<T>>(g[j][k], &da);
-        dg[k] = d[j][k] * u[j][k] * da;
-        du[k] = d[j][k] * a;
-      }
-      store_f32(static_cast<T*>(p.dgate) + v * VEC, dg);
-      store_f32(static_cast<T*>(p.dup) + v * VEC, du);
-    }
+    store_f32(static_cast<T*>(p.dgate) + v * VEC, dg);
+    store_f32(static_cast<T*>(p.dup) + v * VEC, du);
   }
 }
 
@@ -92,8 +56,7 @@ template <bool Backward> const char* run(const GluParams& p, cudaStream_t stream
   const int vec = vec_ok ? vec_full : 1;
   const int64_t nvec = p.n / vec;
   // Enough blocks to fill the machine several times over; the grid-stride loop does the rest.
-  const unsigned grid = static_cast<unsigned>(
-      std::max<int64_t>(1, std::min<int64_t>((nvec + 256 * kUnroll - 1) / (256 * kUnroll), int64_t(sm_count(device)) * 8)));
+  const unsigned grid = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((nvec + 255) / 256, int64_t(sm_count(device)) * 16)));
   auto launch = [&]<typename T, int V, GluActivation A>() {
     if constexpr (Backward) backward_kernel<T, V, A><<<grid, 256, 0, stream>>>(p);
     else forward_kernel<T, V, A><<<grid, 256, 0, stream>>>(p);
