@@ -8,6 +8,7 @@
 #include "ops/nn/rms_norm.h"
 #include "ops/ops.h"
 #include "kernel_params.h"
+#include "glu/glu.h"
 #include "rms_norm/rms_norm.h"
 
 namespace {
@@ -66,14 +67,57 @@ BENCHMARK(BM_rms_norm_fwd_kernel) KCPP_DTYPES;
 BENCHMARK(BM_rms_norm_fwd_bwd_reference) KCPP_DTYPES;
 BENCHMARK(BM_rms_norm_fwd_bwd_kernel) KCPP_DTYPES;
 
+struct GluCase {
+  Tensor g, u, d, out, dg, du;
+  explicit GluCase(DType dt) {
+    Generator gen(2);
+    g = Tensor::randn({kRows, kHidden}, dt, Device::cpu(), gen);
+    u = Tensor::randn({kRows, kHidden}, dt, Device::cpu(), gen);
+    d = Tensor::randn({kRows, kHidden}, dt, Device::cpu(), gen);
+    out = Tensor::empty({kRows, kHidden}, dt);
+    dg = Tensor::empty({kRows, kHidden}, dt);
+    du = Tensor::empty({kRows, kHidden}, dt);
+  }
+};
+constexpr auto kSilu = ops::GluActivation::Silu;
+
 void BM_swiglu_fwd_reference(benchmark::State& st) {
-  Generator gen(2);
-  const DType dt = static_cast<DType>(st.range(0));
-  const Tensor g = Tensor::randn({kRows, kHidden}, dt, Device::cpu(), gen), u = Tensor::randn({kRows, kHidden}, dt, Device::cpu(), gen);
-  for (auto _ : st) benchmark::DoNotOptimize(ops::glu_forward(g, u, ops::GluActivation::Silu).data());
-  st.SetBytesProcessed(st.iterations() * 3 * g.nbytes());
+  GluCase c(static_cast<DType>(st.range(0)));
+  for (auto _ : st) benchmark::DoNotOptimize(ops::glu_forward(c.g, c.u, kSilu).data());
+  st.SetBytesProcessed(st.iterations() * 3 * c.g.nbytes());
+}
+void BM_swiglu_fwd_kernel(benchmark::State& st) {
+  GluCase c(static_cast<DType>(st.range(0)));
+  const liger::GluParams p = test::glu_params(c.g, c.u, kSilu, c.out);
+  for (auto _ : st) {
+    if (const char* e = liger::glu_forward_cpu(p)) st.SkipWithError(e);
+    benchmark::ClobberMemory();
+  }
+  st.SetBytesProcessed(st.iterations() * 3 * c.g.nbytes());
+}
+void BM_swiglu_fwd_bwd_reference(benchmark::State& st) {
+  GluCase c(static_cast<DType>(st.range(0)));
+  for (auto _ : st) {
+    benchmark::DoNotOptimize(ops::glu_forward(c.g, c.u, kSilu).data());
+    benchmark::DoNotOptimize(ops::glu_backward(c.d, c.g, c.u, kSilu).dgate.data());
+  }
+  st.SetBytesProcessed(st.iterations() * 8 * c.g.nbytes());
+}
+void BM_swiglu_fwd_bwd_kernel(benchmark::State& st) {
+  GluCase c(static_cast<DType>(st.range(0)));
+  const liger::GluParams f = test::glu_params(c.g, c.u, kSilu, c.out);
+  const liger::GluParams b = test::glu_params(c.g, c.u, kSilu, {}, c.d, c.dg, c.du);
+  for (auto _ : st) {
+    if (const char* e = liger::glu_forward_cpu(f)) st.SkipWithError(e);
+    if (const char* e = liger::glu_backward_cpu(b)) st.SkipWithError(e);
+    benchmark::ClobberMemory();
+  }
+  st.SetBytesProcessed(st.iterations() * 8 * c.g.nbytes());
 }
 BENCHMARK(BM_swiglu_fwd_reference) KCPP_DTYPES;
+BENCHMARK(BM_swiglu_fwd_kernel) KCPP_DTYPES;
+BENCHMARK(BM_swiglu_fwd_bwd_reference) KCPP_DTYPES;
+BENCHMARK(BM_swiglu_fwd_bwd_kernel) KCPP_DTYPES;
 
 }  // namespace
 
