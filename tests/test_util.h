@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -53,3 +54,8 @@ double mag_error(const Tensor& out, const std::vector<double>& ref, const std::v
 std::string config_name(Device d, DType t);
 
 }  // namespace kcpp::test
+
+namespace kcpp {
+// How gtest prints a Device parameter ("cuda:0", not the struct's bytes).
+inline void PrintTo(const Device& d, std::ostream* os) { *os << d.str(); }
+}  // namespace kcpp
