@@ -55,14 +55,10 @@ void check(const char* err) {
 }
 
 void bench_copy() {
-  const size_t n = size_t{2} << 30;
-  const Tensor a = Tensor::full({static_cast<int64_t>(n)}, 1.0, DType::u8, kDev), b = Tensor::empty({static_cast<int64_t>(n)}, DType::u8, kDev);
-  const Timing t = time_op(kDev, [&] {
-    KCPP_CUDA_CHECK(cudaMemcpyAsync(b.data(), a.data(), n, cudaMemcpyDeviceToDevice, cuda::current_stream()));
-  }, 5, 30);
-  g_copy_gbps = 2.0 * n / 1e9 / (t.median_ms * 1e-3);
-  std::printf("%-24s %-10s %9.4f ms %8.0f GB/s\n", "copy d2d 2GiB", "cuda", t.median_ms, g_copy_gbps);
-  g_rows.push_back({{"op", "copy d2d 2GiB"}, {"impl", "cuda"}, {"ms", t.median_ms}, {"GBps", g_copy_gbps}});
+  const CopyCeiling c = measure_copy(kDev, size_t{2} << 30, 30);
+  g_copy_gbps = c.gbps;
+  std::printf("%-24s %-10s %9.4f ms %8.0f GB/s\n", "copy d2d 2GiB", "cuda", c.timing.median_ms, g_copy_gbps);
+  g_rows.push_back({{"op", "copy d2d 2GiB"}, {"impl", "cuda"}, {"ms", c.timing.median_ms}, {"GBps", g_copy_gbps}});
 }
 
 void bench_rms_norm() {

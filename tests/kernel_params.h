@@ -3,11 +3,38 @@
 // no test framework.
 #pragma once
 
+#include "core/cuda_runtime.h"
 #include "core/tensor.h"
 #include "ops/nn/rms_norm.h"
 #include "glu/glu.h"
 #include "ops/nn/glu.h"
 #include "rms_norm/rms_norm.h"
+
+namespace kcpp::test {
+
+// After a CUDA entry point returned: on success wait for the device and turn a CUDA error into
+// kcpp::Error; the entry point's own message (nullptr on success) is passed through so that tests
+// of bad input can read it.
+inline const char* finish_cuda(const char* kernel_error) {
+#if KCPP_WITH_CUDA
+  if (!kernel_error) KCPP_CUDA_CHECK(cudaDeviceSynchronize());
+#endif
+  return kernel_error;
+}
+inline void check(const char* kernel_error) {
+  if (kernel_error) throw Error(kernel_error);
+}
+
+}  // namespace kcpp::test
+
+// KCPP_CALL_KERNEL(dev, liger::rms_norm_forward, params): the `_cuda` entry point on the current
+// stream for a CUDA device, else the `_cpu` one; evaluates to the entry point's message.
+#if KCPP_WITH_CUDA
+#define KCPP_CALL_KERNEL(dev, fn, p) \
+  ((dev).is_cuda() ? ::kcpp::test::finish_cuda(fn##_cuda((p), ::kcpp::cuda::current_stream())) : fn##_cpu(p))
+#else
+#define KCPP_CALL_KERNEL(dev, fn, p) (fn##_cpu(p))
+#endif
 
 namespace kcpp::test {
 

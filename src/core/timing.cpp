@@ -4,7 +4,10 @@
 #include <chrono>
 #include <vector>
 
+#include <cstring>
+
 #include "core/cuda_runtime.h"
+#include "core/tensor.h"
 
 namespace kcpp {
 
@@ -53,6 +56,22 @@ Timing time_op(Device device, const std::function<void()>& fn, int warmup, int r
   std::vector<double> sorted = ms;
   std::sort(sorted.begin(), sorted.end());
   return {sorted[sorted.size() / 2], sorted.front(), sorted.back(), reps};
+}
+
+CopyCeiling measure_copy(Device device, size_t bytes, int reps) {
+  const Tensor a = Tensor::full({static_cast<int64_t>(bytes)}, 1.0, DType::u8, device);
+  const Tensor b = Tensor::empty({static_cast<int64_t>(bytes)}, DType::u8, device);
+  std::function<void()> fn = [&] { std::memcpy(b.data(), a.data(), bytes); };
+#if KCPP_WITH_CUDA
+  if (device.is_cuda())
+    fn = [&] {
+      KCPP_CUDA_CHECK(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, cuda::current_stream()));
+    };
+#endif
+  CopyCeiling c;
+  c.timing = time_op(device, fn, 3, reps);
+  c.gbps = 2.0 * static_cast<double>(bytes) / (c.timing.median_ms * 1e-3) / 1e9;
+  return c;
 }
 
 }  // namespace kcpp

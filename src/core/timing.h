@@ -2,6 +2,7 @@
 // work is asynchronous) and a steady clock on the CPU.
 #pragma once
 
+#include <cstddef>
 #include <functional>
 
 #include "core/device.h"
@@ -18,5 +19,13 @@ Timing time_op(Device device, const std::function<void()>& fn, int warmup = 5, i
 
 // Waits for all work queued on the device.
 void synchronize(Device device);
+
+// Device copy bandwidth: a copy of `bytes` between two buffers on the device, timed as above;
+// bytes read plus bytes written per second, in GB/s.  The ceiling memory-bound figures are quoted against.
+struct CopyCeiling {
+  Timing timing;
+  double gbps = 0;
+};
+CopyCeiling measure_copy(Device device, size_t bytes, int reps = 20);
 
 }  // namespace kcpp

@@ -1,7 +1,5 @@
 #include "ceilings.h"
 
-#include <cstring>
-
 #include "core/allocator.h"
 #include "core/cuda_runtime.h"
 #include "core/random.h"
@@ -13,22 +11,8 @@ namespace kcpp::tools {
 namespace {
 
 Ceiling copy_ceiling(Device device, size_t bytes) {
-  const Tensor a = Tensor::full({static_cast<int64_t>(bytes)}, 1.0, DType::u8, device);
-  const Tensor b = Tensor::empty({static_cast<int64_t>(bytes)}, DType::u8, device);
-  std::function<void()> fn;
-  if (device.is_cpu()) {
-    fn = [&] { std::memcpy(b.data(), a.data(), bytes); };
-  } else {
-#if KCPP_WITH_CUDA
-    fn = [&] {
-      KCPP_CUDA_CHECK(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, cuda::current_stream()));
-    };
-#endif
-  }
-  const Timing t = time_op(device, fn, 3, device.is_cpu() ? 7 : 20);
-  Ceiling c{fmt::format("copy {}", format_bytes(bytes)), t.median_ms, 0, 0};
-  c.gbps = 2.0 * static_cast<double>(bytes) / (t.median_ms * 1e-3) / 1e9;  // read + write
-  return c;
+  const CopyCeiling c = measure_copy(device, bytes, device.is_cpu() ? 7 : 20);
+  return {fmt::format("copy {}", format_bytes(bytes)), c.timing.median_ms, c.gbps, 0};
 }
 
 Ceiling gemm_ceiling(Device device, DType dtype, int64_t n) {

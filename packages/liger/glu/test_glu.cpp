@@ -14,24 +14,9 @@ using ops::GluActivation;
 
 struct GluKernel {
   Device dev;
-  void check(const char* err) const {
-    if (err) throw Error(err);
-#if KCPP_WITH_CUDA
-    if (dev.is_cuda()) KCPP_CUDA_CHECK(cudaDeviceSynchronize());
-#endif
-  }
-  const char* forward_raw(const liger::GluParams& p) const {
-#if KCPP_WITH_CUDA
-    if (dev.is_cuda()) return liger::glu_forward_cuda(p, cuda::current_stream());
-#endif
-    return liger::glu_forward_cpu(p);
-  }
-  const char* backward_raw(const liger::GluParams& p) const {
-#if KCPP_WITH_CUDA
-    if (dev.is_cuda()) return liger::glu_backward_cuda(p, cuda::current_stream());
-#endif
-    return liger::glu_backward_cpu(p);
-  }
+  static void check(const char* err) { test::check(err); }
+  const char* forward_raw(const liger::GluParams& p) const { return KCPP_CALL_KERNEL(dev, liger::glu_forward, p); }
+  const char* backward_raw(const liger::GluParams& p) const { return KCPP_CALL_KERNEL(dev, liger::glu_backward, p); }
   Tensor forward(const Tensor& g, const Tensor& u, GluActivation a) const {
     Tensor out = Tensor::empty(g.shape(), g.dtype(), dev);
     check(forward_raw(test::glu_params(g, u, a, out)));

@@ -26,25 +26,9 @@ struct Kernel {
     return test::rms_norm_params({x, w, {}, {}, {}, {}, {}}, o);
   }
 
-  void check(const char* err) const {
-    if (err) throw Error(err);
-#if KCPP_WITH_CUDA
-    if (dev.is_cuda()) KCPP_CUDA_CHECK(cudaDeviceSynchronize());
-#endif
-  }
-
-  const char* forward_raw(const RMSNormParams& p) const {
-#if KCPP_WITH_CUDA
-    if (dev.is_cuda()) return liger::rms_norm_forward_cuda(p, cuda::current_stream());
-#endif
-    return liger::rms_norm_forward_cpu(p);
-  }
-  const char* backward_raw(const RMSNormParams& p) const {
-#if KCPP_WITH_CUDA
-    if (dev.is_cuda()) return liger::rms_norm_backward_cuda(p, cuda::current_stream());
-#endif
-    return liger::rms_norm_backward_cpu(p);
-  }
+  static void check(const char* err) { test::check(err); }
+  const char* forward_raw(const RMSNormParams& p) const { return KCPP_CALL_KERNEL(dev, liger::rms_norm_forward, p); }
+  const char* backward_raw(const RMSNormParams& p) const { return KCPP_CALL_KERNEL(dev, liger::rms_norm_backward, p); }
 
   ops::RMSNormForward forward(const Tensor& x, const Tensor& w, const ops::RMSNormOptions& o) const {
     Tensor y = Tensor::empty(x.shape(), x.dtype(), dev), rstd = Tensor::empty({x.size(0)}, DType::f32, dev);
