@@ -19,6 +19,8 @@
 #include "core/random.h"
 #include "core/timing.h"
 #include "ops/nn/rms_norm.h"
+#include "ops/nn/rope.h"
+#include <vector>
 #include "kernel_params.h"
 #include "rms_norm/rms_norm.h"
 #include "rms_norm/rms_norm_tuning.h"
@@ -137,6 +139,46 @@ void bench_swiglu() {
   }, 8 * unit);
 }
 
+void bench_rope() {
+  // anchors.py: q [4, 32, 2048, 128], k [4, 8, 2048, 128] (HF layout), cos/sin [1, 2048, 128], bf16.
+  const int64_t b = 4, s = 2048, hq = 32, hk = 8, d = 128;
+  Generator gen(13);
+  const Tensor q = Tensor::randn({b, hq, s, d}, DType::bf16, kDev, gen), k = Tensor::randn({b, hk, s, d}, DType::bf16, kDev, gen);
+  std::vector<int64_t> pos(static_cast<size_t>(s));
+  for (int64_t i = 0; i < s; ++i) pos[i] = i;
+  const auto cs = ops::rope_cos_sin(Tensor::from_i64(pos, {1, s}, DType::i64, kDev), ops::rope_inv_freq(d, 500000.0, kDev),
+                                    1.0, DType::bf16);
+  const double gb = 2.0 * double(q.numel() + k.numel()) * 2 / 1e9;  // anchors.py: forward; forward + backward twice that
+  const auto rh = ops::RopeLayout::RotateHalf;
+  row("rope fwd", "reference", [&] {
+    ops::rope_forward(q, cs.cos, cs.sin);
+    ops::rope_forward(k, cs.cos, cs.sin);
+  }, gb);
+  row("rope fwd+bwd", "reference", [&] {
+    ops::rope_forward(q, cs.cos, cs.sin);
+    ops::rope_forward(k, cs.cos, cs.sin);
+    ops::rope_backward(q, cs.cos, cs.sin);
+    ops::rope_backward(k, cs.cos, cs.sin);
+  }, 2 * gb);
+  row("rope fwd", "kcpp", [&] {
+    Tensor qo = Tensor::empty(q.shape(), DType::bf16, kDev), ko = Tensor::empty(k.shape(), DType::bf16, kDev);
+    check(liger::rope_forward_cuda(test::rope_params(q, qo, k, ko, cs.cos, cs.sin, rh), cuda::current_stream()));
+  }, gb);
+  row("rope fwd+bwd", "kcpp", [&] {
+    Tensor qo = Tensor::empty(q.shape(), DType::bf16, kDev), ko = Tensor::empty(k.shape(), DType::bf16, kDev);
+    check(liger::rope_forward_cuda(test::rope_params(q, qo, k, ko, cs.cos, cs.sin, rh), cuda::current_stream()));
+    Tensor dq = Tensor::empty(q.shape(), DType::bf16, kDev), dk = Tensor::empty(k.shape(), DType::bf16, kDev);
+    check(liger::rope_backward_cuda(test::rope_params(qo, dq, ko, dk, cs.cos, cs.sin, rh), cuda::current_stream()));
+  }, 2 * gb);
+  // In place (outputs over the inputs; scratch copies so that q and k stay as drawn).
+  const Tensor q2 = q.clone(), k2 = k.clone();
+  row("rope fwd+bwd in-place", "kcpp", [&] {
+    const auto p = test::rope_params(q2, q2, k2, k2, cs.cos, cs.sin, rh);
+    check(liger::rope_forward_cuda(p, cuda::current_stream()));
+    check(liger::rope_backward_cuda(p, cuda::current_stream()));
+  }, 2 * gb);
+}
+
 // Every launch configuration of the registers path at the benchmark shape, forward and backward
 // separately: the measurements behind the defaults in rms_norm_cuda.cu.
 void sweep_rms_norm() {
@@ -186,6 +228,7 @@ int main(int argc, char** argv) {
     bench_copy();
     bench_rms_norm();
     bench_swiglu();
+    bench_rope();
     if (sweep) sweep_rms_norm();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kcpp_bench_kernels: error: %s\n", e.what());

@@ -8,7 +8,9 @@
 #include "ops/nn/rms_norm.h"
 #include "glu/glu.h"
 #include "ops/nn/glu.h"
+#include "ops/nn/rope.h"
 #include "rms_norm/rms_norm.h"
+#include "rope/rope.h"
 
 namespace kcpp::test {
 
@@ -77,6 +79,38 @@ inline RMSNormTensors rms_norm_tensors(const Tensor& x, const Tensor& w, const T
   const Device d = x.device();
   return {x, w, Tensor::empty(x.shape(), x.dtype(), d), Tensor::empty({x.size(0)}, DType::f32, d), dy,
           Tensor::empty(x.shape(), x.dtype(), d), Tensor::empty({x.size(1)}, x.dtype(), d)};
+}
+
+// RoPE params from logical [B, H, S, D] views (any strides, D contiguous) of q and k (k may be
+// undefined) and their outputs (the inputs themselves for the in-place form); cos/sin [1 or B, S, rd].
+inline liger::RopeParams rope_params(const Tensor& q, const Tensor& q_out, const Tensor& k, const Tensor& k_out,
+                                     const Tensor& cos, const Tensor& sin, ops::RopeLayout layout) {
+  auto operand = [](const Tensor& in, const Tensor& out) {
+    liger::RopeOperand o;
+    if (!in.defined()) return o;
+    if (in.stride(3) != 1 || out.stride(3) != 1) throw Error("rope kernel: head_dim must be contiguous, got " + in.str());
+    o.heads = in.size(1);
+    o.in = in.data();
+    o.in_stride_b = in.stride(0), o.in_stride_h = in.stride(1), o.in_stride_s = in.stride(2);
+    o.out = out.data();
+    o.out_stride_b = out.stride(0), o.out_stride_h = out.stride(1), o.out_stride_s = out.stride(2);
+    return o;
+  };
+  if (!cos.is_contiguous() || !sin.is_contiguous()) throw Error("rope kernel: cos/sin must be contiguous");
+  liger::RopeParams p;
+  p.dtype = kernel_dtype(q.dtype());
+  p.layout = layout == ops::RopeLayout::Interleaved ? liger::RopeLayout::Interleaved : liger::RopeLayout::RotateHalf;
+  p.batch = q.size(0);
+  p.seq = q.size(2);
+  p.head_dim = q.size(3);
+  p.rotary_dim = cos.size(2);
+  p.q = operand(q, q_out);
+  p.k = operand(k, k_out);
+  p.cos = cos.data();
+  p.sin = sin.data();
+  p.cs_stride_b = cos.size(0) == 1 ? 0 : cos.stride(0);
+  p.cs_stride_s = cos.stride(1);
+  return p;
 }
 
 // GLU params over tensors of one shape; each must be contiguous (the kernel's layout).

@@ -114,7 +114,7 @@ NormGrad layer_norm_backward(const V& dy, const V& x, const V& w, int64_t rows, 
 }
 
 V rope(const V& x, const V& cs, const V& sn, int64_t b, int64_t h, int64_t s, int64_t d, int64_t rd, int64_t cb,
-       bool backward) {
+       bool backward, bool interleaved) {
   V y(x.size());
   const int64_t half = rd / 2;
   for (int64_t bi = 0; bi < b; ++bi)
@@ -125,15 +125,16 @@ V rope(const V& x, const V& cs, const V& sn, int64_t b, int64_t h, int64_t s, in
         const double* c = cs.data() + ((cb == 1 ? 0 : bi) * s + si) * rd;
         const double* sv = sn.data() + ((cb == 1 ? 0 : bi) * s + si) * rd;
         for (int64_t j = 0; j < half; ++j) {
-          // Forward, per pair (x1, x2) = (x_j, x_{j+half}):  y1 = x1 c_j - x2 s_j,  y2 = x2 c_{j+h} + x1 s_{j+h}.
-          // Backward is the transpose: dx1 = dy1 c_j + dy2 s_{j+h},  dx2 = dy2 c_{j+h} - dy1 s_j.
-          const double x1 = xr[j], x2 = xr[j + half];
+          // Forward, per pair (x1, x2) = (x_p, x_q):  y_p = x1 c_p - x2 s_p,  y_q = x2 c_q + x1 s_q.
+          // Backward is the transpose: dx_p = dy_p c_p + dy_q s_q,  dx_q = dy_q c_q - dy_p s_p.
+          const int64_t p = interleaved ? 2 * j : j, q = interleaved ? 2 * j + 1 : j + half;
+          const double x1 = xr[p], x2 = xr[q];
           if (!backward) {
-            yr[j] = x1 * c[j] - x2 * sv[j];
-            yr[j + half] = x2 * c[j + half] + x1 * sv[j + half];
+            yr[p] = x1 * c[p] - x2 * sv[p];
+            yr[q] = x2 * c[q] + x1 * sv[q];
           } else {
-            yr[j] = x1 * c[j] + x2 * sv[j + half];
-            yr[j + half] = x2 * c[j + half] - x1 * sv[j];
+            yr[p] = x1 * c[p] + x2 * sv[q];
+            yr[q] = x2 * c[q] - x1 * sv[p];
           }
         }
         for (int64_t j = rd; j < d; ++j) yr[j] = xr[j];

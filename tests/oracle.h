@@ -35,9 +35,10 @@ NormGrad rms_norm_backward(const V& dy, const V& x, const V& w, int64_t rows, in
 Norm layer_norm(const V& x, const V& w, const V& b, int64_t rows, int64_t h, double eps);
 NormGrad layer_norm_backward(const V& dy, const V& x, const V& w, int64_t rows, int64_t h, double eps);
 
-// x [B, H, S, D]; cos/sin [cb, S, rd] with cb 1 or B.
+// x [B, H, S, D]; cos/sin [cb, S, rd] with cb 1 or B.  Pairs (j, j + rd/2), or (2i, 2i+1) when
+// interleaved.
 V rope(const V& x, const V& cos, const V& sin, int64_t b, int64_t h, int64_t s, int64_t d, int64_t rd, int64_t cb,
-       bool backward);
+       bool backward, bool interleaved = false);
 
 enum class Act { Silu, Gelu, GeluTanh };
 V glu(const V& gate, const V& up, Act act);

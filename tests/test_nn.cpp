@@ -111,6 +111,12 @@ TEST_P(Nn, RopeForwardBackward) {
       const std::string cfg = fmt::format("{} d={} rd={}", config_name(dev, dt), c.d, c.rd);
       EXPECT_TRUE(close_l2(ops::rope_forward(x, cs.cos, cs.sin), ref, test::composite_rel_l2(dt))) << cfg;
       EXPECT_TRUE(close_l2(ops::rope_backward(dy, cs.cos, cs.sin), refg, test::composite_rel_l2(dt))) << cfg;
+      // Interleaved pairs (GPT-J): the same cos/sin tables read pair by pair.
+      const auto il = ops::RopeLayout::Interleaved;
+      const auto refi = oracle::rope(x.to_f64_vector(), cv, sv, c.b, c.h, c.s, c.d, c.rd, c.b, false, true);
+      const auto refgi = oracle::rope(dy.to_f64_vector(), cv, sv, c.b, c.h, c.s, c.d, c.rd, c.b, true, true);
+      EXPECT_TRUE(close_l2(ops::rope_forward(x, cs.cos, cs.sin, il), refi, test::composite_rel_l2(dt))) << cfg << " interleaved";
+      EXPECT_TRUE(close_l2(ops::rope_backward(dy, cs.cos, cs.sin, il), refgi, test::composite_rel_l2(dt))) << cfg << " interleaved";
     }
 }
 

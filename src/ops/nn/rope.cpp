@@ -8,9 +8,15 @@
 namespace kcpp::ops {
 namespace {
 
-Tensor rotate_half(const Tensor& x) {
+Tensor rotate(const Tensor& x, RopeLayout layout) {
   const int64_t h = x.size(-1) / 2;
-  return cat({neg(x.narrow(-1, h, h)), x.narrow(-1, 0, h)}, -1);
+  if (layout == RopeLayout::RotateHalf) return cat({neg(x.narrow(-1, h, h)), x.narrow(-1, 0, h)}, -1);
+  // Interleaved: view the pairs as a trailing dim of 2 and swap them, negating the new first.
+  Shape pairs = x.shape();
+  pairs.back() = h;
+  pairs.push_back(2);
+  const Tensor xp = x.reshape(pairs);
+  return cat({neg(xp.select(-1, 1)).unsqueeze(-1), xp.select(-1, 0).unsqueeze(-1)}, -1).reshape(x.shape());
 }
 
 // cos/sin [B, S, rd] -> [B, 1, S, rd], checked against x [B, H, S, D].
@@ -30,13 +36,14 @@ void check_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, const cha
              cos.size(0), x.size(0));
 }
 
-// Applies y = a * cos + sign * rotate_half(a * sin) (backward) or a * cos + rotate_half(a) * sin (forward)
-// to the rotary part of x and keeps the rest.
-Tensor rope_apply(const Tensor& x, const Tensor& cos, const Tensor& sin, bool backward) {
+// Applies y = a * cos - rot(a * sin) (backward) or a * cos + rot(a) * sin (forward) to the rotary
+// part of x and keeps the rest.
+Tensor rope_apply(const Tensor& x, const Tensor& cos, const Tensor& sin, bool backward, RopeLayout layout) {
   const int64_t rd = cos.size(2), d = x.size(3);
   const Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
   const Tensor xr = rd == d ? x : x.narrow(-1, 0, rd);
-  const Tensor yr = backward ? sub(mul(xr, c), rotate_half(mul(xr, s))) : add(mul(xr, c), mul(rotate_half(xr), s));
+  const Tensor yr =
+      backward ? sub(mul(xr, c), rotate(mul(xr, s), layout)) : add(mul(xr, c), mul(rotate(xr, layout), s));
   if (rd == d) return yr;
   return cat({yr, x.narrow(-1, rd, d - rd)}, -1);
 }
@@ -64,14 +71,14 @@ RopeCosSin rope_cos_sin(const Tensor& position_ids, const Tensor& inv_freq, doub
   return {scale(cos(emb), attention_scaling).to(dtype), scale(sin(emb), attention_scaling).to(dtype)};
 }
 
-Tensor rope_forward(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+Tensor rope_forward(const Tensor& x, const Tensor& cos, const Tensor& sin, RopeLayout layout) {
   check_rope(x, cos, sin, "rope");
-  return rope_apply(x, cos, sin, false);
+  return rope_apply(x, cos, sin, false, layout);
 }
 
-Tensor rope_backward(const Tensor& dy, const Tensor& cos, const Tensor& sin) {
+Tensor rope_backward(const Tensor& dy, const Tensor& cos, const Tensor& sin, RopeLayout layout) {
   check_rope(dy, cos, sin, "rope_backward");
-  return rope_apply(dy, cos, sin, true);
+  return rope_apply(dy, cos, sin, true, layout);
 }
 
 }  // namespace kcpp::ops

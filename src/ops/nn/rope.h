@@ -1,13 +1,16 @@
-// Rotary position embedding, rotate-half layout (Llama, NeoX), as Hugging Face applies it.
+// Rotary position embedding, as Hugging Face applies it, in two pair layouts:
+//   RotateHalf (Llama, NeoX): element j pairs with j + rd/2;  Interleaved (GPT-J, DeepSeek): 2i with 2i+1.
 //
 //   inv_freq[i] = theta^(-2i / rd),  i < rd/2                       (rd = rotary dims, even)
 //   freqs[b,s,i] = pos[b,s] * inv_freq[i];  emb = cat(freqs, freqs)  [B, S, rd], in f32
 //   cos = (cos(emb) * attention_scaling).to(dtype), sin likewise
-//   rotate_half(x) = cat(-x[..., rd/2:rd], x[..., :rd/2])
-//   y[..., :rd] = x[..., :rd] * cos + rotate_half(x[..., :rd]) * sin;  y[..., rd:] = x[..., rd:]
+//   rotate_half(x) = cat(-x[..., rd/2:rd], x[..., :rd/2])          (RotateHalf)
+//   rotate_every_two(x)[2i, 2i+1] = (-x[2i+1], x[2i])              (Interleaved; cos/sin then hold
+//                                                                     each angle twice: [c0 c0 c1 c1 ...])
+//   y[..., :rd] = x[..., :rd] * cos + rot(x[..., :rd]) * sin;  y[..., rd:] = x[..., rd:]
 // x [B, H, S, D] (heads before sequence, as HF), cos/sin [B or 1, S, rd] broadcast over heads.
-// Nothing is saved but cos and sin.  Backward (rotate_half is linear with transpose -rotate_half):
-//   dx[..., :rd] = dy * cos - rotate_half(dy * sin);  dx[..., rd:] = dy[..., rd:]
+// Nothing is saved but cos and sin.  Backward (rot is linear with transpose -rot, in both layouts):
+//   dx[..., :rd] = dy * cos - rot(dy * sin);  dx[..., rd:] = dy[..., rd:]
 #pragma once
 
 #include "core/tensor.h"
@@ -23,7 +26,10 @@ struct RopeCosSin {
 // position_ids [B, S] (i32/i64), inv_freq [rd/2] f32.
 RopeCosSin rope_cos_sin(const Tensor& position_ids, const Tensor& inv_freq, double attention_scaling, DType dtype);
 
-Tensor rope_forward(const Tensor& x, const Tensor& cos, const Tensor& sin);
-Tensor rope_backward(const Tensor& dy, const Tensor& cos, const Tensor& sin);
+enum class RopeLayout { RotateHalf, Interleaved };
+
+Tensor rope_forward(const Tensor& x, const Tensor& cos, const Tensor& sin, RopeLayout layout = RopeLayout::RotateHalf);
+Tensor rope_backward(const Tensor& dy, const Tensor& cos, const Tensor& sin,
+                     RopeLayout layout = RopeLayout::RotateHalf);
 
 }  // namespace kcpp::ops

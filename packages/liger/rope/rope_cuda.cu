@@ -1,0 +1,142 @@
+// RoPE on CUDA (maths in rope.h).  One block per token (b, s) at a time, blocks striding over tokens;
+// the block's threads share out the token's items: for every head of q and k, groups of VEC pairs
+// (RotateHalf: elements j.. and j+rd/2..; Interleaved: VEC consecutive elements = VEC/2 pairs).
+// 16-byte accesses when every pointer and stride allows, element accesses otherwise.  Each item is
+// read completely before it is written, so out == in is safe.
+#include "kcpp/kernel/cuda.cuh"
+#include "rope.h"
+
+namespace kcpp::liger {
+namespace {
+
+using namespace kcpp::kernel::cuda;
+
+template <typename T, int N, bool VECTOR> __device__ __forceinline__ void load(const T* p, float (&out)[N]) {
+  if constexpr (VECTOR) {
+    load_f32(p, out);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_f32(p[i]);
+  }
+}
+template <typename T, int N, bool VECTOR> __device__ __forceinline__ void store(T* p, const float (&v)[N]) {
+  if constexpr (VECTOR) {
+    store_f32(p, v);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) p[i] = from_f32<T>(v[i]);
+  }
+}
+
+// One pair: (a, b) at positions (p, q) with their cos / sin.
+template <bool BWD>
+__device__ __forceinline__ void rotate(float a, float b, float cp, float cq, float sp, float sq, float& ya, float& yb) {
+  if constexpr (BWD) {
+    ya = a * cp + b * sq;
+    yb = b * cq - a * sp;
+  } else {
+    ya = a * cp - b * sp;
+    yb = b * cq + a * sq;
+  }
+}
+
+// VEC: elements per access (RotateHalf: pairs per item; Interleaved: elements per item, even).
+template <typename T, int VEC, bool VECTOR, bool IL, bool BWD>
+__global__ void __launch_bounds__(128) rope_kernel(const __grid_constant__ RopeParams p) {
+  const int64_t rd = p.rotary_dim, half = rd / 2, d = p.head_dim;
+  const int64_t per_head = IL ? rd / VEC : half / VEC;
+  const int64_t heads = p.q.heads + p.k.heads;
+  const int64_t items = heads * per_head, tail = d - rd;
+  const int64_t tokens = p.batch * p.seq;
+  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
+    const int64_t b = t / p.seq, s = t % p.seq;
+    const T* cs = static_cast<const T*>(p.cos) + b * p.cs_stride_b + s * p.cs_stride_s;  // [rd]
+    const T* sn = static_cast<const T*>(p.sin) + b * p.cs_stride_b + s * p.cs_stride_s;
+    for (int64_t it = threadIdx.x; it < items; it += blockDim.x) {
+      const int64_t h = it / per_head, i = it % per_head;
+      const RopeOperand& op = h < p.q.heads ? p.q : p.k;
+      const int64_t hh = h < p.q.heads ? h : h - p.q.heads;
+      const T* in = static_cast<const T*>(op.in) + b * op.in_stride_b + s * op.in_stride_s + hh * op.in_stride_h;
+      T* out = static_cast<T*>(op.out) + b * op.out_stride_b + s * op.out_stride_s + hh * op.out_stride_h;
+      if constexpr (IL) {
+        const int64_t e = i * VEC;
+        float x[VEC], c[VEC], sv[VEC], y[VEC];
+        load<T, VEC, VECTOR>(in + e, x);
+        load<T, VEC, VECTOR>(cs + e, c);
+        load<T, VEC, VECTOR>(sn + e, sv);
+#pragma unroll
+        for (int k = 0; k < VEC; k += 2) rotate<BWD>(x[k], x[k + 1], c[k], c[k + 1], sv[k], sv[k + 1], y[k], y[k + 1]);
+        store<T, VEC, VECTOR>(out + e, y);
+      } else {
+        const int64_t j = i * VEC;
+        float a[VEC], bq[VEC], cp[VEC], cq[VEC], sp[VEC], sq[VEC], ya[VEC], yb[VEC];
+        load<T, VEC, VECTOR>(in + j, a);
+        load<T, VEC, VECTOR>(in + j + half, bq);
+        load<T, VEC, VECTOR>(cs + j, cp);
+        load<T, VEC, VECTOR>(cs + j + half, cq);
+        load<T, VEC, VECTOR>(sn + j, sp);
+        load<T, VEC, VECTOR>(sn + j + half, sq);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) rotate<BWD>(a[k], bq[k], cp[k], cq[k], sp[k], sq[k], ya[k], yb[k]);
+        store<T, VEC, VECTOR>(out + j, ya);
+        store<T, VEC, VECTOR>(out + j + half, yb);
+      }
+    }
+    // Out of place with rd < head_dim: the rest of each head is copied.
+    if (tail > 0) {
+      for (int64_t it = threadIdx.x; it < heads * tail; it += blockDim.x) {
+        const int64_t h = it / tail, e = rd + it % tail;
+        const RopeOperand& op = h < p.q.heads ? p.q : p.k;
+        if (op.out == op.in) continue;
+        const int64_t hh = h < p.q.heads ? h : h - p.q.heads;
+        static_cast<T*>(op.out)[b * op.out_stride_b + s * op.out_stride_s + hh * op.out_stride_h + e] =
+            static_cast<const T*>(op.in)[b * op.in_stride_b + s * op.in_stride_s + hh * op.in_stride_h + e];
+      }
+    }
+  }
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+bool operand_vec_ok(const RopeOperand& o, int vec) {
+  if (o.heads == 0) return true;
+  return aligned16(o.in) && aligned16(o.out) && o.in_stride_b % vec == 0 && o.in_stride_s % vec == 0 &&
+         o.in_stride_h % vec == 0 && o.out_stride_b % vec == 0 && o.out_stride_s % vec == 0 && o.out_stride_h % vec == 0;
+}
+
+template <bool BWD> const char* run(const RopeParams& p, cudaStream_t stream) {
+  if (const char* e = rope_check(p)) return e;
+  const int64_t tokens = p.batch * p.seq;
+  if (tokens == 0) return nullptr;
+  int device = 0;
+  cudaGetDevice(&device);
+  const int vec = 16 / kcpp::kernel::dtype_bytes(p.dtype);
+  const bool il = p.layout == RopeLayout::Interleaved;
+  const int64_t span = il ? p.rotary_dim : p.rotary_dim / 2;  // what VEC must divide
+  const bool vec_ok = span % vec == 0 && aligned16(p.cos) && aligned16(p.sin) && p.cs_stride_b % vec == 0 &&
+                      p.cs_stride_s % vec == 0 && operand_vec_ok(p.q, vec) && operand_vec_ok(p.k, vec);
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tokens, int64_t(sm_count(device)) * 16));
+  auto go = [&]<typename T>(T*) {
+    constexpr int V = 16 / sizeof(T);
+    if (il) {
+      if (vec_ok) rope_kernel<T, V, true, true, BWD><<<grid, 128, 0, stream>>>(p);
+      else rope_kernel<T, 2, false, true, BWD><<<grid, 128, 0, stream>>>(p);
+    } else {
+      if (vec_ok) rope_kernel<T, V, true, false, BWD><<<grid, 128, 0, stream>>>(p);
+      else rope_kernel<T, 1, false, false, BWD><<<grid, 128, 0, stream>>>(p);
+    }
+  };
+  switch (p.dtype) {
+    case kernel::DType::f32: go(static_cast<float*>(nullptr)); break;
+    case kernel::DType::bf16: go(static_cast<__nv_bfloat16*>(nullptr)); break;
+    case kernel::DType::f16: go(static_cast<__half*>(nullptr)); break;
+  }
+  return launch_error(BWD ? "rope backward" : "rope forward");
+}
+
+}  // namespace
+
+const char* rope_forward_cuda(const RopeParams& p, cudaStream_t stream) { return run<false>(p, stream); }
+const char* rope_backward_cuda(const RopeParams& p, cudaStream_t stream) { return run<true>(p, stream); }
+
+}  // namespace kcpp::liger
