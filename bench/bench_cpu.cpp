@@ -3,13 +3,17 @@
 // reference on the 2-core CI machine.  Run: build/release/bin/kcpp_bench_cpu
 #include <benchmark/benchmark.h>
 
+#include <vector>
+
 #include "core/random.h"
 #include "ops/nn/glu.h"
 #include "ops/nn/rms_norm.h"
 #include "ops/ops.h"
 #include "kernel_params.h"
 #include "glu/glu.h"
+#include "ops/nn/rope.h"
 #include "rms_norm/rms_norm.h"
+#include "rope/rope.h"
 
 namespace {
 using namespace kcpp;
@@ -118,6 +122,43 @@ BENCHMARK(BM_swiglu_fwd_reference) KCPP_DTYPES;
 BENCHMARK(BM_swiglu_fwd_kernel) KCPP_DTYPES;
 BENCHMARK(BM_swiglu_fwd_bwd_reference) KCPP_DTYPES;
 BENCHMARK(BM_swiglu_fwd_bwd_kernel) KCPP_DTYPES;
+
+// RoPE: 1024 tokens, 32 query and 8 key heads of 128 (HF layout), cos/sin shared by the batch.
+struct RopeCase {
+  Tensor q, k, qo, ko, cos, sin;
+  explicit RopeCase(DType dt) {
+    Generator gen(3);
+    q = Tensor::randn({1, 32, 1024, 128}, dt, Device::cpu(), gen);
+    k = Tensor::randn({1, 8, 1024, 128}, dt, Device::cpu(), gen);
+    qo = Tensor::empty(q.shape(), dt);
+    ko = Tensor::empty(k.shape(), dt);
+    std::vector<int64_t> pos(1024);
+    for (int64_t i = 0; i < 1024; ++i) pos[i] = i;
+    const auto cs = ops::rope_cos_sin(Tensor::from_i64(pos, {1, 1024}), ops::rope_inv_freq(128, 10000.0, Device::cpu()), 1.0, dt);
+    cos = cs.cos;
+    sin = cs.sin;
+  }
+  int64_t bytes() const { return 2 * static_cast<int64_t>(q.nbytes() + k.nbytes()); }
+};
+void BM_rope_fwd_reference(benchmark::State& st) {
+  RopeCase c(static_cast<DType>(st.range(0)));
+  for (auto _ : st) {
+    benchmark::DoNotOptimize(ops::rope_forward(c.q, c.cos, c.sin).data());
+    benchmark::DoNotOptimize(ops::rope_forward(c.k, c.cos, c.sin).data());
+  }
+  st.SetBytesProcessed(st.iterations() * c.bytes());
+}
+void BM_rope_fwd_kernel(benchmark::State& st) {
+  RopeCase c(static_cast<DType>(st.range(0)));
+  const auto p = test::rope_params(c.q, c.qo, c.k, c.ko, c.cos, c.sin, ops::RopeLayout::RotateHalf);
+  for (auto _ : st) {
+    if (const char* e = liger::rope_forward_cpu(p)) st.SkipWithError(e);
+    benchmark::ClobberMemory();
+  }
+  st.SetBytesProcessed(st.iterations() * c.bytes());
+}
+BENCHMARK(BM_rope_fwd_reference) KCPP_DTYPES;
+BENCHMARK(BM_rope_fwd_kernel) KCPP_DTYPES;
 
 }  // namespace
 
