@@ -18,6 +18,7 @@
 #include "core/cuda_runtime.h"
 #include "core/random.h"
 #include "core/timing.h"
+#include "ops/nn/cross_entropy.h"
 #include "ops/nn/rms_norm.h"
 #include "ops/nn/rope.h"
 #include <vector>
@@ -179,6 +180,32 @@ void bench_rope() {
   }, 2 * gb);
 }
 
+void bench_cross_entropy() {
+  // anchors.py: logits [4096, 128256] bf16, mean reduction, loss and gradient (fwd+bwd).
+  const int64_t n = 4096, v = 128256;
+  Generator gen(17);
+  const Tensor logits = Tensor::randn({n, v}, DType::bf16, kDev, gen);
+  const Tensor targets = Tensor::randint({n}, 0, v, DType::i64, kDev, gen);
+  const double gb = 2.0 * n * v * 2 / 1e9;  // anchors.py's count: read the logits, write the gradient
+  const ops::CrossEntropyOptions opt;
+  row("ce fwd+bwd", "reference", [&] {
+    const auto f = ops::cross_entropy_forward(logits, targets, opt);
+    ops::cross_entropy_backward(Tensor::full({}, 1.0, DType::bf16, kDev), f.log_probs, targets, opt);
+  }, gb);
+  auto call = [&](const Tensor& in, const Tensor& grad) {
+    Tensor loss = Tensor::empty({1}, DType::f32, kDev);
+    auto p = test::cross_entropy_params(in, targets, opt, loss, grad);
+    Tensor ws = Tensor::empty({static_cast<int64_t>(liger::cross_entropy_workspace(p))}, DType::u8, kDev);
+    p.workspace = ws.data();
+    check(liger::cross_entropy_cuda(p, cuda::current_stream()));
+  };
+  row("ce fwd+bwd", "kcpp", [&] { call(logits, Tensor::empty({n, v}, DType::bf16, kDev)); }, gb);
+  // In place over the logits, as Liger does (a scratch copy: its values become gradients after the
+  // first run, which does not change the work).
+  const Tensor scratch = logits.clone();
+  row("ce fwd+bwd in-place", "kcpp", [&] { call(scratch, scratch); }, gb);
+}
+
 // Every launch configuration of the registers path at the benchmark shape, forward and backward
 // separately: the measurements behind the defaults in rms_norm_cuda.cu.
 void sweep_rms_norm() {
@@ -229,6 +256,7 @@ int main(int argc, char** argv) {
     bench_rms_norm();
     bench_swiglu();
     bench_rope();
+    bench_cross_entropy();
     if (sweep) sweep_rms_norm();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kcpp_bench_kernels: error: %s\n", e.what());

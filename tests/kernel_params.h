@@ -6,7 +6,9 @@
 #include "core/cuda_runtime.h"
 #include "core/tensor.h"
 #include "ops/nn/rms_norm.h"
+#include "cross_entropy/cross_entropy.h"
 #include "glu/glu.h"
+#include "ops/nn/cross_entropy.h"
 #include "ops/nn/glu.h"
 #include "ops/nn/rope.h"
 #include "rms_norm/rms_norm.h"
@@ -110,6 +112,32 @@ inline liger::RopeParams rope_params(const Tensor& q, const Tensor& q_out, const
   p.sin = sin.data();
   p.cs_stride_b = cos.size(0) == 1 ? 0 : cos.stride(0);
   p.cs_stride_s = cos.stride(1);
+  return p;
+}
+
+// Cross-entropy params: logits [N, V] (V contiguous), targets [N] i32/i64, loss f32 ([1] or [N]),
+// grad [N, V] (undefined: loss only; logits itself: in place), workspace for CUDA.
+inline liger::CrossEntropyParams cross_entropy_params(const Tensor& logits, const Tensor& targets,
+                                                      const ops::CrossEntropyOptions& o, const Tensor& loss,
+                                                      const Tensor& grad, const Tensor& workspace = {}) {
+  if (logits.stride(1) != 1) throw Error("cross_entropy kernel: classes must be contiguous, got " + logits.str());
+  if (!targets.is_contiguous()) throw Error("cross_entropy kernel: targets must be contiguous");
+  liger::CrossEntropyParams p;
+  p.dtype = kernel_dtype(logits.dtype());
+  p.n = logits.size(0);
+  p.v = logits.size(1);
+  p.logits = logits.data();
+  p.logits_stride = logits.stride(0);
+  p.targets = targets.data();
+  p.targets_i32 = targets.dtype() == DType::i32;
+  p.ignore_index = o.ignore_index;
+  p.label_smoothing = static_cast<float>(o.label_smoothing);
+  p.reduction = o.reduction == ops::Reduction::Mean  ? liger::CEReduction::Mean
+                : o.reduction == ops::Reduction::Sum ? liger::CEReduction::Sum
+                                                     : liger::CEReduction::None;
+  p.loss = static_cast<float*>(loss.data());
+  if (grad.defined()) p.grad = grad.data(), p.grad_stride = grad.stride(0);
+  if (workspace.defined()) p.workspace = workspace.data();
   return p;
 }
 

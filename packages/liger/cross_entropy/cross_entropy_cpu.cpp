@@ -1,0 +1,109 @@
+// Cross-entropy on the CPU (maths in cross_entropy.h): rows in parallel; per row one pass for the
+// max, one for the sum of exponentials (f64) and the mean logit, one writing the gradient.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cross_entropy.h"
+#include "kcpp/kernel/cpu.h"
+#include "kcpp/kernel/error.h"
+
+namespace kcpp::liger {
+namespace {
+
+using kernel::cpu::load_row;
+using kernel::cpu::store_row;
+
+int64_t target_of(const CrossEntropyParams& p, int64_t i) {
+  return p.targets_i32 ? static_cast<const int32_t*>(p.targets)[i] : static_cast<const int64_t*>(p.targets)[i];
+}
+
+template <typename T> const char* run(const CrossEntropyParams& p) {
+  const int64_t n = p.n, v = p.v;
+  int64_t count = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = target_of(p, i);
+    if (t == p.ignore_index) continue;
+    KCPP_KERNEL_REQUIRE(t >= 0 && t < v, "cross_entropy: argument 'targets'[%lld] = %lld is out of range [0, %lld)",
+                        static_cast<long long>(i), static_cast<long long>(t), static_cast<long long>(v));
+    ++count;
+  }
+  const float eps = p.label_smoothing;
+  const float scale = p.reduction == CEReduction::Mean ? 1.0f / static_cast<float>(count) : 1.0f;
+  std::vector<double> row_loss(static_cast<size_t>(n), 0.0);
+#pragma omp parallel
+  {
+    std::vector<float> x(static_cast<size_t>(v));
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = target_of(p, i);
+      T* g = p.grad ? static_cast<T*>(p.grad) + i * p.grad_stride : nullptr;
+      if (t == p.ignore_index) {
+        if (p.lse) p.lse[i] = 0.0f;
+        if (g) {
+          std::fill(x.begin(), x.end(), 0.0f);
+          store_row(x.data(), v, g);
+        }
+        continue;
+      }
+      load_row(static_cast<const T*>(p.logits) + i * p.logits_stride, v, x.data());
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < v; ++j) m = std::max(m, x[j]);
+      double s = 0.0, sx = 0.0;
+      for (int64_t j = 0; j < v; ++j) {
+        s += std::exp(static_cast<double>(x[j] - m));
+        sx += x[j];
+      }
+      const float lse = m + static_cast<float>(std::log(s));
+      if (p.lse) p.lse[i] = lse;
+      row_loss[i] = (1.0 - eps) * (lse - x[t]) + eps * (lse - sx / static_cast<double>(v));
+      if (g) {
+        for (int64_t j = 0; j < v; ++j) x[j] = (std::exp(x[j] - lse) - eps / static_cast<float>(v)) * scale;
+        x[t] -= (1.0f - eps) * scale;
+        store_row(x.data(), v, g);
+      }
+    }
+  }
+  if (p.reduction == CEReduction::None) {
+    for (int64_t i = 0; i < n; ++i) p.loss[i] = static_cast<float>(row_loss[i]);
+  } else {
+    double total = 0.0;
+    for (double l : row_loss) total += l;  // fixed order
+    p.loss[0] = static_cast<float>(p.reduction == CEReduction::Mean ? total / static_cast<double>(count) : total);
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+const char* cross_entropy_check(const CrossEntropyParams& p) {
+  KCPP_KERNEL_REQUIRE(p.dtype == kernel::DType::f32 || p.dtype == kernel::DType::bf16 || p.dtype == kernel::DType::f16,
+                      "cross_entropy: unsupported dtype %d", static_cast<int>(p.dtype));
+  KCPP_KERNEL_REQUIRE(p.n >= 0 && p.v > 0, "cross_entropy: need n >= 0 and v > 0, got n %lld v %lld",
+                      static_cast<long long>(p.n), static_cast<long long>(p.v));
+  KCPP_KERNEL_REQUIRE(static_cast<int32_t>(p.reduction) >= 0 && static_cast<int32_t>(p.reduction) <= 2,
+                      "cross_entropy: unknown reduction %d", static_cast<int>(p.reduction));
+  KCPP_KERNEL_REQUIRE(p.label_smoothing >= 0.0f && p.label_smoothing <= 1.0f,
+                      "cross_entropy: label_smoothing %g outside [0, 1]", static_cast<double>(p.label_smoothing));
+  KCPP_KERNEL_REQUIRE(p.logits && p.targets && p.loss, "cross_entropy: 'logits', 'targets' and 'loss' must not be null");
+  KCPP_KERNEL_REQUIRE(p.logits_stride >= p.v || p.n <= 1, "cross_entropy: logits row stride %lld < v %lld",
+                      static_cast<long long>(p.logits_stride), static_cast<long long>(p.v));
+  KCPP_KERNEL_REQUIRE(!p.grad || p.grad_stride >= p.v || p.n <= 1, "cross_entropy: grad row stride %lld < v %lld",
+                      static_cast<long long>(p.grad_stride), static_cast<long long>(p.v));
+  KCPP_KERNEL_REQUIRE(p.grad != p.logits || p.grad_stride == p.logits_stride,
+                      "cross_entropy: in-place 'grad' must have the logits' row stride");
+  return nullptr;
+}
+
+const char* cross_entropy_cpu(const CrossEntropyParams& p) {
+  if (const char* e = cross_entropy_check(p)) return e;
+  switch (p.dtype) {
+    case kernel::DType::f32: return run<float>(p);
+    case kernel::DType::bf16: return run<kernel::cpu::bf16>(p);
+    case kernel::DType::f16: return run<kernel::cpu::f16>(p);
+  }
+  return nullptr;
+}
+
+}  // namespace kcpp::liger

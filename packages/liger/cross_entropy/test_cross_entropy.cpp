@@ -1,0 +1,126 @@
+// Cross-entropy kernel against the f64 oracle, held to DESIGN.md's bound: at most twice the error of
+// the eager reference (ops::cross_entropy_*) in the same precision, and within the dtype's table.
+#include "cross_entropy.h"
+#include "kernel_params.h"
+#include "oracle.h"
+#include "ops/nn/cross_entropy.h"
+#include "test_util.h"
+
+namespace kcpp {
+namespace {
+
+using ops::Reduction;
+
+struct CE {
+  Device dev;
+  Tensor loss, grad, ws;
+  liger::CrossEntropyParams params(const Tensor& logits, const Tensor& targets, const ops::CrossEntropyOptions& o,
+                                   bool in_place) {
+    loss = Tensor::empty({o.reduction == Reduction::None ? logits.size(0) : 1}, DType::f32, dev);
+    grad = in_place ? logits : Tensor::empty(logits.shape(), logits.dtype(), dev);
+    auto p = test::cross_entropy_params(logits, targets, o, loss, grad);
+#if KCPP_WITH_CUDA
+    if (dev.is_cuda()) {
+      ws = Tensor::empty({static_cast<int64_t>(liger::cross_entropy_workspace(p))}, DType::u8, dev);
+      p.workspace = ws.data();
+    }
+#endif
+    return p;
+  }
+  const char* run(const liger::CrossEntropyParams& p) const { return KCPP_CALL_KERNEL(dev, liger::cross_entropy, p); }
+};
+
+class LigerCrossEntropy : public ::testing::TestWithParam<Device> {};
+
+TEST_P(LigerCrossEntropy, WithinTwiceTheReferenceError) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  for (DType dt : {DType::f32, DType::bf16, DType::f16})
+    for (int64_t v : {1, 3, 4096, 50257})
+      for (Reduction red : {Reduction::Mean, Reduction::Sum, Reduction::None})
+        for (double eps : {0.0, 0.1})
+          for (bool in_place : {false, true}) {
+            const int64_t n = v > 1000 ? 5 : 17;
+            const Tensor logits = Tensor::randn({n, v}, dt, dev, gen, 0, 3);
+            std::vector<int64_t> t(static_cast<size_t>(n));
+            std::uniform_int_distribution<int64_t> pick(0, v - 1);
+            for (int64_t i = 0; i < n; ++i) t[i] = i % 4 == 1 ? -100 : pick(gen.engine());
+            const Tensor targets = Tensor::from_i64(t, {n}, v == 3 ? DType::i32 : DType::i64, dev);
+            const ops::CrossEntropyOptions opt{-100, red, eps};
+            const auto lv = logits.to_f64_vector();
+            int64_t count = 0;
+            const auto rows = oracle::cross_entropy_rows(lv, t, n, v, -100, eps, count);
+            double total = 0;
+            for (double r : rows) total += r;
+            const std::vector<double> ref_loss = red == Reduction::None ? rows : std::vector<double>{red == Reduction::Sum ? total : total / count};
+            std::vector<double> g(static_cast<size_t>(n), red == Reduction::Mean ? 1.0 / count : 1.0), mag;
+            const auto ref_grad = oracle::cross_entropy_backward(lv, t, g, n, v, -100, eps, &mag);
+            const std::string cfg = fmt::format("{} v={} reduction={} eps={} in_place={}", test::config_name(dev, dt), v,
+                                                static_cast<int>(red), eps, in_place);
+            // The eager reference in the same precision, upstream gradient 1.
+            const auto rf = ops::cross_entropy_forward(logits, targets, opt);
+            const Tensor ones = red == Reduction::None ? Tensor::full({n}, 1.0, dt, dev) : Tensor::full({}, 1.0, dt, dev);
+            const Tensor rg = ops::cross_entropy_backward(ones, rf.log_probs, targets, opt);
+            const double el_ref = test::rel_l2_error(rf.loss, ref_loss), eg_ref = test::mag_error(rg, ref_grad, mag);
+
+            CE k{dev};
+            const Tensor input = in_place ? logits.clone() : logits;
+            ASSERT_EQ(k.run(k.params(input, targets, opt, in_place)), nullptr) << cfg;
+            const double el = test::rel_l2_error(k.loss, ref_loss), eg = test::mag_error(k.grad, ref_grad, mag);
+            EXPECT_LE(el, test::kernel_bound(el_ref, dt)) << cfg << " loss (reference error " << el_ref << ")";
+            EXPECT_LE(eg, test::kernel_bound(eg_ref, dt)) << cfg << " grad (reference error " << eg_ref << ")";
+            EXPECT_LE(std::max(el, eg), test::composite_rel_l2(dt)) << cfg;
+          }
+}
+
+TEST_P(LigerCrossEntropy, EdgeCasesAndBadInput) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  CE k{dev};
+  // Every target ignored: mean is NaN (as PyTorch), the gradient all zeros.
+  const std::vector<int64_t> ignored = {-100, -100};
+  const Tensor logits = Tensor::full({2, 8}, 0.5, DType::bf16, dev);
+  ASSERT_EQ(k.run(k.params(logits, Tensor::from_i64(ignored, {2}, DType::i64, dev), {}, false)), nullptr);
+  EXPECT_TRUE(std::isnan(k.loss.item()));
+  for (double x : k.grad.to_f64_vector()) EXPECT_EQ(x, 0.0);
+  // A target out of range: an error on the CPU; on CUDA (no synchronization to raise it) the loss is
+  // NaN and the row is counted in bad_targets.
+  const std::vector<int64_t> bad = {3, 8};
+  auto p = k.params(logits, Tensor::from_i64(bad, {2}, DType::i64, dev), {}, false);
+  if (dev.is_cpu()) {
+    const char* e = k.run(p);
+    ASSERT_NE(e, nullptr);
+    EXPECT_NE(std::string(e).find("'targets'[1] = 8 is out of range [0, 8)"), std::string::npos) << e;
+  } else {
+    const Tensor counter = Tensor::zeros({1}, DType::i32, dev);
+    p.bad_targets = static_cast<int32_t*>(counter.data());
+    ASSERT_EQ(k.run(p), nullptr);
+    EXPECT_TRUE(std::isnan(k.loss.item()));
+    EXPECT_EQ(counter.item(), 1.0);
+  }
+  auto expect_error = [&](liger::CrossEntropyParams b, const char* needle) {
+    const char* e = k.run(b);
+    ASSERT_NE(e, nullptr) << needle;
+    EXPECT_NE(std::string(e).find(needle), std::string::npos) << e;
+  };
+  auto good = k.params(logits, Tensor::from_i64(ignored, {2}, DType::i64, dev), {}, false);
+  auto b = good;
+  b.label_smoothing = 1.5f;
+  expect_error(b, "label_smoothing 1.5 outside [0, 1]");
+  b = good;
+  b.reduction = static_cast<liger::CEReduction>(9);
+  expect_error(b, "unknown reduction 9");
+  b = good;
+  b.logits_stride = 3;
+  expect_error(b, "logits row stride 3 < v 8");
+  b = good;
+  b.loss = nullptr;
+  expect_error(b, "must not be null");
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, LigerCrossEntropy, ::testing::Values(Device::cpu(), Device::cuda(0)),
+                         [](const auto& info) { return info.param.is_cpu() ? std::string("cpu") : std::string("cuda"); });
+
+}  // namespace
+}  // namespace kcpp
