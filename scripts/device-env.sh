@@ -2,6 +2,10 @@
 # for the binaries and Debian libraries that scripts/pack-device.sh put in .devlibs/ (cuBLAS comes
 # from that machine's CUDA install).
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+# Unpack what scripts/pack-device.sh packed (once per machine).
+if [ -f .devlibs/pack.tar.xz ] && [ ! -x .devlibs/bin/kcpp ]; then
+  xz -dc .devlibs/pack.tar.xz | tar -C .devlibs -xf -
+fi
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
 cublas_dir=$(dirname "$(find / -name 'libcublas.so.13' -not -path '/proc/*' 2>/dev/null | head -n 1)")

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# Packs what the lent GPU machine needs to run this build into .devlibs/ (git-ignored; name it in
-# the device tool's `carry`): the binaries of build/<preset>/bin and the Debian shared libraries
-# they use that the GPU machine's image lacks.  cuBLAS comes from that machine's CUDA install.
+# Packs what the lent GPU machine needs to run this build into .devlibs/pack.tar.xz (git-ignored;
+# name .devlibs in the device tool's `carry`; scripts/device-env.sh unpacks it there): the binaries
+# of build/<preset>/bin and the Debian shared libraries they use that the GPU machine's image lacks.
+# cuBLAS comes from that machine's CUDA install.  Compressed: the carried tree is limited to 64 MiB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 preset="${1:-release}"
-rm -rf .devlibs && mkdir -p .devlibs/lib .devlibs/bin
-cp build/"$preset"/bin/* .devlibs/bin/
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage/lib" "$stage/bin"
+cp build/"$preset"/bin/* "$stage/bin/"
 for lib in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0 libgomp.so.1; do
-  cp -L "$(ldd build/"$preset"/bin/kcpp_tests | awk -v l="$lib" '$1 == l { print $3 }')" .devlibs/lib/
+  cp -L "$(ldd build/"$preset"/bin/kcpp_tests | awk -v l="$lib" '$1 == l { print $3 }')" "$stage/lib/"
 done
+rm -rf .devlibs && mkdir -p .devlibs
+tar -C "$stage" -cf - bin lib | xz -T2 -6 > .devlibs/pack.tar.xz
 du -sh .devlibs
