@@ -11,11 +11,14 @@ namespace {
 
 using ops::Reduction;
 
+// Holds every tensor the params point at: a params struct carries raw pointers, so its tensors must
+// outlive the call (a temporary targets tensor here once read back as the next allocation's bytes).
 struct CE {
   Device dev;
-  Tensor loss, grad, ws;
-  liger::CrossEntropyParams params(const Tensor& logits, const Tensor& targets, const ops::CrossEntropyOptions& o,
+  Tensor targets, loss, grad, ws;
+  liger::CrossEntropyParams params(const Tensor& logits, const Tensor& t, const ops::CrossEntropyOptions& o,
                                    bool in_place) {
+    targets = t;
     loss = Tensor::empty({o.reduction == Reduction::None ? logits.size(0) : 1}, DType::f32, dev);
     grad = in_place ? logits : Tensor::empty(logits.shape(), logits.dtype(), dev);
     auto p = test::cross_entropy_params(logits, targets, o, loss, grad);
