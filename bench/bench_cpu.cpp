@@ -10,7 +10,9 @@
 #include "ops/nn/rms_norm.h"
 #include "ops/ops.h"
 #include "kernel_params.h"
+#include "cross_entropy/cross_entropy.h"
 #include "glu/glu.h"
+#include "ops/nn/cross_entropy.h"
 #include "ops/nn/rope.h"
 #include "rms_norm/rms_norm.h"
 #include "rope/rope.h"
@@ -159,6 +161,38 @@ void BM_rope_fwd_kernel(benchmark::State& st) {
 }
 BENCHMARK(BM_rope_fwd_reference) KCPP_DTYPES;
 BENCHMARK(BM_rope_fwd_kernel) KCPP_DTYPES;
+
+// Cross-entropy: 256 rows of a 32000-word vocabulary, mean, loss and gradient.
+struct CECase {
+  Tensor logits, targets, loss, grad;
+  explicit CECase(DType dt) {
+    Generator gen(4);
+    logits = Tensor::randn({256, 32000}, dt, Device::cpu(), gen);
+    targets = Tensor::randint({256}, 0, 32000, DType::i64, Device::cpu(), gen);
+    loss = Tensor::empty({1}, DType::f32);
+    grad = Tensor::empty({256, 32000}, dt);
+  }
+};
+void BM_ce_fwd_bwd_reference(benchmark::State& st) {
+  CECase c(static_cast<DType>(st.range(0)));
+  const Tensor one = Tensor::full({}, 1.0, c.logits.dtype());
+  for (auto _ : st) {
+    const auto f = ops::cross_entropy_forward(c.logits, c.targets);
+    benchmark::DoNotOptimize(ops::cross_entropy_backward(one, f.log_probs, c.targets).data());
+  }
+  st.SetBytesProcessed(st.iterations() * 2 * c.logits.nbytes());
+}
+void BM_ce_fwd_bwd_kernel(benchmark::State& st) {
+  CECase c(static_cast<DType>(st.range(0)));
+  const auto p = test::cross_entropy_params(c.logits, c.targets, {}, c.loss, c.grad);
+  for (auto _ : st) {
+    if (const char* e = liger::cross_entropy_cpu(p)) st.SkipWithError(e);
+    benchmark::ClobberMemory();
+  }
+  st.SetBytesProcessed(st.iterations() * 2 * c.logits.nbytes());
+}
+BENCHMARK(BM_ce_fwd_bwd_reference) KCPP_DTYPES;
+BENCHMARK(BM_ce_fwd_bwd_kernel) KCPP_DTYPES;
 
 }  // namespace
 
