@@ -102,6 +102,13 @@ static ::testing::AssertionResult size_mismatch(const Tensor& out, const std::ve
   return ::testing::AssertionSuccess();
 }
 
+::testing::AssertionResult kernel_error_contains(const char* error, const std::string& needle) {
+  if (!error) return ::testing::AssertionFailure() << "no error; expected one containing: " << needle;
+  if (std::string(error).find(needle) == std::string::npos)
+    return ::testing::AssertionFailure() << "error '" << error << "' does not contain '" << needle << "'";
+  return ::testing::AssertionSuccess();
+}
+
 double rel_l2_error(const Tensor& out, const std::vector<double>& ref) {
   const ErrorStats s = error_stats(out.to_f64_vector(), ref);
   return s.nan_at >= 0 ? std::numeric_limits<double>::infinity() : s.rel_l2;

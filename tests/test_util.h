@@ -47,6 +47,10 @@ ErrorStats error_stats(const std::vector<double>& out, const std::vector<double>
 ::testing::AssertionResult close_elementwise(const Tensor& out, const std::vector<double>& ref, double rtol,
                                              double atol_scale);
 
+// A kernel entry point's result is an error whose message contains `needle` (kernels report errors as
+// strings, never by throwing).
+::testing::AssertionResult kernel_error_contains(const char* error, const std::string& needle);
+
 // The error figures themselves, for bounds that compare two implementations (kernel_bound).
 double rel_l2_error(const Tensor& out, const std::vector<double>& ref);
 double mag_error(const Tensor& out, const std::vector<double>& ref, const std::vector<double>& magnitude);
