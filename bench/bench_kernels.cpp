@@ -25,6 +25,7 @@
 #include "kernel_params.h"
 #include "rms_norm/rms_norm.h"
 #include "rms_norm/rms_norm_tuning.h"
+#include "glu/glu_tuning.h"
 
 namespace {
 using namespace kcpp;
@@ -238,6 +239,33 @@ void sweep_rms_norm() {
   }
 }
 
+// SwiGLU launch configurations, one factor at a time around the default (unroll 1, 16 blocks per SM,
+// accurate math), then the combinations.
+void sweep_swiglu() {
+  const int64_t bt = 8192, inter = 14336;
+  Generator gen(11);
+  const Tensor a = Tensor::randn({bt, inter}, DType::bf16, kDev, gen), b = Tensor::randn({bt, inter}, DType::bf16, kDev, gen);
+  const Tensor dc = Tensor::randn({bt, inter}, DType::bf16, kDev, gen);
+  Tensor out = Tensor::empty({bt, inter}, DType::bf16, kDev), dg = Tensor::empty({bt, inter}, DType::bf16, kDev);
+  Tensor du = Tensor::empty({bt, inter}, DType::bf16, kDev);
+  const auto act = ops::GluActivation::Silu;
+  const auto pf = test::glu_params(a, b, act, out), pb = test::glu_params(a, b, act, {}, dc, dg, du);
+  const double unit = double(bt) * inter * 2 / 1e9;
+  std::printf("sweep swiglu bf16 [%lld, %lld]: unroll blocks_per_sm fast_math\n", (long long)bt, (long long)inter);
+  for (int unroll : {1, 2, 4})
+    for (int blocks : {4, 8, 16, 32})
+      for (bool fast : {false, true}) {
+        const liger::GluConfig c{unroll, blocks, fast};
+        const Timing tf = time_op(kDev, [&] { check(liger::glu_forward_cuda_with(pf, cuda::current_stream(), c)); }, 10, 50);
+        const Timing tb = time_op(kDev, [&] { check(liger::glu_backward_cuda_with(pb, cuda::current_stream(), c)); }, 10, 50);
+        const double gf = 3 * unit / (tf.median_ms * 1e-3), gbw = 5 * unit / (tb.median_ms * 1e-3);
+        std::printf("  %d %2d %d  fwd %8.4f ms %5.1f%%   bwd %8.4f ms %5.1f%%\n", unroll, blocks, fast, tf.median_ms,
+                    100 * gf / g_copy_gbps, tb.median_ms, 100 * gbw / g_copy_gbps);
+        g_rows.push_back({{"op", "sweep swiglu"}, {"unroll", unroll}, {"blocks_per_sm", blocks}, {"fast_math", fast},
+                          {"fwd_ms", tf.median_ms}, {"bwd_ms", tb.median_ms}});
+      }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -257,7 +285,10 @@ int main(int argc, char** argv) {
     bench_swiglu();
     bench_rope();
     bench_cross_entropy();
-    if (sweep) sweep_rms_norm();
+    if (sweep) {
+      sweep_rms_norm();
+      sweep_swiglu();
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kcpp_bench_kernels: error: %s\n", e.what());
     return 1;

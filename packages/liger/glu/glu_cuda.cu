@@ -1,8 +1,11 @@
 // GLU on CUDA (maths in glu.h): a grid-stride loop over 16-byte vectors when every pointer is
-// aligned (scalar otherwise); each thread reads its gate, up (and dout) before writing, so the
-// in-place forms are safe.  The activation is a template parameter.
+// aligned (scalar otherwise), UNROLL vectors a thread per iteration with all loads issued first.
+// Each thread reads its gate, up (and dout) before writing, so the in-place forms are safe.  The
+// activation, the unroll and FAST (hardware exp / division, 16-bit dtypes only) are template
+// parameters; the grid size is a run-time choice (glu_tuning.h, measured in bench/RESULTS.md).
 #include "glu.h"
 #include "glu_math.h"
+#include "glu_tuning.h"
 #include "kcpp/kernel/cuda.cuh"
 
 namespace kcpp::liger {
@@ -10,79 +13,101 @@ namespace {
 
 using namespace kcpp::kernel::cuda;
 
-template <typename T, int VEC, GluActivation A>
-__global__ void __launch_bounds__(256) forward_kernel(const __grid_constant__ GluParams p) {
+template <typename T, int VEC, int UNROLL, GluActivation A, bool FAST, bool BWD>
+__global__ void __launch_bounds__(256) glu_kernel(const __grid_constant__ GluParams p) {
   const int64_t nvec = p.n / VEC, stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < nvec; v += stride) {
-    float g[VEC], u[VEC], o[VEC];
-    load_f32(static_cast<const T*>(p.gate) + v * VEC, g);
-    load_f32(static_cast<const T*>(p.up) + v * VEC, u);
+  const T* gp = static_cast<const T*>(p.gate);
+  const T* up = static_cast<const T*>(p.up);
+  const T* dp = static_cast<const T*>(p.dout);
+  for (int64_t v0 = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v0 < nvec; v0 += stride * UNROLL) {
+    float g[UNROLL][VEC], u[UNROLL][VEC], d[BWD ? UNROLL : 1][VEC];
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) o[k] = glu_math::act<A>(g[k], nullptr) * u[k];
-    store_f32(static_cast<T*>(p.out) + v * VEC, o);
-  }
-}
-
-template <typename T, int VEC, GluActivation A>
-__global__ void __launch_bounds__(256) backward_kernel(const __grid_constant__ GluParams p) {
-  const int64_t nvec = p.n / VEC, stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < nvec; v += stride) {
-    float g[VEC], u[VEC], d[VEC], dg[VEC], du[VEC];
-    load_f32(static_cast<const T*>(p.gate) + v * VEC, g);
-    load_f32(static_cast<const T*>(p.up) + v * VEC, u);
-    load_f32(static_cast<const T*>(p.dout) + v * VEC, d);
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      float da;
-      const float a = glu_math::act<A>(g[k], &da);
-      dg[k] = d[k] * u[k] * da;
-      du[k] = d[k] * a;
+    for (int r = 0; r < UNROLL; ++r) {
+      const int64_t v = v0 + r * stride;
+      if (v >= nvec) continue;
+      load_f32(gp + v * VEC, g[r]);
+      load_f32(up + v * VEC, u[r]);
+      if constexpr (BWD) load_f32(dp + v * VEC, d[r]);
     }
-    store_f32(static_cast<T*>(p.dgate) + v * VEC, dg);
-    store_f32(static_cast<T*>(p.dup) + v * VEC, du);
+#pragma unroll
+    for (int r = 0; r < UNROLL; ++r) {
+      const int64_t v = v0 + r * stride;
+      if (v >= nvec) continue;
+      if constexpr (BWD) {
+        float dg[VEC], du[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          float da;
+          const float a = glu_math::act<A, FAST>(g[r][k], &da);
+          dg[k] = d[r][k] * u[r][k] * da;
+          du[k] = d[r][k] * a;
+        }
+        store_f32(static_cast<T*>(p.dgate) + v * VEC, dg);
+        store_f32(static_cast<T*>(p.dup) + v * VEC, du);
+      } else {
+        float o[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) o[k] = glu_math::act<A, FAST>(g[r][k], nullptr) * u[r][k];
+        store_f32(static_cast<T*>(p.out) + v * VEC, o);
+      }
+    }
   }
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
-template <bool Backward> const char* run(const GluParams& p, cudaStream_t stream) {
-  if (const char* e = glu_check(p, Backward)) return e;
+template <bool BWD> const char* run(const GluParams& p, cudaStream_t stream, const GluConfig& c) {
+  if (const char* e = glu_check(p, BWD)) return e;
+  KCPP_KERNEL_REQUIRE(c.unroll == 1 || c.unroll == 2 || c.unroll == 4, "glu: unroll %d not in {1, 2, 4}", c.unroll);
+  KCPP_KERNEL_REQUIRE(c.blocks_per_sm > 0, "glu: blocks_per_sm %d <= 0", c.blocks_per_sm);
   if (p.n == 0) return nullptr;
   int device = 0;
   cudaGetDevice(&device);
   const int vec_full = 16 / kcpp::kernel::dtype_bytes(p.dtype);
   bool vec_ok = p.n % vec_full == 0 && aligned16(p.gate) && aligned16(p.up);
-  vec_ok = vec_ok && (Backward ? aligned16(p.dout) && aligned16(p.dgate) && aligned16(p.dup) : aligned16(p.out));
+  vec_ok = vec_ok && (BWD ? aligned16(p.dout) && aligned16(p.dgate) && aligned16(p.dup) : aligned16(p.out));
   const int vec = vec_ok ? vec_full : 1;
-  const int64_t nvec = p.n / vec;
-  // Enough blocks to fill the machine several times over; the grid-stride loop does the rest.
-  const unsigned grid = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((nvec + 255) / 256, int64_t(sm_count(device)) * 16)));
-  auto launch = [&]<typename T, int V, GluActivation A>() {
-    if constexpr (Backward) backward_kernel<T, V, A><<<grid, 256, 0, stream>>>(p);
-    else forward_kernel<T, V, A><<<grid, 256, 0, stream>>>(p);
+  const int64_t nvec = p.n / vec, per_block = int64_t(256) * c.unroll;
+  const unsigned grid = static_cast<unsigned>(
+      std::max<int64_t>(1, std::min<int64_t>((nvec + per_block - 1) / per_block, int64_t(sm_count(device)) * c.blocks_per_sm)));
+  auto launch = [&]<typename T, int V, int U, GluActivation A>() {
+    constexpr bool kCanFast = sizeof(T) == 2;
+    if (kCanFast && c.fast_math) glu_kernel<T, V, U, A, kCanFast, BWD><<<grid, 256, 0, stream>>>(p);
+    else glu_kernel<T, V, U, A, false, BWD><<<grid, 256, 0, stream>>>(p);
   };
-  auto by_act = [&]<typename T, int V>() {
+  auto by_act = [&]<typename T, int V, int U>() {
     switch (p.act) {
-      case GluActivation::Silu: launch.template operator()<T, V, GluActivation::Silu>(); break;
-      case GluActivation::Gelu: launch.template operator()<T, V, GluActivation::Gelu>(); break;
-      case GluActivation::GeluTanh: launch.template operator()<T, V, GluActivation::GeluTanh>(); break;
+      case GluActivation::Silu: launch.template operator()<T, V, U, GluActivation::Silu>(); break;
+      case GluActivation::Gelu: launch.template operator()<T, V, U, GluActivation::Gelu>(); break;
+      case GluActivation::GeluTanh: launch.template operator()<T, V, U, GluActivation::GeluTanh>(); break;
     }
   };
+  auto by_unroll = [&]<typename T, int V>() {
+    if (c.unroll == 4) by_act.template operator()<T, V, 4>();
+    else if (c.unroll == 2) by_act.template operator()<T, V, 2>();
+    else by_act.template operator()<T, V, 1>();
+  };
   auto by_vec = [&]<typename T>() {
-    if (vec == 1) by_act.template operator()<T, 1>();
-    else by_act.template operator()<T, 16 / sizeof(T)>();
+    if (vec == 1) by_act.template operator()<T, 1, 1>();  // unaligned: the simple loop only
+    else by_unroll.template operator()<T, 16 / sizeof(T)>();
   };
   switch (p.dtype) {
     case kernel::DType::f32: by_vec.template operator()<float>(); break;
     case kernel::DType::bf16: by_vec.template operator()<__nv_bfloat16>(); break;
     case kernel::DType::f16: by_vec.template operator()<__half>(); break;
   }
-  return launch_error(Backward ? "glu backward" : "glu forward");
+  return launch_error(BWD ? "glu backward" : "glu forward");
 }
 
 }  // namespace
 
-const char* glu_forward_cuda(const GluParams& p, cudaStream_t stream) { return run<false>(p, stream); }
-const char* glu_backward_cuda(const GluParams& p, cudaStream_t stream) { return run<true>(p, stream); }
+const char* glu_forward_cuda(const GluParams& p, cudaStream_t stream) { return run<false>(p, stream, GluConfig{}); }
+const char* glu_backward_cuda(const GluParams& p, cudaStream_t stream) { return run<true>(p, stream, GluConfig{}); }
+const char* glu_forward_cuda_with(const GluParams& p, cudaStream_t stream, const GluConfig& c) {
+  return run<false>(p, stream, c);
+}
+const char* glu_backward_cuda_with(const GluParams& p, cudaStream_t stream, const GluConfig& c) {
+  return run<true>(p, stream, c);
+}
 
 }  // namespace kcpp::liger

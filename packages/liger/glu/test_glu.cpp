@@ -1,7 +1,9 @@
 // GLU kernels against the f64 oracle, held to DESIGN.md's bound: at most twice the error of the
 // eager reference (ops::glu_*) in the same precision, and within the dtype's table.
 #include "core/cuda_runtime.h"
+#include "ops/ops.h"
 #include "glu.h"
+#include "glu_tuning.h"
 #include "kernel_params.h"
 #include "oracle.h"
 #include "ops/nn/glu.h"
@@ -120,6 +122,44 @@ TEST_P(LigerGlu, NaNPropagatesAndBadInputIsAnError) {
   EXPECT_THROW(test::glu_params(Tensor::zeros({4, 6}, DType::bf16, dev).transpose(0, 1), u, GluActivation::Silu, u),
                Error);  // non-contiguous: refused before the kernel
 }
+
+#if KCPP_WITH_CUDA
+// Every launch configuration the sweep can choose stays within the bound (fast math included).
+TEST(LigerGluCuda, EveryConfigurationWithinTheBound) {
+  const Device dev = Device::cuda(0);
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  for (DType dt : {DType::bf16, DType::f16, DType::f32})
+    for (GluActivation act : {GluActivation::Silu, GluActivation::Gelu, GluActivation::GeluTanh}) {
+      const int64_t n = 8 * 4099;  // aligned, not a multiple of a block's work
+      const Tensor g = Tensor::randn({n}, dt, dev, gen, 0.0, 2.0), u = Tensor::randn({n}, dt, dev, gen);
+      const Tensor d = Tensor::randn({n}, dt, dev, gen);
+      const auto gv = g.to_f64_vector(), uv = u.to_f64_vector(), dv = d.to_f64_vector();
+      std::vector<double> dg, du;
+      oracle::glu_backward(dv, gv, uv, oracle_act(act), dg, du);
+      const auto fo = oracle::glu(gv, uv, oracle_act(act));
+      const auto mag = oracle::glu_magnitude(dv, gv, uv, oracle_act(act));
+      const auto rb = ops::glu_backward(d, g, u, act);
+      const double bf = test::kernel_bound(test::mag_error(ops::glu_forward(g, u, act), fo, mag.out), dt);
+      const double bg = test::kernel_bound(test::mag_error(rb.dgate, dg, mag.dgate), dt);
+      const double bu = test::kernel_bound(test::mag_error(rb.dup, du, mag.dup), dt);
+      for (int unroll : {1, 2, 4})
+        for (int blocks : {1, 16})
+          for (bool fast : {false, true}) {
+            const liger::GluConfig c{unroll, blocks, fast};
+            const std::string cfg = fmt::format("{} act={} unroll={} blocks={} fast={}", dtype_name(dt),
+                                                static_cast<int>(act), unroll, blocks, fast);
+            Tensor out = Tensor::empty({n}, dt, dev), dgk = Tensor::empty({n}, dt, dev), duk = Tensor::empty({n}, dt, dev);
+            test::check(test::finish_cuda(liger::glu_forward_cuda_with(test::glu_params(g, u, act, out), cuda::current_stream(), c)));
+            test::check(test::finish_cuda(
+                liger::glu_backward_cuda_with(test::glu_params(g, u, act, {}, d, dgk, duk), cuda::current_stream(), c)));
+            EXPECT_LE(test::mag_error(out, fo, mag.out), bf) << cfg;
+            EXPECT_LE(test::mag_error(dgk, dg, mag.dgate), bg) << cfg;
+            EXPECT_LE(test::mag_error(duk, du, mag.dup), bu) << cfg;
+          }
+    }
+}
+#endif
 
 INSTANTIATE_TEST_SUITE_P(Devices, LigerGlu, ::testing::Values(Device::cpu(), Device::cuda(0)),
                          [](const auto& info) { return info.param.is_cpu() ? std::string("cpu") : std::string("cuda"); });
