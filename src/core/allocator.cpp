@@ -64,7 +64,6 @@ class CachingAllocator final : public Allocator {
     if (auto it = free_.find(size); it != free_.end() && !it->second.empty()) {
       p = it->second.back();
       it->second.pop_back();
-      cached_ -= size;
     } else {
       p = backend_->alloc(size);
       if (!p) {  // release what we hold and try once more
@@ -95,7 +94,6 @@ class CachingAllocator final : public Allocator {
     live_.erase(it);
     stats_.current -= size;
     free_[size].push_back(p);
-    cached_ += size;
   }
 
   MemoryStats stats() const override {
@@ -124,7 +122,6 @@ class CachingAllocator final : public Allocator {
       held_ -= size * blocks.size();
     }
     free_.clear();
-    cached_ = 0;
   }
 
   const Device device_;
@@ -132,7 +129,7 @@ class CachingAllocator final : public Allocator {
   mutable std::mutex mu_;
   std::unordered_map<void*, size_t> live_;
   std::map<size_t, std::vector<void*>> free_;
-  size_t held_ = 0, cached_ = 0;
+  size_t held_ = 0;  // live + cached bytes from the backend
   MemoryStats stats_;
 };
 

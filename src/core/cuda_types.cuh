@@ -5,6 +5,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "kcpp/kernel/cuda.cuh"
+
 #include <cstdint>
 
 #include "core/dtype.h"
@@ -17,16 +19,8 @@ template <> struct device_type<bf16> { using type = __nv_bfloat16; };
 template <> struct device_type<f16> { using type = __half; };
 template <typename T> using device_t = typename device_type<T>::type;
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(double v) { return static_cast<float>(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ double from_float<double>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+// Conversions to and from f32: kcpp::kernel::cuda::to_f32 / from_f32 (include/kcpp/kernel/cuda.cuh),
+// the same ones the kernel packages use.
 
 // Runtime-dtype element access through a byte pointer (the dtype switch is uniform across a warp).
 __device__ __forceinline__ double load_as_f64(const void* p, DType t, int64_t i) {

@@ -11,6 +11,10 @@
 // The grid is either one block per row or persistent (as many blocks as fit, striding over rows).
 // The backward always runs persistent: each block sums dw for its rows into its own f32 workspace
 // row, and reduce_dw adds those rows in block order (deterministic, no atomics).
+#include <map>
+#include <mutex>
+#include <tuple>
+
 #include "kcpp/kernel/cuda.cuh"
 #include "rms_norm.h"
 #include "rms_norm_tuning.h"
@@ -362,10 +366,28 @@ int grid_for(const RMSNormParams& p, const Plan& plan, KernelFn fn, int device, 
   const int64_t cap = int64_t(1) << 30;
   const int64_t blocks = p.rows;
   if (!plan.config.persistent) return static_cast<int>(std::min<int64_t>(blocks, cap));
+  // The occupancy query costs host time on every launch; its answer never changes, so keep it.
+  struct Key {
+    KernelFn fn;
+    int threads, device;
+    size_t smem;
+    bool operator<(const Key& o) const { return std::tie(fn, threads, device, smem) < std::tie(o.fn, o.threads, o.device, o.smem); }
+  };
+  static std::mutex mu;
+  static std::map<Key, int> cache;
+  const Key key{fn, plan.threads, device, smem};
   int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, plan.threads, smem) != cudaSuccess || per_sm < 1) {
-    (void)cudaGetLastError();
-    per_sm = 1;
+  {
+    std::lock_guard lock(mu);
+    if (auto it = cache.find(key); it != cache.end()) per_sm = it->second;
+  }
+  if (per_sm == 0) {
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, plan.threads, smem) != cudaSuccess || per_sm < 1) {
+      (void)cudaGetLastError();
+      per_sm = 1;
+    }
+    std::lock_guard lock(mu);
+    cache[key] = per_sm;
   }
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(sm_count(device)) * per_sm)));
 }

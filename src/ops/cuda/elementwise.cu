@@ -17,7 +17,7 @@ __global__ void unary_kernel(StridedLayout<2> L, int64_t n, T* out, const T* x, 
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     int64_t off[2] = {i, i};
     if (!flat) L.offsets(i, off);
-    out[off[0]] = kcpp::cuda::from_float<T>(math::unary<float>(op, kcpp::cuda::to_float(x[off[1]]), alpha));
+    out[off[0]] = kcpp::kernel::cuda::from_f32<T>(math::unary<float>(op, kcpp::kernel::cuda::to_f32(x[off[1]]), alpha));
   }
 }
 
@@ -27,8 +27,8 @@ __global__ void binary_kernel(StridedLayout<3> L, int64_t n, T* out, const T* a,
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     int64_t off[3] = {i, i, i};
     if (!flat) L.offsets(i, off);
-    out[off[0]] = kcpp::cuda::from_float<T>(
-        math::binary<float>(op, kcpp::cuda::to_float(a[off[1]]), kcpp::cuda::to_float(b[off[2]])));
+    out[off[0]] = kcpp::kernel::cuda::from_f32<T>(
+        math::binary<float>(op, kcpp::kernel::cuda::to_f32(a[off[1]]), kcpp::kernel::cuda::to_f32(b[off[2]])));
   }
 }
 

@@ -6,8 +6,8 @@
 namespace kcpp::ops::cuda {
 namespace {
 
-using kcpp::cuda::from_float;
-using kcpp::cuda::to_float;
+using kcpp::kernel::cuda::from_f32;
+using kcpp::kernel::cuda::to_f32;
 
 int block_for(int64_t n) { return n >= 512 ? 512 : n >= 128 ? 128 : 32; }
 
@@ -17,15 +17,15 @@ template <typename T> __global__ void reduce_kernel(const T* x, T* out, int64_t 
   float v;
   if (op == Reduce::Max) {
     v = -INFINITY;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) v = combine<BlockOp::Max>(to_float(row[i]), v);
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) v = combine<BlockOp::Max>(to_f32(row[i]), v);
     v = block_reduce<BlockOp::Max>(v, scratch);
   } else {
     v = 0.0f;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) v += to_float(row[i]);
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) v += to_f32(row[i]);
     v = block_reduce<BlockOp::Sum>(v, scratch);
     if (op == Reduce::Mean) v /= static_cast<float>(n);
   }
-  if (threadIdx.x == 0) out[blockIdx.x] = from_float<T>(v);
+  if (threadIdx.x == 0) out[blockIdx.x] = from_f32<T>(v);
 }
 
 template <typename T> __global__ void softmax_kernel(const T* x, T* out, int64_t n, bool log) {
@@ -33,16 +33,16 @@ template <typename T> __global__ void softmax_kernel(const T* x, T* out, int64_t
   const T* row = x + blockIdx.x * n;
   T* orow = out + blockIdx.x * n;
   float mx = -INFINITY;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) mx = combine<BlockOp::Max>(to_float(row[i]), mx);
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) mx = combine<BlockOp::Max>(to_f32(row[i]), mx);
   mx = block_reduce<BlockOp::Max>(mx, scratch);
   if (isinf(mx) && mx < 0) mx = 0.0f;
   float s = 0.0f;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += expf(to_float(row[i]) - mx);
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += expf(to_f32(row[i]) - mx);
   s = block_reduce<BlockOp::Sum>(s, scratch);
   const float lse = mx + logf(s);
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    const float v = to_float(row[i]);
-    orow[i] = from_float<T>(log ? v - lse : expf(v - mx) / s);
+    const float v = to_f32(row[i]);
+    orow[i] = from_f32<T>(log ? v - lse : expf(v - mx) / s);
   }
 }
 
@@ -51,11 +51,11 @@ template <typename T> __global__ void softmax_backward_kernel(const T* dy, const
   const int64_t base = blockIdx.x * n;
   float s = 0.0f;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
-    s += log ? to_float(dy[base + i]) : to_float(dy[base + i]) * to_float(y[base + i]);
+    s += log ? to_f32(dy[base + i]) : to_f32(dy[base + i]) * to_f32(y[base + i]);
   s = block_reduce<BlockOp::Sum>(s, scratch);
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    const float g = to_float(dy[base + i]), v = to_float(y[base + i]);
-    dx[base + i] = from_float<T>(log ? g - expf(v) * s : v * (g - s));
+    const float g = to_f32(dy[base + i]), v = to_f32(y[base + i]);
+    dx[base + i] = from_f32<T>(log ? g - expf(v) * s : v * (g - s));
   }
 }
 
