@@ -25,3 +25,11 @@ endif()
 if(KCPP_BUILD_BENCH)
   find_package(benchmark REQUIRED)                                 # libbenchmark-dev
 endif()
+
+# The hub (src/hub, tools/kcpp): package signatures and hashes (libsodium-dev), the HTTP client
+# (libcurl4-openssl-dev), `kcpp serve` (libcpp-httplib-dev, a compiled library whose flags come from
+# its pkg-config file), dlopen.
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(SODIUM REQUIRED IMPORTED_TARGET libsodium)
+pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)
+find_package(CURL REQUIRED)

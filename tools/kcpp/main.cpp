@@ -1,11 +1,13 @@
 // kcpp: the command-line tool.  `kcpp info` reports the platform; `kcpp bench --ceilings`
-// measures the ceilings that benchmark figures are quoted against.
+// measures the ceilings that benchmark figures are quoted against; the hub commands (keygen, trust,
+// package, serve, download, versions, show, lock, verify) are in hub_commands.cpp.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "ceilings.h"
+#include "commands.h"
 #include "core/error.h"
 #include "core/platform.h"
 
@@ -58,8 +60,12 @@ int main(int argc, char** argv) {
   bench->add_flag("--quick", quick, "Smaller sizes (smoke test)");
   bench->add_option("--json", json_path, "Also write the figures to this JSON file");
 
+  kcpp::tools::Action action;
+  kcpp::tools::add_hub_commands(app, action);
+
   CLI11_PARSE(app, argc, argv);
   try {
+    if (action) return action();
     if (*info) return run_info(info_json);
     if (*bench) {
       if (!ceilings) {

@@ -1,0 +1,104 @@
+# kcpp_add_package(): builds a kernel package into the hub layout.
+#
+#   kcpp_add_package(NAME example VERSION 1.0.0
+#                    DESCRIPTION "one line"
+#                    SOURCES a.cpp b.cpp            # built into every variant
+#                    CUDA_SOURCES a.cu              # CUDA variant only
+#                    LIBRARIES OpenMP::OpenMP_CXX)  # linked into every variant
+#
+# produces, under ${KCPP_PACKAGE_OUTPUT_DIR}/<name>/ (default: <build>/kernels/<name>/):
+#   build/kcpp1-cpu-<arch>-<os>/lib<name>.so          always
+#   build/kcpp1-cu<XY>-<arch>-<os>/lib<name>.so       when CUDA is on and CUDA_SOURCES are given
+#   build/<variant>/variant.json                       {"cuda_archs": [...]} (CUDA variants)
+#   manifest.json                                      `kcpp package index`: sha256 of every file,
+#                                                      layers and ops read from the libraries
+# ready to be signed (`kcpp package sign`) and published (copied to a hub repo's revision folder).
+#
+# Each library sees only include/ (a package never includes src/), defines KCPP_PACKAGE_NAME and
+# KCPP_PACKAGE_VERSION (strings) and KCPP_WITH_CUDA (0/1), exports nothing but kcpp_package_v1
+# (hidden visibility), and carries its own libstdc++ (linked statically) so that one binary loads
+# into any host.
+set(KCPP_PACKAGE_OUTPUT_DIR "${PROJECT_BINARY_DIR}/kernels" CACHE PATH "Where kcpp_add_package writes packages")
+
+string(TOLOWER "${CMAKE_SYSTEM_NAME}" _kcpp_os)
+set(_kcpp_arch "${CMAKE_SYSTEM_PROCESSOR}")
+if(_kcpp_arch STREQUAL "amd64" OR _kcpp_arch STREQUAL "AMD64")
+  set(_kcpp_arch x86_64)
+elseif(_kcpp_arch STREQUAL "arm64")
+  set(_kcpp_arch aarch64)
+endif()
+
+function(_kcpp_package_library target name version out_dir with_cuda)
+  add_library(${target} MODULE ${ARGN})
+  set_target_properties(${target} PROPERTIES
+    OUTPUT_NAME ${name}
+    PREFIX lib
+    LIBRARY_OUTPUT_DIRECTORY ${out_dir}
+    CXX_VISIBILITY_PRESET hidden
+    CUDA_VISIBILITY_PRESET hidden
+    VISIBILITY_INLINES_HIDDEN ON)
+  target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/include ${CMAKE_CURRENT_SOURCE_DIR})
+  target_compile_definitions(${target} PRIVATE KCPP_PACKAGE_NAME="${name}" KCPP_PACKAGE_VERSION="${version}"
+                                               KCPP_WITH_CUDA=${with_cuda})
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -O3>
+                                           $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo -Xcompiler=-fvisibility=hidden>)
+  target_link_libraries(${target} PRIVATE dlpack::dlpack)
+  target_link_options(${target} PRIVATE -static-libstdc++ -static-libgcc -Wl,--no-undefined -Wl,--exclude-libs,ALL)
+  if(with_cuda)
+    target_link_libraries(${target} PRIVATE CUDA::cudart_static)
+  endif()
+endfunction()
+
+function(kcpp_add_package)
+  cmake_parse_arguments(P "" "NAME;VERSION;DESCRIPTION" "SOURCES;CUDA_SOURCES;LIBRARIES;DEFINITIONS" ${ARGN})
+  if(NOT P_NAME OR NOT P_VERSION OR NOT P_SOURCES)
+    message(FATAL_ERROR "kcpp_add_package: NAME, VERSION and SOURCES are required")
+  endif()
+  set(out "${KCPP_PACKAGE_OUTPUT_DIR}/${P_NAME}")
+  set(targets)
+  set(cuda_variant "")
+
+  set(cpu_variant "kcpp1-cpu-${_kcpp_arch}-${_kcpp_os}")
+  _kcpp_package_library(kcpp_package_${P_NAME}_cpu ${P_NAME} ${P_VERSION} "${out}/build/${cpu_variant}" 0 ${P_SOURCES})
+  list(APPEND targets kcpp_package_${P_NAME}_cpu)
+
+  if(KCPP_HAVE_CUDA AND P_CUDA_SOURCES)
+    string(REGEX MATCH "^([0-9]+)\\.([0-9])" _v "${CMAKE_CUDA_COMPILER_VERSION}")
+    set(cuda_variant "kcpp1-cu${CMAKE_MATCH_1}${CMAKE_MATCH_2}-${_kcpp_arch}-${_kcpp_os}")
+    _kcpp_package_library(kcpp_package_${P_NAME}_cuda ${P_NAME} ${P_VERSION} "${out}/build/${cuda_variant}" 1
+                          ${P_SOURCES} ${P_CUDA_SOURCES})
+    list(APPEND targets kcpp_package_${P_NAME}_cuda)
+    set(archs "")
+    foreach(a IN LISTS CMAKE_CUDA_ARCHITECTURES)
+      list(APPEND archs "\"${a}\"")
+    endforeach()
+    list(JOIN archs ", " archs)
+    file(WRITE "${out}/build/${cuda_variant}/variant.json" "{\"cuda_archs\": [${archs}]}\n")
+  endif()
+  # A variant folder left by an earlier configuration (CUDA on, now off) must not be indexed.
+  file(GLOB existing LIST_DIRECTORIES true "${out}/build/*")
+  foreach(dir IN LISTS existing)
+    get_filename_component(v "${dir}" NAME)
+    if(NOT v STREQUAL "${cpu_variant}" AND NOT v STREQUAL "${cuda_variant}")
+      file(REMOVE_RECURSE "${dir}")
+    endif()
+  endforeach()
+
+  foreach(t IN LISTS targets)
+    target_link_libraries(${t} PRIVATE ${P_LIBRARIES})
+    target_compile_definitions(${t} PRIVATE ${P_DEFINITIONS})
+  endforeach()
+
+  set(lib_files)
+  foreach(t IN LISTS targets)
+    list(APPEND lib_files $<TARGET_FILE:${t}>)
+  endforeach()
+  add_custom_command(
+    OUTPUT "${out}/manifest.json"
+    COMMAND kcpp_cli package index "${out}" --description "${P_DESCRIPTION}"
+    DEPENDS ${targets} ${lib_files} kcpp_cli
+    COMMENT "Indexing kernel package ${P_NAME} ${P_VERSION} (${out})"
+    VERBATIM)
+  add_custom_target(kcpp_package_${P_NAME} ALL DEPENDS "${out}/manifest.json")
+  set_property(GLOBAL APPEND PROPERTY KCPP_PACKAGES ${P_NAME})
+endfunction()

@@ -1,0 +1,278 @@
+// Package-side helpers for the C ABI (include/kcpp/abi.h): reading named arguments, checking them
+// against the layer contract, and reporting the first problem through the context's error buffer.
+//
+//   kcpp_status forward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
+//     kcpp::kernel::Call c(ctx, args, n, "SiLU.forward");
+//     DLTensor* x = c.tensor("x");
+//     DLTensor* y = c.tensor("y");
+//     c.same_shape(y, "y", x, "x");
+//     c.same_dtype(y, "y", x, "x");
+//     c.row_major(x, "x");
+//     if (!c.ok()) return c.status();
+//     ...
+//   }
+//
+// A Call records only its first failure (later checks are no-ops), so a sequence of checks reads
+// straight down and the message names the first thing that was wrong.  Header-only, no exceptions,
+// no allocation: it may be included by any package.
+#pragma once
+
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+
+#include "kcpp/abi.h"
+#include "kcpp/kernel/types.h"
+
+namespace kcpp::kernel {
+
+// Writes "what: message" into ctx->error (when there is a buffer) and returns `status`.
+inline kcpp_status vreport(kcpp_context* ctx, kcpp_status status, const char* what, const char* fmt,
+                           va_list ap) {
+  if (ctx && ctx->error && ctx->error_size > 0) {
+    int n = what && *what ? std::snprintf(ctx->error, ctx->error_size, "%s: ", what) : 0;
+    if (n < 0) n = 0;
+    if (static_cast<size_t>(n) < ctx->error_size)
+      std::vsnprintf(ctx->error + n, ctx->error_size - static_cast<size_t>(n), fmt, ap);
+  }
+  return status;
+}
+
+inline kcpp_status report(kcpp_context* ctx, kcpp_status status, const char* what, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vreport(ctx, status, what, fmt, ap);
+  va_end(ap);
+  return status;
+}
+
+inline const char* dl_device_name(int32_t t) {
+  switch (t) {
+    case kDLCPU: return "cpu";
+    case kDLCUDA: return "cuda";
+    case kDLCUDAHost: return "cuda_host";
+    case kDLROCM: return "rocm";
+    case kDLMetal: return "metal";
+    case 14: return "xpu";  // kDLOneAPI (DLPack >= 0.7; Debian ships 0.6)
+    default: return "device?";
+  }
+}
+
+// The floating dtypes kernels take; false for anything else (ints, f64, vectors of lanes).
+inline bool dtype_from_dl(DLDataType t, DType* out) {
+  if (t.lanes != 1) return false;
+  if (t.code == kDLFloat && t.bits == 32) return *out = DType::f32, true;
+  if (t.code == kDLFloat && t.bits == 16) return *out = DType::f16, true;
+  if (t.code == kDLBfloat && t.bits == 16) return *out = DType::bf16, true;
+  return false;
+}
+
+// "f32", "bf16", "i64", ... for messages.
+inline const char* dl_dtype_name(DLDataType t) {
+  if (t.lanes != 1) return "vector";
+  switch (t.code) {
+    case kDLFloat: return t.bits == 64 ? "f64" : t.bits == 32 ? "f32" : t.bits == 16 ? "f16" : "float?";
+    case kDLBfloat: return t.bits == 16 ? "bf16" : "bfloat?";
+    case kDLInt: return t.bits == 64 ? "i64" : t.bits == 32 ? "i32" : t.bits == 8 ? "i8" : "int?";
+    case kDLUInt: return t.bits == 8 ? "u8" : t.bits == 1 ? "bool" : "uint?";
+    case 6: return "bool";  // kDLBool (DLPack >= 0.8)
+    default: return "dtype?";
+  }
+}
+
+inline int64_t numel(const DLTensor* t) {
+  int64_t n = 1;
+  for (int32_t i = 0; i < t->ndim; ++i) n *= t->shape[i];
+  return n;
+}
+
+// Stride of dim d in elements (DLPack allows strides == NULL for compact row-major tensors).
+inline int64_t stride(const DLTensor* t, int32_t d) {
+  if (t->strides) return t->strides[d];
+  int64_t s = 1;
+  for (int32_t i = t->ndim - 1; i > d; --i) s *= t->shape[i];
+  return s;
+}
+
+inline bool is_row_major(const DLTensor* t) {
+  int64_t expect = 1;
+  for (int32_t d = t->ndim - 1; d >= 0; --d) {
+    if (t->shape[d] != 1 && stride(t, d) != expect) return false;
+    expect *= t->shape[d];
+  }
+  return true;
+}
+
+// First element's address.
+inline void* data_ptr(const DLTensor* t) { return static_cast<char*>(t->data) + t->byte_offset; }
+
+class Call {
+ public:
+  Call(kcpp_context* ctx, const kcpp_arg* args, int32_t num_args, const char* what)
+      : ctx_(ctx), args_(args), n_(args ? num_args : 0), what_(what) {}
+
+  bool ok() const { return status_ == KCPP_OK; }
+  kcpp_status status() const { return status_; }
+  kcpp_context* context() const { return ctx_; }
+
+  // Records a failure (only the first one is kept) and returns false.
+  bool fail(kcpp_status s, const char* fmt, ...) {
+    if (status_ != KCPP_OK) return false;
+    status_ = s;
+    va_list ap;
+    va_start(ap, fmt);
+    vreport(ctx_, s, what_, fmt, ap);
+    va_end(ap);
+    return false;
+  }
+  bool require(bool cond, const char* fmt, ...) {
+    if (cond || status_ != KCPP_OK) return cond;
+    status_ = KCPP_ERROR_INVALID_ARGUMENT;
+    va_list ap;
+    va_start(ap, fmt);
+    vreport(ctx_, status_, what_, fmt, ap);
+    va_end(ap);
+    return false;
+  }
+
+  const kcpp_arg* find(const char* name) const {
+    for (int32_t i = 0; i < n_; ++i)
+      if (args_[i].name && std::strcmp(args_[i].name, name) == 0) return &args_[i];
+    return nullptr;
+  }
+
+  // A tensor argument on the context's device.  Optional ones return nullptr when absent or NONE.
+  DLTensor* tensor(const char* name, bool required = true) {
+    const kcpp_arg* a = find(name);
+    if (!a || a->kind == KCPP_ARG_NONE) {
+      if (required) fail(KCPP_ERROR_INVALID_ARGUMENT, "missing tensor argument '%s'", name);
+      return nullptr;
+    }
+    if (a->kind != KCPP_ARG_TENSOR || !a->value.tensor) {
+      fail(KCPP_ERROR_INVALID_ARGUMENT, "argument '%s' must be a tensor", name);
+      return nullptr;
+    }
+    DLTensor* t = a->value.tensor;
+    if (!ok()) return t;
+    if (t->ndim < 0 || (t->ndim > 0 && !t->shape)) {
+      fail(KCPP_ERROR_INVALID_ARGUMENT, "tensor '%s' has no shape", name);
+      return nullptr;
+    }
+    for (int32_t d = 0; d < t->ndim; ++d)
+      if (t->shape[d] < 0) {
+        fail(KCPP_ERROR_INVALID_ARGUMENT, "tensor '%s' has a negative extent in dim %d", name, d);
+        return nullptr;
+      }
+    if (!t->data && numel(t) > 0) {
+      fail(KCPP_ERROR_INVALID_ARGUMENT, "tensor '%s' has no data", name);
+      return nullptr;
+    }
+    if (ctx_ && (t->device.device_type != ctx_->device.device_type ||
+                 t->device.device_id != ctx_->device.device_id)) {
+      fail(KCPP_ERROR_INVALID_ARGUMENT, "tensor '%s' is on %s:%d but the call runs on %s:%d", name,
+           dl_device_name(t->device.device_type), t->device.device_id,
+           dl_device_name(ctx_->device.device_type), ctx_->device.device_id);
+      return nullptr;
+    }
+    return t;
+  }
+
+  int64_t integer(const char* name, int64_t fallback, bool required = false) {
+    const kcpp_arg* a = find(name);
+    if (!a || a->kind == KCPP_ARG_NONE) {
+      if (required) fail(KCPP_ERROR_INVALID_ARGUMENT, "missing integer argument '%s'", name);
+      return fallback;
+    }
+    if (a->kind != KCPP_ARG_INT) {
+      fail(KCPP_ERROR_INVALID_ARGUMENT, "argument '%s' must be an integer", name);
+      return fallback;
+    }
+    return a->value.i;
+  }
+
+  // Floats accept integer arguments too (eps = 0).
+  double real(const char* name, double fallback, bool required = false) {
+    const kcpp_arg* a = find(name);
+    if (!a || a->kind == KCPP_ARG_NONE) {
+      if (required) fail(KCPP_ERROR_INVALID_ARGUMENT, "missing float argument '%s'", name);
+      return fallback;
+    }
+    if (a->kind == KCPP_ARG_INT) return static_cast<double>(a->value.i);
+    if (a->kind != KCPP_ARG_FLOAT) {
+      fail(KCPP_ERROR_INVALID_ARGUMENT, "argument '%s' must be a float", name);
+      return fallback;
+    }
+    return a->value.f;
+  }
+
+  const char* string(const char* name, const char* fallback, bool required = false) {
+    const kcpp_arg* a = find(name);
+    if (!a || a->kind == KCPP_ARG_NONE) {
+      if (required) fail(KCPP_ERROR_INVALID_ARGUMENT, "missing string argument '%s'", name);
+      return fallback;
+    }
+    if (a->kind != KCPP_ARG_STRING || !a->value.s) {
+      fail(KCPP_ERROR_INVALID_ARGUMENT, "argument '%s' must be a string", name);
+      return fallback;
+    }
+    return a->value.s;
+  }
+
+  // ---- checks (no-ops after the first failure, and on null tensors: a missing one already failed)
+
+  bool float_dtype(const DLTensor* t, const char* name, DType* out) {
+    if (!t || !ok()) return false;
+    if (dtype_from_dl(t->dtype, out)) return true;
+    return fail(KCPP_ERROR_UNSUPPORTED, "tensor '%s' has dtype %s; this kernel takes f32, bf16 or f16", name,
+                dl_dtype_name(t->dtype));
+  }
+  bool same_dtype(const DLTensor* a, const char* an, const DLTensor* b, const char* bn) {
+    if (!a || !b || !ok()) return ok();
+    if (a->dtype.code == b->dtype.code && a->dtype.bits == b->dtype.bits && a->dtype.lanes == b->dtype.lanes)
+      return true;
+    return fail(KCPP_ERROR_INVALID_ARGUMENT, "tensor '%s' is %s but '%s' is %s", an, dl_dtype_name(a->dtype), bn,
+                dl_dtype_name(b->dtype));
+  }
+  bool same_shape(const DLTensor* a, const char* an, const DLTensor* b, const char* bn) {
+    if (!a || !b || !ok()) return ok();
+    bool same = a->ndim == b->ndim;
+    for (int32_t d = 0; same && d < a->ndim; ++d) same = a->shape[d] == b->shape[d];
+    if (same) return true;
+    char sa[128], sb[128];
+    return fail(KCPP_ERROR_INVALID_ARGUMENT, "tensor '%s' has shape %s but '%s' has shape %s", an,
+                shape_str(a, sa, sizeof sa), bn, shape_str(b, sb, sizeof sb));
+  }
+  bool ndim(const DLTensor* t, const char* name, int32_t n) {
+    if (!t || !ok()) return ok();
+    if (t->ndim == n) return true;
+    char s[128];
+    return fail(KCPP_ERROR_INVALID_ARGUMENT, "tensor '%s' must have %d dims, has shape %s", name, n,
+                shape_str(t, s, sizeof s));
+  }
+  // Row-major and dense (the kernel walks it as a flat array).
+  bool row_major(const DLTensor* t, const char* name) {
+    if (!t || !ok()) return ok();
+    if (is_row_major(t)) return true;
+    return fail(KCPP_ERROR_UNSUPPORTED, "tensor '%s' is not contiguous (row-major); this kernel needs it", name);
+  }
+
+  static const char* shape_str(const DLTensor* t, char* buf, size_t size) {
+    size_t at = 0;
+    at += static_cast<size_t>(std::snprintf(buf, size, "["));
+    for (int32_t d = 0; d < t->ndim && at < size; ++d)
+      at += static_cast<size_t>(std::snprintf(buf + at, size - at, d ? ", %lld" : "%lld",
+                                              static_cast<long long>(t->shape[d])));
+    if (at < size) std::snprintf(buf + at, size - at, "]");
+    return buf;
+  }
+
+ private:
+  kcpp_context* ctx_;
+  const kcpp_arg* args_;
+  int32_t n_;
+  const char* what_;
+  kcpp_status status_ = KCPP_OK;
+};
+
+}  // namespace kcpp::kernel

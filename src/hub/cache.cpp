@@ -1,0 +1,96 @@
+#include "hub/cache.h"
+
+#include <unistd.h>
+
+#include <random>
+
+#include "core/error.h"
+#include "hub/fs.h"
+
+namespace kcpp::hub {
+namespace fs = std::filesystem;
+
+Cache::Cache(fs::path root) : root_(std::move(root)) {}
+
+fs::path Cache::default_root() {
+  if (const char* p = std::getenv("KCPP_CACHE"); p && *p) return p;
+  if (const char* p = std::getenv("HF_HUB_CACHE"); p && *p) return p;
+  if (const char* p = std::getenv("HF_HOME"); p && *p) return fs::path(p) / "hub";
+  if (const char* p = std::getenv("XDG_CACHE_HOME"); p && *p) return fs::path(p) / "huggingface" / "hub";
+  const char* home = std::getenv("HOME");
+  return fs::path(home && *home ? home : "/tmp") / ".cache" / "huggingface" / "hub";
+}
+
+fs::path Cache::repo_dir(const std::string& repo) const {
+  std::string folder = "models--" + repo;
+  for (size_t at = folder.find('/'); at != std::string::npos; at = folder.find('/', at)) folder.replace(at, 1, "--");
+  return root_ / folder;
+}
+
+std::optional<std::string> Cache::ref(const std::string& repo, const std::string& name) const {
+  const fs::path p = repo_dir(repo) / "refs" / name;
+  std::error_code ec;
+  if (!fs::is_regular_file(p, ec)) return std::nullopt;
+  std::string c = read_file(p);
+  while (!c.empty() && (c.back() == '\n' || c.back() == ' ')) c.pop_back();
+  return c;
+}
+
+void Cache::set_ref(const std::string& repo, const std::string& name, const std::string& commit) const {
+  write_file_atomic(repo_dir(repo) / "refs" / name, commit);
+}
+
+std::vector<std::pair<std::string, std::string>> Cache::refs(const std::string& repo) const {
+  std::vector<std::pair<std::string, std::string>> out;
+  const fs::path dir = repo_dir(repo) / "refs";
+  std::error_code ec;
+  for (auto it = fs::recursive_directory_iterator(dir, ec); !ec && it != fs::recursive_directory_iterator();
+       it.increment(ec)) {
+    if (!it->is_regular_file()) continue;
+    const std::string name = fs::relative(it->path(), dir).generic_string();
+    if (name.find(".tmp.") != std::string::npos) continue;
+    if (auto c = ref(repo, name)) out.emplace_back(name, *c);
+  }
+  return out;
+}
+
+fs::path Cache::snapshot_dir(const std::string& repo, const std::string& commit) const {
+  return repo_dir(repo) / "snapshots" / commit;
+}
+
+std::optional<fs::path> Cache::file(const std::string& repo, const std::string& commit, const std::string& path) const {
+  const fs::path p = snapshot_dir(repo, commit) / path;
+  std::error_code ec;
+  if (!fs::exists(p, ec)) return std::nullopt;  // follows the link: a dangling one is absent
+  return p;
+}
+
+fs::path Cache::lock_path(const std::string& repo, const std::string& key) const {
+  return root_ / ".locks" / repo_dir(repo).filename() / (key + ".lock");
+}
+
+fs::path Cache::temp_path(const std::string& repo, const std::string& key) const {
+  std::random_device rd;
+  return repo_dir(repo) / "blobs" / (key + ".incomplete." + std::to_string(::getpid()) + "." + std::to_string(rd()));
+}
+
+fs::path Cache::commit_file(const std::string& repo, const std::string& commit, const std::string& path,
+                            const std::string& sha256, const fs::path& tmp) const {
+  const fs::path blob = repo_dir(repo) / "blobs" / sha256;
+  std::error_code ec;
+  fs::create_directories(blob.parent_path(), ec);
+  fs::rename(tmp, blob, ec);
+  if (ec) KCPP_FAIL("cache: cannot move {} to {}: {}", tmp.string(), blob.string(), ec.message());
+  const fs::path link = snapshot_dir(repo, commit) / path;
+  fs::create_directories(link.parent_path(), ec);
+  const fs::path target = fs::relative(blob, link.parent_path());
+  const fs::path tmp_link = link.string() + ".tmp." + std::to_string(::getpid());
+  fs::remove(tmp_link, ec);
+  fs::create_symlink(target, tmp_link, ec);
+  if (ec) KCPP_FAIL("cache: cannot link {}: {}", link.string(), ec.message());
+  fs::rename(tmp_link, link, ec);
+  if (ec) KCPP_FAIL("cache: cannot link {}: {}", link.string(), ec.message());
+  return link;
+}
+
+}  // namespace kcpp::hub

@@ -1,0 +1,96 @@
+// manifest.json: what a package revision contains, the sha256 of every file, and its signature.
+//
+//   {
+//     "kcpp_manifest": 1,
+//     "name": "example", "version": "1.0.0", "description": "...", "abi_version": 1,
+//     "variants": {
+//       "kcpp1-cpu-x86_64-linux": {
+//         "library": "build/kcpp1-cpu-x86_64-linux/libexample.so",
+//         "cuda_archs": [],                                    // e.g. ["80", "90a"] for CUDA builds
+//         "files": {"build/kcpp1-cpu-x86_64-linux/libexample.so": {"sha256": HEX, "size": N}, ...},
+//         "layers": [{"name": "SiLU", "contract": "SiLU/1", "modes": ["inference", "training"],
+//                     "devices": ["cpu"], "backward": true, "doc": "..."}],
+//         "ops": [{"name": "scale", "devices": ["cpu"], "doc": "..."}]
+//       }
+//     },
+//     "signature": {"algorithm": "ed25519", "publisher": "acme", "public_key": "ed25519:BASE64",
+//                   "value": BASE64}
+//   }
+//
+// The signature covers the manifest's *canonical bytes*: the JSON object without its "signature"
+// member, serialized with object keys sorted, no insignificant whitespace, strings in UTF-8 with
+// only the characters JSON requires escaped (nlohmann::json::dump()).  Since every file's sha256
+// is inside, the signature covers every file.  Manifests contain no floating-point numbers.
+// Every path is relative, inside build/<variant>/, without '.', '..' or empty components.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "hub/crypto.h"
+
+namespace kcpp::hub {
+
+struct ManifestFile {
+  std::string path;
+  std::string sha256;
+  uint64_t size = 0;
+};
+
+struct ManifestLayer {
+  std::string name, contract, doc;
+  std::vector<std::string> modes, devices;
+  bool backward = false;
+};
+
+struct ManifestOp {
+  std::string name, doc;
+  std::vector<std::string> devices;
+};
+
+struct ManifestVariant {
+  std::string name;
+  std::string library;
+  std::vector<std::string> cuda_archs;
+  std::vector<ManifestFile> files;
+  std::vector<ManifestLayer> layers;
+  std::vector<ManifestOp> ops;
+  const ManifestFile* file(std::string_view path) const;
+};
+
+struct Signature {
+  std::string algorithm, publisher, public_key, value;
+};
+
+struct Manifest {
+  std::string name, version, description;
+  int abi_version = 0;
+  std::vector<ManifestVariant> variants;
+  std::optional<Signature> signature;
+  nlohmann::json json;  // the whole document as read (unknown fields kept, and signed)
+
+  // Validates everything above; throws "SOURCE: manifest.json: WHAT" naming the field.
+  static Manifest parse(std::string_view text, std::string_view source);
+  std::string canonical_bytes() const;  // what the signature covers
+  const ManifestVariant* variant(std::string_view name) const;
+  void sign(const KeyPair& key);        // sets "signature" (in `json` too)
+  std::string dump() const;             // pretty, for writing manifest.json
+};
+
+// Writes DIR/manifest.json (unsigned) from DIR/build/<variant>/ folders: every file's sha256 and
+// size; the library (the one lib*.so of the folder); CUDA architectures from the folder's
+// variant.json ({"cuda_archs": [...]}) if any; layers and ops read from the library itself (it is
+// loaded, so index on a machine that can load it).  `name`/`version` must match the libraries.
+Manifest index_package(const std::filesystem::path& dir, std::string description = "");
+
+// The JSON name of each KCPP_MODE_* bit / device, and back.
+std::vector<std::string> mode_names(uint32_t modes);
+std::vector<std::string> device_names(uint32_t devices);
+
+}  // namespace kcpp::hub

@@ -1,0 +1,72 @@
+// Kernel references: the strings a KernelConfig maps layer names to, and the device-keyed tables.
+//
+//   org/repo[@REV|@CONSTRAINT][:Layer]     a package repo on the hub
+//   /abs/path[:Layer]                      a local package folder (manifest.json + build/)
+//
+// REV is a tag or branch ("@v2.1.0", "@main"; default "main"); CONSTRAINT a version range over the
+// repo's vX.Y.Z tags ("@>=2.0,<3.0", "@^1.2", "@~1.4", "@1.2.3"; see semver.h).  Text after '@' that
+// starts with an operator or a digit is a constraint, anything else a revision.  Repo names follow
+// the Hugging Face rules: letters, digits, '-', '_', '.', no leading or trailing '-' or '.', no "--"
+// or "..", at most 96 characters per part.  Layer names are C identifiers.
+//
+// A mapping value is a reference, "" (the layer keeps its reference implementation), or a table
+// keyed by device:
+//   {"cuda": REF-or-entries, "rocm": ..., "metal": ..., "xpu": ..., "cpu": ...}
+// where a CUDA value may be a list of entries {"ref": REF, "capability": ">=9.0"} (a constraint over
+// MAJOR.MINOR compute capabilities); the first entry whose capability matches the GPU is used, and
+// an entry without "capability" matches any GPU.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "hub/semver.h"
+#include "hub/variant.h"
+
+namespace kcpp::hub {
+
+struct Reference {
+  enum class Kind { Hub, Local };
+  Kind kind = Kind::Hub;
+  std::string repo;                       // "org/repo" (Hub)
+  std::string path;                       // absolute folder (Local)
+  std::string revision;                   // tag or branch; "main" when neither it nor a constraint is given
+  std::optional<Constraint> constraint;   // version range over tags
+  std::string layer;                      // "" when not given
+  std::string text;                       // as written
+
+  // Throws kcpp::Error: "bad kernel reference 'TEXT': WHY".
+  static Reference parse(std::string_view text);
+  bool is_local() const { return kind == Kind::Local; }
+  std::string str() const { return text; }
+};
+
+// Checks "org/repo"; throws naming the problem.
+void validate_repo_id(std::string_view repo);
+
+struct MappingEntry {
+  Backend device = Backend::CPU;
+  std::optional<Constraint> capability;  // CUDA only
+  std::optional<Reference> ref;          // nullopt: disabled ("")
+};
+
+// One layer's mapping value, parsed.
+class LayerMapping {
+ public:
+  // `value` is a string or a device table; `context` names it in errors ("kernel_mapping.RMSNorm").
+  static LayerMapping parse(const nlohmann::json& value, std::string_view context);
+  // The entry for this device (and GPU capability, for CUDA), or nullptr when the mapping names
+  // nothing for it.  An entry whose ref is nullopt means "explicitly disabled".
+  const MappingEntry* select(Backend device, int cc_major = 0, int cc_minor = 0) const;
+  const std::vector<MappingEntry>& entries() const { return entries_; }
+
+ private:
+  std::vector<MappingEntry> entries_;
+  bool any_device_ = false;  // a plain string: applies to every device
+};
+
+}  // namespace kcpp::hub

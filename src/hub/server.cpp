@@ -1,0 +1,179 @@
+#include "hub/server.h"
+
+#include <httplib.h>
+
+#include <chrono>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "core/error.h"
+#include "hub/repo_dir.h"
+
+namespace kcpp::hub {
+
+struct Server::Impl {
+  RepoDir dir;
+  FaultHook faults;
+  httplib::Server http;
+  std::thread thread;
+  std::string host;
+  int port = 0;
+
+  Impl(std::filesystem::path root, FaultHook f) : dir(std::move(root)), faults(std::move(f)) {}
+
+  static void error(httplib::Response& res, int status, const std::string& msg) {
+    res.status = status;
+    res.set_content(nlohmann::json{{"error", msg}}.dump(), "application/json");
+  }
+
+  // Applies an injected fault; true when the response is already decided.
+  bool fault(const httplib::Request& req, httplib::Response& res, bool* drop) {
+    if (!faults) return false;
+    const Fault f = faults(req.path);
+    switch (f.kind) {
+      case Fault::Kind::None: return false;
+      case Fault::Kind::Status: error(res, f.status, "injected fault"); return true;
+      case Fault::Kind::Delay: std::this_thread::sleep_for(std::chrono::milliseconds(f.delay_ms)); return false;
+      case Fault::Kind::DropMidBody: *drop = true; return false;
+    }
+    return false;
+  }
+
+  void routes() {
+    const std::string repo_re = "([A-Za-z0-9][A-Za-z0-9._-]*)/([A-Za-z0-9][A-Za-z0-9._-]*)";
+    http.Get("/api/models/" + repo_re + "/refs", [this](const httplib::Request& req, httplib::Response& res) {
+      bool drop = false;
+      if (fault(req, res, &drop)) return;
+      guarded(res, [&] {
+        const std::string repo = req.matches[1].str() + "/" + req.matches[2].str();
+        const auto refs = dir.refs(repo);
+        if (refs.empty()) return error(res, 404, "repository " + repo + " not found");
+        nlohmann::json j = {{"branches", nlohmann::json::array()}, {"tags", nlohmann::json::array()},
+                            {"converts", nlohmann::json::array()}};
+        for (const RepoRef& r : refs)
+          j[r.is_tag ? "tags" : "branches"].push_back(
+              {{"name", r.name}, {"ref", (r.is_tag ? "refs/tags/" : "refs/heads/") + r.name}, {"targetCommit", r.commit}});
+        res.set_content(j.dump(), "application/json");
+      });
+    });
+    http.Get("/api/models/" + repo_re + "/revision/([^/]+)", [this](const httplib::Request& req, httplib::Response& res) {
+      bool drop = false;
+      if (fault(req, res, &drop)) return;
+      guarded(res, [&] {
+        const std::string repo = req.matches[1].str() + "/" + req.matches[2].str();
+        const auto folder = dir.revision_folder(repo, req.matches[3].str());
+        if (!folder) return error(res, 404, "revision " + req.matches[3].str() + " of " + repo + " not found");
+        nlohmann::json j = {{"id", repo}, {"sha", dir.commit_of(repo, *folder)}, {"siblings", nlohmann::json::array()}};
+        for (const RepoFile& f : dir.files(repo, *folder)) j["siblings"].push_back({{"rfilename", f.path}});
+        res.set_content(j.dump(), "application/json");
+      });
+    });
+    http.Get("/api/models/" + repo_re + "/tree/([^/]+)(/.*)?", [this](const httplib::Request& req, httplib::Response& res) {
+      bool drop = false;
+      if (fault(req, res, &drop)) return;
+      guarded(res, [&] {
+        const std::string repo = req.matches[1].str() + "/" + req.matches[2].str();
+        const auto folder = dir.revision_folder(repo, req.matches[3].str());
+        if (!folder) return error(res, 404, "revision " + req.matches[3].str() + " of " + repo + " not found");
+        std::string prefix = req.matches[4].str();
+        if (!prefix.empty()) prefix = prefix.substr(1) + (prefix.size() > 1 && prefix.back() != '/' ? "/" : "");
+        nlohmann::json j = nlohmann::json::array();
+        for (const RepoFile& f : dir.files(repo, *folder))
+          if (f.path.starts_with(prefix))
+            j.push_back({{"type", "file"}, {"path", f.path}, {"size", f.size}, {"oid", f.sha256.substr(0, 40)},
+                         {"lfs", {{"oid", f.sha256}, {"size", f.size}}}});
+        res.set_content(j.dump(), "application/json");
+      });
+    });
+    http.Get("/" + repo_re + "/resolve/([^/]+)/(.+)", [this](const httplib::Request& req, httplib::Response& res) {
+      bool drop = false;
+      if (fault(req, res, &drop)) return;
+      guarded(res, [&] {
+        const std::string repo = req.matches[1].str() + "/" + req.matches[2].str();
+        const auto folder = dir.revision_folder(repo, req.matches[3].str());
+        if (!folder) return error(res, 404, "revision " + req.matches[3].str() + " of " + repo + " not found");
+        const std::string path = req.matches[4].str();
+        const auto file = dir.file(repo, *folder, path);
+        if (!file) return error(res, 404, "file " + path + " not found in " + repo + "@" + *folder);
+        auto content = std::make_shared<std::string>();
+        {
+          std::ifstream in(*file, std::ios::binary);
+          content->assign(std::istreambuf_iterator<char>(in), {});
+        }
+        std::string sha;
+        for (const RepoFile& f : dir.files(repo, *folder))
+          if (f.path == path) sha = f.sha256;
+        res.set_header("X-Repo-Commit", dir.commit_of(repo, *folder));
+        res.set_header("ETag", "\"" + sha + "\"");
+        const size_t total = content->size();
+        res.set_content_provider(total, "application/octet-stream",
+                                 [content, drop](size_t offset, size_t length, httplib::DataSink& sink) {
+                                   // A dropped connection sends the first half, then hangs up.
+                                   const size_t limit = drop ? content->size() / 2 : content->size();
+                                   if (offset >= limit) return false;
+                                   const size_t n = std::min({length, limit - offset, size_t{1} << 16});
+                                   sink.write(content->data() + offset, n);
+                                   return true;
+                                 });
+      });
+    });
+  }
+
+  template <typename F>
+  void guarded(httplib::Response& res, F&& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      error(res, 400, e.what());
+    } catch (const std::exception& e) {
+      error(res, 500, e.what());
+    }
+  }
+};
+
+Server::Server(std::filesystem::path root, FaultHook faults, bool log)
+    : impl_(std::make_unique<Impl>(std::move(root), std::move(faults))) {
+  if (!std::filesystem::is_directory(impl_->dir.root()))
+    KCPP_FAIL("kcpp serve: {} is not a directory", impl_->dir.root().string());
+  impl_->routes();
+  impl_->http.set_read_timeout(30, 0);
+  impl_->http.set_write_timeout(30, 0);
+  if (log)
+    impl_->http.set_logger([](const httplib::Request& req, const httplib::Response& res) {
+      std::fprintf(stderr, "%s %s %d\n", req.method.c_str(), req.path.c_str(), res.status);
+    });
+}
+
+Server::~Server() { stop(); }
+
+int Server::start(const std::string& host, int port) {
+  impl_->host = host;
+  if (port == 0) {
+    impl_->port = impl_->http.bind_to_any_port(host);
+  } else {
+    impl_->port = impl_->http.bind_to_port(host, port) ? port : -1;
+  }
+  if (impl_->port <= 0) KCPP_FAIL("kcpp serve: cannot listen on {}:{}", host, port);
+  impl_->thread = std::thread([this] { impl_->http.listen_after_bind(); });
+  for (int i = 0; i < 500 && !impl_->http.is_running(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  return impl_->port;
+}
+
+void Server::run(const std::string& host, int port, const std::function<void(int)>& on_ready) {
+  impl_->host = host;
+  impl_->port = port == 0 ? impl_->http.bind_to_any_port(host) : (impl_->http.bind_to_port(host, port) ? port : -1);
+  if (impl_->port <= 0) KCPP_FAIL("kcpp serve: cannot listen on {}:{}", host, port);
+  if (on_ready) on_ready(impl_->port);
+  impl_->http.listen_after_bind();
+}
+
+void Server::stop() {
+  if (!impl_) return;
+  impl_->http.stop();
+  if (impl_->thread.joinable()) impl_->thread.join();
+}
+
+std::string Server::url() const { return "http://" + impl_->host + ":" + std::to_string(impl_->port); }
+
+}  // namespace kcpp::hub

@@ -1,0 +1,14 @@
+// The kcpp subcommands, grouped by file.  Each add_* registers its subcommands on `app`; a parsed
+// subcommand stores what to run in `action`, which main() calls inside one error handler.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <functional>
+
+namespace kcpp::tools {
+
+using Action = std::function<int()>;
+
+void add_hub_commands(CLI::App& app, Action& action);  // hub_commands.cpp
+
+}  // namespace kcpp::tools
