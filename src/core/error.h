@@ -75,6 +75,7 @@ template <typename... Args> std::string format_runtime(std::string_view f, const
     }                                                                                           \
   } while (0)
 
-// KCPP_FAIL("format {}", args...): unconditional failure with a formatted message.
+// KCPP_FAIL("format {}", args...): unconditional failure with a formatted message (no source
+// location: the message must say everything the user needs).
 #define KCPP_FAIL(...) \
   ::kcpp::detail::throw_check_failure(nullptr, KCPP_FORMAT(__VA_ARGS__), ::std::source_location::current())

@@ -1,6 +1,7 @@
 #include "hub/package.h"
 
 #include <dlfcn.h>
+#include <elf.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -10,6 +11,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "hub/fs.h"
 
 namespace kcpp::hub {
 
@@ -71,6 +73,37 @@ std::string package_table_problem(const kcpp_package* t) {
   return "";
 }
 
+std::string elf_problem(std::string_view image) {
+  // dlopen trusts the file's structure: a truncated library can make the loader fault on a page
+  // past the end of the file instead of failing.  So every range the loader will read is checked.
+  Elf64_Ehdr eh;
+  if (image.size() < sizeof eh || std::memcmp(image.data(), ELFMAG, SELFMAG) != 0) return "not an ELF shared object";
+  std::memcpy(&eh, image.data(), sizeof eh);
+  if (eh.e_ident[EI_CLASS] != ELFCLASS64) return "not a 64-bit ELF object";
+  if (eh.e_ident[EI_DATA] != ELFDATA2LSB) return "not a little-endian ELF object";
+  if (eh.e_type != ET_DYN) return "not a shared object (ELF type is not ET_DYN)";
+#if defined(__x86_64__)
+  if (eh.e_machine != EM_X86_64) return fmt::format("built for another CPU (ELF machine {}), this is x86_64", eh.e_machine);
+#elif defined(__aarch64__)
+  if (eh.e_machine != EM_AARCH64) return fmt::format("built for another CPU (ELF machine {}), this is aarch64", eh.e_machine);
+#endif
+  const uint64_t size = image.size();
+  auto fits = [&](uint64_t off, uint64_t len) { return off <= size && len <= size - off; };
+  if (eh.e_phentsize != sizeof(Elf64_Phdr) || eh.e_phnum == 0 ||
+      !fits(eh.e_phoff, uint64_t{eh.e_phnum} * sizeof(Elf64_Phdr)))
+    return "truncated or malformed (program headers)";
+  for (int i = 0; i < eh.e_phnum; ++i) {
+    Elf64_Phdr ph;
+    std::memcpy(&ph, image.data() + eh.e_phoff + i * sizeof ph, sizeof ph);
+    if (!fits(ph.p_offset, ph.p_filesz))
+      return fmt::format("truncated: segment {} needs bytes up to {}, the file has {}", i, ph.p_offset + ph.p_filesz,
+                         size);
+  }
+  if (eh.e_shnum > 0 && (eh.e_shentsize != sizeof(Elf64_Shdr) || !fits(eh.e_shoff, uint64_t{eh.e_shnum} * sizeof(Elf64_Shdr))))
+    return "truncated or malformed (section headers)";
+  return "";
+}
+
 std::shared_ptr<LoadedPackage> LoadedPackage::open_path(const std::string& path, std::string origin) {
   std::shared_ptr<LoadedPackage> p(new LoadedPackage());
   p->origin_ = std::move(origin);
@@ -90,8 +123,8 @@ std::shared_ptr<LoadedPackage> LoadedPackage::open_path(const std::string& path,
 }
 
 std::shared_ptr<LoadedPackage> LoadedPackage::open_image(std::string_view image, std::string origin) {
-  if (image.size() < 4 || std::memcmp(image.data(), "\x7f" "ELF", 4) != 0)
-    KCPP_FAIL("{}: cannot load the library: not an ELF shared object", origin);
+  if (auto problem = elf_problem(image); !problem.empty())
+    KCPP_FAIL("{}: cannot load the library: {}", origin, problem);
   const int fd = ::memfd_create("kcpp-package", MFD_CLOEXEC);
   if (fd < 0) KCPP_FAIL("{}: memfd_create failed: {}", origin, std::strerror(errno));
   size_t done = 0;
@@ -118,7 +151,9 @@ std::shared_ptr<LoadedPackage> LoadedPackage::open_image(std::string_view image,
 }
 
 std::shared_ptr<LoadedPackage> LoadedPackage::open_file(const std::filesystem::path& path) {
-  return open_path(std::filesystem::absolute(path).string(), path.string());
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) KCPP_FAIL("{}: cannot load the library: no such file", path.string());
+  return open_image(read_file(path), path.string());
 }
 
 LoadedPackage::~LoadedPackage() {

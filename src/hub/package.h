@@ -24,7 +24,8 @@ class LoadedPackage {
   // (kcpp1-cpu-x86_64-linux)").  Throws kcpp::Error: not a loadable library, no kcpp_package_v1,
   // wrong ABI version, a malformed table.
   static std::shared_ptr<LoadedPackage> open_image(std::string_view image, std::string origin);
-  // Loads a file as it is, unverified: for `kcpp package index` and tests only.
+  // Loads a file as it is (its bytes, through the same memfd path), unverified: for `kcpp package
+  // index` and tests only.
   static std::shared_ptr<LoadedPackage> open_file(const std::filesystem::path& path);
 
   ~LoadedPackage();
@@ -44,6 +45,9 @@ class LoadedPackage {
   const kcpp_package* table_ = nullptr;
   std::string origin_;
 };
+
+// Why `image` is not a complete shared object for this CPU that dlopen can map safely, or "".
+std::string elf_problem(std::string_view image);
 
 // Why `t` is not a valid ABI-1 package table, or "" when it is.
 std::string package_table_problem(const kcpp_package* t);

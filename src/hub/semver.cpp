@@ -209,6 +209,11 @@ Constraint Constraint::parse(std::string_view text) {
     const std::string_view part = text.substr(start, bar == std::string_view::npos ? bar : bar - start);
     // Tokens split on ',' and blanks; an operator standing alone ("> = 1.2" is not allowed, ">= 1.2" is)
     // joins the token after it.
+    std::string squeezed;
+    for (char ch : part)
+      if (ch != ' ' && ch != '\t') squeezed += ch;
+    if (squeezed.starts_with(',') || squeezed.ends_with(',') || squeezed.find(",,") != std::string::npos)
+      KCPP_FAIL("bad version constraint '{}': an empty comparator between commas", text);
     std::vector<std::string> toks;
     std::string cur;
     auto flush = [&] {

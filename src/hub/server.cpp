@@ -30,7 +30,8 @@ struct Server::Impl {
   // Applies an injected fault; true when the response is already decided.
   bool fault(const httplib::Request& req, httplib::Response& res, bool* drop) {
     if (!faults) return false;
-    const Fault f = faults(req.path);
+    const std::string auth = req.get_header_value("Authorization");
+    const Fault f = faults(RequestView{req.path, auth});
     switch (f.kind) {
       case Fault::Kind::None: return false;
       case Fault::Kind::Status: error(res, f.status, "injected fault"); return true;

@@ -21,14 +21,18 @@
 
 namespace kcpp::hub {
 
-// Fault injection for tests: consulted on every request with its path.
+// Fault injection for tests: consulted on every request.
+struct RequestView {
+  std::string_view path;
+  std::string_view authorization;  // the Authorization header, "" if none
+};
 struct Fault {
   enum class Kind { None, Status, Delay, DropMidBody };
   Kind kind = Kind::None;
   int status = 0;    // Kind::Status
   int delay_ms = 0;  // Kind::Delay: sleep before answering
 };
-using FaultHook = std::function<Fault(std::string_view path)>;
+using FaultHook = std::function<Fault(const RequestView& request)>;
 
 class Server {
  public:

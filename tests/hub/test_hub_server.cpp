@@ -1,0 +1,488 @@
+// The hub end to end against a real `kcpp serve` server on 127.0.0.1: publishing, resolving by
+// version constraint, the cache, lock files, trust, and every fault the issue lists.  Each test
+// gets its own hub folder, cache, keys and server.
+#include <gtest/gtest.h>
+#include <spawn.h>
+#include <sys/wait.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <set>
+
+#include "hub/crypto.h"
+#include "hub/fs.h"
+#include "hub/hub.h"
+#include "hub/server.h"
+#include "hub_test_util.h"
+
+extern char** environ;
+
+namespace kcpp::hub {
+namespace {
+
+namespace fs = std::filesystem;
+using test::throws_with;
+
+class HubServer : public ::testing::Test {
+ protected:
+  test::TempDir tmp;
+  fs::path hub_dir = tmp.path() / "hub", cache_dir = tmp.path() / "cache";
+  KeyPair acme = KeyPair::generate("acme");
+  std::mutex mu;
+  std::function<Fault(const RequestView&)> fault;  // set by a test; guarded by mu
+  std::vector<std::string> requests, authorizations;
+  std::unique_ptr<Server> server;
+
+  void SetUp() override {
+    fs::create_directories(hub_dir);
+    server = std::make_unique<Server>(hub_dir, [this](const RequestView& r) {
+      std::lock_guard<std::mutex> g(mu);
+      requests.emplace_back(r.path);
+      authorizations.emplace_back(r.authorization);
+      return fault ? fault(r) : Fault{};
+    });
+    server->start();
+  }
+  void TearDown() override { server->stop(); }
+
+  void set_fault(std::function<Fault(const RequestView&)> f) {
+    std::lock_guard<std::mutex> g(mu);
+    fault = std::move(f);
+  }
+
+  fs::path library_path(const fs::path& pkg) const {
+    return pkg / Manifest::parse(read_file(pkg / "manifest.json"), "x").variants[0].library;
+  }
+
+  // Copies the built example package to hub/acme/example/<rev>, lets `edit` change files (the
+  // manifest's hashes are then recomputed for `rehash` files), and signs it with `key` (nullptr:
+  // unsigned).  Returns the revision folder.
+  fs::path publish(const std::string& rev, const KeyPair* key, const std::function<void(const fs::path&)>& edit = {},
+                   const std::string& repo = "acme/example") {
+    const fs::path dst = hub_dir / repo / rev;
+    fs::create_directories(dst.parent_path());
+    fs::copy(test::example_package_dir(), dst, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+    // Each revision's content differs (so does its commit id); the library stays example 1.0.0.
+    auto j = nlohmann::json::parse(read_file(dst / "manifest.json"));
+    j["description"] = "revision " + rev;
+    write_file_atomic(dst / "manifest.json", j.dump(2));
+    if (edit) edit(dst);
+    rehash(dst);
+    if (key) {
+      try {
+        Manifest m = Manifest::parse(read_file(dst / "manifest.json"), rev);
+        m.sign(*key);
+        write_file_atomic(dst / "manifest.json", m.dump());
+      } catch (const Error&) {
+        // A broken manifest (what the test publishes on purpose) cannot be signed.
+      }
+    }
+    return dst;
+  }
+
+  // Recomputes every file's sha256 and size in the manifest (a publisher's honest re-index).
+  static void rehash(const fs::path& dir) {
+    auto j = nlohmann::json::parse(read_file(dir / "manifest.json"), nullptr, false);
+    if (j.is_discarded() || !j.contains("variants")) return;
+    for (auto& [vn, v] : j["variants"].items())
+      for (auto& [path, f] : v["files"].items()) {
+        uint64_t size = 0;
+        if (!fs::exists(dir / path)) continue;
+        f["sha256"] = sha256_file(dir / path, &size);
+        f["size"] = size;
+      }
+    write_file_atomic(dir / "manifest.json", j.dump(2));
+  }
+
+  HubConfig config() {
+    HubConfig c;
+    c.endpoint = server->url();
+    c.cache_dir = cache_dir;
+    c.trust.add("acme", acme.public_key);
+    c.machine = Machine{};  // a CPU machine: the example's variant
+    c.machine.arch = Machine::detect().arch;
+    c.http.retries = 2;
+    c.http.backoff_ms = 5;
+    c.http.connect_timeout_s = c.http.stall_timeout_s = c.http.request_timeout_s = 2;
+    c.http.token_origin = c.endpoint;
+    return c;
+  }
+
+  // No temporary or partial file anywhere in the cache, and every blob is named by its hash.
+  void expect_cache_consistent() {
+    if (!fs::exists(cache_dir)) return;
+    for (const auto& e : fs::recursive_directory_iterator(cache_dir)) {
+      const std::string name = e.path().filename().string();
+      EXPECT_EQ(name.find(".incomplete"), std::string::npos) << e.path();
+      EXPECT_EQ(name.find(".tmp."), std::string::npos) << e.path();
+      if (e.path().parent_path().filename() == "blobs") {
+        EXPECT_EQ(sha256_file(e.path()), name) << e.path();
+      }
+      if (e.is_symlink()) {
+        EXPECT_TRUE(fs::exists(e.path())) << "dangling " << e.path();
+      }
+    }
+  }
+  size_t blob_count() {
+    size_t n = 0;
+    const fs::path b = cache_dir / "models--acme--example" / "blobs";
+    if (fs::exists(b))
+      for (const auto& e : fs::directory_iterator(b)) n += e.is_regular_file();
+    return n;
+  }
+};
+
+TEST_F(HubServer, ServesTheHubApiSubset) {
+  publish("v1.0.0", &acme);
+  publish("main", &acme);
+  HttpClient http(config().http);
+  auto refs = nlohmann::json::parse(http.get(server->url() + "/api/models/acme/example/refs").body);
+  ASSERT_EQ(refs["tags"].size(), 1u);
+  EXPECT_EQ(refs["tags"][0]["name"], "v1.0.0");
+  EXPECT_EQ(refs["tags"][0]["ref"], "refs/tags/v1.0.0");
+  EXPECT_EQ(refs["tags"][0]["targetCommit"].get<std::string>().size(), 40u);
+  EXPECT_EQ(refs["branches"][0]["name"], "main");
+  // The commit id is derived from the files, which differ between the two revisions.
+  EXPECT_NE(refs["tags"][0]["targetCommit"], refs["branches"][0]["targetCommit"]);
+  auto tree = nlohmann::json::parse(http.get(server->url() + "/api/models/acme/example/tree/v1.0.0?recursive=true").body);
+  std::set<std::string> paths;
+  for (const auto& f : tree) paths.insert(f["path"].get<std::string>());
+  EXPECT_TRUE(paths.count("manifest.json"));
+  auto info = nlohmann::json::parse(http.get(server->url() + "/api/models/acme/example/revision/v1.0.0").body);
+  EXPECT_EQ(info["sha"], refs["tags"][0]["targetCommit"]);
+  const HttpResponse r = http.get(server->url() + "/acme/example/resolve/v1.0.0/manifest.json");
+  EXPECT_EQ(r.body, read_file(hub_dir / "acme/example/v1.0.0/manifest.json"));
+  EXPECT_EQ(r.repo_commit, refs["tags"][0]["targetCommit"]);
+  EXPECT_EQ(r.etag, sha256_hex(r.body));
+  // Unknown things are 404, and the client does not retry them.
+  requests.clear();
+  EXPECT_TRUE(throws_with([&] { http.get(server->url() + "/acme/example/resolve/v1.0.0/nope"); }, "HTTP 404"));
+  EXPECT_EQ(requests.size(), 1u);
+  EXPECT_TRUE(throws_with([&] { http.get(server->url() + "/acme/example/resolve/v1.0.0/../../../etc/passwd"); },
+                          "HTTP 40"));
+}
+
+TEST_F(HubServer, LoadsTheBestVersionForAConstraintAndCachesIt) {
+  for (const char* v : {"v1.0.0", "v1.2.0", "v1.3.0-rc.1", "v2.0.0"}) publish(v, &acme);
+  Hub hub(config());
+  LoadedKernel k = hub.load(Reference::parse("acme/example@>=1.0,<2.0:SiLU"));
+  EXPECT_EQ(k.info.resolved.revision, "v1.2.0");
+  EXPECT_EQ(k.info.manifest.description, "revision v1.2.0");
+  ASSERT_NE(k.layer, nullptr);
+  EXPECT_STREQ(k.layer->contract, "SiLU/1");
+  EXPECT_EQ(k.info.trust.level, TrustLevel::Trusted);
+  EXPECT_EQ(hub.load(Reference::parse("acme/example@^1.3.0-rc.1")).info.resolved.revision, "v1.3.0-rc.1");
+  EXPECT_EQ(hub.load(Reference::parse("acme/example@^2")).info.resolved.revision, "v2.0.0");
+  EXPECT_TRUE(fs::exists(cache_dir / "models--acme--example" / "refs" / "v1.2.0"));
+  expect_cache_consistent();
+
+  // A second load downloads nothing.
+  const size_t before = requests.size();
+  Hub again(config());
+  again.load(Reference::parse("acme/example@v1.2.0:SiLU"));
+  for (size_t i = before; i < requests.size(); ++i) EXPECT_EQ(requests[i].find("/resolve/"), std::string::npos) << requests[i];
+}
+
+TEST_F(HubServer, NothingMatchingIsAnErrorListingWhatExists) {
+  publish("v1.0.0", &acme);
+  publish("main", &acme);
+  Hub hub(config());
+  EXPECT_TRUE(throws_with([&] { hub.load(Reference::parse("acme/example@>=2.0,<3.0")); },
+                          "no tag of acme/example matches '>=2.0,<3.0' (tags: v1.0.0)"));
+  EXPECT_TRUE(throws_with([&] { hub.load(Reference::parse("acme/example@dev")); },
+                          "has no tag or branch 'dev' (branches: main; tags: v1.0.0)"));
+  EXPECT_TRUE(throws_with([&] { hub.load(Reference::parse("acme/nothing@v1.0.0")); },
+                          "repository acme/nothing not found"));
+  EXPECT_TRUE(throws_with([&] { hub.load(Reference::parse("acme/example@v1.0.0:RMSNorm")); },
+                          "no layer 'RMSNorm' in example 1.0.0"));
+}
+
+TEST_F(HubServer, BrokenManifestsAreRefused) {
+  publish("v1.0.0", &acme, [](const fs::path& d) { write_file_atomic(d / "manifest.json", "{\"kcpp_manifest\": 1,"); });
+  publish("v1.1.0", &acme, [](const fs::path& d) {
+    auto j = nlohmann::json::parse(read_file(d / "manifest.json"));
+    j.erase("variants");
+    write_file_atomic(d / "manifest.json", j.dump());
+  });
+  publish("v1.2.0", &acme, [](const fs::path& d) {
+    auto j = nlohmann::json::parse(read_file(d / "manifest.json"));
+    auto& files = j["variants"].begin().value()["files"];
+    files["build/" + j["variants"].begin().key() + "/../../escape.so"] = files.begin().value();
+    write_file_atomic(d / "manifest.json", j.dump());
+  });
+  publish("v1.3.0", &acme, [](const fs::path& d) {
+    auto j = nlohmann::json::parse(read_file(d / "manifest.json"));
+    j["abi_version"] = 2;
+    write_file_atomic(d / "manifest.json", j.dump());
+  });
+  Hub hub(config());
+  EXPECT_TRUE(throws_with([&] { hub.load(Reference::parse("acme/example@v1.0.0")); }, "manifest.json: not valid JSON"));
+  EXPECT_TRUE(throws_with([&] { hub.load(Reference::parse("acme/example@v1.1.0")); }, "missing field 'variants'"));
+  EXPECT_TRUE(throws_with([&] { hub.load(Reference::parse("acme/example@v1.2.0")); }, "'..' component"));
+  EXPECT_TRUE(throws_with([&] { hub.load(Reference::parse("acme/example@v1.3.0")); },
+                          "built for kernel ABI 2, this host speaks ABI 1"));
+  expect_cache_consistent();
+}
+
+TEST_F(HubServer, AFileWhoseHashDiffersNeverEntersTheCacheOrLoads) {
+  const fs::path rev = publish("v1.0.0", &acme);
+  // Tampered after signing: the manifest still lists the original hash.
+  { std::ofstream(library_path(rev), std::ios::app) << "evil"; }
+  Hub hub(config());
+  EXPECT_TRUE(throws_with([&] { hub.load(Reference::parse("acme/example@v1.0.0:SiLU")); },
+                          "but the manifest says"));
+  EXPECT_EQ(blob_count(), 1u);  // the manifest only
+  expect_cache_consistent();
+  // A tampered *cached* copy is refused on the next load as well.
+  publish("v1.1.0", &acme);
+  hub.load(Reference::parse("acme/example@v1.1.0:SiLU"));
+  const fs::path cached = hub.cache().snapshot_dir("acme/example", hub.resolve(Reference::parse("acme/example@v1.1.0")).commit) /
+                          fs::relative(library_path(hub_dir / "acme/example/v1.1.0"), hub_dir / "acme/example/v1.1.0");
+  { std::ofstream(fs::canonical(cached), std::ios::app) << "x"; }
+  Hub fresh(config());
+  EXPECT_TRUE(throws_with([&] { fresh.load(Reference::parse("acme/example@v1.1.0:SiLU")); },
+                          "the file was modified or corrupted; refusing to load"));
+}
+
+TEST_F(HubServer, SignaturesAndTrustDecideWhatLoads) {
+  publish("v1.0.0", nullptr);  // unsigned
+  const KeyPair other = KeyPair::generate("other");
+  publish("v1.1.0", &other);  // signed, untrusted
+  const fs::path bad = publish("v1.2.0", &acme);
+  {  // changed after signing
+    auto j = nlohmann::json::parse(read_file(bad / "manifest.json"));
+    j["description"] = "now with a backdoor";
+    write_file_atomic(bad / "manifest.json", j.dump());
+  }
+  const fs::path garbage = publish("v1.3.0", &acme);
+  {  // a signature that is garbage
+    auto j = nlohmann::json::parse(read_file(garbage / "manifest.json"));
+    j["signature"] = {{"algorithm", "ed25519"}, {"publisher", "acme"}, {"public_key", "ed25519:AAAA"}, {"value", "AAAA"}};
+    write_file_atomic(garbage / "manifest.json", j.dump());
+  }
+  Hub strict(config());
+  EXPECT_TRUE(throws_with([&] { strict.load(Reference::parse("acme/example@v1.0.0")); },
+                          "refusing to load: the manifest is not signed"));
+  EXPECT_TRUE(throws_with([&] { strict.load(Reference::parse("acme/example@v1.1.0")); },
+                          "signed by 'other'"));
+  EXPECT_TRUE(throws_with([&] { strict.load(Reference::parse("acme/example@v1.2.0")); },
+                          "does not match the manifest (altered after signing?)"));
+  EXPECT_TRUE(throws_with([&] { strict.load(Reference::parse("acme/example@v1.3.0")); }, "refusing to load"));
+
+  HubConfig c = config();
+  c.allow_all_kernels = true;
+  Hub lenient(c);
+  EXPECT_EQ(lenient.load(Reference::parse("acme/example@v1.0.0:SiLU")).info.trust.level, TrustLevel::Unsigned);
+  EXPECT_EQ(lenient.load(Reference::parse("acme/example@v1.1.0:SiLU")).info.trust.level, TrustLevel::Untrusted);
+  // A signature that does not verify is tampering: refused even with allow_all_kernels.
+  EXPECT_TRUE(throws_with([&] { lenient.load(Reference::parse("acme/example@v1.2.0")); }, "altered after signing"));
+}
+
+TEST_F(HubServer, LibrariesWithTheWrongAbiNoEntryPointOrTruncatedAreRefused) {
+  auto swap_library = [&](const fs::path& replacement, bool truncate) {
+    return [=, this](const fs::path& d) {
+      const fs::path lib = library_path(d);
+      fs::copy_file(replacement, lib, fs::copy_options::overwrite_existing);
+      if (truncate) fs::resize_file(lib, fs::file_size(lib) / 3);
+    };
+  };
+  publish("v1.0.0", &acme, swap_library(test::abi99_library(), false));
+  publish("v1.1.0", &acme, swap_library(test::no_symbol_library(), false));
+  publish("v1.2.0", &acme, swap_library(library_path(test::example_package_dir()), true));
+  Hub hub(config());
+  EXPECT_TRUE(throws_with([&] { hub.load(Reference::parse("acme/example@v1.0.0")); }, "built for ABI version 99"));
+  EXPECT_TRUE(throws_with([&] { hub.load(Reference::parse("acme/example@v1.1.0")); }, "does not export kcpp_package_v1"));
+  EXPECT_TRUE(throws_with([&] { hub.load(Reference::parse("acme/example@v1.2.0")); }, "cannot load the library"));
+}
+
+TEST_F(HubServer, ServerErrorsAreRetriedThenReported) {
+  publish("v1.0.0", &acme);
+  std::atomic<int> failures{2};
+  set_fault([&](const RequestView& r) {
+    if (r.path.find("/resolve/") != std::string_view::npos && failures.fetch_sub(1) > 0)
+      return Fault{Fault::Kind::Status, 500, 0};
+    return Fault{};
+  });
+  Hub hub(config());  // 2 retries: the third attempt succeeds
+  EXPECT_NO_THROW(hub.load(Reference::parse("acme/example@v1.0.0:SiLU")));
+
+  set_fault([](const RequestView&) { return Fault{Fault::Kind::Status, 503, 0}; });
+  test::TempDir other_cache;
+  HubConfig c = config();
+  c.cache_dir = other_cache.path();
+  Hub failing(c);
+  EXPECT_TRUE(throws_with([&] { failing.load(Reference::parse("acme/example@v1.0.0")); }, "after 3 attempts: HTTP 503"));
+}
+
+TEST_F(HubServer, TimeoutsAndDroppedConnectionsLeaveTheCacheConsistent) {
+  publish("v1.0.0", &acme);
+  HubConfig c = config();
+  c.http.retries = 0;
+  c.http.connect_timeout_s = c.http.stall_timeout_s = c.http.request_timeout_s = 1;
+  set_fault([](const RequestView& r) {
+    return r.path.ends_with(".so") ? Fault{Fault::Kind::DropMidBody, 0, 0} : Fault{};
+  });
+  EXPECT_TRUE(throws_with([&] { Hub(c).load(Reference::parse("acme/example@v1.0.0")); }, "GET "));
+  expect_cache_consistent();
+  EXPECT_EQ(blob_count(), 1u);
+
+  set_fault([](const RequestView& r) {
+    return r.path.ends_with("/refs") ? Fault{Fault::Kind::Delay, 0, 2500} : Fault{};
+  });
+  EXPECT_TRUE(throws_with([&] { Hub(c).load(Reference::parse("acme/example@v1.0.0")); }, "imeout"));
+  expect_cache_consistent();
+
+  set_fault({});
+  EXPECT_NO_THROW(Hub(config()).load(Reference::parse("acme/example@v1.0.0:SiLU")));
+  expect_cache_consistent();
+}
+
+TEST_F(HubServer, TwoProcessesDownloadingTheSamePackage) {
+  publish("v1.0.0", &acme);
+  // Slow file responses make the two downloads overlap.
+  set_fault([](const RequestView& r) {
+    return r.path.find("/resolve/") != std::string_view::npos ? Fault{Fault::Kind::Delay, 0, 300} : Fault{};
+  });
+  const std::string trust = "acme=" + acme.public_key.str();
+  std::vector<std::string> env_strings = {"HF_ENDPOINT=" + server->url(), "KCPP_CACHE=" + cache_dir.string(),
+                                          "KCPP_TRUSTED_PUBLISHERS=" + trust, "KCPP_TRUST_STORE=/nonexistent",
+                                          "HOME=" + tmp.path().string(), "KCPP_LOCK_FILE="};
+  std::vector<char*> envp;
+  for (auto& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  const std::string bin = test::kcpp_binary().string();
+  std::vector<pid_t> pids;
+  for (int i = 0; i < 2; ++i) {
+    std::vector<std::string> args = {bin, "download", "--quiet", "acme/example@>=1.0"};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_t pid;
+    ASSERT_EQ(posix_spawn(&pid, bin.c_str(), nullptr, nullptr, argv.data(), envp.data()), 0);
+    pids.push_back(pid);
+  }
+  for (pid_t pid : pids) {
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
+  }
+  expect_cache_consistent();
+  EXPECT_EQ(blob_count(), 2u);  // manifest + library, each once
+  size_t library_downloads = 0;
+  for (const auto& r : requests) library_downloads += r.ends_with(".so");
+  EXPECT_EQ(library_downloads, 1u) << "the second process must find the first one's download";
+}
+
+TEST_F(HubServer, OfflineModeUsesTheCacheAlone) {
+  publish("v1.0.0", &acme);
+  HubConfig c = config();
+  c.offline = true;
+  EXPECT_TRUE(throws_with([&] { Hub(c).load(Reference::parse("acme/example@>=1.0")); },
+                          "no tag of acme/example matches '>=1.0' in the offline cache"));
+  EXPECT_TRUE(throws_with([&] { Hub(c).load(Reference::parse("acme/example@v1.0.0")); }, "HF_HUB_OFFLINE"));
+  Hub(config()).load(Reference::parse("acme/example@v1.0.0:SiLU"));
+  server->stop();  // no network at all from here on
+  const size_t before = requests.size();
+  EXPECT_EQ(Hub(c).load(Reference::parse("acme/example@>=1.0:SiLU")).info.resolved.revision, "v1.0.0");
+  EXPECT_EQ(requests.size(), before);
+}
+
+TEST_F(HubServer, LockFilesPinCommitsAndHashes) {
+  const fs::path rev = publish("v1.0.0", &acme);
+  Hub first(config());
+  const PackageInfo info = first.inspect(Reference::parse("acme/example@^1.0"));
+  LockFile lf;
+  LockEntry e{"acme/example", "^1.0", info.resolved.revision, info.resolved.commit, info.manifest_sha256, "acme", {}};
+  for (const auto& v : info.manifest.variants)
+    for (const auto& f : v.files) e.files[f.path] = f.sha256;
+  lf.upsert(e);
+  lf.save(tmp.path() / "kcpp.lock");
+  HubConfig c = config();
+  c.lock_file = tmp.path() / "kcpp.lock";
+  EXPECT_NO_THROW(Hub(c).load(Reference::parse("acme/example@^1.0:SiLU")));
+  EXPECT_EQ(LockFile::load(tmp.path() / "kcpp.lock").packages[0].commit, info.resolved.commit);
+
+  // The publisher re-releases v1.0.0 with other content (signed, valid): the locked load refuses it.
+  publish("v1.0.0", &acme, [](const fs::path& d) {
+    auto j = nlohmann::json::parse(read_file(d / "manifest.json"));
+    j["description"] = "rebuilt";
+    write_file_atomic(d / "manifest.json", j.dump());
+  });
+  EXPECT_TRUE(throws_with([&] { Hub(c).load(Reference::parse("acme/example@^1.0")); },
+                          "but the hub now has commit"));
+  // A lock whose manifest hash differs from what the pinned commit serves.
+  lf.packages[0].commit = first.resolve(Reference::parse("acme/example@v1.0.0")).commit;
+  lf.packages[0].manifest_sha256 = std::string(64, '0');
+  lf.save(tmp.path() / "kcpp.lock");
+  Hub fresh_cache_hub([&] {
+    HubConfig x = c;
+    x.cache_dir = tmp.path() / "cache2";
+    return x;
+  }());
+  EXPECT_TRUE(throws_with([&] { fresh_cache_hub.load(Reference::parse("acme/example@^1.0")); },
+                          "refusing to load it"));
+  write_file_atomic(tmp.path() / "kcpp.lock", "{\"kcpp_lock\": 1}");
+  EXPECT_TRUE(throws_with([&] { Hub{c}; }, "no 'packages' list"));
+  (void)rev;
+}
+
+TEST_F(HubServer, TheTokenGoesOnlyToTheEndpoint) {
+  publish("v1.0.0", &acme);
+  HubConfig c = config();
+  c.http.token = "hf_secret";
+  Hub(c).inspect(Reference::parse("acme/example@v1.0.0"));
+  ASSERT_FALSE(authorizations.empty());
+  for (const auto& a : authorizations) EXPECT_EQ(a, "Bearer hf_secret");
+  authorizations.clear();
+  c.http.token_origin = "https://huggingface.co";  // the token belongs elsewhere
+  c.cache_dir = tmp.path() / "cache2";
+  Hub(c).inspect(Reference::parse("acme/example@v1.0.0"));
+  ASSERT_FALSE(authorizations.empty());
+  for (const auto& a : authorizations) EXPECT_EQ(a, "");
+}
+
+TEST_F(HubServer, PlainDirectoriesAndLocalPackagesAreHubsToo) {
+  publish("v1.0.0", &acme);
+  HubConfig c = config();
+  c.endpoint = hub_dir.string();
+  EXPECT_EQ(Hub(c).load(Reference::parse("acme/example@~1.0:SiLU")).info.resolved.revision, "v1.0.0");
+  c.endpoint = "file://" + hub_dir.string();
+  EXPECT_NO_THROW(Hub(c).load(Reference::parse("acme/example@v1.0.0:SiLU")));
+
+  // A local package folder: verified the same way; the built example is unsigned.
+  const std::string local = test::example_package_dir().string() + ":SiLU";
+  EXPECT_TRUE(throws_with([&] { Hub(config()).load(Reference::parse(local)); }, "not signed"));
+  HubConfig lenient = config();
+  lenient.allow_all_kernels = true;
+  EXPECT_NE(Hub(lenient).load(Reference::parse(local)).layer, nullptr);
+  EXPECT_TRUE(throws_with([&] { Hub(lenient).load(Reference::parse("/nonexistent/pkg")); }, "not a folder"));
+}
+
+TEST_F(HubServer, NoVariantFitsListsEveryRefusal) {
+  publish("v1.0.0", &acme);
+  HubConfig c = config();
+  c.machine.arch = "riscv64";
+  EXPECT_TRUE(throws_with([&] { Hub(c).load(Reference::parse("acme/example@v1.0.0")); },
+                          "no build variant of acme/example@v1.0.0 fits this machine (linux riscv64"));
+}
+
+TEST_F(HubServer, UseHubKernelsOffDisablesLoading) {
+  publish("v1.0.0", &acme);
+  HubConfig c = config();
+  c.enabled = false;
+  Hub hub(c);
+  EXPECT_THROW(hub.load(Reference::parse("acme/example@v1.0.0")), HubDisabled);
+  EXPECT_NO_THROW(hub.inspect(Reference::parse("acme/example@v1.0.0")));  // references still resolve
+  ::setenv("USE_HUB_KERNELS", "false", 1);
+  EXPECT_FALSE(HubConfig::from_env().enabled);
+  ::setenv("USE_HUB_KERNELS", "OFF", 1);
+  EXPECT_FALSE(HubConfig::from_env().enabled);
+  ::setenv("USE_HUB_KERNELS", "1", 1);
+  EXPECT_TRUE(HubConfig::from_env().enabled);
+  ::unsetenv("USE_HUB_KERNELS");
+}
+
+}  // namespace
+}  // namespace kcpp::hub

@@ -1,0 +1,575 @@
+// The hub's pieces in isolation: versions and constraints, references and mappings, variants and
+// their selection, hashes and signatures, manifests, the trust store, and loading packages through
+// the C ABI (including the ones that must be refused).
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "hub/crypto.h"
+#include "hub/fs.h"
+#include "hub/manifest.h"
+#include "hub/package.h"
+#include "hub/reference.h"
+#include "hub/semver.h"
+#include "hub/trust.h"
+#include "hub/variant.h"
+#include "hub_test_util.h"
+#include "kcpp/kernel/cpu.h"
+
+namespace kcpp::hub {
+namespace {
+
+using test::throws_with;
+
+// ---- versions and constraints -------------------------------------------------------------------
+
+TEST(Semver, PrecedenceFollowsTheSpec) {
+  // semver.org §11's example chain, plus numeric fields compared as numbers.
+  const std::vector<std::string> ordered = {"1.0.0-alpha",      "1.0.0-alpha.1", "1.0.0-alpha.beta", "1.0.0-beta",
+                                            "1.0.0-beta.2",     "1.0.0-beta.11", "1.0.0-rc.1",       "1.0.0",
+                                            "1.2.0",            "1.10.0",        "2.0.0"};
+  for (size_t i = 0; i + 1 < ordered.size(); ++i)
+    EXPECT_LT(Version::parse(ordered[i]), Version::parse(ordered[i + 1])) << ordered[i] << " < " << ordered[i + 1];
+  EXPECT_EQ(Version::parse("v1.2.3+build.5"), Version::parse("1.2.3"));  // build metadata ignored
+  EXPECT_EQ(Version::parse("v1.2.3-rc.1+b").str(), "1.2.3-rc.1+b");
+}
+
+TEST(Semver, MalformedVersionsAreErrors) {
+  for (const char* bad : {"1.2", "01.2.3", "1.2.3-", "1.2.3-01", "1.2.3.4", "a.b.c", "1.2.3-rc..1", ""})
+    EXPECT_TRUE(throws_with([&] { Version::parse(bad); }, "bad version")) << bad;
+  EXPECT_FALSE(Version::try_parse("main"));
+  EXPECT_TRUE(Version::try_parse("v2.0.0"));
+}
+
+TEST(Semver, ConstraintsMatchAsDocumented) {
+  struct Case {
+    const char* constraint;
+    const char* version;
+    bool match;
+  };
+  const Case cases[] = {
+      {">=2.0,<3.0", "2.0.0", true},    {">=2.0,<3.0", "2.9.9", true},   {">=2.0,<3.0", "3.0.0", false},
+      {">=2.0, <3.0", "1.9.9", false},  {">= 2.0 < 3.0", "2.5.0", true}, {"^1.2", "1.2.0", true},
+      {"^1.2", "1.99.0", true},         {"^1.2", "2.0.0", false},        {"^1.2", "1.1.9", false},
+      {"^0.2.3", "0.2.9", true},        {"^0.2.3", "0.3.0", false},      {"^0.0.3", "0.0.3", true},
+      {"^0.0.3", "0.0.4", false},       {"^0", "0.9.0", true},           {"~1.4", "1.4.7", true},
+      {"~1.4", "1.5.0", false},         {"~1", "1.9.0", true},           {"~1.4.2", "1.4.1", false},
+      {"~=1.4", "1.9.0", true},         {"~=1.4", "2.0.0", false},       {"~=1.4.2", "1.5.0", false},
+      {"1.2.3", "1.2.3", true},         {"=1.2.3", "1.2.4", false},      {"==1.2.3", "1.2.3", true},
+      {"1.2", "1.2.7", true},           {"1.2", "1.3.0", false},         {"1.x", "1.7.0", true},
+      {"*", "7.0.0", true},             {">1.4", "1.4.9", false},        {">1.4", "1.5.0", true},
+      {">1.4.0", "1.4.1", true},        {"<=1.4", "1.4.9", true},        {"<=1.4", "1.5.0", false},
+      {"<=1.4.0", "1.4.0", true},       {"!=1.2.3", "1.2.3", false},     {"!=1.2.3", "1.2.4", true},
+      {"<1.0 || >=2.0", "0.5.0", true}, {"<1.0 || >=2.0", "1.5.0", false},
+      // Pre-releases: only when the same MAJOR.MINOR.PATCH is named with a pre-release.
+      {">=0.9", "1.0.0-rc.2", false},   {"^1.0.0-rc.1", "1.0.0-rc.2", true}, {"^1.0.0-rc.1", "1.0.0", true},
+      {"^1.0.0-rc.1", "1.1.0-rc.1", false}, {"<2.0", "2.0.0-rc.1", false}, {">=1.0.0-beta", "1.0.0-alpha", false},
+  };
+  for (const Case& c : cases)
+    EXPECT_EQ(Constraint::parse(c.constraint).matches(Version::parse(c.version)), c.match)
+        << "'" << c.constraint << "' vs " << c.version;
+}
+
+TEST(Semver, BestPicksTheNewestMatch) {
+  std::vector<Version> tags;
+  for (const char* t : {"v1.0.0", "v1.2.0", "v1.3.0-rc.1", "v2.0.0", "v1.1.5"}) tags.push_back(Version::parse(t));
+  EXPECT_EQ(Constraint::parse(">=1.0,<2.0").best(tags)->str(), "1.2.0");
+  EXPECT_EQ(Constraint::parse("^1.3.0-rc.1").best(tags)->str(), "1.3.0-rc.1");
+  EXPECT_EQ(Constraint::parse("^2").best(tags)->str(), "2.0.0");
+  EXPECT_FALSE(Constraint::parse(">=3").best(tags));
+}
+
+TEST(Semver, MalformedConstraintsAreErrors) {
+  for (const char* bad : {"", ">=", ">=x.1", "^", ">=1.0,,", "~=1", "!=1.2", "=>1.0", ">=1.0 ||", "1.2.3.4", "^01.2"})
+    EXPECT_TRUE(throws_with([&] { Constraint::parse(bad); }, "constraint")) << "'" << bad << "'";
+}
+
+// ---- references and mappings ----------------------------------------------------------------------
+
+TEST(Reference, ParsesEveryForm) {
+  Reference r = Reference::parse("kernels-community/liger");
+  EXPECT_EQ(r.repo, "kernels-community/liger");
+  EXPECT_EQ(r.revision, "main");
+  EXPECT_FALSE(r.constraint);
+  EXPECT_EQ(r.layer, "");
+  r = Reference::parse("acme/kernels@>=2.0,<3.0:RMSNorm");
+  EXPECT_EQ(r.repo, "acme/kernels");
+  ASSERT_TRUE(r.constraint);
+  EXPECT_EQ(r.constraint->text(), ">=2.0,<3.0");
+  EXPECT_EQ(r.layer, "RMSNorm");
+  r = Reference::parse("acme/kernels@v2.1.0");
+  EXPECT_EQ(r.revision, "v2.1.0");
+  EXPECT_FALSE(r.constraint);
+  r = Reference::parse("acme/kernels@1.2:X");  // a leading digit is a constraint (1.2.x)
+  ASSERT_TRUE(r.constraint);
+  EXPECT_TRUE(r.constraint->matches(Version::parse("1.2.9")));
+  r = Reference::parse("acme/k.v2_x@feature/new-thing:Layer_2");
+  EXPECT_EQ(r.revision, "feature/new-thing");
+  EXPECT_EQ(r.layer, "Layer_2");
+  r = Reference::parse("  /opt/kernels/my-pkg:SiLU ");
+  EXPECT_TRUE(r.is_local());
+  EXPECT_EQ(r.path, "/opt/kernels/my-pkg");
+  EXPECT_EQ(r.layer, "SiLU");
+  r = Reference::parse("/opt/a:b/pkg");  // ':' not followed by an identifier stays in the path
+  EXPECT_EQ(r.path, "/opt/a:b/pkg");
+  EXPECT_EQ(r.layer, "");
+}
+
+TEST(Reference, MalformedReferencesAreErrorsNamingTheProblem) {
+  const std::pair<const char*, const char*> bad[] = {
+      {"", "empty"},
+      {"liger", "exactly one '/'"},
+      {"a/b/c", "exactly one '/'"},
+      {"org/", "empty repo name"},
+      {":Layer", "no repo or path"},
+      {"-org/repo", "starts or ends"},
+      {"org/re--po", "contains '--'"},
+      {"org/re po", "character ' '"},
+      {"org/repo@", "nothing after '@'"},
+      {"org/repo@>=1.0,<", "constraint"},
+      {"org/repo@^", "constraint"},
+      {"org/repo@v1..2", "not a valid tag or branch"},
+      {"org/repo@-rf", "not a valid tag or branch"},
+      {"org/repo:", "empty layer name"},
+      {"org/repo:1abc", "not an identifier"},
+      {"org/repo@main:Layer-x", "not an identifier"},
+      {"./local/pkg", "absolute"},
+      {"~/pkg", "absolute"},
+  };
+  for (const auto& [text, needle] : bad)
+    EXPECT_TRUE(throws_with([&] { Reference::parse(text); }, needle)) << "'" << text << "'";
+}
+
+TEST(LayerMapping, PlainStringsDeviceTablesCapabilitiesAndDisabled) {
+  auto m = LayerMapping::parse(nlohmann::json("acme/k@^1:RMSNorm"), "kernel_mapping.RMSNorm");
+  ASSERT_TRUE(m.select(Backend::CUDA, 9, 0));
+  EXPECT_EQ(m.select(Backend::CPU)->ref->repo, "acme/k");
+
+  m = LayerMapping::parse(nlohmann::json::parse(R"({
+      "cuda": [{"ref": "acme/hopper:RMSNorm", "capability": ">=9.0"}, {"ref": "acme/any:RMSNorm"}],
+      "rocm": "amd/k:RMSNorm", "cpu": ""})"),
+                          "kernel_mapping.RMSNorm");
+  EXPECT_EQ(m.select(Backend::CUDA, 9, 0)->ref->repo, "acme/hopper");
+  EXPECT_EQ(m.select(Backend::CUDA, 8, 6)->ref->repo, "acme/any");
+  EXPECT_EQ(m.select(Backend::ROCm)->ref->repo, "amd/k");
+  ASSERT_TRUE(m.select(Backend::CPU));
+  EXPECT_FALSE(m.select(Backend::CPU)->ref);  // "" = explicitly disabled
+  EXPECT_EQ(m.select(Backend::Metal), nullptr);  // not mapped at all
+
+  EXPECT_FALSE(LayerMapping::parse(nlohmann::json(""), "x").select(Backend::CUDA, 9, 0)->ref);
+}
+
+TEST(LayerMapping, MalformedTablesAreErrors) {
+  const std::pair<const char*, const char*> bad[] = {
+      {R"({"tpu": "a/b"})", "unknown device 'tpu'"},
+      {R"({"cuda": 3})", "expected a reference"},
+      {R"({"cuda": [{"capability": ">=9.0"}]})", "missing 'ref'"},
+      {R"({"cuda": [{"ref": "a/b", "cc": ">=9.0"}]})", "unknown key 'cc'"},
+      {R"({"cpu": {"ref": "a/b", "capability": ">=9.0"}})", "CUDA entries only"},
+      {R"({"cuda": {"ref": "a/b", "capability": ">>9"}})", "capability"},
+      {R"({"cuda": []})", "empty list"},
+      {R"({"cuda": "not a ref"})", "bad kernel reference"},
+      {R"(12)", "expected a kernel reference or a table"},
+  };
+  for (const auto& [text, needle] : bad)
+    EXPECT_TRUE(throws_with([&] { LayerMapping::parse(nlohmann::json::parse(text), "kernel_mapping.L"); }, needle))
+        << text;
+  EXPECT_TRUE(throws_with([&] { LayerMapping::parse(nlohmann::json::parse(R"({"tpu": "a/b"})"), "kernel_mapping.L"); },
+                          "kernel_mapping.L"));
+}
+
+// ---- variants ---------------------------------------------------------------------------------------
+
+TEST(Variant, EveryBackendParses) {
+  Variant v = Variant::parse("kcpp1-cu130-x86_64-linux");
+  EXPECT_EQ(v.abi, 1);
+  EXPECT_EQ(v.backend, Backend::CUDA);
+  EXPECT_EQ(v.major, 13);
+  EXPECT_EQ(v.minor, 0);
+  EXPECT_EQ(v.arch, "x86_64");
+  EXPECT_EQ(v.os, "linux");
+  v = Variant::parse("kcpp1-cu118-aarch64-linux");
+  EXPECT_EQ(v.major, 11);
+  EXPECT_EQ(v.minor, 8);
+  v = Variant::parse("kcpp1-rocm70-x86_64-linux");
+  EXPECT_EQ(v.backend, Backend::ROCm);
+  EXPECT_EQ(v.major, 7);
+  v = Variant::parse("kcpp1-metal-aarch64-darwin");
+  EXPECT_EQ(v.backend, Backend::Metal);
+  EXPECT_EQ(v.os, "darwin");
+  v = Variant::parse("kcpp1-xpu20253-x86_64-linux");
+  EXPECT_EQ(v.backend, Backend::XPU);
+  EXPECT_EQ(v.major, 2025);
+  EXPECT_EQ(v.minor, 3);
+  EXPECT_EQ(Variant::parse("kcpp1-cpu-x86_64-linux").backend, Backend::CPU);
+  for (const char* bad : {"kcpp1-cu-x86_64-linux", "kcpp-cpu-x86_64-linux", "kcpp1-tpu-x86_64-linux",
+                          "kcpp1-cpu-x86_64", "torch27-cxx11-cu128-x86_64-linux", "kcpp1-xpu3-x86_64-linux",
+                          "kcpp1-cpu-X86-linux"})
+    EXPECT_TRUE(throws_with([&] { Variant::parse(bad); }, "bad variant name")) << bad;
+}
+
+TEST(Variant, CudaArchitectureFit) {
+  EXPECT_EQ(cuda_arch_fit("90a", 9, 0), ArchFit::Native);
+  EXPECT_EQ(cuda_arch_fit("90a", 10, 0), ArchFit::None);  // arch-specific code runs on sm_90 only
+  EXPECT_EQ(cuda_arch_fit("80", 8, 6), ArchFit::Native);  // same major, newer minor
+  EXPECT_EQ(cuda_arch_fit("80", 9, 0), ArchFit::Ptx);     // PTX JIT on a newer GPU
+  EXPECT_EQ(cuda_arch_fit("80-real", 9, 0), ArchFit::None);
+  EXPECT_EQ(cuda_arch_fit("86", 8, 0), ArchFit::None);    // older GPU
+  EXPECT_EQ(cuda_arch_fit("sm_90", 9, 0), ArchFit::Native);
+  EXPECT_EQ(cuda_arch_fit("compute_90", 12, 0), ArchFit::Ptx);
+  EXPECT_EQ(cuda_arch_fit("100f", 10, 3), ArchFit::Native);
+  EXPECT_EQ(cuda_arch_fit("100f", 12, 0), ArchFit::None);
+  EXPECT_EQ(cuda_arch_fit("garbage", 9, 0), ArchFit::None);
+}
+
+Machine cpu_machine() { return Machine{}; }
+Machine hopper(int driver) {
+  Machine m;
+  m.cuda_driver = driver;
+  m.gpus.push_back({9, 0});
+  return m;
+}
+
+TEST(Variant, SelectionPrefersTheBestFitAndExplainsRefusals) {
+  const std::vector<VariantCandidate> all = {{"kcpp1-cpu-x86_64-linux", {}},
+                                             {"kcpp1-cu126-x86_64-linux", {"80"}},
+                                             {"kcpp1-cu130-x86_64-linux", {"80", "90a"}},
+                                             {"kcpp1-rocm70-x86_64-linux", {}},
+                                             {"kcpp1-metal-aarch64-darwin", {}},
+                                             {"kcpp1-xpu20253-x86_64-linux", {}},
+                                             {"kcpp1-cpu-aarch64-linux", {}},
+                                             {"kcpp2-cpu-x86_64-linux", {}}};
+  VariantChoice c = select_variant(all, hopper(13000));
+  EXPECT_EQ(c.chosen, "kcpp1-cu130-x86_64-linux");  // native sm_90a beats cu126's PTX
+  EXPECT_NE(c.why.find("native"), std::string::npos) << c.why;
+  EXPECT_EQ(c.refused.size(), all.size() - 1);
+
+  c = select_variant(all, hopper(12040));  // a 12.4 driver cannot run CUDA 13 code
+  EXPECT_EQ(c.chosen, "kcpp1-cu126-x86_64-linux");
+  c = select_variant(all, cpu_machine());
+  EXPECT_EQ(c.chosen, "kcpp1-cpu-x86_64-linux");
+
+  const std::vector<VariantCandidate> gpu_only = {{"kcpp1-cu130-x86_64-linux", {"90a"}},
+                                                  {"kcpp1-rocm70-x86_64-linux", {}},
+                                                  {"kcpp1-metal-aarch64-darwin", {}},
+                                                  {"kcpp1-xpu20253-x86_64-linux", {}},
+                                                  {"kcpp2-cpu-x86_64-linux", {}},
+                                                  {"kcpp1-cpu-aarch64-linux", {}}};
+  c = select_variant(gpu_only, cpu_machine());
+  EXPECT_EQ(c.chosen, "");
+  const std::string why = c.explain("acme/k", cpu_machine());
+  for (const char* needle : {"needs a CUDA driver", "needs ROCm", "built for darwin", "needs an Intel XPU",
+                             "built for ABI 2", "built for aarch64"})
+    EXPECT_NE(why.find(needle), std::string::npos) << needle << " not in:\n" << why;
+
+  Machine ampere = hopper(13000);
+  ampere.gpus = {{8, 0}};
+  c = select_variant({{"kcpp1-cu130-x86_64-linux", {"90a"}}}, ampere);
+  EXPECT_EQ(c.chosen, "");
+  EXPECT_NE(c.refused[0].second.find("none runs on this GPU (sm_80)"), std::string::npos) << c.refused[0].second;
+}
+
+// ---- hashes, keys, signatures -------------------------------------------------------------------
+
+TEST(Crypto, Sha256AndBase64KnownAnswers) {
+  EXPECT_EQ(sha256_hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");  // FIPS 180-2
+  EXPECT_EQ(sha256_hex(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(base64_encode("foobar"), "Zm9vYmFy");  // RFC 4648 §10
+  EXPECT_EQ(base64_decode("Zm9vYg==", "x"), "foob");
+  EXPECT_TRUE(throws_with([] { base64_decode("Zm9v!", "field q"); }, "field q: not valid base64"));
+  test::TempDir t;
+  write_file_atomic(t.path() / "f", "abc");
+  uint64_t size = 0;
+  EXPECT_EQ(sha256_file(t.path() / "f", &size), sha256_hex("abc"));
+  EXPECT_EQ(size, 3u);
+}
+
+TEST(Crypto, SignVerifyAndKeyFiles) {
+  test::TempDir t;
+  const KeyPair k = KeyPair::generate("acme");
+  const std::string sig = k.sign("message");
+  EXPECT_TRUE(verify_signature(k.public_key, "message", sig));
+  EXPECT_FALSE(verify_signature(k.public_key, "messagf", sig));
+  EXPECT_FALSE(verify_signature(KeyPair::generate("other").public_key, "message", sig));
+  EXPECT_FALSE(verify_signature(k.public_key, "message", "AAAA"));
+
+  k.save(t.path() / "acme.key", t.path() / "acme.pub");
+  struct stat st{};
+  ASSERT_EQ(::stat((t.path() / "acme.key").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);  // the secret key is private
+  const KeyPair back = KeyPair::load(t.path() / "acme.key");
+  EXPECT_EQ(back.public_key, k.public_key);
+  EXPECT_TRUE(verify_signature(k.public_key, "m", back.sign("m")));
+  EXPECT_EQ(load_public_key(t.path() / "acme.pub").second, k.public_key);
+  EXPECT_TRUE(throws_with([&] { KeyPair::load(t.path() / "acme.pub"); }, "no secret key"));
+  EXPECT_TRUE(throws_with([] { KeyPair::generate("bad name"); }, "bad publisher name"));
+  EXPECT_TRUE(throws_with([] { PublicKey::parse("rsa:AAAA", "k"); }, "only ed25519"));
+  EXPECT_TRUE(throws_with([] { PublicKey::parse("ed25519:AAAA", "k"); }, "32 bytes"));
+}
+
+// ---- manifests and trust --------------------------------------------------------------------------
+
+std::string example_manifest_text() { return read_file(test::example_package_dir() / "manifest.json"); }
+
+TEST(Manifest, TheBuiltExamplePackageIsIndexedCompletely) {
+  const Manifest m = Manifest::parse(example_manifest_text(), "example");
+  EXPECT_EQ(m.name, "example");
+  EXPECT_EQ(m.version, "1.0.0");
+  EXPECT_EQ(m.abi_version, 1);
+  ASSERT_GE(m.variants.size(), 1u);
+  const ManifestVariant* v = m.variant(host_variant_name(Backend::CPU));
+  ASSERT_NE(v, nullptr);
+  ASSERT_EQ(v->layers.size(), 1u);
+  EXPECT_EQ(v->layers[0].name, "SiLU");
+  EXPECT_EQ(v->layers[0].contract, "SiLU/1");
+  EXPECT_TRUE(v->layers[0].backward);
+  ASSERT_EQ(v->ops.size(), 1u);
+  EXPECT_EQ(v->ops[0].name, "scale");
+  for (const ManifestFile& f : v->files) {
+    uint64_t size = 0;
+    EXPECT_EQ(sha256_file(test::example_package_dir() / f.path, &size), f.sha256) << f.path;
+    EXPECT_EQ(size, f.size);
+  }
+}
+
+TEST(Manifest, MalformedManifestsAreErrorsNamingTheField) {
+  const nlohmann::json good = nlohmann::json::parse(example_manifest_text());
+  const std::string variant = good["variants"].begin().key();
+  const std::string lib = good["variants"][variant]["library"];
+  auto with = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json j = good;
+    edit(j);
+    return j.dump();
+  };
+  const std::pair<std::string, std::string> bad[] = {
+      {"{not json", "not valid JSON"},
+      {"[1,2]", "must be a JSON object"},
+      {with([](auto& j) { j.erase("name"); }), "missing field 'name'"},
+      {with([](auto& j) { j.erase("variants"); }), "missing field 'variants'"},
+      {with([](auto& j) { j["kcpp_manifest"] = 2; }), "format 2 is not supported"},
+      {with([](auto& j) { j["version"] = "one"; }), "not a semantic version"},
+      {with([](auto& j) { j["name"] = "a/b"; }), "not a package name"},
+      {with([](auto& j) { j["variants"] = nlohmann::json::object(); }), "non-empty object"},
+      {with([&](auto& j) { j["variants"]["kcpp1-gpu-x-y"] = j["variants"][variant]; }), "bad variant name"},
+      {with([&](auto& j) { j["variants"][variant]["files"][lib]["sha256"] = "abc"; }), "64 lower-case hex"},
+      {with([&](auto& j) { j["variants"][variant]["files"][lib]["size"] = -1; }), "non-negative"},
+      {with([&](auto& j) { j["variants"][variant]["files"]["build/" + variant + "/../../../etc/passwd"] = j["variants"][variant]["files"][lib]; }), "'..' component"},
+      {with([&](auto& j) { j["variants"][variant]["files"]["/etc/passwd"] = j["variants"][variant]["files"][lib]; }), "is absolute"},
+      {with([&](auto& j) { j["variants"][variant]["files"]["build/other/x.so"] = j["variants"][variant]["files"][lib]; }), "must be under build/" + variant},
+      {with([&](auto& j) { j["variants"][variant]["library"] = "build/" + variant + "/missing.so"; }), "is not one of the variant's files"},
+      {with([](auto& j) { j["signature"] = {{"algorithm", "rsa"}, {"publisher", "a"}, {"public_key", "x"}, {"value", "y"}}; }), "unsupported algorithm"},
+  };
+  for (const auto& [text, needle] : bad)
+    EXPECT_TRUE(throws_with([&] { Manifest::parse(text, "acme/example@v1"); }, needle)) << needle;
+  EXPECT_TRUE(throws_with([&] { Manifest::parse("{", "acme/example@v1"); }, "acme/example@v1: manifest.json"));
+}
+
+TEST(Trust, SignedUnsignedUntrustedAndTampered) {
+  Manifest m = Manifest::parse(example_manifest_text(), "example");
+  TrustStore store;
+  EXPECT_EQ(store.verify(m).level, TrustLevel::Unsigned);
+
+  const KeyPair acme = KeyPair::generate("acme");
+  m.sign(acme);
+  EXPECT_EQ(store.verify(m).level, TrustLevel::Untrusted);
+  store.add("acme", acme.public_key);
+  EXPECT_EQ(store.verify(m).level, TrustLevel::Trusted);
+  // Round trip through text: the signature covers the canonical bytes, not the formatting.
+  const Manifest reread = Manifest::parse(m.dump(), "example");
+  EXPECT_EQ(store.verify(reread).level, TrustLevel::Trusted);
+
+  // Any change after signing breaks it, wherever it is.
+  for (auto edit : std::vector<std::function<void(nlohmann::json&)>>{
+           [](nlohmann::json& j) { j["version"] = "1.0.1"; },
+           [](nlohmann::json& j) { j["variants"].begin().value()["files"].begin().value()["sha256"] = std::string(64, 'a'); },
+           [](nlohmann::json& j) { j["extra"] = 1; }}) {
+    nlohmann::json j = m.json;
+    edit(j);
+    EXPECT_EQ(store.verify(Manifest::parse(j.dump(), "x")).level, TrustLevel::BadSignature);
+  }
+  // Signed by someone else claiming to be acme: a valid signature, an untrusted key.
+  KeyPair impostor = KeyPair::generate("acme");
+  Manifest forged = Manifest::parse(example_manifest_text(), "example");
+  forged.sign(impostor);
+  const TrustVerdict v = store.verify(forged);
+  EXPECT_EQ(v.level, TrustLevel::Untrusted);
+  EXPECT_NE(v.detail.find("a key the trust store does not list"), std::string::npos) << v.detail;
+}
+
+TEST(Trust, StoreFileAndEnvironment) {
+  test::TempDir t;
+  const KeyPair a = KeyPair::generate("acme"), b = KeyPair::generate("beta");
+  TrustStore::add_to_file(t.path() / "trust.json", "acme", a.public_key);
+  TrustStore::add_to_file(t.path() / "trust.json", "acme", a.public_key);  // idempotent
+  TrustStore s;
+  s.load_file(t.path() / "trust.json");
+  ASSERT_EQ(s.publishers().at("acme").size(), 1u);
+  ::setenv("KCPP_TRUST_STORE", (t.path() / "trust.json").c_str(), 1);
+  ::setenv("KCPP_TRUSTED_PUBLISHERS", ("beta=" + b.public_key.str()).c_str(), 1);
+  const TrustStore env = TrustStore::from_env();
+  EXPECT_EQ(env.publishers().size(), 2u);
+  ::setenv("KCPP_TRUSTED_PUBLISHERS", "beta", 1);
+  EXPECT_TRUE(throws_with([] { TrustStore::from_env(); }, "KCPP_TRUSTED_PUBLISHERS"));
+  ::unsetenv("KCPP_TRUSTED_PUBLISHERS");
+  write_file_atomic(t.path() / "trust.json", "{\"publishers\": {\"acme\": [\"ed25519:AAAA\"]}}");
+  EXPECT_TRUE(throws_with([] { TrustStore::from_env(); }, "32 bytes"));
+  ::unsetenv("KCPP_TRUST_STORE");
+}
+
+// ---- loading packages through the ABI ---------------------------------------------------------------
+
+std::filesystem::path example_library() {
+  const Manifest m = Manifest::parse(example_manifest_text(), "example");
+  return test::example_package_dir() / m.variant(host_variant_name(Backend::CPU))->library;
+}
+
+struct ArgTensor {
+  std::vector<int64_t> shape;
+  DLTensor t{};
+  ArgTensor(void* data, std::vector<int64_t> s, DLDataType dt) : shape(std::move(s)) {
+    t.data = data;
+    t.device = {kDLCPU, 0};
+    t.ndim = static_cast<int32_t>(shape.size());
+    t.dtype = dt;
+    t.shape = shape.data();
+  }
+};
+
+kcpp_arg tensor_arg(const char* name, DLTensor* t) {
+  kcpp_arg a{};
+  a.name = name, a.kind = KCPP_ARG_TENSOR, a.value.tensor = t;
+  return a;
+}
+
+TEST(Package, ExampleLoadsAndComputesThroughTheABI) {
+  auto pkg = LoadedPackage::open_image(read_file(example_library()), "example");
+  EXPECT_EQ(std::string(pkg->table().name), "example");
+  EXPECT_EQ(pkg->table().abi_version, KCPP_ABI_VERSION);
+  const kcpp_layer* silu = pkg->layer("SiLU");
+  ASSERT_NE(silu, nullptr);
+  EXPECT_EQ(pkg->layer_by_contract("SiLU/1"), silu);
+  EXPECT_EQ(pkg->layer("RMSNorm"), nullptr);
+
+  // Forward and backward on f32, against the f64 formula; awkward length 7.
+  std::vector<float> x = {-30.f, -2.5f, -1e-3f, 0.f, 0.75f, 3.f, 40.f}, y(7, NAN), dy(7, 1.5f), dx(7, NAN);
+  const DLDataType f32{kDLFloat, 32, 1};
+  ArgTensor tx(x.data(), {7}, f32), ty(y.data(), {7}, f32), tdy(dy.data(), {7}, f32), tdx(dx.data(), {7}, f32);
+  char err[256] = {0};
+  kcpp_context ctx{};
+  ctx.struct_size = sizeof ctx, ctx.mode = KCPP_MODE_TRAINING, ctx.device = {kDLCPU, 0};
+  ctx.error = err, ctx.error_size = sizeof err;
+  const kcpp_arg fwd[] = {tensor_arg("x", &tx.t), tensor_arg("y", &ty.t)};
+  ASSERT_EQ(silu->supports(&ctx, fwd, 2), KCPP_OK) << err;
+  ASSERT_EQ(silu->forward(&ctx, fwd, 2), KCPP_OK) << err;
+  const kcpp_arg bwd[] = {tensor_arg("dy", &tdy.t), tensor_arg("x", &tx.t), tensor_arg("dx", &tdx.t)};
+  ASSERT_EQ(silu->backward(&ctx, bwd, 3), KCPP_OK) << err;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double v = x[i], s = 1.0 / (1.0 + std::exp(-v));
+    EXPECT_NEAR(y[i], v * s, 4e-7 * (std::abs(v * s) + 1e-30)) << i;
+    EXPECT_NEAR(dx[i], 1.5 * s * (1 + v * (1 - s)), 4e-7 * (1.5 * s * std::abs(1 + v * (1 - s)) + 1e-30)) << i;
+  }
+
+  // The op, with a float argument.
+  std::vector<float> z(7, NAN);
+  ArgTensor tz(z.data(), {7}, f32);
+  kcpp_arg scale_args[] = {tensor_arg("x", &tx.t), tensor_arg("y", &tz.t), {}};
+  scale_args[2].name = "alpha", scale_args[2].kind = KCPP_ARG_FLOAT, scale_args[2].value.f = -2.0;
+  ASSERT_EQ(pkg->op("scale")->call(&ctx, scale_args, 3), KCPP_OK) << err;
+  EXPECT_EQ(z[4], -1.5f);
+}
+
+TEST(Package, BadCallsGetErrorsNamingTheArgument) {
+  auto pkg = LoadedPackage::open_file(example_library());
+  const kcpp_layer* silu = pkg->layer("SiLU");
+  std::vector<float> x(6, 1.f), y(6);
+  std::vector<int64_t> xi(6, 1);
+  const DLDataType f32{kDLFloat, 32, 1}, i64{kDLInt, 64, 1}, bf16{kDLBfloat, 16, 1};
+  ArgTensor tx(x.data(), {2, 3}, f32), ty(y.data(), {3, 2}, f32), ti(xi.data(), {2, 3}, i64),
+      tb(y.data(), {2, 3}, bf16), tgood(y.data(), {2, 3}, f32);
+  char err[256];
+  kcpp_context ctx{};
+  ctx.struct_size = sizeof ctx, ctx.device = {kDLCPU, 0}, ctx.error = err, ctx.error_size = sizeof err;
+  auto call = [&](kcpp_entry_fn fn, std::vector<kcpp_arg> args) {
+    err[0] = 0;
+    return fn(&ctx, args.data(), static_cast<int32_t>(args.size()));
+  };
+  EXPECT_EQ(call(silu->forward, {tensor_arg("x", &tx.t)}), KCPP_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(err, "SiLU.forward: missing tensor argument 'y'");
+  EXPECT_EQ(call(silu->forward, {tensor_arg("x", &tx.t), tensor_arg("y", &ty.t)}), KCPP_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(err, "SiLU.forward: tensor 'y' has shape [3, 2] but 'x' has shape [2, 3]");
+  EXPECT_EQ(call(silu->forward, {tensor_arg("x", &tx.t), tensor_arg("y", &tb.t)}), KCPP_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(err, "SiLU.forward: tensor 'y' is bf16 but 'x' is f32");
+  EXPECT_EQ(call(silu->supports, {tensor_arg("x", &ti.t)}), KCPP_ERROR_UNSUPPORTED);
+  EXPECT_STREQ(err, "SiLU: tensor 'x' has dtype i64; this kernel takes f32, bf16 or f16");
+  kcpp_arg wrong_kind{};
+  wrong_kind.name = "y", wrong_kind.kind = KCPP_ARG_INT, wrong_kind.value.i = 3;
+  EXPECT_EQ(call(silu->forward, {tensor_arg("x", &tx.t), wrong_kind}), KCPP_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(err, "SiLU.forward: argument 'y' must be a tensor");
+  // Non-contiguous: a transposed view.
+  std::vector<int64_t> strides = {1, 2};
+  ArgTensor tt(x.data(), {2, 3}, f32);
+  tt.t.strides = strides.data();
+  EXPECT_EQ(call(silu->forward, {tensor_arg("x", &tt.t), tensor_arg("y", &tgood.t)}), KCPP_ERROR_UNSUPPORTED);
+  EXPECT_STREQ(err, "SiLU.forward: tensor 'x' is not contiguous (row-major); this kernel needs it");
+  // Wrong device.
+  ArgTensor tc(x.data(), {2, 3}, f32);
+  tc.t.device = {kDLCUDA, 0};
+  EXPECT_EQ(call(silu->forward, {tensor_arg("x", &tc.t), tensor_arg("y", &tgood.t)}), KCPP_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(err, "SiLU.forward: tensor 'x' is on cuda:0 but the call runs on cpu:0");
+  // A tiny error buffer truncates, never overflows; a missing one is tolerated.
+  char small[8];
+  ctx.error = small, ctx.error_size = sizeof small;
+  EXPECT_EQ(call(silu->forward, {}), KCPP_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(small, "SiLU.fo");
+  ctx.error = nullptr, ctx.error_size = 0;
+  EXPECT_EQ(call(silu->forward, {}), KCPP_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(silu->forward(&ctx, nullptr, 5), KCPP_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(pkg->op("scale")->call(&ctx, nullptr, 0), KCPP_ERROR_INVALID_ARGUMENT);
+  for (float v : y) EXPECT_EQ(v, 0.f);  // no call above wrote its output
+}
+
+TEST(Package, LibrariesThatAreNotValidPackagesAreRefused) {
+  EXPECT_TRUE(throws_with([] { LoadedPackage::open_file(test::abi99_library()); },
+                          "built for ABI version 99, this host speaks ABI version 1"));
+  EXPECT_TRUE(throws_with([] { LoadedPackage::open_file(test::no_symbol_library()); },
+                          "not a kcpp package: it does not export kcpp_package_v1"));
+  const std::string image = read_file(example_library());
+  EXPECT_TRUE(throws_with([&] { LoadedPackage::open_image(image.substr(0, image.size() / 2), "truncated"); },
+                          "truncated: cannot load the library"));
+  EXPECT_TRUE(throws_with([] { LoadedPackage::open_image("#!/bin/sh\nrm -rf /\n", "script"); }, "not an ELF"));
+  EXPECT_TRUE(throws_with([] { LoadedPackage::open_file("/nonexistent/libx.so"); }, "cannot load the library"));
+}
+
+kcpp_status noop(kcpp_context*, const kcpp_arg*, int32_t) { return KCPP_OK; }
+
+TEST(Package, TableValidationNamesTheProblem) {
+  kcpp_layer layer{sizeof(kcpp_layer), KCPP_MODE_INFERENCE, KCPP_DEVICE_BIT(kDLCPU), 0, "L", "L/1", "", noop, noop, nullptr};
+  kcpp_package t{sizeof(kcpp_package), KCPP_ABI_VERSION, "p", "1.0.0", &layer, 1, 0, nullptr};
+  EXPECT_EQ(package_table_problem(&t), "");
+  auto problem = [&](auto edit) {
+    kcpp_layer l = layer;
+    kcpp_package p = t;
+    p.layers = &l;
+    edit(p, l);
+    return package_table_problem(&p);
+  };
+  EXPECT_EQ(problem([](kcpp_package&, kcpp_layer& l) { l.modes = KCPP_MODE_TRAINING; }),
+            "layer 'L': claims training but has no backward");
+  EXPECT_EQ(problem([](kcpp_package&, kcpp_layer& l) { l.contract = "L"; }),
+            "layer 'L': bad layer contract 'L': expected Name/version, e.g. RMSNorm/1");
+  EXPECT_EQ(problem([](kcpp_package&, kcpp_layer& l) { l.forward = nullptr; }), "layer 'L': no forward");
+  EXPECT_EQ(problem([](kcpp_package&, kcpp_layer& l) { l.devices = 0; }), "layer 'L': runs on no device");
+  EXPECT_EQ(problem([](kcpp_package&, kcpp_layer& l) { l.modes = KCPP_MODE_GRAPH; }),
+            "layer 'L': fit for neither inference nor training");
+  EXPECT_EQ(problem([](kcpp_package& p, kcpp_layer&) { p.name = nullptr; }), "the package has no name");
+  EXPECT_EQ(problem([](kcpp_package& p, kcpp_layer&) { p.layers = nullptr; }), "num_layers > 0 but no layer table");
+  EXPECT_EQ(problem([](kcpp_package& p, kcpp_layer&) { p.struct_size = 8; }),
+            "package table of 8 bytes, ABI 1 needs 48");
+  EXPECT_EQ(package_table_problem(nullptr), "kcpp_package_v1() returned NULL");
+}
+
+}  // namespace
+}  // namespace kcpp::hub
