@@ -10,7 +10,9 @@ stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/lib" "$stage/bin"
 cp build/"$preset"/bin/* "$stage/bin/"
-for lib in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0 libgomp.so.1; do
+# libsodium and cpp-httplib (the hub) are not in the device image (Ubuntu 24.04); libcurl, OpenSSL,
+# zlib and brotli are.
+for lib in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0 libgomp.so.1 libsodium.so.23 libcpp-httplib.so.0.11; do
   cp -L "$(ldd build/"$preset"/bin/kcpp_tests | awk -v l="$lib" '$1 == l { print $3 }')" "$stage/lib/"
 done
 rm -rf .devlibs && mkdir -p .devlibs
