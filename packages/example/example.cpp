@@ -5,7 +5,7 @@
 //   backward  dx = dy * s * (1 + x * (1 - s))
 // computed in f32 and rounded once to the tensors' dtype (f32, bf16 or f16).  Nothing is saved:
 // backward recomputes s from x.  y may alias x and dx may alias dy (elementwise, same index).
-// One op, "scale":  y = alpha * x.
+// One op, "scale":  y = alpha * x, on the CPU and (in the CUDA variant) on CUDA devices.
 //
 // The package's name and version come from the build (kcpp_add_package); KCPP_EXAMPLE_ABI_VERSION
 // exists only so that the tests can build a copy that claims a different ABI version.
@@ -16,8 +16,15 @@
 #include "kcpp/kernel/abi_args.h"
 #include "kcpp/kernel/cpu.h"
 
+#ifndef KCPP_WITH_CUDA
+#define KCPP_WITH_CUDA 0
+#endif
 #ifndef KCPP_EXAMPLE_ABI_VERSION
 #define KCPP_EXAMPLE_ABI_VERSION KCPP_ABI_VERSION
+#endif
+
+#if KCPP_WITH_CUDA
+const char* example_scale_cuda(const void* x, void* y, int64_t n, float alpha, int dtype, void* stream);
 #endif
 
 namespace {
@@ -112,10 +119,21 @@ kcpp_status scale_call(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
   c.same_shape(y, "y", x, "x");
   c.row_major(x, "x");
   c.row_major(y, "y");
-  if (x && x->device.device_type != kDLCPU) c.fail(KCPP_ERROR_UNSUPPORTED, "runs on the CPU only");
+  const bool on_cuda = x && x->device.device_type == kDLCUDA;
+  if (x && x->device.device_type != kDLCPU && !(KCPP_WITH_CUDA && on_cuda))
+    c.fail(KCPP_ERROR_UNSUPPORTED, "runs on the CPU%s only, not on %s", KCPP_WITH_CUDA ? " and CUDA" : "",
+           kk::dl_device_name(x->device.device_type));
   if (!c.ok()) return c.status();
   const int64_t count = kk::numel(x);
   const float a = static_cast<float>(alpha);
+#if KCPP_WITH_CUDA
+  if (on_cuda) {
+    if (const char* e = example_scale_cuda(kk::data_ptr(x), kk::data_ptr(y), count, a, static_cast<int>(t),
+                                          ctx ? ctx->stream : nullptr))
+      return kk::report(ctx, KCPP_ERROR_RUNTIME, "", "%s", e);
+    return KCPP_OK;
+  }
+#endif
   dispatch(t, [&]<typename T>() {
     const T* xs = static_cast<const T*>(kk::data_ptr(x));
     T* ys = static_cast<T*>(kk::data_ptr(y));
@@ -139,7 +157,7 @@ const kcpp_layer kLayers[] = {{
 
 const kcpp_op kOps[] = {{
     .struct_size = sizeof(kcpp_op),
-    .devices = KCPP_DEVICE_BIT(kDLCPU),
+    .devices = KCPP_DEVICE_BIT(kDLCPU) | (KCPP_WITH_CUDA ? KCPP_DEVICE_BIT(kDLCUDA) : 0u),
     .name = "scale",
     .doc = "scale(x, y, alpha): y = alpha * x",
     .call = scale_call,

@@ -97,6 +97,38 @@ std::vector<RepoRef> Hub::refs(const std::string& repo) const {
   return out;
 }
 
+std::vector<RepoFile> Hub::files(const std::string& repo, const std::string& revision) const {
+  validate_repo_id(repo);
+  if (cfg_.offline) KCPP_FAIL("listing the files of {}@{} needs the hub, and HF_HUB_OFFLINE is set", repo, revision);
+  if (dir_) {
+    const auto folder = dir_->revision_folder(repo, revision);
+    if (!folder) KCPP_FAIL("{}: no revision {} of {}", dir_->root().string(), revision, repo);
+    return dir_->files(repo, *folder);
+  }
+  HttpResponse resp;
+  try {
+    resp = http_->get(cfg_.endpoint + "/api/models/" + repo + "/tree/" + url_escape(revision) + "?recursive=true");
+  } catch (const HttpError& e) {
+    if (e.status() == 404) KCPP_FAIL("{}: no revision {} of {} ({})", cfg_.endpoint, revision, repo, e.what());
+    throw;
+  }
+  auto j = nlohmann::json::parse(resp.body, nullptr, false);
+  if (j.is_discarded() || !j.is_array()) KCPP_FAIL("{}: the file list of {}@{} is not a JSON list", cfg_.endpoint, repo, revision);
+  std::vector<RepoFile> out;
+  for (const auto& e : j) {
+    if (!e.is_object() || e.value("type", "") != "file") continue;  // folders
+    if (!e.contains("path") || !e["path"].is_string())
+      KCPP_FAIL("{}: the file list of {}@{} has an entry without a path", cfg_.endpoint, repo, revision);
+    RepoFile f;
+    f.path = e["path"];
+    f.size = e.value("size", uint64_t{0});
+    // Large files carry their sha256 as the LFS object id; small ones only a git blob id.
+    if (e.contains("lfs") && e["lfs"].is_object()) f.sha256 = e["lfs"].value("oid", "");
+    out.push_back(std::move(f));
+  }
+  return out;
+}
+
 std::string Hub::requested(const Reference& ref) const {
   if (ref.constraint) return ref.constraint->text();
   return ref.revision;

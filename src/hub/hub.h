@@ -89,6 +89,8 @@ class Hub {
   // A repo's tags and branches (online), or what the cache knows (offline).
   std::vector<RepoRef> refs(const std::string& repo) const;
   Resolved resolve(const Reference& ref) const;
+  // The files of a revision (tag, branch or commit), from the hub's tree API (or the folder).
+  std::vector<RepoFile> files(const std::string& repo, const std::string& revision) const;
   PackageInfo inspect(const Reference& ref) const;
   // Downloads what is missing of the chosen variant; returns the folder that holds it.
   std::filesystem::path fetch(const PackageInfo& info) const;

@@ -164,6 +164,22 @@ TEST_F(HubServer, ServesTheHubApiSubset) {
                           "HTTP 40"));
 }
 
+TEST_F(HubServer, ListsTheFilesOfARevision) {
+  const fs::path rev = publish("v1.0.0", &acme);
+  Hub hub(config());
+  const std::string commit = hub.resolve(Reference::parse("acme/example@v1.0.0")).commit;
+  for (const std::string& r : {std::string("v1.0.0"), commit}) {
+    const auto files = hub.files("acme/example", r);
+    ASSERT_GE(files.size(), 2u) << r;
+    for (const RepoFile& f : files) {
+      uint64_t size = 0;
+      EXPECT_EQ(f.sha256, sha256_file(rev / f.path, &size)) << f.path;
+      EXPECT_EQ(f.size, size) << f.path;
+    }
+  }
+  EXPECT_TRUE(throws_with([&] { hub.files("acme/example", "v9.9.9"); }, "no revision v9.9.9"));
+}
+
 TEST_F(HubServer, LoadsTheBestVersionForAConstraintAndCachesIt) {
   for (const char* v : {"v1.0.0", "v1.2.0", "v1.3.0-rc.1", "v2.0.0"}) publish(v, &acme);
   Hub hub(config());

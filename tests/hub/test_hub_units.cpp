@@ -335,6 +335,33 @@ TEST(Manifest, TheBuiltExamplePackageIsIndexedCompletely) {
   }
 }
 
+TEST(Manifest, TheCudaVariantListsItsArchitectures) {
+#if KCPP_WITH_CUDA
+  const Manifest m = Manifest::parse(example_manifest_text(), "example");
+  ASSERT_EQ(m.variants.size(), 2u);
+  const ManifestVariant* cuda = nullptr;
+  for (const auto& v : m.variants)
+    if (Variant::parse(v.name).backend == Backend::CUDA) cuda = &v;
+  ASSERT_NE(cuda, nullptr);
+  EXPECT_FALSE(cuda->cuda_archs.empty());
+  ASSERT_EQ(cuda->ops.size(), 1u);
+  EXPECT_EQ(cuda->ops[0].devices, (std::vector<std::string>{"cpu", "cuda"}));
+  // On a Hopper machine with a CUDA 13 driver the CUDA build is chosen; on a CPU machine the CPU one.
+  std::vector<VariantCandidate> cands;
+  for (const auto& v : m.variants) cands.push_back({v.name, v.cuda_archs});
+  Machine gpu;
+  gpu.arch = Machine::detect().arch;
+  gpu.cuda_driver = 13000;
+  gpu.gpus = {{9, 0}};
+  EXPECT_EQ(select_variant(cands, gpu).chosen, cuda->name);
+  Machine cpu;
+  cpu.arch = gpu.arch;
+  EXPECT_EQ(select_variant(cands, cpu).chosen, host_variant_name(Backend::CPU));
+#else
+  GTEST_SKIP() << "skipped: a CPU-only build has no CUDA variant";
+#endif
+}
+
 TEST(Manifest, MalformedManifestsAreErrorsNamingTheField) {
   const nlohmann::json good = nlohmann::json::parse(example_manifest_text());
   const std::string variant = good["variants"].begin().key();

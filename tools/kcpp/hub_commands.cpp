@@ -102,7 +102,21 @@ void print_info(const hub::PackageInfo& info, const hub::HubConfig& cfg) {
 
 int show(const Options& o) {
   hub::Hub h(config(o));
-  for (const std::string& r : o.refs) print_info(h.inspect(hub::Reference::parse(r)), h.config());
+  for (const std::string& r : o.refs) {
+    const hub::PackageInfo info = h.inspect(hub::Reference::parse(r));
+    print_info(info, h.config());
+    if (info.ref.is_local() || h.config().offline) continue;
+    // What the hub holds at that commit, against what the manifest lists.
+    const auto files = h.files(info.resolved.repo, info.resolved.commit);
+    size_t listed = 0, missing = 0;
+    for (const auto& v : info.manifest.variants)
+      for (const auto& f : v.files) {
+        ++listed;
+        missing += std::none_of(files.begin(), files.end(), [&](const hub::RepoFile& x) { return x.path == f.path; });
+      }
+    fmt::print("  hub files  {} at this commit; {} listed in the manifest{}\n", files.size(), listed,
+               missing ? fmt::format(", {} of them MISSING on the hub", missing) : "");
+  }
   return 0;
 }
 
