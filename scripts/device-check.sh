@@ -10,7 +10,16 @@ echo "== kcpp info"
 .devlibs/bin/kcpp info | tee "$OUT/info.txt"
 .devlibs/bin/kcpp info --json > "$OUT/info.json"
 echo "== tests"
-.devlibs/bin/kcpp_tests --gtest_brief=1 2>&1 | tee "$OUT/tests.txt" | tail -n 40
+export KCPP_EXAMPLE_PACKAGE_DIR="$PWD/.devlibs/kernels/example" KCPP_BINARY="$PWD/.devlibs/bin/kcpp"
+export KCPP_EXAMPLE_ABI99_LIBRARY="$PWD/.devlibs/fixtures/libkcpp_fixture_abi99.so"
+export KCPP_NO_SYMBOL_LIBRARY="$PWD/.devlibs/fixtures/libkcpp_fixture_no_symbol.so"
+for t in kcpp_tests liger_tests kcpp_hub_tests; do
+  echo "-- $t"
+  .devlibs/bin/$t --gtest_brief=1 2>&1 | tee "$OUT/$t.txt" | tail -n 25
+done
+echo "== hub: the built example package on this machine (variant choice, verified load)"
+.devlibs/bin/kcpp show "$PWD/.devlibs/kernels/example:SiLU"
+KCPP_ALLOW_ALL_KERNELS=1 .devlibs/bin/kcpp verify "$PWD/.devlibs/kernels/example:SiLU"
 echo "== ceilings"
 .devlibs/bin/kcpp bench --ceilings --device cuda --json "$OUT/ceilings.json"
 .devlibs/bin/kcpp bench --ceilings --device cuda --json "$OUT/ceilings2.json" | tail -n 3

@@ -13,8 +13,14 @@ cp build/"$preset"/bin/* "$stage/bin/"
 # libsodium and cpp-httplib (the hub) are not in the device image (Ubuntu 24.04); libcurl, OpenSSL,
 # zlib and brotli are.
 for lib in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0 libgomp.so.1 libsodium.so.23 libcpp-httplib.so.0.11; do
-  cp -L "$(ldd build/"$preset"/bin/kcpp_tests | awk -v l="$lib" '$1 == l { print $3 }')" "$stage/lib/"
+  path=$(for b in build/"$preset"/bin/*; do ldd "$b"; done | awk -v l="$lib" '$1 == l { print $3 }' | head -n 1 || true)
+  [ -n "$path" ] || { echo "pack-device: no binary uses $lib"; exit 1; }
+  cp -L "$path" "$stage/lib/"
 done
+# The built kernel packages and the hub tests' fixture libraries.
+cp -r build/"$preset"/kernels "$stage/kernels"
+mkdir -p "$stage/fixtures"
+cp build/"$preset"/tests/hub/*.so "$stage/fixtures/"
 rm -rf .devlibs && mkdir -p .devlibs
-tar -C "$stage" -cf - bin lib | xz -T2 -6 > .devlibs/pack.tar.xz
+tar -C "$stage" -cf - bin lib kernels fixtures | xz -T2 -6 > .devlibs/pack.tar.xz
 du -sh .devlibs

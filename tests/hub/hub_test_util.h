@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <cstdlib>
 #include <functional>
 #include <string>
 
@@ -37,10 +38,17 @@ class TempDir {
   std::filesystem::path path_;
 };
 
-// Built by CMake next to the tests (see tests/hub/CMakeLists.txt).
-inline std::filesystem::path example_package_dir() { return KCPP_EXAMPLE_PACKAGE_DIR; }
-inline std::filesystem::path abi99_library() { return KCPP_EXAMPLE_ABI99_LIBRARY; }
-inline std::filesystem::path no_symbol_library() { return KCPP_NO_SYMBOL_LIBRARY; }
-inline std::filesystem::path kcpp_binary() { return KCPP_BINARY; }
+// Built by CMake next to the tests (see tests/hub/CMakeLists.txt); the environment variable of the
+// same name overrides each path (scripts/device-check.sh runs the tests from a packed copy).
+inline std::filesystem::path fixture(const char* env, const char* built) {
+  const char* v = std::getenv(env);
+  return v && *v ? v : built;
+}
+inline std::filesystem::path example_package_dir() {
+  return fixture("KCPP_EXAMPLE_PACKAGE_DIR", KCPP_EXAMPLE_PACKAGE_DIR);
+}
+inline std::filesystem::path abi99_library() { return fixture("KCPP_EXAMPLE_ABI99_LIBRARY", KCPP_EXAMPLE_ABI99_LIBRARY); }
+inline std::filesystem::path no_symbol_library() { return fixture("KCPP_NO_SYMBOL_LIBRARY", KCPP_NO_SYMBOL_LIBRARY); }
+inline std::filesystem::path kcpp_binary() { return fixture("KCPP_BINARY", KCPP_BINARY); }
 
 }  // namespace kcpp::test
