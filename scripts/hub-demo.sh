@@ -52,7 +52,7 @@ step "$kcpp" verify 'acme/example@>=1.0,<2.0:SiLU' --offline --quiet
 
 # The publisher's v1.1.0 is replaced behind everyone's back: the lock notices the new commit, and
 # without the lock the file's hash no longer matches the signed manifest.
-printf 'tampered' >> hub/acme/example/v1.1.0/build/*/libexample.so
+printf 'tampered' >> hub/acme/example/v1.1.0/build/kcpp1-cpu-*/libexample.so
 fails "but the hub now has commit" "$kcpp" verify 'acme/example@>=1.0,<2.0:SiLU' --lock kcpp.lock --quiet
 fails "but the manifest says" "$kcpp" download 'acme/example@v1.1.0' --quiet --cache "$work/fresh-cache"
 echo; echo "hub-demo: every step behaved"
