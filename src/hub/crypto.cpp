@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "hub/fs.h"
+#include "hub/reference.h"
 
 namespace kcpp::hub {
 namespace {
@@ -101,11 +102,7 @@ PublicKey PublicKey::parse(std::string_view text, std::string_view what) {
 }
 
 void validate_publisher(std::string_view name) {
-  if (name.empty() || name.size() > 96) KCPP_FAIL("bad publisher name '{}': 1 to 96 characters", name);
-  for (char c : name)
-    if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' || c == '_' ||
-          c == '.'))
-      KCPP_FAIL("bad publisher name '{}': letters, digits, '-', '_', '.' only", name);
+  if (auto p = repo_part_problem(name, "publisher name"); !p.empty()) KCPP_FAIL("bad publisher name '{}': {}", name, p);
 }
 
 KeyPair KeyPair::generate(std::string publisher) {

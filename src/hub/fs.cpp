@@ -24,6 +24,17 @@ std::string read_file(const std::filesystem::path& path) {
   return ss.str();
 }
 
+int write_all(int fd, std::string_view data) {
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return n < 0 ? errno : EIO;
+    done += static_cast<size_t>(n);
+  }
+  return 0;
+}
+
 void write_file_atomic(const std::filesystem::path& path, std::string_view content, unsigned mode) {
   std::error_code ec;
   if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path(), ec);
@@ -32,17 +43,10 @@ void write_file_atomic(const std::filesystem::path& path, std::string_view conte
       path.string() + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(rd());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
   if (fd < 0) KCPP_FAIL("cannot create {}: {}", tmp.string(), std::strerror(errno));
-  size_t done = 0;
-  while (done < content.size()) {
-    const ssize_t n = ::write(fd, content.data() + done, content.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int err = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      KCPP_FAIL("cannot write {}: {}", tmp.string(), std::strerror(err));
-    }
-    done += static_cast<size_t>(n);
+  if (const int err = write_all(fd, content)) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    KCPP_FAIL("cannot write {}: {}", tmp.string(), std::strerror(err));
   }
   ::fsync(fd);
   ::close(fd);

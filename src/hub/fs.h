@@ -11,6 +11,9 @@ namespace kcpp::hub {
 
 std::string read_file(const std::filesystem::path& path);  // throws naming the file
 
+// Writes all of `data` to `fd` (retrying short writes and EINTR); 0, or the errno of the failure.
+int write_all(int fd, std::string_view data);
+
 // Writes to a temporary file next to `path`, fsyncs it and renames it over `path`, so readers see
 // the old content or the new, never a part.  Creates the parent folders.
 void write_file_atomic(const std::filesystem::path& path, std::string_view content, unsigned mode = 0644);

@@ -127,16 +127,9 @@ std::shared_ptr<LoadedPackage> LoadedPackage::open_image(std::string_view image,
     KCPP_FAIL("{}: cannot load the library: {}", origin, problem);
   const int fd = ::memfd_create("kcpp-package", MFD_CLOEXEC);
   if (fd < 0) KCPP_FAIL("{}: memfd_create failed: {}", origin, std::strerror(errno));
-  size_t done = 0;
-  while (done < image.size()) {
-    const ssize_t n = ::write(fd, image.data() + done, image.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int err = errno;
-      ::close(fd);
-      KCPP_FAIL("{}: cannot stage the library in memory: {}", origin, std::strerror(err));
-    }
-    done += static_cast<size_t>(n);
+  if (const int err = write_all(fd, image)) {
+    ::close(fd);
+    KCPP_FAIL("{}: cannot stage the library in memory: {}", origin, std::strerror(err));
   }
   // The fd stays open until dlopen has mapped it; the mapping keeps the memory alive afterwards.
   std::shared_ptr<LoadedPackage> p;

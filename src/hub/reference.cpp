@@ -14,7 +14,8 @@ bool is_identifier(std::string_view s) {
   return true;
 }
 
-// Why `part` is not a valid org or repo name, or "" when it is.
+}  // namespace
+
 std::string repo_part_problem(std::string_view part, std::string_view what) {
   if (part.empty()) return fmt::format("empty {}", what);
   if (part.size() > 96) return fmt::format("{} longer than 96 characters", what);
@@ -28,6 +29,8 @@ std::string repo_part_problem(std::string_view part, std::string_view what) {
     return fmt::format("{} '{}' contains '--' or '..'", what, part);
   return "";
 }
+
+namespace {
 
 // Git ref-name rules that matter here (git check-ref-format), plus no '/' at either end.
 std::string revision_problem(std::string_view rev) {

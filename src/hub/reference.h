@@ -47,6 +47,8 @@ struct Reference {
 
 // Checks "org/repo"; throws naming the problem.
 void validate_repo_id(std::string_view repo);
+// Why `part` is not a valid organization or repo name (called `what` in the message), or "".
+std::string repo_part_problem(std::string_view part, std::string_view what);
 
 struct MappingEntry {
   Backend device = Backend::CPU;

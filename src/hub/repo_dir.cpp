@@ -42,10 +42,14 @@ std::vector<RepoFile> RepoDir::files(const std::string& repo, const std::string&
   return out;
 }
 
-std::string RepoDir::commit_of(const std::string& repo, const std::string& folder) const {
+std::string RepoDir::commit_of(const std::vector<RepoFile>& files) {
   std::string listing;
-  for (const RepoFile& f : files(repo, folder)) listing += f.path + '\0' + f.sha256 + '\n';
+  for (const RepoFile& f : files) listing += f.path + '\0' + f.sha256 + '\n';
   return sha256_hex(listing).substr(0, 40);
+}
+
+std::string RepoDir::commit_of(const std::string& repo, const std::string& folder) const {
+  return commit_of(files(repo, folder));
 }
 
 std::vector<RepoRef> RepoDir::refs(const std::string& repo) const {

@@ -46,6 +46,7 @@ class RepoDir {
   std::optional<std::filesystem::path> file(const std::string& repo, const std::string& folder,
                                             const std::string& path) const;
   std::string commit_of(const std::string& repo, const std::string& folder) const;
+  static std::string commit_of(const std::vector<RepoFile>& files);  // from files() of one revision
 
  private:
   std::filesystem::path root_;

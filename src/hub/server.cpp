@@ -5,6 +5,7 @@
 #include <chrono>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <thread>
 
 #include "core/error.h"
@@ -41,83 +42,86 @@ struct Server::Impl {
     return false;
   }
 
-  void routes() {
+  // The repo of a matched route ("org/repo" from the first two groups).
+  static std::string repo_of(const httplib::Request& req) { return req.matches[1].str() + "/" + req.matches[2].str(); }
+
+  // A folder for the revision in the third group, or a 404 already written.
+  std::optional<std::string> revision(const httplib::Request& req, httplib::Response& res) {
+    const std::string repo = repo_of(req), rev = req.matches[3].str();
+    auto folder = dir.revision_folder(repo, rev);
+    if (!folder) error(res, 404, "revision " + rev + " of " + repo + " not found");
+    return folder;
+  }
+
+  // Registers a GET route for "/<prefix>org/repo<suffix>": faults first, then the handler, whose
+  // exceptions become 400 (kcpp::Error: a bad id) or 500 responses.
+  template <typename F>
+  void route(const std::string& prefix, const std::string& suffix, F handler) {
     const std::string repo_re = "([A-Za-z0-9][A-Za-z0-9._-]*)/([A-Za-z0-9][A-Za-z0-9._-]*)";
-    http.Get("/api/models/" + repo_re + "/refs", [this](const httplib::Request& req, httplib::Response& res) {
+    http.Get(prefix + repo_re + suffix, [this, handler](const httplib::Request& req, httplib::Response& res) {
       bool drop = false;
       if (fault(req, res, &drop)) return;
-      guarded(res, [&] {
-        const std::string repo = req.matches[1].str() + "/" + req.matches[2].str();
-        const auto refs = dir.refs(repo);
-        if (refs.empty()) return error(res, 404, "repository " + repo + " not found");
-        nlohmann::json j = {{"branches", nlohmann::json::array()}, {"tags", nlohmann::json::array()},
-                            {"converts", nlohmann::json::array()}};
-        for (const RepoRef& r : refs)
-          j[r.is_tag ? "tags" : "branches"].push_back(
-              {{"name", r.name}, {"ref", (r.is_tag ? "refs/tags/" : "refs/heads/") + r.name}, {"targetCommit", r.commit}});
-        res.set_content(j.dump(), "application/json");
-      });
+      guarded(res, [&] { handler(req, res, drop); });
     });
-    http.Get("/api/models/" + repo_re + "/revision/([^/]+)", [this](const httplib::Request& req, httplib::Response& res) {
-      bool drop = false;
-      if (fault(req, res, &drop)) return;
-      guarded(res, [&] {
-        const std::string repo = req.matches[1].str() + "/" + req.matches[2].str();
-        const auto folder = dir.revision_folder(repo, req.matches[3].str());
-        if (!folder) return error(res, 404, "revision " + req.matches[3].str() + " of " + repo + " not found");
-        nlohmann::json j = {{"id", repo}, {"sha", dir.commit_of(repo, *folder)}, {"siblings", nlohmann::json::array()}};
-        for (const RepoFile& f : dir.files(repo, *folder)) j["siblings"].push_back({{"rfilename", f.path}});
-        res.set_content(j.dump(), "application/json");
-      });
+  }
+
+  void routes() {
+    route("/api/models/", "/refs", [this](const httplib::Request& req, httplib::Response& res, bool) {
+      const std::string repo = repo_of(req);
+      const auto refs = dir.refs(repo);
+      if (refs.empty()) return error(res, 404, "repository " + repo + " not found");
+      nlohmann::json j = {{"branches", nlohmann::json::array()}, {"tags", nlohmann::json::array()},
+                          {"converts", nlohmann::json::array()}};
+      for (const RepoRef& r : refs)
+        j[r.is_tag ? "tags" : "branches"].push_back(
+            {{"name", r.name}, {"ref", (r.is_tag ? "refs/tags/" : "refs/heads/") + r.name}, {"targetCommit", r.commit}});
+      res.set_content(j.dump(), "application/json");
     });
-    http.Get("/api/models/" + repo_re + "/tree/([^/]+)(/.*)?", [this](const httplib::Request& req, httplib::Response& res) {
-      bool drop = false;
-      if (fault(req, res, &drop)) return;
-      guarded(res, [&] {
-        const std::string repo = req.matches[1].str() + "/" + req.matches[2].str();
-        const auto folder = dir.revision_folder(repo, req.matches[3].str());
-        if (!folder) return error(res, 404, "revision " + req.matches[3].str() + " of " + repo + " not found");
-        std::string prefix = req.matches[4].str();
-        if (!prefix.empty()) prefix = prefix.substr(1) + (prefix.size() > 1 && prefix.back() != '/' ? "/" : "");
-        nlohmann::json j = nlohmann::json::array();
-        for (const RepoFile& f : dir.files(repo, *folder))
-          if (f.path.starts_with(prefix))
-            j.push_back({{"type", "file"}, {"path", f.path}, {"size", f.size}, {"oid", f.sha256.substr(0, 40)},
-                         {"lfs", {{"oid", f.sha256}, {"size", f.size}}}});
-        res.set_content(j.dump(), "application/json");
-      });
+    route("/api/models/", "/revision/([^/]+)", [this](const httplib::Request& req, httplib::Response& res, bool) {
+      const auto folder = revision(req, res);
+      if (!folder) return;
+      const auto files = dir.files(repo_of(req), *folder);
+      nlohmann::json j = {{"id", repo_of(req)}, {"sha", RepoDir::commit_of(files)}, {"siblings", nlohmann::json::array()}};
+      for (const RepoFile& f : files) j["siblings"].push_back({{"rfilename", f.path}});
+      res.set_content(j.dump(), "application/json");
     });
-    http.Get("/" + repo_re + "/resolve/([^/]+)/(.+)", [this](const httplib::Request& req, httplib::Response& res) {
-      bool drop = false;
-      if (fault(req, res, &drop)) return;
-      guarded(res, [&] {
-        const std::string repo = req.matches[1].str() + "/" + req.matches[2].str();
-        const auto folder = dir.revision_folder(repo, req.matches[3].str());
-        if (!folder) return error(res, 404, "revision " + req.matches[3].str() + " of " + repo + " not found");
-        const std::string path = req.matches[4].str();
-        const auto file = dir.file(repo, *folder, path);
-        if (!file) return error(res, 404, "file " + path + " not found in " + repo + "@" + *folder);
-        auto content = std::make_shared<std::string>();
-        {
-          std::ifstream in(*file, std::ios::binary);
-          content->assign(std::istreambuf_iterator<char>(in), {});
-        }
-        std::string sha;
-        for (const RepoFile& f : dir.files(repo, *folder))
-          if (f.path == path) sha = f.sha256;
-        res.set_header("X-Repo-Commit", dir.commit_of(repo, *folder));
-        res.set_header("ETag", "\"" + sha + "\"");
-        const size_t total = content->size();
-        res.set_content_provider(total, "application/octet-stream",
-                                 [content, drop](size_t offset, size_t length, httplib::DataSink& sink) {
-                                   // A dropped connection sends the first half, then hangs up.
-                                   const size_t limit = drop ? content->size() / 2 : content->size();
-                                   if (offset >= limit) return false;
-                                   const size_t n = std::min({length, limit - offset, size_t{1} << 16});
-                                   sink.write(content->data() + offset, n);
-                                   return true;
-                                 });
-      });
+    route("/api/models/", "/tree/([^/]+)(/.*)?", [this](const httplib::Request& req, httplib::Response& res, bool) {
+      const auto folder = revision(req, res);
+      if (!folder) return;
+      std::string prefix = req.matches[4].str();
+      if (!prefix.empty()) prefix = prefix.substr(1) + (prefix.size() > 1 && prefix.back() != '/' ? "/" : "");
+      nlohmann::json j = nlohmann::json::array();
+      for (const RepoFile& f : dir.files(repo_of(req), *folder))
+        if (f.path.starts_with(prefix))
+          j.push_back({{"type", "file"}, {"path", f.path}, {"size", f.size}, {"oid", f.sha256.substr(0, 40)},
+                       {"lfs", {{"oid", f.sha256}, {"size", f.size}}}});
+      res.set_content(j.dump(), "application/json");
+    });
+    route("/", "/resolve/([^/]+)/(.+)", [this](const httplib::Request& req, httplib::Response& res, bool drop) {
+      const auto folder = revision(req, res);
+      if (!folder) return;
+      const std::string repo = repo_of(req), path = req.matches[4].str();
+      const auto file = dir.file(repo, *folder, path);
+      if (!file) return error(res, 404, "file " + path + " not found in " + repo + "@" + *folder);
+      auto content = std::make_shared<std::string>();
+      {
+        std::ifstream in(*file, std::ios::binary);
+        content->assign(std::istreambuf_iterator<char>(in), {});
+      }
+      // One walk of the revision gives both the commit id and this file's hash.
+      const auto files = dir.files(repo, *folder);
+      for (const RepoFile& f : files)
+        if (f.path == path) res.set_header("ETag", "\"" + f.sha256 + "\"");
+      res.set_header("X-Repo-Commit", RepoDir::commit_of(files));
+      res.set_content_provider(content->size(), "application/octet-stream",
+                               [content, drop](size_t offset, size_t length, httplib::DataSink& sink) {
+                                 // A dropped connection sends the first half, then hangs up.
+                                 const size_t limit = drop ? content->size() / 2 : content->size();
+                                 if (offset >= limit) return false;
+                                 const size_t n = std::min({length, limit - offset, size_t{1} << 16});
+                                 sink.write(content->data() + offset, n);
+                                 return true;
+                               });
     });
   }
 
