@@ -40,7 +40,9 @@ function(_kcpp_package_library target name version out_dir with_cuda)
   target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/include ${CMAKE_CURRENT_SOURCE_DIR})
   target_compile_definitions(${target} PRIVATE KCPP_PACKAGE_NAME="${name}" KCPP_PACKAGE_VERSION="${version}"
                                                KCPP_WITH_CUDA=${with_cuda})
-  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -O3>
+  # -fno-trapping-math: kernels make no promise about floating-point exception flags, which lets GCC
+  # if-convert the clamps of kcpp/kernel/activation.h and vectorize them (NaN and inf are unaffected).
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -O3 -fno-trapping-math>
                                            $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo -Xcompiler=-fvisibility=hidden>)
   target_link_libraries(${target} PRIVATE dlpack::dlpack)
   target_link_options(${target} PRIVATE -static-libstdc++ -static-libgcc -Wl,--no-undefined -Wl,--exclude-libs,ALL)

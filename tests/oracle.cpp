@@ -142,8 +142,30 @@ V rope(const V& x, const V& cs, const V& sn, int64_t b, int64_t h, int64_t s, in
   return y;
 }
 
-static double act_f(Act a, double x) { return a == Act::Silu ? silu(x) : a == Act::Gelu ? gelu(x) : gelu_tanh(x); }
-static double act_d(Act a, double x) { return a == Act::Silu ? dsilu(x) : a == Act::Gelu ? dgelu(x) : dgelu_tanh(x); }
+double quick_gelu(double x) { return x / (1.0 + std::exp(-1.702 * x)); }
+double dquick_gelu(double x) {
+  const double s = 1.0 / (1.0 + std::exp(-1.702 * x));
+  return s + 1.702 * x * s * (1.0 - s);
+}
+
+double act_f(Act a, double x) {
+  switch (a) {
+    case Act::Silu: return silu(x);
+    case Act::Gelu: return gelu(x);
+    case Act::GeluTanh: return gelu_tanh(x);
+    case Act::QuickGelu: return quick_gelu(x);
+  }
+  return 0;
+}
+double act_d(Act a, double x) {
+  switch (a) {
+    case Act::Silu: return dsilu(x);
+    case Act::Gelu: return dgelu(x);
+    case Act::GeluTanh: return dgelu_tanh(x);
+    case Act::QuickGelu: return dquick_gelu(x);
+  }
+  return 0;
+}
 
 V glu(const V& gate, const V& up, Act act) {
   V o(gate.size());
@@ -166,10 +188,10 @@ GluMagnitude glu_magnitude(const V& dout, const V& gate, const V& up, Act act) {
   for (size_t i = 0; i < gate.size(); ++i) {
     const double x = gate[i], ax = std::fabs(x);
     double f = 0, df = 0;  // magnitudes of act(x) and act'(x)
-    if (act == Act::Silu) {
-      const double sg = 1.0 / (1.0 + std::exp(-x));
+    if (act == Act::Silu || act == Act::QuickGelu) {
+      const double a = act == Act::Silu ? 1.0 : 1.702, sg = 1.0 / (1.0 + std::exp(-a * x));
       f = ax * sg;
-      df = sg + ax * sg * (1 - sg);
+      df = sg + a * ax * sg * (1 - sg);
     } else if (act == Act::Gelu) {
       const double e = std::fabs(std::erf(x / std::sqrt(2.0)));
       f = ax * 0.5 * (1 + e);

@@ -16,6 +16,8 @@ double gelu_tanh(double x);
 double dsilu(double x);
 double dgelu(double x);
 double dgelu_tanh(double x);
+double quick_gelu(double x);  // x sigmoid(1.702 x)
+double dquick_gelu(double x);
 
 // a [batch, M, K] (or [batch, K, M] if ta), b [batch or 1, K, N] (or [.., N, K] if tb).
 V matmul(const V& a, const V& b, int64_t batch, int64_t m, int64_t n, int64_t k, bool ta, bool tb, bool bcast_b);
@@ -40,7 +42,9 @@ NormGrad layer_norm_backward(const V& dy, const V& x, const V& w, int64_t rows, 
 V rope(const V& x, const V& cos, const V& sin, int64_t b, int64_t h, int64_t s, int64_t d, int64_t rd, int64_t cb,
        bool backward, bool interleaved = false);
 
-enum class Act { Silu, Gelu, GeluTanh };
+enum class Act { Silu, Gelu, GeluTanh, QuickGelu };
+double act_f(Act a, double x);
+double act_d(Act a, double x);
 V glu(const V& gate, const V& up, Act act);
 void glu_backward(const V& dout, const V& gate, const V& up, Act act, V& dgate, V& dup);
 // Magnitudes of the terms behind glu and its gradients (1 + erf and 1 + tanh cancel for very

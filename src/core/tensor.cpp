@@ -456,6 +456,18 @@ DLManagedTensor* Tensor::to_dlpack() const {
   return &ctx->managed;
 }
 
+void Tensor::fill_dl_tensor(DLTensor* t) const {
+  KCPP_CHECK(defined(), "fill_dl_tensor: undefined tensor");
+  const Device d = device();
+  t->data = storage_->data;
+  t->byte_offset = static_cast<uint64_t>(offset_) * element_size();
+  t->device = {d.is_cuda() ? kDLCUDA : kDLCPU, d.index};
+  t->ndim = static_cast<int32_t>(shape_.size());
+  t->dtype = to_dl(dtype_);
+  t->shape = const_cast<int64_t*>(shape_.data());
+  t->strides = const_cast<int64_t*>(strides_.data());
+}
+
 Tensor Tensor::from_dlpack(DLManagedTensor* m) {
   KCPP_CHECK(m != nullptr, "from_dlpack: null tensor");
   // Adopt first so that the deleter runs even when a check below throws.

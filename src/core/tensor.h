@@ -18,10 +18,10 @@
 #include <string>
 #include <vector>
 
+#include <dlpack/dlpack.h>
+
 #include "core/device.h"
 #include "core/dtype.h"
-
-struct DLManagedTensor;
 
 namespace kcpp {
 
@@ -128,6 +128,9 @@ class Tensor {
   DLManagedTensor* to_dlpack() const;
   // Takes ownership of `t` (its deleter runs when the last view of the result is gone).
   static Tensor from_dlpack(DLManagedTensor* t);
+  // A borrowed view for a kernel call: no ownership; shape and strides point into this tensor, so
+  // it is valid while this tensor object lives unchanged.
+  void fill_dl_tensor(DLTensor* out) const;
 
  private:
   int64_t wrap_dim(int64_t d) const;

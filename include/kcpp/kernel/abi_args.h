@@ -257,6 +257,70 @@ class Call {
     return fail(KCPP_ERROR_UNSUPPORTED, "tensor '%s' is not contiguous (row-major); this kernel needs it", name);
   }
 
+  // A tensor [..., W] seen as rows of W elements: the last dim contiguous, the leading dims
+  // collapsing to one row stride (any contiguous tensor, a row slice of a wider one, ...).
+  bool rows(const DLTensor* t, const char* name, int64_t* rows, int64_t* width, int64_t* row_stride) {
+    if (!t || !ok()) return false;
+    if (t->ndim < 1) return require(false, "tensor '%s' must have at least one dim", name);
+    const int32_t last = t->ndim - 1;
+    *width = t->shape[last];
+    *rows = 1;
+    for (int32_t d = 0; d < last; ++d) *rows *= t->shape[d];
+    if (*width > 1 && stride(t, last) != 1)
+      return fail(KCPP_ERROR_UNSUPPORTED, "tensor '%s': the last dim must be contiguous (stride 1, got %lld)", name,
+                  static_cast<long long>(stride(t, last)));
+    *row_stride = *width;
+    int64_t expect = -1;  // the stride the next-outer dim must have to collapse
+    for (int32_t d = last - 1; d >= 0; --d) {
+      if (t->shape[d] == 1) continue;
+      if (expect < 0) *row_stride = stride(t, d);
+      else if (stride(t, d) != expect)
+        return fail(KCPP_ERROR_UNSUPPORTED, "tensor '%s': leading dims do not collapse to rows of one stride", name);
+      expect = stride(t, d) * t->shape[d];
+    }
+    if (*rows > 1 && *row_stride < *width)
+      return fail(KCPP_ERROR_UNSUPPORTED, "tensor '%s': rows overlap (row stride %lld < width %lld)", name,
+                  static_cast<long long>(*row_stride), static_cast<long long>(*width));
+    return true;
+  }
+
+  // A string argument that must be one of `choices` (a null-terminated list); returns its index, or
+  // `fallback` when absent.  Unknown values are INVALID_ARGUMENT naming the choices.
+  int choice(const char* name, int fallback, const char* const* choices) {
+    const char* s = string(name, nullptr);
+    if (!s || !ok()) return fallback;
+    for (int i = 0; choices[i]; ++i)
+      if (std::strcmp(s, choices[i]) == 0) return i;
+    char list[160] = {};
+    size_t at = 0;
+    for (int i = 0; choices[i] && at < sizeof list; ++i)
+      at += static_cast<size_t>(std::snprintf(list + at, sizeof list - at, i ? ", '%s'" : "'%s'", choices[i]));
+    fail(KCPP_ERROR_INVALID_ARGUMENT, "argument '%s' is '%s'; expected one of %s", name, s, list);
+    return fallback;
+  }
+
+  // The context's device is CPU, or CUDA when `cuda` is true; anything else is UNSUPPORTED.
+  bool device_in(bool cuda) {
+    if (!ok()) return false;
+    if (!ctx_) return fail(KCPP_ERROR_INVALID_ARGUMENT, "no call context");
+    const int32_t t = ctx_->device.device_type;
+    if (t == kDLCPU || (cuda && t == kDLCUDA)) return true;
+    return fail(KCPP_ERROR_UNSUPPORTED, "runs on the CPU%s, not on %s", cuda ? " and CUDA" : "", dl_device_name(t));
+  }
+  bool on_cuda() const { return ctx_ && ctx_->device.device_type == kDLCUDA; }
+
+  // `bytes` of workspace from the host (nullptr after recording the failure).
+  void* workspace(size_t bytes) {
+    if (!ok()) return nullptr;
+    if (!ctx_ || !ctx_->workspace) {
+      fail(KCPP_ERROR_UNSUPPORTED, "needs a workspace allocator (%zu bytes) and the context has none", bytes);
+      return nullptr;
+    }
+    void* p = ctx_->workspace(ctx_->workspace_host, bytes);
+    if (!p) fail(KCPP_ERROR_OUT_OF_MEMORY, "the workspace allocator could not give %zu bytes", bytes);
+    return p;
+  }
+
   static const char* shape_str(const DLTensor* t, char* buf, size_t size) {
     size_t at = 0;
     at += static_cast<size_t>(std::snprintf(buf, size, "["));

@@ -48,11 +48,29 @@ struct CrossEntropyParams {
   int32_t* bad_targets = nullptr;  // optional device counter (CUDA), see above
 };
 
+// Backward: dlogits = grad * dloss, grad being what the forward wrote (the gradient for an upstream 1).
+// dloss is a host number (`scale`) or an f32 device value read by the kernel (no synchronization):
+// one value (Mean, Sum) or one per row (None).  dlogits may be grad (same stride).
+struct CEScaleParams {
+  kernel::DType dtype = kernel::DType::bf16;
+  int64_t n = 0, v = 0;
+  const void* grad = nullptr;
+  int64_t grad_stride = 0;
+  void* dlogits = nullptr;
+  int64_t dlogits_stride = 0;
+  float scale = 1.0f;             // used when dloss is null
+  const float* dloss = nullptr;   // [1] or [n] (per_row)
+  bool per_row = false;
+};
+
 const char* cross_entropy_check(const CrossEntropyParams& p);
+const char* cross_entropy_scale_check(const CEScaleParams& p);
+const char* cross_entropy_scale_cpu(const CEScaleParams& p);
 const char* cross_entropy_cpu(const CrossEntropyParams& p);
 #if KCPP_WITH_CUDA
 size_t cross_entropy_workspace(const CrossEntropyParams& p);
 const char* cross_entropy_cuda(const CrossEntropyParams& p, cudaStream_t stream);
+const char* cross_entropy_scale_cuda(const CEScaleParams& p, cudaStream_t stream);
 #endif
 
 }  // namespace kcpp::liger

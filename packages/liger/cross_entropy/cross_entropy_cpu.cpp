@@ -107,4 +107,36 @@ const char* cross_entropy_cpu(const CrossEntropyParams& p) {
   return nullptr;
 }
 
+const char* cross_entropy_scale_check(const CEScaleParams& p) {
+  KCPP_KERNEL_REQUIRE(p.dtype == kernel::DType::f32 || p.dtype == kernel::DType::bf16 || p.dtype == kernel::DType::f16,
+                      "cross_entropy backward: unsupported dtype %d", static_cast<int>(p.dtype));
+  KCPP_KERNEL_REQUIRE(p.n >= 0 && p.v > 0, "cross_entropy backward: need n >= 0 and v > 0");
+  if (p.n == 0) return nullptr;
+  KCPP_KERNEL_REQUIRE(p.grad && p.dlogits, "cross_entropy backward: 'grad' and 'dlogits' must not be null");
+  KCPP_KERNEL_REQUIRE((p.grad_stride >= p.v && p.dlogits_stride >= p.v) || p.n <= 1,
+                      "cross_entropy backward: row stride below v");
+  KCPP_KERNEL_REQUIRE(p.grad != p.dlogits || p.grad_stride == p.dlogits_stride,
+                      "cross_entropy backward: in-place 'dlogits' must have the stride of 'grad'");
+  return nullptr;
+}
+
+const char* cross_entropy_scale_cpu(const CEScaleParams& p) {
+  if (const char* e = cross_entropy_scale_check(p)) return e;
+  auto go = [&]<typename T>(T*) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < p.n; ++i) {
+      const float s = p.dloss ? p.dloss[p.per_row ? i : 0] : p.scale;
+      const T* g = static_cast<const T*>(p.grad) + i * p.grad_stride;
+      T* d = static_cast<T*>(p.dlogits) + i * p.dlogits_stride;
+      for (int64_t j = 0; j < p.v; ++j) d[j] = kernel::cpu::from_f32<T>(kernel::cpu::to_f32(g[j]) * s);
+    }
+  };
+  switch (p.dtype) {
+    case kernel::DType::f32: go(static_cast<float*>(nullptr)); break;
+    case kernel::DType::bf16: go(static_cast<kernel::cpu::bf16*>(nullptr)); break;
+    case kernel::DType::f16: go(static_cast<kernel::cpu::f16*>(nullptr)); break;
+  }
+  return nullptr;
+}
+
 }  // namespace kcpp::liger

@@ -139,7 +139,44 @@ __global__ void reduce_loss(const __grid_constant__ CrossEntropyParams p, const 
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
+// dlogits = grad * dloss: blocks stride over rows, threads over VEC-element vectors of a row.
+template <typename T, int VEC> __global__ void __launch_bounds__(256) scale_rows(const __grid_constant__ CEScaleParams p) {
+  for (int64_t i = blockIdx.x; i < p.n; i += gridDim.x) {
+    const float s = p.dloss ? p.dloss[p.per_row ? i : 0] : p.scale;
+    const T* g = static_cast<const T*>(p.grad) + i * p.grad_stride;
+    T* d = static_cast<T*>(p.dlogits) + i * p.dlogits_stride;
+    for (int64_t j = threadIdx.x; j < p.v / VEC; j += blockDim.x) {
+      float x[VEC];
+      load_f32(g + j * VEC, x);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) x[k] *= s;
+      store_f32(d + j * VEC, x);
+    }
+  }
+}
+
 }  // namespace
+
+const char* cross_entropy_scale_cuda(const CEScaleParams& p, cudaStream_t stream) {
+  if (const char* e = cross_entropy_scale_check(p)) return e;
+  if (p.n == 0) return nullptr;
+  int device = 0;
+  cudaGetDevice(&device);
+  const int vec_full = 16 / kcpp::kernel::dtype_bytes(p.dtype);
+  const bool vec_ok = p.v % vec_full == 0 && aligned16(p.grad) && aligned16(p.dlogits) &&
+                      p.grad_stride % vec_full == 0 && p.dlogits_stride % vec_full == 0;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(p.n, int64_t(sm_count(device)) * 8));
+  auto go = [&]<typename T>(T*) {
+    if (vec_ok) scale_rows<T, 16 / sizeof(T)><<<grid, 256, 0, stream>>>(p);
+    else scale_rows<T, 1><<<grid, 256, 0, stream>>>(p);
+  };
+  switch (p.dtype) {
+    case kernel::DType::f32: go(static_cast<float*>(nullptr)); break;
+    case kernel::DType::bf16: go(static_cast<__nv_bfloat16*>(nullptr)); break;
+    case kernel::DType::f16: go(static_cast<__half*>(nullptr)); break;
+  }
+  return launch_error("cross_entropy backward");
+}
 
 size_t cross_entropy_workspace(const CrossEntropyParams& p) {
   return (static_cast<size_t>(p.n) + 4) * sizeof(float);  // [count, pad x3, row losses...]

@@ -4,10 +4,8 @@
 //   forward:  out = act(gate) * up                       (f32 inside, one rounding to the dtype)
 //   backward: dgate = dout * up * act'(gate),  dup = dout * act(gate)
 //             (act recomputed from gate: nothing is saved beyond the inputs)
-//   silu(x)  = x * s(x),                      silu'(x)  = s(x) (1 + x (1 - s(x))),   s = sigmoid
-//   gelu(x)  = x Phi(x),                      gelu'(x)  = Phi(x) + x phi(x)
-//   gelu_tanh(x) = x (1 + tanh(u)) / 2, u = sqrt(2/pi) (x + 0.044715 x^3)
-//   gelu_tanh'(x) = (1 + t) / 2 + x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2) / 2,  t = tanh(u)
+//   act and act' as kcpp/kernel/activation.h gives them (silu, gelu, gelu_tanh, quick_gelu); the hardware
+//   exp / division (MathMode::Fast) for 16-bit dtypes, the accurate ones for f32.
 // Layout: gate, up, out, dout, dgate, dup are contiguous arrays of n elements of one dtype (the
 // host makes them so or refuses the call).  In-place is allowed element for element: out may be
 // gate or up; dgate may be gate and dup may be up (Liger's memory saving: no new buffers in the
@@ -17,6 +15,7 @@
 
 #include <cstdint>
 
+#include "kcpp/kernel/activation.h"
 #include "kcpp/kernel/types.h"
 
 #if KCPP_WITH_CUDA
@@ -25,7 +24,8 @@
 
 namespace kcpp::liger {
 
-enum class GluActivation : int32_t { Silu = 0, Gelu = 1, GeluTanh = 2 };
+// silu, gelu, gelu_tanh or quick_gelu (maths in kcpp/kernel/activation.h).
+using GluActivation = kernel::Activation;
 
 struct GluParams {
   kernel::DType dtype = kernel::DType::bf16;

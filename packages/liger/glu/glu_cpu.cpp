@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "glu.h"
-#include "glu_math.h"
+#include "kcpp/kernel/activation.h"
 #include "kcpp/kernel/cpu.h"
 #include "kcpp/kernel/error.h"
 
@@ -14,6 +14,8 @@ namespace {
 using kernel::cpu::load_row;
 using kernel::cpu::store_row;
 constexpr int64_t kChunk = 4096;
+// On the host, Fast is the vectorizable exp_f32 (within 1 ulp of expf), so every dtype takes it.
+template <typename T> constexpr kernel::MathMode fast_for() { return kernel::MathMode::Fast; }
 
 template <typename T, GluActivation A> void forward(const GluParams& p) {
   const int64_t chunks = (p.n + kChunk - 1) / kChunk;
@@ -25,7 +27,7 @@ template <typename T, GluActivation A> void forward(const GluParams& p) {
       const int64_t b = c * kChunk, m = std::min(kChunk, p.n - b);
       load_row(static_cast<const T*>(p.gate) + b, m, g);
       load_row(static_cast<const T*>(p.up) + b, m, u);
-      for (int64_t i = 0; i < m; ++i) g[i] = glu_math::act<A>(g[i], nullptr) * u[i];
+      for (int64_t i = 0; i < m; ++i) g[i] = kernel::activate<A, fast_for<T>()>(g[i], nullptr) * u[i];
       store_row(g, m, static_cast<T*>(p.out) + b);
     }
   }
@@ -44,7 +46,7 @@ template <typename T, GluActivation A> void backward(const GluParams& p) {
       load_row(static_cast<const T*>(p.dout) + b, m, d);
       for (int64_t i = 0; i < m; ++i) {  // all three read before either output is written (in-place safe)
         float da;
-        const float a = glu_math::act<A>(g[i], &da);
+        const float a = kernel::activate<A, fast_for<T>()>(g[i], &da);
         g[i] = d[i] * u[i] * da;  // dgate
         u[i] = d[i] * a;          // dup
       }
@@ -63,6 +65,9 @@ template <bool Backward> const char* run(const GluParams& p) {
       case GluActivation::GeluTanh:
         Backward ? backward<T, GluActivation::GeluTanh>(p) : forward<T, GluActivation::GeluTanh>(p);
         break;
+      case GluActivation::QuickGelu:
+        Backward ? backward<T, GluActivation::QuickGelu>(p) : forward<T, GluActivation::QuickGelu>(p);
+        break;
     }
   };
   switch (p.dtype) {
@@ -79,7 +84,7 @@ const char* glu_check(const GluParams& p, bool backward) {
   const char* op = backward ? "glu backward" : "glu forward";
   KCPP_KERNEL_REQUIRE(p.dtype == kernel::DType::f32 || p.dtype == kernel::DType::bf16 || p.dtype == kernel::DType::f16,
                       "%s: unsupported dtype %d", op, static_cast<int>(p.dtype));
-  KCPP_KERNEL_REQUIRE(static_cast<int32_t>(p.act) >= 0 && static_cast<int32_t>(p.act) <= 2, "%s: unknown activation %d",
+  KCPP_KERNEL_REQUIRE(static_cast<int32_t>(p.act) >= 0 && static_cast<int32_t>(p.act) <= 3, "%s: unknown activation %d",
                       op, static_cast<int>(p.act));
   KCPP_KERNEL_REQUIRE(p.n >= 0, "%s: n = %lld < 0", op, static_cast<long long>(p.n));
   if (p.n == 0) return nullptr;

@@ -4,7 +4,7 @@
 // activation, the unroll and FAST (hardware exp / division, 16-bit dtypes only) are template
 // parameters; the grid size is a run-time choice (glu_tuning.h, measured in bench/RESULTS.md).
 #include "glu.h"
-#include "glu_math.h"
+#include "kcpp/kernel/activation.h"
 #include "glu_tuning.h"
 #include "kcpp/kernel/cuda.cuh"
 
@@ -38,7 +38,7 @@ __global__ void __launch_bounds__(256) glu_kernel(const __grid_constant__ GluPar
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
           float da;
-          const float a = glu_math::act<A, FAST>(g[r][k], &da);
+          const float a = kernel::activate<A, FAST ? kernel::MathMode::Fast : kernel::MathMode::Accurate>(g[r][k], &da);
           dg[k] = d[r][k] * u[r][k] * da;
           du[k] = d[r][k] * a;
         }
@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(256) glu_kernel(const __grid_constant__ GluPar
       } else {
         float o[VEC];
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) o[k] = glu_math::act<A, FAST>(g[r][k], nullptr) * u[r][k];
+        for (int k = 0; k < VEC; ++k) o[k] = kernel::activate<A, FAST ? kernel::MathMode::Fast : kernel::MathMode::Accurate>(g[r][k], nullptr) * u[r][k];
         store_f32(static_cast<T*>(p.out) + v * VEC, o);
       }
     }
@@ -80,6 +80,7 @@ template <bool BWD> const char* run(const GluParams& p, cudaStream_t stream, con
       case GluActivation::Silu: launch.template operator()<T, V, U, GluActivation::Silu>(); break;
       case GluActivation::Gelu: launch.template operator()<T, V, U, GluActivation::Gelu>(); break;
       case GluActivation::GeluTanh: launch.template operator()<T, V, U, GluActivation::GeluTanh>(); break;
+      case GluActivation::QuickGelu: launch.template operator()<T, V, U, GluActivation::QuickGelu>(); break;
     }
   };
   auto by_unroll = [&]<typename T, int V>() {

@@ -1,0 +1,134 @@
+// Activation functions and their derivatives, for host and device code of kernel packages.
+//
+//   silu(x)       = x s(x),  s = sigmoid = 1 / (1 + e^-x)      silu'(x) = s (1 + x (1 - s))
+//   gelu(x)       = x Phi(x) = x (1 + erf(x / sqrt 2)) / 2       gelu'(x) = Phi(x) + x phi(x),
+//                                                               phi(x) = e^(-x^2 / 2) / sqrt(2 pi)
+//   gelu_tanh(x)  = x (1 + t) / 2,  t = tanh(u),  u = sqrt(2/pi) (x + 0.044715 x^3)
+//                   gelu_tanh'(x) = (1 + t) / 2 + x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2) / 2
+//                   (PyTorch's gelu(approximate="tanh"); Transformers' GeluTanh, NewGELU and FastGELU
+//                   are this same function written in different orders)
+//   quick_gelu(x) = x s(1.702 x)                                quick_gelu'(x) = s (1 + 1.702 x (1 - s))
+//
+// Precision.  Mode::Accurate uses the C library's expf / erff / tanhf (on the device: CUDA's, which
+// are within 2 ulps).  Mode::Fast trades a few f32 ulps - far below one rounding to bf16 or f16 - for
+// speed: on the device the hardware __expf and __fdividef, on the host exp_f32() below, which the
+// compiler vectorizes where expf would stay a scalar library call; tanh is then 1 - 2 / (1 + e^2u).
+// Kernels use Fast for 16-bit outputs only.  erf is always the library's.  NaN propagates through
+// every function (and every derivative) as it does through the formulas.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define KCPP_HD __host__ __device__ __forceinline__
+#else
+#define KCPP_HD inline
+#endif
+
+namespace kcpp::kernel {
+
+enum class Activation : int32_t { Silu = 0, Gelu = 1, GeluTanh = 2, QuickGelu = 3 };
+
+// "silu", "gelu", "gelu_tanh", "quick_gelu"; the spelling contracts use.
+inline const char* activation_name(Activation a) {
+  switch (a) {
+    case Activation::Silu: return "silu";
+    case Activation::Gelu: return "gelu";
+    case Activation::GeluTanh: return "gelu_tanh";
+    case Activation::QuickGelu: return "quick_gelu";
+  }
+  return "?";
+}
+
+// Parses a contract's activation string; false if unknown.  "gelu_pytorch_tanh", "gelu_new" and
+// "gelu_fast" (Transformers' hidden_act names for the tanh form) are accepted as gelu_tanh.
+inline bool parse_activation(const char* s, Activation* out) {
+  struct Name {
+    const char* name;
+    Activation a;
+  };
+  static constexpr Name kNames[] = {{"silu", Activation::Silu},          {"swish", Activation::Silu},
+                                    {"gelu", Activation::Gelu},          {"gelu_tanh", Activation::GeluTanh},
+                                    {"gelu_pytorch_tanh", Activation::GeluTanh}, {"gelu_new", Activation::GeluTanh},
+                                    {"gelu_fast", Activation::GeluTanh}, {"quick_gelu", Activation::QuickGelu}};
+  for (const Name& n : kNames)
+    if (s && std::strcmp(s, n.name) == 0) return *out = n.a, true;
+  return false;
+}
+
+enum class MathMode { Accurate, Fast };
+
+// e^x in f32 without branches or library calls, so loops over it vectorize (host Fast mode).
+// x = k ln2 + r with |r| <= ln2 / 2 (Cody-Waite: ln2 in two parts, so r is exact to f32), e^r by its
+// degree-7 Taylor polynomial (truncation < 6e-9 relative), and 2^k applied as two exact powers of two so
+// that overflow gives inf and underflow goes through the subnormals to 0 as expf does.  Measured
+// against expf: within 1 ulp where the result is normal (tests/test_kernel_helpers.cpp holds [-103, 88.7] to 2).
+KCPP_HD float exp_f32(float x) {
+  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f, kLn2Lo = 1.42860682030941723e-6f;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer (ties to even)
+  // Comparisons written so that NaN passes through unchanged (x < lo is false for NaN).
+  x = x < -104.0f ? -104.0f : x;
+  x = x > 89.0f ? 89.0f : x;
+  const float kf = (x * kLog2e + kRound) - kRound;  // round(x / ln2), |kf| <= 150
+  const float r = (x - kf * kLn2Hi) - kf * kLn2Lo;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t k = static_cast<int32_t>(kf);  // NaN: any k; p is NaN already
+  const int32_t k1 = k / 2, k2 = k - k1;      // each in [-75, 75]: a normal power of two
+  const int32_t b1 = (k1 + 127) << 23, b2 = (k2 + 127) << 23;
+  float s1, s2;
+  std::memcpy(&s1, &b1, 4);
+  std::memcpy(&s2, &b2, 4);
+  return p * s1 * s2;
+}
+
+template <MathMode M> KCPP_HD float exp_(float x) {
+  if constexpr (M == MathMode::Fast) {
+#if defined(__CUDA_ARCH__)
+    return __expf(x);
+#else
+    return exp_f32(x);
+#endif
+  }
+  return expf(x);
+}
+template <MathMode M> KCPP_HD float div_(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (M == MathMode::Fast) return __fdividef(a, b);
+#endif
+  return a / b;
+}
+// tanh(u); Fast: 1 - 2 / (1 + e^2u), exact in the limits (e^2u = inf gives 1, 0 gives -1).
+template <MathMode M> KCPP_HD float tanh_(float u) {
+  if constexpr (M == MathMode::Fast) return 1.0f - div_<M>(2.0f, 1.0f + exp_<M>(2.0f * u));
+  return tanhf(u);
+}
+
+// Returns act(x) and writes act'(x) to *d when d is not null.
+template <Activation A, MathMode M = MathMode::Accurate> KCPP_HD float activate(float x, float* d) {
+  if constexpr (A == Activation::Silu || A == Activation::QuickGelu) {
+    constexpr float a = A == Activation::Silu ? 1.0f : 1.702f;
+    const float s = div_<M>(1.0f, 1.0f + exp_<M>(-a * x));
+    if (d) *d = s * (1.0f + a * x * (1.0f - s));
+    return x * s;
+  } else if constexpr (A == Activation::Gelu) {
+    const float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
+    if (d) *d = cdf + x * 0.39894228040143268f * exp_<M>(-0.5f * x * x);
+    return x * cdf;
+  } else {
+    constexpr float k = 0.79788456080286536f, c = 0.044715f;
+    const float t = tanh_<M>(k * (x + c * x * x * x));
+    if (d) *d = 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k * (1.0f + 3.0f * c * x * x);
+    return 0.5f * x * (1.0f + t);
+  }
+}
+
+}  // namespace kcpp::kernel

@@ -1,0 +1,181 @@
+// The package-side helpers of include/kcpp/kernel/: the vectorizable exp and the activations built
+// on it, and the argument checks of abi_args.h.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "kcpp/kernel/abi_args.h"
+#include "kcpp/kernel/activation.h"
+#include "oracle.h"
+
+namespace kcpp {
+namespace {
+
+namespace kk = kcpp::kernel;
+
+// Distance in units in the last place between two finite floats of the same sign, or both zero.
+int64_t ulps(float a, float b) {
+  auto key = [](float f) {
+    const int32_t i = std::bit_cast<int32_t>(f);
+    return i < 0 ? int64_t{INT32_MIN} - i : int64_t{i};
+  };
+  return std::llabs(key(a) - key(b));
+}
+
+TEST(KernelHelpers, ExpWithinTwoUlpsOfTheLibrary) {
+  int64_t worst = 0;
+  float worst_x = 0;
+  // Every 97th float of [0, 88.7] and of [-103, 0] (about 2.2e7 values), walked by bit pattern: past
+  // -103 the result is subnormal, where ulps are absolute and the two round differently by design.
+  const std::pair<uint32_t, uint32_t> ranges[] = {{0u, std::bit_cast<uint32_t>(88.7f)},
+                                                  {0x80000000u, std::bit_cast<uint32_t>(-103.0f)}};
+  for (const auto& [lo, hi] : ranges)
+    for (uint32_t b = lo; b <= hi; b += 97) {
+      const float x = std::bit_cast<float>(b), want = std::exp(x), got = kk::exp_f32(x);
+      const int64_t u = ulps(got, want);
+      if (u > worst) worst = u, worst_x = x;
+    }
+  EXPECT_LE(worst, 2) << "at x = " << worst_x;
+}
+
+TEST(KernelHelpers, ExpEdgeCases) {
+  EXPECT_EQ(kk::exp_f32(0.0f), 1.0f);
+  EXPECT_EQ(kk::exp_f32(-0.0f), 1.0f);
+  EXPECT_TRUE(std::isinf(kk::exp_f32(89.0f)));
+  EXPECT_TRUE(std::isinf(kk::exp_f32(std::numeric_limits<float>::infinity())));
+  EXPECT_EQ(kk::exp_f32(-std::numeric_limits<float>::infinity()), 0.0f);
+  EXPECT_EQ(kk::exp_f32(-200.0f), 0.0f);
+  EXPECT_TRUE(std::isnan(kk::exp_f32(std::numeric_limits<float>::quiet_NaN())));
+}
+
+TEST(KernelHelpers, ActivationsMatchTheOracleInBothModes) {
+  const std::pair<kk::Activation, oracle::Act> acts[] = {{kk::Activation::Silu, oracle::Act::Silu},
+                                                         {kk::Activation::Gelu, oracle::Act::Gelu},
+                                                         {kk::Activation::GeluTanh, oracle::Act::GeluTanh},
+                                                         {kk::Activation::QuickGelu, oracle::Act::QuickGelu}};
+  for (const auto& [a, o] : acts)
+    for (float x = -30.0f; x <= 30.0f; x += 0.0137f) {
+      float d_acc = 0, d_fast = 0;
+      float f_acc = 0, f_fast = 0;
+      switch (a) {
+        case kk::Activation::Silu:
+          f_acc = kk::activate<kk::Activation::Silu>(x, &d_acc);
+          f_fast = kk::activate<kk::Activation::Silu, kk::MathMode::Fast>(x, &d_fast);
+          break;
+        case kk::Activation::Gelu:
+          f_acc = kk::activate<kk::Activation::Gelu>(x, &d_acc);
+          f_fast = kk::activate<kk::Activation::Gelu, kk::MathMode::Fast>(x, &d_fast);
+          break;
+        case kk::Activation::GeluTanh:
+          f_acc = kk::activate<kk::Activation::GeluTanh>(x, &d_acc);
+          f_fast = kk::activate<kk::Activation::GeluTanh, kk::MathMode::Fast>(x, &d_fast);
+          break;
+        case kk::Activation::QuickGelu:
+          f_acc = kk::activate<kk::Activation::QuickGelu>(x, &d_acc);
+          f_fast = kk::activate<kk::Activation::QuickGelu, kk::MathMode::Fast>(x, &d_fast);
+          break;
+      }
+      const double f = oracle::act_f(o, x), d = oracle::act_d(o, x);
+      // Accurate: a few f32 roundings.  Fast: an absolute error of a few f32 ulps of the terms (1 + tanh
+      // cancels for very negative x), still far below a bf16 / f16 rounding of the result.
+      const double scale_f = std::fabs(x) + 1, scale_d = 1 + std::fabs(x) * 1.702;
+      EXPECT_NEAR(f_acc, f, 4e-7 * scale_f) << kk::activation_name(a) << " x=" << x;
+      EXPECT_NEAR(d_acc, d, 4e-7 * scale_d) << kk::activation_name(a) << "' x=" << x;
+      EXPECT_NEAR(f_fast, f, 1e-6 * scale_f) << kk::activation_name(a) << " fast x=" << x;
+      EXPECT_NEAR(d_fast, d, 1e-6 * scale_d) << kk::activation_name(a) << "' fast x=" << x;
+    }
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  float d = 0;
+  EXPECT_TRUE(std::isnan(kk::activate<kk::Activation::Silu, kk::MathMode::Fast>(nan, &d)) && std::isnan(d));
+  EXPECT_TRUE(std::isnan(kk::activate<kk::Activation::GeluTanh, kk::MathMode::Fast>(nan, &d)) && std::isnan(d));
+  const float inf = std::numeric_limits<float>::infinity();
+  const float at_inf = kk::activate<kk::Activation::GeluTanh, kk::MathMode::Fast>(inf, nullptr);
+  EXPECT_EQ(at_inf, inf);
+}
+
+TEST(KernelHelpers, ParseActivationNames) {
+  kk::Activation a{};
+  EXPECT_TRUE(kk::parse_activation("gelu_pytorch_tanh", &a));
+  EXPECT_EQ(a, kk::Activation::GeluTanh);
+  EXPECT_TRUE(kk::parse_activation("quick_gelu", &a));
+  EXPECT_EQ(a, kk::Activation::QuickGelu);
+  EXPECT_FALSE(kk::parse_activation("relu", &a));
+  EXPECT_FALSE(kk::parse_activation(nullptr, &a));
+}
+
+// A DLTensor over no data, for the layout checks.
+struct Dl {
+  std::vector<int64_t> shape, strides;
+  DLTensor t{};
+  Dl(std::vector<int64_t> sh, std::vector<int64_t> st) : shape(std::move(sh)), strides(std::move(st)) {
+    static float dummy[1];
+    t.data = dummy;
+    t.device = {kDLCPU, 0};
+    t.ndim = static_cast<int32_t>(shape.size());
+    t.dtype = {kDLFloat, 32, 1};
+    t.shape = shape.data();
+    t.strides = strides.empty() ? nullptr : strides.data();
+  }
+};
+
+TEST(KernelHelpers, RowsCollapsesLeadingDims) {
+  char err[256];
+  kcpp_context ctx{};
+  ctx.struct_size = sizeof ctx;
+  ctx.error = err;
+  ctx.error_size = sizeof err;
+  struct Case {
+    Dl t;
+    bool ok;
+    int64_t rows, width, stride;
+  };
+  Case cases[] = {
+      {Dl({2, 3, 8}, {}), true, 6, 8, 8},               // contiguous
+      {Dl({2, 3, 8}, {30, 10, 1}), true, 6, 8, 10},      // rows of a wider buffer
+      {Dl({4, 1, 8}, {8, 99, 1}), true, 4, 8, 8},        // a size-1 dim's stride is irrelevant
+      {Dl({2, 3, 8}, {40, 10, 1}), false, 0, 0, 0},      // leading dims do not collapse
+      {Dl({3, 8}, {1, 3}), false, 0, 0, 0},              // last dim strided
+      {Dl({3, 8}, {4, 1}), false, 0, 0, 0},              // rows overlap
+      {Dl({8}, {}), true, 1, 8, 8},
+  };
+  for (Case& c : cases) {
+    kk::Call call(&ctx, nullptr, 0, "t");
+    int64_t r = 0, w = 0, s = 0;
+    EXPECT_EQ(call.rows(&c.t.t, "x", &r, &w, &s), c.ok) << err;
+    if (c.ok) {
+      EXPECT_EQ(r, c.rows);
+      EXPECT_EQ(w, c.width);
+      EXPECT_EQ(s, c.stride);
+    } else {
+      EXPECT_EQ(call.status(), KCPP_ERROR_UNSUPPORTED);
+      EXPECT_NE(std::string(err).find("tensor 'x'"), std::string::npos) << err;
+    }
+  }
+}
+
+TEST(KernelHelpers, ChoiceNamesTheAlternatives) {
+  char err[256];
+  kcpp_context ctx{};
+  ctx.struct_size = sizeof ctx;
+  ctx.error = err;
+  ctx.error_size = sizeof err;
+  kcpp_arg a{};
+  a.name = "casting";
+  a.kind = KCPP_ARG_STRING;
+  a.value.s = "gemma";
+  static constexpr const char* kChoices[] = {"llama", "gemma", "none", nullptr};
+  kk::Call ok(&ctx, &a, 1, "t");
+  EXPECT_EQ(ok.choice("casting", 0, kChoices), 1);
+  EXPECT_EQ(ok.choice("absent", 2, kChoices), 2);
+  a.value.s = "mistral";
+  kk::Call bad(&ctx, &a, 1, "t");
+  bad.choice("casting", 0, kChoices);
+  EXPECT_EQ(bad.status(), KCPP_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(err, "t: argument 'casting' is 'mistral'; expected one of 'llama', 'gemma', 'none'");
+}
+
+}  // namespace
+}  // namespace kcpp
