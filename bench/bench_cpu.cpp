@@ -16,6 +16,8 @@
 #include "ops/nn/rope.h"
 #include "rms_norm/rms_norm.h"
 #include "rope/rope.h"
+#include "built_packages.h"
+#include "nn/kernel_call.h"
 
 namespace {
 using namespace kcpp;
@@ -193,6 +195,99 @@ void BM_ce_fwd_bwd_kernel(benchmark::State& st) {
 }
 BENCHMARK(BM_ce_fwd_bwd_reference) KCPP_DTYPES;
 BENCHMARK(BM_ce_fwd_bwd_kernel) KCPP_DTYPES;
+
+// Package "activation" through the ABI (as a host calls it): SiluAndMul on x [1024, 2 x 4096] and the
+// plain GeluTanh on [1024, 4096], against the eager compositions.
+struct ActCase {
+  Tensor x, y, dy, dx;
+  nn::KernelLayer layer;
+  bool gated;
+  ActCase(DType dt, const char* name, bool g)
+      : layer(nn::KernelLayer::find(test::built_package("activation"), name)), gated(g) {
+    Generator gen(5);
+    const int64_t xw = g ? 2 * kHidden : kHidden;
+    x = Tensor::randn({kRows, xw}, dt, Device::cpu(), gen);
+    y = Tensor::empty({kRows, kHidden}, dt);
+    dy = Tensor::randn({kRows, kHidden}, dt, Device::cpu(), gen);
+    dx = Tensor::empty({kRows, xw}, dt);
+  }
+  void forward() const {
+    nn::KernelArgs a;
+    a.tensor("x", x).tensor("y", y);
+    layer.forward(a, Device::cpu(), KCPP_MODE_TRAINING);
+  }
+  void backward() const {
+    nn::KernelArgs a;
+    a.tensor("dy", dy).tensor("x", x).tensor("dx", dx);
+    layer.backward(a, Device::cpu(), KCPP_MODE_TRAINING);
+  }
+  Tensor gate() const { return gated ? x.narrow(1, 0, kHidden) : x; }
+  Tensor up() const { return x.narrow(1, kHidden, kHidden); }
+  // Bytes moved: forward reads x and writes y; backward reads dy and x and writes dx.
+  int64_t fwd_bytes() const { return static_cast<int64_t>(x.nbytes() + y.nbytes()); }
+  int64_t bwd_bytes() const { return static_cast<int64_t>(2 * x.nbytes() + dy.nbytes()); }
+};
+
+void BM_silu_and_mul_fwd_reference(benchmark::State& st) {
+  ActCase c(static_cast<DType>(st.range(0)), "SiluAndMul", true);
+  for (auto _ : st) benchmark::DoNotOptimize(ops::glu_forward(c.gate(), c.up(), kSilu).data());
+  st.SetBytesProcessed(st.iterations() * c.fwd_bytes());
+}
+void BM_silu_and_mul_fwd_kernel(benchmark::State& st) {
+  ActCase c(static_cast<DType>(st.range(0)), "SiluAndMul", true);
+  for (auto _ : st) c.forward();
+  st.SetBytesProcessed(st.iterations() * c.fwd_bytes());
+}
+void BM_silu_and_mul_fwd_bwd_reference(benchmark::State& st) {
+  ActCase c(static_cast<DType>(st.range(0)), "SiluAndMul", true);
+  for (auto _ : st) {
+    benchmark::DoNotOptimize(ops::glu_forward(c.gate(), c.up(), kSilu).data());
+    benchmark::DoNotOptimize(ops::glu_backward(c.dy, c.gate(), c.up(), kSilu).dgate.data());
+  }
+  st.SetBytesProcessed(st.iterations() * (c.fwd_bytes() + c.bwd_bytes()));
+}
+void BM_silu_and_mul_fwd_bwd_kernel(benchmark::State& st) {
+  ActCase c(static_cast<DType>(st.range(0)), "SiluAndMul", true);
+  for (auto _ : st) {
+    c.forward();
+    c.backward();
+  }
+  st.SetBytesProcessed(st.iterations() * (c.fwd_bytes() + c.bwd_bytes()));
+}
+void BM_gelu_tanh_fwd_reference(benchmark::State& st) {
+  ActCase c(static_cast<DType>(st.range(0)), "GeluTanh", false);
+  for (auto _ : st) benchmark::DoNotOptimize(ops::gelu(c.x, true).data());
+  st.SetBytesProcessed(st.iterations() * c.fwd_bytes());
+}
+void BM_gelu_tanh_fwd_kernel(benchmark::State& st) {
+  ActCase c(static_cast<DType>(st.range(0)), "GeluTanh", false);
+  for (auto _ : st) c.forward();
+  st.SetBytesProcessed(st.iterations() * c.fwd_bytes());
+}
+void BM_gelu_tanh_fwd_bwd_reference(benchmark::State& st) {
+  ActCase c(static_cast<DType>(st.range(0)), "GeluTanh", false);
+  for (auto _ : st) {
+    benchmark::DoNotOptimize(ops::gelu(c.x, true).data());
+    benchmark::DoNotOptimize(ops::gelu_backward(c.dy, c.x, true).data());
+  }
+  st.SetBytesProcessed(st.iterations() * (c.fwd_bytes() + c.bwd_bytes()));
+}
+void BM_gelu_tanh_fwd_bwd_kernel(benchmark::State& st) {
+  ActCase c(static_cast<DType>(st.range(0)), "GeluTanh", false);
+  for (auto _ : st) {
+    c.forward();
+    c.backward();
+  }
+  st.SetBytesProcessed(st.iterations() * (c.fwd_bytes() + c.bwd_bytes()));
+}
+BENCHMARK(BM_silu_and_mul_fwd_reference) KCPP_DTYPES;
+BENCHMARK(BM_silu_and_mul_fwd_kernel) KCPP_DTYPES;
+BENCHMARK(BM_silu_and_mul_fwd_bwd_reference) KCPP_DTYPES;
+BENCHMARK(BM_silu_and_mul_fwd_bwd_kernel) KCPP_DTYPES;
+BENCHMARK(BM_gelu_tanh_fwd_reference) KCPP_DTYPES;
+BENCHMARK(BM_gelu_tanh_fwd_kernel) KCPP_DTYPES;
+BENCHMARK(BM_gelu_tanh_fwd_bwd_reference) KCPP_DTYPES;
+BENCHMARK(BM_gelu_tanh_fwd_bwd_kernel) KCPP_DTYPES;
 
 }  // namespace
 

@@ -41,6 +41,23 @@ TEST(KernelHelpers, ExpWithinTwoUlpsOfTheLibrary) {
   EXPECT_LE(worst, 2) << "at x = " << worst_x;
 }
 
+TEST(KernelHelpers, TanhWithinThreeUlpsOfTheLibrary) {
+  int64_t worst = 0;
+  float worst_x = 0;
+  for (const auto& [lo, hi] : {std::pair<uint32_t, uint32_t>{std::bit_cast<uint32_t>(1e-30f), std::bit_cast<uint32_t>(12.0f)}})
+    for (uint32_t b = lo; b <= hi; b += 251)
+      for (const float x : {std::bit_cast<float>(b), -std::bit_cast<float>(b)}) {
+        const int64_t u = ulps(kk::tanh_f32(x), std::tanh(x));
+        if (u > worst) worst = u, worst_x = x;
+      }
+  EXPECT_LE(worst, 3) << "at x = " << worst_x;
+  RecordProperty("worst_ulps", static_cast<int>(worst));
+  EXPECT_EQ(kk::tanh_f32(0.0f), 0.0f);
+  EXPECT_EQ(kk::tanh_f32(100.0f), 1.0f);
+  EXPECT_EQ(kk::tanh_f32(-std::numeric_limits<float>::infinity()), -1.0f);
+  EXPECT_TRUE(std::isnan(kk::tanh_f32(std::numeric_limits<float>::quiet_NaN())));
+}
+
 TEST(KernelHelpers, ExpEdgeCases) {
   EXPECT_EQ(kk::exp_f32(0.0f), 1.0f);
   EXPECT_EQ(kk::exp_f32(-0.0f), 1.0f);

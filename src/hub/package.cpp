@@ -131,7 +131,9 @@ std::shared_ptr<LoadedPackage> LoadedPackage::open_image(std::string_view image,
     ::close(fd);
     KCPP_FAIL("{}: cannot stage the library in memory: {}", origin, std::strerror(err));
   }
-  // The fd stays open until dlopen has mapped it; the mapping keeps the memory alive afterwards.
+  // The fd stays open as long as the library is loaded.  dlopen knows a library by its path, and
+  // /proc/self/fd/N is reused with the number: closed after the load, the next package staged here
+  // would get the same path, and dlopen would hand back the first library instead of loading it.
   std::shared_ptr<LoadedPackage> p;
   try {
     p = open_path("/proc/self/fd/" + std::to_string(fd), std::move(origin));
@@ -139,7 +141,7 @@ std::shared_ptr<LoadedPackage> LoadedPackage::open_image(std::string_view image,
     ::close(fd);
     throw;
   }
-  ::close(fd);
+  p->fd_ = fd;
   return p;
 }
 
@@ -151,6 +153,7 @@ std::shared_ptr<LoadedPackage> LoadedPackage::open_file(const std::filesystem::p
 
 LoadedPackage::~LoadedPackage() {
   if (handle_) ::dlclose(handle_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
 const kcpp_layer* LoadedPackage::layer(std::string_view name) const {

@@ -42,6 +42,7 @@ class LoadedPackage {
   LoadedPackage() = default;
   static std::shared_ptr<LoadedPackage> open_path(const std::string& path, std::string origin);
   void* handle_ = nullptr;
+  int fd_ = -1;  // the memfd dlopen mapped (its /proc/self/fd path names the library while loaded)
   const kcpp_package* table_ = nullptr;
   std::string origin_;
 };

@@ -7,15 +7,10 @@
 #include <memory>
 #include <string>
 
-#include "hub/package.h"
+#include "built_packages.h"
 #include "nn/kernel_call.h"
 
 namespace kcpp::test {
-
-// The package `name` as kcpp_add_package built it (KCPP_PACKAGES_DIR overrides where, for a build
-// folder moved to another machine): the CUDA variant when this machine has a GPU and that variant
-// was built, else the CPU variant.  Loaded once per process.
-std::shared_ptr<const hub::LoadedPackage> built_package(const std::string& name);
 
 // Mode bits of a training call (what the runtime passes while training).
 constexpr uint32_t kTraining = KCPP_MODE_TRAINING;

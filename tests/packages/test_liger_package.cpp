@@ -43,6 +43,15 @@ TEST_P(LigerPackage, TableNamesEveryLayerAndContract) {
   EXPECT_THROW(layer("LigerNoSuchLayer"), Error);
 }
 
+// Each package is staged in its own memory file; dlopen must not mistake the second for the first
+// (it did, when the file's /proc/self/fd path was reused after the first load).
+TEST(PackageLoading, TwoPackagesInOneProcessStayDistinct) {
+  const auto liger = test::built_package("liger"), activation = test::built_package("activation");
+  EXPECT_STREQ(liger->table().name, "liger");
+  EXPECT_STREQ(activation->table().name, "activation");
+  EXPECT_NE(&liger->table(), &activation->table());
+}
+
 // ---- RMSNorm/1 ---------------------------------------------------------------------------------
 
 TEST_P(LigerPackage, RMSNormMatchesTheOracle) {

@@ -9,12 +9,16 @@
 //                   are this same function written in different orders)
 //   quick_gelu(x) = x s(1.702 x)                                quick_gelu'(x) = s (1 + 1.702 x (1 - s))
 //
-// Precision.  Mode::Accurate uses the C library's expf / erff / tanhf (on the device: CUDA's, which
-// are within 2 ulps).  Mode::Fast trades a few f32 ulps - far below one rounding to bf16 or f16 - for
-// speed: on the device the hardware __expf and __fdividef, on the host exp_f32() below, which the
-// compiler vectorizes where expf would stay a scalar library call; tanh is then 1 - 2 / (1 + e^2u).
-// Kernels use Fast for 16-bit outputs only.  erf is always the library's.  NaN propagates through
-// every function (and every derivative) as it does through the formulas.
+// Precision, by MathMode:
+//   Accurate: the C library's expf / erff / tanhf (on the device CUDA's, within 2 ulps).
+//   FastExp:  as Accurate, but on the host e^x and tanh are exp_f32() and tanh_f32() below, within 1
+//             and 3 ulps of expf and tanhf, which the compiler vectorizes where the library functions
+//             stay scalar calls.  (Device: = Accurate.)
+//   Fast:     trades a few f32 ulps - far below one rounding to bf16 or f16 - for speed: on the device
+//             the hardware __expf and __fdividef, on the host exp_f32; tanh becomes 1 - 2 / (1 + e^2u),
+//             whose cancellation near 0 costs absolute, not relative, accuracy.  For 16-bit outputs.
+// erf is always the library's.  NaN propagates through every function (and every derivative) as it
+// does through the formulas.
 #pragma once
 
 #include <cmath>
@@ -58,7 +62,7 @@ inline bool parse_activation(const char* s, Activation* out) {
   return false;
 }
 
-enum class MathMode { Accurate, Fast };
+enum class MathMode { Accurate, FastExp, Fast };
 
 // e^x in f32 without branches or library calls, so loops over it vectorize (host Fast mode).
 // x = k ln2 + r with |r| <= ln2 / 2 (Cody-Waite: ln2 in two parts, so r is exact to f32), e^r by its
@@ -90,14 +94,32 @@ KCPP_HD float exp_f32(float x) {
   return p * s1 * s2;
 }
 
+// tanh(u) in f32 without branches or library calls (host FastExp mode).  |u| < 0.4: the odd Taylor
+// series to u^15 (the first omitted term is below 2e-9 there); beyond: sign(u) (1 - 2 / (1 + e^2|u|))
+// with exp_f32, where t >= 0.38 keeps the cancellation to a factor of 2.6.  Within 3 ulps of tanhf
+// (tests/test_kernel_helpers.cpp).
+KCPP_HD float tanh_f32(float u) {
+  const float a = u < 0.0f ? -u : u;  // NaN: stays NaN through both forms
+  const float a2 = a * a;
+  float p = -929569.0f / 638512875.0f;
+  p = p * a2 + 21844.0f / 6081075.0f;
+  p = p * a2 - 1382.0f / 155925.0f;
+  p = p * a2 + 62.0f / 2835.0f;
+  p = p * a2 - 17.0f / 315.0f;
+  p = p * a2 + 2.0f / 15.0f;
+  p = p * a2 - 1.0f / 3.0f;
+  const float small = a + a * a2 * p;
+  const float large = 1.0f - 2.0f / (1.0f + exp_f32(2.0f * a));
+  const float t = a < 0.4f ? small : large;
+  return u < 0.0f ? -t : t;
+}
+
 template <MathMode M> KCPP_HD float exp_(float x) {
-  if constexpr (M == MathMode::Fast) {
 #if defined(__CUDA_ARCH__)
-    return __expf(x);
+  if constexpr (M == MathMode::Fast) return __expf(x);
 #else
-    return exp_f32(x);
+  if constexpr (M != MathMode::Accurate) return exp_f32(x);
 #endif
-  }
   return expf(x);
 }
 template <MathMode M> KCPP_HD float div_(float a, float b) {
@@ -109,6 +131,9 @@ template <MathMode M> KCPP_HD float div_(float a, float b) {
 // tanh(u); Fast: 1 - 2 / (1 + e^2u), exact in the limits (e^2u = inf gives 1, 0 gives -1).
 template <MathMode M> KCPP_HD float tanh_(float u) {
   if constexpr (M == MathMode::Fast) return 1.0f - div_<M>(2.0f, 1.0f + exp_<M>(2.0f * u));
+#if !defined(__CUDA_ARCH__)
+  if constexpr (M == MathMode::FastExp) return tanh_f32(u);
+#endif
   return tanhf(u);
 }
 
