@@ -21,11 +21,14 @@
 #include "ops/nn/cross_entropy.h"
 #include "ops/nn/rms_norm.h"
 #include "ops/nn/rope.h"
+#include "ops/ops.h"
 #include <vector>
 #include "kernel_params.h"
 #include "rms_norm/rms_norm.h"
 #include "rms_norm/rms_norm_tuning.h"
 #include "glu/glu_tuning.h"
+#include "built_packages.h"
+#include "nn/kernel_call.h"
 
 namespace {
 using namespace kcpp;
@@ -239,6 +242,57 @@ void sweep_rms_norm() {
   }
 }
 
+// Package "activation" through the ABI, as a host calls it: SiluAndMul on x [8192, 2 x 14336] (the
+// Llama-3-8B MLP with a fused gate_up projection) and the plain GeluTanh on [8192, 14336], bf16.
+// Bytes: SiluAndMul forward reads x and writes y (3 units of N x I), backward reads dy and x and
+// writes dx (5 units), as anchors.py counts SwiGLU; GeluTanh 2 and 3 units.
+void bench_activation() {
+  const int64_t bt = 8192, inter = 14336;
+  Generator gen(13);
+  const auto pkg = test::built_package("activation");
+  const double unit = double(bt) * inter * 2 / 1e9;
+  for (const bool gated : {true, false}) {
+    const char* name = gated ? "SiluAndMul" : "GeluTanh";
+    const std::string op = gated ? "silu_and_mul" : "gelu_tanh";
+    const nn::KernelLayer k = nn::KernelLayer::find(pkg, name);
+    const int64_t xw = gated ? 2 * inter : inter;
+    const Tensor x = Tensor::randn({bt, xw}, DType::bf16, kDev, gen), dy = Tensor::randn({bt, inter}, DType::bf16, kDev, gen);
+    const Tensor gate = gated ? x.narrow(1, 0, inter) : x, up = x.narrow(1, inter, inter);
+    const double fb = (gated ? 3 : 2) * unit, bb = (gated ? 5 : 3) * unit;
+    auto forward = [&] {
+      const Tensor y = Tensor::empty({bt, inter}, DType::bf16, kDev);
+      nn::KernelArgs a;
+      a.tensor("x", x).tensor("y", y);
+      k.forward(a, kDev, KCPP_MODE_TRAINING);
+    };
+    auto backward = [&] {
+      const Tensor dx = Tensor::empty({bt, xw}, DType::bf16, kDev);
+      nn::KernelArgs a;
+      a.tensor("dy", dy).tensor("x", x).tensor("dx", dx);
+      k.backward(a, kDev, KCPP_MODE_TRAINING);
+    };
+    if (gated) {
+      row(op + " fwd", "reference", [&] { ops::glu_forward(gate, up, ops::GluActivation::Silu); }, fb);
+      row(op + " fwd+bwd", "reference", [&] {
+        ops::glu_forward(gate, up, ops::GluActivation::Silu);
+        ops::glu_backward(dy, gate, up, ops::GluActivation::Silu);
+      }, fb + bb);
+    } else {
+      row(op + " fwd", "reference", [&] { ops::gelu(x, true); }, fb);
+      row(op + " fwd+bwd", "reference", [&] {
+        ops::gelu(x, true);
+        ops::gelu_backward(dy, x, true);
+      }, fb + bb);
+    }
+    row(op + " fwd", "kcpp", forward, fb);
+    row(op + " fwd+bwd", "kcpp", [&] {
+      forward();
+      backward();
+    }, fb + bb);
+    row(op + " bwd", "kcpp", backward, bb);
+  }
+}
+
 // SwiGLU launch configurations, one factor at a time around the default (unroll 1, 16 blocks per SM,
 // accurate math), then the combinations.
 void sweep_swiglu() {
@@ -285,6 +339,7 @@ int main(int argc, char** argv) {
     bench_swiglu();
     bench_rope();
     bench_cross_entropy();
+    bench_activation();
     if (sweep) {
       sweep_rms_norm();
       sweep_swiglu();

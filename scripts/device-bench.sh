@@ -6,13 +6,31 @@ set -uo pipefail
 source "$(dirname "$0")/device-env.sh"
 echo "== commit ${KCPP_COMMIT:-unknown}, $(date -u +%F)"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+export KCPP_PACKAGES_DIR="$PWD/.devlibs/kernels"  # bench_activation loads the built package
 echo "== kernel tests"
-.devlibs/bin/liger_tests --gtest_brief=1 2>&1 | tee "$OUT/liger_tests.txt" | tail -n 25
+for t in liger_tests kcpp_package_tests; do
+  .devlibs/bin/$t --gtest_brief=1 2>&1 | tee "$OUT/$t.txt" | tail -n 25
+done
 echo "== kcpp kernels (1)"
 .devlibs/bin/kcpp_bench_kernels --json "$OUT/kcpp_bench_1.json" ${KCPP_SWEEP:+--sweep}
 if [ "${KCPP_ANCHORS:-1}" = 1 ] && [ -f .anchors/anchors.py ]; then
   echo "== anchors"
-  PYTHONUNBUFFERED=1 timeout 420 python3 .anchors/anchors.py "${KCPP_ANCHORS_ARGS:-}" 2>&1 | grep -vE "^\s+(File|\^|~)" | tee "$OUT/anchors.txt" | grep -E "copy|gemm|rmsnorm|swiglu|rope|ce fwd|took|!!"
+  anchors=.anchors/anchors.py
+  if [ -n "${KCPP_ANCHORS_SKIP:-}" ]; then  # e.g. "flce attention e2e": a copy without those sections
+    anchors=/tmp/anchors_subset.py
+    python3 - "$KCPP_ANCHORS_SKIP" > "$anchors" <<'PY'
+import re, sys
+src = open(".anchors/anchors.py").read()
+for name in sys.argv[1].split():
+    src = re.sub(r'\("%s", %s\),?\s*' % (name, name), "", src)
+print(src)
+PY
+  fi
+  PYTHONUNBUFFERED=1 timeout 420 python3 "$anchors" "${KCPP_ANCHORS_ARGS:-}" 2>&1 | grep -vE "^\s+(File|\^|~)" | tee "$OUT/anchors.txt" | grep -E "copy|gemm|rmsnorm|swiglu|rope|ce fwd|took|!!"
+fi
+if [ "${KCPP_ANCHORS:-1}" = 1 ]; then
+  echo "== anchors: activations (bench/anchors_activation.py)"
+  PYTHONUNBUFFERED=1 timeout 300 python3 bench/anchors_activation.py 2>&1 | tee "$OUT/anchors_activation.txt"
 fi
 echo "== kcpp kernels (2)"
 .devlibs/bin/kcpp_bench_kernels --json "$OUT/kcpp_bench_2.json"

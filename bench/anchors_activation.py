@@ -1,0 +1,58 @@
+"""Anchors for package `activation` (anchors.py has none): PyTorch eager and torch.compile at the shapes
+of bench_kernels.cpp's bench_activation(), bf16 on the GPU.  silu_and_mul: x [8192, 2 x 14336] ->
+silu(x[:, :d]) * x[:, d:]; gelu_tanh: [8192, 14336].  Forward, and forward + backward through
+autograd with a given upstream gradient; bytes counted as bench_kernels.cpp counts them; peak =
+allocator peak during the call minus memory before it.  Run: python3 bench/anchors_activation.py
+"""
+import torch
+import torch.nn.functional as F
+import triton
+
+N, I = 8192, 14336
+UNIT = N * I * 2 / 1e9
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def peak(fn):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def silu_and_mul(x):
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
+def main():
+    torch.manual_seed(0)
+    for name, fn, xw, fb, bb in (("silu_and_mul", silu_and_mul, 2 * I, 3, 5), ("gelu_tanh", gelu_tanh, I, 2, 3)):
+        for impl, f in (("eager", fn), ("compile", torch.compile(fn))):
+            x = torch.randn(N, xw, dtype=torch.bfloat16, device="cuda")
+            dy = torch.randn(N, I, dtype=torch.bfloat16, device="cuda")
+            ms = bench(lambda: f(x))
+            print(f"{name + ' fwd':24s} {impl:10s} {ms:9.4f} ms {fb * UNIT / (ms / 1e3):8.0f} GB/s")
+            xg = x.clone().requires_grad_(True)
+
+            def fwbw():
+                f(xg).backward(dy)
+                xg.grad = None
+
+            fwbw()
+            ms = bench(fwbw)
+            print(f"{name + ' fwd+bwd':24s} {impl:10s} {ms:9.4f} ms {(fb + bb) * UNIT / (ms / 1e3):8.0f} GB/s"
+                  f"  peak {peak(fwbw):8.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()
