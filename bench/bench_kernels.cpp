@@ -5,7 +5,7 @@
 // allocator's peak during one call minus what was allocated before it (outputs and gradients
 // included, inputs excluded), as anchors.py measures torch's.
 //
-// Run: build/release/bin/kcpp_bench_kernels [--json FILE] [--sweep]
+// Run: build/release/bin/kcpp_bench_kernels [--json FILE] [--only SECTION] [--sweep]
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -257,7 +257,7 @@ void bench_activation() {
     const nn::KernelLayer k = nn::KernelLayer::find(pkg, name);
     const int64_t xw = gated ? 2 * inter : inter;
     const Tensor x = Tensor::randn({bt, xw}, DType::bf16, kDev, gen), dy = Tensor::randn({bt, inter}, DType::bf16, kDev, gen);
-    const Tensor gate = gated ? x.narrow(1, 0, inter) : x, up = x.narrow(1, inter, inter);
+    const Tensor gate = gated ? x.narrow(1, 0, inter) : x, up = gated ? x.narrow(1, inter, inter) : Tensor();
     const double fb = (gated ? 3 : 2) * unit, bb = (gated ? 5 : 3) * unit;
     auto forward = [&] {
       const Tensor y = Tensor::empty({bt, inter}, DType::bf16, kDev);
@@ -323,23 +323,25 @@ void sweep_swiglu() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string json_path;
+  std::string json_path, only;
   bool sweep = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) json_path = argv[i + 1];
+    if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc) only = argv[i + 1];  // one section, e.g. activation
     if (std::strcmp(argv[i], "--sweep") == 0) sweep = true;
   }
+  auto want = [&](const char* section) { return only.empty() || only == section; };
   try {
     if (cuda_device_count() == 0) {
       std::puts("kcpp_bench_kernels: skipped: no CUDA device");
       return 0;
     }
     bench_copy();
-    bench_rms_norm();
-    bench_swiglu();
-    bench_rope();
-    bench_cross_entropy();
-    bench_activation();
+    if (want("rms_norm")) bench_rms_norm();
+    if (want("swiglu")) bench_swiglu();
+    if (want("rope")) bench_rope();
+    if (want("cross_entropy")) bench_cross_entropy();
+    if (want("activation")) bench_activation();
     if (sweep) {
       sweep_rms_norm();
       sweep_swiglu();

@@ -12,12 +12,12 @@ for t in liger_tests kcpp_package_tests; do
   .devlibs/bin/$t --gtest_brief=1 2>&1 | tee "$OUT/$t.txt" | tail -n 25
 done
 echo "== kcpp kernels (1)"
-.devlibs/bin/kcpp_bench_kernels --json "$OUT/kcpp_bench_1.json" ${KCPP_SWEEP:+--sweep}
+.devlibs/bin/kcpp_bench_kernels --json "$OUT/kcpp_bench_1.json" ${KCPP_SWEEP:+--sweep} ${KCPP_BENCH_ONLY:+--only $KCPP_BENCH_ONLY}
 if [ "${KCPP_ANCHORS:-1}" = 1 ] && [ -f .anchors/anchors.py ]; then
   echo "== anchors"
   anchors=.anchors/anchors.py
   if [ -n "${KCPP_ANCHORS_SKIP:-}" ]; then  # e.g. "flce attention e2e": a copy without those sections
-    anchors=/tmp/anchors_subset.py
+    anchors=.anchors/anchors_subset.py  # beside anchors.py: it finds Liger's sources from there
     python3 - "$KCPP_ANCHORS_SKIP" > "$anchors" <<'PY'
 import re, sys
 src = open(".anchors/anchors.py").read()
@@ -33,4 +33,4 @@ if [ "${KCPP_ANCHORS:-1}" = 1 ]; then
   PYTHONUNBUFFERED=1 timeout 300 python3 bench/anchors_activation.py 2>&1 | tee "$OUT/anchors_activation.txt"
 fi
 echo "== kcpp kernels (2)"
-.devlibs/bin/kcpp_bench_kernels --json "$OUT/kcpp_bench_2.json"
+.devlibs/bin/kcpp_bench_kernels --json "$OUT/kcpp_bench_2.json" ${KCPP_BENCH_ONLY:+--only $KCPP_BENCH_ONLY}

@@ -15,6 +15,7 @@ using namespace kcpp::kernel::cuda;
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 2;
+constexpr int kBlocksPerSm = 32;  // grid cap; liger glu's sweep (bench/RESULTS.md) found 32 with unroll 2 best
 
 // I: the type of the (row, vector) index, 32-bit when it fits (its division is several times cheaper).
 template <typename T, int VEC, kk::Activation A, bool Gated, bool Bwd, typename I>
@@ -84,7 +85,7 @@ template <bool Bwd> const char* run(const ActParams& p, cudaStream_t stream) {
   const int vec = vec_ok ? vec_full : 1;
   const int64_t total = p.rows * (p.d / vec), per_block = int64_t(kThreads) * kUnroll;
   const unsigned grid = static_cast<unsigned>(
-      std::max<int64_t>(1, std::min<int64_t>((total + per_block - 1) / per_block, int64_t(sm_count(device)) * 16)));
+      std::max<int64_t>(1, std::min<int64_t>((total + per_block - 1) / per_block, int64_t(sm_count(device)) * kBlocksPerSm)));
   // 32-bit indices when the last iteration's index (below total + grid * threads * unroll) fits.
   const bool small = total + int64_t(grid) * per_block < (int64_t(1) << 32);
   auto go = [&]<typename T, int V, bool G, kk::Activation A>() {
