@@ -27,6 +27,7 @@
 #include "rms_norm/rms_norm.h"
 #include "rms_norm/rms_norm_tuning.h"
 #include "glu/glu_tuning.h"
+#include "activation_kernels.h"
 #include "built_packages.h"
 #include "nn/kernel_call.h"
 
@@ -320,6 +321,44 @@ void sweep_swiglu() {
       }
 }
 
+// Activation launch configurations (ActConfig): the four kernels of bench_activation() at each.
+void sweep_activation() {
+  const int64_t bt = 8192, inter = 14336;
+  Generator gen(13);
+  const Tensor xg = Tensor::randn({bt, 2 * inter}, DType::bf16, kDev, gen), xp = Tensor::randn({bt, inter}, DType::bf16, kDev, gen);
+  const Tensor dy = Tensor::randn({bt, inter}, DType::bf16, kDev, gen), y = Tensor::empty({bt, inter}, DType::bf16, kDev);
+  const Tensor dxg = Tensor::empty({bt, 2 * inter}, DType::bf16, kDev), dxp = Tensor::empty({bt, inter}, DType::bf16, kDev);
+  const double unit = double(bt) * inter * 2 / 1e9;
+  auto params = [&](bool gated) {
+    activation::ActParams p;
+    p.dtype = kernel::DType::bf16;
+    p.act = gated ? kernel::Activation::Silu : kernel::Activation::GeluTanh;
+    p.gated = gated;
+    p.rows = gated ? bt : 1;  // the plain one as the package passes dense rows: one long row
+    p.d = gated ? inter : bt * inter;
+    p.x = gated ? xg.data() : xp.data();
+    p.x_stride = gated ? 2 * inter : p.d;
+    p.y = y.data(), p.y_stride = p.d;
+    p.dy = dy.data(), p.dy_stride = p.d;
+    p.dx = gated ? dxg.data() : dxp.data(), p.dx_stride = p.x_stride;
+    return p;
+  };
+  std::printf("sweep activation bf16 [%lld, %lld]: unroll blocks_per_sm (0 = no cap)\n", (long long)bt, (long long)inter);
+  for (bool gated : {true, false})
+    for (int unroll : {1, 2, 4})
+      for (int blocks : {8, 16, 32, 64, 0}) {
+        const activation::ActConfig c{unroll, blocks};
+        const auto p = params(gated);
+        const Timing tf = time_op(kDev, [&] { check(activation::act_forward_cuda_with(p, cuda::current_stream(), c)); }, 10, 50);
+        const Timing tb = time_op(kDev, [&] { check(activation::act_backward_cuda_with(p, cuda::current_stream(), c)); }, 10, 50);
+        const double gf = (gated ? 3 : 2) * unit / (tf.median_ms * 1e-3), gbw = (gated ? 5 : 3) * unit / (tb.median_ms * 1e-3);
+        std::printf("  %-12s %d %2d  fwd %8.4f ms %5.1f%%   bwd %8.4f ms %5.1f%%\n", gated ? "silu_and_mul" : "gelu_tanh",
+                    unroll, blocks, tf.median_ms, 100 * gf / g_copy_gbps, tb.median_ms, 100 * gbw / g_copy_gbps);
+        g_rows.push_back({{"op", gated ? "sweep silu_and_mul" : "sweep gelu_tanh"}, {"unroll", unroll},
+                          {"blocks_per_sm", blocks}, {"fwd_ms", tf.median_ms}, {"bwd_ms", tb.median_ms}});
+      }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -343,8 +382,9 @@ int main(int argc, char** argv) {
     if (want("cross_entropy")) bench_cross_entropy();
     if (want("activation")) bench_activation();
     if (sweep) {
-      sweep_rms_norm();
-      sweep_swiglu();
+      if (want("rms_norm")) sweep_rms_norm();
+      if (want("swiglu")) sweep_swiglu();
+      if (want("activation")) sweep_activation();
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kcpp_bench_kernels: error: %s\n", e.what());

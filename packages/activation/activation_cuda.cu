@@ -1,6 +1,7 @@
 // Activations on CUDA (maths in activation_kernels.h).  A grid-stride loop over (row, vector) pairs,
-// 16-byte vectors when every row start is aligned (scalar otherwise), UNROLL vectors a thread per
+// 16-byte vectors when every row start is aligned (scalar otherwise), `unroll` vectors a thread per
 // iteration with all their loads issued before any store (which also makes the in-place forms safe).
+// The launch configuration (ActConfig) was chosen by the sweep of bench/bench_kernels.cpp.
 // 16-bit dtypes use the hardware exp and division (MathMode::Fast); f32 the accurate functions.
 #include <algorithm>
 
@@ -14,11 +15,9 @@ namespace kk = kcpp::kernel;
 using namespace kcpp::kernel::cuda;
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 2;
-constexpr int kBlocksPerSm = 32;  // grid cap; liger glu's sweep (bench/RESULTS.md) found 32 with unroll 2 best
 
 // I: the type of the (row, vector) index, 32-bit when it fits (its division is several times cheaper).
-template <typename T, int VEC, kk::Activation A, bool Gated, bool Bwd, typename I>
+template <typename T, int VEC, kk::Activation A, bool Gated, bool Bwd, typename I, int kUnroll>
 __global__ void __launch_bounds__(kThreads) act_kernel(const __grid_constant__ ActParams p) {
   constexpr kk::MathMode M = sizeof(T) == 2 ? kk::MathMode::Fast : kk::MathMode::Accurate;
   const I per_row = static_cast<I>(p.d / VEC), total = static_cast<I>(p.rows) * per_row;
@@ -28,7 +27,7 @@ __global__ void __launch_bounds__(kThreads) act_kernel(const __grid_constant__ A
     int64_t row[kUnroll], col[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const I i = i0 + u * stride, r = i / per_row;
+      const I i = i0 + u * stride, r = p.rows == 1 ? I(0) : i / per_row;  // one row: no division
       row[u] = r;
       col[u] = static_cast<int64_t>(i - r * per_row) * VEC;
       if (i >= total) continue;
@@ -72,8 +71,10 @@ __global__ void __launch_bounds__(kThreads) act_kernel(const __grid_constant__ A
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
-template <bool Bwd> const char* run(const ActParams& p, cudaStream_t stream) {
+template <bool Bwd> const char* run(const ActParams& p, cudaStream_t stream, const ActConfig& c) {
   if (const char* e = act_check(p, Bwd)) return e;
+  KCPP_KERNEL_REQUIRE(c.unroll == 1 || c.unroll == 2 || c.unroll == 4, "activation: unroll %d not in {1, 2, 4}", c.unroll);
+  KCPP_KERNEL_REQUIRE(c.blocks_per_sm >= 0, "activation: blocks_per_sm %d < 0", c.blocks_per_sm);
   if (p.rows == 0 || p.d == 0) return nullptr;
   int device = 0;
   cudaGetDevice(&device);
@@ -83,14 +84,19 @@ template <bool Bwd> const char* run(const ActParams& p, cudaStream_t stream) {
   bool vec_ok = p.d % vec_full == 0 && fits(p.x, p.x_stride);
   vec_ok = vec_ok && (Bwd ? fits(p.dy, p.dy_stride) && fits(p.dx, p.dx_stride) : fits(p.y, p.y_stride));
   const int vec = vec_ok ? vec_full : 1;
-  const int64_t total = p.rows * (p.d / vec), per_block = int64_t(kThreads) * kUnroll;
-  const unsigned grid = static_cast<unsigned>(
-      std::max<int64_t>(1, std::min<int64_t>((total + per_block - 1) / per_block, int64_t(sm_count(device)) * kBlocksPerSm)));
+  const int64_t total = p.rows * (p.d / vec), per_block = int64_t(kThreads) * c.unroll;
+  const int64_t cap = c.blocks_per_sm > 0 ? int64_t(sm_count(device)) * c.blocks_per_sm : int64_t(1) << 31;
+  const unsigned grid = static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((total + per_block - 1) / per_block, cap)));
   // 32-bit indices when the last iteration's index (below total + grid * threads * unroll) fits.
   const bool small = total + int64_t(grid) * per_block < (int64_t(1) << 32);
+  auto go_u = [&]<typename T, int V, bool G, kk::Activation A, int U>() {
+    if (small) act_kernel<T, V, A, G, Bwd, uint32_t, U><<<grid, kThreads, 0, stream>>>(p);
+    else act_kernel<T, V, A, G, Bwd, int64_t, U><<<grid, kThreads, 0, stream>>>(p);
+  };
   auto go = [&]<typename T, int V, bool G, kk::Activation A>() {
-    if (small) act_kernel<T, V, A, G, Bwd, uint32_t><<<grid, kThreads, 0, stream>>>(p);
-    else act_kernel<T, V, A, G, Bwd, int64_t><<<grid, kThreads, 0, stream>>>(p);
+    if (V == 1 || c.unroll == 1) go_u.template operator()<T, V, G, A, 1>();  // unaligned: the simple loop only
+    else if (c.unroll == 2) go_u.template operator()<T, V, G, A, 2>();
+    else go_u.template operator()<T, V, G, A, 4>();
   };
   auto launch = [&]<typename T, int V, bool G>() {
     switch (p.act) {
@@ -118,7 +124,13 @@ template <bool Bwd> const char* run(const ActParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-const char* act_forward_cuda(const ActParams& p, cudaStream_t stream) { return run<false>(p, stream); }
-const char* act_backward_cuda(const ActParams& p, cudaStream_t stream) { return run<true>(p, stream); }
+const char* act_forward_cuda(const ActParams& p, cudaStream_t stream) { return run<false>(p, stream, ActConfig{}); }
+const char* act_backward_cuda(const ActParams& p, cudaStream_t stream) { return run<true>(p, stream, ActConfig{}); }
+const char* act_forward_cuda_with(const ActParams& p, cudaStream_t stream, const ActConfig& c) {
+  return run<false>(p, stream, c);
+}
+const char* act_backward_cuda_with(const ActParams& p, cudaStream_t stream, const ActConfig& c) {
+  return run<true>(p, stream, c);
+}
 
 }  // namespace kcpp::activation

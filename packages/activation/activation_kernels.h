@@ -49,6 +49,15 @@ const char* act_backward_cpu(const ActParams& p);
 #if KCPP_WITH_CUDA
 const char* act_forward_cuda(const ActParams& p, cudaStream_t stream);
 const char* act_backward_cuda(const ActParams& p, cudaStream_t stream);
+
+// Launch configuration of the CUDA kernels, for the benchmark's sweep; the entry points above use the
+// defaults (bench/RESULTS.md has the sweep behind them).
+struct ActConfig {
+  int unroll = 2;          // 16-byte vectors a thread per loop iteration, loads first: 1, 2 or 4
+  int blocks_per_sm = 32;  // grid cap in blocks of 256 threads per multiprocessor; 0 = one pass, no cap
+};
+const char* act_forward_cuda_with(const ActParams& p, cudaStream_t stream, const ActConfig& c);
+const char* act_backward_cuda_with(const ActParams& p, cudaStream_t stream, const ActConfig& c);
 #endif
 
 }  // namespace kcpp::activation

@@ -74,6 +74,13 @@ bool act_args(kk::Call& c, const Kind& k, bool bwd, ka::ActParams& p) {
     if (c.ok() && p.y == p.x && (k.gated || p.y_stride != p.x_stride))
       c.require(false, "'y' may be 'x' only for a plain activation with the same strides");
   }
+  // A plain activation over dense rows is one long row (the kernels then skip the row arithmetic).
+  const bool dense = p.x_stride == p.d && (bwd ? p.dy_stride == p.d && p.dx_stride == p.d : p.y_stride == p.d);
+  if (c.ok() && !k.gated && dense && p.rows > 1) {
+    p.d *= p.rows;
+    p.rows = 1;
+    p.x_stride = p.y_stride = p.dy_stride = p.dx_stride = p.d;
+  }
   return c.ok();
 }
 
