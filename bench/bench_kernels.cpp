@@ -27,6 +27,7 @@
 #include "rms_norm/rms_norm.h"
 #include "rms_norm/rms_norm_tuning.h"
 #include "glu/glu_tuning.h"
+#include "rope/rope_tuning.h"
 #include "activation_kernels.h"
 #include "built_packages.h"
 #include "nn/kernel_call.h"
@@ -321,6 +322,31 @@ void sweep_swiglu() {
       }
 }
 
+// RoPE launch configurations at bench_rope()'s shapes (forward and backward, out of place).
+void sweep_rope() {
+  const int64_t b = 4, s = 2048, hq = 32, hk = 8, d = 128;
+  Generator gen(13);
+  const Tensor q = Tensor::randn({b, hq, s, d}, DType::bf16, kDev, gen), k = Tensor::randn({b, hk, s, d}, DType::bf16, kDev, gen);
+  const Tensor qo = Tensor::empty(q.shape(), DType::bf16, kDev), ko = Tensor::empty(k.shape(), DType::bf16, kDev);
+  std::vector<int64_t> pos(static_cast<size_t>(s));
+  for (int64_t i = 0; i < s; ++i) pos[i] = i;
+  const auto cs = ops::rope_cos_sin(Tensor::from_i64(pos, {1, s}, DType::i64, kDev), ops::rope_inv_freq(d, 500000.0, kDev),
+                                    1.0, DType::bf16);
+  const auto p = test::rope_params(q, qo, k, ko, cs.cos, cs.sin, ops::RopeLayout::RotateHalf);
+  const double gb = 2.0 * double(q.numel() + k.numel()) * 2 / 1e9;
+  std::printf("sweep rope bf16: threads blocks_per_sm (0 = one block per token)\n");
+  for (int threads : {64, 128, 256})
+    for (int blocks : {8, 16, 32, 0}) {
+      const liger::RopeConfig c{threads, blocks};
+      const Timing tf = time_op(kDev, [&] { check(liger::rope_forward_cuda_with(p, cuda::current_stream(), c)); }, 10, 50);
+      const Timing tb = time_op(kDev, [&] { check(liger::rope_backward_cuda_with(p, cuda::current_stream(), c)); }, 10, 50);
+      std::printf("  %3d %2d  fwd %8.4f ms %5.1f%%   bwd %8.4f ms %5.1f%%\n", threads, blocks, tf.median_ms,
+                  100 * gb / (tf.median_ms * 1e-3) / g_copy_gbps, tb.median_ms, 100 * gb / (tb.median_ms * 1e-3) / g_copy_gbps);
+      g_rows.push_back({{"op", "sweep rope"}, {"threads", threads}, {"blocks_per_sm", blocks}, {"fwd_ms", tf.median_ms},
+                        {"bwd_ms", tb.median_ms}});
+    }
+}
+
 // Activation launch configurations (ActConfig): the four kernels of bench_activation() at each.
 void sweep_activation() {
   const int64_t bt = 8192, inter = 14336;
@@ -384,6 +410,7 @@ int main(int argc, char** argv) {
     if (sweep) {
       if (want("rms_norm")) sweep_rms_norm();
       if (want("swiglu")) sweep_swiglu();
+      if (want("rope")) sweep_rope();
       if (want("activation")) sweep_activation();
     }
   } catch (const std::exception& e) {

@@ -83,6 +83,9 @@ const char* rope_check(const RopeParams& p) {
                       "rope: rotary_dim %lld must be even, > 0 and <= head_dim %lld",
                       static_cast<long long>(p.rotary_dim), static_cast<long long>(p.head_dim));
   KCPP_KERNEL_REQUIRE(p.q.heads > 0, "rope: argument 'q' needs at least one head");
+  KCPP_KERNEL_REQUIRE((p.q.heads + p.k.heads) * p.head_dim < (int64_t(1) << 30),
+                      "rope: %lld heads of %lld per token is more than this kernel indexes",
+                      static_cast<long long>(p.q.heads + p.k.heads), static_cast<long long>(p.head_dim));
   KCPP_KERNEL_REQUIRE(p.cos && p.sin, "rope: arguments 'cos' and 'sin' must not be null");
   KCPP_KERNEL_REQUIRE(p.cs_stride_s >= p.rotary_dim || p.seq <= 1, "rope: cos/sin row stride %lld < rotary_dim %lld",
                       static_cast<long long>(p.cs_stride_s), static_cast<long long>(p.rotary_dim));

@@ -5,6 +5,7 @@
 // read completely before it is written, so out == in is safe.
 #include "kcpp/kernel/cuda.cuh"
 #include "rope.h"
+#include "rope_tuning.h"
 
 namespace kcpp::liger {
 namespace {
@@ -42,18 +43,19 @@ __device__ __forceinline__ void rotate(float a, float b, float cp, float cq, flo
 
 // VEC: elements per access (RotateHalf: pairs per item; Interleaved: elements per item, even).
 template <typename T, int VEC, bool VECTOR, bool IL, bool BWD>
-__global__ void __launch_bounds__(128) rope_kernel(const __grid_constant__ RopeParams p) {
-  const int64_t rd = p.rotary_dim, half = rd / 2, d = p.head_dim;
-  const int64_t per_head = IL ? rd / VEC : half / VEC;
-  const int64_t heads = p.q.heads + p.k.heads;
-  const int64_t items = heads * per_head, tail = d - rd;
+__global__ void __launch_bounds__(256) rope_kernel(const __grid_constant__ RopeParams p) {
+  // Item indices are 32-bit (heads x head_dim per token is small; rope_check bounds it).
+  const int rd = static_cast<int>(p.rotary_dim), half = rd / 2, d = static_cast<int>(p.head_dim);
+  const int per_head = IL ? rd / VEC : half / VEC;
+  const int heads = static_cast<int>(p.q.heads + p.k.heads);
+  const int items = heads * per_head, tail = d - rd;
   const int64_t tokens = p.batch * p.seq;
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
     const int64_t b = t / p.seq, s = t % p.seq;
     const T* cs = static_cast<const T*>(p.cos) + b * p.cs_stride_b + s * p.cs_stride_s;  // [rd]
     const T* sn = static_cast<const T*>(p.sin) + b * p.cs_stride_b + s * p.cs_stride_s;
-    for (int64_t it = threadIdx.x; it < items; it += blockDim.x) {
-      const int64_t h = it / per_head, i = it % per_head;
+    for (int it = threadIdx.x; it < items; it += blockDim.x) {
+      const int h = it / per_head, i = it % per_head;
       const RopeOperand& op = h < p.q.heads ? p.q : p.k;
       const int64_t hh = h < p.q.heads ? h : h - p.q.heads;
       const T* in = static_cast<const T*>(op.in) + b * op.in_stride_b + s * op.in_stride_s + hh * op.in_stride_h;
@@ -84,8 +86,9 @@ __global__ void __launch_bounds__(128) rope_kernel(const __grid_constant__ RopeP
     }
     // Out of place with rd < head_dim: the rest of each head is copied.
     if (tail > 0) {
-      for (int64_t it = threadIdx.x; it < heads * tail; it += blockDim.x) {
-        const int64_t h = it / tail, e = rd + it % tail;
+      for (int it = threadIdx.x; it < heads * tail; it += blockDim.x) {
+        const int h = it / tail;
+        const int64_t e = rd + it % tail;
         const RopeOperand& op = h < p.q.heads ? p.q : p.k;
         if (op.out == op.in) continue;
         const int64_t hh = h < p.q.heads ? h : h - p.q.heads;
@@ -104,8 +107,11 @@ bool operand_vec_ok(const RopeOperand& o, int vec) {
          o.in_stride_h % vec == 0 && o.out_stride_b % vec == 0 && o.out_stride_s % vec == 0 && o.out_stride_h % vec == 0;
 }
 
-template <bool BWD> const char* run(const RopeParams& p, cudaStream_t stream) {
+template <bool BWD> const char* run(const RopeParams& p, cudaStream_t stream, const RopeConfig& c) {
   if (const char* e = rope_check(p)) return e;
+  KCPP_KERNEL_REQUIRE(c.threads == 64 || c.threads == 128 || c.threads == 256, "rope: threads %d not in {64, 128, 256}",
+                      c.threads);
+  KCPP_KERNEL_REQUIRE(c.blocks_per_sm >= 0, "rope: blocks_per_sm %d < 0", c.blocks_per_sm);
   const int64_t tokens = p.batch * p.seq;
   if (tokens == 0) return nullptr;
   int device = 0;
@@ -115,15 +121,17 @@ template <bool BWD> const char* run(const RopeParams& p, cudaStream_t stream) {
   const int64_t span = il ? p.rotary_dim : p.rotary_dim / 2;  // what VEC must divide
   const bool vec_ok = span % vec == 0 && aligned16(p.cos) && aligned16(p.sin) && p.cs_stride_b % vec == 0 &&
                       p.cs_stride_s % vec == 0 && operand_vec_ok(p.q, vec) && operand_vec_ok(p.k, vec);
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tokens, int64_t(sm_count(device)) * 16));
+  const int64_t cap = c.blocks_per_sm > 0 ? int64_t(sm_count(device)) * c.blocks_per_sm : int64_t(1) << 31;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tokens, cap));
+  const int threads = c.threads;
   auto go = [&]<typename T>(T*) {
     constexpr int V = 16 / sizeof(T);
     if (il) {
-      if (vec_ok) rope_kernel<T, V, true, true, BWD><<<grid, 128, 0, stream>>>(p);
-      else rope_kernel<T, 2, false, true, BWD><<<grid, 128, 0, stream>>>(p);
+      if (vec_ok) rope_kernel<T, V, true, true, BWD><<<grid, threads, 0, stream>>>(p);
+      else rope_kernel<T, 2, false, true, BWD><<<grid, threads, 0, stream>>>(p);
     } else {
-      if (vec_ok) rope_kernel<T, V, true, false, BWD><<<grid, 128, 0, stream>>>(p);
-      else rope_kernel<T, 1, false, false, BWD><<<grid, 128, 0, stream>>>(p);
+      if (vec_ok) rope_kernel<T, V, true, false, BWD><<<grid, threads, 0, stream>>>(p);
+      else rope_kernel<T, 1, false, false, BWD><<<grid, threads, 0, stream>>>(p);
     }
   };
   switch (p.dtype) {
@@ -136,7 +144,13 @@ template <bool BWD> const char* run(const RopeParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-const char* rope_forward_cuda(const RopeParams& p, cudaStream_t stream) { return run<false>(p, stream); }
-const char* rope_backward_cuda(const RopeParams& p, cudaStream_t stream) { return run<true>(p, stream); }
+const char* rope_forward_cuda(const RopeParams& p, cudaStream_t stream) { return run<false>(p, stream, RopeConfig{}); }
+const char* rope_backward_cuda(const RopeParams& p, cudaStream_t stream) { return run<true>(p, stream, RopeConfig{}); }
+const char* rope_forward_cuda_with(const RopeParams& p, cudaStream_t stream, const RopeConfig& c) {
+  return run<false>(p, stream, c);
+}
+const char* rope_backward_cuda_with(const RopeParams& p, cudaStream_t stream, const RopeConfig& c) {
+  return run<true>(p, stream, c);
+}
 
 }  // namespace kcpp::liger
