@@ -1,5 +1,6 @@
 // RoPE on CUDA (maths in rope.h).  One block per token (b, s) at a time, blocks striding over tokens;
-// the block's threads share out the token's items: for every head of q and k, groups of VEC pairs
+// the token's cos and sin rows are staged in shared memory, then the block's threads share out the
+// token's items: for every head of q and k, groups of VEC pairs
 // (RotateHalf: elements j.. and j+rd/2..; Interleaved: VEC consecutive elements = VEC/2 pairs).
 // 16-byte accesses when every pointer and stride allows, element accesses otherwise.  Each item is
 // read completely before it is written, so out == in is safe.
@@ -50,10 +51,20 @@ __global__ void __launch_bounds__(256) rope_kernel(const __grid_constant__ RopeP
   const int heads = static_cast<int>(p.q.heads + p.k.heads);
   const int items = heads * per_head, tail = d - rd;
   const int64_t tokens = p.batch * p.seq;
+  // The token's cos and sin rows, shared by all its heads: staged in shared memory once per token.
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* cs = reinterpret_cast<T*>(smem);
+  T* sn = cs + rd;
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
     const int64_t b = t / p.seq, s = t % p.seq;
-    const T* cs = static_cast<const T*>(p.cos) + b * p.cs_stride_b + s * p.cs_stride_s;  // [rd]
-    const T* sn = static_cast<const T*>(p.sin) + b * p.cs_stride_b + s * p.cs_stride_s;
+    const T* gc = static_cast<const T*>(p.cos) + b * p.cs_stride_b + s * p.cs_stride_s;  // [rd]
+    const T* gs = static_cast<const T*>(p.sin) + b * p.cs_stride_b + s * p.cs_stride_s;
+    __syncthreads();  // the previous token's rows are no longer read
+    for (int e = threadIdx.x; e < rd; e += blockDim.x) {
+      cs[e] = gc[e];
+      sn[e] = gs[e];
+    }
+    __syncthreads();
     for (int it = threadIdx.x; it < items; it += blockDim.x) {
       const int h = it / per_head, i = it % per_head;
       const RopeOperand& op = h < p.q.heads ? p.q : p.k;
@@ -124,14 +135,17 @@ template <bool BWD> const char* run(const RopeParams& p, cudaStream_t stream, co
   const int64_t cap = c.blocks_per_sm > 0 ? int64_t(sm_count(device)) * c.blocks_per_sm : int64_t(1) << 31;
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tokens, cap));
   const int threads = c.threads;
+  const size_t smem = 2 * static_cast<size_t>(p.rotary_dim) * static_cast<size_t>(kcpp::kernel::dtype_bytes(p.dtype));
+  KCPP_KERNEL_REQUIRE(smem <= 48 * 1024, "rope: rotary_dim %lld needs %zu bytes of shared memory (at most 48 KiB)",
+                      static_cast<long long>(p.rotary_dim), smem);
   auto go = [&]<typename T>(T*) {
     constexpr int V = 16 / sizeof(T);
     if (il) {
-      if (vec_ok) rope_kernel<T, V, true, true, BWD><<<grid, threads, 0, stream>>>(p);
-      else rope_kernel<T, 2, false, true, BWD><<<grid, threads, 0, stream>>>(p);
+      if (vec_ok) rope_kernel<T, V, true, true, BWD><<<grid, threads, smem, stream>>>(p);
+      else rope_kernel<T, 2, false, true, BWD><<<grid, threads, smem, stream>>>(p);
     } else {
-      if (vec_ok) rope_kernel<T, V, true, false, BWD><<<grid, threads, 0, stream>>>(p);
-      else rope_kernel<T, 1, false, false, BWD><<<grid, threads, 0, stream>>>(p);
+      if (vec_ok) rope_kernel<T, V, true, false, BWD><<<grid, threads, smem, stream>>>(p);
+      else rope_kernel<T, 1, false, false, BWD><<<grid, threads, smem, stream>>>(p);
     }
   };
   switch (p.dtype) {
