@@ -107,6 +107,38 @@ void bench_rms_norm() {
     check(liger::rms_norm_forward_cuda(q, cuda::current_stream()));
     check(liger::rms_norm_backward_cuda(q, cuda::current_stream()));
   }, fb + bb);
+  {  // AddRMSNorm (the residual fused in): forward reads x and residual, writes r and y (4 units of
+     // N x H x 2 B); backward reads dy, dresidual_out and r, writes dx (4 units).  residual_out is
+     // written over the residual, as a decoder updates its residual stream.
+    const Tensor res = Tensor::randn({bt, h}, DType::bf16, kDev, gen), dres = Tensor::randn({bt, h}, DType::bf16, kDev, gen);
+    const double unit = double(bt) * h * 2 / 1e9;
+    row("addrmsnorm fwd", "reference", [&] { ops::rms_norm_forward(ops::add(x, res), w, opt); }, 4 * unit);
+    row("addrmsnorm fwd+bwd", "reference", [&] {
+      const Tensor r = ops::add(x, res);
+      const auto f = ops::rms_norm_forward(r, w, opt);
+      ops::add(ops::rms_norm_backward(dy, r, w, f.rstd, opt).dx, dres);
+    }, 8 * unit);
+    const Tensor res_io = res.clone();
+    auto add_fwd = [&](const Tensor& y, const Tensor& rstd) {
+      liger::RMSNormParams q = test::rms_norm_params({x, w, y, rstd, {}, {}, {}}, opt);
+      q.residual = res_io.data(), q.residual_stride = h;
+      q.residual_out = res_io.data(), q.residual_out_stride = h;
+      check(liger::rms_norm_forward_cuda(q, cuda::current_stream()));
+    };
+    row("addrmsnorm fwd", "kcpp", [&] {
+      add_fwd(Tensor::empty({bt, h}, DType::bf16, kDev), Tensor::empty({bt}, DType::f32, kDev));
+    }, 4 * unit);
+    row("addrmsnorm fwd+bwd", "kcpp", [&] {
+      const Tensor rstd = Tensor::empty({bt}, DType::f32, kDev);
+      add_fwd(Tensor::empty({bt, h}, DType::bf16, kDev), rstd);
+      const Tensor dx = Tensor::empty({bt, h}, DType::bf16, kDev), dw = Tensor::empty({h}, DType::bf16, kDev);
+      liger::RMSNormParams q = test::rms_norm_params({res_io, w, {}, rstd, dy, dx, dw}, opt);
+      q.dresidual_out = dres.data(), q.dres_stride = h;
+      const Tensor ws = Tensor::empty({static_cast<int64_t>(liger::rms_norm_backward_workspace(q, 0))}, DType::u8, kDev);
+      q.workspace = ws.data();
+      check(liger::rms_norm_backward_cuda(q, cuda::current_stream()));
+    }, 8 * unit);
+  }
   {  // The backward alone (the forward's output reused): where the fwd+bwd time goes.
     auto [t, q, ws] = fresh(true);
     check(liger::rms_norm_forward_cuda(q, cuda::current_stream()));

@@ -29,8 +29,8 @@ PY
   PYTHONUNBUFFERED=1 timeout 420 python3 "$anchors" "${KCPP_ANCHORS_ARGS:-}" 2>&1 | grep -vE "^\s+(File|\^|~)" | tee "$OUT/anchors.txt" | grep -E "copy|gemm|rmsnorm|swiglu|rope|ce fwd|took|!!"
 fi
 if [ "${KCPP_ANCHORS:-1}" = 1 ]; then
-  echo "== anchors: activations (bench/anchors_activation.py)"
-  PYTHONUNBUFFERED=1 timeout 300 python3 bench/anchors_activation.py 2>&1 | tee "$OUT/anchors_activation.txt"
+  echo "== anchors beyond anchors.py (bench/anchors_extra.py)"
+  PYTHONUNBUFFERED=1 timeout 300 python3 bench/anchors_extra.py 2>&1 | tee "$OUT/anchors_extra.txt"
 fi
 echo "== kcpp kernels (2)"
 .devlibs/bin/kcpp_bench_kernels --json "$OUT/kcpp_bench_2.json" ${KCPP_BENCH_ONLY:+--only $KCPP_BENCH_ONLY}

@@ -1,6 +1,7 @@
 // Package "liger": the ABI table (include/kcpp/abi.h) over the kernels of this folder.
 //
 //   LigerRMSNorm          RMSNorm/1           rms_norm/rms_norm.h
+//   LigerAddRMSNorm       AddRMSNorm/1        rms_norm/rms_norm.h (the residual fused in)
 //   LigerGLU              GLU/1               glu/glu.h        (SwiGLU, GeGLU exact / tanh, QuickGELU-GLU)
 //   LigerRotaryEmbedding  rotary_pos_emb/1    rope/rope.h
 //   LigerCrossEntropy     CrossEntropyLoss/1  cross_entropy/cross_entropy.h
@@ -64,24 +65,27 @@ bool f32_vector(kk::Call& c, const DLTensor* t, const char* name, int64_t n) {
 
 constexpr const char* kCastings[] = {"llama", "gemma", "none", nullptr};
 
-// Reads everything both directions share; `bwd` adds dy / dx / dweight.  Returns false on a problem.
-bool rms_norm_args(kk::Call& c, bool bwd, lg::RMSNormParams& p) {
+// Reads everything both directions share; `bwd` adds dy / dx / dweight; `add` is AddRMSNorm/1
+// (forward: residual, residual_out; backward: the saved residual_out in place of x, dresidual_out).
+// Returns false on a problem.
+bool rms_norm_args(kk::Call& c, bool bwd, bool add, lg::RMSNormParams& p) {
   c.device_in(kCuda);
-  DLTensor* x = c.tensor("x");
+  const char* xn = add && bwd ? "residual_out" : "x";
+  DLTensor* x = c.tensor(xn);
   DLTensor* w = c.tensor("weight");
   p.eps = static_cast<float>(c.real("eps", 1e-6));
   p.offset = static_cast<float>(c.real("offset", 0.0));
   p.casting = static_cast<lg::RMSNormCasting>(c.choice("casting", 0, kCastings));
   int64_t rows = 0, h = 0, xs = 0;
-  c.float_dtype(x, "x", &p.dtype);
-  c.rows(x, "x", &rows, &h, &xs);
-  c.same_dtype(w, "weight", x, "x");
+  c.float_dtype(x, xn, &p.dtype);
+  c.rows(x, xn, &rows, &h, &xs);
+  c.same_dtype(w, "weight", x, xn);
   c.ndim(w, "weight", 1);
   if (c.ok() && w->shape[0] != h)
-    c.require(false, "tensor 'weight' has %lld elements but 'x' rows have %lld", static_cast<long long>(w->shape[0]),
+    c.require(false, "tensor 'weight' has %lld elements but '%s' rows have %lld", static_cast<long long>(w->shape[0]), xn,
               static_cast<long long>(h));
   c.row_major(w, "weight");
-  if (c.ok() && h == 0) c.require(false, "tensor 'x' has an empty last dim");
+  if (c.ok() && h == 0) c.require(false, "tensor '%s' has an empty last dim", xn);
   if (c.ok() && !(std::isfinite(p.eps) && p.eps >= 0)) c.require(false, "argument 'eps' must be finite and >= 0");
   if (!c.ok()) return false;
   p.rows = rows, p.hidden = h, p.x = kk::data_ptr(x), p.x_stride = xs, p.w = kk::data_ptr(w);
@@ -94,6 +98,21 @@ bool rms_norm_args(kk::Call& c, bool bwd, lg::RMSNormParams& p) {
     c.same_dtype(y, "y", x, "x");
     c.same_shape(y, "y", x, "x");
     if (c.rows(y, "y", &r2, &h2, &p.y_stride)) p.y = kk::data_ptr(y);
+    if (add) {
+      DLTensor* res = c.tensor("residual");
+      DLTensor* rout = c.tensor("residual_out");
+      for (const auto& [t, n] : {std::pair{res, "residual"}, std::pair{rout, "residual_out"}}) {
+        c.same_dtype(t, n, x, "x");
+        c.same_shape(t, n, x, "x");
+      }
+      if (c.rows(res, "residual", &r2, &h2, &p.residual_stride)) p.residual = kk::data_ptr(res);
+      if (c.rows(rout, "residual_out", &r2, &h2, &p.residual_out_stride)) p.residual_out = kk::data_ptr(rout);
+      if (c.ok() && (p.y == p.x || p.y == p.residual || p.y == p.residual_out))
+        c.require(false, "'y' must not be 'x', 'residual' or 'residual_out'");
+      if (c.ok() && ((p.residual_out == p.x && p.residual_out_stride != xs) ||
+                     (p.residual_out == p.residual && p.residual_out_stride != p.residual_stride)))
+        c.require(false, "'residual_out' over 'x' or 'residual' must have its strides");
+    }
     if (c.ok() && !rstd && (c.context()->mode & KCPP_MODE_TRAINING))
       c.require(false, "missing tensor argument 'rstd' (required in training mode: backward needs it)");
     return c.ok();
@@ -101,13 +120,20 @@ bool rms_norm_args(kk::Call& c, bool bwd, lg::RMSNormParams& p) {
   DLTensor* dy = c.tensor("dy");
   DLTensor* dx = c.tensor("dx");
   DLTensor* dw = c.tensor("dweight", false);
-  c.same_dtype(dy, "dy", x, "x");
-  c.same_shape(dy, "dy", x, "x");
-  c.same_dtype(dx, "dx", x, "x");
-  c.same_shape(dx, "dx", x, "x");
+  c.same_dtype(dy, "dy", x, xn);
+  c.same_shape(dy, "dy", x, xn);
+  c.same_dtype(dx, "dx", x, xn);
+  c.same_shape(dx, "dx", x, xn);
   if (c.rows(dy, "dy", &r2, &h2, &p.dy_stride)) p.dy = kk::data_ptr(dy);
   if (c.rows(dx, "dx", &r2, &h2, &p.dx_stride)) p.dx = kk::data_ptr(dx);
   if (c.ok() && p.dx == p.dy && p.dx_stride != p.dy_stride) c.require(false, "in-place 'dx' must have the strides of 'dy'");
+  if (DLTensor* dres = add ? c.tensor("dresidual_out", false) : nullptr) {
+    c.same_dtype(dres, "dresidual_out", x, xn);
+    c.same_shape(dres, "dresidual_out", x, xn);
+    if (c.rows(dres, "dresidual_out", &r2, &h2, &p.dres_stride)) p.dresidual_out = kk::data_ptr(dres);
+    if (c.ok() && p.dx == p.dresidual_out && p.dx_stride != p.dres_stride)
+      c.require(false, "'dx' over 'dresidual_out' must have its strides");
+  }
   if (dw) {
     c.same_dtype(dw, "dweight", w, "weight");
     c.same_shape(dw, "dweight", w, "weight");
@@ -117,28 +143,28 @@ bool rms_norm_args(kk::Call& c, bool bwd, lg::RMSNormParams& p) {
   return c.ok();
 }
 
-kcpp_status rms_norm_supports(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
-  kk::Call c(ctx, args, n, "LigerRMSNorm");
+template <bool Add> kcpp_status rms_norm_supports(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
+  kk::Call c(ctx, args, n, Add ? "LigerAddRMSNorm" : "LigerRMSNorm");
   lg::RMSNormParams p;
   // supports() may be asked with forward's or backward's arguments.
   const bool bwd = c.find("dy") != nullptr;
-  rms_norm_args(c, bwd, p);
+  rms_norm_args(c, bwd, Add, p);
   return c.status();
 }
 
-kcpp_status rms_norm_forward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
-  kk::Call c(ctx, args, n, "LigerRMSNorm.forward");
+template <bool Add> kcpp_status rms_norm_forward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
+  kk::Call c(ctx, args, n, Add ? "LigerAddRMSNorm.forward" : "LigerRMSNorm.forward");
   lg::RMSNormParams p;
-  if (!rms_norm_args(c, false, p)) return c.status();
+  if (!rms_norm_args(c, false, Add, p)) return c.status();
   if (!p.rstd) p.rstd = static_cast<float*>(c.workspace(static_cast<size_t>(p.rows > 0 ? p.rows : 1) * sizeof(float)));
   if (!c.ok()) return c.status();
   return LIGER_RUN(c, lg::rms_norm_forward, p);
 }
 
-kcpp_status rms_norm_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
-  kk::Call c(ctx, args, n, "LigerRMSNorm.backward");
+template <bool Add> kcpp_status rms_norm_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
+  kk::Call c(ctx, args, n, Add ? "LigerAddRMSNorm.backward" : "LigerRMSNorm.backward");
   lg::RMSNormParams p;
-  if (!rms_norm_args(c, true, p)) return c.status();
+  if (!rms_norm_args(c, true, Add, p)) return c.status();
   if (!p.dw) p.dw = c.workspace(static_cast<size_t>(p.hidden) * static_cast<size_t>(kk::dtype_bytes(p.dtype)));
 #if KCPP_WITH_CUDA
   if (c.on_cuda() && c.ok()) p.workspace = c.workspace(lg::rms_norm_backward_workspace(p, ctx->device.device_id));
@@ -440,7 +466,10 @@ constexpr uint32_t kModes = KCPP_MODE_INFERENCE | KCPP_MODE_TRAINING | KCPP_MODE
 const kcpp_layer kLayers[] = {
     {sizeof(kcpp_layer), kModes, kDevices, 0, "LigerRMSNorm", "RMSNorm/1",
      "RMSNorm (llama / gemma / none casting, offset), one pass; saves rstd; deterministic dweight",
-     rms_norm_supports, rms_norm_forward, rms_norm_backward},
+     rms_norm_supports<false>, rms_norm_forward<false>, rms_norm_backward<false>},
+    {sizeof(kcpp_layer), kModes, kDevices, 0, "LigerAddRMSNorm", "AddRMSNorm/1",
+     "residual add + RMSNorm in one pass (residual_out written, may overwrite x or residual); backward adds dresidual_out",
+     rms_norm_supports<true>, rms_norm_forward<true>, rms_norm_backward<true>},
     {sizeof(kcpp_layer), kModes, kDevices, 0, "LigerGLU", "GLU/1",
      "act(gate) * up for silu / gelu / gelu_tanh / quick_gelu; backward recomputes act, may overwrite gate and up",
      glu_supports, glu_forward, glu_backward},

@@ -31,6 +31,7 @@ TEST_P(LigerPackage, TableNamesEveryLayerAndContract) {
   const auto pkg = test::built_package("liger");
   EXPECT_STREQ(pkg->table().name, "liger");
   const std::pair<const char*, const char*> expect[] = {{"LigerRMSNorm", "RMSNorm/1"},
+                                                        {"LigerAddRMSNorm", "AddRMSNorm/1"},
                                                         {"LigerGLU", "GLU/1"},
                                                         {"LigerRotaryEmbedding", "rotary_pos_emb/1"},
                                                         {"LigerCrossEntropy", "CrossEntropyLoss/1"}};
@@ -159,6 +160,60 @@ TEST_P(LigerPackage, RMSNormOptionalOutputsAndRefusals) {
     EXPECT_FALSE(s.ok());
     EXPECT_NE(s.message.find("cuda"), std::string::npos) << s.message;
   }
+}
+
+// ---- AddRMSNorm/1 -----------------------------------------------------------------------------
+
+TEST_P(LigerPackage, AddRMSNormMatchesTheOracle) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const KernelLayer norm = layer("LigerAddRMSNorm");
+  for (DType dt : {DType::f32, DType::bf16, DType::f16})
+    for (int64_t h : {1, 7, 111, 4096, 4097})
+      for (bool in_place : {false, true})  // residual_out written over residual (the residual stream in place)
+        for (bool strided : {false, true}) {
+          const int64_t rows = h >= 4096 ? 5 : 23;
+          const std::string cfg = fmt::format("{} h={} in_place={} strided={}", test::config_name(dev, dt), h, in_place, strided);
+          const Tensor x = strided ? Tensor::randn({rows, h + 3}, dt, dev, gen).narrow(1, 0, h) : Tensor::randn({rows, h}, dt, dev, gen);
+          const Tensor res = Tensor::randn({rows, h}, dt, dev, gen, 0.2, 2.0), w = Tensor::randn({h}, dt, dev, gen);
+          const Tensor dy = Tensor::randn({rows, h}, dt, dev, gen), dres = Tensor::randn({rows, h}, dt, dev, gen);
+          const Tensor r_ref = ops::add(x, res);  // eager: one rounding to the dtype
+          const Tensor res_io = res.clone();
+          const Tensor rout = in_place ? res_io : Tensor::empty({rows, h}, dt, dev);
+          const Tensor y = Tensor::empty({rows, h}, dt, dev), rstd = Tensor::empty({rows}, DType::f32, dev);
+          KernelArgs f;
+          f.tensor("x", x).tensor("residual", res_io).tensor("weight", w).tensor("y", y).tensor("residual_out", rout);
+          f.tensor("rstd", rstd).real("eps", 1e-6);
+          norm.forward(f, dev, test::kTraining);
+          EXPECT_EQ(rout.to_f64_vector(), r_ref.to_f64_vector()) << cfg << " residual_out must be round(x + residual)";
+          const auto rv = r_ref.to_f64_vector(), wv = w.to_f64_vector();
+          const auto fo = oracle::rms_norm(rv, wv, rows, h, 1e-6, 0.0);
+          EXPECT_LE(test::rel_l2_error(y, fo.y), test::composite_rel_l2(dt)) << cfg << " y";
+          // Backward: dx = the RMSNorm gradient at r + dresidual_out.
+          auto bo = oracle::rms_norm_backward(dy.to_f64_vector(), rv, wv, rows, h, 1e-6, 0.0);
+          const auto dv = dres.to_f64_vector();
+          for (size_t i = 0; i < bo.dx.size(); ++i) {
+            bo.dx[i] += dv[i];
+            bo.dx_mag[i] += std::fabs(dv[i]);
+          }
+          const Tensor dx = Tensor::empty({rows, h}, dt, dev), dw = Tensor::empty({h}, dt, dev);
+          KernelArgs b;
+          b.tensor("dy", dy).tensor("dresidual_out", dres).tensor("residual_out", rout).tensor("weight", w);
+          b.tensor("rstd", rstd).real("eps", 1e-6).tensor("dx", dx).tensor("dweight", dw);
+          norm.backward(b, dev, test::kTraining);
+          EXPECT_TRUE(test::close_l2_mag(dx, bo.dx, bo.dx_mag, test::composite_rel_l2(dt))) << cfg << " dx";
+          EXPECT_TRUE(test::close_l2_mag(dw, bo.dw, bo.dw_mag, test::composite_rel_l2(dt))) << cfg << " dweight";
+        }
+  const Tensor x = Tensor::randn({3, 8}, DType::bf16, dev, gen), w = Tensor::randn({8}, DType::bf16, dev, gen);
+  KernelArgs no_residual;
+  no_residual.tensor("x", x).tensor("weight", w).tensor("y", Tensor::empty({3, 8}, DType::bf16, dev));
+  no_residual.tensor("residual_out", Tensor::empty({3, 8}, DType::bf16, dev));
+  EXPECT_TRUE(test::refused(norm.supports(no_residual, dev, test::kInference), KCPP_ERROR_INVALID_ARGUMENT,
+                            "missing tensor argument 'residual'"));
+  KernelArgs alias;
+  alias.tensor("x", x).tensor("residual", x.clone()).tensor("weight", w).tensor("y", x).tensor("residual_out", Tensor::empty({3, 8}, DType::bf16, dev));
+  EXPECT_TRUE(test::refused(norm.supports(alias, dev, test::kInference), KCPP_ERROR_INVALID_ARGUMENT, "'y' must not be"));
 }
 
 // ---- GLU/1 -----------------------------------------------------------------------------------------

@@ -19,6 +19,14 @@
 //
 // Cost at [rows, H]: forward reads x once and writes y once (+4 B/row); backward reads dy and x,
 // writes dx (+ the workspace, ~2 x blocks x H x 4 B).
+//
+// AddRMSNorm (layer contract AddRMSNorm/1): with `residual` set, the forward first forms
+//   r = round(x + residual)                  (the residual stream, as eager adds it in the dtype)
+// writes it to residual_out (which may be x or residual itself) and normalises r instead of x, in
+// the same pass (reads x and residual, writes residual_out and y).  Its backward is the RMSNorm
+// backward on r (pass residual_out as x) plus the gradient arriving at residual_out:
+//   dx = rstd * (g - n * mean(g * n)) + dresidual_out      (the gradient of both x and residual)
+// with dresidual_out optional (absent: 0).
 #pragma once
 
 #include <cstddef>
@@ -47,6 +55,10 @@ struct RMSNormParams {
   void* y = nullptr;        // forward output, row stride y_stride
   int64_t y_stride = 0;
   float* rstd = nullptr;    // [rows]: written by forward, read by backward
+  const void* residual = nullptr;  // forward, optional (AddRMSNorm): row stride residual_stride
+  int64_t residual_stride = 0;
+  void* residual_out = nullptr;    // with residual: r = x + residual; may be x or residual (same stride)
+  int64_t residual_out_stride = 0;
 
   // backward only
   const void* dy = nullptr;  // row stride dy_stride
@@ -54,6 +66,8 @@ struct RMSNormParams {
   void* dx = nullptr;        // row stride dx_stride; may equal dy (same stride)
   int64_t dx_stride = 0;
   void* dw = nullptr;        // [hidden]
+  const void* dresidual_out = nullptr;  // optional: added into dx (AddRMSNorm); row stride dres_stride
+  int64_t dres_stride = 0;
   void* workspace = nullptr; // rms_norm_backward_workspace() bytes (CUDA only)
 };
 

@@ -39,6 +39,11 @@ template <typename T> void forward(const RMSNormParams& p) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < p.rows; ++r) {
       load_row(static_cast<const T*>(p.x) + r * p.x_stride, h, x.data());
+      if (p.residual) {  // AddRMSNorm: normalise r = round(x + residual), written to residual_out
+        load_row(static_cast<const T*>(p.residual) + r * p.residual_stride, h, y.data());
+        for (int64_t j = 0; j < h; ++j) x[j] = round_to<T>(x[j] + y[j]);
+        store_row(x.data(), h, static_cast<T*>(p.residual_out) + r * p.residual_out_stride);
+      }
       double ss = 0.0;  // f64 accumulation: exact enough for any width, free in a memory-bound loop
 #pragma omp simd reduction(+ : ss)
       for (int64_t j = 0; j < h; ++j) ss += static_cast<double>(x[j]) * x[j];
@@ -60,7 +65,7 @@ template <typename T> void backward(const RMSNormParams& p) {
   std::vector<float> dw_parts(static_cast<size_t>(threads) * h, 0.0f);
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> x(h), dy(h), g(h), out(h);
+    std::vector<float> x(h), dy(h), g(h), out(h), dres(p.dresidual_out ? h : 0);
     float* dw = dw_parts.data() + static_cast<size_t>(omp_get_thread_num()) * h;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < p.rows; ++r) {
@@ -77,6 +82,10 @@ template <typename T> void backward(const RMSNormParams& p) {
       for (int64_t j = 0; j < h; ++j) {
         out[j] = rstd * (g[j] - x[j] * rstd * dot);
         dw[j] += dy[j] * normed<T>(x[j], rstd, p.casting);
+      }
+      if (p.dresidual_out) {
+        load_row(static_cast<const T*>(p.dresidual_out) + r * p.dres_stride, h, dres.data());
+        for (int64_t j = 0; j < h; ++j) out[j] += dres[j];
       }
       store_row(out.data(), h, static_cast<T*>(p.dx) + r * p.dx_stride);
     }
@@ -113,7 +122,20 @@ const char* rms_norm_check(const RMSNormParams& p, bool backward) {
     KCPP_KERNEL_REQUIRE(p.y != nullptr, "%s: argument 'y' is null", op);
     KCPP_KERNEL_REQUIRE(p.y_stride >= p.hidden || p.rows <= 1, "%s: argument 'y': row stride %lld < hidden %lld", op,
                         static_cast<long long>(p.y_stride), static_cast<long long>(p.hidden));
+    if (p.residual) {
+      KCPP_KERNEL_REQUIRE(p.residual_out != nullptr, "%s: 'residual' needs 'residual_out'", op);
+      KCPP_KERNEL_REQUIRE((p.residual_stride >= p.hidden && p.residual_out_stride >= p.hidden) || p.rows <= 1,
+                          "%s: row strides of 'residual' and 'residual_out' must be >= hidden", op);
+      KCPP_KERNEL_REQUIRE(p.residual_out != p.x || p.residual_out_stride == p.x_stride,
+                          "%s: 'residual_out' over 'x' must have the stride of 'x'", op);
+      KCPP_KERNEL_REQUIRE(p.residual_out != p.residual || p.residual_out_stride == p.residual_stride,
+                          "%s: 'residual_out' over 'residual' must have the stride of 'residual'", op);
+      KCPP_KERNEL_REQUIRE(p.y != p.x && p.y != p.residual && p.y != p.residual_out,
+                          "%s: with a residual, 'y' must not alias 'x', 'residual' or 'residual_out'", op);
+    }
   } else {
+    KCPP_KERNEL_REQUIRE(!p.dresidual_out || p.dres_stride >= p.hidden || p.rows <= 1,
+                        "%s: row stride of 'dresidual_out' must be >= hidden", op);
     KCPP_KERNEL_REQUIRE(p.dy && p.dx && p.dw, "%s: arguments 'dy', 'dx' and 'dw' must not be null", op);
     KCPP_KERNEL_REQUIRE((p.dy_stride >= p.hidden && p.dx_stride >= p.hidden) || p.rows <= 1,
                         "%s: row strides of 'dy' (%lld) and 'dx' (%lld) must be >= hidden %lld", op,

@@ -64,6 +64,18 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) forward_registers(const _
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i)
       if (live[i]) v[i] = *reinterpret_cast<const V*>(x + column<VEC>(i));
+    if (p.residual) {  // AddRMSNorm: v = round(x + residual), also written to residual_out
+      const T* res = static_cast<const T*>(p.residual) + row * p.residual_stride;
+      T* rout = static_cast<T*>(p.residual_out) + row * p.residual_out_stride;
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        if (!live[i]) continue;
+        const V rv = *reinterpret_cast<const V*>(res + column<VEC>(i));
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) v[i].v[k] = from_f32<T>(to_f32(v[i].v[k]) + to_f32(rv.v[k]));
+        *reinterpret_cast<V*>(rout + column<VEC>(i)) = v[i];
+      }
+    }
     float ss = 0.0f;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
@@ -104,9 +116,18 @@ __global__ void __launch_bounds__(kMaxThreads) forward_loop(const __grid_constan
     for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
       float v[VEC];
       load_f32(x + c, v);
+      if (p.residual) {  // AddRMSNorm: r = round(x + residual) to residual_out, read back below
+        float rv[VEC];
+        load_f32(static_cast<const T*>(p.residual) + row * p.residual_stride + c, rv);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) v[k] = round_to<T>(v[k] + rv[k]);
+        store_f32(static_cast<T*>(p.residual_out) + row * p.residual_out_stride + c, v);
+      }
 #pragma unroll
       for (int k = 0; k < VEC; ++k) ss += v[k] * v[k];
     }
+    // The second pass reads the row normalised: r (this thread wrote those columns) or x.
+    if (p.residual) x = static_cast<const T*>(p.residual_out) + row * p.residual_out_stride;
     ss = block_sum(ss, scratch);
     const float rstd = 1.0f / sqrtf(ss / static_cast<float>(h) + p.eps);
     if (threadIdx.x == 0) p.rstd[row] = rstd;
@@ -175,6 +196,12 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const 
       widen(w[i], wf);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) o[k] = rstd * (df[k] * (wf[k] + p.offset) - xf[k] * rstd * dot);
+      if (p.dresidual_out) {  // AddRMSNorm: the gradient arriving at residual_out passes through
+        float rf[VEC];
+        load_f32(static_cast<const T*>(p.dresidual_out) + row * p.dres_stride + column<VEC>(i), rf);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) o[k] += rf[k];
+      }
       store_f32(dx + column<VEC>(i), o);
     }
   }
@@ -227,6 +254,12 @@ __global__ void __launch_bounds__(kMaxThreads) backward_loop(const __grid_consta
         o[k] = rstd * (dv[k] * (w[k] + p.offset) - xv[k] * rstd * dot);
         part[c + k] += dv[k] * normed<T>(xv[k], rstd, p.casting);  // each column has one owner thread
       }
+      if (p.dresidual_out) {
+        float rf[VEC];
+        load_f32(static_cast<const T*>(p.dresidual_out) + row * p.dres_stride + c, rf);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) o[k] += rf[k];
+      }
       store_f32(dx + c, o);
     }
   }
@@ -261,7 +294,13 @@ int round32(int64_t t, int max_threads) {
 
 bool vector_ok(const RMSNormParams& p, bool backward, int vec) {
   bool ok = p.hidden % vec == 0 && aligned16(p.x) && aligned16(p.w) && p.x_stride % vec == 0;
-  if (!backward) return ok && aligned16(p.y) && p.y_stride % vec == 0;
+  if (!backward) {
+    if (p.residual)
+      ok = ok && aligned16(p.residual) && aligned16(p.residual_out) && p.residual_stride % vec == 0 &&
+           p.residual_out_stride % vec == 0;
+    return ok && aligned16(p.y) && p.y_stride % vec == 0;
+  }
+  if (p.dresidual_out) ok = ok && aligned16(p.dresidual_out) && p.dres_stride % vec == 0;
   return ok && aligned16(p.dy) && aligned16(p.dx) && p.dy_stride % vec == 0 && p.dx_stride % vec == 0;
 }
 

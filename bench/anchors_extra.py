@@ -34,8 +34,39 @@ def gelu_tanh(x):
     return F.gelu(x, approximate="tanh")
 
 
+def add_rms_norm(x, res, w, eps=1e-6):
+    r = x + res
+    h = r.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(r.dtype), r
+
+
+def bench_add_rms_norm():
+    n, hdim = 8192, 4096
+    unit = n * hdim * 2 / 1e9  # forward: read x, residual; write r, y. backward: read dy, dr, r; write dx
+    for impl, f in (("eager", add_rms_norm), ("compile", torch.compile(add_rms_norm))):
+        x = torch.randn(n, hdim, dtype=torch.bfloat16, device="cuda")
+        res = torch.randn_like(x)
+        w = torch.randn(hdim, dtype=torch.bfloat16, device="cuda")
+        dy, dr = torch.randn_like(x), torch.randn_like(x)
+        ms = bench(lambda: f(x, res, w))
+        print(f"{'add_rms_norm fwd':24s} {impl:10s} {ms:9.4f} ms {4 * unit / (ms / 1e3):8.0f} GB/s")
+        xg, rg, wg = x.clone().requires_grad_(True), res.clone().requires_grad_(True), w.clone().requires_grad_(True)
+
+        def fwbw():
+            y, r = f(xg, rg, wg)
+            torch.autograd.backward((y, r), (dy, dr))
+            xg.grad = rg.grad = wg.grad = None
+
+        fwbw()
+        ms = bench(fwbw)
+        print(f"{'add_rms_norm fwd+bwd':24s} {impl:10s} {ms:9.4f} ms {8 * unit / (ms / 1e3):8.0f} GB/s"
+              f"  peak {peak(fwbw):8.1f} MiB")
+
+
 def main():
     torch.manual_seed(0)
+    bench_add_rms_norm()
     for name, fn, xw, fb, bb in (("silu_and_mul", silu_and_mul, 2 * I, 3, 5), ("gelu_tanh", gelu_tanh, I, 2, 3)):
         for impl, f in (("eager", fn), ("compile", torch.compile(fn))):
             x = torch.randn(N, xw, dtype=torch.bfloat16, device="cuda")
