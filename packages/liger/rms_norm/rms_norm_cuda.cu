@@ -50,7 +50,9 @@ template <int VEC> __device__ __forceinline__ int64_t column(int i) {
 
 // ---- forward -------------------------------------------------------------------------------------
 
-template <typename T, int VEC, int ITEMS>
+// ADD: AddRMSNorm (x + residual normalised, the sum written to residual_out); a template parameter so
+// that the plain kernel keeps its registers (occupancy is what it is short of).
+template <typename T, int VEC, int ITEMS, bool ADD>
 __global__ void __launch_bounds__(kMaxRegisterThreads) forward_registers(const __grid_constant__ RMSNormParams p) {
   __shared__ float scratch[32];
   using V = Vec<T, VEC>;
@@ -60,19 +62,21 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) forward_registers(const _
   for (int i = 0; i < ITEMS; ++i) live[i] = column<VEC>(i) < h;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const T* x = static_cast<const T*>(p.x) + row * p.x_stride;  // [h]
-    V v[ITEMS];
+    V v[ITEMS], rv[ADD ? ITEMS : 1];
+    const T* res = ADD ? static_cast<const T*>(p.residual) + row * p.residual_stride : nullptr;
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i)
-      if (live[i]) v[i] = *reinterpret_cast<const V*>(x + column<VEC>(i));
-    if (p.residual) {  // AddRMSNorm: v = round(x + residual), also written to residual_out
-      const T* res = static_cast<const T*>(p.residual) + row * p.residual_stride;
+    for (int i = 0; i < ITEMS; ++i) {  // every load of the row issued before any use
+      if (!live[i]) continue;
+      v[i] = *reinterpret_cast<const V*>(x + column<VEC>(i));
+      if constexpr (ADD) rv[i] = *reinterpret_cast<const V*>(res + column<VEC>(i));
+    }
+    if constexpr (ADD) {  // v = round(x + residual), also written to residual_out
       T* rout = static_cast<T*>(p.residual_out) + row * p.residual_out_stride;
 #pragma unroll
       for (int i = 0; i < ITEMS; ++i) {
         if (!live[i]) continue;
-        const V rv = *reinterpret_cast<const V*>(res + column<VEC>(i));
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) v[i].v[k] = from_f32<T>(to_f32(v[i].v[k]) + to_f32(rv.v[k]));
+        for (int k = 0; k < VEC; ++k) v[i].v[k] = from_f32<T>(to_f32(v[i].v[k]) + to_f32(rv[i].v[k]));
         *reinterpret_cast<V*>(rout + column<VEC>(i)) = v[i];
       }
     }
@@ -104,7 +108,7 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) forward_registers(const _
   }
 }
 
-template <typename T, int VEC>
+template <typename T, int VEC, bool ADD>
 __global__ void __launch_bounds__(kMaxThreads) forward_loop(const __grid_constant__ RMSNormParams p) {
   __shared__ float scratch[32];
   const int64_t h = p.hidden, step = int64_t(blockDim.x) * VEC;
@@ -116,7 +120,7 @@ __global__ void __launch_bounds__(kMaxThreads) forward_loop(const __grid_constan
     for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
       float v[VEC];
       load_f32(x + c, v);
-      if (p.residual) {  // AddRMSNorm: r = round(x + residual) to residual_out, read back below
+      if constexpr (ADD) {  // r = round(x + residual) to residual_out, read back below
         float rv[VEC];
         load_f32(static_cast<const T*>(p.residual) + row * p.residual_stride + c, rv);
 #pragma unroll
@@ -127,7 +131,7 @@ __global__ void __launch_bounds__(kMaxThreads) forward_loop(const __grid_constan
       for (int k = 0; k < VEC; ++k) ss += v[k] * v[k];
     }
     // The second pass reads the row normalised: r (this thread wrote those columns) or x.
-    if (p.residual) x = static_cast<const T*>(p.residual_out) + row * p.residual_out_stride;
+    if constexpr (ADD) x = static_cast<const T*>(p.residual_out) + row * p.residual_out_stride;
     ss = block_sum(ss, scratch);
     const float rstd = 1.0f / sqrtf(ss / static_cast<float>(h) + p.eps);
     if (threadIdx.x == 0) p.rstd[row] = rstd;
@@ -357,8 +361,8 @@ template <typename F> const char* visit_type(DType t, F&& f) {
 using KernelFn = void (*)(RMSNormParams);
 
 // nullptr when ITEMS is beyond the direction's register budget (the caller then takes the loop path).
-template <typename T, int VEC, int ITEMS> KernelFn registers_kernel(bool backward) {
-  if (!backward) return forward_registers<T, VEC, ITEMS>;
+template <typename T, int VEC, int ITEMS> KernelFn registers_kernel(const RMSNormParams& p, bool backward) {
+  if (!backward) return p.residual ? forward_registers<T, VEC, ITEMS, true> : forward_registers<T, VEC, ITEMS, false>;
   if constexpr (ITEMS * VEC <= 16) return backward_registers<T, VEC, ITEMS>;
   return nullptr;
 }
@@ -370,13 +374,13 @@ template <typename T, int VEC> KernelFn kernel_for(const RMSNormParams& p, const
   const int items = plan.config.items;
   KernelFn fn = nullptr;
   if constexpr (VEC > 1) {
-    if (items == 1) fn = registers_kernel<T, VEC, 1>(backward);
-    if constexpr (2 * VEC <= 32) if (items == 2) fn = registers_kernel<T, VEC, 2>(backward);
-    if constexpr (4 * VEC <= 32) if (items == 4) fn = registers_kernel<T, VEC, 4>(backward);
-    if constexpr (8 * VEC <= 32) if (items == 8) fn = registers_kernel<T, VEC, 8>(backward);
+    if (items == 1) fn = registers_kernel<T, VEC, 1>(p, backward);
+    if constexpr (2 * VEC <= 32) if (items == 2) fn = registers_kernel<T, VEC, 2>(p, backward);
+    if constexpr (4 * VEC <= 32) if (items == 4) fn = registers_kernel<T, VEC, 4>(p, backward);
+    if constexpr (8 * VEC <= 32) if (items == 8) fn = registers_kernel<T, VEC, 8>(p, backward);
   }
   if (fn) return fn;
-  if (!backward) return forward_loop<T, VEC>;
+  if (!backward) return p.residual ? forward_loop<T, VEC, true> : forward_loop<T, VEC, false>;
   return loop_dw_in_smem(p) ? backward_loop<T, VEC, true> : backward_loop<T, VEC, false>;
 }
 
