@@ -254,16 +254,21 @@ void sweep_rms_norm() {
   const test::RMSNormTensors t = test::rms_norm_tensors(x, w, dy);
   const liger::RMSNormParams p = test::rms_norm_params(t);
   const double fb = 2.0 * bt * h * 2 / 1e9, bb = 3.0 * bt * h * 2 / 1e9;
-  std::printf("sweep rmsnorm bf16 [%lld, %lld]: items persistent\n", (long long)bt, (long long)h);
-  for (int items : {0, 1, 2, 4})
-    for (bool persistent : {false, true}) {
-      const liger::RMSNormConfig c{items, persistent};
-      const Timing t = time_op(kDev, [&] { check(liger::rms_norm_forward_cuda_with(p, cuda::current_stream(), c)); }, 10, 50);
-      const double gbps = fb / (t.median_ms * 1e-3);
-      std::printf("  fwd %d %d  %8.4f ms %6.0f GB/s %5.1f%%\n", items, persistent, t.median_ms, gbps, 100 * gbps / g_copy_gbps);
-      g_rows.push_back({{"op", "sweep rmsnorm fwd"}, {"items", items}, {"persistent", persistent}, {"ms", t.median_ms},
-                        {"GBps", gbps}});
-    }
+  std::printf("sweep rmsnorm bf16 [%lld, %lld]: items persistent (add: AddRMSNorm, 4 units)\n", (long long)bt, (long long)h);
+  const Tensor res = Tensor::randn({bt, h}, DType::bf16, kDev, gen), rout = Tensor::empty({bt, h}, DType::bf16, kDev);
+  for (bool add : {false, true})
+    for (int items : {0, 1, 2, 4})
+      for (bool persistent : {false, true}) {
+        const liger::RMSNormConfig c{items, persistent};
+        liger::RMSNormParams q = p;
+        if (add) q.residual = res.data(), q.residual_stride = h, q.residual_out = rout.data(), q.residual_out_stride = h;
+        const Timing t = time_op(kDev, [&] { check(liger::rms_norm_forward_cuda_with(q, cuda::current_stream(), c)); }, 10, 50);
+        const double gbps = (add ? 2 : 1) * fb / (t.median_ms * 1e-3);
+        std::printf("  fwd%s %d %d  %8.4f ms %6.0f GB/s %5.1f%%\n", add ? " add" : "", items, persistent, t.median_ms, gbps,
+                    100 * gbps / g_copy_gbps);
+        g_rows.push_back({{"op", add ? "sweep addrmsnorm fwd" : "sweep rmsnorm fwd"}, {"items", items},
+                          {"persistent", persistent}, {"ms", t.median_ms}, {"GBps", gbps}});
+      }
   for (int items : {0, 1, 2}) {
     const liger::RMSNormConfig c{items, true};
     Tensor ws = Tensor::empty({static_cast<int64_t>(liger::rms_norm_backward_workspace_with(p, 0, c))}, DType::u8, kDev);
