@@ -49,12 +49,15 @@ template <typename T> const char* run(const CrossEntropyParams& p) {
         continue;
       }
       load_row(static_cast<const T*>(p.logits) + i * p.logits_stride, v, x.data());
+      // The max may skip a NaN logit; its exponential below is NaN all the same, and so is the row.
       float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
       for (int64_t j = 0; j < v; ++j) m = std::max(m, x[j]);
       // e_j = exp(x_j - m) in (0, 1] (exp_f32: vectorized, within 1 ulp of expf), kept for the
       // gradient (softmax_j = e_j / s); the sums in f64 (10^5 terms keep their digits).
       for (int64_t j = 0; j < v; ++j) e[j] = kernel::exp_f32(x[j] - m);
       double s = 0.0, sx = 0.0;
+#pragma omp simd reduction(+ : s, sx)
       for (int64_t j = 0; j < v; ++j) {
         s += e[j];
         sx += x[j];

@@ -1,5 +1,7 @@
 // Cross-entropy kernel against the f64 oracle, held to DESIGN.md's bound: at most twice the error of
 // the eager reference (ops::cross_entropy_*) in the same precision, and within the dtype's table.
+#include <limits>
+
 #include "cross_entropy.h"
 #include "kernel_params.h"
 #include "oracle.h"
@@ -99,6 +101,20 @@ TEST_P(LigerCrossEntropy, EdgeCasesAndBadInput) {
     ASSERT_EQ(k.run(p), nullptr);
     EXPECT_TRUE(std::isnan(k.loss.item()));
     EXPECT_EQ(counter.item(), 1.0);
+  }
+  // A NaN logit makes its row's loss and gradient NaN (as PyTorch), and only that row's.
+  std::vector<double> lv(2 * 40, 0.25);
+  lv[40 + 17] = std::numeric_limits<double>::quiet_NaN();
+  const Tensor with_nan = Tensor::from_f64(lv, {2, 40}, DType::bf16, dev);
+  const std::vector<int64_t> t2 = {1, 2};
+  ASSERT_EQ(k.run(k.params(with_nan, Tensor::from_i64(t2, {2}, DType::i64, dev), {-100, ops::Reduction::None, 0.0}, false)),
+            nullptr);
+  const auto rl = k.loss.to_f64_vector(), gv = k.grad.to_f64_vector();
+  EXPECT_FALSE(std::isnan(rl[0]));
+  EXPECT_TRUE(std::isnan(rl[1]));
+  for (int j = 0; j < 40; ++j) {
+    EXPECT_FALSE(std::isnan(gv[j])) << "row 0, column " << j;
+    EXPECT_TRUE(std::isnan(gv[40 + j])) << "row 1, column " << j;
   }
   auto expect_error = [&](const liger::CrossEntropyParams& b, const char* needle) {
     EXPECT_TRUE(test::kernel_error_contains(k.run(b), needle));
