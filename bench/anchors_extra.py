@@ -64,8 +64,35 @@ def bench_add_rms_norm():
               f"  peak {peak(fwbw):8.1f} MiB")
 
 
+def bench_layer_norm():
+    n, hdim = 8192, 4096
+    unit = n * hdim * 2 / 1e9  # as RMSNorm: forward 2 units, backward 3
+
+    def ln(x, w, b):
+        return F.layer_norm(x, (hdim,), w, b, 1e-5)
+
+    for impl, f in (("eager", ln), ("compile", torch.compile(ln))):
+        x = torch.randn(n, hdim, dtype=torch.bfloat16, device="cuda")
+        w = torch.randn(hdim, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(hdim, dtype=torch.bfloat16, device="cuda")
+        dy = torch.randn_like(x)
+        ms = bench(lambda: f(x, w, b))
+        print(f"{'layer_norm fwd':24s} {impl:10s} {ms:9.4f} ms {2 * unit / (ms / 1e3):8.0f} GB/s")
+        xg, wg, bg = x.clone().requires_grad_(True), w.clone().requires_grad_(True), b.clone().requires_grad_(True)
+
+        def fwbw():
+            f(xg, wg, bg).backward(dy)
+            xg.grad = wg.grad = bg.grad = None
+
+        fwbw()
+        ms = bench(fwbw)
+        print(f"{'layer_norm fwd+bwd':24s} {impl:10s} {ms:9.4f} ms {5 * unit / (ms / 1e3):8.0f} GB/s"
+              f"  peak {peak(fwbw):8.1f} MiB")
+
+
 def main():
     torch.manual_seed(0)
+    bench_layer_norm()
     bench_add_rms_norm()
     for name, fn, xw, fb, bb in (("silu_and_mul", silu_and_mul, 2 * I, 3, 5), ("gelu_tanh", gelu_tanh, I, 2, 3)):
         for impl, f in (("eager", fn), ("compile", torch.compile(fn))):

@@ -26,6 +26,8 @@
 #include "kernel_params.h"
 #include "rms_norm/rms_norm.h"
 #include "rms_norm/rms_norm_tuning.h"
+#include "layer_norm/layer_norm.h"
+#include "ops/nn/layer_norm.h"
 #include "glu/glu_tuning.h"
 #include "rope/rope_tuning.h"
 #include "activation_kernels.h"
@@ -144,6 +146,46 @@ void bench_rms_norm() {
     check(liger::rms_norm_forward_cuda(q, cuda::current_stream()));
     row("rmsnorm bwd", "kcpp", [&] { check(liger::rms_norm_backward_cuda(q, cuda::current_stream())); }, bb);
   }
+}
+
+// LayerNorm with bias at RMSNorm's shape; bytes counted as for RMSNorm (forward 2 x N x H x 2 B,
+// backward 3 x N x H x 2 B).
+void bench_layer_norm() {
+  const int64_t bt = 8192, h = 4096;
+  Generator gen(8);
+  const Tensor x = Tensor::randn({bt, h}, DType::bf16, kDev, gen), w = Tensor::randn({h}, DType::bf16, kDev, gen);
+  const Tensor b = Tensor::randn({h}, DType::bf16, kDev, gen), dy = Tensor::randn({bt, h}, DType::bf16, kDev, gen);
+  const double fb = 2.0 * bt * h * 2 / 1e9, bb = 3.0 * bt * h * 2 / 1e9;
+  row("layernorm fwd", "reference", [&] { ops::layer_norm_forward(x, w, b); }, fb);
+  row("layernorm fwd+bwd", "reference", [&] {
+    const auto f = ops::layer_norm_forward(x, w, b);
+    ops::layer_norm_backward(dy, x, w, f.mean, f.rstd, true);
+  }, fb + bb);
+  auto forward = [&](liger::LayerNormParams& p, Tensor& y, Tensor& mean, Tensor& rstd) {
+    y = Tensor::empty({bt, h}, DType::bf16, kDev);
+    mean = Tensor::empty({bt}, DType::f32, kDev);
+    rstd = Tensor::empty({bt}, DType::f32, kDev);
+    p.dtype = kernel::DType::bf16, p.rows = bt, p.hidden = h, p.x = x.data(), p.x_stride = h;
+    p.w = w.data(), p.b = b.data(), p.y = y.data(), p.y_stride = h;
+    p.mean = static_cast<float*>(mean.data()), p.rstd = static_cast<float*>(rstd.data());
+    check(liger::layer_norm_forward_cuda(p, cuda::current_stream()));
+  };
+  row("layernorm fwd", "kcpp", [&] {
+    liger::LayerNormParams p;
+    Tensor y, mean, rstd;
+    forward(p, y, mean, rstd);
+  }, fb);
+  row("layernorm fwd+bwd", "kcpp", [&] {
+    liger::LayerNormParams p;
+    Tensor y, mean, rstd;
+    forward(p, y, mean, rstd);
+    const Tensor dx = Tensor::empty({bt, h}, DType::bf16, kDev), dw = Tensor::empty({h}, DType::bf16, kDev);
+    const Tensor db = Tensor::empty({h}, DType::bf16, kDev);
+    p.dy = dy.data(), p.dy_stride = h, p.dx = dx.data(), p.dx_stride = h, p.dw = dw.data(), p.db = db.data();
+    const Tensor ws = Tensor::empty({static_cast<int64_t>(liger::layer_norm_backward_workspace(p, 0))}, DType::u8, kDev);
+    p.workspace = ws.data();
+    check(liger::layer_norm_backward_cuda(p, cuda::current_stream()));
+  }, fb + bb);
 }
 
 void bench_swiglu() {
@@ -440,6 +482,7 @@ int main(int argc, char** argv) {
     }
     bench_copy();
     if (want("rms_norm")) bench_rms_norm();
+    if (want("layer_norm")) bench_layer_norm();
     if (want("swiglu")) bench_swiglu();
     if (want("rope")) bench_rope();
     if (want("cross_entropy")) bench_cross_entropy();

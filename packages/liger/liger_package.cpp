@@ -2,6 +2,7 @@
 //
 //   LigerRMSNorm          RMSNorm/1           rms_norm/rms_norm.h
 //   LigerAddRMSNorm       AddRMSNorm/1        rms_norm/rms_norm.h (the residual fused in)
+//   LigerLayerNorm        LayerNorm/1         layer_norm/layer_norm.h
 //   LigerGLU              GLU/1               glu/glu.h        (SwiGLU, GeGLU exact / tanh, QuickGELU-GLU)
 //   LigerRotaryEmbedding  rotary_pos_emb/1    rope/rope.h
 //   LigerCrossEntropy     CrossEntropyLoss/1  cross_entropy/cross_entropy.h
@@ -11,6 +12,7 @@
 // struct and runs the CPU or CUDA kernel on the context's stream.  Nothing here synchronizes with the
 // host.  supports() runs the same argument checks without running anything, so a refusal and its
 // reason are exactly what the call would have said.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
@@ -19,6 +21,7 @@
 #include "glu/glu.h"
 #include "kcpp/abi.h"
 #include "kcpp/kernel/abi_args.h"
+#include "layer_norm/layer_norm.h"
 #include "rms_norm/rms_norm.h"
 #include "rope/rope.h"
 
@@ -171,6 +174,96 @@ template <bool Add> kcpp_status rms_norm_backward(kcpp_context* ctx, const kcpp_
 #endif
   if (!c.ok()) return c.status();
   return LIGER_RUN(c, lg::rms_norm_backward, p);
+}
+
+// ---- LayerNorm/1 ---------------------------------------------------------------------------------
+
+bool layer_norm_args(kk::Call& c, bool bwd, lg::LayerNormParams& p) {
+  c.device_in(kCuda);
+  DLTensor* x = c.tensor("x");
+  DLTensor* w = c.tensor("weight");
+  DLTensor* b = bwd ? nullptr : c.tensor("bias", false);
+  p.eps = static_cast<float>(c.real("eps", 1e-5));
+  int64_t rows = 0, h = 0, r2 = 0, h2 = 0;
+  c.float_dtype(x, "x", &p.dtype);
+  c.rows(x, "x", &rows, &h, &p.x_stride);
+  for (const auto& [t, n] : {std::pair{w, "weight"}, std::pair{b, "bias"}}) {
+    if (!t) continue;
+    c.same_dtype(t, n, x, "x");
+    c.ndim(t, n, 1);
+    if (c.ok() && t->shape[0] != h)
+      c.require(false, "tensor '%s' has %lld elements but 'x' rows have %lld", n, static_cast<long long>(t->shape[0]),
+                static_cast<long long>(h));
+    c.row_major(t, n);
+  }
+  if (c.ok() && h == 0) c.require(false, "tensor 'x' has an empty last dim");
+  if (c.ok() && !(std::isfinite(p.eps) && p.eps >= 0)) c.require(false, "argument 'eps' must be finite and >= 0");
+  if (!c.ok()) return false;
+  p.rows = rows, p.hidden = h, p.x = kk::data_ptr(x), p.w = kk::data_ptr(w);
+  if (b) p.b = kk::data_ptr(b);
+  DLTensor* mean = c.tensor("mean", bwd);
+  DLTensor* rstd = c.tensor("rstd", bwd);
+  f32_vector(c, mean, "mean", rows);
+  f32_vector(c, rstd, "rstd", rows);
+  if (mean && c.ok()) p.mean = static_cast<float*>(kk::data_ptr(mean));
+  if (rstd && c.ok()) p.rstd = static_cast<float*>(kk::data_ptr(rstd));
+  if (!bwd) {
+    DLTensor* y = c.tensor("y");
+    c.same_dtype(y, "y", x, "x");
+    c.same_shape(y, "y", x, "x");
+    if (c.rows(y, "y", &r2, &h2, &p.y_stride)) p.y = kk::data_ptr(y);
+    if (c.ok() && (!mean || !rstd) && (c.context()->mode & KCPP_MODE_TRAINING))
+      c.require(false, "missing tensor arguments 'mean' and 'rstd' (required in training mode: backward needs them)");
+    return c.ok();
+  }
+  DLTensor* dy = c.tensor("dy");
+  DLTensor* dx = c.tensor("dx");
+  c.same_dtype(dy, "dy", x, "x");
+  c.same_shape(dy, "dy", x, "x");
+  c.same_dtype(dx, "dx", x, "x");
+  c.same_shape(dx, "dx", x, "x");
+  if (c.rows(dy, "dy", &r2, &h2, &p.dy_stride)) p.dy = kk::data_ptr(dy);
+  if (c.rows(dx, "dx", &r2, &h2, &p.dx_stride)) p.dx = kk::data_ptr(dx);
+  if (c.ok() && p.dx == p.dy && p.dx_stride != p.dy_stride) c.require(false, "in-place 'dx' must have the strides of 'dy'");
+  for (const auto& [n, out] : {std::pair{"dweight", &p.dw}, std::pair{"dbias", &p.db}}) {
+    DLTensor* t = c.tensor(n, false);
+    if (!t) continue;
+    c.same_dtype(t, n, w, "weight");
+    c.same_shape(t, n, w, "weight");
+    c.row_major(t, n);
+    if (c.ok()) *out = kk::data_ptr(t);
+  }
+  return c.ok();
+}
+
+kcpp_status layer_norm_supports(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
+  kk::Call c(ctx, args, n, "LigerLayerNorm");
+  lg::LayerNormParams p;
+  layer_norm_args(c, c.find("dy") != nullptr, p);
+  return c.status();
+}
+
+kcpp_status layer_norm_forward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
+  kk::Call c(ctx, args, n, "LigerLayerNorm.forward");
+  lg::LayerNormParams p;
+  if (!layer_norm_args(c, false, p)) return c.status();
+  const size_t stats = static_cast<size_t>(p.rows > 0 ? p.rows : 1) * sizeof(float);
+  if (!p.mean) p.mean = static_cast<float*>(c.workspace(stats));
+  if (!p.rstd) p.rstd = static_cast<float*>(c.workspace(stats));
+  if (!c.ok()) return c.status();
+  return LIGER_RUN(c, lg::layer_norm_forward, p);
+}
+
+kcpp_status layer_norm_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
+  kk::Call c(ctx, args, n, "LigerLayerNorm.backward");
+  lg::LayerNormParams p;
+  if (!layer_norm_args(c, true, p)) return c.status();
+  if (!p.dw) p.dw = c.workspace(static_cast<size_t>(p.hidden) * static_cast<size_t>(kk::dtype_bytes(p.dtype)));
+#if KCPP_WITH_CUDA
+  if (c.on_cuda() && c.ok()) p.workspace = c.workspace(std::max<size_t>(1, lg::layer_norm_backward_workspace(p, ctx->device.device_id)));
+#endif
+  if (!c.ok()) return c.status();
+  return LIGER_RUN(c, lg::layer_norm_backward, p);
 }
 
 // ---- GLU/1 ---------------------------------------------------------------------------------------
@@ -470,6 +563,9 @@ const kcpp_layer kLayers[] = {
     {sizeof(kcpp_layer), kModes, kDevices, 0, "LigerAddRMSNorm", "AddRMSNorm/1",
      "residual add + RMSNorm in one pass (residual_out written, may overwrite x or residual); backward adds dresidual_out",
      rms_norm_supports<true>, rms_norm_forward<true>, rms_norm_backward<true>},
+    {sizeof(kcpp_layer), kModes, kDevices, 0, "LigerLayerNorm", "LayerNorm/1",
+     "LayerNorm (weight, optional bias), two-pass statistics in f32; saves mean and rstd; deterministic dweight / dbias",
+     layer_norm_supports, layer_norm_forward, layer_norm_backward},
     {sizeof(kcpp_layer), kModes, kDevices, 0, "LigerGLU", "GLU/1",
      "act(gate) * up for silu / gelu / gelu_tanh / quick_gelu; backward recomputes act, may overwrite gate and up",
      glu_supports, glu_forward, glu_backward},

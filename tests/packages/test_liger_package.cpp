@@ -32,6 +32,7 @@ TEST_P(LigerPackage, TableNamesEveryLayerAndContract) {
   EXPECT_STREQ(pkg->table().name, "liger");
   const std::pair<const char*, const char*> expect[] = {{"LigerRMSNorm", "RMSNorm/1"},
                                                         {"LigerAddRMSNorm", "AddRMSNorm/1"},
+                                                        {"LigerLayerNorm", "LayerNorm/1"},
                                                         {"LigerGLU", "GLU/1"},
                                                         {"LigerRotaryEmbedding", "rotary_pos_emb/1"},
                                                         {"LigerCrossEntropy", "CrossEntropyLoss/1"}};
@@ -160,6 +161,49 @@ TEST_P(LigerPackage, RMSNormOptionalOutputsAndRefusals) {
     EXPECT_FALSE(s.ok());
     EXPECT_NE(s.message.find("cuda"), std::string::npos) << s.message;
   }
+}
+
+// ---- LayerNorm/1 --------------------------------------------------------------------------------
+
+TEST_P(LigerPackage, LayerNormMatchesTheOracle) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const KernelLayer norm = layer("LigerLayerNorm");
+  for (DType dt : {DType::f32, DType::bf16})
+    for (int64_t h : {1, 7, 4096, 4097})
+      for (bool bias : {false, true}) {
+        const std::string cfg = fmt::format("{} h={} bias={}", test::config_name(dev, dt), h, bias);
+        const Tensor x = Tensor::randn({2, 3, h}, dt, dev, gen, 1.0, 2.0), w = Tensor::randn({h}, dt, dev, gen);
+        const Tensor b = bias ? Tensor::randn({h}, dt, dev, gen) : Tensor();
+        const Tensor dy = Tensor::randn({2, 3, h}, dt, dev, gen), y = Tensor::empty({2, 3, h}, dt, dev);
+        const Tensor mean = Tensor::empty({6}, DType::f32, dev), rstd = Tensor::empty({6}, DType::f32, dev);
+        KernelArgs f;
+        f.tensor("x", x).tensor("weight", w).tensor("bias", b).real("eps", 1e-5).tensor("y", y);
+        f.tensor("mean", mean).tensor("rstd", rstd);
+        norm.forward(f, dev, test::kTraining);
+        const auto xv = x.to_f64_vector(), wv = w.to_f64_vector();
+        const auto fo = oracle::layer_norm(xv, wv, bias ? b.to_f64_vector() : oracle::V{}, 6, h, 1e-5);
+        EXPECT_LE(test::rel_l2_error(y, fo.y), test::composite_rel_l2(dt)) << cfg << " y";
+        EXPECT_LE(test::rel_l2_error(mean, fo.mean), 1e-5) << cfg << " mean";
+        const auto bo = oracle::layer_norm_backward(dy.to_f64_vector(), xv, wv, 6, h, 1e-5);
+        const Tensor dx = Tensor::empty({2, 3, h}, dt, dev), dw = Tensor::empty({h}, dt, dev), db = Tensor::empty({h}, dt, dev);
+        KernelArgs bw;
+        bw.tensor("dy", dy).tensor("x", x).tensor("weight", w).tensor("mean", mean).tensor("rstd", rstd);
+        bw.tensor("dx", dx).tensor("dweight", dw).tensor("dbias", db);
+        norm.backward(bw, dev, test::kTraining);
+        EXPECT_TRUE(test::close_l2_mag(dx, bo.dx, bo.dx_mag, test::composite_rel_l2(dt))) << cfg << " dx";
+        EXPECT_TRUE(test::close_l2_mag(dw, bo.dw, bo.dw_mag, test::composite_rel_l2(dt))) << cfg << " dweight";
+        EXPECT_LE(test::rel_l2_error(db, bo.db), test::composite_rel_l2(dt)) << cfg << " dbias";
+      }
+  const Tensor x = Tensor::randn({3, 8}, DType::bf16, dev, gen), w = Tensor::randn({8}, DType::bf16, dev, gen);
+  KernelArgs no_stats;
+  no_stats.tensor("x", x).tensor("weight", w).tensor("y", Tensor::empty({3, 8}, DType::bf16, dev));
+  EXPECT_TRUE(test::refused(norm.supports(no_stats, dev, test::kTraining), KCPP_ERROR_INVALID_ARGUMENT, "'mean' and 'rstd'"));
+  KernelArgs bad_bias;
+  bad_bias.tensor("x", x).tensor("weight", w).tensor("bias", Tensor::zeros({9}, DType::bf16, dev));
+  bad_bias.tensor("y", Tensor::empty({3, 8}, DType::bf16, dev));
+  EXPECT_TRUE(test::refused(norm.supports(bad_bias, dev, test::kInference), KCPP_ERROR_INVALID_ARGUMENT, "'bias' has 9"));
 }
 
 // ---- AddRMSNorm/1 -----------------------------------------------------------------------------

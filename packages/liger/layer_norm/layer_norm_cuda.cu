@@ -1,0 +1,259 @@
+// LayerNorm on CUDA (maths in layer_norm.h).
+//
+// Forward: one block per row (blocks striding over rows).  Rows up to 256 threads x ITEMS (1, 2 or 4)
+// 16-byte vectors are held in registers, so x is read once; the mean and then the variance around
+// it are two block reductions over those registers.  Wider or unaligned rows take the loop path,
+// which re-reads the row (from L2) for the variance and for the output.
+// Backward: a persistent grid; per row, one pass for the two sums (g and g * xhat), one writing dx
+// and adding dy * xhat and dy into the block's own dw / db rows of the workspace (each column has
+// one owner thread: no atomics); reduce_rows then adds the blocks' rows in block order.
+#include <algorithm>
+
+#include "kcpp/kernel/cuda.cuh"
+#include "layer_norm.h"
+
+namespace kcpp::liger {
+namespace {
+
+using namespace kcpp::kernel::cuda;
+using kcpp::kernel::DType;
+
+constexpr int kThreads = 256;
+constexpr int kBackwardBlocksPerSm = 4;
+
+template <typename T, int VEC> __device__ __forceinline__ void widen(const Vec<T, VEC>& v, float (&out)[VEC]) {
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) out[k] = to_f32(v.v[k]);
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void write_out(const LayerNormParams& p, T* y, int64_t c, const float (&x)[VEC], float mean,
+                                          float rstd) {
+  float w[VEC], b[VEC], o[VEC];
+  load_f32(static_cast<const T*>(p.w) + c, w);
+  if (p.b) load_f32(static_cast<const T*>(p.b) + c, b);
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) o[k] = (x[k] - mean) * rstd * w[k] + (p.b ? b[k] : 0.0f);
+  store_f32(y + c, o);
+}
+
+template <typename T, int VEC, int ITEMS>
+__global__ void __launch_bounds__(kThreads) forward_registers(const __grid_constant__ LayerNormParams p) {
+  __shared__ float scratch[32];
+  using V = Vec<T, VEC>;
+  const int64_t h = p.hidden;
+  const float inv_h = 1.0f / static_cast<float>(h);
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
+    V v[ITEMS];
+    bool live[ITEMS];
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
+      live[i] = c < h;
+      if (live[i]) v[i] = *reinterpret_cast<const V*>(x + c);
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!live[i]) continue;
+      float f[VEC];
+      widen(v[i], f);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) s += f[k];
+    }
+    const float mean = block_sum(s, scratch) * inv_h;
+    float q = 0.0f;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!live[i]) continue;
+      float f[VEC];
+      widen(v[i], f);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) q += (f[k] - mean) * (f[k] - mean);
+    }
+    const float rstd = rsqrtf(block_sum(q, scratch) * inv_h + p.eps);
+    if (threadIdx.x == 0) p.mean[row] = mean, p.rstd[row] = rstd;
+    T* y = static_cast<T*>(p.y) + row * p.y_stride;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!live[i]) continue;
+      float f[VEC];
+      widen(v[i], f);
+      write_out<T, VEC>(p, y, (int64_t(i) * blockDim.x + threadIdx.x) * VEC, f, mean, rstd);
+    }
+  }
+}
+
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads) forward_loop(const __grid_constant__ LayerNormParams p) {
+  __shared__ float scratch[32];
+  const int64_t h = p.hidden, step = int64_t(blockDim.x) * VEC;
+  const float inv_h = 1.0f / static_cast<float>(h);
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
+    float s = 0.0f;
+    for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
+      float f[VEC];
+      load_f32(x + c, f);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) s += f[k];
+    }
+    const float mean = block_sum(s, scratch) * inv_h;
+    float q = 0.0f;
+    for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
+      float f[VEC];
+      load_f32(x + c, f);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) q += (f[k] - mean) * (f[k] - mean);
+    }
+    const float rstd = rsqrtf(block_sum(q, scratch) * inv_h + p.eps);
+    if (threadIdx.x == 0) p.mean[row] = mean, p.rstd[row] = rstd;
+    T* y = static_cast<T*>(p.y) + row * p.y_stride;
+    for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
+      float f[VEC];
+      load_f32(x + c, f);
+      write_out<T, VEC>(p, y, c, f, mean, rstd);
+    }
+  }
+}
+
+// part: this block's [2, h] rows of the workspace (dw, then db), zeroed here.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads) backward_loop(const __grid_constant__ LayerNormParams p) {
+  __shared__ float scratch[32];
+  const int64_t h = p.hidden, step = int64_t(blockDim.x) * VEC;
+  const float inv_h = 1.0f / static_cast<float>(h);
+  float* dw = static_cast<float*>(p.workspace) + int64_t(blockIdx.x) * 2 * h;
+  float* db = dw + h;
+  for (int64_t c = threadIdx.x * VEC; c < h; c += step)
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) dw[c + k] = db[c + k] = 0.0f;  // each column: one owner thread
+  const T* wp = static_cast<const T*>(p.w);
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
+    const T* dy = static_cast<const T*>(p.dy) + row * p.dy_stride;
+    const float mean = p.mean[row], rstd = p.rstd[row];
+    float sg = 0.0f, sgx = 0.0f;
+    for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
+      float xv[VEC], dv[VEC], w[VEC];
+      load_f32(x + c, xv);
+      load_f32(dy + c, dv);
+      load_f32(wp + c, w);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float g = dv[k] * w[k];
+        sg += g;
+        sgx += g * (xv[k] - mean) * rstd;
+      }
+    }
+    const float mg = block_sum(sg, scratch) * inv_h, mgx = block_sum(sgx, scratch) * inv_h;
+    T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
+    for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
+      float xv[VEC], dv[VEC], w[VEC], o[VEC];
+      load_f32(x + c, xv);
+      load_f32(dy + c, dv);
+      load_f32(wp + c, w);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float xh = (xv[k] - mean) * rstd;
+        o[k] = rstd * (dv[k] * w[k] - mg - xh * mgx);
+        dw[c + k] += dv[k] * xh;
+        db[c + k] += dv[k];
+      }
+      store_f32(dx + c, o);
+    }
+  }
+}
+
+// out[c] = sum over blocks of part rows (row `which` of each block's pair), in block order.
+template <typename T> __global__ void reduce_rows(const float* part, int blocks, int64_t h, int which, T* out) {
+  for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < h; c += int64_t(gridDim.x) * blockDim.x) {
+    float s = 0.0f;
+    for (int b = 0; b < blocks; ++b) s += part[(int64_t(b) * 2 + which) * h + c];
+    out[c] = from_f32<T>(s);
+  }
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+int vec_for(const LayerNormParams& p, bool backward) {
+  const int vec = 16 / kcpp::kernel::dtype_bytes(p.dtype);
+  bool ok = p.hidden % vec == 0 && aligned16(p.x) && aligned16(p.w) && (!p.b || aligned16(p.b)) && p.x_stride % vec == 0;
+  if (backward) ok = ok && aligned16(p.dy) && aligned16(p.dx) && p.dy_stride % vec == 0 && p.dx_stride % vec == 0;
+  else ok = ok && aligned16(p.y) && p.y_stride % vec == 0;
+  return ok ? vec : 1;
+}
+
+int backward_blocks(const LayerNormParams& p, int device) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.rows, int64_t(sm_count(device)) * kBackwardBlocksPerSm)));
+}
+
+template <typename F> const char* visit_type(DType t, F&& f) {
+  switch (t) {
+    case DType::f32: return f(static_cast<float*>(nullptr));
+    case DType::bf16: return f(static_cast<__nv_bfloat16*>(nullptr));
+    case DType::f16: return f(static_cast<__half*>(nullptr));
+  }
+  return "layer_norm: unknown dtype";
+}
+
+}  // namespace
+
+size_t layer_norm_backward_workspace(const LayerNormParams& p, int device) {
+  if (layer_norm_check(p, true) || p.rows == 0) return 0;
+  return static_cast<size_t>(backward_blocks(p, device)) * 2 * static_cast<size_t>(p.hidden) * sizeof(float);
+}
+
+const char* layer_norm_forward_cuda(const LayerNormParams& p, cudaStream_t stream) {
+  if (const char* e = layer_norm_check(p, false)) return e;
+  if (p.rows == 0) return nullptr;
+  const int vec = vec_for(p, false);
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(p.rows, int64_t(1) << 30));
+  const int64_t nvec = p.hidden / vec;
+  return visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
+    constexpr int V = 16 / sizeof(T);
+    // Registers while the row fits 256 threads x 4 vectors; fewer threads for short rows.
+    const int items = nvec <= kThreads ? 1 : nvec <= 2 * kThreads ? 2 : 4;
+    const int64_t per_item = (nvec + items - 1) / items;
+    const int threads = static_cast<int>(std::min<int64_t>(kThreads, std::max<int64_t>(32, (per_item + 31) / 32 * 32)));
+    if (vec == 1 || nvec > 4 * kThreads) {
+      if (vec == 1) forward_loop<T, 1><<<grid, kThreads, 0, stream>>>(p);
+      else forward_loop<T, V><<<grid, kThreads, 0, stream>>>(p);
+    } else if (items == 1) {
+      forward_registers<T, V, 1><<<grid, threads, 0, stream>>>(p);
+    } else if (items == 2) {
+      forward_registers<T, V, 2><<<grid, threads, 0, stream>>>(p);
+    } else {
+      forward_registers<T, V, 4><<<grid, threads, 0, stream>>>(p);
+    }
+    return launch_error("layer_norm forward");
+  });
+}
+
+const char* layer_norm_backward_cuda(const LayerNormParams& p, cudaStream_t stream) {
+  if (const char* e = layer_norm_check(p, true)) return e;
+  const size_t wbytes = static_cast<size_t>(p.hidden) * kcpp::kernel::dtype_bytes(p.dtype);
+  if (p.rows == 0) {  // the gradients of no rows are zero
+    if (cudaMemsetAsync(p.dw, 0, wbytes, stream) != cudaSuccess || (p.db && cudaMemsetAsync(p.db, 0, wbytes, stream) != cudaSuccess))
+      return "layer_norm backward: cudaMemsetAsync failed";
+    return nullptr;
+  }
+  KCPP_KERNEL_REQUIRE(p.workspace != nullptr,
+                      "layer_norm backward: argument 'workspace' is null (size it with layer_norm_backward_workspace)");
+  int device = 0;
+  cudaGetDevice(&device);
+  const int blocks = backward_blocks(p, device);
+  const int vec = vec_for(p, true);
+  const unsigned rgrid = static_cast<unsigned>(std::min<int64_t>((p.hidden + 255) / 256, 65535));
+  return visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
+    if (vec == 1) backward_loop<T, 1><<<blocks, kThreads, 0, stream>>>(p);
+    else backward_loop<T, 16 / sizeof(T)><<<blocks, kThreads, 0, stream>>>(p);
+    const float* part = static_cast<const float*>(p.workspace);
+    reduce_rows<T><<<rgrid, 256, 0, stream>>>(part, blocks, p.hidden, 0, static_cast<T*>(p.dw));
+    if (p.db) reduce_rows<T><<<rgrid, 256, 0, stream>>>(part, blocks, p.hidden, 1, static_cast<T*>(p.db));
+    return launch_error("layer_norm backward");
+  });
+}
+
+}  // namespace kcpp::liger

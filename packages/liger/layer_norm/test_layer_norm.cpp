@@ -1,0 +1,124 @@
+// LayerNorm kernels against the f64 oracle, held to DESIGN.md's bound: at most twice the error of
+// the eager reference (ops::layer_norm_*) run in the same precision, and within the dtype's table.
+#include "core/cuda_runtime.h"
+#include "kernel_params.h"
+#include "layer_norm.h"
+#include "oracle.h"
+#include "ops/nn/layer_norm.h"
+#include "test_util.h"
+
+namespace kcpp {
+namespace {
+
+using liger::LayerNormParams;
+
+LayerNormParams params(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& mean, const Tensor& rstd) {
+  LayerNormParams p;
+  p.dtype = test::kernel_dtype(x.dtype());
+  p.rows = x.size(0);
+  p.hidden = x.size(1);
+  p.eps = 1e-5f;
+  p.x = x.data(), p.x_stride = x.stride(0);
+  p.w = w.data();
+  if (b.defined()) p.b = b.data();
+  p.mean = static_cast<float*>(mean.data());
+  p.rstd = static_cast<float*>(rstd.data());
+  return p;
+}
+
+// Runs forward, then backward with dx written to `dx_out` (dy itself for the in-place form).
+struct Result {
+  Tensor y, mean, rstd, dx, dw, db;
+};
+Result run(Device dev, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& dy, const Tensor& dx_out) {
+  const int64_t rows = x.size(0), h = x.size(1);
+  Result r{Tensor::empty({rows, h}, x.dtype(), dev), Tensor::empty({rows}, DType::f32, dev), Tensor::empty({rows}, DType::f32, dev),
+        dx_out, Tensor::empty({h}, x.dtype(), dev), b.defined() ? Tensor::empty({h}, x.dtype(), dev) : Tensor()};
+  LayerNormParams p = params(x, w, b, r.mean, r.rstd);
+  p.y = r.y.data(), p.y_stride = r.y.stride(0);
+  test::check(KCPP_CALL_KERNEL(dev, liger::layer_norm_forward, p));
+  p.dy = dy.data(), p.dy_stride = dy.stride(0);
+  p.dx = r.dx.data(), p.dx_stride = r.dx.stride(0);
+  p.dw = r.dw.data();
+  if (r.db.defined()) p.db = r.db.data();
+  Tensor ws;
+#if KCPP_WITH_CUDA
+  if (dev.is_cuda()) {
+    ws = Tensor::empty({std::max<int64_t>(1, static_cast<int64_t>(liger::layer_norm_backward_workspace(p, dev.index)))}, DType::u8, dev);
+    p.workspace = ws.data();
+  }
+#endif
+  test::check(KCPP_CALL_KERNEL(dev, liger::layer_norm_backward, p));
+  return r;
+}
+
+class LigerLayerNorm : public ::testing::TestWithParam<Device> {};
+
+TEST_P(LigerLayerNorm, WithinTwiceTheReferenceError) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  // 1, primes, 4096 (registers), 4097 (unaligned: loop), 40000 (vector loop beyond the registers).
+  for (DType dt : {DType::f32, DType::bf16, DType::f16})
+    for (int64_t h : {1, 7, 111, 4096, 4097, 40000})
+      for (bool bias : {true, false}) {
+        if (h == 40000 && !bias) continue;  // keep CI fast
+        const int64_t rows = h >= 4096 ? 7 : 37;
+        const std::string cfg = fmt::format("{} h={} bias={}", test::config_name(dev, dt), h, bias);
+        // Rows of a wider buffer, an offset mean (the two-pass variance matters there).
+        const Tensor x = Tensor::randn({rows, h + 8}, dt, dev, gen, 3.0, 1.5).narrow(1, 0, h);
+        const Tensor w = Tensor::randn({h}, dt, dev, gen), b = bias ? Tensor::randn({h}, dt, dev, gen) : Tensor();
+        const Tensor dy = Tensor::randn({rows, h}, dt, dev, gen);
+        const auto xv = x.to_f64_vector(), wv = w.to_f64_vector();
+        const auto fo = oracle::layer_norm(xv, wv, bias ? b.to_f64_vector() : oracle::V{}, rows, h, 1e-5);
+        const auto bo = oracle::layer_norm_backward(dy.to_f64_vector(), xv, wv, rows, h, 1e-5);
+        const auto ref = ops::layer_norm_forward(x, w, b, 1e-5);
+        const auto rb = ops::layer_norm_backward(dy, x, w, ref.mean, ref.rstd, bias);
+        const Result got = run(dev, x, w, b, dy, Tensor::empty({rows, h}, dt, dev));
+        const double ey_ref = test::rel_l2_error(ref.y, fo.y), ey = test::rel_l2_error(got.y, fo.y);
+        EXPECT_LE(ey, test::kernel_bound(ey_ref, dt)) << cfg << " y (reference error " << ey_ref << ")";
+        EXPECT_LE(test::rel_l2_error(got.rstd, fo.rstd), test::kernel_bound(test::rel_l2_error(ref.rstd, fo.rstd), DType::f32))
+            << cfg << " rstd";
+        const double edx_ref = test::mag_error(rb.dx, bo.dx, bo.dx_mag), edx = test::mag_error(got.dx, bo.dx, bo.dx_mag);
+        const double edw_ref = test::mag_error(rb.dw, bo.dw, bo.dw_mag), edw = test::mag_error(got.dw, bo.dw, bo.dw_mag);
+        EXPECT_LE(edx, test::kernel_bound(edx_ref, dt)) << cfg << " dx (reference error " << edx_ref << ")";
+        EXPECT_LE(edw, test::kernel_bound(edw_ref, dt)) << cfg << " dw (reference error " << edw_ref << ")";
+        EXPECT_LE(std::max({ey, edx, edw}), test::composite_rel_l2(dt)) << cfg;
+        if (bias) {
+          const double edb_ref = test::rel_l2_error(rb.db, bo.db), edb = test::rel_l2_error(got.db, bo.db);
+          EXPECT_LE(edb, test::kernel_bound(edb_ref, dt)) << cfg << " db (reference error " << edb_ref << ")";
+        }
+      }
+}
+
+TEST_P(LigerLayerNorm, InPlaceBackwardDeterminismAndBadInput) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const Tensor x = Tensor::randn({301, 4096}, DType::bf16, dev, gen), w = Tensor::randn({4096}, DType::bf16, dev, gen);
+  const Tensor b = Tensor::randn({4096}, DType::bf16, dev, gen), dy = Tensor::randn({301, 4096}, DType::bf16, dev, gen);
+  const Result a = run(dev, x, w, b, dy, Tensor::empty({301, 4096}, DType::bf16, dev));
+  const Result a2 = run(dev, x, w, b, dy, Tensor::empty({301, 4096}, DType::bf16, dev));
+  EXPECT_EQ(a.dw.to_f64_vector(), a2.dw.to_f64_vector()) << "dw differs between two runs";
+  EXPECT_EQ(a.db.to_f64_vector(), a2.db.to_f64_vector()) << "db differs between two runs";
+  const Tensor dy2 = dy.clone();
+  const Result c = run(dev, x, w, b, dy2, dy2);
+  EXPECT_EQ(dy2.to_f64_vector(), a.dx.to_f64_vector()) << "in-place dx differs";
+  LayerNormParams p = params(x, w, b, a.mean, a.rstd);
+  p.y = a.y.data(), p.y_stride = 4096;
+  LayerNormParams q = p;
+  q.eps = -1.0f;
+  EXPECT_TRUE(test::kernel_error_contains(KCPP_CALL_KERNEL(dev, liger::layer_norm_forward, q), "eps must be finite"));
+  q = p;
+  q.y = nullptr;
+  EXPECT_TRUE(test::kernel_error_contains(KCPP_CALL_KERNEL(dev, liger::layer_norm_forward, q), "'y' is null"));
+  q = p;
+  q.x_stride = 5;
+  EXPECT_TRUE(test::kernel_error_contains(KCPP_CALL_KERNEL(dev, liger::layer_norm_forward, q), "row stride"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, LigerLayerNorm, ::testing::Values(Device::cpu(), Device::cuda(0)),
+                         [](const auto& info) { return info.param.is_cpu() ? std::string("cpu") : std::string("cuda"); });
+
+}  // namespace
+}  // namespace kcpp
