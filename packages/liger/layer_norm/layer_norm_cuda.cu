@@ -5,8 +5,8 @@
 // it are two block reductions over those registers.  Wider or unaligned rows take the loop path,
 // which re-reads the row (from L2) for the variance and for the output.
 // Backward: a persistent grid; per row, one pass for the two sums (g and g * xhat), one writing dx
-// and adding dy * xhat and dy into the block's own dw / db rows of the workspace (each column has
-// one owner thread: no atomics); reduce_rows then adds the blocks' rows in block order.
+// and adding dy * xhat and dy into the block's own dw / db sums (shared memory; each column has one
+// owner thread: no atomics); reduce_rows then adds the blocks' sums in block order, in f64.
 #include <algorithm>
 
 #include "kcpp/kernel/cuda.cuh"
@@ -118,13 +118,17 @@ __global__ void __launch_bounds__(kThreads) forward_loop(const __grid_constant__
   }
 }
 
-// part: this block's [2, h] rows of the workspace (dw, then db), zeroed here.
-template <typename T, int VEC>
+// The block's dw / db sums live in shared memory when 2 x h floats fit (SMEM), else directly in its
+// [2, h] rows of the workspace (a read-modify-write per element and row: slow, only for h > 6144);
+// either way they end in the workspace rows, which reduce_rows adds.
+template <typename T, int VEC, bool SMEM>
 __global__ void __launch_bounds__(kThreads) backward_loop(const __grid_constant__ LayerNormParams p) {
   __shared__ float scratch[32];
+  extern __shared__ float sums_smem[];
   const int64_t h = p.hidden, step = int64_t(blockDim.x) * VEC;
   const float inv_h = 1.0f / static_cast<float>(h);
-  float* dw = static_cast<float*>(p.workspace) + int64_t(blockIdx.x) * 2 * h;
+  float* out_rows = static_cast<float*>(p.workspace) + int64_t(blockIdx.x) * 2 * h;
+  float* dw = SMEM ? sums_smem : out_rows;
   float* db = dw + h;
   for (int64_t c = threadIdx.x * VEC; c < h; c += step)
 #pragma unroll
@@ -164,14 +168,18 @@ __global__ void __launch_bounds__(kThreads) backward_loop(const __grid_constant_
       store_f32(dx + c, o);
     }
   }
+  if constexpr (SMEM)
+    for (int64_t c = threadIdx.x * VEC; c < h; c += step)
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) out_rows[c + k] = dw[c + k], out_rows[h + c + k] = db[c + k];
 }
 
 // out[c] = sum over blocks of part rows (row `which` of each block's pair), in block order.
 template <typename T> __global__ void reduce_rows(const float* part, int blocks, int64_t h, int which, T* out) {
   for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < h; c += int64_t(gridDim.x) * blockDim.x) {
-    float s = 0.0f;
+    double s = 0.0;  // up to a few hundred partial sums: f64 keeps the order's rounding out of the result
     for (int b = 0; b < blocks; ++b) s += part[(int64_t(b) * 2 + which) * h + c];
-    out[c] = from_f32<T>(s);
+    out[c] = from_f32<T>(static_cast<float>(s));
   }
 }
 
@@ -246,9 +254,17 @@ const char* layer_norm_backward_cuda(const LayerNormParams& p, cudaStream_t stre
   const int blocks = backward_blocks(p, device);
   const int vec = vec_for(p, true);
   const unsigned rgrid = static_cast<unsigned>(std::min<int64_t>((p.hidden + 255) / 256, 65535));
+  const bool smem = 2 * p.hidden * int64_t(sizeof(float)) <= 48 * 1024;
+  const size_t smem_bytes = smem ? 2 * static_cast<size_t>(p.hidden) * sizeof(float) : 0;
   return visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
-    if (vec == 1) backward_loop<T, 1><<<blocks, kThreads, 0, stream>>>(p);
-    else backward_loop<T, 16 / sizeof(T)><<<blocks, kThreads, 0, stream>>>(p);
+    constexpr int V = 16 / sizeof(T);
+    if (smem) {
+      if (vec == 1) backward_loop<T, 1, true><<<blocks, kThreads, smem_bytes, stream>>>(p);
+      else backward_loop<T, V, true><<<blocks, kThreads, smem_bytes, stream>>>(p);
+    } else {
+      if (vec == 1) backward_loop<T, 1, false><<<blocks, kThreads, 0, stream>>>(p);
+      else backward_loop<T, V, false><<<blocks, kThreads, 0, stream>>>(p);
+    }
     const float* part = static_cast<const float*>(p.workspace);
     reduce_rows<T><<<rgrid, 256, 0, stream>>>(part, blocks, p.hidden, 0, static_cast<T*>(p.dw));
     if (p.db) reduce_rows<T><<<rgrid, 256, 0, stream>>>(part, blocks, p.hidden, 1, static_cast<T*>(p.db));
