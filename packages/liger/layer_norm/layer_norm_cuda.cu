@@ -19,7 +19,6 @@ using namespace kcpp::kernel::cuda;
 using kcpp::kernel::DType;
 
 constexpr int kThreads = 256;
-constexpr int kBackwardBlocksPerSm = 4;
 
 template <typename T, int VEC> __device__ __forceinline__ void widen(const Vec<T, VEC>& v, float (&out)[VEC]) {
 #pragma unroll
@@ -174,6 +173,80 @@ __global__ void __launch_bounds__(kThreads) backward_loop(const __grid_constant_
       for (int k = 0; k < VEC; ++k) out_rows[c + k] = dw[c + k], out_rows[h + c + k] = db[c + k];
 }
 
+// Rows of up to 256 threads x ITEMS vectors: x and dy held in registers (read once), the block's dw /
+// db sums in registers too (each thread owns its columns), written to its workspace rows at the end.
+template <typename T, int VEC, int ITEMS>
+__global__ void __launch_bounds__(kThreads) backward_registers(const __grid_constant__ LayerNormParams p) {
+  __shared__ float scratch[32];
+  using V = Vec<T, VEC>;
+  const int64_t h = p.hidden;
+  const float inv_h = 1.0f / static_cast<float>(h);
+  bool live[ITEMS];
+  float dw[ITEMS][VEC], db[ITEMS][VEC];
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    live[i] = (int64_t(i) * blockDim.x + threadIdx.x) * VEC < h;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) dw[i][k] = db[i][k] = 0.0f;
+  }
+  const T* wp = static_cast<const T*>(p.w);
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
+    const T* dy = static_cast<const T*>(p.dy) + row * p.dy_stride;
+    V xv[ITEMS], dv[ITEMS];
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!live[i]) continue;
+      const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
+      xv[i] = *reinterpret_cast<const V*>(x + c);
+      dv[i] = *reinterpret_cast<const V*>(dy + c);
+    }
+    const float mean = p.mean[row], rstd = p.rstd[row];
+    float sg = 0.0f, sgx = 0.0f;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!live[i]) continue;
+      float xf[VEC], df[VEC], w[VEC];
+      widen(xv[i], xf);
+      widen(dv[i], df);
+      load_f32(wp + (int64_t(i) * blockDim.x + threadIdx.x) * VEC, w);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float g = df[k] * w[k];
+        sg += g;
+        sgx += g * (xf[k] - mean) * rstd;
+      }
+    }
+    const float mg = block_sum(sg, scratch) * inv_h, mgx = block_sum(sgx, scratch) * inv_h;
+    T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!live[i]) continue;
+      const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
+      float xf[VEC], df[VEC], w[VEC], o[VEC];
+      widen(xv[i], xf);
+      widen(dv[i], df);
+      load_f32(wp + c, w);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float xh = (xf[k] - mean) * rstd;
+        o[k] = rstd * (df[k] * w[k] - mg - xh * mgx);
+        dw[i][k] += df[k] * xh;
+        db[i][k] += df[k];
+      }
+      store_f32(dx + c, o);
+    }
+  }
+  float* out = static_cast<float*>(p.workspace) + int64_t(blockIdx.x) * 2 * h;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    if (!live[i]) continue;
+    const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) out[c + k] = dw[i][k], out[h + c + k] = db[i][k];
+  }
+}
+
 // out[c] = sum over blocks of part rows (row `which` of each block's pair), in block order.
 template <typename T> __global__ void reduce_rows(const float* part, int blocks, int64_t h, int which, T* out) {
   for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < h; c += int64_t(gridDim.x) * blockDim.x) {
@@ -193,8 +266,45 @@ int vec_for(const LayerNormParams& p, bool backward) {
   return ok ? vec : 1;
 }
 
+using KernelFn = void (*)(LayerNormParams);
+
+// The backward kernel for these params: registers while the row fits 256 threads x 2 vectors (4096
+// bf16 / 2048 f32), else the loop path (sums in shared memory while 2 x h floats fit).
+KernelFn backward_kernel(const LayerNormParams& p, int vec, size_t* smem) {
+  const bool in_smem = 2 * p.hidden * int64_t(sizeof(float)) <= 48 * 1024;
+  *smem = 0;
+  KernelFn fn = nullptr;
+  auto pick = [&]<typename T>(T*) {
+    constexpr int V = 16 / sizeof(T);
+    const int64_t nvec = p.hidden / vec;
+    if (vec > 1 && nvec <= kThreads) fn = backward_registers<T, V, 1>;
+    else if (vec > 1 && nvec <= 2 * kThreads) fn = backward_registers<T, V, 2>;
+    else if (in_smem) {
+      *smem = 2 * static_cast<size_t>(p.hidden) * sizeof(float);
+      fn = vec == 1 ? backward_loop<T, 1, true> : backward_loop<T, V, true>;
+    } else {
+      fn = vec == 1 ? backward_loop<T, 1, false> : backward_loop<T, V, false>;
+    }
+  };
+  switch (p.dtype) {
+    case DType::f32: pick(static_cast<float*>(nullptr)); break;
+    case DType::bf16: pick(static_cast<__nv_bfloat16*>(nullptr)); break;
+    case DType::f16: pick(static_cast<__half*>(nullptr)); break;
+  }
+  return fn;
+}
+
+// Persistent: as many blocks as can be resident (the occupancy API; its answer is per kernel and
+// fixed, so the workspace size and the launch agree).
 int backward_blocks(const LayerNormParams& p, int device) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.rows, int64_t(sm_count(device)) * kBackwardBlocksPerSm)));
+  size_t smem = 0;
+  const KernelFn fn = backward_kernel(p, vec_for(p, true), &smem);
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kThreads, smem) != cudaSuccess || per_sm < 1) {
+    (void)cudaGetLastError();
+    per_sm = 1;
+  }
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.rows, int64_t(sm_count(device)) * per_sm)));
 }
 
 template <typename F> const char* visit_type(DType t, F&& f) {
@@ -254,17 +364,10 @@ const char* layer_norm_backward_cuda(const LayerNormParams& p, cudaStream_t stre
   const int blocks = backward_blocks(p, device);
   const int vec = vec_for(p, true);
   const unsigned rgrid = static_cast<unsigned>(std::min<int64_t>((p.hidden + 255) / 256, 65535));
-  const bool smem = 2 * p.hidden * int64_t(sizeof(float)) <= 48 * 1024;
-  const size_t smem_bytes = smem ? 2 * static_cast<size_t>(p.hidden) * sizeof(float) : 0;
+  size_t smem = 0;
+  const KernelFn fn = backward_kernel(p, vec, &smem);
+  fn<<<blocks, kThreads, smem, stream>>>(p);
   return visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
-    constexpr int V = 16 / sizeof(T);
-    if (smem) {
-      if (vec == 1) backward_loop<T, 1, true><<<blocks, kThreads, smem_bytes, stream>>>(p);
-      else backward_loop<T, V, true><<<blocks, kThreads, smem_bytes, stream>>>(p);
-    } else {
-      if (vec == 1) backward_loop<T, 1, false><<<blocks, kThreads, 0, stream>>>(p);
-      else backward_loop<T, V, false><<<blocks, kThreads, 0, stream>>>(p);
-    }
     const float* part = static_cast<const float*>(p.workspace);
     reduce_rows<T><<<rgrid, 256, 0, stream>>>(part, blocks, p.hidden, 0, static_cast<T*>(p.dw));
     if (p.db) reduce_rows<T><<<rgrid, 256, 0, stream>>>(part, blocks, p.hidden, 1, static_cast<T*>(p.db));
