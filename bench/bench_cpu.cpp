@@ -7,6 +7,7 @@
 
 #include "core/random.h"
 #include "ops/nn/glu.h"
+#include "ops/nn/layer_norm.h"
 #include "ops/nn/rms_norm.h"
 #include "ops/ops.h"
 #include "kernel_params.h"
@@ -288,6 +289,111 @@ BENCHMARK(BM_gelu_tanh_fwd_reference) KCPP_DTYPES;
 BENCHMARK(BM_gelu_tanh_fwd_kernel) KCPP_DTYPES;
 BENCHMARK(BM_gelu_tanh_fwd_bwd_reference) KCPP_DTYPES;
 BENCHMARK(BM_gelu_tanh_fwd_bwd_kernel) KCPP_DTYPES;
+
+// Package "liger" through the ABI: LayerNorm (with bias) and AddRMSNorm at 1024 x 4096, against the
+// eager compositions.  Bytes: LayerNorm as RMSNorm (forward 2, forward + backward 5 units of x);
+// AddRMSNorm forward reads x and residual and writes r and y (4 units), backward reads dy,
+// dresidual_out and r and writes dx (4 units).
+struct NormCase {
+  Tensor x, res, w, b, dy, dres, y, r, mean, rstd, dx, dw, db;
+  nn::KernelLayer layer;
+  bool add;
+  NormCase(DType dt, bool add_rms)
+      : layer(nn::KernelLayer::find(test::built_package("liger"), add_rms ? "LigerAddRMSNorm" : "LigerLayerNorm")),
+        add(add_rms) {
+    Generator gen(6);
+    x = Tensor::randn({kRows, kHidden}, dt, Device::cpu(), gen);
+    res = Tensor::randn({kRows, kHidden}, dt, Device::cpu(), gen);
+    w = Tensor::randn({kHidden}, dt, Device::cpu(), gen);
+    b = Tensor::randn({kHidden}, dt, Device::cpu(), gen);
+    dy = Tensor::randn({kRows, kHidden}, dt, Device::cpu(), gen);
+    dres = Tensor::randn({kRows, kHidden}, dt, Device::cpu(), gen);
+    y = Tensor::empty({kRows, kHidden}, dt);
+    r = Tensor::empty({kRows, kHidden}, dt);
+    dx = Tensor::empty({kRows, kHidden}, dt);
+    dw = Tensor::empty({kHidden}, dt);
+    db = Tensor::empty({kHidden}, dt);
+    mean = Tensor::empty({kRows}, DType::f32);
+    rstd = Tensor::empty({kRows}, DType::f32);
+  }
+  void forward() const {
+    nn::KernelArgs a;
+    if (add) a.tensor("x", x).tensor("residual", res).tensor("residual_out", r);
+    else a.tensor("x", x).tensor("bias", b).tensor("mean", mean);
+    a.tensor("weight", w).tensor("y", y).tensor("rstd", rstd);
+    layer.forward(a, Device::cpu(), KCPP_MODE_TRAINING);
+  }
+  void backward() const {
+    nn::KernelArgs a;
+    if (add) a.tensor("residual_out", r).tensor("dresidual_out", dres);
+    else a.tensor("x", x).tensor("mean", mean).tensor("dbias", db);
+    a.tensor("dy", dy).tensor("weight", w).tensor("rstd", rstd).tensor("dx", dx).tensor("dweight", dw);
+    layer.backward(a, Device::cpu(), KCPP_MODE_TRAINING);
+  }
+  int64_t unit() const { return static_cast<int64_t>(x.nbytes()); }
+};
+
+void BM_layer_norm_fwd_reference(benchmark::State& st) {
+  NormCase c(static_cast<DType>(st.range(0)), false);
+  for (auto _ : st) benchmark::DoNotOptimize(ops::layer_norm_forward(c.x, c.w, c.b).y.data());
+  st.SetBytesProcessed(st.iterations() * 2 * c.unit());
+}
+void BM_layer_norm_fwd_kernel(benchmark::State& st) {
+  NormCase c(static_cast<DType>(st.range(0)), false);
+  for (auto _ : st) c.forward();
+  st.SetBytesProcessed(st.iterations() * 2 * c.unit());
+}
+void BM_layer_norm_fwd_bwd_reference(benchmark::State& st) {
+  NormCase c(static_cast<DType>(st.range(0)), false);
+  for (auto _ : st) {
+    const auto f = ops::layer_norm_forward(c.x, c.w, c.b);
+    benchmark::DoNotOptimize(ops::layer_norm_backward(c.dy, c.x, c.w, f.mean, f.rstd, true).dx.data());
+  }
+  st.SetBytesProcessed(st.iterations() * 5 * c.unit());
+}
+void BM_layer_norm_fwd_bwd_kernel(benchmark::State& st) {
+  NormCase c(static_cast<DType>(st.range(0)), false);
+  for (auto _ : st) {
+    c.forward();
+    c.backward();
+  }
+  st.SetBytesProcessed(st.iterations() * 5 * c.unit());
+}
+void BM_add_rms_norm_fwd_reference(benchmark::State& st) {
+  NormCase c(static_cast<DType>(st.range(0)), true);
+  for (auto _ : st) benchmark::DoNotOptimize(ops::rms_norm_forward(ops::add(c.x, c.res), c.w).y.data());
+  st.SetBytesProcessed(st.iterations() * 4 * c.unit());
+}
+void BM_add_rms_norm_fwd_kernel(benchmark::State& st) {
+  NormCase c(static_cast<DType>(st.range(0)), true);
+  for (auto _ : st) c.forward();
+  st.SetBytesProcessed(st.iterations() * 4 * c.unit());
+}
+void BM_add_rms_norm_fwd_bwd_reference(benchmark::State& st) {
+  NormCase c(static_cast<DType>(st.range(0)), true);
+  for (auto _ : st) {
+    const Tensor r = ops::add(c.x, c.res);
+    const auto f = ops::rms_norm_forward(r, c.w);
+    benchmark::DoNotOptimize(ops::add(ops::rms_norm_backward(c.dy, r, c.w, f.rstd).dx, c.dres).data());
+  }
+  st.SetBytesProcessed(st.iterations() * 8 * c.unit());
+}
+void BM_add_rms_norm_fwd_bwd_kernel(benchmark::State& st) {
+  NormCase c(static_cast<DType>(st.range(0)), true);
+  for (auto _ : st) {
+    c.forward();
+    c.backward();
+  }
+  st.SetBytesProcessed(st.iterations() * 8 * c.unit());
+}
+BENCHMARK(BM_layer_norm_fwd_reference) KCPP_DTYPES;
+BENCHMARK(BM_layer_norm_fwd_kernel) KCPP_DTYPES;
+BENCHMARK(BM_layer_norm_fwd_bwd_reference) KCPP_DTYPES;
+BENCHMARK(BM_layer_norm_fwd_bwd_kernel) KCPP_DTYPES;
+BENCHMARK(BM_add_rms_norm_fwd_reference) KCPP_DTYPES;
+BENCHMARK(BM_add_rms_norm_fwd_kernel) KCPP_DTYPES;
+BENCHMARK(BM_add_rms_norm_fwd_bwd_reference) KCPP_DTYPES;
+BENCHMARK(BM_add_rms_norm_fwd_bwd_kernel) KCPP_DTYPES;
 
 }  // namespace
 
