@@ -94,7 +94,9 @@ const char* cross_entropy_check(const CrossEntropyParams& p) {
                       "cross_entropy: unknown reduction %d", static_cast<int>(p.reduction));
   KCPP_KERNEL_REQUIRE(p.label_smoothing >= 0.0f && p.label_smoothing <= 1.0f,
                       "cross_entropy: label_smoothing %g outside [0, 1]", static_cast<double>(p.label_smoothing));
-  KCPP_KERNEL_REQUIRE(p.logits && p.targets && p.loss, "cross_entropy: 'logits', 'targets' and 'loss' must not be null");
+  // An empty batch may come with null data (no bytes to point at); its loss is still written.
+  KCPP_KERNEL_REQUIRE((p.n == 0 || (p.logits && p.targets)) && (p.loss || (p.n == 0 && p.reduction == CEReduction::None)),
+                      "cross_entropy: 'logits', 'targets' and 'loss' must not be null");
   KCPP_KERNEL_REQUIRE(p.logits_stride >= p.v || p.n <= 1, "cross_entropy: logits row stride %lld < v %lld",
                       static_cast<long long>(p.logits_stride), static_cast<long long>(p.v));
   KCPP_KERNEL_REQUIRE(!p.grad || p.grad_stride >= p.v || p.n <= 1, "cross_entropy: grad row stride %lld < v %lld",

@@ -139,6 +139,8 @@ __global__ void reduce_loss(const __grid_constant__ CrossEntropyParams p, const 
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
+__global__ void empty_loss(float* loss, float value) { *loss = value; }
+
 // dlogits = grad * dloss: blocks stride over rows, threads over VEC-element vectors of a row.
 template <typename T, int VEC> __global__ void __launch_bounds__(256) scale_rows(const __grid_constant__ CEScaleParams p) {
   for (int64_t i = blockIdx.x; i < p.n; i += gridDim.x) {
@@ -187,13 +189,9 @@ const char* cross_entropy_cuda(const CrossEntropyParams& p, cudaStream_t stream)
   KCPP_KERNEL_REQUIRE(p.workspace != nullptr, "cross_entropy: argument 'workspace' is null (see cross_entropy_workspace)");
   float* count = static_cast<float*>(p.workspace);
   float* row_loss = count + 4;
-  if (p.n == 0) {
-    if (p.reduction != CEReduction::None) {
-      const float value = p.reduction == CEReduction::Mean ? NAN : 0.0f;
-      if (cudaMemcpyAsync(p.loss, &value, sizeof value, cudaMemcpyHostToDevice, stream) != cudaSuccess)
-        return "cross_entropy: cudaMemcpyAsync failed";
-    }
-    return nullptr;
+  if (p.n == 0) {  // the mean of no rows is NaN (as PyTorch), their sum 0; a kernel, so graph capture is safe
+    if (p.reduction != CEReduction::None) empty_loss<<<1, 1, 0, stream>>>(p.loss, p.reduction == CEReduction::Mean ? NAN : 0.0f);
+    return launch_error("cross_entropy");
   }
   int device = 0;
   cudaGetDevice(&device);

@@ -102,6 +102,13 @@ TEST_P(LigerCrossEntropy, EdgeCasesAndBadInput) {
     EXPECT_TRUE(std::isnan(k.loss.item()));
     EXPECT_EQ(counter.item(), 1.0);
   }
+  // An empty batch: the mean of no rows is NaN (as PyTorch), the sum 0.
+  for (const ops::Reduction red : {ops::Reduction::Mean, ops::Reduction::Sum}) {
+    const Tensor none = Tensor::empty({0, 8}, DType::bf16, dev);
+    ASSERT_EQ(k.run(k.params(none, Tensor::empty({0}, DType::i64, dev), {-100, red, 0.0}, false)), nullptr);
+    if (red == ops::Reduction::Mean) EXPECT_TRUE(std::isnan(k.loss.item()));
+    else EXPECT_EQ(k.loss.item(), 0.0);
+  }
   // A NaN logit makes its row's loss and gradient NaN (as PyTorch), and only that row's.
   std::vector<double> lv(2 * 40, 0.25);
   lv[40 + 17] = std::numeric_limits<double>::quiet_NaN();

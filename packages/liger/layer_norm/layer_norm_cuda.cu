@@ -8,6 +8,9 @@
 // and adding dy * xhat and dy into the block's own dw / db sums (shared memory; each column has one
 // owner thread: no atomics); reduce_rows then adds the blocks' sums in block order, in f64.
 #include <algorithm>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "kcpp/kernel/cuda.cuh"
 #include "layer_norm.h"
@@ -299,10 +302,22 @@ KernelFn backward_kernel(const LayerNormParams& p, int vec, size_t* smem) {
 int backward_blocks(const LayerNormParams& p, int device) {
   size_t smem = 0;
   const KernelFn fn = backward_kernel(p, vec_for(p, true), &smem);
+  // The query costs host time on every launch and its answer never changes: kept per (kernel, smem, device).
+  static std::mutex mu;
+  static std::map<std::tuple<KernelFn, size_t, int>, int> cache;
+  const auto key = std::make_tuple(fn, smem, device);
   int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kThreads, smem) != cudaSuccess || per_sm < 1) {
-    (void)cudaGetLastError();
-    per_sm = 1;
+  {
+    std::lock_guard lock(mu);
+    if (auto it = cache.find(key); it != cache.end()) per_sm = it->second;
+  }
+  if (per_sm == 0) {
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kThreads, smem) != cudaSuccess || per_sm < 1) {
+      (void)cudaGetLastError();
+      per_sm = 1;
+    }
+    std::lock_guard lock(mu);
+    cache[key] = per_sm;
   }
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.rows, int64_t(sm_count(device)) * per_sm)));
 }
