@@ -69,8 +69,6 @@ __global__ void __launch_bounds__(kThreads) act_kernel(const __grid_constant__ A
   }
 }
 
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
-
 template <bool Bwd> const char* run(const ActParams& p, cudaStream_t stream, const ActConfig& c) {
   if (const char* e = act_check(p, Bwd)) return e;
   KCPP_KERNEL_REQUIRE(c.unroll == 1 || c.unroll == 2 || c.unroll == 4, "activation: unroll %d not in {1, 2, 4}", c.unroll);

@@ -1,4 +1,4 @@
-// Device helpers for kernel packages: 16-byte vector access, float conversion of the storage
+// Device helpers for kernel packages: 16-byte vector access (and the alignment test for it), float conversion of the storage
 // types, warp and block reductions, the launch check.
 #pragma once
 
@@ -29,6 +29,15 @@ template <typename T> __device__ __forceinline__ float round_to(float v) { retur
 template <typename T, int N> struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
+
+// A vector already in registers, widened to f32.
+template <typename T, int N> __device__ __forceinline__ void widen(const Vec<T, N>& v, float (&out)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_f32(v.v[i]);
+}
+
+// True when a pointer allows 16-byte vector access.
+inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
 template <typename T, int N> __device__ __forceinline__ void load_f32(const T* p, float (&out)[N]) {
   const Vec<T, N> v = *reinterpret_cast<const Vec<T, N>*>(p);

@@ -137,8 +137,6 @@ __global__ void reduce_loss(const __grid_constant__ CrossEntropyParams p, const 
   if (threadIdx.x == 0) p.loss[0] = p.reduction == CEReduction::Mean ? s / *count : s;
 }
 
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
-
 __global__ void empty_loss(float* loss, float value) { *loss = value; }
 
 // dlogits = grad * dloss: blocks stride over rows, threads over VEC-element vectors of a row.

@@ -54,8 +54,6 @@ __global__ void __launch_bounds__(256) glu_kernel(const __grid_constant__ GluPar
   }
 }
 
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
-
 template <bool BWD> const char* run(const GluParams& p, cudaStream_t stream, const GluConfig& c) {
   if (const char* e = glu_check(p, BWD)) return e;
   KCPP_KERNEL_REQUIRE(c.unroll == 1 || c.unroll == 2 || c.unroll == 4, "glu: unroll %d not in {1, 2, 4}", c.unroll);

@@ -23,11 +23,6 @@ using kcpp::kernel::DType;
 
 constexpr int kThreads = 256;
 
-template <typename T, int VEC> __device__ __forceinline__ void widen(const Vec<T, VEC>& v, float (&out)[VEC]) {
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) out[k] = to_f32(v.v[k]);
-}
-
 template <typename T, int VEC>
 __device__ __forceinline__ void write_out(const LayerNormParams& p, T* y, int64_t c, const float (&x)[VEC], float mean,
                                           float rstd) {
@@ -258,8 +253,6 @@ template <typename T> __global__ void reduce_rows(const float* part, int blocks,
     out[c] = from_f32<T>(static_cast<float>(s));
   }
 }
-
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
 int vec_for(const LayerNormParams& p, bool backward) {
   const int vec = 16 / kcpp::kernel::dtype_bytes(p.dtype);

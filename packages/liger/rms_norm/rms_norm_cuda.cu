@@ -38,11 +38,6 @@ template <typename T> __device__ __forceinline__ float normed(float x, float rst
   return x * rstd;
 }
 
-template <typename T, int VEC> __device__ __forceinline__ void widen(const Vec<T, VEC>& v, float (&out)[VEC]) {
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) out[k] = to_f32(v.v[k]);
-}
-
 // Column of vector i of this thread.
 template <int VEC> __device__ __forceinline__ int64_t column(int i) {
   return (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
@@ -289,8 +284,6 @@ struct Plan {
   RMSNormConfig config;
   int threads = 32;
 };
-
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
 int round32(int64_t t, int max_threads) {
   return static_cast<int>(std::min<int64_t>(max_threads, std::max<int64_t>(32, (t + 31) / 32 * 32)));

@@ -110,8 +110,6 @@ __global__ void __launch_bounds__(256) rope_kernel(const __grid_constant__ RopeP
   }
 }
 
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
-
 bool operand_vec_ok(const RopeOperand& o, int vec) {
   if (o.heads == 0) return true;
   return aligned16(o.in) && aligned16(o.out) && o.in_stride_b % vec == 0 && o.in_stride_s % vec == 0 &&
