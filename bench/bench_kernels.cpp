@@ -6,6 +6,7 @@
 // included, inputs excluded), as anchors.py measures torch's.
 //
 // Run: build/release/bin/kcpp_bench_kernels [--json FILE] [--only SECTION] [--sweep]
+// Sections: rms_norm layer_norm swiglu rope cross_entropy activation flce.
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -27,6 +28,7 @@
 #include "rms_norm/rms_norm.h"
 #include "rms_norm/rms_norm_tuning.h"
 #include "layer_norm/layer_norm.h"
+#include "fused_linear_ce/fused_linear_ce.h"
 #include "ops/nn/layer_norm.h"
 #include "glu/glu_tuning.h"
 #include "rope/rope_tuning.h"
@@ -286,6 +288,74 @@ void bench_cross_entropy() {
   row("ce fwd+bwd in-place", "kcpp", [&] { call(scratch, scratch); }, gb);
 }
 
+// A compute-bound row: TFLOP/s instead of bandwidth; the peak also without the `grads_mib` of
+// gradients the call returns (the memory bar counts only what is beyond inputs, gradients, loss).
+void flop_row(const std::string& op, const std::string& impl, const std::function<void()>& fn, double tflop,
+              double grads_mib, int reps = 10) {
+  const Timing t = time_op(kDev, fn, 2, reps);
+  const double mib = peak_mib(fn);
+  std::printf("%-24s %-10s %9.3f ms %7.1f TFLOP/s  peak %8.1f MiB (%8.1f MiB beyond the gradients)\n", op.c_str(),
+              impl.c_str(), t.median_ms, tflop / (t.median_ms * 1e-3), mib, mib - grads_mib);
+  g_rows.push_back({{"op", op}, {"impl", impl}, {"ms", t.median_ms}, {"min_ms", t.min_ms},
+                    {"TFLOPs", tflop / (t.median_ms * 1e-3)}, {"peak_MiB", mib}, {"extra_MiB", mib - grads_mib}});
+}
+
+// Fused linear cross-entropy at anchors.py's shape: hidden [8192, 4096], weight [128256, 4096] bf16
+// (scaled 0.02), mean loss, gradients of hidden and weight.  Beside it, the three GEMMs it must do,
+// through cuBLAS on whole (materialized) matrices, timed in this same process: the bar is 1.2x their
+// time; and the eager composition (logits materialized).
+void bench_flce(bool sweep) {
+  const int64_t n = 8192, h = 4096, v = 128256;
+  Generator gen(23);
+  const Tensor x = Tensor::randn({n, h}, DType::bf16, kDev, gen);
+  const Tensor w = Tensor::randn({v, h}, DType::bf16, kDev, gen, 0, 0.02);
+  const Tensor targets = Tensor::randint({n}, 0, v, DType::i64, kDev, gen);
+  const double tflop = 3.0 * 2 * n * h * v / 1e12;
+  const double grads_mib = static_cast<double>((n + v) * h * 2) / (1 << 20);
+  const double logits_mib = static_cast<double>(n * v * 2) / (1 << 20);
+  std::printf("flce: bf16 logits would be %.0f MiB; the bar for extra memory is 25%% of it, %.0f MiB\n", logits_mib,
+              logits_mib / 4);
+  {
+    const Tensor g = Tensor::randn({n, v}, DType::bf16, kDev, gen, 0, 1e-4);  // a gradient-sized operand
+    const Timing t1 = time_op(kDev, [&] { ops::matmul(x, w, false, true); }, 2, 10);
+    const Timing t2 = time_op(kDev, [&] { ops::matmul(g, w); }, 2, 10);
+    const Timing t3 = time_op(kDev, [&] { ops::matmul(g, x, true, false); }, 2, 10);
+    const double ms = t1.median_ms + t2.median_ms + t3.median_ms;
+    std::printf("%-24s %-10s %9.3f ms %7.1f TFLOP/s  (x w^T %.3f, g w %.3f, g^T x %.3f ms)\n", "flce 3 GEMMs", "cublas", ms,
+                tflop / (ms * 1e-3), t1.median_ms, t2.median_ms, t3.median_ms);
+    g_rows.push_back({{"op", "flce 3 GEMMs"}, {"impl", "cublas"}, {"ms", ms}, {"TFLOPs", tflop / (ms * 1e-3)},
+                      {"gemm_ms", {t1.median_ms, t2.median_ms, t3.median_ms}}});
+  }
+  const ops::CrossEntropyOptions opt;
+  flop_row("flce fwd+bwd", "reference", [&] {
+    const Tensor logits = ops::matmul(x, w, false, true);
+    const auto f = ops::cross_entropy_forward(logits, targets, opt);
+    const Tensor g = ops::cross_entropy_backward(Tensor::full({}, 1.0, DType::bf16, kDev), f.log_probs, targets, opt);
+    ops::matmul(g, w);
+    ops::matmul(g, x, true, false);
+  }, tflop, grads_mib, 5);
+  auto run = [&](int64_t chunk, bool accum_f32) {
+    Tensor loss = Tensor::empty({1}, DType::f32, kDev), dx = Tensor::empty({n, h}, DType::bf16, kDev);
+    Tensor dw = Tensor::empty({v, h}, DType::bf16, kDev);
+    liger::FusedLinearCEParams p;
+    p.n = n, p.h = h, p.v = v;
+    p.hidden = x.data(), p.hidden_stride = h, p.weight = w.data(), p.weight_stride = h;
+    p.targets = targets.data();
+    p.loss = static_cast<float*>(loss.data());
+    p.dhidden = dx.data(), p.dhidden_stride = h, p.dweight = dw.data();
+    p.chunk_rows = chunk;
+    p.accum_f32 = accum_f32;
+    Tensor ws = Tensor::empty({static_cast<int64_t>(liger::fused_linear_ce_workspace(p, true))}, DType::u8, kDev);
+    p.workspace = ws.data();
+    check(liger::fused_linear_ce_cuda(p, cuda::current_stream()));
+  };
+  flop_row("flce fwd+bwd", "kcpp", [&] { run(0, false); }, tflop, grads_mib);
+  if (!sweep) return;
+  for (int64_t chunk : {512, 1024, 2048, 4096})
+    flop_row(fmt::format("sweep flce chunk {}", chunk), "kcpp", [&] { run(chunk, false); }, tflop, grads_mib);
+  flop_row("sweep flce accum f32", "kcpp", [&] { run(0, true); }, tflop, grads_mib);
+}
+
 // Every launch configuration of the registers path at the benchmark shape, forward and backward
 // separately: the measurements behind the defaults in rms_norm_cuda.cu.
 void sweep_rms_norm() {
@@ -487,6 +557,7 @@ int main(int argc, char** argv) {
     if (want("rope")) bench_rope();
     if (want("cross_entropy")) bench_cross_entropy();
     if (want("activation")) bench_activation();
+    if (want("flce")) bench_flce(sweep);
     if (sweep) {
       if (want("rms_norm")) sweep_rms_norm();
       if (want("swiglu")) sweep_swiglu();

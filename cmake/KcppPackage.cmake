@@ -4,7 +4,8 @@
 #                    DESCRIPTION "one line"
 #                    SOURCES a.cpp b.cpp            # built into every variant
 #                    CUDA_SOURCES a.cu              # CUDA variant only
-#                    LIBRARIES OpenMP::OpenMP_CXX)  # linked into every variant
+#                    LIBRARIES OpenMP::OpenMP_CXX   # linked into every variant
+#                    CUDA_LIBRARIES CUDA::cublas)   # linked into the CUDA variant only
 #
 # produces, under ${KCPP_PACKAGE_OUTPUT_DIR}/<name>/ (default: <build>/kernels/<name>/):
 #   build/kcpp1-cpu-<arch>-<os>/lib<name>.so          always
@@ -52,7 +53,7 @@ function(_kcpp_package_library target name version out_dir with_cuda)
 endfunction()
 
 function(kcpp_add_package)
-  cmake_parse_arguments(P "" "NAME;VERSION;DESCRIPTION" "SOURCES;CUDA_SOURCES;LIBRARIES;DEFINITIONS" ${ARGN})
+  cmake_parse_arguments(P "" "NAME;VERSION;DESCRIPTION" "SOURCES;CUDA_SOURCES;LIBRARIES;CUDA_LIBRARIES;DEFINITIONS" ${ARGN})
   if(NOT P_NAME OR NOT P_VERSION OR NOT P_SOURCES)
     message(FATAL_ERROR "kcpp_add_package: NAME, VERSION and SOURCES are required")
   endif()
@@ -70,6 +71,7 @@ function(kcpp_add_package)
     _kcpp_package_library(kcpp_package_${P_NAME}_cuda ${P_NAME} ${P_VERSION} "${out}/build/${cuda_variant}" 1
                           ${P_SOURCES} ${P_CUDA_SOURCES})
     list(APPEND targets kcpp_package_${P_NAME}_cuda)
+    target_link_libraries(kcpp_package_${P_NAME}_cuda PRIVATE ${P_CUDA_LIBRARIES})
     set(archs "")
     foreach(a IN LISTS CMAKE_CUDA_ARCHITECTURES)
       list(APPEND archs "\"${a}\"")

@@ -26,7 +26,7 @@ for name in sys.argv[1].split():
 print(src)
 PY
   fi
-  PYTHONUNBUFFERED=1 timeout 420 python3 "$anchors" "${KCPP_ANCHORS_ARGS:-}" 2>&1 | grep -vE "^\s+(File|\^|~)" | tee "$OUT/anchors.txt" | grep -E "copy|gemm|rmsnorm|swiglu|rope|ce fwd|took|!!"
+  PYTHONUNBUFFERED=1 timeout 420 python3 "$anchors" "${KCPP_ANCHORS_ARGS:-}" 2>&1 | grep -vE "^\s+(File|\^|~)" | tee "$OUT/anchors.txt" | grep -E "copy|gemm|rmsnorm|swiglu|rope|ce fwd|flce|took|!!"
 fi
 if [ "${KCPP_ANCHORS:-1}" = 1 ]; then
   echo "== anchors beyond anchors.py (bench/anchors_extra.py)"

@@ -6,6 +6,7 @@
 //   LigerGLU              GLU/1               glu/glu.h        (SwiGLU, GeGLU exact / tanh, QuickGELU-GLU)
 //   LigerRotaryEmbedding  rotary_pos_emb/1    rope/rope.h
 //   LigerCrossEntropy     CrossEntropyLoss/1  cross_entropy/cross_entropy.h
+//   LigerFusedLinearCrossEntropy  ForCausalLMLoss/1  fused_linear_ce/fused_linear_ce.h
 //
 // Each entry point reads its named arguments (docs/contracts/<contract>.md), checks them with
 // kcpp::kernel::Call (the first problem is reported, naming the argument), fills the kernel's params
@@ -18,6 +19,7 @@
 #include <initializer_list>
 
 #include "cross_entropy/cross_entropy.h"
+#include "fused_linear_ce/fused_linear_ce.h"
 #include "glu/glu.h"
 #include "kcpp/abi.h"
 #include "kcpp/kernel/abi_args.h"
@@ -551,6 +553,176 @@ kcpp_status ce_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
   return LIGER_RUN(c, lg::cross_entropy_scale, p);
 }
 
+// ---- ForCausalLMLoss/1 ---------------------------------------------------------------------------
+
+constexpr const char* kAccumDtypes[] = {"same", "f32", nullptr};
+
+// One 1-dim tensor of `n` elements of `like`'s dtype (bias, dbias).
+bool vector_like(kk::Call& c, const DLTensor* t, const char* name, int64_t n, const DLTensor* like, const char* like_name) {
+  if (!t || !c.ok()) return c.ok();
+  c.same_dtype(t, name, like, like_name);
+  if (c.ok() && (t->ndim != 1 || t->shape[0] != n))
+    return c.require(false, "tensor '%s' must be [%lld] (the vocabulary)", name, static_cast<long long>(n));
+  return c.row_major(t, name);
+}
+
+bool flce_forward_args(kk::Call& c, lg::FusedLinearCEParams& p) {
+  c.device_in(kCuda);
+  DLTensor* hidden = c.tensor("hidden");
+  DLTensor* weight = c.tensor("weight");
+  DLTensor* bias = c.tensor("bias", false);
+  DLTensor* targets = c.tensor("targets");
+  DLTensor* loss = c.tensor("loss");
+  DLTensor* lse = c.tensor("lse", false);
+  DLTensor* dhidden = c.tensor("dhidden", false);
+  DLTensor* dweight = c.tensor("dweight", false);
+  DLTensor* dbias = c.tensor("dbias", false);
+  DLTensor* bad = c.tensor("bad_targets", false);
+  p.ignore_index = c.integer("ignore_index", -100);
+  p.label_smoothing = static_cast<float>(c.real("label_smoothing", 0.0));
+  p.reduction = static_cast<lg::CEReduction>(c.choice("reduction", 0, kReductions));
+  p.grad_scale = static_cast<float>(c.real("grad_scale", 1.0));
+  p.accumulate = c.integer("accumulate", 0) != 0;
+  p.accum_f32 = c.choice("accum_dtype", 0, kAccumDtypes) == 1;
+  p.chunk_rows = c.integer("chunk_rows", 0);
+  if (!c.ok()) return false;
+  if (c.real("lse_square_scale", 0.0) != 0.0) return c.fail(KCPP_ERROR_UNSUPPORTED, "z-loss (lse_square_scale) is not implemented");
+  if (c.real("softcap", 0.0) != 0.0) return c.fail(KCPP_ERROR_UNSUPPORTED, "softcap is not implemented");
+  if (c.tensor("class_weight", false)) return c.fail(KCPP_ERROR_UNSUPPORTED, "class weights are not implemented");
+  c.float_dtype(hidden, "hidden", &p.dtype);
+  c.rows(hidden, "hidden", &p.n, &p.h, &p.hidden_stride);
+  c.same_dtype(weight, "weight", hidden, "hidden");
+  c.ndim(weight, "weight", 2);
+  int64_t wh = 0;
+  c.rows(weight, "weight", &p.v, &wh, &p.weight_stride);
+  if (!c.ok()) return false;
+  if (wh != p.h) return c.require(false, "tensor 'weight' is [%lld, %lld] but 'hidden' rows have %lld elements",
+                                  static_cast<long long>(p.v), static_cast<long long>(wh), static_cast<long long>(p.h));
+  if (p.v == 0 || p.h == 0) return c.require(false, "tensor 'weight' is empty (vocabulary or hidden size 0)");
+  if (!(p.label_smoothing >= 0.0f && p.label_smoothing <= 1.0f))
+    return c.require(false, "argument 'label_smoothing' = %g must be in [0, 1]", static_cast<double>(p.label_smoothing));
+  if (p.chunk_rows < 0) return c.require(false, "argument 'chunk_rows' = %lld must be >= 0", static_cast<long long>(p.chunk_rows));
+  p.hidden = kk::data_ptr(hidden);
+  p.weight = kk::data_ptr(weight);
+  vector_like(c, bias, "bias", p.v, hidden, "hidden");
+  if (bias && c.ok()) p.bias = kk::data_ptr(bias);
+  const bool i64 = targets->dtype.code == kDLInt && targets->dtype.bits == 64 && targets->dtype.lanes == 1;
+  const bool i32 = targets->dtype.code == kDLInt && targets->dtype.bits == 32 && targets->dtype.lanes == 1;
+  if (!i64 && !i32) return c.require(false, "tensor 'targets' must be i64 or i32, is %s", kk::dl_dtype_name(targets->dtype));
+  if (kk::numel(targets) != p.n)
+    return c.require(false, "tensor 'targets' has %lld elements but 'hidden' has %lld rows",
+                     static_cast<long long>(kk::numel(targets)), static_cast<long long>(p.n));
+  c.row_major(targets, "targets");
+  p.targets = kk::data_ptr(targets);
+  p.targets_i32 = i32;
+  f32_vector(c, loss, "loss", p.reduction == lg::CEReduction::None ? p.n : 1);
+  if (c.ok()) p.loss = static_cast<float*>(kk::data_ptr(loss));
+  f32_vector(c, lse, "lse", p.n);
+  if (lse && c.ok()) p.lse = static_cast<float*>(kk::data_ptr(lse));
+  const bool training = (c.context()->mode & KCPP_MODE_TRAINING) != 0;
+  if (dhidden) {
+    int64_t dn = 0, dh = 0;
+    c.same_dtype(dhidden, "dhidden", hidden, "hidden");
+    c.same_shape(dhidden, "dhidden", hidden, "hidden");
+    if (c.rows(dhidden, "dhidden", &dn, &dh, &p.dhidden_stride)) p.dhidden = kk::data_ptr(dhidden);
+  } else if (c.ok() && training && p.reduction != lg::CEReduction::None) {
+    c.require(false, "missing tensor argument 'dhidden' (required in training mode: the gradients are computed by forward)");
+  }
+  if (dweight) {
+    c.same_dtype(dweight, "dweight", weight, "weight");
+    c.same_shape(dweight, "dweight", weight, "weight");
+    c.row_major(dweight, "dweight");
+    if (c.ok()) p.dweight = kk::data_ptr(dweight);
+  }
+  if (dbias && c.ok() && !bias) return c.require(false, "tensor 'dbias' given without 'bias'");
+  vector_like(c, dbias, "dbias", p.v, hidden, "hidden");
+  if (dbias && c.ok()) p.dbias = kk::data_ptr(dbias);
+  if (c.ok() && (dhidden || dweight || dbias) && p.reduction == lg::CEReduction::None)
+    return c.fail(KCPP_ERROR_UNSUPPORTED,
+                  "reduction 'none' with gradients: they would need each row's upstream gradient (the host runs the reference)");
+  if (bad) {
+    const bool ok = bad->dtype.code == kDLInt && bad->dtype.bits == 32 && kk::numel(bad) == 1;
+    if (!ok) c.require(false, "tensor 'bad_targets' must be one i32");
+    else p.bad_targets = static_cast<int32_t*>(kk::data_ptr(bad));
+  }
+  if (c.ok())
+    if (const char* e = lg::fused_linear_ce_check(p)) c.require(false, "%s", e);
+  return c.ok();
+}
+
+bool flce_backward_args(kk::Call& c, lg::FusedLinearCEScaleParams& p) {
+  c.device_in(kCuda);
+  DLTensor* dhidden = c.tensor("dhidden");
+  DLTensor* dweight = c.tensor("dweight", false);
+  DLTensor* dbias = c.tensor("dbias", false);
+  c.float_dtype(dhidden, "dhidden", &p.dtype);
+  c.rows(dhidden, "dhidden", &p.n, &p.h, &p.dhidden_stride);
+  if (dweight) {
+    int64_t wh = 0, ws = 0;
+    c.same_dtype(dweight, "dweight", dhidden, "dhidden");
+    c.ndim(dweight, "dweight", 2);
+    c.row_major(dweight, "dweight");
+    c.rows(dweight, "dweight", &p.v, &wh, &ws);
+    if (c.ok() && wh != p.h) c.require(false, "tensor 'dweight' rows have %lld elements but 'dhidden' rows %lld",
+                                       static_cast<long long>(wh), static_cast<long long>(p.h));
+    if (c.ok()) p.dweight = kk::data_ptr(dweight);
+  }
+  if (dbias) {
+    c.same_dtype(dbias, "dbias", dhidden, "dhidden");
+    c.row_major(dbias, "dbias");
+    if (c.ok() && p.v && kk::numel(dbias) != p.v)
+      c.require(false, "tensor 'dbias' has %lld elements but 'dweight' %lld rows", static_cast<long long>(kk::numel(dbias)),
+                static_cast<long long>(p.v));
+    if (c.ok()) {
+      p.v = kk::numel(dbias);
+      p.dbias = kk::data_ptr(dbias);
+    }
+  }
+  if (p.v == 0) p.v = 1;  // neither dweight nor dbias: only dhidden is scaled
+  const kcpp_arg* d = c.find("dloss");
+  if (!d || d->kind == KCPP_ARG_NONE) {
+    c.require(false, "missing argument 'dloss' (a float, or the loss's gradient as one f32 on the device)");
+  } else if (d->kind == KCPP_ARG_TENSOR) {
+    DLTensor* dl = c.tensor("dloss");
+    f32_vector(c, dl, "dloss", 1);
+    if (dl && c.ok()) p.dloss = static_cast<const float*>(kk::data_ptr(dl));
+  } else {
+    p.scale = static_cast<float>(c.real("dloss", 1.0));
+  }
+  if (!c.ok()) return false;
+  p.dhidden = kk::data_ptr(dhidden);
+  return c.ok();
+}
+
+kcpp_status flce_supports(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
+  kk::Call c(ctx, args, n, "LigerFusedLinearCrossEntropy");
+  if (c.find("dloss")) {
+    lg::FusedLinearCEScaleParams p;
+    flce_backward_args(c, p);
+  } else {
+    lg::FusedLinearCEParams p;
+    flce_forward_args(c, p);
+  }
+  return c.status();
+}
+
+kcpp_status flce_forward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
+  kk::Call c(ctx, args, n, "LigerFusedLinearCrossEntropy.forward");
+  lg::FusedLinearCEParams p;
+  if (!flce_forward_args(c, p)) return c.status();
+  p.workspace = c.workspace(lg::fused_linear_ce_workspace(p, c.on_cuda()));
+  if (!c.ok()) return c.status();
+  return LIGER_RUN(c, lg::fused_linear_ce, p);
+}
+
+kcpp_status flce_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
+  kk::Call c(ctx, args, n, "LigerFusedLinearCrossEntropy.backward");
+  lg::FusedLinearCEScaleParams p;
+  if (!flce_backward_args(c, p)) return c.status();
+  if (!p.dloss && p.scale == 1.0f) return KCPP_OK;  // the gradients are already final
+  return LIGER_RUN(c, lg::fused_linear_ce_scale, p);
+}
+
 // ---- the table -------------------------------------------------------------------------------------
 
 constexpr uint32_t kDevices = KCPP_DEVICE_BIT(kDLCPU) | (kCuda ? KCPP_DEVICE_BIT(kDLCUDA) : 0u);
@@ -575,6 +747,10 @@ const kcpp_layer kLayers[] = {
     {sizeof(kcpp_layer), kModes, kDevices, 0, "LigerCrossEntropy", "CrossEntropyLoss/1",
      "cross-entropy with its gradient in one pass (in place over the logits), ignore_index, label smoothing",
      ce_supports, ce_forward, ce_backward},
+    {sizeof(kcpp_layer), kModes, kDevices, 0, "LigerFusedLinearCrossEntropy", "ForCausalLMLoss/1",
+     "lm_head GEMM + cross-entropy in row chunks (cuBLAS / OpenBLAS): loss and the gradients of hidden, weight and bias "
+     "without the N x V logits",
+     flce_supports, flce_forward, flce_backward},
 };
 
 const kcpp_package kPackage = {

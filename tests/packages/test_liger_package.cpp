@@ -4,6 +4,7 @@
 // every argument of every contract is exercised at least once, so that a wrong mapping from the
 // contract to the kernel (a stride, a layout string, an alias) shows up as an O(1) error, and bad
 // input is refused with a message naming the argument.
+#include <functional>
 #include <random>
 
 #include "core/allocator.h"
@@ -35,7 +36,8 @@ TEST_P(LigerPackage, TableNamesEveryLayerAndContract) {
                                                         {"LigerLayerNorm", "LayerNorm/1"},
                                                         {"LigerGLU", "GLU/1"},
                                                         {"LigerRotaryEmbedding", "rotary_pos_emb/1"},
-                                                        {"LigerCrossEntropy", "CrossEntropyLoss/1"}};
+                                                        {"LigerCrossEntropy", "CrossEntropyLoss/1"},
+                                                        {"LigerFusedLinearCrossEntropy", "ForCausalLMLoss/1"}};
   for (const auto& [name, contract] : expect) {
     const KernelLayer l = layer(name);
     EXPECT_STREQ(l.info().contract, contract) << name;
@@ -475,6 +477,157 @@ TEST_P(LigerPackage, CrossEntropyRefusals) {
       ADD_FAILURE() << "an out-of-range target was accepted";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("'targets'[2] = 10 is out of range"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// ---- ForCausalLMLoss/1 -------------------------------------------------------------------------
+
+// Every argument of the contract once: 3-D hidden (rows collapse), bias, i32 targets, a custom
+// ignore_index, label smoothing, chunk_rows (several chunks), accum_dtype, grad_scale, accumulate,
+// lse, and the backward with dloss a float and a device tensor.
+TEST_P(LigerPackage, FusedLinearCrossEntropyMatchesTheOracle) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const KernelLayer flce = layer("LigerFusedLinearCrossEntropy");
+  const int64_t b = 3, s = 7, n = b * s, h = 40, v = 301;
+  for (DType dt : {DType::f32, DType::bf16})
+    for (const char* red : {"mean", "sum"})
+      for (const char* accum : {"same", "f32"}) {
+        const std::string cfg = fmt::format("{} reduction={} accum_dtype={}", test::config_name(dev, dt), red, accum);
+        const Tensor hidden = Tensor::randn({b, s, h}, dt, dev, gen);
+        const Tensor weight = Tensor::randn({v, h}, dt, dev, gen, 0, 0.3), bias = Tensor::randn({v}, dt, dev, gen);
+        std::vector<int64_t> t(static_cast<size_t>(n));
+        std::uniform_int_distribution<int64_t> pick(0, v - 1);
+        for (int64_t i = 0; i < n; ++i) t[i] = i % 5 == 2 ? -7 : pick(gen.engine());
+        const Tensor targets = Tensor::from_i64(t, {n}, DType::i32, dev);
+        const Tensor loss = Tensor::empty({1}, DType::f32, dev), lse = Tensor::empty({n}, DType::f32, dev);
+        const Tensor dhidden = Tensor::empty({b, s, h}, dt, dev);
+        // dweight / dbias start at 1: accumulate adds to them.
+        const Tensor dweight = Tensor::full({v, h}, 1.0, dt, dev), dbias = Tensor::full({v}, 1.0, dt, dev);
+        KernelArgs f;
+        f.tensor("hidden", hidden).tensor("weight", weight).tensor("bias", bias).tensor("targets", targets);
+        f.integer("ignore_index", -7).real("label_smoothing", 0.05).string("reduction", red).real("grad_scale", 2.0);
+        f.integer("accumulate", 1).string("accum_dtype", accum).integer("chunk_rows", 4);
+        f.tensor("loss", loss).tensor("lse", lse).tensor("dhidden", dhidden).tensor("dweight", dweight).tensor("dbias", dbias);
+        ASSERT_TRUE(flce.supports(f, dev, test::kTraining).ok()) << cfg;
+        flce.forward(f, dev, test::kTraining);
+        // Backward: x 0.25 (a float), then x 2 (a device value): the gradients end at grad_scale x 0.5 = 1.
+        KernelArgs bw;
+        bw.real("dloss", 0.25).tensor("dhidden", dhidden).tensor("dweight", dweight).tensor("dbias", dbias);
+        flce.backward(bw, dev, test::kTraining);
+        const Tensor two = Tensor::full({1}, 2.0, DType::f32, dev);
+        KernelArgs bw2;
+        bw2.tensor("dloss", two).tensor("dhidden", dhidden).tensor("dweight", dweight).tensor("dbias", dbias);
+        flce.backward(bw2, dev, test::kTraining);
+
+        const auto xv = hidden.to_f64_vector(), wv = weight.to_f64_vector(), bv = bias.to_f64_vector();
+        auto lv = oracle::matmul(xv, wv, 1, n, v, h, false, true, false);
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < v; ++j) lv[i * v + j] += bv[j];
+        int64_t count = 0;
+        const auto rows = oracle::cross_entropy_rows(lv, t, n, v, -7, 0.05, count);
+        double total = 0;
+        for (double r : rows) total += r;
+        const bool mean = std::string(red) == "mean";
+        EXPECT_LE(test::rel_l2_error(loss, {mean ? total / count : total}), test::composite_rel_l2(dt)) << cfg << " loss";
+        std::vector<double> g(static_cast<size_t>(n), mean ? 1.0 / count : 1.0);
+        const auto gv = oracle::cross_entropy_backward(lv, t, g, n, v, -7, 0.05);
+        const auto ref_dx = oracle::matmul(gv, wv, 1, n, h, v, false, false, false);
+        // The accumulated gradients were 1 before the call, and were scaled by 0.5 by the backward.
+        auto ref_dw = oracle::matmul(gv, xv, 1, v, h, n, true, false, false);
+        for (double& x : ref_dw) x += 0.5;
+        std::vector<double> ref_db(static_cast<size_t>(v), 0.5);
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t j = 0; j < v; ++j) ref_db[j] += gv[i * v + j];
+        EXPECT_LE(test::rel_l2_error(dhidden, ref_dx), test::composite_rel_l2(dt)) << cfg << " dhidden";
+        EXPECT_LE(test::rel_l2_error(dweight, ref_dw), test::composite_rel_l2(dt)) << cfg << " dweight";
+        EXPECT_LE(test::rel_l2_error(dbias, ref_db), test::composite_rel_l2(dt)) << cfg << " dbias";
+        std::vector<double> ref_lse(static_cast<size_t>(n), 0.0);
+        for (int64_t i = 0; i < n; ++i) {
+          if (t[i] == -7) continue;
+          double m = -1e300, z = 0;
+          for (int64_t j = 0; j < v; ++j) m = std::max(m, lv[i * v + j]);
+          for (int64_t j = 0; j < v; ++j) z += std::exp(lv[i * v + j] - m);
+          ref_lse[i] = m + std::log(z);
+        }
+        EXPECT_LE(test::rel_l2_error(lse, ref_lse), test::composite_rel_l2(dt)) << cfg << " lse";
+      }
+  // Inference: the loss alone (reduction none), no gradient arguments.
+  const Tensor hidden = Tensor::randn({6, 16}, DType::f32, dev, gen), weight = Tensor::randn({9, 16}, DType::f32, dev, gen);
+  const std::vector<int64_t> t = {0, 8, 3, -100, 5, 1};
+  const Tensor targets = Tensor::from_i64(t, {6}, DType::i64, dev), loss = Tensor::empty({6}, DType::f32, dev);
+  KernelArgs f;
+  f.tensor("hidden", hidden).tensor("weight", weight).tensor("targets", targets).string("reduction", "none").tensor("loss", loss);
+  flce.forward(f, dev, test::kInference);
+  int64_t count = 0;
+  const auto rows =
+      oracle::cross_entropy_rows(oracle::matmul(hidden.to_f64_vector(), weight.to_f64_vector(), 1, 6, 9, 16, false, true, false),
+                                 t, 6, 9, -100, 0.0, count);
+  EXPECT_LE(test::rel_l2_error(loss, rows), test::composite_rel_l2(DType::f32));
+}
+
+TEST_P(LigerPackage, FusedLinearCrossEntropyRefusals) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  const KernelLayer flce = layer("LigerFusedLinearCrossEntropy");
+  const Tensor hidden = Tensor::zeros({4, 8}, DType::bf16, dev), weight = Tensor::zeros({10, 8}, DType::bf16, dev);
+  const Tensor loss = Tensor::empty({1}, DType::f32, dev), dhidden = Tensor::empty({4, 8}, DType::bf16, dev);
+  const Tensor targets = Tensor::from_i64(std::vector<int64_t>{1, 2, 3, 4}, {4}, DType::i64, dev);
+  // The four required tensors, which an edit may replace, and the edit's extra arguments.
+  struct Base {
+    Tensor hidden, weight, targets, loss;
+  };
+  auto expect = [&](const std::function<void(Base&, KernelArgs&)>& edit, uint32_t mode, kcpp_status status,
+                    const char* needle) {
+    Base b{hidden, weight, targets, loss};
+    KernelArgs a;
+    edit(b, a);
+    a.tensor("hidden", b.hidden).tensor("weight", b.weight).tensor("targets", b.targets).tensor("loss", b.loss);
+    EXPECT_TRUE(test::refused(flce.supports(a, dev, mode), status, needle)) << needle;
+  };
+  expect([](Base&, KernelArgs& a) { a.real("lse_square_scale", 1e-4); }, test::kInference, KCPP_ERROR_UNSUPPORTED, "z-loss");
+  expect([](Base&, KernelArgs& a) { a.real("softcap", 30.0); }, test::kInference, KCPP_ERROR_UNSUPPORTED, "softcap");
+  expect([&](Base&, KernelArgs& a) { a.tensor("class_weight", loss); }, test::kInference, KCPP_ERROR_UNSUPPORTED,
+         "class weights");
+  expect([](Base&, KernelArgs&) {}, test::kTraining, KCPP_ERROR_INVALID_ARGUMENT, "'dhidden'");
+  expect([&](Base&, KernelArgs& a) { a.tensor("dhidden", dhidden).string("reduction", "none"); }, test::kTraining,
+         KCPP_ERROR_INVALID_ARGUMENT, "'loss' must have 4");
+  const Tensor loss4 = Tensor::empty({4}, DType::f32, dev);
+  expect([&](Base& b, KernelArgs& a) {
+    a.tensor("dhidden", dhidden).string("reduction", "none");
+    b.loss = loss4;
+  }, test::kTraining, KCPP_ERROR_UNSUPPORTED, "reduction 'none' with gradients");
+  const Tensor w7 = Tensor::zeros({10, 7}, DType::bf16, dev);
+  expect([&](Base& b, KernelArgs&) { b.weight = w7; }, test::kInference, KCPP_ERROR_INVALID_ARGUMENT, "'weight' is [10, 7]");
+  const Tensor wf = Tensor::zeros({10, 8}, DType::f32, dev);
+  expect([&](Base& b, KernelArgs&) { b.weight = wf; }, test::kInference, KCPP_ERROR_INVALID_ARGUMENT, "'weight' is f32");
+  const Tensor b9 = Tensor::zeros({9}, DType::bf16, dev);
+  expect([&](Base&, KernelArgs& a) { a.tensor("bias", b9); }, test::kInference, KCPP_ERROR_INVALID_ARGUMENT,
+         "'bias' must be [10]");
+  expect([&](Base&, KernelArgs& a) { a.tensor("dhidden", dhidden).tensor("dbias", b9); }, test::kTraining,
+         KCPP_ERROR_INVALID_ARGUMENT, "'dbias' given without 'bias'");
+  expect([](Base&, KernelArgs& a) { a.string("accum_dtype", "f64"); }, test::kInference, KCPP_ERROR_INVALID_ARGUMENT,
+         "'accum_dtype'");
+  expect([](Base&, KernelArgs& a) { a.integer("chunk_rows", -2); }, test::kInference, KCPP_ERROR_INVALID_ARGUMENT,
+         "'chunk_rows'");
+  const Tensor t3 = targets.narrow(0, 0, 3);
+  expect([&](Base& b, KernelArgs&) { b.targets = t3; }, test::kInference, KCPP_ERROR_INVALID_ARGUMENT, "3 elements");
+  {
+    KernelArgs a;
+    a.tensor("dhidden", dhidden).string("dloss", "one");
+    EXPECT_TRUE(test::refused(flce.supports(a, dev, test::kTraining), KCPP_ERROR_INVALID_ARGUMENT, "'dloss'"));
+  }
+  if (dev.is_cpu()) {  // a target out of range: an error naming the row (CUDA: NaN loss, see cross_entropy.h)
+    const Tensor bad = Tensor::from_i64(std::vector<int64_t>{1, 2, 10, 4}, {4}, DType::i64, dev);
+    KernelArgs a;
+    a.tensor("hidden", hidden).tensor("weight", weight).tensor("targets", bad).tensor("loss", loss).tensor("dhidden", dhidden);
+    try {
+      flce.forward(a, dev, test::kTraining);
+      ADD_FAILURE() << "a target out of range was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("'targets'[2] = 10 is out of range [0, 10)"), std::string::npos) << e.what();
     }
   }
 }

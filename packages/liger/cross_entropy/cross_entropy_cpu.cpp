@@ -1,5 +1,6 @@
 // Cross-entropy on the CPU (maths in cross_entropy.h): rows in parallel; per row one pass for the
 // max, one for the exponentials (kept), one summing them (f64) with the logits, one writing the gradient.
+// The stages (count, rows) are exported for the fused linear cross-entropy, which runs them per chunk.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -20,27 +21,23 @@ int64_t target_of(const CrossEntropyParams& p, int64_t i) {
   return p.targets_i32 ? static_cast<const int32_t*>(p.targets)[i] : static_cast<const int64_t*>(p.targets)[i];
 }
 
-template <typename T> const char* run(const CrossEntropyParams& p) {
+template <typename T> void rows(const CrossEntropyParams& p, double* row_loss, float scale) {
   const int64_t n = p.n, v = p.v;
-  int64_t count = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t t = target_of(p, i);
-    if (t == p.ignore_index) continue;
-    KCPP_KERNEL_REQUIRE(t >= 0 && t < v, "cross_entropy: argument 'targets'[%lld] = %lld is out of range [0, %lld)",
-                        static_cast<long long>(i), static_cast<long long>(t), static_cast<long long>(v));
-    ++count;
-  }
   const float eps = p.label_smoothing;
-  const float scale = p.reduction == CEReduction::Mean ? 1.0f / static_cast<float>(count) : 1.0f;
-  std::vector<double> row_loss(static_cast<size_t>(n), 0.0);
+  const T* bias = static_cast<const T*>(p.bias);
 #pragma omp parallel
   {
-    std::vector<float> x(static_cast<size_t>(v)), e(static_cast<size_t>(v));
+    std::vector<float> x(static_cast<size_t>(v)), e(static_cast<size_t>(v)), b;
+    if (bias) {
+      b.resize(static_cast<size_t>(v));
+      load_row(bias, v, b.data());
+    }
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = target_of(p, i);
       T* g = p.grad ? static_cast<T*>(p.grad) + i * p.grad_stride : nullptr;
       if (t == p.ignore_index) {
+        row_loss[i] = 0.0;
         if (p.lse) p.lse[i] = 0.0f;
         if (g) {
           std::fill(x.begin(), x.end(), 0.0f);
@@ -49,6 +46,9 @@ template <typename T> const char* run(const CrossEntropyParams& p) {
         continue;
       }
       load_row(static_cast<const T*>(p.logits) + i * p.logits_stride, v, x.data());
+      if (bias)
+#pragma omp simd
+        for (int64_t j = 0; j < v; ++j) x[j] += b[j];
       // The max may skip a NaN logit; its exponential below is NaN all the same, and so is the row.
       float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
@@ -73,8 +73,16 @@ template <typename T> const char* run(const CrossEntropyParams& p) {
       }
     }
   }
+}
+
+const char* run(const CrossEntropyParams& p) {
+  int64_t count = 0;
+  if (const char* e = cross_entropy_count_cpu(p, &count)) return e;
+  const float scale = p.grad_scale * (p.reduction == CEReduction::Mean ? 1.0f / static_cast<float>(count) : 1.0f);
+  std::vector<double> row_loss(static_cast<size_t>(p.n), 0.0);
+  cross_entropy_rows_cpu(p, row_loss.data(), scale);
   if (p.reduction == CEReduction::None) {
-    for (int64_t i = 0; i < n; ++i) p.loss[i] = static_cast<float>(row_loss[i]);
+    for (int64_t i = 0; i < p.n; ++i) p.loss[i] = static_cast<float>(row_loss[i]);
   } else {
     double total = 0.0;
     for (double l : row_loss) total += l;  // fixed order
@@ -106,14 +114,30 @@ const char* cross_entropy_check(const CrossEntropyParams& p) {
   return nullptr;
 }
 
+const char* cross_entropy_count_cpu(const CrossEntropyParams& p, int64_t* count) {
+  int64_t c = 0;
+  for (int64_t i = 0; i < p.n; ++i) {
+    const int64_t t = target_of(p, i);
+    if (t == p.ignore_index) continue;
+    KCPP_KERNEL_REQUIRE(t >= 0 && t < p.v, "cross_entropy: argument 'targets'[%lld] = %lld is out of range [0, %lld)",
+                        static_cast<long long>(i), static_cast<long long>(t), static_cast<long long>(p.v));
+    ++c;
+  }
+  *count = c;
+  return nullptr;
+}
+
+void cross_entropy_rows_cpu(const CrossEntropyParams& p, double* row_loss, float scale) {
+  switch (p.dtype) {
+    case kernel::DType::f32: return rows<float>(p, row_loss, scale);
+    case kernel::DType::bf16: return rows<kernel::cpu::bf16>(p, row_loss, scale);
+    case kernel::DType::f16: return rows<kernel::cpu::f16>(p, row_loss, scale);
+  }
+}
+
 const char* cross_entropy_cpu(const CrossEntropyParams& p) {
   if (const char* e = cross_entropy_check(p)) return e;
-  switch (p.dtype) {
-    case kernel::DType::f32: return run<float>(p);
-    case kernel::DType::bf16: return run<kernel::cpu::bf16>(p);
-    case kernel::DType::f16: return run<kernel::cpu::f16>(p);
-  }
-  return nullptr;
+  return run(p);
 }
 
 const char* cross_entropy_scale_check(const CEScaleParams& p) {

@@ -63,13 +63,25 @@ __global__ void count_valid(const __grid_constant__ CrossEntropyParams p, float*
   if (threadIdx.x == 0) *count = c;
 }
 
+// Logits j .. j + VEC of a row in f32, the bias added.
+template <typename T, int VEC> __device__ __forceinline__ void load_row(const T* x, const T* bias, int64_t j, float (&f)[VEC]) {
+  load_f32(x + j, f);
+  if (bias) {
+    float b[VEC];
+    load_f32(bias + j, b);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) f[k] += b[k];
+  }
+}
+
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads) rows_kernel(const __grid_constant__ CrossEntropyParams p, float* row_loss,
                                                          const float* count) {
   __shared__ float sm[32], ss[32], sx[32];
   const int64_t v = p.v, step = int64_t(blockDim.x) * VEC;
   const float eps = p.label_smoothing;
-  const float scale = p.reduction == CEReduction::Mean ? 1.0f / *count : 1.0f;
+  const float scale = p.reduction == CEReduction::Mean ? p.grad_scale / *count : p.grad_scale;
+  const T* bias = static_cast<const T*>(p.bias);
   for (int64_t i = blockIdx.x; i < p.n; i += gridDim.x) {
     const int64_t t = target_at(p, i);
     const T* x = static_cast<const T*>(p.logits) + i * p.logits_stride;
@@ -89,7 +101,7 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const __grid_constant__ 
     float sum = 0.0f;
     for (int64_t j = threadIdx.x * VEC; j < v; j += step) {
       float f[VEC];
-      load_f32(x + j, f);
+      load_row(x, bias, j, f);
       float vm = f[0];
 #pragma unroll
       for (int k = 1; k < VEC; ++k) vm = fmaxf(vm, f[k]);
@@ -108,7 +120,7 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const __grid_constant__ 
         *out_loss = NAN;
         if (p.bad_targets) atomicAdd(p.bad_targets, 1);
       } else {
-        const float xt = to_f32(x[t]);
+        const float xt = to_f32(x[t]) + (bias ? to_f32(bias[t]) : 0.0f);
         *out_loss = (1.0f - eps) * (lse - xt) + eps * (lse - sum / static_cast<float>(v));
       }
       if (p.lse) p.lse[i] = lse;
@@ -118,7 +130,7 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const __grid_constant__ 
     const float smooth = eps / static_cast<float>(v), hot = 1.0f - eps;
     for (int64_t j = threadIdx.x * VEC; j < v; j += step) {
       float f[VEC];
-      load_f32(x + j, f);
+      load_row(x, bias, j, f);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         const float d = expf(f[k] - lse) - smooth - (j + k == t ? hot : 0.0f);
@@ -182,21 +194,18 @@ size_t cross_entropy_workspace(const CrossEntropyParams& p) {
   return (static_cast<size_t>(p.n) + 4) * sizeof(float);  // [count, pad x3, row losses...]
 }
 
-const char* cross_entropy_cuda(const CrossEntropyParams& p, cudaStream_t stream) {
-  if (const char* e = cross_entropy_check(p)) return e;
-  KCPP_KERNEL_REQUIRE(p.workspace != nullptr, "cross_entropy: argument 'workspace' is null (see cross_entropy_workspace)");
-  float* count = static_cast<float*>(p.workspace);
-  float* row_loss = count + 4;
-  if (p.n == 0) {  // the mean of no rows is NaN (as PyTorch), their sum 0; a kernel, so graph capture is safe
-    if (p.reduction != CEReduction::None) empty_loss<<<1, 1, 0, stream>>>(p.loss, p.reduction == CEReduction::Mean ? NAN : 0.0f);
-    return launch_error("cross_entropy");
-  }
+const char* cross_entropy_count_cuda(const CrossEntropyParams& p, float* count, cudaStream_t stream) {
+  count_valid<<<1, 1024, 0, stream>>>(p, count);
+  return launch_error("cross_entropy count");
+}
+
+const char* cross_entropy_rows_cuda(const CrossEntropyParams& p, float* row_loss, const float* count, cudaStream_t stream) {
+  if (p.n == 0) return nullptr;
   int device = 0;
   cudaGetDevice(&device);
-  if (p.reduction == CEReduction::Mean) count_valid<<<1, 1024, 0, stream>>>(p, count);
   const int vec_full = 16 / kcpp::kernel::dtype_bytes(p.dtype);
   const bool vec_ok = p.v % vec_full == 0 && aligned16(p.logits) && p.logits_stride % vec_full == 0 &&
-                      (!p.grad || (aligned16(p.grad) && p.grad_stride % vec_full == 0));
+                      (!p.grad || (aligned16(p.grad) && p.grad_stride % vec_full == 0)) && (!p.bias || aligned16(p.bias));
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(p.n, int64_t(sm_count(device)) * 4));
   auto go = [&]<typename T>(T*) {
     if (vec_ok) rows_kernel<T, 16 / sizeof(T)><<<grid, kThreads, 0, stream>>>(p, row_loss, count);
@@ -207,8 +216,27 @@ const char* cross_entropy_cuda(const CrossEntropyParams& p, cudaStream_t stream)
     case kernel::DType::bf16: go(static_cast<__nv_bfloat16*>(nullptr)); break;
     case kernel::DType::f16: go(static_cast<__half*>(nullptr)); break;
   }
-  if (p.reduction != CEReduction::None) reduce_loss<<<1, 1024, 0, stream>>>(p, row_loss, count);
   return launch_error("cross_entropy");
+}
+
+const char* cross_entropy_reduce_cuda(const CrossEntropyParams& p, const float* row_loss, const float* count,
+                                      cudaStream_t stream) {
+  if (p.n == 0) empty_loss<<<1, 1, 0, stream>>>(p.loss, p.reduction == CEReduction::Mean ? NAN : 0.0f);
+  else reduce_loss<<<1, 1024, 0, stream>>>(p, row_loss, count);
+  return launch_error("cross_entropy reduce");
+}
+
+const char* cross_entropy_cuda(const CrossEntropyParams& p, cudaStream_t stream) {
+  if (const char* e = cross_entropy_check(p)) return e;
+  KCPP_KERNEL_REQUIRE(p.workspace != nullptr, "cross_entropy: argument 'workspace' is null (see cross_entropy_workspace)");
+  float* count = static_cast<float*>(p.workspace);
+  float* row_loss = count + 4;
+  // The mean of no rows is NaN (as PyTorch), their sum 0: written by a kernel, so graph capture is safe.
+  if (p.reduction == CEReduction::Mean && p.n > 0)
+    if (const char* e = cross_entropy_count_cuda(p, count, stream)) return e;
+  if (const char* e = cross_entropy_rows_cuda(p, row_loss, count, stream)) return e;
+  if (p.reduction != CEReduction::None) return cross_entropy_reduce_cuda(p, row_loss, count, stream);
+  return nullptr;
 }
 
 }  // namespace kcpp::liger
