@@ -256,6 +256,61 @@ V cross_entropy_backward(const V& logits, const std::vector<int64_t>& t, const V
   return d;
 }
 
+namespace {
+// z = c tanh(x / c) (or x), and the log-softmax of z.
+void capped_log_probs(const double* x, int64_t v, double cap, V& z, V& lp) {
+  z.assign(x, x + v);
+  if (cap > 0)
+    for (double& e : z) e = cap * std::tanh(e / cap);
+  log_probs_row(z.data(), v, lp);
+}
+double weight_of(const V& w, int64_t j) { return w.empty() ? 1.0 : w[static_cast<size_t>(j)]; }
+}  // namespace
+
+V cross_entropy_rows(const V& logits, const std::vector<int64_t>& t, int64_t n, int64_t v, const CEOptions& o,
+                     double& divisor) {
+  V loss(static_cast<size_t>(n), 0.0), z, lp;
+  divisor = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (t[i] == o.ignore) continue;
+    const double wt = weight_of(o.class_weight, t[i]);
+    divisor += wt;
+    capped_log_probs(logits.data() + i * v, v, o.softcap, z, lp);
+    const double lse = z[0] - lp[0];
+    double smooth = 0;  // -(1 / V) sum_j w_j log p_j
+    for (int64_t j = 0; j < v; ++j) smooth -= weight_of(o.class_weight, j) * lp[j];
+    smooth /= static_cast<double>(v);
+    const double ce = (1 - o.smoothing) * wt * -lp[t[i]] + o.smoothing * smooth;
+    loss[i] = weight_of(o.token_weight, i) * (ce + o.z_loss * lse * lse);
+  }
+  return loss;
+}
+
+V cross_entropy_backward(const V& logits, const std::vector<int64_t>& t, const V& g, int64_t n, int64_t v,
+                         const CEOptions& o, V* magnitude) {
+  V d(logits.size(), 0.0), z, lp;
+  if (magnitude) magnitude->assign(logits.size(), 0.0);
+  double wsum = 0;
+  for (int64_t j = 0; j < v; ++j) wsum += weight_of(o.class_weight, j);
+  for (int64_t i = 0; i < n; ++i) {
+    if (t[i] == o.ignore) continue;
+    capped_log_probs(logits.data() + i * v, v, o.softcap, z, lp);
+    const double lse = z[0] - lp[0], wt = weight_of(o.class_weight, t[i]);
+    const double gi = g[i] * weight_of(o.token_weight, i);
+    for (int64_t j = 0; j < v; ++j) {
+      const double p = std::exp(lp[j]), wj = weight_of(o.class_weight, j), hot = j == t[i] ? 1.0 : 0.0;
+      // d ce / d z_j = (1 - eps) w_t (p_j - [j = t]) + (eps / V) (W p_j - w_j); d (beta lse^2) / d z_j = 2 beta lse p_j
+      const double dz = (1 - o.smoothing) * wt * (p - hot) + o.smoothing / v * (wsum * p - wj) + 2 * o.z_loss * lse * p;
+      const double mz = (1 - o.smoothing) * std::fabs(wt) * (p + hot) + o.smoothing / v * (std::fabs(wsum) * p + std::fabs(wj)) +
+                        2 * std::fabs(o.z_loss * lse) * p;
+      const double chain = o.softcap > 0 ? 1 - (z[j] / o.softcap) * (z[j] / o.softcap) : 1.0;
+      d[i * v + j] = gi * dz * chain;
+      if (magnitude) (*magnitude)[i * v + j] = std::fabs(gi) * mz * chain;
+    }
+  }
+  return d;
+}
+
 Attn attention(const V& q, const V& k, const V& v, const V* dout, int64_t b, int64_t hq, int64_t hkv, int64_t sq,
                int64_t skv, int64_t d, double scale, bool causal, int64_t window) {
   Attn r{V(q.size()), V(q.size()), V(k.size()), V(v.size())};

@@ -62,6 +62,22 @@ V cross_entropy_rows(const V& logits, const std::vector<int64_t>& t, int64_t n, 
 V cross_entropy_backward(const V& logits, const std::vector<int64_t>& t, const V& g, int64_t n, int64_t v,
                          int64_t ignore, double smoothing, V* magnitude = nullptr);
 
+// Cross-entropy with every option of the liger kernels (packages/liger/cross_entropy/cross_entropy.h
+// defines them): logit softcap c (z = c tanh(x / c)), z-loss beta (beta lse^2 per row), class weights
+// w [V] (PyTorch's `weight`; the mean divides by the sum of the targets' weights), token weights tau [N].
+struct CEOptions {
+  int64_t ignore = -100;
+  double smoothing = 0, softcap = 0, z_loss = 0;
+  V class_weight, token_weight;  // empty: all ones
+};
+// Per-row losses, and the mean's divisor (sum over non-ignored rows of w_t).
+V cross_entropy_rows(const V& logits, const std::vector<int64_t>& t, int64_t n, int64_t v, const CEOptions& o,
+                     double& divisor);
+// Gradient of sum_i g[i] * loss[i] with respect to the logits (before the softcap), and with
+// `magnitude` the size of the terms combined.
+V cross_entropy_backward(const V& logits, const std::vector<int64_t>& t, const V& g, int64_t n, int64_t v,
+                         const CEOptions& o, V* magnitude = nullptr);
+
 struct Attn {
   V out, dq, dk, dv;
 };

@@ -427,12 +427,26 @@ kcpp_status rope_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
 
 constexpr const char* kReductions[] = {"mean", "sum", "none", nullptr};
 
-// Options of the contract this kernel does not implement: a call that uses one is UNSUPPORTED (the
-// host runs the reference); absent, NONE or the neutral value is fine.
-bool ce_unsupported_options(kk::Call& c) {
-  if (c.real("lse_square_scale", 0.0) != 0.0) return c.fail(KCPP_ERROR_UNSUPPORTED, "z-loss (lse_square_scale) is not implemented");
-  if (c.real("softcap", 0.0) != 0.0) return c.fail(KCPP_ERROR_UNSUPPORTED, "softcap is not implemented");
-  if (c.tensor("weight", false)) return c.fail(KCPP_ERROR_UNSUPPORTED, "class weights are not implemented");
+// The loss options shared by CrossEntropyLoss/1 and ForCausalLMLoss/1: z-loss, softcap, class
+// weights (`weight_name`: "weight" or "class_weight") and token weights, all f32.
+struct LossOptions {
+  float lse_square_scale = 0.0f, softcap = 0.0f;
+  const float* class_weight = nullptr;
+  const float* token_weight = nullptr;
+};
+bool loss_options(kk::Call& c, const char* weight_name, int64_t rows, int64_t v, LossOptions& o) {
+  o.lse_square_scale = static_cast<float>(c.real("lse_square_scale", 0.0));
+  o.softcap = static_cast<float>(c.real("softcap", 0.0));
+  if (!c.ok()) return false;
+  if (!std::isfinite(o.lse_square_scale)) return c.require(false, "argument 'lse_square_scale' must be finite");
+  if (!(o.softcap >= 0.0f && std::isfinite(o.softcap)))
+    return c.require(false, "argument 'softcap' = %g must be >= 0 and finite (0 = off)", static_cast<double>(o.softcap));
+  DLTensor* cw = c.tensor(weight_name, false);
+  f32_vector(c, cw, weight_name, v);
+  if (cw && c.ok()) o.class_weight = static_cast<const float*>(kk::data_ptr(cw));
+  DLTensor* tw = c.tensor("token_weight", false);
+  f32_vector(c, tw, "token_weight", rows);
+  if (tw && c.ok()) o.token_weight = static_cast<const float*>(kk::data_ptr(tw));
   return c.ok();
 }
 
@@ -447,10 +461,13 @@ bool ce_forward_args(kk::Call& c, lg::CrossEntropyParams& p) {
   p.ignore_index = c.integer("ignore_index", -100);
   p.label_smoothing = static_cast<float>(c.real("label_smoothing", 0.0));
   p.reduction = static_cast<lg::CEReduction>(c.choice("reduction", 0, kReductions));
-  ce_unsupported_options(c);
   c.float_dtype(logits, "logits", &p.dtype);
   c.rows(logits, "logits", &p.n, &p.v, &p.logits_stride);
   if (!c.ok()) return false;
+  LossOptions o;
+  if (!loss_options(c, "weight", p.n, p.v, o)) return false;
+  p.lse_square_scale = o.lse_square_scale, p.softcap = o.softcap;
+  p.class_weight = o.class_weight, p.token_weight = o.token_weight;
   if (p.v == 0) return c.require(false, "tensor 'logits' has no classes (last dim 0)");
   if (!(p.label_smoothing >= 0.0f && p.label_smoothing <= 1.0f))
     return c.require(false, "argument 'label_smoothing' = %g must be in [0, 1]", static_cast<double>(p.label_smoothing));
@@ -586,9 +603,6 @@ bool flce_forward_args(kk::Call& c, lg::FusedLinearCEParams& p) {
   p.accum_f32 = c.choice("accum_dtype", 0, kAccumDtypes) == 1;
   p.chunk_rows = c.integer("chunk_rows", 0);
   if (!c.ok()) return false;
-  if (c.real("lse_square_scale", 0.0) != 0.0) return c.fail(KCPP_ERROR_UNSUPPORTED, "z-loss (lse_square_scale) is not implemented");
-  if (c.real("softcap", 0.0) != 0.0) return c.fail(KCPP_ERROR_UNSUPPORTED, "softcap is not implemented");
-  if (c.tensor("class_weight", false)) return c.fail(KCPP_ERROR_UNSUPPORTED, "class weights are not implemented");
   c.float_dtype(hidden, "hidden", &p.dtype);
   c.rows(hidden, "hidden", &p.n, &p.h, &p.hidden_stride);
   c.same_dtype(weight, "weight", hidden, "hidden");
@@ -604,6 +618,10 @@ bool flce_forward_args(kk::Call& c, lg::FusedLinearCEParams& p) {
   if (p.chunk_rows < 0) return c.require(false, "argument 'chunk_rows' = %lld must be >= 0", static_cast<long long>(p.chunk_rows));
   p.hidden = kk::data_ptr(hidden);
   p.weight = kk::data_ptr(weight);
+  LossOptions o;
+  if (!loss_options(c, "class_weight", p.n, p.v, o)) return false;
+  p.lse_square_scale = o.lse_square_scale, p.softcap = o.softcap;
+  p.class_weight = o.class_weight, p.token_weight = o.token_weight;
   vector_like(c, bias, "bias", p.v, hidden, "hidden");
   if (bias && c.ok()) p.bias = kk::data_ptr(bias);
   const bool i64 = targets->dtype.code == kDLInt && targets->dtype.bits == 64 && targets->dtype.lanes == 1;
@@ -745,7 +763,8 @@ const kcpp_layer kLayers[] = {
      "RoPE on q and k in one launch, rotate-half or interleaved, partial rotary_dim, any head/seq strides, in place",
      rope_supports, rope_forward, rope_backward},
     {sizeof(kcpp_layer), kModes, kDevices, 0, "LigerCrossEntropy", "CrossEntropyLoss/1",
-     "cross-entropy with its gradient in one pass (in place over the logits), ignore_index, label smoothing",
+     "cross-entropy with its gradient in one pass (in place over the logits): ignore_index, label smoothing, z-loss, "
+     "softcap, class and token weights",
      ce_supports, ce_forward, ce_backward},
     {sizeof(kcpp_layer), kModes, kDevices, 0, "LigerFusedLinearCrossEntropy", "ForCausalLMLoss/1",
      "lm_head GEMM + cross-entropy in row chunks (cuBLAS / OpenBLAS): loss and the gradients of hidden, weight and bias "

@@ -424,6 +424,56 @@ TEST_P(LigerPackage, CrossEntropyMatchesTheOracle) {
           }
 }
 
+// z-loss, softcap, class weights ("weight") and token weights through the ABI, for both loss layers.
+TEST_P(LigerPackage, LossOptionsMatchTheOracle) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const int64_t n = 11, h = 24, v = 97;
+  const Tensor hidden = Tensor::randn({n, h}, DType::f32, dev, gen), weight = Tensor::randn({v, h}, DType::f32, dev, gen, 0, 0.5);
+  const Tensor cw = Tensor::uniform({v}, DType::f32, dev, gen, 0.5, 1.5), tw = Tensor::uniform({n}, DType::f32, dev, gen, 0, 2);
+  std::vector<int64_t> t(static_cast<size_t>(n));
+  std::uniform_int_distribution<int64_t> pick(0, v - 1);
+  for (int64_t i = 0; i < n; ++i) t[i] = i % 3 == 2 ? -100 : pick(gen.engine());
+  const Tensor targets = Tensor::from_i64(t, {n}, DType::i64, dev);
+  oracle::CEOptions o;
+  o.smoothing = 0.1, o.softcap = 4.0, o.z_loss = 0.02, o.class_weight = cw.to_f64_vector(), o.token_weight = tw.to_f64_vector();
+  const auto xv = hidden.to_f64_vector(), wv = weight.to_f64_vector();
+  const auto lv = oracle::matmul(xv, wv, 1, n, v, h, false, true, false);
+  double divisor = 0;
+  const auto rows = oracle::cross_entropy_rows(lv, t, n, v, o, divisor);
+  double total = 0;
+  for (double r : rows) total += r;
+  std::vector<double> g(static_cast<size_t>(n), 1.0 / divisor);
+  const auto ref_grad = oracle::cross_entropy_backward(lv, t, g, n, v, o);
+  auto options = [&](KernelArgs& a, const char* class_weight_name) {
+    a.real("label_smoothing", 0.1).real("softcap", 4.0).real("lse_square_scale", 0.02);
+    a.tensor(class_weight_name, cw).tensor("token_weight", tw);
+  };
+  {  // CrossEntropyLoss/1 on the materialized logits
+    const Tensor logits = ops::matmul(hidden, weight, false, true), grad = Tensor::empty({n, v}, DType::f32, dev);
+    const Tensor loss = Tensor::empty({1}, DType::f32, dev);
+    KernelArgs f;
+    f.tensor("logits", logits).tensor("targets", targets).tensor("loss", loss).tensor("grad", grad);
+    options(f, "weight");
+    layer("LigerCrossEntropy").forward(f, dev, test::kTraining);
+    EXPECT_LE(test::rel_l2_error(loss, {total / divisor}), 1e-5);
+    EXPECT_LE(test::rel_l2_error(grad, ref_grad), 1e-5);
+  }
+  {  // ForCausalLMLoss/1
+    const Tensor loss = Tensor::empty({1}, DType::f32, dev), dhidden = Tensor::empty({n, h}, DType::f32, dev);
+    const Tensor dweight = Tensor::empty({v, h}, DType::f32, dev);
+    KernelArgs f;
+    f.tensor("hidden", hidden).tensor("weight", weight).tensor("targets", targets).tensor("loss", loss);
+    f.tensor("dhidden", dhidden).tensor("dweight", dweight).integer("chunk_rows", 4);
+    options(f, "class_weight");
+    layer("LigerFusedLinearCrossEntropy").forward(f, dev, test::kTraining);
+    EXPECT_LE(test::rel_l2_error(loss, {total / divisor}), 1e-5);
+    EXPECT_LE(test::rel_l2_error(dhidden, oracle::matmul(ref_grad, wv, 1, n, h, v, false, false, false)), 1e-5);
+    EXPECT_LE(test::rel_l2_error(dweight, oracle::matmul(ref_grad, xv, 1, v, h, n, true, false, false)), 1e-5);
+  }
+}
+
 TEST_P(LigerPackage, CrossEntropyRefusals) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
@@ -434,14 +484,22 @@ TEST_P(LigerPackage, CrossEntropyRefusals) {
   {
     KernelArgs a;
     base(a);
-    a.real("lse_square_scale", 1e-4);
-    EXPECT_TRUE(test::refused(ce.supports(a, dev, test::kInference), KCPP_ERROR_UNSUPPORTED, "z-loss"));
+    a.real("softcap", -30.0);
+    EXPECT_TRUE(test::refused(ce.supports(a, dev, test::kInference), KCPP_ERROR_INVALID_ARGUMENT, "'softcap' = -30"));
   }
   {
     KernelArgs a;
     base(a);
-    a.real("softcap", 30.0);
-    EXPECT_TRUE(test::refused(ce.supports(a, dev, test::kInference), KCPP_ERROR_UNSUPPORTED, "softcap"));
+    const Tensor w9 = Tensor::full({9}, 1.0, DType::f32, dev);
+    a.tensor("weight", w9);
+    EXPECT_TRUE(test::refused(ce.supports(a, dev, test::kInference), KCPP_ERROR_INVALID_ARGUMENT, "'weight' must have 10"));
+  }
+  {
+    KernelArgs a;
+    base(a);
+    const Tensor tw = Tensor::full({4}, 1.0, DType::bf16, dev);
+    a.tensor("token_weight", tw);
+    EXPECT_TRUE(test::refused(ce.supports(a, dev, test::kInference), KCPP_ERROR_INVALID_ARGUMENT, "'token_weight' must be f32"));
   }
   {
     KernelArgs a;
@@ -587,10 +645,9 @@ TEST_P(LigerPackage, FusedLinearCrossEntropyRefusals) {
     a.tensor("hidden", b.hidden).tensor("weight", b.weight).tensor("targets", b.targets).tensor("loss", b.loss);
     EXPECT_TRUE(test::refused(flce.supports(a, dev, mode), status, needle)) << needle;
   };
-  expect([](Base&, KernelArgs& a) { a.real("lse_square_scale", 1e-4); }, test::kInference, KCPP_ERROR_UNSUPPORTED, "z-loss");
-  expect([](Base&, KernelArgs& a) { a.real("softcap", 30.0); }, test::kInference, KCPP_ERROR_UNSUPPORTED, "softcap");
-  expect([&](Base&, KernelArgs& a) { a.tensor("class_weight", loss); }, test::kInference, KCPP_ERROR_UNSUPPORTED,
-         "class weights");
+  expect([](Base&, KernelArgs& a) { a.real("softcap", -1.0); }, test::kInference, KCPP_ERROR_INVALID_ARGUMENT, "'softcap'");
+  expect([&](Base&, KernelArgs& a) { a.tensor("class_weight", loss); }, test::kInference, KCPP_ERROR_INVALID_ARGUMENT,
+         "'class_weight' must have 10");
   expect([](Base&, KernelArgs&) {}, test::kTraining, KCPP_ERROR_INVALID_ARGUMENT, "'dhidden'");
   expect([&](Base&, KernelArgs& a) { a.tensor("dhidden", dhidden).string("reduction", "none"); }, test::kTraining,
          KCPP_ERROR_INVALID_ARGUMENT, "'loss' must have 4");

@@ -2,14 +2,21 @@
 // CPU and CUDA.  The gradient is what backward needs, so it is computed by the forward (as Liger
 // does) and may be written in place over the logits: no N x V buffer beyond the logits exists.
 //
-// Per row i with target t_i (rows with t_i == ignore_index give loss 0 and gradient 0):
-//   lse_i  = log sum_j exp(x_ij)                                   (f32, max-shifted, online)
-//   loss_i = (1 - eps) (lse_i - x_it) + eps (lse_i - mean_j x_ij)  (label smoothing eps)
-//   dloss_i / dx_ij = softmax_ij - (1 - eps) [j = t_i] - eps / V
-// Reduction: None -> loss [N]; Sum -> sum_i loss_i; Mean -> sum_i loss_i / count, count = number of
-// non-ignored rows (NaN when 0, as PyTorch), and the gradient is scaled by 1 / count.  The gradient
-// is for an upstream gradient of `grad_scale` (default 1; or scale it by the real one in the backward,
-// as Liger does).  An optional bias [v] is added to every row of logits first (logits_ij + b_j).
+// Per row i with target t_i (rows with t_i == ignore_index give loss 0 and gradient 0), logits x_ij
+// (plus the optional bias b_j), in f32 with a max-shifted, online log-sum-exp:
+//   z_ij   = c tanh(x_ij / c) with softcap c > 0 (Gemma 2), else x_ij
+//   lse_i  = log sum_j exp(z_ij),  p_ij = exp(z_ij - lse_i)
+//   ce_i   = (1 - eps) w_t (lse_i - z_it) + (eps / V) sum_j w_j (lse_i - z_ij)     (label smoothing eps)
+//   loss_i = tau_i (ce_i + beta lse_i^2)                                           (z-loss beta)
+// with class weights w_j (default 1; PyTorch's `weight`) and per-token weights tau_i (default 1).
+// Without options this is (1 - eps)(lse - z_t) + eps (lse - mean_j z_j).  The gradient:
+//   dloss_i / dz_ij = tau_i [p_ij ((1 - eps) w_t + eps W / V + 2 beta lse_i) - (1 - eps) w_t [j = t] - eps w_j / V]
+//   dloss_i / dx_ij = dloss_i / dz_ij (1 - (z_ij / c)^2)   (softcap; else the same),  W = sum_j w_j.
+// Reduction: None -> loss [N]; Sum -> sum_i loss_i; Mean -> sum_i loss_i / D with D = sum over
+// non-ignored rows of w_{t_i} (PyTorch's rule; the count of non-ignored rows without class weights;
+// NaN when 0, as PyTorch; token weights do not enter D), and the gradient is scaled by 1 / D.  The
+// gradient is for an upstream gradient of `grad_scale` (default 1; or scale it by the real one in
+// the backward, as Liger does).  An optional bias [v] is added to every row of logits first.
 // Reductions are deterministic (fixed order, no atomics) and nothing synchronizes with the host: the
 // count and the sum are computed on the device.
 // Layout: logits [N, V] with a row stride, V contiguous; targets [N], i64 or i32.
@@ -42,6 +49,10 @@ struct CrossEntropyParams {
   bool targets_i32 = false;      // else i64
   int64_t ignore_index = -100;
   float label_smoothing = 0.0f;
+  float lse_square_scale = 0.0f; // z-loss beta
+  float softcap = 0.0f;          // c; 0 = off
+  const float* class_weight = nullptr;  // optional [v] f32 (w_j)
+  const float* token_weight = nullptr;  // optional [n] f32 (tau_i), rows of this call
   CEReduction reduction = CEReduction::Mean;
   float* loss = nullptr;         // [1] (Mean, Sum) or [n] (None), f32
   void* grad = nullptr;          // [n, v] rows grad_stride apart, or null (loss only); may be logits
@@ -81,14 +92,14 @@ const char* cross_entropy_scale_cuda(const CEScaleParams& p, cudaStream_t stream
 // chunks (the fused linear cross-entropy computes one chunk of logits at a time).  They skip
 // cross_entropy_check; the caller checks.
 //
-// CPU.  Checks every target (the error names the first row out of range) and counts the rows that
-// are not ignored.
-const char* cross_entropy_count_cpu(const CrossEntropyParams& p, int64_t* count);
+// CPU.  Checks every target (the error names the first row out of range) and computes the mean's
+// divisor D (the count of rows not ignored, or the sum of their targets' class weights).
+const char* cross_entropy_count_cpu(const CrossEntropyParams& p, double* divisor);
 // Rows [0, p.n): row i's loss into row_loss[i] (f64), its gradient times `scale` (the whole factor:
 // grad_scale, divided by the count for a mean) into p.grad.  Targets must have been checked.
 void cross_entropy_rows_cpu(const CrossEntropyParams& p, double* row_loss, float scale);
 #if KCPP_WITH_CUDA
-// CUDA.  *count = the number of rows not ignored (f32, device memory).
+// CUDA.  *count = the mean's divisor D (f32, device memory).
 const char* cross_entropy_count_cuda(const CrossEntropyParams& p, float* count, cudaStream_t stream);
 // Rows [0, p.n): row i's loss into row_loss[i] (p.loss + i for reduction None), its gradient times
 // p.grad_scale, divided by *count for a mean.

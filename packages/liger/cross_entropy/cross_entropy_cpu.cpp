@@ -23,7 +23,13 @@ int64_t target_of(const CrossEntropyParams& p, int64_t i) {
 
 template <typename T> void rows(const CrossEntropyParams& p, double* row_loss, float scale) {
   const int64_t n = p.n, v = p.v;
-  const float eps = p.label_smoothing;
+  const float eps = p.label_smoothing, cap = p.softcap, beta = p.lse_square_scale;
+  const float* cw = p.class_weight;
+  double wsum_d = static_cast<double>(v);
+  if (cw) {
+    wsum_d = 0.0;
+    for (int64_t j = 0; j < v; ++j) wsum_d += cw[j];
+  }
   const T* bias = static_cast<const T*>(p.bias);
 #pragma omp parallel
   {
@@ -49,36 +55,63 @@ template <typename T> void rows(const CrossEntropyParams& p, double* row_loss, f
       if (bias)
 #pragma omp simd
         for (int64_t j = 0; j < v; ++j) x[j] += b[j];
+      if (cap > 0.0f)  // z = c tanh(x / c), kept in x
+#pragma omp simd
+        for (int64_t j = 0; j < v; ++j) x[j] = cap * kernel::tanh_f32(x[j] / cap);
       // The max may skip a NaN logit; its exponential below is NaN all the same, and so is the row.
       float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
       for (int64_t j = 0; j < v; ++j) m = std::max(m, x[j]);
-      // e_j = exp(x_j - m) in (0, 1] (exp_f32: vectorized, within 1 ulp of expf), kept for the
-      // gradient (softmax_j = e_j / s); the sums in f64 (10^5 terms keep their digits).
+      // e_j = exp(z_j - m) in (0, 1] (exp_f32: vectorized, within 1 ulp of expf), kept for the
+      // gradient (p_j = e_j / s); the sums in f64 (10^5 terms keep their digits).
       for (int64_t j = 0; j < v; ++j) e[j] = kernel::exp_f32(x[j] - m);
-      double s = 0.0, sx = 0.0;
+      double s = 0.0, sx = 0.0;  // sx = sum_j w_j z_j
+      if (cw) {
 #pragma omp simd reduction(+ : s, sx)
-      for (int64_t j = 0; j < v; ++j) {
-        s += e[j];
-        sx += x[j];
+        for (int64_t j = 0; j < v; ++j) {
+          s += e[j];
+          sx += static_cast<double>(cw[j]) * x[j];
+        }
+      } else {
+#pragma omp simd reduction(+ : s, sx)
+        for (int64_t j = 0; j < v; ++j) {
+          s += e[j];
+          sx += x[j];
+        }
       }
-      const float lse = m + static_cast<float>(std::log(s));
-      if (p.lse) p.lse[i] = lse;
-      row_loss[i] = (1.0 - eps) * (lse - x[t]) + eps * (lse - sx / static_cast<double>(v));
+      const double lse = m + std::log(s);
+      const double wt = cw ? cw[t] : 1.0, tau = p.token_weight ? p.token_weight[i] : 1.0;
+      if (p.lse) p.lse[i] = static_cast<float>(lse);
+      const double ce = (1.0 - eps) * wt * (lse - x[t]) + eps / static_cast<double>(v) * (wsum_d * lse - sx);
+      row_loss[i] = tau * (ce + beta * lse * lse);
       if (g) {
-        const float inv_s = static_cast<float>(1.0 / s), off = eps / static_cast<float>(v);
-        for (int64_t j = 0; j < v; ++j) x[j] = (e[j] * inv_s - off) * scale;
-        x[t] -= (1.0f - eps) * scale;
-        store_row(x.data(), v, g);
+        const float smooth = eps / static_cast<float>(v), hot = static_cast<float>((1.0 - eps) * wt);
+        const float a = static_cast<float>((hot + smooth * wsum_d + 2.0 * beta * lse) / s);  // factor of e_j
+        const float s_row = static_cast<float>(tau) * scale;
+        if (cw) {
+#pragma omp simd
+          for (int64_t j = 0; j < v; ++j) e[j] = e[j] * a - smooth * cw[j];
+        } else {
+#pragma omp simd
+          for (int64_t j = 0; j < v; ++j) e[j] = e[j] * a - smooth;
+        }
+        e[t] -= hot;
+        if (cap > 0.0f) {
+#pragma omp simd
+          for (int64_t j = 0; j < v; ++j) e[j] *= 1.0f - (x[j] / cap) * (x[j] / cap);
+        }
+#pragma omp simd
+        for (int64_t j = 0; j < v; ++j) e[j] *= s_row;
+        store_row(e.data(), v, g);
       }
     }
   }
 }
 
 const char* run(const CrossEntropyParams& p) {
-  int64_t count = 0;
+  double count = 0;
   if (const char* e = cross_entropy_count_cpu(p, &count)) return e;
-  const float scale = p.grad_scale * (p.reduction == CEReduction::Mean ? 1.0f / static_cast<float>(count) : 1.0f);
+  const float scale = p.grad_scale * (p.reduction == CEReduction::Mean ? static_cast<float>(1.0 / count) : 1.0f);
   std::vector<double> row_loss(static_cast<size_t>(p.n), 0.0);
   cross_entropy_rows_cpu(p, row_loss.data(), scale);
   if (p.reduction == CEReduction::None) {
@@ -102,6 +135,10 @@ const char* cross_entropy_check(const CrossEntropyParams& p) {
                       "cross_entropy: unknown reduction %d", static_cast<int>(p.reduction));
   KCPP_KERNEL_REQUIRE(p.label_smoothing >= 0.0f && p.label_smoothing <= 1.0f,
                       "cross_entropy: label_smoothing %g outside [0, 1]", static_cast<double>(p.label_smoothing));
+  KCPP_KERNEL_REQUIRE(p.softcap >= 0.0f && std::isfinite(p.softcap), "cross_entropy: softcap %g must be >= 0 and finite",
+                      static_cast<double>(p.softcap));
+  KCPP_KERNEL_REQUIRE(std::isfinite(p.lse_square_scale), "cross_entropy: lse_square_scale %g is not finite",
+                      static_cast<double>(p.lse_square_scale));
   // An empty batch may come with null data (no bytes to point at); its loss is still written.
   KCPP_KERNEL_REQUIRE((p.n == 0 || (p.logits && p.targets)) && (p.loss || (p.n == 0 && p.reduction == CEReduction::None)),
                       "cross_entropy: 'logits', 'targets' and 'loss' must not be null");
@@ -114,16 +151,16 @@ const char* cross_entropy_check(const CrossEntropyParams& p) {
   return nullptr;
 }
 
-const char* cross_entropy_count_cpu(const CrossEntropyParams& p, int64_t* count) {
-  int64_t c = 0;
+const char* cross_entropy_count_cpu(const CrossEntropyParams& p, double* divisor) {
+  double c = 0;
   for (int64_t i = 0; i < p.n; ++i) {
     const int64_t t = target_of(p, i);
     if (t == p.ignore_index) continue;
     KCPP_KERNEL_REQUIRE(t >= 0 && t < p.v, "cross_entropy: argument 'targets'[%lld] = %lld is out of range [0, %lld)",
                         static_cast<long long>(i), static_cast<long long>(t), static_cast<long long>(p.v));
-    ++c;
+    c += p.class_weight ? p.class_weight[t] : 1.0;
   }
-  *count = c;
+  *divisor = c;
   return nullptr;
 }
 

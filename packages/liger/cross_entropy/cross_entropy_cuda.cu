@@ -55,12 +55,23 @@ __device__ void block_reduce(MS& ms, float& sum, float* sm, float* ss, float* sx
   }
 }
 
+// count[0] = the mean's divisor D (non-ignored rows, or the sum of their targets' class weights);
+// count[1] = W, the sum of the class weights (with class weights).  One block, a fixed order.
 __global__ void count_valid(const __grid_constant__ CrossEntropyParams p, float* count) {
   __shared__ float scratch[32];
   float c = 0.0f;
-  for (int64_t i = threadIdx.x; i < p.n; i += blockDim.x) c += target_at(p, i) != p.ignore_index ? 1.0f : 0.0f;
-  c = block_sum(c, scratch);  // exact: integers far below 2^24 per thread, and the order is fixed
-  if (threadIdx.x == 0) *count = c;
+  for (int64_t i = threadIdx.x; i < p.n; i += blockDim.x) {
+    const int64_t t = target_at(p, i);
+    if (t == p.ignore_index) continue;
+    c += p.class_weight && t >= 0 && t < p.v ? p.class_weight[t] : 1.0f;  // a bad target's row is NaN anyway
+  }
+  c = block_sum(c, scratch);  // without class weights exact: integers far below 2^24 per thread
+  float w = 0.0f;
+  if (p.class_weight) {
+    for (int64_t j = threadIdx.x; j < p.v; j += blockDim.x) w += p.class_weight[j];
+    w = block_sum(w, scratch);
+  }
+  if (threadIdx.x == 0) count[0] = c, count[1] = w;
 }
 
 // Logits j .. j + VEC of a row in f32, the bias added.
@@ -74,13 +85,25 @@ template <typename T, int VEC> __device__ __forceinline__ void load_row(const T*
   }
 }
 
-template <typename T, int VEC>
+// Softcap (EXT only): z = c tanh(x / c).
+template <bool EXT, int VEC> __device__ __forceinline__ void cap_row(float cap, float (&f)[VEC]) {
+  if (EXT && cap > 0.0f) {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) f[k] = cap * tanhf(f[k] / cap);
+  }
+}
+
+// EXT: the per-element options (softcap, class weights) are compiled in; the per-row ones (z-loss,
+// token weights) cost nothing and are always there.
+template <typename T, int VEC, bool EXT>
 __global__ void __launch_bounds__(kThreads) rows_kernel(const __grid_constant__ CrossEntropyParams p, float* row_loss,
                                                          const float* count) {
   __shared__ float sm[32], ss[32], sx[32];
   const int64_t v = p.v, step = int64_t(blockDim.x) * VEC;
-  const float eps = p.label_smoothing;
-  const float scale = p.reduction == CEReduction::Mean ? p.grad_scale / *count : p.grad_scale;
+  const float eps = p.label_smoothing, cap = p.softcap, beta = p.lse_square_scale;
+  const float* cw = EXT ? p.class_weight : nullptr;
+  const float wsum = cw ? count[1] : static_cast<float>(v);
+  const float scale = p.reduction == CEReduction::Mean ? p.grad_scale / count[0] : p.grad_scale;
   const T* bias = static_cast<const T*>(p.bias);
   for (int64_t i = blockIdx.x; i < p.n; i += gridDim.x) {
     const int64_t t = target_at(p, i);
@@ -97,11 +120,13 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const __grid_constant__ 
       continue;
     }
     const bool bad = t < 0 || t >= v;
+    const float tau = p.token_weight ? p.token_weight[i] : 1.0f;
     MS ms{-INFINITY, 0.0f};
-    float sum = 0.0f;
+    float sum = 0.0f;  // sum_j w_j z_j
     for (int64_t j = threadIdx.x * VEC; j < v; j += step) {
       float f[VEC];
       load_row(x, bias, j, f);
+      cap_row<EXT>(cap, f);
       float vm = f[0];
 #pragma unroll
       for (int k = 1; k < VEC; ++k) vm = fmaxf(vm, f[k]);
@@ -109,32 +134,38 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const __grid_constant__ 
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         vs += expf(f[k] - vm);
-        sum += f[k];
+        sum += cw ? cw[j + k] * f[k] : f[k];
       }
       ms = merge(ms, MS{vm, vs});
     }
     block_reduce(ms, sum, sm, ss, sx);
     const float lse = ms.m + logf(ms.s);
+    const float wt = bad ? 0.0f : cw ? cw[t] : 1.0f;
     if (threadIdx.x == 0) {
       if (bad) {
         *out_loss = NAN;
         if (p.bad_targets) atomicAdd(p.bad_targets, 1);
       } else {
-        const float xt = to_f32(x[t]) + (bias ? to_f32(bias[t]) : 0.0f);
-        *out_loss = (1.0f - eps) * (lse - xt) + eps * (lse - sum / static_cast<float>(v));
+        float zt[1] = {to_f32(x[t]) + (bias ? to_f32(bias[t]) : 0.0f)};
+        cap_row<EXT>(cap, zt);
+        const float ce = (1.0f - eps) * wt * (lse - zt[0]) + eps / static_cast<float>(v) * (wsum * lse - sum);
+        *out_loss = tau * (ce + beta * lse * lse);
       }
       if (p.lse) p.lse[i] = lse;
     }
     if (!g) continue;
     __syncthreads();  // in place: every thread has read the row before anyone overwrites x[t]
-    const float smooth = eps / static_cast<float>(v), hot = 1.0f - eps;
+    const float smooth = eps / static_cast<float>(v), hot = (1.0f - eps) * wt, s_row = tau * scale;
+    const float a = hot + smooth * wsum + 2.0f * beta * lse;  // the factor of p_j
     for (int64_t j = threadIdx.x * VEC; j < v; j += step) {
       float f[VEC];
       load_row(x, bias, j, f);
+      cap_row<EXT>(cap, f);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        const float d = expf(f[k] - lse) - smooth - (j + k == t ? hot : 0.0f);
-        f[k] = bad ? NAN : d * scale;
+        float d = expf(f[k] - lse) * a - smooth * (cw ? cw[j + k] : 1.0f) - (j + k == t ? hot : 0.0f);
+        if (EXT && cap > 0.0f) d *= 1.0f - (f[k] / cap) * (f[k] / cap);
+        f[k] = bad ? NAN : d * s_row;
       }
       store_f32(g + j, f);
     }
@@ -146,7 +177,7 @@ __global__ void reduce_loss(const __grid_constant__ CrossEntropyParams p, const 
   float s = 0.0f;
   for (int64_t i = threadIdx.x; i < p.n; i += blockDim.x) s += row_loss[i];
   s = block_sum(s, scratch);
-  if (threadIdx.x == 0) p.loss[0] = p.reduction == CEReduction::Mean ? s / *count : s;
+  if (threadIdx.x == 0) p.loss[0] = p.reduction == CEReduction::Mean ? s / count[0] : s;
 }
 
 __global__ void empty_loss(float* loss, float value) { *loss = value; }
@@ -207,9 +238,16 @@ const char* cross_entropy_rows_cuda(const CrossEntropyParams& p, float* row_loss
   const bool vec_ok = p.v % vec_full == 0 && aligned16(p.logits) && p.logits_stride % vec_full == 0 &&
                       (!p.grad || (aligned16(p.grad) && p.grad_stride % vec_full == 0)) && (!p.bias || aligned16(p.bias));
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(p.n, int64_t(sm_count(device)) * 4));
+  const bool ext = p.softcap > 0.0f || p.class_weight;
   auto go = [&]<typename T>(T*) {
-    if (vec_ok) rows_kernel<T, 16 / sizeof(T)><<<grid, kThreads, 0, stream>>>(p, row_loss, count);
-    else rows_kernel<T, 1><<<grid, kThreads, 0, stream>>>(p, row_loss, count);
+    constexpr int kVec = 16 / sizeof(T);
+    if (ext) {
+      if (vec_ok) rows_kernel<T, kVec, true><<<grid, kThreads, 0, stream>>>(p, row_loss, count);
+      else rows_kernel<T, 1, true><<<grid, kThreads, 0, stream>>>(p, row_loss, count);
+    } else {
+      if (vec_ok) rows_kernel<T, kVec, false><<<grid, kThreads, 0, stream>>>(p, row_loss, count);
+      else rows_kernel<T, 1, false><<<grid, kThreads, 0, stream>>>(p, row_loss, count);
+    }
   };
   switch (p.dtype) {
     case kernel::DType::f32: go(static_cast<float*>(nullptr)); break;
@@ -232,7 +270,7 @@ const char* cross_entropy_cuda(const CrossEntropyParams& p, cudaStream_t stream)
   float* count = static_cast<float*>(p.workspace);
   float* row_loss = count + 4;
   // The mean of no rows is NaN (as PyTorch), their sum 0: written by a kernel, so graph capture is safe.
-  if (p.reduction == CEReduction::Mean && p.n > 0)
+  if ((p.reduction == CEReduction::Mean || p.class_weight) && p.n > 0)
     if (const char* e = cross_entropy_count_cuda(p, count, stream)) return e;
   if (const char* e = cross_entropy_rows_cuda(p, row_loss, count, stream)) return e;
   if (p.reduction != CEReduction::None) return cross_entropy_reduce_cuda(p, row_loss, count, stream);

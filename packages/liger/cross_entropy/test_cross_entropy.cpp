@@ -79,6 +79,59 @@ TEST_P(LigerCrossEntropy, WithinTwiceTheReferenceError) {
           }
 }
 
+// Softcap, z-loss, class weights and token weights, alone and together (with label smoothing and
+// ignored rows), against the oracle.  No eager reference implements them, so the bound is the
+// dtype's table (tight for f32: a wrong term is an O(1) error).
+TEST_P(LigerCrossEntropy, OptionsMatchTheOracle) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  struct Opt {
+    const char* name;
+    double softcap, z;
+    bool class_w, token_w;
+    double eps;
+  };
+  const Opt opts[] = {{"softcap", 5.0, 0, false, false, 0.0},     {"z-loss", 0, 0.1, false, false, 0.0},
+                      {"class weights", 0, 0, true, false, 0.1},  {"token weights", 0, 0, false, true, 0.0},
+                      {"all", 5.0, 0.01, true, true, 0.1}};
+  for (DType dt : {DType::f32, DType::bf16})
+    for (int64_t v : {3, 4097, 50257})
+      for (Reduction red : {Reduction::Mean, Reduction::Sum, Reduction::None})
+        for (const Opt& o : opts) {
+          const int64_t n = v > 1000 ? 6 : 19;
+          const std::string cfg = fmt::format("{} v={} reduction={} {}", test::config_name(dev, dt), v, static_cast<int>(red), o.name);
+          const Tensor logits = Tensor::randn({n, v}, dt, dev, gen, 0, 3);
+          std::vector<int64_t> t(static_cast<size_t>(n));
+          std::uniform_int_distribution<int64_t> pick(0, v - 1);
+          for (int64_t i = 0; i < n; ++i) t[i] = i % 4 == 1 ? -100 : pick(gen.engine());
+          const Tensor targets = Tensor::from_i64(t, {n}, DType::i64, dev);
+          oracle::CEOptions oo;
+          oo.smoothing = o.eps, oo.softcap = o.softcap, oo.z_loss = o.z;
+          const Tensor cw = Tensor::uniform({v}, DType::f32, dev, gen, 0.2, 2.0), tw = Tensor::uniform({n}, DType::f32, dev, gen, 0, 3);
+          if (o.class_w) oo.class_weight = cw.to_f64_vector();
+          if (o.token_w) oo.token_weight = tw.to_f64_vector();
+          const auto lv = logits.to_f64_vector();
+          double divisor = 0;
+          const auto rows = oracle::cross_entropy_rows(lv, t, n, v, oo, divisor);
+          double total = 0;
+          for (double r : rows) total += r;
+          const std::vector<double> ref_loss =
+              red == Reduction::None ? rows : std::vector<double>{red == Reduction::Sum ? total : total / divisor};
+          std::vector<double> g(static_cast<size_t>(n), red == Reduction::Mean ? 1.0 / divisor : 1.0), mag;
+          const auto ref_grad = oracle::cross_entropy_backward(lv, t, g, n, v, oo, &mag);
+          CE k{dev};
+          auto p = k.params(logits, targets, {-100, red, o.eps}, false);
+          p.softcap = static_cast<float>(o.softcap);
+          p.lse_square_scale = static_cast<float>(o.z);
+          if (o.class_w) p.class_weight = static_cast<const float*>(cw.data());
+          if (o.token_w) p.token_weight = static_cast<const float*>(tw.data());
+          ASSERT_EQ(k.run(p), nullptr) << cfg;
+          EXPECT_LE(test::rel_l2_error(k.loss, ref_loss), test::composite_rel_l2(dt)) << cfg << " loss";
+          EXPECT_TRUE(test::close_l2_mag(k.grad, ref_grad, mag, test::composite_rel_l2(dt))) << cfg << " grad";
+        }
+}
+
 TEST_P(LigerCrossEntropy, EdgeCasesAndBadInput) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
@@ -133,6 +186,9 @@ TEST_P(LigerCrossEntropy, EdgeCasesAndBadInput) {
   b = good;
   b.reduction = static_cast<liger::CEReduction>(9);
   expect_error(b, "unknown reduction 9");
+  b = good;
+  b.softcap = -1.0f;
+  expect_error(b, "softcap -1 must be >= 0");
   b = good;
   b.logits_stride = 3;
   expect_error(b, "logits row stride 3 < v 8");

@@ -4,7 +4,8 @@
 //
 // Maths (cross_entropy.h has the per-row loss and its gradient G = dloss / dlogits, [N, V]):
 //   logits  = X W^T + b                    X = hidden [N, H], W = weight [V, H], b = bias [V]
-//   loss    = CE(logits, targets)          mean over non-ignored rows, or sum (or per row, no gradients)
+//   loss    = CE(logits, targets)          mean over non-ignored rows, or sum (or per row, no gradients),
+//                                          with every option of cross_entropy.h (z-loss, softcap, class and token weights)
 //   dX      = G W                          [N, H]
 //   dW      = G^T X                        [V, H]
 //   db      = sum_i G_i                    [V]
@@ -58,6 +59,10 @@ struct FusedLinearCEParams {
   bool targets_i32 = false;      // else i64
   int64_t ignore_index = -100;
   float label_smoothing = 0.0f;
+  float lse_square_scale = 0.0f;        // z-loss (cross_entropy.h)
+  float softcap = 0.0f;                 // 0 = off
+  const float* class_weight = nullptr;  // optional [v] f32
+  const float* token_weight = nullptr;  // optional [n] f32
   CEReduction reduction = CEReduction::Mean;  // None: loss per row, and no gradients
   float grad_scale = 1.0f;
   float* loss = nullptr;         // [1] (Mean, Sum) or [n] (None), f32

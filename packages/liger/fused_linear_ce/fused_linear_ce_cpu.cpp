@@ -113,9 +113,12 @@ template <typename T> const char* run(const FusedLinearCEParams& p, const Layout
   ce.ignore_index = p.ignore_index;
   ce.label_smoothing = p.label_smoothing;
   ce.reduction = p.reduction;
-  int64_t count = 0;
+  ce.lse_square_scale = p.lse_square_scale;
+  ce.softcap = p.softcap;
+  ce.class_weight = p.class_weight;
+  double count = 0;
   if (const char* e = cross_entropy_count_cpu(ce, &count)) return e;
-  const float scale = p.grad_scale * (p.reduction == CEReduction::Mean ? 1.0f / static_cast<float>(count) : 1.0f);
+  const float scale = p.grad_scale * (p.reduction == CEReduction::Mean ? static_cast<float>(1.0 / count) : 1.0f);
 
   const T* hidden = static_cast<const T*>(p.hidden);
   const T* weight = static_cast<const T*>(p.weight);
@@ -175,6 +178,7 @@ template <typename T> const char* run(const FusedLinearCEParams& p, const Layout
     ce.grad = grads ? ws.logits : nullptr;
     ce.grad_stride = v;
     ce.lse = p.lse ? p.lse + r0 : nullptr;
+    ce.token_weight = p.token_weight ? p.token_weight + r0 : nullptr;
     cross_entropy_rows_cpu(ce, ws.row_loss + r0, scale);
     if (!grads) continue;
     if (p.dbias) {
@@ -218,7 +222,7 @@ template <typename T> const char* run(const FusedLinearCEParams& p, const Layout
   } else {
     double total = 0.0;
     for (int64_t i = 0; i < n; ++i) total += ws.row_loss[i];  // fixed order
-    p.loss[0] = static_cast<float>(p.reduction == CEReduction::Mean ? total / static_cast<double>(count) : total);
+    p.loss[0] = static_cast<float>(p.reduction == CEReduction::Mean ? total / count : total);
   }
   if (!grads) return nullptr;
   if (p.dbias)
@@ -259,6 +263,10 @@ const char* fused_linear_ce_check(const FusedLinearCEParams& p) {
   KCPP_KERNEL_REQUIRE(!p.dhidden || p.dhidden_stride >= p.h || p.n <= 1, "fused_linear_ce: dhidden row stride %lld < h %lld",
                       static_cast<long long>(p.dhidden_stride), static_cast<long long>(p.h));
   KCPP_KERNEL_REQUIRE(!p.dbias || p.bias, "fused_linear_ce: 'dbias' without 'bias'");
+  KCPP_KERNEL_REQUIRE(p.softcap >= 0.0f && std::isfinite(p.softcap), "fused_linear_ce: softcap %g must be >= 0 and finite",
+                      static_cast<double>(p.softcap));
+  KCPP_KERNEL_REQUIRE(std::isfinite(p.lse_square_scale), "fused_linear_ce: lse_square_scale %g is not finite",
+                      static_cast<double>(p.lse_square_scale));
   KCPP_KERNEL_REQUIRE(p.chunk_rows >= 0, "fused_linear_ce: chunk_rows %lld < 0", static_cast<long long>(p.chunk_rows));
   KCPP_KERNEL_REQUIRE(p.dhidden != p.hidden || !p.dhidden, "fused_linear_ce: 'dhidden' may not be 'hidden'");
   return nullptr;

@@ -130,11 +130,15 @@ template <typename T> const char* run(const FusedLinearCEParams& p, cudaStream_t
   ce.ignore_index = p.ignore_index;
   ce.label_smoothing = p.label_smoothing;
   ce.reduction = p.reduction;
+  ce.lse_square_scale = p.lse_square_scale;
+  ce.softcap = p.softcap;
+  ce.class_weight = p.class_weight;
+  ce.token_weight = p.token_weight;
   ce.grad_scale = p.grad_scale;
   ce.bias = p.bias;
   ce.bad_targets = p.bad_targets;
   ce.loss = p.loss;
-  if (p.reduction == CEReduction::Mean && n > 0)
+  if ((p.reduction == CEReduction::Mean || p.class_weight) && n > 0)
     if (const char* e = cross_entropy_count_cuda(ce, count, stream)) return e;
 
   T* dweight = static_cast<T*>(p.dweight);
@@ -163,6 +167,7 @@ template <typename T> const char* run(const FusedLinearCEParams& p, cudaStream_t
     rows.grad = grads ? logits : nullptr;
     rows.grad_stride = v;
     rows.lse = p.lse ? p.lse + r0 : nullptr;
+    rows.token_weight = p.token_weight ? p.token_weight + r0 : nullptr;
     if (const char* e = cross_entropy_rows_cuda(rows, row_loss ? row_loss + r0 : nullptr, count, stream)) return e;
     if (!grads) continue;
     if (dbias_acc) {
