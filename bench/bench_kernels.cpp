@@ -286,6 +286,16 @@ void bench_cross_entropy() {
   // first run, which does not change the work).
   const Tensor scratch = logits.clone();
   row("ce fwd+bwd in-place", "kcpp", [&] { call(scratch, scratch); }, gb);
+  // The per-element options (softcap 30, as Gemma 2; class weights) and the per-row ones (z-loss).
+  const Tensor cw = Tensor::uniform({v}, DType::f32, kDev, gen, 0.5, 1.5);
+  row("ce fwd+bwd softcap+w+z", "kcpp", [&] {
+    Tensor loss = Tensor::empty({1}, DType::f32, kDev), grad = Tensor::empty({n, v}, DType::bf16, kDev);
+    auto p = test::cross_entropy_params(logits, targets, opt, loss, grad);
+    p.softcap = 30.0f, p.lse_square_scale = 1e-4f, p.class_weight = static_cast<const float*>(cw.data());
+    Tensor ws = Tensor::empty({static_cast<int64_t>(liger::cross_entropy_workspace(p))}, DType::u8, kDev);
+    p.workspace = ws.data();
+    check(liger::cross_entropy_cuda(p, cuda::current_stream()));
+  }, gb);
 }
 
 // A compute-bound row: TFLOP/s instead of bandwidth; the peak also without the `grads_mib` of
