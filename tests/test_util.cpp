@@ -126,6 +126,20 @@ double mag_error(const Tensor& out, const std::vector<double>& ref, const std::v
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+double underflow_allowance(DType t, const std::vector<double>& magnitude) {
+  double eta = 0;  // half the spacing of the dtype's subnormals
+  switch (t) {
+    case DType::f16: eta = 0x1p-25; break;
+    case DType::bf16: eta = 0x1p-134; break;
+    case DType::f32: eta = 0x1p-150; break;
+    default: return 0;
+  }
+  double den = 0;
+  for (double m : magnitude) den += m * m;
+  const double n = static_cast<double>(magnitude.size());
+  return den > 0 ? eta * std::sqrt(n / den) : eta * std::sqrt(n);
+}
+
 std::string config_name(Device d, DType t) { return fmt::format("{} {}", d.str(), dtype_name(t)); }
 
 }  // namespace kcpp::test

@@ -55,6 +55,12 @@ ErrorStats error_stats(const std::vector<double>& out, const std::vector<double>
 double rel_l2_error(const Tensor& out, const std::vector<double>& ref);
 double mag_error(const Tensor& out, const std::vector<double>& ref, const std::vector<double>& magnitude);
 
+// The part of mag_error that underflow alone can cause: a result in the dtype's subnormal range is
+// off by up to half the subnormal spacing eta whatever its magnitude (the standard model
+// |fl(x) - x| <= u |x| + eta), so sqrt(n) eta / ||magnitude||.  Add it to a bound on mag_error where
+// a few tiny results are possible (one-element rows of f16).
+double underflow_allowance(DType t, const std::vector<double>& magnitude);
+
 std::string config_name(Device d, DType t);
 
 }  // namespace kcpp::test

@@ -96,7 +96,7 @@ template <bool EXT, int VEC> __device__ __forceinline__ void cap_row(float cap, 
 // EXT: the per-element options (softcap, class weights) are compiled in; the per-row ones (z-loss,
 // token weights) cost nothing and are always there.
 template <typename T, int VEC, bool EXT>
-__global__ void __launch_bounds__(kThreads) rows_kernel(const __grid_constant__ CrossEntropyParams p, float* row_loss,
+__global__ void __launch_bounds__(kThreads, 2048 / kThreads) rows_kernel(const __grid_constant__ CrossEntropyParams p, float* row_loss,
                                                          const float* count) {
   __shared__ float sm[32], ss[32], sx[32];
   const int64_t v = p.v, step = int64_t(blockDim.x) * VEC;

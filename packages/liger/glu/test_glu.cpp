@@ -66,14 +66,16 @@ TEST_P(LigerGlu, WithinTwiceTheReferenceError) {
           const double e_ref = test::mag_error(ops::glu_forward(g, u, act), fo, mag.out);
           const double e = test::mag_error(k.forward(g, u, act), fo, mag.out);
           EXPECT_LE(e, test::kernel_bound(e_ref, dt)) << cfg << " out (reference error " << e_ref << ")";
-          EXPECT_LE(e, tol) << cfg;
+          EXPECT_LE(e, tol + test::underflow_allowance(dt, mag.out)) << cfg;
           const auto rb = ops::glu_backward(d, g, u, act);
           const auto [kg, ku] = k.backward(d, g, u, act);
           const double eg_ref = test::mag_error(rb.dgate, dg, mag.dgate), eu_ref = test::mag_error(rb.dup, du, mag.dup);
           const double eg = test::mag_error(kg, dg, mag.dgate), eu = test::mag_error(ku, du, mag.dup);
           EXPECT_LE(eg, test::kernel_bound(eg_ref, dt)) << cfg << " dgate (reference error " << eg_ref << ")";
           EXPECT_LE(eu, test::kernel_bound(eu_ref, dt)) << cfg << " dup (reference error " << eu_ref << ")";
-          EXPECT_LE(std::max(eg, eu), tol) << cfg;
+          // A one-element f16 gradient may land among the subnormals (d, u and silu(g) all small).
+          const double floor = std::max(test::underflow_allowance(dt, mag.dgate), test::underflow_allowance(dt, mag.dup));
+          EXPECT_LE(std::max(eg, eu), tol + floor) << cfg;
         }
 }
 
