@@ -10,13 +10,17 @@
 
 namespace kcpp::test {
 
+std::filesystem::path built_package_dir(const std::string& name) {
+  const char* env = std::getenv("KCPP_PACKAGES_DIR");
+  return std::filesystem::absolute(std::filesystem::path(env && *env ? env : KCPP_PACKAGES_DIR_DEFAULT) / name);
+}
+
 std::shared_ptr<const hub::LoadedPackage> built_package(const std::string& name) {
   static std::mutex mu;
   static std::map<std::string, std::shared_ptr<const hub::LoadedPackage>> loaded;
   std::lock_guard lock(mu);
   if (auto it = loaded.find(name); it != loaded.end()) return it->second;
-  const char* env = std::getenv("KCPP_PACKAGES_DIR");
-  const std::filesystem::path root = std::filesystem::path(env && *env ? env : KCPP_PACKAGES_DIR_DEFAULT) / name / "build";
+  const std::filesystem::path root = built_package_dir(name) / "build";
   std::filesystem::path cpu, gpu;
   if (std::filesystem::is_directory(root))
     for (const auto& e : std::filesystem::directory_iterator(root)) {

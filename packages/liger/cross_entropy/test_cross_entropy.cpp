@@ -132,6 +132,28 @@ TEST_P(LigerCrossEntropy, OptionsMatchTheOracle) {
         }
 }
 
+// Vocabularies past 256k (Gemma 3: 262144): rows far longer than a block's pass, odd length.
+TEST_P(LigerCrossEntropy, VocabularyPast256k) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const int64_t n = 3, v = 262147;
+  for (DType dt : {DType::f32, DType::bf16}) {
+    const Tensor logits = Tensor::randn({n, v}, dt, dev, gen, 0, 3);
+    const std::vector<int64_t> t = {0, v - 1, 131072};
+    const Tensor targets = Tensor::from_i64(t, {n}, DType::i64, dev);
+    const auto lv = logits.to_f64_vector();
+    int64_t count = 0;
+    const auto rows = oracle::cross_entropy_rows(lv, t, n, v, -100, 0.1, count);
+    std::vector<double> g(static_cast<size_t>(n), 1.0 / count), mag;
+    const auto ref_grad = oracle::cross_entropy_backward(lv, t, g, n, v, -100, 0.1, &mag);
+    CE k{dev};
+    ASSERT_EQ(k.run(k.params(logits, targets, {-100, Reduction::Mean, 0.1}, true)), nullptr);
+    EXPECT_LE(test::rel_l2_error(k.loss, {(rows[0] + rows[1] + rows[2]) / 3}), test::composite_rel_l2(dt)) << dtype_name(dt);
+    EXPECT_TRUE(test::close_l2_mag(k.grad, ref_grad, mag, test::composite_rel_l2(dt))) << dtype_name(dt);
+  }
+}
+
 TEST_P(LigerCrossEntropy, EdgeCasesAndBadInput) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
