@@ -1,6 +1,7 @@
 #include "nn/layers.h"
 
 #include "core/error.h"
+#include "ops/ops.h"
 
 namespace kcpp::nn {
 
@@ -21,6 +22,31 @@ int64_t rows_of(const Tensor& x) {
   const int64_t h = x.size(x.dim() - 1);
   return h == 0 ? 0 : x.numel() / h;
 }
+
+const char* activation_name(ops::GluActivation a) {
+  switch (a) {
+    case ops::GluActivation::Silu: return "silu";
+    case ops::GluActivation::Gelu: return "gelu";
+    case ops::GluActivation::GeluTanh: return "gelu_tanh";
+  }
+  return "silu";
+}
+
+const char* reduction_name(ops::Reduction r) {
+  switch (r) {
+    case ops::Reduction::Mean: return "mean";
+    case ops::Reduction::Sum: return "sum";
+    case ops::Reduction::None: return "none";
+  }
+  return "mean";
+}
+
+void ce_options(KernelArgs& a, const ops::CrossEntropyOptions& o) {
+  a.integer("ignore_index", o.ignore_index).real("label_smoothing", o.label_smoothing).string("reduction", reduction_name(o.reduction));
+}
+
+// The loss as the slot returns it: f32, whatever the reference computed it in.
+Tensor as_f32(const Tensor& t) { return t.dtype() == DType::f32 ? t : t.to(DType::f32); }
 
 }  // namespace
 
@@ -62,6 +88,159 @@ RMSNorm::Grads RMSNorm::backward(const Tensor& dy, const Saved& s) {
   }
   ops::RMSNormBackward b = ops::rms_norm_backward(dy, s.x, weight, s.rstd, options);
   return {b.dx, b.dw};
+}
+
+// ---- MLP -----------------------------------------------------------------------------------------
+
+MLP::MLP(ops::GluActivation a) : Slot("MLP", "GLU/1"), activation(a) {}
+
+Tensor MLP::forward(const Tensor& gate, const Tensor& up) {
+  if (kernel()) {
+    Tensor out = Tensor::empty(gate.shape(), gate.dtype(), gate.device());
+    KernelArgs a;
+    a.tensor("gate", gate).tensor("up", up).string("activation", activation_name(activation)).tensor("out", out);
+    if (run_forward(a, gate.device())) return out;
+  } else {
+    count_reference();
+  }
+  return ops::glu_forward(gate, up, activation);
+}
+
+MLP::Grads MLP::backward(const Tensor& dh, const Tensor& gate, const Tensor& up) {
+  if (kernel()) {
+    Grads g{Tensor::empty(gate.shape(), gate.dtype(), gate.device()), Tensor::empty(gate.shape(), gate.dtype(), gate.device())};
+    KernelArgs a;
+    a.tensor("dout", dh).tensor("gate", gate).tensor("up", up).string("activation", activation_name(activation));
+    a.tensor("dgate", g.dgate).tensor("dup", g.dup);
+    if (run_backward(a, gate.device())) return g;
+  } else {
+    count_reference();
+  }
+  ops::GluBackward b = ops::glu_backward(dh, gate, up, activation);
+  return {b.dgate, b.dup};
+}
+
+// ---- RotaryEmbedding -------------------------------------------------------------------------------
+
+RotaryEmbedding::RotaryEmbedding(ops::RopeLayout s) : Slot("rotary_pos_emb", "rotary_pos_emb/1"), style(s) {}
+
+namespace {
+const char* style_name(ops::RopeLayout s) { return s == ops::RopeLayout::Interleaved ? "interleaved" : "rotate_half"; }
+}  // namespace
+
+std::pair<Tensor, Tensor> RotaryEmbedding::forward(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin) {
+  if (kernel()) {
+    Tensor qo = Tensor::empty(q.shape(), q.dtype(), q.device());
+    Tensor ko = k.defined() ? Tensor::empty(k.shape(), k.dtype(), k.device()) : Tensor();
+    KernelArgs a;
+    a.tensor("q", q).tensor("cos", cos).tensor("sin", sin).string("layout", "bhsd").string("style", style_name(style));
+    a.tensor("q_out", qo);
+    if (k.defined()) a.tensor("k", k).tensor("k_out", ko);
+    if (run_forward(a, q.device())) return {qo, ko};
+  } else {
+    count_reference();
+  }
+  return {ops::rope_forward(q, cos, sin, style), k.defined() ? ops::rope_forward(k, cos, sin, style) : Tensor()};
+}
+
+std::pair<Tensor, Tensor> RotaryEmbedding::backward(const Tensor& dq_out, const Tensor& dk_out, const Tensor& cos,
+                                                    const Tensor& sin) {
+  if (kernel()) {
+    Tensor dq = Tensor::empty(dq_out.shape(), dq_out.dtype(), dq_out.device());
+    Tensor dk = dk_out.defined() ? Tensor::empty(dk_out.shape(), dk_out.dtype(), dk_out.device()) : Tensor();
+    KernelArgs a;
+    a.tensor("dq_out", dq_out).tensor("cos", cos).tensor("sin", sin).string("layout", "bhsd").string("style", style_name(style));
+    a.tensor("dq", dq);
+    if (dk_out.defined()) a.tensor("dk_out", dk_out).tensor("dk", dk);
+    if (run_backward(a, dq_out.device())) return {dq, dk};
+  } else {
+    count_reference();
+  }
+  return {ops::rope_backward(dq_out, cos, sin, style), dk_out.defined() ? ops::rope_backward(dk_out, cos, sin, style) : Tensor()};
+}
+
+// ---- CrossEntropyLoss ------------------------------------------------------------------------------
+
+CrossEntropyLoss::CrossEntropyLoss(ops::CrossEntropyOptions o) : Slot("CrossEntropyLoss", "CrossEntropyLoss/1"), options(o) {}
+
+Tensor CrossEntropyLoss::forward(const Tensor& logits, const Tensor& targets, Saved* saved) {
+  const int64_t rows = rows_of(logits);
+  if (kernel()) {
+    Tensor loss = Tensor::empty({options.reduction == ops::Reduction::None ? rows : 1}, DType::f32, logits.device());
+    Tensor grad = saved ? Tensor::empty(logits.shape(), logits.dtype(), logits.device()) : Tensor();
+    KernelArgs a;
+    a.tensor("logits", logits).tensor("targets", targets).tensor("loss", loss);
+    ce_options(a, options);
+    if (saved) a.tensor("grad", grad);
+    if (run_forward(a, logits.device())) {
+      if (saved) *saved = {targets, grad, Tensor()};
+      return options.reduction == ops::Reduction::None ? loss : loss.view({});
+    }
+  } else {
+    count_reference();
+  }
+  ops::CrossEntropyForward f = ops::cross_entropy_forward(logits, targets, options);
+  if (saved) *saved = {targets, Tensor(), f.log_probs};
+  return as_f32(f.loss);
+}
+
+Tensor CrossEntropyLoss::backward(double dloss, const Saved& s) {
+  KCPP_CHECK(options.reduction != ops::Reduction::None, "CrossEntropyLoss backward: reduction 'none' needs a per-row dloss");
+  if (s.grad.defined()) {  // the kernel's gradient, for an upstream 1
+    Tensor dlogits = s.grad;
+    KernelArgs a;
+    a.real("dloss", dloss).tensor("grad", s.grad).tensor("dlogits", dlogits);
+    if (run_backward(a, s.grad.device())) return dlogits;
+    return ops::scale(s.grad, dloss);  // the backward refused: the scaling is all there is to do
+  }
+  KCPP_CHECK(s.log_probs.defined(), "CrossEntropyLoss backward: nothing saved (run forward with a Saved)");
+  count_reference();
+  return ops::cross_entropy_backward(Tensor::full({}, dloss, s.log_probs.dtype(), s.log_probs.device()), s.log_probs,
+                                     s.targets, options);
+}
+
+// ---- ForCausalLMLoss -------------------------------------------------------------------------------
+
+ForCausalLMLoss::ForCausalLMLoss(ops::CrossEntropyOptions o) : Slot("ForCausalLMLoss", "ForCausalLMLoss/1"), options(o) {}
+
+Tensor ForCausalLMLoss::forward(const Tensor& hidden, const Tensor& weight, const Tensor& targets, Saved* saved) {
+  if (kernel()) {
+    const int64_t rows = rows_of(hidden);
+    Tensor loss = Tensor::empty({options.reduction == ops::Reduction::None ? rows : 1}, DType::f32, hidden.device());
+    Tensor dh = saved ? Tensor::empty(hidden.shape(), hidden.dtype(), hidden.device()) : Tensor();
+    Tensor dw = saved ? Tensor::empty(weight.shape(), weight.dtype(), weight.device()) : Tensor();
+    KernelArgs a;
+    a.tensor("hidden", hidden).tensor("weight", weight).tensor("targets", targets).tensor("loss", loss);
+    ce_options(a, options);
+    if (saved) a.tensor("dhidden", dh).tensor("dweight", dw);
+    if (run_forward(a, hidden.device())) {
+      if (saved) *saved = {hidden, weight, targets, dh, dw, Tensor()};
+      return options.reduction == ops::Reduction::None ? loss : loss.view({});
+    }
+  } else {
+    count_reference();
+  }
+  const Tensor logits = ops::matmul(hidden.reshape({-1, hidden.size(-1)}), weight, false, true);
+  ops::CrossEntropyForward f = ops::cross_entropy_forward(logits, targets, options);
+  if (saved) *saved = {hidden, weight, targets, Tensor(), Tensor(), f.log_probs};
+  return as_f32(f.loss);
+}
+
+ForCausalLMLoss::Grads ForCausalLMLoss::backward(double dloss, const Saved& s) {
+  KCPP_CHECK(options.reduction != ops::Reduction::None, "ForCausalLMLoss backward: reduction 'none' needs a per-row dloss");
+  if (s.dhidden.defined()) {  // the kernel's gradients, for an upstream 1
+    KernelArgs a;
+    a.real("dloss", dloss).tensor("dhidden", s.dhidden).tensor("dweight", s.dweight);
+    if (!run_backward(a, s.dhidden.device()))
+      return {ops::scale(s.dhidden, dloss), ops::scale(s.dweight, dloss)};
+    return {s.dhidden, s.dweight};
+  }
+  KCPP_CHECK(s.log_probs.defined(), "ForCausalLMLoss backward: nothing saved (run forward with a Saved)");
+  count_reference();
+  const Tensor dlogits = ops::cross_entropy_backward(Tensor::full({}, dloss, s.log_probs.dtype(), s.log_probs.device()),
+                                                     s.log_probs, s.targets, options);
+  const Tensor h2 = s.hidden.reshape({-1, s.hidden.size(-1)});
+  return {ops::matmul(dlogits, s.weight).reshape(s.hidden.shape()), ops::matmul(dlogits, h2, true, false)};
 }
 
 }  // namespace kcpp::nn

@@ -6,7 +6,10 @@
 
 #include "core/tensor.h"
 #include "nn/module.h"
+#include "ops/nn/cross_entropy.h"
+#include "ops/nn/glu.h"
 #include "ops/nn/rms_norm.h"
+#include "ops/nn/rope.h"
 
 namespace kcpp::nn {
 
@@ -26,6 +29,67 @@ class RMSNorm : public Slot {
 
   Tensor weight;
   ops::RMSNormOptions options;
+};
+
+// "MLP" / GLU/1: the gated activation of a Llama MLP, h = act(gate) * up (the projections around it
+// are the model's GEMMs).  Nothing is saved but gate and up, which the caller keeps.
+class MLP : public Slot {
+ public:
+  explicit MLP(ops::GluActivation activation = ops::GluActivation::Silu);
+  struct Grads {
+    Tensor dgate, dup;
+  };
+  Tensor forward(const Tensor& gate, const Tensor& up);
+  Grads backward(const Tensor& dh, const Tensor& gate, const Tensor& up);
+
+  ops::GluActivation activation;
+};
+
+// "rotary_pos_emb" / rotary_pos_emb/1: q and k [batch, heads, seq, head_dim] rotated by cos / sin
+// [batch or 1, seq, rotary_dim] (ops/nn/rope.h); k may be absent.  Nothing is saved but cos and sin.
+class RotaryEmbedding : public Slot {
+ public:
+  explicit RotaryEmbedding(ops::RopeLayout style = ops::RopeLayout::RotateHalf);
+  std::pair<Tensor, Tensor> forward(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin);
+  std::pair<Tensor, Tensor> backward(const Tensor& dq_out, const Tensor& dk_out, const Tensor& cos, const Tensor& sin);
+
+  ops::RopeLayout style;
+};
+
+// "CrossEntropyLoss" / CrossEntropyLoss/1: the loss of logits [N, V] against targets [N] (f32, one
+// element for mean / sum).  Saved: the kernel's gradient (for an upstream 1) or the reference's
+// log-probabilities.
+class CrossEntropyLoss : public Slot {
+ public:
+  explicit CrossEntropyLoss(ops::CrossEntropyOptions options = {});
+  struct Saved {
+    Tensor targets, grad, log_probs;  // grad (kernel) or log_probs (reference)
+  };
+  Tensor forward(const Tensor& logits, const Tensor& targets, Saved* saved = nullptr);
+  // dloss: the loss's upstream gradient (mean / sum).
+  Tensor backward(double dloss, const Saved& saved);
+
+  ops::CrossEntropyOptions options;
+};
+
+// "ForCausalLMLoss" / ForCausalLMLoss/1: the lm_head GEMM and the cross-entropy of its logits,
+// hidden [N, H] @ weight [V, H]^T against targets [N] (shifted by the caller).  The kernel computes
+// the gradients in forward and never holds the logits; the reference materializes them.
+class ForCausalLMLoss : public Slot {
+ public:
+  explicit ForCausalLMLoss(ops::CrossEntropyOptions options = {});
+  struct Saved {
+    Tensor hidden, weight, targets;
+    Tensor dhidden, dweight;  // kernel: the gradients for an upstream 1
+    Tensor log_probs;         // reference
+  };
+  struct Grads {
+    Tensor dhidden, dweight;
+  };
+  Tensor forward(const Tensor& hidden, const Tensor& weight, const Tensor& targets, Saved* saved = nullptr);
+  Grads backward(double dloss, const Saved& saved);
+
+  ops::CrossEntropyOptions options;
 };
 
 }  // namespace kcpp::nn

@@ -188,6 +188,81 @@ TEST_P(Kernelize, ConfigMistakesAreErrorsNamingTheLayer) {
   EXPECT_EQ(r.entries[0].reason, "kernel_mapping.RMSNorm disables it");
 }
 
+// Every slot with a liger kernel against the same slot unkernelized (the reference), f32, forward
+// and backward.
+struct AllSlots : nn::Module {
+  nn::MLP mlp;
+  nn::RotaryEmbedding rope;
+  nn::CrossEntropyLoss ce;
+  nn::ForCausalLMLoss lm_loss;
+  void visit_slots(const std::function<void(nn::Slot&)>& fn) override {
+    fn(mlp);
+    fn(rope);
+    fn(ce);
+    fn(lm_loss);
+  }
+};
+
+TEST_P(Kernelize, EverySlotMatchesItsReference) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  AllSlots m;
+  const std::string liger = test::built_package_dir("liger").string();
+  const nn::KernelizeReport report = m.kernelize(nn::liger_kernel_config(nn::LigerSwitches{}, liger, true), nn::kTraining, dev,
+                                                 local_loader());
+  const KernelConfig ce_only = KernelConfig::parse({{"CrossEntropyLoss", liger + ":LigerCrossEntropy"}}, true);
+  AllSlots ref;  // never kernelized
+  for (nn::Slot* s : std::vector<nn::Slot*>{&m.mlp, &m.rope, &m.lm_loss}) EXPECT_TRUE(s->kernel().has_value()) << report.str();
+  auto close = [](const Tensor& a, const Tensor& b, const char* what) {
+    EXPECT_TRUE(test::close_l2(a, b.to_f64_vector(), 1e-5)) << what;
+  };
+  // MLP
+  const Tensor gate = Tensor::randn({6, 40}, DType::f32, dev, gen), up = Tensor::randn({6, 40}, DType::f32, dev, gen);
+  const Tensor dh = Tensor::randn({6, 40}, DType::f32, dev, gen);
+  close(m.mlp.forward(gate, up), ref.mlp.forward(gate, up), "mlp out");
+  const auto g1 = m.mlp.backward(dh, gate, up), g0 = ref.mlp.backward(dh, gate, up);
+  close(g1.dgate, g0.dgate, "mlp dgate");
+  close(g1.dup, g0.dup, "mlp dup");
+  EXPECT_EQ(m.mlp.stats().kernel_calls, 2);
+  // rotary_pos_emb: q [2, 4, 5, 16], k [2, 2, 5, 16], rotary dims 16.
+  const Tensor q = Tensor::randn({2, 4, 5, 16}, DType::f32, dev, gen), k = Tensor::randn({2, 2, 5, 16}, DType::f32, dev, gen);
+  std::vector<int64_t> pos;
+  for (int b = 0; b < 2; ++b)
+    for (int s = 0; s < 5; ++s) pos.push_back(3 * b + s);
+  const auto cs = ops::rope_cos_sin(Tensor::from_i64(pos, {2, 5}, DType::i64, dev), ops::rope_inv_freq(16, 10000.0, dev), 1.0,
+                                    DType::f32);
+  const auto [q1, k1] = m.rope.forward(q, k, cs.cos, cs.sin);
+  const auto [q0, k0] = ref.rope.forward(q, k, cs.cos, cs.sin);
+  close(q1, q0, "rope q");
+  close(k1, k0, "rope k");
+  const auto [dq1, dk1] = m.rope.backward(q, k, cs.cos, cs.sin);
+  const auto [dq0, dk0] = ref.rope.backward(q, k, cs.cos, cs.sin);
+  close(dq1, dq0, "rope dq");
+  close(dk1, dk0, "rope dk");
+  EXPECT_EQ(m.rope.stats().kernel_calls, 2);
+  // ForCausalLMLoss: hidden [2, 7, 24] (rows collapse), weight [53, 24].
+  const Tensor hidden = Tensor::randn({2, 7, 24}, DType::f32, dev, gen), weight = Tensor::randn({53, 24}, DType::f32, dev, gen, 0, 0.3);
+  std::vector<int64_t> t(14);
+  for (int i = 0; i < 14; ++i) t[i] = i % 5 == 4 ? -100 : (i * 7) % 53;
+  const Tensor targets = Tensor::from_i64(t, {14}, DType::i64, dev);
+  nn::ForCausalLMLoss::Saved s1, s0;
+  close(m.lm_loss.forward(hidden, weight, targets, &s1), ref.lm_loss.forward(hidden, weight, targets, &s0), "lm loss");
+  const auto l1 = m.lm_loss.backward(0.5, s1), l0 = ref.lm_loss.backward(0.5, s0);
+  close(l1.dhidden, l0.dhidden, "lm dhidden");
+  close(l1.dweight, l0.dweight, "lm dweight");
+  EXPECT_EQ(m.lm_loss.stats().kernel_calls, 2);
+  // CrossEntropyLoss (off in the Liger switches by default, as Liger: the fused loss replaces it).
+  EXPECT_FALSE(m.ce.kernel().has_value());
+  m.kernelize(ce_only, nn::kTraining, dev, local_loader());
+  ASSERT_TRUE(m.ce.kernel().has_value());
+  const Tensor logits = Tensor::randn({14, 53}, DType::f32, dev, gen, 0, 2);
+  nn::CrossEntropyLoss::Saved c1, c0;
+  close(m.ce.forward(logits, targets, &c1), ref.ce.forward(logits, targets, &c0), "ce loss");
+  close(m.ce.backward(2.0, c1), ref.ce.backward(2.0, c0), "ce dlogits");
+  EXPECT_EQ(m.ce.stats().kernel_calls, 2);
+}
+
 INSTANTIATE_TEST_SUITE_P(Devices, Kernelize, ::testing::Values(Device::cpu(), Device::cuda(0)),
                          [](const auto& info) { return info.param.is_cpu() ? std::string("cpu") : std::string("cuda"); });
 
