@@ -1,0 +1,59 @@
+// A Llama-family model's configuration, read from a Hugging Face `config.json`.
+//
+// Families (model_type): llama (Llama 2 / 3), mistral, qwen2, qwen3 (q/k norm), gemma (offset norm,
+// GeGLU-tanh, embeddings scaled by sqrt(hidden)), phi3 (fused qkv and gate_up).  Keys and defaults
+// follow Transformers' configuration classes of those families; what a family fixes (Gemma's norm
+// offset, Qwen2's q/k/v bias) is set here, so the model code reads one struct.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <nlohmann/json_fwd.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace kcpp::models {
+
+// RoPE scaling as the config's "rope_scaling" says (Transformers' rope_type): none, linear (positions
+// divided by factor), dynamic (NTK: theta grows with the sequence past the original length), llama3
+// (frequencies scaled by wavelength band).
+struct RopeScaling {
+  enum class Type { None, Linear, Dynamic, Llama3 };
+  Type type = Type::None;
+  double factor = 1.0;
+  double low_freq_factor = 1.0, high_freq_factor = 4.0;  // llama3
+  int64_t original_max_position_embeddings = 0;          // llama3, dynamic
+};
+
+struct ModelConfig {
+  std::string model_type;  // "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"
+  int64_t vocab_size = 0, hidden_size = 0, intermediate_size = 0, num_hidden_layers = 0;
+  int64_t num_attention_heads = 0, num_key_value_heads = 0, head_dim = 0;
+  int64_t max_position_embeddings = 2048;
+  double rms_norm_eps = 1e-6, rope_theta = 10000.0, partial_rotary_factor = 1.0;
+  RopeScaling rope_scaling;
+  std::string hidden_act = "silu";  // "silu", "gelu", "gelu_pytorch_tanh", ...
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;      // q/k/v (and o) projections have bias (qwen2: q/k/v always)
+  bool qkv_bias_only = false;       // qwen2: bias on q/k/v, none on o
+  bool mlp_bias = false;
+  bool qk_norm = false;             // qwen3: RMSNorm on each head of q and k
+  double norm_offset = 0.0;         // gemma: (1 + w)
+  bool scale_embeddings = false;    // gemma: embeddings times sqrt(hidden_size)
+  bool fused_qkv = false, fused_gate_up = false;  // phi3
+  std::optional<int64_t> sliding_window;
+  std::string torch_dtype = "float32";
+  std::vector<int64_t> bos_token_id, eos_token_id;
+  std::optional<int64_t> pad_token_id;
+
+  int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(head_dim) * partial_rotary_factor); }
+
+  // Throws kcpp::Error naming the file and the key: missing or malformed config.json, an unknown
+  // model_type, a missing or mistyped key, inconsistent sizes (heads not dividing, ...).
+  static ModelConfig from_json(const nlohmann::json& j, const std::string& where = "config.json");
+  static ModelConfig from_folder(const std::filesystem::path& folder);
+  nlohmann::json to_json() const;  // what Transformers reads back
+};
+
+}  // namespace kcpp::models

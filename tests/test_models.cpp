@@ -1,0 +1,215 @@
+// models/: safetensors reading and writing (and every way a file can lie), sharded weight folders,
+// config.json of each family and its errors.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "models/config.h"
+#include "models/safetensors.h"
+#include "test_util.h"
+
+namespace kcpp {
+namespace {
+
+namespace fs = std::filesystem;
+using models::ModelConfig;
+using models::SafetensorsFile;
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    std::string t = (fs::temp_directory_path() / "kcpp-models-XXXXXX").string();
+    path = ::mkdtemp(t.data());
+  }
+  ~TempDir() { fs::remove_all(path); }
+};
+
+// The error message of fn(), or "" when it did not throw.
+template <typename F> std::string error_of(F&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+#define EXPECT_ERROR(expr, needle)                                                       \
+  do {                                                                                   \
+    const std::string msg_ = error_of([&] { (void)(expr); });                           \
+    EXPECT_NE(msg_.find(needle), std::string::npos) << "message: '" << msg_ << "'"; \
+  } while (0)
+
+void write_bytes(const fs::path& p, const std::string& bytes) {
+  std::ofstream(p, std::ios::binary) << bytes;
+}
+// A safetensors file from a header and a data area, as written by hand.
+std::string file_bytes(const std::string& header, const std::string& data) {
+  std::string out(8, '\0');
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((header.size() >> (8 * i)) & 0xff);
+  return out + header + data;
+}
+
+TEST(Safetensors, RoundTripsEveryDtypeAndMetadata) {
+  TempDir d;
+  Generator gen = test::test_generator();
+  const Tensor a = Tensor::randn({3, 5}, DType::f32, Device::cpu(), gen);
+  const Tensor b = Tensor::randn({7}, DType::bf16, Device::cpu(), gen);
+  const Tensor c = Tensor::randint({2, 2}, -50, 50, DType::i64, Device::cpu(), gen);
+  const Tensor e = Tensor::empty({0, 4}, DType::f16, Device::cpu());
+  // A strided view is written contiguous.
+  const Tensor t = Tensor::randn({4, 6}, DType::f32, Device::cpu(), gen).transpose(0, 1);
+  models::save_safetensors(d.path / "m.safetensors", {{"a", a}, {"b", b}, {"c", c}, {"empty", e}, {"t", t}},
+                           {{"format", "pt"}});
+  const SafetensorsFile f = SafetensorsFile::open(d.path / "m.safetensors");
+  EXPECT_EQ(f.entries().size(), 5u);
+  EXPECT_EQ(f.metadata().at("format"), "pt");
+  EXPECT_EQ(f.entry("b").dtype, "BF16");
+  EXPECT_EQ(f.view("a").to_f64_vector(), a.to_f64_vector());
+  EXPECT_EQ(f.view("b").to_f64_vector(), b.to_f64_vector());
+  EXPECT_EQ(f.view("c").to_f64_vector(), c.to_f64_vector());
+  EXPECT_EQ(f.view("t").to_f64_vector(), t.to_f64_vector());
+  EXPECT_EQ(f.view("empty").shape(), (Shape{0, 4}));
+  // Loaded with a conversion; a view is writable (copy-on-write) and leaves the file alone.
+  EXPECT_EQ(f.load("b", DType::f32, Device::cpu()).to_f64_vector(), b.to_f64_vector());
+  Tensor v = f.view("a");
+  static_cast<float*>(v.data())[0] = 123.0f;
+  EXPECT_EQ(SafetensorsFile::open(d.path / "m.safetensors").view("a").to_f64_vector(), a.to_f64_vector());
+  EXPECT_ERROR(f.view("nope"), "no tensor 'nope'");
+}
+
+TEST(Safetensors, BadFilesAreErrorsNamingFileAndTensor) {
+  TempDir d;
+  const fs::path p = d.path / "bad.safetensors";
+  auto open_bytes = [&](const std::string& bytes) {
+    write_bytes(p, bytes);
+    return SafetensorsFile::open(p);
+  };
+  const std::string ok_header = R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}})";
+  const std::string data16(16, '\0');
+  EXPECT_NO_THROW(open_bytes(file_bytes(ok_header, data16)));
+  EXPECT_ERROR(open_bytes("abc"), "too short");
+  EXPECT_ERROR(open_bytes(file_bytes(ok_header, data16).substr(0, 30)), "runs past the end of the file");
+  EXPECT_ERROR(open_bytes(file_bytes(ok_header, data16.substr(0, 8))), "tensor 'w': data_offsets end 16 is past the data");
+  EXPECT_ERROR(open_bytes(file_bytes("{not json", "")), "the header is not JSON");
+  EXPECT_ERROR(open_bytes(file_bytes(R"({"w":{"dtype":"F32","shape":[3,2],"data_offsets":[0,16]}})", data16)),
+               "tensor 'w': data_offsets [0, 16] hold 16 bytes but F32 [3,2] x 6 needs 24");
+  EXPECT_ERROR(open_bytes(file_bytes(R"({"w":{"dtype":"F33","shape":[2],"data_offsets":[0,8]}})", data16)),
+               "tensor 'w': unknown dtype 'F33'");
+  EXPECT_ERROR(open_bytes(file_bytes(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", data16)),
+               "shape must hold non-negative integers");
+  EXPECT_ERROR(open_bytes(file_bytes(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})", data16)), "run backwards");
+  EXPECT_ERROR(open_bytes(file_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+                                     data16)),
+               "two tensors overlap");
+  EXPECT_ERROR(open_bytes(file_bytes(R"({"w":{"dtype":"F32","shape":[2]}})", data16)), "tensor 'w': expected");
+  std::string huge(8, '\xff');
+  EXPECT_ERROR(open_bytes(huge + "xx"), "over the format's limit");
+  EXPECT_ERROR(SafetensorsFile::open(d.path / "missing.safetensors"), "missing.safetensors: cannot open");
+  // Readable but not loadable: an F8 tensor is listed, and load() names it.
+  const SafetensorsFile f8 = open_bytes(file_bytes(R"({"q":{"dtype":"F8_E4M3","shape":[4],"data_offsets":[0,4]}})", data16.substr(0, 4)));
+  EXPECT_TRUE(f8.contains("q"));
+  EXPECT_ERROR(f8.load("q", DType::f32, Device::cpu()), "tensor 'q': safetensors dtype 'F8_E4M3' has no runtime type");
+}
+
+TEST(Safetensors, ShardedFolderAndShapeChecks) {
+  TempDir d;
+  Generator gen = test::test_generator();
+  const Tensor a = Tensor::randn({4, 3}, DType::bf16, Device::cpu(), gen), b = Tensor::randn({5}, DType::f32, Device::cpu(), gen);
+  models::save_safetensors(d.path / "model-00001-of-00002.safetensors", {{"a", a}});
+  models::save_safetensors(d.path / "model-00002-of-00002.safetensors", {{"b", b}});
+  std::ofstream(d.path / "model.safetensors.index.json")
+      << R"({"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})";
+  const auto w = models::WeightStore::open_folder(d.path);
+  EXPECT_EQ(w.names(), (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(w.load("a", DType::f32, Device::cpu()).to_f64_vector(), a.to_f64_vector());
+  const std::vector<int64_t> want = {3, 4};
+  EXPECT_ERROR(w.load("a", DType::f32, Device::cpu(), &want), "weight 'a' has shape [4, 3], the config needs [3, 4]");
+  EXPECT_ERROR(w.load("c", DType::f32, Device::cpu()), "missing weight 'c'");
+  std::ofstream(d.path / "model.safetensors.index.json") << R"({"weight_map": {"a": "model-00002-of-00002.safetensors"}})";
+  EXPECT_ERROR(models::WeightStore::open_folder(d.path), "weight_map says 'a' is in model-00002-of-00002.safetensors");
+  std::ofstream(d.path / "model.safetensors.index.json") << R"({"weight_map": {"a": "../etc/passwd"}})";
+  EXPECT_ERROR(models::WeightStore::open_folder(d.path), "is not a file in the folder");
+  TempDir empty;
+  EXPECT_ERROR(models::WeightStore::open_folder(empty.path), "no model.safetensors or model.safetensors.index.json");
+}
+
+// ---- config.json -------------------------------------------------------------------------------------
+
+nlohmann::json llama3() {
+  return nlohmann::json::parse(R"({
+    "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "max_position_embeddings": 131072, "hidden_act": "silu", "tie_word_embeddings": false,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16"})");
+}
+
+TEST(ModelConfig, ReadsEachFamily) {
+  const ModelConfig l = ModelConfig::from_json(llama3());
+  EXPECT_EQ(l.head_dim, 128);
+  EXPECT_EQ(l.num_key_value_heads, 8);
+  EXPECT_EQ(l.rope_scaling.type, models::RopeScaling::Type::Llama3);
+  EXPECT_EQ(l.rope_scaling.original_max_position_embeddings, 8192);
+  EXPECT_EQ(l.eos_token_id, (std::vector<int64_t>{128001, 128008, 128009}));
+  // to_json reads back to the same config.
+  const ModelConfig again = ModelConfig::from_json(l.to_json());
+  EXPECT_EQ(again.to_json(), l.to_json());
+
+  nlohmann::json g = llama3();
+  g["model_type"] = "gemma";
+  g["head_dim"] = 256;
+  g["hidden_act"] = "gelu";
+  g.erase("tie_word_embeddings");
+  g.erase("rope_scaling");
+  const ModelConfig gm = ModelConfig::from_json(g);
+  EXPECT_EQ(gm.norm_offset, 1.0);
+  EXPECT_TRUE(gm.scale_embeddings);
+  EXPECT_TRUE(gm.tie_word_embeddings);
+  EXPECT_EQ(gm.hidden_act, "gelu_pytorch_tanh");
+  EXPECT_EQ(gm.head_dim, 256);
+
+  nlohmann::json q = llama3();
+  q["model_type"] = "qwen2";
+  EXPECT_TRUE(ModelConfig::from_json(q).qkv_bias_only);
+  q["model_type"] = "qwen3";
+  EXPECT_TRUE(ModelConfig::from_json(q).qk_norm);
+  q["model_type"] = "phi3";
+  q["partial_rotary_factor"] = 0.75;
+  const ModelConfig phi = ModelConfig::from_json(q);
+  EXPECT_TRUE(phi.fused_qkv && phi.fused_gate_up);
+  EXPECT_EQ(phi.rotary_dim(), 96);
+}
+
+TEST(ModelConfig, BadConfigsNameTheKey) {
+  auto with = [](const char* key, const nlohmann::json& v) {
+    nlohmann::json j = llama3();
+    if (v.is_discarded()) j.erase(key);
+    else j[key] = v;
+    return j;
+  };
+  const nlohmann::json erase = nlohmann::json::value_t::discarded;
+  EXPECT_ERROR(ModelConfig::from_json(with("model_type", "gpt5")), "unknown model_type 'gpt5' (supported: llama");
+  EXPECT_ERROR(ModelConfig::from_json(with("model_type", erase)), "missing key 'model_type'");
+  EXPECT_ERROR(ModelConfig::from_json(with("hidden_size", erase)), "missing key 'hidden_size'");
+  EXPECT_ERROR(ModelConfig::from_json(with("hidden_size", "4096")), "'hidden_size' must be an integer");
+  EXPECT_ERROR(ModelConfig::from_json(with("vocab_size", 0)), "'vocab_size' must be positive");
+  EXPECT_ERROR(ModelConfig::from_json(with("num_key_value_heads", 5)), "is not a multiple of num_key_value_heads 5");
+  EXPECT_ERROR(ModelConfig::from_json(with("rms_norm_eps", "small")), "'rms_norm_eps' must be a number");
+  EXPECT_ERROR(ModelConfig::from_json(with("hidden_act", "relu")), "hidden_act 'relu' is not supported");
+  EXPECT_ERROR(ModelConfig::from_json(with("rope_scaling", nlohmann::json{{"rope_type", "yarn"}, {"factor", 4.0}})),
+               "rope_type 'yarn' is not supported");
+  EXPECT_ERROR(ModelConfig::from_json(with("tie_word_embeddings", 1)), "'tie_word_embeddings' must be true or false");
+  TempDir d;
+  EXPECT_ERROR(ModelConfig::from_folder(d.path), "config.json: cannot read");
+  std::ofstream(d.path / "config.json") << "{\"model_type\": ";
+  EXPECT_ERROR(ModelConfig::from_folder(d.path), "config.json: not JSON");
+  std::ofstream(d.path / "config.json") << llama3().dump();
+  EXPECT_EQ(ModelConfig::from_folder(d.path).vocab_size, 128256);
+}
+
+}  // namespace
+}  // namespace kcpp
