@@ -90,6 +90,73 @@ RMSNorm::Grads RMSNorm::backward(const Tensor& dy, const Saved& s) {
   return {b.dx, b.dw};
 }
 
+// ---- Activation ------------------------------------------------------------------------------------
+
+namespace {
+const char* kind_name(Activation::Kind k) {
+  switch (k) {
+    case Activation::Kind::SiLU: return "SiLU";
+    case Activation::Kind::GeLU: return "GeLU";
+    case Activation::Kind::GeluTanh: return "GeluTanh";
+    case Activation::Kind::FastGELU: return "FastGELU";
+    case Activation::Kind::NewGELU: return "NewGELU";
+    case Activation::Kind::QuickGELU: return "QuickGELU";
+  }
+  return "SiLU";
+}
+constexpr double kQuick = 1.702;
+}  // namespace
+
+Activation::Activation(Kind k) : Slot(kind_name(k), std::string(kind_name(k)) + "/1"), kind(k) {}
+
+Activation::Kind Activation::parse(std::string_view a) {
+  if (a == "silu" || a == "swish") return Kind::SiLU;
+  if (a == "gelu") return Kind::GeLU;
+  if (a == "gelu_pytorch_tanh") return Kind::GeluTanh;
+  if (a == "gelu_fast") return Kind::FastGELU;
+  if (a == "gelu_new") return Kind::NewGELU;
+  if (a == "quick_gelu") return Kind::QuickGELU;
+  KCPP_FAIL("hidden_act '{}' has no activation slot (silu, swish, gelu, gelu_pytorch_tanh, gelu_fast, gelu_new, quick_gelu)", a);
+}
+
+Tensor Activation::forward(const Tensor& x) {
+  if (kernel()) {
+    Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
+    KernelArgs a;
+    a.tensor("x", x).tensor("y", y);
+    if (run_forward(a, x.device())) return y;
+  } else {
+    count_reference();
+  }
+  switch (kind) {
+    case Kind::SiLU: return ops::silu(x);
+    case Kind::GeLU: return ops::gelu(x);
+    case Kind::QuickGELU: return ops::mul(x, ops::sigmoid(ops::scale(x, kQuick)));
+    default: return ops::gelu(x, /*tanh_approx=*/true);
+  }
+}
+
+Tensor Activation::backward(const Tensor& dy, const Tensor& x) {
+  if (kernel()) {
+    Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
+    KernelArgs a;
+    a.tensor("dy", dy).tensor("x", x).tensor("dx", dx);
+    if (run_backward(a, x.device())) return dx;
+  } else {
+    count_reference();
+  }
+  switch (kind) {
+    case Kind::SiLU: return ops::silu_backward(dy, x);
+    case Kind::GeLU: return ops::gelu_backward(dy, x);
+    case Kind::QuickGELU: {  // d/dx x s(1.702 x) = s (1 + 1.702 x (1 - s))
+      const Tensor s = ops::sigmoid(ops::scale(x, kQuick));
+      const Tensor one_minus = ops::add_scalar(ops::neg(s), 1.0);
+      return ops::mul(dy, ops::mul(s, ops::add_scalar(ops::mul(ops::scale(x, kQuick), one_minus), 1.0)));
+    }
+    default: return ops::gelu_backward(dy, x, /*tanh_approx=*/true);
+  }
+}
+
 // ---- MLP -----------------------------------------------------------------------------------------
 
 MLP::MLP(ops::GluActivation a) : Slot("MLP", "GLU/1"), activation(a) {}

@@ -31,6 +31,20 @@ class RMSNorm : public Slot {
   ops::RMSNormOptions options;
 };
 
+// The elementwise activations, by Transformers layer name: "SiLU", "GeLU" (exact), "GeluTanh",
+// "FastGELU", "NewGELU" (the tanh form, three spellings), "QuickGELU" (x sigmoid(1.702 x)); contract
+// <Name>/1 (docs/contracts/activations.md).  Nothing is saved but x, which the caller keeps.
+class Activation : public Slot {
+ public:
+  enum class Kind { SiLU, GeLU, GeluTanh, FastGELU, NewGELU, QuickGELU };
+  explicit Activation(Kind kind);
+  static Kind parse(std::string_view hidden_act);  // Transformers' hidden_act ("silu", "gelu_pytorch_tanh", ...)
+  Tensor forward(const Tensor& x);
+  Tensor backward(const Tensor& dy, const Tensor& x);
+
+  const Kind kind;
+};
+
 // "MLP" / GLU/1: the gated activation of a Llama MLP, h = act(gate) * up (the projections around it
 // are the model's GEMMs).  Nothing is saved but gate and up, which the caller keeps.
 class MLP : public Slot {

@@ -263,6 +263,38 @@ TEST_P(Kernelize, EverySlotMatchesItsReference) {
   EXPECT_EQ(m.ce.stats().kernel_calls, 2);
 }
 
+// The activation slots with the activation package, against the same slots unkernelized.
+TEST_P(Kernelize, ActivationSlotsMatchTheirReference) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  using K = nn::Activation::Kind;
+  struct Acts : nn::Module {
+    std::vector<std::unique_ptr<nn::Activation>> acts;
+    void visit_slots(const std::function<void(nn::Slot&)>& fn) override {
+      for (auto& a : acts) fn(*a);
+    }
+  } m, ref;
+  for (K k : {K::SiLU, K::GeLU, K::GeluTanh, K::FastGELU, K::NewGELU, K::QuickGELU}) {
+    m.acts.push_back(std::make_unique<nn::Activation>(k));
+    ref.acts.push_back(std::make_unique<nn::Activation>(k));
+  }
+  const std::string act = test::built_package_dir("activation").string();
+  nlohmann::json mapping;
+  for (const char* name : {"SiLU", "GeLU", "GeluTanh", "FastGELU", "NewGELU", "QuickGELU"}) mapping[name] = act;
+  m.kernelize(KernelConfig::parse(mapping, true), nn::kTraining, dev, local_loader());
+  const Tensor x = Tensor::randn({3, 37}, DType::f32, dev, gen, 0, 2), dy = Tensor::randn({3, 37}, DType::f32, dev, gen);
+  for (size_t i = 0; i < m.acts.size(); ++i) {
+    ASSERT_TRUE(m.acts[i]->kernel().has_value()) << m.acts[i]->layer_name();
+    EXPECT_TRUE(test::close_l2(m.acts[i]->forward(x), ref.acts[i]->forward(x).to_f64_vector(), 1e-6)) << m.acts[i]->layer_name();
+    EXPECT_TRUE(test::close_l2(m.acts[i]->backward(dy, x), ref.acts[i]->backward(dy, x).to_f64_vector(), 1e-6))
+        << m.acts[i]->layer_name();
+    EXPECT_EQ(m.acts[i]->stats().kernel_calls, 2) << m.acts[i]->layer_name();
+  }
+  EXPECT_EQ(nn::Activation::parse("gelu_pytorch_tanh"), K::GeluTanh);
+  EXPECT_THROW(nn::Activation::parse("relu"), Error);
+}
+
 INSTANTIATE_TEST_SUITE_P(Devices, Kernelize, ::testing::Values(Device::cpu(), Device::cuda(0)),
                          [](const auto& info) { return info.param.is_cpu() ? std::string("cpu") : std::string("cuda"); });
 
