@@ -211,5 +211,45 @@ TEST(ModelConfig, BadConfigsNameTheKey) {
   EXPECT_EQ(ModelConfig::from_folder(d.path).vocab_size, 128256);
 }
 
+// The Transformers fixtures (tests/fixtures/make_fixtures.py, Transformers 5): each family's
+// config.json parses as Transformers wrote it, and every weight the decoder will need is there with
+// the shape the config implies.
+TEST(ModelConfig, ReadsTheTransformersFixtures) {
+  for (const char* family : {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"}) {
+    SCOPED_TRACE(family);
+    const fs::path dir = fs::path(KCPP_FIXTURES_DIR) / family;
+    const ModelConfig c = ModelConfig::from_folder(dir);
+    EXPECT_EQ(c.model_type, family);
+    EXPECT_EQ(c.vocab_size, 97);
+    EXPECT_EQ(c.num_hidden_layers, 2);
+    const auto w = models::WeightStore::open_folder(dir);
+    const int64_t q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
+    auto shape_of = [&](const std::string& name) {
+      return w.load(name, DType::f32, Device::cpu()).shape();
+    };
+    EXPECT_EQ(shape_of("model.embed_tokens.weight"), (Shape{97, 32}));
+    EXPECT_EQ(w.contains("lm_head.weight"), !c.tie_word_embeddings);
+    if (c.fused_qkv) {
+      EXPECT_EQ(shape_of("model.layers.0.self_attn.qkv_proj.weight"), (Shape{q + 2 * kv, 32}));
+      EXPECT_EQ(shape_of("model.layers.1.mlp.gate_up_proj.weight"), (Shape{2 * 64, 32}));
+    } else {
+      EXPECT_EQ(shape_of("model.layers.0.self_attn.q_proj.weight"), (Shape{q, 32}));
+      EXPECT_EQ(shape_of("model.layers.0.self_attn.k_proj.weight"), (Shape{kv, 32}));
+      EXPECT_EQ(shape_of("model.layers.1.mlp.gate_proj.weight"), (Shape{64, 32}));
+    }
+    EXPECT_EQ(w.contains("model.layers.0.self_attn.q_proj.bias"), c.qkv_bias_only);
+    EXPECT_EQ(w.contains("model.layers.0.self_attn.q_norm.weight"), c.qk_norm);
+    const SafetensorsFile e = SafetensorsFile::open(dir / "expected.safetensors");
+    EXPECT_EQ(e.entry("logits").shape, (std::vector<int64_t>{2, 7, 97}));
+    EXPECT_TRUE(e.contains("grad.model.embed_tokens.weight"));
+    // config.json round trip through to_json.
+    EXPECT_EQ(ModelConfig::from_json(c.to_json()).to_json(), c.to_json());
+  }
+  const ModelConfig llama = ModelConfig::from_folder(fs::path(KCPP_FIXTURES_DIR) / "llama");
+  EXPECT_EQ(llama.rope_scaling.type, models::RopeScaling::Type::Llama3);
+  EXPECT_EQ(llama.rope_scaling.original_max_position_embeddings, 16);
+  EXPECT_EQ(ModelConfig::from_folder(fs::path(KCPP_FIXTURES_DIR) / "gemma").hidden_act, "gelu_pytorch_tanh");
+}
+
 }  // namespace
 }  // namespace kcpp

@@ -61,7 +61,7 @@ struct Reader {
 RopeScaling parse_rope_scaling(const nlohmann::json& r, const std::string& where) {
   RopeScaling s;
   if (r.is_null()) return s;
-  const std::string w = where + ": rope_scaling";
+  const std::string w = where.find("rope_parameters") != std::string::npos ? where : where + ": rope_scaling";
   KCPP_CHECK(r.is_object(), "{} must be an object or null", w);
   const Reader rd{r, w};
   // Transformers accepts "rope_type" and the older "type".
@@ -114,11 +114,19 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& w
   }
   c.max_position_embeddings = r.integer("max_position_embeddings", 2048);
   c.rms_norm_eps = r.real("rms_norm_eps", 1e-6);
-  c.rope_theta = r.real("rope_theta", 10000.0);
-  c.partial_rotary_factor = r.real("partial_rotary_factor", 1.0);
+  // Transformers 5 writes "rope_parameters" {rope_theta, rope_type, partial_rotary_factor, factor...};
+  // earlier versions "rope_theta", "partial_rotary_factor" and "rope_scaling" at the top.  Both read.
+  const bool v5 = r.has("rope_parameters");
+  if (v5) KCPP_CHECK(j["rope_parameters"].is_object(), "{}: 'rope_parameters' must be an object", where);
+  const nlohmann::json rope = v5 ? j["rope_parameters"] : nlohmann::json::object();
+  const Reader rp{rope, where + ": rope_parameters"};
+  c.rope_theta = v5 && rp.has("rope_theta") ? rp.real("rope_theta", 10000.0) : r.real("rope_theta", 10000.0);
+  c.partial_rotary_factor =
+      v5 && rp.has("partial_rotary_factor") ? rp.real("partial_rotary_factor", 1.0) : r.real("partial_rotary_factor", 1.0);
   KCPP_CHECK(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1 && c.rotary_dim() % 2 == 0,
              "{}: partial_rotary_factor {} must give an even rotary dimension in (0, head_dim]", where, c.partial_rotary_factor);
-  c.rope_scaling = parse_rope_scaling(j.contains("rope_scaling") ? j["rope_scaling"] : nlohmann::json(), where);
+  c.rope_scaling = v5 ? parse_rope_scaling(rope, where + ": rope_parameters")
+                      : parse_rope_scaling(j.contains("rope_scaling") ? j["rope_scaling"] : nlohmann::json(), where);
   c.hidden_act = r.string("hidden_act", r.string("hidden_activation", "silu"));
   c.tie_word_embeddings = r.boolean("tie_word_embeddings", c.model_type == "gemma");
   c.attention_bias = r.boolean("attention_bias", false);
@@ -170,29 +178,29 @@ nlohmann::json ModelConfig::to_json() const {
                       {"head_dim", head_dim},
                       {"max_position_embeddings", max_position_embeddings},
                       {"rms_norm_eps", rms_norm_eps},
-                      {"rope_theta", rope_theta},
                       {"hidden_act", hidden_act},
                       {"tie_word_embeddings", tie_word_embeddings},
                       {"attention_bias", attention_bias},
                       {"mlp_bias", mlp_bias},
                       {"torch_dtype", torch_dtype}};
-  if (partial_rotary_factor != 1.0) j["partial_rotary_factor"] = partial_rotary_factor;
+  // As Transformers 5 writes it.
+  nlohmann::json rope = {{"rope_theta", rope_theta}, {"rope_type", "default"}};
+  if (partial_rotary_factor != 1.0) rope["partial_rotary_factor"] = partial_rotary_factor;
   switch (rope_scaling.type) {
-    case RopeScaling::Type::None: j["rope_scaling"] = nullptr; break;
-    case RopeScaling::Type::Linear: j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", rope_scaling.factor}}; break;
+    case RopeScaling::Type::None: break;
+    case RopeScaling::Type::Linear: rope["rope_type"] = "linear", rope["factor"] = rope_scaling.factor; break;
     case RopeScaling::Type::Dynamic:
-      j["rope_scaling"] = {{"rope_type", "dynamic"}, {"factor", rope_scaling.factor}};
+      rope["rope_type"] = "dynamic", rope["factor"] = rope_scaling.factor;
       if (rope_scaling.original_max_position_embeddings)
-        j["rope_scaling"]["original_max_position_embeddings"] = rope_scaling.original_max_position_embeddings;
+        rope["original_max_position_embeddings"] = rope_scaling.original_max_position_embeddings;
       break;
     case RopeScaling::Type::Llama3:
-      j["rope_scaling"] = {{"rope_type", "llama3"},
-                           {"factor", rope_scaling.factor},
-                           {"low_freq_factor", rope_scaling.low_freq_factor},
-                           {"high_freq_factor", rope_scaling.high_freq_factor},
-                           {"original_max_position_embeddings", rope_scaling.original_max_position_embeddings}};
+      rope["rope_type"] = "llama3", rope["factor"] = rope_scaling.factor;
+      rope["low_freq_factor"] = rope_scaling.low_freq_factor, rope["high_freq_factor"] = rope_scaling.high_freq_factor;
+      rope["original_max_position_embeddings"] = rope_scaling.original_max_position_embeddings;
       break;
   }
+  j["rope_parameters"] = rope;
   auto ids = [](const std::vector<int64_t>& v) -> nlohmann::json {
     if (v.empty()) return nullptr;
     if (v.size() == 1) return v[0];
