@@ -6,6 +6,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "models/causal_lm.h"
 #include "models/config.h"
 #include "models/safetensors.h"
 #include "test_util.h"
@@ -250,6 +251,34 @@ TEST(ModelConfig, ReadsTheTransformersFixtures) {
   EXPECT_EQ(llama.rope_scaling.original_max_position_embeddings, 16);
   EXPECT_EQ(ModelConfig::from_folder(fs::path(KCPP_FIXTURES_DIR) / "gemma").hidden_act, "gelu_pytorch_tanh");
 }
+
+// The forward pass and the loss of every family against Transformers (f32, eager attention):
+// logits and loss within 1e-5 relative (issue 5's bar), with the reference layers.
+class Families : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(Families, LogitsAndLossMatchTransformers) {
+  const fs::path dir = fs::path(KCPP_FIXTURES_DIR) / GetParam();
+  const auto model = models::CausalLM::from_folder(dir, DType::f32, Device::cpu());
+  const SafetensorsFile e = SafetensorsFile::open(dir / "expected.safetensors");
+  const Tensor ids = e.view("input_ids"), labels = e.view("labels");
+  const Tensor logits = model->forward(ids);
+  EXPECT_TRUE(test::close_l2(logits, e.view("logits").to_f64_vector(), 1e-5));
+  EXPECT_TRUE(test::close_l2(model->loss(ids, labels), e.view("loss").to_f64_vector(), 1e-5));
+  // Greedy continuation (the whole sequence recomputed each step) = Transformers' generate().
+  std::vector<int64_t> seq;
+  for (double x : e.view("greedy.prompt").to_f64_vector()) seq.push_back(static_cast<int64_t>(x));
+  const auto want = e.view("greedy.ids").to_f64_vector();
+  while (seq.size() < want.size()) {
+    const int64_t n = static_cast<int64_t>(seq.size());
+    const auto lv = model->forward(Tensor::from_i64(seq, {1, n}, DType::i64, Device::cpu())).to_f64_vector();
+    const int64_t v = model->config().vocab_size;
+    seq.push_back(std::max_element(lv.begin() + (n - 1) * v, lv.begin() + n * v) - (lv.begin() + (n - 1) * v));
+  }
+  EXPECT_EQ(std::vector<double>(seq.begin(), seq.end()), want);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transformers, Families, ::testing::Values("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"),
+                         [](const auto& info) { return std::string(info.param); });
 
 }  // namespace
 }  // namespace kcpp

@@ -1,0 +1,64 @@
+// A Llama-family causal language model (llama, mistral, qwen2, qwen3, gemma, phi3) loaded from a
+// Hugging Face folder, its layers in nn/ slots so that kernelize() can swap them.  The forward pass
+// follows Transformers' modeling code of each family op for op (eager attention):
+//
+//   h = embed(ids) (* sqrt(hidden) for gemma)
+//   per layer:  a = RMSNorm(h);  q, k, v = a Wq^T (+bq), a Wk^T, a Wv^T   (phi3: one fused qkv GEMM)
+//               q, k = RMSNorm_head(q), RMSNorm_head(k)                    (qwen3)
+//               q, k = RoPE(q, k)   (inv_freq by the config's rope scaling: linear, dynamic, llama3)
+//               h = h + Attention(q, k, v) Wo^T                              (GQA, causal, window)
+//               m = RMSNorm(h);  h = h + down(act(gate(m)) * up(m))          (phi3: fused gate_up)
+//   logits = RMSNorm(h) W_lm^T   (W_lm = embed when tied)
+// and the loss is Transformers' ForCausalLMLoss: labels shifted left by one, mean cross-entropy over
+// the tokens whose label is not -100.
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "models/config.h"
+#include "nn/layers.h"
+
+namespace kcpp::models {
+
+class CausalLM : public nn::Module {
+ public:
+  // Weights converted to `dtype` on `device`; errors name the folder, file and tensor.
+  static std::unique_ptr<CausalLM> from_folder(const std::filesystem::path& folder, DType dtype, Device device);
+
+  // logits [B, S, V] in the model's dtype for input_ids [B, S] (i64 / i32), positions 0 .. S-1.
+  Tensor forward(const Tensor& input_ids);
+  // ForCausalLMLoss of forward(input_ids) against labels [B, S] (f32 scalar).
+  Tensor loss(const Tensor& input_ids, const Tensor& labels);
+
+  void visit_slots(const std::function<void(nn::Slot&)>& fn) override;
+
+  const ModelConfig& config() const { return cfg_; }
+  DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
+
+  struct Layer {
+    std::unique_ptr<nn::RMSNorm> input_norm, post_norm, q_norm, k_norm;
+    Tensor wq, wk, wv, wo, bq, bk, bv, wqkv;     // wqkv: phi3's fused projection
+    Tensor w_gate, w_up, w_down, w_gate_up;      // w_gate_up: phi3's
+    std::unique_ptr<nn::RotaryEmbedding> rope;
+    std::unique_ptr<nn::MLP> mlp;
+  };
+
+ private:
+  CausalLM() = default;
+  Tensor hidden_states(const Tensor& input_ids);  // [B, S, H] after the final norm
+  Tensor inv_freq(int64_t seq_len) const;
+
+  ModelConfig cfg_;
+  DType dtype_ = DType::f32;
+  Device device_ = Device::cpu();
+  Tensor embed_, lm_head_;
+  std::vector<Layer> layers_;
+  std::unique_ptr<nn::RMSNorm> final_norm_;
+  std::unique_ptr<nn::ForCausalLMLoss> loss_;
+};
+
+}  // namespace kcpp::models
