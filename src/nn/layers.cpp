@@ -62,7 +62,7 @@ Tensor RMSNorm::forward(const Tensor& x, Saved* saved) {
     a.tensor("x", x).tensor("weight", weight).real("eps", options.eps).real("offset", options.offset);
     a.string("casting", casting_name(options.casting)).tensor("y", y);
     if (saved) a.tensor("rstd", rstd);
-    if (run_forward(a, x.device())) {
+    if (run_forward(a, x.device(), saved != nullptr)) {
       if (saved) *saved = {x, rstd};
       return y;
     }
@@ -239,7 +239,7 @@ Tensor CrossEntropyLoss::forward(const Tensor& logits, const Tensor& targets, Sa
     a.tensor("logits", logits).tensor("targets", targets).tensor("loss", loss);
     ce_options(a, options);
     if (saved) a.tensor("grad", grad);
-    if (run_forward(a, logits.device())) {
+    if (run_forward(a, logits.device(), saved != nullptr)) {
       if (saved) *saved = {targets, grad, Tensor()};
       return options.reduction == ops::Reduction::None ? loss : loss.view({});
     }
@@ -280,7 +280,7 @@ Tensor ForCausalLMLoss::forward(const Tensor& hidden, const Tensor& weight, cons
     a.tensor("hidden", hidden).tensor("weight", weight).tensor("targets", targets).tensor("loss", loss);
     ce_options(a, options);
     if (saved) a.tensor("dhidden", dh).tensor("dweight", dw);
-    if (run_forward(a, hidden.device())) {
+    if (run_forward(a, hidden.device(), saved != nullptr)) {
       if (saved) *saved = {hidden, weight, targets, dh, dw, Tensor()};
       return options.reduction == ops::Reduction::None ? loss : loss.view({});
     }

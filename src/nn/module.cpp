@@ -25,26 +25,29 @@ void Slot::clear_kernel(std::string reason) {
   stats_ = {};
 }
 
-bool Slot::run(const KernelArgs& args, Device device, bool backward) {
+bool Slot::run(const KernelArgs& args, Device device, bool backward, uint32_t mode) {
   if (!kernel_ || (backward && !kernel_->has_backward())) {
     ++stats_.reference_calls;
     return false;
   }
-  const KernelStatus s = kernel_->supports(args, device, mode_);
+  const KernelStatus s = kernel_->supports(args, device, mode);
   if (!s.ok()) {
     ++stats_.fallbacks;
     ++stats_.reference_calls;
     stats_.last_refusal = fmt::format("{}: {}", status_name(s.status), s.message);
     return false;
   }
-  if (backward) kernel_->backward(args, device, mode_);
-  else kernel_->forward(args, device, mode_);
+  if (backward) kernel_->backward(args, device, mode);
+  else kernel_->forward(args, device, mode);
   ++stats_.kernel_calls;
   return true;
 }
 
-bool Slot::run_forward(const KernelArgs& args, Device device) { return run(args, device, false); }
-bool Slot::run_backward(const KernelArgs& args, Device device) { return run(args, device, true); }
+bool Slot::run_forward(const KernelArgs& args, Device device, bool for_backward) {
+  const uint32_t mode = for_backward || !(mode_ & kTraining) ? mode_ : (mode_ & kGraph) | kInference;
+  return run(args, device, false, mode);
+}
+bool Slot::run_backward(const KernelArgs& args, Device device) { return run(args, device, true, mode_); }
 
 // ---- loading ---------------------------------------------------------------------------------------
 

@@ -56,12 +56,14 @@ class Slot {
  protected:
   // True when the kernel ran.  False: no kernel, or its supports() refused (counted, reason kept);
   // the caller then runs the reference.  Kernel failures after supports() accepted throw.
-  bool run_forward(const KernelArgs& args, Device device);
+  // `for_backward` false: nothing will be differentiated (no Saved asked for), so the kernel is
+  // called in inference mode even in a training model (training mode obliges it to save).
+  bool run_forward(const KernelArgs& args, Device device, bool for_backward = true);
   bool run_backward(const KernelArgs& args, Device device);
   void count_reference() { ++stats_.reference_calls; }
 
  private:
-  bool run(const KernelArgs& args, Device device, bool backward);
+  bool run(const KernelArgs& args, Device device, bool backward, uint32_t mode);
   std::string layer_, contract_;
   std::optional<KernelLayer> kernel_;
   uint32_t mode_ = kInference;

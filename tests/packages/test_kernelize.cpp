@@ -3,6 +3,8 @@
 #include <nlohmann/json.hpp>
 
 #include "hub/hub.h"
+#include "models/causal_lm.h"
+#include "models/safetensors.h"
 #include "nn/kernel_config.h"
 #include "nn/layers.h"
 #include "package_util.h"
@@ -293,6 +295,31 @@ TEST_P(Kernelize, ActivationSlotsMatchTheirReference) {
   }
   EXPECT_EQ(nn::Activation::parse("gelu_pytorch_tanh"), K::GeluTanh);
   EXPECT_THROW(nn::Activation::parse("relu"), Error);
+}
+
+// A whole model kernelized with the Liger switches (RMSNorm, MLP, RoPE, fused linear cross-entropy):
+// the same logits and loss as Transformers, each family, and every kernel actually ran.
+TEST_P(Kernelize, KernelizedModelsMatchTransformers) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  const std::string liger = test::built_package_dir("liger").string();
+  const KernelConfig config = nn::liger_kernel_config(nn::LigerSwitches{}, liger, true);
+  for (const char* family : {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"}) {
+    SCOPED_TRACE(family);
+    const auto dir = std::filesystem::path(KCPP_FIXTURES_DIR) / family;
+    auto model = models::CausalLM::from_folder(dir, DType::f32, dev);
+    const nn::KernelizeReport r = model->kernelize(config, nn::kTraining, dev, local_loader());
+    const auto e = models::SafetensorsFile::open(dir / "expected.safetensors");
+    const Tensor ids = e.view("input_ids"), labels = e.view("labels");
+    EXPECT_TRUE(test::close_l2(model->forward(ids), e.view("logits").to_f64_vector(), 1e-5));
+    EXPECT_TRUE(test::close_l2(model->loss(ids, labels), e.view("loss").to_f64_vector(), 1e-5));
+    // Every slot kind the config names ran its kernel, none fell back.
+    model->visit_slots([&](nn::Slot& s) {
+      EXPECT_TRUE(s.kernel().has_value()) << s.layer_name() << ": " << s.reason();
+      EXPECT_GT(s.stats().kernel_calls, 0) << s.layer_name();
+      EXPECT_EQ(s.stats().fallbacks, 0) << s.layer_name() << ": " << s.stats().last_refusal;
+    });
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, Kernelize, ::testing::Values(Device::cpu(), Device::cuda(0)),
