@@ -7,6 +7,7 @@ source "$(dirname "$0")/device-env.sh"
 echo "== commit ${KCPP_COMMIT:-unknown}, $(date -u +%F)"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 export KCPP_PACKAGES_DIR="$PWD/.devlibs/kernels"  # bench_activation loads the built package
+export KCPP_FIXTURES_DIR="$PWD/tests/fixtures"
 echo "== kernel tests"
 for t in liger_tests kcpp_package_tests; do
   .devlibs/bin/$t --gtest_brief=1 2>&1 | tee "$OUT/$t.txt" | tail -n 25

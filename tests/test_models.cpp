@@ -218,7 +218,7 @@ TEST(ModelConfig, BadConfigsNameTheKey) {
 TEST(ModelConfig, ReadsTheTransformersFixtures) {
   for (const char* family : {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"}) {
     SCOPED_TRACE(family);
-    const fs::path dir = fs::path(KCPP_FIXTURES_DIR) / family;
+    const fs::path dir = fs::path(test::fixtures_dir()) / family;
     const ModelConfig c = ModelConfig::from_folder(dir);
     EXPECT_EQ(c.model_type, family);
     EXPECT_EQ(c.vocab_size, 97);
@@ -246,10 +246,10 @@ TEST(ModelConfig, ReadsTheTransformersFixtures) {
     // config.json round trip through to_json.
     EXPECT_EQ(ModelConfig::from_json(c.to_json()).to_json(), c.to_json());
   }
-  const ModelConfig llama = ModelConfig::from_folder(fs::path(KCPP_FIXTURES_DIR) / "llama");
+  const ModelConfig llama = ModelConfig::from_folder(fs::path(test::fixtures_dir()) / "llama");
   EXPECT_EQ(llama.rope_scaling.type, models::RopeScaling::Type::Llama3);
   EXPECT_EQ(llama.rope_scaling.original_max_position_embeddings, 16);
-  EXPECT_EQ(ModelConfig::from_folder(fs::path(KCPP_FIXTURES_DIR) / "gemma").hidden_act, "gelu_pytorch_tanh");
+  EXPECT_EQ(ModelConfig::from_folder(fs::path(test::fixtures_dir()) / "gemma").hidden_act, "gelu_pytorch_tanh");
 }
 
 // The forward pass and the loss of every family against Transformers (f32, eager attention):
@@ -257,7 +257,7 @@ TEST(ModelConfig, ReadsTheTransformersFixtures) {
 class Families : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(Families, LogitsAndLossMatchTransformers) {
-  const fs::path dir = fs::path(KCPP_FIXTURES_DIR) / GetParam();
+  const fs::path dir = fs::path(test::fixtures_dir()) / GetParam();
   const auto model = models::CausalLM::from_folder(dir, DType::f32, Device::cpu());
   const SafetensorsFile e = SafetensorsFile::open(dir / "expected.safetensors");
   const Tensor ids = e.view("input_ids"), labels = e.view("labels");

@@ -1,3 +1,4 @@
+#include <cstdlib>
 #include "test_util.h"
 
 #include <fmt/format.h>
@@ -138,6 +139,11 @@ double underflow_allowance(DType t, const std::vector<double>& magnitude) {
   for (double m : magnitude) den += m * m;
   const double n = static_cast<double>(magnitude.size());
   return den > 0 ? eta * std::sqrt(n / den) : eta * std::sqrt(n);
+}
+
+std::string fixtures_dir() {
+  const char* env = std::getenv("KCPP_FIXTURES_DIR");
+  return env && *env ? std::string(env) : std::string(KCPP_FIXTURES_DIR_DEFAULT);
 }
 
 std::string config_name(Device d, DType t) { return fmt::format("{} {}", d.str(), dtype_name(t)); }

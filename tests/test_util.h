@@ -63,6 +63,10 @@ double underflow_allowance(DType t, const std::vector<double>& magnitude);
 
 std::string config_name(Device d, DType t);
 
+// tests/fixtures (the Transformers fixtures): $KCPP_FIXTURES_DIR when set (a build moved to another
+// machine), else the source tree's.
+std::string fixtures_dir();
+
 }  // namespace kcpp::test
 
 namespace kcpp {

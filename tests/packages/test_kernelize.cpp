@@ -306,7 +306,7 @@ TEST_P(Kernelize, KernelizedModelsMatchTransformers) {
   const KernelConfig config = nn::liger_kernel_config(nn::LigerSwitches{}, liger, true);
   for (const char* family : {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"}) {
     SCOPED_TRACE(family);
-    const auto dir = std::filesystem::path(KCPP_FIXTURES_DIR) / family;
+    const auto dir = std::filesystem::path(test::fixtures_dir()) / family;
     auto model = models::CausalLM::from_folder(dir, DType::f32, dev);
     const nn::KernelizeReport r = model->kernelize(config, nn::kTraining, dev, local_loader());
     const auto e = models::SafetensorsFile::open(dir / "expected.safetensors");
