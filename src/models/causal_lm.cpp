@@ -129,7 +129,19 @@ Tensor CausalLM::inv_freq(int64_t seq_len) const {
   return Tensor::from_f64(f, {rd / 2}, DType::f32, device_);
 }
 
-Tensor CausalLM::hidden_states(const Tensor& ids) {
+struct CausalLM::Tape {
+  struct Layer {
+    nn::RMSNorm::Saved in_norm, post_norm, q_norm, k_norm;
+    Tensor a, q, k, v, o, m, gate, up, act;  // a, m: the normed inputs [B*S, H]; q, k, v after RoPE
+    ops::AttentionForward attn;
+  };
+  std::vector<Layer> layers;
+  nn::RMSNorm::Saved final_norm;
+  Tensor ids, cos, sin;
+  ops::AttentionOptions attn;
+};
+
+Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape) {
   KCPP_CHECK(ids.dim() == 2, "CausalLM: input_ids must be [batch, seq], got {} dims", ids.dim());
   const ModelConfig& c = cfg_;
   const int64_t b = ids.size(0), s = ids.size(1), hdim = c.hidden_size, d = c.head_dim;
@@ -145,8 +157,14 @@ Tensor CausalLM::hidden_states(const Tensor& ids) {
   attn.causal = true;
   attn.window = c.sliding_window && c.model_type == "mistral" ? *c.sliding_window : 0;
   auto heads = [&](const Tensor& x, int64_t n) { return x.contiguous().view({b, s, n, d}); };
-  for (Layer& l : layers_) {
-    const Tensor a = l.input_norm->forward(h).view({b * s, hdim});
+  if (tape) {
+    tape->layers.assign(layers_.size(), {});
+    tape->ids = ids, tape->cos = cs.cos, tape->sin = cs.sin, tape->attn = attn;
+  }
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    Layer& l = layers_[li];
+    Tape::Layer* t = tape ? &tape->layers[li] : nullptr;
+    const Tensor a = l.input_norm->forward(h, t ? &t->in_norm : nullptr).view({b * s, hdim});
     Tensor q, k, v;
     if (l.wqkv.defined()) {
       const Tensor qkv = linear(a, l.wqkv);
@@ -155,12 +173,13 @@ Tensor CausalLM::hidden_states(const Tensor& ids) {
       q = linear(a, l.wq, l.bq), k = linear(a, l.wk, l.bk), v = linear(a, l.wv, l.bv);
     }
     q = heads(q, hq), k = heads(k, hkv), v = heads(v, hkv);
-    if (l.q_norm) q = l.q_norm->forward(q), k = l.k_norm->forward(k);
+    if (l.q_norm) q = l.q_norm->forward(q, t ? &t->q_norm : nullptr), k = l.k_norm->forward(k, t ? &t->k_norm : nullptr);
     q = q.transpose(1, 2).contiguous(), k = k.transpose(1, 2).contiguous(), v = v.transpose(1, 2).contiguous();
     std::tie(q, k) = l.rope->forward(q, k, cs.cos, cs.sin);
-    const Tensor o = ops::attention_forward(q, k, v, attn).out.transpose(1, 2).contiguous().view({b * s, hq * d});
+    ops::AttentionForward af = ops::attention_forward(q, k, v, attn);
+    const Tensor o = af.out.transpose(1, 2).contiguous().view({b * s, hq * d});
     h = ops::add(h, linear(o, l.wo).view({b, s, hdim}));
-    const Tensor m = l.post_norm->forward(h).view({b * s, hdim});
+    const Tensor m = l.post_norm->forward(h, t ? &t->post_norm : nullptr).view({b * s, hdim});
     Tensor gate, up;
     if (l.w_gate_up.defined()) {
       const Tensor gu = linear(m, l.w_gate_up);
@@ -169,9 +188,11 @@ Tensor CausalLM::hidden_states(const Tensor& ids) {
     } else {
       gate = linear(m, l.w_gate), up = linear(m, l.w_up);
     }
-    h = ops::add(h, linear(l.mlp->forward(gate, up), l.w_down).view({b, s, hdim}));
+    const Tensor act = l.mlp->forward(gate, up);
+    h = ops::add(h, linear(act, l.w_down).view({b, s, hdim}));
+    if (t) *t = {t->in_norm, t->post_norm, t->q_norm, t->k_norm, a, q, k, v, o, m, gate, up, act, std::move(af)};
   }
-  return final_norm_->forward(h);
+  return final_norm_->forward(h, tape ? &tape->final_norm : nullptr);
 }
 
 Tensor CausalLM::forward(const Tensor& ids) {
@@ -180,17 +201,109 @@ Tensor CausalLM::forward(const Tensor& ids) {
   return ops::matmul(h.view({b * s, cfg_.hidden_size}), lm_head_, false, true).view({b, s, cfg_.vocab_size});
 }
 
-Tensor CausalLM::loss(const Tensor& ids, const Tensor& labels) {
-  KCPP_CHECK(labels.shape() == ids.shape(), "CausalLM::loss: labels [{}] must match input_ids [{}]", fmt::join(labels.shape(), ", "),
-             fmt::join(ids.shape(), ", "));
-  const int64_t b = ids.size(0), s = ids.size(1);
-  // ForCausalLMLoss's shift: position t predicts label t + 1; the last position of each row has none.
+// ForCausalLMLoss's shift: position t predicts label t + 1; the last position of each row has none.
+Tensor CausalLM::shifted_targets(const Tensor& labels) const {
+  KCPP_CHECK(labels.dim() == 2, "CausalLM: labels must be [batch, seq], got {} dims", labels.dim());
+  const int64_t b = labels.size(0), s = labels.size(1);
   const auto lv = labels.to_f64_vector();
   std::vector<int64_t> shifted(static_cast<size_t>(b * s), -100);
   for (int64_t i = 0; i < b; ++i)
     for (int64_t t = 0; t + 1 < s; ++t) shifted[i * s + t] = static_cast<int64_t>(lv[i * s + t + 1]);
-  const Tensor h = hidden_states(ids).view({b * s, cfg_.hidden_size});
-  return loss_->forward(h, lm_head_, Tensor::from_i64(shifted, {b * s}, DType::i64, device_));
+  return Tensor::from_i64(shifted, {b * s}, DType::i64, device_);
+}
+
+Tensor CausalLM::loss(const Tensor& ids, const Tensor& labels) {
+  KCPP_CHECK(labels.shape() == ids.shape(), "CausalLM::loss: labels [{}] must match input_ids [{}]", fmt::join(labels.shape(), ", "),
+             fmt::join(ids.shape(), ", "));
+  const Tensor h = hidden_states(ids).view({ids.numel(), cfg_.hidden_size});
+  return loss_->forward(h, lm_head_, shifted_targets(labels));
+}
+
+CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor& labels, double dloss) {
+  KCPP_CHECK(labels.shape() == ids.shape(), "CausalLM: labels [{}] must match input_ids [{}]", fmt::join(labels.shape(), ", "),
+             fmt::join(ids.shape(), ", "));
+  const ModelConfig& c = cfg_;
+  const int64_t b = ids.size(0), s = ids.size(1), n = b * s, hdim = c.hidden_size, d = c.head_dim;
+  const int64_t hq = c.num_attention_heads, hkv = c.num_key_value_heads;
+  Tape tape;
+  const Tensor hf = hidden_states(ids, &tape).view({n, hdim});
+  nn::ForCausalLMLoss::Saved ls;
+  Gradients out;
+  out.loss = loss_->forward(hf, lm_head_, shifted_targets(labels), &ls);
+  const nn::ForCausalLMLoss::Grads lg = loss_->backward(dloss, ls);
+  auto& g = out.grads;
+  auto acc = [&](const std::string& name, const Tensor& t) {
+    auto it = g.find(name);
+    if (it == g.end()) g.emplace(name, t);
+    else it->second = ops::add(it->second, t);
+  };
+  acc(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight", lg.dweight);
+  auto fn = final_norm_->backward(lg.dhidden.view({b, s, hdim}), tape.final_norm);
+  acc("model.norm.weight", fn.dweight);
+  Tensor dh = fn.dx;  // [B, S, H]: the gradient of the residual stream
+  // Gradients of a linear layer y = x W^T (+ bias): dx = dy W, dW = dy^T x, db = column sums of dy.
+  auto col_sum = [&](const Tensor& dy) { return ops::matmul(Tensor::full({1, dy.size(0)}, 1.0, dy.dtype(), dy.device()), dy).view({dy.size(1)}); };
+  for (int64_t li = static_cast<int64_t>(layers_.size()) - 1; li >= 0; --li) {
+    Layer& l = layers_[li];
+    Tape::Layer& t = tape.layers[li];
+    const std::string p = fmt::format("model.layers.{}.", li);
+    // MLP: h += down(act(gate(m)) * up(m))
+    const Tensor dy = dh.contiguous().view({n, hdim});
+    acc(p + "mlp.down_proj.weight", ops::matmul(dy, t.act, true, false));
+    const nn::MLP::Grads mg = l.mlp->backward(ops::matmul(dy, l.w_down), t.gate, t.up);
+    Tensor dm;
+    if (l.w_gate_up.defined()) {
+      const Tensor dgu = ops::cat({mg.dgate, mg.dup}, 1);
+      acc(p + "mlp.gate_up_proj.weight", ops::matmul(dgu, t.m, true, false));
+      dm = ops::matmul(dgu, l.w_gate_up);
+    } else {
+      acc(p + "mlp.gate_proj.weight", ops::matmul(mg.dgate, t.m, true, false));
+      acc(p + "mlp.up_proj.weight", ops::matmul(mg.dup, t.m, true, false));
+      dm = ops::add(ops::matmul(mg.dgate, l.w_gate), ops::matmul(mg.dup, l.w_up));
+    }
+    const auto pn = l.post_norm->backward(dm.view({b, s, hdim}), t.post_norm);
+    acc(p + "post_attention_layernorm.weight", pn.dweight);
+    dh = ops::add(dh, pn.dx);
+    // Attention: h += o_proj(attention(rope(q), rope(k), v))
+    const Tensor dy2 = dh.contiguous().view({n, hdim});
+    acc(p + "self_attn.o_proj.weight", ops::matmul(dy2, t.o, true, false));
+    const Tensor dattn = ops::matmul(dy2, l.wo).view({b, s, hq, d}).transpose(1, 2).contiguous();
+    const ops::AttentionBackward ab = ops::attention_backward(dattn, t.q, t.k, t.v, t.attn, tape.attn);
+    auto [dq, dk] = l.rope->backward(ab.dq, ab.dk, tape.cos, tape.sin);
+    dq = dq.transpose(1, 2).contiguous(), dk = dk.transpose(1, 2).contiguous();  // [B, S, heads, D]
+    const Tensor dv = ab.dv.transpose(1, 2).contiguous();
+    if (l.q_norm) {
+      const auto qn = l.q_norm->backward(dq, t.q_norm), kn = l.k_norm->backward(dk, t.k_norm);
+      acc(p + "self_attn.q_norm.weight", qn.dweight);
+      acc(p + "self_attn.k_norm.weight", kn.dweight);
+      dq = qn.dx, dk = kn.dx;
+    }
+    const Tensor dq2 = dq.contiguous().view({n, hq * d}), dk2 = dk.contiguous().view({n, hkv * d}), dv2 = dv.view({n, hkv * d});
+    Tensor da;
+    if (l.wqkv.defined()) {
+      const Tensor dqkv = ops::cat({dq2, dk2, dv2}, 1);
+      acc(p + "self_attn.qkv_proj.weight", ops::matmul(dqkv, t.a, true, false));
+      da = ops::matmul(dqkv, l.wqkv);
+    } else {
+      acc(p + "self_attn.q_proj.weight", ops::matmul(dq2, t.a, true, false));
+      acc(p + "self_attn.k_proj.weight", ops::matmul(dk2, t.a, true, false));
+      acc(p + "self_attn.v_proj.weight", ops::matmul(dv2, t.a, true, false));
+      if (l.bq.defined()) {
+        acc(p + "self_attn.q_proj.bias", col_sum(dq2));
+        acc(p + "self_attn.k_proj.bias", col_sum(dk2));
+        acc(p + "self_attn.v_proj.bias", col_sum(dv2));
+      }
+      da = ops::add(ops::add(ops::matmul(dq2, l.wq), ops::matmul(dk2, l.wk)), ops::matmul(dv2, l.wv));
+    }
+    const auto in = l.input_norm->backward(da.view({b, s, hdim}), t.in_norm);
+    acc(p + "input_layernorm.weight", in.dweight);
+    dh = ops::add(dh, in.dx);
+  }
+  if (c.scale_embeddings)
+    dh = ops::scale(dh, Tensor::full({}, std::sqrt(static_cast<double>(hdim)), dtype_, Device::cpu()).item());
+  const Tensor ids_dev = ids.device() == device_ ? ids : ids.to(device_);
+  acc("model.embed_tokens.weight", ops::embedding_backward(dh.contiguous(), ids_dev, c.vocab_size));
+  return out;
 }
 
 }  // namespace kcpp::models

@@ -14,6 +14,8 @@
 #pragma once
 
 #include <filesystem>
+#include <map>
+#include <string>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -33,6 +35,15 @@ class CausalLM : public nn::Module {
   // ForCausalLMLoss of forward(input_ids) against labels [B, S] (f32 scalar).
   Tensor loss(const Tensor& input_ids, const Tensor& labels);
 
+  // The loss and the gradient of `dloss * loss` with respect to every parameter, by the names of
+  // the model's safetensors ("model.layers.0.self_attn.q_proj.weight"; a tied lm_head's share is in
+  // the embedding's).  Every layer's activations are kept for the backward (no checkpointing yet).
+  struct Gradients {
+    Tensor loss;
+    std::map<std::string, Tensor> grads;
+  };
+  Gradients loss_and_gradients(const Tensor& input_ids, const Tensor& labels, double dloss = 1.0);
+
   void visit_slots(const std::function<void(nn::Slot&)>& fn) override;
 
   const ModelConfig& config() const { return cfg_; }
@@ -49,7 +60,9 @@ class CausalLM : public nn::Module {
 
  private:
   CausalLM() = default;
-  Tensor hidden_states(const Tensor& input_ids);  // [B, S, H] after the final norm
+  struct Tape;  // what the forward keeps for the backward
+  Tensor hidden_states(const Tensor& input_ids, Tape* tape = nullptr);  // [B, S, H] after the final norm
+  Tensor shifted_targets(const Tensor& labels) const;
   Tensor inv_freq(int64_t seq_len) const;
 
   ModelConfig cfg_;
