@@ -308,11 +308,16 @@ TEST_P(Kernelize, KernelizedModelsMatchTransformers) {
     SCOPED_TRACE(family);
     const auto dir = std::filesystem::path(test::fixtures_dir()) / family;
     auto model = models::CausalLM::from_folder(dir, DType::f32, dev);
-    const nn::KernelizeReport r = model->kernelize(config, nn::kTraining, dev, local_loader());
+    model->kernelize(config, nn::kTraining, dev, local_loader());
     const auto e = models::SafetensorsFile::open(dir / "expected.safetensors");
     const Tensor ids = e.view("input_ids"), labels = e.view("labels");
     EXPECT_TRUE(test::close_l2(model->forward(ids), e.view("logits").to_f64_vector(), 1e-5));
     EXPECT_TRUE(test::close_l2(model->loss(ids, labels), e.view("loss").to_f64_vector(), 1e-5));
+    // The backward through the kernels: every gradient as Transformers computes it.
+    const auto lg = model->loss_and_gradients(ids, labels);
+    EXPECT_TRUE(test::close_l2(lg.loss, e.view("loss").to_f64_vector(), 1e-5));
+    for (const auto& [name, grad] : lg.grads)
+      EXPECT_TRUE(test::close_l2(grad, e.view("grad." + name).to_f64_vector(), 1e-5)) << name;
     // Every slot kind the config names ran its kernel, none fell back.
     model->visit_slots([&](nn::Slot& s) {
       EXPECT_TRUE(s.kernel().has_value()) << s.layer_name() << ": " << s.reason();
