@@ -1,5 +1,5 @@
 // LayerNorm on the CPU (maths in layer_norm.h): rows in parallel under OpenMP, each row widened to
-// f32 once; sums as SIMD reductions in f64; dw / db summed per thread, then across threads in order.
+// f32 once; sums as SIMD reductions in f64; dw / db summed per thread in f64, then across threads in order.
 #include <omp.h>
 
 #include <cmath>
@@ -48,12 +48,14 @@ template <typename T> void backward(const LayerNormParams& p) {
   std::vector<float> w(h);
   load_row(static_cast<const T*>(p.w), h, w.data());
   const int threads = omp_get_max_threads();
-  std::vector<float> parts(static_cast<size_t>(threads) * 2 * h, 0.0f);  // per thread: dw row, db row
+  // Per thread: a dw row and a db row, in f64 (summing many rows in f32 loses digits the reference
+  // keeps; the rows are not in the vector loop's critical path).
+  std::vector<double> parts(static_cast<size_t>(threads) * 2 * h, 0.0);
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> x(h), dy(h), g(h);
-    float* dw = parts.data() + static_cast<size_t>(omp_get_thread_num()) * 2 * h;
-    float* db = dw + h;
+    double* dw = parts.data() + static_cast<size_t>(omp_get_thread_num()) * 2 * h;
+    double* db = dw + h;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < p.rows; ++r) {
       load_row(static_cast<const T*>(p.x) + r * p.x_stride, h, x.data());
@@ -69,19 +71,22 @@ template <typename T> void backward(const LayerNormParams& p) {
       }
       const float mg = static_cast<float>(sg) * inv_h, mgx = static_cast<float>(sgx) * inv_h;
       for (int64_t j = 0; j < h; ++j) {
-        dw[j] += dy[j] * x[j];
+        dw[j] += static_cast<double>(dy[j]) * x[j];
         db[j] += dy[j];
         g[j] = rstd * (g[j] - mg - x[j] * mgx);
       }
       store_row(g.data(), h, static_cast<T*>(p.dx) + r * p.dx_stride);
     }
   }
-  std::vector<float> dw(h, 0.0f), db(h, 0.0f);
-  for (int t = 0; t < threads; ++t)
-    for (int64_t j = 0; j < h; ++j) {
-      dw[j] += parts[static_cast<size_t>(t) * 2 * h + j];
-      db[j] += parts[static_cast<size_t>(t) * 2 * h + h + j];
+  std::vector<float> dw(h), db(h);
+  for (int64_t j = 0; j < h; ++j) {
+    double sw = 0.0, sb = 0.0;
+    for (int t = 0; t < threads; ++t) {
+      sw += parts[static_cast<size_t>(t) * 2 * h + j];
+      sb += parts[static_cast<size_t>(t) * 2 * h + h + j];
     }
+    dw[j] = static_cast<float>(sw), db[j] = static_cast<float>(sb);
+  }
   store_row(dw.data(), h, static_cast<T*>(p.dw));
   if (p.db) store_row(db.data(), h, static_cast<T*>(p.db));
 }
