@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <numbers>
 
 #include "core/error.h"
@@ -91,6 +93,60 @@ void CausalLM::visit_slots(const std::function<void(nn::Slot&)>& fn) {
   }
   fn(*final_norm_);
   fn(*loss_);
+}
+
+std::vector<std::pair<std::string, Tensor>> CausalLM::parameters() const {
+  std::vector<std::pair<std::string, Tensor>> out;
+  auto add = [&](const std::string& name, const Tensor& t) {
+    if (t.defined()) out.emplace_back(name, t);
+  };
+  add("model.embed_tokens.weight", embed_);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& l = layers_[i];
+    const std::string p = fmt::format("model.layers.{}.", i);
+    add(p + "input_layernorm.weight", l.input_norm->weight);
+    add(p + "post_attention_layernorm.weight", l.post_norm->weight);
+    add(p + "self_attn.qkv_proj.weight", l.wqkv);
+    add(p + "self_attn.q_proj.weight", l.wq);
+    add(p + "self_attn.k_proj.weight", l.wk);
+    add(p + "self_attn.v_proj.weight", l.wv);
+    add(p + "self_attn.q_proj.bias", l.bq);
+    add(p + "self_attn.k_proj.bias", l.bk);
+    add(p + "self_attn.v_proj.bias", l.bv);
+    add(p + "self_attn.o_proj.weight", l.wo);
+    if (l.q_norm) {
+      add(p + "self_attn.q_norm.weight", l.q_norm->weight);
+      add(p + "self_attn.k_norm.weight", l.k_norm->weight);
+    }
+    add(p + "mlp.gate_up_proj.weight", l.w_gate_up);
+    add(p + "mlp.gate_proj.weight", l.w_gate);
+    add(p + "mlp.up_proj.weight", l.w_up);
+    add(p + "mlp.down_proj.weight", l.w_down);
+  }
+  add("model.norm.weight", final_norm_->weight);
+  if (!cfg_.tie_word_embeddings) add("lm_head.weight", lm_head_);
+  return out;
+}
+
+void CausalLM::save(const std::filesystem::path& folder) const {
+  std::filesystem::create_directories(folder);
+  ModelConfig c = cfg_;
+  c.torch_dtype = dtype_ == DType::bf16 ? "bfloat16" : dtype_ == DType::f16 ? "float16" : "float32";
+  nlohmann::json j = c.to_json();
+  j["architectures"] = {c.model_type == "llama"     ? "LlamaForCausalLM"
+                        : c.model_type == "mistral" ? "MistralForCausalLM"
+                        : c.model_type == "qwen2"   ? "Qwen2ForCausalLM"
+                        : c.model_type == "qwen3"   ? "Qwen3ForCausalLM"
+                        : c.model_type == "gemma"   ? "GemmaForCausalLM"
+                                                    : "Phi3ForCausalLM"};
+  const auto tmp = folder / "config.json.tmp";
+  {
+    std::ofstream out(tmp);
+    out << j.dump(2) << "\n";
+    KCPP_CHECK(out.good(), "{}: cannot write", tmp.string());
+  }
+  std::filesystem::rename(tmp, folder / "config.json");
+  save_safetensors(folder / "model.safetensors", parameters(), {{"format", "pt"}});
 }
 
 // inv_freq [rd / 2] in f32, by the config's RoPE scaling (Transformers' rope_init functions).

@@ -46,6 +46,13 @@ class CausalLM : public nn::Module {
 
   void visit_slots(const std::function<void(nn::Slot&)>& fn) override;
 
+  // Every parameter by its safetensors name (handles: writing into one, copy_, updates the model;
+  // a tied lm_head is the embedding and is listed once).
+  std::vector<std::pair<std::string, Tensor>> parameters() const;
+  // A Hugging Face folder Transformers loads: config.json (torch_dtype = the model's dtype) and
+  // model.safetensors with every parameter.
+  void save(const std::filesystem::path& folder) const;
+
   const ModelConfig& config() const { return cfg_; }
   DType dtype() const { return dtype_; }
   Device device() const { return device_; }

@@ -1,0 +1,78 @@
+// train/: AdamW against its definition, and a model trained, saved as a Hugging Face folder and
+// read back.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <cmath>
+
+#include "models/causal_lm.h"
+#include "models/safetensors.h"
+#include "test_util.h"
+#include "train/adamw.h"
+
+namespace kcpp {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Two steps on a 3-element parameter (no decay: a "bias") and a decayed one, checked against the
+// update written out in f64, with clipping active on the second step.
+TEST(AdamW, MatchesItsDefinition) {
+  train::AdamWOptions o;
+  o.lr = 0.1, o.beta1 = 0.8, o.beta2 = 0.95, o.eps = 1e-6, o.weight_decay = 0.5, o.max_grad_norm = 1.0;
+  const std::vector<double> p0 = {0.5, -1.0, 2.0}, w0 = {1.5};
+  Tensor p = Tensor::from_f64(p0, {3}, DType::f32), w = Tensor::from_f64(w0, {1}, DType::bf16);
+  train::AdamW opt({{"layer.bias", p}, {"layer.weight", w}}, o);
+  const std::vector<std::vector<double>> gp = {{0.1, 0.2, -0.3}, {2.0, -1.0, 0.5}}, gw = {{0.4}, {-3.0}};
+  std::vector<double> ep = p0, ew = w0, mp(3, 0), vp(3, 0), mw(1, 0), vw(1, 0), master = w0;
+  for (int t = 1; t <= 2; ++t) {
+    double total = 0;
+    for (double g : gp[t - 1]) total += g * g;
+    for (double g : gw[t - 1]) total += g * g;
+    const double norm = std::sqrt(total), clip = norm > 1.0 ? 1.0 / (norm + 1e-6) : 1.0;
+    const double bc1 = 1 - std::pow(0.8, t), bc2 = 1 - std::pow(0.95, t);
+    for (int i = 0; i < 3; ++i) {
+      const double g = gp[t - 1][i] * clip;
+      mp[i] = 0.8 * mp[i] + 0.2 * g, vp[i] = 0.95 * vp[i] + 0.05 * g * g;
+      ep[i] -= 0.1 * (mp[i] / bc1) / (std::sqrt(vp[i] / bc2) + 1e-6);  // a bias: no decay
+    }
+    const double g = gw[t - 1][0] * clip;
+    mw[0] = 0.8 * mw[0] + 0.2 * g, vw[0] = 0.95 * vw[0] + 0.05 * g * g;
+    master[0] = master[0] * (1 - 0.1 * 0.5) - 0.1 * (mw[0] / bc1) / (std::sqrt(vw[0] / bc2) + 1e-6);
+    const double n = opt.step({{"layer.bias", Tensor::from_f64(gp[t - 1], {3}, DType::f32)},
+                               {"layer.weight", Tensor::from_f64(gw[t - 1], {1}, DType::bf16)}});
+    EXPECT_NEAR(n, norm, 1e-2 * norm);  // the bf16 gradient is rounded
+    EXPECT_TRUE(test::close_l2(p, ep, 1e-6)) << "step " << t;
+  }
+  // The bf16 weight is its f32 master rounded once (the gradient itself was rounded to bf16 too).
+  EXPECT_NEAR(w.item(), master[0], 1e-2);
+  EXPECT_THROW(train::AdamW({{"x", Tensor()}}, o), Error);
+}
+
+// A few AdamW steps on one batch lower the loss; the model saved as a Hugging Face folder reads back
+// to the same logits.
+TEST(Training, StepsLowerTheLossAndCheckpointsReadBack) {
+  const fs::path dir = fs::path(test::fixtures_dir()) / "llama";
+  auto model = models::CausalLM::from_folder(dir, DType::f32, Device::cpu());
+  const auto e = models::SafetensorsFile::open(dir / "expected.safetensors");
+  const Tensor ids = e.view("input_ids"), labels = e.view("labels");
+  train::AdamWOptions o;
+  o.lr = 1e-2, o.weight_decay = 0.01, o.max_grad_norm = 1.0;
+  train::AdamW opt(model->parameters(), o);
+  double first = 0, last = 0;
+  for (int step = 0; step < 20; ++step) {
+    const auto r = model->loss_and_gradients(ids, labels);
+    (step == 0 ? first : last) = r.loss.item();
+    opt.step(r.grads);
+  }
+  EXPECT_LT(last, 0.5 * first) << "loss " << first << " -> " << last;
+  std::string tmpl = (fs::temp_directory_path() / "kcpp-ckpt-XXXXXX").string();
+  const fs::path out = ::mkdtemp(tmpl.data());
+  model->save(out);
+  auto again = models::CausalLM::from_folder(out, DType::f32, Device::cpu());
+  EXPECT_TRUE(test::close_l2(again->forward(ids), model->forward(ids).to_f64_vector(), 1e-7));
+  fs::remove_all(out);
+}
+
+}  // namespace
+}  // namespace kcpp
