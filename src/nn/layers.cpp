@@ -287,7 +287,8 @@ Tensor ForCausalLMLoss::forward(const Tensor& hidden, const Tensor& weight, cons
   } else {
     count_reference();
   }
-  const Tensor logits = ops::matmul(hidden.reshape({-1, hidden.size(-1)}), weight, false, true);
+  // As Transformers' ForCausalLMLoss: the logits in the model's dtype, upcast to f32 for the loss.
+  const Tensor logits = ops::matmul(hidden.reshape({-1, hidden.size(-1)}), weight, false, true).to(DType::f32);
   ops::CrossEntropyForward f = ops::cross_entropy_forward(logits, targets, options);
   if (saved) *saved = {hidden, weight, targets, Tensor(), Tensor(), f.log_probs};
   return as_f32(f.loss);
@@ -305,7 +306,8 @@ ForCausalLMLoss::Grads ForCausalLMLoss::backward(double dloss, const Saved& s) {
   KCPP_CHECK(s.log_probs.defined(), "ForCausalLMLoss backward: nothing saved (run forward with a Saved)");
   count_reference();
   const Tensor dlogits = ops::cross_entropy_backward(Tensor::full({}, dloss, s.log_probs.dtype(), s.log_probs.device()),
-                                                     s.log_probs, s.targets, options);
+                                                     s.log_probs, s.targets, options)
+                            .to(s.hidden.dtype());  // the upcast's backward
   const Tensor h2 = s.hidden.reshape({-1, s.hidden.size(-1)});
   return {ops::matmul(dlogits, s.weight).reshape(s.hidden.shape()), ops::matmul(dlogits, h2, true, false)};
 }

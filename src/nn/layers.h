@@ -88,7 +88,8 @@ class CrossEntropyLoss : public Slot {
 
 // "ForCausalLMLoss" / ForCausalLMLoss/1: the lm_head GEMM and the cross-entropy of its logits,
 // hidden [N, H] @ weight [V, H]^T against targets [N] (shifted by the caller).  The kernel computes
-// the gradients in forward and never holds the logits; the reference materializes them.
+// the gradients in forward and never holds the logits; the reference materializes them (in the
+// model's dtype, upcast to f32 for the loss, as Transformers' ForCausalLMLoss does).
 class ForCausalLMLoss : public Slot {
  public:
   explicit ForCausalLMLoss(ops::CrossEntropyOptions options = {});
