@@ -8,6 +8,7 @@
 #include <numbers>
 
 #include "core/error.h"
+#include "core/random.h"
 #include "models/safetensors.h"
 #include "ops/nn/attention.h"
 #include "ops/ops.h"
@@ -34,16 +35,38 @@ std::unique_ptr<CausalLM> CausalLM::from_folder(const std::filesystem::path& fol
   m->cfg_ = ModelConfig::from_folder(folder);
   m->dtype_ = dtype;
   m->device_ = device;
-  const ModelConfig& c = m->cfg_;
   const WeightStore w = WeightStore::open_folder(folder);
-  auto load = [&](const std::string& name, std::vector<int64_t> shape) { return w.load(name, dtype, device, &shape); };
+  m->build([&](const std::string& name, std::vector<int64_t> shape) { return w.load(name, dtype, device, &shape); });
+  return m;
+}
+
+std::unique_ptr<CausalLM> CausalLM::random(const ModelConfig& config, DType dtype, Device device, uint64_t seed,
+                                           double initializer_range) {
+  std::unique_ptr<CausalLM> m(new CausalLM());
+  m->cfg_ = config;
+  m->dtype_ = dtype;
+  m->device_ = device;
+  Generator gen(seed);
+  const double norm_init = config.norm_offset != 0.0 ? 0.0 : 1.0;
+  m->build([&](const std::string& name, std::vector<int64_t> shape) {
+    if (name.ends_with("norm.weight")) return Tensor::full(shape, norm_init, dtype, device);
+    if (name.ends_with(".bias")) return Tensor::zeros(shape, dtype, device);
+    return Tensor::randn(shape, dtype, device, gen, 0.0, initializer_range);
+  });
+  return m;
+}
+
+void CausalLM::build(const std::function<Tensor(const std::string&, std::vector<int64_t>)>& get) {
+  const ModelConfig& c = cfg_;
+  auto load = [&](const std::string& name, std::vector<int64_t> shape) { return get(name, std::move(shape)); };
   const int64_t h = c.hidden_size, d = c.head_dim, q = c.num_attention_heads * d, kv = c.num_key_value_heads * d;
   const int64_t inter = c.intermediate_size;
   ops::RMSNormOptions norm;
   norm.eps = c.rms_norm_eps;
   norm.offset = c.norm_offset;
   norm.casting = c.model_type == "gemma" ? ops::RMSNormCasting::Gemma : ops::RMSNormCasting::Llama;
-  m->embed_ = load("model.embed_tokens.weight", {c.vocab_size, h});
+  embed_ = load("model.embed_tokens.weight", {c.vocab_size, h});
+  layers_.clear();
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const std::string p = fmt::format("model.layers.{}.", i);
     Layer l;
@@ -75,12 +98,11 @@ std::unique_ptr<CausalLM> CausalLM::from_folder(const std::filesystem::path& fol
     l.w_down = load(p + "mlp.down_proj.weight", {h, inter});
     l.rope = std::make_unique<nn::RotaryEmbedding>();
     l.mlp = std::make_unique<nn::MLP>(glu_activation(c.hidden_act));
-    m->layers_.push_back(std::move(l));
+    layers_.push_back(std::move(l));
   }
-  m->final_norm_ = std::make_unique<nn::RMSNorm>(load("model.norm.weight", {h}), norm);
-  m->lm_head_ = c.tie_word_embeddings ? m->embed_ : load("lm_head.weight", {c.vocab_size, h});
-  m->loss_ = std::make_unique<nn::ForCausalLMLoss>();
-  return m;
+  final_norm_ = std::make_unique<nn::RMSNorm>(load("model.norm.weight", {h}), norm);
+  lm_head_ = c.tie_word_embeddings ? embed_ : load("lm_head.weight", {c.vocab_size, h});
+  loss_ = std::make_unique<nn::ForCausalLMLoss>();
 }
 
 void CausalLM::visit_slots(const std::function<void(nn::Slot&)>& fn) {

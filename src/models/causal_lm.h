@@ -14,6 +14,7 @@
 #pragma once
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <memory>
@@ -29,6 +30,10 @@ class CausalLM : public nn::Module {
  public:
   // Weights converted to `dtype` on `device`; errors name the folder, file and tensor.
   static std::unique_ptr<CausalLM> from_folder(const std::filesystem::path& folder, DType dtype, Device device);
+  // Fresh weights as Transformers initializes them: N(0, initializer_range) for the embedding and
+  // every projection, zero biases, norm weights 1 (0 with Gemma's 1 + w).
+  static std::unique_ptr<CausalLM> random(const ModelConfig& config, DType dtype, Device device, uint64_t seed,
+                                          double initializer_range = 0.02);
 
   // logits [B, S, V] in the model's dtype for input_ids [B, S] (i64 / i32), positions 0 .. S-1.
   Tensor forward(const Tensor& input_ids);
@@ -67,6 +72,8 @@ class CausalLM : public nn::Module {
 
  private:
   CausalLM() = default;
+  // Builds the layers from a weight source: `get(name, shape)` returns the tensor.
+  void build(const std::function<Tensor(const std::string&, std::vector<int64_t>)>& get);
   struct Tape;  // what the forward keeps for the backward
   Tensor hidden_states(const Tensor& input_ids, Tape* tape = nullptr);  // [B, S, H] after the final norm
   Tensor shifted_targets(const Tensor& labels) const;
