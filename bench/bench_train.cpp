@@ -18,6 +18,8 @@
 #include "core/timing.h"
 #include "hub/hub.h"
 #include "models/causal_lm.h"
+#include "ops/nn/attention.h"
+#include "ops/ops.h"
 #include "nn/kernel_config.h"
 #include "train/adamw.h"
 
@@ -52,25 +54,61 @@ void run(const std::string& impl, int64_t layers, int64_t batch, int64_t seq, in
   train::AdamW opt(model->parameters(), o);
   Generator gen(7);
   const Tensor ids = Tensor::randint({batch, seq}, 0, c.vocab_size, DType::i64, dev, gen);
+  double t_grad = 0, t_opt = 0;
   auto step = [&] {
+    const auto t0 = std::chrono::steady_clock::now();
     const auto r = model->loss_and_gradients(ids, ids);
+    const double l = r.loss.item();
+    synchronize(dev);
+    const auto t1 = std::chrono::steady_clock::now();
     opt.step(r.grads);
-    return r.loss.item();
+    synchronize(dev);
+    t_grad += std::chrono::duration<double>(t1 - t0).count();
+    t_opt += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+    return l;
   };
   double loss = step();  // warm-up (also allocates the optimizer state lazily? no: AdamW allocates up front)
   synchronize(dev);
   const size_t resident = a.stats().current - before_model;
   a.reset_peak();
+  t_grad = t_opt = 0;
   const size_t base = a.stats().current;
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < steps; ++i) loss = step();
   synchronize(dev);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / steps;
   const size_t peak = a.stats().peak - base;
-  std::printf("%-10s layers %lld  batch %lld x %lld  step %8.1f ms  %9.0f tokens/s  peak %6.2f GiB beyond weights + optimizer (%6.2f GiB)  loss %.4f\n",
+  std::printf("%-10s layers %lld  batch %lld x %lld  step %8.1f ms (loss+grads %.1f, AdamW %.1f)  %9.0f tokens/s  peak %6.2f GiB "
+              "beyond weights + optimizer (%6.2f GiB)  loss %.4f\n",
               impl.c_str(), static_cast<long long>(layers), static_cast<long long>(batch), static_cast<long long>(seq), s * 1e3,
-              static_cast<double>(batch * seq) / s, gib(peak), gib(resident), loss);
+              t_grad / steps * 1e3, t_opt / steps * 1e3, static_cast<double>(batch * seq) / s, gib(peak), gib(resident), loss);
   std::fflush(stdout);
+}
+
+// Where a step's time goes: the reference attention and one layer's GEMMs at the same shapes.
+void breakdown(int64_t batch, int64_t seq) {
+  const Device dev = Device::cuda(0);
+  Generator gen(3);
+  const Tensor q = Tensor::randn({batch, 32, seq, 128}, DType::bf16, dev, gen), k = Tensor::randn({batch, 8, seq, 128}, DType::bf16, dev, gen);
+  const Tensor v = Tensor::randn({batch, 8, seq, 128}, DType::bf16, dev, gen);
+  auto ms = [&](const std::function<void()>& fn) {
+    fn();
+    synchronize(dev);
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    synchronize(dev);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() * 1e3;
+  };
+  ops::AttentionForward f;
+  const double fwd = ms([&] { f = ops::attention_forward(q, k, v); });
+  const double bwd = ms([&] { ops::attention_backward(q, q, k, v, f); });
+  const Tensor x = Tensor::randn({batch * seq, 4096}, DType::bf16, dev, gen), w = Tensor::randn({14336, 4096}, DType::bf16, dev, gen);
+  const double gemm = ms([&] { ops::matmul(x, w, false, true); });
+  const Tensor y = Tensor::randn({batch * seq, 14336}, DType::bf16, dev, gen);
+  const double add = ms([&] { ops::add(y, y); });
+  std::printf("breakdown: reference attention fwd %.1f ms, bwd %.1f ms (one layer); GEMM [%lld x 4096] x [4096 x 14336] %.2f ms; "
+              "add of [%lld x 14336] bf16 %.2f ms\n",
+              fwd, bwd, static_cast<long long>(batch * seq), gemm, static_cast<long long>(batch * seq), add);
 }
 
 }  // namespace
@@ -87,6 +125,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--only")) only = argv[i + 1];
   }
   try {
+    if (cuda_device_count() > 0) breakdown(batch, seq);
     for (const char* impl : {"reference", "kcpp"})
       if (only.empty() || only == impl) run(impl, layers, batch, seq, steps);
   } catch (const std::exception& e) {

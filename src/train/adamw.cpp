@@ -4,6 +4,9 @@
 
 #include "core/error.h"
 #include "ops/ops.h"
+#include "train/adamw_kernels.h"
+
+#include <fmt/format.h>
 
 namespace kcpp::train {
 
@@ -11,10 +14,6 @@ namespace {
 // The Trainer's grouping: no weight decay for biases and normalization weights.
 bool decays(const std::string& name) {
   return !(name.ends_with(".bias") || name.find("norm") != std::string::npos);
-}
-double squared_norm(const Tensor& g) {
-  const Tensor f = g.dtype() == DType::f32 ? g : g.to(DType::f32);
-  return ops::sum(ops::square(f.contiguous().view({f.numel()}))).to(DType::f64).item();
 }
 }  // namespace
 
@@ -25,6 +24,7 @@ AdamW::AdamW(std::vector<std::pair<std::string, Tensor>> params, AdamWOptions o)
              o.eps, o.weight_decay, o.max_grad_norm);
   for (auto& [name, p] : params) {
     KCPP_CHECK(p.defined(), "AdamW: parameter '{}' is undefined", name);
+    KCPP_CHECK(p.is_contiguous(), "AdamW: parameter '{}' is not contiguous", name);
     State s;
     s.name = name;
     s.param = p;
@@ -37,33 +37,50 @@ AdamW::AdamW(std::vector<std::pair<std::string, Tensor>> params, AdamWOptions o)
 }
 
 double AdamW::step(const std::map<std::string, Tensor>& grads) {
-  double total = 0.0;
-  for (const State& s : state_)
-    if (auto it = grads.find(s.name); it != grads.end()) total += squared_norm(it->second);
-  const double norm = std::sqrt(total);
-  const double clip = options.max_grad_norm > 0 && norm > options.max_grad_norm ? options.max_grad_norm / (norm + 1e-6) : 1.0;
-  ++t_;
-  const double b1 = options.beta1, b2 = options.beta2;
-  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(t_)), bc2 = 1.0 - std::pow(b2, static_cast<double>(t_));
+  // The global norm: every gradient's sum of squares into one f64 (on the device for CUDA: one read back).
+  std::vector<std::pair<State*, Tensor>> work;
   for (State& s : state_) {
     const auto it = grads.find(s.name);
     if (it == grads.end()) continue;
-    KCPP_CHECK(it->second.shape() == s.param.shape(), "AdamW: gradient of '{}' has the wrong shape", s.name);
-    Tensor g = it->second.dtype() == DType::f32 ? it->second : it->second.to(DType::f32);
-    if (clip != 1.0) g = ops::scale(g, clip);
-    s.m.copy_(ops::add(ops::scale(s.m, b1), ops::scale(g, 1.0 - b1)));
-    s.v.copy_(ops::add(ops::scale(s.v, b2), ops::scale(ops::square(g), 1.0 - b2)));
-    const Tensor& p = s.master.defined() ? s.master : s.param;
-    Tensor next = p;
-    if (s.decay && options.weight_decay > 0) next = ops::scale(next, 1.0 - options.lr * options.weight_decay);
-    const Tensor denom = ops::add_scalar(ops::sqrt(ops::scale(s.v, 1.0 / bc2)), options.eps);
-    next = ops::sub(next, ops::scale(ops::div(s.m, denom), options.lr / bc1));
-    if (s.master.defined()) {
-      s.master.copy_(next);
-      s.param.copy_(next.to(s.param.dtype()));
+    KCPP_CHECK(it->second.shape() == s.param.shape(), "AdamW: gradient of '{}' has shape [{}], the parameter [{}]", s.name,
+               fmt::join(it->second.shape(), ", "), fmt::join(s.param.shape(), ", "));
+    KCPP_CHECK(it->second.device() == s.param.device(), "AdamW: gradient of '{}' is on {}, the parameter on {}", s.name,
+               it->second.device().str(), s.param.device().str());
+    work.emplace_back(&s, it->second.contiguous());
+  }
+  double total = 0.0;
+  if (!work.empty()) {
+    const Device dev = work.front().second.device();
+    if (dev.is_cuda()) {
+      const Tensor acc = Tensor::zeros({1}, DType::f64, dev);
+      for (auto& [s, g] : work) add_squared_norm(g, static_cast<double*>(acc.data()));
+      total = acc.item();
     } else {
-      s.param.copy_(next);
+      for (auto& [s, g] : work) add_squared_norm(g, &total);
     }
+  }
+  const double norm = std::sqrt(total);
+  const double clip = options.max_grad_norm > 0 && norm > options.max_grad_norm ? options.max_grad_norm / (norm + 1e-6) : 1.0;
+  ++t_;
+  for (auto& [s, g] : work) {
+    AdamWUpdate u;
+    u.n = s->param.numel();
+    u.param = s->param.data();
+    u.param_dtype = s->param.dtype();
+    u.master = s->master.defined() ? static_cast<float*>(s->master.data()) : nullptr;
+    u.grad = g.data();
+    u.grad_dtype = g.dtype();
+    u.m = static_cast<float*>(s->m.data());
+    u.v = static_cast<float*>(s->v.data());
+    u.lr = static_cast<float>(options.lr);
+    u.beta1 = static_cast<float>(options.beta1);
+    u.beta2 = static_cast<float>(options.beta2);
+    u.eps = static_cast<float>(options.eps);
+    u.weight_decay = s->decay ? static_cast<float>(options.weight_decay) : 0.0f;
+    u.bc1 = static_cast<float>(1.0 - std::pow(options.beta1, static_cast<double>(t_)));
+    u.bc2 = static_cast<float>(1.0 - std::pow(options.beta2, static_cast<double>(t_)));
+    u.grad_scale = static_cast<float>(clip);
+    adamw_update(u, s->param.device());
   }
   return norm;
 }

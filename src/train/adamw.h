@@ -5,7 +5,8 @@
 //   p     = p - lr wd p  (decay: not for biases and norm weights, as the Trainer groups them)
 //   p     = p - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 // State (m, v) in f32.  16-bit parameters get an f32 master copy: the update runs on it and the
-// parameter receives it rounded (bf16 weights with f32 master weights).
+// parameter receives it rounded (bf16 weights with f32 master weights).  One fused pass per
+// parameter (adamw_kernels.h), CPU or CUDA; the clipping norm is read back once a step.
 #pragma once
 
 #include <map>
