@@ -9,6 +9,7 @@
 #include "models/causal_lm.h"
 #include "models/config.h"
 #include "models/safetensors.h"
+#include "ops/ops.h"
 #include "test_util.h"
 
 namespace kcpp {
@@ -264,6 +265,31 @@ TEST_P(Families, LogitsAndLossMatchTransformers) {
   const Tensor logits = model->forward(ids);
   EXPECT_TRUE(test::close_l2(logits, e.view("logits").to_f64_vector(), 1e-5));
   EXPECT_TRUE(test::close_l2(model->loss(ids, labels), e.view("loss").to_f64_vector(), 1e-5));
+  // The KV cache: the prompt, then the rest one token at a time, gives the full pass's logits.
+  {
+    models::CausalLM::KVCache cache;
+    const auto full = logits.to_f64_vector();
+    const Tensor first = model->forward(ids.narrow(1, 0, 4).contiguous(), &cache);
+    std::vector<Tensor> parts = {first};
+    for (int64_t t = 4; t < 7; ++t) parts.push_back(model->forward(ids.narrow(1, t, 1).contiguous(), &cache));
+    EXPECT_EQ(cache.length, 7);
+    EXPECT_TRUE(test::close_l2(ops::cat(parts, 1), full, 1e-5));
+  }
+  // generate() with the cache = Transformers' greedy generate().
+  {
+    std::vector<int64_t> prompt;
+    for (double x : e.view("greedy.prompt").to_f64_vector()) prompt.push_back(static_cast<int64_t>(x));
+    const auto want = e.view("greedy.ids").to_f64_vector();
+    const std::vector<int64_t> none;
+    const auto got = model->generate(prompt, static_cast<int64_t>(want.size() - prompt.size()), models::Sampling(), &none);
+    EXPECT_EQ(std::vector<double>(got.begin(), got.end()), want);
+    // Sampling is reproducible by seed and stays in the vocabulary.
+    models::Sampling s{0.8, 20, 0.9, 7};
+    const auto a = model->generate(prompt, 5, s, &none), b = model->generate(prompt, 5, s, &none);
+    EXPECT_EQ(a, b);
+    for (int64_t t : a) EXPECT_TRUE(t >= 0 && t < 97);
+    EXPECT_ERROR(model->generate({200}, 1), "outside the vocabulary");
+  }
   // Greedy continuation (the whole sequence recomputed each step) = Transformers' generate().
   std::vector<int64_t> seq;
   for (double x : e.view("greedy.prompt").to_f64_vector()) seq.push_back(static_cast<int64_t>(x));

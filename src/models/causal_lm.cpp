@@ -6,6 +6,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <numbers>
+#include <numeric>
+#include <random>
 
 #include "core/error.h"
 #include "core/random.h"
@@ -219,7 +221,7 @@ struct CausalLM::Tape {
   ops::AttentionOptions attn;
 };
 
-Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape) {
+Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache) {
   KCPP_CHECK(ids.dim() == 2, "CausalLM: input_ids must be [batch, seq], got {} dims", ids.dim());
   const ModelConfig& c = cfg_;
   const int64_t b = ids.size(0), s = ids.size(1), hdim = c.hidden_size, d = c.head_dim;
@@ -227,9 +229,13 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape) {
   Tensor h = ops::embedding(embed_, ids.device() == device_ ? ids : ids.to(device_));
   if (c.scale_embeddings)  // Gemma: times sqrt(hidden) rounded to the model's dtype, as Transformers does
     h = ops::scale(h, Tensor::full({}, std::sqrt(static_cast<double>(hdim)), dtype_, Device::cpu()).item());
+  const int64_t past = cache ? cache->length : 0;
+  KCPP_CHECK(!(tape && past > 0), "CausalLM: a backward over a cached prefix is not supported");
+  if (cache && cache->k.empty()) cache->k.resize(layers_.size()), cache->v.resize(layers_.size());
   std::vector<int64_t> pos(static_cast<size_t>(b * s));
-  for (int64_t i = 0; i < b * s; ++i) pos[i] = i % s;
-  const ops::RopeCosSin cs = ops::rope_cos_sin(Tensor::from_i64(pos, {b, s}, DType::i64, device_), inv_freq(s), 1.0, dtype_);
+  for (int64_t i = 0; i < b * s; ++i) pos[i] = past + i % s;
+  const ops::RopeCosSin cs =
+      ops::rope_cos_sin(Tensor::from_i64(pos, {b, s}, DType::i64, device_), inv_freq(past + s), 1.0, dtype_);
   ops::AttentionOptions attn;
   attn.scale = 1.0 / std::sqrt(static_cast<double>(d));
   attn.causal = true;
@@ -254,6 +260,14 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape) {
     if (l.q_norm) q = l.q_norm->forward(q, t ? &t->q_norm : nullptr), k = l.k_norm->forward(k, t ? &t->k_norm : nullptr);
     q = q.transpose(1, 2).contiguous(), k = k.transpose(1, 2).contiguous(), v = v.transpose(1, 2).contiguous();
     std::tie(q, k) = l.rope->forward(q, k, cs.cos, cs.sin);
+    if (cache) {
+      Tensor& ck = cache->k[li];
+      Tensor& cv = cache->v[li];
+      KCPP_CHECK(!ck.defined() || ck.size(0) == b, "CausalLM: the cache holds batch {}, the input is batch {}", ck.size(0), b);
+      ck = ck.defined() ? ops::cat({ck, k}, 2) : k;
+      cv = cv.defined() ? ops::cat({cv, v}, 2) : v;
+      k = ck, v = cv;
+    }
     ops::AttentionForward af = ops::attention_forward(q, k, v, attn);
     const Tensor o = af.out.transpose(1, 2).contiguous().view({b * s, hq * d});
     h = ops::add(h, linear(o, l.wo).view({b, s, hdim}));
@@ -270,13 +284,70 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape) {
     h = ops::add(h, linear(act, l.w_down).view({b, s, hdim}));
     if (t) *t = {t->in_norm, t->post_norm, t->q_norm, t->k_norm, a, q, k, v, o, m, gate, up, act, std::move(af)};
   }
+  if (cache) cache->length += s;
   return final_norm_->forward(h, tape ? &tape->final_norm : nullptr);
 }
 
-Tensor CausalLM::forward(const Tensor& ids) {
-  const Tensor h = hidden_states(ids);
+Tensor CausalLM::forward(const Tensor& ids, KVCache* cache) {
+  const Tensor h = hidden_states(ids, nullptr, cache);
   const int64_t b = ids.size(0), s = ids.size(1);
   return ops::matmul(h.view({b * s, cfg_.hidden_size}), lm_head_, false, true).view({b, s, cfg_.vocab_size});
+}
+
+namespace {
+
+// The next token from the last position's logits (host f64 values), as Transformers' generate():
+// temperature, then top-k, then top-p (nucleus), then a draw.
+int64_t pick(std::vector<double> logits, const Sampling& s, std::mt19937_64& rng) {
+  const int64_t v = static_cast<int64_t>(logits.size());
+  if (s.temperature <= 0.0) return std::max_element(logits.begin(), logits.end()) - logits.begin();
+  std::vector<int64_t> order(static_cast<size_t>(v));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return logits[a] > logits[b]; });
+  const int64_t k = s.top_k > 0 ? std::min(s.top_k, v) : v;
+  std::vector<double> p(static_cast<size_t>(k));
+  const double mx = logits[order[0]] / s.temperature;
+  double z = 0;
+  for (int64_t i = 0; i < k; ++i) z += p[i] = std::exp(logits[order[i]] / s.temperature - mx);
+  int64_t keep = k;
+  if (s.top_p < 1.0) {
+    double cum = 0;
+    for (int64_t i = 0; i < k; ++i) {
+      cum += p[i] / z;
+      if (cum >= s.top_p) {
+        keep = i + 1;
+        break;
+      }
+    }
+  }
+  std::discrete_distribution<int64_t> draw(p.begin(), p.begin() + keep);
+  return order[draw(rng)];
+}
+
+}  // namespace
+
+std::vector<int64_t> CausalLM::generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens, const Sampling& sampling,
+                                        const std::vector<int64_t>* stop) {
+  KCPP_CHECK(!prompt.empty(), "generate: empty prompt");
+  KCPP_CHECK(max_new_tokens >= 0, "generate: max_new_tokens {} < 0", max_new_tokens);
+  KCPP_CHECK(sampling.top_p > 0.0 && sampling.top_p <= 1.0, "generate: top_p {} outside (0, 1]", sampling.top_p);
+  for (int64_t t : prompt)
+    KCPP_CHECK(t >= 0 && t < cfg_.vocab_size, "generate: prompt token {} outside the vocabulary [0, {})", t, cfg_.vocab_size);
+  const std::vector<int64_t>& stops = stop ? *stop : cfg_.eos_token_id;
+  std::mt19937_64 rng(sampling.seed);
+  std::vector<int64_t> out = prompt;
+  KVCache cache;
+  Tensor next = Tensor::from_i64(prompt, {1, static_cast<int64_t>(prompt.size())}, DType::i64, device_);
+  for (int64_t step = 0; step < max_new_tokens; ++step) {
+    const Tensor logits = forward(next, &cache);
+    const int64_t n = logits.size(1), v = cfg_.vocab_size;
+    const auto all = logits.narrow(1, n - 1, 1).to_f64_vector();
+    const int64_t tok = pick(std::vector<double>(all.begin(), all.begin() + v), sampling, rng);
+    out.push_back(tok);
+    if (std::find(stops.begin(), stops.end(), tok) != stops.end()) break;
+    next = Tensor::from_i64(std::vector<int64_t>{tok}, {1, 1}, DType::i64, device_);
+  }
+  return out;
 }
 
 // ForCausalLMLoss's shift: position t predicts label t + 1; the last position of each row has none.

@@ -26,6 +26,16 @@
 
 namespace kcpp::models {
 
+// Sampling as Transformers' generate(): temperature 0 = greedy; else softmax(logits / temperature)
+// restricted to the top_k tokens (0 = all) and then to the smallest set whose probability reaches
+// top_p, sampled with `seed`.
+struct Sampling {
+  double temperature = 0.0;
+  int64_t top_k = 0;
+  double top_p = 1.0;
+  uint64_t seed = 0;
+};
+
 class CausalLM : public nn::Module {
  public:
   // Weights converted to `dtype` on `device`; errors name the folder, file and tensor.
@@ -35,8 +45,22 @@ class CausalLM : public nn::Module {
   static std::unique_ptr<CausalLM> random(const ModelConfig& config, DType dtype, Device device, uint64_t seed,
                                           double initializer_range = 0.02);
 
-  // logits [B, S, V] in the model's dtype for input_ids [B, S] (i64 / i32), positions 0 .. S-1.
-  Tensor forward(const Tensor& input_ids);
+  // The keys and values of the tokens seen so far, per layer ([B, kv_heads, length, head_dim], after
+  // RoPE), for incremental decoding.
+  struct KVCache {
+    std::vector<Tensor> k, v;
+    int64_t length = 0;
+    void clear() { k.clear(), v.clear(), length = 0; }
+  };
+
+  // logits [B, S, V] in the model's dtype for input_ids [B, S] (i64 / i32), positions 0 .. S-1; with
+  // a cache, the new tokens sit at positions cache.length .. and the cache grows by S.
+  Tensor forward(const Tensor& input_ids, KVCache* cache = nullptr);
+
+  // prompt + up to max_new_tokens generated with the KV cache; stops after a token of `stop`
+  // (default: the config's eos_token_id).  Batch of one.
+  std::vector<int64_t> generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens, const Sampling& sampling = Sampling(),
+                                const std::vector<int64_t>* stop = nullptr);
   // ForCausalLMLoss of forward(input_ids) against labels [B, S] (f32 scalar).
   Tensor loss(const Tensor& input_ids, const Tensor& labels);
 
@@ -75,7 +99,7 @@ class CausalLM : public nn::Module {
   // Builds the layers from a weight source: `get(name, shape)` returns the tensor.
   void build(const std::function<Tensor(const std::string&, std::vector<int64_t>)>& get);
   struct Tape;  // what the forward keeps for the backward
-  Tensor hidden_states(const Tensor& input_ids, Tape* tape = nullptr);  // [B, S, H] after the final norm
+  Tensor hidden_states(const Tensor& input_ids, Tape* tape = nullptr, KVCache* cache = nullptr);  // [B, S, H], final norm applied
   Tensor shifted_targets(const Tensor& labels) const;
   Tensor inv_freq(int64_t seq_len) const;
 
