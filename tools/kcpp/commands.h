@@ -9,6 +9,7 @@ namespace kcpp::tools {
 
 using Action = std::function<int()>;
 
-void add_hub_commands(CLI::App& app, Action& action);  // hub_commands.cpp
+void add_hub_commands(CLI::App& app, Action& action);    // hub_commands.cpp
+void add_model_commands(CLI::App& app, Action& action);  // model_commands.cpp: generate
 
 }  // namespace kcpp::tools

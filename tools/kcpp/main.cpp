@@ -1,6 +1,7 @@
 // kcpp: the command-line tool.  `kcpp info` reports the platform; `kcpp bench --ceilings`
 // measures the ceilings that benchmark figures are quoted against; the hub commands (keygen, trust,
-// package, serve, download, versions, show, lock, verify) are in hub_commands.cpp.
+// package, serve, download, versions, show, lock, verify) are in hub_commands.cpp; `kcpp generate`
+// in model_commands.cpp.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <fstream>
@@ -62,6 +63,7 @@ int main(int argc, char** argv) {
 
   kcpp::tools::Action action;
   kcpp::tools::add_hub_commands(app, action);
+  kcpp::tools::add_model_commands(app, action);
 
   CLI11_PARSE(app, argc, argv);
   try {

@@ -1,0 +1,107 @@
+// `kcpp generate`: a model folder, a prompt as token ids, greedy or sampled continuation with the KV
+// cache, optionally with kernels by KernelConfig (a JSON file or inline JSON) or the Liger switches.
+//
+//   kcpp generate --model DIR --prompt-ids 1,15,7 [--max-new-tokens 32] [--temperature 0.8 --top-k 50
+//                 --top-p 0.9 --seed 1] [--dtype bf16] [--device cuda] [--kernels MAPPING.json]
+//                 [--use-local-kernel] [--allow-all-kernels]
+#include <fmt/format.h>
+
+#include <chrono>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "commands.h"
+#include "core/device.h"
+#include "core/error.h"
+#include "hub/hub.h"
+#include "models/causal_lm.h"
+#include "nn/kernel_config.h"
+
+namespace kcpp::tools {
+
+namespace {
+
+struct GenerateArgs {
+  std::string model, prompt_ids, dtype = "f32", device = "auto", kernels;
+  int64_t max_new_tokens = 32;
+  double temperature = 0.0, top_p = 1.0;
+  int64_t top_k = 0;
+  uint64_t seed = 0;
+  bool use_local_kernel = false, allow_all = false;
+};
+
+std::vector<int64_t> parse_ids(const std::string& text) {
+  std::vector<int64_t> ids;
+  std::stringstream ss(text);
+  std::string part;
+  while (std::getline(ss, part, ',')) {
+    try {
+      size_t used = 0;
+      ids.push_back(std::stoll(part, &used));
+      KCPP_CHECK(used == part.size(), "--prompt-ids: '{}' is not an integer", part);
+    } catch (const std::logic_error&) {
+      KCPP_FAIL("--prompt-ids: '{}' is not an integer", part);
+    }
+  }
+  KCPP_CHECK(!ids.empty(), "--prompt-ids: no token ids");
+  return ids;
+}
+
+DType parse_dtype(const std::string& s) {
+  if (s == "f32" || s == "float32") return DType::f32;
+  if (s == "bf16" || s == "bfloat16") return DType::bf16;
+  if (s == "f16" || s == "float16") return DType::f16;
+  KCPP_FAIL("--dtype '{}': expected f32, bf16 or f16", s);
+}
+
+int run_generate(const GenerateArgs& a) {
+  const Device dev = a.device == "auto" ? (cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu()) : parse_device(a.device);
+  auto model = models::CausalLM::from_folder(a.model, parse_dtype(a.dtype), dev);
+  if (!a.kernels.empty()) {
+    std::string text = a.kernels;
+    if (text.front() != '{') {
+      std::ifstream in(a.kernels);
+      KCPP_CHECK(in.good(), "--kernels: cannot read {}", a.kernels);
+      text.assign(std::istreambuf_iterator<char>(in), {});
+    }
+    hub::HubConfig hc = hub::HubConfig::from_env();
+    hc.allow_all_kernels = hc.allow_all_kernels || a.allow_all;
+    const auto report = model->kernelize(nn::KernelConfig::parse_text(text, a.use_local_kernel), nn::kInference, dev,
+                                         nn::hub_loader(std::make_shared<hub::Hub>(std::move(hc))));
+    fmt::print(stderr, "{}", report.str());
+  }
+  models::Sampling s{a.temperature, a.top_k, a.top_p, a.seed};
+  const auto prompt = parse_ids(a.prompt_ids);
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto out = model->generate(prompt, a.max_new_tokens, s);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  fmt::print("{}\n", fmt::join(out, ","));
+  const size_t fresh = out.size() - prompt.size();
+  fmt::print(stderr, "{} new tokens in {:.3f} s ({:.1f} tokens/s) on {}\n", fresh, secs, fresh / std::max(secs, 1e-9), dev.str());
+  if (!a.kernels.empty()) fmt::print(stderr, "{}", model->kernel_report());
+  return 0;
+}
+
+}  // namespace
+
+void add_model_commands(CLI::App& app, Action& action) {
+  auto args = std::make_shared<GenerateArgs>();
+  auto* g = app.add_subcommand("generate", "Continue a prompt with a Hugging Face model folder (KV cache; greedy or sampled)");
+  g->add_option("--model", args->model, "Model folder: config.json + model.safetensors (or the sharded index)")->required();
+  g->add_option("--prompt-ids", args->prompt_ids, "The prompt as comma-separated token ids")->required();
+  g->add_option("--max-new-tokens", args->max_new_tokens, "Tokens to generate at most")->capture_default_str();
+  g->add_option("--temperature", args->temperature, "0 = greedy")->capture_default_str();
+  g->add_option("--top-k", args->top_k, "Sample among the k most likely (0 = all)")->capture_default_str();
+  g->add_option("--top-p", args->top_p, "Nucleus: the smallest set reaching this probability")->capture_default_str();
+  g->add_option("--seed", args->seed, "Sampling seed")->capture_default_str();
+  g->add_option("--dtype", args->dtype, "f32, bf16 or f16")->capture_default_str();
+  g->add_option("--device", args->device, "cpu, cuda, cuda:N or auto")->capture_default_str();
+  g->add_option("--kernels", args->kernels, "A KernelConfig kernel_mapping: a JSON file or inline JSON");
+  g->add_flag("--use-local-kernel", args->use_local_kernel, "References in --kernels are local package folders");
+  g->add_flag("--allow-all-kernels", args->allow_all, "Load unsigned or untrusted packages");
+  g->callback([args, &action] { action = [args] { return run_generate(*args); }; });
+}
+
+}  // namespace kcpp::tools
