@@ -9,6 +9,7 @@
 #include "models/safetensors.h"
 #include "test_util.h"
 #include "train/adamw.h"
+#include "train/trainer.h"
 
 namespace kcpp {
 namespace {
@@ -72,6 +73,31 @@ TEST(Training, StepsLowerTheLossAndCheckpointsReadBack) {
   auto again = models::CausalLM::from_folder(out, DType::f32, Device::cpu());
   EXPECT_TRUE(test::close_l2(again->forward(ids), model->forward(ids).to_f64_vector(), 1e-7));
   fs::remove_all(out);
+}
+
+// Gradient accumulation: a batch split into two micro-batches of one row with different numbers of
+// labelled tokens (5 and 3) gives the whole batch's gradients (Transformers-checked above): the sum
+// over tokens divided by the labelled tokens of both, not the mean of the two means.
+TEST(Training, AccumulationEqualsTheWholeBatch) {
+  const fs::path dir = fs::path(test::fixtures_dir()) / "qwen2";
+  auto model = models::CausalLM::from_folder(dir, DType::f32, Device::cpu());
+  const auto e = models::SafetensorsFile::open(dir / "expected.safetensors");
+  const Tensor ids = e.view("input_ids");
+  auto lv = e.view("labels").to_f64_vector();
+  lv[7 + 3] = lv[7 + 4] = -100;  // row 1: two more ignored
+  const Tensor labels = Tensor::from_f64(lv, {2, 7}, DType::i64);
+  std::vector<train::MicroBatch> micro;
+  for (int64_t r = 0; r < 2; ++r) micro.push_back({ids.narrow(0, r, 1).contiguous(), labels.narrow(0, r, 1).contiguous()});
+  const auto acc = train::accumulate_gradients(*model, micro);
+  EXPECT_EQ(acc.tokens, 8);
+  const auto whole = model->loss_and_gradients(ids, labels);
+  EXPECT_NEAR(acc.loss, whole.loss.item(), 1e-6 * std::abs(whole.loss.item()));
+  for (const auto& [name, g] : acc.grads) EXPECT_TRUE(test::close_l2(g, whole.grads.at(name).to_f64_vector(), 1e-6)) << name;
+  EXPECT_EQ(acc.grads.size(), model->parameters().size());
+  // The mean of the two micro-batch means is a different number: the test can tell them apart.
+  const double mean_of_means = 0.5 * (model->loss(micro[0].input_ids, micro[0].labels).item() +
+                                      model->loss(micro[1].input_ids, micro[1].labels).item());
+  EXPECT_GT(std::abs(mean_of_means - acc.loss), 1e-4);
 }
 
 }  // namespace

@@ -368,7 +368,24 @@ Tensor CausalLM::loss(const Tensor& ids, const Tensor& labels) {
   return loss_->forward(h, lm_head_, shifted_targets(labels));
 }
 
-CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor& labels, double dloss) {
+int64_t CausalLM::labelled_tokens(const Tensor& labels) {
+  KCPP_CHECK(labels.dim() == 2, "labels must be [batch, seq], got {} dims", labels.dim());
+  const int64_t b = labels.size(0), s = labels.size(1);
+  const auto lv = labels.to_f64_vector();
+  int64_t n = 0;
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t t = 1; t < s; ++t) n += lv[i * s + t] != -100 ? 1 : 0;
+  return n;
+}
+
+CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor& labels, double dloss, ops::Reduction reduction) {
+  KCPP_CHECK(reduction != ops::Reduction::None, "loss_and_gradients: reduction 'none' has no scalar loss to differentiate");
+  struct Restore {
+    nn::ForCausalLMLoss& slot;
+    ops::Reduction saved;
+    ~Restore() { slot.options.reduction = saved; }
+  } restore{*loss_, loss_->options.reduction};
+  loss_->options.reduction = reduction;
   KCPP_CHECK(labels.shape() == ids.shape(), "CausalLM: labels [{}] must match input_ids [{}]", fmt::join(labels.shape(), ", "),
              fmt::join(ids.shape(), ", "));
   const ModelConfig& c = cfg_;

@@ -71,7 +71,12 @@ class CausalLM : public nn::Module {
     Tensor loss;
     std::map<std::string, Tensor> grads;
   };
-  Gradients loss_and_gradients(const Tensor& input_ids, const Tensor& labels, double dloss = 1.0);
+  // `reduction` Sum: the loss summed over the labelled tokens (for gradient accumulation, where the
+  // caller divides by the tokens of the whole accumulated batch through `dloss`).
+  Gradients loss_and_gradients(const Tensor& input_ids, const Tensor& labels, double dloss = 1.0,
+                               ops::Reduction reduction = ops::Reduction::Mean);
+  // The labelled tokens of `labels` after the shift (what a mean divides by).
+  static int64_t labelled_tokens(const Tensor& labels);
 
   void visit_slots(const std::function<void(nn::Slot&)>& fn) override;
 

@@ -1,0 +1,35 @@
+// One optimizer step over several micro-batches (gradient accumulation), with the loss scaled as
+// Transformers does it when it knows num_items_in_batch: every micro-batch's loss is the SUM over
+// its labelled tokens, divided by the labelled tokens of the whole accumulated batch, so the step
+// equals one over the concatenated batch (not the mean of per-micro-batch means).
+#pragma once
+
+#include <vector>
+
+#include "models/causal_lm.h"
+#include "train/adamw.h"
+
+namespace kcpp::train {
+
+struct MicroBatch {
+  Tensor input_ids, labels;  // [b, s] each; labels -100 where ignored (shifted inside the model)
+};
+
+struct StepResult {
+  double loss = 0;       // mean over the labelled tokens of every micro-batch
+  double grad_norm = 0;  // before clipping
+  int64_t tokens = 0;    // labelled tokens in the step
+};
+
+// The gradients of the accumulated batch (summed over the micro-batches, already scaled).
+struct Accumulated {
+  std::map<std::string, Tensor> grads;
+  double loss = 0;
+  int64_t tokens = 0;
+};
+Accumulated accumulate_gradients(models::CausalLM& model, const std::vector<MicroBatch>& micro);
+
+// accumulate_gradients, then one AdamW step.
+StepResult train_step(models::CausalLM& model, AdamW& opt, const std::vector<MicroBatch>& micro);
+
+}  // namespace kcpp::train
