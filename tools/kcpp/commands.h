@@ -11,5 +11,6 @@ using Action = std::function<int()>;
 
 void add_hub_commands(CLI::App& app, Action& action);    // hub_commands.cpp
 void add_model_commands(CLI::App& app, Action& action);  // model_commands.cpp: generate
+void add_train_command(CLI::App& app, Action& action);   // train_command.cpp: train (the main job)
 
 }  // namespace kcpp::tools

@@ -64,6 +64,7 @@ int main(int argc, char** argv) {
   kcpp::tools::Action action;
   kcpp::tools::add_hub_commands(app, action);
   kcpp::tools::add_model_commands(app, action);
+  kcpp::tools::add_train_command(app, action);
 
   CLI11_PARSE(app, argc, argv);
   try {

@@ -1,0 +1,184 @@
+// `kcpp train`: the main job.  With no arguments it trains a small Llama-style model on the embedded
+// corpus (train/corpus.h: generated text, byte-level tokens) on the GPU when there is one, else the
+// CPU — first with the reference layers, then with the layers kernelized with the Liger switches
+// (this build's liger package) — showing progress, loss, tokens/s and peak memory, prints the two
+// side by side, and samples text from the kernel-trained model.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <unistd.h>
+
+#include "commands.h"
+#include "core/allocator.h"
+#include "core/device.h"
+#include "core/error.h"
+#include "core/random.h"
+#include "core/timing.h"
+#include "hub/hub.h"
+#include "models/causal_lm.h"
+#include "nn/kernel_config.h"
+#include "train/corpus.h"
+#include "train/trainer.h"
+
+namespace kcpp::tools {
+
+namespace {
+
+struct TrainArgs {
+  int64_t steps = 0, batch = 16, seq = 128, layers = 4, hidden = 128;
+  double lr = 3e-3;
+  std::string device = "auto", packages, save;
+  bool reference_only = false;
+  uint64_t seed = 1;
+};
+
+struct Run {
+  std::string name;
+  double tokens_per_s = 0, peak_mib = 0, first_loss = 0, final_loss = 0, seconds = 0;
+  std::unique_ptr<models::CausalLM> model;
+};
+
+models::ModelConfig small_llama(const TrainArgs& a) {
+  models::ModelConfig c;
+  c.model_type = "llama";
+  c.vocab_size = train::ByteTokenizer::kVocab;
+  c.hidden_size = a.hidden;
+  c.intermediate_size = a.hidden * 3;
+  c.num_hidden_layers = a.layers;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = a.hidden / 4;
+  c.max_position_embeddings = a.seq;
+  c.rms_norm_eps = 1e-5;
+  c.bos_token_id = {train::ByteTokenizer::kBos};
+  c.eos_token_id = {train::ByteTokenizer::kEos};
+  return c;
+}
+
+// The liger package this build made: --packages, $KCPP_PACKAGES_DIR, or <bin>/../kernels.
+std::optional<std::filesystem::path> find_liger(const std::string& given) {
+  std::vector<std::filesystem::path> candidates;
+  if (!given.empty()) candidates.emplace_back(given);
+  if (const char* env = std::getenv("KCPP_PACKAGES_DIR"); env && *env) candidates.emplace_back(env);
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) candidates.push_back(exe.parent_path().parent_path() / "kernels");
+  for (const auto& c : candidates)
+    if (std::filesystem::exists(c / "liger" / "manifest.json")) return std::filesystem::absolute(c / "liger");
+  return std::nullopt;
+}
+
+Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::vector<int64_t>& tokens,
+            const std::optional<std::filesystem::path>& liger) {
+  Run r;
+  r.name = name;
+  r.model = models::CausalLM::random(small_llama(a), DType::f32, dev, a.seed);
+  if (liger) {
+    hub::HubConfig hc = hub::HubConfig::from_env();
+    hc.allow_all_kernels = true;  // this build's own, unsigned
+    hc.lock_file.reset();
+    auto hub = std::make_shared<hub::Hub>(std::move(hc));
+    const auto report =
+        r.model->kernelize(nn::liger_kernel_config(nn::LigerSwitches{}, liger->string(), true), nn::kTraining, dev, nn::hub_loader(hub));
+    fmt::print("{}", report.str());
+  }
+  train::AdamWOptions o;
+  o.lr = a.lr, o.weight_decay = 0.01, o.max_grad_norm = 1.0;
+  train::AdamW opt(r.model->parameters(), o);
+  Generator gen(a.seed + 1);
+  const int64_t span = a.seq + 0;
+  std::uniform_int_distribution<int64_t> start(0, static_cast<int64_t>(tokens.size()) - span - 1);
+  Allocator& alloc = allocator_for(dev);
+  synchronize(dev);
+  alloc.reset_peak();
+  const size_t base = alloc.stats().current;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t step = 1; step <= a.steps; ++step) {
+    std::vector<int64_t> ids(static_cast<size_t>(a.batch * span));
+    for (int64_t b = 0; b < a.batch; ++b) {
+      const int64_t s0 = start(gen.engine());
+      std::copy(tokens.begin() + s0, tokens.begin() + s0 + span, ids.begin() + b * span);
+    }
+    const Tensor batch = Tensor::from_i64(ids, {a.batch, span}, DType::i64, dev);
+    const train::StepResult s = train::train_step(*r.model, opt, {{batch, batch}});
+    if (step == 1) r.first_loss = s.loss;
+    r.final_loss = s.loss;
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    // A bar redrawn in place on a terminal; a line every tenth of the run in a log.
+    const bool tty = ::isatty(::fileno(stdout)) != 0;
+    if (tty || step % std::max<int64_t>(1, a.steps / 10) == 0 || step == a.steps) {
+      const int width = 24, done = static_cast<int>(width * step / a.steps);
+      fmt::print("{}  {:<10} [{}{}] step {:>4}/{}  loss {:.4f}  {:>8.0f} tokens/s{}", tty ? "\r" : "", name,
+                 std::string(done, '#'), std::string(width - done, ' '), step, a.steps, s.loss, step * a.batch * span / secs,
+                 tty ? "" : "\n");
+      std::fflush(stdout);
+    }
+  }
+  synchronize(dev);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.tokens_per_s = static_cast<double>(a.steps * a.batch * span) / r.seconds;
+  r.peak_mib = static_cast<double>(alloc.stats().peak - base) / (1 << 20);
+  fmt::print("{}  {:<10} done: {:.1f} s, peak {:.1f} MiB\n", ::isatty(::fileno(stdout)) ? "\n" : "", name, r.seconds, r.peak_mib);
+  return r;
+}
+
+int run_train(TrainArgs a) {
+  const Device dev = a.device == "auto" ? (cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu()) : parse_device(a.device);
+  if (a.steps == 0) a.steps = dev.is_cuda() ? 300 : 60;
+  KCPP_CHECK(a.steps > 0 && a.batch > 0 && a.seq > 1 && a.layers > 0 && a.hidden % 8 == 0 && a.hidden > 0,
+             "kcpp train: steps, batch, layers must be positive, seq > 1, hidden a positive multiple of 8");
+  const train::ByteTokenizer tok;
+  const std::string corpus = train::generated_corpus(400000);
+  const std::vector<int64_t> tokens = tok.encode(corpus);
+  fmt::print("kcpp train: a {}-layer Llama-style model (hidden {}, byte-level vocabulary {}) on {} bytes of generated text, "
+             "{} steps of {} x {} tokens, AdamW lr {}, on {}\n",
+             a.layers, a.hidden, train::ByteTokenizer::kVocab, corpus.size(), a.steps, a.batch, a.seq, a.lr, dev.str());
+  std::vector<Run> runs;
+  runs.push_back(run_one("reference", a, dev, tokens, std::nullopt));
+  if (!a.reference_only) {
+    const auto liger = find_liger(a.packages);
+    if (liger) runs.push_back(run_one("kernels", a, dev, tokens, liger));
+    else fmt::print("(no liger package found: build it, or pass --packages DIR; showing the reference only)\n");
+  }
+  fmt::print("\n{:<10} {:>12} {:>14} {:>12} {:>12}\n", "layers", "tokens/s", "peak MiB", "first loss", "final loss");
+  for (const Run& r : runs)
+    fmt::print("{:<10} {:>12.0f} {:>14.1f} {:>12.4f} {:>12.4f}\n", r.name, r.tokens_per_s, r.peak_mib, r.first_loss, r.final_loss);
+  if (runs.size() == 2)
+    fmt::print("kernels vs reference: {:.2f}x tokens/s, {:.0f}% of the peak memory\n", runs[1].tokens_per_s / runs[0].tokens_per_s,
+               100.0 * runs[1].peak_mib / std::max(runs[0].peak_mib, 1e-9));
+  models::CausalLM& best = *runs.back().model;
+  best.eval();
+  const std::string prompt = "The ";
+  const auto out = best.generate(tok.encode(prompt), 160, models::Sampling{0.7, 20, 0.95, a.seed});
+  fmt::print("\nsample ({}): {}\n", runs.back().name, tok.decode(out));
+  if (!a.save.empty()) {
+    best.save(a.save);
+    fmt::print("saved to {} (config.json + model.safetensors)\n", a.save);
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_train_command(CLI::App& app, Action& action) {
+  auto args = std::make_shared<TrainArgs>();
+  auto* t = app.add_subcommand("train", "Train a small Llama-style model on the embedded corpus: reference layers, then kernels, side by side");
+  t->add_option("--steps", args->steps, "Optimizer steps (default 300 on a GPU, 60 on the CPU)");
+  t->add_option("--batch", args->batch, "Sequences per step")->capture_default_str();
+  t->add_option("--seq", args->seq, "Tokens per sequence")->capture_default_str();
+  t->add_option("--layers", args->layers, "Decoder layers")->capture_default_str();
+  t->add_option("--hidden", args->hidden, "Hidden size (a multiple of 8; 4 heads)")->capture_default_str();
+  t->add_option("--lr", args->lr, "AdamW learning rate")->capture_default_str();
+  t->add_option("--seed", args->seed, "Initialization and data seed")->capture_default_str();
+  t->add_option("--device", args->device, "cpu, cuda, cuda:N or auto")->capture_default_str();
+  t->add_option("--packages", args->packages, "Folder holding the built liger package (default: next to this binary)");
+  t->add_option("--save", args->save, "Save the trained model here as a Hugging Face folder");
+  t->add_flag("--reference-only", args->reference_only, "Skip the kernel run");
+  t->callback([args, &action] { action = [args] { return run_train(*args); }; });
+}
+
+}  // namespace kcpp::tools
