@@ -128,7 +128,7 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::
 
 int run_train(TrainArgs a) {
   const Device dev = a.device == "auto" ? (cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu()) : parse_device(a.device);
-  if (a.steps == 0) a.steps = dev.is_cuda() ? 300 : 60;
+  if (a.steps == 0) a.steps = dev.is_cuda() ? 1000 : 60;
   KCPP_CHECK(a.steps > 0 && a.batch > 0 && a.seq > 1 && a.layers > 0 && a.hidden % 8 == 0 && a.hidden > 0,
              "kcpp train: steps, batch, layers must be positive, seq > 1, hidden a positive multiple of 8");
   const train::ByteTokenizer tok;
@@ -167,7 +167,7 @@ int run_train(TrainArgs a) {
 void add_train_command(CLI::App& app, Action& action) {
   auto args = std::make_shared<TrainArgs>();
   auto* t = app.add_subcommand("train", "Train a small Llama-style model on the embedded corpus: reference layers, then kernels, side by side");
-  t->add_option("--steps", args->steps, "Optimizer steps (default 300 on a GPU, 60 on the CPU)");
+  t->add_option("--steps", args->steps, "Optimizer steps (default 1000 on a GPU, 60 on the CPU)");
   t->add_option("--batch", args->batch, "Sequences per step")->capture_default_str();
   t->add_option("--seq", args->seq, "Tokens per sequence")->capture_default_str();
   t->add_option("--layers", args->layers, "Decoder layers")->capture_default_str();
