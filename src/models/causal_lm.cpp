@@ -99,6 +99,11 @@ void CausalLM::build(const std::function<Tensor(const std::string&, std::vector<
     }
     l.w_down = load(p + "mlp.down_proj.weight", {h, inter});
     l.rope = std::make_unique<nn::RotaryEmbedding>();
+    ops::AttentionOptions ao;
+    ao.scale = 1.0 / std::sqrt(static_cast<double>(d));
+    ao.causal = true;
+    ao.window = c.sliding_window && c.model_type == "mistral" ? *c.sliding_window : 0;
+    l.attn = std::make_unique<nn::Attention>(ao);
     l.mlp = std::make_unique<nn::MLP>(glu_activation(c.hidden_act));
     layers_.push_back(std::move(l));
   }
@@ -112,6 +117,7 @@ void CausalLM::visit_slots(const std::function<void(nn::Slot&)>& fn) {
     fn(*l.input_norm);
     if (l.q_norm) fn(*l.q_norm), fn(*l.k_norm);
     fn(*l.rope);
+    fn(*l.attn);
     fn(*l.post_norm);
     fn(*l.mlp);
   }
@@ -212,13 +218,12 @@ Tensor CausalLM::inv_freq(int64_t seq_len) const {
 struct CausalLM::Tape {
   struct Layer {
     nn::RMSNorm::Saved in_norm, post_norm, q_norm, k_norm;
-    Tensor a, q, k, v, o, m, gate, up, act;  // a, m: the normed inputs [B*S, H]; q, k, v after RoPE
-    ops::AttentionForward attn;
+    nn::Attention::Saved attn;
+    Tensor a, o, m, gate, up, act;  // a, m: the normed inputs [B*S, H]; o: the attention's, [B*S, Hq*D]
   };
   std::vector<Layer> layers;
   nn::RMSNorm::Saved final_norm;
   Tensor ids, cos, sin;
-  ops::AttentionOptions attn;
 };
 
 Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache) {
@@ -236,14 +241,10 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache) {
   for (int64_t i = 0; i < b * s; ++i) pos[i] = past + i % s;
   const ops::RopeCosSin cs =
       ops::rope_cos_sin(Tensor::from_i64(pos, {b, s}, DType::i64, device_), inv_freq(past + s), 1.0, dtype_);
-  ops::AttentionOptions attn;
-  attn.scale = 1.0 / std::sqrt(static_cast<double>(d));
-  attn.causal = true;
-  attn.window = c.sliding_window && c.model_type == "mistral" ? *c.sliding_window : 0;
   auto heads = [&](const Tensor& x, int64_t n) { return x.contiguous().view({b, s, n, d}); };
   if (tape) {
     tape->layers.assign(layers_.size(), {});
-    tape->ids = ids, tape->cos = cs.cos, tape->sin = cs.sin, tape->attn = attn;
+    tape->ids = ids, tape->cos = cs.cos, tape->sin = cs.sin;
   }
   for (size_t li = 0; li < layers_.size(); ++li) {
     Layer& l = layers_[li];
@@ -268,8 +269,7 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache) {
       cv = cv.defined() ? ops::cat({cv, v}, 2) : v;
       k = ck, v = cv;
     }
-    ops::AttentionForward af = ops::attention_forward(q, k, v, attn);
-    const Tensor o = af.out.transpose(1, 2).contiguous().view({b * s, hq * d});
+    const Tensor o = l.attn->forward(q, k, v, t ? &t->attn : nullptr).transpose(1, 2).contiguous().view({b * s, hq * d});
     h = ops::add(h, linear(o, l.wo).view({b, s, hdim}));
     const Tensor m = l.post_norm->forward(h, t ? &t->post_norm : nullptr).view({b * s, hdim});
     Tensor gate, up;
@@ -282,7 +282,7 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache) {
     }
     const Tensor act = l.mlp->forward(gate, up);
     h = ops::add(h, linear(act, l.w_down).view({b, s, hdim}));
-    if (t) *t = {t->in_norm, t->post_norm, t->q_norm, t->k_norm, a, q, k, v, o, m, gate, up, act, std::move(af)};
+    if (t) t->a = a, t->o = o, t->m = m, t->gate = gate, t->up = up, t->act = act;
   }
   if (cache) cache->length += s;
   return final_norm_->forward(h, tape ? &tape->final_norm : nullptr);
@@ -434,7 +434,7 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
     const Tensor dy2 = dh.contiguous().view({n, hdim});
     acc(p + "self_attn.o_proj.weight", ops::matmul(dy2, t.o, true, false));
     const Tensor dattn = ops::matmul(dy2, l.wo).view({b, s, hq, d}).transpose(1, 2).contiguous();
-    const ops::AttentionBackward ab = ops::attention_backward(dattn, t.q, t.k, t.v, t.attn, tape.attn);
+    const nn::Attention::Grads ab = l.attn->backward(dattn, t.attn);
     auto [dq, dk] = l.rope->backward(ab.dq, ab.dk, tape.cos, tape.sin);
     dq = dq.transpose(1, 2).contiguous(), dk = dk.transpose(1, 2).contiguous();  // [B, S, heads, D]
     const Tensor dv = ab.dv.transpose(1, 2).contiguous();

@@ -6,7 +6,7 @@
 //   per layer:  a = RMSNorm(h);  q, k, v = a Wq^T (+bq), a Wk^T, a Wv^T   (phi3: one fused qkv GEMM)
 //               q, k = RMSNorm_head(q), RMSNorm_head(k)                    (qwen3)
 //               q, k = RoPE(q, k)   (inv_freq by the config's rope scaling: linear, dynamic, llama3)
-//               h = h + Attention(q, k, v) Wo^T                              (GQA, causal, window)
+//               h = h + Attention(q, k, v) Wo^T                   (a slot: GQA, causal, window)
 //               m = RMSNorm(h);  h = h + down(act(gate(m)) * up(m))          (phi3: fused gate_up)
 //   logits = RMSNorm(h) W_lm^T   (W_lm = embed when tied)
 // and the loss is Transformers' ForCausalLMLoss: labels shifted left by one, mean cross-entropy over
@@ -96,6 +96,7 @@ class CausalLM : public nn::Module {
     Tensor wq, wk, wv, wo, bq, bk, bv, wqkv;     // wqkv: phi3's fused projection
     Tensor w_gate, w_up, w_down, w_gate_up;      // w_gate_up: phi3's
     std::unique_ptr<nn::RotaryEmbedding> rope;
+    std::unique_ptr<nn::Attention> attn;
     std::unique_ptr<nn::MLP> mlp;
   };
 

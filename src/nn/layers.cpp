@@ -1,5 +1,7 @@
 #include "nn/layers.h"
 
+#include <cmath>
+
 #include "core/error.h"
 #include "ops/ops.h"
 
@@ -224,6 +226,58 @@ std::pair<Tensor, Tensor> RotaryEmbedding::backward(const Tensor& dq_out, const 
     count_reference();
   }
   return {ops::rope_backward(dq_out, cos, sin, style), dk_out.defined() ? ops::rope_backward(dk_out, cos, sin, style) : Tensor()};
+}
+
+// ---- Attention ---------------------------------------------------------------------------------------
+
+Attention::Attention(ops::AttentionOptions o) : Slot("Attention", "Attention/1"), options(o) {}
+
+namespace {
+void attention_options(KernelArgs& a, const ops::AttentionOptions& o, int64_t head_dim) {
+  a.real("scale", o.scale > 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(head_dim)));
+  a.integer("causal", o.causal ? 1 : 0).integer("window", o.window);
+}
+}  // namespace
+
+Tensor Attention::forward(const Tensor& q, const Tensor& k, const Tensor& v, Saved* saved) {
+  if (kernel()) {
+    Tensor out = Tensor::empty(q.shape(), q.dtype(), q.device());
+    Tensor lse = saved ? Tensor::empty({q.size(0), q.size(1), q.size(2)}, DType::f32, q.device()) : Tensor();
+    KernelArgs a;
+    a.tensor("q", q).tensor("k", k).tensor("v", v).tensor("out", out);
+    attention_options(a, options, q.size(3));
+    if (saved) a.tensor("lse", lse);
+    if (run_forward(a, q.device(), saved != nullptr)) {
+      if (saved) *saved = {q, k, v, out, lse, {}};
+      return out;
+    }
+  } else {
+    count_reference();
+  }
+  ops::AttentionForward f = ops::attention_forward(q, k, v, options);
+  Tensor out = f.out;
+  if (saved) *saved = {q, k, v, out, Tensor(), std::move(f)};
+  return out;
+}
+
+Attention::Grads Attention::backward(const Tensor& dout, const Saved& s) {
+  KCPP_CHECK(s.q.defined(), "Attention backward: nothing saved (run forward with a Saved)");
+  if (s.lse.defined()) {  // saved by a kernel: its backward recomputes the probabilities
+    Grads g{Tensor::empty(s.q.shape(), s.q.dtype(), s.q.device()), Tensor::empty(s.k.shape(), s.k.dtype(), s.k.device()),
+            Tensor::empty(s.v.shape(), s.v.dtype(), s.v.device())};
+    KernelArgs a;
+    a.tensor("dout", dout).tensor("q", s.q).tensor("k", s.k).tensor("v", s.v).tensor("out", s.out).tensor("lse", s.lse);
+    attention_options(a, options, s.q.size(3));
+    a.tensor("dq", g.dq).tensor("dk", g.dk).tensor("dv", g.dv);
+    if (run_backward(a, s.q.device())) return g;
+    // The kernel refused its own backward: the reference recomputes what it needs.
+    const ops::AttentionForward f = ops::attention_forward(s.q, s.k, s.v, options);
+    const ops::AttentionBackward b = ops::attention_backward(dout, s.q, s.k, s.v, f, options);
+    return {b.dq, b.dk, b.dv};
+  }
+  count_reference();
+  const ops::AttentionBackward b = ops::attention_backward(dout, s.q, s.k, s.v, s.reference, options);
+  return {b.dq, b.dk, b.dv};
 }
 
 // ---- CrossEntropyLoss ------------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 
 #include "core/tensor.h"
 #include "nn/module.h"
+#include "ops/nn/attention.h"
 #include "ops/nn/cross_entropy.h"
 #include "ops/nn/glu.h"
 #include "ops/nn/rms_norm.h"
@@ -68,6 +69,25 @@ class RotaryEmbedding : public Slot {
   std::pair<Tensor, Tensor> backward(const Tensor& dq_out, const Tensor& dk_out, const Tensor& cos, const Tensor& sin);
 
   ops::RopeLayout style;
+};
+
+// "Attention" / Attention/1: softmax(q k^T scale + mask) v with grouped-query heads (ops/nn/attention.h);
+// q [B, Hq, Sq, D], k, v [B, Hkv, Skv, D].  Saved: a kernel's out and lse (it recomputes the
+// probabilities), or the reference's probabilities.
+class Attention : public Slot {
+ public:
+  explicit Attention(ops::AttentionOptions options = {});
+  struct Saved {
+    Tensor q, k, v, out, lse;       // lse: a kernel's
+    ops::AttentionForward reference;  // the reference's (probabilities)
+  };
+  struct Grads {
+    Tensor dq, dk, dv;
+  };
+  Tensor forward(const Tensor& q, const Tensor& k, const Tensor& v, Saved* saved = nullptr);
+  Grads backward(const Tensor& dout, const Saved& saved);
+
+  ops::AttentionOptions options;
 };
 
 // "CrossEntropyLoss" / CrossEntropyLoss/1: the loss of logits [N, V] against targets [N] (f32, one
