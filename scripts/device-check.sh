@@ -13,7 +13,7 @@ echo "== tests"
 export KCPP_EXAMPLE_PACKAGE_DIR="$PWD/.devlibs/kernels/example" KCPP_BINARY="$PWD/.devlibs/bin/kcpp"
 export KCPP_EXAMPLE_ABI99_LIBRARY="$PWD/.devlibs/fixtures/libkcpp_fixture_abi99.so"
 export KCPP_NO_SYMBOL_LIBRARY="$PWD/.devlibs/fixtures/libkcpp_fixture_no_symbol.so"
-export KCPP_PACKAGES_DIR="$PWD/.devlibs/kernels"
+export KCPP_PACKAGES_DIR="$PWD/.devlibs/kernels" KCPP_FIXTURES_DIR="$PWD/tests/fixtures"
 for t in kcpp_tests liger_tests kcpp_package_tests kcpp_hub_tests; do
   echo "-- $t"
   .devlibs/bin/$t --gtest_brief=1 2>&1 | tee "$OUT/$t.txt" | tail -n 25
