@@ -67,7 +67,7 @@ void run(const std::string& impl, int64_t layers, int64_t batch, int64_t seq, in
     t_opt += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
     return l;
   };
-  double loss = step();  // warm-up (also allocates the optimizer state lazily? no: AdamW allocates up front)
+  double loss = step();  // warm-up: the allocator caches its blocks
   synchronize(dev);
   const size_t resident = a.stats().current - before_model;
   a.reset_peak();

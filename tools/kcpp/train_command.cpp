@@ -90,7 +90,7 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::
   o.lr = a.lr, o.weight_decay = 0.01, o.max_grad_norm = 1.0;
   train::AdamW opt(r.model->parameters(), o);
   Generator gen(a.seed + 1);
-  const int64_t span = a.seq + 0;
+  const int64_t span = a.seq;
   std::uniform_int_distribution<int64_t> start(0, static_cast<int64_t>(tokens.size()) - span - 1);
   Allocator& alloc = allocator_for(dev);
   synchronize(dev);
