@@ -253,6 +253,28 @@ TEST(ModelConfig, ReadsTheTransformersFixtures) {
   EXPECT_EQ(ModelConfig::from_folder(fs::path(test::fixtures_dir()) / "gemma").hidden_act, "gelu_pytorch_tanh");
 }
 
+// A model folder whose weights are missing or mis-shaped: the error names the folder / file and the
+// tensor (and both shapes).
+TEST(ModelConfig, MissingOrMisShapedWeightsNameTheTensor) {
+  const fs::path src = fs::path(test::fixtures_dir()) / "llama";
+  const auto f = SafetensorsFile::open(src / "model.safetensors");
+  TempDir d;
+  fs::copy_file(src / "config.json", d.path / "config.json");
+  std::vector<std::pair<std::string, Tensor>> all;
+  for (const auto& [name, e] : f.entries()) all.emplace_back(name, f.view(name));
+  auto without = all;
+  std::erase_if(without, [](const auto& p) { return p.first == "model.layers.1.mlp.down_proj.weight"; });
+  models::save_safetensors(d.path / "model.safetensors", without);
+  EXPECT_ERROR(models::CausalLM::from_folder(d.path, DType::f32, Device::cpu()),
+               "missing weight 'model.layers.1.mlp.down_proj.weight'");
+  auto reshaped = all;
+  for (auto& [name, t] : reshaped)
+    if (name == "model.norm.weight") t = Tensor::zeros({31}, DType::f32, Device::cpu());
+  models::save_safetensors(d.path / "model.safetensors", reshaped);
+  EXPECT_ERROR(models::CausalLM::from_folder(d.path, DType::f32, Device::cpu()),
+               "weight 'model.norm.weight' has shape [31], the config needs [32]");
+}
+
 // The forward pass and the loss of every family against Transformers (f32, eager attention):
 // logits and loss within 1e-5 relative (issue 5's bar), with the reference layers.
 class Families : public ::testing::TestWithParam<const char*> {};
