@@ -6,6 +6,7 @@
 // ../shared/anchors/h200-2026-11-22-e2e.txt (Transformers eager / compile / Liger, same shapes).
 //
 // Run: build/release/bin/kcpp_bench_train [--layers 4] [--batch 4] [--seq 2048] [--steps 3] [--only reference|kcpp]
+//      [--checkpoint 1] (activation checkpointing per layer)
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -28,7 +29,7 @@ using namespace kcpp;
 
 double gib(size_t b) { return static_cast<double>(b) / (1u << 30); }
 
-void run(const std::string& impl, int64_t layers, int64_t batch, int64_t seq, int steps) {
+void run(const std::string& impl, int64_t layers, int64_t batch, int64_t seq, int steps, bool checkpoint) {
   const Device dev = cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu();
   models::ModelConfig c;
   c.model_type = "llama";
@@ -49,6 +50,7 @@ void run(const std::string& impl, int64_t layers, int64_t batch, int64_t seq, in
                                          nn::kTraining, dev, nn::hub_loader(hub));
     std::printf("%s", report.str().c_str());
   }
+  model->checkpoint_layers = checkpoint;
   train::AdamWOptions o;
   o.lr = 1e-4, o.weight_decay = 0.01, o.max_grad_norm = 1.0;
   train::AdamW opt(model->parameters(), o);
@@ -78,9 +80,9 @@ void run(const std::string& impl, int64_t layers, int64_t batch, int64_t seq, in
   synchronize(dev);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / steps;
   const size_t peak = a.stats().peak - base;
-  std::printf("%-10s layers %lld  batch %lld x %lld  step %8.1f ms (loss+grads %.1f, AdamW %.1f)  %9.0f tokens/s  peak %6.2f GiB "
+  std::printf("%-10s%s layers %lld  batch %lld x %lld  step %8.1f ms (loss+grads %.1f, AdamW %.1f)  %9.0f tokens/s  peak %6.2f GiB "
               "beyond weights + optimizer (%6.2f GiB)  loss %.4f\n",
-              impl.c_str(), static_cast<long long>(layers), static_cast<long long>(batch), static_cast<long long>(seq), s * 1e3,
+              impl.c_str(), checkpoint ? " (checkpointed)" : "", static_cast<long long>(layers), static_cast<long long>(batch), static_cast<long long>(seq), s * 1e3,
               t_grad / steps * 1e3, t_opt / steps * 1e3, static_cast<double>(batch * seq) / s, gib(peak), gib(resident), loss);
   std::fflush(stdout);
 }
@@ -117,17 +119,19 @@ int main(int argc, char** argv) {
   int64_t layers = 4, batch = 4, seq = 2048;
   int steps = 3;
   std::string only;
+  bool checkpoint = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--layers")) layers = std::stoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--batch")) batch = std::stoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--seq")) seq = std::stoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--steps")) steps = std::stoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--only")) only = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--checkpoint")) checkpoint = std::string(argv[i + 1]) == "1";
   }
   try {
     if (cuda_device_count() > 0) breakdown(batch, seq);
     for (const char* impl : {"reference", "kcpp"})
-      if (only.empty() || only == impl) run(impl, layers, batch, seq, steps);
+      if (only.empty() || only == impl) run(impl, layers, batch, seq, steps, checkpoint);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kcpp_bench_train: error: %s\n", e.what());
     return 1;

@@ -100,5 +100,20 @@ TEST(Training, AccumulationEqualsTheWholeBatch) {
   EXPECT_GT(std::abs(mean_of_means - acc.loss), 1e-4);
 }
 
+// Activation checkpointing changes what is kept, not what is computed: the same loss and gradients.
+TEST(Training, CheckpointingGivesTheSameGradients) {
+  for (const char* family : {"qwen3", "phi3"}) {
+    const fs::path dir = fs::path(test::fixtures_dir()) / family;
+    auto model = models::CausalLM::from_folder(dir, DType::f32, Device::cpu());
+    const auto e = models::SafetensorsFile::open(dir / "expected.safetensors");
+    const auto plain = model->loss_and_gradients(e.view("input_ids"), e.view("labels"));
+    model->checkpoint_layers = true;
+    const auto ckpt = model->loss_and_gradients(e.view("input_ids"), e.view("labels"));
+    EXPECT_EQ(ckpt.loss.item(), plain.loss.item()) << family;
+    for (const auto& [name, g] : plain.grads)
+      EXPECT_EQ(ckpt.grads.at(name).to_f64_vector(), g.to_f64_vector()) << family << " " << name;
+  }
+}
+
 }  // namespace
 }  // namespace kcpp

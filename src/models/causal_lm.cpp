@@ -215,22 +215,67 @@ Tensor CausalLM::inv_freq(int64_t seq_len) const {
   return Tensor::from_f64(f, {rd / 2}, DType::f32, device_);
 }
 
+struct CausalLM::LayerTape {
+  nn::RMSNorm::Saved in_norm, post_norm, q_norm, k_norm;
+  nn::Attention::Saved attn;
+  Tensor a, o, m, gate, up, act;  // a, m: the normed inputs [B*S, H]; o: the attention's, [B*S, Hq*D]
+};
+
 struct CausalLM::Tape {
-  struct Layer {
-    nn::RMSNorm::Saved in_norm, post_norm, q_norm, k_norm;
-    nn::Attention::Saved attn;
-    Tensor a, o, m, gate, up, act;  // a, m: the normed inputs [B*S, H]; o: the attention's, [B*S, Hq*D]
-  };
-  std::vector<Layer> layers;
+  bool checkpoint = false;     // keep only each layer's input (`inputs`), not `layers`
+  std::vector<LayerTape> layers;
+  std::vector<Tensor> inputs;
   nn::RMSNorm::Saved final_norm;
   Tensor ids, cos, sin;
 };
 
+Tensor CausalLM::layer_forward(size_t li, Tensor h, const ops::RopeCosSin& cs, LayerTape* t, KVCache* cache) {
+  const ModelConfig& c = cfg_;
+  const int64_t b = h.size(0), s = h.size(1), hdim = c.hidden_size, d = c.head_dim;
+  const int64_t hq = c.num_attention_heads, hkv = c.num_key_value_heads;
+  auto heads = [&](const Tensor& x, int64_t n) { return x.contiguous().view({b, s, n, d}); };
+  Layer& l = layers_[li];
+  const Tensor a = l.input_norm->forward(h, t ? &t->in_norm : nullptr).view({b * s, hdim});
+  Tensor q, k, v;
+  if (l.wqkv.defined()) {
+    const Tensor qkv = linear(a, l.wqkv);
+    q = qkv.narrow(1, 0, hq * d), k = qkv.narrow(1, hq * d, hkv * d), v = qkv.narrow(1, (hq + hkv) * d, hkv * d);
+  } else {
+    q = linear(a, l.wq, l.bq), k = linear(a, l.wk, l.bk), v = linear(a, l.wv, l.bv);
+  }
+  q = heads(q, hq), k = heads(k, hkv), v = heads(v, hkv);
+  if (l.q_norm) q = l.q_norm->forward(q, t ? &t->q_norm : nullptr), k = l.k_norm->forward(k, t ? &t->k_norm : nullptr);
+  q = q.transpose(1, 2).contiguous(), k = k.transpose(1, 2).contiguous(), v = v.transpose(1, 2).contiguous();
+  std::tie(q, k) = l.rope->forward(q, k, cs.cos, cs.sin);
+  if (cache) {
+    Tensor& ck = cache->k[li];
+    Tensor& cv = cache->v[li];
+    KCPP_CHECK(!ck.defined() || ck.size(0) == b, "CausalLM: the cache holds batch {}, the input is batch {}", ck.size(0), b);
+    ck = ck.defined() ? ops::cat({ck, k}, 2) : k;
+    cv = cv.defined() ? ops::cat({cv, v}, 2) : v;
+    k = ck, v = cv;
+  }
+  const Tensor o = l.attn->forward(q, k, v, t ? &t->attn : nullptr).transpose(1, 2).contiguous().view({b * s, hq * d});
+  h = ops::add(h, linear(o, l.wo).view({b, s, hdim}));
+  const Tensor m = l.post_norm->forward(h, t ? &t->post_norm : nullptr).view({b * s, hdim});
+  Tensor gate, up;
+  if (l.w_gate_up.defined()) {
+    const Tensor gu = linear(m, l.w_gate_up);
+    const int64_t inter = c.intermediate_size;
+    gate = gu.narrow(1, 0, inter).contiguous(), up = gu.narrow(1, inter, inter).contiguous();
+  } else {
+    gate = linear(m, l.w_gate), up = linear(m, l.w_up);
+  }
+  const Tensor act = l.mlp->forward(gate, up);
+  h = ops::add(h, linear(act, l.w_down).view({b, s, hdim}));
+  if (t) t->a = a, t->o = o, t->m = m, t->gate = gate, t->up = up, t->act = act;
+  return h;
+}
+
 Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache) {
   KCPP_CHECK(ids.dim() == 2, "CausalLM: input_ids must be [batch, seq], got {} dims", ids.dim());
   const ModelConfig& c = cfg_;
-  const int64_t b = ids.size(0), s = ids.size(1), hdim = c.hidden_size, d = c.head_dim;
-  const int64_t hq = c.num_attention_heads, hkv = c.num_key_value_heads;
+  const int64_t b = ids.size(0), s = ids.size(1), hdim = c.hidden_size;
   Tensor h = ops::embedding(embed_, ids.device() == device_ ? ids : ids.to(device_));
   if (c.scale_embeddings)  // Gemma: times sqrt(hidden) rounded to the model's dtype, as Transformers does
     h = ops::scale(h, Tensor::full({}, std::sqrt(static_cast<double>(hdim)), dtype_, Device::cpu()).item());
@@ -241,48 +286,15 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache) {
   for (int64_t i = 0; i < b * s; ++i) pos[i] = past + i % s;
   const ops::RopeCosSin cs =
       ops::rope_cos_sin(Tensor::from_i64(pos, {b, s}, DType::i64, device_), inv_freq(past + s), 1.0, dtype_);
-  auto heads = [&](const Tensor& x, int64_t n) { return x.contiguous().view({b, s, n, d}); };
   if (tape) {
     tape->layers.assign(layers_.size(), {});
+    tape->inputs.assign(layers_.size(), {});
     tape->ids = ids, tape->cos = cs.cos, tape->sin = cs.sin;
   }
   for (size_t li = 0; li < layers_.size(); ++li) {
-    Layer& l = layers_[li];
-    Tape::Layer* t = tape ? &tape->layers[li] : nullptr;
-    const Tensor a = l.input_norm->forward(h, t ? &t->in_norm : nullptr).view({b * s, hdim});
-    Tensor q, k, v;
-    if (l.wqkv.defined()) {
-      const Tensor qkv = linear(a, l.wqkv);
-      q = qkv.narrow(1, 0, hq * d), k = qkv.narrow(1, hq * d, hkv * d), v = qkv.narrow(1, (hq + hkv) * d, hkv * d);
-    } else {
-      q = linear(a, l.wq, l.bq), k = linear(a, l.wk, l.bk), v = linear(a, l.wv, l.bv);
-    }
-    q = heads(q, hq), k = heads(k, hkv), v = heads(v, hkv);
-    if (l.q_norm) q = l.q_norm->forward(q, t ? &t->q_norm : nullptr), k = l.k_norm->forward(k, t ? &t->k_norm : nullptr);
-    q = q.transpose(1, 2).contiguous(), k = k.transpose(1, 2).contiguous(), v = v.transpose(1, 2).contiguous();
-    std::tie(q, k) = l.rope->forward(q, k, cs.cos, cs.sin);
-    if (cache) {
-      Tensor& ck = cache->k[li];
-      Tensor& cv = cache->v[li];
-      KCPP_CHECK(!ck.defined() || ck.size(0) == b, "CausalLM: the cache holds batch {}, the input is batch {}", ck.size(0), b);
-      ck = ck.defined() ? ops::cat({ck, k}, 2) : k;
-      cv = cv.defined() ? ops::cat({cv, v}, 2) : v;
-      k = ck, v = cv;
-    }
-    const Tensor o = l.attn->forward(q, k, v, t ? &t->attn : nullptr).transpose(1, 2).contiguous().view({b * s, hq * d});
-    h = ops::add(h, linear(o, l.wo).view({b, s, hdim}));
-    const Tensor m = l.post_norm->forward(h, t ? &t->post_norm : nullptr).view({b * s, hdim});
-    Tensor gate, up;
-    if (l.w_gate_up.defined()) {
-      const Tensor gu = linear(m, l.w_gate_up);
-      const int64_t inter = c.intermediate_size;
-      gate = gu.narrow(1, 0, inter).contiguous(), up = gu.narrow(1, inter, inter).contiguous();
-    } else {
-      gate = linear(m, l.w_gate), up = linear(m, l.w_up);
-    }
-    const Tensor act = l.mlp->forward(gate, up);
-    h = ops::add(h, linear(act, l.w_down).view({b, s, hdim}));
-    if (t) t->a = a, t->o = o, t->m = m, t->gate = gate, t->up = up, t->act = act;
+    // Checkpointing keeps only each layer's input; the backward runs the layer again to get the rest.
+    if (tape && tape->checkpoint) tape->inputs[li] = h;
+    h = layer_forward(li, h, cs, tape && !tape->checkpoint ? &tape->layers[li] : nullptr, cache);
   }
   if (cache) cache->length += s;
   return final_norm_->forward(h, tape ? &tape->final_norm : nullptr);
@@ -392,6 +404,7 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
   const int64_t b = ids.size(0), s = ids.size(1), n = b * s, hdim = c.hidden_size, d = c.head_dim;
   const int64_t hq = c.num_attention_heads, hkv = c.num_key_value_heads;
   Tape tape;
+  tape.checkpoint = checkpoint_layers;
   const Tensor hf = hidden_states(ids, &tape).view({n, hdim});
   nn::ForCausalLMLoss::Saved ls;
   Gradients out;
@@ -411,7 +424,9 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
   auto col_sum = [&](const Tensor& dy) { return ops::matmul(Tensor::full({1, dy.size(0)}, 1.0, dy.dtype(), dy.device()), dy).view({dy.size(1)}); };
   for (int64_t li = static_cast<int64_t>(layers_.size()) - 1; li >= 0; --li) {
     Layer& l = layers_[li];
-    Tape::Layer& t = tape.layers[li];
+    LayerTape recomputed;
+    if (tape.checkpoint) layer_forward(li, tape.inputs[li], {tape.cos, tape.sin}, &recomputed, nullptr);
+    LayerTape& t = tape.checkpoint ? recomputed : tape.layers[li];
     const std::string p = fmt::format("model.layers.{}.", li);
     // MLP: h += down(act(gate(m)) * up(m))
     const Tensor dy = dh.contiguous().view({n, hdim});

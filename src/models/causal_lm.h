@@ -75,6 +75,9 @@ class CausalLM : public nn::Module {
   // caller divides by the tokens of the whole accumulated batch through `dloss`).
   Gradients loss_and_gradients(const Tensor& input_ids, const Tensor& labels, double dloss = 1.0,
                                ops::Reduction reduction = ops::Reduction::Mean);
+  // Activation checkpointing per layer: the forward of loss_and_gradients keeps only each layer's
+  // input and the backward runs the layer again (a second forward's time for a layer's activations).
+  bool checkpoint_layers = false;
   // The labelled tokens of `labels` after the shift (what a mean divides by).
   static int64_t labelled_tokens(const Tensor& labels);
 
@@ -104,7 +107,9 @@ class CausalLM : public nn::Module {
   CausalLM() = default;
   // Builds the layers from a weight source: `get(name, shape)` returns the tensor.
   void build(const std::function<Tensor(const std::string&, std::vector<int64_t>)>& get);
-  struct Tape;  // what the forward keeps for the backward
+  struct Tape;       // what the forward keeps for the backward
+  struct LayerTape;  // ... of one layer
+  Tensor layer_forward(size_t li, Tensor h, const ops::RopeCosSin& cs, LayerTape* t, KVCache* cache);
   Tensor hidden_states(const Tensor& input_ids, Tape* tape = nullptr, KVCache* cache = nullptr);  // [B, S, H], final norm applied
   Tensor shifted_targets(const Tensor& labels) const;
   Tensor inv_freq(int64_t seq_len) const;
