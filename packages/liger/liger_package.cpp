@@ -450,6 +450,38 @@ bool loss_options(kk::Call& c, const char* weight_name, int64_t rows, int64_t v,
   return c.ok();
 }
 
+// The outputs and integer inputs both loss layers share: targets (i64 / i32, one per row), loss
+// (one value or one per row), lse and bad_targets (optional).  `rows_of` names the tensor whose rows
+// the targets count ("logits", "hidden").
+struct LossIo {
+  const void* targets = nullptr;
+  bool targets_i32 = false;
+  float *loss = nullptr, *lse = nullptr;
+  int32_t* bad_targets = nullptr;
+};
+bool loss_io(kk::Call& c, const DLTensor* targets, const DLTensor* loss, const DLTensor* lse, const DLTensor* bad,
+             int64_t rows, bool per_row_loss, const char* rows_of, LossIo& io) {
+  const bool i64 = targets->dtype.code == kDLInt && targets->dtype.bits == 64 && targets->dtype.lanes == 1;
+  const bool i32 = targets->dtype.code == kDLInt && targets->dtype.bits == 32 && targets->dtype.lanes == 1;
+  if (!i64 && !i32) return c.require(false, "tensor 'targets' must be i64 or i32, is %s", kk::dl_dtype_name(targets->dtype));
+  if (kk::numel(targets) != rows)
+    return c.require(false, "tensor 'targets' has %lld elements but '%s' has %lld rows",
+                     static_cast<long long>(kk::numel(targets)), rows_of, static_cast<long long>(rows));
+  c.row_major(targets, "targets");
+  io.targets = kk::data_ptr(targets);
+  io.targets_i32 = i32;
+  f32_vector(c, loss, "loss", per_row_loss ? rows : 1);
+  if (c.ok()) io.loss = static_cast<float*>(kk::data_ptr(loss));
+  f32_vector(c, lse, "lse", rows);
+  if (lse && c.ok()) io.lse = static_cast<float*>(kk::data_ptr(lse));
+  if (bad && c.ok()) {
+    if (!(bad->dtype.code == kDLInt && bad->dtype.bits == 32 && kk::numel(bad) == 1))
+      return c.require(false, "tensor 'bad_targets' must be one i32");
+    io.bad_targets = static_cast<int32_t*>(kk::data_ptr(bad));
+  }
+  return c.ok();
+}
+
 bool ce_forward_args(kk::Call& c, lg::CrossEntropyParams& p) {
   c.device_in(kCuda);
   DLTensor* logits = c.tensor("logits");
@@ -472,17 +504,9 @@ bool ce_forward_args(kk::Call& c, lg::CrossEntropyParams& p) {
   if (!(p.label_smoothing >= 0.0f && p.label_smoothing <= 1.0f))
     return c.require(false, "argument 'label_smoothing' = %g must be in [0, 1]", static_cast<double>(p.label_smoothing));
   p.logits = kk::data_ptr(logits);
-  const bool i64 = targets->dtype.code == kDLInt && targets->dtype.bits == 64 && targets->dtype.lanes == 1;
-  const bool i32 = targets->dtype.code == kDLInt && targets->dtype.bits == 32 && targets->dtype.lanes == 1;
-  if (!i64 && !i32) return c.require(false, "tensor 'targets' must be i64 or i32, is %s", kk::dl_dtype_name(targets->dtype));
-  if (kk::numel(targets) != p.n)
-    return c.require(false, "tensor 'targets' has %lld elements but 'logits' has %lld rows",
-                     static_cast<long long>(kk::numel(targets)), static_cast<long long>(p.n));
-  c.row_major(targets, "targets");
-  p.targets = kk::data_ptr(targets);
-  p.targets_i32 = i32;
-  f32_vector(c, loss, "loss", p.reduction == lg::CEReduction::None ? p.n : 1);
-  if (c.ok()) p.loss = static_cast<float*>(kk::data_ptr(loss));
+  LossIo io;
+  if (!loss_io(c, targets, loss, lse, bad, p.n, p.reduction == lg::CEReduction::None, "logits", io)) return false;
+  p.targets = io.targets, p.targets_i32 = io.targets_i32, p.loss = io.loss, p.lse = io.lse, p.bad_targets = io.bad_targets;
   if (grad) {
     int64_t gn = 0, gv = 0;
     c.same_dtype(grad, "grad", logits, "logits");
@@ -492,13 +516,6 @@ bool ce_forward_args(kk::Call& c, lg::CrossEntropyParams& p) {
       c.require(false, "in-place 'grad' must have the strides of 'logits'");
   } else if (c.ok() && (c.context()->mode & KCPP_MODE_TRAINING)) {
     c.require(false, "missing tensor argument 'grad' (required in training mode: backward needs it)");
-  }
-  f32_vector(c, lse, "lse", p.n);
-  if (lse && c.ok()) p.lse = static_cast<float*>(kk::data_ptr(lse));
-  if (bad) {
-    const bool ok = bad->dtype.code == kDLInt && bad->dtype.bits == 32 && kk::numel(bad) == 1;
-    if (!ok) c.require(false, "tensor 'bad_targets' must be one i32");
-    else p.bad_targets = static_cast<int32_t*>(kk::data_ptr(bad));
   }
   return c.ok();
 }
@@ -624,19 +641,9 @@ bool flce_forward_args(kk::Call& c, lg::FusedLinearCEParams& p) {
   p.class_weight = o.class_weight, p.token_weight = o.token_weight;
   vector_like(c, bias, "bias", p.v, hidden, "hidden");
   if (bias && c.ok()) p.bias = kk::data_ptr(bias);
-  const bool i64 = targets->dtype.code == kDLInt && targets->dtype.bits == 64 && targets->dtype.lanes == 1;
-  const bool i32 = targets->dtype.code == kDLInt && targets->dtype.bits == 32 && targets->dtype.lanes == 1;
-  if (!i64 && !i32) return c.require(false, "tensor 'targets' must be i64 or i32, is %s", kk::dl_dtype_name(targets->dtype));
-  if (kk::numel(targets) != p.n)
-    return c.require(false, "tensor 'targets' has %lld elements but 'hidden' has %lld rows",
-                     static_cast<long long>(kk::numel(targets)), static_cast<long long>(p.n));
-  c.row_major(targets, "targets");
-  p.targets = kk::data_ptr(targets);
-  p.targets_i32 = i32;
-  f32_vector(c, loss, "loss", p.reduction == lg::CEReduction::None ? p.n : 1);
-  if (c.ok()) p.loss = static_cast<float*>(kk::data_ptr(loss));
-  f32_vector(c, lse, "lse", p.n);
-  if (lse && c.ok()) p.lse = static_cast<float*>(kk::data_ptr(lse));
+  LossIo io;
+  if (!loss_io(c, targets, loss, lse, bad, p.n, p.reduction == lg::CEReduction::None, "hidden", io)) return false;
+  p.targets = io.targets, p.targets_i32 = io.targets_i32, p.loss = io.loss, p.lse = io.lse, p.bad_targets = io.bad_targets;
   const bool training = (c.context()->mode & KCPP_MODE_TRAINING) != 0;
   if (dhidden) {
     int64_t dn = 0, dh = 0;
@@ -658,11 +665,6 @@ bool flce_forward_args(kk::Call& c, lg::FusedLinearCEParams& p) {
   if (c.ok() && (dhidden || dweight || dbias) && p.reduction == lg::CEReduction::None)
     return c.fail(KCPP_ERROR_UNSUPPORTED,
                   "reduction 'none' with gradients: they would need each row's upstream gradient (the host runs the reference)");
-  if (bad) {
-    const bool ok = bad->dtype.code == kDLInt && bad->dtype.bits == 32 && kk::numel(bad) == 1;
-    if (!ok) c.require(false, "tensor 'bad_targets' must be one i32");
-    else p.bad_targets = static_cast<int32_t*>(kk::data_ptr(bad));
-  }
   if (c.ok())
     if (const char* e = lg::fused_linear_ce_check(p)) c.require(false, "%s", e);
   return c.ok();

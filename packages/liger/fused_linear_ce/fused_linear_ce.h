@@ -81,6 +81,25 @@ struct FusedLinearCEParams {
 // Whether the call computes gradients (any of dhidden, dweight, dbias given; dhidden is then required
 // unless n = 0).
 inline bool fused_linear_ce_grads(const FusedLinearCEParams& p) { return p.dhidden || p.dweight || p.dbias; }
+// The cross-entropy of the whole call (every row) with this call's loss options: what both paths run
+// chunk by chunk, each chunk overriding n, logits, targets, loss, lse and token_weight.
+inline CrossEntropyParams fused_linear_ce_loss_params(const FusedLinearCEParams& p) {
+  CrossEntropyParams ce;
+  ce.dtype = p.dtype;
+  ce.n = p.n, ce.v = p.v;
+  ce.targets = p.targets, ce.targets_i32 = p.targets_i32;
+  ce.ignore_index = p.ignore_index;
+  ce.label_smoothing = p.label_smoothing;
+  ce.reduction = p.reduction;
+  ce.lse_square_scale = p.lse_square_scale, ce.softcap = p.softcap;
+  ce.class_weight = p.class_weight, ce.token_weight = p.token_weight;
+  ce.grad_scale = p.grad_scale;
+  ce.bias = p.bias;
+  ce.bad_targets = p.bad_targets;
+  ce.loss = p.loss;
+  return ce;
+}
+
 // Checks the params; nullptr or the message.
 const char* fused_linear_ce_check(const FusedLinearCEParams& p);
 // The rows per chunk that the call will use (on CUDA when `cuda`).

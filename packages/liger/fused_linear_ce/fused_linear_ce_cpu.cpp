@@ -104,18 +104,9 @@ template <typename T> const char* run(const FusedLinearCEParams& p, const Layout
   const int64_t chunk = fused_linear_ce_chunk_rows(p, false);
   CpuSpace ws(layout, p.workspace);
 
-  CrossEntropyParams ce;
-  ce.dtype = kernel::DType::f32;
-  ce.n = n;
-  ce.v = v;
-  ce.targets = p.targets;
-  ce.targets_i32 = p.targets_i32;
-  ce.ignore_index = p.ignore_index;
-  ce.label_smoothing = p.label_smoothing;
-  ce.reduction = p.reduction;
-  ce.lse_square_scale = p.lse_square_scale;
-  ce.softcap = p.softcap;
-  ce.class_weight = p.class_weight;
+  CrossEntropyParams ce = fused_linear_ce_loss_params(p);
+  ce.dtype = kernel::DType::f32;  // the chunk's logits are f32 here, the bias widened below
+  ce.bias = nullptr;
   double count = 0;
   if (const char* e = cross_entropy_count_cpu(ce, &count)) return e;
   const float scale = p.grad_scale * (p.reduction == CEReduction::Mean ? static_cast<float>(1.0 / count) : 1.0f);

@@ -121,23 +121,7 @@ template <typename T> const char* run(const FusedLinearCEParams& p, cudaStream_t
     return "fused_linear_ce: could not set cuBLAS's stream and workspace";
   const Gemm gemm{handle, cuda_type(p.dtype)};
 
-  CrossEntropyParams ce;
-  ce.dtype = p.dtype;
-  ce.n = n;
-  ce.v = v;
-  ce.targets = p.targets;
-  ce.targets_i32 = p.targets_i32;
-  ce.ignore_index = p.ignore_index;
-  ce.label_smoothing = p.label_smoothing;
-  ce.reduction = p.reduction;
-  ce.lse_square_scale = p.lse_square_scale;
-  ce.softcap = p.softcap;
-  ce.class_weight = p.class_weight;
-  ce.token_weight = p.token_weight;
-  ce.grad_scale = p.grad_scale;
-  ce.bias = p.bias;
-  ce.bad_targets = p.bad_targets;
-  ce.loss = p.loss;
+  const CrossEntropyParams ce = fused_linear_ce_loss_params(p);
   if ((p.reduction == CEReduction::Mean || p.class_weight) && n > 0)
     if (const char* e = cross_entropy_count_cuda(ce, count, stream)) return e;
 
