@@ -33,6 +33,8 @@
 #include "glu/glu_tuning.h"
 #include "rope/rope_tuning.h"
 #include "activation_kernels.h"
+#include "attention.h"
+#include "ops/nn/attention.h"
 #include "built_packages.h"
 #include "nn/kernel_call.h"
 
@@ -366,6 +368,52 @@ void bench_flce(bool sweep) {
   flop_row("sweep flce accum f32", "kcpp", [&] { run(0, true); }, tflop, grads_mib);
 }
 
+// Attention at anchors.py's shape (B 4, 32 heads, S 4096, D 128, causal, bf16) and at the training
+// step's (S 2048, 32 query / 8 kv heads): forward (with lse) and forward + backward.  FLOPs counted
+// as anchors.py does: 4 B H S^2 D / 2 for the causal forward, 3.5 times that for forward + backward.
+void bench_attention() {
+  struct Shape {
+    int64_t b, hq, hkv, s;
+  };
+  for (const Shape& sh : {Shape{4, 32, 32, 4096}, Shape{4, 32, 8, 2048}}) {
+    const int64_t d = 128;
+    Generator gen(29);
+    const Tensor q = Tensor::randn({sh.b, sh.hq, sh.s, d}, DType::bf16, kDev, gen);
+    const Tensor k = Tensor::randn({sh.b, sh.hkv, sh.s, d}, DType::bf16, kDev, gen);
+    const Tensor v = Tensor::randn({sh.b, sh.hkv, sh.s, d}, DType::bf16, kDev, gen);
+    const Tensor dout = Tensor::randn({sh.b, sh.hq, sh.s, d}, DType::bf16, kDev, gen);
+    Tensor out = Tensor::empty(q.shape(), q.dtype(), kDev), lse = Tensor::empty({sh.b, sh.hq, sh.s}, DType::f32, kDev);
+    Tensor dq = Tensor::empty(q.shape(), q.dtype(), kDev), dk = Tensor::empty(k.shape(), k.dtype(), kDev);
+    Tensor dv = Tensor::empty(v.shape(), v.dtype(), kDev);
+    auto operand = [](const Tensor& t) {
+      return flash::Operand{t.data(), t.stride(0), t.stride(1), t.stride(2)};
+    };
+    flash::AttentionParams p;
+    p.dtype = kernel::DType::bf16;
+    p.batch = sh.b, p.heads_q = sh.hq, p.heads_kv = sh.hkv, p.seq_q = sh.s, p.seq_kv = sh.s, p.head_dim = d;
+    p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+    p.q = operand(q), p.k = operand(k), p.v = operand(v), p.out = operand(out), p.lse = static_cast<float*>(lse.data());
+    p.dout = operand(dout), p.dq = operand(dq), p.dk = operand(dk), p.dv = operand(dv);
+    const double fl = 4.0 * sh.b * sh.hq * sh.s * sh.s * d / 2 / 1e12;
+    const std::string tag = fmt::format("S={} Hkv={}", sh.s, sh.hkv);
+    flop_row("attn causal fwd " + tag, "kcpp", [&] { check(flash::attention_forward_cuda(p, cuda::current_stream())); }, fl, 0);
+    flop_row("attn causal fwd+bwd " + tag, "kcpp", [&] {
+      check(flash::attention_forward_cuda(p, cuda::current_stream()));
+      Tensor ws = Tensor::empty({static_cast<int64_t>(flash::attention_backward_workspace(p))}, DType::u8, kDev);
+      flash::AttentionParams b = p;
+      b.workspace = ws.data();
+      check(flash::attention_backward_cuda(b, cuda::current_stream()));
+    }, 3.5 * fl, 0);
+    if (sh.s <= 2048) {  // the eager reference materializes B H S^2 probabilities (twice); 4096 does not fit twice
+      const ops::AttentionOptions opt;
+      flop_row("attn causal fwd+bwd " + tag, "reference", [&] {
+        const auto f = ops::attention_forward(q, k, v, opt);
+        ops::attention_backward(dout, q, k, v, f, opt);
+      }, 3.5 * fl, 0, 3);
+    }
+  }
+}
+
 // Every launch configuration of the registers path at the benchmark shape, forward and backward
 // separately: the measurements behind the defaults in rms_norm_cuda.cu.
 void sweep_rms_norm() {
@@ -568,6 +616,7 @@ int main(int argc, char** argv) {
     if (want("cross_entropy")) bench_cross_entropy();
     if (want("activation")) bench_activation();
     if (want("flce")) bench_flce(sweep);
+    if (want("attention")) bench_attention();
     if (sweep) {
       if (want("rms_norm")) sweep_rms_norm();
       if (want("swiglu")) sweep_swiglu();

@@ -1,0 +1,633 @@
+// Attention on CUDA (maths and paths in attention.h).
+//
+// Tensor-core path.  Fragment layouts are those of mma.sync.m16n8k16 (PTX ISA, "Matrix Fragments for
+// mma.m16n8k16"): with g = lane / 4 and t = lane % 4, an A fragment holds rows g and g + 8, columns
+// 2t, 2t + 1 (and + 8); B holds k rows 2t, 2t + 1 (and + 8) of column g; the f32 accumulator holds
+// rows g and g + 8, columns 2t, 2t + 1.  ldmatrix gives A and B fragments straight from shared
+// memory (its .trans form for operands stored k-major the other way round).  Tiles are stored with
+// rows of D elements in 16-byte chunks, chunk c of row r at position c ^ (r % 8), so the eight rows
+// one ldmatrix reads fall in eight different bank groups.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "attention.h"
+#include "kcpp/kernel/cuda.cuh"
+#include "kcpp/kernel/error.h"
+
+namespace kcpp::flash {
+namespace {
+
+namespace kc = kernel::cuda;
+using kernel::DType;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ---- PTX wrappers ------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+// 16 bytes global -> shared, bypassing L1; `valid` false writes zeros (and reads nothing).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c += a b, 16 x 8 x 16, f32 accumulation.
+template <typename T> __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+template <> __device__ __forceinline__ void mma<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void mma<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats rounded to T, the first in the low half (the lower column).
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// The accumulators of two neighbouring n-tiles (16 x 16 of f32) as one A fragment of T.
+template <typename T> __device__ __forceinline__ void to_a(uint32_t (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
+  a[0] = pack2<T>(c0[0], c0[1]);
+  a[1] = pack2<T>(c0[2], c0[3]);
+  a[2] = pack2<T>(c1[0], c1[1]);
+  a[3] = pack2<T>(c1[2], c1[3]);
+}
+
+// Element offset of chunk `c` (8 elements) of row `r` in a tile of rows of `W` elements.
+template <int W> __device__ __forceinline__ int swz(int r, int c) { return r * W + ((c ^ (r & 7)) << 3); }
+
+// Rows [0, R) of a tile of width D from global rows `g + r * ss`; rows >= valid are zero-filled.
+template <int R, int D, int NT, typename T>
+__device__ __forceinline__ void load_tile(T* s, const T* g, int64_t ss, int valid, int tid) {
+  constexpr int CH = D / 8;
+#pragma unroll
+  for (int idx = tid; idx < R * CH; idx += NT) {
+    const int r = idx / CH, c = idx % CH;
+    const bool ok = r < valid;
+    cp_async16(smem_addr(s + swz<D>(r, c)), ok ? g + r * ss + c * 8 : g, ok);
+  }
+}
+
+__device__ __forceinline__ bool visible(int64_t pos, int64_t j, int64_t skv, bool causal, int64_t window) {
+  return j < skv && (!causal || j <= pos) && (window <= 0 || pos - j < window);
+}
+
+// ---- forward (tensor cores) --------------------------------------------------------------------
+
+constexpr int kWarps = 4, kThreads = 32 * kWarps, kBr = 16 * kWarps, kBc = 64;
+
+template <typename T, int D> constexpr int fwd_smem() { return (kBr + 4 * kBc) * D * static_cast<int>(sizeof(T)); }
+
+template <typename T, int D> __global__ void __launch_bounds__(kThreads) fwd_kernel(const AttentionParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sK = sQ + kBr * D;       // two buffers
+  T* sV = sK + 2 * kBc * D;   // two buffers
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int64_t b = blockIdx.y / p.heads_q, h = blockIdx.y % p.heads_q, hk = h / (p.heads_q / p.heads_kv);
+  const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kBr, off = p.seq_kv - p.seq_q;
+  const int64_t pos_lo = q0 + off, pos_hi = min(q0 + kBr, p.seq_q) - 1 + off;
+  const int64_t kv_lo = p.window > 0 ? max(int64_t{0}, pos_lo - p.window + 1) : 0;
+  const int64_t kv_hi = p.causal ? pos_hi : p.seq_kv - 1;
+  const int64_t n_begin = kv_lo / kBc, n_end = kv_hi >= kv_lo ? kv_hi / kBc + 1 : n_begin;
+
+  const T* qg = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + q0 * p.q.ss;
+  const T* kg = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
+  const T* vg = static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh;
+  auto load_kv = [&](int64_t n, int buf) {
+    const int valid = static_cast<int>(min(int64_t{kBc}, p.seq_kv - n * kBc));
+    load_tile<kBc, D, kThreads>(sK + buf * kBc * D, kg + n * kBc * p.k.ss, p.k.ss, valid, tid);
+    load_tile<kBc, D, kThreads>(sV + buf * kBc * D, vg + n * kBc * p.v.ss, p.v.ss, valid, tid);
+  };
+  load_tile<kBr, D, kThreads>(sQ, qg, p.q.ss, static_cast<int>(min(int64_t{kBr}, p.seq_q - q0)), tid);
+  if (n_begin < n_end) load_kv(n_begin, 0);
+  cp_async_commit();
+
+  const float sl2 = p.scale * kLog2e;
+  float o[D / 8][4] = {};
+  float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  uint32_t qf[D / 16][4];
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const int buf = static_cast<int>(n - n_begin) & 1;
+    if (n + 1 < n_end) load_kv(n + 1, buf ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    if (n == n_begin) {
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) ldsm_x4(qf[kk], smem_addr(sQ + swz<D>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4))));
+    }
+    const T* k_s = sK + buf * kBc * D;
+    const T* v_s = sV + buf * kBc * D;
+    // s = q k^T for this warp's 16 rows and the tile's 64 keys.
+    float s[kBc / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+      for (int np = 0; np < kBc / 16; ++np) {
+        uint32_t r[4];
+        const int m = lane >> 3;
+        ldsm_x4(r, smem_addr(k_s + swz<D>(np * 16 + (m >> 1) * 8 + (lane & 7), 2 * kk + (m & 1))));
+        mma<T>(s[2 * np], qf[kk], r[0], r[1]);
+        mma<T>(s[2 * np + 1], qf[kk], r[2], r[3]);
+      }
+    const int64_t j0 = n * kBc;
+    const bool masked = (p.causal && j0 + kBc - 1 > pos_lo) || (p.window > 0 && j0 <= pos_hi - p.window) ||
+                        j0 + kBc > p.seq_kv;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int64_t pos = q0 + warp * 16 + g + 8 * hf + off;
+      float m_new = mx[hf];
+#pragma unroll
+      for (int nt = 0; nt < kBc / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float x = s[nt][2 * hf + e] * sl2;
+          if (masked && !visible(pos, j0 + nt * 8 + 2 * t + e, p.seq_kv, p.causal, p.window)) x = -INFINITY;
+          s[nt][2 * hf + e] = x;
+          m_new = fmaxf(m_new, x);
+        }
+      m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 1));
+      m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 2));
+      const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+      const float corr = exp2f(mx[hf] - m_use);
+      mx[hf] = m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < kBc / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) sum += (s[nt][2 * hf + e] = exp2f(s[nt][2 * hf + e] - m_use));
+      l[hf] = l[hf] * corr + sum;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) o[dt][2 * hf] *= corr, o[dt][2 * hf + 1] *= corr;
+    }
+    // o += p v
+#pragma unroll
+    for (int kk = 0; kk < kBc / 16; ++kk) {
+      uint32_t a[4];
+      to_a<T>(a, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t r[4];
+        const int m = lane >> 3;
+        ldsm_x4_t(r, smem_addr(v_s + swz<D>(kk * 16 + (m & 1) * 8 + (lane & 7), 2 * dp + (m >> 1))));
+        mma<T>(o[2 * dp], a, r[0], r[1]);
+        mma<T>(o[2 * dp + 1], a, r[2], r[3]);
+      }
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    float sum = l[hf];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int64_t row = q0 + warp * 16 + g + 8 * hf;
+    if (row >= p.seq_q) continue;
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    T* og = static_cast<T*>(const_cast<void*>(p.out.data)) + b * p.out.sb + h * p.out.sh + row * p.out.ss;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt)
+      *reinterpret_cast<uint32_t*>(og + dt * 8 + 2 * t) = pack2<T>(o[dt][2 * hf] * inv, o[dt][2 * hf + 1] * inv);
+    if (p.lse && t == 0)
+      p.lse[(b * p.heads_q + h) * p.seq_q + row] = sum > 0.0f ? (mx[hf] + log2f(sum)) * kLn2 : -INFINITY;
+  }
+}
+
+// ---- backward (tensor cores) -------------------------------------------------------------------
+
+// delta_i = dout_i . out_i, one warp per row (f32).
+template <typename T> __global__ void delta_kernel(const AttentionParams p, float* delta) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= p.batch * p.heads_q * p.seq_q) return;
+  const int64_t b = row / (p.heads_q * p.seq_q), h = row / p.seq_q % p.heads_q, i = row % p.seq_q;
+  const T* o = static_cast<const T*>(p.out.data) + b * p.out.sb + h * p.out.sh + i * p.out.ss;
+  const T* d = static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i * p.dout.ss;
+  float s = 0.0f;
+  for (int64_t c = threadIdx.x % 32; c < p.head_dim; c += 32) s += kc::to_f32(o[c]) * kc::to_f32(d[c]);
+  s = kc::warp_sum(s);
+  if (threadIdx.x % 32 == 0) delta[row] = s;
+}
+
+// dq = scale * the f32 accumulator, rounded to T.
+template <typename T> __global__ void dq_finish_kernel(const AttentionParams p, const float* acc) {
+  const int64_t n = p.batch * p.heads_q * p.seq_q * p.head_dim;
+  for (int64_t x = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; x < n;
+       x += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t c = x % p.head_dim, row = x / p.head_dim;
+    const int64_t b = row / (p.heads_q * p.seq_q), h = row / p.seq_q % p.heads_q, i = row % p.seq_q;
+    static_cast<T*>(const_cast<void*>(p.dq.data))[b * p.dq.sb + h * p.dq.sh + i * p.dq.ss + c] =
+        kc::from_f32<T>(acc[x] * p.scale);
+  }
+}
+
+template <typename T, int D> constexpr int bwd_smem() {
+  return (2 * kBc + 2 * kBr) * D * static_cast<int>(sizeof(T)) + kBc * kBr * static_cast<int>(sizeof(T)) +
+         2 * kBr * static_cast<int>(sizeof(float));
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, const float* delta, float* dq_acc) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sK = reinterpret_cast<T*>(smem);
+  T* sV = sK + kBc * D;
+  T* sQ = sV + kBc * D;
+  T* sO = sQ + kBr * D;      // dout
+  T* sS = sO + kBr * D;      // ds^T [key][query]
+  float* sL = reinterpret_cast<float*>(sS + kBc * kBr);  // lse * log2(e), +inf for a row that sees nothing
+  float* sD = sL + kBr;                                   // delta
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4, m8 = lane >> 3;
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int64_t b = blockIdx.y / p.heads_kv, hk = blockIdx.y % p.heads_kv;
+  const int64_t k0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kBc;  // the longest tiles first
+  const int64_t off = p.seq_kv - p.seq_q, k_last = min(k0 + kBc, p.seq_kv) - 1;
+  const int64_t i_lo = p.causal ? max(int64_t{0}, k0 - off) : 0;
+  const int64_t i_hi = p.window > 0 ? min(p.seq_q - 1, k_last + p.window - 1 - off) : p.seq_q - 1;
+  const int64_t m_begin = i_lo / kBr, m_end = i_hi >= i_lo ? i_hi / kBr + 1 : m_begin;
+
+  const int kvalid = static_cast<int>(k_last - k0 + 1);
+  load_tile<kBc, D, kThreads>(sK, static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh + k0 * p.k.ss, p.k.ss, kvalid, tid);
+  load_tile<kBc, D, kThreads>(sV, static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh + k0 * p.v.ss, p.v.ss, kvalid, tid);
+  cp_async_commit();
+
+  const float sl2 = p.scale * kLog2e;
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
+    for (int64_t mt = m_begin; mt < m_end; ++mt) {
+      const int64_t i0 = mt * kBr;
+      const int qvalid = static_cast<int>(min(int64_t{kBr}, p.seq_q - i0));
+      load_tile<kBr, D, kThreads>(sQ, static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i0 * p.q.ss, p.q.ss, qvalid, tid);
+      load_tile<kBr, D, kThreads>(sO, static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i0 * p.dout.ss,
+                                  p.dout.ss, qvalid, tid);
+      cp_async_commit();
+      const int64_t row0 = (b * p.heads_q + h) * p.seq_q + i0;
+      if (tid < kBr) {
+        const float lse = tid < qvalid ? p.lse[row0 + tid] : -INFINITY;
+        sL[tid] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+        sD[tid] = tid < qvalid ? delta[row0 + tid] : 0.0f;
+      }
+      cp_async_wait<0>();
+      __syncthreads();
+
+      // s^T = k q^T: this warp's 16 keys x the tile's 64 queries; then p^T.
+      float st[kBr / 8][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4];
+        ldsm_x4(a, smem_addr(sK + swz<D>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4))));
+#pragma unroll
+        for (int np = 0; np < kBr / 16; ++np) {
+          uint32_t r[4];
+          ldsm_x4(r, smem_addr(sQ + swz<D>(np * 16 + (m8 >> 1) * 8 + (lane & 7), 2 * kk + (m8 & 1))));
+          mma<T>(st[2 * np], a, r[0], r[1]);
+          mma<T>(st[2 * np + 1], a, r[2], r[3]);
+        }
+      }
+      const bool masked = (p.causal && k0 + kBc - 1 > i0 + off) || (p.window > 0 && i0 + kBr - 1 + off - k0 >= p.window) ||
+                          k0 + kBc > p.seq_kv;
+#pragma unroll
+      for (int nt = 0; nt < kBr / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qi = nt * 8 + 2 * t + (e & 1);
+          float x = exp2f(st[nt][e] * sl2 - sL[qi]);
+          if (masked && !visible(i0 + qi + off, k0 + warp * 16 + g + 8 * (e >> 1), p.seq_kv, p.causal, p.window)) x = 0.0f;
+          st[nt][e] = x;
+        }
+      // dv += p^T dout
+#pragma unroll
+      for (int kq = 0; kq < kBr / 16; ++kq) {
+        uint32_t a[4];
+        to_a<T>(a, st[2 * kq], st[2 * kq + 1]);
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+          uint32_t r[4];
+          ldsm_x4_t(r, smem_addr(sO + swz<D>(kq * 16 + (m8 & 1) * 8 + (lane & 7), 2 * dp + (m8 >> 1))));
+          mma<T>(dv[2 * dp], a, r[0], r[1]);
+          mma<T>(dv[2 * dp + 1], a, r[2], r[3]);
+        }
+      }
+      // dp^T = v dout^T, then ds^T = p^T (dp^T - delta)
+      float dpt[kBr / 8][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4];
+        ldsm_x4(a, smem_addr(sV + swz<D>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4))));
+#pragma unroll
+        for (int np = 0; np < kBr / 16; ++np) {
+          uint32_t r[4];
+          ldsm_x4(r, smem_addr(sO + swz<D>(np * 16 + (m8 >> 1) * 8 + (lane & 7), 2 * kk + (m8 & 1))));
+          mma<T>(dpt[2 * np], a, r[0], r[1]);
+          mma<T>(dpt[2 * np + 1], a, r[2], r[3]);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < kBr / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[nt][e] *= dpt[nt][e] - sD[nt * 8 + 2 * t + (e & 1)];
+      // dk += ds^T q; ds^T to shared memory for dq.
+#pragma unroll
+      for (int kq = 0; kq < kBr / 16; ++kq) {
+        uint32_t a[4];
+        to_a<T>(a, st[2 * kq], st[2 * kq + 1]);
+        const int r0 = warp * 16 + g;
+        *reinterpret_cast<uint32_t*>(sS + swz<kBr>(r0, 2 * kq) + 2 * t) = a[0];
+        *reinterpret_cast<uint32_t*>(sS + swz<kBr>(r0 + 8, 2 * kq) + 2 * t) = a[1];
+        *reinterpret_cast<uint32_t*>(sS + swz<kBr>(r0, 2 * kq + 1) + 2 * t) = a[2];
+        *reinterpret_cast<uint32_t*>(sS + swz<kBr>(r0 + 8, 2 * kq + 1) + 2 * t) = a[3];
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+          uint32_t r[4];
+          ldsm_x4_t(r, smem_addr(sQ + swz<D>(kq * 16 + (m8 & 1) * 8 + (lane & 7), 2 * dp + (m8 >> 1))));
+          mma<T>(dk[2 * dp], a, r[0], r[1]);
+          mma<T>(dk[2 * dp + 1], a, r[2], r[3]);
+        }
+      }
+      __syncthreads();
+      // dq (this warp's 16 queries) += ds k, half of D at a time, added into the f32 accumulator.
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float acc[D / 16][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < kBc / 16; ++kk) {
+          uint32_t a[4];
+          ldsm_x4_t(a, smem_addr(sS + swz<kBr>(kk * 16 + (m8 >> 1) * 8 + (lane & 7), warp * 2 + (m8 & 1))));
+#pragma unroll
+          for (int dp = 0; dp < D / 32; ++dp) {
+            uint32_t r[4];
+            ldsm_x4_t(r, smem_addr(sK + swz<D>(kk * 16 + (m8 & 1) * 8 + (lane & 7), half * (D / 16) + 2 * dp + (m8 >> 1))));
+            mma<T>(acc[2 * dp], a, r[0], r[1]);
+            mma<T>(acc[2 * dp + 1], a, r[2], r[3]);
+          }
+        }
+#pragma unroll
+        for (int e2 = 0; e2 < 2; ++e2) {
+          const int qi = warp * 16 + g + 8 * e2;
+          if (qi >= qvalid) continue;
+          float* dst = dq_acc + (row0 + qi) * D + half * (D / 2) + 2 * t;
+#pragma unroll
+          for (int dt = 0; dt < D / 16; ++dt) {
+            atomicAdd(dst + dt * 8, acc[dt][2 * e2]);
+            atomicAdd(dst + dt * 8 + 1, acc[dt][2 * e2 + 1]);
+          }
+        }
+      }
+      __syncthreads();
+    }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int e2 = 0; e2 < 2; ++e2) {
+    const int64_t j = k0 + warp * 16 + g + 8 * e2;
+    if (j >= p.seq_kv) continue;
+    T* dkg = static_cast<T*>(const_cast<void*>(p.dk.data)) + b * p.dk.sb + hk * p.dk.sh + j * p.dk.ss;
+    T* dvg = static_cast<T*>(const_cast<void*>(p.dv.data)) + b * p.dv.sb + hk * p.dv.sh + j * p.dv.ss;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      *reinterpret_cast<uint32_t*>(dkg + dt * 8 + 2 * t) = pack2<T>(dk[dt][2 * e2] * p.scale, dk[dt][2 * e2 + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(dvg + dt * 8 + 2 * t) = pack2<T>(dv[dt][2 * e2], dv[dt][2 * e2 + 1]);
+    }
+  }
+}
+
+// ---- generic path (any dtype, head_dim <= 256) ------------------------------------------------
+
+constexpr int kMaxPerLane = 8;  // head_dim <= 32 * 8
+
+template <typename T> __device__ __forceinline__ void load_lane(float (&x)[kMaxPerLane], const T* row, int64_t d, int lane) {
+#pragma unroll
+  for (int u = 0; u < kMaxPerLane; ++u) {
+    const int64_t c = lane + 32 * u;
+    x[u] = c < d ? kc::to_f32(row[c]) : 0.0f;
+  }
+}
+template <typename T> __device__ __forceinline__ float dot_lane(const float (&x)[kMaxPerLane], const T* row, int64_t d, int lane) {
+  float s = 0.0f;
+#pragma unroll
+  for (int u = 0; u < kMaxPerLane; ++u) {
+    const int64_t c = lane + 32 * u;
+    if (c < d) s += x[u] * kc::to_f32(row[c]);
+  }
+  return kc::warp_sum(s);
+}
+template <typename T> __device__ __forceinline__ void store_lane(T* row, const float (&x)[kMaxPerLane], float scale, int64_t d, int lane) {
+#pragma unroll
+  for (int u = 0; u < kMaxPerLane; ++u) {
+    const int64_t c = lane + 32 * u;
+    if (c < d) row[c] = kc::from_f32<T>(x[u] * scale);
+  }
+}
+
+// One warp per query row: the online softmax one key at a time.
+template <typename T> __global__ void fwd_generic_kernel(const AttentionParams p) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= p.batch * p.heads_q * p.seq_q) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t b = row / (p.heads_q * p.seq_q), h = row / p.seq_q % p.heads_q, i = row % p.seq_q;
+  const int64_t hk = h / (p.heads_q / p.heads_kv), d = p.head_dim, pos = i + p.seq_kv - p.seq_q;
+  const int64_t lo = p.window > 0 ? max(int64_t{0}, pos - p.window + 1) : 0, hi = p.causal ? pos : p.seq_kv - 1;
+  float q[kMaxPerLane], o[kMaxPerLane] = {};
+  load_lane(q, static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.ss, d, lane);
+  const T* kb = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
+  const T* vb = static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh;
+  float mx = -INFINITY, l = 0.0f;
+  for (int64_t j = lo; j <= hi; ++j) {
+    const float s = dot_lane(q, kb + j * p.k.ss, d, lane) * p.scale;
+    const float m_new = fmaxf(mx, s), corr = expf(mx - m_new), e = expf(s - m_new);
+    mx = m_new;
+    l = l * corr + e;
+    const T* vr = vb + j * p.v.ss;
+#pragma unroll
+    for (int u = 0; u < kMaxPerLane; ++u) {
+      const int64_t c = lane + 32 * u;
+      o[u] = o[u] * corr + (c < d ? e * kc::to_f32(vr[c]) : 0.0f);
+    }
+  }
+  store_lane(static_cast<T*>(const_cast<void*>(p.out.data)) + b * p.out.sb + h * p.out.sh + i * p.out.ss, o,
+             l > 0.0f ? 1.0f / l : 0.0f, d, lane);
+  if (p.lse && lane == 0) p.lse[row] = l > 0.0f ? static_cast<float>(mx + log(static_cast<double>(l))) : -INFINITY;
+}
+
+// One warp per query row: dq.
+template <typename T> __global__ void dq_generic_kernel(const AttentionParams p, const float* delta) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= p.batch * p.heads_q * p.seq_q) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t b = row / (p.heads_q * p.seq_q), h = row / p.seq_q % p.heads_q, i = row % p.seq_q;
+  const int64_t hk = h / (p.heads_q / p.heads_kv), d = p.head_dim, pos = i + p.seq_kv - p.seq_q;
+  const int64_t lo = p.window > 0 ? max(int64_t{0}, pos - p.window + 1) : 0, hi = p.causal ? pos : p.seq_kv - 1;
+  const float lse = p.lse[row], dl = delta[row];
+  float q[kMaxPerLane], dout[kMaxPerLane], dq[kMaxPerLane] = {};
+  load_lane(q, static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.ss, d, lane);
+  load_lane(dout, static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i * p.dout.ss, d, lane);
+  const T* kb = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
+  const T* vb = static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh;
+  if (lse != -INFINITY)
+    for (int64_t j = lo; j <= hi; ++j) {
+      const T* kr = kb + j * p.k.ss;
+      const auto pr = static_cast<float>(exp(static_cast<double>(dot_lane(q, kr, d, lane) * p.scale) - lse));
+      const float ds = pr * (dot_lane(dout, vb + j * p.v.ss, d, lane) - dl);
+#pragma unroll
+      for (int u = 0; u < kMaxPerLane; ++u) {
+        const int64_t c = lane + 32 * u;
+        if (c < d) dq[u] += ds * kc::to_f32(kr[c]);
+      }
+    }
+  store_lane(static_cast<T*>(const_cast<void*>(p.dq.data)) + b * p.dq.sb + h * p.dq.sh + i * p.dq.ss, dq, p.scale, d, lane);
+}
+
+// One warp per key row of a kv head: dk and dv over the group's query heads.
+template <typename T> __global__ void dkdv_generic_kernel(const AttentionParams p, const float* delta) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= p.batch * p.heads_kv * p.seq_kv) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t b = row / (p.heads_kv * p.seq_kv), hk = row / p.seq_kv % p.heads_kv, j = row % p.seq_kv;
+  const int64_t group = p.heads_q / p.heads_kv, d = p.head_dim, off = p.seq_kv - p.seq_q;
+  const int64_t i_lo = p.causal ? max(int64_t{0}, j - off) : 0;
+  const int64_t i_hi = p.window > 0 ? min(p.seq_q - 1, j + p.window - 1 - off) : p.seq_q - 1;
+  float k[kMaxPerLane], v[kMaxPerLane], dk[kMaxPerLane] = {}, dv[kMaxPerLane] = {};
+  load_lane(k, static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh + j * p.k.ss, d, lane);
+  load_lane(v, static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh + j * p.v.ss, d, lane);
+  for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
+    for (int64_t i = i_lo; i <= i_hi; ++i) {
+      const int64_t r = (b * p.heads_q + h) * p.seq_q + i;
+      const float lse = p.lse[r];
+      if (lse == -INFINITY) continue;
+      const T* qr = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.ss;
+      const T* dr = static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i * p.dout.ss;
+      const auto pr = static_cast<float>(exp(static_cast<double>(dot_lane(k, qr, d, lane) * p.scale) - lse));
+      const float ds = pr * (dot_lane(v, dr, d, lane) - delta[r]);
+#pragma unroll
+      for (int u = 0; u < kMaxPerLane; ++u) {
+        const int64_t c = lane + 32 * u;
+        if (c < d) dk[u] += ds * kc::to_f32(qr[c]), dv[u] += pr * kc::to_f32(dr[c]);
+      }
+    }
+  store_lane(static_cast<T*>(const_cast<void*>(p.dk.data)) + b * p.dk.sb + hk * p.dk.sh + j * p.dk.ss, dk, p.scale, d, lane);
+  store_lane(static_cast<T*>(const_cast<void*>(p.dv.data)) + b * p.dv.sb + hk * p.dv.sh + j * p.dv.ss, dv, 1.0f, d, lane);
+}
+
+// ---- launch ------------------------------------------------------------------------------------
+
+unsigned blocks_for(int64_t warps_needed, int warps_per_block) {
+  return static_cast<unsigned>((warps_needed + warps_per_block - 1) / warps_per_block);
+}
+
+template <typename T, int D> const char* launch_fwd(const AttentionParams& p, cudaStream_t stream) {
+  constexpr int smem = fwd_smem<T, D>();
+  const cudaError_t attr = cudaFuncSetAttribute(fwd_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (attr != cudaSuccess) return kernel::errorf("attention_forward: cannot reserve %d bytes of shared memory: %s", smem,
+                                                 cudaGetErrorString(attr));
+  const dim3 grid(static_cast<unsigned>((p.seq_q + kBr - 1) / kBr), static_cast<unsigned>(p.batch * p.heads_q));
+  fwd_kernel<T, D><<<grid, kThreads, smem, stream>>>(p);
+  return kc::launch_error("attention_forward");
+}
+
+template <typename T, int D>
+const char* launch_bwd(const AttentionParams& p, const float* delta, float* dq_acc, cudaStream_t stream) {
+  constexpr int smem = bwd_smem<T, D>();
+  const cudaError_t attr = cudaFuncSetAttribute(bwd_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (attr != cudaSuccess) return kernel::errorf("attention_backward: cannot reserve %d bytes of shared memory: %s", smem,
+                                                 cudaGetErrorString(attr));
+  const dim3 grid(static_cast<unsigned>((p.seq_kv + kBc - 1) / kBc), static_cast<unsigned>(p.batch * p.heads_kv));
+  bwd_kernel<T, D><<<grid, kThreads, smem, stream>>>(p, delta, dq_acc);
+  return kc::launch_error("attention_backward");
+}
+
+template <typename T> const char* forward_t(const AttentionParams& p, cudaStream_t stream) {
+  if constexpr (!std::is_same_v<T, float>)  // the tensor cores take 16-bit inputs
+    if (attention_fast_path(p)) return p.head_dim == 64 ? launch_fwd<T, 64>(p, stream) : launch_fwd<T, 128>(p, stream);
+  fwd_generic_kernel<T><<<blocks_for(p.batch * p.heads_q * p.seq_q, 4), 128, 0, stream>>>(p);
+  return kc::launch_error("attention_forward");
+}
+
+template <typename T> const char* backward_t(const AttentionParams& p, cudaStream_t stream) {
+  const auto rows = static_cast<size_t>(p.batch * p.heads_q * p.seq_q);
+  float* delta = static_cast<float*>(p.workspace);
+  float* dq_acc = reinterpret_cast<float*>(static_cast<unsigned char*>(p.workspace) + (rows * sizeof(float) + 255) / 256 * 256);
+  if (rows > 0) delta_kernel<T><<<blocks_for(static_cast<int64_t>(rows), 8), 256, 0, stream>>>(p, delta);
+  if (const char* e = kc::launch_error("attention_backward (delta)")) return e;
+  if constexpr (!std::is_same_v<T, float>)
+    if (attention_fast_path(p)) {
+    if (cudaMemsetAsync(dq_acc, 0, rows * static_cast<size_t>(p.head_dim) * sizeof(float), stream) != cudaSuccess)
+      return "attention_backward: cudaMemsetAsync of the dq accumulator failed";
+    const char* e = p.head_dim == 64 ? launch_bwd<T, 64>(p, delta, dq_acc, stream) : launch_bwd<T, 128>(p, delta, dq_acc, stream);
+    if (e) return e;
+    if (rows > 0) {
+      const int64_t n = static_cast<int64_t>(rows) * p.head_dim;
+      dq_finish_kernel<T><<<static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65536)), 256, 0, stream>>>(p, dq_acc);
+    }
+    return kc::launch_error("attention_backward (dq)");
+  }
+  if (rows > 0) dq_generic_kernel<T><<<blocks_for(static_cast<int64_t>(rows), 4), 128, 0, stream>>>(p, delta);
+  dkdv_generic_kernel<T><<<blocks_for(p.batch * p.heads_kv * p.seq_kv, 4), 128, 0, stream>>>(p, delta);
+  return kc::launch_error("attention_backward");
+}
+
+const char* cuda_check(const AttentionParams& p, bool backward) {
+  if (const char* e = attention_check(p, backward)) return e;
+  KCPP_KERNEL_REQUIRE(p.head_dim <= 32 * kMaxPerLane, "attention: head_dim %lld > %d on CUDA",
+                      static_cast<long long>(p.head_dim), 32 * kMaxPerLane);
+  if (backward && p.batch > 0 && p.seq_kv > 0)
+    KCPP_KERNEL_REQUIRE(p.workspace != nullptr, "attention_backward: the workspace is null (attention_backward_workspace bytes)");
+  return nullptr;
+}
+
+}  // namespace
+
+const char* attention_forward_cuda(const AttentionParams& p, cudaStream_t stream) {
+  if (const char* e = cuda_check(p, false)) return e;
+  if (p.batch == 0 || p.seq_q == 0) return nullptr;
+  switch (p.dtype) {
+    case DType::f32: return forward_t<float>(p, stream);
+    case DType::bf16: return forward_t<__nv_bfloat16>(p, stream);
+    case DType::f16: return forward_t<__half>(p, stream);
+  }
+  return "attention_forward: unknown dtype";
+}
+
+const char* attention_backward_cuda(const AttentionParams& p, cudaStream_t stream) {
+  if (const char* e = cuda_check(p, true)) return e;
+  if (p.batch == 0 || p.seq_kv == 0) return nullptr;
+  switch (p.dtype) {
+    case DType::f32: return backward_t<float>(p, stream);
+    case DType::bf16: return backward_t<__nv_bfloat16>(p, stream);
+    case DType::f16: return backward_t<__half>(p, stream);
+  }
+  return "attention_backward: unknown dtype";
+}
+
+}  // namespace kcpp::flash

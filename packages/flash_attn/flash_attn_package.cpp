@@ -1,0 +1,185 @@
+// Package "flash_attn": the ABI table (include/kcpp/abi.h) over attention.h.
+//
+//   FlashAttention   Attention/1   attention.h   (causal / sliding window, grouped-query heads, lse saved)
+//
+// The named arguments are those of docs/contracts/Attention.md.  Every tensor is [B, H, S, D] with D
+// contiguous and any other strides.  supports() runs the same checks as the call without running it.
+#include <cmath>
+#include <initializer_list>
+
+#include "attention.h"
+#include "kcpp/abi.h"
+#include "kcpp/kernel/abi_args.h"
+
+#ifndef KCPP_WITH_CUDA
+#define KCPP_WITH_CUDA 0
+#endif
+
+namespace {
+
+namespace kk = kcpp::kernel;
+namespace fa = kcpp::flash;
+
+constexpr bool kCuda = KCPP_WITH_CUDA != 0;
+
+kcpp_status finish(kk::Call& c, const char* err) {
+  if (err) c.fail(KCPP_ERROR_INVALID_ARGUMENT, "%s", err);
+  return c.status();
+}
+
+// A [B, H, S, D] operand with D contiguous; `like` (when given) fixes dtype, B, S and D; `heads` H.
+bool operand(kk::Call& c, const DLTensor* t, const char* name, const DLTensor* like, const char* like_name, int64_t heads,
+             fa::Operand& o) {
+  if (!t || !c.ok()) return c.ok();
+  if (!c.ndim(t, name, 4)) return false;
+  if (like) {
+    c.same_dtype(t, name, like, like_name);
+    if (!c.ok()) return false;
+    if (t->shape[0] != like->shape[0] || t->shape[3] != like->shape[3] || (heads > 0 && t->shape[1] != heads))
+      return c.require(false, "tensor '%s' [%lld, %lld, %lld, %lld] does not match '%s' in batch, heads or head_dim", name,
+                       static_cast<long long>(t->shape[0]), static_cast<long long>(t->shape[1]),
+                       static_cast<long long>(t->shape[2]), static_cast<long long>(t->shape[3]), like_name);
+  }
+  if (t->shape[3] > 1 && kk::stride(t, 3) != 1)
+    return c.fail(KCPP_ERROR_UNSUPPORTED, "tensor '%s': head_dim must be contiguous (stride %lld)", name,
+                  static_cast<long long>(kk::stride(t, 3)));
+  o.data = kk::data_ptr(t);
+  o.sb = kk::stride(t, 0), o.sh = kk::stride(t, 1), o.ss = kk::stride(t, 2);
+  return true;
+}
+
+bool same_seq(kk::Call& c, const DLTensor* t, const char* name, int64_t s) {
+  if (!t || !c.ok() || t->shape[2] == s) return c.ok();
+  return c.require(false, "tensor '%s' has %lld positions, expected %lld", name, static_cast<long long>(t->shape[2]),
+                   static_cast<long long>(s));
+}
+
+bool distinct(kk::Call& c, const void* out, const char* name, std::initializer_list<const void*> inputs) {
+  if (!c.ok() || !out) return c.ok();
+  for (const void* in : inputs)
+    if (in == out) return c.require(false, "tensor '%s' must not overlap an input (no in-place attention)", name);
+  return true;
+}
+
+bool attention_args(kk::Call& c, bool bwd, fa::AttentionParams& p) {
+  c.device_in(kCuda);
+  DLTensor* q = c.tensor("q");
+  DLTensor* k = c.tensor("k");
+  DLTensor* v = c.tensor("v");
+  DLTensor* out = c.tensor("out");
+  DLTensor* lse = c.tensor("lse", bwd);
+  if (!c.ok()) return false;
+  c.float_dtype(q, "q", &p.dtype);
+  if (!c.ndim(q, "q", 4) || !c.ndim(k, "k", 4)) return false;
+  p.batch = q->shape[0], p.heads_q = q->shape[1], p.seq_q = q->shape[2], p.head_dim = q->shape[3];
+  p.heads_kv = k->shape[1], p.seq_kv = k->shape[2];
+  operand(c, q, "q", nullptr, nullptr, 0, p.q);
+  operand(c, k, "k", q, "q", 0, p.k);
+  operand(c, v, "v", k, "k", p.heads_kv, p.v);
+  same_seq(c, v, "v", p.seq_kv);
+  operand(c, out, "out", q, "q", p.heads_q, p.out);
+  same_seq(c, out, "out", p.seq_q);
+  if (!c.ok()) return false;
+  if (p.heads_kv < 1 || p.heads_q % p.heads_kv != 0)
+    return c.require(false, "%lld query heads are not a multiple of %lld kv heads", static_cast<long long>(p.heads_q),
+                     static_cast<long long>(p.heads_kv));
+  if (p.seq_q > p.seq_kv)
+    return c.require(false, "%lld queries but only %lld keys (queries are the last positions of the keys)",
+                     static_cast<long long>(p.seq_q), static_cast<long long>(p.seq_kv));
+  const double scale = c.real("scale", 1.0 / std::sqrt(static_cast<double>(p.head_dim > 0 ? p.head_dim : 1)));
+  const int64_t causal = c.integer("causal", 1);
+  p.window = c.integer("window", 0);
+  if (!c.ok()) return false;
+  if (!std::isfinite(scale)) return c.require(false, "argument 'scale' is not finite");
+  if (causal != 0 && causal != 1) return c.require(false, "argument 'causal' is %lld; expected 0 or 1", static_cast<long long>(causal));
+  if (p.window < 0) return c.require(false, "argument 'window' is %lld; expected >= 0", static_cast<long long>(p.window));
+  p.scale = static_cast<float>(scale);
+  p.causal = causal == 1;
+  if (lse) {
+    if (lse->dtype.code != kDLFloat || lse->dtype.bits != 32 || lse->dtype.lanes != 1)
+      return c.require(false, "tensor 'lse' must be f32, is %s", kk::dl_dtype_name(lse->dtype));
+    if (kk::numel(lse) != p.batch * p.heads_q * p.seq_q)
+      return c.require(false, "tensor 'lse' must be [%lld, %lld, %lld]", static_cast<long long>(p.batch),
+                       static_cast<long long>(p.heads_q), static_cast<long long>(p.seq_q));
+    if (kk::numel(lse) > 0 && !c.row_major(lse, "lse")) return false;
+    p.lse = static_cast<float*>(kk::data_ptr(lse));
+  }
+  if (!bwd) return distinct(c, p.out.data, "out", {p.q.data, p.k.data, p.v.data}) &&
+                   (!p.lse || distinct(c, p.lse, "lse", {p.q.data, p.k.data, p.v.data, p.out.data}));
+  DLTensor* dout = c.tensor("dout");
+  DLTensor* dq = c.tensor("dq");
+  DLTensor* dk = c.tensor("dk");
+  DLTensor* dv = c.tensor("dv");
+  operand(c, dout, "dout", q, "q", p.heads_q, p.dout);
+  same_seq(c, dout, "dout", p.seq_q);
+  operand(c, dq, "dq", q, "q", p.heads_q, p.dq);
+  same_seq(c, dq, "dq", p.seq_q);
+  operand(c, dk, "dk", k, "k", p.heads_kv, p.dk);
+  same_seq(c, dk, "dk", p.seq_kv);
+  operand(c, dv, "dv", k, "k", p.heads_kv, p.dv);
+  same_seq(c, dv, "dv", p.seq_kv);
+  const std::initializer_list<const void*> ins = {p.q.data, p.k.data, p.v.data, p.out.data, p.dout.data, p.lse};
+  distinct(c, p.dq.data, "dq", ins);
+  distinct(c, p.dk.data, "dk", ins);
+  distinct(c, p.dv.data, "dv", ins);
+  if (c.ok() && p.seq_kv > 0 && p.dk.data == p.dv.data) c.require(false, "'dk' and 'dv' must be different tensors");
+  if (c.ok() && p.seq_q > 0 && (p.dq.data == p.dk.data || p.dq.data == p.dv.data))
+    c.require(false, "'dq' must differ from 'dk' and 'dv'");
+  return c.ok();
+}
+
+kcpp_status attention_supports(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
+  kk::Call c(ctx, args, n, "FlashAttention");
+  fa::AttentionParams p;
+  attention_args(c, c.find("dout") != nullptr, p);
+  return c.status();
+}
+
+kcpp_status attention_forward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
+  kk::Call c(ctx, args, n, "FlashAttention.forward");
+  fa::AttentionParams p;
+  if (!attention_args(c, false, p)) return c.status();
+#if KCPP_WITH_CUDA
+  if (c.on_cuda()) return finish(c, fa::attention_forward_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
+#endif
+  return finish(c, fa::attention_forward_cpu(p));
+}
+
+kcpp_status attention_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
+  kk::Call c(ctx, args, n, "FlashAttention.backward");
+  fa::AttentionParams p;
+  if (!attention_args(c, true, p)) return c.status();
+#if KCPP_WITH_CUDA
+  if (c.on_cuda()) {
+    if (p.batch > 0 && p.seq_kv > 0) p.workspace = c.workspace(fa::attention_backward_workspace(p));
+    if (!c.ok()) return c.status();
+    return finish(c, fa::attention_backward_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
+  }
+#endif
+  return finish(c, fa::attention_backward_cpu(p));
+}
+
+constexpr uint32_t kDevices = KCPP_DEVICE_BIT(kDLCPU) | (kCuda ? KCPP_DEVICE_BIT(kDLCUDA) : 0u);
+constexpr uint32_t kModes = KCPP_MODE_INFERENCE | KCPP_MODE_TRAINING | KCPP_MODE_GRAPH;
+
+const kcpp_layer kLayers[] = {
+    {sizeof(kcpp_layer), kModes, kDevices, 0, "FlashAttention", "Attention/1",
+     "FlashAttention-2: causal / sliding-window attention with grouped-query heads, no score matrix; saves lse; "
+     "tensor cores for bf16 / f16 head_dim 64 / 128 on CUDA",
+     attention_supports, attention_forward, attention_backward},
+};
+
+const kcpp_package kPackage = {
+    .struct_size = sizeof(kcpp_package),
+    .abi_version = KCPP_ABI_VERSION,
+    .name = KCPP_PACKAGE_NAME,
+    .version = KCPP_PACKAGE_VERSION,
+    .layers = kLayers,
+    .num_layers = static_cast<int32_t>(sizeof kLayers / sizeof kLayers[0]),
+    .num_ops = 0,
+    .ops = nullptr,
+};
+
+}  // namespace
+
+extern "C" KCPP_EXPORT const kcpp_package* kcpp_package_v1(void) { return &kPackage; }
