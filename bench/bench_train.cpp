@@ -1,12 +1,12 @@
 // A training step of a Llama model with Llama-3-8B dimensions and few layers (issue 5's benchmark):
 // the reference layers against the layers kernelized with the Liger switches (this build's liger
-// package), bf16 weights with f32 master weights and AdamW, tokens/s and peak memory of a step (the
+// package) and flash_attn's attention, bf16 weights with f32 master weights and AdamW, tokens/s and peak memory of a step (the
 // allocator's peak minus what was allocated before it: activations, gradients, logits, workspaces;
 // the weights and optimizer state are counted separately).  Compare with
 // ../shared/anchors/h200-2026-11-22-e2e.txt (Transformers eager / compile / Liger, same shapes).
 //
 // Run: build/release/bin/kcpp_bench_train [--layers 4] [--batch 4] [--seq 2048] [--steps 3] [--only reference|kcpp]
-//      [--checkpoint 1] (activation checkpointing per layer)
+//      [--checkpoint 1] (activation checkpointing per layer) [--attention 0] (kcpp without flash_attn's attention)
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -29,7 +29,7 @@ using namespace kcpp;
 
 double gib(size_t b) { return static_cast<double>(b) / (1u << 30); }
 
-void run(const std::string& impl, int64_t layers, int64_t batch, int64_t seq, int steps, bool checkpoint) {
+void run(const std::string& impl, int64_t layers, int64_t batch, int64_t seq, int steps, bool checkpoint, bool attention) {
   const Device dev = cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu();
   models::ModelConfig c;
   c.model_type = "llama";
@@ -46,7 +46,8 @@ void run(const std::string& impl, int64_t layers, int64_t batch, int64_t seq, in
     hc.lock_file.reset();
     hc.cache_dir = std::filesystem::temp_directory_path() / "kcpp-bench-train-cache";
     auto hub = std::make_shared<hub::Hub>(std::move(hc));
-    const auto report = model->kernelize(nn::liger_kernel_config(nn::LigerSwitches{}, test::built_package_dir("liger").string(), true),
+    const auto report = model->kernelize(nn::liger_kernel_config(nn::LigerSwitches{}, test::built_package_dir("liger").string(), true,
+                                                                 attention ? test::built_package_dir("flash_attn").string() : ""),
                                          nn::kTraining, dev, nn::hub_loader(hub));
     std::printf("%s", report.str().c_str());
   }
@@ -80,9 +81,9 @@ void run(const std::string& impl, int64_t layers, int64_t batch, int64_t seq, in
   synchronize(dev);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / steps;
   const size_t peak = a.stats().peak - base;
-  std::printf("%-10s%s layers %lld  batch %lld x %lld  step %8.1f ms (loss+grads %.1f, AdamW %.1f)  %9.0f tokens/s  peak %6.2f GiB "
+  std::printf("%-10s%s%s layers %lld  batch %lld x %lld  step %8.1f ms (loss+grads %.1f, AdamW %.1f)  %9.0f tokens/s  peak %6.2f GiB "
               "beyond weights + optimizer (%6.2f GiB)  loss %.4f\n",
-              impl.c_str(), checkpoint ? " (checkpointed)" : "", static_cast<long long>(layers), static_cast<long long>(batch), static_cast<long long>(seq), s * 1e3,
+              impl.c_str(), checkpoint ? " (checkpointed)" : "", impl == "kcpp" && !attention ? " (no attention kernel)" : "", static_cast<long long>(layers), static_cast<long long>(batch), static_cast<long long>(seq), s * 1e3,
               t_grad / steps * 1e3, t_opt / steps * 1e3, static_cast<double>(batch * seq) / s, gib(peak), gib(resident), loss);
   std::fflush(stdout);
 }
@@ -119,7 +120,7 @@ int main(int argc, char** argv) {
   int64_t layers = 4, batch = 4, seq = 2048;
   int steps = 3;
   std::string only;
-  bool checkpoint = false;
+  bool checkpoint = false, attention = true;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--layers")) layers = std::stoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--batch")) batch = std::stoll(argv[i + 1]);
@@ -127,11 +128,12 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--steps")) steps = std::stoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--only")) only = argv[i + 1];
     else if (!std::strcmp(argv[i], "--checkpoint")) checkpoint = std::string(argv[i + 1]) == "1";
+    else if (!std::strcmp(argv[i], "--attention")) attention = std::string(argv[i + 1]) == "1";
   }
   try {
     if (cuda_device_count() > 0) breakdown(batch, seq);
     for (const char* impl : {"reference", "kcpp"})
-      if (only.empty() || only == impl) run(impl, layers, batch, seq, steps, checkpoint);
+      if (only.empty() || only == impl) run(impl, layers, batch, seq, steps, checkpoint, attention);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kcpp_bench_train: error: %s\n", e.what());
     return 1;

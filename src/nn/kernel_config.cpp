@@ -187,13 +187,15 @@ LigerSwitches LigerSwitches::parse(const nlohmann::json& j) {
   return s;
 }
 
-KernelConfig liger_kernel_config(const LigerSwitches& s, const std::string& package, bool use_local_kernel) {
+KernelConfig liger_kernel_config(const LigerSwitches& s, const std::string& package, bool use_local_kernel,
+                                 const std::string& attention) {
   nlohmann::json m = nlohmann::json::object();
   if (s.rope) m["rotary_pos_emb"] = package + ":LigerRotaryEmbedding";
   if (s.rms_norm) m["RMSNorm"] = package + ":LigerRMSNorm";
   if (s.swiglu) m["MLP"] = package + ":LigerGLU";
   if (s.cross_entropy) m["CrossEntropyLoss"] = package + ":LigerCrossEntropy";
   if (s.fused_linear_cross_entropy) m["ForCausalLMLoss"] = package + ":LigerFusedLinearCrossEntropy";
+  if (!attention.empty()) m["Attention"] = attention;
   return KernelConfig::parse(m, use_local_kernel);
 }
 

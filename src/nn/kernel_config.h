@@ -80,7 +80,10 @@ struct LigerSwitches {
   static LigerSwitches parse(const nlohmann::json& j);
 };
 // `package`: the liger package's reference without a layer ("kernels-community/liger@^0.1", or a
-// local folder with use_local_kernel).
-KernelConfig liger_kernel_config(const LigerSwitches& s, const std::string& package, bool use_local_kernel = false);
+// local folder with use_local_kernel).  `attention`, when not empty, maps the "Attention" layer too
+// (Liger has no attention kernel; Transformers pairs it with attn_implementation="<hub repo>"): a
+// reference to a package with an Attention/1 layer, such as this project's flash_attn.
+KernelConfig liger_kernel_config(const LigerSwitches& s, const std::string& package, bool use_local_kernel = false,
+                                 const std::string& attention = "");
 
 }  // namespace kcpp::nn

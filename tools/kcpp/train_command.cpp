@@ -59,8 +59,8 @@ models::ModelConfig small_llama(const TrainArgs& a) {
   return c;
 }
 
-// The liger package this build made: --packages, $KCPP_PACKAGES_DIR, or <bin>/../kernels.
-std::optional<std::filesystem::path> find_liger(const std::string& given) {
+// A package this build made ("liger", "flash_attn"): under --packages, $KCPP_PACKAGES_DIR, or <bin>/../kernels.
+std::optional<std::filesystem::path> find_package(const std::string& given, const char* name) {
   std::vector<std::filesystem::path> candidates;
   if (!given.empty()) candidates.emplace_back(given);
   if (const char* env = std::getenv("KCPP_PACKAGES_DIR"); env && *env) candidates.emplace_back(env);
@@ -68,12 +68,12 @@ std::optional<std::filesystem::path> find_liger(const std::string& given) {
   const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
   if (!ec) candidates.push_back(exe.parent_path().parent_path() / "kernels");
   for (const auto& c : candidates)
-    if (std::filesystem::exists(c / "liger" / "manifest.json")) return std::filesystem::absolute(c / "liger");
+    if (std::filesystem::exists(c / name / "manifest.json")) return std::filesystem::absolute(c / name);
   return std::nullopt;
 }
 
 Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::vector<int64_t>& tokens,
-            const std::optional<std::filesystem::path>& liger) {
+            const std::optional<std::filesystem::path>& liger, const std::optional<std::filesystem::path>& attention = {}) {
   Run r;
   r.name = name;
   r.model = models::CausalLM::random(small_llama(a), DType::f32, dev, a.seed);
@@ -83,7 +83,8 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::
     hc.lock_file.reset();
     auto hub = std::make_shared<hub::Hub>(std::move(hc));
     const auto report =
-        r.model->kernelize(nn::liger_kernel_config(nn::LigerSwitches{}, liger->string(), true), nn::kTraining, dev, nn::hub_loader(hub));
+        r.model->kernelize(nn::liger_kernel_config(nn::LigerSwitches{}, liger->string(), true, attention ? attention->string() : ""),
+                           nn::kTraining, dev, nn::hub_loader(hub));
     fmt::print("{}", report.str());
   }
   train::AdamWOptions o;
@@ -140,8 +141,8 @@ int run_train(TrainArgs a) {
   std::vector<Run> runs;
   runs.push_back(run_one("reference", a, dev, tokens, std::nullopt));
   if (!a.reference_only) {
-    const auto liger = find_liger(a.packages);
-    if (liger) runs.push_back(run_one("kernels", a, dev, tokens, liger));
+    const auto liger = find_package(a.packages, "liger");
+    if (liger) runs.push_back(run_one("kernels", a, dev, tokens, liger, find_package(a.packages, "flash_attn")));
     else fmt::print("(no liger package found: build it, or pass --packages DIR; showing the reference only)\n");
   }
   fmt::print("\n{:<10} {:>12} {:>14} {:>12} {:>12}\n", "layers", "tokens/s", "peak MiB", "first loss", "final loss");
