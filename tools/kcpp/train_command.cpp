@@ -1,7 +1,7 @@
 // `kcpp train`: the main job.  With no arguments it trains a small Llama-style model on the embedded
 // corpus (train/corpus.h: generated text, byte-level tokens) on the GPU when there is one, else the
 // CPU — first with the reference layers, then with the layers kernelized with the Liger switches
-// (this build's liger package) — showing progress, loss, tokens/s and peak memory, prints the two
+// (this build's liger package) and flash_attn's attention — showing progress, loss, tokens/s and peak memory, prints the two
 // side by side, and samples text from the kernel-trained model.
 #include <fmt/format.h>
 
@@ -29,9 +29,10 @@ namespace kcpp::tools {
 namespace {
 
 struct TrainArgs {
-  int64_t steps = 0, batch = 16, seq = 128, layers = 4, hidden = 128;
+  // 0 / "": chosen by the device (run_train): a GPU gets a larger model in bf16.
+  int64_t steps = 0, batch = 16, seq = 0, layers = 4, hidden = 0;
   double lr = 3e-3;
-  std::string device = "auto", packages, save;
+  std::string device = "auto", dtype, packages, save;
   bool reference_only = false;
   uint64_t seed = 1;
 };
@@ -49,9 +50,9 @@ models::ModelConfig small_llama(const TrainArgs& a) {
   c.hidden_size = a.hidden;
   c.intermediate_size = a.hidden * 3;
   c.num_hidden_layers = a.layers;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = a.hidden / 4;
+  c.head_dim = a.hidden >= 256 ? 64 : a.hidden / 4;  // 64: the attention kernel's tensor-core path
+  c.num_attention_heads = a.hidden / c.head_dim;
+  c.num_key_value_heads = c.num_attention_heads / 2;
   c.max_position_embeddings = a.seq;
   c.rms_norm_eps = 1e-5;
   c.bos_token_id = {train::ByteTokenizer::kBos};
@@ -76,7 +77,7 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::
             const std::optional<std::filesystem::path>& liger, const std::optional<std::filesystem::path>& attention = {}) {
   Run r;
   r.name = name;
-  r.model = models::CausalLM::random(small_llama(a), DType::f32, dev, a.seed);
+  r.model = models::CausalLM::random(small_llama(a), parse_dtype(a.dtype), dev, a.seed);
   if (liger) {
     hub::HubConfig hc = hub::HubConfig::from_env();
     hc.allow_all_kernels = true;  // this build's own, unsigned
@@ -130,14 +131,20 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::
 int run_train(TrainArgs a) {
   const Device dev = a.device == "auto" ? (cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu()) : parse_device(a.device);
   if (a.steps == 0) a.steps = dev.is_cuda() ? 1000 : 60;
+  if (a.hidden == 0) a.hidden = dev.is_cuda() ? 512 : 128;
+  if (a.seq == 0) a.seq = dev.is_cuda() ? 512 : 128;
+  if (a.dtype.empty()) a.dtype = dev.is_cuda() ? "bf16" : "f32";
   KCPP_CHECK(a.steps > 0 && a.batch > 0 && a.seq > 1 && a.layers > 0 && a.hidden % 8 == 0 && a.hidden > 0,
              "kcpp train: steps, batch, layers must be positive, seq > 1, hidden a positive multiple of 8");
+  KCPP_CHECK(a.dtype == "f32" || a.dtype == "bf16" || a.dtype == "f16", "kcpp train: --dtype is '{}'; expected f32, bf16 or f16",
+             a.dtype);
   const train::ByteTokenizer tok;
   const std::string corpus = train::generated_corpus(400000);
   const std::vector<int64_t> tokens = tok.encode(corpus);
   fmt::print("kcpp train: a {}-layer Llama-style model (hidden {}, byte-level vocabulary {}) on {} bytes of generated text, "
-             "{} steps of {} x {} tokens, AdamW lr {}, on {}\n",
-             a.layers, a.hidden, train::ByteTokenizer::kVocab, corpus.size(), a.steps, a.batch, a.seq, a.lr, dev.str());
+             "{} steps of {} x {} tokens, {} weights{}, AdamW lr {}, on {}\n",
+             a.layers, a.hidden, train::ByteTokenizer::kVocab, corpus.size(), a.steps, a.batch, a.seq, a.dtype,
+             a.dtype == "f32" ? "" : " (f32 master copies)", a.lr, dev.str());
   std::vector<Run> runs;
   runs.push_back(run_one("reference", a, dev, tokens, std::nullopt));
   if (!a.reference_only) {
@@ -170,13 +177,14 @@ void add_train_command(CLI::App& app, Action& action) {
   auto* t = app.add_subcommand("train", "Train a small Llama-style model on the embedded corpus: reference layers, then kernels, side by side");
   t->add_option("--steps", args->steps, "Optimizer steps (default 1000 on a GPU, 60 on the CPU)");
   t->add_option("--batch", args->batch, "Sequences per step")->capture_default_str();
-  t->add_option("--seq", args->seq, "Tokens per sequence")->capture_default_str();
+  t->add_option("--seq", args->seq, "Tokens per sequence (default 512 on a GPU, 128 on the CPU)");
   t->add_option("--layers", args->layers, "Decoder layers")->capture_default_str();
-  t->add_option("--hidden", args->hidden, "Hidden size (a multiple of 8; 4 heads)")->capture_default_str();
+  t->add_option("--hidden", args->hidden, "Hidden size, a multiple of 8 (default 512 on a GPU: 8 heads of 64; 128 on the CPU: 4 heads)");
+  t->add_option("--dtype", args->dtype, "Weights: f32, bf16 or f16 (16-bit with f32 master copies; default bf16 on a GPU, f32 on the CPU)");
   t->add_option("--lr", args->lr, "AdamW learning rate")->capture_default_str();
   t->add_option("--seed", args->seed, "Initialization and data seed")->capture_default_str();
   t->add_option("--device", args->device, "cpu, cuda, cuda:N or auto")->capture_default_str();
-  t->add_option("--packages", args->packages, "Folder holding the built liger package (default: next to this binary)");
+  t->add_option("--packages", args->packages, "Folder holding the built liger and flash_attn packages (default: next to this binary)");
   t->add_option("--save", args->save, "Save the trained model here as a Hugging Face folder");
   t->add_flag("--reference-only", args->reference_only, "Skip the kernel run");
   t->callback([args, &action] { action = [args] { return run_train(*args); }; });
