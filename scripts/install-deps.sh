@@ -14,6 +14,7 @@ packages=(
   libfmt-dev             # formatting
   libdlpack-dev          # the tensor exchange format of the kernel ABI
   libcpp-httplib-dev     # kcpp serve
+  libpcre2-dev           # tokenizer.json pre-tokenization regexes (Unicode properties)
   libgtest-dev           # tests
   libbenchmark-dev       # CPU benchmarks
 )

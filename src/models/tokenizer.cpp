@@ -1,0 +1,472 @@
+// Byte-level BPE from tokenizer.json (see tokenizer.h for the pipeline).  The pre-tokenizers' regexes
+// run on PCRE2 (UTF and Unicode-property mode); everything else is plain C++.
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include "models/tokenizer.h"
+
+#include <pcre2.h>
+
+#include <algorithm>
+#include <array>
+#include <climits>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <unordered_map>
+
+#include "core/error.h"
+
+namespace kcpp::models {
+
+namespace {
+
+using nlohmann::json;
+
+// GPT-2's pre-tokenization regex (the ByteLevel pre-tokenizer's `use_regex`).
+constexpr const char* kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+void append_utf8(std::string& out, uint32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+}
+
+// Length of the UTF-8 sequence starting with byte c (1 for a stray continuation byte).
+size_t utf8_len(unsigned char c) { return c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 1; }
+
+// Decodes one code point at s[i] (advancing i); invalid bytes come back as themselves + 0x110000.
+uint32_t next_cp(std::string_view s, size_t& i) {
+  const auto c = static_cast<unsigned char>(s[i]);
+  const size_t n = utf8_len(c);
+  if (n == 1 || i + n > s.size()) return ++i, c < 0x80 ? c : c + 0x110000u;
+  uint32_t cp = c & (0xFF >> (n + 1));
+  for (size_t k = 1; k < n; ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
+  i += n;
+  return cp;
+}
+
+// GPT-2's bytes_to_unicode: printable Latin-1 bytes stand for themselves, the other 68 are moved to
+// code points 256, 257, ... in byte order.
+struct ByteAlphabet {
+  std::array<std::string, 256> sym;
+  std::unordered_map<uint32_t, uint8_t> back;
+  ByteAlphabet() {
+    uint32_t next = 256;
+    for (uint32_t b = 0; b < 256; ++b) {
+      const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+      const uint32_t cp = printable ? b : next++;
+      append_utf8(sym[b], cp);
+      back[cp] = static_cast<uint8_t>(b);
+    }
+  }
+};
+const ByteAlphabet& alphabet() {
+  static const ByteAlphabet a;
+  return a;
+}
+
+struct Regex {
+  pcre2_code* code = nullptr;
+  Regex() = default;
+  Regex(const std::string& pattern, const std::string& where) {
+    int err = 0;
+    PCRE2_SIZE off = 0;
+    code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP, &err, &off, nullptr);
+    if (!code) {
+      PCRE2_UCHAR msg[256];
+      pcre2_get_error_message(err, msg, sizeof msg);
+      throw Error(fmt::format("{}: regex {:?} does not compile at offset {}: {}", where, pattern, off,
+                              reinterpret_cast<const char*>(msg)));
+    }
+    pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);  // optional: the interpreter runs when JIT is unavailable
+  }
+  Regex(Regex&& o) noexcept : code(o.code) { o.code = nullptr; }
+  Regex& operator=(Regex&& o) noexcept {
+    std::swap(code, o.code);
+    return *this;
+  }
+  ~Regex() {
+    if (code) pcre2_code_free(code);
+  }
+
+  // `Isolated` split: every match and every gap between matches is a piece (empty ones dropped).
+  void split(std::string_view s, std::vector<std::string>& out) const {
+    pcre2_match_data* md = pcre2_match_data_create_from_pattern(code, nullptr);
+    size_t pos = 0, last = 0;
+    while (pos <= s.size()) {
+      const int rc = pcre2_match(code, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos, 0, md, nullptr);
+      if (rc == PCRE2_ERROR_NOMATCH) break;
+      if (rc < 0) {
+        pcre2_match_data_free(md);
+        throw Error("tokenizer: the text is not valid UTF-8");
+      }
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
+      const size_t a = ov[0], b = ov[1];
+      if (a > last) out.emplace_back(s.substr(last, a - last));
+      if (b > a) out.emplace_back(s.substr(a, b - a)), last = b;
+      if (b == a) {  // an empty match: step over one character (it joins the next gap)
+        if (a >= s.size()) break;
+        pos = a + utf8_len(static_cast<unsigned char>(s[a]));
+      } else {
+        pos = b;
+      }
+    }
+    if (last < s.size()) out.emplace_back(s.substr(last));
+    pcre2_match_data_free(md);
+  }
+};
+
+struct PreStep {
+  enum Kind { Split, ByteLevel } kind = Split;
+  Regex regex;                   // Split, or ByteLevel's regex when it has one
+  bool has_regex = false;
+  bool add_prefix_space = false;  // ByteLevel
+};
+
+struct AddedToken {
+  std::string content;
+  int64_t id = 0;
+  bool special = false;
+};
+
+}  // namespace
+
+struct Tokenizer::Impl {
+  std::string origin;
+  std::unordered_map<std::string, int64_t> vocab;
+  std::vector<std::string> id_to_token;  // by id (vocabulary and added tokens)
+  std::unordered_map<std::string, int> merge_rank;  // "a b" -> rank
+  bool ignore_merges = false;
+  std::optional<int64_t> unk;
+  std::vector<PreStep> pre;
+  bool byte_level_words = false;  // a ByteLevel step ran: words are in the byte alphabet
+  std::vector<AddedToken> added;  // longest first
+  std::unordered_map<int64_t, const AddedToken*> added_by_id;
+  std::vector<int64_t> prefix, suffix;  // the post-processor's special tokens around a sequence
+
+  [[noreturn]] void fail(const std::string& key, const std::string& what) const {
+    throw Error(fmt::format("{}: {}: {}", origin, key, what));
+  }
+
+  void bpe(const std::string& word, std::vector<int64_t>& out) const {
+    if (ignore_merges) {
+      if (auto it = vocab.find(word); it != vocab.end()) return out.push_back(it->second);
+    }
+    std::vector<std::string> syms;
+    for (size_t i = 0; i < word.size();) {
+      const size_t n = std::min(utf8_len(static_cast<unsigned char>(word[i])), word.size() - i);
+      syms.emplace_back(word.substr(i, n));
+      i += n;
+    }
+    while (syms.size() > 1) {
+      int best = std::numeric_limits<int>::max();
+      size_t at = 0;
+      for (size_t i = 0; i + 1 < syms.size(); ++i) {
+        const auto it = merge_rank.find(syms[i] + " " + syms[i + 1]);
+        if (it != merge_rank.end() && it->second < best) best = it->second, at = i;
+      }
+      if (best == std::numeric_limits<int>::max()) break;
+      syms[at] += syms[at + 1];
+      syms.erase(syms.begin() + static_cast<std::ptrdiff_t>(at) + 1);
+    }
+    for (const std::string& s : syms) {
+      if (auto it = vocab.find(s); it != vocab.end()) out.push_back(it->second);
+      else if (unk) out.push_back(*unk);
+      else throw Error(fmt::format("{}: the symbol {:?} is not in the vocabulary and there is no unk_token", origin, s));
+    }
+  }
+
+  // Pre-tokenizes and encodes a stretch of text without added tokens.
+  void encode_plain(std::string_view text, std::vector<int64_t>& out) const {
+    std::vector<std::string> pieces{std::string(text)};
+    for (const PreStep& st : pre) {
+      std::vector<std::string> next;
+      for (std::string& p : pieces) {
+        if (st.kind == PreStep::ByteLevel && st.add_prefix_space && (p.empty() || p[0] != ' ')) p.insert(p.begin(), ' ');
+        if (st.has_regex) st.regex.split(p, next);
+        else next.push_back(std::move(p));
+      }
+      if (st.kind == PreStep::ByteLevel)
+        for (std::string& p : next) {
+          std::string mapped;
+          for (unsigned char c : p) mapped += alphabet().sym[c];
+          p = std::move(mapped);
+        }
+      pieces = std::move(next);
+    }
+    for (const std::string& p : pieces)
+      if (!p.empty()) bpe(p, out);
+  }
+};
+
+Tokenizer::Tokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Tokenizer::~Tokenizer() = default;
+Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
+Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
+
+Tokenizer Tokenizer::from_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(fmt::format("{}: cannot open", path.string()));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return from_json_text(ss.str(), path.string());
+}
+
+Tokenizer Tokenizer::from_json_text(std::string_view text, const std::string& origin) {
+  auto impl = std::make_unique<Impl>();
+  Impl& t = *impl;
+  t.origin = origin;
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    throw Error(fmt::format("{}: not valid JSON: {}", origin, e.what()));
+  }
+  if (!j.is_object()) t.fail("(top level)", "expected an object");
+  // ---- model
+  if (!j.contains("model") || !j["model"].is_object()) t.fail("model", "missing");
+  const json& m = j["model"];
+  const std::string type = m.value("type", "");
+  if (type != "BPE") t.fail("model.type", fmt::format("'{}' is not supported (byte-level BPE only)", type));
+  if (!m.contains("vocab") || !m["vocab"].is_object()) t.fail("model.vocab", "missing or not an object");
+  int64_t max_id = -1;
+  for (const auto& [tok, id] : m["vocab"].items()) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0) t.fail("model.vocab." + tok, "the id is not a non-negative integer");
+    t.vocab[tok] = id.get<int64_t>();
+    max_id = std::max(max_id, id.get<int64_t>());
+  }
+  if (m.contains("merges") && !m["merges"].is_null()) {
+    if (!m["merges"].is_array()) t.fail("model.merges", "not an array");
+    int rank = 0;
+    for (const json& e : m["merges"]) {
+      std::string key;
+      if (e.is_string()) key = e.get<std::string>();
+      else if (e.is_array() && e.size() == 2 && e[0].is_string() && e[1].is_string())
+        key = e[0].get<std::string>() + " " + e[1].get<std::string>();
+      else t.fail(fmt::format("model.merges[{}]", rank), "expected \"a b\" or [\"a\", \"b\"]");
+      t.merge_rank.emplace(std::move(key), rank++);
+    }
+  }
+  t.ignore_merges = m.value("ignore_merges", false);
+  if (m.value("byte_fallback", false)) t.fail("model.byte_fallback", "byte fallback (sentencepiece-style BPE) is not supported");
+  if (m.contains("unk_token") && m["unk_token"].is_string()) {
+    const auto it = t.vocab.find(m["unk_token"].get<std::string>());
+    if (it == t.vocab.end()) t.fail("model.unk_token", "not in the vocabulary");
+    t.unk = it->second;
+  }
+  // ---- added tokens
+  if (j.contains("added_tokens") && j["added_tokens"].is_array())
+    for (const json& a : j["added_tokens"]) {
+      if (!a.contains("id") || !a["id"].is_number_integer() || !a.contains("content") || !a["content"].is_string())
+        t.fail("added_tokens", "an entry without an integer 'id' and a string 'content'");
+      AddedToken at{a["content"].get<std::string>(), a["id"].get<int64_t>(), a.value("special", false)};
+      if (at.content.empty()) t.fail("added_tokens", "an empty token");
+      max_id = std::max(max_id, at.id);
+      t.added.push_back(std::move(at));
+    }
+  std::sort(t.added.begin(), t.added.end(), [](const AddedToken& a, const AddedToken& b) { return a.content.size() > b.content.size(); });
+  for (const AddedToken& a : t.added) t.added_by_id[a.id] = &a;
+  t.id_to_token.assign(static_cast<size_t>(max_id + 1), std::string());
+  for (const auto& [tok, id] : t.vocab) t.id_to_token[static_cast<size_t>(id)] = tok;
+  for (const AddedToken& a : t.added) t.id_to_token[static_cast<size_t>(a.id)] = a.content;
+  // ---- normalizer
+  if (j.contains("normalizer") && !j["normalizer"].is_null()) {
+    const std::string nt = j["normalizer"].value("type", "");
+    if (nt != "NFC") t.fail("normalizer.type", fmt::format("'{}' is not supported (null or NFC)", nt));
+  }
+  // ---- pre-tokenizer
+  std::function<void(const json&, const std::string&)> add_pre = [&](const json& p, const std::string& key) {
+    const std::string pt = p.value("type", "");
+    if (pt == "Sequence") {
+      if (!p.contains("pretokenizers") || !p["pretokenizers"].is_array()) t.fail(key + ".pretokenizers", "missing");
+      for (size_t i = 0; i < p["pretokenizers"].size(); ++i) add_pre(p["pretokenizers"][i], fmt::format("{}.pretokenizers[{}]", key, i));
+    } else if (pt == "ByteLevel") {
+      PreStep st;
+      st.kind = PreStep::ByteLevel;
+      st.add_prefix_space = p.value("add_prefix_space", false);
+      if (p.value("use_regex", true)) st.regex = Regex(kGpt2Pattern, key), st.has_regex = true;
+      t.pre.push_back(std::move(st));
+      t.byte_level_words = true;
+    } else if (pt == "Split") {
+      const std::string behavior = p.value("behavior", "");
+      if (behavior != "Isolated") t.fail(key + ".behavior", fmt::format("'{}' is not supported (Isolated)", behavior));
+      if (p.value("invert", false)) t.fail(key + ".invert", "an inverted split is not supported");
+      if (!p.contains("pattern") || !p["pattern"].is_object()) t.fail(key + ".pattern", "missing");
+      const json& pat = p["pattern"];
+      std::string re;
+      if (pat.contains("Regex") && pat["Regex"].is_string()) {
+        re = pat["Regex"].get<std::string>();
+      } else if (pat.contains("String") && pat["String"].is_string()) {  // a literal: escape it
+        for (char c : pat["String"].get<std::string>()) {
+          if (std::string_view("\\^$.|?*+()[]{}").find(c) != std::string_view::npos) re += '\\';
+          re += c;
+        }
+      } else {
+        t.fail(key + ".pattern", "expected {\"Regex\": ...} or {\"String\": ...}");
+      }
+      PreStep st;
+      st.regex = Regex(re, key + ".pattern");
+      st.has_regex = true;
+      t.pre.push_back(std::move(st));
+    } else if (pt == "Digits") {
+      PreStep st;
+      st.regex = Regex(p.value("individual_digits", false) ? R"(\p{N})" : R"(\p{N}+)", key);
+      st.has_regex = true;
+      t.pre.push_back(std::move(st));
+    } else {
+      t.fail(key + ".type", fmt::format("'{}' is not supported (ByteLevel, Split, Digits, Sequence)", pt));
+    }
+  };
+  if (j.contains("pre_tokenizer") && !j["pre_tokenizer"].is_null()) add_pre(j["pre_tokenizer"], "pre_tokenizer");
+  if (!t.byte_level_words) t.fail("pre_tokenizer", "no ByteLevel step: only byte-level BPE is supported");
+  // ---- post-processor
+  std::function<void(const json&, const std::string&)> add_post = [&](const json& p, const std::string& key) {
+    const std::string pt = p.value("type", "");
+    if (pt == "Sequence") {
+      if (!p.contains("processors") || !p["processors"].is_array()) t.fail(key + ".processors", "missing");
+      for (size_t i = 0; i < p["processors"].size(); ++i) add_post(p["processors"][i], fmt::format("{}.processors[{}]", key, i));
+    } else if (pt == "TemplateProcessing") {
+      if (!p.contains("single") || !p["single"].is_array()) t.fail(key + ".single", "missing");
+      bool seen_sequence = false;
+      for (const json& piece : p["single"]) {
+        if (piece.contains("Sequence")) {
+          seen_sequence = true;
+          continue;
+        }
+        if (!piece.contains("SpecialToken")) t.fail(key + ".single", "expected SpecialToken or Sequence pieces");
+        const std::string name = piece["SpecialToken"].value("id", "");
+        const json& sp = p.value("special_tokens", json::object());
+        if (!sp.contains(name) || !sp[name].contains("ids") || !sp[name]["ids"].is_array())
+          t.fail(key + ".special_tokens", fmt::format("'{}' has no ids", name));
+        for (const json& id : sp[name]["ids"]) (seen_sequence ? t.suffix : t.prefix).push_back(id.get<int64_t>());
+      }
+    } else if (pt != "ByteLevel" && pt != "RobertaProcessing") {
+      t.fail(key + ".type", fmt::format("'{}' is not supported (TemplateProcessing, ByteLevel, Sequence)", pt));
+    }
+  };
+  if (j.contains("post_processor") && !j["post_processor"].is_null()) add_post(j["post_processor"], "post_processor");
+  // ---- decoder
+  if (j.contains("decoder") && !j["decoder"].is_null()) {
+    const json& d = j["decoder"];
+    bool byte_level = d.value("type", "") == "ByteLevel";
+    if (d.value("type", "") == "Sequence" && d.contains("decoders"))
+      for (const json& x : d["decoders"]) byte_level = byte_level || x.value("type", "") == "ByteLevel";
+    if (!byte_level) t.fail("decoder.type", "only the ByteLevel decoder is supported");
+  }
+  return Tokenizer(std::move(impl));
+}
+
+std::vector<int64_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) const {
+  const Impl& t = *impl_;
+  std::vector<int64_t> out;
+  if (add_special_tokens) out = t.prefix;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    // The earliest added token at or after pos, the longest one there.
+    size_t best = std::string_view::npos;
+    const AddedToken* hit = nullptr;
+    for (const AddedToken& a : t.added) {
+      const size_t f = text.find(a.content, pos);
+      if (f != std::string_view::npos && (f < best)) best = f, hit = &a;  // longest first: ties keep the longer
+    }
+    t.encode_plain(text.substr(pos, (hit ? best : text.size()) - pos), out);
+    if (!hit) break;
+    out.push_back(hit->id);
+    pos = best + hit->content.size();
+  }
+  if (add_special_tokens) out.insert(out.end(), t.suffix.begin(), t.suffix.end());
+  return out;
+}
+
+std::string Tokenizer::decode(const std::vector<int64_t>& ids, bool skip_special_tokens) const {
+  const Impl& t = *impl_;
+  std::string out, pending;
+  auto flush = [&] {
+    for (size_t i = 0; i < pending.size();) {
+      const uint32_t cp = next_cp(pending, i);
+      const auto it = alphabet().back.find(cp);
+      if (it != alphabet().back.end()) out += static_cast<char>(it->second);
+      else if (cp < 0x110000u) append_utf8(out, cp);
+    }
+    pending.clear();
+  };
+  for (int64_t id : ids) {
+    if (id < 0 || id >= static_cast<int64_t>(t.id_to_token.size()))
+      throw Error(fmt::format("{}: token id {} is outside the vocabulary (size {})", t.origin, id, t.id_to_token.size()));
+    if (const auto a = t.added_by_id.find(id); a != t.added_by_id.end()) {
+      flush();
+      if (!(skip_special_tokens && a->second->special)) out += a->second->content;
+      continue;
+    }
+    pending += t.id_to_token[static_cast<size_t>(id)];
+  }
+  flush();
+  return out;
+}
+
+int64_t Tokenizer::vocab_size() const { return static_cast<int64_t>(impl_->id_to_token.size()); }
+
+std::optional<int64_t> Tokenizer::token_to_id(std::string_view token) const {
+  for (const AddedToken& a : impl_->added)
+    if (a.content == token) return a.id;
+  if (const auto it = impl_->vocab.find(std::string(token)); it != impl_->vocab.end()) return it->second;
+  return std::nullopt;
+}
+
+std::string Tokenizer::id_to_token(int64_t id) const {
+  if (id < 0 || id >= vocab_size()) return "";
+  return impl_->id_to_token[static_cast<size_t>(id)];
+}
+
+std::string Tokenizer::byte_level_json(int64_t bos_id, int64_t eos_id, const std::string& bos, const std::string& eos) {
+  json vocab = json::object();
+  for (int b = 0; b < 256; ++b) vocab[alphabet().sym[static_cast<size_t>(b)]] = b;
+  auto added = [](int64_t id, const std::string& content) {
+    return json{{"id", id}, {"content", content}, {"single_word", false}, {"lstrip", false}, {"rstrip", false},
+                {"normalized", false}, {"special", true}};
+  };
+  const json byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}};
+  json j = {
+      {"version", "1.0"},
+      {"truncation", nullptr},
+      {"padding", nullptr},
+      {"added_tokens", json::array({added(bos_id, bos), added(eos_id, eos)})},
+      {"normalizer", nullptr},
+      {"pre_tokenizer", byte_level},
+      {"post_processor",
+       {{"type", "TemplateProcessing"},
+        {"single", json::array({{{"SpecialToken", {{"id", bos}, {"type_id", 0}}}}, {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}})},
+        {"pair", json::array({{{"SpecialToken", {{"id", bos}, {"type_id", 0}}}},
+                              {{"Sequence", {{"id", "A"}, {"type_id", 0}}}},
+                              {{"Sequence", {{"id", "B"}, {"type_id", 1}}}}})},
+        {"special_tokens", {{bos, {{"id", bos}, {"ids", json::array({bos_id})}, {"tokens", json::array({bos})}}}}}}},
+      {"decoder", byte_level},
+      {"model",
+       {{"type", "BPE"},
+        {"dropout", nullptr},
+        {"unk_token", nullptr},
+        {"continuing_subword_prefix", nullptr},
+        {"end_of_word_suffix", nullptr},
+        {"fuse_unk", false},
+        {"byte_fallback", false},
+        {"ignore_merges", false},
+        {"vocab", vocab},
+        {"merges", json::array()}}},
+  };
+  return j.dump(2) + "\n";
+}
+
+}  // namespace kcpp::models
