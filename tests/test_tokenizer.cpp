@@ -53,6 +53,8 @@ TEST(Tokenizer, ByteLevelJsonRoundTrips) {
   EXPECT_EQ(tok.decode({256, 84, 257}), "<|bos|>T<|eos|>");
   EXPECT_EQ(tok.token_to_id("<|eos|>"), 257);
   EXPECT_EQ(tok.id_to_token(32), "\xC4\xA0");  // GPT-2's alphabet: the space byte is U+0120
+  // Invalid UTF-8 among the decoded bytes becomes U+FFFD, one per maximal invalid prefix.
+  EXPECT_EQ(tok.decode({72, 0xFF, 105, 0xE6, 0x9D, 33}), "H\xEF\xBF\xBDi\xEF\xBF\xBD!");
 }
 
 TEST(Tokenizer, BadFilesAreErrorsNamingTheKey) {

@@ -58,6 +58,31 @@ uint32_t next_cp(std::string_view s, size_t& i) {
   return cp;
 }
 
+// Appends `bytes` with each invalid UTF-8 sequence replaced by U+FFFD, as the `tokenizers` library
+// decodes (Rust's from_utf8_lossy: one replacement per maximal invalid prefix).
+void append_utf8_lossy(std::string& out, std::string_view bytes) {
+  for (size_t i = 0; i < bytes.size();) {
+    const auto c = static_cast<unsigned char>(bytes[i]);
+    const size_t n = c < 0x80 ? 1 : (c >= 0xC2 && c <= 0xDF) ? 2 : (c >= 0xE0 && c <= 0xEF) ? 3 : (c >= 0xF0 && c <= 0xF4) ? 4 : 0;
+    size_t k = 1;
+    if (n > 1)
+      for (; k < n && i + k < bytes.size(); ++k) {
+        const auto d = static_cast<unsigned char>(bytes[i + k]);
+        // The second byte's narrower ranges exclude overlong forms, surrogates and > U+10FFFF.
+        const unsigned lo = k == 1 && c == 0xE0 ? 0xA0 : k == 1 && c == 0xF0 ? 0x90 : 0x80;
+        const unsigned hi = k == 1 && c == 0xED ? 0x9F : k == 1 && c == 0xF4 ? 0x8F : 0xBF;
+        if (d < lo || d > hi) break;
+      }
+    if (n != 0 && k == n) {
+      out.append(bytes.substr(i, n));
+      i += n;
+    } else {
+      out += "\xEF\xBF\xBD";
+      i += n == 0 ? 1 : k;
+    }
+  }
+}
+
 // GPT-2's bytes_to_unicode: printable Latin-1 bytes stand for themselves, the other 68 are moved to
 // code points 256, 257, ... in byte order.
 struct ByteAlphabet {
@@ -395,12 +420,14 @@ std::string Tokenizer::decode(const std::vector<int64_t>& ids, bool skip_special
   const Impl& t = *impl_;
   std::string out, pending;
   auto flush = [&] {
+    std::string bytes;
     for (size_t i = 0; i < pending.size();) {
       const uint32_t cp = next_cp(pending, i);
       const auto it = alphabet().back.find(cp);
-      if (it != alphabet().back.end()) out += static_cast<char>(it->second);
-      else if (cp < 0x110000u) append_utf8(out, cp);
+      if (it != alphabet().back.end()) bytes += static_cast<char>(it->second);
+      else if (cp < 0x110000u) append_utf8(bytes, cp);
     }
+    append_utf8_lossy(out, bytes);
     pending.clear();
   };
   for (int64_t id : ids) {

@@ -1,12 +1,16 @@
-// `kcpp generate`: a model folder, a prompt as token ids, greedy or sampled continuation with the KV
-// cache, optionally with kernels by KernelConfig (a JSON file or inline JSON) or the Liger switches.
+// `kcpp generate`: a model folder, a prompt as text (through the folder's tokenizer.json, printed
+// back as text) or as token ids (printed as ids), greedy or sampled continuation with the KV cache,
+// optionally with kernels by KernelConfig (a JSON file or inline JSON).
 //
-//   kcpp generate --model DIR --prompt-ids 1,15,7 [--max-new-tokens 32] [--temperature 0.8 --top-k 50
+//   kcpp generate --model DIR (--prompt TEXT [--tokenizer FILE] | --prompt-ids 1,15,7) [--max-new-tokens 32]
+//                 [--temperature 0.8 --top-k 50
 //                 --top-p 0.9 --seed 1] [--dtype bf16] [--device cuda] [--kernels MAPPING.json]
 //                 [--use-local-kernel] [--allow-all-kernels]
 #include <fmt/format.h>
 
 #include <chrono>
+#include <filesystem>
+#include <optional>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -17,6 +21,7 @@
 #include "core/error.h"
 #include "hub/hub.h"
 #include "models/causal_lm.h"
+#include "models/tokenizer.h"
 #include "nn/kernel_config.h"
 
 namespace kcpp::tools {
@@ -24,7 +29,7 @@ namespace kcpp::tools {
 namespace {
 
 struct GenerateArgs {
-  std::string model, prompt_ids, dtype = "f32", device = "auto", kernels;
+  std::string model, prompt, prompt_ids, tokenizer, dtype = "f32", device = "auto", kernels;
   int64_t max_new_tokens = 32;
   double temperature = 0.0, top_p = 1.0;
   int64_t top_k = 0;
@@ -73,11 +78,25 @@ int run_generate(const GenerateArgs& a) {
     fmt::print(stderr, "{}", report.str());
   }
   models::Sampling s{a.temperature, a.top_k, a.top_p, a.seed};
-  const auto prompt = parse_ids(a.prompt_ids);
+  KCPP_CHECK(a.prompt.empty() != a.prompt_ids.empty(), "kcpp generate: give --prompt TEXT or --prompt-ids, not both");
+  std::optional<models::Tokenizer> tok;
+  std::vector<int64_t> prompt;
+  if (!a.prompt.empty()) {
+    const std::filesystem::path tf = a.tokenizer.empty() ? std::filesystem::path(a.model) / "tokenizer.json" : std::filesystem::path(a.tokenizer);
+    KCPP_CHECK(std::filesystem::exists(tf), "kcpp generate: {} not found (a text prompt needs the model's tokenizer.json; "
+               "--tokenizer FILE, or --prompt-ids)", tf.string());
+    tok = models::Tokenizer::from_file(tf);
+    prompt = tok->encode(a.prompt, true);
+    KCPP_CHECK(!prompt.empty(), "kcpp generate: the prompt encodes to no tokens");
+  } else {
+    prompt = parse_ids(a.prompt_ids);
+  }
+  const std::vector<int64_t>& eos = model->config().eos_token_id;
   const auto t0 = std::chrono::steady_clock::now();
-  const auto out = model->generate(prompt, a.max_new_tokens, s);
+  const auto out = model->generate(prompt, a.max_new_tokens, s, tok && !eos.empty() ? &eos : nullptr);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  fmt::print("{}\n", fmt::join(out, ","));
+  if (tok) fmt::print("{}\n", tok->decode(out, true));
+  else fmt::print("{}\n", fmt::join(out, ","));
   const size_t fresh = out.size() - prompt.size();
   fmt::print(stderr, "{} new tokens in {:.3f} s ({:.1f} tokens/s) on {}\n", fresh, secs, fresh / std::max(secs, 1e-9), dev.str());
   if (!a.kernels.empty()) fmt::print(stderr, "{}", model->kernel_report());
@@ -90,7 +109,9 @@ void add_model_commands(CLI::App& app, Action& action) {
   auto args = std::make_shared<GenerateArgs>();
   auto* g = app.add_subcommand("generate", "Continue a prompt with a Hugging Face model folder (KV cache; greedy or sampled)");
   g->add_option("--model", args->model, "Model folder: config.json + model.safetensors (or the sharded index)")->required();
-  g->add_option("--prompt-ids", args->prompt_ids, "The prompt as comma-separated token ids")->required();
+  g->add_option("--prompt", args->prompt, "The prompt as text (tokenized by the model's tokenizer.json; the output is text)");
+  g->add_option("--prompt-ids", args->prompt_ids, "The prompt as comma-separated token ids (the output is ids)");
+  g->add_option("--tokenizer", args->tokenizer, "A tokenizer.json other than the model folder's");
   g->add_option("--max-new-tokens", args->max_new_tokens, "Tokens to generate at most")->capture_default_str();
   g->add_option("--temperature", args->temperature, "0 = greedy")->capture_default_str();
   g->add_option("--top-k", args->top_k, "Sample among the k most likely (0 = all)")->capture_default_str();

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <optional>
 #include <unistd.h>
@@ -20,6 +21,7 @@
 #include "core/timing.h"
 #include "hub/hub.h"
 #include "models/causal_lm.h"
+#include "models/tokenizer.h"
 #include "nn/kernel_config.h"
 #include "train/corpus.h"
 #include "train/trainer.h"
@@ -165,7 +167,10 @@ int run_train(TrainArgs a) {
   fmt::print("\nsample ({}): {}\n", runs.back().name, tok.decode(out));
   if (!a.save.empty()) {
     best.save(a.save);
-    fmt::print("saved to {} (config.json + model.safetensors)\n", a.save);
+    std::ofstream(std::filesystem::path(a.save) / "tokenizer.json")
+        << models::Tokenizer::byte_level_json(train::ByteTokenizer::kBos, train::ByteTokenizer::kEos);
+    fmt::print("saved to {} (config.json, model.safetensors, tokenizer.json); try: kcpp generate --model {} --prompt 'The '\n",
+               a.save, a.save);
   }
   return 0;
 }
