@@ -23,7 +23,7 @@
 // Paths:
 //   CPU: any dtype and D; rows in parallel (forward), kv heads in parallel (backward, so dk / dv have
 //        one writer each).
-//   CUDA, tensor cores (mma.sync m16n8k16, f32 accumulate): bf16 / f16, D in {64, 128}, 16-byte
+//   CUDA, tensor cores (mma.sync m16n8k16, f32 accumulate): bf16 / f16, D in {64, 128}, scale > 0, 16-byte
 //        aligned rows.  Forward: a block of 4 warps per 64 queries, K / V tiles of 64 keys
 //        double-buffered in shared memory by cp.async.  Backward: a block per 64 keys of a kv head,
 //        looping over the group's query heads and the query tiles that see them; dk, dv in

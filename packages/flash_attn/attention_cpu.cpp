@@ -42,7 +42,8 @@ const char* attention_check(const AttentionParams& p, bool backward) {
 }
 
 bool attention_fast_path(const AttentionParams& p) {
-  if (p.dtype == DType::f32 || (p.head_dim != 64 && p.head_dim != 128)) return false;
+  // The tensor-core forward takes the row maximum of the raw scores: a positive scale.
+  if (p.dtype == DType::f32 || (p.head_dim != 64 && p.head_dim != 128) || !(p.scale > 0.0f)) return false;
   // 16-byte rows: every pointer aligned and every stride a multiple of 8 elements.
   for (const Operand* o : {&p.q, &p.k, &p.v, &p.out, &p.dout, &p.dq, &p.dk, &p.dv}) {
     if ((reinterpret_cast<uintptr_t>(o->data) & 15u) != 0) return false;

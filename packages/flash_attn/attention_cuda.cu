@@ -88,15 +88,27 @@ template <typename T> __device__ __forceinline__ void to_a(uint32_t (&a)[4], con
 template <int W> __device__ __forceinline__ int swz(int r, int c) { return r * W + ((c ^ (r & 7)) << 3); }
 
 // Rows [0, R) of a tile of width D from global rows `g + r * ss`; rows >= valid are zero-filled.
+// Each thread copies one fixed 16-byte chunk column of rows r0, r0 + RSTEP, ...: RSTEP is a multiple
+// of 8, so the swizzle (chunk ^ row % 8) and both addresses are the same offsets stepped by constants.
 template <int R, int D, int NT, typename T>
 __device__ __forceinline__ void load_tile(T* s, const T* g, int64_t ss, int valid, int tid) {
-  constexpr int CH = D / 8;
+  constexpr int CH = D / 8, RSTEP = NT / CH;
+  static_assert(NT % CH == 0 && RSTEP % 8 == 0 && R % RSTEP == 0, "load_tile: tile and thread count do not divide");
+  const int c = tid % CH, r0 = tid / CH;
+  const uint32_t dst = smem_addr(s + swz<D>(r0, c));
+  const T* src = g + r0 * ss + c * 8;
 #pragma unroll
-  for (int idx = tid; idx < R * CH; idx += NT) {
-    const int r = idx / CH, c = idx % CH;
-    const bool ok = r < valid;
-    cp_async16(smem_addr(s + swz<D>(r, c)), ok ? g + r * ss + c * 8 : g, ok);
+  for (int k = 0; k < R / RSTEP; ++k) {
+    const bool ok = r0 + k * RSTEP < valid;
+    cp_async16(dst + k * RSTEP * D * static_cast<int>(sizeof(T)), ok ? src + k * RSTEP * ss : g, ok);
   }
+}
+
+// 2^x in one MUFU instruction (flush-to-zero; 2^-inf = 0).
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 __device__ __forceinline__ bool visible(int64_t pos, int64_t j, int64_t skv, bool causal, int64_t window) {
@@ -167,27 +179,30 @@ template <typename T, int D> __global__ void __launch_bounds__(kThreads) fwd_ker
                         j0 + kBc > p.seq_kv;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      const int64_t pos = q0 + warp * 16 + g + 8 * hf + off;
-      float m_new = mx[hf];
+      // The maximum of the raw scores (scale > 0 on this path), then p = 2^(s scale log2(e) - max
+      // scale log2(e)): one FFMA and one MUFU per score.  mx holds the scaled running maximum.
+      float m_raw = -INFINITY;
+      if (masked) {
+        const int64_t pos = q0 + warp * 16 + g + 8 * hf + off;
 #pragma unroll
-      for (int nt = 0; nt < kBc / 8; ++nt)
+        for (int nt = 0; nt < kBc / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float x = s[nt][2 * hf + e] * sl2;
-          if (masked && !visible(pos, j0 + nt * 8 + 2 * t + e, p.seq_kv, p.causal, p.window)) x = -INFINITY;
-          s[nt][2 * hf + e] = x;
-          m_new = fmaxf(m_new, x);
-        }
-      m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 1));
-      m_new = fmaxf(m_new, __shfl_xor_sync(0xffffffffu, m_new, 2));
+          for (int e = 0; e < 2; ++e)
+            if (!visible(pos, j0 + nt * 8 + 2 * t + e, p.seq_kv, p.causal, p.window)) s[nt][2 * hf + e] = -INFINITY;
+      }
+#pragma unroll
+      for (int nt = 0; nt < kBc / 8; ++nt) m_raw = fmaxf(m_raw, fmaxf(s[nt][2 * hf], s[nt][2 * hf + 1]));
+      m_raw = fmaxf(m_raw, __shfl_xor_sync(0xffffffffu, m_raw, 1));
+      m_raw = fmaxf(m_raw, __shfl_xor_sync(0xffffffffu, m_raw, 2));
+      const float m_new = fmaxf(mx[hf], m_raw * sl2);
       const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-      const float corr = exp2f(mx[hf] - m_use);
+      const float corr = ex2(mx[hf] - m_use);
       mx[hf] = m_new;
       float sum = 0.0f;
 #pragma unroll
       for (int nt = 0; nt < kBc / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) sum += (s[nt][2 * hf + e] = exp2f(s[nt][2 * hf + e] - m_use));
+        for (int e = 0; e < 2; ++e) sum += (s[nt][2 * hf + e] = ex2(fmaf(s[nt][2 * hf + e], sl2, -m_use)));
       l[hf] = l[hf] * corr + sum;
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt) o[dt][2 * hf] *= corr, o[dt][2 * hf + 1] *= corr;
@@ -323,7 +338,7 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, 
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qi = nt * 8 + 2 * t + (e & 1);
-          float x = exp2f(st[nt][e] * sl2 - sL[qi]);
+          float x = ex2(fmaf(st[nt][e], sl2, -sL[qi]));
           if (masked && !visible(i0 + qi + off, k0 + warp * 16 + g + 8 * (e >> 1), p.seq_kv, p.causal, p.window)) x = 0.0f;
           st[nt][e] = x;
         }
