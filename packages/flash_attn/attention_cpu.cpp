@@ -5,6 +5,7 @@
 // block by row block.
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -54,16 +55,16 @@ bool attention_fast_path(const AttentionParams& p) {
 
 size_t attention_backward_workspace(const AttentionParams& p) {
   const auto rows = static_cast<size_t>(p.batch * p.heads_q * p.seq_q);
-  const size_t delta = (rows * sizeof(float) + 255) / 256 * 256;
-  return delta + rows * static_cast<size_t>(p.head_dim) * sizeof(float);
+  auto aligned = [](size_t n) { return (n + 255) / 256 * 256; };
+  // delta (f32), the generic path's f64 log-sum-exp and delta, the tensor-core path's dq accumulator (f32).
+  return aligned(rows * sizeof(float)) + aligned(2 * rows * sizeof(double)) +
+         rows * static_cast<size_t>(p.head_dim) * sizeof(float);
 }
 
 // ---- CPU ----------------------------------------------------------------------------------------
 
 namespace {
 
-using kernel::cpu::load_row;
-using kernel::cpu::store_row;
 constexpr int64_t kRows = 8;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -76,23 +77,35 @@ Range visible(const AttentionParams& p, int64_t i) {
   return {p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0, p.causal ? pos : p.seq_kv - 1};
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.0f;
+// The accumulation type: f64 for f32 inputs (f32's bound, a few units of roundoff against the f64
+// oracle, leaves no room for the different summation order of a tiled algorithm), f32 for 16-bit.
+template <typename T> using Acc = std::conditional_t<std::is_same_v<T, float>, double, float>;
+
+template <typename A> inline A dot(const A* a, const A* b, int64_t n) {
+  A s = 0;
 #pragma omp simd reduction(+ : s)
   for (int64_t c = 0; c < n; ++c) s += a[c] * b[c];
   return s;
 }
-inline void axpy(float a, const float* x, float* y, int64_t n) {
+template <typename A> inline void axpy(A a, const A* x, A* y, int64_t n) {
 #pragma omp simd
   for (int64_t c = 0; c < n; ++c) y[c] += a * x[c];
 }
+template <typename T, typename A> inline void load(const T* src, int64_t n, A* dst) {
+  for (int64_t c = 0; c < n; ++c) dst[c] = static_cast<A>(kernel::cpu::to_f32(src[c]));
+}
+template <typename T, typename A> inline void store(const A* src, int64_t n, A scale, T* dst) {
+  for (int64_t c = 0; c < n; ++c) dst[c] = kernel::cpu::from_f32<T>(static_cast<float>(src[c] * scale));
+}
 
 template <typename T> void forward(const AttentionParams& p) {
+  using A = Acc<T>;
+  const A ninf = -std::numeric_limits<A>::infinity();
   const int64_t d = p.head_dim, group = p.heads_q / p.heads_kv, blocks = (p.seq_q + kRows - 1) / kRows;
   const int64_t tasks = p.batch * p.heads_q * blocks;
 #pragma omp parallel
   {
-    std::vector<float> q(kRows * d), o(kRows * d), kv(d), s(kRows * p.seq_kv);
+    std::vector<A> q(kRows * d), o(kRows * d), kv(d), s(kRows * p.seq_kv);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t b = task / (p.heads_q * blocks), h = task / blocks % p.heads_q, i0 = task % blocks * kRows;
@@ -102,95 +115,100 @@ template <typename T> void forward(const AttentionParams& p) {
       for (int64_t a = 0; a < rows; ++a) {
         r[a] = visible(p, i0 + a);
         lo = std::min(lo, r[a].lo), hi = std::max(hi, r[a].hi);
-        load_row(p.q.at<T>(b, h, i0 + a), d, q.data() + a * d);
+        load(p.q.at<T>(b, h, i0 + a), d, q.data() + a * d);
       }
-      std::fill(o.begin(), o.end(), 0.0f);
+      std::fill(o.begin(), o.end(), A(0));
       for (int64_t j = lo; j <= hi; ++j) {  // scores
-        load_row(p.k.at<T>(b, hk, j), d, kv.data());
+        load(p.k.at<T>(b, hk, j), d, kv.data());
         for (int64_t a = 0; a < rows; ++a)
-          s[a * p.seq_kv + j] = j >= r[a].lo && j <= r[a].hi ? p.scale * dot(q.data() + a * d, kv.data(), d) : kNegInf;
+          s[a * p.seq_kv + j] = j >= r[a].lo && j <= r[a].hi ? A(p.scale) * dot(q.data() + a * d, kv.data(), d) : ninf;
       }
-      float inv[kRows];
+      A inv[kRows];
       for (int64_t a = 0; a < rows; ++a) {  // softmax of each row, lse
-        float* sa = s.data() + a * p.seq_kv;
-        float mx = kNegInf;
+        A* sa = s.data() + a * p.seq_kv;
+        A mx = ninf;
         for (int64_t j = lo; j <= hi; ++j) mx = std::max(mx, sa[j]);
         double sum = 0.0;
-        if (mx != kNegInf)
+        if (mx != ninf)
           for (int64_t j = lo; j <= hi; ++j) sum += (sa[j] = std::exp(sa[j] - mx));
         else
-          for (int64_t j = lo; j <= hi; ++j) sa[j] = 0.0f;
-        inv[a] = sum > 0.0 ? static_cast<float>(1.0 / sum) : 0.0f;
+          for (int64_t j = lo; j <= hi; ++j) sa[j] = A(0);
+        inv[a] = sum > 0.0 ? static_cast<A>(1.0 / sum) : A(0);
         // lse rounded once (the backward's p = exp(s - lse) is as exact as this rounding).
-        if (p.lse) p.lse[(b * p.heads_q + h) * p.seq_q + i0 + a] = sum > 0.0 ? static_cast<float>(mx + std::log(sum)) : kNegInf;
+        if (p.lse)
+          p.lse[(b * p.heads_q + h) * p.seq_q + i0 + a] = sum > 0.0 ? static_cast<float>(mx + std::log(sum)) : kNegInf;
       }
       for (int64_t j = lo; j <= hi; ++j) {  // out = p v
-        load_row(p.v.at<T>(b, hk, j), d, kv.data());
+        load(p.v.at<T>(b, hk, j), d, kv.data());
         for (int64_t a = 0; a < rows; ++a)
-          if (const float pj = s[a * p.seq_kv + j]; pj != 0.0f) axpy(pj, kv.data(), o.data() + a * d, d);
+          if (const A pj = s[a * p.seq_kv + j]; pj != A(0)) axpy(pj, kv.data(), o.data() + a * d, d);
       }
-      for (int64_t a = 0; a < rows; ++a) {
-        float* oa = o.data() + a * d;
-        for (int64_t c = 0; c < d; ++c) oa[c] *= inv[a];
-        store_row(oa, d, p.out.mut<T>(b, h, i0 + a));
-      }
+      for (int64_t a = 0; a < rows; ++a) store(o.data() + a * d, d, inv[a], p.out.mut<T>(b, h, i0 + a));
     }
   }
 }
 
 template <typename T> void backward(const AttentionParams& p) {
+  using A = Acc<T>;
   const int64_t d = p.head_dim, group = p.heads_q / p.heads_kv, tasks = p.batch * p.heads_kv;
 #pragma omp parallel
   {
-    std::vector<float> dk(p.seq_kv * d), dv(p.seq_kv * d), q(kRows * d), dout(kRows * d), dq(kRows * d), kr(d), vr(d),
-        tmp(d);
+    std::vector<A> dk(p.seq_kv * d), dv(p.seq_kv * d), q(kRows * d), dout(kRows * d), dq(kRows * d), kr(d), vr(d), tmp(d);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t b = task / p.heads_kv, hk = task % p.heads_kv;
-      std::fill(dk.begin(), dk.end(), 0.0f);
-      std::fill(dv.begin(), dv.end(), 0.0f);
+      std::fill(dk.begin(), dk.end(), A(0));
+      std::fill(dv.begin(), dv.end(), A(0));
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
         for (int64_t i0 = 0; i0 < p.seq_q; i0 += kRows) {
           const int64_t rows = std::min(kRows, p.seq_q - i0);
           Range r[kRows];
-          float lse[kRows], delta[kRows];
+          A lse[kRows], delta[kRows];
           int64_t lo = p.seq_kv, hi = -1;
           for (int64_t a = 0; a < rows; ++a) {
             r[a] = visible(p, i0 + a);
             lo = std::min(lo, r[a].lo), hi = std::max(hi, r[a].hi);
-            load_row(p.q.at<T>(b, h, i0 + a), d, q.data() + a * d);
-            load_row(p.dout.at<T>(b, h, i0 + a), d, dout.data() + a * d);
-            load_row(p.out.at<T>(b, h, i0 + a), d, tmp.data());
+            load(p.q.at<T>(b, h, i0 + a), d, q.data() + a * d);
+            load(p.dout.at<T>(b, h, i0 + a), d, dout.data() + a * d);
+            load(p.out.at<T>(b, h, i0 + a), d, tmp.data());
             delta[a] = dot(dout.data() + a * d, tmp.data(), d);
             lse[a] = p.lse[(b * p.heads_q + h) * p.seq_q + i0 + a];
           }
-          std::fill(dq.begin(), dq.end(), 0.0f);
-          for (int64_t j = lo; j <= hi; ++j) {
-            load_row(p.k.at<T>(b, hk, j), d, kr.data());
-            load_row(p.v.at<T>(b, hk, j), d, vr.data());
+          if constexpr (std::is_same_v<T, float>) {
+            // f32: the log-sum-exp again in f64.  The saved one is rounded to f32, an error of
+            // u |lse| in every p, which f32's bound (a few units of roundoff) cannot absorb.
             for (int64_t a = 0; a < rows; ++a) {
-              if (j < r[a].lo || j > r[a].hi || lse[a] == kNegInf) continue;
-              const float* qa = q.data() + a * d;
-              const float* da = dout.data() + a * d;
-              const float s = p.scale * dot(qa, kr.data(), d);  // as the forward rounded it
-              const auto pj = static_cast<float>(std::exp(static_cast<double>(s) - lse[a]));
-              const float ds = pj * (dot(da, vr.data(), d) - delta[a]);
+              if (lse[a] == -std::numeric_limits<A>::infinity()) continue;
+              A mx = -std::numeric_limits<A>::infinity(), sum = 0;
+              for (int64_t j = r[a].lo; j <= r[a].hi; ++j) {  // online: one dot per key
+                load(p.k.at<T>(b, hk, j), d, kr.data());
+                const A x = A(p.scale) * dot(q.data() + a * d, kr.data(), d);
+                if (x > mx) sum = sum * std::exp(mx - x) + 1, mx = x;
+                else sum += std::exp(x - mx);
+              }
+              lse[a] = mx + std::log(sum);
+            }
+          }
+          std::fill(dq.begin(), dq.end(), A(0));
+          for (int64_t j = lo; j <= hi; ++j) {
+            load(p.k.at<T>(b, hk, j), d, kr.data());
+            load(p.v.at<T>(b, hk, j), d, vr.data());
+            for (int64_t a = 0; a < rows; ++a) {
+              if (j < r[a].lo || j > r[a].hi || lse[a] == -std::numeric_limits<A>::infinity()) continue;
+              const A* qa = q.data() + a * d;
+              const A* da = dout.data() + a * d;
+              const A pj = std::exp(A(p.scale) * dot(qa, kr.data(), d) - lse[a]);
+              const A ds = pj * (dot(da, vr.data(), d) - delta[a]);
               axpy(ds, kr.data(), dq.data() + a * d, d);
               axpy(ds, qa, dk.data() + j * d, d);
               axpy(pj, da, dv.data() + j * d, d);
             }
           }
-          for (int64_t a = 0; a < rows; ++a) {
-            float* g = dq.data() + a * d;
-            for (int64_t c = 0; c < d; ++c) g[c] *= p.scale;
-            store_row(g, d, p.dq.mut<T>(b, h, i0 + a));
-          }
+          for (int64_t a = 0; a < rows; ++a) store(dq.data() + a * d, d, A(p.scale), p.dq.mut<T>(b, h, i0 + a));
         }
       for (int64_t j = 0; j < p.seq_kv; ++j) {
-        float* g = dk.data() + j * d;
-        for (int64_t c = 0; c < d; ++c) g[c] *= p.scale;
-        store_row(g, d, p.dk.mut<T>(b, hk, j));
-        store_row(dv.data() + j * d, d, p.dv.mut<T>(b, hk, j));
+        store(dk.data() + j * d, d, A(p.scale), p.dk.mut<T>(b, hk, j));
+        store(dv.data() + j * d, d, A(1), p.dv.mut<T>(b, hk, j));
       }
     }
   }

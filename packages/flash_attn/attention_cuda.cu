@@ -293,27 +293,37 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, 
   const int64_t i_hi = p.window > 0 ? min(p.seq_q - 1, k_last + p.window - 1 - off) : p.seq_q - 1;
   const int64_t m_begin = i_lo / kBr, m_end = i_hi >= i_lo ? i_hi / kBr + 1 : m_begin;
 
+  const int64_t tiles = m_end - m_begin, iters = group * tiles;  // (query head, query tile) pairs
   const int kvalid = static_cast<int>(k_last - k0 + 1);
   load_tile<kBc, D, kThreads>(sK, static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh + k0 * p.k.ss, p.k.ss, kvalid, tid);
   load_tile<kBc, D, kThreads>(sV, static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh + k0 * p.v.ss, p.v.ss, kvalid, tid);
-  cp_async_commit();
+  // Iteration `it`'s q and dout tiles (cp.async) and its lse and delta (plain loads).  Issued for the
+  // next iteration once this one no longer reads sQ / sO / sL / sD (before its dq stage), so the
+  // copy overlaps the dq GEMM and its atomics.
+  auto load_q = [&](int64_t it) {
+    const int64_t h = hk * group + it / tiles, i0 = (m_begin + it % tiles) * kBr;
+    const int qvalid = static_cast<int>(min(int64_t{kBr}, p.seq_q - i0));
+    load_tile<kBr, D, kThreads>(sQ, static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i0 * p.q.ss, p.q.ss, qvalid, tid);
+    load_tile<kBr, D, kThreads>(sO, static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i0 * p.dout.ss,
+                                p.dout.ss, qvalid, tid);
+    if (tid < kBr) {
+      const int64_t row = (b * p.heads_q + h) * p.seq_q + i0 + tid;
+      const float lse = tid < qvalid ? p.lse[row] : -INFINITY;
+      sL[tid] = lse == -INFINITY ? INFINITY : lse * kLog2e;
+      sD[tid] = tid < qvalid ? delta[row] : 0.0f;
+    }
+    cp_async_commit();
+  };
+  if (iters > 0) load_q(0);
+  else cp_async_commit();
 
   const float sl2 = p.scale * kLog2e;
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
-  for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
-    for (int64_t mt = m_begin; mt < m_end; ++mt) {
-      const int64_t i0 = mt * kBr;
+  for (int64_t it = 0; it < iters; ++it) {
+    {
+      const int64_t h = hk * group + it / tiles, i0 = (m_begin + it % tiles) * kBr;
       const int qvalid = static_cast<int>(min(int64_t{kBr}, p.seq_q - i0));
-      load_tile<kBr, D, kThreads>(sQ, static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i0 * p.q.ss, p.q.ss, qvalid, tid);
-      load_tile<kBr, D, kThreads>(sO, static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i0 * p.dout.ss,
-                                  p.dout.ss, qvalid, tid);
-      cp_async_commit();
       const int64_t row0 = (b * p.heads_q + h) * p.seq_q + i0;
-      if (tid < kBr) {
-        const float lse = tid < qvalid ? p.lse[row0 + tid] : -INFINITY;
-        sL[tid] = lse == -INFINITY ? INFINITY : lse * kLog2e;
-        sD[tid] = tid < qvalid ? delta[row0 + tid] : 0.0f;
-      }
       cp_async_wait<0>();
       __syncthreads();
 
@@ -392,6 +402,7 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, 
         }
       }
       __syncthreads();
+      if (it + 1 < iters) load_q(it + 1);  // sQ, sO, sL, sD are free: the next tile loads during dq
       // dq (this warp's 16 queries) += ds k, half of D at a time, added into the f32 accumulator.
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -408,6 +419,20 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, 
             mma<T>(acc[2 * dp + 1], a, r[2], r[3]);
           }
         }
+#if __CUDA_ARCH__ >= 900
+        // red.global.add.v2.f32: both of a thread's columns in one instruction (the atomics are what
+        // bounds this stage: 10.0 -> 7.1 ms for the backward at S 4096 against two scalar ones; a
+        // shuffle to 16-byte red.v4 measured slower, 7.5 ms).
+#pragma unroll
+        for (int e2 = 0; e2 < 2; ++e2) {
+          const int qi = warp * 16 + g + 8 * e2;
+          if (qi >= qvalid) continue;
+          float* dst = dq_acc + (row0 + qi) * D + half * (D / 2) + 2 * t;
+#pragma unroll
+          for (int dt = 0; dt < D / 16; ++dt)
+            atomicAdd(reinterpret_cast<float2*>(dst + dt * 8), make_float2(acc[dt][2 * e2], acc[dt][2 * e2 + 1]));
+        }
+#else
 #pragma unroll
         for (int e2 = 0; e2 < 2; ++e2) {
           const int qi = warp * 16 + g + 8 * e2;
@@ -419,9 +444,12 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, 
             atomicAdd(dst + dt * 8 + 1, acc[dt][2 * e2 + 1]);
           }
         }
+#endif
       }
-      __syncthreads();
+      // No barrier here: the next iteration's (after its cp.async wait) keeps sS from being
+      // overwritten while a slower warp still reads it.
     }
+  }
   cp_async_wait<0>();
 
 #pragma unroll
@@ -439,30 +467,39 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, 
 }
 
 // ---- generic path (any dtype, head_dim <= 256) ------------------------------------------------
+// Correct rather than fast: f32 inputs, head dims without a tensor-core kernel.  It accumulates in
+// f64 (dots, the online softmax, the gradients), so its error is one rounding to the dtype, well
+// inside twice the eager reference's (f32's bound is a few units of roundoff).
 
 constexpr int kMaxPerLane = 8;  // head_dim <= 32 * 8
 
-template <typename T> __device__ __forceinline__ void load_lane(float (&x)[kMaxPerLane], const T* row, int64_t d, int lane) {
+__device__ __forceinline__ double warp_sum_f64(double v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <typename T> __device__ __forceinline__ void load_lane(double (&x)[kMaxPerLane], const T* row, int64_t d, int lane) {
 #pragma unroll
   for (int u = 0; u < kMaxPerLane; ++u) {
     const int64_t c = lane + 32 * u;
-    x[u] = c < d ? kc::to_f32(row[c]) : 0.0f;
+    x[u] = c < d ? kc::to_f32(row[c]) : 0.0;
   }
 }
-template <typename T> __device__ __forceinline__ float dot_lane(const float (&x)[kMaxPerLane], const T* row, int64_t d, int lane) {
-  float s = 0.0f;
+template <typename T> __device__ __forceinline__ double dot_lane(const double (&x)[kMaxPerLane], const T* row, int64_t d, int lane) {
+  double s = 0.0;
 #pragma unroll
   for (int u = 0; u < kMaxPerLane; ++u) {
     const int64_t c = lane + 32 * u;
     if (c < d) s += x[u] * kc::to_f32(row[c]);
   }
-  return kc::warp_sum(s);
+  return warp_sum_f64(s);
 }
-template <typename T> __device__ __forceinline__ void store_lane(T* row, const float (&x)[kMaxPerLane], float scale, int64_t d, int lane) {
+template <typename T> __device__ __forceinline__ void store_lane(T* row, const double (&x)[kMaxPerLane], double scale, int64_t d, int lane) {
 #pragma unroll
   for (int u = 0; u < kMaxPerLane; ++u) {
     const int64_t c = lane + 32 * u;
-    if (c < d) row[c] = kc::from_f32<T>(x[u] * scale);
+    if (c < d) row[c] = kc::from_f32<T>(static_cast<float>(x[u] * scale));
   }
 }
 
@@ -474,38 +511,64 @@ template <typename T> __global__ void fwd_generic_kernel(const AttentionParams p
   const int64_t b = row / (p.heads_q * p.seq_q), h = row / p.seq_q % p.heads_q, i = row % p.seq_q;
   const int64_t hk = h / (p.heads_q / p.heads_kv), d = p.head_dim, pos = i + p.seq_kv - p.seq_q;
   const int64_t lo = p.window > 0 ? max(int64_t{0}, pos - p.window + 1) : 0, hi = p.causal ? pos : p.seq_kv - 1;
-  float q[kMaxPerLane], o[kMaxPerLane] = {};
+  double q[kMaxPerLane], o[kMaxPerLane] = {};
   load_lane(q, static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.ss, d, lane);
   const T* kb = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
   const T* vb = static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh;
-  float mx = -INFINITY, l = 0.0f;
+  double mx = -INFINITY, l = 0.0;
   for (int64_t j = lo; j <= hi; ++j) {
-    const float s = dot_lane(q, kb + j * p.k.ss, d, lane) * p.scale;
-    const float m_new = fmaxf(mx, s), corr = expf(mx - m_new), e = expf(s - m_new);
+    const double s = dot_lane(q, kb + j * p.k.ss, d, lane) * p.scale;
+    const double m_new = fmax(mx, s), corr = exp(mx - m_new), e = exp(s - m_new);
     mx = m_new;
     l = l * corr + e;
     const T* vr = vb + j * p.v.ss;
 #pragma unroll
     for (int u = 0; u < kMaxPerLane; ++u) {
       const int64_t c = lane + 32 * u;
-      o[u] = o[u] * corr + (c < d ? e * kc::to_f32(vr[c]) : 0.0f);
+      o[u] = o[u] * corr + (c < d ? e * kc::to_f32(vr[c]) : 0.0);
     }
   }
   store_lane(static_cast<T*>(const_cast<void*>(p.out.data)) + b * p.out.sb + h * p.out.sh + i * p.out.ss, o,
-             l > 0.0f ? 1.0f / l : 0.0f, d, lane);
-  if (p.lse && lane == 0) p.lse[row] = l > 0.0f ? static_cast<float>(mx + log(static_cast<double>(l))) : -INFINITY;
+             l > 0.0 ? 1.0 / l : 0.0, d, lane);
+  if (p.lse && lane == 0) p.lse[row] = l > 0.0 ? static_cast<float>(mx + log(l)) : -INFINITY;
 }
 
-// One warp per query row: dq.
-template <typename T> __global__ void dq_generic_kernel(const AttentionParams p, const float* delta) {
+// One warp per query row: the log-sum-exp again and delta, in f64 (the saved f32 lse is off by
+// u |lse| and an f32 delta by u |delta|; ds = p (dp - delta) cancels, and f32's bound is a few units
+// of roundoff).  lse64[rows + row] is delta.
+template <typename T> __global__ void lse64_generic_kernel(const AttentionParams p, double* lse64) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (row >= p.batch * p.heads_q * p.seq_q) return;
   const int lane = threadIdx.x % 32;
   const int64_t b = row / (p.heads_q * p.seq_q), h = row / p.seq_q % p.heads_q, i = row % p.seq_q;
   const int64_t hk = h / (p.heads_q / p.heads_kv), d = p.head_dim, pos = i + p.seq_kv - p.seq_q;
   const int64_t lo = p.window > 0 ? max(int64_t{0}, pos - p.window + 1) : 0, hi = p.causal ? pos : p.seq_kv - 1;
-  const float lse = p.lse[row], dl = delta[row];
-  float q[kMaxPerLane], dout[kMaxPerLane], dq[kMaxPerLane] = {};
+  double q[kMaxPerLane];
+  load_lane(q, static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.ss, d, lane);
+  const T* kb = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
+  double mx = -INFINITY, l = 0.0;
+  for (int64_t j = lo; j <= hi; ++j) {
+    const double s = dot_lane(q, kb + j * p.k.ss, d, lane) * p.scale;
+    if (s > mx) l = l * exp(mx - s) + 1.0, mx = s;
+    else l += exp(s - mx);
+  }
+  double o[kMaxPerLane];
+  load_lane(o, static_cast<const T*>(p.out.data) + b * p.out.sb + h * p.out.sh + i * p.out.ss, d, lane);
+  const double delta = dot_lane(o, static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i * p.dout.ss, d, lane);
+  if (lane == 0) lse64[row] = l > 0.0 ? mx + log(l) : -INFINITY, lse64[p.batch * p.heads_q * p.seq_q + row] = delta;
+}
+
+// One warp per query row: dq.
+template <typename T> __global__ void dq_generic_kernel(const AttentionParams p, const double* lse64) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= p.batch * p.heads_q * p.seq_q) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t b = row / (p.heads_q * p.seq_q), h = row / p.seq_q % p.heads_q, i = row % p.seq_q;
+  const int64_t hk = h / (p.heads_q / p.heads_kv), d = p.head_dim, pos = i + p.seq_kv - p.seq_q;
+  const int64_t lo = p.window > 0 ? max(int64_t{0}, pos - p.window + 1) : 0, hi = p.causal ? pos : p.seq_kv - 1;
+  const double lse = lse64[row];
+  const double dl = lse64[p.batch * p.heads_q * p.seq_q + row];
+  double q[kMaxPerLane], dout[kMaxPerLane], dq[kMaxPerLane] = {};
   load_lane(q, static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.ss, d, lane);
   load_lane(dout, static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i * p.dout.ss, d, lane);
   const T* kb = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
@@ -513,8 +576,8 @@ template <typename T> __global__ void dq_generic_kernel(const AttentionParams p,
   if (lse != -INFINITY)
     for (int64_t j = lo; j <= hi; ++j) {
       const T* kr = kb + j * p.k.ss;
-      const auto pr = static_cast<float>(exp(static_cast<double>(dot_lane(q, kr, d, lane) * p.scale) - lse));
-      const float ds = pr * (dot_lane(dout, vb + j * p.v.ss, d, lane) - dl);
+      const double pr = exp(dot_lane(q, kr, d, lane) * p.scale - lse);
+      const double ds = pr * (dot_lane(dout, vb + j * p.v.ss, d, lane) - dl);
 #pragma unroll
       for (int u = 0; u < kMaxPerLane; ++u) {
         const int64_t c = lane + 32 * u;
@@ -525,7 +588,7 @@ template <typename T> __global__ void dq_generic_kernel(const AttentionParams p,
 }
 
 // One warp per key row of a kv head: dk and dv over the group's query heads.
-template <typename T> __global__ void dkdv_generic_kernel(const AttentionParams p, const float* delta) {
+template <typename T> __global__ void dkdv_generic_kernel(const AttentionParams p, const double* lse64) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (row >= p.batch * p.heads_kv * p.seq_kv) return;
   const int lane = threadIdx.x % 32;
@@ -533,18 +596,18 @@ template <typename T> __global__ void dkdv_generic_kernel(const AttentionParams 
   const int64_t group = p.heads_q / p.heads_kv, d = p.head_dim, off = p.seq_kv - p.seq_q;
   const int64_t i_lo = p.causal ? max(int64_t{0}, j - off) : 0;
   const int64_t i_hi = p.window > 0 ? min(p.seq_q - 1, j + p.window - 1 - off) : p.seq_q - 1;
-  float k[kMaxPerLane], v[kMaxPerLane], dk[kMaxPerLane] = {}, dv[kMaxPerLane] = {};
+  double k[kMaxPerLane], v[kMaxPerLane], dk[kMaxPerLane] = {}, dv[kMaxPerLane] = {};
   load_lane(k, static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh + j * p.k.ss, d, lane);
   load_lane(v, static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh + j * p.v.ss, d, lane);
   for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
     for (int64_t i = i_lo; i <= i_hi; ++i) {
       const int64_t r = (b * p.heads_q + h) * p.seq_q + i;
-      const float lse = p.lse[r];
+      const double lse = lse64[r];
       if (lse == -INFINITY) continue;
       const T* qr = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.ss;
       const T* dr = static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i * p.dout.ss;
-      const auto pr = static_cast<float>(exp(static_cast<double>(dot_lane(k, qr, d, lane) * p.scale) - lse));
-      const float ds = pr * (dot_lane(v, dr, d, lane) - delta[r]);
+      const double pr = exp(dot_lane(k, qr, d, lane) * p.scale - lse);
+      const double ds = pr * (dot_lane(v, dr, d, lane) - lse64[p.batch * p.heads_q * p.seq_q + r]);
 #pragma unroll
       for (int u = 0; u < kMaxPerLane; ++u) {
         const int64_t c = lane + 32 * u;
@@ -552,7 +615,7 @@ template <typename T> __global__ void dkdv_generic_kernel(const AttentionParams 
       }
     }
   store_lane(static_cast<T*>(const_cast<void*>(p.dk.data)) + b * p.dk.sb + hk * p.dk.sh + j * p.dk.ss, dk, p.scale, d, lane);
-  store_lane(static_cast<T*>(const_cast<void*>(p.dv.data)) + b * p.dv.sb + hk * p.dv.sh + j * p.dv.ss, dv, 1.0f, d, lane);
+  store_lane(static_cast<T*>(const_cast<void*>(p.dv.data)) + b * p.dv.sb + hk * p.dv.sh + j * p.dv.ss, dv, 1.0, d, lane);
 }
 
 // ---- launch ------------------------------------------------------------------------------------
@@ -592,7 +655,9 @@ template <typename T> const char* forward_t(const AttentionParams& p, cudaStream
 template <typename T> const char* backward_t(const AttentionParams& p, cudaStream_t stream) {
   const auto rows = static_cast<size_t>(p.batch * p.heads_q * p.seq_q);
   float* delta = static_cast<float*>(p.workspace);
-  float* dq_acc = reinterpret_cast<float*>(static_cast<unsigned char*>(p.workspace) + (rows * sizeof(float) + 255) / 256 * 256);
+  auto aligned = [](size_t n) { return (n + 255) / 256 * 256; };  // attention_backward_workspace's layout
+  auto* lse64 = reinterpret_cast<double*>(static_cast<unsigned char*>(p.workspace) + aligned(rows * sizeof(float)));
+  auto* dq_acc = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(lse64) + aligned(2 * rows * sizeof(double)));
   if (rows > 0) delta_kernel<T><<<blocks_for(static_cast<int64_t>(rows), 8), 256, 0, stream>>>(p, delta);
   if (const char* e = kc::launch_error("attention_backward (delta)")) return e;
   if constexpr (!std::is_same_v<T, float>)
@@ -607,8 +672,11 @@ template <typename T> const char* backward_t(const AttentionParams& p, cudaStrea
     }
     return kc::launch_error("attention_backward (dq)");
   }
-  if (rows > 0) dq_generic_kernel<T><<<blocks_for(static_cast<int64_t>(rows), 4), 128, 0, stream>>>(p, delta);
-  dkdv_generic_kernel<T><<<blocks_for(p.batch * p.heads_kv * p.seq_kv, 4), 128, 0, stream>>>(p, delta);
+  if (rows > 0) {
+    lse64_generic_kernel<T><<<blocks_for(static_cast<int64_t>(rows), 4), 128, 0, stream>>>(p, lse64);
+    dq_generic_kernel<T><<<blocks_for(static_cast<int64_t>(rows), 4), 128, 0, stream>>>(p, lse64);
+  }
+  dkdv_generic_kernel<T><<<blocks_for(p.batch * p.heads_kv * p.seq_kv, 4), 128, 0, stream>>>(p, lse64);
   return kc::launch_error("attention_backward");
 }
 
