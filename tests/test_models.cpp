@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -350,6 +351,38 @@ TEST_P(Families, GradientsMatchTransformers) {
 
 INSTANTIATE_TEST_SUITE_P(Transformers, Families, ::testing::Values("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"),
                          [](const auto& info) { return std::string(info.param); });
+
+}  // namespace
+}  // namespace kcpp
+
+namespace kcpp {
+namespace {
+
+// Dynamic NTK RoPE scaling (Transformers' _compute_dynamic_ntk_parameters): past the original
+// context, base' = base * (factor * seq / original - (factor - 1)) ^ (rotary_dim / (rotary_dim - 2)).
+// A model with dynamic scaling equals, at a length within the original context, the same weights
+// with no scaling, and past it, the same weights with rope_theta = base'.
+TEST(CausalLM, DynamicRopeScalingFollowsTheSequenceLength) {
+  nlohmann::json j = {{"model_type", "llama"}, {"vocab_size", 50}, {"hidden_size", 32}, {"intermediate_size", 48},
+                      {"num_hidden_layers", 1}, {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+                      {"max_position_embeddings", 8}, {"rope_theta", 10000.0}, {"rms_norm_eps", 1e-5},
+                      {"rope_scaling", {{"rope_type", "dynamic"}, {"factor", 2.0}}}};
+  const models::ModelConfig dynamic = models::ModelConfig::from_json(j);
+  j.erase("rope_scaling");
+  const models::ModelConfig plain = models::ModelConfig::from_json(j);
+  const int64_t seq = 20, rd = 8;  // head_dim 32 / 4 = 8
+  j["rope_theta"] = 10000.0 * std::pow(2.0 * seq / 8.0 - 1.0, static_cast<double>(rd) / (rd - 2));
+  const models::ModelConfig stretched = models::ModelConfig::from_json(j);
+  auto dyn = models::CausalLM::random(dynamic, DType::f32, Device::cpu(), 3);
+  auto pl = models::CausalLM::random(plain, DType::f32, Device::cpu(), 3);
+  auto st = models::CausalLM::random(stretched, DType::f32, Device::cpu(), 3);
+  Generator gen = test::test_generator();
+  const Tensor long_ids = Tensor::randint({1, seq}, 0, 50, DType::i64, Device::cpu(), gen);
+  const Tensor short_ids = long_ids.narrow(1, 0, 6).contiguous();
+  EXPECT_TRUE(test::close_l2(dyn->forward(short_ids), pl->forward(short_ids).to_f64_vector(), 1e-6));
+  EXPECT_TRUE(test::close_l2(dyn->forward(long_ids), st->forward(long_ids).to_f64_vector(), 1e-6));
+  EXPECT_FALSE(test::close_l2(dyn->forward(long_ids), pl->forward(long_ids).to_f64_vector(), 1e-4));
+}
 
 }  // namespace
 }  // namespace kcpp
