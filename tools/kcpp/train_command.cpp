@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <unistd.h>
 
@@ -35,6 +36,8 @@ struct TrainArgs {
   int64_t steps = 0, batch = 16, seq = 0, layers = 4, hidden = 0;
   double lr = 3e-3;
   std::string device = "auto", dtype, packages, save;
+  std::string liger_kernel_config = "{}";  // LigerSwitches as JSON, as TrainingArguments(liger_kernel_config=...)
+  bool attention_kernel = true;
   bool reference_only = false;
   uint64_t seed = 1;
 };
@@ -86,7 +89,9 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::
     hc.lock_file.reset();
     auto hub = std::make_shared<hub::Hub>(std::move(hc));
     const auto report =
-        r.model->kernelize(nn::liger_kernel_config(nn::LigerSwitches{}, liger->string(), true, attention ? attention->string() : ""),
+        r.model->kernelize(nn::liger_kernel_config(nn::LigerSwitches::parse(nlohmann::json::parse(a.liger_kernel_config)),
+                                                   liger->string(), true,
+                                                   attention && a.attention_kernel ? attention->string() : ""),
                            nn::kTraining, dev, nn::hub_loader(hub));
     fmt::print("{}", report.str());
   }
@@ -138,6 +143,11 @@ int run_train(TrainArgs a) {
   if (a.dtype.empty()) a.dtype = dev.is_cuda() ? "bf16" : "f32";
   KCPP_CHECK(a.steps > 0 && a.batch > 0 && a.seq > 1 && a.layers > 0 && a.hidden % 8 == 0 && a.hidden > 0,
              "kcpp train: steps, batch, layers must be positive, seq > 1, hidden a positive multiple of 8");
+  try {
+    nn::LigerSwitches::parse(nlohmann::json::parse(a.liger_kernel_config));  // a mistake fails before any training
+  } catch (const nlohmann::json::exception& e) {
+    KCPP_FAIL("kcpp train: --liger-kernel-config is not JSON: {}", e.what());
+  }
   KCPP_CHECK(a.dtype == "f32" || a.dtype == "bf16" || a.dtype == "f16", "kcpp train: --dtype is '{}'; expected f32, bf16 or f16",
              a.dtype);
   const train::ByteTokenizer tok;
@@ -192,6 +202,10 @@ void add_train_command(CLI::App& app, Action& action) {
   t->add_option("--packages", args->packages, "Folder holding the built liger and flash_attn packages (default: next to this binary)");
   t->add_option("--save", args->save, "Save the trained model here as a Hugging Face folder");
   t->add_flag("--reference-only", args->reference_only, "Skip the kernel run");
+  t->add_option("--liger-kernel-config", args->liger_kernel_config,
+                "Liger switches as JSON, e.g. '{\"rope\": false}' (rope, rms_norm, swiglu, cross_entropy, fused_linear_cross_entropy)")
+      ->capture_default_str();
+  t->add_flag("!--no-attention-kernel", args->attention_kernel, "Keep the reference attention in the kernel run");
   t->callback([args, &action] { action = [args] { return run_train(*args); }; });
 }
 
