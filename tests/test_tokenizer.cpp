@@ -5,6 +5,7 @@
 // inside the text), with and without the post-processor's special tokens, and their decodings.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -20,23 +21,38 @@ using models::Tokenizer;
 
 std::filesystem::path dir() { return std::filesystem::path(test::fixtures_dir()) / "tokenizers"; }
 
+// Every row of `expected` (text, ids with and without special tokens, decodings) against `tok`.
+void check_rows(const Tokenizer& tok, const nlohmann::json& expected) {
+  ASSERT_FALSE(expected.empty());
+  for (const auto& row : expected) {
+    const std::string text = row["text"];
+    SCOPED_TRACE(text);
+    EXPECT_EQ(tok.encode(text, false), row["ids"].get<std::vector<int64_t>>());
+    EXPECT_EQ(tok.encode(text, true), row["ids_special"].get<std::vector<int64_t>>());
+    EXPECT_EQ(tok.decode(row["ids"].get<std::vector<int64_t>>()), row["decoded"].get<std::string>());
+    EXPECT_EQ(tok.decode(row["ids_special"].get<std::vector<int64_t>>(), true), row["decoded_skip"].get<std::string>());
+  }
+}
+
 TEST(Tokenizer, MatchesHuggingFaceTokenizers) {
   std::ifstream in(dir() / "expected.json");
   ASSERT_TRUE(in) << (dir() / "expected.json");
   const auto expected = nlohmann::json::parse(in);
   for (const char* name : {"gpt2", "llama3", "qwen2"}) {
     SCOPED_TRACE(name);
-    const Tokenizer tok = Tokenizer::from_file(dir() / (std::string(name) + ".json"));
-    ASSERT_FALSE(expected[name].empty());
-    for (const auto& row : expected[name]) {
-      const std::string text = row["text"];
-      SCOPED_TRACE(text);
-      EXPECT_EQ(tok.encode(text, false), row["ids"].get<std::vector<int64_t>>());
-      EXPECT_EQ(tok.encode(text, true), row["ids_special"].get<std::vector<int64_t>>());
-      EXPECT_EQ(tok.decode(row["ids"].get<std::vector<int64_t>>()), row["decoded"].get<std::string>());
-      EXPECT_EQ(tok.decode(row["ids_special"].get<std::vector<int64_t>>(), true), row["decoded_skip"].get<std::string>());
-    }
+    check_rows(Tokenizer::from_file(dir() / (std::string(name) + ".json")), expected[name]);
   }
+}
+
+// A real vocabulary (Llama-3's 128k, ...) where one is at hand: KCPP_REAL_TOKENIZER_DIR holds its
+// tokenizer.json and the expected.json that expect_real_tokenizer.py writes (not committed).
+TEST(Tokenizer, RealVocabulary) {
+  const char* env = std::getenv("KCPP_REAL_TOKENIZER_DIR");
+  if (!env || !*env) GTEST_SKIP() << "skipped: set KCPP_REAL_TOKENIZER_DIR (tests/fixtures/tokenizers/expect_real_tokenizer.py)";
+  const std::filesystem::path d(env);
+  std::ifstream in(d / "expected.json");
+  ASSERT_TRUE(in) << (d / "expected.json");
+  check_rows(Tokenizer::from_file(d / "tokenizer.json"), nlohmann::json::parse(in));
 }
 
 TEST(Tokenizer, ByteLevelJsonRoundTrips) {
