@@ -98,7 +98,7 @@ template <typename T, typename A> inline void store(const A* src, int64_t n, A s
   for (int64_t c = 0; c < n; ++c) dst[c] = kernel::cpu::from_f32<T>(static_cast<float>(src[c] * scale));
 }
 
-template <typename T> void forward(const AttentionParams& p) {
+template <typename T> KCPP_CPU_MULTIVERSION void forward(const AttentionParams& p) {
   using A = Acc<T>;
   const A ninf = -std::numeric_limits<A>::infinity();
   const int64_t d = p.head_dim, group = p.heads_q / p.heads_kv, blocks = (p.seq_q + kRows - 1) / kRows;
@@ -148,7 +148,7 @@ template <typename T> void forward(const AttentionParams& p) {
   }
 }
 
-template <typename T> void backward(const AttentionParams& p) {
+template <typename T> KCPP_CPU_MULTIVERSION void backward(const AttentionParams& p) {
   using A = Acc<T>;
   const int64_t d = p.head_dim, group = p.heads_q / p.heads_kv, tasks = p.batch * p.heads_kv;
 #pragma omp parallel

@@ -37,7 +37,9 @@ struct TrainArgs {
   double lr = 3e-3;
   std::string device = "auto", dtype, packages, save;
   std::string liger_kernel_config = "{}";  // LigerSwitches as JSON, as TrainingArguments(liger_kernel_config=...)
-  bool attention_kernel = true;
+  // flash_attn's attention: "auto" = on a GPU only (on the CPU, at the main job's sizes, the
+  // reference's BLAS attention is faster; the kernel saves memory there, not time), "on", "off".
+  std::string attention_kernel = "auto";
   bool reference_only = false;
   uint64_t seed = 1;
 };
@@ -91,7 +93,7 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::
     const auto report =
         r.model->kernelize(nn::liger_kernel_config(nn::LigerSwitches::parse(nlohmann::json::parse(a.liger_kernel_config)),
                                                    liger->string(), true,
-                                                   attention && a.attention_kernel ? attention->string() : ""),
+                                                   attention ? attention->string() : ""),
                            nn::kTraining, dev, nn::hub_loader(hub));
     fmt::print("{}", report.str());
   }
@@ -148,6 +150,8 @@ int run_train(TrainArgs a) {
   } catch (const nlohmann::json::exception& e) {
     KCPP_FAIL("kcpp train: --liger-kernel-config is not JSON: {}", e.what());
   }
+  KCPP_CHECK(a.attention_kernel == "auto" || a.attention_kernel == "on" || a.attention_kernel == "off",
+             "kcpp train: --attention-kernel is '{}'; expected auto, on or off", a.attention_kernel);
   KCPP_CHECK(a.dtype == "f32" || a.dtype == "bf16" || a.dtype == "f16", "kcpp train: --dtype is '{}'; expected f32, bf16 or f16",
              a.dtype);
   const train::ByteTokenizer tok;
@@ -161,7 +165,10 @@ int run_train(TrainArgs a) {
   runs.push_back(run_one("reference", a, dev, tokens, std::nullopt));
   if (!a.reference_only) {
     const auto liger = find_package(a.packages, "liger");
-    if (liger) runs.push_back(run_one("kernels", a, dev, tokens, liger, find_package(a.packages, "flash_attn")));
+    const bool attention = a.attention_kernel == "on" || (a.attention_kernel == "auto" && dev.is_cuda());
+    if (liger)
+      runs.push_back(run_one("kernels", a, dev, tokens, liger,
+                             attention ? find_package(a.packages, "flash_attn") : std::optional<std::filesystem::path>()));
     else fmt::print("(no liger package found: build it, or pass --packages DIR; showing the reference only)\n");
   }
   fmt::print("\n{:<10} {:>12} {:>14} {:>12} {:>12}\n", "layers", "tokens/s", "peak MiB", "first loss", "final loss");
@@ -205,7 +212,8 @@ void add_train_command(CLI::App& app, Action& action) {
   t->add_option("--liger-kernel-config", args->liger_kernel_config,
                 "Liger switches as JSON, e.g. '{\"rope\": false}' (rope, rms_norm, swiglu, cross_entropy, fused_linear_cross_entropy)")
       ->capture_default_str();
-  t->add_flag("!--no-attention-kernel", args->attention_kernel, "Keep the reference attention in the kernel run");
+  t->add_option("--attention-kernel", args->attention_kernel,
+                "flash_attn's attention in the kernel run: auto (on a GPU only), on, off")->capture_default_str();
   t->callback([args, &action] { action = [args] { return run_train(*args); }; });
 }
 
