@@ -17,7 +17,7 @@ constexpr int64_t kChunk = 2048;
 // 16-bit outputs take Fast; f32 FastExp (exp_f32 within 1 ulp of expf, the library's tanh).
 template <typename T> constexpr kk::MathMode kMode = sizeof(T) == 2 ? kk::MathMode::Fast : kk::MathMode::FastExp;
 
-template <typename T, kk::Activation A, bool Gated, bool Bwd> void run(const ActParams& p) {
+template <typename T, kk::Activation A, bool Gated, bool Bwd> KCPP_CPU_MULTIVERSION void run(const ActParams& p) {
   const int64_t chunks = (p.d + kChunk - 1) / kChunk, tasks = p.rows * chunks;
 #pragma omp parallel
   {

@@ -20,7 +20,7 @@ template <typename T> constexpr kernel::MathMode fast_for() {
   return sizeof(T) == 2 ? kernel::MathMode::Fast : kernel::MathMode::FastExp;
 }
 
-template <typename T, GluActivation A> void forward(const GluParams& p) {
+template <typename T, GluActivation A> KCPP_CPU_MULTIVERSION void forward(const GluParams& p) {
   const int64_t chunks = (p.n + kChunk - 1) / kChunk;
 #pragma omp parallel
   {
@@ -36,7 +36,7 @@ template <typename T, GluActivation A> void forward(const GluParams& p) {
   }
 }
 
-template <typename T, GluActivation A> void backward(const GluParams& p) {
+template <typename T, GluActivation A> KCPP_CPU_MULTIVERSION void backward(const GluParams& p) {
   const int64_t chunks = (p.n + kChunk - 1) / kChunk;
 #pragma omp parallel
   {

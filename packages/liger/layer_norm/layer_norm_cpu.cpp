@@ -15,7 +15,7 @@ namespace {
 using kernel::cpu::load_row;
 using kernel::cpu::store_row;
 
-template <typename T> void forward(const LayerNormParams& p) {
+template <typename T> KCPP_CPU_MULTIVERSION void forward(const LayerNormParams& p) {
   const int64_t h = p.hidden;
   std::vector<float> w(h), b(h, 0.0f);
   load_row(static_cast<const T*>(p.w), h, w.data());
@@ -42,7 +42,7 @@ template <typename T> void forward(const LayerNormParams& p) {
   }
 }
 
-template <typename T> void backward(const LayerNormParams& p) {
+template <typename T> KCPP_CPU_MULTIVERSION void backward(const LayerNormParams& p) {
   const int64_t h = p.hidden;
   const float inv_h = 1.0f / static_cast<float>(h);
   std::vector<float> w(h);

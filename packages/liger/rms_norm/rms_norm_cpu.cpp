@@ -28,7 +28,7 @@ template <typename T> float normed(float x, float rstd, RMSNormCasting c) {
   return x * rstd;
 }
 
-template <typename T> void forward(const RMSNormParams& p) {
+template <typename T> KCPP_CPU_MULTIVERSION void forward(const RMSNormParams& p) {
   const int64_t h = p.hidden;
   std::vector<float> w(h);
   load_row(static_cast<const T*>(p.w), h, w.data());
@@ -55,7 +55,7 @@ template <typename T> void forward(const RMSNormParams& p) {
   }
 }
 
-template <typename T> void backward(const RMSNormParams& p) {
+template <typename T> KCPP_CPU_MULTIVERSION void backward(const RMSNormParams& p) {
   const int64_t h = p.hidden;
   const float inv_h = 1.0f / static_cast<float>(h);
   std::vector<float> w(h);
