@@ -1,7 +1,7 @@
 // `kcpp train`: the main job.  With no arguments it trains a small Llama-style model on the embedded
 // corpus (train/corpus.h: generated text, byte-level tokens) on the GPU when there is one, else the
 // CPU — first with the reference layers, then with the layers kernelized with the Liger switches
-// (this build's liger package) and flash_attn's attention — showing progress, loss, tokens/s and peak memory, prints the two
+// (this build's liger package) and, on a GPU, flash_attn's attention — showing progress, loss, tokens/s and peak memory, prints the two
 // side by side, and samples text from the kernel-trained model.
 #include <fmt/format.h>
 
