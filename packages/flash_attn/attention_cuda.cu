@@ -115,6 +115,39 @@ __device__ __forceinline__ bool visible(int64_t pos, int64_t j, int64_t skv, boo
   return j < skv && (!causal || j <= pos) && (window <= 0 || pos - j < window);
 }
 
+// acc (16 x N) += A B^T: A the warp's 16 rows [a0, a0 + 16) of an smem tile, B rows [0, N) of another,
+// both of width D (the k dimension), swizzled as load_tile writes them.
+template <typename T, int D, int N>
+__device__ __forceinline__ void mma_rows_bt(float (&acc)[N / 8][4], const T* sA, int a0, const T* sB, int lane) {
+  const int m8 = lane >> 3;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t a[4];
+    ldsm_x4(a, smem_addr(sA + swz<D>(a0 + (lane & 15), 2 * kk + (lane >> 4))));
+#pragma unroll
+    for (int np = 0; np < N / 16; ++np) {
+      uint32_t r[4];
+      ldsm_x4(r, smem_addr(sB + swz<D>(np * 16 + (m8 >> 1) * 8 + (lane & 7), 2 * kk + (m8 & 1))));
+      mma<T>(acc[2 * np], a, r[0], r[1]);
+      mma<T>(acc[2 * np + 1], a, r[2], r[3]);
+    }
+  }
+}
+
+// acc (16 x D) += A B for the k-step `kq` of 16: A given as fragments, B rows [16 kq, 16 kq + 16) of
+// an smem tile of width D (read transposed by ldmatrix.trans).
+template <typename T, int D>
+__device__ __forceinline__ void mma_frag_b(float (&acc)[D / 8][4], const uint32_t (&a)[4], const T* sB, int kq, int lane) {
+  const int m8 = lane >> 3;
+#pragma unroll
+  for (int dp = 0; dp < D / 16; ++dp) {
+    uint32_t r[4];
+    ldsm_x4_t(r, smem_addr(sB + swz<D>(kq * 16 + (m8 & 1) * 8 + (lane & 7), 2 * dp + (m8 >> 1))));
+    mma<T>(acc[2 * dp], a, r[0], r[1]);
+    mma<T>(acc[2 * dp + 1], a, r[2], r[3]);
+  }
+}
+
 // ---- forward (tensor cores) --------------------------------------------------------------------
 
 constexpr int kWarps = 4, kThreads = 32 * kWarps, kBr = 16 * kWarps, kBc = 64;
@@ -212,14 +245,7 @@ template <typename T, int D> __global__ void __launch_bounds__(kThreads) fwd_ker
     for (int kk = 0; kk < kBc / 16; ++kk) {
       uint32_t a[4];
       to_a<T>(a, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t r[4];
-        const int m = lane >> 3;
-        ldsm_x4_t(r, smem_addr(v_s + swz<D>(kk * 16 + (m & 1) * 8 + (lane & 7), 2 * dp + (m >> 1))));
-        mma<T>(o[2 * dp], a, r[0], r[1]);
-        mma<T>(o[2 * dp + 1], a, r[2], r[3]);
-      }
+      mma_frag_b<T, D>(o, a, v_s, kk, lane);
     }
     __syncthreads();
   }
@@ -329,18 +355,7 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, 
 
       // s^T = k q^T: this warp's 16 keys x the tile's 64 queries; then p^T.
       float st[kBr / 8][4] = {};
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t a[4];
-        ldsm_x4(a, smem_addr(sK + swz<D>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4))));
-#pragma unroll
-        for (int np = 0; np < kBr / 16; ++np) {
-          uint32_t r[4];
-          ldsm_x4(r, smem_addr(sQ + swz<D>(np * 16 + (m8 >> 1) * 8 + (lane & 7), 2 * kk + (m8 & 1))));
-          mma<T>(st[2 * np], a, r[0], r[1]);
-          mma<T>(st[2 * np + 1], a, r[2], r[3]);
-        }
-      }
+      mma_rows_bt<T, D, kBr>(st, sK, warp * 16, sQ, lane);
       const bool masked = (p.causal && k0 + kBc - 1 > i0 + off) || (p.window > 0 && i0 + kBr - 1 + off - k0 >= p.window) ||
                           k0 + kBc > p.seq_kv;
 #pragma unroll
@@ -357,28 +372,11 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, 
       for (int kq = 0; kq < kBr / 16; ++kq) {
         uint32_t a[4];
         to_a<T>(a, st[2 * kq], st[2 * kq + 1]);
-#pragma unroll
-        for (int dp = 0; dp < D / 16; ++dp) {
-          uint32_t r[4];
-          ldsm_x4_t(r, smem_addr(sO + swz<D>(kq * 16 + (m8 & 1) * 8 + (lane & 7), 2 * dp + (m8 >> 1))));
-          mma<T>(dv[2 * dp], a, r[0], r[1]);
-          mma<T>(dv[2 * dp + 1], a, r[2], r[3]);
-        }
+        mma_frag_b<T, D>(dv, a, sO, kq, lane);
       }
       // dp^T = v dout^T, then ds^T = p^T (dp^T - delta)
       float dpt[kBr / 8][4] = {};
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t a[4];
-        ldsm_x4(a, smem_addr(sV + swz<D>(warp * 16 + (lane & 15), 2 * kk + (lane >> 4))));
-#pragma unroll
-        for (int np = 0; np < kBr / 16; ++np) {
-          uint32_t r[4];
-          ldsm_x4(r, smem_addr(sO + swz<D>(np * 16 + (m8 >> 1) * 8 + (lane & 7), 2 * kk + (m8 & 1))));
-          mma<T>(dpt[2 * np], a, r[0], r[1]);
-          mma<T>(dpt[2 * np + 1], a, r[2], r[3]);
-        }
-      }
+      mma_rows_bt<T, D, kBr>(dpt, sV, warp * 16, sO, lane);
 #pragma unroll
       for (int nt = 0; nt < kBr / 8; ++nt)
 #pragma unroll
@@ -393,13 +391,7 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, 
         *reinterpret_cast<uint32_t*>(sS + swz<kBr>(r0 + 8, 2 * kq) + 2 * t) = a[1];
         *reinterpret_cast<uint32_t*>(sS + swz<kBr>(r0, 2 * kq + 1) + 2 * t) = a[2];
         *reinterpret_cast<uint32_t*>(sS + swz<kBr>(r0 + 8, 2 * kq + 1) + 2 * t) = a[3];
-#pragma unroll
-        for (int dp = 0; dp < D / 16; ++dp) {
-          uint32_t r[4];
-          ldsm_x4_t(r, smem_addr(sQ + swz<D>(kq * 16 + (m8 & 1) * 8 + (lane & 7), 2 * dp + (m8 >> 1))));
-          mma<T>(dk[2 * dp], a, r[0], r[1]);
-          mma<T>(dk[2 * dp + 1], a, r[2], r[3]);
-        }
+        mma_frag_b<T, D>(dk, a, sQ, kq, lane);
       }
       __syncthreads();
       if (it + 1 < iters) load_q(it + 1);  // sQ, sO, sL, sD are free: the next tile loads during dq
@@ -503,14 +495,27 @@ template <typename T> __device__ __forceinline__ void store_lane(T* row, const d
   }
 }
 
+// Query row `row` of [B, Hq, Sq]: its indices, kv head and the keys [lo, hi] it sees (empty: lo > hi).
+struct QueryRow {
+  int64_t b, h, i, hk, lo, hi;
+};
+__device__ __forceinline__ QueryRow query_row(const AttentionParams& p, int64_t row) {
+  QueryRow r;
+  r.b = row / (p.heads_q * p.seq_q), r.h = row / p.seq_q % p.heads_q, r.i = row % p.seq_q;
+  r.hk = r.h / (p.heads_q / p.heads_kv);
+  const int64_t pos = r.i + p.seq_kv - p.seq_q;
+  r.lo = p.window > 0 ? max(int64_t{0}, pos - p.window + 1) : 0;
+  r.hi = p.causal ? pos : p.seq_kv - 1;
+  return r;
+}
+
 // One warp per query row: the online softmax one key at a time.
 template <typename T> __global__ void fwd_generic_kernel(const AttentionParams p) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (row >= p.batch * p.heads_q * p.seq_q) return;
   const int lane = threadIdx.x % 32;
-  const int64_t b = row / (p.heads_q * p.seq_q), h = row / p.seq_q % p.heads_q, i = row % p.seq_q;
-  const int64_t hk = h / (p.heads_q / p.heads_kv), d = p.head_dim, pos = i + p.seq_kv - p.seq_q;
-  const int64_t lo = p.window > 0 ? max(int64_t{0}, pos - p.window + 1) : 0, hi = p.causal ? pos : p.seq_kv - 1;
+  const QueryRow r = query_row(p, row);
+  const int64_t b = r.b, h = r.h, i = r.i, hk = r.hk, lo = r.lo, hi = r.hi, d = p.head_dim;
   double q[kMaxPerLane], o[kMaxPerLane] = {};
   load_lane(q, static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.ss, d, lane);
   const T* kb = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
@@ -540,9 +545,8 @@ template <typename T> __global__ void lse64_generic_kernel(const AttentionParams
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (row >= p.batch * p.heads_q * p.seq_q) return;
   const int lane = threadIdx.x % 32;
-  const int64_t b = row / (p.heads_q * p.seq_q), h = row / p.seq_q % p.heads_q, i = row % p.seq_q;
-  const int64_t hk = h / (p.heads_q / p.heads_kv), d = p.head_dim, pos = i + p.seq_kv - p.seq_q;
-  const int64_t lo = p.window > 0 ? max(int64_t{0}, pos - p.window + 1) : 0, hi = p.causal ? pos : p.seq_kv - 1;
+  const QueryRow r = query_row(p, row);
+  const int64_t b = r.b, h = r.h, i = r.i, hk = r.hk, lo = r.lo, hi = r.hi, d = p.head_dim;
   double q[kMaxPerLane];
   load_lane(q, static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.ss, d, lane);
   const T* kb = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
@@ -563,9 +567,8 @@ template <typename T> __global__ void dq_generic_kernel(const AttentionParams p,
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (row >= p.batch * p.heads_q * p.seq_q) return;
   const int lane = threadIdx.x % 32;
-  const int64_t b = row / (p.heads_q * p.seq_q), h = row / p.seq_q % p.heads_q, i = row % p.seq_q;
-  const int64_t hk = h / (p.heads_q / p.heads_kv), d = p.head_dim, pos = i + p.seq_kv - p.seq_q;
-  const int64_t lo = p.window > 0 ? max(int64_t{0}, pos - p.window + 1) : 0, hi = p.causal ? pos : p.seq_kv - 1;
+  const QueryRow r = query_row(p, row);
+  const int64_t b = r.b, h = r.h, i = r.i, hk = r.hk, lo = r.lo, hi = r.hi, d = p.head_dim;
   const double lse = lse64[row];
   const double dl = lse64[p.batch * p.heads_q * p.seq_q + row];
   double q[kMaxPerLane], dout[kMaxPerLane], dq[kMaxPerLane] = {};

@@ -54,16 +54,15 @@ std::vector<int64_t> parse_ids(const std::string& text) {
   return ids;
 }
 
-DType parse_dtype(const std::string& s) {
-  if (s == "f32" || s == "float32") return DType::f32;
-  if (s == "bf16" || s == "bfloat16") return DType::bf16;
-  if (s == "f16" || s == "float16") return DType::f16;
-  KCPP_FAIL("--dtype '{}': expected f32, bf16 or f16", s);
+DType float_dtype(const std::string& s) {
+  const DType t = parse_dtype(s);
+  KCPP_CHECK(t == DType::f32 || t == DType::bf16 || t == DType::f16, "--dtype '{}': expected f32, bf16 or f16", s);
+  return t;
 }
 
 int run_generate(const GenerateArgs& a) {
   const Device dev = a.device == "auto" ? (cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu()) : parse_device(a.device);
-  auto model = models::CausalLM::from_folder(a.model, parse_dtype(a.dtype), dev);
+  auto model = models::CausalLM::from_folder(a.model, float_dtype(a.dtype), dev);
   if (!a.kernels.empty()) {
     std::string text = a.kernels;
     if (text.front() != '{') {
