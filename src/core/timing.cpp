@@ -4,12 +4,25 @@
 #include <chrono>
 #include <vector>
 
+#include <cstdlib>
 #include <cstring>
 
 #include "core/cuda_runtime.h"
 #include "core/tensor.h"
 
 namespace kcpp {
+
+#if KCPP_WITH_CUDA
+namespace {
+// The buffer zeroed before each timed GPU run (see time_op); one per device, kept for the process.
+void* flush_buffer(int device, size_t bytes) {
+  static std::vector<void*> buffers;
+  if (buffers.size() <= static_cast<size_t>(device)) buffers.resize(static_cast<size_t>(device) + 1, nullptr);
+  if (!buffers[static_cast<size_t>(device)]) KCPP_CUDA_CHECK(cudaMalloc(&buffers[static_cast<size_t>(device)], bytes));
+  return buffers[static_cast<size_t>(device)];
+}
+}  // namespace
+#endif
 
 void synchronize(Device device) {
 #if KCPP_WITH_CUDA
@@ -30,10 +43,15 @@ Timing time_op(Device device, const std::function<void()>& fn, int warmup, int r
 #if KCPP_WITH_CUDA
   if (device.is_cuda()) {
     cuda::DeviceGuard g(device.index);
+    constexpr size_t kFlushBytes = size_t{256} << 20;  // what triton.testing.do_bench zeroes
+    // KCPP_TIMING_NO_FLUSH=1 times back to back instead (to compare with figures taken that way).
+    const char* no_flush = std::getenv("KCPP_TIMING_NO_FLUSH");
+    void* flush = (no_flush && *no_flush == '1') ? nullptr : flush_buffer(device.index, kFlushBytes);
     cudaEvent_t start, stop;
     KCPP_CUDA_CHECK(cudaEventCreate(&start));
     KCPP_CUDA_CHECK(cudaEventCreate(&stop));
     for (double& t : ms) {
+      if (flush) KCPP_CUDA_CHECK(cudaMemsetAsync(flush, 0, kFlushBytes, cuda::current_stream()));
       KCPP_CUDA_CHECK(cudaEventRecord(start, cuda::current_stream()));
       fn();
       KCPP_CUDA_CHECK(cudaEventRecord(stop, cuda::current_stream()));

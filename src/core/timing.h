@@ -15,6 +15,13 @@ struct Timing {
 };
 
 // Runs fn `warmup` times, then `reps` times each timed alone; returns median / min / max.
+//
+// On a GPU each timed run is preceded by zeroing a 256 MiB buffer, exactly as
+// `triton.testing.do_bench` does (the anchors' timer): the run then starts with a cold L2 (no
+// input left in the 50-60 MiB cache by the previous run), and the host enqueues the start event and
+// the run while the GPU is still busy with the zeroing, so host-side launch cost does not show up as
+// an idle gap between the events.  Without it, a 40 us kernel measured 3-5 us of launch latency too.
+// KCPP_TIMING_NO_FLUSH=1 in the environment times back to back without the zeroing.
 Timing time_op(Device device, const std::function<void()>& fn, int warmup = 5, int reps = 25);
 
 // Waits for all work queued on the device.
