@@ -32,6 +32,7 @@
 #include "ops/nn/layer_norm.h"
 #include "glu/glu_tuning.h"
 #include "rope/rope_tuning.h"
+#include "cross_entropy/cross_entropy_tuning.h"
 #include "activation_kernels.h"
 #include "attention.h"
 #include "ops/nn/attention.h"
@@ -272,16 +273,18 @@ void bench_cross_entropy() {
   const Tensor targets = Tensor::randint({n}, 0, v, DType::i64, kDev, gen);
   const double gb = 2.0 * n * v * 2 / 1e9;  // anchors.py's count: read the logits, write the gradient
   const ops::CrossEntropyOptions opt;
+  const Tensor cw = Tensor::uniform({v}, DType::f32, kDev, gen, 0.5, 1.5);  // class weights (the options row)
   row("ce fwd+bwd", "reference", [&] {
     const auto f = ops::cross_entropy_forward(logits, targets, opt);
     ops::cross_entropy_backward(Tensor::full({}, 1.0, DType::bf16, kDev), f.log_probs, targets, opt);
   }, gb);
-  auto call = [&](const Tensor& in, const Tensor& grad) {
+  auto call = [&](const Tensor& in, const Tensor& grad, const liger::CrossEntropyConfig& c = {}, bool ext = false) {
     Tensor loss = Tensor::empty({1}, DType::f32, kDev);
     auto p = test::cross_entropy_params(in, targets, opt, loss, grad);
+    if (ext) p.softcap = 30.0f, p.lse_square_scale = 1e-4f, p.class_weight = static_cast<const float*>(cw.data());
     Tensor ws = Tensor::empty({static_cast<int64_t>(liger::cross_entropy_workspace(p))}, DType::u8, kDev);
     p.workspace = ws.data();
-    check(liger::cross_entropy_cuda(p, cuda::current_stream()));
+    check(liger::cross_entropy_cuda_with(p, cuda::current_stream(), c));
   };
   row("ce fwd+bwd", "kcpp", [&] { call(logits, Tensor::empty({n, v}, DType::bf16, kDev)); }, gb);
   // In place over the logits, as Liger does (a scratch copy: its values become gradients after the
@@ -289,15 +292,33 @@ void bench_cross_entropy() {
   const Tensor scratch = logits.clone();
   row("ce fwd+bwd in-place", "kcpp", [&] { call(scratch, scratch); }, gb);
   // The per-element options (softcap 30, as Gemma 2; class weights) and the per-row ones (z-loss).
-  const Tensor cw = Tensor::uniform({v}, DType::f32, kDev, gen, 0.5, 1.5);
-  row("ce fwd+bwd softcap+w+z", "kcpp", [&] {
-    Tensor loss = Tensor::empty({1}, DType::f32, kDev), grad = Tensor::empty({n, v}, DType::bf16, kDev);
-    auto p = test::cross_entropy_params(logits, targets, opt, loss, grad);
-    p.softcap = 30.0f, p.lse_square_scale = 1e-4f, p.class_weight = static_cast<const float*>(cw.data());
+  row("ce fwd+bwd softcap+w+z", "kcpp", [&] { call(logits, Tensor::empty({n, v}, DType::bf16, kDev), {}, true); }, gb);
+  // The two-pass loop path (before sm_90, or where the cluster path does not apply).
+  row("ce fwd+bwd loop path", "kcpp", [&] { call(logits, Tensor::empty({n, v}, DType::bf16, kDev), {false}); }, gb);
+}
+
+// The cluster path's configurations (cross_entropy_tuning.h): vectors a thread, stages in flight.
+void sweep_cross_entropy() {
+  const int64_t n = 4096, v = 128256;
+  Generator gen(17);
+  const Tensor logits = Tensor::randn({n, v}, DType::bf16, kDev, gen);
+  const Tensor targets = Tensor::randint({n}, 0, v, DType::i64, kDev, gen);
+  const Tensor grad = Tensor::empty({n, v}, DType::bf16, kDev);
+  const double gb = 2.0 * n * v * 2 / 1e9;
+  std::printf("cross-entropy sweep [%lld, %lld] bf16 (cluster, threads, vectors a thread, stages)\n", static_cast<long long>(n), static_cast<long long>(v));
+  for (const liger::CrossEntropyConfig c : {liger::CrossEntropyConfig{false}, {true, 512, 8, 1}, {true, 512, 8, 2}, {true, 512, 8, 3},
+                                            {true, 1024, 4, 2}, {true, 512, 4, 2}, {true, 512, 4, 4}}) {
+    Tensor loss = Tensor::empty({1}, DType::f32, kDev);
+    auto p = test::cross_entropy_params(logits, targets, ops::CrossEntropyOptions{}, loss, grad);
     Tensor ws = Tensor::empty({static_cast<int64_t>(liger::cross_entropy_workspace(p))}, DType::u8, kDev);
     p.workspace = ws.data();
-    check(liger::cross_entropy_cuda(p, cuda::current_stream()));
-  }, gb);
+    const Timing t = time_op(kDev, [&] { check(liger::cross_entropy_cuda_with(p, cuda::current_stream(), c)); }, 5, 30);
+    const double gbps = gb / (t.median_ms * 1e-3);
+    std::printf("  %d %4d %2d %d (cluster of %d)  %8.4f ms %6.0f GB/s %5.1f%%\n", c.cluster, c.threads, c.vecs, c.stages,
+                liger::cross_entropy_cluster_size(p, c), t.median_ms, gbps, 100 * gbps / g_copy_gbps);
+    g_rows.push_back({{"op", "sweep ce"}, {"cluster", c.cluster}, {"threads", c.threads}, {"vecs", c.vecs}, {"stages", c.stages}, {"ms", t.median_ms},
+                      {"GBps", gbps}});
+  }
 }
 
 // A compute-bound row: TFLOP/s instead of bandwidth; the peak also without the `grads_mib` of
@@ -621,6 +642,7 @@ int main(int argc, char** argv) {
       if (want("rms_norm")) sweep_rms_norm();
       if (want("swiglu")) sweep_swiglu();
       if (want("rope")) sweep_rope();
+      if (want("cross_entropy")) sweep_cross_entropy();
       if (want("activation")) sweep_activation();
     }
   } catch (const std::exception& e) {

@@ -210,7 +210,8 @@ GluMagnitude glu_magnitude(const V& dout, const V& gate, const V& up, Act act) {
   return m;
 }
 
-static void log_probs_row(const double* x, int64_t v, V& lp) {
+// Returns the row's log-sum-exp.
+static double log_probs_row(const double* x, int64_t v, V& lp) {
   double mx = -std::numeric_limits<double>::infinity();
   for (int64_t j = 0; j < v; ++j) mx = std::max(mx, x[j]);
   double s = 0;
@@ -218,6 +219,7 @@ static void log_probs_row(const double* x, int64_t v, V& lp) {
   const double lse = mx + std::log(s);
   lp.resize(static_cast<size_t>(v));
   for (int64_t j = 0; j < v; ++j) lp[j] = x[j] - lse;
+  return lse;
 }
 
 V cross_entropy_rows(const V& logits, const std::vector<int64_t>& t, int64_t n, int64_t v, int64_t ignore,
@@ -232,7 +234,7 @@ V cross_entropy_rows(const V& logits, const std::vector<int64_t>& t, int64_t n, 
     double mean_neg = 0;
     for (int64_t j = 0; j < v; ++j) mean_neg -= lp[j];
     mean_neg /= v;
-    loss[i] = (1 - smoothing) * -lp[t[i]] + smoothing * mean_neg;
+    loss[i] = (1 - smoothing) * -lp[t[i]] + (smoothing > 0 ? smoothing * mean_neg : 0.0);  // no 0 x inf (masked logits)
   }
   return loss;
 }
@@ -258,11 +260,12 @@ V cross_entropy_backward(const V& logits, const std::vector<int64_t>& t, const V
 
 namespace {
 // z = c tanh(x / c) (or x), and the log-softmax of z.
-void capped_log_probs(const double* x, int64_t v, double cap, V& z, V& lp) {
+// Returns the row's log-sum-exp (not z[0] - lp[0]: that is NaN when z[0] is a masked -inf).
+double capped_log_probs(const double* x, int64_t v, double cap, V& z, V& lp) {
   z.assign(x, x + v);
   if (cap > 0)
     for (double& e : z) e = cap * std::tanh(e / cap);
-  log_probs_row(z.data(), v, lp);
+  return log_probs_row(z.data(), v, lp);
 }
 double weight_of(const V& w, int64_t j) { return w.empty() ? 1.0 : w[static_cast<size_t>(j)]; }
 }  // namespace
@@ -275,12 +278,12 @@ V cross_entropy_rows(const V& logits, const std::vector<int64_t>& t, int64_t n, 
     if (t[i] == o.ignore) continue;
     const double wt = weight_of(o.class_weight, t[i]);
     divisor += wt;
-    capped_log_probs(logits.data() + i * v, v, o.softcap, z, lp);
-    const double lse = z[0] - lp[0];
+    const double lse = capped_log_probs(logits.data() + i * v, v, o.softcap, z, lp);
     double smooth = 0;  // -(1 / V) sum_j w_j log p_j
     for (int64_t j = 0; j < v; ++j) smooth -= weight_of(o.class_weight, j) * lp[j];
     smooth /= static_cast<double>(v);
-    const double ce = (1 - o.smoothing) * wt * -lp[t[i]] + o.smoothing * smooth;
+    // Without smoothing the term is absent (as in PyTorch), not 0 x inf when a logit is -inf (masked).
+    const double ce = (1 - o.smoothing) * wt * -lp[t[i]] + (o.smoothing > 0 ? o.smoothing * smooth : 0.0);
     loss[i] = weight_of(o.token_weight, i) * (ce + o.z_loss * lse * lse);
   }
   return loss;
@@ -294,8 +297,7 @@ V cross_entropy_backward(const V& logits, const std::vector<int64_t>& t, const V
   for (int64_t j = 0; j < v; ++j) wsum += weight_of(o.class_weight, j);
   for (int64_t i = 0; i < n; ++i) {
     if (t[i] == o.ignore) continue;
-    capped_log_probs(logits.data() + i * v, v, o.softcap, z, lp);
-    const double lse = z[0] - lp[0], wt = weight_of(o.class_weight, t[i]);
+    const double lse = capped_log_probs(logits.data() + i * v, v, o.softcap, z, lp), wt = weight_of(o.class_weight, t[i]);
     const double gi = g[i] * weight_of(o.token_weight, i);
     for (int64_t j = 0; j < v; ++j) {
       const double p = std::exp(lp[j]), wj = weight_of(o.class_weight, j), hot = j == t[i] ? 1.0 : 0.0;

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "kcpp/kernel/error.h"
 #include "kcpp/kernel/types.h"
@@ -48,7 +49,13 @@ template <typename T, int N> __device__ __forceinline__ void store_f32(T* p, con
   Vec<T, N> v;
 #pragma unroll
   for (int i = 0; i < N; ++i) v.v[i] = from_f32<T>(in[i]);
-  *reinterpret_cast<Vec<T, N>*>(p) = v;
+  if constexpr (sizeof(v) == 16) {  // one 16-byte store: a struct copy was once split into 2-byte stores
+    uint4 u;
+    memcpy(&u, &v, sizeof(u));
+    *reinterpret_cast<uint4*>(p) = u;
+  } else {
+    *reinterpret_cast<Vec<T, N>*>(p) = v;
+  }
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -81,6 +88,28 @@ inline int sm_count(int device) {
     cache[device] = n > 0 ? n : 1;
   }
   return cache[device];
+}
+
+// A device attribute (cached per device and attribute): e.g. cudaDevAttrComputeCapabilityMajor,
+// cudaDevAttrMaxSharedMemoryPerBlockOptin.  0 when the query fails.
+inline int device_attribute(cudaDeviceAttr attr, int device) {
+  struct Entry {
+    int device;
+    cudaDeviceAttr attr;
+    int value;
+  };
+  static thread_local Entry cache[16] = {};
+  static thread_local int used = 0;
+  for (int k = 0; k < used; ++k)
+    if (cache[k].device == device && cache[k].attr == attr) return cache[k].value;
+  int v = 0;
+  if (cudaDeviceGetAttribute(&v, attr, device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  cache[used % 16] = {device, attr, v};
+  used = used < 16 ? used + 1 : 16;
+  return v;
 }
 
 inline const char* launch_error(const char* op) {

@@ -85,7 +85,8 @@ KCPP_CPU_MULTIVERSION void rows(const CrossEntropyParams& p, double* row_loss, f
       const double lse = m + std::log(s);
       const double wt = cw ? cw[t] : 1.0, tau = p.token_weight ? p.token_weight[i] : 1.0;
       if (p.lse) p.lse[i] = static_cast<float>(lse);
-      const double ce = (1.0 - eps) * wt * (lse - x[t]) + eps / static_cast<double>(v) * (wsum_d * lse - sx);
+      // The smoothing term only with smoothing: sx is -inf when a logit is masked, and 0 x inf is NaN.
+      const double ce = (1.0 - eps) * wt * (lse - x[t]) + (eps > 0.0f ? eps / static_cast<double>(v) * (wsum_d * lse - sx) : 0.0);
       row_loss[i] = tau * (ce + beta * lse * lse);
       if (g) {
         const float smooth = eps / static_cast<float>(v), hot = static_cast<float>((1.0 - eps) * wt);

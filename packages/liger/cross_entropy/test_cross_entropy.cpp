@@ -1,8 +1,11 @@
 // Cross-entropy kernel against the f64 oracle, held to DESIGN.md's bound: at most twice the error of
 // the eager reference (ops::cross_entropy_*) in the same precision, and within the dtype's table.
+#include <cmath>
 #include <limits>
 
 #include "cross_entropy.h"
+#include "core/cuda_runtime.h"
+#include "cross_entropy_tuning.h"
 #include "kernel_params.h"
 #include "oracle.h"
 #include "ops/nn/cross_entropy.h"
@@ -198,6 +201,19 @@ TEST_P(LigerCrossEntropy, EdgeCasesAndBadInput) {
     EXPECT_FALSE(std::isnan(gv[j])) << "row 0, column " << j;
     EXPECT_TRUE(std::isnan(gv[40 + j])) << "row 1, column " << j;
   }
+  // Masked logits (-inf) without smoothing: a finite loss (the smoothing term is absent, not 0 x inf)
+  // and exactly zero gradient where masked, as PyTorch.
+  std::vector<double> mv(2 * 40);
+  for (int j = 0; j < 80; ++j) mv[j] = j < 16 ? -std::numeric_limits<double>::infinity() : 0.1 * (j % 7);
+  const Tensor masked = Tensor::from_f64(mv, {2, 40}, DType::f32, dev);
+  const std::vector<int64_t> tm = {20, 39};
+  ASSERT_EQ(k.run(k.params(masked, Tensor::from_i64(tm, {2}, DType::i64, dev), {-100, ops::Reduction::None, 0.0}, false)),
+            nullptr);
+  int64_t mcount = 0;
+  const auto mref = oracle::cross_entropy_rows(masked.to_f64_vector(), tm, 2, 40, -100, 0.0, mcount);
+  const auto ml = k.loss.to_f64_vector(), mg = k.grad.to_f64_vector();
+  for (int i = 0; i < 2; ++i) EXPECT_NEAR(ml[size_t(i)], mref[size_t(i)], 1e-5 * std::fabs(mref[size_t(i)])) << "masked row " << i;
+  for (int j = 0; j < 16; ++j) EXPECT_EQ(mg[size_t(j)], 0.0) << "masked column " << j;
   auto expect_error = [&](const liger::CrossEntropyParams& b, const char* needle) {
     EXPECT_TRUE(test::kernel_error_contains(k.run(b), needle));
   };
@@ -218,6 +234,95 @@ TEST_P(LigerCrossEntropy, EdgeCasesAndBadInput) {
   b.loss = nullptr;
   expect_error(b, "must not be null");
 }
+
+#if KCPP_WITH_CUDA
+// The CUDA one-pass cluster path (cross_entropy_cuda.cu) at vocabularies that select each cluster
+// size, in each configuration of cross_entropy_tuning.h, with one or two clusters so that every
+// block runs many rows through its stages (phase parity wrapping, stages re-armed after ignored rows,
+// exchange slots reused), the options on and off, in place and not, masked (-inf) logits, against
+// the oracle (and, without the options, within twice the eager reference's error).
+TEST(LigerCrossEntropyCuda, ClusterPathAgainstTheOracle) {
+  const Device dev = Device::cuda(0);
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const liger::CrossEntropyConfig configs[] = {{true, 512, 8, 2, 2}, {true, 512, 4, 2, 1}, {true, 1024, 4, 1, 1}, {true, 512, 4, 4, 3}};
+  for (DType dt : {DType::f32, DType::bf16, DType::f16})
+    for (int64_t v : {8, 4096, 65544, 128256, 151936})
+      for (int ci = 0; ci < 4; ++ci)
+        for (bool ext : {false, true}) {
+          if (v >= 65544 && (dt == DType::f16 || ci >= 2) && !(ci == 0 && !ext)) continue;  // keep the oracle's time down
+          const liger::CrossEntropyConfig& c = configs[ci];
+          const int64_t n = v > 100000 ? 9 : v > 10000 ? 17 : 41;
+          const Reduction red = ext ? Reduction::Sum : Reduction::Mean;
+          const double eps = ci % 2 ? 0.0 : 0.1;
+          const bool in_place = ci % 2 == 1;
+          std::vector<double> lv = Tensor::randn({n, v}, dt, dev, gen, 0, 3).to_f64_vector();
+          // Masked logits (without smoothing: with it the loss is +inf, as in PyTorch): a row's first
+          // min(v, 64) columns at -inf (whole 16-byte vectors; for v = 8 the whole row but its
+          // target), plus scattered ones.
+          const bool masked = eps == 0.0;
+          if (masked) {
+            for (int64_t j = 0; j < std::min<int64_t>(v, 64); ++j) lv[size_t(2 * v + j)] = -std::numeric_limits<double>::infinity();
+            for (int64_t i = 0; i < n; i += 3) lv[size_t(i * v + (i * 7919) % v)] = -std::numeric_limits<double>::infinity();
+          }
+          std::vector<int64_t> t(static_cast<size_t>(n));
+          std::uniform_int_distribution<int64_t> pick(0, v - 1);
+          for (int64_t i = 0; i < n; ++i) t[i] = i % 5 == 1 ? -100 : pick(gen.engine());
+          t[0] = v - 1;
+          t[2] = std::min<int64_t>(v, 64);  // past the masked columns (v = 8: t = 8 would be out of range)
+          if (v == 8) t[2] = 7;
+          for (int64_t i = 0; i < n; ++i)
+            if (t[i] >= 0 && std::isinf(lv[size_t(i * v + t[i])])) lv[size_t(i * v + t[i])] = 0.5;  // a finite target logit
+          const Tensor logits = Tensor::from_f64(lv, {n, v}, dt, dev);
+          const Tensor targets = Tensor::from_i64(t, {n}, DType::i64, dev);
+          const Tensor cw = Tensor::uniform({v}, DType::f32, dev, gen, 0.2, 2.0), tw = Tensor::uniform({n}, DType::f32, dev, gen, 0, 3);
+          oracle::CEOptions oo;
+          oo.smoothing = eps;
+          if (ext) {
+            oo.softcap = 20.0, oo.z_loss = 1e-3;
+            oo.class_weight = cw.to_f64_vector(), oo.token_weight = tw.to_f64_vector();
+          }
+          const auto lq = logits.to_f64_vector();
+          double divisor = 0;
+          const auto rows = oracle::cross_entropy_rows(lq, t, n, v, oo, divisor);
+          double total = 0;
+          for (double r : rows) total += r;
+          const std::vector<double> ref_loss{red == Reduction::Sum ? total : total / divisor};
+          std::vector<double> g(static_cast<size_t>(n), red == Reduction::Mean ? 1.0 / divisor : 1.0), mag;
+          const auto ref_grad = oracle::cross_entropy_backward(lq, t, g, n, v, oo, &mag);
+
+          CE k{dev};
+          const Tensor input = in_place ? logits.clone() : logits;
+          const ops::CrossEntropyOptions opt{-100, red, eps};
+          auto p = k.params(input, targets, opt, in_place);
+          if (ext) {
+            p.softcap = 20.0f, p.lse_square_scale = 1e-3f;
+            p.class_weight = static_cast<const float*>(cw.data()), p.token_weight = static_cast<const float*>(tw.data());
+          }
+          const int csize = liger::cross_entropy_cluster_size(p, c);
+          const std::string cfg = fmt::format("{} v={} config={} (cluster of {}) ext={}", test::config_name(dev, dt), v, ci, csize, ext);
+          // The path applies wherever a row fits 8 blocks' registers (threads x vecs 16-byte vectors a block).
+          const int64_t slice_max = int64_t{c.threads} * c.vecs * (16 / static_cast<int64_t>(dtype_size(dt)));
+          EXPECT_EQ(csize > 0, (v + 7) / 8 <= slice_max) << cfg;
+          ASSERT_EQ(liger::cross_entropy_cuda_with(p, cuda::current_stream(), c), nullptr) << cfg;
+          const double el = test::rel_l2_error(k.loss, ref_loss), eg = test::mag_error(k.grad, ref_grad, mag);
+          EXPECT_LE(std::max(el, eg), test::composite_rel_l2(dt))
+              << cfg << " loss " << k.loss.item() << " (oracle " << ref_loss[0] << ", error " << el << ") grad error " << eg;
+          if (!ext) {  // the eager reference in the same precision, upstream gradient 1 (no masked logits there:
+                       // its bound needs the same inputs, and it handles -inf as we do)
+            const auto rf = ops::cross_entropy_forward(logits, targets, opt);
+            const Tensor rg = ops::cross_entropy_backward(Tensor::full({}, 1.0, dt, dev), rf.log_probs, targets, opt);
+            EXPECT_LE(el, test::kernel_bound(test::rel_l2_error(rf.loss, ref_loss), dt)) << cfg << " loss";
+            EXPECT_LE(eg, test::kernel_bound(test::mag_error(rg, ref_grad, mag), dt)) << cfg << " grad";
+          }
+          if (masked) {  // masked columns get exactly zero gradient
+            const auto gv = k.grad.to_f64_vector();
+            for (int64_t j = 0; j < std::min<int64_t>(v, 64); ++j)
+              if (j != t[2]) ASSERT_EQ(gv[size_t(2 * v + j)], 0.0) << cfg << " column " << j;
+          }
+        }
+}
+#endif
 
 INSTANTIATE_TEST_SUITE_P(Devices, LigerCrossEntropy, ::testing::Values(Device::cpu(), Device::cuda(0)),
                          [](const auto& info) { return info.param.is_cpu() ? std::string("cpu") : std::string("cuda"); });
