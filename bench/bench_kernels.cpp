@@ -435,8 +435,10 @@ void bench_attention() {
   }
 }
 
-// Every launch configuration of the registers path at the benchmark shape, forward and backward
-// separately: the measurements behind the defaults in rms_norm_cuda.cu.
+// Every launch configuration of the loop and registers paths (and the backward's bulk path) at the
+// benchmark shape, forward (RMSNorm and AddRMSNorm) and backward (RMSNorm) separately: the measurements behind the defaults
+// in rms_norm_cuda.cu.  Columns: items (16-byte vectors a thread; 0: loop path), persistent, stages
+// (> 0: bulk path, rows in flight a block), blocks_per_sm (0: as many as fit).
 void sweep_rms_norm() {
   const int64_t bt = 8192, h = 4096;
   Generator gen(7);
@@ -445,30 +447,37 @@ void sweep_rms_norm() {
   const test::RMSNormTensors t = test::rms_norm_tensors(x, w, dy);
   const liger::RMSNormParams p = test::rms_norm_params(t);
   const double fb = 2.0 * bt * h * 2 / 1e9, bb = 3.0 * bt * h * 2 / 1e9;
-  std::printf("sweep rmsnorm bf16 [%lld, %lld]: items persistent (add: AddRMSNorm, 4 units)\n", (long long)bt, (long long)h);
+  std::printf("sweep rmsnorm bf16 [%lld, %lld]: items persistent stages blocks_per_sm (add: AddRMSNorm, 4 units)\n",
+              (long long)bt, (long long)h);
+  std::vector<liger::RMSNormConfig> configs;
+  for (int items : {0, 1, 2, 4})
+    for (bool persistent : {false, true}) configs.push_back({items, persistent, 0, 0});
+  for (int items : {1, 2})
+    for (int stages : {2, 3, 4, 8})
+      for (int blocks : {0, 2, 4}) configs.push_back({items, true, stages, blocks});
+  auto report = [&](const char* op, const liger::RMSNormConfig& c, const Timing& t, double gb) {
+    const double gbps = gb / (t.median_ms * 1e-3);
+    std::printf("  %-22s %d %d %d %d  %8.4f ms %6.0f GB/s %5.1f%%\n", op, c.items, c.persistent, c.stages, c.blocks_per_sm,
+                t.median_ms, gbps, 100 * gbps / g_copy_gbps);
+    g_rows.push_back({{"op", std::string("sweep ") + op}, {"items", c.items}, {"persistent", c.persistent},
+                      {"stages", c.stages}, {"blocks_per_sm", c.blocks_per_sm}, {"ms", t.median_ms}, {"GBps", gbps}});
+  };
   const Tensor res = Tensor::randn({bt, h}, DType::bf16, kDev, gen), rout = Tensor::empty({bt, h}, DType::bf16, kDev);
   for (bool add : {false, true})
-    for (int items : {0, 1, 2, 4})
-      for (bool persistent : {false, true}) {
-        const liger::RMSNormConfig c{items, persistent};
-        liger::RMSNormParams q = p;
-        if (add) q.residual = res.data(), q.residual_stride = h, q.residual_out = rout.data(), q.residual_out_stride = h;
-        const Timing t = time_op(kDev, [&] { check(liger::rms_norm_forward_cuda_with(q, cuda::current_stream(), c)); }, 10, 50);
-        const double gbps = (add ? 2 : 1) * fb / (t.median_ms * 1e-3);
-        std::printf("  fwd%s %d %d  %8.4f ms %6.0f GB/s %5.1f%%\n", add ? " add" : "", items, persistent, t.median_ms, gbps,
-                    100 * gbps / g_copy_gbps);
-        g_rows.push_back({{"op", add ? "sweep addrmsnorm fwd" : "sweep rmsnorm fwd"}, {"items", items},
-                          {"persistent", persistent}, {"ms", t.median_ms}, {"GBps", gbps}});
-      }
-  for (int items : {0, 1, 2}) {
-    const liger::RMSNormConfig c{items, true};
+    for (const liger::RMSNormConfig& c : configs) {
+      if (c.stages > 0) continue;  // the bulk path is the backward's
+      liger::RMSNormParams q = p;
+      if (add) q.residual = res.data(), q.residual_stride = h, q.residual_out = rout.data(), q.residual_out_stride = h;
+      const Timing tm = time_op(kDev, [&] { check(liger::rms_norm_forward_cuda_with(q, cuda::current_stream(), c)); }, 10, 50);
+      report(add ? "addrmsnorm fwd" : "rmsnorm fwd", c, tm, (add ? 2 : 1) * fb);
+    }
+  for (const liger::RMSNormConfig& c : configs) {
+    if (c.items > 2 || !c.persistent) continue;  // beyond the backward's register budget; always persistent
     Tensor ws = Tensor::empty({static_cast<int64_t>(liger::rms_norm_backward_workspace_with(p, 0, c))}, DType::u8, kDev);
     liger::RMSNormParams q = p;
     q.workspace = ws.data();
-    const Timing t = time_op(kDev, [&] { check(liger::rms_norm_backward_cuda_with(q, cuda::current_stream(), c)); }, 10, 50);
-    const double gbps = bb / (t.median_ms * 1e-3);
-    std::printf("  bwd %d 1  %8.4f ms %6.0f GB/s %5.1f%%\n", items, t.median_ms, gbps, 100 * gbps / g_copy_gbps);
-    g_rows.push_back({{"op", "sweep rmsnorm bwd"}, {"items", items}, {"ms", t.median_ms}, {"GBps", gbps}});
+    const Timing tm = time_op(kDev, [&] { check(liger::rms_norm_backward_cuda_with(q, cuda::current_stream(), c)); }, 10, 50);
+    report("rmsnorm bwd", c, tm, bb);
   }
 }
 

@@ -78,28 +78,33 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return v;
 }
 
-// The device's multiprocessor count (cached per device).
-inline int sm_count(int device) {
-  static int cache[64] = {};
-  if (device < 0 || device >= 64) return 1;
-  if (!cache[device]) {
-    int n = 0;
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device);
-    cache[device] = n > 0 ? n : 1;
-  }
-  return cache[device];
+// Two sums over the block at once (one pair of barriers instead of two), each added in the same
+// order as block_sum adds it.  `scratch`: 64 floats of shared memory, left free for reuse.
+__device__ __forceinline__ float2 block_sum2(float a, float b, float* scratch) {
+  a = warp_sum(a);
+  b = warp_sum(b);
+  if (blockDim.x <= 32) return make_float2(a, b);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) scratch[warp] = a, scratch[32 + warp] = b;
+  __syncthreads();
+  const bool in = lane < static_cast<int>(blockDim.x >> 5);
+  a = warp_sum(in ? scratch[lane] : 0.0f);
+  b = warp_sum(in ? scratch[32 + lane] : 0.0f);
+  __syncthreads();
+  return make_float2(a, b);
 }
 
-// A device attribute (cached per device and attribute): e.g. cudaDevAttrComputeCapabilityMajor,
-// cudaDevAttrMaxSharedMemoryPerBlockOptin.  0 when the query fails.
+// A device attribute (cached per thread, device and attribute): e.g. cudaDevAttrComputeCapabilityMajor,
+// cudaDevAttrMaxSharedMemoryPerBlockOptin.  0 when the query fails (not cached: asked again next time).
 inline int device_attribute(cudaDeviceAttr attr, int device) {
   struct Entry {
     int device;
     cudaDeviceAttr attr;
     int value;
   };
-  static thread_local Entry cache[16] = {};
-  static thread_local int used = 0;
+  constexpr int kSlots = 16;
+  static thread_local Entry cache[kSlots] = {};
+  static thread_local int used = 0, next = 0;  // filled slots; the slot the next miss replaces
   for (int k = 0; k < used; ++k)
     if (cache[k].device == device && cache[k].attr == attr) return cache[k].value;
   int v = 0;
@@ -107,9 +112,16 @@ inline int device_attribute(cudaDeviceAttr attr, int device) {
     cudaGetLastError();
     return 0;
   }
-  cache[used % 16] = {device, attr, v};
-  used = used < 16 ? used + 1 : 16;
+  cache[next] = {device, attr, v};
+  next = (next + 1) % kSlots;
+  if (used < kSlots) ++used;
   return v;
+}
+
+// The device's multiprocessor count (at least 1).
+inline int sm_count(int device) {
+  const int n = device_attribute(cudaDevAttrMultiProcessorCount, device);
+  return n > 0 ? n : 1;
 }
 
 inline const char* launch_error(const char* op) {

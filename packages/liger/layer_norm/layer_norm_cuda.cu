@@ -4,14 +4,18 @@
 // 16-byte vectors are held in registers, so x is read once; the mean and then the variance around
 // it are two block reductions over those registers.  Wider or unaligned rows take the loop path,
 // which re-reads the row (from L2) for the variance and for the output.
-// Backward: a persistent grid; per row, one pass for the two sums (g and g * xhat), one writing dx
-// and adding dy * xhat and dy into the block's own dw / db sums (shared memory; each column has one
-// owner thread: no atomics); reduce_rows then adds the blocks' sums in block order, in f64.
+// Backward: a persistent grid; per row, one pass for the two sums (g and g * xhat, reduced together),
+// one writing dx and adding dy * xhat and dy into the block's own dw / db sums (each column has one
+// owner thread: no atomics); column_sums (kcpp/kernel/column_sums.cuh) then adds the blocks' sums in
+// a fixed order, in f64.  Rows of up to 256 x 2 vectors hold x, dy and the sums in registers; on
+// sm_90 those rows come through a shared-memory ring filled by the copy engine (the bulk path).
 #include <algorithm>
 #include <map>
 #include <mutex>
 #include <tuple>
 
+#include "kcpp/kernel/bulk.cuh"
+#include "kcpp/kernel/column_sums.cuh"
 #include "kcpp/kernel/cuda.cuh"
 #include "layer_norm.h"
 
@@ -22,6 +26,8 @@ using namespace kcpp::kernel::cuda;
 using kcpp::kernel::DType;
 
 constexpr int kThreads = 256;
+constexpr int kMaxStages = 4;  // backward bulk path: rows (x and dy) in flight a block
+constexpr int kBulkStages = 2;  // the ring depth used
 
 template <typename T, int VEC>
 __device__ __forceinline__ void write_out(const LayerNormParams& p, T* y, int64_t c, const float (&x)[VEC], float mean,
@@ -117,10 +123,10 @@ __global__ void __launch_bounds__(kThreads) forward_loop(const __grid_constant__
 
 // The block's dw / db sums live in shared memory when 2 x h floats fit (SMEM), else directly in its
 // [2, h] rows of the workspace (a read-modify-write per element and row: slow, only for h > 6144);
-// either way they end in the workspace rows, which reduce_rows adds.
+// either way they end in the workspace rows, which column_sums adds.
 template <typename T, int VEC, bool SMEM>
-__global__ void __launch_bounds__(kThreads) backward_loop(const __grid_constant__ LayerNormParams p) {
-  __shared__ float scratch[32];
+__global__ void __launch_bounds__(kThreads) backward_loop(const __grid_constant__ LayerNormParams p, int /*stages*/) {
+  __shared__ float scratch[64];
   extern __shared__ float sums_smem[];
   const int64_t h = p.hidden, step = int64_t(blockDim.x) * VEC;
   const float inv_h = 1.0f / static_cast<float>(h);
@@ -148,7 +154,8 @@ __global__ void __launch_bounds__(kThreads) backward_loop(const __grid_constant_
         sgx += g * (xv[k] - mean) * rstd;
       }
     }
-    const float mg = block_sum(sg, scratch) * inv_h, mgx = block_sum(sgx, scratch) * inv_h;
+    const float2 sums = block_sum2(sg, sgx, scratch);
+    const float mg = sums.x * inv_h, mgx = sums.y * inv_h;
     T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
     for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
       float xv[VEC], dv[VEC], w[VEC], o[VEC];
@@ -174,8 +181,8 @@ __global__ void __launch_bounds__(kThreads) backward_loop(const __grid_constant_
 // Rows of up to 256 threads x ITEMS vectors: x and dy held in registers (read once), the block's dw /
 // db sums in registers too (each thread owns its columns), written to its workspace rows at the end.
 template <typename T, int VEC, int ITEMS>
-__global__ void __launch_bounds__(kThreads) backward_registers(const __grid_constant__ LayerNormParams p) {
-  __shared__ float scratch[32];
+__global__ void __launch_bounds__(kThreads) backward_registers(const __grid_constant__ LayerNormParams p, int /*stages*/) {
+  __shared__ float scratch[64];
   using V = Vec<T, VEC>;
   const int64_t h = p.hidden;
   const float inv_h = 1.0f / static_cast<float>(h);
@@ -215,7 +222,8 @@ __global__ void __launch_bounds__(kThreads) backward_registers(const __grid_cons
         sgx += g * (xf[k] - mean) * rstd;
       }
     }
-    const float mg = block_sum(sg, scratch) * inv_h, mgx = block_sum(sgx, scratch) * inv_h;
+    const float2 sums = block_sum2(sg, sgx, scratch);
+    const float mg = sums.x * inv_h, mgx = sums.y * inv_h;
     T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
@@ -245,12 +253,98 @@ __global__ void __launch_bounds__(kThreads) backward_registers(const __grid_cons
   }
 }
 
-// out[c] = sum over blocks of part rows (row `which` of each block's pair), in block order.
-template <typename T> __global__ void reduce_rows(const float* part, int blocks, int64_t h, int which, T* out) {
-  for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < h; c += int64_t(gridDim.x) * blockDim.x) {
-    double s = 0.0;  // up to a few hundred partial sums: f64 keeps the order's rounding out of the result
-    for (int b = 0; b < blocks; ++b) s += part[(int64_t(b) * 2 + which) * h + c];
-    out[c] = from_f32<T>(static_cast<float>(s));
+// The bulk path (sm_90): as backward_registers, but the x and dy rows come through a ring of
+// `stages` shared-memory slots filled by the copy engine (kcpp/kernel/bulk.cuh), so the next rows'
+// loads are in flight while a row is computed; w stays in registers.  Each slot is refilled as soon as
+// the pair reduction's first barrier shows every thread has read it.
+template <typename T, int VEC, int ITEMS>
+__global__ void __launch_bounds__(kThreads) backward_bulk(const __grid_constant__ LayerNormParams p, int stages) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];  // stages x (x, dy) rows of T
+  __shared__ uint64_t full[kMaxStages];
+  __shared__ float scratch[64];
+  using V = Vec<T, VEC>;
+  const int64_t h = p.hidden;
+  const uint32_t row_bytes = static_cast<uint32_t>(h * sizeof(T));
+  const float inv_h = 1.0f / static_cast<float>(h);
+  T* const ring = reinterpret_cast<T*>(smem_raw);
+  bool live[ITEMS];
+  V w[ITEMS];
+  float dw[ITEMS][VEC], db[ITEMS][VEC];
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
+    live[i] = c < h;
+    if (live[i]) w[i] = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + c);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) dw[i][k] = db[i][k] = 0.0f;
+  }
+  if (threadIdx.x == 0) bulk_init(full, stages);
+  __syncthreads();
+  auto issue = [&](int64_t it) {  // thread 0: this block's row `it` into slot it % stages
+    const int64_t row = blockIdx.x + it * gridDim.x;
+    if (row >= p.rows) return;
+    uint64_t* bar = &full[it % stages];
+    T* slot = ring + (it % stages) * 2 * h;
+    bulk_expect(bar, 2 * row_bytes);
+    bulk_load(slot, static_cast<const T*>(p.x) + row * p.x_stride, row_bytes, bar);
+    bulk_load(slot + h, static_cast<const T*>(p.dy) + row * p.dy_stride, row_bytes, bar);
+  };
+  if (threadIdx.x == 0)
+    for (int it = 0; it < stages; ++it) issue(it);
+  for (int64_t it = 0;; ++it) {
+    const int64_t row = blockIdx.x + it * gridDim.x;
+    if (row >= p.rows) break;
+    const float mean = p.mean[row], rstd = p.rstd[row];
+    const T* slot = ring + (it % stages) * 2 * h;
+    bulk_wait(&full[it % stages], bulk_parity(it, stages));
+    V xv[ITEMS], dv[ITEMS];
+    float sg = 0.0f, sgx = 0.0f;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!live[i]) continue;
+      const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
+      xv[i] = *reinterpret_cast<const V*>(slot + c);
+      dv[i] = *reinterpret_cast<const V*>(slot + h + c);
+      float xf[VEC], df[VEC], wf[VEC];
+      widen(xv[i], xf);
+      widen(dv[i], df);
+      widen(w[i], wf);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float g = df[k] * wf[k];
+        sg += g;
+        sgx += g * (xf[k] - mean) * rstd;
+      }
+    }
+    const float2 sums = block_sum2(sg, sgx, scratch);  // its first barrier: every thread has read the slot
+    if (threadIdx.x == 0) issue(it + stages);
+    const float mg = sums.x * inv_h, mgx = sums.y * inv_h;
+    T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!live[i]) continue;
+      const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
+      float xf[VEC], df[VEC], wf[VEC], o[VEC];
+      widen(xv[i], xf);
+      widen(dv[i], df);
+      widen(w[i], wf);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float xh = (xf[k] - mean) * rstd;
+        o[k] = rstd * (df[k] * wf[k] - mg - xh * mgx);
+        dw[i][k] += df[k] * xh;
+        db[i][k] += df[k];
+      }
+      store_f32(dx + c, o);
+    }
+  }
+  float* out = static_cast<float*>(p.workspace) + int64_t(blockIdx.x) * 2 * h;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    if (!live[i]) continue;
+    const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) out[c + k] = dw[i][k], out[h + c + k] = db[i][k];
   }
 }
 
@@ -262,20 +356,27 @@ int vec_for(const LayerNormParams& p, bool backward) {
   return ok ? vec : 1;
 }
 
-using KernelFn = void (*)(LayerNormParams);
+using KernelFn = void (*)(LayerNormParams, int);  // the int: ring depth of the bulk path (others ignore it)
 
-// The backward kernel for these params: registers while the row fits 256 threads x 2 vectors (4096
-// bf16 / 2048 f32), else the loop path (sums in shared memory while 2 x h floats fit).
-KernelFn backward_kernel(const LayerNormParams& p, int vec, size_t* smem) {
+// The backward kernel for these params: on sm_90 the bulk path while the row fits 256 threads x 2
+// vectors (4096 bf16 / 2048 f32) and its ring fits shared memory; elsewhere the registers path for
+// those rows; else the loop path (sums in shared memory while 2 x h floats fit).  *smem: its dynamic
+// shared memory.
+KernelFn backward_kernel(const LayerNormParams& p, int vec, size_t* smem, int device) {
   const bool in_smem = 2 * p.hidden * int64_t(sizeof(float)) <= 48 * 1024;
+  const size_t ring = size_t(kBulkStages) * 2 * size_t(p.hidden) * kcpp::kernel::dtype_bytes(p.dtype);
+  const bool bulk = device_attribute(cudaDevAttrComputeCapabilityMajor, device) >= 9 &&
+                    ring + 1024 <= size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   *smem = 0;
   KernelFn fn = nullptr;
   auto pick = [&]<typename T>(T*) {
     constexpr int V = 16 / sizeof(T);
     const int64_t nvec = p.hidden / vec;
-    if (vec > 1 && nvec <= kThreads) fn = backward_registers<T, V, 1>;
-    else if (vec > 1 && nvec <= 2 * kThreads) fn = backward_registers<T, V, 2>;
-    else if (in_smem) {
+    if (vec > 1 && nvec <= 2 * kThreads) {
+      if (bulk) *smem = ring;
+      if (nvec <= kThreads) fn = bulk ? backward_bulk<T, V, 1> : backward_registers<T, V, 1>;
+      else fn = bulk ? backward_bulk<T, V, 2> : backward_registers<T, V, 2>;
+    } else if (in_smem) {
       *smem = 2 * static_cast<size_t>(p.hidden) * sizeof(float);
       fn = vec == 1 ? backward_loop<T, 1, true> : backward_loop<T, V, true>;
     } else {
@@ -287,6 +388,11 @@ KernelFn backward_kernel(const LayerNormParams& p, int vec, size_t* smem) {
     case DType::bf16: pick(static_cast<__nv_bfloat16*>(nullptr)); break;
     case DType::f16: pick(static_cast<__half*>(nullptr)); break;
   }
+  // Beyond the default 48 KiB (with the static shared memory) the kernel must ask, before the
+  // occupancy query too.
+  if (*smem + 1024 > 48 * 1024)
+    if (cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(*smem)) != cudaSuccess)
+      (void)cudaGetLastError();  // the launch then reports it
   return fn;
 }
 
@@ -294,7 +400,7 @@ KernelFn backward_kernel(const LayerNormParams& p, int vec, size_t* smem) {
 // fixed, so the workspace size and the launch agree).
 int backward_blocks(const LayerNormParams& p, int device) {
   size_t smem = 0;
-  const KernelFn fn = backward_kernel(p, vec_for(p, true), &smem);
+  const KernelFn fn = backward_kernel(p, vec_for(p, true), &smem, device);
   // The query costs host time on every launch and its answer never changes: kept per (kernel, smem, device).
   static std::mutex mu;
   static std::map<std::tuple<KernelFn, size_t, int>, int> cache;
@@ -371,14 +477,14 @@ const char* layer_norm_backward_cuda(const LayerNormParams& p, cudaStream_t stre
   cudaGetDevice(&device);
   const int blocks = backward_blocks(p, device);
   const int vec = vec_for(p, true);
-  const unsigned rgrid = static_cast<unsigned>(std::min<int64_t>((p.hidden + 255) / 256, 65535));
   size_t smem = 0;
-  const KernelFn fn = backward_kernel(p, vec, &smem);
-  fn<<<blocks, kThreads, smem, stream>>>(p);
+  const KernelFn fn = backward_kernel(p, vec, &smem, device);
+  fn<<<blocks, kThreads, smem, stream>>>(p, kBulkStages);
   return visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
     const float* part = static_cast<const float*>(p.workspace);
-    reduce_rows<T><<<rgrid, 256, 0, stream>>>(part, blocks, p.hidden, 0, static_cast<T*>(p.dw));
-    if (p.db) reduce_rows<T><<<rgrid, 256, 0, stream>>>(part, blocks, p.hidden, 1, static_cast<T*>(p.db));
+    // Each block's pair of rows (dw, db): f64 sums keep the order's rounding out of the result.
+    column_sums<T, double>(part, blocks, 2 * p.hidden, p.hidden, static_cast<T*>(p.dw), stream);
+    if (p.db) column_sums<T, double>(part + p.hidden, blocks, 2 * p.hidden, p.hidden, static_cast<T*>(p.db), stream);
     return launch_error("layer_norm backward");
   });
 }

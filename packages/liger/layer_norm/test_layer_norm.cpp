@@ -117,6 +117,35 @@ TEST_P(LigerLayerNorm, InPlaceBackwardDeterminismAndBadInput) {
   EXPECT_TRUE(test::kernel_error_contains(KCPP_CALL_KERNEL(dev, liger::layer_norm_forward, q), "row stride"));
 }
 
+#if KCPP_WITH_CUDA
+// Many more rows than resident blocks: every block of the persistent backward (on sm_90 the bulk
+// path, whose ring of rows then wraps several times) cycles through many rows.
+TEST(LigerLayerNormCuda, ManyRowsPerBlockWithinTheBound) {
+  const Device dev = Device::cuda(0);
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  for (DType dt : {DType::f32, DType::bf16})
+    for (int64_t h : {1000, 2048, 4096}) {
+      const int64_t rows = h == 1000 ? 8191 : 3001;
+      const std::string cfg = fmt::format("{} h={} rows={}", test::config_name(dev, dt), h, rows);
+      const Tensor x = Tensor::randn({rows, h + 8}, dt, dev, gen, 3.0, 1.5).narrow(1, 0, h);
+      const Tensor w = Tensor::randn({h}, dt, dev, gen), b = Tensor::randn({h}, dt, dev, gen);
+      const Tensor dy = Tensor::randn({rows, h}, dt, dev, gen);
+      const auto xv = x.to_f64_vector(), wv = w.to_f64_vector();
+      const auto bo = oracle::layer_norm_backward(dy.to_f64_vector(), xv, wv, rows, h, 1e-5);
+      const auto ref = ops::layer_norm_forward(x, w, b, 1e-5);
+      const auto rb = ops::layer_norm_backward(dy, x, w, ref.mean, ref.rstd, true);
+      const Result got = run(dev, x, w, b, dy, Tensor::empty({rows, h}, dt, dev));
+      const double edx_ref = test::mag_error(rb.dx, bo.dx, bo.dx_mag), edx = test::mag_error(got.dx, bo.dx, bo.dx_mag);
+      const double edw_ref = test::mag_error(rb.dw, bo.dw, bo.dw_mag), edw = test::mag_error(got.dw, bo.dw, bo.dw_mag);
+      const double edb_ref = test::rel_l2_error(rb.db, bo.db), edb = test::rel_l2_error(got.db, bo.db);
+      EXPECT_LE(edx, test::kernel_bound(edx_ref, dt)) << cfg << " dx (reference error " << edx_ref << ")";
+      EXPECT_LE(edw, test::kernel_bound(edw_ref, dt)) << cfg << " dw (reference error " << edw_ref << ")";
+      EXPECT_LE(edb, test::kernel_bound(edb_ref, dt)) << cfg << " db (reference error " << edb_ref << ")";
+    }
+}
+#endif
+
 INSTANTIATE_TEST_SUITE_P(Devices, LigerLayerNorm, ::testing::Values(Device::cpu(), Device::cuda(0)),
                          [](const auto& info) { return info.param.is_cpu() ? std::string("cpu") : std::string("cuda"); });
 

@@ -1,20 +1,27 @@
 // RMSNorm on CUDA (maths in rms_norm.h).
 //
-// One block per row at a time.  Two code paths, chosen per call by make_plan():
+// One block per row at a time.  Three code paths, chosen per call by make_plan():
 //  - registers: the row is held in registers as raw 16-byte vectors, ITEMS per thread, and widened
 //    to f32 at the point of use; x (and dy) are read from memory exactly once;
+//  - bulk (backward, sm_90): as registers, but the rows of x and dy come through a ring of `stages`
+//    shared-memory slots that the copy engine fills (kcpp/kernel/bulk.cuh), so the next rows' loads
+//    are in flight while a row is computed;
 //  - loop: any H and alignment; the row is read twice (the second read mostly hits L2).
 // Which is faster was measured, not assumed (default_config).  Tried and dropped after measuring on
 // an H200 (bench/RESULTS.md): prefetching the next row, dw in shared memory on the registers path,
 // one warp per row, holding the weight in registers across rows in the forward (59 registers
-// against 40 when re-read from L1/L2, and occupancy is what this kernel is short of).
+// against 40 when re-read from L1/L2, and occupancy is what this kernel is short of), loading the
+// weight together with the row, and the bulk path for the forward (no faster than registers).
 // The grid is either one block per row or persistent (as many blocks as fit, striding over rows).
 // The backward always runs persistent: each block sums dw for its rows into its own f32 workspace
-// row, and reduce_dw adds those rows in block order (deterministic, no atomics).
+// row, and column_sums (kcpp/kernel/column_sums.cuh) adds those rows in a fixed order
+// (deterministic, no atomics).
 #include <map>
 #include <mutex>
 #include <tuple>
 
+#include "kcpp/kernel/bulk.cuh"
+#include "kcpp/kernel/column_sums.cuh"
 #include "kcpp/kernel/cuda.cuh"
 #include "rms_norm.h"
 #include "rms_norm_tuning.h"
@@ -27,16 +34,21 @@ using kcpp::kernel::DType;
 
 constexpr int kMaxThreads = 1024;         // loop path
 constexpr int kMaxRegisterThreads = 512;  // registers path: leaves 128 registers a thread
+constexpr int kMaxStages = 8;            // backward bulk path: rows (x and dy) in flight a block
 
-// The normalised value n as the forward rounds it (see the casting modes in rms_norm.h).
-template <typename T> __device__ __forceinline__ float normed(float x, float rstd, RMSNormCasting c) {
-  switch (c) {
-    case RMSNormCasting::Llama: return round_to<T>(x * rstd);
-    case RMSNormCasting::Gemma: return x * rstd;
-    case RMSNormCasting::None: return round_to<T>(x * round_to<T>(rstd));
+// The normalised value n as the forward rounds it (see the casting modes in rms_norm.h), set up once
+// a row so that the per-element work is one multiply and at most one rounding, with no branch on the
+// mode in the unrolled loops: Llama round(x rstd), Gemma x rstd, None round(x round(rstd)).
+template <typename T> struct Normed {
+  float scale;
+  bool round;
+  __device__ __forceinline__ Normed(float rstd, RMSNormCasting c)
+      : scale(c == RMSNormCasting::None ? round_to<T>(rstd) : rstd), round(c != RMSNormCasting::Gemma) {}
+  __device__ __forceinline__ float operator()(float x) const {
+    const float n = x * scale;
+    return round ? round_to<T>(n) : n;
   }
-  return x * rstd;
-}
+};
 
 // Column of vector i of this thread.
 template <int VEC> __device__ __forceinline__ int64_t column(int i) {
@@ -48,7 +60,7 @@ template <int VEC> __device__ __forceinline__ int64_t column(int i) {
 // ADD: AddRMSNorm (x + residual normalised, the sum written to residual_out); a template parameter so
 // that the plain kernel keeps its registers (occupancy is what it is short of).
 template <typename T, int VEC, int ITEMS, bool ADD>
-__global__ void __launch_bounds__(kMaxRegisterThreads) forward_registers(const __grid_constant__ RMSNormParams p) {
+__global__ void __launch_bounds__(kMaxRegisterThreads) forward_registers(const __grid_constant__ RMSNormParams p, int /*stages*/) {
   __shared__ float scratch[32];
   using V = Vec<T, VEC>;
   const int64_t h = p.hidden;
@@ -86,25 +98,26 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) forward_registers(const _
     }
     ss = block_sum(ss, scratch);
     const float rstd = 1.0f / sqrtf(ss / static_cast<float>(h) + p.eps);
+    const Normed<T> nrm(rstd, p.casting);
     if (threadIdx.x == 0) p.rstd[row] = rstd;
     T* y = static_cast<T*>(p.y) + row * p.y_stride;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
-      // The weight is re-read per row (it stays in L1/L2): holding it across the reduction costs
-      // registers, and registers are occupancy here.
+      // The weight is re-read per row (it stays in L1/L2): loading it with the row, to overlap its
+      // latency, measured slower (registers: occupancy).
       float f[VEC], wf[VEC], o[VEC];
       widen(v[i], f);
       load_f32(static_cast<const T*>(p.w) + column<VEC>(i), wf);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) o[k] = normed<T>(f[k], rstd, p.casting) * (wf[k] + p.offset);
+      for (int k = 0; k < VEC; ++k) o[k] = nrm(f[k]) * (wf[k] + p.offset);
       store_f32(y + column<VEC>(i), o);
     }
   }
 }
 
 template <typename T, int VEC, bool ADD>
-__global__ void __launch_bounds__(kMaxThreads) forward_loop(const __grid_constant__ RMSNormParams p) {
+__global__ void __launch_bounds__(kMaxThreads) forward_loop(const __grid_constant__ RMSNormParams p, int /*stages*/) {
   __shared__ float scratch[32];
   const int64_t h = p.hidden, step = int64_t(blockDim.x) * VEC;
   const T* wp = static_cast<const T*>(p.w);
@@ -129,13 +142,14 @@ __global__ void __launch_bounds__(kMaxThreads) forward_loop(const __grid_constan
     if constexpr (ADD) x = static_cast<const T*>(p.residual_out) + row * p.residual_out_stride;
     ss = block_sum(ss, scratch);
     const float rstd = 1.0f / sqrtf(ss / static_cast<float>(h) + p.eps);
+    const Normed<T> nrm(rstd, p.casting);
     if (threadIdx.x == 0) p.rstd[row] = rstd;
     for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
       float v[VEC], w[VEC], o[VEC];
       load_f32(x + c, v);
       load_f32(wp + c, w);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) o[k] = normed<T>(v[k], rstd, p.casting) * (w[k] + p.offset);
+      for (int k = 0; k < VEC; ++k) o[k] = nrm(v[k]) * (w[k] + p.offset);
       store_f32(y + c, o);
     }
   }
@@ -144,7 +158,7 @@ __global__ void __launch_bounds__(kMaxThreads) forward_loop(const __grid_constan
 // ---- backward ------------------------------------------------------------------------------------
 
 template <typename T, int VEC, int ITEMS>
-__global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const __grid_constant__ RMSNormParams p) {
+__global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const __grid_constant__ RMSNormParams p, int /*stages*/) {
   __shared__ float scratch[32];
   using V = Vec<T, VEC>;
   const int64_t h = p.hidden;
@@ -170,6 +184,7 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const 
       dv[i] = *reinterpret_cast<const V*>(dy + column<VEC>(i));
     }
     const float rstd = p.rstd[row];
+    const Normed<T> nrm(rstd, p.casting);
     float dot = 0.0f;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
@@ -181,7 +196,7 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const 
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         dot += df[k] * (wf[k] + p.offset) * (xf[k] * rstd);  // g * n, n unrounded (d round / dn = 1)
-        dw[i][k] += df[k] * normed<T>(xf[k], rstd, p.casting);
+        dw[i][k] += df[k] * nrm(xf[k]);
       }
     }
     dot = block_sum(dot, scratch) * inv_h;
@@ -213,11 +228,110 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const 
   }
 }
 
+// The bulk path of the backward (sm_90): a persistent block keeps a ring of `stages` slots in shared
+// memory, each holding one row of x, dy (and dresidual_out), filled by the copy engine; w and the
+// block's dw sums stay in registers; rstd is read before the row's wait.  A slot is refilled as soon
+// as the block reduction's first barrier shows every thread has read it.
+template <typename T, int VEC, int ITEMS, bool DRES>
+__global__ void __launch_bounds__(kMaxRegisterThreads) backward_bulk(const __grid_constant__ RMSNormParams p, int stages) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];  // stages x (x, dy, dresidual_out) rows
+  __shared__ uint64_t full[kMaxStages];
+  __shared__ float scratch[32];
+  using V = Vec<T, VEC>;
+  constexpr int kRows = DRES ? 3 : 2;
+  const int64_t h = p.hidden;
+  const uint32_t row_bytes = static_cast<uint32_t>(h * sizeof(T));
+  const float inv_h = 1.0f / static_cast<float>(h);
+  T* const ring = reinterpret_cast<T*>(smem_raw);
+  V w[ITEMS];
+  float dw[ITEMS][VEC];
+  bool live[ITEMS];
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    live[i] = column<VEC>(i) < h;
+    if (live[i]) w[i] = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + column<VEC>(i));
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) dw[i][k] = 0.0f;
+  }
+  if (threadIdx.x == 0) bulk_init(full, stages);
+  __syncthreads();
+  auto issue = [&](int64_t it) {
+    const int64_t row = blockIdx.x + it * gridDim.x;
+    if (row >= p.rows) return;
+    uint64_t* bar = &full[it % stages];
+    T* slot = ring + (it % stages) * kRows * h;
+    bulk_expect(bar, kRows * row_bytes);
+    bulk_load(slot, static_cast<const T*>(p.x) + row * p.x_stride, row_bytes, bar);
+    bulk_load(slot + h, static_cast<const T*>(p.dy) + row * p.dy_stride, row_bytes, bar);
+    if constexpr (DRES)
+      bulk_load(slot + 2 * h, static_cast<const T*>(p.dresidual_out) + row * p.dres_stride, row_bytes, bar);
+  };
+  if (threadIdx.x == 0)
+    for (int it = 0; it < stages; ++it) issue(it);
+  for (int64_t it = 0;; ++it) {
+    const int64_t row = blockIdx.x + it * gridDim.x;
+    if (row >= p.rows) break;
+    const float rstd = p.rstd[row];
+    const Normed<T> nrm(rstd, p.casting);
+    const T* slot = ring + (it % stages) * kRows * h;
+    bulk_wait(&full[it % stages], bulk_parity(it, stages));
+    V xv[ITEMS], dv[ITEMS], rv[DRES ? ITEMS : 1];
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!live[i]) continue;
+      xv[i] = *reinterpret_cast<const V*>(slot + column<VEC>(i));
+      dv[i] = *reinterpret_cast<const V*>(slot + h + column<VEC>(i));
+      if constexpr (DRES) rv[i] = *reinterpret_cast<const V*>(slot + 2 * h + column<VEC>(i));
+    }
+    float dot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!live[i]) continue;
+      float xf[VEC], df[VEC], wf[VEC];
+      widen(xv[i], xf);
+      widen(dv[i], df);
+      widen(w[i], wf);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        dot += df[k] * (wf[k] + p.offset) * (xf[k] * rstd);  // g * n, n unrounded (d round / dn = 1)
+        dw[i][k] += df[k] * nrm(xf[k]);
+      }
+    }
+    dot = block_sum(dot, scratch) * inv_h;  // its first __syncthreads: every thread has read the slot
+    if (threadIdx.x == 0) issue(it + stages);
+    T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!live[i]) continue;
+      float xf[VEC], df[VEC], wf[VEC], o[VEC];
+      widen(xv[i], xf);
+      widen(dv[i], df);
+      widen(w[i], wf);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) o[k] = rstd * (df[k] * (wf[k] + p.offset) - xf[k] * rstd * dot);
+      if constexpr (DRES) {
+        float rf[VEC];
+        widen(rv[i], rf);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) o[k] += rf[k];
+      }
+      store_f32(dx + column<VEC>(i), o);
+    }
+  }
+  float* part = static_cast<float*>(p.workspace) + int64_t(blockIdx.x) * h;  // this block's dw row
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    if (!live[i]) continue;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) part[column<VEC>(i) + k] = dw[i][k];
+  }
+}
+
 // SMEM: the block's dw row is summed in shared memory (when it fits) and written out once; else it
 // is summed in place in the block's workspace row (a read-modify-write per element and row: slow,
 // only for rows beyond 12288 f32).
 template <typename T, int VEC, bool SMEM>
-__global__ void __launch_bounds__(kMaxThreads) backward_loop(const __grid_constant__ RMSNormParams p) {
+__global__ void __launch_bounds__(kMaxThreads) backward_loop(const __grid_constant__ RMSNormParams p, int /*stages*/) {
   __shared__ float scratch[32];
   extern __shared__ float dw_smem[];
   const int64_t h = p.hidden, step = int64_t(blockDim.x) * VEC;
@@ -233,6 +347,7 @@ __global__ void __launch_bounds__(kMaxThreads) backward_loop(const __grid_consta
     const T* dy = static_cast<const T*>(p.dy) + row * p.dy_stride;
     T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
     const float rstd = p.rstd[row];
+    const Normed<T> nrm(rstd, p.casting);
     float dot = 0.0f;
     for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
       float xv[VEC], dv[VEC], w[VEC];
@@ -251,7 +366,7 @@ __global__ void __launch_bounds__(kMaxThreads) backward_loop(const __grid_consta
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         o[k] = rstd * (dv[k] * (w[k] + p.offset) - xv[k] * rstd * dot);
-        part[c + k] += dv[k] * normed<T>(xv[k], rstd, p.casting);  // each column has one owner thread
+        part[c + k] += dv[k] * nrm(xv[k]);  // each column has one owner thread
       }
       if (p.dresidual_out) {
         float rf[VEC];
@@ -268,20 +383,11 @@ __global__ void __launch_bounds__(kMaxThreads) backward_loop(const __grid_consta
       for (int k = 0; k < VEC; ++k) out_row[c + k] = part[c + k];
 }
 
-// dw[c] = sum over blocks of the workspace rows, in block order.
-template <typename T> __global__ void reduce_dw(const float* part, int blocks, int64_t h, T* dw) {
-  for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < h; c += int64_t(gridDim.x) * blockDim.x) {
-    float s = 0.0f;
-    for (int b = 0; b < blocks; ++b) s += part[int64_t(b) * h + c];
-    dw[c] = from_f32<T>(s);
-  }
-}
-
 // ---- launch plan ---------------------------------------------------------------------------------
 
 struct Plan {
   int vec = 1;  // elements per access
-  RMSNormConfig config;
+  RMSNormConfig config;  // stages > 0 only where the bulk path applies
   int threads = 32;
 };
 
@@ -324,22 +430,46 @@ RMSNormConfig default_config(const RMSNormParams& p, bool backward, int vec) {
       break;
     }
   }
+  // The backward's bulk path (sm_90; make_plan drops it elsewhere), two rows in flight a block:
+  // 0.0760 ms against 0.0878 ms on the registers path (sweep, H200, [8192, 4096] bf16).
+  if (backward) c.stages = 2;
   return c;
 }
 
-Plan make_plan(const RMSNormParams& p, bool backward, const RMSNormConfig* given) {
+// The backward's bulk-path ring: a slot holds the rows of x, dy (and dresidual_out).
+size_t bulk_smem(const RMSNormParams& p, int stages) {
+  return size_t(stages) * (p.dresidual_out ? 3 : 2) * size_t(p.hidden) * kcpp::kernel::dtype_bytes(p.dtype);
+}
+
+// The bulk path (backward only) needs sm_90, rows the copy engine can move (16-byte aligned starts
+// and lengths: what vector_ok checks, strides included) and the ring within the block's shared memory.
+bool bulk_fits(const RMSNormParams& p, bool backward, int stages, int device) {
+  if (!backward || stages < 1 || stages > kMaxStages) return false;
+  if (device_attribute(cudaDevAttrComputeCapabilityMajor, device) < 9) return false;
+  return bulk_smem(p, stages) + 1024 <= size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+}
+
+Plan make_plan(const RMSNormParams& p, bool backward, const RMSNormConfig* given, int device) {
   Plan plan;
   const int vec = 16 / kcpp::kernel::dtype_bytes(p.dtype);
   if (!vector_ok(p, backward, vec)) {
     plan.config.items = 0;
+    plan.config.stages = 0;
     plan.threads = round32(std::min<int64_t>(p.hidden, 256), kMaxThreads);
     return plan;
   }
   plan.vec = vec;
   plan.config = given ? *given : default_config(p, backward, vec);
   if (backward) plan.config.persistent = true;  // the dw workspace assumes it
+  const int64_t nvec = p.hidden / vec;
+  // A register variant covers the row only if its threads (at most kMaxRegisterThreads) do.
+  if (plan.config.items <= 0 || plan.config.items > max_items(backward, vec) ||
+      nvec > int64_t(kMaxRegisterThreads) * plan.config.items)
+    plan.config.items = 0;
+  if (plan.config.items == 0 || !bulk_fits(p, backward, plan.config.stages, device)) plan.config.stages = 0;
+  if (plan.config.stages > 0) plan.config.persistent = true;
   if (plan.config.items > 0)
-    plan.threads = round32((p.hidden / vec + plan.config.items - 1) / plan.config.items, kMaxRegisterThreads);
+    plan.threads = round32((nvec + plan.config.items - 1) / plan.config.items, kMaxRegisterThreads);
   else
     plan.threads = 256;
   return plan;
@@ -354,7 +484,7 @@ template <typename F> const char* visit_type(DType t, F&& f) {
   return "rms_norm: unknown dtype";
 }
 
-using KernelFn = void (*)(RMSNormParams);
+using KernelFn = void (*)(RMSNormParams, int);  // the int: stages of the bulk path (others ignore it)
 
 // nullptr when ITEMS is beyond the direction's register budget (the caller then takes the loop path).
 template <typename T, int VEC, int ITEMS> KernelFn registers_kernel(const RMSNormParams& p, bool backward) {
@@ -366,14 +496,23 @@ template <typename T, int VEC, int ITEMS> KernelFn registers_kernel(const RMSNor
 // dw of the backward loop path in shared memory: while a row of f32 fits the default 48 KiB.
 bool loop_dw_in_smem(const RMSNormParams& p) { return p.hidden * int64_t(sizeof(float)) <= 48 * 1024; }
 
+template <typename T, int VEC, int ITEMS> KernelFn bulk_kernel(const RMSNormParams& p) {
+  if constexpr (ITEMS * VEC <= 16) return p.dresidual_out ? backward_bulk<T, VEC, ITEMS, true> : backward_bulk<T, VEC, ITEMS, false>;
+  return nullptr;
+}
+
 template <typename T, int VEC> KernelFn kernel_for(const RMSNormParams& p, const Plan& plan, bool backward) {
   const int items = plan.config.items;
+  const bool bulk = plan.config.stages > 0;
   KernelFn fn = nullptr;
   if constexpr (VEC > 1) {
-    if (items == 1) fn = registers_kernel<T, VEC, 1>(p, backward);
-    if constexpr (2 * VEC <= 32) if (items == 2) fn = registers_kernel<T, VEC, 2>(p, backward);
-    if constexpr (4 * VEC <= 32) if (items == 4) fn = registers_kernel<T, VEC, 4>(p, backward);
-    if constexpr (8 * VEC <= 32) if (items == 8) fn = registers_kernel<T, VEC, 8>(p, backward);
+    auto pick = [&]<int ITEMS>() {
+      fn = bulk ? bulk_kernel<T, VEC, ITEMS>(p) : registers_kernel<T, VEC, ITEMS>(p, backward);
+    };
+    if (items == 1) pick.template operator()<1>();
+    if constexpr (2 * VEC <= 32) if (items == 2) pick.template operator()<2>();
+    if constexpr (4 * VEC <= 32) if (items == 4) pick.template operator()<4>();
+    if constexpr (8 * VEC <= 32) if (items == 8) pick.template operator()<8>();
   }
   if (fn) return fn;
   if (!backward) return p.residual ? forward_loop<T, VEC, true> : forward_loop<T, VEC, false>;
@@ -389,8 +528,9 @@ KernelFn kernel_for(const RMSNormParams& p, const Plan& plan, bool backward) {
   return fn;
 }
 
-// Dynamic shared memory of a launch: the dw row of the backward loop path.
-size_t smem_for(const RMSNormParams& p, KernelFn fn, bool backward) {
+// Dynamic shared memory of a launch: the bulk path's ring, or the dw row of the backward loop path.
+size_t smem_for(const RMSNormParams& p, const Plan& plan, KernelFn fn, bool backward) {
+  if (plan.config.stages > 0) return bulk_smem(p, plan.config.stages);
   if (!backward || !loop_dw_in_smem(p)) return 0;
   bool loop = false;
   visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
@@ -428,7 +568,17 @@ int grid_for(const RMSNormParams& p, const Plan& plan, KernelFn fn, int device, 
     std::lock_guard lock(mu);
     cache[key] = per_sm;
   }
+  if (plan.config.blocks_per_sm > 0) per_sm = std::min(per_sm, plan.config.blocks_per_sm);
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(sm_count(device)) * per_sm)));
+}
+
+// Shared memory beyond the default 48 KiB (dynamic and static together) must be asked for, kernel by
+// kernel, before the occupancy query.
+const char* allow_smem(KernelFn fn, size_t smem) {
+  if (smem + 1024 <= 48 * 1024) return nullptr;  // 1 KiB: above the kernels' static shared memory
+  if (cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) != cudaSuccess)
+    return launch_error("rms_norm (shared memory of the bulk path)");
+  return nullptr;
 }
 
 const char* forward(const RMSNormParams& p, cudaStream_t stream, const RMSNormConfig* config) {
@@ -436,18 +586,21 @@ const char* forward(const RMSNormParams& p, cudaStream_t stream, const RMSNormCo
   if (p.rows == 0) return nullptr;
   int device = 0;
   cudaGetDevice(&device);
-  const Plan plan = make_plan(p, false, config);
+  const Plan plan = make_plan(p, false, config, device);
   const KernelFn fn = kernel_for(p, plan, false);
-  fn<<<grid_for(p, plan, fn, device, 0), plan.threads, 0, stream>>>(p);
+  const size_t smem = smem_for(p, plan, fn, false);
+  if (const char* e = allow_smem(fn, smem)) return e;
+  fn<<<grid_for(p, plan, fn, device, smem), plan.threads, smem, stream>>>(p, plan.config.stages);
   return launch_error("rms_norm forward");
 }
 
 size_t workspace(const RMSNormParams& p, int device, const RMSNormConfig* config) {
   if (rms_norm_check(p, true) || p.rows == 0) return 0;
-  const Plan plan = make_plan(p, true, config);
+  const Plan plan = make_plan(p, true, config, device);
   const KernelFn fn = kernel_for(p, plan, true);
-  return static_cast<size_t>(grid_for(p, plan, fn, device, smem_for(p, fn, true))) * static_cast<size_t>(p.hidden) *
-         sizeof(float);
+  const size_t smem = smem_for(p, plan, fn, true);
+  if (allow_smem(fn, smem)) return 0;
+  return static_cast<size_t>(grid_for(p, plan, fn, device, smem)) * static_cast<size_t>(p.hidden) * sizeof(float);
 }
 
 const char* backward(const RMSNormParams& p, cudaStream_t stream, const RMSNormConfig* config) {
@@ -461,15 +614,14 @@ const char* backward(const RMSNormParams& p, cudaStream_t stream, const RMSNormC
                       "rms_norm backward: argument 'workspace' is null (size it with rms_norm_backward_workspace)");
   int device = 0;
   cudaGetDevice(&device);
-  const Plan plan = make_plan(p, true, config);
+  const Plan plan = make_plan(p, true, config, device);
   const KernelFn fn = kernel_for(p, plan, true);
-  const size_t smem = smem_for(p, fn, true);
+  const size_t smem = smem_for(p, plan, fn, true);
+  if (const char* e = allow_smem(fn, smem)) return e;
   const int blocks = grid_for(p, plan, fn, device, smem);
-  fn<<<blocks, plan.threads, smem, stream>>>(p);
-  const unsigned rgrid = static_cast<unsigned>(std::min<int64_t>((p.hidden + 255) / 256, 65535));
+  fn<<<blocks, plan.threads, smem, stream>>>(p, plan.config.stages);
   return visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
-    reduce_dw<T><<<rgrid, 256, 0, stream>>>(static_cast<const float*>(p.workspace), blocks, p.hidden,
-                                           static_cast<T*>(p.dw));
+    column_sums<T>(static_cast<const float*>(p.workspace), blocks, p.hidden, p.hidden, static_cast<T*>(p.dw), stream);
     return launch_error("rms_norm backward");
   });
 }

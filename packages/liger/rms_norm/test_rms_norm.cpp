@@ -1,11 +1,13 @@
 // RMSNorm kernels against the f64 oracle, held to DESIGN.md's bound: at most twice the error of
 // the eager reference (ops::rms_norm_*) run in the same precision, and within the dtype's table.
+#include <cmath>
 #include <cstring>
 
 #include "core/cuda_runtime.h"
 #include "kernel_params.h"
 #include "oracle.h"
 #include "ops/nn/rms_norm.h"
+#include "ops/ops.h"
 #include "rms_norm.h"
 #include "rms_norm_tuning.h"
 #include "test_util.h"
@@ -166,40 +168,68 @@ TEST_P(LigerRMSNorm, BadInputIsAnErrorNotACrash) {
 }
 
 #if KCPP_WITH_CUDA
-// Every launch configuration the tuning sweep can choose computes the same function.
+// Every launch configuration the tuning sweep can choose computes the same function, RMSNorm and
+// AddRMSNorm: the loop and registers paths, one block a row or persistent, and the backward's bulk
+// path (sm_90) at every ring depth.  A capped grid (one block an SM) makes each block cycle through its ring
+// several times; rows of a wider buffer give strides that are not the width.
 TEST(LigerRMSNormCuda, EveryConfigurationWithinTheBound) {
   const Device dev = Device::cuda(0);
   KCPP_REQUIRE_DEVICE(dev);
   Generator gen = test::test_generator();
   const ops::RMSNormOptions opt;
-  for (int64_t h : {1000, 4096}) {
-    const int64_t rows = 97;
-    const Tensor x = Tensor::randn({rows, h}, DType::bf16, dev, gen), w = Tensor::randn({h}, DType::bf16, dev, gen);
-    const Tensor dy = Tensor::randn({rows, h}, DType::bf16, dev, gen);
-    const auto xv = x.to_f64_vector(), wv = w.to_f64_vector();
-    const auto fo = oracle::rms_norm(xv, wv, rows, h, opt.eps, 0.0);
-    const auto bo = oracle::rms_norm_backward(dy.to_f64_vector(), xv, wv, rows, h, opt.eps, 0.0);
-    const auto ref = ops::rms_norm_forward(x, w, opt);
-    const auto rb = ops::rms_norm_backward(dy, x, w, ref.rstd, opt);
-    const double ey = test::kernel_bound(test::rel_l2_error(ref.y, fo.y), DType::bf16);
-    const double edx = test::kernel_bound(test::mag_error(rb.dx, bo.dx, bo.dx_mag), DType::bf16);
-    const double edw = test::kernel_bound(test::mag_error(rb.dw, bo.dw, bo.dw_mag), DType::bf16);
-    for (int items : {0, 1, 2, 4})
-        for (bool persistent : {false, true}) {
-            const liger::RMSNormConfig c{items, persistent};
-            const std::string cfg = fmt::format("h={} items={} persistent={}", h, items, persistent);
-            const test::RMSNormTensors t = test::rms_norm_tensors(x, w, dy);
-            RMSNormParams p = test::rms_norm_params(t, opt);
-            const Tensor &y = t.y, &dx = t.dx, &dw = t.dw;
-            Tensor ws = Tensor::empty({static_cast<int64_t>(liger::rms_norm_backward_workspace_with(p, 0, c))}, DType::u8, dev);
-            p.workspace = ws.data();
-            ASSERT_EQ(liger::rms_norm_forward_cuda_with(p, cuda::current_stream(), c), nullptr) << cfg;
-            ASSERT_EQ(liger::rms_norm_backward_cuda_with(p, cuda::current_stream(), c), nullptr) << cfg;
-            EXPECT_LE(test::rel_l2_error(y, fo.y), ey) << cfg;
-            EXPECT_LE(test::mag_error(dx, bo.dx, bo.dx_mag), edx) << cfg;
-            EXPECT_LE(test::mag_error(dw, bo.dw, bo.dw_mag), edw) << cfg;
+  std::vector<liger::RMSNormConfig> configs;
+  for (int items : {0, 1, 2, 4, 8})
+    for (bool persistent : {false, true}) configs.push_back({items, persistent, 0, 0});
+  for (int items : {1, 2, 4})
+    for (int stages : {1, 3, 8})
+      for (int blocks_per_sm : {0, 1}) configs.push_back({items, true, stages, blocks_per_sm});
+  for (DType dt : {DType::f32, DType::bf16})
+    for (int64_t h : {1000, 4096}) {
+      const int64_t rows = h == 4096 ? 301 : 989;
+      const Tensor x = Tensor::randn({rows, h + 8}, dt, dev, gen).narrow(1, 0, h), w = Tensor::randn({h}, dt, dev, gen);
+      const Tensor res = Tensor::randn({rows, h}, dt, dev, gen, 0.2, 2.0);
+      const Tensor dy = Tensor::randn({rows, h}, dt, dev, gen), dres = Tensor::randn({rows, h}, dt, dev, gen);
+      const Tensor r_ref = ops::add(x, res);  // AddRMSNorm's residual stream, rounded once
+      for (bool add : {false, true}) {
+        const Tensor& in = add ? r_ref : x;
+        const auto xv = in.to_f64_vector(), wv = w.to_f64_vector();
+        const auto fo = oracle::rms_norm(xv, wv, rows, h, opt.eps, 0.0);
+        auto bo = oracle::rms_norm_backward(dy.to_f64_vector(), xv, wv, rows, h, opt.eps, 0.0);
+        if (add) {  // dx = the RMSNorm gradient at r + dresidual_out
+          const auto dv = dres.to_f64_vector();
+          for (size_t e = 0; e < bo.dx.size(); ++e) bo.dx[e] += dv[e], bo.dx_mag[e] += std::fabs(dv[e]);
         }
-  }
+        const auto ref = ops::rms_norm_forward(in, w, opt);
+        const auto rb = ops::rms_norm_backward(dy, in, w, ref.rstd, opt);
+        const double ey = test::kernel_bound(test::rel_l2_error(ref.y, fo.y), dt);
+        const double edx = test::kernel_bound(test::mag_error(add ? ops::add(rb.dx, dres) : rb.dx, bo.dx, bo.dx_mag), dt);
+        const double edw = test::kernel_bound(test::mag_error(rb.dw, bo.dw, bo.dw_mag), dt);
+        for (const liger::RMSNormConfig& c : configs) {
+          const std::string cfg = fmt::format("{} h={} add={} items={} persistent={} stages={} blocks_per_sm={}",
+                                              test::config_name(dev, dt), h, add, c.items, c.persistent, c.stages,
+                                              c.blocks_per_sm);
+          const test::RMSNormTensors t = test::rms_norm_tensors(x, w, dy);
+          RMSNormParams p = test::rms_norm_params(t, opt);
+          const Tensor rout = Tensor::empty({rows, h}, dt, dev);
+          if (add) {
+            p.residual = res.data(), p.residual_stride = res.stride(0);
+            p.residual_out = rout.data(), p.residual_out_stride = rout.stride(0);
+          }
+          ASSERT_EQ(liger::rms_norm_forward_cuda_with(p, cuda::current_stream(), c), nullptr) << cfg;
+          if (add) {
+            EXPECT_EQ(rout.to_f64_vector(), xv) << cfg << " residual_out must be round(x + residual)";
+            p.x = rout.data(), p.x_stride = rout.stride(0);  // the backward normalises r
+            p.dresidual_out = dres.data(), p.dres_stride = dres.stride(0);
+          }
+          Tensor ws = Tensor::empty({static_cast<int64_t>(liger::rms_norm_backward_workspace_with(p, 0, c))}, DType::u8, dev);
+          p.workspace = ws.data();
+          ASSERT_EQ(liger::rms_norm_backward_cuda_with(p, cuda::current_stream(), c), nullptr) << cfg;
+          EXPECT_LE(test::rel_l2_error(t.y, fo.y), ey) << cfg << " y";
+          EXPECT_LE(test::mag_error(t.dx, bo.dx, bo.dx_mag), edx) << cfg << " dx";
+          EXPECT_LE(test::mag_error(t.dw, bo.dw, bo.dw_mag), edw) << cfg << " dw";
+        }
+      }
+    }
 }
 #endif
 
