@@ -10,7 +10,8 @@
 //   thread 0, for slot s:   bulk_expect(&full[s], bytes); bulk_load(dst, src, bytes, &full[s]) ...
 //   every thread, item it:  bulk_wait(&full[it % stages], bulk_parity(it, stages)); read the slot
 //   once every thread has read slot s (a __syncthreads), thread 0 may refill it.
-// Loads need 16-byte aligned source and destination and a byte count that is a multiple of 16.  The helpers compile to nothing below sm_90; hosts pick these kernels on sm_90 only.
+// Loads need 16-byte aligned source and destination and a byte count that is a multiple of 16.
+// The helpers compile to nothing below sm_90; hosts pick these kernels on sm_90 only.
 #pragma once
 
 #include <cuda/ptx>
