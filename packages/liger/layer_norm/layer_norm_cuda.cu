@@ -178,106 +178,115 @@ __global__ void __launch_bounds__(kThreads) backward_loop(const __grid_constant_
       for (int k = 0; k < VEC; ++k) out_rows[c + k] = dw[c + k], out_rows[h + c + k] = db[c + k];
 }
 
-// Rows of up to 256 threads x ITEMS vectors: x and dy held in registers (read once), the block's dw /
-// db sums in registers too (each thread owns its columns), written to its workspace rows at the end.
-template <typename T, int VEC, int ITEMS>
-__global__ void __launch_bounds__(kThreads) backward_registers(const __grid_constant__ LayerNormParams p, int /*stages*/) {
-  __shared__ float scratch[64];
+// A thread's part of the backward on the registers and bulk paths (rows of up to 256 threads x ITEMS
+// vectors): w and the block's dw / db sums for its columns stay in registers across rows (each
+// thread owns its columns); row() does one row from wherever its x and dy are (global memory, or a
+// shared-memory slot of the bulk path's ring), reading each once.
+template <typename T, int VEC, int ITEMS> struct BackwardRows {
   using V = Vec<T, VEC>;
-  const int64_t h = p.hidden;
-  const float inv_h = 1.0f / static_cast<float>(h);
-  bool live[ITEMS];
+  V w[ITEMS];
   float dw[ITEMS][VEC], db[ITEMS][VEC];
+  bool live[ITEMS];
+
+  __device__ static int64_t column(int i) { return (int64_t(i) * blockDim.x + threadIdx.x) * VEC; }
+
+  __device__ explicit BackwardRows(const LayerNormParams& p) {
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    live[i] = (int64_t(i) * blockDim.x + threadIdx.x) * VEC < h;
+    for (int i = 0; i < ITEMS; ++i) {
+      live[i] = column(i) < p.hidden;
+      if (live[i]) w[i] = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + column(i));
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) dw[i][k] = db[i][k] = 0.0f;
+      for (int k = 0; k < VEC; ++k) dw[i][k] = db[i][k] = 0.0f;
+    }
   }
-  const T* wp = static_cast<const T*>(p.w);
-  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
-    const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
-    const T* dy = static_cast<const T*>(p.dy) + row * p.dy_stride;
+
+  // Reads the row into registers, reduces the two sums over the block, calls reduced() once the
+  // reduction's first barrier shows that every thread has read the row (the bulk path refills the
+  // slot there), then writes dx and adds to the dw / db sums.
+  template <typename F>
+  __device__ __forceinline__ void row(const LayerNormParams& p, int64_t row, float mean, float rstd, const T* x,
+                                      const T* dy, float* scratch, F&& reduced) {
     V xv[ITEMS], dv[ITEMS];
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
-      const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
-      xv[i] = *reinterpret_cast<const V*>(x + c);
-      dv[i] = *reinterpret_cast<const V*>(dy + c);
+      xv[i] = *reinterpret_cast<const V*>(x + column(i));
+      dv[i] = *reinterpret_cast<const V*>(dy + column(i));
     }
-    const float mean = p.mean[row], rstd = p.rstd[row];
     float sg = 0.0f, sgx = 0.0f;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
-      float xf[VEC], df[VEC], w[VEC];
+      float xf[VEC], df[VEC], wf[VEC];
       widen(xv[i], xf);
       widen(dv[i], df);
-      load_f32(wp + (int64_t(i) * blockDim.x + threadIdx.x) * VEC, w);
+      widen(w[i], wf);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        const float g = df[k] * w[k];
+        const float g = df[k] * wf[k];
         sg += g;
         sgx += g * (xf[k] - mean) * rstd;
       }
     }
     const float2 sums = block_sum2(sg, sgx, scratch);
+    reduced();
+    const float inv_h = 1.0f / static_cast<float>(p.hidden);
     const float mg = sums.x * inv_h, mgx = sums.y * inv_h;
     T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
-      const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
-      float xf[VEC], df[VEC], w[VEC], o[VEC];
+      float xf[VEC], df[VEC], wf[VEC], o[VEC];
       widen(xv[i], xf);
       widen(dv[i], df);
-      load_f32(wp + c, w);
+      widen(w[i], wf);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
         const float xh = (xf[k] - mean) * rstd;
-        o[k] = rstd * (df[k] * w[k] - mg - xh * mgx);
+        o[k] = rstd * (df[k] * wf[k] - mg - xh * mgx);
         dw[i][k] += df[k] * xh;
         db[i][k] += df[k];
       }
-      store_f32(dx + c, o);
+      store_f32(dx + column(i), o);
     }
   }
-  float* out = static_cast<float*>(p.workspace) + int64_t(blockIdx.x) * 2 * h;
+
+  // The block's dw / db sums to its own pair of workspace rows (column_sums adds them).
+  __device__ __forceinline__ void write_partial(const LayerNormParams& p) const {
+    const int64_t h = p.hidden;
+    float* out = static_cast<float*>(p.workspace) + int64_t(blockIdx.x) * 2 * h;
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    if (!live[i]) continue;
-    const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!live[i]) continue;
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) out[c + k] = dw[i][k], out[h + c + k] = db[i][k];
+      for (int k = 0; k < VEC; ++k) out[column(i) + k] = dw[i][k], out[h + column(i) + k] = db[i][k];
+    }
   }
+};
+
+template <typename T, int VEC, int ITEMS>
+__global__ void __launch_bounds__(kThreads) backward_registers(const __grid_constant__ LayerNormParams p, int /*stages*/) {
+  __shared__ float scratch[64];
+  BackwardRows<T, VEC, ITEMS> t(p);
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x)
+    t.row(p, row, p.mean[row], p.rstd[row], static_cast<const T*>(p.x) + row * p.x_stride,
+          static_cast<const T*>(p.dy) + row * p.dy_stride, scratch, [] {});
+  t.write_partial(p);
 }
 
 // The bulk path (sm_90): as backward_registers, but the x and dy rows come through a ring of
 // `stages` shared-memory slots filled by the copy engine (kcpp/kernel/bulk.cuh), so the next rows'
-// loads are in flight while a row is computed; w stays in registers.  Each slot is refilled as soon as
-// the pair reduction's first barrier shows every thread has read it.
+// loads are in flight while a row is computed.  Each slot is refilled as soon as the pair
+// reduction's first barrier shows every thread has read it.
 template <typename T, int VEC, int ITEMS>
 __global__ void __launch_bounds__(kThreads) backward_bulk(const __grid_constant__ LayerNormParams p, int stages) {
   extern __shared__ __align__(128) unsigned char smem_raw[];  // stages x (x, dy) rows of T
   __shared__ uint64_t full[kMaxStages];
   __shared__ float scratch[64];
-  using V = Vec<T, VEC>;
   const int64_t h = p.hidden;
   const uint32_t row_bytes = static_cast<uint32_t>(h * sizeof(T));
-  const float inv_h = 1.0f / static_cast<float>(h);
   T* const ring = reinterpret_cast<T*>(smem_raw);
-  bool live[ITEMS];
-  V w[ITEMS];
-  float dw[ITEMS][VEC], db[ITEMS][VEC];
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
-    live[i] = c < h;
-    if (live[i]) w[i] = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + c);
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) dw[i][k] = db[i][k] = 0.0f;
-  }
+  BackwardRows<T, VEC, ITEMS> t(p);
   if (threadIdx.x == 0) bulk_init(full, stages);
   __syncthreads();
   auto issue = [&](int64_t it) {  // thread 0: this block's row `it` into slot it % stages
@@ -297,55 +306,11 @@ __global__ void __launch_bounds__(kThreads) backward_bulk(const __grid_constant_
     const float mean = p.mean[row], rstd = p.rstd[row];
     const T* slot = ring + (it % stages) * 2 * h;
     bulk_wait(&full[it % stages], bulk_parity(it, stages));
-    V xv[ITEMS], dv[ITEMS];
-    float sg = 0.0f, sgx = 0.0f;
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      if (!live[i]) continue;
-      const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
-      xv[i] = *reinterpret_cast<const V*>(slot + c);
-      dv[i] = *reinterpret_cast<const V*>(slot + h + c);
-      float xf[VEC], df[VEC], wf[VEC];
-      widen(xv[i], xf);
-      widen(dv[i], df);
-      widen(w[i], wf);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        const float g = df[k] * wf[k];
-        sg += g;
-        sgx += g * (xf[k] - mean) * rstd;
-      }
-    }
-    const float2 sums = block_sum2(sg, sgx, scratch);  // its first barrier: every thread has read the slot
-    if (threadIdx.x == 0) issue(it + stages);
-    const float mg = sums.x * inv_h, mgx = sums.y * inv_h;
-    T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      if (!live[i]) continue;
-      const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
-      float xf[VEC], df[VEC], wf[VEC], o[VEC];
-      widen(xv[i], xf);
-      widen(dv[i], df);
-      widen(w[i], wf);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        const float xh = (xf[k] - mean) * rstd;
-        o[k] = rstd * (df[k] * wf[k] - mg - xh * mgx);
-        dw[i][k] += df[k] * xh;
-        db[i][k] += df[k];
-      }
-      store_f32(dx + c, o);
-    }
+    t.row(p, row, mean, rstd, slot, slot + h, scratch, [&] {
+      if (threadIdx.x == 0) issue(it + stages);
+    });
   }
-  float* out = static_cast<float*>(p.workspace) + int64_t(blockIdx.x) * 2 * h;
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    if (!live[i]) continue;
-    const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) out[c + k] = dw[i][k], out[h + c + k] = db[i][k];
-  }
+  t.write_partial(p);
 }
 
 int vec_for(const LayerNormParams& p, bool backward) {

@@ -157,33 +157,39 @@ __global__ void __launch_bounds__(kMaxThreads) forward_loop(const __grid_constan
 
 // ---- backward ------------------------------------------------------------------------------------
 
-template <typename T, int VEC, int ITEMS>
-__global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const __grid_constant__ RMSNormParams p, int /*stages*/) {
-  __shared__ float scratch[32];
+// A thread's part of the backward on the registers and bulk paths: w and the block's dw sums for its
+// columns stay in registers across rows; row() does one row from wherever its x, dy (and
+// dresidual_out) are (global memory, or a shared-memory slot of the bulk path's ring).
+template <typename T, int VEC, int ITEMS, bool DRES> struct BackwardRows {
   using V = Vec<T, VEC>;
-  const int64_t h = p.hidden;
-  const float inv_h = 1.0f / static_cast<float>(h);
   V w[ITEMS];
   float dw[ITEMS][VEC];
   bool live[ITEMS];
+
+  __device__ explicit BackwardRows(const RMSNormParams& p) {
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    live[i] = column<VEC>(i) < h;
-    if (live[i]) w[i] = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + column<VEC>(i));
+    for (int i = 0; i < ITEMS; ++i) {
+      live[i] = column<VEC>(i) < p.hidden;
+      if (live[i]) w[i] = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + column<VEC>(i));
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) dw[i][k] = 0.0f;
+      for (int k = 0; k < VEC; ++k) dw[i][k] = 0.0f;
+    }
   }
-  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
-    const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
-    const T* dy = static_cast<const T*>(p.dy) + row * p.dy_stride;
-    V xv[ITEMS], dv[ITEMS];
+
+  // Reads the row's sources into registers (every load issued before any use), reduces over the
+  // block, calls reduced() once the reduction's first barrier shows that every thread has read them
+  // (the bulk path refills the slot there), then writes dx.
+  template <typename F>
+  __device__ __forceinline__ void row(const RMSNormParams& p, int64_t row, float rstd, const T* x, const T* dy,
+                                      const T* dres, float* scratch, F&& reduced) {
+    V xv[ITEMS], dv[ITEMS], rv[DRES ? ITEMS : 1];
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
       xv[i] = *reinterpret_cast<const V*>(x + column<VEC>(i));
       dv[i] = *reinterpret_cast<const V*>(dy + column<VEC>(i));
+      if constexpr (DRES) rv[i] = *reinterpret_cast<const V*>(dres + column<VEC>(i));
     }
-    const float rstd = p.rstd[row];
     const Normed<T> nrm(rstd, p.casting);
     float dot = 0.0f;
 #pragma unroll
@@ -199,7 +205,8 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const 
         dw[i][k] += df[k] * nrm(xf[k]);
       }
     }
-    dot = block_sum(dot, scratch) * inv_h;
+    dot = block_sum(dot, scratch) * (1.0f / static_cast<float>(p.hidden));
+    reduced();
     T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
@@ -210,22 +217,38 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const 
       widen(w[i], wf);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) o[k] = rstd * (df[k] * (wf[k] + p.offset) - xf[k] * rstd * dot);
-      if (p.dresidual_out) {  // AddRMSNorm: the gradient arriving at residual_out passes through
+      if constexpr (DRES) {  // AddRMSNorm: the gradient arriving at residual_out passes through
         float rf[VEC];
-        load_f32(static_cast<const T*>(p.dresidual_out) + row * p.dres_stride + column<VEC>(i), rf);
+        widen(rv[i], rf);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) o[k] += rf[k];
       }
       store_f32(dx + column<VEC>(i), o);
     }
   }
-  float* part = static_cast<float*>(p.workspace) + int64_t(blockIdx.x) * h;  // this block's dw row
+
+  // The block's dw sums to its own workspace row (column_sums adds the rows).
+  __device__ __forceinline__ void write_partial(const RMSNormParams& p) const {
+    float* part = static_cast<float*>(p.workspace) + int64_t(blockIdx.x) * p.hidden;
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    if (!live[i]) continue;
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!live[i]) continue;
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) part[column<VEC>(i) + k] = dw[i][k];
+      for (int k = 0; k < VEC; ++k) part[column<VEC>(i) + k] = dw[i][k];
+    }
   }
+};
+
+template <typename T, int VEC, int ITEMS, bool DRES>
+__global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const __grid_constant__ RMSNormParams p, int /*stages*/) {
+  __shared__ float scratch[32];
+  BackwardRows<T, VEC, ITEMS, DRES> t(p);
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const T* dres = DRES ? static_cast<const T*>(p.dresidual_out) + row * p.dres_stride : nullptr;
+    t.row(p, row, p.rstd[row], static_cast<const T*>(p.x) + row * p.x_stride,
+          static_cast<const T*>(p.dy) + row * p.dy_stride, dres, scratch, [] {});
+  }
+  t.write_partial(p);
 }
 
 // The bulk path of the backward (sm_90): a persistent block keeps a ring of `stages` slots in shared
@@ -237,25 +260,14 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) backward_bulk(const __gri
   extern __shared__ __align__(128) unsigned char smem_raw[];  // stages x (x, dy, dresidual_out) rows
   __shared__ uint64_t full[kMaxStages];
   __shared__ float scratch[32];
-  using V = Vec<T, VEC>;
   constexpr int kRows = DRES ? 3 : 2;
   const int64_t h = p.hidden;
   const uint32_t row_bytes = static_cast<uint32_t>(h * sizeof(T));
-  const float inv_h = 1.0f / static_cast<float>(h);
   T* const ring = reinterpret_cast<T*>(smem_raw);
-  V w[ITEMS];
-  float dw[ITEMS][VEC];
-  bool live[ITEMS];
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    live[i] = column<VEC>(i) < h;
-    if (live[i]) w[i] = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + column<VEC>(i));
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) dw[i][k] = 0.0f;
-  }
+  BackwardRows<T, VEC, ITEMS, DRES> t(p);
   if (threadIdx.x == 0) bulk_init(full, stages);
   __syncthreads();
-  auto issue = [&](int64_t it) {
+  auto issue = [&](int64_t it) {  // thread 0: this block's row `it` into slot it % stages
     const int64_t row = blockIdx.x + it * gridDim.x;
     if (row >= p.rows) return;
     uint64_t* bar = &full[it % stages];
@@ -272,59 +284,13 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) backward_bulk(const __gri
     const int64_t row = blockIdx.x + it * gridDim.x;
     if (row >= p.rows) break;
     const float rstd = p.rstd[row];
-    const Normed<T> nrm(rstd, p.casting);
     const T* slot = ring + (it % stages) * kRows * h;
     bulk_wait(&full[it % stages], bulk_parity(it, stages));
-    V xv[ITEMS], dv[ITEMS], rv[DRES ? ITEMS : 1];
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      if (!live[i]) continue;
-      xv[i] = *reinterpret_cast<const V*>(slot + column<VEC>(i));
-      dv[i] = *reinterpret_cast<const V*>(slot + h + column<VEC>(i));
-      if constexpr (DRES) rv[i] = *reinterpret_cast<const V*>(slot + 2 * h + column<VEC>(i));
-    }
-    float dot = 0.0f;
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      if (!live[i]) continue;
-      float xf[VEC], df[VEC], wf[VEC];
-      widen(xv[i], xf);
-      widen(dv[i], df);
-      widen(w[i], wf);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) {
-        dot += df[k] * (wf[k] + p.offset) * (xf[k] * rstd);  // g * n, n unrounded (d round / dn = 1)
-        dw[i][k] += df[k] * nrm(xf[k]);
-      }
-    }
-    dot = block_sum(dot, scratch) * inv_h;  // its first __syncthreads: every thread has read the slot
-    if (threadIdx.x == 0) issue(it + stages);
-    T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      if (!live[i]) continue;
-      float xf[VEC], df[VEC], wf[VEC], o[VEC];
-      widen(xv[i], xf);
-      widen(dv[i], df);
-      widen(w[i], wf);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) o[k] = rstd * (df[k] * (wf[k] + p.offset) - xf[k] * rstd * dot);
-      if constexpr (DRES) {
-        float rf[VEC];
-        widen(rv[i], rf);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) o[k] += rf[k];
-      }
-      store_f32(dx + column<VEC>(i), o);
-    }
+    t.row(p, row, rstd, slot, slot + h, slot + 2 * h, scratch, [&] {
+      if (threadIdx.x == 0) issue(it + stages);
+    });
   }
-  float* part = static_cast<float*>(p.workspace) + int64_t(blockIdx.x) * h;  // this block's dw row
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    if (!live[i]) continue;
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) part[column<VEC>(i) + k] = dw[i][k];
-  }
+  t.write_partial(p);
 }
 
 // SMEM: the block's dw row is summed in shared memory (when it fits) and written out once; else it
@@ -489,7 +455,8 @@ using KernelFn = void (*)(RMSNormParams, int);  // the int: stages of the bulk p
 // nullptr when ITEMS is beyond the direction's register budget (the caller then takes the loop path).
 template <typename T, int VEC, int ITEMS> KernelFn registers_kernel(const RMSNormParams& p, bool backward) {
   if (!backward) return p.residual ? forward_registers<T, VEC, ITEMS, true> : forward_registers<T, VEC, ITEMS, false>;
-  if constexpr (ITEMS * VEC <= 16) return backward_registers<T, VEC, ITEMS>;
+  if constexpr (ITEMS * VEC <= 16)
+    return p.dresidual_out ? backward_registers<T, VEC, ITEMS, true> : backward_registers<T, VEC, ITEMS, false>;
   return nullptr;
 }
 
