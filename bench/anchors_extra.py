@@ -1,8 +1,9 @@
-"""Anchors for package `activation` (anchors.py has none): PyTorch eager and torch.compile at the shapes
-of bench_kernels.cpp's bench_activation(), bf16 on the GPU.  silu_and_mul: x [8192, 2 x 14336] ->
-silu(x[:, :d]) * x[:, d:]; gelu_tanh: [8192, 14336].  Forward, and forward + backward through
-autograd with a given upstream gradient; bytes counted as bench_kernels.cpp counts them; peak =
-allocator peak during the call minus memory before it.  Run: python3 bench/anchors_activation.py
+"""Anchors beyond anchors.py (which covers RMSNorm, SwiGLU, RoPE, cross-entropy and Liger): PyTorch
+eager and torch.compile at the shapes of bench_kernels.cpp for LayerNorm and AddRMSNorm ([8192, 4096])
+and the activation package (silu_and_mul: x [8192, 2 x 14336] -> silu(x[:, :d]) * x[:, d:];
+gelu_tanh: [8192, 14336]), bf16 on the GPU.  Forward, and forward + backward through autograd with a
+given upstream gradient; bytes counted as bench_kernels.cpp counts them; peak = allocator peak
+during the call minus memory before it.  Run: python3 bench/anchors_extra.py
 """
 import torch
 import torch.nn.functional as F

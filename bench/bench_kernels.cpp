@@ -193,6 +193,27 @@ void bench_layer_norm() {
   }, fb + bb);
 }
 
+// The LayerNorm forward's registers path at 2 and 4 vectors a thread (256 and 128 threads a row).
+void sweep_layer_norm() {
+  const int64_t bt = 8192, h = 4096;
+  Generator gen(8);
+  const Tensor x = Tensor::randn({bt, h}, DType::bf16, kDev, gen), w = Tensor::randn({h}, DType::bf16, kDev, gen);
+  const Tensor b = Tensor::randn({h}, DType::bf16, kDev, gen), y = Tensor::empty({bt, h}, DType::bf16, kDev);
+  const Tensor mean = Tensor::empty({bt}, DType::f32, kDev), rstd = Tensor::empty({bt}, DType::f32, kDev);
+  liger::LayerNormParams p;
+  p.dtype = kernel::DType::bf16, p.rows = bt, p.hidden = h, p.x = x.data(), p.x_stride = h;
+  p.w = w.data(), p.b = b.data(), p.y = y.data(), p.y_stride = h;
+  p.mean = static_cast<float*>(mean.data()), p.rstd = static_cast<float*>(rstd.data());
+  const double fb = 2.0 * bt * h * 2 / 1e9;
+  std::printf("sweep layernorm bf16 [%lld, %lld]: vectors a thread\n", (long long)bt, (long long)h);
+  for (int items : {2, 4}) {
+    const Timing t = time_op(kDev, [&] { check(liger::layer_norm_forward_cuda_with(p, cuda::current_stream(), items)); }, 10, 50);
+    const double gbps = fb / (t.median_ms * 1e-3);
+    std::printf("  layernorm fwd %d  %8.4f ms %6.0f GB/s %5.1f%%\n", items, t.median_ms, gbps, 100 * gbps / g_copy_gbps);
+    g_rows.push_back({{"op", "sweep layernorm fwd"}, {"items", items}, {"ms", t.median_ms}, {"GBps", gbps}});
+  }
+}
+
 void bench_swiglu() {
   const int64_t bt = 8192, inter = 14336;
   Generator gen(11);
@@ -651,6 +672,7 @@ int main(int argc, char** argv) {
       if (want("rms_norm")) sweep_rms_norm();
       if (want("swiglu")) sweep_swiglu();
       if (want("rope")) sweep_rope();
+      if (want("layer_norm")) sweep_layer_norm();
       if (want("cross_entropy")) sweep_cross_entropy();
       if (want("activation")) sweep_activation();
     }

@@ -8,7 +8,7 @@
 //   if (threadIdx.x == 0) bulk_init(full, stages);
 //   __syncthreads();
 //   thread 0, for slot s:   bulk_expect(&full[s], bytes); bulk_load(dst, src, bytes, &full[s]) ...
-//   every thread, item it:  bulk_wait(&full[it % stages], bulk_parity(it, stages)); read the slot
+//   every thread, item it:  bulk_wait(&full[ring.slot], ring.parity); read the slot; ring.advance(stages)
 //   once every thread has read slot s (a __syncthreads), thread 0 may refill it.
 // Loads need 16-byte aligned source and destination and a byte count that is a multiple of 16.
 // The helpers compile to nothing below sm_90; hosts pick these kernels on sm_90 only.
@@ -42,8 +42,15 @@ __device__ __forceinline__ void bulk_load(void* smem_dst, const void* global_src
 #endif
 }
 
-// Phase parity of ring item `it` (slot it % stages, its (it / stages)-th use).
-__device__ __forceinline__ uint32_t bulk_parity(int64_t it, int stages) { return static_cast<uint32_t>((it / stages) & 1); }
+// Where a block is in its ring: the current item's slot (it % stages) and that slot's phase parity
+// ((it / stages) & 1), advanced with a compare rather than a 64-bit division a row.
+struct RingCursor {
+  int slot = 0;
+  uint32_t parity = 0;
+  __device__ __forceinline__ void advance(int stages) {
+    if (++slot == stages) slot = 0, parity ^= 1u;
+  }
+};
 
 __device__ __forceinline__ void bulk_wait(uint64_t* bar, uint32_t parity) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

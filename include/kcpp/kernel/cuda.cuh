@@ -36,14 +36,43 @@ template <typename T, int N> __device__ __forceinline__ void widen(const Vec<T, 
 #pragma unroll
   for (int i = 0; i < N; ++i) out[i] = to_f32(v.v[i]);
 }
+// bf16 is the upper half of an f32, so a pair packed in a 32-bit word widens with one shift and one
+// mask; element by element, the compiler first moves the upper element down (one more instruction
+// each), which counts in kernels that issue as many instructions as they move bytes.
+template <int N> __device__ __forceinline__ void widen(const Vec<__nv_bfloat16, N>& v, float (&out)[N]) {
+  if constexpr (N % 2 == 0) {
+    uint32_t w[N / 2];
+    memcpy(w, &v, sizeof(w));
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      out[2 * i] = __uint_as_float(w[i] << 16);
+      out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_f32(v.v[i]);
+  }
+}
+
+// Two 16-bit values in one register, for the packed instructions (__hmul2 and kin).
+template <typename T> struct Pair;
+template <> struct Pair<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  static __device__ __forceinline__ type round(float lo, float hi) { return __floats2bfloat162_rn(lo, hi); }
+};
+template <> struct Pair<__half> {
+  using type = __half2;
+  static __device__ __forceinline__ type round(float lo, float hi) { return __floats2half2_rn(lo, hi); }
+};
 
 // True when a pointer allows 16-byte vector access.
 inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
+// One vector load into registers first: widen() reads its argument word by word, which on a
+// reference into global memory would be several narrow loads.
 template <typename T, int N> __device__ __forceinline__ void load_f32(const T* p, float (&out)[N]) {
   const Vec<T, N> v = *reinterpret_cast<const Vec<T, N>*>(p);
-#pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_f32(v.v[i]);
+  widen(v, out);
 }
 template <typename T, int N> __device__ __forceinline__ void store_f32(T* p, const float (&in)[N]) {
   Vec<T, N> v;

@@ -3,7 +3,9 @@
 // Maths, per row r of x [rows, H] (rows may be strided; the last dim is contiguous), as PyTorch's
 // fused kernel computes it (statistics and normalisation in f32, one rounding to the dtype):
 //   mean[r] = mean_j x[r,j]
-//   rstd[r] = 1 / sqrt(mean_j (x[r,j] - mean[r])^2 + eps)        (two passes: no cancellation)
+//   rstd[r] = 1 / sqrt(mean_j (x[r,j] - mean[r])^2 + eps)        (no cancellation: two passes, or
+//                                                                   Chan's pairwise merge of partial
+//                                                                   means and squared deviations)
 //   xhat    = (x - mean) * rstd
 //   y       = xhat * w + b                                         (b optional)
 // Saved for backward: mean and rstd, [rows] f32 (8 bytes per row).
@@ -57,6 +59,9 @@ const char* layer_norm_backward_cpu(const LayerNormParams& p);
 #if KCPP_WITH_CUDA
 size_t layer_norm_backward_workspace(const LayerNormParams& p, int device);
 const char* layer_norm_forward_cuda(const LayerNormParams& p, cudaStream_t stream);
+// As layer_norm_forward_cuda with the registers path's 16-byte vectors a thread given (1, 2 or 4;
+// others, or too few for the row: the default): for the sweep of bench/bench_kernels.cpp.
+const char* layer_norm_forward_cuda_with(const LayerNormParams& p, cudaStream_t stream, int items);
 const char* layer_norm_backward_cuda(const LayerNormParams& p, cudaStream_t stream);
 #endif
 

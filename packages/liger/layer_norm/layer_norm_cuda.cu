@@ -1,9 +1,11 @@
 // LayerNorm on CUDA (maths in layer_norm.h).
 //
 // Forward: one block per row (blocks striding over rows).  Rows up to 256 threads x ITEMS (1, 2 or 4)
-// 16-byte vectors are held in registers, so x is read once; the mean and then the variance around
-// it are two block reductions over those registers.  Wider or unaligned rows take the loop path,
-// which re-reads the row (from L2) for the variance and for the output.
+// 16-byte vectors are held in registers, so x is read once; each thread's mean and squared
+// deviations (two passes over its registers) are merged over the block in one reduction (Chan's
+// pairwise update, kcpp/kernel/moments.cuh).  Wider or unaligned rows take the loop path, which
+// merges the same per-thread summaries but re-reads the row (from L1 / L2) for the deviations and
+// for the output.
 // Backward: a persistent grid; per row, one pass for the two sums (g and g * xhat, reduced together),
 // one writing dx and adding dy * xhat and dy into the block's own dw / db sums (each column has one
 // owner thread: no atomics); column_sums (kcpp/kernel/column_sums.cuh) then adds the blocks' sums in
@@ -17,6 +19,7 @@
 #include "kcpp/kernel/bulk.cuh"
 #include "kcpp/kernel/column_sums.cuh"
 #include "kcpp/kernel/cuda.cuh"
+#include "kcpp/kernel/moments.cuh"
 #include "layer_norm.h"
 
 namespace kcpp::liger {
@@ -40,9 +43,12 @@ __device__ __forceinline__ void write_out(const LayerNormParams& p, T* y, int64_
   store_f32(y + c, o);
 }
 
-template <typename T, int VEC, int ITEMS>
+// BIAS: a template parameter so that the kernel without one keeps its registers.  UNIFORM: the row
+// fills the block (every thread ITEMS vectors) and the block has a power-of-two number of warps,
+// the cheaper merge of block_moments.
+template <typename T, int VEC, int ITEMS, bool BIAS, bool UNIFORM>
 __global__ void __launch_bounds__(kThreads) forward_registers(const __grid_constant__ LayerNormParams p) {
-  __shared__ float scratch[32];
+  __shared__ float scratch[96];
   using V = Vec<T, VEC>;
   const int64_t h = p.hidden;
   const float inv_h = 1.0f / static_cast<float>(h);
@@ -56,6 +62,9 @@ __global__ void __launch_bounds__(kThreads) forward_registers(const __grid_const
       live[i] = c < h;
       if (live[i]) v[i] = *reinterpret_cast<const V*>(x + c);
     }
+    // The thread's summary (its mean, then the squared deviations from it: two passes over its
+    // registers), merged over the block in one reduction (kcpp/kernel/moments.cuh).
+    Moments m;
     float s = 0.0f;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
@@ -64,53 +73,64 @@ __global__ void __launch_bounds__(kThreads) forward_registers(const __grid_const
       widen(v[i], f);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) s += f[k];
+      m.n += VEC;
     }
-    const float mean = block_sum(s, scratch) * inv_h;
-    float q = 0.0f;
+    if constexpr (UNIFORM) m.mean = s * (1.0f / (ITEMS * VEC));
+    else if (m.n > 0.0f) m.mean = __fdividef(s, m.n);
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
       float f[VEC];
       widen(v[i], f);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) q += (f[k] - mean) * (f[k] - mean);
+      for (int k = 0; k < VEC; ++k) m.m2 += (f[k] - m.mean) * (f[k] - m.mean);
     }
-    const float rstd = rsqrtf(block_sum(q, scratch) * inv_h + p.eps);
+    m = block_moments<UNIFORM>(m, scratch);
+    const float mean = m.mean, rstd = rsqrtf(m.m2 * inv_h + p.eps);
     if (threadIdx.x == 0) p.mean[row] = mean, p.rstd[row] = rstd;
     T* y = static_cast<T*>(p.y) + row * p.y_stride;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
-      float f[VEC];
+      const int64_t c = (int64_t(i) * blockDim.x + threadIdx.x) * VEC;
+      float f[VEC], w[VEC], b[VEC], o[VEC];
       widen(v[i], f);
-      write_out<T, VEC>(p, y, (int64_t(i) * blockDim.x + threadIdx.x) * VEC, f, mean, rstd);
+      load_f32(static_cast<const T*>(p.w) + c, w);
+      if constexpr (BIAS) load_f32(static_cast<const T*>(p.b) + c, b);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) o[k] = (f[k] - mean) * rstd * w[k] + (BIAS ? b[k] : 0.0f);
+      store_f32(y + c, o);
     }
   }
 }
 
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads) forward_loop(const __grid_constant__ LayerNormParams p) {
-  __shared__ float scratch[32];
+  __shared__ float scratch[96];
   const int64_t h = p.hidden, step = int64_t(blockDim.x) * VEC;
   const float inv_h = 1.0f / static_cast<float>(h);
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
+    // The thread's summary over its columns (its mean, then the squared deviations from it: the
+    // second read mostly hits L1 / L2), merged over the block as on the registers path.
+    Moments m;
     float s = 0.0f;
     for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
       float f[VEC];
       load_f32(x + c, f);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) s += f[k];
+      m.n += VEC;
     }
-    const float mean = block_sum(s, scratch) * inv_h;
-    float q = 0.0f;
+    if (m.n > 0.0f) m.mean = s / m.n;
     for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
       float f[VEC];
       load_f32(x + c, f);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) q += (f[k] - mean) * (f[k] - mean);
+      for (int k = 0; k < VEC; ++k) m.m2 += (f[k] - m.mean) * (f[k] - m.mean);
     }
-    const float rstd = rsqrtf(block_sum(q, scratch) * inv_h + p.eps);
+    m = block_moments<false>(m, scratch);
+    const float mean = m.mean, rstd = rsqrtf(m.m2 * inv_h + p.eps);
     if (threadIdx.x == 0) p.mean[row] = mean, p.rstd[row] = rstd;
     T* y = static_cast<T*>(p.y) + row * p.y_stride;
     for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
@@ -187,10 +207,11 @@ template <typename T, int VEC, int ITEMS> struct BackwardRows {
   V w[ITEMS];
   float dw[ITEMS][VEC], db[ITEMS][VEC];
   bool live[ITEMS];
+  float inv_h;
 
   __device__ static int64_t column(int i) { return (int64_t(i) * blockDim.x + threadIdx.x) * VEC; }
 
-  __device__ explicit BackwardRows(const LayerNormParams& p) {
+  __device__ explicit BackwardRows(const LayerNormParams& p) : inv_h(1.0f / static_cast<float>(p.hidden)) {
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       live[i] = column(i) < p.hidden;
@@ -225,13 +246,12 @@ template <typename T, int VEC, int ITEMS> struct BackwardRows {
       for (int k = 0; k < VEC; ++k) {
         const float g = df[k] * wf[k];
         sg += g;
-        sgx += g * (xf[k] - mean) * rstd;
+        sgx += g * (xf[k] - mean);  // times rstd once, below
       }
     }
     const float2 sums = block_sum2(sg, sgx, scratch);
     reduced();
-    const float inv_h = 1.0f / static_cast<float>(p.hidden);
-    const float mg = sums.x * inv_h, mgx = sums.y * inv_h;
+    const float mg = sums.x * inv_h, mgx = sums.y * (rstd * inv_h);
     T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
@@ -289,25 +309,25 @@ __global__ void __launch_bounds__(kThreads) backward_bulk(const __grid_constant_
   BackwardRows<T, VEC, ITEMS> t(p);
   if (threadIdx.x == 0) bulk_init(full, stages);
   __syncthreads();
-  auto issue = [&](int64_t it) {  // thread 0: this block's row `it` into slot it % stages
-    const int64_t row = blockIdx.x + it * gridDim.x;
+  // Thread 0: `row` (if any) into ring slot `slot`.
+  auto issue = [&](int64_t row, int slot) {
     if (row >= p.rows) return;
-    uint64_t* bar = &full[it % stages];
-    T* slot = ring + (it % stages) * 2 * h;
+    uint64_t* bar = &full[slot];
+    T* dst = ring + slot * 2 * h;
     bulk_expect(bar, 2 * row_bytes);
-    bulk_load(slot, static_cast<const T*>(p.x) + row * p.x_stride, row_bytes, bar);
-    bulk_load(slot + h, static_cast<const T*>(p.dy) + row * p.dy_stride, row_bytes, bar);
+    bulk_load(dst, static_cast<const T*>(p.x) + row * p.x_stride, row_bytes, bar);
+    bulk_load(dst + h, static_cast<const T*>(p.dy) + row * p.dy_stride, row_bytes, bar);
   };
+  const int64_t ahead = int64_t(stages) * gridDim.x;  // a slot's next row
   if (threadIdx.x == 0)
-    for (int it = 0; it < stages; ++it) issue(it);
-  for (int64_t it = 0;; ++it) {
-    const int64_t row = blockIdx.x + it * gridDim.x;
-    if (row >= p.rows) break;
+    for (int s = 0; s < stages; ++s) issue(blockIdx.x + int64_t(s) * gridDim.x, s);
+  RingCursor ring_at;
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x, ring_at.advance(stages)) {
     const float mean = p.mean[row], rstd = p.rstd[row];
-    const T* slot = ring + (it % stages) * 2 * h;
-    bulk_wait(&full[it % stages], bulk_parity(it, stages));
+    const T* slot = ring + ring_at.slot * 2 * h;
+    bulk_wait(&full[ring_at.slot], ring_at.parity);
     t.row(p, row, mean, rstd, slot, slot + h, scratch, [&] {
-      if (threadIdx.x == 0) issue(it + stages);
+      if (threadIdx.x == 0) issue(row + ahead, ring_at.slot);
     });
   }
   t.write_partial(p);
@@ -403,6 +423,10 @@ size_t layer_norm_backward_workspace(const LayerNormParams& p, int device) {
 }
 
 const char* layer_norm_forward_cuda(const LayerNormParams& p, cudaStream_t stream) {
+  return layer_norm_forward_cuda_with(p, stream, 0);
+}
+
+const char* layer_norm_forward_cuda_with(const LayerNormParams& p, cudaStream_t stream, int items_given) {
   if (const char* e = layer_norm_check(p, false)) return e;
   if (p.rows == 0) return nullptr;
   const int vec = vec_for(p, false);
@@ -411,18 +435,26 @@ const char* layer_norm_forward_cuda(const LayerNormParams& p, cudaStream_t strea
   return visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
     constexpr int V = 16 / sizeof(T);
     // Registers while the row fits 256 threads x 4 vectors; fewer threads for short rows.
-    const int items = nvec <= kThreads ? 1 : nvec <= 2 * kThreads ? 2 : 4;
+    int items = nvec <= kThreads ? 1 : nvec <= 2 * kThreads ? 2 : 4;
+    if ((items_given == 1 || items_given == 2 || items_given == 4) && nvec <= int64_t(items_given) * kThreads)
+      items = items_given;
     const int64_t per_item = (nvec + items - 1) / items;
     const int threads = static_cast<int>(std::min<int64_t>(kThreads, std::max<int64_t>(32, (per_item + 31) / 32 * 32)));
     if (vec == 1 || nvec > 4 * kThreads) {
       if (vec == 1) forward_loop<T, 1><<<grid, kThreads, 0, stream>>>(p);
       else forward_loop<T, V><<<grid, kThreads, 0, stream>>>(p);
-    } else if (items == 1) {
-      forward_registers<T, V, 1><<<grid, threads, 0, stream>>>(p);
-    } else if (items == 2) {
-      forward_registers<T, V, 2><<<grid, threads, 0, stream>>>(p);
     } else {
-      forward_registers<T, V, 4><<<grid, threads, 0, stream>>>(p);
+      const int warps = threads / 32;
+      const bool uniform = nvec == int64_t(threads) * items && (warps & (warps - 1)) == 0;
+      auto launch = [&]<int ITEMS>() {
+        using K = void (*)(LayerNormParams);
+        const K k = p.b ? (uniform ? forward_registers<T, V, ITEMS, true, true> : forward_registers<T, V, ITEMS, true, false>)
+                        : (uniform ? forward_registers<T, V, ITEMS, false, true> : forward_registers<T, V, ITEMS, false, false>);
+        k<<<grid, threads, 0, stream>>>(p);
+      };
+      if (items == 1) launch.template operator()<1>();
+      else if (items == 2) launch.template operator()<2>();
+      else launch.template operator()<4>();
     }
     return launch_error("layer_norm forward");
   });

@@ -91,6 +91,28 @@ TEST_P(LigerLayerNorm, WithinTwiceTheReferenceError) {
       }
 }
 
+// Rows whose mean is a hundred times their spread: the variance must come from deviations (two
+// passes, or merged partial deviations), not from mean(x^2) - mean^2, whose cancellation would cost
+// f32 four of its seven digits here.
+TEST_P(LigerLayerNorm, LargeMeanRowsWithinTheBound) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  for (DType dt : {DType::f32, DType::bf16})
+    for (int64_t h : {111, 2048, 4096, 4097}) {
+      const int64_t rows = 37;
+      const std::string cfg = fmt::format("{} h={}", test::config_name(dev, dt), h);
+      const Tensor x = Tensor::randn({rows, h}, dt, dev, gen, 100.0, 1.0);
+      const Tensor w = Tensor::randn({h}, dt, dev, gen), b = Tensor::randn({h}, dt, dev, gen);
+      const auto fo = oracle::layer_norm(x.to_f64_vector(), w.to_f64_vector(), b.to_f64_vector(), rows, h, 1e-5);
+      const auto ref = ops::layer_norm_forward(x, w, b, 1e-5);
+      const Result got = run(dev, x, w, b, Tensor::zeros({rows, h}, dt, dev), Tensor::empty({rows, h}, dt, dev));
+      const double erstd_ref = test::rel_l2_error(ref.rstd, fo.rstd), erstd = test::rel_l2_error(got.rstd, fo.rstd);
+      EXPECT_LE(erstd, test::kernel_bound(erstd_ref, DType::f32)) << cfg << " rstd (reference error " << erstd_ref << ")";
+      EXPECT_LE(test::rel_l2_error(got.y, fo.y), test::composite_rel_l2(dt)) << cfg << " y";
+    }
+}
+
 TEST_P(LigerLayerNorm, InPlaceBackwardDeterminismAndBadInput) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);

@@ -11,7 +11,8 @@
 // an H200 (bench/RESULTS.md): prefetching the next row, dw in shared memory on the registers path,
 // one warp per row, holding the weight in registers across rows in the forward (59 registers
 // against 40 when re-read from L1/L2, and occupancy is what this kernel is short of), loading the
-// weight together with the row, and the bulk path for the forward (no faster than registers).
+// weight together with the row, the bulk path for the forward (no faster than registers), and
+// streaming (evict-first) cache hints on the forward's loads and stores (within 1-3%).
 // The grid is either one block per row or persistent (as many blocks as fit, striding over rows).
 // The backward always runs persistent: each block sums dw for its rows into its own f32 workspace
 // row, and column_sums (kcpp/kernel/column_sums.cuh) adds those rows in a fixed order
@@ -58,12 +59,16 @@ template <int VEC> __device__ __forceinline__ int64_t column(int i) {
 // ---- forward -------------------------------------------------------------------------------------
 
 // ADD: AddRMSNorm (x + residual normalised, the sum written to residual_out); a template parameter so
-// that the plain kernel keeps its registers (occupancy is what it is short of).
-template <typename T, int VEC, int ITEMS, bool ADD>
+// that the plain kernel keeps its registers (occupancy is what it is short of).  PACKED (16-bit T,
+// Llama or None casting, offset 0): y = round(n w) with n already rounded to T is the correctly
+// rounded product of two T values, which the packed multiply (__hmul2) gives two at a time, with no
+// widening of w: the forward issues about as many instructions as it moves bytes, so this counts.
+template <typename T, int VEC, int ITEMS, bool ADD, bool PACKED>
 __global__ void __launch_bounds__(kMaxRegisterThreads) forward_registers(const __grid_constant__ RMSNormParams p, int /*stages*/) {
   __shared__ float scratch[32];
   using V = Vec<T, VEC>;
   const int64_t h = p.hidden;
+  const float inv_h = 1.0f / static_cast<float>(h);
   bool live[ITEMS];
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) live[i] = column<VEC>(i) < h;
@@ -97,21 +102,40 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) forward_registers(const _
       for (int k = 0; k < VEC; ++k) ss += f[k] * f[k];
     }
     ss = block_sum(ss, scratch);
-    const float rstd = 1.0f / sqrtf(ss / static_cast<float>(h) + p.eps);
-    const Normed<T> nrm(rstd, p.casting);
+    const float rstd = rsqrtf(ss * inv_h + p.eps);
     if (threadIdx.x == 0) p.rstd[row] = rstd;
     T* y = static_cast<T*>(p.y) + row * p.y_stride;
+    if constexpr (PACKED) {
+      using P = Pair<T>;
+      const float scale = p.casting == RMSNormCasting::None ? round_to<T>(rstd) : rstd;
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      if (!live[i]) continue;
-      // The weight is re-read per row (it stays in L1/L2): loading it with the row, to overlap its
-      // latency, measured slower (registers: occupancy).
-      float f[VEC], wf[VEC], o[VEC];
-      widen(v[i], f);
-      load_f32(static_cast<const T*>(p.w) + column<VEC>(i), wf);
+      for (int i = 0; i < ITEMS; ++i) {
+        if (!live[i]) continue;
+        float f[VEC];
+        widen(v[i], f);
+        typename P::type w2[VEC / 2], o2[VEC / 2];
+        const V wv = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + column<VEC>(i));
+        memcpy(w2, &wv, sizeof(w2));
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) o[k] = nrm(f[k]) * (wf[k] + p.offset);
-      store_f32(y + column<VEC>(i), o);
+        for (int k = 0; k < VEC / 2; ++k) o2[k] = __hmul2(P::round(f[2 * k] * scale, f[2 * k + 1] * scale), w2[k]);
+        uint4 u;
+        memcpy(&u, o2, sizeof(u));
+        *reinterpret_cast<uint4*>(y + column<VEC>(i)) = u;
+      }
+    } else {
+      const Normed<T> nrm(rstd, p.casting);
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        if (!live[i]) continue;
+        // The weight is re-read per row (it stays in L1/L2): loading it with the row, to overlap its
+        // latency, measured slower (registers: occupancy).
+        float f[VEC], wf[VEC], o[VEC];
+        widen(v[i], f);
+        load_f32(static_cast<const T*>(p.w) + column<VEC>(i), wf);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) o[k] = nrm(f[k]) * (wf[k] + p.offset);
+        store_f32(y + column<VEC>(i), o);
+      }
     }
   }
 }
@@ -120,6 +144,7 @@ template <typename T, int VEC, bool ADD>
 __global__ void __launch_bounds__(kMaxThreads) forward_loop(const __grid_constant__ RMSNormParams p, int /*stages*/) {
   __shared__ float scratch[32];
   const int64_t h = p.hidden, step = int64_t(blockDim.x) * VEC;
+  const float inv_h = 1.0f / static_cast<float>(h);
   const T* wp = static_cast<const T*>(p.w);
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
@@ -141,7 +166,7 @@ __global__ void __launch_bounds__(kMaxThreads) forward_loop(const __grid_constan
     // The second pass reads the row normalised: r (this thread wrote those columns) or x.
     if constexpr (ADD) x = static_cast<const T*>(p.residual_out) + row * p.residual_out_stride;
     ss = block_sum(ss, scratch);
-    const float rstd = 1.0f / sqrtf(ss / static_cast<float>(h) + p.eps);
+    const float rstd = rsqrtf(ss * inv_h + p.eps);
     const Normed<T> nrm(rstd, p.casting);
     if (threadIdx.x == 0) p.rstd[row] = rstd;
     for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
@@ -162,23 +187,27 @@ __global__ void __launch_bounds__(kMaxThreads) forward_loop(const __grid_constan
 // dresidual_out) are (global memory, or a shared-memory slot of the bulk path's ring).
 template <typename T, int VEC, int ITEMS, bool DRES> struct BackwardRows {
   using V = Vec<T, VEC>;
-  V w[ITEMS];
+  float w[ITEMS][VEC];  // w + offset, widened once (the register budget has room at one vector a thread)
   float dw[ITEMS][VEC];
   bool live[ITEMS];
+  float inv_h;
 
-  __device__ explicit BackwardRows(const RMSNormParams& p) {
+  __device__ explicit BackwardRows(const RMSNormParams& p) : inv_h(1.0f / static_cast<float>(p.hidden)) {
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       live[i] = column<VEC>(i) < p.hidden;
-      if (live[i]) w[i] = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + column<VEC>(i));
+      V wv{};
+      if (live[i]) wv = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + column<VEC>(i));
+      widen(wv, w[i]);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) dw[i][k] = 0.0f;
+      for (int k = 0; k < VEC; ++k) w[i][k] += p.offset, dw[i][k] = 0.0f;
     }
   }
 
   // Reads the row's sources into registers (every load issued before any use), reduces over the
   // block, calls reduced() once the reduction's first barrier shows that every thread has read them
-  // (the bulk path refills the slot there), then writes dx.
+  // (the bulk path refills the slot there), then writes dx.  With g = dy (w + offset) and n = x rstd
+  // unrounded (d round / dn = 1): dx = rstd g - x rstd^3 mean_j(g x), one multiply and one fma.
   template <typename F>
   __device__ __forceinline__ void row(const RMSNormParams& p, int64_t row, float rstd, const T* x, const T* dy,
                                       const T* dres, float* scratch, F&& reduced) {
@@ -191,32 +220,30 @@ template <typename T, int VEC, int ITEMS, bool DRES> struct BackwardRows {
       if constexpr (DRES) rv[i] = *reinterpret_cast<const V*>(dres + column<VEC>(i));
     }
     const Normed<T> nrm(rstd, p.casting);
-    float dot = 0.0f;
+    float gx = 0.0f;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
-      float xf[VEC], df[VEC], wf[VEC];
+      float xf[VEC], df[VEC];
       widen(xv[i], xf);
       widen(dv[i], df);
-      widen(w[i], wf);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        dot += df[k] * (wf[k] + p.offset) * (xf[k] * rstd);  // g * n, n unrounded (d round / dn = 1)
+        gx += df[k] * w[i][k] * xf[k];
         dw[i][k] += df[k] * nrm(xf[k]);
       }
     }
-    dot = block_sum(dot, scratch) * (1.0f / static_cast<float>(p.hidden));
+    const float c = block_sum(gx, scratch) * (rstd * rstd * rstd * inv_h);
     reduced();
     T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
-      float xf[VEC], df[VEC], wf[VEC], o[VEC];
+      float xf[VEC], df[VEC], o[VEC];
       widen(xv[i], xf);
       widen(dv[i], df);
-      widen(w[i], wf);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) o[k] = rstd * (df[k] * (wf[k] + p.offset) - xf[k] * rstd * dot);
+      for (int k = 0; k < VEC; ++k) o[k] = fmaf(-c, xf[k], rstd * (df[k] * w[i][k]));
       if constexpr (DRES) {  // AddRMSNorm: the gradient arriving at residual_out passes through
         float rf[VEC];
         widen(rv[i], rf);
@@ -267,27 +294,27 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) backward_bulk(const __gri
   BackwardRows<T, VEC, ITEMS, DRES> t(p);
   if (threadIdx.x == 0) bulk_init(full, stages);
   __syncthreads();
-  auto issue = [&](int64_t it) {  // thread 0: this block's row `it` into slot it % stages
-    const int64_t row = blockIdx.x + it * gridDim.x;
+  // Thread 0: `row` (if any) into ring slot `slot`.
+  auto issue = [&](int64_t row, int slot) {
     if (row >= p.rows) return;
-    uint64_t* bar = &full[it % stages];
-    T* slot = ring + (it % stages) * kRows * h;
+    uint64_t* bar = &full[slot];
+    T* dst = ring + slot * kRows * h;
     bulk_expect(bar, kRows * row_bytes);
-    bulk_load(slot, static_cast<const T*>(p.x) + row * p.x_stride, row_bytes, bar);
-    bulk_load(slot + h, static_cast<const T*>(p.dy) + row * p.dy_stride, row_bytes, bar);
+    bulk_load(dst, static_cast<const T*>(p.x) + row * p.x_stride, row_bytes, bar);
+    bulk_load(dst + h, static_cast<const T*>(p.dy) + row * p.dy_stride, row_bytes, bar);
     if constexpr (DRES)
-      bulk_load(slot + 2 * h, static_cast<const T*>(p.dresidual_out) + row * p.dres_stride, row_bytes, bar);
+      bulk_load(dst + 2 * h, static_cast<const T*>(p.dresidual_out) + row * p.dres_stride, row_bytes, bar);
   };
+  const int64_t ahead = int64_t(stages) * gridDim.x;  // a slot's next row
   if (threadIdx.x == 0)
-    for (int it = 0; it < stages; ++it) issue(it);
-  for (int64_t it = 0;; ++it) {
-    const int64_t row = blockIdx.x + it * gridDim.x;
-    if (row >= p.rows) break;
+    for (int s = 0; s < stages; ++s) issue(blockIdx.x + int64_t(s) * gridDim.x, s);
+  RingCursor ring_at;
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x, ring_at.advance(stages)) {
     const float rstd = p.rstd[row];
-    const T* slot = ring + (it % stages) * kRows * h;
-    bulk_wait(&full[it % stages], bulk_parity(it, stages));
+    const T* slot = ring + ring_at.slot * kRows * h;
+    bulk_wait(&full[ring_at.slot], ring_at.parity);
     t.row(p, row, rstd, slot, slot + h, slot + 2 * h, scratch, [&] {
-      if (threadIdx.x == 0) issue(it + stages);
+      if (threadIdx.x == 0) issue(row + ahead, ring_at.slot);
     });
   }
   t.write_partial(p);
@@ -454,7 +481,13 @@ using KernelFn = void (*)(RMSNormParams, int);  // the int: stages of the bulk p
 
 // nullptr when ITEMS is beyond the direction's register budget (the caller then takes the loop path).
 template <typename T, int VEC, int ITEMS> KernelFn registers_kernel(const RMSNormParams& p, bool backward) {
-  if (!backward) return p.residual ? forward_registers<T, VEC, ITEMS, true> : forward_registers<T, VEC, ITEMS, false>;
+  if (!backward) {
+    if constexpr (sizeof(T) == 2) {
+      if (p.offset == 0.0f && p.casting != RMSNormCasting::Gemma)
+        return p.residual ? forward_registers<T, VEC, ITEMS, true, true> : forward_registers<T, VEC, ITEMS, false, true>;
+    }
+    return p.residual ? forward_registers<T, VEC, ITEMS, true, false> : forward_registers<T, VEC, ITEMS, false, false>;
+  }
   if constexpr (ITEMS * VEC <= 16)
     return p.dresidual_out ? backward_registers<T, VEC, ITEMS, true> : backward_registers<T, VEC, ITEMS, false>;
   return nullptr;
