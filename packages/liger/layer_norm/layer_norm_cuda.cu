@@ -1,11 +1,11 @@
 // LayerNorm on CUDA (maths in layer_norm.h).
 //
 // Forward: one block per row (blocks striding over rows).  Rows up to 256 threads x ITEMS (1, 2 or 4)
-// 16-byte vectors are held in registers, so x is read once; each thread's mean and squared
-// deviations (two passes over its registers) are merged over the block in one reduction (Chan's
-// pairwise update, kcpp/kernel/moments.cuh).  Wider or unaligned rows take the loop path, which
-// merges the same per-thread summaries but re-reads the row (from L1 / L2) for the deviations and
-// for the output.
+// 16-byte vectors are held in registers, so x is read once; where the row fills the block, each
+// thread's mean and squared deviations (two passes over its registers) are merged over the block in
+// one reduction (Chan's pairwise update, kcpp/kernel/moments.cuh), else the mean and then the
+// deviations from it take two.  Wider or unaligned rows take the loop path: the mean,
+// then the deviations from it, re-reading the row (from L1 / L2) for those and for the output.
 // Backward: a persistent grid; per row, one pass for the two sums (g and g * xhat, reduced together),
 // one writing dx and adding dy * xhat and dy into the block's own dw / db sums (each column has one
 // owner thread: no atomics); column_sums (kcpp/kernel/column_sums.cuh) then adds the blocks' sums in
@@ -43,15 +43,16 @@ __device__ __forceinline__ void write_out(const LayerNormParams& p, T* y, int64_
   store_f32(y + c, o);
 }
 
-// BIAS: a template parameter so that the kernel without one keeps its registers.  UNIFORM: the row
-// fills the block (every thread ITEMS vectors) and the block has a power-of-two number of warps,
-// the cheaper merge of block_moments.
-template <typename T, int VEC, int ITEMS, bool BIAS, bool UNIFORM>
+// BIAS: a template parameter so that the kernel without one keeps its registers.  MERGE: the row
+// fills the block (every thread ITEMS vectors, at least 8 values), the block has a power-of-two
+// number of warps: the statistics in one reduction (block_moments); else in two (mean, deviations).
+// With fewer values a thread, the merged partial means would carry the mean's f32 rounding into
+// the variance at first order (measured: rows of mean 100 and spread 1 failed the f32 bound).
+template <typename T, int VEC, int ITEMS, bool BIAS, bool MERGE>
 __global__ void __launch_bounds__(kThreads) forward_registers(const __grid_constant__ LayerNormParams p) {
   __shared__ float scratch[96];
   using V = Vec<T, VEC>;
   const int64_t h = p.hidden;
-  const float inv_h = 1.0f / static_cast<float>(h);
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
     V v[ITEMS];
@@ -62,31 +63,55 @@ __global__ void __launch_bounds__(kThreads) forward_registers(const __grid_const
       live[i] = c < h;
       if (live[i]) v[i] = *reinterpret_cast<const V*>(x + c);
     }
-    // The thread's summary (its mean, then the squared deviations from it: two passes over its
-    // registers), merged over the block in one reduction (kcpp/kernel/moments.cuh).
-    Moments m;
-    float s = 0.0f;
+    float mean, m2;
+    if constexpr (MERGE) {
+      // The thread's summary (its mean, then the squared deviations from it: two passes over its
+      // registers), merged over the block in one reduction (kcpp/kernel/moments.cuh).
+      float s = 0.0f;
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      if (!live[i]) continue;
-      float f[VEC];
-      widen(v[i], f);
+      for (int i = 0; i < ITEMS; ++i) {
+        float f[VEC];
+        widen(v[i], f);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) s += f[k];
-      m.n += VEC;
+        for (int k = 0; k < VEC; ++k) s += f[k];
+      }
+      Moments m;
+      m.n = ITEMS * VEC;
+      m.mean = s * (1.0f / (ITEMS * VEC));
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        float f[VEC];
+        widen(v[i], f);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) m.m2 += (f[k] - m.mean) * (f[k] - m.mean);
+      }
+      m = block_moments(m, scratch);
+      mean = m.mean, m2 = m.m2;
+    } else {  // the mean, then the deviations from it: two block reductions
+      float s = 0.0f;
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        if (!live[i]) continue;
+        float f[VEC];
+        widen(v[i], f);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) s += f[k];
+      }
+      mean = block_sum(s, scratch) / static_cast<float>(h);
+      float q = 0.0f;
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        if (!live[i]) continue;
+        float f[VEC];
+        widen(v[i], f);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) q += (f[k] - mean) * (f[k] - mean);
+      }
+      m2 = block_sum(q, scratch);
     }
-    if constexpr (UNIFORM) m.mean = s * (1.0f / (ITEMS * VEC));
-    else if (m.n > 0.0f) m.mean = __fdividef(s, m.n);
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      if (!live[i]) continue;
-      float f[VEC];
-      widen(v[i], f);
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) m.m2 += (f[k] - m.mean) * (f[k] - m.mean);
-    }
-    m = block_moments<UNIFORM>(m, scratch);
-    const float mean = m.mean, rstd = rsqrtf(m.m2 * inv_h + p.eps);
+    // Rounded as the reference rounds it (a division and a square root: rsqrtf's 2 ulp would take
+    // most of the f32 error budget).
+    const float rstd = 1.0f / sqrtf(m2 / static_cast<float>(h) + p.eps);
     if (threadIdx.x == 0) p.mean[row] = mean, p.rstd[row] = rstd;
     T* y = static_cast<T*>(p.y) + row * p.y_stride;
 #pragma unroll
@@ -104,33 +129,32 @@ __global__ void __launch_bounds__(kThreads) forward_registers(const __grid_const
   }
 }
 
+// Two passes over the row for the statistics (the mean, then the deviations from it) and one for the
+// output, the second and third mostly from L1 / L2.  Not Chan's merge: with a thread's summary of
+// only a few values (short rows, 256 threads), the merged f32 partial means carry the mean's rounding
+// into the variance at first order; the two-pass form does not.
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads) forward_loop(const __grid_constant__ LayerNormParams p) {
-  __shared__ float scratch[96];
+  __shared__ float scratch[32];
   const int64_t h = p.hidden, step = int64_t(blockDim.x) * VEC;
-  const float inv_h = 1.0f / static_cast<float>(h);
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
-    // The thread's summary over its columns (its mean, then the squared deviations from it: the
-    // second read mostly hits L1 / L2), merged over the block as on the registers path.
-    Moments m;
     float s = 0.0f;
     for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
       float f[VEC];
       load_f32(x + c, f);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) s += f[k];
-      m.n += VEC;
     }
-    if (m.n > 0.0f) m.mean = s / m.n;
+    const float mean = block_sum(s, scratch) / static_cast<float>(h);
+    float q = 0.0f;
     for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
       float f[VEC];
       load_f32(x + c, f);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) m.m2 += (f[k] - m.mean) * (f[k] - m.mean);
+      for (int k = 0; k < VEC; ++k) q += (f[k] - mean) * (f[k] - mean);
     }
-    m = block_moments<false>(m, scratch);
-    const float mean = m.mean, rstd = rsqrtf(m.m2 * inv_h + p.eps);
+    const float rstd = 1.0f / sqrtf(block_sum(q, scratch) / static_cast<float>(h) + p.eps);
     if (threadIdx.x == 0) p.mean[row] = mean, p.rstd[row] = rstd;
     T* y = static_cast<T*>(p.y) + row * p.y_stride;
     for (int64_t c = threadIdx.x * VEC; c < h; c += step) {
@@ -434,8 +458,9 @@ const char* layer_norm_forward_cuda_with(const LayerNormParams& p, cudaStream_t 
   const int64_t nvec = p.hidden / vec;
   return visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
     constexpr int V = 16 / sizeof(T);
-    // Registers while the row fits 256 threads x 4 vectors; fewer threads for short rows.
-    int items = nvec <= kThreads ? 1 : nvec <= 2 * kThreads ? 2 : 4;
+    // Registers while the row fits 256 threads x 4 vectors, about 128 threads a row (the sweep of
+    // bench_kernels.cpp, H200, [8192, 4096] bf16: 4 vectors x 128 threads 0.0400 ms, 2 x 256 0.0421).
+    int items = nvec <= kThreads / 2 ? 1 : nvec <= kThreads ? 2 : 4;
     if ((items_given == 1 || items_given == 2 || items_given == 4) && nvec <= int64_t(items_given) * kThreads)
       items = items_given;
     const int64_t per_item = (nvec + items - 1) / items;
@@ -445,7 +470,7 @@ const char* layer_norm_forward_cuda_with(const LayerNormParams& p, cudaStream_t 
       else forward_loop<T, V><<<grid, kThreads, 0, stream>>>(p);
     } else {
       const int warps = threads / 32;
-      const bool uniform = nvec == int64_t(threads) * items && (warps & (warps - 1)) == 0;
+      const bool uniform = nvec == int64_t(threads) * items && (warps & (warps - 1)) == 0 && items * V >= 8;
       auto launch = [&]<int ITEMS>() {
         using K = void (*)(LayerNormParams);
         const K k = p.b ? (uniform ? forward_registers<T, V, ITEMS, true, true> : forward_registers<T, V, ITEMS, true, false>)

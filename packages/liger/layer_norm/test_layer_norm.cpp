@@ -99,7 +99,7 @@ TEST_P(LigerLayerNorm, LargeMeanRowsWithinTheBound) {
   KCPP_REQUIRE_DEVICE(dev);
   Generator gen = test::test_generator();
   for (DType dt : {DType::f32, DType::bf16})
-    for (int64_t h : {111, 2048, 4096, 4097}) {
+    for (int64_t h : {111, 1000, 2048, 4096, 4097}) {  // loop, registers (a partly empty block), registers (full)
       const int64_t rows = 37;
       const std::string cfg = fmt::format("{} h={}", test::config_name(dev, dt), h);
       const Tensor x = Tensor::randn({rows, h}, dt, dev, gen, 100.0, 1.0);
