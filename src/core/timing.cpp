@@ -47,18 +47,11 @@ Timing time_op(Device device, const std::function<void()>& fn, int warmup, int r
     // KCPP_TIMING_NO_FLUSH=1 times back to back instead (to compare with figures taken that way).
     const char* no_flush = std::getenv("KCPP_TIMING_NO_FLUSH");
     void* flush = (no_flush && *no_flush == '1') ? nullptr : flush_buffer(device.index, kFlushBytes);
-    // KCPP_TIMING_FLUSH=kernel zeroes with a fill kernel on the SMs (as torch's zero_() in do_bench
-    // does) instead of cudaMemsetAsync: to compare the L2 state each leaves behind.
-    const char* flush_how = std::getenv("KCPP_TIMING_FLUSH");
-    Tensor flush_tensor;
-    if (flush && flush_how && std::strcmp(flush_how, "kernel") == 0)
-      flush_tensor = Tensor::empty({static_cast<int64_t>(kFlushBytes / 4)}, DType::f32, device);
     cudaEvent_t start, stop;
     KCPP_CUDA_CHECK(cudaEventCreate(&start));
     KCPP_CUDA_CHECK(cudaEventCreate(&stop));
     for (double& t : ms) {
-      if (flush_tensor.defined()) flush_tensor.fill_(0.0);
-      else if (flush) KCPP_CUDA_CHECK(cudaMemsetAsync(flush, 0, kFlushBytes, cuda::current_stream()));
+      if (flush) KCPP_CUDA_CHECK(cudaMemsetAsync(flush, 0, kFlushBytes, cuda::current_stream()));
       KCPP_CUDA_CHECK(cudaEventRecord(start, cuda::current_stream()));
       fn();
       KCPP_CUDA_CHECK(cudaEventRecord(stop, cuda::current_stream()));
