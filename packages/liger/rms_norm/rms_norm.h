@@ -1,7 +1,7 @@
 // RMSNorm kernels (package liger, layer contract RMSNorm/1), forward and backward, CPU and CUDA.
 //
 // Maths, per row r of x [rows, H] (rows may be strided; the last dim is contiguous):
-//   rstd[r] = 1 / sqrt(mean_j x[r,j]^2 + eps)                           (f32)
+//   rstd[r] = 1 / sqrt(mean_j x[r,j]^2 + eps)       (f32; CUDA: rsqrtf, within 2 ulp, as Liger's)
 //   n[r,j]  = x[r,j] * rstd[r]
 //   y[r,j]  = n[r,j] * (offset + w[j])        offset = 1 for Gemma's (1 + w), else 0
 // Casting modes, matching Hugging Face's eager modules (where the rounding to the dtype happens):
@@ -10,9 +10,10 @@
 //   None:  y = round(round(x * round(rstd)) * (offset + w))   (every step in the dtype)
 // Saved for backward: rstd [rows] in f32 only (4 bytes per row).
 //
-// Backward, with g = dy * (offset + w) and n as the forward rounded it:
-//   dx[r,:] = rstd[r] * (g - n * mean_j(g * n))        (computed in f32, rounded once)
-//   dw[j]   = sum_r dy[r,j] * n[r,j]                   (f32, rounded once)
+// Backward, with g = dy * (offset + w):
+//   dx[r,:] = rstd[r] * (g - n * mean_j(g * n))        (n = x rstd unrounded: the rounding's
+//                                                       derivative taken as 1; f32, rounded once)
+//   dw[j]   = sum_r dy[r,j] * n[r,j]                   (n as the forward rounded it; f32, rounded once)
 // dw is reduced without atomics: each CUDA block sums its rows into its own f32 row of the
 // workspace, and a second kernel adds those rows in a fixed order, so results are bitwise
 // reproducible run to run.  dx may alias dy (in-place backward).
