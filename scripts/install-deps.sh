@@ -16,6 +16,7 @@ packages=(
   libcpp-httplib-dev     # kcpp serve
   libpcre2-dev           # tokenizer.json pre-tokenization regexes (Unicode properties)
   libgtest-dev           # tests
+  python3 python3-numpy  # the Python bridge's tests (python/tests)
   libbenchmark-dev       # CPU benchmarks
 )
 
