@@ -565,9 +565,9 @@ void sweep_swiglu() {
   const auto act = ops::GluActivation::Silu;
   const auto pf = test::glu_params(a, b, act, out), pb = test::glu_params(a, b, act, {}, dc, dg, du);
   const double unit = double(bt) * inter * 2 / 1e9;
-  std::printf("sweep swiglu bf16 [%lld, %lld]: unroll blocks_per_sm fast_math\n", (long long)bt, (long long)inter);
+  std::printf("sweep swiglu bf16 [%lld, %lld]: unroll blocks_per_sm (0: a chunk a block, no loop) fast_math\n", (long long)bt, (long long)inter);
   for (int unroll : {1, 2, 4})
-    for (int blocks : {4, 8, 16, 32})
+    for (int blocks : {0, 4, 8, 16, 32})
       for (bool fast : {false, true}) {
         const liger::GluConfig c{unroll, blocks, fast};
         const Timing tf = time_op(kDev, [&] { check(liger::glu_forward_cuda_with(pf, cuda::current_stream(), c)); }, 10, 50);

@@ -12,8 +12,9 @@ tensor is anything with `__dlpack__` / `__dlpack_device__` (the Python array API
     rms.forward({"x": x, "weight": w, "eps": 1e-6, "y": y, "rstd": rstd}, mode="training")
 
 What the bridge does, per call:
-- arguments: a tensor is exported with `__dlpack__` (a legacy "dltensor" capsule, kept alive for the
-  call; outputs are written through it, so they must be writable views), None is "not given",
+- arguments: a PyTorch tensor is described from its metadata (data pointer, shape, strides, dtype,
+  device), any other tensor exported with `__dlpack__` (a legacy "dltensor" capsule, kept alive for
+  the call); outputs are written in place, so they must be writable views; None is "not given",
   bool / int / float / str map to the ABI's INT / FLOAT / STRING kinds;
 - the stream: for CUDA tensors from PyTorch the current stream of their device (the exporter is told
   it is the consumer's stream, so PyTorch inserts no synchronisation), or the `stream=` given;
@@ -140,6 +141,29 @@ def _torch_stream(device_id):
     return torch.cuda.current_stream(device_id).cuda_stream
 
 
+# PyTorch dtypes as DLPack (code, bits): kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4, kDLBool 6.
+_TORCH_DTYPES = {"float32": (2, 32), "bfloat16": (4, 16), "float16": (2, 16), "float64": (2, 64),
+                 "int64": (0, 64), "int32": (0, 32), "int16": (0, 16), "int8": (0, 8), "uint8": (1, 8),
+                 "bool": (6, 8)}
+_TORCH_DEVICES = {"cpu": DL_CPU, "cuda": DL_CUDA}
+
+
+def _describe_torch(t, keep):
+    """The DLTensor of a PyTorch tensor, written here from its metadata: what its __dlpack__ would
+    say, without the capsule and the exporter's stream handshake, which cost more host time than the
+    kernels they feed (measured in bench/RESULTS.md).  None where this path does not apply."""
+    code_bits = _TORCH_DTYPES.get(str(t.dtype)[6:])  # "torch.bfloat16" -> "bfloat16"
+    device_type = _TORCH_DEVICES.get(t.device.type)
+    if code_bits is None or device_type is None or t.is_conj() or t.is_neg():
+        return None  # __dlpack__ then exports it, or says why it cannot
+    nd = t.dim()
+    shape, strides = (c_int64 * nd)(*t.shape), (c_int64 * nd)(*t.stride())
+    d = DLTensor(t.data_ptr(), DLDevice(device_type, t.device.index or 0), nd, DLDataType(code_bits[0], code_bits[1], 1),
+                 shape, strides, 0)
+    keep.append((d, shape, strides))
+    return ctypes.addressof(d)
+
+
 def _export(obj, device, stream):
     """A (capsule, DLTensor pointer) pair for `obj`; the pointer is valid while the capsule lives."""
     if device[0] == DL_CUDA:
@@ -229,8 +253,10 @@ def _call(where, entry, args, mode, deterministic, stream):
         if value is None:
             a.kind = _ARG_NONE
         elif hasattr(value, "__dlpack__"):
-            capsule, pointer = _export(value, device, stream)
-            keep.append(capsule)
+            pointer = _describe_torch(value, keep) if torch_tensors and _is_torch(value) else None
+            if pointer is None:
+                capsule, pointer = _export(value, _device_of(value), stream)
+                keep.append(capsule)
             a.kind, a.value.tensor = _ARG_TENSOR, pointer
         elif isinstance(value, bool) or isinstance(value, int):
             a.kind, a.value.i = _ARG_INT, int(value)

@@ -13,13 +13,17 @@ namespace {
 
 using namespace kcpp::kernel::cuda;
 
-template <typename T, int VEC, int UNROLL, GluActivation A, bool FAST, bool BWD>
+// CHUNK: no loop; block b takes the UNROLL x blockDim.x vectors from b x blockDim.x x UNROLL on, one
+// contiguous piece of each tensor (as a Triton program a row does).  Else a grid-stride loop.
+template <typename T, int VEC, int UNROLL, GluActivation A, bool FAST, bool BWD, bool CHUNK>
 __global__ void __launch_bounds__(256) glu_kernel(const __grid_constant__ GluParams p) {
-  const int64_t nvec = p.n / VEC, stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t nvec = p.n / VEC;
+  const int64_t stride = CHUNK ? int64_t(blockDim.x) : int64_t(gridDim.x) * blockDim.x;
+  const int64_t first = (CHUNK ? UNROLL : 1) * blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   const T* gp = static_cast<const T*>(p.gate);
   const T* up = static_cast<const T*>(p.up);
   const T* dp = static_cast<const T*>(p.dout);
-  for (int64_t v0 = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v0 < nvec; v0 += stride * UNROLL) {
+  for (int64_t v0 = first; v0 < nvec; v0 += CHUNK ? nvec : stride * UNROLL) {
     float g[UNROLL][VEC], u[UNROLL][VEC], d[BWD ? UNROLL : 1][VEC];
 #pragma unroll
     for (int r = 0; r < UNROLL; ++r) {
@@ -57,7 +61,7 @@ __global__ void __launch_bounds__(256) glu_kernel(const __grid_constant__ GluPar
 template <bool BWD> const char* run(const GluParams& p, cudaStream_t stream, const GluConfig& c) {
   if (const char* e = glu_check(p, BWD)) return e;
   KCPP_KERNEL_REQUIRE(c.unroll == 1 || c.unroll == 2 || c.unroll == 4, "glu: unroll %d not in {1, 2, 4}", c.unroll);
-  KCPP_KERNEL_REQUIRE(c.blocks_per_sm > 0, "glu: blocks_per_sm %d <= 0", c.blocks_per_sm);
+  KCPP_KERNEL_REQUIRE(c.blocks_per_sm >= 0, "glu: blocks_per_sm %d < 0", c.blocks_per_sm);
   if (p.n == 0) return nullptr;
   int device = 0;
   cudaGetDevice(&device);
@@ -65,13 +69,20 @@ template <bool BWD> const char* run(const GluParams& p, cudaStream_t stream, con
   bool vec_ok = p.n % vec_full == 0 && aligned16(p.gate) && aligned16(p.up);
   vec_ok = vec_ok && (BWD ? aligned16(p.dout) && aligned16(p.dgate) && aligned16(p.dup) : aligned16(p.out));
   const int vec = vec_ok ? vec_full : 1;
-  const int64_t nvec = p.n / vec, per_block = int64_t(256) * c.unroll;
+  const bool chunk = c.blocks_per_sm == 0 && vec != 1;
+  const int64_t nvec = p.n / vec, per_block = int64_t(256) * (vec == 1 ? 1 : c.unroll);
+  const int64_t blocks = (nvec + per_block - 1) / per_block;
+  KCPP_KERNEL_REQUIRE(!chunk || blocks < (int64_t(1) << 31), "glu: %lld elements need too many blocks", (long long)p.n);
   const unsigned grid = static_cast<unsigned>(
-      std::max<int64_t>(1, std::min<int64_t>((nvec + per_block - 1) / per_block, int64_t(sm_count(device)) * c.blocks_per_sm)));
+      chunk ? blocks : std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(sm_count(device)) * std::max(c.blocks_per_sm, 1))));
   auto launch = [&]<typename T, int V, int U, GluActivation A>() {
     constexpr bool kCanFast = sizeof(T) == 2;
-    if (kCanFast && c.fast_math) glu_kernel<T, V, U, A, kCanFast, BWD><<<grid, 256, 0, stream>>>(p);
-    else glu_kernel<T, V, U, A, false, BWD><<<grid, 256, 0, stream>>>(p);
+    auto go = [&]<bool CHUNK>() {
+      if (kCanFast && c.fast_math) glu_kernel<T, V, U, A, kCanFast, BWD, CHUNK><<<grid, 256, 0, stream>>>(p);
+      else glu_kernel<T, V, U, A, false, BWD, CHUNK><<<grid, 256, 0, stream>>>(p);
+    };
+    if (V > 1 && chunk) go.template operator()<true>();
+    else go.template operator()<false>();
   };
   auto by_act = [&]<typename T, int V, int U>() {
     switch (p.act) {
