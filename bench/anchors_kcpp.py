@@ -39,17 +39,17 @@ def bench(fn):
 _FLUSH = None
 
 
-def bench_deep(fn, warmup=10, rep=60):
+def bench_deep(fn, warmup=10, rep=40):
     """do_bench's method (zero a buffer to flush the L2, then time one call between events; the
-    median) with a 2 GiB buffer instead of 256 MiB: the GPU then spends ~0.5 ms zeroing before each
+    median) with an 8 GiB buffer instead of 256 MiB: the GPU then spends ~2 ms zeroing before each
     timed call, and a host that takes up to that long to enqueue the call is still ahead of the GPU.
     With do_bench's 256 MiB (~60 us) a call whose host side takes longer than that plus the kernel
     is timed with the GPU idle waiting for it: on the lent machine a Liger autograd call takes
-    100-500 us of host time (measured below), so do_bench figures of short kernels vary with the
+    100-1400 us of host time (measured below), so do_bench figures of short kernels vary with the
     host's speed from one call to the next."""
     global _FLUSH
     if _FLUSH is None:
-        _FLUSH = torch.empty(2 * 2**30 // 4, dtype=torch.int32, device=dev)
+        _FLUSH = torch.empty(8 * 2**30 // 4, dtype=torch.int32, device=dev)
     for _ in range(warmup):
         fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]

@@ -12,6 +12,7 @@ echo "== kernel tests"
 for t in liger_tests kcpp_package_tests; do
   .devlibs/bin/$t --gtest_brief=1 2>&1 | tee "$OUT/$t.txt" | tail -n 25
 done
+KCPP_HUB_FIXTURES="$PWD/.devlibs/fixtures" python3 -m unittest discover -s python/tests 2>&1 | tail -n 3
 echo "== kcpp kernels (1)"
 .devlibs/bin/kcpp_bench_kernels --json "$OUT/kcpp_bench_1.json" ${KCPP_SWEEP:+--sweep} ${KCPP_BENCH_ONLY:+--only $KCPP_BENCH_ONLY}
 if [ "${KCPP_ANCHORS:-1}" = 1 ] && [ -f .anchors/anchors.py ]; then
@@ -32,6 +33,10 @@ fi
 if [ "${KCPP_ANCHORS:-1}" = 1 ]; then
   echo "== anchors beyond anchors.py (bench/anchors_extra.py)"
   PYTHONUNBUFFERED=1 timeout 300 python3 bench/anchors_extra.py 2>&1 | tee "$OUT/anchors_extra.txt"
+fi
+if [ "${KCPP_ANCHORS:-1}" = 1 ] && [ -d .anchors/src ]; then
+  echo "== kcpp and Liger under one timer (bench/anchors_kcpp.py, through python/kcpp.py)"
+  PYTHONUNBUFFERED=1 timeout 300 python3 bench/anchors_kcpp.py 2>&1 | tee "$OUT/anchors_kcpp.txt"
 fi
 echo "== kcpp kernels (2)"
 .devlibs/bin/kcpp_bench_kernels --json "$OUT/kcpp_bench_2.json" ${KCPP_BENCH_ONLY:+--only $KCPP_BENCH_ONLY}
