@@ -150,8 +150,10 @@ _TORCH_DEVICES = {"cpu": DL_CPU, "cuda": DL_CUDA}
 
 def _describe_torch(t, keep):
     """The DLTensor of a PyTorch tensor, written here from its metadata: what its __dlpack__ would
-    say, without the capsule and the exporter's stream handshake, which cost more host time than the
-    kernels they feed (measured in bench/RESULTS.md).  None where this path does not apply."""
+    say, without the capsule and the exporter's stream handshake.  Through __dlpack__ the bridge's
+    calls cost more host time than the kernels they feed (H200 machine, RMSNorm forward + backward
+    at [8192, 4096]: 0.155 ms timed with the GPU waiting on the host, 0.108 ms this way, the
+    kernels' own time).  None where this path does not apply."""
     code_bits = _TORCH_DTYPES.get(str(t.dtype)[6:])  # "torch.bfloat16" -> "bfloat16"
     device_type = _TORCH_DEVICES.get(t.device.type)
     if code_bits is None or device_type is None or t.is_conj() or t.is_neg():
@@ -225,6 +227,7 @@ def _allocate(_host, nbytes):
 
 
 _workspace_fn = WorkspaceFn(_allocate)
+_no_workspace = WorkspaceFn()  # NULL: a kernel that needs one says so (UNSUPPORTED), naming the bytes
 _state = _State()
 
 
@@ -273,6 +276,8 @@ def _call(where, entry, args, mode, deterministic, stream):
     if state.busy:  # a workspace callback calling back into a package: not something the ABI has
         raise RuntimeError(f"{where}: called from inside another kcpp call on this thread")
     ctx, workspace = state.ctx, state.workspace
+    # GPU memory for the workspace comes from PyTorch's allocator; without PyTorch there is none.
+    ctx.workspace = _workspace_fn if device[0] != DL_CUDA or torch_tensors else _no_workspace
     ctx.mode, ctx.device.device_type, ctx.device.device_id = mode_bits, device[0], device[1]
     ctx.stream, ctx.deterministic = stream or None, 1 if deterministic else 0
     workspace.device, workspace.torch, workspace.stream = device, torch_tensors, stream
