@@ -120,230 +120,177 @@ def copy_ceiling():
     print(f"{'copy d2d 2GiB':20s} {'torch':8s} {ms:9.4f} ms {COPY_GBPS:8.0f} GB/s", flush=True)
 
 
-def rms_norm(pkg):
-    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-    layer = pkg.layer("LigerRMSNorm")
-    x = torch.randn(BT, H, dtype=bf16, device=dev)
-    w = torch.randn(H, dtype=bf16, device=dev)
-    dy = torch.randn_like(x)
-    y, rstd = torch.empty_like(x), torch.empty(BT, device=dev)
-    dx, dw = torch.empty_like(x), torch.empty_like(w)
-    fwd_args = {"x": x, "weight": w, "eps": 1e-6, "y": y, "rstd": rstd}
-    bwd_args = {"dy": dy, "x": x, "weight": w, "rstd": rstd, "eps": 1e-6, "dx": dx, "dweight": dw}
-    xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    liger = lambda: LigerRMSNormFunction.apply(xl, wl, 1e-6, 0.0, "llama", False)
+def race(op, layer, fwd_args, bwd_args, liger_fwd, liger_fwbw, gb_fwd, gb_fwbw, checks):
+    """Runs ours (forward, backward) and Liger's once, compares the pairs in `checks` (name, ours,
+    Liger's result as a function, tolerance), then times the forward (if gb_fwd) and forward +
+    backward of both.  liger_fwbw clears Liger's gradients and runs its forward and backward."""
     layer.forward(fwd_args)
     layer.backward(bwd_args)
-    yl = liger()
-    yl.backward(dy)
-    close("rms_norm y", y, yl, 1e-2)
-    close("rms_norm dx", dx, xl.grad, 1e-2)
-    close("rms_norm dweight", dw, wl.grad, 1e-2)
-    fb, bb = 2 * BT * H * 2 / 1e9, 3 * BT * H * 2 / 1e9
-    ours = row("rms_norm fwd", "kcpp", lambda: layer.forward(fwd_args, mode="inference"), fb)
-    theirs = row("rms_norm fwd", "liger", liger, fb, no_grad=True)
-    versus("rms_norm fwd", ours, theirs)
+    liger_fwbw()
+    for name, ours, theirs, tol in checks:
+        close(f"{op} {name}", ours, theirs(), tol)
+    if gb_fwd:
+        ours = row(f"{op} fwd", "kcpp", lambda: layer.forward(fwd_args, mode="inference"), gb_fwd)
+        theirs = row(f"{op} fwd", "liger", liger_fwd, gb_fwd, no_grad=True)
+        versus(f"{op} fwd", ours, theirs)
 
     def ours_fwbw():
         layer.forward(fwd_args)
         layer.backward(bwd_args)
 
-    def liger_fwbw():
-        xl.grad = wl.grad = None
-        liger().backward(dy)
+    ours = row(f"{op} fwd+bwd", "kcpp", ours_fwbw, gb_fwbw)
+    theirs = row(f"{op} fwd+bwd", "liger", liger_fwbw, gb_fwbw)
+    versus(f"{op} fwd+bwd", ours, theirs)
 
-    ours = row("rms_norm fwd+bwd", "kcpp", ours_fwbw, fb + bb)
-    theirs = row("rms_norm fwd+bwd", "liger", liger_fwbw, fb + bb)
-    versus("rms_norm fwd+bwd", ours, theirs)
+
+def leaves(*tensors):
+    return [t.clone().requires_grad_(True) for t in tensors]
+
+
+def clear(*tensors):
+    for t in tensors:
+        t.grad = None
+
+
+def rms_norm(pkg):
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    x, dy = torch.randn(BT, H, dtype=bf16, device=dev), torch.randn(BT, H, dtype=bf16, device=dev)
+    w = torch.randn(H, dtype=bf16, device=dev)
+    y, rstd, dx, dw = torch.empty_like(x), torch.empty(BT, device=dev), torch.empty_like(x), torch.empty_like(w)
+    xl, wl = leaves(x, w)
+    out = {}
+    liger = lambda: LigerRMSNormFunction.apply(xl, wl, 1e-6, 0.0, "llama", False)
+
+    def liger_fwbw():
+        clear(xl, wl)
+        out["y"] = liger()
+        out["y"].backward(dy)
+
+    unit = BT * H * 2 / 1e9  # forward: read x, write y; backward: read dy, x, write dx
+    race("rms_norm", pkg.layer("LigerRMSNorm"), {"x": x, "weight": w, "eps": 1e-6, "y": y, "rstd": rstd},
+         {"dy": dy, "x": x, "weight": w, "rstd": rstd, "eps": 1e-6, "dx": dx, "dweight": dw},
+         liger, liger_fwbw, 2 * unit, 5 * unit,
+         [("y", y, lambda: out["y"], 1e-2), ("dx", dx, lambda: xl.grad, 1e-2), ("dweight", dw, lambda: wl.grad, 1e-2)])
 
 
 def add_rms_norm(pkg):
     from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
-    layer = pkg.layer("LigerAddRMSNorm")
-    x, res = torch.randn(BT, H, dtype=bf16, device=dev), torch.randn(BT, H, dtype=bf16, device=dev)
+    x, res, dy, dr = (torch.randn(BT, H, dtype=bf16, device=dev) for _ in range(4))
     w = torch.randn(H, dtype=bf16, device=dev)
-    dy, dr = torch.randn_like(x), torch.randn_like(x)
     y, r, rstd = torch.empty_like(x), torch.empty_like(x), torch.empty(BT, device=dev)
     dx, dw = torch.empty_like(x), torch.empty_like(w)
-    fwd_args = {"x": x, "residual": res, "weight": w, "eps": 1e-6, "y": y, "residual_out": r, "rstd": rstd}
-    bwd_args = {"dy": dy, "dresidual_out": dr, "residual_out": r, "weight": w, "rstd": rstd, "eps": 1e-6,
-                "dx": dx, "dweight": dw}
-    xl, rl, wl = (t.clone().requires_grad_(True) for t in (x, res, w))
+    xl, rl, wl = leaves(x, res, w)
+    out = {}
     liger = lambda: LigerFusedAddRMSNormFunction.apply(xl, rl, wl, 1e-6, 0.0, "llama", False)
-    layer.forward(fwd_args)
-    layer.backward(bwd_args)
-    yl, sl = liger()
-    torch.autograd.backward((yl, sl), (dy, dr))
-    close("add_rms_norm y", y, yl, 1e-2)
-    close("add_rms_norm r", r, sl, 1e-2)
-    close("add_rms_norm dx", dx, xl.grad, 1e-2)
-    close("add_rms_norm dweight", dw, wl.grad, 1e-2)
-    unit = BT * H * 2 / 1e9  # forward: read x, residual; write r, y. backward: read dy, dr, r; write dx
-    ours = row("add_rms_norm fwd", "kcpp", lambda: layer.forward(fwd_args, mode="inference"), 4 * unit)
-    theirs = row("add_rms_norm fwd", "liger", liger, 4 * unit, no_grad=True)
-    versus("add_rms_norm fwd", ours, theirs)
-
-    def ours_fwbw():
-        layer.forward(fwd_args)
-        layer.backward(bwd_args)
 
     def liger_fwbw():
-        xl.grad = rl.grad = wl.grad = None
-        torch.autograd.backward(liger(), (dy, dr))
+        clear(xl, rl, wl)
+        out["y"], out["r"] = liger()
+        torch.autograd.backward((out["y"], out["r"]), (dy, dr))
 
-    ours = row("add_rms_norm fwd+bwd", "kcpp", ours_fwbw, 8 * unit)
-    theirs = row("add_rms_norm fwd+bwd", "liger", liger_fwbw, 8 * unit)
-    versus("add_rms_norm fwd+bwd", ours, theirs)
+    unit = BT * H * 2 / 1e9  # forward: read x, residual; write r, y. backward: read dy, dr, r; write dx
+    race("add_rms_norm", pkg.layer("LigerAddRMSNorm"),
+         {"x": x, "residual": res, "weight": w, "eps": 1e-6, "y": y, "residual_out": r, "rstd": rstd},
+         {"dy": dy, "dresidual_out": dr, "residual_out": r, "weight": w, "rstd": rstd, "eps": 1e-6, "dx": dx,
+          "dweight": dw},
+         liger, liger_fwbw, 4 * unit, 8 * unit,
+         [("y", y, lambda: out["y"], 1e-2), ("r", r, lambda: out["r"], 1e-2), ("dx", dx, lambda: xl.grad, 1e-2),
+          ("dweight", dw, lambda: wl.grad, 1e-2)])
 
 
 def layer_norm(pkg):
     from liger_kernel.ops.layer_norm import LigerLayerNormFunction
-    layer = pkg.layer("LigerLayerNorm")
-    x = torch.randn(BT, H, dtype=bf16, device=dev)
+    x, dy = torch.randn(BT, H, dtype=bf16, device=dev), torch.randn(BT, H, dtype=bf16, device=dev)
     w, b = torch.randn(H, dtype=bf16, device=dev), torch.randn(H, dtype=bf16, device=dev)
-    dy = torch.randn_like(x)
     y, mean, rstd = torch.empty_like(x), torch.empty(BT, device=dev), torch.empty(BT, device=dev)
     dx, dw, db = torch.empty_like(x), torch.empty_like(w), torch.empty_like(b)
-    fwd_args = {"x": x, "weight": w, "bias": b, "eps": 1e-5, "y": y, "mean": mean, "rstd": rstd}
-    bwd_args = {"dy": dy, "x": x, "weight": w, "mean": mean, "rstd": rstd, "eps": 1e-5, "dx": dx,
-                "dweight": dw, "dbias": db}
-    xl, wl, bl = (t.clone().requires_grad_(True) for t in (x, w, b))
+    xl, wl, bl = leaves(x, w, b)
+    out = {}
     liger = lambda: LigerLayerNormFunction.apply(xl, wl, bl, 1e-5)
-    layer.forward(fwd_args)
-    layer.backward(bwd_args)
-    yl = liger()
-    yl.backward(dy)
-    close("layer_norm y", y, yl, 1e-2)
-    close("layer_norm dx", dx, xl.grad, 1e-2)
-    close("layer_norm dweight", dw, wl.grad, 1e-2)
-    close("layer_norm dbias", db, bl.grad, 1e-2)
-    fb, bb = 2 * BT * H * 2 / 1e9, 3 * BT * H * 2 / 1e9
-    ours = row("layer_norm fwd", "kcpp", lambda: layer.forward(fwd_args, mode="inference"), fb)
-    theirs = row("layer_norm fwd", "liger", liger, fb, no_grad=True)
-    versus("layer_norm fwd", ours, theirs)
-
-    def ours_fwbw():
-        layer.forward(fwd_args)
-        layer.backward(bwd_args)
 
     def liger_fwbw():
-        xl.grad = wl.grad = bl.grad = None
-        liger().backward(dy)
+        clear(xl, wl, bl)
+        out["y"] = liger()
+        out["y"].backward(dy)
 
-    ours = row("layer_norm fwd+bwd", "kcpp", ours_fwbw, fb + bb)
-    theirs = row("layer_norm fwd+bwd", "liger", liger_fwbw, fb + bb)
-    versus("layer_norm fwd+bwd", ours, theirs)
+    unit = BT * H * 2 / 1e9  # as RMSNorm: forward 2 units, backward 3
+    race("layer_norm", pkg.layer("LigerLayerNorm"),
+         {"x": x, "weight": w, "bias": b, "eps": 1e-5, "y": y, "mean": mean, "rstd": rstd},
+         {"dy": dy, "x": x, "weight": w, "mean": mean, "rstd": rstd, "eps": 1e-5, "dx": dx, "dweight": dw, "dbias": db},
+         liger, liger_fwbw, 2 * unit, 5 * unit,
+         [("y", y, lambda: out["y"], 1e-2), ("dx", dx, lambda: xl.grad, 1e-2), ("dweight", dw, lambda: wl.grad, 1e-2),
+          ("dbias", db, lambda: bl.grad, 1e-2)])
 
 
 def swiglu(pkg):
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-    layer = pkg.layer("LigerGLU")
-    a, b = torch.randn(BT, I, dtype=bf16, device=dev), torch.randn(BT, I, dtype=bf16, device=dev)
-    dc = torch.randn_like(a)
-    out, da, db = torch.empty_like(a), torch.empty_like(a), torch.empty_like(b)
-    fwd_args = {"gate": a, "up": b, "activation": "silu", "out": out}
-    bwd_args = {"dout": dc, "gate": a, "up": b, "activation": "silu", "dgate": da, "dup": db}
-    al, bl = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
-    layer.forward(fwd_args)
-    layer.backward(bwd_args)
-    cl = LigerSiLUMulFunction.apply(al, bl)
-    cl.backward(dc)
-    close("swiglu out", out, cl, 1e-2)
-    close("swiglu dgate", da, al.grad, 1e-2)
-    close("swiglu dup", db, bl.grad, 1e-2)
-    unit = BT * I * 2 / 1e9
-    ours = row("swiglu fwd", "kcpp", lambda: layer.forward(fwd_args, mode="inference"), 3 * unit)
-    theirs = row("swiglu fwd", "liger", lambda: LigerSiLUMulFunction.apply(al, bl), 3 * unit, no_grad=True)
-    versus("swiglu fwd", ours, theirs)
-
-    def ours_fwbw():
-        layer.forward(fwd_args)
-        layer.backward(bwd_args)
+    a, b, dc = (torch.randn(BT, I, dtype=bf16, device=dev) for _ in range(3))
+    c, da, db = torch.empty_like(a), torch.empty_like(a), torch.empty_like(b)
+    al, bl = leaves(a, b)
+    out = {}
+    liger = lambda: LigerSiLUMulFunction.apply(al, bl)
 
     def liger_fwbw():
-        al.grad = bl.grad = None
-        LigerSiLUMulFunction.apply(al, bl).backward(dc)
+        clear(al, bl)
+        out["c"] = liger()
+        out["c"].backward(dc)
 
-    ours = row("swiglu fwd+bwd", "kcpp", ours_fwbw, 8 * unit)
-    theirs = row("swiglu fwd+bwd", "liger", liger_fwbw, 8 * unit)
-    versus("swiglu fwd+bwd", ours, theirs)
+    unit = BT * I * 2 / 1e9  # forward: read a, b, write c; backward: read dc, a, b, write da, db
+    race("swiglu", pkg.layer("LigerGLU"), {"gate": a, "up": b, "activation": "silu", "out": c},
+         {"dout": dc, "gate": a, "up": b, "activation": "silu", "dgate": da, "dup": db},
+         liger, liger_fwbw, 3 * unit, 8 * unit,
+         [("out", c, lambda: out["c"], 1e-2), ("dgate", da, lambda: al.grad, 1e-2), ("dup", db, lambda: bl.grad, 1e-2)])
 
 
 def rope(pkg):
     from liger_kernel.ops.rope import LigerRopeFunction
-    layer = pkg.layer("LigerRotaryEmbedding")
     B, S, NH, NKV, D = BT // 2048, 2048, 32, 8, 128
-    q = torch.randn(B, NH, S, D, dtype=bf16, device=dev)
-    k = torch.randn(B, NKV, S, D, dtype=bf16, device=dev)
+    q, dq = (torch.randn(B, NH, S, D, dtype=bf16, device=dev) for _ in range(2))
+    k, dk = (torch.randn(B, NKV, S, D, dtype=bf16, device=dev) for _ in range(2))
     inv = 1.0 / (500000 ** (torch.arange(0, D, 2, device=dev).float() / D))
     emb = torch.cat([torch.outer(torch.arange(S, device=dev).float(), inv)] * 2, -1)
     cos, sin = emb.cos()[None].to(bf16), emb.sin()[None].to(bf16)
-    dq, dk = torch.randn_like(q), torch.randn_like(k)
     qo, ko, dqi, dki = torch.empty_like(q), torch.empty_like(k), torch.empty_like(q), torch.empty_like(k)
-    fwd_args = {"q": q, "k": k, "cos": cos, "sin": sin, "layout": "bhsd", "style": "rotate_half",
-                "q_out": qo, "k_out": ko}
-    bwd_args = {"dq_out": dq, "dk_out": dk, "cos": cos, "sin": sin, "layout": "bhsd", "style": "rotate_half",
-                "dq": dqi, "dk": dki}
-    ql, kl = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
-    layer.forward(fwd_args)
-    layer.backward(bwd_args)
-    oq, ok = LigerRopeFunction.apply(ql, kl, cos, sin)
-    torch.autograd.backward([oq, ok], [dq, dk])
-    close("rope q_out", qo, oq, 1e-2)
-    close("rope k_out", ko, ok, 1e-2)
-    close("rope dq", dqi, ql.grad, 1e-2)
-    close("rope dk", dki, kl.grad, 1e-2)
-    nbytes = 2 * (q.numel() + k.numel()) * 2 / 1e9
-    ours = row("rope fwd", "kcpp", lambda: layer.forward(fwd_args, mode="inference"), nbytes)
-    theirs = row("rope fwd", "liger", lambda: LigerRopeFunction.apply(ql, kl, cos, sin), nbytes, no_grad=True)
-    versus("rope fwd", ours, theirs)
-
-    def ours_fwbw():
-        layer.forward(fwd_args)
-        layer.backward(bwd_args)
+    ql, kl = leaves(q, k)
+    out = {}
+    liger = lambda: LigerRopeFunction.apply(ql, kl, cos, sin)
 
     def liger_fwbw():
-        ql.grad = kl.grad = None
-        a, b = LigerRopeFunction.apply(ql, kl, cos, sin)
-        torch.autograd.backward([a, b], [dq, dk])
+        clear(ql, kl)
+        out["q"], out["k"] = liger()
+        torch.autograd.backward([out["q"], out["k"]], [dq, dk])
 
-    ours = row("rope fwd+bwd", "kcpp", ours_fwbw, 2 * nbytes)
-    theirs = row("rope fwd+bwd", "liger", liger_fwbw, 2 * nbytes)
-    versus("rope fwd+bwd", ours, theirs)
+    gb = 2 * (q.numel() + k.numel()) * 2 / 1e9  # read q, k; write them rotated
+    style = {"cos": cos, "sin": sin, "layout": "bhsd", "style": "rotate_half"}
+    race("rope", pkg.layer("LigerRotaryEmbedding"), {"q": q, "k": k, **style, "q_out": qo, "k_out": ko},
+         {"dq_out": dq, "dk_out": dk, **style, "dq": dqi, "dk": dki},
+         liger, liger_fwbw, gb, 2 * gb,
+         [("q_out", qo, lambda: out["q"], 1e-2), ("k_out", ko, lambda: out["k"], 1e-2),
+          ("dq", dqi, lambda: ql.grad, 1e-2), ("dk", dki, lambda: kl.grad, 1e-2)])
 
 
 def ce(pkg):
     from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
-    layer = pkg.layer("LigerCrossEntropy")
     n = BT // 2
     logits = torch.randn(n, V, dtype=bf16, device=dev)
     tgt = torch.randint(0, V, (n,), device=dev)
     loss, grad = torch.empty(1, device=dev), torch.empty_like(logits)
-    fwd_args = {"logits": logits, "targets": tgt, "reduction": "mean", "loss": loss, "grad": grad}
-    bwd_args = {"dloss": 1.0, "grad": grad, "dlogits": grad}  # dloss 1 into grad itself: nothing to do
-    ll = logits.clone().requires_grad_(True)
-    liger = lambda: LigerCrossEntropyFunction.apply(ll, tgt, None, -100, 0.0, 0.0, "mean", None, False)[0]
-    layer.forward(fwd_args)
-    layer.backward(bwd_args)
-    lossl = liger()
-    lossl.backward()
-    exact = torch.nn.functional.cross_entropy(logits.double(), tgt)  # Liger returns the loss in bf16
-    print(f"{'ce loss':20s} kcpp {loss.item():.6f}, liger {lossl.item():.6f} (bf16), f64 {exact.item():.6f}")
-    close("ce loss vs f64", loss.double(), exact.reshape(1), 1e-6)
-    close("ce dlogits", grad, ll.grad, 1e-2)
-
-    def ours_fwbw():
-        layer.forward(fwd_args)
-        layer.backward(bwd_args)
+    (ll,) = leaves(logits)
+    out = {}
 
     def liger_fwbw():
-        ll.grad = None
-        liger().backward()
+        clear(ll)
+        out["loss"] = LigerCrossEntropyFunction.apply(ll, tgt, None, -100, 0.0, 0.0, "mean", None, False)[0]
+        out["loss"].backward()
 
-    gb = 2 * n * V * 2 / 1e9
-    ours = row("ce fwd+bwd", "kcpp", ours_fwbw, gb)
-    theirs = row("ce fwd+bwd", "liger", liger_fwbw, gb)
-    versus("ce fwd+bwd", ours, theirs)
+    exact = torch.nn.functional.cross_entropy(logits.double(), tgt).reshape(1)  # Liger's loss is bf16
+    # Forward + backward only (as anchors.py): read the logits once, write the gradient once; our
+    # backward with dloss 1 into grad itself has nothing to do.
+    race("ce", pkg.layer("LigerCrossEntropy"),
+         {"logits": logits, "targets": tgt, "reduction": "mean", "loss": loss, "grad": grad},
+         {"dloss": 1.0, "grad": grad, "dlogits": grad},
+         None, liger_fwbw, None, 2 * n * V * 2 / 1e9,
+         [("loss vs f64", loss, lambda: exact, 1e-6), ("dlogits", grad, lambda: ll.grad, 1e-2)])
 
 
 def main():

@@ -63,51 +63,33 @@ __global__ void __launch_bounds__(kThreads) forward_registers(const __grid_const
       live[i] = c < h;
       if (live[i]) v[i] = *reinterpret_cast<const V*>(x + c);
     }
+    // sum of g(value) over this thread's values (all of them live on the MERGE path)
+    auto thread_sum = [&](auto g) {
+      float acc = 0.0f;
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        if (!live[i]) continue;
+        float f[VEC];
+        widen(v[i], f);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) acc += g(f[k]);
+      }
+      return acc;
+    };
+    const float s = thread_sum([](float f) { return f; });
     float mean, m2;
     if constexpr (MERGE) {
       // The thread's summary (its mean, then the squared deviations from it: two passes over its
       // registers), merged over the block in one reduction (kcpp/kernel/moments.cuh).
-      float s = 0.0f;
-#pragma unroll
-      for (int i = 0; i < ITEMS; ++i) {
-        float f[VEC];
-        widen(v[i], f);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) s += f[k];
-      }
       Moments m;
       m.n = ITEMS * VEC;
       m.mean = s * (1.0f / (ITEMS * VEC));
-#pragma unroll
-      for (int i = 0; i < ITEMS; ++i) {
-        float f[VEC];
-        widen(v[i], f);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) m.m2 += (f[k] - m.mean) * (f[k] - m.mean);
-      }
+      m.m2 = thread_sum([&](float f) { return (f - m.mean) * (f - m.mean); });
       m = block_moments(m, scratch);
       mean = m.mean, m2 = m.m2;
     } else {  // the mean, then the deviations from it: two block reductions
-      float s = 0.0f;
-#pragma unroll
-      for (int i = 0; i < ITEMS; ++i) {
-        if (!live[i]) continue;
-        float f[VEC];
-        widen(v[i], f);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) s += f[k];
-      }
       mean = block_sum(s, scratch) / static_cast<float>(h);
-      float q = 0.0f;
-#pragma unroll
-      for (int i = 0; i < ITEMS; ++i) {
-        if (!live[i]) continue;
-        float f[VEC];
-        widen(v[i], f);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) q += (f[k] - mean) * (f[k] - mean);
-      }
-      m2 = block_sum(q, scratch);
+      m2 = block_sum(thread_sum([&](float f) { return (f - mean) * (f - mean); }), scratch);
     }
     // Rounded as the reference rounds it (a division and a square root: rsqrtf's 2 ulp would take
     // most of the f32 error budget).
