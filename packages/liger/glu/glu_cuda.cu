@@ -19,7 +19,7 @@ template <typename T, int VEC, int UNROLL, GluActivation A, bool FAST, bool BWD,
 __global__ void __launch_bounds__(256) glu_kernel(const __grid_constant__ GluParams p) {
   const int64_t nvec = p.n / VEC;
   const int64_t stride = CHUNK ? int64_t(blockDim.x) : int64_t(gridDim.x) * blockDim.x;
-  const int64_t first = (CHUNK ? UNROLL : 1) * blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  const int64_t first = int64_t(CHUNK ? UNROLL : 1) * blockIdx.x * blockDim.x + threadIdx.x;
   const T* gp = static_cast<const T*>(p.gate);
   const T* up = static_cast<const T*>(p.up);
   const T* dp = static_cast<const T*>(p.dout);
