@@ -202,9 +202,21 @@ void bench_layer_norm() {
     p.workspace = ws.data();
     check(liger::layer_norm_backward_cuda(p, cuda::current_stream()));
   }, fb + bb);
+  {  // the backward alone (its inputs from one forward, outside the timing)
+    liger::LayerNormParams p;
+    Tensor y, mean, rstd;
+    forward(p, y, mean, rstd);
+    const Tensor dx = Tensor::empty({bt, h}, DType::bf16, kDev), dw = Tensor::empty({h}, DType::bf16, kDev);
+    const Tensor db = Tensor::empty({h}, DType::bf16, kDev);
+    p.dy = dy.data(), p.dy_stride = h, p.dx = dx.data(), p.dx_stride = h, p.dw = dw.data(), p.db = db.data();
+    const Tensor ws = Tensor::empty({static_cast<int64_t>(liger::layer_norm_backward_workspace(p, 0))}, DType::u8, kDev);
+    p.workspace = ws.data();
+    row("layernorm bwd", "kcpp", [&] { check(liger::layer_norm_backward_cuda(p, cuda::current_stream())); }, bb);
+  }
 }
 
-// The LayerNorm forward's registers path at 2 and 4 vectors a thread (256 and 128 threads a row).
+// The LayerNorm forward's registers path at 2 and 4 vectors a thread (256 and 128 threads a row),
+// and the backward's row paths at 1 and 2 (512 and 256 threads a row).
 void sweep_layer_norm() {
   const int64_t bt = 8192, h = 4096;
   Generator gen(8);
@@ -223,6 +235,22 @@ void sweep_layer_norm() {
     std::printf("  layernorm fwd %d  %8.4f ms %6.0f GB/s %5.1f%%\n", items, t.median_ms, gbps, 100 * gbps / g_copy_gbps);
     g_rows.push_back({{"op", "sweep layernorm fwd"}, {"items", items}, {"ms", t.median_ms}, {"GBps", gbps}});
   }
+  check(liger::layer_norm_forward_cuda(p, cuda::current_stream()));
+  const Tensor dy = Tensor::randn({bt, h}, DType::bf16, kDev, gen), dx = Tensor::empty({bt, h}, DType::bf16, kDev);
+  const Tensor dw = Tensor::empty({h}, DType::bf16, kDev), db = Tensor::empty({h}, DType::bf16, kDev);
+  p.dy = dy.data(), p.dy_stride = h, p.dx = dx.data(), p.dx_stride = h, p.dw = dw.data(), p.db = db.data();
+  const double bb = 3.0 * bt * h * 2 / 1e9;
+  std::printf("sweep layernorm bwd: vectors a thread, blocks an SM (0: as many as fit)\n");
+  for (int items : {1, 2})
+    for (int blocks : {0, 1, 2, 3}) {
+      const Tensor ws = Tensor::empty({static_cast<int64_t>(liger::layer_norm_backward_workspace_with(p, 0, items, blocks))}, DType::u8, kDev);
+      liger::LayerNormParams q = p;
+      q.workspace = ws.data();
+      const Timing t = time_op(kDev, [&] { check(liger::layer_norm_backward_cuda_with(q, cuda::current_stream(), items, blocks)); }, 10, 50);
+      const double gbps = bb / (t.median_ms * 1e-3);
+      std::printf("  layernorm bwd %d %d  %8.4f ms %6.0f GB/s %5.1f%%\n", items, blocks, t.median_ms, gbps, 100 * gbps / g_copy_gbps);
+      g_rows.push_back({{"op", "sweep layernorm bwd"}, {"items", items}, {"blocks_per_sm", blocks}, {"ms", t.median_ms}, {"GBps", gbps}});
+    }
 }
 
 void bench_swiglu() {
@@ -485,8 +513,8 @@ void sweep_rms_norm() {
   for (int items : {0, 1, 2, 4})
     for (bool persistent : {false, true}) configs.push_back({items, persistent, 0, 0});
   for (int items : {1, 2})
-    for (int stages : {2, 3, 4, 8})
-      for (int blocks : {0, 2, 4}) configs.push_back({items, true, stages, blocks});
+    for (int stages : {2, 3, 4, 6})
+      for (int blocks : {0, 1, 2, 3}) configs.push_back({items, true, stages, blocks});
   auto report = [&](const char* op, const liger::RMSNormConfig& c, const Timing& t, double gb) {
     const double gbps = gb / (t.median_ms * 1e-3);
     std::printf("  %-22s %d %d %d %d  %8.4f ms %6.0f GB/s %5.1f%%\n", op, c.items, c.persistent, c.stages, c.blocks_per_sm,

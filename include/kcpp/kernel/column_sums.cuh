@@ -25,14 +25,18 @@ namespace kcpp::kernel::cuda {
 constexpr int kColumnSumGroups = 32;
 constexpr int kColumnSumUnroll = 8;  // rows a thread has in flight at once
 
+// Columns [0, h) go to out, [h, 2h) to out2 where it is given (two sums of the same rows, e.g.
+// LayerNorm's dw and db, in one launch).
 template <typename T, typename Acc>
 __global__ void __launch_bounds__(32 * kColumnSumGroups) column_sums_kernel(const float* part, int rows, int64_t row_stride,
-                                                                            int64_t h, T* out) {
+                                                                            int64_t h, T* out, T* out2) {
+  const int64_t cols = out2 ? 2 * h : h;
+  griddep_wait();  // launched as a dependent of the kernel that wrote `part` (see column_sums)
   __shared__ Acc partial[kColumnSumGroups][33];
   const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
   const int g = static_cast<int>(threadIdx.y);
   Acc s = 0;
-  if (c < h) {
+  if (c < cols) {
     // Rows g, g + G, ...: kColumnSumUnroll loads issued together, then added in row order (the
     // order is the same for every launch: it depends on rows only).
     constexpr int kStep = kColumnSumGroups * kColumnSumUnroll;
@@ -48,20 +52,36 @@ __global__ void __launch_bounds__(32 * kColumnSumGroups) column_sums_kernel(cons
   }
   partial[g][threadIdx.x] = s;
   __syncthreads();
-  if (g == 0 && c < h) {
+  if (g == 0 && c < cols) {
     Acc t = partial[0][threadIdx.x];
 #pragma unroll
     for (int k = 1; k < kColumnSumGroups; ++k) t += partial[k][threadIdx.x];
-    out[c] = from_f32<T>(static_cast<float>(t));
+    if (c < h) out[c] = from_f32<T>(static_cast<float>(t));
+    else out2[c - h] = from_f32<T>(static_cast<float>(t));
   }
 }
 
-// Enqueues out[0, h) = column sums of part (see above); launch errors are left for the caller's check.
+// Enqueues out[0, h) = column sums of part (see above), and out2[0, h) = those of columns [h, 2h)
+// where out2 is given; launch errors are left for the caller's check.  On sm_90 it is launched as a
+// programmatic dependent of the kernel before it in the stream (which wrote `part`): its blocks start
+// while that kernel's last blocks finish, instead of after a launch gap (the kernel before may call
+// griddep_launch_dependents once its rows are done).
 template <typename T, typename Acc = float>
-void column_sums(const float* part, int rows, int64_t row_stride, int64_t h, T* out, cudaStream_t stream) {
-  const int64_t blocks = (h + 31) / 32;
-  column_sums_kernel<T, Acc><<<static_cast<unsigned>(std::max<int64_t>(1, blocks)), dim3(32, kColumnSumGroups), 0, stream>>>(
-      part, rows, row_stride, h, out);
+void column_sums(const float* part, int rows, int64_t row_stride, int64_t h, T* out, cudaStream_t stream, T* out2 = nullptr) {
+  const int64_t blocks = ((out2 ? 2 * h : h) + 31) / 32;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(std::max<int64_t>(1, blocks)));
+  cfg.blockDim = dim3(32, kColumnSumGroups);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  int device = 0;
+  if (cudaGetDevice(&device) == cudaSuccess && device_attribute(cudaDevAttrComputeCapabilityMajor, device) >= 9) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  (void)cudaLaunchKernelEx(&cfg, column_sums_kernel<T, Acc>, part, rows, row_stride, h, out, out2);
 }
 
 }  // namespace kcpp::kernel::cuda

@@ -124,6 +124,49 @@ __device__ __forceinline__ float2 block_sum2(float a, float b, float* scratch) {
   return make_float2(a, b);
 }
 
+// Programmatic dependent launch (sm_90; no-ops elsewhere and when the launch did not ask for it).
+// A kernel launched with cudaLaunchAttributeProgrammaticStreamSerialization may start while the
+// kernel before it in the stream is finishing; griddep_wait() holds it until that kernel has
+// completed and its writes are visible.  griddep_launch_dependents() in the kernel before lets the
+// dependent grid start launching once every block has called it (else when each block exits).
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+// As block_sum and block_sum2 with one barrier instead of two, for a loop that reduces once an
+// iteration: call k uses half (k & 1) of `scratch` (64 floats for one sum, 128 for two), so call k + 2
+// writes that half only after every thread has passed call k + 1's barrier, which each thread reaches
+// after its reads of call k.  Every thread of the block must make every call, with `phase` = k & 1.
+__device__ __forceinline__ float block_sum_alternating(float v, float* scratch, uint32_t phase) {
+  v = warp_sum(v);
+  if (blockDim.x <= 32) return v;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float* half = scratch + 32 * phase;
+  if (lane == 0) half[warp] = v;
+  __syncthreads();
+  return warp_sum(lane < static_cast<int>(blockDim.x >> 5) ? half[lane] : 0.0f);
+}
+
+__device__ __forceinline__ float2 block_sum2_alternating(float a, float b, float* scratch, uint32_t phase) {
+  a = warp_sum(a);
+  b = warp_sum(b);
+  if (blockDim.x <= 32) return make_float2(a, b);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float* half = scratch + 64 * phase;
+  if (lane == 0) half[warp] = a, half[32 + warp] = b;
+  __syncthreads();
+  const bool in = lane < static_cast<int>(blockDim.x >> 5);
+  return make_float2(warp_sum(in ? half[lane] : 0.0f), warp_sum(in ? half[32 + lane] : 0.0f));
+}
+
 // A device attribute (cached per thread, device and attribute): e.g. cudaDevAttrComputeCapabilityMajor,
 // cudaDevAttrMaxSharedMemoryPerBlockOptin.  0 when the query fails (not cached: asked again next time).
 inline int device_attribute(cudaDeviceAttr attr, int device) {

@@ -6,11 +6,13 @@
 // one reduction (Chan's pairwise update, kcpp/kernel/moments.cuh), else the mean and then the
 // deviations from it take two.  Wider or unaligned rows take the loop path: the mean,
 // then the deviations from it, re-reading the row (from L1 / L2) for those and for the output.
-// Backward: a persistent grid; per row, one pass for the two sums (g and g * xhat, reduced together),
-// one writing dx and adding dy * xhat and dy into the block's own dw / db sums (each column has one
-// owner thread: no atomics); column_sums (kcpp/kernel/column_sums.cuh) then adds the blocks' sums in
-// a fixed order, in f64.  Rows of up to 256 x 2 vectors hold x, dy and the sums in registers; on
-// sm_90 those rows come through a shared-memory ring filled by the copy engine (the bulk path).
+// Backward: a persistent grid; per row, one pass for the two sums (g and g * xhat, reduced together
+// with one barrier), one writing dx and adding dy * xhat and dy into the block's own dw / db sums
+// (each column has one owner thread: no atomics); column_sums (kcpp/kernel/column_sums.cuh) then
+// adds the blocks' sums in a fixed order, in f64, dw and db in one launch.  Rows of up to 512
+// threads x 2 vectors hold x, dy and the sums in registers (one vector a thread where the row fits
+// 512 threads); on sm_90 those rows come through a shared-memory ring filled by the copy engine (the
+// bulk path).  The next row's mean and rstd are loaded while a row is computed.
 #include <algorithm>
 #include <map>
 #include <mutex>
@@ -28,7 +30,15 @@ namespace {
 using namespace kcpp::kernel::cuda;
 using kcpp::kernel::DType;
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 256;      // forward, and the backward's loop path
+// The backward's registers and bulk paths: one vector a thread in up to 512 threads, or two in up
+// to 256 (rows up to 4096 bf16 / 2048 f32), at least 2 blocks an SM.  Two vectors in 256 threads
+// with the registers that leaves (~106) was the fastest at [8192, 4096] bf16 on an H200 (0.0797 ms
+// against 0.0839 for one vector in 512, and 0.0849-0.0884 for two vectors held to 79 registers:
+// bench/RESULTS.md).
+constexpr int kRowThreads = 512;
+template <int ITEMS> constexpr int row_threads() { return ITEMS == 1 ? kRowThreads : kRowThreads / 2; }
+constexpr int kRowMinBlocks = 2;
 constexpr int kMaxStages = 4;  // backward bulk path: rows (x and dy) in flight a block
 constexpr int kBulkStages = 2;  // the ring depth used
 
@@ -204,7 +214,7 @@ __global__ void __launch_bounds__(kThreads) backward_loop(const __grid_constant_
       for (int k = 0; k < VEC; ++k) out_rows[c + k] = dw[c + k], out_rows[h + c + k] = db[c + k];
 }
 
-// A thread's part of the backward on the registers and bulk paths (rows of up to 256 threads x ITEMS
+// A thread's part of the backward on the registers and bulk paths (rows of up to 512 threads x ITEMS
 // vectors): w and the block's dw / db sums for its columns stay in registers across rows (each
 // thread owns its columns); row() does one row from wherever its x and dy are (global memory, or a
 // shared-memory slot of the bulk path's ring), reading each once.
@@ -214,6 +224,7 @@ template <typename T, int VEC, int ITEMS> struct BackwardRows {
   float dw[ITEMS][VEC], db[ITEMS][VEC];
   bool live[ITEMS];
   float inv_h;
+  uint32_t phase = 0;  // of block_sum2_alternating: rows alternate halves of the scratch
 
   __device__ static int64_t column(int i) { return (int64_t(i) * blockDim.x + threadIdx.x) * VEC; }
 
@@ -227,9 +238,9 @@ template <typename T, int VEC, int ITEMS> struct BackwardRows {
     }
   }
 
-  // Reads the row into registers, reduces the two sums over the block, calls reduced() once the
-  // reduction's first barrier shows that every thread has read the row (the bulk path refills the
-  // slot there), then writes dx and adds to the dw / db sums.
+  // Reads the row into registers, reduces the two sums over the block (one barrier), calls
+  // reduced() once that barrier shows that every thread has read the row (the bulk path refills the
+  // slot there), then writes dx and adds to the dw / db sums.  `scratch`: 128 floats.
   template <typename F>
   __device__ __forceinline__ void row(const LayerNormParams& p, int64_t row, float mean, float rstd, const T* x,
                                       const T* dy, float* scratch, F&& reduced) {
@@ -255,7 +266,8 @@ template <typename T, int VEC, int ITEMS> struct BackwardRows {
         sgx += g * (xf[k] - mean);  // times rstd once, below
       }
     }
-    const float2 sums = block_sum2(sg, sgx, scratch);
+    const float2 sums = block_sum2_alternating(sg, sgx, scratch, phase);
+    phase ^= 1u;
     reduced();
     const float mg = sums.x * inv_h, mgx = sums.y * (rstd * inv_h);
     T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
@@ -290,25 +302,39 @@ template <typename T, int VEC, int ITEMS> struct BackwardRows {
   }
 };
 
+// A row's saved statistics, loaded a row ahead: read at the row's start, their latency was exposed
+// once a row (ncu: the RMSNorm backward's main stall).
+struct RowStats {
+  float mean = 0.0f, rstd = 0.0f;
+  __device__ static RowStats load(const LayerNormParams& p, int64_t row) {
+    return row < p.rows ? RowStats{p.mean[row], p.rstd[row]} : RowStats{};
+  }
+};
+
 template <typename T, int VEC, int ITEMS>
-__global__ void __launch_bounds__(kThreads) backward_registers(const __grid_constant__ LayerNormParams p, int /*stages*/) {
-  __shared__ float scratch[64];
+__global__ void __launch_bounds__(row_threads<ITEMS>(), kRowMinBlocks) backward_registers(const __grid_constant__ LayerNormParams p, int /*stages*/) {
+  __shared__ float scratch[128];
   BackwardRows<T, VEC, ITEMS> t(p);
-  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x)
-    t.row(p, row, p.mean[row], p.rstd[row], static_cast<const T*>(p.x) + row * p.x_stride,
+  RowStats st = RowStats::load(p, blockIdx.x);
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const RowStats next = RowStats::load(p, row + gridDim.x);
+    t.row(p, row, st.mean, st.rstd, static_cast<const T*>(p.x) + row * p.x_stride,
           static_cast<const T*>(p.dy) + row * p.dy_stride, scratch, [] {});
+    st = next;
+  }
+  griddep_launch_dependents();  // column_sums may start launching (it waits for these writes)
   t.write_partial(p);
 }
 
 // The bulk path (sm_90): as backward_registers, but the x and dy rows come through a ring of
 // `stages` shared-memory slots filled by the copy engine (kcpp/kernel/bulk.cuh), so the next rows'
 // loads are in flight while a row is computed.  Each slot is refilled as soon as the pair
-// reduction's first barrier shows every thread has read it.
+// reduction's barrier shows every thread has read it.
 template <typename T, int VEC, int ITEMS>
-__global__ void __launch_bounds__(kThreads) backward_bulk(const __grid_constant__ LayerNormParams p, int stages) {
+__global__ void __launch_bounds__(row_threads<ITEMS>(), kRowMinBlocks) backward_bulk(const __grid_constant__ LayerNormParams p, int stages) {
   extern __shared__ __align__(128) unsigned char smem_raw[];  // stages x (x, dy) rows of T
   __shared__ uint64_t full[kMaxStages];
-  __shared__ float scratch[64];
+  __shared__ float scratch[128];
   const int64_t h = p.hidden;
   const uint32_t row_bytes = static_cast<uint32_t>(h * sizeof(T));
   T* const ring = reinterpret_cast<T*>(smem_raw);
@@ -328,14 +354,17 @@ __global__ void __launch_bounds__(kThreads) backward_bulk(const __grid_constant_
   if (threadIdx.x == 0)
     for (int s = 0; s < stages; ++s) issue(blockIdx.x + int64_t(s) * gridDim.x, s);
   RingCursor ring_at;
+  RowStats st = RowStats::load(p, blockIdx.x);
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x, ring_at.advance(stages)) {
-    const float mean = p.mean[row], rstd = p.rstd[row];
+    const RowStats next = RowStats::load(p, row + gridDim.x);
     const T* slot = ring + ring_at.slot * 2 * h;
     bulk_wait(&full[ring_at.slot], ring_at.parity);
-    t.row(p, row, mean, rstd, slot, slot + h, scratch, [&] {
+    t.row(p, row, st.mean, st.rstd, slot, slot + h, scratch, [&] {
       if (threadIdx.x == 0) issue(row + ahead, ring_at.slot);
     });
+    st = next;
   }
+  griddep_launch_dependents();  // column_sums may start launching (it waits for these writes)
   t.write_partial(p);
 }
 
@@ -349,29 +378,39 @@ int vec_for(const LayerNormParams& p, bool backward) {
 
 using KernelFn = void (*)(LayerNormParams, int);  // the int: ring depth of the bulk path (others ignore it)
 
+struct BackwardPlan {
+  KernelFn fn = nullptr;
+  int threads = kThreads;
+  size_t smem = 0;  // dynamic shared memory
+};
+
 // The backward kernel for these params: on sm_90 the bulk path while the row fits 256 threads x 2
 // vectors (4096 bf16 / 2048 f32) and its ring fits shared memory; elsewhere the registers path for
-// those rows; else the loop path (sums in shared memory while 2 x h floats fit).  *smem: its dynamic
-// shared memory.
-KernelFn backward_kernel(const LayerNormParams& p, int vec, size_t* smem, int device) {
+// those rows; else the loop path (sums in shared memory while 2 x h floats fit).  Row paths: ITEMS
+// vectors a thread (`items` 1 or 2 asks for one where the row fits; 0: the default, measured in
+// bench/RESULTS.md).
+BackwardPlan backward_plan(const LayerNormParams& p, int device, int items_given) {
+  BackwardPlan plan;
+  const int vec = vec_for(p, true);
   const bool in_smem = 2 * p.hidden * int64_t(sizeof(float)) <= 48 * 1024;
   const size_t ring = size_t(kBulkStages) * 2 * size_t(p.hidden) * kcpp::kernel::dtype_bytes(p.dtype);
   const bool bulk = device_attribute(cudaDevAttrComputeCapabilityMajor, device) >= 9 &&
                     ring + 1024 <= size_t(device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  *smem = 0;
-  KernelFn fn = nullptr;
   auto pick = [&]<typename T>(T*) {
     constexpr int V = 16 / sizeof(T);
     const int64_t nvec = p.hidden / vec;
-    if (vec > 1 && nvec <= 2 * kThreads) {
-      if (bulk) *smem = ring;
-      if (nvec <= kThreads) fn = bulk ? backward_bulk<T, V, 1> : backward_registers<T, V, 1>;
-      else fn = bulk ? backward_bulk<T, V, 2> : backward_registers<T, V, 2>;
+    if (vec > 1 && nvec <= 2 * row_threads<2>()) {
+      int items = nvec <= row_threads<2>() ? 1 : 2;
+      if (items_given == 1 || items_given == 2) items = items_given;  // both fit: nvec <= 512
+      plan.threads = static_cast<int>(std::max<int64_t>(32, ((nvec + items - 1) / items + 31) / 32 * 32));
+      if (bulk) plan.smem = ring;
+      if (items == 1) plan.fn = bulk ? backward_bulk<T, V, 1> : backward_registers<T, V, 1>;
+      else plan.fn = bulk ? backward_bulk<T, V, 2> : backward_registers<T, V, 2>;
     } else if (in_smem) {
-      *smem = 2 * static_cast<size_t>(p.hidden) * sizeof(float);
-      fn = vec == 1 ? backward_loop<T, 1, true> : backward_loop<T, V, true>;
+      plan.smem = 2 * static_cast<size_t>(p.hidden) * sizeof(float);
+      plan.fn = vec == 1 ? backward_loop<T, 1, true> : backward_loop<T, V, true>;
     } else {
-      fn = vec == 1 ? backward_loop<T, 1, false> : backward_loop<T, V, false>;
+      plan.fn = vec == 1 ? backward_loop<T, 1, false> : backward_loop<T, V, false>;
     }
   };
   switch (p.dtype) {
@@ -381,34 +420,34 @@ KernelFn backward_kernel(const LayerNormParams& p, int vec, size_t* smem, int de
   }
   // Beyond the default 48 KiB (with the static shared memory) the kernel must ask, before the
   // occupancy query too.
-  if (*smem + 1024 > 48 * 1024)
-    if (cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(*smem)) != cudaSuccess)
+  if (plan.smem + 1024 > 48 * 1024)
+    if (cudaFuncSetAttribute(plan.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(plan.smem)) != cudaSuccess)
       (void)cudaGetLastError();  // the launch then reports it
-  return fn;
+  return plan;
 }
 
 // Persistent: as many blocks as can be resident (the occupancy API; its answer is per kernel and
 // fixed, so the workspace size and the launch agree).
-int backward_blocks(const LayerNormParams& p, int device) {
-  size_t smem = 0;
-  const KernelFn fn = backward_kernel(p, vec_for(p, true), &smem, device);
-  // The query costs host time on every launch and its answer never changes: kept per (kernel, smem, device).
+int backward_blocks(const LayerNormParams& p, const BackwardPlan& plan, int device, int blocks_per_sm) {
+  // The query costs host time on every launch and its answer never changes: kept per (kernel,
+  // threads, smem, device).
   static std::mutex mu;
-  static std::map<std::tuple<KernelFn, size_t, int>, int> cache;
-  const auto key = std::make_tuple(fn, smem, device);
+  static std::map<std::tuple<KernelFn, int, size_t, int>, int> cache;
+  const auto key = std::make_tuple(plan.fn, plan.threads, plan.smem, device);
   int per_sm = 0;
   {
     std::lock_guard lock(mu);
     if (auto it = cache.find(key); it != cache.end()) per_sm = it->second;
   }
   if (per_sm == 0) {
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, kThreads, smem) != cudaSuccess || per_sm < 1) {
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, plan.fn, plan.threads, plan.smem) != cudaSuccess || per_sm < 1) {
       (void)cudaGetLastError();
       per_sm = 1;
     }
     std::lock_guard lock(mu);
     cache[key] = per_sm;
   }
+  if (blocks_per_sm > 0) per_sm = std::min(per_sm, blocks_per_sm);
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.rows, int64_t(sm_count(device)) * per_sm)));
 }
 
@@ -424,8 +463,13 @@ template <typename F> const char* visit_type(DType t, F&& f) {
 }  // namespace
 
 size_t layer_norm_backward_workspace(const LayerNormParams& p, int device) {
+  return layer_norm_backward_workspace_with(p, device, 0, 0);
+}
+
+size_t layer_norm_backward_workspace_with(const LayerNormParams& p, int device, int items, int blocks_per_sm) {
   if (layer_norm_check(p, true) || p.rows == 0) return 0;
-  return static_cast<size_t>(backward_blocks(p, device)) * 2 * static_cast<size_t>(p.hidden) * sizeof(float);
+  return static_cast<size_t>(backward_blocks(p, backward_plan(p, device, items), device, blocks_per_sm)) * 2 *
+         static_cast<size_t>(p.hidden) * sizeof(float);
 }
 
 const char* layer_norm_forward_cuda(const LayerNormParams& p, cudaStream_t stream) {
@@ -468,6 +512,10 @@ const char* layer_norm_forward_cuda_with(const LayerNormParams& p, cudaStream_t 
 }
 
 const char* layer_norm_backward_cuda(const LayerNormParams& p, cudaStream_t stream) {
+  return layer_norm_backward_cuda_with(p, stream, 0, 0);
+}
+
+const char* layer_norm_backward_cuda_with(const LayerNormParams& p, cudaStream_t stream, int items, int blocks_per_sm) {
   if (const char* e = layer_norm_check(p, true)) return e;
   const size_t wbytes = static_cast<size_t>(p.hidden) * kcpp::kernel::dtype_bytes(p.dtype);
   if (p.rows == 0) {  // the gradients of no rows are zero
@@ -479,16 +527,14 @@ const char* layer_norm_backward_cuda(const LayerNormParams& p, cudaStream_t stre
                       "layer_norm backward: argument 'workspace' is null (size it with layer_norm_backward_workspace)");
   int device = 0;
   cudaGetDevice(&device);
-  const int blocks = backward_blocks(p, device);
-  const int vec = vec_for(p, true);
-  size_t smem = 0;
-  const KernelFn fn = backward_kernel(p, vec, &smem, device);
-  fn<<<blocks, kThreads, smem, stream>>>(p, kBulkStages);
+  const BackwardPlan plan = backward_plan(p, device, items);
+  const int blocks = backward_blocks(p, plan, device, blocks_per_sm);
+  plan.fn<<<blocks, plan.threads, plan.smem, stream>>>(p, kBulkStages);
   return visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
-    const float* part = static_cast<const float*>(p.workspace);
-    // Each block's pair of rows (dw, db): f64 sums keep the order's rounding out of the result.
-    column_sums<T, double>(part, blocks, 2 * p.hidden, p.hidden, static_cast<T*>(p.dw), stream);
-    if (p.db) column_sums<T, double>(part + p.hidden, blocks, 2 * p.hidden, p.hidden, static_cast<T*>(p.db), stream);
+    // Each block's pair of rows (dw, db), both in one launch; f64 sums keep the order's rounding out
+    // of the result.
+    column_sums<T, double>(static_cast<const float*>(p.workspace), blocks, 2 * p.hidden, p.hidden,
+                           static_cast<T*>(p.dw), stream, static_cast<T*>(p.db));
     return launch_error("layer_norm backward");
   });
 }

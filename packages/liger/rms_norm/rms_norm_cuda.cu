@@ -191,6 +191,7 @@ template <typename T, int VEC, int ITEMS, bool DRES> struct BackwardRows {
   float dw[ITEMS][VEC];
   bool live[ITEMS];
   float inv_h;
+  uint32_t phase = 0;  // of block_sum_alternating: rows alternate halves of the scratch
 
   __device__ explicit BackwardRows(const RMSNormParams& p) : inv_h(1.0f / static_cast<float>(p.hidden)) {
 #pragma unroll
@@ -205,8 +206,8 @@ template <typename T, int VEC, int ITEMS, bool DRES> struct BackwardRows {
   }
 
   // Reads the row's sources into registers (every load issued before any use), reduces over the
-  // block, calls reduced() once the reduction's first barrier shows that every thread has read them
-  // (the bulk path refills the slot there), then writes dx.  With g = dy (w + offset) and n = x rstd
+  // block (one barrier), calls reduced() once that barrier shows that every thread has read them
+  // (the bulk path refills the slot there), then writes dx.  `scratch`: 64 floats.  With g = dy (w + offset) and n = x rstd
   // unrounded (d round / dn = 1): dx = rstd g - x rstd^3 mean_j(g x), one multiply and one fma.
   template <typename F>
   __device__ __forceinline__ void row(const RMSNormParams& p, int64_t row, float rstd, const T* x, const T* dy,
@@ -233,7 +234,8 @@ template <typename T, int VEC, int ITEMS, bool DRES> struct BackwardRows {
         dw[i][k] += df[k] * nrm(xf[k]);
       }
     }
-    const float c = block_sum(gx, scratch) * (rstd * rstd * rstd * inv_h);
+    const float c = block_sum_alternating(gx, scratch, phase) * (rstd * rstd * rstd * inv_h);
+    phase ^= 1u;
     reduced();
     T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
 #pragma unroll
@@ -268,25 +270,30 @@ template <typename T, int VEC, int ITEMS, bool DRES> struct BackwardRows {
 
 template <typename T, int VEC, int ITEMS, bool DRES>
 __global__ void __launch_bounds__(kMaxRegisterThreads) backward_registers(const __grid_constant__ RMSNormParams p, int /*stages*/) {
-  __shared__ float scratch[32];
+  __shared__ float scratch[64];
   BackwardRows<T, VEC, ITEMS, DRES> t(p);
+  float rstd = blockIdx.x < p.rows ? p.rstd[blockIdx.x] : 0.0f;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const float rstd_next = row + gridDim.x < p.rows ? p.rstd[row + gridDim.x] : 0.0f;  // in flight during this row
     const T* dres = DRES ? static_cast<const T*>(p.dresidual_out) + row * p.dres_stride : nullptr;
-    t.row(p, row, p.rstd[row], static_cast<const T*>(p.x) + row * p.x_stride,
+    t.row(p, row, rstd, static_cast<const T*>(p.x) + row * p.x_stride,
           static_cast<const T*>(p.dy) + row * p.dy_stride, dres, scratch, [] {});
+    rstd = rstd_next;
   }
+  griddep_launch_dependents();  // column_sums may start launching (it waits for these writes)
   t.write_partial(p);
 }
 
 // The bulk path of the backward (sm_90): a persistent block keeps a ring of `stages` slots in shared
 // memory, each holding one row of x, dy (and dresidual_out), filled by the copy engine; w and the
-// block's dw sums stay in registers; rstd is read before the row's wait.  A slot is refilled as soon
-// as the block reduction's first barrier shows every thread has read it.
+// block's dw sums stay in registers; the next row's rstd is loaded while a row is computed (read at
+// the row's start, its latency was exposed once a row: ncu found it the kernel's main stall).  A
+// slot is refilled as soon as the block reduction's barrier shows every thread has read it.
 template <typename T, int VEC, int ITEMS, bool DRES>
 __global__ void __launch_bounds__(kMaxRegisterThreads) backward_bulk(const __grid_constant__ RMSNormParams p, int stages) {
   extern __shared__ __align__(128) unsigned char smem_raw[];  // stages x (x, dy, dresidual_out) rows
   __shared__ uint64_t full[kMaxStages];
-  __shared__ float scratch[32];
+  __shared__ float scratch[64];
   constexpr int kRows = DRES ? 3 : 2;
   const int64_t h = p.hidden;
   const uint32_t row_bytes = static_cast<uint32_t>(h * sizeof(T));
@@ -309,14 +316,17 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) backward_bulk(const __gri
   if (threadIdx.x == 0)
     for (int s = 0; s < stages; ++s) issue(blockIdx.x + int64_t(s) * gridDim.x, s);
   RingCursor ring_at;
+  float rstd = blockIdx.x < p.rows ? p.rstd[blockIdx.x] : 0.0f;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x, ring_at.advance(stages)) {
-    const float rstd = p.rstd[row];
+    const float rstd_next = row + gridDim.x < p.rows ? p.rstd[row + gridDim.x] : 0.0f;
     const T* slot = ring + ring_at.slot * kRows * h;
     bulk_wait(&full[ring_at.slot], ring_at.parity);
     t.row(p, row, rstd, slot, slot + h, slot + 2 * h, scratch, [&] {
       if (threadIdx.x == 0) issue(row + ahead, ring_at.slot);
     });
+    rstd = rstd_next;
   }
+  griddep_launch_dependents();  // column_sums may start launching (it waits for these writes)
   t.write_partial(p);
 }
 
@@ -424,8 +434,10 @@ RMSNormConfig default_config(const RMSNormParams& p, bool backward, int vec) {
     }
   }
   // The backward's bulk path (sm_90; make_plan drops it elsewhere), two rows in flight a block:
-  // 0.0760 ms against 0.0878 ms on the registers path (sweep, H200, [8192, 4096] bf16).
-  if (backward) c.stages = 2;
+  // 0.0760 ms against 0.0878 ms on the registers path (sweep, H200, [8192, 4096] bf16); two blocks
+  // an SM rather than the three that fit: 0.0652 ms against 0.0698 (sweep of commit 2026-11-22,
+  // bench/RESULTS.md; one block 0.0739).
+  if (backward) c.stages = 2, c.blocks_per_sm = 2;
   return c;
 }
 
