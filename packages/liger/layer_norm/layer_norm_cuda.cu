@@ -32,10 +32,10 @@ using kcpp::kernel::DType;
 
 constexpr int kThreads = 256;      // forward, and the backward's loop path
 // The backward's registers and bulk paths: one vector a thread in up to 512 threads, or two in up
-// to 256 (rows up to 4096 bf16 / 2048 f32), at least 2 blocks an SM.  Two vectors in 256 threads
-// with the registers that leaves (~106) was the fastest at [8192, 4096] bf16 on an H200 (0.0797 ms
-// against 0.0839 for one vector in 512, and 0.0849-0.0884 for two vectors held to 79 registers:
-// bench/RESULTS.md).
+// to 256 (rows up to 4096 bf16 / 2048 f32), at least 2 blocks an SM.  At [8192, 4096] bf16 on an
+// H200 (bench/RESULTS.md) two vectors in 256 threads, with the ~120 registers that leaves, and one
+// in 512 (64 registers) are level, 0.0778 / 0.0770 ms; two vectors held to 79 registers (3 blocks
+// an SM) took 0.0849-0.0884.
 constexpr int kRowThreads = 512;
 template <int ITEMS> constexpr int row_threads() { return ITEMS == 1 ? kRowThreads : kRowThreads / 2; }
 constexpr int kRowMinBlocks = 2;
@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(kThreads) backward_loop(const __grid_constant_
 // shared-memory slot of the bulk path's ring), reading each once.
 template <typename T, int VEC, int ITEMS> struct BackwardRows {
   using V = Vec<T, VEC>;
-  V w[ITEMS];
+  float w[ITEMS][VEC];  // widened once
   float dw[ITEMS][VEC], db[ITEMS][VEC];
   bool live[ITEMS];
   float inv_h;
@@ -232,15 +232,21 @@ template <typename T, int VEC, int ITEMS> struct BackwardRows {
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       live[i] = column(i) < p.hidden;
-      if (live[i]) w[i] = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + column(i));
+      V wv{};
+      if (live[i]) wv = *reinterpret_cast<const V*>(static_cast<const T*>(p.w) + column(i));
+      widen(wv, w[i]);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) dw[i][k] = db[i][k] = 0.0f;
     }
   }
 
-  // Reads the row into registers, reduces the two sums over the block (one barrier), calls
-  // reduced() once that barrier shows that every thread has read the row (the bulk path refills the
-  // slot there), then writes dx and adds to the dw / db sums.  `scratch`: 128 floats.
+  // Reads the row into registers (every load issued before any use) and widens it once, keeping
+  // d = x - mean and dy in f32 across the reduction; reduces the two sums over the block (one
+  // barrier), calls reduced() once that barrier shows that every thread has read the row (the bulk
+  // path refills the slot there), then writes dx and adds to the dw / db sums.  With g = dy w and
+  // xhat = d rstd, dx = rstd (g - mean(g) - xhat mean(g xhat)) = rstd g + (B d + C), B = -rstd^2
+  // mean(g xhat), C = -rstd mean(g): two fma an element (x, dy and w were widened twice a row:
+  // 519 instructions a row and thread at two vectors, now 459).  `scratch`: 128 floats.
   template <typename F>
   __device__ __forceinline__ void row(const LayerNormParams& p, int64_t row, float mean, float rstd, const T* x,
                                       const T* dy, float* scratch, F&& reduced) {
@@ -251,39 +257,36 @@ template <typename T, int VEC, int ITEMS> struct BackwardRows {
       xv[i] = *reinterpret_cast<const V*>(x + column(i));
       dv[i] = *reinterpret_cast<const V*>(dy + column(i));
     }
+    float d[ITEMS][VEC], df[ITEMS][VEC];
     float sg = 0.0f, sgx = 0.0f;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
-      float xf[VEC], df[VEC], wf[VEC];
-      widen(xv[i], xf);
-      widen(dv[i], df);
-      widen(w[i], wf);
+      widen(xv[i], d[i]);
+      widen(dv[i], df[i]);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        const float g = df[k] * wf[k];
+        d[i][k] -= mean;
+        const float g = df[i][k] * w[i][k];
         sg += g;
-        sgx += g * (xf[k] - mean);  // times rstd once, below
+        sgx = fmaf(g, d[i][k], sgx);  // times rstd once, below
       }
     }
     const float2 sums = block_sum2_alternating(sg, sgx, scratch, phase);
     phase ^= 1u;
     reduced();
-    const float mg = sums.x * inv_h, mgx = sums.y * (rstd * inv_h);
+    const float mg = sums.x * inv_h, mgx = sums.y * (rstd * inv_h);  // mean(g), mean(g xhat)
+    const float b = -rstd * rstd * mgx, c = -rstd * mg;
     T* dx = static_cast<T*>(p.dx) + row * p.dx_stride;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
-      float xf[VEC], df[VEC], wf[VEC], o[VEC];
-      widen(xv[i], xf);
-      widen(dv[i], df);
-      widen(w[i], wf);
+      float o[VEC];
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        const float xh = (xf[k] - mean) * rstd;
-        o[k] = rstd * (df[k] * wf[k] - mg - xh * mgx);
-        dw[i][k] += df[k] * xh;
-        db[i][k] += df[k];
+        o[k] = fmaf(rstd, df[i][k] * w[i][k], fmaf(b, d[i][k], c));
+        dw[i][k] = fmaf(df[i][k], d[i][k] * rstd, dw[i][k]);
+        db[i][k] += df[i][k];
       }
       store_f32(dx + column(i), o);
     }

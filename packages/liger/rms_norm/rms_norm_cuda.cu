@@ -221,17 +221,18 @@ template <typename T, int VEC, int ITEMS, bool DRES> struct BackwardRows {
       if constexpr (DRES) rv[i] = *reinterpret_cast<const V*>(dres + column<VEC>(i));
     }
     const Normed<T> nrm(rstd, p.casting);
+    // Widened once and kept in f32 across the reduction (two blocks an SM leave the registers).
+    float xf[ITEMS][VEC], df[ITEMS][VEC];
     float gx = 0.0f;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
-      float xf[VEC], df[VEC];
-      widen(xv[i], xf);
-      widen(dv[i], df);
+      widen(xv[i], xf[i]);
+      widen(dv[i], df[i]);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        gx += df[k] * w[i][k] * xf[k];
-        dw[i][k] += df[k] * nrm(xf[k]);
+        gx += df[i][k] * w[i][k] * xf[i][k];
+        dw[i][k] += df[i][k] * nrm(xf[i][k]);
       }
     }
     const float c = block_sum_alternating(gx, scratch, phase) * (rstd * rstd * rstd * inv_h);
@@ -241,11 +242,9 @@ template <typename T, int VEC, int ITEMS, bool DRES> struct BackwardRows {
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       if (!live[i]) continue;
-      float xf[VEC], df[VEC], o[VEC];
-      widen(xv[i], xf);
-      widen(dv[i], df);
+      float o[VEC];
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) o[k] = fmaf(-c, xf[k], rstd * (df[k] * w[i][k]));
+      for (int k = 0; k < VEC; ++k) o[k] = fmaf(-c, xf[i][k], rstd * (df[i][k] * w[i][k]));
       if constexpr (DRES) {  // AddRMSNorm: the gradient arriving at residual_out passes through
         float rf[VEC];
         widen(rv[i], rf);
@@ -435,7 +434,7 @@ RMSNormConfig default_config(const RMSNormParams& p, bool backward, int vec) {
   }
   // The backward's bulk path (sm_90; make_plan drops it elsewhere), two rows in flight a block:
   // 0.0760 ms against 0.0878 ms on the registers path (sweep, H200, [8192, 4096] bf16); two blocks
-  // an SM rather than the three that fit: 0.0652 ms against 0.0698 (sweep of commit 2026-11-22,
+  // an SM rather than the three that fit: 0.0652 ms against 0.0698 (sweep at commit 4cfff56,
   // bench/RESULTS.md; one block 0.0739).
   if (backward) c.stages = 2, c.blocks_per_sm = 2;
   return c;
