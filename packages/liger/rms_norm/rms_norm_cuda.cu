@@ -415,8 +415,10 @@ int max_items(bool backward, int vec) { return (backward ? 16 : 32) / vec; }
 
 // The configuration used when none is given, from the sweep of bench/bench_kernels.cpp on an H200
 // at [8192, 4096] bf16 (bench/RESULTS.md): the forward is fastest holding the row in registers, about
-// 128 threads a row, one block per row (4 vectors a thread: 41.7 us; the loop path: 44.3 us); the
-// backward with one register vector a thread on a persistent grid.
+// 256 threads a row (2 vectors a thread, 32 registers, full occupancy: 0.0376-0.0379 ms in four runs
+// over two calls against 0.0379-0.0381 at 4 vectors x 128 threads; the loop path 0.0411), one block
+// per row;
+// the backward with one register vector a thread on a persistent grid.
 RMSNormConfig default_config(const RMSNormParams& p, bool backward, int vec) {
   RMSNormConfig c;
   const int64_t nvec = p.hidden / vec;
@@ -425,7 +427,7 @@ RMSNormConfig default_config(const RMSNormParams& p, bool backward, int vec) {
   // AddRMSNorm forward: the loop path, one block per row, was fastest in the sweep (commit a6bd60b:
   // 72.3 us, 87% of copy, against 74.5 us with one register vector a thread and 98.4 us with four).
   if (p.residual && !backward) return c;
-  const int64_t threads_target = backward ? kMaxRegisterThreads : 128;
+  const int64_t threads_target = backward ? kMaxRegisterThreads : 256;
   for (int items = 1; items <= max_items(backward, vec); items *= 2) {
     if (nvec <= threads_target * items || (items == max_items(backward, vec) && nvec <= int64_t(kMaxRegisterThreads) * items)) {
       c.items = items;
