@@ -15,9 +15,7 @@ layer_norm swiglu rope ce (default all).
 import contextlib
 import glob
 import os
-import statistics
 import sys
-import time
 
 import torch
 import triton
@@ -26,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, os.environ.get("LIGER_SRC", os.path.join(HERE, "..", ".anchors", "src")))
 import kcpp  # noqa: E402
+from deep_timer import bench_deep, host_us  # noqa: E402
 
 BT, H, I, V = 8192, 4096, 14336, 128256
 dev = "cuda"
@@ -36,47 +35,7 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-_FLUSH = None
-
-
-def bench_deep(fn, warmup=10, rep=40):
-    """do_bench's method (zero a buffer to flush the L2, then time one call between events; the
-    median) with an 8 GiB buffer instead of 256 MiB: the GPU then spends ~2 ms zeroing before each
-    timed call, and a host that takes up to that long to enqueue the call is still ahead of the GPU.
-    With do_bench's 256 MiB (~60 us) a call whose host side takes longer than that plus the kernel
-    is timed with the GPU idle waiting for it: on the lent machine a Liger autograd call takes
-    100-1400 us of host time (measured below), so do_bench figures of short kernels vary with the
-    host's speed from one call to the next."""
-    global _FLUSH
-    if _FLUSH is None:
-        _FLUSH = torch.empty(8 * 2**30 // 4, dtype=torch.int32, device=dev)
-    for _ in range(warmup):
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
-    torch.cuda.synchronize()
-    for i in range(rep):
-        _FLUSH.zero_()
-        starts[i].record()
-        fn()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in zip(starts, ends))
-
-
 COPY_GBPS = None
-
-
-def host_us(fn, n=50):
-    """Host time a call takes to enqueue its work (no synchronisation inside the loop): a timed
-    figure means the GPU's time only while this stays below it plus do_bench's flush (~60 us)."""
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return t / n * 1e6
 
 
 def row(op, impl, fn, gbytes, no_grad=False):

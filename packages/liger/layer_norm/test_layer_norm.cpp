@@ -141,7 +141,8 @@ TEST_P(LigerLayerNorm, InPlaceBackwardDeterminismAndBadInput) {
 
 #if KCPP_WITH_CUDA
 // Many more rows than resident blocks: every block of the persistent backward (on sm_90 the bulk
-// path, whose ring of rows then wraps several times) cycles through many rows.
+// path, whose ring of rows then wraps several times) cycles through many rows; by default and in
+// every configuration of layer_norm_backward_cuda_with.
 TEST(LigerLayerNormCuda, ManyRowsPerBlockWithinTheBound) {
   const Device dev = Device::cuda(0);
   KCPP_REQUIRE_DEVICE(dev);
@@ -164,6 +165,23 @@ TEST(LigerLayerNormCuda, ManyRowsPerBlockWithinTheBound) {
       EXPECT_LE(edx, test::kernel_bound(edx_ref, dt)) << cfg << " dx (reference error " << edx_ref << ")";
       EXPECT_LE(edw, test::kernel_bound(edw_ref, dt)) << cfg << " dw (reference error " << edw_ref << ")";
       EXPECT_LE(edb, test::kernel_bound(edb_ref, dt)) << cfg << " db (reference error " << edb_ref << ")";
+      // Every row-path configuration the sweep can choose: 1 or 2 vectors a thread, as many blocks
+      // as fit or one an SM (each block's ring then wraps twice as often).
+      for (int items : {1, 2})
+        for (int blocks_per_sm : {0, 1}) {
+          const std::string c = fmt::format("{} items={} blocks_per_sm={}", cfg, items, blocks_per_sm);
+          LayerNormParams p = params(x, w, b, got.mean, got.rstd);
+          const Tensor dx = Tensor::empty({rows, h}, dt, dev), dw = Tensor::empty({h}, dt, dev), db = Tensor::empty({h}, dt, dev);
+          p.dy = dy.data(), p.dy_stride = dy.stride(0), p.dx = dx.data(), p.dx_stride = dx.stride(0);
+          p.dw = dw.data(), p.db = db.data();
+          const size_t bytes = liger::layer_norm_backward_workspace_with(p, dev.index, items, blocks_per_sm);
+          const Tensor ws = Tensor::empty({std::max<int64_t>(1, static_cast<int64_t>(bytes))}, DType::u8, dev);
+          p.workspace = ws.data();
+          ASSERT_EQ(liger::layer_norm_backward_cuda_with(p, cuda::current_stream(), items, blocks_per_sm), nullptr) << c;
+          EXPECT_LE(test::mag_error(dx, bo.dx, bo.dx_mag), test::kernel_bound(edx_ref, dt)) << c << " dx";
+          EXPECT_LE(test::mag_error(dw, bo.dw, bo.dw_mag), test::kernel_bound(edw_ref, dt)) << c << " dw";
+          EXPECT_LE(test::rel_l2_error(db, bo.db), test::kernel_bound(edb_ref, dt)) << c << " db";
+        }
     }
 }
 #endif
