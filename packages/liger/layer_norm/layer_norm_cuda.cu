@@ -10,9 +10,10 @@
 // with one barrier), one writing dx and adding dy * xhat and dy into the block's own dw / db sums
 // (each column has one owner thread: no atomics); column_sums (kcpp/kernel/column_sums.cuh) then
 // adds the blocks' sums in a fixed order, in f64, dw and db in one launch.  Rows of up to 512
-// threads x 2 vectors hold x, dy and the sums in registers (one vector a thread where the row fits
-// 512 threads); on sm_90 those rows come through a shared-memory ring filled by the copy engine (the
-// bulk path).  The next row's mean and rstd are loaded while a row is computed.
+// 16-byte vectors (4096 bf16 / 2048 f32) hold x, dy and the sums in registers (one vector a thread in
+// up to 512 threads, or two in up to 256); on sm_90 those rows come through a shared-memory ring
+// filled by the copy engine (the bulk path).  The next row's mean and rstd are loaded while a row
+// is computed.
 #include <algorithm>
 #include <map>
 #include <mutex>
@@ -214,10 +215,10 @@ __global__ void __launch_bounds__(kThreads) backward_loop(const __grid_constant_
       for (int k = 0; k < VEC; ++k) out_rows[c + k] = dw[c + k], out_rows[h + c + k] = db[c + k];
 }
 
-// A thread's part of the backward on the registers and bulk paths (rows of up to 512 threads x ITEMS
-// vectors): w and the block's dw / db sums for its columns stay in registers across rows (each
-// thread owns its columns); row() does one row from wherever its x and dy are (global memory, or a
-// shared-memory slot of the bulk path's ring), reading each once.
+// A thread's part of the backward on the registers and bulk paths (rows of up to 512 16-byte
+// vectors, ITEMS a thread): w and the block's dw / db sums for its columns stay in registers across
+// rows (each thread owns its columns); row() does one row from wherever its x and dy are (global
+// memory, or a shared-memory slot of the bulk path's ring), reading each once.
 template <typename T, int VEC, int ITEMS> struct BackwardRows {
   using V = Vec<T, VEC>;
   float w[ITEMS][VEC];  // widened once

@@ -207,8 +207,9 @@ template <typename T, int VEC, int ITEMS, bool DRES> struct BackwardRows {
 
   // Reads the row's sources into registers (every load issued before any use), reduces over the
   // block (one barrier), calls reduced() once that barrier shows that every thread has read them
-  // (the bulk path refills the slot there), then writes dx.  `scratch`: 64 floats.  With g = dy (w + offset) and n = x rstd
-  // unrounded (d round / dn = 1): dx = rstd g - x rstd^3 mean_j(g x), one multiply and one fma.
+  // (the bulk path refills the slot there), then writes dx.  `scratch`: 64 floats.  With
+  // g = dy (w + offset) and n = x rstd unrounded (d round / dn = 1): dx = rstd g - x rstd^3
+  // mean_j(g x), one multiply and one fma.
   template <typename F>
   __device__ __forceinline__ void row(const RMSNormParams& p, int64_t row, float rstd, const T* x, const T* dy,
                                       const T* dres, float* scratch, F&& reduced) {
