@@ -191,26 +191,30 @@ void bench_layer_norm() {
     Tensor y, mean, rstd;
     forward(p, y, mean, rstd);
   }, fb);
+  // The backward's outputs and workspace, set into p (after forward()).
+  struct Grads {
+    Tensor dx, dw, db, ws;
+  };
+  auto grads = [&](liger::LayerNormParams& p) {
+    Grads g{Tensor::empty({bt, h}, DType::bf16, kDev), Tensor::empty({h}, DType::bf16, kDev),
+            Tensor::empty({h}, DType::bf16, kDev), {}};
+    p.dy = dy.data(), p.dy_stride = h, p.dx = g.dx.data(), p.dx_stride = h, p.dw = g.dw.data(), p.db = g.db.data();
+    g.ws = Tensor::empty({static_cast<int64_t>(liger::layer_norm_backward_workspace(p, 0))}, DType::u8, kDev);
+    p.workspace = g.ws.data();
+    return g;
+  };
   row("layernorm fwd+bwd", "kcpp", [&] {
     liger::LayerNormParams p;
     Tensor y, mean, rstd;
     forward(p, y, mean, rstd);
-    const Tensor dx = Tensor::empty({bt, h}, DType::bf16, kDev), dw = Tensor::empty({h}, DType::bf16, kDev);
-    const Tensor db = Tensor::empty({h}, DType::bf16, kDev);
-    p.dy = dy.data(), p.dy_stride = h, p.dx = dx.data(), p.dx_stride = h, p.dw = dw.data(), p.db = db.data();
-    const Tensor ws = Tensor::empty({static_cast<int64_t>(liger::layer_norm_backward_workspace(p, 0))}, DType::u8, kDev);
-    p.workspace = ws.data();
+    const Grads g = grads(p);
     check(liger::layer_norm_backward_cuda(p, cuda::current_stream()));
   }, fb + bb);
   {  // the backward alone (its inputs from one forward, outside the timing)
     liger::LayerNormParams p;
     Tensor y, mean, rstd;
     forward(p, y, mean, rstd);
-    const Tensor dx = Tensor::empty({bt, h}, DType::bf16, kDev), dw = Tensor::empty({h}, DType::bf16, kDev);
-    const Tensor db = Tensor::empty({h}, DType::bf16, kDev);
-    p.dy = dy.data(), p.dy_stride = h, p.dx = dx.data(), p.dx_stride = h, p.dw = dw.data(), p.db = db.data();
-    const Tensor ws = Tensor::empty({static_cast<int64_t>(liger::layer_norm_backward_workspace(p, 0))}, DType::u8, kDev);
-    p.workspace = ws.data();
+    const Grads g = grads(p);
     row("layernorm bwd", "kcpp", [&] { check(liger::layer_norm_backward_cuda(p, cuda::current_stream())); }, bb);
   }
 }

@@ -94,34 +94,47 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Sum over the block, returned to every thread.  `scratch`: 32 floats of shared memory, which the
-// call leaves free for reuse.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+// Sums over the block, returned to every thread, with one barrier, for a loop that reduces once an
+// iteration: call k uses half (k & 1) of `scratch` (64 floats for one sum, 128 for two), so call k + 2
+// writes that half only after every thread has passed call k + 1's barrier, which each thread reaches
+// after its reads of call k.  Every thread of the block must make every call, with `phase` = k & 1.
+__device__ __forceinline__ float block_sum_alternating(float v, float* scratch, uint32_t phase) {
   v = warp_sum(v);
   if (blockDim.x <= 32) return v;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) scratch[warp] = v;
+  float* half = scratch + 32 * phase;
+  if (lane == 0) half[warp] = v;
   __syncthreads();
-  v = lane < static_cast<int>(blockDim.x >> 5) ? scratch[lane] : 0.0f;
-  v = warp_sum(v);
-  __syncthreads();
-  return v;
+  return warp_sum(lane < static_cast<int>(blockDim.x >> 5) ? half[lane] : 0.0f);
 }
 
-// Two sums over the block at once (one pair of barriers instead of two), each added in the same
-// order as block_sum adds it.  `scratch`: 64 floats of shared memory, left free for reuse.
-__device__ __forceinline__ float2 block_sum2(float a, float b, float* scratch) {
+// Two sums at once (one barrier for both), each added in the same order as the one-sum form.
+__device__ __forceinline__ float2 block_sum2_alternating(float a, float b, float* scratch, uint32_t phase) {
   a = warp_sum(a);
   b = warp_sum(b);
   if (blockDim.x <= 32) return make_float2(a, b);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) scratch[warp] = a, scratch[32 + warp] = b;
+  float* half = scratch + 64 * phase;
+  if (lane == 0) half[warp] = a, half[32 + warp] = b;
   __syncthreads();
   const bool in = lane < static_cast<int>(blockDim.x >> 5);
-  a = warp_sum(in ? scratch[lane] : 0.0f);
-  b = warp_sum(in ? scratch[32 + lane] : 0.0f);
-  __syncthreads();
-  return make_float2(a, b);
+  return make_float2(warp_sum(in ? half[lane] : 0.0f), warp_sum(in ? half[32 + lane] : 0.0f));
+}
+
+// Sum over the block, returned to every thread.  `scratch`: 32 floats of shared memory, which the
+// call leaves free for reuse (a second barrier after the reads).
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  v = block_sum_alternating(v, scratch, 0);
+  if (blockDim.x > 32) __syncthreads();
+  return v;
+}
+
+// Two sums over the block at once, each added in the same order as block_sum adds it.  `scratch`:
+// 64 floats of shared memory, left free for reuse.
+__device__ __forceinline__ float2 block_sum2(float a, float b, float* scratch) {
+  const float2 r = block_sum2_alternating(a, b, scratch, 0);
+  if (blockDim.x > 32) __syncthreads();
+  return r;
 }
 
 // Programmatic dependent launch (sm_90; no-ops elsewhere and when the launch did not ask for it).
@@ -139,32 +152,6 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" :::);
 #endif
-}
-
-// As block_sum and block_sum2 with one barrier instead of two, for a loop that reduces once an
-// iteration: call k uses half (k & 1) of `scratch` (64 floats for one sum, 128 for two), so call k + 2
-// writes that half only after every thread has passed call k + 1's barrier, which each thread reaches
-// after its reads of call k.  Every thread of the block must make every call, with `phase` = k & 1.
-__device__ __forceinline__ float block_sum_alternating(float v, float* scratch, uint32_t phase) {
-  v = warp_sum(v);
-  if (blockDim.x <= 32) return v;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  float* half = scratch + 32 * phase;
-  if (lane == 0) half[warp] = v;
-  __syncthreads();
-  return warp_sum(lane < static_cast<int>(blockDim.x >> 5) ? half[lane] : 0.0f);
-}
-
-__device__ __forceinline__ float2 block_sum2_alternating(float a, float b, float* scratch, uint32_t phase) {
-  a = warp_sum(a);
-  b = warp_sum(b);
-  if (blockDim.x <= 32) return make_float2(a, b);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  float* half = scratch + 64 * phase;
-  if (lane == 0) half[warp] = a, half[32 + warp] = b;
-  __syncthreads();
-  const bool in = lane < static_cast<int>(blockDim.x >> 5);
-  return make_float2(warp_sum(in ? half[lane] : 0.0f), warp_sum(in ? half[32 + lane] : 0.0f));
 }
 
 // A device attribute (cached per thread, device and attribute): e.g. cudaDevAttrComputeCapabilityMajor,
