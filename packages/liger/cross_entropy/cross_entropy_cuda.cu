@@ -235,7 +235,9 @@ __global__ void __launch_bounds__(kThreads, 2048 / kThreads) rows_kernel(const _
 // slice of the next `stages` rows into shared memory with the bulk copy engine (cp.async.bulk; a
 // `full` mbarrier a stage counts the bytes), so the loads of later rows are in flight while a row is
 // computed.  For each row every thread moves its part of the slice into registers (the stage goes
-// back to the copy engine at once), the block reduces (max, sum of exp, sum of w z), and thread 0
+// back to the copy engine at once, at the barrier that also gives the block its max), takes the
+// exponentials relative to that max (kept in registers where the gradient can reuse them), sums them
+// and w z over the block (a second barrier), and thread 0
 // sends that partial to every block of the cluster by st.async, whose bytes complete a phase of the
 // receiver's `exchanged` mbarrier: no cluster barrier a row, whose release would wait for this
 // block's gradient stores in flight (it cost 30%).  Every warp merges the C partials itself and the
@@ -261,10 +263,18 @@ __global__ void __launch_bounds__(THREADS, 4096 / (THREADS * VECS))
   constexpr bool kBase2 = sizeof(T) < 4;
   constexpr float L = kBase2 ? kLog2e : 1.0f;
   auto expL = [](float x) { return kBase2 ? ex2(x) : expf(x); };
+  // Without the per-element options the sum pass's exponentials 2^(L z - L m), m the block's max,
+  // replace z in the registers and the gradient pass scales them by 2^(L m - L lse): one FFMA an
+  // element instead of an FFMA, an exponential and a multiply.  The exponentials were half of the
+  // special-function unit's work (16 a cycle an SM: at 512 x 8 about 2 us of a row's ~6).  The
+  // softcap's derivative needs z itself: EXT recomputes.
+  constexpr bool kKeepExp = !EXT;
   extern __shared__ __align__(128) unsigned char smem_raw[];  // stages x chunk elements of T
   __shared__ uint64_t full[kMaxStages], exchanged[2];
   __shared__ __align__(16) float parts[2][8][4];  // by exchange parity, every block's (L max, sum of exp, sum of w z, z_t)
-  __shared__ float sm[32], ss[32], sx[32];
+  constexpr int kWarps = THREADS / 32;
+  __shared__ __align__(16) float warp_max[kWarps];
+  __shared__ __align__(16) float2 warp_sum[kWarps];  // (sum of exp, sum of w z)
   const cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank()), csize = static_cast<int>(cluster.num_blocks());
   const int lane = threadIdx.x & 31;
@@ -348,25 +358,27 @@ __global__ void __launch_bounds__(THREADS, 4096 / (THREADS * VECS))
       zt[0] = to_f32(src[t - lo]) + (p.bias ? to_f32(static_cast<const T*>(p.bias)[t]) : 0.0f);
       cap_row<EXT>(cap, zt);
     }
-    __syncthreads();  // the stage is read: hand it back to the copy engine
+    // The block's max first (its warps' maxima meet at the barrier that frees the stage), so that
+    // the exponentials are relative to one max and their sums add plainly: merging (max, sum) pairs
+    // in the reduction took two exponentials a level, about a third of the special-function unit's
+    // work a row.
+    float m = mq[0];
+#pragma unroll
+    for (int q = 1; q < VEC; ++q) m = fmaxf(m, mq[q]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) warp_max[threadIdx.x >> 5] = m;
+    __syncthreads();  // the stage is read: hand it back to the copy engine; warp_max complete
     if (threadIdx.x == 0) {
       ptx::fence_proxy_async(ptx::space_shared);  // our generic reads before the async proxy's writes
       issue(it + stages);
     }
-    float m = mq[0];
+    m = warp_max[0];
 #pragma unroll
-    for (int q = 1; q < VEC; ++q) m = fmaxf(m, mq[q]);
+    for (int w = 1; w < kWarps; ++w) m = fmaxf(m, warp_max[w]);
     const float mL = m * L;
     float sq[VEC] = {}, wq[VEC] = {};  // sums of exp and of w z, per lane
-    if (m != -INFINITY) {  // else every z is -inf (masked) or there are none: exp(-inf - -inf) would be NaN
-#pragma unroll
-      for (int k = 0; k < VECS; ++k)
-        if ((k * THREADS + threadIdx.x) * VEC < len) {
-#pragma unroll
-          for (int q = 0; q < VEC; ++q) sq[q] += expL(fmaf(z[k][q], L, -mL));
-        }
-    }
-    if (eps > 0.0f) {
+    if (eps > 0.0f) {  // before the exponentials replace z (kKeepExp)
 #pragma unroll
       for (int k = 0; k < VECS; ++k) {
         const int e = (k * THREADS + threadIdx.x) * VEC;
@@ -376,11 +388,38 @@ __global__ void __launch_bounds__(THREADS, 4096 / (THREADS * VECS))
         }
       }
     }
+    // Every z -inf (masked) or none: m = -inf, and exp(z - m) would be NaN; exponents from 0 instead
+    // give exp(-inf) = 0, the masked logits' share.
+    const float mL0 = m == -INFINITY ? 0.0f : mL;
+#pragma unroll
+    for (int k = 0; k < VECS; ++k)
+      if ((k * THREADS + threadIdx.x) * VEC < len) {
+#pragma unroll
+        for (int q = 0; q < VEC; ++q) {
+          const float ez = expL(fmaf(z[k][q], L, -mL0));
+          sq[q] += ez;
+          if constexpr (kKeepExp) z[k][q] = ez;
+        }
+      }
+    // The sums over the block, every thread adding the warps' sums in the same order.  One barrier:
+    // the next write of warp_sum follows the next row's first barrier, after every read here.
     MS ms{mL, 0.0f};
     float sum = 0.0f;  // sum_j w_j z_j (only with smoothing)
 #pragma unroll
     for (int q = 0; q < VEC; ++q) ms.s += sq[q], sum += wq[q];
-    block_reduce<kBase2>(ms, sum, sm, ss, sx);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      ms.s += __shfl_xor_sync(0xffffffffu, ms.s, o);
+      sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    }
+    if (lane == 0) warp_sum[threadIdx.x >> 5] = float2{ms.s, sum};
+    __syncthreads();
+    ms.s = 0.0f, sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float2 ws = warp_sum[w];
+      ms.s += ws.x, sum += ws.y;
+    }
     // The exchange.
     const int x = exchanges & 1;
     const uint32_t x_parity = (exchanges >> 1) & 1;
@@ -412,6 +451,9 @@ __global__ void __launch_bounds__(THREADS, 4096 / (THREADS * VECS))
     // dz_j = A p_j - S w_j - H [j = t], the row's scale folded in; NaN throughout for a bad target.
     const RowGrad r = row_grad(p, lse, t, bad, wt, tau, scale, wsum);
     const float A = bad ? NAN : r.a * r.s_row, S = bad ? NAN : r.smooth * r.s_row, H = r.hot * r.s_row;
+    // kKeepExp: p_j = 2^(L z_j - L m) 2^(L m - L lse), the first factor kept from the sum above.  In a
+    // masked slice (m = -inf, kept values 0) the second is 0 too; a row whose lse is NaN makes it NaN.
+    const float Ae = kKeepExp ? A * expL(mL - lse2) : A;
     // The target's position relative to this thread's first element (none: out of every slice's reach).
     const int tl = t >= lo && t < lo + len ? static_cast<int>(t - lo) - static_cast<int>(threadIdx.x) * VEC : INT_MIN;
 #pragma unroll
@@ -420,7 +462,10 @@ __global__ void __launch_bounds__(THREADS, 4096 / (THREADS * VECS))
       if (e < len) {
         float d[VEC];
 #pragma unroll
-        for (int q = 0; q < VEC; ++q) d[q] = A * expL(fmaf(z[k][q], L, -lse2)) - (cw ? S * cw[e + q] : S);
+        for (int q = 0; q < VEC; ++q) {
+          if constexpr (kKeepExp) d[q] = fmaf(Ae, z[k][q], -S);
+          else d[q] = A * expL(fmaf(z[k][q], L, -lse2)) - (cw ? S * cw[e + q] : S);
+        }
         const int kb = k * THREADS * VEC;
         if (tl >= kb && tl < kb + VEC) {  // this vector holds the target
 #pragma unroll

@@ -12,7 +12,7 @@ struct CrossEntropyConfig {
   int threads = 512;    // a block of the cluster path: 512 or 1024
   int vecs = 8;         // 16-byte vectors a thread holds: 512 x 8 and 1024 x 4 = 64 KiB slices, one
                         // block per SM; 512 x 4 = 32 KiB slices, two blocks per SM
-  int stages = 2;       // rows whose loads a block keeps in flight (1..4)
+  int stages = 1;       // rows whose loads a block keeps in flight (1..4; 1 measured fastest, bench/RESULTS.md)
   int max_clusters = 0; // 0: as many clusters as fit at once; tests set a few, so that each block
                         // runs many rows through its stages
 };
