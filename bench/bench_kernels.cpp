@@ -244,17 +244,19 @@ void sweep_layer_norm() {
   const Tensor dw = Tensor::empty({h}, DType::bf16, kDev), db = Tensor::empty({h}, DType::bf16, kDev);
   p.dy = dy.data(), p.dy_stride = h, p.dx = dx.data(), p.dx_stride = h, p.dw = dw.data(), p.db = db.data();
   const double bb = 3.0 * bt * h * 2 / 1e9;
-  std::printf("sweep layernorm bwd: vectors a thread, blocks an SM (0: as many as fit)\n");
+  std::printf("sweep layernorm bwd: vectors a thread, blocks an SM (0: as many as fit), cluster (0: default, 1: none)\n");
   for (int items : {1, 2})
-    for (int blocks : {0, 1, 2, 3}) {
-      const Tensor ws = Tensor::empty({static_cast<int64_t>(liger::layer_norm_backward_workspace_with(p, 0, items, blocks))}, DType::u8, kDev);
-      liger::LayerNormParams q = p;
-      q.workspace = ws.data();
-      const Timing t = time_op(kDev, [&] { check(liger::layer_norm_backward_cuda_with(q, cuda::current_stream(), items, blocks)); }, 10, 50);
-      const double gbps = bb / (t.median_ms * 1e-3);
-      std::printf("  layernorm bwd %d %d  %8.4f ms %6.0f GB/s %5.1f%%\n", items, blocks, t.median_ms, gbps, 100 * gbps / g_copy_gbps);
-      g_rows.push_back({{"op", "sweep layernorm bwd"}, {"items", items}, {"blocks_per_sm", blocks}, {"ms", t.median_ms}, {"GBps", gbps}});
-    }
+    for (int blocks : {0, 1, 2})
+      for (int cluster : {1, 2, 4, 8}) {
+        const Tensor ws = Tensor::empty({static_cast<int64_t>(liger::layer_norm_backward_workspace_with(p, 0, items, blocks, cluster))},
+                                        DType::u8, kDev);
+        liger::LayerNormParams q = p;
+        q.workspace = ws.data();
+        const Timing t = time_op(kDev, [&] { check(liger::layer_norm_backward_cuda_with(q, cuda::current_stream(), items, blocks, cluster)); }, 10, 50);
+        const double gbps = bb / (t.median_ms * 1e-3);
+        std::printf("  layernorm bwd %d %d %d  %8.4f ms %6.0f GB/s %5.1f%%\n", items, blocks, cluster, t.median_ms, gbps, 100 * gbps / g_copy_gbps);
+        g_rows.push_back({{"op", "sweep layernorm bwd"}, {"items", items}, {"blocks_per_sm", blocks}, {"cluster", cluster}, {"ms", t.median_ms}, {"GBps", gbps}});
+      }
 }
 
 void bench_swiglu() {
@@ -502,7 +504,8 @@ void bench_attention() {
 // Every launch configuration of the loop and registers paths (and the backward's bulk path) at the
 // benchmark shape, forward (RMSNorm and AddRMSNorm) and backward (RMSNorm) separately: the measurements behind the defaults
 // in rms_norm_cuda.cu.  Columns: items (16-byte vectors a thread; 0: loop path), persistent, stages
-// (> 0: bulk path, rows in flight a block), blocks_per_sm (0: as many as fit).
+// (> 0: bulk path, rows in flight a block), blocks_per_sm (0: as many as fit), cluster (the bulk
+// path's dw sums added in clusters of that many blocks; 1: none).
 void sweep_rms_norm() {
   const int64_t bt = 8192, h = 4096;
   Generator gen(7);
@@ -511,20 +514,21 @@ void sweep_rms_norm() {
   const test::RMSNormTensors t = test::rms_norm_tensors(x, w, dy);
   const liger::RMSNormParams p = test::rms_norm_params(t);
   const double fb = 2.0 * bt * h * 2 / 1e9, bb = 3.0 * bt * h * 2 / 1e9;
-  std::printf("sweep rmsnorm bf16 [%lld, %lld]: items persistent stages blocks_per_sm (add: AddRMSNorm, 4 units)\n",
+  std::printf("sweep rmsnorm bf16 [%lld, %lld]: items persistent stages blocks_per_sm cluster (add: AddRMSNorm, 4 units)\n",
               (long long)bt, (long long)h);
   std::vector<liger::RMSNormConfig> configs;
   for (int items : {0, 1, 2, 4})
     for (bool persistent : {false, true}) configs.push_back({items, persistent, 0, 0});
   for (int items : {1, 2})
-    for (int stages : {2, 3, 4, 6})
-      for (int blocks : {0, 1, 2, 3}) configs.push_back({items, true, stages, blocks});
+    for (int stages : {2, 3})
+      for (int blocks : {0, 2})
+        for (int cluster : {1, 2, 4, 8}) configs.push_back({items, true, stages, blocks, cluster});
   auto report = [&](const char* op, const liger::RMSNormConfig& c, const Timing& t, double gb) {
     const double gbps = gb / (t.median_ms * 1e-3);
-    std::printf("  %-22s %d %d %d %d  %8.4f ms %6.0f GB/s %5.1f%%\n", op, c.items, c.persistent, c.stages, c.blocks_per_sm,
-                t.median_ms, gbps, 100 * gbps / g_copy_gbps);
-    g_rows.push_back({{"op", std::string("sweep ") + op}, {"items", c.items}, {"persistent", c.persistent},
-                      {"stages", c.stages}, {"blocks_per_sm", c.blocks_per_sm}, {"ms", t.median_ms}, {"GBps", gbps}});
+    std::printf("  %-22s %d %d %d %d %d  %8.4f ms %6.0f GB/s %5.1f%%\n", op, c.items, c.persistent, c.stages, c.blocks_per_sm,
+                c.cluster, t.median_ms, gbps, 100 * gbps / g_copy_gbps);
+    g_rows.push_back({{"op", std::string("sweep ") + op}, {"items", c.items}, {"persistent", c.persistent}, {"stages", c.stages},
+                      {"blocks_per_sm", c.blocks_per_sm}, {"cluster", c.cluster}, {"ms", t.median_ms}, {"GBps", gbps}});
   };
   const Tensor res = Tensor::randn({bt, h}, DType::bf16, kDev, gen), rout = Tensor::empty({bt, h}, DType::bf16, kDev);
   for (bool add : {false, true})

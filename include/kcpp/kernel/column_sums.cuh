@@ -61,6 +61,29 @@ __global__ void __launch_bounds__(32 * kColumnSumGroups) column_sums_kernel(cons
   }
 }
 
+// The step before, for persistent blocks launched in thread-block clusters (sm_90): each block of a
+// cluster has put its n partial sums in its own shared memory at `stage`; block r adds the cluster's
+// values of its 1 / C of the n columns, read through distributed shared memory in rank order
+// (deterministic), and writes them to `out_row`, the cluster's row of the workspace.  The workspace,
+// and what column_sums reads back, shrink C-fold (at [8192, 4096] on an H200 the 264 blocks of the
+// LayerNorm backward wrote 8.6 MB of partial sums; bench/RESULTS.md).  Every thread of every block
+// of the cluster calls it; n % 4 == 0, `stage` and `out_row` 16-byte aligned.
+template <typename Cluster>
+__device__ __forceinline__ void cluster_column_sums(float* stage, int64_t n, float* out_row, const Cluster& cluster) {
+  cluster.sync();  // every block's sums staged and visible to the cluster
+  const int csize = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
+  const int64_t per = (n / csize + 3) / 4 * 4, lo = rank * per, hi = n < lo + per ? n : lo + per;
+  for (int64_t c = lo + 4 * int64_t(threadIdx.x); c < hi; c += 4 * int64_t(blockDim.x)) {
+    float4 acc = *reinterpret_cast<const float4*>(cluster.map_shared_rank(stage + c, 0));
+    for (int q = 1; q < csize; ++q) {
+      const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(stage + c, q));
+      acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
+    }
+    *reinterpret_cast<float4*>(out_row + c) = acc;
+  }
+  cluster.sync();  // no block leaves (its shared memory with it) while a peer may still read it
+}
+
 // Enqueues out[0, h) = column sums of part (see above), and out2[0, h) = those of columns [h, 2h)
 // where out2 is given; launch errors are left for the caller's check.  On sm_90 it is launched as a
 // programmatic dependent of the kernel before it in the stream (which wrote `part`): its blocks start

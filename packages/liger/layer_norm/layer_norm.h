@@ -64,10 +64,11 @@ const char* layer_norm_forward_cuda(const LayerNormParams& p, cudaStream_t strea
 const char* layer_norm_forward_cuda_with(const LayerNormParams& p, cudaStream_t stream, int items);
 const char* layer_norm_backward_cuda(const LayerNormParams& p, cudaStream_t stream);
 // As the two above with the backward's row paths' 16-byte vectors a thread (1 or 2; other values, or
-// a row beyond them: the default) and resident blocks an SM (> 0: at most that many) given: for the
-// sweep of bench/bench_kernels.cpp.
-size_t layer_norm_backward_workspace_with(const LayerNormParams& p, int device, int items, int blocks_per_sm);
-const char* layer_norm_backward_cuda_with(const LayerNormParams& p, cudaStream_t stream, int items, int blocks_per_sm);
+// a row beyond them: the default), resident blocks an SM (> 0: at most that many) and the bulk path's
+// cluster size (1, 2, 4 or 8; 1: no cluster; 0: the default) given: for the sweep of
+// bench/bench_kernels.cpp and the tests.
+size_t layer_norm_backward_workspace_with(const LayerNormParams& p, int device, int items, int blocks_per_sm, int cluster);
+const char* layer_norm_backward_cuda_with(const LayerNormParams& p, cudaStream_t stream, int items, int blocks_per_sm, int cluster);
 #endif
 
 }  // namespace kcpp::liger

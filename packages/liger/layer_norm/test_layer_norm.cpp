@@ -166,18 +166,20 @@ TEST(LigerLayerNormCuda, ManyRowsPerBlockWithinTheBound) {
       EXPECT_LE(edw, test::kernel_bound(edw_ref, dt)) << cfg << " dw (reference error " << edw_ref << ")";
       EXPECT_LE(edb, test::kernel_bound(edb_ref, dt)) << cfg << " db (reference error " << edb_ref << ")";
       // Every row-path configuration the sweep can choose: 1 or 2 vectors a thread, as many blocks
-      // as fit or one an SM (each block's ring then wraps twice as often).
+      // as fit or one an SM (each block's ring then wraps twice as often), the bulk path's partial
+      // sums added in clusters of the default size, of 2 or 8, or not at all.
       for (int items : {1, 2})
-        for (int blocks_per_sm : {0, 1}) {
-          const std::string c = fmt::format("{} items={} blocks_per_sm={}", cfg, items, blocks_per_sm);
+        for (int blocks_per_sm : {0, 1})
+          for (int cluster : {0, 1, 2, 8}) {
+          const std::string c = fmt::format("{} items={} blocks_per_sm={} cluster={}", cfg, items, blocks_per_sm, cluster);
           LayerNormParams p = params(x, w, b, got.mean, got.rstd);
           const Tensor dx = Tensor::empty({rows, h}, dt, dev), dw = Tensor::empty({h}, dt, dev), db = Tensor::empty({h}, dt, dev);
           p.dy = dy.data(), p.dy_stride = dy.stride(0), p.dx = dx.data(), p.dx_stride = dx.stride(0);
           p.dw = dw.data(), p.db = db.data();
-          const size_t bytes = liger::layer_norm_backward_workspace_with(p, dev.index, items, blocks_per_sm);
+          const size_t bytes = liger::layer_norm_backward_workspace_with(p, dev.index, items, blocks_per_sm, cluster);
           const Tensor ws = Tensor::empty({std::max<int64_t>(1, static_cast<int64_t>(bytes))}, DType::u8, dev);
           p.workspace = ws.data();
-          ASSERT_EQ(liger::layer_norm_backward_cuda_with(p, cuda::current_stream(), items, blocks_per_sm), nullptr) << c;
+          ASSERT_EQ(liger::layer_norm_backward_cuda_with(p, cuda::current_stream(), items, blocks_per_sm, cluster), nullptr) << c;
           EXPECT_LE(test::mag_error(dx, bo.dx, bo.dx_mag), test::kernel_bound(edx_ref, dt)) << c << " dx";
           EXPECT_LE(test::mag_error(dw, bo.dw, bo.dw_mag), test::kernel_bound(edw_ref, dt)) << c << " dw";
           EXPECT_LE(test::rel_l2_error(db, bo.db), test::kernel_bound(edb_ref, dt)) << c << " db";

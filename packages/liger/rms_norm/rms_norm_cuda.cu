@@ -15,8 +15,12 @@
 // streaming (evict-first) cache hints on the forward's loads and stores (within 1-3%).
 // The grid is either one block per row or persistent (as many blocks as fit, striding over rows).
 // The backward always runs persistent: each block sums dw for its rows into its own f32 workspace
-// row, and column_sums (kcpp/kernel/column_sums.cuh) adds those rows in a fixed order
-// (deterministic, no atomics).
+// row (on the bulk path, clusters of blocks add theirs first, through distributed shared memory),
+// and column_sums (kcpp/kernel/column_sums.cuh) adds those rows in a fixed order (deterministic, no
+// atomics).
+#include <cooperative_groups.h>
+
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -256,6 +260,20 @@ template <typename T, int VEC, int ITEMS, bool DRES> struct BackwardRows {
     }
   }
 
+  // The cluster's dw sums to its workspace row (kcpp/kernel/column_sums.cuh), staged in `stage` (h
+  // floats of the block's shared memory, free once the rows are done).
+  template <typename Cluster>
+  __device__ __forceinline__ void write_cluster_partial(const RMSNormParams& p, float* stage, const Cluster& cluster) const {
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (!live[i]) continue;
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) stage[column<VEC>(i) + k] = dw[i][k];
+    }
+    cluster_column_sums(stage, p.hidden, static_cast<float*>(p.workspace) + int64_t(blockIdx.x / cluster.num_blocks()) * p.hidden,
+                        cluster);
+  }
+
   // The block's dw sums to its own workspace row (column_sums adds the rows).
   __device__ __forceinline__ void write_partial(const RMSNormParams& p) const {
     float* part = static_cast<float*>(p.workspace) + int64_t(blockIdx.x) * p.hidden;
@@ -327,6 +345,13 @@ __global__ void __launch_bounds__(kMaxRegisterThreads) backward_bulk(const __gri
     rstd = rstd_next;
   }
   griddep_launch_dependents();  // column_sums may start launching (it waits for these writes)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  if (cluster.num_blocks() > 1) {  // the ring is idle now: every row issued has been read
+    t.write_cluster_partial(p, reinterpret_cast<float*>(smem_raw), cluster);
+    return;
+  }
+#endif
   t.write_partial(p);
 }
 
@@ -443,10 +468,16 @@ RMSNormConfig default_config(const RMSNormParams& p, bool backward, int vec) {
   return c;
 }
 
-// The backward's bulk-path ring: a slot holds the rows of x, dy (and dresidual_out).
+// The backward's bulk-path ring: a slot holds the rows of x, dy (and dresidual_out); at the end it
+// stages the block's h f32 dw sums for the cluster's addition.
 size_t bulk_smem(const RMSNormParams& p, int stages) {
-  return size_t(stages) * (p.dresidual_out ? 3 : 2) * size_t(p.hidden) * kcpp::kernel::dtype_bytes(p.dtype);
+  return std::max(size_t(stages) * (p.dresidual_out ? 3 : 2) * size_t(p.hidden) * kcpp::kernel::dtype_bytes(p.dtype),
+                  size_t(p.hidden) * sizeof(float));
 }
+
+// The bulk backward's blocks add their dw sums in clusters of this many before column_sums (see
+// kcpp/kernel/column_sums.cuh; measured in bench/RESULTS.md).
+constexpr int kCluster = 4;
 
 // The bulk path (backward only) needs sm_90, rows the copy engine can move (16-byte aligned starts
 // and lengths: what vector_ok checks, strides included) and the ring within the block's shared memory.
@@ -554,36 +585,76 @@ size_t smem_for(const RMSNormParams& p, const Plan& plan, KernelFn fn, bool back
   return loop ? static_cast<size_t>(p.hidden) * sizeof(float) : 0;
 }
 
-// Persistent: as many blocks as can be resident at once (asked of the occupancy API).
-int grid_for(const RMSNormParams& p, const Plan& plan, KernelFn fn, int device, size_t smem) {
+// A launch's grid: `blocks` in clusters of `cluster` (1: none); the backward's dw workspace has
+// partial_rows() rows.
+struct Grid {
+  int blocks = 1, cluster = 1;
+  int partial_rows() const { return blocks / cluster; }
+};
+
+cudaLaunchConfig_t launch_config(const Plan& plan, const Grid& grid, size_t smem, cudaLaunchAttribute* attr, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid.blocks));
+  cfg.blockDim = dim3(static_cast<unsigned>(plan.threads));
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  if (grid.cluster > 1) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = static_cast<unsigned>(grid.cluster);
+    attr[0].val.clusterDim.y = attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  return cfg;
+}
+
+// Persistent: as many blocks as can be resident at once (asked of the occupancy API); the bulk
+// backward's in clusters where there are at least two clusters' worth.
+Grid grid_for(const RMSNormParams& p, const Plan& plan, KernelFn fn, int device, size_t smem) {
   const int64_t cap = int64_t(1) << 30;
   const int64_t blocks = p.rows;
-  if (!plan.config.persistent) return static_cast<int>(std::min<int64_t>(blocks, cap));
-  // The occupancy query costs host time on every launch; its answer never changes, so keep it.
+  if (!plan.config.persistent) return Grid{static_cast<int>(std::min<int64_t>(blocks, cap)), 1};
+  // The occupancy queries cost host time on every launch; their answers never change, so keep them.
   struct Key {
     KernelFn fn;
     int threads, device;
     size_t smem;
-    bool operator<(const Key& o) const { return std::tie(fn, threads, device, smem) < std::tie(o.fn, o.threads, o.device, o.smem); }
+    int cluster;
+    bool operator<(const Key& o) const {
+      return std::tie(fn, threads, device, smem, cluster) < std::tie(o.fn, o.threads, o.device, o.smem, o.cluster);
+    }
   };
   static std::mutex mu;
   static std::map<Key, int> cache;
-  const Key key{fn, plan.threads, device, smem};
-  int per_sm = 0;
-  {
-    std::lock_guard lock(mu);
-    if (auto it = cache.find(key); it != cache.end()) per_sm = it->second;
-  }
-  if (per_sm == 0) {
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, plan.threads, smem) != cudaSuccess || per_sm < 1) {
-      (void)cudaGetLastError();
-      per_sm = 1;
+  auto cached = [&](int cluster, auto&& query) {  // 0 where the query failed
+    const Key key{fn, plan.threads, device, smem, cluster};
+    {
+      std::lock_guard lock(mu);
+      if (auto it = cache.find(key); it != cache.end()) return it->second;
     }
+    const int v = query();
+    if (v == 0) (void)cudaGetLastError();
     std::lock_guard lock(mu);
-    cache[key] = per_sm;
-  }
+    return cache[key] = v;
+  };
+  int per_sm = std::max(1, cached(0, [&] {
+    int n = 0;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, plan.threads, smem) == cudaSuccess ? n : 0;
+  }));
   if (plan.config.blocks_per_sm > 0) per_sm = std::min(per_sm, plan.config.blocks_per_sm);
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(sm_count(device)) * per_sm)));
+  Grid grid{static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(sm_count(device)) * per_sm))), 1};
+  const int c = plan.config.cluster;
+  const int cluster = plan.config.stages == 0 ? 1 : c == 1 || c == 2 || c == 4 || c == 8 ? c : kCluster;
+  if (cluster > 1 && grid.blocks >= 2 * cluster) {
+    const int clusters = cached(cluster, [&] {
+      cudaLaunchAttribute attr[1];
+      const cudaLaunchConfig_t cfg = launch_config(plan, Grid{grid.blocks / cluster * cluster, cluster}, smem, attr, nullptr);
+      int n = 0;
+      return cudaOccupancyMaxActiveClusters(&n, fn, &cfg) == cudaSuccess ? n : 0;
+    });
+    if (clusters > 0) grid = Grid{std::min(grid.blocks / cluster, clusters) * cluster, cluster};  // else no clusters
+  }
+  return grid;
 }
 
 // Shared memory beyond the default 48 KiB (dynamic and static together) must be asked for, kernel by
@@ -604,7 +675,7 @@ const char* forward(const RMSNormParams& p, cudaStream_t stream, const RMSNormCo
   const KernelFn fn = kernel_for(p, plan, false);
   const size_t smem = smem_for(p, plan, fn, false);
   if (const char* e = allow_smem(fn, smem)) return e;
-  fn<<<grid_for(p, plan, fn, device, smem), plan.threads, smem, stream>>>(p, plan.config.stages);
+  fn<<<grid_for(p, plan, fn, device, smem).blocks, plan.threads, smem, stream>>>(p, plan.config.stages);
   return launch_error("rms_norm forward");
 }
 
@@ -614,7 +685,7 @@ size_t workspace(const RMSNormParams& p, int device, const RMSNormConfig* config
   const KernelFn fn = kernel_for(p, plan, true);
   const size_t smem = smem_for(p, plan, fn, true);
   if (allow_smem(fn, smem)) return 0;
-  return static_cast<size_t>(grid_for(p, plan, fn, device, smem)) * static_cast<size_t>(p.hidden) * sizeof(float);
+  return static_cast<size_t>(grid_for(p, plan, fn, device, smem).partial_rows()) * static_cast<size_t>(p.hidden) * sizeof(float);
 }
 
 const char* backward(const RMSNormParams& p, cudaStream_t stream, const RMSNormConfig* config) {
@@ -632,10 +703,16 @@ const char* backward(const RMSNormParams& p, cudaStream_t stream, const RMSNormC
   const KernelFn fn = kernel_for(p, plan, true);
   const size_t smem = smem_for(p, plan, fn, true);
   if (const char* e = allow_smem(fn, smem)) return e;
-  const int blocks = grid_for(p, plan, fn, device, smem);
-  fn<<<blocks, plan.threads, smem, stream>>>(p, plan.config.stages);
+  const Grid grid = grid_for(p, plan, fn, device, smem);
+  if (grid.cluster > 1) {
+    cudaLaunchAttribute attr[1];
+    const cudaLaunchConfig_t cfg = launch_config(plan, grid, smem, attr, stream);
+    (void)cudaLaunchKernelEx(&cfg, fn, p, plan.config.stages);  // an error is reported below
+  } else {
+    fn<<<grid.blocks, plan.threads, smem, stream>>>(p, plan.config.stages);
+  }
   return visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
-    column_sums<T>(static_cast<const float*>(p.workspace), blocks, p.hidden, p.hidden, static_cast<T*>(p.dw), stream);
+    column_sums<T>(static_cast<const float*>(p.workspace), grid.partial_rows(), p.hidden, p.hidden, static_cast<T*>(p.dw), stream);
     return launch_error("rms_norm backward");
   });
 }

@@ -15,6 +15,9 @@ struct RMSNormConfig {
   int stages = 0;           // > 0: the backward's bulk path (sm_90, items > 0): rows in flight a
                             // block, loaded by the copy engine into shared memory (at most 8)
   int blocks_per_sm = 0;    // > 0: at most this many resident blocks an SM (persistent grids)
+  int cluster = 0;          // the backward's bulk path: blocks whose dw sums are added in a cluster
+                            // (distributed shared memory) before column_sums: 1 (none), 2, 4 or 8;
+                            // 0: the default
 };
 
 #if KCPP_WITH_CUDA

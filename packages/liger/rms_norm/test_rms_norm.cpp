@@ -182,7 +182,8 @@ TEST(LigerRMSNormCuda, EveryConfigurationWithinTheBound) {
     for (bool persistent : {false, true}) configs.push_back({items, persistent, 0, 0});
   for (int items : {1, 2, 4})
     for (int stages : {1, 3, 8})
-      for (int blocks_per_sm : {0, 1}) configs.push_back({items, true, stages, blocks_per_sm});
+      for (int blocks_per_sm : {0, 1})
+        for (int cluster : {0, 1, 8}) configs.push_back({items, true, stages, blocks_per_sm, cluster});
   for (DType dt : {DType::f32, DType::bf16})
     for (int64_t h : {1000, 4096}) {
       const int64_t rows = h == 4096 ? 301 : 989;
@@ -205,9 +206,9 @@ TEST(LigerRMSNormCuda, EveryConfigurationWithinTheBound) {
         const double edx = test::kernel_bound(test::mag_error(add ? ops::add(rb.dx, dres) : rb.dx, bo.dx, bo.dx_mag), dt);
         const double edw = test::kernel_bound(test::mag_error(rb.dw, bo.dw, bo.dw_mag), dt);
         for (const liger::RMSNormConfig& c : configs) {
-          const std::string cfg = fmt::format("{} h={} add={} items={} persistent={} stages={} blocks_per_sm={}",
+          const std::string cfg = fmt::format("{} h={} add={} items={} persistent={} stages={} blocks_per_sm={} cluster={}",
                                               test::config_name(dev, dt), h, add, c.items, c.persistent, c.stages,
-                                              c.blocks_per_sm);
+                                              c.blocks_per_sm, c.cluster);
           const test::RMSNormTensors t = test::rms_norm_tensors(x, w, dy);
           RMSNormParams p = test::rms_norm_params(t, opt);
           const Tensor rout = Tensor::empty({rows, h}, dt, dev);
