@@ -8,6 +8,7 @@
 //  3. reduce_loss (Mean, Sum): one block adds the rows' losses in a fixed order.
 #include <algorithm>
 #include <climits>
+#include <cstdint>
 #include <cmath>
 #include <mutex>
 
@@ -103,12 +104,33 @@ template <typename T, int VEC> __device__ __forceinline__ void load_row(const T*
   }
 }
 
-// Softcap (EXT only): z = c tanh(x / c).
-template <bool EXT, int VEC> __device__ __forceinline__ void cap_row(float cap, float (&f)[VEC]) {
+// Softcap (EXT only): z = c tanh(x / c), the division a multiply by 1 / c (`inv`, computed once: an
+// IEEE division an element, twice with the derivative, was a large part of the options path).
+template <bool EXT, int VEC> __device__ __forceinline__ void cap_row(float cap, float inv, float (&f)[VEC]) {
   if (EXT && cap > 0.0f) {
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) f[k] = cap * tanhf(f[k] / cap);
+    for (int k = 0; k < VEC; ++k) f[k] = cap * tanhf(f[k] * inv);
   }
+}
+
+// VEC class weights from w (16-byte loads where `aligned`).
+template <int VEC> __device__ __forceinline__ void load_weights(const float* w, bool aligned, float (&out)[VEC]) {
+  if (VEC % 4 == 0 && aligned) {
+#pragma unroll
+    for (int k = 0; k < VEC; k += 4) {
+      const float4 v = *reinterpret_cast<const float4*>(w + k);
+      out[k] = v.x, out[k + 1] = v.y, out[k + 2] = v.z, out[k + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) out[k] = w[k];
+  }
+}
+
+// dz / dx of the softcap at z: 1 - (z / c)^2.
+__device__ __forceinline__ float cap_slope(float z, float inv) {
+  const float u = z * inv;
+  return fmaf(-u, u, 1.0f);
 }
 
 // The scalars of one row's gradient (cross_entropy.h): dz_j = s_row (p_j a - smooth w_j - hot [j = t]),
@@ -126,9 +148,10 @@ __device__ __forceinline__ RowGrad row_grad(const CrossEntropyParams& p, float l
 }
 
 // The gradient of logit j whose (biased, capped) value is z.
-template <bool EXT> __device__ __forceinline__ float grad_at(const RowGrad& r, float z, int64_t j, const float* cw, float cap) {
+template <bool EXT>
+__device__ __forceinline__ float grad_at(const RowGrad& r, float z, int64_t j, const float* cw, float cap, float inv_cap) {
   float d = expf(z - r.lse) * r.a - r.smooth * (cw ? cw[j] : 1.0f) - (j == r.t ? r.hot : 0.0f);
-  if (EXT && cap > 0.0f) d *= 1.0f - (z / cap) * (z / cap);
+  if (EXT && cap > 0.0f) d *= cap_slope(z, inv_cap);
   return r.bad ? NAN : d * r.s_row;
 }
 
@@ -172,7 +195,7 @@ __global__ void __launch_bounds__(kThreads, 2048 / kThreads) rows_kernel(const _
                                                          const float* count) {
   __shared__ float sm[32], ss[32], sx[32];
   const int64_t v = p.v, step = int64_t(blockDim.x) * VEC;
-  const float cap = p.softcap;
+  const float cap = p.softcap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f;
   const float* cw = EXT ? p.class_weight : nullptr;
   const float wsum = cw ? count[1] : static_cast<float>(v);
   const float scale = p.reduction == CEReduction::Mean ? p.grad_scale / count[0] : p.grad_scale;
@@ -198,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, 2048 / kThreads) rows_kernel(const _
     for (int64_t j = threadIdx.x * VEC; j < v; j += step) {
       float f[VEC];
       load_row(x, bias, j, f);
-      cap_row<EXT>(cap, f);
+      cap_row<EXT>(cap, inv_cap, f);
       float vm = f[0];
 #pragma unroll
       for (int k = 1; k < VEC; ++k) vm = fmaxf(vm, f[k]);
@@ -211,7 +234,7 @@ __global__ void __launch_bounds__(kThreads, 2048 / kThreads) rows_kernel(const _
     const float wt = bad ? 0.0f : cw ? cw[t] : 1.0f;
     if (threadIdx.x == 0) {
       float zt[1] = {bad ? 0.0f : to_f32(x[t]) + (bias ? to_f32(bias[t]) : 0.0f)};
-      cap_row<EXT>(cap, zt);
+      cap_row<EXT>(cap, inv_cap, zt);
       write_row_loss(p, i, out_loss, bad, lse, zt[0], sum, wt, tau, wsum);
     }
     if (!g) continue;
@@ -220,9 +243,9 @@ __global__ void __launch_bounds__(kThreads, 2048 / kThreads) rows_kernel(const _
     for (int64_t j = threadIdx.x * VEC; j < v; j += step) {
       float f[VEC];
       load_row(x, bias, j, f);
-      cap_row<EXT>(cap, f);
+      cap_row<EXT>(cap, inv_cap, f);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) f[k] = grad_at<EXT>(r, f[k], j + k, cw, cap);
+      for (int k = 0; k < VEC; ++k) f[k] = grad_at<EXT>(r, f[k], j + k, cw, cap, inv_cap);
       store_f32(g + j, f);
     }
   }
@@ -284,8 +307,9 @@ __global__ void __launch_bounds__(THREADS, 4096 / (THREADS * VECS))
   const uint32_t bytes = static_cast<uint32_t>(len) * sizeof(T);
   T* const buf = reinterpret_cast<T*>(smem_raw);
   const T* bias = p.bias ? static_cast<const T*>(p.bias) + lo : nullptr;
-  const float cap = p.softcap, eps = p.label_smoothing;
+  const float cap = p.softcap, inv_cap = cap > 0.0f ? 1.0f / cap : 0.0f, eps = p.label_smoothing;
   const float* cw = EXT && p.class_weight ? p.class_weight + lo : nullptr;
+  const bool cw16 = (reinterpret_cast<uintptr_t>(cw) & 15) == 0;  // then every vector's weights are (lo, e: multiples of VEC)
   const float wsum = EXT && p.class_weight ? count[1] : static_cast<float>(p.v);
   const float scale = p.reduction == CEReduction::Mean ? p.grad_scale / count[0] : p.grad_scale;
 
@@ -348,7 +372,7 @@ __global__ void __launch_bounds__(THREADS, 4096 / (THREADS * VECS))
       const int e = (k * THREADS + threadIdx.x) * VEC;
       if (e < len) {
         load_row(src, bias, e, z[k]);
-        cap_row<EXT>(cap, z[k]);
+        cap_row<EXT>(cap, inv_cap, z[k]);
 #pragma unroll
         for (int q = 0; q < VEC; ++q) mq[q] = fmaxf(mq[q], z[k][q]);
       }
@@ -356,7 +380,7 @@ __global__ void __launch_bounds__(THREADS, 4096 / (THREADS * VECS))
     float zt[1] = {0.0f};  // z_t, from the block that owns column t (0 elsewhere: the exchange sums it)
     if (threadIdx.x == 0 && t >= lo && t < lo + len) {
       zt[0] = to_f32(src[t - lo]) + (p.bias ? to_f32(static_cast<const T*>(p.bias)[t]) : 0.0f);
-      cap_row<EXT>(cap, zt);
+      cap_row<EXT>(cap, inv_cap, zt);
     }
     // The block's max first (its warps' maxima meet at the barrier that frees the stage), so that
     // the exponentials are relative to one max and their sums add plainly: merging (max, sum) pairs
@@ -383,8 +407,10 @@ __global__ void __launch_bounds__(THREADS, 4096 / (THREADS * VECS))
       for (int k = 0; k < VECS; ++k) {
         const int e = (k * THREADS + threadIdx.x) * VEC;
         if (e < len) {
+          float w[VEC];
+          if (cw) load_weights(cw + e, cw16, w);
 #pragma unroll
-          for (int q = 0; q < VEC; ++q) wq[q] += cw ? cw[e + q] * z[k][q] : z[k][q];
+          for (int q = 0; q < VEC; ++q) wq[q] += cw ? w[q] * z[k][q] : z[k][q];
         }
       }
     }
@@ -460,11 +486,12 @@ __global__ void __launch_bounds__(THREADS, 4096 / (THREADS * VECS))
     for (int k = 0; k < VECS; ++k) {
       const int e = (k * THREADS + threadIdx.x) * VEC;
       if (e < len) {
-        float d[VEC];
+        float d[VEC], w[VEC];
+        if (cw) load_weights(cw + e, cw16, w);
 #pragma unroll
         for (int q = 0; q < VEC; ++q) {
           if constexpr (kKeepExp) d[q] = fmaf(Ae, z[k][q], -S);
-          else d[q] = A * expL(fmaf(z[k][q], L, -lse2)) - (cw ? S * cw[e + q] : S);
+          else d[q] = A * expL(fmaf(z[k][q], L, -lse2)) - (cw ? S * w[q] : S);
         }
         const int kb = k * THREADS * VEC;
         if (tl >= kb && tl < kb + VEC) {  // this vector holds the target
@@ -474,7 +501,7 @@ __global__ void __launch_bounds__(THREADS, 4096 / (THREADS * VECS))
         }
         if (EXT && cap > 0.0f) {
 #pragma unroll
-          for (int q = 0; q < VEC; ++q) d[q] *= 1.0f - (z[k][q] / cap) * (z[k][q] / cap);
+          for (int q = 0; q < VEC; ++q) d[q] *= cap_slope(z[k][q], inv_cap);
         }
         store_f32(g + e, d);
       }
