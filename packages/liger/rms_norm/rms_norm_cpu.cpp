@@ -19,16 +19,15 @@ using kernel::cpu::store_row;
 
 template <typename T> float round_to(float v) { return kernel::cpu::round_to<T>(v); }
 
-template <typename T> float normed(float x, float rstd, RMSNormCasting c) {
-  switch (c) {
-    case RMSNormCasting::Llama: return round_to<T>(x * rstd);
-    case RMSNormCasting::Gemma: return x * rstd;
-    case RMSNormCasting::None: return round_to<T>(x * round_to<T>(rstd));
-  }
-  return x * rstd;
+// The casting mode is a template parameter: a switch inside the element loops kept GCC from
+// vectorizing them for 16-bit types ("control flow in loop").
+template <typename T, RMSNormCasting C> float normed(float x, float rstd) {
+  if constexpr (C == RMSNormCasting::Llama) return round_to<T>(x * rstd);
+  else if constexpr (C == RMSNormCasting::Gemma) return x * rstd;
+  else return round_to<T>(x * round_to<T>(rstd));
 }
 
-template <typename T> KCPP_CPU_MULTIVERSION void forward(const RMSNormParams& p) {
+template <typename T, RMSNormCasting C> KCPP_CPU_MULTIVERSION void forward(const RMSNormParams& p) {
   const int64_t h = p.hidden;
   std::vector<float> w(h);
   load_row(static_cast<const T*>(p.w), h, w.data());
@@ -49,13 +48,13 @@ template <typename T> KCPP_CPU_MULTIVERSION void forward(const RMSNormParams& p)
       for (int64_t j = 0; j < h; ++j) ss += static_cast<double>(x[j]) * x[j];
       const float rstd = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(h)) + p.eps);
       p.rstd[r] = rstd;
-      for (int64_t j = 0; j < h; ++j) y[j] = normed<T>(x[j], rstd, p.casting) * w[j];
+      for (int64_t j = 0; j < h; ++j) y[j] = normed<T, C>(x[j], rstd) * w[j];
       store_row(y.data(), h, static_cast<T*>(p.y) + r * p.y_stride);
     }
   }
 }
 
-template <typename T> KCPP_CPU_MULTIVERSION void backward(const RMSNormParams& p) {
+template <typename T, RMSNormCasting C> KCPP_CPU_MULTIVERSION void backward(const RMSNormParams& p) {
   const int64_t h = p.hidden;
   const float inv_h = 1.0f / static_cast<float>(h);
   std::vector<float> w(h);
@@ -81,7 +80,7 @@ template <typename T> KCPP_CPU_MULTIVERSION void backward(const RMSNormParams& p
       const float dot = static_cast<float>(acc * rstd) * inv_h;
       for (int64_t j = 0; j < h; ++j) {
         out[j] = rstd * (g[j] - x[j] * rstd * dot);
-        dw[j] += dy[j] * normed<T>(x[j], rstd, p.casting);
+        dw[j] += dy[j] * normed<T, C>(x[j], rstd);
       }
       if (p.dresidual_out) {
         load_row(static_cast<const T*>(p.dresidual_out) + r * p.dres_stride, h, dres.data());
@@ -103,6 +102,23 @@ template <typename F> void visit(kernel::DType t, F&& f) {
     case kernel::DType::f16: f(static_cast<kernel::cpu::f16*>(nullptr)); break;
   }
 }
+
+// f<T, C>(p) for p's dtype and casting mode (both checked).
+template <template <typename, RMSNormCasting> class K> void dispatch(const RMSNormParams& p) {
+  visit(p.dtype, [&]<typename T>(T*) {
+    switch (p.casting) {
+      case RMSNormCasting::Llama: K<T, RMSNormCasting::Llama>::run(p); break;
+      case RMSNormCasting::Gemma: K<T, RMSNormCasting::Gemma>::run(p); break;
+      case RMSNormCasting::None: K<T, RMSNormCasting::None>::run(p); break;
+    }
+  });
+}
+template <typename T, RMSNormCasting C> struct Forward {
+  static void run(const RMSNormParams& p) { forward<T, C>(p); }
+};
+template <typename T, RMSNormCasting C> struct Backward {
+  static void run(const RMSNormParams& p) { backward<T, C>(p); }
+};
 
 }  // namespace
 
@@ -148,13 +164,13 @@ const char* rms_norm_check(const RMSNormParams& p, bool backward) {
 
 const char* rms_norm_forward_cpu(const RMSNormParams& p) {
   if (const char* e = rms_norm_check(p, false)) return e;
-  visit(p.dtype, [&]<typename T>(T*) { forward<T>(p); });
+  dispatch<Forward>(p);
   return nullptr;
 }
 
 const char* rms_norm_backward_cpu(const RMSNormParams& p) {
   if (const char* e = rms_norm_check(p, true)) return e;
-  visit(p.dtype, [&]<typename T>(T*) { backward<T>(p); });
+  dispatch<Backward>(p);
   return nullptr;
 }
 
