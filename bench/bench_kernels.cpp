@@ -373,6 +373,7 @@ void sweep_cross_entropy() {
   const double gb = 2.0 * n * v * 2 / 1e9;
   std::printf("cross-entropy sweep [%lld, %lld] bf16 (cluster, threads, vectors a thread, stages)\n", static_cast<long long>(n), static_cast<long long>(v));
   for (const liger::CrossEntropyConfig c : {liger::CrossEntropyConfig{false}, {true, 512, 8, 1}, {true, 512, 8, 2}, {true, 512, 8, 3},
+                                            {true, 256, 8, 1}, {true, 256, 8, 2}, {true, 256, 8, 3},
                                             {true, 1024, 4, 2}, {true, 512, 4, 2}, {true, 512, 4, 4}}) {
     Tensor loss = Tensor::empty({1}, DType::f32, kDev);
     auto p = test::cross_entropy_params(logits, targets, ops::CrossEntropyOptions{}, loss, grad);

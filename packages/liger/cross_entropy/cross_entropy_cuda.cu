@@ -579,8 +579,24 @@ struct ClusterShape {
   int csize = 0, chunk = 0;
 };
 
+ClusterShape cluster_shape(const CrossEntropyParams& p, const CrossEntropyConfig& c, int device);
+
+// The configuration to run: c, with threads 0 (the default) resolved.  Without the per-element
+// options, 256 x 8 (two blocks an SM, clusters of up to 8) where the row fits 8 such blocks (up to
+// 131072 16-bit logits): at [4096, 128256] bf16 on an H200 0.6267 ms against 0.6429 at 512 x 8
+// (bench/RESULTS.md); else, and with the options (whose kernel holds more registers), 512 x 8.
+CrossEntropyConfig resolved(const CrossEntropyParams& p, CrossEntropyConfig c, int device) {
+  if (c.threads != 0) return c;
+  c.threads = 256, c.vecs = 8;
+  const bool ext = p.softcap > 0.0f || p.class_weight;
+  if (!ext && cluster_shape(p, c, device).csize > 0) return c;
+  c.threads = 512;
+  return c;
+}
+
 ClusterShape cluster_shape(const CrossEntropyParams& p, const CrossEntropyConfig& c, int device) {
-  const bool known = (c.threads == 512 && (c.vecs == 4 || c.vecs == 8)) || (c.threads == 1024 && c.vecs == 4);
+  const bool known = (c.threads == 512 && (c.vecs == 4 || c.vecs == 8)) || (c.threads == 1024 && c.vecs == 4) ||
+                     (c.threads == 256 && c.vecs == 8);
   if (!c.cluster || !known || !p.grad || p.n == 0 || c.stages < 1 || c.stages > kMaxStages) return {};
   if (device_attribute(cudaDevAttrComputeCapabilityMajor, device) < 9) return {};
   const int64_t bytes = kcpp::kernel::dtype_bytes(p.dtype), vec = 16 / bytes;
@@ -655,10 +671,11 @@ const char* launch_cluster_rows(const CrossEntropyParams& p, float* row_loss, co
 }
 
 const char* rows_with(const CrossEntropyParams& p, float* row_loss, const float* count, cudaStream_t stream,
-                      const CrossEntropyConfig& c) {
+                      const CrossEntropyConfig& given) {
   if (p.n == 0) return nullptr;
   int device = 0;
   cudaGetDevice(&device);
+  const CrossEntropyConfig c = resolved(p, given, device);
   const bool ext = p.softcap > 0.0f || p.class_weight;
   if (const ClusterShape shape = cluster_shape(p, c, device); shape.csize > 0) {
     bool launched = false;
@@ -669,6 +686,7 @@ const char* rows_with(const CrossEntropyParams& p, float* row_loss, const float*
                 : launch_cluster_rows<T, false, THREADS, VECS>(p, row_loss, count, shape, c, device, stream, launched);
       };
       if (c.threads == 1024) launch.template operator()<1024, 4>();
+      else if (c.threads == 256) launch.template operator()<256, 8>();
       else if (c.vecs == 8) launch.template operator()<512, 8>();
       else launch.template operator()<512, 4>();
     };
@@ -706,7 +724,7 @@ const char* rows_with(const CrossEntropyParams& p, float* row_loss, const float*
 int cross_entropy_cluster_size(const CrossEntropyParams& p, const CrossEntropyConfig& c) {
   int device = 0;
   cudaGetDevice(&device);
-  return cluster_shape(p, c, device).csize;
+  return cluster_shape(p, resolved(p, c, device), device).csize;
 }
 
 const char* cross_entropy_rows_cuda(const CrossEntropyParams& p, float* row_loss, const float* count, cudaStream_t stream) {

@@ -9,9 +9,11 @@ namespace kcpp::liger {
 struct CrossEntropyConfig {
   bool cluster = true;  // the one-pass cluster path where it applies (sm_90, 16-byte rows, gradient
                         // wanted, a row within 8 blocks' registers); false: the two-pass loop path
-  int threads = 512;    // a block of the cluster path: 512 or 1024
+  int threads = 0;      // a block of the cluster path: 256, 512 or 1024; 0: the default (256 x 8
+                        // where the row fits 8 such blocks and there are no per-element options,
+                        // else 512 x 8; cross_entropy_cuda.cu)
   int vecs = 8;         // 16-byte vectors a thread holds: 512 x 8 and 1024 x 4 = 64 KiB slices, one
-                        // block per SM; 512 x 4 = 32 KiB slices, two blocks per SM
+                        // block per SM; 512 x 4 and 256 x 8 = 32 KiB slices, two blocks per SM
   int stages = 1;       // rows whose loads a block keeps in flight (1..4; 1 measured fastest, bench/RESULTS.md)
   int max_clusters = 0; // 0: as many clusters as fit at once; tests set a few, so that each block
                         // runs many rows through its stages
