@@ -72,7 +72,8 @@ template <typename Cluster>
 __device__ __forceinline__ void cluster_column_sums(float* stage, int64_t n, float* out_row, const Cluster& cluster) {
   cluster.sync();  // every block's sums staged and visible to the cluster
   const int csize = static_cast<int>(cluster.num_blocks()), rank = static_cast<int>(cluster.block_rank());
-  const int64_t per = (n / csize + 3) / 4 * 4, lo = rank * per, hi = n < lo + per ? n : lo + per;
+  // Each rank's share: n / C rounded up, then up to a multiple of 4 (float4s); the last may be shorter.
+  const int64_t per = ((n + csize - 1) / csize + 3) / 4 * 4, lo = rank * per, hi = n < lo + per ? n : lo + per;
   for (int64_t c = lo + 4 * int64_t(threadIdx.x); c < hi; c += 4 * int64_t(blockDim.x)) {
     float4 acc = *reinterpret_cast<const float4*>(cluster.map_shared_rank(stage + c, 0));
     for (int q = 1; q < csize; ++q) {
