@@ -292,6 +292,7 @@ __global__ void __launch_bounds__(THREADS, 4096 / (THREADS * VECS))
   // special-function unit's work (16 a cycle an SM: at 512 x 8 about 2 us of a row's ~6).  The
   // softcap's derivative needs z itself: EXT recomputes.
   constexpr bool kKeepExp = !EXT;
+  constexpr bool kPackedMax = sizeof(T) == 2 && !EXT;  // the max pass on packed pairs (HMNMX2)
   extern __shared__ __align__(128) unsigned char smem_raw[];  // stages x chunk elements of T
   __shared__ uint64_t full[kMaxStages], exchanged[2];
   __shared__ __align__(16) float parts[2][8][4];  // by exchange parity, every block's (L max, sum of exp, sum of w z, z_t)
@@ -367,14 +368,38 @@ __global__ void __launch_bounds__(THREADS, 4096 / (THREADS * VECS))
     float mq[VEC];
 #pragma unroll
     for (int q = 0; q < VEC; ++q) mq[q] = -INFINITY;
+    bool packed = false;  // the max of the 16-bit values themselves, two an instruction (exact; NaN as fmaxf)
+    if constexpr (kPackedMax) packed = bias == nullptr;
+    if constexpr (kPackedMax) if (packed) {
+      using P2 = typename Pair<T>::type;
+      P2 pm[VEC / 2];
 #pragma unroll
-    for (int k = 0; k < VECS; ++k) {
-      const int e = (k * THREADS + threadIdx.x) * VEC;
-      if (e < len) {
-        load_row(src, bias, e, z[k]);
-        cap_row<EXT>(cap, inv_cap, z[k]);
+      for (int q = 0; q < VEC / 2; ++q) pm[q] = Pair<T>::round(-INFINITY, -INFINITY);
 #pragma unroll
-        for (int q = 0; q < VEC; ++q) mq[q] = fmaxf(mq[q], z[k][q]);
+      for (int k = 0; k < VECS; ++k) {
+        const int e = (k * THREADS + threadIdx.x) * VEC;
+        if (e < len) {
+          const Vec<T, VEC> raw = *reinterpret_cast<const Vec<T, VEC>*>(src + e);
+          widen(raw, z[k]);
+          P2 two[VEC / 2];
+          memcpy(two, &raw, sizeof(two));
+#pragma unroll
+          for (int q = 0; q < VEC / 2; ++q) pm[q] = __hmax2(pm[q], two[q]);
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < VEC / 2; ++q) mq[2 * q] = __low2float(pm[q]), mq[2 * q + 1] = __high2float(pm[q]);
+    }
+    if (!packed) {
+#pragma unroll
+      for (int k = 0; k < VECS; ++k) {
+        const int e = (k * THREADS + threadIdx.x) * VEC;
+        if (e < len) {
+          load_row(src, bias, e, z[k]);
+          cap_row<EXT>(cap, inv_cap, z[k]);
+#pragma unroll
+          for (int q = 0; q < VEC; ++q) mq[q] = fmaxf(mq[q], z[k][q]);
+        }
       }
     }
     float zt[1] = {0.0f};  // z_t, from the block that owns column t (0 elsewhere: the exchange sums it)
