@@ -253,16 +253,16 @@ __global__ void __launch_bounds__(kThreads, 2048 / kThreads) rows_kernel(const _
 
 // ---- The one-pass path (sm_90): a thread-block cluster holds each row on chip.
 //
-// A cluster of C blocks (C = 1, 2, 4 or 8, one block per SM) owns rows cid, cid + G, ... (G clusters);
+// A cluster of C blocks (C = 1, 2, 4 or 8; one or two blocks an SM) owns rows cid, cid + G, ... (G clusters);
 // block r of the cluster owns columns [r chunk, (r + 1) chunk) of every row.  Its thread 0 brings the
 // slice of the next `stages` rows into shared memory with the bulk copy engine (cp.async.bulk; a
 // `full` mbarrier a stage counts the bytes), so the loads of later rows are in flight while a row is
 // computed.  For each row every thread moves its part of the slice into registers (the stage goes
 // back to the copy engine at once, at the barrier that also gives the block its max), takes the
 // exponentials relative to that max (kept in registers where the gradient can reuse them), sums them
-// and w z over the block (a second barrier), and thread 0
-// sends that partial to every block of the cluster by st.async, whose bytes complete a phase of the
-// receiver's `exchanged` mbarrier: no cluster barrier a row, whose release would wait for this
+// and w z over the block (a second barrier), and thread 0 sends that partial to every block of the
+// cluster by st.async, whose bytes complete a phase of the receiver's `exchanged` mbarrier: no
+// cluster barrier a row, whose release would wait for this
 // block's gradient stores in flight (it cost 30%).  Every warp merges the C partials itself and the
 // gradient is written from the registers.  DRAM sees each logit read once and each gradient written
 // once: 2 N V element moves, the count anchors.py uses (the loop path makes 3).  Ignored rows are
@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 2048 / kThreads) rows_kernel(const _
 constexpr int kMaxStages = 4;
 
 // THREADS x VECS 16-byte vectors: the largest slice a block holds in registers (64 KiB at 512 x 8
-// or 1024 x 4: one block per SM; 32 KiB at 512 x 4: two).
+// or 1024 x 4: one block per SM; 32 KiB at 256 x 8 or 512 x 4: two).
 template <typename T, bool EXT, int THREADS, int VECS>
 __global__ void __launch_bounds__(THREADS, 4096 / (THREADS * VECS))
     cluster_rows_kernel(const __grid_constant__ CrossEntropyParams p, float* row_loss, const float* count, int chunk, int stages) {
