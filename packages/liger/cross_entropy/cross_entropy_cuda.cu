@@ -104,12 +104,23 @@ template <typename T, int VEC> __device__ __forceinline__ void load_row(const T*
   }
 }
 
+// tanh(y) = sign(y) (1 - 2 / (e^(2 |y|) + 1)) from one special-function exponential and an
+// approximate division: absolute error a few 2^-24 (relative, where |y| is tiny, larger: the
+// subtraction cancels), against tanhf's ~20 instructions.  For 16-bit logits only, whose capped
+// values z = c tanh(x / c) then carry an absolute error of a few c 2^-24, far below their exponentials'
+// f32 rounding's effect on a 16-bit gradient; f32 logits keep tanhf.
+__device__ __forceinline__ float tanh_approx(float y) {
+  const float e = ex2(2.0f * kLog2e * fabsf(y));  // +inf for large |y|: the quotient is then 0
+  return copysignf(1.0f - __fdividef(2.0f, e + 1.0f), y);
+}
+
 // Softcap (EXT only): z = c tanh(x / c), the division a multiply by 1 / c (`inv`, computed once: an
-// IEEE division an element, twice with the derivative, was a large part of the options path).
-template <bool EXT, int VEC> __device__ __forceinline__ void cap_row(float cap, float inv, float (&f)[VEC]) {
+// IEEE division an element, twice with the derivative, was a large part of the options path).  Every
+// use (the row's values and z_t) goes through here, so z_t is the z the row's lse saw.
+template <bool EXT, typename T, int VEC> __device__ __forceinline__ void cap_row(float cap, float inv, float (&f)[VEC]) {
   if (EXT && cap > 0.0f) {
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) f[k] = cap * tanhf(f[k] * inv);
+    for (int k = 0; k < VEC; ++k) f[k] = cap * (sizeof(T) < 4 ? tanh_approx(f[k] * inv) : tanhf(f[k] * inv));
   }
 }
 
@@ -221,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 2048 / kThreads) rows_kernel(const _
     for (int64_t j = threadIdx.x * VEC; j < v; j += step) {
       float f[VEC];
       load_row(x, bias, j, f);
-      cap_row<EXT>(cap, inv_cap, f);
+      cap_row<EXT, T>(cap, inv_cap, f);
       float vm = f[0];
 #pragma unroll
       for (int k = 1; k < VEC; ++k) vm = fmaxf(vm, f[k]);
@@ -234,7 +245,7 @@ __global__ void __launch_bounds__(kThreads, 2048 / kThreads) rows_kernel(const _
     const float wt = bad ? 0.0f : cw ? cw[t] : 1.0f;
     if (threadIdx.x == 0) {
       float zt[1] = {bad ? 0.0f : to_f32(x[t]) + (bias ? to_f32(bias[t]) : 0.0f)};
-      cap_row<EXT>(cap, inv_cap, zt);
+      cap_row<EXT, T>(cap, inv_cap, zt);
       write_row_loss(p, i, out_loss, bad, lse, zt[0], sum, wt, tau, wsum);
     }
     if (!g) continue;
@@ -243,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, 2048 / kThreads) rows_kernel(const _
     for (int64_t j = threadIdx.x * VEC; j < v; j += step) {
       float f[VEC];
       load_row(x, bias, j, f);
-      cap_row<EXT>(cap, inv_cap, f);
+      cap_row<EXT, T>(cap, inv_cap, f);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) f[k] = grad_at<EXT>(r, f[k], j + k, cw, cap, inv_cap);
       store_f32(g + j, f);
@@ -396,7 +407,7 @@ __global__ void __launch_bounds__(THREADS, 4096 / (THREADS * VECS))
         const int e = (k * THREADS + threadIdx.x) * VEC;
         if (e < len) {
           load_row(src, bias, e, z[k]);
-          cap_row<EXT>(cap, inv_cap, z[k]);
+          cap_row<EXT, T>(cap, inv_cap, z[k]);
 #pragma unroll
           for (int q = 0; q < VEC; ++q) mq[q] = fmaxf(mq[q], z[k][q]);
         }
@@ -405,7 +416,7 @@ __global__ void __launch_bounds__(THREADS, 4096 / (THREADS * VECS))
     float zt[1] = {0.0f};  // z_t, from the block that owns column t (0 elsewhere: the exchange sums it)
     if (threadIdx.x == 0 && t >= lo && t < lo + len) {
       zt[0] = to_f32(src[t - lo]) + (p.bias ? to_f32(static_cast<const T*>(p.bias)[t]) : 0.0f);
-      cap_row<EXT>(cap, inv_cap, zt);
+      cap_row<EXT, T>(cap, inv_cap, zt);
     }
     // The block's max first (its warps' maxima meet at the barrier that frees the stage), so that
     // the exponentials are relative to one max and their sums add plainly: merging (max, sum) pairs
