@@ -17,6 +17,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <utility>
 
 #include "kcpp/kernel/cuda.cuh"
 
@@ -83,6 +87,89 @@ __device__ __forceinline__ void cluster_column_sums(float* stage, int64_t n, flo
     *reinterpret_cast<float4*>(out_row + c) = acc;
   }
   cluster.sync();  // no block leaves (its shared memory with it) while a peer may still read it
+}
+
+// ---- Host side of those persistent kernels.
+
+// Blocks a cluster where the caller does not say (RMSNorm's and LayerNorm's bulk backwards): at
+// [8192, 4096] bf16 on an H200 (bench/RESULTS.md) clusters of 2, 4 and 8 were level, LayerNorm's
+// backward 0.0783 ms without clusters and 0.0640 / 0.0638 / 0.0636 ms with them.
+constexpr int kPartialSumCluster = 4;
+
+// A persistent launch: `blocks` blocks in clusters of `cluster` (1: none); its blocks (clusters)
+// write partial_rows() rows of partial sums.
+struct PersistentGrid {
+  int blocks = 1, cluster = 1;
+  int partial_rows() const { return blocks / cluster; }
+};
+
+inline cudaLaunchConfig_t persistent_config(const PersistentGrid& grid, int threads, size_t smem, cudaLaunchAttribute* attr,
+                                            cudaStream_t stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid.blocks));
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  if (grid.cluster > 1) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = static_cast<unsigned>(grid.cluster);
+    attr[0].val.clusterDim.y = attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  return cfg;
+}
+
+// As many blocks of `kernel` as can be resident (at most `blocks_per_sm` an SM where > 0, at most
+// `rows`), in clusters of `cluster` (1, 2, 4 or 8; 1: none) where there are at least two clusters'
+// worth and the device can hold them.  The occupancy queries cost host time on every launch and
+// their answers never change: they are kept per (kernel, threads, smem, device, cluster), so the
+// workspace size and the launch always agree.
+template <typename Kernel>
+PersistentGrid persistent_grid(Kernel kernel, int threads, size_t smem, int device, int64_t rows, int blocks_per_sm, int cluster) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, size_t, int, int>, int> cache;
+  auto cached = [&](int c, auto&& query) {  // 0 where the query failed
+    const auto key = std::make_tuple(reinterpret_cast<const void*>(kernel), threads, smem, device, c);
+    {
+      std::lock_guard lock(mu);
+      if (auto it = cache.find(key); it != cache.end()) return it->second;
+    }
+    const int v = query();
+    if (v == 0) (void)cudaGetLastError();
+    std::lock_guard lock(mu);
+    return cache[key] = v;
+  };
+  int per_sm = std::max(1, cached(0, [&] {
+    int n = 0;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) == cudaSuccess ? n : 0;
+  }));
+  if (blocks_per_sm > 0) per_sm = std::min(per_sm, blocks_per_sm);
+  PersistentGrid grid{static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(rows, int64_t(sm_count(device)) * per_sm))), 1};
+  if (cluster > 1 && grid.blocks >= 2 * cluster) {
+    const int clusters = cached(cluster, [&] {
+      cudaLaunchAttribute attr[1];
+      const cudaLaunchConfig_t cfg = persistent_config(PersistentGrid{grid.blocks / cluster * cluster, cluster}, threads, smem, attr, nullptr);
+      int n = 0;
+      return cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) == cudaSuccess ? n : 0;
+    });
+    if (clusters > 0) grid = PersistentGrid{std::min(grid.blocks / cluster, clusters) * cluster, cluster};  // else no clusters
+  }
+  return grid;
+}
+
+// Enqueues kernel<<<grid>>>(args...), as a cluster launch where grid.cluster > 1; errors are left
+// for the caller's check.
+template <typename... Params, typename... Args>
+void launch_persistent(void (*kernel)(Params...), const PersistentGrid& grid, int threads, size_t smem, cudaStream_t stream,
+                       Args&&... args) {
+  if (grid.cluster > 1) {
+    cudaLaunchAttribute attr[1];
+    const cudaLaunchConfig_t cfg = persistent_config(grid, threads, smem, attr, stream);
+    (void)cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  } else {
+    kernel<<<grid.blocks, threads, smem, stream>>>(std::forward<Args>(args)...);
+  }
 }
 
 // Enqueues out[0, h) = column sums of part (see above), and out2[0, h) = those of columns [h, 2h)

@@ -16,9 +16,6 @@
 // filled by the copy engine (the bulk path).  The next row's mean and rstd are loaded while a row
 // is computed.
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <tuple>
 
 #include <cooperative_groups.h>
 
@@ -406,11 +403,6 @@ int vec_for(const LayerNormParams& p, bool backward) {
 
 using KernelFn = void (*)(LayerNormParams, int);  // the int: ring depth of the bulk path (others ignore it)
 
-// The bulk path's blocks add their weight-gradient sums in clusters of this many (distributed shared
-// memory) before writing them.  At [8192, 4096] bf16 on an H200 (bench/RESULTS.md) the backward took
-// 0.0783 ms without clusters, 0.0640 / 0.0638 / 0.0636 ms with clusters of 2 / 4 / 8.
-constexpr int kCluster = 4;
-
 struct BackwardPlan {
   KernelFn fn = nullptr;
   int threads = kThreads;
@@ -463,69 +455,12 @@ BackwardPlan backward_plan(const LayerNormParams& p, int device, int items_given
   return plan;
 }
 
-// The launch: `blocks` blocks in clusters of `cluster` (1: none); partial_rows() rows of dw / db
-// sums for column_sums.
-struct BackwardGrid {
-  int blocks = 1, cluster = 1;
-  int partial_rows() const { return blocks / cluster; }
-};
-
-cudaLaunchConfig_t launch_config(const BackwardPlan& plan, const BackwardGrid& grid, cudaLaunchAttribute* attr, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(grid.blocks));
-  cfg.blockDim = dim3(static_cast<unsigned>(plan.threads));
-  cfg.dynamicSmemBytes = plan.smem;
-  cfg.stream = stream;
-  if (grid.cluster > 1) {
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = static_cast<unsigned>(grid.cluster);
-    attr[0].val.clusterDim.y = attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-  }
-  return cfg;
-}
-
-// Persistent: as many blocks as can be resident (the occupancy API; its answers are per kernel and
-// fixed, so the workspace size and the launch agree), in clusters on the bulk path (`cluster_given`
-// > 0: that size, 1 for none; 0: kCluster) where there are at least two clusters' worth.
-BackwardGrid backward_grid(const LayerNormParams& p, const BackwardPlan& plan, int device, int blocks_per_sm, int cluster_given) {
-  // The queries cost host time on every launch and their answers never change: kept per (kernel,
-  // threads, smem, device, cluster size).
-  static std::mutex mu;
-  static std::map<std::tuple<KernelFn, int, size_t, int, int>, int> cache;
-  auto cached = [&](int cluster, auto&& query) {
-    const auto key = std::make_tuple(plan.fn, plan.threads, plan.smem, device, cluster);
-    {
-      std::lock_guard lock(mu);
-      if (auto it = cache.find(key); it != cache.end()) return it->second;
-    }
-    const int v = query();  // 0 where the query failed
-    if (v == 0) (void)cudaGetLastError();
-    std::lock_guard lock(mu);
-    return cache[key] = v;
-  };
-  int per_sm = std::max(1, cached(0, [&] {
-    int n = 0;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, plan.fn, plan.threads, plan.smem) == cudaSuccess ? n : 0;
-  }));
-  if (blocks_per_sm > 0) per_sm = std::min(per_sm, blocks_per_sm);
-  BackwardGrid grid;
-  grid.blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(p.rows, int64_t(sm_count(device)) * per_sm)));
-  const int cluster = !plan.bulk ? 1 : cluster_given == 1 || cluster_given == 2 || cluster_given == 4 || cluster_given == 8 ? cluster_given : kCluster;
-  if (cluster > 1 && grid.blocks >= 2 * cluster) {
-    const int clusters = cached(cluster, [&] {
-      cudaLaunchAttribute attr[1];
-      const cudaLaunchConfig_t cfg = launch_config(plan, BackwardGrid{grid.blocks / cluster * cluster, cluster}, attr, nullptr);
-      int n = 0;
-      return cudaOccupancyMaxActiveClusters(&n, plan.fn, &cfg) == cudaSuccess ? n : 0;
-    });
-    if (clusters > 0) {  // else (the query failed) no clusters
-      grid.cluster = cluster;
-      grid.blocks = std::min(grid.blocks / cluster, clusters) * cluster;
-    }
-  }
-  return grid;
+// Persistent (kcpp/kernel/column_sums.cuh), in clusters on the bulk path (`cluster_given` 1, 2, 4 or
+// 8; 1: none; else kPartialSumCluster).
+PersistentGrid backward_grid(const LayerNormParams& p, const BackwardPlan& plan, int device, int blocks_per_sm, int cluster_given) {
+  const bool given = cluster_given == 1 || cluster_given == 2 || cluster_given == 4 || cluster_given == 8;
+  const int cluster = !plan.bulk ? 1 : given ? cluster_given : kPartialSumCluster;
+  return persistent_grid(plan.fn, plan.threads, plan.smem, device, p.rows, blocks_per_sm, cluster);
 }
 
 template <typename F> const char* visit_type(DType t, F&& f) {
@@ -606,14 +541,8 @@ const char* layer_norm_backward_cuda_with(const LayerNormParams& p, cudaStream_t
   int device = 0;
   cudaGetDevice(&device);
   const BackwardPlan plan = backward_plan(p, device, items);
-  const BackwardGrid grid = backward_grid(p, plan, device, blocks_per_sm, cluster);
-  if (grid.cluster > 1) {
-    cudaLaunchAttribute attr[1];
-    const cudaLaunchConfig_t cfg = launch_config(plan, grid, attr, stream);
-    (void)cudaLaunchKernelEx(&cfg, plan.fn, p, kBulkStages);  // an error is reported below
-  } else {
-    plan.fn<<<grid.blocks, plan.threads, plan.smem, stream>>>(p, kBulkStages);
-  }
+  const PersistentGrid grid = backward_grid(p, plan, device, blocks_per_sm, cluster);
+  launch_persistent(plan.fn, grid, plan.threads, plan.smem, stream, p, kBulkStages);  // an error is reported below
   return visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
     // Each block's (or cluster's) pair of rows (dw, db), both in one launch; f64 sums keep the
     // order's rounding out of the result.

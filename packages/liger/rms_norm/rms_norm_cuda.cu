@@ -21,9 +21,6 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <tuple>
 
 #include "kcpp/kernel/bulk.cuh"
 #include "kcpp/kernel/column_sums.cuh"
@@ -475,10 +472,6 @@ size_t bulk_smem(const RMSNormParams& p, int stages) {
                   size_t(p.hidden) * sizeof(float));
 }
 
-// The bulk backward's blocks add their dw sums in clusters of this many before column_sums (see
-// kcpp/kernel/column_sums.cuh; measured in bench/RESULTS.md).
-constexpr int kCluster = 4;
-
 // The bulk path (backward only) needs sm_90, rows the copy engine can move (16-byte aligned starts
 // and lengths: what vector_ok checks, strides included) and the ring within the block's shared memory.
 bool bulk_fits(const RMSNormParams& p, bool backward, int stages, int device) {
@@ -585,76 +578,13 @@ size_t smem_for(const RMSNormParams& p, const Plan& plan, KernelFn fn, bool back
   return loop ? static_cast<size_t>(p.hidden) * sizeof(float) : 0;
 }
 
-// A launch's grid: `blocks` in clusters of `cluster` (1: none); the backward's dw workspace has
-// partial_rows() rows.
-struct Grid {
-  int blocks = 1, cluster = 1;
-  int partial_rows() const { return blocks / cluster; }
-};
-
-cudaLaunchConfig_t launch_config(const Plan& plan, const Grid& grid, size_t smem, cudaLaunchAttribute* attr, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(grid.blocks));
-  cfg.blockDim = dim3(static_cast<unsigned>(plan.threads));
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  if (grid.cluster > 1) {
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = static_cast<unsigned>(grid.cluster);
-    attr[0].val.clusterDim.y = attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-  }
-  return cfg;
-}
-
-// Persistent: as many blocks as can be resident at once (asked of the occupancy API); the bulk
-// backward's in clusters where there are at least two clusters' worth.
-Grid grid_for(const RMSNormParams& p, const Plan& plan, KernelFn fn, int device, size_t smem) {
-  const int64_t cap = int64_t(1) << 30;
-  const int64_t blocks = p.rows;
-  if (!plan.config.persistent) return Grid{static_cast<int>(std::min<int64_t>(blocks, cap)), 1};
-  // The occupancy queries cost host time on every launch; their answers never change, so keep them.
-  struct Key {
-    KernelFn fn;
-    int threads, device;
-    size_t smem;
-    int cluster;
-    bool operator<(const Key& o) const {
-      return std::tie(fn, threads, device, smem, cluster) < std::tie(o.fn, o.threads, o.device, o.smem, o.cluster);
-    }
-  };
-  static std::mutex mu;
-  static std::map<Key, int> cache;
-  auto cached = [&](int cluster, auto&& query) {  // 0 where the query failed
-    const Key key{fn, plan.threads, device, smem, cluster};
-    {
-      std::lock_guard lock(mu);
-      if (auto it = cache.find(key); it != cache.end()) return it->second;
-    }
-    const int v = query();
-    if (v == 0) (void)cudaGetLastError();
-    std::lock_guard lock(mu);
-    return cache[key] = v;
-  };
-  int per_sm = std::max(1, cached(0, [&] {
-    int n = 0;
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, plan.threads, smem) == cudaSuccess ? n : 0;
-  }));
-  if (plan.config.blocks_per_sm > 0) per_sm = std::min(per_sm, plan.config.blocks_per_sm);
-  Grid grid{static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, int64_t(sm_count(device)) * per_sm))), 1};
+// Persistent (kcpp/kernel/column_sums.cuh): as many blocks as can be resident at once; the bulk
+// backward's in clusters (kPartialSumCluster unless the configuration says).  Otherwise one block a row.
+PersistentGrid grid_for(const RMSNormParams& p, const Plan& plan, KernelFn fn, int device, size_t smem) {
+  if (!plan.config.persistent) return PersistentGrid{static_cast<int>(std::min<int64_t>(p.rows, int64_t(1) << 30)), 1};
   const int c = plan.config.cluster;
-  const int cluster = plan.config.stages == 0 ? 1 : c == 1 || c == 2 || c == 4 || c == 8 ? c : kCluster;
-  if (cluster > 1 && grid.blocks >= 2 * cluster) {
-    const int clusters = cached(cluster, [&] {
-      cudaLaunchAttribute attr[1];
-      const cudaLaunchConfig_t cfg = launch_config(plan, Grid{grid.blocks / cluster * cluster, cluster}, smem, attr, nullptr);
-      int n = 0;
-      return cudaOccupancyMaxActiveClusters(&n, fn, &cfg) == cudaSuccess ? n : 0;
-    });
-    if (clusters > 0) grid = Grid{std::min(grid.blocks / cluster, clusters) * cluster, cluster};  // else no clusters
-  }
-  return grid;
+  const int cluster = plan.config.stages == 0 ? 1 : c == 1 || c == 2 || c == 4 || c == 8 ? c : kPartialSumCluster;
+  return persistent_grid(fn, plan.threads, smem, device, p.rows, plan.config.blocks_per_sm, cluster);
 }
 
 // Shared memory beyond the default 48 KiB (dynamic and static together) must be asked for, kernel by
@@ -703,14 +633,8 @@ const char* backward(const RMSNormParams& p, cudaStream_t stream, const RMSNormC
   const KernelFn fn = kernel_for(p, plan, true);
   const size_t smem = smem_for(p, plan, fn, true);
   if (const char* e = allow_smem(fn, smem)) return e;
-  const Grid grid = grid_for(p, plan, fn, device, smem);
-  if (grid.cluster > 1) {
-    cudaLaunchAttribute attr[1];
-    const cudaLaunchConfig_t cfg = launch_config(plan, grid, smem, attr, stream);
-    (void)cudaLaunchKernelEx(&cfg, fn, p, plan.config.stages);  // an error is reported below
-  } else {
-    fn<<<grid.blocks, plan.threads, smem, stream>>>(p, plan.config.stages);
-  }
+  const PersistentGrid grid = grid_for(p, plan, fn, device, smem);
+  launch_persistent(fn, grid, plan.threads, smem, stream, p, plan.config.stages);  // an error is reported below
   return visit_type(p.dtype, [&]<typename T>(T*) -> const char* {
     column_sums<T>(static_cast<const float*>(p.workspace), grid.partial_rows(), p.hidden, p.hidden, static_cast<T*>(p.dw), stream);
     return launch_error("rms_norm backward");
