@@ -52,12 +52,13 @@ template <bool LOG2 = false> __device__ __forceinline__ MS merge(MS a, MS b) {
 }
 [[maybe_unused]] constexpr float kLog2e = 1.44269504088896340736f;
 
-// Reduces (m, s) and a plain sum over the block; every thread gets the result.
-template <bool LOG2 = false> __device__ void block_reduce(MS& ms, float& sum, float* sm, float* ss, float* sx) {
+// Reduces (m, s) and a plain sum over the block; every thread gets the result (the loop path; the
+// cluster path reduces its max first and then plain sums).
+__device__ void block_reduce(MS& ms, float& sum, float* sm, float* ss, float* sx) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     const MS other{__shfl_xor_sync(0xffffffffu, ms.m, o), __shfl_xor_sync(0xffffffffu, ms.s, o)};
-    ms = merge<LOG2>(ms, other);
+    ms = merge(ms, other);
     sum += __shfl_xor_sync(0xffffffffu, sum, o);
   }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
@@ -69,7 +70,7 @@ template <bool LOG2 = false> __device__ void block_reduce(MS& ms, float& sum, fl
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     const MS other{__shfl_xor_sync(0xffffffffu, ms.m, o), __shfl_xor_sync(0xffffffffu, ms.s, o)};
-    ms = merge<LOG2>(ms, other);
+    ms = merge(ms, other);
     sum += __shfl_xor_sync(0xffffffffu, sum, o);
   }
 }
