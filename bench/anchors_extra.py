@@ -1,13 +1,14 @@
 """PyTorch eager and torch.compile beside our kernels, bf16 on the GPU, at the shapes of
-bench_kernels.cpp: LayerNorm and AddRMSNorm ([8192, 4096]), the activation package (silu_and_mul:
-x [8192, 2 x 14336] -> silu(x[:, :d]) * x[:, d:]; gelu_tanh: [8192, 14336]), and, with `all`, also
+bench_kernels.cpp: LayerNorm and AddRMSNorm ([8192, 4096]), the activation package's kernels (gated:
+x [8192, 2 x 14336] -> act(x[:, :d]) * x[:, d:]; plain: [8192, 14336]), GeGLU exact and tanh on
+separate gate and up [8192, 14336], and, with `all` (or the section `anchors`), also
 what anchors.py covers (RMSNorm [8192, 4096], SwiGLU [8192, 14336], RoPE q [4, 32, 2048, 128] and
 k [4, 8, 2048, 128], cross-entropy [4096, 128256]) under this timer: anchors.py's do_bench figures
 of torch.compile's forward + backward were host-bound on the lent machine.  Forward, and forward + backward through autograd with a
 given upstream gradient; bytes counted as bench_kernels.cpp counts them; peak = allocator peak
 during the call minus memory before it.  Timed with deep_timer.bench_deep (do_bench's method with an
 8 GiB flush, so a slow host does not show in the figure); do_bench's own figure and the host time a
-call are printed beside it.  Run: python3 bench/anchors_extra.py [all]
+call are printed beside it.  Run: python3 bench/anchors_extra.py [all | sections...] (see main())
 """
 import sys
 
@@ -44,6 +45,15 @@ def silu_and_mul(x):
 
 def gelu_tanh(x):
     return F.gelu(x, approximate="tanh")
+
+
+def gelu_and_mul(x, approximate):
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate=approximate) * x[..., d:]
+
+
+def quick_gelu(x):  # Transformers' QuickGELUActivation
+    return x * torch.sigmoid(1.702 * x)
 
 
 def add_rms_norm(x, res, w, eps=1e-6):
@@ -164,28 +174,66 @@ def bench_anchors_ops():
         fwd_and_fwbw("ce", impl, f, (logits, tgt), (True, False), torch.ones((), device="cuda"), lb, 2 * lb)
 
 
-def main():
-    torch.manual_seed(0)
-    if "all" in sys.argv[1:]:
-        bench_anchors_ops()
-    bench_layer_norm()
-    bench_add_rms_norm()
-    for name, fn, xw, fb, bb in (("silu_and_mul", silu_and_mul, 2 * I, 3, 5), ("gelu_tanh", gelu_tanh, I, 2, 3)):
+ACTIVATIONS = {  # name: (function of x, width of x in units of I, forward units, backward units)
+    "silu_and_mul": (silu_and_mul, 2, 3, 5),
+    "gelu_and_mul": (lambda x: gelu_and_mul(x, "none"), 2, 3, 5),
+    "gelu_tanh_and_mul": (lambda x: gelu_and_mul(x, "tanh"), 2, 3, 5),
+    "silu": (F.silu, 1, 2, 3),
+    "gelu": (F.gelu, 1, 2, 3),
+    "gelu_tanh": (gelu_tanh, 1, 2, 3),
+    "quick_gelu": (quick_gelu, 1, 2, 3),
+}
+
+
+def bench_activations(names):
+    """The activation package's kernels (FastGELU and NewGELU are gelu_tanh): x [N, I] or, gated,
+    [N, 2 I] -> [N, I]; forward reads x and writes y, backward reads dy and x and writes dx."""
+    for name in names:
+        fn, xw, fb, bb = ACTIVATIONS[name]
         for impl, f in (("eager", fn), ("compile", torch.compile(fn))):
-            x = torch.randn(N, xw, dtype=torch.bfloat16, device="cuda")
+            x = torch.randn(N, xw * I, dtype=torch.bfloat16, device="cuda")
             dy = torch.randn(N, I, dtype=torch.bfloat16, device="cuda")
-            ms, note = bench(lambda: f(x))
-            print(f"{name + ' fwd':24s} {impl:10s} {ms:9.4f} ms {fb * UNIT / (ms / 1e3):8.0f} GB/s  {note}")
-            xg = x.clone().requires_grad_(True)
+            fwd_and_fwbw(name, impl, f, (x,), (True,), dy, fb * UNIT, (fb + bb) * UNIT)
+            del x, dy
 
-            def fwbw():
-                f(xg).backward(dy)
-                xg.grad = None
 
-            fwbw()
-            ms, note = bench(fwbw)
-            print(f"{name + ' fwd+bwd':24s} {impl:10s} {ms:9.4f} ms {(fb + bb) * UNIT / (ms / 1e3):8.0f} GB/s"
-                  f"  peak {peak(fwbw):8.1f} MiB  {note}")
+def bench_geglu():
+    """GeGLU on separate gate and up [N, I] (Liger's layout): forward 3 units, forward + backward 8."""
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    a, b = torch.randn(N, I, **bf), torch.randn(N, I, **bf)
+    for name, approx in (("geglu", "none"), ("geglu_tanh", "tanh")):
+        fn = lambda g, u, approx=approx: F.gelu(g, approximate=approx) * u  # noqa: E731
+        for impl, f in (("eager", fn), ("compile", torch.compile(fn))):
+            fwd_and_fwbw(name, impl, f, (a, b), (True, True), torch.randn_like(a), 3 * UNIT, 8 * UNIT)
+
+
+SECTIONS = ("anchors", "layer_norm", "add_rms_norm", "activations", "geglu")
+
+
+def main():
+    """Sections (arguments): anchors layer_norm add_rms_norm activations geglu; `all` runs every one;
+    no argument runs all but anchors.  `activations=silu,gelu` runs those activations only."""
+    torch.manual_seed(0)
+    args = sys.argv[1:]
+    acts = list(ACTIVATIONS)
+    for a in args:
+        if a.startswith("activations="):
+            acts = a.split("=", 1)[1].split(",")
+    names = [a.split("=", 1)[0] for a in args]
+    wanted = set(SECTIONS) if "all" in names else set(names) if names else set(SECTIONS) - {"anchors"}
+    unknown = wanted - set(SECTIONS) or set(acts) - set(ACTIVATIONS)
+    if unknown:
+        sys.exit(f"unknown section(s) {sorted(unknown)}; choose from {SECTIONS} and activations {list(ACTIVATIONS)}")
+    if "anchors" in wanted:
+        bench_anchors_ops()
+    if "layer_norm" in wanted:
+        bench_layer_norm()
+    if "add_rms_norm" in wanted:
+        bench_add_rms_norm()
+    if "activations" in wanted:
+        bench_activations(acts)
+    if "geglu" in wanted:
+        bench_geglu()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ blocks back), Liger's inside.  The copy ceiling is measured the same way (2 GiB 
 
 Run on the GPU machine: KCPP_PACKAGES_DIR=.devlibs/kernels python3 bench/anchors_kcpp.py [ops...]
 with Liger's source under .anchors/src (../shared/anchors/README.md).  ops: rms_norm add_rms_norm
-layer_norm swiglu rope ce (default all).
+layer_norm swiglu geglu rope ce (default all).
 """
 import contextlib
 import glob
@@ -181,13 +181,18 @@ def layer_norm(pkg):
           ("dbias", db, lambda: bl.grad, 1e-2)])
 
 
-def swiglu(pkg):
+def swiglu(pkg, activation="silu"):
+    """SwiGLU against Liger's LigerSiLUMulFunction, or with activation="gelu_tanh" GeGLU against its
+    LigerGELUMulFunction (tanh GELU, Liger's only form)."""
+    from liger_kernel.ops.geglu import LigerGELUMulFunction
     from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    fn = LigerSiLUMulFunction if activation == "silu" else LigerGELUMulFunction
+    op = "swiglu" if activation == "silu" else "geglu_tanh"
     a, b, dc = (torch.randn(BT, I, dtype=bf16, device=dev) for _ in range(3))
     c, da, db = torch.empty_like(a), torch.empty_like(a), torch.empty_like(b)
     al, bl = leaves(a, b)
     out = {}
-    liger = lambda: LigerSiLUMulFunction.apply(al, bl)
+    liger = lambda: fn.apply(al, bl)
 
     def liger_fwbw():
         clear(al, bl)
@@ -195,8 +200,8 @@ def swiglu(pkg):
         out["c"].backward(dc)
 
     unit = BT * I * 2 / 1e9  # forward: read a, b, write c; backward: read dc, a, b, write da, db
-    race("swiglu", pkg.layer("LigerGLU"), {"gate": a, "up": b, "activation": "silu", "out": c},
-         {"dout": dc, "gate": a, "up": b, "activation": "silu", "dgate": da, "dup": db},
+    race(op, pkg.layer("LigerGLU"), {"gate": a, "up": b, "activation": activation, "out": c},
+         {"dout": dc, "gate": a, "up": b, "activation": activation, "dgate": da, "dup": db},
          liger, liger_fwbw, 3 * unit, 8 * unit,
          [("out", c, lambda: out["c"], 1e-2), ("dgate", da, lambda: al.grad, 1e-2), ("dup", db, lambda: bl.grad, 1e-2)])
 
@@ -253,7 +258,8 @@ def ce(pkg):
 
 
 def main():
-    ops = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "layer_norm": layer_norm, "swiglu": swiglu, "rope": rope, "ce": ce}
+    ops = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "layer_norm": layer_norm, "swiglu": swiglu,
+           "geglu": lambda pkg: swiglu(pkg, "gelu_tanh"), "rope": rope, "ce": ce}
     wanted = sys.argv[1:] or list(ops)
     unknown = [o for o in wanted if o not in ops]
     if unknown:

@@ -3,6 +3,8 @@
 // reference on the 2-core CI machine.  Run: build/release/bin/kcpp_bench_cpu
 #include <benchmark/benchmark.h>
 
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "core/random.h"
@@ -12,6 +14,7 @@
 #include "ops/ops.h"
 #include "kernel_params.h"
 #include "cross_entropy/cross_entropy.h"
+#include "fused_linear_ce/fused_linear_ce.h"
 #include "glu/glu.h"
 #include "ops/nn/cross_entropy.h"
 #include "ops/nn/rope.h"
@@ -88,34 +91,42 @@ struct GluCase {
     du = Tensor::empty({kRows, kHidden}, dt);
   }
 };
-constexpr auto kSilu = ops::GluActivation::Silu;
 
-void BM_swiglu_fwd_reference(benchmark::State& st) {
+// GLU (package "liger", glu/): SwiGLU, GeGLU exact, GeGLU tanh; registered in main().
+struct GluKind {
+  const char* name;  // benchmark name stem
+  ops::GluActivation act;
+};
+constexpr GluKind kGlus[] = {{"swiglu", ops::GluActivation::Silu},
+                             {"geglu", ops::GluActivation::Gelu},
+                             {"geglu_tanh", ops::GluActivation::GeluTanh}};
+
+void glu_fwd_reference(benchmark::State& st, ops::GluActivation act) {
   GluCase c(static_cast<DType>(st.range(0)));
-  for (auto _ : st) benchmark::DoNotOptimize(ops::glu_forward(c.g, c.u, kSilu).data());
+  for (auto _ : st) benchmark::DoNotOptimize(ops::glu_forward(c.g, c.u, act).data());
   st.SetBytesProcessed(st.iterations() * 3 * c.g.nbytes());
 }
-void BM_swiglu_fwd_kernel(benchmark::State& st) {
+void glu_fwd_kernel(benchmark::State& st, ops::GluActivation act) {
   GluCase c(static_cast<DType>(st.range(0)));
-  const liger::GluParams p = test::glu_params(c.g, c.u, kSilu, c.out);
+  const liger::GluParams p = test::glu_params(c.g, c.u, act, c.out);
   for (auto _ : st) {
     if (const char* e = liger::glu_forward_cpu(p)) st.SkipWithError(e);
     benchmark::ClobberMemory();
   }
   st.SetBytesProcessed(st.iterations() * 3 * c.g.nbytes());
 }
-void BM_swiglu_fwd_bwd_reference(benchmark::State& st) {
+void glu_fwd_bwd_reference(benchmark::State& st, ops::GluActivation act) {
   GluCase c(static_cast<DType>(st.range(0)));
   for (auto _ : st) {
-    benchmark::DoNotOptimize(ops::glu_forward(c.g, c.u, kSilu).data());
-    benchmark::DoNotOptimize(ops::glu_backward(c.d, c.g, c.u, kSilu).dgate.data());
+    benchmark::DoNotOptimize(ops::glu_forward(c.g, c.u, act).data());
+    benchmark::DoNotOptimize(ops::glu_backward(c.d, c.g, c.u, act).dgate.data());
   }
   st.SetBytesProcessed(st.iterations() * 8 * c.g.nbytes());
 }
-void BM_swiglu_fwd_bwd_kernel(benchmark::State& st) {
+void glu_fwd_bwd_kernel(benchmark::State& st, ops::GluActivation act) {
   GluCase c(static_cast<DType>(st.range(0)));
-  const liger::GluParams f = test::glu_params(c.g, c.u, kSilu, c.out);
-  const liger::GluParams b = test::glu_params(c.g, c.u, kSilu, {}, c.d, c.dg, c.du);
+  const liger::GluParams f = test::glu_params(c.g, c.u, act, c.out);
+  const liger::GluParams b = test::glu_params(c.g, c.u, act, {}, c.d, c.dg, c.du);
   for (auto _ : st) {
     if (const char* e = liger::glu_forward_cpu(f)) st.SkipWithError(e);
     if (const char* e = liger::glu_backward_cpu(b)) st.SkipWithError(e);
@@ -123,10 +134,6 @@ void BM_swiglu_fwd_bwd_kernel(benchmark::State& st) {
   }
   st.SetBytesProcessed(st.iterations() * 8 * c.g.nbytes());
 }
-BENCHMARK(BM_swiglu_fwd_reference) KCPP_DTYPES;
-BENCHMARK(BM_swiglu_fwd_kernel) KCPP_DTYPES;
-BENCHMARK(BM_swiglu_fwd_bwd_reference) KCPP_DTYPES;
-BENCHMARK(BM_swiglu_fwd_bwd_kernel) KCPP_DTYPES;
 
 // RoPE: 1024 tokens, 32 query and 8 key heads of 128 (HF layout), cos/sin shared by the batch.
 struct RopeCase {
@@ -162,8 +169,33 @@ void BM_rope_fwd_kernel(benchmark::State& st) {
   }
   st.SetBytesProcessed(st.iterations() * c.bytes());
 }
+void BM_rope_fwd_bwd_reference(benchmark::State& st) {
+  RopeCase c(static_cast<DType>(st.range(0)));
+  for (auto _ : st) {
+    benchmark::DoNotOptimize(ops::rope_forward(c.q, c.cos, c.sin).data());
+    benchmark::DoNotOptimize(ops::rope_forward(c.k, c.cos, c.sin).data());
+    benchmark::DoNotOptimize(ops::rope_backward(c.qo, c.cos, c.sin).data());
+    benchmark::DoNotOptimize(ops::rope_backward(c.ko, c.cos, c.sin).data());
+  }
+  st.SetBytesProcessed(st.iterations() * 2 * c.bytes());
+}
+// The backward rotates the output gradients (here qo / ko stand in for them) into q / k's shapes.
+void BM_rope_fwd_bwd_kernel(benchmark::State& st) {
+  RopeCase c(static_cast<DType>(st.range(0)));
+  const Tensor dq = Tensor::empty(c.q.shape(), c.q.dtype()), dk = Tensor::empty(c.k.shape(), c.k.dtype());
+  const auto f = test::rope_params(c.q, c.qo, c.k, c.ko, c.cos, c.sin, ops::RopeLayout::RotateHalf);
+  const auto b = test::rope_params(c.qo, dq, c.ko, dk, c.cos, c.sin, ops::RopeLayout::RotateHalf);
+  for (auto _ : st) {
+    if (const char* e = liger::rope_forward_cpu(f)) st.SkipWithError(e);
+    if (const char* e = liger::rope_backward_cpu(b)) st.SkipWithError(e);
+    benchmark::ClobberMemory();
+  }
+  st.SetBytesProcessed(st.iterations() * 2 * c.bytes());
+}
 BENCHMARK(BM_rope_fwd_reference) KCPP_DTYPES;
 BENCHMARK(BM_rope_fwd_kernel) KCPP_DTYPES;
+BENCHMARK(BM_rope_fwd_bwd_reference) KCPP_DTYPES;
+BENCHMARK(BM_rope_fwd_bwd_kernel) KCPP_DTYPES;
 
 // Cross-entropy: 256 rows of a 32000-word vocabulary, mean, loss and gradient.
 struct CECase {
@@ -197,6 +229,87 @@ void BM_ce_fwd_bwd_kernel(benchmark::State& st) {
 BENCHMARK(BM_ce_fwd_bwd_reference) KCPP_DTYPES;
 BENCHMARK(BM_ce_fwd_bwd_kernel) KCPP_DTYPES;
 
+// Cross-entropy with a softcap (Gemma 2's 30) and label smoothing 0.1: the eager composition caps the
+// logits (c tanh(z / c)), runs the cross-entropy on them and chains the gradient back through the tanh.
+constexpr double kCap = 30.0, kSmooth = 0.1;
+void BM_ce_softcap_fwd_bwd_reference(benchmark::State& st) {
+  CECase c(static_cast<DType>(st.range(0)));
+  const Tensor one = Tensor::full({}, 1.0, c.logits.dtype());
+  ops::CrossEntropyOptions o;
+  o.label_smoothing = kSmooth;
+  for (auto _ : st) {
+    const Tensor t = ops::tanh(ops::scale(c.logits, 1.0 / kCap));
+    const auto f = ops::cross_entropy_forward(ops::scale(t, kCap), c.targets, o);
+    const Tensor g = ops::cross_entropy_backward(one, f.log_probs, c.targets, o);
+    benchmark::DoNotOptimize(ops::mul(g, ops::add_scalar(ops::neg(ops::square(t)), 1.0)).data());
+  }
+  st.SetBytesProcessed(st.iterations() * 2 * c.logits.nbytes());
+}
+void BM_ce_softcap_fwd_bwd_kernel(benchmark::State& st) {
+  CECase c(static_cast<DType>(st.range(0)));
+  ops::CrossEntropyOptions o;
+  o.label_smoothing = kSmooth;
+  auto p = test::cross_entropy_params(c.logits, c.targets, o, c.loss, c.grad);
+  p.softcap = static_cast<float>(kCap);
+  for (auto _ : st) {
+    if (const char* e = liger::cross_entropy_cpu(p)) st.SkipWithError(e);
+    benchmark::ClobberMemory();
+  }
+  st.SetBytesProcessed(st.iterations() * 2 * c.logits.nbytes());
+}
+BENCHMARK(BM_ce_softcap_fwd_bwd_reference) KCPP_DTYPES;
+BENCHMARK(BM_ce_softcap_fwd_bwd_kernel) KCPP_DTYPES;
+
+// Fused linear cross-entropy, hidden [256, 512] and weight [32000, 512], mean, loss and the gradients
+// of hidden and weight, against the eager composition (matmul, cross-entropy forward and backward,
+// two matmuls; OpenBLAS under both).  Bytes: not counted (the GEMMs bound it); 6 n h v flops.
+struct FlceCase {
+  Tensor hidden, weight, targets, loss, dhidden, dweight, ws;
+  liger::FusedLinearCEParams p;
+  explicit FlceCase(DType dt) {
+    const int64_t n = 256, h = 512, v = 32000;
+    Generator gen(7);
+    hidden = Tensor::randn({n, h}, dt, Device::cpu(), gen);
+    weight = ops::scale(Tensor::randn({v, h}, dt, Device::cpu(), gen), 0.05);
+    targets = Tensor::randint({n}, 0, v, DType::i64, Device::cpu(), gen);
+    loss = Tensor::empty({1}, DType::f32);
+    dhidden = Tensor::empty({n, h}, dt);
+    dweight = Tensor::empty({v, h}, dt);
+    p.dtype = test::kernel_dtype(dt);
+    p.n = n, p.h = h, p.v = v;
+    p.hidden = hidden.data(), p.hidden_stride = h;
+    p.weight = weight.data(), p.weight_stride = h;
+    p.targets = targets.data();
+    p.loss = static_cast<float*>(loss.data());
+    p.dhidden = dhidden.data(), p.dhidden_stride = h;
+    p.dweight = dweight.data();
+    ws = Tensor::empty({static_cast<int64_t>(liger::fused_linear_ce_workspace(p, false))}, DType::u8);
+    p.workspace = ws.data();
+  }
+  double flops() const { return 6.0 * hidden.size(0) * hidden.size(1) * weight.size(0); }
+};
+void BM_flce_fwd_bwd_reference(benchmark::State& st) {
+  FlceCase c(static_cast<DType>(st.range(0)));
+  const Tensor one = Tensor::full({}, 1.0, c.hidden.dtype());
+  for (auto _ : st) {
+    const auto f = ops::cross_entropy_forward(ops::matmul(c.hidden, c.weight, false, true), c.targets);
+    const Tensor g = ops::cross_entropy_backward(one, f.log_probs, c.targets);
+    benchmark::DoNotOptimize(ops::matmul(g, c.weight).data());
+    benchmark::DoNotOptimize(ops::matmul(g, c.hidden, true, false).data());
+  }
+  st.counters["flops"] = benchmark::Counter(c.flops(), benchmark::Counter::kIsIterationInvariantRate);
+}
+void BM_flce_fwd_bwd_kernel(benchmark::State& st) {
+  FlceCase c(static_cast<DType>(st.range(0)));
+  for (auto _ : st) {
+    if (const char* e = liger::fused_linear_ce_cpu(c.p)) st.SkipWithError(e);
+    benchmark::ClobberMemory();
+  }
+  st.counters["flops"] = benchmark::Counter(c.flops(), benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_flce_fwd_bwd_reference) KCPP_DTYPES;
+BENCHMARK(BM_flce_fwd_bwd_kernel) KCPP_DTYPES;
+
 // Package "activation" through the ABI (as a host calls it): SiluAndMul on x [1024, 2 x 4096] and the
 // plain GeluTanh on [1024, 4096], against the eager compositions.
 struct ActCase {
@@ -229,66 +342,70 @@ struct ActCase {
   int64_t bwd_bytes() const { return static_cast<int64_t>(2 * x.nbytes() + dy.nbytes()); }
 };
 
-void BM_silu_and_mul_fwd_reference(benchmark::State& st) {
-  ActCase c(static_cast<DType>(st.range(0)), "SiluAndMul", true);
-  for (auto _ : st) benchmark::DoNotOptimize(ops::glu_forward(c.gate(), c.up(), kSilu).data());
+// Every kernel of the package, against its eager composition (QuickGELU: x * sigmoid(1.702 x) and
+// the backward autograd would run, five elementwise ops).  FastGELU and NewGELU are GeluTanh under
+// other names (the same kernel), so they are not repeated.  Registered in main().
+struct ActKind {
+  const char* name;  // benchmark name stem
+  const char* layer;
+  bool gated;
+  ops::GluActivation glu;  // gated: the GLU form of the reference
+};
+constexpr ActKind kActs[] = {
+    {"silu", "SiLU", false, ops::GluActivation::Silu},
+    {"gelu", "GeLU", false, ops::GluActivation::Gelu},
+    {"gelu_tanh", "GeluTanh", false, ops::GluActivation::GeluTanh},
+    {"quick_gelu", "QuickGELU", false, ops::GluActivation::Silu},
+    {"silu_and_mul", "SiluAndMul", true, ops::GluActivation::Silu},
+    {"gelu_and_mul", "GeluAndMul", true, ops::GluActivation::Gelu},
+    {"gelu_tanh_and_mul", "GeluTanhAndMul", true, ops::GluActivation::GeluTanh},
+};
+
+Tensor act_reference(const ActKind& k, const ActCase& c) {
+  if (k.gated) return ops::glu_forward(c.gate(), c.up(), k.glu);
+  switch (k.layer[0]) {
+    case 'Q': return ops::mul(c.x, ops::sigmoid(ops::scale(c.x, 1.702)));
+    case 'S': return ops::silu(c.x);
+    default: return ops::gelu(c.x, k.glu == ops::GluActivation::GeluTanh);
+  }
+}
+Tensor act_reference_backward(const ActKind& k, const ActCase& c) {
+  if (k.gated) return ops::glu_backward(c.dy, c.gate(), c.up(), k.glu).dgate;
+  switch (k.layer[0]) {
+    case 'Q': {  // d/dx x s(a x) = s + a x s (1 - s)
+      const Tensor ax = ops::scale(c.x, 1.702), s = ops::sigmoid(ax);
+      return ops::mul(c.dy, ops::add(s, ops::mul(ops::mul(ax, s), ops::add_scalar(ops::neg(s), 1.0))));
+    }
+    case 'S': return ops::silu_backward(c.dy, c.x);
+    default: return ops::gelu_backward(c.dy, c.x, k.glu == ops::GluActivation::GeluTanh);
+  }
+}
+void act_fwd_reference(benchmark::State& st, const ActKind& k) {
+  ActCase c(static_cast<DType>(st.range(0)), k.layer, k.gated);
+  for (auto _ : st) benchmark::DoNotOptimize(act_reference(k, c).data());
   st.SetBytesProcessed(st.iterations() * c.fwd_bytes());
 }
-void BM_silu_and_mul_fwd_kernel(benchmark::State& st) {
-  ActCase c(static_cast<DType>(st.range(0)), "SiluAndMul", true);
+void act_fwd_kernel(benchmark::State& st, const ActKind& k) {
+  ActCase c(static_cast<DType>(st.range(0)), k.layer, k.gated);
   for (auto _ : st) c.forward();
   st.SetBytesProcessed(st.iterations() * c.fwd_bytes());
 }
-void BM_silu_and_mul_fwd_bwd_reference(benchmark::State& st) {
-  ActCase c(static_cast<DType>(st.range(0)), "SiluAndMul", true);
+void act_fwd_bwd_reference(benchmark::State& st, const ActKind& k) {
+  ActCase c(static_cast<DType>(st.range(0)), k.layer, k.gated);
   for (auto _ : st) {
-    benchmark::DoNotOptimize(ops::glu_forward(c.gate(), c.up(), kSilu).data());
-    benchmark::DoNotOptimize(ops::glu_backward(c.dy, c.gate(), c.up(), kSilu).dgate.data());
+    benchmark::DoNotOptimize(act_reference(k, c).data());
+    benchmark::DoNotOptimize(act_reference_backward(k, c).data());
   }
   st.SetBytesProcessed(st.iterations() * (c.fwd_bytes() + c.bwd_bytes()));
 }
-void BM_silu_and_mul_fwd_bwd_kernel(benchmark::State& st) {
-  ActCase c(static_cast<DType>(st.range(0)), "SiluAndMul", true);
+void act_fwd_bwd_kernel(benchmark::State& st, const ActKind& k) {
+  ActCase c(static_cast<DType>(st.range(0)), k.layer, k.gated);
   for (auto _ : st) {
     c.forward();
     c.backward();
   }
   st.SetBytesProcessed(st.iterations() * (c.fwd_bytes() + c.bwd_bytes()));
 }
-void BM_gelu_tanh_fwd_reference(benchmark::State& st) {
-  ActCase c(static_cast<DType>(st.range(0)), "GeluTanh", false);
-  for (auto _ : st) benchmark::DoNotOptimize(ops::gelu(c.x, true).data());
-  st.SetBytesProcessed(st.iterations() * c.fwd_bytes());
-}
-void BM_gelu_tanh_fwd_kernel(benchmark::State& st) {
-  ActCase c(static_cast<DType>(st.range(0)), "GeluTanh", false);
-  for (auto _ : st) c.forward();
-  st.SetBytesProcessed(st.iterations() * c.fwd_bytes());
-}
-void BM_gelu_tanh_fwd_bwd_reference(benchmark::State& st) {
-  ActCase c(static_cast<DType>(st.range(0)), "GeluTanh", false);
-  for (auto _ : st) {
-    benchmark::DoNotOptimize(ops::gelu(c.x, true).data());
-    benchmark::DoNotOptimize(ops::gelu_backward(c.dy, c.x, true).data());
-  }
-  st.SetBytesProcessed(st.iterations() * (c.fwd_bytes() + c.bwd_bytes()));
-}
-void BM_gelu_tanh_fwd_bwd_kernel(benchmark::State& st) {
-  ActCase c(static_cast<DType>(st.range(0)), "GeluTanh", false);
-  for (auto _ : st) {
-    c.forward();
-    c.backward();
-  }
-  st.SetBytesProcessed(st.iterations() * (c.fwd_bytes() + c.bwd_bytes()));
-}
-BENCHMARK(BM_silu_and_mul_fwd_reference) KCPP_DTYPES;
-BENCHMARK(BM_silu_and_mul_fwd_kernel) KCPP_DTYPES;
-BENCHMARK(BM_silu_and_mul_fwd_bwd_reference) KCPP_DTYPES;
-BENCHMARK(BM_silu_and_mul_fwd_bwd_kernel) KCPP_DTYPES;
-BENCHMARK(BM_gelu_tanh_fwd_reference) KCPP_DTYPES;
-BENCHMARK(BM_gelu_tanh_fwd_kernel) KCPP_DTYPES;
-BENCHMARK(BM_gelu_tanh_fwd_bwd_reference) KCPP_DTYPES;
-BENCHMARK(BM_gelu_tanh_fwd_bwd_kernel) KCPP_DTYPES;
 
 // Package "liger" through the ABI: LayerNorm (with bias) and AddRMSNorm at 1024 x 4096, against the
 // eager compositions.  Bytes: LayerNorm as RMSNorm (forward 2, forward + backward 5 units of x);
@@ -397,4 +514,27 @@ BENCHMARK(BM_add_rms_norm_fwd_bwd_kernel) KCPP_DTYPES;
 
 }  // namespace
 
-BENCHMARK_MAIN();
+// The table-driven kernels (GLU, activations) registered by name, then Google Benchmark's main.
+int main(int argc, char** argv) {
+  using GluFn = void (*)(benchmark::State&, ops::GluActivation);
+  using ActFn = void (*)(benchmark::State&, const ActKind&);
+  const std::pair<const char*, GluFn> glu_fns[] = {{"_fwd_reference", glu_fwd_reference},
+                                                   {"_fwd_kernel", glu_fwd_kernel},
+                                                   {"_fwd_bwd_reference", glu_fwd_bwd_reference},
+                                                   {"_fwd_bwd_kernel", glu_fwd_bwd_kernel}};
+  const std::pair<const char*, ActFn> act_fns[] = {{"_fwd_reference", act_fwd_reference},
+                                                   {"_fwd_kernel", act_fwd_kernel},
+                                                   {"_fwd_bwd_reference", act_fwd_bwd_reference},
+                                                   {"_fwd_bwd_kernel", act_fwd_bwd_kernel}};
+  for (const GluKind& k : kGlus)
+    for (const auto& [suffix, fn] : glu_fns)
+      benchmark::RegisterBenchmark((std::string("BM_") + k.name + suffix).c_str(), fn, k.act) KCPP_DTYPES;
+  for (const ActKind& k : kActs)
+    for (const auto& [suffix, fn] : act_fns)
+      benchmark::RegisterBenchmark((std::string("BM_") + k.name + suffix).c_str(), fn, k) KCPP_DTYPES;
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

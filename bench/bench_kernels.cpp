@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "core/allocator.h"
 #include "core/cuda_runtime.h"
@@ -259,31 +260,38 @@ void sweep_layer_norm() {
       }
 }
 
+// SwiGLU and both GeGLUs (package liger, glu/); the eager reference for SwiGLU only (anchors_extra.py
+// times eager and torch.compile for all three).
 void bench_swiglu() {
   const int64_t bt = 8192, inter = 14336;
   Generator gen(11);
   const Tensor a = Tensor::randn({bt, inter}, DType::bf16, kDev, gen), b = Tensor::randn({bt, inter}, DType::bf16, kDev, gen);
   const Tensor dc = Tensor::randn({bt, inter}, DType::bf16, kDev, gen);
   const double unit = double(bt) * inter * 2 / 1e9;  // anchors.py: forward 3 units, forward + backward 8
-  const auto act = ops::GluActivation::Silu;
-  row("swiglu fwd", "reference", [&] { ops::glu_forward(a, b, act); }, 3 * unit);
+  row("swiglu fwd", "reference", [&] { ops::glu_forward(a, b, ops::GluActivation::Silu); }, 3 * unit);
   row("swiglu fwd+bwd", "reference", [&] {
-    ops::glu_forward(a, b, act);
-    ops::glu_backward(dc, a, b, act);
+    ops::glu_forward(a, b, ops::GluActivation::Silu);
+    ops::glu_backward(dc, a, b, ops::GluActivation::Silu);
   }, 8 * unit);
-  row("swiglu fwd", "kcpp", [&] {
-    Tensor out = Tensor::empty({bt, inter}, DType::bf16, kDev);
-    check(liger::glu_forward_cuda(test::glu_params(a, b, act, out), cuda::current_stream()));
-  }, 3 * unit);
-  row("swiglu fwd+bwd", "kcpp", [&] {
-    Tensor out = Tensor::empty({bt, inter}, DType::bf16, kDev);
-    Tensor dg = Tensor::empty({bt, inter}, DType::bf16, kDev), du = Tensor::empty({bt, inter}, DType::bf16, kDev);
-    check(liger::glu_forward_cuda(test::glu_params(a, b, act, out), cuda::current_stream()));
-    check(liger::glu_backward_cuda(test::glu_params(a, b, act, {}, dc, dg, du), cuda::current_stream()));
-  }, 8 * unit);
+  for (const auto& [name, act] : {std::pair{"swiglu", ops::GluActivation::Silu},
+                                  std::pair{"geglu", ops::GluActivation::Gelu},
+                                  std::pair{"geglu_tanh", ops::GluActivation::GeluTanh}}) {
+    const std::string op = name;
+    row(op + " fwd", "kcpp", [&] {
+      Tensor out = Tensor::empty({bt, inter}, DType::bf16, kDev);
+      check(liger::glu_forward_cuda(test::glu_params(a, b, act, out), cuda::current_stream()));
+    }, 3 * unit);
+    row(op + " fwd+bwd", "kcpp", [&] {
+      Tensor out = Tensor::empty({bt, inter}, DType::bf16, kDev);
+      Tensor dg = Tensor::empty({bt, inter}, DType::bf16, kDev), du = Tensor::empty({bt, inter}, DType::bf16, kDev);
+      check(liger::glu_forward_cuda(test::glu_params(a, b, act, out), cuda::current_stream()));
+      check(liger::glu_backward_cuda(test::glu_params(a, b, act, {}, dc, dg, du), cuda::current_stream()));
+    }, 8 * unit);
+  }
   // In place, as Liger does: the gradients overwrite gate and up (scratch copies here, so that the
   // inputs above stay intact; their values drift between runs, which does not change the work).
   const Tensor a2 = a.clone(), b2 = b.clone();
+  const auto act = ops::GluActivation::Silu;
   row("swiglu fwd+bwd in-place", "kcpp", [&] {
     Tensor out = Tensor::empty({bt, inter}, DType::bf16, kDev);
     check(liger::glu_forward_cuda(test::glu_params(a2, b2, act, out), cuda::current_stream()));
@@ -550,19 +558,29 @@ void sweep_rms_norm() {
   }
 }
 
-// Package "activation" through the ABI, as a host calls it: SiluAndMul on x [8192, 2 x 14336] (the
-// Llama-3-8B MLP with a fused gate_up projection) and the plain GeluTanh on [8192, 14336], bf16.
-// Bytes: SiluAndMul forward reads x and writes y (3 units of N x I), backward reads dy and x and
-// writes dx (5 units), as anchors.py counts SwiGLU; GeluTanh 2 and 3 units.
+// Package "activation" through the ABI, as a host calls it: the gated kernels on x [8192, 2 x 14336]
+// (the Llama-3-8B MLP with a fused gate_up projection), the plain ones on [8192, 14336], bf16.
+// Bytes: a gated forward reads x and writes y (3 units of N x I), its backward reads dy and x and
+// writes dx (5 units), as anchors.py counts SwiGLU; a plain one 2 and 3 units.
 void bench_activation() {
   const int64_t bt = 8192, inter = 14336;
   Generator gen(13);
   const auto pkg = test::built_package("activation");
   const double unit = double(bt) * inter * 2 / 1e9;
-  for (const bool gated : {true, false}) {
-    const char* name = gated ? "SiluAndMul" : "GeluTanh";
-    const std::string op = gated ? "silu_and_mul" : "gelu_tanh";
-    const nn::KernelLayer k = nn::KernelLayer::find(pkg, name);
+  // Every kernel of the package (FastGELU and NewGELU are GeluTanh's kernel under other names); the
+  // eager reference for SiluAndMul and GeluTanh (anchors_extra.py times eager and compile for all).
+  struct Kind {
+    const char* layer;
+    const char* op;
+    bool gated;
+  };
+  for (const Kind& kind : {Kind{"SiluAndMul", "silu_and_mul", true}, Kind{"GeluAndMul", "gelu_and_mul", true},
+                           Kind{"GeluTanhAndMul", "gelu_tanh_and_mul", true}, Kind{"SiLU", "silu", false},
+                           Kind{"GeLU", "gelu", false}, Kind{"GeluTanh", "gelu_tanh", false},
+                           Kind{"QuickGELU", "quick_gelu", false}}) {
+    const bool gated = kind.gated;
+    const std::string op = kind.op;
+    const nn::KernelLayer k = nn::KernelLayer::find(pkg, kind.layer);
     const int64_t xw = gated ? 2 * inter : inter;
     const Tensor x = Tensor::randn({bt, xw}, DType::bf16, kDev, gen), dy = Tensor::randn({bt, inter}, DType::bf16, kDev, gen);
     const Tensor gate = gated ? x.narrow(1, 0, inter) : x, up = gated ? x.narrow(1, inter, inter) : Tensor();
@@ -579,13 +597,13 @@ void bench_activation() {
       a.tensor("dy", dy).tensor("x", x).tensor("dx", dx);
       k.backward(a, kDev, KCPP_MODE_TRAINING);
     };
-    if (gated) {
+    if (op == "silu_and_mul") {
       row(op + " fwd", "reference", [&] { ops::glu_forward(gate, up, ops::GluActivation::Silu); }, fb);
       row(op + " fwd+bwd", "reference", [&] {
         ops::glu_forward(gate, up, ops::GluActivation::Silu);
         ops::glu_backward(dy, gate, up, ops::GluActivation::Silu);
       }, fb + bb);
-    } else {
+    } else if (op == "gelu_tanh") {
       row(op + " fwd", "reference", [&] { ops::gelu(x, true); }, fb);
       row(op + " fwd+bwd", "reference", [&] {
         ops::gelu(x, true);
@@ -653,7 +671,7 @@ void sweep_rope() {
     }
 }
 
-// Activation launch configurations (ActConfig): the four kernels of bench_activation() at each.
+// Activation launch configurations (ActConfig): SiluAndMul and GeluTanh, forward and backward, at each.
 void sweep_activation() {
   const int64_t bt = 8192, inter = 14336;
   Generator gen(13);

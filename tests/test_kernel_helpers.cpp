@@ -58,6 +58,35 @@ TEST(KernelHelpers, TanhWithinThreeUlpsOfTheLibrary) {
   EXPECT_TRUE(std::isnan(kk::tanh_f32(std::numeric_limits<float>::quiet_NaN())));
 }
 
+// Phi(x) against the f64 one (erfc, no cancellation), walked by bit pattern over [2^-40, 16] and its
+// negatives: Phi from 0.5 down to its f32 underflow (x = -14) and up to 1.
+TEST(KernelHelpers, NormalCdfWithinEightUlps) {
+  int64_t worst = 0;
+  float worst_x = 0;
+  for (uint32_t b = std::bit_cast<uint32_t>(0x1p-40f); b <= std::bit_cast<uint32_t>(16.0f); b += 61)
+    for (const float x : {std::bit_cast<float>(b), -std::bit_cast<float>(b)}) {
+      const double want = 0.5 * std::erfc(-static_cast<double>(x) / std::sqrt(2.0));
+      float e = 0;
+      const float got = kk::normal_cdf_f32(x, &e);
+      if (want < 0x1p-126) {  // f32 subnormals: ulps are absolute there
+        EXPECT_LE(std::fabs(got - want), 0x1p-140) << "x = " << x;
+        continue;
+      }
+      const int64_t u = ulps(got, static_cast<float>(want));
+      if (u > worst) worst = u, worst_x = x;
+      const double want_e = std::exp(-0.5 * static_cast<double>(x) * x);
+      if (want_e > 0x1p-126) EXPECT_LE(ulps(e, static_cast<float>(want_e)), 3) << "exp(-x^2/2) at x = " << x;
+    }
+  EXPECT_LE(worst, 8) << "at x = " << worst_x;
+  RecordProperty("worst_ulps", static_cast<int>(worst));
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(kk::normal_cdf_f32(0.0f, nullptr), 0.5f);
+  EXPECT_EQ(kk::normal_cdf_f32(inf, nullptr), 1.0f);
+  EXPECT_EQ(kk::normal_cdf_f32(-inf, nullptr), 0.0f);
+  EXPECT_EQ(kk::normal_cdf_f32(-30.0f, nullptr), 0.0f);
+  EXPECT_TRUE(std::isnan(kk::normal_cdf_f32(std::numeric_limits<float>::quiet_NaN(), nullptr)));
+}
+
 TEST(KernelHelpers, ExpEdgeCases) {
   EXPECT_EQ(kk::exp_f32(0.0f), 1.0f);
   EXPECT_EQ(kk::exp_f32(-0.0f), 1.0f);
