@@ -2,9 +2,11 @@
 // on it, and the argument checks of abi_args.h.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 
 #include "kcpp/kernel/abi_args.h"
@@ -75,7 +77,9 @@ TEST(KernelHelpers, NormalCdfWithinEightUlps) {
       const int64_t u = ulps(got, static_cast<float>(want));
       if (u > worst) worst = u, worst_x = x;
       const double want_e = std::exp(-0.5 * static_cast<double>(x) * x);
-      if (want_e > 0x1p-126) EXPECT_LE(ulps(e, static_cast<float>(want_e)), 3) << "exp(-x^2/2) at x = " << x;
+      if (want_e > 0x1p-126) {
+        EXPECT_LE(ulps(e, static_cast<float>(want_e)), 3) << "exp(-x^2/2) at x = " << x;
+      }
     }
   EXPECT_LE(worst, 8) << "at x = " << worst_x;
   RecordProperty("worst_ulps", static_cast<int>(worst));
@@ -85,6 +89,31 @@ TEST(KernelHelpers, NormalCdfWithinEightUlps) {
   EXPECT_EQ(kk::normal_cdf_f32(-inf, nullptr), 0.0f);
   EXPECT_EQ(kk::normal_cdf_f32(-30.0f, nullptr), 0.0f);
   EXPECT_TRUE(std::isnan(kk::normal_cdf_f32(std::numeric_limits<float>::quiet_NaN(), nullptr)));
+}
+
+// The device's Fast-mode Phi (here through exp2f in place of ex2.approx): absolute error against the f64
+// Phi over [-14, 9], relative error where the lower tail is a normal f32.
+TEST(KernelHelpers, FastNormalCdfWithinItsBound) {
+  double worst_abs = 0, worst_rel = 0;
+  for (uint32_t b = std::bit_cast<uint32_t>(0x1p-30f); b <= std::bit_cast<uint32_t>(14.0f); b += 97)
+    for (const float x : {std::bit_cast<float>(b), -std::bit_cast<float>(b)}) {
+      if (x > 9.0f) continue;
+      const double want = 0.5 * std::erfc(-static_cast<double>(x) / std::sqrt(2.0));
+      const double got = kk::normal_cdf_fast(x);
+      worst_abs = std::max(worst_abs, std::fabs(got - want));
+      if (x < 0 && want > 0x1p-126) worst_rel = std::max(worst_rel, std::fabs(got - want) / want);
+    }
+  EXPECT_LE(worst_abs, 1.2e-6);
+  EXPECT_LE(worst_rel, 6e-5);
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.3g absolute, %.3g relative", worst_abs, worst_rel);
+  RecordProperty("worst", buf);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const float x : {13.2f, 13.3f, 20.0f, 1e3f, 1e6f, 1e30f, inf}) {  // past the fit: no clamp
+    EXPECT_EQ(kk::normal_cdf_fast(x), 1.0f) << x;
+    EXPECT_LT(kk::normal_cdf_fast(-x), 0x1p-126f) << x;
+  }
+  EXPECT_TRUE(std::isnan(kk::normal_cdf_fast(std::numeric_limits<float>::quiet_NaN())));
 }
 
 TEST(KernelHelpers, ExpEdgeCases) {
