@@ -90,9 +90,11 @@ struct CpuSpace {
   }
 };
 
-// rows x cols of src (row stride ld) widened into dst (dense).
-template <typename T> void widen(const T* src, int64_t ld, int64_t rows, int64_t cols, float* dst) {
-#pragma omp parallel for schedule(static)
+// rows x cols of src (row stride ld) widened into dst (dense); by the OpenMP team when `parallel`.
+// Between two GEMMs it must not be: the team's threads spin-wait after the loop (libgomp's default
+// wait policy) on the cores OpenBLAS's own threads need, which doubled the 16-bit time (bench/RESULTS.md).
+template <typename T> void widen(const T* src, int64_t ld, int64_t rows, int64_t cols, float* dst, bool parallel = true) {
+#pragma omp parallel for schedule(static) if (parallel)
   for (int64_t i = 0; i < rows; ++i)
     for (int64_t j = 0; j < cols; ++j) dst[i * cols + j] = to_f32(src[i * ld + j]);
 }
@@ -132,7 +134,7 @@ template <typename T> const char* run(const FusedLinearCEParams& p, const Layout
       ld = ldw_in;
       return weight + r * ldw_in;
     } else {
-      widen(weight + r * ldw_in, ldw_in, rows, h, ws.weight);
+      widen(weight + r * ldw_in, ldw_in, rows, h, ws.weight, false);
       ld = h;
       return ws.weight;
     }
@@ -195,9 +197,8 @@ template <typename T> const char* run(const FusedLinearCEParams& p, const Layout
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(rows), static_cast<int>(h), static_cast<int>(c),
                   1.0f, ws.logits + b0, static_cast<int>(v), x, static_cast<int>(ldx), direct ? 1.0f : 0.0f, dw,
                   static_cast<int>(h));
-      if (!direct) {
+      if (!direct) {  // one thread: between GEMMs (see widen)
         T* out = dweight + b0 * h;
-#pragma omp parallel for schedule(static)
         for (int64_t k = 0; k < rows * h; ++k) out[k] = from_f32<T>(first ? dw[k] : to_f32(out[k]) + dw[k]);
       }
     }
