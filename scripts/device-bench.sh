@@ -33,8 +33,9 @@ fi
 if [ "${KCPP_ANCHORS:-1}" = 1 ]; then
   # `all`: anchors.py's ops too, under the deep-flush timer (its do_bench figures of torch.compile's
   # forward + backward are host-bound on the lent machine: bench/RESULTS.md).
-  echo "== eager and torch.compile under the deep-flush timer (bench/anchors_extra.py all)"
-  PYTHONUNBUFFERED=1 timeout 400 python3 bench/anchors_extra.py all 2>&1 | tee "$OUT/anchors_extra.txt"
+  # KCPP_EXTRA_ARGS picks sections (e.g. "activations geglu"); `all` compiles 15 functions.
+  echo "== eager and torch.compile under the deep-flush timer (bench/anchors_extra.py ${KCPP_EXTRA_ARGS:-all})"
+  PYTHONUNBUFFERED=1 timeout 540 python3 bench/anchors_extra.py ${KCPP_EXTRA_ARGS:-all} 2>&1 | tee "$OUT/anchors_extra.txt"
 fi
 if [ "${KCPP_ANCHORS:-1}" = 1 ] && [ -d .anchors/src ]; then
   echo "== kcpp and Liger under one timer (bench/anchors_kcpp.py, through python/kcpp.py)"
