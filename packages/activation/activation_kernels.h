@@ -11,8 +11,9 @@
 // f32 inside, one rounding to the dtype (f32, bf16, f16); nothing is saved (backward recomputes act
 // from x).  In place: y may be x (plain), dx may be dy (plain) or x (gated), with the same strides:
 // each thread reads all it needs of a position before writing it.  NaN propagates as the formulas do.
-// 16-bit dtypes use MathMode::Fast (hardware exp on the GPU, the vectorizable exp_f32 on the CPU);
-// f32 uses the accurate functions, with exp_f32 on the CPU (MathMode::FastExp).
+// 16-bit dtypes use MathMode::Fast (hardware exp on the GPU, the vectorizable exp_f32 on the CPU; GELU's
+// Phi from normal_cdf_fast on the GPU, normal_cdf_f32 on the CPU); f32 uses the accurate functions, with
+// exp_f32, tanh_f32 and normal_cdf_f32 on the CPU (MathMode::FastExp).
 // Cost: plain forward reads and writes n elements, backward reads 2n and writes n; gated forward
 // reads 2n and writes n (n = rows * d), backward reads 3n and writes 2n.
 #pragma once
