@@ -68,8 +68,8 @@ KCPP_CPU_MULTIVERSION void rows(const CrossEntropyParams& p, double* row_loss, f
       // e_j = exp(z_j - m) in (0, 1] (exp_f32: vectorized, within 1 ulp of expf), kept for the
       // gradient (p_j = e_j / s); the sums in f64 (10^5 terms keep their digits).
       for (int64_t j = 0; j < v; ++j) e[j] = kernel::exp_f32(x[j] - m);
-      double s = 0.0, sx = 0.0;  // sx = sum_j w_j z_j
-      if (cw) {
+      double s = 0.0, sx = 0.0;  // sx = sum_j w_j z_j (used with smoothing only)
+      if (cw && eps > 0.0f) {
 #pragma omp simd reduction(+ : s, sx)
         for (int64_t j = 0; j < v; ++j) {
           s += e[j];
@@ -92,7 +92,7 @@ KCPP_CPU_MULTIVERSION void rows(const CrossEntropyParams& p, double* row_loss, f
         const float smooth = eps / static_cast<float>(v), hot = static_cast<float>((1.0 - eps) * wt);
         const float a = static_cast<float>((hot + smooth * wsum_d + 2.0 * beta * lse) / s);  // factor of e_j
         const float s_row = static_cast<float>(tau) * scale;
-        if (cw) {
+        if (cw && eps > 0.0f) {  // without smoothing the w_j term is 0
 #pragma omp simd
           for (int64_t j = 0; j < v; ++j) e[j] = e[j] * a - smooth * cw[j];
         } else {

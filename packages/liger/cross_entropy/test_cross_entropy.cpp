@@ -96,7 +96,8 @@ TEST_P(LigerCrossEntropy, OptionsMatchTheOracle) {
     double eps;
   };
   const Opt opts[] = {{"softcap", 5.0, 0, false, false, 0.0},     {"z-loss", 0, 0.1, false, false, 0.0},
-                      {"class weights", 0, 0, true, false, 0.1},  {"token weights", 0, 0, false, true, 0.0},
+                      {"class weights", 0, 0, true, false, 0.1},  {"class weights, no smoothing", 0, 0, true, false, 0.0},
+                      {"token weights", 0, 0, false, true, 0.0},
                       {"all", 5.0, 0.01, true, true, 0.1}};
   for (DType dt : {DType::f32, DType::bf16})
     for (int64_t v : {3, 4097, 50257})
