@@ -217,15 +217,20 @@ void BM_ce_fwd_bwd_reference(benchmark::State& st) {
   }
   st.SetBytesProcessed(st.iterations() * 2 * c.logits.nbytes());
 }
-void BM_ce_fwd_bwd_kernel(benchmark::State& st) {
+// The kernel with a softcap (0: none) and label smoothing.
+void ce_kernel(benchmark::State& st, double softcap, double smoothing) {
   CECase c(static_cast<DType>(st.range(0)));
-  const auto p = test::cross_entropy_params(c.logits, c.targets, {}, c.loss, c.grad);
+  ops::CrossEntropyOptions o;
+  o.label_smoothing = smoothing;
+  auto p = test::cross_entropy_params(c.logits, c.targets, o, c.loss, c.grad);
+  p.softcap = static_cast<float>(softcap);
   for (auto _ : st) {
     if (const char* e = liger::cross_entropy_cpu(p)) st.SkipWithError(e);
     benchmark::ClobberMemory();
   }
   st.SetBytesProcessed(st.iterations() * 2 * c.logits.nbytes());
 }
+void BM_ce_fwd_bwd_kernel(benchmark::State& st) { ce_kernel(st, 0.0, 0.0); }
 BENCHMARK(BM_ce_fwd_bwd_reference) KCPP_DTYPES;
 BENCHMARK(BM_ce_fwd_bwd_kernel) KCPP_DTYPES;
 
@@ -245,18 +250,7 @@ void BM_ce_softcap_fwd_bwd_reference(benchmark::State& st) {
   }
   st.SetBytesProcessed(st.iterations() * 2 * c.logits.nbytes());
 }
-void BM_ce_softcap_fwd_bwd_kernel(benchmark::State& st) {
-  CECase c(static_cast<DType>(st.range(0)));
-  ops::CrossEntropyOptions o;
-  o.label_smoothing = kSmooth;
-  auto p = test::cross_entropy_params(c.logits, c.targets, o, c.loss, c.grad);
-  p.softcap = static_cast<float>(kCap);
-  for (auto _ : st) {
-    if (const char* e = liger::cross_entropy_cpu(p)) st.SkipWithError(e);
-    benchmark::ClobberMemory();
-  }
-  st.SetBytesProcessed(st.iterations() * 2 * c.logits.nbytes());
-}
+void BM_ce_softcap_fwd_bwd_kernel(benchmark::State& st) { ce_kernel(st, kCap, kSmooth); }
 BENCHMARK(BM_ce_softcap_fwd_bwd_reference) KCPP_DTYPES;
 BENCHMARK(BM_ce_softcap_fwd_bwd_kernel) KCPP_DTYPES;
 

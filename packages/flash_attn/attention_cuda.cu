@@ -17,6 +17,7 @@
 
 #include "attention.h"
 #include "kcpp/kernel/cuda.cuh"
+#include "kcpp/kernel/fast_math.h"
 #include "kcpp/kernel/error.h"
 
 namespace kcpp::flash {
@@ -105,11 +106,7 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int64_t ss, int vali
 }
 
 // 2^x in one MUFU instruction (flush-to-zero; 2^-inf = 0).
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
+using kernel::exp2_approx;
 
 __device__ __forceinline__ bool visible(int64_t pos, int64_t j, int64_t skv, bool causal, int64_t window) {
   return j < skv && (!causal || j <= pos) && (window <= 0 || pos - j < window);
@@ -229,13 +226,13 @@ template <typename T, int D> __global__ void __launch_bounds__(kThreads) fwd_ker
       m_raw = fmaxf(m_raw, __shfl_xor_sync(0xffffffffu, m_raw, 2));
       const float m_new = fmaxf(mx[hf], m_raw * sl2);
       const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-      const float corr = ex2(mx[hf] - m_use);
+      const float corr = exp2_approx(mx[hf] - m_use);
       mx[hf] = m_new;
       float sum = 0.0f;
 #pragma unroll
       for (int nt = 0; nt < kBc / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) sum += (s[nt][2 * hf + e] = ex2(fmaf(s[nt][2 * hf + e], sl2, -m_use)));
+        for (int e = 0; e < 2; ++e) sum += (s[nt][2 * hf + e] = exp2_approx(fmaf(s[nt][2 * hf + e], sl2, -m_use)));
       l[hf] = l[hf] * corr + sum;
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt) o[dt][2 * hf] *= corr, o[dt][2 * hf + 1] *= corr;
@@ -363,7 +360,7 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, 
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qi = nt * 8 + 2 * t + (e & 1);
-          float x = ex2(fmaf(st[nt][e], sl2, -sL[qi]));
+          float x = exp2_approx(fmaf(st[nt][e], sl2, -sL[qi]));
           if (masked && !visible(i0 + qi + off, k0 + warp * 16 + g + 8 * (e >> 1), p.seq_kv, p.causal, p.window)) x = 0.0f;
           st[nt][e] = x;
         }

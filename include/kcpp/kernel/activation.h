@@ -28,15 +28,7 @@
 #include <cstdint>
 #include <cstring>
 
-// Always inlined: on the host a call left in a loop (GCC's inliner gives up on the larger
-// instantiations) keeps the whole loop scalar.
-#if defined(__CUDACC__)
-#define KCPP_KERNEL_INLINE __host__ __device__ __forceinline__
-#elif defined(__GNUC__)
-#define KCPP_KERNEL_INLINE inline __attribute__((always_inline))
-#else
-#define KCPP_KERNEL_INLINE inline
-#endif
+#include "kcpp/kernel/fast_math.h"
 
 namespace kcpp::kernel {
 
@@ -170,18 +162,6 @@ KCPP_KERNEL_INLINE float normal_cdf_f32(float x, float* e_out) {
   const float tail = x < 0.0f ? q : 1.0f - q;
   if (e_out) *e_out = e;
   return a < 1.0f ? small : tail;
-}
-
-// 2^x: on the device the special-function unit's ex2.approx.ftz (max error 2 ulps, subnormal results
-// flushed to 0); on the host exp2f (for tests of the functions built on it).
-KCPP_KERNEL_INLINE float exp2_approx(float x) {
-#if defined(__CUDA_ARCH__)
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return std::exp2(x);
-#endif
 }
 
 // Phi(x) for the device's Fast mode (16-bit outputs), in 16 instructions where erff takes about 27 (its

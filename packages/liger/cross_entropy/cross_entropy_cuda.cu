@@ -18,6 +18,7 @@
 #include <cuda/ptx>
 
 #include "kcpp/kernel/cuda.cuh"
+#include "kcpp/kernel/fast_math.h"
 
 namespace kcpp::liger {
 namespace {
@@ -43,13 +44,9 @@ template <bool LOG2 = false> __device__ __forceinline__ MS merge(MS a, MS b) {
   return {m, a.s * expf(a.m - m) + b.s * expf(b.m - m)};
 }
 
-// 2^x with the special-function unit alone (relative error about 2^-22; results below 2^-126
-// flush to 0, far under what a probability of f32 accumulation can hold anyway).
-[[maybe_unused]] __device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
+// 2^x with the special-function unit alone (kcpp/kernel/fast_math.h; results below 2^-126 flush to
+// 0, far under what a probability of f32 accumulation can hold anyway).
+using kernel::exp2_approx;
 [[maybe_unused]] constexpr float kLog2e = 1.44269504088896340736f;
 
 // Reduces (m, s) and a plain sum over the block; every thread gets the result (the loop path; the
@@ -111,7 +108,7 @@ template <typename T, int VEC> __device__ __forceinline__ void load_row(const T*
 // values z = c tanh(x / c) then carry an absolute error of a few c 2^-24, far below their exponentials'
 // f32 rounding's effect on a 16-bit gradient; f32 logits keep tanhf.
 __device__ __forceinline__ float tanh_approx(float y) {
-  const float e = ex2(2.0f * kLog2e * fabsf(y));  // +inf for large |y|: the quotient is then 0
+  const float e = exp2_approx(2.0f * kLog2e * fabsf(y));  // +inf for large |y|: the quotient is then 0
   return copysignf(1.0f - __fdividef(2.0f, e + 1.0f), y);
 }
 
@@ -299,7 +296,7 @@ __global__ void __launch_bounds__(THREADS, 4096 / (THREADS * VECS))
   // where expf costs several instructions more).  f32 logits keep expf.  Maxima travel as L m.
   constexpr bool kBase2 = sizeof(T) < 4;
   constexpr float L = kBase2 ? kLog2e : 1.0f;
-  auto expL = [](float x) { return kBase2 ? ex2(x) : expf(x); };
+  auto expL = [](float x) { return kBase2 ? exp2_approx(x) : expf(x); };
   // Without the per-element options the sum pass's exponentials 2^(L z - L m), m the block's max,
   // replace z in the registers and the gradient pass scales them by 2^(L m - L lse): one FFMA an
   // element instead of an FFMA, an exponential and a multiply.  The exponentials were half of the

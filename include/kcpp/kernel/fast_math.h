@@ -1,0 +1,31 @@
+// Hardware-approximate math shared by the kernel packages' host and device code.
+#pragma once
+
+#include <cmath>
+
+// Always inlined: on the host a call left in a loop (GCC's inliner gives up on the larger
+// instantiations) keeps the whole loop scalar.
+#if defined(__CUDACC__)
+#define KCPP_KERNEL_INLINE __host__ __device__ __forceinline__
+#elif defined(__GNUC__)
+#define KCPP_KERNEL_INLINE inline __attribute__((always_inline))
+#else
+#define KCPP_KERNEL_INLINE inline
+#endif
+
+namespace kcpp::kernel {
+
+// 2^x: on the device the special-function unit's ex2.approx.ftz, one instruction (relative error
+// about 2^-22; results below 2^-126 flushed to 0; 2^-inf = 0); on the host exp2f (for tests of the
+// functions built on it).
+KCPP_KERNEL_INLINE float exp2_approx(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return std::exp2(x);
+#endif
+}
+
+}  // namespace kcpp::kernel
