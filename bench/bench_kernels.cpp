@@ -5,8 +5,9 @@
 // allocator's peak during one call minus what was allocated before it (outputs and gradients
 // included, inputs excluded), as anchors.py measures torch's.
 //
-// Run: build/release/bin/kcpp_bench_kernels [--json FILE] [--only SECTION] [--sweep]
-// Sections: rms_norm layer_norm swiglu rope cross_entropy activation flce.
+// Run: build/release/bin/kcpp_bench_kernels [--json FILE] [--only SECTION[,SECTION...]] [--sweep]
+// Sections: rms_norm layer_norm swiglu rope cross_entropy activation flce attention.
+// KCPP_TIMING_FLUSH=clean times with a clean L2 instead of do_bench's dirty one (core/timing.h).
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -79,7 +80,7 @@ void bench_copy() {
   // Copies the size of the kernels' traffic, timed the same way (L2 flushed before each run): what a
   // kernel moving that many bytes can reach with this timer.  RMSNorm forward at [8192, 4096] bf16
   // reads 64 MiB and writes 64 MiB, as the 64 MiB copy does.
-  for (size_t mib : {64, 128, 256}) {
+  for (size_t mib : {64, 80, 128, 256}) {  // 80: RoPE's q and k at the anchors' shape
     const CopyCeiling s = measure_copy(kDev, mib << 20, 50);
     const std::string op = fmt::format("copy d2d {}MiB", mib);
     std::printf("%-24s %-10s %9.4f ms %8.0f GB/s %5.1f%% of copy\n", op.c_str(), "cuda", s.timing.median_ms, s.gbps,
@@ -337,6 +338,12 @@ void bench_rope() {
     check(liger::rope_forward_cuda(p, cuda::current_stream()));
     check(liger::rope_backward_cuda(p, cuda::current_stream()));
   }, 2 * gb);
+  // q and k as the projections give them, [B, S, H, D] (viewed as [B, H, S, D]), in place.
+  const Tensor q3 = Tensor::randn({b, s, hq, d}, DType::bf16, kDev, gen).transpose(1, 2);
+  const Tensor k3 = Tensor::randn({b, s, hk, d}, DType::bf16, kDev, gen).transpose(1, 2);
+  row("rope fwd bshd in-place", "kcpp", [&] {
+    check(liger::rope_forward_cuda(test::rope_params(q3, q3, k3, k3, cs.cos, cs.sin, rh), cuda::current_stream()));
+  }, gb);
 }
 
 void bench_cross_entropy() {
@@ -679,17 +686,37 @@ void sweep_rope() {
                                     1.0, DType::bf16);
   const auto p = test::rope_params(q, qo, k, ko, cs.cos, cs.sin, ops::RopeLayout::RotateHalf);
   const double gb = 2.0 * double(q.numel() + k.numel()) * 2 / 1e9;
-  std::printf("sweep rope bf16: threads blocks_per_sm (0 = one block per token)\n");
+  std::printf("sweep rope bf16: threads blocks_per_sm (0 = one block per token) heads_per_thread (0 = token kernel) order "
+              "(1 heads adjacent, 2 tokens adjacent)\n");
+  std::vector<liger::RopeConfig> configs;
   for (int threads : {64, 128, 256})
-    for (int blocks : {8, 16, 32, 0}) {
-      const liger::RopeConfig c{threads, blocks};
-      const Timing tf = time_op(kDev, [&] { check(liger::rope_forward_cuda_with(p, cuda::current_stream(), c)); }, 10, 50);
-      const Timing tb = time_op(kDev, [&] { check(liger::rope_backward_cuda_with(p, cuda::current_stream(), c)); }, 10, 50);
-      std::printf("  %3d %2d  fwd %8.4f ms %5.1f%%   bwd %8.4f ms %5.1f%%\n", threads, blocks, tf.median_ms,
-                  100 * gb / (tf.median_ms * 1e-3) / g_copy_gbps, tb.median_ms, 100 * gb / (tb.median_ms * 1e-3) / g_copy_gbps);
-      g_rows.push_back({{"op", "sweep rope"}, {"threads", threads}, {"blocks_per_sm", blocks}, {"fwd_ms", tf.median_ms},
-                        {"bwd_ms", tb.median_ms}});
-    }
+    for (int blocks : {16, 0}) configs.push_back({threads, blocks, 0});  // the token kernel
+  for (int order : {1, 2})
+    for (const auto& [threads, heads] : {std::pair{64, 1}, {64, 2}, {64, 4}, {128, 1}, {128, 2}, {128, 4}, {160, 2}, {256, 2}})
+      configs.push_back({threads, 0, heads, order});
+  for (const liger::RopeConfig& c : configs) {
+    const int threads = c.threads, blocks = c.blocks_per_sm;
+    const Timing tf = time_op(kDev, [&] { check(liger::rope_forward_cuda_with(p, cuda::current_stream(), c)); }, 10, 50);
+    const Timing tb = time_op(kDev, [&] { check(liger::rope_backward_cuda_with(p, cuda::current_stream(), c)); }, 10, 50);
+    std::printf("  %3d %2d %d %d  fwd %8.4f ms %5.1f%%   bwd %8.4f ms %5.1f%%\n", threads, blocks, c.heads_per_thread, c.order, tf.median_ms,
+                100 * gb / (tf.median_ms * 1e-3) / g_copy_gbps, tb.median_ms, 100 * gb / (tb.median_ms * 1e-3) / g_copy_gbps);
+    g_rows.push_back({{"op", "sweep rope"}, {"threads", threads}, {"blocks_per_sm", blocks},
+                      {"heads_per_thread", c.heads_per_thread}, {"order", c.order}, {"fwd_ms", tf.median_ms},
+                      {"bwd_ms", tb.median_ms}});
+  }
+  // [B, S, H, D] in place (q and k as the projections give them), forward.
+  const Tensor q3 = Tensor::randn({b, s, hq, d}, DType::bf16, kDev, gen).transpose(1, 2);
+  const Tensor k3 = Tensor::randn({b, s, hk, d}, DType::bf16, kDev, gen).transpose(1, 2);
+  const auto p3 = test::rope_params(q3, q3, k3, k3, cs.cos, cs.sin, ops::RopeLayout::RotateHalf);
+  std::printf("sweep rope bf16 [B, S, H, D] in place, forward: threads heads_per_thread order\n");
+  for (const liger::RopeConfig& c : std::vector<liger::RopeConfig>{
+           {128, 0, 0}, {64, 0, 0}, {128, 0, 2, 1}, {128, 0, 2, 2}, {128, 0, 3, 1}, {160, 0, 2, 1}, {64, 0, 4, 2}, {64, 0, 1, 1}}) {
+    const Timing tf = time_op(kDev, [&] { check(liger::rope_forward_cuda_with(p3, cuda::current_stream(), c)); }, 10, 50);
+    std::printf("  %3d %d %d  fwd %8.4f ms %5.1f%%\n", c.threads, c.heads_per_thread, c.order, tf.median_ms,
+                100 * gb / (tf.median_ms * 1e-3) / g_copy_gbps);
+    g_rows.push_back({{"op", "sweep rope bshd"}, {"threads", c.threads}, {"heads_per_thread", c.heads_per_thread},
+                      {"order", c.order}, {"fwd_ms", tf.median_ms}});
+  }
 }
 
 // Activation launch configurations (ActConfig): SiluAndMul and GeluTanh, forward and backward, at each.
@@ -737,10 +764,10 @@ int main(int argc, char** argv) {
   bool sweep = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) json_path = argv[i + 1];
-    if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc) only = argv[i + 1];  // one section, e.g. activation
+    if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc) only = argv[i + 1];  // sections, e.g. rms_norm,rope
     if (std::strcmp(argv[i], "--sweep") == 0) sweep = true;
   }
-  auto want = [&](const char* section) { return only.empty() || only == section; };
+  auto want = [&](const char* section) { return only.empty() || ("," + only + ",").find(fmt::format(",{},", section)) != std::string::npos; };
   try {
     if (cuda_device_count() == 0) {
       std::puts("kcpp_bench_kernels: skipped: no CUDA device");

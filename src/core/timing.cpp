@@ -21,7 +21,23 @@ void* flush_buffer(int device, size_t bytes) {
   if (!buffers[static_cast<size_t>(device)]) KCPP_CUDA_CHECK(cudaMalloc(&buffers[static_cast<size_t>(device)], bytes));
   return buffers[static_cast<size_t>(device)];
 }
+
+// KCPP_TIMING_FLUSH (see time_op): zero (the default), clean, none.
+enum class Flush { Zero, Clean, None };
+Flush flush_mode() {
+  const char* no_flush = std::getenv("KCPP_TIMING_NO_FLUSH");
+  if (no_flush && *no_flush == '1') return Flush::None;
+  const char* m = std::getenv("KCPP_TIMING_FLUSH");
+  if (!m || !*m || std::strcmp(m, "zero") == 0) return Flush::Zero;
+  if (std::strcmp(m, "clean") == 0) return Flush::Clean;
+  if (std::strcmp(m, "none") == 0) return Flush::None;
+  throw Error(std::string("KCPP_TIMING_FLUSH: '") + m + "' is not one of zero, clean, none");
+}
 }  // namespace
+
+namespace detail {
+void read_through(void* buffer, size_t bytes, cudaStream_t stream);  // core/timing_cuda.cu
+}
 #endif
 
 void synchronize(Device device) {
@@ -44,14 +60,14 @@ Timing time_op(Device device, const std::function<void()>& fn, int warmup, int r
   if (device.is_cuda()) {
     cuda::DeviceGuard g(device.index);
     constexpr size_t kFlushBytes = size_t{256} << 20;  // what triton.testing.do_bench zeroes
-    // KCPP_TIMING_NO_FLUSH=1 times back to back instead (to compare with figures taken that way).
-    const char* no_flush = std::getenv("KCPP_TIMING_NO_FLUSH");
-    void* flush = (no_flush && *no_flush == '1') ? nullptr : flush_buffer(device.index, kFlushBytes);
+    const Flush mode = flush_mode();
+    void* flush = mode == Flush::None ? nullptr : flush_buffer(device.index, kFlushBytes);
     cudaEvent_t start, stop;
     KCPP_CUDA_CHECK(cudaEventCreate(&start));
     KCPP_CUDA_CHECK(cudaEventCreate(&stop));
     for (double& t : ms) {
       if (flush) KCPP_CUDA_CHECK(cudaMemsetAsync(flush, 0, kFlushBytes, cuda::current_stream()));
+      if (mode == Flush::Clean) detail::read_through(flush, kFlushBytes, cuda::current_stream());
       KCPP_CUDA_CHECK(cudaEventRecord(start, cuda::current_stream()));
       fn();
       KCPP_CUDA_CHECK(cudaEventRecord(stop, cuda::current_stream()));

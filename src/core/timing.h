@@ -21,7 +21,11 @@ struct Timing {
 // input left in the 50-60 MiB cache by the previous run), and the host enqueues the start event and
 // the run while the GPU is still busy with the zeroing, so host-side launch cost does not show up as
 // an idle gap between the events.  Without it, a 40 us kernel measured 3-5 us of launch latency too.
-// KCPP_TIMING_NO_FLUSH=1 in the environment times back to back without the zeroing.
+// KCPP_TIMING_FLUSH in the environment picks the flush: `zero` (the default, as above); `clean`, the
+// zeroing followed by a read of the whole buffer, so that the lines the zeroing left dirty in the L2
+// are written back before the timed run instead of during it (a kernel moving 128 MiB otherwise pays
+// for up to an L2's worth of someone else's write-back: what a kernel costs alone, as Nsight Compute
+// times it with its cache control); `none`, back to back (KCPP_TIMING_NO_FLUSH=1 too).
 Timing time_op(Device device, const std::function<void()>& fn, int warmup = 5, int reps = 25);
 
 // Waits for all work queued on the device.

@@ -139,6 +139,40 @@ TEST_P(LigerLayerNorm, InPlaceBackwardDeterminismAndBadInput) {
   EXPECT_TRUE(test::kernel_error_contains(KCPP_CALL_KERNEL(dev, liger::layer_norm_forward, q), "row stride"));
 }
 
+// A NaN or an infinity poisons its row as in PyTorch (the row's mean or variance is NaN, so is every
+// y and dx of it) and dw (a column sum over the rows' normalised values), never db (the sum of dy)
+// nor the other rows.  h = 4096 and 4095 take the kernels' vector and element paths.
+TEST_P(LigerLayerNorm, NaNAndInfStayInTheirRows) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  for (DType dt : {DType::f32, DType::bf16})
+    for (int64_t h : {int64_t{4096}, int64_t{4095}, int64_t{13}}) {
+      const int64_t rows = 5;
+      std::vector<double> xv = Tensor::randn({rows, h}, DType::f64, Device::cpu(), gen).to_f64_vector();
+      xv[static_cast<size_t>(1 * h + h / 2)] = std::nan("");
+      xv[static_cast<size_t>(3 * h + h - 1)] = std::numeric_limits<double>::infinity();
+      const Tensor x = Tensor::from_f64(xv, {rows, h}, dt, dev), w = Tensor::randn({h}, dt, dev, gen);
+      const Tensor b = Tensor::randn({h}, dt, dev, gen), dy = Tensor::randn({rows, h}, dt, dev, gen);
+      const Result r = run(dev, x, w, b, dy, Tensor::empty({rows, h}, dt, dev));
+      const auto y = r.y.to_f64_vector(), dx = r.dx.to_f64_vector(), dw = r.dw.to_f64_vector(), db = r.db.to_f64_vector();
+      const std::string cfg = fmt::format("{} h={}", test::config_name(dev, dt), h);
+      for (int64_t i = 0; i < rows; ++i) {
+        const bool poisoned = i == 1 || i == 3;
+        for (int64_t j = 0; j < h; ++j) {
+          const size_t e = static_cast<size_t>(i * h + j);
+          ASSERT_EQ(std::isnan(y[e]), poisoned) << cfg << " y[" << i << ", " << j << "] = " << y[e];
+          ASSERT_EQ(std::isnan(dx[e]), poisoned) << cfg << " dx[" << i << ", " << j << "] = " << dx[e];
+          if (!poisoned) ASSERT_TRUE(std::isfinite(y[e]) && std::isfinite(dx[e])) << cfg << " row " << i << " col " << j;
+        }
+      }
+      for (int64_t j = 0; j < h; ++j) {
+        ASSERT_TRUE(std::isnan(dw[static_cast<size_t>(j)])) << cfg << " dw[" << j << "] = " << dw[static_cast<size_t>(j)];
+        ASSERT_TRUE(std::isfinite(db[static_cast<size_t>(j)])) << cfg << " db[" << j << "] = " << db[static_cast<size_t>(j)];
+      }
+    }
+}
+
 #if KCPP_WITH_CUDA
 // Many more rows than resident blocks: every block of the persistent backward (on sm_90 the bulk
 // path, whose ring of rows then wraps several times) cycles through many rows; by default and in

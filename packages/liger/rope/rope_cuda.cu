@@ -1,9 +1,13 @@
-// RoPE on CUDA (maths in rope.h).  One block per token (b, s) at a time, blocks striding over tokens;
-// the token's cos and sin rows are staged in shared memory, then the block's threads share out the
-// token's items: for every head of q and k, groups of VEC pairs
-// (RotateHalf: elements j.. and j+rd/2..; Interleaved: VEC consecutive elements = VEC/2 pairs).
-// 16-byte accesses when every pointer and stride allows, element accesses otherwise.  Each item is
-// read completely before it is written, so out == in is safe.
+// RoPE on CUDA (maths in rope.h).  Two kernels:
+//  - the column-group kernel (the default where it applies, see rope_groups_kernel): a thread keeps
+//    one 16-byte group of the token's cos and sin in registers and rotates that group in up to 4
+//    (token, head) rows, all its loads issued before the first use;
+//  - the token kernel (element access, a tail past rotary_dim to copy out of place, and the
+//    configurations of rope_tuning.h that ask for it): one block per token at a time, blocks
+//    striding over tokens; the token's cos and sin rows are staged in shared memory, then the block's
+//    threads share out the token's items: for every head of q and k, groups of VEC pairs
+//    (RotateHalf: elements j.. and j+rd/2..; Interleaved: VEC consecutive elements = VEC/2 pairs).
+// Each item is read completely before it is written, so out == in is safe.
 #include "kcpp/kernel/cuda.cuh"
 #include "rope.h"
 #include "rope_tuning.h"
@@ -110,6 +114,75 @@ __global__ void __launch_bounds__(256) rope_kernel(const __grid_constant__ RopeP
   }
 }
 
+// The column-group kernel.  Thread (r, j) of a block takes column group j of the rotary dimension
+// (VEC pairs: elements j VEC.. and j VEC + rd/2.., or VEC interleaved elements) in HEADS (token,
+// head) rows; its cos and sin vectors are loaded once, from global memory (L1 / L2), and every load
+// of the thread (cos, sin and all its rows) is issued before the first use: one memory latency a
+// block, no shared memory, no barrier.  With R = threads / groups a head has, a block covers
+//  - HEADS_ADJACENT: one token, heads (c HEADS + i) R + r, so a warp reads neighbouring heads (the
+//    contiguous run of a token in [B, S, H, D]);
+//  - else: tokens c R + r, heads c' HEADS + i, so a warp reads neighbouring tokens of one head (the
+//    contiguous run of a head in HF's [B, H, S, D]); cos and sin are then per thread, reused for
+//    HEADS heads.
+// Blocks take (token chunk, head chunk) pairs, head chunks fastest.  Needs vector access, threads a
+// multiple of the groups a head has, and nothing to copy past rotary_dim (in place or rd = d).
+template <typename T, int VEC, bool IL, bool BWD, int HEADS, bool HEADS_ADJACENT>
+__global__ void __launch_bounds__(256) rope_groups_kernel(const __grid_constant__ RopeParams p, int head_chunks) {
+  using V = Vec<T, VEC>;
+  const int rd = static_cast<int>(p.rotary_dim), half = rd / 2;
+  const int per_head = IL ? rd / VEC : half / VEC;
+  const int rows = static_cast<int>(blockDim.x) / per_head;
+  const int j = static_cast<int>(threadIdx.x) % per_head, r = static_cast<int>(threadIdx.x) / per_head;
+  const int64_t tc = blockIdx.x / head_chunks;
+  const int hc = static_cast<int>(blockIdx.x % head_chunks);
+  const int64_t t = HEADS_ADJACENT ? tc : tc * rows + r;
+  const int qh = static_cast<int>(p.q.heads), heads = qh + static_cast<int>(p.k.heads);
+  if (t >= p.batch * p.seq) return;  // the last token chunk's spare rows (no barrier follows)
+  const int64_t b = t / p.seq, s = t % p.seq;
+  const int e = j * VEC;  // the group's first element (RotateHalf: of the first half)
+  const T* gc = static_cast<const T*>(p.cos) + b * p.cs_stride_b + s * p.cs_stride_s;
+  const T* gs = static_cast<const T*>(p.sin) + b * p.cs_stride_b + s * p.cs_stride_s;
+  const V c0 = *reinterpret_cast<const V*>(gc + e), s0 = *reinterpret_cast<const V*>(gs + e);
+  V c1 = c0, s1 = s0;
+  if constexpr (!IL) c1 = *reinterpret_cast<const V*>(gc + e + half), s1 = *reinterpret_cast<const V*>(gs + e + half);
+  V x0[HEADS], x1[HEADS];
+  T* out[HEADS];
+#pragma unroll
+  for (int i = 0; i < HEADS; ++i) {
+    const int h = HEADS_ADJACENT ? (hc * HEADS + i) * rows + r : hc * HEADS + i;
+    out[i] = nullptr;
+    if (h >= heads) continue;
+    const RopeOperand& op = h < qh ? p.q : p.k;
+    const int64_t hh = h < qh ? h : h - qh;
+    const T* in = static_cast<const T*>(op.in) + b * op.in_stride_b + s * op.in_stride_s + hh * op.in_stride_h + e;
+    out[i] = static_cast<T*>(op.out) + b * op.out_stride_b + s * op.out_stride_s + hh * op.out_stride_h + e;
+    x0[i] = *reinterpret_cast<const V*>(in);
+    if constexpr (!IL) x1[i] = *reinterpret_cast<const V*>(in + half);
+  }
+#pragma unroll
+  for (int i = 0; i < HEADS; ++i) {
+    if (!out[i]) continue;
+    float a[VEC], cp[VEC], sp[VEC], ya[VEC];
+    widen(x0[i], a);
+    widen(c0, cp);
+    widen(s0, sp);
+    if constexpr (IL) {
+#pragma unroll
+      for (int k = 0; k < VEC; k += 2) rotate<BWD>(a[k], a[k + 1], cp[k], cp[k + 1], sp[k], sp[k + 1], ya[k], ya[k + 1]);
+      store_f32(out[i], ya);
+    } else {
+      float bq[VEC], cq[VEC], sq[VEC], yb[VEC];
+      widen(x1[i], bq);
+      widen(c1, cq);
+      widen(s1, sq);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) rotate<BWD>(a[k], bq[k], cp[k], cq[k], sp[k], sq[k], ya[k], yb[k]);
+      store_f32(out[i], ya);
+      store_f32(out[i] + half, yb);
+    }
+  }
+}
+
 bool operand_vec_ok(const RopeOperand& o, int vec) {
   if (o.heads == 0) return true;
   return aligned16(o.in) && aligned16(o.out) && o.in_stride_b % vec == 0 && o.in_stride_s % vec == 0 &&
@@ -118,8 +191,11 @@ bool operand_vec_ok(const RopeOperand& o, int vec) {
 
 template <bool BWD> const char* run(const RopeParams& p, cudaStream_t stream, const RopeConfig& c) {
   if (const char* e = rope_check(p)) return e;
-  KCPP_KERNEL_REQUIRE(c.threads == 64 || c.threads == 128 || c.threads == 256, "rope: threads %d not in {64, 128, 256}",
-                      c.threads);
+  KCPP_KERNEL_REQUIRE(c.threads == 64 || c.threads == 128 || c.threads == 256 || (c.threads == 160 && c.heads_per_thread > 0),
+                      "rope: threads %d not in {64, 128, 256} (160 with heads_per_thread)", c.threads);
+  KCPP_KERNEL_REQUIRE(c.heads_per_thread >= 0 && c.heads_per_thread <= 4, "rope: heads_per_thread %d not in 0..4",
+                      c.heads_per_thread);
+  KCPP_KERNEL_REQUIRE(c.order >= 0 && c.order <= 2, "rope: order %d not in 0..2", c.order);
   KCPP_KERNEL_REQUIRE(c.blocks_per_sm >= 0, "rope: blocks_per_sm %d < 0", c.blocks_per_sm);
   const int64_t tokens = p.batch * p.seq;
   if (tokens == 0) return nullptr;
@@ -136,6 +212,47 @@ template <bool BWD> const char* run(const RopeParams& p, cudaStream_t stream, co
   const size_t smem = 2 * static_cast<size_t>(p.rotary_dim) * static_cast<size_t>(kcpp::kernel::dtype_bytes(p.dtype));
   KCPP_KERNEL_REQUIRE(smem <= 48 * 1024, "rope: rotary_dim %lld needs %zu bytes of shared memory (at most 48 KiB)",
                       static_cast<long long>(p.rotary_dim), smem);
+  // The column-group kernel where it applies (see there).
+  const int64_t per_head = span / vec, heads = p.q.heads + p.k.heads;
+  const bool in_place = p.q.out == p.q.in && (p.k.heads == 0 || p.k.out == p.k.in);
+  const bool groups_ok = c.heads_per_thread >= 1 && c.heads_per_thread <= 4 && vec_ok && threads % per_head == 0 &&
+                         (in_place || p.rotary_dim == p.head_dim);
+  if (groups_ok) {
+    // Neighbouring heads or neighbouring tokens a warp: whichever q has closer together.
+    const bool heads_adjacent = c.order == 1 || (c.order == 0 && p.q.in_stride_h <= p.q.in_stride_s);
+    const int64_t rows = threads / per_head;
+    const int64_t per_block_heads = heads_adjacent ? rows * c.heads_per_thread : c.heads_per_thread;
+    const int64_t head_chunks = (heads + per_block_heads - 1) / per_block_heads;
+    const int64_t token_chunks = heads_adjacent ? tokens : (tokens + rows - 1) / rows;
+    KCPP_KERNEL_REQUIRE(token_chunks * head_chunks < (int64_t(1) << 31), "rope: %lld tokens x %lld heads exceed the grid",
+                        static_cast<long long>(tokens), static_cast<long long>(heads));
+    const unsigned blocks = static_cast<unsigned>(token_chunks * head_chunks);
+    auto launch = [&]<typename T, int HEADS>() {
+      constexpr int V = 16 / sizeof(T);
+      const int hcs = static_cast<int>(head_chunks);
+      if (heads_adjacent) {
+        if (il) rope_groups_kernel<T, V, true, BWD, HEADS, true><<<blocks, threads, 0, stream>>>(p, hcs);
+        else rope_groups_kernel<T, V, false, BWD, HEADS, true><<<blocks, threads, 0, stream>>>(p, hcs);
+      } else {
+        if (il) rope_groups_kernel<T, V, true, BWD, HEADS, false><<<blocks, threads, 0, stream>>>(p, hcs);
+        else rope_groups_kernel<T, V, false, BWD, HEADS, false><<<blocks, threads, 0, stream>>>(p, hcs);
+      }
+    };
+    auto by_heads = [&]<typename T>(T*) {
+      switch (c.heads_per_thread) {
+        case 1: launch.template operator()<T, 1>(); break;
+        case 2: launch.template operator()<T, 2>(); break;
+        case 3: launch.template operator()<T, 3>(); break;
+        default: launch.template operator()<T, 4>(); break;
+      }
+    };
+    switch (p.dtype) {
+      case kernel::DType::f32: by_heads(static_cast<float*>(nullptr)); break;
+      case kernel::DType::bf16: by_heads(static_cast<__nv_bfloat16*>(nullptr)); break;
+      case kernel::DType::f16: by_heads(static_cast<__half*>(nullptr)); break;
+    }
+    return launch_error(BWD ? "rope backward" : "rope forward");
+  }
   auto go = [&]<typename T>(T*) {
     constexpr int V = 16 / sizeof(T);
     if (il) {

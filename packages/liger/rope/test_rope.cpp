@@ -4,6 +4,7 @@
 #include "oracle.h"
 #include "ops/nn/rope.h"
 #include "rope.h"
+#include "rope_tuning.h"
 #include "test_util.h"
 
 namespace kcpp {
@@ -12,6 +13,30 @@ namespace {
 using ops::RopeLayout;
 
 class LigerRope : public ::testing::TestWithParam<Device> {};
+
+// The CUDA configurations every case runs in (index 0: the entry points' default); the CPU has one.
+#if KCPP_WITH_CUDA
+const liger::RopeConfig kConfigs[] = {{},           {64, 0, 0},    {64, 16, 0},   {128, 0, 0},    {128, 0, 3, 1},
+                                      {160, 0, 2, 1}, {64, 0, 1, 2}, {256, 0, 4, 2}, {160, 0, 3, 2}};
+#endif
+int config_count(Device dev) {
+#if KCPP_WITH_CUDA
+  if (dev.is_cuda()) return static_cast<int>(std::size(kConfigs));
+#endif
+  return 1;
+}
+
+const char* run_rope(Device dev, const liger::RopeParams& p, bool backward, int config) {
+#if KCPP_WITH_CUDA
+  if (dev.is_cuda() && config > 0) {
+    const cudaStream_t st = cuda::current_stream();
+    return test::finish_cuda(backward ? liger::rope_backward_cuda_with(p, st, kConfigs[config])
+                                      : liger::rope_forward_cuda_with(p, st, kConfigs[config]));
+  }
+#endif
+  (void)config;
+  return backward ? KCPP_CALL_KERNEL(dev, liger::rope_backward, p) : KCPP_CALL_KERNEL(dev, liger::rope_forward, p);
+}
 
 struct Case {
   int64_t b, s, hq, hk, d, rd;
@@ -53,6 +78,7 @@ TEST_P(LigerRope, WithinTwiceTheReferenceError) {
               const std::string cfg = fmt::format("{} b={} s={} hq={} hk={} d={} rd={} interleaved={} bshd={} shared={} "
                                                   "in_place={}", test::config_name(dev, dt), c.b, c.s, c.hq, c.hk, c.d,
                                                   c.rd, il, bshd, shared_cs, in_place);
+              for (int config = 0; config < config_count(dev); ++config)
               for (bool backward : {false, true}) {
                 // In place: the kernel overwrites copies in q's physical layout (q and k stay intact).
                 const Tensor qx = in_place ? empty_like(q, bshd) : q, kx = in_place && k.defined() ? empty_like(k, bshd) : k;
@@ -63,7 +89,7 @@ TEST_P(LigerRope, WithinTwiceTheReferenceError) {
                 const Tensor qo = in_place ? qx : empty_like(q, bshd);
                 const Tensor ko = k.defined() ? (in_place ? kx : empty_like(k, bshd)) : Tensor();
                 auto p = test::rope_params(qx, qo, kx, ko, cs.cos, cs.sin, layout);
-                test::check(backward ? KCPP_CALL_KERNEL(dev, liger::rope_backward, p) : KCPP_CALL_KERNEL(dev, liger::rope_forward, p));
+                test::check(run_rope(dev, p, backward, config));
                 for (const auto& [x, out, heads, name] :
                      {std::tuple{q, qo, c.hq, "q"}, std::tuple{k, ko, c.hk, "k"}}) {
                   if (!heads) continue;
@@ -71,11 +97,66 @@ TEST_P(LigerRope, WithinTwiceTheReferenceError) {
                   const Tensor r = backward ? ops::rope_backward(x, cs.cos, cs.sin, layout) : ops::rope_forward(x, cs.cos, cs.sin, layout);
                   const double e_ref = test::rel_l2_error(r, ref64), e = test::rel_l2_error(out, ref64);
                   EXPECT_LE(e, test::kernel_bound(e_ref, dt)) << cfg << " " << name << " backward=" << backward
-                                                              << " (reference error " << e_ref << ")";
-                  EXPECT_LE(e, test::composite_rel_l2(dt)) << cfg << " " << name << " backward=" << backward;
+                                                              << " config " << config << " (reference error " << e_ref << ")";
+                  EXPECT_LE(e, test::composite_rel_l2(dt)) << cfg << " " << name << " backward=" << backward << " config " << config;
                 }
               }
             }
+}
+
+// NaN and Inf reach exactly the outputs they reach in PyTorch's x cos + rotate_half(x) sin (the eager
+// reference): the two elements of their pair, NaN where an infinity meets a zero cos or sin (token 0
+// has sin = 0) or an infinity of the other sign; every other element stays finite and within the bound.
+TEST_P(LigerRope, NaNAndInfReachOnlyTheirPair) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const int64_t b = 2, s = 5, hq = 4, hk = 2, d = 64;
+  for (DType dt : {DType::f32, DType::bf16})
+    for (RopeLayout layout : {RopeLayout::RotateHalf, RopeLayout::Interleaved})
+      for (int config = 0; config < config_count(dev); ++config)
+      for (bool backward : {false, true}) {
+        std::vector<int64_t> pos(static_cast<size_t>(s));
+        for (int64_t j = 0; j < s; ++j) pos[j] = j;  // token 0: cos = 1, sin = 0
+        const auto cs = ops::rope_cos_sin(Tensor::from_i64(pos, {1, s}, DType::i64, dev), ops::rope_inv_freq(d, 10000.0, dev),
+                                          1.0, dt);
+        std::vector<double> qv = Tensor::randn({b, hq, s, d}, DType::f64, Device::cpu(), gen).to_f64_vector();
+        std::vector<double> kv = Tensor::randn({b, hk, s, d}, DType::f64, Device::cpu(), gen).to_f64_vector();
+        auto at = [&](int64_t bi, int64_t heads, int64_t h, int64_t si, int64_t e) {
+          return static_cast<size_t>(((bi * heads + h) * s + si) * d + e);
+        };
+        const double inf = std::numeric_limits<double>::infinity();
+        qv[at(0, hq, 1, 2, 5)] = std::nan("");  // first half of its pair (RotateHalf), even (Interleaved)
+        qv[at(1, hq, 3, 0, 40)] = inf;          // token 0: sin 0, so inf x 0 = NaN in the partner
+        qv[at(1, hq, 0, 4, 63)] = -inf;
+        kv[at(0, hk, 1, 3, 0)] = inf;
+        kv[at(0, hk, 1, 3, 32)] = -inf;         // RotateHalf: the same pair as the one above
+        const Tensor q = Tensor::from_f64(qv, {b, hq, s, d}, dt, dev), k = Tensor::from_f64(kv, {b, hk, s, d}, dt, dev);
+        const Tensor qo = Tensor::full({b, hq, s, d}, 0.0, dt, dev), ko = Tensor::full({b, hk, s, d}, 0.0, dt, dev);
+        const auto p = test::rope_params(q, qo, k, ko, cs.cos, cs.sin, layout);
+        test::check(run_rope(dev, p, backward, config));
+        const std::string cfg = fmt::format("{} interleaved={} backward={} config {}", test::config_name(dev, dt),
+                                            layout == RopeLayout::Interleaved, backward, config);
+        int nonfinite = 0;
+        for (const auto& [x, out, name] : {std::tuple{q, qo, "q"}, std::tuple{k, ko, "k"}}) {
+          const Tensor r = backward ? ops::rope_backward(x, cs.cos, cs.sin, layout) : ops::rope_forward(x, cs.cos, cs.sin, layout);
+          const auto want = r.to_f64_vector(), got = out.to_f64_vector();
+          for (size_t i = 0; i < want.size(); ++i) {
+            if (std::isfinite(want[i])) {
+              ASSERT_TRUE(std::isfinite(got[i])) << cfg << " " << name << "[" << i << "] = " << got[i] << ", eager " << want[i];
+              EXPECT_NEAR(got[i], want[i], test::composite_rel_l2(dt) * (1 + std::fabs(want[i]))) << cfg << " " << name << i;
+            } else {
+              ++nonfinite;
+              EXPECT_EQ(std::isnan(got[i]), std::isnan(want[i])) << cfg << " " << name << "[" << i << "] = " << got[i]
+                                                                 << ", eager " << want[i];
+              if (std::isinf(want[i])) EXPECT_EQ(got[i], want[i]) << cfg << " " << name << "[" << i << "]";
+            }
+          }
+        }
+        // Both elements of every pair hit: four pairs in RotateHalf (k's two infinities share one), five
+        // in Interleaved.
+        EXPECT_EQ(nonfinite, layout == RopeLayout::Interleaved ? 10 : 8) << cfg;
+      }
 }
 
 TEST_P(LigerRope, BadInputIsAnError) {
