@@ -3,7 +3,10 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <filesystem>
 #include <functional>
+#include <optional>
+#include <string>
 
 namespace kcpp::tools {
 
@@ -12,5 +15,13 @@ using Action = std::function<int()>;
 void add_hub_commands(CLI::App& app, Action& action);    // hub_commands.cpp
 void add_model_commands(CLI::App& app, Action& action);  // model_commands.cpp: generate
 void add_train_command(CLI::App& app, Action& action);   // train_command.cpp: train (the main job)
+// bench_layers.cpp: `kcpp bench --layers` and its options, on the bench subcommand whose --device,
+// --quick and --json (main.cpp) it shares; sets `action` when --layers is given.
+void add_bench_layers_options(CLI::App& bench, Action& action, const std::string& device, const bool& quick,
+                              const std::string& json_path);
+
+// A package this build made ("liger", "flash_attn"): under `given`, $KCPP_PACKAGES_DIR, or
+// <bin>/../kernels (train_command.cpp).
+std::optional<std::filesystem::path> find_built_package(const std::string& given, const char* name);
 
 }  // namespace kcpp::tools

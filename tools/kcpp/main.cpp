@@ -1,5 +1,6 @@
 // kcpp: the command-line tool.  `kcpp info` reports the platform; `kcpp bench --ceilings`
-// measures the ceilings that benchmark figures are quoted against; the hub commands (keygen, trust,
+// measures the ceilings that benchmark figures are quoted against, `kcpp bench --layers` every layer
+// slot with the reference and kernelized (bench_layers.cpp); the hub commands (keygen, trust,
 // package, serve, download, versions, show, lock, verify) are in hub_commands.cpp; `kcpp generate`
 // in model_commands.cpp.
 #include <CLI/CLI.hpp>
@@ -62,6 +63,8 @@ int main(int argc, char** argv) {
   bench->add_option("--json", json_path, "Also write the figures to this JSON file");
 
   kcpp::tools::Action action;
+  kcpp::tools::add_bench_layers_options(*bench, action, device, quick, json_path);
+
   kcpp::tools::add_hub_commands(app, action);
   kcpp::tools::add_model_commands(app, action);
   kcpp::tools::add_train_command(app, action);
@@ -72,7 +75,7 @@ int main(int argc, char** argv) {
     if (*info) return run_info(info_json);
     if (*bench) {
       if (!ceilings) {
-        std::fputs("kcpp bench: nothing to run yet; use --ceilings\n", stderr);
+        std::fputs("kcpp bench: say what to run: --ceilings or --layers\n", stderr);
         return 2;
       }
       return run_ceilings(device, quick, json_path);

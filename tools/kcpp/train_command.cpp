@@ -67,19 +67,6 @@ models::ModelConfig small_llama(const TrainArgs& a) {
   return c;
 }
 
-// A package this build made ("liger", "flash_attn"): under --packages, $KCPP_PACKAGES_DIR, or <bin>/../kernels.
-std::optional<std::filesystem::path> find_package(const std::string& given, const char* name) {
-  std::vector<std::filesystem::path> candidates;
-  if (!given.empty()) candidates.emplace_back(given);
-  if (const char* env = std::getenv("KCPP_PACKAGES_DIR"); env && *env) candidates.emplace_back(env);
-  std::error_code ec;
-  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (!ec) candidates.push_back(exe.parent_path().parent_path() / "kernels");
-  for (const auto& c : candidates)
-    if (std::filesystem::exists(c / name / "manifest.json")) return std::filesystem::absolute(c / name);
-  return std::nullopt;
-}
-
 Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::vector<int64_t>& tokens,
             const std::optional<std::filesystem::path>& liger, const std::optional<std::filesystem::path>& attention = {}) {
   Run r;
@@ -164,11 +151,11 @@ int run_train(TrainArgs a) {
   std::vector<Run> runs;
   runs.push_back(run_one("reference", a, dev, tokens, std::nullopt));
   if (!a.reference_only) {
-    const auto liger = find_package(a.packages, "liger");
+    const auto liger = find_built_package(a.packages, "liger");
     const bool attention = a.attention_kernel == "on" || (a.attention_kernel == "auto" && dev.is_cuda());
     if (liger)
       runs.push_back(run_one("kernels", a, dev, tokens, liger,
-                             attention ? find_package(a.packages, "flash_attn") : std::optional<std::filesystem::path>()));
+                             attention ? find_built_package(a.packages, "flash_attn") : std::optional<std::filesystem::path>()));
     else fmt::print("(no liger package found: build it, or pass --packages DIR; showing the reference only)\n");
   }
   fmt::print("\n{:<10} {:>12} {:>14} {:>12} {:>12}\n", "layers", "tokens/s", "peak MiB", "first loss", "final loss");
@@ -193,6 +180,18 @@ int run_train(TrainArgs a) {
 }
 
 }  // namespace
+
+std::optional<std::filesystem::path> find_built_package(const std::string& given, const char* name) {
+  std::vector<std::filesystem::path> candidates;
+  if (!given.empty()) candidates.emplace_back(given);
+  if (const char* env = std::getenv("KCPP_PACKAGES_DIR"); env && *env) candidates.emplace_back(env);
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) candidates.push_back(exe.parent_path().parent_path() / "kernels");
+  for (const auto& c : candidates)
+    if (std::filesystem::exists(c / name / "manifest.json")) return std::filesystem::absolute(c / name);
+  return std::nullopt;
+}
 
 void add_train_command(CLI::App& app, Action& action) {
   auto args = std::make_shared<TrainArgs>();
