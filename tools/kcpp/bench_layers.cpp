@@ -137,7 +137,7 @@ int run_layers(LayersArgs a) {
   pick(a.kv_heads, 2, 8, 8);
   pick(a.head_dim, 64, 128, 128);
   pick(a.loss_rows, 64, 256, 4096);
-  if (a.reps <= 0) a.reps = a.quick ? 2 : gpu ? 25 : 3;
+  if (a.reps <= 0) a.reps = a.quick ? 2 : gpu ? 25 : 10;  // CPU: fewer than 10 read this shared machine's noise
   KCPP_CHECK(a.tokens % a.seq == 0, "kcpp bench --layers: --tokens {} is not a multiple of --seq {}", a.tokens, a.seq);
   KCPP_CHECK(a.heads % a.kv_heads == 0, "kcpp bench --layers: --heads {} is not a multiple of --kv-heads {}", a.heads, a.kv_heads);
   const DType dt = parse_dtype(a.dtype.empty() ? (gpu ? "bf16" : "f32") : a.dtype);

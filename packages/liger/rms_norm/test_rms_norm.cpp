@@ -120,18 +120,27 @@ TEST_P(LigerRMSNorm, InPlaceBackwardAndDeterminism) {
   }
 }
 
-TEST_P(LigerRMSNorm, NaNStaysInItsRow) {
+// A NaN makes its row's statistics NaN, so every y of the row (as PyTorch); an infinity makes rstd 0,
+// so its own y is inf x 0 = NaN and the rest of the row 0.  Other rows are untouched.  h = 16 and
+// 4096 take the loop and the register paths.
+TEST_P(LigerRMSNorm, NaNAndInfStayInTheirRows) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
-  std::vector<double> xv(3 * 16, 0.5);
-  xv[16 + 3] = std::nan("");
-  const Tensor x = Tensor::from_f64(xv, {3, 16}, DType::bf16, dev), w = Tensor::full({16}, 1.0, DType::bf16, dev);
-  const auto y = Kernel{dev}.forward(x, w, {}).y.to_f64_vector();
-  for (int j = 0; j < 16; ++j) {
-    EXPECT_TRUE(std::isnan(y[16 + j])) << j;  // PyTorch: the row's statistics are NaN
-    EXPECT_FALSE(std::isnan(y[j]));
-    EXPECT_FALSE(std::isnan(y[32 + j]));
-  }
+  for (DType dt : {DType::f32, DType::bf16})
+    for (int64_t h : {int64_t{16}, int64_t{4096}}) {
+      std::vector<double> xv(static_cast<size_t>(4 * h), 0.5);
+      xv[static_cast<size_t>(h + 3)] = std::nan("");
+      xv[static_cast<size_t>(3 * h + 5)] = std::numeric_limits<double>::infinity();
+      const Tensor x = Tensor::from_f64(xv, {4, h}, dt, dev), w = Tensor::full({h}, 1.0, dt, dev);
+      const auto y = Kernel{dev}.forward(x, w, {}).y.to_f64_vector();
+      for (int64_t j = 0; j < h; ++j) {
+        const auto at = [&](int64_t row) { return y[static_cast<size_t>(row * h + j)]; };
+        EXPECT_TRUE(std::isnan(at(1))) << dtype_name(dt) << " h=" << h << " col " << j;
+        EXPECT_TRUE(std::isfinite(at(0)) && std::isfinite(at(2))) << dtype_name(dt) << " h=" << h << " col " << j;
+        if (j == 5) EXPECT_TRUE(std::isnan(at(3))) << dtype_name(dt) << " h=" << h;
+        else EXPECT_EQ(at(3), 0.0) << dtype_name(dt) << " h=" << h << " col " << j;
+      }
+    }
 }
 
 TEST_P(LigerRMSNorm, BadInputIsAnErrorNotACrash) {
