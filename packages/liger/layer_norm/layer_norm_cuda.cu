@@ -57,8 +57,11 @@ __device__ __forceinline__ void write_out(const LayerNormParams& p, T* y, int64_
 // BIAS: a template parameter so that the kernel without one keeps its registers.  MERGE: the row
 // fills the block (every thread ITEMS vectors, at least 8 values), the block has a power-of-two
 // number of warps: the statistics in one reduction (block_moments); else in two (mean, deviations).
-// With fewer values a thread, the merged partial means would carry the mean's f32 rounding into
-// the variance at first order (measured: rows of mean 100 and spread 1 failed the f32 bound).
+// The merged partial means are of x - K, K the row's first value (every thread loads it): the
+// rounding of a partial mean reaches the variance at first order through the merge, and relative to
+// K that rounding is of the row's spread, not of its mean (measured without the shift: rows of mean
+// 100 and spread 1 at 8 and 16 values a thread, f32, missed the rstd bound by 3-12%).  With fewer
+// than 8 values a thread the two reductions are kept.
 template <typename T, int VEC, int ITEMS, bool BIAS, bool MERGE>
 __global__ void __launch_bounds__(kThreads) forward_registers(const __grid_constant__ LayerNormParams p) {
   __shared__ float scratch[96];
@@ -74,6 +77,7 @@ __global__ void __launch_bounds__(kThreads) forward_registers(const __grid_const
       live[i] = c < h;
       if (live[i]) v[i] = *reinterpret_cast<const V*>(x + c);
     }
+    const float k0 = MERGE ? to_f32(x[0]) : 0.0f;  // the shift (one L1 line for the whole block)
     // sum of g(value) over this thread's values (all of them live on the MERGE path)
     auto thread_sum = [&](auto g) {
       float acc = 0.0f;
@@ -87,18 +91,21 @@ __global__ void __launch_bounds__(kThreads) forward_registers(const __grid_const
       }
       return acc;
     };
-    const float s = thread_sum([](float f) { return f; });
     float mean, m2;
     if constexpr (MERGE) {
-      // The thread's summary (its mean, then the squared deviations from it: two passes over its
-      // registers), merged over the block in one reduction (kcpp/kernel/moments.cuh).
+      // The thread's summary of x - k0 (its mean, then the squared deviations from it: two passes
+      // over its registers), merged over the block in one reduction (kcpp/kernel/moments.cuh).  The
+      // deviations are taken from k0 + the thread's mean, rounded: an offset d there changes m2 by
+      // n d^2 only.
       Moments m;
       m.n = ITEMS * VEC;
-      m.mean = s * (1.0f / (ITEMS * VEC));
-      m.m2 = thread_sum([&](float f) { return (f - m.mean) * (f - m.mean); });
+      m.mean = thread_sum([&](float f) { return f - k0; }) * (1.0f / (ITEMS * VEC));
+      const float center = k0 + m.mean;
+      m.m2 = thread_sum([&](float f) { return (f - center) * (f - center); });
       m = block_moments(m, scratch);
-      mean = m.mean, m2 = m.m2;
+      mean = k0 + m.mean, m2 = m.m2;
     } else {  // the mean, then the deviations from it: two block reductions
+      const float s = thread_sum([](float f) { return f; });
       mean = block_sum(s, scratch) / static_cast<float>(h);
       m2 = block_sum(thread_sum([&](float f) { return (f - mean) * (f - mean); }), scratch);
     }

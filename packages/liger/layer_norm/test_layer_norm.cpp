@@ -220,6 +220,37 @@ TEST(LigerLayerNormCuda, ManyRowsPerBlockWithinTheBound) {
         }
     }
 }
+
+// Every forward configuration the sweep can choose (1, 2 or 4 vectors a thread; with 4 at h = 512 f32
+// a single warp of 16 values a thread), on rows of ordinary and of large mean (100 times the spread:
+// the merged statistics' partial means must not carry the mean's rounding into the variance).
+TEST(LigerLayerNormCuda, EveryForwardConfigurationWithinTheBound) {
+  const Device dev = Device::cuda(0);
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  for (DType dt : {DType::f32, DType::bf16, DType::f16})
+    for (int64_t h : {512, 1000, 2048, 4096})
+      for (double mean : {3.0, 100.0}) {
+        const int64_t rows = 61;
+        const std::string cfg = fmt::format("{} h={} mean={}", test::config_name(dev, dt), h, mean);
+        const Tensor x = Tensor::randn({rows, h}, dt, dev, gen, mean, 1.0);
+        const Tensor w = Tensor::randn({h}, dt, dev, gen), b = Tensor::randn({h}, dt, dev, gen);
+        const auto fo = oracle::layer_norm(x.to_f64_vector(), w.to_f64_vector(), b.to_f64_vector(), rows, h, 1e-5);
+        const auto ref = ops::layer_norm_forward(x, w, b, 1e-5);
+        const double ey_ref = test::rel_l2_error(ref.y, fo.y), erstd_ref = test::rel_l2_error(ref.rstd, fo.rstd);
+        for (int items : {0, 1, 2, 4}) {
+          const std::string c = fmt::format("{} items={}", cfg, items);
+          const Tensor y = Tensor::full({rows, h}, std::nan(""), dt, dev);
+          const Tensor m = Tensor::empty({rows}, DType::f32, dev), r = Tensor::empty({rows}, DType::f32, dev);
+          LayerNormParams p = params(x, w, b, m, r);
+          p.y = y.data(), p.y_stride = h;
+          ASSERT_EQ(test::finish_cuda(liger::layer_norm_forward_cuda_with(p, cuda::current_stream(), items)), nullptr) << c;
+          EXPECT_LE(test::rel_l2_error(y, fo.y), test::kernel_bound(ey_ref, dt)) << c << " y (reference error " << ey_ref << ")";
+          EXPECT_LE(test::rel_l2_error(r, fo.rstd), test::kernel_bound(erstd_ref, DType::f32))
+              << c << " rstd (reference error " << erstd_ref << ")";
+        }
+      }
+}
 #endif
 
 INSTANTIATE_TEST_SUITE_P(Devices, LigerLayerNorm, ::testing::Values(Device::cpu(), Device::cuda(0)),
