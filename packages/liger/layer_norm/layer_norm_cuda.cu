@@ -2,9 +2,9 @@
 //
 // Forward: one block per row (blocks striding over rows).  Rows up to 256 threads x ITEMS (1, 2 or 4)
 // 16-byte vectors are held in registers, so x is read once; where the row fills the block, each
-// thread's mean and squared deviations (two passes over its registers) are merged over the block in
-// one reduction (Chan's pairwise update, kcpp/kernel/moments.cuh), else the mean and then the
-// deviations from it take two.  Wider or unaligned rows take the loop path: the mean,
+// thread's mean and squared deviations of x - x[row, 0] (two passes over its registers) are merged
+// over the block in one reduction (Chan's pairwise update, kcpp/kernel/moments.cuh), else the mean
+// and then the deviations from it take two.  Wider or unaligned rows take the loop path: the mean,
 // then the deviations from it, re-reading the row (from L1 / L2) for those and for the output.
 // Backward: a persistent grid; per row, one pass for the two sums (g and g * xhat, reduced together
 // with one barrier), one writing dx and adding dy * xhat and dy into the block's own dw / db sums
