@@ -6,6 +6,7 @@
 //   kcpp bench --layers                          this build's liger and flash_attn packages
 //   kcpp bench --layers --kernels MAPPING.json   any packages (hub references or, with
 //                                                --use-local-kernel, folders)
+//   kcpp bench --layers --mode inference         the forwards alone, kernelized for inference
 //
 // Defaults: on a GPU the Llama-3-8B shapes of ../shared/anchors/anchors.py (8192 tokens of 2048,
 // hidden 4096, intermediate 14336, vocabulary 128256, 32 / 8 heads of 128; the cross-entropy on 4096
@@ -38,7 +39,7 @@ namespace kcpp::tools {
 namespace {
 
 struct LayersArgs {
-  std::string device = "auto", dtype, kernels, packages, only, json_path;
+  std::string device = "auto", dtype, kernels, packages, only, json_path, mode = "training";
   bool use_local_kernel = false, allow_all = false, quick = false;
   int64_t tokens = 0, seq = 0, hidden = 0, intermediate = 0, vocab = 0, heads = 0, kv_heads = 0, head_dim = 0, loss_rows = 0;
   int reps = 0;
@@ -123,6 +124,9 @@ int run_layers(LayersArgs a) {
   const Device dev = a.device == "auto" ? (cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu()) : parse_device(a.device);
   const bool gpu = dev.is_cuda();
   check_only(a.only);
+  KCPP_CHECK(a.mode == "training" || a.mode == "inference", "kcpp bench --layers: --mode '{}' is not training or inference",
+             a.mode);
+  const bool training = a.mode == "training";
   // Shapes: given, or the defaults of the header comment (--quick: a smoke test's).
   auto pick = [&](int64_t& v, int64_t quick, int64_t cpu, int64_t cuda) {
     if (v <= 0) v = a.quick ? quick : gpu ? cuda : cpu;
@@ -144,15 +148,15 @@ int run_layers(LayersArgs a) {
   const int64_t T = a.tokens, B = a.tokens / a.seq, S = a.seq, H = a.hidden, I = a.intermediate, V = a.vocab, D = a.head_dim;
   const int64_t Hq = a.heads, Hk = a.kv_heads, N = a.loss_rows;
   const double e = static_cast<double>(dtype_size(dt));
-  fmt::print("kcpp bench --layers on {}, {}: {} tokens ({} x {}), hidden {}, intermediate {}, vocabulary {}, heads {} / {} of {}, "
+  fmt::print("kcpp bench --layers on {}, {}, {}: {} tokens ({} x {}), hidden {}, intermediate {}, vocabulary {}, heads {} / {} of {}, "
              "losses on {} rows\n",
-             dev.str(), dtype_name(dt), T, B, S, H, I, V, Hq, Hk, D, N);
+             dev.str(), dtype_name(dt), a.mode, T, B, S, H, I, V, Hq, Hk, D, N);
 
   // The copy ceiling of this run (a quick one on the CPU).
   const CopyCeiling copy = measure_copy(dev, gpu ? size_t{2} << 30 : size_t{256} << 20, gpu ? 20 : 3);
   fmt::print("device copy {:.0f} GB/s\n", copy.gbps);
 
-  // Inputs (drawn once), as the layers of a training step see them.
+  // Inputs (drawn once), as the layers of a training step see them (the gradients unused in inference).
   Generator gen(1);
   Layers model(Tensor::randn({H}, dt, dev, gen, 1.0, 0.1));
   const Tensor x = Tensor::randn({T, H}, dt, dev, gen), dy = Tensor::randn({T, H}, dt, dev, gen);
@@ -166,26 +170,35 @@ int run_layers(LayersArgs a) {
   const Tensor logits = Tensor::randn({N, V}, dt, dev, gen), targets = random_targets(N, V, dev, 2);
   const Tensor hidden = Tensor::randn({N, H}, dt, dev, gen), lm_weight = Tensor::randn({V, H}, dt, dev, gen, 0.0, 0.02);
 
-  // Each layer's passes: a forward as training runs it (saving for backward), and forward + backward.
+  // Each layer's passes.  Training: a forward as training runs it (saving for backward), and forward +
+  // backward.  Inference: the forward alone, saving nothing (the losses: the loss alone).
   std::vector<Case> cases;
-  auto add = [&](const std::string& layer, std::function<void()> fwd, std::function<void()> both, double fwd_units,
-                 double both_units, bool flops, bool fused = false) {
+  auto add = [&](const std::string& layer, std::function<void()> fwd, std::function<void()> both, std::function<void()> infer,
+                 double fwd_units, double both_units, double infer_units, bool flops, bool fused = false) {
     if (!wanted(a.only, layer)) return;
-    cases.push_back({layer, "fwd", std::move(fwd), flops ? 0 : fwd_units, flops ? fwd_units : 0, fused});
-    cases.push_back({layer, "fwd+bwd", std::move(both), flops ? 0 : both_units, flops ? both_units : 0, fused});
+    auto unit = [&](double u, bool want_flops) { return flops == want_flops ? u : 0.0; };
+    if (!training) {
+      cases.push_back({layer, "fwd", std::move(infer), unit(infer_units, false), unit(infer_units, true), false});
+      return;
+    }
+    cases.push_back({layer, "fwd", std::move(fwd), unit(fwd_units, false), unit(fwd_units, true), fused});
+    cases.push_back({layer, "fwd+bwd", std::move(both), unit(both_units, false), unit(both_units, true), fused});
   };
   const double th = static_cast<double>(T * H) * e, ti = static_cast<double>(T * I) * e;
   add("RMSNorm", [&] { nn::RMSNorm::Saved s; model.norm.forward(x, &s); },
-      [&] { nn::RMSNorm::Saved s; model.norm.forward(x, &s); model.norm.backward(dy, s); }, 2 * th, 5 * th, false);
-  add("MLP", [&] { model.mlp.forward(gate, up); }, [&] { model.mlp.forward(gate, up); model.mlp.backward(dh, gate, up); },
-      3 * ti, 8 * ti, false);
+      [&] { nn::RMSNorm::Saved s; model.norm.forward(x, &s); model.norm.backward(dy, s); }, [&] { model.norm.forward(x); },
+      2 * th, 5 * th, 2 * th, false);
+  const auto mlp_fwd = [&] { model.mlp.forward(gate, up); };
+  add("MLP", mlp_fwd, [&] { model.mlp.forward(gate, up); model.mlp.backward(dh, gate, up); }, mlp_fwd, 3 * ti, 8 * ti, 3 * ti,
+      false);
   const double qk = static_cast<double>(q.numel() + k.numel()) * e;
-  add("rotary_pos_emb", [&] { model.rope.forward(q, k, cs.cos, cs.sin); },
+  const auto rope_fwd = [&] { model.rope.forward(q, k, cs.cos, cs.sin); };
+  add("rotary_pos_emb", rope_fwd,
       [&] {
         auto [qo, ko] = model.rope.forward(q, k, cs.cos, cs.sin);
         model.rope.backward(qo, ko, cs.cos, cs.sin);
       },
-      2 * qk, 4 * qk, false);
+      rope_fwd, 2 * qk, 4 * qk, 2 * qk, false);
   // Causal attention: half of the 4 B Hq S^2 D multiply-adds forward, 2.5 times that forward + backward.
   const double attn = 2.0 * B * Hq * static_cast<double>(S) * S * D;
   add("Attention", [&] { nn::Attention::Saved s; model.attention.forward(q, k, v, &s); },
@@ -194,7 +207,7 @@ int run_layers(LayersArgs a) {
         model.attention.forward(q, k, v, &s);
         model.attention.backward(dout, s);
       },
-      attn, 3.5 * attn, true);
+      [&] { model.attention.forward(q, k, v); }, attn, 3.5 * attn, attn, true);
   // Cross-entropy: the logits read once and the gradient written once, forward + backward (the
   // kernel computes the gradient in its forward).
   const double nv = static_cast<double>(N * V) * e;
@@ -204,7 +217,7 @@ int run_layers(LayersArgs a) {
         model.ce.forward(logits, targets, &s);
         model.ce.backward(1.0, s);
       },
-      nv, 2 * nv, false, true);
+      [&] { model.ce.forward(logits, targets); }, nv, 2 * nv, nv, false, true);
   // The head: three GEMMs of 2 N V H FLOPs (logits, dhidden, dweight) forward + backward, one forward only.
   const double gemm = 2.0 * static_cast<double>(N) * V * H;
   add("ForCausalLMLoss", [&] { nn::ForCausalLMLoss::Saved s; model.lm_loss.forward(hidden, lm_weight, targets, &s); },
@@ -213,7 +226,7 @@ int run_layers(LayersArgs a) {
         model.lm_loss.forward(hidden, lm_weight, targets, &s);
         model.lm_loss.backward(1.0, s);
       },
-      gemm, 3 * gemm, true, true);
+      [&] { model.lm_loss.forward(hidden, lm_weight, targets); }, gemm, 3 * gemm, gemm, true, true);
 
   struct Measured {
     double ms = 0, peak_mib = 0;
@@ -251,8 +264,8 @@ int run_layers(LayersArgs a) {
     config = nn::KernelConfig::parse_text(text, a.use_local_kernel);
     hc.allow_all_kernels = hc.allow_all_kernels || a.allow_all;
   }
-  const nn::KernelizeReport report =
-      model.kernelize(config, nn::kTraining, dev, nn::hub_loader(std::make_shared<hub::Hub>(std::move(hc))));
+  const nn::KernelizeReport report = model.kernelize(config, training ? nn::kTraining : nn::kInference, dev,
+                                                     nn::hub_loader(std::make_shared<hub::Hub>(std::move(hc))));
   fmt::print("{}", report.str());
   for (const Case& c : cases) kernel.push_back(measure(c));
 
@@ -274,7 +287,7 @@ int run_layers(LayersArgs a) {
     }
     fmt::print("{:<17} {:<8} {:>9.4f} ms {:>9.4f} ms {:>7.2f}x {:>22} {:>9.1f} / {:.1f} MiB\n", c.layer, c.pass, r.ms, k.ms,
                r.ms / k.ms, rate, r.peak_mib, k.peak_mib);
-    out.push_back({{"layer", c.layer}, {"pass", c.pass}, {"reference_ms", r.ms}, {"kernel_ms", k.ms},
+    out.push_back({{"layer", c.layer}, {"pass", c.pass}, {"mode", a.mode}, {"reference_ms", r.ms}, {"kernel_ms", k.ms},
                    {"reference_peak_MiB", r.peak_mib}, {"kernel_peak_MiB", k.peak_mib}, {"bytes", c.bytes}, {"flops", c.flops},
                    {"copy_GBps", copy.gbps}});
   }
@@ -313,6 +326,8 @@ void add_bench_layers_options(CLI::App& bench, Action& action, const std::string
   bench.add_option("--head-dim", args->head_dim, "--layers: head dimension");
   bench.add_option("--loss-rows", args->loss_rows, "--layers: rows of the two losses");
   bench.add_option("--reps", args->reps, "--layers: timed runs a row (median)");
+  bench.add_option("--mode", args->mode, "--layers: training (forward saving for backward, and forward + backward) or "
+                                         "inference (the forward alone)")->capture_default_str();
   bench.final_callback([&action, &device, &quick, &json_path, args, layers] {
     if (!*layers) return;
     args->device = device, args->quick = quick, args->json_path = json_path;
