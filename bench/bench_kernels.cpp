@@ -376,6 +376,10 @@ void bench_cross_entropy() {
   row("ce fwd+bwd softcap+w+z", "kcpp", [&] { call(logits, Tensor::empty({n, v}, DType::bf16, kDev), {}, true); }, gb);
   // The two-pass loop path (before sm_90, or where the cluster path does not apply).
   row("ce fwd+bwd loop path", "kcpp", [&] { call(logits, Tensor::empty({n, v}, DType::bf16, kDev), {false}); }, gb);
+  // The loss alone (evaluation): the logits read once, nothing written; bandwidth of those bytes.
+  row("ce fwd (loss alone)", "reference", [&] { ops::cross_entropy_forward(logits, targets, opt); }, gb / 2);
+  row("ce fwd (loss alone)", "kcpp", [&] { call(logits, Tensor()); }, gb / 2);
+  row("ce fwd loss alone loop", "kcpp", [&] { call(logits, Tensor(), {false}); }, gb / 2);
 }
 
 // The cluster path's configurations (cross_entropy_tuning.h): vectors a thread, stages in flight.

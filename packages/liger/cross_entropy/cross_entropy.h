@@ -20,10 +20,11 @@
 // Reductions are deterministic (fixed order, no atomics) and nothing synchronizes with the host: the
 // count and the sum are computed on the device.
 // Layout: logits [N, V] with a row stride, V contiguous; targets [N], i64 or i32.
-// CUDA paths (cross_entropy_cuda.cu): on sm_90, with 16-byte rows and the gradient wanted, a
-// thread-block cluster holds each row on chip and DRAM sees the logits read once (rows up to 8 x 64
-// KiB: V <= 262144 for 16-bit logits, 131072 for f32); elsewhere a block a row reads the row twice
-// (the second time mostly from L2).  Both compute the same maths; cross_entropy_tuning.h selects.
+// CUDA paths (cross_entropy_cuda.cu): on sm_90, with 16-byte rows, a thread-block cluster holds each
+// row on chip and DRAM sees the logits read once (rows up to 8 x 64 KiB: V <= 262144 for 16-bit
+// logits, 131072 for f32), with or without the gradient; elsewhere a block a row reads the row once
+// for the loss and again for the gradient (mostly from L2).  Both compute the same maths;
+// cross_entropy_tuning.h selects.
 // A target outside [0, V) other than ignore_index: the CPU path returns an error naming the row; the
 // CUDA path cannot raise one without synchronizing, so it writes NaN into that row's loss and
 // gradient (so the loss is NaN, never silently wrong) and counts the row in `bad_targets`, an

@@ -361,13 +361,14 @@ __global__ void __launch_bounds__(THREADS, 4096 / (THREADS * VECS))
     const T* src = buf + (it % stages) * int64_t(chunk);
     wait(&full[it % stages], static_cast<uint32_t>((it / stages) & 1));
     const int64_t t = target_at(p, i);
-    T* g = static_cast<T*>(p.grad) + i * p.grad_stride + lo;
+    T* g = p.grad ? static_cast<T*>(p.grad) + i * p.grad_stride + lo : nullptr;  // null: the loss alone
     float* out_loss = p.reduction == CEReduction::None ? p.loss + i : row_loss + i;
     if (t == p.ignore_index) {
       __syncthreads();  // every thread has seen this phase complete before the stage is re-armed
       if (threadIdx.x == 0) issue(it + stages);
       const float zero[VEC] = {};
-      for (int e = threadIdx.x * VEC; e < len; e += THREADS * VEC) store_f32(g + e, zero);
+      if (g)
+        for (int e = threadIdx.x * VEC; e < len; e += THREADS * VEC) store_f32(g + e, zero);
       if (rank == 0 && threadIdx.x == 0) {
         *out_loss = 0.0f;
         if (p.lse) p.lse[i] = 0.0f;
@@ -512,6 +513,7 @@ __global__ void __launch_bounds__(THREADS, 4096 / (THREADS * VECS))
     const float wt = bad ? 0.0f : EXT && p.class_weight ? p.class_weight[t] : 1.0f;
     const float tau = p.token_weight ? p.token_weight[i] : 1.0f;
     if (rank == 0 && threadIdx.x == 0) write_row_loss(p, i, out_loss, bad, lse, row_zt, row_sum, wt, tau, wsum);
+    if (!g) continue;  // the loss alone (evaluation): the next row
     // dz_j = A p_j - S w_j - H [j = t], the row's scale folded in; NaN throughout for a bad target.
     const RowGrad r = row_grad(p, lse, t, bad, wt, tau, scale, wsum);
     const float A = bad ? NAN : r.a * r.s_row, S = bad ? NAN : r.smooth * r.s_row, H = r.hot * r.s_row;
@@ -639,11 +641,11 @@ CrossEntropyConfig resolved(const CrossEntropyParams& p, CrossEntropyConfig c, i
 ClusterShape cluster_shape(const CrossEntropyParams& p, const CrossEntropyConfig& c, int device) {
   const bool known = (c.threads == 512 && (c.vecs == 4 || c.vecs == 8)) || (c.threads == 1024 && c.vecs == 4) ||
                      (c.threads == 256 && c.vecs == 8);
-  if (!c.cluster || !known || !p.grad || p.n == 0 || c.stages < 1 || c.stages > kMaxStages) return {};
+  if (!c.cluster || !known || p.n == 0 || c.stages < 1 || c.stages > kMaxStages) return {};
   if (device_attribute(cudaDevAttrComputeCapabilityMajor, device) < 9) return {};
   const int64_t bytes = kcpp::kernel::dtype_bytes(p.dtype), vec = 16 / bytes;
-  if (p.v % vec != 0 || !aligned16(p.logits) || p.logits_stride % vec != 0 || !aligned16(p.grad) || p.grad_stride % vec != 0 ||
-      (p.bias && !aligned16(p.bias)))
+  if (p.v % vec != 0 || !aligned16(p.logits) || p.logits_stride % vec != 0 ||
+      (p.grad && (!aligned16(p.grad) || p.grad_stride % vec != 0)) || (p.bias && !aligned16(p.bias)))
     return {};
   const int64_t slice_max = int64_t(c.threads) * c.vecs * vec;
   for (int csize = 1; csize <= 8; csize *= 2) {

@@ -7,8 +7,8 @@
 namespace kcpp::liger {
 
 struct CrossEntropyConfig {
-  bool cluster = true;  // the one-pass cluster path where it applies (sm_90, 16-byte rows, gradient
-                        // wanted, a row within 8 blocks' registers); false: the two-pass loop path
+  bool cluster = true;  // the one-pass cluster path where it applies (sm_90, 16-byte rows, a row
+                        // within 8 blocks' registers); false: the two-pass loop path
   int threads = 0;      // a block of the cluster path: 256, 512 or 1024; 0: the default (256 x 8
                         // where the row fits 8 such blocks and there are no per-element options,
                         // else 512 x 8; cross_entropy_cuda.cu)

@@ -158,6 +158,46 @@ TEST_P(LigerCrossEntropy, VocabularyPast256k) {
   }
 }
 
+// The loss alone (no gradient: evaluation) is the loss the gradient's call reports, bitwise (the same
+// kernel computes it, with or without the gradient), and leaves the logits as they were; with the
+// per-element options, ignored rows, every reduction, and the lse.
+TEST_P(LigerCrossEntropy, LossAloneIsTheLossWithTheGradient) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  for (DType dt : {DType::f32, DType::bf16})
+    for (int64_t v : {3, 4096, 50257, 128256})
+      for (Reduction red : {Reduction::Mean, Reduction::None})
+        for (bool ext : {false, true}) {
+          const int64_t n = v > 10000 ? 6 : 19;
+          const std::string cfg = fmt::format("{} v={} {} ext={}", test::config_name(dev, dt), v,
+                                              red == Reduction::Mean ? "mean" : "none", ext);
+          const Tensor logits = Tensor::randn({n, v}, dt, dev, gen, 0, 3);
+          std::vector<int64_t> t(static_cast<size_t>(n));
+          std::uniform_int_distribution<int64_t> pick(0, v - 1);
+          for (int64_t i = 0; i < n; ++i) t[i] = i % 4 == 2 ? -100 : pick(gen.engine());
+          const Tensor targets = Tensor::from_i64(t, {n}, DType::i64, dev);
+          const Tensor cw = Tensor::uniform({v}, DType::f32, dev, gen, 0.2, 2.0);
+          const auto before = logits.to_f64_vector();
+          Tensor lse[2];
+          std::vector<double> loss[2];
+          for (int with_grad = 0; with_grad < 2; ++with_grad) {
+            CE k{dev};
+            liger::CrossEntropyParams p = k.params(logits, targets, {-100, red, 0.1}, false);
+            if (!with_grad) p.grad = nullptr, p.grad_stride = 0;
+            if (ext) p.softcap = 30.0f, p.lse_square_scale = 1e-3f, p.class_weight = static_cast<const float*>(cw.data());
+            lse[with_grad] = Tensor::empty({n}, DType::f32, dev);
+            p.lse = static_cast<float*>(lse[with_grad].data());
+            ASSERT_EQ(k.run(p), nullptr) << cfg;
+            loss[with_grad] = k.loss.to_f64_vector();
+          }
+          EXPECT_EQ(loss[0], loss[1]) << cfg;
+          EXPECT_EQ(lse[0].to_f64_vector(), lse[1].to_f64_vector()) << cfg;
+          for (double x : loss[0]) EXPECT_TRUE(std::isfinite(x)) << cfg;
+          EXPECT_EQ(logits.to_f64_vector(), before) << cfg << ": the logits changed";
+        }
+}
+
 TEST_P(LigerCrossEntropy, EdgeCasesAndBadInput) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
