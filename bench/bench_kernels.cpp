@@ -405,6 +405,22 @@ void sweep_cross_entropy() {
     g_rows.push_back({{"op", "sweep ce"}, {"cluster", c.cluster}, {"threads", c.threads}, {"vecs", c.vecs}, {"stages", c.stages}, {"ms", t.median_ms},
                       {"GBps", gbps}});
   }
+  // The loss alone (no gradient): the logits read once.
+  std::printf("cross-entropy sweep, the loss alone (read once)\n");
+  for (const liger::CrossEntropyConfig c : {liger::CrossEntropyConfig{false}, {true, 256, 8, 1}, {true, 256, 8, 2},
+                                            {true, 256, 8, 3}, {true, 256, 8, 4}, {true, 512, 8, 1}, {true, 512, 8, 2},
+                                            {true, 512, 4, 2}, {true, 512, 4, 4}}) {
+    Tensor loss = Tensor::empty({1}, DType::f32, kDev);
+    auto p = test::cross_entropy_params(logits, targets, ops::CrossEntropyOptions{}, loss, Tensor());
+    Tensor ws = Tensor::empty({static_cast<int64_t>(liger::cross_entropy_workspace(p))}, DType::u8, kDev);
+    p.workspace = ws.data();
+    const Timing t = time_op(kDev, [&] { check(liger::cross_entropy_cuda_with(p, cuda::current_stream(), c)); }, 5, 30);
+    const double gbps = gb / 2 / (t.median_ms * 1e-3);
+    std::printf("  %d %4d %2d %d  %8.4f ms %6.0f GB/s %5.1f%%\n", c.cluster, c.threads, c.vecs, c.stages, t.median_ms, gbps,
+                100 * gbps / g_copy_gbps);
+    g_rows.push_back({{"op", "sweep ce loss alone"}, {"cluster", c.cluster}, {"threads", c.threads}, {"vecs", c.vecs},
+                      {"stages", c.stages}, {"ms", t.median_ms}, {"GBps", gbps}});
+  }
   // The per-element options path (softcap 30; then with class weights and z-loss too).
   const Tensor cw = Tensor::uniform({v}, DType::f32, kDev, gen, 0.5, 1.5);
   for (const bool weights : {false, true}) {
