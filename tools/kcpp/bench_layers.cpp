@@ -128,20 +128,21 @@ int run_layers(LayersArgs a) {
              a.mode);
   const bool training = a.mode == "training";
   // Shapes: given, or the defaults of the header comment (--quick: a smoke test's).
-  auto pick = [&](int64_t& v, int64_t quick, int64_t cpu, int64_t cuda) {
-    if (v <= 0) v = a.quick ? quick : gpu ? cuda : cpu;
-    KCPP_CHECK(v > 0, "kcpp bench --layers: sizes must be positive");
+  auto pick = [&](int64_t& v, const char* flag, int64_t quick, int64_t cpu, int64_t cuda) {
+    KCPP_CHECK(v >= 0, "kcpp bench --layers: {} {} is negative", flag, v);
+    if (v == 0) v = a.quick ? quick : gpu ? cuda : cpu;  // 0: not given
   };
-  pick(a.tokens, 128, 1024, 8192);
-  pick(a.seq, 64, 1024, 2048);
-  pick(a.hidden, 256, 4096, 4096);
-  pick(a.intermediate, 512, 11008, 14336);
-  pick(a.vocab, 1000, 32000, 128256);
-  pick(a.heads, 4, 32, 32);
-  pick(a.kv_heads, 2, 8, 8);
-  pick(a.head_dim, 64, 128, 128);
-  pick(a.loss_rows, 64, 256, 4096);
-  if (a.reps <= 0) a.reps = a.quick ? 2 : gpu ? 25 : 10;  // CPU: fewer than 10 read this shared machine's noise
+  pick(a.tokens, "--tokens", 128, 1024, 8192);
+  pick(a.seq, "--seq", 64, 1024, 2048);
+  pick(a.hidden, "--hidden", 256, 4096, 4096);
+  pick(a.intermediate, "--intermediate", 512, 11008, 14336);
+  pick(a.vocab, "--vocab", 1000, 32000, 128256);
+  pick(a.heads, "--heads", 4, 32, 32);
+  pick(a.kv_heads, "--kv-heads", 2, 8, 8);
+  pick(a.head_dim, "--head-dim", 64, 128, 128);
+  pick(a.loss_rows, "--loss-rows", 64, 256, 4096);
+  KCPP_CHECK(a.reps >= 0, "kcpp bench --layers: --reps {} is negative", a.reps);
+  if (a.reps == 0) a.reps = a.quick ? 2 : gpu ? 25 : 10;  // CPU: fewer than 10 read this shared machine's noise
   KCPP_CHECK(a.tokens % a.seq == 0, "kcpp bench --layers: --tokens {} is not a multiple of --seq {}", a.tokens, a.seq);
   KCPP_CHECK(a.heads % a.kv_heads == 0, "kcpp bench --layers: --heads {} is not a multiple of --kv-heads {}", a.heads, a.kv_heads);
   const DType dt = parse_dtype(a.dtype.empty() ? (gpu ? "bf16" : "f32") : a.dtype);
