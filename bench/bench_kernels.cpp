@@ -390,37 +390,31 @@ void sweep_cross_entropy() {
   const Tensor targets = Tensor::randint({n}, 0, v, DType::i64, kDev, gen);
   const Tensor grad = Tensor::empty({n, v}, DType::bf16, kDev);
   const double gb = 2.0 * n * v * 2 / 1e9;
-  std::printf("cross-entropy sweep [%lld, %lld] bf16 (cluster, threads, vectors a thread, stages)\n", static_cast<long long>(n), static_cast<long long>(v));
-  for (const liger::CrossEntropyConfig c : {liger::CrossEntropyConfig{false}, {true, 512, 8, 1}, {true, 512, 8, 2}, {true, 512, 8, 3},
-                                            {true, 256, 8, 1}, {true, 256, 8, 2}, {true, 256, 8, 3},
-                                            {true, 1024, 4, 2}, {true, 512, 4, 2}, {true, 512, 4, 4}}) {
-    Tensor loss = Tensor::empty({1}, DType::f32, kDev);
-    auto p = test::cross_entropy_params(logits, targets, ops::CrossEntropyOptions{}, loss, grad);
-    Tensor ws = Tensor::empty({static_cast<int64_t>(liger::cross_entropy_workspace(p))}, DType::u8, kDev);
-    p.workspace = ws.data();
-    const Timing t = time_op(kDev, [&] { check(liger::cross_entropy_cuda_with(p, cuda::current_stream(), c)); }, 5, 30);
-    const double gbps = gb / (t.median_ms * 1e-3);
-    std::printf("  %d %4d %2d %d (cluster of %d)  %8.4f ms %6.0f GB/s %5.1f%%\n", c.cluster, c.threads, c.vecs, c.stages,
-                liger::cross_entropy_cluster_size(p, c), t.median_ms, gbps, 100 * gbps / g_copy_gbps);
-    g_rows.push_back({{"op", "sweep ce"}, {"cluster", c.cluster}, {"threads", c.threads}, {"vecs", c.vecs}, {"stages", c.stages}, {"ms", t.median_ms},
-                      {"GBps", gbps}});
-  }
-  // The loss alone (no gradient): the logits read once.
+  // One sweep over configurations: with the gradient (the logits read once, the gradient written once)
+  // or the loss alone (read once).
+  auto sweep = [&](const char* op, const Tensor& g, double bytes, std::initializer_list<liger::CrossEntropyConfig> configs) {
+    for (const liger::CrossEntropyConfig& c : configs) {
+      Tensor loss = Tensor::empty({1}, DType::f32, kDev);
+      auto p = test::cross_entropy_params(logits, targets, ops::CrossEntropyOptions{}, loss, g);
+      Tensor ws = Tensor::empty({static_cast<int64_t>(liger::cross_entropy_workspace(p))}, DType::u8, kDev);
+      p.workspace = ws.data();
+      const Timing t = time_op(kDev, [&] { check(liger::cross_entropy_cuda_with(p, cuda::current_stream(), c)); }, 5, 30);
+      const double gbps = bytes / (t.median_ms * 1e-3);
+      std::printf("  %d %4d %2d %d (cluster of %d)  %8.4f ms %6.0f GB/s %5.1f%%\n", c.cluster, c.threads, c.vecs, c.stages,
+                  liger::cross_entropy_cluster_size(p, c), t.median_ms, gbps, 100 * gbps / g_copy_gbps);
+      g_rows.push_back({{"op", op}, {"cluster", c.cluster}, {"threads", c.threads}, {"vecs", c.vecs}, {"stages", c.stages},
+                        {"ms", t.median_ms}, {"GBps", gbps}});
+    }
+  };
+  std::printf("cross-entropy sweep [%lld, %lld] bf16 (cluster, threads, vectors a thread, stages)\n", static_cast<long long>(n),
+              static_cast<long long>(v));
+  sweep("sweep ce", grad, gb,
+        {liger::CrossEntropyConfig{false}, {true, 512, 8, 1}, {true, 512, 8, 2}, {true, 512, 8, 3}, {true, 256, 8, 1},
+         {true, 256, 8, 2}, {true, 256, 8, 3}, {true, 1024, 4, 2}, {true, 512, 4, 2}, {true, 512, 4, 4}});
   std::printf("cross-entropy sweep, the loss alone (read once)\n");
-  for (const liger::CrossEntropyConfig c : {liger::CrossEntropyConfig{false}, {true, 256, 8, 1}, {true, 256, 8, 2},
-                                            {true, 256, 8, 3}, {true, 256, 8, 4}, {true, 512, 8, 1}, {true, 512, 8, 2},
-                                            {true, 512, 4, 2}, {true, 512, 4, 4}}) {
-    Tensor loss = Tensor::empty({1}, DType::f32, kDev);
-    auto p = test::cross_entropy_params(logits, targets, ops::CrossEntropyOptions{}, loss, Tensor());
-    Tensor ws = Tensor::empty({static_cast<int64_t>(liger::cross_entropy_workspace(p))}, DType::u8, kDev);
-    p.workspace = ws.data();
-    const Timing t = time_op(kDev, [&] { check(liger::cross_entropy_cuda_with(p, cuda::current_stream(), c)); }, 5, 30);
-    const double gbps = gb / 2 / (t.median_ms * 1e-3);
-    std::printf("  %d %4d %2d %d  %8.4f ms %6.0f GB/s %5.1f%%\n", c.cluster, c.threads, c.vecs, c.stages, t.median_ms, gbps,
-                100 * gbps / g_copy_gbps);
-    g_rows.push_back({{"op", "sweep ce loss alone"}, {"cluster", c.cluster}, {"threads", c.threads}, {"vecs", c.vecs},
-                      {"stages", c.stages}, {"ms", t.median_ms}, {"GBps", gbps}});
-  }
+  sweep("sweep ce loss alone", Tensor(), gb / 2,
+        {liger::CrossEntropyConfig{false}, {true, 256, 8, 1}, {true, 256, 8, 2}, {true, 256, 8, 3}, {true, 256, 8, 4},
+         {true, 512, 8, 1}, {true, 512, 8, 2}, {true, 512, 4, 2}, {true, 512, 4, 4}});
   // The per-element options path (softcap 30; then with class weights and z-loss too).
   const Tensor cw = Tensor::uniform({v}, DType::f32, kDev, gen, 0.5, 1.5);
   for (const bool weights : {false, true}) {

@@ -256,13 +256,7 @@ int run_layers(LayersArgs a) {
     hc.allow_all_kernels = true;  // this build's own packages, unsigned
     hc.lock_file.reset();
   } else {
-    std::string text = a.kernels;
-    if (!text.empty() && text.front() != '{') {
-      std::ifstream in(a.kernels);
-      KCPP_CHECK(in.good(), "--kernels: cannot read {}", a.kernels);
-      text.assign(std::istreambuf_iterator<char>(in), {});
-    }
-    config = nn::KernelConfig::parse_text(text, a.use_local_kernel);
+    config = nn::KernelConfig::parse_text(kernel_mapping_text(a.kernels), a.use_local_kernel);
     hc.allow_all_kernels = hc.allow_all_kernels || a.allow_all;
   }
   const nn::KernelizeReport report = model.kernelize(config, training ? nn::kTraining : nn::kInference, dev,

@@ -20,6 +20,10 @@ void add_train_command(CLI::App& app, Action& action);   // train_command.cpp: t
 void add_bench_layers_options(CLI::App& bench, Action& action, const std::string& device, const bool& quick,
                               const std::string& json_path);
 
+// A KernelConfig kernel_mapping given on the command line (--kernels): inline JSON, or the path of a
+// JSON file (model_commands.cpp).
+std::string kernel_mapping_text(const std::string& arg);
+
 // A package this build made ("liger", "flash_attn"): under `given`, $KCPP_PACKAGES_DIR, or
 // <bin>/../kernels (train_command.cpp).
 std::optional<std::filesystem::path> find_built_package(const std::string& given, const char* name);

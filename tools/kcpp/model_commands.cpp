@@ -64,15 +64,10 @@ int run_generate(const GenerateArgs& a) {
   const Device dev = a.device == "auto" ? (cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu()) : parse_device(a.device);
   auto model = models::CausalLM::from_folder(a.model, float_dtype(a.dtype), dev);
   if (!a.kernels.empty()) {
-    std::string text = a.kernels;
-    if (text.front() != '{') {
-      std::ifstream in(a.kernels);
-      KCPP_CHECK(in.good(), "--kernels: cannot read {}", a.kernels);
-      text.assign(std::istreambuf_iterator<char>(in), {});
-    }
     hub::HubConfig hc = hub::HubConfig::from_env();
     hc.allow_all_kernels = hc.allow_all_kernels || a.allow_all;
-    const auto report = model->kernelize(nn::KernelConfig::parse_text(text, a.use_local_kernel), nn::kInference, dev,
+    const auto report = model->kernelize(nn::KernelConfig::parse_text(kernel_mapping_text(a.kernels), a.use_local_kernel),
+                                         nn::kInference, dev,
                                          nn::hub_loader(std::make_shared<hub::Hub>(std::move(hc))));
     fmt::print(stderr, "{}", report.str());
   }
@@ -103,6 +98,13 @@ int run_generate(const GenerateArgs& a) {
 }
 
 }  // namespace
+
+std::string kernel_mapping_text(const std::string& arg) {
+  if (!arg.empty() && arg.front() == '{') return arg;
+  std::ifstream in(arg);
+  KCPP_CHECK(in.good(), "--kernels: cannot read {}", arg);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
 
 void add_model_commands(CLI::App& app, Action& action) {
   auto args = std::make_shared<GenerateArgs>();

@@ -206,56 +206,47 @@ template <bool BWD> const char* run(const RopeParams& p, cudaStream_t stream, co
   const int64_t span = il ? p.rotary_dim : p.rotary_dim / 2;  // what VEC must divide
   const bool vec_ok = span % vec == 0 && aligned16(p.cos) && aligned16(p.sin) && p.cs_stride_b % vec == 0 &&
                       p.cs_stride_s % vec == 0 && operand_vec_ok(p.q, vec) && operand_vec_ok(p.k, vec);
-  const int64_t cap = c.blocks_per_sm > 0 ? int64_t(sm_count(device)) * c.blocks_per_sm : int64_t(1) << 31;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tokens, cap));
   const int threads = c.threads;
-  const size_t smem = 2 * static_cast<size_t>(p.rotary_dim) * static_cast<size_t>(kcpp::kernel::dtype_bytes(p.dtype));
-  KCPP_KERNEL_REQUIRE(smem <= 48 * 1024, "rope: rotary_dim %lld needs %zu bytes of shared memory (at most 48 KiB)",
-                      static_cast<long long>(p.rotary_dim), smem);
-  // The column-group kernel where it applies (see there).
+  // The column-group kernel where it applies (see there), else the token kernel.
   const int64_t per_head = span / vec, heads = p.q.heads + p.k.heads;
   const bool in_place = p.q.out == p.q.in && (p.k.heads == 0 || p.k.out == p.k.in);
-  const bool groups_ok = c.heads_per_thread >= 1 && c.heads_per_thread <= 4 && vec_ok && threads % per_head == 0 &&
-                         (in_place || p.rotary_dim == p.head_dim);
-  if (groups_ok) {
-    // Neighbouring heads or neighbouring tokens a warp: whichever q has closer together.
-    const bool heads_adjacent = c.order == 1 || (c.order == 0 && p.q.in_stride_h <= p.q.in_stride_s);
-    const int64_t rows = threads / per_head;
-    const int64_t per_block_heads = heads_adjacent ? rows * c.heads_per_thread : c.heads_per_thread;
-    const int64_t head_chunks = (heads + per_block_heads - 1) / per_block_heads;
-    const int64_t token_chunks = heads_adjacent ? tokens : (tokens + rows - 1) / rows;
-    KCPP_KERNEL_REQUIRE(token_chunks * head_chunks < (int64_t(1) << 31), "rope: %lld tokens x %lld heads exceed the grid",
-                        static_cast<long long>(tokens), static_cast<long long>(heads));
+  const bool groups = c.heads_per_thread >= 1 && vec_ok && threads % per_head == 0 && (in_place || p.rotary_dim == p.head_dim);
+  // Column groups: neighbouring heads or neighbouring tokens a warp, whichever q has closer together.
+  const bool heads_adjacent = c.order == 1 || (c.order == 0 && p.q.in_stride_h <= p.q.in_stride_s);
+  const int64_t rows = groups ? threads / per_head : 1;  // per_head may be 0 where the token kernel runs
+  const int64_t per_block_heads = heads_adjacent ? rows * c.heads_per_thread : c.heads_per_thread;
+  const int64_t head_chunks = groups ? (heads + per_block_heads - 1) / per_block_heads : 1;
+  const int64_t token_chunks = heads_adjacent ? tokens : (tokens + rows - 1) / rows;
+  KCPP_KERNEL_REQUIRE(!groups || token_chunks * head_chunks < (int64_t(1) << 31),
+                      "rope: %lld tokens x %lld heads exceed the grid", static_cast<long long>(tokens), static_cast<long long>(heads));
+  // The token kernel: its grid (capped by blocks_per_sm) and the cos / sin rows it stages.
+  const int64_t cap = c.blocks_per_sm > 0 ? int64_t(sm_count(device)) * c.blocks_per_sm : int64_t(1) << 31;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tokens, cap));
+  const size_t smem = 2 * static_cast<size_t>(p.rotary_dim) * static_cast<size_t>(kcpp::kernel::dtype_bytes(p.dtype));
+  KCPP_KERNEL_REQUIRE(groups || smem <= 48 * 1024, "rope: rotary_dim %lld needs %zu bytes of shared memory (at most 48 KiB)",
+                      static_cast<long long>(p.rotary_dim), smem);
+  auto group_kernel = [&]<typename T, int HEADS>() {
+    constexpr int V = 16 / sizeof(T);
     const unsigned blocks = static_cast<unsigned>(token_chunks * head_chunks);
-    auto launch = [&]<typename T, int HEADS>() {
-      constexpr int V = 16 / sizeof(T);
-      const int hcs = static_cast<int>(head_chunks);
-      if (heads_adjacent) {
-        if (il) rope_groups_kernel<T, V, true, BWD, HEADS, true><<<blocks, threads, 0, stream>>>(p, hcs);
-        else rope_groups_kernel<T, V, false, BWD, HEADS, true><<<blocks, threads, 0, stream>>>(p, hcs);
-      } else {
-        if (il) rope_groups_kernel<T, V, true, BWD, HEADS, false><<<blocks, threads, 0, stream>>>(p, hcs);
-        else rope_groups_kernel<T, V, false, BWD, HEADS, false><<<blocks, threads, 0, stream>>>(p, hcs);
-      }
-    };
-    auto by_heads = [&]<typename T>(T*) {
-      switch (c.heads_per_thread) {
-        case 1: launch.template operator()<T, 1>(); break;
-        case 2: launch.template operator()<T, 2>(); break;
-        case 3: launch.template operator()<T, 3>(); break;
-        default: launch.template operator()<T, 4>(); break;
-      }
-    };
-    switch (p.dtype) {
-      case kernel::DType::f32: by_heads(static_cast<float*>(nullptr)); break;
-      case kernel::DType::bf16: by_heads(static_cast<__nv_bfloat16*>(nullptr)); break;
-      case kernel::DType::f16: by_heads(static_cast<__half*>(nullptr)); break;
+    const int hcs = static_cast<int>(head_chunks);
+    if (heads_adjacent) {
+      if (il) rope_groups_kernel<T, V, true, BWD, HEADS, true><<<blocks, threads, 0, stream>>>(p, hcs);
+      else rope_groups_kernel<T, V, false, BWD, HEADS, true><<<blocks, threads, 0, stream>>>(p, hcs);
+    } else {
+      if (il) rope_groups_kernel<T, V, true, BWD, HEADS, false><<<blocks, threads, 0, stream>>>(p, hcs);
+      else rope_groups_kernel<T, V, false, BWD, HEADS, false><<<blocks, threads, 0, stream>>>(p, hcs);
     }
-    return launch_error(BWD ? "rope backward" : "rope forward");
-  }
+  };
   auto go = [&]<typename T>(T*) {
     constexpr int V = 16 / sizeof(T);
-    if (il) {
+    if (groups) {
+      switch (c.heads_per_thread) {
+        case 1: group_kernel.template operator()<T, 1>(); break;
+        case 2: group_kernel.template operator()<T, 2>(); break;
+        case 3: group_kernel.template operator()<T, 3>(); break;
+        default: group_kernel.template operator()<T, 4>(); break;
+      }
+    } else if (il) {
       if (vec_ok) rope_kernel<T, V, true, true, BWD><<<grid, threads, smem, stream>>>(p);
       else rope_kernel<T, 2, false, true, BWD><<<grid, threads, smem, stream>>>(p);
     } else {
