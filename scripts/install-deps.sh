@@ -6,7 +6,7 @@ set -euo pipefail
 
 packages=(
   build-essential cmake ninja-build pkg-config ccache git
-  libopenblas-dev        # reference matmul on the CPU
+  libopenblas-openmp-dev # reference matmul on the CPU (OpenBLAS on the OpenMP team: src/ops/threads.h)
   libcurl4-openssl-dev   # hub client
   libsodium-dev          # package signatures (Ed25519)
   nlohmann-json3-dev     # manifests, JSON output

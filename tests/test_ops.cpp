@@ -1,9 +1,13 @@
 // ops/ primitives against the f64 oracle, on every device and floating dtype, with awkward shapes
 // and non-contiguous inputs.
+#include <cblas.h>
+#include <omp.h>
+
 #include <cmath>
 
 #include "oracle.h"
 #include "ops/ops.h"
+#include "ops/threads.h"
 #include "test_util.h"
 
 namespace kcpp {
@@ -303,6 +307,29 @@ TEST_P(Ops, MismatchedArgumentsThrow) {
 
 INSTANTIATE_TEST_SUITE_P(Devices, Ops, ::testing::Values(Device::cpu(), Device::cuda(0)),
                          [](const auto& info) { return info.param.is_cpu() ? std::string("cpu") : std::string("cuda"); });
+
+// One pool of CPU threads (ops/threads.h): OpenBLAS runs on the OpenMP team, so a GEMM and the
+// library's loops never keep two pools spin-waiting on the same cores.
+TEST(ThreadPolicy, BlasRunsOnTheOpenMPTeam) {
+  const ops::ThreadPolicy p = ops::thread_policy();
+  EXPECT_EQ(p.blas_threading, "OpenMP") << ops::thread_policy_str(p);
+  EXPECT_EQ(p.threads, omp_get_max_threads());
+}
+
+TEST(ThreadPolicy, SetNumThreadsSetsTheLoopsAndTheBlas) {
+  const int before = omp_get_max_threads();
+  ops::set_num_threads(1);
+  EXPECT_EQ(ops::thread_policy().threads, 1);
+  EXPECT_EQ(openblas_get_num_threads(), 1);
+  auto gen = test_generator();
+  const Tensor a = Tensor::randn({67, 129}, DType::f64, Device::cpu(), gen);
+  const Tensor b = Tensor::randn({129, 33}, DType::f64, Device::cpu(), gen);
+  const std::vector<double> one_thread = ops::matmul(a, b).to_f64_vector();
+  ops::set_num_threads(before);
+  EXPECT_EQ(ops::thread_policy().threads, before);
+  EXPECT_TRUE(close_l2(ops::matmul(a, b), one_thread, 1e-14));
+  EXPECT_THROW(ops::set_num_threads(0), Error);
+}
 
 }  // namespace
 }  // namespace kcpp

@@ -12,12 +12,22 @@
 #include "commands.h"
 #include "core/error.h"
 #include "core/platform.h"
+#include "ops/threads.h"
 
 namespace {
 
 int run_info(bool json) {
   const kcpp::PlatformInfo p = kcpp::detect_platform();
-  std::fputs((json ? kcpp::platform_json(p) + "\n" : kcpp::format_platform(p)).c_str(), stdout);
+  const kcpp::ops::ThreadPolicy t = kcpp::ops::thread_policy();
+  if (json) {
+    auto j = nlohmann::json::parse(kcpp::platform_json(p));
+    j["cpu_threads"] = {{"threads", t.threads}, {"blas", t.blas}, {"blas_core", t.blas_core},
+                        {"blas_threading", t.blas_threading}};
+    std::fputs((j.dump(2) + "\n").c_str(), stdout);
+  } else {
+    std::fputs(kcpp::format_platform(p).c_str(), stdout);
+    std::fputs(("CPU work: " + kcpp::ops::thread_policy_str(t) + "\n").c_str(), stdout);
+  }
   return 0;
 }
 
