@@ -1,6 +1,6 @@
 // KernelConfig: which kernel each layer of a model gets, by Transformers layer name — the C++ form of
 // Transformers' `KernelConfig(kernel_mapping=..., use_local_kernel=...)` over the `kernels` library's
-// mapping grammar (DESIGN.md, "The hub"):
+// mapping grammar (docs/DESIGN.md, "The hub"):
 //
 //   {
 //     "RMSNorm": "kernels-community/liger@^0.1:LigerRMSNorm",         every device, every mode
@@ -12,7 +12,7 @@
 //
 // A value is a reference, "" (keep the reference implementation), a table keyed by device, or a table
 // keyed by mode ("inference", "training", "inference|graph", "training|graph") — at the top or inside
-// a device.  Lookup for a mode falls back as DESIGN.md and Transformers do: the exact mode, the mode
+// a device.  Lookup for a mode falls back as docs/DESIGN.md and Transformers do: the exact mode, the mode
 // without "graph", then (for inference) training, then the entry without a mode.  A reference
 // without ":Layer" means the package's one layer that implements the slot's contract.
 //
