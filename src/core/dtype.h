@@ -1,4 +1,4 @@
-// Element types.  The numbering is ours; DLPack codes are mapped in core/dlpack.cpp.
+// Element types.  The numbering is ours; DLPack codes are mapped in core/tensor.cpp.
 #pragma once
 
 #include <cstddef>

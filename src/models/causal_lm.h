@@ -66,7 +66,7 @@ class CausalLM : public nn::Module {
 
   // The loss and the gradient of `dloss * loss` with respect to every parameter, by the names of
   // the model's safetensors ("model.layers.0.self_attn.q_proj.weight"; a tied lm_head's share is in
-  // the embedding's).  Every layer's activations are kept for the backward (no checkpointing yet).
+  // the embedding's).  What the forward keeps for the backward is set by checkpoint_layers below.
   struct Gradients {
     Tensor loss;
     std::map<std::string, Tensor> grads;
