@@ -246,6 +246,13 @@ std::vector<std::string> WeightStore::names() const {
   return out;
 }
 
+std::vector<std::string> WeightStore::unused() const {
+  std::vector<std::string> out;
+  for (const auto& [n, i] : where_)
+    if (!loaded_.contains(n)) out.push_back(n);
+  return out;
+}
+
 std::string WeightStore::source(std::string_view name) const {
   const auto it = where_.find(name);
   return it == where_.end() ? folder_.string() : files_[it->second].path().string();
@@ -260,7 +267,9 @@ Tensor WeightStore::load(std::string_view name, DType dtype, Device device, cons
     KCPP_CHECK(have == *shape, "{}: weight '{}' has shape [{}], the config needs [{}]", f.path().string(), name,
                fmt::join(have, ", "), fmt::join(*shape, ", "));
   }
-  return f.load(name, dtype, device);
+  Tensor t = f.load(name, dtype, device);
+  loaded_.emplace(name);
+  return t;
 }
 
 }  // namespace kcpp::models
