@@ -288,8 +288,9 @@ class Families : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(Families, LogitsAndLossMatchTransformers) {
   const fs::path dir = fs::path(test::fixtures_dir()) / GetParam();
-  const auto model = models::CausalLM::from_folder(dir, DType::f32, Device::cpu(), {.strict = true});
-  EXPECT_TRUE(model->unused_weights().empty());
+  models::LoadOptions strict;
+  strict.strict = true;  // every tensor of the fixture is used
+  const auto model = models::CausalLM::from_folder(dir, DType::f32, Device::cpu(), strict);
   const SafetensorsFile e = SafetensorsFile::open(dir / "expected.safetensors");
   const Tensor ids = e.view("input_ids"), labels = e.view("labels");
   const Tensor logits = model->forward(ids);
@@ -388,6 +389,9 @@ TEST(ModelConfigRanges, SizesMustBePositiveAndBounded) {
   EXPECT_CONFIG_ERROR("hidden_size", 0, "'hidden_size' must be in [1, 16777216], is 0");
   EXPECT_CONFIG_ERROR("intermediate_size", int64_t{1} << 25, "'intermediate_size' must be in [1, 16777216], is 33554432");
   EXPECT_CONFIG_ERROR("num_hidden_layers", 0, "'num_hidden_layers' must be in [1, 16777216], is 0");
+  nlohmann::json mistral = llama3_with("model_type", "mistral");  // whose per-layer windows are listed
+  mistral["num_hidden_layers"] = -1;
+  EXPECT_ERROR(ModelConfig::from_json(mistral), "'num_hidden_layers' must be in [1, 16777216], is -1");
   EXPECT_CONFIG_ERROR("num_attention_heads", -32, "'num_attention_heads' must be in [1, 16777216], is -32");
   // Past int64: named, never wrapped to a negative number.
   EXPECT_CONFIG_ERROR("vocab_size", nlohmann::json(uint64_t{18446744073709551615u}),
@@ -577,28 +581,55 @@ TEST(UnusedWeights, ReportedOrRefusedWhenStrict) {
   EXPECT_ERROR(models::CausalLM::from_folder(d.path, DType::f32, Device::cpu(), strict), "or load without strict");
 }
 
-// The same through a sharded folder, and for a tensor no layer names: a tied model's lm_head.
+// The same through a sharded folder; a tied model's lm_head.weight as Transformers 5 takes it: tied
+// when equal to the embeddings, else used untied, with a warning.
 TEST(UnusedWeights, ShardedFoldersAndTiedHeads) {
-  TempDir d;
   const fs::path src = fs::path(test::fixtures_dir()) / "qwen2";  // tie_word_embeddings: true
-  fs::copy_file(src / "config.json", d.path / "config.json");
   const SafetensorsFile f = SafetensorsFile::open(src / "model.safetensors");
-  std::vector<std::pair<std::string, Tensor>> first, second;
-  nlohmann::json map;
-  for (const auto& [name, e] : f.entries()) {
-    const bool one = name.find("layers.1.") == std::string::npos;
-    (one ? first : second).emplace_back(name, f.view(name));
-    map[name] = one ? "a.safetensors" : "b.safetensors";
-  }
-  second.emplace_back("lm_head.weight", f.view("model.embed_tokens.weight"));
-  map["lm_head.weight"] = "b.safetensors";
-  models::save_safetensors(d.path / "a.safetensors", first);
-  models::save_safetensors(d.path / "b.safetensors", second);
-  std::ofstream(d.path / "model.safetensors.index.json") << nlohmann::json{{"weight_map", map}}.dump();
-  models::LoadOptions quiet;
-  quiet.warn = [](const std::string&) {};
-  EXPECT_EQ(models::CausalLM::from_folder(d.path, DType::f32, Device::cpu(), quiet)->unused_weights(),
-            (std::vector<std::string>{"lm_head.weight"}));
+  auto write = [&](const fs::path& dir, const Tensor& head) {
+    fs::copy_file(src / "config.json", dir / "config.json", fs::copy_options::overwrite_existing);
+    std::vector<std::pair<std::string, Tensor>> first, second;
+    nlohmann::json map;
+    for (const auto& [name, e] : f.entries()) {
+      const bool one = name.find("layers.1.") == std::string::npos;
+      (one ? first : second).emplace_back(name, f.view(name));
+      map[name] = one ? "a.safetensors" : "b.safetensors";
+    }
+    second.emplace_back("model.layers.5.mlp.down_proj.weight", Tensor::zeros({3}, DType::f32, Device::cpu()));
+    second.emplace_back("lm_head.weight", head);
+    map["model.layers.5.mlp.down_proj.weight"] = map["lm_head.weight"] = "b.safetensors";
+    models::save_safetensors(dir / "a.safetensors", first);
+    models::save_safetensors(dir / "b.safetensors", second);
+    std::ofstream(dir / "model.safetensors.index.json") << nlohmann::json{{"weight_map", map}}.dump();
+  };
+  std::vector<std::string> warnings;
+  models::LoadOptions opt;
+  opt.warn = [&](const std::string& w) { warnings.push_back(w); };
+  TempDir d;
+  write(d.path, f.view("model.embed_tokens.weight"));
+  const auto tied = models::CausalLM::from_folder(d.path, DType::f32, Device::cpu(), opt);
+  EXPECT_EQ(tied->unused_weights(), (std::vector<std::string>{"model.layers.5.mlp.down_proj.weight"}));
+  EXPECT_TRUE(tied->config().tie_word_embeddings);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("1 tensor of the weight files is not used by the model"), std::string::npos) << warnings[0];
+
+  Generator gen = test::test_generator();
+  write(d.path, Tensor::randn({97, 32}, DType::f32, Device::cpu(), gen));
+  warnings.clear();
+  const auto untied = models::CausalLM::from_folder(d.path, DType::f32, Device::cpu(), opt);
+  EXPECT_FALSE(untied->config().tie_word_embeddings);
+  ASSERT_EQ(warnings.size(), 2u);
+  EXPECT_NE(warnings[0].find("the head is used untied, as Transformers does"), std::string::npos) << warnings[0];
+  // The same as the config saying so.
+  TempDir d2;
+  fs::copy(d.path, d2.path, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+  nlohmann::json cfg = nlohmann::json::parse(std::ifstream(d2.path / "config.json"));
+  cfg["tie_word_embeddings"] = false;
+  std::ofstream(d2.path / "config.json") << cfg.dump();
+  const auto said = models::CausalLM::from_folder(d2.path, DType::f32, Device::cpu(), opt);
+  const Tensor ids = SafetensorsFile::open(src / "expected.safetensors").view("input_ids");
+  EXPECT_EQ(untied->forward(ids).to_f64_vector(), said->forward(ids).to_f64_vector());
+  EXPECT_FALSE(test::close_l2(untied->forward(ids), tied->forward(ids).to_f64_vector(), 1e-3));
 }
 
 }  // namespace

@@ -47,6 +47,19 @@ std::unique_ptr<CausalLM> CausalLM::from_folder(const std::filesystem::path& fol
   m->dtype_ = dtype;
   m->device_ = device;
   const WeightStore w = WeightStore::open_folder(folder);
+  // Transformers 5 ties the head to the embeddings only when the files hold no lm_head.weight or an
+  // equal one; a different one is used as an untied head.
+  std::string untied;
+  bool equal_head = false;
+  if (m->cfg_.tie_word_embeddings && w.contains("lm_head.weight") && w.contains("model.embed_tokens.weight")) {
+    equal_head = w.same("lm_head.weight", "model.embed_tokens.weight");
+    if (!equal_head) {
+      m->cfg_.tie_word_embeddings = false;
+      untied = fmt::format("{}: config.json ties the embeddings to lm_head.weight, but the files hold both with different "
+                           "values: the head is used untied, as Transformers does (set tie_word_embeddings to false to say so)",
+                           folder.string());
+    }
+  }
   // Every missing weight is collected (a zero placeholder of no storage stands in) and named at once.
   std::vector<std::string> missing;
   m->build([&](const std::string& name, std::vector<int64_t> shape) {
@@ -58,15 +71,20 @@ std::unique_ptr<CausalLM> CausalLM::from_folder(const std::filesystem::path& fol
   const int64_t layers = m->cfg_.num_hidden_layers;
   KCPP_CHECK(missing.empty(), "{}: missing weight{} {} (config.json: {} with {} layers; are model_type and the sizes right?)", f,
              missing.size() > 1 ? "s" : "", name_list(missing), mt, layers);
+  auto warn = [&](const std::string& what) {
+    if (options.warn) options.warn(what);
+    else fmt::print(stderr, "warning: {}\n", what);
+  };
+  if (!untied.empty()) warn(untied);
   m->unused_weights_ = w.unused();
+  if (equal_head) std::erase(m->unused_weights_, "lm_head.weight");  // the embeddings' copy: tied, as Transformers does
   if (!m->unused_weights_.empty()) {
     const auto& u = m->unused_weights_;
     const std::string what = fmt::format("{}: {} tensor{} of the weight files {} not used by the model (config.json: {} with {} layers): {}",
                                           f, u.size(), u.size() > 1 ? "s" : "", u.size() > 1 ? "are" : "is", mt, layers, name_list(u));
     KCPP_CHECK(!options.strict, "{}; check num_hidden_layers and the other keys of config.json, or load without strict to ignore them",
                what);
-    if (options.warn) options.warn(what);
-    else fmt::print(stderr, "warning: {} (ignored)\n", what);
+    warn(what + " (ignored)");
   }
   return m;
 }

@@ -215,12 +215,13 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& w
   bool known = false;
   for (const char* f : kFamilies) known = known || c.model_type == f;
   KCPP_CHECK(known, "{}: unknown model_type '{}' (supported: {})", where, c.model_type, fmt::join(kFamilies, ", "));
-  c.vocab_size = r.integer("vocab_size");
-  c.hidden_size = r.integer("hidden_size");
-  c.intermediate_size = r.integer("intermediate_size");
-  c.num_hidden_layers = r.integer("num_hidden_layers");
-  c.num_attention_heads = r.integer("num_attention_heads");
-  check_in(where, "num_attention_heads", c.num_attention_heads, 1, kMaxSize);
+  // The sizes are checked at once: what follows divides by them and sizes lists by them.
+  for (auto [key, field] : {std::pair{"vocab_size", &c.vocab_size}, {"hidden_size", &c.hidden_size},
+                            {"intermediate_size", &c.intermediate_size}, {"num_hidden_layers", &c.num_hidden_layers},
+                            {"num_attention_heads", &c.num_attention_heads}}) {
+    *field = r.integer(key);
+    check_in(where, key, *field, 1, kMaxSize);
+  }
   c.num_key_value_heads = r.integer("num_key_value_heads", c.num_attention_heads);
   if (r.has("head_dim")) {
     c.head_dim = r.integer("head_dim");

@@ -253,6 +253,16 @@ std::vector<std::string> WeightStore::unused() const {
   return out;
 }
 
+bool WeightStore::same(std::string_view a, std::string_view b) const {
+  const auto ia = where_.find(a), ib = where_.find(b);
+  KCPP_CHECK(ia != where_.end() && ib != where_.end(), "{}: missing weight '{}'", folder_.string(), ia == where_.end() ? a : b);
+  const SafetensorsFile &fa = files_[ia->second], &fb = files_[ib->second];
+  const SafetensorsFile::Entry &ea = fa.entry(a), &eb = fb.entry(b);
+  if (ea.dtype != eb.dtype || ea.shape != eb.shape) return false;
+  const Tensor va = fa.view(a), vb = fb.view(b);
+  return std::memcmp(va.data(), vb.data(), static_cast<size_t>(va.nbytes())) == 0;
+}
+
 std::string WeightStore::source(std::string_view name) const {
   const auto it = where_.find(name);
   return it == where_.end() ? folder_.string() : files_[it->second].path().string();

@@ -82,6 +82,8 @@ class WeightStore {
   std::string source(std::string_view name) const;  // the file it is in, for messages
   // The tensors never given by load(), in name order.
   std::vector<std::string> unused() const;
+  // Whether two stored tensors have the same dtype, shape and bytes.
+  bool same(std::string_view a, std::string_view b) const;
 
  private:
   std::vector<SafetensorsFile> files_;
