@@ -127,7 +127,11 @@ TEST(Safetensors, ShardedFolderAndShapeChecks) {
       << R"({"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})";
   const auto w = models::WeightStore::open_folder(d.path);
   EXPECT_EQ(w.names(), (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(w.unused(), (std::vector<std::string>{"a", "b"}));
   EXPECT_EQ(w.load("a", DType::f32, Device::cpu()).to_f64_vector(), a.to_f64_vector());
+  EXPECT_EQ(w.unused(), (std::vector<std::string>{"b"}));  // what no load asked for
+  EXPECT_TRUE(w.same("a", "a"));
+  EXPECT_FALSE(w.same("a", "b"));
   const std::vector<int64_t> want = {3, 4};
   EXPECT_ERROR(w.load("a", DType::f32, Device::cpu(), &want), "weight 'a' has shape [4, 3], the config needs [3, 4]");
   EXPECT_ERROR(w.load("c", DType::f32, Device::cpu()), "missing weight 'c'");

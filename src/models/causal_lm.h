@@ -38,9 +38,10 @@ struct Sampling {
 
 // How CausalLM::from_folder treats the weight files.  A weight the config needs and the files lack
 // is always an error naming every such weight.  A tensor of the files the model does not use (the
-// layers past num_hidden_layers, an lm_head.weight when the embeddings are tied, stale buffers) is
-// an error naming them when `strict`, else a warning listing them, as Transformers warns "Some
-// weights of the model checkpoint were not used".
+// layers past num_hidden_layers, stale buffers, another architecture's weights) is an error naming
+// them when `strict`, else a warning listing them, as Transformers reports unexpected weights.  A
+// tied model's lm_head.weight is taken as Transformers 5 takes it: equal to the embeddings, tied;
+// different, used as an untied head (with a warning).
 struct LoadOptions {
   bool strict = false;
   std::function<void(const std::string&)> warn;  // receives the warning; empty: printed on stderr
