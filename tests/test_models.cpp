@@ -542,6 +542,11 @@ TEST(SlidingWindow, FixturesLayers) {
   EXPECT_EQ(of("phi3_swa"), (std::vector<int64_t>{4, 4}));
   EXPECT_EQ(of("qwen2_swa"), (std::vector<int64_t>{0, 3}));
   EXPECT_EQ(of("qwen3_swa"), (std::vector<int64_t>{4, 0}));
+  for (const char* f : {"mistral_swa", "phi3_swa", "qwen2_swa", "qwen3_swa"}) {  // written back, read the same
+    const ModelConfig c = ModelConfig::from_folder(fs::path(test::fixtures_dir()) / f);
+    EXPECT_EQ(ModelConfig::from_json(c.to_json()).to_json(), c.to_json()) << f;
+    EXPECT_EQ(windows(ModelConfig::from_json(c.to_json())), of(f)) << f;
+  }
   for (const char* f : {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"}) EXPECT_EQ(of(f), (std::vector<int64_t>{0, 0})) << f;
 }
 
