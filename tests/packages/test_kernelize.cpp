@@ -307,7 +307,9 @@ TEST_P(Kernelize, KernelizedModelsMatchTransformers) {
   const std::string liger = test::built_package_dir("liger").string();
   const KernelConfig config =
       nn::liger_kernel_config(nn::LigerSwitches{}, liger, true, test::built_package_dir("flash_attn").string());
-  for (const char* family : {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"}) {
+  // The *_swa fixtures take flash_attn's sliding-window path, per layer where the family has it.
+  for (const char* family :
+       {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "mistral_swa", "phi3_swa", "qwen2_swa", "qwen3_swa"}) {
     SCOPED_TRACE(family);
     const auto dir = std::filesystem::path(test::fixtures_dir()) / family;
     auto model = models::CausalLM::from_folder(dir, DType::f32, dev);
