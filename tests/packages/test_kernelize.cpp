@@ -73,7 +73,7 @@ TEST(KernelConfig, BadMappingsNameTheKey) {
   EXPECT_TRUE(fails(R"({"RMSNorm": {"training|inference": "acme/a"}})", "unknown device 'training|inference'"));
   EXPECT_TRUE(fails(R"({"RMSNorm": "/opt/kernels/liger:LigerRMSNorm"})", "set use_local_kernel"));
   EXPECT_TRUE(fails(R"({"RMSNorm": "acme/norm"})", "use_local_kernel is set", true));
-  EXPECT_TRUE(fails("[1, 2]", "expected an object"));
+  EXPECT_TRUE(fails("[1, 2]", "the mapping must be a JSON object"));
   EXPECT_TRUE(fails("{not json", "not JSON"));
   EXPECT_THROW(nn::LigerSwitches::parse(nlohmann::json::parse(R"({"rope": true, "ropee": false})")), Error);
   EXPECT_THROW(nn::LigerSwitches::parse(nlohmann::json::parse(R"({"cross_entropy": true})")), Error);
