@@ -9,7 +9,8 @@ our outputs are allocated once outside the timed call (a host's allocator would 
 blocks back), Liger's inside.  The copy ceiling is measured the same way (2 GiB device copy).
 
 Run on the GPU machine: KCPP_PACKAGES_DIR=.devlibs/kernels python3 bench/anchors_kcpp.py [ops...]
-with Liger's source under .anchors/src (../shared/anchors/README.md).  ops: rms_norm add_rms_norm
+with Liger-Kernel's source (its src/liger_kernel folder) under the git-ignored .anchors/src, or where
+LIGER_SRC points: it is for measuring only, never committed.  ops: rms_norm add_rms_norm
 layer_norm swiglu geglu rope ce (default all).
 """
 import contextlib

@@ -1,5 +1,5 @@
 // GPU benchmark of the kernel packages against the eager reference, at the Llama-3-8B shapes that
-// ../shared/anchors/anchors.py uses (so the figures sit beside eager PyTorch, torch.compile and
+// the anchors use (bench/RESULTS.md; so the figures sit beside eager PyTorch, torch.compile and
 // Liger measured in the same call).  Bytes are counted as anchors.py counts them; bandwidth is
 // quoted against the device copy bandwidth measured in this same process.  Peak memory is the
 // allocator's peak during one call minus what was allocated before it (outputs and gradients

@@ -2,8 +2,8 @@
 // the reference layers against the layers kernelized with the Liger switches (this build's liger
 // package) and flash_attn's attention, bf16 weights with f32 master weights and AdamW, tokens/s and peak memory of a step (the
 // allocator's peak minus what was allocated before it: activations, gradients, logits, workspaces;
-// the weights and optimizer state are counted separately).  Compare with
-// ../shared/anchors/h200-2026-11-22-e2e.txt (Transformers eager / compile / Liger, same shapes).
+// the weights and optimizer state are counted separately).  Compare with Transformers' step at the
+// same shapes (eager / compile / Liger), quoted in bench/RESULTS.md.
 //
 // Run: build/release/bin/kcpp_bench_train [--layers 4] [--batch 4] [--seq 2048] [--steps 3] [--only reference|kcpp]
 //      [--checkpoint 1] (activation checkpointing per layer) [--attention 0] (kcpp without flash_attn's attention)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs on the lent GPU machine: the kernel packages' tests, then our kernel benchmark, the anchors
-# (PyTorch eager, torch.compile, Liger from .anchors/, see ../shared/anchors/README.md) and our
+# Runs on the GPU machine: the kernel packages' tests, then our kernel benchmark, the anchors
+# (PyTorch eager, torch.compile and Liger-Kernel, from an anchors.py and Liger's source placed in
+# the git-ignored .anchors/ when present; bench/RESULTS.md says what they measure) and our
 # benchmark again, all in one call so that the ratios hold.  Carry .devlibs and .anchors.
 set -uo pipefail
 source "$(dirname "$0")/device-env.sh"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the lent GPU: Nsight Compute figures of chosen kernel launches, ours and the anchors' side by
 # side, as one table (and the SASS of each kernel, for reading).  --clock-control none: the card's
-# clocks are left as they are (METHOD.md).  Carry .devlibs (and .anchors for Liger's kernels).
+# clocks are left as they are.  Carry .devlibs (and .anchors for Liger's kernels).
 #
 #   scripts/device-profile.sh LABEL 'COMMAND' 'KERNEL REGEX' [LAUNCHES TO SKIP] [LABEL ...]
 #

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The hub from a terminal, start to finish, in a scratch folder:
-#   build the example package -> make a key -> sign it -> publish it as acme/example@v1.0.0 and
-#   v1.1.0 -> `kcpp serve` on loopback -> list versions -> download by constraint (refused until the
-#   publisher is trusted) -> lock -> verify through the lock -> offline -> a tampered copy refused.
+#   build the example package -> make a key -> sign it -> publish it as acme/example@v1.0.0 (a tag
+#   names the version its manifest says) and as branch main -> `kcpp serve` on loopback -> list
+#   versions -> download by constraint (refused until the publisher is trusted) -> lock -> verify
+#   through the lock -> offline -> a tampered copy refused.
 # Usage: scripts/hub-demo.sh [build-dir]   (default build/release; run scripts/build.sh first)
 # CTest runs it as hub.demo.  Every step prints the command it runs.
 set -euo pipefail
@@ -31,7 +32,7 @@ fails() {  # the command must fail, and say $1
 
 step "$kcpp" keygen --publisher acme --out keys
 mkdir -p hub/acme/example
-for v in v1.0.0 v1.1.0; do cp -r "$pkg" "hub/acme/example/$v"; step "$kcpp" package sign "hub/acme/example/$v" --key keys/acme.key; done
+for v in v1.0.0 main; do cp -r "$pkg" "hub/acme/example/$v"; step "$kcpp" package sign "hub/acme/example/$v" --key keys/acme.key; done
 
 "$kcpp" serve hub --port 0 --quiet > serve.log 2>&1 &
 server_pid=$!
@@ -50,9 +51,9 @@ step "$kcpp" lock --quiet
 step "$kcpp" verify 'acme/example@>=1.0,<2.0:SiLU' --lock kcpp.lock --quiet
 step "$kcpp" verify 'acme/example@>=1.0,<2.0:SiLU' --offline --quiet
 
-# The publisher's v1.1.0 is replaced behind everyone's back: the lock notices the new commit, and
+# The publisher's v1.0.0 is replaced behind everyone's back: the lock notices the new commit, and
 # without the lock the file's hash no longer matches the signed manifest.
-printf 'tampered' >> hub/acme/example/v1.1.0/build/kcpp1-cpu-*/libexample.so
+printf 'tampered' >> hub/acme/example/v1.0.0/build/kcpp1-cpu-*/libexample.so
 fails "but the hub now has commit" "$kcpp" verify 'acme/example@>=1.0,<2.0:SiLU' --lock kcpp.lock --quiet
-fails "but the manifest says" "$kcpp" download 'acme/example@v1.1.0' --quiet --cache "$work/fresh-cache"
+fails "but the manifest says" "$kcpp" download 'acme/example@v1.0.0' --quiet --cache "$work/fresh-cache"
 echo; echo "hub-demo: every step behaved"

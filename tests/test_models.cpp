@@ -127,7 +127,11 @@ TEST(Safetensors, ShardedFolderAndShapeChecks) {
       << R"({"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})";
   const auto w = models::WeightStore::open_folder(d.path);
   EXPECT_EQ(w.names(), (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(w.unused(), (std::vector<std::string>{"a", "b"}));
   EXPECT_EQ(w.load("a", DType::f32, Device::cpu()).to_f64_vector(), a.to_f64_vector());
+  EXPECT_EQ(w.unused(), (std::vector<std::string>{"b"}));  // what no load asked for
+  EXPECT_TRUE(w.same("a", "a"));
+  EXPECT_FALSE(w.same("a", "b"));
   const std::vector<int64_t> want = {3, 4};
   EXPECT_ERROR(w.load("a", DType::f32, Device::cpu(), &want), "weight 'a' has shape [4, 3], the config needs [3, 4]");
   EXPECT_ERROR(w.load("c", DType::f32, Device::cpu()), "missing weight 'c'");
@@ -199,7 +203,7 @@ TEST(ModelConfig, BadConfigsNameTheKey) {
   EXPECT_ERROR(ModelConfig::from_json(with("model_type", erase)), "missing key 'model_type'");
   EXPECT_ERROR(ModelConfig::from_json(with("hidden_size", erase)), "missing key 'hidden_size'");
   EXPECT_ERROR(ModelConfig::from_json(with("hidden_size", "4096")), "'hidden_size' must be an integer");
-  EXPECT_ERROR(ModelConfig::from_json(with("vocab_size", 0)), "'vocab_size' must be positive");
+  EXPECT_ERROR(ModelConfig::from_json(with("vocab_size", 0)), "'vocab_size' must be in [1, 16777216], is 0");
   EXPECT_ERROR(ModelConfig::from_json(with("num_key_value_heads", 5)), "is not a multiple of num_key_value_heads 5");
   EXPECT_ERROR(ModelConfig::from_json(with("rms_norm_eps", "small")), "'rms_norm_eps' must be a number");
   EXPECT_ERROR(ModelConfig::from_json(with("hidden_act", "relu")), "hidden_act 'relu' is not supported");
@@ -268,6 +272,12 @@ TEST(ModelConfig, MissingOrMisShapedWeightsNameTheTensor) {
   models::save_safetensors(d.path / "model.safetensors", without);
   EXPECT_ERROR(models::CausalLM::from_folder(d.path, DType::f32, Device::cpu()),
                "missing weight 'model.layers.1.mlp.down_proj.weight'");
+  // Every missing weight is named, not only the first.
+  std::erase_if(without, [](const auto& p) { return p.first == "model.layers.0.self_attn.k_proj.weight"; });
+  models::save_safetensors(d.path / "model.safetensors", without);
+  EXPECT_ERROR(models::CausalLM::from_folder(d.path, DType::f32, Device::cpu()),
+               "missing weights 'model.layers.0.self_attn.k_proj.weight', 'model.layers.1.mlp.down_proj.weight' (config.json: "
+               "llama with 2 layers");
   auto reshaped = all;
   for (auto& [name, t] : reshaped)
     if (name == "model.norm.weight") t = Tensor::zeros({31}, DType::f32, Device::cpu());
@@ -282,7 +292,9 @@ class Families : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(Families, LogitsAndLossMatchTransformers) {
   const fs::path dir = fs::path(test::fixtures_dir()) / GetParam();
-  const auto model = models::CausalLM::from_folder(dir, DType::f32, Device::cpu());
+  models::LoadOptions strict;
+  strict.strict = true;  // every tensor of the fixture is used
+  const auto model = models::CausalLM::from_folder(dir, DType::f32, Device::cpu(), strict);
   const SafetensorsFile e = SafetensorsFile::open(dir / "expected.safetensors");
   const Tensor ids = e.view("input_ids"), labels = e.view("labels");
   const Tensor logits = model->forward(ids);
@@ -349,8 +361,285 @@ TEST_P(Families, GradientsMatchTransformers) {
   EXPECT_EQ(r.grads.size(), expected);
 }
 
-INSTANTIATE_TEST_SUITE_P(Transformers, Families, ::testing::Values("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"),
+// The *_swa fixtures: sliding windows (3 or 4) shorter than the sequence, per family's rules.
+INSTANTIATE_TEST_SUITE_P(Transformers, Families,
+                         ::testing::Values("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "mistral_swa", "phi3_swa",
+                                           "qwen2_swa", "qwen3_swa"),
                          [](const auto& info) { return std::string(info.param); });
+
+}  // namespace
+}  // namespace kcpp
+
+namespace kcpp {
+namespace {
+
+// ---- config.json: every value in its range (issue 21) --------------------------------------------------
+
+// llama3() with `key` set to `v` (a discarded value erases it); `key` "a.b" reaches into an object.
+nlohmann::json llama3_with(const std::string& key, const nlohmann::json& v) {
+  nlohmann::json j = llama3();
+  const size_t dot = key.find('.');
+  nlohmann::json& at = dot == std::string::npos ? j : j[key.substr(0, dot)];
+  const std::string k = dot == std::string::npos ? key : key.substr(dot + 1);
+  if (v.is_discarded()) at.erase(k);
+  else at[k] = v;
+  return j;
+}
+#define EXPECT_CONFIG_ERROR(key, value, needle) \
+  EXPECT_ERROR(ModelConfig::from_json(llama3_with(key, value)), needle)
+
+TEST(ModelConfigRanges, SizesMustBePositiveAndBounded) {
+  EXPECT_CONFIG_ERROR("vocab_size", -3, "config.json: 'vocab_size' must be in [1, 16777216], is -3");
+  EXPECT_CONFIG_ERROR("hidden_size", 0, "'hidden_size' must be in [1, 16777216], is 0");
+  EXPECT_CONFIG_ERROR("intermediate_size", int64_t{1} << 25, "'intermediate_size' must be in [1, 16777216], is 33554432");
+  EXPECT_CONFIG_ERROR("num_hidden_layers", 0, "'num_hidden_layers' must be in [1, 16777216], is 0");
+  nlohmann::json mistral = llama3_with("model_type", "mistral");  // whose per-layer windows are listed
+  mistral["num_hidden_layers"] = -1;
+  EXPECT_ERROR(ModelConfig::from_json(mistral), "'num_hidden_layers' must be in [1, 16777216], is -1");
+  EXPECT_CONFIG_ERROR("num_attention_heads", -32, "'num_attention_heads' must be in [1, 16777216], is -32");
+  // Past int64: named, never wrapped to a negative number.
+  EXPECT_CONFIG_ERROR("vocab_size", nlohmann::json(uint64_t{18446744073709551615u}),
+                      "'vocab_size' is 18446744073709551615, past any size");
+  EXPECT_CONFIG_ERROR("vocab_size", 1.5, "'vocab_size' must be an integer, is 1.5");
+}
+
+TEST(ModelConfigRanges, HeadsMustDivide) {
+  // hidden_size / num_attention_heads is the head size when head_dim is not given.
+  EXPECT_CONFIG_ERROR("num_attention_heads", 24, "hidden_size 4096 is not a multiple of num_attention_heads 24");
+  EXPECT_CONFIG_ERROR("num_key_value_heads", 5, "num_attention_heads 32 is not a multiple of num_key_value_heads 5");
+  EXPECT_CONFIG_ERROR("num_key_value_heads", 64, "'num_key_value_heads' must be in [1, 32], is 64");
+  EXPECT_CONFIG_ERROR("num_key_value_heads", 0, "'num_key_value_heads' must be in [1, 32], is 0");
+  // With head_dim given, hidden_size need not be heads x head_dim (Gemma 7B: 16 x 256 over 3072).
+  EXPECT_EQ(ModelConfig::from_json(llama3_with("head_dim", 256)).head_dim, 256);
+  EXPECT_CONFIG_ERROR("head_dim", 0, "'head_dim' must be in [1, 16777216], is 0");
+  EXPECT_CONFIG_ERROR("head_dim", -128, "'head_dim' must be in [1, 16777216], is -128");
+  EXPECT_CONFIG_ERROR("head_dim", 1 << 20, "num_attention_heads x head_dim must be at most 16777216, is 32 x 1048576");
+  EXPECT_CONFIG_ERROR("partial_rotary_factor", 0.0, "'partial_rotary_factor' must be in (0, 1]");
+  EXPECT_CONFIG_ERROR("partial_rotary_factor", 1.5, "'partial_rotary_factor' must be in (0, 1]");
+}
+
+TEST(ModelConfigRanges, PositionsEpsAndRopeTheta) {
+  EXPECT_CONFIG_ERROR("max_position_embeddings", -1, "'max_position_embeddings' must be in [1, 2147483647], is -1");
+  EXPECT_CONFIG_ERROR("max_position_embeddings", 0, "'max_position_embeddings' must be in [1, 2147483647], is 0");
+  EXPECT_CONFIG_ERROR("rms_norm_eps", 0.0, "'rms_norm_eps' must be a finite number > 0, is 0");
+  EXPECT_CONFIG_ERROR("rms_norm_eps", -1e-6, "'rms_norm_eps' must be a finite number > 0, is -1e-06");
+  EXPECT_CONFIG_ERROR("rms_norm_eps", std::nan(""), "'rms_norm_eps' must be a finite number > 0, is nan");
+  EXPECT_CONFIG_ERROR("rope_theta", 0.0, "'rope_theta' must be a finite number > 0, is 0");
+  EXPECT_CONFIG_ERROR("rope_theta", -10000.0, "'rope_theta' must be a finite number > 0, is -10000");
+  EXPECT_CONFIG_ERROR("rope_theta", HUGE_VAL, "'rope_theta' must be a finite number > 0, is inf");
+  // Transformers 5's place for it.
+  nlohmann::json v5 = llama3();
+  v5.erase("rope_theta");
+  v5["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", -1.0}};
+  EXPECT_ERROR(ModelConfig::from_json(v5), "'rope_theta' must be a finite number > 0, is -1");
+}
+
+TEST(ModelConfigRanges, RopeScalingFactors) {
+  EXPECT_CONFIG_ERROR("rope_scaling.factor", 0.5, "rope_scaling: 'factor' must be a finite number >= 1, is 0.5");
+  EXPECT_CONFIG_ERROR("rope_scaling.factor", std::nan(""), "rope_scaling: 'factor' must be a finite number >= 1, is nan");
+  EXPECT_CONFIG_ERROR("rope_scaling.low_freq_factor", 0.0, "rope_scaling: 'low_freq_factor' must be a finite number > 0, is 0");
+  EXPECT_CONFIG_ERROR("rope_scaling.high_freq_factor", 0.5, "'high_freq_factor' (0.5) must exceed 'low_freq_factor' (1)");
+  EXPECT_CONFIG_ERROR("rope_scaling.original_max_position_embeddings", 0,
+                      "rope_scaling: 'original_max_position_embeddings' must be in [1, 2147483647], is 0");
+  const nlohmann::json linear = {{"rope_type", "linear"}, {"factor", -2.0}};
+  EXPECT_CONFIG_ERROR("rope_scaling", linear, "rope_scaling: 'factor' must be a finite number >= 1, is -2");
+  const nlohmann::json dynamic = {{"rope_type", "dynamic"}, {"factor", 2.0}, {"original_max_position_embeddings", -5}};
+  EXPECT_CONFIG_ERROR("rope_scaling", dynamic, "'original_max_position_embeddings' must be >= 1, is -5");
+}
+
+TEST(ModelConfigRanges, TokenIdsInsideTheVocabulary) {
+  EXPECT_CONFIG_ERROR("bos_token_id", -1, "'bos_token_id' must be in [0, 128255], is -1");
+  EXPECT_CONFIG_ERROR("eos_token_id", nlohmann::json({128001, 128256}), "'eos_token_id' must be in [0, 128255], is 128256");
+  EXPECT_CONFIG_ERROR("pad_token_id", 128256, "'pad_token_id' must be in [-128256, 128255], is 128256");
+  EXPECT_EQ(ModelConfig::from_json(llama3_with("pad_token_id", -1)).pad_token_id, -1);  // torch's padding_idx -1
+}
+
+TEST(ModelConfigRanges, SlidingWindowKeys) {
+  nlohmann::json m = llama3_with("model_type", "mistral");
+  m["sliding_window"] = 0;
+  EXPECT_ERROR(ModelConfig::from_json(m), "'sliding_window' must be >= 1, is 0");
+  m["sliding_window"] = -4096;
+  EXPECT_ERROR(ModelConfig::from_json(m), "'sliding_window' must be >= 1, is -4096");
+  nlohmann::json q = llama3_with("model_type", "qwen2");
+  q["sliding_window"] = -1;  // wrong even where use_sliding_window leaves it unused
+  EXPECT_ERROR(ModelConfig::from_json(q), "'sliding_window' must be >= 1, is -1");
+  q["sliding_window"] = 8;
+  q["max_window_layers"] = -1;
+  EXPECT_ERROR(ModelConfig::from_json(q), "'max_window_layers' must be >= 0, is -1");
+  q["max_window_layers"] = 28;
+  q["layer_types"] = {"full_attention"};
+  EXPECT_ERROR(ModelConfig::from_json(q), "'layer_types' must list one type per layer (32), lists 1");
+  q["layer_types"] = std::vector<std::string>(32, "local");
+  EXPECT_ERROR(ModelConfig::from_json(q), "'layer_types' entry 0 is 'local', must be 'full_attention' or 'sliding_attention'");
+  // As Transformers, whose mask then finds no window: a sliding layer needs use_sliding_window.
+  q["layer_types"] = std::vector<std::string>(32, "sliding_attention");
+  EXPECT_ERROR(ModelConfig::from_json(q), "layer 0 is 'sliding_attention' but the config sets no sliding window");
+}
+
+// A config built in code is checked when a model is made from it.
+TEST(ModelConfigRanges, RandomModelsValidateTheirConfig) {
+  ModelConfig c = ModelConfig::from_json(llama3());
+  c.hidden_size = 0;
+  EXPECT_ERROR(models::CausalLM::random(c, DType::f32, Device::cpu(), 1), "config: 'hidden_size' must be in [1, 16777216], is 0");
+  c = ModelConfig::from_json(llama3());
+  c.rope_theta = -1;
+  EXPECT_ERROR(models::CausalLM::random(c, DType::f32, Device::cpu(), 1), "config: 'rope_theta' must be a finite number > 0, is -1");
+}
+
+// ---- sliding-window attention per family (Transformers 5's configuration classes) -------------------
+
+std::vector<int64_t> windows(const ModelConfig& c) {
+  std::vector<int64_t> w;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) w.push_back(c.attention_window(i));
+  return w;
+}
+
+TEST(SlidingWindow, EachFamilysRules) {
+  auto config = [](const char* family, const nlohmann::json& extra) {
+    nlohmann::json j = llama3();
+    j["model_type"] = family;
+    j["num_hidden_layers"] = 4;
+    for (const auto& [k, v] : extra.items()) j[k] = v;
+    return ModelConfig::from_json(j);
+  };
+  const nlohmann::json none = nlohmann::json::object();
+  // Mistral: every layer; 4096 when the key is absent (MistralConfig's default), none when null.
+  EXPECT_EQ(windows(config("mistral", {{"sliding_window", 5}})), (std::vector<int64_t>{5, 5, 5, 5}));
+  EXPECT_EQ(windows(config("mistral", none)), (std::vector<int64_t>{4096, 4096, 4096, 4096}));
+  EXPECT_EQ(windows(config("mistral", {{"sliding_window", nullptr}})), (std::vector<int64_t>{0, 0, 0, 0}));
+  // Phi-3: every layer; none when absent.
+  EXPECT_EQ(windows(config("phi3", {{"sliding_window", 2047}})), (std::vector<int64_t>{2047, 2047, 2047, 2047}));
+  EXPECT_EQ(windows(config("phi3", none)), (std::vector<int64_t>{0, 0, 0, 0}));
+  // Qwen2 / Qwen3: only with use_sliding_window, from layer max_window_layers on, or as layer_types says.
+  for (const char* q : {"qwen2", "qwen3"}) {
+    SCOPED_TRACE(q);
+    EXPECT_EQ(windows(config(q, {{"sliding_window", 131072}, {"max_window_layers", 1}})), (std::vector<int64_t>{0, 0, 0, 0}));
+    EXPECT_EQ(windows(config(q, {{"use_sliding_window", true}, {"sliding_window", 7}, {"max_window_layers", 1}})),
+              (std::vector<int64_t>{0, 7, 7, 7}));
+    EXPECT_EQ(windows(config(q, {{"use_sliding_window", true}})), (std::vector<int64_t>{0, 0, 0, 0}));  // max_window_layers 28
+    EXPECT_EQ(windows(config(q, {{"use_sliding_window", true}, {"max_window_layers", 0}})),
+              (std::vector<int64_t>{4096, 4096, 4096, 4096}));
+    const nlohmann::json types = {"sliding_attention", "full_attention", "sliding_attention", "full_attention"};
+    const ModelConfig listed = config(q, {{"use_sliding_window", true}, {"sliding_window", 6}, {"layer_types", types}});
+    EXPECT_EQ(windows(listed), (std::vector<int64_t>{6, 0, 6, 0}));
+    EXPECT_EQ(windows(ModelConfig::from_json(listed.to_json())), windows(listed));  // written back as Transformers reads it
+  }
+  // Llama and Gemma have none, whatever the config says.
+  EXPECT_EQ(windows(config("llama", {{"sliding_window", 5}})), (std::vector<int64_t>{0, 0, 0, 0}));
+  EXPECT_EQ(windows(config("gemma", {{"sliding_window", 5}, {"head_dim", 128}})), (std::vector<int64_t>{0, 0, 0, 0}));
+  // Every family's config written back reads to the same windows.
+  for (const char* f : {"mistral", "phi3"})
+    for (const nlohmann::json& e : {nlohmann::json{{"sliding_window", 9}}, nlohmann::json{{"sliding_window", nullptr}}}) {
+      const ModelConfig c = config(f, e);
+      EXPECT_EQ(windows(ModelConfig::from_json(c.to_json())), windows(c)) << f << " " << e.dump();
+    }
+}
+
+// The fixtures' windows: what Transformers built the expected logits with (tests/fixtures/make_fixtures.py).
+TEST(SlidingWindow, FixturesLayers) {
+  auto of = [](const char* f) { return windows(ModelConfig::from_folder(fs::path(test::fixtures_dir()) / f)); };
+  EXPECT_EQ(of("mistral_swa"), (std::vector<int64_t>{3, 3}));
+  EXPECT_EQ(of("phi3_swa"), (std::vector<int64_t>{4, 4}));
+  EXPECT_EQ(of("qwen2_swa"), (std::vector<int64_t>{0, 3}));
+  EXPECT_EQ(of("qwen3_swa"), (std::vector<int64_t>{4, 0}));
+  for (const char* f : {"mistral_swa", "phi3_swa", "qwen2_swa", "qwen3_swa"}) {  // written back, read the same
+    const ModelConfig c = ModelConfig::from_folder(fs::path(test::fixtures_dir()) / f);
+    EXPECT_EQ(ModelConfig::from_json(c.to_json()).to_json(), c.to_json()) << f;
+    EXPECT_EQ(windows(ModelConfig::from_json(c.to_json())), of(f)) << f;
+  }
+  for (const char* f : {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"}) EXPECT_EQ(of(f), (std::vector<int64_t>{0, 0})) << f;
+}
+
+// ---- weights the model does not use (issue 21) ---------------------------------------------------------
+
+// A copy of a fixture folder with config.json's keys changed.
+void copy_fixture(const char* family, const fs::path& to, const nlohmann::json& changes) {
+  const fs::path src = fs::path(test::fixtures_dir()) / family;
+  fs::copy_file(src / "model.safetensors", to / "model.safetensors");
+  std::ifstream in(src / "config.json");
+  nlohmann::json j = nlohmann::json::parse(in);
+  for (const auto& [k, v] : changes.items()) j[k] = v;
+  std::ofstream(to / "config.json") << j.dump();
+}
+
+TEST(UnusedWeights, ReportedOrRefusedWhenStrict) {
+  TempDir d;
+  copy_fixture("llama", d.path, {{"num_hidden_layers", 1}});  // the file holds 2 layers
+  std::vector<std::string> warnings;
+  models::LoadOptions warn;
+  warn.warn = [&](const std::string& w) { warnings.push_back(w); };
+  const auto m = models::CausalLM::from_folder(d.path, DType::f32, Device::cpu(), warn);
+  const std::vector<std::string> layer1 = {
+      "model.layers.1.input_layernorm.weight",  "model.layers.1.mlp.down_proj.weight",
+      "model.layers.1.mlp.gate_proj.weight",    "model.layers.1.mlp.up_proj.weight",
+      "model.layers.1.post_attention_layernorm.weight", "model.layers.1.self_attn.k_proj.weight",
+      "model.layers.1.self_attn.o_proj.weight", "model.layers.1.self_attn.q_proj.weight",
+      "model.layers.1.self_attn.v_proj.weight"};
+  EXPECT_EQ(m->unused_weights(), layer1);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("9 tensors of the weight files are not used by the model (config.json: llama with 1 layers): "
+                             "'model.layers.1.input_layernorm.weight', 'model.layers.1.mlp.down_proj.weight'"),
+            std::string::npos)
+      << warnings[0];
+  EXPECT_EQ(m->forward(Tensor::from_i64(std::vector<int64_t>{1, 2, 3}, {1, 3}, DType::i64, Device::cpu())).shape(), (Shape{1, 3, 97}));
+  models::LoadOptions strict;
+  strict.strict = true;
+  EXPECT_ERROR(models::CausalLM::from_folder(d.path, DType::f32, Device::cpu(), strict),
+               "9 tensors of the weight files are not used by the model (config.json: llama with 1 layers): "
+               "'model.layers.1.input_layernorm.weight'");
+  EXPECT_ERROR(models::CausalLM::from_folder(d.path, DType::f32, Device::cpu(), strict), "or load without strict");
+}
+
+// The same through a sharded folder; a tied model's lm_head.weight as Transformers 5 takes it: tied
+// when equal to the embeddings, else used untied, with a warning.
+TEST(UnusedWeights, ShardedFoldersAndTiedHeads) {
+  const fs::path src = fs::path(test::fixtures_dir()) / "qwen2";  // tie_word_embeddings: true
+  const SafetensorsFile f = SafetensorsFile::open(src / "model.safetensors");
+  auto write = [&](const fs::path& dir, const Tensor& head) {
+    fs::copy_file(src / "config.json", dir / "config.json", fs::copy_options::overwrite_existing);
+    std::vector<std::pair<std::string, Tensor>> first, second;
+    nlohmann::json map;
+    for (const auto& [name, e] : f.entries()) {
+      const bool one = name.find("layers.1.") == std::string::npos;
+      (one ? first : second).emplace_back(name, f.view(name));
+      map[name] = one ? "a.safetensors" : "b.safetensors";
+    }
+    second.emplace_back("model.layers.5.mlp.down_proj.weight", Tensor::zeros({3}, DType::f32, Device::cpu()));
+    second.emplace_back("lm_head.weight", head);
+    map["model.layers.5.mlp.down_proj.weight"] = map["lm_head.weight"] = "b.safetensors";
+    models::save_safetensors(dir / "a.safetensors", first);
+    models::save_safetensors(dir / "b.safetensors", second);
+    std::ofstream(dir / "model.safetensors.index.json") << nlohmann::json{{"weight_map", map}}.dump();
+  };
+  std::vector<std::string> warnings;
+  models::LoadOptions opt;
+  opt.warn = [&](const std::string& w) { warnings.push_back(w); };
+  TempDir d;
+  write(d.path, f.view("model.embed_tokens.weight"));
+  const auto tied = models::CausalLM::from_folder(d.path, DType::f32, Device::cpu(), opt);
+  EXPECT_EQ(tied->unused_weights(), (std::vector<std::string>{"model.layers.5.mlp.down_proj.weight"}));
+  EXPECT_TRUE(tied->config().tie_word_embeddings);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("1 tensor of the weight files is not used by the model"), std::string::npos) << warnings[0];
+
+  Generator gen = test::test_generator();
+  write(d.path, Tensor::randn({97, 32}, DType::f32, Device::cpu(), gen));
+  warnings.clear();
+  const auto untied = models::CausalLM::from_folder(d.path, DType::f32, Device::cpu(), opt);
+  EXPECT_FALSE(untied->config().tie_word_embeddings);
+  ASSERT_EQ(warnings.size(), 2u);
+  EXPECT_NE(warnings[0].find("the head is used untied, as Transformers does"), std::string::npos) << warnings[0];
+  // The same as the config saying so.
+  TempDir d2;
+  fs::copy(d.path, d2.path, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+  nlohmann::json cfg = nlohmann::json::parse(std::ifstream(d2.path / "config.json"));
+  cfg["tie_word_embeddings"] = false;
+  std::ofstream(d2.path / "config.json") << cfg.dump();
+  const auto said = models::CausalLM::from_folder(d2.path, DType::f32, Device::cpu(), opt);
+  const Tensor ids = SafetensorsFile::open(src / "expected.safetensors").view("input_ids");
+  EXPECT_EQ(untied->forward(ids).to_f64_vector(), said->forward(ids).to_f64_vector());
+  EXPECT_FALSE(test::close_l2(untied->forward(ids), tied->forward(ids).to_f64_vector(), 1e-3));
+}
 
 }  // namespace
 }  // namespace kcpp

@@ -2,6 +2,9 @@
 // option that changes the maths, awkward shapes, every device and dtype.
 #include <cmath>
 
+#include <nlohmann/json.hpp>
+
+#include "nn/kernel_config.h"
 #include "oracle.h"
 #include "ops/nn/attention.h"
 #include "ops/nn/cross_entropy.h"
@@ -258,6 +261,43 @@ TEST_P(Nn, BadArgumentsNameOpAndArgument) {
 
 INSTANTIATE_TEST_SUITE_P(Devices, Nn, ::testing::Values(Device::cpu(), Device::cuda(0)),
                          [](const auto& info) { return info.param.is_cpu() ? std::string("cpu") : std::string("cuda"); });
+
+// ---- KernelConfig: the forms a kernel_mapping comes in ----------------------------------------------
+
+::testing::AssertionResult mapping_fails(const std::string& text, const std::string& needle) {
+  try {
+    nn::KernelConfig::parse_text(text);
+  } catch (const Error& e) {
+    if (std::string(e.what()).find(needle) != std::string::npos) return ::testing::AssertionSuccess();
+    return ::testing::AssertionFailure() << "message '" << e.what() << "' lacks '" << needle << "'";
+  }
+  return ::testing::AssertionFailure() << "accepted " << text;
+}
+
+TEST(KernelConfig, AProjectFileIsReadAsWellAsAMapping) {
+  // kcpp.json, what `kcpp lock` reads, is also what --kernels takes.
+  const auto project = nn::KernelConfig::parse_text(R"({"kernel_mapping": {"RMSNorm": "acme/norm@^1:RMSNorm"}})");
+  EXPECT_EQ(project.layers(), std::vector<std::string>{"RMSNorm"});
+  EXPECT_EQ(project.select("RMSNorm", nn::kTraining, hub::Backend::CPU)->ref->repo, "acme/norm");
+  EXPECT_EQ(nn::KernelConfig::parse_text(R"({"RMSNorm": "acme/norm"})").layers(), project.layers());
+  const auto local =
+      nn::KernelConfig::parse_text(R"({"kernel_mapping": {"SiLU": "/opt/act:SiLU"}, "use_local_kernel": true})");
+  EXPECT_TRUE(local.use_local_kernel());
+  ASSERT_EQ(local.entries().size(), 1u);
+  EXPECT_EQ(local.entries()[0].first, "SiLU");
+  EXPECT_TRUE(local.entries()[0].second.ref->is_local());
+
+  EXPECT_TRUE(mapping_fails("[]", "the mapping must be a JSON object, got array"));
+  EXPECT_TRUE(mapping_fails("3", "the mapping must be a JSON object, got number"));
+  EXPECT_TRUE(mapping_fails(R"({"kernel_mapping": []})", "the mapping must be a JSON object, got array"));
+  EXPECT_TRUE(mapping_fails(R"({"kernel_mapping": {}, "kernels": {}})", "unknown key 'kernels' beside kernel_mapping"));
+  EXPECT_TRUE(
+      mapping_fails(R"({"kernel_mapping": {}, "use_local_kernel": 1})", "use_local_kernel: expected true or false"));
+  // An unknown layer name says which forms are accepted.
+  EXPECT_TRUE(mapping_fails(R"({"kernel_mappings": {}})",
+                            "unknown layer name 'kernel_mappings' (known: RMSNorm"));
+  EXPECT_TRUE(mapping_fails(R"({"kernel_mappings": {}})", "or a project file {\"kernel_mapping\": {...}}"));
+}
 
 }  // namespace
 }  // namespace kcpp

@@ -20,7 +20,7 @@ uint64_t run_seed();
 // A generator unique to the current test, derived from the run seed.
 Generator test_generator();
 
-// Skips the current test with the message DESIGN.md asks for when no GPU is present.
+// Skips the current test with the message docs/DESIGN.md names when no GPU is present.
 #define KCPP_REQUIRE_DEVICE(dev)                                                       \
   do {                                                                                 \
     if ((dev).is_cuda() && ::kcpp::cuda_device_count() == 0) GTEST_SKIP() << "skipped: no CUDA device"; \

@@ -1,4 +1,4 @@
-// Tolerances, per dtype, as code (DESIGN.md "Numerics").  Two kinds:
+// Tolerances, per dtype, as code (docs/DESIGN.md "Numerics and testing").  Two kinds:
 //
 //  - primitive_rtol: an op that computes in f32 (f64 for f64) and rounds once to its dtype is off by
 //    at most half an ulp of the dtype plus the f32 function error; we allow two units of roundoff
@@ -44,7 +44,7 @@ inline double composite_rel_l2(DType t) {
   }
 }
 
-// DESIGN.md's bound for a kernel: its error against the f64 oracle is at most twice the error of the
+// docs/DESIGN.md's bound for a kernel: its error against the f64 oracle is at most twice the error of the
 // reference (eager) implementation run in the same precision.  Where the reference is nearly exact
 // (f32 rows of a few elements), rounding noise decides: kernels compute in f32 whatever the storage
 // dtype, so the floor is one rounding to the dtype plus a few f32 roundings (4 units of f32).

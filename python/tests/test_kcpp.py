@@ -4,8 +4,8 @@ ABI on NumPy arrays (CPU) and PyTorch tensors (CUDA, where a GPU and torch exist
 Run: KCPP_PACKAGES_DIR=build/release/kernels KCPP_HUB_FIXTURES=build/release/tests/hub \
      python3 -m unittest discover -s python/tests
 (CTest runs it as `python.bridge`.)  Results are checked against float64 references with the
-project's rule (DESIGN.md "Numerics"): at most twice the error of the same maths run in the kernel's
-precision, here NumPy's float32 composition.
+project's rule (docs/DESIGN.md "Numerics and testing"): at most twice the error of the same maths run
+in the kernel's precision, here NumPy's float32 composition.
 """
 import glob
 import os

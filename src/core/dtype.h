@@ -1,4 +1,4 @@
-// Element types.  The numbering is ours; DLPack codes are mapped in core/dlpack.cpp.
+// Element types.  The numbering is ours; DLPack codes are mapped in core/tensor.cpp.
 #pragma once
 
 #include <cstddef>
@@ -81,7 +81,7 @@ template <typename T> inline T from_f32(float v) { return static_cast<T>(v); }
 template <> inline bf16 from_f32(float v) { return f32_to_bf16(v); }
 template <> inline f16 from_f32(float v) { return f32_to_f16(v); }
 
-// Calls f(std::type_identity<T>{}) with T the stored type of `t` (one switch per axis, as STYLE.md asks).
+// Calls f(std::type_identity<T>{}) with T the stored type of `t` (one switch per axis).
 template <typename F> decltype(auto) visit_dtype(DType t, F&& f) {
   switch (t) {
     case DType::f64: return f(std::type_identity<double>{});

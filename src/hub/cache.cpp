@@ -5,6 +5,7 @@
 #include <random>
 
 #include "core/error.h"
+#include "hub/crypto.h"
 #include "hub/fs.h"
 
 namespace kcpp::hub {
@@ -72,6 +73,26 @@ fs::path Cache::lock_path(const std::string& repo, const std::string& key) const
 fs::path Cache::temp_path(const std::string& repo, const std::string& key) const {
   std::random_device rd;
   return repo_dir(repo) / "blobs" / (key + ".incomplete." + std::to_string(::getpid()) + "." + std::to_string(rd()));
+}
+
+size_t Cache::remove_stale_partials(const std::string& repo) const {
+  static constexpr std::string_view kMark = ".incomplete.";
+  size_t removed = 0;
+  std::error_code ec;
+  for (auto it = fs::directory_iterator(repo_dir(repo) / "blobs", ec); !ec && it != fs::directory_iterator();
+       it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const size_t at = name.find(kMark);
+    if (at == std::string::npos) continue;
+    const std::string key = name.substr(0, at);
+    if (!is_sha256_hex(key)) continue;  // not a name temp_path() makes
+    // Held: a live download owns it (or a file of the same key is being fetched); it is left alone.
+    const auto lock = FileLock::try_lock(lock_path(repo, key));
+    if (!lock) continue;
+    std::error_code rm;
+    if (fs::remove(it->path(), rm)) ++removed;
+  }
+  return removed;
 }
 
 fs::path Cache::commit_file(const std::string& repo, const std::string& commit, const std::string& path,

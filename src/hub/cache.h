@@ -8,9 +8,13 @@
 //
 // ROOT is KCPP_CACHE, else HF_HUB_CACHE, else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub,
 // else ~/.cache/huggingface/hub.  A file enters the cache only complete and with the expected hash:
-// it is downloaded to a temporary file in blobs/, checked, renamed to its hash, then linked (the
-// link is made under a temporary name and renamed into place).  Concurrent processes serialize on
-// the file's lock and the second finds the file there.
+// it is downloaded to a temporary file in blobs/ (KEY.incomplete.PID.RANDOM, KEY the expected sha256),
+// checked, renamed to its hash, then linked (the link is made under a temporary name and renamed into
+// place).  Concurrent processes serialize on the file's lock and the second finds the file there.
+// A download killed outright (kill -9, power loss) leaves its temporary file behind; such files are
+// removed, not resumed: before downloading, remove_stale_partials() deletes every partial file of the
+// repo whose key's lock is free (a live download holds its lock from before it creates its partial
+// file until after it renamed or removed it, so only a dead process's leftovers go).
 #pragma once
 
 #include <filesystem>
@@ -41,6 +45,8 @@ class Cache {
                                     const std::string& sha256, const std::filesystem::path& tmp) const;
   std::filesystem::path lock_path(const std::string& repo, const std::string& key) const;
   std::filesystem::path temp_path(const std::string& repo, const std::string& key) const;
+  // Deletes the repo's partial downloads that no live download owns (see above); returns how many.
+  size_t remove_stale_partials(const std::string& repo) const;
 
  private:
   std::filesystem::path root_;

@@ -98,6 +98,20 @@ FileLock::FileLock(const std::filesystem::path& path, std::chrono::milliseconds 
   }
 }
 
+std::unique_ptr<FileLock> FileLock::try_lock(const std::filesystem::path& path) {
+  std::error_code ec;
+  if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path(), ec);
+  std::unique_ptr<FileLock> lock(new FileLock());
+  lock->fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock->fd_ < 0) KCPP_FAIL("cannot open lock file {}: {}", path.string(), std::strerror(errno));
+  while (::flock(lock->fd_, LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EINTR) continue;
+    if (errno == EWOULDBLOCK) return nullptr;  // the destructor closes the file
+    KCPP_FAIL("cannot lock {}: {}", path.string(), std::strerror(errno));
+  }
+  return lock;
+}
+
 FileLock::~FileLock() {
   if (fd_ >= 0) {
     ::flock(fd_, LOCK_UN);

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <string_view>
 
@@ -28,11 +29,14 @@ class FileLock {
  public:
   explicit FileLock(const std::filesystem::path& path,
                     std::chrono::milliseconds timeout = std::chrono::minutes(10));
+  // The lock if it is free now, else nullptr (someone holds it; never waits).
+  static std::unique_ptr<FileLock> try_lock(const std::filesystem::path& path);
   ~FileLock();
   FileLock(const FileLock&) = delete;
   FileLock& operator=(const FileLock&) = delete;
 
  private:
+  FileLock() = default;
   int fd_ = -1;
 };
 

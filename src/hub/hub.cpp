@@ -12,12 +12,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-bool is_commit_id(const std::string& s) {
-  return s.size() == 40 && std::all_of(s.begin(), s.end(), [](char c) {
-           return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
-         });
-}
-
 std::string list_names(const std::vector<RepoRef>& refs, bool tags) {
   std::string s;
   for (const RepoRef& r : refs)
@@ -175,9 +169,14 @@ Resolved Hub::resolve(const Reference& ref) const {
       if (x.name == ref.revision) r.revision = x.name, r.commit = x.commit;
     if (r.commit.empty() && is_commit_id(ref.revision)) r.revision = r.commit = ref.revision;
     if (r.commit.empty())
-      KCPP_FAIL("{}: {} has no tag or branch '{}'{} (branches: {}; tags: {})", ref.text, ref.repo, ref.revision,
+      KCPP_FAIL("{}: {} has no tag or branch '{}'{} (branches: {}; tags: {}){}", ref.text, ref.repo, ref.revision,
                 cfg_.offline ? " in the offline cache (HF_HUB_OFFLINE is set)" : "", list_names(all, false),
-                list_names(all, true));
+                list_names(all, true),
+                ref.text.find('@') == std::string::npos
+                    ? fmt::format("; a reference without '@' means the branch main: name a tag or a version, as in "
+                                  "{}@>=1.0{}",
+                                  ref.repo, ref.layer.empty() ? "" : ":" + ref.layer)
+                    : "");
   }
   if (!cfg_.offline && r.revision != r.commit) cache_.set_ref(ref.repo, r.revision, r.commit);
   return r;
@@ -209,6 +208,7 @@ fs::path Hub::fetch_file(const std::string& repo, const std::string& commit, con
     KCPP_FAIL("{}@{}: {} is not in the cache {} and HF_HUB_OFFLINE is set", repo, commit.substr(0, 12), path,
               cache_.root().string());
   const std::string key = sha256.empty() ? sha256_hex(repo + "@" + commit + ":" + path) : sha256;
+  cache_.remove_stale_partials(repo);  // left by downloads that were killed
   FileLock lock(cache_.lock_path(repo, key));
   if (auto p = cache_.file(repo, commit, path)) return *p;  // another process finished it meanwhile
   const fs::path tmp = cache_.temp_path(repo, key);
@@ -250,6 +250,16 @@ PackageInfo Hub::inspect(const Reference& ref) const {
   }
   if (info.manifest_sha256.empty()) info.manifest_sha256 = sha256_hex(text);
   info.manifest = Manifest::parse(text, info.origin());
+  // A version tag is a claim about what it holds: the tag and the manifest name the same version, or
+  // a constraint could pick a package for a version it is not.
+  if (!ref.is_local() && info.resolved.revision != info.resolved.commit)
+    if (const auto tagged = Version::try_parse(info.resolved.revision)) {
+      const Version said = Version::parse(info.manifest.version);
+      if (!(*tagged == said))
+        KCPP_FAIL("{}: the tag {} says version {} but its manifest.json says {} {}; refusing to load it (the "
+                  "publisher must tag each release with the version it holds)",
+                  info.origin(), info.resolved.revision, tagged->str(), info.manifest.name, info.manifest.version);
+    }
   if (info.manifest.abi_version != KCPP_ABI_VERSION)
     KCPP_FAIL("{}: built for kernel ABI {}, this host speaks ABI {}", info.origin(), info.manifest.abi_version,
               KCPP_ABI_VERSION);
@@ -314,6 +324,22 @@ std::string Hub::verify(const PackageInfo& info) const {
   return library;
 }
 
+void check_layer(const PackageInfo& info, const ManifestVariant* variant) {
+  const std::string& want = info.ref.layer;
+  if (want.empty()) return;
+  std::vector<std::string> names;
+  for (const ManifestVariant& v : info.manifest.variants) {
+    if (variant && &v != variant) continue;
+    for (const ManifestLayer& l : v.layers) {
+      if (l.name == want) return;
+      if (std::find(names.begin(), names.end(), l.name) == names.end()) names.push_back(l.name);
+    }
+  }
+  KCPP_FAIL("{}: no layer '{}' in {} {} ({} has: {})", info.ref.text, want, info.manifest.name, info.manifest.version,
+            variant ? "variant " + variant->name : "the package",
+            names.empty() ? "no layers" : fmt::format("{}", fmt::join(names, ", ")));
+}
+
 LoadedKernel Hub::load(const Reference& ref) {
   if (!cfg_.enabled)
     throw HubDisabled(fmt::format("hub kernels are disabled (USE_HUB_KERNELS={}); {} not loaded",
@@ -323,13 +349,7 @@ LoadedKernel Hub::load(const Reference& ref) {
   const PackageInfo& info = out.info;
   if (info.variant.chosen.empty()) KCPP_FAIL("{}", info.variant.explain(info.origin(), cfg_.machine));
   const ManifestVariant* v = info.manifest.variant(info.variant.chosen);
-  if (!ref.layer.empty() &&
-      std::none_of(v->layers.begin(), v->layers.end(), [&](const ManifestLayer& l) { return l.name == ref.layer; })) {
-    std::string names;
-    for (const ManifestLayer& l : v->layers) names += (names.empty() ? "" : ", ") + l.name;
-    KCPP_FAIL("{}: no layer '{}' in {} {} (variant {} has: {})", ref.text, ref.layer, info.manifest.name,
-              info.manifest.version, v->name, names.empty() ? "no layers" : names);
-  }
+  check_layer(info, v);
   fetch(info);
   const std::string library = verify(info);
   const std::string key = info.folder.string() + "|" + v->name + "|" + info.manifest_sha256;

@@ -3,7 +3,8 @@
 //   resolve   the revision: a locked commit, else the best tag for a constraint, else the named
 //             tag / branch / commit (online: from the hub's refs; offline: from the cache's refs)
 //   inspect   + manifest.json (downloaded once into the cache), its lock pin, its trust verdict
-//             and the variant chosen for this machine — no library is downloaded
+//             and the variant chosen for this machine — no library is downloaded; a version tag
+//             ("v1.2.0") whose manifest says another version is refused
 //   fetch     + the chosen variant's files, each checked against the manifest's sha256 before it
 //             enters the cache (lazily: only when a layer first needs them)
 //   load      + the policy: the manifest is trusted, or allow_all_kernels and it is unsigned or from
@@ -79,6 +80,10 @@ struct LoadedKernel {
   const kcpp_layer* layer = nullptr;  // the reference's :Layer, or nullptr when none was named
   PackageInfo info;
 };
+
+// Throws "REF: no layer 'L' in NAME VERSION (variant V has: A, B)" when the reference names a layer
+// (":L") that `variant` does not list; with no variant, that no variant of the package lists.
+void check_layer(const PackageInfo& info, const ManifestVariant* variant = nullptr);
 
 class Hub {
  public:

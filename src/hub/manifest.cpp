@@ -177,17 +177,78 @@ std::vector<std::string> device_names(uint32_t devices) {
   return out;
 }
 
+namespace {
+
+struct LibraryDescription {
+  std::string name, version;
+  nlohmann::json layers, ops;  // as manifest.json lists them
+};
+
+// Loads the library (dlopen + the ABI table) and describes it.  A library that does not load
+// (truncated, not a package, or needing what this machine lacks) is an error: a package is indexed
+// and signed where each of its libraries loads, never described from an earlier manifest.
+LibraryDescription describe_library(const std::filesystem::path& lib, const std::string& variant) {
+  std::shared_ptr<LoadedPackage> pkg;
+  try {
+    pkg = LoadedPackage::open_file(lib);
+  } catch (const Error& e) {
+    KCPP_FAIL("variant {}: {} (index and sign a package where each of its libraries loads)", variant, e.what());
+  }
+  const kcpp_package& t = pkg->table();
+  LibraryDescription d{t.name, t.version, nlohmann::json::array(), nlohmann::json::array()};
+  for (int32_t i = 0; i < t.num_layers; ++i) {
+    const kcpp_layer& l = t.layers[i];
+    d.layers.push_back({{"name", l.name},
+                        {"contract", l.contract},
+                        {"doc", l.doc ? l.doc : ""},
+                        {"modes", mode_names(l.modes)},
+                        {"devices", device_names(l.devices)},
+                        {"backward", l.backward != nullptr}});
+  }
+  for (int32_t i = 0; i < t.num_ops; ++i)
+    d.ops.push_back({{"name", t.ops[i].name}, {"doc", t.ops[i].doc ? t.ops[i].doc : ""},
+                     {"devices", device_names(t.ops[i].devices)}});
+  return d;
+}
+
+}  // namespace
+
+void check_package_files(const Manifest& m, const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  const std::string again = fmt::format("; run `kcpp package index {}` again", dir.string());
+  for (const ManifestVariant& v : m.variants) {
+    for (const ManifestFile& f : v.files) {
+      const fs::path p = dir / f.path;
+      std::error_code ec;
+      if (!fs::is_regular_file(p, ec) || fs::is_symlink(p, ec))
+        KCPP_FAIL("{}: listed in manifest.json but missing or not a regular file{}", p.string(), again);
+      uint64_t size = 0;
+      const std::string got = sha256_file(p, &size);
+      if (got != f.sha256 || size != f.size)
+        KCPP_FAIL("{}: sha256 {} ({} bytes), but manifest.json says {} ({} bytes){}", p.string(), got, size, f.sha256,
+                  f.size, again);
+    }
+    const LibraryDescription d = describe_library(dir / v.library, v.name);
+    if (d.name != m.name || d.version != m.version)
+      KCPP_FAIL("{}: the library is {} {} but manifest.json says {} {}{}", (dir / v.library).string(), d.name,
+                d.version, m.name, m.version, again);
+    const nlohmann::json& vj = m.json.at("variants").at(v.name);
+    if (vj.value("layers", nlohmann::json::array()) != d.layers || vj.value("ops", nlohmann::json::array()) != d.ops)
+      KCPP_FAIL("{}: the layers and ops of variant {} differ from what its library declares{}", dir.string(), v.name,
+                again);
+  }
+}
+
 Manifest index_package(const std::filesystem::path& dir, std::string description) {
   namespace fs = std::filesystem;
   const fs::path build = dir / "build";
   if (!fs::is_directory(build)) KCPP_FAIL("{}: no build/ folder to index", dir.string());
-  std::optional<nlohmann::json> previous;
-  if (fs::exists(dir / "manifest.json")) {
+  // Only the description carries over from an earlier manifest; everything else is read afresh.
+  if (description.empty() && fs::exists(dir / "manifest.json")) {
     auto pj = nlohmann::json::parse(read_file(dir / "manifest.json"), nullptr, false);
-    if (!pj.is_discarded() && pj.is_object()) previous = pj;
+    if (!pj.is_discarded() && pj.is_object() && pj.contains("description") && pj["description"].is_string())
+      description = pj["description"];
   }
-  if (description.empty() && previous && previous->contains("description") && (*previous)["description"].is_string())
-    description = (*previous)["description"];
 
   nlohmann::json j = {{"kcpp_manifest", 1}, {"abi_version", KCPP_ABI_VERSION}, {"variants", nlohmann::json::object()}};
   std::string name, version;
@@ -223,38 +284,14 @@ Manifest index_package(const std::filesystem::path& dir, std::string description
       if (info.is_discarded() || !info.is_object()) KCPP_FAIL("{}: not a JSON object", (vdir / "variant.json").string());
       if (info.contains("cuda_archs")) vj["cuda_archs"] = info["cuda_archs"];
     }
-    // Layers and ops from the library itself.
-    try {
-      auto pkg = LoadedPackage::open_file(libs[0]);
-      const kcpp_package& t = pkg->table();
-      if (name.empty()) name = t.name, version = t.version;
-      if (name != t.name || version != t.version)
-        KCPP_FAIL("{}: the library says {} {}, another variant says {} {}", libs[0].string(), t.name, t.version, name,
-                  version);
-      nlohmann::json layers = nlohmann::json::array(), ops = nlohmann::json::array();
-      for (int32_t i = 0; i < t.num_layers; ++i) {
-        const kcpp_layer& l = t.layers[i];
-        layers.push_back({{"name", l.name},
-                          {"contract", l.contract},
-                          {"doc", l.doc ? l.doc : ""},
-                          {"modes", mode_names(l.modes)},
-                          {"devices", device_names(l.devices)},
-                          {"backward", l.backward != nullptr}});
-      }
-      for (int32_t i = 0; i < t.num_ops; ++i)
-        ops.push_back({{"name", t.ops[i].name}, {"doc", t.ops[i].doc ? t.ops[i].doc : ""},
-                       {"devices", device_names(t.ops[i].devices)}});
-      vj["layers"] = layers;
-      vj["ops"] = ops;
-    } catch (const Error& e) {
-      // A variant this machine cannot load keeps what an earlier index recorded.
-      if (!previous || !(*previous)["variants"].contains(vname))
-        KCPP_FAIL("cannot read the layers of {}: {} (index it on a machine that can load it)", vname, e.what());
-      const auto& pv = (*previous)["variants"][vname];
-      vj["layers"] = pv.value("layers", nlohmann::json::array());
-      vj["ops"] = pv.value("ops", nlohmann::json::array());
-      if (name.empty()) name = previous->value("name", ""), version = previous->value("version", "");
-    }
+    // Layers and ops from the library itself, read afresh on every index.
+    const LibraryDescription d = describe_library(libs[0], vname);
+    if (name.empty()) name = d.name, version = d.version;
+    if (name != d.name || version != d.version)
+      KCPP_FAIL("{}: the library says {} {}, another variant says {} {}", libs[0].string(), d.name, d.version, name,
+                version);
+    vj["layers"] = d.layers;
+    vj["ops"] = d.ops;
     j["variants"][vname] = vj;
   }
   j["name"] = name;

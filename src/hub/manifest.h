@@ -85,9 +85,15 @@ struct Manifest {
 
 // Writes DIR/manifest.json (unsigned) from DIR/build/<variant>/ folders: every file's sha256 and
 // size; the library (the one lib*.so of the folder); CUDA architectures from the folder's
-// variant.json ({"cuda_archs": [...]}) if any; layers and ops read from the library itself (it is
-// loaded, so index on a machine that can load it).  `name`/`version` must match the libraries.
+// variant.json ({"cuda_archs": [...]}) if any; layers and ops read afresh from each library (loaded:
+// dlopen and the ABI table), so a library that does not load on this machine is an error.  Only the
+// description carries over from an earlier manifest.json.
 Manifest index_package(const std::filesystem::path& dir, std::string description = "");
+
+// What `kcpp package sign` checks before signing: every file the manifest lists is in DIR with that
+// sha256 and size, and each variant's library loads and declares the manifest's name, version,
+// layers and ops.  Throws naming the first difference.
+void check_package_files(const Manifest& m, const std::filesystem::path& dir);
 
 // The JSON name of each KCPP_MODE_* bit / device, and back.
 std::vector<std::string> mode_names(uint32_t modes);

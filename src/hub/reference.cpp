@@ -104,7 +104,8 @@ Reference Reference::parse(std::string_view text) {
     try {
       r.constraint = Constraint::parse(rev);
     } catch (const Error& err) {
-      bad(err.what());
+      const bool hex = rev.size() >= 7 && rev.find_first_not_of("0123456789abcdef") == std::string_view::npos;
+      bad(hex ? fmt::format("{} (a commit must be given in full: 40 hex digits)", err.what()) : err.what());
     }
   } else {
     if (auto p = revision_problem(rev); !p.empty()) bad(p);

@@ -3,9 +3,12 @@
 //   org/repo[@REV|@CONSTRAINT][:Layer]     a package repo on the hub
 //   /abs/path[:Layer]                      a local package folder (manifest.json + build/)
 //
-// REV is a tag or branch ("@v2.1.0", "@main"; default "main"); CONSTRAINT a version range over the
-// repo's vX.Y.Z tags ("@>=2.0,<3.0", "@^1.2", "@~1.4", "@1.2.3"; see semver.h).  Text after '@' that
-// starts with an operator or a digit is a constraint, anything else a revision.  Repo names follow
+// REV is a tag, branch or full commit id ("@v2.1.0", "@main", "@0a1b...(40 hex)"; default "main");
+// CONSTRAINT a version range over the repo's vX.Y.Z tags ("@>=2.0,<3.0", "@^1.2", "@~1.4", "@1.2.3";
+// see semver.h).  A full commit id (40 lower-case hex digits, as huggingface_hub recognises one) is
+// a revision whatever its first character; other text after '@' that starts with an operator or a
+// digit is a constraint, anything else a tag or branch name.  (Hugging Face's `kernels` takes the
+// revision and the version in separate arguments; one string here needs this rule.)  Repo names follow
 // the Hugging Face rules: letters, digits, '-', '_', '.', no leading or trailing '-' or '.', no "--"
 // or "..", at most 96 characters per part.  Layer names are C identifiers.
 //

@@ -133,8 +133,13 @@ std::strong_ordering operator<=>(const Version& a, const Version& b) {
   return a.prerelease.size() <=> b.prerelease.size();
 }
 
+bool is_commit_id(std::string_view t) {
+  return t.size() == 40 &&
+         std::all_of(t.begin(), t.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
+
 bool looks_like_constraint(std::string_view t) {
-  if (t.empty()) return false;
+  if (t.empty() || is_commit_id(t)) return false;
   const char c = t[0];
   return c == '>' || c == '<' || c == '=' || c == '!' || c == '^' || c == '~' || c == '*' || (c >= '0' && c <= '9');
 }
@@ -154,6 +159,11 @@ void Constraint::parse_comparator(std::string_view tok, std::string_view whole, 
   if (!p) bad(why);
   const Version& v = p->v;
   const int f = p->fields;
+  // A lone wildcard means "any version" only on its own ("*", "x"); after an operator it is not a
+  // version to compare with (">=x" would otherwise quietly match everything).
+  if (f == 0 && !op.empty())
+    bad(fmt::format("'{}' is not a version (after '{}' give at least MAJOR, as in '{}1' or '{}1.2')", rest, op, op,
+                    op));
   auto bump = [&](int field) {  // the first version past the wildcard at `field` (0 major, 1 minor, 2 patch)
     Version u;
     u.major = v.major, u.minor = v.minor, u.patch = v.patch;
@@ -166,30 +176,26 @@ void Constraint::parse_comparator(std::string_view tok, std::string_view whole, 
   low.major = v.major, low.minor = v.minor, low.patch = v.patch, low.prerelease = v.prerelease;
 
   if (op.empty() || op == "=" || op == "==") {
-    if (f == 0) out.push_back({Op::Ge, Version{}});
+    if (f == 0) out.push_back({Op::Ge, Version{}});  // "*"
     else if (f == 3) out.push_back({Op::Eq, low});
     else out.push_back({Op::Ge, low}), out.push_back({Op::Lt, bump(f - 1)});
   } else if (op == "!=") {
     if (f != 3) bad("'!=' needs a full version");
     out.push_back({Op::Ne, low});
   } else if (op == ">") {
-    if (f == 0) bad("'>' needs a version");
     out.push_back(f == 3 ? Comparator{Op::Gt, low} : Comparator{Op::Ge, bump(f - 1)});
   } else if (op == ">=") {
     out.push_back({Op::Ge, low});
   } else if (op == "<") {
     out.push_back({Op::Lt, low});
   } else if (op == "<=") {
-    if (f == 0) bad("'<=' needs a version");
     out.push_back(f == 3 ? Comparator{Op::Le, low} : Comparator{Op::Lt, bump(f - 1)});
   } else if (op == "^") {
-    if (f == 0) bad("'^' needs a version");
     out.push_back({Op::Ge, low});
     if (v.major > 0 || f == 1) out.push_back({Op::Lt, bump(0)});
     else if (v.minor > 0 || f == 2) out.push_back({Op::Lt, bump(1)});
     else out.push_back({Op::Lt, bump(2)});
   } else if (op == "~") {
-    if (f == 0) bad("'~' needs a version");
     out.push_back({Op::Ge, low});
     out.push_back({Op::Lt, bump(f == 1 ? 0 : 1)});
   } else if (op == "~=") {

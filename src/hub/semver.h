@@ -10,7 +10,8 @@
 //   set        := comparator ( ("," | " ") comparator )*   all comparators match
 //   comparator := OP? partial | "^" partial | "~" partial | "~=" partial | "*"
 //   OP         := "=" | "==" | "!=" | ">" | ">=" | "<" | "<="
-//   partial    := X[.Y[.Z]][-pre] with "x" / "*" allowed for missing fields
+//   partial    := X[.Y[.Z]][-pre] with "x" / "*" allowed for missing fields; after an operator it
+//                 needs at least X (">=x" is an error naming 'x', not "any version")
 // Meaning (npm / Cargo conventions):
 //   "1.2.3" or "=1.2.3"  exactly 1.2.3;  "1.2" = 1.2.x = >=1.2.0,<1.3.0;  "1" = >=1.0.0,<2.0.0
 //   ">=2.0"  >=2.0.0;   "<3"  <3.0.0;   "<=1.4"  <1.5.0 (all of 1.4.x);   ">1.4"  >=1.5.0
@@ -70,8 +71,12 @@ class Constraint {
   static bool holds(const Comparator& c, const Version& v);
 };
 
-// True when the text looks like a constraint rather than a tag or branch name: it starts with an
-// operator or a digit, or is "*" (so "v1.2.0" and "main" are revisions, ">=1.2", "^1", "1.2" are not).
+// True when the text looks like a constraint rather than a tag, branch or commit: it starts with an
+// operator or a digit, or is "*" (so "v1.2.0" and "main" are revisions, ">=1.2", "^1", "1.2" are
+// not), and it is not a full commit id (is_commit_id: those are revisions, always).
 bool looks_like_constraint(std::string_view text);
+
+// A full commit id: 40 lower-case hex digits (huggingface_hub's REGEX_COMMIT_HASH, `^[0-9a-f]{40}$`).
+bool is_commit_id(std::string_view text);
 
 }  // namespace kcpp::hub

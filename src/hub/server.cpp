@@ -1,8 +1,13 @@
 #include "hub/server.h"
 
 #include <httplib.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -13,6 +18,41 @@
 
 namespace kcpp::hub {
 
+namespace {
+
+// Why binding host:port fails, found by trying it with the server's own socket options (cpp-httplib
+// reports only that it failed); "" when it now succeeds.
+std::string bind_problem(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  if (const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found); rc != 0)
+    return fmt::format("cannot resolve '{}': {}", host, ::gai_strerror(rc));
+  int err = 0;
+  for (addrinfo* ai = found; ai; ai = ai->ai_next) {
+    const int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+    if (fd < 0) {
+      err = errno;
+      continue;
+    }
+    const int yes = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    const bool bound = ::bind(fd, ai->ai_addr, ai->ai_addrlen) == 0;
+    err = bound ? 0 : errno;
+    ::close(fd);
+    if (bound) break;
+  }
+  ::freeaddrinfo(found);
+  if (err == EADDRINUSE)
+    return "address in use (another server listens there: stop it, or choose another --port; --port 0 takes a "
+           "free one)";
+  return err ? std::strerror(err) : "";
+}
+
+}  // namespace
+
 struct Server::Impl {
   RepoDir dir;
   FaultHook faults;
@@ -21,7 +61,24 @@ struct Server::Impl {
   std::string host;
   int port = 0;
 
-  Impl(std::filesystem::path root, FaultHook f) : dir(std::move(root)), faults(std::move(f)) {}
+  Impl(std::filesystem::path root, FaultHook f) : dir(std::move(root)), faults(std::move(f)) {
+    // SO_REUSEADDR only: a restarted server may take the port back from connections in TIME_WAIT, but
+    // a second server on a port in use fails to bind.  (cpp-httplib's default also sets SO_REUSEPORT,
+    // with which the kernel lets both listen and splits the connections between them.)
+    http.set_socket_options([](socket_t sock) {
+      const int yes = 1;
+      ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    });
+  }
+
+  // Binds (port 0: any free port) and records the port; throws saying why it cannot.
+  void bind(const std::string& h, int p) {
+    host = h;
+    port = p == 0 ? http.bind_to_any_port(h) : (http.bind_to_port(h, p) ? p : -1);
+    if (port > 0) return;
+    const std::string why = bind_problem(h, p);
+    KCPP_FAIL("kcpp serve: cannot listen on {}:{}{}", h, p, why.empty() ? "" : ": " + why);
+  }
 
   static void error(httplib::Response& res, int status, const std::string& msg) {
     res.status = status;
@@ -153,22 +210,14 @@ Server::Server(std::filesystem::path root, FaultHook faults, bool log)
 Server::~Server() { stop(); }
 
 int Server::start(const std::string& host, int port) {
-  impl_->host = host;
-  if (port == 0) {
-    impl_->port = impl_->http.bind_to_any_port(host);
-  } else {
-    impl_->port = impl_->http.bind_to_port(host, port) ? port : -1;
-  }
-  if (impl_->port <= 0) KCPP_FAIL("kcpp serve: cannot listen on {}:{}", host, port);
+  impl_->bind(host, port);
   impl_->thread = std::thread([this] { impl_->http.listen_after_bind(); });
   for (int i = 0; i < 500 && !impl_->http.is_running(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(2));
   return impl_->port;
 }
 
 void Server::run(const std::string& host, int port, const std::function<void(int)>& on_ready) {
-  impl_->host = host;
-  impl_->port = port == 0 ? impl_->http.bind_to_any_port(host) : (impl_->http.bind_to_port(host, port) ? port : -1);
-  if (impl_->port <= 0) KCPP_FAIL("kcpp serve: cannot listen on {}:{}", host, port);
+  impl_->bind(host, port);
   if (on_ready) on_ready(impl_->port);
   impl_->http.listen_after_bind();
 }

@@ -30,20 +30,68 @@ ops::GluActivation glu_activation(const std::string& act) {
   return ops::GluActivation::GeluTanh;  // gelu_pytorch_tanh, gelu_new, gelu_fast (config.cpp admits no other)
 }
 
+// "'a', 'b', 'c'", at most `most` of them, then how many more.
+std::string name_list(const std::vector<std::string>& names, size_t most = 12) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < most; ++i) out += fmt::format("{}'{}'", i ? ", " : "", names[i]);
+  if (names.size() > most) out += fmt::format(" and {} more", names.size() - most);
+  return out;
+}
+
 }  // namespace
 
-std::unique_ptr<CausalLM> CausalLM::from_folder(const std::filesystem::path& folder, DType dtype, Device device) {
+std::unique_ptr<CausalLM> CausalLM::from_folder(const std::filesystem::path& folder, DType dtype, Device device,
+                                                const LoadOptions& options) {
   std::unique_ptr<CausalLM> m(new CausalLM());
   m->cfg_ = ModelConfig::from_folder(folder);
   m->dtype_ = dtype;
   m->device_ = device;
   const WeightStore w = WeightStore::open_folder(folder);
-  m->build([&](const std::string& name, std::vector<int64_t> shape) { return w.load(name, dtype, device, &shape); });
+  // Transformers 5 ties the head to the embeddings only when the files hold no lm_head.weight or an
+  // equal one; a different one is used as an untied head.
+  std::string untied;
+  bool equal_head = false;
+  if (m->cfg_.tie_word_embeddings && w.contains("lm_head.weight") && w.contains("model.embed_tokens.weight")) {
+    equal_head = w.same("lm_head.weight", "model.embed_tokens.weight");
+    if (!equal_head) {
+      m->cfg_.tie_word_embeddings = false;
+      untied = fmt::format("{}: config.json ties the embeddings to lm_head.weight, but the files hold both with different "
+                           "values: the head is used untied, as Transformers does (set tie_word_embeddings to false to say so)",
+                           folder.string());
+    }
+  }
+  // Every missing weight is collected (a zero placeholder of no storage stands in) and named at once.
+  std::vector<std::string> missing;
+  m->build([&](const std::string& name, std::vector<int64_t> shape) {
+    if (w.contains(name)) return w.load(name, dtype, device, &shape);
+    missing.push_back(name);
+    return Tensor::zeros(Shape(shape.size(), 1), dtype, device).expand(shape);
+  });
+  const std::string f = folder.string(), mt = m->cfg_.model_type;
+  const int64_t layers = m->cfg_.num_hidden_layers;
+  KCPP_CHECK(missing.empty(), "{}: missing weight{} {} (config.json: {} with {} layers; are model_type and the sizes right?)", f,
+             missing.size() > 1 ? "s" : "", name_list(missing), mt, layers);
+  auto warn = [&](const std::string& what) {
+    if (options.warn) options.warn(what);
+    else fmt::print(stderr, "warning: {}\n", what);
+  };
+  if (!untied.empty()) warn(untied);
+  m->unused_weights_ = w.unused();
+  if (equal_head) std::erase(m->unused_weights_, "lm_head.weight");  // the embeddings' copy: tied, as Transformers does
+  if (!m->unused_weights_.empty()) {
+    const auto& u = m->unused_weights_;
+    const std::string what = fmt::format("{}: {} tensor{} of the weight files {} not used by the model (config.json: {} with {} layers): {}",
+                                          f, u.size(), u.size() > 1 ? "s" : "", u.size() > 1 ? "are" : "is", mt, layers, name_list(u));
+    KCPP_CHECK(!options.strict, "{}; check num_hidden_layers and the other keys of config.json, or load without strict to ignore them",
+               what);
+    warn(what + " (ignored)");
+  }
   return m;
 }
 
 std::unique_ptr<CausalLM> CausalLM::random(const ModelConfig& config, DType dtype, Device device, uint64_t seed,
                                            double initializer_range) {
+  config.validate();
   std::unique_ptr<CausalLM> m(new CausalLM());
   m->cfg_ = config;
   m->dtype_ = dtype;
@@ -102,7 +150,7 @@ void CausalLM::build(const std::function<Tensor(const std::string&, std::vector<
     ops::AttentionOptions ao;
     ao.scale = 1.0 / std::sqrt(static_cast<double>(d));
     ao.causal = true;
-    ao.window = c.sliding_window && c.model_type == "mistral" ? *c.sliding_window : 0;
+    ao.window = c.attention_window(i);
     l.attn = std::make_unique<nn::Attention>(ao);
     l.mlp = std::make_unique<nn::MLP>(glu_activation(c.hidden_act));
     layers_.push_back(std::move(l));

@@ -36,10 +36,22 @@ struct Sampling {
   uint64_t seed = 0;
 };
 
+// How CausalLM::from_folder treats the weight files.  A weight the config needs and the files lack
+// is always an error naming every such weight.  A tensor of the files the model does not use (the
+// layers past num_hidden_layers, stale buffers, another architecture's weights) is an error naming
+// them when `strict`, else a warning listing them, as Transformers reports unexpected weights.  A
+// tied model's lm_head.weight is taken as Transformers 5 takes it: equal to the embeddings, tied;
+// different, used as an untied head (with a warning).
+struct LoadOptions {
+  bool strict = false;
+  std::function<void(const std::string&)> warn;  // receives the warning; empty: printed on stderr
+};
+
 class CausalLM : public nn::Module {
  public:
   // Weights converted to `dtype` on `device`; errors name the folder, file and tensor.
-  static std::unique_ptr<CausalLM> from_folder(const std::filesystem::path& folder, DType dtype, Device device);
+  static std::unique_ptr<CausalLM> from_folder(const std::filesystem::path& folder, DType dtype, Device device,
+                                               const LoadOptions& options = {});
   // Fresh weights as Transformers initializes them: N(0, initializer_range) for the embedding and
   // every projection, zero biases, norm weights 1 (0 with Gemma's 1 + w).
   static std::unique_ptr<CausalLM> random(const ModelConfig& config, DType dtype, Device device, uint64_t seed,
@@ -66,7 +78,7 @@ class CausalLM : public nn::Module {
 
   // The loss and the gradient of `dloss * loss` with respect to every parameter, by the names of
   // the model's safetensors ("model.layers.0.self_attn.q_proj.weight"; a tied lm_head's share is in
-  // the embedding's).  Every layer's activations are kept for the backward (no checkpointing yet).
+  // the embedding's).  What the forward keeps for the backward is set by checkpoint_layers below.
   struct Gradients {
     Tensor loss;
     std::map<std::string, Tensor> grads;
@@ -91,6 +103,8 @@ class CausalLM : public nn::Module {
   void save(const std::filesystem::path& folder) const;
 
   const ModelConfig& config() const { return cfg_; }
+  // The tensors of the weight files from_folder left unused (see LoadOptions), in name order.
+  const std::vector<std::string>& unused_weights() const { return unused_weights_; }
   DType dtype() const { return dtype_; }
   Device device() const { return device_; }
 
@@ -121,6 +135,7 @@ class CausalLM : public nn::Module {
   std::vector<Layer> layers_;
   std::unique_ptr<nn::RMSNorm> final_norm_;
   std::unique_ptr<nn::ForCausalLMLoss> loss_;
+  std::vector<std::string> unused_weights_;
 };
 
 }  // namespace kcpp::models

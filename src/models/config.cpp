@@ -2,7 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -21,15 +24,14 @@ struct Reader {
   bool has(const char* key) const { return j.contains(key) && !j[key].is_null(); }
   int64_t integer(const char* key) const {
     KCPP_CHECK(has(key), "{}: missing key '{}'", where, key);
-    KCPP_CHECK(j[key].is_number_integer(), "{}: '{}' must be an integer, is {}", where, key, j[key].dump());
-    return j[key].get<int64_t>();
+    const nlohmann::json& v = j[key];
+    KCPP_CHECK(v.is_number_integer(), "{}: '{}' must be an integer, is {}", where, key, v.dump());
+    // JSON integers past int64 arrive unsigned; they are out of every range validate() allows.
+    KCPP_CHECK(!v.is_number_unsigned() || v.get<uint64_t>() <= uint64_t{std::numeric_limits<int64_t>::max()},
+               "{}: '{}' is {}, past any size this library handles", where, key, v.dump());
+    return v.get<int64_t>();
   }
   int64_t integer(const char* key, int64_t fallback) const { return has(key) ? integer(key) : fallback; }
-  int64_t positive(const char* key) const {
-    const int64_t v = integer(key);
-    KCPP_CHECK(v > 0, "{}: '{}' must be positive, is {}", where, key, v);
-    return v;
-  }
   double real(const char* key, double fallback) const {
     if (!has(key)) return fallback;
     KCPP_CHECK(j[key].is_number(), "{}: '{}' must be a number, is {}", where, key, j[key].dump());
@@ -48,15 +50,42 @@ struct Reader {
   std::vector<int64_t> ids(const char* key) const {  // an integer or a list of them
     std::vector<int64_t> out;
     if (!has(key)) return out;
-    if (j[key].is_number_integer()) return {j[key].get<int64_t>()};
+    if (j[key].is_number_integer()) return {integer(key)};
     KCPP_CHECK(j[key].is_array(), "{}: '{}' must be a token id or a list of them", where, key);
     for (const auto& v : j[key]) {
-      KCPP_CHECK(v.is_number_integer(), "{}: '{}' must hold integers", where, key);
+      KCPP_CHECK(v.is_number_integer() && (!v.is_number_unsigned() || v.get<uint64_t>() <= uint64_t{std::numeric_limits<int64_t>::max()}),
+                 "{}: '{}' must hold token ids, holds {}", where, key, v.dump());
       out.push_back(v.get<int64_t>());
     }
     return out;
   }
+  std::vector<std::string> strings(const char* key) const {
+    std::vector<std::string> out;
+    if (!has(key)) return out;
+    KCPP_CHECK(j[key].is_array(), "{}: '{}' must be a list of strings, is {}", where, key, j[key].dump());
+    for (const auto& v : j[key]) {
+      KCPP_CHECK(v.is_string(), "{}: '{}' must hold strings, holds {}", where, key, v.dump());
+      out.push_back(v.get<std::string>());
+    }
+    return out;
+  }
 };
+
+// "in [lo, hi]", or ">= lo" when nothing above is out of range.
+std::string range(int64_t lo, int64_t hi) {
+  return hi == std::numeric_limits<int64_t>::max() ? fmt::format(">= {}", lo) : fmt::format("in [{}, {}]", lo, hi);
+}
+void check_in(const std::string& where, const char* key, int64_t v, int64_t lo, int64_t hi) {
+  KCPP_CHECK(v >= lo && v <= hi, "{}: '{}' must be {}, is {}", where, key, range(lo, hi), v);
+}
+void check_positive(const std::string& where, const char* key, double v) {
+  KCPP_CHECK(std::isfinite(v) && v > 0, "{}: '{}' must be a finite number > 0, is {}", where, key, v);
+}
+
+// Sizes (vocabulary, widths, heads, layers) at most 2^24: real models stay far below it, and a
+// weight's element count (two sizes multiplied, at most 3 x 2^48) stays far inside int64.
+constexpr int64_t kMaxSize = int64_t{1} << 24;
+constexpr int64_t kMaxPositions = std::numeric_limits<int32_t>::max();
 
 RopeScaling parse_rope_scaling(const nlohmann::json& r, const std::string& where) {
   RopeScaling s;
@@ -68,25 +97,114 @@ RopeScaling parse_rope_scaling(const nlohmann::json& r, const std::string& where
   const std::string type = rd.string("rope_type", rd.string("type", "default"));
   if (type == "default") return s;
   s.factor = rd.real("factor", 1.0);
-  KCPP_CHECK(s.factor >= 1.0, "{}: 'factor' must be >= 1, is {}", w, s.factor);
   if (type == "linear") {
     s.type = RopeScaling::Type::Linear;
   } else if (type == "dynamic") {
     s.type = RopeScaling::Type::Dynamic;
     s.original_max_position_embeddings = rd.integer("original_max_position_embeddings", 0);
+    KCPP_CHECK(!rd.has("original_max_position_embeddings") || s.original_max_position_embeddings >= 1,
+               "{}: 'original_max_position_embeddings' must be >= 1, is {}", w, s.original_max_position_embeddings);
   } else if (type == "llama3") {
     s.type = RopeScaling::Type::Llama3;
     s.low_freq_factor = rd.real("low_freq_factor", 1.0);
     s.high_freq_factor = rd.real("high_freq_factor", 4.0);
     s.original_max_position_embeddings = rd.integer("original_max_position_embeddings");
-    KCPP_CHECK(s.high_freq_factor > s.low_freq_factor, "{}: high_freq_factor must exceed low_freq_factor", w);
   } else {
     KCPP_FAIL("{}: rope_type '{}' is not supported (default, linear, dynamic, llama3)", w, type);
   }
+  s.validate(w);
   return s;
 }
 
+// The sliding-window keys of each family, as its Transformers 5 configuration class reads them.
+void read_sliding_window(const Reader& r, ModelConfig& c) {
+  const std::string& t = c.model_type;
+  if (t != "mistral" && t != "phi3" && t != "qwen2" && t != "qwen3") return;  // llama, gemma: no window
+  // The class default when the key is absent (Mistral, Qwen2, Qwen3: 4096; Phi-3: none); null: none.
+  if (!r.j.contains("sliding_window")) {
+    if (t != "phi3") c.sliding_window = 4096;
+  } else if (r.has("sliding_window")) {
+    c.sliding_window = r.integer("sliding_window");
+  }
+  if (t == "mistral" || t == "phi3") {  // every layer
+    c.layer_types.assign(static_cast<size_t>(c.num_hidden_layers), c.sliding_window ? "sliding_attention" : "full_attention");
+    return;
+  }
+  // Qwen2 / Qwen3: the window only with use_sliding_window; unless the config lists layer_types,
+  // layer i slides when i >= max_window_layers.
+  c.use_sliding_window = r.boolean("use_sliding_window", false);
+  c.max_window_layers = r.integer("max_window_layers", 28);
+  if (c.sliding_window) check_in(r.where, "sliding_window", *c.sliding_window, 1, std::numeric_limits<int64_t>::max());
+  if (!c.use_sliding_window) c.sliding_window.reset();
+  c.layer_types = r.strings("layer_types");
+  if (!r.has("layer_types"))
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+      c.layer_types.push_back(c.sliding_window && i >= c.max_window_layers ? "sliding_attention" : "full_attention");
+}
+
 }  // namespace
+
+void RopeScaling::validate(const std::string& w) const {
+  if (type == Type::None) return;
+  KCPP_CHECK(std::isfinite(factor) && factor >= 1.0, "{}: 'factor' must be a finite number >= 1, is {}", w, factor);
+  KCPP_CHECK(original_max_position_embeddings >= 0, "{}: 'original_max_position_embeddings' must be >= 1, is {}", w,
+             original_max_position_embeddings);
+  if (type != Type::Llama3) return;
+  check_positive(w, "low_freq_factor", low_freq_factor);
+  check_positive(w, "high_freq_factor", high_freq_factor);
+  KCPP_CHECK(high_freq_factor > low_freq_factor, "{}: 'high_freq_factor' ({}) must exceed 'low_freq_factor' ({})", w,
+             high_freq_factor, low_freq_factor);
+  check_in(w, "original_max_position_embeddings", original_max_position_embeddings, 1, kMaxPositions);
+}
+
+int64_t ModelConfig::attention_window(int64_t layer) const {
+  if (!sliding_window) return 0;
+  if (layer_types.empty()) return *sliding_window;
+  return layer_types.at(static_cast<size_t>(layer)) == "sliding_attention" ? *sliding_window : 0;
+}
+
+void ModelConfig::validate(const std::string& where) const {
+  bool known = false;
+  for (const char* f : kFamilies) known = known || model_type == f;
+  KCPP_CHECK(known, "{}: unknown model_type '{}' (supported: {})", where, model_type, fmt::join(kFamilies, ", "));
+  check_in(where, "vocab_size", vocab_size, 1, kMaxSize);
+  check_in(where, "hidden_size", hidden_size, 1, kMaxSize);
+  check_in(where, "intermediate_size", intermediate_size, 1, kMaxSize);
+  check_in(where, "num_hidden_layers", num_hidden_layers, 1, kMaxSize);
+  check_in(where, "num_attention_heads", num_attention_heads, 1, kMaxSize);
+  check_in(where, "num_key_value_heads", num_key_value_heads, 1, num_attention_heads);
+  KCPP_CHECK(num_attention_heads % num_key_value_heads == 0, "{}: num_attention_heads {} is not a multiple of num_key_value_heads {}",
+             where, num_attention_heads, num_key_value_heads);
+  check_in(where, "head_dim", head_dim, 1, kMaxSize);
+  KCPP_CHECK(num_attention_heads * head_dim <= kMaxSize, "{}: num_attention_heads x head_dim must be at most {}, is {} x {}",
+             where, kMaxSize, num_attention_heads, head_dim);
+  check_in(where, "max_position_embeddings", max_position_embeddings, 1, kMaxPositions);
+  check_positive(where, "rms_norm_eps", rms_norm_eps);
+  check_positive(where, "rope_theta", rope_theta);
+  KCPP_CHECK(partial_rotary_factor > 0 && partial_rotary_factor <= 1 && rotary_dim() > 0 && rotary_dim() % 2 == 0,
+             "{}: 'partial_rotary_factor' must be in (0, 1] and give an even rotary dimension (head_dim {} x factor), is {}",
+             where, head_dim, partial_rotary_factor);
+  rope_scaling.validate(where + ": rope_scaling");
+  // Dynamic NTK raises the base to rotary_dim / (rotary_dim - 2).
+  KCPP_CHECK(rope_scaling.type != RopeScaling::Type::Dynamic || rotary_dim() > 2,
+             "{}: dynamic RoPE scaling needs a rotary dimension above 2, is {}", where, rotary_dim());
+  if (sliding_window) check_in(where, "sliding_window", *sliding_window, 1, std::numeric_limits<int64_t>::max());
+  KCPP_CHECK(max_window_layers >= 0, "{}: 'max_window_layers' must be >= 0, is {}", where, max_window_layers);
+  KCPP_CHECK(layer_types.empty() || static_cast<int64_t>(layer_types.size()) == num_hidden_layers,
+             "{}: 'layer_types' must list one type per layer ({}), lists {}", where, num_hidden_layers, layer_types.size());
+  for (size_t i = 0; i < layer_types.size(); ++i) {
+    const std::string& t = layer_types[i];
+    KCPP_CHECK(t == "full_attention" || t == "sliding_attention",
+               "{}: 'layer_types' entry {} is '{}', must be 'full_attention' or 'sliding_attention'", where, i, t);
+    KCPP_CHECK(t == "full_attention" || sliding_window,
+               "{}: layer {} is 'sliding_attention' but the config sets no sliding window (sliding_window{})", where, i,
+               model_type == "qwen2" || model_type == "qwen3" ? " with use_sliding_window true" : "");
+  }
+  for (int64_t id : bos_token_id) check_in(where, "bos_token_id", id, 0, vocab_size - 1);
+  for (int64_t id : eos_token_id) check_in(where, "eos_token_id", id, 0, vocab_size - 1);
+  // torch's Embedding takes a padding index in [-vocab_size, vocab_size).
+  if (pad_token_id) check_in(where, "pad_token_id", *pad_token_id, -vocab_size, vocab_size - 1);
+}
 
 ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& where) {
   KCPP_CHECK(j.is_object(), "{}: expected a JSON object", where);
@@ -97,19 +215,22 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& w
   bool known = false;
   for (const char* f : kFamilies) known = known || c.model_type == f;
   KCPP_CHECK(known, "{}: unknown model_type '{}' (supported: {})", where, c.model_type, fmt::join(kFamilies, ", "));
-  c.vocab_size = r.positive("vocab_size");
-  c.hidden_size = r.positive("hidden_size");
-  c.intermediate_size = r.positive("intermediate_size");
-  c.num_hidden_layers = r.positive("num_hidden_layers");
-  c.num_attention_heads = r.positive("num_attention_heads");
+  // The sizes are checked at once: what follows divides by them and sizes lists by them.
+  for (auto [key, field] : {std::pair{"vocab_size", &c.vocab_size}, {"hidden_size", &c.hidden_size},
+                            {"intermediate_size", &c.intermediate_size}, {"num_hidden_layers", &c.num_hidden_layers},
+                            {"num_attention_heads", &c.num_attention_heads}}) {
+    *field = r.integer(key);
+    check_in(where, key, *field, 1, kMaxSize);
+  }
   c.num_key_value_heads = r.integer("num_key_value_heads", c.num_attention_heads);
-  KCPP_CHECK(c.num_key_value_heads > 0 && c.num_attention_heads % c.num_key_value_heads == 0,
-             "{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", where, c.num_attention_heads,
-             c.num_key_value_heads);
-  c.head_dim = r.integer("head_dim", 0);
-  if (c.head_dim == 0) {
-    KCPP_CHECK(c.hidden_size % c.num_attention_heads == 0, "{}: hidden_size {} is not a multiple of num_attention_heads {}",
-               where, c.hidden_size, c.num_attention_heads);
+  if (r.has("head_dim")) {
+    c.head_dim = r.integer("head_dim");
+  } else if (c.model_type == "gemma" || c.model_type == "qwen3") {
+    c.head_dim = c.model_type == "gemma" ? 256 : 128;  // GemmaConfig's and Qwen3Config's defaults
+  } else {
+    KCPP_CHECK(c.hidden_size % c.num_attention_heads == 0,
+               "{}: hidden_size {} is not a multiple of num_attention_heads {} (or give head_dim)", where, c.hidden_size,
+               c.num_attention_heads);
     c.head_dim = c.hidden_size / c.num_attention_heads;
   }
   c.max_position_embeddings = r.integer("max_position_embeddings", 2048);
@@ -123,8 +244,6 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& w
   c.rope_theta = v5 && rp.has("rope_theta") ? rp.real("rope_theta", 10000.0) : r.real("rope_theta", 10000.0);
   c.partial_rotary_factor =
       v5 && rp.has("partial_rotary_factor") ? rp.real("partial_rotary_factor", 1.0) : r.real("partial_rotary_factor", 1.0);
-  KCPP_CHECK(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1 && c.rotary_dim() % 2 == 0,
-             "{}: partial_rotary_factor {} must give an even rotary dimension in (0, head_dim]", where, c.partial_rotary_factor);
   c.rope_scaling = v5 ? parse_rope_scaling(rope, where + ": rope_parameters")
                       : parse_rope_scaling(j.contains("rope_scaling") ? j["rope_scaling"] : nlohmann::json(), where);
   c.hidden_act = r.string("hidden_act", r.string("hidden_activation", "silu"));
@@ -135,7 +254,7 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& w
   c.bos_token_id = r.ids("bos_token_id");
   c.eos_token_id = r.ids("eos_token_id");
   if (r.has("pad_token_id")) c.pad_token_id = r.integer("pad_token_id");
-  if (r.has("sliding_window")) c.sliding_window = r.integer("sliding_window");
+  read_sliding_window(r, c);
   // What each family fixes.
   if (c.model_type == "qwen2") c.qkv_bias_only = true;
   if (c.model_type == "qwen3") c.qk_norm = true;
@@ -151,6 +270,7 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& w
   for (const char* a : acts) act_ok = act_ok || c.hidden_act == a;
   KCPP_CHECK(act_ok, "{}: hidden_act '{}' is not supported (silu, gelu, gelu_pytorch_tanh, gelu_new, gelu_fast)", where,
              c.hidden_act);
+  c.validate(where);
   return c;
 }
 
@@ -209,7 +329,22 @@ nlohmann::json ModelConfig::to_json() const {
   j["bos_token_id"] = ids(bos_token_id);
   j["eos_token_id"] = ids(eos_token_id);
   if (pad_token_id) j["pad_token_id"] = *pad_token_id;
-  if (sliding_window) j["sliding_window"] = *sliding_window;
+  // Written for the families that read it (null where Transformers' default would be a window).
+  if (model_type == "mistral" || model_type == "phi3" || model_type == "qwen2" || model_type == "qwen3") {
+    j["sliding_window"] = sliding_window ? nlohmann::json(*sliding_window) : nlohmann::json(nullptr);
+    const bool uniform = std::all_of(layer_types.begin(), layer_types.end(), [&](const std::string& t) { return t == layer_types[0]; });
+    if (model_type == "mistral" || model_type == "phi3") {
+      KCPP_CHECK(!sliding_window || uniform, "ModelConfig::to_json: {} slides in every layer or none; layer_types mixes them", model_type);
+      if (sliding_window && !layer_types.empty() && layer_types[0] == "full_attention") j["sliding_window"] = nullptr;
+    } else {
+      j["use_sliding_window"] = sliding_window.has_value();
+      j["max_window_layers"] = max_window_layers;
+      std::vector<std::string> types = layer_types;
+      for (int64_t i = static_cast<int64_t>(types.size()); i < num_hidden_layers; ++i)
+        types.push_back(sliding_window ? "sliding_attention" : "full_attention");
+      j["layer_types"] = types;
+    }
+  }
   return j;
 }
 

@@ -23,7 +23,11 @@ struct RopeScaling {
   Type type = Type::None;
   double factor = 1.0;
   double low_freq_factor = 1.0, high_freq_factor = 4.0;  // llama3
-  int64_t original_max_position_embeddings = 0;          // llama3, dynamic
+  int64_t original_max_position_embeddings = 0;          // llama3, dynamic (0: max_position_embeddings)
+
+  // factor finite and >= 1; llama3: both frequency factors finite and positive, high above low, an
+  // original length; the error names `where` and the key.
+  void validate(const std::string& where) const;
 };
 
 struct ModelConfig {
@@ -42,15 +46,34 @@ struct ModelConfig {
   double norm_offset = 0.0;         // gemma: (1 + w)
   bool scale_embeddings = false;    // gemma: embeddings times sqrt(hidden_size)
   bool fused_qkv = false, fused_gate_up = false;  // phi3
+  // Sliding-window attention as each family's Transformers 5 code applies it (from_json): a layer of
+  // type "sliding_attention" sees the last `sliding_window` keys (its own included), one of type
+  // "full_attention" all of them.  mistral, phi3: every layer slides when sliding_window is set
+  // (Mistral's default is 4096, Phi-3's none); qwen2, qwen3: the window is set only with
+  // use_sliding_window, and the layers from max_window_layers on slide, unless the config lists
+  // layer_types itself; llama, gemma: none.  Empty layer_types: every layer slides when the window
+  // is set.
   std::optional<int64_t> sliding_window;
+  std::vector<std::string> layer_types;
+  bool use_sliding_window = false;  // qwen2, qwen3: kept to write the config back
+  int64_t max_window_layers = 28;   // qwen2, qwen3: likewise
   std::string torch_dtype = "float32";
   std::vector<int64_t> bos_token_id, eos_token_id;
   std::optional<int64_t> pad_token_id;
 
   int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(head_dim) * partial_rotary_factor); }
+  // The attention window of layer `layer`: the number of keys it sees, 0 for all of them.
+  int64_t attention_window(int64_t layer) const;
+
+  // Every value within its range, else a kcpp::Error naming `where`, the key, the value and the
+  // range allowed: sizes in [1, 2^24] (heads x head_dim too, so that no weight's element count
+  // overflows), num_key_value_heads dividing num_attention_heads, eps, rope_theta and RoPE scaling
+  // factors finite and positive, token ids inside the vocabulary, layer_types one per layer.
+  // from_json checks every config it reads; CausalLM::random checks the ones built in code.
+  void validate(const std::string& where = "config") const;
 
   // Throws kcpp::Error naming the file and the key: missing or malformed config.json, an unknown
-  // model_type, a missing or mistyped key, inconsistent sizes (heads not dividing, ...).
+  // model_type, a missing or mistyped key, a value out of its range (validate()).
   static ModelConfig from_json(const nlohmann::json& j, const std::string& where = "config.json");
   static ModelConfig from_folder(const std::filesystem::path& folder);
   nlohmann::json to_json() const;  // what Transformers reads back

@@ -246,6 +246,23 @@ std::vector<std::string> WeightStore::names() const {
   return out;
 }
 
+std::vector<std::string> WeightStore::unused() const {
+  std::vector<std::string> out;
+  for (const auto& [n, i] : where_)
+    if (!loaded_.contains(n)) out.push_back(n);
+  return out;
+}
+
+bool WeightStore::same(std::string_view a, std::string_view b) const {
+  const auto ia = where_.find(a), ib = where_.find(b);
+  KCPP_CHECK(ia != where_.end() && ib != where_.end(), "{}: missing weight '{}'", folder_.string(), ia == where_.end() ? a : b);
+  const SafetensorsFile &fa = files_[ia->second], &fb = files_[ib->second];
+  const SafetensorsFile::Entry &ea = fa.entry(a), &eb = fb.entry(b);
+  if (ea.dtype != eb.dtype || ea.shape != eb.shape) return false;
+  const Tensor va = fa.view(a), vb = fb.view(b);
+  return std::memcmp(va.data(), vb.data(), static_cast<size_t>(va.nbytes())) == 0;
+}
+
 std::string WeightStore::source(std::string_view name) const {
   const auto it = where_.find(name);
   return it == where_.end() ? folder_.string() : files_[it->second].path().string();
@@ -260,7 +277,9 @@ Tensor WeightStore::load(std::string_view name, DType dtype, Device device, cons
     KCPP_CHECK(have == *shape, "{}: weight '{}' has shape [{}], the config needs [{}]", f.path().string(), name,
                fmt::join(have, ", "), fmt::join(*shape, ", "));
   }
-  return f.load(name, dtype, device);
+  Tensor t = f.load(name, dtype, device);
+  loaded_.emplace(name);
+  return t;
 }
 
 }  // namespace kcpp::models

@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -68,20 +69,27 @@ void save_safetensors(const std::filesystem::path& path, const std::vector<std::
 
 // A model's weights: `model.safetensors`, or `model.safetensors.index.json` and its shards
 // ({"weight_map": {"tensor": "model-00001-of-00002.safetensors", ...}}), each shard opened once.
+// It remembers which tensors were loaded, so that a model can tell which ones it never used.
 class WeightStore {
  public:
   static WeightStore open_folder(const std::filesystem::path& folder);
+  const std::filesystem::path& folder() const { return folder_; }
   bool contains(std::string_view name) const;
   std::vector<std::string> names() const;
   // The tensor in `dtype` on `device`; `shape`, when given, must match (the error names the tensor,
   // its file and both shapes).
   Tensor load(std::string_view name, DType dtype, Device device, const std::vector<int64_t>* shape = nullptr) const;
   std::string source(std::string_view name) const;  // the file it is in, for messages
+  // The tensors never given by load(), in name order.
+  std::vector<std::string> unused() const;
+  // Whether two stored tensors have the same dtype, shape and bytes.
+  bool same(std::string_view a, std::string_view b) const;
 
  private:
   std::vector<SafetensorsFile> files_;
   std::map<std::string, size_t, std::less<>> where_;  // tensor -> index into files_
   std::filesystem::path folder_;
+  mutable std::set<std::string, std::less<>> loaded_;
 };
 
 }  // namespace kcpp::models

@@ -45,6 +45,10 @@ const std::vector<std::string>& known_layer_names() {
 
 namespace {
 
+constexpr const char* kAcceptedForms =
+    "accepted: a mapping {\"RMSNorm\": \"org/repo@>=1.0:Layer\", ...} or a project file "
+    "{\"kernel_mapping\": {...}}";
+
 bool is_mode_key(const std::string& k) {
   try {
     parse_mode(k);
@@ -104,16 +108,31 @@ void check_sources(const hub::LayerMapping& m, bool use_local, const std::string
 
 }  // namespace
 
-KernelConfig KernelConfig::parse(const nlohmann::json& mapping, bool use_local_kernel) {
-  KCPP_CHECK(mapping.is_object(), "kernel_mapping: expected an object mapping layer names to kernels, got {}",
-             mapping.type_name());
+KernelConfig KernelConfig::parse(const nlohmann::json& document, bool use_local_kernel) {
+  if (!document.is_object())
+    KCPP_FAIL("kernel_mapping: the mapping must be a JSON object, got {} ({})", document.type_name(), kAcceptedForms);
+  const nlohmann::json* mapping = &document;
+  if (document.contains("kernel_mapping")) {  // a project file; "kernel_mapping" is no layer name
+    for (const auto& [key, v] : document.items()) {
+      if (key == "use_local_kernel") {
+        if (!v.is_boolean()) KCPP_FAIL("use_local_kernel: expected true or false, got {}", v.type_name());
+        use_local_kernel = use_local_kernel || v.get<bool>();
+      } else if (key != "kernel_mapping") {
+        KCPP_FAIL("unknown key '{}' beside kernel_mapping (a project file has kernel_mapping and, optionally, "
+                  "use_local_kernel)", key);
+      }
+    }
+    mapping = &document["kernel_mapping"];
+    if (!mapping->is_object())
+      KCPP_FAIL("kernel_mapping: the mapping must be a JSON object, got {} ({})", mapping->type_name(), kAcceptedForms);
+  }
   KernelConfig c;
   c.use_local_ = use_local_kernel;
   const auto& known = known_layer_names();
-  for (const auto& [layer, value] : mapping.items()) {
+  for (const auto& [layer, value] : mapping->items()) {
     const std::string where = "kernel_mapping." + layer;
     if (std::find(known.begin(), known.end(), layer) == known.end())
-      KCPP_FAIL("{}: unknown layer name '{}' (known: {})", where, layer, fmt::join(known, ", "));
+      KCPP_FAIL("{}: unknown layer name '{}' (known: {}; {})", where, layer, fmt::join(known, ", "), kAcceptedForms);
     std::vector<PerMode> per_mode;
     for (auto& [mode, v] : split_modes(value, where)) {
       const std::string w = mode ? fmt::format("{}[{}]", where, mode_name(mode)) : where;
@@ -159,6 +178,14 @@ std::optional<hub::MappingEntry> KernelConfig::select(std::string_view layer, ui
       }
     }
   return std::nullopt;
+}
+
+std::vector<std::pair<std::string, hub::MappingEntry>> KernelConfig::entries() const {
+  std::vector<std::pair<std::string, hub::MappingEntry>> out;
+  for (const auto& [layer, per_mode] : layers_)
+    for (const PerMode& pm : per_mode)
+      for (const hub::MappingEntry& e : pm.mapping.entries()) out.emplace_back(layer, e);
+  return out;
 }
 
 std::vector<std::string> KernelConfig::layers() const {

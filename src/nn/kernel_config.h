@@ -1,6 +1,6 @@
 // KernelConfig: which kernel each layer of a model gets, by Transformers layer name — the C++ form of
 // Transformers' `KernelConfig(kernel_mapping=..., use_local_kernel=...)` over the `kernels` library's
-// mapping grammar (DESIGN.md, "The hub"):
+// mapping grammar (docs/DESIGN.md, "The hub"):
 //
 //   {
 //     "RMSNorm": "kernels-community/liger@^0.1:LigerRMSNorm",         every device, every mode
@@ -12,7 +12,7 @@
 //
 // A value is a reference, "" (keep the reference implementation), a table keyed by device, or a table
 // keyed by mode ("inference", "training", "inference|graph", "training|graph") — at the top or inside
-// a device.  Lookup for a mode falls back as DESIGN.md and Transformers do: the exact mode, the mode
+// a device.  Lookup for a mode falls back as docs/DESIGN.md and Transformers do: the exact mode, the mode
 // without "graph", then (for inference) training, then the entry without a mode.  A reference
 // without ":Layer" means the package's one layer that implements the slot's contract.
 //
@@ -26,6 +26,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "hub/reference.h"
@@ -45,8 +46,11 @@ const std::vector<std::string>& known_layer_names();
 class KernelConfig {
  public:
   KernelConfig() = default;
-  // `kernel_mapping` as above; throws kcpp::Error naming the key ("kernel_mapping.RMSNorm.cuda: ...").
-  static KernelConfig parse(const nlohmann::json& kernel_mapping, bool use_local_kernel = false);
+  // `document` is the mapping above, or a project file (kcpp.json, what `kcpp lock` reads) holding it:
+  // {"kernel_mapping": {...}, "use_local_kernel": false} ("use_local_kernel" optional, or-ed with the
+  // argument).  Anything else, a document that is not an object included, is an error that names the
+  // key ("kernel_mapping.RMSNorm.cuda: ...") and says which forms are accepted.
+  static KernelConfig parse(const nlohmann::json& document, bool use_local_kernel = false);
   static KernelConfig parse_text(std::string_view json_text, bool use_local_kernel = false);
 
   // What the config says for `layer` in `mode` on `device` (and GPU capability): nullopt when it
@@ -56,6 +60,8 @@ class KernelConfig {
                                           int cc_minor = 0, std::string* why = nullptr) const;
 
   std::vector<std::string> layers() const;
+  // Every entry of every layer (each device, capability and mode), with its layer name.
+  std::vector<std::pair<std::string, hub::MappingEntry>> entries() const;
   bool use_local_kernel() const { return use_local_; }
   bool empty() const { return layers_.empty(); }
 

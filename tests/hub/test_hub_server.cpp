@@ -1,11 +1,14 @@
 // The hub end to end against a real `kcpp serve` server on 127.0.0.1: publishing, resolving by
 // version constraint, the cache, lock files, trust, and every fault the issue lists.  Each test
 // gets its own hub folder, cache, keys and server.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 
 #include <atomic>
+#include <thread>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -67,6 +70,20 @@ class HubServer : public ::testing::Test {
     // Each revision's content differs (so does its commit id); the library stays example 1.0.0.
     auto j = nlohmann::json::parse(read_file(dst / "manifest.json"));
     j["description"] = "revision " + rev;
+    // A version tag holds that version: the example's library built at it (a fixture beside the
+    // others, tests/hub/CMakeLists.txt), as the package's one variant.  A version with no such
+    // fixture keeps the example's 1.0.0 (what a mislabelled tag looks like).
+    if (const auto v = Version::try_parse(rev)) {
+      const fs::path lib = test::abi99_library().parent_path() / ("libkcpp_fixture_example_" + v->str() + ".so");
+      if (fs::exists(lib)) {
+        const std::string cpu = host_variant_name(Backend::CPU);
+        for (const auto& [name, _] : nlohmann::json(j["variants"]).items())
+          if (name != cpu) j["variants"].erase(name), fs::remove_all(dst / "build" / name);
+        fs::copy_file(lib, dst / j["variants"][cpu]["library"].get<std::string>(),
+                      fs::copy_options::overwrite_existing);
+        j["version"] = v->str();
+      }
+    }
     write_file_atomic(dst / "manifest.json", j.dump(2));
     if (edit) edit(dst);
     rehash(dst);
@@ -94,6 +111,43 @@ class HubServer : public ::testing::Test {
         f["size"] = size;
       }
     write_file_atomic(dir / "manifest.json", j.dump(2));
+  }
+
+  // Runs the kcpp binary against this test's server, cache and trust (as a user's shell would);
+  // returns its exit status and, in `out`, what it printed.  `kill_when` (optional) is polled while
+  // it runs: when it returns true the process is killed with SIGKILL.
+  int run_kcpp(std::vector<std::string> args, std::string* out = nullptr, const std::function<bool()>& kill_when = {}) {
+    const std::string trust = "acme=" + acme.public_key.str();
+    std::vector<std::string> env_strings = {"HF_ENDPOINT=" + server->url(), "KCPP_CACHE=" + cache_dir.string(),
+                                            "KCPP_TRUSTED_PUBLISHERS=" + trust, "KCPP_TRUST_STORE=/nonexistent",
+                                            "HOME=" + tmp.path().string(), "KCPP_LOCK_FILE="};
+    if (const char* ld = std::getenv("LD_LIBRARY_PATH")) env_strings.push_back(std::string("LD_LIBRARY_PATH=") + ld);
+    std::vector<char*> envp;
+    for (auto& e : env_strings) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    const std::string bin = test::kcpp_binary().string();
+    args.insert(args.begin(), bin);
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const fs::path log = tmp.path() / "kcpp.out";
+    posix_spawn_file_actions_t io;
+    posix_spawn_file_actions_init(&io);
+    posix_spawn_file_actions_addopen(&io, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&io, 1, 2);
+    pid_t pid = 0;
+    const int rc = posix_spawn(&pid, bin.c_str(), &io, nullptr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&io);
+    if (rc != 0) return -1;
+    int status = 0;
+    while (true) {
+      if (kill_when && kill_when()) ::kill(pid, SIGKILL);
+      const pid_t done = ::waitpid(pid, &status, kill_when ? WNOHANG : 0);
+      if (done == pid) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    if (out) *out = read_file(log);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   }
 
   HubConfig config() {
@@ -397,6 +451,86 @@ TEST_F(HubServer, TwoProcessesDownloadingTheSamePackage) {
   size_t library_downloads = 0;
   for (const auto& r : requests) library_downloads += r.ends_with(".so");
   EXPECT_EQ(library_downloads, 1u) << "the second process must find the first one's download";
+}
+
+TEST_F(HubServer, ADownloadKilledMidwayLeavesNoPartialFileBehind) {
+  publish("v1.0.0", &acme);
+  // The library's answer waits, so the download is caught with its partial file open.
+  set_fault([](const RequestView& r) {
+    return r.path.ends_with(".so") ? Fault{Fault::Kind::Delay, 0, 1500} : Fault{};
+  });
+  const fs::path blobs = cache_dir / "models--acme--example" / "blobs";
+  const Manifest m = Manifest::parse(read_file(hub_dir / "acme/example/v1.0.0/manifest.json"), "v1.0.0");
+  auto partial_library = [&] {
+    std::error_code ec;
+    for (auto it = fs::directory_iterator(blobs, ec); !ec && it != fs::directory_iterator(); it.increment(ec))
+      for (const ManifestVariant& v : m.variants)
+        if (it->path().filename().string().starts_with(v.file(v.library)->sha256 + ".incomplete.")) return true;
+    return false;
+  };
+  EXPECT_EQ(run_kcpp({"download", "--quiet", "acme/example@v1.0.0"}, nullptr, partial_library), 128 + SIGKILL);
+  ASSERT_TRUE(partial_library()) << "kill -9 leaves the partial file";
+  // The next download (no delay now) removes it: the dead process no longer holds its lock.
+  set_fault({});
+  EXPECT_NO_THROW(Hub(config()).load(Reference::parse("acme/example@v1.0.0:SiLU")));
+  EXPECT_FALSE(partial_library());
+  expect_cache_consistent();
+}
+
+TEST_F(HubServer, ASecondServerOnAPortInUseFails) {
+  const std::string url = server->url();
+  const int port = std::stoi(url.substr(url.rfind(':') + 1));
+  Server second(hub_dir);
+  EXPECT_TRUE(throws_with([&] { second.start("127.0.0.1", port); },
+                          "kcpp serve: cannot listen on 127.0.0.1:" + std::to_string(port) + ": address in use"));
+  // The first one still answers alone.
+  publish("v1.0.0", &acme);
+  EXPECT_NO_THROW(Hub(config()).inspect(Reference::parse("acme/example@v1.0.0")));
+}
+
+TEST_F(HubServer, ATagAndItsManifestNameTheSameVersionOrNothingLoads) {
+  publish("v0.5.0", &acme);  // holds example 1.0.0
+  publish("v1.2.0", &acme);  // holds example 1.2.0
+  Hub hub(config());
+  const std::string refused = "the tag v0.5.0 says version 0.5.0 but its manifest.json says example 1.0.0";
+  EXPECT_TRUE(throws_with([&] { hub.load(Reference::parse("acme/example@>=0.1,<1:SiLU")); }, refused));
+  EXPECT_TRUE(throws_with([&] { hub.load(Reference::parse("acme/example@v0.5.0")); }, refused));
+  const LoadedKernel k = hub.load(Reference::parse("acme/example@>=1.0:SiLU"));
+  EXPECT_EQ(k.info.resolved.revision, "v1.2.0");
+  EXPECT_STREQ(k.package->table().version, "1.2.0");
+  // A full commit id is a revision, whatever its first character; nothing about it claims a version.
+  const std::string commit = hub.resolve(Reference::parse("acme/example@v0.5.0")).commit;
+  const PackageInfo info = hub.inspect(Reference::parse("acme/example@" + commit));
+  EXPECT_EQ(info.resolved.commit, commit);
+  EXPECT_EQ(info.manifest.version, "1.0.0");
+}
+
+TEST_F(HubServer, LockNamesAnUnknownLayerAndThePackagesLayers) {
+  publish("v1.0.0", &acme);
+  publish("main", &acme);
+  publish("v1.0.0", &acme, {}, "acme/tagged");  // no main branch
+  const fs::path project = tmp.path() / "kcpp.json", lock = tmp.path() / "kcpp.lock";
+  auto lock_with = [&](const std::string& mapping, std::string* out) {
+    write_file_atomic(project, "{\"kernel_mapping\": " + mapping + "}");
+    return run_kcpp({"lock", "--quiet", "--project", project.string(), "--out", lock.string()}, out);
+  };
+  std::string out;
+  EXPECT_NE(lock_with(R"({"SiLU": "acme/example@>=1.0:Nope"})", &out), 0);
+  EXPECT_NE(out.find("kernel_mapping.SiLU: acme/example@>=1.0:Nope: no layer 'Nope' in example 1.0.0 (the package "
+                     "has: SiLU)"), std::string::npos) << out;
+  EXPECT_NE(lock_with(R"({"SiLU": "acme/example:Nope"})", &out), 0);
+  EXPECT_NE(out.find("no layer 'Nope' in example 1.0.0"), std::string::npos) << out;
+  EXPECT_NE(lock_with(R"({"SiLU": "acme/tagged:SiLU"})", &out), 0);
+  EXPECT_NE(out.find("acme/tagged has no tag or branch 'main' (branches: none; tags: v1.0.0); a reference without "
+                     "'@' means the branch main"), std::string::npos) << out;
+  EXPECT_NE(lock_with(R"({"SiL": "acme/example@>=1.0:SiLU"})", &out), 0);
+  EXPECT_NE(out.find("unknown layer name 'SiL'"), std::string::npos) << out;
+  EXPECT_FALSE(fs::exists(lock));
+  // Every device and mode of a mapping is locked.
+  EXPECT_EQ(lock_with(R"({"SiLU": {"cpu": "acme/example@>=1.0:SiLU",
+                                   "cuda": {"training": "acme/tagged@v1.0.0:SiLU"}}})", &out), 0) << out;
+  const LockFile lf = LockFile::load(lock);
+  ASSERT_EQ(lf.packages.size(), 2u);
 }
 
 TEST_F(HubServer, OfflineModeUsesTheCacheAlone) {

@@ -6,8 +6,10 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <vector>
 
+#include "hub/cache.h"
 #include "hub/crypto.h"
 #include "hub/fs.h"
 #include "hub/manifest.h"
@@ -87,6 +89,19 @@ TEST(Semver, MalformedConstraintsAreErrors) {
     EXPECT_TRUE(throws_with([&] { Constraint::parse(bad); }, "constraint")) << "'" << bad << "'";
 }
 
+TEST(Semver, AWildcardAfterAnOperatorIsNotAVersion) {
+  // ">=x" once meant "any version" and loaded the newest tag; only a lone "*" or "x" means that.
+  const std::pair<const char*, const char*> bad[] = {
+      {">=x", "'x' is not a version"}, {"<*", "'*' is not a version"},   {">X", "'X' is not a version"},
+      {"=x", "'x' is not a version"},  {"^*", "'*' is not a version"},   {">=1.0, <=x", "'x' is not a version"},
+      {">=x.x", "'x.x' is not a version"}, {">=foo", "'foo' is not a number"},
+  };
+  for (const auto& [text, needle] : bad)
+    EXPECT_TRUE(throws_with([&] { Constraint::parse(text); }, needle)) << "'" << text << "'";
+  EXPECT_TRUE(Constraint::parse("x").matches(Version::parse("9.0.0")));
+  EXPECT_TRUE(Constraint::parse(">=1.x").matches(Version::parse("1.0.0")));
+}
+
 // ---- references and mappings ----------------------------------------------------------------------
 
 TEST(Reference, ParsesEveryForm) {
@@ -116,6 +131,21 @@ TEST(Reference, ParsesEveryForm) {
   r = Reference::parse("/opt/a:b/pkg");  // ':' not followed by an identifier stays in the path
   EXPECT_EQ(r.path, "/opt/a:b/pkg");
   EXPECT_EQ(r.layer, "");
+}
+
+TEST(Reference, AFullCommitIdIsARevisionWhateverItStartsWith) {
+  // huggingface_hub's rule (REGEX_COMMIT_HASH, ^[0-9a-f]{40}$): a full commit id is a revision.
+  for (const std::string sha : {"0123456789abcdef0123456789abcdef01234567", "abcdef0123456789abcdef0123456789abcdef01",
+                                "9fe4d3b5c1e0a7f2d8b6c4e2a0f8d6b4c2e0a8f6"}) {
+    const Reference r = Reference::parse("acme/kernels@" + sha + ":SiLU");
+    EXPECT_FALSE(r.constraint) << sha;
+    EXPECT_EQ(r.revision, sha);
+    EXPECT_EQ(r.layer, "SiLU");
+  }
+  // Shorter hex starting with a digit reads as a version; one that is no version says to give it in full.
+  EXPECT_TRUE(Reference::parse("acme/kernels@1234567").constraint);
+  EXPECT_TRUE(throws_with([] { Reference::parse("acme/kernels@0123abc"); }, "a commit must be given in full"));
+  EXPECT_TRUE(throws_with([] { Reference::parse("acme/kernels@>=x:SiLU"); }, "'x' is not a version"));
 }
 
 TEST(Reference, MalformedReferencesAreErrorsNamingTheProblem) {
@@ -362,6 +392,68 @@ TEST(Manifest, TheCudaVariantListsItsArchitectures) {
 #endif
 }
 
+// A copy of the built example package in a scratch folder, and its host library.
+struct ExampleCopy {
+  test::TempDir tmp;
+  std::filesystem::path dir = tmp.path() / "example";
+  ExampleCopy() {
+    std::filesystem::copy(test::example_package_dir(), dir, std::filesystem::copy_options::recursive);
+  }
+  std::filesystem::path library() const {
+    const Manifest m = Manifest::parse(read_file(dir / "manifest.json"), "x");
+    return dir / m.variant(host_variant_name(Backend::CPU))->library;
+  }
+};
+
+TEST(Manifest, IndexReadsEveryLibraryAfreshAndFailsOnOneThatDoesNotLoad) {
+  for (const bool random : {false, true}) {
+    ExampleCopy pkg;
+    const size_t variants = Manifest::parse(read_file(pkg.dir / "manifest.json"), "x").variants.size();
+    EXPECT_EQ(index_package(pkg.dir).variants.size(), variants);
+    const std::string before = read_file(pkg.dir / "manifest.json");
+    const std::filesystem::path lib = pkg.library();
+    if (random) {
+      std::string bytes(4096, '\0');
+      for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>((i * 2654435761u) >> 13);
+      write_file_atomic(lib, bytes);
+    } else {
+      std::filesystem::resize_file(lib, std::filesystem::file_size(lib) / 3);
+    }
+    // Never the earlier manifest's layer list for a library that is now broken.
+    EXPECT_TRUE(throws_with([&] { index_package(pkg.dir); }, "cannot load the library")) << random;
+    EXPECT_EQ(read_file(pkg.dir / "manifest.json"), before);  // left as it was: it no longer matches, sign refuses
+    EXPECT_TRUE(throws_with([&] { check_package_files(Manifest::parse(before, "x"), pkg.dir); },
+                            "but manifest.json says"));
+  }
+}
+
+TEST(Manifest, SignChecksTheManifestAgainstTheFilesItSigns) {
+  ExampleCopy pkg;
+  const Manifest indexed = index_package(pkg.dir);
+  EXPECT_NO_THROW(check_package_files(indexed, pkg.dir));
+  auto edited = [&](const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json j = indexed.json;
+    edit(j);
+    return Manifest::parse(j.dump(), "x");
+  };
+  const std::string v = host_variant_name(Backend::CPU);
+  // Layers the library does not declare (a hand-edited manifest whose hashes are all right).
+  const Manifest renamed = edited([&](auto& j) { j["variants"][v]["layers"][0]["name"] = "GeLU"; });
+  EXPECT_TRUE(throws_with([&] { check_package_files(renamed, pkg.dir); }, "differ from what its library declares"));
+  EXPECT_TRUE(throws_with([&] { check_package_files(edited([](auto& j) { j["version"] = "1.0.1"; }), pkg.dir); },
+                          "the library is example 1.0.0 but manifest.json says example 1.0.1"));
+  // A truncated library re-hashed into the manifest: the hashes agree, the library does not load.
+  const std::filesystem::path lib = pkg.library();
+  std::filesystem::resize_file(lib, std::filesystem::file_size(lib) / 3);
+  uint64_t size = 0;
+  const std::string sha = sha256_file(lib, &size);
+  const std::string rel = std::filesystem::relative(lib, pkg.dir).generic_string();
+  const Manifest rehashed = edited([&](auto& j) { j["variants"][v]["files"][rel] = {{"sha256", sha}, {"size", size}}; });
+  EXPECT_TRUE(throws_with([&] { check_package_files(rehashed, pkg.dir); }, "cannot load the library"));
+  std::filesystem::remove(lib);
+  EXPECT_TRUE(throws_with([&] { check_package_files(indexed, pkg.dir); }, "missing"));
+}
+
 TEST(Manifest, MalformedManifestsAreErrorsNamingTheField) {
   const nlohmann::json good = nlohmann::json::parse(example_manifest_text());
   const std::string variant = good["variants"].begin().key();
@@ -444,6 +536,28 @@ TEST(Trust, StoreFileAndEnvironment) {
   write_file_atomic(t.path() / "trust.json", "{\"publishers\": {\"acme\": [\"ed25519:AAAA\"]}}");
   EXPECT_TRUE(throws_with([] { TrustStore::from_env(); }, "32 bytes"));
   ::unsetenv("KCPP_TRUST_STORE");
+}
+
+// ---- the cache -------------------------------------------------------------------------------------
+
+TEST(Cache, StalePartialDownloadsAreRemovedLiveOnesKept) {
+  test::TempDir t;
+  const Cache cache(t.path());
+  const std::string repo = "acme/example", dead = std::string(64, 'a'), live = std::string(64, 'b');
+  const std::filesystem::path blobs = cache.repo_dir(repo) / "blobs";
+  std::filesystem::create_directories(blobs);
+  // Left by a download killed with -9: nobody holds its key's lock.
+  write_file_atomic(blobs / (dead + ".incomplete.4242.17"), "half a file");
+  // Being written now: its key's lock is held (here by this test, as by a downloading process).
+  FileLock holder(cache.lock_path(repo, live));
+  write_file_atomic(blobs / (live + ".incomplete.4243.18"), "still coming");
+  write_file_atomic(blobs / dead, "a finished blob is never touched");
+  EXPECT_FALSE(FileLock::try_lock(cache.lock_path(repo, live)));
+  EXPECT_EQ(cache.remove_stale_partials(repo), 1u);
+  EXPECT_FALSE(std::filesystem::exists(blobs / (dead + ".incomplete.4242.17")));
+  EXPECT_TRUE(std::filesystem::exists(blobs / (live + ".incomplete.4243.18")));
+  EXPECT_TRUE(std::filesystem::exists(blobs / dead));
+  EXPECT_EQ(cache.remove_stale_partials("acme/absent"), 0u);
 }
 
 // ---- loading packages through the ABI ---------------------------------------------------------------

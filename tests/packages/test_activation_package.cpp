@@ -1,4 +1,4 @@
-// Package "activation" through the ABI against the f64 oracle, held to DESIGN.md's bound: at most
+// Package "activation" through the ABI against the f64 oracle, held to docs/DESIGN.md's bound: at most
 // twice the error of the eager reference in the same precision (ops/: the unary op, or its
 // composition where eager composes), and within the dtype's table.
 #include <cmath>

@@ -1,5 +1,5 @@
 // Package "flash_attn" (layer FlashAttention, Attention/1) through the ABI against the f64 oracle
-// (oracle::attention), held to DESIGN.md's bound: at most twice the error of the eager reference
+// (oracle::attention), held to docs/DESIGN.md's bound: at most twice the error of the eager reference
 // (ops::attention_*: scores and probabilities materialized in the dtype) in the same precision.
 // Shapes cover both CUDA paths (tensor cores: bf16 / f16, head_dim 64 / 128; generic: the rest),
 // partial tiles on every side, grouped-query heads, a KV cache (fewer queries than keys), sliding

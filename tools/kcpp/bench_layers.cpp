@@ -8,7 +8,7 @@
 //                                                --use-local-kernel, folders)
 //   kcpp bench --layers --mode inference         the forwards alone, kernelized for inference
 //
-// Defaults: on a GPU the Llama-3-8B shapes of ../shared/anchors/anchors.py (8192 tokens of 2048,
+// Defaults: on a GPU the Llama-3-8B shapes of the anchors (bench/RESULTS.md; 8192 tokens of 2048,
 // hidden 4096, intermediate 14336, vocabulary 128256, 32 / 8 heads of 128; the cross-entropy on 4096
 // rows), bf16; on the CPU 1024 tokens, hidden 4096, vocabulary 32000 (the losses on 256 rows), f32.
 // Times are medians (core/timing.h: CUDA events after an L2 flush on a GPU); bandwidth is counted as

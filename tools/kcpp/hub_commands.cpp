@@ -15,6 +15,7 @@
 #include "hub/manifest.h"
 #include "hub/server.h"
 #include "hub/trust.h"
+#include "nn/kernel_config.h"
 
 namespace kcpp::tools {
 namespace fs = std::filesystem;
@@ -144,25 +145,33 @@ int verify(const Options& o) {
 }
 
 int lock(const Options& o) {
-  auto j = nlohmann::json::parse(hub::read_file(o.project), nullptr, false);
-  if (j.is_discarded() || !j.is_object() || !j.contains("kernel_mapping") || !j["kernel_mapping"].is_object())
-    KCPP_FAIL("{}: expected {{\"kernel_mapping\": {{\"Layer\": \"org/repo@>=1.0:Layer\", ...}}}}", o.project);
+  // The project file is read as --kernels reads it: a kernel_mapping (or {"kernel_mapping": ...}),
+  // every layer name, device, mode and reference checked.
+  nn::KernelConfig kc;
+  try {
+    kc = nn::KernelConfig::parse_text(hub::read_file(o.project));
+  } catch (const Error& e) {
+    KCPP_FAIL("{}: {}", o.project, e.what());
+  }
   hub::Hub h(config(o, /*use_lock=*/false));  // resolve afresh
   hub::LockFile lf;
-  for (const auto& [layer, value] : j["kernel_mapping"].items()) {
-    const auto mapping = hub::LayerMapping::parse(value, fmt::format("{}: kernel_mapping.{}", o.project, layer));
-    for (const hub::MappingEntry& e : mapping.entries()) {
-      if (!e.ref || e.ref->is_local()) continue;
-      const hub::PackageInfo info = h.inspect(*e.ref);
-      hub::LockEntry le{e.ref->repo, e.ref->constraint ? e.ref->constraint->text() : e.ref->revision,
-                        info.resolved.revision, info.resolved.commit, info.manifest_sha256,
-                        info.manifest.signature ? info.manifest.signature->publisher : "", {}};
-      for (const auto& v : info.manifest.variants)
-        for (const auto& f : v.files) le.files[f.path] = f.sha256;
-      fmt::print("{:<40} {} @ {} ({})\n", e.ref->text, info.resolved.revision, info.resolved.commit.substr(0, 12),
-                 hub::trust_level_name(info.trust.level));
-      lf.upsert(std::move(le));
+  for (const auto& [layer, e] : kc.entries()) {
+    if (!e.ref || e.ref->is_local()) continue;
+    hub::PackageInfo info;
+    try {
+      info = h.inspect(*e.ref);
+      hub::check_layer(info);
+    } catch (const Error& err) {
+      KCPP_FAIL("{}: kernel_mapping.{}: {}", o.project, layer, err.what());
     }
+    hub::LockEntry le{e.ref->repo, e.ref->constraint ? e.ref->constraint->text() : e.ref->revision,
+                      info.resolved.revision, info.resolved.commit, info.manifest_sha256,
+                      info.manifest.signature ? info.manifest.signature->publisher : "", {}};
+    for (const auto& v : info.manifest.variants)
+      for (const auto& f : v.files) le.files[f.path] = f.sha256;
+    fmt::print("{:<40} {} @ {} ({})\n", e.ref->text, info.resolved.revision, info.resolved.commit.substr(0, 12),
+               hub::trust_level_name(info.trust.level));
+    lf.upsert(std::move(le));
   }
   lf.save(o.out_lock);
   fmt::print("wrote {} ({} package(s))\n", o.out_lock, lf.packages.size());
@@ -211,15 +220,9 @@ int package_index(const Options& o) {
 int package_sign(const Options& o) {
   const fs::path path = fs::path(o.dir) / "manifest.json";
   hub::Manifest m = hub::Manifest::parse(hub::read_file(path), o.dir);
-  // Refuse to sign what the manifest does not describe: every file must hash as listed.
-  for (const auto& v : m.variants)
-    for (const auto& f : v.files) {
-      uint64_t size = 0;
-      const fs::path p = fs::path(o.dir) / f.path;
-      if (!fs::exists(p)) KCPP_FAIL("{}: listed in the manifest but missing; run kcpp package index first", p.string());
-      if (hub::sha256_file(p, &size) != f.sha256 || size != f.size)
-        KCPP_FAIL("{}: does not match the manifest; run kcpp package index first", p.string());
-    }
+  // Refuse to sign what the manifest does not describe: every file hashes as listed, every library
+  // loads and declares what the manifest says.
+  hub::check_package_files(m, o.dir);
   const hub::KeyPair key = hub::KeyPair::load(o.key_file);
   m.sign(key);
   hub::write_file_atomic(path, m.dump());

@@ -100,10 +100,29 @@ int run_generate(const GenerateArgs& a) {
 }  // namespace
 
 std::string kernel_mapping_text(const std::string& arg) {
-  if (!arg.empty() && arg.front() == '{') return arg;
-  std::ifstream in(arg);
-  KCPP_CHECK(in.good(), "--kernels: cannot read {}", arg);
-  return std::string(std::istreambuf_iterator<char>(in), {});
+  // A file when one has that name; otherwise the value itself must be JSON, and an object.
+  constexpr const char* kForms =
+      "a mapping {\"RMSNorm\": \"org/repo@>=1.0:Layer\"}, a project file {\"kernel_mapping\": {...}}, or the "
+      "path of a file holding either";
+  std::error_code ec;
+  std::string text = arg, source = "--kernels";
+  if (std::filesystem::is_regular_file(arg, ec)) {
+    std::ifstream in(arg);
+    KCPP_CHECK(in.good(), "--kernels: cannot read {}", arg);
+    text.assign(std::istreambuf_iterator<char>(in), {});
+    source = "--kernels " + arg;
+  }
+  const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) {
+    const size_t b = arg.find_first_not_of(" \t\r\n");
+    const bool inline_json = source == "--kernels" && b != std::string::npos && (arg[b] == '{' || arg[b] == '[');
+    if (source == "--kernels" && !inline_json)
+      KCPP_FAIL("--kernels: '{}' is neither a file nor JSON (expected {})", arg, kForms);
+    KCPP_FAIL("{}: not valid JSON (expected {})", source, kForms);
+  }
+  if (!j.is_object())
+    KCPP_FAIL("{}: the mapping must be a JSON object, got {} (expected {})", source, j.type_name(), kForms);
+  return text;
 }
 
 void add_model_commands(CLI::App& app, Action& action) {

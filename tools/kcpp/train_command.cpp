@@ -183,11 +183,16 @@ int run_train(TrainArgs a) {
 
 std::optional<std::filesystem::path> find_built_package(const std::string& given, const char* name) {
   std::vector<std::filesystem::path> candidates;
-  if (!given.empty()) candidates.emplace_back(given);
-  if (const char* env = std::getenv("KCPP_PACKAGES_DIR"); env && *env) candidates.emplace_back(env);
   std::error_code ec;
-  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
-  if (!ec) candidates.push_back(exe.parent_path().parent_path() / "kernels");
+  if (!given.empty()) {  // a folder the user named is the only place looked in
+    if (!std::filesystem::is_directory(given, ec))
+      KCPP_FAIL("--packages {}: no such folder (this build's packages are in <build>/kernels)", given);
+    candidates.emplace_back(given);
+  } else {
+    if (const char* env = std::getenv("KCPP_PACKAGES_DIR"); env && *env) candidates.emplace_back(env);
+    const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+    if (!ec) candidates.push_back(exe.parent_path().parent_path() / "kernels");
+  }
   for (const auto& c : candidates)
     if (std::filesystem::exists(c / name / "manifest.json")) return std::filesystem::absolute(c / name);
   return std::nullopt;

@@ -1,5 +1,5 @@
 // Plain types shared by kernel packages and hosts: a dtype tag and the error convention.
-// Packages include only include/kcpp/ headers (DESIGN.md); nothing here depends on src/.
+// Packages include only include/kcpp/ headers (docs/DESIGN.md); nothing here depends on src/.
 //
 // Error convention of every kernel entry point: it returns nullptr on success, or a message naming
 // the op, the argument and what was wrong (a static string or thread-local buffer valid until the

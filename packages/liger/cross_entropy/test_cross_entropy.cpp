@@ -1,4 +1,4 @@
-// Cross-entropy kernel against the f64 oracle, held to DESIGN.md's bound: at most twice the error of
+// Cross-entropy kernel against the f64 oracle, held to docs/DESIGN.md's bound: at most twice the error of
 // the eager reference (ops::cross_entropy_*) in the same precision, and within the dtype's table.
 #include <cmath>
 #include <limits>

@@ -1,5 +1,5 @@
 // Fused linear cross-entropy against the f64 oracle (logits = X W^T + b in f64, the oracle's
-// cross-entropy and its gradient G, then G W, G^T X, sum_i G_i), held to DESIGN.md's bound: at most
+// cross-entropy and its gradient G, then G W, G^T X, sum_i G_i), held to docs/DESIGN.md's bound: at most
 // twice the error of the eager composition (matmul, add, cross_entropy forward and backward, two
 // matmuls) in the same precision.  Several chunks per call (chunk_rows well below n) so that the
 // chunk boundaries and the accumulation of dW over chunks are exercised.

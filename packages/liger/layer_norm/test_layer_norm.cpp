@@ -1,4 +1,4 @@
-// LayerNorm kernels against the f64 oracle, held to DESIGN.md's bound: at most twice the error of
+// LayerNorm kernels against the f64 oracle, held to docs/DESIGN.md's bound: at most twice the error of
 // the eager reference (ops::layer_norm_*) run in the same precision, and within the dtype's table.
 #include "core/cuda_runtime.h"
 #include "kernel_params.h"

@@ -1,4 +1,4 @@
-// RMSNorm kernels against the f64 oracle, held to DESIGN.md's bound: at most twice the error of
+// RMSNorm kernels against the f64 oracle, held to docs/DESIGN.md's bound: at most twice the error of
 // the eager reference (ops::rms_norm_*) run in the same precision, and within the dtype's table.
 #include <cmath>
 #include <cstring>

@@ -1,4 +1,4 @@
-// RoPE kernels against the f64 oracle, held to DESIGN.md's bound: at most twice the error of the
+// RoPE kernels against the f64 oracle, held to docs/DESIGN.md's bound: at most twice the error of the
 // eager reference (ops::rope_*) in the same precision, and within the dtype's table.
 #include "kernel_params.h"
 #include "oracle.h"
