@@ -7,7 +7,8 @@
 #   P/lib/cmake/kcpp/          kcppConfig.cmake, kcppConfigVersion.cmake, kcppTargets.cmake
 #
 # The rules themselves sit beside the targets; this file writes the package configuration.  Every
-# path in it is relative to its own location, so an installed tree may be moved.
+# path into the installed tree is relative to the configuration file, so an installed tree may be
+# moved (the system libraries it links stay where the build found them).
 include(CMakePackageConfigHelpers)
 
 set(KCPP_INSTALL_CMAKE_DIR "${CMAKE_INSTALL_LIBDIR}/cmake/kcpp" CACHE STRING

@@ -3,7 +3,8 @@
 #                  (the installed tree must not depend on where it was put)
 #   STEP=consumer  configure, build and run tests/consumer against WORK_DIR/prefix
 # -D arguments: STEP, BUILD_DIR, WORK_DIR; for consumer also SOURCE_DIR, GENERATOR, MAKE_PROGRAM,
-# CXX_COMPILER and LAUNCHER (ccache, or empty).
+# LAUNCHER (ccache, or empty), and this build's CXX_COMPILER, BUILD_TYPE and CXX_FLAGS (a sanitizer
+# build's libraries need the sanitizer's runtime linked in).
 cmake_minimum_required(VERSION 3.25)
 
 function(run what)
@@ -26,8 +27,8 @@ if(STEP STREQUAL "install")
 elseif(STEP STREQUAL "consumer")
   set(build "${WORK_DIR}/consumer-build")
   file(REMOVE_RECURSE "${build}")
-  set(args -S "${SOURCE_DIR}" -B "${build}" -G "${GENERATOR}" -DCMAKE_BUILD_TYPE=Release
-           "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix" "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}")
+  set(args -S "${SOURCE_DIR}" -B "${build}" -G "${GENERATOR}" "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix"
+           "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" "-DCMAKE_BUILD_TYPE=${BUILD_TYPE}" "-DCMAKE_CXX_FLAGS=${CXX_FLAGS}")
   if(MAKE_PROGRAM)
     list(APPEND args "-DCMAKE_MAKE_PROGRAM=${MAKE_PROGRAM}")
   endif()
