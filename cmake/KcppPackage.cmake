@@ -14,12 +14,18 @@
 #   manifest.json                                      `kcpp package index`: sha256 of every file,
 #                                                      layers and ops read from the libraries
 # ready to be signed (`kcpp package sign`) and published (copied to a hub repo's revision folder).
+# `cmake --install` copies that folder, byte for byte (the manifest's hashes still hold), to
+# <prefix>/${KCPP_INSTALL_PACKAGE_DIR}/<name>/, where the installed `kcpp` tool looks for this build's
+# packages and kcppConfig.cmake points (kcpp_PACKAGES_DIR).
 #
 # Each library sees only include/ (a package never includes src/), defines KCPP_PACKAGE_NAME and
 # KCPP_PACKAGE_VERSION (strings) and KCPP_WITH_CUDA (0/1), exports nothing but kcpp_package_v1
 # (hidden visibility), and carries its own libstdc++ (linked statically) so that one binary loads
 # into any host.
 set(KCPP_PACKAGE_OUTPUT_DIR "${PROJECT_BINARY_DIR}/kernels" CACHE PATH "Where kcpp_add_package writes packages")
+include(GNUInstallDirs)
+set(KCPP_INSTALL_PACKAGE_DIR "${CMAKE_INSTALL_LIBDIR}/kcpp/kernels" CACHE STRING
+    "Where `cmake --install` puts the kernel packages (relative to the prefix)")
 
 string(TOLOWER "${CMAKE_SYSTEM_NAME}" _kcpp_os)
 set(_kcpp_arch "${CMAKE_SYSTEM_PROCESSOR}")
@@ -104,5 +110,6 @@ function(kcpp_add_package)
     COMMENT "Indexing kernel package ${P_NAME} ${P_VERSION} (${out})"
     VERBATIM)
   add_custom_target(kcpp_package_${P_NAME} ALL DEPENDS "${out}/manifest.json")
+  install(DIRECTORY "${out}/" DESTINATION "${KCPP_INSTALL_PACKAGE_DIR}/${P_NAME}" USE_SOURCE_PERMISSIONS)
   set_property(GLOBAL APPEND PROPERTY KCPP_PACKAGES ${P_NAME})
 endfunction()

@@ -106,8 +106,8 @@ bool wanted(const std::string& only, const std::string& layer) {
 nn::KernelConfig default_mapping(const LayersArgs& a, bool cuda) {
   const auto liger = find_built_package(a.packages, "liger");
   KCPP_CHECK(liger.has_value(),
-             "kcpp bench --layers: this build's liger package was not found (under --packages, $KCPP_PACKAGES_DIR or "
-             "<bin>/../kernels); name packages with --kernels");
+             "kcpp bench --layers: this build's liger package was not found (under --packages, $KCPP_PACKAGES_DIR, or "
+             "where the build or `cmake --install` put it beside this binary); name packages with --kernels");
   const std::string p = liger->string();
   nlohmann::json m = {{"RMSNorm", p + ":LigerRMSNorm"},
                       {"MLP", p + ":LigerGLU"},

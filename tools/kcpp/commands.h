@@ -24,8 +24,9 @@ void add_bench_layers_options(CLI::App& bench, Action& action, const std::string
 // JSON file (model_commands.cpp).
 std::string kernel_mapping_text(const std::string& arg);
 
-// A package this build made ("liger", "flash_attn"): under `given`, $KCPP_PACKAGES_DIR, or
-// <bin>/../kernels (train_command.cpp).
+// A package this build made ("liger", "flash_attn"): under `given`, $KCPP_PACKAGES_DIR,
+// <bin>/../kernels (the build tree) or, installed, <bin>/../lib/kcpp/kernels (KCPP_INSTALL_PACKAGE_DIR;
+// train_command.cpp).
 std::optional<std::filesystem::path> find_built_package(const std::string& given, const char* name);
 
 }  // namespace kcpp::tools

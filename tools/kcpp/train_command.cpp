@@ -191,7 +191,12 @@ std::optional<std::filesystem::path> find_built_package(const std::string& given
   } else {
     if (const char* env = std::getenv("KCPP_PACKAGES_DIR"); env && *env) candidates.emplace_back(env);
     const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
-    if (!ec) candidates.push_back(exe.parent_path().parent_path() / "kernels");
+    if (!ec) {
+      candidates.push_back(exe.parent_path().parent_path() / "kernels");  // the build tree: bin/../kernels
+#ifdef KCPP_INSTALLED_PACKAGES_FROM_BIN
+      candidates.push_back(exe.parent_path() / KCPP_INSTALLED_PACKAGES_FROM_BIN);  // installed
+#endif
+    }
   }
   for (const auto& c : candidates)
     if (std::filesystem::exists(c / name / "manifest.json")) return std::filesystem::absolute(c / name);
