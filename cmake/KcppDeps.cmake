@@ -8,7 +8,8 @@ find_package(OpenMP REQUIRED COMPONENTS CXX)                       # gcc's libgo
 # as every parallel loop of the library and its packages (src/ops/threads.h: one pool of threads).
 # Debian installs it beside the pthread build under one soname, libopenblas.so.0, and the system's
 # default is the pthread one: the binaries find the OpenMP build first through their run path, which
-# CMake fills with the directory of the library linked here (KCPP_BLAS_DIR, for installed binaries too).
+# CMake fills with the directory of the library linked here (the installed tool's too: its install run
+# path is its link path, tools/kcpp/CMakeLists.txt; a consumer of find_package(kcpp) links the same file).
 find_package(OpenBLAS CONFIG QUIET NO_DEFAULT_PATH
              PATHS /usr/lib/${CMAKE_LIBRARY_ARCHITECTURE}/openblas-openmp/cmake)
 if(NOT OpenBLAS_FOUND)
@@ -17,7 +18,6 @@ endif()
 add_library(kcpp_blas INTERFACE)
 target_include_directories(kcpp_blas SYSTEM INTERFACE ${OpenBLAS_INCLUDE_DIRS})
 target_link_libraries(kcpp_blas INTERFACE ${OpenBLAS_LIBRARIES})
-get_filename_component(KCPP_BLAS_DIR "${OpenBLAS_LIBRARIES}" DIRECTORY)
 
 # fmt (libfmt-dev), header-only so that binaries carry no libfmt.so dependency to the GPU machine.
 find_package(fmt REQUIRED)
