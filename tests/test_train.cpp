@@ -4,11 +4,14 @@
 #include <stdlib.h>
 
 #include <cmath>
+#include <numeric>
+#include <random>
 
 #include "models/causal_lm.h"
 #include "models/safetensors.h"
 #include "test_util.h"
 #include "train/adamw.h"
+#include "train/corpus.h"
 #include "train/trainer.h"
 
 namespace kcpp {
@@ -113,6 +116,50 @@ TEST(Training, CheckpointingGivesTheSameGradients) {
     for (const auto& [name, g] : plain.grads)
       EXPECT_EQ(ckpt.grads.at(name).to_f64_vector(), g.to_f64_vector()) << family << " " << name;
   }
+}
+
+
+// The data loader's windows stay inside the token stream: every row is a run of the stream, the
+// longest window and the largest batch are the stream's limits, and past them is a named error.
+TEST(TokenWindows, EveryWindowIsInsideTheStream) {
+  std::vector<int64_t> tokens(10);
+  std::iota(tokens.begin(), tokens.end(), 0);
+  EXPECT_EQ(train::TokenWindows::max_seq(tokens.size()), 9);
+  EXPECT_EQ(train::TokenWindows::max_batch(tokens.size(), 3), 3);
+  std::mt19937_64 rng(4);
+  for (int64_t seq : {1, 5, 9}) {
+    const train::TokenWindows w(tokens, seq, train::TokenWindows::max_batch(tokens.size(), seq));
+    for (int draw = 0; draw < 50; ++draw) {
+      const std::vector<int64_t> ids = w.next(rng);
+      ASSERT_EQ(static_cast<int64_t>(ids.size()), w.batch() * seq);
+      for (int64_t b = 0; b < w.batch(); ++b)
+        for (int64_t i = 0; i < seq; ++i) {
+          const int64_t t = ids[static_cast<size_t>(b * seq + i)];
+          ASSERT_EQ(t, ids[static_cast<size_t>(b * seq)] + i) << "row " << b << " is not a run of the stream";
+          ASSERT_TRUE(t >= 0 && t < 10);
+        }
+    }
+  }
+  auto message = [&](int64_t seq, int64_t batch) {
+    try {
+      (void)train::TokenWindows(tokens, seq, batch);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(message(10, 1).find("sequences of 10 tokens do not fit in the 10 tokens of the data; the longest allowed is 9"),
+            std::string::npos);
+  EXPECT_NE(message(400042, 1).find("the longest allowed is 9"), std::string::npos);
+  EXPECT_NE(message(3, 4).find("the largest batch allowed at that length is 3"), std::string::npos);
+  EXPECT_NE(message(0, 1).find("must be positive"), std::string::npos);
+  EXPECT_NE(message(3, -1).find("must be positive"), std::string::npos);
+  const train::TokenWindows w(tokens, 4, 1);
+  int64_t out[4];
+  w.copy_window(6, out);
+  EXPECT_EQ(out[3], 9);
+  EXPECT_THROW(w.copy_window(7, out), Error);
+  EXPECT_THROW(w.copy_window(-1, out), Error);
 }
 
 }  // namespace
