@@ -439,6 +439,10 @@ TEST(CausalLM, SamplingOptionsOutOfRangeAreNamedErrors) {
   EXPECT_NE(with(0.7, 0, nan).find("top_p is nan"), std::string::npos);
   EXPECT_NE(with(0.0, 0, 0.0).find("top_p is 0"), std::string::npos);  // checked when greedy too
   EXPECT_ERROR(model->generate({1}, -1), "max_new_tokens is -1");
+  // A temperature near 0 samples the greedy choice (no inf - inf in the softmax).
+  const std::vector<int64_t> none;
+  EXPECT_EQ(model->generate({1, 2}, 4, models::Sampling{1e-300, 0, 1.0, 3}, &none),
+            model->generate({1, 2}, 4, models::Sampling(), &none));
 }
 
 // NaN or infinite logits (broken weights, a bad config) are an error saying so, not token 0.

@@ -326,9 +326,10 @@ int64_t pick(std::vector<double> logits, const Sampling& s, std::mt19937_64& rng
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return logits[a] > logits[b]; });
   const int64_t k = s.top_k > 0 ? std::min(s.top_k, v) : v;
   std::vector<double> p(static_cast<size_t>(k));
-  const double mx = logits[order[0]] / s.temperature;
+  // Shifted by the largest logit before the division, so that a tiny temperature gives 0 and 1, not inf - inf.
+  const double mx = logits[order[0]];
   double z = 0;
-  for (int64_t i = 0; i < k; ++i) z += p[i] = std::exp(logits[order[i]] / s.temperature - mx);
+  for (int64_t i = 0; i < k; ++i) z += p[i] = std::exp((logits[order[i]] - mx) / s.temperature);
   int64_t keep = k;
   if (s.top_p < 1.0) {
     double cum = 0;
