@@ -53,6 +53,29 @@ TEST(AdamW, MatchesItsDefinition) {
   EXPECT_THROW(train::AdamW({{"x", Tensor()}}, o), Error);
 }
 
+// Each AdamW option outside its range is an error naming it and its value.
+TEST(AdamW, OptionsOutOfRangeAreNamed) {
+  auto message = [](auto set) {
+    train::AdamWOptions o;
+    set(o);
+    try {
+      train::AdamW({{"w", Tensor::zeros({2}, DType::f32)}}, o);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(message([](auto&) {}), "");
+  EXPECT_NE(message([](auto& o) { o.lr = -1; }).find("AdamW: lr is -1; the learning rate must be"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.lr = std::nan(""); }).find("AdamW: lr is nan"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.lr = INFINITY; }).find("AdamW: lr is inf"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.beta1 = 1; }).find("AdamW: beta1 is 1; it must be in [0, 1)"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.beta2 = -0.5; }).find("AdamW: beta2 is -0.5"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.eps = 0; }).find("AdamW: eps is 0"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.weight_decay = -1; }).find("AdamW: weight_decay is -1"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.max_grad_norm = -1; }).find("AdamW: max_grad_norm is -1"), std::string::npos);
+}
+
 // A few AdamW steps on one batch lower the loss; the model saved as a Hugging Face folder reads back
 // to the same logits.
 TEST(Training, StepsLowerTheLossAndCheckpointsReadBack) {
