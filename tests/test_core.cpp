@@ -1,6 +1,7 @@
 // core/: dtype conversions, tensor views and copies, DLPack, the allocator, platform detection.
 #include <dlpack/dlpack.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -207,6 +208,44 @@ TEST(Tensor, CudaWithoutDeviceIsAClearError) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("cuda:0"), std::string::npos) << e.what();
   }
+}
+
+// A failed check's message is the user's: the expression and the source location are added only in
+// a debug build or with KCPP_DEBUG=1.
+TEST(Error, SourceLocationOnlyWhenDebugging) {
+  auto message = [](bool fail) {
+    try {
+      const int n = -1;
+      if (fail) KCPP_FAIL("n is {}", n);
+      KCPP_CHECK(n >= 0, "n is {}", n);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  const char* saved = std::getenv("KCPP_DEBUG");
+  const std::string saved_value = saved ? saved : "";
+  ::unsetenv("KCPP_DEBUG");
+  const std::string plain = message(false), plain_fail = message(true);
+  ::setenv("KCPP_DEBUG", "1", 1);
+  const std::string debug = message(false), debug_fail = message(true);
+  ::setenv("KCPP_DEBUG", "0", 1);
+  const std::string off = message(false);
+  if (saved) ::setenv("KCPP_DEBUG", saved_value.c_str(), 1);
+  else ::unsetenv("KCPP_DEBUG");
+  EXPECT_EQ(debug.rfind("n is -1 [check 'n >= 0' failed at ", 0), 0u) << debug;
+  EXPECT_NE(debug.find("test_core.cpp:"), std::string::npos) << debug;
+  EXPECT_EQ(debug_fail.rfind("n is -1 [at ", 0), 0u) << debug_fail;
+  EXPECT_NE(debug_fail.find("test_core.cpp:"), std::string::npos) << debug_fail;
+#ifdef NDEBUG
+  EXPECT_EQ(plain, "n is -1");
+  EXPECT_EQ(plain_fail, "n is -1");
+  EXPECT_EQ(off, "n is -1");
+#else
+  EXPECT_EQ(plain, debug);  // a debug build always has them
+  EXPECT_EQ(off, debug);
+  EXPECT_EQ(plain_fail.rfind("n is -1 [at ", 0), 0u) << plain_fail;
+#endif
 }
 
 TEST(Allocator, OutOfMemoryIsAnErrorNotACrash) {

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "models/causal_lm.h"
@@ -323,7 +324,7 @@ TEST_P(Families, LogitsAndLossMatchTransformers) {
     const auto a = model->generate(prompt, 5, s, &none), b = model->generate(prompt, 5, s, &none);
     EXPECT_EQ(a, b);
     for (int64_t t : a) EXPECT_TRUE(t >= 0 && t < 97);
-    EXPECT_ERROR(model->generate({200}, 1), "outside the vocabulary");
+    EXPECT_ERROR(model->generate({200}, 1), "token id 200 (position 0) is outside the model's vocabulary of 97 ids");
   }
   // Greedy continuation (the whole sequence recomputed each step) = Transformers' generate().
   std::vector<int64_t> seq;
@@ -671,6 +672,94 @@ TEST(CausalLM, DynamicRopeScalingFollowsTheSequenceLength) {
   EXPECT_TRUE(test::close_l2(dyn->forward(short_ids), pl->forward(short_ids).to_f64_vector(), 1e-6));
   EXPECT_TRUE(test::close_l2(dyn->forward(long_ids), st->forward(long_ids).to_f64_vector(), 1e-6));
   EXPECT_FALSE(test::close_l2(dyn->forward(long_ids), pl->forward(long_ids).to_f64_vector(), 1e-4));
+}
+
+}  // namespace
+}  // namespace kcpp
+
+namespace kcpp {
+namespace {
+
+// A one-layer Llama of 50 ids and a context of 8 tokens, random weights.
+std::unique_ptr<models::CausalLM> tiny_model() {
+  const nlohmann::json j = {{"model_type", "llama"}, {"vocab_size", 50}, {"hidden_size", 16}, {"intermediate_size", 24},
+                            {"num_hidden_layers", 1}, {"num_attention_heads", 2}, {"num_key_value_heads", 1},
+                            {"max_position_embeddings", 8}, {"rms_norm_eps", 1e-5}};
+  return models::CausalLM::random(models::ModelConfig::from_json(j), DType::f32, Device::cpu(), 5);
+}
+
+// Generation ends at the context length (max_position_embeddings) with the reason, however many
+// tokens were asked for; a prompt longer than the context is refused.
+TEST(CausalLM, GenerationStopsAtTheContextLength) {
+  const auto model = tiny_model();
+  const std::vector<int64_t> none;
+  models::StopReason why{};
+  auto out = model->generate({1, 2, 3}, 2'000'000'000, models::Sampling(), &none, &why);
+  EXPECT_EQ(out.size(), 8u);
+  EXPECT_EQ(why, models::StopReason::ContextLength);
+  out = model->generate({1, 2, 3}, 2, models::Sampling(), &none, &why);
+  EXPECT_EQ(out.size(), 5u);
+  EXPECT_EQ(why, models::StopReason::MaxNewTokens);
+  out = model->generate({1, 2, 3, 4, 5, 6, 7, 8}, 1, models::Sampling(), &none, &why);
+  EXPECT_EQ(out.size(), 8u);
+  EXPECT_EQ(why, models::StopReason::ContextLength);
+  out = model->generate({1, 2, 3}, 5, models::Sampling(), &out, &why);  // every token of the previous output stops it
+  EXPECT_EQ(out.size(), 4u);
+  EXPECT_EQ(why, models::StopReason::StopToken);
+  EXPECT_ERROR(model->generate(std::vector<int64_t>(9, 1), 1),
+               "the prompt has 9 tokens, more than the model's context length of 8 (max_position_embeddings");
+}
+
+// Each sampling option out of its range is an error naming it and the value (temperature 0 is greedy).
+TEST(CausalLM, SamplingOptionsOutOfRangeAreNamedErrors) {
+  const auto model = tiny_model();
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  auto with = [&](double temperature, int64_t top_k, double top_p) {
+    return error_of([&] { model->generate({1}, 1, models::Sampling{temperature, top_k, top_p, 0}); });
+  };
+  EXPECT_EQ(with(0.0, 0, 1.0), "");
+  EXPECT_EQ(with(0.7, 5, 0.5), "");
+  EXPECT_NE(with(-1.0, 0, 1.0).find("temperature is -1; it must be 0 (greedy) or a positive number"), std::string::npos);
+  EXPECT_NE(with(nan, 0, 1.0).find("temperature is nan"), std::string::npos);
+  EXPECT_NE(with(inf, 0, 1.0).find("temperature is inf"), std::string::npos);
+  EXPECT_NE(with(0.7, -5, 1.0).find("top_k is -5"), std::string::npos);
+  EXPECT_NE(with(0.7, 0, 0.0).find("top_p is 0; it must be above 0 and at most 1"), std::string::npos);
+  EXPECT_NE(with(0.7, 0, 1.5).find("top_p is 1.5"), std::string::npos);
+  EXPECT_NE(with(0.7, 0, nan).find("top_p is nan"), std::string::npos);
+  EXPECT_NE(with(0.0, 0, 0.0).find("top_p is 0"), std::string::npos);  // checked when greedy too
+  EXPECT_ERROR(model->generate({1}, -1), "max_new_tokens is -1");
+  // A temperature near 0 samples the greedy choice (no inf - inf in the softmax).
+  const std::vector<int64_t> none;
+  EXPECT_EQ(model->generate({1, 2}, 4, models::Sampling{1e-300, 0, 1.0, 3}, &none),
+            model->generate({1, 2}, 4, models::Sampling(), &none));
+}
+
+// NaN or infinite logits (broken weights, a bad config) are an error saying so, not token 0.
+TEST(CausalLM, NonFiniteLogitsAreAnError) {
+  for (double bad : {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+    const auto model = tiny_model();
+    for (auto& [name, p] : model->parameters())
+      if (name == "model.norm.weight") p.copy_(Tensor::full(p.shape(), bad, DType::f32, Device::cpu()));
+    for (const models::Sampling& s : {models::Sampling(), models::Sampling{0.8, 10, 0.9, 1}})
+      EXPECT_ERROR(model->generate({1, 2}, 3, s), "the model produced non-finite logits");
+  }
+}
+
+// A prompt id outside the vocabulary names the id, where it is and the vocabulary's size, and the
+// message carries no source location in a release build.
+TEST(CausalLM, PromptIdOutsideTheVocabularyIsNamed) {
+  const auto model = tiny_model();
+  const std::string msg = error_of([&] { model->generate({3, 50}, 1); });
+  EXPECT_NE(msg.find("the prompt's token id 50 (position 1) is outside the model's vocabulary of 50 ids (0 to 49)"),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(error_of([&] { model->generate({-1}, 1); }).find("token id -1 (position 0)"), std::string::npos);
+#ifdef NDEBUG
+  if (!std::getenv("KCPP_DEBUG")) {
+    EXPECT_EQ(msg.find(".cpp:"), std::string::npos) << msg;
+  }
+#endif
+  EXPECT_ERROR(model->generate({}, 1), "the prompt has no tokens");
 }
 
 }  // namespace

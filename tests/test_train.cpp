@@ -4,11 +4,14 @@
 #include <stdlib.h>
 
 #include <cmath>
+#include <numeric>
+#include <random>
 
 #include "models/causal_lm.h"
 #include "models/safetensors.h"
 #include "test_util.h"
 #include "train/adamw.h"
+#include "train/corpus.h"
 #include "train/trainer.h"
 
 namespace kcpp {
@@ -48,6 +51,29 @@ TEST(AdamW, MatchesItsDefinition) {
   // The bf16 weight is its f32 master rounded once (the gradient itself was rounded to bf16 too).
   EXPECT_NEAR(w.item(), master[0], 1e-2);
   EXPECT_THROW(train::AdamW({{"x", Tensor()}}, o), Error);
+}
+
+// Each AdamW option outside its range is an error naming it and its value.
+TEST(AdamW, OptionsOutOfRangeAreNamed) {
+  auto message = [](auto set) {
+    train::AdamWOptions o;
+    set(o);
+    try {
+      train::AdamW({{"w", Tensor::zeros({2}, DType::f32)}}, o);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_EQ(message([](auto&) {}), "");
+  EXPECT_NE(message([](auto& o) { o.lr = -1; }).find("AdamW: lr is -1; the learning rate must be"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.lr = std::nan(""); }).find("AdamW: lr is nan"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.lr = INFINITY; }).find("AdamW: lr is inf"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.beta1 = 1; }).find("AdamW: beta1 is 1; it must be in [0, 1)"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.beta2 = -0.5; }).find("AdamW: beta2 is -0.5"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.eps = 0; }).find("AdamW: eps is 0"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.weight_decay = -1; }).find("AdamW: weight_decay is -1"), std::string::npos);
+  EXPECT_NE(message([](auto& o) { o.max_grad_norm = -1; }).find("AdamW: max_grad_norm is -1"), std::string::npos);
 }
 
 // A few AdamW steps on one batch lower the loss; the model saved as a Hugging Face folder reads back
@@ -113,6 +139,50 @@ TEST(Training, CheckpointingGivesTheSameGradients) {
     for (const auto& [name, g] : plain.grads)
       EXPECT_EQ(ckpt.grads.at(name).to_f64_vector(), g.to_f64_vector()) << family << " " << name;
   }
+}
+
+
+// The data loader's windows stay inside the token stream: every row is a run of the stream, the
+// longest window and the largest batch are the stream's limits, and past them is a named error.
+TEST(TokenWindows, EveryWindowIsInsideTheStream) {
+  std::vector<int64_t> tokens(10);
+  std::iota(tokens.begin(), tokens.end(), 0);
+  EXPECT_EQ(train::TokenWindows::max_seq(tokens.size()), 9);
+  EXPECT_EQ(train::TokenWindows::max_batch(tokens.size(), 3), 3);
+  std::mt19937_64 rng(4);
+  for (int64_t seq : {1, 5, 9}) {
+    const train::TokenWindows w(tokens, seq, train::TokenWindows::max_batch(tokens.size(), seq));
+    for (int draw = 0; draw < 50; ++draw) {
+      const std::vector<int64_t> ids = w.next(rng);
+      ASSERT_EQ(static_cast<int64_t>(ids.size()), w.batch() * seq);
+      for (int64_t b = 0; b < w.batch(); ++b)
+        for (int64_t i = 0; i < seq; ++i) {
+          const int64_t t = ids[static_cast<size_t>(b * seq + i)];
+          ASSERT_EQ(t, ids[static_cast<size_t>(b * seq)] + i) << "row " << b << " is not a run of the stream";
+          ASSERT_TRUE(t >= 0 && t < 10);
+        }
+    }
+  }
+  auto message = [&](int64_t seq, int64_t batch) {
+    try {
+      (void)train::TokenWindows(tokens, seq, batch);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(message(10, 1).find("sequences of 10 tokens do not fit in the 10 tokens of the data; the longest allowed is 9"),
+            std::string::npos);
+  EXPECT_NE(message(400042, 1).find("the longest allowed is 9"), std::string::npos);
+  EXPECT_NE(message(3, 4).find("the largest batch allowed at that length is 3"), std::string::npos);
+  EXPECT_NE(message(0, 1).find("must be positive"), std::string::npos);
+  EXPECT_NE(message(3, -1).find("must be positive"), std::string::npos);
+  const train::TokenWindows w(tokens, 4, 1);
+  int64_t out[4];
+  w.copy_window(6, out);
+  EXPECT_EQ(out[3], 9);
+  EXPECT_THROW(w.copy_window(7, out), Error);
+  EXPECT_THROW(w.copy_window(-1, out), Error);
 }
 
 }  // namespace

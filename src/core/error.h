@@ -1,8 +1,9 @@
 // kcpp::Error and the check macros.
 //
-// Every failure in kernels.cpp becomes a kcpp::Error whose message says what was wrong, where
-// ("op rms_norm: argument 'weight': expected shape [4096], got [4095]") and, for checks, the
-// expression and source location.  Nothing in the library aborts the process.
+// Every failure in kernels.cpp becomes a kcpp::Error whose message says what was wrong and where
+// ("op rms_norm: argument 'weight': expected shape [4096], got [4095]"), complete on its own: the
+// failed expression and the source location are appended only in a debug build or with the
+// environment's KCPP_DEBUG=1.  Nothing in the library aborts the process.
 #pragma once
 
 #include <source_location>
@@ -66,7 +67,8 @@ template <typename... Args> std::string format_runtime(std::string_view f, const
 #endif
 
 // KCPP_CHECK(cond, "format {}", args...): evaluates cond once; on failure throws kcpp::Error with
-// the formatted message, the expression and the source location.
+// the formatted message (and, in a debug build or with KCPP_DEBUG=1, the expression and the source
+// location).
 #define KCPP_CHECK(cond, ...)                                                                   \
   do {                                                                                          \
     if (!(cond)) [[unlikely]] {                                                                 \
@@ -75,7 +77,7 @@ template <typename... Args> std::string format_runtime(std::string_view f, const
     }                                                                                           \
   } while (0)
 
-// KCPP_FAIL("format {}", args...): unconditional failure with a formatted message (no source
-// location: the message must say everything the user needs).
+// KCPP_FAIL("format {}", args...): unconditional failure with a formatted message (and the source
+// location as KCPP_CHECK adds it).
 #define KCPP_FAIL(...) \
   ::kcpp::detail::throw_check_failure(nullptr, KCPP_FORMAT(__VA_ARGS__), ::std::source_location::current())

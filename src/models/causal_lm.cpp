@@ -354,6 +354,14 @@ Tensor CausalLM::forward(const Tensor& ids, KVCache* cache) {
   return ops::matmul(h.view({b * s, cfg_.hidden_size}), lm_head_, false, true).view({b, s, cfg_.vocab_size});
 }
 
+void Sampling::validate() const {
+  KCPP_CHECK(std::isfinite(temperature) && temperature >= 0.0,
+             "sampling: temperature is {}; it must be 0 (greedy) or a positive number", temperature);
+  KCPP_CHECK(top_k >= 0, "sampling: top_k is {}; it must be 0 (every token) or a positive number of tokens", top_k);
+  KCPP_CHECK(top_p > 0.0 && top_p <= 1.0, "sampling: top_p is {}; it must be above 0 and at most 1 (1 keeps every token)",
+             top_p);
+}
+
 namespace {
 
 // The next token from the last position's logits (host f64 values), as Transformers' generate():
@@ -366,9 +374,10 @@ int64_t pick(std::vector<double> logits, const Sampling& s, std::mt19937_64& rng
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return logits[a] > logits[b]; });
   const int64_t k = s.top_k > 0 ? std::min(s.top_k, v) : v;
   std::vector<double> p(static_cast<size_t>(k));
-  const double mx = logits[order[0]] / s.temperature;
+  // Shifted by the largest logit before the division, so that a tiny temperature gives 0 and 1, not inf - inf.
+  const double mx = logits[order[0]];
   double z = 0;
-  for (int64_t i = 0; i < k; ++i) z += p[i] = std::exp(logits[order[i]] / s.temperature - mx);
+  for (int64_t i = 0; i < k; ++i) z += p[i] = std::exp((logits[order[i]] - mx) / s.temperature);
   int64_t keep = k;
   if (s.top_p < 1.0) {
     double cum = 0;
@@ -387,26 +396,43 @@ int64_t pick(std::vector<double> logits, const Sampling& s, std::mt19937_64& rng
 }  // namespace
 
 std::vector<int64_t> CausalLM::generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens, const Sampling& sampling,
-                                        const std::vector<int64_t>* stop) {
-  KCPP_CHECK(!prompt.empty(), "generate: empty prompt");
-  KCPP_CHECK(max_new_tokens >= 0, "generate: max_new_tokens {} < 0", max_new_tokens);
-  KCPP_CHECK(sampling.top_p > 0.0 && sampling.top_p <= 1.0, "generate: top_p {} outside (0, 1]", sampling.top_p);
-  for (int64_t t : prompt)
-    KCPP_CHECK(t >= 0 && t < cfg_.vocab_size, "generate: prompt token {} outside the vocabulary [0, {})", t, cfg_.vocab_size);
+                                        const std::vector<int64_t>* stop, StopReason* reason) {
+  KCPP_CHECK(!prompt.empty(), "generate: the prompt has no tokens");
+  KCPP_CHECK(max_new_tokens >= 0, "generate: max_new_tokens is {}; it must be 0 or more", max_new_tokens);
+  sampling.validate();
+  const int64_t context = cfg_.max_position_embeddings, n_prompt = static_cast<int64_t>(prompt.size());
+  KCPP_CHECK(n_prompt <= context,
+             "generate: the prompt has {} tokens, more than the model's context length of {} (max_position_embeddings in "
+             "config.json); shorten the prompt", n_prompt, context);
+  for (size_t i = 0; i < prompt.size(); ++i)
+    KCPP_CHECK(prompt[i] >= 0 && prompt[i] < cfg_.vocab_size,
+               "generate: the prompt's token id {} (position {}) is outside the model's vocabulary of {} ids (0 to {}); "
+               "were the ids made by another model's tokenizer?", prompt[i], i, cfg_.vocab_size, cfg_.vocab_size - 1);
   const std::vector<int64_t>& stops = stop ? *stop : cfg_.eos_token_id;
+  const int64_t steps = std::min(max_new_tokens, context - n_prompt);
+  StopReason why = steps < max_new_tokens ? StopReason::ContextLength : StopReason::MaxNewTokens;
   std::mt19937_64 rng(sampling.seed);
   std::vector<int64_t> out = prompt;
   KVCache cache;
-  Tensor next = Tensor::from_i64(prompt, {1, static_cast<int64_t>(prompt.size())}, DType::i64, device_);
-  for (int64_t step = 0; step < max_new_tokens; ++step) {
+  Tensor next = Tensor::from_i64(prompt, {1, n_prompt}, DType::i64, device_);
+  for (int64_t step = 0; step < steps; ++step) {
     const Tensor logits = forward(next, &cache);
     const int64_t n = logits.size(1), v = cfg_.vocab_size;
     const auto all = logits.narrow(1, n - 1, 1).to_f64_vector();
+    const auto bad = std::find_if(all.begin(), all.begin() + v, [](double x) { return !std::isfinite(x); });
+    KCPP_CHECK(bad == all.begin() + v,
+               "generate: the model produced non-finite logits ({} for token id {}) at position {}; check the weights "
+               "(NaN or infinite values in the safetensors) and config.json (rope_theta, rms_norm_eps, ...)", *bad,
+               bad - all.begin(), static_cast<int64_t>(out.size()) - 1);
     const int64_t tok = pick(std::vector<double>(all.begin(), all.begin() + v), sampling, rng);
     out.push_back(tok);
-    if (std::find(stops.begin(), stops.end(), tok) != stops.end()) break;
+    if (std::find(stops.begin(), stops.end(), tok) != stops.end()) {
+      why = StopReason::StopToken;
+      break;
+    }
     next = Tensor::from_i64(std::vector<int64_t>{tok}, {1, 1}, DType::i64, device_);
   }
+  if (reason) *reason = why;
   return out;
 }
 

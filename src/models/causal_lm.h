@@ -30,10 +30,21 @@ namespace kcpp::models {
 // restricted to the top_k tokens (0 = all) and then to the smallest set whose probability reaches
 // top_p, sampled with `seed`.
 struct Sampling {
-  double temperature = 0.0;
-  int64_t top_k = 0;
-  double top_p = 1.0;
+  double temperature = 0.0;  // 0 or a positive finite number
+  int64_t top_k = 0;         // >= 0
+  double top_p = 1.0;        // in (0, 1]
   uint64_t seed = 0;
+
+  // Throws kcpp::Error naming the option and the value when one is outside its range (a negative
+  // or NaN temperature, a negative top_k, top_p 0 or above 1).
+  void validate() const;
+};
+
+// Why generate() stopped.
+enum class StopReason {
+  MaxNewTokens,   // it generated max_new_tokens
+  StopToken,      // it generated a token of `stop`
+  ContextLength,  // the sequence reached the model's context length (max_position_embeddings)
 };
 
 // How CausalLM::from_folder treats the weight files.  A weight the config needs and the files lack
@@ -70,9 +81,13 @@ class CausalLM : public nn::Module {
   Tensor forward(const Tensor& input_ids, KVCache* cache = nullptr);
 
   // prompt + up to max_new_tokens generated with the KV cache; stops after a token of `stop`
-  // (default: the config's eos_token_id).  Batch of one.
+  // (default: the config's eos_token_id) or when the sequence holds max_position_embeddings tokens
+  // (the model's context length), and says which in `reason` if given.  Batch of one.  Throws
+  // kcpp::Error on a prompt that is empty, longer than the context or has an id outside the
+  // vocabulary, on invalid sampling options, and when the model's logits are not finite (NaN or
+  // infinite: broken weights or config).
   std::vector<int64_t> generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens, const Sampling& sampling = Sampling(),
-                                const std::vector<int64_t>* stop = nullptr);
+                                const std::vector<int64_t>* stop = nullptr, StopReason* reason = nullptr);
   // ForCausalLMLoss of forward(input_ids) against labels [B, S] (f32 scalar).
   Tensor loss(const Tensor& input_ids, const Tensor& labels);
 

@@ -18,10 +18,13 @@ bool decays(const std::string& name) {
 }  // namespace
 
 AdamW::AdamW(std::vector<std::pair<std::string, Tensor>> params, AdamWOptions o) : options(o) {
-  KCPP_CHECK(o.lr >= 0 && o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1 && o.eps > 0 && o.weight_decay >= 0 &&
-                 o.max_grad_norm >= 0,
-             "AdamW: bad options (lr {}, betas ({}, {}), eps {}, weight_decay {}, max_grad_norm {})", o.lr, o.beta1, o.beta2,
-             o.eps, o.weight_decay, o.max_grad_norm);
+  // The ranges torch.optim.AdamW accepts (eps strictly positive here: it divides), each named; NaN fails every one.
+  KCPP_CHECK(o.lr >= 0 && std::isfinite(o.lr), "AdamW: lr is {}; the learning rate must be a finite number, 0 or more", o.lr);
+  KCPP_CHECK(o.beta1 >= 0 && o.beta1 < 1, "AdamW: beta1 is {}; it must be in [0, 1)", o.beta1);
+  KCPP_CHECK(o.beta2 >= 0 && o.beta2 < 1, "AdamW: beta2 is {}; it must be in [0, 1)", o.beta2);
+  KCPP_CHECK(o.eps > 0, "AdamW: eps is {}; it must be positive", o.eps);
+  KCPP_CHECK(o.weight_decay >= 0, "AdamW: weight_decay is {}; it must be 0 or more", o.weight_decay);
+  KCPP_CHECK(o.max_grad_norm >= 0, "AdamW: max_grad_norm is {}; it must be 0 (no clipping) or more", o.max_grad_norm);
   for (auto& [name, p] : params) {
     KCPP_CHECK(p.defined(), "AdamW: parameter '{}' is undefined", name);
     KCPP_CHECK(p.is_contiguous(), "AdamW: parameter '{}' is not contiguous", name);

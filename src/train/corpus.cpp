@@ -1,6 +1,9 @@
 #include "train/corpus.h"
 
+#include <algorithm>
 #include <random>
+
+#include "core/error.h"
 
 namespace kcpp::train {
 
@@ -55,6 +58,35 @@ std::string ByteTokenizer::decode(const std::vector<int64_t>& ids) const {
   for (int64_t t : ids)
     if (t >= 0 && t < 256) s.push_back(static_cast<char>(t));
   return s;
+}
+
+int64_t TokenWindows::max_seq(size_t tokens) { return std::max<int64_t>(0, static_cast<int64_t>(tokens) - 1); }
+
+int64_t TokenWindows::max_batch(size_t tokens, int64_t seq) {
+  return seq > 0 ? static_cast<int64_t>(tokens) / seq : 0;
+}
+
+TokenWindows::TokenWindows(std::span<const int64_t> tokens, int64_t seq, int64_t batch)
+    : tokens_(tokens), seq_(seq), batch_(batch) {
+  const size_t n = tokens.size();
+  KCPP_CHECK(seq > 0 && batch > 0, "training data: sequences of {} tokens, {} per batch: both must be positive", seq, batch);
+  KCPP_CHECK(seq <= max_seq(n), "training data: sequences of {} tokens do not fit in the {} tokens of the data; the longest "
+             "allowed is {}", seq, n, max_seq(n));
+  KCPP_CHECK(batch <= max_batch(n, seq), "training data: a batch of {} sequences of {} tokens needs more tokens than the {} of "
+             "the data; the largest batch allowed at that length is {}", batch, seq, n, max_batch(n, seq));
+}
+
+std::vector<int64_t> TokenWindows::next(std::mt19937_64& rng) const {
+  std::uniform_int_distribution<int64_t> start(0, static_cast<int64_t>(tokens_.size()) - seq_ - 1);
+  std::vector<int64_t> ids(static_cast<size_t>(batch_ * seq_));
+  for (int64_t b = 0; b < batch_; ++b) copy_window(start(rng), ids.data() + b * seq_);
+  return ids;
+}
+
+void TokenWindows::copy_window(int64_t start, int64_t* out) const {
+  KCPP_CHECK(start >= 0 && start <= static_cast<int64_t>(tokens_.size()) - seq_,
+             "training data: a window of {} tokens at {} is outside the {} tokens of the data", seq_, start, tokens_.size());
+  std::copy(tokens_.begin() + start, tokens_.begin() + start + seq_, out);
 }
 
 }  // namespace kcpp::train

@@ -61,6 +61,9 @@ DType float_dtype(const std::string& s) {
 }
 
 int run_generate(const GenerateArgs& a) {
+  const models::Sampling s{a.temperature, a.top_k, a.top_p, a.seed};
+  s.validate();  // before the model is read
+  KCPP_CHECK(a.max_new_tokens >= 0, "kcpp generate: --max-new-tokens is {}; it must be 0 or more", a.max_new_tokens);
   const Device dev = a.device == "auto" ? (cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu()) : parse_device(a.device);
   auto model = models::CausalLM::from_folder(a.model, float_dtype(a.dtype), dev);
   if (!a.kernels.empty()) {
@@ -71,8 +74,7 @@ int run_generate(const GenerateArgs& a) {
                                          nn::hub_loader(std::make_shared<hub::Hub>(std::move(hc))));
     fmt::print(stderr, "{}", report.str());
   }
-  models::Sampling s{a.temperature, a.top_k, a.top_p, a.seed};
-  KCPP_CHECK(a.prompt.empty() != a.prompt_ids.empty(), "kcpp generate: give --prompt TEXT or --prompt-ids, not both");
+  KCPP_CHECK(a.prompt.empty() != a.prompt_ids.empty(), "kcpp generate: give either --prompt TEXT or --prompt-ids (exactly one)");
   std::optional<models::Tokenizer> tok;
   std::vector<int64_t> prompt;
   if (!a.prompt.empty()) {
@@ -87,11 +89,16 @@ int run_generate(const GenerateArgs& a) {
   }
   const std::vector<int64_t>& eos = model->config().eos_token_id;
   const auto t0 = std::chrono::steady_clock::now();
-  const auto out = model->generate(prompt, a.max_new_tokens, s, tok && !eos.empty() ? &eos : nullptr);
+  models::StopReason why{};
+  const auto out = model->generate(prompt, a.max_new_tokens, s, tok && !eos.empty() ? &eos : nullptr, &why);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (tok) fmt::print("{}\n", tok->decode(out, true));
   else fmt::print("{}\n", fmt::join(out, ","));
   const size_t fresh = out.size() - prompt.size();
+  if (why == models::StopReason::ContextLength)
+    fmt::print(stderr, "kcpp generate: stopped at the model's context length of {} tokens (max_position_embeddings): {} of "
+               "--max-new-tokens {} generated after the {}-token prompt\n", model->config().max_position_embeddings, fresh,
+               a.max_new_tokens, prompt.size());
   fmt::print(stderr, "{} new tokens in {:.3f} s ({:.1f} tokens/s) on {}\n", fresh, secs, fresh / std::max(secs, 1e-9), dev.str());
   if (!a.kernels.empty()) fmt::print(stderr, "{}", model->kernel_report());
   return 0;

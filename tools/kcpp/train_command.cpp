@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -32,8 +33,9 @@ namespace kcpp::tools {
 namespace {
 
 struct TrainArgs {
-  // 0 / "": chosen by the device (run_train): a GPU gets a larger model in bf16.
-  int64_t steps = 0, batch = 16, seq = 0, layers = 4, hidden = 0;
+  // Unset / "": chosen by the device (run_train): a GPU gets a larger model in bf16.
+  std::optional<int64_t> given_steps, given_seq, given_hidden;
+  int64_t steps = 0, batch = 16, seq = 0, layers = 4, hidden = 0;  // as run
   double lr = 3e-3;
   std::string device = "auto", dtype, packages, save;
   std::string liger_kernel_config = "{}";  // LigerSwitches as JSON, as TrainingArguments(liger_kernel_config=...)
@@ -89,19 +91,14 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::
   train::AdamW opt(r.model->parameters(), o);
   Generator gen(a.seed + 1);
   const int64_t span = a.seq;
-  std::uniform_int_distribution<int64_t> start(0, static_cast<int64_t>(tokens.size()) - span - 1);
+  const train::TokenWindows windows(tokens, span, a.batch);
   Allocator& alloc = allocator_for(dev);
   synchronize(dev);
   alloc.reset_peak();
   const size_t base = alloc.stats().current;
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t step = 1; step <= a.steps; ++step) {
-    std::vector<int64_t> ids(static_cast<size_t>(a.batch * span));
-    for (int64_t b = 0; b < a.batch; ++b) {
-      const int64_t s0 = start(gen.engine());
-      std::copy(tokens.begin() + s0, tokens.begin() + s0 + span, ids.begin() + b * span);
-    }
-    const Tensor batch = Tensor::from_i64(ids, {a.batch, span}, DType::i64, dev);
+    const Tensor batch = Tensor::from_i64(windows.next(gen.engine()), {a.batch, span}, DType::i64, dev);
     const train::StepResult s = train::train_step(*r.model, opt, {{batch, batch}});
     if (step == 1) r.first_loss = s.loss;
     r.final_loss = s.loss;
@@ -124,14 +121,29 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::
   return r;
 }
 
+// The flags that size the run, each checked by name (the corpus's limits on --seq and --batch are
+// checked where the corpus is made).
+void check_sizes(const TrainArgs& a) {
+  KCPP_CHECK(a.steps > 0, "kcpp train: --steps is {}; it must be a positive number of optimizer steps", a.steps);
+  KCPP_CHECK(a.batch > 0, "kcpp train: --batch is {}; it must be a positive number of sequences", a.batch);
+  KCPP_CHECK(a.seq > 1, "kcpp train: --seq is {}; a sequence needs at least 2 tokens (each token is trained to predict the "
+             "next)", a.seq);
+  KCPP_CHECK(a.layers > 0, "kcpp train: --layers is {}; it must be a positive number of decoder layers", a.layers);
+  // small_llama's heads: 4 of hidden / 4 (an even size, for RoPE) below 256, else heads of 64 in
+  // pairs sharing a key-value head.
+  KCPP_CHECK(a.hidden > 0 && a.hidden % 8 == 0 && (a.hidden < 256 || a.hidden % 128 == 0),
+             "kcpp train: --hidden is {}; it must be a positive multiple of 8 below 256 (4 attention heads) and a multiple "
+             "of 128 from 256 on (heads of 64)", a.hidden);
+  KCPP_CHECK(std::isfinite(a.lr) && a.lr > 0, "kcpp train: --lr is {}; the learning rate must be a positive number", a.lr);
+}
+
 int run_train(TrainArgs a) {
   const Device dev = a.device == "auto" ? (cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu()) : parse_device(a.device);
-  if (a.steps == 0) a.steps = dev.is_cuda() ? 1000 : 60;
-  if (a.hidden == 0) a.hidden = dev.is_cuda() ? 512 : 128;
-  if (a.seq == 0) a.seq = dev.is_cuda() ? 512 : 128;
+  a.steps = a.given_steps.value_or(dev.is_cuda() ? 1000 : 60);
+  a.hidden = a.given_hidden.value_or(dev.is_cuda() ? 512 : 128);
+  a.seq = a.given_seq.value_or(dev.is_cuda() ? 512 : 128);
   if (a.dtype.empty()) a.dtype = dev.is_cuda() ? "bf16" : "f32";
-  KCPP_CHECK(a.steps > 0 && a.batch > 0 && a.seq > 1 && a.layers > 0 && a.hidden % 8 == 0 && a.hidden > 0,
-             "kcpp train: steps, batch, layers must be positive, seq > 1, hidden a positive multiple of 8");
+  check_sizes(a);
   try {
     nn::LigerSwitches::parse(nlohmann::json::parse(a.liger_kernel_config));  // a mistake fails before any training
   } catch (const nlohmann::json::exception& e) {
@@ -144,6 +156,12 @@ int run_train(TrainArgs a) {
   const train::ByteTokenizer tok;
   const std::string corpus = train::generated_corpus(400000);
   const std::vector<int64_t> tokens = tok.encode(corpus);
+  KCPP_CHECK(a.seq <= train::TokenWindows::max_seq(tokens.size()),
+             "kcpp train: --seq is {}; the embedded corpus ({} tokens) allows sequences of at most {}", a.seq, tokens.size(),
+             train::TokenWindows::max_seq(tokens.size()));
+  KCPP_CHECK(a.batch <= train::TokenWindows::max_batch(tokens.size(), a.seq),
+             "kcpp train: --batch is {}; at --seq {} the embedded corpus ({} tokens) allows batches of at most {}", a.batch,
+             a.seq, tokens.size(), train::TokenWindows::max_batch(tokens.size(), a.seq));
   fmt::print("kcpp train: a {}-layer Llama-style model (hidden {}, byte-level vocabulary {}) on {} bytes of generated text, "
              "{} steps of {} x {} tokens, {} weights{}, AdamW lr {}, on {}\n",
              a.layers, a.hidden, train::ByteTokenizer::kVocab, corpus.size(), a.steps, a.batch, a.seq, a.dtype,
@@ -166,9 +184,15 @@ int run_train(TrainArgs a) {
                100.0 * runs[1].peak_mib / std::max(runs[0].peak_mib, 1e-9));
   models::CausalLM& best = *runs.back().model;
   best.eval();
-  const std::string prompt = "The ";
-  const auto out = best.generate(tok.encode(prompt), 160, models::Sampling{0.7, 20, 0.95, a.seed});
-  fmt::print("\nsample ({}): {}\n", runs.back().name, tok.decode(out));
+  // The sample stays inside the context the model was trained on (--seq tokens).
+  const std::vector<int64_t> prompt = tok.encode("The ");
+  const int64_t room = a.seq - static_cast<int64_t>(prompt.size());
+  if (room > 0) {
+    const auto out = best.generate(prompt, std::min<int64_t>(160, room), models::Sampling{0.7, 20, 0.95, a.seed});
+    fmt::print("\nsample ({}): {}\n", runs.back().name, tok.decode(out));
+  } else {
+    fmt::print("\n(no sample: --seq {} leaves no room after the {}-token prompt)\n", a.seq, prompt.size());
+  }
   if (!a.save.empty()) {
     best.save(a.save);
     std::ofstream(std::filesystem::path(a.save) / "tokenizer.json")
@@ -206,11 +230,13 @@ std::optional<std::filesystem::path> find_built_package(const std::string& given
 void add_train_command(CLI::App& app, Action& action) {
   auto args = std::make_shared<TrainArgs>();
   auto* t = app.add_subcommand("train", "Train a small Llama-style model on the embedded corpus: reference layers, then kernels, side by side");
-  t->add_option("--steps", args->steps, "Optimizer steps (default 1000 on a GPU, 60 on the CPU)");
+  t->add_option("--steps", args->given_steps, "Optimizer steps (default 1000 on a GPU, 60 on the CPU)");
   t->add_option("--batch", args->batch, "Sequences per step")->capture_default_str();
-  t->add_option("--seq", args->seq, "Tokens per sequence (default 512 on a GPU, 128 on the CPU)");
+  t->add_option("--seq", args->given_seq, "Tokens per sequence (default 512 on a GPU, 128 on the CPU)");
   t->add_option("--layers", args->layers, "Decoder layers")->capture_default_str();
-  t->add_option("--hidden", args->hidden, "Hidden size, a multiple of 8 (default 512 on a GPU: 8 heads of 64; 128 on the CPU: 4 heads)");
+  t->add_option("--hidden", args->given_hidden,
+                "Hidden size: a multiple of 8 below 256 (4 heads), of 128 from 256 on (heads of 64) (default 512 on a GPU: 8 "
+                "heads of 64; 128 on the CPU: 4 heads)");
   t->add_option("--dtype", args->dtype, "Weights: f32, bf16 or f16 (16-bit with f32 master copies; default bf16 on a GPU, f32 on the CPU)");
   t->add_option("--lr", args->lr, "AdamW learning rate")->capture_default_str();
   t->add_option("--seed", args->seed, "Initialization and data seed")->capture_default_str();
