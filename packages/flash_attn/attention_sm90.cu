@@ -1,0 +1,552 @@
+// Attention forward on Hopper (sm_90a): warpgroup MMA (wgmma) on tiles that the tensor memory
+// accelerator (TMA) brings into shared memory, producer / consumer warp specialization, and the
+// softmax of one key tile overlapped with the matrix products of the next.  The maths, the layout
+// and the log-sum-exp it saves are attention.h's; the backward is the mma.sync one.
+//
+// The algorithm is FlashAttention-3's (Shah, Bikshandi, Zhang, Thakkar, Ramani, Dao, "FlashAttention-3:
+// Fast and Accurate Attention with Asynchrony and Low-precision", 2024, section 3): a block of three
+// warpgroups per 128 queries of one head.  Warpgroup 0 is the producer: one thread issues the bulk
+// tensor copies of the block's Q tile and of each K and V tile into a ring of kStages slots, each slot
+// guarded by a "full" mbarrier (the copy engine completes it with the bytes it wrote) and an "empty"
+// one (every consumer warp arrives once it no longer reads the slot); it gives up registers
+// (setmaxnreg) to the consumers.  Warpgroups 1 and 2 each own 64 query rows and run, per key tile j:
+//   S_j = Q K_j^T                   wgmma, A and B from shared memory (both K-major)
+//   O  += P_{j-1} V_{j-1}           wgmma, A (the probabilities) from registers, B = V (MN-major)
+//   softmax of S_j in registers while the O product runs (the two are issued together and waited
+//   for one after the other), then O is rescaled by the change of the running maximum.
+// Key tiles are visited from the last to the first, so the tiles that need a mask come first.
+// Blocks are launched heads-fastest with the heaviest (last) query tiles first, which balances the
+// causal triangle and keeps the query heads of one kv head close in time (their K / V stay in L2).
+//
+// Shared memory: every tile is stored as D / 64 column blocks of [rows][64] elements (128 bytes a
+// row) in the 128-byte swizzle that both TMA (CU_TENSOR_MAP_SWIZZLE_128B) and wgmma's descriptors
+// (layout type 1) use: 16-byte chunk c of row r lands at chunk c ^ (r % 8), each 8-row group being
+// 1024 bytes, so every tile starts on a 1024-byte boundary.  Descriptor strides (PTX ISA, "Matrix
+// Descriptor Format" and its canonical layouts): K-major operands (Q, K) step 1024 bytes between
+// 8-row groups (SBO), and a k-step of 16 elements inside a 128-byte row advances the start address
+// by 32 bytes; V read MN-major steps 1024 bytes between 8-key groups (SBO) and Bc * 128 bytes between
+// 64-column blocks (LBO).
+// Fragments: the f32 accumulator of m64nNk16 gives warp w of the warpgroup rows 16 w + g and
+// 16 w + g + 8 (g = lane / 4), columns 8 i + 2 t, 8 i + 2 t + 1 (t = lane % 4) in registers 4 i ..
+// 4 i + 3; the A operand from registers has mma.sync's m16n8k16 layout, so two neighbouring 8-column
+// accumulator groups of S become one k-step of P without any data movement between threads.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "attention.h"
+#include "kcpp/kernel/cuda.cuh"
+#include "kcpp/kernel/error.h"
+
+// The device code exists only in the sm_90a pass (wgmma and setmaxnreg are sm_90a instructions);
+// other passes compile an empty kernel that the host never launches.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KCPP_SM90_DEVICE 1
+#else
+#define KCPP_SM90_DEVICE 0
+#endif
+
+namespace kcpp::flash {
+namespace {
+
+using kernel::DType;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+constexpr int kBr = 128;           // queries a block: two consumer warpgroups of 64
+constexpr int kThreads = 3 * 128;  // producer warpgroup + two consumer warpgroups
+
+// Keys a tile and ring depth by head dim: a K or V tile is kBc x D, two of them a stage.
+template <int D> struct Tile {
+  static constexpr int kBc = 128;
+  static constexpr int kStages = D == 64 ? 4 : 2;
+  static constexpr int kCols = D / 64;                  // 64-column (128-byte) blocks of a row
+  static constexpr int kQBytes = kBr * D * 2;
+  static constexpr int kKVBytes = kBc * D * 2;          // one K or one V tile
+  static constexpr int kBarBytes = 8 * (1 + 4 * kStages);
+  static constexpr int kSmem = 1024 /* alignment slack */ + kQBytes + 2 * kStages * kKVBytes + kBarBytes;
+  static_assert(kSmem <= 227 * 1024, "attention_sm90: the tiles do not fit in shared memory");
+};
+
+#if KCPP_SM90_DEVICE || !defined(__CUDA_ARCH__)
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+// ---- mbarriers and the bulk tensor copy -----------------------------------------------------------
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase of parity `parity` has completed (a fresh barrier counts parity 1 as done).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// Box {64, rows, 1, 1} of a 4-d tensor map at coordinates (c0, c1, c2, c3) into shared `dst`,
+// completing `bar` with its byte count.
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+// ---- warpgroup MMA --------------------------------------------------------------------------------
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// Pins registers that an in-flight wgmma reads or writes: the compiler may not move their uses across.
+template <int N> __device__ __forceinline__ void pin(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N> __device__ __forceinline__ void pin(uint32_t (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle.
+__device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16 |
+         static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32 | uint64_t{1} << 62;
+}
+
+// d (64 x N, f32) = (scale_d ? d : 0) + A B^T, A and B K-major in shared memory (descriptors).
+template <typename T, int N> __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int scale_d);
+// d (64 x N, f32) += A B, A (64 x 16) in registers, B (16 x N) MN-major in shared memory.
+template <typename T, int N> __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b);
+
+// The wgmma instructions, one per shape and type (operand lists written out: inline PTX has no loops).
+template <> __device__ __forceinline__ void wgmma_rs<__nv_bfloat16, 64>(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+template <> __device__ __forceinline__ void wgmma_ss<__nv_bfloat16, 128>(float (&d)[64], uint64_t a, uint64_t b, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+               : "l"(a), "l"(b), "r"(scale_d));
+}
+template <> __device__ __forceinline__ void wgmma_rs<__nv_bfloat16, 128>(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+template <> __device__ __forceinline__ void wgmma_rs<__half, 64>(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+template <> __device__ __forceinline__ void wgmma_ss<__half, 128>(float (&d)[64], uint64_t a, uint64_t b, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+               : "l"(a), "l"(b), "r"(scale_d));
+}
+template <> __device__ __forceinline__ void wgmma_rs<__half, 128>(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ void bar_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+#endif  // KCPP_SM90_DEVICE || !defined(__CUDA_ARCH__)
+
+// ---- the kernel -----------------------------------------------------------------------------------
+
+// PP: ping-pong between the consumer warpgroups (FlashAttention-3, section 3.1): each issues its
+// matrix products only after the other has issued its own, so one's softmax runs while the other's
+// products occupy the tensor cores.  Named barriers 1 and 2 pass the turn.
+template <typename T, int D, bool PP>
+__global__ void __launch_bounds__(kThreads, 1)
+    fwd_sm90_kernel(const __grid_constant__ AttentionParams p, const __grid_constant__ CUtensorMap tq,
+                    const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv) {
+#if KCPP_SM90_DEVICE
+  using C = Tile<D>;
+  constexpr int kBc = C::kBc, kS = C::kStages, kNS = kBc / 2, kNO = D / 2;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t sK = sQ + C::kQBytes, sV = sK + kS * C::kKVBytes, bars = sV + kS * C::kKVBytes;
+  const uint32_t bar_q = bars;
+  auto kfull = [&](int s) { return bars + 8u * (1 + s); };
+  auto vfull = [&](int s) { return bars + 8u * (1 + kS + s); };
+  auto kempty = [&](int s) { return bars + 8u * (1 + 2 * kS + s); };
+  auto vempty = [&](int s) { return bars + 8u * (1 + 3 * kS + s); };
+
+  const int tid = threadIdx.x;
+  const int64_t b = blockIdx.x / p.heads_q, h = blockIdx.x % p.heads_q, hk = h / (p.heads_q / p.heads_kv);
+  const int64_t q0 = static_cast<int64_t>(gridDim.y - 1 - blockIdx.y) * kBr, off = p.seq_kv - p.seq_q;
+  const int64_t pos_hi = min(q0 + kBr, p.seq_q) - 1 + off;
+  const int n_tiles = static_cast<int>(p.causal ? pos_hi / kBc + 1 : (p.seq_kv + kBc - 1) / kBc);
+
+  if (tid == 0) {
+    mbar_init(bar_q, 1);
+    for (int s = 0; s < kS; ++s) {
+      mbar_init(kfull(s), 1), mbar_init(vfull(s), 1);
+      mbar_init(kempty(s), 8), mbar_init(vempty(s), 8);  // every consumer warp arrives
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (tid < 128) {
+    // Producer: one thread issues every copy; the warpgroup keeps few registers.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+    if (tid == 0) {
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tq)) : "memory");
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tk)) : "memory");
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tv)) : "memory");
+      mbar_expect_tx(bar_q, C::kQBytes);
+#pragma unroll
+      for (int c = 0; c < C::kCols; ++c)
+        tma_load(sQ + c * kBr * 128, &tq, bar_q, c * 64, static_cast<int>(q0), static_cast<int>(h), static_cast<int>(b));
+      // K of tile it, then V of tile it - 1 (the consumers need them in that order): a K load never
+      // waits behind the release of a V slot.
+      auto load = [&](const CUtensorMap* map, uint32_t dst, uint32_t full, uint32_t empty, int it) {
+        const int s = it % kS;
+        mbar_wait(empty, ((it / kS) & 1) ^ 1);
+        mbar_expect_tx(full, C::kKVBytes);
+#pragma unroll
+        for (int c = 0; c < C::kCols; ++c)
+          tma_load(dst + s * C::kKVBytes + c * kBc * 128, map, full, c * 64, (n_tiles - 1 - it) * kBc, static_cast<int>(hk),
+                   static_cast<int>(b));
+      };
+      for (int it = 0; it <= n_tiles; ++it) {
+        if (it < n_tiles) load(&tk, sK, kfull(it % kS), kempty(it % kS), it);
+        if (it > 0) load(&tv, sV, vfull((it - 1) % kS), vempty((it - 1) % kS), it - 1);
+      }
+    }
+    return;
+  }
+
+  // Consumers.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+  const int cw = tid / 128 - 1, lane = tid % 32, warp = (tid % 128) / 32, g = lane / 4, t = lane % 4;
+  const int64_t row0 = q0 + cw * 64 + warp * 16 + g;  // this thread's rows: row0 and row0 + 8
+  const int64_t pos0 = row0 + off, pos_wg = q0 + cw * 64 + off;
+  const float sl2 = p.scale * kLog2e;
+
+  float o[kNO], s[kNS];
+  uint32_t pf[kBc / 16][4];  // P as the A operand of k-steps of 16 keys
+  float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int i = 0; i < kNO; ++i) o[i] = 0.0f;
+
+  const uint32_t q_base = sQ + cw * 64 * 128;
+  auto qk = [&](int st) {  // s = Q K^T for ring slot st (issued, not waited for)
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss<T, kBc>(s, desc(q_base + (kk / 4) * kBr * 128 + (kk % 4) * 32, 16, 1024),
+                       desc(sK + st * C::kKVBytes + (kk / 4) * kBc * 128 + (kk % 4) * 32, 16, 1024), kk > 0);
+  };
+  auto pv = [&](int st) {  // o += P V for ring slot st
+#pragma unroll
+    for (int kk = 0; kk < kBc / 16; ++kk) wgmma_rs<T, D>(o, pf[kk], desc(sV + st * C::kKVBytes + kk * 16 * 128, kBc * 128, 1024));
+  };
+  // The online softmax of tile `it`: s becomes the probabilities (f32, relative to the new maximum),
+  // corr the factor that rescales what was accumulated before.
+  auto softmax = [&](int it, float (&corr)[2]) {
+    const int64_t j0 = static_cast<int64_t>(n_tiles - 1 - it) * kBc;
+    const bool masked = (p.causal && j0 + kBc - 1 > pos_wg) || j0 + kBc > p.seq_kv;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (masked) {
+        const int64_t pos = pos0 + 8 * r;
+#pragma unroll
+        for (int i = 0; i < kBc / 8; ++i)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int64_t j = j0 + 8 * i + 2 * t + e;
+            if (j >= p.seq_kv || (p.causal && j > pos)) s[4 * i + 2 * r + e] = -INFINITY;
+          }
+      }
+      // The maximum of the raw scores (scale > 0 on this path), then p = 2^(s sl2 - max sl2).
+      float m = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < kBc / 8; ++i) m = fmaxf(m, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      const float m_new = fmaxf(mx[r], m * sl2);
+      const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+      corr[r] = ex2(mx[r] - m_use);
+      mx[r] = m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kBc / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) sum += (s[4 * i + 2 * r + e] = ex2(fmaf(s[4 * i + 2 * r + e], sl2, -m_use)));
+      l[r] = l[r] * corr[r] + sum;
+    }
+  };
+  auto to_p = [&] {
+#pragma unroll
+    for (int kk = 0; kk < kBc / 16; ++kk) {
+      pf[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+      pf[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+      pf[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+      pf[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+  };
+  auto rescale = [&](const float (&corr)[2]) {
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[4 * i] *= corr[0], o[4 * i + 1] *= corr[0], o[4 * i + 2] *= corr[1], o[4 * i + 3] *= corr[1];
+  };
+
+  // The turn to issue matrix products (PP): warpgroup 0 first.
+  auto my_turn = [&] {
+    if constexpr (PP) bar_sync(1 + cw, 256);
+  };
+  auto your_turn = [&](bool last) {
+    if constexpr (PP)
+      if (!(last && cw == 1)) bar_arrive(2 - cw, 256);  // warpgroup 1's last would be one arrival too many
+  };
+  if constexpr (PP)
+    if (cw == 1) bar_arrive(1, 256);
+
+  mbar_wait(bar_q, 0);
+  // Tile 0: its scores alone.
+  {
+    mbar_wait(kfull(0), 0);
+    my_turn();
+    wg_fence();
+    qk(0);
+    wg_commit();
+    your_turn(false);
+    wg_wait<0>();
+    pin(s);
+    if (lane == 0) mbar_arrive(kempty(0));
+    float corr[2];
+    softmax(0, corr);
+    to_p();
+  }
+  // Tile it's scores with tile it - 1's P V in flight.
+  for (int it = 1; it < n_tiles; ++it) {
+    const int st = it % kS, ps = (it - 1) % kS;
+    mbar_wait(kfull(st), (it / kS) & 1);
+    mbar_wait(vfull(ps), ((it - 1) / kS) & 1);
+    my_turn();
+    wg_fence();
+    qk(st);
+    wg_commit();
+    pv(ps);
+    wg_commit();
+    your_turn(false);
+    wg_wait<1>();
+    pin(s);
+    if (lane == 0) mbar_arrive(kempty(st));
+    float corr[2];
+    softmax(it, corr);
+    wg_wait<0>();
+    pin(o);
+    pin(pf);
+    if (lane == 0) mbar_arrive(vempty(ps));
+    rescale(corr);
+    to_p();
+  }
+  {
+    const int ps = (n_tiles - 1) % kS;
+    mbar_wait(vfull(ps), ((n_tiles - 1) / kS) & 1);
+    my_turn();
+    wg_fence();
+    pv(ps);
+    wg_commit();
+    your_turn(true);
+    wg_wait<0>();
+    pin(o);
+    pin(pf);
+    if (lane == 0) mbar_arrive(vempty(ps));
+  }
+
+  // out = o / l, lse = (max + log2 l) ln 2.  The warpgroup's o goes through its own (now unread) rows
+  // of the Q tile, in the same swizzle (a conflict-free scatter), and then to global memory in
+  // 16-byte pieces, whole rows at a time.
+  bar_sync(3 + cw, 128);  // every warp of the warpgroup is past its last read of Q
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = l[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    const int rl = warp * 16 + g + 8 * r;  // row within the warpgroup's 64
+    const uint32_t row_addr = q_base + rl * 128;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      const uint32_t v = pack2<T>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(row_addr + (i / 8) * kBr * 128 + (((i % 8) ^ (rl % 8)) << 4) + 4 * t), "r"(v)
+                   : "memory");
+    }
+    const int64_t row = row0 + 8 * r;
+    if (p.lse && t == 0 && row < p.seq_q)
+      p.lse[(b * p.heads_q + h) * p.seq_q + row] = sum > 0.0f ? (mx[r] + log2f(sum)) * kLn2 : -INFINITY;
+  }
+  bar_sync(3 + cw, 128);
+  constexpr int kChunks = D / 8;  // 16-byte pieces of a row
+  T* og = static_cast<T*>(const_cast<void*>(p.out.data)) + b * p.out.sb + h * p.out.sh;
+#pragma unroll
+  for (int k = 0; k < 64 * kChunks / 128; ++k) {
+    const int idx = k * 128 + tid % 128, rl = idx / kChunks, cc = idx % kChunks;
+    const int64_t row = q0 + cw * 64 + rl;
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(q_base + (cc / 8) * kBr * 128 + rl * 128 + (((cc % 8) ^ (rl % 8)) << 4))
+                 : "memory");
+    if (row < p.seq_q) *reinterpret_cast<uint4*>(og + row * p.out.ss + cc * 8) = v;
+  }
+#endif
+}
+
+// ---- host ------------------------------------------------------------------------------------------
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (nothing links libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      f = nullptr;
+    cudaGetLastError();
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// A 4-d map (D, S, H, B) over operand `o`, boxes of 64 columns x `rows` rows, 128-byte swizzle; rows
+// past S read as zeros.  False when the driver refuses it (the caller then takes another path).
+bool make_map(CUtensorMap* map, const Operand& o, DType dt, int64_t d, int64_t s, int64_t heads, int64_t batch, int rows) {
+  const auto fn = encode_fn();
+  if (!fn) return false;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(s), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(batch)};
+  // A dimension of extent 1 is never stepped: give it any legal stride (its own may be 0 or odd).
+  auto stride = [](int64_t elems, int64_t extent, cuuint64_t fallback) {
+    return extent > 1 ? static_cast<cuuint64_t>(elems) * 2 : fallback;
+  };
+  const cuuint64_t ss = stride(o.ss, s, 16 * ((d * 2 + 15) / 16));
+  const cuuint64_t sh = stride(o.sh, heads, ss * static_cast<cuuint64_t>(s));
+  const cuuint64_t sb = stride(o.sb, batch, sh * static_cast<cuuint64_t>(heads));
+  const cuuint64_t strides[3] = {ss, sh, sb};
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(rows), 1, 1};
+  const cuuint32_t estr[4] = {1, 1, 1, 1};
+  return fn(map, dt == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+            const_cast<void*>(o.data), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// Compute capability of the current device, cached per device.
+int device_cc() {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return cudaGetLastError(), 0;
+  static std::mutex mu;
+  static int cc[64] = {};
+  std::lock_guard lock(mu);
+  if (dev < 0 || dev >= 64) return 0;
+  if (cc[dev] == 0) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+      return cudaGetLastError(), 0;
+    cc[dev] = 10 * major + minor;
+  }
+  return cc[dev];
+}
+
+template <typename T, int D, bool PP> const char* launch(const AttentionParams& p, cudaStream_t stream) {
+  using C = Tile<D>;
+  CUtensorMap tq, tk, tv;
+  if (!make_map(&tq, p.q, p.dtype, D, p.seq_q, p.heads_q, p.batch, kBr) ||
+      !make_map(&tk, p.k, p.dtype, D, p.seq_kv, p.heads_kv, p.batch, C::kBc) ||
+      !make_map(&tv, p.v, p.dtype, D, p.seq_kv, p.heads_kv, p.batch, C::kBc))
+    return "attention_forward (hopper): the driver refused a tensor map of these strides";
+  const cudaError_t attr = cudaFuncSetAttribute(fwd_sm90_kernel<T, D, PP>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+  if (attr != cudaSuccess)
+    return kernel::errorf("attention_forward (hopper): cannot reserve %d bytes of shared memory: %s", C::kSmem,
+                          cudaGetErrorString(attr));
+  const dim3 grid(static_cast<unsigned>(p.batch * p.heads_q), static_cast<unsigned>((p.seq_q + kBr - 1) / kBr));
+  fwd_sm90_kernel<T, D, PP><<<grid, kThreads, C::kSmem, stream>>>(p, tq, tk, tv);
+  return kernel::cuda::launch_error("attention_forward (hopper)");
+}
+
+}  // namespace
+
+const char* attention_sm90_unsupported(const AttentionParams& p) {
+#if !KCPP_FLASH_ATTN_SM90
+  (void)p;
+  return "this build has no sm_90a code (CMAKE_CUDA_ARCHITECTURES without 90a)";
+#else
+  if (device_cc() != 90) return "the device is not compute capability 9.0";
+  if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "the dtype is not bf16 or f16";
+  if (p.head_dim != 64 && p.head_dim != 128) return "head_dim is not 64 or 128";
+  if (p.window > 0) return "sliding windows are not on this path";
+  if (!(p.scale > 0.0f)) return "scale is not positive";
+  if (!attention_fast_path(p)) return "a row is not 16-byte aligned";
+  if ((p.seq_q + kBr - 1) / kBr > 65535 || p.seq_kv > (int64_t{1} << 31) - 256 || p.batch * p.heads_q > 0x7fffffff)
+    return "a dimension is beyond the tensor map's 32-bit coordinates";
+  if (!encode_fn()) return "the driver has no cuTensorMapEncodeTiled";
+  return nullptr;
+#endif
+}
+
+const char* attention_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.seq_q == 0) return nullptr;
+  const bool bf = p.dtype == DType::bf16;
+  // KCPP_FLASH_ATTN_SM90_PINGPONG=0 turns the ping-pong off (for measuring what it gives).
+  const char* pp_env = std::getenv("KCPP_FLASH_ATTN_SM90_PINGPONG");
+  const bool pp = !(pp_env && std::strcmp(pp_env, "0") == 0);
+  if (p.head_dim == 64) {
+    if (pp) return bf ? launch<__nv_bfloat16, 64, true>(p, stream) : launch<__half, 64, true>(p, stream);
+    return bf ? launch<__nv_bfloat16, 64, false>(p, stream) : launch<__half, 64, false>(p, stream);
+  }
+  if (pp) return bf ? launch<__nv_bfloat16, 128, true>(p, stream) : launch<__half, 128, true>(p, stream);
+  return bf ? launch<__nv_bfloat16, 128, false>(p, stream) : launch<__half, 128, false>(p, stream);
+}
+
+}  // namespace kcpp::flash
