@@ -35,6 +35,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -71,8 +72,9 @@ template <int D> struct Tile {
   static constexpr int kCols = D / 64;                  // 64-column (128-byte) blocks of a row
   static constexpr int kQBytes = kBr * D * 2;
   static constexpr int kKVBytes = kBc * D * 2;          // one K or one V tile
-  static constexpr int kBarBytes = 8 * (1 + 4 * kStages);
-  static constexpr int kSmem = 1024 /* alignment slack */ + kQBytes + 2 * kStages * kKVBytes + kBarBytes;
+  static constexpr int kBarBytes = 8 * (2 + 4 * kStages);
+  // Q, the K and V rings, the output staging tile (as large as Q), the barriers.
+  static constexpr int kSmem = 1024 /* alignment slack */ + 2 * kQBytes + 2 * kStages * kKVBytes + kBarBytes;
   static_assert(kSmem <= 227 * 1024, "attention_sm90: the tiles do not fit in shared memory");
 };
 
@@ -110,6 +112,21 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, u
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
+
+// Box {64, 64, 1, 1} from shared `src` into a 4-d tensor map at (c0, c1, c2, c3); rows past the
+// tensor's end are not written.  Completes as a bulk async-group of the issuing thread.
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until the thread's bulk stores have read their shared memory.
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+// Orders this thread's ordinary shared-memory stores before the copy engine's reads of them.
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // ---- warpgroup MMA --------------------------------------------------------------------------------
 
@@ -207,27 +224,41 @@ __device__ __forceinline__ float ex2(float x) {
 template <typename T, int D, bool PP>
 __global__ void __launch_bounds__(kThreads, 1)
     fwd_sm90_kernel(const __grid_constant__ AttentionParams p, const __grid_constant__ CUtensorMap tq,
-                    const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv) {
+                    const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
+                    const __grid_constant__ CUtensorMap to) {
 #if KCPP_SM90_DEVICE
   using C = Tile<D>;
   constexpr int kBc = C::kBc, kS = C::kStages, kNS = kBc / 2, kNO = D / 2;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
-  const uint32_t sK = sQ + C::kQBytes, sV = sK + kS * C::kKVBytes, bars = sV + kS * C::kKVBytes;
-  const uint32_t bar_q = bars;
-  auto kfull = [&](int s) { return bars + 8u * (1 + s); };
-  auto vfull = [&](int s) { return bars + 8u * (1 + kS + s); };
-  auto kempty = [&](int s) { return bars + 8u * (1 + 2 * kS + s); };
-  auto vempty = [&](int s) { return bars + 8u * (1 + 3 * kS + s); };
+  const uint32_t sK = sQ + C::kQBytes, sV = sK + kS * C::kKVBytes, sO = sV + kS * C::kKVBytes;
+  const uint32_t bars = sO + C::kQBytes;
+  const uint32_t qfull = bars, qempty = bars + 8;
+  auto kfull = [&](int s) { return bars + 8u * (2 + s); };
+  auto vfull = [&](int s) { return bars + 8u * (2 + kS + s); };
+  auto kempty = [&](int s) { return bars + 8u * (2 + 2 * kS + s); };
+  auto vempty = [&](int s) { return bars + 8u * (2 + 3 * kS + s); };
 
+  // Work items: (query tile, batch x head), the heaviest query tiles first (causal), heads fastest.
   const int tid = threadIdx.x;
-  const int64_t b = blockIdx.x / p.heads_q, h = blockIdx.x % p.heads_q, hk = h / (p.heads_q / p.heads_kv);
-  const int64_t q0 = static_cast<int64_t>(gridDim.y - 1 - blockIdx.y) * kBr, off = p.seq_kv - p.seq_q;
-  const int64_t pos_hi = min(q0 + kBr, p.seq_q) - 1 + off;
-  const int n_tiles = static_cast<int>(p.causal ? pos_hi / kBc + 1 : (p.seq_kv + kBc - 1) / kBc);
+  const int64_t bh_count = p.batch * p.heads_q, n_qt = (p.seq_q + kBr - 1) / kBr, n_items = n_qt * bh_count;
+  const int64_t off = p.seq_kv - p.seq_q;
+  struct Item {
+    int64_t b, h, hk, q0;
+    int n_tiles;
+  };
+  auto item = [&](int64_t w) {
+    Item x;
+    const int64_t bh = w % bh_count;
+    x.b = bh / p.heads_q, x.h = bh % p.heads_q, x.hk = x.h / (p.heads_q / p.heads_kv);
+    x.q0 = (n_qt - 1 - w / bh_count) * kBr;
+    const int64_t pos_hi = min(x.q0 + kBr, p.seq_q) - 1 + off;
+    x.n_tiles = static_cast<int>(p.causal ? pos_hi / kBc + 1 : (p.seq_kv + kBc - 1) / kBc);
+    return x;
+  };
 
   if (tid == 0) {
-    mbar_init(bar_q, 1);
+    mbar_init(qfull, 1), mbar_init(qempty, 8);
     for (int s = 0; s < kS; ++s) {
       mbar_init(kfull(s), 1), mbar_init(vfull(s), 1);
       mbar_init(kempty(s), 8), mbar_init(vempty(s), 8);  // every consumer warp arrives
@@ -243,24 +274,28 @@ __global__ void __launch_bounds__(kThreads, 1)
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tq)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tk)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tv)) : "memory");
-      mbar_expect_tx(bar_q, C::kQBytes);
-#pragma unroll
-      for (int c = 0; c < C::kCols; ++c)
-        tma_load(sQ + c * kBr * 128, &tq, bar_q, c * 64, static_cast<int>(q0), static_cast<int>(h), static_cast<int>(b));
-      // K of tile it, then V of tile it - 1 (the consumers need them in that order): a K load never
-      // waits behind the release of a V slot.
-      auto load = [&](const CUtensorMap* map, uint32_t dst, uint32_t full, uint32_t empty, int it) {
-        const int s = it % kS;
-        mbar_wait(empty, ((it / kS) & 1) ^ 1);
-        mbar_expect_tx(full, C::kKVBytes);
+      int kc = 0, vc = 0, i = 0;  // K and V tiles loaded, items begun (ring and Q phases)
+      for (int64_t w = blockIdx.x; w < n_items; w += gridDim.x, ++i) {
+        const Item x = item(w);
+        const int hk = static_cast<int>(x.hk), b = static_cast<int>(x.b);
+        mbar_wait(qempty, (i & 1) ^ 1);
+        mbar_expect_tx(qfull, C::kQBytes);
 #pragma unroll
         for (int c = 0; c < C::kCols; ++c)
-          tma_load(dst + s * C::kKVBytes + c * kBc * 128, map, full, c * 64, (n_tiles - 1 - it) * kBc, static_cast<int>(hk),
-                   static_cast<int>(b));
-      };
-      for (int it = 0; it <= n_tiles; ++it) {
-        if (it < n_tiles) load(&tk, sK, kfull(it % kS), kempty(it % kS), it);
-        if (it > 0) load(&tv, sV, vfull((it - 1) % kS), vempty((it - 1) % kS), it - 1);
+          tma_load(sQ + c * kBr * 128, &tq, qfull, c * 64, static_cast<int>(x.q0), static_cast<int>(x.h), b);
+        // K of tile it, then V of tile it - 1 (the consumers need them in that order): a K load never
+        // waits behind the release of a V slot.
+        auto load = [&](const CUtensorMap* map, uint32_t ring, uint32_t full, uint32_t empty, int n, int count) {
+          const int st = count % kS;
+          mbar_wait(empty, ((count / kS) & 1) ^ 1);
+          mbar_expect_tx(full, C::kKVBytes);
+#pragma unroll
+          for (int c = 0; c < C::kCols; ++c) tma_load(ring + st * C::kKVBytes + c * kBc * 128, map, full, c * 64, n * kBc, hk, b);
+        };
+        for (int it = 0; it <= x.n_tiles; ++it) {
+          if (it < x.n_tiles) load(&tk, sK, kfull(kc % kS), kempty(kc % kS), x.n_tiles - 1 - it, kc), ++kc;
+          if (it > 0) load(&tv, sV, vfull(vc % kS), vempty(vc % kS), x.n_tiles - it, vc), ++vc;
+        }
       }
     }
     return;
@@ -268,18 +303,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // Consumers.
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
-  const int cw = tid / 128 - 1, lane = tid % 32, warp = (tid % 128) / 32, g = lane / 4, t = lane % 4;
-  const int64_t row0 = q0 + cw * 64 + warp * 16 + g;  // this thread's rows: row0 and row0 + 8
-  const int64_t pos0 = row0 + off, pos_wg = q0 + cw * 64 + off;
+  const int cw = tid / 128 - 1, tw = tid % 128, lane = tid % 32, warp = tw / 32, g = lane / 4, t = lane % 4;
   const float sl2 = p.scale * kLog2e;
+  const uint32_t q_base = sQ + cw * 64 * 128;
+  const uint32_t o_base = sO + cw * (C::kQBytes / 2);  // this warpgroup's [D / 64][64][64] staging tile
 
   float o[kNO], s[kNS];
   uint32_t pf[kBc / 16][4];  // P as the A operand of k-steps of 16 keys
-  float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-#pragma unroll
-  for (int i = 0; i < kNO; ++i) o[i] = 0.0f;
+  float mx[2], l[2];         // running maximum (scaled, base 2), the thread's part of the row sum
 
-  const uint32_t q_base = sQ + cw * 64 * 128;
   auto qk = [&](int st) {  // s = Q K^T for ring slot st (issued, not waited for)
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
@@ -290,11 +322,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < kBc / 16; ++kk) wgmma_rs<T, D>(o, pf[kk], desc(sV + st * C::kKVBytes + kk * 16 * 128, kBc * 128, 1024));
   };
-  // The online softmax of tile `it`: s becomes the probabilities (f32, relative to the new maximum),
-  // corr the factor that rescales what was accumulated before.
-  auto softmax = [&](int it, float (&corr)[2]) {
-    const int64_t j0 = static_cast<int64_t>(n_tiles - 1 - it) * kBc;
-    const bool masked = (p.causal && j0 + kBc - 1 > pos_wg) || j0 + kBc > p.seq_kv;
+  // The online softmax of the tile of keys from j0: s becomes the probabilities (f32, relative to the
+  // new maximum), corr the factor that rescales what was accumulated before.
+  auto softmax = [&](int64_t j0, int64_t pos0, bool masked, float (&corr)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if (masked) {
@@ -338,108 +368,125 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) o[4 * i] *= corr[0], o[4 * i + 1] *= corr[0], o[4 * i + 2] *= corr[1], o[4 * i + 3] *= corr[1];
   };
-
-  // The turn to issue matrix products (PP): warpgroup 0 first.
+  // The turn to issue matrix products (PP): warpgroup 0 first, then strictly alternating.
   auto my_turn = [&] {
     if constexpr (PP) bar_sync(1 + cw, 256);
   };
   auto your_turn = [&](bool last) {
     if constexpr (PP)
-      if (!(last && cw == 1)) bar_arrive(2 - cw, 256);  // warpgroup 1's last would be one arrival too many
+      if (!(last && cw == 1)) bar_arrive(2 - cw, 256);  // warpgroup 1's very last would be one arrival too many
   };
   if constexpr (PP)
     if (cw == 1) bar_arrive(1, 256);
 
-  mbar_wait(bar_q, 0);
-  // Tile 0: its scores alone.
-  {
-    mbar_wait(kfull(0), 0);
-    my_turn();
-    wg_fence();
-    qk(0);
-    wg_commit();
-    your_turn(false);
-    wg_wait<0>();
-    pin(s);
-    if (lane == 0) mbar_arrive(kempty(0));
-    float corr[2];
-    softmax(0, corr);
-    to_p();
-  }
-  // Tile it's scores with tile it - 1's P V in flight.
-  for (int it = 1; it < n_tiles; ++it) {
-    const int st = it % kS, ps = (it - 1) % kS;
-    mbar_wait(kfull(st), (it / kS) & 1);
-    mbar_wait(vfull(ps), ((it - 1) / kS) & 1);
-    my_turn();
-    wg_fence();
-    qk(st);
-    wg_commit();
-    pv(ps);
-    wg_commit();
-    your_turn(false);
-    wg_wait<1>();
-    pin(s);
-    if (lane == 0) mbar_arrive(kempty(st));
-    float corr[2];
-    softmax(it, corr);
-    wg_wait<0>();
-    pin(o);
-    pin(pf);
-    if (lane == 0) mbar_arrive(vempty(ps));
-    rescale(corr);
-    to_p();
-  }
-  {
-    const int ps = (n_tiles - 1) % kS;
-    mbar_wait(vfull(ps), ((n_tiles - 1) / kS) & 1);
-    my_turn();
-    wg_fence();
-    pv(ps);
-    wg_commit();
-    your_turn(true);
-    wg_wait<0>();
-    pin(o);
-    pin(pf);
-    if (lane == 0) mbar_arrive(vempty(ps));
-  }
+  int kc = 0, vc = 0, i = 0;  // K and V tiles consumed, items begun
+  for (int64_t w = blockIdx.x; w < n_items; w += gridDim.x, ++i) {
+    const Item x = item(w);
+    const bool last_item = w + gridDim.x >= n_items;
+    const int64_t row0 = x.q0 + cw * 64 + warp * 16 + g;  // this thread's rows: row0 and row0 + 8
+    const int64_t pos0 = row0 + off, pos_wg = x.q0 + cw * 64 + off;
+    auto tile_j0 = [&](int it) { return static_cast<int64_t>(x.n_tiles - 1 - it) * kBc; };
+    auto tile_masked = [&](int64_t j0) { return (p.causal && j0 + kBc - 1 > pos_wg) || j0 + kBc > p.seq_kv; };
+#pragma unroll
+    for (int e = 0; e < kNO; ++e) o[e] = 0.0f;
+    mx[0] = mx[1] = -INFINITY, l[0] = l[1] = 0.0f;
 
-  // out = o / l, lse = (max + log2 l) ln 2.  The warpgroup's o goes through its own (now unread) rows
-  // of the Q tile, in the same swizzle (a conflict-free scatter), and then to global memory in
-  // 16-byte pieces, whole rows at a time.
-  bar_sync(3 + cw, 128);  // every warp of the warpgroup is past its last read of Q
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float sum = l[r];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    const int rl = warp * 16 + g + 8 * r;  // row within the warpgroup's 64
-    const uint32_t row_addr = q_base + rl * 128;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      const uint32_t v = pack2<T>(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(row_addr + (i / 8) * kBr * 128 + (((i % 8) ^ (rl % 8)) << 4) + 4 * t), "r"(v)
-                   : "memory");
+    mbar_wait(qfull, i & 1);
+    // Tile 0: its scores alone.
+    {
+      const int st = kc % kS;
+      mbar_wait(kfull(st), (kc / kS) & 1);
+      my_turn();
+      wg_fence();
+      qk(st);
+      wg_commit();
+      your_turn(false);
+      wg_wait<0>();
+      pin(s);
+      if (lane == 0) {
+        mbar_arrive(kempty(st));
+        if (x.n_tiles == 1) mbar_arrive(qempty);
+      }
+      ++kc;
+      float corr[2];
+      softmax(tile_j0(0), pos0, tile_masked(tile_j0(0)), corr);
+      to_p();
     }
-    const int64_t row = row0 + 8 * r;
-    if (p.lse && t == 0 && row < p.seq_q)
-      p.lse[(b * p.heads_q + h) * p.seq_q + row] = sum > 0.0f ? (mx[r] + log2f(sum)) * kLn2 : -INFINITY;
-  }
-  bar_sync(3 + cw, 128);
-  constexpr int kChunks = D / 8;  // 16-byte pieces of a row
-  T* og = static_cast<T*>(const_cast<void*>(p.out.data)) + b * p.out.sb + h * p.out.sh;
+    // Tile it's scores with tile it - 1's P V in flight.
+    for (int it = 1; it < x.n_tiles; ++it, ++kc, ++vc) {
+      const int st = kc % kS, ps = vc % kS;
+      mbar_wait(kfull(st), (kc / kS) & 1);
+      mbar_wait(vfull(ps), (vc / kS) & 1);
+      my_turn();
+      wg_fence();
+      qk(st);
+      wg_commit();
+      pv(ps);
+      wg_commit();
+      your_turn(false);
+      wg_wait<1>();
+      pin(s);
+      if (lane == 0) {
+        mbar_arrive(kempty(st));
+        if (it == x.n_tiles - 1) mbar_arrive(qempty);  // the item's last read of Q
+      }
+      float corr[2];
+      const int64_t j0 = tile_j0(it);
+      softmax(j0, pos0, tile_masked(j0), corr);
+      wg_wait<0>();
+      pin(o);
+      pin(pf);
+      if (lane == 0) mbar_arrive(vempty(ps));
+      rescale(corr);
+      to_p();
+    }
+    {
+      const int ps = vc % kS;
+      mbar_wait(vfull(ps), (vc / kS) & 1);
+      my_turn();
+      wg_fence();
+      pv(ps);
+      wg_commit();
+      your_turn(last_item);
+      wg_wait<0>();
+      pin(o);
+      pin(pf);
+      if (lane == 0) mbar_arrive(vempty(ps));
+      ++vc;
+    }
+
+    // out = o / l through the staging tile (same swizzle as the loads: a conflict-free scatter) and
+    // one bulk tensor store a 64-column block; lse = (max + log2 l) ln 2.
+    if (tw == 0) bulk_wait_read();  // the previous item's store has read the staging tile
+    bar_sync(3 + cw, 128);
 #pragma unroll
-  for (int k = 0; k < 64 * kChunks / 128; ++k) {
-    const int idx = k * 128 + tid % 128, rl = idx / kChunks, cc = idx % kChunks;
-    const int64_t row = q0 + cw * 64 + rl;
-    uint4 v;
-    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(q_base + (cc / 8) * kBr * 128 + rl * 128 + (((cc % 8) ^ (rl % 8)) << 4))
-                 : "memory");
-    if (row < p.seq_q) *reinterpret_cast<uint4*>(og + row * p.out.ss + cc * 8) = v;
+    for (int r = 0; r < 2; ++r) {
+      float sum = l[r];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const int rl = warp * 16 + g + 8 * r;  // row within the warpgroup's 64
+#pragma unroll
+      for (int c = 0; c < D / 8; ++c) {
+        const uint32_t v = pack2<T>(o[4 * c + 2 * r] * inv, o[4 * c + 2 * r + 1] * inv);
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(o_base + (c / 8) * 64 * 128 + rl * 128 + (((c % 8) ^ (rl % 8)) << 4) + 4 * t),
+                     "r"(v)
+                     : "memory");
+      }
+      const int64_t row = row0 + 8 * r;
+      if (p.lse && t == 0 && row < p.seq_q)
+        p.lse[(x.b * p.heads_q + x.h) * p.seq_q + row] = sum > 0.0f ? (mx[r] + log2f(sum)) * kLn2 : -INFINITY;
+    }
+    fence_async_smem();
+    bar_sync(3 + cw, 128);
+    if (tw == 0) {
+#pragma unroll
+      for (int c = 0; c < C::kCols; ++c)
+        tma_store(&to, o_base + c * 64 * 128, c * 64, static_cast<int>(x.q0 + cw * 64), static_cast<int>(x.h), static_cast<int>(x.b));
+      bulk_commit();
+    }
   }
+  if (tw == 0) bulk_wait();
 #endif
 }
 
@@ -499,19 +546,35 @@ int device_cc() {
   return cc[dev];
 }
 
+// Multiprocessors of the current device, cached per device.
+int sm_count() {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return cudaGetLastError(), 1;
+  static std::mutex mu;
+  static int n[64] = {};
+  std::lock_guard lock(mu);
+  if (dev < 0 || dev >= 64) return 1;
+  if (n[dev] == 0 && cudaDeviceGetAttribute(&n[dev], cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    return cudaGetLastError(), n[dev] = 0, 1;
+  return n[dev];
+}
+
 template <typename T, int D, bool PP> const char* launch(const AttentionParams& p, cudaStream_t stream) {
   using C = Tile<D>;
-  CUtensorMap tq, tk, tv;
+  CUtensorMap tq, tk, tv, to;
   if (!make_map(&tq, p.q, p.dtype, D, p.seq_q, p.heads_q, p.batch, kBr) ||
       !make_map(&tk, p.k, p.dtype, D, p.seq_kv, p.heads_kv, p.batch, C::kBc) ||
-      !make_map(&tv, p.v, p.dtype, D, p.seq_kv, p.heads_kv, p.batch, C::kBc))
+      !make_map(&tv, p.v, p.dtype, D, p.seq_kv, p.heads_kv, p.batch, C::kBc) ||
+      !make_map(&to, p.out, p.dtype, D, p.seq_q, p.heads_q, p.batch, 64))
     return "attention_forward (hopper): the driver refused a tensor map of these strides";
   const cudaError_t attr = cudaFuncSetAttribute(fwd_sm90_kernel<T, D, PP>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (attr != cudaSuccess)
     return kernel::errorf("attention_forward (hopper): cannot reserve %d bytes of shared memory: %s", C::kSmem,
                           cudaGetErrorString(attr));
-  const dim3 grid(static_cast<unsigned>(p.batch * p.heads_q), static_cast<unsigned>((p.seq_q + kBr - 1) / kBr));
-  fwd_sm90_kernel<T, D, PP><<<grid, kThreads, C::kSmem, stream>>>(p, tq, tk, tv);
+  // Persistent: a block an SM, each looping over the work items.
+  const int64_t items = (p.seq_q + kBr - 1) / kBr * p.batch * p.heads_q;
+  const auto grid = static_cast<unsigned>(std::min<int64_t>(items, sm_count()));
+  fwd_sm90_kernel<T, D, PP><<<grid, kThreads, C::kSmem, stream>>>(p, tq, tk, tv, to);
   return kernel::cuda::launch_error("attention_forward (hopper)");
 }
 
@@ -528,7 +591,7 @@ const char* attention_sm90_unsupported(const AttentionParams& p) {
   if (p.window > 0) return "sliding windows are not on this path";
   if (!(p.scale > 0.0f)) return "scale is not positive";
   if (!attention_fast_path(p)) return "a row is not 16-byte aligned";
-  if ((p.seq_q + kBr - 1) / kBr > 65535 || p.seq_kv > (int64_t{1} << 31) - 256 || p.batch * p.heads_q > 0x7fffffff)
+  if (p.seq_q > (int64_t{1} << 31) - 256 || p.seq_kv > (int64_t{1} << 31) - 256 || p.batch * p.heads_q > 0x7fffffff)
     return "a dimension is beyond the tensor map's 32-bit coordinates";
   if (!encode_fn()) return "the driver has no cuTensorMapEncodeTiled";
   return nullptr;
