@@ -1,6 +1,6 @@
 """flash_attn's forward paths side by side with PyTorch SDPA's cuDNN and FlashAttention-2 backends, in
 one process and under one timer (triton's do_bench, median): causal bf16, 32 query / 8 kv heads of
-128, at B4 S4096, B2 S8192 and B16 S1024.  TFLOP/s count the causal half: 4 B H S^2 D / 2 for the
+128, at B4 S4096, B2 S8192 and B16 S1024 (and head dim 64 at B4 S4096).  TFLOP/s count the causal half: 4 B H S^2 D / 2 for the
 forward, 3.5 times that for forward + backward.  kcpp's rows call the built package through its C ABI
 (python/kcpp.py), the path chosen with KCPP_FLASH_ATTN_FORWARD (hopper: wgmma + TMA, sm_90a; ampere:
 mma.sync); forward + backward is either forward with the one (mma.sync) backward.  Each output is
@@ -22,9 +22,9 @@ sys.path.insert(0, os.path.join(HERE, "..", "python"))
 import kcpp  # noqa: E402
 
 lib = sys.argv[1]
-shapes = [(4, 4096), (2, 8192), (16, 1024)]
-HQ, HKV, D = 32, 8, 128
-if len(sys.argv) > 2:
+shapes = [(4, 4096, 128), (2, 8192, 128), (16, 1024, 128), (4, 4096, 64)]  # B, S, head dim
+HQ, HKV = 32, 8
+if len(sys.argv) > 2:  # BxSxD ...
     shapes = [tuple(int(x) for x in s.split("x")) for s in sys.argv[2:]]
 layer = kcpp.Package(lib).layer("FlashAttention")
 
@@ -39,7 +39,7 @@ def rel(a, b):
 
 
 rows = []
-for B, S in shapes:
+for B, S, D in shapes:
     torch.manual_seed(0)
     q = torch.randn(B, HQ, S, D, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(B, HKV, S, D, dtype=torch.bfloat16, device="cuda")
@@ -79,7 +79,7 @@ for B, S in shapes:
                 F.scaled_dot_product_attention(qg, kk_, vv_, is_causal=True, enable_gqa=gqa).backward(do)
 
             tf, tfb = bench(f), bench(fb)
-            rows.append((B, S, f"{name} ({how})", tf, fl / tf * 1e3, tfb, 3.5 * fl / tfb * 1e3, rel(o, ref)))
+            rows.append((B, S, D, f"{name} ({how})", tf, fl / tf * 1e3, tfb, 3.5 * fl / tfb * 1e3, rel(o, ref)))
             print(rows[-1], flush=True)
     for path in ("hopper", "ampere"):
         os.environ["KCPP_FLASH_ATTN_FORWARD"] = path
@@ -98,7 +98,7 @@ for B, S in shapes:
             layer.backward(ba)
 
         tfb = bench(fb)
-        rows.append((B, S, f"kcpp {path}", tf, fl / tf * 1e3, tfb, 3.5 * fl / tfb * 1e3, err))
+        rows.append((B, S, D, f"kcpp {path}", tf, fl / tf * 1e3, tfb, 3.5 * fl / tfb * 1e3, err))
         print(rows[-1], flush=True)
     if True:  # the Hopper path without the ping-pong between its consumer warpgroups
         os.environ["KCPP_FLASH_ATTN_FORWARD"] = "hopper"
@@ -108,13 +108,13 @@ for B, S in shapes:
         torch.cuda.synchronize()
         err = rel(out, ref)
         tf = bench(lambda: layer.forward(fa))
-        rows.append((B, S, "kcpp hopper, no ping-pong", tf, fl / tf * 1e3, float("nan"), float("nan"), err))
+        rows.append((B, S, D, "kcpp hopper, no ping-pong", tf, fl / tf * 1e3, float("nan"), float("nan"), err))
         print(rows[-1], flush=True)
         del os.environ["KCPP_FLASH_ATTN_SM90_PINGPONG"]
     del q, k, v, do, out, dq, dk, dv, qg, kg, vg, ke, ve, ref
     torch.cuda.empty_cache()
 
-print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; causal bf16, {HQ}/{HKV} heads of {D}")
-print(f"{'shape':12s} {'impl':32s} {'fwd ms':>8s} {'TFLOP/s':>8s} {'fwd+bwd ms':>11s} {'TFLOP/s':>8s} {'rel diff vs cuDNN':>18s}")
-for B, S, name, tf, ff, tfb, ffb, err in rows:
-    print(f"B{B} S{S:<8d} {name:32s} {tf:8.3f} {ff:8.1f} {tfb:11.3f} {ffb:8.1f} {err:18.2e}")
+print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; causal bf16, {HQ}/{HKV} heads")
+print(f"{'shape':18s} {'impl':32s} {'fwd ms':>8s} {'TFLOP/s':>8s} {'fwd+bwd ms':>11s} {'TFLOP/s':>8s} {'rel diff vs cuDNN':>18s}")
+for B, S, D, name, tf, ff, tfb, ffb, err in rows:
+    print(f"{f'B{B} S{S} D{D}':18s} {name:32s} {tf:8.3f} {ff:8.1f} {tfb:11.3f} {ffb:8.1f} {err:18.2e}")

@@ -240,6 +240,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto vempty = [&](int s) { return bars + 8u * (2 + 3 * kS + s); };
 
   // Work items: (query tile, batch x head), the heaviest query tiles first (causal), heads fastest.
+  // Block k takes item k of each round of gridDim.x items, the rounds alternately forwards and
+  // backwards (a snake), so that the causal items' falling costs even out between blocks.
   const int tid = threadIdx.x;
   const int64_t bh_count = p.batch * p.heads_q, n_qt = (p.seq_q + kBr - 1) / kBr, n_items = n_qt * bh_count;
   const int64_t off = p.seq_kv - p.seq_q;
@@ -256,6 +258,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     x.n_tiles = static_cast<int>(p.causal ? pos_hi / kBc + 1 : (p.seq_kv + kBc - 1) / kBc);
     return x;
   };
+
+  const int64_t G = gridDim.x;
+  auto item_of_round = [&](int64_t r) { return r * G + ((r & 1) ? G - 1 - blockIdx.x : blockIdx.x); };
 
   if (tid == 0) {
     mbar_init(qfull, 1), mbar_init(qempty, 8);
@@ -275,7 +280,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tk)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tv)) : "memory");
       int kc = 0, vc = 0, i = 0;  // K and V tiles loaded, items begun (ring and Q phases)
-      for (int64_t w = blockIdx.x; w < n_items; w += gridDim.x, ++i) {
+      for (int64_t r = 0, w = item_of_round(0); w < n_items; w = item_of_round(++r), ++i) {
         const Item x = item(w);
         const int hk = static_cast<int>(x.hk), b = static_cast<int>(x.b);
         mbar_wait(qempty, (i & 1) ^ 1);
@@ -328,31 +333,33 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if (masked) {
-        const int64_t pos = pos0 + 8 * r;
+        // Column c = 8 i + e of the tile (key j0 + c + 2 t) is visible when c < limit.
+        const int64_t lim = min(p.seq_kv, p.causal ? pos0 + 8 * r + 1 : p.seq_kv) - j0 - 2 * t;
+        const int limit = static_cast<int>(max(int64_t{-1}, min(int64_t{kBc}, lim)));
 #pragma unroll
         for (int i = 0; i < kBc / 8; ++i)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int64_t j = j0 + 8 * i + 2 * t + e;
-            if (j >= p.seq_kv || (p.causal && j > pos)) s[4 * i + 2 * r + e] = -INFINITY;
-          }
+          for (int e = 0; e < 2; ++e)
+            if (8 * i + e >= limit) s[4 * i + 2 * r + e] = -INFINITY;
       }
-      // The maximum of the raw scores (scale > 0 on this path), then p = 2^(s sl2 - max sl2).
-      float m = -INFINITY;
+      // The maximum of the raw scores (scale > 0 on this path), then p = 2^(s sl2 - max sl2); both
+      // reductions as trees of four chains (a chain of kBc / 4 dependent operations would be latency).
+      float m4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
-      for (int i = 0; i < kBc / 8; ++i) m = fmaxf(m, fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+      for (int i = 0; i < kBc / 8; ++i) m4[i % 4] = fmaxf(m4[i % 4], fmaxf(s[4 * i + 2 * r], s[4 * i + 2 * r + 1]));
+      float m = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
       const float m_new = fmaxf(mx[r], m * sl2);
       const float m_use = m_new == -INFINITY ? 0.0f : m_new;
       corr[r] = ex2(mx[r] - m_use);
       mx[r] = m_new;
-      float sum = 0.0f;
+      float sum4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int i = 0; i < kBc / 8; ++i)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) sum += (s[4 * i + 2 * r + e] = ex2(fmaf(s[4 * i + 2 * r + e], sl2, -m_use)));
-      l[r] = l[r] * corr[r] + sum;
+        for (int e = 0; e < 2; ++e) sum4[i % 4] += (s[4 * i + 2 * r + e] = ex2(fmaf(s[4 * i + 2 * r + e], sl2, -m_use)));
+      l[r] = l[r] * corr[r] + ((sum4[0] + sum4[1]) + (sum4[2] + sum4[3]));
     }
   };
   auto to_p = [&] {
@@ -380,9 +387,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (cw == 1) bar_arrive(1, 256);
 
   int kc = 0, vc = 0, i = 0;  // K and V tiles consumed, items begun
-  for (int64_t w = blockIdx.x; w < n_items; w += gridDim.x, ++i) {
+  for (int64_t r = 0, w = item_of_round(0); w < n_items; w = item_of_round(++r), ++i) {
     const Item x = item(w);
-    const bool last_item = w + gridDim.x >= n_items;
+    const bool last_item = item_of_round(r + 1) >= n_items;
     const int64_t row0 = x.q0 + cw * 64 + warp * 16 + g;  // this thread's rows: row0 and row0 + 8
     const int64_t pos0 = row0 + off, pos_wg = x.q0 + cw * 64 + off;
     auto tile_j0 = [&](int it) { return static_cast<int64_t>(x.n_tiles - 1 - it) * kBc; };
@@ -437,7 +444,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       pin(o);
       pin(pf);
       if (lane == 0) mbar_arrive(vempty(ps));
-      rescale(corr);
+      // Once the running maxima settle, corr is 1: skip the rescale when it is for the whole warp.
+      if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) rescale(corr);
       to_p();
     }
     {
