@@ -6,7 +6,7 @@
 // The algorithm is FlashAttention-3's (Shah, Bikshandi, Zhang, Thakkar, Ramani, Dao, "FlashAttention-3:
 // Fast and Accurate Attention with Asynchrony and Low-precision", 2024, section 3): a block of three
 // warpgroups per 128 queries of one head.  Warpgroup 0 is the producer: one thread issues the bulk
-// tensor copies of the block's Q tile and of each K and V tile into a ring of kStages slots, each slot
+// tensor copies of the block's Q tile and of each K and V tile into rings of slots, each slot
 // guarded by a "full" mbarrier (the copy engine completes it with the bytes it wrote) and an "empty"
 // one (every consumer warp arrives once it no longer reads the slot); it gives up registers
 // (setmaxnreg) to the consumers.  Warpgroups 1 and 2 each own 64 query rows and run, per key tile j:
@@ -68,13 +68,14 @@ constexpr int kThreads = 3 * 128;  // producer warpgroup + two consumer warpgrou
 // Keys a tile and ring depth by head dim: a K or V tile is kBc x D, two of them a stage.
 template <int D> struct Tile {
   static constexpr int kBc = 128;
-  static constexpr int kStages = D == 64 ? 4 : 2;
+  // Ring depths: K is needed a step before V, so it gets the deeper ring where shared memory allows.
+  static constexpr int kStagesK = D == 64 ? 4 : 3, kStagesV = D == 64 ? 4 : 2;
   static constexpr int kCols = D / 64;                  // 64-column (128-byte) blocks of a row
   static constexpr int kQBytes = kBr * D * 2;
   static constexpr int kKVBytes = kBc * D * 2;          // one K or one V tile
-  static constexpr int kBarBytes = 8 * (2 + 4 * kStages);
+  static constexpr int kBarBytes = 8 * (2 + 2 * (kStagesK + kStagesV));
   // Q, the K and V rings, the output staging tile (as large as Q), the barriers.
-  static constexpr int kSmem = 1024 /* alignment slack */ + 2 * kQBytes + 2 * kStages * kKVBytes + kBarBytes;
+  static constexpr int kSmem = 1024 /* alignment slack */ + 2 * kQBytes + (kStagesK + kStagesV) * kKVBytes + kBarBytes;
   static_assert(kSmem <= 227 * 1024, "attention_sm90: the tiles do not fit in shared memory");
 };
 
@@ -228,16 +229,16 @@ __global__ void __launch_bounds__(kThreads, 1)
                     const __grid_constant__ CUtensorMap to) {
 #if KCPP_SM90_DEVICE
   using C = Tile<D>;
-  constexpr int kBc = C::kBc, kS = C::kStages, kNS = kBc / 2, kNO = D / 2;
+  constexpr int kBc = C::kBc, kSK = C::kStagesK, kSV = C::kStagesV, kNS = kBc / 2, kNO = D / 2;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
-  const uint32_t sK = sQ + C::kQBytes, sV = sK + kS * C::kKVBytes, sO = sV + kS * C::kKVBytes;
+  const uint32_t sK = sQ + C::kQBytes, sV = sK + kSK * C::kKVBytes, sO = sV + kSV * C::kKVBytes;
   const uint32_t bars = sO + C::kQBytes;
   const uint32_t qfull = bars, qempty = bars + 8;
   auto kfull = [&](int s) { return bars + 8u * (2 + s); };
-  auto vfull = [&](int s) { return bars + 8u * (2 + kS + s); };
-  auto kempty = [&](int s) { return bars + 8u * (2 + 2 * kS + s); };
-  auto vempty = [&](int s) { return bars + 8u * (2 + 3 * kS + s); };
+  auto vfull = [&](int s) { return bars + 8u * (2 + kSK + s); };
+  auto kempty = [&](int s) { return bars + 8u * (2 + kSK + kSV + s); };
+  auto vempty = [&](int s) { return bars + 8u * (2 + 2 * kSK + kSV + s); };
 
   // Work items: (query tile, batch x head), the heaviest query tiles first (causal), heads fastest.
   // Block k takes item k of each round of gridDim.x items, the rounds alternately forwards and
@@ -264,10 +265,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (tid == 0) {
     mbar_init(qfull, 1), mbar_init(qempty, 8);
-    for (int s = 0; s < kS; ++s) {
-      mbar_init(kfull(s), 1), mbar_init(vfull(s), 1);
-      mbar_init(kempty(s), 8), mbar_init(vempty(s), 8);  // every consumer warp arrives
-    }
+    for (int s = 0; s < kSK; ++s) mbar_init(kfull(s), 1), mbar_init(kempty(s), 8);  // every consumer warp arrives
+    for (int s = 0; s < kSV; ++s) mbar_init(vfull(s), 1), mbar_init(vempty(s), 8);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -290,16 +289,16 @@ __global__ void __launch_bounds__(kThreads, 1)
           tma_load(sQ + c * kBr * 128, &tq, qfull, c * 64, static_cast<int>(x.q0), static_cast<int>(x.h), b);
         // K of tile it, then V of tile it - 1 (the consumers need them in that order): a K load never
         // waits behind the release of a V slot.
-        auto load = [&](const CUtensorMap* map, uint32_t ring, uint32_t full, uint32_t empty, int n, int count) {
-          const int st = count % kS;
-          mbar_wait(empty, ((count / kS) & 1) ^ 1);
+        auto load = [&](const CUtensorMap* map, uint32_t ring, int stages, uint32_t full, uint32_t empty, int n, int count) {
+          const int st = count % stages;
+          mbar_wait(empty, ((count / stages) & 1) ^ 1);
           mbar_expect_tx(full, C::kKVBytes);
 #pragma unroll
           for (int c = 0; c < C::kCols; ++c) tma_load(ring + st * C::kKVBytes + c * kBc * 128, map, full, c * 64, n * kBc, hk, b);
         };
         for (int it = 0; it <= x.n_tiles; ++it) {
-          if (it < x.n_tiles) load(&tk, sK, kfull(kc % kS), kempty(kc % kS), x.n_tiles - 1 - it, kc), ++kc;
-          if (it > 0) load(&tv, sV, vfull(vc % kS), vempty(vc % kS), x.n_tiles - it, vc), ++vc;
+          if (it < x.n_tiles) load(&tk, sK, kSK, kfull(kc % kSK), kempty(kc % kSK), x.n_tiles - 1 - it, kc), ++kc;
+          if (it > 0) load(&tv, sV, kSV, vfull(vc % kSV), vempty(vc % kSV), x.n_tiles - it, vc), ++vc;
         }
       }
     }
@@ -401,8 +400,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_wait(qfull, i & 1);
     // Tile 0: its scores alone.
     {
-      const int st = kc % kS;
-      mbar_wait(kfull(st), (kc / kS) & 1);
+      const int st = kc % kSK;
+      mbar_wait(kfull(st), (kc / kSK) & 1);
       my_turn();
       wg_fence();
       qk(st);
@@ -421,9 +420,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     // Tile it's scores with tile it - 1's P V in flight.
     for (int it = 1; it < x.n_tiles; ++it, ++kc, ++vc) {
-      const int st = kc % kS, ps = vc % kS;
-      mbar_wait(kfull(st), (kc / kS) & 1);
-      mbar_wait(vfull(ps), (vc / kS) & 1);
+      const int st = kc % kSK, ps = vc % kSV;
+      mbar_wait(kfull(st), (kc / kSK) & 1);
+      mbar_wait(vfull(ps), (vc / kSV) & 1);
       my_turn();
       wg_fence();
       qk(st);
@@ -449,8 +448,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       to_p();
     }
     {
-      const int ps = vc % kS;
-      mbar_wait(vfull(ps), (vc / kS) & 1);
+      const int ps = vc % kSV;
+      mbar_wait(vfull(ps), (vc / kSV) & 1);
       my_turn();
       wg_fence();
       pv(ps);
