@@ -149,7 +149,7 @@ class ScopedEnv {
 
 // The Hopper forward (wgmma + TMA, sm_90a), required through KCPP_FLASH_ATTN_FORWARD=hopper so that a
 // fallback to another path fails the call: lengths that are no multiple of its 128-row tiles (1, 127,
-// 257, 4097), fewer queries than keys, grouped-query heads (32 / 8), causal or not, head_dim 64 / 128,
+// 257, 4097), fewer queries than keys, grouped-query heads (32 / 8), causal or not, head_dim 64 / 128 / 256,
 // bf16 / f16, the [B, S, H, D] layout, and more work items than SMs (the persistent blocks take
 // several each).  The backward (mma.sync) consumes the lse it writes.
 TEST(FlashAttnHopper, ForwardOnAwkwardLengths) {
@@ -168,6 +168,8 @@ TEST(FlashAttnHopper, ForwardOnAwkwardLengths) {
       {1, 2, 2, 1, 200, 128, false, 0},
       // More work items (query tiles x heads) than an H100 or H200 has SMs: blocks loop over several.
       {8, 16, 4, 129, 129, 64, true, 0},  {8, 16, 4, 200, 333, 128, false, 0}, {150, 2, 1, 1, 1, 128, true, 0},
+      // Head dim 256 (64-key tiles; the backward is the generic one).
+      {1, 4, 2, 127, 300, 256, true, 0},  {2, 2, 1, 200, 200, 256, false, 0},  {1, 2, 1, 129, 129, 256, true, 0},
   };
   for (DType dt : {DType::bf16, DType::f16})
     for (const Case& c : cases)
