@@ -23,10 +23,11 @@
 // Paths:
 //   CPU: any dtype and D; rows in parallel (forward), kv heads in parallel (backward, so dk / dv have
 //        one writer each).
-//   CUDA forward, Hopper (sm_90a, attention_sm90.cu): wgmma on tiles brought in by TMA, producer /
-//        consumer warpgroups, FlashAttention-3's overlap of softmax and matrix products: bf16 / f16, D in
-//        {64, 128}, no sliding window, scale > 0, 16-byte aligned rows, on a compute capability 9.0 device
-//        of a build that includes sm_90a.  Writes the same lse, so the backward below consumes it.
+//   CUDA forward, Hopper (sm_90a, attention_sm90.cu): FlashAttention-3's scheme, wgmma on tiles brought
+//        in by TMA, producer / consumer warpgroups, softmax overlapped with the matrix products: bf16 /
+//        f16, D in {64, 128, 256}, no sliding window, scale > 0, 16-byte aligned rows and strides, on a
+//        compute capability 9.0 device of a build that includes sm_90a.  It writes the same lse, so the
+//        backward below consumes it.
 //   CUDA, tensor cores (mma.sync m16n8k16, f32 accumulate): bf16 / f16, D in {64, 128}, scale > 0, 16-byte
 //        aligned rows.  Forward: a block of 4 warps per 64 queries, K / V tiles of 64 keys
 //        double-buffered in shared memory by cp.async.  Backward: a block per 64 keys of a kv head,

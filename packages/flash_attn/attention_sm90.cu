@@ -1,22 +1,29 @@
 // Attention forward on Hopper (sm_90a): warpgroup MMA (wgmma) on tiles that the tensor memory
 // accelerator (TMA) brings into shared memory, producer / consumer warp specialization, and the
 // softmax of one key tile overlapped with the matrix products of the next.  The maths, the layout
-// and the log-sum-exp it saves are attention.h's; the backward is the mma.sync one.
+// and the log-sum-exp it saves are attention.h's; the backward is attention_cuda.cu's.
 //
 // The algorithm is FlashAttention-3's (Shah, Bikshandi, Zhang, Thakkar, Ramani, Dao, "FlashAttention-3:
-// Fast and Accurate Attention with Asynchrony and Low-precision", 2024, section 3): a block of three
-// warpgroups per 128 queries of one head.  Warpgroup 0 is the producer: one thread issues the bulk
-// tensor copies of the block's Q tile and of each K and V tile into rings of slots, each slot
-// guarded by a "full" mbarrier (the copy engine completes it with the bytes it wrote) and an "empty"
-// one (every consumer warp arrives once it no longer reads the slot); it gives up registers
-// (setmaxnreg) to the consumers.  Warpgroups 1 and 2 each own 64 query rows and run, per key tile j:
+// Fast and Accurate Attention with Asynchrony and Low-precision", 2024, section 3), written here from
+// the paper: persistent blocks of three warpgroups, one block an SM, each looping over work items
+// (128 queries of one head).  Warpgroup 0 is the producer: one thread issues the bulk tensor copies
+// of each item's Q tile and of its K and V tiles into rings of slots that run on across items, each
+// slot guarded by a "full" mbarrier (the copy engine completes it with the bytes it wrote) and an
+// "empty" one (every consumer warp arrives once it no longer reads the slot), so the next item's
+// loads overlap the last one's tail; the producer gives up registers (setmaxnreg) to the consumers.
+// Warpgroups 1 and 2 each own 64 query rows and run, per key tile j:
 //   S_j = Q K_j^T                   wgmma, A and B from shared memory (both K-major)
 //   O  += P_{j-1} V_{j-1}           wgmma, A (the probabilities) from registers, B = V (MN-major)
 //   softmax of S_j in registers while the O product runs (the two are issued together and waited
-//   for one after the other), then O is rescaled by the change of the running maximum.
-// Key tiles are visited from the last to the first, so the tiles that need a mask come first.
-// Blocks are launched heads-fastest with the heaviest (last) query tiles first, which balances the
-// causal triangle and keeps the query heads of one kv head close in time (their K / V stay in L2).
+//   for one after the other), then O is rescaled by the change of the running maximum;
+// and the two warpgroups take turns to issue (ping-pong), so that one's softmax overlaps the other's
+// products.  Key tiles are visited from the last to the first, so the tiles that need a mask come
+// first.  Items are ordered heads-fastest with the heaviest (last) query tiles first and dealt out
+// in a snake, which balances the causal triangle and keeps the query heads of one kv head close in
+// time (their K / V stay in L2).  The output goes through a staging tile and a bulk tensor store
+// (head dims 64 and 128) or straight from registers (256, where the staging tile does not fit).
+// Tiles: 128 queries x 128 keys (64 keys at head dim 256); rings of 4 K and 4 V slots at head dim 64,
+// 3 and 2 at 128, 2 and 2 at 256.
 //
 // Shared memory: every tile is stored as D / 64 column blocks of [rows][64] elements (128 bytes a
 // row) in the 128-byte swizzle that both TMA (CU_TENSOR_MAP_SWIZZLE_128B) and wgmma's descriptors
@@ -59,9 +66,6 @@ namespace {
 
 using kernel::DType;
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
 constexpr int kBr = 128;           // queries a block: two consumer warpgroups of 64
 constexpr int kThreads = 3 * 128;  // producer warpgroup + two consumer warpgroups
 
@@ -72,7 +76,6 @@ template <int D> struct Tile {
   static constexpr int kStagesK = D == 64 ? 4 : D == 128 ? 3 : 2, kStagesV = D == 64 ? 4 : 2;
   // Head dim 256 writes out straight from registers: a staging tile would not fit beside the rings.
   static constexpr bool kStaged = D != 256;
-  static constexpr int kCols = D / 64;                  // 64-column (128-byte) blocks of a row
   static constexpr int kQBytes = kBr * D * 2;
   static constexpr int kKVBytes = kBc * D * 2;          // one K or one V tile
   static constexpr int kBarBytes = 8 * (2 + 2 * (kStagesK + kStagesV));
@@ -256,6 +259,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                     const __grid_constant__ CUtensorMap to) {
 #if KCPP_SM90_DEVICE
   using C = Tile<D>;
+  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+  constexpr int kCols = D / 64;  // 64-column (128-byte) blocks of a row
   constexpr int kBc = C::kBc, kSK = C::kStagesK, kSV = C::kStagesV, kNS = kBc / 2, kNO = D / 2;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -312,7 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_wait(qempty, (i & 1) ^ 1);
         mbar_expect_tx(qfull, C::kQBytes);
 #pragma unroll
-        for (int c = 0; c < C::kCols; ++c)
+        for (int c = 0; c < kCols; ++c)
           tma_load(sQ + c * kBr * 128, &tq, qfull, c * 64, static_cast<int>(x.q0), static_cast<int>(x.h), b);
         // K of tile it, then V of tile it - 1 (the consumers need them in that order): a K load never
         // waits behind the release of a V slot.
@@ -321,7 +326,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           mbar_wait(empty, ((count / stages) & 1) ^ 1);
           mbar_expect_tx(full, C::kKVBytes);
 #pragma unroll
-          for (int c = 0; c < C::kCols; ++c) tma_load(ring + st * C::kKVBytes + c * kBc * 128, map, full, c * 64, n * kBc, hk, b);
+          for (int c = 0; c < kCols; ++c) tma_load(ring + st * C::kKVBytes + c * kBc * 128, map, full, c * 64, n * kBc, hk, b);
         };
         for (int it = 0; it <= x.n_tiles; ++it) {
           if (it < x.n_tiles) load(&tk, sK, kSK, kfull(kc % kSK), kempty(kc % kSK), x.n_tiles - 1 - it, kc), ++kc;
@@ -533,7 +538,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     bar_sync(3 + cw, 128);
     if (tw == 0) {
 #pragma unroll
-      for (int c = 0; c < C::kCols; ++c)
+      for (int c = 0; c < kCols; ++c)
         tma_store(&to, o_base + c * 64 * 128, c * 64, static_cast<int>(x.q0 + cw * 64), static_cast<int>(x.h), static_cast<int>(x.b));
       bulk_commit();
     }

@@ -181,7 +181,7 @@ constexpr uint32_t kModes = KCPP_MODE_INFERENCE | KCPP_MODE_TRAINING | KCPP_MODE
 const kcpp_layer kLayers[] = {
     {sizeof(kcpp_layer), kModes, kDevices, 0, "FlashAttention", "Attention/1",
      "FlashAttention-2: causal / sliding-window attention with grouped-query heads, no score matrix; saves lse; "
-     "tensor cores for bf16 / f16 head_dim 64 / 128 on CUDA (forward on wgmma and TMA on sm_90a)",
+     "tensor cores for bf16 / f16 head_dim 64 / 128 on CUDA (the forward on wgmma and TMA on sm_90a, also head_dim 256)",
      attention_supports, attention_forward, attention_backward},
 };
 
