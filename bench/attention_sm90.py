@@ -1,5 +1,7 @@
 """flash_attn's forward paths side by side with PyTorch SDPA's cuDNN and FlashAttention-2 backends, in
-one process and under one timer (triton's do_bench, median): causal bf16, 32 query / 8 kv heads of
+one process and under one timer (deep_timer.bench_deep: do_bench's method with an 8 GiB flush, so that
+no row's host time is counted; do_bench's own figure and the host time a call are logged beside it):
+causal bf16, 32 query / 8 kv heads of
 128, at B4 S4096, B2 S8192 and B16 S1024 (and head dims 64 and 256 at B4 S4096; at 256 kcpp's backward is
 the generic kernel, not timed).  TFLOP/s count the causal half: 4 B H S^2 D / 2 for the
 forward, 3.5 times that for forward + backward.  kcpp's rows call the built package through its C ABI
@@ -20,7 +22,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
+sys.path.insert(0, os.path.join(HERE, "..", "bench"))
+sys.path.insert(0, HERE)
 import kcpp  # noqa: E402
+from deep_timer import bench_deep, host_us  # noqa: E402
 
 lib = sys.argv[1]
 shapes = [(4, 4096, 128), (2, 8192, 128), (16, 1024, 128), (4, 4096, 64), (4, 4096, 256)]  # B, S, head dim
@@ -30,8 +35,11 @@ if len(sys.argv) > 2:  # BxSxD ...
 layer = kcpp.Package(lib).layer("FlashAttention")
 
 
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+def bench(fn, what=""):
+    ms = bench_deep(fn)
+    print(f"  {what}: deep {ms:.4f} ms, do_bench {triton.testing.do_bench(fn, warmup=25, rep=100, return_mode='median'):.4f} ms,"
+          f" host {host_us(fn):.1f} us a call", flush=True)
+    return ms
 
 
 def rel(a, b):
@@ -79,7 +87,7 @@ for B, S, D in shapes:
             def fb():
                 F.scaled_dot_product_attention(qg, kk_, vv_, is_causal=True, enable_gqa=gqa).backward(do)
 
-            tf, tfb = bench(f), bench(fb)
+            tf, tfb = bench(f, f"{name} fwd"), bench(fb, f"{name} fwd+bwd")
             rows.append((B, S, D, f"{name} ({how})", tf, fl / tf * 1e3, tfb, 3.5 * fl / tfb * 1e3, rel(o, ref)))
             print(rows[-1], flush=True)
     for path in ("hopper", "ampere"):
@@ -92,13 +100,13 @@ for B, S, D in shapes:
             continue
         torch.cuda.synchronize()
         err = rel(out, ref)
-        tf = bench(lambda: layer.forward(fa))
+        tf = bench(lambda: layer.forward(fa), f"kcpp {path} fwd")
 
         def fb():
             layer.forward(fa)
             layer.backward(ba)
 
-        tfb = bench(fb) if D in (64, 128) else float("nan")  # head dim 256: the generic backward, slow
+        tfb = bench(fb, f"kcpp {path} fwd+bwd") if D in (64, 128) else float("nan")  # head dim 256: the generic backward, slow
         rows.append((B, S, D, f"kcpp {path}", tf, fl / tf * 1e3, tfb, 3.5 * fl / tfb * 1e3, err))
         print(rows[-1], flush=True)
     if True:  # the Hopper path without the ping-pong between its consumer warpgroups
@@ -108,7 +116,7 @@ for B, S, D in shapes:
         layer.forward(fa)
         torch.cuda.synchronize()
         err = rel(out, ref)
-        tf = bench(lambda: layer.forward(fa))
+        tf = bench(lambda: layer.forward(fa), "kcpp hopper, no ping-pong fwd")
         rows.append((B, S, D, "kcpp hopper, no ping-pong", tf, fl / tf * 1e3, float("nan"), float("nan"), err))
         print(rows[-1], flush=True)
         del os.environ["KCPP_FLASH_ATTN_SM90_PINGPONG"]
