@@ -69,7 +69,7 @@ using kernel::DType;
 constexpr int kBr = 128;           // queries a block: two consumer warpgroups of 64
 constexpr int kThreads = 3 * 128;  // producer warpgroup + two consumer warpgroups
 
-// Keys a tile and ring depth by head dim: a K or V tile is kBc x D, two of them a stage.
+// Tile sizes and ring depths by head dim: a K or V tile is kBc keys x D.
 template <int D> struct Tile {
   static constexpr int kBc = D == 256 ? 64 : 128;
   // Ring depths: K is needed a step before V, so it gets the deeper ring where shared memory allows.
@@ -623,7 +623,8 @@ template <typename T, int D, bool PP> const char* launch(const AttentionParams& 
       !make_map(&tk, p.k, p.dtype, D, p.seq_kv, p.heads_kv, p.batch, C::kBc) ||
       !make_map(&tv, p.v, p.dtype, D, p.seq_kv, p.heads_kv, p.batch, C::kBc) ||
       !make_map(&to, p.out, p.dtype, D, p.seq_q, p.heads_q, p.batch, 64))
-    return "attention_forward (hopper): the driver refused a tensor map of these strides";
+    return "attention_forward (hopper): the driver refused a tensor map of these strides "
+           "(KCPP_FLASH_ATTN_FORWARD=ampere takes the mma.sync kernel instead)";
   const cudaError_t attr = cudaFuncSetAttribute(fwd_sm90_kernel<T, D, PP>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (attr != cudaSuccess)
     return kernel::errorf("attention_forward (hopper): cannot reserve %d bytes of shared memory: %s", C::kSmem,
