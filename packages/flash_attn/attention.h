@@ -23,6 +23,11 @@
 // Paths:
 //   CPU: any dtype and D; rows in parallel (forward), kv heads in parallel (backward, so dk / dv have
 //        one writer each).
+//   CUDA forward, Hopper (sm_90a, attention_sm90.cu): FlashAttention-3's scheme, wgmma on tiles brought
+//        in by TMA, producer / consumer warpgroups, softmax overlapped with the matrix products: bf16 /
+//        f16, D in {64, 128, 256}, no sliding window, scale > 0, 16-byte aligned rows and strides, on a
+//        compute capability 9.0 device of a build that includes sm_90a.  It writes the same lse, so the
+//        backward below consumes it.
 //   CUDA, tensor cores (mma.sync m16n8k16, f32 accumulate): bf16 / f16, D in {64, 128}, scale > 0, 16-byte
 //        aligned rows.  Forward: a block of 4 warps per 64 queries, K / V tiles of 64 keys
 //        double-buffered in shared memory by cp.async.  Backward: a block per 64 keys of a kv head,
@@ -77,11 +82,20 @@ const char* attention_check(const AttentionParams& p, bool backward);
 bool attention_fast_path(const AttentionParams& p);
 size_t attention_backward_workspace(const AttentionParams& p);
 
+// The CUDA forward's path for these params on the current device: "hopper", "ampere" (the mma.sync
+// tensor-core kernel) or "generic", the first that can run.  The environment variable
+// KCPP_FLASH_ATTN_FORWARD (hopper | ampere | generic | auto) asks for one: when that one cannot run,
+// *error says why (and the call fails), so a test or benchmark knows which path it measured.
+const char* attention_forward_path(const AttentionParams& p, const char** error);
+// Null when the Hopper forward takes these params on the current device, else why not.
+const char* attention_sm90_unsupported(const AttentionParams& p);
+
 const char* attention_forward_cpu(const AttentionParams& p);
 const char* attention_backward_cpu(const AttentionParams& p);
 #if KCPP_WITH_CUDA
 const char* attention_forward_cuda(const AttentionParams& p, cudaStream_t stream);
 const char* attention_backward_cuda(const AttentionParams& p, cudaStream_t stream);
+const char* attention_forward_sm90(const AttentionParams& p, cudaStream_t stream);
 #endif
 
 }  // namespace kcpp::flash

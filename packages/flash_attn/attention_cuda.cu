@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "attention.h"
@@ -645,9 +647,11 @@ const char* launch_bwd(const AttentionParams& p, const float* delta, float* dq_a
   return kc::launch_error("attention_backward");
 }
 
-template <typename T> const char* forward_t(const AttentionParams& p, cudaStream_t stream) {
-  if constexpr (!std::is_same_v<T, float>)  // the tensor cores take 16-bit inputs
-    if (attention_fast_path(p)) return p.head_dim == 64 ? launch_fwd<T, 64>(p, stream) : launch_fwd<T, 128>(p, stream);
+template <typename T> const char* forward_t(const AttentionParams& p, const char* path, cudaStream_t stream) {
+  if constexpr (!std::is_same_v<T, float>) {  // the tensor cores take 16-bit inputs
+    if (std::strcmp(path, "hopper") == 0) return attention_forward_sm90(p, stream);
+    if (std::strcmp(path, "ampere") == 0) return p.head_dim == 64 ? launch_fwd<T, 64>(p, stream) : launch_fwd<T, 128>(p, stream);
+  }
   fwd_generic_kernel<T><<<blocks_for(p.batch * p.heads_q * p.seq_q, 4), 128, 0, stream>>>(p);
   return kc::launch_error("attention_forward");
 }
@@ -691,13 +695,37 @@ const char* cuda_check(const AttentionParams& p, bool backward) {
 
 }  // namespace
 
+const char* attention_forward_path(const AttentionParams& p, const char** error) {
+  *error = nullptr;
+  const char* want = std::getenv("KCPP_FLASH_ATTN_FORWARD");
+  const char* no_hopper = attention_sm90_unsupported(p);
+  const bool ampere = p.dtype != DType::f32 && attention_fast_path(p);
+  if (!want || !*want || std::strcmp(want, "auto") == 0) return !no_hopper ? "hopper" : ampere ? "ampere" : "generic";
+  if (std::strcmp(want, "hopper") == 0) {
+    if (no_hopper) *error = kernel::errorf("attention_forward: KCPP_FLASH_ATTN_FORWARD=hopper, but %s", no_hopper);
+    return "hopper";
+  }
+  if (std::strcmp(want, "ampere") == 0) {
+    if (!ampere)
+      *error = "attention_forward: KCPP_FLASH_ATTN_FORWARD=ampere, but the mma.sync kernel takes only bf16 / f16, "
+               "head_dim 64 / 128, scale > 0 and 16-byte aligned rows";
+    return "ampere";
+  }
+  if (std::strcmp(want, "generic") == 0) return "generic";
+  *error = kernel::errorf("KCPP_FLASH_ATTN_FORWARD is '%.64s'; expected auto, hopper, ampere or generic", want);
+  return "generic";
+}
+
 const char* attention_forward_cuda(const AttentionParams& p, cudaStream_t stream) {
   if (const char* e = cuda_check(p, false)) return e;
   if (p.batch == 0 || p.seq_q == 0) return nullptr;
+  const char* error = nullptr;
+  const char* path = attention_forward_path(p, &error);
+  if (error) return error;
   switch (p.dtype) {
-    case DType::f32: return forward_t<float>(p, stream);
-    case DType::bf16: return forward_t<__nv_bfloat16>(p, stream);
-    case DType::f16: return forward_t<__half>(p, stream);
+    case DType::f32: return forward_t<float>(p, path, stream);
+    case DType::bf16: return forward_t<__nv_bfloat16>(p, path, stream);
+    case DType::f16: return forward_t<__half>(p, path, stream);
   }
   return "attention_forward: unknown dtype";
 }

@@ -2,6 +2,10 @@
 //
 //   FlashAttention   Attention/1   attention.h   (causal / sliding window, grouped-query heads, lse saved)
 //
+// On CUDA the forward runs the first path of attention.h's that takes the call (Hopper, then the
+// mma.sync kernel, then the generic one); KCPP_FLASH_ATTN_FORWARD names one to require, and supports()
+// refuses a call it cannot take.
+//
 // The named arguments are those of docs/contracts/Attention.md.  Every tensor is [B, H, S, D] with D
 // contiguous and any other strides.  supports() runs the same checks as the call without running it.
 #include <cmath>
@@ -128,17 +132,29 @@ bool attention_args(kk::Call& c, bool bwd, fa::AttentionParams& p) {
   return c.ok();
 }
 
+// On CUDA, the forward path that KCPP_FLASH_ATTN_FORWARD asks for must be able to run (attention.h).
+bool forward_path_runs(kk::Call& c, const fa::AttentionParams& p) {
+#if KCPP_WITH_CUDA
+  if (!c.ok() || !c.on_cuda()) return c.ok();
+  const char* error = nullptr;
+  fa::attention_forward_path(p, &error);
+  if (error) return c.fail(KCPP_ERROR_UNSUPPORTED, "%s", error);
+#endif
+  (void)p;
+  return c.ok();
+}
+
 kcpp_status attention_supports(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
   kk::Call c(ctx, args, n, "FlashAttention");
   fa::AttentionParams p;
-  attention_args(c, c.find("dout") != nullptr, p);
+  if (attention_args(c, c.find("dout") != nullptr, p)) forward_path_runs(c, p);
   return c.status();
 }
 
 kcpp_status attention_forward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
   kk::Call c(ctx, args, n, "FlashAttention.forward");
   fa::AttentionParams p;
-  if (!attention_args(c, false, p)) return c.status();
+  if (!attention_args(c, false, p) || !forward_path_runs(c, p)) return c.status();
 #if KCPP_WITH_CUDA
   if (c.on_cuda()) return finish(c, fa::attention_forward_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
 #endif
@@ -165,7 +181,7 @@ constexpr uint32_t kModes = KCPP_MODE_INFERENCE | KCPP_MODE_TRAINING | KCPP_MODE
 const kcpp_layer kLayers[] = {
     {sizeof(kcpp_layer), kModes, kDevices, 0, "FlashAttention", "Attention/1",
      "FlashAttention-2: causal / sliding-window attention with grouped-query heads, no score matrix; saves lse; "
-     "tensor cores for bf16 / f16 head_dim 64 / 128 on CUDA",
+     "tensor cores for bf16 / f16 head_dim 64 / 128 on CUDA (the forward on wgmma and TMA on sm_90a, also head_dim 256)",
      attention_supports, attention_forward, attention_backward},
 };
 

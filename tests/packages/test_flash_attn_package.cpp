@@ -5,10 +5,13 @@
 // partial tiles on every side, grouped-query heads, a KV cache (fewer queries than keys), sliding
 // windows, non-causal attention and the [B, S, H, D] layout read through strides.
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include "core/platform.h"
 #include "oracle.h"
 #include "ops/nn/attention.h"
 #include "package_util.h"
@@ -60,6 +63,54 @@ Result run_both(const KernelLayer& k, const Tensor& q, const Tensor& kk, const T
   return r;
 }
 
+// Runs case `c` in `dt` through the package and holds out, dq, dk, dv and lse to the bounds.
+void check_case(const KernelLayer& k, const Case& c, DType dt, Device dev, Generator& gen, bool bshd) {
+  const std::string cfg = fmt::format("{} b={} hq={} hkv={} sq={} skv={} d={} causal={} window={} bshd={}",
+                                      test::config_name(dev, dt), c.b, c.hq, c.hkv, c.sq, c.skv, c.d, c.causal, c.window,
+                                      bshd);
+  const Tensor q = make(c.b, c.hq, c.sq, c.d, dt, dev, gen, bshd), kk = make(c.b, c.hkv, c.skv, c.d, dt, dev, gen, bshd);
+  const Tensor v = make(c.b, c.hkv, c.skv, c.d, dt, dev, gen, bshd), dout = make(c.b, c.hq, c.sq, c.d, dt, dev, gen, bshd);
+  const Result r = run_both(k, q, kk, v, dout, c, dev);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
+  const auto dov = dout.to_f64_vector();
+  const oracle::Attn o = oracle::attention(q.to_f64_vector(), kk.to_f64_vector(), v.to_f64_vector(), &dov, c.b, c.hq, c.hkv,
+                                           c.sq, c.skv, c.d, scale, c.causal, c.window);
+  const ops::AttentionOptions opt{scale, c.causal, c.window};
+  const ops::AttentionForward rf = ops::attention_forward(q, kk, v, opt);
+  const ops::AttentionBackward rb = ops::attention_backward(dout, q, kk, v, rf, opt);
+  const std::pair<const char*, std::pair<Tensor, Tensor>> outs[] = {
+      {"out", {r.out, rf.out}}, {"dq", {r.dq, rb.dq}}, {"dk", {r.dk, rb.dk}}, {"dv", {r.dv, rb.dv}}};
+  const oracle::V* refs[] = {&o.out, &o.dq, &o.dk, &o.dv};
+  for (int i = 0; i < 4; ++i) {
+    const double e_ref = test::rel_l2_error(outs[i].second.second, *refs[i]);
+    const double e = test::rel_l2_error(outs[i].second.first, *refs[i]);
+    EXPECT_LE(e, test::kernel_bound(e_ref, dt)) << cfg << " " << outs[i].first << " (reference error " << e_ref << ")";
+    EXPECT_LE(e, test::composite_rel_l2(dt)) << cfg << " " << outs[i].first;
+  }
+  // lse: log-sum-exp of each query's visible scaled scores, in f64.
+  const auto qv = q.to_f64_vector(), kv = kk.to_f64_vector(), lse = r.lse.to_f64_vector();
+  double worst = 0;
+  std::vector<double> s;
+  for (int64_t bi = 0; bi < c.b; ++bi)
+    for (int64_t h = 0; h < c.hq; ++h)
+      for (int64_t i = 0; i < c.sq; ++i) {
+        const int64_t pos = i + c.skv - c.sq, hk = h / (c.hq / c.hkv);
+        double mx = -std::numeric_limits<double>::infinity(), sum = 0;
+        s.clear();
+        for (int64_t j = 0; j < c.skv; ++j) {
+          if ((c.causal && j > pos) || (c.window > 0 && pos - j >= c.window)) continue;
+          double x = 0;
+          for (int64_t e = 0; e < c.d; ++e)
+            x += qv[((bi * c.hq + h) * c.sq + i) * c.d + e] * kv[((bi * c.hkv + hk) * c.skv + j) * c.d + e];
+          s.push_back(x * scale);
+          mx = std::max(mx, x * scale);
+        }
+        for (double x : s) sum += std::exp(x - mx);
+        worst = std::max(worst, std::abs(lse[(bi * c.hq + h) * c.sq + i] - (mx + std::log(sum))));
+      }
+  EXPECT_LE(worst, 1e-4 * std::sqrt(static_cast<double>(c.d))) << cfg << " lse";
+}
+
 class FlashAttnPackage : public ::testing::TestWithParam<Device> {};
 
 TEST_P(FlashAttnPackage, WithinTwiceTheReferenceError) {
@@ -77,50 +128,80 @@ TEST_P(FlashAttnPackage, WithinTwiceTheReferenceError) {
     for (const Case& c : cases)
       for (bool bshd : {false, true}) {
         if (bshd && c.d != 64) continue;
-        const std::string cfg = fmt::format("{} b={} hq={} hkv={} sq={} skv={} d={} causal={} window={} bshd={}",
-                                            test::config_name(dev, dt), c.b, c.hq, c.hkv, c.sq, c.skv, c.d, c.causal,
-                                            c.window, bshd);
-        const Tensor q = make(c.b, c.hq, c.sq, c.d, dt, dev, gen, bshd), kk = make(c.b, c.hkv, c.skv, c.d, dt, dev, gen, bshd);
-        const Tensor v = make(c.b, c.hkv, c.skv, c.d, dt, dev, gen, bshd), dout = make(c.b, c.hq, c.sq, c.d, dt, dev, gen, bshd);
-        const Result r = run_both(k, q, kk, v, dout, c, dev);
-        const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
-        const auto dov = dout.to_f64_vector();
-        const oracle::Attn o = oracle::attention(q.to_f64_vector(), kk.to_f64_vector(), v.to_f64_vector(), &dov, c.b, c.hq,
-                                                 c.hkv, c.sq, c.skv, c.d, scale, c.causal, c.window);
-        const ops::AttentionOptions opt{scale, c.causal, c.window};
-        const ops::AttentionForward rf = ops::attention_forward(q, kk, v, opt);
-        const ops::AttentionBackward rb = ops::attention_backward(dout, q, kk, v, rf, opt);
-        const std::pair<const char*, std::pair<Tensor, Tensor>> outs[] = {
-            {"out", {r.out, rf.out}}, {"dq", {r.dq, rb.dq}}, {"dk", {r.dk, rb.dk}}, {"dv", {r.dv, rb.dv}}};
-        const oracle::V* refs[] = {&o.out, &o.dq, &o.dk, &o.dv};
-        for (int i = 0; i < 4; ++i) {
-          const double e_ref = test::rel_l2_error(outs[i].second.second, *refs[i]);
-          const double e = test::rel_l2_error(outs[i].second.first, *refs[i]);
-          EXPECT_LE(e, test::kernel_bound(e_ref, dt)) << cfg << " " << outs[i].first << " (reference error " << e_ref << ")";
-          EXPECT_LE(e, test::composite_rel_l2(dt)) << cfg << " " << outs[i].first;
-        }
-        // lse: log-sum-exp of each query's visible scaled scores, in f64.
-        const auto qv = q.to_f64_vector(), kv = kk.to_f64_vector(), lse = r.lse.to_f64_vector();
-        double worst = 0;
-        for (int64_t bi = 0; bi < c.b; ++bi)
-          for (int64_t h = 0; h < c.hq; ++h)
-            for (int64_t i = 0; i < c.sq; ++i) {
-              const int64_t pos = i + c.skv - c.sq, hk = h / (c.hq / c.hkv);
-              double mx = -std::numeric_limits<double>::infinity(), sum = 0;
-              std::vector<double> s;
-              for (int64_t j = 0; j < c.skv; ++j) {
-                if ((c.causal && j > pos) || (c.window > 0 && pos - j >= c.window)) continue;
-                double x = 0;
-                for (int64_t e = 0; e < c.d; ++e)
-                  x += qv[((bi * c.hq + h) * c.sq + i) * c.d + e] * kv[((bi * c.hkv + hk) * c.skv + j) * c.d + e];
-                s.push_back(x * scale);
-                mx = std::max(mx, x * scale);
-              }
-              for (double x : s) sum += std::exp(x - mx);
-              worst = std::max(worst, std::abs(lse[(bi * c.hq + h) * c.sq + i] - (mx + std::log(sum))));
-            }
-        EXPECT_LE(worst, 1e-4 * std::sqrt(static_cast<double>(c.d))) << cfg << " lse";
+        check_case(k, c, dt, dev, gen, bshd);
       }
+}
+
+// Sets an environment variable for a scope (the package reads KCPP_FLASH_ATTN_FORWARD at each call).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    ::setenv(name, value, 1);
+  }
+  ~ScopedEnv() { had_ ? ::setenv(name_, old_.c_str(), 1) : ::unsetenv(name_); }
+
+ private:
+  const char* name_;
+  std::string old_;
+  bool had_ = false;
+};
+
+// The Hopper forward (wgmma + TMA, sm_90a), required through KCPP_FLASH_ATTN_FORWARD=hopper so that a
+// fallback to another path fails the call: lengths that are no multiple of its 128-row tiles (1, 127,
+// 257, 4097), fewer queries than keys, grouped-query heads (32 / 8), causal or not, head_dim 64 / 128 / 256,
+// bf16 / f16, the [B, S, H, D] layout, and more work items than SMs (the persistent blocks take
+// several each).  The backward (mma.sync) consumes the lse it writes.
+TEST(FlashAttnHopper, ForwardOnAwkwardLengths) {
+  const Device dev = Device::cuda(0);
+  KCPP_REQUIRE_DEVICE(dev);
+  const PlatformInfo pl = detect_platform();
+  if (pl.gpus.empty() || pl.gpus[0].cc_major != 9 || pl.gpus[0].cc_minor != 0 ||
+      pl.cuda_archs_compiled.find("90a") == std::string::npos)
+    GTEST_SKIP() << "skipped: needs a compute capability 9.0 GPU and a build with sm_90a";
+  const ScopedEnv env("KCPP_FLASH_ATTN_FORWARD", "hopper");
+  Generator gen = test::test_generator();
+  const KernelLayer k = layer();
+  const Case cases[] = {
+      {2, 4, 1, 1, 1, 128, true, 0},      {1, 32, 8, 127, 127, 128, true, 0}, {1, 4, 2, 127, 300, 128, true, 0},
+      {2, 2, 1, 257, 257, 128, false, 0}, {1, 2, 1, 129, 129, 64, true, 0},   {1, 2, 1, 4097, 4097, 64, true, 0},
+      {1, 2, 2, 1, 200, 128, false, 0},
+      // More work items (query tiles x heads) than an H100 or H200 has SMs: blocks loop over several.
+      {8, 16, 4, 129, 129, 64, true, 0},  {8, 16, 4, 200, 333, 128, false, 0}, {150, 2, 1, 1, 1, 128, true, 0},
+      // Head dim 256 (64-key tiles; the backward is the generic one).
+      {1, 4, 2, 127, 300, 256, true, 0},  {2, 2, 1, 200, 200, 256, false, 0},  {1, 2, 1, 129, 129, 256, true, 0},
+  };
+  for (DType dt : {DType::bf16, DType::f16})
+    for (const Case& c : cases)
+      for (bool bshd : {false, true}) {
+        if (bshd && c.sq > 1000) continue;
+        if (dt == DType::f16 && c.sq > 1000) continue;
+        check_case(k, c, dt, dev, gen, bshd);
+      }
+}
+
+// Asking for a forward path that cannot take the call is refused in supports(), naming why.
+TEST(FlashAttnHopper, RequiredPathIsRefusedWhereItCannotRun) {
+  const Device dev = Device::cuda(0);
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const KernelLayer k = layer();
+  const Tensor q = Tensor::randn({1, 2, 8, 64}, DType::bf16, dev, gen), kv = Tensor::randn({1, 1, 8, 64}, DType::bf16, dev, gen);
+  const Tensor out = Tensor::empty(q.shape(), q.dtype(), dev);
+  KernelArgs a;
+  a.tensor("q", q).tensor("k", kv).tensor("v", kv).tensor("out", out).integer("window", 4);
+  {
+    const ScopedEnv env("KCPP_FLASH_ATTN_FORWARD", "hopper");
+    EXPECT_TRUE(test::refused(k.supports(a, dev, test::kInference), KCPP_ERROR_UNSUPPORTED, "KCPP_FLASH_ATTN_FORWARD=hopper"));
+  }
+  {
+    const ScopedEnv env("KCPP_FLASH_ATTN_FORWARD", "ampere");
+    EXPECT_TRUE(k.supports(a, dev, test::kInference).ok());
+  }
+  {
+    const ScopedEnv env("KCPP_FLASH_ATTN_FORWARD", "fastest");
+    EXPECT_TRUE(test::refused(k.supports(a, dev, test::kInference), KCPP_ERROR_UNSUPPORTED, "'fastest'"));
+  }
 }
 
 // A query that sees no key (a window of keys that all lie ahead of it cannot happen; here: no

@@ -1,0 +1,129 @@
+"""flash_attn's forward paths side by side with PyTorch SDPA's cuDNN and FlashAttention-2 backends, in
+one process and under one timer (deep_timer.bench_deep: do_bench's method with an 8 GiB flush, so that
+no row's host time is counted; do_bench's own figure and the host time a call are logged beside it):
+causal bf16, 32 query / 8 kv heads of
+128, at B4 S4096, B2 S8192 and B16 S1024 (and head dims 64 and 256 at B4 S4096; at 256 kcpp's backward is
+the generic kernel, not timed).  TFLOP/s count the causal half: 4 B H S^2 D / 2 for the
+forward, 3.5 times that for forward + backward.  kcpp's rows call the built package through its C ABI
+(python/kcpp.py), the path chosen with KCPP_FLASH_ATTN_FORWARD (hopper: wgmma + TMA, sm_90a; ampere:
+mma.sync); forward + backward is either forward with the one (mma.sync) backward.  Each output is
+compared with cuDNN's before it is timed.
+
+Run on the GPU machine: python3 bench/attention_sm90.py <path to libflash_attn.so of the CUDA variant>
+"""
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+sys.path.insert(0, os.path.join(HERE, "..", "bench"))
+sys.path.insert(0, HERE)
+import kcpp  # noqa: E402
+from deep_timer import bench_deep, host_us  # noqa: E402
+
+lib = sys.argv[1]
+shapes = [(4, 4096, 128), (2, 8192, 128), (16, 1024, 128), (4, 4096, 64), (4, 4096, 256)]  # B, S, head dim
+HQ, HKV = 32, 8
+if len(sys.argv) > 2:  # BxSxD ...
+    shapes = [tuple(int(x) for x in s.split("x")) for s in sys.argv[2:]]
+layer = kcpp.Package(lib).layer("FlashAttention")
+
+
+def bench(fn, what=""):
+    ms = bench_deep(fn)
+    print(f"  {what}: deep {ms:.4f} ms, do_bench {triton.testing.do_bench(fn, warmup=25, rep=100, return_mode='median'):.4f} ms,"
+          f" host {host_us(fn):.1f} us a call", flush=True)
+    return ms
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+rows = []
+for B, S, D in shapes:
+    torch.manual_seed(0)
+    q = torch.randn(B, HQ, S, D, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(B, HKV, S, D, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(B, HKV, S, D, dtype=torch.bfloat16, device="cuda")
+    do = torch.randn_like(q)
+    fl = 4 * B * HQ * S * S * D / 2 / 1e12
+    out, lse = torch.empty_like(q), torch.empty(B, HQ, S, dtype=torch.float32, device="cuda")
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    fa = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "scale": 1 / math.sqrt(D), "causal": 1}
+    ba = dict(fa, dout=do, dq=dq, dk=dk, dv=dv)
+
+    # SDPA: grouped heads through enable_gqa where the backend takes it, else K / V repeated (outside the timer).
+    qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    ke, ve = (t.repeat_interleave(HQ // HKV, dim=1).detach().requires_grad_(True) for t in (k, v))
+    ref = None
+    for name, be in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash2", SDPBackend.FLASH_ATTENTION)):
+        with sdpa_kernel(be):
+            how = "gqa"
+            try:
+                with torch.no_grad():
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                kk_, vv_ = kg, vg
+            except RuntimeError:
+                how = "repeated kv"
+                with torch.no_grad():
+                    o = F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
+                kk_, vv_ = ke, ve
+            if ref is None:
+                ref = o
+            gqa = how == "gqa"
+
+            def f():
+                with torch.no_grad():
+                    F.scaled_dot_product_attention(q, kk_, vv_, is_causal=True, enable_gqa=gqa)
+
+            def fb():
+                F.scaled_dot_product_attention(qg, kk_, vv_, is_causal=True, enable_gqa=gqa).backward(do)
+
+            tf, tfb = bench(f, f"{name} fwd"), bench(fb, f"{name} fwd+bwd")
+            rows.append((B, S, D, f"{name} ({how})", tf, fl / tf * 1e3, tfb, 3.5 * fl / tfb * 1e3, rel(o, ref)))
+            print(rows[-1], flush=True)
+    for path in ("hopper", "ampere"):
+        os.environ["KCPP_FLASH_ATTN_FORWARD"] = path
+        out.fill_(float("nan"))
+        try:
+            layer.forward(fa)
+        except kcpp.KcppError as e:
+            print(f"!! {path}: {e}", flush=True)
+            continue
+        torch.cuda.synchronize()
+        err = rel(out, ref)
+        tf = bench(lambda: layer.forward(fa), f"kcpp {path} fwd")
+
+        def fb():
+            layer.forward(fa)
+            layer.backward(ba)
+
+        tfb = bench(fb, f"kcpp {path} fwd+bwd") if D in (64, 128) else float("nan")  # head dim 256: the generic backward, slow
+        rows.append((B, S, D, f"kcpp {path}", tf, fl / tf * 1e3, tfb, 3.5 * fl / tfb * 1e3, err))
+        print(rows[-1], flush=True)
+    if True:  # the Hopper path without the ping-pong between its consumer warpgroups
+        os.environ["KCPP_FLASH_ATTN_FORWARD"] = "hopper"
+        os.environ["KCPP_FLASH_ATTN_SM90_PINGPONG"] = "0"
+        out.fill_(float("nan"))
+        layer.forward(fa)
+        torch.cuda.synchronize()
+        err = rel(out, ref)
+        tf = bench(lambda: layer.forward(fa), "kcpp hopper, no ping-pong fwd")
+        rows.append((B, S, D, "kcpp hopper, no ping-pong", tf, fl / tf * 1e3, float("nan"), float("nan"), err))
+        print(rows[-1], flush=True)
+        del os.environ["KCPP_FLASH_ATTN_SM90_PINGPONG"]
+    del q, k, v, do, out, dq, dk, dv, qg, kg, vg, ke, ve, ref
+    torch.cuda.empty_cache()
+
+print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; causal bf16, {HQ}/{HKV} heads")
+print(f"{'shape':18s} {'impl':32s} {'fwd ms':>8s} {'TFLOP/s':>8s} {'fwd+bwd ms':>11s} {'TFLOP/s':>8s} {'rel diff vs cuDNN':>18s}")
+for B, S, D, name, tf, ff, tfb, ffb, err in rows:
+    print(f"{f'B{B} S{S} D{D}':18s} {name:32s} {tf:8.3f} {ff:8.1f} {tfb:11.3f} {ffb:8.1f} {err:18.2e}")
