@@ -10,14 +10,18 @@ find_package(OpenMP REQUIRED COMPONENTS CXX)                       # gcc's libgo
 # default is the pthread one: the binaries find the OpenMP build first through their run path, which
 # CMake fills with the directory of the library linked here (the installed tool's too: its install run
 # path is its link path, tools/kcpp/CMakeLists.txt; a consumer of find_package(kcpp) links the same file).
-find_package(OpenBLAS CONFIG QUIET NO_DEFAULT_PATH
-             PATHS /usr/lib/${CMAKE_LIBRARY_ARCHITECTURE}/openblas-openmp/cmake)
-if(NOT OpenBLAS_FOUND)
+# (Found by path, not through OpenBLASConfig.cmake, whose cached OpenBLAS_DIR would keep a build
+# folder configured before on the pthread build.)
+find_library(KCPP_OPENBLAS_OPENMP openblas NO_DEFAULT_PATH
+             PATHS /usr/lib/${CMAKE_LIBRARY_ARCHITECTURE}/openblas-openmp)
+find_path(KCPP_OPENBLAS_OPENMP_INCLUDE cblas.h NO_DEFAULT_PATH
+          PATHS /usr/include/${CMAKE_LIBRARY_ARCHITECTURE}/openblas-openmp)
+if(NOT KCPP_OPENBLAS_OPENMP OR NOT KCPP_OPENBLAS_OPENMP_INCLUDE)
   message(FATAL_ERROR "OpenBLAS's OpenMP build not found: install libopenblas-openmp-dev (scripts/install-deps.sh)")
 endif()
 add_library(kcpp_blas INTERFACE)
-target_include_directories(kcpp_blas SYSTEM INTERFACE ${OpenBLAS_INCLUDE_DIRS})
-target_link_libraries(kcpp_blas INTERFACE ${OpenBLAS_LIBRARIES})
+target_include_directories(kcpp_blas SYSTEM INTERFACE ${KCPP_OPENBLAS_OPENMP_INCLUDE})
+target_link_libraries(kcpp_blas INTERFACE ${KCPP_OPENBLAS_OPENMP})
 
 # fmt (libfmt-dev), header-only so that binaries carry no libfmt.so dependency to the GPU machine.
 find_package(fmt REQUIRED)
