@@ -132,6 +132,10 @@ TEST(Tokenizer, BadFilesAreErrorsNamingTheKey) {
         "model.continuing_subword_prefix");
   fails(R"({"model": {"type": "BPE", "vocab": {"a": "0"}}, "pre_tokenizer": {"type": "ByteLevel"}})", "model.vocab.a");
   fails(R"({"model": {"type": "BPE", "vocab": {"a": 0}, "ignore_merges": "yes"}, "pre_tokenizer": {"type": "ByteLevel"}})", "malformed");
+  // Nested Sequences are bounded (a file nesting thousands would exhaust the stack).
+  std::string nested = R"({"type": "ByteLevel"})";
+  for (int i = 0; i < 2000; ++i) nested = R"({"type": "Sequence", "pretokenizers": [)" + nested + "]}";
+  fails(R"({"model": {"type": "BPE", "vocab": {"a": 0}}, "pre_tokenizer": )" + nested + "}", "Sequences nested deeper than 16");
   EXPECT_THROW(Tokenizer::from_file(dir() / "missing.json"), Error);
   const Tokenizer tok = Tokenizer::from_file(dir() / "gpt2.json");
   EXPECT_THROW(tok.decode({1 << 30}), Error);

@@ -402,13 +402,19 @@ Tokenizer Tokenizer::from_json_text(std::string_view text, const std::string& or
     t.id_to_token.assign(static_cast<size_t>(max_id + 1), std::string());
     for (const auto& [tok, id] : t.vocab) t.id_to_token[static_cast<size_t>(id)] = tok;
     for (const AddedToken& a : t.added) t.id_to_token[static_cast<size_t>(a.id)] = a.content;
+    // Sequences of normalizers, pre-tokenizers and post-processors nest (a real file nests one level);
+    // the depth is bounded so that a hostile file cannot exhaust the stack.
+    constexpr int kMaxSequenceDepth = 16;
+    int depth = 0;
     // ---- normalizer: Unicode normalization forms (utf8proc), alone or in a Sequence
     std::function<void(const json&, const std::string&)> add_norm = [&](const json& n, const std::string& key) {
       if (!n.is_object()) t.fail(key, "expected an object");
       const std::string nt = n.value("type", "");
       if (nt == "Sequence") {
         if (!n.contains("normalizers") || !n["normalizers"].is_array()) t.fail(key + ".normalizers", "missing");
+        if (++depth > kMaxSequenceDepth) t.fail(key, fmt::format("Sequences nested deeper than {}", kMaxSequenceDepth));
         for (size_t i = 0; i < n["normalizers"].size(); ++i) add_norm(n["normalizers"][i], fmt::format("{}.normalizers[{}]", key, i));
+        --depth;
       } else if (nt == "NFC" || nt == "NFD" || nt == "NFKC" || nt == "NFKD") {
         int form = UTF8PROC_STABLE | (nt.back() == 'C' ? UTF8PROC_COMPOSE : UTF8PROC_DECOMPOSE);
         if (nt.size() == 4) form |= UTF8PROC_COMPAT;  // NFKC, NFKD
@@ -423,7 +429,9 @@ Tokenizer Tokenizer::from_json_text(std::string_view text, const std::string& or
       const std::string pt = p.value("type", "");
       if (pt == "Sequence") {
         if (!p.contains("pretokenizers") || !p["pretokenizers"].is_array()) t.fail(key + ".pretokenizers", "missing");
+        if (++depth > kMaxSequenceDepth) t.fail(key, fmt::format("Sequences nested deeper than {}", kMaxSequenceDepth));
         for (size_t i = 0; i < p["pretokenizers"].size(); ++i) add_pre(p["pretokenizers"][i], fmt::format("{}.pretokenizers[{}]", key, i));
+        --depth;
       } else if (pt == "ByteLevel") {
         PreStep st;
         st.kind = PreStep::ByteLevel;
@@ -468,7 +476,9 @@ Tokenizer Tokenizer::from_json_text(std::string_view text, const std::string& or
       const std::string pt = p.value("type", "");
       if (pt == "Sequence") {
         if (!p.contains("processors") || !p["processors"].is_array()) t.fail(key + ".processors", "missing");
+        if (++depth > kMaxSequenceDepth) t.fail(key, fmt::format("Sequences nested deeper than {}", kMaxSequenceDepth));
         for (size_t i = 0; i < p["processors"].size(); ++i) add_post(p["processors"][i], fmt::format("{}.processors[{}]", key, i));
+        --depth;
       } else if (pt == "TemplateProcessing") {
         if (!p.contains("single") || !p["single"].is_array()) t.fail(key + ".single", "missing");
         bool seen_sequence = false;
