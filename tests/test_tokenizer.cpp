@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -195,6 +196,33 @@ TEST(Tokenizer, MergesAreTwoSymbolsOfTheVocabulary) {
   EXPECT_EQ(load(R"(["a b"])").encode("ab"), std::vector<int64_t>({2}));
   EXPECT_EQ(load(R"([["a", "b"]])").encode("abab"), std::vector<int64_t>({2, 2}));
   EXPECT_NO_THROW(load(R"([["a b", "c"]])"));
+}
+
+// Encoding time grows with the text alone: 300 added tokens, 3 of which the text holds 6,000 times
+// in 230 kB, as a chat holds a few of Llama-3's 256 (each absent token's search of the rest of the
+// text at every match took 75 s, growing with the square), and 1 MB through Llama-3's regex
+// (PCRE2's UTF check of the rest of the text at every match took over 5 minutes).  Each takes
+// about 0.1 s.
+TEST(Tokenizer, EncodingTimeIsLinear) {
+  nlohmann::json j = read_json(dir() / "llama3.json");
+  for (int i = 0; i < 300; ++i)
+    j["added_tokens"].push_back({{"id", j["model"]["vocab"].size() + j["added_tokens"].size()}, {"content", fmt::format("<|x{}|>", i)},
+                                 {"special", true}});
+  const Tokenizer tok = Tokenizer::from_json_text(j.dump(), "llama3 + 300 added");
+  auto timed = [](auto&& f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  std::string text;
+  for (int i = 0; i < 6000; ++i) text += fmt::format("The gentle gardener, {} sings.<|x{}|>", i, i % 3);
+  std::vector<int64_t> ids;
+  EXPECT_LT(timed([&] { ids = tok.encode(text); }), 10.0) << "added tokens: about 0.1 s on one core";
+  EXPECT_EQ(std::count_if(ids.begin(), ids.end(), [&](int64_t id) { return id >= tok.vocab_size() - 300; }), 6000);
+  text.clear();
+  while (text.size() < (1 << 20)) text += "The quiet teacher follows a song boat to the valley, 12345 times.\n";
+  EXPECT_LT(timed([&] { ids = tok.encode(text); }), 10.0) << "the regex: about 0.1 s on one core";
+  EXPECT_GT(ids.size(), text.size() / 8);
 }
 
 // Invalid UTF-8 names its byte; a regex that fails on the text (here PCRE2's match limit, a pattern

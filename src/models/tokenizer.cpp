@@ -521,14 +521,18 @@ std::vector<int64_t> Tokenizer::encode(std::string_view text, bool add_special_t
                             "convert the text to UTF-8", t.origin, bad, static_cast<unsigned char>(text[bad])));
   std::vector<int64_t> out;
   if (add_special_tokens) out = t.prefix;
+  // Each added token's first occurrence at or after pos, searched again only once pos has passed
+  // it: the text is scanned about once per added token, not once per added token and match.
+  std::vector<size_t> next(t.added.size());
+  for (size_t i = 0; i < t.added.size(); ++i) next[i] = text.find(t.added[i].content);
   size_t pos = 0;
   while (pos < text.size()) {
     // The earliest added token at or after pos, the longest one there.
     size_t best = std::string_view::npos;
     const AddedToken* hit = nullptr;
-    for (const AddedToken& a : t.added) {
-      const size_t f = text.find(a.content, pos);
-      if (f != std::string_view::npos && (f < best)) best = f, hit = &a;  // longest first: ties keep the longer
+    for (size_t i = 0; i < t.added.size(); ++i) {
+      if (next[i] != std::string_view::npos && next[i] < pos) next[i] = text.find(t.added[i].content, pos);
+      if (next[i] < best) best = next[i], hit = &t.added[i];  // longest first: ties keep the longer
     }
     t.encode_plain(text.substr(pos, (hit ? best : text.size()) - pos), out);
     if (!hit) break;
