@@ -42,4 +42,5 @@ find_package(PkgConfig REQUIRED)
 pkg_check_modules(SODIUM REQUIRED IMPORTED_TARGET libsodium)
 pkg_check_modules(HTTPLIB REQUIRED IMPORTED_TARGET cpp-httplib)
 pkg_check_modules(PCRE2 REQUIRED IMPORTED_TARGET libpcre2-8)  # the tokenizers' pre-tokenization regexes
+pkg_check_modules(UTF8PROC REQUIRED IMPORTED_TARGET libutf8proc)  # the tokenizers' Unicode normalizers
 find_package(CURL REQUIRED)

