@@ -10,9 +10,9 @@ stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/lib" "$stage/bin"
 cp build/"$preset"/bin/* "$stage/bin/"
-# libsodium and cpp-httplib (the hub) are not in the device image (Ubuntu 24.04); libcurl, OpenSSL,
+# libsodium and cpp-httplib (the hub) and utf8proc (the tokenizer) are not in the device image (Ubuntu 24.04); libcurl, OpenSSL,
 # zlib and brotli are.
-for lib in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0 libgomp.so.1 libsodium.so.23 libcpp-httplib.so.0.11; do
+for lib in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0 libgomp.so.1 libsodium.so.23 libcpp-httplib.so.0.11 libutf8proc.so.2; do
   path=$(for b in build/"$preset"/bin/*; do ldd "$b"; done | awk -v l="$lib" '$1 == l { print $3 }' | head -n 1 || true)
   [ -n "$path" ] || { echo "pack-device: no binary uses $lib"; exit 1; }
   cp -L "$path" "$stage/lib/"
