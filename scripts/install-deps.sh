@@ -18,6 +18,7 @@ packages=(
   libgtest-dev           # tests
   python3 python3-numpy  # the Python bridge's tests (python/tests)
   libbenchmark-dev       # CPU benchmarks
+  clang-16 libclang-rt-16-dev libomp-16-dev  # the parsers' fuzzers (scripts/fuzz.sh): libFuzzer, sanitizers
 )
 
 missing=()

@@ -7,3 +7,4 @@ cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 scripts/build.sh release
 ctest --preset release -j "$(nproc)"
+scripts/fuzz.sh 20  # every parser fuzzed for 20 s under address and UB sanitizers
