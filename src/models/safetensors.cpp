@@ -161,7 +161,7 @@ Tensor SafetensorsFile::view(std::string_view name) const {
   }
   if (reinterpret_cast<uintptr_t>(p) % dtype_size(t) != 0) {  // unaligned: copy out
     Tensor out = Tensor::empty(e.shape, t, Device::cpu());
-    std::memcpy(out.data(), p, e.end - e.begin);
+    if (e.end > e.begin) std::memcpy(out.data(), p, e.end - e.begin);  // an empty tensor has no data pointer
     return out;
   }
   auto keep = mapping_;
