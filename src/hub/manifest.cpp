@@ -31,6 +31,12 @@ struct Reader {
     if (!v.is_string()) fail(where, fmt::format("field '{}' must be a string, is {}", key, v.type_name()));
     return v.get<std::string>();
   }
+  bool flag(const nlohmann::json& obj, const char* key, const std::string& where, bool fallback) const {
+    if (!obj.contains(key)) return fallback;
+    const auto& v = obj.at(key);
+    if (!v.is_boolean()) fail(where, fmt::format("field '{}' must be true or false, is {}", key, v.type_name()));
+    return v.get<bool>();
+  }
   std::vector<std::string> strings(const nlohmann::json& obj, const char* key, const std::string& where) const {
     std::vector<std::string> out;
     if (!obj.contains(key)) return out;
@@ -114,7 +120,7 @@ Manifest Manifest::parse(std::string_view text, std::string_view source) {
         l.doc = r.str(ls[i], "doc", lw, false);
         l.modes = r.strings(ls[i], "modes", lw);
         l.devices = r.strings(ls[i], "devices", lw);
-        l.backward = ls[i].value("backward", false);
+        l.backward = r.flag(ls[i], "backward", lw, false);
         v.layers.push_back(std::move(l));
       }
     }

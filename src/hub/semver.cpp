@@ -29,12 +29,13 @@ std::vector<std::string_view> split(std::string_view s, char sep) {
   return out;
 }
 
-// A numeric field: digits, no leading zero (semver §2), fits in 64 bits.
+// A numeric field: digits, no leading zero (semver §2), below 2^64 - 1 (so that a constraint's
+// upper bound, the field plus one, fits in 64 bits).
 std::optional<uint64_t> number(std::string_view s) {
   if (!is_digits(s) || (s.size() > 1 && s[0] == '0')) return std::nullopt;
   uint64_t v = 0;
   auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (ec != std::errc() || p != s.data() + s.size()) return std::nullopt;
+  if (ec != std::errc() || p != s.data() + s.size() || v == UINT64_MAX) return std::nullopt;
   return v;
 }
 
@@ -76,7 +77,7 @@ std::optional<Partial> parse_partial(std::string_view s, std::string* why) {
     }
     if (wild) return *why = "a number after a wildcard field", std::nullopt;
     const auto n = number(f);
-    if (!n) return *why = "'" + std::string(f) + "' is not a number (digits, no leading zero)", std::nullopt;
+    if (!n) return *why = "'" + std::string(f) + "' is not a number (digits, no leading zero, below 2^64 - 1)", std::nullopt;
     *dst[i] = *n;
     p.fields = static_cast<int>(i) + 1;
   }

@@ -303,6 +303,7 @@ nlohmann::json ModelConfig::to_json() const {
                       {"attention_bias", attention_bias},
                       {"mlp_bias", mlp_bias},
                       {"torch_dtype", torch_dtype}};
+  if (model_type == "gemma") j["hidden_activation"] = hidden_act;  // what Gemma reads (it ignores hidden_act)
   // As Transformers 5 writes it.
   nlohmann::json rope = {{"rope_theta", rope_theta}, {"rope_type", "default"}};
   if (partial_rotary_factor != 1.0) rope["partial_rotary_factor"] = partial_rotary_factor;

@@ -109,8 +109,9 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
     KCPP_CHECK(e["shape"].is_array(), "{}: shape must be an array", where);
     uint64_t numel = 1;
     for (const auto& d : e["shape"]) {
-      KCPP_CHECK(d.is_number_unsigned() || (d.is_number_integer() && d.get<int64_t>() >= 0),
-                 "{}: shape must hold non-negative integers, got {}", where, e["shape"].dump());
+      KCPP_CHECK((d.is_number_unsigned() && d.get<uint64_t>() <= uint64_t{std::numeric_limits<int64_t>::max()}) ||
+                     (d.is_number_integer() && d.get<int64_t>() >= 0),
+                 "{}: shape must hold non-negative integers below 2^63, got {}", where, e["shape"].dump());
       const uint64_t v = d.get<uint64_t>();
       KCPP_CHECK(v == 0 || numel <= std::numeric_limits<uint64_t>::max() / v, "{}: shape {} overflows", where, e["shape"].dump());
       numel *= v;
@@ -152,9 +153,15 @@ Tensor SafetensorsFile::view(std::string_view name) const {
     KCPP_FAIL("{}: tensor '{}': {}", path_.string(), name, err.what());
   }
   void* p = const_cast<unsigned char*>(data_ + e.begin);
+  if (t == DType::boolean) {  // a C++ bool must hold 0 or 1; any other byte is undefined behaviour to read
+    const auto* b = static_cast<const unsigned char*>(p);
+    const auto* bad = std::find_if(b, b + (e.end - e.begin), [](unsigned char c) { return c > 1; });
+    if (bad != b + (e.end - e.begin))
+      KCPP_FAIL("{}: tensor '{}': BOOL element {} is the byte {}, not 0 or 1", path_.string(), name, bad - b, int{*bad});
+  }
   if (reinterpret_cast<uintptr_t>(p) % dtype_size(t) != 0) {  // unaligned: copy out
     Tensor out = Tensor::empty(e.shape, t, Device::cpu());
-    std::memcpy(out.data(), p, e.end - e.begin);
+    if (e.end > e.begin) std::memcpy(out.data(), p, e.end - e.begin);  // an empty tensor has no data pointer
     return out;
   }
   auto keep = mapping_;

@@ -9,9 +9,11 @@
 #include <functional>
 #include <vector>
 
+#include "core/error.h"
 #include "hub/cache.h"
 #include "hub/crypto.h"
 #include "hub/fs.h"
+#include "hub/lockfile.h"
 #include "hub/manifest.h"
 #include "hub/package.h"
 #include "hub/reference.h"
@@ -100,6 +102,15 @@ TEST(Semver, AWildcardAfterAnOperatorIsNotAVersion) {
     EXPECT_TRUE(throws_with([&] { Constraint::parse(text); }, needle)) << "'" << text << "'";
   EXPECT_TRUE(Constraint::parse("x").matches(Version::parse("9.0.0")));
   EXPECT_TRUE(Constraint::parse(">=1.x").matches(Version::parse("1.0.0")));
+}
+
+TEST(Semver, EveryVersionHasANextOne) {
+  // A field of 2^64 - 1 has no successor: "^X.0.0" would end at a wrapped-around bound and admit nothing.
+  EXPECT_TRUE(throws_with([] { Version::parse("18446744073709551615.0.0"); }, "below 2^64 - 1"));
+  EXPECT_TRUE(throws_with([] { Constraint::parse("<=1.18446744073709551615"); }, "below 2^64 - 1"));
+  const Version top = Version::parse("18446744073709551614.18446744073709551614.18446744073709551614");
+  for (const char* c : {"^18446744073709551614", "~18446744073709551614.18446744073709551614", "<=18446744073709551614"})
+    EXPECT_TRUE(Constraint::parse(c).matches(top)) << c;
 }
 
 // ---- references and mappings ----------------------------------------------------------------------
@@ -484,6 +495,27 @@ TEST(Manifest, MalformedManifestsAreErrorsNamingTheField) {
   for (const auto& [text, needle] : bad)
     EXPECT_TRUE(throws_with([&] { Manifest::parse(text, "acme/example@v1"); }, needle)) << needle;
   EXPECT_TRUE(throws_with([&] { Manifest::parse("{", "acme/example@v1"); }, "acme/example@v1: manifest.json"));
+}
+
+// Fields of the wrong JSON type are kcpp::Errors naming the field, never a JSON library exception
+// (inputs found by tests/fuzz).
+TEST(Manifest, MistypedOptionalFieldsAreErrors) {
+  nlohmann::json j = nlohmann::json::parse(example_manifest_text());
+  const std::string variant = j["variants"].begin().key();
+  j["variants"][variant]["layers"] = {{{"name", "SiLU"}, {"contract", "SiLU/1"}, {"backward", "yes"}}};
+  EXPECT_THROW(Manifest::parse(j.dump(), "example"), Error);
+  EXPECT_TRUE(throws_with([&] { Manifest::parse(j.dump(), "example"); }, "layers[0]: field 'backward' must be true or false"));
+}
+
+TEST(LockFile, AFormatThatIsNotANumberIsAnError) {
+  test::TempDir d;
+  for (const char* text : {R"({"kcpp_lock": "1", "packages": []})", R"({"kcpp_lock": null, "packages": []})", R"({"packages": []})"}) {
+    write_file_atomic(d.path() / "kcpp.lock", text);
+    EXPECT_THROW(LockFile::load(d.path() / "kcpp.lock"), Error) << text;
+    EXPECT_TRUE(throws_with([&] { LockFile::load(d.path() / "kcpp.lock"); }, "not a kcpp lock file of format 1")) << text;
+  }
+  write_file_atomic(d.path() / "kcpp.lock", R"({"kcpp_lock": 1, "packages": []})");
+  EXPECT_TRUE(LockFile::load(d.path() / "kcpp.lock").packages.empty());
 }
 
 TEST(Trust, SignedUnsignedUntrustedAndTampered) {
