@@ -178,6 +178,14 @@ TEST(Tokenizer, IdsOutsideTheVocabularyAreErrors) {
                   R"(, "post_processor": {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>"}}, {"Sequence": {"id": "A"}}],)"
                   R"( "special_tokens": {"<s>": {"ids": [7]}}})"));
   }, {"post_processor.special_tokens.<s>", "the id 7"});
+  // An added token repeating a vocabulary entry leaves the id bound above the last defined id: the
+  // template's ids must name a defined token (fuzzing found id 2 emitted over a 2-entry table).
+  expect_error([&] {
+    load(bpe_json(R"({"a": 0, "b": 1})", "[]",
+                  R"(, "added_tokens": [{"id": 0, "content": "a", "special": true}])"
+                  R"(, "post_processor": {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "x"}}, {"Sequence": {"id": "A"}}],)"
+                  R"( "special_tokens": {"x": {"ids": [2]}}})"));
+  }, {"post_processor.special_tokens.x", "the id 2 is neither a vocabulary entry nor an added token"});
 }
 
 // A merge is exactly two non-empty symbols of the vocabulary whose concatenation is in it too, as

@@ -492,8 +492,16 @@ Tokenizer Tokenizer::from_json_text(std::string_view text, const std::string& or
           const json& sp = p.value("special_tokens", json::object());
           if (!sp.contains(name) || !sp[name].contains("ids") || !sp[name]["ids"].is_array())
             t.fail(key + ".special_tokens", fmt::format("'{}' has no ids", name));
-          for (const json& id : sp[name]["ids"])
-            (seen_sequence ? t.suffix : t.prefix).push_back(check_id(id, fmt::format("{}.special_tokens.{}", key, name)));
+          for (const json& id : sp[name]["ids"]) {
+            const std::string id_key = fmt::format("{}.special_tokens.{}", key, name);
+            const int64_t v = check_id(id, id_key);
+            // The template's ids are emitted as they are: each must name a token of the vocabulary or
+            // an added one (the bound above admits gaps when added tokens repeat vocabulary entries).
+            if (v >= static_cast<int64_t>(t.id_to_token.size()) ||
+                (t.id_to_token[static_cast<size_t>(v)].empty() && !t.added_by_id.count(v)))
+              t.fail(id_key, fmt::format("the id {} is neither a vocabulary entry nor an added token", v));
+            (seen_sequence ? t.suffix : t.prefix).push_back(v);
+          }
         }
       } else if (pt != "ByteLevel" && pt != "RobertaProcessing") {
         t.fail(key + ".type", fmt::format("'{}' is not supported (TemplateProcessing, ByteLevel, Sequence)", pt));
