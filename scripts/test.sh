@@ -5,5 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
+scripts/python-env.sh  # build/pyenv: nanobind for the Python package, torch + transformers for kcpp.torch's tests
 scripts/build.sh release
 ctest --preset release -j "$(nproc)"
