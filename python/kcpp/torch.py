@@ -42,6 +42,10 @@ import torch.nn.functional as F
 import kcpp
 from . import _core
 
+if _core is None:
+    raise ImportError("kcpp.torch needs the extension kcpp._core: pip install . from the repository, or "
+                      "scripts/python-env.sh then scripts/build.sh (PYTHONPATH=build/release/python)")
+
 __all__ = ["kernelize", "unkernelize", "report", "Report"]
 
 _MODES = ("training", "inference")
@@ -85,7 +89,12 @@ class _Slot:
         if k is None:
             self.reference_calls += 1
             return None
-        ok, why = k.supports(args, "training" if training else "inference")
+        if any(isinstance(v, torch.Tensor) and v.numel() == 0 for v in args.values()):
+            return self.refuse("an empty tensor: the reference handles it")
+        try:
+            ok, why = k.supports(args, "training" if training else "inference")
+        except (kcpp.KcppError, ValueError, TypeError) as e:  # a call the contract cannot express (an empty tensor, ...)
+            ok, why = False, str(e)
         if not ok:
             return self.refuse(why)
         self.kernel_calls += 1

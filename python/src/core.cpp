@@ -67,23 +67,51 @@ struct ExchangeApi {
   int (*current_work_stream)(int32_t device_type, int32_t device_id, void** out_stream);
 };
 
-// The exchange API of a type, looked up once per type (nullptr: the type has none, or one whose
-// major version this bridge does not speak, or no dltensor_from_py_object_no_sync).
-const ExchangeApi* exchange_api(PyTypeObject* type) {
-  static std::unordered_map<PyTypeObject*, const ExchangeApi*> cache;
-  if (auto it = cache.find(type); it != cache.end()) return it->second;
+// What the bridge knows of a tensor type, looked up once per type.
+struct TypeInfo {
+  // The type's exchange API (nullptr: none, or one whose major version this bridge does not speak,
+  // or without dltensor_from_py_object_no_sync).
   const ExchangeApi* api = nullptr;
+  // PyTorch's: a tensor may carry the negative or conjugate bit (a lazy negation / conjugation that
+  // the exchange API's DLTensor does not show), which the bridge must refuse.
+  bool torch = false;
+};
+
+const TypeInfo& type_info(PyTypeObject* type) {
+  static std::unordered_map<PyTypeObject*, TypeInfo> cache;
+  if (auto it = cache.find(type); it != cache.end()) return it->second;
+  TypeInfo info;
   PyObject* capsule = PyObject_GetAttrString(reinterpret_cast<PyObject*>(type), "__dlpack_c_exchange_api__");
   if (capsule && PyCapsule_IsValid(capsule, "dlpack_exchange_api")) {
     auto* a = static_cast<const ExchangeApi*>(PyCapsule_GetPointer(capsule, "dlpack_exchange_api"));
-    if (a && a->header.version.major == 1 && a->dltensor_from_py_object_no_sync && a->current_work_stream) api = a;
+    if (a && a->header.version.major == 1 && a->dltensor_from_py_object_no_sync && a->current_work_stream) info.api = a;
   }
   if (!capsule) PyErr_Clear();
   Py_XDECREF(capsule);
-  // Types live as long as the interpreter's modules do; a type with an API is held so its pointer stays valid.
-  if (api) Py_INCREF(reinterpret_cast<PyObject*>(type));
-  cache.emplace(type, api);
-  return api;
+  for (PyTypeObject* t = type; t; t = t->tp_base) {
+    if (std::strcmp(t->tp_name, "torch._C.TensorBase") == 0 || std::strcmp(t->tp_name, "torch._C._TensorBase") == 0) {
+      info.torch = true;
+      break;
+    }
+  }
+  // A type with an API is held, so that the API's pointer stays valid.
+  if (info.api) Py_INCREF(reinterpret_cast<PyObject*>(type));
+  return cache.emplace(type, info).first->second;
+}
+
+// True when a PyTorch tensor's values are not what its memory holds (negative or conjugate bit).
+bool torch_lazy_view(PyObject* t, const DLTensor& d) {
+  static PyObject* is_neg = PyUnicode_InternFromString("is_neg");
+  static PyObject* is_conj = PyUnicode_InternFromString("is_conj");
+  for (PyObject* name : {is_neg, is_conj}) {
+    if (name == is_conj && d.dtype.code != kDLComplex) continue;  // only complex tensors have it
+    PyObject* r = PyObject_CallMethodNoArgs(t, name);
+    if (!r) throw nb::python_error();
+    bool set = r == Py_True;
+    Py_DECREF(r);
+    if (set) return true;
+  }
+  return false;
 }
 
 // ---- errors --------------------------------------------------------------------------------------------
@@ -225,9 +253,19 @@ void build_args(CallState& st, nb::handle args, const std::string& where) {
       if (!a.value.s) throw nb::python_error();
     } else {
       DLTensor& t = st.tensors[st.n - 1];
-      const ExchangeApi* api = exchange_api(Py_TYPE(value));
+      const TypeInfo& type = type_info(Py_TYPE(value));
+      const ExchangeApi* api = type.api;
       if (api) {
-        if (api->dltensor_from_py_object_no_sync(value, &t) != 0) throw nb::python_error();
+        if (api->dltensor_from_py_object_no_sync(value, &t) != 0) {
+          // The framework's message (its first line: PyTorch appends a C++ trace), naming the argument.
+          nb::python_error e;
+          std::string m = e.what();
+          m = m.substr(0, m.find('\n'));
+          raise_type("value", where + ": argument '" + a.name + "': " + m);
+        }
+        if (type.torch && torch_lazy_view(value, t))
+          raise_type("value", where + ": argument '" + a.name + "' is a lazily negated or conjugated view "
+                                  "(PyTorch's neg / conj bit): pass t.resolve_neg().resolve_conj()");
       } else {
         if (!PyObject_HasAttrString(value, "__dlpack__"))
           raise_type("type", where + ": argument '" + a.name + "' is a " + Py_TYPE(value)->tp_name +

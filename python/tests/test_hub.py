@@ -126,6 +126,12 @@ class TorchTensors(unittest.TestCase):
             self.rms.forward({"x": x, "weight": torch.ones(8), "y": torch.empty(4, 7)}, mode="inference")
         with self.assertRaisesRegex(TypeError, "'eps' is a list"):
             self.rms.forward({"x": x, "weight": torch.ones(8), "y": x, "eps": [1.0]}, mode="inference")
+        with self.assertRaisesRegex(ValueError, "'x'.*neg / conj bit"):  # its values are not its memory's
+            self.rms.forward({"x": torch._neg_view(x), "weight": torch.ones(8), "y": torch.empty_like(x)},
+                             mode="inference")
+        with self.assertRaisesRegex(ValueError, "'y'.*meta"):  # no memory: the framework's reason, named
+            self.rms.forward({"x": x, "weight": torch.ones(8), "y": torch.empty(4, 8, device="meta")},
+                             mode="inference")
         with self.assertRaisesRegex(TypeError, "dict"):
             self.rms.forward([("x", x)], mode="inference")
 

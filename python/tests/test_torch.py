@@ -172,6 +172,14 @@ class Kernelize(unittest.TestCase):
         self.assertEqual(y.dtype, torch.float64)
         self.assertRegex(kt.report(model)["RMSNorm"]["last_refusal"], "one dtype")
 
+    def test_an_empty_input_falls_back(self):
+        model = make_model("llama")
+        kt.kernelize(model)
+        with torch.no_grad():
+            y = model.model.norm(torch.empty(0, COMMON["hidden_size"]))
+        self.assertEqual(tuple(y.shape), (0, COMMON["hidden_size"]))
+        self.assertEqual(kt.report(model)["RMSNorm"]["fallbacks"], 1)
+
     def test_bad_arguments(self):
         with self.assertRaisesRegex(ValueError, "mode must be"):
             kt.kernelize(make_model("llama"), mode="train")
