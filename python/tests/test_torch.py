@@ -99,6 +99,24 @@ class Kernelize(unittest.TestCase):
         e = kt.report(model)["CrossEntropyLoss"]
         self.assertGreater(e["kernel_calls"], 0, str(kt.report(model)))
 
+    def test_num_items_in_batch(self):
+        # The Trainer's gradient accumulation: the loss summed, divided by the batch's labelled tokens.
+        for config in ({}, {"cross_entropy": True, "fused_linear_cross_entropy": False}):
+            with self.subTest(config=config):
+                model = make_model("llama")
+                ids, labels = batch()
+                n = torch.tensor(40.0)
+                ref = model(input_ids=ids, labels=labels, num_items_in_batch=n).loss
+                ref.backward()
+                ref_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+                model.zero_grad(set_to_none=True)
+                kt.kernelize(model, liger_kernel_config=config)
+                got = model(input_ids=ids, labels=labels, num_items_in_batch=n).loss
+                got.backward()
+                self.assertLess(abs(got.item() - ref.item()) / abs(ref.item()), self.TOL)
+                for k, p in model.named_parameters():
+                    self.assertLess(rel_l2(p.grad, ref_grads[k]), self.TOL, k)
+
     def test_llama_inference_mode_only(self):
         model = self.check_family("llama", mode="inference")
         r = kt.report(model)
