@@ -7,7 +7,8 @@
     print(kcpp.torch.report(model))                  # which kernel each layer got, calls, fallbacks and why
     kcpp.torch.unkernelize(model)                    # the model as it was
 
-Layers are found by what they are, in the model's own modeling module (Llama, Mistral, Qwen2, Qwen3):
+Layers are found by what they are, in the model's own modeling module (Llama, Mistral, Qwen2, Qwen3,
+Phi-3, Gemma 1 / 2 / 3 text; Gemma's RMSNorm, with its (1 + w), is not swapped yet):
   RMSNorm           the family's RMSNorm modules (`*RMSNorm` with `weight` and `variance_epsilon`)  RMSNorm/1
   MLP               gated MLPs (`gate_proj`, `up_proj`, `down_proj`, `act_fn`): the part between the
                     projections, act(gate) * up                                                    GLU/1
@@ -53,6 +54,11 @@ _MODES = ("training", "inference")
 # The contract each layer name's kernels implement.
 _CONTRACTS = {"RMSNorm": "RMSNorm/1", "MLP": "GLU/1", "rotary_pos_emb": "rotary_pos_emb/1",
               "CrossEntropyLoss": "CrossEntropyLoss/1", "ForCausalLMLoss": "ForCausalLMLoss/1"}
+
+# The model types whose modeling code kcpp.torch's swaps were checked against (RMSNorm's casting,
+# apply_rotary_pos_emb's rotate-half, the *ForCausalLM forward that the fused loss re-implements: body,
+# lm_head, optional final logit soft-capping, loss_function).  Other models keep their layers, saying so.
+_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text")
 
 # Transformers' hidden_act names the GLU/1 contract takes.
 _GLU_ACTIVATIONS = {"silu", "swish", "gelu", "gelu_tanh", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "quick_gelu"}
@@ -412,6 +418,9 @@ def _causal_lm_forward(model, slot, original, *args, labels=None, logits_to_keep
              "loss": torch.empty((), dtype=torch.float32, device=hidden.device),
              "dhidden": torch.empty_like(hidden2d),
              "dweight": torch.empty_like(weight) if weight.requires_grad else None}
+    softcap = getattr(model.config, "final_logit_softcapping", None)  # Gemma 2 / 3: cap * tanh(logits / cap)
+    if softcap:
+        fargs["softcap"] = float(softcap)
     layer = slot.choose(True, fargs)
     if layer is None:
         return _finish_reference(model, outputs, labels, logits_to_keep, num_items_in_batch, ignore_index, shift_labels)
@@ -429,6 +438,9 @@ def _finish_reference(model, outputs, labels, logits_to_keep, num_items_in_batch
     hidden = outputs.last_hidden_state
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     logits = model.get_output_embeddings()(hidden[:, keep, :])
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
     loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size,
                                num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
                                shift_labels=shift_labels)
@@ -588,6 +600,13 @@ def kernelize(model, mode=None, kernel_config=None, use_liger_kernel=True, liger
 
 def _swap(model, state):
     slots = state.slots
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in _MODEL_TYPES:
+        for slot in slots.values():
+            slot.kernels.clear()
+            slot.reason = (f"model type {model_type!r}: kcpp.torch kernelizes {', '.join(_MODEL_TYPES)} "
+                           "(their modeling code is what its swaps were checked against)")
+        return
     patched_modeling = set()
     for module in model.modules():
         if _is_rms_norm(module):

@@ -31,6 +31,11 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=8, sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(rope_scaling=None, pad_token_id=0, partial_rotary_factor=0.5)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=8, tie_word_embeddings=True,
+                                                      hidden_activation="gelu_pytorch_tanh")),
+    # A soft cap small enough to matter for these logits.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=8, final_logit_softcapping=0.05)),
 }
 
 
@@ -124,10 +129,26 @@ class Kernelize(unittest.TestCase):
         self.assertGreater(r["RMSNorm"]["reference_calls"], 0)  # the training call: no training kernel
 
     def test_other_families(self):
-        for family in ("mistral", "qwen2", "qwen3"):
+        for family in ("mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2"):
             with self.subTest(family=family):
                 model = self.check_family(family)
-                self.assertGreater(kt.report(model)["RMSNorm"]["kernel_calls"], 0)
+                r = kt.report(model)
+                self.assertGreater(r["ForCausalLMLoss"]["kernel_calls"], 0, str(r))
+                self.assertGreater(r["rotary_pos_emb"]["kernel_calls"], 0, str(r))
+                if not family.startswith("gemma"):  # Gemma's (1 + w) RMSNorm is not swapped yet
+                    self.assertGreater(r["RMSNorm"]["kernel_calls"], 0, str(r))
+
+    def test_an_unknown_model_type_keeps_its_layers(self):
+        model = make_model("llama")
+        model.config.model_type = "llama_like_but_unchecked"
+        ids, labels = batch()
+        ref = run(model, ids, labels)
+        kt.kernelize(model)
+        got = run(model, ids, labels)
+        self.assertTrue(torch.equal(ref[1], got[1]))
+        r = kt.report(model)
+        self.assertEqual(r["RMSNorm"]["kernel_calls"], 0)
+        self.assertRegex(r["RMSNorm"]["reason"], "llama_like_but_unchecked")
 
     def test_a_transformers_kernel_mapping(self):
         liger = kcpp.local_packages()["liger"]
