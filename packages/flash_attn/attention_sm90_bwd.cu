@@ -13,8 +13,9 @@
 //   dV  += P^T dO, dK += dS^T Q            wgmma, A from registers, B MN-major (dO, Q as loaded)
 //   dQ   = dS K over all 128 keys          wgmma, A = dS^T as written to shared memory by both
 //                                          warpgroups (MN-major), B = K (MN-major); each warpgroup
-//                                          takes 64 of the head dim's columns and adds them to the
-//                                          accumulator with red.global.add.v2.f32.
+//                                          takes 64 of the head dim's columns into a shared f32
+//                                          tile (128-byte swizzle) that bulk tensor reductions
+//                                          (cp.reduce.async.bulk.tensor .add) add to the accumulator.
 // Warpgroup 0 is the producer: thread 0 issues the copies of K and V and of each query tile's Q and dO
 // into a ring of slots ("full" mbarriers completed by the copy engine, "empty" ones by the consumer
 // warps); warp 1 fills each slot's lse (scaled to base 2, +inf for rows that see no key or lie past
@@ -40,8 +41,10 @@ constexpr int kThreadsB = 3 * 128;
 constexpr int kKVBytes = kBk * kD * 2;   // K or V
 constexpr int kQBytes = kBq * kD * 2;    // one Q or dO tile
 constexpr int kDSBytes = kBk * kBq * 2;  // dS^T, [keys][queries]
-// K, V, the ring of Q and dO, two dS^T buffers, lse and delta per slot, the barriers.
-constexpr int kSmemB = 1024 + 2 * kKVBytes + kStages * 2 * kQBytes + 2 * kDSBytes + kStages * 2 * kBq * 4 + 8 * (1 + 2 * kStages);
+constexpr int kDQBytes = kBq * kD * 4;   // a tile's dQ, f32 [queries][D]
+// K, V, the ring of Q and dO, two dS^T buffers, the dQ tile, lse and delta per slot, the barriers.
+constexpr int kSmemB =
+    1024 + 2 * kKVBytes + kStages * 2 * kQBytes + 2 * kDSBytes + kDQBytes + kStages * 2 * kBq * 4 + 8 * (1 + 2 * kStages);
 static_assert(kSmemB <= 227 * 1024, "attention_sm90_bwd: the tiles do not fit in shared memory");
 
 #if KCPP_SM90_DEVICE || !defined(__CUDA_ARCH__)
@@ -59,8 +62,13 @@ template <> __device__ __forceinline__ void wgmma_ss_mn<__half>(float (&d)[32], 
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                : "l"(a), "l"(b), "r"(scale_d));
 }
-__device__ __forceinline__ void red_add2(float* addr, float a, float b) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
+// Adds box {32, 64, 1} of f32 from shared `src` into a 3-d tensor map at (c0, c1, c2); rows past the
+// tensor's end are left alone.  A bulk async-group of the issuing thread.
+__device__ __forceinline__ void tma_reduce_add(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2) {
+  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
 }
 #endif
 
@@ -68,14 +76,16 @@ template <typename T>
 __global__ void __launch_bounds__(kThreadsB, 1)
     bwd_sm90_kernel(const __grid_constant__ AttentionParams p, const float* __restrict__ delta, float* __restrict__ dq_acc,
                     const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
-                    const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv) {
+                    const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
+                    const __grid_constant__ CUtensorMap tdq) {
 #if KCPP_SM90_DEVICE
   constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sV = sK + kKVBytes, sQ = sV + kKVBytes;  // slot s: Q at sQ + 2 s kQBytes, dO after it
   const uint32_t sDS = sQ + kStages * 2 * kQBytes;         // two dS^T buffers
-  float* s_stats = reinterpret_cast<float*>(smem_raw + (sDS + 2 * kDSBytes - smem_addr(smem_raw)));  // [slot][lse | delta][64]
+  const uint32_t sDQ = sDS + 2 * kDSBytes;  // the dQ tile: 4 boxes of [64 rows][32 columns] f32, 128-byte swizzle
+  float* s_stats = reinterpret_cast<float*>(smem_raw + (sDQ + kDQBytes - smem_addr(smem_raw)));  // [slot][lse | delta][64]
   const uint32_t bars = smem_addr(s_stats + kStages * 2 * kBq);
   const uint32_t kvfull = bars;
   auto full = [&](int s) { return bars + 8u * (1 + s); };
@@ -178,6 +188,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     pin(dp);
     // P^T and dS^T: row r of the thread is key key0 + 8 r, column 8 i + 2 t + e is query q0 + that.
     const bool masked = (p.causal && k0 + kBk - 1 > q0 + off) || k0 + kBk > p.seq_kv;
+    // Key key0 + 8 r lies past the end when 8 r >= kv_left, after query q0 + c when 8 r + ahead > c.
+    const int kv_left = static_cast<int>(min(p.seq_kv - key0, int64_t{64})), ahead = static_cast<int>(key0 - q0 - off);
     uint32_t pf[kBq / 16][4], df[kBq / 16][4];
 #pragma unroll
     for (int i = 0; i < kBq / 8; ++i)
@@ -189,10 +201,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         for (int r = 0; r < 2; ++r) {
           const int x = 4 * i + 2 * r + e;
           float pr = ex2(fmaf(s[x], sl2, -l2));
-          if (masked) {
-            const int64_t key = key0 + 8 * r;
-            if (key >= p.seq_kv || (p.causal && key > q0 + c + off)) pr = 0.0f;
-          }
+          if (masked && (8 * r >= kv_left || (p.causal && 8 * r + ahead > c))) pr = 0.0f;
           s[x] = pr;
           dp[x] = pr * (dp[x] - dl);
         }
@@ -222,7 +231,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 #pragma unroll
     for (int kk = 0; kk < kBq / 16; ++kk) wgmma_rs<T, kD>(dk, df[kk], desc(q_s + kk * 16 * 128, kBq * 128, 1024));
     wg_commit();
-    bar_sync(1, 256);  // both warpgroups' dS^T written
+    // Both warpgroups' dS^T written; the dQ tile's last bulk reduction has read it (its issuer waited).
+    if (tid == 128) bulk_wait_read();
+    bar_sync(1, 256);
     wg_fence();
     // dQ[:, 64 cw ..] = dS K[:, 64 cw ..] over the 128 keys (k-steps of 16 keys).
     float dq[32];
@@ -237,16 +248,33 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     pin(df);
     pin(dq);
     if (lane == 0) mbar_arrive(empty(st));
-    // Rows warp * 16 + g + 8 r of the tile, columns 64 cw + 8 i + 2 t.
-    float* acc = dq_acc + ((b * p.heads_q + h) * p.seq_q + q0) * kD + cw * 64 + 2 * t;
+    // dQ into the tile (row warp * 16 + g + 8 r, columns 64 cw + 8 i + 2 t: box 2 cw + i / 4, 16-byte
+    // chunk 2 (i % 4) + t / 2 of the row, swizzled), then the bulk tensor reductions of its four boxes
+    // into the accumulator, issued by thread 128 once both halves are written.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = warp * 16 + g + 8 * r;
-      if (q0 + row >= p.seq_q) continue;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) red_add2(acc + row * kD + 8 * i, dq[4 * i + 2 * r], dq[4 * i + 2 * r + 1]);
+      for (int i = 0; i < 8; ++i)
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(sDQ + (2 * cw + i / 4) * (kBq * 128) + row * 128 +
+                                                                 (((2 * (i % 4) + t / 2) ^ (row % 8)) << 4) + 8 * (t % 2)),
+                     "f"(dq[4 * i + 2 * r]), "f"(dq[4 * i + 2 * r + 1])
+                     : "memory");
+    }
+    fence_async_smem();
+    if (warp == 0 && cw == 0) {
+      bar_sync(2, 256);
+      if (tid == 128) {
+#pragma unroll
+        for (int j = 0; j < kD / 32; ++j)
+          tma_reduce_add(&tdq, sDQ + j * (kBq * 128), 32 * j, static_cast<int>(q0), static_cast<int>(b * p.heads_q + h));
+        bulk_commit();
+      }
+    } else {
+      bar_arrive(2, 256);
     }
   }
+  if (tid == 128) bulk_wait();
 
   // dK (times the scale) and dV, straight from the accumulators.
 #pragma unroll
@@ -276,8 +304,16 @@ template <typename T> const char* launch_bwd(const AttentionParams& p, const flo
   if (attr != cudaSuccess)
     return kernel::errorf("attention_backward (hopper): cannot reserve %d bytes of shared memory: %s", kSmemB,
                           cudaGetErrorString(attr));
+  // The dq accumulator, f32 [B Hq, Sq, D]: boxes of 32 columns x 64 rows, 128-byte swizzle.
+  CUtensorMap tdq;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(p.seq_q), static_cast<cuuint64_t>(p.batch * p.heads_q)};
+  const cuuint64_t strides[2] = {kD * 4, static_cast<cuuint64_t>(p.seq_q) * kD * 4};
+  const cuuint32_t box[3] = {32, kBq, 1}, estr[3] = {1, 1, 1};
+  if (encode_fn()(&tdq, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, dq_acc, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    return "attention_backward (hopper): the driver refused the tensor map of the dq accumulator";
   const dim3 grid(static_cast<unsigned>((p.seq_kv + kBk - 1) / kBk), static_cast<unsigned>(p.batch * p.heads_kv));
-  bwd_sm90_kernel<T><<<grid, kThreadsB, kSmemB, stream>>>(p, delta, dq_acc, tq, tdo, tk, tv);
+  bwd_sm90_kernel<T><<<grid, kThreadsB, kSmemB, stream>>>(p, delta, dq_acc, tq, tdo, tk, tv, tdq);
   return kernel::cuda::launch_error("attention_backward (hopper)");
 }
 
