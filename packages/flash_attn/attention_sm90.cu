@@ -1,7 +1,8 @@
 // Attention forward on Hopper (sm_90a): warpgroup MMA (wgmma) on tiles that the tensor memory
 // accelerator (TMA) brings into shared memory, producer / consumer warp specialization, and the
 // softmax of one key tile overlapped with the matrix products of the next.  The maths, the layout
-// and the log-sum-exp it saves are attention.h's; the backward is attention_cuda.cu's.
+// and the log-sum-exp it saves are attention.h's; the backward is attention_sm90_bwd.cu's (head dim 128)
+// or attention_cuda.cu's; the building blocks shared with it are sm90_common.cuh's.
 //
 // The algorithm is FlashAttention-3's (Shah, Bikshandi, Zhang, Thakkar, Ramani, Dao, "FlashAttention-3:
 // Fast and Accurate Attention with Asynchrony and Low-precision", 2024, section 3), written here from

@@ -3,10 +3,10 @@
 // The maths and the workspace are attention.h's (delta, the f32 dq accumulator and its last pass are
 // attention_cuda.cu's); the building blocks are sm90_common.cuh's.
 //
-// The scheme is FlashAttention-3's backward (Shah et al. 2024, section 3 and appendix B), written here
-// from the paper: a block per 128 keys of one kv head, K and V loaded once and kept in shared memory,
-// dK and dV accumulated in registers over the group's query heads and the query tiles that see the
-// keys; dQ accumulated in f32 in the workspace by atomic adds.  Each consumer warpgroup owns 64 of the
+// The scheme is FlashAttention-3's backward (Shah et al. 2024), written here from the paper: a block
+// per 128 keys of one kv head, K and V loaded once and kept in shared memory, dK and dV accumulated in
+// registers over the group's query heads and the query tiles that see the keys; dQ accumulated in f32
+// in the workspace by bulk reductions (order-dependent rounding: not bit-reproducible run to run).  Each consumer warpgroup owns 64 of the
 // keys and works in the transposed frame (keys as the M dimension), per query tile of 64:
 //   S^T  = K Q^T, dP^T = V dO^T           wgmma, A and B from shared memory (K-major)
 //   P^T  = exp(scale S^T - lse)           dS^T = P^T o (dP^T - delta)      (in registers)
@@ -20,7 +20,9 @@
 // into a ring of slots ("full" mbarriers completed by the copy engine, "empty" ones by the consumer
 // warps); warp 1 fills each slot's lse (scaled to base 2, +inf for rows that see no key or lie past
 // the end) and delta beside it and arrives on the same "full" barrier.  dS^T is double-buffered, so one
-// named barrier an iteration orders both warpgroups' writes before either's dQ product.
+// named barrier an iteration orders both warpgroups' writes before either's dQ product (and, its issuer
+// having waited, the dQ tile's last reduction before the tile is rewritten); a second, on which only
+// the issuing warp waits, orders both halves of the dQ tile before its reductions.
 // Head dim 128, bf16 / f16.
 #include <algorithm>
 #include <cmath>

@@ -151,7 +151,8 @@ class ScopedEnv {
 // fallback to another path fails the call: lengths that are no multiple of its 128-row tiles (1, 127,
 // 257, 4097), fewer queries than keys, grouped-query heads (32 / 8), causal or not, head_dim 64 / 128 / 256,
 // bf16 / f16, the [B, S, H, D] layout, and more work items than SMs (the persistent blocks take
-// several each).  The backward (mma.sync) consumes the lse it writes.
+// several each).  The backward (the Hopper one at head dim 128, else mma.sync or generic) consumes the lse
+// it writes.
 TEST(FlashAttnHopper, ForwardOnAwkwardLengths) {
   const Device dev = Device::cuda(0);
   KCPP_REQUIRE_DEVICE(dev);
