@@ -1,13 +1,12 @@
-"""flash_attn's forward paths side by side with PyTorch SDPA's cuDNN and FlashAttention-2 backends, in
-one process and under one timer (deep_timer.bench_deep: do_bench's method with an 8 GiB flush, so that
-no row's host time is counted; do_bench's own figure and the host time a call are logged beside it):
-causal bf16, 32 query / 8 kv heads of
-128, at B4 S4096, B2 S8192 and B16 S1024 (and head dims 64 and 256 at B4 S4096; at 256 kcpp's backward is
-the generic kernel, not timed).  TFLOP/s count the causal half: 4 B H S^2 D / 2 for the
-forward, 3.5 times that for forward + backward.  kcpp's rows call the built package through its C ABI
-(python/kcpp.py), the path chosen with KCPP_FLASH_ATTN_FORWARD (hopper: wgmma + TMA, sm_90a; ampere:
-mma.sync); forward + backward is either forward with the one (mma.sync) backward.  Each output is
-compared with cuDNN's before it is timed.
+"""flash_attn's paths side by side with PyTorch SDPA's cuDNN and FlashAttention-2 backends, in one
+process and under one timer (deep_timer.bench_deep: do_bench's method with an 8 GiB flush, so that no
+row's host time is counted; do_bench's own figure and the host time a call are logged beside it):
+causal bf16, 32 query / 8 kv heads of 128, at B4 S4096, B2 S8192 and B16 S1024 (other shapes as
+arguments BxSxD).  TFLOP/s count the causal half: 4 B H S^2 D / 2 for the forward, 3.5 times that for
+forward + backward (the backward alone 2.5 times).  kcpp's rows call the built package through its C
+ABI (python/kcpp.py), the forward on the path KCPP_FLASH_ATTN_FORWARD names (hopper: wgmma + TMA,
+sm_90a; ampere: mma.sync) and the backward on KCPP_FLASH_ATTN_BACKWARD's (hopper | ampere).  Outputs
+and gradients are compared with cuDNN's before they are timed.
 
 Run on the GPU machine: python3 bench/attention_sm90.py <path to libflash_attn.so of the CUDA variant>
 """
@@ -28,7 +27,7 @@ import kcpp  # noqa: E402
 from deep_timer import bench_deep, host_us  # noqa: E402
 
 lib = sys.argv[1]
-shapes = [(4, 4096, 128), (2, 8192, 128), (16, 1024, 128), (4, 4096, 64), (4, 4096, 256)]  # B, S, head dim
+shapes = [(4, 4096, 128), (2, 8192, 128), (16, 1024, 128)]  # B, S, head dim
 HQ, HKV = 32, 8
 if len(sys.argv) > 2:  # BxSxD ...
     shapes = [tuple(int(x) for x in s.split("x")) for s in sys.argv[2:]]
@@ -63,7 +62,7 @@ for B, S, D in shapes:
     # SDPA: grouped heads through enable_gqa where the backend takes it, else K / V repeated (outside the timer).
     qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     ke, ve = (t.repeat_interleave(HQ // HKV, dim=1).detach().requires_grad_(True) for t in (k, v))
-    ref = None
+    ref = grads = None
     for name, be in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash2", SDPBackend.FLASH_ATTENTION)):
         with sdpa_kernel(be):
             how = "gqa"
@@ -76,9 +75,14 @@ for B, S, D in shapes:
                 with torch.no_grad():
                     o = F.scaled_dot_product_attention(q, ke, ve, is_causal=True)
                 kk_, vv_ = ke, ve
-            if ref is None:
-                ref = o
             gqa = how == "gqa"
+            for t in (qg, kk_, vv_):
+                t.grad = None
+            F.scaled_dot_product_attention(qg, kk_, vv_, is_causal=True, enable_gqa=gqa).backward(do)
+            g = [qg.grad.clone()] + [t.grad.clone() if gqa else t.grad.unflatten(1, (HKV, HQ // HKV)).sum(2) for t in (kk_, vv_)]
+            if ref is None:
+                ref, grads = o, g
+            gerr = max(rel(a, b) for a, b in zip(g, grads))
 
             def f():
                 with torch.no_grad():
@@ -88,42 +92,38 @@ for B, S, D in shapes:
                 F.scaled_dot_product_attention(qg, kk_, vv_, is_causal=True, enable_gqa=gqa).backward(do)
 
             tf, tfb = bench(f, f"{name} fwd"), bench(fb, f"{name} fwd+bwd")
-            rows.append((B, S, D, f"{name} ({how})", tf, fl / tf * 1e3, tfb, 3.5 * fl / tfb * 1e3, rel(o, ref)))
+            rows.append((B, S, D, f"{name} ({how})", tf, fl / tf * 1e3, tfb, 3.5 * fl / tfb * 1e3, rel(o, ref), gerr))
             print(rows[-1], flush=True)
+    os.environ["KCPP_FLASH_ATTN_FORWARD"] = "hopper"
+    out.fill_(float("nan"))
+    layer.forward(fa)
+    torch.cuda.synchronize()
+    err = rel(out, ref)
+    tf = bench(lambda: layer.forward(fa), "kcpp hopper fwd")
     for path in ("hopper", "ampere"):
-        os.environ["KCPP_FLASH_ATTN_FORWARD"] = path
-        out.fill_(float("nan"))
+        os.environ["KCPP_FLASH_ATTN_BACKWARD"] = path
+        for t in (dq, dk, dv):
+            t.fill_(float("nan"))
         try:
-            layer.forward(fa)
+            layer.backward(ba)
         except kcpp.KcppError as e:
-            print(f"!! {path}: {e}", flush=True)
+            print(f"!! backward {path}: {e}", flush=True)
             continue
         torch.cuda.synchronize()
-        err = rel(out, ref)
-        tf = bench(lambda: layer.forward(fa), f"kcpp {path} fwd")
+        gerr = max(rel(a, b) for a, b in zip((dq, dk, dv), grads))
 
         def fb():
             layer.forward(fa)
             layer.backward(ba)
 
-        tfb = bench(fb, f"kcpp {path} fwd+bwd") if D in (64, 128) else float("nan")  # head dim 256: the generic backward, slow
-        rows.append((B, S, D, f"kcpp {path}", tf, fl / tf * 1e3, tfb, 3.5 * fl / tfb * 1e3, err))
-        print(rows[-1], flush=True)
-    if True:  # the Hopper path without the ping-pong between its consumer warpgroups
-        os.environ["KCPP_FLASH_ATTN_FORWARD"] = "hopper"
-        os.environ["KCPP_FLASH_ATTN_SM90_PINGPONG"] = "0"
-        out.fill_(float("nan"))
-        layer.forward(fa)
-        torch.cuda.synchronize()
-        err = rel(out, ref)
-        tf = bench(lambda: layer.forward(fa), "kcpp hopper, no ping-pong fwd")
-        rows.append((B, S, D, "kcpp hopper, no ping-pong", tf, fl / tf * 1e3, float("nan"), float("nan"), err))
-        print(rows[-1], flush=True)
-        del os.environ["KCPP_FLASH_ATTN_SM90_PINGPONG"]
+        tfb = bench(fb, f"kcpp hopper fwd + {path} bwd")
+        rows.append((B, S, D, f"kcpp hopper fwd, {path} bwd", tf, fl / tf * 1e3, tfb, 3.5 * fl / tfb * 1e3, err, gerr))
+        print(rows[-1], f"backward alone ~{tfb - tf:.3f} ms, {2.5 * fl / (tfb - tf) * 1e3:.1f} TFLOP/s", flush=True)
+    del os.environ["KCPP_FLASH_ATTN_BACKWARD"]
     del q, k, v, do, out, dq, dk, dv, qg, kg, vg, ke, ve, ref
     torch.cuda.empty_cache()
 
 print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; causal bf16, {HQ}/{HKV} heads")
-print(f"{'shape':18s} {'impl':32s} {'fwd ms':>8s} {'TFLOP/s':>8s} {'fwd+bwd ms':>11s} {'TFLOP/s':>8s} {'rel diff vs cuDNN':>18s}")
-for B, S, D, name, tf, ff, tfb, ffb, err in rows:
-    print(f"{f'B{B} S{S} D{D}':18s} {name:32s} {tf:8.3f} {ff:8.1f} {tfb:11.3f} {ffb:8.1f} {err:18.2e}")
+print(f"{'shape':18s} {'impl':32s} {'fwd ms':>8s} {'TFLOP/s':>8s} {'fwd+bwd ms':>11s} {'TFLOP/s':>8s} {'out vs cuDNN':>13s} {'grads vs cuDNN':>15s}")
+for B, S, D, name, tf, ff, tfb, ffb, err, gerr in rows:
+    print(f"{f'B{B} S{S} D{D}':18s} {name:32s} {tf:8.3f} {ff:8.1f} {tfb:11.3f} {ffb:8.1f} {err:13.2e} {gerr:15.2e}")

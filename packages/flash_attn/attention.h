@@ -28,6 +28,9 @@
 //        f16, D in {64, 128, 256}, no sliding window, scale > 0, 16-byte aligned rows and strides, on a
 //        compute capability 9.0 device of a build that includes sm_90a.  It writes the same lse, so the
 //        backward below consumes it.
+//   CUDA backward, Hopper (attention_sm90_bwd.cu): FlashAttention-3's backward, a block per 128 keys of a
+//        kv head, dk / dv in registers, wgmma on tiles brought in by TMA, dq added in f32 into the
+//        workspace: bf16 / f16, D 128, no sliding window, scale > 0, 16-byte aligned rows and strides.
 //   CUDA, tensor cores (mma.sync m16n8k16, f32 accumulate): bf16 / f16, D in {64, 128}, scale > 0, 16-byte
 //        aligned rows.  Forward: a block of 4 warps per 64 queries, K / V tiles of 64 keys
 //        double-buffered in shared memory by cp.async.  Backward: a block per 64 keys of a kv head,
@@ -89,6 +92,11 @@ size_t attention_backward_workspace(const AttentionParams& p);
 const char* attention_forward_path(const AttentionParams& p, const char** error);
 // Null when the Hopper forward takes these params on the current device, else why not.
 const char* attention_sm90_unsupported(const AttentionParams& p);
+// The CUDA backward's path likewise: "hopper", "ampere" or "generic", the first that can run;
+// KCPP_FLASH_ATTN_BACKWARD (hopper | ampere | generic | auto) asks for one, *error saying why it cannot.
+const char* attention_backward_path(const AttentionParams& p, const char** error);
+// Null when the Hopper backward takes these params on the current device, else why not.
+const char* attention_sm90_backward_unsupported(const AttentionParams& p);
 
 const char* attention_forward_cpu(const AttentionParams& p);
 const char* attention_backward_cpu(const AttentionParams& p);
@@ -96,6 +104,8 @@ const char* attention_backward_cpu(const AttentionParams& p);
 const char* attention_forward_cuda(const AttentionParams& p, cudaStream_t stream);
 const char* attention_backward_cuda(const AttentionParams& p, cudaStream_t stream);
 const char* attention_forward_sm90(const AttentionParams& p, cudaStream_t stream);
+// delta and dq_acc: attention_backward_cuda's parts of the workspace (dq_acc zeroed, finished by it).
+const char* attention_backward_sm90(const AttentionParams& p, const float* delta, float* dq_acc, cudaStream_t stream);
 #endif
 
 }  // namespace kcpp::flash

@@ -656,7 +656,7 @@ template <typename T> const char* forward_t(const AttentionParams& p, const char
   return kc::launch_error("attention_forward");
 }
 
-template <typename T> const char* backward_t(const AttentionParams& p, cudaStream_t stream) {
+template <typename T> const char* backward_t(const AttentionParams& p, const char* path, cudaStream_t stream) {
   const auto rows = static_cast<size_t>(p.batch * p.heads_q * p.seq_q);
   float* delta = static_cast<float*>(p.workspace);
   auto aligned = [](size_t n) { return (n + 255) / 256 * 256; };  // attention_backward_workspace's layout
@@ -665,10 +665,12 @@ template <typename T> const char* backward_t(const AttentionParams& p, cudaStrea
   if (rows > 0) delta_kernel<T><<<blocks_for(static_cast<int64_t>(rows), 8), 256, 0, stream>>>(p, delta);
   if (const char* e = kc::launch_error("attention_backward (delta)")) return e;
   if constexpr (!std::is_same_v<T, float>)
-    if (attention_fast_path(p)) {
+    if (std::strcmp(path, "generic") != 0) {
     if (cudaMemsetAsync(dq_acc, 0, rows * static_cast<size_t>(p.head_dim) * sizeof(float), stream) != cudaSuccess)
       return "attention_backward: cudaMemsetAsync of the dq accumulator failed";
-    const char* e = p.head_dim == 64 ? launch_bwd<T, 64>(p, delta, dq_acc, stream) : launch_bwd<T, 128>(p, delta, dq_acc, stream);
+    const char* e = std::strcmp(path, "hopper") == 0 ? attention_backward_sm90(p, delta, dq_acc, stream)
+                    : p.head_dim == 64                ? launch_bwd<T, 64>(p, delta, dq_acc, stream)
+                                                      : launch_bwd<T, 128>(p, delta, dq_acc, stream);
     if (e) return e;
     if (rows > 0) {
       const int64_t n = static_cast<int64_t>(rows) * p.head_dim;
@@ -716,6 +718,27 @@ const char* attention_forward_path(const AttentionParams& p, const char** error)
   return "generic";
 }
 
+const char* attention_backward_path(const AttentionParams& p, const char** error) {
+  *error = nullptr;
+  const char* want = std::getenv("KCPP_FLASH_ATTN_BACKWARD");
+  const char* no_hopper = attention_sm90_backward_unsupported(p);
+  const bool ampere = p.dtype != DType::f32 && attention_fast_path(p);
+  if (!want || !*want || std::strcmp(want, "auto") == 0) return !no_hopper ? "hopper" : ampere ? "ampere" : "generic";
+  if (std::strcmp(want, "hopper") == 0) {
+    if (no_hopper) *error = kernel::errorf("attention_backward: KCPP_FLASH_ATTN_BACKWARD=hopper, but %s", no_hopper);
+    return "hopper";
+  }
+  if (std::strcmp(want, "ampere") == 0) {
+    if (!ampere)
+      *error = "attention_backward: KCPP_FLASH_ATTN_BACKWARD=ampere, but the mma.sync kernel takes only bf16 / f16, "
+               "head_dim 64 / 128, scale > 0 and 16-byte aligned rows";
+    return "ampere";
+  }
+  if (std::strcmp(want, "generic") == 0) return "generic";
+  *error = kernel::errorf("KCPP_FLASH_ATTN_BACKWARD is '%.64s'; expected auto, hopper, ampere or generic", want);
+  return "generic";
+}
+
 const char* attention_forward_cuda(const AttentionParams& p, cudaStream_t stream) {
   if (const char* e = cuda_check(p, false)) return e;
   if (p.batch == 0 || p.seq_q == 0) return nullptr;
@@ -733,10 +756,13 @@ const char* attention_forward_cuda(const AttentionParams& p, cudaStream_t stream
 const char* attention_backward_cuda(const AttentionParams& p, cudaStream_t stream) {
   if (const char* e = cuda_check(p, true)) return e;
   if (p.batch == 0 || p.seq_kv == 0) return nullptr;
+  const char* error = nullptr;
+  const char* path = attention_backward_path(p, &error);
+  if (error) return error;
   switch (p.dtype) {
-    case DType::f32: return backward_t<float>(p, stream);
-    case DType::bf16: return backward_t<__nv_bfloat16>(p, stream);
-    case DType::f16: return backward_t<__half>(p, stream);
+    case DType::f32: return backward_t<float>(p, path, stream);
+    case DType::bf16: return backward_t<__nv_bfloat16>(p, path, stream);
+    case DType::f16: return backward_t<__half>(p, path, stream);
   }
   return "attention_backward: unknown dtype";
 }

@@ -144,10 +144,23 @@ bool forward_path_runs(kk::Call& c, const fa::AttentionParams& p) {
   return c.ok();
 }
 
+// Likewise the backward path that KCPP_FLASH_ATTN_BACKWARD asks for.
+bool backward_path_runs(kk::Call& c, const fa::AttentionParams& p) {
+#if KCPP_WITH_CUDA
+  if (!c.ok() || !c.on_cuda()) return c.ok();
+  const char* error = nullptr;
+  fa::attention_backward_path(p, &error);
+  if (error) return c.fail(KCPP_ERROR_UNSUPPORTED, "%s", error);
+#endif
+  (void)p;
+  return c.ok();
+}
+
 kcpp_status attention_supports(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
   kk::Call c(ctx, args, n, "FlashAttention");
   fa::AttentionParams p;
-  if (attention_args(c, c.find("dout") != nullptr, p)) forward_path_runs(c, p);
+  const bool backward = c.find("dout") != nullptr;
+  if (attention_args(c, backward, p) && forward_path_runs(c, p) && backward) backward_path_runs(c, p);
   return c.status();
 }
 
@@ -164,7 +177,7 @@ kcpp_status attention_forward(kcpp_context* ctx, const kcpp_arg* args, int32_t n
 kcpp_status attention_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
   kk::Call c(ctx, args, n, "FlashAttention.backward");
   fa::AttentionParams p;
-  if (!attention_args(c, true, p)) return c.status();
+  if (!attention_args(c, true, p) || !backward_path_runs(c, p)) return c.status();
 #if KCPP_WITH_CUDA
   if (c.on_cuda()) {
     if (p.batch > 0 && p.seq_kv > 0) p.workspace = c.workspace(fa::attention_backward_workspace(p));
@@ -181,7 +194,7 @@ constexpr uint32_t kModes = KCPP_MODE_INFERENCE | KCPP_MODE_TRAINING | KCPP_MODE
 const kcpp_layer kLayers[] = {
     {sizeof(kcpp_layer), kModes, kDevices, 0, "FlashAttention", "Attention/1",
      "FlashAttention-2: causal / sliding-window attention with grouped-query heads, no score matrix; saves lse; "
-     "tensor cores for bf16 / f16 head_dim 64 / 128 on CUDA (the forward on wgmma and TMA on sm_90a, also head_dim 256)",
+     "tensor cores for bf16 / f16 head_dim 64 / 128 on CUDA (the forward on wgmma and TMA on sm_90a, also head_dim 256; the backward at head_dim 128)",
      attention_supports, attention_forward, attention_backward},
 };
 

@@ -151,7 +151,8 @@ class ScopedEnv {
 // fallback to another path fails the call: lengths that are no multiple of its 128-row tiles (1, 127,
 // 257, 4097), fewer queries than keys, grouped-query heads (32 / 8), causal or not, head_dim 64 / 128 / 256,
 // bf16 / f16, the [B, S, H, D] layout, and more work items than SMs (the persistent blocks take
-// several each).  The backward (mma.sync) consumes the lse it writes.
+// several each).  The backward (the Hopper one at head dim 128, else mma.sync or generic) consumes the lse
+// it writes.
 TEST(FlashAttnHopper, ForwardOnAwkwardLengths) {
   const Device dev = Device::cuda(0);
   KCPP_REQUIRE_DEVICE(dev);
@@ -170,6 +171,35 @@ TEST(FlashAttnHopper, ForwardOnAwkwardLengths) {
       {8, 16, 4, 129, 129, 64, true, 0},  {8, 16, 4, 200, 333, 128, false, 0}, {150, 2, 1, 1, 1, 128, true, 0},
       // Head dim 256 (64-key tiles; the backward is the generic one).
       {1, 4, 2, 127, 300, 256, true, 0},  {2, 2, 1, 200, 200, 256, false, 0},  {1, 2, 1, 129, 129, 256, true, 0},
+  };
+  for (DType dt : {DType::bf16, DType::f16})
+    for (const Case& c : cases)
+      for (bool bshd : {false, true}) {
+        if (bshd && c.sq > 1000) continue;
+        if (dt == DType::f16 && c.sq > 1000) continue;
+        check_case(k, c, dt, dev, gen, bshd);
+      }
+}
+
+// The Hopper backward (wgmma + TMA, sm_90a), required through KCPP_FLASH_ATTN_BACKWARD=hopper: head_dim
+// 128, lengths that are no multiple of its 128-key blocks or 64-query tiles (1, 127, 129, 190, 4097),
+// fewer queries than keys (a KV cache), grouped-query heads (32 / 8, dk / dv summed over the group),
+// causal or not, bf16 / f16, the [B, S, H, D] layout, more blocks than SMs.
+TEST(FlashAttnHopper, BackwardOnAwkwardLengths) {
+  const Device dev = Device::cuda(0);
+  KCPP_REQUIRE_DEVICE(dev);
+  const PlatformInfo pl = detect_platform();
+  if (pl.gpus.empty() || pl.gpus[0].cc_major != 9 || pl.gpus[0].cc_minor != 0 ||
+      pl.cuda_archs_compiled.find("90a") == std::string::npos)
+    GTEST_SKIP() << "skipped: needs a compute capability 9.0 GPU and a build with sm_90a";
+  const ScopedEnv env("KCPP_FLASH_ATTN_BACKWARD", "hopper");
+  Generator gen = test::test_generator();
+  const KernelLayer k = layer();
+  const Case cases[] = {
+      {2, 4, 1, 1, 1, 128, true, 0},       {1, 32, 8, 127, 127, 128, true, 0}, {1, 4, 2, 129, 129, 128, true, 0},
+      {1, 4, 2, 127, 300, 128, true, 0},   {1, 2, 1, 64, 200, 128, true, 0},   {2, 2, 1, 257, 257, 128, false, 0},
+      {1, 2, 2, 1, 200, 128, false, 0},    {1, 4, 1, 190, 190, 128, false, 0}, {8, 16, 4, 200, 333, 128, false, 0},
+      {1, 2, 1, 4097, 4097, 128, true, 0},
   };
   for (DType dt : {DType::bf16, DType::f16})
     for (const Case& c : cases)
@@ -201,6 +231,25 @@ TEST(FlashAttnHopper, RequiredPathIsRefusedWhereItCannotRun) {
   {
     const ScopedEnv env("KCPP_FLASH_ATTN_FORWARD", "fastest");
     EXPECT_TRUE(test::refused(k.supports(a, dev, test::kInference), KCPP_ERROR_UNSUPPORTED, "'fastest'"));
+  }
+  // The backward likewise (head_dim 64 is not on the Hopper backward), once the call has dout.
+  const Tensor lse = Tensor::empty({1, 2, 8}, DType::f32, dev), dq = Tensor::empty(q.shape(), q.dtype(), dev);
+  const Tensor dk = Tensor::empty(kv.shape(), kv.dtype(), dev), dv = Tensor::empty(kv.shape(), kv.dtype(), dev);
+  KernelArgs bw;
+  bw.tensor("dout", out).tensor("q", q).tensor("k", kv).tensor("v", kv).tensor("out", out).tensor("lse", lse);
+  bw.tensor("dq", dq).tensor("dk", dk).tensor("dv", dv);
+  {
+    const ScopedEnv env("KCPP_FLASH_ATTN_BACKWARD", "hopper");
+    EXPECT_TRUE(test::refused(k.supports(bw, dev, test::kTraining), KCPP_ERROR_UNSUPPORTED, "KCPP_FLASH_ATTN_BACKWARD=hopper"));
+    EXPECT_TRUE(k.supports(a, dev, test::kInference).ok());  // a forward call does not ask for the backward
+  }
+  {
+    const ScopedEnv env("KCPP_FLASH_ATTN_BACKWARD", "ampere");
+    EXPECT_TRUE(k.supports(bw, dev, test::kTraining).ok());
+  }
+  {
+    const ScopedEnv env("KCPP_FLASH_ATTN_BACKWARD", "fastest");
+    EXPECT_TRUE(test::refused(k.supports(bw, dev, test::kTraining), KCPP_ERROR_UNSUPPORTED, "'fastest'"));
   }
 }
 

@@ -1,0 +1,354 @@
+// Attention backward on Hopper (sm_90a): warpgroup MMA (wgmma) on tiles that the tensor memory
+// accelerator (TMA) brings into shared memory, with a producer warpgroup and two consumer warpgroups.
+// The maths and the workspace are attention.h's (delta, the f32 dq accumulator and its last pass are
+// attention_cuda.cu's); the building blocks are sm90_common.cuh's.
+//
+// The scheme is FlashAttention-3's backward (Shah et al. 2024), written here from the paper: a block
+// per 128 keys of one kv head, K and V loaded once and kept in shared memory, dK and dV accumulated in
+// registers over the group's query heads and the query tiles that see the keys; dQ accumulated in f32
+// in the workspace by bulk reductions (order-dependent rounding: not bit-reproducible run to run).  Each consumer warpgroup owns 64 of the
+// keys and works in the transposed frame (keys as the M dimension), per query tile of 64:
+//   S^T  = K Q^T, dP^T = V dO^T           wgmma, A and B from shared memory (K-major)
+//   P^T  = exp(scale S^T - lse)           dS^T = P^T o (dP^T - delta)      (in registers)
+//   dV  += P^T dO, dK += dS^T Q            wgmma, A from registers, B MN-major (dO, Q as loaded)
+//   dQ   = dS K over all 128 keys          wgmma, A = dS^T as written to shared memory by both
+//                                          warpgroups (MN-major), B = K (MN-major); each warpgroup
+//                                          takes 64 of the head dim's columns into a shared f32
+//                                          tile (128-byte swizzle) that bulk tensor reductions
+//                                          (cp.reduce.async.bulk.tensor .add) add to the accumulator.
+// Warpgroup 0 is the producer: thread 0 issues the copies of K and V and of each query tile's Q and dO
+// into a ring of slots ("full" mbarriers completed by the copy engine, "empty" ones by the consumer
+// warps); warp 1 fills each slot's lse (scaled to base 2, +inf for rows that see no key or lie past
+// the end) and delta beside it and arrives on the same "full" barrier.  dS^T is double-buffered, so one
+// named barrier an iteration orders both warpgroups' writes before either's dQ product (and, its issuer
+// having waited, the dQ tile's last reduction before the tile is rewritten); a second, on which only
+// the issuing warp waits, orders both halves of the dQ tile before its reductions.
+// Head dim 128, bf16 / f16.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "sm90_common.cuh"
+
+namespace kcpp::flash {
+namespace {
+
+constexpr int kD = 128;           // head dim
+constexpr int kBk = 128;          // keys a block: two consumer warpgroups of 64
+constexpr int kBq = 64;           // queries a tile
+constexpr int kStages = 2;        // Q / dO ring depth
+constexpr int kThreadsB = 3 * 128;
+constexpr int kKVBytes = kBk * kD * 2;   // K or V
+constexpr int kQBytes = kBq * kD * 2;    // one Q or dO tile
+constexpr int kDSBytes = kBk * kBq * 2;  // dS^T, [keys][queries]
+constexpr int kDQBytes = kBq * kD * 4;   // a tile's dQ, f32 [queries][D]
+// K, V, the ring of Q and dO, two dS^T buffers, the dQ tile, lse and delta per slot, the barriers.
+constexpr int kSmemB =
+    1024 + 2 * kKVBytes + kStages * 2 * kQBytes + 2 * kDSBytes + kDQBytes + kStages * 2 * kBq * 4 + 8 * (1 + 2 * kStages);
+static_assert(kSmemB <= 227 * 1024, "attention_sm90_bwd: the tiles do not fit in shared memory");
+
+#if KCPP_SM90_DEVICE || !defined(__CUDA_ARCH__)
+// d (64 x 64, f32) = (scale_d ? d : 0) + A B, A (64 x 16) and B (16 x 64) both MN-major in shared memory.
+template <typename T> __device__ __forceinline__ void wgmma_ss_mn(float (&d)[32], uint64_t a, uint64_t b, int scale_d);
+template <> __device__ __forceinline__ void wgmma_ss_mn<__nv_bfloat16>(float (&d)[32], uint64_t a, uint64_t b, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+               : "l"(a), "l"(b), "r"(scale_d));
+}
+template <> __device__ __forceinline__ void wgmma_ss_mn<__half>(float (&d)[32], uint64_t a, uint64_t b, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+               : "l"(a), "l"(b), "r"(scale_d));
+}
+// Adds box {32, 64, 1} of f32 from shared `src` into a 3-d tensor map at (c0, c1, c2); rows past the
+// tensor's end are left alone.  A bulk async-group of the issuing thread.
+__device__ __forceinline__ void tma_reduce_add(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2) {
+  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+#endif
+
+template <typename T>
+__global__ void __launch_bounds__(kThreadsB, 1)
+    bwd_sm90_kernel(const __grid_constant__ AttentionParams p, const float* __restrict__ delta, float* __restrict__ dq_acc,
+                    const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
+                    const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
+                    const __grid_constant__ CUtensorMap tdq) {
+#if KCPP_SM90_DEVICE
+  constexpr float kLog2e = 1.4426950408889634f;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t sV = sK + kKVBytes, sQ = sV + kKVBytes;  // slot s: Q at sQ + 2 s kQBytes, dO after it
+  const uint32_t sDS = sQ + kStages * 2 * kQBytes;         // two dS^T buffers
+  const uint32_t sDQ = sDS + 2 * kDSBytes;  // the dQ tile: 4 boxes of [64 rows][32 columns] f32, 128-byte swizzle
+  float* s_stats = reinterpret_cast<float*>(smem_raw + (sDQ + kDQBytes - smem_addr(smem_raw)));  // [slot][lse | delta][64]
+  const uint32_t bars = smem_addr(s_stats + kStages * 2 * kBq);
+  const uint32_t kvfull = bars;
+  auto full = [&](int s) { return bars + 8u * (1 + s); };
+  auto empty = [&](int s) { return bars + 8u * (1 + kStages + s); };
+
+  const int tid = threadIdx.x;
+  const int64_t group = p.heads_q / p.heads_kv, off = p.seq_kv - p.seq_q;
+  const int64_t b = blockIdx.y / p.heads_kv, hk = blockIdx.y % p.heads_kv;
+  const int64_t k0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kBk;  // the longest blocks first
+  const int64_t i_lo = p.causal ? max(int64_t{0}, k0 - off) : 0;
+  const int64_t m_begin = i_lo / kBq, m_end = i_lo < p.seq_q ? (p.seq_q + kBq - 1) / kBq : m_begin;
+  const int64_t tiles = m_end - m_begin;
+  const int n_items = static_cast<int>(group * tiles);  // (query head, query tile) pairs
+  auto item_h = [&](int it) { return hk * group + it / tiles; };
+  auto item_q0 = [&](int it) { return (m_begin + it % tiles) * kBq; };
+
+  if (tid == 0) {
+    mbar_init(kvfull, 1);
+    for (int s = 0; s < kStages; ++s) mbar_init(full(s), 2), mbar_init(empty(s), 8);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (tid < 128) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+    if (tid == 0) {
+      // K and V once, then Q and dO of each item into the ring.
+      mbar_expect_tx(kvfull, 2 * kKVBytes);
+#pragma unroll
+      for (int c = 0; c < kD / 64; ++c) {
+        tma_load(sK + c * kBk * 128, &tk, kvfull, c * 64, static_cast<int>(k0), static_cast<int>(hk), static_cast<int>(b));
+        tma_load(sV + c * kBk * 128, &tv, kvfull, c * 64, static_cast<int>(k0), static_cast<int>(hk), static_cast<int>(b));
+      }
+      for (int it = 0; it < n_items; ++it) {
+        const int st = it % kStages;
+        mbar_wait(empty(st), ((it / kStages) & 1) ^ 1);
+        mbar_expect_tx(full(st), 2 * kQBytes);
+        const int h = static_cast<int>(item_h(it)), q0 = static_cast<int>(item_q0(it));
+        const uint32_t q_dst = sQ + st * 2 * kQBytes;
+#pragma unroll
+        for (int c = 0; c < kD / 64; ++c) {
+          tma_load(q_dst + c * kBq * 128, &tq, full(st), c * 64, q0, h, static_cast<int>(b));
+          tma_load(q_dst + kQBytes + c * kBq * 128, &tdo, full(st), c * 64, q0, h, static_cast<int>(b));
+        }
+      }
+    } else if (tid >= 32 && tid < 64) {
+      // lse (base 2; +inf where the row sees no key or lies past the end: its probabilities are 0) and delta.
+      const int lane = tid - 32;
+      for (int it = 0; it < n_items; ++it) {
+        const int st = it % kStages;
+        mbar_wait(empty(st), ((it / kStages) & 1) ^ 1);
+        const int64_t row0 = (b * p.heads_q + item_h(it)) * p.seq_q, q0 = item_q0(it);
+        float* dst = s_stats + st * 2 * kBq;
+#pragma unroll
+        for (int u = 0; u < kBq / 32; ++u) {
+          const int64_t i = q0 + lane + 32 * u;
+          const float l = i < p.seq_q ? p.lse[row0 + i] : -INFINITY;
+          dst[lane + 32 * u] = l == -INFINITY ? INFINITY : l * kLog2e;
+          dst[kBq + lane + 32 * u] = i < p.seq_q ? delta[row0 + i] : 0.0f;
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(full(st));
+      }
+    }
+    return;
+  }
+
+  // Consumers.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+  const int cw = tid / 128 - 1, tw = tid % 128, lane = tid % 32, warp = tw / 32, g = lane / 4, t = lane % 4;
+  const float sl2 = p.scale * kLog2e;
+  const uint32_t k_wg = sK + cw * 64 * 128, v_wg = sV + cw * 64 * 128;  // this warpgroup's 64 keys (row offset)
+  const int64_t key0 = k0 + cw * 64 + warp * 16 + g;                     // this thread's keys: key0 and key0 + 8
+
+  float dk[kD / 2], dv[kD / 2];
+#pragma unroll
+  for (int e = 0; e < kD / 2; ++e) dk[e] = dv[e] = 0.0f;
+
+  mbar_wait(kvfull, 0);
+  for (int it = 0; it < n_items; ++it) {
+    const int st = it % kStages;
+    const int64_t h = item_h(it), q0 = item_q0(it);
+    const uint32_t q_s = sQ + st * 2 * kQBytes, do_s = q_s + kQBytes, ds_s = sDS + (it & 1) * kDSBytes;
+    const float* lse_s = s_stats + st * 2 * kBq;
+    const float* dl_s = lse_s + kBq;
+    float s[32], dp[32];
+    mbar_wait(full(st), (it / kStages) & 1);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk)
+      wgmma_ss<T, 64>(s, desc(k_wg + (kk / 4) * kBk * 128 + (kk % 4) * 32, 16, 1024), desc(q_s + (kk / 4) * kBq * 128 + (kk % 4) * 32, 16, 1024),
+                      kk > 0);
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk)
+      wgmma_ss<T, 64>(dp, desc(v_wg + (kk / 4) * kBk * 128 + (kk % 4) * 32, 16, 1024),
+                      desc(do_s + (kk / 4) * kBq * 128 + (kk % 4) * 32, 16, 1024), kk > 0);
+    wg_commit();
+    wg_wait<0>();
+    pin(s);
+    pin(dp);
+    // P^T and dS^T: row r of the thread is key key0 + 8 r, column 8 i + 2 t + e is query q0 + that.
+    const bool masked = (p.causal && k0 + kBk - 1 > q0 + off) || k0 + kBk > p.seq_kv;
+    // Key key0 + 8 r lies past the end when 8 r >= kv_left, after query q0 + c when 8 r + ahead > c.
+    const int kv_left = static_cast<int>(min(p.seq_kv - key0, int64_t{64})), ahead = static_cast<int>(key0 - q0 - off);
+    uint32_t pf[kBq / 16][4], df[kBq / 16][4];
+#pragma unroll
+    for (int i = 0; i < kBq / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = 8 * i + 2 * t + e;
+        const float l2 = lse_s[c], dl = dl_s[c];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int x = 4 * i + 2 * r + e;
+          float pr = ex2(fmaf(s[x], sl2, -l2));
+          if (masked && (8 * r >= kv_left || (p.causal && 8 * r + ahead > c))) pr = 0.0f;
+          s[x] = pr;
+          dp[x] = pr * (dp[x] - dl);
+        }
+      }
+#pragma unroll
+    for (int kk = 0; kk < kBq / 16; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        pf[kk][e] = pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+        df[kk][e] = pack2<T>(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
+      }
+    // dS^T into shared memory, [keys][queries] in the 128-byte swizzle (the A operand of dQ, MN-major).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int rl = cw * 64 + warp * 16 + g + 8 * r;
+#pragma unroll
+      for (int i = 0; i < kBq / 8; ++i)
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_s + rl * 128 + ((i ^ (rl % 8)) << 4) + 4 * t),
+                     "r"(df[i / 2][(i % 2) * 2 + r])
+                     : "memory");
+    }
+    fence_async_smem();
+    // dV += P^T dO, dK += dS^T Q (k-steps of 16 queries; dO and Q MN-major as loaded).
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBq / 16; ++kk) wgmma_rs<T, kD>(dv, pf[kk], desc(do_s + kk * 16 * 128, kBq * 128, 1024));
+#pragma unroll
+    for (int kk = 0; kk < kBq / 16; ++kk) wgmma_rs<T, kD>(dk, df[kk], desc(q_s + kk * 16 * 128, kBq * 128, 1024));
+    wg_commit();
+    // Both warpgroups' dS^T written; the dQ tile's last bulk reduction has read it (its issuer waited).
+    if (tid == 128) bulk_wait_read();
+    bar_sync(1, 256);
+    wg_fence();
+    // dQ[:, 64 cw ..] = dS K[:, 64 cw ..] over the 128 keys (k-steps of 16 keys).
+    float dq[32];
+#pragma unroll
+    for (int kk = 0; kk < kBk / 16; ++kk)
+      wgmma_ss_mn<T>(dq, desc(ds_s + kk * 16 * 128, kBq * 128, 1024), desc(sK + cw * kBk * 128 + kk * 16 * 128, kBk * 128, 1024), kk > 0);
+    wg_commit();
+    wg_wait<0>();
+    pin(dv);
+    pin(dk);
+    pin(pf);
+    pin(df);
+    pin(dq);
+    if (lane == 0) mbar_arrive(empty(st));
+    // dQ into the tile (row warp * 16 + g + 8 r, columns 64 cw + 8 i + 2 t: box 2 cw + i / 4, 16-byte
+    // chunk 2 (i % 4) + t / 2 of the row, swizzled), then the bulk tensor reductions of its four boxes
+    // into the accumulator, issued by thread 128 once both halves are written.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = warp * 16 + g + 8 * r;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(sDQ + (2 * cw + i / 4) * (kBq * 128) + row * 128 +
+                                                                 (((2 * (i % 4) + t / 2) ^ (row % 8)) << 4) + 8 * (t % 2)),
+                     "f"(dq[4 * i + 2 * r]), "f"(dq[4 * i + 2 * r + 1])
+                     : "memory");
+    }
+    fence_async_smem();
+    if (warp == 0 && cw == 0) {
+      bar_sync(2, 256);
+      if (tid == 128) {
+#pragma unroll
+        for (int j = 0; j < kD / 32; ++j)
+          tma_reduce_add(&tdq, sDQ + j * (kBq * 128), 32 * j, static_cast<int>(q0), static_cast<int>(b * p.heads_q + h));
+        bulk_commit();
+      }
+    } else {
+      bar_arrive(2, 256);
+    }
+  }
+  if (tid == 128) bulk_wait();
+
+  // dK (times the scale) and dV, straight from the accumulators.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t key = key0 + 8 * r;
+    if (key >= p.seq_kv) continue;
+    T* kg = static_cast<T*>(const_cast<void*>(p.dk.data)) + b * p.dk.sb + hk * p.dk.sh + key * p.dk.ss;
+    T* vg = static_cast<T*>(const_cast<void*>(p.dv.data)) + b * p.dv.sb + hk * p.dv.sh + key * p.dv.ss;
+#pragma unroll
+    for (int c = 0; c < kD / 8; ++c) {
+      *reinterpret_cast<uint32_t*>(kg + 8 * c + 2 * t) = pack2<T>(dk[4 * c + 2 * r] * p.scale, dk[4 * c + 2 * r + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(vg + 8 * c + 2 * t) = pack2<T>(dv[4 * c + 2 * r], dv[4 * c + 2 * r + 1]);
+    }
+  }
+#endif
+}
+
+template <typename T> const char* launch_bwd(const AttentionParams& p, const float* delta, float* dq_acc, cudaStream_t stream) {
+  CUtensorMap tq, tdo, tk, tv;
+  if (!make_map(&tq, p.q, p.dtype, kD, p.seq_q, p.heads_q, p.batch, kBq) ||
+      !make_map(&tdo, p.dout, p.dtype, kD, p.seq_q, p.heads_q, p.batch, kBq) ||
+      !make_map(&tk, p.k, p.dtype, kD, p.seq_kv, p.heads_kv, p.batch, kBk) ||
+      !make_map(&tv, p.v, p.dtype, kD, p.seq_kv, p.heads_kv, p.batch, kBk))
+    return "attention_backward (hopper): the driver refused a tensor map of these strides "
+           "(KCPP_FLASH_ATTN_BACKWARD=ampere takes the mma.sync kernel instead)";
+  const cudaError_t attr = cudaFuncSetAttribute(bwd_sm90_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemB);
+  if (attr != cudaSuccess)
+    return kernel::errorf("attention_backward (hopper): cannot reserve %d bytes of shared memory: %s", kSmemB,
+                          cudaGetErrorString(attr));
+  // The dq accumulator, f32 [B Hq, Sq, D]: boxes of 32 columns x 64 rows, 128-byte swizzle.
+  CUtensorMap tdq;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(p.seq_q), static_cast<cuuint64_t>(p.batch * p.heads_q)};
+  const cuuint64_t strides[2] = {kD * 4, static_cast<cuuint64_t>(p.seq_q) * kD * 4};
+  const cuuint32_t box[3] = {32, kBq, 1}, estr[3] = {1, 1, 1};
+  if (encode_fn()(&tdq, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, dq_acc, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    return "attention_backward (hopper): the driver refused the tensor map of the dq accumulator";
+  const dim3 grid(static_cast<unsigned>((p.seq_kv + kBk - 1) / kBk), static_cast<unsigned>(p.batch * p.heads_kv));
+  bwd_sm90_kernel<T><<<grid, kThreadsB, kSmemB, stream>>>(p, delta, dq_acc, tq, tdo, tk, tv, tdq);
+  return kernel::cuda::launch_error("attention_backward (hopper)");
+}
+
+}  // namespace
+
+const char* attention_sm90_backward_unsupported(const AttentionParams& p) {
+#if !KCPP_FLASH_ATTN_SM90
+  (void)p;
+  return "this build has no sm_90a code (CMAKE_CUDA_ARCHITECTURES without 90a)";
+#else
+  if (device_cc() != 90) return "the device is not compute capability 9.0";
+  if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "the dtype is not bf16 or f16";
+  if (p.seq_q == 0) return "there are no queries";
+  if (p.head_dim != kD) return "head_dim is not 128";
+  if (p.window > 0) return "sliding windows are not on this path";
+  if (!(p.scale > 0.0f)) return "scale is not positive";
+  for (const Operand* o : {&p.q, &p.k, &p.v, &p.dout})  // the tensor maps' 16-byte rule
+    if ((reinterpret_cast<uintptr_t>(o->data) & 15u) != 0 || o->sb % 8 != 0 || o->sh % 8 != 0 || o->ss % 8 != 0)
+      return "a pointer or a stride is not a multiple of 16 bytes";
+  for (const Operand* o : {&p.dk, &p.dv})  // 4-byte stores of pairs
+    if ((reinterpret_cast<uintptr_t>(o->data) & 3u) != 0 || o->sb % 2 != 0 || o->sh % 2 != 0 || o->ss % 2 != 0)
+      return "dk or dv is not 4-byte aligned";
+  if (p.seq_q > (int64_t{1} << 31) - 256 || p.seq_kv > (int64_t{1} << 31) - 256 || p.batch * p.heads_q > 0x7fffffff ||
+      (p.seq_kv + kBk - 1) / kBk > 0x7fffffff || p.batch * p.heads_kv > 65535)
+    return "a dimension is beyond the tensor map's 32-bit coordinates or the grid";
+  if (!encode_fn()) return "the driver has no cuTensorMapEncodeTiled";
+  return nullptr;
+#endif
+}
+
+const char* attention_backward_sm90(const AttentionParams& p, const float* delta, float* dq_acc, cudaStream_t stream) {
+  if (p.batch == 0 || p.seq_kv == 0) return nullptr;
+  return p.dtype == DType::bf16 ? launch_bwd<__nv_bfloat16>(p, delta, dq_acc, stream) : launch_bwd<__half>(p, delta, dq_acc, stream);
+}
+
+}  // namespace kcpp::flash
