@@ -697,46 +697,39 @@ const char* cuda_check(const AttentionParams& p, bool backward) {
 
 }  // namespace
 
-const char* attention_forward_path(const AttentionParams& p, const char** error) {
+namespace {
+
+// The path a pass takes: `env` (KCPP_FLASH_ATTN_FORWARD / _BACKWARD) pins one, else the fastest that
+// takes the call.  A pinned path that cannot run sets *error saying why.
+const char* pick_path(const char* pass, const char* env, const char* no_hopper, bool ampere, const char** error) {
   *error = nullptr;
-  const char* want = std::getenv("KCPP_FLASH_ATTN_FORWARD");
-  const char* no_hopper = attention_sm90_unsupported(p);
-  const bool ampere = p.dtype != DType::f32 && attention_fast_path(p);
+  const char* want = std::getenv(env);
   if (!want || !*want || std::strcmp(want, "auto") == 0) return !no_hopper ? "hopper" : ampere ? "ampere" : "generic";
   if (std::strcmp(want, "hopper") == 0) {
-    if (no_hopper) *error = kernel::errorf("attention_forward: KCPP_FLASH_ATTN_FORWARD=hopper, but %s", no_hopper);
+    if (no_hopper) *error = kernel::errorf("attention_%s: %s=hopper, but %s", pass, env, no_hopper);
     return "hopper";
   }
   if (std::strcmp(want, "ampere") == 0) {
     if (!ampere)
-      *error = "attention_forward: KCPP_FLASH_ATTN_FORWARD=ampere, but the mma.sync kernel takes only bf16 / f16, "
-               "head_dim 64 / 128, scale > 0 and 16-byte aligned rows";
+      *error = kernel::errorf("attention_%s: %s=ampere, but the mma.sync kernel takes only bf16 / f16, head_dim 64 / 128, "
+                              "scale > 0 and 16-byte aligned rows", pass, env);
     return "ampere";
   }
   if (std::strcmp(want, "generic") == 0) return "generic";
-  *error = kernel::errorf("KCPP_FLASH_ATTN_FORWARD is '%.64s'; expected auto, hopper, ampere or generic", want);
+  *error = kernel::errorf("%s is '%.64s'; expected auto, hopper, ampere or generic", env, want);
   return "generic";
 }
 
+}  // namespace
+
+const char* attention_forward_path(const AttentionParams& p, const char** error) {
+  return pick_path("forward", "KCPP_FLASH_ATTN_FORWARD", attention_sm90_unsupported(p),
+                   p.dtype != DType::f32 && attention_fast_path(p), error);
+}
+
 const char* attention_backward_path(const AttentionParams& p, const char** error) {
-  *error = nullptr;
-  const char* want = std::getenv("KCPP_FLASH_ATTN_BACKWARD");
-  const char* no_hopper = attention_sm90_backward_unsupported(p);
-  const bool ampere = p.dtype != DType::f32 && attention_fast_path(p);
-  if (!want || !*want || std::strcmp(want, "auto") == 0) return !no_hopper ? "hopper" : ampere ? "ampere" : "generic";
-  if (std::strcmp(want, "hopper") == 0) {
-    if (no_hopper) *error = kernel::errorf("attention_backward: KCPP_FLASH_ATTN_BACKWARD=hopper, but %s", no_hopper);
-    return "hopper";
-  }
-  if (std::strcmp(want, "ampere") == 0) {
-    if (!ampere)
-      *error = "attention_backward: KCPP_FLASH_ATTN_BACKWARD=ampere, but the mma.sync kernel takes only bf16 / f16, "
-               "head_dim 64 / 128, scale > 0 and 16-byte aligned rows";
-    return "ampere";
-  }
-  if (std::strcmp(want, "generic") == 0) return "generic";
-  *error = kernel::errorf("KCPP_FLASH_ATTN_BACKWARD is '%.64s'; expected auto, hopper, ampere or generic", want);
-  return "generic";
+  return pick_path("backward", "KCPP_FLASH_ATTN_BACKWARD", attention_sm90_backward_unsupported(p),
+                   p.dtype != DType::f32 && attention_fast_path(p), error);
 }
 
 const char* attention_forward_cuda(const AttentionParams& p, cudaStream_t stream) {
