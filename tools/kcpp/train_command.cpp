@@ -166,14 +166,14 @@ int run_train(TrainArgs a) {
              "{} steps of {} x {} tokens, {} weights{}, AdamW lr {}, on {}\n",
              a.layers, a.hidden, train::ByteTokenizer::kVocab, corpus.size(), a.steps, a.batch, a.seq, a.dtype,
              a.dtype == "f32" ? "" : " (f32 master copies)", a.lr, dev.str());
+  // The packages are looked up before any training, so that a bad --packages fails at once.
+  const bool attention = a.attention_kernel == "on" || (a.attention_kernel == "auto" && dev.is_cuda());
+  const auto liger = a.reference_only ? std::nullopt : find_built_package(a.packages, "liger");
+  const auto flash_attn = liger && attention ? find_built_package(a.packages, "flash_attn") : std::nullopt;
   std::vector<Run> runs;
   runs.push_back(run_one("reference", a, dev, tokens, std::nullopt));
   if (!a.reference_only) {
-    const auto liger = find_built_package(a.packages, "liger");
-    const bool attention = a.attention_kernel == "on" || (a.attention_kernel == "auto" && dev.is_cuda());
-    if (liger)
-      runs.push_back(run_one("kernels", a, dev, tokens, liger,
-                             attention ? find_built_package(a.packages, "flash_attn") : std::optional<std::filesystem::path>()));
+    if (liger) runs.push_back(run_one("kernels", a, dev, tokens, liger, flash_attn));
     else fmt::print("(no liger package found: build it, or pass --packages DIR; showing the reference only)\n");
   }
   fmt::print("\n{:<10} {:>12} {:>14} {:>12} {:>12}\n", "layers", "tokens/s", "peak MiB", "first loss", "final loss");
