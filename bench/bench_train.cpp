@@ -7,9 +7,11 @@
 //
 // Run: build/release/bin/kcpp_bench_train [--layers 4] [--batch 4] [--seq 2048] [--steps 3] [--only reference|kcpp]
 //      [--checkpoint 1] (activation checkpointing per layer) [--attention 0] (kcpp without flash_attn's attention)
+//      --only adamw: the optimizer step alone against the copy bandwidth measured in the same run
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <string>
 
 #include "built_packages.h"
@@ -114,6 +116,38 @@ void breakdown(int64_t batch, int64_t seq) {
               fwd, bwd, static_cast<long long>(batch * seq), gemm, static_cast<long long>(batch * seq), add);
 }
 
+// AdamW's step alone (squared norm + update of every parameter) at these dimensions, its bytes
+// (adamw_kernels.h: 30 a bf16 element with its f32 master and a bf16 gradient) against the device
+// copy measured in the same process.
+void adamw_bandwidth(int64_t layers) {
+  const Device dev = Device::cuda(0);
+  models::ModelConfig c;
+  c.model_type = "llama";
+  c.vocab_size = 128256, c.hidden_size = 4096, c.intermediate_size = 14336, c.num_hidden_layers = layers;
+  c.num_attention_heads = 32, c.num_key_value_heads = 8, c.head_dim = 128;
+  auto model = models::CausalLM::random(c, DType::bf16, dev, 42);
+  const auto params = model->parameters();
+  train::AdamWOptions o;
+  o.lr = 1e-4, o.weight_decay = 0.01, o.max_grad_norm = 1.0;
+  train::AdamW opt(params, o);
+  Generator gen(5);
+  std::map<std::string, Tensor> grads;
+  double bytes = 0, elements = 0;
+  for (const auto& [name, p] : params) {
+    grads[name] = Tensor::randn(p.shape(), DType::bf16, dev, gen, 0.0, 1e-3);
+    const double n = static_cast<double>(p.numel());
+    elements += n;
+    bytes += n * (2 + 2 + 4 * 4 + (p.dtype() == DType::f32 ? 8 : 8 + 2));
+  }
+  const CopyCeiling copy = measure_copy(dev, size_t{2} << 30);
+  const Timing t = time_op(dev, [&] { opt.step(grads); }, 2, 10);
+  const double gbps = bytes / (t.median_ms * 1e-3) / 1e9;
+  std::printf("adamw: %zu parameters, %.3f G elements, %.1f GB a step: %.2f ms (min %.2f, max %.2f), %.0f GB/s = %.1f%% of the copy "
+              "(%.0f GB/s, 2 GiB, same run)\n",
+              params.size(), elements / 1e9, bytes / 1e9, t.median_ms, t.min_ms, t.max_ms, gbps, 100.0 * gbps / copy.gbps, copy.gbps);
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -131,6 +165,10 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--attention")) attention = std::string(argv[i + 1]) == "1";
   }
   try {
+    if (only == "adamw") {
+      adamw_bandwidth(layers);
+      return 0;
+    }
     if (cuda_device_count() > 0) breakdown(batch, seq);
     for (const char* impl : {"reference", "kcpp"})
       if (only.empty() || only == impl) run(impl, layers, batch, seq, steps, checkpoint, attention);

@@ -8,6 +8,8 @@
 
 #include "core/allocator.h"
 #include "core/platform.h"
+#include "core/profile.h"
+#include "ops/ops.h"
 #include "test_util.h"
 
 namespace kcpp {
@@ -291,5 +293,41 @@ TEST(Platform, DetectsWithoutThrowing) {
   EXPECT_FALSE(format_platform(p).empty());
 }
 
+}  // namespace
+}  // namespace kcpp
+
+namespace kcpp {
+namespace {
+// Profile regions: summed by name in order of first appearance, nested ones folded into the outer
+// region, nothing recorded while disabled, and a slot call and a GEMM of a model each recorded.
+TEST(Profile, OutermostRegionsSummedByName) {
+  profile::collect();
+  { profile::Region off("off", Device::cpu(), 1, 1); }
+  profile::enable(true);
+  for (int i = 0; i < 3; ++i) {
+    profile::Region a("a", Device::cpu(), 10, 100, "x");
+    profile::Region inner("inner", Device::cpu(), 1000, 1000);  // folded into "a x"
+  }
+  { profile::Region b("b", Device::cpu(), 0, 7); }
+  {
+    profile::Region gemm_outside("outer", Device::cpu());
+    ops::matmul(Tensor::full({4, 3}, 1.0, DType::f32), Tensor::full({3, 5}, 1.0, DType::f32));  // folded
+  }
+  ops::matmul(Tensor::full({4, 3}, 1.0, DType::f32), Tensor::full({3, 5}, 1.0, DType::f32));
+  profile::enable(false);
+  { profile::Region after("after", Device::cpu()); }
+  const auto rows = profile::collect();
+  ASSERT_EQ(rows.size(), 4u);
+  EXPECT_EQ(rows[0].name, "a x");
+  EXPECT_EQ(rows[0].calls, 3);
+  EXPECT_EQ(rows[0].flops, 30);
+  EXPECT_EQ(rows[0].bytes, 300);
+  EXPECT_GE(rows[0].ms, 0.0);
+  EXPECT_EQ(rows[1].name, "b");
+  EXPECT_EQ(rows[2].name, "outer");
+  EXPECT_EQ(rows[3].name, "GEMM 4x5x3");
+  EXPECT_EQ(rows[3].flops, 2.0 * 4 * 5 * 3);
+  EXPECT_TRUE(profile::collect().empty());
+}
 }  // namespace
 }  // namespace kcpp

@@ -1,5 +1,6 @@
 // train/: AdamW against its definition, and a model trained, saved as a Hugging Face folder and
 // read back.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -11,6 +12,7 @@
 #include "models/safetensors.h"
 #include "test_util.h"
 #include "train/adamw.h"
+#include "train/adamw_kernels.h"
 #include "train/corpus.h"
 #include "train/trainer.h"
 
@@ -43,14 +45,66 @@ TEST(AdamW, MatchesItsDefinition) {
     const double g = gw[t - 1][0] * clip;
     mw[0] = 0.8 * mw[0] + 0.2 * g, vw[0] = 0.95 * vw[0] + 0.05 * g * g;
     master[0] = master[0] * (1 - 0.1 * 0.5) - 0.1 * (mw[0] / bc1) / (std::sqrt(vw[0] / bc2) + 1e-6);
-    const double n = opt.step({{"layer.bias", Tensor::from_f64(gp[t - 1], {3}, DType::f32)},
-                               {"layer.weight", Tensor::from_f64(gw[t - 1], {1}, DType::bf16)}});
+    opt.step({{"layer.bias", Tensor::from_f64(gp[t - 1], {3}, DType::f32)}, {"layer.weight", Tensor::from_f64(gw[t - 1], {1}, DType::bf16)}});
+    const double n = opt.grad_norm();
     EXPECT_NEAR(n, norm, 1e-2 * norm);  // the bf16 gradient is rounded
     EXPECT_TRUE(test::close_l2(p, ep, 1e-6)) << "step " << t;
   }
   // The bf16 weight is its f32 master rounded once (the gradient itself was rounded to bf16 too).
   EXPECT_NEAR(w.item(), master[0], 1e-2);
   EXPECT_THROW(train::AdamW({{"x", Tensor()}}, o), Error);
+}
+
+// The CUDA multi-tensor update against the CPU one, element for element: more parameters than one
+// launch takes (kAdamWBatch), sizes around the vector width and the chunk, f32 and bf16 parameters
+// (two groups), a gradient whose pointer is not vector-aligned (the scalar path), clipping active.
+// The squared norm is bitwise the same in a second run (fixed-order reduction).
+TEST(AdamW, CudaMultiTensorMatchesTheCpu) {
+  KCPP_REQUIRE_DEVICE(Device::cuda(0));
+  const std::vector<int64_t> sizes = {1, 3, 4, 5, 7, 8191, 8192, 8193, 20001, 3 * 8192 + 5, 100003};
+  auto run = [&](Device dev, std::vector<double>* norms) {
+    Generator gen(11);
+    std::vector<std::pair<std::string, Tensor>> params;
+    std::vector<std::pair<std::string, Tensor>> host_params;
+    for (int i = 0; i < 2 * train::kAdamWBatch + 3; ++i) {
+      const int64_t n = sizes[i % sizes.size()];
+      const DType dt = i % 3 == 0 ? DType::f32 : DType::bf16;
+      const std::string name = fmt::format("layer.{}.{}", i, i % 4 == 0 ? "bias" : "weight");
+      params.emplace_back(name, Tensor::randn({n}, dt, Device::cpu(), gen).to(dev));
+    }
+    train::AdamWOptions o;
+    o.lr = 0.05, o.weight_decay = 0.1, o.max_grad_norm = 5.0;
+    train::AdamW opt(params, o);
+    for (int step = 0; step < 3; ++step) {
+      std::map<std::string, Tensor> grads;
+      for (size_t i = 0; i < params.size(); ++i) {
+        const Tensor& p = params[i].second;
+        Tensor g = Tensor::randn({p.numel() + 1}, p.dtype(), Device::cpu(), gen).to(dev);
+        // Every fifth gradient starts one element into its storage: not aligned for vectors.
+        grads[params[i].first] = i % 5 == 0 ? g.narrow(0, 1, p.numel()) : g.narrow(0, 0, p.numel());
+      }
+      opt.step(grads);
+      norms->push_back(opt.grad_norm());
+    }
+    std::vector<std::vector<double>> out;
+    for (auto& [name, p] : params) out.push_back(p.to(Device::cpu()).to_f64_vector());
+    return out;
+  };
+  std::vector<double> cpu_norms, cuda_norms, again;
+  const auto cpu = run(Device::cpu(), &cpu_norms), cuda = run(Device::cuda(0), &cuda_norms);
+  run(Device::cuda(0), &again);
+  EXPECT_GT(cpu_norms[0], 5.0);  // clipping is active
+  for (size_t s = 0; s < cpu_norms.size(); ++s) {
+    EXPECT_NEAR(cuda_norms[s], cpu_norms[s], 1e-12 * cpu_norms[s]) << "step " << s;
+    EXPECT_EQ(cuda_norms[s], again[s]) << "step " << s << ": the squared norm is not deterministic";
+  }
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    ASSERT_EQ(cuda[i].size(), cpu[i].size());
+    // f32: the same operations in f32 (FMA contraction may differ); bf16: one rounding apart at most.
+    const double tol = i % 3 == 0 ? 1e-5 : 1.0 / 128;
+    for (size_t e = 0; e < cpu[i].size(); ++e)
+      ASSERT_NEAR(cuda[i][e], cpu[i][e], tol * std::max(1.0, std::abs(cpu[i][e]))) << "parameter " << i << " element " << e;
+  }
 }
 
 // Each AdamW option outside its range is an error naming it and its value.

@@ -9,6 +9,7 @@
 #include "core/allocator.h"
 #include "core/copy.h"
 #include "core/cuda_runtime.h"
+#include "core/profile.h"
 #include "core/random.h"
 
 namespace kcpp {
@@ -326,6 +327,7 @@ Tensor Tensor::contiguous() const {
 
 Tensor Tensor::clone() const {
   Tensor out = empty(shape_, dtype_, device());
+  const profile::Region region("copy", device(), 0, profile::enabled() ? 2.0 * numel() * dtype_size(dtype_) : 0.0);
   detail::copy_same_device(out, *this);
   return out;
 }

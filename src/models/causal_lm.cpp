@@ -133,6 +133,15 @@ void CausalLM::build(const std::function<Tensor(const std::string&, std::vector<
         l.bk = load(p + "self_attn.k_proj.bias", {kv});
         l.bv = load(p + "self_attn.v_proj.bias", {kv});
       }
+      // One GEMM instead of three (the k and v ones are narrow: N = Hkv D), and in the backward one
+      // dx GEMM instead of three GEMMs and two adds; the parts become views of the whole.
+      l.wqkv = ops::cat({l.wq, l.wk, l.wv}, 0);
+      l.wq = l.wqkv.narrow(0, 0, q), l.wk = l.wqkv.narrow(0, q, kv), l.wv = l.wqkv.narrow(0, q + kv, kv);
+      if (l.bq.defined()) {
+        l.bqkv = ops::cat({l.bq, l.bk, l.bv}, 0);
+        l.bq = l.bqkv.narrow(0, 0, q), l.bk = l.bqkv.narrow(0, q, kv), l.bv = l.bqkv.narrow(0, q + kv, kv);
+      }
+      l.qkv_from_parts = true;
     }
     l.wo = load(p + "self_attn.o_proj.weight", {h, q});
     if (c.qk_norm) {
@@ -184,7 +193,7 @@ std::vector<std::pair<std::string, Tensor>> CausalLM::parameters() const {
     const std::string p = fmt::format("model.layers.{}.", i);
     add(p + "input_layernorm.weight", l.input_norm->weight);
     add(p + "post_attention_layernorm.weight", l.post_norm->weight);
-    add(p + "self_attn.qkv_proj.weight", l.wqkv);
+    if (!l.qkv_from_parts) add(p + "self_attn.qkv_proj.weight", l.wqkv);
     add(p + "self_attn.q_proj.weight", l.wq);
     add(p + "self_attn.k_proj.weight", l.wk);
     add(p + "self_attn.v_proj.weight", l.wv);
@@ -281,18 +290,15 @@ Tensor CausalLM::layer_forward(size_t li, Tensor h, const ops::RopeCosSin& cs, L
   const ModelConfig& c = cfg_;
   const int64_t b = h.size(0), s = h.size(1), hdim = c.hidden_size, d = c.head_dim;
   const int64_t hq = c.num_attention_heads, hkv = c.num_key_value_heads;
-  auto heads = [&](const Tensor& x, int64_t n) { return x.contiguous().view({b, s, n, d}); };
   Layer& l = layers_[li];
   const Tensor a = l.input_norm->forward(h, t ? &t->in_norm : nullptr).view({b * s, hdim});
-  Tensor q, k, v;
-  if (l.wqkv.defined()) {
-    const Tensor qkv = linear(a, l.wqkv);
-    q = qkv.narrow(1, 0, hq * d), k = qkv.narrow(1, hq * d, hkv * d), v = qkv.narrow(1, (hq + hkv) * d, hkv * d);
-  } else {
-    q = linear(a, l.wq, l.bq), k = linear(a, l.wk, l.bk), v = linear(a, l.wv, l.bv);
+  // q, k, v: [B, S, heads, D] views of the one projection's rows (copied once below, into [B, heads, S, D]).
+  const Tensor qkv = linear(a, l.wqkv, l.bqkv).view({b, s, hq + 2 * hkv, d});
+  Tensor q = qkv.narrow(2, 0, hq), k = qkv.narrow(2, hq, hkv), v = qkv.narrow(2, hq + hkv, hkv);
+  if (l.q_norm) {
+    q = l.q_norm->forward(q.contiguous(), t ? &t->q_norm : nullptr);
+    k = l.k_norm->forward(k.contiguous(), t ? &t->k_norm : nullptr);
   }
-  q = heads(q, hq), k = heads(k, hkv), v = heads(v, hkv);
-  if (l.q_norm) q = l.q_norm->forward(q, t ? &t->q_norm : nullptr), k = l.k_norm->forward(k, t ? &t->k_norm : nullptr);
   q = q.transpose(1, 2).contiguous(), k = k.transpose(1, 2).contiguous(), v = v.transpose(1, 2).contiguous();
   std::tie(q, k) = l.rope->forward(q, k, cs.cos, cs.sin);
   if (cache) {
@@ -437,14 +443,16 @@ std::vector<int64_t> CausalLM::generate(const std::vector<int64_t>& prompt, int6
 }
 
 // ForCausalLMLoss's shift: position t predicts label t + 1; the last position of each row has none.
+// On the model's device, with no copy to the host (the step queues on without waiting here).
 Tensor CausalLM::shifted_targets(const Tensor& labels) const {
   KCPP_CHECK(labels.dim() == 2, "CausalLM: labels must be [batch, seq], got {} dims", labels.dim());
+  KCPP_CHECK(labels.dtype() == DType::i64 || labels.dtype() == DType::i32, "CausalLM: labels must be i64 or i32, got {}",
+             dtype_name(labels.dtype()));
   const int64_t b = labels.size(0), s = labels.size(1);
-  const auto lv = labels.to_f64_vector();
-  std::vector<int64_t> shifted(static_cast<size_t>(b * s), -100);
-  for (int64_t i = 0; i < b; ++i)
-    for (int64_t t = 0; t + 1 < s; ++t) shifted[i * s + t] = static_cast<int64_t>(lv[i * s + t + 1]);
-  return Tensor::from_i64(shifted, {b * s}, DType::i64, device_);
+  Tensor l = labels.device() == device_ ? labels : labels.to(device_);
+  if (l.dtype() != DType::i64) l = l.to(DType::i64);
+  const Tensor none = Tensor::full({b, 1}, -100, DType::i64, device_);
+  return (s > 1 ? ops::cat({l.narrow(1, 1, s - 1), none}, 1) : none).contiguous().view({b * s});
 }
 
 Tensor CausalLM::loss(const Tensor& ids, const Tensor& labels) {
@@ -524,32 +532,35 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
     acc(p + "self_attn.o_proj.weight", ops::matmul(dy2, t.o, true, false));
     const Tensor dattn = ops::matmul(dy2, l.wo).view({b, s, hq, d}).transpose(1, 2).contiguous();
     const nn::Attention::Grads ab = l.attn->backward(dattn, t.attn);
-    auto [dq, dk] = l.rope->backward(ab.dq, ab.dk, tape.cos, tape.sin);
-    dq = dq.transpose(1, 2).contiguous(), dk = dk.transpose(1, 2).contiguous();  // [B, S, heads, D]
-    const Tensor dv = ab.dv.transpose(1, 2).contiguous();
+    auto [dq, dk] = l.rope->backward(ab.dq, ab.dk, tape.cos, tape.sin);  // [B, heads, S, D]
+    dq = dq.transpose(1, 2), dk = dk.transpose(1, 2);                    // [B, S, heads, D] views
     if (l.q_norm) {
-      const auto qn = l.q_norm->backward(dq, t.q_norm), kn = l.k_norm->backward(dk, t.k_norm);
+      const auto qn = l.q_norm->backward(dq.contiguous(), t.q_norm), kn = l.k_norm->backward(dk.contiguous(), t.k_norm);
       acc(p + "self_attn.q_norm.weight", qn.dweight);
       acc(p + "self_attn.k_norm.weight", kn.dweight);
       dq = qn.dx, dk = kn.dx;
     }
-    const Tensor dq2 = dq.contiguous().view({n, hq * d}), dk2 = dk.contiguous().view({n, hkv * d}), dv2 = dv.view({n, hkv * d});
-    Tensor da;
-    if (l.wqkv.defined()) {
-      const Tensor dqkv = ops::cat({dq2, dk2, dv2}, 1);
-      acc(p + "self_attn.qkv_proj.weight", ops::matmul(dqkv, t.a, true, false));
-      da = ops::matmul(dqkv, l.wqkv);
+    // The gradient of the one projection's output, [B, S, Hq + 2 Hkv, D]: dq, dk, dv copied once each.
+    const Tensor dqkv4 = Tensor::empty({b, s, hq + 2 * hkv, d}, dtype_, device_);
+    dqkv4.narrow(2, 0, hq).copy_(dq);
+    dqkv4.narrow(2, hq, hkv).copy_(dk);
+    dqkv4.narrow(2, hq + hkv, hkv).copy_(ab.dv.transpose(1, 2));
+    const Tensor dqkv = dqkv4.view({n, (hq + 2 * hkv) * d});
+    const Tensor dw = ops::matmul(dqkv, t.a, true, false);
+    if (l.qkv_from_parts) {
+      acc(p + "self_attn.q_proj.weight", dw.narrow(0, 0, hq * d));
+      acc(p + "self_attn.k_proj.weight", dw.narrow(0, hq * d, hkv * d));
+      acc(p + "self_attn.v_proj.weight", dw.narrow(0, (hq + hkv) * d, hkv * d));
     } else {
-      acc(p + "self_attn.q_proj.weight", ops::matmul(dq2, t.a, true, false));
-      acc(p + "self_attn.k_proj.weight", ops::matmul(dk2, t.a, true, false));
-      acc(p + "self_attn.v_proj.weight", ops::matmul(dv2, t.a, true, false));
-      if (l.bq.defined()) {
-        acc(p + "self_attn.q_proj.bias", col_sum(dq2));
-        acc(p + "self_attn.k_proj.bias", col_sum(dk2));
-        acc(p + "self_attn.v_proj.bias", col_sum(dv2));
-      }
-      da = ops::add(ops::add(ops::matmul(dq2, l.wq), ops::matmul(dk2, l.wk)), ops::matmul(dv2, l.wv));
+      acc(p + "self_attn.qkv_proj.weight", dw);
     }
+    if (l.bqkv.defined()) {
+      const Tensor db = col_sum(dqkv);
+      acc(p + "self_attn.q_proj.bias", db.narrow(0, 0, hq * d));
+      acc(p + "self_attn.k_proj.bias", db.narrow(0, hq * d, hkv * d));
+      acc(p + "self_attn.v_proj.bias", db.narrow(0, (hq + hkv) * d, hkv * d));
+    }
+    const Tensor da = ops::matmul(dqkv, l.wqkv);
     const auto in = l.input_norm->backward(da.view({b, s, hdim}), t.in_norm);
     acc(p + "input_layernorm.weight", in.dweight);
     dh = ops::add(dh, in.dx);

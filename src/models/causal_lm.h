@@ -3,7 +3,7 @@
 // follows Transformers' modeling code of each family op for op (eager attention):
 //
 //   h = embed(ids) (* sqrt(hidden) for gemma)
-//   per layer:  a = RMSNorm(h);  q, k, v = a Wq^T (+bq), a Wk^T, a Wv^T   (phi3: one fused qkv GEMM)
+//   per layer:  a = RMSNorm(h);  q, k, v = a Wq^T (+bq), a Wk^T, a Wv^T   (one GEMM: [Wq; Wk; Wv])
 //               q, k = RMSNorm_head(q), RMSNorm_head(k)                    (qwen3)
 //               q, k = RoPE(q, k)   (inv_freq by the config's rope scaling: linear, dynamic, llama3)
 //               h = h + Attention(q, k, v) Wo^T                   (a slot: GQA, causal, window)
@@ -125,7 +125,11 @@ class CausalLM : public nn::Module {
 
   struct Layer {
     std::unique_ptr<nn::RMSNorm> input_norm, post_norm, q_norm, k_norm;
-    Tensor wq, wk, wv, wo, bq, bk, bv, wqkv;     // wqkv: phi3's fused projection
+    // q, k and v come from one GEMM with wqkv = [wq; wk; wv] ([(Hq + 2 Hkv) D, H]): phi3's checkpoint
+    // holds it; the other families' three weights are concatenated at load and wq, wk, wv (bq, bk, bv)
+    // become views of wqkv (bqkv), so that parameters() and the gradients keep the checkpoint's names.
+    Tensor wq, wk, wv, wo, bq, bk, bv, wqkv, bqkv;
+    bool qkv_from_parts = false;                 // wqkv concatenated here (not a checkpoint tensor)
     Tensor w_gate, w_up, w_down, w_gate_up;      // w_gate_up: phi3's
     std::unique_ptr<nn::RotaryEmbedding> rope;
     std::unique_ptr<nn::Attention> attn;

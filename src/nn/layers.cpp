@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/profile.h"
 #include "ops/ops.h"
 
 namespace kcpp::nn {
@@ -47,6 +48,14 @@ void ce_options(KernelArgs& a, const ops::CrossEntropyOptions& o) {
   a.integer("ignore_index", o.ignore_index).real("label_smoothing", o.label_smoothing).string("reduction", reduction_name(o.reduction));
 }
 
+double bytes(const Tensor& t) { return t.defined() ? static_cast<double>(t.numel() * dtype_size(t.dtype())) : 0.0; }
+
+// A slot call's profile region ("RMSNorm forward", "Attention backward (reference)"): `flops` and
+// `moved` (bytes read and written) are its floor's terms (core/profile.h).
+#define KCPP_SLOT_REGION(pass, dev, flops, moved)                                                                      \
+  const profile::Region kcpp_region_(layer_name(), dev, profile::enabled() ? (flops) : 0.0, profile::enabled() ? (moved) : 0.0, \
+                                     kernel() ? pass : pass " (reference)")
+
 // The loss as the slot returns it: f32, whatever the reference computed it in.
 Tensor as_f32(const Tensor& t) { return t.dtype() == DType::f32 ? t : t.to(DType::f32); }
 
@@ -57,6 +66,7 @@ Tensor as_f32(const Tensor& t) { return t.dtype() == DType::f32 ? t : t.to(DType
 RMSNorm::RMSNorm(Tensor w, ops::RMSNormOptions o) : Slot("RMSNorm", "RMSNorm/1"), weight(std::move(w)), options(o) {}
 
 Tensor RMSNorm::forward(const Tensor& x, Saved* saved) {
+  KCPP_SLOT_REGION("forward", x.device(), 0, 2 * bytes(x) + bytes(weight));
   if (kernel()) {
     Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
     Tensor rstd = saved ? Tensor::empty({rows_of(x)}, DType::f32, x.device()) : Tensor();
@@ -77,6 +87,7 @@ Tensor RMSNorm::forward(const Tensor& x, Saved* saved) {
 }
 
 RMSNorm::Grads RMSNorm::backward(const Tensor& dy, const Saved& s) {
+  KCPP_SLOT_REGION("backward", dy.device(), 0, 3 * bytes(dy) + 2 * bytes(weight));
   KCPP_CHECK(s.x.defined() && s.rstd.defined(), "RMSNorm backward: nothing saved (run forward with a Saved)");
   if (kernel()) {
     Grads g{Tensor::empty(s.x.shape(), s.x.dtype(), s.x.device()), Tensor::empty(weight.shape(), weight.dtype(), weight.device())};
@@ -122,6 +133,7 @@ Activation::Kind Activation::parse(std::string_view a) {
 }
 
 Tensor Activation::forward(const Tensor& x) {
+  KCPP_SLOT_REGION("forward", x.device(), 0, 2 * bytes(x));
   if (kernel()) {
     Tensor y = Tensor::empty(x.shape(), x.dtype(), x.device());
     KernelArgs a;
@@ -139,6 +151,7 @@ Tensor Activation::forward(const Tensor& x) {
 }
 
 Tensor Activation::backward(const Tensor& dy, const Tensor& x) {
+  KCPP_SLOT_REGION("backward", x.device(), 0, 3 * bytes(x));
   if (kernel()) {
     Tensor dx = Tensor::empty(x.shape(), x.dtype(), x.device());
     KernelArgs a;
@@ -164,6 +177,7 @@ Tensor Activation::backward(const Tensor& dy, const Tensor& x) {
 MLP::MLP(ops::GluActivation a) : Slot("MLP", "GLU/1"), activation(a) {}
 
 Tensor MLP::forward(const Tensor& gate, const Tensor& up) {
+  KCPP_SLOT_REGION("forward", gate.device(), 0, 3 * bytes(gate));
   if (kernel()) {
     Tensor out = Tensor::empty(gate.shape(), gate.dtype(), gate.device());
     KernelArgs a;
@@ -176,6 +190,7 @@ Tensor MLP::forward(const Tensor& gate, const Tensor& up) {
 }
 
 MLP::Grads MLP::backward(const Tensor& dh, const Tensor& gate, const Tensor& up) {
+  KCPP_SLOT_REGION("backward", gate.device(), 0, 5 * bytes(gate));
   if (kernel()) {
     Grads g{Tensor::empty(gate.shape(), gate.dtype(), gate.device()), Tensor::empty(gate.shape(), gate.dtype(), gate.device())};
     KernelArgs a;
@@ -198,6 +213,7 @@ const char* style_name(ops::RopeLayout s) { return s == ops::RopeLayout::Interle
 }  // namespace
 
 std::pair<Tensor, Tensor> RotaryEmbedding::forward(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin) {
+  KCPP_SLOT_REGION("forward", q.device(), 0, 2 * (bytes(q) + bytes(k)));
   if (kernel()) {
     Tensor qo = Tensor::empty(q.shape(), q.dtype(), q.device());
     Tensor ko = k.defined() ? Tensor::empty(k.shape(), k.dtype(), k.device()) : Tensor();
@@ -214,6 +230,7 @@ std::pair<Tensor, Tensor> RotaryEmbedding::forward(const Tensor& q, const Tensor
 
 std::pair<Tensor, Tensor> RotaryEmbedding::backward(const Tensor& dq_out, const Tensor& dk_out, const Tensor& cos,
                                                     const Tensor& sin) {
+  KCPP_SLOT_REGION("backward", dq_out.device(), 0, 2 * (bytes(dq_out) + bytes(dk_out)));
   if (kernel()) {
     Tensor dq = Tensor::empty(dq_out.shape(), dq_out.dtype(), dq_out.device());
     Tensor dk = dk_out.defined() ? Tensor::empty(dk_out.shape(), dk_out.dtype(), dk_out.device()) : Tensor();
@@ -233,6 +250,19 @@ std::pair<Tensor, Tensor> RotaryEmbedding::backward(const Tensor& dq_out, const 
 Attention::Attention(ops::AttentionOptions o) : Slot("Attention", "Attention/1"), options(o) {}
 
 namespace {
+// The forward's multiply-adds of QK^T and PV (4 B Hq Sq Sk D flops), counting only the key positions
+// the mask keeps: causal with the queries at the end of the keys, and the sliding window.
+double attention_flops(const Tensor& q, const Tensor& k, const ops::AttentionOptions& o) {
+  const int64_t sq = q.size(2), sk = k.size(2);
+  double pairs = 0;
+  for (int64_t i = 0; i < sq; ++i) {
+    const int64_t last = o.causal ? sk - sq + i : sk - 1;  // the last key position query i sees
+    const int64_t first = o.window > 0 ? std::max<int64_t>(0, last - o.window + 1) : 0;
+    pairs += static_cast<double>(std::max<int64_t>(0, last - first + 1));
+  }
+  return 4.0 * q.size(0) * q.size(1) * pairs * q.size(3);
+}
+
 void attention_options(KernelArgs& a, const ops::AttentionOptions& o, int64_t head_dim) {
   a.real("scale", o.scale > 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(head_dim)));
   a.integer("causal", o.causal ? 1 : 0).integer("window", o.window);
@@ -240,6 +270,7 @@ void attention_options(KernelArgs& a, const ops::AttentionOptions& o, int64_t he
 }  // namespace
 
 Tensor Attention::forward(const Tensor& q, const Tensor& k, const Tensor& v, Saved* saved) {
+  KCPP_SLOT_REGION("forward", q.device(), attention_flops(q, k, options), 0);
   if (kernel()) {
     Tensor out = Tensor::empty(q.shape(), q.dtype(), q.device());
     Tensor lse = saved ? Tensor::empty({q.size(0), q.size(1), q.size(2)}, DType::f32, q.device()) : Tensor();
@@ -261,6 +292,7 @@ Tensor Attention::forward(const Tensor& q, const Tensor& k, const Tensor& v, Sav
 }
 
 Attention::Grads Attention::backward(const Tensor& dout, const Saved& s) {
+  KCPP_SLOT_REGION("backward", dout.device(), 2.5 * attention_flops(s.q, s.k, options), 0);
   KCPP_CHECK(s.q.defined(), "Attention backward: nothing saved (run forward with a Saved)");
   if (s.lse.defined()) {  // saved by a kernel: its backward recomputes the probabilities
     Grads g{Tensor::empty(s.q.shape(), s.q.dtype(), s.q.device()), Tensor::empty(s.k.shape(), s.k.dtype(), s.k.device()),
@@ -285,6 +317,7 @@ Attention::Grads Attention::backward(const Tensor& dout, const Saved& s) {
 CrossEntropyLoss::CrossEntropyLoss(ops::CrossEntropyOptions o) : Slot("CrossEntropyLoss", "CrossEntropyLoss/1"), options(o) {}
 
 Tensor CrossEntropyLoss::forward(const Tensor& logits, const Tensor& targets, Saved* saved) {
+  KCPP_SLOT_REGION("forward", logits.device(), 0, (saved ? 2 : 1) * bytes(logits));
   const int64_t rows = rows_of(logits);
   if (kernel()) {
     Tensor loss = Tensor::empty({options.reduction == ops::Reduction::None ? rows : 1}, DType::f32, logits.device());
@@ -306,6 +339,7 @@ Tensor CrossEntropyLoss::forward(const Tensor& logits, const Tensor& targets, Sa
 }
 
 Tensor CrossEntropyLoss::backward(double dloss, const Saved& s) {
+  KCPP_SLOT_REGION("backward", (s.grad.defined() ? s.grad : s.log_probs).device(), 0, 0);
   KCPP_CHECK(options.reduction != ops::Reduction::None, "CrossEntropyLoss backward: reduction 'none' needs a per-row dloss");
   if (s.grad.defined()) {  // the kernel's gradient, for an upstream 1
     Tensor dlogits = s.grad;
@@ -325,6 +359,7 @@ Tensor CrossEntropyLoss::backward(double dloss, const Saved& s) {
 ForCausalLMLoss::ForCausalLMLoss(ops::CrossEntropyOptions o) : Slot("ForCausalLMLoss", "ForCausalLMLoss/1"), options(o) {}
 
 Tensor ForCausalLMLoss::forward(const Tensor& hidden, const Tensor& weight, const Tensor& targets, Saved* saved) {
+  KCPP_SLOT_REGION("forward", hidden.device(), (saved ? 6.0 : 2.0) * rows_of(hidden) * weight.size(0) * weight.size(1), 0);
   if (kernel()) {
     const int64_t rows = rows_of(hidden);
     Tensor loss = Tensor::empty({options.reduction == ops::Reduction::None ? rows : 1}, DType::f32, hidden.device());
@@ -349,6 +384,7 @@ Tensor ForCausalLMLoss::forward(const Tensor& hidden, const Tensor& weight, cons
 }
 
 ForCausalLMLoss::Grads ForCausalLMLoss::backward(double dloss, const Saved& s) {
+  KCPP_SLOT_REGION("backward", (s.dhidden.defined() ? s.dhidden : s.hidden).device(), s.dhidden.defined() ? 0.0 : 4.0 * rows_of(s.hidden) * s.weight.size(0) * s.weight.size(1), 0);
   KCPP_CHECK(options.reduction != ops::Reduction::None, "ForCausalLMLoss backward: reduction 'none' needs a per-row dloss");
   if (s.dhidden.defined()) {  // the kernel's gradients, for an upstream 1
     KernelArgs a;

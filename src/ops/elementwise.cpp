@@ -1,4 +1,5 @@
 // Elementwise primitives: argument checks, device dispatch and the host loops.
+#include "core/profile.h"
 #include "core/strided.h"
 #include "ops/check.h"
 #include "ops/cuda/launch.h"
@@ -54,6 +55,7 @@ Tensor binary(Binary op, const Tensor& a, const Tensor& b) {
   const Shape shape = broadcast_shapes(a.shape(), b.shape(), name);
   const Tensor ae = a.expand(shape), be = b.expand(shape);
   Tensor out = Tensor::empty(shape, a.dtype(), a.device());
+  const profile::Region region(name, a.device(), 0, profile::enabled() ? 3.0 * out.numel() * dtype_size(out.dtype()) : 0.0);
   if (a.device().is_cuda()) {
 #if KCPP_WITH_CUDA
     cuda::binary(op, out, ae, be);

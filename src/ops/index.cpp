@@ -1,6 +1,7 @@
 // Embedding, gather / scatter along the last dim, and the ignore-index mask.  Every index is
 #include <cstring>
 // checked; an out-of-range one throws naming the op, the position and the value.
+#include "core/profile.h"
 #include "ops/check.h"
 #include "ops/cuda/launch.h"
 #include "ops/ops.h"
@@ -28,6 +29,8 @@ Tensor embedding(const Tensor& weight, const Tensor& ids) {
   check_device(ids, weight, "embedding", "ids", "weight");
   check_dims(weight, 2, "embedding", "weight");
   const int64_t v = weight.size(0), h = weight.size(1);
+  const profile::Region region("embedding", weight.device(), 0,
+                               profile::enabled() ? 2.0 * ids.numel() * h * dtype_size(weight.dtype()) : 0.0);
   Shape shape = ids.shape();
   shape.push_back(h);
   Tensor out = Tensor::empty(shape, weight.dtype(), weight.device());
@@ -51,6 +54,11 @@ Tensor embedding(const Tensor& weight, const Tensor& ids) {
 }
 
 Tensor embedding_backward(const Tensor& grad, const Tensor& ids, int64_t num_embeddings) {
+  // Floor: read the gradient, write the [V, H] result once.
+  const profile::Region region("embedding_backward", grad.device(), 0,
+                               profile::enabled() && grad.dim() > 0
+                                   ? static_cast<double>(grad.numel() + num_embeddings * grad.size(-1)) * dtype_size(grad.dtype())
+                                   : 0.0);
   check_float(grad, "embedding_backward", "grad");
   check_index(ids, "embedding_backward", "ids");
   check_device(ids, grad, "embedding_backward", "ids", "grad");
@@ -59,15 +67,17 @@ Tensor embedding_backward(const Tensor& grad, const Tensor& ids, int64_t num_emb
              shape_str(ids.shape()));
   KCPP_CHECK(num_embeddings >= 0, "op embedding_backward: num_embeddings {} < 0", num_embeddings);
   const int64_t h = grad.size(-1);
+  if (grad.device().is_cuda()) {
+#if KCPP_WITH_CUDA
+    // In grad's dtype: each row is summed in f32 and rounded once (cuda/index.cu).
+    Tensor out = Tensor::zeros({num_embeddings, h}, grad.dtype(), grad.device());
+    cuda::embedding_backward(out, grad.contiguous(), ids.contiguous());
+    return out;
+#endif
+  }
   const DType acc_type = grad.dtype() == DType::f64 ? DType::f64 : DType::f32;
   Tensor acc = Tensor::zeros({num_embeddings, h}, acc_type, grad.device());
   const Tensor g = grad.contiguous().to(acc_type);
-  if (grad.device().is_cuda()) {
-#if KCPP_WITH_CUDA
-    cuda::embedding_backward(acc, g, ids.contiguous());
-#endif
-    return acc.to(grad.dtype());
-  }
   const auto idv = host_ids(ids);
   check_range(idv, num_embeddings, 0, false, "embedding_backward", "ids");
   visit_floating(acc_type, "embedding_backward", [&]<typename A>(std::type_identity<A>) {

@@ -2,6 +2,7 @@
 // on the host, multiplied in f32 and rounded back, as PyTorch's CPU path does.
 #include <cblas.h>
 
+#include "core/profile.h"
 #include "ops/check.h"
 #include "ops/cuda/launch.h"
 #include "ops/ops.h"
@@ -34,6 +35,10 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a, bool trans_b) {
     out.fill_(0);
     return out;
   }
+  // Profiled by its shape ("GEMM 8192x14336x4096" is M x N x K), the operands' copies included.
+  const profile::Region region("GEMM", a.device(), profile::enabled() ? 2.0 * batch * m * n * k : 0.0, 0,
+                               profile::enabled() ? fmt::format("{}{}x{}x{}", batch > 1 ? fmt::format("{}x", batch) : "", m, n, k)
+                                                  : std::string());
   const Tensor ac = a.contiguous(), bc = b.contiguous();
   if (a.device().is_cuda()) {
 #if KCPP_WITH_CUDA

@@ -91,8 +91,8 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans
 // ---- indexing ---------------------------------------------------------------------------------
 // weight [V, H], ids [...] (i32 or i64, each in [0, V)) -> [..., H].
 Tensor embedding(const Tensor& weight, const Tensor& ids);
-// grad [..., H], ids [...] -> grad_weight [V, H] in grad's dtype (f32 accumulation; on CUDA the
-// accumulation order is not deterministic).
+// grad [..., H], ids [...] -> grad_weight [V, H] in grad's dtype (f32 accumulation, deterministic:
+// each row's terms are added in token order).
 Tensor embedding_backward(const Tensor& grad, const Tensor& ids, int64_t num_embeddings);
 // x [N, V], idx [N] -> [N] with x[i, idx[i]], and 0 where idx[i] == ignore_index.
 Tensor gather_last(const Tensor& x, const Tensor& idx, int64_t ignore_index);

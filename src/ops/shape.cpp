@@ -1,5 +1,6 @@
 #include <limits>
 
+#include "core/profile.h"
 #include "ops/check.h"
 #include "ops/ops.h"
 
@@ -7,6 +8,7 @@ namespace kcpp::ops {
 
 Tensor cat(const std::vector<Tensor>& xs, int64_t dim) {
   KCPP_CHECK(!xs.empty(), "op cat: no tensors given");
+  const profile::Region region("cat", xs[0].device());
   const Tensor& first = xs[0];
   check_defined(first, "cat", "xs[0]");
   KCPP_CHECK(dim >= -first.dim() && dim < first.dim(), "op cat: dim {} out of range for {} dims", dim, first.dim());

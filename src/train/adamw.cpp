@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/profile.h"
 #include "ops/ops.h"
 #include "train/adamw_kernels.h"
 
@@ -39,8 +40,7 @@ AdamW::AdamW(std::vector<std::pair<std::string, Tensor>> params, AdamWOptions o)
   }
 }
 
-double AdamW::step(const std::map<std::string, Tensor>& grads) {
-  // The global norm: every gradient's sum of squares into one f64 (on the device for CUDA: one read back).
+void AdamW::step(const std::map<std::string, Tensor>& grads) {
   std::vector<std::pair<State*, Tensor>> work;
   for (State& s : state_) {
     const auto it = grads.find(s.name);
@@ -51,41 +51,50 @@ double AdamW::step(const std::map<std::string, Tensor>& grads) {
                it->second.device().str(), s.param.device().str());
     work.emplace_back(&s, it->second.contiguous());
   }
-  double total = 0.0;
-  if (!work.empty()) {
-    const Device dev = work.front().second.device();
-    if (dev.is_cuda()) {
-      const Tensor acc = Tensor::zeros({1}, DType::f64, dev);
-      for (auto& [s, g] : work) add_squared_norm(g, static_cast<double*>(acc.data()));
-      total = acc.item();
-    } else {
-      for (auto& [s, g] : work) add_squared_norm(g, &total);
-    }
-  }
-  const double norm = std::sqrt(total);
-  const double clip = options.max_grad_norm > 0 && norm > options.max_grad_norm ? options.max_grad_norm / (norm + 1e-6) : 1.0;
   ++t_;
-  for (auto& [s, g] : work) {
-    AdamWUpdate u;
-    u.n = s->param.numel();
-    u.param = s->param.data();
-    u.param_dtype = s->param.dtype();
-    u.master = s->master.defined() ? static_cast<float*>(s->master.data()) : nullptr;
-    u.grad = g.data();
-    u.grad_dtype = g.dtype();
-    u.m = static_cast<float*>(s->m.data());
-    u.v = static_cast<float*>(s->v.data());
-    u.lr = static_cast<float>(options.lr);
-    u.beta1 = static_cast<float>(options.beta1);
-    u.beta2 = static_cast<float>(options.beta2);
-    u.eps = static_cast<float>(options.eps);
-    u.weight_decay = s->decay ? static_cast<float>(options.weight_decay) : 0.0f;
-    u.bc1 = static_cast<float>(1.0 - std::pow(options.beta1, static_cast<double>(t_)));
-    u.bc2 = static_cast<float>(1.0 - std::pow(options.beta2, static_cast<double>(t_)));
-    u.grad_scale = static_cast<float>(clip);
-    adamw_update(u, s->param.device());
+  if (work.empty()) {
+    sq_norm_ = Tensor();
+    return;
   }
-  return norm;
+  // The global norm: every gradient's sum of squares into one f64 on the parameters' device.
+  const Device dev = work.front().second.device();
+  double moved = 0;  // bytes the two passes read and write (adamw_kernels.h)
+  if (profile::enabled())
+    for (auto& [s, g] : work)
+      moved += static_cast<double>(s->param.numel()) *
+               (2.0 * dtype_size(g.dtype()) + 16 + (s->master.defined() ? 8 + dtype_size(s->param.dtype()) : 2 * dtype_size(s->param.dtype())));
+  const profile::Region region("AdamW", dev, 0, moved);
+  sq_norm_ = Tensor::zeros({1}, DType::f64, dev);
+  std::vector<Tensor> gs;
+  gs.reserve(work.size());
+  for (auto& [s, g] : work) gs.push_back(g);
+  add_squared_norms(gs, static_cast<double*>(sq_norm_.data()), scratch_);
+
+  AdamWHyper h;
+  h.lr = static_cast<float>(options.lr);
+  h.beta1 = static_cast<float>(options.beta1);
+  h.beta2 = static_cast<float>(options.beta2);
+  h.eps = static_cast<float>(options.eps);
+  h.bc1 = static_cast<float>(1.0 - std::pow(options.beta1, static_cast<double>(t_)));
+  h.bc2 = static_cast<float>(1.0 - std::pow(options.beta2, static_cast<double>(t_)));
+  h.max_norm = static_cast<float>(options.max_grad_norm);
+  h.sq_norm = static_cast<const double*>(sq_norm_.data());
+  // One multi-tensor update per (parameter dtype, gradient dtype) group, in the parameters' order.
+  std::map<std::pair<DType, DType>, std::vector<AdamWTensor>> groups;
+  for (auto& [s, g] : work) {
+    AdamWTensor t;
+    t.param = s->param.data();
+    t.master = s->master.defined() ? static_cast<float*>(s->master.data()) : nullptr;
+    t.grad = g.data();
+    t.m = static_cast<float*>(s->m.data());
+    t.v = static_cast<float*>(s->v.data());
+    t.n = s->param.numel();
+    t.weight_decay = s->decay ? static_cast<float>(options.weight_decay) : 0.0f;
+    groups[{s->param.dtype(), g.dtype()}].push_back(t);
+  }
+  for (const auto& [dtypes, ts] : groups) adamw_update(ts, dtypes.first, dtypes.second, h, dev);
 }
+
+double AdamW::grad_norm() const { return sq_norm_.defined() ? std::sqrt(sq_norm_.item()) : 0.0; }
 
 }  // namespace kcpp::train

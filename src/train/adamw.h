@@ -5,8 +5,10 @@
 //   p     = p - lr wd p  (decay: not for biases and norm weights, as the Trainer groups them)
 //   p     = p - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 // State (m, v) in f32.  16-bit parameters get an f32 master copy: the update runs on it and the
-// parameter receives it rounded (bf16 weights with f32 master weights).  One fused pass per
-// parameter (adamw_kernels.h), CPU or CUDA; the clipping norm is read back once a step.
+// parameter receives it rounded (bf16 weights with f32 master weights).  A step is two passes over
+// all parameters (adamw_kernels.h: the squared norm, then the fused update), a few multi-tensor
+// launches on CUDA, with no host synchronization: the clipping factor is computed on the device and
+// the norm is read back only when grad_norm() asks for it.
 #pragma once
 
 #include <map>
@@ -29,8 +31,10 @@ class AdamW {
   AdamW(std::vector<std::pair<std::string, Tensor>> params, AdamWOptions options);
 
   // One step with these gradients (by the parameters' names; a parameter without one is skipped).
-  // Returns the gradients' global L2 norm before clipping.
-  double step(const std::map<std::string, Tensor>& grads);
+  // Queued on the parameters' device; returns without waiting for it.
+  void step(const std::map<std::string, Tensor>& grads);
+  // The last step's global L2 norm of the gradients before clipping (waits for that step on CUDA).
+  double grad_norm() const;
 
   AdamWOptions options;
   int64_t steps() const { return t_; }
@@ -43,6 +47,8 @@ class AdamW {
   };
   std::vector<State> state_;
   int64_t t_ = 0;
+  Tensor sq_norm_;  // f64 [1] on the parameters' device: the last step's squared norm
+  Tensor scratch_;  // the squared norm's per-chunk partials (CUDA)
 };
 
 }  // namespace kcpp::train

@@ -8,82 +8,87 @@
 namespace kcpp::train {
 
 #if KCPP_WITH_CUDA
-void adamw_update_cuda(const AdamWUpdate& u);
-void add_squared_norm_cuda(const Tensor& grad, double* acc);
+void adamw_update_cuda(const std::vector<AdamWTensor>& ts, DType param_dtype, DType grad_dtype, const AdamWHyper& h);
+void add_squared_norms_cuda(const std::vector<Tensor>& grads, double* acc, Tensor& scratch);
 #endif
 
 namespace {
 
-template <typename P, typename G> void update_cpu(const AdamWUpdate& u) {
-  P* param = static_cast<P*>(u.param);
-  const G* grad = static_cast<const G*>(u.grad);
-  const float decay = 1.0f - u.lr * u.weight_decay, step = u.lr / u.bc1, inv_bc2 = 1.0f / u.bc2;
+template <typename P, typename G> void update_cpu(const AdamWTensor& t, const AdamWHyper& h, float scale) {
+  P* param = static_cast<P*>(t.param);
+  const G* grad = static_cast<const G*>(t.grad);
+  const float decay = 1.0f - h.lr * t.weight_decay, step = h.lr / h.bc1, inv_bc2 = 1.0f / h.bc2;
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < u.n; ++i) {
-    const float g = kernel::cpu::to_f32(grad[i]) * u.grad_scale;
-    const float m = u.beta1 * u.m[i] + (1.0f - u.beta1) * g;
-    const float v = u.beta2 * u.v[i] + (1.0f - u.beta2) * g * g;
-    u.m[i] = m, u.v[i] = v;
-    const float p = u.master ? u.master[i] : kernel::cpu::to_f32(param[i]);
-    const float next = p * decay - step * m / (std::sqrt(v * inv_bc2) + u.eps);
-    if (u.master) u.master[i] = next;
+  for (int64_t i = 0; i < t.n; ++i) {
+    const float g = kernel::cpu::to_f32(grad[i]) * scale;
+    const float m = h.beta1 * t.m[i] + (1.0f - h.beta1) * g;
+    const float v = h.beta2 * t.v[i] + (1.0f - h.beta2) * g * g;
+    t.m[i] = m, t.v[i] = v;
+    const float p = t.master ? t.master[i] : kernel::cpu::to_f32(param[i]);
+    const float next = p * decay - step * m / (std::sqrt(v * inv_bc2) + h.eps);
+    if (t.master) t.master[i] = next;
     param[i] = kernel::cpu::from_f32<P>(next);
   }
 }
 
-template <typename P> void by_grad(const AdamWUpdate& u) {
-  switch (u.grad_dtype) {
-    case DType::f32: return update_cpu<P, float>(u);
-    case DType::bf16: return update_cpu<P, bf16>(u);
-    case DType::f16: return update_cpu<P, f16>(u);
-    default: KCPP_FAIL("adamw: gradient dtype {} is not f32, bf16 or f16", dtype_name(u.grad_dtype));
+template <typename F> void by_dtype(DType t, const char* what, F&& f) {
+  switch (t) {
+    case DType::f32: return f(static_cast<float*>(nullptr));
+    case DType::bf16: return f(static_cast<bf16*>(nullptr));
+    case DType::f16: return f(static_cast<f16*>(nullptr));
+    default: KCPP_FAIL("adamw: {} dtype {} is not f32, bf16 or f16", what, dtype_name(t));
   }
 }
 
 }  // namespace
 
-void adamw_update(const AdamWUpdate& u, Device device) {
-  if (u.n == 0) return;
+void adamw_update(const std::vector<AdamWTensor>& ts, DType param_dtype, DType grad_dtype, const AdamWHyper& h, Device device) {
+  KCPP_CHECK(h.max_norm <= 0 || h.sq_norm, "adamw: clipping (max_norm {}) needs the squared norm", h.max_norm);
   if (device.is_cuda()) {
 #if KCPP_WITH_CUDA
-    return adamw_update_cuda(u);
+    return adamw_update_cuda(ts, param_dtype, grad_dtype, h);
 #else
     KCPP_FAIL("adamw: CUDA is not compiled in");
 #endif
   }
-  switch (u.param_dtype) {
-    case DType::f32: return by_grad<float>(u);
-    case DType::bf16: return by_grad<bf16>(u);
-    case DType::f16: return by_grad<f16>(u);
-    default: KCPP_FAIL("adamw: parameter dtype {} is not f32, bf16 or f16", dtype_name(u.param_dtype));
+  float scale = 1.0f;
+  if (h.max_norm > 0) {
+    const double norm = std::sqrt(*h.sq_norm);
+    if (norm > h.max_norm) scale = static_cast<float>(h.max_norm / (norm + 1e-6));
   }
+  by_dtype(param_dtype, "parameter", [&]<typename P>(P*) {
+    by_dtype(grad_dtype, "gradient", [&]<typename G>(G*) {
+      for (const AdamWTensor& t : ts) update_cpu<P, G>(t, h, scale);
+    });
+  });
 }
 
-void add_squared_norm(const Tensor& grad, double* acc) {
-  KCPP_CHECK(grad.is_contiguous(), "add_squared_norm: the gradient must be contiguous");
-  if (grad.device().is_cuda()) {
+void add_squared_norms(const std::vector<Tensor>& grads, double* acc, Tensor& scratch) {
+  for (const Tensor& g : grads) {
+    KCPP_CHECK(g.is_contiguous(), "add_squared_norms: the gradients must be contiguous");
+    KCPP_CHECK(g.device() == grads.front().device(), "add_squared_norms: the gradients are on {} and {}; they must share a device",
+               grads.front().device().str(), g.device().str());
+  }
+  if (!grads.empty() && grads.front().device().is_cuda()) {
 #if KCPP_WITH_CUDA
-    return add_squared_norm_cuda(grad, acc);
+    return add_squared_norms_cuda(grads, acc, scratch);
 #else
-    KCPP_FAIL("add_squared_norm: CUDA is not compiled in");
+    KCPP_FAIL("add_squared_norms: CUDA is not compiled in");
 #endif
   }
-  const int64_t n = grad.numel();
-  double s = 0.0;
-  auto go = [&]<typename T>(const T* g) {
+  for (const Tensor& grad : grads) {
+    const int64_t n = grad.numel();
+    double s = 0.0;
+    by_dtype(grad.dtype(), "gradient", [&]<typename T>(T*) {
+      const T* g = static_cast<const T*>(grad.data());
 #pragma omp parallel for reduction(+ : s) schedule(static)
-    for (int64_t i = 0; i < n; ++i) {
-      const double x = kernel::cpu::to_f32(g[i]);
-      s += x * x;
-    }
-  };
-  switch (grad.dtype()) {
-    case DType::f32: go(static_cast<const float*>(grad.data())); break;
-    case DType::bf16: go(static_cast<const bf16*>(grad.data())); break;
-    case DType::f16: go(static_cast<const f16*>(grad.data())); break;
-    default: KCPP_FAIL("add_squared_norm: dtype {} is not f32, bf16 or f16", dtype_name(grad.dtype()));
+      for (int64_t i = 0; i < n; ++i) {
+        const double x = kernel::cpu::to_f32(g[i]);
+        s += x * x;
+      }
+    });
+    *acc += s;
   }
-  *acc += s;
 }
 
 }  // namespace kcpp::train

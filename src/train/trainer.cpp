@@ -28,7 +28,8 @@ StepResult train_step(models::CausalLM& model, AdamW& opt, const std::vector<Mic
   StepResult r;
   r.loss = acc.loss;
   r.tokens = acc.tokens;
-  r.grad_norm = opt.step(acc.grads);
+  opt.step(acc.grads);
+  r.grad_norm = opt.grad_norm();
   return r;
 }
 

@@ -7,6 +7,9 @@
 //   kcpp bench --layers --kernels MAPPING.json   any packages (hub references or, with
 //                                                --use-local-kernel, folders)
 //   kcpp bench --layers --mode inference         the forwards alone, kernelized for inference
+//   kcpp bench --step [--decoder-layers 4]       a whole training step of a random Llama model at
+//                                                these shapes (forward, backward, AdamW), its time
+//                                                by slot and by GEMM shape against each one's floor
 //
 // Defaults: on a GPU the Llama-3-8B shapes of the anchors (bench/RESULTS.md; 8192 tokens of 2048,
 // hidden 4096, intermediate 14336, vocabulary 128256, 32 / 8 heads of 128; the cross-entropy on 4096
@@ -17,6 +20,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -27,10 +31,14 @@
 #include "core/allocator.h"
 #include "core/cuda_runtime.h"
 #include "core/error.h"
+#include "core/profile.h"
 #include "core/random.h"
 #include "core/tensor.h"
 #include "core/timing.h"
 #include "hub/hub.h"
+#include "models/causal_lm.h"
+#include "ceilings.h"
+#include "train/adamw.h"
 #include "nn/layers.h"
 #include "nn/module.h"
 #include "ops/nn/rope.h"
@@ -43,6 +51,7 @@ struct LayersArgs {
   bool use_local_kernel = false, allow_all = false, quick = false;
   int64_t tokens = 0, seq = 0, hidden = 0, intermediate = 0, vocab = 0, heads = 0, kv_heads = 0, head_dim = 0, loss_rows = 0;
   int reps = 0;
+  int64_t decoder_layers = 4;
 };
 
 // The slots of one decoder layer and the head, at the benchmark's shapes.
@@ -295,12 +304,115 @@ int run_layers(LayersArgs a) {
   return 0;
 }
 
+// `kcpp bench --step`: training steps of a random Llama model (the --layers shapes; --decoder-layers
+// layers), kernelized as --layers kernelizes, with every slot call and GEMM profiled
+// (core/profile.h).  Each row's floor is its GEMM flops at this run's measured GEMM rate, or its
+// bytes at this run's copy bandwidth; "other" is the step's wall time outside every region
+// (elementwise ops, copies, the embedding, host gaps).
+int run_step(LayersArgs a) {
+  const Device dev = a.device == "auto" ? (cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu()) : parse_device(a.device);
+  const bool gpu = dev.is_cuda();
+  auto pick = [&](int64_t& v, const char* flag, int64_t quick, int64_t cpu, int64_t cuda) {
+    KCPP_CHECK(v >= 0, "kcpp bench --step: {} {} is negative", flag, v);
+    if (v == 0) v = a.quick ? quick : gpu ? cuda : cpu;
+  };
+  pick(a.tokens, "--tokens", 128, 1024, 8192);
+  pick(a.seq, "--seq", 64, 256, 2048);
+  pick(a.hidden, "--hidden", 256, 1024, 4096);
+  pick(a.intermediate, "--intermediate", 512, 2816, 14336);
+  pick(a.vocab, "--vocab", 1000, 32000, 128256);
+  pick(a.heads, "--heads", 4, 16, 32);
+  pick(a.kv_heads, "--kv-heads", 2, 4, 8);
+  pick(a.head_dim, "--head-dim", 64, 64, 128);
+  KCPP_CHECK(a.decoder_layers > 0, "kcpp bench --step: --decoder-layers {} must be 1 or more", a.decoder_layers);
+  KCPP_CHECK(a.tokens % a.seq == 0, "kcpp bench --step: --tokens {} is not a multiple of --seq {}", a.tokens, a.seq);
+  KCPP_CHECK(a.heads % a.kv_heads == 0, "kcpp bench --step: --heads {} is not a multiple of --kv-heads {}", a.heads, a.kv_heads);
+  if (a.reps == 0) a.reps = a.quick ? 1 : 3;
+  const DType dt = parse_dtype(a.dtype.empty() ? (gpu ? "bf16" : "f32") : a.dtype);
+
+  models::ModelConfig c;
+  c.model_type = "llama";
+  c.vocab_size = a.vocab, c.hidden_size = a.hidden, c.intermediate_size = a.intermediate, c.num_hidden_layers = a.decoder_layers;
+  c.num_attention_heads = a.heads, c.num_key_value_heads = a.kv_heads, c.head_dim = a.head_dim;
+  c.rms_norm_eps = 1e-5, c.rope_theta = 500000.0, c.max_position_embeddings = std::max<int64_t>(a.seq, 8192);
+  fmt::print("kcpp bench --step on {}, {}: {} decoder layers, {} tokens ({} x {}), hidden {}, intermediate {}, vocabulary {}, "
+             "heads {} / {} of {}\n",
+             dev.str(), dtype_name(dt), a.decoder_layers, a.tokens, a.tokens / a.seq, a.seq, a.hidden, a.intermediate, a.vocab,
+             a.heads, a.kv_heads, a.head_dim);
+
+  // This run's ceilings: the copy, and the GEMM rate in the model's dtype.
+  const auto ceilings = measure_ceilings(dev, a.quick || !gpu);
+  double copy_gbps = 0, gemm_tflops = 0;
+  for (const Ceiling& ce : ceilings) {
+    if (ce.gbps > 0 && copy_gbps == 0) copy_gbps = ce.gbps;
+    const bool same_dtype = ce.name.find(dt == DType::f32 ? "f32" : "bf16") != std::string::npos;
+    if (ce.tflops > 0 && same_dtype && gemm_tflops == 0) gemm_tflops = ce.tflops;
+  }
+  fmt::print("ceilings of this run: copy {:.0f} GB/s, GEMM {:.1f} TFLOP/s\n", copy_gbps, gemm_tflops);
+
+  auto model = models::CausalLM::random(c, dt, dev, 42);
+  hub::HubConfig hc = hub::HubConfig::from_env();
+  nn::KernelConfig config;
+  if (a.kernels.empty()) {
+    config = default_mapping(a, gpu);
+    hc.allow_all_kernels = true;  // this build's own packages, unsigned
+    hc.lock_file.reset();
+  } else {
+    config = nn::KernelConfig::parse_text(kernel_mapping_text(a.kernels), a.use_local_kernel);
+    hc.allow_all_kernels = hc.allow_all_kernels || a.allow_all;
+  }
+  fmt::print("{}", model->kernelize(config, nn::kTraining, dev, nn::hub_loader(std::make_shared<hub::Hub>(std::move(hc)))).str());
+  train::AdamWOptions o;
+  o.lr = 1e-4, o.weight_decay = 0.01, o.max_grad_norm = 1.0;
+  train::AdamW opt(model->parameters(), o);
+  Generator gen(7);
+  const Tensor ids = Tensor::randint({a.tokens / a.seq, a.seq}, 0, a.vocab, DType::i64, dev, gen);
+  auto step = [&] {
+    const auto r = model->loss_and_gradients(ids, ids);
+    opt.step(r.grads);
+  };
+  step();  // warm-up: the allocator's blocks, cuBLAS's handles, the packages' first calls
+  synchronize(dev);
+  profile::enable(true);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < a.reps; ++i) step();
+  synchronize(dev);
+  const double step_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / a.reps;
+  profile::enable(false);
+  std::vector<profile::Row> rows = profile::collect();
+  std::sort(rows.begin(), rows.end(), [](const profile::Row& x, const profile::Row& y) { return x.ms > y.ms; });
+
+  const double n = a.reps;
+  fmt::print("\nstep {:.2f} ms = {:.0f} tokens/s (mean of {}; forward, backward and AdamW)\n", step_ms, a.tokens / (step_ms * 1e-3),
+             a.reps);
+  fmt::print("{:<44} {:>6} {:>10} {:>7} {:>10} {:>9}\n", "region", "calls", "ms", "% step", "floor ms", "of floor");
+  double covered = 0, floor_total = 0;
+  nlohmann::json out = {{"step_ms", step_ms}, {"copy_GBps", copy_gbps}, {"gemm_TFLOPs", gemm_tflops}, {"rows", nlohmann::json::array()}};
+  for (const profile::Row& r : rows) {
+    const double ms = r.ms / n;
+    const double floor = std::max(gemm_tflops > 0 ? r.flops / n / (gemm_tflops * 1e12) * 1e3 : 0.0,
+                                  copy_gbps > 0 ? r.bytes / n / (copy_gbps * 1e9) * 1e3 : 0.0);
+    covered += ms, floor_total += floor;
+    fmt::print("{:<44} {:>6} {:>10.3f} {:>6.1f}% {:>10.3f} {:>8.1f}%\n", r.name, static_cast<int64_t>(r.calls / n), ms,
+               100 * ms / step_ms, floor, floor > 0 ? 100 * floor / ms : 0.0);
+    out["rows"].push_back({{"name", r.name}, {"calls", r.calls / n}, {"ms", ms}, {"floor_ms", floor}});
+  }
+  fmt::print("{:<44} {:>6} {:>10.3f} {:>6.1f}%\n", "other (outside every region)", "", step_ms - covered,
+             100 * (step_ms - covered) / step_ms);
+  fmt::print("the regions' floors add up to {:.2f} ms: the step runs at {:.1f}% of them\n", floor_total, 100 * floor_total / step_ms);
+  fmt::print("\n{}\n", model->kernel_report());
+  if (!a.json_path.empty()) std::ofstream(a.json_path) << out.dump(1) << "\n";
+  return 0;
+}
+
 }  // namespace
 
 void add_bench_layers_options(CLI::App& bench, Action& action, const std::string& device, const bool& quick,
                               const std::string& json_path) {
   auto args = std::make_shared<LayersArgs>();
-  auto layers = std::make_shared<bool>(false);
+  auto layers = std::make_shared<bool>(false), step = std::make_shared<bool>(false);
+  bench.add_flag("--step", *step, "Profile whole training steps of a random Llama model: time by slot and GEMM against each one's floor");
+  bench.add_option("--decoder-layers", args->decoder_layers, "--step: decoder layers of the model")->capture_default_str();
   bench.add_flag("--layers", *layers,
                  "Time every layer slot (RMSNorm, MLP, rotary_pos_emb, Attention, CrossEntropyLoss, ForCausalLMLoss) "
                  "with the reference and kernelized");
@@ -323,10 +435,11 @@ void add_bench_layers_options(CLI::App& bench, Action& action, const std::string
   bench.add_option("--reps", args->reps, "--layers: timed runs a row (median)");
   bench.add_option("--mode", args->mode, "--layers: training (forward saving for backward, and forward + backward) or "
                                          "inference (the forward alone)")->capture_default_str();
-  bench.final_callback([&action, &device, &quick, &json_path, args, layers] {
-    if (!*layers) return;
+  bench.final_callback([&action, &device, &quick, &json_path, args, layers, step] {
+    if (!*layers && !*step) return;
     args->device = device, args->quick = quick, args->json_path = json_path;
-    action = [args] { return run_layers(*args); };
+    if (*step) action = [args] { return run_step(*args); };
+    else action = [args] { return run_layers(*args); };
   });
 }
 

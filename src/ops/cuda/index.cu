@@ -1,5 +1,7 @@
 // Reference gathers and scatters.  Indices are checked on the device; a bad one is reported
 // through DataCheck (which synchronizes) and the op throws instead of reading out of bounds.
+#include <cub/device/device_radix_sort.cuh>
+
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/launch.h"
 
@@ -9,6 +11,8 @@ namespace {
 using kcpp::cuda::load_as_f64;
 using kcpp::cuda::load_as_i64;
 using kcpp::cuda::store_f64;
+using kcpp::kernel::cuda::from_f32;
+using kcpp::kernel::cuda::to_f32;
 
 // One block per id: copies row ids[i] of w [V, H] (elements of `es` bytes, as 16-bit words or bytes).
 __global__ void embedding_kernel(char* out, const char* w, const void* ids, DType id_t, int64_t n, int64_t v,
@@ -30,15 +34,32 @@ __global__ void embedding_kernel(char* out, const char* w, const void* ids, DTyp
   }
 }
 
-__global__ void embedding_backward_kernel(float* acc, const float* g, const void* ids, DType id_t, int64_t n,
-                                          int64_t v, int64_t h, unsigned long long* flag) {
+// The embedding's backward without atomics: the token positions sorted by id (CUB's stable radix
+// sort), then one block per run of equal ids sums that run's gradient rows in position order (f32)
+// and writes the id's row once.  Deterministic; rows of ids no token has are left to the caller's
+// zero fill.
+__global__ void embedding_keys_kernel(const void* ids, DType id_t, int64_t n, int64_t* keys, int32_t* pos) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    keys[i] = load_as_i64(ids, id_t, i), pos[i] = static_cast<int32_t>(i);
+}
+
+template <typename T>
+__global__ void embedding_runs_kernel(T* out, const T* g, const int64_t* keys, const int32_t* pos, int64_t n, int64_t v,
+                                      int64_t h, unsigned long long* flag) {
   for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
-    const int64_t id = load_as_i64(ids, id_t, i);
+    const int64_t id = keys[i];
+    if (i > 0 && keys[i - 1] == id) continue;  // not the first of its run
     if (id < 0 || id >= v) {
-      if (threadIdx.x == 0) report_bad(flag, i, id);
+      if (threadIdx.x == 0) report_bad(flag, pos[i], id);
       continue;
     }
-    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) atomicAdd(acc + id * h + j, g[i * h + j]);
+    int64_t end = i + 1;
+    while (end < n && keys[end] == id) ++end;
+    for (int64_t c = threadIdx.x; c < h; c += blockDim.x) {
+      float s = 0.0f;
+      for (int64_t j = i; j < end; ++j) s += to_f32(g[static_cast<int64_t>(pos[j]) * h + c]);
+      out[id * h + c] = from_f32<T>(s);
+    }
   }
 }
 
@@ -85,17 +106,35 @@ void embedding(const Tensor& out, const Tensor& weight, const Tensor& ids) {
   check.check("embedding", "ids", weight.size(0));
 }
 
-void embedding_backward(const Tensor& acc, const Tensor& grad, const Tensor& ids) {
+void embedding_backward(const Tensor& out, const Tensor& grad, const Tensor& ids) {
   const int64_t n = ids.numel();
   if (n == 0) return;
-  kcpp::cuda::DeviceGuard g(acc.device().index);
-  KCPP_CHECK(acc.dtype() == DType::f32, "op embedding_backward: f32 accumulator expected on CUDA");
-  DataCheck check(acc.device());
-  embedding_backward_kernel<<<kcpp::cuda::grid_for(n, 1, 65535 * 16), 128, 0, kcpp::cuda::current_stream()>>>(
-      static_cast<float*>(acc.data()), static_cast<const float*>(grad.data()), ids.data(), ids.dtype(), n,
-      acc.size(0), acc.size(1), check.ptr());
+  KCPP_CHECK(n <= INT32_MAX, "op embedding_backward: {} ids; at most 2^31 - 1 are supported on CUDA", n);
+  kcpp::cuda::DeviceGuard g(out.device().index);
+  const Device dev = out.device();
+  const cudaStream_t stream = kcpp::cuda::current_stream();
+  Tensor keys = Tensor::empty({n}, DType::i64, dev), keys_sorted = Tensor::empty({n}, DType::i64, dev);
+  Tensor pos = Tensor::empty({n}, DType::i32, dev), pos_sorted = Tensor::empty({n}, DType::i32, dev);
+  embedding_keys_kernel<<<kcpp::cuda::grid_for(n, 256, 4096), 256, 0, stream>>>(ids.data(), ids.dtype(), n,
+                                                                                 static_cast<int64_t*>(keys.data()),
+                                                                                 static_cast<int32_t*>(pos.data()));
+  KCPP_CUDA_CHECK_LAUNCH("embedding_backward keys");
+  size_t temp_bytes = 0;
+  KCPP_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, static_cast<const int64_t*>(keys.data()),
+                                                  static_cast<int64_t*>(keys_sorted.data()), static_cast<const int32_t*>(pos.data()),
+                                                  static_cast<int32_t*>(pos_sorted.data()), static_cast<int>(n), 0, 64, stream));
+  const Tensor temp = Tensor::empty({static_cast<int64_t>(std::max<size_t>(temp_bytes, 1))}, DType::u8, dev);
+  KCPP_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data(), temp_bytes, static_cast<const int64_t*>(keys.data()),
+                                                  static_cast<int64_t*>(keys_sorted.data()), static_cast<const int32_t*>(pos.data()),
+                                                  static_cast<int32_t*>(pos_sorted.data()), static_cast<int>(n), 0, 64, stream));
+  DataCheck check(dev);
+  visit_cuda_float(out.dtype(), "embedding_backward", [&]<typename T>(std::type_identity<T>) {
+    embedding_runs_kernel<T><<<kcpp::cuda::grid_for(n, 1, 65535 * 16), 128, 0, stream>>>(
+        static_cast<T*>(out.data()), static_cast<const T*>(grad.data()), static_cast<const int64_t*>(keys_sorted.data()),
+        static_cast<const int32_t*>(pos_sorted.data()), n, out.size(0), out.size(1), check.ptr());
+  });
   KCPP_CUDA_CHECK_LAUNCH("embedding_backward");
-  check.check("embedding_backward", "ids", acc.size(0));
+  check.check("embedding_backward", "ids", out.size(0));
 }
 
 void gather_last(const Tensor& out, const Tensor& x, const Tensor& idx, int64_t ignore_index) {

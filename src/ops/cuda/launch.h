@@ -15,7 +15,8 @@ void softmax_backward(Softmax kind, const Tensor& dx, const Tensor& dy, const Te
 void matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, int64_t batch,
             int64_t m, int64_t n, int64_t k, bool broadcast_b);
 void embedding(const Tensor& out, const Tensor& weight, const Tensor& ids);
-void embedding_backward(const Tensor& acc_f32, const Tensor& grad, const Tensor& ids);
+// out [V, H] zero-filled, in grad's dtype (f32 / bf16 / f16), grad [n, H] contiguous: deterministic (sorted ids).
+void embedding_backward(const Tensor& out, const Tensor& grad, const Tensor& ids);
 void gather_last(const Tensor& out, const Tensor& x, const Tensor& idx, int64_t ignore_index);
 void scatter_last(const Tensor& out, const Tensor& values, const Tensor& idx, int64_t ignore_index);
 void valid_mask(const Tensor& out, const Tensor& idx, int64_t ignore_index);
