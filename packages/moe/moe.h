@@ -5,8 +5,8 @@
 //
 // Router (routing Softmax / Sigmoid):
 //   z_t = round(x_t Wr^T)                       Wr = router [E, H]; round = to the dtype (F.linear's output)
-//   Softmax: p = softmax(z_t); the k largest p, descending (ties: lower expert); w_j = p_{e_j},
-//            or p_{e_j} / sum_i p_{e_i} when normalize
+//   Softmax: p = softmax(z_t); the k largest p (= the k largest z), descending (ties: lower expert);
+//            w_j = p_{e_j}, or p_{e_j} / sum_i p_{e_i} when normalize
 //   Sigmoid: the k largest z, descending (ties: lower expert); w_j = sigmoid(z_{e_j})
 //   Given:   topk_ids / topk_weights come from the host; an id outside [0, E) marks a slot no expert takes
 // Experts, per valid slot s (token t, expert e, weight w; c = w for WeightOn::Output, 1 for Input):
@@ -38,6 +38,9 @@
 //   sorted[p] = the slot at position p (expert e's at [offsets[e], offsets[e+1]), invalid ones last).
 // gate_up (optional, saved) holds [g, u] of sorted[p] in row p, [S, 2I]; without it backward
 // recomputes the projections.  No result depends on thread timing; nothing synchronizes with the host.
+//
+// CUDA (moe_cuda.cu, moe_gemm.cuh): bf16 / f16 only (tensor-core GEMMs); it also rounds each slot's
+// dx_s to the dtype before the per-token sum (the CPU keeps it in f32).
 //
 // Layout.  x, out, dout, dx: rows of H elements x_stride (...) apart, H contiguous.  Weights: a Matrix
 // (below) whose row or column stride is 1, so that both Transformers layouts ([E, 2I, H] and Llama 4's
@@ -128,9 +131,14 @@ size_t moe_workspace(const MoeParams& p, bool backward, bool cuda);
 
 const char* moe_forward_cpu(const MoeParams& p);
 const char* moe_backward_cpu(const MoeParams& p);
+// Why the CUDA path cannot take this (valid) call, or nullptr: f32 (the GEMMs are bf16 / f16 tensor-core
+// ones), more than 1024 experts, gate and up (or their gradients) given with different strides, more
+// than ~8M slots.  The host runs its reference then.
+const char* moe_cuda_unsupported(const MoeParams& p, bool backward);
 #if KCPP_WITH_CUDA
 const char* moe_forward_cuda(const MoeParams& p, cudaStream_t stream);
 const char* moe_backward_cuda(const MoeParams& p, cudaStream_t stream);
+size_t moe_workspace_cuda(const MoeParams& p, bool backward);
 #endif
 
 // ---- the auxiliary loss --------------------------------------------------------------------------
@@ -155,8 +163,10 @@ struct LoadBalancingParams {
 const char* load_balancing_check(const LoadBalancingParams& p);
 size_t load_balancing_workspace(const LoadBalancingParams& p, bool cuda);
 const char* load_balancing_cpu(const LoadBalancingParams& p);
+const char* load_balancing_cuda_unsupported(const LoadBalancingParams& p);  // more than 1024 experts
 #if KCPP_WITH_CUDA
 const char* load_balancing_cuda(const LoadBalancingParams& p, cudaStream_t stream);
+size_t load_balancing_workspace_cuda(const LoadBalancingParams& p);
 #endif
 
 }  // namespace kcpp::moe

@@ -160,7 +160,7 @@ template <typename T> void gated_backward(Activation a, const float* gu, const f
 }
 
 // The routing of one token from its (rounded) logits z [E]: ids and weights [k]; scratch: E floats
-// and E bytes.  Softmax also leaves p in `prob` (E floats) when it is not null.
+// and E bytes (Softmax leaves p in `score`).
 void route(const float* z, int64_t e_count, int64_t k, Routing r, bool normalize, float* score, unsigned char* taken,
            int32_t* ids, float* w) {
   if (r == Routing::Softmax) {
@@ -169,14 +169,12 @@ void route(const float* z, int64_t e_count, int64_t k, Routing r, bool normalize
     float sum = 0.0f;
     for (int64_t e = 0; e < e_count; ++e) sum += score[e] = std::exp(z[e] - m);
     for (int64_t e = 0; e < e_count; ++e) score[e] /= sum;
-  } else {
-    for (int64_t e = 0; e < e_count; ++e) score[e] = z[e];
   }
   std::fill(taken, taken + e_count, static_cast<unsigned char>(0));
-  for (int64_t j = 0; j < k; ++j) {
+  for (int64_t j = 0; j < k; ++j) {  // by z: the order of p, without p's ties between distinct z
     int64_t best = -1;
     for (int64_t e = 0; e < e_count; ++e)
-      if (!taken[e] && (best < 0 || score[e] > score[best])) best = e;
+      if (!taken[e] && (best < 0 || z[e] > z[best])) best = e;
     taken[best] = 1;
     ids[j] = static_cast<int32_t>(best);
   }
@@ -758,7 +756,11 @@ const char* moe_check(const MoeParams& p, bool bwd) {
 }
 
 size_t moe_workspace(const MoeParams& p, bool backward, bool cuda) {
-  (void)cuda;  // the CUDA layout is moe_cuda.cu's
+#if KCPP_WITH_CUDA
+  if (cuda) return moe_workspace_cuda(p, backward);
+#else
+  (void)cuda;
+#endif
   Carve cv;
   layout(p, backward, cv);
   return cv.used;
@@ -787,13 +789,37 @@ const char* load_balancing_check(const LoadBalancingParams& p) {
 }
 
 size_t load_balancing_workspace(const LoadBalancingParams& p, bool cuda) {
+#if KCPP_WITH_CUDA
+  if (cuda) return load_balancing_workspace_cuda(p);
+#else
+  (void)cuda;
+#endif
   Carve cv;
-  if (cuda) return 0;
   cv.take<double>(p.experts);
   cv.take<double>(p.experts);
   cv.take<float>(p.experts);
   cv.take<unsigned char>(p.experts);
   return cv.used;
+}
+
+const char* moe_cuda_unsupported(const MoeParams& p, bool bwd) {
+  if (p.dtype == DType::f32) return "f32 on CUDA: the expert GEMMs are bf16 / f16 tensor-core ones";
+  if (p.experts > 1024) return errorf("%lld experts on CUDA (at most 1024)", static_cast<long long>(p.experts));
+  auto same = [](const Matrix& a, const Matrix& b) {
+    return !a.data || !b.data || (a.expert_stride == b.expert_stride && a.row_stride == b.row_stride && a.col_stride == b.col_stride);
+  };
+  if (!same(p.gate, p.up) || !same(p.shared_gate, p.shared_up))
+    return "gate and up projections with different strides on CUDA (give them fused, or with one layout)";
+  if (bwd && (!same(p.dgate, p.dup) || !same(p.dshared_gate, p.dshared_up)))
+    return "gate and up gradients with different strides on CUDA (give them fused, or with one layout)";
+  if (moe_slots(p) / 128 + p.experts > 65535)
+    return errorf("%lld slots on CUDA (the grouped GEMM's grid holds about 8M)", static_cast<long long>(moe_slots(p)));
+  return nullptr;
+}
+
+const char* load_balancing_cuda_unsupported(const LoadBalancingParams& p) {
+  if (p.experts > 1024) return errorf("%lld experts on CUDA (at most 1024)", static_cast<long long>(p.experts));
+  return nullptr;
 }
 
 const char* load_balancing_cpu(const LoadBalancingParams& p) {

@@ -357,6 +357,8 @@ bool moe_args(kk::Call& c, bool bwd, km::MoeParams& p) {
   }
   if (c.ok())
     if (const char* e = km::moe_check(p, bwd)) c.require(false, "%s", e);
+  if (c.ok() && c.on_cuda())
+    if (const char* e = km::moe_cuda_unsupported(p, bwd)) c.fail(KCPP_ERROR_UNSUPPORTED, "%s", e);
   return c.ok();
 }
 
@@ -436,6 +438,8 @@ kcpp_status load_balancing_loss(kcpp_context* ctx, const kcpp_arg* args, int32_t
   }
   if (!c.ok()) return c.status();
   if (const char* e = km::load_balancing_check(p)) return c.fail(KCPP_ERROR_INVALID_ARGUMENT, "%s", e), c.status();
+  if (c.on_cuda())
+    if (const char* e = km::load_balancing_cuda_unsupported(p)) return c.fail(KCPP_ERROR_UNSUPPORTED, "%s", e), c.status();
   if (const size_t bytes = km::load_balancing_workspace(p, c.on_cuda())) p.workspace = c.workspace(bytes);
   if (!c.ok()) return c.status();
   return MOE_RUN(c, km::load_balancing, p);

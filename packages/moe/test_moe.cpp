@@ -345,6 +345,7 @@ TEST_P(MoeKernels, MatchesTheOracle) {
   Generator gen = test::test_generator();
   for (DType dt : {DType::f32, DType::bf16, DType::f16})
     for (const Case& c : kCases) {
+      if (dev.is_cuda() && dt == DType::f32) continue;  // CUDA: bf16 / f16 (moe_cuda_unsupported)
       const std::string cfg = test::config_name(dev, dt) + " " + describe(c);
       Block m{c, dt, dev};
       m.build(gen);
@@ -426,6 +427,7 @@ TEST_P(MoeKernels, GivenRouting) {
   for (DType dt : {DType::f32, DType::bf16})
     for (bool input : {false, true})
       for (bool weights_f32 : {true, false}) {
+        if (dev.is_cuda() && dt == DType::f32) continue;
         const Case c{6, 11, 4, 3, 7, 0, moe::Routing::Given, false, input, kernel::Activation::Silu, Layout::Rows,
                      false, !input, false, false};
         const std::string cfg = test::config_name(dev, dt) + " " + describe(c) + fmt::format(" weights_f32={}", weights_f32);
@@ -474,7 +476,7 @@ TEST_P(MoeKernels, TiesEmptyAndDeterminism) {
   for (moe::Routing r : {moe::Routing::Softmax, moe::Routing::Sigmoid}) {
     Case e = c;
     e.routing = r, e.t = 0;
-    Block z{e, DType::f32, dev};
+    Block z{e, dev.is_cuda() ? DType::bf16 : DType::f32, dev};
     z.build(gen);
     ASSERT_EQ(z.forward(), nullptr);
     EXPECT_EQ(z.offsets.to_i64_vector(), std::vector<int64_t>(static_cast<size_t>(c.e + 2), 0));
