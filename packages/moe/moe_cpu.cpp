@@ -812,6 +812,16 @@ const char* moe_cuda_unsupported(const MoeParams& p, bool bwd) {
     return "gate and up projections with different strides on CUDA (give them fused, or with one layout)";
   if (bwd && (!same(p.dgate, p.dup) || !same(p.dshared_gate, p.dshared_up)))
     return "gate and up gradients with different strides on CUDA (give them fused, or with one layout)";
+  // A matrix's unit stride must be its own (the CPU also takes a dim of extent 1 with any stride).
+  auto strict = [](const Matrix& m, int64_t rows, int64_t cols) {
+    if (!m.data) return true;
+    if (m.col_stride == 1) return rows <= 1 || m.row_stride >= cols;
+    return m.row_stride == 1 && (cols <= 1 || m.col_stride >= rows);
+  };
+  const int64_t h = p.hidden, i = p.inter, si = p.shared_inter;
+  const bool layouts = strict(p.gate, i, h) && strict(p.up, i, h) && strict(p.down, h, i) &&
+                       (si == 0 || (strict(p.shared_gate, si, h) && strict(p.shared_up, si, h) && strict(p.shared_down, h, si)));
+  if (!layouts) return "a weight whose unit stride is on a dim of extent 1 on CUDA (give it contiguous)";
   if (moe_slots(p) / 128 + p.experts > 65535)
     return errorf("%lld slots on CUDA (the grouped GEMM's grid holds about 8M)", static_cast<long long>(moe_slots(p)));
   return nullptr;
