@@ -1,5 +1,6 @@
 #include "oracle.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -370,6 +371,253 @@ Attn attention(const V& q, const V& k, const V& v, const V* dout, int64_t b, int
       }
     }
   return r;
+}
+
+// ---- mixture of experts ------------------------------------------------------------------------
+
+namespace {
+// Routing weights of the chosen ids from the logits z (softmax, optionally renormalized, or sigmoid).
+V route_weights(const MoeSpec& s, const V& z, const std::vector<int64_t>& ids) {
+  V w(static_cast<size_t>(s.t * s.k), 0.0);
+  for (int64_t t = 0; t < s.t; ++t) {
+    const double* zt = z.data() + t * s.e;
+    double m = zt[0], sum = 0, chosen = 0;
+    for (int64_t e = 0; e < s.e; ++e) m = std::max(m, zt[e]);
+    for (int64_t e = 0; e < s.e; ++e) sum += std::exp(zt[e] - m);
+    for (int64_t j = 0; j < s.k; ++j) {
+      const double zj = zt[ids[t * s.k + j]];
+      w[t * s.k + j] = s.routing == 1 ? 1 / (1 + std::exp(-zj)) : std::exp(zj - m) / sum;
+      chosen += w[t * s.k + j];
+    }
+    if (s.routing == 0 && s.normalize)
+      for (int64_t j = 0; j < s.k; ++j) w[t * s.k + j] /= chosen;
+  }
+  return w;
+}
+}  // namespace
+
+void moe_route(const MoeSpec& s, const V& z, std::vector<int64_t>& ids, V& w) {
+  ids.assign(static_cast<size_t>(s.t * s.k), 0);
+  w.assign(static_cast<size_t>(s.t * s.k), 0.0);
+  std::vector<char> taken(static_cast<size_t>(s.e));
+  for (int64_t t = 0; t < s.t; ++t) {
+    const double* zt = z.data() + t * s.e;
+    std::fill(taken.begin(), taken.end(), 0);
+    for (int64_t j = 0; j < s.k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < s.e; ++e)
+        if (!taken[e] && (best < 0 || zt[e] > zt[best])) best = e;
+      taken[best] = 1;
+      ids[t * s.k + j] = best;
+    }
+  }
+  w = route_weights(s, z, ids);
+}
+
+namespace {
+// One evaluation of the block.  With `mag`, every gradient is instead the magnitude of the terms that
+// form it: each factor taken by its absolute value and each difference as a sum (the nonlinear
+// functions evaluated at the real values, then made absolute).  See NormGrad for why.
+MoeResult moe_pass(const MoeSpec& s, const MoeWeights& wt, const V& z, const std::vector<int64_t>& ids, const V& w_given,
+                   const V* dout, const V* dz_extra, bool mag) {
+  const int64_t T = s.t, H = s.h, E = s.e, K = s.k, I = s.i, SI = s.si;
+  const V w = s.routing == 2 ? w_given : route_weights(s, z, ids);
+  auto A = [mag](double v) { return mag ? std::fabs(v) : v; };
+  MoeResult r;
+  r.out.assign(static_cast<size_t>(T * H), 0.0);
+  const bool grads = dout != nullptr;
+  if (grads) {
+    r.dx.assign(static_cast<size_t>(T * H), 0.0);
+    r.dgate.assign(static_cast<size_t>(E * I * H), 0.0);
+    r.dup.assign(r.dgate.size(), 0.0);
+    r.ddown.assign(static_cast<size_t>(E * H * I), 0.0);
+    r.dw.assign(static_cast<size_t>(T * K), 0.0);
+  }
+  // One gated MLP on input xs, weights gate / up [I', H], down [H, I']; adds coef * y to out_t.  With
+  // grads, back-propagates the upstream gradient coef * dout_t into dxs and the weight gradients and
+  // returns the gradient of coef, dout_t . y, written as (dout_t Wd) . h.
+  auto mlp = [&](const double* xs, const double* g_w, const double* u_w, const double* d_w, int64_t inter, double coef,
+                 double* out_t, const double* dout_t, double* dxs, double* dg_w, double* du_w, double* dd_w) {
+    V g(static_cast<size_t>(inter)), u(g.size()), hh(g.size());
+    for (int64_t a = 0; a < inter; ++a) {
+      double gs = 0, us = 0;
+      for (int64_t c = 0; c < H; ++c) gs += xs[c] * g_w[a * H + c], us += xs[c] * u_w[a * H + c];
+      g[a] = gs, u[a] = us, hh[a] = act_f(s.act, gs) * us;
+    }
+    for (int64_t c = 0; c < H; ++c) {
+      double acc = 0;
+      for (int64_t a = 0; a < inter; ++a) acc += hh[a] * d_w[c * inter + a];
+      out_t[c] += coef * acc;
+    }
+    if (!dout_t) return 0.0;
+    double dcoef = 0;
+    for (int64_t a = 0; a < inter; ++a) {
+      double q = 0;
+      for (int64_t c = 0; c < H; ++c) q += A(dout_t[c]) * A(d_w[c * inter + a]);
+      dcoef += q * A(hh[a]);
+      const double dh = A(coef) * q;
+      const double dg = dh * A(u[a]) * A(act_d(s.act, g[a])), du = dh * A(act_f(s.act, g[a]));
+      for (int64_t c = 0; c < H; ++c) {
+        dd_w[c * inter + a] += A(coef) * A(dout_t[c]) * A(hh[a]);
+        dg_w[a * H + c] += dg * A(xs[c]);
+        du_w[a * H + c] += du * A(xs[c]);
+        dxs[c] += dg * A(g_w[a * H + c]) + du * A(u_w[a * H + c]);
+      }
+    }
+    return dcoef;
+  };
+  V xs(static_cast<size_t>(H)), dxs(static_cast<size_t>(H));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t e = ids[t * K + j];
+      if (e < 0 || e >= E) continue;
+      const double wj = w[t * K + j];
+      const double* xt = wt.x.data() + t * H;
+      for (int64_t c = 0; c < H; ++c) xs[c] = s.weight_on_input ? wj * xt[c] : xt[c];
+      std::fill(dxs.begin(), dxs.end(), 0.0);
+      const double coef = s.weight_on_input ? 1.0 : wj;
+      const double dcoef = mlp(xs.data(), wt.gate.data() + e * I * H, wt.up.data() + e * I * H, wt.down.data() + e * H * I,
+                               I, coef, r.out.data() + t * H, grads ? dout->data() + t * H : nullptr, dxs.data(),
+                               grads ? r.dgate.data() + e * I * H : nullptr, grads ? r.dup.data() + e * I * H : nullptr,
+                               grads ? r.ddown.data() + e * H * I : nullptr);
+      if (!grads) continue;
+      double dwj = s.weight_on_input ? 0.0 : dcoef;
+      for (int64_t c = 0; c < H; ++c) {
+        r.dx[t * H + c] += (s.weight_on_input ? A(wj) : 1.0) * dxs[c];
+        if (s.weight_on_input) dwj += dxs[c] * A(xt[c]);
+      }
+      r.dw[t * K + j] = dwj;
+    }
+  if (SI > 0) {
+    if (grads) {
+      r.dsgate.assign(static_cast<size_t>(SI * H), 0.0);
+      r.dsup.assign(r.dsgate.size(), 0.0);
+      r.dsdown.assign(static_cast<size_t>(H * SI), 0.0);
+      if (!wt.sgs.empty()) r.dsgs.assign(static_cast<size_t>(H), 0.0);
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      const double* xt = wt.x.data() + t * H;
+      double sg = 1;
+      if (!wt.sgs.empty()) {
+        double dot = 0;
+        for (int64_t c = 0; c < H; ++c) dot += xt[c] * wt.sgs[c];
+        sg = 1 / (1 + std::exp(-dot));
+      }
+      std::fill(dxs.begin(), dxs.end(), 0.0);
+      const double dsg = mlp(xt, wt.sgate.data(), wt.sup.data(), wt.sdown.data(), SI, sg, r.out.data() + t * H,
+                             grads ? dout->data() + t * H : nullptr, dxs.data(), grads ? r.dsgate.data() : nullptr,
+                             grads ? r.dsup.data() : nullptr, grads ? r.dsdown.data() : nullptr);
+      if (!grads) continue;
+      for (int64_t c = 0; c < H; ++c) r.dx[t * H + c] += dxs[c];
+      if (!wt.sgs.empty()) {
+        const double dl = dsg * sg * (1 - sg);
+        for (int64_t c = 0; c < H; ++c) {
+          r.dsgs[c] += dl * A(xt[c]);
+          r.dx[t * H + c] += dl * A(wt.sgs[c]);
+        }
+      }
+    }
+  }
+  if (!grads || s.routing == 2) return r;
+  // The router: dz per token, then dWr = dz^T x, dx += dz Wr.
+  r.drouter.assign(static_cast<size_t>(E * H), 0.0);
+  V dz(static_cast<size_t>(E)), p(static_cast<size_t>(E));
+  const double sign = mag ? 1.0 : -1.0;  // differences become sums for the magnitudes
+  for (int64_t t = 0; t < T; ++t) {
+    const double* zt = z.data() + t * E;
+    std::fill(dz.begin(), dz.end(), 0.0);
+    if (s.routing == 1) {
+      for (int64_t j = 0; j < K; ++j) {
+        const double wj = w[t * K + j];
+        dz[ids[t * K + j]] += r.dw[t * K + j] * wj * (1 - wj);
+      }
+    } else {
+      double m = zt[0], sum = 0;
+      for (int64_t e = 0; e < E; ++e) m = std::max(m, zt[e]);
+      for (int64_t e = 0; e < E; ++e) sum += p[e] = std::exp(zt[e] - m);
+      for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+      // w_j = p_j / c (c = 1, or the chosen sum): dp_i = dw_i / c - [normalize] sum_j dw_j p_j / c^2.
+      double c = 1, dot = 0;
+      if (s.normalize) {
+        c = 0;
+        for (int64_t j = 0; j < K; ++j) c += p[ids[t * K + j]];
+        for (int64_t j = 0; j < K; ++j) dot += r.dw[t * K + j] * p[ids[t * K + j]];
+      }
+      V dp(static_cast<size_t>(E), 0.0);
+      for (int64_t j = 0; j < K; ++j) dp[ids[t * K + j]] += r.dw[t * K + j] / c;
+      if (s.normalize)
+        for (int64_t j = 0; j < K; ++j) dp[ids[t * K + j]] += sign * dot / (c * c);
+      double pdp = 0;
+      for (int64_t e = 0; e < E; ++e) pdp += p[e] * dp[e];
+      for (int64_t e = 0; e < E; ++e) dz[e] = p[e] * (dp[e] + sign * pdp);
+      if (mag)
+        for (int64_t e = 0; e < E; ++e) dz[e] = std::fabs(dz[e]);
+    }
+    if (dz_extra)
+      for (int64_t e = 0; e < E; ++e) dz[e] += A((*dz_extra)[t * E + e]);
+    const double* xt = wt.x.data() + t * H;
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t c = 0; c < H; ++c) {
+        r.drouter[e * H + c] += dz[e] * A(xt[c]);
+        r.dx[t * H + c] += dz[e] * A(wt.router[e * H + c]);
+      }
+  }
+  return r;
+}
+}  // namespace
+
+MoeResult moe(const MoeSpec& s, const MoeWeights& wt, const V& z, const std::vector<int64_t>& ids, const V& w_given,
+              const V* dout, const V* dz_extra) {
+  MoeResult r = moe_pass(s, wt, z, ids, w_given, dout, dz_extra, false);
+  if (!dout) return r;
+  MoeResult m = moe_pass(s, wt, z, ids, w_given, dout, dz_extra, true);
+  r.dx_mag = std::move(m.dx), r.drouter_mag = std::move(m.drouter), r.dgate_mag = std::move(m.dgate);
+  r.dup_mag = std::move(m.dup), r.ddown_mag = std::move(m.ddown), r.dsgate_mag = std::move(m.dsgate);
+  r.dsup_mag = std::move(m.dsup), r.dsdown_mag = std::move(m.dsdown), r.dsgs_mag = std::move(m.dsgs);
+  r.dw_mag = std::move(m.dw);
+  return r;
+}
+
+double load_balancing_loss(const V& z, int64_t rows, int64_t e, int64_t k, const V& m, double (*round)(double),
+                           double grad_scale, V* dz) {
+  V p(static_cast<size_t>(rows * e)), count(static_cast<size_t>(e), 0.0), prob(static_cast<size_t>(e), 0.0);
+  double total = 0;
+  std::vector<char> taken(static_cast<size_t>(e));
+  auto mask = [&](int64_t r) { return m.empty() ? 1.0 : m[static_cast<size_t>(r) % m.size()]; };
+  for (int64_t r = 0; r < rows; ++r) {
+    const double* zr = z.data() + r * e;
+    double* pr = p.data() + r * e;
+    double mx = zr[0], sum = 0;
+    for (int64_t a = 0; a < e; ++a) mx = std::max(mx, zr[a]);
+    for (int64_t a = 0; a < e; ++a) sum += std::exp(zr[a] - mx);
+    for (int64_t a = 0; a < e; ++a) pr[a] = round(std::exp(zr[a] - mx) / sum);
+    std::fill(taken.begin(), taken.end(), 0);
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t best = -1;
+      for (int64_t a = 0; a < e; ++a)
+        if (!taken[a] && (best < 0 || pr[a] > pr[best])) best = a;
+      taken[best] = 1;
+      count[best] += mask(r);
+    }
+    for (int64_t a = 0; a < e; ++a) prob[a] += mask(r) * pr[a];
+    total += mask(r);
+  }
+  double loss = 0;
+  for (int64_t a = 0; a < e; ++a) loss += (count[a] / total) * (prob[a] / total);
+  if (dz) {
+    dz->assign(static_cast<size_t>(rows * e), 0.0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const double* pr = p.data() + r * e;
+      V d(static_cast<size_t>(e));
+      double dot = 0;
+      for (int64_t a = 0; a < e; ++a) {
+        d[a] = grad_scale * e * (count[a] / total) * mask(r) / total;
+        dot += pr[a] * d[a];
+      }
+      for (int64_t a = 0; a < e; ++a) (*dz)[r * e + a] = pr[a] * (d[a] - dot);
+    }
+  }
+  return loss * static_cast<double>(e);
 }
 
 }  // namespace kcpp::oracle

@@ -85,4 +85,39 @@ struct Attn {
 Attn attention(const V& q, const V& k, const V& v, const V* dout, int64_t b, int64_t hq, int64_t hkv, int64_t sq,
                int64_t skv, int64_t d, double scale, bool causal, int64_t window);
 
+// A mixture-of-experts block (docs/contracts/MoE.md) in f64, without the kernels' intermediate
+// roundings.  Routing ids are an input: the caller checks the kernel's choice with moe_route first
+// (on the kernel's own rounded logits, so ties are the same) and then evaluates the block for it.
+// Weights as logical dense tensors: gate, up [E, I, H], down [E, H, I]; shared sgate, sup [Is, H],
+// sdown [H, Is], sgs [H] (empty: no shared expert / no gate).
+struct MoeSpec {
+  int64_t t = 0, h = 0, e = 0, k = 0, i = 0, si = 0;
+  Act act = Act::Silu;
+  int routing = 0;  // 0 softmax, 1 sigmoid, 2 given
+  bool normalize = false, weight_on_input = false;
+};
+struct MoeWeights {
+  V x, router, gate, up, down, sgate, sup, sdown, sgs;
+};
+// The top-k of each row of z [T, E] as the contract chooses (softmax or sigmoid: by z, descending,
+// ties to the lower index) and the routing weights from z.
+void moe_route(const MoeSpec& s, const V& z, std::vector<int64_t>& ids, V& w);
+struct MoeResult {
+  V out;                                   // [T, H]
+  V dx, drouter, dgate, dup, ddown;        // gradients (with dout)
+  V dsgate, dsup, dsdown, dsgs, dw;        // shared expert's, and the routing weights' [T, k]
+  // The magnitude of the terms behind each gradient (see NormGrad): errors are measured against them.
+  V dx_mag, drouter_mag, dgate_mag, dup_mag, ddown_mag, dsgate_mag, dsup_mag, dsdown_mag, dsgs_mag, dw_mag;
+};
+// z: the router's logits [T, E] (routing 0 / 1; the routing weights are recomputed from them and
+// their gradient flows back through them), or w [T, k] (routing 2).  dz_extra [T, E] (optional): an
+// extra upstream gradient of the logits.  With dout, the gradients too.
+MoeResult moe(const MoeSpec& s, const MoeWeights& wt, const V& z, const std::vector<int64_t>& ids, const V& w_given,
+              const V* dout, const V* dz_extra);
+// Transformers' load_balancing_loss_func over rows z [R, E] with mask weights m (empty: 1; row r
+// reads m[r % m.size()]), p rounded by `round` (to the logits' dtype) before the top-k; and the
+// gradient of grad_scale * loss with respect to z.
+double load_balancing_loss(const V& z, int64_t rows, int64_t e, int64_t k, const V& m, double (*round)(double),
+                           double grad_scale, V* dz);
+
 }  // namespace kcpp::oracle

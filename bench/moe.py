@@ -1,0 +1,235 @@
+"""One MoE experts layer, the moe package beside Transformers' experts implementations, in one process and
+under one timer (deep_timer.bench_deep): issue 24's bar.
+
+Dimensions: Qwen3-30B-A3B (hidden 2048, 128 experts, top-8, expert intermediate 768) and Mixtral-8x7B
+(hidden 4096, 8 experts, top-2, intermediate 14336), 8192 tokens, bf16; forward, and forward + backward
+(the gradients of the hidden states, both expert weights and the routing weights).  TFLOP/s count
+6 H I per routed token for the forward and three times that for forward + backward.  The routing is
+fixed beforehand (a softmax top-k of random logits, renormalized, in bf16, as Qwen3-MoE's router gives
+it), so every row runs the same experts layer:
+  - Transformers `eager` (the loop over experts of Qwen3MoeExperts.forward) and `grouped_mm`
+    (torch's grouped GEMM), and `sonicmoe` where it can be loaded (kernels-community/sonic-moe);
+  - kcpp: the package's MegaBlocksMoeMLP through its C ABI with routing "given" (the same work), and
+    "kcpp block": the whole block with the router (routing "softmax", normalize), the router's GEMM
+    and routing included in its time (FLOPs counted as the others');
+  - the dense bf16 GEMM 8192^3 in the same run (the ceiling the Mixtral figures are held against).
+Peak memory is the PyTorch allocator's peak during one forward + backward above what was allocated
+before it (the package's workspace comes from that allocator).  Outputs and gradients are compared
+with eager's before they are timed.  Decode-sized inputs (1, 16, 64 tokens) are timed forward.
+
+Run on the GPU machine:
+  python3 bench/moe.py build/release/kernels/moe/build/kcpp1-cu130-x86_64-linux/libmoe.so
+Options: --configs qwen3,mixtral  --tokens 8192  --decode 1,16,64  --device cpu (a smoke run at small
+sizes, for the script itself; its timings mean nothing).
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+sys.path.insert(0, HERE)
+import kcpp  # noqa: E402
+from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig  # noqa: E402
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts  # noqa: E402
+
+CONFIGS = {"qwen3": ("Qwen3-30B-A3B", 2048, 128, 8, 768), "mixtral": ("Mixtral-8x7B", 4096, 8, 2, 14336)}
+SMALL = {"qwen3": ("Qwen3-like (small)", 128, 16, 4, 48), "mixtral": ("Mixtral-like (small)", 256, 8, 2, 512)}
+
+ap = argparse.ArgumentParser()
+ap.add_argument("lib", help="libmoe.so of the package's CUDA variant (the CPU one with --device cpu)")
+ap.add_argument("--configs", default="qwen3,mixtral")
+ap.add_argument("--tokens", type=int, default=8192)
+ap.add_argument("--decode", default="1,16,64")
+ap.add_argument("--device", default="cuda")
+opt = ap.parse_args()
+dev = opt.device
+cuda = dev == "cuda"
+dtype = torch.bfloat16 if cuda else torch.float32
+if cuda:
+    from deep_timer import bench_deep  # noqa: E402
+layer = kcpp.Package(opt.lib).layer("MegaBlocksMoeMLP")
+
+
+def timed(fn):
+    if cuda:
+        return bench_deep(fn)
+    fn()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def peak_mb(fn):
+    if not cuda:
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def make(h, e, k, inter, t):
+    cfg = Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=inter, num_experts=e, num_experts_per_tok=k,
+                         hidden_act="silu")
+    cfg._experts_implementation = "eager"
+    experts = Qwen3MoeExperts(cfg).to(dev, dtype)
+    router = torch.randn(e, h, device=dev, dtype=dtype) / h**0.5
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, h**-0.5)
+        experts.down_proj.normal_(0, inter**-0.5)
+    x = torch.randn(t, h, device=dev, dtype=dtype)
+    probs = torch.nn.functional.linear(x, router).float().softmax(-1)
+    w, ids = probs.topk(k, dim=-1)
+    w = (w / w.sum(-1, keepdim=True)).to(dtype)
+    return cfg, experts, router, x, ids, w
+
+
+rows, decode_rows = [], []
+for key in opt.configs.split(","):
+    name, h, e, k, inter = (CONFIGS if cuda else SMALL)[key]
+    t = opt.tokens if cuda else 64
+    torch.manual_seed(0)
+    cfg, experts, router, x, ids, w = make(h, e, k, inter, t)
+    fl = 6 * h * inter * t * k / 1e12
+    dout = torch.randn_like(x)
+
+    # Transformers' implementations: references for the checks, then timed.
+    ref = ref_grads = None
+    for impl in ("eager", "grouped_mm", "sonicmoe"):
+        cfg._experts_implementation = impl
+        xg, wg = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+
+        def fwd():
+            with torch.no_grad():
+                return experts(x, ids, w)
+
+        def fwdbwd():
+            experts.gate_up_proj.grad = experts.down_proj.grad = xg.grad = wg.grad = None
+            experts(xg, ids, wg).backward(dout)
+
+        try:
+            out = fwd()
+            fwdbwd()
+        except Exception as err:  # sonicmoe needs the kernels library and CuteDSL
+            print(f"{name} {impl}: not run ({type(err).__name__}: {str(err)[:160]})", flush=True)
+            continue
+        grads = [xg.grad, experts.gate_up_proj.grad, experts.down_proj.grad, wg.grad]
+        grads = [g.detach().clone() for g in grads]
+        if ref is None:
+            ref, ref_grads = out.detach().clone(), grads
+        err, gerr = rel(out, ref), max(rel(a, b) for a, b in zip(grads, ref_grads))
+        tf, tfb = timed(fwd), timed(fwdbwd)
+        rows.append((name, f"transformers {impl}", tf, fl / tf * 1e3, tfb, 3 * fl / tfb * 1e3, peak_mb(fwdbwd), err, gerr))
+        print(rows[-1], flush=True)
+        for td in ([int(v) for v in opt.decode.split(",") if v] if cuda else []):
+            def dfwd(td=td):
+                with torch.no_grad():
+                    experts(x[:td], ids[:td], w[:td])
+            decode_rows.append((name, td, f"transformers {impl}", timed(dfwd)))
+    cfg._experts_implementation = "eager"
+    experts.gate_up_proj.grad = experts.down_proj.grad = None
+
+    # kcpp, routing given: the same experts layer.
+    gu, dn = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    out = torch.full_like(x, float("nan"))
+    offsets = torch.empty(e + 2, dtype=torch.int32, device=dev)
+    sorted_slots = torch.empty(t * k, dtype=torch.int32, device=dev)
+    saved = torch.empty(t * k, 2 * inter, dtype=dtype, device=dev)
+    dx, dgu, ddn = torch.empty_like(x), torch.empty_like(gu), torch.empty_like(dn)
+    dw = torch.empty(t, k, dtype=torch.float32, device=dev)
+    base = {"hidden": x, "routing": "given", "topk_ids": ids, "topk_weights": w, "gate_up_proj": gu, "down_proj": dn}
+    fa = dict(base, out=out)
+    ta = dict(fa, expert_offsets=offsets, sorted_slots=sorted_slots, gate_up=saved)
+    ba = dict(base, expert_offsets=offsets, sorted_slots=sorted_slots, gate_up=saved, dout=dout, dhidden=dx,
+              dgate_up_proj=dgu, ddown_proj=ddn, dtopk_weights=dw)
+    ok, why = layer.supports(ta, mode="training")
+    if not ok:
+        print(f"{name} kcpp: refused ({why})", flush=True)
+        continue
+    layer.forward(ta, mode="training")
+    layer.backward(ba)
+    if cuda:
+        torch.cuda.synchronize()
+    err = rel(out, ref)
+    gerr = max(rel(a, b) for a, b in zip((dx, dgu, ddn, dw), ref_grads))
+
+    def kfwd():
+        layer.forward(fa, mode="inference")
+
+    def kfwdbwd():
+        layer.forward(ta, mode="training")
+        layer.backward(ba)
+
+    tf, tfb = timed(kfwd), timed(kfwdbwd)
+    rows.append((name, "kcpp moe (routing given)", tf, fl / tf * 1e3, tfb, 3 * fl / tfb * 1e3, peak_mb(kfwdbwd), err, gerr))
+    print(rows[-1], flush=True)
+    for td in ([int(v) for v in opt.decode.split(",") if v] if cuda else []):
+        da = {"hidden": x[:td], "routing": "given", "topk_ids": ids[:td], "topk_weights": w[:td], "gate_up_proj": gu,
+              "down_proj": dn, "out": out[:td]}
+        decode_rows.append((name, td, "kcpp moe (routing given)", timed(lambda da=da: layer.forward(da, mode="inference"))))
+
+    # kcpp, the whole block: router GEMM, softmax top-k renormalized, experts.
+    logits = torch.empty(t, e, dtype=dtype, device=dev)
+    ids32, w32 = torch.empty(t, k, dtype=torch.int32, device=dev), torch.empty(t, k, dtype=torch.float32, device=dev)
+    dr = torch.empty_like(router)
+    blk = {"hidden": x, "router_weight": router, "routing": "softmax", "top_k": k, "normalize": 1, "gate_up_proj": gu,
+           "down_proj": dn}
+    bt = dict(blk, out=out, router_logits=logits, topk_ids=ids32, topk_weights=w32, expert_offsets=offsets,
+              sorted_slots=sorted_slots, gate_up=saved)
+    bb = dict(blk, router_logits=logits, topk_ids=ids32, topk_weights=w32, expert_offsets=offsets,
+              sorted_slots=sorted_slots, gate_up=saved, dout=dout, dhidden=dx, drouter_weight=dr, dgate_up_proj=dgu,
+              ddown_proj=ddn)
+    layer.forward(bt, mode="training")
+    if cuda:
+        torch.cuda.synchronize()
+    same = (ids32.long() == ids).float().mean().item()
+
+    def bfwd():
+        layer.forward(dict(blk, out=out), mode="inference")
+
+    def bfwdbwd():
+        layer.forward(bt, mode="training")
+        layer.backward(bb)
+
+    tf, tfb = timed(bfwd), timed(bfwdbwd)
+    rows.append((name, f"kcpp moe block (router; ids as above {same:.1%})", tf, fl / tf * 1e3, tfb, 3 * fl / tfb * 1e3,
+                 peak_mb(bfwdbwd), rel(out, ref), float("nan")))
+    print(rows[-1], flush=True)
+    del experts, x, out, saved, dx, dgu, ddn, gu, dn
+    if cuda:
+        torch.cuda.empty_cache()
+
+ceiling = float("nan")
+if cuda:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    ms = timed(lambda: a @ b)
+    ceiling = 2 * 8192**3 / ms / 1e9
+    del a, b
+
+where = torch.cuda.get_device_name() if cuda else "cpu (smoke run: sizes small, timings meaningless)"
+print(f"\n{where}, torch {torch.__version__}; {opt.tokens if cuda else 64} tokens, {dtype}; "
+      f"dense bf16 GEMM 8192^3: {ceiling:.1f} TFLOP/s")
+print(f"{'dimensions':22s} {'implementation':48s} {'fwd ms':>8s} {'TFLOP/s':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} "
+      f"{'peak MiB':>9s} {'out err':>9s} {'grad err':>9s}")
+for name, impl, tf, ff, tfb, ffb, mem, err, gerr in rows:
+    print(f"{name:22s} {impl:48s} {tf:8.3f} {ff:8.1f} {tfb:8.3f} {ffb:8.1f} {mem:9.0f} {err:9.2e} {gerr:9.2e}")
+if decode_rows:
+    print("\ndecode-sized forward (ms)")
+    for name, td, impl, ms in decode_rows:
+        print(f"{name:22s} {td:5d} tokens  {impl:40s} {ms:8.4f}")

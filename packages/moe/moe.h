@@ -1,0 +1,172 @@
+// Dropless mixture-of-experts (package moe, contract "MoE/1", docs/contracts/MoE.md), CPU and CUDA.
+//
+// Notation: T tokens (rows of x), H hidden, E experts, k = top_k, I the experts' intermediate size,
+// S = T k slots; slot s = t k + j is token t's j-th choice.
+//
+// Router (routing Softmax / Sigmoid):
+//   z_t = round(x_t Wr^T)                       Wr = router [E, H]; round = to the dtype (F.linear's output)
+//   Softmax: p = softmax(z_t); the k largest p (= the k largest z), descending (ties: lower expert);
+//            w_j = p_{e_j}, or p_{e_j} / sum_i p_{e_i} when normalize
+//   Sigmoid: the k largest z, descending (ties: lower expert); w_j = sigmoid(z_{e_j})
+//   Given:   topk_ids / topk_weights come from the host; an id outside [0, E) marks a slot no expert takes
+// Experts, per valid slot s (token t, expert e, weight w; c = w for WeightOn::Output, 1 for Input):
+//   x_s = x_t (Output) or round(w x_t) (Input)
+//   [g, u] = round(x_s [Wg_e; Wu_e]^T)          Wg_e, Wu_e [I, H] (gate and up rows of gate_up_proj)
+//   h_s = round(act(g) * u),  y_s = round(h_s Wd_e^T)        Wd_e = down [H, I]
+//   out_t = round(sum_j c_s y_s + sigma_t m_t)  the slots in order j = 0 .. k-1, in f32
+//   m_t = round(round(act(g') * u') Wsd^T), [g', u'] = round(x_t [Wsg; Wsu]^T)   (shared expert, optional)
+//   sigma_t = sigmoid(x_t . gs) with the shared expert's gate gs [H], else 1
+// Every product accumulates in f32; "round" marks where an intermediate that feeds a GEMM (or is
+// saved) is rounded to the dtype, as a tensor-core GEMM takes it (identity for f32).
+//
+// Backward, per valid slot (dout_t the upstream gradient):
+//   q_s = dout_t Wd_e,  dh = round(c q_s),  [dg, du] = round([dh * u * act'(g), dh * act(g)])
+//   dWd_e += dout_t^T round(c h_s)      dWg_e += dg^T x_s,  dWu_e += du^T x_s
+//   dx_s = dg Wg_e + du Wu_e;  dx_t += dx_s (Output) or w dx_s (Input)
+//   dw_s = q_s . h_s (Output) or dx_s . x_t (Input)
+// the router turns dw into dz (0 off the chosen experts; plus the optional drouter_logits):
+//   Softmax: dz = p (dp - p . dp), dp_{e_j} = dw_j;  normalized: dz_{e_j} = w_j (dw_j - sum_i w_i dw_i)
+//   Sigmoid: dz_{e_j} = dw_j w_j (1 - w_j)
+//   dWr = round(dz)^T x,  dx_t += round(dz_t) Wr
+// and the shared expert as an MLP with upstream gradient sigma_t dout_t, its gate's logit getting
+//   dl_t = (dout_t . m_t) sigma_t (1 - sigma_t)  (dout . m computed as (dout Wsd) . h'),
+//   dgs = sum_t dl_t x_t,  dx_t += dl_t gs.
+// dx_t sums its slots in slot order, then the router's and the shared expert's parts.
+//
+// Permutation: slots grouped by expert, stably (increasing slot order within an expert):
+//   offsets[e] = valid slots of lower experts, offsets[E] = valid slots, offsets[E + 1] = S;
+//   sorted[p] = the slot at position p (expert e's at [offsets[e], offsets[e+1]), invalid ones last).
+// gate_up (optional, saved) holds [g, u] of sorted[p] in row p, [S, 2I]; without it backward
+// recomputes the projections.  No result depends on thread timing; nothing synchronizes with the host.
+//
+// CUDA (moe_cuda.cu, moe_gemm.cuh): bf16 / f16 only (tensor-core GEMMs); it also rounds each slot's
+// dx_s to the dtype before the per-token sum (the CPU keeps it in f32).
+//
+// Layout.  x, out, dout, dx: rows of H elements x_stride (...) apart, H contiguous.  Weights: a Matrix
+// (below) whose row or column stride is 1, so that both Transformers layouts ([E, 2I, H] and Llama 4's
+// [E, H, 2I] seen transposed) are read in place; weight gradients likewise.  router, drouter [E, H]
+// and router_logits [T, E] contiguous.
+//
+// Load-balancing loss (op load_balancing_loss): R rows of logits z_r [E], mask weights m_r:
+//   p_r = round(softmax(z_r)) (to the logits' dtype), K_r = the k largest p_r (ties: lower index),
+//   Rt = sum_r m_r, f_e = sum_r m_r [e in K_r] / Rt, P_e = sum_r m_r p_{r,e} / Rt,
+//   loss = E sum_e f_e P_e,  dz_r = p_r (d_r - p_r . d_r), d_{r,e} = grad_scale E f_e m_r / Rt.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kcpp/kernel/activation.h"
+#include "kcpp/kernel/types.h"
+
+#if KCPP_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace kcpp::moe {
+
+enum class Routing : int32_t { Softmax = 0, Sigmoid = 1, Given = 2 };
+enum class WeightOn : int32_t { Output = 0, Input = 1 };
+
+// A stack of per-expert matrices: element (r, c) of expert e at
+//   data + e * expert_stride + r * row_stride + c * col_stride   (elements of the call's dtype),
+// with row_stride == 1 or col_stride == 1.  For a single matrix (the shared expert) expert_stride is unused.
+struct Matrix {
+  void* data = nullptr;  // read-only where the matrix is an input
+  int64_t expert_stride = 0, row_stride = 0, col_stride = 1;
+};
+
+struct MoeParams {
+  kernel::DType dtype = kernel::DType::bf16;
+  int64_t tokens = 0, hidden = 0, experts = 0, top_k = 0, inter = 0;
+  int64_t shared_inter = 0;  // Is; 0: no shared expert
+  Routing routing = Routing::Softmax;
+  bool normalize = false;
+  WeightOn weight_on = WeightOn::Output;
+  kernel::Activation act = kernel::Activation::Silu;
+
+  const void* x = nullptr;  // [T, H]
+  int64_t x_stride = 0;
+  const void* router = nullptr;  // [E, H] contiguous (Softmax, Sigmoid)
+  Matrix gate, up;               // E x [I, H]
+  Matrix down;                   // E x [H, I]
+  Matrix shared_gate, shared_up;  // [Is, H]
+  Matrix shared_down;             // [H, Is]
+  const void* shared_expert_gate = nullptr;  // [H] contiguous, optional
+
+  // Forward outputs; saved for backward (inputs there).
+  void* out = nullptr;  // [T, H]
+  int64_t out_stride = 0;
+  void* router_logits = nullptr;  // [T, E], dtype; forward: optional (then workspace)
+  void* topk_ids = nullptr;       // [S]: i32 written by the router; Given: read, i32 or i64
+  bool ids_i64 = false;
+  void* topk_weights = nullptr;  // [S]: f32 written by the router; Given: read, f32 or the dtype
+  bool weights_f32 = true;
+  int32_t* expert_offsets = nullptr;  // [E + 2]; forward: optional (then workspace)
+  int32_t* sorted_slots = nullptr;    // [S]; forward: optional (then workspace)
+  void* gate_up = nullptr;            // [S, 2I], dtype, optional
+
+  // Backward.
+  const void* dout = nullptr;  // [T, H]
+  int64_t dout_stride = 0;
+  const void* drouter_logits = nullptr;  // [T, E], optional, f32 or the dtype
+  bool drouter_logits_f32 = true;
+  void* dx = nullptr;  // [T, H]
+  int64_t dx_stride = 0;
+  void* drouter = nullptr;  // [E, H] contiguous, optional
+  Matrix dgate, dup, ddown;  // optional (data null): the shapes of gate, up, down
+  Matrix dshared_gate, dshared_up, dshared_down;
+  void* dshared_expert_gate = nullptr;  // [H], optional
+  float* dtopk_weights = nullptr;       // [S], optional
+
+  void* workspace = nullptr;  // moe_workspace() bytes, 256-byte aligned
+};
+
+inline int64_t moe_slots(const MoeParams& p) { return p.tokens * p.top_k; }
+
+// Checks the params (shapes, strides, options); nullptr or the message.
+const char* moe_check(const MoeParams& p, bool backward);
+// Workspace bytes of a forward or backward call (on CUDA when `cuda`).
+size_t moe_workspace(const MoeParams& p, bool backward, bool cuda);
+
+const char* moe_forward_cpu(const MoeParams& p);
+const char* moe_backward_cpu(const MoeParams& p);
+// Why the CUDA path cannot take this (valid) call, or nullptr: f32 (the GEMMs are bf16 / f16 tensor-core
+// ones), more than 1024 experts, gate and up (or their gradients) given with different strides, more
+// than ~8M slots.  The host runs its reference then.
+const char* moe_cuda_unsupported(const MoeParams& p, bool backward);
+#if KCPP_WITH_CUDA
+const char* moe_forward_cuda(const MoeParams& p, cudaStream_t stream);
+const char* moe_backward_cuda(const MoeParams& p, cudaStream_t stream);
+size_t moe_workspace_cuda(const MoeParams& p, bool backward);
+#endif
+
+// ---- the auxiliary loss --------------------------------------------------------------------------
+
+enum class MaskType : int32_t { None = 0, U8 = 1, I32 = 2, I64 = 3, F32 = 4 };
+
+struct LoadBalancingParams {
+  kernel::DType dtype = kernel::DType::bf16;  // of the logits
+  int64_t rows = 0, experts = 0, top_k = 0;
+  const void* logits = nullptr;  // [rows, E]
+  int64_t logits_stride = 0;
+  const void* mask = nullptr;  // [mask_len]; row r reads mask[r % mask_len]
+  MaskType mask_type = MaskType::None;
+  int64_t mask_len = 0;
+  float grad_scale = 1.0f;
+  float* loss = nullptr;     // [1]
+  void* dlogits = nullptr;   // [rows, E] contiguous, optional
+  bool dlogits_f32 = true;   // else the logits' dtype
+  void* workspace = nullptr;  // load_balancing_workspace() bytes
+};
+
+const char* load_balancing_check(const LoadBalancingParams& p);
+size_t load_balancing_workspace(const LoadBalancingParams& p, bool cuda);
+const char* load_balancing_cpu(const LoadBalancingParams& p);
+const char* load_balancing_cuda_unsupported(const LoadBalancingParams& p);  // more than 1024 experts
+#if KCPP_WITH_CUDA
+const char* load_balancing_cuda(const LoadBalancingParams& p, cudaStream_t stream);
+size_t load_balancing_workspace_cuda(const LoadBalancingParams& p);
+#endif
+
+}  // namespace kcpp::moe

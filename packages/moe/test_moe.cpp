@@ -1,0 +1,587 @@
+// MoE kernels (moe.h) against the f64 oracle (tests/oracle.h: oracle::moe, oracle::moe_route,
+// oracle::load_balancing_loss).
+//
+// Forward: the router's logits and the block's output are held to docs/DESIGN.md's bound, at most
+// twice the error of the eager reference in the same precision (ops/: the router's matmul; the loop
+// over experts Transformers runs in eager mode, with its roundings); the routing (ids) must equal the
+// oracle's choice on the kernel's own rounded logits, and the permutation the stable grouping by
+// expert.  Backward: ops/ has no eager MoE backward to compare with, so every gradient is held to the
+// dtype's composite bound (tests/tolerances.h), its error measured against the magnitude of the terms
+// that form it (oracle::MoeResult), which a wrong term (an O(1) error) cannot pass.
+// Shapes: one token, odd sizes, one expert, top_k = E, experts that receive nothing, both weight
+// layouts (Transformers' [E, 2I, H] and Llama 4's [E, H, 2I] seen transposed) and separate gate / up.
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+
+#include "core/cuda_runtime.h"
+#include "moe.h"
+#include "ops/nn/glu.h"
+#include "ops/ops.h"
+#include "oracle.h"
+#include "test_util.h"
+
+namespace kcpp {
+namespace {
+
+#if KCPP_WITH_CUDA && KCPP_MOE_CUDA
+#define MOE_CALL(dev, fn, p) \
+  ((dev).is_cuda() ? moe_finish_cuda(fn##_cuda((p), ::kcpp::cuda::current_stream())) : fn##_cpu(p))
+const char* moe_finish_cuda(const char* e) {
+  if (!e) KCPP_CUDA_CHECK(cudaDeviceSynchronize());
+  return e;
+}
+#else
+#define MOE_CALL(dev, fn, p) ((dev).is_cuda() ? "moe: built without CUDA" : fn##_cpu(p))
+#endif
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+kernel::DType kdtype(DType t) {
+  return t == DType::f32 ? kernel::DType::f32 : t == DType::bf16 ? kernel::DType::bf16 : kernel::DType::f16;
+}
+
+enum class Layout { Rows, Transposed, Separate };
+
+struct Case {
+  int64_t t, h, e, k, i, si;
+  moe::Routing routing;
+  bool normalize, input;
+  kernel::Activation act;
+  Layout layout;
+  bool shared_gate, save, extra_dz, strided;
+};
+
+std::string describe(const Case& c) {
+  return fmt::format("T={} H={} E={} k={} I={} Is={} routing={} normalize={} input={} act={} layout={} shared_gate={} "
+                     "save={} extra_dz={} strided={}",
+                     c.t, c.h, c.e, c.k, c.i, c.si, static_cast<int>(c.routing), c.normalize, c.input,
+                     kernel::activation_name(c.act), static_cast<int>(c.layout), c.shared_gate, c.save, c.extra_dz,
+                     c.strided);
+}
+
+oracle::Act oracle_act(kernel::Activation a) {
+  switch (a) {
+    case kernel::Activation::Silu: return oracle::Act::Silu;
+    case kernel::Activation::Gelu: return oracle::Act::Gelu;
+    case kernel::Activation::GeluTanh: return oracle::Act::GeluTanh;
+    case kernel::Activation::QuickGelu: return oracle::Act::QuickGelu;
+  }
+  return oracle::Act::Silu;
+}
+
+// A per-expert [E, rows, cols] weight (or a 2-dim one): `view` is what the kernel reads (possibly a
+// transposed view of [E, cols, rows] storage), `logical` its values as a contiguous tensor.
+struct Weight {
+  Tensor view, logical;
+};
+Weight make_weight(std::vector<int64_t> shape, bool transposed, DType dt, Device dev, Generator& gen, double sd) {
+  const int64_t n = static_cast<int64_t>(shape.size());
+  if (!transposed) {
+    Tensor t = Tensor::randn(shape, dt, dev, gen, 0, sd);
+    return {t, t};
+  }
+  std::vector<int64_t> st = shape;
+  std::swap(st[n - 1], st[n - 2]);
+  const Tensor storage = Tensor::randn(st, dt, dev, gen, 0, sd);
+  const Tensor v = storage.transpose(n - 1, n - 2);
+  return {v, v.contiguous()};
+}
+// An output of `shape`, poisoned with NaN, in the given layout.
+Tensor make_out(std::vector<int64_t> shape, bool transposed, DType dt, Device dev) {
+  const int64_t n = static_cast<int64_t>(shape.size());
+  if (!transposed) return Tensor::full(shape, kNaN, dt, dev);
+  std::vector<int64_t> st = shape;
+  std::swap(st[n - 1], st[n - 2]);
+  return Tensor::full(st, kNaN, dt, dev).transpose(n - 1, n - 2);
+}
+moe::Matrix matrix(const Tensor& t, int64_t row_offset = 0) {
+  const int64_t n = t.dim();
+  moe::Matrix m;
+  m.data = static_cast<char*>(t.data()) + row_offset * t.stride(n - 2) * static_cast<int64_t>(t.element_size());
+  m.expert_stride = n == 3 ? t.stride(0) : 0;
+  m.row_stride = t.stride(n - 2);
+  m.col_stride = t.stride(n - 1);
+  return m;
+}
+
+// Every tensor of one case, and the params over them.
+struct Block {
+  Case c;
+  DType dt;
+  Device dev;
+  Tensor x, router, gs;
+  Weight gate_up, gate, up, down, sgate_up, sdown;
+  Tensor out, logits, ids, weights, offsets, sorted, saved, ws;
+  Tensor dout, dx, drouter, dgate_up, dgate, dup, ddown, dsgate_up, dsdown, dgs, dw, dz_extra;
+  moe::MoeParams p;
+
+  int64_t slots() const { return c.t * c.k; }
+
+  void build(Generator& gen, const std::vector<int64_t>* given_ids = nullptr, const std::vector<double>* given_w = nullptr,
+             bool weights_f32 = true) {
+    const bool tr = c.layout == Layout::Transposed;
+    const Tensor wide = Tensor::randn({c.t, c.h + (c.strided ? 3 : 0)}, dt, dev, gen);
+    x = c.strided ? wide.narrow(1, 1, c.h) : wide;
+    const double sh = 1 / std::sqrt(static_cast<double>(c.h));
+    if (c.routing != moe::Routing::Given) router = Tensor::randn({c.e, c.h}, dt, dev, gen, 0, 1.5 * sh);
+    if (c.layout == Layout::Separate) {
+      gate = make_weight({c.e, c.i, c.h}, false, dt, dev, gen, sh);
+      up = make_weight({c.e, c.i, c.h}, false, dt, dev, gen, sh);
+    } else {
+      gate_up = make_weight({c.e, 2 * c.i, c.h}, tr, dt, dev, gen, sh);
+    }
+    down = make_weight({c.e, c.h, c.i}, tr, dt, dev, gen, 1 / std::sqrt(static_cast<double>(c.i)));
+    if (c.si > 0) {
+      sgate_up = make_weight({2 * c.si, c.h}, tr, dt, dev, gen, sh);
+      sdown = make_weight({c.h, c.si}, tr, dt, dev, gen, 1 / std::sqrt(static_cast<double>(c.si)));
+      if (c.shared_gate) gs = Tensor::randn({1, c.h}, dt, dev, gen, 0, sh);
+    }
+    p = {};
+    p.dtype = kdtype(dt);
+    p.tokens = c.t, p.hidden = c.h, p.experts = c.e, p.top_k = c.k, p.inter = c.i, p.shared_inter = c.si;
+    p.routing = c.routing, p.normalize = c.normalize;
+    p.weight_on = c.input ? moe::WeightOn::Input : moe::WeightOn::Output;
+    p.act = c.act;
+    p.x = x.data(), p.x_stride = x.stride(0);
+    if (router.defined()) p.router = router.data();
+    if (c.layout == Layout::Separate) {
+      p.gate = matrix(gate.view), p.up = matrix(up.view);
+    } else {
+      p.gate = matrix(gate_up.view), p.up = matrix(gate_up.view, c.i);
+    }
+    p.down = matrix(down.view);
+    if (c.si > 0) {
+      p.shared_gate = matrix(sgate_up.view), p.shared_up = matrix(sgate_up.view, c.si);
+      p.shared_down = matrix(sdown.view);
+      if (gs.defined()) p.shared_expert_gate = gs.data();
+    }
+    out = Tensor::full({c.t, c.h}, kNaN, dt, dev);
+    p.out = out.data(), p.out_stride = c.h;
+    if (c.routing == moe::Routing::Given) {
+      ids = Tensor::from_i64(*given_ids, {c.t, c.k}, DType::i64, dev);
+      weights = Tensor::from_f64(*given_w, {c.t, c.k}, weights_f32 ? DType::f32 : dt, dev);
+      p.ids_i64 = true, p.weights_f32 = weights_f32;
+    } else {
+      logits = Tensor::full({c.t, c.e}, kNaN, dt, dev);
+      p.router_logits = logits.data();
+      ids = Tensor::full({c.t, c.k}, -1, DType::i32, dev);
+      weights = Tensor::full({c.t, c.k}, kNaN, DType::f32, dev);
+    }
+    p.topk_ids = ids.data(), p.topk_weights = weights.data();
+    offsets = Tensor::full({c.e + 2}, -1, DType::i32, dev);
+    sorted = Tensor::full({slots()}, -1, DType::i32, dev);
+    p.expert_offsets = static_cast<int32_t*>(offsets.data());
+    p.sorted_slots = static_cast<int32_t*>(sorted.data());
+    if (c.save) {
+      saved = Tensor::full({slots(), 2 * c.i}, kNaN, dt, dev);
+      p.gate_up = saved.data();
+    }
+  }
+
+  const char* forward() {
+    ws = Tensor::empty({static_cast<int64_t>(moe::moe_workspace(p, false, dev.is_cuda()))}, DType::u8, dev);
+    p.workspace = ws.data();
+    return MOE_CALL(dev, moe::moe_forward, p);
+  }
+
+  const char* backward(Generator& gen) {
+    const bool tr = c.layout == Layout::Transposed;
+    dout = Tensor::randn({c.t, c.h}, dt, dev, gen);
+    dx = Tensor::full({c.t, c.h}, kNaN, dt, dev);
+    p.dout = dout.data(), p.dout_stride = c.h;
+    p.dx = dx.data(), p.dx_stride = c.h;
+    if (router.defined()) {
+      drouter = Tensor::full({c.e, c.h}, kNaN, dt, dev);
+      p.drouter = drouter.data();
+      if (c.extra_dz) {
+        dz_extra = Tensor::randn({c.t, c.e}, DType::f32, dev, gen, 0, 0.1);
+        p.drouter_logits = dz_extra.data(), p.drouter_logits_f32 = true;
+      }
+    }
+    if (c.layout == Layout::Separate) {
+      dgate = make_out({c.e, c.i, c.h}, false, dt, dev);
+      dup = make_out({c.e, c.i, c.h}, true, dt, dev);  // a layout unlike the weight's
+      p.dgate = matrix(dgate), p.dup = matrix(dup);
+    } else {
+      dgate_up = make_out({c.e, 2 * c.i, c.h}, tr, dt, dev);
+      p.dgate = matrix(dgate_up), p.dup = matrix(dgate_up, c.i);
+    }
+    ddown = make_out({c.e, c.h, c.i}, !tr, dt, dev);
+    p.ddown = matrix(ddown);
+    if (c.si > 0) {
+      dsgate_up = make_out({2 * c.si, c.h}, tr, dt, dev);
+      dsdown = make_out({c.h, c.si}, tr, dt, dev);
+      p.dshared_gate = matrix(dsgate_up), p.dshared_up = matrix(dsgate_up, c.si);
+      p.dshared_down = matrix(dsdown);
+      if (gs.defined()) {
+        dgs = Tensor::full({c.h}, kNaN, dt, dev);
+        p.dshared_expert_gate = dgs.data();
+      }
+    }
+    dw = Tensor::full({slots()}, kNaN, DType::f32, dev);
+    p.dtopk_weights = static_cast<float*>(dw.data());
+    return rerun_backward();
+  }
+  // The backward again over the same tensors.
+  const char* rerun_backward() {
+    ws = Tensor::empty({static_cast<int64_t>(moe::moe_workspace(p, true, dev.is_cuda()))}, DType::u8, dev);
+    p.workspace = ws.data();
+    return MOE_CALL(dev, moe::moe_backward, p);
+  }
+
+  oracle::MoeSpec spec() const {
+    oracle::MoeSpec s;
+    s.t = c.t, s.h = c.h, s.e = c.e, s.k = c.k, s.i = c.i, s.si = c.si;
+    s.act = oracle_act(c.act);
+    s.routing = static_cast<int>(c.routing);
+    s.normalize = c.normalize, s.weight_on_input = c.input;
+    return s;
+  }
+  oracle::MoeWeights oracle_weights() const {
+    oracle::MoeWeights w;
+    w.x = x.to_f64_vector();
+    if (router.defined()) w.router = router.to_f64_vector();
+    if (c.layout == Layout::Separate) {
+      w.gate = gate.logical.to_f64_vector(), w.up = up.logical.to_f64_vector();
+    } else {
+      w.gate = gate_up.logical.narrow(1, 0, c.i).to_f64_vector();
+      w.up = gate_up.logical.narrow(1, c.i, c.i).to_f64_vector();
+    }
+    w.down = down.logical.to_f64_vector();
+    if (c.si > 0) {
+      w.sgate = sgate_up.logical.narrow(0, 0, c.si).to_f64_vector();
+      w.sup = sgate_up.logical.narrow(0, c.si, c.si).to_f64_vector();
+      w.sdown = sdown.logical.to_f64_vector();
+      if (gs.defined()) w.sgs = gs.to_f64_vector();
+    }
+    return w;
+  }
+  // Expert e's gate (0), up (1) or down (2) projection as a contiguous 2-dim tensor.
+  Tensor expert(int which, int64_t e) const {
+    if (which == 2) return down.logical.select(0, e);
+    if (c.layout == Layout::Separate) return (which == 0 ? gate : up).logical.select(0, e);
+    return gate_up.logical.select(0, e).narrow(0, which == 0 ? 0 : c.i, c.i);
+  }
+};
+
+// Transformers' eager experts loop (MixtralExperts.forward) in the case's dtype, with the kcpp eager
+// ops: gather each expert's tokens, two projections, the gated activation, the down projection,
+// the routing weight, index_add into the output; plus the shared expert (Qwen2-MoE / Llama 4).
+Tensor eager_forward(const Block& m, const std::vector<int64_t>& ids, const std::vector<double>& w) {
+  const Case& c = m.c;
+  const ops::GluActivation act = c.act == kernel::Activation::Gelu       ? ops::GluActivation::Gelu
+                                 : c.act == kernel::Activation::GeluTanh ? ops::GluActivation::GeluTanh
+                                                                         : ops::GluActivation::Silu;
+  const Tensor x = m.x.contiguous();
+  Tensor out = Tensor::zeros({c.t, c.h}, m.dt, m.dev);
+  for (int64_t e = 0; e < c.e; ++e) {
+    std::vector<int64_t> tok;
+    std::vector<double> we;
+    for (int64_t s = 0; s < c.t * c.k; ++s)
+      if (ids[s] == e) tok.push_back(s / c.k), we.push_back(w[s]);
+    if (tok.empty()) continue;
+    const int64_t n = static_cast<int64_t>(tok.size());
+    const Tensor idx = Tensor::from_i64(tok, {n}, DType::i64, m.dev);
+    const Tensor wcol = Tensor::from_f64(we, {n, 1}, m.dt, m.dev);
+    Tensor xe = ops::embedding(x, idx);
+    if (c.input) xe = ops::mul(xe, wcol);
+    const Tensor g = ops::matmul(xe, m.expert(0, e), false, true), u = ops::matmul(xe, m.expert(1, e), false, true);
+    Tensor y = ops::matmul(ops::glu_forward(g, u, act), m.expert(2, e), false, true);
+    if (!c.input) y = ops::mul(y, wcol);
+    out = ops::add(out, ops::embedding_backward(y, idx, c.t));
+  }
+  if (c.si > 0) {
+    const Tensor g = ops::matmul(x, m.sgate_up.logical.narrow(0, 0, c.si), false, true);
+    const Tensor u = ops::matmul(x, m.sgate_up.logical.narrow(0, c.si, c.si), false, true);
+    Tensor y = ops::matmul(ops::glu_forward(g, u, act), m.sdown.logical, false, true);
+    if (m.gs.defined()) y = ops::mul(y, ops::sigmoid(ops::matmul(x, m.gs, false, true)));
+    out = ops::add(out, y);
+  }
+  return out;
+}
+
+// A gradient against the oracle, its error measured against the magnitude of the terms that form it
+// (a routing gradient is a difference of nearly equal terms where the chosen weights are close).
+::testing::AssertionResult close_grad(const Tensor& out, const std::vector<double>& ref, const std::vector<double>& mag,
+                                      double tol) {
+  return test::close_l2_mag(out, ref, mag, tol);
+}
+
+// The stable grouping of the slots by expert (invalid ids last), as the contract defines it.
+void expect_permutation(const Block& m, const std::vector<int64_t>& ids, const std::string& cfg) {
+  const int64_t e = m.c.e, s = m.slots();
+  std::vector<int64_t> off(static_cast<size_t>(e + 2), 0), sorted;
+  for (int64_t b = 0; b <= e; ++b) {
+    for (int64_t q = 0; q < s; ++q) {
+      const bool valid = ids[q] >= 0 && ids[q] < e;
+      if ((b < e && ids[q] == b) || (b == e && !valid)) sorted.push_back(q);
+    }
+    off[b + 1] = static_cast<int64_t>(sorted.size());
+  }
+  EXPECT_EQ(m.offsets.to_i64_vector(), off) << cfg;
+  EXPECT_EQ(m.sorted.to_i64_vector(), sorted) << cfg;
+}
+
+const Case kCases[] = {
+    // T, H, E, k, I, Is, routing, normalize, input, act, layout, shared_gate, save, extra_dz, strided
+    {1, 8, 4, 2, 6, 0, moe::Routing::Softmax, true, false, kernel::Activation::Silu, Layout::Rows, false, true, false, false},
+    {7, 13, 5, 2, 9, 0, moe::Routing::Softmax, false, false, kernel::Activation::Silu, Layout::Transposed, false, false, true, true},
+    {7, 12, 1, 1, 5, 0, moe::Routing::Softmax, false, false, kernel::Activation::Gelu, Layout::Rows, false, true, false, false},
+    {5, 10, 3, 3, 7, 0, moe::Routing::Softmax, true, false, kernel::Activation::GeluTanh, Layout::Separate, false, false, false, false},
+    {3, 16, 16, 2, 8, 0, moe::Routing::Softmax, true, false, kernel::Activation::Silu, Layout::Rows, false, true, true, false},
+    {9, 16, 6, 1, 8, 10, moe::Routing::Sigmoid, false, true, kernel::Activation::Silu, Layout::Transposed, false, true, false, false},
+    {11, 15, 7, 3, 5, 9, moe::Routing::Sigmoid, false, true, kernel::Activation::QuickGelu, Layout::Rows, false, false, false, true},
+    {12, 20, 8, 3, 6, 11, moe::Routing::Softmax, false, false, kernel::Activation::GeluTanh, Layout::Separate, true, false, true, false},
+    {33, 64, 8, 2, 48, 0, moe::Routing::Softmax, true, false, kernel::Activation::Silu, Layout::Rows, false, true, false, false},
+};
+
+class MoeKernels : public ::testing::TestWithParam<Device> {};
+
+TEST_P(MoeKernels, MatchesTheOracle) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  for (DType dt : {DType::f32, DType::bf16, DType::f16})
+    for (const Case& c : kCases) {
+      if (dev.is_cuda() && dt == DType::f32) continue;  // CUDA: bf16 / f16 (moe_cuda_unsupported)
+      const std::string cfg = test::config_name(dev, dt) + " " + describe(c);
+      Block m{c, dt, dev};
+      m.build(gen);
+      ASSERT_EQ(m.forward(), nullptr) << cfg;
+
+      // The router's logits: one GEMM rounded once, within twice eager's error.
+      const oracle::MoeWeights wt = m.oracle_weights();
+      const auto z64 = oracle::matmul(wt.x, wt.router, 1, c.t, c.e, c.h, false, true, false);
+      const double ez_ref = test::rel_l2_error(ops::matmul(m.x, m.router, false, true), z64);
+      EXPECT_LE(test::rel_l2_error(m.logits, z64), test::kernel_bound(ez_ref, dt)) << cfg << " router_logits";
+      // The routing on the kernel's rounded logits: the same experts, the weights to f32 accuracy.
+      const oracle::MoeSpec s = m.spec();
+      const auto z = m.logits.to_f64_vector();
+      std::vector<int64_t> ids;
+      std::vector<double> w;
+      oracle::moe_route(s, z, ids, w);
+      EXPECT_EQ(m.ids.to_i64_vector(), ids) << cfg << " topk_ids";
+      EXPECT_TRUE(test::close_l2(m.weights, w, 1e-6)) << cfg << " topk_weights";
+      expect_permutation(m, ids, cfg);
+      // The output, within twice the error of Transformers' eager loop in this dtype.
+      const oracle::MoeResult ref = oracle::moe(s, wt, z, ids, w, nullptr, nullptr);
+      const double e_out = test::rel_l2_error(m.out, ref.out);
+      if (c.act == kernel::Activation::QuickGelu) {  // no eager GLU of it in ops/
+        EXPECT_LE(e_out, test::composite_rel_l2(dt)) << cfg << " out";
+      } else {
+        const double e_ref = test::rel_l2_error(eager_forward(m, ids, w), ref.out);
+        EXPECT_LE(e_out, test::kernel_bound(e_ref, dt)) << cfg << " out (eager error " << e_ref << ")";
+      }
+      if (c.save) {  // the projections in expert order
+        std::vector<double> gu;
+        const auto sorted = m.sorted.to_i64_vector();
+        for (int64_t q = 0; q < m.slots(); ++q) {
+          const int64_t slot = sorted[q], t = slot / c.k, e = ids[slot];
+          for (int which = 0; which < 2; ++which)
+            for (int64_t a = 0; a < c.i; ++a) {
+              const auto& wm = which == 0 ? wt.gate : wt.up;
+              double acc = 0;
+              for (int64_t col = 0; col < c.h; ++col)
+                acc += wm[(e * c.i + a) * c.h + col] * wt.x[t * c.h + col] * (c.input ? w[slot] : 1.0);
+              gu.push_back(acc);
+            }
+        }
+        EXPECT_TRUE(test::close_l2(m.saved, gu, test::composite_rel_l2(dt))) << cfg << " gate_up";
+      }
+
+      // Backward.
+      ASSERT_EQ(m.backward(gen), nullptr) << cfg;
+      const auto dout = m.dout.to_f64_vector();
+      std::vector<double> dz_extra;
+      if (m.dz_extra.defined()) dz_extra = m.dz_extra.to_f64_vector();
+      const oracle::MoeResult g = oracle::moe(s, wt, z, ids, w, &dout, m.dz_extra.defined() ? &dz_extra : nullptr);
+      const double tol = test::composite_rel_l2(dt);
+      EXPECT_TRUE(close_grad(m.dx, g.dx, g.dx_mag, tol)) << cfg << " dhidden";
+      EXPECT_TRUE(close_grad(m.drouter, g.drouter, g.drouter_mag, tol)) << cfg << " drouter_weight";
+      EXPECT_TRUE(close_grad(m.dw, g.dw, g.dw_mag, tol)) << cfg << " dtopk_weights";
+      if (c.layout == Layout::Separate) {
+        EXPECT_TRUE(close_grad(m.dgate, g.dgate, g.dgate_mag, tol)) << cfg << " dgate_proj";
+        EXPECT_TRUE(close_grad(m.dup, g.dup, g.dup_mag, tol)) << cfg << " dup_proj";
+      } else {
+        EXPECT_TRUE(close_grad(m.dgate_up.narrow(1, 0, c.i), g.dgate, g.dgate_mag, tol)) << cfg << " dgate_up_proj (gate)";
+        EXPECT_TRUE(close_grad(m.dgate_up.narrow(1, c.i, c.i), g.dup, g.dup_mag, tol)) << cfg << " dgate_up_proj (up)";
+      }
+      EXPECT_TRUE(close_grad(m.ddown, g.ddown, g.ddown_mag, tol)) << cfg << " ddown_proj";
+      if (c.si > 0) {
+        EXPECT_TRUE(close_grad(m.dsgate_up.narrow(0, 0, c.si), g.dsgate, g.dsgate_mag, tol)) << cfg << " dshared gate";
+        EXPECT_TRUE(close_grad(m.dsgate_up.narrow(0, c.si, c.si), g.dsup, g.dsup_mag, tol)) << cfg << " dshared up";
+        EXPECT_TRUE(close_grad(m.dsdown, g.dsdown, g.dsdown_mag, tol)) << cfg << " dshared_down_proj";
+        if (m.gs.defined()) EXPECT_TRUE(close_grad(m.dgs, g.dsgs, g.dsgs_mag, tol)) << cfg << " dshared_expert_gate";
+      }
+    }
+}
+
+// Routing given by the host: i64 ids with a repeated expert, Transformers' expert-parallel sentinel
+// (id E, taken by no expert), weights in f32 or the dtype; the gradient of the weights comes back.
+TEST_P(MoeKernels, GivenRouting) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  for (DType dt : {DType::f32, DType::bf16})
+    for (bool input : {false, true})
+      for (bool weights_f32 : {true, false}) {
+        if (dev.is_cuda() && dt == DType::f32) continue;
+        const Case c{6, 11, 4, 3, 7, 0, moe::Routing::Given, false, input, kernel::Activation::Silu, Layout::Rows,
+                     false, !input, false, false};
+        const std::string cfg = test::config_name(dev, dt) + " " + describe(c) + fmt::format(" weights_f32={}", weights_f32);
+        const std::vector<int64_t> ids{0, 2, 4, 1, 1, 3, 4, 4, 4, 2, 0, 3, 3, 2, 1, 0, -1, 2};  // 4 = E: a sentinel
+        std::vector<double> w(ids.size());
+        for (size_t q = 0; q < w.size(); ++q) w[q] = Tensor::from_f64(std::vector<double>{0.1 + 0.05 * static_cast<double>(q)}, {1}, dt).item();
+        Block m{c, dt, dev};
+        m.build(gen, &ids, &w, weights_f32);
+        ASSERT_EQ(m.forward(), nullptr) << cfg;
+        expect_permutation(m, ids, cfg);
+        const oracle::MoeSpec s = m.spec();
+        const oracle::MoeWeights wt = m.oracle_weights();
+        const oracle::MoeResult ref = oracle::moe(s, wt, {}, ids, w, nullptr, nullptr);
+        EXPECT_TRUE(test::close_l2(m.out, ref.out, test::composite_rel_l2(dt))) << cfg << " out";
+        ASSERT_EQ(m.backward(gen), nullptr) << cfg;
+        const auto dout = m.dout.to_f64_vector();
+        const oracle::MoeResult g = oracle::moe(s, wt, {}, ids, w, &dout, nullptr);
+        const double tol = test::composite_rel_l2(dt);
+        EXPECT_TRUE(close_grad(m.dx, g.dx, g.dx_mag, tol)) << cfg << " dhidden";
+        EXPECT_TRUE(close_grad(m.dw, g.dw, g.dw_mag, tol)) << cfg << " dtopk_weights";
+        EXPECT_TRUE(close_grad(m.dgate_up.narrow(1, 0, c.i), g.dgate, g.dgate_mag, tol)) << cfg << " dgate";
+        EXPECT_TRUE(close_grad(m.ddown, g.ddown, g.ddown_mag, tol)) << cfg << " ddown_proj";
+        const auto dw = m.dw.to_f64_vector();
+        for (size_t q = 0; q < ids.size(); ++q)
+          if (ids[q] < 0 || ids[q] >= c.e) EXPECT_EQ(dw[q], 0.0) << cfg << " slot " << q;
+      }
+}
+
+// Ties go to the lower expert (all logits equal: experts 0 .. k-1), no tokens at all, and the
+// same call twice gives the same bits.
+TEST_P(MoeKernels, TiesEmptyAndDeterminism) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const Case c{5, 8, 6, 4, 4, 0, moe::Routing::Softmax, true, false, kernel::Activation::Silu, Layout::Rows, false, true,
+               false, false};
+  Block m{c, DType::bf16, dev};
+  m.build(gen);
+  m.router.fill_(0.0);
+  ASSERT_EQ(m.forward(), nullptr);
+  const auto ids = m.ids.to_i64_vector();
+  for (int64_t t = 0; t < c.t; ++t)
+    for (int64_t j = 0; j < c.k; ++j) EXPECT_EQ(ids[t * c.k + j], j) << "token " << t;
+  for (double v : m.weights.to_f64_vector()) EXPECT_NEAR(v, 0.25, 1e-6);
+
+  for (moe::Routing r : {moe::Routing::Softmax, moe::Routing::Sigmoid}) {
+    Case e = c;
+    e.routing = r, e.t = 0;
+    Block z{e, dev.is_cuda() ? DType::bf16 : DType::f32, dev};
+    z.build(gen);
+    ASSERT_EQ(z.forward(), nullptr);
+    EXPECT_EQ(z.offsets.to_i64_vector(), std::vector<int64_t>(static_cast<size_t>(c.e + 2), 0));
+    ASSERT_STREQ(z.backward(gen), nullptr);
+    for (const Tensor* t : {&z.drouter, &z.dgate_up, &z.ddown})
+      for (double v : t->to_f64_vector()) EXPECT_EQ(v, 0.0);
+  }
+
+  Case d = c;
+  d.t = 37, d.e = 8, d.k = 2, d.i = 24, d.h = 32;
+  Block a{d, DType::bf16, dev};
+  a.build(gen);
+  ASSERT_EQ(a.forward(), nullptr);
+  const auto out1 = a.out.to_f64_vector();
+  ASSERT_EQ(a.backward(gen), nullptr);
+  const auto dx1 = a.dx.to_f64_vector(), dg1 = a.dgate_up.to_f64_vector();
+  ASSERT_EQ(a.forward(), nullptr);
+  EXPECT_EQ(a.out.to_f64_vector(), out1);
+  ASSERT_EQ(a.rerun_backward(), nullptr);
+  EXPECT_EQ(a.dx.to_f64_vector(), dx1);
+  EXPECT_EQ(a.dgate_up.to_f64_vector(), dg1);
+}
+
+TEST_P(MoeKernels, BadParams) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const Case c{4, 8, 3, 2, 4, 0, moe::Routing::Softmax, false, false, kernel::Activation::Silu, Layout::Rows, false, false,
+               false, false};
+  auto expect = [&](const std::function<void(moe::MoeParams&)>& edit, const char* needle) {
+    Block m{c, DType::f32, dev};
+    m.build(gen);
+    edit(m.p);
+    m.ws = Tensor::empty({1 << 16}, DType::u8, dev);
+    m.p.workspace = m.ws.data();
+    EXPECT_TRUE(test::kernel_error_contains(MOE_CALL(dev, moe::moe_forward, m.p), needle)) << needle;
+  };
+  expect([](moe::MoeParams& p) { p.top_k = 4; }, "exceeds the 3 experts");
+  expect([](moe::MoeParams& p) { p.top_k = 0; }, "top_k = 0");
+  expect([](moe::MoeParams& p) { p.router = nullptr; }, "router weight");
+  expect([](moe::MoeParams& p) { p.gate.col_stride = 2; }, "unit row or column stride");
+  expect([](moe::MoeParams& p) { p.x_stride = 3; }, "rows overlap");
+}
+
+// Transformers' load_balancing_loss_func: several layers' logits as one [L, T, E] tensor, with and
+// without an attention mask, and its gradient.
+TEST_P(MoeKernels, LoadBalancingLoss) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  for (DType dt : {DType::f32, DType::bf16})
+    for (int mask_kind : {0, 1, 2}) {
+      const int64_t layers = 3, t = 7, e = 8, k = 2, rows = layers * t;
+      const std::string cfg = fmt::format("{} mask={}", test::config_name(dev, dt), mask_kind);
+      // bf16: logits spread so that no two rounded probabilities of a row tie (the top-k of tied
+      // probabilities is the lower index, tested above); f32: random.
+      Tensor z;
+      if (dt == DType::f32) {
+        z = Tensor::randn({layers, t, e}, dt, dev, gen);
+      } else {
+        std::vector<double> v(static_cast<size_t>(rows * e));
+        std::vector<int64_t> perm(static_cast<size_t>(e));
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t a = 0; a < e; ++a) perm[a] = a;
+          std::shuffle(perm.begin(), perm.end(), gen.engine());
+          for (int64_t a = 0; a < e; ++a) v[r * e + a] = 0.5 * static_cast<double>(perm[a]);
+        }
+        z = Tensor::from_f64(v, {layers, t, e}, dt, dev);
+      }
+      std::vector<double> mv;
+      Tensor mask;
+      if (mask_kind == 1) {
+        mv = {1, 1, 0, 1, 1, 1, 0};
+        mask = Tensor::from_i64(std::vector<int64_t>{1, 1, 0, 1, 1, 1, 0}, {1, t}, DType::i64, dev);
+      } else if (mask_kind == 2) {
+        mv = {1, 0.5, 0, 1, 2, 1, 0};
+        mask = Tensor::from_f64(mv, {t}, DType::f32, dev);
+      }
+      const Tensor loss = Tensor::full({1}, kNaN, DType::f32, dev);
+      const Tensor dz = Tensor::full({layers, t, e}, kNaN, DType::f32, dev);
+      moe::LoadBalancingParams p;
+      p.dtype = kdtype(dt);
+      p.rows = rows, p.experts = e, p.top_k = k;
+      p.logits = z.data(), p.logits_stride = e;
+      if (mask.defined()) {
+        p.mask = mask.data(), p.mask_len = t;
+        p.mask_type = mask_kind == 1 ? moe::MaskType::I64 : moe::MaskType::F32;
+      }
+      p.grad_scale = 0.02f;
+      p.loss = static_cast<float*>(loss.data());
+      p.dlogits = dz.data();
+      const Tensor ws = Tensor::empty({static_cast<int64_t>(moe::load_balancing_workspace(p, dev.is_cuda())) + 1}, DType::u8, dev);
+      p.workspace = ws.data();
+      ASSERT_EQ(MOE_CALL(dev, moe::load_balancing, p), nullptr) << cfg;
+      auto round = dt == DType::f32 ? +[](double v) { return static_cast<double>(static_cast<float>(v)); }
+                                    : +[](double v) { return Tensor::from_f64(std::vector<double>{v}, {1}, DType::bf16).item(); };
+      std::vector<double> ref_dz;
+      const double ref = oracle::load_balancing_loss(z.to_f64_vector(), rows, e, k, mv, round, 0.02, &ref_dz);
+      EXPECT_NEAR(loss.item(), ref, 1e-5 * std::abs(ref)) << cfg;
+      EXPECT_TRUE(test::close_l2(dz, ref_dz, 1e-5)) << cfg << " drouter_logits";
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, MoeKernels, ::testing::Values(Device::cpu(), Device::cuda(0)),
+                         [](const auto& info) { return info.param.is_cpu() ? std::string("cpu") : std::string("cuda"); });
+
+}  // namespace
+}  // namespace kcpp
