@@ -48,12 +48,20 @@ bool shape_is(kk::Call& c, const DLTensor* t, const char* name, std::initializer
   return c.require(false, "tensor '%s' has shape %s; expected %s", name, kk::Call::shape_str(t, got, sizeof got), want);
 }
 
-// A [B, rows, L] tensor of dtype `dt` with L contiguous (batch and row strides free).
-bool seq(kk::Call& c, const DLTensor* t, const char* name, kk::DType dt, int64_t b, int64_t rows, int64_t l, km::Seq& s) {
-  if (!t || !c.ok()) return c.ok();
-  kk::DType got;
+// A floating tensor of dtype `dt`, the dtype of the argument `of`.
+bool dtype_is(kk::Call& c, const DLTensor* t, const char* name, kk::DType dt, const char* of) {
+  kk::DType got = dt;
   if (!c.float_dtype(t, name, &got)) return false;
-  if (got != dt) return c.require(false, "tensor '%s' is %s; expected %s (the dtype of the input)", name, kk::dl_dtype_name(t->dtype), kk::dtype_name(dt));
+  if (got != dt)
+    return c.require(false, "tensor '%s' is %s; expected %s (the dtype of '%s')", name, kk::dl_dtype_name(t->dtype), kk::dtype_name(dt), of);
+  return true;
+}
+
+// A [B, rows, L] tensor of dtype `dt` (that of `of`) with L contiguous (batch and row strides free).
+bool seq(kk::Call& c, const DLTensor* t, const char* name, kk::DType dt, const char* of, int64_t b, int64_t rows, int64_t l,
+         km::Seq& s) {
+  if (!t || !c.ok()) return c.ok();
+  if (!dtype_is(c, t, name, dt, of)) return false;
   if (!shape_is(c, t, name, {b, rows, l})) return false;
   if (l > 1 && kk::stride(t, 2) != 1)
     return c.fail(KCPP_ERROR_UNSUPPORTED, "tensor '%s': the sequence (last) dim must be contiguous (stride %lld)", name,
@@ -67,9 +75,7 @@ bool seq(kk::Call& c, const DLTensor* t, const char* name, kk::DType dt, int64_t
 bool group_seq(kk::Call& c, const DLTensor* t, const char* name, kk::DType dt, int64_t b, int64_t n, int64_t l, int64_t* groups,
                km::GroupSeq& s) {
   if (!t || !c.ok()) return c.ok();
-  kk::DType got;
-  if (!c.float_dtype(t, name, &got)) return false;
-  if (got != dt) return c.require(false, "tensor '%s' is %s; expected %s (the dtype of the input)", name, kk::dl_dtype_name(t->dtype), kk::dtype_name(dt));
+  if (!dtype_is(c, t, name, dt, "u")) return false;
   if (t->ndim != 3 && t->ndim != 4) {
     char sh[128];
     return c.require(false, "tensor '%s' has shape %s; expected [B, N, L] or [B, G, N, L]", name, kk::Call::shape_str(t, sh, sizeof sh));
@@ -145,8 +151,8 @@ bool scan_args(kk::Call& c, bool bwd, km::SelectiveScanParams& p) {
   p.batch = u->shape[0], p.dim = u->shape[1], p.seqlen = u->shape[2], p.dstate = A->shape[1];
   if (p.dstate < 1) return c.require(false, "tensor 'A' has %lld columns; the state size N must be >= 1", static_cast<long long>(p.dstate));
   const int64_t b = p.batch, d = p.dim, l = p.seqlen, n = p.dstate;
-  seq(c, u, "u", p.dtype, b, d, l, p.u);
-  seq(c, delta, "delta", p.dtype, b, d, l, p.delta);
+  seq(c, u, "u", p.dtype, "u", b, d, l, p.u);
+  seq(c, delta, "delta", p.dtype, "u", b, d, l, p.delta);
   p.A = f32_tensor(c, A, "A", {d, n});
   int64_t groups = 0;
   group_seq(c, B, "B", p.dtype, b, n, l, &groups, p.B);
@@ -156,7 +162,7 @@ bool scan_args(kk::Call& c, bool bwd, km::SelectiveScanParams& p) {
     return c.require(false, "B and C have %lld groups, which do not divide the %lld channels", static_cast<long long>(groups), static_cast<long long>(d));
   p.groups = groups;
   if (D) p.D = f32_tensor(c, D, "D", {d});
-  if (z) seq(c, z, "z", p.dtype, b, d, l, p.z);
+  if (z) seq(c, z, "z", p.dtype, "u", b, d, l, p.z);
   if (bias) p.delta_bias = f32_tensor(c, bias, "delta_bias", {d});
   flag(c, "delta_softplus", &p.delta_softplus);
   bc_norm_arg(c, &p.bc_norm, &p.bc_eps);
@@ -166,7 +172,7 @@ bool scan_args(kk::Call& c, bool bwd, km::SelectiveScanParams& p) {
   if (!bwd) {
     DLTensor* out = c.tensor("out");
     DLTensor* last = c.tensor("last_state", false);
-    seq(c, out, "out", p.dtype, b, d, l, p.out);
+    seq(c, out, "out", p.dtype, "u", b, d, l, p.out);
     if (last) p.last_state = f32_tensor(c, last, "last_state", {b, d, n});
     if (c.ok() && !states && (c.context()->mode & KCPP_MODE_TRAINING))
       return c.require(false, "missing tensor argument 'states' (required in training mode: backward needs it)");
@@ -189,14 +195,14 @@ bool scan_args(kk::Call& c, bool bwd, km::SelectiveScanParams& p) {
   if (dD && !D) return c.require(false, "tensor 'dD' is given but 'D' is not");
   if (dz && !z) return c.require(false, "tensor 'dz' is given but 'z' is not");
   if (dbias && !bias) return c.require(false, "tensor 'ddelta_bias' is given but 'delta_bias' is not");
-  seq(c, dout, "dout", p.dtype, b, d, l, p.dout);
-  seq(c, du, "du", p.dtype, b, d, l, p.du);
-  seq(c, ddelta, "ddelta", p.dtype, b, d, l, p.ddelta);
+  seq(c, dout, "dout", p.dtype, "u", b, d, l, p.dout);
+  seq(c, du, "du", p.dtype, "u", b, d, l, p.du);
+  seq(c, ddelta, "ddelta", p.dtype, "u", b, d, l, p.ddelta);
   p.dA = f32_tensor(c, dA, "dA", {d, n});
   group_seq(c, dB, "dB", p.dtype, b, n, l, &groups, p.dB);
   group_seq(c, dC, "dC", p.dtype, b, n, l, &groups, p.dC);
   if (dD) p.dD = f32_tensor(c, dD, "dD", {d});
-  if (dz) seq(c, dz, "dz", p.dtype, b, d, l, p.dz);
+  if (dz) seq(c, dz, "dz", p.dtype, "u", b, d, l, p.dz);
   if (dbias) p.ddelta_bias = f32_tensor(c, dbias, "ddelta_bias", {d});
   if (!c.ok()) return false;
   const bool any = b * d * l > 0;
@@ -267,9 +273,7 @@ kcpp_status scan_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
 // A [B, D] tensor of dtype `dt`, any strides.
 bool matrix(kk::Call& c, const DLTensor* t, const char* name, kk::DType dt, int64_t b, int64_t d, int64_t* sb, int64_t* sd) {
   if (!t || !c.ok()) return c.ok();
-  kk::DType got;
-  if (!c.float_dtype(t, name, &got)) return false;
-  if (got != dt) return c.require(false, "tensor '%s' is %s; expected %s (the dtype of 'x')", name, kk::dl_dtype_name(t->dtype), kk::dtype_name(dt));
+  if (!dtype_is(c, t, name, dt, "x")) return false;
   if (!shape_is(c, t, name, {b, d})) return false;
   *sb = kk::stride(t, 0), *sd = kk::stride(t, 1);
   return true;
@@ -279,9 +283,7 @@ bool matrix(kk::Call& c, const DLTensor* t, const char* name, kk::DType dt, int6
 bool step_bc(kk::Call& c, const DLTensor* t, const char* name, kk::DType dt, int64_t b, int64_t n, int64_t* groups, int64_t* sb,
              int64_t* sg) {
   if (!t || !c.ok()) return c.ok();
-  kk::DType got;
-  if (!c.float_dtype(t, name, &got)) return false;
-  if (got != dt) return c.require(false, "tensor '%s' is %s; expected %s (the dtype of 'x')", name, kk::dl_dtype_name(t->dtype), kk::dtype_name(dt));
+  if (!dtype_is(c, t, name, dt, "x")) return false;
   if (t->ndim != 2 && t->ndim != 3) {
     char sh[128];
     return c.require(false, "tensor '%s' has shape %s; expected [B, N] or [B, G, N]", name, kk::Call::shape_str(t, sh, sizeof sh));
@@ -377,9 +379,7 @@ bool activation_arg(kk::Call& c, bool* silu) {
 // weight [D, W] and the optional bias [D], of dtype `dt`, contiguous.
 bool conv_weights(kk::Call& c, const DLTensor* w, const DLTensor* bias, kk::DType dt, int64_t d, int64_t* width) {
   if (!c.ok()) return false;
-  kk::DType got;
-  if (!c.float_dtype(w, "weight", &got) || !c.ndim(w, "weight", 2)) return false;
-  if (got != dt) return c.require(false, "tensor 'weight' is %s; expected %s (the dtype of 'x')", kk::dl_dtype_name(w->dtype), kk::dtype_name(dt));
+  if (!dtype_is(c, w, "weight", dt, "x") || !c.ndim(w, "weight", 2)) return false;
   *width = w->shape[1];
   if (*width < 1) return c.require(false, "tensor 'weight' has width %lld; expected >= 1", static_cast<long long>(*width));
   if (!shape_is(c, w, "weight", {d, *width}) || (kk::numel(w) > 0 && !c.row_major(w, "weight"))) return false;
@@ -405,7 +405,7 @@ bool conv_args(kk::Call& c, bool bwd, km::CausalConv1dParams& p) {
   if (!c.ndim(x, "x", 3)) return false;
   p.batch = x->shape[0], p.dim = x->shape[1], p.seqlen = x->shape[2];
   const int64_t b = p.batch, d = p.dim, l = p.seqlen;
-  seq(c, x, "x", p.dtype, b, d, l, p.x);
+  seq(c, x, "x", p.dtype, "x", b, d, l, p.x);
   conv_weights(c, w, bias, p.dtype, d, &p.width);
   activation_arg(c, &p.silu);
   if (!c.ok()) return false;
@@ -413,7 +413,7 @@ bool conv_args(kk::Call& c, bool bwd, km::CausalConv1dParams& p) {
   p.bias = bias ? kk::data_ptr(bias) : nullptr;
   const bool any = b * d * l > 0;
   if (!bwd) {
-    seq(c, c.tensor("out"), "out", p.dtype, b, d, l, p.out);
+    seq(c, c.tensor("out"), "out", p.dtype, "x", b, d, l, p.out);
     if (any) distinct(c, p.out.data, "out", {p.x.data, p.weight, p.bias});
     return c.ok();
   }
@@ -423,8 +423,8 @@ bool conv_args(kk::Call& c, bool bwd, km::CausalConv1dParams& p) {
   DLTensor* db = c.tensor("dbias", false);
   if (!c.ok()) return false;
   if (db && !bias) return c.require(false, "tensor 'dbias' is given but 'bias' is not");
-  seq(c, dout, "dout", p.dtype, b, d, l, p.dout);
-  seq(c, dx, "dx", p.dtype, b, d, l, p.dx);
+  seq(c, dout, "dout", p.dtype, "x", b, d, l, p.dout);
+  seq(c, dx, "dx", p.dtype, "x", b, d, l, p.dx);
   c.same_dtype(dw, "dweight", w, "weight");
   if (!shape_is(c, dw, "dweight", {d, p.width}) || (kk::numel(dw) > 0 && !c.row_major(dw, "dweight"))) return false;
   p.dweight = kk::data_ptr(dw);
@@ -470,9 +470,7 @@ kcpp_status conv_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
 bool step_seq(kk::Call& c, const DLTensor* t, const char* name, kk::DType dt, int64_t b, int64_t d, int64_t s, int32_t ndim,
               int64_t* sb, int64_t* sd, int64_t* sl) {
   if (!t || !c.ok()) return c.ok();
-  kk::DType got;
-  if (!c.float_dtype(t, name, &got)) return false;
-  if (got != dt) return c.require(false, "tensor '%s' is %s; expected %s (the dtype of 'x')", name, kk::dl_dtype_name(t->dtype), kk::dtype_name(dt));
+  if (!dtype_is(c, t, name, dt, "x")) return false;
   if (ndim == 2 ? !shape_is(c, t, name, {b, d}) : !shape_is(c, t, name, {b, d, s})) return false;
   *sb = kk::stride(t, 0), *sd = kk::stride(t, 1), *sl = ndim == 3 ? kk::stride(t, 2) : 1;
   return true;
@@ -499,10 +497,7 @@ bool conv_update_args(kk::Call& c, km::ConvUpdateParams& p) {
   conv_weights(c, w, bias, p.dtype, d, &p.width);
   activation_arg(c, &p.silu);
   if (!c.ok()) return false;
-  kk::DType sdt;
-  if (!c.float_dtype(state, "conv_state", &sdt) || !c.ndim(state, "conv_state", 3)) return false;
-  if (sdt != p.dtype)
-    return c.require(false, "tensor 'conv_state' is %s; expected %s (the dtype of 'x')", kk::dl_dtype_name(state->dtype), kk::dtype_name(p.dtype));
+  if (!dtype_is(c, state, "conv_state", p.dtype, "x") || !c.ndim(state, "conv_state", 3)) return false;
   p.state_len = state->shape[2];
   if (!shape_is(c, state, "conv_state", {b, d, p.state_len})) return false;
   if (p.state_len < p.width - 1)
