@@ -28,17 +28,20 @@
 // channel strides); B, C, dB, dC are [B, G, N, L] with L contiguous (a GroupSeq); A [D, N], D,
 // delta_bias [D], states [B, D, chunks, N], last_state [B, D, N] are contiguous f32.
 // Paths:
-//   CPU: (batch, block of channels) in parallel; within a block, channel after channel, the chunk's
-//        states in a buffer; dB / dC summed per block, then over the blocks in order.
-//   CUDA (selective_scan_cuda.cu): N <= 16.  A block per (batch, kChannels channels), a thread per
-//        (channel, state group of 4 or fewer): the state in registers; u, delta, z, dout tiles staged
-//        through shared memory; B and C tiles (normalised there) in shared memory.  The forward walks the
-//        whole sequence; the backward walks the chunks from the last, recomputes the chunk's states
-//        from the saved ones (sub-chunk checkpoints in shared memory, then sub-chunks of positions in
-//        registers), and writes per-block partial sums of dB, dC, dA, dD, ddelta_bias to the workspace,
-//        which a second kernel adds in block order (and sends dB, dC back through the norm).
-// Memory: states is B D ceil(L / 256) N floats; the CUDA backward's workspace
-// selective_scan_backward_workspace(p) bytes.
+//   CPU: forward a task per (batch, channel); backward a task per (batch, block of 128 channels of a
+//        group), channel after channel, each chunk's states and decays recomputed into a buffer; dB / dC
+//        summed per block, then over the blocks in order.
+//   CUDA (selective_scan_cuda.cu): N <= 16 (selective_scan_cuda_unsupported says so otherwise).  A block
+//        per (batch, group, 32 channels), 1, 2 or 4 threads a channel (N <= 4, 8, 16) holding 4 states
+//        each in registers; u, delta, z, dout tiles of 32 positions widened into shared memory, B and C
+//        tiles (normalised there) likewise.  The forward walks the whole sequence; the backward walks
+//        the chunks from the last, recomputes each chunk's states from the saved one (a checkpoint every
+//        8 positions in shared memory, then 8 positions of decays in registers) and writes per-block
+//        partial sums of dB, dC and per-batch dA, dD, ddelta_bias to the workspace, which two kernels add
+//        in block and batch order (and send dB, dC back through the norm).
+// Memory: states is B D ceil(L / 256) N floats.  The CUDA backward's workspace,
+// selective_scan_backward_workspace(p) bytes: ceil(D / G / 32) B G 2 N L floats (the blocks' dB / dC
+// rows) + B D (N + 2) floats.
 #pragma once
 
 #include <cmath>
@@ -56,24 +59,28 @@ namespace kcpp::mamba {
 
 // Positions between two saved states (SelectiveScan/1 fixes it).
 constexpr int64_t kStateChunk = 256;
-inline int64_t state_chunks(int64_t seqlen) { return (seqlen + kStateChunk - 1) / kStateChunk; }
+KCPP_KERNEL_INLINE int64_t state_chunks(int64_t seqlen) { return (seqlen + kStateChunk - 1) / kStateChunk; }
 
 // A [batch, rows, L] tensor with L contiguous: element (b, r, l) at data + b * sb + r * sr + l.
 struct Seq {
   const void* data = nullptr;
   int64_t sb = 0, sr = 0;
-  template <typename T> const T* at(int64_t b, int64_t r) const { return static_cast<const T*>(data) + b * sb + r * sr; }
-  template <typename T> T* mut(int64_t b, int64_t r) const { return const_cast<T*>(at<T>(b, r)); }
+  template <typename T> KCPP_KERNEL_INLINE const T* at(int64_t b, int64_t r) const {
+    return static_cast<const T*>(data) + b * sb + r * sr;
+  }
+  template <typename T> KCPP_KERNEL_INLINE T* mut(int64_t b, int64_t r) const { return const_cast<T*>(at<T>(b, r)); }
 };
 
 // A [batch, groups, N, L] tensor with L contiguous ([batch, N, L] is one group, sg unused).
 struct GroupSeq {
   const void* data = nullptr;
   int64_t sb = 0, sg = 0, sn = 0;
-  template <typename T> const T* at(int64_t b, int64_t g, int64_t n) const {
+  template <typename T> KCPP_KERNEL_INLINE const T* at(int64_t b, int64_t g, int64_t n) const {
     return static_cast<const T*>(data) + b * sb + g * sg + n * sn;
   }
-  template <typename T> T* mut(int64_t b, int64_t g, int64_t n) const { return const_cast<T*>(at<T>(b, g, n)); }
+  template <typename T> KCPP_KERNEL_INLINE T* mut(int64_t b, int64_t g, int64_t n) const {
+    return const_cast<T*>(at<T>(b, g, n));
+  }
 };
 
 struct SelectiveScanParams {
