@@ -129,7 +129,7 @@ __device__ void load_bc(const SelectiveScanParams& p, const Place& w, int64_t l0
   }
   __syncthreads();
   if (!p.bc_norm) return;
-  for (int t = threadIdx.x; t < kTile; t += NT) {
+  for (int t = threadIdx.x; t < tl; t += NT) {  // the padding past tl stays 0
     float sb = 0.0f, sc = 0.0f;
     for (int n = 0; n < n_states; ++n) sb += s_B[t][n] * s_B[t][n], sc += s_C[t][n] * s_C[t][n];
     const float rb = 1.0f / sqrtf(sb / n_states + p.bc_eps), rc = 1.0f / sqrtf(sc / n_states + p.bc_eps);
