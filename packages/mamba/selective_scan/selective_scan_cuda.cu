@@ -190,7 +190,7 @@ __device__ void load_backward_rows(const SelectiveScanParams& p, const Place& w,
 __device__ __forceinline__ void unpack(const float4 v, float (&out)[4]) { out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w; }
 
 template <typename T, int TPC>
-__global__ void __launch_bounds__(32 * TPC) scan_forward_kernel(const SelectiveScanParams p, int64_t bpg) {
+__global__ void __launch_bounds__(32 * TPC, 8) scan_forward_kernel(const SelectiveScanParams p, int64_t bpg) {
   constexpr int NT = 32 * TPC, NP = 4 * TPC;
   __shared__ float s_u[kKC][kRow], s_dt[kKC][kRow], s_gate[kKC][kRow], s_out[kKC][kRow];
   __shared__ __align__(16) float s_B[kTile][NP];
