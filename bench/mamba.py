@@ -236,6 +236,35 @@ t_copy = ms(lambda: dst.copy_(src), f"copy of {total / 2**30:.2f} GiB moved")
 t_copy_f = t_copy * fwd_bytes / total
 rows.append(("copy of the same bytes", t_copy_f, t_copy))
 
+# One decoding step of a mixer (its conv update and state update) at this batch and width.
+step_layer, conv_layer = kcpp.Package(args.lib).layer("SelectiveStateUpdate"), kcpp.Package(args.lib).layer("CausalConv1dUpdate")
+ssm_state = torch.randn(Bn, D, N, device=dev)
+conv_state = torch.randn(Bn, D, 4, dtype=dt, device=dev)
+xs, zs, dts = u[:, :, 0].contiguous(), z[:, :, 0].contiguous(), delta[:, :, 0].contiguous()
+Bs, Cs = Bm[:, :, 0].contiguous(), Cm[:, :, 0].contiguous()
+conv_w, conv_b = torch.randn(D, 4, dtype=dt, device=dev), torch.randn(D, dtype=dt, device=dev)
+xo, yo = torch.empty_like(xs), torch.empty_like(xs)
+sa = {"state": ssm_state, "x": xo, "dt": dts, "A": A, "B": Bs, "C": Cs, "D": Dp, "z": zs, "dt_bias": bias, "dt_softplus": 1, "out": yo}
+ca = {"x": xs, "conv_state": conv_state, "weight": conv_w, "bias": conv_b, "activation": "silu", "out": xo}
+
+
+def kcpp_step():
+    conv_layer.forward(ca, mode="inference")
+    step_layer.forward(sa, mode="inference")
+
+
+t_step = ms(kcpp_step, "kcpp decoding step (CausalConv1dUpdate + SelectiveStateUpdate)")
+if hf_scan is not None:
+    hf_step, hf_conv = inspect.unwrap(mm.mamba_selective_state_update), inspect.unwrap(mm.causal_conv1d_update)
+    xs3 = xs.unsqueeze(-1)
+
+    def torch_step():
+        xc = hf_conv(xs3, conv_state, conv_w, conv_b, activation="silu")
+        hf_step(ssm_state, xc[..., 0], dts, A, Bs, Cs, Dp, dt_bias=bias, dt_softplus=True, z=zs)
+
+    t_tstep = ms(torch_step, "torch decoding step (Transformers' causal_conv1d_update + mamba_selective_state_update)")
+    print(f"  decoding step of one mixer at batch {Bn}: kcpp {t_step * 1e3:.1f} us, torch {t_tstep * 1e3:.1f} us", flush=True)
+
 print(f"\nbytes: forward {fwd_bytes / 1e9:.3f} GB, forward + backward {total / 1e9:.3f} GB; copy bandwidth {total / t_copy / 1e6:.0f} GB/s")
 print(f"{'impl':44s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'GB/s':>7s} {'of copy':>8s} {'kcpp speed-up':>14s}")
 for name, f, fb in rows:
