@@ -43,7 +43,8 @@ bool shape_is(kk::Call& c, const DLTensor* t, const char* name, std::initializer
   size_t at = static_cast<size_t>(std::snprintf(want, sizeof want, "["));
   i = 0;
   for (int64_t d : dims)
-    if (at < sizeof want) at += static_cast<size_t>(std::snprintf(want + at, sizeof want - at, i++ ? ", %lld" : "%lld", static_cast<long long>(d)));
+    if (at < sizeof want)
+      at += static_cast<size_t>(std::snprintf(want + at, sizeof want - at, i++ ? ", %lld" : "%lld", static_cast<long long>(d)));
   if (at < sizeof want) std::snprintf(want + at, sizeof want - at, "]");
   return c.require(false, "tensor '%s' has shape %s; expected %s", name, kk::Call::shape_str(t, got, sizeof got), want);
 }
@@ -53,7 +54,8 @@ bool dtype_is(kk::Call& c, const DLTensor* t, const char* name, kk::DType dt, co
   kk::DType got = dt;
   if (!c.float_dtype(t, name, &got)) return false;
   if (got != dt)
-    return c.require(false, "tensor '%s' is %s; expected %s (the dtype of '%s')", name, kk::dl_dtype_name(t->dtype), kk::dtype_name(dt), of);
+    return c.require(false, "tensor '%s' is %s; expected %s (the dtype of '%s')", name, kk::dl_dtype_name(t->dtype),
+                     kk::dtype_name(dt), of);
   return true;
 }
 
@@ -78,12 +80,14 @@ bool group_seq(kk::Call& c, const DLTensor* t, const char* name, kk::DType dt, i
   if (!dtype_is(c, t, name, dt, "u")) return false;
   if (t->ndim != 3 && t->ndim != 4) {
     char sh[128];
-    return c.require(false, "tensor '%s' has shape %s; expected [B, N, L] or [B, G, N, L]", name, kk::Call::shape_str(t, sh, sizeof sh));
+    return c.require(false, "tensor '%s' has shape %s; expected [B, N, L] or [B, G, N, L]", name,
+                     kk::Call::shape_str(t, sh, sizeof sh));
   }
-  const int64_t g = t->ndim == 4 ? t->shape[1] : 1;
-  if (*groups == 0) *groups = g;
-  if (t->ndim == 4 ? !shape_is(c, t, name, {b, *groups, n, l}) : (*groups != 1 ? c.require(false, "tensor '%s' has 3 dims but B has %lld groups", name, static_cast<long long>(*groups)) : !shape_is(c, t, name, {b, n, l})))
-    return false;
+  if (*groups == 0) *groups = t->ndim == 4 ? t->shape[1] : 1;
+  if (t->ndim == 3 && *groups != 1)
+    return c.require(false, "tensor '%s' has no group dim but 'B' has %lld groups", name, static_cast<long long>(*groups));
+  const bool shape_ok = t->ndim == 4 ? shape_is(c, t, name, {b, *groups, n, l}) : shape_is(c, t, name, {b, n, l});
+  if (!shape_ok) return false;
   const int32_t ld = t->ndim - 1;
   if (l > 1 && kk::stride(t, ld) != 1)
     return c.fail(KCPP_ERROR_UNSUPPORTED, "tensor '%s': the sequence (last) dim must be contiguous (stride %lld)", name,
@@ -120,14 +124,16 @@ bool bc_norm_arg(kk::Call& c, bool* on, float* eps) {
   *on = a && a->kind != KCPP_ARG_NONE;
   if (!*on) return c.ok();
   const double e = c.real("bc_rms_eps", 1e-6);
-  if (c.ok() && !(std::isfinite(e) && e >= 0)) return c.require(false, "argument 'bc_rms_eps' is %g; expected a finite value >= 0", e);
+  if (c.ok() && !(std::isfinite(e) && e >= 0))
+    return c.require(false, "argument 'bc_rms_eps' is %g; expected a finite value >= 0", e);
   *eps = static_cast<float>(e);
   return c.ok();
 }
 
 bool flag(kk::Call& c, const char* name, bool* out) {
   const int64_t v = c.integer(name, 0);
-  if (c.ok() && v != 0 && v != 1) return c.require(false, "argument '%s' is %lld; expected 0 or 1", name, static_cast<long long>(v));
+  if (c.ok() && v != 0 && v != 1)
+    return c.require(false, "argument '%s' is %lld; expected 0 or 1", name, static_cast<long long>(v));
   *out = v == 1;
   return c.ok();
 }
@@ -149,7 +155,8 @@ bool scan_args(kk::Call& c, bool bwd, km::SelectiveScanParams& p) {
   c.float_dtype(u, "u", &p.dtype);
   if (!c.ndim(u, "u", 3) || !c.ndim(A, "A", 2)) return false;
   p.batch = u->shape[0], p.dim = u->shape[1], p.seqlen = u->shape[2], p.dstate = A->shape[1];
-  if (p.dstate < 1) return c.require(false, "tensor 'A' has %lld columns; the state size N must be >= 1", static_cast<long long>(p.dstate));
+  if (p.dstate < 1)
+    return c.require(false, "tensor 'A' has %lld columns; the state size N must be >= 1", static_cast<long long>(p.dstate));
   const int64_t b = p.batch, d = p.dim, l = p.seqlen, n = p.dstate;
   seq(c, u, "u", p.dtype, "u", b, d, l, p.u);
   seq(c, delta, "delta", p.dtype, "u", b, d, l, p.delta);
@@ -159,7 +166,8 @@ bool scan_args(kk::Call& c, bool bwd, km::SelectiveScanParams& p) {
   group_seq(c, C, "C", p.dtype, b, n, l, &groups, p.C);
   if (!c.ok()) return false;
   if (groups < 1 || d % groups != 0)
-    return c.require(false, "B and C have %lld groups, which do not divide the %lld channels", static_cast<long long>(groups), static_cast<long long>(d));
+    return c.require(false, "B and C have %lld groups, which do not divide the %lld channels", static_cast<long long>(groups),
+                     static_cast<long long>(d));
   p.groups = groups;
   if (D) p.D = f32_tensor(c, D, "D", {d});
   if (z) seq(c, z, "z", p.dtype, "u", b, d, l, p.z);
@@ -206,11 +214,14 @@ bool scan_args(kk::Call& c, bool bwd, km::SelectiveScanParams& p) {
   if (dbias) p.ddelta_bias = f32_tensor(c, dbias, "ddelta_bias", {d});
   if (!c.ok()) return false;
   const bool any = b * d * l > 0;
-  const std::initializer_list<const void*> all_in = {p.u.data, p.delta.data, p.A, p.B.data, p.C.data, p.D, p.z.data,
-                                                     p.delta_bias, p.states, p.dout.data};
+  const std::initializer_list<const void*> all_in = {p.u.data, p.delta.data, p.A,          p.B.data, p.C.data,
+                                                     p.D,      p.z.data,     p.delta_bias, p.states, p.dout.data};
   if (any) {
-    for (auto [ptr, name] : {std::pair<const void*, const char*>{p.du.data, "du"}, {p.ddelta.data, "ddelta"},
-                             {p.dB.data, "dB"}, {p.dC.data, "dC"}, {p.dz.data, "dz"}})
+    for (auto [ptr, name] : {std::pair<const void*, const char*>{p.du.data, "du"},
+                             {p.ddelta.data, "ddelta"},
+                             {p.dB.data, "dB"},
+                             {p.dC.data, "dC"},
+                             {p.dz.data, "dz"}})
       distinct(c, ptr, name, all_in);
     distinct(c, p.du.data, "du", {p.ddelta.data, p.dB.data, p.dC.data, p.dz.data});
     distinct(c, p.ddelta.data, "ddelta", {p.dB.data, p.dC.data, p.dz.data});
@@ -286,11 +297,14 @@ bool step_bc(kk::Call& c, const DLTensor* t, const char* name, kk::DType dt, int
   if (!dtype_is(c, t, name, dt, "x")) return false;
   if (t->ndim != 2 && t->ndim != 3) {
     char sh[128];
-    return c.require(false, "tensor '%s' has shape %s; expected [B, N] or [B, G, N]", name, kk::Call::shape_str(t, sh, sizeof sh));
+    return c.require(false, "tensor '%s' has shape %s; expected [B, N] or [B, G, N]", name,
+                     kk::Call::shape_str(t, sh, sizeof sh));
   }
   if (*groups == 0) *groups = t->ndim == 3 ? t->shape[1] : 1;
-  if (t->ndim == 3 ? !shape_is(c, t, name, {b, *groups, n}) : (*groups != 1 ? c.require(false, "tensor '%s' has 2 dims but B has %lld groups", name, static_cast<long long>(*groups)) : !shape_is(c, t, name, {b, n})))
-    return false;
+  if (t->ndim == 2 && *groups != 1)
+    return c.require(false, "tensor '%s' has no group dim but 'B' has %lld groups", name, static_cast<long long>(*groups));
+  const bool shape_ok = t->ndim == 3 ? shape_is(c, t, name, {b, *groups, n}) : shape_is(c, t, name, {b, n});
+  if (!shape_ok) return false;
   if (n > 1 && kk::stride(t, t->ndim - 1) != 1)
     return c.fail(KCPP_ERROR_UNSUPPORTED, "tensor '%s': the state dim N must be contiguous", name);
   *sb = kk::stride(t, 0);
@@ -314,7 +328,8 @@ bool update_args(kk::Call& c, km::StateUpdateParams& p) {
   c.float_dtype(x, "x", &p.dtype);
   if (!c.ndim(x, "x", 2) || !c.ndim(A, "A", 2)) return false;
   p.batch = x->shape[0], p.dim = x->shape[1], p.dstate = A->shape[1];
-  if (p.dstate < 1) return c.require(false, "tensor 'A' has %lld columns; the state size N must be >= 1", static_cast<long long>(p.dstate));
+  if (p.dstate < 1)
+    return c.require(false, "tensor 'A' has %lld columns; the state size N must be >= 1", static_cast<long long>(p.dstate));
   const int64_t b = p.batch, d = p.dim, n = p.dstate;
   matrix(c, x, "x", p.dtype, b, d, &p.x_sb, &p.x_sd);
   p.x = kk::data_ptr(x);
@@ -325,7 +340,8 @@ bool update_args(kk::Call& c, km::StateUpdateParams& p) {
   if (state->dtype.code != kDLFloat || state->dtype.bits != 32 || state->dtype.lanes != 1)
     return c.require(false, "tensor 'state' must be f32, is %s", kk::dl_dtype_name(state->dtype));
   if (!shape_is(c, state, "state", {b, d, n})) return false;
-  if (n > 1 && kk::stride(state, 2) != 1) return c.fail(KCPP_ERROR_UNSUPPORTED, "tensor 'state': the state dim N must be contiguous");
+  if (n > 1 && kk::stride(state, 2) != 1)
+    return c.fail(KCPP_ERROR_UNSUPPORTED, "tensor 'state': the state dim N must be contiguous");
   p.state = static_cast<float*>(kk::data_ptr(state));
   p.state_sb = kk::stride(state, 0), p.state_sd = kk::stride(state, 1);
   int64_t groups = 0;
@@ -333,7 +349,8 @@ bool update_args(kk::Call& c, km::StateUpdateParams& p) {
   step_bc(c, C, "C", p.dtype, b, n, &groups, &p.C_sb, &p.C_sg);
   if (!c.ok()) return false;
   if (groups < 1 || d % groups != 0)
-    return c.require(false, "B and C have %lld groups, which do not divide the %lld channels", static_cast<long long>(groups), static_cast<long long>(d));
+    return c.require(false, "B and C have %lld groups, which do not divide the %lld channels", static_cast<long long>(groups),
+                     static_cast<long long>(d));
   p.groups = groups;
   p.B = kk::data_ptr(B), p.C = kk::data_ptr(C);
   if (D) p.D = f32_tensor(c, D, "D", {d});
@@ -435,7 +452,8 @@ bool conv_args(kk::Call& c, bool bwd, km::CausalConv1dParams& p) {
   }
   const std::initializer_list<const void*> ins = {p.x.data, p.weight, p.bias, p.dout.data};
   if (any) distinct(c, p.dx.data, "dx", ins), distinct(c, p.dx.data, "dx", {p.dweight, p.dbias});
-  if (d > 0) distinct(c, p.dweight, "dweight", ins), distinct(c, p.dbias, "dbias", ins), distinct(c, p.dweight, "dweight", {p.dbias});
+  if (d > 0)
+    distinct(c, p.dweight, "dweight", ins), distinct(c, p.dbias, "dbias", ins), distinct(c, p.dweight, "dweight", {p.dbias});
   return c.ok();
 }
 
@@ -501,8 +519,8 @@ bool conv_update_args(kk::Call& c, km::ConvUpdateParams& p) {
   p.state_len = state->shape[2];
   if (!shape_is(c, state, "conv_state", {b, d, p.state_len})) return false;
   if (p.state_len < p.width - 1)
-    return c.require(false, "tensor 'conv_state' keeps %lld positions; width %lld needs at least %lld", static_cast<long long>(p.state_len),
-                     static_cast<long long>(p.width), static_cast<long long>(p.width - 1));
+    return c.require(false, "tensor 'conv_state' keeps %lld positions; width %lld needs at least %lld",
+                     static_cast<long long>(p.state_len), static_cast<long long>(p.width), static_cast<long long>(p.width - 1));
   if (p.state_len > 1 && kk::stride(state, 2) != 1)
     return c.fail(KCPP_ERROR_UNSUPPORTED, "tensor 'conv_state': the positions (last dim) must be contiguous");
   p.conv_state = kk::data_ptr(state);

@@ -26,10 +26,14 @@ inline void mamba_check(const char* kernel_error) {
 
 inline kernel::DType mamba_dtype(DType t) {
   switch (t) {
-    case DType::f32: return kernel::DType::f32;
-    case DType::bf16: return kernel::DType::bf16;
-    case DType::f16: return kernel::DType::f16;
-    default: throw Error("no kernel dtype for " + std::string(dtype_name(t)));
+    case DType::f32:
+      return kernel::DType::f32;
+    case DType::bf16:
+      return kernel::DType::bf16;
+    case DType::f16:
+      return kernel::DType::f16;
+    default:
+      throw Error("no kernel dtype for " + std::string(dtype_name(t)));
   }
 }
 

@@ -37,8 +37,9 @@ TEST_P(MambaPackage, TableNamesEveryLayerAndContract) {
     const char* contract;
     bool backward;
   };
-  for (const Expect& e : {Expect{"SelectiveScan", "SelectiveScan/1", true}, Expect{"SelectiveStateUpdate", "SelectiveStateUpdate/1", false},
-                          Expect{"CausalConv1d", "CausalConv1d/1", true}, Expect{"CausalConv1dUpdate", "CausalConv1dUpdate/1", false}}) {
+  for (const Expect& e :
+       {Expect{"SelectiveScan", "SelectiveScan/1", true}, Expect{"SelectiveStateUpdate", "SelectiveStateUpdate/1", false},
+        Expect{"CausalConv1d", "CausalConv1d/1", true}, Expect{"CausalConv1dUpdate", "CausalConv1dUpdate/1", false}}) {
     const KernelLayer l = layer(e.name);
     EXPECT_STREQ(l.info().contract, e.contract) << e.name;
     EXPECT_EQ(l.has_backward(), e.backward) << e.name;
@@ -62,8 +63,8 @@ TEST_P(MambaPackage, SelectiveScanForwardAndBackward) {
   const KernelLayer k = layer("SelectiveScan");
   for (const Scan& c : {Scan{2, 6, 300, 16, 1, true, false}, Scan{1, 6, 9, 4, 3, false, true}})
     for (DType dt : {DType::f32, DType::bf16}) {
-      const std::string cfg = fmt::format("{} b={} d={} l={} n={} g={} rank3={} falcon={}", test::config_name(dev, dt), c.b, c.d, c.l,
-                                          c.n, c.g, c.rank3, c.falcon);
+      const std::string cfg = fmt::format("{} b={} d={} l={} n={} g={} rank3={} falcon={}", test::config_name(dev, dt), c.b, c.d,
+                                          c.l, c.n, c.g, c.rank3, c.falcon);
       // u and z as the channel halves of one [B, 2D, L] buffer (as a projection writes them).
       const Tensor xz = Tensor::randn({c.b, 2 * c.d, c.l}, dt, dev, gen);
       const Tensor u = xz.narrow(1, 0, c.d), z = xz.narrow(1, c.d, c.d);
@@ -88,7 +89,8 @@ TEST_P(MambaPackage, SelectiveScanForwardAndBackward) {
       ASSERT_TRUE(k.supports(f, dev, test::kTraining).ok()) << cfg << ": " << k.supports(f, dev, test::kTraining).message;
       k.forward(f, dev, test::kTraining);
       const Tensor dout = Tensor::randn({c.b, c.d, c.l}, dt, dev, gen);
-      const Tensor du = Tensor::empty(u.shape(), dt, dev), ddelta = Tensor::empty(u.shape(), dt, dev), dz = Tensor::empty(u.shape(), dt, dev);
+      const Tensor du = Tensor::empty(u.shape(), dt, dev), ddelta = Tensor::empty(u.shape(), dt, dev),
+                   dz = Tensor::empty(u.shape(), dt, dev);
       const Tensor dA = Tensor::empty({c.d, c.n}, DType::f32, dev), dD = Tensor::empty({c.d}, DType::f32, dev);
       const Tensor dbias = Tensor::empty({c.d}, DType::f32, dev);
       const Tensor dB = Tensor::empty(B.shape(), dt, dev), dC = Tensor::empty(C.shape(), dt, dev);
@@ -135,7 +137,8 @@ TEST_P(MambaPackage, SelectiveScanWithoutOptions) {
   Generator gen = test::test_generator();
   const KernelLayer k = layer("SelectiveScan");
   const int64_t b = 2, d = 3, l = 20, n = 5;
-  const Tensor u = Tensor::randn({b, d, l}, DType::f32, dev, gen), delta = Tensor::uniform({b, d, l}, DType::f32, dev, gen, 0.01, 0.5);
+  const Tensor u = Tensor::randn({b, d, l}, DType::f32, dev, gen),
+               delta = Tensor::uniform({b, d, l}, DType::f32, dev, gen, 0.01, 0.5);
   const Tensor A = Tensor::uniform({d, n}, DType::f32, dev, gen, -3, -0.1);
   const Tensor B = Tensor::randn({b, n, l}, DType::f32, dev, gen), C = Tensor::randn({b, n, l}, DType::f32, dev, gen);
   const Tensor out = Tensor::empty({b, d, l}, DType::f32, dev), states = Tensor::empty({b, d, 1, n}, DType::f32, dev);
@@ -148,12 +151,19 @@ TEST_P(MambaPackage, SelectiveScanWithoutOptions) {
   const Tensor dA = Tensor::empty({d, n}, DType::f32, dev), dB = Tensor::empty({b, n, l}, DType::f32, dev);
   const Tensor dC = Tensor::empty({b, n, l}, DType::f32, dev);
   KernelArgs bw;
-  bw.tensor("u", u).tensor("delta", delta).tensor("A", A).tensor("B", B).tensor("C", C).tensor("states", states).tensor("dout", dout);
+  bw.tensor("u", u)
+      .tensor("delta", delta)
+      .tensor("A", A)
+      .tensor("B", B)
+      .tensor("C", C)
+      .tensor("states", states)
+      .tensor("dout", dout);
   bw.tensor("du", du).tensor("ddelta", ddelta).tensor("dA", dA).tensor("dB", dB).tensor("dC", dC);
   k.backward(bw, dev, test::kTraining);
   oracle::Scan s;
   s.batch = b, s.dim = d, s.seqlen = l, s.dstate = n;
-  s.u = u.to_f64_vector(), s.delta = delta.to_f64_vector(), s.A = A.to_f64_vector(), s.B = B.to_f64_vector(), s.C = C.to_f64_vector();
+  s.u = u.to_f64_vector(), s.delta = delta.to_f64_vector(), s.A = A.to_f64_vector(), s.B = B.to_f64_vector(),
+  s.C = C.to_f64_vector();
   expect_close(out, oracle::selective_scan(s).out, oracle::selective_scan(s, true).out, DType::f32, "out");
   const auto dv = dout.to_f64_vector();
   const oracle::ScanGrad go = oracle::selective_scan_backward(s, dv), gm = oracle::selective_scan_backward(s, dv, true);
@@ -185,12 +195,22 @@ TEST_P(MambaPackage, SelectiveScanRefusesBadInputByName) {
   }
   {
     KernelArgs a;
-    a.tensor("u", u).tensor("delta", Tensor::zeros({b, d, l}, DType::f16, dev)).tensor("A", A).tensor("B", B).tensor("C", B).tensor("out", out);
+    a.tensor("u", u)
+        .tensor("delta", Tensor::zeros({b, d, l}, DType::f16, dev))
+        .tensor("A", A)
+        .tensor("B", B)
+        .tensor("C", B)
+        .tensor("out", out);
     refused(a, test::kInference, KCPP_ERROR_INVALID_ARGUMENT, "tensor 'delta' is f16; expected bf16");
   }
   {
     KernelArgs a;
-    a.tensor("u", u).tensor("delta", u).tensor("A", Tensor::zeros({d, n}, DType::bf16, dev)).tensor("B", B).tensor("C", B).tensor("out", out);
+    a.tensor("u", u)
+        .tensor("delta", u)
+        .tensor("A", Tensor::zeros({d, n}, DType::bf16, dev))
+        .tensor("B", B)
+        .tensor("C", B)
+        .tensor("out", out);
     refused(a, test::kInference, KCPP_ERROR_INVALID_ARGUMENT, "tensor 'A' must be f32");
   }
   {
@@ -207,7 +227,17 @@ TEST_P(MambaPackage, SelectiveScanRefusesBadInputByName) {
   }
   {
     KernelArgs a;
-    a.tensor("u", Tensor::zeros({b, l, d}, DType::bf16, dev).transpose(1, 2)).tensor("delta", u).tensor("A", A).tensor("B", B).tensor("C", B);
+    const Tensor g2 = Tensor::zeros({b, 2, n, l}, DType::bf16, dev);
+    a.tensor("u", u).tensor("delta", u).tensor("A", A).tensor("B", g2).tensor("C", B).tensor("out", out);
+    refused(a, test::kInference, KCPP_ERROR_INVALID_ARGUMENT, "tensor 'C' has no group dim but 'B' has 2 groups");
+  }
+  {
+    KernelArgs a;
+    a.tensor("u", Tensor::zeros({b, l, d}, DType::bf16, dev).transpose(1, 2))
+        .tensor("delta", u)
+        .tensor("A", A)
+        .tensor("B", B)
+        .tensor("C", B);
     a.tensor("out", out);
     refused(a, test::kInference, KCPP_ERROR_UNSUPPORTED, "tensor 'u': the sequence (last) dim must be contiguous");
   }
@@ -238,13 +268,20 @@ TEST_P(MambaPackage, SelectiveScanRefusesBadInputByName) {
     KernelArgs a;
     base(a);
     a.tensor("states", Tensor::empty({b, d, 1, n}, DType::f32, dev)).tensor("dout", out).tensor("du", u.clone());
-    a.tensor("ddelta", u.clone()).tensor("dA", A.clone()).tensor("dB", B.clone()).tensor("dC", B.clone()).tensor("dD", Tensor::empty({d}, DType::f32, dev));
+    a.tensor("ddelta", u.clone())
+        .tensor("dA", A.clone())
+        .tensor("dB", B.clone())
+        .tensor("dC", B.clone())
+        .tensor("dD", Tensor::empty({d}, DType::f32, dev));
     refused(a, test::kTraining, KCPP_ERROR_INVALID_ARGUMENT, "tensor 'dD' is given but 'D' is not");
   }
   {
     KernelArgs a;
     base(a);
-    a.tensor("z", u.clone()).tensor("states", Tensor::empty({b, d, 1, n}, DType::f32, dev)).tensor("dout", out).tensor("du", u.clone());
+    a.tensor("z", u.clone())
+        .tensor("states", Tensor::empty({b, d, 1, n}, DType::f32, dev))
+        .tensor("dout", out)
+        .tensor("du", u.clone());
     a.tensor("ddelta", u.clone()).tensor("dA", A.clone()).tensor("dB", B.clone()).tensor("dC", B.clone());
     refused(a, test::kTraining, KCPP_ERROR_INVALID_ARGUMENT, "missing tensor argument 'dz'");
   }
@@ -300,7 +337,8 @@ TEST_P(MambaPackage, SelectiveStateUpdateIsOneStepOfTheScan) {
   KernelArgs shape;
   shape.tensor("state", Tensor::zeros({2, 4, 2}, DType::f32, dev)).tensor("x", x).tensor("dt", x).tensor("A", A).tensor("B", Bt);
   shape.tensor("C", Bt).tensor("out", out);
-  EXPECT_TRUE(test::refused(k.supports(shape, dev, test::kInference), KCPP_ERROR_INVALID_ARGUMENT, "tensor 'state' has shape [2, 4, 2]"));
+  EXPECT_TRUE(
+      test::refused(k.supports(shape, dev, test::kInference), KCPP_ERROR_INVALID_ARGUMENT, "tensor 'state' has shape [2, 4, 2]"));
 }
 
 // ---- CausalConv1d/1, CausalConv1dUpdate/1
@@ -374,11 +412,17 @@ TEST_P(MambaPackage, CausalConv1dUpdateRollsTheState) {
     const DType dt = DType::f32;
     const int64_t b = 2, d = 5, kk = 4, w = 4, s = rank3 ? 2 : 1;
     const Tensor x3 = Tensor::randn({b, d, s}, dt, dev, gen), x = rank3 ? x3 : x3.select(2, 0);
-    const Tensor state = Tensor::randn({b, d, kk}, dt, dev, gen), wt = Tensor::randn({d, w}, dt, dev, gen), bt = Tensor::randn({d}, dt, dev, gen);
+    const Tensor state = Tensor::randn({b, d, kk}, dt, dev, gen), wt = Tensor::randn({d, w}, dt, dev, gen),
+                 bt = Tensor::randn({d}, dt, dev, gen);
     const Tensor out = rank3 ? Tensor::empty({b, d, s}, dt, dev) : Tensor::empty({b, d}, dt, dev);
     const auto sv = state.to_f64_vector(), xv = x3.to_f64_vector();
     KernelArgs a;
-    a.tensor("x", x).tensor("conv_state", state).tensor("weight", wt).tensor("bias", bt).string("activation", "silu").tensor("out", out);
+    a.tensor("x", x)
+        .tensor("conv_state", state)
+        .tensor("weight", wt)
+        .tensor("bias", bt)
+        .string("activation", "silu")
+        .tensor("out", out);
     k.forward(a, dev, test::kInference);
     oracle::Conv o;
     o.batch = b, o.dim = d, o.seqlen = kk + s, o.width = w, o.silu = true, o.w = wt.to_f64_vector(), o.bias = bt.to_f64_vector();
@@ -389,7 +433,9 @@ TEST_P(MambaPackage, CausalConv1dUpdateRollsTheState) {
     const auto full = oracle::causal_conv1d(o), mag = oracle::causal_conv1d(o, true);
     oracle::V ref, m, st;
     for (int64_t i = 0; i < b * d; ++i) {
-      for (int64_t t = 0; t < s; ++t) ref.push_back(full[static_cast<size_t>(i * (kk + s) + kk + t)]), m.push_back(mag[static_cast<size_t>(i * (kk + s) + kk + t)]);
+      for (int64_t t = 0; t < s; ++t)
+        ref.push_back(full[static_cast<size_t>(i * (kk + s) + kk + t)]),
+            m.push_back(mag[static_cast<size_t>(i * (kk + s) + kk + t)]);
       for (int64_t t = 0; t < kk; ++t) st.push_back(o.x[static_cast<size_t>(i * (kk + s) + s + t)]);
     }
     expect_close(out, ref, m, dt, fmt::format("rank3={} out", rank3));
@@ -397,7 +443,9 @@ TEST_P(MambaPackage, CausalConv1dUpdateRollsTheState) {
   }
   KernelArgs shortstate;
   const Tensor x = Tensor::zeros({2, 5}, DType::f32, dev);
-  shortstate.tensor("x", x).tensor("conv_state", Tensor::zeros({2, 5, 2}, DType::f32, dev)).tensor("weight", Tensor::zeros({5, 4}, DType::f32, dev));
+  shortstate.tensor("x", x)
+      .tensor("conv_state", Tensor::zeros({2, 5, 2}, DType::f32, dev))
+      .tensor("weight", Tensor::zeros({5, 4}, DType::f32, dev));
   shortstate.tensor("out", Tensor::empty({2, 5}, DType::f32, dev));
   EXPECT_TRUE(test::refused(k.supports(shortstate, dev, test::kInference), KCPP_ERROR_INVALID_ARGUMENT,
                             "tensor 'conv_state' keeps 2 positions; width 4 needs at least 3"));

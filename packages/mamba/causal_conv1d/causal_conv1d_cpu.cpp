@@ -23,7 +23,8 @@ inline void conv_row(const float* xp, const float* w, float bias, int64_t L, int
   }
 }
 
-template <typename T> KCPP_CPU_MULTIVERSION void forward(const CausalConv1dParams& p) {
+template <typename T>
+KCPP_CPU_MULTIVERSION void forward(const CausalConv1dParams& p) {
   const int64_t L = p.seqlen, W = p.width;
 #pragma omp parallel
   {
@@ -41,7 +42,8 @@ template <typename T> KCPP_CPU_MULTIVERSION void forward(const CausalConv1dParam
   }
 }
 
-template <typename T> KCPP_CPU_MULTIVERSION void backward(const CausalConv1dParams& p) {
+template <typename T>
+KCPP_CPU_MULTIVERSION void backward(const CausalConv1dParams& p) {
   const int64_t L = p.seqlen, W = p.width;
 #pragma omp parallel
   {
@@ -84,7 +86,8 @@ template <typename T> KCPP_CPU_MULTIVERSION void backward(const CausalConv1dPara
   }
 }
 
-template <typename T> void update(const ConvUpdateParams& p) {
+template <typename T>
+void update(const ConvUpdateParams& p) {
   const int64_t S = p.seqlen, W = p.width, K = p.state_len;
 #pragma omp parallel
   {
@@ -112,17 +115,22 @@ template <typename T> void update(const ConvUpdateParams& p) {
   }
 }
 
-template <typename F> void visit(kernel::DType t, F&& f) {
+template <typename F>
+void visit(kernel::DType t, F&& f) {
   switch (t) {
-    case kernel::DType::f32: f(static_cast<float*>(nullptr)); break;
-    case kernel::DType::bf16: f(static_cast<kernel::cpu::bf16*>(nullptr)); break;
-    case kernel::DType::f16: f(static_cast<kernel::cpu::f16*>(nullptr)); break;
+    case kernel::DType::f32:
+      f(static_cast<float*>(nullptr));
+      break;
+    case kernel::DType::bf16:
+      f(static_cast<kernel::cpu::bf16*>(nullptr));
+      break;
+    case kernel::DType::f16:
+      f(static_cast<kernel::cpu::f16*>(nullptr));
+      break;
   }
 }
 
-bool valid_dtype(kernel::DType t) {
-  return t == kernel::DType::f32 || t == kernel::DType::bf16 || t == kernel::DType::f16;
-}
+bool valid_dtype(kernel::DType t) { return t == kernel::DType::f32 || t == kernel::DType::bf16 || t == kernel::DType::f16; }
 
 }  // namespace
 
@@ -151,8 +159,8 @@ const char* conv_update_check(const ConvUpdateParams& p) {
   KCPP_KERNEL_REQUIRE(p.width >= 1, "%s: the kernel width W must be >= 1", op);
   KCPP_KERNEL_REQUIRE(p.state_len >= p.width - 1, "%s: 'conv_state' keeps %lld positions; width %lld needs at least %lld", op,
                       static_cast<long long>(p.state_len), static_cast<long long>(p.width), static_cast<long long>(p.width - 1));
-  KCPP_KERNEL_REQUIRE(p.batch * p.dim == 0 || ((p.x || p.seqlen == 0) && (p.conv_state || p.state_len == 0) && p.weight &&
-                                                 (p.out || p.seqlen == 0)),
+  KCPP_KERNEL_REQUIRE(p.batch * p.dim == 0 ||
+                          ((p.x || p.seqlen == 0) && (p.conv_state || p.state_len == 0) && p.weight && (p.out || p.seqlen == 0)),
                       "%s: 'x', 'conv_state', 'weight' and 'out' must not be null", op);
   return nullptr;
 }

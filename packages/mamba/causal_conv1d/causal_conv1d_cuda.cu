@@ -32,13 +32,15 @@ __device__ __forceinline__ float pre_at(const T* x, const float (&w)[W], float b
   return s;
 }
 
-template <typename T, int W> __device__ __forceinline__ void load_weights(const CausalConv1dParams& p, int64_t d, float (&w)[W], float* bias) {
+template <typename T, int W>
+__device__ __forceinline__ void load_weights(const CausalConv1dParams& p, int64_t d, float (&w)[W], float* bias) {
 #pragma unroll
   for (int k = 0; k < W; ++k) w[k] = kc::to_f32(static_cast<const T*>(p.weight)[d * W + k]);
   *bias = p.bias ? kc::to_f32(static_cast<const T*>(p.bias)[d]) : 0.0f;
 }
 
-template <typename T, int W> __global__ void __launch_bounds__(kThreads) conv_forward_kernel(const CausalConv1dParams p) {
+template <typename T, int W>
+__global__ void __launch_bounds__(kThreads) conv_forward_kernel(const CausalConv1dParams p) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x, L = p.seqlen;
   if (i >= p.batch * p.dim * L) return;
   const int64_t l = i % L, d = i / L % p.dim, b = i / (L * p.dim);
@@ -48,7 +50,8 @@ template <typename T, int W> __global__ void __launch_bounds__(kThreads) conv_fo
   p.out.mut<T>(b, d)[l] = kc::from_f32<T>(p.silu ? silu(pre) : pre);
 }
 
-template <typename T, int W> __global__ void __launch_bounds__(kThreads) conv_dx_kernel(const CausalConv1dParams p) {
+template <typename T, int W>
+__global__ void __launch_bounds__(kThreads) conv_dx_kernel(const CausalConv1dParams p) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x, L = p.seqlen;
   if (i >= p.batch * p.dim * L) return;
   const int64_t l = i % L, d = i / L % p.dim, b = i / (L * p.dim);
@@ -68,7 +71,8 @@ template <typename T, int W> __global__ void __launch_bounds__(kThreads) conv_dx
   p.dx.mut<T>(b, d)[l] = kc::from_f32<T>(s);
 }
 
-template <typename T, int W> __global__ void __launch_bounds__(kThreads) conv_dweight_kernel(const CausalConv1dParams p) {
+template <typename T, int W>
+__global__ void __launch_bounds__(kThreads) conv_dweight_kernel(const CausalConv1dParams p) {
   __shared__ float part[W + 1][kThreads];
   const int64_t d = blockIdx.x, L = p.seqlen;
   float w[W], bias, acc[W + 1] = {};
@@ -101,7 +105,8 @@ template <typename T, int W> __global__ void __launch_bounds__(kThreads) conv_dw
   }
 }
 
-template <typename T> __global__ void __launch_bounds__(kThreads) conv_update_kernel(const ConvUpdateParams p) {
+template <typename T>
+__global__ void __launch_bounds__(kThreads) conv_update_kernel(const ConvUpdateParams p) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
   if (i >= p.batch * p.dim) return;
   const int64_t b = i / p.dim, d = i % p.dim, K = p.state_len, S = p.seqlen, W = p.width;
@@ -121,26 +126,35 @@ template <typename T> __global__ void __launch_bounds__(kThreads) conv_update_ke
   for (int64_t k = 0; k < K; ++k) state[k] = S + k < K ? state[S + k] : x[(S + k - K) * p.x_sl];
 }
 
-template <typename F> const char* with_dtype(kernel::DType t, F&& f) {
+template <typename F>
+const char* with_dtype(kernel::DType t, F&& f) {
   switch (t) {
-    case kernel::DType::f32: return f(static_cast<float*>(nullptr));
-    case kernel::DType::bf16: return f(static_cast<__nv_bfloat16*>(nullptr));
-    case kernel::DType::f16: return f(static_cast<__half*>(nullptr));
+    case kernel::DType::f32:
+      return f(static_cast<float*>(nullptr));
+    case kernel::DType::bf16:
+      return f(static_cast<__nv_bfloat16*>(nullptr));
+    case kernel::DType::f16:
+      return f(static_cast<__half*>(nullptr));
   }
   return "causal_conv1d: unknown dtype";
 }
 
 // Calls f.template operator()<T, W>() for the params' dtype and width (1 to 4).
-template <typename F> const char* with_width(kernel::DType t, int64_t width, F&& f) {
+template <typename F>
+const char* with_width(kernel::DType t, int64_t width, F&& f) {
   return with_dtype(t, [&]<typename T>(T*) -> const char* {
     switch (width) {
-      case 1: return f.template operator()<T, 1>();
-      case 2: return f.template operator()<T, 2>();
-      case 3: return f.template operator()<T, 3>();
-      case 4: return f.template operator()<T, 4>();
+      case 1:
+        return f.template operator()<T, 1>();
+      case 2:
+        return f.template operator()<T, 2>();
+      case 3:
+        return f.template operator()<T, 3>();
+      case 4:
+        return f.template operator()<T, 4>();
     }
-    return kernel::errorf("causal_conv1d: the CUDA kernels take widths up to %lld, not %lld", static_cast<long long>(kConvMaxWidthCuda),
-                          static_cast<long long>(width));
+    return kernel::errorf("causal_conv1d: the CUDA kernels take widths up to %lld, not %lld",
+                          static_cast<long long>(kConvMaxWidthCuda), static_cast<long long>(width));
   });
 }
 

@@ -71,15 +71,15 @@ TEST_P(CausalConv1d, MatchesTheOracle) {
   KCPP_REQUIRE_DEVICE(dev);
   Generator gen = test::test_generator();
   const Case cases[] = {
-      {1, 1, 1, 1, false, false, false}, {1, 1, 1, 4, true, true, false},   {2, 5, 7, 4, true, true, true},
+      {1, 1, 1, 1, false, false, false}, {1, 1, 1, 4, true, true, false},    {2, 5, 7, 4, true, true, true},
       {1, 3, 3, 4, false, true, false},  {2, 17, 130, 2, true, false, true}, {3, 64, 1000, 3, true, true, false},
       {1, 9, 129, 4, true, true, true},  {5, 40, 513, 4, false, true, true}, {2, 3, 11, 5, true, true, false},
   };
   for (DType dt : {DType::f32, DType::bf16, DType::f16})
     for (const Case& c : cases) {
       if (dev.is_cuda() && c.w > 4) continue;  // the CUDA kernels take W <= 4 (the package refuses wider)
-      const std::string cfg = fmt::format("{} b={} d={} l={} w={} bias={} silu={} strided={}", test::config_name(dev, dt), c.b, c.d,
-                                          c.l, c.w, c.bias, c.silu, c.strided);
+      const std::string cfg = fmt::format("{} b={} d={} l={} w={} bias={} silu={} strided={}", test::config_name(dev, dt), c.b,
+                                          c.d, c.l, c.w, c.bias, c.silu, c.strided);
       const ConvRun r = run(c, dt, dev, gen);
       const oracle::Conv o = oracle_of(c, r);
       expect_close(r.out, oracle::causal_conv1d(o), oracle::causal_conv1d(o, true), dt, cfg + " out");
@@ -116,8 +116,8 @@ TEST_P(CausalConv1d, UpdateMatchesTheConvolutionOfStateAndInput) {
                               {1, 8, 2, 2, 2, true, false, true},   {2, 300, 4, 1, 4, true, true, true}};
   for (DType dt : {DType::f32, DType::bf16, DType::f16})
     for (const UpdateCase& u : cases) {
-      const std::string cfg = fmt::format("{} b={} d={} k={} s={} w={} bias={} silu={}", test::config_name(dev, dt), u.b, u.d, u.k,
-                                          u.s, u.w, u.bias, u.silu);
+      const std::string cfg = fmt::format("{} b={} d={} k={} s={} w={} bias={} silu={}", test::config_name(dev, dt), u.b, u.d,
+                                          u.k, u.s, u.w, u.bias, u.silu);
       // x [B, D, S] (or [B, D]) as a strided view; the state [B, D, K] with a wider channel stride.
       const Tensor xb = Tensor::randn({u.b, u.s, u.d}, dt, dev, gen);
       const Tensor x3 = xb.transpose(1, 2), x = u.rank3 ? x3 : x3.select(2, 0);
@@ -134,7 +134,8 @@ TEST_P(CausalConv1d, UpdateMatchesTheConvolutionOfStateAndInput) {
       o.x.resize(static_cast<size_t>(u.b * u.d * (u.k + u.s)));
       for (int64_t i = 0; i < u.b * u.d; ++i)
         for (int64_t t = 0; t < u.k + u.s; ++t)
-          o.x[static_cast<size_t>(i * (u.k + u.s) + t)] = t < u.k ? sv[static_cast<size_t>(i * u.k + t)] : xv[static_cast<size_t>(i * u.s + t - u.k)];
+          o.x[static_cast<size_t>(i * (u.k + u.s) + t)] =
+              t < u.k ? sv[static_cast<size_t>(i * u.k + t)] : xv[static_cast<size_t>(i * u.s + t - u.k)];
       const auto full = oracle::causal_conv1d(o), full_mag = oracle::causal_conv1d(o, true);
       oracle::V ref, mag, state_ref;
       for (int64_t i = 0; i < u.b * u.d; ++i) {

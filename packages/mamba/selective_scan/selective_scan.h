@@ -65,20 +65,26 @@ KCPP_KERNEL_INLINE int64_t state_chunks(int64_t seqlen) { return (seqlen + kStat
 struct Seq {
   const void* data = nullptr;
   int64_t sb = 0, sr = 0;
-  template <typename T> KCPP_KERNEL_INLINE const T* at(int64_t b, int64_t r) const {
+  template <typename T>
+  KCPP_KERNEL_INLINE const T* at(int64_t b, int64_t r) const {
     return static_cast<const T*>(data) + b * sb + r * sr;
   }
-  template <typename T> KCPP_KERNEL_INLINE T* mut(int64_t b, int64_t r) const { return const_cast<T*>(at<T>(b, r)); }
+  template <typename T>
+  KCPP_KERNEL_INLINE T* mut(int64_t b, int64_t r) const {
+    return const_cast<T*>(at<T>(b, r));
+  }
 };
 
 // A [batch, groups, N, L] tensor with L contiguous ([batch, N, L] is one group, sg unused).
 struct GroupSeq {
   const void* data = nullptr;
   int64_t sb = 0, sg = 0, sn = 0;
-  template <typename T> KCPP_KERNEL_INLINE const T* at(int64_t b, int64_t g, int64_t n) const {
+  template <typename T>
+  KCPP_KERNEL_INLINE const T* at(int64_t b, int64_t g, int64_t n) const {
     return static_cast<const T*>(data) + b * sb + g * sg + n * sn;
   }
-  template <typename T> KCPP_KERNEL_INLINE T* mut(int64_t b, int64_t g, int64_t n) const {
+  template <typename T>
+  KCPP_KERNEL_INLINE T* mut(int64_t b, int64_t g, int64_t n) const {
     return const_cast<T*>(at<T>(b, g, n));
   }
 };

@@ -29,7 +29,8 @@ inline float expf_(float x) { return kernel::exp_f32(x); }
 
 // The rows of one (batch, group) of B or C, widened to f32 and normalised when p.bc_norm, as [L, N];
 // the reciprocal RMS of each position into rstd ([L]) when it is non-null.
-template <typename T> void load_bc(const SelectiveScanParams& p, const GroupSeq& s, int64_t b, int64_t g, float* out, float* rstd) {
+template <typename T>
+void load_bc(const SelectiveScanParams& p, const GroupSeq& s, int64_t b, int64_t g, float* out, float* rstd) {
   const int64_t L = p.seqlen, N = p.dstate;
   for (int64_t n = 0; n < N; ++n) {
     const T* row = s.at<T>(b, g, n);
@@ -50,7 +51,8 @@ template <typename T> void load_bc(const SelectiveScanParams& p, const GroupSeq&
 struct WideBC {
   std::vector<float> b, c, rb, rc;
 };
-template <typename T> WideBC widen_bc(const SelectiveScanParams& p, bool keep_rstd) {
+template <typename T>
+WideBC widen_bc(const SelectiveScanParams& p, bool keep_rstd) {
   const int64_t L = p.seqlen, N = p.dstate, bg = p.batch * p.groups;
   WideBC w;
   w.b.resize(static_cast<size_t>(bg * L * N));
@@ -70,7 +72,8 @@ inline float step_dt(const SelectiveScanParams& p, float delta, float bias) {
   return p.delta_softplus ? softplus(x) : x;
 }
 
-template <typename T> KCPP_CPU_MULTIVERSION void forward(const SelectiveScanParams& p) {
+template <typename T>
+KCPP_CPU_MULTIVERSION void forward(const SelectiveScanParams& p) {
   const int64_t L = p.seqlen, N = p.dstate, G = p.groups, per_group = p.dim / G, chunks = state_chunks(L);
   const WideBC w = widen_bc<T>(p, false);
 #pragma omp parallel
@@ -109,7 +112,8 @@ template <typename T> KCPP_CPU_MULTIVERSION void forward(const SelectiveScanPara
   }
 }
 
-template <typename T> KCPP_CPU_MULTIVERSION void backward(const SelectiveScanParams& p) {
+template <typename T>
+KCPP_CPU_MULTIVERSION void backward(const SelectiveScanParams& p) {
   const int64_t L = p.seqlen, N = p.dstate, G = p.groups, per_group = p.dim / G, chunks = state_chunks(L);
   const int64_t blocks = (per_group + kBlock - 1) / kBlock, tasks = p.batch * G * blocks;
   const WideBC w = widen_bc<T>(p, true);
@@ -147,8 +151,10 @@ template <typename T> KCPP_CPU_MULTIVERSION void backward(const SelectiveScanPar
         for (int64_t c = chunks - 1; c >= 0; --c) {
           const int64_t l0 = c * kStateChunk, len = std::min(kStateChunk, L - l0);
           // The chunk's states: hs[j + 1] = h_{l0 + j}, hs[0] = the state before the chunk.
-          if (c == 0) std::fill(hs.begin(), hs.begin() + N, 0.0f);
-          else std::memcpy(hs.data(), p.states + (i * chunks + c - 1) * N, sizeof(float) * N);
+          if (c == 0)
+            std::fill(hs.begin(), hs.begin() + N, 0.0f);
+          else
+            std::memcpy(hs.data(), p.states + (i * chunks + c - 1) * N, sizeof(float) * N);
           for (int64_t j = 0; j < len; ++j) {
             const int64_t l = l0 + j;
             raw[j] = to_f32(delta[l]) + bias;
@@ -254,7 +260,8 @@ template <typename T> KCPP_CPU_MULTIVERSION void backward(const SelectiveScanPar
   }
 }
 
-template <typename T> void state_update(const StateUpdateParams& p) {
+template <typename T>
+void state_update(const StateUpdateParams& p) {
   const int64_t N = p.dstate, per_group = p.dim / p.groups;
 #pragma omp parallel
   {
@@ -291,17 +298,22 @@ template <typename T> void state_update(const StateUpdateParams& p) {
   }
 }
 
-template <typename F> void visit(kernel::DType t, F&& f) {
+template <typename F>
+void visit(kernel::DType t, F&& f) {
   switch (t) {
-    case kernel::DType::f32: f(static_cast<float*>(nullptr)); break;
-    case kernel::DType::bf16: f(static_cast<kernel::cpu::bf16*>(nullptr)); break;
-    case kernel::DType::f16: f(static_cast<kernel::cpu::f16*>(nullptr)); break;
+    case kernel::DType::f32:
+      f(static_cast<float*>(nullptr));
+      break;
+    case kernel::DType::bf16:
+      f(static_cast<kernel::cpu::bf16*>(nullptr));
+      break;
+    case kernel::DType::f16:
+      f(static_cast<kernel::cpu::f16*>(nullptr));
+      break;
   }
 }
 
-bool valid_dtype(kernel::DType t) {
-  return t == kernel::DType::f32 || t == kernel::DType::bf16 || t == kernel::DType::f16;
-}
+bool valid_dtype(kernel::DType t) { return t == kernel::DType::f32 || t == kernel::DType::bf16 || t == kernel::DType::f16; }
 
 }  // namespace
 
@@ -310,11 +322,12 @@ const char* selective_scan_check(const SelectiveScanParams& p, bool backward) {
   KCPP_KERNEL_REQUIRE(valid_dtype(p.dtype), "%s: unsupported dtype %d", op, static_cast<int>(p.dtype));
   KCPP_KERNEL_REQUIRE(p.batch >= 0 && p.dim >= 0 && p.seqlen >= 0, "%s: negative batch, dim or seqlen", op);
   KCPP_KERNEL_REQUIRE(p.dstate >= 1, "%s: the state size N must be >= 1 (A is [D, N])", op);
-  KCPP_KERNEL_REQUIRE(p.groups >= 1 && p.dim % p.groups == 0, "%s: D = %lld is not a multiple of the %lld groups of B and C",
-                      op, static_cast<long long>(p.dim), static_cast<long long>(p.groups));
+  KCPP_KERNEL_REQUIRE(p.groups >= 1 && p.dim % p.groups == 0, "%s: D = %lld is not a multiple of the %lld groups of B and C", op,
+                      static_cast<long long>(p.dim), static_cast<long long>(p.groups));
   KCPP_KERNEL_REQUIRE(!p.bc_norm || (std::isfinite(p.bc_eps) && p.bc_eps >= 0), "%s: 'bc_rms_eps' must be finite and >= 0", op);
   const bool any = p.batch * p.dim * p.seqlen > 0;
-  KCPP_KERNEL_REQUIRE(!any || (p.u.data && p.delta.data && p.B.data && p.C.data), "%s: 'u', 'delta', 'B' and 'C' must not be null", op);
+  KCPP_KERNEL_REQUIRE(!any || (p.u.data && p.delta.data && p.B.data && p.C.data),
+                      "%s: 'u', 'delta', 'B' and 'C' must not be null", op);
   KCPP_KERNEL_REQUIRE(p.dim == 0 || p.A, "%s: 'A' must not be null", op);
   if (!backward) {
     KCPP_KERNEL_REQUIRE(!any || p.out.data, "%s: 'out' must not be null", op);
@@ -336,8 +349,8 @@ const char* state_update_check(const StateUpdateParams& p) {
   KCPP_KERNEL_REQUIRE(valid_dtype(p.dtype), "%s: unsupported dtype %d", op, static_cast<int>(p.dtype));
   KCPP_KERNEL_REQUIRE(p.batch >= 0 && p.dim >= 0, "%s: negative batch or dim", op);
   KCPP_KERNEL_REQUIRE(p.dstate >= 1, "%s: the state size N must be >= 1", op);
-  KCPP_KERNEL_REQUIRE(p.groups >= 1 && p.dim % p.groups == 0, "%s: D = %lld is not a multiple of the %lld groups of B and C",
-                      op, static_cast<long long>(p.dim), static_cast<long long>(p.groups));
+  KCPP_KERNEL_REQUIRE(p.groups >= 1 && p.dim % p.groups == 0, "%s: D = %lld is not a multiple of the %lld groups of B and C", op,
+                      static_cast<long long>(p.dim), static_cast<long long>(p.groups));
   KCPP_KERNEL_REQUIRE(!p.bc_norm || (std::isfinite(p.bc_eps) && p.bc_eps >= 0), "%s: 'bc_rms_eps' must be finite and >= 0", op);
   KCPP_KERNEL_REQUIRE(p.batch * p.dim == 0 || (p.state && p.x && p.dt && p.A && p.B && p.C && p.out),
                       "%s: 'state', 'x', 'dt', 'A', 'B', 'C' and 'out' must not be null", op);

@@ -38,12 +38,12 @@ namespace {
 namespace kc = kernel::cuda;
 using kernel::exp2_approx;
 
-constexpr int kKC = 32;                                       // channels a block
-constexpr int kTile = 32;                                     // positions a tile
-constexpr int kRow = kTile + 1;                               // padded row of a per-channel tile
-constexpr int kSub = 8;                                       // backward: positions held in registers
+constexpr int kKC = 32;          // channels a block
+constexpr int kTile = 32;        // positions a tile
+constexpr int kRow = kTile + 1;  // padded row of a per-channel tile
+constexpr int kSub = 8;          // backward: positions held in registers
 constexpr int kSubsPerChunk = static_cast<int>(kStateChunk) / kSub;
-constexpr int kMaxStates = 16;                                // N the CUDA kernels take
+constexpr int kMaxStates = 16;  // N the CUDA kernels take
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr unsigned kFull = 0xffffffffu;
 static_assert(kStateChunk % kTile == 0 && kTile % kSub == 0, "a chunk is whole tiles, a tile whole sub-chunks");
@@ -55,7 +55,8 @@ __host__ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return
 // lanes that differ in bit k; each keeps the half of the values its bit selects (the upper half for 1)
 // and adds the partner's copy of that half.  Afterwards v[0 .. V / TPC) hold complete sums, of the
 // original values reduced_index(sg, i).
-template <int V, int TPC> __device__ __forceinline__ void lane_reduce(float (&v)[V], int sg) {
+template <int V, int TPC>
+__device__ __forceinline__ void lane_reduce(float (&v)[V], int sg) {
 #pragma unroll
   for (int k = 0; (1 << k) < TPC; ++k) {
     const int mask = 1 << k, half = V >> (k + 1);
@@ -68,7 +69,8 @@ template <int V, int TPC> __device__ __forceinline__ void lane_reduce(float (&v)
     }
   }
 }
-template <int V, int TPC> __device__ __forceinline__ int reduced_index(int sg, int i) {
+template <int V, int TPC>
+__device__ __forceinline__ int reduced_index(int sg, int i) {
   int base = 0;
 #pragma unroll
   for (int k = 0; (1 << k) < TPC; ++k)
@@ -79,7 +81,8 @@ template <int V, int TPC> __device__ __forceinline__ int reduced_index(int sg, i
 // Sums 8 values over the warp's channels (lane bits log2 TPC .. 4): three halving steps as lane_reduce,
 // then plain ones.  Returns the sum of the original value 4 b0 + 2 b1 + b2 (b_k: bit k of the lane's
 // channel within the warp); lanes whose channel is 8 or more return copies.
-template <int TPC> __device__ __forceinline__ float channel_reduce8(float (&v)[8], int lane) {
+template <int TPC>
+__device__ __forceinline__ float channel_reduce8(float (&v)[8], int lane) {
 #pragma unroll
   for (int k = 0; k < 3; ++k) {
     const int mask = TPC << k, half = 4 >> k;
@@ -138,7 +141,9 @@ __device__ void load_bc(const SelectiveScanParams& p, const Place& w, int64_t l0
   __syncthreads();
 }
 
-__device__ __forceinline__ float step_of(const SelectiveScanParams& p, float raw) { return p.delta_softplus ? softplus(raw) : raw; }
+__device__ __forceinline__ float step_of(const SelectiveScanParams& p, float raw) {
+  return p.delta_softplus ? softplus(raw) : raw;
+}
 
 // The forward's per-(channel, position) tile: u, dt and the gate silu(z) (1 without z); zeros past the
 // block's channels and the tile's positions.
@@ -187,7 +192,9 @@ __device__ void load_backward_rows(const SelectiveScanParams& p, const Place& w,
   }
 }
 
-__device__ __forceinline__ void unpack(const float4 v, float (&out)[4]) { out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w; }
+__device__ __forceinline__ void unpack(const float4 v, float (&out)[4]) {
+  out[0] = v.x, out[1] = v.y, out[2] = v.z, out[3] = v.w;
+}
 
 template <typename T, int TPC>
 __global__ void __launch_bounds__(32 * TPC, 8) scan_forward_kernel(const SelectiveScanParams p, int64_t bpg) {
@@ -248,34 +255,36 @@ __global__ void __launch_bounds__(32 * TPC, 8) scan_forward_kernel(const Selecti
 
 // The backward's shared memory: checkpoints [kSubsPerChunk][NT] float4, eight per-channel tiles, the B
 // and C tiles, the warps' dB / dC sums of a sub-chunk, the block's dB / dC sums of a tile.
-template <int TPC> constexpr size_t backward_smem() {
+template <int TPC>
+constexpr size_t backward_smem() {
   constexpr int NT = 32 * TPC, NP = 4 * TPC;
-  return sizeof(float) * (size_t(kSubsPerChunk) * NT * 4 + 8 * kKC * kRow + 2 * kTile * NP + TPC * kSub * 2 * NP + 2 * NP * kTile);
+  return sizeof(float) *
+         (size_t(kSubsPerChunk) * NT * 4 + 8 * kKC * kRow + 2 * kTile * NP + TPC * kSub * 2 * NP + 2 * NP * kTile);
 }
 
 template <typename T, int TPC>
-__global__ void __launch_bounds__(32 * TPC) scan_backward_kernel(const SelectiveScanParams p, int64_t bpg, float* ws_bc, float* ws_a,
-                                                                 float* ws_d, float* ws_bias) {
+__global__ void __launch_bounds__(32 * TPC)
+    scan_backward_kernel(const SelectiveScanParams p, int64_t bpg, float* ws_bc, float* ws_a, float* ws_d, float* ws_bias) {
   constexpr int NT = 32 * TPC, NP = 4 * TPC;
   extern __shared__ __align__(16) float smem[];
   float4* ckpt = reinterpret_cast<float4*>(smem);
   float* at = smem + size_t(kSubsPerChunk) * NT * 4;
   auto rows = [&at]() {
-    float (*r)[kRow] = reinterpret_cast<float (*)[kRow]>(at);
+    float(*r)[kRow] = reinterpret_cast<float(*)[kRow]>(at);
     at += kKC * kRow;
     return r;
   };
-  float (*s_u)[kRow] = rows();
-  float (*s_dt)[kRow] = rows();
-  float (*s_dsp)[kRow] = rows();
-  float (*s_dy)[kRow] = rows();
-  float (*s_gz)[kRow] = rows();
-  float (*s_du)[kRow] = rows();
-  float (*s_dd)[kRow] = rows();
-  float (*s_dz)[kRow] = rows();
-  float (*s_B)[NP] = reinterpret_cast<float (*)[NP]>(at);  // 16-byte aligned: every part above is whole float4s
+  float(*s_u)[kRow] = rows();
+  float(*s_dt)[kRow] = rows();
+  float(*s_dsp)[kRow] = rows();
+  float(*s_dy)[kRow] = rows();
+  float(*s_gz)[kRow] = rows();
+  float(*s_du)[kRow] = rows();
+  float(*s_dd)[kRow] = rows();
+  float(*s_dz)[kRow] = rows();
+  float(*s_B)[NP] = reinterpret_cast<float(*)[NP]>(at);  // 16-byte aligned: every part above is whole float4s
   at += kTile * NP;
-  float (*s_C)[NP] = reinterpret_cast<float (*)[NP]>(at);
+  float(*s_C)[NP] = reinterpret_cast<float(*)[NP]>(at);
   at += kTile * NP;
   float* s_wbc = at;  // [TPC warps][kSub][2 NP]
   at += TPC * kSub * 2 * NP;
@@ -377,7 +386,7 @@ __global__ void __launch_bounds__(32 * TPC) scan_backward_kernel(const Selective
               red[kSub + j] += g * (Ar[s] * x[j][s] + bb[s] * u);
               red[j] += g * bb[s];
               dA_sub[s] += g * dt * x[j][s];
-              v[s] = g * dtu;                          // dB
+              v[s] = g * dtu;                           // dB
               v[4 + s] = dy * (x[j][s] + dtu * bb[s]);  // dC: dy h_l
               carry[s] = a[j][s] * g;
             }
@@ -431,7 +440,8 @@ __global__ void __launch_bounds__(32 * TPC) scan_backward_kernel(const Selective
       }
       for (int e = tid; e < 2 * NP * kTile; e += NT) {
         const int k = e / kTile, t = e % kTile, kind = k / NP, n = k % NP;
-        if (n < N && t < tl) ws_bc[((((w.cb * p.batch + w.b) * p.groups + w.g) * 2 + kind) * N + n) * L + l0 + t] = s_pbc[k * kTile + t];
+        if (n < N && t < tl)
+          ws_bc[((((w.cb * p.batch + w.b) * p.groups + w.g) * 2 + kind) * N + n) * L + l0 + t] = s_pbc[k * kTile + t];
       }
     }
   }
@@ -453,7 +463,8 @@ __global__ void __launch_bounds__(32 * TPC) scan_backward_kernel(const Selective
 
 // dB, dC of each (batch, group, position): the blocks' partial sums added in block order (f64), back
 // through the norm, rounded once.
-template <typename T> __global__ void reduce_bc_kernel(const SelectiveScanParams p, int64_t bpg, const float* ws_bc) {
+template <typename T>
+__global__ void reduce_bc_kernel(const SelectiveScanParams p, int64_t bpg, const float* ws_bc) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t L = p.seqlen, G = p.groups;
   const int N = static_cast<int>(p.dstate);
@@ -539,11 +550,15 @@ __global__ void state_update_kernel(const StateUpdateParams p) {
   static_cast<T*>(p.out)[b * p.out_sb + d * p.out_sd] = kc::from_f32<T>(y);
 }
 
-template <typename F> const char* with_dtype(kernel::DType t, F&& f) {
+template <typename F>
+const char* with_dtype(kernel::DType t, F&& f) {
   switch (t) {
-    case kernel::DType::f32: return f(static_cast<float*>(nullptr));
-    case kernel::DType::bf16: return f(static_cast<__nv_bfloat16*>(nullptr));
-    case kernel::DType::f16: return f(static_cast<__half*>(nullptr));
+    case kernel::DType::f32:
+      return f(static_cast<float*>(nullptr));
+    case kernel::DType::bf16:
+      return f(static_cast<__nv_bfloat16*>(nullptr));
+    case kernel::DType::f16:
+      return f(static_cast<__half*>(nullptr));
   }
   return "selective_scan: unknown dtype";
 }
@@ -559,16 +574,20 @@ Workspace workspace_parts(const SelectiveScanParams& p) {
   return {bc, size_t(p.batch) * p.dim * p.dstate, size_t(p.batch) * p.dim};
 }
 
-template <typename T, int TPC> const char* launch_backward(const SelectiveScanParams& p, cudaStream_t stream) {
+template <typename T, int TPC>
+const char* launch_backward(const SelectiveScanParams& p, cudaStream_t stream) {
   const int64_t bpg = blocks_per_group(p);
   const Workspace parts = workspace_parts(p);
   float* ws = static_cast<float*>(p.workspace);
   float *ws_bc = ws, *ws_a = ws + parts.bc, *ws_d = ws_a + parts.a, *ws_bias = ws_d + parts.d;
   constexpr size_t smem = backward_smem<TPC>();
-  const cudaError_t attr = cudaFuncSetAttribute(scan_backward_kernel<T, TPC>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  const cudaError_t attr =
+      cudaFuncSetAttribute(scan_backward_kernel<T, TPC>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (attr != cudaSuccess)
-    return kernel::errorf("selective_scan backward: cannot reserve %zu bytes of shared memory: %s", smem, cudaGetErrorString(attr));
-  scan_backward_kernel<T, TPC><<<static_cast<unsigned>(p.batch * p.groups * bpg), 32 * TPC, smem, stream>>>(p, bpg, ws_bc, ws_a, ws_d, ws_bias);
+    return kernel::errorf("selective_scan backward: cannot reserve %zu bytes of shared memory: %s", smem,
+                          cudaGetErrorString(attr));
+  scan_backward_kernel<T, TPC>
+      <<<static_cast<unsigned>(p.batch * p.groups * bpg), 32 * TPC, smem, stream>>>(p, bpg, ws_bc, ws_a, ws_d, ws_bias);
   const int64_t rows = p.batch * p.groups * p.seqlen;
   reduce_bc_kernel<T><<<static_cast<unsigned>((rows + 255) / 256), 256, 0, stream>>>(p, bpg, ws_bc);
   const int64_t params = p.dim * p.dstate + p.dim;
@@ -603,9 +622,12 @@ const char* selective_scan_forward_cuda(const SelectiveScanParams& p, cudaStream
   const unsigned grid = static_cast<unsigned>(p.batch * p.groups * bpg);
   const int tpc = threads_per_channel(p.dstate);
   return with_dtype(p.dtype, [&]<typename T>(T*) -> const char* {
-    if (tpc == 1) scan_forward_kernel<T, 1><<<grid, 32, 0, stream>>>(p, bpg);
-    else if (tpc == 2) scan_forward_kernel<T, 2><<<grid, 64, 0, stream>>>(p, bpg);
-    else scan_forward_kernel<T, 4><<<grid, 128, 0, stream>>>(p, bpg);
+    if (tpc == 1)
+      scan_forward_kernel<T, 1><<<grid, 32, 0, stream>>>(p, bpg);
+    else if (tpc == 2)
+      scan_forward_kernel<T, 2><<<grid, 64, 0, stream>>>(p, bpg);
+    else
+      scan_forward_kernel<T, 4><<<grid, 128, 0, stream>>>(p, bpg);
     return kc::launch_error("selective_scan forward");
   });
 }
@@ -623,7 +645,9 @@ const char* selective_scan_backward_cuda(const SelectiveScanParams& p, cudaStrea
   if (!p.workspace) return "selective_scan backward: no workspace (selective_scan_backward_workspace(p) bytes)";
   const int tpc = threads_per_channel(p.dstate);
   return with_dtype(p.dtype, [&]<typename T>(T*) -> const char* {
-    return tpc == 1 ? launch_backward<T, 1>(p, stream) : tpc == 2 ? launch_backward<T, 2>(p, stream) : launch_backward<T, 4>(p, stream);
+    return tpc == 1   ? launch_backward<T, 1>(p, stream)
+           : tpc == 2 ? launch_backward<T, 2>(p, stream)
+                      : launch_backward<T, 4>(p, stream);
   });
 }
 

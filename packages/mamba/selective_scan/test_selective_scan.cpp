@@ -173,14 +173,14 @@ TEST_P(SelectiveScan, MatchesTheOracleOnAwkwardShapes) {
   KCPP_REQUIRE_DEVICE(dev);
   Generator gen = test::test_generator();
   const Case cases[] = {
-      {1, 1, 1, 1, 1, false, false, false, false, false, false},  // L = 1, N = 1, nothing optional
-      {1, 1, 1, 16, 1, true, true, true, true, true, false},      // L = 1, everything
-      {2, 5, 7, 16, 1, true, true, true, true, false, true},      // odd L, strided views
-      {1, 4, 256, 3, 2, true, false, true, true, true, false},    // exactly one chunk, two groups
-      {2, 3, 257, 16, 1, false, true, false, false, false, true}, // a chunk and one position
-      {1, 6, 700, 5, 3, true, true, true, true, true, false},     // three chunks, three groups
-      {1, 130, 33, 16, 1, true, true, true, true, false, false},  // more channels than a CPU block
-      {3, 2, 513, 1, 2, true, true, false, true, true, true},     // N = 1 (the norm of one value), 3 chunks
+      {1, 1, 1, 1, 1, false, false, false, false, false, false},   // L = 1, N = 1, nothing optional
+      {1, 1, 1, 16, 1, true, true, true, true, true, false},       // L = 1, everything
+      {2, 5, 7, 16, 1, true, true, true, true, false, true},       // odd L, strided views
+      {1, 4, 256, 3, 2, true, false, true, true, true, false},     // exactly one chunk, two groups
+      {2, 3, 257, 16, 1, false, true, false, false, false, true},  // a chunk and one position
+      {1, 6, 700, 5, 3, true, true, true, true, true, false},      // three chunks, three groups
+      {1, 130, 33, 16, 1, true, true, true, true, false, false},   // more channels than a CPU block
+      {3, 2, 513, 1, 2, true, true, false, true, true, true},      // N = 1 (the norm of one value), 3 chunks
   };
   for (DType dt : {DType::f32, DType::bf16, DType::f16})
     for (const Case& c : cases) check_case(c, dt, dev, gen);
@@ -212,8 +212,13 @@ TEST_P(SelectiveScan, BackwardIsReproducibleAndEmptyShapesWork) {
   backward(c, t, DType::bf16, dev, dout, a);
   backward(c, t, DType::bf16, dev, dout, b);
   EXPECT_EQ(a.out.to_f64_vector(), b.out.to_f64_vector());
-  for (auto [x, y, what] : {std::tuple{&a.du, &b.du, "du"}, {&a.ddelta, &b.ddelta, "ddelta"}, {&a.dA, &b.dA, "dA"},
-                            {&a.dB, &b.dB, "dB"}, {&a.dC, &b.dC, "dC"}, {&a.dD, &b.dD, "dD"}, {&a.dz, &b.dz, "dz"},
+  for (auto [x, y, what] : {std::tuple{&a.du, &b.du, "du"},
+                            {&a.ddelta, &b.ddelta, "ddelta"},
+                            {&a.dA, &b.dA, "dA"},
+                            {&a.dB, &b.dB, "dB"},
+                            {&a.dC, &b.dC, "dC"},
+                            {&a.dD, &b.dD, "dD"},
+                            {&a.dz, &b.dz, "dz"},
                             {&a.dbias, &b.dbias, "ddelta_bias"}})
     EXPECT_EQ(x->to_f64_vector(), y->to_f64_vector()) << what << " differs between two runs";
 
@@ -260,7 +265,8 @@ TEST_P(SelectiveScan, BadParamsAreRefusedByName) {
   q.dD = static_cast<float*>(r.dD.data()), q.ddelta_bias = static_cast<float*>(r.dbias.data());
   SelectiveScanParams bad = q;
   bad.dz = {};
-  EXPECT_TRUE(test::kernel_error_contains(MAMBA_CALL(dev, mamba::selective_scan_backward, bad), "'dz' is required exactly when 'z'"));
+  EXPECT_TRUE(
+      test::kernel_error_contains(MAMBA_CALL(dev, mamba::selective_scan_backward, bad), "'dz' is required exactly when 'z'"));
   bad = q;
   bad.states = nullptr;
   EXPECT_TRUE(test::kernel_error_contains(MAMBA_CALL(dev, mamba::selective_scan_backward, bad), "'states'"));
@@ -287,8 +293,9 @@ TEST_P(SelectiveScan, StateUpdateMatchesOneStepOfTheOracle) {
                         {2, 300, 16, 2, true, true, true, true, true}};
   for (DType dt : {DType::f32, DType::bf16, DType::f16})
     for (const Step& s : steps) {
-      const std::string cfg = fmt::format("{} b={} d={} n={} g={} z={} D={} bias={} softplus={} norm={}", test::config_name(dev, dt),
-                                          s.b, s.d, s.n, s.g, s.z, s.skip, s.bias, s.softplus, s.norm);
+      const std::string cfg =
+          fmt::format("{} b={} d={} n={} g={} z={} D={} bias={} softplus={} norm={}", test::config_name(dev, dt), s.b, s.d, s.n,
+                      s.g, s.z, s.skip, s.bias, s.softplus, s.norm);
       const Case c{s.b, s.d, 1, s.n, s.g, s.z, s.skip, s.bias, s.softplus, s.norm, false};
       const Inputs t = make(c, dt, dev, gen);
       // x, dt, z as [B, D] columns of wider buffers (strided); B, C [B, G, N]; the state strided too.
