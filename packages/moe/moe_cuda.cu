@@ -659,13 +659,14 @@ template <typename T> const char* backward(const MoeParams& p, cudaStream_t st) 
     a.b0 = xs, a.ldb = input ? h : p.x_stride;
     if (!input) a.b_gather = sorted, a.b_div = static_cast<int>(k);
     a.vec = vec_ok({b.dgu, xs}, {I, h, a.ldb});
-    if (p.dgate.data && p.dup.data) {
+    const bool same_layout = p.dgate.expert_stride == p.dup.expert_stride && p.dgate.row_stride == p.dup.row_stride &&
+                             p.dgate.col_stride == p.dup.col_stride;
+    if (p.dgate.data && p.dup.data && same_layout) {  // one launch, its rows split at I between the two
       weight_grad<T>(a, p.dgate, p.dup, I, ne, st);
-    } else {  // one of them: its I rows only
+    } else {  // each half on its own (one of them only, or the two in different layouts)
       a.M = I;
-      if (p.dgate.data) {
-        weight_grad<T>(a, p.dgate, Matrix{}, I, ne, st);
-      } else {
+      if (p.dgate.data) weight_grad<T>(a, p.dgate, Matrix{}, I, ne, st);
+      if (p.dup.data) {
         a.a = static_cast<const T*>(b.dgu) + I;
         weight_grad<T>(a, p.dup, Matrix{}, I, ne, st);
       }
@@ -748,13 +749,13 @@ template <typename T> const char* backward(const MoeParams& p, cudaStream_t st) 
       g.a = static_cast<const T*>(b.sdgu), g.lda = 2 * si;
       g.b0 = x, g.ldb = p.x_stride;
       g.vec = vec_ok({b.sdgu, x}, {si, h, p.x_stride});
-      if (p.dshared_gate.data && p.dshared_up.data) {
+      const bool same_layout = p.dshared_gate.row_stride == p.dshared_up.row_stride && p.dshared_gate.col_stride == p.dshared_up.col_stride;
+      if (p.dshared_gate.data && p.dshared_up.data && same_layout) {
         weight_grad<T>(g, p.dshared_gate, p.dshared_up, si, 1, st);
-      } else {
+      } else {  // each half on its own (one of them only, or the two in different layouts)
         g.M = si;
-        if (p.dshared_gate.data) {
-          weight_grad<T>(g, p.dshared_gate, Matrix{}, si, 1, st);
-        } else {
+        if (p.dshared_gate.data) weight_grad<T>(g, p.dshared_gate, Matrix{}, si, 1, st);
+        if (p.dshared_up.data) {
           g.a = static_cast<const T*>(b.sdgu) + si;
           weight_grad<T>(g, p.dshared_up, Matrix{}, si, 1, st);
         }
