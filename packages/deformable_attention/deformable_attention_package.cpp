@@ -103,8 +103,9 @@ bool msda_args(kk::Call& c, bool bwd, km::MsdaParams& p) {
   if (!c.ok()) return false;
   const std::initializer_list<const void*> ins = {p.value, p.loc, p.attn, p.dout};
   if (B * p.seq * M * C > 0) distinct(c, p.dvalue, "dvalue", ins), distinct(c, p.dvalue, "dvalue", {p.dloc, p.dattn});
-  if (B * Q * M * P > 0) distinct(c, p.dloc, "dsampling_locations", ins), distinct(c, p.dattn, "dattention_weights", ins),
-                         distinct(c, p.dloc, "dsampling_locations", {p.dattn});
+  if (B * Q * M * P > 0)
+    distinct(c, p.dloc, "dsampling_locations", ins), distinct(c, p.dattn, "dattention_weights", ins),
+        distinct(c, p.dloc, "dsampling_locations", {p.dattn});
   return c.ok();
 }
 

@@ -38,12 +38,12 @@ namespace kcpp::msda {
 struct MsdaParams {
   kernel::DType dtype = kernel::DType::f32;
   int64_t batch = 0, seq = 0, heads = 0, channels = 0, queries = 0, levels = 0, points = 0;
-  const void* value = nullptr;         // [B, S, M, C]
+  const void* value = nullptr;              // [B, S, M, C]
   const int64_t* spatial_shapes = nullptr;  // [L, 2], on the device of the call
   const int64_t* level_start = nullptr;     // [L]
-  const void* loc = nullptr;           // [B, Q, M, L, P, 2]
-  const void* attn = nullptr;          // [B, Q, M, L, P]
-  void* out = nullptr;                 // forward: [B, Q, M*C]
+  const void* loc = nullptr;                // [B, Q, M, L, P, 2]
+  const void* attn = nullptr;               // [B, Q, M, L, P]
+  void* out = nullptr;                      // forward: [B, Q, M*C]
   // backward
   const void* dout = nullptr;  // [B, Q, M*C]
   void* dvalue = nullptr;      // [B, S, M, C]

@@ -151,9 +151,10 @@ const char* levels_of(const MsdaParams& p, std::vector<Level>& lv) {
   lv.resize(static_cast<size_t>(p.levels));
   for (int64_t l = 0; l < p.levels; ++l) {
     const int64_t h = p.spatial_shapes[2 * l], w = p.spatial_shapes[2 * l + 1], st = p.level_start[l];
-    KCPP_KERNEL_REQUIRE(h >= 1 && w >= 1, "multi_scale_deformable_attention: level %lld of 'value_spatial_shapes' is %lld x %lld; "
-                        "each level must be at least 1 x 1", static_cast<long long>(l), static_cast<long long>(h),
-                        static_cast<long long>(w));
+    KCPP_KERNEL_REQUIRE(h >= 1 && w >= 1,
+                        "multi_scale_deformable_attention: level %lld of 'value_spatial_shapes' is %lld x %lld; "
+                        "each level must be at least 1 x 1",
+                        static_cast<long long>(l), static_cast<long long>(h), static_cast<long long>(w));
     KCPP_KERNEL_REQUIRE(st >= 0 && h <= p.seq && w <= p.seq && st + h * w <= p.seq,
                         "multi_scale_deformable_attention: level %lld (%lld x %lld from row %lld of "
                         "'value_level_start_index') does not fit in the %lld rows of 'value'",

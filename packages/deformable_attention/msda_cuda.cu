@@ -217,7 +217,8 @@ const char* msda_backward_cuda(const MsdaParams& p, cudaStream_t stream) {
             return nullptr;
           }))
         return e;
-    if (!f32 && nv > 0) round_kernel<T><<<static_cast<unsigned>((nv + 255) / 256), 256, 0, stream>>>(dv, static_cast<T*>(p.dvalue), nv);
+    if (!f32 && nv > 0)
+      round_kernel<T><<<static_cast<unsigned>((nv + 255) / 256), 256, 0, stream>>>(dv, static_cast<T*>(p.dvalue), nv);
     return kc::launch_error("multi_scale_deformable_attention backward");
   });
 }

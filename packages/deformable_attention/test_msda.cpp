@@ -54,9 +54,26 @@ struct Inputs {
 // floor changes cell), cell edges, the fading band before the first pixel, far outside, NaN / inf.
 std::vector<double> edge_values(int64_t w) {
   const double W = static_cast<double>(w);
-  return {0.0, 1.0, 0.5, 0.5 / W, 1.5 / W, 1.0 - 0.5 / W, 1.0 / W, -0.25 / W, -0.5 / W, -0.75 / W,
-          1.0 + 0.25 / W, 1.0 + 0.5 / W, 1.0 + 0.75 / W, -0.3, 1.3, 7.0, -1e30, 1e30,
-          std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()};
+  return {0.0,
+          1.0,
+          0.5,
+          0.5 / W,
+          1.5 / W,
+          1.0 - 0.5 / W,
+          1.0 / W,
+          -0.25 / W,
+          -0.5 / W,
+          -0.75 / W,
+          1.0 + 0.25 / W,
+          1.0 + 0.5 / W,
+          1.0 + 0.75 / W,
+          -0.3,
+          1.3,
+          7.0,
+          -1e30,
+          1e30,
+          std::numeric_limits<double>::quiet_NaN(),
+          std::numeric_limits<double>::infinity()};
 }
 
 Inputs make(const Case& k, DType dt, Device dev, Generator& gen) {
@@ -202,8 +219,7 @@ TEST_P(Msda, OutsideSamplesAreZeroAndTheCentreIsExact) {
   in.loc = Tensor::from_f64(loc, in.loc.shape(), DType::f32, dev);
   in.attn = Tensor::full(in.attn.shape(), 1.0, DType::f32, dev);
   const Grads g = run(in, DType::f32, dev);
-  const auto out = g.out.to_f64_vector(), v = in.value.to_f64_vector(), dl = g.dloc.to_f64_vector(),
-             da = g.dattn.to_f64_vector();
+  const auto out = g.out.to_f64_vector(), v = in.value.to_f64_vector(), dl = g.dloc.to_f64_vector(), da = g.dattn.to_f64_vector();
   for (int64_t c = 0; c < 4; ++c) EXPECT_EQ(out[static_cast<size_t>(c)], v[static_cast<size_t>(c)]) << "centre, channel " << c;
   for (size_t q = 1; q < 6; ++q) {
     for (int64_t c = 0; c < 4; ++c) EXPECT_EQ(out[q * 4 + static_cast<size_t>(c)], 0.0) << "query " << q;

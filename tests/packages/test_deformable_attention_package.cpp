@@ -61,7 +61,8 @@ TEST_P(DeformableAttentionPackage, ForwardAndBackward) {
     ASSERT_TRUE(k.supports(f, dev, test::kTraining).ok()) << cfg << ": " << k.supports(f, dev, test::kTraining).message;
     k.forward(f, dev, test::kTraining);
     const Tensor dout = Tensor::randn({b, q, m * c}, dt, dev, gen);
-    const Tensor dvalue = Tensor::full(value.shape(), std::nan(""), dt, dev), dloc = Tensor::full(loc.shape(), std::nan(""), dt, dev),
+    const Tensor dvalue = Tensor::full(value.shape(), std::nan(""), dt, dev),
+                 dloc = Tensor::full(loc.shape(), std::nan(""), dt, dev),
                  dattn = Tensor::full(attn.shape(), std::nan(""), dt, dev);
     KernelArgs bw;
     inputs(bw);
@@ -92,9 +93,12 @@ TEST_P(DeformableAttentionPackage, BadArgumentsAreRefusedByName) {
   const Tensor out = Tensor::empty({1, 3, 8}, DType::f32, dev);
   // Every argument but `skip` (which the block then gives its bad value).
   auto base = [&](KernelArgs& a, const std::string& skip = "") {
-    const std::pair<const char*, const Tensor*> all[] = {{"value", &value},        {"value_spatial_shapes", &shapes},
-                                                          {"value_level_start_index", &starts}, {"sampling_locations", &loc},
-                                                          {"attention_weights", &attn}, {"out", &out}};
+    const std::pair<const char*, const Tensor*> all[] = {{"value", &value},
+                                                         {"value_spatial_shapes", &shapes},
+                                                         {"value_level_start_index", &starts},
+                                                         {"sampling_locations", &loc},
+                                                         {"attention_weights", &attn},
+                                                         {"out", &out}};
     for (const auto& [name, t] : all)
       if (skip != name) a.tensor(name, *t);
   };
@@ -144,8 +148,9 @@ TEST_P(DeformableAttentionPackage, BadArgumentsAreRefusedByName) {
       k.forward(a, dev, test::kInference);
       ADD_FAILURE() << "a level past the end of 'value' was accepted";
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("level 1 (1 x 1 from row 10 of 'value_level_start_index') does not fit in the 10 rows"),
-                std::string::npos)
+      EXPECT_NE(
+          std::string(e.what()).find("level 1 (1 x 1 from row 10 of 'value_level_start_index') does not fit in the 10 rows"),
+          std::string::npos)
           << e.what();
     }
   }
