@@ -95,7 +95,8 @@ std::vector<RepoRef> Hub::refs(const std::string& repo) const {
 
 std::vector<RepoFile> Hub::files(const std::string& repo, const std::string& revision) const {
   validate_repo_id(repo);
-  if (cfg_.offline) KCPP_UNAVAILABLE("listing the files of {}@{} needs the hub, and HF_HUB_OFFLINE is set", repo, revision);
+  if (cfg_.offline)
+    KCPP_UNAVAILABLE("listing the files of {}@{} needs the hub, and HF_HUB_OFFLINE is set", repo, revision);
   if (dir_) {
     const auto folder = dir_->revision_folder(repo, revision);
     if (!folder) KCPP_UNAVAILABLE("{}: no revision {} of {}", dir_->root().string(), revision, repo);
@@ -105,7 +106,8 @@ std::vector<RepoFile> Hub::files(const std::string& repo, const std::string& rev
   try {
     resp = http_->get(cfg_.endpoint + "/api/models/" + repo + "/tree/" + url_escape(revision) + "?recursive=true");
   } catch (const HttpError& e) {
-    if (e.status() == 404) KCPP_UNAVAILABLE("{}: no revision {} of {} ({})", cfg_.endpoint, revision, repo, e.what());
+    if (e.status() == 404)
+      KCPP_UNAVAILABLE("{}: no revision {} of {} ({})", cfg_.endpoint, revision, repo, e.what());
     throw HubUnavailable(e.what(), e.status() == 0 || e.transient());
   }
   auto j = nlohmann::json::parse(resp.body, nullptr, false);
@@ -164,7 +166,7 @@ Resolved Hub::resolve(const Reference& ref) const {
     }
     if (!best_ref)
       KCPP_UNAVAILABLE("{}: no tag of {} matches '{}'{} (tags: {})", ref.text, ref.repo, ref.constraint->text(),
-                cfg_.offline ? " in the offline cache" : "", list_names(all, true));
+                       cfg_.offline ? " in the offline cache (HF_HUB_OFFLINE is set)" : "", list_names(all, true));
     r.revision = best_ref->name, r.commit = best_ref->commit;
   } else {
     for (const RepoRef& x : all)
@@ -172,13 +174,13 @@ Resolved Hub::resolve(const Reference& ref) const {
     if (r.commit.empty() && is_commit_id(ref.revision)) r.revision = r.commit = ref.revision;
     if (r.commit.empty())
       KCPP_UNAVAILABLE("{}: {} has no tag or branch '{}'{} (branches: {}; tags: {}){}", ref.text, ref.repo, ref.revision,
-                cfg_.offline ? " in the offline cache (HF_HUB_OFFLINE is set)" : "", list_names(all, false),
-                list_names(all, true),
-                ref.text.find('@') == std::string::npos
-                    ? fmt::format("; a reference without '@' means the branch main: name a tag or a version, as in "
-                                  "{}@>=1.0{}",
-                                  ref.repo, ref.layer.empty() ? "" : ":" + ref.layer)
-                    : "");
+                       cfg_.offline ? " in the offline cache (HF_HUB_OFFLINE is set)" : "", list_names(all, false),
+                       list_names(all, true),
+                       ref.text.find('@') == std::string::npos
+                           ? fmt::format("; a reference without '@' means the branch main: name a tag or a version, as in "
+                                         "{}@>=1.0{}",
+                                         ref.repo, ref.layer.empty() ? "" : ":" + ref.layer)
+                           : "");
   }
   if (!cfg_.offline && r.revision != r.commit) cache_.set_ref(ref.repo, r.revision, r.commit);
   return r;
@@ -198,7 +200,8 @@ void Hub::download(const std::string& repo, const std::string& commit, const std
   try {
     http_->download(url, dest, repo + "/" + fs::path(path).filename().string());
   } catch (const HttpError& e) {
-    if (e.status() == 404) KCPP_UNAVAILABLE("{}@{}: the hub has no file {} ({})", repo, commit.substr(0, 12), path, e.what());
+    if (e.status() == 404)
+      KCPP_UNAVAILABLE("{}@{}: the hub has no file {} ({})", repo, commit.substr(0, 12), path, e.what());
     throw HubUnavailable(e.what(), e.status() == 0 || e.transient());
   }
 }
@@ -208,7 +211,7 @@ fs::path Hub::fetch_file(const std::string& repo, const std::string& commit, con
   if (auto p = cache_.file(repo, commit, path)) return *p;
   if (cfg_.offline)
     KCPP_UNAVAILABLE("{}@{}: {} is not in the cache {} and HF_HUB_OFFLINE is set", repo, commit.substr(0, 12), path,
-              cache_.root().string());
+                     cache_.root().string());
   const std::string key = sha256.empty() ? sha256_hex(repo + "@" + commit + ":" + path) : sha256;
   cache_.remove_stale_partials(repo);  // left by downloads that were killed
   FileLock lock(cache_.lock_path(repo, key));

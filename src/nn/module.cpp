@@ -92,7 +92,7 @@ KernelLoader default_loader(std::shared_ptr<hub::Hub> hub, LocalPackageFinder lo
       } catch (const hub::HubUnavailable& e) {
         why = e.what();
         std::lock_guard<std::mutex> g(st->mu);
-        if (e.unreachable()) st->endpoint_down = why;
+        if (e.unreachable()) st->endpoint_down = "the hub did not answer: " + why;
         st->hub_refused[key] = why;
       } catch (const hub::Untrusted& e) {
         why = e.what();

@@ -436,7 +436,9 @@ TEST_P(Kernelize, DefaultMappingFallsBackToThisBuildsPackagesOffline) {
   const auto lg = model->loss_and_gradients(ex.view("input_ids"), ex.view("labels"));
   EXPECT_TRUE(test::close_l2(lg.loss, ex.view("loss").to_f64_vector(), 1e-5));
   model->visit_slots([&](nn::Slot& s) {
-    if (s.kernel()) EXPECT_GT(s.stats().kernel_calls, 0) << s.layer_name();
+    if (s.kernel()) {
+      EXPECT_GT(s.stats().kernel_calls, 0) << s.layer_name();
+    }
   });
 }
 

@@ -182,7 +182,7 @@ std::optional<KernelPlan> kernel_plan(const TrainArgs& a, Device dev) {
   }
   // The default mapping, its attention as --attention-kernel says.
   nlohmann::json m = nn::default_kernel_mapping();
-  if (a.attention_kernel == "on") m["Attention"] = m["Attention"]["cuda"];
+  if (a.attention_kernel == "on") m["Attention"] = nlohmann::json(m["Attention"]["cuda"]);  // a copy: not aliased
   else if (a.attention_kernel == "off") m["Attention"] = "";
   hub::HubConfig hc = nn::default_hub_config();
   hc.allow_all_kernels = hc.allow_all_kernels || a.allow_all;
