@@ -13,7 +13,8 @@ On the CPU, Transformers (5.22) refuses `KernelConfig` for a model on the CPU ("
 `kernels` 0.17 itself maps "cpu": there the mapping goes to `kernels.use_kernel_mapping` (or
 `register_kernel_mapping`), in force while the model is used, since Transformers kernelizes again at
 each train() / eval(), and Transformers' `use_kernels` kernelizes under it.  The `KernelConfig(..., use_local_kernel=True)` path
-runs where there is a CUDA device (skipped elsewhere).
+runs on the CPU with "cpu" let into Transformers' device list (everything else as on CUDA), and as it
+is where there is a CUDA device (skipped elsewhere).
 
 torch-only parts run wherever kcpp.torch's tests run; the `kernels` parts need the overlay
 scripts/python-env.sh installs (build/pyenv-hf; CTest python.hf_kernels, which sets
@@ -304,6 +305,19 @@ class WithTheKernelsLibrary(unittest.TestCase):
             model.set_use_kernels(True)
             self.assertTrue(model.use_kernels)
             self.check_train_and_generate(model, ids, labels, loss, grads, tokens)
+
+    def test_kernel_config_path_with_the_cpu_let_in(self):
+        # The KernelConfig(use_local_kernel=True) path as CUDA takes it (sanitize, create_compatible_mapping,
+        # LocalLayerRepository, kernelize again at train() / eval()), on the CPU with "cpu" added to the
+        # device list Transformers checks: all that differs on CUDA is the device.
+        from unittest import mock
+        from transformers.utils import kernel_config as kc
+        ids, labels, loss, grads, tokens = self.reference_run("cpu")
+        model = tiny_llama()
+        model.train()
+        with mock.patch.object(kc, "KERNELS_SUPPORTED_DEVICE_TYPES", [*kc.KERNELS_SUPPORTED_DEVICE_TYPES, "cpu"]):
+            model.set_use_kernels(True, transformers.KernelConfig(kernel_mapping=self.mapping(), use_local_kernel=True))
+        self.check_train_and_generate(model, ids, labels, loss, grads, tokens)
 
     @unittest.skipUnless(HAVE_TORCH and torch.cuda.is_available(), "skipped: no CUDA device")
     def test_use_kernels_cuda_kernel_config(self):
