@@ -11,6 +11,10 @@
 #   build/kcpp1-cpu-<arch>-<os>/lib<name>.so          always
 #   build/kcpp1-cu<XY>-<arch>-<os>/lib<name>.so       when CUDA is on and CUDA_SOURCES are given
 #   build/<variant>/variant.json                       {"cuda_archs": [...]} (CUDA variants)
+#   build/torch-cpu/, build/torch-cuda/                the Hugging Face `kernels` library's noarch
+#                                                      variants: __init__.py and layers.py (python/hf_noarch/:
+#                                                      the package's layers as torch modules over the
+#                                                      bridge, kcpp.hf_kernels) and metadata.json
 #   manifest.json                                      `kcpp package index`: sha256 of every file,
 #                                                      layers and ops read from the libraries
 # ready to be signed (`kcpp package sign`) and published (copied to a hub repo's revision folder).
@@ -58,6 +62,28 @@ function(_kcpp_package_library target name version out_dir with_cuda)
   endif()
 endfunction()
 
+# The noarch variants build/<variant>/ of the Hugging Face `kernels` library (variants.py: "torch-<backend>"):
+# python/hf_noarch/'s __init__.py and layers.py copied as they are, and metadata.json as kernels'
+# Metadata reads it (a kernel name of lower-case letters, digits and '-': '_' becomes '-'; `version`
+# the package's major version; no `archs`, so that kernels' own architecture check defers to the
+# kcpp hub, which picks the library variant for the machine).
+set(_KCPP_HF_NOARCH_DIR "${CMAKE_CURRENT_LIST_DIR}/../python/hf_noarch")
+function(_kcpp_package_noarch out name version variants)
+  string(REPLACE "_" "-" kname "${name}")
+  string(TOLOWER "${kname}" kname)
+  string(REGEX MATCH "^[0-9]+" major "${version}")
+  string(REGEX REPLACE "[^a-zA-Z0-9]" "_" vid "${version}")
+  foreach(v IN LISTS variants)
+    string(REGEX REPLACE "^torch-" "" backend "${v}")
+    string(REPLACE "-" "_" pyname "${kname}")
+    configure_file("${_KCPP_HF_NOARCH_DIR}/__init__.py" "${out}/build/${v}/__init__.py" COPYONLY)
+    configure_file("${_KCPP_HF_NOARCH_DIR}/layers.py" "${out}/build/${v}/layers.py" COPYONLY)
+    file(CONFIGURE OUTPUT "${out}/build/${v}/metadata.json" CONTENT
+"{\"name\": \"${kname}\", \"id\": \"_${pyname}_kcpp_${vid}_${backend}\", \"version\": ${major}, \"license\": \"NOASSERTION\", \"python-depends\": [], \"backend\": {\"type\": \"${backend}\"}}
+")
+  endforeach()
+endfunction()
+
 function(kcpp_add_package)
   cmake_parse_arguments(P "" "NAME;VERSION;DESCRIPTION" "SOURCES;CUDA_SOURCES;LIBRARIES;CUDA_LIBRARIES;DEFINITIONS" ${ARGN})
   if(NOT P_NAME OR NOT P_VERSION OR NOT P_SOURCES)
@@ -85,11 +111,15 @@ function(kcpp_add_package)
     list(JOIN archs ", " archs)
     file(WRITE "${out}/build/${cuda_variant}/variant.json" "{\"cuda_archs\": [${archs}]}\n")
   endif()
+  # The `kernels` library's noarch variants (the same Python for every package; only metadata.json
+  # differs): torch-cpu and torch-cuda, whichever backend the user's torch was built for.
+  set(noarch_variants torch-cpu torch-cuda)
+  _kcpp_package_noarch("${out}" ${P_NAME} ${P_VERSION} "${noarch_variants}")
   # A variant folder left by an earlier configuration (CUDA on, now off) must not be indexed.
   file(GLOB existing LIST_DIRECTORIES true "${out}/build/*")
   foreach(dir IN LISTS existing)
     get_filename_component(v "${dir}" NAME)
-    if(NOT v STREQUAL "${cpu_variant}" AND NOT v STREQUAL "${cuda_variant}")
+    if(NOT v STREQUAL "${cpu_variant}" AND NOT v STREQUAL "${cuda_variant}" AND NOT v IN_LIST noarch_variants)
       file(REMOVE_RECURSE "${dir}")
     endif()
   endforeach()
@@ -103,10 +133,14 @@ function(kcpp_add_package)
   foreach(t IN LISTS targets)
     list(APPEND lib_files $<TARGET_FILE:${t}>)
   endforeach()
+  set(noarch_files)
+  foreach(v IN LISTS noarch_variants)
+    list(APPEND noarch_files "${out}/build/${v}/__init__.py" "${out}/build/${v}/layers.py" "${out}/build/${v}/metadata.json")
+  endforeach()
   add_custom_command(
     OUTPUT "${out}/manifest.json"
     COMMAND kcpp_cli package index "${out}" --description "${P_DESCRIPTION}"
-    DEPENDS ${targets} ${lib_files} kcpp_cli
+    DEPENDS ${targets} ${lib_files} kcpp_cli ${noarch_files}
     COMMENT "Indexing kernel package ${P_NAME} ${P_VERSION} (${out})"
     VERBATIM)
   add_custom_target(kcpp_package_${P_NAME} ALL DEPENDS "${out}/manifest.json")

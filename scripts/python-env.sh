@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's Python environment, build/pyenv: nanobind and scikit-build-core (the extension
 # kcpp._core builds with them: python/CMakeLists.txt picks this environment up), NumPy, and PyTorch +
-# Transformers 5 for kcpp.torch's tests (CTest python.package).  Idempotent: installs what is missing.
+# Transformers 5 for kcpp.torch's tests (CTest python.package), and the overlay build/pyenv-hf with the
+# Hugging Face `kernels` library (CTest python.hf_kernels).  Idempotent: installs what is missing.
 #
 # PyPI's torch for Linux x86_64 is a CUDA build with its CUDA libraries (about 3 GB of wheels, 5.6 GB
 # installed): the first run takes minutes (pip's cache makes the next ones quick).
@@ -34,6 +35,18 @@ if [ "${KCPP_PYTHON_TORCH:-1}" != 0 ] && ! "$env/bin/python" -c "import torch, t
   start=$SECONDS
   "${pip[@]}" torch "transformers>=5,<6"
   echo "python-env: torch and transformers installed in $((SECONDS - start)) s"
+fi
+# The Hugging Face `kernels` library for python.hf_kernels (our packages' noarch variants loaded the way
+# Transformers' use_kernels loads kernels): kernels 0.17.2, PyPI's newest, and Transformers 5.22.2, the
+# newest that accepts it (5.23 on ask for kernels >= 0.18.2), into an overlay the test puts first on
+# the path, so build/pyenv's own Transformers stays as it is.  --no-deps: build/pyenv has what both
+# import (huggingface_hub, packaging, pyyaml, ...) except tomlkit; kernels' sigstore, used only by its
+# `verify-signature` command, is left out.
+hf=build/pyenv-hf
+if [ "${KCPP_PYTHON_TORCH:-1}" != 0 ] && ! PYTHONPATH=$hf "$env/bin/python" -c "import kernels, tomlkit" 2>/dev/null; then
+  echo "python-env: installing kernels 0.17.2 and transformers 5.22.2 into $hf"
+  "$env/bin/python" -m pip install --disable-pip-version-check --quiet --no-deps --target "$hf" \
+    "kernels==0.17.2" "transformers==5.22.2" "tomlkit>=0.13.3"
 fi
 "$env/bin/python" - <<'PY'
 import importlib

@@ -75,6 +75,38 @@ def load(reference, **hub_options):
     return Hub(**hub_options).load(reference)
 
 
+# ---- use_kernels with no config: the default mapping ----------------------------------------------------
+
+DEFAULT_KERNEL_ORG = "kernels-cpp"
+
+
+def default_kernel_mapping():
+    """The mapping a model gets when kernels are asked for with no mapping, the C++ runtime's
+    (nn::default_kernel_mapping; `kcpp generate` / `kcpp train` without --kernels): this project's
+    packages on the hub, `kernels-cpp/liger@^0.1:LigerRMSNorm`, ... (docs/DESIGN.md, section 5)."""
+    import json
+    if _core is None:
+        raise ImportError("kcpp.default_kernel_mapping needs the extension kcpp._core")
+    return json.loads(_core.default_kernel_mapping_json())
+
+
+def default_kernel_config():
+    """default_kernel_mapping() as a kcpp.KernelConfig."""
+    return KernelConfig(_core.default_kernel_mapping_json())
+
+
+def default_loader(**hub_options):
+    """The loader for default_kernel_mapping()'s references (nn::default_loader): `.load(reference)` loads
+    this project's package from the hub, or, when the hub cannot supply it (offline, unreachable, not
+    published, not trusted here), this build's package from local_packages(), verified against its
+    manifest; the package's `substituted` then says so.  Errors of integrity (a hash, a signature, a lock)
+    are raised as they are.  `hub_options` as Hub's; without them one attempt per request (an
+    unreachable hub costs no retries)."""
+    if _core is None:
+        raise ImportError("kcpp.default_loader needs the extension kcpp._core")
+    return _core.DefaultLoader(local_packages(), **hub_options)
+
+
 # ---- the extension's hooks for CUDA calls (PyTorch's allocator) ---------------------------------------
 
 def _workspace(nbytes, device_type, device_id):

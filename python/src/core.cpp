@@ -23,6 +23,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdlib>
@@ -38,6 +39,7 @@
 #include "hub/package.h"
 #include "kcpp/abi.h"
 #include "nn/kernel_config.h"
+#include "nn/module.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -383,6 +385,7 @@ struct PackageObj {
   std::shared_ptr<const kcpp::hub::LoadedPackage> package;
   std::optional<kcpp::hub::PackageInfo> info;  // absent for a library file opened unverified
   std::string default_layer;                   // the reference's :Layer, or ""
+  std::string substituted;                     // the default loader's note when this build's package stood in
 
   std::string name() const { return package->table().name; }
   std::string version() const { return package->table().version; }
@@ -450,7 +453,7 @@ struct HubObj {
       nb::gil_scoped_release nogil;
       k = hub->load(kcpp::hub::Reference::parse(reference));
     }
-    PackageObj p{k.package, k.info, k.layer ? std::string(k.layer->name) : std::string()};
+    PackageObj p{k.package, k.info, k.layer ? std::string(k.layer->name) : std::string(), ""};
     return p;
   }
   nb::dict inspect(const std::string& reference) {
@@ -473,10 +476,10 @@ struct HubObj {
   }
 };
 
-HubObj make_hub(std::optional<std::string> endpoint, std::optional<std::string> cache_dir, std::optional<bool> offline,
-                std::optional<bool> allow_all_kernels, std::optional<std::string> trust_store,
-                std::optional<std::string> lock_file, std::optional<bool> enabled) {
-  kcpp::hub::HubConfig c = kcpp::hub::HubConfig::from_env();
+kcpp::hub::HubConfig hub_config(kcpp::hub::HubConfig c, std::optional<std::string> endpoint,
+                                std::optional<std::string> cache_dir, std::optional<bool> offline,
+                                std::optional<bool> allow_all_kernels, std::optional<std::string> trust_store,
+                                std::optional<std::string> lock_file, std::optional<bool> enabled) {
   if (endpoint) c.endpoint = *endpoint;
   if (cache_dir) c.cache_dir = *cache_dir;
   if (offline) c.offline = *offline;
@@ -491,11 +494,33 @@ HubObj make_hub(std::optional<std::string> endpoint, std::optional<std::string> 
     if (!trust_store->empty()) c.trust.load_file(*trust_store);
   }
   c.http.progress = false;
-  return HubObj{std::make_shared<kcpp::hub::Hub>(std::move(c))};
+  return c;
 }
 
+HubObj make_hub(std::optional<std::string> endpoint, std::optional<std::string> cache_dir, std::optional<bool> offline,
+                std::optional<bool> allow_all_kernels, std::optional<std::string> trust_store,
+                std::optional<std::string> lock_file, std::optional<bool> enabled) {
+  return HubObj{std::make_shared<kcpp::hub::Hub>(hub_config(kcpp::hub::HubConfig::from_env(), endpoint, cache_dir, offline,
+                                                            allow_all_kernels, trust_store, lock_file, enabled))};
+}
+
+// The default mapping's loader (nn::default_loader): this project's org on the hub, else this
+// build's packages (`local`: {name: folder}, kcpp.local_packages()).
+struct DefaultLoaderObj {
+  kcpp::nn::KernelLoader loader;
+
+  PackageObj load(const std::string& reference) {
+    kcpp::hub::LoadedKernel k;
+    {
+      nb::gil_scoped_release nogil;
+      k = loader(kcpp::hub::Reference::parse(reference));
+    }
+    return PackageObj{k.package, k.info, k.layer ? std::string(k.layer->name) : std::string(), k.substituted};
+  }
+};
+
 PackageObj open_library(const std::string& path) {
-  return PackageObj{kcpp::hub::LoadedPackage::open_file(path), std::nullopt, ""};
+  return PackageObj{kcpp::hub::LoadedPackage::open_file(path), std::nullopt, "", ""};
 }
 
 // ---- KernelConfig --------------------------------------------------------------------------------------
@@ -519,6 +544,9 @@ struct KernelConfigObj {
 
 NB_MODULE(_core, m) {
   m.doc() = "kernels.cpp: the C++ hub and the kernel ABI, for Python (see kcpp/__init__.py)";
+  // Packages and layers held by module-level caches (kcpp.hf_kernels, the `kernels` library's layer
+  // cache) live until the interpreter exits, when Python does not promise to free them: not leaks.
+  nb::set_leak_warnings(false);
   m.attr("ABI_VERSION") = KCPP_ABI_VERSION;
   m.attr("MODE_INFERENCE") = KCPP_MODE_INFERENCE;
   m.attr("MODE_TRAINING") = KCPP_MODE_TRAINING;
@@ -572,6 +600,8 @@ NB_MODULE(_core, m) {
       .def_prop_ro("origin", [](const PackageObj& p) { return p.package->origin(); })
       .def_prop_ro("verified", [](const PackageObj& p) { return p.info.has_value(); })
       .def_prop_ro("default_layer", [](const PackageObj& p) { return p.default_layer; })
+      .def_prop_ro("substituted", [](const PackageObj& p) { return p.substituted; },
+                   "Set when the default loader loaded this build's package instead of the hub's: what and why")
       .def_prop_ro("info", &PackageObj::info_dict)
       .def_prop_ro("layers", &PackageObj::layers)
       .def_prop_ro("ops", &PackageObj::ops)
@@ -631,4 +661,28 @@ NB_MODULE(_core, m) {
       "Liger's switches (rope, rms_norm, swiglu, cross_entropy, fused_linear_cross_entropy) as a KernelConfig "
       "over the liger package.");
   m.def("known_layer_names", &kcpp::nn::known_layer_names);
+
+  m.attr("DEFAULT_KERNEL_ORG") = kcpp::nn::kDefaultKernelOrg;
+  m.def("default_kernel_mapping_json", [] { return kcpp::nn::default_kernel_mapping().dump(); },
+        "The mapping use_kernels gets with no config (nn::default_kernel_mapping), as JSON text.");
+  nb::class_<DefaultLoaderObj>(m, "DefaultLoader",
+                               "The default mapping's loader: this project's packages on the hub, else this build's.")
+      .def("__init__",
+           [](DefaultLoaderObj* self, std::map<std::string, std::string> local, std::optional<std::string> endpoint,
+              std::optional<std::string> cache_dir, std::optional<bool> offline, std::optional<bool> allow_all_kernels,
+              std::optional<std::string> trust_store, std::optional<std::string> lock_file, std::optional<bool> enabled) {
+             auto hub = std::make_shared<kcpp::hub::Hub>(hub_config(kcpp::nn::default_hub_config(), endpoint, cache_dir,
+                                                                    offline, allow_all_kernels, trust_store, lock_file,
+                                                                    enabled));
+             auto finder = [local = std::move(local)](const std::string& name) -> std::optional<std::filesystem::path> {
+               const auto it = local.find(name);
+               if (it == local.end()) return std::nullopt;
+               return std::filesystem::path(it->second);
+             };
+             new (self) DefaultLoaderObj{kcpp::nn::default_loader(std::move(hub), std::move(finder))};
+           },
+           "local_packages"_a, "endpoint"_a = nb::none(), "cache_dir"_a = nb::none(), "offline"_a = nb::none(),
+           "allow_all_kernels"_a = nb::none(), "trust_store"_a = nb::none(), "lock_file"_a = nb::none(),
+           "enabled"_a = nb::none())
+      .def("load", &DefaultLoaderObj::load, "reference"_a);
 }

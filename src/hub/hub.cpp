@@ -12,6 +12,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
+#define KCPP_UNAVAILABLE(...) throw HubUnavailable(fmt::format(__VA_ARGS__))
+
 std::string list_names(const std::vector<RepoRef>& refs, bool tags) {
   std::string s;
   for (const RepoRef& r : refs)
@@ -63,7 +65,7 @@ std::vector<RepoRef> Hub::refs(const std::string& repo) const {
   }
   if (dir_) {
     auto r = dir_->refs(repo);
-    if (r.empty()) KCPP_FAIL("repository {} not found in {}", repo, dir_->root().string());
+    if (r.empty()) KCPP_UNAVAILABLE("repository {} not found in {}", repo, dir_->root().string());
     return r;
   }
   HttpResponse resp;
@@ -71,9 +73,9 @@ std::vector<RepoRef> Hub::refs(const std::string& repo) const {
     resp = http_->get(cfg_.endpoint + "/api/models/" + repo + "/refs");
   } catch (const HttpError& e) {
     if (e.status() == 404 || e.status() == 401)
-      KCPP_FAIL("repository {} not found on {} (HTTP {}; a private repo needs HF_TOKEN)", repo, cfg_.endpoint,
-                e.status());
-    throw;
+      KCPP_UNAVAILABLE("repository {} not found on {} (HTTP {}; a private repo needs HF_TOKEN)", repo, cfg_.endpoint,
+                       e.status());
+    throw HubUnavailable(e.what(), e.status() == 0 || e.transient());
   }
   auto j = nlohmann::json::parse(resp.body, nullptr, false);
   if (j.is_discarded() || !j.is_object()) KCPP_FAIL("{}: the refs of {} are not a JSON object", cfg_.endpoint, repo);
@@ -93,18 +95,20 @@ std::vector<RepoRef> Hub::refs(const std::string& repo) const {
 
 std::vector<RepoFile> Hub::files(const std::string& repo, const std::string& revision) const {
   validate_repo_id(repo);
-  if (cfg_.offline) KCPP_FAIL("listing the files of {}@{} needs the hub, and HF_HUB_OFFLINE is set", repo, revision);
+  if (cfg_.offline)
+    KCPP_UNAVAILABLE("listing the files of {}@{} needs the hub, and HF_HUB_OFFLINE is set", repo, revision);
   if (dir_) {
     const auto folder = dir_->revision_folder(repo, revision);
-    if (!folder) KCPP_FAIL("{}: no revision {} of {}", dir_->root().string(), revision, repo);
+    if (!folder) KCPP_UNAVAILABLE("{}: no revision {} of {}", dir_->root().string(), revision, repo);
     return dir_->files(repo, *folder);
   }
   HttpResponse resp;
   try {
     resp = http_->get(cfg_.endpoint + "/api/models/" + repo + "/tree/" + url_escape(revision) + "?recursive=true");
   } catch (const HttpError& e) {
-    if (e.status() == 404) KCPP_FAIL("{}: no revision {} of {} ({})", cfg_.endpoint, revision, repo, e.what());
-    throw;
+    if (e.status() == 404)
+      KCPP_UNAVAILABLE("{}: no revision {} of {} ({})", cfg_.endpoint, revision, repo, e.what());
+    throw HubUnavailable(e.what(), e.status() == 0 || e.transient());
   }
   auto j = nlohmann::json::parse(resp.body, nullptr, false);
   if (j.is_discarded() || !j.is_array()) KCPP_FAIL("{}: the file list of {}@{} is not a JSON list", cfg_.endpoint, repo, revision);
@@ -161,22 +165,22 @@ Resolved Hub::resolve(const Reference& ref) const {
       if (v && ref.constraint->matches(*v) && (!best || *v > *best)) best = v, best_ref = &x;
     }
     if (!best_ref)
-      KCPP_FAIL("{}: no tag of {} matches '{}'{} (tags: {})", ref.text, ref.repo, ref.constraint->text(),
-                cfg_.offline ? " in the offline cache" : "", list_names(all, true));
+      KCPP_UNAVAILABLE("{}: no tag of {} matches '{}'{} (tags: {})", ref.text, ref.repo, ref.constraint->text(),
+                       cfg_.offline ? " in the offline cache (HF_HUB_OFFLINE is set)" : "", list_names(all, true));
     r.revision = best_ref->name, r.commit = best_ref->commit;
   } else {
     for (const RepoRef& x : all)
       if (x.name == ref.revision) r.revision = x.name, r.commit = x.commit;
     if (r.commit.empty() && is_commit_id(ref.revision)) r.revision = r.commit = ref.revision;
     if (r.commit.empty())
-      KCPP_FAIL("{}: {} has no tag or branch '{}'{} (branches: {}; tags: {}){}", ref.text, ref.repo, ref.revision,
-                cfg_.offline ? " in the offline cache (HF_HUB_OFFLINE is set)" : "", list_names(all, false),
-                list_names(all, true),
-                ref.text.find('@') == std::string::npos
-                    ? fmt::format("; a reference without '@' means the branch main: name a tag or a version, as in "
-                                  "{}@>=1.0{}",
-                                  ref.repo, ref.layer.empty() ? "" : ":" + ref.layer)
-                    : "");
+      KCPP_UNAVAILABLE("{}: {} has no tag or branch '{}'{} (branches: {}; tags: {}){}", ref.text, ref.repo, ref.revision,
+                       cfg_.offline ? " in the offline cache (HF_HUB_OFFLINE is set)" : "", list_names(all, false),
+                       list_names(all, true),
+                       ref.text.find('@') == std::string::npos
+                           ? fmt::format("; a reference without '@' means the branch main: name a tag or a version, as in "
+                                         "{}@>=1.0{}",
+                                         ref.repo, ref.layer.empty() ? "" : ":" + ref.layer)
+                           : "");
   }
   if (!cfg_.offline && r.revision != r.commit) cache_.set_ref(ref.repo, r.revision, r.commit);
   return r;
@@ -186,9 +190,9 @@ void Hub::download(const std::string& repo, const std::string& commit, const std
                    const fs::path& dest) const {
   if (dir_) {
     const auto folder = dir_->revision_folder(repo, commit);
-    if (!folder) KCPP_FAIL("{}: no revision with commit {} of {}", dir_->root().string(), commit, repo);
+    if (!folder) KCPP_UNAVAILABLE("{}: no revision with commit {} of {}", dir_->root().string(), commit, repo);
     const auto file = dir_->file(repo, *folder, path);
-    if (!file) KCPP_FAIL("{}: {}@{} has no file {}", dir_->root().string(), repo, *folder, path);
+    if (!file) KCPP_UNAVAILABLE("{}: {}@{} has no file {}", dir_->root().string(), repo, *folder, path);
     fs::copy_file(*file, dest, fs::copy_options::overwrite_existing);
     return;
   }
@@ -196,8 +200,9 @@ void Hub::download(const std::string& repo, const std::string& commit, const std
   try {
     http_->download(url, dest, repo + "/" + fs::path(path).filename().string());
   } catch (const HttpError& e) {
-    if (e.status() == 404) KCPP_FAIL("{}@{}: the hub has no file {} ({})", repo, commit.substr(0, 12), path, e.what());
-    throw;
+    if (e.status() == 404)
+      KCPP_UNAVAILABLE("{}@{}: the hub has no file {} ({})", repo, commit.substr(0, 12), path, e.what());
+    throw HubUnavailable(e.what(), e.status() == 0 || e.transient());
   }
 }
 
@@ -205,8 +210,8 @@ fs::path Hub::fetch_file(const std::string& repo, const std::string& commit, con
                          const std::string& sha256, uint64_t size) const {
   if (auto p = cache_.file(repo, commit, path)) return *p;
   if (cfg_.offline)
-    KCPP_FAIL("{}@{}: {} is not in the cache {} and HF_HUB_OFFLINE is set", repo, commit.substr(0, 12), path,
-              cache_.root().string());
+    KCPP_UNAVAILABLE("{}@{}: {} is not in the cache {} and HF_HUB_OFFLINE is set", repo, commit.substr(0, 12), path,
+                     cache_.root().string());
   const std::string key = sha256.empty() ? sha256_hex(repo + "@" + commit + ":" + path) : sha256;
   cache_.remove_stale_partials(repo);  // left by downloads that were killed
   FileLock lock(cache_.lock_path(repo, key));
@@ -286,9 +291,10 @@ std::string Hub::verify(const PackageInfo& info) const {
     case TrustLevel::Unsigned:
     case TrustLevel::Untrusted:
       if (!cfg_.allow_all_kernels)
-        KCPP_FAIL("{}: refusing to load: {}; trust the publisher (`kcpp trust add NAME.pub`, or "
-                  "KCPP_TRUSTED_PUBLISHERS) or pass allow_all_kernels (--allow-all-kernels, KCPP_ALLOW_ALL_KERNELS=1)",
-                  origin, info.trust.detail);
+        throw Untrusted(fmt::format("{}: refusing to load: {}; trust the publisher (`kcpp trust add NAME.pub`, or "
+                                    "KCPP_TRUSTED_PUBLISHERS) or pass allow_all_kernels (--allow-all-kernels, "
+                                    "KCPP_ALLOW_ALL_KERNELS=1)",
+                                    origin, info.trust.detail));
   }
   if (info.variant.chosen.empty()) KCPP_FAIL("{}", info.variant.explain(origin, cfg_.machine));
   const ManifestVariant* v = info.manifest.variant(info.variant.chosen);

@@ -60,6 +60,30 @@ class HubDisabled : public Error {
   using Error::Error;
 };
 
+// Thrown when the hub cannot supply a reference: the endpoint is unreachable (the HTTP client's
+// transport failures, timeouts and 5xx after its retries), the repository, the revision or tag, or
+// a file is not there, or HF_HUB_OFFLINE is set and the cache lacks it.  Never for a refusal: a
+// hash, signature, trust or lock problem stays a plain kcpp::Error.  The default mapping
+// (nn/kernel_config.h) falls back to this build's own packages on it.
+class HubUnavailable : public Error {
+ public:
+  explicit HubUnavailable(std::string message, bool unreachable = false)
+      : Error(std::move(message)), unreachable_(unreachable) {}
+  // The endpoint itself did not answer (not: it answered that something is missing).
+  bool unreachable() const { return unreachable_; }
+
+ private:
+  bool unreachable_;
+};
+
+// Thrown by load() for a package it will not load for lack of trust: unsigned, or signed by a
+// publisher the trust store does not list, without allow_all_kernels.  (A signature that does not
+// verify is a plain kcpp::Error: that is tampering, not lack of trust.)
+class Untrusted : public Error {
+ public:
+  using Error::Error;
+};
+
 struct Resolved {
   std::string repo, revision, commit;  // revision: the tag or branch (or the commit itself)
 };
@@ -79,6 +103,9 @@ struct LoadedKernel {
   std::shared_ptr<LoadedPackage> package;
   const kcpp_layer* layer = nullptr;  // the reference's :Layer, or nullptr when none was named
   PackageInfo info;
+  // Set by a loader that loaded another source than the reference names (the default mapping's
+  // fallback to this build's packages): what it loaded and why; reports show it.
+  std::string substituted;
 };
 
 // Throws "REF: no layer 'L' in NAME VERSION (variant V has: A, B)" when the reference names a layer

@@ -48,9 +48,37 @@ struct Reader {
     }
     return out;
   }
+  // A variant's "files": {path: {"sha256", "size"}}, every path under `prefix`.
+  std::vector<ManifestFile> files(const nlohmann::json& vj, const std::string& prefix, const std::string& where) const {
+    std::vector<ManifestFile> out;
+    const auto& files = field(vj, "files", where);
+    if (!files.is_object() || files.empty()) fail(where + ".files", "must be a non-empty object keyed by path");
+    for (const auto& [path, fj] : files.items()) {
+      const std::string fw = where + ".files[" + path + "]";
+      if (auto p = relative_path_problem(path); !p.empty()) fail(fw, p);
+      if (!path.starts_with(prefix)) fail(fw, fmt::format("files of this variant must be under {}", prefix));
+      ManifestFile f;
+      f.path = path;
+      f.sha256 = str(fj, "sha256", fw);
+      if (!is_sha256_hex(f.sha256)) fail(fw, "sha256 must be 64 lower-case hex digits");
+      const auto& size = field(fj, "size", fw);
+      if (!size.is_number_integer() || size.get<int64_t>() < 0) fail(fw, "size must be a non-negative integer");
+      f.size = size.get<uint64_t>();
+      out.push_back(std::move(f));
+    }
+    return out;
+  }
 };
 
 }  // namespace
+
+bool is_noarch_variant_name(std::string_view name) {
+  constexpr std::string_view prefix = "torch-";
+  if (!name.starts_with(prefix) || name.size() == prefix.size()) return false;
+  for (char c : name.substr(prefix.size()))
+    if (c < 'a' || c > 'z') return false;
+  return true;
+}
 
 const ManifestFile* ManifestVariant::file(std::string_view path) const {
   for (const ManifestFile& f : files)
@@ -92,22 +120,7 @@ Manifest Manifest::parse(std::string_view text, std::string_view source) {
     v.name = vname;
     v.library = r.str(vj, "library", where);
     v.cuda_archs = r.strings(vj, "cuda_archs", where);
-    const std::string prefix = "build/" + vname + "/";
-    const auto& files = r.field(vj, "files", where);
-    if (!files.is_object() || files.empty()) r.fail(where + ".files", "must be a non-empty object keyed by path");
-    for (const auto& [path, fj] : files.items()) {
-      const std::string fw = where + ".files[" + path + "]";
-      if (auto p = relative_path_problem(path); !p.empty()) r.fail(fw, p);
-      if (!path.starts_with(prefix)) r.fail(fw, fmt::format("files of this variant must be under {}", prefix));
-      ManifestFile f;
-      f.path = path;
-      f.sha256 = r.str(fj, "sha256", fw);
-      if (!is_sha256_hex(f.sha256)) r.fail(fw, "sha256 must be 64 lower-case hex digits");
-      const auto& size = r.field(fj, "size", fw);
-      if (!size.is_number_integer() || size.get<int64_t>() < 0) r.fail(fw, "size must be a non-negative integer");
-      f.size = size.get<uint64_t>();
-      v.files.push_back(std::move(f));
-    }
+    v.files = r.files(vj, "build/" + vname + "/", where);
     if (!v.file(v.library)) r.fail(where + ".library", fmt::format("'{}' is not one of the variant's files", v.library));
     if (vj.contains("layers")) {
       const auto& ls = vj.at("layers");
@@ -133,6 +146,16 @@ Manifest Manifest::parse(std::string_view text, std::string_view source) {
       }
     }
     m.variants.push_back(std::move(v));
+  }
+  if (j.contains("noarch")) {
+    const auto& na = j.at("noarch");
+    if (!na.is_object()) r.fail("noarch", "must be an object keyed by noarch variant name");
+    for (const auto& [nname, nj] : na.items()) {
+      const std::string where = "noarch." + nname;
+      if (!is_noarch_variant_name(nname))
+        r.fail(where, "not a noarch variant name (torch-<backend>: torch-cpu, torch-cuda, ...)");
+      m.noarch.push_back({nname, r.files(nj, "build/" + nname + "/", where)});
+    }
   }
   if (j.contains("signature")) {
     const auto& s = j.at("signature");
@@ -222,6 +245,18 @@ LibraryDescription describe_library(const std::filesystem::path& lib, const std:
 void check_package_files(const Manifest& m, const std::filesystem::path& dir) {
   namespace fs = std::filesystem;
   const std::string again = fmt::format("; run `kcpp package index {}` again", dir.string());
+  for (const ManifestNoarch& n : m.noarch)
+    for (const ManifestFile& f : n.files) {
+      const fs::path p = dir / f.path;
+      std::error_code ec;
+      if (!fs::is_regular_file(p, ec) || fs::is_symlink(p, ec))
+        KCPP_FAIL("{}: listed in manifest.json but missing or not a regular file{}", p.string(), again);
+      uint64_t size = 0;
+      const std::string got = sha256_file(p, &size);
+      if (got != f.sha256 || size != f.size)
+        KCPP_FAIL("{}: sha256 {} ({} bytes), but manifest.json says {} ({} bytes){}", p.string(), got, size, f.sha256,
+                  f.size, again);
+    }
   for (const ManifestVariant& v : m.variants) {
     for (const ManifestFile& f : v.files) {
       const fs::path p = dir / f.path;
@@ -263,17 +298,41 @@ Manifest index_package(const std::filesystem::path& dir, std::string description
     if (e.is_directory()) dirs.push_back(e.path());
   std::sort(dirs.begin(), dirs.end());
   if (dirs.empty()) KCPP_FAIL("{}: build/ has no variant folders", dir.string());
-  for (const fs::path& vdir : dirs) {
-    const std::string vname = vdir.filename().string();
-    Variant::parse(vname);  // throws for a folder that is not a variant
-    nlohmann::json vj = {{"files", nlohmann::json::object()}, {"cuda_archs", nlohmann::json::array()}};
-    std::vector<fs::path> libs;
+  // Every file of a folder, sorted; symbolic links refused.
+  const auto folder_files = [&](const fs::path& vdir) {
     std::vector<fs::path> files;
     for (const auto& e : fs::recursive_directory_iterator(vdir)) {
       if (e.is_symlink()) KCPP_FAIL("{}: symbolic links are not allowed in a package", e.path().string());
       if (e.is_regular_file()) files.push_back(e.path());
     }
     std::sort(files.begin(), files.end());
+    return files;
+  };
+  std::vector<fs::path> variant_dirs;
+  for (const fs::path& vdir : dirs) {
+    const std::string vname = vdir.filename().string();
+    if (!is_noarch_variant_name(vname)) {
+      variant_dirs.push_back(vdir);
+      continue;
+    }
+    // A `kernels` noarch variant: its files hashed, nothing loaded.
+    nlohmann::json files = nlohmann::json::object();
+    for (const fs::path& f : folder_files(vdir)) {
+      if (f.extension() == ".pyc") continue;  // bytecode Python leaves beside the sources
+      uint64_t size = 0;
+      const std::string rel = fs::relative(f, dir).generic_string();
+      if (auto p = relative_path_problem(rel); !p.empty()) KCPP_FAIL("{}: {}", f.string(), p);
+      files[rel] = {{"sha256", sha256_file(f, &size)}, {"size", size}};
+    }
+    if (!files.empty()) j["noarch"][vname] = {{"files", files}};
+  }
+  if (variant_dirs.empty()) KCPP_FAIL("{}: build/ has no kcpp variant folders", dir.string());
+  for (const fs::path& vdir : variant_dirs) {
+    const std::string vname = vdir.filename().string();
+    Variant::parse(vname);  // throws for a folder that is not a variant
+    nlohmann::json vj = {{"files", nlohmann::json::object()}, {"cuda_archs", nlohmann::json::array()}};
+    std::vector<fs::path> libs;
+    const std::vector<fs::path> files = folder_files(vdir);
     for (const fs::path& f : files) {
       uint64_t size = 0;
       const std::string rel = fs::relative(f, dir).generic_string();

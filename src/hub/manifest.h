@@ -13,6 +13,9 @@
 //         "ops": [{"name": "scale", "devices": ["cpu"], "doc": "..."}]
 //       }
 //     },
+//     "noarch": {                                              // optional: the `kernels` library's
+//       "torch-cpu": {"files": {"build/torch-cpu/layers.py": {"sha256": HEX, "size": N}, ...}}
+//     },                                                       // pure-Python variants (section 8)
 //     "signature": {"algorithm": "ed25519", "publisher": "acme", "public_key": "ed25519:BASE64",
 //                   "value": BASE64}
 //   }
@@ -22,6 +25,11 @@
 // only the characters JSON requires escaped (nlohmann::json::dump()).  Since every file's sha256
 // is inside, the signature covers every file.  Manifests contain no floating-point numbers.
 // Every path is relative, inside build/<variant>/, without '.', '..' or empty components.
+//
+// `noarch` lists the folders of build/ that are no kcpp variant but a Hugging Face `kernels` noarch
+// variant ("torch-cpu", "torch-cuda": Python that loads this package's library through the bridge,
+// python/kcpp/hf_kernels.py): their files are hashed and signed with the rest, and checked by
+// `kcpp package sign` / check_package_files; a host loading the package never reads them.
 #pragma once
 
 #include <cstdint>
@@ -68,10 +76,21 @@ struct Signature {
   std::string algorithm, publisher, public_key, value;
 };
 
+// A `kernels` noarch variant folder: its name ("torch-cpu") and files.
+struct ManifestNoarch {
+  std::string name;
+  std::vector<ManifestFile> files;
+};
+
+// True for a build/ folder name the Hugging Face `kernels` library reads as a noarch variant:
+// "torch-" and a backend of lower-case letters ("torch-cpu", "torch-cuda", "torch-universal").
+bool is_noarch_variant_name(std::string_view name);
+
 struct Manifest {
   std::string name, version, description;
   int abi_version = 0;
   std::vector<ManifestVariant> variants;
+  std::vector<ManifestNoarch> noarch;
   std::optional<Signature> signature;
   nlohmann::json json;  // the whole document as read (unknown fields kept, and signed)
 
@@ -83,14 +102,15 @@ struct Manifest {
   std::string dump() const;             // pretty, for writing manifest.json
 };
 
-// Writes DIR/manifest.json (unsigned) from DIR/build/<variant>/ folders: every file's sha256 and
+// Writes DIR/manifest.json (unsigned) from DIR/build/<variant>/ folders (and the noarch folders,
+// build/torch-<backend>/, whose files are listed under "noarch"): every file's sha256 and
 // size; the library (the one lib*.so of the folder); CUDA architectures from the folder's
 // variant.json ({"cuda_archs": [...]}) if any; layers and ops read afresh from each library (loaded:
 // dlopen and the ABI table), so a library that does not load on this machine is an error.  Only the
 // description carries over from an earlier manifest.json.
 Manifest index_package(const std::filesystem::path& dir, std::string description = "");
 
-// What `kcpp package sign` checks before signing: every file the manifest lists is in DIR with that
+// What `kcpp package sign` checks before signing: every file the manifest lists (noarch ones too) is in DIR with that
 // sha256 and size, and each variant's library loads and declares the manifest's name, version,
 // layers and ops.  Throws naming the first difference.
 void check_package_files(const Manifest& m, const std::filesystem::path& dir);

@@ -226,4 +226,31 @@ KernelConfig liger_kernel_config(const LigerSwitches& s, const std::string& pack
   return KernelConfig::parse(m, use_local_kernel);
 }
 
+const std::map<std::string, std::string>& default_package_constraints() {
+  // The packages' versions, as packages/*/CMakeLists.txt set them (tests/packages checks that they
+  // agree with the built manifests).
+  static const std::map<std::string, std::string> c = {
+      {"liger", "^0.1"}, {"activation", "^0.1"}, {"flash_attn", "^0.1"}};
+  return c;
+}
+
+nlohmann::json default_kernel_mapping() {
+  const auto ref = [](const std::string& package, const std::string& layer) {
+    return fmt::format("{}/{}@{}:{}", kDefaultKernelOrg, package, default_package_constraints().at(package), layer);
+  };
+  nlohmann::json m = {
+      {"RMSNorm", ref("liger", "LigerRMSNorm")},
+      {"MLP", ref("liger", "LigerGLU")},
+      {"rotary_pos_emb", ref("liger", "LigerRotaryEmbedding")},
+      {"ForCausalLMLoss", ref("liger", "LigerFusedLinearCrossEntropy")},
+      {"Attention", {{"cuda", ref("flash_attn", "FlashAttention")}, {"cpu", ""}}},
+  };
+  for (const char* act : {"SiLU", "GeLU", "GeluTanh", "FastGELU", "NewGELU", "QuickGELU", "SiluAndMul", "GeluAndMul",
+                          "GeluTanhAndMul"})
+    m[act] = ref("activation", act);
+  return m;
+}
+
+KernelConfig default_kernel_config() { return KernelConfig::parse(default_kernel_mapping()); }
+
 }  // namespace kcpp::nn

@@ -92,4 +92,27 @@ struct LigerSwitches {
 KernelConfig liger_kernel_config(const LigerSwitches& s, const std::string& package, bool use_local_kernel = false,
                                  const std::string& attention = "");
 
+// ---- use_kernels with no config ------------------------------------------------------------------
+// The hub organization this project publishes its packages to (`kcpp package sign`, then a repo per
+// package: kernels-cpp/liger, kernels-cpp/activation, kernels-cpp/flash_attn).
+inline constexpr const char* kDefaultKernelOrg = "kernels-cpp";
+
+// The mapping a model gets when kernels are asked for with no mapping (Transformers'
+// `use_kernels=True` without a kernel_config; `kcpp generate` / `kcpp train` without --kernels;
+// kcpp.default_kernel_config() in Python): this project's packages on the hub, each by the version
+// range of this build's package (`^0.1` for 0.1.0, so a compatible release is picked up):
+//   RMSNorm, MLP, rotary_pos_emb, ForCausalLMLoss   liger (Liger's default switches: the fused linear
+//                                                     cross-entropy, not the plain one)
+//   Attention                                        flash_attn on CUDA; the reference on the CPU
+//                                                     (its BLAS attention is the faster there)
+//   SiLU, GeLU, GeluTanh, FastGELU, NewGELU, QuickGELU, SiluAndMul, GeluAndMul, GeluTanhAndMul   activation
+// References name the org's repos (`kernels-cpp/liger@^0.1:LigerRMSNorm`); a host loads them with
+// default_loader (nn/module.h), which falls back to this build's packages when the hub cannot
+// supply them.
+nlohmann::json default_kernel_mapping();
+KernelConfig default_kernel_config();
+// The version range the default mapping asks of each package ("liger" -> "^0.1"): this build's
+// package versions, so a default never asks for a release this build's fallback could not be.
+const std::map<std::string, std::string>& default_package_constraints();
+
 }  // namespace kcpp::nn

@@ -2,11 +2,14 @@
 
 #include <fmt/format.h>
 
+#include <cstdlib>
 #include <map>
+#include <mutex>
 
 #include "core/error.h"
 #include "core/platform.h"
 #include "hub/hub.h"
+#include "hub/semver.h"
 
 namespace kcpp::nn {
 
@@ -54,6 +57,74 @@ bool Slot::run_backward(const KernelArgs& args, Device device) { return run(args
 KernelLoader hub_loader(std::shared_ptr<hub::Hub> hub) {
   KCPP_CHECK(hub != nullptr, "hub_loader: null hub");
   return [hub](const hub::Reference& ref) { return hub->load(ref); };
+}
+
+hub::HubConfig default_hub_config() {
+  hub::HubConfig c = hub::HubConfig::from_env();
+  if (const char* r = std::getenv("KCPP_HTTP_RETRIES"); !r || !*r) c.http.retries = 0;
+  if (const char* t = std::getenv("KCPP_HTTP_TIMEOUT"); !t || !*t) c.http.connect_timeout_s = 5;
+  return c;
+}
+
+KernelLoader default_loader(std::shared_ptr<hub::Hub> hub, LocalPackageFinder local) {
+  KCPP_CHECK(hub != nullptr, "default_loader: null hub");
+  struct State {
+    std::mutex mu;
+    std::map<std::string, std::string> hub_refused;  // "org/repo@range" -> why the hub could not serve it
+    std::string endpoint_down;                        // why the endpoint did not answer, once it did not
+    std::shared_ptr<hub::Hub> local_hub;              // allow_all_kernels: this build's packages are unsigned
+  };
+  auto st = std::make_shared<State>();
+  const std::string org_prefix = std::string(kDefaultKernelOrg) + "/";
+  return [hub, local = std::move(local), st, org_prefix](const hub::Reference& ref) -> hub::LoadedKernel {
+    if (ref.is_local() || !ref.repo.starts_with(org_prefix)) return hub->load(ref);
+    const std::string package = ref.repo.substr(org_prefix.size());
+    const std::string key = ref.repo + "@" + (ref.constraint ? ref.constraint->text() : ref.revision);
+    std::string why;
+    {
+      std::lock_guard<std::mutex> g(st->mu);
+      if (auto it = st->hub_refused.find(key); it != st->hub_refused.end()) why = it->second;
+      else if (!st->endpoint_down.empty()) why = st->endpoint_down;
+    }
+    if (why.empty()) {
+      try {
+        return hub->load(ref);
+      } catch (const hub::HubUnavailable& e) {
+        why = e.what();
+        std::lock_guard<std::mutex> g(st->mu);
+        if (e.unreachable()) st->endpoint_down = "the hub did not answer: " + why;
+        st->hub_refused[key] = why;
+      } catch (const hub::Untrusted& e) {
+        why = e.what();
+        std::lock_guard<std::mutex> g(st->mu);
+        st->hub_refused[key] = why;
+      }
+    }
+    const std::optional<std::filesystem::path> folder = local ? local(package) : std::nullopt;
+    if (!folder)
+      throw KeepReference(fmt::format("{}: the hub cannot supply it ({}) and this build has no package {}", ref.text,
+                                      why, package));
+    std::shared_ptr<hub::Hub> lh;
+    {
+      std::lock_guard<std::mutex> g(st->mu);
+      if (!st->local_hub) {
+        hub::HubConfig c = hub->config();
+        c.allow_all_kernels = true;
+        c.lock_file.reset();  // a lock pins hub revisions; this build's folders are not among them
+        st->local_hub = std::make_shared<hub::Hub>(std::move(c));
+      }
+      lh = st->local_hub;
+    }
+    const hub::Reference local_ref =
+        hub::Reference::parse(folder->string() + (ref.layer.empty() ? "" : ":" + ref.layer));
+    hub::LoadedKernel k = lh->load(local_ref);
+    if (ref.constraint && !ref.constraint->matches(hub::Version::parse(k.info.manifest.version)))
+      throw KeepReference(fmt::format("{}: the hub cannot supply it ({}), and this build's {} is version {}", ref.text,
+                                      why, package, k.info.manifest.version));
+    k.substituted = fmt::format("this build's {} {} ({}), as the hub cannot supply {}: {}", package,
+                                k.info.manifest.version, folder->string(), key, why);
+    return k;
+  };
 }
 
 namespace {
@@ -126,6 +197,8 @@ KernelizeReport Module::kernelize(const KernelConfig& config, uint32_t mode, Dev
           it = loaded.emplace(e->ref->text, loader(*e->ref)).first;
         } catch (const hub::HubDisabled& d) {
           reason = fmt::format("hub kernels are disabled (USE_HUB_KERNELS): {}", d.what());
+        } catch (const KeepReference& k) {
+          reason = k.what();
         } catch (const Error& err) {
           KCPP_FAIL("kernel_mapping.{}: cannot load '{}': {}", name, e->ref->text, err.what());
         }
@@ -143,6 +216,7 @@ KernelizeReport Module::kernelize(const KernelConfig& config, uint32_t mode, Dev
           reason = why;
           kernel = k;
         }
+        if (!it->second.substituted.empty()) reason += "; " + it->second.substituted;
       }
     }
     for (Slot* s : slots) {

@@ -12,6 +12,7 @@
 //   fmt::print("{}", model.kernel_report());
 #pragma once
 
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "core/device.h"
+#include "hub/hub.h"
 #include "nn/kernel_call.h"
 #include "nn/kernel_config.h"
 
@@ -76,6 +78,31 @@ class Slot {
 using KernelLoader = std::function<hub::LoadedKernel(const hub::Reference&)>;
 // A loader over a Hub (its policy: trust, lock file, allow_all_kernels, USE_HUB_KERNELS).
 KernelLoader hub_loader(std::shared_ptr<hub::Hub> hub);
+
+// Thrown by a loader that has no kernel for a reference and wants the slot to keep its reference
+// implementation (kernelize records the message as the reason) instead of failing: the default
+// mapping's loader when neither the hub nor this build has the package.
+class KeepReference : public Error {
+ public:
+  using Error::Error;
+};
+
+// The loader of the default mapping (default_kernel_config()): references to this project's org
+// (kDefaultKernelOrg/<package>) load from `hub`; when the hub cannot supply a package
+// (hub::HubUnavailable: offline without it in the cache, unreachable, not published there) or will
+// not load it for lack of trust (hub::Untrusted: the org's publisher is not in the trust store),
+// `local(package)`, this build's package folder, loads instead — unsigned, through a hub with
+// allow_all_kernels, every file still checked against its manifest — and the LoadedKernel's
+// `substituted` says so.  A package neither has keeps the reference (KeepReference).  Anything else
+// (a bad signature, a hash or lock mismatch, USE_HUB_KERNELS=0) is the hub's error as it is; other
+// references load from `hub` unchanged.  Each package is looked for once per loader, and an
+// endpoint that did not answer is not asked again.
+using LocalPackageFinder = std::function<std::optional<std::filesystem::path>(const std::string& package)>;
+KernelLoader default_loader(std::shared_ptr<hub::Hub> hub, LocalPackageFinder local);
+// The hub configuration the default mapping uses: the environment's (HubConfig::from_env), but one
+// attempt per request and a 5 s connect timeout unless KCPP_HTTP_RETRIES / KCPP_HTTP_TIMEOUT say
+// otherwise — nobody asked for the hub, so an unreachable one must not hold a command up.
+hub::HubConfig default_hub_config();
 
 struct KernelizeReport {
   struct Entry {

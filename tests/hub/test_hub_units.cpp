@@ -465,6 +465,39 @@ TEST(Manifest, SignChecksTheManifestAgainstTheFilesItSigns) {
   EXPECT_TRUE(throws_with([&] { check_package_files(indexed, pkg.dir); }, "missing"));
 }
 
+// The `kernels` library's noarch folders (build/torch-<backend>/): hashed under "noarch", signed with
+// the rest, checked by sign; any other folder that is no kcpp variant is still refused.
+TEST(Manifest, NoarchVariantsAreHashedAndChecked) {
+  EXPECT_TRUE(is_noarch_variant_name("torch-cpu"));
+  EXPECT_TRUE(is_noarch_variant_name("torch-universal"));
+  for (const char* no : {"torch-", "torch", "torch28-cxx11-cu128-x86_64-linux", "torch-cu128", "kcpp1-cpu-x86_64-linux"})
+    EXPECT_FALSE(is_noarch_variant_name(no)) << no;
+  ExampleCopy pkg;  // kcpp_add_package wrote torch-cpu and torch-cuda; a third one here
+  const auto noarch = pkg.dir / "build" / "torch-universal";
+  std::filesystem::create_directories(noarch / "__pycache__");
+  write_file_atomic(noarch / "layers.py", "LAYERS = {}\n");
+  write_file_atomic(noarch / "__pycache__" / "layers.cpython-311.pyc", "bytecode");
+  const Manifest m = index_package(pkg.dir);
+  std::vector<std::string> names;
+  for (const auto& n : m.noarch) names.push_back(n.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"torch-cpu", "torch-cuda", "torch-universal"}));
+  const ManifestNoarch& u = m.noarch[2];
+  ASSERT_EQ(u.files.size(), 1u);  // bytecode is not part of the package
+  EXPECT_EQ(u.files[0].path, "build/torch-universal/layers.py");
+  EXPECT_EQ(Manifest::parse(m.dump(), "x").noarch[2].files[0].sha256, u.files[0].sha256);
+  EXPECT_NO_THROW(check_package_files(m, pkg.dir));
+  write_file_atomic(noarch / "layers.py", "LAYERS = {'evil': 1}\n");
+  EXPECT_TRUE(throws_with([&] { check_package_files(m, pkg.dir); }, "layers.py: sha256"));
+  // A bad noarch entry in a manifest names the field.
+  nlohmann::json j = m.json;
+  j["noarch"]["pytorch-cpu"] = j["noarch"]["torch-universal"];
+  EXPECT_TRUE(throws_with([&] { Manifest::parse(j.dump(), "x"); }, "noarch.pytorch-cpu: not a noarch variant name"));
+  // Another folder that is no variant at all.
+  std::filesystem::create_directories(pkg.dir / "build" / "docs");
+  write_file_atomic(pkg.dir / "build" / "docs" / "a.txt", "a");
+  EXPECT_THROW(index_package(pkg.dir), Error);
+}
+
 TEST(Manifest, MalformedManifestsAreErrorsNamingTheField) {
   const nlohmann::json good = nlohmann::json::parse(example_manifest_text());
   const std::string variant = good["variants"].begin().key();

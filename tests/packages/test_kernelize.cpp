@@ -1,7 +1,10 @@
 // KernelConfig, layer slots and kernelize (src/nn/), with this build's liger package loaded through
 // the hub from its local folder, as a user's `use_local_kernel` config would.
+#include <cstring>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
+#include "hub/fs.h"
 #include "hub/hub.h"
 #include "models/causal_lm.h"
 #include "models/safetensors.h"
@@ -366,6 +369,95 @@ TEST_P(Kernelize, TrainingWithKernelsTracksTheReference) {
       else EXPECT_NEAR(ker[i], ref[i], 1e-2) << "bf16 step " << i;
     }
   }
+}
+
+// A fresh empty folder (an empty hub cache), removed afterwards.
+class EmptyDir {
+ public:
+  EmptyDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "kcpp-test-XXXXXX").string();
+    path_ = ::mkdtemp(tmpl.data());
+  }
+  ~EmptyDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// use_kernels with no config: the default mapping names this project's org, every package by this
+// build's version range, and only layer names the runtime knows.
+TEST(DefaultMapping, NamesThisProjectsPackagesAtThisBuildsVersions) {
+  const nlohmann::json m = nn::default_kernel_mapping();
+  const KernelConfig c = nn::default_kernel_config();  // parses: known layer names, valid references
+  EXPECT_EQ(c.layers().size(), m.size());
+  for (const auto& [layer, e] : c.entries()) {
+    if (!e.ref) continue;
+    SCOPED_TRACE(e.ref->text);
+    ASSERT_TRUE(e.ref->repo.starts_with(std::string(nn::kDefaultKernelOrg) + "/"));
+    const std::string package = e.ref->repo.substr(std::strlen(nn::kDefaultKernelOrg) + 1);
+    ASSERT_TRUE(e.ref->constraint.has_value());
+    const auto manifest = hub::Manifest::parse(hub::read_file(test::built_package_dir(package) / "manifest.json"), package);
+    EXPECT_TRUE(e.ref->constraint->matches(hub::Version::parse(manifest.version))) << manifest.version;
+    EXPECT_FALSE(e.ref->layer.empty());
+  }
+  // The CPU keeps the reference attention; CUDA gets flash_attn's.
+  EXPECT_FALSE(c.select("Attention", nn::kTraining, hub::Backend::CPU)->ref.has_value());
+  EXPECT_EQ(c.select("Attention", nn::kTraining, hub::Backend::CUDA)->ref->repo, "kernels-cpp/flash_attn");
+}
+
+// With the hub offline and the org's packages not in the cache, the default mapping kernelizes a
+// model with this build's packages, says so, and the model still computes what Transformers does.
+TEST_P(Kernelize, DefaultMappingFallsBackToThisBuildsPackagesOffline) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  const EmptyDir cache;
+  hub::HubConfig hc = hub::HubConfig::from_env();
+  hc.offline = true;
+  hc.cache_dir = cache.path();
+  hc.lock_file.reset();
+  hc.allow_all_kernels = false;
+  const auto dir = std::filesystem::path(test::fixtures_dir()) / "llama";
+  auto model = models::CausalLM::from_folder(dir, DType::f32, dev);
+  const nn::KernelizeReport r = model->kernelize(
+      nn::default_kernel_config(), nn::kTraining, dev,
+      nn::default_loader(std::make_shared<hub::Hub>(std::move(hc)),
+                         [](const std::string& p) { return std::optional(test::built_package_dir(p)); }));
+  for (const auto& e : r.entries) {
+    if (e.layer == "Attention" && dev.is_cpu()) continue;  // the reference on the CPU, by the mapping
+    EXPECT_FALSE(e.kernel.empty()) << e.layer << ": " << e.reason;
+    EXPECT_NE(e.reason.find("this build's "), std::string::npos) << e.reason;
+    EXPECT_NE(e.reason.find("HF_HUB_OFFLINE"), std::string::npos) << e.reason;
+  }
+  const auto ex = models::SafetensorsFile::open(dir / "expected.safetensors");
+  const auto lg = model->loss_and_gradients(ex.view("input_ids"), ex.view("labels"));
+  EXPECT_TRUE(test::close_l2(lg.loss, ex.view("loss").to_f64_vector(), 1e-5));
+  model->visit_slots([&](nn::Slot& s) {
+    if (s.kernel()) {
+      EXPECT_GT(s.stats().kernel_calls, 0) << s.layer_name();
+    }
+  });
+}
+
+// Neither the hub nor this build has the package: the slot keeps its reference, saying why.
+TEST(DefaultMapping, NoPackageAnywhereKeepsTheReference) {
+  const EmptyDir cache;
+  hub::HubConfig hc = hub::HubConfig::from_env();
+  hc.offline = true;
+  hc.cache_dir = cache.path();
+  hc.lock_file.reset();
+  Norms m;
+  m.norms.push_back(std::make_unique<nn::RMSNorm>(Tensor::full({8}, 1.0, DType::f32, Device::cpu())));
+  const nn::KernelizeReport r =
+      m.kernelize(nn::default_kernel_config(), nn::kInference, Device::cpu(),
+                  nn::default_loader(std::make_shared<hub::Hub>(std::move(hc)),
+                                     [](const std::string&) { return std::optional<std::filesystem::path>(); }));
+  ASSERT_EQ(r.entries.size(), 1u);
+  EXPECT_TRUE(r.entries[0].kernel.empty());
+  EXPECT_NE(r.entries[0].reason.find("this build has no package liger"), std::string::npos) << r.entries[0].reason;
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, Kernelize, ::testing::Values(Device::cpu(), Device::cuda(0)),

@@ -6,6 +6,9 @@
 //                 [--temperature 0.8 --top-k 50
 //                 --top-p 0.9 --seed 1] [--dtype bf16] [--device cuda] [--kernels MAPPING.json]
 //                 [--use-local-kernel] [--allow-all-kernels]
+//
+// Without --kernels the model gets the default mapping (nn::default_kernel_config: this project's
+// packages on the hub, else this build's); --kernels none keeps the reference layers.
 #include <fmt/format.h>
 
 #include <chrono>
@@ -66,12 +69,18 @@ int run_generate(const GenerateArgs& a) {
   KCPP_CHECK(a.max_new_tokens >= 0, "kcpp generate: --max-new-tokens is {}; it must be 0 or more", a.max_new_tokens);
   const Device dev = a.device == "auto" ? (cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu()) : parse_device(a.device);
   auto model = models::CausalLM::from_folder(a.model, float_dtype(a.dtype), dev);
-  if (!a.kernels.empty()) {
-    hub::HubConfig hc = hub::HubConfig::from_env();
+  const bool kernels = a.kernels != "none";
+  if (kernels) {
+    const bool by_default = a.kernels.empty();
+    hub::HubConfig hc = by_default ? nn::default_hub_config() : hub::HubConfig::from_env();
     hc.allow_all_kernels = hc.allow_all_kernels || a.allow_all;
-    const auto report = model->kernelize(nn::KernelConfig::parse_text(kernel_mapping_text(a.kernels), a.use_local_kernel),
-                                         nn::kInference, dev,
-                                         nn::hub_loader(std::make_shared<hub::Hub>(std::move(hc))));
+    auto hub = std::make_shared<hub::Hub>(std::move(hc));
+    const auto report = model->kernelize(
+        by_default ? nn::default_kernel_config()
+                   : nn::KernelConfig::parse_text(kernel_mapping_text(a.kernels), a.use_local_kernel),
+        nn::kInference, dev,
+        by_default ? nn::default_loader(hub, [](const std::string& p) { return find_built_package("", p.c_str()); })
+                   : nn::hub_loader(hub));
     fmt::print(stderr, "{}", report.str());
   }
   KCPP_CHECK(a.prompt.empty() != a.prompt_ids.empty(), "kcpp generate: give either --prompt TEXT or --prompt-ids (exactly one)");
@@ -100,7 +109,7 @@ int run_generate(const GenerateArgs& a) {
                "--max-new-tokens {} generated after the {}-token prompt\n", model->config().max_position_embeddings, fresh,
                a.max_new_tokens, prompt.size());
   fmt::print(stderr, "{} new tokens in {:.3f} s ({:.1f} tokens/s) on {}\n", fresh, secs, fresh / std::max(secs, 1e-9), dev.str());
-  if (!a.kernels.empty()) fmt::print(stderr, "{}", model->kernel_report());
+  if (kernels) fmt::print(stderr, "{}", model->kernel_report());
   return 0;
 }
 
@@ -146,7 +155,9 @@ void add_model_commands(CLI::App& app, Action& action) {
   g->add_option("--seed", args->seed, "Sampling seed")->capture_default_str();
   g->add_option("--dtype", args->dtype, "f32, bf16 or f16")->capture_default_str();
   g->add_option("--device", args->device, "cpu, cuda, cuda:N or auto")->capture_default_str();
-  g->add_option("--kernels", args->kernels, "A KernelConfig kernel_mapping: a JSON file or inline JSON");
+  g->add_option("--kernels", args->kernels,
+                "A KernelConfig kernel_mapping: a JSON file or inline JSON (default: this project's packages on the hub, "
+                "kernels-cpp/..., else this build's; 'none': the reference layers)");
   g->add_flag("--use-local-kernel", args->use_local_kernel, "References in --kernels are local package folders");
   g->add_flag("--allow-all-kernels", args->allow_all, "Load unsigned or untrusted packages");
   g->callback([args, &action] { action = [args] { return run_generate(*args); }; });

@@ -1,8 +1,12 @@
 // `kcpp train`: the main job.  With no arguments it trains a small Llama-style model on the embedded
 // corpus (train/corpus.h: generated text, byte-level tokens) on the GPU when there is one, else the
-// CPU — first with the reference layers, then with the layers kernelized with the Liger switches
-// (this build's liger package) and, on a GPU, flash_attn's attention — showing progress, loss, tokens/s and peak memory, prints the two
-// side by side, and samples text from the kernel-trained model.
+// CPU — first with the reference layers, then kernelized — showing progress, loss, tokens/s and peak
+// memory, prints the two side by side, and samples text from the kernel-trained model.
+//
+// The kernel run's mapping: --kernels MAPPING when given; else, with --liger-kernel-config or
+// --packages, the Liger switches over this build's liger package (and flash_attn's attention);
+// else the default mapping (nn::default_kernel_config: this project's packages on the hub, falling
+// back to this build's), whose attention --attention-kernel decides.
 #include <fmt/format.h>
 
 #include <chrono>
@@ -10,6 +14,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -44,6 +49,15 @@ struct TrainArgs {
   std::string attention_kernel = "auto";
   bool reference_only = false;
   uint64_t seed = 1;
+  std::string kernels;  // --kernels: a mapping (file or JSON)
+  bool use_local_kernel = false, allow_all = false;
+  bool liger_given = false;  // --liger-kernel-config or --packages: the Liger switches over this build's liger
+};
+
+// What the kernel run kernelizes with: a config and the loader for its references.
+struct KernelPlan {
+  nn::KernelConfig config;
+  nn::KernelLoader loader;
 };
 
 struct Run {
@@ -70,22 +84,11 @@ models::ModelConfig small_llama(const TrainArgs& a) {
 }
 
 Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::vector<int64_t>& tokens,
-            const std::optional<std::filesystem::path>& liger, const std::optional<std::filesystem::path>& attention = {}) {
+            const KernelPlan* plan) {
   Run r;
   r.name = name;
   r.model = models::CausalLM::random(small_llama(a), parse_dtype(a.dtype), dev, a.seed);
-  if (liger) {
-    hub::HubConfig hc = hub::HubConfig::from_env();
-    hc.allow_all_kernels = true;  // this build's own, unsigned
-    hc.lock_file.reset();
-    auto hub = std::make_shared<hub::Hub>(std::move(hc));
-    const auto report =
-        r.model->kernelize(nn::liger_kernel_config(nn::LigerSwitches::parse(nlohmann::json::parse(a.liger_kernel_config)),
-                                                   liger->string(), true,
-                                                   attention ? attention->string() : ""),
-                           nn::kTraining, dev, nn::hub_loader(hub));
-    fmt::print("{}", report.str());
-  }
+  if (plan) fmt::print("{}", r.model->kernelize(plan->config, nn::kTraining, dev, plan->loader).str());
   train::AdamWOptions o;
   o.lr = a.lr, o.weight_decay = 0.01, o.max_grad_norm = 1.0;
   train::AdamW opt(r.model->parameters(), o);
@@ -137,6 +140,57 @@ void check_sizes(const TrainArgs& a) {
   KCPP_CHECK(std::isfinite(a.lr) && a.lr > 0, "kcpp train: --lr is {}; the learning rate must be a positive number", a.lr);
 }
 
+// Loads every reference `config` selects for training on `dev` once, now (so that a problem shows
+// before any training), and returns a loader that hands those out.
+nn::KernelLoader preload(const nn::KernelConfig& config, Device dev, const nn::KernelLoader& loader) {
+  auto loaded = std::make_shared<std::map<std::string, hub::LoadedKernel>>();
+  const hub::Backend backend = dev.is_cuda() ? hub::Backend::CUDA : hub::Backend::CPU;
+  for (const std::string& layer : config.layers()) {
+    const auto e = config.select(layer, nn::kTraining, backend);
+    if (!e || !e->ref || loaded->count(e->ref->text)) continue;
+    try {
+      (*loaded)[e->ref->text] = loader(*e->ref);
+    } catch (const nn::KeepReference&) {
+      // kernelize keeps the reference for it and says why
+    } catch (const hub::HubDisabled&) {
+    }
+  }
+  return [loaded, loader](const hub::Reference& ref) {
+    const auto it = loaded->find(ref.text);
+    return it != loaded->end() ? it->second : loader(ref);
+  };
+}
+
+std::optional<KernelPlan> kernel_plan(const TrainArgs& a, Device dev) {
+  const bool attention = a.attention_kernel == "on" || (a.attention_kernel == "auto" && dev.is_cuda());
+  if (!a.kernels.empty()) {
+    hub::HubConfig hc = hub::HubConfig::from_env();
+    hc.allow_all_kernels = hc.allow_all_kernels || a.allow_all;
+    nn::KernelConfig c = nn::KernelConfig::parse_text(kernel_mapping_text(a.kernels), a.use_local_kernel);
+    return KernelPlan{c, preload(c, dev, nn::hub_loader(std::make_shared<hub::Hub>(std::move(hc))))};
+  }
+  if (a.liger_given) {
+    const auto liger = find_built_package(a.packages, "liger");
+    if (!liger) return std::nullopt;
+    const auto flash_attn = attention ? find_built_package(a.packages, "flash_attn") : std::nullopt;
+    hub::HubConfig hc = hub::HubConfig::from_env();
+    hc.allow_all_kernels = true;  // this build's own, unsigned
+    hc.lock_file.reset();
+    nn::KernelConfig c = nn::liger_kernel_config(nn::LigerSwitches::parse(nlohmann::json::parse(a.liger_kernel_config)),
+                                                 liger->string(), true, flash_attn ? flash_attn->string() : "");
+    return KernelPlan{c, preload(c, dev, nn::hub_loader(std::make_shared<hub::Hub>(std::move(hc))))};
+  }
+  // The default mapping, its attention as --attention-kernel says.
+  nlohmann::json m = nn::default_kernel_mapping();
+  if (a.attention_kernel == "on") m["Attention"] = nlohmann::json(m["Attention"]["cuda"]);  // a copy: not aliased
+  else if (a.attention_kernel == "off") m["Attention"] = "";
+  hub::HubConfig hc = nn::default_hub_config();
+  hc.allow_all_kernels = hc.allow_all_kernels || a.allow_all;
+  nn::KernelConfig c = nn::KernelConfig::parse(m);
+  return KernelPlan{c, preload(c, dev, nn::default_loader(std::make_shared<hub::Hub>(std::move(hc)),
+                                                          [](const std::string& p) { return find_built_package("", p.c_str()); }))};
+}
+
 int run_train(TrainArgs a) {
   const Device dev = a.device == "auto" ? (cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu()) : parse_device(a.device);
   a.steps = a.given_steps.value_or(dev.is_cuda() ? 1000 : 60);
@@ -166,14 +220,13 @@ int run_train(TrainArgs a) {
              "{} steps of {} x {} tokens, {} weights{}, AdamW lr {}, on {}\n",
              a.layers, a.hidden, train::ByteTokenizer::kVocab, corpus.size(), a.steps, a.batch, a.seq, a.dtype,
              a.dtype == "f32" ? "" : " (f32 master copies)", a.lr, dev.str());
-  // The packages are looked up before any training, so that a bad --packages fails at once.
-  const bool attention = a.attention_kernel == "on" || (a.attention_kernel == "auto" && dev.is_cuda());
-  const auto liger = a.reference_only ? std::nullopt : find_built_package(a.packages, "liger");
-  const auto flash_attn = liger && attention ? find_built_package(a.packages, "flash_attn") : std::nullopt;
+  // The packages are looked up (and loaded) before any training, so that a bad --packages or
+  // mapping fails at once.
+  const std::optional<KernelPlan> plan = a.reference_only ? std::nullopt : kernel_plan(a, dev);
   std::vector<Run> runs;
-  runs.push_back(run_one("reference", a, dev, tokens, std::nullopt));
+  runs.push_back(run_one("reference", a, dev, tokens, nullptr));
   if (!a.reference_only) {
-    if (liger) runs.push_back(run_one("kernels", a, dev, tokens, liger, flash_attn));
+    if (plan) runs.push_back(run_one("kernels", a, dev, tokens, &*plan));
     else fmt::print("(no liger package found: build it, or pass --packages DIR; showing the reference only)\n");
   }
   fmt::print("\n{:<10} {:>12} {:>14} {:>12} {:>12}\n", "layers", "tokens/s", "peak MiB", "first loss", "final loss");
@@ -249,7 +302,18 @@ void add_train_command(CLI::App& app, Action& action) {
       ->capture_default_str();
   t->add_option("--attention-kernel", args->attention_kernel,
                 "flash_attn's attention in the kernel run: auto (on a GPU only), on, off")->capture_default_str();
-  t->callback([args, &action] { action = [args] { return run_train(*args); }; });
+  t->add_option("--kernels", args->kernels,
+                "The kernel run's KernelConfig kernel_mapping (a JSON file or inline JSON); default: this project's packages "
+                "on the hub (kernels-cpp/...), else this build's (or, with --liger-kernel-config / --packages, the Liger "
+                "switches over this build's liger)");
+  t->add_flag("--use-local-kernel", args->use_local_kernel, "References in --kernels are local package folders");
+  t->add_flag("--allow-all-kernels", args->allow_all, "Load unsigned or untrusted packages");
+  auto* liger_opt = t->get_option("--liger-kernel-config");
+  auto* packages_opt = t->get_option("--packages");
+  t->callback([args, &action, liger_opt, packages_opt] {
+    args->liger_given = liger_opt->count() > 0 || packages_opt->count() > 0;
+    action = [args] { return run_train(*args); };
+  });
 }
 
 }  // namespace kcpp::tools

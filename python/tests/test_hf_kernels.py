@@ -1,0 +1,332 @@
+"""The Hugging Face `kernels` library loading this build's packages (kcpp.hf_kernels, python/hf_noarch/).
+
+Every package carries the `kernels` noarch variants build/torch-cpu/ and build/torch-cuda/ (listed,
+hashed, in its manifest); their layers, over the package's library loaded through the C++ hub, equal
+the Transformers modules they replace (forward and backward), counted per call.  With the real
+`kernels` (0.17.2) and a Transformers that accepts it (5.18 to 5.22): Transformers' `use_kernels`
+kernelizes a tiny random Llama with our RMSNorm, rotary embedding and SiLU, and a training step
+(forward + backward) and a generate() give what the model gives without kernels, with our layers'
+calls counted.
+
+On the CPU, Transformers (5.22) refuses `KernelConfig` for a model on the CPU ("Only devices in
+['cuda', 'rocm', 'xpu', 'npu', 'neuron', 'tpu', 'mps'] are supported, got: cpu", asserted below), while
+`kernels` 0.17 itself maps "cpu": there the mapping goes to `kernels.use_kernel_mapping` (or
+`register_kernel_mapping`), in force while the model is used, since Transformers kernelizes again at
+each train() / eval(), and Transformers' `use_kernels` kernelizes under it.  The `KernelConfig(..., use_local_kernel=True)` path
+runs on the CPU with "cpu" let into Transformers' device list (everything else as on CUDA), and as it
+is where there is a CUDA device (skipped elsewhere).
+
+torch-only parts run wherever kcpp.torch's tests run; the `kernels` parts need the overlay
+scripts/python-env.sh installs (build/pyenv-hf; CTest python.hf_kernels, which sets
+KCPP_REQUIRE_HF_KERNELS=1 so that a missing library fails instead of skipping).
+"""
+import hashlib
+import json
+import os
+import re
+import tempfile
+import unittest
+from pathlib import Path
+
+try:
+    import torch
+    import transformers
+    import kcpp
+    from kcpp import hf_kernels
+    HAVE_TORCH = kcpp._core is not None
+    WHY = "" if HAVE_TORCH else "the extension kcpp._core is not built"
+except ImportError as e:
+    HAVE_TORCH, WHY = False, str(e)
+    if os.environ.get("KCPP_REQUIRE_TORCH") or os.environ.get("KCPP_REQUIRE_HF_KERNELS"):
+        raise
+
+HAVE_KERNELS, WHY_KERNELS = False, WHY
+if HAVE_TORCH:
+    try:
+        import kernels
+        from transformers.utils.import_utils import is_kernels_available
+        HAVE_KERNELS = is_kernels_available()
+        WHY_KERNELS = "" if HAVE_KERNELS else (f"kernels {kernels.__version__} is not what transformers "
+                                               f"{transformers.__version__} accepts")
+    except ImportError as e:
+        WHY_KERNELS = f"no `kernels` library ({e})"
+    if not HAVE_KERNELS and os.environ.get("KCPP_REQUIRE_HF_KERNELS"):
+        raise RuntimeError(f"KCPP_REQUIRE_HF_KERNELS is set but {WHY_KERNELS}")
+
+SEED = int(os.environ.get("KCPP_SEED", "0")) or 1234
+NAME = re.compile(r"^[a-z][-a-z0-9]*[a-z0-9]$")  # kernels' KernelName
+
+
+def packages():
+    found = kcpp.local_packages()
+    if not found:
+        raise unittest.SkipTest("no built packages (KCPP_PACKAGES_DIR)")
+    return found
+
+
+def tiny_llama(seed=SEED):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=97, bos_token_id=1, eos_token_id=2, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, rms_norm_eps=1e-5, hidden_act="silu",
+                                      tie_word_embeddings=False)
+    config._attn_implementation = "eager"
+    return transformers.LlamaForCausalLM(config).float()
+
+
+def ids_and_labels(seed=SEED, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 97, (2, 11), generator=g)
+    labels = ids.clone()
+    labels[1, 4] = -100
+    return ids.to(device), labels.to(device)
+
+
+def step(model, ids, labels):
+    """Loss and every parameter's gradient of one forward + backward."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def calls(name):
+    return hf_kernels.stats().get(name, {}).get("kernel_calls", 0)
+
+
+@unittest.skipUnless(HAVE_TORCH, WHY)
+class NoarchLayout(unittest.TestCase):
+    """What kcpp_add_package writes for the `kernels` library, and what the manifest says of it."""
+
+    def test_every_package_has_noarch_variants_in_its_manifest(self):
+        for name, folder in packages().items():
+            manifest = json.loads((Path(folder) / "manifest.json").read_text())
+            self.assertEqual(sorted(manifest.get("noarch", {})), ["torch-cpu", "torch-cuda"], name)
+            for variant, entry in manifest["noarch"].items():
+                vdir = Path(folder) / "build" / variant
+                for f in ("__init__.py", "layers.py", "metadata.json"):
+                    self.assertIn(f"build/{variant}/{f}", entry["files"], (name, variant))
+                for path, h in entry["files"].items():
+                    data = (Path(folder) / path).read_bytes()
+                    self.assertEqual(hashlib.sha256(data).hexdigest(), h["sha256"], path)
+                    self.assertEqual(len(data), h["size"], path)
+                meta = json.loads((vdir / "metadata.json").read_text())
+                self.assertRegex(meta["name"], NAME)
+                self.assertEqual(meta["name"].replace("-", "_"), name)
+                self.assertEqual(meta["backend"]["type"], variant.split("-", 1)[1])
+                self.assertEqual(meta["version"], int(manifest["version"].split(".")[0]))
+                self.assertEqual(meta["python-depends"], [])
+
+    def test_package_reference(self):
+        liger = packages()["liger"]
+        self.assertEqual(hf_kernels.package_reference(Path(liger) / "build" / "torch-cpu"), (liger, True))
+        commit = "0123456789abcdef0123456789abcdef01234567"
+        snap = f"/cache/hub/kernels--kernels-cpp--liger/snapshots/{commit}/build/torch-cuda"
+        self.assertEqual(hf_kernels.package_reference(snap), (f"kernels-cpp/liger@{commit}", False))
+        with tempfile.TemporaryDirectory() as d:
+            with self.assertRaisesRegex(ImportError, "not the noarch folder of a kernels.cpp package"):
+                hf_kernels.package_reference(Path(d) / "build" / "torch-cpu")
+
+    def test_exported_layers_follow_the_kernels_rules(self):
+        liger = hf_kernels.layers_for(Path(packages()["liger"]) / "build" / "torch-cpu" / "layers.py")
+        act = hf_kernels.layers_for(Path(packages()["activation"]) / "build" / "torch-cpu" / "layers.py")
+        self.assertIn("LigerRMSNorm", liger)
+        self.assertIs(liger["apply_rotary_transformers"], liger["LigerRotaryEmbedding"])
+        for n in ("SiLU", "GeLU", "GeluTanh", "FastGELU", "NewGELU", "QuickGELU", "SiluAndMul", "GeluAndMul",
+                  "GeluTanhAndMul"):
+            self.assertIn(n, act)
+        self.assertIs(act["Silu"], act["SiLU"])
+        base = {n for n in dir(torch.nn.Module)}
+        for cls in (*liger.values(), *act.values()):
+            self.assertTrue(issubclass(cls, torch.nn.Module))
+            self.assertIs(cls.__init__, torch.nn.Module.__init__)
+            self.assertLessEqual(set(dir(cls)) - base, {"has_backward", "can_torch_compile"}, cls)
+
+
+@unittest.skipUnless(HAVE_TORCH, WHY)
+class NoarchLayers(unittest.TestCase):
+    """The exported layers bound to Transformers' modules, as the `kernels` library binds them."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.liger = hf_kernels.layers_for(Path(packages()["liger"]) / "build" / "torch-cpu" / "layers.py")
+        cls.act = hf_kernels.layers_for(Path(packages()["activation"]) / "build" / "torch-cpu" / "layers.py")
+
+    def bind(self, module, layer):
+        import types
+        module.forward = types.MethodType(layer.forward, module)
+        return module
+
+    def test_rms_norm_forward_backward(self):
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+        torch.manual_seed(SEED)
+        ref = LlamaRMSNorm(33, eps=1e-5)
+        ref.weight.data.normal_()
+        ours = self.bind(LlamaRMSNorm(33, eps=1e-5), self.liger["LigerRMSNorm"])
+        ours.weight.data.copy_(ref.weight.data)
+        x = torch.randn(3, 5, 33, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        before = calls("liger:LigerRMSNorm")
+        y, y2 = ref(x), ours(x2)
+        torch.testing.assert_close(y2, y, rtol=1e-5, atol=1e-6)
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        y2.backward(dy)
+        torch.testing.assert_close(x2.grad, x.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ours.weight.grad, ref.weight.grad, rtol=1e-4, atol=1e-5)
+        with torch.no_grad():
+            torch.testing.assert_close(ours(x2), ref(x), rtol=1e-5, atol=1e-6)
+        self.assertEqual(calls("liger:LigerRMSNorm"), before + 2)
+
+    def test_rms_norm_falls_back_on_mixed_dtypes(self):
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+        ours = self.bind(LlamaRMSNorm(8), self.liger["LigerRMSNorm"])
+        x = torch.randn(2, 8, dtype=torch.float64)
+        stats = hf_kernels.stats()["liger:LigerRMSNorm"]
+        y = ours(x)  # the module's own forward: f32 weight times an f64 row
+        self.assertEqual(y.dtype, torch.float64)
+        after = hf_kernels.stats()["liger:LigerRMSNorm"]
+        self.assertEqual(after["fallbacks"], stats["fallbacks"] + 1)
+        self.assertIn("RMSNorm/1 takes one dtype", after["last_refusal"])
+
+    def test_rotary_forward_backward(self):
+        from transformers.models.llama import modeling_llama as ml
+        rot = self.liger["LigerRotaryEmbedding"]()  # a stateless module; its forward has the function's signature
+        torch.manual_seed(SEED)
+        q = torch.randn(2, 4, 7, 16).transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+        k = torch.randn(2, 2, 7, 16, requires_grad=True)
+        ang = torch.randn(2, 7, 8)
+        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+        func = ml.apply_rotary_pos_emb  # kernels' function module: forward(q, k, cos, sin, unsqueeze_dim=1)
+        qa, ka = func(q, k, cos, sin)
+        q2, k2 = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+        before = calls("liger:LigerRotaryEmbedding")
+        qb, kb = rot(q2, k2, cos, sin)
+        torch.testing.assert_close(qb, qa, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(kb, ka, rtol=1e-5, atol=1e-6)
+        (qa.square().sum() + ka.sum()).backward()
+        (qb.square().sum() + kb.sum()).backward()
+        torch.testing.assert_close(q2.grad, q.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(k2.grad, k.grad, rtol=1e-5, atol=1e-6)
+        self.assertEqual(calls("liger:LigerRotaryEmbedding"), before + 1)
+
+    def test_activations(self):
+        from transformers import activations as A
+        torch.manual_seed(SEED)
+        for name, module in (("SiLU", A.SiLUActivation()), ("GeLU", A.GELUActivation()),
+                             ("NewGELU", A.NewGELUActivation()), ("FastGELU", A.FastGELUActivation()),
+                             ("QuickGELU", A.QuickGELUActivation())):
+            x = torch.randn(3, 37, requires_grad=True)
+            y = module(x)
+            ours = self.bind(type(module)(), self.act[name])
+            x2 = x.detach().clone().requires_grad_()
+            before = calls(f"activation:{name}")
+            y2 = ours(x2)
+            torch.testing.assert_close(y2, y, rtol=1e-5, atol=1e-6, msg=name)
+            y.sum().backward()
+            y2.sum().backward()
+            torch.testing.assert_close(x2.grad, x.grad, rtol=1e-5, atol=1e-6, msg=name)
+            self.assertEqual(calls(f"activation:{name}"), before + 1, name)
+        gated = self.act["SiluAndMul"]()
+        x = torch.randn(4, 2 * 19)
+        torch.testing.assert_close(gated(x), torch.nn.functional.silu(x[:, :19]) * x[:, 19:], rtol=1e-5, atol=1e-6)
+
+
+@unittest.skipUnless(HAVE_KERNELS, WHY_KERNELS)
+class WithTheKernelsLibrary(unittest.TestCase):
+    """The real `kernels` library and Transformers' use_kernels."""
+
+    def mapping(self):
+        p = packages()
+        return {"RMSNorm": f"{p['liger']}:LigerRMSNorm", "rotary_pos_emb": f"{p['liger']}:LigerRotaryEmbedding",
+                "SiLU": f"{p['activation']}:SiLU"}
+
+    def test_get_local_kernel_loads_our_package(self):
+        module = kernels.get_local_kernel(Path(packages()["liger"]))
+        self.assertTrue(hasattr(module.layers, "LigerRMSNorm"))
+        # The variant kernels chose for this torch (torch-cuda for a CUDA build of torch, even without a GPU).
+        backend = "cuda" if torch.version.cuda else "cpu"
+        self.assertIn(f"torch-{backend}", Path(module.__file__).parts)
+
+    def test_transformers_kernel_config_refuses_the_cpu(self):
+        # Transformers' KernelConfig knows no "cpu" device; if this starts to pass, test_use_kernels_cpu can use it.
+        model = tiny_llama()
+        config = transformers.KernelConfig(kernel_mapping=self.mapping(), use_local_kernel=True)
+        with self.assertRaisesRegex(ValueError, "supported, got: cpu"):
+            model.set_use_kernels(True, config)
+
+    def tearDown(self):
+        # kernels swaps the forward of the modeling module's one apply_rotary_pos_emb function module
+        # (shared by every model of the family): give it back its own.
+        from transformers.models.llama import modeling_llama
+        vars(modeling_llama.apply_rotary_pos_emb).pop("forward", None)
+
+    def reference_run(self, device):
+        """Loss, gradients and greedy tokens of the model without kernels (before anything is kernelized:
+        the rotary function module is shared by every Llama)."""
+        reference = tiny_llama().to(device)
+        ids, labels = ids_and_labels(device=device)
+        reference.train()
+        loss, grads = step(reference, ids, labels)
+        reference.eval()
+        with torch.no_grad():
+            tokens = reference.generate(ids[:1, :5], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        return ids, labels, loss, grads, tokens.tolist()
+
+    def check_train_and_generate(self, model, ids, labels, loss_ref, grads_ref, tokens_ref):
+        names = ("liger:LigerRMSNorm", "liger:LigerRotaryEmbedding", "activation:SiLU")
+        model.train()
+        before = {n: calls(n) for n in names}
+        loss, grads = step(model, ids, labels)
+        # Every RMSNorm (2 per layer + the final one), every layer's rotary embedding and MLP activation.
+        self.assertEqual(calls("liger:LigerRMSNorm") - before["liger:LigerRMSNorm"], 5)
+        self.assertEqual(calls("liger:LigerRotaryEmbedding") - before["liger:LigerRotaryEmbedding"], 2)
+        self.assertEqual(calls("activation:SiLU") - before["activation:SiLU"], 2)
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
+        for n, g in grads_ref.items():
+            torch.testing.assert_close(grads[n], g, rtol=1e-4, atol=1e-5, msg=n)
+        model.eval()
+        before = {n: calls(n) for n in names}
+        with torch.no_grad():
+            tokens = model.generate(ids[:1, :5], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        self.assertEqual(tokens.tolist(), tokens_ref)
+        for n in names:  # at least once per step of the generation (the prompt, then each new token)
+            self.assertGreaterEqual(calls(n) - before[n], 6, n)
+
+    def test_use_kernels_cpu(self):
+        ids, labels, loss, grads, tokens = self.reference_run("cpu")
+        model = tiny_llama()
+        mapping = {name: {"cpu": kernels.LocalLayerRepository(repo_path=Path(ref.split(":")[0]),
+                                                              layer_name=ref.split(":")[1])}
+                   for name, ref in self.mapping().items()}
+        model.train()
+        # The mapping for as long as the model is used: Transformers kernelizes again at each train() / eval().
+        with kernels.use_kernel_mapping(mapping):
+            model.set_use_kernels(True)
+            self.assertTrue(model.use_kernels)
+            self.check_train_and_generate(model, ids, labels, loss, grads, tokens)
+
+    def test_kernel_config_path_with_the_cpu_let_in(self):
+        # The KernelConfig(use_local_kernel=True) path as CUDA takes it (sanitize, create_compatible_mapping,
+        # LocalLayerRepository, kernelize again at train() / eval()), on the CPU with "cpu" added to the
+        # device list Transformers checks: all that differs on CUDA is the device.
+        from unittest import mock
+        from transformers.utils import kernel_config as kc
+        ids, labels, loss, grads, tokens = self.reference_run("cpu")
+        model = tiny_llama()
+        model.train()
+        with mock.patch.object(kc, "KERNELS_SUPPORTED_DEVICE_TYPES", [*kc.KERNELS_SUPPORTED_DEVICE_TYPES, "cpu"]):
+            model.set_use_kernels(True, transformers.KernelConfig(kernel_mapping=self.mapping(), use_local_kernel=True))
+        self.check_train_and_generate(model, ids, labels, loss, grads, tokens)
+
+    @unittest.skipUnless(HAVE_TORCH and torch.cuda.is_available(), "skipped: no CUDA device")
+    def test_use_kernels_cuda_kernel_config(self):
+        ids, labels, loss, grads, tokens = self.reference_run("cuda")
+        model = tiny_llama().cuda()
+        model.train()
+        model.set_use_kernels(True, transformers.KernelConfig(kernel_mapping=self.mapping(), use_local_kernel=True))
+        self.check_train_and_generate(model, ids, labels, loss, grads, tokens)
+
+
+if __name__ == "__main__":
+    unittest.main()
