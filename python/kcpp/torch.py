@@ -17,7 +17,7 @@ Phi-3, Gemma 1 / 2 / 3 text):
   rotary_pos_emb    the modeling module's `apply_rotary_pos_emb`, inside the model's attention
                     modules                                                                       rotary_pos_emb/1
   Attention         the attention function, registered in Transformers' AttentionInterface as
-                    "kcpp-flash" (kernelize selects it; `attn_implementation="kcpp-flash"` in
+                    "kcpp" (kernelize selects it; `attn_implementation="kcpp"` in
                     from_pretrained too): causal / sliding-window masks; a padding or custom mask,
                     dropout, or soft-capping runs Transformers' own function                    Attention/1
   CrossEntropyLoss  the causal-LM loss of the logits (the model's `loss_function`)                 CrossEntropyLoss/1
@@ -78,8 +78,10 @@ __all__ = ["kernelize", "unkernelize", "report", "Report", "ATTENTION_NAME"]
 _MODES = ("training", "inference")
 _INFERENCE, _TRAINING, _GRAPH = kcpp.MODE_INFERENCE, kcpp.MODE_TRAINING, kcpp.MODE_GRAPH
 
-# The name of the attention function in Transformers' AttentionInterface (attn_implementation=).
-ATTENTION_NAME = "kcpp-flash"
+# The name of the attention function in Transformers' AttentionInterface (attn_implementation=).  Not
+# "kcpp-flash": Transformers takes every name containing "flash" for a flash-attn package or a hub
+# kernel (utils.generic.is_flash_attention_requested) and tries to import one.
+ATTENTION_NAME = "kcpp"
 
 # The contract each layer name's kernels implement.
 _CONTRACTS = {"RMSNorm": "RMSNorm/1", "MLP": "GLU/1", "rotary_pos_emb": "rotary_pos_emb/1", "Attention": "Attention/1",
@@ -197,11 +199,12 @@ def _last_contig(t):
 # ---- probes: a call's description for supports() ----------------------------------------------------------
 #
 # A kernel's choice is made from a description of the call, not from its tensors: (shape, dtype,
-# device) of each tensor, its token dimensions written as 1 (when they are 1) or as _ANY, and every
-# other argument as it is.  The description is made of constants, so torch.compile can make the
-# choice while it traces (_decide is `assume_constant_result`), and the same description is one
-# cached answer in eager calls.  supports() sees tensors of those shapes whose data pointers point at
-# no memory (_Probe), built by the op's own argument builder over meta tensors.
+# device) of each tensor and every other argument as it is, one cached answer per description.
+# While torch.compile traces, the description is made of constants (its token dimensions written as
+# 1 when they are 1, else as _ANY, so that the graph need not specialize on sequence lengths), and
+# the choice is made then (_decide is `assume_constant_result`).  supports() sees tensors of those
+# shapes whose data pointers point at no memory (_Probe), built by the op's own argument builder over
+# meta tensors.
 
 _ANY = 2  # the size a token dimension stands at in a description (the kernel may not depend on it)
 
@@ -214,11 +217,14 @@ _DTYPES = {str(d): d for d in _DL_DTYPE}
 
 
 def _desc(t, features=(-1,)):
-    """A tensor's description: the dims in `features` at their size, the others 1 or _ANY."""
+    """A tensor's description: (shape, dtype, device); while tracing, the dims in `features` at their size
+    and the others 1 or _ANY."""
+    if not torch.compiler.is_compiling():
+        return t.shape, t.dtype, t.device
     n = t.dim()
     keep = {d % n for d in features} if n else set()
     shape = tuple(operator.index(s) if d in keep else (1 if s == 1 else _ANY) for d, s in enumerate(t.shape))
-    return ("tensor", shape, str(t.dtype), str(t.device))
+    return shape, str(t.dtype), str(t.device)
 
 
 class _DLDevice(ctypes.Structure):
@@ -276,17 +282,18 @@ def _ask(slot, training, op, desc, where):
     layer = slot.kernels[mode]
     inputs, device, first = [], None, None
     for name, d in zip(op.arg_names, desc):
-        if isinstance(d, tuple) and d and d[0] == "tensor":
-            _, shape, dtype, dev = d
-            if dtype not in _DTYPES:
-                return -1, f"argument '{name}' is {dtype}, which no kernel takes"
+        if isinstance(d, tuple):  # a tensor's (shape, dtype, device)
+            shape, dtype, dev = d
+            dtype = dtype if isinstance(dtype, torch.dtype) else _DTYPES.get(dtype)
+            if dtype not in _DL_DTYPE:
+                return -1, f"argument '{name}' is {d[1]}, which no kernel takes"
             if device is None:
                 device, first = torch.device(dev), name
             elif torch.device(dev) != device:
                 raise kcpp.InvalidArgument(f"kcpp.torch: {where} ({slot.layer_name}, {layer.package_name}:{layer.name}): "
                                            f"argument '{name}' is on {dev} but '{first}' is on {device}: the tensors "
                                            "of one call must be on one device")
-            inputs.append(torch.empty(shape, dtype=_DTYPES[dtype], device="meta"))
+            inputs.append(torch.empty(shape, dtype=dtype, device="meta"))
         else:
             inputs.append(d)
     if device.type not in ("cpu", "cuda"):
@@ -314,6 +321,8 @@ def _decide(slot, training, op_name, desc, where):
     key = (training, op_name, desc)
     d = slot.decisions.get(key)
     if d is None:
+        if len(slot.decisions) >= 4096:  # eager descriptions have exact shapes: a bound on the lengths kept
+            slot.decisions.clear()
         d = slot.decisions[key] = _ask(slot, training, _OPS[op_name], desc, where)
     if d[0] < 0:
         if d[1]:
@@ -348,8 +357,13 @@ _OPS = {}
 
 
 class _Op:
-    def __init__(self, name, schema, build, outputs, backward_entry=False, setup=None, backward=None):
+    """One entry point as a torch.library op.  `outputs(args, light)`: the op's outputs from the argument
+    dict (light: None for those the call did not make, outside the dispatcher); `result(outputs)`: what
+    the layer's caller takes."""
+
+    def __init__(self, name, schema, build, outputs, result=None, backward_entry=False, setup=None, backward=None):
         self.name, self.build, self.outputs, self.backward_entry = name, build, outputs, backward_entry
+        self.result = result or (lambda o: o[0])
         self.setup, self.formula = setup, backward
         _LIB.define(f"{name}{schema}")
         self.arg_names = [a.split()[-1] for a in schema[1:schema.index(")")].split(", ")]
@@ -361,6 +375,9 @@ class _Op:
         _OPS[name] = self
 
     def impl(self, *inputs):
+        return self.outputs(self.run(inputs), False)
+
+    def run(self, inputs):
         args = self.build(*inputs)
         layer, slot = _kernel(inputs[-1] if self.backward_entry else inputs[-2])
         if self.backward_entry:
@@ -372,10 +389,10 @@ class _Op:
                 mode |= _GRAPH
             layer.forward(args, mode)
             slot.kernel_calls += 1
-        return self.outputs(args, *inputs)
+        return args
 
     def fake(self, *inputs):
-        return self.outputs(self.build(*inputs), *inputs)
+        return self.outputs(self.build(*inputs), False)
 
     def autograd_backward(self, ctx, *grads):
         return self.formula(ctx, False, *grads)
@@ -398,11 +415,12 @@ class _EagerFn(torch.autograd.Function):
 
 
 def _invoke(op, training, *inputs):
+    """The op's result: the torch.library op while torch.compile traces, else its implementation."""
     if torch.compiler.is_compiling():
-        return op.overload(*inputs)
+        return op.result(op.overload(*inputs))
     if training:
-        return _EagerFn.apply(op, *inputs)
-    return op.impl(*inputs)
+        return op.result(_EagerFn.apply(op, *inputs))
+    return op.result(op.outputs(op.run(inputs), True))
 
 
 def _needs(ctx, eager, i):
@@ -417,16 +435,16 @@ def _f32(shape, device):
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
-def _nothing(t):
-    """An output the call did not make (an op returns tensors only)."""
-    return t.new_empty(0, dtype=torch.float32)
+def _made(t, like, light):
+    """An output the call made, or (an op returns tensors only) an empty one; None for a light call."""
+    return t if t is not None else None if light else like.new_empty(0, dtype=torch.float32)
 
 
 # RMSNorm/1
 def _rms_norm_build(x, weight, eps, offset, casting, layer, training):
     rows = x.numel() // x.shape[-1]
     return {"x": x, "weight": weight, "eps": eps, "offset": offset, "casting": casting,
-            "y": torch.empty(x.shape, dtype=x.dtype, device=x.device), "rstd": _f32(rows, x.device) if training else None}
+            "y": torch.empty_like(x), "rstd": _f32(rows, x.device) if training else None}
 
 
 def _rms_norm_setup(ctx, inputs, output):
@@ -449,17 +467,17 @@ def _rms_norm_backward(ctx, eager, dy, _drstd):
 
 def _rms_norm_bwd_build(dy, x, weight, rstd, eps, offset, casting, dweight, layer):
     return {"dy": dy, "x": x, "weight": weight, "rstd": rstd, "eps": eps, "offset": offset, "casting": casting,
-            "dx": torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            "dx": torch.empty_like(x),
             "dweight": torch.empty_like(weight) if dweight else None}
 
 
 _RMS_NORM = _Op("rms_norm", "(Tensor x, Tensor weight, float eps, float offset, str casting, int layer, bool training)"
                 " -> (Tensor, Tensor)", _rms_norm_build,
-                lambda a, *i: (a["y"], a["rstd"] if a["rstd"] is not None else _nothing(a["x"])),
+                lambda a, light: (a["y"], _made(a["rstd"], a["x"], light)),
                 setup=_rms_norm_setup, backward=_rms_norm_backward)
 _RMS_NORM_BWD = _Op("rms_norm_backward", "(Tensor dy, Tensor x, Tensor weight, Tensor rstd, float eps, float offset, "
                     "str casting, bool dweight, int layer) -> (Tensor, Tensor)", _rms_norm_bwd_build,
-                    lambda a, *i: (a["dx"], a["dweight"] if a["dweight"] is not None else _nothing(a["x"])),
+                    lambda a, light: (a["dx"], _made(a["dweight"], a["x"], light)),
                     backward_entry=True)
 
 
@@ -480,14 +498,13 @@ def _glu_backward(ctx, eager, dout):
 _GLU = _Op("glu", "(Tensor gate, Tensor up, str activation, int layer, bool training) -> Tensor",
            lambda gate, up, activation, layer, training: {
                "gate": gate, "up": up, "activation": activation,
-               "out": torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)},
-           lambda a, *i: a["out"], setup=_glu_setup, backward=_glu_backward)
+               "out": torch.empty_like(gate)},
+           lambda a, light: a["out"], result=lambda o: o, setup=_glu_setup, backward=_glu_backward)
 _GLU_BWD = _Op("glu_backward", "(Tensor dout, Tensor gate, Tensor up, str activation, int layer) -> (Tensor, Tensor)",
                lambda dout, gate, up, activation, layer: {
                    "dout": dout, "gate": gate, "up": up, "activation": activation,
-                   "dgate": torch.empty(gate.shape, dtype=gate.dtype, device=gate.device),
-                   "dup": torch.empty(up.shape, dtype=up.dtype, device=up.device)},
-               lambda a, *i: (a["dgate"], a["dup"]), backward_entry=True)
+                   "dgate": torch.empty_like(gate), "dup": torch.empty_like(up)},
+               lambda a, light: (a["dgate"], a["dup"]), backward_entry=True)
 
 
 # rotary_pos_emb/1
@@ -513,14 +530,14 @@ _ROPE = _Op("rotary_pos_emb", "(Tensor q, Tensor k, Tensor cos, Tensor sin, int 
                 "q": q, "k": k, "cos": cos, "sin": sin, "layout": "bhsd",
                 "q_out": torch.empty(q.shape, dtype=q.dtype, device=q.device),
                 "k_out": torch.empty(k.shape, dtype=k.dtype, device=k.device)},
-            lambda a, *i: (a["q_out"], a["k_out"]), setup=_rope_setup, backward=_rope_backward)
+            lambda a, light: (a["q_out"], a["k_out"]), result=lambda o: o, setup=_rope_setup, backward=_rope_backward)
 _ROPE_BWD = _Op("rotary_pos_emb_backward", "(Tensor dq_out, Tensor dk_out, Tensor cos, Tensor sin, int layer) "
                 "-> (Tensor, Tensor)",
                 lambda dq_out, dk_out, cos, sin, layer: {
                     "dq_out": dq_out, "dk_out": dk_out, "cos": cos, "sin": sin, "layout": "bhsd",
                     "dq": torch.empty(dq_out.shape, dtype=dq_out.dtype, device=dq_out.device),
                     "dk": torch.empty(dk_out.shape, dtype=dk_out.dtype, device=dk_out.device)},
-                lambda a, *i: (a["dq"], a["dk"]), backward_entry=True)
+                lambda a, light: (a["dq"], a["dk"]), backward_entry=True)
 
 
 # Attention/1: q [B, Hq, Sq, D], k / v [B, Hkv, Skv, D] (D contiguous); the output is made [B, Sq, Hq, D], what
@@ -551,7 +568,7 @@ def _attention_backward(ctx, eager, dout, _dlse):
 
 _ATTENTION = _Op("attention", "(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, int layer, "
                  "bool training) -> (Tensor, Tensor)", _attention_build,
-                 lambda a, *i: (a["out"].transpose(1, 2), a["lse"] if a["lse"] is not None else _nothing(a["q"])),
+                 lambda a, light: (a["out"].transpose(1, 2), _made(a["lse"], a["q"], light)),
                  setup=_attention_setup, backward=_attention_backward)
 _ATTENTION_BWD = _Op("attention_backward", "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
                      "float scale, bool causal, int window, int layer) -> (Tensor, Tensor, Tensor)",
@@ -561,7 +578,7 @@ _ATTENTION_BWD = _Op("attention_backward", "(Tensor dout, Tensor q, Tensor k, Te
                          "dq": torch.empty(q.shape, dtype=q.dtype, device=q.device),
                          "dk": torch.empty(k.shape, dtype=k.dtype, device=k.device),
                          "dv": torch.empty(v.shape, dtype=v.dtype, device=v.device)},
-                     lambda a, *i: (a["dq"], a["dk"], a["dv"]), backward_entry=True)
+                     lambda a, light: (a["dq"], a["dk"], a["dv"]), backward_entry=True)
 
 
 # CrossEntropyLoss/1: the gradient is made by forward (the logits are read once) and scaled by backward.
@@ -585,12 +602,12 @@ _CE = _Op("cross_entropy", "(Tensor logits, Tensor targets, int ignore_index, st
               "logits": logits, "targets": targets, "ignore_index": ignore_index, "reduction": reduction,
               "loss": _f32((), logits.device),
               "grad": torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if training else None},
-          lambda a, *i: (a["loss"], a["grad"] if a["grad"] is not None else _nothing(a["logits"])),
+          lambda a, light: (a["loss"], _made(a["grad"], a["logits"], light)),
           setup=_ce_setup, backward=_ce_backward)
 _CE_BWD = _Op("cross_entropy_backward", "(Tensor dloss, Tensor grad, int layer) -> Tensor",
               lambda dloss, grad, layer: {"dloss": dloss.reshape(1).float(), "grad": grad,
                                           "dlogits": torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)},
-              lambda a, *i: a["dlogits"], backward_entry=True)
+              lambda a, light: a["dlogits"], backward_entry=True)
 
 
 # ForCausalLMLoss/1: the gradients of hidden and weight are made by forward (the logits never exist);
@@ -621,21 +638,20 @@ def _flce_backward(ctx, eager, dloss, _dh, _dw):
 
 _FLCE = _Op("fused_linear_cross_entropy", "(Tensor hidden, Tensor weight, Tensor targets, int ignore_index, "
             "str reduction, float softcap, bool dweight, int layer, bool training) -> (Tensor, Tensor, Tensor)",
-            _flce_build, lambda a, *i: (a["loss"], a["dhidden"], a["dweight"] if a["dweight"] is not None
-                                        else _nothing(a["hidden"])),
+            _flce_build, lambda a, light: (a["loss"], a["dhidden"], _made(a["dweight"], a["hidden"], light)),
             setup=_flce_setup, backward=_flce_backward)
 _FLCE_BWD = _Op("fused_linear_cross_entropy_backward", "(Tensor dloss, Tensor(a!) dhidden, Tensor(b!) dweight, "
                 "int layer) -> ()",
                 lambda dloss, dhidden, dweight, layer: {"dloss": dloss.reshape(1).float(), "dhidden": dhidden,
                                                         "dweight": dweight if dweight.numel() else None},
-                lambda a, *i: None, backward_entry=True)
+                lambda a, light: None, backward_entry=True)
 
 
 # ---- RMSNorm/1 --------------------------------------------------------------------------------------------
 
 def _rms_norm_forward(where, module, slot, original, spec, hidden_states):
     x, weight = hidden_states, module.weight
-    training = _needs_grad(x, weight)
+    training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if x.dtype != weight.dtype:
         _refuse(slot, f"x is {x.dtype} and weight {weight.dtype}: RMSNorm/1 takes one dtype")
         return original(hidden_states)
@@ -649,7 +665,7 @@ def _rms_norm_forward(where, module, slot, original, spec, hidden_states):
     if lid < 0:
         return original(hidden_states)
     try:
-        return _invoke(_RMS_NORM, training, x, weight, eps, offset, casting, lid, training)[0]
+        return _invoke(_RMS_NORM, training, x, weight, eps, offset, casting, lid, training)
     except kcpp.Unsupported as e:  # outside torch.compile: a refusal the call's sizes caused
         _refuse(slot, str(e))
         return original(hidden_states)
@@ -778,10 +794,10 @@ def _attention_module_forward(slot, original, *args, **kwargs):
         _ROPE_SLOT.reset(token)
 
 
-# ---- Attention/1 (Transformers' attention function "kcpp-flash") ---------------------------------------------
+# ---- Attention/1 (Transformers' attention function "kcpp") ---------------------------------------------
 
 def _load_default_attention(slot):
-    """The kernels of a model that selects "kcpp-flash" without kernelize: this build's flash_attn."""
+    """The kernels of a model that selects "kcpp" without kernelize: this build's flash_attn."""
     slot.loader = None
     folder = kcpp.local_packages().get("flash_attn")
     if folder is None:
@@ -795,7 +811,7 @@ def _load_default_attention(slot):
     slot.reason = f"{package.name} {package.version}: {layer.name} (Attention/1), attn_implementation={ATTENTION_NAME!r}"
 
 
-# The slot of models that select "kcpp-flash" without being kernelized.
+# The slot of models that select "kcpp" without being kernelized.
 _DEFAULT_ATTENTION = _Slot("Attention", "Attention/1", reason="loaded at the first call", loader=_load_default_attention)
 
 
@@ -806,7 +822,7 @@ def _attention_mask_sdpa():
 
 def _kcpp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, local_size=None,
                allow_is_causal_skip=True, config=None, **kwargs):
-    """The mask function of "kcpp-flash": SDPA's (boolean masks; None where the causal pattern is all
+    """The mask function of "kcpp": SDPA's (boolean masks; None where the causal pattern is all
     there is), and also None for a sliding-window causal mask without padding, cache or custom part:
     the attention function then takes the window from its `sliding_window`, which the checked
     families pass (Mistral, Qwen2 / 3, Phi-3, Gemma 2 / 3)."""
@@ -834,7 +850,7 @@ def _reference_attention(module, query, key, value, attention_mask, dropout, sca
                          softcap, kwargs, implementation):
     """Transformers' own attention for a call the kernel does not take: the model's implementation before
     kernelize, "sdpa" or "eager" (the modeling module's; also for soft-capping, which SDPA has not), over
-    the mask "kcpp-flash" made (SDPA's booleans; none for a causal / sliding-window mask)."""
+    the mask "kcpp" made (SDPA's booleans; none for a causal / sliding-window mask)."""
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     eager = implementation == "eager" or softcap is not None
@@ -858,7 +874,7 @@ def _reference_attention(module, query, key, value, attention_mask, dropout, sca
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                sliding_window=None, softcap=None, **kwargs):
-    """Transformers' attention function "kcpp-flash": the Attention/1 kernel of the module's model
+    """Transformers' attention function "kcpp": the Attention/1 kernel of the module's model
     (kernelize), or this build's flash_attn; (output [B, Sq, Hq, D], None)."""
     slot, where, implementation = getattr(module, "_kcpp_attention", None) or \
         (_DEFAULT_ATTENTION, type(module).__name__, "sdpa")
@@ -898,14 +914,14 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     if lid < 0:
         return reference()
     try:
-        return _invoke(_ATTENTION, training, q, k, v, scale, bool(causal), window, lid, training)[0], None
+        return _invoke(_ATTENTION, training, q, k, v, scale, bool(causal), window, lid, training), None
     except kcpp.Unsupported as e:
         _refuse(slot, str(e))
         return reference()
 
 
 def _register_attention():
-    """`attn_implementation="kcpp-flash"`: the attention function and its mask function."""
+    """`attn_implementation="kcpp"`: the attention function and its mask function."""
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
@@ -945,7 +961,7 @@ def _causal_lm_loss(slot, original, logits, labels, vocab_size, num_items_in_bat
     if lid < 0:
         return reference()
     try:
-        loss = _invoke(_CE, training, logits2d, targets, int(ignore_index), reduction, lid, training)[0]
+        loss = _invoke(_CE, training, logits2d, targets, int(ignore_index), reduction, lid, training)
     except kcpp.Unsupported as e:
         _refuse(slot, str(e))
         return reference()
@@ -995,7 +1011,7 @@ def _causal_lm_forward(model, slot, original, names, output_class, has_training,
         return reference()
     try:
         loss = _invoke(_FLCE, True, hidden2d, weight, targets, int(ignore_index), reduction, softcap, dweight, lid,
-                       True)[0]
+                       True)
     except kcpp.Unsupported as e:
         _refuse(slot, str(e))
         return reference()
@@ -1158,7 +1174,7 @@ def kernelize(model, mode=None, kernel_config=None, use_liger_kernel=True, liger
       Liger's defaults for those not given (cross_entropy off, the others on), a switch the model
       type does not have ignored, cross_entropy with fused_linear_cross_entropy an error.
     attention: with use_liger_kernel, also this build's flash_attn for the attention, selected as
-      attn_implementation="kcpp-flash" (unkernelize restores the model's).  A kernel_config maps
+      attn_implementation="kcpp" (unkernelize restores the model's).  A kernel_config maps
       "Attention" itself.
     device: where the model runs (default: its parameters' device).
     allow_all_kernels: load unsigned packages and packages of untrusted publishers named by
@@ -1269,7 +1285,7 @@ def _swap(model, state):
 
 
 def _swap_attention(model, state, modules):
-    """Links the attention modules to the model's Attention kernels and selects "kcpp-flash"."""
+    """Links the attention modules to the model's Attention kernels and selects "kcpp"."""
     slot = state.slots["Attention"]
     slot.modules = len(modules)
     if not slot.kernels or not modules:
@@ -1281,7 +1297,7 @@ def _swap_attention(model, state, modules):
         slot.release()
         slot.reason = f"{type(model).__name__} cannot change its attention implementation (keeps {previous!r})"
         return
-    # The fallback: the implementation the model had (SDPA for one that had "kcpp-flash" or another).
+    # The fallback: the implementation the model had (SDPA for one that had "kcpp" or another).
     reference = previous if previous in ("eager", "sdpa") else ("sdpa" if getattr(model, "_supports_sdpa", True)
                                                                 else "eager")
     names = {m: n for n, m in model.named_modules()}
@@ -1319,7 +1335,7 @@ def _entry(s, kernels):
 
 def report(model):
     """What each layer name got and its calls since kernelize (a Report; str() prints it).  A model that
-    selects "kcpp-flash" without kernelize reports the process's default Attention kernels."""
+    selects "kcpp" without kernelize reports the process's default Attention kernels."""
     state = getattr(model, "_kcpp_state", None)
     if state is None:
         if getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION_NAME:
