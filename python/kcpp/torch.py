@@ -216,10 +216,10 @@ _DL_DTYPE = {torch.float32: (2, 32), torch.float16: (2, 16), torch.bfloat16: (4,
 _DTYPES = {str(d): d for d in _DL_DTYPE}
 
 
-def _desc(t, features=(-1,)):
-    """A tensor's description: (shape, dtype, device); while tracing, the dims in `features` at their size
-    and the others 1 or _ANY."""
-    if not torch.compiler.is_compiling():
+def _desc(t, traced, features=(-1,)):
+    """A tensor's description: (shape, dtype, device); while torch.compile traces (`traced`), the dims in
+    `features` at their size and the others 1 or _ANY."""
+    if not traced:
         return t.shape, t.dtype, t.device
     n = t.dim()
     keep = {d % n for d in features} if n else set()
@@ -414,9 +414,9 @@ class _EagerFn(torch.autograd.Function):
         return (None, *ctx.kcpp_op.formula(ctx, True, *grads))
 
 
-def _invoke(op, training, *inputs):
+def _invoke(op, training, traced, *inputs):
     """The op's result: the torch.library op while torch.compile traces, else its implementation."""
-    if torch.compiler.is_compiling():
+    if traced:
         return op.result(op.overload(*inputs))
     if training:
         return op.result(_EagerFn.apply(op, *inputs))
@@ -661,11 +661,12 @@ def _rms_norm_forward(where, module, slot, original, spec, hidden_states):
     # RMSNorm/1's rows may be strided but must be one stride apart (Gemma 3's q / k norms get transposed views).
     x = _last_contig(x) if x.dim() <= 2 else _contig(x)
     eps, offset, casting = spec
-    lid = _decide(slot, training, "rms_norm", (_desc(x), _desc(weight), eps, offset, casting), where)
+    traced = torch.compiler.is_compiling()
+    lid = _decide(slot, training, "rms_norm", (_desc(x, traced), _desc(weight, traced), eps, offset, casting), where)
     if lid < 0:
         return original(hidden_states)
     try:
-        return _invoke(_RMS_NORM, training, x, weight, eps, offset, casting, lid, training)
+        return _invoke(_RMS_NORM, training, traced, x, weight, eps, offset, casting, lid, training)
     except kcpp.Unsupported as e:  # outside torch.compile: a refusal the call's sizes caused
         _refuse(slot, str(e))
         return original(hidden_states)
@@ -696,11 +697,12 @@ def _mlp_forward(where, module, slot, original, activation, x):
         _refuse(slot, f"gate {gate.dtype} {tuple(gate.shape)}, up {up.dtype}: GLU/1 takes one dtype, non-empty")
         return module.down_proj(module.act_fn(gate) * up)
     gate, up = _contig(gate), _contig(up)
-    lid = _decide(slot, training, "glu", (_desc(gate), _desc(up), activation), where)
+    traced = torch.compiler.is_compiling()
+    lid = _decide(slot, training, "glu", (_desc(gate, traced), _desc(up, traced), activation), where)
     if lid < 0:
         return module.down_proj(module.act_fn(gate) * up)
     try:
-        out = _invoke(_GLU, training, gate, up, activation, lid, training)
+        out = _invoke(_GLU, training, traced, gate, up, activation, lid, training)
     except kcpp.Unsupported as e:
         _refuse(slot, str(e))
         return module.down_proj(module.act_fn(gate) * up)
@@ -729,7 +731,8 @@ _ROPE_PATCHES = {}
 
 
 def _rope_dispatch(original, q, k, cos, sin, *args, **kwargs):
-    slot = _ROPE_TRACED if torch.compiler.is_compiling() else _ROPE_SLOT.get()
+    traced = torch.compiler.is_compiling()
+    slot = _ROPE_TRACED if traced else _ROPE_SLOT.get()
     if slot is None:
         return original(q, k, cos, sin, *args, **kwargs)
     training = _needs_grad(q, k)
@@ -748,12 +751,12 @@ def _rope_dispatch(original, q, k, cos, sin, *args, **kwargs):
         _refuse(slot, why)
         return original(q, k, cos, sin, *args, **kwargs)
     q, k, cos, sin = _last_contig(q), _last_contig(k), _contig(cos), _contig(sin)
-    lid = _decide(slot, training, "rotary_pos_emb", (_desc(q, (1, 3)), _desc(k, (1, 3)), _desc(cos), _desc(sin)),
-                  "apply_rotary_pos_emb")
+    desc = (_desc(q, traced, (1, 3)), _desc(k, traced, (1, 3)), _desc(cos, traced), _desc(sin, traced))
+    lid = _decide(slot, training, "rotary_pos_emb", desc, "apply_rotary_pos_emb")
     if lid < 0:
         return original(q, k, cos, sin, *args, **kwargs)
     try:
-        return _invoke(_ROPE, training, q, k, cos, sin, lid, training)
+        return _invoke(_ROPE, training, traced, q, k, cos, sin, lid, training)
     except kcpp.Unsupported as e:
         _refuse(slot, str(e))
         return original(q, k, cos, sin, *args, **kwargs)
@@ -909,12 +912,13 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(q.shape[-1])
     window = operator.index(sliding_window) if sliding_window else 0
     training = _needs_grad(q, k, v)
-    lid = _decide(slot, training, "attention", (_desc(q, (1, 3)), _desc(k, (1, 3)), _desc(v, (1, 3)), scale,
-                                                bool(causal), window), where)
+    traced = torch.compiler.is_compiling()
+    desc = (_desc(q, traced, (1, 3)), _desc(k, traced, (1, 3)), _desc(v, traced, (1, 3)), scale, bool(causal), window)
+    lid = _decide(slot, training, "attention", desc, where)
     if lid < 0:
         return reference()
     try:
-        return _invoke(_ATTENTION, training, q, k, v, scale, bool(causal), window, lid, training), None
+        return _invoke(_ATTENTION, training, traced, q, k, v, scale, bool(causal), window, lid, training), None
     except kcpp.Unsupported as e:
         _refuse(slot, str(e))
         return reference()
@@ -956,12 +960,13 @@ def _causal_lm_loss(slot, original, logits, labels, vocab_size, num_items_in_bat
     logits2d = _contig(logits).view(-1, vocab_size)
     targets = _shifted_targets(labels, ignore_index, shift_labels, logits.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
-    lid = _decide(slot, training, "cross_entropy", (_desc(logits2d), _desc(targets, ()), int(ignore_index), reduction),
-                  "loss_function")
+    traced = torch.compiler.is_compiling()
+    desc = (_desc(logits2d, traced), _desc(targets, traced, ()), int(ignore_index), reduction)
+    lid = _decide(slot, training, "cross_entropy", desc, "loss_function")
     if lid < 0:
         return reference()
     try:
-        loss = _invoke(_CE, training, logits2d, targets, int(ignore_index), reduction, lid, training)
+        loss = _invoke(_CE, training, traced, logits2d, targets, int(ignore_index), reduction, lid, training)
     except kcpp.Unsupported as e:
         _refuse(slot, str(e))
         return reference()
@@ -1004,13 +1009,14 @@ def _causal_lm_forward(model, slot, original, names, output_class, has_training,
     reduction = "mean" if num_items_in_batch is None else "sum"
     softcap = float(getattr(model.config, "final_logit_softcapping", None) or 0.0)  # Gemma 2 / 3: cap * tanh(z / cap)
     dweight = weight.requires_grad
-    lid = _decide(slot, True, "fused_linear_cross_entropy",
-                  (_desc(hidden2d), _desc(weight, (0, 1)), _desc(targets, ()), int(ignore_index), reduction, softcap,
-                   dweight), "lm_head")
+    traced = torch.compiler.is_compiling()
+    desc = (_desc(hidden2d, traced), _desc(weight, traced, (0, 1)), _desc(targets, traced, ()), int(ignore_index),
+            reduction, softcap, dweight)
+    lid = _decide(slot, True, "fused_linear_cross_entropy", desc, "lm_head")
     if lid < 0:
         return reference()
     try:
-        loss = _invoke(_FLCE, True, hidden2d, weight, targets, int(ignore_index), reduction, softcap, dweight, lid,
+        loss = _invoke(_FLCE, True, traced, hidden2d, weight, targets, int(ignore_index), reduction, softcap, dweight, lid,
                        True)
     except kcpp.Unsupported as e:
         _refuse(slot, str(e))
