@@ -260,8 +260,8 @@ class _Probe:
         self._strides = (ctypes.c_int64 * max(n, 1))(*meta.stride())
         code, bits = _DL_DTYPE[meta.dtype]
         dev = _DLDevice(1, 0) if device.type == "cpu" else _DLDevice(2, device.index or 0)
-        self._mt = _DLManagedTensor(_DLTensor(address, dev, n, _DLDataType(code, bits, 1), self._shape, self._strides, 0),
-                                    None, None)
+        tensor = _DLTensor(address, dev, n, _DLDataType(code, bits, 1), self._shape, self._strides, 0)
+        self._mt = _DLManagedTensor(tensor, None, None)
 
     def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
         if max_version is not None:
@@ -290,9 +290,9 @@ def _ask(slot, training, op, desc, where):
             if device is None:
                 device, first = torch.device(dev), name
             elif torch.device(dev) != device:
-                raise kcpp.InvalidArgument(f"kcpp.torch: {where} ({slot.layer_name}, {layer.package_name}:{layer.name}): "
-                                           f"argument '{name}' is on {dev} but '{first}' is on {device}: the tensors "
-                                           "of one call must be on one device")
+                raise kcpp.InvalidArgument(
+                    f"kcpp.torch: {where} ({slot.layer_name}, {layer.package_name}:{layer.name}): argument '{name}' "
+                    f"is on {dev} but '{first}' is on {device}: the tensors of one call must be on one device")
             inputs.append(torch.empty(shape, dtype=dtype, device="meta"))
         else:
             inputs.append(d)
@@ -525,7 +525,8 @@ def _rope_backward(ctx, eager, dq_out, dk_out):
     return dq, dk, None, None, None, None
 
 
-_ROPE = _Op("rotary_pos_emb", "(Tensor q, Tensor k, Tensor cos, Tensor sin, int layer, bool training) -> (Tensor, Tensor)",
+_ROPE = _Op("rotary_pos_emb", "(Tensor q, Tensor k, Tensor cos, Tensor sin, int layer, bool training) "
+            "-> (Tensor, Tensor)",
             lambda q, k, cos, sin, layer, training: {
                 "q": q, "k": k, "cos": cos, "sin": sin, "layout": "bhsd",
                 "q_out": torch.empty(q.shape, dtype=q.dtype, device=q.device),
@@ -744,7 +745,8 @@ def _rope_dispatch(original, q, k, cos, sin, *args, **kwargs):
         why = "cos / sin require gradients (rotary_pos_emb/1 has none for them)"
     elif q.dim() != 4 or k.dim() != 4 or cos.dim() not in (2, 3) or q.dtype != cos.dtype or k.dtype != q.dtype \
             or sin.dtype != q.dtype:
-        why = f"q {tuple(q.shape)} {q.dtype}, k {k.dtype}, cos {cos.dtype}: rotary_pos_emb/1 takes 4-D q, k in cos's dtype"
+        why = (f"q {tuple(q.shape)} {q.dtype}, k {k.dtype}, cos {cos.dtype}: rotary_pos_emb/1 takes 4-D q, k in "
+               "cos's dtype")
     elif q.numel() == 0 or k.numel() == 0:
         why = "an empty tensor: the reference handles it"
     if why is not None:
@@ -811,11 +813,13 @@ def _load_default_attention(slot):
     slot.add_kernel("inference", layer)
     if layer.has_backward:
         slot.add_kernel("training", layer)
-    slot.reason = f"{package.name} {package.version}: {layer.name} (Attention/1), attn_implementation={ATTENTION_NAME!r}"
+    slot.reason = (f"{package.name} {package.version}: {layer.name} (Attention/1), "
+                   f"attn_implementation={ATTENTION_NAME!r}")
 
 
 # The slot of models that select "kcpp" without being kernelized.
-_DEFAULT_ATTENTION = _Slot("Attention", "Attention/1", reason="loaded at the first call", loader=_load_default_attention)
+_DEFAULT_ATTENTION = _Slot("Attention", "Attention/1", reason="loaded at the first call",
+                           loader=_load_default_attention)
 
 
 def _attention_mask_sdpa():
@@ -1016,8 +1020,8 @@ def _causal_lm_forward(model, slot, original, names, output_class, has_training,
     if lid < 0:
         return reference()
     try:
-        loss = _invoke(_FLCE, True, traced, hidden2d, weight, targets, int(ignore_index), reduction, softcap, dweight, lid,
-                       True)
+        loss = _invoke(_FLCE, True, traced, hidden2d, weight, targets, int(ignore_index), reduction, softcap, dweight,
+                       lid, True)
     except kcpp.Unsupported as e:
         _refuse(slot, str(e))
         return reference()
@@ -1099,8 +1103,10 @@ def _liger_switches(model_type, liger_kernel_config):
         raise ValueError("liger_kernel_config: cross_entropy and fused_linear_cross_entropy cannot both be True "
                          "(fused_linear_cross_entropy is on unless set to False), as in Liger")
     switches = {"rope": taken["rope"], "rms_norm": taken["rms_norm"], "swiglu": taken[glu],
-                "cross_entropy": taken["cross_entropy"], "fused_linear_cross_entropy": taken["fused_linear_cross_entropy"]}
-    note = f"liger_kernel_config: {', '.join(ignored)} not switches of {model_type} (ignored, as Liger)" if ignored else ""
+                "cross_entropy": taken["cross_entropy"],
+                "fused_linear_cross_entropy": taken["fused_linear_cross_entropy"]}
+    note = f"liger_kernel_config: {', '.join(ignored)} not switches of {model_type} (ignored, as Liger)" \
+        if ignored else ""
     return switches, note
 
 
