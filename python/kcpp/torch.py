@@ -116,6 +116,11 @@ class _Slot:
     last_refusal: str = ""
     decisions: dict = field(default_factory=dict)  # (training, op, description) -> (id or -1, refusal)
     loader: object = None                           # loads the kernels at the first call (the default attention)
+    sid: int = -1                                   # the slot's id in _SLOTS
+
+    def __post_init__(self):
+        self.sid = next(_NEXT_ID)
+        _SLOTS[self.sid] = self
 
     def add_kernel(self, mode, layer):
         self.kernels[mode] = layer
@@ -138,6 +143,8 @@ class _Slot:
 # traced graph can hold).  unkernelize removes a model's; a graph compiled before names a missing id.
 _LAYERS = {}
 _NEXT_ID = itertools.count()
+# id -> _Slot: what _decide / _refuse count into (torch.compile passes them constants, not objects).
+_SLOTS = weakref.WeakValueDictionary()
 
 
 def _register_layer(layer, slot):
@@ -315,9 +322,10 @@ def _ask(slot, training, op, desc, where):
 
 
 @torch.compiler.assume_constant_result
-def _decide(slot, training, op_name, desc, where):
+def _decide(sid, training, op_name, desc, where):
     """The id of the kernel for this call, or -1 (the reference runs; a refusal is counted, with its reason).
     Under torch.compile it runs once, while the graph is traced: its answer is a constant of the graph."""
+    slot = _SLOTS[sid]
     key = (training, op_name, desc)
     d = slot.decisions.get(key)
     if d is None:
@@ -333,16 +341,16 @@ def _decide(slot, training, op_name, desc, where):
 
 
 @torch.compiler.assume_constant_result
-def _refuse(slot, why):
+def _refuse(sid, why):
     """A call the bridge cannot express: the reference runs, counted (once per trace under torch.compile)."""
-    slot.refuse(why)
+    _SLOTS[sid].refuse(why)
     return 0
 
 
 @torch.compiler.assume_constant_result
-def _reference_call(slot):
+def _reference_call(sid):
     """A call with no kernel for its mode: the reference runs, counted."""
-    slot.reference_calls += 1
+    _SLOTS[sid].reference_calls += 1
     return 0
 
 
@@ -654,22 +662,22 @@ def _rms_norm_forward(where, module, slot, original, spec, hidden_states):
     x, weight = hidden_states, module.weight
     training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if x.dtype != weight.dtype:
-        _refuse(slot, f"x is {x.dtype} and weight {weight.dtype}: RMSNorm/1 takes one dtype")
+        _refuse(slot.sid, f"x is {x.dtype} and weight {weight.dtype}: RMSNorm/1 takes one dtype")
         return original(hidden_states)
     if x.numel() == 0:
-        _refuse(slot, "an empty tensor: the reference handles it")
+        _refuse(slot.sid, "an empty tensor: the reference handles it")
         return original(hidden_states)
     # RMSNorm/1's rows may be strided but must be one stride apart (Gemma 3's q / k norms get transposed views).
     x = _last_contig(x) if x.dim() <= 2 else _contig(x)
     eps, offset, casting = spec
     traced = torch.compiler.is_compiling()
-    lid = _decide(slot, training, "rms_norm", (_desc(x, traced), _desc(weight, traced), eps, offset, casting), where)
+    lid = _decide(slot.sid, training, "rms_norm", (_desc(x, traced), _desc(weight, traced), eps, offset, casting), where)
     if lid < 0:
         return original(hidden_states)
     try:
         return _invoke(_RMS_NORM, training, traced, x, weight, eps, offset, casting, lid, training)
     except kcpp.Unsupported as e:  # outside torch.compile: a refusal the call's sizes caused
-        _refuse(slot, str(e))
+        _refuse(slot.sid, str(e))
         return original(hidden_states)
 
 
@@ -690,22 +698,22 @@ def _rms_norm_spec(m):
 
 def _mlp_forward(where, module, slot, original, activation, x):
     if activation is None:
-        _refuse(slot, f"activation {module.act_fn.__class__.__name__} is not one GLU/1 takes")
+        _refuse(slot.sid, f"activation {module.act_fn.__class__.__name__} is not one GLU/1 takes")
         return original(x)
     gate, up = module.gate_proj(x), module.up_proj(x)
     training = _needs_grad(gate, up)
     if gate.dtype != up.dtype or gate.numel() == 0:
-        _refuse(slot, f"gate {gate.dtype} {tuple(gate.shape)}, up {up.dtype}: GLU/1 takes one dtype, non-empty")
+        _refuse(slot.sid, f"gate {gate.dtype} {tuple(gate.shape)}, up {up.dtype}: GLU/1 takes one dtype, non-empty")
         return module.down_proj(module.act_fn(gate) * up)
     gate, up = _contig(gate), _contig(up)
     traced = torch.compiler.is_compiling()
-    lid = _decide(slot, training, "glu", (_desc(gate, traced), _desc(up, traced), activation), where)
+    lid = _decide(slot.sid, training, "glu", (_desc(gate, traced), _desc(up, traced), activation), where)
     if lid < 0:
         return module.down_proj(module.act_fn(gate) * up)
     try:
         out = _invoke(_GLU, training, traced, gate, up, activation, lid, training)
     except kcpp.Unsupported as e:
-        _refuse(slot, str(e))
+        _refuse(slot.sid, str(e))
         return module.down_proj(module.act_fn(gate) * up)
     return module.down_proj(out)
 
@@ -750,17 +758,17 @@ def _rope_dispatch(original, q, k, cos, sin, *args, **kwargs):
     elif q.numel() == 0 or k.numel() == 0:
         why = "an empty tensor: the reference handles it"
     if why is not None:
-        _refuse(slot, why)
+        _refuse(slot.sid, why)
         return original(q, k, cos, sin, *args, **kwargs)
     q, k, cos, sin = _last_contig(q), _last_contig(k), _contig(cos), _contig(sin)
     desc = (_desc(q, traced, (1, 3)), _desc(k, traced, (1, 3)), _desc(cos, traced), _desc(sin, traced))
-    lid = _decide(slot, training, "rotary_pos_emb", desc, "apply_rotary_pos_emb")
+    lid = _decide(slot.sid, training, "rotary_pos_emb", desc, "apply_rotary_pos_emb")
     if lid < 0:
         return original(q, k, cos, sin, *args, **kwargs)
     try:
         return _invoke(_ROPE, training, traced, q, k, cos, sin, lid, training)
     except kcpp.Unsupported as e:
-        _refuse(slot, str(e))
+        _refuse(slot.sid, str(e))
         return original(q, k, cos, sin, *args, **kwargs)
 
 
@@ -822,25 +830,23 @@ _DEFAULT_ATTENTION = _Slot("Attention", "Attention/1", reason="loaded at the fir
                            loader=_load_default_attention)
 
 
-def _attention_mask_sdpa():
+def _kcpp_mask(*args, **kwargs):
+    """The mask function of "kcpp": SDPA's (boolean masks; None where the causal pattern is all there
+    is), and also None for a sliding-window causal mask without padding, cache or custom part: the
+    attention function then takes the window from its `sliding_window`, which the checked families
+    pass (Mistral, Qwen2 / 3, Phi-3, Gemma 2 / 3)."""
     from transformers.masking_utils import sdpa_mask
-    return sdpa_mask
-
-
-def _kcpp_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, local_size=None,
-               allow_is_causal_skip=True, config=None, **kwargs):
-    """The mask function of "kcpp": SDPA's (boolean masks; None where the causal pattern is all
-    there is), and also None for a sliding-window causal mask without padding, cache or custom part:
-    the attention function then takes the window from its `sliding_window`, which the checked
-    families pass (Mistral, Qwen2 / 3, Phi-3, Gemma 2 / 3)."""
-    if (allow_is_causal_skip and local_size is not None and getattr(config, "model_type", None) in _MODEL_TYPES
-            and isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == 0 and kv_offset == 0
-            and q_length == kv_length
-            and (attention_mask is None or (not torch.compiler.is_compiling() and bool(attention_mask.all())))):
+    if not args and _plain_sliding_window(**kwargs):
         return None
-    return _attention_mask_sdpa()(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                                  kv_offset=kv_offset, attention_mask=attention_mask, local_size=local_size,
-                                  allow_is_causal_skip=allow_is_causal_skip, config=config, **kwargs)
+    return sdpa_mask(*args, **kwargs)
+
+
+def _plain_sliding_window(q_length=None, kv_length=None, q_offset=0, kv_offset=0, attention_mask=None,
+                          local_size=None, allow_is_causal_skip=True, config=None, **kwargs):
+    return (allow_is_causal_skip and local_size is not None and getattr(config, "model_type", None) in _MODEL_TYPES
+            and isinstance(q_length, int) and isinstance(q_offset, int) and isinstance(kv_offset, int)
+            and q_offset == 0 and kv_offset == 0 and q_length == kv_length
+            and (attention_mask is None or (not torch.compiler.is_compiling() and bool(attention_mask.all()))))
 
 
 def _causal_window_mask(q_len, kv_len, window, device):
@@ -907,7 +913,7 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     elif query.numel() == 0 or key.numel() == 0:
         why = "an empty tensor: the reference handles it"
     if why is not None:
-        _refuse(slot, why)
+        _refuse(slot.sid, why)
         return reference()
     q_len, kv_len = query.shape[2], key.shape[2]
     if causal and q_len > 1 and kv_len > q_len:  # no mask and more keys: SDPA's reading, the first q_len keys
@@ -918,13 +924,13 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     training = _needs_grad(q, k, v)
     traced = torch.compiler.is_compiling()
     desc = (_desc(q, traced, (1, 3)), _desc(k, traced, (1, 3)), _desc(v, traced, (1, 3)), scale, bool(causal), window)
-    lid = _decide(slot, training, "attention", desc, where)
+    lid = _decide(slot.sid, training, "attention", desc, where)
     if lid < 0:
         return reference()
     try:
         return _invoke(_ATTENTION, training, traced, q, k, v, scale, bool(causal), window, lid, training), None
     except kcpp.Unsupported as e:
-        _refuse(slot, str(e))
+        _refuse(slot.sid, str(e))
         return reference()
 
 
@@ -959,20 +965,20 @@ def _causal_lm_loss(slot, original, logits, labels, vocab_size, num_items_in_bat
         return original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                         ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
     if logits.numel() == 0:
-        _refuse(slot, "an empty tensor: the reference handles it")
+        _refuse(slot.sid, "an empty tensor: the reference handles it")
         return reference()
     logits2d = _contig(logits).view(-1, vocab_size)
     targets = _shifted_targets(labels, ignore_index, shift_labels, logits.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
     traced = torch.compiler.is_compiling()
     desc = (_desc(logits2d, traced), _desc(targets, traced, ()), int(ignore_index), reduction)
-    lid = _decide(slot, training, "cross_entropy", desc, "loss_function")
+    lid = _decide(slot.sid, training, "cross_entropy", desc, "loss_function")
     if lid < 0:
         return reference()
     try:
         loss = _invoke(_CE, training, traced, logits2d, targets, int(ignore_index), reduction, lid, training)
     except kcpp.Unsupported as e:
-        _refuse(slot, str(e))
+        _refuse(slot.sid, str(e))
         return reference()
     if num_items_in_batch is not None:
         loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
@@ -989,7 +995,7 @@ def _causal_lm_forward(model, slot, original, names, output_class, has_training,
         kwargs.update(zip(names, args))
     if labels is None or not has_training or not torch.is_grad_enabled():
         if labels is not None:
-            _reference_call(slot)
+            _reference_call(slot.sid)
         return original(labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     lm_head = model.get_output_embeddings()
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
@@ -1003,10 +1009,10 @@ def _causal_lm_forward(model, slot, original, names, output_class, has_training,
         return _finish_reference(model, output_class, outputs, labels, logits_to_keep, num_items_in_batch, ignore_index,
                                  shift_labels)
     if not _needs_grad(hidden, weight):
-        _refuse(slot, "neither the hidden states nor lm_head's weight need gradients")
+        _refuse(slot.sid, "neither the hidden states nor lm_head's weight need gradients")
         return reference()
     if getattr(lm_head, "bias", None) is not None or hidden.dtype != weight.dtype or hidden.numel() == 0:
-        _refuse(slot, "lm_head has a bias, its weight's dtype is not the hidden states', or no tokens")
+        _refuse(slot.sid, "lm_head has a bias, its weight's dtype is not the hidden states', or no tokens")
         return reference()
     hidden2d = _contig(hidden).view(-1, hidden.shape[-1])
     targets = _shifted_targets(labels, ignore_index, shift_labels, hidden.device)
@@ -1016,14 +1022,14 @@ def _causal_lm_forward(model, slot, original, names, output_class, has_training,
     traced = torch.compiler.is_compiling()
     desc = (_desc(hidden2d, traced), _desc(weight, traced, (0, 1)), _desc(targets, traced, ()), int(ignore_index),
             reduction, softcap, dweight)
-    lid = _decide(slot, True, "fused_linear_cross_entropy", desc, "lm_head")
+    lid = _decide(slot.sid, True, "fused_linear_cross_entropy", desc, "lm_head")
     if lid < 0:
         return reference()
     try:
         loss = _invoke(_FLCE, True, traced, hidden2d, weight, targets, int(ignore_index), reduction, softcap, dweight,
                        lid, True)
     except kcpp.Unsupported as e:
-        _refuse(slot, str(e))
+        _refuse(slot.sid, str(e))
         return reference()
     if num_items_in_batch is not None:
         loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
