@@ -2,27 +2,49 @@
 
     import kcpp.torch
     model = transformers.AutoModelForCausalLM.from_pretrained(...)
-    kcpp.torch.kernelize(model)                      # this build's liger package, Liger's default switches
+    kcpp.torch.kernelize(model)                      # this build's liger + flash_attn, Liger's default switches
     loss = model(input_ids, labels=labels).loss; loss.backward()
     print(kcpp.torch.report(model))                  # which kernel each layer got, calls, fallbacks and why
     kcpp.torch.unkernelize(model)                    # the model as it was
+    torch.compile(model, fullgraph=True)             # the kernels are torch.library ops: no graph break
 
 Layers are found by what they are, in the model's own modeling module (Llama, Mistral, Qwen2, Qwen3,
-Phi-3, Gemma 1 / 2 / 3 text; Gemma's RMSNorm, with its (1 + w), is not swapped yet):
-  RMSNorm           the family's RMSNorm modules (`*RMSNorm` with `weight` and `variance_epsilon`)  RMSNorm/1
+Phi-3, Gemma 1 / 2 / 3 text):
+  RMSNorm           every `*RMSNorm` of the family: Llama's casting, or Gemma's (1 + w) in f32
+                    (offset 1, casting "gemma"); Qwen3's / Gemma 3's q / k norms included     RMSNorm/1
   MLP               gated MLPs (`gate_proj`, `up_proj`, `down_proj`, `act_fn`): the part between the
                     projections, act(gate) * up                                                    GLU/1
   rotary_pos_emb    the modeling module's `apply_rotary_pos_emb`, inside the model's attention
                     modules                                                                       rotary_pos_emb/1
+  Attention         the attention function, registered in Transformers' AttentionInterface as
+                    "kcpp" (kernelize selects it; `attn_implementation="kcpp"` in
+                    from_pretrained too): causal / sliding-window masks; a padding or custom mask,
+                    dropout, or soft-capping runs Transformers' own function                    Attention/1
   CrossEntropyLoss  the causal-LM loss of the logits (the model's `loss_function`)                 CrossEntropyLoss/1
   ForCausalLMLoss   the causal-LM loss fused with `lm_head` (the logits never exist): training
                     calls with labels return no logits, as Liger's                                  ForCausalLMLoss/1
-Each swapped forward is a `torch.autograd.Function` whose forward and backward call the package's
-layer through the C ABI (kcpp._core); what forward saves for backward is what the layer's contract
-(docs/contracts/) names.  Every call first asks the kernel's supports(); a refusal (or a call the
-contract cannot express: mixed dtypes, a weight without gradient slot, ...) runs the original forward,
-counted, with the reason kept for report().  Packages come through the C++ hub (kcpp.Hub): references,
-versions, variants, hashes, signatures and trust are checked there.
+
+Every kernel is a torch.library custom op (`torch.ops.kcpp.*`: forward and backward, each with a fake
+implementation, the forward's gradient registered with register_autograd), so torch.compile (also
+fullgraph=True, and mode="reduce-overhead": the CUDA graph bit is set while a stream is capturing)
+traces through kernelized layers.  Outside torch.compile the same implementations are called
+directly (a torch.autograd.Function where autograd needs the call), which keeps a layer call's host
+time to a few microseconds.  What forward saves for backward is what the layer's contract
+(docs/contracts/) names.
+
+Fallbacks: a call the contract cannot express (mixed dtypes, a weight without a gradient slot, an
+attention mask that is not causal / sliding-window, ...) or that the kernel's supports() refuses
+runs the original forward, counted, with the reason kept for report().  supports() is asked once
+per kind of call: the dtypes, devices and feature sizes (hidden, head, vocabulary), with the token
+dimensions (batch, sequence) standing for any size; the answer is kept.  So a compiled graph does
+not specialize on sequence lengths, and a kernel's supports() must decide from those (it is given
+tensors whose data pointers point at no memory).  Under torch.compile the choice is made when the
+graph is traced, and a fallback is counted then, once; kernel calls are counted as they run
+(not on CUDA graph replays).  Outside torch.compile a refusal the forward itself returns (one the
+sizes cause) also falls back.  A contract violation (tensors of one call on different devices, a
+dtype the contract does not take) is a kcpp.InvalidArgument / ValueError naming the layer, the
+argument and the reason.  Packages come through the C++ hub (kcpp.Hub): references, versions,
+variants, hashes, signatures and trust are checked there.
 
 Mode: a call that autograd will differentiate runs the kernel in training mode (it saves what backward
 needs); any other call (torch.no_grad(), model.eval() generation) in inference mode.  kernelize(mode=)
@@ -30,9 +52,13 @@ chooses the kernels the config maps for that mode; by default both modes' kernel
 model.train() / model.eval() need no re-kernelize.
 """
 import contextvars
+import ctypes
 import functools
 import inspect
+import itertools
 import json
+import math
+import operator
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -47,64 +73,92 @@ if _core is None:
     raise ImportError("kcpp.torch needs the extension kcpp._core: pip install . from the repository, or "
                       "scripts/python-env.sh then scripts/build.sh (PYTHONPATH=build/release/python)")
 
-__all__ = ["kernelize", "unkernelize", "report", "Report"]
+__all__ = ["kernelize", "unkernelize", "report", "Report", "ATTENTION_NAME"]
 
 _MODES = ("training", "inference")
+_INFERENCE, _TRAINING, _GRAPH = kcpp.MODE_INFERENCE, kcpp.MODE_TRAINING, kcpp.MODE_GRAPH
+
+# The name of the attention function in Transformers' AttentionInterface (attn_implementation=).  Not
+# "kcpp-flash": Transformers takes every name containing "flash" for a flash-attn package or a hub
+# kernel (utils.generic.is_flash_attention_requested) and tries to import one.
+ATTENTION_NAME = "kcpp"
 
 # The contract each layer name's kernels implement.
-_CONTRACTS = {"RMSNorm": "RMSNorm/1", "MLP": "GLU/1", "rotary_pos_emb": "rotary_pos_emb/1",
+_CONTRACTS = {"RMSNorm": "RMSNorm/1", "MLP": "GLU/1", "rotary_pos_emb": "rotary_pos_emb/1", "Attention": "Attention/1",
               "CrossEntropyLoss": "CrossEntropyLoss/1", "ForCausalLMLoss": "ForCausalLMLoss/1"}
 
 # The model types whose modeling code kcpp.torch's swaps were checked against (RMSNorm's casting,
-# apply_rotary_pos_emb's rotate-half, the *ForCausalLM forward that the fused loss re-implements: body,
-# lm_head, optional final logit soft-capping, loss_function).  Other models keep their layers, saying so.
+# apply_rotary_pos_emb's rotate-half, the attention call's arguments, the *ForCausalLM forward that the
+# fused loss re-implements: body, lm_head, optional final logit soft-capping, loss_function).  Other
+# models keep their layers, saying so.
 _MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text")
 
 # Transformers' hidden_act names the GLU/1 contract takes.
 _GLU_ACTIVATIONS = {"silu", "swish", "gelu", "gelu_tanh", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "quick_gelu"}
 
+# The RMSNorm classes computing (x / rms(x)) * (1 + w) in f32 (Transformers' Gemma 1 / 2 / 3 text).
+_GEMMA_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
+
 
 # ---- slots and their statistics -----------------------------------------------------------------------
 
-@dataclass
+@dataclass(eq=False)
 class _Slot:
     layer_name: str
     contract: str
     kernels: dict = field(default_factory=dict)  # mode -> kcpp.Layer (absent: the reference in that mode)
+    ids: dict = field(default_factory=dict)      # mode -> the kernel's id in _LAYERS (the ops' `layer`)
     reason: str = "not kernelized"
     modules: int = 0
     kernel_calls: int = 0
     reference_calls: int = 0
     fallbacks: int = 0
     last_refusal: str = ""
+    decisions: dict = field(default_factory=dict)  # (training, op, description) -> (id or -1, refusal)
+    loader: object = None                           # loads the kernels at the first call (the default attention)
+    sid: int = -1                                   # the slot's id in _SLOTS
 
-    def kernel(self, training):
-        return self.kernels.get("training" if training else "inference")
+    def __post_init__(self):
+        self.sid = next(_NEXT_ID)
+        _SLOTS[self.sid] = self
+
+    def add_kernel(self, mode, layer):
+        self.kernels[mode] = layer
+        self.ids[mode] = _register_layer(layer, self)
 
     def refuse(self, why):
-        """The call runs the original forward: counted, with the reason."""
         self.fallbacks += 1
         self.reference_calls += 1
         self.last_refusal = why
-        return None
 
-    def choose(self, training, args):
-        """The kernel for this call, or None (the reference runs): no kernel in this mode, or its
-        supports() refused (counted, reason kept)."""
-        k = self.kernel(training)
-        if k is None:
-            self.reference_calls += 1
-            return None
-        if any(isinstance(v, torch.Tensor) and v.numel() == 0 for v in args.values()):
-            return self.refuse("an empty tensor: the reference handles it")
-        try:
-            ok, why = k.supports(args, "training" if training else "inference")
-        except (kcpp.KcppError, ValueError, TypeError) as e:  # a call the contract cannot express (an empty tensor, ...)
-            ok, why = False, str(e)
-        if not ok:
-            return self.refuse(why)
-        self.kernel_calls += 1
-        return k
+    def release(self):
+        for i in self.ids.values():
+            _LAYERS.pop(i, None)
+        self.ids.clear()
+        self.kernels.clear()
+        self.decisions.clear()
+
+
+# id -> (kcpp.Layer, _Slot): the kernels the ops call (an op's `layer` argument is such an id, an int a
+# traced graph can hold).  unkernelize removes a model's; a graph compiled before names a missing id.
+_LAYERS = {}
+_NEXT_ID = itertools.count()
+# id -> _Slot: what _decide / _refuse count into (torch.compile passes them constants, not objects).
+_SLOTS = weakref.WeakValueDictionary()
+
+
+def _register_layer(layer, slot):
+    i = next(_NEXT_ID)
+    _LAYERS[i] = (layer, slot)
+    return i
+
+
+def _kernel(layer_id):
+    try:
+        return _LAYERS[layer_id]
+    except KeyError:
+        raise RuntimeError(f"kcpp.torch: kernel {layer_id} is gone (its model was unkernelized); a graph compiled "
+                           "before unkernelize must be compiled again") from None
 
 
 @dataclass
@@ -145,146 +199,577 @@ def _contig(t):
     return t if t.is_contiguous() else t.contiguous()
 
 
-# ---- RMSNorm/1 ------------------------------------------------------------------------------------------
+def _last_contig(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
 
-class _RMSNormFn(torch.autograd.Function):
+
+# ---- probes: a call's description for supports() ----------------------------------------------------------
+#
+# A kernel's choice is made from a description of the call, not from its tensors: (shape, dtype,
+# device) of each tensor and every other argument as it is, one cached answer per description.
+# While torch.compile traces, the description is made of constants (its token dimensions written as
+# 1 when they are 1, else as _ANY, so that the graph need not specialize on sequence lengths), and
+# the choice is made then (_decide is `assume_constant_result`).  supports() sees tensors of those
+# shapes whose data pointers point at no memory (_Probe), built by the op's own argument builder over
+# meta tensors.
+
+_ANY = 2  # the size a token dimension stands at in a description (the kernel may not depend on it)
+
+# DLPack's (type code, bits) of the dtypes a probe can describe (dlpack.h: kDLInt 0, kDLUInt 1, kDLFloat 2,
+# kDLBfloat 4, kDLBool 6).
+_DL_DTYPE = {torch.float32: (2, 32), torch.float16: (2, 16), torch.bfloat16: (4, 16), torch.float64: (2, 64),
+             torch.int64: (0, 64), torch.int32: (0, 32), torch.int16: (0, 16), torch.int8: (0, 8), torch.uint8: (1, 8),
+             torch.bool: (6, 8)}
+_DTYPES = {str(d): d for d in _DL_DTYPE}
+
+
+def _desc(t, traced, features=(-1,)):
+    """A tensor's description: (shape, dtype, device); while torch.compile traces (`traced`), the dims in
+    `features` at their size and the others 1 or _ANY."""
+    if not traced:
+        return t.shape, t.dtype, t.device
+    n = t.dim()
+    keep = {d % n for d in features} if n else set()
+    shape = tuple(operator.index(s) if d in keep else (1 if s == 1 else _ANY) for d, s in enumerate(t.shape))
+    return shape, str(t.dtype), str(t.device)
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32), ("dtype", _DLDataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):  # DLPack's (unversioned) DLManagedTensor; no deleter
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_DLTENSOR_NAME = b"dltensor"
+
+
+class _Probe:
+    """A tensor's shape, strides, dtype and device as DLPack, over no memory: what supports() decides from."""
+
+    def __init__(self, meta, device, address):
+        n = meta.dim()
+        self._shape = (ctypes.c_int64 * max(n, 1))(*meta.shape)
+        self._strides = (ctypes.c_int64 * max(n, 1))(*meta.stride())
+        code, bits = _DL_DTYPE[meta.dtype]
+        dev = _DLDevice(1, 0) if device.type == "cpu" else _DLDevice(2, device.index or 0)
+        tensor = _DLTensor(address, dev, n, _DLDataType(code, bits, 1), self._shape, self._strides, 0)
+        self._mt = _DLManagedTensor(tensor, None, None)
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        if max_version is not None:
+            raise TypeError("a probe exports an unversioned DLPack capsule")  # the importer asks again without
+        return _capsule_new(ctypes.addressof(self._mt), _DLTENSOR_NAME, None)
+
+    def __dlpack_device__(self):
+        return (self._mt.dl_tensor.device.device_type, self._mt.dl_tensor.device.device_id)
+
+
+def _ask(slot, training, op, desc, where):
+    """(id of the kernel to call, "") or (-1, why the reference runs; "" when no kernel is mapped)."""
+    mode = "training" if training else "inference"
+    if slot.loader is not None:
+        slot.loader(slot)
+    if mode not in slot.ids:
+        return -1, ""
+    layer = slot.kernels[mode]
+    inputs, device, first = [], None, None
+    for name, d in zip(op.arg_names, desc):
+        if isinstance(d, tuple):  # a tensor's (shape, dtype, device)
+            shape, dtype, dev = d
+            dtype = dtype if isinstance(dtype, torch.dtype) else _DTYPES.get(dtype)
+            if dtype not in _DL_DTYPE:
+                return -1, f"argument '{name}' is {d[1]}, which no kernel takes"
+            if device is None:
+                device, first = torch.device(dev), name
+            elif torch.device(dev) != device:
+                raise kcpp.InvalidArgument(
+                    f"kcpp.torch: {where} ({slot.layer_name}, {layer.package_name}:{layer.name}): argument '{name}' "
+                    f"is on {dev} but '{first}' is on {device}: the tensors of one call must be on one device")
+            inputs.append(torch.empty(shape, dtype=dtype, device="meta"))
+        else:
+            inputs.append(d)
+    if device.type not in ("cpu", "cuda"):
+        return -1, f"tensors on {device}: kcpp kernels run on cpu / cuda"
+    if not layer.runs_on(1 if device.type == "cpu" else 2):
+        return -1, f"{layer.package_name}:{layer.name} does not run on {device.type}"
+    args = op.build(*inputs, slot.ids[mode], training)
+    probes, k = {}, 0
+    for name, v in args.items():
+        if isinstance(v, torch.Tensor):
+            k += 1
+            v = _Probe(v, device, k << 36)  # distinct, aligned, never dereferenced
+        probes[name] = v
+    try:
+        ok, why = layer.supports(probes, mode)
+    except kcpp.KcppError as e:  # the contract is broken: the message names the argument
+        raise type(e)(f"kcpp.torch: {where} ({slot.layer_name}): {e}") from None
+    return (slot.ids[mode], "") if ok else (-1, why)
+
+
+@torch.compiler.assume_constant_result
+def _decide(sid, training, op_name, desc, where):
+    """The id of the kernel for this call, or -1 (the reference runs; a refusal is counted, with its reason).
+    Under torch.compile it runs once, while the graph is traced: its answer is a constant of the graph."""
+    slot = _SLOTS[sid]
+    key = (training, op_name, desc)
+    d = slot.decisions.get(key)
+    if d is None:
+        if len(slot.decisions) >= 4096:  # eager descriptions have exact shapes: a bound on the lengths kept
+            slot.decisions.clear()
+        d = slot.decisions[key] = _ask(slot, training, _OPS[op_name], desc, where)
+    if d[0] < 0:
+        if d[1]:
+            slot.refuse(d[1])
+        else:
+            slot.reference_calls += 1
+    return d[0]
+
+
+@torch.compiler.assume_constant_result
+def _refuse(sid, why):
+    """A call the bridge cannot express: the reference runs, counted (once per trace under torch.compile)."""
+    _SLOTS[sid].refuse(why)
+    return 0
+
+
+@torch.compiler.assume_constant_result
+def _reference_call(sid):
+    """A call with no kernel for its mode: the reference runs, counted."""
+    _SLOTS[sid].reference_calls += 1
+    return 0
+
+
+# ---- the ops ------------------------------------------------------------------------------------------
+#
+# Each op allocates its outputs (the contract's shapes) and calls one entry point of a kernel, named
+# by its id.  `build(*inputs)` makes the entry point's argument dict; the same function serves the
+# real call, the fake implementation (torch.compile's tracing) and the probes (meta tensors).
+
+_LIB = torch.library.Library("kcpp", "FRAGMENT")
+_OPS = {}
+
+
+class _Op:
+    """One entry point as a torch.library op.  `outputs(args, light)`: the op's outputs from the argument
+    dict (light: None for those the call did not make, outside the dispatcher); `result(outputs)`: what
+    the layer's caller takes."""
+
+    def __init__(self, name, schema, build, outputs, result=None, backward_entry=False, setup=None, backward=None):
+        self.name, self.build, self.outputs, self.backward_entry = name, build, outputs, backward_entry
+        self.result = result or (lambda o: o[0])
+        self.setup, self.formula = setup, backward
+        _LIB.define(f"{name}{schema}")
+        self.arg_names = [a.split()[-1] for a in schema[1:schema.index(")")].split(", ")]
+        _LIB.impl(name, self.impl, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"kcpp::{name}", self.fake, lib=_LIB)
+        if setup is not None:
+            torch.library.register_autograd(f"kcpp::{name}", self.autograd_backward, setup_context=setup, lib=_LIB)
+        self.overload = getattr(torch.ops.kcpp, name).default
+        _OPS[name] = self
+
+    def impl(self, *inputs):
+        return self.outputs(self.run(inputs), False)
+
+    def run(self, inputs):
+        args = self.build(*inputs)
+        layer, slot = _kernel(inputs[-1] if self.backward_entry else inputs[-2])
+        if self.backward_entry:
+            layer.backward(args)
+        else:
+            training = inputs[-1]
+            mode = _TRAINING if training else _INFERENCE
+            if inputs[0].is_cuda and torch.cuda.is_current_stream_capturing():
+                mode |= _GRAPH
+            layer.forward(args, mode)
+            slot.kernel_calls += 1
+        return args
+
+    def fake(self, *inputs):
+        return self.outputs(self.build(*inputs), False)
+
+    def autograd_backward(self, ctx, *grads):
+        return self.formula(ctx, False, *grads)
+
+
+class _EagerFn(torch.autograd.Function):
+    """An op outside torch.compile where autograd needs it: its implementation and its registered
+    gradient, without the dispatcher's per-call cost."""
+
     @staticmethod
-    def forward(ctx, x, weight, layer, args):
-        layer.forward(args, "training")
-        ctx.save_for_backward(args["x"], weight, args["rstd"])
-        ctx.layer, ctx.eps = layer, args["eps"]
-        return args["y"]
+    def forward(ctx, op, *inputs):
+        out = op.impl(*inputs)
+        op.setup(ctx, inputs, out)
+        ctx.kcpp_op = op
+        return out
 
     @staticmethod
-    def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        dx = torch.empty_like(x)
-        dweight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
-        ctx.layer.backward({"dy": _contig(dy), "x": x, "weight": weight, "rstd": rstd, "eps": ctx.eps,
-                            "dx": dx, "dweight": dweight})
-        return dx, dweight, None, None
+    def backward(ctx, *grads):
+        return (None, *ctx.kcpp_op.formula(ctx, True, *grads))
 
 
-def _rms_norm_forward(module, slot, original, hidden_states):
+def _invoke(op, training, traced, *inputs):
+    """The op's result: the torch.library op while torch.compile traces, else its implementation."""
+    if traced:
+        return op.result(op.overload(*inputs))
+    if training:
+        return op.result(_EagerFn.apply(op, *inputs))
+    return op.result(op.outputs(op.run(inputs), True))
+
+
+def _needs(ctx, eager, i):
+    return ctx.needs_input_grad[i + 1 if eager else i]
+
+
+def _call(op, eager, *inputs):
+    return op.impl(*inputs) if eager else op.overload(*inputs)
+
+
+def _f32(shape, device):
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def _made(t, like, light):
+    """An output the call made, or (an op returns tensors only) an empty one; None for a light call."""
+    return t if t is not None else None if light else like.new_empty(0, dtype=torch.float32)
+
+
+# RMSNorm/1
+def _rms_norm_build(x, weight, eps, offset, casting, layer, training):
+    rows = x.numel() // x.shape[-1]
+    return {"x": x, "weight": weight, "eps": eps, "offset": offset, "casting": casting,
+            "y": torch.empty_like(x), "rstd": _f32(rows, x.device) if training else None}
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, eps, offset, casting, layer, training = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.kcpp = (eps, offset, casting, layer)
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _rms_norm_backward(ctx, eager, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    eps, offset, casting, layer = ctx.kcpp
+    if dy is None:
+        return (None,) * 7
+    need_dw = _needs(ctx, eager, 1)
+    dx, dw = _call(_RMS_NORM_BWD, eager, _contig(dy), x, weight, rstd, eps, offset, casting, need_dw, layer)
+    return dx, (dw if need_dw else None), None, None, None, None, None
+
+
+def _rms_norm_bwd_build(dy, x, weight, rstd, eps, offset, casting, dweight, layer):
+    return {"dy": dy, "x": x, "weight": weight, "rstd": rstd, "eps": eps, "offset": offset, "casting": casting,
+            "dx": torch.empty_like(x),
+            "dweight": torch.empty_like(weight) if dweight else None}
+
+
+_RMS_NORM = _Op("rms_norm", "(Tensor x, Tensor weight, float eps, float offset, str casting, int layer, bool training)"
+                " -> (Tensor, Tensor)", _rms_norm_build,
+                lambda a, light: (a["y"], _made(a["rstd"], a["x"], light)),
+                setup=_rms_norm_setup, backward=_rms_norm_backward)
+_RMS_NORM_BWD = _Op("rms_norm_backward", "(Tensor dy, Tensor x, Tensor weight, Tensor rstd, float eps, float offset, "
+                    "str casting, bool dweight, int layer) -> (Tensor, Tensor)", _rms_norm_bwd_build,
+                    lambda a, light: (a["dx"], _made(a["dweight"], a["x"], light)),
+                    backward_entry=True)
+
+
+# GLU/1
+def _glu_setup(ctx, inputs, output):
+    gate, up, activation, layer, training = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.kcpp = (activation, layer)
+
+
+def _glu_backward(ctx, eager, dout):
+    gate, up = ctx.saved_tensors
+    activation, layer = ctx.kcpp
+    dgate, dup = _call(_GLU_BWD, eager, _contig(dout), gate, up, activation, layer)
+    return dgate, dup, None, None, None
+
+
+_GLU = _Op("glu", "(Tensor gate, Tensor up, str activation, int layer, bool training) -> Tensor",
+           lambda gate, up, activation, layer, training: {
+               "gate": gate, "up": up, "activation": activation,
+               "out": torch.empty_like(gate)},
+           lambda a, light: a["out"], result=lambda o: o, setup=_glu_setup, backward=_glu_backward)
+_GLU_BWD = _Op("glu_backward", "(Tensor dout, Tensor gate, Tensor up, str activation, int layer) -> (Tensor, Tensor)",
+               lambda dout, gate, up, activation, layer: {
+                   "dout": dout, "gate": gate, "up": up, "activation": activation,
+                   "dgate": torch.empty_like(gate), "dup": torch.empty_like(up)},
+               lambda a, light: (a["dgate"], a["dup"]), backward_entry=True)
+
+
+# rotary_pos_emb/1
+def _rope_setup(ctx, inputs, output):
+    q, k, cos, sin, layer, training = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.kcpp = layer
+    ctx.set_materialize_grads(False)
+
+
+def _rope_backward(ctx, eager, dq_out, dk_out):
+    cos, sin = ctx.saved_tensors
+    if dq_out is None or dk_out is None:  # one of q_out / k_out unused: its gradient is zero
+        like = dk_out if dq_out is None else dq_out
+        dq_out = torch.zeros_like(like) if dq_out is None else dq_out
+        dk_out = torch.zeros_like(like) if dk_out is None else dk_out
+    dq, dk = _call(_ROPE_BWD, eager, _last_contig(dq_out), _last_contig(dk_out), cos, sin, ctx.kcpp)
+    return dq, dk, None, None, None, None
+
+
+_ROPE = _Op("rotary_pos_emb", "(Tensor q, Tensor k, Tensor cos, Tensor sin, int layer, bool training) "
+            "-> (Tensor, Tensor)",
+            lambda q, k, cos, sin, layer, training: {
+                "q": q, "k": k, "cos": cos, "sin": sin, "layout": "bhsd",
+                "q_out": torch.empty(q.shape, dtype=q.dtype, device=q.device),
+                "k_out": torch.empty(k.shape, dtype=k.dtype, device=k.device)},
+            lambda a, light: (a["q_out"], a["k_out"]), result=lambda o: o, setup=_rope_setup, backward=_rope_backward)
+_ROPE_BWD = _Op("rotary_pos_emb_backward", "(Tensor dq_out, Tensor dk_out, Tensor cos, Tensor sin, int layer) "
+                "-> (Tensor, Tensor)",
+                lambda dq_out, dk_out, cos, sin, layer: {
+                    "dq_out": dq_out, "dk_out": dk_out, "cos": cos, "sin": sin, "layout": "bhsd",
+                    "dq": torch.empty(dq_out.shape, dtype=dq_out.dtype, device=dq_out.device),
+                    "dk": torch.empty(dk_out.shape, dtype=dk_out.dtype, device=dk_out.device)},
+                lambda a, light: (a["dq"], a["dk"]), backward_entry=True)
+
+
+# Attention/1: q [B, Hq, Sq, D], k / v [B, Hkv, Skv, D] (D contiguous); the output is made [B, Sq, Hq, D], what
+# Transformers' attention functions return, and handed to the kernel as its [B, Hq, Sq, D] view.
+def _attention_build(q, k, v, scale, causal, window, layer, training):
+    b, h, s, d = q.shape
+    out = torch.empty((b, s, h, d), dtype=q.dtype, device=q.device)
+    return {"q": q, "k": k, "v": v, "scale": scale, "causal": int(causal), "window": window,
+            "out": out.transpose(1, 2), "lse": _f32((b, h, s), q.device) if training else None}
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, scale, causal, window, layer, training = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1])
+    ctx.kcpp = (scale, causal, window, layer)
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _attention_backward(ctx, eager, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    scale, causal, window, layer = ctx.kcpp
+    if dout is None:
+        return (None,) * 8
+    dq, dk, dv = _call(_ATTENTION_BWD, eager, _last_contig(dout), q, k, v, out, lse, scale, causal, window, layer)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_ATTENTION = _Op("attention", "(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, int layer, "
+                 "bool training) -> (Tensor, Tensor)", _attention_build,
+                 lambda a, light: (a["out"].transpose(1, 2), _made(a["lse"], a["q"], light)),
+                 setup=_attention_setup, backward=_attention_backward)
+_ATTENTION_BWD = _Op("attention_backward", "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+                     "float scale, bool causal, int window, int layer) -> (Tensor, Tensor, Tensor)",
+                     lambda dout, q, k, v, out, lse, scale, causal, window, layer: {
+                         "dout": dout.transpose(1, 2), "q": q, "k": k, "v": v, "out": out.transpose(1, 2), "lse": lse,
+                         "scale": scale, "causal": int(causal), "window": window,
+                         "dq": torch.empty(q.shape, dtype=q.dtype, device=q.device),
+                         "dk": torch.empty(k.shape, dtype=k.dtype, device=k.device),
+                         "dv": torch.empty(v.shape, dtype=v.dtype, device=v.device)},
+                     lambda a, light: (a["dq"], a["dk"], a["dv"]), backward_entry=True)
+
+
+# CrossEntropyLoss/1: the gradient is made by forward (the logits are read once) and scaled by backward.
+def _ce_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+    ctx.kcpp = inputs[-2]
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _ce_backward(ctx, eager, dloss, _dgrad):
+    (grad,) = ctx.saved_tensors
+    if dloss is None:
+        return (None,) * 6
+    return _call(_CE_BWD, eager, dloss, grad, ctx.kcpp), None, None, None, None, None
+
+
+_CE = _Op("cross_entropy", "(Tensor logits, Tensor targets, int ignore_index, str reduction, int layer, bool training)"
+          " -> (Tensor, Tensor)",
+          lambda logits, targets, ignore_index, reduction, layer, training: {
+              "logits": logits, "targets": targets, "ignore_index": ignore_index, "reduction": reduction,
+              "loss": _f32((), logits.device),
+              "grad": torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if training else None},
+          lambda a, light: (a["loss"], _made(a["grad"], a["logits"], light)),
+          setup=_ce_setup, backward=_ce_backward)
+_CE_BWD = _Op("cross_entropy_backward", "(Tensor dloss, Tensor grad, int layer) -> Tensor",
+              lambda dloss, grad, layer: {"dloss": dloss.reshape(1).float(), "grad": grad,
+                                          "dlogits": torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)},
+              lambda a, light: a["dlogits"], backward_entry=True)
+
+
+# ForCausalLMLoss/1: the gradients of hidden and weight are made by forward (the logits never exist);
+# backward scales them in place by the loss's gradient.
+def _flce_build(hidden, weight, targets, ignore_index, reduction, softcap, dweight, layer, training):
+    return {"hidden": hidden, "weight": weight, "targets": targets, "ignore_index": ignore_index,
+            "reduction": reduction, "softcap": softcap, "loss": _f32((), hidden.device),
+            "dhidden": torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device),
+            "dweight": torch.empty_like(weight) if dweight else None}
+
+
+def _flce_setup(ctx, inputs, output):
+    loss, dhidden, dweight = output
+    ctx.save_for_backward(dhidden, dweight)
+    ctx.kcpp = (inputs[6], inputs[7])
+    ctx.mark_non_differentiable(dhidden, dweight)
+    ctx.set_materialize_grads(False)
+
+
+def _flce_backward(ctx, eager, dloss, _dh, _dw):
+    dhidden, dweight = ctx.saved_tensors
+    has_dweight, layer = ctx.kcpp
+    if dloss is None:
+        return (None,) * 9
+    _call(_FLCE_BWD, eager, dloss, dhidden, dweight, layer)
+    return dhidden, (dweight if has_dweight else None), None, None, None, None, None, None, None
+
+
+_FLCE = _Op("fused_linear_cross_entropy", "(Tensor hidden, Tensor weight, Tensor targets, int ignore_index, "
+            "str reduction, float softcap, bool dweight, int layer, bool training) -> (Tensor, Tensor, Tensor)",
+            _flce_build, lambda a, light: (a["loss"], a["dhidden"], _made(a["dweight"], a["hidden"], light)),
+            setup=_flce_setup, backward=_flce_backward)
+_FLCE_BWD = _Op("fused_linear_cross_entropy_backward", "(Tensor dloss, Tensor(a!) dhidden, Tensor(b!) dweight, "
+                "int layer) -> ()",
+                lambda dloss, dhidden, dweight, layer: {"dloss": dloss.reshape(1).float(), "dhidden": dhidden,
+                                                        "dweight": dweight if dweight.numel() else None},
+                lambda a, light: None, backward_entry=True)
+
+
+# ---- RMSNorm/1 --------------------------------------------------------------------------------------------
+
+def _rms_norm_forward(where, module, slot, original, spec, hidden_states):
     x, weight = hidden_states, module.weight
-    training = _needs_grad(x, weight)
-    if slot.kernel(training) is None:
-        slot.reference_calls += 1
-        return original(hidden_states)
+    training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if x.dtype != weight.dtype:
-        slot.refuse(f"x is {x.dtype} and weight {weight.dtype}: RMSNorm/1 takes one dtype")
+        _refuse(slot.sid, f"x is {x.dtype} and weight {weight.dtype}: RMSNorm/1 takes one dtype")
         return original(hidden_states)
-    x = _contig(x)
-    rows = x.numel() // max(x.shape[-1], 1)
-    args = {"x": x, "weight": weight, "eps": float(module.variance_epsilon), "casting": "llama",
-            "y": torch.empty_like(x),
-            "rstd": torch.empty(rows, dtype=torch.float32, device=x.device) if training else None}
-    layer = slot.choose(training, args)
-    if layer is None:
+    if x.numel() == 0:
+        _refuse(slot.sid, "an empty tensor: the reference handles it")
         return original(hidden_states)
-    if not training:
-        layer.forward(args, "inference")
-        return args["y"]
-    return _RMSNormFn.apply(x, weight, layer, args)
+    # RMSNorm/1's rows may be strided but must be one stride apart (Gemma 3's q / k norms get transposed views).
+    x = _last_contig(x) if x.dim() <= 2 else _contig(x)
+    eps, offset, casting = spec
+    traced = torch.compiler.is_compiling()
+    lid = _decide(slot.sid, training, "rms_norm", (_desc(x, traced), _desc(weight, traced), eps, offset, casting), where)
+    if lid < 0:
+        return original(hidden_states)
+    try:
+        return _invoke(_RMS_NORM, training, traced, x, weight, eps, offset, casting, lid, training)
+    except kcpp.Unsupported as e:  # outside torch.compile: a refusal the call's sizes caused
+        _refuse(slot.sid, str(e))
+        return original(hidden_states)
+
+
+def _rms_norm_spec(m):
+    """(eps, offset, casting) of a Transformers RMSNorm module, or None when it is not one checked here."""
+    name = type(m).__name__
+    if not (name.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), torch.nn.Parameter)
+            and m.weight.dim() == 1 and getattr(_modeling_module(m), "__name__", "").startswith("transformers.models.")):
+        return None
+    if name in _GEMMA_NORMS and isinstance(getattr(m, "eps", None), float):
+        return float(m.eps), 1.0, "gemma"  # (x / rms(x)) * (1 + w), all in f32
+    if hasattr(m, "variance_epsilon") and name not in _GEMMA_NORMS:
+        return float(m.variance_epsilon), 0.0, "llama"  # w * (x / rms(x)).to(dtype)
+    return None
 
 
 # ---- GLU/1 (the gated MLP's activation times up) ------------------------------------------------------------
 
-class _GLUFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate, up, layer, args):
-        layer.forward(args, "training")
-        ctx.save_for_backward(args["gate"], args["up"])
-        ctx.layer, ctx.activation = layer, args["activation"]
-        return args["out"]
-
-    @staticmethod
-    def backward(ctx, dout):
-        gate, up = ctx.saved_tensors
-        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-        ctx.layer.backward({"dout": _contig(dout), "gate": gate, "up": up, "activation": ctx.activation,
-                            "dgate": dgate, "dup": dup})
-        return dgate, dup, None, None
-
-
-def _mlp_forward(module, slot, original, activation, x):
-    training = _needs_grad(x, module.gate_proj.weight, module.up_proj.weight)
-    if slot.kernel(training) is None:
-        slot.reference_calls += 1
-        return original(x)
+def _mlp_forward(where, module, slot, original, activation, x):
     if activation is None:
-        slot.refuse(f"activation {module.act_fn.__class__.__name__} is not one GLU/1 takes")
+        _refuse(slot.sid, f"activation {module.act_fn.__class__.__name__} is not one GLU/1 takes")
         return original(x)
-    gate, up = _contig(module.gate_proj(x)), _contig(module.up_proj(x))
-    args = {"gate": gate, "up": up, "activation": activation, "out": torch.empty_like(gate)}
-    layer = slot.choose(training, args)
-    if layer is None:
+    gate, up = module.gate_proj(x), module.up_proj(x)
+    training = _needs_grad(gate, up)
+    if gate.dtype != up.dtype or gate.numel() == 0:
+        _refuse(slot.sid, f"gate {gate.dtype} {tuple(gate.shape)}, up {up.dtype}: GLU/1 takes one dtype, non-empty")
         return module.down_proj(module.act_fn(gate) * up)
-    if not training:
-        layer.forward(args, "inference")
-        return module.down_proj(args["out"])
-    return module.down_proj(_GLUFn.apply(gate, up, layer, args))
+    gate, up = _contig(gate), _contig(up)
+    traced = torch.compiler.is_compiling()
+    lid = _decide(slot.sid, training, "glu", (_desc(gate, traced), _desc(up, traced), activation), where)
+    if lid < 0:
+        return module.down_proj(module.act_fn(gate) * up)
+    try:
+        out = _invoke(_GLU, training, traced, gate, up, activation, lid, training)
+    except kcpp.Unsupported as e:
+        _refuse(slot.sid, str(e))
+        return module.down_proj(module.act_fn(gate) * up)
+    return module.down_proj(out)
+
+
+def _glu_activation(m):
+    """The GLU/1 activation of a gated MLP, or None when its act_fn is not one the contract has."""
+    config = getattr(m, "config", None)
+    name = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+    if name not in _GLU_ACTIVATIONS:
+        return None
+    return {"swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}.get(name, name)
 
 
 # ---- rotary_pos_emb/1 -------------------------------------------------------------------------------------
 
-class _RopeFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, layer, args):
-        layer.forward(args, "training")
-        ctx.save_for_backward(args["cos"], args["sin"])
-        ctx.layer = layer
-        return args["q_out"], args["k_out"]
-
-    @staticmethod
-    def backward(ctx, dq_out, dk_out):
-        cos, sin = ctx.saved_tensors
-        dq_out, dk_out = _contig(dq_out), _contig(dk_out)
-        dq, dk = torch.empty_like(dq_out), torch.empty_like(dk_out)
-        ctx.layer.backward({"dq_out": dq_out, "dk_out": dk_out, "cos": cos, "sin": sin, "layout": "bhsd",
-                            "dq": dq, "dk": dk})
-        return dq, dk, None, None
-
-
 # The model whose attention module is running (set by the attention wrappers): the patched
-# apply_rotary_pos_emb of a modeling module serves kernelized models only.
+# apply_rotary_pos_emb of a modeling module serves kernelized models only.  A context variable in
+# eager calls (threads keep theirs); a plain variable while torch.compile traces (it cannot trace a
+# context variable's changes).
 _ROPE_SLOT = contextvars.ContextVar("kcpp_rope_slot", default=None)
+_ROPE_TRACED = None
 # modeling module name -> [original apply_rotary_pos_emb, number of kernelized models using the patch]
 _ROPE_PATCHES = {}
 
 
 def _rope_dispatch(original, q, k, cos, sin, *args, **kwargs):
-    slot = _ROPE_SLOT.get()
+    traced = torch.compiler.is_compiling()
+    slot = _ROPE_TRACED if traced else _ROPE_SLOT.get()
     if slot is None:
         return original(q, k, cos, sin, *args, **kwargs)
     training = _needs_grad(q, k)
-    if slot.kernel(training) is None:
-        slot.reference_calls += 1
-        return original(q, k, cos, sin, *args, **kwargs)
     unsqueeze_dim = args[0] if args else kwargs.get("unsqueeze_dim", 1)
+    why = None
     if unsqueeze_dim != 1 or set(kwargs) - {"unsqueeze_dim"} or len(args) > 1:
-        slot.refuse(f"apply_rotary_pos_emb called with unsqueeze_dim={unsqueeze_dim} or other arguments")
+        why = f"apply_rotary_pos_emb called with unsqueeze_dim={unsqueeze_dim} or other arguments"
+    elif _needs_grad(cos, sin):
+        why = "cos / sin require gradients (rotary_pos_emb/1 has none for them)"
+    elif q.dim() != 4 or k.dim() != 4 or cos.dim() not in (2, 3) or q.dtype != cos.dtype or k.dtype != q.dtype \
+            or sin.dtype != q.dtype:
+        why = (f"q {tuple(q.shape)} {q.dtype}, k {k.dtype}, cos {cos.dtype}: rotary_pos_emb/1 takes 4-D q, k in "
+               "cos's dtype")
+    elif q.numel() == 0 or k.numel() == 0:
+        why = "an empty tensor: the reference handles it"
+    if why is not None:
+        _refuse(slot.sid, why)
         return original(q, k, cos, sin, *args, **kwargs)
-    if _needs_grad(cos, sin):
-        slot.refuse("cos / sin require gradients (rotary_pos_emb/1 has none for them)")
+    q, k, cos, sin = _last_contig(q), _last_contig(k), _contig(cos), _contig(sin)
+    desc = (_desc(q, traced, (1, 3)), _desc(k, traced, (1, 3)), _desc(cos, traced), _desc(sin, traced))
+    lid = _decide(slot.sid, training, "rotary_pos_emb", desc, "apply_rotary_pos_emb")
+    if lid < 0:
         return original(q, k, cos, sin, *args, **kwargs)
-    if q.dim() != 4 or k.dim() != 4 or q.dtype != cos.dtype:
-        slot.refuse(f"q {tuple(q.shape)} {q.dtype}, cos {cos.dtype}: rotary_pos_emb/1 takes 4-D q, k in cos's dtype")
+    try:
+        return _invoke(_ROPE, training, traced, q, k, cos, sin, lid, training)
+    except kcpp.Unsupported as e:
+        _refuse(slot.sid, str(e))
         return original(q, k, cos, sin, *args, **kwargs)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    args_ = {"q": q, "k": k, "cos": _contig(cos), "sin": _contig(sin), "layout": "bhsd",
-             "q_out": torch.empty(q.shape, dtype=q.dtype, device=q.device),
-             "k_out": torch.empty(k.shape, dtype=k.dtype, device=k.device)}
-    layer = slot.choose(training, args_)
-    if layer is None:
-        return original(q, k, cos, sin, *args, **kwargs)
-    if not training:
-        layer.forward(args_, "inference")
-        return args_["q_out"], args_["k_out"]
-    return _RopeFn.apply(q, k, layer, args_)
 
 
 def _patch_rope(modeling):
@@ -306,7 +791,15 @@ def _patch_rope(modeling):
     return unpatch
 
 
-def _attention_forward(slot, original, *args, **kwargs):
+def _attention_module_forward(slot, original, *args, **kwargs):
+    global _ROPE_TRACED
+    if torch.compiler.is_compiling():
+        previous = _ROPE_TRACED
+        _ROPE_TRACED = slot
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _ROPE_TRACED = previous
     token = _ROPE_SLOT.set(slot)
     try:
         return original(*args, **kwargs)
@@ -314,23 +807,148 @@ def _attention_forward(slot, original, *args, **kwargs):
         _ROPE_SLOT.reset(token)
 
 
+# ---- Attention/1 (Transformers' attention function "kcpp") ---------------------------------------------
+
+def _load_default_attention(slot):
+    """The kernels of a model that selects "kcpp" without kernelize: this build's flash_attn."""
+    slot.loader = None
+    folder = kcpp.local_packages().get("flash_attn")
+    if folder is None:
+        slot.reason = "no flash_attn package built with this kcpp (kcpp.local_packages())"
+        return
+    package = kcpp.Hub(allow_all_kernels=True).load(folder)  # this build's own package, as kernelize loads it
+    layer = package.layer_by_contract("Attention/1")
+    slot.add_kernel("inference", layer)
+    if layer.has_backward:
+        slot.add_kernel("training", layer)
+    slot.reason = (f"{package.name} {package.version}: {layer.name} (Attention/1), "
+                   f"attn_implementation={ATTENTION_NAME!r}")
+
+
+# The slot of models that select "kcpp" without being kernelized.
+_DEFAULT_ATTENTION = _Slot("Attention", "Attention/1", reason="loaded at the first call",
+                           loader=_load_default_attention)
+
+
+def _kcpp_mask(*args, **kwargs):
+    """The mask function of "kcpp": SDPA's (boolean masks; None where the causal pattern is all there
+    is), and also None for a sliding-window causal mask without padding, cache or custom part: the
+    attention function then takes the window from its `sliding_window`, which the checked families
+    pass (Mistral, Qwen2 / 3, Phi-3, Gemma 2 / 3)."""
+    from transformers.masking_utils import sdpa_mask
+    if not args and _plain_sliding_window(**kwargs):
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def _plain_sliding_window(q_length=None, kv_length=None, q_offset=0, kv_offset=0, attention_mask=None,
+                          local_size=None, allow_is_causal_skip=True, config=None, **kwargs):
+    return (allow_is_causal_skip and local_size is not None and getattr(config, "model_type", None) in _MODEL_TYPES
+            and isinstance(q_length, int) and isinstance(q_offset, int) and isinstance(kv_offset, int)
+            and q_offset == 0 and kv_offset == 0 and q_length == kv_length
+            and (attention_mask is None or (not torch.compiler.is_compiling() and bool(attention_mask.all()))))
+
+
+def _causal_window_mask(q_len, kv_len, window, device):
+    """[q_len, kv_len] booleans: query i (at position i + kv_len - q_len) sees key j <= it, within the window."""
+    pos = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+    j = torch.arange(kv_len, device=device)[None, :]
+    keep = j <= pos
+    if window:
+        keep = keep & (pos - j < window)
+    return keep
+
+
+def _reference_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, sliding_window,
+                         softcap, kwargs, implementation):
+    """Transformers' own attention for a call the kernel does not take: the model's implementation before
+    kernelize, "sdpa" or "eager" (the modeling module's; also for soft-capping, which SDPA has not), over
+    the mask "kcpp" made (SDPA's booleans; none for a causal / sliding-window mask)."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    eager = implementation == "eager" or softcap is not None
+    if attention_mask is None and causal:
+        if q_len > 1 and kv_len > q_len:  # SDPA's reading of no mask: the first q_len keys
+            key, value, kv_len = key[:, :, :q_len], value[:, :, :q_len], q_len
+        if eager or (sliding_window and kv_len > sliding_window):
+            attention_mask = _causal_window_mask(q_len, kv_len, sliding_window or 0, query.device)[None, None]
+    if not eager:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if attention_mask is not None and attention_mask.dtype == torch.bool:  # eager's masks are additive
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min)
+    eager_attention = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward")
+    extra = {"softcap": softcap} if softcap is not None else {}
+    return eager_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                           sliding_window=sliding_window, **extra, **kwargs)
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+               sliding_window=None, softcap=None, **kwargs):
+    """Transformers' attention function "kcpp": the Attention/1 kernel of the module's model
+    (kernelize), or this build's flash_attn; (output [B, Sq, Hq, D], None)."""
+    slot, where, implementation = getattr(module, "_kcpp_attention", None) or \
+        (_DEFAULT_ATTENTION, type(module).__name__, "sdpa")
+
+    def reference():
+        return _reference_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                                    sliding_window, softcap, kwargs, implementation)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    why = None
+    if attention_mask is not None:
+        why = "an attention mask (padding, packed sequences, a cache or a custom mask): Attention/1 takes causal and " \
+              "sliding-window masks"
+    elif dropout:
+        why = f"dropout {dropout}: Attention/1 has none"
+    elif softcap is not None:
+        why = f"soft-capping {softcap}: Attention/1 has none"
+    elif kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None:
+        why = "attention sinks or a position bias: Attention/1 has none"
+    elif query.dim() != 4 or key.dim() != 4 or value.shape != key.shape:
+        why = f"q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}: Attention/1 takes [B, H, S, D]"
+    elif not causal and sliding_window:
+        why = "a sliding window without the causal mask"
+    elif query.numel() == 0 or key.numel() == 0:
+        why = "an empty tensor: the reference handles it"
+    if why is not None:
+        _refuse(slot.sid, why)
+        return reference()
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if causal and q_len > 1 and kv_len > q_len:  # no mask and more keys: SDPA's reading, the first q_len keys
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    q, k, v = _last_contig(query), _last_contig(key), _last_contig(value)
+    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(q.shape[-1])
+    window = operator.index(sliding_window) if sliding_window else 0
+    training = _needs_grad(q, k, v)
+    traced = torch.compiler.is_compiling()
+    desc = (_desc(q, traced, (1, 3)), _desc(k, traced, (1, 3)), _desc(v, traced, (1, 3)), scale, bool(causal), window)
+    lid = _decide(slot.sid, training, "attention", desc, where)
+    if lid < 0:
+        return reference()
+    try:
+        return _invoke(_ATTENTION, training, traced, q, k, v, scale, bool(causal), window, lid, training), None
+    except kcpp.Unsupported as e:
+        _refuse(slot.sid, str(e))
+        return reference()
+
+
+def _register_attention():
+    """`attn_implementation="kcpp"`: the attention function and its mask function."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:  # no transformers: kernelize is not usable anyway
+        return
+    AttentionInterface.register(ATTENTION_NAME, _attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, _kcpp_mask)
+
+
+_register_attention()
+
+
 # ---- CrossEntropyLoss/1 (the model's loss_function over the logits) -------------------------------------------
-
-class _CrossEntropyFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, layer, args):
-        layer.forward(args, "training")
-        ctx.save_for_backward(args["grad"])
-        ctx.layer = layer
-        return args["loss"]
-
-    @staticmethod
-    def backward(ctx, dloss):
-        (grad,) = ctx.saved_tensors
-        dlogits = torch.empty_like(grad)
-        ctx.layer.backward({"dloss": dloss.reshape(1).float().contiguous(), "grad": grad, "dlogits": dlogits})
-        return dlogits, None, None
-
 
 def _shifted_targets(labels, ignore_index, shift_labels, device):
     """Transformers' ForCausalLMLoss shift: token t's logits predict label t + 1."""
@@ -346,23 +964,22 @@ def _causal_lm_loss(slot, original, logits, labels, vocab_size, num_items_in_bat
     def reference():
         return original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                         ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
-    if slot.kernel(training) is None:
-        slot.reference_calls += 1
+    if logits.numel() == 0:
+        _refuse(slot.sid, "an empty tensor: the reference handles it")
         return reference()
     logits2d = _contig(logits).view(-1, vocab_size)
+    targets = _shifted_targets(labels, ignore_index, shift_labels, logits.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
-    args = {"logits": logits2d, "targets": _shifted_targets(labels, ignore_index, shift_labels, logits.device),
-            "ignore_index": int(ignore_index), "reduction": reduction,
-            "loss": torch.empty((), dtype=torch.float32, device=logits.device),
-            "grad": torch.empty_like(logits2d) if training else None}
-    layer = slot.choose(training, args)
-    if layer is None:
+    traced = torch.compiler.is_compiling()
+    desc = (_desc(logits2d, traced), _desc(targets, traced, ()), int(ignore_index), reduction)
+    lid = _decide(slot.sid, training, "cross_entropy", desc, "loss_function")
+    if lid < 0:
         return reference()
-    if training:
-        loss = _CrossEntropyFn.apply(logits2d, layer, args)
-    else:
-        layer.forward(args, "inference")
-        loss = args["loss"]
+    try:
+        loss = _invoke(_CE, training, traced, logits2d, targets, int(ignore_index), reduction, lid, training)
+    except kcpp.Unsupported as e:
+        _refuse(slot.sid, str(e))
+        return reference()
     if num_items_in_batch is not None:
         loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
     return loss
@@ -370,34 +987,16 @@ def _causal_lm_loss(slot, original, logits, labels, vocab_size, num_items_in_bat
 
 # ---- ForCausalLMLoss/1 (the loss fused with lm_head) --------------------------------------------------------
 
-class _FusedLinearCEFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, layer, args):
-        layer.forward(args, "training")  # computes the gradients too (the logits are never kept)
-        ctx.save_for_backward(args["dhidden"], args["dweight"] if args["dweight"] is not None else hidden.new_empty(0))
-        ctx.layer, ctx.has_dweight, ctx.shape = layer, args["dweight"] is not None, hidden.shape
-        return args["loss"]
-
-    @staticmethod
-    def backward(ctx, dloss):
-        dhidden, dweight = ctx.saved_tensors
-        dweight = dweight if ctx.has_dweight else None
-        ctx.layer.backward({"dloss": dloss.reshape(1).float().contiguous(), "dhidden": dhidden, "dweight": dweight})
-        return dhidden.view(ctx.shape), dweight, None, None
-
-
-def _causal_lm_forward(model, slot, original, *args, labels=None, logits_to_keep=0, **kwargs):
+def _causal_lm_forward(model, slot, original, names, output_class, has_training, *args, labels=None, logits_to_keep=0,
+                       **kwargs):
     """*ForCausalLM.forward with the loss fused with lm_head where its kernel takes the call: a training
     call with labels returns the loss and no logits (the logits never exist), as Liger's."""
     if args:  # positional arguments by their names in the model's forward
-        names = [p for p in inspect.signature(original).parameters][:len(args)]
         kwargs.update(zip(names, args))
-        args = ()
-    training = slot.kernel(True) is not None and torch.is_grad_enabled()
-    if labels is None or not training:
+    if labels is None or not has_training or not torch.is_grad_enabled():
         if labels is not None:
-            slot.reference_calls += 1
-        return original(*args, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+            _reference_call(slot.sid)
+        return original(labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     lm_head = model.get_output_embeddings()
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     ignore_index = kwargs.pop("ignore_index", -100)
@@ -405,36 +1004,42 @@ def _causal_lm_forward(model, slot, original, *args, labels=None, logits_to_keep
     outputs = model.model(**kwargs)
     hidden = outputs.last_hidden_state
     weight = lm_head.weight
+
+    def reference():
+        return _finish_reference(model, output_class, outputs, labels, logits_to_keep, num_items_in_batch, ignore_index,
+                                 shift_labels)
     if not _needs_grad(hidden, weight):
-        slot.refuse("neither the hidden states nor lm_head's weight need gradients")
-        return _finish_reference(model, outputs, labels, logits_to_keep, num_items_in_batch, ignore_index, shift_labels)
-    if getattr(lm_head, "bias", None) is not None or hidden.dtype != weight.dtype:
-        slot.refuse("lm_head has a bias, or its weight's dtype is not the hidden states'")
-        return _finish_reference(model, outputs, labels, logits_to_keep, num_items_in_batch, ignore_index, shift_labels)
+        _refuse(slot.sid, "neither the hidden states nor lm_head's weight need gradients")
+        return reference()
+    if getattr(lm_head, "bias", None) is not None or hidden.dtype != weight.dtype or hidden.numel() == 0:
+        _refuse(slot.sid, "lm_head has a bias, its weight's dtype is not the hidden states', or no tokens")
+        return reference()
     hidden2d = _contig(hidden).view(-1, hidden.shape[-1])
-    fargs = {"hidden": hidden2d, "weight": weight,
-             "targets": _shifted_targets(labels, ignore_index, shift_labels, hidden.device),
-             "ignore_index": int(ignore_index), "reduction": "mean" if num_items_in_batch is None else "sum",
-             "loss": torch.empty((), dtype=torch.float32, device=hidden.device),
-             "dhidden": torch.empty_like(hidden2d),
-             "dweight": torch.empty_like(weight) if weight.requires_grad else None}
-    softcap = getattr(model.config, "final_logit_softcapping", None)  # Gemma 2 / 3: cap * tanh(logits / cap)
-    if softcap:
-        fargs["softcap"] = float(softcap)
-    layer = slot.choose(True, fargs)
-    if layer is None:
-        return _finish_reference(model, outputs, labels, logits_to_keep, num_items_in_batch, ignore_index, shift_labels)
-    loss = _FusedLinearCEFn.apply(hidden2d, weight, layer, fargs)
+    targets = _shifted_targets(labels, ignore_index, shift_labels, hidden.device)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    softcap = float(getattr(model.config, "final_logit_softcapping", None) or 0.0)  # Gemma 2 / 3: cap * tanh(z / cap)
+    dweight = weight.requires_grad
+    traced = torch.compiler.is_compiling()
+    desc = (_desc(hidden2d, traced), _desc(weight, traced, (0, 1)), _desc(targets, traced, ()), int(ignore_index),
+            reduction, softcap, dweight)
+    lid = _decide(slot.sid, True, "fused_linear_cross_entropy", desc, "lm_head")
+    if lid < 0:
+        return reference()
+    try:
+        loss = _invoke(_FLCE, True, traced, hidden2d, weight, targets, int(ignore_index), reduction, softcap, dweight,
+                       lid, True)
+    except kcpp.Unsupported as e:
+        _refuse(slot.sid, str(e))
+        return reference()
     if num_items_in_batch is not None:
         loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    return output_class(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                        hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
-def _finish_reference(model, outputs, labels, logits_to_keep, num_items_in_batch, ignore_index, shift_labels):
+def _finish_reference(model, output_class, outputs, labels, logits_to_keep, num_items_in_batch, ignore_index,
+                      shift_labels):
     """The rest of *ForCausalLM.forward as Transformers runs it, after the body has run once."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
     hidden = outputs.last_hidden_state
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     logits = model.get_output_embeddings()(hidden[:, keep, :])
@@ -444,8 +1049,8 @@ def _finish_reference(model, outputs, labels, logits_to_keep, num_items_in_batch
     loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size,
                                num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
                                shift_labels=shift_labels)
-    return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    return output_class(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                        hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
 # ---- finding the layers -------------------------------------------------------------------------------------
@@ -454,27 +1059,12 @@ def _modeling_module(module):
     return sys.modules.get(type(module).__module__)
 
 
-def _is_rms_norm(m):
-    return (type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), torch.nn.Parameter)
-            and hasattr(m, "variance_epsilon") and m.weight.dim() == 1
-            and getattr(_modeling_module(m), "__name__", "").startswith("transformers.models."))
-
-
 def _is_gated_mlp(m):
     return all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")) \
         and hasattr(m, "act_fn")
 
 
-def _glu_activation(m):
-    """The GLU/1 activation of a gated MLP, or None when its act_fn is not one the contract has."""
-    config = getattr(m, "config", None)
-    name = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
-    if name not in _GLU_ACTIVATIONS:
-        return None
-    return {"swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}.get(name, name)
-
-
-def _is_rope_attention(m):
+def _is_attention(m):
     modeling = _modeling_module(m)
     return type(m).__name__.endswith("Attention") and callable(getattr(modeling, "apply_rotary_pos_emb", None)) \
         and getattr(modeling, "__name__", "").startswith("transformers.models.")
@@ -495,27 +1085,61 @@ def _set_forward(state, module, forward):
 
 # ---- the config ---------------------------------------------------------------------------------------------
 
-def _kernel_config(kernel_config, use_liger_kernel, liger_kernel_config, allow_all_kernels):
-    """(kcpp.KernelConfig, hub options) for kernelize's arguments."""
+# Liger's switches (the arguments of its apply_liger_kernel_to_<model>) for the model types here: the
+# gated MLP's is `geglu` for Gemma and `swiglu` for the others; a switch the model's function does not
+# take is ignored, as Liger's _apply_liger_kernel_to_instance filters them by the function's signature.
+_LIGER_DEFAULTS = {"rope": True, "cross_entropy": False, "fused_linear_cross_entropy": True, "rms_norm": True}
+
+
+def _liger_switches(model_type, liger_kernel_config):
+    """(the switches for the C++ liger_kernel_config, a note on the switches ignored) under Liger's rules."""
+    glu = "geglu" if model_type in ("gemma", "gemma2", "gemma3_text") else "swiglu"
+    given = dict(liger_kernel_config or {})
+    if not all(isinstance(k, str) for k in given):
+        raise TypeError(f"liger_kernel_config: expected a dict of switch names, got {liger_kernel_config!r}")
+    taken = {**_LIGER_DEFAULTS, glu: True}
+    ignored = sorted(k for k in given if k not in taken)
+    for k in taken:
+        if k in given:
+            v = given[k]
+            if not isinstance(v, bool):
+                raise TypeError(f"liger_kernel_config[{k!r}]: expected True or False, got {v!r}")
+            taken[k] = v
+    if taken["cross_entropy"] and taken["fused_linear_cross_entropy"]:
+        raise ValueError("liger_kernel_config: cross_entropy and fused_linear_cross_entropy cannot both be True "
+                         "(fused_linear_cross_entropy is on unless set to False), as in Liger")
+    switches = {"rope": taken["rope"], "rms_norm": taken["rms_norm"], "swiglu": taken[glu],
+                "cross_entropy": taken["cross_entropy"],
+                "fused_linear_cross_entropy": taken["fused_linear_cross_entropy"]}
+    note = f"liger_kernel_config: {', '.join(ignored)} not switches of {model_type} (ignored, as Liger)" \
+        if ignored else ""
+    return switches, note
+
+
+def _kernel_config(model_type, kernel_config, use_liger_kernel, liger_kernel_config, attention, allow_all_kernels):
+    """(kcpp.KernelConfig or None, hub options, a note for the report) for kernelize's arguments."""
     if kernel_config is not None:
         if isinstance(kernel_config, _core.KernelConfig):
-            return kernel_config, {"allow_all_kernels": allow_all_kernels}
+            return kernel_config, {"allow_all_kernels": allow_all_kernels}, ""
         mapping, local = kernel_config, False
         if hasattr(kernel_config, "kernel_mapping"):  # Transformers' KernelConfig
             mapping, local = kernel_config.kernel_mapping, bool(getattr(kernel_config, "use_local_kernel", False))
         if not isinstance(mapping, dict):
             raise TypeError(f"kernel_config: expected a dict kernel_mapping, a transformers.KernelConfig or a "
                             f"kcpp.KernelConfig, got {type(kernel_config).__name__}")
-        return _core.KernelConfig(json.dumps(mapping), local), {"allow_all_kernels": allow_all_kernels}
+        return _core.KernelConfig(json.dumps(mapping), local), {"allow_all_kernels": allow_all_kernels}, ""
     if not use_liger_kernel:
-        return None, {}
-    liger = kcpp.local_packages().get("liger")
+        return None, {}, ""
+    switches, note = _liger_switches(model_type, liger_kernel_config)
+    packages = kcpp.local_packages()
+    liger = packages.get("liger")
     if liger is None:
         raise kcpp.KcppError("use_liger_kernel: this kcpp has no built liger package (kcpp.local_packages() is empty); "
                              "pass kernel_config, or set KCPP_PACKAGES_DIR to a build's kernels/ folder")
-    config = _core.liger_kernel_config(json.dumps(liger_kernel_config or {}), liger, True)
+    flash = packages.get("flash_attn", "") if attention else ""
+    config = _core.liger_kernel_config(json.dumps(switches), liger, True, f"{flash}:FlashAttention" if flash else "")
     # This build's own packages (unsigned, as every local build's): loaded as `kcpp train` loads them.
-    return config, {"allow_all_kernels": True}
+    return config, {"allow_all_kernels": True}, note
 
 
 def _load_slot(slot, config, hub, loaded, modes, device):
@@ -532,7 +1156,10 @@ def _load_slot(slot, config, hub, loaded, modes, device):
             reasons.append(f"{mode}: disabled by the config ({why})")
             continue
         if ref not in loaded:
-            loaded[ref] = hub.load(ref)  # the C++ hub: resolution, hashes, signatures, trust, lock file
+            try:  # the C++ hub: resolution, hashes, signatures, trust, lock file
+                loaded[ref] = hub.load(ref)
+            except kcpp.KcppError as e:
+                raise type(e)(f"kernelize: {slot.layer_name} ({slot.contract}) -> {ref}: {e}") from None
         package = loaded[ref]
         layer = package.layer(package.default_layer) if package.default_layer else package.layer_by_contract(slot.contract)
         if layer.contract != slot.contract:
@@ -545,7 +1172,7 @@ def _load_slot(slot, config, hub, loaded, modes, device):
         if mode == "training" and not layer.has_backward:
             reasons.append(f"training: {package.name}:{layer.name} has no backward")
             continue
-        slot.kernels[mode] = layer
+        slot.add_kernel(mode, layer)
         reasons.append(f"{mode}: {package.name} {package.version}: {layer.name} ({layer.contract})")
     slot.reason = "; ".join(reasons)
 
@@ -553,14 +1180,20 @@ def _load_slot(slot, config, hub, loaded, modes, device):
 # ---- the API ----------------------------------------------------------------------------------------------
 
 def kernelize(model, mode=None, kernel_config=None, use_liger_kernel=True, liger_kernel_config=None, device=None,
-              allow_all_kernels=False, hub=None):
-    """Swaps the layers of a Transformers causal-LM `model` (Llama, Mistral, Qwen2, Qwen3) for kernels,
-    in place; returns the model.
+              allow_all_kernels=False, hub=None, attention=True):
+    """Swaps the layers of a Transformers causal-LM `model` (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1 /
+    2 / 3 text) for kernels, in place; returns the model.
 
     mode: "training", "inference", or None (both: each call picks by whether autograd needs it).
     kernel_config: Transformers' kernel_mapping (a dict, a transformers.KernelConfig, or a
-      kcpp.KernelConfig); None: `use_liger_kernel` with `liger_kernel_config` (Liger's switches: rope,
-      rms_norm, swiglu, cross_entropy, fused_linear_cross_entropy) over this build's liger package.
+      kcpp.KernelConfig); None: `use_liger_kernel` with `liger_kernel_config` over this build's liger
+      package, as Transformers' Trainer passes them to Liger's _apply_liger_kernel_to_instance: the
+      switches rope, rms_norm, swiglu (geglu for Gemma), cross_entropy, fused_linear_cross_entropy,
+      Liger's defaults for those not given (cross_entropy off, the others on), a switch the model
+      type does not have ignored, cross_entropy with fused_linear_cross_entropy an error.
+    attention: with use_liger_kernel, also this build's flash_attn for the attention, selected as
+      attn_implementation="kcpp" (unkernelize restores the model's).  A kernel_config maps
+      "Attention" itself.
     device: where the model runs (default: its parameters' device).
     allow_all_kernels: load unsigned packages and packages of untrusted publishers named by
       kernel_config (this build's own packages always load).
@@ -574,25 +1207,30 @@ def kernelize(model, mode=None, kernel_config=None, use_liger_kernel=True, liger
         param = next(model.parameters(), None)
         device = param.device if param is not None else torch.device("cpu")
     device = torch.device(device)
-    config, hub_options = _kernel_config(kernel_config, use_liger_kernel, liger_kernel_config, allow_all_kernels)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    config, hub_options, note = _kernel_config(model_type, kernel_config, use_liger_kernel, liger_kernel_config,
+                                               attention, allow_all_kernels)
 
     state = _State()
     for name, contract in _CONTRACTS.items():
         state.slots[name] = _Slot(name, contract)
-    if config is not None:
-        hub = hub if hub is not None else kcpp.Hub(**hub_options)
-        loaded = {}
-        for slot in state.slots.values():
-            _load_slot(slot, config, hub, loaded, modes, device)
-    else:
-        for slot in state.slots.values():
-            slot.reason = "no kernel config (use_liger_kernel=False)"
-
     try:
+        if config is not None:
+            hub = hub if hub is not None else kcpp.Hub(**hub_options)
+            loaded = {}
+            for slot in state.slots.values():
+                _load_slot(slot, config, hub, loaded, modes, device)
+                if note:
+                    slot.reason += f"; {note}"
+        else:
+            for slot in state.slots.values():
+                slot.reason = "no kernel config (use_liger_kernel=False)"
         _swap(model, state)
     except BaseException:
         for undo in reversed(state.restore):
             undo()
+        for slot in state.slots.values():
+            slot.release()
         raise
     object.__setattr__(model, "_kcpp_state", state)
     return model
@@ -603,24 +1241,30 @@ def _swap(model, state):
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in _MODEL_TYPES:
         for slot in slots.values():
-            slot.kernels.clear()
+            slot.release()
             slot.reason = (f"model type {model_type!r}: kcpp.torch kernelizes {', '.join(_MODEL_TYPES)} "
                            "(their modeling code is what its swaps were checked against)")
         return
+    names = {m: n for n, m in model.named_modules()}
     patched_modeling = set()
+    attention_modules = []
     for module in model.modules():
-        if _is_rms_norm(module):
+        where = names.get(module, type(module).__name__) or "model"
+        spec = _rms_norm_spec(module)
+        if spec is not None:
             slots["RMSNorm"].modules += 1
             if slots["RMSNorm"].kernels:
                 original = type(module).forward.__get__(module)
-                _set_forward(state, module, functools.partial(_rms_norm_forward, module, slots["RMSNorm"], original))
+                _set_forward(state, module, functools.partial(_rms_norm_forward, where, module, slots["RMSNorm"],
+                                                              original, spec))
         elif _is_gated_mlp(module):
             slots["MLP"].modules += 1
             if slots["MLP"].kernels:
                 original = type(module).forward.__get__(module)
-                _set_forward(state, module, functools.partial(_mlp_forward, module, slots["MLP"], original,
+                _set_forward(state, module, functools.partial(_mlp_forward, where, module, slots["MLP"], original,
                                                               _glu_activation(module)))
-        elif _is_rope_attention(module):
+        elif _is_attention(module):
+            attention_modules.append(module)
             slots["rotary_pos_emb"].modules += 1
             if slots["rotary_pos_emb"].kernels:
                 modeling = _modeling_module(module)
@@ -629,7 +1273,9 @@ def _swap(model, state):
                     # Undone by unkernelize, or when the model is collected without it.
                     state.restore.append(weakref.finalize(model, _patch_rope(modeling)))
                 original = type(module).forward.__get__(module)
-                _set_forward(state, module, functools.partial(_attention_forward, slots["rotary_pos_emb"], original))
+                _set_forward(state, module, functools.partial(_attention_module_forward, slots["rotary_pos_emb"],
+                                                              original))
+    _swap_attention(model, state, attention_modules)
     is_causal_lm = hasattr(model, "lm_head") and hasattr(model, "model") and hasattr(type(model), "loss_function")
     for name in ("CrossEntropyLoss", "ForCausalLMLoss"):
         slots[name].modules = 1 if is_causal_lm else 0
@@ -649,31 +1295,74 @@ def _swap(model, state):
         state.restore.append(undo_loss)
     flce = slots["ForCausalLMLoss"]
     if flce.kernels:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
         original = type(model).forward.__get__(model)
-        _set_forward(state, model, functools.partial(_causal_lm_forward, model, flce, original))
+        names = [p for p in inspect.signature(original).parameters]
+        _set_forward(state, model, functools.partial(_causal_lm_forward, model, flce, original, names,
+                                                     CausalLMOutputWithPast, "training" in flce.ids))
+
+
+def _swap_attention(model, state, modules):
+    """Links the attention modules to the model's Attention kernels and selects "kcpp"."""
+    slot = state.slots["Attention"]
+    slot.modules = len(modules)
+    if not slot.kernels or not modules:
+        return
+    config = model.config
+    previous = config._attn_implementation
+    can = getattr(model, "_can_set_attn_implementation", lambda: True)()
+    if not can:
+        slot.release()
+        slot.reason = f"{type(model).__name__} cannot change its attention implementation (keeps {previous!r})"
+        return
+    # The fallback: the implementation the model had (SDPA for one that had "kcpp" or another).
+    reference = previous if previous in ("eager", "sdpa") else ("sdpa" if getattr(model, "_supports_sdpa", True)
+                                                                else "eager")
+    names = {m: n for n, m in model.named_modules()}
+    for module in modules:
+        module._kcpp_attention = (slot, names.get(module, type(module).__name__), reference)
+
+        def unlink(module=module):
+            module.__dict__.pop("_kcpp_attention", None)
+        state.restore.append(unlink)
+    if previous != ATTENTION_NAME:
+        model.set_attn_implementation(ATTENTION_NAME)
+        state.restore.append(lambda: model.set_attn_implementation(previous))
+    slot.reason += f"; attn_implementation {previous!r} -> {ATTENTION_NAME!r}"
 
 
 def unkernelize(model):
-    """Restores every forward, function and loss kernelize swapped; the model is as it was."""
+    """Restores every forward, function, loss and attention implementation kernelize swapped; the model is
+    as it was."""
     state = getattr(model, "_kcpp_state", None)
     if state is None:
         return model
     for undo in reversed(state.restore):
         undo()
+    for slot in state.slots.values():
+        slot.release()
     object.__delattr__(model, "_kcpp_state")
     return model
 
 
+def _entry(s, kernels):
+    return {"layer": s.layer_name, "contract": s.contract, "modules": s.modules, "kernel": ", ".join(kernels),
+            "reason": s.reason, "kernel_calls": s.kernel_calls, "reference_calls": s.reference_calls,
+            "fallbacks": s.fallbacks, "last_refusal": s.last_refusal}
+
+
 def report(model):
-    """What each layer name got and its calls since kernelize (a Report; str() prints it)."""
+    """What each layer name got and its calls since kernelize (a Report; str() prints it).  A model that
+    selects "kcpp" without kernelize reports the process's default Attention kernels."""
     state = getattr(model, "_kcpp_state", None)
     if state is None:
+        if getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION_NAME:
+            s = _DEFAULT_ATTENTION
+            kernels = sorted({f"{k.package_name} {k.package_version}: {k.name} ({k.contract})" for k in s.kernels.values()})
+            return Report([_entry(s, kernels)])
         return Report([])
     entries = []
     for s in state.slots.values():
         kernels = sorted({f"{k.package_name} {k.package_version}: {k.name} ({k.contract})" for k in s.kernels.values()})
-        entries.append({"layer": s.layer_name, "contract": s.contract, "modules": s.modules,
-                        "kernel": ", ".join(kernels), "reason": s.reason, "kernel_calls": s.kernel_calls,
-                        "reference_calls": s.reference_calls, "fallbacks": s.fallbacks,
-                        "last_refusal": s.last_refusal})
+        entries.append(_entry(s, kernels))
     return Report(entries)

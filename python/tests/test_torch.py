@@ -1,11 +1,18 @@
-"""kcpp.torch: kernelize a tiny random Hugging Face causal LM on the CPU, through this build's packages.
+"""kcpp.torch: kernelize tiny random Hugging Face causal LMs on the CPU, through this build's packages.
 
 The logits, the loss and every parameter's gradient with the kernels equal the model's own within the
 f32 tolerance; unkernelize restores the model bit for bit; a call a kernel refuses falls back to the
-original forward and is reported.  Skipped where torch, transformers or the extension kcpp._core is
-missing (CTest's python.package runs it in the project's environment, scripts/python-env.sh).
+original forward and is reported; the attention function "kcpp" matches SDPA / eager; Liger's
+switches are read as Liger reads them; torch.compile(fullgraph=True) traces kernelized models with no
+graph break and matches eager (mode="reduce-overhead" on CUDA only: skipped here); bad input is an
+exception naming the layer, the argument and the reason.  Skipped where torch, transformers or the
+extension kcpp._core is missing (CTest's python.package runs it in the project's environment,
+scripts/python-env.sh).
 """
+import gc
 import os
+import tempfile
+import time
 import unittest
 
 try:
@@ -21,6 +28,7 @@ except ImportError as e:  # torch / transformers absent
         raise
 
 SEED = int(os.environ.get("KCPP_SEED", "0")) or 1234
+CUDA = HAVE and torch.cuda.is_available()
 
 # The fixture models' dimensions (tests/fixtures/make_fixtures.py): small, with grouped-query heads.
 COMMON = dict(vocab_size=97, bos_token_id=1, eos_token_id=2, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -34,35 +42,38 @@ FAMILIES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(rope_scaling=None, pad_token_id=0, partial_rotary_factor=0.5)),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=8, tie_word_embeddings=True,
                                                       hidden_activation="gelu_pytorch_tanh")),
-    # A soft cap small enough to matter for these logits.
+    # A soft cap small enough to matter for these logits; the attention's soft cap (50) as Gemma 2's.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=8, final_logit_softcapping=0.05)),
+    # One sliding-window layer (a window shorter than the batch's 9 tokens) and one global.
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=8, sliding_window=4,
+                                                                  layer_types=["sliding_attention", "full_attention"])),
 }
 
 
-def make_model(family, seed=SEED):
+def make_model(family, seed=SEED, attn="eager", **overrides):
     cfg_name, model_name, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    config = getattr(transformers, cfg_name)(**{**COMMON, **extra})
-    config._attn_implementation = "eager"
+    config = getattr(transformers, cfg_name)(**{**COMMON, **extra, **overrides})
+    config._attn_implementation = attn
     return getattr(transformers, model_name)(config).float()
 
 
-def batch(seed=SEED):
+def batch(seed=SEED, length=9):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, COMMON["vocab_size"], (2, 9), generator=g)
+    ids = torch.randint(0, COMMON["vocab_size"], (2, length), generator=g)
     labels = ids.clone()
     labels[0, 3] = -100
     return ids, labels
 
 
-def run(model, ids, labels):
+def run(model, ids, labels, **kwargs):
     """Logits (no labels), then loss and every parameter's gradient (labels, backward)."""
     model.zero_grad(set_to_none=True)
     with torch.no_grad():
-        logits = model(input_ids=ids).logits.clone()
-    out = model(input_ids=ids, labels=labels)
+        logits = model(input_ids=ids, **kwargs).logits.clone()
+    out = model(input_ids=ids, labels=labels, **kwargs)
     out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return logits, out.loss.detach(), grads
 
 
@@ -70,33 +81,41 @@ def rel_l2(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-@unittest.skipUnless(HAVE, WHY)
-class Kernelize(unittest.TestCase):
+class Base(unittest.TestCase):
     TOL = 2e-5  # f32: a few roundings of relative L2, summed over a 2-layer model's compositions
 
-    def check_family(self, family, **kernelize_args):
-        model = make_model(family)
+    def assert_close(self, got, ref, what, tol=None):
+        tol = tol or self.TOL
+        logits, loss, grads = got
+        self.assertLess(rel_l2(logits, ref[0]), tol, f"{what}: logits")
+        self.assertLess(abs(loss.item() - ref[1].item()) / abs(ref[1].item()), tol, f"{what}: loss")
+        self.assertEqual(set(grads), set(ref[2]), what)
+        for name, g in ref[2].items():
+            self.assertLess(rel_l2(grads[name], g), tol, f"{what}: gradient of {name}")
+
+    def check_family(self, family, model=None, **kernelize_args):
+        model = model or make_model(family)
         ids, labels = batch()
-        ref_logits, ref_loss, ref_grads = run(model, ids, labels)
+        ref = run(model, ids, labels)
         kt.kernelize(model, **kernelize_args)
-        logits, loss, grads = run(model, ids, labels)
-        self.assertLess(rel_l2(logits, ref_logits), self.TOL, f"{family}: logits")
-        self.assertLess(abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), self.TOL, f"{family}: loss")
-        for name, g in ref_grads.items():
-            self.assertLess(rel_l2(grads[name], g), self.TOL, f"{family}: gradient of {name}")
+        self.assert_close(run(model, ids, labels), ref, family)
         return model
 
+
+@unittest.skipUnless(HAVE, WHY)
+class Kernelize(Base):
     def test_llama_liger_defaults_match_the_model(self):
         model = self.check_family("llama")
         r = kt.report(model)
         # Every kernelized layer ran its kernel and nothing fell back.
-        for layer, modules in (("RMSNorm", 5), ("MLP", 2), ("rotary_pos_emb", 2), ("ForCausalLMLoss", 1)):
+        for layer, modules in (("RMSNorm", 5), ("MLP", 2), ("rotary_pos_emb", 2), ("Attention", 2), ("ForCausalLMLoss", 1)):
             e = r[layer]
             self.assertEqual(e["modules"], modules, str(r))
-            self.assertIn("liger", e["kernel"], str(r))
+            self.assertIn("flash_attn" if layer == "Attention" else "liger", e["kernel"], str(r))
             self.assertGreater(e["kernel_calls"], 0, str(r))
             self.assertEqual(e["fallbacks"], 0, str(r))
         self.assertEqual(r["CrossEntropyLoss"]["kernel"], "", str(r))  # Liger's default: the fused loss instead
+        self.assertEqual(model.config._attn_implementation, kt.ATTENTION_NAME)
 
     def test_llama_cross_entropy_over_the_logits(self):
         model = self.check_family("llama", liger_kernel_config={"cross_entropy": True,
@@ -129,14 +148,14 @@ class Kernelize(unittest.TestCase):
         self.assertGreater(r["RMSNorm"]["reference_calls"], 0)  # the training call: no training kernel
 
     def test_other_families(self):
-        for family in ("mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2"):
+        for family in ("mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text"):
             with self.subTest(family=family):
                 model = self.check_family(family)
                 r = kt.report(model)
-                self.assertGreater(r["ForCausalLMLoss"]["kernel_calls"], 0, str(r))
-                self.assertGreater(r["rotary_pos_emb"]["kernel_calls"], 0, str(r))
-                if not family.startswith("gemma"):  # Gemma's (1 + w) RMSNorm is not swapped yet
-                    self.assertGreater(r["RMSNorm"]["kernel_calls"], 0, str(r))
+                # Phi-3's MLP has one merged gate_up projection: not a gated MLP of GLU/1's shape.
+                for layer in ("ForCausalLMLoss", "rotary_pos_emb", "RMSNorm") + (("MLP",) if family != "phi3" else ()):
+                    self.assertGreater(r[layer]["kernel_calls"], 0, f"{family}: {r}")
+                    self.assertEqual(r[layer]["fallbacks"], 0, f"{family}: {r}")
 
     def test_an_unknown_model_type_keeps_its_layers(self):
         model = make_model("llama")
@@ -149,23 +168,24 @@ class Kernelize(unittest.TestCase):
         r = kt.report(model)
         self.assertEqual(r["RMSNorm"]["kernel_calls"], 0)
         self.assertRegex(r["RMSNorm"]["reason"], "llama_like_but_unchecked")
+        self.assertEqual(model.config._attn_implementation, "eager")
 
     def test_a_transformers_kernel_mapping(self):
         liger = kcpp.local_packages()["liger"]
         mapping = {"RMSNorm": f"{liger}:LigerRMSNorm", "MLP": {"cpu": ""}}
         config = transformers.KernelConfig(kernel_mapping=mapping, use_local_kernel=True) \
             if hasattr(transformers, "KernelConfig") else mapping
-        model = make_model("llama")
-        with self.assertRaisesRegex(kcpp.KcppError, "not signed.*allow_all_kernels"):
-            kt.kernelize(model, kernel_config=mapping if isinstance(config, dict) else config)
-        self.check_family("llama", kernel_config=config, allow_all_kernels=True)
+        model = self.check_family("llama", kernel_config=config, allow_all_kernels=True)
+        r = kt.report(model)
+        self.assertGreater(r["RMSNorm"]["kernel_calls"], 0)
+        self.assertEqual(r["Attention"]["kernel"], "")  # the mapping has no Attention: the model's own
+        self.assertEqual(model.config._attn_implementation, "eager")
 
     def test_unkernelize_restores_bit_exactly(self):
         model = make_model("llama")
         ids, labels = batch()
         before = run(model, ids, labels)
         forwards = {n: m.__dict__.get("forward") for n, m in model.named_modules()}
-        import gc
         import transformers.models.llama.modeling_llama as modeling
         gc.collect()  # models of other tests, kernelized and dropped: their patch goes with them
         rope = modeling.apply_rotary_pos_emb
@@ -177,6 +197,8 @@ class Kernelize(unittest.TestCase):
         self.assertIs(modeling.apply_rotary_pos_emb, rope)
         self.assertEqual({n: m.__dict__.get("forward") for n, m in model.named_modules()}, forwards)
         self.assertNotIn("_loss_function", model.__dict__)
+        self.assertFalse(any("_kcpp_attention" in m.__dict__ for m in model.modules()))
+        self.assertEqual(model.config._attn_implementation, "eager")
         after = run(model, ids, labels)
         self.assertTrue(torch.equal(before[0], after[0]))
         self.assertTrue(torch.equal(before[1], after[1]))
@@ -185,8 +207,8 @@ class Kernelize(unittest.TestCase):
         self.assertEqual(str(kt.report(model)), "")
 
     def test_a_refused_call_falls_back_and_is_reported(self):
-        # f64: liger's kernels take f32 / bf16 / f16, so supports() refuses every call; the model
-        # runs its own forwards and the report says why.
+        # f64: the kernels take f32 / bf16 / f16, so supports() refuses every call; the model runs its own
+        # forwards (the eager attention it had) and the report says why.
         model = make_model("llama").double()
         ids, labels = batch()
         ref = run(model, ids, labels)
@@ -195,7 +217,7 @@ class Kernelize(unittest.TestCase):
         self.assertTrue(torch.equal(ref[0], got[0]))
         self.assertTrue(torch.equal(ref[1], got[1]))
         r = kt.report(model)
-        for layer in ("RMSNorm", "MLP", "rotary_pos_emb", "ForCausalLMLoss"):
+        for layer in ("RMSNorm", "MLP", "rotary_pos_emb", "Attention", "ForCausalLMLoss"):
             self.assertEqual(r[layer]["kernel_calls"], 0, str(r))
             self.assertGreater(r[layer]["fallbacks"], 0, str(r))
             self.assertRegex(r[layer]["last_refusal"], "f64", str(r))
@@ -226,6 +248,368 @@ class Kernelize(unittest.TestCase):
             kt.kernelize(make_model("llama"), kernel_config=["RMSNorm"])
         with self.assertRaisesRegex(kcpp.KcppError, "kernel_mapping"):
             kt.kernelize(make_model("llama"), kernel_config={"NoSuchLayer": "acme/x"})
+
+
+@unittest.skipUnless(HAVE, WHY)
+class Norms(Base):
+    """Gemma's RMSNorm is (x / rms(x)) * (1 + w) in f32 (offset 1, casting "gemma"); Qwen3 and Gemma 3 also
+    normalize q and k per head."""
+
+    def norms(self, model):
+        return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+
+    def test_gemma_offset_norms(self):
+        # Non-zero weights, so that (1 + w) differs from w; both norms of a layer, the final one, q / k.
+        for family, count in (("gemma", 5), ("gemma2", 9), ("gemma3_text", 13)):
+            with self.subTest(family=family):
+                model = make_model(family)
+                with torch.no_grad():
+                    for m in self.norms(model):
+                        m.weight.normal_(0, 0.5)
+                model = self.check_family(family, model=model, liger_kernel_config={"rope": False, "geglu": False,
+                                                                                     "fused_linear_cross_entropy": False})
+                e = kt.report(model)["RMSNorm"]
+                self.assertEqual(e["modules"], count, str(e))
+                # Each norm once in the no-grad logits, once in the training call.
+                self.assertEqual(e["kernel_calls"], 2 * count, str(e))
+                self.assertEqual(e["fallbacks"], 0, str(e))
+
+    def test_gemma_norm_in_bf16_is_gemmas_casting(self):
+        # One rounding at the end, as Gemma's f32 maths: bit for bit in bf16 on a single norm.
+        model = make_model("gemma").to(torch.bfloat16)
+        norm = model.model.norm
+        with torch.no_grad():
+            norm.weight.normal_(0, 0.5)
+        x = torch.randn(5, COMMON["hidden_size"], dtype=torch.bfloat16)
+        with torch.no_grad():
+            ref = norm(x)
+            kt.kernelize(model, liger_kernel_config={"rope": False, "geglu": False}, attention=False)
+            got = norm(x)
+        self.assertEqual(kt.report(model)["RMSNorm"]["kernel_calls"], 1)
+        self.assertLessEqual((got.float() - ref.float()).abs().max().item(),
+                             2 ** -7 * ref.float().abs().max().item())  # within one bf16 rounding
+
+    def test_qwen3_q_k_norms(self):
+        model = self.check_family("qwen3", liger_kernel_config={"rope": False, "swiglu": False,
+                                                                "fused_linear_cross_entropy": False})
+        e = kt.report(model)["RMSNorm"]
+        self.assertEqual(e["modules"], 9)  # 2 layers x (input, post-attention, q, k) + the final norm
+        self.assertEqual(e["kernel_calls"], 18)
+        attention = model.model.layers[0].self_attn
+        self.assertIn("forward", attention.q_norm.__dict__)
+        self.assertIn("forward", attention.k_norm.__dict__)
+
+
+@unittest.skipUnless(HAVE, WHY)
+class LigerSwitches(Base):
+    """liger_kernel_config as Transformers' Trainer hands it to Liger's _apply_liger_kernel_to_instance: the
+    model type's switches, Liger's defaults for the others, the rest ignored."""
+
+    def kernels(self, model):
+        r = kt.report(model)
+        return {e["layer"] for e in r.entries if e["kernel"]}
+
+    def test_defaults(self):
+        model = kt.kernelize(make_model("llama"), attention=False)
+        self.assertEqual(self.kernels(model), {"RMSNorm", "MLP", "rotary_pos_emb", "ForCausalLMLoss"})
+
+    def test_each_switch_off(self):
+        for switch, layer in (("rope", "rotary_pos_emb"), ("rms_norm", "RMSNorm"), ("swiglu", "MLP"),
+                              ("fused_linear_cross_entropy", "ForCausalLMLoss")):
+            with self.subTest(switch=switch):
+                model = kt.kernelize(make_model("llama"), liger_kernel_config={switch: False}, attention=False)
+                self.assertNotIn(layer, self.kernels(model))
+                self.assertEqual(len(self.kernels(model)), 3)
+
+    def test_the_gated_mlp_switch_is_the_model_types(self):
+        # Gemma's is geglu: swiglu is not one of its switches and is ignored (noted), geglu turns it off.
+        model = kt.kernelize(make_model("gemma"), liger_kernel_config={"swiglu": False}, attention=False)
+        self.assertIn("MLP", self.kernels(model))
+        self.assertIn("swiglu not switches of gemma", kt.report(model)["MLP"]["reason"])
+        model = kt.kernelize(make_model("gemma"), liger_kernel_config={"geglu": False}, attention=False)
+        self.assertNotIn("MLP", self.kernels(model))
+        model = kt.kernelize(make_model("llama"), liger_kernel_config={"geglu": False, "layer_norm": True},
+                             attention=False)
+        self.assertIn("MLP", self.kernels(model))
+        self.assertIn("geglu, layer_norm not switches of llama", kt.report(model)["MLP"]["reason"])
+
+    def test_cross_entropy_excludes_the_fused_loss(self):
+        with self.assertRaisesRegex(ValueError, "cannot both be True"):  # fused_linear_cross_entropy defaults on
+            kt.kernelize(make_model("llama"), liger_kernel_config={"cross_entropy": True})
+        model = kt.kernelize(make_model("llama"), liger_kernel_config={"cross_entropy": True,
+                                                                       "fused_linear_cross_entropy": False})
+        self.assertIn("CrossEntropyLoss", self.kernels(model))
+        self.assertNotIn("ForCausalLMLoss", self.kernels(model))
+
+    def test_use_liger_kernel_false_and_bad_values(self):
+        model = kt.kernelize(make_model("llama"), use_liger_kernel=False, liger_kernel_config={"rope": True})
+        self.assertEqual(self.kernels(model), set())
+        with self.assertRaisesRegex(TypeError, r"liger_kernel_config\['rope'\]: expected True or False"):
+            kt.kernelize(make_model("llama"), liger_kernel_config={"rope": 1})
+
+
+@unittest.skipUnless(HAVE, WHY)
+class Attention(Base):
+    """The attention function "kcpp" (flash_attn's FlashAttention through the bridge) against SDPA /
+    eager: logits within 1e-5 relative, gradients; the calls it does not take fall back, counted."""
+    TOL = 1e-5
+
+    def parity(self, family, reference, **overrides):
+        model = make_model(family, attn=reference, **overrides)
+        ids, labels = batch()
+        ref = run(model, ids, labels)
+        kt.kernelize(model, use_liger_kernel=True, liger_kernel_config={
+            "rope": False, "rms_norm": False, "swiglu": False, "geglu": False, "fused_linear_cross_entropy": False})
+        self.assertEqual(model.config._attn_implementation, kt.ATTENTION_NAME)
+        self.assert_close(run(model, ids, labels), ref, family)
+        return model
+
+    def test_parity_with_sdpa_and_eager(self):
+        for family, reference, overrides in (("llama", "sdpa", {}), ("qwen3", "sdpa", {}),
+                                             ("gemma2", "eager", dict(attn_logit_softcapping=None, sliding_window=4)),
+                                             ("mistral", "sdpa", dict(sliding_window=4)),
+                                             ("gemma3_text", "eager", {})):
+            with self.subTest(family=family):
+                model = self.parity(family, reference, **overrides)
+                e = kt.report(model)["Attention"]
+                self.assertEqual(e["modules"], 2, str(e))
+                self.assertEqual(e["kernel_calls"], 4, str(e))  # 2 layers, no-grad and training
+                self.assertEqual(e["fallbacks"], 0, str(e))
+
+    def test_soft_capping_falls_back_to_eager(self):
+        model = self.parity("gemma2", "eager")  # attn_logit_softcapping 50
+        e = kt.report(model)["Attention"]
+        self.assertEqual(e["kernel_calls"], 0, str(e))
+        self.assertRegex(e["last_refusal"], "soft-capping 50")
+
+    def test_a_padding_mask_falls_back_to_sdpa(self):
+        model = make_model("llama", attn="sdpa")
+        ids, labels = batch()
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0  # left padding
+        ref = run(model, ids, labels, attention_mask=mask)
+        kt.kernelize(model)
+        self.assert_close(run(model, ids, labels, attention_mask=mask), ref, "padded")
+        e = kt.report(model)["Attention"]
+        self.assertEqual(e["kernel_calls"], 0, str(e))
+        self.assertEqual(e["fallbacks"], 4, str(e))
+        self.assertRegex(e["last_refusal"], "attention mask")
+        # An all-ones mask is no mask: the kernel.
+        run(model, ids, labels, attention_mask=torch.ones_like(ids))
+        self.assertEqual(kt.report(model)["Attention"]["kernel_calls"], 4)
+
+    def test_generate_with_a_cache(self):
+        model = make_model("llama", attn="sdpa").eval()
+        ids, _ = batch()
+        kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        ref = model.generate(ids, **kwargs)
+        kt.kernelize(model)
+        got = model.generate(ids, **kwargs)
+        self.assertTrue(torch.equal(ref, got))
+        e = kt.report(model)["Attention"]
+        self.assertEqual(e["kernel_calls"], 2 * 6, str(e))  # the prefill and 5 single-token steps, 2 layers
+        self.assertEqual(e["fallbacks"], 0, str(e))
+
+    def test_from_pretrained_selects_it(self):
+        model = make_model("llama", attn="sdpa")
+        ids, labels = batch()
+        ref = run(model, ids, labels)
+        with tempfile.TemporaryDirectory() as d:
+            model.save_pretrained(d)
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(d, attn_implementation=kt.ATTENTION_NAME,
+                                                                       dtype=torch.float32)
+        self.assertEqual(loaded.config._attn_implementation, kt.ATTENTION_NAME)
+        before = kt._DEFAULT_ATTENTION.kernel_calls
+        self.assert_close(run(loaded, ids, labels), ref, "from_pretrained")
+        self.assertEqual(kt._DEFAULT_ATTENTION.kernel_calls - before, 4)
+        r = kt.report(loaded)
+        self.assertIn("flash_attn", r["Attention"]["kernel"], str(r))
+
+
+@unittest.skipUnless(HAVE, WHY)
+class Compile(Base):
+    """torch.compile of kernelized models: the kernels are torch.library ops with fake implementations and
+    registered gradients, so dynamo traces the whole model (fullgraph=True raises on any graph break) and
+    AOTAutograd its backward.  The CPU test uses the aot_eager backend (Inductor's C++ build would take
+    minutes on the CI machine); the CUDA one Inductor with CUDA graphs."""
+    TOL = 1e-5
+
+    def compiled_matches_eager(self, family, backend, device="cpu", dtype=None, mode=None, tol=None,
+                               lengths=(9, 13)):
+        model = make_model(family, attn="sdpa" if family != "gemma2" else "eager").to(device=device, dtype=dtype)
+        kt.kernelize(model)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend, fullgraph=True, mode=mode)
+        # The second length compiles again, with dynamic shapes: still no graph break.
+        for length in lengths:
+            ids, labels = batch(length=length)
+            ids, labels = ids.to(device), labels.to(device)
+            eager = run(model, ids, labels)
+            for _ in range(3 if mode == "reduce-overhead" else 1):
+                got = run(compiled, ids, labels)
+            self.assert_close(got, eager, f"{family} compiled, {length} tokens", tol)
+        return model
+
+    def test_fullgraph_cpu(self):
+        # Gemma 2: the (1 + w) norms, the capped logits, the soft-capped attention's fallback in the graph.
+        for family, lengths in (("llama", (9, 13)), ("gemma2", (9,))):
+            with self.subTest(family=family):
+                model = self.compiled_matches_eager(family, "aot_eager", lengths=lengths)
+                r = kt.report(model)
+                for layer in ("RMSNorm", "MLP", "rotary_pos_emb", "ForCausalLMLoss"):
+                    self.assertGreater(r[layer]["kernel_calls"], 0, str(r))
+
+    def test_explain_finds_no_graph_break(self):
+        model = kt.kernelize(make_model("llama", attn="sdpa"))
+        ids, labels = batch()
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(input_ids=ids, labels=labels)
+        self.assertEqual(explained.graph_break_count, 0, str(explained.break_reasons))
+        self.assertEqual(explained.graph_count, 1)
+        ops = {str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"}
+        for op in ("kcpp.rms_norm.default", "kcpp.glu.default", "kcpp.rotary_pos_emb.default", "kcpp.attention.default",
+                   "kcpp.fused_linear_cross_entropy.default"):
+            self.assertIn(op, ops)
+
+    def test_a_refusal_is_decided_while_tracing(self):
+        model = kt.kernelize(make_model("llama").double())
+        ids, _ = batch()
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        with torch.no_grad():
+            eager = model(input_ids=ids).logits
+            fallbacks = kt.report(model)["RMSNorm"]["fallbacks"]
+            for _ in range(2):
+                self.assertTrue(torch.equal(compiled(input_ids=ids).logits, eager))
+        e = kt.report(model)["RMSNorm"]
+        self.assertEqual(e["kernel_calls"], 0)
+        self.assertEqual(e["fallbacks"] - fallbacks, 5)  # counted once, while tracing: 5 norms
+
+    @unittest.skipUnless(CUDA, "no CUDA device")
+    def test_reduce_overhead_cuda(self):
+        # Inductor and CUDA graphs (the kernels' launches captured; the GRAPH mode bit set while capturing).
+        for family in ("llama", "qwen3"):
+            with self.subTest(family=family):
+                self.compiled_matches_eager(family, "inductor", device="cuda", mode="reduce-overhead", tol=1e-4)
+
+    @unittest.skipUnless(CUDA, "no CUDA device")
+    def test_inference_reduce_overhead_cuda_bf16(self):
+        model = kt.kernelize(make_model("llama", attn="sdpa").to("cuda", torch.bfloat16).eval())
+        ids, _ = batch()
+        ids = ids.cuda()
+        with torch.no_grad():
+            eager = model(input_ids=ids).logits.float()
+            torch._dynamo.reset()
+            compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+            for _ in range(3):
+                got = compiled(input_ids=ids).logits.float()
+        self.assertLess(rel_l2(got, eager), 1e-2)
+
+
+@unittest.skipUnless(HAVE, WHY)
+class BadInput(Base):
+    """A call that breaks a layer's contract is an exception naming the layer, the argument and the reason."""
+
+    def test_tensors_on_two_devices(self):
+        model = kt.kernelize(make_model("llama"))
+        x = torch.randn(3, COMMON["hidden_size"], device="meta")
+        with torch.no_grad(), self.assertRaisesRegex(
+                kcpp.InvalidArgument, r"model\.norm \(RMSNorm, liger:LigerRMSNorm\): argument 'weight' is on cpu but "
+                                      r"'x' is on meta"):
+            model.model.norm(x)
+
+    def test_a_model_on_a_device_the_kernels_do_not_take_falls_back(self):
+        model = kt.kernelize(make_model("llama"))
+        model.to("meta")  # moved after kernelize: meta tensors have no memory for a kernel
+        with torch.no_grad():
+            y = model.model.norm(torch.randn(3, COMMON["hidden_size"], device="meta"))
+        self.assertEqual(y.device.type, "meta")
+        self.assertRegex(kt.report(model)["RMSNorm"]["last_refusal"], "meta")
+
+    def test_a_dtype_the_contract_does_not_take(self):
+        model = kt.kernelize(make_model("llama"))
+        attention = model.model.layers[0].self_attn
+        q = torch.randn(1, 4, 5, 8)
+        k = torch.randn(1, 2, 5, 8, dtype=torch.float16)
+        with torch.no_grad(), self.assertRaisesRegex(
+                kcpp.InvalidArgument, r"model\.layers\.0\.self_attn \(Attention\): FlashAttention.*tensor 'k' is f16 but 'q' "
+                                      r"is f32"):
+            kt._attention(attention, q, k, k, None, scaling=0.5)
+
+    def test_non_contiguous_input(self):
+        # The bridge makes a kernelized layer's input what the contract needs ...
+        model = make_model("llama")
+        mlp = model.model.layers[0].mlp
+        x = torch.randn(COMMON["hidden_size"], 6).t()  # rows of stride 1
+        with torch.no_grad():
+            ref = mlp(x)
+            kt.kernelize(model)
+            got = mlp(x)
+        self.assertLess(rel_l2(got, ref), self.TOL)
+        self.assertEqual(kt.report(model)["MLP"]["kernel_calls"], 1)
+        # ... and the op itself, given what the contract forbids, names the layer, the argument and why.
+        layer = kt.report(model)["MLP"]
+        lid = model.model.layers[0].mlp.forward.args[2].ids["inference"]
+        gate = torch.randn(6, 64)[:, ::2]
+        with self.assertRaisesRegex(kcpp.KcppError, r"LigerGLU.*'gate'.*contiguous"):
+            torch.ops.kcpp.glu(gate, gate.contiguous(), "silu", lid, False)
+        self.assertIn("liger", layer["kernel"])
+
+    def test_an_untrusted_package_needs_allow_all_kernels(self):
+        liger = kcpp.local_packages()["liger"]
+        with self.assertRaisesRegex(kcpp.KcppError, r"RMSNorm \(RMSNorm/1\) -> .*liger:LigerRMSNorm: .*not signed.*"
+                                                    r"allow_all_kernels"):
+            kt.kernelize(make_model("llama"), kernel_config=transformers.KernelConfig(
+                kernel_mapping={"RMSNorm": f"{liger}:LigerRMSNorm"}, use_local_kernel=True))
+
+    def test_a_gone_kernel(self):
+        model = kt.kernelize(make_model("llama"))
+        lid = model.model.norm.forward.args[2].ids["inference"]
+        kt.unkernelize(model)
+        with self.assertRaisesRegex(RuntimeError, "unkernelized"):
+            torch.ops.kcpp.rms_norm(torch.randn(2, 32), torch.ones(32), 1e-5, 0.0, "llama", lid, False)
+
+
+@unittest.skipUnless(HAVE, WHY)
+class HostTime(unittest.TestCase):
+    def test_per_call_host_time(self):
+        """The host time of one kernelized RMSNorm call on a tiny tensor, against the layer's bare call and the
+        torch.library op through the dispatcher (printed; the kernel itself is a few hundred ns)."""
+        model = kt.kernelize(make_model("llama"), attention=False)
+        norm = model.model.norm
+        slot = norm.forward.args[2]
+        layer, lid = slot.kernels["inference"], slot.ids["inference"]
+        x, w = torch.randn(4, 32), norm.weight.detach()
+
+        def bare():
+            layer.forward({"x": x, "weight": w, "eps": 1e-5, "y": torch.empty_like(x), "rstd": None}, 1)
+
+        def swapped():
+            norm(x)
+
+        def op():
+            torch.ops.kcpp.rms_norm(x, w, 1e-5, 0.0, "llama", lid, False)
+
+        def reference():
+            type(norm).forward(norm, x)
+
+        def best(fn, n=200):
+            for _ in range(50):
+                fn()
+            times = []
+            for _ in range(5):
+                t = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                times.append((time.perf_counter() - t) / n * 1e6)
+            return min(times)
+        with torch.no_grad():
+            t = {name: best(fn) for name, fn in (("bare", bare), ("swapped", swapped), ("op", op),
+                                                 ("reference", reference))}
+        print(f"\nkcpp.torch RMSNorm [4, 32], no grad, per call: bare layer.forward {t['bare']:.1f} us, kernelized "
+              f"module {t['swapped']:.1f} us, torch.ops.kcpp.rms_norm {t['op']:.1f} us, the module's own forward "
+              f"{t['reference']:.1f} us")
+        self.assertGreater(slot.kernel_calls, 0)
 
 
 if __name__ == "__main__":
