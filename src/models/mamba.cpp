@@ -403,7 +403,6 @@ CausalLM::Gradients MambaLM::loss_and_gradients(const Tensor& ids, const Tensor&
   KCPP_CHECK(labels.shape() == ids.shape(), "MambaLM: labels must match input_ids");
   const MambaConfig& c = cfg_;
   const int64_t b = ids.size(0), s = ids.size(1), n = b * s, hd = c.hidden_size, d = c.intermediate_size;
-  const int64_t r = c.time_step_rank, st = c.state_size;
   std::vector<LayerTape> tapes;
   nn::RMSNorm::Saved fs;
   const Tensor hf = hidden_states(ids, &tapes, &fs, nullptr).view({n, hd});
@@ -442,7 +441,6 @@ CausalLM::Gradients MambaLM::loss_and_gradients(const Tensor& ids, const Tensor&
     Tensor ddt_low = ops::matmul(ddt, l.w_dt);  // [B S, R]
     if (l.dt_norm) ddt_low = l.dt_norm->backward(ddt_low, t.dt_norm).dx;
     const Tensor dxdbl = ops::cat({ddt_low, token_major(sg.dB), token_major(sg.dC)}, 1);  // [B S, R + 2N]
-    (void)r, (void)st;
     acc(p + "x_proj.weight", ops::matmul(dxdbl, t.xc, true, false));
     const Tensor dxc = ops::add(channels_first(ops::matmul(dxdbl, l.w_x), d), sg.du);  // [B, D, L]
     const nn::CausalConv1d::Grads cg = l.conv->backward(dxc, t.x);

@@ -11,6 +11,10 @@
 //               h = h + y W_out^T (+ b_out)
 //   logits = RMSNorm(h) W_lm^T   (W_lm = embed when tied)
 //
+// The residual stream stays in the model's dtype: Transformers' residual_in_fp32 (an f32 residual
+// for 16-bit weights) is read from config.json but not applied, so bf16 / f16 models follow its
+// arithmetic only up to that rounding; f32 models exactly.
+//
 // Generation keeps per layer the last conv_kernel - 1 inputs of the convolution and the SSM state,
 // and decodes through the CausalConv1dUpdate and SelectiveStateUpdate slots.
 #pragma once

@@ -36,19 +36,19 @@ double bytes(const Tensor& t) { return t.defined() ? static_cast<double>(t.numel
 struct HostScan {
   int64_t batch, dim, len, n;
   V u, delta, dt, A, B, C, D, z, bias, Bn, Cn, rstd_b, rstd_c;
-  bool softplus;
+  bool use_softplus;
 
   HostScan(const SelectiveScan::Inputs& in, const SelectiveScan::Options& o)
       : batch(in.u.size(0)), dim(in.u.size(1)), len(in.u.size(2)), n(in.A.size(1)), u(host(in.u)), delta(host(in.delta)),
         A(host(in.A)), B(host(in.B)), C(host(in.C)), D(host(in.D)), z(host(in.z)), bias(host(in.delta_bias)),
-        softplus(o.delta_softplus) {
+        use_softplus(o.delta_softplus) {
     dt.resize(u.size());
     for (int64_t b = 0; b < batch; ++b)
       for (int64_t d = 0; d < dim; ++d)
         for (int64_t l = 0; l < len; ++l) {
           const int64_t i = (b * dim + d) * len + l;
           const double x = delta[i] + (bias.empty() ? 0.0 : bias[d]);
-          dt[i] = softplus ? nn_softplus(x) : x;
+          dt[i] = use_softplus ? softplus(x) : x;
         }
     Bn = B, Cn = C;
     rstd_b.assign(batch * len, 1.0), rstd_c.assign(batch * len, 1.0);
@@ -57,7 +57,6 @@ struct HostScan {
       normalise(Cn, rstd_c, *o.bc_rms_eps);
     }
   }
-  static double nn_softplus(double x) { return kcpp::nn::softplus(x); }
   void normalise(V& m, V& rstd, double eps) const {  // m [B, N, L] over N
     for (int64_t b = 0; b < batch; ++b)
       for (int64_t l = 0; l < len; ++l) {
@@ -202,13 +201,13 @@ SelectiveScan::Grads SelectiveScan::backward(const Tensor& dout, const Saved& sv
         du[i] = s.dt[i] * dui + (s.D.empty() ? 0.0 : s.D[d] * dy[l]);
         if (!s.D.empty()) dD[d] += dy[l] * s.u[i];
         const double pre = s.delta[i] + (s.bias.empty() ? 0.0 : s.bias[d]);
-        ddelta[i] = s.softplus ? ddt * sigmoid(pre) : ddt;
+        ddelta[i] = s.use_softplus ? ddt * sigmoid(pre) : ddt;
         if (!s.bias.empty()) dbias[d] += ddelta[i];
       }
     }
   // Through the RMS norm of B and C: the gradient gn of a row bn = b rstd goes to b as
   // rstd (gn - bn mean(gn bn)).
-  auto denorm = [&](V& grad, const HostScan& hsn, const V& normed, const V& rstd) {
+  auto denorm = [&](V& grad, const V& normed, const V& rstd) {
     if (!options.bc_rms_eps) return;
     for (int64_t b = 0; b < b_; ++b)
       for (int64_t l = 0; l < l_; ++l) {
@@ -221,10 +220,9 @@ SelectiveScan::Grads SelectiveScan::backward(const Tensor& dout, const Saved& sv
           x = r * (x - normed[(b * n_ + k) * l_ + l] * dot);
         }
       }
-    (void)hsn;
   };
-  denorm(dBn, s, s.Bn, s.rstd_b);
-  denorm(dCn, s, s.Cn, s.rstd_c);
+  denorm(dBn, s.Bn, s.rstd_b);
+  denorm(dCn, s.Cn, s.rstd_c);
   Grads out;
   out.du = device_tensor(du, in.u.shape(), dt_, dev);
   out.ddelta = device_tensor(ddelta, in.u.shape(), dt_, dev);
