@@ -368,11 +368,7 @@ void Sampling::validate() const {
              top_p);
 }
 
-namespace {
-
-// The next token from the last position's logits (host f64 values), as Transformers' generate():
-// temperature, then top-k, then top-p (nucleus), then a draw.
-int64_t pick(std::vector<double> logits, const Sampling& s, std::mt19937_64& rng) {
+int64_t sample_next_token(std::vector<double> logits, const Sampling& s, std::mt19937_64& rng) {
   const int64_t v = static_cast<int64_t>(logits.size());
   if (s.temperature <= 0.0) return std::max_element(logits.begin(), logits.end()) - logits.begin();
   std::vector<int64_t> order(static_cast<size_t>(v));
@@ -398,8 +394,6 @@ int64_t pick(std::vector<double> logits, const Sampling& s, std::mt19937_64& rng
   std::discrete_distribution<int64_t> draw(p.begin(), p.begin() + keep);
   return order[draw(rng)];
 }
-
-}  // namespace
 
 std::vector<int64_t> CausalLM::generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens, const Sampling& sampling,
                                         const std::vector<int64_t>* stop, StopReason* reason) {
@@ -430,7 +424,7 @@ std::vector<int64_t> CausalLM::generate(const std::vector<int64_t>& prompt, int6
                "generate: the model produced non-finite logits ({} for token id {}) at position {}; check the weights "
                "(NaN or infinite values in the safetensors) and config.json (rope_theta, rms_norm_eps, ...)", *bad,
                bad - all.begin(), static_cast<int64_t>(out.size()) - 1);
-    const int64_t tok = pick(std::vector<double>(all.begin(), all.begin() + v), sampling, rng);
+    const int64_t tok = sample_next_token(std::vector<double>(all.begin(), all.begin() + v), sampling, rng);
     out.push_back(tok);
     if (std::find(stops.begin(), stops.end(), tok) != stops.end()) {
       why = StopReason::StopToken;

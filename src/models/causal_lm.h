@@ -19,6 +19,7 @@
 #include <string>
 #include <memory>
 #include <optional>
+#include <random>
 #include <vector>
 
 #include "models/config.h"
@@ -39,6 +40,10 @@ struct Sampling {
   // or NaN temperature, a negative top_k, top_p 0 or above 1).
   void validate() const;
 };
+
+// The next token from the last position's logits (host values), as Transformers' generate():
+// temperature, then top-k, then top-p (nucleus), then a draw from `rng` (greedy: the largest).
+int64_t sample_next_token(std::vector<double> logits, const Sampling& sampling, std::mt19937_64& rng);
 
 // Why generate() stopped.
 enum class StopReason {

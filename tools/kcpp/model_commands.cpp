@@ -24,6 +24,7 @@
 #include "core/error.h"
 #include "hub/hub.h"
 #include "models/causal_lm.h"
+#include "models/mamba.h"
 #include "models/tokenizer.h"
 #include "nn/kernel_config.h"
 
@@ -63,12 +64,21 @@ DType float_dtype(const std::string& s) {
   return t;
 }
 
+template <class Model>
+int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const models::Sampling& s, Device dev);
+
 int run_generate(const GenerateArgs& a) {
   const models::Sampling s{a.temperature, a.top_k, a.top_p, a.seed};
   s.validate();  // before the model is read
   KCPP_CHECK(a.max_new_tokens >= 0, "kcpp generate: --max-new-tokens is {}; it must be 0 or more", a.max_new_tokens);
   const Device dev = a.device == "auto" ? (cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu()) : parse_device(a.device);
-  auto model = models::CausalLM::from_folder(a.model, float_dtype(a.dtype), dev);
+  // The model class by config.json's model_type: the state-space families, else the Llama family.
+  if (models::is_mamba_folder(a.model)) return generate_with(models::MambaLM::from_folder(a.model, float_dtype(a.dtype), dev), a, s, dev);
+  return generate_with(models::CausalLM::from_folder(a.model, float_dtype(a.dtype), dev), a, s, dev);
+}
+
+template <class Model>
+int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const models::Sampling& s, Device dev) {
   const bool kernels = a.kernels != "none";
   if (kernels) {
     const bool by_default = a.kernels.empty();

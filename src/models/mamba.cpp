@@ -1,0 +1,461 @@
+#include "models/mamba.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "core/error.h"
+#include "models/safetensors.h"
+#include "ops/ops.h"
+
+namespace kcpp::models {
+
+namespace {
+
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b = {}) {
+  Tensor y = ops::matmul(x, w, false, true);
+  return b.defined() ? ops::add(y, b) : y;
+}
+
+// Column sums of dy [N, M] -> [M] (a bias's gradient).
+Tensor col_sum(const Tensor& dy) {
+  return ops::matmul(Tensor::full({1, dy.size(0)}, 1.0, dy.dtype(), dy.device()), dy).view({dy.size(1)});
+}
+
+struct Reader {
+  const nlohmann::json& j;
+  const std::string& where;
+  bool has(const char* key) const { return j.contains(key) && !j[key].is_null(); }
+  int64_t integer(const char* key, int64_t fallback) const {
+    if (!has(key)) return fallback;
+    KCPP_CHECK(j[key].is_number_integer(), "{}: '{}' must be an integer, is {}", where, key, j[key].dump());
+    return j[key].get<int64_t>();
+  }
+  double real(const char* key, double fallback) const {
+    if (!has(key)) return fallback;
+    KCPP_CHECK(j[key].is_number(), "{}: '{}' must be a number, is {}", where, key, j[key].dump());
+    return j[key].get<double>();
+  }
+  bool boolean(const char* key, bool fallback) const {
+    if (!has(key)) return fallback;
+    KCPP_CHECK(j[key].is_boolean(), "{}: '{}' must be true or false, is {}", where, key, j[key].dump());
+    return j[key].get<bool>();
+  }
+  std::string string(const char* key, const std::string& fallback) const {
+    if (!has(key)) return fallback;
+    KCPP_CHECK(j[key].is_string(), "{}: '{}' must be a string, is {}", where, key, j[key].dump());
+    return j[key].get<std::string>();
+  }
+  std::vector<int64_t> ids(const char* key) const {
+    if (!has(key)) return {};
+    if (j[key].is_number_integer()) return {j[key].get<int64_t>()};
+    KCPP_CHECK(j[key].is_array(), "{}: '{}' must be a token id or a list of them", where, key);
+    std::vector<int64_t> out;
+    for (const auto& v : j[key]) {
+      KCPP_CHECK(v.is_number_integer(), "{}: '{}' must hold token ids, holds {}", where, key, v.dump());
+      out.push_back(v.get<int64_t>());
+    }
+    return out;
+  }
+};
+
+}  // namespace
+
+// ---- MambaConfig ---------------------------------------------------------------------------------
+
+void MambaConfig::validate(const std::string& where) const {
+  constexpr int64_t kMax = int64_t{1} << 24;
+  auto size = [&](const char* key, int64_t v) {
+    KCPP_CHECK(v >= 1 && v <= kMax, "{}: '{}' must be in [1, {}], is {}", where, key, kMax, v);
+  };
+  size("vocab_size", vocab_size), size("hidden_size", hidden_size), size("state_size", state_size);
+  size("num_hidden_layers", num_hidden_layers), size("intermediate_size", intermediate_size);
+  size("conv_kernel", conv_kernel), size("time_step_rank", time_step_rank);
+  KCPP_CHECK(std::isfinite(layer_norm_epsilon) && layer_norm_epsilon > 0, "{}: 'layer_norm_epsilon' must be finite and positive, is {}",
+             where, layer_norm_epsilon);
+  if (mixer_rms_eps)
+    KCPP_CHECK(std::isfinite(*mixer_rms_eps) && *mixer_rms_eps > 0, "{}: 'mixer_rms_eps' must be finite and positive, is {}", where,
+               *mixer_rms_eps);
+  KCPP_CHECK(hidden_act == "silu" || hidden_act == "swish",
+             "{}: 'hidden_act' is '{}'; the Mamba mixer's convolution supports 'silu' (or 'swish')", where, hidden_act);
+  for (const auto* list : {&bos_token_id, &eos_token_id})
+    for (int64_t id : *list)
+      KCPP_CHECK(id >= 0 && id < vocab_size, "{}: token id {} ({}) is outside the vocabulary [0, {})", where, id,
+                 list == &bos_token_id ? "bos_token_id" : "eos_token_id", vocab_size);
+}
+
+MambaConfig MambaConfig::from_json(const nlohmann::json& j, const std::string& where) {
+  KCPP_CHECK(j.is_object(), "{}: expected a JSON object", where);
+  const Reader r{j, where};
+  MambaConfig c;
+  c.model_type = r.string("model_type", "");
+  KCPP_CHECK(c.model_type == "mamba" || c.model_type == "falcon_mamba",
+             "{}: model_type '{}' is not a Mamba family (mamba, falcon_mamba)", where, c.model_type);
+  c.vocab_size = r.integer("vocab_size", c.vocab_size);
+  c.hidden_size = r.integer("hidden_size", c.hidden_size);
+  c.state_size = r.integer("state_size", c.state_size);
+  c.num_hidden_layers = r.integer("num_hidden_layers", c.num_hidden_layers);
+  c.expand = r.integer("expand", c.expand);
+  KCPP_CHECK(c.expand >= 1 && c.expand <= 64, "{}: 'expand' must be in [1, 64], is {}", where, c.expand);
+  c.intermediate_size = r.integer("intermediate_size", c.expand * c.hidden_size);
+  KCPP_CHECK(c.intermediate_size == c.expand * c.hidden_size,
+             "{}: 'intermediate_size' is {}, but Transformers sets it to expand x hidden_size = {} x {}", where,
+             c.intermediate_size, c.expand, c.hidden_size);
+  c.conv_kernel = r.integer("conv_kernel", c.conv_kernel);
+  if (r.has("time_step_rank") && j["time_step_rank"].is_string()) {
+    KCPP_CHECK(j["time_step_rank"] == "auto", "{}: 'time_step_rank' must be an integer or \"auto\", is {}", where,
+               j["time_step_rank"].dump());
+    c.time_step_rank = (c.hidden_size + 15) / 16;
+  } else {
+    c.time_step_rank = r.integer("time_step_rank", (c.hidden_size + 15) / 16);
+  }
+  c.use_bias = r.boolean("use_bias", c.use_bias);
+  c.use_conv_bias = r.boolean("use_conv_bias", c.use_conv_bias);
+  c.tie_word_embeddings = r.boolean("tie_word_embeddings", c.tie_word_embeddings);
+  c.residual_in_fp32 = r.boolean("residual_in_fp32", c.residual_in_fp32);
+  c.layer_norm_epsilon = r.real("layer_norm_epsilon", c.layer_norm_epsilon);
+  if (c.model_type == "falcon_mamba") c.mixer_rms_eps = r.real("mixer_rms_eps", 1e-6);
+  c.hidden_act = r.string("hidden_act", c.hidden_act);
+  c.torch_dtype = r.string("dtype", r.string("torch_dtype", c.torch_dtype));
+  c.bos_token_id = r.ids("bos_token_id");
+  c.eos_token_id = r.ids("eos_token_id");
+  if (r.has("pad_token_id")) c.pad_token_id = r.integer("pad_token_id", 0);
+  c.validate(where);
+  return c;
+}
+
+MambaConfig MambaConfig::from_folder(const std::filesystem::path& folder) {
+  const auto path = folder / "config.json";
+  std::ifstream f(path);
+  KCPP_CHECK(f.good(), "{}: cannot open config.json", folder.string());
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception& e) {
+    KCPP_FAIL("{}: not valid JSON ({})", path.string(), e.what());
+  }
+  return from_json(j, path.string());
+}
+
+nlohmann::json MambaConfig::to_json() const {
+  nlohmann::json j = {{"model_type", model_type},
+                      {"architectures", {model_type == "mamba" ? "MambaForCausalLM" : "FalconMambaForCausalLM"}},
+                      {"vocab_size", vocab_size}, {"hidden_size", hidden_size}, {"state_size", state_size},
+                      {"num_hidden_layers", num_hidden_layers}, {"expand", expand}, {"intermediate_size", intermediate_size},
+                      {"conv_kernel", conv_kernel}, {"time_step_rank", time_step_rank}, {"use_bias", use_bias},
+                      {"use_conv_bias", use_conv_bias}, {"tie_word_embeddings", tie_word_embeddings},
+                      {"residual_in_fp32", residual_in_fp32}, {"layer_norm_epsilon", layer_norm_epsilon},
+                      {"hidden_act", hidden_act}, {"dtype", torch_dtype}};
+  if (mixer_rms_eps) j["mixer_rms_eps"] = *mixer_rms_eps;
+  if (bos_token_id.size() == 1) j["bos_token_id"] = bos_token_id[0];
+  if (eos_token_id.size() == 1) j["eos_token_id"] = eos_token_id[0];
+  else if (!eos_token_id.empty()) j["eos_token_id"] = eos_token_id;
+  if (pad_token_id) j["pad_token_id"] = *pad_token_id;
+  return j;
+}
+
+bool is_mamba_folder(const std::filesystem::path& folder) {
+  std::ifstream f(folder / "config.json");
+  if (!f.good()) return false;
+  const nlohmann::json j = nlohmann::json::parse(f, nullptr, false);
+  if (!j.is_object() || !j.contains("model_type") || !j["model_type"].is_string()) return false;
+  const std::string t = j["model_type"].get<std::string>();
+  return t == "mamba" || t == "falcon_mamba";
+}
+
+// ---- loading -------------------------------------------------------------------------------------
+
+std::unique_ptr<MambaLM> MambaLM::from_folder(const std::filesystem::path& folder, DType dtype, Device device,
+                                              const LoadOptions& options) {
+  std::unique_ptr<MambaLM> m(new MambaLM());
+  m->cfg_ = MambaConfig::from_folder(folder);
+  m->dtype_ = dtype;
+  m->device_ = device;
+  const MambaConfig& c = m->cfg_;
+  const WeightStore w = WeightStore::open_folder(folder);
+  std::vector<std::string> missing;
+  auto get = [&](const std::string& name, std::vector<int64_t> shape, DType type) {
+    if (w.contains(name)) return w.load(name, type, device, &shape);
+    missing.push_back(name);
+    return Tensor::zeros(Shape(shape.size(), 1), type, device).expand(shape);
+  };
+  const int64_t h = c.hidden_size, d = c.intermediate_size, n = c.state_size, r = c.time_step_rank, k = c.conv_kernel;
+  m->embed_ = get("backbone.embeddings.weight", {c.vocab_size, h}, dtype);
+  bool tied = c.tie_word_embeddings;
+  if (tied && w.contains("lm_head.weight") && !w.same("lm_head.weight", "backbone.embeddings.weight")) tied = false;
+  m->cfg_.tie_word_embeddings = tied;
+  m->lm_head_ = tied ? m->embed_ : get("lm_head.weight", {c.vocab_size, h}, dtype);
+  if (tied && w.contains("lm_head.weight")) (void)w.load("lm_head.weight", dtype, device);  // the embeddings' copy
+  const ops::RMSNormOptions norm{.eps = c.layer_norm_epsilon};
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string p = fmt::format("backbone.layers.{}.", i);
+    Layer l;
+    l.norm = std::make_unique<nn::RMSNorm>(get(p + "norm.weight", {h}, dtype), norm);
+    l.w_in = get(p + "mixer.in_proj.weight", {2 * d, h}, dtype);
+    if (c.use_bias) l.b_in = get(p + "mixer.in_proj.bias", {2 * d}, dtype);
+    l.conv_w3 = get(p + "mixer.conv1d.weight", {d, 1, k}, dtype);
+    l.conv_w = l.conv_w3.view({d, k});
+    if (c.use_conv_bias) l.conv_b = get(p + "mixer.conv1d.bias", {d}, dtype);
+    l.w_x = get(p + "mixer.x_proj.weight", {r + 2 * n, d}, dtype);
+    l.w_dt = get(p + "mixer.dt_proj.weight", {d, r}, dtype);
+    l.b_dt = get(p + "mixer.dt_proj.bias", {d}, DType::f32);  // the scan's delta_bias, f32 as Transformers' .float()
+    l.A_log = get(p + "mixer.A_log", {d, n}, DType::f32);
+    l.D = get(p + "mixer.D", {d}, DType::f32);
+    l.w_out = get(p + "mixer.out_proj.weight", {h, d}, dtype);
+    if (c.use_bias) l.b_out = get(p + "mixer.out_proj.bias", {h}, dtype);
+    if (c.mixer_rms_eps)
+      l.dt_norm = std::make_unique<nn::RMSNorm>(Tensor::full({r}, 1.0, dtype, device), ops::RMSNormOptions{.eps = *c.mixer_rms_eps});
+    l.conv = std::make_unique<nn::CausalConv1d>(l.conv_w, l.conv_b, true);
+    l.conv_update = std::make_unique<nn::CausalConv1dUpdate>(l.conv_w, l.conv_b, true);
+    const nn::SelectiveScan::Options so{.delta_softplus = true, .bc_rms_eps = c.mixer_rms_eps};
+    l.scan = std::make_unique<nn::SelectiveScan>(so);
+    l.state_update = std::make_unique<nn::SelectiveStateUpdate>(so);
+    m->layers_.push_back(std::move(l));
+  }
+  m->final_norm_ = std::make_unique<nn::RMSNorm>(get("backbone.norm_f.weight", {h}, dtype), norm);
+  m->loss_ = std::make_unique<nn::ForCausalLMLoss>();
+  KCPP_CHECK(missing.empty(), "{}: missing weight{} {} (config.json: {} with {} layers)", folder.string(), missing.size() > 1 ? "s" : "",
+             fmt::join(missing, ", "), c.model_type, c.num_hidden_layers);
+  m->unused_weights_ = w.unused();
+  if (!m->unused_weights_.empty()) {
+    const std::string what = fmt::format("{}: tensors of the weight files not used by the model ({} with {} layers): {}",
+                                         folder.string(), c.model_type, c.num_hidden_layers, fmt::join(m->unused_weights_, ", "));
+    KCPP_CHECK(!options.strict, "{}", what);
+    if (options.warn) options.warn(what + " (ignored)");
+    else fmt::print(stderr, "warning: {} (ignored)\n", what);
+  }
+  return m;
+}
+
+void MambaLM::visit_slots(const std::function<void(nn::Slot&)>& fn) {
+  for (Layer& l : layers_) {
+    fn(*l.norm);
+    if (l.dt_norm) fn(*l.dt_norm);
+    fn(*l.conv), fn(*l.conv_update), fn(*l.scan), fn(*l.state_update);
+  }
+  fn(*final_norm_);
+  fn(*loss_);
+}
+
+std::vector<std::pair<std::string, Tensor>> MambaLM::parameters() const {
+  std::vector<std::pair<std::string, Tensor>> out{{"backbone.embeddings.weight", embed_}};
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& l = layers_[i];
+    const std::string p = fmt::format("backbone.layers.{}.", i);
+    out.emplace_back(p + "norm.weight", l.norm->weight);
+    out.emplace_back(p + "mixer.in_proj.weight", l.w_in);
+    if (l.b_in.defined()) out.emplace_back(p + "mixer.in_proj.bias", l.b_in);
+    out.emplace_back(p + "mixer.conv1d.weight", l.conv_w3);
+    if (l.conv_b.defined()) out.emplace_back(p + "mixer.conv1d.bias", l.conv_b);
+    out.emplace_back(p + "mixer.x_proj.weight", l.w_x);
+    out.emplace_back(p + "mixer.dt_proj.weight", l.w_dt);
+    out.emplace_back(p + "mixer.dt_proj.bias", l.b_dt);
+    out.emplace_back(p + "mixer.A_log", l.A_log);
+    out.emplace_back(p + "mixer.D", l.D);
+    out.emplace_back(p + "mixer.out_proj.weight", l.w_out);
+    if (l.b_out.defined()) out.emplace_back(p + "mixer.out_proj.bias", l.b_out);
+  }
+  out.emplace_back("backbone.norm_f.weight", final_norm_->weight);
+  if (!cfg_.tie_word_embeddings) out.emplace_back("lm_head.weight", lm_head_);
+  return out;
+}
+
+// ---- forward -------------------------------------------------------------------------------------
+
+struct MambaLM::LayerTape {
+  nn::RMSNorm::Saved norm, dt_norm;
+  Tensor a;        // [B S, H] the normed input
+  Tensor x;        // [B, D, L] the convolution's input
+  Tensor xc;       // [B S, D] its output, token-major (x_proj's input)
+  Tensor dt_low;   // [B S, R] dt_proj's input (after the dt norm)
+  Tensor y;        // [B S, D] the scan's output, token-major (out_proj's input)
+  nn::SelectiveScan::Saved scan;
+};
+
+Tensor MambaLM::layer_forward(size_t li, const Tensor& h, LayerTape* t, Cache* cache) {
+  Layer& l = layers_[li];
+  const MambaConfig& c = cfg_;
+  const int64_t b = h.size(0), s = h.size(1), n = b * s, d = c.intermediate_size, r = c.time_step_rank, st = c.state_size;
+  nn::RMSNorm::Saved ns;
+  const Tensor a = l.norm->forward(h, t ? &ns : nullptr).view({n, c.hidden_size});
+  // [B, 2D, L], L contiguous: x the first D channels, z the gate.
+  const Tensor xz = linear(a, l.w_in, l.b_in).view({b, s, 2 * d}).transpose(1, 2).contiguous();
+  const Tensor x = xz.narrow(1, 0, d), z = xz.narrow(1, d, d);
+  const bool decode = cache && cache->length > 0;
+  Tensor xc;  // [B, D, L]
+  if (decode) {
+    xc = l.conv_update->forward(x, cache->conv[li]);
+  } else {
+    xc = l.conv->forward(x);
+    if (cache) {  // the last W - 1 inputs (zeros before the first)
+      const int64_t k = c.conv_kernel - 1;
+      Tensor state = Tensor::zeros({b, d, k}, dtype_, device_);
+      const int64_t take = std::min(k, s);
+      if (take > 0) state.narrow(2, k - take, take).copy_(x.narrow(2, s - take, take));
+      cache->conv[li] = state;
+    }
+  }
+  const Tensor xc_t = xc.transpose(1, 2).contiguous().view({n, d});
+  const Tensor xdbl = ops::matmul(xc_t, l.w_x, false, true);  // [B S, R + 2N]
+  Tensor dt_low = xdbl.narrow(1, 0, r).contiguous();
+  nn::RMSNorm::Saved dns;
+  if (l.dt_norm) dt_low = l.dt_norm->forward(dt_low, t ? &dns : nullptr);
+  auto channels_first = [&](const Tensor& m, int64_t width) { return m.contiguous().view({b, s, width}).transpose(1, 2).contiguous(); };
+  const Tensor dt = channels_first(ops::matmul(dt_low, l.w_dt, false, true), d);  // [B, D, L], before bias and softplus
+  const Tensor Bm = channels_first(xdbl.narrow(1, r, st), st), Cm = channels_first(xdbl.narrow(1, r + st, st), st);
+  const Tensor A = ops::neg(ops::exp(l.A_log));
+  Tensor y;  // [B, D, L]
+  if (decode) {
+    y = Tensor::empty({b, d, s}, dtype_, device_);
+    for (int64_t p = 0; p < s; ++p)
+      y.narrow(2, p, 1).copy_(l.state_update->forward(cache->ssm[li], xc.select(2, p), dt.select(2, p), A, Bm.select(2, p).contiguous(),
+                                                         Cm.select(2, p).contiguous(), l.D, z.select(2, p), l.b_dt).unsqueeze(2));
+  } else {
+    Tensor last;
+    nn::SelectiveScan::Saved ss;
+    y = l.scan->forward({xc, dt, A, Bm, Cm, l.D, z, l.b_dt}, cache ? &last : nullptr, t ? &ss : nullptr);
+    if (cache) cache->ssm[li] = last;
+    if (t) t->scan = std::move(ss);
+  }
+  const Tensor y_t = y.transpose(1, 2).contiguous().view({n, d});
+  const Tensor out = linear(y_t, l.w_out, l.b_out).view({b, s, c.hidden_size});
+  if (t) {
+    t->norm = std::move(ns), t->dt_norm = std::move(dns);
+    t->a = a, t->x = x, t->xc = xc_t, t->dt_low = dt_low, t->y = y_t;
+  }
+  return ops::add(h, out);
+}
+
+Tensor MambaLM::hidden_states(const Tensor& ids, std::vector<LayerTape>* tapes, nn::RMSNorm::Saved* final_saved, Cache* cache) {
+  KCPP_CHECK(ids.dim() == 2, "MambaLM: input_ids must be [batch, seq], got {} dims", ids.dim());
+  const Tensor ids_dev = ids.device() == device_ ? ids : ids.to(device_);
+  Tensor h = ops::embedding(embed_, ids_dev);
+  if (cache && cache->length == 0) cache->conv.assign(layers_.size(), Tensor()), cache->ssm.assign(layers_.size(), Tensor());
+  if (tapes) tapes->resize(layers_.size());
+  for (size_t li = 0; li < layers_.size(); ++li) h = layer_forward(li, h, tapes ? &(*tapes)[li] : nullptr, cache);
+  if (cache) cache->length += ids.size(1);
+  return final_norm_->forward(h, final_saved);
+}
+
+Tensor MambaLM::forward(const Tensor& ids, Cache* cache) {
+  const Tensor h = hidden_states(ids, nullptr, nullptr, cache);
+  const int64_t b = ids.size(0), s = ids.size(1);
+  return ops::matmul(h.view({b * s, cfg_.hidden_size}), lm_head_, false, true).view({b, s, cfg_.vocab_size});
+}
+
+std::vector<int64_t> MambaLM::generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens, const Sampling& sampling,
+                                       const std::vector<int64_t>* stop, StopReason* reason) {
+  KCPP_CHECK(!prompt.empty(), "generate: the prompt has no tokens");
+  KCPP_CHECK(max_new_tokens >= 0, "generate: max_new_tokens is {}; it must be 0 or more", max_new_tokens);
+  sampling.validate();
+  for (size_t i = 0; i < prompt.size(); ++i)
+    KCPP_CHECK(prompt[i] >= 0 && prompt[i] < cfg_.vocab_size,
+               "generate: the prompt's token id {} (position {}) is outside the model's vocabulary of {} ids (0 to {})", prompt[i], i,
+               cfg_.vocab_size, cfg_.vocab_size - 1);
+  const std::vector<int64_t>& stops = stop ? *stop : cfg_.eos_token_id;
+  StopReason why = StopReason::MaxNewTokens;
+  std::mt19937_64 rng(sampling.seed);
+  std::vector<int64_t> out = prompt;
+  Cache cache;
+  Tensor next = Tensor::from_i64(prompt, {1, static_cast<int64_t>(prompt.size())}, DType::i64, device_);
+  for (int64_t step = 0; step < max_new_tokens; ++step) {
+    const Tensor logits = forward(next, &cache);
+    const int64_t n = logits.size(1), v = cfg_.vocab_size;
+    const auto all = logits.narrow(1, n - 1, 1).to_f64_vector();
+    for (int64_t i = 0; i < v; ++i)
+      KCPP_CHECK(std::isfinite(all[i]), "generate: the model produced a non-finite logit ({} for token id {}); check the weights",
+                 all[i], i);
+    const int64_t tok = sample_next_token(std::vector<double>(all.begin(), all.begin() + v), sampling, rng);
+    out.push_back(tok);
+    if (std::find(stops.begin(), stops.end(), tok) != stops.end()) {
+      why = StopReason::StopToken;
+      break;
+    }
+    next = Tensor::from_i64(std::vector<int64_t>{tok}, {1, 1}, DType::i64, device_);
+  }
+  if (reason) *reason = why;
+  return out;
+}
+
+// ---- loss and backward ---------------------------------------------------------------------------
+
+Tensor MambaLM::shifted_targets(const Tensor& labels) const {
+  KCPP_CHECK(labels.dim() == 2, "MambaLM: labels must be [batch, seq], got {} dims", labels.dim());
+  const int64_t b = labels.size(0), s = labels.size(1);
+  Tensor l = labels.device() == device_ ? labels : labels.to(device_);
+  if (l.dtype() != DType::i64) l = l.to(DType::i64);
+  const Tensor none = Tensor::full({b, 1}, -100, DType::i64, device_);
+  return (s > 1 ? ops::cat({l.narrow(1, 1, s - 1), none}, 1) : none).contiguous().view({b * s});
+}
+
+Tensor MambaLM::loss(const Tensor& ids, const Tensor& labels) {
+  KCPP_CHECK(labels.shape() == ids.shape(), "MambaLM::loss: labels must match input_ids");
+  const Tensor h = hidden_states(ids, nullptr, nullptr, nullptr).view({ids.numel(), cfg_.hidden_size});
+  return loss_->forward(h, lm_head_, shifted_targets(labels));
+}
+
+CausalLM::Gradients MambaLM::loss_and_gradients(const Tensor& ids, const Tensor& labels, double dloss) {
+  KCPP_CHECK(labels.shape() == ids.shape(), "MambaLM: labels must match input_ids");
+  const MambaConfig& c = cfg_;
+  const int64_t b = ids.size(0), s = ids.size(1), n = b * s, hd = c.hidden_size, d = c.intermediate_size;
+  std::vector<LayerTape> tapes;
+  nn::RMSNorm::Saved fs;
+  const Tensor hf = hidden_states(ids, &tapes, &fs, nullptr).view({n, hd});
+  nn::ForCausalLMLoss::Saved ls;
+  CausalLM::Gradients out;
+  out.loss = loss_->forward(hf, lm_head_, shifted_targets(labels), &ls);
+  const nn::ForCausalLMLoss::Grads lg = loss_->backward(dloss, ls);
+  auto& g = out.grads;
+  auto acc = [&](const std::string& name, const Tensor& t) {
+    auto it = g.find(name);
+    if (it == g.end()) g.emplace(name, t);
+    else it->second = ops::add(it->second, t);
+  };
+  acc(c.tie_word_embeddings ? "backbone.embeddings.weight" : "lm_head.weight", lg.dweight);
+  auto fn = final_norm_->backward(lg.dhidden.view({b, s, hd}), fs);
+  acc("backbone.norm_f.weight", fn.dweight);
+  Tensor dh = fn.dx;
+  // [B, D, L] from a token-major [B S, D], and back.
+  auto channels_first = [&](const Tensor& m, int64_t width) { return m.contiguous().view({b, s, width}).transpose(1, 2).contiguous(); };
+  auto token_major = [&](const Tensor& m) { return m.transpose(1, 2).contiguous().view({n, m.size(1)}); };
+  for (int64_t li = static_cast<int64_t>(layers_.size()) - 1; li >= 0; --li) {
+    Layer& l = layers_[li];
+    LayerTape& t = tapes[li];
+    const std::string p = fmt::format("backbone.layers.{}.mixer.", li);
+    const Tensor dy_out = dh.contiguous().view({n, hd});
+    acc(p + "out_proj.weight", ops::matmul(dy_out, t.y, true, false));
+    if (l.b_out.defined()) acc(p + "out_proj.bias", col_sum(dy_out));
+    const Tensor dy = channels_first(ops::matmul(dy_out, l.w_out), d);
+    const nn::SelectiveScan::Grads sg = l.scan->backward(dy, t.scan);
+    // A = -exp(A_log): dA_log = dA * A.
+    acc(p + "A_log", ops::mul(sg.dA, t.scan.in.A));
+    acc(p + "D", sg.dD);
+    acc(p + "dt_proj.bias", sg.ddelta_bias);
+    const Tensor ddt = token_major(sg.ddelta);  // [B S, D]
+    acc(p + "dt_proj.weight", ops::matmul(ddt, t.dt_low, true, false));
+    Tensor ddt_low = ops::matmul(ddt, l.w_dt);  // [B S, R]
+    if (l.dt_norm) ddt_low = l.dt_norm->backward(ddt_low, t.dt_norm).dx;
+    const Tensor dxdbl = ops::cat({ddt_low, token_major(sg.dB), token_major(sg.dC)}, 1);  // [B S, R + 2N]
+    acc(p + "x_proj.weight", ops::matmul(dxdbl, t.xc, true, false));
+    const Tensor dxc = ops::add(channels_first(ops::matmul(dxdbl, l.w_x), d), sg.du);  // [B, D, L]
+    const nn::CausalConv1d::Grads cg = l.conv->backward(dxc, t.x);
+    acc(p + "conv1d.weight", cg.dweight.view({d, 1, c.conv_kernel}));
+    if (cg.dbias.defined()) acc(p + "conv1d.bias", cg.dbias);
+    const Tensor dxz = token_major(ops::cat({cg.dx, sg.dz}, 1));  // [B S, 2D]
+    acc(p + "in_proj.weight", ops::matmul(dxz, t.a, true, false));
+    if (l.b_in.defined()) acc(p + "in_proj.bias", col_sum(dxz));
+    const auto nb = l.norm->backward(ops::matmul(dxz, l.w_in).view({b, s, hd}), t.norm);
+    acc(fmt::format("backbone.layers.{}.norm.weight", li), nb.dweight);
+    dh = ops::add(dh, nb.dx);
+  }
+  const Tensor ids_dev = ids.device() == device_ ? ids : ids.to(device_);
+  acc("backbone.embeddings.weight", ops::embedding_backward(dh.contiguous(), ids_dev, c.vocab_size));
+  return out;
+}
+
+}  // namespace kcpp::models

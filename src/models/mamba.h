@@ -1,0 +1,122 @@
+// The state-space language models Mamba (`MambaForCausalLM`) and Falcon-Mamba
+// (`FalconMambaForCausalLM`) from a Hugging Face folder, their mixers' scan and convolution in nn/
+// slots (nn/ssm_layers.h) so that kernelize() swaps them.  The forward follows Transformers' slow
+// (PyTorch) path of `models/mamba/modeling_mamba.py` and `models/falcon_mamba/` op for op:
+//
+//   h = embed(ids)
+//   per layer:  a = RMSNorm(h);  x, z = split(a W_in^T (+ b_in))                     [B, D, L] each
+//               x = silu(conv1d_causal(x))                                (CausalConv1d slot)
+//               dt, B, C = split(x W_x^T)                     (Falcon: dt, B, C RMS-normalised, weight 1)
+//               y = scan(x, dt W_dt^T, A = -exp(A_log), B, C, D, z, dt_bias, softplus)  (SelectiveScan slot)
+//               h = h + y W_out^T (+ b_out)
+//   logits = RMSNorm(h) W_lm^T   (W_lm = embed when tied)
+//
+// The residual stream stays in the model's dtype: Transformers' residual_in_fp32 (an f32 residual
+// for 16-bit weights) is read from config.json but not applied, so bf16 / f16 models follow its
+// arithmetic only up to that rounding; f32 models exactly.
+//
+// Generation keeps per layer the last conv_kernel - 1 inputs of the convolution and the SSM state,
+// and decodes through the CausalConv1dUpdate and SelectiveStateUpdate slots.
+#pragma once
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <nlohmann/json_fwd.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "models/causal_lm.h"
+#include "nn/layers.h"
+#include "nn/ssm_layers.h"
+
+namespace kcpp::models {
+
+// config.json of model_type "mamba" or "falcon_mamba" (Transformers' MambaConfig /
+// FalconMambaConfig keys and defaults).
+struct MambaConfig {
+  std::string model_type;  // "mamba" or "falcon_mamba"
+  int64_t vocab_size = 50280, hidden_size = 768, state_size = 16, num_hidden_layers = 32;
+  int64_t expand = 2, intermediate_size = 0, conv_kernel = 4, time_step_rank = 0;
+  bool use_bias = false, use_conv_bias = true, tie_word_embeddings = true, residual_in_fp32 = true;
+  double layer_norm_epsilon = 1e-5;
+  std::optional<double> mixer_rms_eps;  // falcon_mamba: the eps of the dt / B / C norms (1e-6 by default)
+  std::string hidden_act = "silu";
+  int64_t max_position_embeddings = 1 << 20;  // no positional limit; a bound for generate()
+  std::string torch_dtype = "float32";
+  std::vector<int64_t> bos_token_id, eos_token_id;
+  std::optional<int64_t> pad_token_id;
+
+  // Every value in its range, else a kcpp::Error naming `where`, the key, the value and the range.
+  void validate(const std::string& where = "config") const;
+  // intermediate_size = expand x hidden_size when absent, time_step_rank "auto" = ceil(hidden / 16).
+  static MambaConfig from_json(const nlohmann::json& j, const std::string& where = "config.json");
+  static MambaConfig from_folder(const std::filesystem::path& folder);
+  nlohmann::json to_json() const;
+};
+
+// Whether a folder's config.json names a Mamba-family model_type (for the CLI's dispatch).
+bool is_mamba_folder(const std::filesystem::path& folder);
+
+class MambaLM : public nn::Module {
+ public:
+  static std::unique_ptr<MambaLM> from_folder(const std::filesystem::path& folder, DType dtype, Device device,
+                                              const LoadOptions& options = {});
+
+  // Per layer: conv [B, D, conv_kernel - 1] (the last inputs of the convolution, oldest first) and
+  // ssm [B, D, N] f32 (the state after the last token).
+  struct Cache {
+    std::vector<Tensor> conv, ssm;
+    int64_t length = 0;
+    void clear() { conv.clear(), ssm.clear(), length = 0; }
+  };
+
+  // logits [B, S, V] for input_ids [B, S]; with a cache, continuing the tokens it holds.
+  Tensor forward(const Tensor& input_ids, Cache* cache = nullptr);
+  // As CausalLM::generate (batch of one; greedy or sampled; stops at a token of `stop`, default the
+  // config's eos_token_id).
+  std::vector<int64_t> generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens, const Sampling& sampling = Sampling(),
+                                const std::vector<int64_t>* stop = nullptr, StopReason* reason = nullptr);
+  // ForCausalLMLoss of forward(input_ids) against labels [B, S].
+  Tensor loss(const Tensor& input_ids, const Tensor& labels);
+  // The loss and every parameter's gradient by its safetensors name ("backbone.layers.0.mixer.A_log").
+  CausalLM::Gradients loss_and_gradients(const Tensor& input_ids, const Tensor& labels, double dloss = 1.0);
+
+  void visit_slots(const std::function<void(nn::Slot&)>& fn) override;
+  std::vector<std::pair<std::string, Tensor>> parameters() const;
+
+  const MambaConfig& config() const { return cfg_; }
+  const std::vector<std::string>& unused_weights() const { return unused_weights_; }
+  DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
+
+  struct Layer {
+    std::unique_ptr<nn::RMSNorm> norm;
+    Tensor w_in, b_in, conv_w, conv_b, w_x, w_dt, b_dt, A_log, D, w_out, b_out;
+    Tensor conv_w3;  // conv1d.weight as stored, [D, 1, W]; conv_w is its [D, W] view
+    std::unique_ptr<nn::RMSNorm> dt_norm;  // falcon_mamba: weight 1 over time_step_rank
+    std::unique_ptr<nn::CausalConv1d> conv;
+    std::unique_ptr<nn::CausalConv1dUpdate> conv_update;
+    std::unique_ptr<nn::SelectiveScan> scan;
+    std::unique_ptr<nn::SelectiveStateUpdate> state_update;
+  };
+
+ private:
+  MambaLM() = default;
+  struct LayerTape;
+  Tensor layer_forward(size_t li, const Tensor& h, LayerTape* t, Cache* cache);
+  Tensor hidden_states(const Tensor& input_ids, std::vector<LayerTape>* tapes, nn::RMSNorm::Saved* final_saved, Cache* cache);
+  Tensor shifted_targets(const Tensor& labels) const;
+
+  MambaConfig cfg_;
+  DType dtype_ = DType::f32;
+  Device device_ = Device::cpu();
+  Tensor embed_, lm_head_;
+  std::vector<Layer> layers_;
+  std::unique_ptr<nn::RMSNorm> final_norm_;
+  std::unique_ptr<nn::ForCausalLMLoss> loss_;
+  std::vector<std::string> unused_weights_;
+};
+
+}  // namespace kcpp::models

@@ -1,0 +1,117 @@
+// Mamba and Falcon-Mamba (models/mamba.h) against the Transformers fixtures (tests/fixtures/mamba,
+// falcon_mamba; make_fixtures.py): logits, loss, the conv + SSM state cache, greedy generation and
+// every gradient, with the reference slots, in f32 within 1e-5 relative.
+#include <filesystem>
+#include <functional>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "models/mamba.h"
+#include "models/safetensors.h"
+#include "ops/ops.h"
+#include "test_util.h"
+
+namespace kcpp {
+namespace {
+
+namespace fs = std::filesystem;
+using models::SafetensorsFile;
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+#define EXPECT_ERROR(expr, needle)                                                   \
+  do {                                                                               \
+    const std::string msg_ = error_of([&] { (void)(expr); });                       \
+    EXPECT_NE(msg_.find(needle), std::string::npos) << "message: '" << msg_ << "'"; \
+  } while (0)
+
+class MambaFamilies : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(MambaFamilies, LogitsLossAndGenerationMatchTransformers) {
+  const fs::path dir = fs::path(test::fixtures_dir()) / GetParam();
+  models::LoadOptions strict;
+  strict.strict = true;  // every tensor of the fixture is used
+  const auto model = models::MambaLM::from_folder(dir, DType::f32, Device::cpu(), strict);
+  const SafetensorsFile e = SafetensorsFile::open(dir / "expected.safetensors");
+  const Tensor ids = e.view("input_ids"), labels = e.view("labels");
+  const Tensor logits = model->forward(ids);
+  EXPECT_TRUE(test::close_l2(logits, e.view("logits").to_f64_vector(), 1e-5));
+  EXPECT_TRUE(test::close_l2(model->loss(ids, labels), e.view("loss").to_f64_vector(), 1e-5));
+  // The cache: a prompt of 4, then one token at a time, then two at once, gives the full pass's logits.
+  {
+    models::MambaLM::Cache cache;
+    std::vector<Tensor> parts = {model->forward(ids.narrow(1, 0, 4).contiguous(), &cache)};
+    parts.push_back(model->forward(ids.narrow(1, 4, 1).contiguous(), &cache));
+    parts.push_back(model->forward(ids.narrow(1, 5, 2).contiguous(), &cache));
+    EXPECT_EQ(cache.length, 7);
+    EXPECT_TRUE(test::close_l2(ops::cat(parts, 1), logits.to_f64_vector(), 1e-5));
+  }
+  std::vector<int64_t> prompt;
+  for (double x : e.view("greedy.prompt").to_f64_vector()) prompt.push_back(static_cast<int64_t>(x));
+  const auto want = e.view("greedy.ids").to_f64_vector();
+  const std::vector<int64_t> none;
+  const auto got = model->generate(prompt, static_cast<int64_t>(want.size() - prompt.size()), models::Sampling(), &none);
+  EXPECT_EQ(std::vector<double>(got.begin(), got.end()), want);
+  models::Sampling s{0.8, 20, 0.9, 7};
+  EXPECT_EQ(model->generate(prompt, 5, s, &none), model->generate(prompt, 5, s, &none));
+  EXPECT_ERROR(model->generate({200}, 1), "token id 200 (position 0) is outside the model's vocabulary of 97 ids");
+}
+
+TEST_P(MambaFamilies, GradientsMatchTransformers) {
+  const fs::path dir = fs::path(test::fixtures_dir()) / GetParam();
+  const auto model = models::MambaLM::from_folder(dir, DType::f32, Device::cpu());
+  const SafetensorsFile e = SafetensorsFile::open(dir / "expected.safetensors");
+  const auto r = model->loss_and_gradients(e.view("input_ids"), e.view("labels"));
+  EXPECT_TRUE(test::close_l2(r.loss, e.view("loss").to_f64_vector(), 1e-5));
+  size_t expected = 0;
+  for (const auto& [name, entry] : e.entries()) {
+    if (name.rfind("grad.", 0) != 0) continue;
+    ++expected;
+    const std::string param = name.substr(5);
+    const auto it = r.grads.find(param);
+    if (it == r.grads.end()) {
+      ADD_FAILURE() << "no gradient for " << param;
+      continue;
+    }
+    EXPECT_TRUE(test::close_l2(it->second, e.view(name).to_f64_vector(), 1e-5)) << param;
+  }
+  EXPECT_EQ(r.grads.size(), expected);
+  EXPECT_EQ(model->parameters().size(), expected);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, MambaFamilies, ::testing::Values("mamba", "falcon_mamba"));
+
+TEST(MambaConfig, ReadsTheFixturesAndNamesBadKeys) {
+  const auto c = models::MambaConfig::from_folder(fs::path(test::fixtures_dir()) / "falcon_mamba");
+  EXPECT_EQ(c.model_type, "falcon_mamba");
+  EXPECT_EQ(c.intermediate_size, 48);
+  EXPECT_EQ(c.time_step_rank, 3);
+  ASSERT_TRUE(c.mixer_rms_eps.has_value());
+  EXPECT_FALSE(models::MambaConfig::from_folder(fs::path(test::fixtures_dir()) / "mamba").mixer_rms_eps.has_value());
+  EXPECT_TRUE(models::is_mamba_folder(fs::path(test::fixtures_dir()) / "mamba"));
+  EXPECT_FALSE(models::is_mamba_folder(fs::path(test::fixtures_dir()) / "llama"));
+  const nlohmann::json base = {{"model_type", "mamba"}, {"hidden_size", 32}, {"vocab_size", 50}};
+  EXPECT_EQ(models::MambaConfig::from_json(base).time_step_rank, 2);  // "auto": ceil(32 / 16)
+  auto with = [&](const char* key, nlohmann::json v) {
+    nlohmann::json j = base;
+    j[key] = std::move(v);
+    return j;
+  };
+  EXPECT_ERROR(models::MambaConfig::from_json(with("model_type", "llama")), "model_type 'llama' is not a Mamba family");
+  EXPECT_ERROR(models::MambaConfig::from_json(with("state_size", 0)), "'state_size' must be in [1, 16777216], is 0");
+  EXPECT_ERROR(models::MambaConfig::from_json(with("conv_kernel", "4")), "'conv_kernel' must be an integer");
+  EXPECT_ERROR(models::MambaConfig::from_json(with("intermediate_size", 33)), "'intermediate_size' is 33");
+  EXPECT_ERROR(models::MambaConfig::from_json(with("time_step_rank", "big")), "'time_step_rank' must be an integer or \"auto\"");
+  EXPECT_ERROR(models::MambaConfig::from_json(with("layer_norm_epsilon", -1.0)), "'layer_norm_epsilon' must be finite and positive");
+  EXPECT_ERROR(models::MambaConfig::from_json(with("hidden_act", "gelu")), "'hidden_act' is 'gelu'");
+  EXPECT_ERROR(models::MambaConfig::from_json(with("eos_token_id", 50)), "token id 50 (eos_token_id) is outside the vocabulary");
+}
+
+}  // namespace
+}  // namespace kcpp
