@@ -305,6 +305,58 @@ TEST(ModelConfig, ReadsTheTransformersFixtures) {
   EXPECT_EQ(ModelConfig::from_folder(fs::path(test::fixtures_dir()) / "gemma").hidden_act, "gelu_pytorch_tanh");
 }
 
+// The mixture-of-experts keys (mixtral, qwen3_moe): read as Transformers 5 writes them, each out of
+// range a named error, written back; a model saved with the fused expert tensors loads again.
+TEST(ModelConfig, MixtureOfExpertsKeys) {
+  const fs::path fx = fs::path(test::fixtures_dir());
+  const ModelConfig mx = ModelConfig::from_folder(fx / "mixtral"), qm = ModelConfig::from_folder(fx / "qwen3_moe");
+  EXPECT_EQ(mx.num_experts, 4);
+  EXPECT_EQ(mx.num_experts_per_tok, 2);
+  EXPECT_EQ(mx.moe_intermediate_size, mx.intermediate_size);
+  EXPECT_TRUE(mx.norm_topk_prob);
+  EXPECT_TRUE(mx.output_router_logits);
+  EXPECT_DOUBLE_EQ(mx.router_aux_loss_coef, 0.1);
+  EXPECT_TRUE(mx.moe_layer(0) && mx.moe_layer(1));
+  EXPECT_EQ(qm.moe_intermediate_size, 16);
+  EXPECT_FALSE(qm.norm_topk_prob);
+  EXPECT_TRUE(qm.qk_norm);
+  EXPECT_FALSE(qm.moe_layer(0));  // mlp_only_layers [0]
+  EXPECT_TRUE(qm.moe_layer(1));
+  for (const ModelConfig& c : {mx, qm}) EXPECT_EQ(ModelConfig::from_json(c.to_json()).to_json(), c.to_json());
+  auto with = [&](const fs::path& dir, const std::string& key, const nlohmann::json& v) {
+    std::ifstream in(dir / "config.json");
+    nlohmann::json j = nlohmann::json::parse(in);
+    j[key] = v;
+    return j;
+  };
+  EXPECT_ERROR(ModelConfig::from_json(with(fx / "mixtral", "num_local_experts", 0)), "'num_local_experts' must be in [1, 65536], is 0");
+  EXPECT_ERROR(ModelConfig::from_json(with(fx / "mixtral", "num_experts_per_tok", 5)), "'num_experts_per_tok' must be in [1, 4], is 5");
+  EXPECT_ERROR(ModelConfig::from_json(with(fx / "mixtral", "router_aux_loss_coef", -1)), "'router_aux_loss_coef' must be a finite number >= 0");
+  EXPECT_ERROR(ModelConfig::from_json(with(fx / "mixtral", "router_jitter_noise", 0.1)), "'router_jitter_noise' 0.1 is not supported");
+  EXPECT_ERROR(ModelConfig::from_json(with(fx / "qwen3_moe", "moe_intermediate_size", 0)), "'moe_intermediate_size' must be in [1, ");
+  EXPECT_ERROR(ModelConfig::from_json(with(fx / "qwen3_moe", "decoder_sparse_step", 0)), "'decoder_sparse_step' must be in [1, ");
+  EXPECT_ERROR(ModelConfig::from_json(with(fx / "qwen3_moe", "mlp_only_layers", nlohmann::json::array({2}))),
+               "'mlp_only_layers' must be in [0, 1], is 2");
+  EXPECT_ERROR(ModelConfig::from_json(with(fx / "qwen3_moe", "output_router_logits", "yes")), "'output_router_logits' must be true or false");
+  ModelConfig dense = ModelConfig::from_folder(fx / "llama");
+  dense.num_experts = 4;
+  EXPECT_ERROR(dense.validate(), "model_type 'llama' has no experts");
+
+  // Saved with Transformers 5's fused expert tensors, read back (strict: every tensor used).
+  for (const char* family : {"mixtral", "qwen3_moe"}) {
+    SCOPED_TRACE(family);
+    TempDir d;
+    const auto a = models::CausalLM::from_folder(fx / family, DType::f32, Device::cpu());
+    a->save(d.path);
+    EXPECT_TRUE(SafetensorsFile::open(d.path / "model.safetensors").contains("model.layers.1.mlp.experts.gate_up_proj"));
+    models::LoadOptions strict;
+    strict.strict = true;
+    const auto b = models::CausalLM::from_folder(d.path, DType::f32, Device::cpu(), strict);
+    const Tensor ids = Tensor::from_i64(std::vector<int64_t>{3, 14, 15, 92, 65}, {1, 5});
+    EXPECT_EQ(b->forward(ids).to_f64_vector(), a->forward(ids).to_f64_vector());
+  }
+}
+
 // A model folder whose weights are missing or mis-shaped: the error names the folder / file and the
 // tensor (and both shapes).
 TEST(ModelConfig, MissingOrMisShapedWeightsNameTheTensor) {
@@ -411,7 +463,7 @@ TEST_P(Families, GradientsMatchTransformers) {
 // The *_swa fixtures: sliding windows (3 or 4) shorter than the sequence, per family's rules.
 INSTANTIATE_TEST_SUITE_P(Transformers, Families,
                          ::testing::Values("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "mistral_swa", "phi3_swa",
-                                           "qwen2_swa", "qwen3_swa"),
+                                           "qwen2_swa", "qwen3_swa", "mixtral", "qwen3_moe"),
                          [](const auto& info) { return std::string(info.param); });
 
 }  // namespace

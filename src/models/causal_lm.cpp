@@ -66,7 +66,7 @@ std::unique_ptr<CausalLM> CausalLM::from_folder(const std::filesystem::path& fol
     if (w.contains(name)) return w.load(name, dtype, device, &shape);
     missing.push_back(name);
     return Tensor::zeros(Shape(shape.size(), 1), dtype, device).expand(shape);
-  });
+  }, [&](const std::string& name) { return w.contains(name); });
   const std::string f = folder.string(), mt = m->cfg_.model_type;
   const int64_t layers = m->cfg_.num_hidden_layers;
   KCPP_CHECK(missing.empty(), "{}: missing weight{} {} (config.json: {} with {} layers; are model_type and the sizes right?)", f,
@@ -106,7 +106,8 @@ std::unique_ptr<CausalLM> CausalLM::random(const ModelConfig& config, DType dtyp
   return m;
 }
 
-void CausalLM::build(const std::function<Tensor(const std::string&, std::vector<int64_t>)>& get) {
+void CausalLM::build(const std::function<Tensor(const std::string&, std::vector<int64_t>)>& get,
+                     const std::function<bool(const std::string&)>& has) {
   const ModelConfig& c = cfg_;
   auto load = [&](const std::string& name, std::vector<int64_t> shape) { return get(name, std::move(shape)); };
   const int64_t h = c.hidden_size, d = c.head_dim, q = c.num_attention_heads * d, kv = c.num_key_value_heads * d;
@@ -148,20 +149,50 @@ void CausalLM::build(const std::function<Tensor(const std::string&, std::vector<
       l.q_norm = std::make_unique<nn::RMSNorm>(load(p + "self_attn.q_norm.weight", {d}), norm);
       l.k_norm = std::make_unique<nn::RMSNorm>(load(p + "self_attn.k_norm.weight", {d}), norm);
     }
-    if (c.fused_gate_up) {
-      l.w_gate_up = load(p + "mlp.gate_up_proj.weight", {2 * inter, h});
+    if (c.moe_layer(i)) {
+      // Transformers 5's fused experts when the folder holds them, else the checkpoint's per-expert
+      // matrices stacked (gate rows, then up rows, per expert).
+      const int64_t ne = c.num_experts, mi = c.moe_intermediate_size;
+      const bool mixtral = c.model_type == "mixtral";
+      const std::string legacy = p + (mixtral ? "block_sparse_moe." : "mlp.");
+      Tensor router, gate_up, down;
+      if (!has || has(p + "mlp.experts.gate_up_proj") || !has(legacy + "experts.0." + (mixtral ? "w1" : "gate_proj") + ".weight")) {
+        router = load(p + "mlp.gate.weight", {ne, h});
+        gate_up = load(p + "mlp.experts.gate_up_proj", {ne, 2 * mi, h});
+        down = load(p + "mlp.experts.down_proj", {ne, h, mi});
+      } else {
+        router = load(legacy + "gate.weight", {ne, h});
+        std::vector<Tensor> gu, dn;
+        for (int64_t e = 0; e < ne; ++e) {
+          const std::string x = fmt::format("{}experts.{}.", legacy, e);
+          gu.push_back(load(x + (mixtral ? "w1" : "gate_proj") + ".weight", {mi, h}));
+          gu.push_back(load(x + (mixtral ? "w3" : "up_proj") + ".weight", {mi, h}));
+          dn.push_back(load(x + (mixtral ? "w2" : "down_proj") + ".weight", {h, mi}));
+        }
+        gate_up = ops::cat(gu, 0).view({ne, 2 * mi, h});
+        down = ops::cat(dn, 0).view({ne, h, mi});
+      }
+      nn::MoE::Options mo;
+      mo.top_k = c.num_experts_per_tok;
+      mo.normalize = c.norm_topk_prob;
+      mo.activation = glu_activation(c.hidden_act);
+      l.moe = std::make_unique<nn::MoE>(router, gate_up, down, mo);
     } else {
-      l.w_gate = load(p + "mlp.gate_proj.weight", {inter, h});
-      l.w_up = load(p + "mlp.up_proj.weight", {inter, h});
+      if (c.fused_gate_up) {
+        l.w_gate_up = load(p + "mlp.gate_up_proj.weight", {2 * inter, h});
+      } else {
+        l.w_gate = load(p + "mlp.gate_proj.weight", {inter, h});
+        l.w_up = load(p + "mlp.up_proj.weight", {inter, h});
+      }
+      l.w_down = load(p + "mlp.down_proj.weight", {h, inter});
     }
-    l.w_down = load(p + "mlp.down_proj.weight", {h, inter});
     l.rope = std::make_unique<nn::RotaryEmbedding>();
     ops::AttentionOptions ao;
     ao.scale = 1.0 / std::sqrt(static_cast<double>(d));
     ao.causal = true;
     ao.window = c.attention_window(i);
     l.attn = std::make_unique<nn::Attention>(ao);
-    l.mlp = std::make_unique<nn::MLP>(glu_activation(c.hidden_act));
+    if (!l.moe) l.mlp = std::make_unique<nn::MLP>(glu_activation(c.hidden_act));
     layers_.push_back(std::move(l));
   }
   final_norm_ = std::make_unique<nn::RMSNorm>(load("model.norm.weight", {h}), norm);
@@ -176,7 +207,8 @@ void CausalLM::visit_slots(const std::function<void(nn::Slot&)>& fn) {
     fn(*l.rope);
     fn(*l.attn);
     fn(*l.post_norm);
-    fn(*l.mlp);
+    if (l.moe) fn(*l.moe);
+    else fn(*l.mlp);
   }
   fn(*final_norm_);
   fn(*loss_);
@@ -209,6 +241,11 @@ std::vector<std::pair<std::string, Tensor>> CausalLM::parameters() const {
     add(p + "mlp.gate_proj.weight", l.w_gate);
     add(p + "mlp.up_proj.weight", l.w_up);
     add(p + "mlp.down_proj.weight", l.w_down);
+    if (l.moe) {
+      add(p + "mlp.gate.weight", l.moe->router_weight);
+      add(p + "mlp.experts.gate_up_proj", l.moe->gate_up_proj);
+      add(p + "mlp.experts.down_proj", l.moe->down_proj);
+    }
   }
   add("model.norm.weight", final_norm_->weight);
   if (!cfg_.tie_word_embeddings) add("lm_head.weight", lm_head_);
@@ -225,6 +262,8 @@ void CausalLM::save(const std::filesystem::path& folder) const {
                         : c.model_type == "qwen2"   ? "Qwen2ForCausalLM"
                         : c.model_type == "qwen3"   ? "Qwen3ForCausalLM"
                         : c.model_type == "gemma"   ? "GemmaForCausalLM"
+                        : c.model_type == "mixtral" ? "MixtralForCausalLM"
+                        : c.model_type == "qwen3_moe" ? "Qwen3MoeForCausalLM"
                                                     : "Phi3ForCausalLM"};
   const auto tmp = folder / "config.json.tmp";
   {
@@ -275,6 +314,7 @@ Tensor CausalLM::inv_freq(int64_t seq_len) const {
 struct CausalLM::LayerTape {
   nn::RMSNorm::Saved in_norm, post_norm, q_norm, k_norm;
   nn::Attention::Saved attn;
+  nn::MoE::Saved moe;
   Tensor a, o, m, gate, up, act;  // a, m: the normed inputs [B*S, H]; o: the attention's, [B*S, Hq*D]
 };
 
@@ -312,6 +352,13 @@ Tensor CausalLM::layer_forward(size_t li, Tensor h, const ops::RopeCosSin& cs, L
   const Tensor o = l.attn->forward(q, k, v, t ? &t->attn : nullptr).transpose(1, 2).contiguous().view({b * s, hq * d});
   h = ops::add(h, linear(o, l.wo).view({b, s, hdim}));
   const Tensor m = l.post_norm->forward(h, t ? &t->post_norm : nullptr).view({b * s, hdim});
+  if (l.moe) {
+    Tensor logits;
+    if (router_logits_) router_logits_->push_back(logits = Tensor::empty({b * s, c.num_experts}, dtype_, device_));
+    h = ops::add(h, l.moe->forward(m, t ? &t->moe : nullptr, logits).view({b, s, hdim}));
+    if (t) t->a = a, t->o = o, t->m = m;
+    return h;
+  }
   Tensor gate, up;
   if (l.w_gate_up.defined()) {
     const Tensor gu = linear(m, l.w_gate_up);
@@ -449,11 +496,26 @@ Tensor CausalLM::shifted_targets(const Tensor& labels) const {
   return (s > 1 ? ops::cat({l.narrow(1, 1, s - 1), none}, 1) : none).contiguous().view({b * s});
 }
 
+nn::LoadBalancingLoss CausalLM::aux_loss(const std::vector<Tensor>& router_logits, double dloss) const {
+  nn::LoadBalancingLoss lb = nn::load_balancing_loss(ops::cat(router_logits, 0), cfg_.num_experts_per_tok,
+                                                     cfg_.router_aux_loss_coef * dloss);
+  lb.loss = ops::scale(lb.loss, cfg_.router_aux_loss_coef);
+  return lb;
+}
+
 Tensor CausalLM::loss(const Tensor& ids, const Tensor& labels) {
   KCPP_CHECK(labels.shape() == ids.shape(), "CausalLM::loss: labels [{}] must match input_ids [{}]", fmt::join(labels.shape(), ", "),
              fmt::join(ids.shape(), ", "));
+  std::vector<Tensor> logits;
+  struct Sink {
+    std::vector<Tensor>*& slot;
+    ~Sink() { slot = nullptr; }
+  } sink{router_logits_};
+  if (aux_loss_on()) router_logits_ = &logits;
   const Tensor h = hidden_states(ids).view({ids.numel(), cfg_.hidden_size});
-  return loss_->forward(h, lm_head_, shifted_targets(labels));
+  router_logits_ = nullptr;
+  const Tensor l = loss_->forward(h, lm_head_, shifted_targets(labels));
+  return logits.empty() ? l : ops::add(l, aux_loss(logits, 1.0).loss);
 }
 
 int64_t CausalLM::labelled_tokens(const Tensor& labels) {
@@ -481,10 +543,26 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
   const int64_t hq = c.num_attention_heads, hkv = c.num_key_value_heads;
   Tape tape;
   tape.checkpoint = checkpoint_layers;
+  std::vector<Tensor> router_logits;  // the MoE layers', in layer order
+  struct Sink {
+    std::vector<Tensor>*& slot;
+    ~Sink() { slot = nullptr; }
+  } sink{router_logits_};
+  if (aux_loss_on()) router_logits_ = &router_logits;
   const Tensor hf = hidden_states(ids, &tape).view({n, hdim});
+  router_logits_ = nullptr;
   nn::ForCausalLMLoss::Saved ls;
   Gradients out;
   out.loss = loss_->forward(hf, lm_head_, shifted_targets(labels), &ls);
+  // The auxiliary loss and each MoE layer's share of its gradient (the rows of its logits).
+  std::vector<Tensor> drouter(layers_.size());
+  if (!router_logits.empty()) {
+    const nn::LoadBalancingLoss lb = aux_loss(router_logits, dloss);
+    out.loss = ops::add(out.loss, lb.loss);
+    int64_t row = 0;
+    for (size_t li = 0; li < layers_.size(); ++li)
+      if (layers_[li].moe) drouter[li] = lb.dlogits.narrow(0, row, n), row += n;
+  }
   const nn::ForCausalLMLoss::Grads lg = loss_->backward(dloss, ls);
   auto& g = out.grads;
   auto acc = [&](const std::string& name, const Tensor& t) {
@@ -504,19 +582,27 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
     if (tape.checkpoint) layer_forward(li, tape.inputs[li], {tape.cos, tape.sin}, &recomputed, nullptr);
     LayerTape& t = tape.checkpoint ? recomputed : tape.layers[li];
     const std::string p = fmt::format("model.layers.{}.", li);
-    // MLP: h += down(act(gate(m)) * up(m))
+    // MLP: h += down(act(gate(m)) * up(m)), or h += MoE(m)
     const Tensor dy = dh.contiguous().view({n, hdim});
-    acc(p + "mlp.down_proj.weight", ops::matmul(dy, t.act, true, false));
-    const nn::MLP::Grads mg = l.mlp->backward(ops::matmul(dy, l.w_down), t.gate, t.up);
     Tensor dm;
-    if (l.w_gate_up.defined()) {
-      const Tensor dgu = ops::cat({mg.dgate, mg.dup}, 1);
-      acc(p + "mlp.gate_up_proj.weight", ops::matmul(dgu, t.m, true, false));
-      dm = ops::matmul(dgu, l.w_gate_up);
+    if (l.moe) {
+      const nn::MoE::Grads mg = l.moe->backward(dy, t.moe, drouter[li]);
+      acc(p + "mlp.gate.weight", mg.drouter_weight);
+      acc(p + "mlp.experts.gate_up_proj", mg.dgate_up_proj);
+      acc(p + "mlp.experts.down_proj", mg.ddown_proj);
+      dm = mg.dhidden;
     } else {
-      acc(p + "mlp.gate_proj.weight", ops::matmul(mg.dgate, t.m, true, false));
-      acc(p + "mlp.up_proj.weight", ops::matmul(mg.dup, t.m, true, false));
-      dm = ops::add(ops::matmul(mg.dgate, l.w_gate), ops::matmul(mg.dup, l.w_up));
+      acc(p + "mlp.down_proj.weight", ops::matmul(dy, t.act, true, false));
+      const nn::MLP::Grads mg = l.mlp->backward(ops::matmul(dy, l.w_down), t.gate, t.up);
+      if (l.w_gate_up.defined()) {
+        const Tensor dgu = ops::cat({mg.dgate, mg.dup}, 1);
+        acc(p + "mlp.gate_up_proj.weight", ops::matmul(dgu, t.m, true, false));
+        dm = ops::matmul(dgu, l.w_gate_up);
+      } else {
+        acc(p + "mlp.gate_proj.weight", ops::matmul(mg.dgate, t.m, true, false));
+        acc(p + "mlp.up_proj.weight", ops::matmul(mg.dup, t.m, true, false));
+        dm = ops::add(ops::matmul(mg.dgate, l.w_gate), ops::matmul(mg.dup, l.w_up));
+      }
     }
     const auto pn = l.post_norm->backward(dm.view({b, s, hdim}), t.post_norm);
     acc(p + "post_attention_layernorm.weight", pn.dweight);

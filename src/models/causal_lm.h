@@ -8,9 +8,17 @@
 //               q, k = RoPE(q, k)   (inv_freq by the config's rope scaling: linear, dynamic, llama3)
 //               h = h + Attention(q, k, v) Wo^T                   (a slot: GQA, causal, window)
 //               m = RMSNorm(h);  h = h + down(act(gate(m)) * up(m))          (phi3: fused gate_up)
+//                            or h = h + MoE(m)   (mixtral, qwen3_moe: the MoE layers, an nn::MoE slot)
 //   logits = RMSNorm(h) W_lm^T   (W_lm = embed when tied)
 // and the loss is Transformers' ForCausalLMLoss: labels shifted left by one, mean cross-entropy over
-// the tokens whose label is not -100.
+// the tokens whose label is not -100; with output_router_logits (MoE families) plus
+// router_aux_loss_coef times load_balancing_loss_func over every MoE layer's router logits.
+//
+// MoE weights: the checkpoint's per-expert matrices (Mixtral's block_sparse_moe.experts.N.w1 / w3 /
+// w2, Qwen3-MoE's mlp.experts.N.gate_proj / up_proj / down_proj, what Transformers 5 saves) are
+// stacked at load into Transformers 5's fused parameters mlp.experts.gate_up_proj [E, 2I, H] and
+// mlp.experts.down_proj [E, H, I] (folders holding those are read as they are); the router is
+// mlp.gate.weight.  parameters(), the gradients and save() use the fused names.
 #pragma once
 
 #include <filesystem>
@@ -139,18 +147,26 @@ class CausalLM : public nn::Module {
     std::unique_ptr<nn::RotaryEmbedding> rope;
     std::unique_ptr<nn::Attention> attn;
     std::unique_ptr<nn::MLP> mlp;
+    std::unique_ptr<nn::MoE> moe;  // the MoE layers' MLP (mlp is then null)
   };
 
  private:
   CausalLM() = default;
   // Builds the layers from a weight source: `get(name, shape)` returns the tensor.
-  void build(const std::function<Tensor(const std::string&, std::vector<int64_t>)>& get);
+  // `has(name)` says whether the source holds a tensor (empty: it holds every name build asks for).
+  void build(const std::function<Tensor(const std::string&, std::vector<int64_t>)>& get,
+             const std::function<bool(const std::string&)>& has = {});
   struct Tape;       // what the forward keeps for the backward
   struct LayerTape;  // ... of one layer
   Tensor layer_forward(size_t li, Tensor h, const ops::RopeCosSin& cs, LayerTape* t, KVCache* cache);
   Tensor hidden_states(const Tensor& input_ids, Tape* tape = nullptr, KVCache* cache = nullptr);  // [B, S, H], final norm applied
   Tensor shifted_targets(const Tensor& labels) const;
   Tensor inv_freq(int64_t seq_len) const;
+  // The auxiliary loss's part: with output_router_logits, router_aux_loss_coef * load-balancing loss
+  // of the MoE layers' logits (and its gradient, rows in layer order, for an upstream `dloss`).
+  bool aux_loss_on() const { return cfg_.output_router_logits && cfg_.num_experts > 0; }
+  nn::LoadBalancingLoss aux_loss(const std::vector<Tensor>& router_logits, double dloss) const;
+  std::vector<Tensor>* router_logits_ = nullptr;  // while set, each MoE layer's forward appends its logits
 
   ModelConfig cfg_;
   DType dtype_ = DType::f32;

@@ -14,7 +14,9 @@ namespace kcpp::models {
 
 namespace {
 
-constexpr const char* kFamilies[] = {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"};
+constexpr const char* kFamilies[] = {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "mixtral", "qwen3_moe"};
+
+bool is_moe_family(const std::string& t) { return t == "mixtral" || t == "qwen3_moe"; }
 
 // Typed reads of config keys, each error naming the file and the key.
 struct Reader {
@@ -119,14 +121,19 @@ RopeScaling parse_rope_scaling(const nlohmann::json& r, const std::string& where
 // The sliding-window keys of each family, as its Transformers 5 configuration class reads them.
 void read_sliding_window(const Reader& r, ModelConfig& c) {
   const std::string& t = c.model_type;
-  if (t != "mistral" && t != "phi3" && t != "qwen2" && t != "qwen3") return;  // llama, gemma: no window
-  // The class default when the key is absent (Mistral, Qwen2, Qwen3: 4096; Phi-3: none); null: none.
+  if (t != "mistral" && t != "phi3" && t != "qwen2" && t != "qwen3" && t != "mixtral" && t != "qwen3_moe") return;  // llama, gemma: no window
+  // The class default when the key is absent (Mistral, Qwen2, Qwen3, Qwen3-MoE: 4096; Phi-3, Mixtral:
+  // none); null: none.
   if (!r.j.contains("sliding_window")) {
-    if (t != "phi3") c.sliding_window = 4096;
+    if (t != "phi3" && t != "mixtral") c.sliding_window = 4096;
   } else if (r.has("sliding_window")) {
     c.sliding_window = r.integer("sliding_window");
   }
-  if (t == "mistral" || t == "phi3") {  // every layer
+  if (t == "qwen3_moe") {  // every layer, with use_sliding_window
+    c.use_sliding_window = r.boolean("use_sliding_window", false);
+    if (!c.use_sliding_window) c.sliding_window.reset();
+  }
+  if (t == "mistral" || t == "phi3" || t == "mixtral" || t == "qwen3_moe") {  // every layer
     c.layer_types.assign(static_cast<size_t>(c.num_hidden_layers), c.sliding_window ? "sliding_attention" : "full_attention");
     return;
   }
@@ -155,6 +162,12 @@ void RopeScaling::validate(const std::string& w) const {
   KCPP_CHECK(high_freq_factor > low_freq_factor, "{}: 'high_freq_factor' ({}) must exceed 'low_freq_factor' ({})", w,
              high_freq_factor, low_freq_factor);
   check_in(w, "original_max_position_embeddings", original_max_position_embeddings, 1, kMaxPositions);
+}
+
+bool ModelConfig::moe_layer(int64_t layer) const {
+  if (num_experts == 0) return false;
+  if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end()) return false;
+  return (layer + 1) % decoder_sparse_step == 0;
 }
 
 int64_t ModelConfig::attention_window(int64_t layer) const {
@@ -200,6 +213,19 @@ void ModelConfig::validate(const std::string& where) const {
                "{}: layer {} is 'sliding_attention' but the config sets no sliding window (sliding_window{})", where, i,
                model_type == "qwen2" || model_type == "qwen3" ? " with use_sliding_window true" : "");
   }
+  if (is_moe_family(model_type)) {
+    const char* experts_key = model_type == "mixtral" ? "num_local_experts" : "num_experts";
+    check_in(where, experts_key, num_experts, 1, int64_t{1} << 16);
+    check_in(where, "num_experts_per_tok", num_experts_per_tok, 1, num_experts);
+    check_in(where, model_type == "mixtral" ? "intermediate_size" : "moe_intermediate_size", moe_intermediate_size, 1, kMaxSize);
+    check_in(where, "decoder_sparse_step", decoder_sparse_step, 1, kMaxSize);
+    for (int64_t l : mlp_only_layers) check_in(where, "mlp_only_layers", l, 0, num_hidden_layers - 1);
+    KCPP_CHECK(std::isfinite(router_aux_loss_coef) && router_aux_loss_coef >= 0,
+               "{}: 'router_aux_loss_coef' must be a finite number >= 0, is {}", where, router_aux_loss_coef);
+  } else {
+    KCPP_CHECK(num_experts == 0, "{}: model_type '{}' has no experts, num_experts is {} (use mixtral or qwen3_moe)", where,
+               model_type, num_experts);
+  }
   for (int64_t id : bos_token_id) check_in(where, "bos_token_id", id, 0, vocab_size - 1);
   for (int64_t id : eos_token_id) check_in(where, "eos_token_id", id, 0, vocab_size - 1);
   // torch's Embedding takes a padding index in [-vocab_size, vocab_size).
@@ -225,7 +251,7 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& w
   c.num_key_value_heads = r.integer("num_key_value_heads", c.num_attention_heads);
   if (r.has("head_dim")) {
     c.head_dim = r.integer("head_dim");
-  } else if (c.model_type == "gemma" || c.model_type == "qwen3") {
+  } else if (c.model_type == "gemma" || c.model_type == "qwen3") {  // (not qwen3_moe: hidden / heads)
     c.head_dim = c.model_type == "gemma" ? 256 : 128;  // GemmaConfig's and Qwen3Config's defaults
   } else {
     KCPP_CHECK(c.hidden_size % c.num_attention_heads == 0,
@@ -257,7 +283,22 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& w
   read_sliding_window(r, c);
   // What each family fixes.
   if (c.model_type == "qwen2") c.qkv_bias_only = true;
-  if (c.model_type == "qwen3") c.qk_norm = true;
+  if (c.model_type == "qwen3" || c.model_type == "qwen3_moe") c.qk_norm = true;
+  if (is_moe_family(c.model_type)) {
+    // Mixtral: num_local_experts, the experts of intermediate_size, always renormalized; Qwen3-MoE:
+    // num_experts (Transformers 5 writes num_local_experts, its attribute_map reads both).
+    const bool mixtral = c.model_type == "mixtral";
+    c.num_experts = r.has("num_local_experts") ? r.integer("num_local_experts") : r.integer("num_experts", mixtral ? 8 : 128);
+    c.num_experts_per_tok = r.integer("num_experts_per_tok", mixtral ? 2 : 8);
+    c.moe_intermediate_size = mixtral ? c.intermediate_size : r.integer("moe_intermediate_size", 768);
+    c.norm_topk_prob = mixtral ? true : r.boolean("norm_topk_prob", false);
+    c.decoder_sparse_step = mixtral ? 1 : r.integer("decoder_sparse_step", 1);
+    c.mlp_only_layers = mixtral ? std::vector<int64_t>{} : r.ids("mlp_only_layers");
+    c.router_aux_loss_coef = r.real("router_aux_loss_coef", 0.001);
+    c.output_router_logits = r.boolean("output_router_logits", false);
+    KCPP_CHECK(r.real("router_jitter_noise", 0.0) == 0.0, "{}: 'router_jitter_noise' {} is not supported (0 only)", where,
+               r.real("router_jitter_noise", 0.0));
+  }
   if (c.model_type == "gemma") {
     c.norm_offset = 1.0;
     c.scale_embeddings = true;
@@ -331,6 +372,23 @@ nlohmann::json ModelConfig::to_json() const {
   j["eos_token_id"] = ids(eos_token_id);
   if (pad_token_id) j["pad_token_id"] = *pad_token_id;
   // Written for the families that read it (null where Transformers' default would be a window).
+  if (is_moe_family(model_type)) {
+    j[model_type == "mixtral" ? "num_local_experts" : "num_experts"] = num_experts;
+    j["num_experts_per_tok"] = num_experts_per_tok;
+    j["router_aux_loss_coef"] = router_aux_loss_coef;
+    j["output_router_logits"] = output_router_logits;
+    if (model_type == "qwen3_moe") {
+      j["moe_intermediate_size"] = moe_intermediate_size;
+      j["norm_topk_prob"] = norm_topk_prob;
+      j["decoder_sparse_step"] = decoder_sparse_step;
+      j["mlp_only_layers"] = mlp_only_layers;
+      j["use_sliding_window"] = sliding_window.has_value();
+    }
+  }
+  if (model_type == "mistral" || model_type == "phi3" || model_type == "mixtral" || model_type == "qwen3_moe") {
+    j["sliding_window"] = sliding_window ? nlohmann::json(*sliding_window) : nlohmann::json(nullptr);
+    if (model_type == "mixtral" || model_type == "qwen3_moe") return j;
+  }
   if (model_type == "mistral" || model_type == "phi3" || model_type == "qwen2" || model_type == "qwen3") {
     j["sliding_window"] = sliding_window ? nlohmann::json(*sliding_window) : nlohmann::json(nullptr);
     const bool uniform = std::all_of(layer_types.begin(), layer_types.end(), [&](const std::string& t) { return t == layer_types[0]; });

@@ -1,7 +1,9 @@
 // A Llama-family model's configuration, read from a Hugging Face `config.json`.
 //
 // Families (model_type): llama (Llama 2 / 3), mistral, qwen2, qwen3 (q/k norm), gemma (offset norm,
-// GeGLU-tanh, embeddings scaled by sqrt(hidden)), phi3 (fused qkv and gate_up).  Keys and defaults
+// GeGLU-tanh, embeddings scaled by sqrt(hidden)), phi3 (fused qkv and gate_up), and the
+// mixture-of-experts families mixtral (Mistral with an MoE MLP in every layer) and qwen3_moe (Qwen3
+// with MoE MLPs in the layers decoder_sparse_step and mlp_only_layers pick).  Keys and defaults
 // follow Transformers' configuration classes of those families; what a family fixes (Gemma's norm
 // offset, Qwen2's q/k/v bias) is set here, so the model code reads one struct.
 #pragma once
@@ -31,7 +33,7 @@ struct RopeScaling {
 };
 
 struct ModelConfig {
-  std::string model_type;  // "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"
+  std::string model_type;  // "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "mixtral", "qwen3_moe"
   int64_t vocab_size = 0, hidden_size = 0, intermediate_size = 0, num_hidden_layers = 0;
   int64_t num_attention_heads = 0, num_key_value_heads = 0, head_dim = 0;
   int64_t max_position_embeddings = 2048;
@@ -57,18 +59,34 @@ struct ModelConfig {
   std::vector<std::string> layer_types;
   bool use_sliding_window = false;  // qwen2, qwen3: kept to write the config back
   int64_t max_window_layers = 28;   // qwen2, qwen3: likewise
+  // Mixture of experts (mixtral, qwen3_moe; num_experts 0 for the dense families): the MoE layers'
+  // MLP is a router over num_experts experts of moe_intermediate_size (mixtral: intermediate_size),
+  // each token through its num_experts_per_tok best, their outputs weighted by the softmax
+  // probabilities (renormalized over the chosen ones: mixtral always, qwen3_moe with norm_topk_prob).
+  // qwen3_moe: layer i is MoE when it is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0,
+  // the others a dense MLP of intermediate_size.  With output_router_logits, training adds
+  // router_aux_loss_coef times Transformers' load_balancing_loss_func over the MoE layers to the loss.
+  int64_t num_experts = 0, num_experts_per_tok = 0, moe_intermediate_size = 0, decoder_sparse_step = 1;
+  bool norm_topk_prob = false, output_router_logits = false;
+  std::vector<int64_t> mlp_only_layers;
+  double router_aux_loss_coef = 0.001;
   std::string torch_dtype = "float32";
   std::vector<int64_t> bos_token_id, eos_token_id;
   std::optional<int64_t> pad_token_id;
 
   int64_t rotary_dim() const { return static_cast<int64_t>(static_cast<double>(head_dim) * partial_rotary_factor); }
+  // Whether layer `layer`'s MLP is a mixture of experts.
+  bool moe_layer(int64_t layer) const;
   // The attention window of layer `layer`: the number of keys it sees, 0 for all of them.
   int64_t attention_window(int64_t layer) const;
 
   // Every value within its range, else a kcpp::Error naming `where`, the key, the value and the
   // range allowed: sizes in [1, 2^24] (heads x head_dim too, so that no weight's element count
   // overflows), num_key_value_heads dividing num_attention_heads, eps, rope_theta and RoPE scaling
-  // factors finite and positive, token ids inside the vocabulary, layer_types one per layer.
+  // factors finite and positive, token ids inside the vocabulary, layer_types one per layer; MoE
+  // families: num_experts in [1, 2^16], num_experts_per_tok in [1, num_experts], sizes as above,
+  // decoder_sparse_step >= 1, mlp_only_layers inside [0, num_hidden_layers), router_aux_loss_coef
+  // finite and >= 0.
   // from_json checks every config it reads; CausalLM::random checks the ones built in code.
   void validate(const std::string& where = "config") const;
 

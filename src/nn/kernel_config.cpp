@@ -39,7 +39,8 @@ const std::vector<std::string>& known_layer_names() {
   static const std::vector<std::string> names = {
       "RMSNorm", "LayerNorm", "MLP", "rotary_pos_emb", "Attention", "CrossEntropyLoss", "ForCausalLMLoss",
       "SiLU",    "GeLU",      "GeluTanh", "FastGELU", "NewGELU", "QuickGELU", "SiluAndMul", "GeluAndMul",
-      "GeluTanhAndMul", "SelectiveScan", "SelectiveStateUpdate", "CausalConv1d", "CausalConv1dUpdate"};
+      "GeluTanhAndMul", "SelectiveScan", "SelectiveStateUpdate", "CausalConv1d", "CausalConv1dUpdate",
+      "MegaBlocksMoeMLP"};
   return names;
 }
 

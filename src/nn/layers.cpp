@@ -1,5 +1,6 @@
 #include "nn/layers.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
@@ -202,6 +203,238 @@ MLP::Grads MLP::backward(const Tensor& dh, const Tensor& gate, const Tensor& up)
   }
   ops::GluBackward b = ops::glu_backward(dh, gate, up, activation);
   return {b.dgate, b.dup};
+}
+
+// ---- MoE -----------------------------------------------------------------------------------------
+
+MoE::MoE(Tensor rw, Tensor gu, Tensor dp, Options o)
+    : Slot("MegaBlocksMoeMLP", "MoE/1"), router_weight(std::move(rw)), gate_up_proj(std::move(gu)), down_proj(std::move(dp)), options(o) {
+  KCPP_CHECK(router_weight.dim() == 2 && gate_up_proj.dim() == 3 && down_proj.dim() == 3,
+             "MoE: router_weight must be [E, H], gate_up_proj [E, 2I, H], down_proj [E, H, I]");
+  const int64_t e = router_weight.size(0), h = router_weight.size(1), i2 = gate_up_proj.size(1);
+  KCPP_CHECK(gate_up_proj.size(0) == e && down_proj.size(0) == e,
+             "MoE: expert count mismatch: router_weight has {} experts, gate_up_proj {}, down_proj {}", e, gate_up_proj.size(0),
+             down_proj.size(0));
+  KCPP_CHECK(i2 % 2 == 0 && gate_up_proj.size(2) == h && down_proj.size(1) == h && down_proj.size(2) == i2 / 2,
+             "MoE: gate_up_proj [{}, {}, {}] and down_proj [{}, {}, {}] do not fit hidden {} (want [E, 2I, H] and [E, H, I])", e, i2,
+             gate_up_proj.size(2), e, down_proj.size(1), down_proj.size(2), h);
+  KCPP_CHECK(o.top_k >= 1 && o.top_k <= e, "MoE: top_k is {}; it must be in [1, {}] (the number of experts)", o.top_k, e);
+}
+
+namespace {
+
+// Each row's top_k columns of values [R, E] (host), in descending order, ties to the lower index.
+std::vector<int64_t> host_topk(const std::vector<double>& v, int64_t rows, int64_t e, int64_t k) {
+  std::vector<int64_t> out(static_cast<size_t>(rows * k)), idx(static_cast<size_t>(e));
+  for (int64_t r = 0; r < rows; ++r) {
+    const double* row = v.data() + r * e;
+    for (int64_t j = 0; j < e; ++j) idx[j] = j;
+    std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                      [&](int64_t a, int64_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+    std::copy(idx.begin(), idx.begin() + k, out.begin() + r * k);
+  }
+  return out;
+}
+
+// Expert e's [rows, cols] matrix of a [E, rows, cols] stack.
+Tensor expert(const Tensor& w, int64_t e) { return w.narrow(0, e, 1).view({w.size(1), w.size(2)}); }
+
+// The tokens each expert received and the slots (t k + j) they came in, in slot order.
+struct Routing {
+  std::vector<std::vector<int64_t>> tokens, slots;
+};
+Routing group(const std::vector<double>& ids, int64_t k, int64_t experts) {
+  Routing r;
+  r.tokens.resize(static_cast<size_t>(experts)), r.slots.resize(static_cast<size_t>(experts));
+  for (size_t s = 0; s < ids.size(); ++s) {
+    const int64_t e = static_cast<int64_t>(ids[s]);
+    if (e < 0 || e >= experts) continue;
+    r.tokens[e].push_back(static_cast<int64_t>(s) / k), r.slots[e].push_back(static_cast<int64_t>(s));
+  }
+  return r;
+}
+
+}  // namespace
+
+Tensor MoE::forward(const Tensor& hidden, Saved* saved, Tensor router_logits) {
+  KCPP_CHECK(hidden.dim() == 2 && hidden.size(1) == router_weight.size(1), "MoE: hidden must be [T, {}]", router_weight.size(1));
+  const int64_t t = hidden.size(0), e = router_weight.size(0), k = options.top_k, i = down_proj.size(2);
+  KCPP_SLOT_REGION("forward", hidden.device(), 2.0 * t * (e + 3.0 * k * i) * hidden.size(1),
+                   2 * bytes(hidden) + bytes(router_weight) + bytes(gate_up_proj) + bytes(down_proj));
+  if (!router_logits.defined()) router_logits = Tensor::empty({t, e}, hidden.dtype(), hidden.device());
+  if (kernel()) {
+    Tensor out = Tensor::empty(hidden.shape(), hidden.dtype(), hidden.device());
+    Tensor ids = Tensor::empty({t, k}, DType::i32, hidden.device()), w = Tensor::empty({t, k}, DType::f32, hidden.device());
+    Tensor offsets, sorted, gu;
+    KernelArgs a;
+    a.tensor("hidden", hidden).tensor("router_weight", router_weight).string("routing", "softmax").integer("top_k", k);
+    a.integer("normalize", options.normalize ? 1 : 0).string("activation", activation_name(options.activation));
+    a.tensor("gate_up_proj", gate_up_proj).tensor("down_proj", down_proj).tensor("out", out).tensor("router_logits", router_logits);
+    a.tensor("topk_ids", ids).tensor("topk_weights", w);
+    if (saved) {
+      offsets = Tensor::empty({e + 2}, DType::i32, hidden.device()), sorted = Tensor::empty({t * k}, DType::i32, hidden.device());
+      gu = Tensor::empty({t * k, 2 * i}, hidden.dtype(), hidden.device());
+      a.tensor("expert_offsets", offsets).tensor("sorted_slots", sorted).tensor("gate_up", gu);
+    }
+    if (run_forward(a, hidden.device(), saved != nullptr)) {
+      if (saved) *saved = {hidden, router_logits, ids, w, offsets, sorted, gu};
+      return out;
+    }
+  } else {
+    count_reference();
+  }
+  return reference_forward(hidden, saved, router_logits);
+}
+
+// Transformers' eager MoE: router, softmax in f32, top-k (renormalized), then each expert that
+// received tokens runs its gated MLP on them and adds its weighted output to theirs.
+Tensor MoE::reference_forward(const Tensor& hidden, Saved* saved, Tensor router_logits) {
+  const int64_t t = hidden.size(0), e = router_weight.size(0), k = options.top_k, i = down_proj.size(2);
+  const Device dev = hidden.device();
+  router_logits.copy_(ops::matmul(hidden, router_weight, false, true));
+  const std::vector<double> p = ops::softmax(router_logits.to(DType::f32)).to_f64_vector();
+  const std::vector<int64_t> top = host_topk(p, t, e, k);
+  std::vector<double> ids(top.begin(), top.end()), w(static_cast<size_t>(t * k));
+  for (int64_t r = 0; r < t; ++r) {
+    float sum = 0;  // in f32, as torch sums the chosen probabilities
+    for (int64_t j = 0; j < k; ++j) sum += static_cast<float>(p[r * e + top[r * k + j]]);
+    for (int64_t j = 0; j < k; ++j) {
+      const float pj = static_cast<float>(p[r * e + top[r * k + j]]);
+      w[r * k + j] = options.normalize ? pj / sum : pj;
+    }
+  }
+  const Routing g = group(ids, k, e);
+  Tensor out = Tensor::zeros(hidden.shape(), hidden.dtype(), dev);
+  for (int64_t x = 0; x < e; ++x) {
+    const auto& tok = g.tokens[x];
+    const int64_t n = static_cast<int64_t>(tok.size());
+    if (n == 0) continue;
+    std::vector<double> wx(static_cast<size_t>(n));
+    for (int64_t j = 0; j < n; ++j) wx[j] = w[g.slots[x][j]];
+    const Tensor tokens = Tensor::from_i64(tok, {n}, DType::i64, dev);
+    const Tensor gu = ops::matmul(ops::embedding(hidden, tokens), expert(gate_up_proj, x), false, true);
+    const Tensor h = ops::glu_forward(gu.narrow(1, 0, i).contiguous(), gu.narrow(1, i, i).contiguous(), options.activation);
+    const Tensor y = ops::matmul(h, expert(down_proj, x), false, true);
+    const Tensor yw = ops::mul(y.to(DType::f32), Tensor::from_f64(wx, {n, 1}, DType::f32, dev)).to(hidden.dtype());
+    out = ops::add(out, ops::embedding_backward(yw, tokens, t));
+  }
+  if (saved)
+    *saved = {hidden, router_logits, Tensor::from_f64(ids, {t, k}, DType::i32, dev), Tensor::from_f64(w, {t, k}, DType::f32, dev),
+              {}, {}, {}};
+  return out;
+}
+
+MoE::Grads MoE::backward(const Tensor& dout, const Saved& s, const Tensor& drouter_logits) {
+  KCPP_CHECK(s.hidden.defined() && s.router_logits.defined() && s.topk_ids.defined(), "MoE backward: nothing saved (run forward with a Saved)");
+  const int64_t t = s.hidden.size(0), e = router_weight.size(0), k = options.top_k, i = down_proj.size(2);
+  KCPP_SLOT_REGION("backward", dout.device(), 4.0 * t * (e + 3.0 * k * i) * s.hidden.size(1),
+                   3 * bytes(dout) + 2 * (bytes(router_weight) + bytes(gate_up_proj) + bytes(down_proj)));
+  // A kernel's backward needs its own forward's permutation; after a reference forward, the reference.
+  if (kernel() && s.expert_offsets.defined()) {
+    const Device dev = dout.device();
+    Grads g{Tensor::empty(s.hidden.shape(), s.hidden.dtype(), dev), Tensor::empty(router_weight.shape(), router_weight.dtype(), dev),
+            Tensor::empty(gate_up_proj.shape(), gate_up_proj.dtype(), dev), Tensor::empty(down_proj.shape(), down_proj.dtype(), dev)};
+    KernelArgs a;
+    a.tensor("dout", dout).tensor("hidden", s.hidden).tensor("router_weight", router_weight).string("routing", "softmax");
+    a.integer("top_k", k).integer("normalize", options.normalize ? 1 : 0).string("activation", activation_name(options.activation));
+    a.tensor("gate_up_proj", gate_up_proj).tensor("down_proj", down_proj);
+    a.tensor("router_logits", s.router_logits).tensor("topk_ids", s.topk_ids).tensor("topk_weights", s.topk_weights);
+    a.tensor("expert_offsets", s.expert_offsets).tensor("sorted_slots", s.sorted_slots);
+    if (s.gate_up.defined()) a.tensor("gate_up", s.gate_up);
+    if (drouter_logits.defined()) a.tensor("drouter_logits", drouter_logits);
+    a.tensor("dhidden", g.dhidden).tensor("drouter_weight", g.drouter_weight).tensor("dgate_up_proj", g.dgate_up_proj);
+    a.tensor("ddown_proj", g.ddown_proj);
+    if (run_backward(a, dev)) return g;
+  } else {
+    count_reference();
+  }
+  return reference_backward(dout, s, drouter_logits);
+}
+
+MoE::Grads MoE::reference_backward(const Tensor& dout, const Saved& s, const Tensor& drouter_logits) {
+  const Tensor& x = s.hidden;
+  const int64_t t = x.size(0), e = router_weight.size(0), k = options.top_k, i = down_proj.size(2);
+  const Device dev = x.device();
+  const DType dt = x.dtype();
+  const std::vector<double> ids = s.topk_ids.to_f64_vector(), w = s.topk_weights.to_f64_vector();
+  const std::vector<double> p = ops::softmax(s.router_logits.to(DType::f32)).to_f64_vector();
+  const Routing rt = group(ids, k, e);
+  const Tensor dy = dout.contiguous().view({t, x.size(1)});
+  Grads g{Tensor::zeros(x.shape(), dt, dev), {}, Tensor::zeros(gate_up_proj.shape(), gate_up_proj.dtype(), dev),
+          Tensor::zeros(down_proj.shape(), down_proj.dtype(), dev)};
+  std::vector<double> dw(static_cast<size_t>(t * k), 0.0);
+  for (int64_t xe = 0; xe < e; ++xe) {
+    const auto& tok = rt.tokens[xe];
+    const int64_t n = static_cast<int64_t>(tok.size());
+    if (n == 0) continue;
+    std::vector<double> wx(static_cast<size_t>(n));
+    for (int64_t j = 0; j < n; ++j) wx[j] = w[rt.slots[xe][j]];
+    const Tensor tokens = Tensor::from_i64(tok, {n}, DType::i64, dev);
+    const Tensor wcol = Tensor::from_f64(wx, {n, 1}, DType::f32, dev);
+    const Tensor xs = ops::embedding(x, tokens);
+    const Tensor gu = ops::matmul(xs, expert(gate_up_proj, xe), false, true);
+    const Tensor gate = gu.narrow(1, 0, i).contiguous(), up = gu.narrow(1, i, i).contiguous();
+    const Tensor h = ops::glu_forward(gate, up, options.activation);
+    const Tensor de = ops::embedding(dy, tokens);                                          // dout of its tokens
+    const Tensor q = ops::matmul(de, expert(down_proj, xe));                              // [n, I]
+    const std::vector<double> dws = ops::sum(ops::mul(q.to(DType::f32), h.to(DType::f32))).to_f64_vector();
+    for (int64_t j = 0; j < n; ++j) dw[rt.slots[xe][j]] = dws[j];
+    const Tensor dyw = ops::mul(de.to(DType::f32), wcol).to(dt);
+    expert(g.ddown_proj, xe).copy_(ops::matmul(dyw, h, true, false));
+    const ops::GluBackward gb = ops::glu_backward(ops::mul(q.to(DType::f32), wcol).to(dt), gate, up, options.activation);
+    const Tensor dgu = ops::cat({gb.dgate, gb.dup}, 1);
+    expert(g.dgate_up_proj, xe).copy_(ops::matmul(dgu, xs, true, false));
+    g.dhidden = ops::add(g.dhidden, ops::embedding_backward(ops::matmul(dgu, expert(gate_up_proj, xe)), tokens, t));
+  }
+  // The routing weights' gradient into the logits' (softmax, with the top-k renormalization).
+  std::vector<double> dz(static_cast<size_t>(t * e), 0.0);
+  for (int64_t r = 0; r < t; ++r) {
+    const double* pr = p.data() + r * e;
+    if (options.normalize) {
+      double c = 0;
+      for (int64_t j = 0; j < k; ++j) c += w[r * k + j] * dw[r * k + j];
+      for (int64_t j = 0; j < k; ++j) dz[r * e + static_cast<int64_t>(ids[r * k + j])] = w[r * k + j] * (dw[r * k + j] - c);
+    } else {
+      double dot = 0;
+      for (int64_t j = 0; j < k; ++j) dot += pr[static_cast<int64_t>(ids[r * k + j])] * dw[r * k + j];
+      for (int64_t c = 0; c < e; ++c) dz[r * e + c] = -pr[c] * dot;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t c = static_cast<int64_t>(ids[r * k + j]);
+        dz[r * e + c] += pr[c] * dw[r * k + j];
+      }
+    }
+  }
+  Tensor dzt = Tensor::from_f64(dz, {t, e}, DType::f32, dev);
+  if (drouter_logits.defined()) dzt = ops::add(dzt, drouter_logits.contiguous().view({t, e}).to(DType::f32));
+  dzt = dzt.to(dt);
+  g.drouter_weight = ops::matmul(dzt, x, true, false);
+  g.dhidden = ops::add(g.dhidden, ops::matmul(dzt, router_weight));
+  return g;
+}
+
+LoadBalancingLoss load_balancing_loss(const Tensor& logits, int64_t top_k, double grad_scale) {
+  KCPP_CHECK(logits.dim() == 2, "load_balancing_loss: router_logits must be [rows, experts]");
+  const int64_t r = logits.size(0), e = logits.size(1);
+  KCPP_CHECK(top_k >= 1 && top_k <= e, "load_balancing_loss: top_k is {}; it must be in [1, {}]", top_k, e);
+  // softmax in f32, rounded to the logits' dtype (Transformers' softmax in that dtype).
+  const std::vector<double> p = ops::softmax(logits.to(DType::f32)).to(logits.dtype()).to_f64_vector();
+  const std::vector<int64_t> top = host_topk(p, r, e, top_k);
+  std::vector<double> f(static_cast<size_t>(e), 0.0), pm(static_cast<size_t>(e), 0.0);
+  for (int64_t x : top) f[x] += 1.0;
+  for (int64_t row = 0; row < r; ++row)
+    for (int64_t c = 0; c < e; ++c) pm[c] += p[row * e + c];
+  double loss = 0;
+  for (int64_t c = 0; c < e; ++c) f[c] /= static_cast<double>(r), pm[c] /= static_cast<double>(r), loss += f[c] * pm[c];
+  loss *= static_cast<double>(e);
+  std::vector<double> dz(static_cast<size_t>(r * e));
+  for (int64_t row = 0; row < r; ++row) {
+    const double* pr = p.data() + row * e;
+    double dot = 0;
+    for (int64_t c = 0; c < e; ++c) dot += pr[c] * grad_scale * e * f[c] / r;
+    for (int64_t c = 0; c < e; ++c) dz[row * e + c] = pr[c] * (grad_scale * e * f[c] / r - dot);
+  }
+  return {Tensor::from_f64(std::vector<double>{loss}, {}, DType::f32, logits.device()),
+          Tensor::from_f64(dz, {r, e}, DType::f32, logits.device())};
 }
 
 // ---- RotaryEmbedding -------------------------------------------------------------------------------

@@ -90,6 +90,52 @@ class Attention : public Slot {
   ops::AttentionOptions options;
 };
 
+// "MegaBlocksMoeMLP" / MoE/1: a dropless mixture-of-experts MLP over hidden [T, H] (Mixtral's,
+// Qwen3-MoE's sparse block): router logits z = hidden router_weight^T [T, E], p = softmax(z) in f32,
+// each token's top_k experts by p (ties to the lower index) with weights w = p (renormalized over the
+// chosen ones with `normalize`), out_t = sum_j w_j down_e(act(gate_e(x_t)) * up_e(x_t)) with the
+// fused gate_up_proj [E, 2I, H] and down_proj [E, H, I] of Transformers 5.  The reference is
+// Transformers' eager loop over the experts that received tokens (routing on the host).
+// Saved: router_logits (also what the load-balancing loss reads), topk_ids, topk_weights, and a
+// kernel's permutation (expert_offsets, sorted_slots, gate_up).  backward takes the logits' other
+// upstream gradient (the auxiliary loss's) as drouter_logits.
+class MoE : public Slot {
+ public:
+  struct Options {
+    int64_t top_k = 2;
+    bool normalize = true;
+    ops::GluActivation activation = ops::GluActivation::Silu;
+  };
+  MoE(Tensor router_weight, Tensor gate_up_proj, Tensor down_proj, Options options);
+  struct Saved {
+    Tensor hidden, router_logits, topk_ids, topk_weights;  // [T, H], [T, E], [T, k] i32, [T, k] f32
+    Tensor expert_offsets, sorted_slots, gate_up;          // a kernel's
+  };
+  struct Grads {
+    Tensor dhidden, drouter_weight, dgate_up_proj, ddown_proj;
+  };
+  // hidden [T, H] (contiguous).  `router_logits`: where to write them ([T, E] of the model's dtype,
+  // contiguous: a slice of a buffer of every layer's), else allocated; either way in saved.
+  Tensor forward(const Tensor& hidden, Saved* saved = nullptr, Tensor router_logits = {});
+  Grads backward(const Tensor& dout, const Saved& saved, const Tensor& drouter_logits = {});
+
+  Tensor router_weight, gate_up_proj, down_proj;
+  Options options;
+
+ private:
+  Tensor reference_forward(const Tensor& hidden, Saved* saved, Tensor router_logits);
+  Grads reference_backward(const Tensor& dout, const Saved& saved, const Tensor& drouter_logits);
+};
+
+// Transformers' load_balancing_loss_func over router logits [R, E] (every MoE layer's rows
+// together, no attention mask): p = softmax(z) rounded to the logits' dtype, the top_k experts of
+// each row, f_e = the rows choosing e / R, P_e = the mean of p_e, loss = E sum_e f_e P_e (f32 scalar),
+// and dlogits, the gradient of grad_scale * loss ([R, E] f32; the counts f are constant).
+struct LoadBalancingLoss {
+  Tensor loss, dlogits;
+};
+LoadBalancingLoss load_balancing_loss(const Tensor& router_logits, int64_t top_k, double grad_scale);
+
 // "CrossEntropyLoss" / CrossEntropyLoss/1: the loss of logits [N, V] against targets [N] (f32, one
 // element for mean / sum).  Saved: the kernel's gradient (for an upstream 1) or the reference's
 // log-probabilities.

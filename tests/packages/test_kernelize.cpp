@@ -458,6 +458,86 @@ TEST(DefaultMapping, NoPackageAnywhereKeepsTheReference) {
   ASSERT_EQ(r.entries.size(), 1u);
   EXPECT_TRUE(r.entries[0].kernel.empty());
   EXPECT_NE(r.entries[0].reason.find("this build has no package liger"), std::string::npos) << r.entries[0].reason;
+
+// The mixture-of-experts families with the moe package's MegaBlocksMoeMLP (and the Liger kernels and
+// flash_attn's attention elsewhere): logits, loss with the router auxiliary loss, and every gradient
+// as Transformers computes them; every mapped slot ran its kernel.
+KernelConfig moe_model_config() {
+  const std::string liger = test::built_package_dir("liger").string();
+  return KernelConfig::parse({{"RMSNorm", liger + ":LigerRMSNorm"},
+                              {"MLP", liger + ":LigerGLU"},
+                              {"rotary_pos_emb", liger + ":LigerRotaryEmbedding"},
+                              {"ForCausalLMLoss", liger + ":LigerFusedLinearCrossEntropy"},
+                              {"Attention", test::built_package_dir("flash_attn").string()},
+                              {"MegaBlocksMoeMLP", test::built_package_dir("moe").string() + ":MegaBlocksMoeMLP"}},
+                             true);
+}
+
+TEST_P(Kernelize, KernelizedMoEModelsMatchTransformers) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  const KernelConfig config = moe_model_config();
+  for (const char* family : {"mixtral", "qwen3_moe"}) {
+    SCOPED_TRACE(family);
+    const auto dir = std::filesystem::path(test::fixtures_dir()) / family;
+    auto model = models::CausalLM::from_folder(dir, DType::f32, dev);
+    model->kernelize(config, nn::kTraining, dev, local_loader());
+    const auto e = models::SafetensorsFile::open(dir / "expected.safetensors");
+    const Tensor ids = e.view("input_ids"), labels = e.view("labels");
+    EXPECT_TRUE(test::close_l2(model->forward(ids), e.view("logits").to_f64_vector(), 1e-5));
+    EXPECT_TRUE(test::close_l2(model->loss(ids, labels), e.view("loss").to_f64_vector(), 1e-5));
+    const auto lg = model->loss_and_gradients(ids, labels);
+    EXPECT_TRUE(test::close_l2(lg.loss, e.view("loss").to_f64_vector(), 1e-5));
+    for (const auto& [name, grad] : lg.grads)
+      EXPECT_TRUE(test::close_l2(grad, e.view("grad." + name).to_f64_vector(), 1e-5)) << name;
+    const auto mapped = config.layers();
+    int moe_slots = 0;
+    model->visit_slots([&](nn::Slot& s) {
+      ASSERT_NE(std::find(mapped.begin(), mapped.end(), s.layer_name()), mapped.end()) << s.layer_name();
+      EXPECT_TRUE(s.kernel().has_value()) << s.layer_name() << ": " << s.reason();
+      EXPECT_GT(s.stats().kernel_calls, 0) << s.layer_name();
+      EXPECT_EQ(s.stats().fallbacks, 0) << s.layer_name() << ": " << s.stats().last_refusal;
+      moe_slots += s.layer_name() == "MegaBlocksMoeMLP";
+    });
+    EXPECT_EQ(moe_slots, std::string(family) == "mixtral" ? 2 : 1);
+  }
+}
+
+// The convergence bar for the MoE families: 100 AdamW steps with the kernels (the moe package's
+// experts) track the reference layers' loss curve (router auxiliary loss included) within 1e-5
+// relative in f32 and 1e-2 absolute in bf16.
+TEST_P(Kernelize, MoETrainingWithKernelsTracksTheReference) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  const KernelConfig config = moe_model_config();
+  for (const char* family : {"mixtral", "qwen3_moe"}) {
+    const auto dir = std::filesystem::path(test::fixtures_dir()) / family;
+    const auto e = models::SafetensorsFile::open(dir / "expected.safetensors");
+    const Tensor ids = e.view("input_ids"), labels = e.view("labels");
+    for (DType dt : {DType::f32, DType::bf16}) {
+      SCOPED_TRACE(std::string(family) + " " + std::string(dtype_name(dt)));
+      auto curve = [&](bool kernels) {
+        auto model = models::CausalLM::from_folder(dir, dt, dev);
+        if (kernels) model->kernelize(config, nn::kTraining, dev, local_loader());
+        train::AdamWOptions o;
+        o.lr = 3e-3, o.weight_decay = 0.01, o.max_grad_norm = 1.0;
+        train::AdamW opt(model->parameters(), o);
+        std::vector<double> losses;
+        for (int step = 0; step < 100; ++step) {
+          const auto r = model->loss_and_gradients(ids, labels);
+          losses.push_back(r.loss.item());
+          opt.step(r.grads);
+        }
+        return losses;
+      };
+      const auto ref = curve(false), ker = curve(true);
+      EXPECT_LT(ref.back(), 0.5 * ref.front());
+      for (size_t i = 0; i < ref.size(); ++i) {
+        if (dt == DType::f32) EXPECT_NEAR(ker[i], ref[i], 1e-5 * std::abs(ref[i])) << "step " << i;
+        else EXPECT_NEAR(ker[i], ref[i], 1e-2) << "bf16 step " << i;
+      }
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, Kernelize, ::testing::Values(Device::cpu(), Device::cuda(0)),
