@@ -458,6 +458,7 @@ TEST(DefaultMapping, NoPackageAnywhereKeepsTheReference) {
   ASSERT_EQ(r.entries.size(), 1u);
   EXPECT_TRUE(r.entries[0].kernel.empty());
   EXPECT_NE(r.entries[0].reason.find("this build has no package liger"), std::string::npos) << r.entries[0].reason;
+}
 
 // The mixture-of-experts families with the moe package's MegaBlocksMoeMLP (and the Liger kernels and
 // flash_attn's attention elsewhere): logits, loss with the router auxiliary loss, and every gradient
