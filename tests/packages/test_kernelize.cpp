@@ -496,9 +496,15 @@ TEST_P(Kernelize, KernelizedMoEModelsMatchTransformers) {
     model->visit_slots([&](nn::Slot& s) {
       ASSERT_NE(std::find(mapped.begin(), mapped.end(), s.layer_name()), mapped.end()) << s.layer_name();
       EXPECT_TRUE(s.kernel().has_value()) << s.layer_name() << ": " << s.reason();
+      const bool moe = s.layer_name() == "MegaBlocksMoeMLP";
+      moe_slots += moe;
+      if (moe && dev.is_cuda()) {  // the CUDA experts are bf16 / f16 GEMMs: f32 calls run the reference, saying so
+        EXPECT_GT(s.stats().fallbacks, 0);
+        EXPECT_NE(s.stats().last_refusal.find("f32 on CUDA"), std::string::npos) << s.stats().last_refusal;
+        return;
+      }
       EXPECT_GT(s.stats().kernel_calls, 0) << s.layer_name();
       EXPECT_EQ(s.stats().fallbacks, 0) << s.layer_name() << ": " << s.stats().last_refusal;
-      moe_slots += s.layer_name() == "MegaBlocksMoeMLP";
     });
     EXPECT_EQ(moe_slots, std::string(family) == "mixtral" ? 2 : 1);
   }
