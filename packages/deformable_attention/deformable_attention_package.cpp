@@ -22,32 +22,11 @@ namespace km = kcpp::msda;
 
 constexpr bool kCuda = KCPP_WITH_CUDA != 0;
 
-kcpp_status finish(kk::Call& c, const char* err) {
-  if (err) c.fail(KCPP_ERROR_INVALID_ARGUMENT, "%s", err);
-  return c.status();
-}
-
-bool shape_is(kk::Call& c, const DLTensor* t, const char* name, std::initializer_list<int64_t> dims) {
-  if (!t || !c.ok()) return c.ok();
-  bool same = t->ndim == static_cast<int32_t>(dims.size());
-  int32_t i = 0;
-  for (int64_t d : dims) same = same && t->shape[i++] == d;
-  if (same) return true;
-  char want[160], got[160];
-  size_t at = static_cast<size_t>(std::snprintf(want, sizeof want, "["));
-  i = 0;
-  for (int64_t d : dims)
-    if (at < sizeof want)
-      at += static_cast<size_t>(std::snprintf(want + at, sizeof want - at, i++ ? ", %lld" : "%lld", static_cast<long long>(d)));
-  if (at < sizeof want) std::snprintf(want + at, sizeof want - at, "]");
-  return c.require(false, "tensor '%s' has shape %s; expected %s", name, kk::Call::shape_str(t, got, sizeof got), want);
-}
-
 // A contiguous tensor of the dtype of 'value' and the given shape.
 const void* like_value(kk::Call& c, const DLTensor* t, const char* name, const DLTensor* value,
                        std::initializer_list<int64_t> dims) {
   if (!t || !c.ok()) return nullptr;
-  if (!c.same_dtype(t, name, value, "value") || !shape_is(c, t, name, dims)) return nullptr;
+  if (!c.same_dtype(t, name, value, "value") || !c.shape_is(t, name, dims)) return nullptr;
   if (kk::numel(t) > 0 && !c.row_major(t, name)) return nullptr;
   return kk::data_ptr(t);
 }
@@ -58,7 +37,7 @@ const int64_t* index_tensor(kk::Call& c, const DLTensor* t, const char* name, st
     c.require(false, "tensor '%s' must be int64, is %s", name, kk::dl_dtype_name(t->dtype));
     return nullptr;
   }
-  if (!shape_is(c, t, name, dims) || (kk::numel(t) > 0 && !c.row_major(t, name))) return nullptr;
+  if (!c.shape_is(t, name, dims) || (kk::numel(t) > 0 && !c.row_major(t, name))) return nullptr;
   return static_cast<const int64_t*>(kk::data_ptr(t));
 }
 
@@ -121,9 +100,9 @@ kcpp_status msda_forward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
   km::MsdaParams p;
   if (!msda_args(c, false, p)) return c.status();
 #if KCPP_WITH_CUDA
-  if (c.on_cuda()) return finish(c, km::msda_forward_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
+  if (c.on_cuda()) return c.finish(km::msda_forward_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
 #endif
-  return finish(c, km::msda_forward_cpu(p));
+  return c.finish(km::msda_forward_cpu(p));
 }
 
 kcpp_status msda_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
@@ -136,10 +115,10 @@ kcpp_status msda_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
       p.workspace = static_cast<float*>(c.workspace(bytes));
       if (!p.workspace) return c.status();
     }
-    return finish(c, km::msda_backward_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
+    return c.finish(km::msda_backward_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
   }
 #endif
-  return finish(c, km::msda_backward_cpu(p));
+  return c.finish(km::msda_backward_cpu(p));
 }
 
 constexpr uint32_t kDevices = KCPP_DEVICE_BIT(kDLCPU) | (kCuda ? KCPP_DEVICE_BIT(kDLCUDA) : 0u);

@@ -26,11 +26,6 @@ namespace fa = kcpp::flash;
 
 constexpr bool kCuda = KCPP_WITH_CUDA != 0;
 
-kcpp_status finish(kk::Call& c, const char* err) {
-  if (err) c.fail(KCPP_ERROR_INVALID_ARGUMENT, "%s", err);
-  return c.status();
-}
-
 // A [B, H, S, D] operand with D contiguous; `like` (when given) fixes dtype, B, S and D; `heads` H.
 bool operand(kk::Call& c, const DLTensor* t, const char* name, const DLTensor* like, const char* like_name, int64_t heads,
              fa::Operand& o) {
@@ -169,9 +164,9 @@ kcpp_status attention_forward(kcpp_context* ctx, const kcpp_arg* args, int32_t n
   fa::AttentionParams p;
   if (!attention_args(c, false, p) || !forward_path_runs(c, p)) return c.status();
 #if KCPP_WITH_CUDA
-  if (c.on_cuda()) return finish(c, fa::attention_forward_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
+  if (c.on_cuda()) return c.finish(fa::attention_forward_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
 #endif
-  return finish(c, fa::attention_forward_cpu(p));
+  return c.finish(fa::attention_forward_cpu(p));
 }
 
 kcpp_status attention_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
@@ -182,10 +177,10 @@ kcpp_status attention_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t 
   if (c.on_cuda()) {
     if (p.batch > 0 && p.seq_kv > 0) p.workspace = c.workspace(fa::attention_backward_workspace(p));
     if (!c.ok()) return c.status();
-    return finish(c, fa::attention_backward_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
+    return c.finish(fa::attention_backward_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
   }
 #endif
-  return finish(c, fa::attention_backward_cpu(p));
+  return c.finish(fa::attention_backward_cpu(p));
 }
 
 constexpr uint32_t kDevices = KCPP_DEVICE_BIT(kDLCPU) | (kCuda ? KCPP_DEVICE_BIT(kDLCUDA) : 0u);

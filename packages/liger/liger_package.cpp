@@ -44,15 +44,10 @@ cudaStream_t stream_of(const kk::Call& c) { return static_cast<cudaStream_t>(c.c
 
 // Runs the kernel's CPU or CUDA entry point and turns its message into the call's status.
 #if KCPP_WITH_CUDA
-#define LIGER_RUN(c, fn, p) finish(c, (c).on_cuda() ? fn##_cuda((p), stream_of(c)) : fn##_cpu(p))
+#define LIGER_RUN(c, fn, p) c.finish((c).on_cuda() ? fn##_cuda((p), stream_of(c)) : fn##_cpu(p))
 #else
-#define LIGER_RUN(c, fn, p) finish(c, fn##_cpu(p))
+#define LIGER_RUN(c, fn, p) c.finish(fn##_cpu(p))
 #endif
-
-kcpp_status finish(kk::Call& c, const char* err) {
-  if (err) c.fail(KCPP_ERROR_INVALID_ARGUMENT, "%s", err);
-  return c.status();
-}
 
 bool is_f32(const DLTensor* t) { return t->dtype.code == kDLFloat && t->dtype.bits == 32 && t->dtype.lanes == 1; }
 

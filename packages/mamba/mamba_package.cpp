@@ -28,27 +28,6 @@ namespace km = kcpp::mamba;
 
 constexpr bool kCuda = KCPP_WITH_CUDA != 0;
 
-kcpp_status finish(kk::Call& c, const char* err) {
-  if (err) c.fail(KCPP_ERROR_INVALID_ARGUMENT, "%s", err);
-  return c.status();
-}
-
-bool shape_is(kk::Call& c, const DLTensor* t, const char* name, std::initializer_list<int64_t> dims) {
-  if (!t || !c.ok()) return c.ok();
-  bool same = t->ndim == static_cast<int32_t>(dims.size());
-  int32_t i = 0;
-  for (int64_t d : dims) same = same && t->shape[i++] == d;
-  if (same) return true;
-  char want[128], got[128];
-  size_t at = static_cast<size_t>(std::snprintf(want, sizeof want, "["));
-  i = 0;
-  for (int64_t d : dims)
-    if (at < sizeof want)
-      at += static_cast<size_t>(std::snprintf(want + at, sizeof want - at, i++ ? ", %lld" : "%lld", static_cast<long long>(d)));
-  if (at < sizeof want) std::snprintf(want + at, sizeof want - at, "]");
-  return c.require(false, "tensor '%s' has shape %s; expected %s", name, kk::Call::shape_str(t, got, sizeof got), want);
-}
-
 // A floating tensor of dtype `dt`, the dtype of the argument `of`.
 bool dtype_is(kk::Call& c, const DLTensor* t, const char* name, kk::DType dt, const char* of) {
   kk::DType got = dt;
@@ -64,7 +43,7 @@ bool seq(kk::Call& c, const DLTensor* t, const char* name, kk::DType dt, const c
          km::Seq& s) {
   if (!t || !c.ok()) return c.ok();
   if (!dtype_is(c, t, name, dt, of)) return false;
-  if (!shape_is(c, t, name, {b, rows, l})) return false;
+  if (!c.shape_is(t, name, {b, rows, l})) return false;
   if (l > 1 && kk::stride(t, 2) != 1)
     return c.fail(KCPP_ERROR_UNSUPPORTED, "tensor '%s': the sequence (last) dim must be contiguous (stride %lld)", name,
                   static_cast<long long>(kk::stride(t, 2)));
@@ -86,7 +65,7 @@ bool group_seq(kk::Call& c, const DLTensor* t, const char* name, kk::DType dt, i
   if (*groups == 0) *groups = t->ndim == 4 ? t->shape[1] : 1;
   if (t->ndim == 3 && *groups != 1)
     return c.require(false, "tensor '%s' has no group dim but 'B' has %lld groups", name, static_cast<long long>(*groups));
-  const bool shape_ok = t->ndim == 4 ? shape_is(c, t, name, {b, *groups, n, l}) : shape_is(c, t, name, {b, n, l});
+  const bool shape_ok = t->ndim == 4 ? c.shape_is(t, name, {b, *groups, n, l}) : c.shape_is(t, name, {b, n, l});
   if (!shape_ok) return false;
   const int32_t ld = t->ndim - 1;
   if (l > 1 && kk::stride(t, ld) != 1)
@@ -106,7 +85,7 @@ float* f32_tensor(kk::Call& c, const DLTensor* t, const char* name, std::initial
     c.require(false, "tensor '%s' must be f32, is %s", name, kk::dl_dtype_name(t->dtype));
     return nullptr;
   }
-  if (!shape_is(c, t, name, dims)) return nullptr;
+  if (!c.shape_is(t, name, dims)) return nullptr;
   if (kk::numel(t) > 0 && !c.row_major(t, name)) return nullptr;
   return static_cast<float*>(kk::data_ptr(t));
 }
@@ -259,9 +238,9 @@ kcpp_status scan_forward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
   km::SelectiveScanParams p;
   if (!scan_args(c, false, p) || !scan_cuda_takes(c, p)) return c.status();
 #if KCPP_WITH_CUDA
-  if (c.on_cuda()) return finish(c, km::selective_scan_forward_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
+  if (c.on_cuda()) return c.finish(km::selective_scan_forward_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
 #endif
-  return finish(c, km::selective_scan_forward_cpu(p));
+  return c.finish(km::selective_scan_forward_cpu(p));
 }
 
 kcpp_status scan_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
@@ -273,10 +252,10 @@ kcpp_status scan_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
     const size_t bytes = km::selective_scan_backward_workspace(p);
     if (bytes > 0) p.workspace = c.workspace(bytes);
     if (!c.ok()) return c.status();
-    return finish(c, km::selective_scan_backward_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
+    return c.finish(km::selective_scan_backward_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
   }
 #endif
-  return finish(c, km::selective_scan_backward_cpu(p));
+  return c.finish(km::selective_scan_backward_cpu(p));
 }
 
 // ---- SelectiveStateUpdate/1
@@ -285,7 +264,7 @@ kcpp_status scan_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
 bool matrix(kk::Call& c, const DLTensor* t, const char* name, kk::DType dt, int64_t b, int64_t d, int64_t* sb, int64_t* sd) {
   if (!t || !c.ok()) return c.ok();
   if (!dtype_is(c, t, name, dt, "x")) return false;
-  if (!shape_is(c, t, name, {b, d})) return false;
+  if (!c.shape_is(t, name, {b, d})) return false;
   *sb = kk::stride(t, 0), *sd = kk::stride(t, 1);
   return true;
 }
@@ -303,7 +282,7 @@ bool step_bc(kk::Call& c, const DLTensor* t, const char* name, kk::DType dt, int
   if (*groups == 0) *groups = t->ndim == 3 ? t->shape[1] : 1;
   if (t->ndim == 2 && *groups != 1)
     return c.require(false, "tensor '%s' has no group dim but 'B' has %lld groups", name, static_cast<long long>(*groups));
-  const bool shape_ok = t->ndim == 3 ? shape_is(c, t, name, {b, *groups, n}) : shape_is(c, t, name, {b, n});
+  const bool shape_ok = t->ndim == 3 ? c.shape_is(t, name, {b, *groups, n}) : c.shape_is(t, name, {b, n});
   if (!shape_ok) return false;
   if (n > 1 && kk::stride(t, t->ndim - 1) != 1)
     return c.fail(KCPP_ERROR_UNSUPPORTED, "tensor '%s': the state dim N must be contiguous", name);
@@ -339,7 +318,7 @@ bool update_args(kk::Call& c, km::StateUpdateParams& p) {
   if (!c.ok()) return false;
   if (state->dtype.code != kDLFloat || state->dtype.bits != 32 || state->dtype.lanes != 1)
     return c.require(false, "tensor 'state' must be f32, is %s", kk::dl_dtype_name(state->dtype));
-  if (!shape_is(c, state, "state", {b, d, n})) return false;
+  if (!c.shape_is(state, "state", {b, d, n})) return false;
   if (n > 1 && kk::stride(state, 2) != 1)
     return c.fail(KCPP_ERROR_UNSUPPORTED, "tensor 'state': the state dim N must be contiguous");
   p.state = static_cast<float*>(kk::data_ptr(state));
@@ -379,9 +358,9 @@ kcpp_status update_forward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
   km::StateUpdateParams p;
   if (!update_args(c, p)) return c.status();
 #if KCPP_WITH_CUDA
-  if (c.on_cuda()) return finish(c, km::selective_state_update_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
+  if (c.on_cuda()) return c.finish(km::selective_state_update_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
 #endif
-  return finish(c, km::selective_state_update_cpu(p));
+  return c.finish(km::selective_state_update_cpu(p));
 }
 
 // ---- CausalConv1d/1, CausalConv1dUpdate/1
@@ -399,10 +378,10 @@ bool conv_weights(kk::Call& c, const DLTensor* w, const DLTensor* bias, kk::DTyp
   if (!dtype_is(c, w, "weight", dt, "x") || !c.ndim(w, "weight", 2)) return false;
   *width = w->shape[1];
   if (*width < 1) return c.require(false, "tensor 'weight' has width %lld; expected >= 1", static_cast<long long>(*width));
-  if (!shape_is(c, w, "weight", {d, *width}) || (kk::numel(w) > 0 && !c.row_major(w, "weight"))) return false;
+  if (!c.shape_is(w, "weight", {d, *width}) || (kk::numel(w) > 0 && !c.row_major(w, "weight"))) return false;
   if (bias) {
     c.same_dtype(bias, "bias", w, "weight");
-    if (!shape_is(c, bias, "bias", {d}) || (d > 1 && !c.row_major(bias, "bias"))) return false;
+    if (!c.shape_is(bias, "bias", {d}) || (d > 1 && !c.row_major(bias, "bias"))) return false;
   }
 #if KCPP_WITH_CUDA
   if (c.ok() && c.on_cuda() && *width > km::kConvMaxWidthCuda)
@@ -443,11 +422,11 @@ bool conv_args(kk::Call& c, bool bwd, km::CausalConv1dParams& p) {
   seq(c, dout, "dout", p.dtype, "x", b, d, l, p.dout);
   seq(c, dx, "dx", p.dtype, "x", b, d, l, p.dx);
   c.same_dtype(dw, "dweight", w, "weight");
-  if (!shape_is(c, dw, "dweight", {d, p.width}) || (kk::numel(dw) > 0 && !c.row_major(dw, "dweight"))) return false;
+  if (!c.shape_is(dw, "dweight", {d, p.width}) || (kk::numel(dw) > 0 && !c.row_major(dw, "dweight"))) return false;
   p.dweight = kk::data_ptr(dw);
   if (db) {
     c.same_dtype(db, "dbias", w, "weight");
-    if (!shape_is(c, db, "dbias", {d}) || (d > 1 && !c.row_major(db, "dbias"))) return false;
+    if (!c.shape_is(db, "dbias", {d}) || (d > 1 && !c.row_major(db, "dbias"))) return false;
     p.dbias = kk::data_ptr(db);
   }
   const std::initializer_list<const void*> ins = {p.x.data, p.weight, p.bias, p.dout.data};
@@ -469,9 +448,9 @@ kcpp_status conv_forward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
   km::CausalConv1dParams p;
   if (!conv_args(c, false, p)) return c.status();
 #if KCPP_WITH_CUDA
-  if (c.on_cuda()) return finish(c, km::causal_conv1d_forward_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
+  if (c.on_cuda()) return c.finish(km::causal_conv1d_forward_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
 #endif
-  return finish(c, km::causal_conv1d_forward_cpu(p));
+  return c.finish(km::causal_conv1d_forward_cpu(p));
 }
 
 kcpp_status conv_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
@@ -479,9 +458,9 @@ kcpp_status conv_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
   km::CausalConv1dParams p;
   if (!conv_args(c, true, p)) return c.status();
 #if KCPP_WITH_CUDA
-  if (c.on_cuda()) return finish(c, km::causal_conv1d_backward_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
+  if (c.on_cuda()) return c.finish(km::causal_conv1d_backward_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
 #endif
-  return finish(c, km::causal_conv1d_backward_cpu(p));
+  return c.finish(km::causal_conv1d_backward_cpu(p));
 }
 
 // x / out [B, D] or [B, D, S], any strides.
@@ -489,7 +468,7 @@ bool step_seq(kk::Call& c, const DLTensor* t, const char* name, kk::DType dt, in
               int64_t* sb, int64_t* sd, int64_t* sl) {
   if (!t || !c.ok()) return c.ok();
   if (!dtype_is(c, t, name, dt, "x")) return false;
-  if (ndim == 2 ? !shape_is(c, t, name, {b, d}) : !shape_is(c, t, name, {b, d, s})) return false;
+  if (ndim == 2 ? !c.shape_is(t, name, {b, d}) : !c.shape_is(t, name, {b, d, s})) return false;
   *sb = kk::stride(t, 0), *sd = kk::stride(t, 1), *sl = ndim == 3 ? kk::stride(t, 2) : 1;
   return true;
 }
@@ -517,7 +496,7 @@ bool conv_update_args(kk::Call& c, km::ConvUpdateParams& p) {
   if (!c.ok()) return false;
   if (!dtype_is(c, state, "conv_state", p.dtype, "x") || !c.ndim(state, "conv_state", 3)) return false;
   p.state_len = state->shape[2];
-  if (!shape_is(c, state, "conv_state", {b, d, p.state_len})) return false;
+  if (!c.shape_is(state, "conv_state", {b, d, p.state_len})) return false;
   if (p.state_len < p.width - 1)
     return c.require(false, "tensor 'conv_state' keeps %lld positions; width %lld needs at least %lld",
                      static_cast<long long>(p.state_len), static_cast<long long>(p.width), static_cast<long long>(p.width - 1));
@@ -544,9 +523,9 @@ kcpp_status conv_update_forward(kcpp_context* ctx, const kcpp_arg* args, int32_t
   km::ConvUpdateParams p;
   if (!conv_update_args(c, p)) return c.status();
 #if KCPP_WITH_CUDA
-  if (c.on_cuda()) return finish(c, km::causal_conv1d_update_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
+  if (c.on_cuda()) return c.finish(km::causal_conv1d_update_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
 #endif
-  return finish(c, km::causal_conv1d_update_cpu(p));
+  return c.finish(km::causal_conv1d_update_cpu(p));
 }
 
 constexpr uint32_t kDevices = KCPP_DEVICE_BIT(kDLCPU) | (kCuda ? KCPP_DEVICE_BIT(kDLCUDA) : 0u);

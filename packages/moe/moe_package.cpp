@@ -28,15 +28,10 @@ constexpr bool kCuda = KCPP_WITH_CUDA != 0;
 
 #if KCPP_WITH_CUDA
 cudaStream_t stream_of(const kk::Call& c) { return static_cast<cudaStream_t>(c.context()->stream); }
-#define MOE_RUN(c, fn, p) finish(c, (c).on_cuda() ? fn##_cuda((p), stream_of(c)) : fn##_cpu(p))
+#define MOE_RUN(c, fn, p) c.finish((c).on_cuda() ? fn##_cuda((p), stream_of(c)) : fn##_cpu(p))
 #else
-#define MOE_RUN(c, fn, p) finish(c, fn##_cpu(p))
+#define MOE_RUN(c, fn, p) c.finish(fn##_cpu(p))
 #endif
-
-kcpp_status finish(kk::Call& c, const char* err) {
-  if (err) c.fail(KCPP_ERROR_INVALID_ARGUMENT, "%s", err);
-  return c.status();
-}
 
 bool dtype_is(const DLTensor* t, uint8_t code, uint8_t bits) {
   return t->dtype.code == code && t->dtype.bits == bits && t->dtype.lanes == 1;

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 
 #include "kcpp/abi.h"
 #include "kcpp/kernel/types.h"
@@ -319,6 +320,31 @@ class Call {
     void* p = ctx_->workspace(ctx_->workspace_host, bytes);
     if (!p) fail(KCPP_ERROR_OUT_OF_MEMORY, "the workspace allocator could not give %zu bytes", bytes);
     return p;
+  }
+
+  // A tensor `t` (named `name` in the message) of exactly the shape `dims`; true, and nothing
+  // checked, when `t` is absent or an earlier check failed.
+  bool shape_is(const DLTensor* t, const char* name, std::initializer_list<int64_t> dims) {
+    if (!t || !ok()) return ok();
+    bool same = t->ndim == static_cast<int32_t>(dims.size());
+    int32_t i = 0;
+    for (int64_t d : dims) same = same && t->shape[i++] == d;
+    if (same) return true;
+    char want[160], got[160];
+    size_t at = static_cast<size_t>(std::snprintf(want, sizeof want, "["));
+    i = 0;
+    for (int64_t d : dims)
+      if (at < sizeof want)
+        at += static_cast<size_t>(std::snprintf(want + at, sizeof want - at, i++ ? ", %lld" : "%lld", static_cast<long long>(d)));
+    if (at < sizeof want) std::snprintf(want + at, sizeof want - at, "]");
+    return require(false, "tensor '%s' has shape %s; expected %s", name, shape_str(t, got, sizeof got), want);
+  }
+
+  // The call's status after a kernel-level entry point returned `err` (an error message, or null):
+  // a message is recorded as an invalid argument.
+  kcpp_status finish(const char* err) {
+    if (err) fail(KCPP_ERROR_INVALID_ARGUMENT, "%s", err);
+    return status();
   }
 
   static const char* shape_str(const DLTensor* t, char* buf, size_t size) {
