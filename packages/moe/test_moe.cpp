@@ -371,8 +371,12 @@ TEST_P(MoeKernels, MatchesTheOracle) {
       if (c.act == kernel::Activation::QuickGelu) {  // no eager GLU of it in ops/
         EXPECT_LE(e_out, test::composite_rel_l2(dt)) << cfg << " out";
       } else {
+        // The block rounds three intermediates to the dtype (gate_up, h, the output); on a token's
+        // few values the eager loop's error can fall below that by chance, so the bound is at least
+        // three roundings.
         const double e_ref = test::rel_l2_error(eager_forward(m, ids, w), ref.out);
-        EXPECT_LE(e_out, test::kernel_bound(e_ref, dt)) << cfg << " out (eager error " << e_ref << ")";
+        const double bound = std::max(test::kernel_bound(e_ref, dt), 3 * test::unit_roundoff(dt));
+        EXPECT_LE(e_out, bound) << cfg << " out (eager error " << e_ref << ")";
       }
       if (c.save) {  // the projections in expert order
         std::vector<double> gu;
