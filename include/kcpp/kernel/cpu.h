@@ -5,6 +5,8 @@
 #include <bit>
 #include <cstdint>
 
+#include "kcpp/kernel/types.h"
+
 // A hot CPU function built twice, for baseline x86-64 and for AVX2, the loader choosing by the CPU it
 // runs on (GCC / Clang target_clones): one package binary, 8-wide float loops where the machine
 // allows.  Elsewhere (not x86-64) the plain build.
@@ -67,6 +69,17 @@ template <typename T> inline void load_row(const T* src, int64_t n, float* dst) 
 }
 template <typename T> inline void store_row(const float* src, int64_t n, T* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = from_f32<T>(src[i]);
+}
+
+// Calls f(static_cast<T*>(nullptr)) with T the host storage type of a float dtype (f32, bf16,
+// f16); false, and f not called, for any other dtype.
+template <typename F> inline bool visit_float(DType t, F&& f) {
+  switch (t) {
+    case DType::f32: f(static_cast<float*>(nullptr)); return true;
+    case DType::bf16: f(static_cast<bf16*>(nullptr)); return true;
+    case DType::f16: f(static_cast<f16*>(nullptr)); return true;
+    default: return false;
+  }
 }
 
 }  // namespace kcpp::kernel::cpu

@@ -115,21 +115,6 @@ void update(const ConvUpdateParams& p) {
   }
 }
 
-template <typename F>
-void visit(kernel::DType t, F&& f) {
-  switch (t) {
-    case kernel::DType::f32:
-      f(static_cast<float*>(nullptr));
-      break;
-    case kernel::DType::bf16:
-      f(static_cast<kernel::cpu::bf16*>(nullptr));
-      break;
-    case kernel::DType::f16:
-      f(static_cast<kernel::cpu::f16*>(nullptr));
-      break;
-  }
-}
-
 bool valid_dtype(kernel::DType t) { return t == kernel::DType::f32 || t == kernel::DType::bf16 || t == kernel::DType::f16; }
 
 }  // namespace
@@ -167,19 +152,19 @@ const char* conv_update_check(const ConvUpdateParams& p) {
 
 const char* causal_conv1d_forward_cpu(const CausalConv1dParams& p) {
   if (const char* e = causal_conv1d_check(p, false)) return e;
-  visit(p.dtype, [&]<typename T>(T*) { forward<T>(p); });
+  kernel::cpu::visit_float(p.dtype, [&]<typename T>(T*) { forward<T>(p); });
   return nullptr;
 }
 
 const char* causal_conv1d_backward_cpu(const CausalConv1dParams& p) {
   if (const char* e = causal_conv1d_check(p, true)) return e;
-  visit(p.dtype, [&]<typename T>(T*) { backward<T>(p); });
+  kernel::cpu::visit_float(p.dtype, [&]<typename T>(T*) { backward<T>(p); });
   return nullptr;
 }
 
 const char* causal_conv1d_update_cpu(const ConvUpdateParams& p) {
   if (const char* e = conv_update_check(p)) return e;
-  visit(p.dtype, [&]<typename T>(T*) { update<T>(p); });
+  kernel::cpu::visit_float(p.dtype, [&]<typename T>(T*) { update<T>(p); });
   return nullptr;
 }
 

@@ -298,21 +298,6 @@ void state_update(const StateUpdateParams& p) {
   }
 }
 
-template <typename F>
-void visit(kernel::DType t, F&& f) {
-  switch (t) {
-    case kernel::DType::f32:
-      f(static_cast<float*>(nullptr));
-      break;
-    case kernel::DType::bf16:
-      f(static_cast<kernel::cpu::bf16*>(nullptr));
-      break;
-    case kernel::DType::f16:
-      f(static_cast<kernel::cpu::f16*>(nullptr));
-      break;
-  }
-}
-
 bool valid_dtype(kernel::DType t) { return t == kernel::DType::f32 || t == kernel::DType::bf16 || t == kernel::DType::f16; }
 
 }  // namespace
@@ -359,19 +344,19 @@ const char* state_update_check(const StateUpdateParams& p) {
 
 const char* selective_scan_forward_cpu(const SelectiveScanParams& p) {
   if (const char* e = selective_scan_check(p, false)) return e;
-  visit(p.dtype, [&]<typename T>(T*) { forward<T>(p); });
+  kernel::cpu::visit_float(p.dtype, [&]<typename T>(T*) { forward<T>(p); });
   return nullptr;
 }
 
 const char* selective_scan_backward_cpu(const SelectiveScanParams& p) {
   if (const char* e = selective_scan_check(p, true)) return e;
-  visit(p.dtype, [&]<typename T>(T*) { backward<T>(p); });
+  kernel::cpu::visit_float(p.dtype, [&]<typename T>(T*) { backward<T>(p); });
   return nullptr;
 }
 
 const char* selective_state_update_cpu(const StateUpdateParams& p) {
   if (const char* e = state_update_check(p)) return e;
-  visit(p.dtype, [&]<typename T>(T*) { state_update<T>(p); });
+  kernel::cpu::visit_float(p.dtype, [&]<typename T>(T*) { state_update<T>(p); });
   return nullptr;
 }
 
