@@ -21,6 +21,19 @@ done
 cp -r build/"$preset"/kernels "$stage/kernels"
 mkdir -p "$stage/fixtures"
 cp build/"$preset"/tests/hub/*.so "$stage/fixtures/"
+# With KCPP_DEVICE_PYTHON (a Python of the GPU machine's minor version with nanobind, e.g. a venv of
+# pyenv's 3.12): the package kcpp with its extension built for that Python against this build's
+# installed library (python/CMakeLists.txt as a project of its own), as .devlibs/python/kcpp.
+extra=()
+if [ -n "${KCPP_DEVICE_PYTHON:-}" ]; then
+  cmake --install build/"$preset" --prefix build/"$preset"-install >/dev/null
+  cmake -S python -B build/"$preset"-device-python -G Ninja -DCMAKE_PREFIX_PATH="$PWD/build/$preset-install" \
+    -DKCPP_PYTHON_EXECUTABLE="$KCPP_DEVICE_PYTHON" >/dev/null
+  cmake --build build/"$preset"-device-python
+  mkdir -p "$stage/python"
+  cp -r build/"$preset"-device-python/kcpp "$stage/python/kcpp"
+  extra+=(python)
+fi
 rm -rf .devlibs && mkdir -p .devlibs
-tar -C "$stage" -cf - bin lib kernels fixtures | xz -T2 -6 > .devlibs/pack.tar.xz
+tar -C "$stage" -cf - bin lib kernels fixtures "${extra[@]}" | xz -T2 -6 > .devlibs/pack.tar.xz
 du -sh .devlibs

@@ -831,19 +831,20 @@ _DEFAULT_ATTENTION = _Slot("Attention", "Attention/1", reason="loaded at the fir
 
 
 def _kcpp_mask(*args, **kwargs):
-    """The mask function of "kcpp": SDPA's (boolean masks; None where the causal pattern is all there
-    is), and also None for a sliding-window causal mask without padding, cache or custom part: the
-    attention function then takes the window from its `sliding_window`, which the checked families
-    pass (Mistral, Qwen2 / 3, Phi-3, Gemma 2 / 3)."""
+    """The mask function of "kcpp": None for a causal mask (with or without a sliding window) that has no
+    padding, cache or custom part, so the attention function takes the pattern from `is_causal` and
+    `sliding_window` (which the checked families pass: Llama, Mistral, Qwen2 / 3, Phi-3, Gemma 2 / 3);
+    otherwise SDPA's boolean mask.  Transformers' own SDPA mask keeps a full mask while tracing (some
+    versions, e.g. 5.17), which would send every compiled call to the reference."""
     from transformers.masking_utils import sdpa_mask
-    if not args and _plain_sliding_window(**kwargs):
+    if not args and _plain_causal(**kwargs):
         return None
     return sdpa_mask(*args, **kwargs)
 
 
-def _plain_sliding_window(q_length=None, kv_length=None, q_offset=0, kv_offset=0, attention_mask=None,
-                          local_size=None, allow_is_causal_skip=True, config=None, **kwargs):
-    return (allow_is_causal_skip and local_size is not None and getattr(config, "model_type", None) in _MODEL_TYPES
+def _plain_causal(q_length=None, kv_length=None, q_offset=0, kv_offset=0, attention_mask=None,
+                  allow_is_causal_skip=True, config=None, **kwargs):
+    return (allow_is_causal_skip and getattr(config, "model_type", None) in _MODEL_TYPES
             and isinstance(q_length, int) and isinstance(q_offset, int) and isinstance(kv_offset, int)
             and q_offset == 0 and kv_offset == 0 and q_length == kv_length
             and (attention_mask is None or (not torch.compiler.is_compiling() and bool(attention_mask.all()))))

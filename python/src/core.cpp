@@ -154,7 +154,7 @@ struct Workspace {
   bool python = false;                       // CUDA: blocks from the Python hook
   std::vector<void*> host_blocks;            // CPU blocks, freed after the call
   std::vector<nb::object> python_blocks;     // CUDA blocks (tensors), released after the call
-  bool failed = false;
+  std::string why;                           // why a request failed (added to the kernel's message)
 
   static void* allocate(void* self, size_t bytes) {
     auto* w = static_cast<Workspace*>(self);
@@ -162,20 +162,34 @@ struct Workspace {
     if (w->device.device_type == kDLCPU) {
       void* p = std::aligned_alloc(256, n);
       if (p) w->host_blocks.push_back(p);
+      else w->why = "host memory exhausted";
       return p;
     }
-    if (!w->python) return nullptr;
+    if (!w->python) {
+      w->why = "kcpp gives device workspace through PyTorch's allocator, and this call's tensors are not PyTorch's";
+      return nullptr;
+    }
     nb::gil_scoped_acquire gil;
+    return w->python_block(n);
+  }
+
+  // A block from kcpp._workspace (with the GIL held).  The device is passed as plain ints: DLDeviceType
+  // is a C enum nanobind has no caster for.
+  void* python_block(size_t n) {
     try {
       nb::object hook = nb::module_::import_("kcpp").attr("_workspace");
-      nb::object block = hook(n, w->device.device_type, w->device.device_id);
+      nb::object block = hook(n, static_cast<int>(device.device_type), static_cast<int>(device.device_id));
       void* p = reinterpret_cast<void*>(nb::cast<uintptr_t>(block.attr("data_ptr")()));
-      w->python_blocks.push_back(std::move(block));
+      python_blocks.push_back(std::move(block));
       return p;
-    } catch (const std::exception&) {
-      // No exception may cross the ABI: NULL is "out of memory" and the kernel reports it.
+    } catch (nb::python_error& e) {
+      // No exception may cross the ABI: NULL is "out of memory" and the kernel reports it; the reason
+      // (the exception's type and message, not its traceback) is added to its message after the call.
+      why = nb::cast<std::string>(nb::str(e.type().attr("__name__"))) + ": " + nb::cast<std::string>(nb::str(e.value()));
+      return nullptr;
+    } catch (const std::exception& e) {
+      why = e.what();
       PyErr_Clear();
-      w->failed = true;
       return nullptr;
     }
   }
@@ -335,7 +349,22 @@ int call_entry(kcpp_entry_fn fn, nb::handle args, uint32_t mode, bool determinis
     nb::module_::import_("kcpp").attr("_workspace_done")(nb::cast(ws.python_blocks), stream);
   }
   ws.release();
+  if (status != KCPP_OK && !ws.why.empty()) {
+    // The kernel said it had no workspace; say why.
+    const size_t used = std::strlen(t_error);
+    std::snprintf(t_error + used, sizeof t_error - used, " (workspace: %s)", ws.why.c_str());
+  }
   return status;
+}
+
+// kcpp._core._workspace_block(nbytes, device_type, device_id): one request through the path a CUDA
+// call's workspace takes (kcpp._workspace), for tests: the block's address, or the reason it failed.
+std::pair<uintptr_t, std::string> workspace_block(size_t nbytes, int device_type, int device_id) {
+  Workspace ws;
+  ws.device = DLDevice{static_cast<DLDeviceType>(device_type), device_id};
+  ws.python = true;
+  void* p = ws.python_block(nbytes);
+  return {reinterpret_cast<uintptr_t>(p), ws.why};
 }
 
 // ---- packages, layers, ops -------------------------------------------------------------------------------
@@ -661,6 +690,8 @@ NB_MODULE(_core, m) {
       "Liger's switches (rope, rms_norm, swiglu, cross_entropy, fused_linear_cross_entropy) as a KernelConfig "
       "over the liger package.");
   m.def("known_layer_names", &kcpp::nn::known_layer_names);
+  m.def("_workspace_block", &workspace_block, "nbytes"_a, "device_type"_a, "device_id"_a,
+        "One device workspace request as a call makes it (tests): (address or 0, why it failed).");
 
   m.attr("DEFAULT_KERNEL_ORG") = kcpp::nn::kDefaultKernelOrg;
   m.def("default_kernel_mapping_json", [] { return kcpp::nn::default_kernel_mapping().dump(); },

@@ -189,6 +189,35 @@ class CpuCalls(unittest.TestCase):
             scale({"x": x, "y": y})
 
 
+@unittest.skipUnless(getattr(kcpp, "_core", None) is not None, "the extension kcpp._core is not built")
+class DeviceWorkspace(unittest.TestCase):
+    """The path a CUDA call's workspace takes (C++ -> kcpp._workspace -> PyTorch), run on any machine:
+    where CUDA is missing the request fails with PyTorch's reason, never with a failed conversion."""
+
+    @classmethod
+    def setUpClass(cls):
+        try:
+            import torch  # noqa: F401  (the hook's allocator)
+        except ImportError:
+            raise unittest.SkipTest("PyTorch is not installed")
+
+    def test_a_request_reaches_the_hook(self):
+        import torch
+        address, why = kcpp._core._workspace_block(1000, 2, 0)  # kDLCUDA, device 0
+        if torch.cuda.is_available():
+            self.assertNotEqual(address, 0, why)
+            self.assertEqual(why, "")
+        else:
+            self.assertEqual(address, 0)
+            self.assertNotRegex(why, "cast|convert|incompatible function arguments")
+            self.assertRegex(why, "(?i)cuda|nvidia|driver")
+
+    def test_another_device_type_is_refused_by_name(self):
+        address, why = kcpp._core._workspace_block(64, 1, 0)  # kDLCPU: not a workspace the hook gives
+        self.assertEqual(address, 0)
+        self.assertIn("no workspace allocator for DLPack device type 1", why)
+
+
 class CudaCalls(unittest.TestCase):
     """PyTorch CUDA tensors through the cu variant: the stream, the workspace, bf16.  Skipped where
     there is no GPU (CI); run on the lent one."""

@@ -530,7 +530,9 @@ TEST_P(Kernelize, MoETrainingWithKernelsTracksTheReference) {
         o.lr = 3e-3, o.weight_decay = 0.01, o.max_grad_norm = 1.0;
         train::AdamW opt(model->parameters(), o);
         std::vector<double> losses;
-        for (int step = 0; step < 100; ++step) {
+        // bf16 on the CPU is the slow half of this test: fewer steps there (the f32 curves show convergence).
+        const int steps = dt == DType::f32 ? 100 : 40;
+        for (int step = 0; step < steps; ++step) {
           const auto r = model->loss_and_gradients(ids, labels);
           losses.push_back(r.loss.item());
           opt.step(r.grads);
@@ -538,7 +540,8 @@ TEST_P(Kernelize, MoETrainingWithKernelsTracksTheReference) {
         return losses;
       };
       const auto ref = curve(false), ker = curve(true);
-      EXPECT_LT(ref.back(), 0.5 * ref.front());
+      if (dt == DType::f32) EXPECT_LT(ref.back(), 0.5 * ref.front());
+      else EXPECT_LT(ref.back(), ref.front());
       for (size_t i = 0; i < ref.size(); ++i) {
         if (dt == DType::f32) EXPECT_NEAR(ker[i], ref[i], 1e-5 * std::abs(ref[i])) << "step " << i;
         else EXPECT_NEAR(ker[i], ref[i], 1e-2) << "bf16 step " << i;

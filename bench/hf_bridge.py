@@ -1,0 +1,172 @@
+"""kcpp.torch on the GPU: Hugging Face models kernelized through the bridge, against themselves.
+
+  python3 bench/hf_bridge.py parity        # Llama-3.2-1B and Qwen3-0.6B dimensions, random weights
+  python3 bench/hf_bridge.py step [CONFIG] # the training step of ../shared/anchors/e2e.py, kernelized
+
+parity: each model with and without kcpp.torch.kernelize (this build's liger and flash_attn; the
+attention as attn_implementation="kcpp"): f32 logits (relative L2 over the whole [B, S, V], TF32 off),
+then in bf16 the loss and the cosine of every parameter's gradient.  Issue 22's bar: logits within
+1e-5, loss within 1e-2, every cosine >= 0.999.  The report's call counts show which layers ran a kernel.
+
+step: e2e.py's step (LlamaForCausalLM at Llama-3-8B dimensions, 4 layers, 4 x 2048 tokens, bf16,
+forward + backward, do_bench median of 10, peak = step's peak minus the weights) with the model
+kernelized by kcpp.  CONFIG: kcpp (Liger's defaults: fused linear cross-entropy), kcpp_ce (plain
+cross-entropy), kcpp_compile (kcpp, then torch.compile of forward); each in a process of its own.
+Lines print as e2e.py prints them, so the two scripts' output reads as one table: run e2e.py's
+configurations in the same call for the ratios.
+
+Needs kcpp importable (PYTHONPATH with the built package; on the lent machine .devlibs/python, see
+scripts/device-python.sh) and KCPP_PACKAGES_DIR where the built packages are.
+"""
+import os
+import subprocess
+import sys
+import time
+
+STEP_CONFIGS = ["kcpp", "kcpp_ce", "kcpp_compile"]
+LABELS = {"kcpp": "hf + kcpp (default, FLCE)", "kcpp_ce": "hf + kcpp (CE, not FLCE)",
+          "kcpp_compile": "hf + kcpp + torch.compile"}
+H, I, V, L, B, S = 4096, 14336, 128256, 4, 4, 2048
+DEVICE = os.environ.get("KCPP_BENCH_DEVICE", "cuda")  # parity only; "cpu" for a smoke test
+
+# Real dimensions (config.json of meta-llama/Llama-3.2-1B and Qwen/Qwen3-0.6B), random weights.
+PARITY_MODELS = {
+    "Llama-3.2-1B": ("LlamaConfig", "LlamaForCausalLM",
+                     dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                          num_key_value_heads=8, head_dim=64, vocab_size=128256, rms_norm_eps=1e-5,
+                          rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=True)),
+    "Qwen3-0.6B": ("Qwen3Config", "Qwen3ForCausalLM",
+                   dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                        num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
+                        rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True)),
+}
+
+
+def _kcpp():
+    import kcpp.torch as kt
+    return kt
+
+
+def _calls(report):
+    return ", ".join(f"{e['layer']} {e['kernel_calls']}k/{e['reference_calls']}r/{e['fallbacks']}f"
+                     for e in report.entries)
+
+
+def parity():
+    import torch
+    import transformers
+    kt = _kcpp()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    ok = True
+    for name, (cfg_name, model_name, dims) in PARITY_MODELS.items():
+        config = getattr(transformers, cfg_name)(**dims)
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        model = getattr(transformers, model_name)(config).to(DEVICE, torch.float32)
+        gen = torch.Generator(device=DEVICE).manual_seed(1)
+        ids = torch.randint(0, dims["vocab_size"], (2, 512), device=DEVICE, generator=gen)
+        labels = ids.clone()
+        labels[0, :7] = -100
+
+        model.eval()
+        with torch.no_grad():
+            ref = model(input_ids=ids).logits
+            kt.kernelize(model)
+            got = model(input_ids=ids).logits
+        rel = ((got - ref).norm() / ref.norm()).item()
+        calls = _calls(kt.report(model))
+        kt.unkernelize(model)
+        del ref, got
+
+        model.train().to(torch.bfloat16)
+
+        def loss_and_grads():
+            model.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            return loss.item(), {n: p.grad.float().flatten() for n, p in model.named_parameters() if p.grad is not None}
+
+        loss_ref, grads_ref = loss_and_grads()
+        kt.kernelize(model)
+        loss_got, grads_got = loss_and_grads()
+        train_calls = _calls(kt.report(model))
+        kt.unkernelize(model)
+        cos = {n: torch.nn.functional.cosine_similarity(grads_got[n], grads_ref[n], dim=0).item() for n in grads_ref}
+        worst = min(cos, key=cos.get)
+        missing = sorted(set(grads_ref) - set(grads_got))
+        passed = rel <= 1e-5 and abs(loss_got - loss_ref) <= 1e-2 and cos[worst] >= 0.999 and not missing
+        ok &= passed
+        print(f"{name:13s} f32 logits rel L2 {rel:.2e} (bar 1e-5) | bf16 loss {loss_got:.5f} vs {loss_ref:.5f} "
+              f"(|diff| {abs(loss_got - loss_ref):.1e}, bar 1e-2) | min grad cosine {cos[worst]:.6f} at {worst} "
+              f"over {len(cos)} grads (bar 0.999) | {'PASS' if passed else 'FAIL'}", flush=True)
+        print(f"{'':13s} calls, eval: {calls}", flush=True)
+        print(f"{'':13s} calls, train: {train_calls}", flush=True)
+        del model, grads_ref, grads_got
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return 0 if ok else 1
+
+
+def step(which):
+    import torch
+    import triton
+    from transformers import LlamaConfig, LlamaForCausalLM
+    kt = _kcpp()
+
+    cfg = LlamaConfig(hidden_size=H, intermediate_size=I, vocab_size=V, num_hidden_layers=L,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                      rope_theta=500000.0)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    ids = torch.randint(0, V, (B, S), device="cuda")
+    model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    if which == "kcpp_ce":
+        kt.kernelize(model, liger_kernel_config={"fused_linear_cross_entropy": False, "cross_entropy": True})
+    else:
+        kt.kernelize(model)
+    if which.endswith("compile"):
+        model.forward = torch.compile(model.forward)
+
+    def one():
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    t0 = time.time()
+    for _ in range(3):
+        one()
+    torch.cuda.synchronize()
+    warm = time.time() - t0
+    ms = triton.testing.do_bench(one, warmup=1, rep=10, return_mode="median")
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    one()
+    torch.cuda.synchronize()
+    mib = (torch.cuda.max_memory_allocated() - base) / 2**20
+    print(f"{LABELS[which]:28s} {ms:8.1f} ms  {B * S / (ms / 1e3):8.0f} tok/s  peak {mib:8.0f} MiB"
+          f"  (warm-up {warm:.0f} s)", flush=True)
+    print(f"{'':28s} calls: {_calls(kt.report(model))}", flush=True)
+    return 0
+
+
+def main(argv):
+    if not argv or argv[0] not in ("parity", "step"):
+        sys.exit("usage: hf_bridge.py parity | step [" + " | ".join(STEP_CONFIGS) + "]")
+    if argv[0] == "parity":
+        return parity()
+    if len(argv) > 1:
+        if argv[1] not in STEP_CONFIGS:
+            sys.exit(f"unknown configuration {argv[1]!r}; one of: {', '.join(STEP_CONFIGS)}")
+        return step(argv[1])
+    rc = 0
+    for c in STEP_CONFIGS:
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "step", c])
+        if r.returncode != 0:
+            print(f"{LABELS[c]:28s} failed (exit {r.returncode})", flush=True)
+            rc = 1
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
