@@ -437,6 +437,77 @@ TEST_P(Families, LogitsAndLossMatchTransformers) {
   EXPECT_EQ(std::vector<double>(seq.begin(), seq.end()), want);
 }
 
+// Each generated token of a greedy run is the argmax of the logits a full forward of the whole
+// sequence (no cache) gives at the position before it.
+void expect_greedy_continuation(models::CausalLM& model, const std::vector<int64_t>& ids, size_t prompt, const std::string& what) {
+  const int64_t n = static_cast<int64_t>(ids.size()), v = model.config().vocab_size;
+  const auto lv = model.forward(Tensor::from_i64(ids, {1, n}, DType::i64, Device::cpu())).to_f64_vector();
+  for (size_t t = prompt; t < ids.size(); ++t) {
+    const auto row = lv.begin() + static_cast<int64_t>(t - 1) * v;
+    EXPECT_EQ(ids[t], std::max_element(row, row + v) - row) << what << ": token " << t;
+  }
+}
+
+// Batched generation: prompts of different lengths decode together and each gives what it gives alone
+// and what a full forward confirms (greedy); the stream sees every token; a stop token ends its row only.
+TEST_P(Families, BatchedGenerationMatchesEachPromptAlone) {
+  const fs::path dir = fs::path(test::fixtures_dir()) / GetParam();
+  const auto model = models::CausalLM::from_folder(dir, DType::f32, Device::cpu());
+  const SafetensorsFile e = SafetensorsFile::open(dir / "expected.safetensors");
+  std::vector<int64_t> base;
+  for (double x : e.view("greedy.prompt").to_f64_vector()) base.push_back(static_cast<int64_t>(x));
+  const std::vector<std::vector<int64_t>> prompts = {base, {base[0]}, {5, 9, 11, 3, 7, 2, 40, 41, 42, 13, 17}, base};
+  const std::vector<int64_t> none;
+  const int64_t steps = 8;
+  std::vector<std::vector<int64_t>> streamed(prompts.size());
+  models::CausalLM::GenerationStats st;
+  const auto got = model->generate_batch(prompts, steps, models::Sampling(), &none,
+                                         [&](size_t r, int64_t t) { streamed[r].push_back(t); }, &st);
+  ASSERT_EQ(got.size(), prompts.size());
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    const std::string what = fmt::format("prompt {}", p);
+    EXPECT_EQ(got[p].ids, model->generate(prompts[p], steps, models::Sampling(), &none)) << what;
+    EXPECT_EQ(got[p].reason, models::StopReason::MaxNewTokens) << what;
+    EXPECT_EQ(streamed[p], std::vector<int64_t>(got[p].ids.begin() + static_cast<int64_t>(prompts[p].size()), got[p].ids.end())) << what;
+    expect_greedy_continuation(*model, got[p].ids, prompts[p].size(), what);
+  }
+  // Each row's first token comes from its prefill; the batched steps made the rest.
+  EXPECT_EQ(st.decode_tokens, static_cast<int64_t>(prompts.size()) * (steps - 1));
+  EXPECT_GT(st.first_token_seconds, 0.0);
+  // Row 1's third new token as the stop: each row stops where it stops alone.
+  const std::vector<int64_t> stops = {got[1].ids[prompts[1].size() + 2]};
+  const auto stopped = model->generate_batch(prompts, steps, models::Sampling(), &stops);
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    models::StopReason why{};
+    EXPECT_EQ(stopped[p].ids, model->generate(prompts[p], steps, models::Sampling(), &stops, &why)) << p;
+    EXPECT_EQ(stopped[p].reason, why) << p;
+  }
+  EXPECT_EQ(stopped[1].reason, models::StopReason::StopToken);
+  // Sampled rows: reproducible, row 0 as the prompt alone (seed + 0).
+  const models::Sampling s{0.8, 20, 0.9, 7};
+  const auto a = model->generate_batch(prompts, 5, s, &none), b = model->generate_batch(prompts, 5, s, &none);
+  for (size_t p = 0; p < prompts.size(); ++p) EXPECT_EQ(a[p].ids, b[p].ids) << p;
+  EXPECT_EQ(a[0].ids, model->generate(prompts[0], 5, s, &none));
+  EXPECT_ERROR(model->generate_batch({base, {}}, 1), "prompt 1 has no tokens");
+  EXPECT_ERROR(model->generate_batch({base, {3, 200}}, 1), "prompt 1's token id 200 (position 1) is outside");
+}
+
+// Rows that outgrow the cache's first allocation (the longest prompt + 256 positions) and reach the
+// context length: the storage doubles with every row's keys kept.
+TEST(CausalLMGeneration, LongRowsGrowTheCacheAndStopAtTheContext) {
+  ModelConfig c = ModelConfig::from_folder(fs::path(test::fixtures_dir()) / "llama");
+  c.max_position_embeddings = 330;
+  const auto model = models::CausalLM::random(c, DType::f32, Device::cpu(), 11, 0.5);
+  const std::vector<std::vector<int64_t>> prompts = {{3, 4, 5}, {7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26}};
+  const std::vector<int64_t> none;
+  const auto got = model->generate_batch(prompts, 320, models::Sampling(), &none);
+  EXPECT_EQ(got[0].ids.size(), 323u);
+  EXPECT_EQ(got[0].reason, models::StopReason::MaxNewTokens);
+  EXPECT_EQ(got[1].ids.size(), 330u);
+  EXPECT_EQ(got[1].reason, models::StopReason::ContextLength);
+  for (size_t p = 0; p < prompts.size(); ++p) expect_greedy_continuation(*model, got[p].ids, prompts[p].size(), fmt::format("row {}", p));
+}
+
 // Every parameter's gradient of the loss against Transformers' (f32): within 1e-5 relative, the
 // issue's bar, and no parameter missed or invented.
 TEST_P(Families, GradientsMatchTransformers) {

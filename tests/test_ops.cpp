@@ -151,6 +151,50 @@ TEST_P(Ops, ReductionsAndSoftmaxMatchOracle) {
   }
 }
 
+// argmax_checked: the first largest value of each row (ties to the lower index, across the threads
+// of a CUDA block: rows longer than one block), and the first non-finite value, which never wins.
+TEST_P(Ops, ArgmaxCheckedFindsTheFirstLargestAndTheFirstNonFinite) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test_generator();
+  for (DType dt : test::float_dtypes(dev)) {
+    for (int64_t n : {1, 5, 33, 600, 151936}) {
+      const int64_t rows = 6;
+      std::vector<double> v(static_cast<size_t>(rows * n));
+      gen.fill_uniform(v, -4, 4);
+      v = Tensor::from_f64(v, {rows * n}, dt, Device::cpu()).to_f64_vector();  // representable in dt
+      auto at = [&](int64_t r, int64_t j) -> double& { return v[static_cast<size_t>(r * n + j)]; };
+      // row 1: a tie of the maximum at the last and at a middle position; row 2: NaN at the front and
+      // an infinity later; row 3: -inf everywhere but one; row 4: every value equal.
+      at(1, n - 1) = 100, at(1, n / 2) = 100;
+      at(2, 0) = std::nan(""), at(2, n - 1) = INFINITY;
+      for (int64_t j = 0; j < n; ++j) at(3, j) = j == n / 3 ? -7.0 : -INFINITY;
+      for (int64_t j = 0; j < n; ++j) at(4, j) = 1.5;
+      const Tensor x = Tensor::from_f64(v, {rows, n}, dt, dev);
+      const std::vector<int64_t> got = ops::argmax_checked(x).to_i64_vector();
+      for (int64_t r = 0; r < rows; ++r) {
+        int64_t best = -1, bad = -1;
+        for (int64_t j = 0; j < n; ++j) {
+          if (!std::isfinite(at(r, j))) {
+            if (bad < 0) bad = j;
+          } else if (best < 0 || at(r, j) > at(r, best)) {
+            best = j;
+          }
+        }
+        const std::string cfg = config_name(dev, dt) + fmt::format(" n={} row {}", n, r);
+        EXPECT_EQ(got[static_cast<size_t>(2 * r)], best < 0 ? 0 : best) << cfg;
+        EXPECT_EQ(got[static_cast<size_t>(2 * r + 1)], bad) << cfg;
+      }
+    }
+  }
+  try {
+    ops::argmax_checked(Tensor::zeros({3}, DType::f32, dev));
+    FAIL() << "argmax_checked accepted a 1-dim tensor";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("must be [rows, n]"), std::string::npos) << e.what();
+  }
+}
+
 TEST_P(Ops, SumOverOtherDims) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -28,6 +30,27 @@ ops::GluActivation glu_activation(const std::string& act) {
   if (act == "silu") return ops::GluActivation::Silu;
   if (act == "gelu") return ops::GluActivation::Gelu;
   return ops::GluActivation::GeluTanh;  // gelu_pytorch_tanh, gelu_new, gelu_fast (config.cpp admits no other)
+}
+
+// Writes k, v [B, Hkv, S, D] at positions length .. length + S - 1 of the cache storage ck, cv
+// [B, Hkv, capacity, D] (allocated, or doubled and copied, when too small; `reserve` positions at
+// least) and returns the views of the positions 0 .. length + S - 1.
+std::pair<Tensor, Tensor> append_to_cache(Tensor& ck, Tensor& cv, const Tensor& k, const Tensor& v, int64_t length,
+                                          int64_t reserve) {
+  const int64_t b = k.size(0), h = k.size(1), s = k.size(2), d = k.size(3), need = length + s;
+  KCPP_CHECK(!ck.defined() || ck.size(0) == b, "CausalLM: the cache holds batch {}, the input is batch {}", ck.size(0), b);
+  if (!ck.defined() || ck.size(2) < need) {
+    const int64_t cap = std::max({need, reserve, ck.defined() ? 2 * ck.size(2) : int64_t{0}});
+    Tensor nk = Tensor::empty({b, h, cap, d}, k.dtype(), k.device()), nv = Tensor::empty({b, h, cap, d}, v.dtype(), v.device());
+    if (length > 0) {
+      nk.narrow(2, 0, length).copy_(ck.narrow(2, 0, length));
+      nv.narrow(2, 0, length).copy_(cv.narrow(2, 0, length));
+    }
+    ck = nk, cv = nv;
+  }
+  ck.narrow(2, length, s).copy_(k);
+  cv.narrow(2, length, s).copy_(v);
+  return {ck.narrow(2, 0, need), cv.narrow(2, 0, need)};
 }
 
 // "'a', 'b', 'c'", at most `most` of them, then how many more.
@@ -341,15 +364,14 @@ Tensor CausalLM::layer_forward(size_t li, Tensor h, const ops::RopeCosSin& cs, L
   }
   q = q.transpose(1, 2).contiguous(), k = k.transpose(1, 2).contiguous(), v = v.transpose(1, 2).contiguous();
   std::tie(q, k) = l.rope->forward(q, k, cs.cos, cs.sin);
-  if (cache) {
-    Tensor& ck = cache->k[li];
-    Tensor& cv = cache->v[li];
-    KCPP_CHECK(!ck.defined() || ck.size(0) == b, "CausalLM: the cache holds batch {}, the input is batch {}", ck.size(0), b);
-    ck = ck.defined() ? ops::cat({ck, k}, 2) : k;
-    cv = cv.defined() ? ops::cat({cv, v}, 2) : v;
-    k = ck, v = cv;
+  Tensor o;
+  if (cache && !cache->rows.empty()) {
+    o = ragged_attention(li, q, k, v, *cache);
+  } else {
+    if (cache) std::tie(k, v) = append_to_cache(cache->k[li], cache->v[li], k, v, cache->length, cache->reserve);
+    o = l.attn->forward(q, k, v, t ? &t->attn : nullptr);
   }
-  const Tensor o = l.attn->forward(q, k, v, t ? &t->attn : nullptr).transpose(1, 2).contiguous().view({b * s, hq * d});
+  o = o.transpose(1, 2).contiguous().view({b * s, hq * d});
   h = ops::add(h, linear(o, l.wo).view({b, s, hdim}));
   const Tensor m = l.post_norm->forward(h, t ? &t->post_norm : nullptr).view({b * s, hdim});
   if (l.moe) {
@@ -380,13 +402,26 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache) {
   Tensor h = ops::embedding(embed_, ids.device() == device_ ? ids : ids.to(device_));
   if (c.scale_embeddings)  // Gemma: times sqrt(hidden) rounded to the model's dtype, as Transformers does
     h = ops::scale(h, Tensor::full({}, std::sqrt(static_cast<double>(hdim)), dtype_, Device::cpu()).item());
+  const bool ragged = cache && !cache->rows.empty();
   const int64_t past = cache ? cache->length : 0;
-  KCPP_CHECK(!(tape && past > 0), "CausalLM: a backward over a cached prefix is not supported");
+  KCPP_CHECK(!(tape && (past > 0 || ragged)), "CausalLM: a backward over a cached prefix is not supported");
   if (cache && cache->k.empty()) cache->k.resize(layers_.size()), cache->v.resize(layers_.size());
   std::vector<int64_t> pos(static_cast<size_t>(b * s));
-  for (int64_t i = 0; i < b * s; ++i) pos[i] = past + i % s;
+  int64_t end = past + s;  // one past the last position (dynamic RoPE scales by it)
+  if (ragged) {
+    KCPP_CHECK(s == 1 && (cache->active.empty() ? static_cast<int64_t>(cache->rows.size()) == b
+                                                : static_cast<int64_t>(cache->active.size()) == b),
+               "CausalLM: a ragged cache takes one token per active row; got input [{}, {}]", b, s);
+    end = 0;
+    for (int64_t i = 0; i < b; ++i) {
+      pos[static_cast<size_t>(i)] = cache->rows[static_cast<size_t>(cache->active.empty() ? i : cache->active[static_cast<size_t>(i)])];
+      end = std::max(end, pos[static_cast<size_t>(i)] + 1);
+    }
+  } else {
+    for (int64_t i = 0; i < b * s; ++i) pos[static_cast<size_t>(i)] = past + i % s;
+  }
   const ops::RopeCosSin cs =
-      ops::rope_cos_sin(Tensor::from_i64(pos, {b, s}, DType::i64, device_), inv_freq(past + s), 1.0, dtype_);
+      ops::rope_cos_sin(Tensor::from_i64(pos, {b, s}, DType::i64, device_), inv_freq(end), 1.0, dtype_);
   if (tape) {
     tape->layers.assign(layers_.size(), {});
     tape->inputs.assign(layers_.size(), {});
@@ -397,14 +432,50 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache) {
     if (tape && tape->checkpoint) tape->inputs[li] = h;
     h = layer_forward(li, h, cs, tape && !tape->checkpoint ? &tape->layers[li] : nullptr, cache);
   }
-  if (cache) cache->length += s;
+  if (ragged) {
+    for (int64_t i = 0; i < b; ++i) ++cache->rows[static_cast<size_t>(cache->active.empty() ? i : cache->active[static_cast<size_t>(i)])];
+  } else if (cache) {
+    cache->length += s;
+  }
   return final_norm_->forward(h, tape ? &tape->final_norm : nullptr);
+}
+
+Tensor CausalLM::ragged_attention(size_t li, const Tensor& q, const Tensor& k, const Tensor& v, KVCache& c) {
+  const int64_t b = q.size(0);
+  Tensor& ck = c.k[li];
+  Tensor& cv = c.v[li];
+  KCPP_CHECK(ck.defined(), "CausalLM: a ragged cache needs its storage (generate_batch allocates it)");
+  std::vector<Tensor> outs;
+  outs.reserve(static_cast<size_t>(b));
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t r = c.active.empty() ? i : c.active[static_cast<size_t>(i)], n = c.rows[static_cast<size_t>(r)];
+    if (n == ck.size(2)) {  // a full row: double every row's storage
+      const int64_t rows = ck.size(0), h = ck.size(1), cap = ck.size(2), d = ck.size(3);
+      Tensor nk = Tensor::empty({rows, h, 2 * cap, d}, ck.dtype(), ck.device());
+      Tensor nv = Tensor::empty({rows, h, 2 * cap, d}, cv.dtype(), cv.device());
+      nk.narrow(2, 0, cap).copy_(ck);
+      nv.narrow(2, 0, cap).copy_(cv);
+      ck = nk, cv = nv;
+    }
+    const Tensor rk = ck.narrow(0, r, 1), rv = cv.narrow(0, r, 1);
+    rk.narrow(2, n, 1).copy_(k.narrow(0, i, 1));
+    rv.narrow(2, n, 1).copy_(v.narrow(0, i, 1));
+    outs.push_back(layers_[li].attn->forward(q.narrow(0, i, 1), rk.narrow(2, 0, n + 1), rv.narrow(2, 0, n + 1)));
+  }
+  return b == 1 ? outs[0] : ops::cat(outs, 0);
 }
 
 Tensor CausalLM::forward(const Tensor& ids, KVCache* cache) {
   const Tensor h = hidden_states(ids, nullptr, cache);
   const int64_t b = ids.size(0), s = ids.size(1);
   return ops::matmul(h.view({b * s, cfg_.hidden_size}), lm_head_, false, true).view({b, s, cfg_.vocab_size});
+}
+
+Tensor CausalLM::next_token_logits(const Tensor& ids, KVCache* cache) {
+  const Tensor h = hidden_states(ids, nullptr, cache);
+  const int64_t b = ids.size(0), s = ids.size(1);
+  const Tensor last = s == 1 ? h.view({b, cfg_.hidden_size}) : h.narrow(1, s - 1, 1).contiguous().view({b, cfg_.hidden_size});
+  return ops::matmul(last, lm_head_, false, true);
 }
 
 void Sampling::validate() const {
@@ -444,42 +515,146 @@ int64_t sample_next_token(std::vector<double> logits, const Sampling& s, std::mt
 
 std::vector<int64_t> CausalLM::generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens, const Sampling& sampling,
                                         const std::vector<int64_t>* stop, StopReason* reason) {
-  KCPP_CHECK(!prompt.empty(), "generate: the prompt has no tokens");
+  auto r = generate_batch({prompt}, max_new_tokens, sampling, stop);
+  if (reason) *reason = r[0].reason;
+  return std::move(r[0].ids);
+}
+
+std::vector<int64_t> CausalLM::pick_tokens(const Tensor& logits_all, const Sampling& sampling,
+                                           std::vector<std::mt19937_64>& rngs, const std::vector<size_t>& rows,
+                                           const std::vector<int64_t>& positions) {
+  const int64_t n = logits_all.size(0), v = cfg_.vocab_size;
+  const Tensor logits = logits_all.size(1) > v ? logits_all.narrow(1, 0, v) : logits_all;
+  const bool many = rngs.size() > 1;
+  auto bad_logits = [&](int64_t j, int64_t id, double value) {
+    KCPP_FAIL("generate: the model produced non-finite logits ({} for token id {}) at position {}{}; check the weights "
+              "(NaN or infinite values in the safetensors) and config.json (rope_theta, rms_norm_eps, ...)", value, id,
+              positions[static_cast<size_t>(j)], many ? fmt::format(" of prompt {}", rows[static_cast<size_t>(j)]) : "");
+  };
+  std::vector<int64_t> tokens(static_cast<size_t>(n));
+  if (sampling.temperature <= 0.0) {  // greedy: the argmax on the logits' device, two ids a row back
+    const std::vector<int64_t> picked = ops::argmax_checked(logits).to_i64_vector();
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t bad = picked[static_cast<size_t>(2 * j + 1)];
+      if (bad >= 0) bad_logits(j, bad, logits.narrow(0, j, 1).narrow(1, bad, 1).contiguous().to_f64_vector()[0]);
+      tokens[static_cast<size_t>(j)] = picked[static_cast<size_t>(2 * j)];
+    }
+    return tokens;
+  }
+  const std::vector<double> all = logits.contiguous().to_f64_vector();
+  for (int64_t j = 0; j < n; ++j) {
+    const auto row = all.begin() + j * v;
+    const auto bad = std::find_if(row, row + v, [](double x) { return !std::isfinite(x); });
+    if (bad != row + v) bad_logits(j, bad - row, *bad);
+    tokens[static_cast<size_t>(j)] = sample_next_token(std::vector<double>(row, row + v), sampling, rngs[rows[static_cast<size_t>(j)]]);
+  }
+  return tokens;
+}
+
+std::vector<CausalLM::Generated> CausalLM::generate_batch(const std::vector<std::vector<int64_t>>& prompts,
+                                                          int64_t max_new_tokens, const Sampling& sampling,
+                                                          const std::vector<int64_t>* stop,
+                                                          const std::function<void(size_t, int64_t)>& on_token,
+                                                          GenerationStats* stats) {
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  auto since = [](clock::time_point t) { return std::chrono::duration<double>(clock::now() - t).count(); };
+  KCPP_CHECK(!prompts.empty(), "generate: no prompts");
   KCPP_CHECK(max_new_tokens >= 0, "generate: max_new_tokens is {}; it must be 0 or more", max_new_tokens);
   sampling.validate();
-  const int64_t context = cfg_.max_position_embeddings, n_prompt = static_cast<int64_t>(prompt.size());
-  KCPP_CHECK(n_prompt <= context,
-             "generate: the prompt has {} tokens, more than the model's context length of {} (max_position_embeddings in "
-             "config.json); shorten the prompt", n_prompt, context);
-  for (size_t i = 0; i < prompt.size(); ++i)
-    KCPP_CHECK(prompt[i] >= 0 && prompt[i] < cfg_.vocab_size,
-               "generate: the prompt's token id {} (position {}) is outside the model's vocabulary of {} ids (0 to {}); "
-               "were the ids made by another model's tokenizer?", prompt[i], i, cfg_.vocab_size, cfg_.vocab_size - 1);
-  const std::vector<int64_t>& stops = stop ? *stop : cfg_.eos_token_id;
-  const int64_t steps = std::min(max_new_tokens, context - n_prompt);
-  StopReason why = steps < max_new_tokens ? StopReason::ContextLength : StopReason::MaxNewTokens;
-  std::mt19937_64 rng(sampling.seed);
-  std::vector<int64_t> out = prompt;
-  KVCache cache;
-  Tensor next = Tensor::from_i64(prompt, {1, n_prompt}, DType::i64, device_);
-  for (int64_t step = 0; step < steps; ++step) {
-    const Tensor logits = forward(next, &cache);
-    const int64_t n = logits.size(1), v = cfg_.vocab_size;
-    const auto all = logits.narrow(1, n - 1, 1).to_f64_vector();
-    const auto bad = std::find_if(all.begin(), all.begin() + v, [](double x) { return !std::isfinite(x); });
-    KCPP_CHECK(bad == all.begin() + v,
-               "generate: the model produced non-finite logits ({} for token id {}) at position {}; check the weights "
-               "(NaN or infinite values in the safetensors) and config.json (rope_theta, rms_norm_eps, ...)", *bad,
-               bad - all.begin(), static_cast<int64_t>(out.size()) - 1);
-    const int64_t tok = sample_next_token(std::vector<double>(all.begin(), all.begin() + v), sampling, rng);
-    out.push_back(tok);
-    if (std::find(stops.begin(), stops.end(), tok) != stops.end()) {
-      why = StopReason::StopToken;
-      break;
-    }
-    next = Tensor::from_i64(std::vector<int64_t>{tok}, {1, 1}, DType::i64, device_);
+  const size_t n = prompts.size();
+  const bool many = n > 1;
+  const int64_t context = cfg_.max_position_embeddings;
+  for (size_t p = 0; p < n; ++p) {
+    const std::vector<int64_t>& prompt = prompts[p];
+    const std::string which = many ? fmt::format("prompt {}", p) : "the prompt";
+    KCPP_CHECK(!prompt.empty(), "generate: {} has no tokens", which);
+    KCPP_CHECK(static_cast<int64_t>(prompt.size()) <= context,
+               "generate: {} has {} tokens, more than the model's context length of {} (max_position_embeddings in "
+               "config.json); shorten the prompt", which, prompt.size(), context);
+    for (size_t i = 0; i < prompt.size(); ++i)
+      KCPP_CHECK(prompt[i] >= 0 && prompt[i] < cfg_.vocab_size,
+                 "generate: {}'s token id {} (position {}) is outside the model's vocabulary of {} ids (0 to {}); "
+                 "were the ids made by another model's tokenizer?", which, prompt[i], i, cfg_.vocab_size, cfg_.vocab_size - 1);
   }
-  if (reason) *reason = why;
+  const std::vector<int64_t>& stops = stop ? *stop : cfg_.eos_token_id;
+  std::vector<Generated> out(n);
+  std::vector<int64_t> steps(n);  // the new tokens row p may make
+  std::vector<std::mt19937_64> rngs;
+  int64_t longest = 0, most = 0;
+  for (size_t p = 0; p < n; ++p) {
+    const int64_t len = static_cast<int64_t>(prompts[p].size());
+    out[p].ids = prompts[p];
+    steps[p] = std::min(max_new_tokens, context - len);
+    out[p].reason = steps[p] < max_new_tokens ? StopReason::ContextLength : StopReason::MaxNewTokens;
+    rngs.emplace_back(sampling.seed + p);
+    longest = std::max(longest, len);
+    most = std::max(most, len + steps[p]);
+  }
+  GenerationStats st;
+  // One cache for every row, positions for the longest prompt and its first steps (ragged_attention
+  // doubles it when a row fills it).
+  KVCache cache;
+  const int64_t rows = static_cast<int64_t>(n), hkv = cfg_.num_key_value_heads, d = cfg_.head_dim;
+  const int64_t capacity = std::min(most, longest + std::min<int64_t>(max_new_tokens, 256));
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    cache.k.push_back(Tensor::empty({rows, hkv, capacity, d}, dtype_, device_));
+    cache.v.push_back(Tensor::empty({rows, hkv, capacity, d}, dtype_, device_));
+  }
+  cache.rows.assign(n, 0);
+  std::vector<int64_t> next(n, 0);
+  std::vector<char> done(n, 1);
+  auto emit = [&](size_t p, int64_t token) {  // true when row p is finished
+    out[p].ids.push_back(token);
+    if (on_token) on_token(p, token);
+    if (std::find(stops.begin(), stops.end(), token) != stops.end()) {
+      out[p].reason = StopReason::StopToken;
+      return true;
+    }
+    return static_cast<int64_t>(out[p].ids.size() - prompts[p].size()) >= steps[p];
+  };
+  // Prefill: each prompt alone, its keys written into its row of the cache (views of the storage).
+  for (size_t p = 0; p < n; ++p) {
+    if (steps[p] == 0) continue;
+    const int64_t len = static_cast<int64_t>(prompts[p].size());
+    KVCache one;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      one.k.push_back(cache.k[l].narrow(0, static_cast<int64_t>(p), 1));
+      one.v.push_back(cache.v[l].narrow(0, static_cast<int64_t>(p), 1));
+    }
+    const Tensor logits = next_token_logits(Tensor::from_i64(prompts[p], {1, len}, DType::i64, device_), &one);
+    cache.rows[p] = len;
+    const int64_t token = pick_tokens(logits, sampling, rngs, {p}, {len - 1})[0];
+    if (st.first_token_seconds == 0) st.first_token_seconds = since(t0);
+    done[p] = emit(p, token);
+    next[p] = token;
+  }
+  st.prefill_seconds = since(t0);
+  // Decode: every unfinished row, one token a step.
+  const auto t1 = clock::now();
+  for (;;) {
+    std::vector<size_t> active;
+    for (size_t p = 0; p < n; ++p)
+      if (!done[p]) active.push_back(p);
+    if (active.empty()) break;
+    std::vector<int64_t> ids, positions;
+    cache.active.clear();
+    for (size_t p : active) {
+      cache.active.push_back(static_cast<int64_t>(p));
+      ids.push_back(next[p]);
+      positions.push_back(static_cast<int64_t>(out[p].ids.size()) - 1);
+    }
+    const int64_t a = static_cast<int64_t>(active.size());
+    const Tensor logits = next_token_logits(Tensor::from_i64(ids, {a, 1}, DType::i64, device_), &cache);
+    const std::vector<int64_t> tokens = pick_tokens(logits, sampling, rngs, active, positions);
+    for (size_t j = 0; j < active.size(); ++j) {
+      done[active[j]] = emit(active[j], tokens[j]);
+      next[active[j]] = tokens[j];
+    }
+    st.decode_tokens += a;
+  }
+  st.decode_seconds = since(t1);
+  if (stats) *stats = st;
   return out;
 }
 

@@ -81,17 +81,26 @@ class CausalLM : public nn::Module {
   static std::unique_ptr<CausalLM> random(const ModelConfig& config, DType dtype, Device device, uint64_t seed,
                                           double initializer_range = 0.02);
 
-  // The keys and values of the tokens seen so far, per layer ([B, kv_heads, length, head_dim], after
-  // RoPE), for incremental decoding.
+  // The keys and values of the tokens seen so far, per layer and after RoPE, for incremental decoding:
+  // storage k[l], v[l] [B, kv_heads, capacity, head_dim] whose first `length` positions hold the
+  // tokens, so a step writes its keys in place (the storage doubles when full; `reserve` positions
+  // are allocated at once when given).
+  // A ragged batch (generate_batch) has `rows`: row r of the storage holds rows[r] tokens, and row i
+  // of a step's input (one token per row) is storage row active[i] (every row when `active` is empty).
   struct KVCache {
     std::vector<Tensor> k, v;
     int64_t length = 0;
-    void clear() { k.clear(), v.clear(), length = 0; }
+    int64_t reserve = 0;
+    std::vector<int64_t> rows, active;
+    void clear() { k.clear(), v.clear(), length = 0, rows.clear(), active.clear(); }
   };
 
   // logits [B, S, V] in the model's dtype for input_ids [B, S] (i64 / i32), positions 0 .. S-1; with
   // a cache, the new tokens sit at positions cache.length .. and the cache grows by S.
   Tensor forward(const Tensor& input_ids, KVCache* cache = nullptr);
+  // The last position's logits [B, V] only (what generation samples from: the head's GEMM for one
+  // position instead of S).  With a ragged cache, one token per row at each row's own position.
+  Tensor next_token_logits(const Tensor& input_ids, KVCache* cache);
 
   // prompt + up to max_new_tokens generated with the KV cache; stops after a token of `stop`
   // (default: the config's eos_token_id) or when the sequence holds max_position_embeddings tokens
@@ -101,6 +110,29 @@ class CausalLM : public nn::Module {
   // infinite: broken weights or config).
   std::vector<int64_t> generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens, const Sampling& sampling = Sampling(),
                                 const std::vector<int64_t>* stop = nullptr, StopReason* reason = nullptr);
+
+  // Many prompts at once, each with its own length and stop: every prompt is prefilled alone (its
+  // keys written into its row of one cache), then all unfinished rows decode together, one token per
+  // row a step (the GEMMs batched; attention row by row over each row's own length).  A row stops at
+  // a token of `stop` (default: eos_token_id), after max_new_tokens, or at the context length.
+  // Greedy rows pick on the device (only the ids come back); sampled rows read their logits, with
+  // row i's draws seeded by sampling.seed + i.  `on_token(row, token)` sees every new token as it
+  // is chosen (streaming).  Results equal generate() of each prompt alone, up to the rounding of a
+  // batched GEMM.  Throws as generate() does, naming the prompt.
+  struct Generated {
+    std::vector<int64_t> ids;  // the prompt and its new tokens
+    StopReason reason = StopReason::MaxNewTokens;
+  };
+  struct GenerationStats {
+    double prefill_seconds = 0;      // every prompt's prefill, to its first new token
+    double first_token_seconds = 0;  // from the call to the first prompt's first new token
+    double decode_seconds = 0;       // the batched steps after the prefills
+    int64_t decode_tokens = 0;       // tokens those steps made
+  };
+  std::vector<Generated> generate_batch(const std::vector<std::vector<int64_t>>& prompts, int64_t max_new_tokens,
+                                        const Sampling& sampling = Sampling(), const std::vector<int64_t>* stop = nullptr,
+                                        const std::function<void(size_t, int64_t)>& on_token = {},
+                                        GenerationStats* stats = nullptr);
   // ForCausalLMLoss of forward(input_ids) against labels [B, S] (f32 scalar).
   Tensor loss(const Tensor& input_ids, const Tensor& labels);
 
@@ -159,6 +191,12 @@ class CausalLM : public nn::Module {
   struct Tape;       // what the forward keeps for the backward
   struct LayerTape;  // ... of one layer
   Tensor layer_forward(size_t li, Tensor h, const ops::RopeCosSin& cs, LayerTape* t, KVCache* cache);
+  // Attention of one token per row against each row's own cached length (a ragged cache).
+  Tensor ragged_attention(size_t li, const Tensor& q, const Tensor& k, const Tensor& v, KVCache& cache);
+  // The token each row picks from its logits [R, V] (device-side argmax when greedy); non-finite
+  // logits are an error naming the row's position.
+  std::vector<int64_t> pick_tokens(const Tensor& logits, const Sampling& sampling, std::vector<std::mt19937_64>& rngs,
+                                   const std::vector<size_t>& rows, const std::vector<int64_t>& positions);
   Tensor hidden_states(const Tensor& input_ids, Tape* tape = nullptr, KVCache* cache = nullptr);  // [B, S, H], final norm applied
   Tensor shifted_targets(const Tensor& labels) const;
   Tensor inv_freq(int64_t seq_len) const;

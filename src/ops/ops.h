@@ -70,6 +70,10 @@ Tensor reduce_last(Reduce op, const Tensor& x, bool keepdim = false);
 inline Tensor sum(const Tensor& x, bool keepdim = false) { return reduce_last(Reduce::Sum, x, keepdim); }
 inline Tensor mean(const Tensor& x, bool keepdim = false) { return reduce_last(Reduce::Mean, x, keepdim); }
 inline Tensor max(const Tensor& x, bool keepdim = false) { return reduce_last(Reduce::Max, x, keepdim); }
+// Per row of x [R, V] (float): the index of its largest value (the first on ties) and the index of its
+// first non-finite value (-1 when all are finite), as i64 [R, 2] — what greedy decoding reads instead
+// of the logits.  NaN and infinities never win the argmax (column 1 reports them).
+Tensor argmax_checked(const Tensor& x);
 // Sum over dimension `dim` (moved last, then reduced).
 Tensor sum_dim(const Tensor& x, int64_t dim, bool keepdim = false);
 // Sum over every dimension but the last: [..., H] -> [H] (weight gradients).

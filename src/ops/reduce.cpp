@@ -116,6 +116,42 @@ Tensor softmax_backward_impl(Softmax kind, const Tensor& dy, const Tensor& y) {
 
 }  // namespace
 
+Tensor argmax_checked(const Tensor& x) {
+  check_float(x, "argmax_checked", "x");
+  KCPP_CHECK(x.dim() == 2 && x.size(1) > 0, "op argmax_checked: argument 'x' must be [rows, n] with n > 0, got [{}]",
+             fmt::join(x.shape(), ", "));
+  const Rows r = as_rows(x);
+  Tensor out = Tensor::empty({r.rows, 2}, DType::i64, x.device());
+  if (r.rows == 0) return out;
+  if (x.device().is_cuda()) {
+#if KCPP_WITH_CUDA
+    cuda::argmax_checked(out, r.t);
+#endif
+    return out;
+  }
+  int64_t* o = out.data_ptr<int64_t>();
+  visit_floating(x.dtype(), "argmax_checked", [&]<typename T>(std::type_identity<T>) {
+    const T* in = static_cast<const T*>(r.t.data());
+#pragma omp parallel for schedule(static)
+    for (int64_t row = 0; row < r.rows; ++row) {
+      const T* xr = in + row * r.n;
+      int64_t best = -1, bad = -1;
+      double best_v = 0;
+      for (int64_t i = 0; i < r.n; ++i) {
+        const double v = to_f64(xr[i]);
+        if (!std::isfinite(v)) {
+          if (bad < 0) bad = i;
+        } else if (best < 0 || v > best_v) {
+          best = i, best_v = v;
+        }
+      }
+      o[2 * row] = best < 0 ? 0 : best;
+      o[2 * row + 1] = bad;
+    }
+  });
+  return out;
+}
+
 Tensor reduce_last(Reduce op, const Tensor& x, bool keepdim) {
   static const char* names[] = {"sum", "mean", "max"};
   const char* name = names[static_cast<int>(op)];

@@ -10,6 +10,7 @@ namespace kcpp::ops::cuda {
 void unary(Unary op, const Tensor& out, const Tensor& x, double alpha);
 void binary(Binary op, const Tensor& out, const Tensor& a, const Tensor& b);  // a, b expanded to out's shape
 void reduce_last(Reduce op, const Tensor& out, const Tensor& x);              // x contiguous [rows, n]
+void argmax_checked(const Tensor& out, const Tensor& x);                       // x contiguous [rows, n], out i64 [rows, 2]
 void softmax(Softmax kind, const Tensor& out, const Tensor& x);               // x contiguous [rows, n]
 void softmax_backward(Softmax kind, const Tensor& dx, const Tensor& dy, const Tensor& y);
 void matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, int64_t batch,

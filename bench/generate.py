@@ -1,0 +1,134 @@
+"""Decoding speed: `kcpp generate` beside Transformers' generate() on the same random weights.
+
+  python3 bench/generate.py [--models qwen3,llama] [--batches 1,8,32] [--new 128] [--kcpp .devlibs/bin/kcpp]
+
+For each model's real dimensions (Qwen3-0.6B, Llama-3.2-1B; random weights saved once as a bf16
+Hugging Face folder) and each batch size: prompts of 16 random token ids, greedy, exactly --new new
+tokens (end-of-sequence ignored), then
+  - Transformers eager (dynamic cache, SDPA),
+  - Transformers with a static cache (generate() compiles its decoding step itself),
+  - kcpp generate (its default kernels), batch > 1 through --prompt-ids-file,
+each timed on its second run (the first warms compilation and allocators).  Decode tokens/s counts
+the tokens after each row's first; the memory roofline is (weight bytes + KV bytes read per step) /
+copy bandwidth, printed as a ceiling in tokens/s for batch 1.  Ratios hold within one call only.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+MODELS = {
+    "qwen3": ("Qwen3-0.6B", "Qwen3Config", "Qwen3ForCausalLM",
+              dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                   num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                   max_position_embeddings=40960, tie_word_embeddings=True)),
+    "llama": ("Llama-3.2-1B", "LlamaConfig", "LlamaForCausalLM",
+              dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                   num_key_value_heads=8, head_dim=64, vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
+                   max_position_embeddings=131072, tie_word_embeddings=True)),
+}
+PROMPT = 16
+
+
+def copy_gbps(torch):
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * 20 * x.numel() / (time.perf_counter() - t) / 1e9
+
+
+def hf_run(model, ids, new, static):
+    import torch
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    if static:
+        kw["cache_implementation"] = "static"
+    model.generate(ids, **kw)  # warm-up (compilation for the static cache)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = model.generate(ids, **kw)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t, out
+
+
+def kcpp_run(kcpp, folder, rows, new):
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        for r in rows:
+            f.write(",".join(str(i) for i in r) + "\n")
+        path = f.name
+    cmd = [kcpp, "generate", "--model", folder, "--dtype", "bf16", "--max-new-tokens", str(new), "--ignore-eos",
+           "--stats-json", path + ".json", "--prompt-ids-file", path]
+    best = None
+    for _ in range(2):  # the second run is timed
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            return None, r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"
+        with open(path + ".json") as f:
+            best = json.load(f)
+    return best, None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="qwen3,llama")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--kcpp", default=os.path.join(os.path.dirname(__file__), "..", ".devlibs", "bin", "kcpp"))
+    ap.add_argument("--skip-static", action="store_true")
+    a = ap.parse_args()
+    import torch
+    import transformers
+    gbps = copy_gbps(torch)
+    print(f"{torch.cuda.get_device_name()}: copy {gbps:.0f} GB/s; torch {torch.__version__}, transformers "
+          f"{transformers.__version__}; {PROMPT}-token prompts, {a.new} new tokens, greedy, bf16", flush=True)
+    for key in a.models.split(","):
+        name, cfg_name, model_name, dims = MODELS[key]
+        config = getattr(transformers, cfg_name)(**dims)
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        model = getattr(transformers, model_name)(config).to("cuda", torch.bfloat16).eval()
+        folder = tempfile.mkdtemp(prefix=f"kcpp-{key}-")
+        model.save_pretrained(folder)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        kv_per_token = 2 * dims["num_hidden_layers"] * dims["num_key_value_heads"] * dims["head_dim"] * 2
+        for batch in (int(b) for b in a.batches.split(",")):
+            g = torch.Generator().manual_seed(batch)
+            ids = torch.randint(0, dims["vocab_size"], (batch, PROMPT), generator=g)
+            avg_len = PROMPT + a.new / 2
+            roof = gbps * 1e9 / (weight_bytes + batch * avg_len * kv_per_token) * batch
+            line = f"{name:13s} batch {batch:4d} | roofline {roof:8.0f} tok/s"
+            with torch.no_grad():
+                secs, out_eager = hf_run(model, ids.cuda(), a.new, False)
+                line += f" | hf eager {batch * a.new / secs:8.0f}"
+                if not a.skip_static:
+                    try:
+                        secs, _ = hf_run(model, ids.cuda(), a.new, True)
+                        line += f" | hf static+compile {batch * a.new / secs:8.0f}"
+                    except Exception as e:  # noqa: BLE001  (reported, the others still run)
+                        line += f" | hf static failed: {str(e).splitlines()[0][:80]}"
+            stats, err = kcpp_run(a.kcpp, folder, ids.tolist(), a.new)
+            if stats is None:
+                line += f" | kcpp failed: {err}"
+            else:
+                total = stats["new_tokens"] / stats["seconds"]
+                decode = stats["decode_tokens"] / max(stats["decode_seconds"], 1e-9)
+                line += (f" | kcpp {total:8.0f} (decode {decode:8.0f} = {100 * decode / roof:5.1f}% of roofline; "
+                         f"first token {1e3 * stats['first_token_seconds']:6.1f} ms)")
+                same = sum(1 for r in range(batch) if stats["ids"][r] == out_eager[r].tolist())
+                line += f" | rows equal to hf eager: {same}/{batch}"
+            print(line, flush=True)
+        del model
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
