@@ -177,3 +177,26 @@ for i, m in enumerate(mappings):
     write("kernel_config", f"seed-{i}", b"\x00" + dumps(m).encode())
 write("kernel_config", "seed-local", b"\x01" + dumps({"RMSNorm": "/opt/kernels/liger:LigerRMSNorm", "MLP": {"cpu": "/opt/kernels/liger"}}).encode())
 write("kernel_config", "seed-liger-switches", b"\x00" + dumps({"rope": False, "rms_norm": True, "swiglu": True}).encode())
+
+# ---- chat templates: the committed fixtures, then small pieces of the language
+for p in sorted((FIXTURES / "chat_templates").glob("*.jinja")):
+    write("chat_template", f"seed-{p.stem}", p.read_bytes())
+pieces = [
+    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content | trim }}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
+    "{%- set ns = namespace(i=0) -%}{%- for m in messages[::-1] if m.role == 'user' -%}{%- set ns.i = loop.index0 -%}{%- endfor -%}{{ ns.i }}",
+    "{{ tools | tojson(indent=4) }}{% for k, v in tools[0].function.items() if k != 'name' %}{{ k }}={{ v | tojson }}{% endfor %}",
+    "{% macro m(x, y='d') %}[{{ x }}|{{ y }}]{% endmacro %}{{ m(1) }}{{ m(2, y=3) }}{{ m('a' ~ 'b') }}",
+    "{% if messages[0]['role'] != 'system' %}{{ raise_exception('no system') }}{% endif %}",
+    "{{ messages[2].content.split('</think>')[-1].lstrip('\\n') }}{{ 'x' if enable_thinking is defined and not enable_thinking }}",
+    "{{ 'a' * 3 }}{{ [1, 2] + [3] }}{{ 7 // 2 }}{{ 2 ** 8 }}{{ 1.5e3 }}{{ -1 % 5 }}{{ (1,) }}{{ {'k': none} }}",
+    "  {%- if true +%}\n  x  {#- c -#}\n  {%+ endif -%}  {{- 'y' -}}  ",
+    "{% for i in range(3) %}{% if i == 1 %}{% continue %}{% endif %}{{ loop.index }}{{ loop.cycle('a', 'b') }}{% endfor %}",
+    "{{ messages | selectattr('role', 'equalto', 'user') | map(attribute='content') | list | length }}{{ messages | map(attribute='role') | unique | join(',') }}",
+    "{% set x %}{{ bos_token }}{% endset %}{% filter upper %}{{ x }}{% endfilter %}{{ x is string }}{{ none is none }}",
+    "{{ messages[4].content | join(' ') }}{{ messages[9] is defined }}{{ messages[0].nope.nope }}",
+]
+for i, text in enumerate(pieces):
+    write("chat_template", f"seed-piece-{i:02}", text)
+write("chat_template", "edge-unclosed", "{% if x %}{% for y in z %}{{ y")
+write("chat_template", "edge-recursion", "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}")
+write("chat_template", "edge-doubling", "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}")
