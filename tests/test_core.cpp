@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/allocator.h"
+#include "core/cuda_graph.h"
 #include "core/platform.h"
 #include "core/profile.h"
 #include "ops/ops.h"
@@ -257,6 +258,47 @@ TEST(Allocator, OutOfMemoryIsAnErrorNotACrash) {
   } catch (const OutOfMemory& e) {
     EXPECT_NE(std::string(e.what()).find("out of memory"), std::string::npos) << e.what();
   }
+}
+
+// A private pool (for CUDA graphs) keeps its blocks: freed, they go back to it and nothing outside
+// the pool gets them until it is released.  A captured graph replays what it recorded on the
+// inputs' current values, into the same output.
+TEST(Allocator, PrivatePoolKeepsItsBlocksAndGraphsReplay) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "skipped: no CUDA device";
+  const Device dev = Device::cuda(0);
+  Allocator& a = allocator_for(dev);
+  void* in_pool = nullptr;
+  {
+    auto pool = std::make_unique<PrivatePool>(dev);
+    {
+      PoolScope scope(*pool);
+      in_pool = a.allocate(3 << 20);
+    }
+    a.deallocate(in_pool);
+    void* outside = a.allocate(3 << 20);  // the same size class, from the common cache or the device
+    EXPECT_NE(outside, in_pool);
+    {
+      PoolScope scope(*pool);
+      void* again = a.allocate(3 << 20);
+      EXPECT_EQ(again, in_pool);  // the pool's own free block
+      a.deallocate(again);
+    }
+    a.deallocate(outside);
+  }
+  Tensor x = Tensor::from_f64(std::vector<double>{1, 2, 3}, {3}, DType::f32, dev), y;
+  CudaGraph g;
+  g.capture(dev, [&] { y = ops::scale(ops::add(x, x), 0.5); });
+  ASSERT_TRUE(g.captured());
+  for (double v : {5.0, -7.0}) {
+    x.copy_(Tensor::from_f64(std::vector<double>{v, v + 1, v + 2}, {3}, DType::f32, Device::cpu()));
+    g.replay();
+    EXPECT_EQ(y.to_f64_vector(), (std::vector<double>{v, v + 1, v + 2}));
+  }
+  // A body that waits for the device cannot be captured: an error, no graph, nothing broken after.
+  CudaGraph bad;
+  EXPECT_THROW(bad.capture(dev, [&] { (void)x.to_f64_vector(); }), Error);
+  EXPECT_FALSE(bad.captured());
+  EXPECT_EQ(ops::add(x, x).to_f64_vector(), (std::vector<double>{-14, -12, -10}));
 }
 
 TEST(Allocator, RoundsSizes) {

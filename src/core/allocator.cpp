@@ -61,7 +61,8 @@ class CachingAllocator final : public Allocator {
     const size_t size = allocator_round_size(nbytes);
     std::lock_guard lock(mu_);
     void* p = nullptr;
-    if (auto it = free_.find(size); it != free_.end() && !it->second.empty()) {
+    auto& free = active_pool_ ? pools_.at(active_pool_) : free_;
+    if (auto it = free.find(size); it != free.end() && !it->second.empty()) {
       p = it->second.back();
       it->second.pop_back();
     } else {
@@ -78,7 +79,7 @@ class CachingAllocator final : public Allocator {
       held_ += size;
     }
     if (g_poison) backend_->poison(p, size);
-    live_.emplace(p, size);
+    live_.emplace(p, Block{size, active_pool_});
     stats_.current += size;
     stats_.peak = std::max(stats_.peak, stats_.current);
     stats_.allocations++;
@@ -90,10 +91,33 @@ class CachingAllocator final : public Allocator {
     std::lock_guard lock(mu_);
     auto it = live_.find(p);
     if (it == live_.end()) return;  // not ours; never free what we did not allocate
-    const size_t size = it->second;
+    const Block b = it->second;
     live_.erase(it);
-    stats_.current -= size;
-    free_[size].push_back(p);
+    stats_.current -= b.size;
+    auto pool = b.pool ? pools_.find(b.pool) : pools_.end();
+    (pool != pools_.end() ? pool->second : free_)[b.size].push_back(p);
+  }
+
+  uint64_t create_pool() override {
+    std::lock_guard lock(mu_);
+    const uint64_t id = ++last_pool_;
+    pools_[id];
+    return id;
+  }
+
+  void use_pool(uint64_t id) override {
+    std::lock_guard lock(mu_);
+    KCPP_CHECK(id == 0 || pools_.count(id), "allocator of {}: memory pool {} does not exist", device_.str(), id);
+    active_pool_ = id;
+  }
+
+  void release_pool(uint64_t id) override {
+    std::lock_guard lock(mu_);
+    auto pool = pools_.find(id);
+    if (pool == pools_.end()) return;
+    for (auto& [size, blocks] : pool->second) free_[size].insert(free_[size].end(), blocks.begin(), blocks.end());
+    pools_.erase(pool);
+    if (active_pool_ == id) active_pool_ = 0;
   }
 
   MemoryStats stats() const override {
@@ -116,6 +140,7 @@ class CachingAllocator final : public Allocator {
   Device device() const override { return device_; }
 
  private:
+  // The common cache only: a private pool's free blocks stay its own.
   void release_cached_locked() {
     for (auto& [size, blocks] : free_) {
       for (void* p : blocks) backend_->free(p);
@@ -124,11 +149,19 @@ class CachingAllocator final : public Allocator {
     free_.clear();
   }
 
+  struct Block {
+    size_t size;
+    uint64_t pool;  // 0: the common cache
+  };
+  using FreeLists = std::map<size_t, std::vector<void*>>;
+
   const Device device_;
   std::unique_ptr<Backend> backend_;
   mutable std::mutex mu_;
-  std::unordered_map<void*, size_t> live_;
-  std::map<size_t, std::vector<void*>> free_;
+  std::unordered_map<void*, Block> live_;
+  FreeLists free_;
+  std::map<uint64_t, FreeLists> pools_;
+  uint64_t active_pool_ = 0, last_pool_ = 0;
   size_t held_ = 0;  // live + cached bytes from the backend
   MemoryStats stats_;
 };
@@ -178,5 +211,10 @@ Allocator& allocator_for(Device d) {
   KCPP_FAIL("device {}: this build of kernels.cpp has no CUDA support (configure with nvcc present)", d.str());
 #endif
 }
+
+Allocator& PrivatePool::allocator_for_pool(Device d) { return allocator_for(d); }
+
+PoolScope::PoolScope(const PrivatePool& p) : device_(p.device()) { allocator_for(device_).use_pool(p.id()); }
+PoolScope::~PoolScope() { allocator_for(device_).use_pool(0); }
 
 }  // namespace kcpp

@@ -39,6 +39,43 @@ class Allocator {
   // Returns every cached free block to the backend.
   virtual void empty_cache() = 0;
   virtual Device device() const = 0;
+
+  // Private pools, for CUDA graphs: while pool `id` is in use (use_pool(id); 0 = none), allocations
+  // come from that pool's free blocks or the backend, and every block it handed out returns to it
+  // when freed, whenever that is.  So memory a captured graph reads and writes is never handed to
+  // anything else while the graph lives.  release_pool(id) gives the pool's free blocks to the
+  // common cache (its live blocks follow when freed).  The host allocator has no pools (ids are 0).
+  virtual uint64_t create_pool() { return 0; }
+  virtual void use_pool(uint64_t id) { (void)id; }
+  virtual void release_pool(uint64_t id) { (void)id; }
+};
+
+// A private pool of a device's allocator, in use for the lifetime of a PoolScope, released at
+// destruction.  Create it before the capture; keep it as long as the graph.
+class PrivatePool {
+ public:
+  explicit PrivatePool(Device d) : device_(d), id_(allocator_for_pool(d).create_pool()) {}
+  ~PrivatePool() { allocator_for_pool(device_).release_pool(id_); }
+  PrivatePool(const PrivatePool&) = delete;
+  PrivatePool& operator=(const PrivatePool&) = delete;
+  uint64_t id() const { return id_; }
+  Device device() const { return device_; }
+
+ private:
+  static Allocator& allocator_for_pool(Device d);
+  Device device_;
+  uint64_t id_;
+};
+
+class PoolScope {
+ public:
+  explicit PoolScope(const PrivatePool& p);
+  ~PoolScope();
+  PoolScope(const PoolScope&) = delete;
+  PoolScope& operator=(const PoolScope&) = delete;
+
+ private:
+  Device device_;
 };
 
 // The process-wide allocator of a device (created on first use, never destroyed, so tensors that

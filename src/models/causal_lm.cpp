@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <map>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -11,10 +13,13 @@
 #include <numeric>
 #include <random>
 
+#include "core/cuda_graph.h"
 #include "core/error.h"
+#include "core/profile.h"
 #include "core/random.h"
 #include "models/safetensors.h"
 #include "ops/nn/attention.h"
+#include "ops/nn/decode_attention.h"
 #include "ops/ops.h"
 
 namespace kcpp::models {
@@ -399,7 +404,8 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache) {
   KCPP_CHECK(ids.dim() == 2, "CausalLM: input_ids must be [batch, seq], got {} dims", ids.dim());
   const ModelConfig& c = cfg_;
   const int64_t b = ids.size(0), s = ids.size(1), hdim = c.hidden_size;
-  Tensor h = ops::embedding(embed_, ids.device() == device_ ? ids : ids.to(device_));
+  // In a captured step the ids are the previous step's picks (in range), and checking them would wait.
+  Tensor h = ops::embedding(embed_, ids.device() == device_ ? ids : ids.to(device_), !(cache && cache->step_ready));
   if (c.scale_embeddings)  // Gemma: times sqrt(hidden) rounded to the model's dtype, as Transformers does
     h = ops::scale(h, Tensor::full({}, std::sqrt(static_cast<double>(hdim)), dtype_, Device::cpu()).item());
   const bool ragged = cache && !cache->rows.empty();
@@ -412,16 +418,15 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache) {
     KCPP_CHECK(s == 1 && (cache->active.empty() ? static_cast<int64_t>(cache->rows.size()) == b
                                                 : static_cast<int64_t>(cache->active.size()) == b),
                "CausalLM: a ragged cache takes one token per active row; got input [{}, {}]", b, s);
-    end = 0;
-    for (int64_t i = 0; i < b; ++i) {
-      pos[static_cast<size_t>(i)] = cache->rows[static_cast<size_t>(cache->active.empty() ? i : cache->active[static_cast<size_t>(i)])];
-      end = std::max(end, pos[static_cast<size_t>(i)] + 1);
-    }
+    if (!cache->step_ready) prepare_ragged_step(*cache, b);
+    end = cache->step_max_length;
   } else {
     for (int64_t i = 0; i < b * s; ++i) pos[static_cast<size_t>(i)] = past + i % s;
   }
+  // A ragged step's positions are its rows' lengths before the step, already on the device.
   const ops::RopeCosSin cs =
-      ops::rope_cos_sin(Tensor::from_i64(pos, {b, s}, DType::i64, device_), inv_freq(end), 1.0, dtype_);
+      ops::rope_cos_sin(ragged ? cache->step_positions.view({b, 1}) : Tensor::from_i64(pos, {b, s}, DType::i64, device_),
+                        rope_inv_freq(end), 1.0, dtype_);
   if (tape) {
     tape->layers.assign(layers_.size(), {});
     tape->inputs.assign(layers_.size(), {});
@@ -440,29 +445,74 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache) {
   return final_norm_->forward(h, tape ? &tape->final_norm : nullptr);
 }
 
-Tensor CausalLM::ragged_attention(size_t li, const Tensor& q, const Tensor& k, const Tensor& v, KVCache& c) {
-  const int64_t b = q.size(0);
-  Tensor& ck = c.k[li];
-  Tensor& cv = c.v[li];
-  KCPP_CHECK(ck.defined(), "CausalLM: a ragged cache needs its storage (generate_batch allocates it)");
-  std::vector<Tensor> outs;
-  outs.reserve(static_cast<size_t>(b));
+void CausalLM::prepare_ragged_step(KVCache& c, int64_t b) {
+  std::vector<int64_t> rows(static_cast<size_t>(b)), positions(static_cast<size_t>(b)), lengths(static_cast<size_t>(b));
+  int64_t longest = 0;
   for (int64_t i = 0; i < b; ++i) {
-    const int64_t r = c.active.empty() ? i : c.active[static_cast<size_t>(i)], n = c.rows[static_cast<size_t>(r)];
-    if (n == ck.size(2)) {  // a full row: double every row's storage
-      const int64_t rows = ck.size(0), h = ck.size(1), cap = ck.size(2), d = ck.size(3);
-      Tensor nk = Tensor::empty({rows, h, 2 * cap, d}, ck.dtype(), ck.device());
-      Tensor nv = Tensor::empty({rows, h, 2 * cap, d}, cv.dtype(), cv.device());
+    const int64_t r = c.active.empty() ? i : c.active[static_cast<size_t>(i)];
+    rows[static_cast<size_t>(i)] = r, positions[static_cast<size_t>(i)] = c.rows[static_cast<size_t>(r)];
+    lengths[static_cast<size_t>(i)] = positions[static_cast<size_t>(i)] + 1;
+    longest = std::max(longest, lengths[static_cast<size_t>(i)]);
+  }
+  KCPP_CHECK(!c.k.empty() && c.k[0].defined(), "CausalLM: a ragged cache needs its storage (generate_batch allocates it)");
+  if (longest > c.k[0].size(2)) {  // a row is full: double every row's storage, in every layer
+    for (size_t l = 0; l < c.k.size(); ++l) {
+      Tensor& ck = c.k[l];
+      Tensor& cv = c.v[l];
+      const int64_t rows_n = ck.size(0), h = ck.size(1), cap = ck.size(2), d = ck.size(3);
+      Tensor nk = Tensor::empty({rows_n, h, 2 * cap, d}, ck.dtype(), ck.device());
+      Tensor nv = Tensor::empty({rows_n, h, 2 * cap, d}, cv.dtype(), cv.device());
       nk.narrow(2, 0, cap).copy_(ck);
       nv.narrow(2, 0, cap).copy_(cv);
       ck = nk, cv = nv;
     }
-    const Tensor rk = ck.narrow(0, r, 1), rv = cv.narrow(0, r, 1);
-    rk.narrow(2, n, 1).copy_(k.narrow(0, i, 1));
-    rv.narrow(2, n, 1).copy_(v.narrow(0, i, 1));
-    outs.push_back(layers_[li].attn->forward(q.narrow(0, i, 1), rk.narrow(2, 0, n + 1), rv.narrow(2, 0, n + 1)));
   }
-  return b == 1 ? outs[0] : ops::cat(outs, 0);
+  const bool in_place = c.step_rows.defined() && c.step_rows.size(0) == b;
+  auto set = [&](Tensor& t, const std::vector<int64_t>& v) {
+    if (in_place) t.copy_(Tensor::from_i64(v, {b}, DType::i32, Device::cpu()));
+    else t = Tensor::from_i64(v, {b}, DType::i32, device_);
+  };
+  set(c.step_rows, rows);
+  set(c.step_positions, positions);
+  set(c.step_lengths, lengths);
+  c.step_max_length = longest;
+}
+
+Tensor CausalLM::rope_inv_freq(int64_t seq_len) {
+  if (cfg_.rope_scaling.type == RopeScaling::Type::Dynamic) return inv_freq(seq_len);
+  if (!inv_freq_fixed_.defined()) inv_freq_fixed_ = inv_freq(seq_len);
+  return inv_freq_fixed_;
+}
+
+bool CausalLM::graph_decode_possible() const {
+  if (!device_.is_cuda() || !cuda_graphs_compiled() || profile::enabled()) return false;
+  if (const char* env = std::getenv("KCPP_DECODE_GRAPHS"); env && std::string(env) == "0") return false;
+  // MoE routing and dynamic RoPE read values on the host; head dims decode_attention lacks on CUDA
+  // go row by row with host lengths.
+  return cfg_.num_experts == 0 && cfg_.rope_scaling.type != RopeScaling::Type::Dynamic &&
+         ops::decode_attention_supported(device_, cfg_.head_dim);
+}
+
+Tensor CausalLM::ragged_attention(size_t li, const Tensor& q, const Tensor& k, const Tensor& v, KVCache& c) {
+  const int64_t b = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(3);
+  Tensor& ck = c.k[li];
+  Tensor& cv = c.v[li];
+  const ops::AttentionOptions& opt = layers_[li].attn->options;
+  ops::cache_write(ck, cv, k.reshape({b, hkv, d}), v.reshape({b, hkv, d}), c.step_rows, c.step_positions);
+  if (!ops::decode_attention_supported(q.device(), d)) {  // row by row through the attention slot
+    std::vector<Tensor> outs;
+    for (int64_t i = 0; i < b; ++i) {
+      const int64_t r = c.active.empty() ? i : c.active[static_cast<size_t>(i)], n = c.rows[static_cast<size_t>(r)] + 1;
+      outs.push_back(layers_[li].attn->forward(q.narrow(0, i, 1), ck.narrow(0, r, 1).narrow(2, 0, n),
+                                               cv.narrow(0, r, 1).narrow(2, 0, n)));
+    }
+    return b == 1 ? outs[0] : ops::cat(outs, 0);
+  }
+  const double scale = opt.scale != 0.0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(d));
+  // A captured step is replayed as the rows grow: its bound is the storage's capacity.
+  return ops::decode_attention(q.reshape({b, hq, d}), ck, cv, c.step_rows, c.step_lengths, scale, opt.window,
+                               c.step_ready ? 0 : c.step_max_length)
+      .view({b, hq, 1, d});
 }
 
 Tensor CausalLM::forward(const Tensor& ids, KVCache* cache) {
@@ -551,6 +601,50 @@ std::vector<int64_t> CausalLM::pick_tokens(const Tensor& logits_all, const Sampl
   return tokens;
 }
 
+struct CausalLM::DecodeGraphs {
+  struct Step {
+    CudaGraph graph;
+    Tensor ids, rows, positions, lengths;  // the inputs, overwritten before each replay
+    Tensor logits;                         // the output, rewritten by each replay
+    int eager_runs = 0;
+  };
+  std::map<int64_t, Step> by_batch;
+  bool failed = false;  // a capture failed: every later step runs eagerly
+};
+
+Tensor CausalLM::graph_step(DecodeGraphs& g, KVCache& cache, const std::vector<int64_t>& ids) {
+  const int64_t a = static_cast<int64_t>(ids.size());
+  DecodeGraphs::Step& st = g.by_batch[a];
+  if (!st.ids.defined()) st.ids = Tensor::empty({a, 1}, DType::i64, device_);
+  st.ids.copy_(Tensor::from_i64(ids, {a, 1}, DType::i64, Device::cpu()));
+  cache.step_rows = st.rows, cache.step_positions = st.positions, cache.step_lengths = st.lengths;
+  prepare_ragged_step(cache, a);  // in place once the step's tensors exist
+  st.rows = cache.step_rows, st.positions = cache.step_positions, st.lengths = cache.step_lengths;
+  if (st.eager_runs++ == 0) return next_token_logits(st.ids, &cache);  // warms every kernel and library first
+  if (!st.graph.captured()) {
+    // Recording runs the host side of the step (which advances the rows' lengths) but no GPU work.
+    const std::vector<int64_t> lengths = cache.rows;
+    cache.step_ready = true;
+    try {
+      st.graph.capture(device_, [&] { st.logits = next_token_logits(st.ids, &cache); });
+    } catch (const Error& e) {
+      fmt::print(stderr, "kcpp: decoding without CUDA graphs ({})\n", e.what());
+      g.failed = true;
+    }
+    cache.step_ready = false;
+    cache.rows = lengths;
+    if (g.failed) {
+      st.logits = Tensor();
+      return next_token_logits(st.ids, &cache);
+    }
+  }
+  st.graph.replay();
+  for (int64_t r : cache.active.empty() ? std::vector<int64_t>() : cache.active) ++cache.rows[static_cast<size_t>(r)];
+  if (cache.active.empty())
+    for (int64_t& len : cache.rows) ++len;
+  return st.logits;
+}
+
 std::vector<CausalLM::Generated> CausalLM::generate_batch(const std::vector<std::vector<int64_t>>& prompts,
                                                           int64_t max_new_tokens, const Sampling& sampling,
                                                           const std::vector<int64_t>* stop,
@@ -592,11 +686,14 @@ std::vector<CausalLM::Generated> CausalLM::generate_batch(const std::vector<std:
     most = std::max(most, len + steps[p]);
   }
   GenerationStats st;
+  // Decode steps as CUDA graphs: each batch size's step runs once eagerly, is then captured and
+  // replayed, with the cache at its full size from the start (a replay cannot follow a reallocation).
+  std::unique_ptr<DecodeGraphs> graphs = graph_decode_possible() ? std::make_unique<DecodeGraphs>() : nullptr;
   // One cache for every row, positions for the longest prompt and its first steps (ragged_attention
   // doubles it when a row fills it).
   KVCache cache;
   const int64_t rows = static_cast<int64_t>(n), hkv = cfg_.num_key_value_heads, d = cfg_.head_dim;
-  const int64_t capacity = std::min(most, longest + std::min<int64_t>(max_new_tokens, 256));
+  const int64_t capacity = graphs ? most : std::min(most, longest + std::min<int64_t>(max_new_tokens, 256));
   for (size_t l = 0; l < layers_.size(); ++l) {
     cache.k.push_back(Tensor::empty({rows, hkv, capacity, d}, dtype_, device_));
     cache.v.push_back(Tensor::empty({rows, hkv, capacity, d}, dtype_, device_));
@@ -645,7 +742,8 @@ std::vector<CausalLM::Generated> CausalLM::generate_batch(const std::vector<std:
       positions.push_back(static_cast<int64_t>(out[p].ids.size()) - 1);
     }
     const int64_t a = static_cast<int64_t>(active.size());
-    const Tensor logits = next_token_logits(Tensor::from_i64(ids, {a, 1}, DType::i64, device_), &cache);
+    const Tensor logits = graphs && !graphs->failed ? graph_step(*graphs, cache, ids) :
+                                                      next_token_logits(Tensor::from_i64(ids, {a, 1}, DType::i64, device_), &cache);
     const std::vector<int64_t> tokens = pick_tokens(logits, sampling, rngs, active, positions);
     for (size_t j = 0; j < active.size(); ++j) {
       done[active[j]] = emit(active[j], tokens[j]);

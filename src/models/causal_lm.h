@@ -87,12 +87,23 @@ class CausalLM : public nn::Module {
   // are allocated at once when given).
   // A ragged batch (generate_batch) has `rows`: row r of the storage holds rows[r] tokens, and row i
   // of a step's input (one token per row) is storage row active[i] (every row when `active` is empty).
+  // A step over a ragged cache writes each row's new keys at its length and attends over them with
+  // ops::decode_attention: `step_rows`, `step_positions` and `step_lengths` ([B] i32 on the model's
+  // device) are that step's row indices, write positions and lengths, made once for every layer.
   struct KVCache {
     std::vector<Tensor> k, v;
     int64_t length = 0;
     int64_t reserve = 0;
     std::vector<int64_t> rows, active;
-    void clear() { k.clear(), v.clear(), length = 0, rows.clear(), active.clear(); }
+    Tensor step_rows, step_positions, step_lengths;
+    int64_t step_max_length = 0;
+    // Set while a decode step is captured as a CUDA graph: the step tensors above were filled in
+    // place before it, and nothing in the step may wait for the device.
+    bool step_ready = false;
+    void clear() {
+      k.clear(), v.clear(), length = 0, rows.clear(), active.clear();
+      step_rows = step_positions = step_lengths = Tensor(), step_max_length = 0;
+    }
   };
 
   // logits [B, S, V] in the model's dtype for input_ids [B, S] (i64 / i32), positions 0 .. S-1; with
@@ -193,6 +204,16 @@ class CausalLM : public nn::Module {
   Tensor layer_forward(size_t li, Tensor h, const ops::RopeCosSin& cs, LayerTape* t, KVCache* cache);
   // Attention of one token per row against each row's own cached length (a ragged cache).
   Tensor ragged_attention(size_t li, const Tensor& q, const Tensor& k, const Tensor& v, KVCache& cache);
+  // Before a ragged step: doubles every layer's storage when a row is full, and makes the step's
+  // row, position and length tensors (overwritten in place when they exist for b rows: a captured
+  // graph reads them there).
+  void prepare_ragged_step(KVCache& cache, int64_t b);
+  // Whether decode steps on this model may be captured as CUDA graphs (see generate_batch).
+  bool graph_decode_possible() const;
+  struct DecodeGraphs;  // the captured steps of one generate_batch, by batch size
+  // One decode step of the rows cache.active with input `ids` through g's graph for that many rows
+  // (run eagerly the first time, captured the second, replayed after): the logits [rows, V].
+  Tensor graph_step(DecodeGraphs& g, KVCache& cache, const std::vector<int64_t>& ids);
   // The token each row picks from its logits [R, V] (device-side argmax when greedy); non-finite
   // logits are an error naming the row's position.
   std::vector<int64_t> pick_tokens(const Tensor& logits, const Sampling& sampling, std::vector<std::mt19937_64>& rngs,
@@ -200,6 +221,9 @@ class CausalLM : public nn::Module {
   Tensor hidden_states(const Tensor& input_ids, Tape* tape = nullptr, KVCache* cache = nullptr);  // [B, S, H], final norm applied
   Tensor shifted_targets(const Tensor& labels) const;
   Tensor inv_freq(int64_t seq_len) const;
+  // inv_freq(seq_len), made once where it does not depend on seq_len (every scaling but dynamic).
+  Tensor rope_inv_freq(int64_t seq_len);
+  Tensor inv_freq_fixed_;
   // The auxiliary loss's part: with output_router_logits, router_aux_loss_coef * load-balancing loss
   // of the MoE layers' logits (and its gradient, rows in layer order, for an upstream `dloss`).
   bool aux_loss_on() const { return cfg_.output_router_logits && cfg_.num_experts > 0; }

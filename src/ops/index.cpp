@@ -23,7 +23,7 @@ void check_range(const std::vector<int64_t>& v, int64_t limit, int64_t ignore, b
 
 }  // namespace
 
-Tensor embedding(const Tensor& weight, const Tensor& ids) {
+Tensor embedding(const Tensor& weight, const Tensor& ids, bool check_ids) {
   check_float(weight, "embedding", "weight");
   check_index(ids, "embedding", "ids");
   check_device(ids, weight, "embedding", "ids", "weight");
@@ -37,7 +37,7 @@ Tensor embedding(const Tensor& weight, const Tensor& ids) {
   if (out.numel() == 0 && ids.numel() == 0) return out;
   if (weight.device().is_cuda()) {
 #if KCPP_WITH_CUDA
-    cuda::embedding(out, weight.contiguous(), ids.contiguous());
+    cuda::embedding(out, weight.contiguous(), ids.contiguous(), check_ids);
 #endif
     return out;
   }

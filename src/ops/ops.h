@@ -93,8 +93,10 @@ Tensor log_softmax_backward(const Tensor& dy, const Tensor& y);  // dy - exp(y) 
 Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
 
 // ---- indexing ---------------------------------------------------------------------------------
-// weight [V, H], ids [...] (i32 or i64, each in [0, V)) -> [..., H].
-Tensor embedding(const Tensor& weight, const Tensor& ids);
+// weight [V, H], ids [...] (i32 or i64, each in [0, V)) -> [..., H].  An id out of range throws;
+// on CUDA that check waits for the device, and check_ids = false skips the wait (for a CUDA graph,
+// with ids known to be good): a bad id's row is then NaN.  The CPU always checks.
+Tensor embedding(const Tensor& weight, const Tensor& ids, bool check_ids = true);
 // grad [..., H], ids [...] -> grad_weight [V, H] in grad's dtype (f32 accumulation, deterministic:
 // each row's terms are added in token order).
 Tensor embedding_backward(const Tensor& grad, const Tensor& ids, int64_t num_embeddings);

@@ -1,17 +1,23 @@
 // `kcpp generate`: a model folder, a prompt as text (through the folder's tokenizer.json, printed
 // back as text) or as token ids (printed as ids), greedy or sampled continuation with the KV cache,
-// optionally with kernels by KernelConfig (a JSON file or inline JSON).
+// optionally with kernels by KernelConfig (a JSON file or inline JSON).  One prompt streams its
+// tokens as they come; a file of prompts (one a line, text or ids) is generated as one batch and
+// printed a line per prompt, in order.
 //
-//   kcpp generate --model DIR (--prompt TEXT [--tokenizer FILE] | --prompt-ids 1,15,7) [--max-new-tokens 32]
-//                 [--temperature 0.8 --top-k 50
+//   kcpp generate --model DIR (--prompt TEXT | --prompt-ids 1,15,7 | --prompts FILE | --prompt-ids-file FILE)
+//                 [--tokenizer FILE] [--max-new-tokens 32] [--ignore-eos] [--temperature 0.8 --top-k 50
 //                 --top-p 0.9 --seed 1] [--dtype bf16] [--device cuda] [--kernels MAPPING.json]
-//                 [--use-local-kernel] [--allow-all-kernels]
+//                 [--use-local-kernel] [--allow-all-kernels] [--stats-json FILE]
 //
+// Timing goes to stderr: time to the first token, prefill tokens/s, decode tokens/s.
 // Without --kernels the model gets the default mapping (nn::default_kernel_config: this project's
 // packages on the hub, else this build's); --kernels none keeps the reference layers.
 #include <fmt/format.h>
 
 #include <chrono>
+#include <cstdio>
+#include <functional>
+#include <type_traits>
 #include <filesystem>
 #include <optional>
 #include <fstream>
@@ -33,29 +39,63 @@ namespace kcpp::tools {
 namespace {
 
 struct GenerateArgs {
-  std::string model, prompt, prompt_ids, tokenizer, dtype = "f32", device = "auto", kernels;
+  std::string model, prompt, prompt_ids, prompts_file, prompt_ids_file, tokenizer, dtype = "f32", device = "auto", kernels;
+  std::string stats_json;
   int64_t max_new_tokens = 32;
   double temperature = 0.0, top_p = 1.0;
   int64_t top_k = 0;
   uint64_t seed = 0;
-  bool use_local_kernel = false, allow_all = false;
+  bool use_local_kernel = false, allow_all = false, ignore_eos = false;
 };
 
-std::vector<int64_t> parse_ids(const std::string& text) {
+// "1,15,7" (spaces around the ids allowed); `where` names the option (and line) in errors.
+std::vector<int64_t> parse_ids(const std::string& text, const std::string& where) {
   std::vector<int64_t> ids;
   std::stringstream ss(text);
   std::string part;
   while (std::getline(ss, part, ',')) {
+    const size_t b = part.find_first_not_of(" \t\r"), e = part.find_last_not_of(" \t\r");
+    part = b == std::string::npos ? "" : part.substr(b, e - b + 1);
     try {
       size_t used = 0;
       ids.push_back(std::stoll(part, &used));
-      KCPP_CHECK(used == part.size(), "--prompt-ids: '{}' is not an integer", part);
+      KCPP_CHECK(used == part.size(), "{}: '{}' is not an integer", where, part);
     } catch (const std::logic_error&) {
-      KCPP_FAIL("--prompt-ids: '{}' is not an integer", part);
+      KCPP_FAIL("{}: '{}' is not an integer (expected comma-separated token ids, as 1,15,7)", where, part);
     }
   }
-  KCPP_CHECK(!ids.empty(), "--prompt-ids: no token ids");
+  KCPP_CHECK(!ids.empty(), "{}: no token ids", where);
   return ids;
+}
+
+// The non-blank lines of a prompts file, each with its 1-based line number.
+std::vector<std::pair<size_t, std::string>> read_lines(const std::string& path, const char* option) {
+  std::ifstream in(path);
+  KCPP_CHECK(in.good(), "{}: cannot read {}", option, path);
+  std::vector<std::pair<size_t, std::string>> lines;
+  std::string line;
+  for (size_t no = 1; std::getline(in, line); ++no) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.find_first_not_of(" \t") != std::string::npos) lines.emplace_back(no, line);
+  }
+  KCPP_CHECK(!lines.empty(), "{}: {} holds no prompts (one a line)", option, path);
+  return lines;
+}
+
+// The length of the longest prefix of `s` that ends on a whole UTF-8 character, so that a stream
+// never prints half of one (byte-level tokens can split a character).
+size_t utf8_complete(const std::string& s) {
+  size_t i = s.size();
+  for (size_t back = 0; back < 4 && i > 0; ++back) {
+    const auto c = static_cast<unsigned char>(s[i - 1]);
+    if (c < 0x80) return s.size();  // ASCII: complete
+    if ((c & 0xC0) == 0xC0) {       // a lead byte: complete when its continuation bytes are all here
+      const size_t need = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2;
+      return back + 1 >= need ? s.size() : i - 1;
+    }
+    --i;  // a continuation byte
+  }
+  return s.size();  // not UTF-8 at all: print as is
 }
 
 DType float_dtype(const std::string& s) {
@@ -79,6 +119,33 @@ int run_generate(const GenerateArgs& a) {
 
 template <class Model>
 int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const models::Sampling& s, Device dev) {
+  const int given = !a.prompt.empty() + !a.prompt_ids.empty() + !a.prompts_file.empty() + !a.prompt_ids_file.empty();
+  KCPP_CHECK(given == 1, "kcpp generate: give exactly one of --prompt TEXT, --prompt-ids 1,15,7, --prompts FILE and "
+             "--prompt-ids-file FILE (got {})", given);
+  const bool text = !a.prompt.empty() || !a.prompts_file.empty();
+  std::optional<models::Tokenizer> tok;
+  if (text) {
+    const std::filesystem::path tf = a.tokenizer.empty() ? std::filesystem::path(a.model) / "tokenizer.json" : std::filesystem::path(a.tokenizer);
+    KCPP_CHECK(std::filesystem::exists(tf), "kcpp generate: {} not found (a text prompt needs the model's tokenizer.json; "
+               "--tokenizer FILE, or token ids)", tf.string());
+    tok = models::Tokenizer::from_file(tf);
+  }
+  std::vector<std::vector<int64_t>> prompts;
+  if (!a.prompt.empty()) {
+    prompts.push_back(tok->encode(a.prompt, true));
+    KCPP_CHECK(!prompts[0].empty(), "kcpp generate: the prompt encodes to no tokens");
+  } else if (!a.prompt_ids.empty()) {
+    prompts.push_back(parse_ids(a.prompt_ids, "--prompt-ids"));
+  } else {
+    const bool ids = !a.prompt_ids_file.empty();
+    const std::string& path = ids ? a.prompt_ids_file : a.prompts_file;
+    const char* option = ids ? "--prompt-ids-file" : "--prompts";
+    for (const auto& [no, line] : read_lines(path, option)) {
+      prompts.push_back(ids ? parse_ids(line, fmt::format("{} {} line {}", option, path, no)) : tok->encode(line, true));
+      KCPP_CHECK(!prompts.back().empty(), "{}: line {} of {} encodes to no tokens", option, no, path);
+    }
+  }
+  // Kernels after the prompts are read, so that a bad prompt file fails before the packages load.
   const bool kernels = a.kernels != "none";
   if (kernels) {
     const bool by_default = a.kernels.empty();
@@ -93,32 +160,88 @@ int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const mod
                    : nn::hub_loader(hub));
     fmt::print(stderr, "{}", report.str());
   }
-  KCPP_CHECK(a.prompt.empty() != a.prompt_ids.empty(), "kcpp generate: give either --prompt TEXT or --prompt-ids (exactly one)");
-  std::optional<models::Tokenizer> tok;
-  std::vector<int64_t> prompt;
-  if (!a.prompt.empty()) {
-    const std::filesystem::path tf = a.tokenizer.empty() ? std::filesystem::path(a.model) / "tokenizer.json" : std::filesystem::path(a.tokenizer);
-    KCPP_CHECK(std::filesystem::exists(tf), "kcpp generate: {} not found (a text prompt needs the model's tokenizer.json; "
-               "--tokenizer FILE, or --prompt-ids)", tf.string());
-    tok = models::Tokenizer::from_file(tf);
-    prompt = tok->encode(a.prompt, true);
-    KCPP_CHECK(!prompt.empty(), "kcpp generate: the prompt encodes to no tokens");
-  } else {
-    prompt = parse_ids(a.prompt_ids);
+  const std::vector<int64_t> none;
+  const std::vector<int64_t>* stop = a.ignore_eos ? &none : nullptr;  // nullptr: the config's eos_token_id
+
+  // One prompt streams: its text (or ids) first, then every new token as it comes.
+  const bool stream = prompts.size() == 1;
+  std::vector<int64_t> seen;
+  size_t printed = 0;
+  auto show = [&](bool last) {
+    if (tok) {
+      const std::string t = tok->decode(seen, true);
+      const size_t upto = last ? t.size() : utf8_complete(t);
+      if (upto > printed) fmt::print("{}", t.substr(printed, upto - printed));
+      printed = std::max(printed, upto);
+    } else {
+      for (; printed < seen.size(); ++printed) fmt::print("{}{}", printed ? "," : "", seen[printed]);
+    }
+    std::fflush(stdout);
+  };
+  if (stream) {
+    seen = prompts[0];
+    show(false);
   }
-  const std::vector<int64_t>& eos = model->config().eos_token_id;
-  const auto t0 = std::chrono::steady_clock::now();
-  models::StopReason why{};
-  const auto out = model->generate(prompt, a.max_new_tokens, s, tok && !eos.empty() ? &eos : nullptr, &why);
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (tok) fmt::print("{}\n", tok->decode(out, true));
-  else fmt::print("{}\n", fmt::join(out, ","));
-  const size_t fresh = out.size() - prompt.size();
-  if (why == models::StopReason::ContextLength)
-    fmt::print(stderr, "kcpp generate: stopped at the model's context length of {} tokens (max_position_embeddings): {} of "
-               "--max-new-tokens {} generated after the {}-token prompt\n", model->config().max_position_embeddings, fresh,
-               a.max_new_tokens, prompt.size());
-  fmt::print(stderr, "{} new tokens in {:.3f} s ({:.1f} tokens/s) on {}\n", fresh, secs, fresh / std::max(secs, 1e-9), dev.str());
+  const auto on_token = [&](size_t, int64_t token) {
+    seen.push_back(token);
+    show(false);
+  };
+
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  models::CausalLM::GenerationStats st;
+  std::vector<models::CausalLM::Generated> out;
+  if constexpr (std::is_same_v<Model, models::CausalLM>) {
+    out = model->generate_batch(prompts, a.max_new_tokens, s, stop, stream ? std::function<void(size_t, int64_t)>(on_token)
+                                                                           : std::function<void(size_t, int64_t)>(), &st);
+  } else {
+    KCPP_CHECK(prompts.size() == 1, "kcpp generate: {} generates one prompt at a time; {} were given", a.model, prompts.size());
+    out.resize(1);
+    out[0].ids = model->generate(prompts[0], a.max_new_tokens, s, stop, &out[0].reason);
+    seen = out[0].ids;
+  }
+  const double secs = std::chrono::duration<double>(clock::now() - t0).count();
+  if (stream) {
+    show(true);
+    fmt::print("\n");
+  } else {
+    for (const auto& g : out) {
+      if (tok) fmt::print("{}\n", tok->decode(g.ids, true));
+      else fmt::print("{}\n", fmt::join(g.ids, ","));
+    }
+  }
+  int64_t fresh = 0, prompt_tokens = 0;
+  for (size_t p = 0; p < out.size(); ++p) {
+    fresh += static_cast<int64_t>(out[p].ids.size() - prompts[p].size());
+    prompt_tokens += static_cast<int64_t>(prompts[p].size());
+    if (out[p].reason == models::StopReason::ContextLength)
+      fmt::print(stderr, "kcpp generate: {}stopped at the model's context length of {} tokens (max_position_embeddings): {} "
+                 "of --max-new-tokens {} generated after the {}-token prompt\n",
+                 out.size() > 1 ? fmt::format("prompt {} ", p + 1) : "", model->config().max_position_embeddings,
+                 out[p].ids.size() - prompts[p].size(), a.max_new_tokens, prompts[p].size());
+  }
+  fmt::print(stderr, "{} new tokens for {} prompt{} in {:.3f} s on {}", fresh, out.size(), out.size() > 1 ? "s" : "", secs, dev.str());
+  if constexpr (std::is_same_v<Model, models::CausalLM>) {
+    fmt::print(stderr, ": first token after {:.1f} ms (prefill {:.0f} tokens/s); decode {} tokens in {:.3f} s ({:.1f} tokens/s)",
+               1e3 * st.first_token_seconds, prompt_tokens / std::max(st.prefill_seconds, 1e-9), st.decode_tokens,
+               st.decode_seconds, st.decode_tokens / std::max(st.decode_seconds, 1e-9));
+  }
+  fmt::print(stderr, "\n");
+  if (!a.stats_json.empty()) {
+    nlohmann::json j{{"prompts", out.size()}, {"prompt_tokens", prompt_tokens}, {"new_tokens", fresh}, {"seconds", secs},
+                     {"device", dev.str()}};
+    j["ids"] = nlohmann::json::array();
+    for (const auto& g : out) j["ids"].push_back(g.ids);
+    if constexpr (std::is_same_v<Model, models::CausalLM>) {
+      j["first_token_seconds"] = st.first_token_seconds;
+      j["prefill_seconds"] = st.prefill_seconds;
+      j["decode_tokens"] = st.decode_tokens;
+      j["decode_seconds"] = st.decode_seconds;
+    }
+    std::ofstream f(a.stats_json);
+    KCPP_CHECK(f.good(), "--stats-json: cannot write {}", a.stats_json);
+    f << j.dump() << "\n";
+  }
   if (kernels) fmt::print(stderr, "{}", model->kernel_report());
   return 0;
 }
@@ -157,6 +280,10 @@ void add_model_commands(CLI::App& app, Action& action) {
   g->add_option("--model", args->model, "Model folder: config.json + model.safetensors (or the sharded index)")->required();
   g->add_option("--prompt", args->prompt, "The prompt as text (tokenized by the model's tokenizer.json; the output is text)");
   g->add_option("--prompt-ids", args->prompt_ids, "The prompt as comma-separated token ids (the output is ids)");
+  g->add_option("--prompts", args->prompts_file, "A file of text prompts, one a line, generated as one batch");
+  g->add_option("--prompt-ids-file", args->prompt_ids_file, "A file of token-id prompts (1,15,7), one a line, as one batch");
+  g->add_flag("--ignore-eos", args->ignore_eos, "Do not stop at the model's end-of-sequence tokens");
+  g->add_option("--stats-json", args->stats_json, "Write timings and the generated ids to this JSON file");
   g->add_option("--tokenizer", args->tokenizer, "A tokenizer.json other than the model folder's");
   g->add_option("--max-new-tokens", args->max_new_tokens, "Tokens to generate at most")->capture_default_str();
   g->add_option("--temperature", args->temperature, "0 = greedy")->capture_default_str();

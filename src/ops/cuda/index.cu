@@ -1,6 +1,7 @@
 // Reference gathers and scatters.  Indices are checked on the device; a bad one is reported
 // through DataCheck (which synchronizes) and the op throws instead of reading out of bounds.
 #include <cub/device/device_radix_sort.cuh>
+#include <optional>
 
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/launch.h"
@@ -20,7 +21,11 @@ __global__ void embedding_kernel(char* out, const char* w, const void* ids, DTyp
   for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
     const int64_t id = load_as_i64(ids, id_t, i);
     if (id < 0 || id >= v) {
-      if (threadIdx.x == 0) report_bad(flag, i, id);
+      if (flag) {
+        if (threadIdx.x == 0) report_bad(flag, i, id);
+      } else {  // unchecked: the row is all-ones bits (NaN), never a read out of bounds
+        for (int64_t j = threadIdx.x; j < row_bytes; j += blockDim.x) out[i * row_bytes + j] = static_cast<char>(0xff);
+      }
       continue;
     }
     const char* src = w + id * row_bytes;
@@ -93,17 +98,18 @@ __global__ void valid_kernel(void* out, DType t, const void* idx, DType id_t, in
 
 }  // namespace
 
-void embedding(const Tensor& out, const Tensor& weight, const Tensor& ids) {
+void embedding(const Tensor& out, const Tensor& weight, const Tensor& ids, bool check_ids) {
   const int64_t n = ids.numel();
   if (n == 0) return;
   kcpp::cuda::DeviceGuard g(out.device().index);
-  DataCheck check(out.device());
+  std::optional<DataCheck> check;
+  if (check_ids) check.emplace(out.device());
   const int64_t row_bytes = weight.size(1) * static_cast<int64_t>(weight.element_size());
   embedding_kernel<<<kcpp::cuda::grid_for(n, 1, 65535 * 16), 128, 0, kcpp::cuda::current_stream()>>>(
       static_cast<char*>(out.data()), static_cast<const char*>(weight.data()), ids.data(), ids.dtype(), n,
-      weight.size(0), row_bytes, check.ptr());
+      weight.size(0), row_bytes, check ? check->ptr() : nullptr);
   KCPP_CUDA_CHECK_LAUNCH("embedding");
-  check.check("embedding", "ids", weight.size(0));
+  if (check) check->check("embedding", "ids", weight.size(0));
 }
 
 void embedding_backward(const Tensor& out, const Tensor& grad, const Tensor& ids) {

@@ -15,11 +15,17 @@ void softmax(Softmax kind, const Tensor& out, const Tensor& x);               //
 void softmax_backward(Softmax kind, const Tensor& dx, const Tensor& dy, const Tensor& y);
 void matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, int64_t batch,
             int64_t m, int64_t n, int64_t k, bool broadcast_b);
-void embedding(const Tensor& out, const Tensor& weight, const Tensor& ids);
+// check_ids: a bad id throws (the op synchronizes); else its row is NaN and nothing waits (CUDA graphs).
+void embedding(const Tensor& out, const Tensor& weight, const Tensor& ids, bool check_ids);
 // out [V, H] zero-filled, in grad's dtype (f32 / bf16 / f16), grad [n, H] contiguous: deterministic (sorted ids).
 void embedding_backward(const Tensor& out, const Tensor& grad, const Tensor& ids);
 void gather_last(const Tensor& out, const Tensor& x, const Tensor& idx, int64_t ignore_index);
 void scatter_last(const Tensor& out, const Tensor& values, const Tensor& idx, int64_t ignore_index);
 void valid_mask(const Tensor& out, const Tensor& idx, int64_t ignore_index);
+// ops/nn/decode_attention.h: q [B, Hq, D] contiguous, caches [R, Hkv, C, D], rows / lengths [B] i32.
+void decode_attention(const Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows,
+                      const Tensor& lengths, double scale, int64_t window, int64_t max_length);
+void cache_write(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k, const Tensor& v, const Tensor& rows,
+                 const Tensor& positions);
 
 }  // namespace kcpp::ops::cuda

@@ -1,0 +1,279 @@
+// Decoding attention over a ragged KV cache (ops/nn/decode_attention.h), split across the keys.
+//
+// Grid (split, query-head block, batch row); 4 warps a block.  A key's D elements are spread over
+// LPK lanes, 8 consecutive elements each (one 16-byte load in 16-bit dtypes), so a warp reads
+// 32 / LPK keys at a time, every element once for the `gc` query heads of the block (a divisor of
+// the group size g = Hq / Hkv, at most GMAX).  Each lane keeps an online softmax per head in base
+// 2 (scores pre-scaled by log2 e): running maximum m, sum l and the weighted sum of its 8 value
+// elements.  At the end the lanes of a warp, then the warps, merge their (m, l, acc) exactly as
+// two partial softmaxes merge: m = max(m1, m2), l = l1 2^(m1-m) + l2 2^(m2-m), acc likewise.  One
+// split writes o = acc / l; several write (acc, m, l) and a second kernel merges the splits.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/launch.h"
+
+namespace kcpp::ops::cuda {
+namespace {
+
+using kcpp::kernel::cuda::from_f32;
+using kcpp::kernel::cuda::to_f32;
+
+constexpr int kWarps = 4;
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <typename T> __device__ __forceinline__ void load8(const T* p, float (&x)[8]) {
+  if constexpr (std::is_same_v<T, float>) {
+    const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+  } else {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const T* h = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = to_f32(h[i]);
+  }
+}
+
+// A row index outside the cache or a length outside [1, max_length]: the row's output is NaN.
+__device__ __forceinline__ bool bad_row(const int* rows, const int* lengths, int b, int r_count, int max_length) {
+  const int row = rows[b], len = lengths[b];
+  return row < 0 || row >= r_count || len < 1 || len > max_length;
+}
+
+// Merges (m2, l2, a2) into (m, l, a): two partial softmaxes in base 2 (m = -inf: empty).
+template <int N> __device__ __forceinline__ void merge(float& m, float& l, float (&a)[N], float m2, float l2, const float (&a2)[N]) {
+  const float mm = fmaxf(m, m2);
+  const float s1 = m == -INFINITY ? 0.f : exp2f(m - mm), s2 = m2 == -INFINITY ? 0.f : exp2f(m2 - mm);
+  l = l * s1 + l2 * s2;
+#pragma unroll
+  for (int i = 0; i < N; ++i) a[i] = a[i] * s1 + a2[i] * s2;
+  m = mm;
+}
+
+template <typename T, int LPK, int GMAX>
+__global__ void __launch_bounds__(kWarps * 32)
+    decode_kernel(const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc, const int* __restrict__ rows,
+                  const int* __restrict__ lengths, T* __restrict__ out, float* __restrict__ part_o,
+                  float* __restrict__ part_ml, int hq, int hkv, int gc, int d, int r_count, int capacity, int max_length,
+                  float scale_log2, int window, int chunk, int splits) {
+  constexpr int KPI = 32 / LPK;  // keys a warp reads at a time
+  __shared__ float sm_m[kWarps][GMAX], sm_l[kWarps][GMAX];
+  __shared__ float sm_a[kWarps][GMAX][LPK * 8];
+  const int split = blockIdx.x, hb = blockIdx.y, b = blockIdx.z;
+  const int g = hq / hkv, h0 = hb * gc, kvh = h0 / g;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sub = lane / LPK, sl = lane % LPK, e0 = sl * 8;
+  const bool lane_on = e0 < d;
+  const bool bad = bad_row(rows, lengths, b, r_count, max_length);
+  const int len = bad ? 0 : lengths[b];
+  const int lo = window > 0 ? max(0, len - window) : 0;
+  const int start = max(lo, split * chunk), end = min(len, (split + 1) * chunk);
+  const size_t base = bad ? 0 : (static_cast<size_t>(rows[b]) * hkv + kvh) * capacity;
+
+  float qr[GMAX][8], acc[GMAX][8], m[GMAX], l[GMAX];
+#pragma unroll
+  for (int gi = 0; gi < GMAX; ++gi) {
+    m[gi] = -INFINITY, l[gi] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[gi][i] = 0.f, qr[gi][i] = 0.f;
+    if (gi < gc && lane_on) {
+      load8(q + (static_cast<size_t>(b) * hq + h0 + gi) * d + e0, qr[gi]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) qr[gi][i] *= scale_log2;
+    }
+  }
+  // Two keys a lane group per iteration, both loaded before either is used.
+  constexpr int kStep = kWarps * KPI;
+  for (int j0 = start + warp * KPI; j0 < end; j0 += 2 * kStep) {
+    const int j[2] = {j0 + sub, j0 + kStep + sub};
+    float kx[2][8], vx[2][8];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      if (j[u] < end && lane_on) {
+        load8(kc + (base + j[u]) * d + e0, kx[u]);
+        load8(vc + (base + j[u]) * d + e0, vx[u]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) kx[u][i] = 0.f, vx[u][i] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+#pragma unroll
+      for (int gi = 0; gi < GMAX; ++gi) {
+        if (gi >= gc) break;
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s = fmaf(qr[gi][i], kx[u][i], s);
+#pragma unroll
+        for (int o = LPK / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (j[u] < end) {
+          const float mm = fmaxf(m[gi], s), alpha = exp2f(m[gi] - mm), p = exp2f(s - mm);
+          l[gi] = l[gi] * alpha + p;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[gi][i] = fmaf(acc[gi][i], alpha, p * vx[u][i]);
+          m[gi] = mm;
+        }
+      }
+    }
+  }
+  // Merge the lane groups of the warp (lanes sl, sl + LPK, ...), then the warps.
+#pragma unroll
+  for (int o = LPK; o < 32; o <<= 1) {
+#pragma unroll
+    for (int gi = 0; gi < GMAX; ++gi) {
+      float a2[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) a2[i] = __shfl_xor_sync(0xffffffffu, acc[gi][i], o);
+      const float m2 = __shfl_xor_sync(0xffffffffu, m[gi], o), l2 = __shfl_xor_sync(0xffffffffu, l[gi], o);
+      merge(m[gi], l[gi], acc[gi], m2, l2, a2);
+    }
+  }
+  if (sub == 0) {
+#pragma unroll
+    for (int gi = 0; gi < GMAX; ++gi) {
+      if (sl == 0) sm_m[warp][gi] = m[gi], sm_l[warp][gi] = l[gi];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sm_a[warp][gi][e0 + i] = acc[gi][i];
+    }
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < gc * d; t += blockDim.x) {
+    const int gi = t / d, e = t % d;
+    float mm = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, sm_m[w][gi]);
+    float ls = 0.f, as = 0.f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float s = sm_m[w][gi] == -INFINITY ? 0.f : exp2f(sm_m[w][gi] - mm);
+      ls += sm_l[w][gi] * s, as += sm_a[w][gi][e] * s;
+    }
+    const size_t bh = static_cast<size_t>(b) * hq + h0 + gi;
+    if (splits == 1) {
+      out[bh * d + e] = from_f32<T>(bad || ls == 0.f ? NAN : as / ls);
+    } else {
+      part_o[(bh * splits + split) * d + e] = as;
+      if (e == 0) part_ml[(bh * splits + split) * 2] = mm, part_ml[(bh * splits + split) * 2 + 1] = ls;
+    }
+  }
+}
+
+// One block per (row, query head), a thread per element of D: merges the splits' partial softmaxes.
+template <typename T>
+__global__ void combine_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml, const int* rows,
+                               const int* lengths, T* __restrict__ out, int hq, int d, int r_count, int max_length,
+                               int splits) {
+  const int bh = blockIdx.x, b = bh / hq;
+  const bool bad = bad_row(rows, lengths, b, r_count, max_length);
+  const float* ml = part_ml + static_cast<size_t>(bh) * splits * 2;
+  float mm = -INFINITY;
+  for (int s = 0; s < splits; ++s) mm = fmaxf(mm, ml[2 * s]);
+  for (int e = threadIdx.x; e < d; e += blockDim.x) {
+    float ls = 0.f, as = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      const float w = ml[2 * s] == -INFINITY ? 0.f : exp2f(ml[2 * s] - mm);
+      ls += ml[2 * s + 1] * w, as += part_o[(static_cast<size_t>(bh) * splits + s) * d + e] * w;
+    }
+    out[static_cast<size_t>(bh) * d + e] = from_f32<T>(bad || ls == 0.f ? NAN : as / ls);
+  }
+}
+
+template <typename T>
+__global__ void cache_write_kernel(T* __restrict__ kc, T* __restrict__ vc, const T* __restrict__ k, const T* __restrict__ v,
+                                   const int* rows, const int* positions, int hkv, int d, int r_count, int capacity) {
+  const int b = blockIdx.y, h = blockIdx.x;
+  const int row = rows[b], pos = positions[b];
+  if (row < 0 || row >= r_count || pos < 0 || pos >= capacity) return;  // decode_attention reports the row as NaN
+  const size_t dst = ((static_cast<size_t>(row) * hkv + h) * capacity + pos) * d, src = (static_cast<size_t>(b) * hkv + h) * d;
+  for (int e = threadIdx.x; e < d; e += blockDim.x) kc[dst + e] = k[src + e], vc[dst + e] = v[src + e];
+}
+
+int sm_count(int device) {
+  static int counts[64] = {};
+  if (device < 0 || device >= 64) return 132;
+  if (counts[device] == 0) {
+    int n = 0;
+    KCPP_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    counts[device] = std::max(n, 1);
+  }
+  return counts[device];
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+template <typename T, int LPK, int GMAX>
+void launch(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& rows, const Tensor& lengths,
+            double scale, int64_t window, int64_t max_length, int gc) {
+  const int b = static_cast<int>(q.size(0)), hq = static_cast<int>(q.size(1)), d = static_cast<int>(q.size(2));
+  const int r_count = static_cast<int>(kc.size(0)), hkv = static_cast<int>(kc.size(1)), capacity = static_cast<int>(kc.size(2));
+  const int blocks_per_split = b * (hq / gc);
+  // Enough blocks for two waves over the SMs, but no chunk under 32 keys.
+  const int64_t want = (2 * sm_count(q.device().index) + blocks_per_split - 1) / blocks_per_split;
+  const int splits = static_cast<int>(std::clamp<int64_t>(want, 1, std::max<int64_t>(1, (max_length + 31) / 32)));
+  const int chunk = static_cast<int>((max_length + splits - 1) / splits);
+  Tensor part_o, part_ml;
+  if (splits > 1) {
+    part_o = Tensor::empty({b, hq, splits, d}, DType::f32, q.device());
+    part_ml = Tensor::empty({b, hq, splits, 2}, DType::f32, q.device());
+  }
+  const cudaStream_t stream = kcpp::cuda::current_stream();
+  decode_kernel<T, LPK, GMAX><<<dim3(splits, hq / gc, b), kWarps * 32, 0, stream>>>(
+      static_cast<const T*>(q.data()), static_cast<const T*>(kc.data()), static_cast<const T*>(vc.data()),
+      static_cast<const int*>(rows.data()), static_cast<const int*>(lengths.data()), static_cast<T*>(out.data()),
+      splits > 1 ? static_cast<float*>(part_o.data()) : nullptr, splits > 1 ? static_cast<float*>(part_ml.data()) : nullptr,
+      hq, hkv, gc, d, r_count, capacity, static_cast<int>(max_length), static_cast<float>(scale) * kLog2e, static_cast<int>(window), chunk, splits);
+  KCPP_CUDA_CHECK_LAUNCH("decode_attention");
+  if (splits > 1) {
+    combine_kernel<T><<<b * hq, std::min(d, 256), 0, stream>>>(
+        static_cast<const float*>(part_o.data()), static_cast<const float*>(part_ml.data()),
+        static_cast<const int*>(rows.data()), static_cast<const int*>(lengths.data()), static_cast<T*>(out.data()), hq, d,
+        r_count, static_cast<int>(max_length), splits);
+    KCPP_CUDA_CHECK_LAUNCH("decode_attention (combine)");
+  }
+}
+
+template <typename T, int LPK>
+void launch_lpk(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& rows,
+                const Tensor& lengths, double scale, int64_t window, int64_t max_length, int g) {
+  // The largest divisor of g that fits a block's GMAX heads.
+  int gc = std::min(g, 8);
+  while (g % gc != 0) --gc;
+  if (gc <= 4) launch<T, LPK, 4>(out, q, kc, vc, rows, lengths, scale, window, max_length, gc);
+  else launch<T, LPK, 8>(out, q, kc, vc, rows, lengths, scale, window, max_length, gc);
+}
+
+}  // namespace
+
+void decode_attention(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& rows,
+                      const Tensor& lengths, double scale, int64_t window, int64_t max_length) {
+  const int64_t d = q.size(2);
+  KCPP_CHECK(aligned16(q.data()) && aligned16(kc.data()) && aligned16(vc.data()),
+             "op decode_attention: q and the cache storage must start on a 16-byte boundary");
+  KCPP_CHECK(q.size(0) <= 65535, "op decode_attention: at most 65535 rows a call on CUDA, got {}", q.size(0));
+  kcpp::cuda::DeviceGuard guard(q.device().index);
+  const int g = static_cast<int>(q.size(1) / kc.size(1));
+  visit_cuda_float(q.dtype(), "decode_attention", [&]<typename T>(std::type_identity<T>) {
+    if (d <= 32) launch_lpk<T, 4>(out, q, kc, vc, rows, lengths, scale, window, max_length, g);
+    else if (d <= 64) launch_lpk<T, 8>(out, q, kc, vc, rows, lengths, scale, window, max_length, g);
+    else if (d <= 128) launch_lpk<T, 16>(out, q, kc, vc, rows, lengths, scale, window, max_length, g);
+    else launch_lpk<T, 32>(out, q, kc, vc, rows, lengths, scale, window, max_length, g);
+  });
+}
+
+void cache_write(const Tensor& kc, const Tensor& vc, const Tensor& k, const Tensor& v, const Tensor& rows,
+                 const Tensor& positions) {
+  kcpp::cuda::DeviceGuard guard(k.device().index);
+  const int b = static_cast<int>(k.size(0)), hkv = static_cast<int>(k.size(1)), d = static_cast<int>(k.size(2));
+  KCPP_CHECK(b <= 65535, "op cache_write: at most 65535 rows a call on CUDA, got {}", b);
+  visit_cuda_float(k.dtype(), "cache_write", [&]<typename T>(std::type_identity<T>) {
+    cache_write_kernel<T><<<dim3(hkv, b), std::min(d, 256), 0, kcpp::cuda::current_stream()>>>(
+        static_cast<T*>(kc.data()), static_cast<T*>(vc.data()), static_cast<const T*>(k.data()),
+        static_cast<const T*>(v.data()), static_cast<const int*>(rows.data()), static_cast<const int*>(positions.data()),
+        hkv, d, static_cast<int>(kc.size(0)), static_cast<int>(kc.size(2)));
+  });
+  KCPP_CUDA_CHECK_LAUNCH("cache_write");
+}
+
+}  // namespace kcpp::ops::cuda
