@@ -38,6 +38,7 @@
 #include "activation_kernels.h"
 #include "attention.h"
 #include "ops/nn/attention.h"
+#include "ops/nn/decode_attention.h"
 #include "built_packages.h"
 #include "nn/kernel_call.h"
 
@@ -773,6 +774,26 @@ void sweep_activation() {
 
 }  // namespace
 
+// Decoding attention (ops::decode_attention): one query per row over a KV cache of `ctx` tokens,
+// grouped-query heads of Llama-3-8B (32 / 8, head dim 128), bf16.  Traffic: K and V once.  The
+// peers (PyTorch SDPA with one query) are in bench/decode_attention.py, run in the same call.
+void bench_decode_attention() {
+  Generator gen(9);
+  for (const auto& [b, ctx] : std::vector<std::pair<int64_t, int64_t>>{{1, 1024}, {1, 4096}, {1, 16384}, {1, 65536},
+                                                                        {8, 4096}, {32, 1024}, {32, 4096}, {128, 1024}}) {
+    const int64_t hq = 32, hkv = 8, d = 128;
+    const Tensor q = Tensor::randn({b, hq, d}, DType::bf16, kDev, gen);
+    const Tensor kc = Tensor::randn({b, hkv, ctx, d}, DType::bf16, kDev, gen);
+    const Tensor vc = Tensor::randn({b, hkv, ctx, d}, DType::bf16, kDev, gen);
+    std::vector<int64_t> rows(static_cast<size_t>(b)), lengths(static_cast<size_t>(b), ctx);
+    for (int64_t i = 0; i < b; ++i) rows[static_cast<size_t>(i)] = i;
+    const Tensor rt = Tensor::from_i64(rows, {b}, DType::i32, kDev), lt = Tensor::from_i64(lengths, {b}, DType::i32, kDev);
+    const double gbytes = 2.0 * b * hkv * ctx * d * 2 / 1e9;
+    row(fmt::format("decode_attn b{} ctx{}", b, ctx), "kcpp",
+        [&] { (void)ops::decode_attention(q, kc, vc, rt, lt, 1.0 / std::sqrt(128.0), 0, ctx); }, gbytes);
+  }
+}
+
 int main(int argc, char** argv) {
   std::string json_path, only;
   bool sweep = false;
@@ -796,6 +817,7 @@ int main(int argc, char** argv) {
     if (want("activation")) bench_activation();
     if (want("flce")) bench_flce(sweep);
     if (want("attention")) bench_attention();
+    if (want("decode_attention")) bench_decode_attention();
     if (sweep) {
       if (want("rms_norm")) sweep_rms_norm();
       if (want("swiglu")) sweep_swiglu();

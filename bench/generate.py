@@ -121,7 +121,8 @@ def main():
                 total = stats["new_tokens"] / stats["seconds"]
                 decode = stats["decode_tokens"] / max(stats["decode_seconds"], 1e-9)
                 line += (f" | kcpp {total:8.0f} (decode {decode:8.0f} = {100 * decode / roof:5.1f}% of roofline; "
-                         f"first token {1e3 * stats['first_token_seconds']:6.1f} ms)")
+                         f"first token {1e3 * stats['first_token_seconds']:6.1f} ms; "
+                         f"{stats.get('graph_replays', 0)} graph replays)")
                 same = sum(1 for r in range(batch) if stats["ids"][r] == out_eager[r].tolist())
                 line += f" | rows equal to hf eager: {same}/{batch}"
             print(line, flush=True)

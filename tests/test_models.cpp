@@ -526,7 +526,9 @@ TEST(CausalLMGeneration, GraphDecodeEqualsEagerStepsOnTheGpu) {
       ::setenv("KCPP_DECODE_GRAPHS", "0", 1);
       const auto eager = model->generate_batch(prompts, 24, models::Sampling(), &stops);
       ::unsetenv("KCPP_DECODE_GRAPHS");
-      const auto graphed = model->generate_batch(prompts, 24, models::Sampling(), &stops);
+      models::CausalLM::GenerationStats st;
+      const auto graphed = model->generate_batch(prompts, 24, models::Sampling(), &stops, {}, &st);
+      if (model->config().head_dim % 8 == 0) EXPECT_GT(st.graph_replays, 0) << what;  // else no CUDA decode kernel
       for (size_t p = 0; p < prompts.size(); ++p) {
         EXPECT_EQ(graphed[p].ids, eager[p].ids) << what << " row " << p;
         EXPECT_EQ(graphed[p].reason, eager[p].reason) << what << " row " << p;

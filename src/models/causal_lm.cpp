@@ -612,7 +612,7 @@ struct CausalLM::DecodeGraphs {
   bool failed = false;  // a capture failed: every later step runs eagerly
 };
 
-Tensor CausalLM::graph_step(DecodeGraphs& g, KVCache& cache, const std::vector<int64_t>& ids) {
+Tensor CausalLM::graph_step(DecodeGraphs& g, KVCache& cache, const std::vector<int64_t>& ids, int64_t& replays) {
   const int64_t a = static_cast<int64_t>(ids.size());
   DecodeGraphs::Step& st = g.by_batch[a];
   if (!st.ids.defined()) st.ids = Tensor::empty({a, 1}, DType::i64, device_);
@@ -639,6 +639,7 @@ Tensor CausalLM::graph_step(DecodeGraphs& g, KVCache& cache, const std::vector<i
     }
   }
   st.graph.replay();
+  ++replays;
   for (int64_t r : cache.active.empty() ? std::vector<int64_t>() : cache.active) ++cache.rows[static_cast<size_t>(r)];
   if (cache.active.empty())
     for (int64_t& len : cache.rows) ++len;
@@ -742,7 +743,7 @@ std::vector<CausalLM::Generated> CausalLM::generate_batch(const std::vector<std:
       positions.push_back(static_cast<int64_t>(out[p].ids.size()) - 1);
     }
     const int64_t a = static_cast<int64_t>(active.size());
-    const Tensor logits = graphs && !graphs->failed ? graph_step(*graphs, cache, ids) :
+    const Tensor logits = graphs && !graphs->failed ? graph_step(*graphs, cache, ids, st.graph_replays) :
                                                       next_token_logits(Tensor::from_i64(ids, {a, 1}, DType::i64, device_), &cache);
     const std::vector<int64_t> tokens = pick_tokens(logits, sampling, rngs, active, positions);
     for (size_t j = 0; j < active.size(); ++j) {

@@ -139,6 +139,7 @@ class CausalLM : public nn::Module {
     double first_token_seconds = 0;  // from the call to the first prompt's first new token
     double decode_seconds = 0;       // the batched steps after the prefills
     int64_t decode_tokens = 0;       // tokens those steps made
+    int64_t graph_replays = 0;       // of those steps, how many replayed a captured CUDA graph
   };
   std::vector<Generated> generate_batch(const std::vector<std::vector<int64_t>>& prompts, int64_t max_new_tokens,
                                         const Sampling& sampling = Sampling(), const std::vector<int64_t>* stop = nullptr,
@@ -213,7 +214,7 @@ class CausalLM : public nn::Module {
   struct DecodeGraphs;  // the captured steps of one generate_batch, by batch size
   // One decode step of the rows cache.active with input `ids` through g's graph for that many rows
   // (run eagerly the first time, captured the second, replayed after): the logits [rows, V].
-  Tensor graph_step(DecodeGraphs& g, KVCache& cache, const std::vector<int64_t>& ids);
+  Tensor graph_step(DecodeGraphs& g, KVCache& cache, const std::vector<int64_t>& ids, int64_t& replays);
   // The token each row picks from its logits [R, V] (device-side argmax when greedy); non-finite
   // logits are an error naming the row's position.
   std::vector<int64_t> pick_tokens(const Tensor& logits, const Sampling& sampling, std::vector<std::mt19937_64>& rngs,

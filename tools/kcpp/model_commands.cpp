@@ -8,6 +8,7 @@
 //                 [--tokenizer FILE] [--max-new-tokens 32] [--ignore-eos] [--temperature 0.8 --top-k 50
 //                 --top-p 0.9 --seed 1] [--dtype bf16] [--device cuda] [--kernels MAPPING.json]
 //                 [--use-local-kernel] [--allow-all-kernels] [--stats-json FILE]
+//                 [--chat [--system TEXT] [--chat-template FILE] [--chat-kwargs JSON] [--print-prompt]]
 //
 // Timing goes to stderr: time to the first token, prefill tokens/s, decode tokens/s.
 // Without --kernels the model gets the default mapping (nn::default_kernel_config: this project's
@@ -30,6 +31,7 @@
 #include "core/error.h"
 #include "hub/hub.h"
 #include "models/causal_lm.h"
+#include "models/chat_template.h"
 #include "models/mamba.h"
 #include "models/tokenizer.h"
 #include "nn/kernel_config.h"
@@ -40,7 +42,8 @@ namespace {
 
 struct GenerateArgs {
   std::string model, prompt, prompt_ids, prompts_file, prompt_ids_file, tokenizer, dtype = "f32", device = "auto", kernels;
-  std::string stats_json;
+  std::string stats_json, system, chat_template, chat_kwargs;
+  bool chat = false, print_prompt = false;
   int64_t max_new_tokens = 32;
   double temperature = 0.0, top_p = 1.0;
   int64_t top_k = 0;
@@ -80,6 +83,40 @@ std::vector<std::pair<size_t, std::string>> read_lines(const std::string& path, 
   }
   KCPP_CHECK(!lines.empty(), "{}: {} holds no prompts (one a line)", option, path);
   return lines;
+}
+
+// The bos / eos / unk / pad tokens of a tokenizer_config.json as strings (a token is a string or an
+// object with "content"); an unreadable file gives none.
+nlohmann::ordered_json special_tokens_of(const std::filesystem::path& config) {
+  nlohmann::ordered_json out = nlohmann::ordered_json::object();
+  std::ifstream in(config);
+  if (!in.good()) return out;
+  const auto j = nlohmann::ordered_json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return out;
+  for (const char* key : {"bos_token", "eos_token", "unk_token", "pad_token"}) {
+    const auto it = j.find(key);
+    if (it == j.end()) continue;
+    if (it->is_string()) out[key] = *it;
+    else if (it->is_object() && it->contains("content") && (*it)["content"].is_string()) out[key] = (*it)["content"];
+  }
+  return out;
+}
+
+// The chat template `--chat` renders with: --chat-template FILE (a tokenizer_config.json, or a
+// template's text with the model folder's special tokens), else the model's tokenizer_config.json.
+models::ChatTemplate load_chat_template(const GenerateArgs& a) {
+  const std::filesystem::path config = std::filesystem::path(a.model) / "tokenizer_config.json";
+  const std::filesystem::path src = a.chat_template.empty() ? config : std::filesystem::path(a.chat_template);
+  KCPP_CHECK(std::filesystem::is_regular_file(src), "kcpp generate: --chat: {} not found ({})", src.string(),
+             a.chat_template.empty() ? "the model's chat template is in its tokenizer_config.json; --chat-template FILE "
+                                       "names another"
+                                     : "--chat-template names a tokenizer_config.json or a template file");
+  if (src.extension() == ".json") return models::ChatTemplate::from_tokenizer_config(src);
+  std::ifstream in(src);
+  KCPP_CHECK(in.good(), "--chat-template: cannot read {}", src.string());
+  models::ChatTemplate t = models::ChatTemplate::parse(std::string(std::istreambuf_iterator<char>(in), {}), src.string());
+  t.set_special_tokens(special_tokens_of(config));
+  return t;
 }
 
 // The length of the longest prefix of `s` that ends on a whole UTF-8 character, so that a stream
@@ -130,9 +167,35 @@ int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const mod
                "--tokenizer FILE, or token ids)", tf.string());
     tok = models::Tokenizer::from_file(tf);
   }
+  // --chat: each text prompt is a user message (after --system's), rendered by the model's chat
+  // template with the assistant's turn opened, and tokenized as Transformers' apply_chat_template
+  // does (the template writes the special tokens itself).
+  std::optional<models::ChatTemplate> chat;
+  nlohmann::ordered_json chat_kwargs;
+  if (a.chat) {
+    KCPP_CHECK(text, "kcpp generate: --chat takes text (--prompt or --prompts), not token ids");
+    chat = load_chat_template(a);
+    if (!a.chat_kwargs.empty()) {
+      chat_kwargs = nlohmann::ordered_json::parse(a.chat_kwargs, nullptr, /*allow_exceptions=*/false);
+      KCPP_CHECK(chat_kwargs.is_object(), "--chat-kwargs: expected a JSON object such as {{\"enable_thinking\": false}}, got '{}'",
+                 a.chat_kwargs);
+    }
+  } else {
+    KCPP_CHECK(a.system.empty() && a.chat_template.empty() && a.chat_kwargs.empty(),
+               "kcpp generate: --system, --chat-template and --chat-kwargs go with --chat");
+  }
+  auto encode = [&](const std::string& user) {
+    if (!chat) return tok->encode(user, true);
+    nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+    if (!a.system.empty()) messages.push_back({{"role", "system"}, {"content", a.system}});
+    messages.push_back({{"role", "user"}, {"content", user}});
+    const std::string rendered = chat->render(messages, /*add_generation_prompt=*/true, chat_kwargs);
+    if (a.print_prompt) fmt::print(stderr, "{}\n", rendered);
+    return tok->encode(rendered, false);
+  };
   std::vector<std::vector<int64_t>> prompts;
   if (!a.prompt.empty()) {
-    prompts.push_back(tok->encode(a.prompt, true));
+    prompts.push_back(encode(a.prompt));
     KCPP_CHECK(!prompts[0].empty(), "kcpp generate: the prompt encodes to no tokens");
   } else if (!a.prompt_ids.empty()) {
     prompts.push_back(parse_ids(a.prompt_ids, "--prompt-ids"));
@@ -141,7 +204,7 @@ int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const mod
     const std::string& path = ids ? a.prompt_ids_file : a.prompts_file;
     const char* option = ids ? "--prompt-ids-file" : "--prompts";
     for (const auto& [no, line] : read_lines(path, option)) {
-      prompts.push_back(ids ? parse_ids(line, fmt::format("{} {} line {}", option, path, no)) : tok->encode(line, true));
+      prompts.push_back(ids ? parse_ids(line, fmt::format("{} {} line {}", option, path, no)) : encode(line));
       KCPP_CHECK(!prompts.back().empty(), "{}: line {} of {} encodes to no tokens", option, no, path);
     }
   }
@@ -160,8 +223,14 @@ int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const mod
                    : nn::hub_loader(hub));
     fmt::print(stderr, "{}", report.str());
   }
+  // Stops: the config's eos_token_id; in a chat also the template's end-of-turn (eos_token), which
+  // some configs lack.
+  std::vector<int64_t> stops = model->config().eos_token_id;
+  if (chat && chat->special_tokens().contains("eos_token"))
+    if (const auto id = tok->token_to_id(chat->special_tokens()["eos_token"].template get<std::string>()))
+      if (std::find(stops.begin(), stops.end(), *id) == stops.end()) stops.push_back(*id);
   const std::vector<int64_t> none;
-  const std::vector<int64_t>* stop = a.ignore_eos ? &none : nullptr;  // nullptr: the config's eos_token_id
+  const std::vector<int64_t>* stop = a.ignore_eos ? &none : &stops;
 
   // One prompt streams: its text (or ids) first, then every new token as it comes.
   const bool stream = prompts.size() == 1;
@@ -178,7 +247,7 @@ int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const mod
     }
     std::fflush(stdout);
   };
-  if (stream) {
+  if (stream && !chat) {  // a chat prints the answer only
     seen = prompts[0];
     show(false);
   }
@@ -198,17 +267,20 @@ int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const mod
     KCPP_CHECK(prompts.size() == 1, "kcpp generate: {} generates one prompt at a time; {} were given", a.model, prompts.size());
     out.resize(1);
     out[0].ids = model->generate(prompts[0], a.max_new_tokens, s, stop, &out[0].reason);
-    seen = out[0].ids;
+    seen.assign(out[0].ids.begin() + (chat ? static_cast<int64_t>(prompts[0].size()) : 0), out[0].ids.end());
   }
   const double secs = std::chrono::duration<double>(clock::now() - t0).count();
   if (stream) {
     show(true);
     fmt::print("\n");
   } else {
-    for (const auto& g : out) {
-      if (tok) fmt::print("{}\n", tok->decode(g.ids, true));
-      else fmt::print("{}\n", fmt::join(g.ids, ","));
+    for (size_t p = 0; p < out.size(); ++p) {
+      const auto& ids = out[p].ids;
+      if (chat) fmt::print("{}\n", tok->decode(std::vector<int64_t>(ids.begin() + static_cast<int64_t>(prompts[p].size()), ids.end()), true));
+      else if (tok) fmt::print("{}\n", tok->decode(ids, true));
+      else fmt::print("{}\n", fmt::join(ids, ","));
     }
+    std::fflush(stdout);  // the results, then the timings on stderr
   }
   int64_t fresh = 0, prompt_tokens = 0;
   for (size_t p = 0; p < out.size(); ++p) {
@@ -222,9 +294,10 @@ int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const mod
   }
   fmt::print(stderr, "{} new tokens for {} prompt{} in {:.3f} s on {}", fresh, out.size(), out.size() > 1 ? "s" : "", secs, dev.str());
   if constexpr (std::is_same_v<Model, models::CausalLM>) {
-    fmt::print(stderr, ": first token after {:.1f} ms (prefill {:.0f} tokens/s); decode {} tokens in {:.3f} s ({:.1f} tokens/s)",
+    fmt::print(stderr, ": first token after {:.1f} ms (prefill {:.0f} tokens/s); decode {} tokens in {:.3f} s ({:.1f} tokens/s{})",
                1e3 * st.first_token_seconds, prompt_tokens / std::max(st.prefill_seconds, 1e-9), st.decode_tokens,
-               st.decode_seconds, st.decode_tokens / std::max(st.decode_seconds, 1e-9));
+               st.decode_seconds, st.decode_tokens / std::max(st.decode_seconds, 1e-9),
+               st.graph_replays ? fmt::format(", {} steps replayed as CUDA graphs", st.graph_replays) : "");
   }
   fmt::print(stderr, "\n");
   if (!a.stats_json.empty()) {
@@ -237,6 +310,7 @@ int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const mod
       j["prefill_seconds"] = st.prefill_seconds;
       j["decode_tokens"] = st.decode_tokens;
       j["decode_seconds"] = st.decode_seconds;
+      j["graph_replays"] = st.graph_replays;
     }
     std::ofstream f(a.stats_json);
     KCPP_CHECK(f.good(), "--stats-json: cannot write {}", a.stats_json);
@@ -284,6 +358,14 @@ void add_model_commands(CLI::App& app, Action& action) {
   g->add_option("--prompt-ids-file", args->prompt_ids_file, "A file of token-id prompts (1,15,7), one a line, as one batch");
   g->add_flag("--ignore-eos", args->ignore_eos, "Do not stop at the model's end-of-sequence tokens");
   g->add_option("--stats-json", args->stats_json, "Write timings and the generated ids to this JSON file");
+  g->add_flag("--chat", args->chat,
+              "The text is a user message: render it with the model's chat template (tokenizer_config.json) and print "
+              "the answer");
+  g->add_option("--system", args->system, "With --chat: a system message before the user's");
+  g->add_option("--chat-template", args->chat_template,
+                "With --chat: a tokenizer_config.json or a Jinja template file instead of the model's");
+  g->add_option("--chat-kwargs", args->chat_kwargs, "With --chat: variables for the template, as JSON ({\"enable_thinking\": false})");
+  g->add_flag("--print-prompt", args->print_prompt, "With --chat: print the rendered prompt to stderr");
   g->add_option("--tokenizer", args->tokenizer, "A tokenizer.json other than the model folder's");
   g->add_option("--max-new-tokens", args->max_new_tokens, "Tokens to generate at most")->capture_default_str();
   g->add_option("--temperature", args->temperature, "0 = greedy")->capture_default_str();

@@ -69,8 +69,8 @@ __global__ void __launch_bounds__(kWarps * 32)
   const bool lane_on = e0 < d;
   const bool bad = bad_row(rows, lengths, b, r_count, max_length);
   const int len = bad ? 0 : lengths[b];
-  const int lo = window > 0 ? max(0, len - window) : 0;
-  const int start = max(lo, split * chunk), end = min(len, (split + 1) * chunk);
+  const int lo = window > 0 ? ::max(0, len - window) : 0;
+  const int start = ::max(lo, split * chunk), end = ::min(len, (split + 1) * chunk);
   const size_t base = bad ? 0 : (static_cast<size_t>(rows[b]) * hkv + kvh) * capacity;
 
   float qr[GMAX][8], acc[GMAX][8], m[GMAX], l[GMAX];
