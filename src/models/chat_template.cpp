@@ -1886,8 +1886,10 @@ struct Params {
     vals.resize(ns.size());
     std::vector<bool> given(ns.size(), false);
     for (size_t k = 0; k < args.pos.size(); ++k) vals[k] = args.pos[k], given[k] = true;
-    for (auto& [name, v] : args.kw) {
-      const auto it = std::find_if(ns.begin(), ns.end(), [&](const char* n) { return name == n; });
+    for (auto& kw : args.kw) {
+      const auto& name = kw.first;
+      const auto& v = kw.second;
+      const auto it = std::find_if(ns.begin(), ns.end(), [&name](const char* n) { return name == n; });
       if (it == ns.end()) in.fail(fmt::format("{}() got an unexpected keyword argument '{}'", fn, name));
       const size_t k = static_cast<size_t>(it - ns.begin());
       if (given[k]) in.fail(fmt::format("{}() got multiple values for argument '{}'", fn, name));

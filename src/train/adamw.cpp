@@ -40,7 +40,13 @@ AdamW::AdamW(std::vector<std::pair<std::string, Tensor>> params, AdamWOptions o)
   }
 }
 
-void AdamW::step(const std::map<std::string, Tensor>& grads) {
+size_t AdamW::state_bytes() const {
+  size_t n = 0;
+  for (const State& s : state_) n += s.m.nbytes() + s.v.nbytes() + (s.master.defined() ? s.master.nbytes() : 0);
+  return n;
+}
+
+void AdamW::step(const std::map<std::string, Tensor>& grads, const std::vector<Tensor>& norm_only) {
   std::vector<std::pair<State*, Tensor>> work;
   for (State& s : state_) {
     const auto it = grads.find(s.name);
@@ -52,12 +58,12 @@ void AdamW::step(const std::map<std::string, Tensor>& grads) {
     work.emplace_back(&s, it->second.contiguous());
   }
   ++t_;
-  if (work.empty()) {
+  if (work.empty() && norm_only.empty()) {
     sq_norm_ = Tensor();
     return;
   }
   // The global norm: every gradient's sum of squares into one f64 on the parameters' device.
-  const Device dev = work.front().second.device();
+  const Device dev = work.empty() ? norm_only.front().device() : work.front().second.device();
   double moved = 0;  // bytes the two passes read and write (adamw_kernels.h)
   if (profile::enabled())
     for (auto& [s, g] : work)
@@ -68,7 +74,12 @@ void AdamW::step(const std::map<std::string, Tensor>& grads) {
   std::vector<Tensor> gs;
   gs.reserve(work.size());
   for (auto& [s, g] : work) gs.push_back(g);
+  for (const Tensor& g : norm_only) {
+    KCPP_CHECK(g.device() == dev, "AdamW: a norm-only gradient is on {}, the parameters on {}", g.device().str(), dev.str());
+    gs.push_back(g.contiguous());
+  }
   add_squared_norms(gs, static_cast<double*>(sq_norm_.data()), scratch_);
+  if (work.empty()) return;
 
   AdamWHyper h;
   h.lr = static_cast<float>(options.lr);

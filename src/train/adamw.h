@@ -31,8 +31,10 @@ class AdamW {
   AdamW(std::vector<std::pair<std::string, Tensor>> params, AdamWOptions options);
 
   // One step with these gradients (by the parameters' names; a parameter without one is skipped).
-  // Queued on the parameters' device; returns without waiting for it.
-  void step(const std::map<std::string, Tensor>& grads);
+  // Queued on the parameters' device; returns without waiting for it.  `norm_only`: gradients of
+  // parameters another optimizer updates (a data-parallel shard's peers) that count toward the
+  // clipping norm, so that every shard clips by the norm of the whole gradient.
+  void step(const std::map<std::string, Tensor>& grads, const std::vector<Tensor>& norm_only = {});
   // The last step's global L2 norm of the gradients before clipping (waits for that step on CUDA).
   double grad_norm() const;
 
@@ -46,6 +48,12 @@ class AdamW {
     bool decay = true;
   };
   std::vector<State> state_;
+
+ public:
+  // Bytes of optimizer state: m, v and the f32 master copies.
+  size_t state_bytes() const;
+
+ private:
   int64_t t_ = 0;
   Tensor sq_norm_;  // f64 [1] on the parameters' device: the last step's squared norm
   Tensor scratch_;  // the squared norm's per-chunk partials (CUDA)

@@ -27,7 +27,9 @@ struct Accumulated {
   double loss = 0;
   int64_t tokens = 0;
 };
-Accumulated accumulate_gradients(models::CausalLM& model, const std::vector<MicroBatch>& micro);
+// `total_tokens` > 0: the labelled tokens of the whole step when these micro-batches are one share
+// of it (data parallelism: each rank's share), so that the shares' gradients sum to the step's.
+Accumulated accumulate_gradients(models::CausalLM& model, const std::vector<MicroBatch>& micro, int64_t total_tokens = 0);
 
 // accumulate_gradients, then one AdamW step.
 StepResult train_step(models::CausalLM& model, AdamW& opt, const std::vector<MicroBatch>& micro);

@@ -7,8 +7,17 @@
 // --packages, the Liger switches over this build's liger package (and flash_attn's attention);
 // else the default mapping (nn::default_kernel_config: this project's packages on the hub, falling
 // back to this build's), whose attention --attention-kernel decides.
+//
+// --gpus N (N > 1) trains data-parallel over NCCL, one process per GPU: this process starts N copies
+// of itself with RANK, WORLD_SIZE, LOCAL_RANK and KCPP_NCCL_ID set, and waits for them.  A process
+// started with RANK set (by --gpus, or by another launcher that also sets KCPP_NCCL_ID) is one rank:
+// it trains on GPU LOCAL_RANK with its share of every step's --batch rows (train/data_parallel.h),
+// and rank 0 prints.  --zero 1 shards the optimizer state over the ranks.
 #include <fmt/format.h>
+#include <signal.h>
+#include <sys/wait.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -30,7 +39,9 @@
 #include "models/causal_lm.h"
 #include "models/tokenizer.h"
 #include "nn/kernel_config.h"
+#include "dist/communicator.h"
 #include "train/corpus.h"
+#include "train/data_parallel.h"
 #include "train/trainer.h"
 
 namespace kcpp::tools {
@@ -52,6 +63,14 @@ struct TrainArgs {
   std::string kernels;  // --kernels: a mapping (file or JSON)
   bool use_local_kernel = false, allow_all = false;
   bool liger_given = false;  // --liger-kernel-config or --packages: the Liger switches over this build's liger
+  int64_t gpus = 1, zero = 0;
+};
+
+// This process's place in a data-parallel run (rank 0 of 1 when alone).
+struct Ranks {
+  std::unique_ptr<dist::Communicator> comm;  // null when alone
+  int rank = 0, world = 1;
+  bool printing() const { return rank == 0; }
 };
 
 // What the kernel run kernelizes with: a config and the loader for its references.
@@ -84,14 +103,25 @@ models::ModelConfig small_llama(const TrainArgs& a) {
 }
 
 Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::vector<int64_t>& tokens,
-            const KernelPlan* plan) {
+            const KernelPlan* plan, Ranks& ranks) {
   Run r;
   r.name = name;
   r.model = models::CausalLM::random(small_llama(a), parse_dtype(a.dtype), dev, a.seed);
-  if (plan) fmt::print("{}", r.model->kernelize(plan->config, nn::kTraining, dev, plan->loader).str());
+  const auto report = plan ? r.model->kernelize(plan->config, nn::kTraining, dev, plan->loader).str() : std::string();
+  if (ranks.printing()) fmt::print("{}", report);
   train::AdamWOptions o;
   o.lr = a.lr, o.weight_decay = 0.01, o.max_grad_norm = 1.0;
-  train::AdamW opt(r.model->parameters(), o);
+  // Alone: one AdamW; in a group: the data-parallel step over this rank's rows of each batch.
+  std::optional<train::AdamW> opt;
+  std::optional<train::DataParallel> dp;
+  if (ranks.comm) {
+    train::DataParallelOptions dpo;
+    dpo.zero_stage = static_cast<int>(a.zero);
+    dp.emplace(*r.model, *ranks.comm, o, dpo);
+  } else {
+    opt.emplace(r.model->parameters(), o);
+  }
+  const int64_t lo = a.batch * ranks.rank / ranks.world, hi = a.batch * (ranks.rank + 1) / ranks.world;
   Generator gen(a.seed + 1);
   const int64_t span = a.seq;
   const train::TokenWindows windows(tokens, span, a.batch);
@@ -101,14 +131,17 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::
   const size_t base = alloc.stats().current;
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t step = 1; step <= a.steps; ++step) {
-    const Tensor batch = Tensor::from_i64(windows.next(gen.engine()), {a.batch, span}, DType::i64, dev);
-    const train::StepResult s = train::train_step(*r.model, opt, {{batch, batch}});
+    // Every rank draws the same global batch (the same generator) and trains on its rows.
+    const std::vector<int64_t> rows = windows.next(gen.engine());
+    const Tensor batch = Tensor::from_i64(std::vector<int64_t>(rows.begin() + lo * span, rows.begin() + hi * span),
+                                          {hi - lo, span}, DType::i64, dev);
+    const train::StepResult s = dp ? dp->step({{batch, batch}}) : train::train_step(*r.model, *opt, {{batch, batch}});
     if (step == 1) r.first_loss = s.loss;
     r.final_loss = s.loss;
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     // A bar redrawn in place on a terminal; a line every tenth of the run in a log.
     const bool tty = ::isatty(::fileno(stdout)) != 0;
-    if (tty || step % std::max<int64_t>(1, a.steps / 10) == 0 || step == a.steps) {
+    if (ranks.printing() && (tty || step % std::max<int64_t>(1, a.steps / 10) == 0 || step == a.steps)) {
       const int width = 24, done = static_cast<int>(width * step / a.steps);
       fmt::print("{}  {:<10} [{}{}] step {:>4}/{}  loss {:.4f}  {:>8.0f} tokens/s{}", tty ? "\r" : "", name,
                  std::string(done, '#'), std::string(width - done, ' '), step, a.steps, s.loss, step * a.batch * span / secs,
@@ -120,7 +153,9 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   r.tokens_per_s = static_cast<double>(a.steps * a.batch * span) / r.seconds;
   r.peak_mib = static_cast<double>(alloc.stats().peak - base) / (1 << 20);
-  fmt::print("{}  {:<10} done: {:.1f} s, peak {:.1f} MiB\n", ::isatty(::fileno(stdout)) ? "\n" : "", name, r.seconds, r.peak_mib);
+  if (ranks.printing())
+    fmt::print("{}  {:<10} done: {:.1f} s, peak {:.1f} MiB{}\n", ::isatty(::fileno(stdout)) ? "\n" : "", name, r.seconds,
+               r.peak_mib, ranks.world > 1 ? fmt::format(" per GPU ({} GPUs, ZeRO-{})", ranks.world, a.zero) : "");
   return r;
 }
 
@@ -191,8 +226,73 @@ std::optional<KernelPlan> kernel_plan(const TrainArgs& a, Device dev) {
                                                           [](const std::string& p) { return find_built_package("", p.c_str()); }))};
 }
 
+// --gpus N: N copies of this command as ranks 0 .. N-1 of one NCCL group; waits for them all (a rank
+// that fails stops the others) and returns the first failure's status.
+int launch_ranks(const TrainArgs& a) {
+  const int n = static_cast<int>(a.gpus), visible = cuda_device_count();
+  KCPP_CHECK(visible >= n, "kcpp train: --gpus {} but {} CUDA device(s) are visible", n, visible);
+  std::string why;
+  KCPP_CHECK(dist::nccl_available(&why), "kcpp train: --gpus {} needs NCCL: {}", n, why);
+  KCPP_CHECK(a.batch >= n, "kcpp train: --batch is {}; with --gpus {} every GPU needs at least one row of each step", a.batch, n);
+  const std::string id = dist::nccl_unique_id();
+  std::ifstream in("/proc/self/cmdline", std::ios::binary);
+  const std::string cmdline{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  std::vector<std::string> words;
+  for (size_t at = 0; at < cmdline.size();) {
+    const size_t end = cmdline.find('\0', at);
+    words.push_back(cmdline.substr(at, end - at));
+    at = end == std::string::npos ? cmdline.size() : end + 1;
+  }
+  std::fflush(stdout);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < n; ++r) {
+    const pid_t pid = ::fork();
+    KCPP_CHECK(pid >= 0, "kcpp train: could not start rank {} of {}", r, n);
+    if (pid == 0) {
+      ::setenv("RANK", std::to_string(r).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(n).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+      ::setenv("KCPP_NCCL_ID", id.c_str(), 1);
+      std::vector<char*> argv;
+      for (std::string& w : words) argv.push_back(w.data());
+      argv.push_back(nullptr);
+      ::execv("/proc/self/exe", argv.data());
+      std::_Exit(127);
+    }
+    pids.push_back(pid);
+  }
+  int result = 0;
+  for (size_t left = pids.size(); left > 0; --left) {
+    int status = 0;
+    const pid_t done = ::wait(&status);
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (code != 0 && result == 0) {
+      result = code;
+      for (pid_t p : pids)
+        if (p != done) ::kill(p, SIGTERM);
+      fmt::print(stderr, "kcpp train: rank {} failed (status {}); stopping the others\n",
+                 std::find(pids.begin(), pids.end(), done) - pids.begin(), code);
+    }
+  }
+  return result;
+}
+
 int run_train(TrainArgs a) {
-  const Device dev = a.device == "auto" ? (cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu()) : parse_device(a.device);
+  KCPP_CHECK(a.gpus >= 1, "kcpp train: --gpus is {}; it must be 1 or more", a.gpus);
+  KCPP_CHECK(a.zero == 0 || a.zero == 1, "kcpp train: --zero is {}; expected 0 (no sharding) or 1 (optimizer state sharded)", a.zero);
+  const std::optional<dist::LaunchInfo> launched = dist::launch_info_from_env();
+  if (a.gpus > 1 && !launched) return launch_ranks(a);
+  Ranks ranks;
+  Device dev = a.device == "auto" ? (cuda_device_count() > 0 ? Device::cuda(0) : Device::cpu()) : parse_device(a.device);
+  if (launched && launched->world_size > 1) {
+    const char* id = std::getenv("KCPP_NCCL_ID");
+    KCPP_CHECK(id && *id, "kcpp train: RANK is set (this process is rank {} of {}) but KCPP_NCCL_ID is not; start the ranks "
+               "with kcpp train --gpus N, or give every rank the same KCPP_NCCL_ID", launched->rank, launched->world_size);
+    dev = Device::cuda(launched->local_rank);
+    ranks.comm = dist::nccl_communicator(*launched, id, dev);
+    ranks.rank = launched->rank, ranks.world = launched->world_size;
+    KCPP_CHECK(a.batch >= ranks.world, "kcpp train: --batch is {}; {} ranks need at least one row each", a.batch, ranks.world);
+  }
   a.steps = a.given_steps.value_or(dev.is_cuda() ? 1000 : 60);
   a.hidden = a.given_hidden.value_or(dev.is_cuda() ? 512 : 128);
   a.seq = a.given_seq.value_or(dev.is_cuda() ? 512 : 128);
@@ -216,19 +316,22 @@ int run_train(TrainArgs a) {
   KCPP_CHECK(a.batch <= train::TokenWindows::max_batch(tokens.size(), a.seq),
              "kcpp train: --batch is {}; at --seq {} the embedded corpus ({} tokens) allows batches of at most {}", a.batch,
              a.seq, tokens.size(), train::TokenWindows::max_batch(tokens.size(), a.seq));
-  fmt::print("kcpp train: a {}-layer Llama-style model (hidden {}, byte-level vocabulary {}) on {} bytes of generated text, "
-             "{} steps of {} x {} tokens, {} weights{}, AdamW lr {}, on {}\n",
-             a.layers, a.hidden, train::ByteTokenizer::kVocab, corpus.size(), a.steps, a.batch, a.seq, a.dtype,
-             a.dtype == "f32" ? "" : " (f32 master copies)", a.lr, dev.str());
+  if (ranks.printing())
+    fmt::print("kcpp train: a {}-layer Llama-style model (hidden {}, byte-level vocabulary {}) on {} bytes of generated text, "
+               "{} steps of {} x {} tokens, {} weights{}, AdamW lr {}, on {}{}\n",
+               a.layers, a.hidden, train::ByteTokenizer::kVocab, corpus.size(), a.steps, a.batch, a.seq, a.dtype,
+               a.dtype == "f32" ? "" : " (f32 master copies)", a.lr, dev.str(),
+               ranks.world > 1 ? fmt::format(" and {} more GPUs, data parallel over NCCL", ranks.world - 1) : "");
   // The packages are looked up (and loaded) before any training, so that a bad --packages or
   // mapping fails at once.
   const std::optional<KernelPlan> plan = a.reference_only ? std::nullopt : kernel_plan(a, dev);
   std::vector<Run> runs;
-  runs.push_back(run_one("reference", a, dev, tokens, nullptr));
+  runs.push_back(run_one("reference", a, dev, tokens, nullptr, ranks));
   if (!a.reference_only) {
-    if (plan) runs.push_back(run_one("kernels", a, dev, tokens, &*plan));
-    else fmt::print("(no liger package found: build it, or pass --packages DIR; showing the reference only)\n");
+    if (plan) runs.push_back(run_one("kernels", a, dev, tokens, &*plan, ranks));
+    else if (ranks.printing()) fmt::print("(no liger package found: build it, or pass --packages DIR; showing the reference only)\n");
   }
+  if (!ranks.printing()) return 0;  // rank 0 reports, samples and saves
   fmt::print("\n{:<10} {:>12} {:>14} {:>12} {:>12}\n", "layers", "tokens/s", "peak MiB", "first loss", "final loss");
   for (const Run& r : runs)
     fmt::print("{:<10} {:>12.0f} {:>14.1f} {:>12.4f} {:>12.4f}\n", r.name, r.tokens_per_s, r.peak_mib, r.first_loss, r.final_loss);
@@ -308,6 +411,9 @@ void add_train_command(CLI::App& app, Action& action) {
                 "switches over this build's liger)");
   t->add_flag("--use-local-kernel", args->use_local_kernel, "References in --kernels are local package folders");
   t->add_flag("--allow-all-kernels", args->allow_all, "Load unsigned or untrusted packages");
+  t->add_option("--gpus", args->gpus, "Train data-parallel on this many GPUs (one process each, NCCL)")->capture_default_str();
+  t->add_option("--zero", args->zero, "With --gpus: 1 shards the optimizer state over the GPUs (ZeRO stage 1)")
+      ->capture_default_str();
   auto* liger_opt = t->get_option("--liger-kernel-config");
   auto* packages_opt = t->get_option("--packages");
   t->callback([args, &action, liger_opt, packages_opt] {

@@ -1,0 +1,132 @@
+#include "train/data_parallel.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "core/error.h"
+#include "ops/ops.h"
+
+namespace kcpp::train {
+namespace {
+
+std::vector<std::pair<std::string, Tensor>> owned(const std::vector<std::pair<std::string, Tensor>>& params,
+                                                  const std::map<std::string, int>& owner, int rank) {
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (const auto& [name, p] : params)
+    if (owner.at(name) == rank) out.emplace_back(name, p);
+  return out;
+}
+
+}  // namespace
+
+std::map<std::string, int> DataParallel::assign_owners(const std::vector<std::pair<std::string, Tensor>>& params, int world) {
+  // Largest first, each to the rank holding the fewest elements so far (ties: the lower rank);
+  // deterministic, so every rank computes the same assignment.
+  std::vector<size_t> order(params.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return params[a].second.numel() > params[b].second.numel(); });
+  std::vector<int64_t> load(static_cast<size_t>(world), 0);
+  std::map<std::string, int> owner;
+  for (size_t i : order) {
+    const int r = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+    load[static_cast<size_t>(r)] += params[i].second.numel();
+    owner[params[i].first] = r;
+  }
+  return owner;
+}
+
+DataParallel::DataParallel(models::CausalLM& model, dist::Communicator& comm, AdamWOptions adamw, DataParallelOptions o)
+    : model_(model),
+      comm_(comm),
+      options_(o),
+      params_(model.parameters()),
+      owner_([&] {
+        KCPP_CHECK(o.zero_stage == 0 || o.zero_stage == 1, "data parallel: ZeRO stage {} is not supported (0 or 1)", o.zero_stage);
+        KCPP_CHECK(o.bucket_mib > 0, "data parallel: bucket_mib is {}; it must be positive", o.bucket_mib);
+        KCPP_CHECK(o.reduce_dtype == DType::f32 || o.reduce_dtype == DType::f64 || o.reduce_dtype == DType::bf16 ||
+                       o.reduce_dtype == DType::f16,
+                   "data parallel: reduce_dtype {} is not a floating dtype", dtype_name(o.reduce_dtype));
+        if (o.zero_stage == 0) {
+          std::map<std::string, int> all;
+          for (const auto& [name, p] : params_) all[name] = comm.rank();
+          return all;
+        }
+        return assign_owners(params_, comm.world_size());
+      }()),
+      opt_(owned(params_, owner_, comm.rank()), adamw) {
+  for (const auto& [name, p] : params_)
+    KCPP_CHECK(p.device() == comm.device(), "data parallel: parameter '{}' is on {} but the communicator is on {}", name,
+               p.device().str(), comm.device().str());
+  comm_.begin_group();
+  for (const auto& [name, p] : params_) comm_.broadcast(p, 0);
+  comm_.end_group();
+}
+
+void DataParallel::reduce_gradients(std::map<std::string, Tensor>& grads) {
+  const size_t bucket_bytes = static_cast<size_t>(options_.bucket_mib * (1 << 20));
+  const size_t es = dtype_size(options_.reduce_dtype);
+  std::vector<std::string> bucket;
+  size_t bytes = 0;
+  auto flush = [&] {
+    if (bucket.empty()) return;
+    std::vector<Tensor> parts;
+    for (const std::string& n : bucket) parts.push_back(grads.at(n).contiguous().view({grads.at(n).numel()}).to(options_.reduce_dtype));
+    Tensor flat = parts.size() == 1 ? parts[0].contiguous() : ops::cat(parts, 0);
+    if (parts.size() == 1 && flat.data() == grads.at(bucket[0]).data()) flat = flat.clone();  // never reduce in place of a view
+    comm_.all_reduce(flat, dist::ReduceOp::Sum);
+    int64_t at = 0;
+    for (const std::string& n : bucket) {
+      Tensor& g = grads.at(n);
+      const int64_t k = g.numel();
+      g = flat.narrow(0, at, k).to(g.dtype()).contiguous().view(g.shape());
+      at += k;
+    }
+    bucket.clear();
+    bytes = 0;
+  };
+  // In the parameters' order (the same on every rank); a parameter without a gradient here gets zeros,
+  // so every rank reduces the same buckets.
+  for (const auto& [name, p] : params_) {
+    auto it = grads.find(name);
+    if (it == grads.end()) it = grads.emplace(name, Tensor::zeros(p.shape(), p.dtype(), p.device())).first;
+    bucket.push_back(name);
+    bytes += static_cast<size_t>(p.numel()) * es;
+    if (bytes >= bucket_bytes) flush();
+  }
+  flush();
+}
+
+StepResult DataParallel::step(const std::vector<MicroBatch>& micro) {
+  KCPP_CHECK(!micro.empty(), "data parallel: rank {} has no micro-batch (every rank takes a share of each step)", comm_.rank());
+  int64_t mine = 0;
+  for (const MicroBatch& m : micro) mine += models::CausalLM::labelled_tokens(m.labels);
+  const Tensor count = Tensor::from_f64(std::vector<double>{static_cast<double>(mine)}, {1}, DType::f64, comm_.device());
+  comm_.all_reduce(count, dist::ReduceOp::Sum);
+  const int64_t total = static_cast<int64_t>(count.item());
+  KCPP_CHECK(total > 0, "data parallel: no labelled token in the step's batch on any of the {} ranks", comm_.world_size());
+  Accumulated acc = mine > 0 ? accumulate_gradients(model_, micro, total) : Accumulated{};
+  if (mine == 0) acc.tokens = 0;  // a share without labels: zero gradients (reduce_gradients fills them)
+  reduce_gradients(acc.grads);
+  const Tensor loss = Tensor::from_f64(std::vector<double>{acc.loss}, {1}, DType::f64, comm_.device());
+  comm_.all_reduce(loss, dist::ReduceOp::Sum);
+
+  std::map<std::string, Tensor> mine_grads;
+  std::vector<Tensor> others;
+  for (auto& [name, g] : acc.grads) {
+    if (owner_.at(name) == comm_.rank()) mine_grads.emplace(name, g);
+    else others.push_back(g);
+  }
+  opt_.step(mine_grads, others);
+  if (options_.zero_stage == 1) {  // each owner's updated parameters to every rank
+    comm_.begin_group();
+    for (const auto& [name, p] : params_) comm_.broadcast(p, owner_.at(name));
+    comm_.end_group();
+  }
+  StepResult r;
+  r.loss = loss.item();
+  r.tokens = total;
+  r.grad_norm = opt_.grad_norm();
+  return r;
+}
+
+}  // namespace kcpp::train

@@ -1,0 +1,62 @@
+// Data-parallel training: every rank of a communicator group holds the model, takes its share of
+// each step's batch, and the ranks' gradients are summed before one AdamW step, so every rank's
+// model stays the same as the single-process model trained on the whole batch.
+//
+//   step:  T = sum over ranks of the labelled tokens of their share        (all_reduce)
+//          g_r = gradient of (sum of the share's token losses) / T          (each rank)
+//          g = sum over ranks of g_r                                        (all_reduce, in buckets)
+//          then AdamW with g, clipped by ||g||: the step of the whole batch
+// The gradients travel in buckets of about `bucket_mib` (flattened, in `reduce_dtype`: f32 by
+// default, so that sums of bf16 gradients are not rounded to bf16 on the way).
+//
+// ZeRO stage 1 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+// Models", 2020): each parameter has an owner rank (whole parameters, balanced by size), only the
+// owner keeps its AdamW state (m, v, master copy: 1 / world of the state per rank) and updates it,
+// clipping by the norm of the whole gradient, and then broadcasts it to the other ranks.  The
+// result is the same as stage 0's.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "dist/communicator.h"
+#include "models/causal_lm.h"
+#include "train/adamw.h"
+#include "train/trainer.h"
+
+namespace kcpp::train {
+
+struct DataParallelOptions {
+  int zero_stage = 0;              // 0 or 1
+  double bucket_mib = 25.0;        // gradient bytes (in reduce_dtype) a bucket holds, about
+  DType reduce_dtype = DType::f32;  // f32, or the gradients' own dtype (half the traffic for bf16)
+};
+
+class DataParallel {
+ public:
+  // The parameters of `model` (on comm.device()) start as rank 0's: they are broadcast here.
+  DataParallel(models::CausalLM& model, dist::Communicator& comm, AdamWOptions adamw, DataParallelOptions options = {});
+
+  // One optimizer step; `micro` is this rank's share of the step's batch (its micro-batches).
+  // Every rank gets the loss, the token count and the gradient norm of the whole step.
+  StepResult step(const std::vector<MicroBatch>& micro);
+
+  // The rank that owns (updates) each parameter: rank() for every one at stage 0.
+  const std::map<std::string, int>& owners() const { return owner_; }
+  // Bytes of AdamW state this rank keeps.
+  size_t optimizer_state_bytes() const { return opt_.state_bytes(); }
+
+ private:
+  static std::map<std::string, int> assign_owners(const std::vector<std::pair<std::string, Tensor>>& params, int world);
+  void reduce_gradients(std::map<std::string, Tensor>& grads);
+
+  models::CausalLM& model_;
+  dist::Communicator& comm_;
+  DataParallelOptions options_;
+  std::vector<std::pair<std::string, Tensor>> params_;  // the model's, in its order (the same on every rank)
+  std::map<std::string, int> owner_;
+  AdamW opt_;
+};
+
+}  // namespace kcpp::train

@@ -1,0 +1,220 @@
+// dist::Communicator's collectives (ranks as threads: the local group) and data-parallel training
+// over them: a world of 2 or 3 ranks, each with its share of the batch, ends every step with the
+// parameters of one process trained on the whole batch; ZeRO stage 1 with the same parameters as
+// stage 0 and a share of the optimizer state.
+#include <cmath>
+#include <filesystem>
+#include <thread>
+
+#include "dist/communicator.h"
+#include "models/causal_lm.h"
+#include "models/config.h"
+#include "models/safetensors.h"
+#include "ops/ops.h"
+#include "test_util.h"
+#include "train/data_parallel.h"
+
+namespace kcpp {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Runs fn(rank, communicator) on a thread per rank of a local group; rethrows the first failure.
+template <class F> void on_ranks(int world, F&& fn) {
+  auto comms = dist::local_group(world);
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        fn(r, *comms[static_cast<size_t>(r)]);
+      } catch (...) {
+        errors[static_cast<size_t>(r)] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+// The error message of fn(), or "" when it does not throw kcpp::Error.
+template <class F> std::string error_of(F&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+#define EXPECT_ERROR(expr, needle)                                                   \
+  do {                                                                               \
+    const std::string msg_ = error_of([&] { (void)(expr); });                       \
+    EXPECT_NE(msg_.find(needle), std::string::npos) << "message: '" << msg_ << "'"; \
+  } while (0)
+
+std::vector<double> values(int rank, int64_t n, double salt) {
+  std::vector<double> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = std::sin(0.37 * i + rank * 1.3 + salt) * (1 + rank);
+  return v;
+}
+
+TEST(Dist, CollectivesOverThreads) {
+  for (int world : {1, 2, 3})
+    for (DType dt : {DType::f32, DType::bf16, DType::f64}) {
+      const int64_t n = 7;  // per rank, odd
+      std::vector<std::vector<double>> reduced(static_cast<size_t>(world)), scattered(reduced), gathered(reduced),
+          broadcast(reduced);
+      on_ranks(world, [&](int r, dist::Communicator& c) {
+        EXPECT_EQ(c.rank(), r);
+        EXPECT_EQ(c.world_size(), world);
+        const Tensor t = Tensor::from_f64(values(r, world * n, 0), {world, n}, dt);
+        c.all_reduce(t, dist::ReduceOp::Avg);
+        reduced[static_cast<size_t>(r)] = t.to_f64_vector();
+        const Tensor in = Tensor::from_f64(values(r, world * n, 1), {world * n}, dt), out = Tensor::zeros({n}, dt);
+        c.reduce_scatter(out, in, dist::ReduceOp::Sum);
+        scattered[static_cast<size_t>(r)] = out.to_f64_vector();
+        const Tensor mine = Tensor::from_f64(values(r, n, 2), {n}, dt), all = Tensor::zeros({world, n}, dt);
+        c.all_gather(all, mine);
+        gathered[static_cast<size_t>(r)] = all.to_f64_vector();
+        const Tensor b = Tensor::from_f64(values(r, n, 3), {n}, dt);
+        c.broadcast(b, world - 1);
+        broadcast[static_cast<size_t>(r)] = b.to_f64_vector();
+      });
+      const std::string cfg = fmt::format("world {} {}", world, dtype_name(dt));
+      // The expected results from each rank's values as rounded to the dtype, summed in f64.
+      auto rounded = [&](int r, int64_t len, double salt) { return Tensor::from_f64(values(r, len, salt), {len}, dt).to_f64_vector(); };
+      for (int r = 0; r < world; ++r) {
+        for (int64_t i = 0; i < world * n; ++i) {
+          double s = 0;
+          for (int q = 0; q < world; ++q) s += rounded(q, world * n, 0)[static_cast<size_t>(i)];
+          // The mean is the f64 sum times 1 / world, rounded once.
+          const double want = Tensor::from_f64(std::vector<double>{s * (1.0 / world)}, {1}, dt).to_f64_vector()[0];
+          ASSERT_EQ(reduced[static_cast<size_t>(r)][static_cast<size_t>(i)], want) << cfg << " all_reduce rank " << r << " at " << i;
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          double s = 0;
+          for (int q = 0; q < world; ++q) s += rounded(q, world * n, 1)[static_cast<size_t>(r * n + i)];
+          const double want = Tensor::from_f64(std::vector<double>{s}, {1}, dt).to_f64_vector()[0];
+          ASSERT_EQ(scattered[static_cast<size_t>(r)][static_cast<size_t>(i)], want) << cfg << " reduce_scatter rank " << r;
+          for (int q = 0; q < world; ++q)
+            ASSERT_EQ(gathered[static_cast<size_t>(r)][static_cast<size_t>(q * n + i)], rounded(q, n, 2)[static_cast<size_t>(i)])
+                << cfg << " all_gather rank " << r;
+          ASSERT_EQ(broadcast[static_cast<size_t>(r)][static_cast<size_t>(i)], rounded(world - 1, n, 3)[static_cast<size_t>(i)])
+              << cfg << " broadcast rank " << r;
+        }
+      }
+    }
+}
+
+TEST(Dist, MismatchedArgumentsAreNamedOnEveryRank) {
+  std::vector<std::string> messages(2);
+  auto comms = dist::local_group(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        comms[static_cast<size_t>(r)]->all_reduce(Tensor::zeros({r == 0 ? 3 : 4}, DType::f32), dist::ReduceOp::Sum);
+      } catch (const Error& e) {
+        messages[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (const std::string& m : messages) EXPECT_NE(m.find("rank 1 passed f32 [4] but rank 0 passed f32 [3]"), std::string::npos) << m;
+  EXPECT_ERROR(dist::local_group(0), "world size 0");
+  auto one = dist::local_group(1);
+  EXPECT_ERROR(one[0]->broadcast(Tensor::zeros({2}, DType::f32), 1), "root 1 is not a rank of this group of 1");
+  EXPECT_ERROR(one[0]->all_reduce(Tensor::zeros({4, 4}, DType::f32).transpose(0, 1), dist::ReduceOp::Sum), "must be contiguous");
+}
+
+TEST(Dist, LaunchInfoFromTheEnvironment) {
+  ::unsetenv("RANK");
+  EXPECT_FALSE(dist::launch_info_from_env().has_value());
+  ::setenv("RANK", "2", 1);
+  ::setenv("WORLD_SIZE", "4", 1);
+  ::unsetenv("LOCAL_RANK");
+  const auto w = dist::launch_info_from_env();
+  ASSERT_TRUE(w.has_value());
+  EXPECT_EQ(w->rank, 2);
+  EXPECT_EQ(w->world_size, 4);
+  EXPECT_EQ(w->local_rank, 2);
+  ::setenv("WORLD_SIZE", "2", 1);
+  EXPECT_ERROR(dist::launch_info_from_env(), "RANK is 2 but WORLD_SIZE is 2");
+  ::setenv("WORLD_SIZE", "two", 1);
+  EXPECT_ERROR(dist::launch_info_from_env(), "WORLD_SIZE is 'two'");
+  ::unsetenv("RANK");
+  ::unsetenv("WORLD_SIZE");
+}
+
+// Data parallelism: the batch's rows split over the ranks (shares with different numbers of
+// labelled tokens, one share a single row), three steps; every rank's parameters equal the
+// single-process model's after each step, in f32, within the rounding of a different summation
+// order.  ZeRO-1 gives stage 0's parameters exactly and keeps a share of the AdamW state.
+TEST(Dist, DataParallelEqualsOneProcessOnTheWholeBatch) {
+  const fs::path dir = fs::path(test::fixtures_dir()) / "llama";
+  const models::ModelConfig cfg = models::ModelConfig::from_folder(dir);
+  const int64_t rows = 5, seq = 9;
+  std::vector<Tensor> ids, labels;
+  Generator gen(3);
+  for (int step = 0; step < 3; ++step) {
+    ids.push_back(Tensor::randint({rows, seq}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen));
+    auto lv = ids.back().to_f64_vector();
+    for (int64_t i = 0; i < seq; i += 3) lv[static_cast<size_t>(i)] = -100;  // row 0: some tokens ignored
+    labels.push_back(Tensor::from_f64(lv, {rows, seq}, DType::i64));
+  }
+  train::AdamWOptions o;
+  o.lr = 5e-3, o.weight_decay = 0.01, o.max_grad_norm = 0.5;  // clipping active: the norm must be the whole batch's
+  auto single = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 7, 0.5);
+  train::AdamW opt(single->parameters(), o);
+  std::vector<std::map<std::string, std::vector<double>>> want(3);
+  std::vector<double> want_loss(3), want_norm(3);
+  for (int step = 0; step < 3; ++step) {
+    const auto r = train::train_step(*single, opt, {{ids[static_cast<size_t>(step)], labels[static_cast<size_t>(step)]}});
+    want_loss[static_cast<size_t>(step)] = r.loss, want_norm[static_cast<size_t>(step)] = r.grad_norm;
+    for (const auto& [name, p] : single->parameters()) want[static_cast<size_t>(step)][name] = p.to_f64_vector();
+  }
+  for (int world : {2, 3})
+    for (int zero : {0, 1}) {
+      const std::string cfg_name = fmt::format("world {} ZeRO-{}", world, zero);
+      std::vector<std::map<std::string, std::vector<double>>> got(static_cast<size_t>(world));
+      std::vector<size_t> state(static_cast<size_t>(world));
+      on_ranks(world, [&](int r, dist::Communicator& c) {
+        // Only rank 0 starts from the single-process model's weights: the trainer broadcasts them.
+        auto model = models::CausalLM::random(cfg, DType::f32, Device::cpu(), r == 0 ? 7 : 100 + r, 0.5);
+        train::DataParallelOptions dp;
+        dp.zero_stage = zero;
+        dp.bucket_mib = 0.01;  // several buckets
+        train::DataParallel trainer(*model, c, o, dp);
+        state[static_cast<size_t>(r)] = trainer.optimizer_state_bytes();
+        // Rows [lo, hi) of each step's batch: world 2 takes 1 + 4 rows, world 3 takes 2 + 2 + 1.
+        const int64_t lo = world == 2 ? (r == 0 ? 0 : 1) : r * 2, hi = world == 2 ? (r == 0 ? 1 : rows) : std::min<int64_t>(rows, r * 2 + 2);
+        for (int step = 0; step < 3; ++step) {
+          const auto& i = ids[static_cast<size_t>(step)];
+          const auto& l = labels[static_cast<size_t>(step)];
+          const auto s = trainer.step({{i.narrow(0, lo, hi - lo).contiguous(), l.narrow(0, lo, hi - lo).contiguous()}});
+          EXPECT_NEAR(s.loss, want_loss[static_cast<size_t>(step)], 1e-6 * want_loss[static_cast<size_t>(step)]) << cfg_name;
+          EXPECT_NEAR(s.grad_norm, want_norm[static_cast<size_t>(step)], 1e-5 * want_norm[static_cast<size_t>(step)]) << cfg_name;
+          EXPECT_EQ(s.tokens, models::CausalLM::labelled_tokens(l)) << cfg_name;
+          if (step == 2)
+            for (const auto& [name, p] : model->parameters()) got[static_cast<size_t>(r)][name] = p.to_f64_vector();
+        }
+      });
+      for (int r = 0; r < world; ++r)
+        for (const auto& [name, v] : got[static_cast<size_t>(r)]) {
+          EXPECT_TRUE(test::close_l2(Tensor::from_f64(v, {static_cast<int64_t>(v.size())}, DType::f64), want[2].at(name), 1e-5))
+              << cfg_name << " rank " << r << " " << name;
+          if (r > 0) EXPECT_EQ(v, got[0].at(name)) << cfg_name << ": ranks 0 and " << r << " differ in " << name;
+        }
+      // Stage 0: every rank keeps all the state; stage 1: each parameter's state on one rank only.
+      const size_t whole = opt.state_bytes();
+      size_t sum = 0;
+      for (int r = 0; r < world; ++r) {
+        sum += state[static_cast<size_t>(r)];
+        if (zero == 0) EXPECT_EQ(state[static_cast<size_t>(r)], whole) << cfg_name;
+        else EXPECT_LT(state[static_cast<size_t>(r)], whole) << cfg_name << " rank " << r;
+      }
+      if (zero == 1) EXPECT_EQ(sum, whole) << cfg_name;
+    }
+}
+
+}  // namespace
+}  // namespace kcpp
