@@ -2,6 +2,8 @@
 // over them: a world of 2 or 3 ranks, each with its share of the batch, ends every step with the
 // parameters of one process trained on the whole batch; ZeRO stage 1 with the same parameters as
 // stage 0 and a share of the optimizer state.
+#include <stdlib.h>
+
 #include <cmath>
 #include <filesystem>
 #include <thread>
@@ -214,6 +216,83 @@ TEST(Dist, DataParallelEqualsOneProcessOnTheWholeBatch) {
       }
       if (zero == 1) EXPECT_EQ(sum, whole) << cfg_name;
     }
+}
+
+// Checkpoints of the optimizer do not depend on the world size: two steps, a save, two more steps
+// give the four steps of one uninterrupted process, whether the run is saved by one process and
+// resumed by three ranks (ZeRO-1, each reading the state of the parameters it owns) or saved by
+// three ranks and resumed by one.
+TEST(Dist, OptimizerCheckpointsResumeOnAnyWorldSize) {
+  const fs::path dir = fs::path(test::fixtures_dir()) / "llama";
+  const models::ModelConfig cfg = models::ModelConfig::from_folder(dir);
+  const int64_t rows = 3, seq = 8;
+  Generator gen(5);
+  std::vector<Tensor> ids;
+  for (int step = 0; step < 4; ++step) ids.push_back(Tensor::randint({rows, seq}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen));
+  train::AdamWOptions o;
+  o.lr = 5e-3, o.weight_decay = 0.01, o.max_grad_norm = 0.5;
+  auto straight = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 9, 0.5);
+  train::AdamW straight_opt(straight->parameters(), o);
+  for (int step = 0; step < 4; ++step) train::train_step(*straight, straight_opt, {{ids[static_cast<size_t>(step)], ids[static_cast<size_t>(step)]}});
+  auto expect_straight = [&](models::CausalLM& m, const std::string& what) {
+    const auto want = straight->parameters();
+    const auto got = m.parameters();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_TRUE(test::close_l2(got[i].second, want[i].second.to_f64_vector(), 1e-5)) << what << " " << got[i].first;
+  };
+  std::string tmpl = (fs::temp_directory_path() / "kcpp-dp-ckpt-XXXXXX").string();
+  const fs::path ckpt = ::mkdtemp(tmpl.data());
+  const int64_t share = 1;  // world 3: a row each
+  {  // one process saves after two steps; three ranks resume
+    auto m = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 9, 0.5);
+    train::AdamW opt(m->parameters(), o);
+    for (int step = 0; step < 2; ++step) train::train_step(*m, opt, {{ids[static_cast<size_t>(step)], ids[static_cast<size_t>(step)]}});
+    m->save(ckpt);
+    train::save_optimizer_state(ckpt, opt);
+    on_ranks(3, [&](int r, dist::Communicator& c) {
+      auto resumed = models::CausalLM::from_folder(ckpt, DType::f32, Device::cpu());
+      train::DataParallelOptions dp;
+      dp.zero_stage = 1;
+      train::DataParallel t(*resumed, c, o, dp);
+      t.load_optimizer(ckpt);
+      EXPECT_EQ(t.optimizer().steps(), 2);
+      for (int step = 2; step < 4; ++step) {
+        const Tensor mine = ids[static_cast<size_t>(step)].narrow(0, r * share, share).contiguous();
+        t.step({{mine, mine}});
+      }
+      if (r == 2) expect_straight(*resumed, "saved by 1, resumed by 3");
+    });
+  }
+  {  // three ranks save after two steps; one process resumes
+    std::vector<std::unique_ptr<models::CausalLM>> models(3);
+    on_ranks(3, [&](int r, dist::Communicator& c) {
+      models[static_cast<size_t>(r)] = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 9, 0.5);
+      train::DataParallelOptions dp;
+      dp.zero_stage = 1;
+      train::DataParallel t(*models[static_cast<size_t>(r)], c, o, dp);
+      for (int step = 0; step < 2; ++step) {
+        const Tensor mine = ids[static_cast<size_t>(step)].narrow(0, r * share, share).contiguous();
+        t.step({{mine, mine}});
+      }
+      t.save_optimizer(ckpt);
+    });
+    models[0]->save(ckpt);
+    auto resumed = models::CausalLM::from_folder(ckpt, DType::f32, Device::cpu());
+    train::AdamW opt(resumed->parameters(), o);
+    train::load_optimizer_state(ckpt, opt);
+    EXPECT_EQ(opt.steps(), 2);
+    for (int step = 2; step < 4; ++step) train::train_step(*resumed, opt, {{ids[static_cast<size_t>(step)], ids[static_cast<size_t>(step)]}});
+    expect_straight(*resumed, "saved by 3, resumed by 1");
+    // The single process's earlier file is gone: only the three ranks' files are read.
+    EXPECT_FALSE(fs::exists(ckpt / "optimizer-rank0-of-1.safetensors"));
+  }
+  // A checkpoint of another model is refused by name.
+  auto other = models::ModelConfig::from_folder(fs::path(test::fixtures_dir()) / "qwen3");
+  auto m = models::CausalLM::random(other, DType::f32, Device::cpu(), 1, 0.5);
+  train::AdamW opt(m->parameters(), o);
+  EXPECT_ERROR(train::load_optimizer_state(ckpt, opt), "AdamW: the saved");
+  fs::remove_all(ckpt);
 }
 
 }  // namespace

@@ -93,15 +93,20 @@ class LocalCommunicator final : public Communicator {
     s_->slots[static_cast<size_t>(rank_)] = &t;
     s_->sync.arrive_and_wait();  // every rank's argument is posted (and the previous collective done)
   }
-  // Every rank compares every argument with rank 0's, so all of them throw together.
+  // Every rank compares every argument with rank 0's, so all of them throw together; only after
+  // all have read the arguments (a rank's throw ends the life of its argument).
   template <class F> void same_as_rank0(const char* op, F&& shape_of) const {
     const Tensor& a = *s_->slots[0];
-    for (int i = 1; i < s_->world; ++i) {
+    std::string problem;
+    for (int i = 1; i < s_->world && problem.empty(); ++i) {
       const Tensor& b = *s_->slots[static_cast<size_t>(i)];
-      KCPP_CHECK(shape_of(b) == shape_of(a) && b.dtype() == a.dtype(),
-                 "{}: rank {} passed {} {} but rank 0 passed {} {}; every rank must pass the same shape and dtype", op, i,
-                 dtype_name(b.dtype()), shape_str(b.shape()), dtype_name(a.dtype()), shape_str(a.shape()));
+      if (shape_of(b) != shape_of(a) || b.dtype() != a.dtype())
+        problem = fmt::format("{}: rank {} passed {} {} but rank 0 passed {} {}; every rank must pass the same shape and dtype",
+                              op, i, dtype_name(b.dtype()), shape_str(b.shape()), dtype_name(a.dtype()), shape_str(a.shape()));
     }
+    if (problem.empty()) return;
+    s_->sync.arrive_and_wait();
+    KCPP_FAIL("{}", problem);
   }
   // Elements [from, from + n) of every rank's argument reduced in rank order, in f64, rounded once.
   Tensor reduce(int64_t from, int64_t n, ReduceOp op) const {

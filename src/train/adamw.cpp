@@ -40,6 +40,36 @@ AdamW::AdamW(std::vector<std::pair<std::string, Tensor>> params, AdamWOptions o)
   }
 }
 
+std::vector<std::pair<std::string, Tensor>> AdamW::state_tensors() const {
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (const State& s : state_) {
+    out.emplace_back(s.name + ".exp_avg", s.m);
+    out.emplace_back(s.name + ".exp_avg_sq", s.v);
+    if (s.master.defined()) out.emplace_back(s.name + ".master", s.master);
+  }
+  return out;
+}
+
+void AdamW::load_state(const std::function<Tensor(const std::string&)>& get, int64_t steps) {
+  KCPP_CHECK(steps >= 0, "AdamW: a saved step count of {}; it must be 0 or more", steps);
+  auto take = [&](const std::string& key, const Tensor& into) {
+    const Tensor t = get(key);
+    KCPP_CHECK(t.defined(), "AdamW: the saved optimizer state has no '{}' (saved for other parameters, or another model?)", key);
+    KCPP_CHECK(t.shape() == into.shape(), "AdamW: the saved '{}' has shape {}, the parameter's state {}", key, shape_str(t.shape()),
+               shape_str(into.shape()));
+    into.copy_(t);
+  };
+  for (State& s : state_) {
+    take(s.name + ".exp_avg", s.m);
+    take(s.name + ".exp_avg_sq", s.v);
+    if (s.master.defined()) {
+      take(s.name + ".master", s.master);
+      s.param.copy_(s.master);
+    }
+  }
+  t_ = steps;
+}
+
 size_t AdamW::state_bytes() const {
   size_t n = 0;
   for (const State& s : state_) n += s.m.nbytes() + s.v.nbytes() + (s.master.defined() ? s.master.nbytes() : 0);

@@ -11,6 +11,7 @@
 // the norm is read back only when grad_norm() asks for it.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -40,6 +41,7 @@ class AdamW {
 
   AdamWOptions options;
   int64_t steps() const { return t_; }
+  Device device() const { return state_.empty() ? Device::cpu() : state_.front().param.device(); }
 
  private:
   struct State {
@@ -52,6 +54,13 @@ class AdamW {
  public:
   // Bytes of optimizer state: m, v and the f32 master copies.
   size_t state_bytes() const;
+  // The state by parameter name, as torch.optim.AdamW's state_dict names it: "<name>.exp_avg",
+  // "<name>.exp_avg_sq" and, for a 16-bit parameter, "<name>.master" (f32 tensors, views of the state).
+  std::vector<std::pair<std::string, Tensor>> state_tensors() const;
+  // Restores what state_tensors gave (from any source: `get` returns the tensor of a name, or an
+  // undefined one when absent) and the step count.  Every parameter's state must be there, of its
+  // shape; a master copy also becomes the parameter (rounded to its dtype).
+  void load_state(const std::function<Tensor(const std::string&)>& get, int64_t steps);
 
  private:
   int64_t t_ = 0;

@@ -1,9 +1,12 @@
 #include "train/data_parallel.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <numeric>
 
 #include "core/error.h"
+#include "models/safetensors.h"
 #include "ops/ops.h"
 
 namespace kcpp::train {
@@ -95,6 +98,53 @@ void DataParallel::reduce_gradients(std::map<std::string, Tensor>& grads) {
   }
   flush();
 }
+
+void save_optimizer_state(const std::filesystem::path& folder, const AdamW& opt, int rank, int world) {
+  KCPP_CHECK(rank >= 0 && rank < world, "save_optimizer_state: rank {} of a world of {}", rank, world);
+  std::error_code ec;
+  std::filesystem::create_directories(folder, ec);
+  KCPP_CHECK(!ec, "save_optimizer_state: cannot create {}: {}", folder.string(), ec.message());
+  // A file of an earlier save by another world size would be read back with these: remove them.
+  if (rank == 0)
+    for (const auto& e : std::filesystem::directory_iterator(folder))
+      if (e.path().filename().string().starts_with("optimizer-rank") && e.path().extension() == ".safetensors" &&
+          !e.path().filename().string().ends_with(fmt::format("-of-{}.safetensors", world)))
+        std::filesystem::remove(e.path());
+  models::save_safetensors(folder / fmt::format("optimizer-rank{}-of-{}.safetensors", rank, world), opt.state_tensors(),
+                           {{"steps", std::to_string(opt.steps())}, {"format", "kcpp AdamW state"}});
+}
+
+void load_optimizer_state(const std::filesystem::path& folder, AdamW& opt) {
+  std::vector<models::SafetensorsFile> files;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(folder, ec))
+    if (e.path().filename().string().starts_with("optimizer-rank") && e.path().extension() == ".safetensors")
+      files.push_back(models::SafetensorsFile::open(e.path()));
+  KCPP_CHECK(!files.empty(), "load_optimizer_state: no optimizer-rank*.safetensors in {} (saved by save_optimizer_state?)",
+             folder.string());
+  int64_t steps = -1;
+  for (const auto& f : files) {
+    const auto it = f.metadata().find("steps");
+    KCPP_CHECK(it != f.metadata().end(), "load_optimizer_state: {} has no step count", folder.string());
+    const int64_t s = std::stoll(it->second);
+    KCPP_CHECK(steps < 0 || steps == s, "load_optimizer_state: the files in {} are of different steps ({} and {})",
+               folder.string(), steps, s);
+    steps = s;
+  }
+  opt.load_state(
+      [&](const std::string& name) {
+        for (const auto& f : files)
+          if (f.contains(name)) return f.load(name, DType::f32, opt.device());
+        return Tensor();
+      },
+      steps);
+}
+
+void DataParallel::save_optimizer(const std::filesystem::path& folder) const {
+  save_optimizer_state(folder, opt_, comm_.rank(), comm_.world_size());
+}
+
+void DataParallel::load_optimizer(const std::filesystem::path& folder) { load_optimizer_state(folder, opt_); }
 
 StepResult DataParallel::step(const std::vector<MicroBatch>& micro) {
   KCPP_CHECK(!micro.empty(), "data parallel: rank {} has no micro-batch (every rank takes a share of each step)", comm_.rank());

@@ -16,6 +16,7 @@
 // result is the same as stage 0's.
 #pragma once
 
+#include <filesystem>
 #include <map>
 #include <string>
 #include <vector>
@@ -33,6 +34,12 @@ struct DataParallelOptions {
   DType reduce_dtype = DType::f32;  // f32, or the gradients' own dtype (half the traffic for bf16)
 };
 
+// One optimizer's state as rank `rank` of `world` writes it (a single process: 0 of 1), with the
+// step count in the file's metadata; and the state of `opt`'s parameters read back from every such
+// file of a folder, whatever world size wrote them.
+void save_optimizer_state(const std::filesystem::path& folder, const AdamW& opt, int rank = 0, int world = 1);
+void load_optimizer_state(const std::filesystem::path& folder, AdamW& opt);
+
 class DataParallel {
  public:
   // The parameters of `model` (on comm.device()) start as rank 0's: they are broadcast here.
@@ -46,6 +53,13 @@ class DataParallel {
   const std::map<std::string, int>& owners() const { return owner_; }
   // Bytes of AdamW state this rank keeps.
   size_t optimizer_state_bytes() const { return opt_.state_bytes(); }
+  AdamW& optimizer() { return opt_; }
+
+  // Checkpoints of the optimizer, independent of the world size: each rank writes the state of the
+  // parameters it owns to folder/optimizer-rank<r>-of-<world>.safetensors (save_optimizer_state),
+  // and a later run of any number of ranks reads them all and keeps what it owns.
+  void save_optimizer(const std::filesystem::path& folder) const;
+  void load_optimizer(const std::filesystem::path& folder);
 
  private:
   static std::map<std::string, int> assign_owners(const std::vector<std::pair<std::string, Tensor>>& params, int world);

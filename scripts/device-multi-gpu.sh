@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Runs on a lent machine with several GPUs (carry .devlibs): data parallelism in one call — the main
+# job on one GPU, then on every GPU with the same global batch (plain, then ZeRO stage 1), so that
+# the losses and tokens/s compare.  NCCL is PyTorch's (site-packages/nvidia/nccl/lib), found here.
+# KCPP_MGPU_ARGS passes options to every `kcpp train` (default: 200 steps, batch 32, reference layers).
+set -uo pipefail
+source "$(dirname "$0")/device-env.sh"
+echo "== commit ${KCPP_COMMIT:-unknown}, $(date -u +%F)"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+nccl_dir=$(python3 -c "import os, nvidia.nccl; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null ||
+           dirname "$(find / -name 'libnccl.so.2' -not -path '/proc/*' 2>/dev/null | head -n 1)")
+export LD_LIBRARY_PATH="$nccl_dir:$LD_LIBRARY_PATH" KCPP_PACKAGES_DIR="$PWD/.devlibs/kernels"
+n=$(nvidia-smi -L | wc -l)
+args=${KCPP_MGPU_ARGS:---steps 200 --batch 32 --reference-only}
+echo "== $n GPUs, NCCL from $nccl_dir; kcpp train $args"
+echo "-- one GPU"
+timeout 200 .devlibs/bin/kcpp train $args 2>&1 | grep -E "reference|kernels|error" | tail -n 3
+for zero in 0 1; do
+  echo "-- $n GPUs, ZeRO-$zero"
+  timeout 200 .devlibs/bin/kcpp train $args --gpus "$n" --zero "$zero" 2>&1 | grep -E "reference|kernels|error|failed" | tail -n 4
+done
