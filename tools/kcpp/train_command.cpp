@@ -64,6 +64,7 @@ struct TrainArgs {
   bool use_local_kernel = false, allow_all = false;
   bool liger_given = false;  // --liger-kernel-config or --packages: the Liger switches over this build's liger
   int64_t gpus = 1, zero = 0;
+  std::string resume;  // --resume DIR
 };
 
 // This process's place in a data-parallel run (rank 0 of 1 when alone).
@@ -83,7 +84,36 @@ struct Run {
   std::string name;
   double tokens_per_s = 0, peak_mib = 0, first_loss = 0, final_loss = 0, seconds = 0;
   std::unique_ptr<models::CausalLM> model;
+  std::unique_ptr<train::AdamW> opt;         // alone
+  std::unique_ptr<train::DataParallel> dp;   // in a group
 };
+
+// Where a run resumes: the checkpoint folder (`kcpp train --save`: the model, the optimizer state of
+// every rank, trainer_state.json) and the steps already taken.
+struct Resume {
+  std::filesystem::path folder;
+  int64_t steps_done = 0;
+};
+
+// trainer_state.json: what a resumed run must match or continue (the data's seed and shape, the steps).
+void save_trainer_state(const std::filesystem::path& folder, const TrainArgs& a, int64_t steps_done) {
+  const nlohmann::json j{{"steps_done", steps_done}, {"seed", a.seed}, {"batch", a.batch}, {"seq", a.seq}, {"lr", a.lr}};
+  std::ofstream(folder / "trainer_state.json") << j.dump(1) << "\n";
+}
+
+Resume read_resume(const std::string& folder, const TrainArgs& a) {
+  const std::filesystem::path f = std::filesystem::path(folder) / "trainer_state.json";
+  std::ifstream in(f);
+  KCPP_CHECK(in.good(), "kcpp train: --resume {}: no trainer_state.json (a folder written by kcpp train --save)", folder);
+  const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  KCPP_CHECK(j.is_object() && j.contains("steps_done") && j["steps_done"].is_number_integer() && j.contains("seed"),
+             "kcpp train: --resume {}: trainer_state.json is not one kcpp train wrote", folder);
+  KCPP_CHECK(j.value("batch", int64_t{0}) == a.batch && j.value("seq", int64_t{0}) == a.seq &&
+                 j.value("seed", uint64_t{0}) == a.seed,
+             "kcpp train: --resume {}: it was trained with --batch {} --seq {} --seed {}; give the same to continue its data",
+             folder, j.value("batch", int64_t{0}), j.value("seq", int64_t{0}), j.value("seed", uint64_t{0}));
+  return {std::filesystem::path(folder), j["steps_done"].get<int64_t>()};
+}
 
 models::ModelConfig small_llama(const TrainArgs& a) {
   models::ModelConfig c;
@@ -103,28 +133,33 @@ models::ModelConfig small_llama(const TrainArgs& a) {
 }
 
 Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::vector<int64_t>& tokens,
-            const KernelPlan* plan, Ranks& ranks) {
+            const KernelPlan* plan, Ranks& ranks, const std::optional<Resume>& resume) {
   Run r;
   r.name = name;
-  r.model = models::CausalLM::random(small_llama(a), parse_dtype(a.dtype), dev, a.seed);
+  r.model = resume ? models::CausalLM::from_folder(resume->folder, parse_dtype(a.dtype), dev)
+                   : models::CausalLM::random(small_llama(a), parse_dtype(a.dtype), dev, a.seed);
   const auto report = plan ? r.model->kernelize(plan->config, nn::kTraining, dev, plan->loader).str() : std::string();
   if (ranks.printing()) fmt::print("{}", report);
   train::AdamWOptions o;
   o.lr = a.lr, o.weight_decay = 0.01, o.max_grad_norm = 1.0;
   // Alone: one AdamW; in a group: the data-parallel step over this rank's rows of each batch.
-  std::optional<train::AdamW> opt;
-  std::optional<train::DataParallel> dp;
   if (ranks.comm) {
     train::DataParallelOptions dpo;
     dpo.zero_stage = static_cast<int>(a.zero);
-    dp.emplace(*r.model, *ranks.comm, o, dpo);
+    r.dp = std::make_unique<train::DataParallel>(*r.model, *ranks.comm, o, dpo);
+    if (resume) r.dp->load_optimizer(resume->folder);
   } else {
-    opt.emplace(r.model->parameters(), o);
+    r.opt = std::make_unique<train::AdamW>(r.model->parameters(), o);
+    if (resume) train::load_optimizer_state(resume->folder, *r.opt);
   }
+  train::AdamW* opt = r.opt.get();
+  train::DataParallel* dp = r.dp.get();
   const int64_t lo = a.batch * ranks.rank / ranks.world, hi = a.batch * (ranks.rank + 1) / ranks.world;
   Generator gen(a.seed + 1);
   const int64_t span = a.seq;
   const train::TokenWindows windows(tokens, span, a.batch);
+  // A resumed run continues the data where the checkpoint left it: the batches it drew are drawn again.
+  for (int64_t i = 0; resume && i < resume->steps_done; ++i) (void)windows.next(gen.engine());
   Allocator& alloc = allocator_for(dev);
   synchronize(dev);
   alloc.reset_peak();
@@ -143,9 +178,10 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::
     const bool tty = ::isatty(::fileno(stdout)) != 0;
     if (ranks.printing() && (tty || step % std::max<int64_t>(1, a.steps / 10) == 0 || step == a.steps)) {
       const int width = 24, done = static_cast<int>(width * step / a.steps);
+      const int64_t before = resume ? resume->steps_done : 0;
       fmt::print("{}  {:<10} [{}{}] step {:>4}/{}  loss {:.4f}  {:>8.0f} tokens/s{}", tty ? "\r" : "", name,
-                 std::string(done, '#'), std::string(width - done, ' '), step, a.steps, s.loss, step * a.batch * span / secs,
-                 tty ? "" : "\n");
+                 std::string(done, '#'), std::string(width - done, ' '), before + step, before + a.steps, s.loss,
+                 step * a.batch * span / secs, tty ? "" : "\n");
       std::fflush(stdout);
     }
   }
@@ -326,10 +362,20 @@ int run_train(TrainArgs a) {
   // mapping fails at once.
   const std::optional<KernelPlan> plan = a.reference_only ? std::nullopt : kernel_plan(a, dev);
   std::vector<Run> runs;
-  runs.push_back(run_one("reference", a, dev, tokens, nullptr, ranks));
+  const std::optional<Resume> resume = a.resume.empty() ? std::nullopt : std::optional<Resume>(read_resume(a.resume, a));
+  if (resume && ranks.printing())
+    fmt::print("resuming {} after its {} steps (model, optimizer state and data position)\n", a.resume, resume->steps_done);
+  runs.push_back(run_one("reference", a, dev, tokens, nullptr, ranks, resume));
   if (!a.reference_only) {
-    if (plan) runs.push_back(run_one("kernels", a, dev, tokens, &*plan, ranks));
+    if (plan) runs.push_back(run_one("kernels", a, dev, tokens, &*plan, ranks, resume));
     else if (ranks.printing()) fmt::print("(no liger package found: build it, or pass --packages DIR; showing the reference only)\n");
+  }
+  // --save: every rank writes the optimizer state it keeps (then rank 0 the rest, below).
+  const int64_t steps_done = (resume ? resume->steps_done : 0) + a.steps;
+  if (!a.save.empty()) {
+    const Run& last = runs.back();
+    if (last.dp) last.dp->save_optimizer(a.save);
+    else train::save_optimizer_state(a.save, *last.opt);
   }
   if (!ranks.printing()) return 0;  // rank 0 reports, samples and saves
   fmt::print("\n{:<10} {:>12} {:>14} {:>12} {:>12}\n", "layers", "tokens/s", "peak MiB", "first loss", "final loss");
@@ -353,8 +399,10 @@ int run_train(TrainArgs a) {
     best.save(a.save);
     std::ofstream(std::filesystem::path(a.save) / "tokenizer.json")
         << models::Tokenizer::byte_level_json(train::ByteTokenizer::kBos, train::ByteTokenizer::kEos);
-    fmt::print("saved to {} (config.json, model.safetensors, tokenizer.json); try: kcpp generate --model {} --prompt 'The '\n",
-               a.save, a.save);
+    save_trainer_state(a.save, a, steps_done);
+    fmt::print("saved to {} (config.json, model.safetensors, tokenizer.json, the optimizer state, trainer_state.json) after "
+               "{} steps; try: kcpp generate --model {} --prompt 'The ', or continue with kcpp train --resume {}\n",
+               a.save, steps_done, a.save, a.save);
   }
   return 0;
 }
@@ -411,6 +459,9 @@ void add_train_command(CLI::App& app, Action& action) {
                 "switches over this build's liger)");
   t->add_flag("--use-local-kernel", args->use_local_kernel, "References in --kernels are local package folders");
   t->add_flag("--allow-all-kernels", args->allow_all, "Load unsigned or untrusted packages");
+  t->add_option("--resume", args->resume,
+                "Continue from a folder kcpp train --save wrote (model, optimizer state, data position), for --steps more; "
+                "any number of GPUs");
   t->add_option("--gpus", args->gpus, "Train data-parallel on this many GPUs (one process each, NCCL)")->capture_default_str();
   t->add_option("--zero", args->zero, "With --gpus: 1 shards the optimizer state over the GPUs (ZeRO stage 1)")
       ->capture_default_str();
