@@ -26,6 +26,7 @@ struct Case {
   int64_t hq, hkv, d;
   std::vector<int64_t> lengths;
   int64_t window, spare;  // spare: capacity beyond the longest row (max_length is the longest + 1)
+  bool bound_by_capacity = false;  // max_length 0 (the capacity), as a captured decode step passes
 };
 
 TEST_P(DecodeAttention, MatchesTheOracleOnRaggedRows) {
@@ -34,7 +35,11 @@ TEST_P(DecodeAttention, MatchesTheOracleOnRaggedRows) {
   Generator gen = test_generator();
   const Case cases[] = {{4, 4, 64, {1, 7, 300}, 0, 3},   {6, 2, 96, {33, 129}, 5, 0},     {8, 1, 128, {257}, 0, 40},
                         {16, 2, 256, {2, 64}, 0, 1},     {12, 2, 40, {1, 2, 3, 100}, 64, 7}, {2, 1, 8, {5}, 0, 0},
-                        {14, 2, 64, {1000, 1}, 0, 24}};
+                        {14, 2, 64, {1000, 1}, 0, 24},
+                        // g = 16, 12, 9: several query-head blocks per kv head (8, 6 and 3 heads a block)
+                        {16, 1, 64, {33, 70}, 0, 5},      {12, 1, 32, {50}, 0, 0},          {9, 1, 16, {20, 3}, 0, 2},
+                        // sized for a capacity far beyond the lengths: most splits have no keys
+                        {8, 2, 128, {5, 40, 1}, 0, 600, true}, {4, 2, 64, {130}, 16, 900, true}};
   for (DType dt : test::float_dtypes(dev))
     for (const Case& c : cases) {
       const int64_t b = static_cast<int64_t>(c.lengths.size()), r = b + 1, d = c.d;
@@ -60,7 +65,7 @@ TEST_P(DecodeAttention, MatchesTheOracleOnRaggedRows) {
       const Tensor v_cache = Tensor::from_f64(vc, {r, c.hkv, cap, d}, dt, dev);
       const double scale = 1.0 / std::sqrt(static_cast<double>(d));
       const Tensor out = ops::decode_attention(q, k_cache, v_cache, i32(rows, dev),
-                                               i32(lengths, dev), scale, c.window, max_length);
+                                               i32(lengths, dev), scale, c.window, c.bound_by_capacity ? 0 : max_length);
       // The oracle: each query as the last of a causal sequence of its row's keys (values as stored).
       const std::vector<double> qs = q.to_f64_vector(), ks = k_cache.to_f64_vector(), vs = v_cache.to_f64_vector();
       std::vector<double> ref;
@@ -135,6 +140,16 @@ TEST_P(DecodeAttention, BadInputIsRefusedOrMarked) {
     expect_msg([&] { ops::cache_write(kc, vc, q.narrow(1, 0, 2), q.narrow(1, 0, 2), rows, i32({8, 0}, dev)); },
                "positions[0] = 8 is outside [0, 7]");
   } else {  // the device does not read indices back: the bad query's output is NaN, the other is exact
+    // ... also where the keys are split over blocks and merged (a longer cache).
+    const Tensor long_k = ones({3, 2, 300, 16}, dev), long_v = ones({3, 2, 300, 16}, dev);
+    for (const auto& [rw, ln] : {std::pair{i32({0, 3}, dev), i32({3, 250}, dev)}, std::pair{i32({0, 1}, dev), i32({301, 250}, dev)}}) {
+      const auto o = ops::decode_attention(q, long_k, long_v, rw, ln, 0.25).to_f64_vector();
+      for (int64_t e = 0; e < 64; ++e) {
+        const bool first_bad = ln.to_i64_vector()[0] == 301;
+        EXPECT_EQ(std::isnan(o[static_cast<size_t>(e)]), first_bad) << "row 0, split cache";
+        EXPECT_EQ(std::isnan(o[static_cast<size_t>(64 + e)]), !first_bad) << "row 1, split cache";
+      }
+    }
     for (const auto& [rw, ln] : {std::pair{bad_rows, lengths}, std::pair{rows, bad_lengths}}) {
       const auto o = ops::decode_attention(q, kc, vc, rw, ln, 0.25).to_f64_vector();
       const bool first_bad = rw.to_i64_vector()[0] == 3 || ln.to_i64_vector()[0] == 0;

@@ -191,6 +191,32 @@ class _State:
         self.restore = []  # callables, run in reverse order
 
 
+def _holds_a_shard(module):
+    """Whether `module`'s parameters are sharded outside its own forward: FSDP2 (fully_shard: DTensor
+    parameters, gathered by hooks around the module's forward) or DeepSpeed ZeRO-3 (partitioned
+    parameters, gathered the same way)."""
+    for p in module.parameters(recurse=False):
+        if type(p).__name__ == "DTensor" or hasattr(p, "ds_id"):
+            return True
+    return False
+
+
+def _as_forward_of(module, fn, *args):
+    """fn(*args) run as `module`'s forward: the hooks a framework keeps around it run too, so the
+    parameters fn reads from `module` are whole inside fn and their gradients reach the framework's
+    post-backward hooks (FSDP2 reduce-scatters them; ZeRO-3 partitions them again)."""
+    had = "forward" in module.__dict__
+    previous = module.__dict__.get("forward")
+    module.forward = fn
+    try:
+        return module(*args)
+    finally:
+        if had:
+            module.forward = previous
+        else:
+            del module.forward
+
+
 def _needs_grad(*tensors):
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -1004,11 +1030,26 @@ def _causal_lm_forward(model, slot, original, names, output_class, has_training,
     shift_labels = kwargs.pop("shift_labels", None)
     outputs = model.model(**kwargs)
     hidden = outputs.last_hidden_state
+    if not torch.compiler.is_compiling() and _holds_a_shard(lm_head):
+        # lm_head's weight is whole only inside its own forward (FSDP2, ZeRO-3): the fused loss runs there,
+        # and a fallback computes the logits with lm_head's own forward (its hooks are already running).
+        def inside(h):
+            return _fused_loss(model, slot, output_class, outputs, h, lm_head, lambda x: type(lm_head).forward(lm_head, x),
+                               labels, logits_to_keep, num_items_in_batch, ignore_index, shift_labels)
+        return _as_forward_of(lm_head, inside, hidden)
+    return _fused_loss(model, slot, output_class, outputs, hidden, lm_head, lm_head, labels, logits_to_keep,
+                       num_items_in_batch, ignore_index, shift_labels)
+
+
+def _fused_loss(model, slot, output_class, outputs, hidden, lm_head, head, labels, logits_to_keep, num_items_in_batch,
+                ignore_index, shift_labels):
+    """The loss of `hidden` through `lm_head`'s weight by the fused kernel where it takes the call, else the
+    logits by `head` and the model's loss_function."""
     weight = lm_head.weight
 
     def reference():
-        return _finish_reference(model, output_class, outputs, labels, logits_to_keep, num_items_in_batch, ignore_index,
-                                 shift_labels)
+        return _finish_reference(model, output_class, outputs, hidden, head, labels, logits_to_keep, num_items_in_batch,
+                                 ignore_index, shift_labels)
     if not _needs_grad(hidden, weight):
         _refuse(slot.sid, "neither the hidden states nor lm_head's weight need gradients")
         return reference()
@@ -1038,12 +1079,12 @@ def _causal_lm_forward(model, slot, original, names, output_class, has_training,
                         hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
-def _finish_reference(model, output_class, outputs, labels, logits_to_keep, num_items_in_batch, ignore_index,
-                      shift_labels):
-    """The rest of *ForCausalLM.forward as Transformers runs it, after the body has run once."""
-    hidden = outputs.last_hidden_state
+def _finish_reference(model, output_class, outputs, hidden, head, labels, logits_to_keep, num_items_in_batch,
+                      ignore_index, shift_labels):
+    """The rest of *ForCausalLM.forward as Transformers runs it, after the body has run once: the logits of
+    `hidden` (the body's last hidden state) by `head` (lm_head), the soft cap, the loss."""
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-    logits = model.get_output_embeddings()(hidden[:, keep, :])
+    logits = head(hidden[:, keep, :])
     softcap = getattr(model.config, "final_logit_softcapping", None)
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap

@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -61,13 +62,15 @@ class CachingAllocator final : public Allocator {
     const size_t size = allocator_round_size(nbytes);
     std::lock_guard lock(mu_);
     void* p = nullptr;
-    auto& free = active_pool_ ? pools_.at(active_pool_) : free_;
+    // The private pool in use serves the thread that set it; other threads keep the common cache.
+    const uint64_t pool = active_pool_ && std::this_thread::get_id() == pool_thread_ ? active_pool_ : 0;
+    auto& free = pool ? pools_.at(pool) : free_;
     if (auto it = free.find(size); it != free.end() && !it->second.empty()) {
       p = it->second.back();
       it->second.pop_back();
     } else {
       p = backend_->alloc(size);
-      if (!p) {  // release what we hold and try once more
+      if (!p && !pool) {  // release what we hold and try once more (not while capturing: no cudaFree then)
         release_cached_locked();
         p = backend_->alloc(size);
       }
@@ -79,7 +82,7 @@ class CachingAllocator final : public Allocator {
       held_ += size;
     }
     if (g_poison) backend_->poison(p, size);
-    live_.emplace(p, Block{size, active_pool_});
+    live_.emplace(p, Block{size, pool});
     stats_.current += size;
     stats_.peak = std::max(stats_.peak, stats_.current);
     stats_.allocations++;
@@ -109,6 +112,12 @@ class CachingAllocator final : public Allocator {
     std::lock_guard lock(mu_);
     KCPP_CHECK(id == 0 || pools_.count(id), "allocator of {}: memory pool {} does not exist", device_.str(), id);
     active_pool_ = id;
+    pool_thread_ = std::this_thread::get_id();
+  }
+
+  uint64_t pool_in_use() const override {
+    std::lock_guard lock(mu_);
+    return active_pool_;
   }
 
   void release_pool(uint64_t id) override {
@@ -162,6 +171,7 @@ class CachingAllocator final : public Allocator {
   FreeLists free_;
   std::map<uint64_t, FreeLists> pools_;
   uint64_t active_pool_ = 0, last_pool_ = 0;
+  std::thread::id pool_thread_;  // the thread active_pool_ serves
   size_t held_ = 0;  // live + cached bytes from the backend
   MemoryStats stats_;
 };
@@ -214,7 +224,15 @@ Allocator& allocator_for(Device d) {
 
 Allocator& PrivatePool::allocator_for_pool(Device d) { return allocator_for(d); }
 
-PoolScope::PoolScope(const PrivatePool& p) : device_(p.device()) { allocator_for(device_).use_pool(p.id()); }
-PoolScope::~PoolScope() { allocator_for(device_).use_pool(0); }
+PoolScope::PoolScope(const PrivatePool& p) : device_(p.device()), previous_(allocator_for(device_).pool_in_use()) {
+  allocator_for(device_).use_pool(p.id());
+}
+PoolScope::~PoolScope() {
+  try {
+    allocator_for(device_).use_pool(previous_);
+  } catch (const Error&) {  // the previous pool was released meanwhile
+    allocator_for(device_).use_pool(0);
+  }
+}
 
 }  // namespace kcpp

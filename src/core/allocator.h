@@ -40,13 +40,16 @@ class Allocator {
   virtual void empty_cache() = 0;
   virtual Device device() const = 0;
 
-  // Private pools, for CUDA graphs: while pool `id` is in use (use_pool(id); 0 = none), allocations
-  // come from that pool's free blocks or the backend, and every block it handed out returns to it
-  // when freed, whenever that is.  So memory a captured graph reads and writes is never handed to
+  // Private pools, for CUDA graphs: while pool `id` is in use (use_pool(id); 0 = none), the
+  // allocations of the thread that set it come from that pool's free blocks or the backend (other
+  // threads keep the common cache), and every block it handed out returns to it when freed, whenever
+  // that is.  An allocation that fails in a pool does not empty the cache (no cudaFree while a
+  // graph is being captured): it throws OutOfMemory.  So memory a captured graph reads and writes is never handed to
   // anything else while the graph lives.  release_pool(id) gives the pool's free blocks to the
   // common cache (its live blocks follow when freed).  The host allocator has no pools (ids are 0).
   virtual uint64_t create_pool() { return 0; }
   virtual void use_pool(uint64_t id) { (void)id; }
+  virtual uint64_t pool_in_use() const { return 0; }
   virtual void release_pool(uint64_t id) { (void)id; }
 };
 
@@ -67,6 +70,7 @@ class PrivatePool {
   uint64_t id_;
 };
 
+// Puts a pool in use for its lifetime, then the one in use before.
 class PoolScope {
  public:
   explicit PoolScope(const PrivatePool& p);
@@ -76,6 +80,7 @@ class PoolScope {
 
  private:
   Device device_;
+  uint64_t previous_;
 };
 
 // The process-wide allocator of a device (created on first use, never destroyed, so tensors that

@@ -23,6 +23,7 @@ CudaGraph::CudaGraph() : impl_(std::make_unique<Impl>()) {}
 CudaGraph::~CudaGraph() = default;
 
 bool CudaGraph::captured() const { return impl_->exec != nullptr; }
+void CudaGraph::reset() { impl_->reset(); }
 
 void CudaGraph::capture(Device device, const std::function<void()>& body) {
   KCPP_CHECK(device.is_cuda(), "CUDA graph: capture needs a CUDA device, got {}", device.str());
@@ -30,7 +31,9 @@ void CudaGraph::capture(Device device, const std::function<void()>& body) {
   cuda::DeviceGuard guard(device.index);
   auto pool = std::make_unique<PrivatePool>(device);
   cudaStream_t stream = nullptr;
-  KCPP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // A blocking stream: work a library puts on the legacy default stream during the capture is then
+  // refused (an error, so no graph) instead of running once outside it.
+  KCPP_CUDA_CHECK(cudaStreamCreate(&stream));
   const cudaStream_t previous = cuda::current_stream();
   // What the previous stream queued (the inputs' copies) comes first.
   KCPP_CUDA_CHECK(cudaStreamSynchronize(previous));
@@ -83,6 +86,7 @@ struct CudaGraph::Impl {};
 CudaGraph::CudaGraph() : impl_(std::make_unique<Impl>()) {}
 CudaGraph::~CudaGraph() = default;
 bool CudaGraph::captured() const { return false; }
+void CudaGraph::reset() {}
 void CudaGraph::capture(Device device, const std::function<void()>&) {
   KCPP_FAIL("CUDA graph: this build of kernels.cpp has no CUDA support (capture on {})", device.str());
 }

@@ -11,9 +11,12 @@
 // tensors the body returns keep their addresses and hold each replay's results.
 //
 // What a body must not do: wait for the device (copy a result to the host, check indices by
-// reading them back), or copy from host memory (the capture would record the host address of a
-// temporary).  The CUDA runtime refuses such calls while capturing; capture() then throws with the
-// runtime's message and leaves no graph, and the caller runs the body eagerly instead.
+// reading them back), copy from host memory (the capture would record the host address of a
+// temporary), or launch on the legacy default stream (the capture stream is a blocking one, so
+// that is an error rather than work missing from the graph).  The CUDA runtime refuses such calls
+// while capturing; capture() then throws with the runtime's message and leaves no graph, and the
+// caller runs the body eagerly instead.  Kernels from packages run in capture only when their
+// layer declares the graph mode (nn::CaptureScope).
 #pragma once
 
 #include <functional>
@@ -37,6 +40,8 @@ class CudaGraph {
   // Launches the recorded work on the device's current stream.  Throws if nothing was captured.
   void replay();
   bool captured() const;
+  // Drops the graph and its memory.
+  void reset();
 
  private:
   struct Impl;

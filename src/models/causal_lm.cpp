@@ -14,6 +14,7 @@
 #include <random>
 
 #include "core/cuda_graph.h"
+#include "nn/module.h"
 #include "core/error.h"
 #include "core/profile.h"
 #include "core/random.h"
@@ -511,7 +512,7 @@ Tensor CausalLM::ragged_attention(size_t li, const Tensor& q, const Tensor& k, c
   const double scale = opt.scale != 0.0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(d));
   // A captured step is replayed as the rows grow: its bound is the storage's capacity.
   return ops::decode_attention(q.reshape({b, hq, d}), ck, cv, c.step_rows, c.step_lengths, scale, opt.window,
-                               c.step_ready ? 0 : c.step_max_length)
+                               c.step_ready || c.graphs ? 0 : c.step_max_length)
       .view({b, hq, 1, d});
 }
 
@@ -609,25 +610,33 @@ struct CausalLM::DecodeGraphs {
     int eager_runs = 0;
   };
   std::map<int64_t, Step> by_batch;
-  bool failed = false;  // a capture failed: every later step runs eagerly
+  const void* storage = nullptr;  // the cache storage the graphs write (a reallocation invalidates them)
+  bool failed = false;            // a capture failed: every later step runs eagerly
 };
 
 Tensor CausalLM::graph_step(DecodeGraphs& g, KVCache& cache, const std::vector<int64_t>& ids, int64_t& replays) {
   const int64_t a = static_cast<int64_t>(ids.size());
+  // Batches only shrink as rows finish: the graphs of larger ones (and their memory) go.
+  g.by_batch.erase(g.by_batch.upper_bound(a), g.by_batch.end());
   DecodeGraphs::Step& st = g.by_batch[a];
   if (!st.ids.defined()) st.ids = Tensor::empty({a, 1}, DType::i64, device_);
   st.ids.copy_(Tensor::from_i64(ids, {a, 1}, DType::i64, Device::cpu()));
   cache.step_rows = st.rows, cache.step_positions = st.positions, cache.step_lengths = st.lengths;
-  prepare_ragged_step(cache, a);  // in place once the step's tensors exist
+  prepare_ragged_step(cache, a);  // in place once the step's tensors exist; may double the storage
   st.rows = cache.step_rows, st.positions = cache.step_positions, st.lengths = cache.step_lengths;
+  if (cache.k[0].data() != g.storage) {  // new storage: every graph wrote the old one; capture again
+    g.storage = cache.k[0].data();
+    for (auto& [size, other] : g.by_batch) other.graph.reset(), other.logits = Tensor(), other.eager_runs = 0;
+  }
   if (st.eager_runs++ == 0) return next_token_logits(st.ids, &cache);  // warms every kernel and library first
   if (!st.graph.captured()) {
     // Recording runs the host side of the step (which advances the rows' lengths) but no GPU work.
     const std::vector<int64_t> lengths = cache.rows;
     cache.step_ready = true;
     try {
+      nn::CaptureScope capturing;
       st.graph.capture(device_, [&] { st.logits = next_token_logits(st.ids, &cache); });
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {
       fmt::print(stderr, "kcpp: decoding without CUDA graphs ({})\n", e.what());
       g.failed = true;
     }
@@ -688,13 +697,14 @@ std::vector<CausalLM::Generated> CausalLM::generate_batch(const std::vector<std:
   }
   GenerationStats st;
   // Decode steps as CUDA graphs: each batch size's step runs once eagerly, is then captured and
-  // replayed, with the cache at its full size from the start (a replay cannot follow a reallocation).
+  // replayed (captured again when the cache storage doubles, since a graph writes the old storage).
   std::unique_ptr<DecodeGraphs> graphs = graph_decode_possible() ? std::make_unique<DecodeGraphs>() : nullptr;
-  // One cache for every row, positions for the longest prompt and its first steps (ragged_attention
-  // doubles it when a row fills it).
+  // One cache for every row, positions for the longest prompt and its first steps (the storage
+  // doubles when a row fills it).
   KVCache cache;
+  cache.graphs = graphs != nullptr;
   const int64_t rows = static_cast<int64_t>(n), hkv = cfg_.num_key_value_heads, d = cfg_.head_dim;
-  const int64_t capacity = graphs ? most : std::min(most, longest + std::min<int64_t>(max_new_tokens, 256));
+  const int64_t capacity = std::min(most, longest + std::min<int64_t>(max_new_tokens, 256));
   for (size_t l = 0; l < layers_.size(); ++l) {
     cache.k.push_back(Tensor::empty({rows, hkv, capacity, d}, dtype_, device_));
     cache.v.push_back(Tensor::empty({rows, hkv, capacity, d}, dtype_, device_));

@@ -100,9 +100,13 @@ class CausalLM : public nn::Module {
     // Set while a decode step is captured as a CUDA graph: the step tensors above were filled in
     // place before it, and nothing in the step may wait for the device.
     bool step_ready = false;
+    // Set for a generation whose steps are captured: the eager steps then size the decode
+    // attention's launch as the captured ones do (by the capacity), so that both compute alike.
+    bool graphs = false;
     void clear() {
       k.clear(), v.clear(), length = 0, rows.clear(), active.clear();
       step_rows = step_positions = step_lengths = Tensor(), step_max_length = 0;
+      step_ready = graphs = false;
     }
   };
 

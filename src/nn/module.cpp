@@ -28,10 +28,28 @@ void Slot::clear_kernel(std::string reason) {
   stats_ = {};
 }
 
+namespace {
+thread_local bool t_capturing = false;
+}
+
+CaptureScope::CaptureScope() : previous_(t_capturing) { t_capturing = true; }
+CaptureScope::~CaptureScope() { t_capturing = previous_; }
+bool CaptureScope::active() { return t_capturing; }
+
 bool Slot::run(const KernelArgs& args, Device device, bool backward, uint32_t mode) {
   if (!kernel_ || (backward && !kernel_->has_backward())) {
     ++stats_.reference_calls;
     return false;
+  }
+  if (t_capturing) {
+    if (!(kernel_->info().modes & kGraph)) {
+      ++stats_.fallbacks;
+      ++stats_.reference_calls;
+      stats_.last_refusal = fmt::format("{} is not declared fit for CUDA graph capture (modes without graph)",
+                                        kernel_->describe());
+      return false;
+    }
+    mode |= kGraph;
   }
   const KernelStatus s = kernel_->supports(args, device, mode);
   if (!s.ok()) {

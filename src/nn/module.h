@@ -31,6 +31,22 @@ struct LoadedKernel;
 
 namespace kcpp::nn {
 
+// While a CaptureScope lives on a thread, the slot calls it makes are being captured into a CUDA
+// graph: they run with kGraph in their mode, and a kernel whose layer does not declare kGraph (no
+// host synchronization, no allocation but the workspace's, only the given stream) gives way to the
+// reference for that call, counted as a fallback.
+class CaptureScope {
+ public:
+  CaptureScope();
+  ~CaptureScope();
+  CaptureScope(const CaptureScope&) = delete;
+  CaptureScope& operator=(const CaptureScope&) = delete;
+  static bool active();
+
+ private:
+  bool previous_;
+};
+
 class Slot {
  public:
   Slot(std::string layer_name, std::string contract) : layer_(std::move(layer_name)), contract_(std::move(contract)) {}

@@ -11,6 +11,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cstdint>
 #include <cmath>
 #include <type_traits>
 
@@ -59,7 +62,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     decode_kernel(const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc, const int* __restrict__ rows,
                   const int* __restrict__ lengths, T* __restrict__ out, float* __restrict__ part_o,
                   float* __restrict__ part_ml, int hq, int hkv, int gc, int d, int r_count, int capacity, int max_length,
-                  float scale_log2, int window, int chunk, int splits) {
+                  float scale_log2, int window, int splits) {
   constexpr int KPI = 32 / LPK;  // keys a warp reads at a time
   __shared__ float sm_m[kWarps][GMAX], sm_l[kWarps][GMAX];
   __shared__ float sm_a[kWarps][GMAX][LPK * 8];
@@ -69,8 +72,11 @@ __global__ void __launch_bounds__(kWarps * 32)
   const bool lane_on = e0 < d;
   const bool bad = bad_row(rows, lengths, b, r_count, max_length);
   const int len = bad ? 0 : lengths[b];
+  // The row's own keys [lo, len) split evenly over the splits, so that every split works whatever
+  // bound the launch was sized for (a captured step is sized for the capacity).
   const int lo = window > 0 ? ::max(0, len - window) : 0;
-  const int start = ::max(lo, split * chunk), end = ::min(len, (split + 1) * chunk);
+  const int chunk = (len - lo + splits - 1) / splits;
+  const int start = lo + split * chunk, end = ::min(len, start + chunk);
   const size_t base = bad ? 0 : (static_cast<size_t>(rows[b]) * hkv + kvh) * capacity;
 
   float qr[GMAX][8], acc[GMAX][8], m[GMAX], l[GMAX];
@@ -191,14 +197,15 @@ __global__ void cache_write_kernel(T* __restrict__ kc, T* __restrict__ vc, const
 }
 
 int sm_count(int device) {
-  static int counts[64] = {};
+  static std::atomic<int> counts[64] = {};
   if (device < 0 || device >= 64) return 132;
-  if (counts[device] == 0) {
-    int n = 0;
+  int n = counts[device].load(std::memory_order_relaxed);
+  if (n == 0) {
     KCPP_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    counts[device] = std::max(n, 1);
+    n = std::max(n, 1);
+    counts[device].store(n, std::memory_order_relaxed);
   }
-  return counts[device];
+  return n;
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -209,10 +216,9 @@ void launch(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& 
   const int b = static_cast<int>(q.size(0)), hq = static_cast<int>(q.size(1)), d = static_cast<int>(q.size(2));
   const int r_count = static_cast<int>(kc.size(0)), hkv = static_cast<int>(kc.size(1)), capacity = static_cast<int>(kc.size(2));
   const int blocks_per_split = b * (hq / gc);
-  // Enough blocks for two waves over the SMs, but no chunk under 32 keys.
+  // Enough blocks for two waves over the SMs, and at least 32 keys a split at the longest length.
   const int64_t want = (2 * sm_count(q.device().index) + blocks_per_split - 1) / blocks_per_split;
-  const int splits = static_cast<int>(std::clamp<int64_t>(want, 1, std::max<int64_t>(1, (max_length + 31) / 32)));
-  const int chunk = static_cast<int>((max_length + splits - 1) / splits);
+  const int splits = static_cast<int>(std::clamp<int64_t>(want, 1, std::max<int64_t>(1, max_length / 32)));
   Tensor part_o, part_ml;
   if (splits > 1) {
     part_o = Tensor::empty({b, hq, splits, d}, DType::f32, q.device());
@@ -223,7 +229,8 @@ void launch(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& 
       static_cast<const T*>(q.data()), static_cast<const T*>(kc.data()), static_cast<const T*>(vc.data()),
       static_cast<const int*>(rows.data()), static_cast<const int*>(lengths.data()), static_cast<T*>(out.data()),
       splits > 1 ? static_cast<float*>(part_o.data()) : nullptr, splits > 1 ? static_cast<float*>(part_ml.data()) : nullptr,
-      hq, hkv, gc, d, r_count, capacity, static_cast<int>(max_length), static_cast<float>(scale) * kLog2e, static_cast<int>(window), chunk, splits);
+      hq, hkv, gc, d, r_count, capacity, static_cast<int>(max_length), static_cast<float>(scale) * kLog2e,
+      static_cast<int>(std::min<int64_t>(window, INT32_MAX)), splits);
   KCPP_CUDA_CHECK_LAUNCH("decode_attention");
   if (splits > 1) {
     combine_kernel<T><<<b * hq, std::min(d, 256), 0, stream>>>(
@@ -249,8 +256,8 @@ void launch_lpk(const Tensor& out, const Tensor& q, const Tensor& kc, const Tens
 void decode_attention(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& rows,
                       const Tensor& lengths, double scale, int64_t window, int64_t max_length) {
   const int64_t d = q.size(2);
-  KCPP_CHECK(aligned16(q.data()) && aligned16(kc.data()) && aligned16(vc.data()),
-             "op decode_attention: q and the cache storage must start on a 16-byte boundary");
+  KCPP_CHECK(aligned16(kc.data()) && aligned16(vc.data()),
+             "op decode_attention: the cache storage must start on a 16-byte boundary (a view of a row at an odd offset?)");
   KCPP_CHECK(q.size(0) <= 65535, "op decode_attention: at most 65535 rows a call on CUDA, got {}", q.size(0));
   kcpp::cuda::DeviceGuard guard(q.device().index);
   const int g = static_cast<int>(q.size(1) / kc.size(1));

@@ -62,7 +62,8 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   check_index_vector(lengths, b, q.device(), op, "lengths");
   KCPP_CHECK(decode_attention_supported(q.device(), d),
              "op {}: head dim {} is not supported on {} (a multiple of 8, at most 256)", op, d, q.device().str());
-  const Tensor qc = q.contiguous();
+  // The GPU loads 16 bytes at a time: a q that does not start on such a boundary is copied.
+  const Tensor qc = q.is_contiguous() && reinterpret_cast<uintptr_t>(q.data()) % 16 == 0 ? q : q.clone();
   Tensor out = Tensor::empty({b, hq, d}, q.dtype(), q.device());
   if (b == 0 || hq == 0 || d == 0) return out;
   if (q.device().is_cuda()) {

@@ -17,8 +17,8 @@
 // all g query heads of its group.
 //
 // Row indices and lengths on the device are not read by the host: a row outside [0, R) or a length
-// outside [1, C] makes that query's output NaN (never an out-of-bounds read).  On the CPU they are
-// checked and refused by name.
+// outside [1, max_length] makes that query's output NaN (never an out-of-bounds read).  On the CPU
+// they are checked and refused by name.
 #pragma once
 
 #include "core/tensor.h"
