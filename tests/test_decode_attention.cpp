@@ -114,31 +114,21 @@ TEST_P(DecodeAttention, CacheWriteThenReadIsTheSequence) {
 TEST_P(DecodeAttention, BadInputIsRefusedOrMarked) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
-  auto expect_msg = [](auto&& fn, const std::string& needle) {
-    try {
-      fn();
-      ADD_FAILURE() << "no error; expected one containing: " << needle;
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
   const Tensor q = ones({2, 4, 16}, dev);
   const Tensor kc = ones({3, 2, 8, 16}, dev), vc = ones({3, 2, 8, 16}, dev);
   const Tensor rows = i32({0, 1}, dev), lengths = i32({3, 8}, dev);
-  expect_msg([&] { ops::decode_attention(q, kc, vc, rows, lengths.to(DType::i64), 0.25); }, "'lengths' must be i32");
-  expect_msg([&] { ops::decode_attention(ones({2, 3, 16}, dev), kc, vc, rows, lengths, 0.25); },
-             "not a multiple");
-  expect_msg([&] { ops::decode_attention(q, kc, vc, rows, lengths, 0.25, 0, 9); }, "max_length 9");
-  expect_msg([&] { ops::decode_attention(q, kc, vc, rows, lengths, -1.0); }, "scale");
-  expect_msg([&] { ops::cache_write(kc, vc, ones({2, 3, 16}, dev), ones({2, 3, 16}, dev),
-                                    rows, lengths); }, "does not fit the cache");
+  EXPECT_ERROR(ops::decode_attention(q, kc, vc, rows, lengths.to(DType::i64), 0.25), "'lengths' must be i32");
+  EXPECT_ERROR(ops::decode_attention(ones({2, 3, 16}, dev), kc, vc, rows, lengths, 0.25), "not a multiple");
+  EXPECT_ERROR(ops::decode_attention(q, kc, vc, rows, lengths, 0.25, 0, 9), "max_length 9");
+  EXPECT_ERROR(ops::decode_attention(q, kc, vc, rows, lengths, -1.0), "scale");
+  EXPECT_ERROR(ops::cache_write(kc, vc, ones({2, 3, 16}, dev), ones({2, 3, 16}, dev),
+                                    rows, lengths), "does not fit the cache");
   const Tensor bad_rows = i32({0, 3}, dev), bad_lengths = i32({0, 8}, dev);
   if (dev.is_cpu()) {
-    expect_msg([&] { ops::decode_attention(q, kc, vc, bad_rows, lengths, 0.25); }, "rows[1] = 3 is outside [0, 2]");
-    expect_msg([&] { ops::decode_attention(q, kc, vc, rows, bad_lengths, 0.25); }, "lengths[0] = 0 is outside [1, 8]");
-    expect_msg([&] { ops::decode_attention(q, kc, vc, rows, lengths, 0.25, 0, 7); }, "lengths[1] = 8 is outside [1, 7]");
-    expect_msg([&] { ops::cache_write(kc, vc, q.narrow(1, 0, 2), q.narrow(1, 0, 2), rows, i32({8, 0}, dev)); },
-               "positions[0] = 8 is outside [0, 7]");
+    EXPECT_ERROR(ops::decode_attention(q, kc, vc, bad_rows, lengths, 0.25), "rows[1] = 3 is outside [0, 2]");
+    EXPECT_ERROR(ops::decode_attention(q, kc, vc, rows, bad_lengths, 0.25), "lengths[0] = 0 is outside [1, 8]");
+    EXPECT_ERROR(ops::decode_attention(q, kc, vc, rows, lengths, 0.25, 0, 7), "lengths[1] = 8 is outside [1, 7]");
+    EXPECT_ERROR(ops::cache_write(kc, vc, q.narrow(1, 0, 2), q.narrow(1, 0, 2), rows, i32({8, 0}, dev)), "positions[0] = 8 is outside [0, 7]");
   } else {  // the device does not read indices back: the bad query's output is NaN, the other is exact
     // ... also where the keys are split over blocks and merged (a longer cache).
     const Tensor long_k = ones({3, 2, 300, 16}, dev), long_v = ones({3, 2, 300, 16}, dev);

@@ -39,20 +39,6 @@ template <class F> void on_ranks(int world, F&& fn) {
     if (e) std::rethrow_exception(e);
 }
 
-// The error message of fn(), or "" when it does not throw kcpp::Error.
-template <class F> std::string error_of(F&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-#define EXPECT_ERROR(expr, needle)                                                   \
-  do {                                                                               \
-    const std::string msg_ = error_of([&] { (void)(expr); });                       \
-    EXPECT_NE(msg_.find(needle), std::string::npos) << "message: '" << msg_ << "'"; \
-  } while (0)
 
 std::vector<double> values(int rank, int64_t n, double salt) {
   std::vector<double> v(static_cast<size_t>(n));

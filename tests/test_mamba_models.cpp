@@ -17,19 +17,6 @@ namespace {
 namespace fs = std::filesystem;
 using models::SafetensorsFile;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-#define EXPECT_ERROR(expr, needle)                                                   \
-  do {                                                                               \
-    const std::string msg_ = error_of([&] { (void)(expr); });                       \
-    EXPECT_NE(msg_.find(needle), std::string::npos) << "message: '" << msg_ << "'"; \
-  } while (0)
 
 class MambaFamilies : public ::testing::TestWithParam<const char*> {};
 

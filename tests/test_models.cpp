@@ -19,6 +19,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using models::ModelConfig;
+using test::error_of;
 using models::SafetensorsFile;
 
 struct TempDir {
@@ -30,21 +31,6 @@ struct TempDir {
   ~TempDir() { fs::remove_all(path); }
 };
 
-// The error message of fn(), or "" when it did not throw.
-template <typename F> std::string error_of(F&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
-#define EXPECT_ERROR(expr, needle)                                                       \
-  do {                                                                                   \
-    const std::string msg_ = error_of([&] { (void)(expr); });                           \
-    EXPECT_NE(msg_.find(needle), std::string::npos) << "message: '" << msg_ << "'"; \
-  } while (0)
 
 void write_bytes(const fs::path& p, const std::string& bytes) {
   std::ofstream(p, std::ios::binary) << bytes;

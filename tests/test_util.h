@@ -63,6 +63,16 @@ double underflow_allowance(DType t, const std::vector<double>& magnitude);
 
 std::string config_name(Device d, DType t);
 
+// The message of the kcpp::Error fn() throws, or "" when it throws none.
+template <typename F> std::string error_of(F&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
 // tests/fixtures (the Transformers fixtures): $KCPP_FIXTURES_DIR when set (a build moved to another
 // machine), else the source tree's.
 std::string fixtures_dir();
@@ -73,3 +83,10 @@ namespace kcpp {
 // How gtest prints a Device parameter ("cuda:0", not the struct's bytes).
 inline void PrintTo(const Device& d, std::ostream* os) { *os << d.str(); }
 }  // namespace kcpp
+
+// EXPECT_ERROR(expr, needle): expr throws a kcpp::Error whose message contains needle.
+#define EXPECT_ERROR(expr, needle)                                                              \
+  do {                                                                                          \
+    const std::string msg_ = ::kcpp::test::error_of([&] { (void)(expr); });                    \
+    EXPECT_NE(msg_.find(needle), std::string::npos) << "message: '" << msg_ << "'";            \
+  } while (0)

@@ -1,6 +1,7 @@
 // The chat-template evaluator (chat_template.h): lexer, parser to a small tree, and an interpreter
 // with Python's value semantics.
 #include "models/chat_template.h"
+#include "models/utf8.h"
 
 #include <algorithm>
 #include <charconv>
@@ -59,24 +60,6 @@ size_t cp_count(std::string_view s) {
   size_t n = 0;
   for (size_t i = 0; i < s.size(); i += cp_size(s, i)) ++n;
   return n;
-}
-
-void append_utf8(std::string& out, uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
 }
 
 // str.isspace() of Python.
