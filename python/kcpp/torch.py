@@ -975,6 +975,155 @@ def _register_attention():
 _register_attention()
 
 
+# ---- MoE/1 as Transformers' experts backend ("kcpp" in the ExpertsInterface) ------------------------------------
+#
+# Transformers 5's MoE blocks route with their own router and call the experts module through the
+# ExpertsInterface: experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H].
+# experts_implementation="kcpp" (or config._experts_implementation) sends that call to the moe package's
+# MoE/1 layer with routing "given": the grouped expert GEMMs and, in training, the gradients of the
+# hidden states, the routing weights (back into Transformers' router through autograd) and the fused
+# gate_up_proj [E, 2I, H] / down_proj [E, H, I].
+
+EXPERTS_NAME = "kcpp"
+_EXPERT_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                       "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
+
+
+def _experts_build(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation, layer, training):
+    e = gate_up_proj.shape[0]
+    return {"hidden": hidden, "routing": "given", "topk_ids": topk_ids, "topk_weights": topk_weights,
+            "gate_up_proj": gate_up_proj, "down_proj": down_proj, "activation": activation,
+            "out": torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device),
+            "expert_offsets": torch.empty(e + 2, dtype=torch.int32, device=hidden.device),
+            "sorted_slots": torch.empty(topk_ids.numel(), dtype=torch.int32, device=hidden.device)}
+
+
+def _experts_setup(ctx, inputs, output):
+    hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation, layer, _training = inputs
+    _out, offsets, slots = output
+    ctx.save_for_backward(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, offsets, slots)
+    ctx.kcpp = (activation, layer)
+    ctx.mark_non_differentiable(offsets, slots)
+    ctx.set_materialize_grads(False)
+
+
+def _experts_backward(ctx, eager, dout, _do, _ds):
+    hidden, topk_ids, topk_weights, gate_up_proj, down_proj, offsets, slots = ctx.saved_tensors
+    activation, layer = ctx.kcpp
+    if dout is None:
+        return (None,) * 8
+    dweights = _needs(ctx, eager, 3) or _needs(ctx, eager, 4)
+    dh, dw, dgu, dd = _call(_EXPERTS_BWD, eager, _contig(dout), hidden, topk_ids, topk_weights, gate_up_proj, down_proj,
+                            offsets, slots, activation, dweights, layer)
+    return (dh, None, dw.to(topk_weights.dtype) if _needs(ctx, eager, 2) else None,
+            dgu if _needs(ctx, eager, 3) else None, dd if _needs(ctx, eager, 4) else None, None, None, None)
+
+
+def _experts_bwd_build(dout, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, offsets, slots, activation, dweights,
+                       layer):
+    return {"dout": dout, "hidden": hidden, "routing": "given", "topk_ids": topk_ids, "topk_weights": topk_weights,
+            "gate_up_proj": gate_up_proj, "down_proj": down_proj, "activation": activation, "expert_offsets": offsets,
+            "sorted_slots": slots, "dhidden": torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device),
+            "dtopk_weights": _f32(topk_ids.shape, hidden.device),
+            "dgate_up_proj": torch.empty_like(gate_up_proj, memory_format=torch.contiguous_format) if dweights else None,
+            "ddown_proj": torch.empty_like(down_proj, memory_format=torch.contiguous_format) if dweights else None}
+
+
+_EXPERTS = _Op("moe_experts", "(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor gate_up_proj, "
+               "Tensor down_proj, str activation, int layer, bool training) -> (Tensor, Tensor, Tensor)",
+               _experts_build,
+               lambda a, light: (a["out"], a["expert_offsets"], a["sorted_slots"]),
+               setup=_experts_setup, backward=_experts_backward)
+_EXPERTS_BWD = _Op("moe_experts_backward", "(Tensor dout, Tensor hidden, Tensor topk_ids, Tensor topk_weights, "
+                   "Tensor gate_up_proj, Tensor down_proj, Tensor expert_offsets, Tensor sorted_slots, str activation, "
+                   "bool dweights, int layer) -> (Tensor, Tensor, Tensor, Tensor)",
+                   _experts_bwd_build,
+                   lambda a, light: (a["dhidden"], a["dtopk_weights"], _made(a["dgate_up_proj"], a["hidden"], light),
+                                     _made(a["ddown_proj"], a["hidden"], light)),
+                   backward_entry=True)
+
+
+def _load_default_experts(slot):
+    """The kernels of a model that selects experts_implementation "kcpp": this build's moe package."""
+    slot.loader = None
+    folder = kcpp.local_packages().get("moe")
+    if folder is None:
+        slot.reason = "no moe package built with this kcpp (kcpp.local_packages())"
+        return
+    package = kcpp.Hub(allow_all_kernels=True).load(folder)  # this build's own package, as kernelize loads it
+    layer = package.layer_by_contract("MoE/1")
+    slot.add_kernel("inference", layer)
+    if layer.has_backward:
+        slot.add_kernel("training", layer)
+    slot.reason = f"{package.name} {package.version}: {layer.name} (MoE/1), experts_implementation={EXPERTS_NAME!r}"
+
+
+_DEFAULT_EXPERTS = _Slot("MegaBlocksMoeMLP", "MoE/1", reason="loaded at the first call", loader=_load_default_experts)
+
+
+def experts_report():
+    """The experts backend's counts: kernel, kernel_calls, reference_calls, fallbacks, last_refusal."""
+    s = _DEFAULT_EXPERTS
+    kernel = s.kernels.get("inference")
+    return {"kernel": f"{kernel.package_name}:{kernel.name}" if kernel else "", "reason": s.reason,
+            "kernel_calls": s.kernel_calls, "reference_calls": s.reference_calls, "fallbacks": s.fallbacks,
+            "last_refusal": s.last_refusal}
+
+
+def _experts(module, hidden_states, top_k_index, top_k_weights):
+    """Transformers' experts function "kcpp": the moe package over the router's choice; Transformers'
+    batched_mm experts for a call the package does not take."""
+    slot, where = _DEFAULT_EXPERTS, type(module).__name__
+
+    def reference():
+        from transformers.integrations.moe import batched_mm_experts_forward
+        return batched_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    act = _EXPERT_ACTIVATIONS.get(getattr(getattr(module, "config", None), "hidden_act", None))
+    why = None
+    if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or not getattr(module, "has_gate", True):
+        why = "no fused gate_up_proj and down_proj: MoE/1 here takes Transformers 5's fused expert weights"
+    elif getattr(module, "has_bias", False) or getattr(module, "has_post_expert_norm", False):
+        why = "expert biases or a post-expert norm: MoE/1 has none"
+    elif getattr(module, "is_transposed", False) or not getattr(module, "is_concatenated", True):
+        why = "transposed or interleaved expert weights"
+    elif act is None:
+        why = f"activation {getattr(getattr(module, 'config', None), 'hidden_act', None)!r}: MoE/1 takes silu and the gelus"
+    elif hidden_states.dim() != 2 or hidden_states.numel() == 0 or top_k_index.shape != top_k_weights.shape:
+        why = f"hidden {tuple(hidden_states.shape)}, top_k_index {tuple(top_k_index.shape)}: MoE/1 takes [T, H] and [T, k]"
+    elif getattr(module, "_is_expert_parallel", False):
+        why = "expert parallelism"
+    if why is not None:
+        _refuse(slot.sid, why)
+        return reference()
+    hidden = _contig(hidden_states)
+    ids, w = _contig(top_k_index), _contig(top_k_weights)
+    training = _needs_grad(hidden, w, gate_up, down)
+    traced = torch.compiler.is_compiling()
+    desc = (_desc(hidden, traced), _desc(ids, traced, (1,)), _desc(w, traced, (1,)), _desc(gate_up, traced, (0, 1, 2)),
+            _desc(down, traced, (0, 1, 2)), act)
+    lid = _decide(slot.sid, training, "moe_experts", desc, where)
+    if lid < 0:
+        return reference()
+    try:
+        return _invoke(_EXPERTS, training, traced, hidden, ids, w, gate_up, down, act, lid, training)
+    except kcpp.Unsupported as e:
+        _refuse(slot.sid, str(e))
+        return reference()
+
+
+def _register_experts():
+    """`experts_implementation="kcpp"`: the moe package as Transformers' experts backend."""
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError:  # a Transformers without the experts interface
+        return
+    ExpertsInterface.register(EXPERTS_NAME, _experts)
+
+
+_register_experts()
+
+
 # ---- CrossEntropyLoss/1 (the model's loss_function over the logits) -------------------------------------------
 
 def _shifted_targets(labels, ignore_index, shift_labels, device):

@@ -1,0 +1,90 @@
+"""kcpp.torch's experts backend: experts_implementation "kcpp" sends Transformers' MoE experts (Mixtral,
+Qwen3-MoE) to this build's moe package, with Transformers' own router choosing.  A tiny random model's
+logits, loss and every parameter's gradient (the router's included, through the routing weights) equal
+the model with its eager experts; a call the package does not take runs Transformers' batched_mm
+experts, counted.  Skipped where torch, transformers, the experts interface or kcpp._core is missing.
+"""
+import os
+import unittest
+
+try:
+    import torch
+    import transformers
+    import kcpp
+    import kcpp.torch as kt
+    from transformers.integrations.moe import ExpertsInterface  # noqa: F401
+    HAVE = kcpp._core is not None and kcpp.local_packages().get("moe") is not None
+    WHY = "" if HAVE else "kcpp._core or this build's moe package is missing"
+except ImportError as e:
+    HAVE, WHY = False, str(e)
+    if os.environ.get("KCPP_REQUIRE_TORCH"):
+        raise
+
+SEED = int(os.environ.get("KCPP_SEED", "0")) or 1234
+COMMON = dict(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=32, rms_norm_eps=1e-5, tie_word_embeddings=False)
+FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=24, num_local_experts=5, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(moe_intermediate_size=24, intermediate_size=48, num_experts=6,
+                                                                num_experts_per_tok=3, norm_topk_prob=True, head_dim=8)),
+}
+
+
+def make(family, experts):
+    cfg_name, model_name, extra = FAMILIES[family]
+    torch.manual_seed(SEED)
+    config = getattr(transformers, cfg_name)(**COMMON, **extra)
+    config._attn_implementation = "eager"
+    model = getattr(transformers, model_name)(config).float()
+    with torch.no_grad():  # weights large enough that the experts' outputs matter
+        for n, p in model.named_parameters():
+            if "experts" in n or "gate" in n:
+                p.normal_(0, 0.3)
+    model.config._experts_implementation = experts
+    return model
+
+
+def run(model, ids):
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.clone()
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return logits, out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@unittest.skipUnless(HAVE, WHY)
+class Experts(unittest.TestCase):
+    def test_the_moe_package_as_the_experts_backend(self):
+        ids = torch.randint(0, COMMON["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(SEED))
+        for family in FAMILIES:
+            before = kt.experts_report()["kernel_calls"]
+            ref = run(make(family, "eager"), ids)
+            got = run(make(family, kt.EXPERTS_NAME), ids)
+            r = kt.experts_report()
+            self.assertGreater(r["kernel_calls"], before, f"{family}: the package did not run: {r}")
+            self.assertIn("moe", r["kernel"], str(r))
+            self.assertLess(rel(got[0], ref[0]), 2e-5, f"{family}: logits")
+            self.assertLess(abs(got[1].item() - ref[1].item()) / abs(ref[1].item()), 2e-5, f"{family}: loss")
+            self.assertEqual(set(got[2]), set(ref[2]), family)
+            for name, g in ref[2].items():
+                self.assertLess(rel(got[2][name], g), 2e-5, f"{family}: gradient of {name}")
+
+    def test_a_call_the_package_does_not_take_runs_batched_mm(self):
+        model = make("mixtral", kt.EXPERTS_NAME)
+        model.config.hidden_act = "relu"  # no GLU activation of MoE/1's
+        before = kt.experts_report()["fallbacks"]
+        ids = torch.randint(0, COMMON["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(SEED))
+        with torch.no_grad():
+            model(input_ids=ids)
+        r = kt.experts_report()
+        self.assertGreater(r["fallbacks"], before, str(r))
+        self.assertIn("activation 'relu'", r["last_refusal"])
+
+
+if __name__ == "__main__":
+    unittest.main()
