@@ -91,7 +91,8 @@ _CONTRACTS = {"RMSNorm": "RMSNorm/1", "MLP": "GLU/1", "rotary_pos_emb": "rotary_
 # apply_rotary_pos_emb's rotate-half, the attention call's arguments, the *ForCausalLM forward that the
 # fused loss re-implements: body, lm_head, optional final logit soft-capping, loss_function).  Other
 # models keep their layers, saying so.
-_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text")
+_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
+                "qwen3_moe")
 
 # Transformers' hidden_act names the GLU/1 contract takes.
 _GLU_ACTIVATIONS = {"silu", "swish", "gelu", "gelu_tanh", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "quick_gelu"}
@@ -1173,6 +1174,9 @@ def _causal_lm_forward(model, slot, original, names, output_class, has_training,
         if labels is not None:
             _reference_call(slot.sid)
         return original(labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+    if getattr(model.config, "output_router_logits", False) or kwargs.get("output_router_logits"):
+        _refuse(slot.sid, "the router's auxiliary loss (output_router_logits): the fused loss does not add it")
+        return original(labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     lm_head = model.get_output_embeddings()
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     ignore_index = kwargs.pop("ignore_index", -100)
@@ -1259,6 +1263,22 @@ def _is_attention(m):
     modeling = _modeling_module(m)
     return type(m).__name__.endswith("Attention") and callable(getattr(modeling, "apply_rotary_pos_emb", None)) \
         and getattr(modeling, "__name__", "").startswith("transformers.models.")
+
+
+def _swap_experts(model, state):
+    """A mixture-of-experts model's experts through the moe package: experts_implementation "kcpp" (Transformers'
+    router still chooses; section "MoE/1 as Transformers' experts backend")."""
+    config = getattr(model, "config", None)
+    has_experts = any(isinstance(getattr(m, "gate_up_proj", None), torch.Tensor) and hasattr(m, "num_experts")
+                      for m in model.modules())
+    if not has_experts or not hasattr(config, "_experts_implementation"):
+        return
+    previous = config._experts_implementation
+    config._experts_implementation = EXPERTS_NAME
+
+    def undo():
+        config._experts_implementation = previous
+    state.restore.append(undo)
 
 
 def _set_forward(state, module, forward):
@@ -1467,6 +1487,7 @@ def _swap(model, state):
                 _set_forward(state, module, functools.partial(_attention_module_forward, slots["rotary_pos_emb"],
                                                               original))
     _swap_attention(model, state, attention_modules)
+    _swap_experts(model, state)
     is_causal_lm = hasattr(model, "lm_head") and hasattr(model, "model") and hasattr(type(model), "loss_function")
     for name in ("CrossEntropyLoss", "ForCausalLMLoss"):
         slots[name].modules = 1 if is_causal_lm else 0

@@ -74,6 +74,41 @@ class Experts(unittest.TestCase):
             for name, g in ref[2].items():
                 self.assertLess(rel(got[2][name], g), 2e-5, f"{family}: gradient of {name}")
 
+    def test_kernelize_takes_the_moe_families(self):
+        """kernelize on Mixtral and Qwen3-MoE: the norms, RoPE, attention and the fused loss from liger /
+        flash_attn, the experts from moe; the same logits, loss and gradients; unkernelize restores."""
+        ids = torch.randint(0, COMMON["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(SEED + 1))
+        for family in FAMILIES:
+            model = make(family, "eager")
+            ref = run(model, ids)
+            before = kt.experts_report()["kernel_calls"]
+            kt.kernelize(model)
+            self.assertEqual(model.config._experts_implementation, kt.EXPERTS_NAME)
+            got = run(model, ids)
+            r = kt.report(model)
+            for layer in ("RMSNorm", "rotary_pos_emb", "Attention", "ForCausalLMLoss"):
+                self.assertGreater(r[layer]["kernel_calls"], 0, f"{family} {layer}: {r}")
+                self.assertEqual(r[layer]["fallbacks"], 0, f"{family} {layer}: {r}")
+            self.assertGreater(kt.experts_report()["kernel_calls"], before, family)
+            self.assertLess(rel(got[0], ref[0]), 2e-5, f"{family}: logits")
+            self.assertLess(abs(got[1].item() - ref[1].item()) / abs(ref[1].item()), 2e-5, f"{family}: loss")
+            for name, g in ref[2].items():
+                self.assertLess(rel(got[2][name], g), 2e-5, f"{family}: gradient of {name}")
+            kt.unkernelize(model)
+            self.assertEqual(model.config._experts_implementation, "eager")
+
+    def test_the_router_loss_keeps_the_models_own_loss(self):
+        """output_router_logits adds the load-balancing loss to the model's loss: the fused loss (which has
+        none) gives way, so the loss is the model's own."""
+        model = make("mixtral", "eager")
+        model.config.output_router_logits = True
+        ids = torch.randint(0, COMMON["vocab_size"], (1, 6), generator=torch.Generator().manual_seed(SEED + 2))
+        want = model(input_ids=ids, labels=ids).loss.item()
+        kt.kernelize(model)
+        got = model(input_ids=ids, labels=ids).loss.item()
+        self.assertLess(abs(got - want) / abs(want), 2e-5)
+        self.assertIn("output_router_logits", kt.report(model)["ForCausalLMLoss"]["last_refusal"])
+
     def test_a_call_the_package_does_not_take_runs_batched_mm(self):
         model = make("mixtral", kt.EXPERTS_NAME)
         model.config.hidden_act = "relu"  # no GLU activation of MoE/1's
