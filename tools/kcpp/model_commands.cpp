@@ -232,16 +232,19 @@ int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const mod
   const std::vector<int64_t> none;
   const std::vector<int64_t>* stop = a.ignore_eos ? &none : &stops;
 
-  // One prompt streams: its text (or ids) first, then every new token as it comes.
+  // One prompt streams: its text (or ids) first, then every new token as it comes.  Byte-level
+  // decoding concatenates, so only the tokens not yet printed are decoded; they are held back while
+  // their bytes end inside a UTF-8 character.
   const bool stream = prompts.size() == 1;
   std::vector<int64_t> seen;
-  size_t printed = 0;
+  size_t printed = 0;  // tokens of `seen` already printed
   auto show = [&](bool last) {
     if (tok) {
-      const std::string t = tok->decode(seen, true);
-      const size_t upto = last ? t.size() : utf8_complete(t);
-      if (upto > printed) fmt::print("{}", t.substr(printed, upto - printed));
-      printed = std::max(printed, upto);
+      const std::string t = tok->decode(std::vector<int64_t>(seen.begin() + static_cast<int64_t>(printed), seen.end()), true);
+      if (last || utf8_complete(t) == t.size()) {
+        fmt::print("{}", t);
+        printed = seen.size();
+      }
     } else {
       for (; printed < seen.size(); ++printed) fmt::print("{}{}", printed ? "," : "", seen[printed]);
     }
