@@ -204,6 +204,34 @@ TEST(Dist, DataParallelEqualsOneProcessOnTheWholeBatch) {
     }
 }
 
+// 16-bit weights: AdamW keeps f32 master copies, taken after the replicas start as rank 0's, so the
+// ranks (started from different weights here) hold the same bf16 parameters after every step.
+TEST(Dist, Bf16ReplicasStayTheSame) {
+  const models::ModelConfig cfg = models::ModelConfig::from_folder(fs::path(test::fixtures_dir()) / "llama");
+  Generator gen(8);
+  const Tensor ids = Tensor::randint({2, 8}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen);
+  train::AdamWOptions o;
+  o.lr = 1e-2;
+  for (int zero : {0, 1}) {
+    std::vector<std::vector<double>> params(2);
+    on_ranks(2, [&](int r, dist::Communicator& c) {
+      auto model = models::CausalLM::random(cfg, DType::bf16, Device::cpu(), 20 + r, 0.5);
+      train::DataParallelOptions dp;
+      dp.zero_stage = zero;
+      train::DataParallel t(*model, c, o, dp);
+      for (int step = 0; step < 3; ++step) {
+        const Tensor mine = ids.narrow(0, r, 1).contiguous();
+        t.step({{mine, mine}});
+      }
+      for (const auto& [name, p] : model->parameters()) {
+        const auto v = p.to_f64_vector();
+        params[static_cast<size_t>(r)].insert(params[static_cast<size_t>(r)].end(), v.begin(), v.end());
+      }
+    });
+    EXPECT_EQ(params[0], params[1]) << "ZeRO-" << zero << ": the bf16 replicas differ";
+  }
+}
+
 // Checkpoints of the optimizer do not depend on the world size: two steps, a save, two more steps
 // give the four steps of one uninterrupted process, whether the run is saved by one process and
 // resumed by three ranks (ZeRO-1, each reading the state of the parameters it owns) or saved by
@@ -272,6 +300,13 @@ TEST(Dist, OptimizerCheckpointsResumeOnAnyWorldSize) {
     expect_straight(*resumed, "saved by 3, resumed by 1");
     // The single process's earlier file is gone: only the three ranks' files are read.
     EXPECT_FALSE(fs::exists(ckpt / "optimizer-rank0-of-1.safetensors"));
+    // The files of two saves, or a save missing a rank, are refused.
+    fs::copy_file(ckpt / "optimizer-rank0-of-3.safetensors", ckpt / "optimizer-rank0-of-1.safetensors");
+    EXPECT_ERROR(train::load_optimizer_state(ckpt, opt), "saves by 2 different numbers of ranks");
+    fs::remove(ckpt / "optimizer-rank0-of-1.safetensors");
+    fs::rename(ckpt / "optimizer-rank2-of-3.safetensors", ckpt / "moved.safetensors");
+    EXPECT_ERROR(train::load_optimizer_state(ckpt, opt), "holds 2 of the 3 rank files");
+    fs::rename(ckpt / "moved.safetensors", ckpt / "optimizer-rank2-of-3.safetensors");
   }
   // A checkpoint of another model is refused by name.
   auto other = models::ModelConfig::from_folder(fs::path(test::fixtures_dir()) / "qwen3");

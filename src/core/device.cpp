@@ -34,6 +34,15 @@ DType parse_dtype(std::string_view n) {
 
 bool cuda_compiled() { return KCPP_WITH_CUDA != 0; }
 
+void use_device(Device d) {
+  if (!d.is_cuda()) return;
+  const int n = cuda_device_count();
+  KCPP_CHECK(d.index >= 0 && d.index < n, "device {} does not exist ({} CUDA device(s) visible)", d.str(), n);
+#if KCPP_WITH_CUDA
+  KCPP_CUDA_CHECK(cudaSetDevice(d.index));
+#endif
+}
+
 int cuda_device_count() {
 #if KCPP_WITH_CUDA
   int n = 0;

@@ -28,5 +28,8 @@ Device parse_device(std::string_view s);
 bool cuda_compiled();
 // Number of usable CUDA devices (0 without a driver or a GPU, or in a CPU-only build). Never throws.
 int cuda_device_count();
+// Makes a CUDA device this thread's current one for good (a process that drives one GPU of several,
+// e.g. one rank of a data-parallel group); nothing for the CPU.  Throws for a device that does not exist.
+void use_device(Device d);
 
 }  // namespace kcpp

@@ -5,14 +5,20 @@
 
 #include <barrier>
 #include <cstdlib>
+#include <exception>
 #include <mutex>
 
 #include "core/cuda_runtime.h"
 #include "core/error.h"
 #include "ops/ops.h"
 
-#if KCPP_WITH_CUDA
+// NCCL's header comes with NCCL (CUDA's packages, or PyTorch's nvidia-nccl wheel), not with every
+// CUDA toolkit: without it this build has no NCCL backend.
+#if KCPP_WITH_CUDA && __has_include(<nccl.h>)
 #include <nccl.h>
+#define KCPP_NCCL 1
+#else
+#define KCPP_NCCL 0
 #endif
 
 namespace kcpp::dist {
@@ -134,7 +140,7 @@ int env_int(const char* name, int fallback, int lo) {
 
 // ---- NCCL --------------------------------------------------------------------------------------------
 
-#if KCPP_WITH_CUDA
+#if KCPP_NCCL
 struct Nccl {
   decltype(&ncclGetUniqueId) get_unique_id = nullptr;
   decltype(&ncclCommInitRank) comm_init_rank = nullptr;
@@ -146,6 +152,8 @@ struct Nccl {
   decltype(&ncclGroupStart) group_start = nullptr;
   decltype(&ncclGroupEnd) group_end = nullptr;
   decltype(&ncclGetErrorString) error_string = nullptr;
+  decltype(&ncclCommAbort) comm_abort = nullptr;
+  decltype(&ncclGetVersion) get_version = nullptr;
   std::string why;  // empty when loaded
 };
 
@@ -173,6 +181,11 @@ const Nccl& nccl() {
     load(r.group_start, "ncclGroupStart");
     load(r.group_end, "ncclGroupEnd");
     load(r.error_string, "ncclGetErrorString");
+    load(r.comm_abort, "ncclCommAbort");
+    load(r.get_version, "ncclGetVersion");
+    int version = 0;
+    if (r.why.empty() && (r.get_version(&version) != ncclSuccess || version < 21000))
+      r.why = fmt::format("libnccl.so.2 is NCCL {}; 2.10 or later is needed (bf16 sums and ncclAvg)", version);
     return r;
   }();
   return n;
@@ -202,8 +215,12 @@ class NcclCommunicator final : public Communicator {
     cuda::DeviceGuard g(dev.index);
     nccl_check(nccl().comm_init_rank(&comm_, who.world_size, id, who.rank), "ncclCommInitRank");
   }
+  // Destroying flushes what was queued, which waits for the peers; while an exception unwinds (a
+  // rank that gave up mid-step) the peers may never come, so the communicator is aborted instead.
   ~NcclCommunicator() override {
-    if (comm_) (void)nccl().comm_destroy(comm_);
+    if (!comm_) return;
+    if (std::uncaught_exceptions() > 0) (void)nccl().comm_abort(comm_);
+    else (void)nccl().comm_destroy(comm_);
   }
   int rank() const override { return who_.rank; }
   int world_size() const override { return who_.world_size; }
@@ -277,7 +294,7 @@ std::optional<LaunchInfo> launch_info_from_env() {
   return w;
 }
 
-#if KCPP_WITH_CUDA
+#if KCPP_NCCL
 bool nccl_available(std::string* why) {
   if (why) *why = nccl().why;
   return nccl().why.empty();
@@ -309,13 +326,17 @@ std::unique_ptr<Communicator> nccl_communicator(const LaunchInfo& who, const std
   return std::make_unique<NcclCommunicator>(who, id, device);
 }
 #else
+namespace {
+constexpr const char* kNoNccl = KCPP_WITH_CUDA ? "this build of kernels.cpp found no nccl.h (install NCCL's headers and rebuild)"
+                                               : "this build of kernels.cpp has no CUDA support";
+}
 bool nccl_available(std::string* why) {
-  if (why) *why = "this build of kernels.cpp has no CUDA support";
+  if (why) *why = kNoNccl;
   return false;
 }
-std::string nccl_unique_id() { KCPP_FAIL("NCCL: this build of kernels.cpp has no CUDA support"); }
+std::string nccl_unique_id() { KCPP_FAIL("NCCL: {}", kNoNccl); }
 std::unique_ptr<Communicator> nccl_communicator(const LaunchInfo&, const std::string&, Device) {
-  KCPP_FAIL("NCCL: this build of kernels.cpp has no CUDA support");
+  KCPP_FAIL("NCCL: {}", kNoNccl);
 }
 #endif
 

@@ -3,7 +3,7 @@
 //
 // Every collective is called by every rank of the group, in the same order, with tensors of the
 // same shape and dtype (contiguous, on the communicator's device).  Results are the same on every
-// rank: a sum is made in rank order, so it does not depend on which rank computes it.
+// rank (the local group sums in rank order, in f64, rounding once; NCCL in its ring or tree order).
 //
 // Backends: `local_group` (ranks are threads of one process, tensors in host memory: the CPU
 // backend, and what the tests of everything above the collectives use) and NCCL (one process per

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "core/cuda_runtime.h"
 #include "core/error.h"
 #include "core/half.h"
 
@@ -46,6 +47,7 @@ void adamw_update(const std::vector<AdamWTensor>& ts, DType param_dtype, DType g
   KCPP_CHECK(h.max_norm <= 0 || h.sq_norm, "adamw: clipping (max_norm {}) needs the squared norm", h.max_norm);
   if (device.is_cuda()) {
 #if KCPP_WITH_CUDA
+    cuda::DeviceGuard guard(device.index);  // the launch goes to the parameters' device, whatever is current
     return adamw_update_cuda(ts, param_dtype, grad_dtype, h);
 #else
     KCPP_FAIL("adamw: CUDA is not compiled in");
@@ -71,6 +73,7 @@ void add_squared_norms(const std::vector<Tensor>& grads, double* acc, Tensor& sc
   }
   if (!grads.empty() && grads.front().device().is_cuda()) {
 #if KCPP_WITH_CUDA
+    cuda::DeviceGuard guard(grads.front().device().index);
     return add_squared_norms_cuda(grads, acc, scratch);
 #else
     KCPP_FAIL("add_squared_norms: CUDA is not compiled in");

@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <exception>
 #include <numeric>
 
 #include "core/error.h"
@@ -11,6 +13,22 @@
 
 namespace kcpp::train {
 namespace {
+
+// A group of collectives (NCCL's group calls) closed however its scope ends.
+struct Group {
+  explicit Group(dist::Communicator& c) : comm(c) { comm.begin_group(); }
+  ~Group() noexcept(false) {
+    if (std::uncaught_exceptions() > 0) {
+      try {
+        comm.end_group();
+      } catch (const Error&) {  // the error under way is the one to report
+      }
+    } else {
+      comm.end_group();
+    }
+  }
+  dist::Communicator& comm;
+};
 
 std::vector<std::pair<std::string, Tensor>> owned(const std::vector<std::pair<std::string, Tensor>>& params,
                                                   const std::map<std::string, int>& owner, int rank) {
@@ -43,12 +61,21 @@ DataParallel::DataParallel(models::CausalLM& model, dist::Communicator& comm, Ad
       comm_(comm),
       options_(o),
       params_(model.parameters()),
+      param_of_(params_.begin(), params_.end()),
       owner_([&] {
         KCPP_CHECK(o.zero_stage == 0 || o.zero_stage == 1, "data parallel: ZeRO stage {} is not supported (0 or 1)", o.zero_stage);
         KCPP_CHECK(o.bucket_mib > 0, "data parallel: bucket_mib is {}; it must be positive", o.bucket_mib);
         KCPP_CHECK(o.reduce_dtype == DType::f32 || o.reduce_dtype == DType::f64 || o.reduce_dtype == DType::bf16 ||
                        o.reduce_dtype == DType::f16,
                    "data parallel: reduce_dtype {} is not a floating dtype", dtype_name(o.reduce_dtype));
+        // Every replica starts as rank 0's, before AdamW takes its f32 master copies of them.
+        for (const auto& [name, p] : params_)
+          KCPP_CHECK(p.device() == comm.device(), "data parallel: parameter '{}' is on {} but the communicator is on {}",
+                     name, p.device().str(), comm.device().str());
+        {
+          Group group(comm);
+          for (const auto& [name, p] : params_) comm.broadcast(p, 0);
+        }
         if (o.zero_stage == 0) {
           std::map<std::string, int> all;
           for (const auto& [name, p] : params_) all[name] = comm.rank();
@@ -56,16 +83,9 @@ DataParallel::DataParallel(models::CausalLM& model, dist::Communicator& comm, Ad
         }
         return assign_owners(params_, comm.world_size());
       }()),
-      opt_(owned(params_, owner_, comm.rank()), adamw) {
-  for (const auto& [name, p] : params_)
-    KCPP_CHECK(p.device() == comm.device(), "data parallel: parameter '{}' is on {} but the communicator is on {}", name,
-               p.device().str(), comm.device().str());
-  comm_.begin_group();
-  for (const auto& [name, p] : params_) comm_.broadcast(p, 0);
-  comm_.end_group();
-}
+      opt_(owned(params_, owner_, comm.rank()), adamw) {}
 
-void DataParallel::reduce_gradients(std::map<std::string, Tensor>& grads) {
+void DataParallel::reduce_gradients(std::map<std::string, Tensor>& grads, const std::vector<char>& anywhere) {
   const size_t bucket_bytes = static_cast<size_t>(options_.bucket_mib * (1 << 20));
   const size_t es = dtype_size(options_.reduce_dtype);
   std::vector<std::string> bucket;
@@ -78,18 +98,27 @@ void DataParallel::reduce_gradients(std::map<std::string, Tensor>& grads) {
     if (parts.size() == 1 && flat.data() == grads.at(bucket[0]).data()) flat = flat.clone();  // never reduce in place of a view
     comm_.all_reduce(flat, dist::ReduceOp::Sum);
     int64_t at = 0;
+    // Back in the parameter's dtype on every rank (a local gradient of another dtype would round
+    // differently from rank to rank).
     for (const std::string& n : bucket) {
       Tensor& g = grads.at(n);
       const int64_t k = g.numel();
-      g = flat.narrow(0, at, k).to(g.dtype()).contiguous().view(g.shape());
+      const Tensor& p = param_of_.at(n);
+      g = flat.narrow(0, at, k).to(p.dtype()).contiguous().view(p.shape());
       at += k;
     }
     bucket.clear();
     bytes = 0;
   };
-  // In the parameters' order (the same on every rank); a parameter without a gradient here gets zeros,
-  // so every rank reduces the same buckets.
-  for (const auto& [name, p] : params_) {
+  // In the parameters' order (the same on every rank).  A parameter with a gradient on some rank but
+  // not here gets zeros, so every rank reduces the same buckets; one with a gradient on no rank is
+  // left out, as a single process's AdamW skips it.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& [name, p] = params_[i];
+    if (!anywhere[i]) {
+      grads.erase(name);
+      continue;
+    }
     auto it = grads.find(name);
     if (it == grads.end()) it = grads.emplace(name, Tensor::zeros(p.shape(), p.dtype(), p.device())).first;
     bucket.push_back(name);
@@ -115,13 +144,26 @@ void save_optimizer_state(const std::filesystem::path& folder, const AdamW& opt,
 }
 
 void load_optimizer_state(const std::filesystem::path& folder, AdamW& opt) {
-  std::vector<models::SafetensorsFile> files;
+  // The files of one save: optimizer-rank<r>-of-<world>.safetensors for one world and every r.
+  std::map<int, std::map<int, std::filesystem::path>> by_world;
   std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(folder, ec))
-    if (e.path().filename().string().starts_with("optimizer-rank") && e.path().extension() == ".safetensors")
-      files.push_back(models::SafetensorsFile::open(e.path()));
-  KCPP_CHECK(!files.empty(), "load_optimizer_state: no optimizer-rank*.safetensors in {} (saved by save_optimizer_state?)",
-             folder.string());
+  for (const auto& e : std::filesystem::directory_iterator(folder, ec)) {
+    int r = -1, w = -1;
+    char tail = 0;
+    const std::string name = e.path().filename().string();
+    if (std::sscanf(name.c_str(), "optimizer-rank%d-of-%d.safetensor%c", &r, &w, &tail) == 3 && tail == 's' &&
+        name == fmt::format("optimizer-rank{}-of-{}.safetensors", r, w) && r >= 0 && r < w)
+      by_world[w][r] = e.path();
+  }
+  KCPP_CHECK(!by_world.empty(), "load_optimizer_state: no optimizer-rank<r>-of-<world>.safetensors in {} (saved by "
+             "save_optimizer_state?)", folder.string());
+  KCPP_CHECK(by_world.size() == 1, "load_optimizer_state: {} holds the files of saves by {} different numbers of ranks; "
+             "keep those of one save", folder.string(), by_world.size());
+  const auto& [world, ranks] = *by_world.begin();
+  KCPP_CHECK(static_cast<int>(ranks.size()) == world, "load_optimizer_state: {} holds {} of the {} rank files of its save",
+             folder.string(), ranks.size(), world);
+  std::vector<models::SafetensorsFile> files;
+  for (const auto& [r, path] : ranks) files.push_back(models::SafetensorsFile::open(path));
   int64_t steps = -1;
   for (const auto& f : files) {
     const auto it = f.metadata().find("steps");
@@ -150,15 +192,24 @@ StepResult DataParallel::step(const std::vector<MicroBatch>& micro) {
   KCPP_CHECK(!micro.empty(), "data parallel: rank {} has no micro-batch (every rank takes a share of each step)", comm_.rank());
   int64_t mine = 0;
   for (const MicroBatch& m : micro) mine += models::CausalLM::labelled_tokens(m.labels);
+  // Two all-reduces before the gradients': the step's labelled tokens (which scale every share's
+  // gradient), then the shares' losses with, for each parameter, how many ranks have its gradient.
   const Tensor count = Tensor::from_f64(std::vector<double>{static_cast<double>(mine)}, {1}, DType::f64, comm_.device());
   comm_.all_reduce(count, dist::ReduceOp::Sum);
   const int64_t total = static_cast<int64_t>(count.item());
   KCPP_CHECK(total > 0, "data parallel: no labelled token in the step's batch on any of the {} ranks", comm_.world_size());
-  Accumulated acc = mine > 0 ? accumulate_gradients(model_, micro, total) : Accumulated{};
-  if (mine == 0) acc.tokens = 0;  // a share without labels: zero gradients (reduce_gradients fills them)
-  reduce_gradients(acc.grads);
-  const Tensor loss = Tensor::from_f64(std::vector<double>{acc.loss}, {1}, DType::f64, comm_.device());
-  comm_.all_reduce(loss, dist::ReduceOp::Sum);
+  // Every share runs its forward and backward, labels or not (a share without labels adds nothing
+  // to the loss of the tokens, but an MoE model's auxiliary loss still counts).
+  Accumulated acc = accumulate_gradients(model_, micro, total);
+  std::vector<double> info(params_.size() + 1);
+  info[0] = acc.loss;
+  for (size_t i = 0; i < params_.size(); ++i) info[i + 1] = acc.grads.count(params_[i].first) ? 1.0 : 0.0;
+  const Tensor shared = Tensor::from_f64(info, {static_cast<int64_t>(info.size())}, DType::f64, comm_.device());
+  comm_.all_reduce(shared, dist::ReduceOp::Sum);
+  const std::vector<double> summed = shared.to_f64_vector();
+  std::vector<char> anywhere(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) anywhere[i] = summed[i + 1] > 0;
+  reduce_gradients(acc.grads, anywhere);
 
   std::map<std::string, Tensor> mine_grads;
   std::vector<Tensor> others;
@@ -168,12 +219,11 @@ StepResult DataParallel::step(const std::vector<MicroBatch>& micro) {
   }
   opt_.step(mine_grads, others);
   if (options_.zero_stage == 1) {  // each owner's updated parameters to every rank
-    comm_.begin_group();
+    Group group(comm_);
     for (const auto& [name, p] : params_) comm_.broadcast(p, owner_.at(name));
-    comm_.end_group();
   }
   StepResult r;
-  r.loss = loss.item();
+  r.loss = summed[0];
   r.tokens = total;
   r.grad_norm = opt_.grad_norm();
   return r;

@@ -42,7 +42,8 @@ void load_optimizer_state(const std::filesystem::path& folder, AdamW& opt);
 
 class DataParallel {
  public:
-  // The parameters of `model` (on comm.device()) start as rank 0's: they are broadcast here.
+  // The parameters of `model` (on comm.device()) start as rank 0's: they are broadcast here, before
+  // the optimizer copies them.
   DataParallel(models::CausalLM& model, dist::Communicator& comm, AdamWOptions adamw, DataParallelOptions options = {});
 
   // One optimizer step; `micro` is this rank's share of the step's batch (its micro-batches).
@@ -63,12 +64,14 @@ class DataParallel {
 
  private:
   static std::map<std::string, int> assign_owners(const std::vector<std::pair<std::string, Tensor>>& params, int world);
-  void reduce_gradients(std::map<std::string, Tensor>& grads);
+  // anywhere[i]: whether some rank has a gradient of params_[i].
+  void reduce_gradients(std::map<std::string, Tensor>& grads, const std::vector<char>& anywhere);
 
   models::CausalLM& model_;
   dist::Communicator& comm_;
   DataParallelOptions options_;
   std::vector<std::pair<std::string, Tensor>> params_;  // the model's, in its order (the same on every rank)
+  std::map<std::string, Tensor> param_of_;              // the same, by name
   std::map<std::string, int> owner_;
   AdamW opt_;
 };

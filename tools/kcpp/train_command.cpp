@@ -15,12 +15,15 @@
 // and rank 0 prints.  --zero 1 shards the optimizer state over the ranks.
 #include <fmt/format.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -35,11 +38,11 @@
 #include "core/error.h"
 #include "core/random.h"
 #include "core/timing.h"
+#include "dist/communicator.h"
 #include "hub/hub.h"
 #include "models/causal_lm.h"
 #include "models/tokenizer.h"
 #include "nn/kernel_config.h"
-#include "dist/communicator.h"
 #include "train/corpus.h"
 #include "train/data_parallel.h"
 #include "train/trainer.h"
@@ -97,7 +100,8 @@ struct Resume {
 
 // trainer_state.json: what a resumed run must match or continue (the data's seed and shape, the steps).
 void save_trainer_state(const std::filesystem::path& folder, const TrainArgs& a, int64_t steps_done) {
-  const nlohmann::json j{{"steps_done", steps_done}, {"seed", a.seed}, {"batch", a.batch}, {"seq", a.seq}, {"lr", a.lr}};
+  const nlohmann::json j{{"steps_done", steps_done}, {"seed", a.seed}, {"batch", a.batch}, {"seq", a.seq}, {"lr", a.lr},
+                         {"dtype", a.dtype}};
   std::ofstream(folder / "trainer_state.json") << j.dump(1) << "\n";
 }
 
@@ -112,6 +116,9 @@ Resume read_resume(const std::string& folder, const TrainArgs& a) {
                  j.value("seed", uint64_t{0}) == a.seed,
              "kcpp train: --resume {}: it was trained with --batch {} --seq {} --seed {}; give the same to continue its data",
              folder, j.value("batch", int64_t{0}), j.value("seq", int64_t{0}), j.value("seed", uint64_t{0}));
+  KCPP_CHECK(j.value("dtype", std::string()) == a.dtype,
+             "kcpp train: --resume {}: it was trained with --dtype {}; give the same (its optimizer state is of those weights)",
+             folder, j.value("dtype", std::string("?")));
   return {std::filesystem::path(folder), j["steps_done"].get<int64_t>()};
 }
 
@@ -151,6 +158,12 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::
   } else {
     r.opt = std::make_unique<train::AdamW>(r.model->parameters(), o);
     if (resume) train::load_optimizer_state(resume->folder, *r.opt);
+  }
+  if (resume) {  // the model, the optimizer and the data position of one save
+    const int64_t saved = r.dp ? r.dp->optimizer().steps() : r.opt->steps();
+    KCPP_CHECK(saved == resume->steps_done,
+               "kcpp train: --resume {}: its optimizer state is of step {} but trainer_state.json says {}: a save that "
+               "did not finish; resume from another", resume->folder.string(), saved, resume->steps_done);
   }
   train::AdamW* opt = r.opt.get();
   train::DataParallel* dp = r.dp.get();
@@ -279,35 +292,65 @@ int launch_ranks(const TrainArgs& a) {
     words.push_back(cmdline.substr(at, end - at));
     at = end == std::string::npos ? cmdline.size() : end + 1;
   }
-  std::fflush(stdout);
-  std::vector<pid_t> pids;
+  // Each rank's environment, made before forking (the child of a threaded process only execs).
+  std::vector<std::vector<std::string>> envs(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) {
+    auto& env = envs[static_cast<size_t>(r)];
+    for (char** e = environ; *e; ++e) {
+      const std::string_view v(*e);
+      if (!v.starts_with("RANK=") && !v.starts_with("WORLD_SIZE=") && !v.starts_with("LOCAL_RANK=") &&
+          !v.starts_with("KCPP_NCCL_ID="))
+        env.emplace_back(v);
+    }
+    env.push_back(fmt::format("RANK={}", r));
+    env.push_back(fmt::format("WORLD_SIZE={}", n));
+    env.push_back(fmt::format("LOCAL_RANK={}", r));
+    env.push_back("KCPP_NCCL_ID=" + id);
+  }
+  std::vector<char*> argv;
+  for (std::string& w : words) argv.push_back(w.data());
+  argv.push_back(nullptr);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::vector<pid_t> alive;  // the ranks not yet reaped
+  auto stop_all = [&] {
+    for (pid_t p : alive) ::kill(p, SIGTERM);
+  };
+  const pid_t parent = ::getpid();
+  for (int r = 0; r < n; ++r) {
+    std::vector<char*> envp;
+    for (std::string& e : envs[static_cast<size_t>(r)]) envp.push_back(e.data());
+    envp.push_back(nullptr);
     const pid_t pid = ::fork();
-    KCPP_CHECK(pid >= 0, "kcpp train: could not start rank {} of {}", r, n);
     if (pid == 0) {
-      ::setenv("RANK", std::to_string(r).c_str(), 1);
-      ::setenv("WORLD_SIZE", std::to_string(n).c_str(), 1);
-      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      ::setenv("KCPP_NCCL_ID", id.c_str(), 1);
-      std::vector<char*> argv;
-      for (std::string& w : words) argv.push_back(w.data());
-      argv.push_back(nullptr);
-      ::execv("/proc/self/exe", argv.data());
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);  // a rank does not outlive the launcher
+      if (::getppid() != parent) std::_Exit(126);
+      ::execve("/proc/self/exe", argv.data(), envp.data());
       std::_Exit(127);
     }
-    pids.push_back(pid);
+    if (pid < 0) {  // the ranks started so far would wait for ever for this one
+      stop_all();
+      for (pid_t p : alive) ::waitpid(p, nullptr, 0);
+      KCPP_FAIL("kcpp train: could not start rank {} of {}: {}", r, n, std::strerror(errno));
+    }
+    alive.push_back(pid);
   }
+  const std::vector<pid_t> pids = alive;
   int result = 0;
-  for (size_t left = pids.size(); left > 0; --left) {
+  while (!alive.empty()) {
     int status = 0;
     const pid_t done = ::wait(&status);
+    if (done < 0) {
+      if (errno == EINTR) continue;
+      break;  // no children left
+    }
+    alive.erase(std::remove(alive.begin(), alive.end(), done), alive.end());
     const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
     if (code != 0 && result == 0) {
       result = code;
-      for (pid_t p : pids)
-        if (p != done) ::kill(p, SIGTERM);
       fmt::print(stderr, "kcpp train: rank {} failed (status {}); stopping the others\n",
                  std::find(pids.begin(), pids.end(), done) - pids.begin(), code);
+      stop_all();
     }
   }
   return result;
@@ -325,6 +368,7 @@ int run_train(TrainArgs a) {
     KCPP_CHECK(id && *id, "kcpp train: RANK is set (this process is rank {} of {}) but KCPP_NCCL_ID is not; start the ranks "
                "with kcpp train --gpus N, or give every rank the same KCPP_NCCL_ID", launched->rank, launched->world_size);
     dev = Device::cuda(launched->local_rank);
+    use_device(dev);  // every launch of this process goes to its GPU
     ranks.comm = dist::nccl_communicator(*launched, id, dev);
     ranks.rank = launched->rank, ranks.world = launched->world_size;
     KCPP_CHECK(a.batch >= ranks.world, "kcpp train: --batch is {}; {} ranks need at least one row each", a.batch, ranks.world);
