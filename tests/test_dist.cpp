@@ -20,6 +20,7 @@ namespace kcpp {
 namespace {
 
 namespace fs = std::filesystem;
+using test::error_of;
 
 // Runs fn(rank, communicator) on a thread per rank of a local group; rethrows the first failure.
 template <class F> void on_ranks(int world, F&& fn) {
@@ -112,6 +113,41 @@ TEST(Dist, MismatchedArgumentsAreNamedOnEveryRank) {
   auto one = dist::local_group(1);
   EXPECT_ERROR(one[0]->broadcast(Tensor::zeros({2}, DType::f32), 1), "root 1 is not a rank of this group of 1");
   EXPECT_ERROR(one[0]->all_reduce(Tensor::zeros({4, 4}, DType::f32).transpose(0, 1), dist::ReduceOp::Sum), "must be contiguous");
+}
+
+// A rank that fails before its collective (or calls another one) breaks the group: the other ranks
+// get its error instead of waiting for it, and the group refuses what follows.
+TEST(Dist, AFailingRankBreaksTheGroup) {
+  std::vector<std::string> first(2), later(2);
+  {
+    auto comms = dist::local_group(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r)
+      threads.emplace_back([&, r] {
+        const Tensor t = Tensor::zeros({4, 4}, DType::f32);
+        first[static_cast<size_t>(r)] =
+            error_of([&] { comms[static_cast<size_t>(r)]->all_reduce(r == 1 ? t.transpose(0, 1) : t, dist::ReduceOp::Sum); });
+        later[static_cast<size_t>(r)] = error_of([&] { comms[static_cast<size_t>(r)]->broadcast(t, 0); });
+      });
+    for (auto& t : threads) t.join();
+  }
+  EXPECT_NE(first[1].find("must be contiguous"), std::string::npos) << first[1];
+  EXPECT_NE(first[0].find("rank 1 of the local group failed"), std::string::npos) << first[0];
+  for (const std::string& m : later) EXPECT_NE(m.find("the group is broken"), std::string::npos) << m;
+  // Different collectives at the same point: both ranks are told.
+  std::vector<std::string> kinds(2);
+  auto comms = dist::local_group(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)
+    threads.emplace_back([&, r] {
+      const Tensor t = Tensor::zeros({3}, DType::f32);
+      kinds[static_cast<size_t>(r)] = error_of([&] {
+        if (r == 0) comms[0]->all_reduce(t, dist::ReduceOp::Sum);
+        else comms[1]->broadcast(t, 0);
+      });
+    });
+  for (auto& t : threads) t.join();
+  for (const std::string& m : kinds) EXPECT_NE(m.find("rank 1 called broadcast but rank 0 called all_reduce"), std::string::npos) << m;
 }
 
 TEST(Dist, LaunchInfoFromTheEnvironment) {

@@ -3,10 +3,11 @@
 #include <dlfcn.h>
 #include <fmt/format.h>
 
-#include <barrier>
+#include <condition_variable>
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <string_view>
 
 #include "core/cuda_runtime.h"
 #include "core/error.h"
@@ -35,11 +36,39 @@ void check_arg(const Tensor& t, Device dev, const char* op, const char* arg) {
 
 // ---- ranks as threads of one process ---------------------------------------------------------------
 
+// The ranks' meeting point: a barrier that a failing rank breaks, so that the others get its error
+// instead of waiting for it for ever (after that the group refuses every collective).
 struct LocalShared {
-  explicit LocalShared(int w) : world(w), sync(w), slots(static_cast<size_t>(w)) {}
+  explicit LocalShared(int w) : world(w), slots(static_cast<size_t>(w)), ops(static_cast<size_t>(w)) {}
   int world;
-  std::barrier<> sync;
   std::vector<const Tensor*> slots;  // each rank's argument of the collective under way
+  std::vector<const char*> ops;      // and the collective it called
+
+  void arrive_and_wait() {
+    std::unique_lock lock(mu_);
+    if (!broken_.empty()) KCPP_FAIL("{}", broken_);
+    const uint64_t generation = generation_;
+    if (++arrived_ == world) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return;
+    }
+    cv_.wait(lock, [&] { return generation_ != generation || !broken_.empty(); });
+    if (generation_ == generation) KCPP_FAIL("{}", broken_);
+  }
+  void break_with(std::string why) {
+    std::lock_guard lock(mu_);
+    if (broken_.empty()) broken_ = std::move(why);
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  uint64_t generation_ = 0;
+  std::string broken_;  // why the group is broken; empty while it works
 };
 
 class LocalCommunicator final : public Communicator {
@@ -51,67 +80,88 @@ class LocalCommunicator final : public Communicator {
   std::string backend() const override { return "local"; }
 
   void all_reduce(const Tensor& t, ReduceOp op) override {
-    check_arg(t, device(), "all_reduce", "t");
-    post(t);
-    same_as_rank0("all_reduce", [](const Tensor& a) { return a.shape(); });
-    const Tensor r = reduce(0, t.numel(), op);
-    s_->sync.arrive_and_wait();  // every rank has read every argument
-    flat(t).copy_(r);
+    guarded("all_reduce", [&] {
+      check_arg(t, device(), "all_reduce", "t");
+      post("all_reduce", t);
+      same_as_rank0("all_reduce");
+      const Tensor r = reduce(0, t.numel(), op);
+      s_->arrive_and_wait();  // every rank has read every argument
+      flat(t).copy_(r);
+    });
   }
 
   void reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op) override {
-    check_arg(out, device(), "reduce_scatter", "out");
-    check_arg(in, device(), "reduce_scatter", "in");
-    KCPP_CHECK(in.numel() == out.numel() * s_->world && in.dtype() == out.dtype(),
-               "reduce_scatter: 'in' must hold world ({}) x 'out' ({} elements) of its dtype; got {} elements of {}", s_->world,
-               out.numel(), in.numel(), dtype_name(in.dtype()));
-    post(in);
-    same_as_rank0("reduce_scatter", [](const Tensor& a) { return a.shape(); });
-    const Tensor r = reduce(rank_ * out.numel(), out.numel(), op);
-    s_->sync.arrive_and_wait();
-    flat(out).copy_(r);
+    guarded("reduce_scatter", [&] {
+      check_arg(out, device(), "reduce_scatter", "out");
+      check_arg(in, device(), "reduce_scatter", "in");
+      KCPP_CHECK(in.numel() == out.numel() * s_->world && in.dtype() == out.dtype(),
+                 "reduce_scatter: 'in' must hold world ({}) x 'out' ({} elements) of its dtype; got {} elements of {}",
+                 s_->world, out.numel(), in.numel(), dtype_name(in.dtype()));
+      post("reduce_scatter", in);
+      same_as_rank0("reduce_scatter");
+      const Tensor r = reduce(rank_ * out.numel(), out.numel(), op);
+      s_->arrive_and_wait();
+      flat(out).copy_(r);
+    });
   }
 
   void all_gather(const Tensor& out, const Tensor& in) override {
-    check_arg(out, device(), "all_gather", "out");
-    check_arg(in, device(), "all_gather", "in");
-    KCPP_CHECK(out.numel() == in.numel() * s_->world && in.dtype() == out.dtype(),
-               "all_gather: 'out' must hold world ({}) x 'in' ({} elements) of its dtype; got {} elements of {}", s_->world,
-               in.numel(), out.numel(), dtype_name(out.dtype()));
-    post(in);
-    same_as_rank0("all_gather", [](const Tensor& a) { return a.shape(); });
-    const int64_t n = in.numel();
-    for (int i = 0; i < s_->world; ++i) flat(out).narrow(0, i * n, n).copy_(flat(*s_->slots[static_cast<size_t>(i)]));
-    s_->sync.arrive_and_wait();
+    guarded("all_gather", [&] {
+      check_arg(out, device(), "all_gather", "out");
+      check_arg(in, device(), "all_gather", "in");
+      KCPP_CHECK(out.numel() == in.numel() * s_->world && in.dtype() == out.dtype(),
+                 "all_gather: 'out' must hold world ({}) x 'in' ({} elements) of its dtype; got {} elements of {}", s_->world,
+                 in.numel(), out.numel(), dtype_name(out.dtype()));
+      post("all_gather", in);
+      same_as_rank0("all_gather");
+      const int64_t n = in.numel();
+      for (int i = 0; i < s_->world; ++i) flat(out).narrow(0, i * n, n).copy_(flat(*s_->slots[static_cast<size_t>(i)]));
+      s_->arrive_and_wait();
+    });
   }
 
   void broadcast(const Tensor& t, int root) override {
-    check_arg(t, device(), "broadcast", "t");
-    KCPP_CHECK(root >= 0 && root < s_->world, "broadcast: root {} is not a rank of this group of {}", root, s_->world);
-    post(t);
-    same_as_rank0("broadcast", [](const Tensor& a) { return a.shape(); });
-    if (rank_ != root) t.copy_(*s_->slots[static_cast<size_t>(root)]);
-    s_->sync.arrive_and_wait();
+    guarded("broadcast", [&] {
+      check_arg(t, device(), "broadcast", "t");
+      KCPP_CHECK(root >= 0 && root < s_->world, "broadcast: root {} is not a rank of this group of {}", root, s_->world);
+      post("broadcast", t);
+      same_as_rank0("broadcast");
+      if (rank_ != root) t.copy_(*s_->slots[static_cast<size_t>(root)]);
+      s_->arrive_and_wait();
+    });
   }
 
  private:
-  void post(const Tensor& t) {
-    s_->slots[static_cast<size_t>(rank_)] = &t;
-    s_->sync.arrive_and_wait();  // every rank's argument is posted (and the previous collective done)
+  // Runs a collective; a rank that fails breaks the group, so that the others fail with its error.
+  template <class F> void guarded(const char* op, F&& body) {
+    try {
+      body();
+    } catch (const std::exception& e) {
+      s_->break_with(fmt::format("{}: rank {} of the local group failed, so the group is broken: {}", op, rank_, e.what()));
+      throw;
+    }
   }
-  // Every rank compares every argument with rank 0's, so all of them throw together; only after
-  // all have read the arguments (a rank's throw ends the life of its argument).
-  template <class F> void same_as_rank0(const char* op, F&& shape_of) const {
+  void post(const char* op, const Tensor& t) {
+    s_->slots[static_cast<size_t>(rank_)] = &t;
+    s_->ops[static_cast<size_t>(rank_)] = op;
+    s_->arrive_and_wait();  // every rank's argument is posted (and the previous collective done)
+  }
+  // Every rank compares every rank's collective and argument with rank 0's, so all of them throw
+  // together; only after all have read the arguments (a rank's throw ends the life of its argument).
+  void same_as_rank0(const char* op) const {
     const Tensor& a = *s_->slots[0];
     std::string problem;
     for (int i = 1; i < s_->world && problem.empty(); ++i) {
       const Tensor& b = *s_->slots[static_cast<size_t>(i)];
-      if (shape_of(b) != shape_of(a) || b.dtype() != a.dtype())
+      if (std::string_view(s_->ops[static_cast<size_t>(i)]) != s_->ops[0])
+        problem = fmt::format("{}: rank {} called {} but rank 0 called {}; every rank must call the same collectives in "
+                              "the same order", op, i, s_->ops[static_cast<size_t>(i)], s_->ops[0]);
+      else if (b.shape() != a.shape() || b.dtype() != a.dtype())
         problem = fmt::format("{}: rank {} passed {} {} but rank 0 passed {} {}; every rank must pass the same shape and dtype",
                               op, i, dtype_name(b.dtype()), shape_str(b.shape()), dtype_name(a.dtype()), shape_str(a.shape()));
     }
     if (problem.empty()) return;
-    s_->sync.arrive_and_wait();
+    s_->arrive_and_wait();
     KCPP_FAIL("{}", problem);
   }
   // Elements [from, from + n) of every rank's argument reduced in rank order, in f64, rounded once.

@@ -44,8 +44,9 @@ class Communicator {
 };
 
 // `world` communicators whose ranks are threads of this process (one communicator per thread),
-// over CPU tensors.  A rank that throws inside a collective leaves the others waiting: the group is
-// for code whose collectives are called unconditionally.
+// over CPU tensors.  A rank that fails in a collective (a bad argument, another collective than
+// the others called) breaks the group: the others' collectives throw its error instead of waiting
+// for it, and so does every later one.
 std::vector<std::unique_ptr<Communicator>> local_group(int world);
 
 // Where this process sits in a group started by a launcher: RANK, WORLD_SIZE and LOCAL_RANK as
