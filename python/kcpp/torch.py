@@ -836,20 +836,25 @@ def _attention_module_forward(slot, original, *args, **kwargs):
 
 # ---- Attention/1 (Transformers' attention function "kcpp") ---------------------------------------------
 
-def _load_default_attention(slot):
-    """The kernels of a model that selects "kcpp" without kernelize: this build's flash_attn."""
+def _load_local(slot, package_name, how):
+    """A slot's kernels from this build's own package `package_name` (loaded at the first call, as
+    kernelize loads them): the layer of the slot's contract, for inference and, with a backward, training."""
     slot.loader = None
-    folder = kcpp.local_packages().get("flash_attn")
+    folder = kcpp.local_packages().get(package_name)
     if folder is None:
-        slot.reason = "no flash_attn package built with this kcpp (kcpp.local_packages())"
+        slot.reason = f"no {package_name} package built with this kcpp (kcpp.local_packages())"
         return
-    package = kcpp.Hub(allow_all_kernels=True).load(folder)  # this build's own package, as kernelize loads it
-    layer = package.layer_by_contract("Attention/1")
+    package = kcpp.Hub(allow_all_kernels=True).load(folder)
+    layer = package.layer_by_contract(slot.contract)
     slot.add_kernel("inference", layer)
     if layer.has_backward:
         slot.add_kernel("training", layer)
-    slot.reason = (f"{package.name} {package.version}: {layer.name} (Attention/1), "
-                   f"attn_implementation={ATTENTION_NAME!r}")
+    slot.reason = f"{package.name} {package.version}: {layer.name} ({slot.contract}), {how}"
+
+
+def _load_default_attention(slot):
+    """The kernels of a model that selects "kcpp" without kernelize: this build's flash_attn."""
+    _load_local(slot, "flash_attn", f"attn_implementation={ATTENTION_NAME!r}")
 
 
 # The slot of models that select "kcpp" without being kernelized.
@@ -1046,17 +1051,7 @@ _EXPERTS_BWD = _Op("moe_experts_backward", "(Tensor dout, Tensor hidden, Tensor 
 
 def _load_default_experts(slot):
     """The kernels of a model that selects experts_implementation "kcpp": this build's moe package."""
-    slot.loader = None
-    folder = kcpp.local_packages().get("moe")
-    if folder is None:
-        slot.reason = "no moe package built with this kcpp (kcpp.local_packages())"
-        return
-    package = kcpp.Hub(allow_all_kernels=True).load(folder)  # this build's own package, as kernelize loads it
-    layer = package.layer_by_contract("MoE/1")
-    slot.add_kernel("inference", layer)
-    if layer.has_backward:
-        slot.add_kernel("training", layer)
-    slot.reason = f"{package.name} {package.version}: {layer.name} (MoE/1), experts_implementation={EXPERTS_NAME!r}"
+    _load_local(slot, "moe", f"experts_implementation={EXPERTS_NAME!r}")
 
 
 _DEFAULT_EXPERTS = _Slot("MegaBlocksMoeMLP", "MoE/1", reason="loaded at the first call", loader=_load_default_experts)

@@ -96,6 +96,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
         for (int64_t j = lo; j < len; ++j) {
           const T* kj = kv + (base + j) * d;
           A dot = 0;
+#pragma omp simd reduction(+ : dot)
           for (int64_t e = 0; e < d; ++e) dot += static_cast<A>(to_f64(qh[e])) * static_cast<A>(to_f64(kj[e]));
           s[static_cast<size_t>(j - lo)] = dot * static_cast<A>(scale);
           mx = std::max(mx, s[static_cast<size_t>(j - lo)]);
