@@ -34,6 +34,22 @@ void check_arg(const Tensor& t, Device dev, const char* op, const char* arg) {
   KCPP_CHECK(t.is_contiguous(), "{}: argument '{}' must be contiguous", op, arg);
 }
 
+// The arguments of reduce_scatter (in: world x out) and all_gather (out: world x in), for every backend.
+void check_scatter(const Tensor& out, const Tensor& in, int world, Device dev) {
+  check_arg(out, dev, "reduce_scatter", "out");
+  check_arg(in, dev, "reduce_scatter", "in");
+  KCPP_CHECK(in.numel() == out.numel() * world && in.dtype() == out.dtype(),
+             "reduce_scatter: 'in' must hold world ({}) x 'out' ({} elements) of its dtype; got {} elements of {}", world,
+             out.numel(), in.numel(), dtype_name(in.dtype()));
+}
+void check_gather(const Tensor& out, const Tensor& in, int world, Device dev) {
+  check_arg(out, dev, "all_gather", "out");
+  check_arg(in, dev, "all_gather", "in");
+  KCPP_CHECK(out.numel() == in.numel() * world && in.dtype() == out.dtype(),
+             "all_gather: 'out' must hold world ({}) x 'in' ({} elements) of its dtype; got {} elements of {}", world,
+             in.numel(), out.numel(), dtype_name(out.dtype()));
+}
+
 // ---- ranks as threads of one process ---------------------------------------------------------------
 
 // The ranks' meeting point: a barrier that a failing rank breaks, so that the others get its error
@@ -92,11 +108,7 @@ class LocalCommunicator final : public Communicator {
 
   void reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op) override {
     guarded("reduce_scatter", [&] {
-      check_arg(out, device(), "reduce_scatter", "out");
-      check_arg(in, device(), "reduce_scatter", "in");
-      KCPP_CHECK(in.numel() == out.numel() * s_->world && in.dtype() == out.dtype(),
-                 "reduce_scatter: 'in' must hold world ({}) x 'out' ({} elements) of its dtype; got {} elements of {}",
-                 s_->world, out.numel(), in.numel(), dtype_name(in.dtype()));
+      check_scatter(out, in, s_->world, device());
       post("reduce_scatter", in);
       same_as_rank0("reduce_scatter");
       const Tensor r = reduce(rank_ * out.numel(), out.numel(), op);
@@ -107,11 +119,7 @@ class LocalCommunicator final : public Communicator {
 
   void all_gather(const Tensor& out, const Tensor& in) override {
     guarded("all_gather", [&] {
-      check_arg(out, device(), "all_gather", "out");
-      check_arg(in, device(), "all_gather", "in");
-      KCPP_CHECK(out.numel() == in.numel() * s_->world && in.dtype() == out.dtype(),
-                 "all_gather: 'out' must hold world ({}) x 'in' ({} elements) of its dtype; got {} elements of {}", s_->world,
-                 in.numel(), out.numel(), dtype_name(out.dtype()));
+      check_gather(out, in, s_->world, device());
       post("all_gather", in);
       same_as_rank0("all_gather");
       const int64_t n = in.numel();
@@ -285,20 +293,14 @@ class NcclCommunicator final : public Communicator {
                "all_reduce");
   }
   void reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op) override {
-    check_arg(out, dev_, "reduce_scatter", "out");
-    check_arg(in, dev_, "reduce_scatter", "in");
-    KCPP_CHECK(in.numel() == out.numel() * who_.world_size && in.dtype() == out.dtype(),
-               "reduce_scatter: 'in' must hold world ({}) x 'out' ({} elements) of its dtype", who_.world_size, out.numel());
+    check_scatter(out, in, who_.world_size, dev_);
     cuda::DeviceGuard g(dev_.index);
     nccl_check(nccl().reduce_scatter(in.data(), out.data(), static_cast<size_t>(out.numel()),
                                      nccl_dtype(in.dtype(), "reduce_scatter"), nccl_op(op), comm_, cuda::current_stream()),
                "reduce_scatter");
   }
   void all_gather(const Tensor& out, const Tensor& in) override {
-    check_arg(out, dev_, "all_gather", "out");
-    check_arg(in, dev_, "all_gather", "in");
-    KCPP_CHECK(out.numel() == in.numel() * who_.world_size && in.dtype() == out.dtype(),
-               "all_gather: 'out' must hold world ({}) x 'in' ({} elements) of its dtype", who_.world_size, in.numel());
+    check_gather(out, in, who_.world_size, dev_);
     cuda::DeviceGuard g(dev_.index);
     nccl_check(nccl().all_gather(in.data(), out.data(), static_cast<size_t>(in.numel()), nccl_dtype(in.dtype(), "all_gather"),
                                  comm_, cuda::current_stream()),

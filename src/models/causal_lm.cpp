@@ -512,7 +512,7 @@ Tensor CausalLM::ragged_attention(size_t li, const Tensor& q, const Tensor& k, c
   const double scale = opt.scale != 0.0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(d));
   // A captured step is replayed as the rows grow: its bound is the storage's capacity.
   return ops::decode_attention(q.reshape({b, hq, d}), ck, cv, c.step_rows, c.step_lengths, scale, opt.window,
-                               c.step_ready || c.graphs ? 0 : c.step_max_length)
+                               c.step_ready ? 0 : c.step_max_length)
       .view({b, hq, 1, d});
 }
 
@@ -628,11 +628,16 @@ Tensor CausalLM::graph_step(DecodeGraphs& g, KVCache& cache, const std::vector<i
     g.storage = cache.k[0].data();
     for (auto& [size, other] : g.by_batch) other.graph.reset(), other.logits = Tensor(), other.eager_runs = 0;
   }
+  // The step's tensors are made: every run of the step below, eager or recorded, reads them as they are.
+  struct Ready {
+    KVCache& c;
+    explicit Ready(KVCache& cache) : c(cache) { c.step_ready = true; }
+    ~Ready() { c.step_ready = false; }
+  } ready(cache);
   if (st.eager_runs++ == 0) return next_token_logits(st.ids, &cache);  // warms every kernel and library first
   if (!st.graph.captured()) {
     // Recording runs the host side of the step (which advances the rows' lengths) but no GPU work.
     const std::vector<int64_t> lengths = cache.rows;
-    cache.step_ready = true;
     try {
       nn::CaptureScope capturing;
       st.graph.capture(device_, [&] { st.logits = next_token_logits(st.ids, &cache); });
@@ -640,7 +645,6 @@ Tensor CausalLM::graph_step(DecodeGraphs& g, KVCache& cache, const std::vector<i
       fmt::print(stderr, "kcpp: decoding without CUDA graphs ({})\n", e.what());
       g.failed = true;
     }
-    cache.step_ready = false;
     cache.rows = lengths;
     if (g.failed) {
       st.logits = Tensor();
@@ -649,9 +653,7 @@ Tensor CausalLM::graph_step(DecodeGraphs& g, KVCache& cache, const std::vector<i
   }
   st.graph.replay();
   ++replays;
-  for (int64_t r : cache.active.empty() ? std::vector<int64_t>() : cache.active) ++cache.rows[static_cast<size_t>(r)];
-  if (cache.active.empty())
-    for (int64_t& len : cache.rows) ++len;
+  for (int64_t i = 0; i < a; ++i) ++cache.rows[static_cast<size_t>(cache.active.empty() ? i : cache.active[static_cast<size_t>(i)])];
   return st.logits;
 }
 
@@ -702,7 +704,6 @@ std::vector<CausalLM::Generated> CausalLM::generate_batch(const std::vector<std:
   // One cache for every row, positions for the longest prompt and its first steps (the storage
   // doubles when a row fills it).
   KVCache cache;
-  cache.graphs = graphs != nullptr;
   const int64_t rows = static_cast<int64_t>(n), hkv = cfg_.num_key_value_heads, d = cfg_.head_dim;
   const int64_t capacity = std::min(most, longest + std::min<int64_t>(max_new_tokens, 256));
   for (size_t l = 0; l < layers_.size(); ++l) {

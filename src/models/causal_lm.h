@@ -97,16 +97,15 @@ class CausalLM : public nn::Module {
     std::vector<int64_t> rows, active;
     Tensor step_rows, step_positions, step_lengths;
     int64_t step_max_length = 0;
-    // Set while a decode step is captured as a CUDA graph: the step tensors above were filled in
-    // place before it, and nothing in the step may wait for the device.
+    // Set for the steps of a captured generation (graph_step), eager ones included: the step
+    // tensors above were filled in place before the step, nothing in it waits for the device (its
+    // ids are the previous picks, not checked again), and the decode attention's launch is sized by
+    // the capacity, so that eager and replayed steps compute alike.
     bool step_ready = false;
-    // Set for a generation whose steps are captured: the eager steps then size the decode
-    // attention's launch as the captured ones do (by the capacity), so that both compute alike.
-    bool graphs = false;
     void clear() {
       k.clear(), v.clear(), length = 0, rows.clear(), active.clear();
       step_rows = step_positions = step_lengths = Tensor(), step_max_length = 0;
-      step_ready = graphs = false;
+      step_ready = false;
     }
   };
 
