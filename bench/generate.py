@@ -8,7 +8,10 @@ tokens (end-of-sequence ignored), then
   - Transformers eager (dynamic cache, SDPA),
   - Transformers with a static cache (generate() compiles its decoding step itself),
   - kcpp generate (its default kernels), batch > 1 through --prompt-ids-file,
-each timed on its second run (the first warms compilation and allocators).  Decode tokens/s counts
+each timed on its second run (the first warms compilation and allocators; kcpp's --warmup does the
+same in its process).  Then the parity of greedy ids in f32: kcpp's against Transformers' eager
+generate() for 32 tokens, up to each row's first step where Transformers' own top-1 margin is below
+1e-3 (after a near tie either pick is right and the rows may part).  Decode tokens/s counts
 the tokens after each row's first; the memory roofline is (weight bytes + KV bytes read per step) /
 copy bandwidth, printed as a ceiling in tokens/s for batch 1.  Ratios hold within one call only.
 """
@@ -59,21 +62,46 @@ def hf_run(model, ids, new, static):
     return time.perf_counter() - t, out
 
 
-def kcpp_run(kcpp, folder, rows, new):
+def kcpp_run(kcpp, folder, rows, new, dtype="bf16", env=None):
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         for r in rows:
             f.write(",".join(str(i) for i in r) + "\n")
         path = f.name
-    cmd = [kcpp, "generate", "--model", folder, "--dtype", "bf16", "--max-new-tokens", str(new), "--ignore-eos",
-           "--stats-json", path + ".json", "--prompt-ids-file", path]
-    best = None
-    for _ in range(2):  # the second run is timed
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            return None, r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"
-        with open(path + ".json") as f:
-            best = json.load(f)
-    return best, None
+    cmd = [kcpp, "generate", "--model", folder, "--dtype", dtype, "--max-new-tokens", str(new), "--ignore-eos",
+           "--stats-json", path + ".json", "--prompt-ids-file", path, "--warmup"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **(env or {})))
+    if r.returncode != 0:
+        return None, r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"
+    with open(path + ".json") as f:
+        return json.load(f), None
+
+
+def parity(kcpp, folder, name, vocab, rows=4, new=32, margin=1e-3):
+    """kcpp's f32 greedy ids against Transformers' f32 eager generate(), over the clear steps."""
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to("cuda").eval()
+    g = torch.Generator().manual_seed(1234)
+    ids = torch.randint(0, vocab, (rows, PROMPT), generator=g)
+    with torch.no_grad():
+        out = model.generate(ids.cuda(), max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                             output_scores=True, return_dict_in_generate=True)
+    top2 = torch.stack([s.float().topk(2, dim=-1).values for s in out.scores], 1)  # [rows, new, 2]
+    clear = (top2[..., 0] - top2[..., 1] >= margin).cpu()
+    del model
+    torch.cuda.empty_cache()
+    stats, err = kcpp_run(kcpp, folder, ids.tolist(), new, "f32")
+    if stats is None:
+        print(f"{name:13s} f32 parity: kcpp failed: {err}", flush=True)
+        return
+    same, steps = 0, 0
+    for r in range(rows):
+        n = int(clear[r].long().cumprod(0).sum())  # steps before the first unclear one
+        steps += n
+        hf_new = out.sequences[r, PROMPT:PROMPT + n].tolist()
+        same += stats["ids"][r][PROMPT:PROMPT + n] == hf_new
+    print(f"{name:13s} f32 parity: {same}/{rows} rows identical to Transformers over their clear steps "
+          f"({steps} of {rows * new} steps have a top-1 margin >= {margin:g})", flush=True)
 
 
 def main():
@@ -83,6 +111,8 @@ def main():
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--kcpp", default=os.path.join(os.path.dirname(__file__), "..", ".devlibs", "bin", "kcpp"))
     ap.add_argument("--skip-static", action="store_true")
+    ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--unfused", action="store_true", help="also time kcpp with KCPP_DECODE_FUSED=0")
     a = ap.parse_args()
     import torch
     import transformers
@@ -123,11 +153,18 @@ def main():
                 line += (f" | kcpp {total:8.0f} (decode {decode:8.0f} = {100 * decode / roof:5.1f}% of roofline; "
                          f"first token {1e3 * stats['first_token_seconds']:6.1f} ms; "
                          f"{stats.get('graph_replays', 0)} graph replays)")
+                if a.unfused:  # the same run with the decode layers unfused (KCPP_DECODE_FUSED=0)
+                    u, _ = kcpp_run(a.kcpp, folder, ids.tolist(), a.new, env={"KCPP_DECODE_FUSED": "0"})
+                    if u is not None:
+                        line += f" | unfused decode {u['decode_tokens'] / max(u['decode_seconds'], 1e-9):8.0f}"
+                # In bf16 near ties part the rows early; the f32 parity below is the check.
                 same = sum(1 for r in range(batch) if stats["ids"][r] == out_eager[r].tolist())
-                line += f" | rows equal to hf eager: {same}/{batch}"
+                line += f" | bf16 rows equal to hf eager: {same}/{batch}"
             print(line, flush=True)
         del model
         torch.cuda.empty_cache()
+        if not a.skip_parity:
+            parity(a.kcpp, folder, name, dims["vocab_size"])
     return 0
 
 

@@ -10,9 +10,14 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 nccl_dir=$(python3 -c "import os, nvidia.nccl; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null ||
            dirname "$(find / -name 'libnccl.so.2' -not -path '/proc/*' 2>/dev/null | head -n 1)")
 export LD_LIBRARY_PATH="$nccl_dir:$LD_LIBRARY_PATH" KCPP_PACKAGES_DIR="$PWD/.devlibs/kernels"
+# The lending workplace requires NVLink multicast (NVLS) off on its multi-GPU machines.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 n=$(nvidia-smi -L | wc -l)
 args=${KCPP_MGPU_ARGS:---steps 200 --batch 32 --reference-only}
 echo "== $n GPUs, NCCL from $nccl_dir; kcpp train $args"
+echo "== Dist tests (ranks as threads, CPU)"
+# Dist.* is every test of tests/test_dist.cpp (collectives, data parallelism, ZeRO checkpoints).
+KCPP_FIXTURES_DIR="$PWD/tests/fixtures" timeout 240 .devlibs/bin/kcpp_tests --gtest_brief=1 --gtest_filter='Dist.*' 2>&1 | tail -n 15
 echo "-- one GPU"
 timeout 200 .devlibs/bin/kcpp train $args 2>&1 | grep -E "reference|kernels|error" | tail -n 3
 for zero in 0 1; do

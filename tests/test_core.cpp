@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <nlohmann/json.hpp>
 
 #include "core/allocator.h"
@@ -110,6 +111,36 @@ TEST_P(TensorOnDevice, ViewsShareStorageAndIndexCorrectly) {
   EXPECT_EQ(tr.reshape({30}).to_f64_vector(), trv);
   EXPECT_EQ(t.view({6, -1}).shape(), (Shape{6, 5}));
   EXPECT_TRUE(t.view({6, -1}).shares_storage(t));
+}
+
+// A view or reshape of a strided tensor holds the same elements in the same (row-major) order as
+// its contiguous copy: narrowed and transposed layouts with size-1 dims between the strided ones
+// (a decode step's [B, H, 1, D]), split and merged in every way the shape allows.  A view either
+// succeeds with those elements or refuses; reshape always succeeds.
+TEST(Tensor, ViewsOfStridedLayoutsKeepTheElementOrder) {
+  struct Case {
+    Shape shape;
+    int64_t narrow_dim, narrow_len;
+    Shape to;
+  };
+  const Case cases[] = {{{2, 2, 1, 8}, 3, 4, {2, 2, 1, 2, 2}}, {{2, 2, 1, 8}, 3, 4, {4, 4}},      {{2, 1, 3, 1, 6}, 4, 2, {2, 3, 2}},
+                        {{3, 1, 5}, 2, 5, {15}},             {{1, 4, 1, 6}, 3, 3, {4, 3}},      {{2, 3, 1, 1, 4}, 1, 2, {2, 2, 4}},
+                        {{2, 3, 1, 1, 4}, 1, 2, {4, 4}},     {{4, 1, 1, 2}, 0, 3, {3, 2}},       {{2, 5, 1}, 1, 4, {8}},
+                        {{2, 5, 1}, 1, 4, {2, 2, 2, 1}}};
+  for (const Case& c : cases) {
+    std::vector<double> v(static_cast<size_t>(shape_numel(c.shape)));
+    std::iota(v.begin(), v.end(), 1.0);
+    const Tensor base = Tensor::from_f64(v, c.shape, DType::f64, Device::cpu());
+    for (const Tensor& x : {base.narrow(c.narrow_dim, 0, c.narrow_len), base.narrow(c.narrow_dim, 1, c.narrow_len - 1)}) {
+      Shape to = c.to;
+      if (x.numel() != shape_numel(to)) to = {x.numel()};
+      const std::vector<double> want = x.contiguous().to_f64_vector();
+      const std::string what = fmt::format("{} strides {} as {}", shape_str(x.shape()), shape_str(x.strides()), shape_str(to));
+      EXPECT_EQ(x.reshape(to).contiguous().to_f64_vector(), want) << what;
+      const std::string refused = test::error_of([&] { (void)x.view(to); });
+      if (refused.empty()) EXPECT_EQ(x.view(to).contiguous().to_f64_vector(), want) << what;
+    }
+  }
 }
 
 TEST_P(TensorOnDevice, CastsAndCopiesAcrossDtypes) {

@@ -204,7 +204,10 @@ bool view_strides(const Shape& os, const Shape& ost, const Shape& ns, Shape& nst
   for (int64_t ti = static_cast<int64_t>(os.size()) - 1; ti >= 0; --ti) {
     chunk *= os[ti];
     if (chunk == os[ti]) base_stride = ost[ti];  // first dim of a new chunk
-    const bool chunk_end = ti == 0 || (os[ti - 1] != 1 && ost[ti - 1] != ost[ti] * os[ti]);
+    // The chunk goes on through dim ti - 1 when that dim steps over the whole chunk so far; a size-1
+    // dim's stride says nothing (it is never stepped), so it never ends a chunk, and the test uses the
+    // chunk's base stride and size, not dim ti's (which may be such a size-1 dim).
+    const bool chunk_end = ti == 0 || (os[ti - 1] != 1 && ost[ti - 1] != chunk * base_stride);
     if (chunk_end) {
       int64_t view_chunk = 1, stride = base_stride;
       while (vi >= 0 && (view_chunk < chunk || ns[vi] == 1)) {

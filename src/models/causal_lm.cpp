@@ -21,6 +21,7 @@
 #include "models/safetensors.h"
 #include "ops/nn/attention.h"
 #include "ops/nn/decode_attention.h"
+#include "ops/nn/decode_fused.h"
 #include "ops/ops.h"
 
 namespace kcpp::models {
@@ -210,8 +211,10 @@ void CausalLM::build(const std::function<Tensor(const std::string&, std::vector<
       if (c.fused_gate_up) {
         l.w_gate_up = load(p + "mlp.gate_up_proj.weight", {2 * inter, h});
       } else {
-        l.w_gate = load(p + "mlp.gate_proj.weight", {inter, h});
-        l.w_up = load(p + "mlp.up_proj.weight", {inter, h});
+        // One GEMM instead of two, forward and backward; the parts become views of the whole.
+        l.w_gate_up = ops::cat({load(p + "mlp.gate_proj.weight", {inter, h}), load(p + "mlp.up_proj.weight", {inter, h})}, 0);
+        l.w_gate = l.w_gate_up.narrow(0, 0, inter), l.w_up = l.w_gate_up.narrow(0, inter, inter);
+        l.gate_up_from_parts = true;
       }
       l.w_down = load(p + "mlp.down_proj.weight", {h, inter});
     }
@@ -266,7 +269,7 @@ std::vector<std::pair<std::string, Tensor>> CausalLM::parameters() const {
       add(p + "self_attn.q_norm.weight", l.q_norm->weight);
       add(p + "self_attn.k_norm.weight", l.k_norm->weight);
     }
-    add(p + "mlp.gate_up_proj.weight", l.w_gate_up);
+    if (!l.gate_up_from_parts) add(p + "mlp.gate_up_proj.weight", l.w_gate_up);
     add(p + "mlp.gate_proj.weight", l.w_gate);
     add(p + "mlp.up_proj.weight", l.w_up);
     add(p + "mlp.down_proj.weight", l.w_down);
@@ -433,6 +436,11 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache) {
     tape->inputs.assign(layers_.size(), {});
     tape->ids = ids, tape->cos = cs.cos, tape->sin = cs.sin;
   }
+  if (ragged && !tape && decode_fused_possible()) {
+    const Tensor out = decode_layers(h.view({b, hdim}), cs, *cache);
+    for (int64_t i = 0; i < b; ++i) ++cache->rows[static_cast<size_t>(cache->active.empty() ? i : cache->active[static_cast<size_t>(i)])];
+    return out.view({b, 1, hdim});
+  }
   for (size_t li = 0; li < layers_.size(); ++li) {
     // Checkpointing keeps only each layer's input; the backward runs the layer again to get the rest.
     if (tape && tape->checkpoint) tape->inputs[li] = h;
@@ -498,7 +506,6 @@ Tensor CausalLM::ragged_attention(size_t li, const Tensor& q, const Tensor& k, c
   const int64_t b = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(3);
   Tensor& ck = c.k[li];
   Tensor& cv = c.v[li];
-  const ops::AttentionOptions& opt = layers_[li].attn->options;
   ops::cache_write(ck, cv, k.reshape({b, hkv, d}), v.reshape({b, hkv, d}), c.step_rows, c.step_positions);
   if (!ops::decode_attention_supported(q.device(), d)) {  // row by row through the attention slot
     std::vector<Tensor> outs;
@@ -509,11 +516,47 @@ Tensor CausalLM::ragged_attention(size_t li, const Tensor& q, const Tensor& k, c
     }
     return b == 1 ? outs[0] : ops::cat(outs, 0);
   }
-  const double scale = opt.scale != 0.0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(d));
+  return cached_attention(li, q.reshape({b, hq, d}), c).view({b, hq, 1, d});
+}
+
+Tensor CausalLM::cached_attention(size_t li, const Tensor& q, KVCache& c) {
+  const ops::AttentionOptions& opt = layers_[li].attn->options;
+  const double scale = opt.scale != 0.0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
   // A captured step is replayed as the rows grow: its bound is the storage's capacity.
-  return ops::decode_attention(q.reshape({b, hq, d}), ck, cv, c.step_rows, c.step_lengths, scale, opt.window,
-                               c.step_ready ? 0 : c.step_max_length)
-      .view({b, hq, 1, d});
+  return ops::decode_attention(q, c.k[li], c.v[li], c.step_rows, c.step_lengths, scale, opt.window,
+                               c.step_ready ? 0 : c.step_max_length);
+}
+
+bool CausalLM::decode_fused_possible() const {
+  if (const char* env = std::getenv("KCPP_DECODE_FUSED"); env && std::string(env) == "0") return false;
+  return cfg_.num_experts == 0 && ops::decode_attention_supported(device_, cfg_.head_dim);
+}
+
+// Per layer: the qkv GEMM, q/k norms + RoPE + the cache append (one op), the attention, the o GEMM,
+// the residual add + post norm (one op), the gate/up GEMM, the gated activation, the down GEMM, and
+// the residual add + the next layer's input norm (the final norm after the last layer).
+Tensor CausalLM::decode_layers(const Tensor& h0, const ops::RopeCosSin& cs, KVCache& cache) {
+  const ModelConfig& c = cfg_;
+  const int64_t b = h0.size(0), hq = c.num_attention_heads, hkv = c.num_key_value_heads, d = c.head_dim;
+  Tensor x = h0;
+  Tensor a = layers_[0].input_norm->forward(x);
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    Layer& l = layers_[li];
+    ops::QkNormRopeCache qo;
+    qo.q_heads = hq, qo.kv_heads = hkv, qo.layout = l.rope->style;
+    if (l.q_norm) qo.q_norm = l.q_norm->weight, qo.k_norm = l.k_norm->weight, qo.norm = l.q_norm->options;
+    const Tensor qkv = linear(a, l.wqkv, l.bqkv).view({b, hq + 2 * hkv, d});
+    const Tensor q = ops::qk_norm_rope_cache(qkv, qo, cs.cos, cs.sin, cache.k[li], cache.v[li], cache.step_rows,
+                                             cache.step_positions);
+    const Tensor o = cached_attention(li, q, cache).view({b, hq * d});
+    Tensor m;
+    std::tie(x, m) = ops::add_rms_norm(x, linear(o, l.wo), l.post_norm->weight, l.post_norm->options);
+    const Tensor act = l.w_gate_up.defined() ? ops::glu_packed(linear(m, l.w_gate_up), l.mlp->activation)
+                                             : l.mlp->forward(linear(m, l.w_gate), linear(m, l.w_up));
+    const nn::RMSNorm& next = li + 1 < layers_.size() ? *layers_[li + 1].input_norm : *final_norm_;
+    std::tie(x, a) = ops::add_rms_norm(x, linear(act, l.w_down), next.weight, next.options);
+  }
+  return a;
 }
 
 Tensor CausalLM::forward(const Tensor& ids, KVCache* cache) {
@@ -881,7 +924,14 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
       const nn::MLP::Grads mg = l.mlp->backward(ops::matmul(dy, l.w_down), t.gate, t.up);
       if (l.w_gate_up.defined()) {
         const Tensor dgu = ops::cat({mg.dgate, mg.dup}, 1);
-        acc(p + "mlp.gate_up_proj.weight", ops::matmul(dgu, t.m, true, false));
+        const Tensor dw = ops::matmul(dgu, t.m, true, false);
+        if (l.gate_up_from_parts) {
+          const int64_t inter = c.intermediate_size;
+          acc(p + "mlp.gate_proj.weight", dw.narrow(0, 0, inter));
+          acc(p + "mlp.up_proj.weight", dw.narrow(0, inter, inter));
+        } else {
+          acc(p + "mlp.gate_up_proj.weight", dw);
+        }
         dm = ops::matmul(dgu, l.w_gate_up);
       } else {
         acc(p + "mlp.gate_proj.weight", ops::matmul(mg.dgate, t.m, true, false));

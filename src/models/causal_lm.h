@@ -190,7 +190,10 @@ class CausalLM : public nn::Module {
     // become views of wqkv (bqkv), so that parameters() and the gradients keep the checkpoint's names.
     Tensor wq, wk, wv, wo, bq, bk, bv, wqkv, bqkv;
     bool qkv_from_parts = false;                 // wqkv concatenated here (not a checkpoint tensor)
-    Tensor w_gate, w_up, w_down, w_gate_up;      // w_gate_up: phi3's
+    // Likewise gate and up: one GEMM with w_gate_up = [w_gate; w_up] ([2I, H]), phi3's checkpoint
+    // tensor or concatenated at load (w_gate and w_up then views of it).
+    Tensor w_gate, w_up, w_down, w_gate_up;
+    bool gate_up_from_parts = false;             // w_gate_up concatenated here
     std::unique_ptr<nn::RotaryEmbedding> rope;
     std::unique_ptr<nn::Attention> attn;
     std::unique_ptr<nn::MLP> mlp;
@@ -208,6 +211,12 @@ class CausalLM : public nn::Module {
   Tensor layer_forward(size_t li, Tensor h, const ops::RopeCosSin& cs, LayerTape* t, KVCache* cache);
   // Attention of one token per row against each row's own cached length (a ragged cache).
   Tensor ragged_attention(size_t li, const Tensor& q, const Tensor& k, const Tensor& v, KVCache& cache);
+  // ... of q [B, Hq, D] against the cache, this step's keys already written.
+  Tensor cached_attention(size_t li, const Tensor& q, KVCache& cache);
+  // A decode step's layers (one token per row of a ragged cache, no tape) through the fused decode
+  // ops (ops/nn/decode_fused.h): h [B, H] embedded; returns the final norm's output [B, H].
+  Tensor decode_layers(const Tensor& h, const ops::RopeCosSin& cs, KVCache& cache);
+  bool decode_fused_possible() const;
   // Before a ragged step: doubles every layer's storage when a row is full, and makes the step's
   // row, position and length tensors (overwritten in place when they exist for b rows: a captured
   // graph reads them there).

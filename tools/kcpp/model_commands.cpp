@@ -7,10 +7,12 @@
 //   kcpp generate --model DIR (--prompt TEXT | --prompt-ids 1,15,7 | --prompts FILE | --prompt-ids-file FILE)
 //                 [--tokenizer FILE] [--max-new-tokens 32] [--ignore-eos] [--temperature 0.8 --top-k 50
 //                 --top-p 0.9 --seed 1] [--dtype bf16] [--device cuda] [--kernels MAPPING.json]
-//                 [--use-local-kernel] [--allow-all-kernels] [--stats-json FILE]
+//                 [--use-local-kernel] [--allow-all-kernels] [--stats-json FILE] [--warmup]
 //                 [--chat [--system TEXT] [--chat-template FILE] [--chat-kwargs JSON] [--print-prompt]]
 //
-// Timing goes to stderr: time to the first token, prefill tokens/s, decode tokens/s.
+// Timing goes to stderr: time to the first token, prefill tokens/s, decode tokens/s.  --warmup first
+// generates a few tokens of the same prompts untimed and unprinted (the libraries' and kernels' first
+// loads, as a server has them behind it), so that the timings are of a warm process.
 // Without --kernels the model gets the default mapping (nn::default_kernel_config: this project's
 // packages on the hub, else this build's); --kernels none keeps the reference layers.
 #include <fmt/format.h>
@@ -48,7 +50,7 @@ struct GenerateArgs {
   double temperature = 0.0, top_p = 1.0;
   int64_t top_k = 0;
   uint64_t seed = 0;
-  bool use_local_kernel = false, allow_all = false, ignore_eos = false;
+  bool use_local_kernel = false, allow_all = false, ignore_eos = false, warmup = false;
 };
 
 // "1,15,7" (spaces around the ids allowed); `where` names the option (and line) in errors.
@@ -259,6 +261,10 @@ int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const mod
     show(false);
   };
 
+  if (a.warmup) {
+    if constexpr (std::is_same_v<Model, models::CausalLM>) (void)model->generate_batch(prompts, std::min<int64_t>(a.max_new_tokens, 4), s, &none);
+    else (void)model->generate(prompts[0], std::min<int64_t>(a.max_new_tokens, 4), s, &none);
+  }
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
   models::CausalLM::GenerationStats st;
@@ -361,6 +367,7 @@ void add_model_commands(CLI::App& app, Action& action) {
   g->add_option("--prompt-ids-file", args->prompt_ids_file, "A file of token-id prompts (1,15,7), one a line, as one batch");
   g->add_flag("--ignore-eos", args->ignore_eos, "Do not stop at the model's end-of-sequence tokens");
   g->add_option("--stats-json", args->stats_json, "Write timings and the generated ids to this JSON file");
+  g->add_flag("--warmup", args->warmup, "Generate a few tokens of the same prompts first, untimed and unprinted");
   g->add_flag("--chat", args->chat,
               "The text is a user message: render it with the model's chat template (tokenizer_config.json) and print "
               "the answer");

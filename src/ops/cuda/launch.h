@@ -3,6 +3,7 @@
 #pragma once
 
 #include "core/tensor.h"
+#include "ops/nn/decode_fused.h"
 #include "ops/ops.h"
 
 namespace kcpp::ops::cuda {
@@ -27,5 +28,11 @@ void decode_attention(const Tensor& out, const Tensor& q, const Tensor& k_cache,
                       const Tensor& lengths, double scale, int64_t window, int64_t max_length);
 void cache_write(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k, const Tensor& v, const Tensor& rows,
                  const Tensor& positions);
+// ops/nn/decode_fused.h: every tensor contiguous; q [B, Hq, D] written.
+void qk_norm_rope_cache(const Tensor& q, const Tensor& qkv, const QkNormRopeCache& opt, const Tensor& cos, const Tensor& sin,
+                        const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows, const Tensor& positions);
+void add_rms_norm(const Tensor& s, const Tensor& y, const Tensor& x, const Tensor& delta, const Tensor& w,
+                  const RMSNormOptions& opt);
+void glu_packed(const Tensor& h, const Tensor& gu, GluActivation act);
 
 }  // namespace kcpp::ops::cuda

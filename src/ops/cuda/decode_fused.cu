@@ -1,0 +1,186 @@
+// The fused decode-layer kernels (ops/nn/decode_fused.h).  Each rounds its intermediates to the
+// dtype where the eager composition it replaces stores them (round_to), so that it gives what that
+// composition gives up to the order of the f32 sums of squares.
+//
+// qk_norm_rope_cache: one warp per (row, head), 4 heads a block; the head's D <= 256 elements sit in
+// registers (8 a lane) and in shared memory, where RoPE reads each element's partner.
+// add_rms_norm: one block per row; the sum is written, then read back by the thread that wrote it
+// for the normalization (no second read of x and delta).
+// glu_packed: elementwise over [N, I], gate and up read from the two halves of each row.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/launch.h"
+#include "ops/math.h"
+
+namespace kcpp::ops::cuda {
+namespace {
+
+using kcpp::kernel::cuda::from_f32;
+using kcpp::kernel::cuda::round_to;
+using kcpp::kernel::cuda::to_f32;
+
+constexpr int kHeadsPerBlock = 4;
+constexpr int kMaxPerLane = 8;  // D <= 256
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// The weight as the norm's casting applies it: Llama (offset + w) rounded to T, Gemma in f32.
+template <typename T> __device__ __forceinline__ float norm_weight(const T* w, int e, float offset, bool gemma) {
+  const float x = to_f32(w[e]);
+  if (gemma) return x + offset;
+  return offset != 0.f ? round_to<T>(x + offset) : x;
+}
+
+template <typename T>
+__global__ void qk_norm_rope_cache_kernel(T* __restrict__ q_out, const T* __restrict__ qkv, const T* __restrict__ q_norm,
+                                          const T* __restrict__ k_norm, const T* __restrict__ cos_, const T* __restrict__ sin_,
+                                          T* __restrict__ k_cache, T* __restrict__ v_cache, const int* __restrict__ rows,
+                                          const int* __restrict__ positions, int hq, int hkv, int d, int rd, int r_count,
+                                          int capacity, float eps, float offset, bool gemma, bool interleaved) {
+  __shared__ float buf[kHeadsPerBlock][kMaxPerLane * 32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int head = blockIdx.x * kHeadsPerBlock + warp, b = blockIdx.y, heads = hq + 2 * hkv;
+  if (head >= heads) return;
+  const T* x = qkv + (static_cast<int64_t>(b) * heads + head) * d;
+  const bool is_q = head < hq, is_v = head >= hq + hkv;
+  float v[kMaxPerLane];
+#pragma unroll
+  for (int i = 0; i < kMaxPerLane; ++i) {
+    const int e = lane + 32 * i;
+    v[i] = e < d ? to_f32(x[e]) : 0.f;
+  }
+  if (!is_v) {
+    const T* w = is_q ? q_norm : k_norm;
+    if (w != nullptr) {  // RMSNorm over the head: rstd in f32, as ops::rms_norm_forward computes it
+      float ss = 0.f;
+#pragma unroll
+      for (int i = 0; i < kMaxPerLane; ++i) ss += v[i] * v[i];
+      const float rstd = 1.f / sqrtf(warp_sum(ss) / static_cast<float>(d) + eps);
+#pragma unroll
+      for (int i = 0; i < kMaxPerLane; ++i) {
+        const int e = lane + 32 * i;
+        if (e >= d) continue;
+        const float wt = norm_weight(w, e, offset, gemma);
+        v[i] = gemma ? round_to<T>(v[i] * rstd * wt) : round_to<T>(wt * round_to<T>(v[i] * rstd));
+      }
+    }
+    float* sh = buf[warp];
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i)
+      if (lane + 32 * i < d) sh[lane + 32 * i] = v[i];
+    __syncwarp();
+    const T* c = cos_ + static_cast<int64_t>(b) * rd;
+    const T* s = sin_ + static_cast<int64_t>(b) * rd;
+    const int half = rd / 2;
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i) {
+      const int e = lane + 32 * i;
+      if (e >= rd) continue;
+      const float rot = interleaved ? ((e & 1) ? sh[e - 1] : -sh[e + 1]) : (e < half ? -sh[e + half] : sh[e - half]);
+      v[i] = round_to<T>(round_to<T>(v[i] * to_f32(c[e])) + round_to<T>(rot * to_f32(s[e])));
+    }
+  }
+  T* dst;
+  if (is_q) {
+    dst = q_out + (static_cast<int64_t>(b) * hq + head) * d;
+  } else {
+    const int row = rows[b], pos = positions[b];
+    if (row < 0 || row >= r_count || pos < 0 || pos >= capacity) return;  // decode_attention reports this row as NaN
+    const int h = is_v ? head - hq - hkv : head - hq;
+    dst = (is_v ? v_cache : k_cache) + ((static_cast<int64_t>(row) * hkv + h) * capacity + pos) * d;
+  }
+#pragma unroll
+  for (int i = 0; i < kMaxPerLane; ++i) {
+    const int e = lane + 32 * i;
+    if (e < d) dst[e] = from_f32<T>(v[i]);
+  }
+}
+
+template <typename T>
+__global__ void add_rms_norm_kernel(T* __restrict__ s_out, T* __restrict__ y, const T* __restrict__ x,
+                                    const T* __restrict__ delta, const T* __restrict__ w, int h, float eps, float offset,
+                                    bool gemma) {
+  __shared__ float scratch[32];
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * h;
+  float ss = 0.f;
+  for (int e = threadIdx.x; e < h; e += blockDim.x) {
+    const float sum = round_to<T>(to_f32(x[base + e]) + to_f32(delta[base + e]));
+    s_out[base + e] = from_f32<T>(sum);
+    ss += sum * sum;
+  }
+  const float rstd = 1.f / sqrtf(block_reduce<BlockOp::Sum>(ss, scratch) / static_cast<float>(h) + eps);
+  for (int e = threadIdx.x; e < h; e += blockDim.x) {
+    const float sum = to_f32(s_out[base + e]);
+    const float wt = norm_weight(w, e, offset, gemma);
+    y[base + e] = from_f32<T>(gemma ? sum * rstd * wt : wt * round_to<T>(sum * rstd));
+  }
+}
+
+template <typename T>
+__global__ void glu_packed_kernel(T* __restrict__ out, const T* __restrict__ gu, int64_t n, int64_t inter, Unary act) {
+  const int64_t total = n * inter;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / inter, col = i - row * inter;
+    const T* r = gu + row * 2 * inter;
+    const float a = round_to<T>(math::unary<float>(act, to_f32(r[col]), 0.f));
+    out[i] = from_f32<T>(a * to_f32(r[inter + col]));
+  }
+}
+
+}  // namespace
+
+void qk_norm_rope_cache(const Tensor& q, const Tensor& qkv, const QkNormRopeCache& opt, const Tensor& cos, const Tensor& sin,
+                        const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows, const Tensor& positions) {
+  kcpp::cuda::DeviceGuard guard(qkv.device().index);
+  const int b = static_cast<int>(qkv.size(0)), d = static_cast<int>(qkv.size(2));
+  KCPP_CHECK(b <= 65535, "op qk_norm_rope_cache: at most 65535 rows a call on CUDA, got {}", b);
+  const int heads = static_cast<int>(opt.q_heads + 2 * opt.kv_heads);
+  const bool gemma = opt.norm.casting == RMSNormCasting::Gemma;
+  visit_cuda_float(qkv.dtype(), "qk_norm_rope_cache", [&]<typename T>(std::type_identity<T>) {
+    const T* qn = opt.q_norm.defined() ? static_cast<const T*>(opt.q_norm.data()) : nullptr;
+    const T* kn = opt.k_norm.defined() ? static_cast<const T*>(opt.k_norm.data()) : nullptr;
+    qk_norm_rope_cache_kernel<T><<<dim3((heads + kHeadsPerBlock - 1) / kHeadsPerBlock, b), kHeadsPerBlock * 32, 0,
+                                   kcpp::cuda::current_stream()>>>(
+        static_cast<T*>(q.data()), static_cast<const T*>(qkv.data()), qn, kn, static_cast<const T*>(cos.data()),
+        static_cast<const T*>(sin.data()), static_cast<T*>(k_cache.data()), static_cast<T*>(v_cache.data()),
+        static_cast<const int*>(rows.data()), static_cast<const int*>(positions.data()), static_cast<int>(opt.q_heads),
+        static_cast<int>(opt.kv_heads), d, static_cast<int>(cos.size(2)), static_cast<int>(k_cache.size(0)),
+        static_cast<int>(k_cache.size(2)), static_cast<float>(opt.norm.eps), static_cast<float>(opt.norm.offset), gemma,
+        opt.layout == RopeLayout::Interleaved);
+  });
+  KCPP_CUDA_CHECK_LAUNCH("qk_norm_rope_cache");
+}
+
+void add_rms_norm(const Tensor& s, const Tensor& y, const Tensor& x, const Tensor& delta, const Tensor& w,
+                  const RMSNormOptions& opt) {
+  kcpp::cuda::DeviceGuard guard(x.device().index);
+  const int64_t n = x.size(0), h = x.size(1);
+  KCPP_CHECK(n <= 2147483647 && h <= 2147483647, "op add_rms_norm: too large for one launch: [{}, {}]", n, h);
+  const int threads = h >= 4096 ? 1024 : h >= 1024 ? 512 : 256;
+  visit_cuda_float(x.dtype(), "add_rms_norm", [&]<typename T>(std::type_identity<T>) {
+    add_rms_norm_kernel<T><<<static_cast<unsigned>(n), threads, 0, kcpp::cuda::current_stream()>>>(
+        static_cast<T*>(s.data()), static_cast<T*>(y.data()), static_cast<const T*>(x.data()),
+        static_cast<const T*>(delta.data()), static_cast<const T*>(w.data()), static_cast<int>(h),
+        static_cast<float>(opt.eps), static_cast<float>(opt.offset), opt.casting == RMSNormCasting::Gemma);
+  });
+  KCPP_CUDA_CHECK_LAUNCH("add_rms_norm");
+}
+
+void glu_packed(const Tensor& h, const Tensor& gu, GluActivation act) {
+  kcpp::cuda::DeviceGuard guard(gu.device().index);
+  const int64_t n = gu.size(0), inter = gu.size(1) / 2;
+  const Unary op = act == GluActivation::Silu ? Unary::Silu : act == GluActivation::Gelu ? Unary::Gelu : Unary::GeluTanh;
+  visit_cuda_float(gu.dtype(), "glu_packed", [&]<typename T>(std::type_identity<T>) {
+    glu_packed_kernel<T><<<kcpp::cuda::grid_for(n * inter, 256), 256, 0, kcpp::cuda::current_stream()>>>(
+        static_cast<T*>(h.data()), static_cast<const T*>(gu.data()), n, inter, op);
+  });
+  KCPP_CUDA_CHECK_LAUNCH("glu_packed");
+}
+
+}  // namespace kcpp::ops::cuda

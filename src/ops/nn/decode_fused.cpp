@@ -1,0 +1,123 @@
+#include "ops/nn/decode_fused.h"
+
+#include "ops/check.h"
+#include "ops/cuda/launch.h"
+#include "ops/nn/decode_attention.h"
+#include "ops/ops.h"
+
+namespace kcpp::ops {
+namespace {
+
+// A fused CUDA kernel covers this call: f32 / bf16 / f16 on a CUDA device.
+bool fused_on_cuda(const Tensor& t) {
+#if KCPP_WITH_CUDA
+  return t.device().is_cuda() && (t.dtype() == DType::f32 || t.dtype() == DType::bf16 || t.dtype() == DType::f16);
+#else
+  (void)t;
+  return false;
+#endif
+}
+
+bool fused_casting(const RMSNormOptions& o) { return o.casting == RMSNormCasting::Llama || o.casting == RMSNormCasting::Gemma; }
+
+}  // namespace
+
+Tensor qk_norm_rope_cache(const Tensor& qkv, const QkNormRopeCache& opt, const Tensor& cos, const Tensor& sin,
+                          const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows, const Tensor& positions) {
+  constexpr const char* op = "qk_norm_rope_cache";
+  check_float(qkv, op, "qkv");
+  check_dims(qkv, 3, op, "qkv");
+  const int64_t b = qkv.size(0), hq = opt.q_heads, hkv = opt.kv_heads, d = qkv.size(2);
+  KCPP_CHECK(hq > 0 && hkv > 0 && qkv.size(1) == hq + 2 * hkv,
+             "op {}: qkv has {} heads; with {} query and {} key/value heads it must have {}", op, qkv.size(1), hq, hkv,
+             hq + 2 * hkv);
+  KCPP_CHECK(opt.q_norm.defined() == opt.k_norm.defined(), "op {}: give both q_norm and k_norm, or neither", op);
+  if (opt.q_norm.defined()) {
+    check_same(opt.q_norm, qkv, op, "q_norm", "qkv");
+    check_same(opt.k_norm, qkv, op, "k_norm", "qkv");
+    check_shape(opt.q_norm, {d}, op, "q_norm");
+    check_shape(opt.k_norm, {d}, op, "k_norm");
+  }
+  check_same(cos, qkv, op, "cos", "qkv");
+  check_same(sin, qkv, op, "sin", "qkv");
+  check_dims(cos, 3, op, "cos");
+  check_shape(sin, cos.shape(), op, "sin");
+  const int64_t rd = cos.size(2);
+  KCPP_CHECK(cos.size(0) == b && cos.size(1) == 1, "op {}: cos must be [{}, 1, rotary dims] (one position a row), got {}",
+             op, b, shape_str(cos.shape()));
+  KCPP_CHECK(rd > 0 && rd % 2 == 0 && rd <= d, "op {}: rotary dim {} must be even, > 0 and <= head dim {}", op, rd, d);
+  check_same(k_cache, qkv, op, "k_cache", "qkv");
+  check_same(v_cache, qkv, op, "v_cache", "qkv");
+  check_dims(k_cache, 4, op, "k_cache");
+  check_shape(v_cache, k_cache.shape(), op, "v_cache");
+  KCPP_CHECK(k_cache.size(1) == hkv && k_cache.size(3) == d, "op {}: the cache {} does not hold {} heads of {}", op,
+             shape_str(k_cache.shape()), hkv, d);
+  for (const auto& [t, arg] : {std::pair{&rows, "rows"}, std::pair{&positions, "positions"}}) {
+    check_defined(*t, op, arg);
+    KCPP_CHECK(t->dtype() == DType::i32, "op {}: argument '{}' must be i32, got {}", op, arg, dtype_name(t->dtype()));
+    check_shape(*t, {b}, op, arg);
+    KCPP_CHECK(t->device() == qkv.device(), "op {}: argument '{}' is on {} but qkv is on {}", op, arg,
+               t->device().str(), qkv.device().str());
+  }
+  if (b == 0) return Tensor::empty({0, hq, d}, qkv.dtype(), qkv.device());
+  if (fused_on_cuda(qkv) && (!opt.q_norm.defined() || fused_casting(opt.norm)) && d <= 256 && k_cache.is_contiguous() &&
+      v_cache.is_contiguous()) {
+#if KCPP_WITH_CUDA
+    const Tensor q = Tensor::empty({b, hq, d}, qkv.dtype(), qkv.device());
+    QkNormRopeCache o = opt;
+    if (o.q_norm.defined()) o.q_norm = o.q_norm.contiguous(), o.k_norm = o.k_norm.contiguous();
+    cuda::qk_norm_rope_cache(q, qkv.contiguous(), o, cos.contiguous(), sin.contiguous(), k_cache, v_cache,
+                             rows.contiguous(), positions.contiguous());
+    return q;
+#endif
+  }
+  // The composition it fuses (rope over [B, heads, 1, D] with cos [B, 1, rd]).
+  Tensor q = qkv.narrow(1, 0, hq).contiguous(), k = qkv.narrow(1, hq, hkv).contiguous();
+  if (opt.q_norm.defined()) {
+    q = rms_norm_forward(q, opt.q_norm, opt.norm).y;
+    k = rms_norm_forward(k, opt.k_norm, opt.norm).y;
+  }
+  q = rope_forward(q.view({b, hq, 1, d}), cos, sin, opt.layout).view({b, hq, d});
+  k = rope_forward(k.view({b, hkv, 1, d}), cos, sin, opt.layout).view({b, hkv, d});
+  cache_write(k_cache, v_cache, k, qkv.narrow(1, hq + hkv, hkv).contiguous(), rows, positions);
+  return q;
+}
+
+std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& w, const RMSNormOptions& opt) {
+  constexpr const char* op = "add_rms_norm";
+  check_float(x, op, "x");
+  check_dims(x, 2, op, "x");
+  check_same(delta, x, op, "delta", "x");
+  check_shape(delta, x.shape(), op, "delta");
+  check_same(w, x, op, "weight", "x");
+  check_shape(w, {x.size(1)}, op, "weight");
+  KCPP_CHECK(opt.eps >= 0, "op {}: eps {} < 0", op, opt.eps);
+  if (fused_on_cuda(x) && fused_casting(opt) && x.numel() > 0) {
+#if KCPP_WITH_CUDA
+    const Tensor s = Tensor::empty(x.shape(), x.dtype(), x.device()), y = Tensor::empty(x.shape(), x.dtype(), x.device());
+    cuda::add_rms_norm(s, y, x.contiguous(), delta.contiguous(), w.contiguous(), opt);
+    return {s, y};
+#endif
+  }
+  const Tensor s = add(x, delta);
+  return {s, rms_norm_forward(s, w, opt).y};
+}
+
+Tensor glu_packed(const Tensor& gu, GluActivation act) {
+  constexpr const char* op = "glu_packed";
+  check_float(gu, op, "gu");
+  check_dims(gu, 2, op, "gu");
+  KCPP_CHECK(gu.size(1) % 2 == 0, "op {}: gu has {} columns; it must hold gate and up halves of equal width", op,
+             gu.size(1));
+  const int64_t n = gu.size(0), inter = gu.size(1) / 2;
+  if (fused_on_cuda(gu) && gu.numel() > 0) {
+#if KCPP_WITH_CUDA
+    const Tensor h = Tensor::empty({n, inter}, gu.dtype(), gu.device());
+    cuda::glu_packed(h, gu.contiguous(), act);
+    return h;
+#endif
+  }
+  return glu_forward(gu.narrow(1, 0, inter).contiguous(), gu.narrow(1, inter, inter).contiguous(), act);
+}
+
+}  // namespace kcpp::ops

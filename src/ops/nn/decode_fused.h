@@ -1,0 +1,55 @@
+// Fused steps of a decoding layer (one new token per row): each op is the composition of reference
+// ops it replaces, with the same roundings to the dtype, in one pass over its data.  A decode step is
+// dozens of small launches per layer; these cut each layer's non-GEMM work to three launches.
+//
+// qk_norm_rope_cache — the attention input of a decode step, from the fused projection's output
+// qkv [B, Hq + 2 Hkv, D] (heads q, then k, then v, D elements each):
+//   q_h = rope(norm_q(qkv[b, h])),              h < Hq           (norm only with a q_norm weight)
+//   k_h = rope(norm_k(qkv[b, Hq + h])),         h < Hkv
+//   v_h = qkv[b, Hq + Hkv + h]
+//   k_cache[rows[b], h, positions[b]] = k_h,  v_cache[rows[b], h, positions[b]] = v_h
+//   returns q [B, Hq, D]
+// norm: RMSNorm over the head's D elements (ops/nn/rms_norm.h, casting Llama or Gemma);
+// rope: ops::rope_forward with cos / sin [B, 1, rd] (ops/nn/rope.h), the eager roundings
+//   y = r(r(x cos) + r(rot(x) sin)) on the rotary part, the rest as is (r: rounding to the dtype).
+//
+// add_rms_norm — the residual add and the next norm: s = r(x + delta), y = rms_norm(s, w); returns
+// (s, y).  x, delta [N, H].
+//
+// glu_packed — the gated activation of a fused gate/up projection gu [N, 2I] (gate columns first):
+//   h[n, i] = r(r(act(gu[n, i])) * gu[n, I + i])   (ops::glu_forward of the two halves)
+//
+// On CUDA (f32, bf16, f16) each is one kernel; elsewhere, and for what the kernels don't cover, the
+// composition of the reference ops.  Rows and positions on the device are not read back by the host:
+// an out-of-range one skips the cache write (decode_attention then reports NaN for that row), as
+// ops::cache_write does.
+#pragma once
+
+#include <utility>
+
+#include "core/tensor.h"
+#include "ops/nn/glu.h"
+#include "ops/nn/rms_norm.h"
+#include "ops/nn/rope.h"
+
+namespace kcpp::ops {
+
+struct QkNormRopeCache {
+  int64_t q_heads = 0, kv_heads = 0;
+  Tensor q_norm, k_norm;      // [D] each, or both undefined (no per-head norm)
+  RMSNormOptions norm;        // their options (casting Llama or Gemma)
+  RopeLayout layout = RopeLayout::RotateHalf;
+};
+
+// qkv [B, Hq + 2 Hkv, D] contiguous; cos, sin [B, 1, rd] in qkv's dtype; caches [R, Hkv, C, D];
+// rows, positions [B] i32 on qkv's device.  Returns q [B, Hq, D].
+Tensor qk_norm_rope_cache(const Tensor& qkv, const QkNormRopeCache& opt, const Tensor& cos, const Tensor& sin,
+                          const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows, const Tensor& positions);
+
+// x, delta [N, H] of one dtype, w [H].  Returns (x + delta, rms_norm(x + delta, w)).
+std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& w, const RMSNormOptions& opt);
+
+// gu [N, 2I] contiguous.  Returns [N, I].
+Tensor glu_packed(const Tensor& gu, GluActivation act);
+
+}  // namespace kcpp::ops

@@ -1,0 +1,185 @@
+// The fused decode-layer ops (ops/nn/decode_fused.h) against the f64 oracle: q/k head norms (Llama and
+// Gemma casting, an offset), RoPE in both pair layouts and over part of the head, the cache append
+// at ragged rows and positions (every other cache entry unchanged), head dims that are not powers of
+// two; the residual add with the norm on awkward widths; the gated activation of a packed gate/up.
+#include <cmath>
+
+#include "oracle.h"
+#include "ops/nn/decode_fused.h"
+#include "test_util.h"
+#include "tolerances.h"
+
+namespace kcpp {
+namespace {
+
+using test::config_name;
+using test::test_generator;
+using V = std::vector<double>;
+
+class DecodeFused : public ::testing::TestWithParam<Device> {};
+
+Tensor i32(const std::vector<int64_t>& v, Device dev) {
+  return Tensor::from_i64(v, {static_cast<int64_t>(v.size())}, DType::i32, dev);
+}
+
+// The values a tensor holds, as f64.
+V values(const Tensor& t) { return t.to_f64_vector(); }
+
+struct QkCase {
+  int64_t b, hq, hkv, d, rd;
+  bool norm, gemma, interleaved;
+  double offset;
+};
+
+TEST_P(DecodeFused, QkNormRopeCacheMatchesTheOracle) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test_generator();
+  const QkCase cases[] = {{1, 16, 8, 128, 128, true, false, false, 0.0}, {3, 4, 4, 64, 64, false, false, false, 0.0},
+                          {2, 6, 2, 96, 32, true, false, true, 0.0},     {4, 12, 2, 40, 40, true, true, false, 1.0},
+                          {1, 2, 1, 256, 256, true, false, false, 0.0},  {5, 3, 1, 8, 8, false, false, true, 0.0},
+                          {2, 9, 3, 200, 136, true, false, false, 1.0}};
+  for (DType dt : test::float_dtypes(dev))
+    for (const QkCase& c : cases) {
+      const std::string cfg = fmt::format("{} b={} hq={} hkv={} d={} rd={} norm={} gemma={} interleaved={}", config_name(dev, dt),
+                                          c.b, c.hq, c.hkv, c.d, c.rd, c.norm, c.gemma, c.interleaved);
+      const int64_t heads = c.hq + 2 * c.hkv, r = c.b + 2, cap = 11, d = c.d, rd = c.rd;
+      const Tensor qkv = Tensor::randn({c.b, heads, d}, dt, dev, gen);
+      // Angles of positions up to a few thousand, as rope_cos_sin makes them.
+      std::vector<int64_t> positions(static_cast<size_t>(c.b)), rows(static_cast<size_t>(c.b));
+      for (int64_t i = 0; i < c.b; ++i) positions[i] = (i * 5 + 3) % cap, rows[i] = r - 1 - i;
+      V pos_angles(static_cast<size_t>(c.b * rd));
+      V cs(pos_angles.size()), sn(pos_angles.size());
+      for (int64_t i = 0; i < c.b; ++i)
+        for (int64_t j = 0; j < rd; ++j) {
+          const int64_t pair = c.interleaved ? j / 2 : j % (rd / 2);
+          const double a = (positions[i] + 1000.0 * i) * std::pow(10000.0, -2.0 * pair / rd);
+          cs[i * rd + j] = std::cos(a), sn[i * rd + j] = std::sin(a);
+        }
+      const Tensor cos = Tensor::from_f64(cs, {c.b, 1, rd}, dt, dev), sin = Tensor::from_f64(sn, {c.b, 1, rd}, dt, dev);
+      ops::QkNormRopeCache opt;
+      opt.q_heads = c.hq, opt.kv_heads = c.hkv;
+      opt.layout = c.interleaved ? ops::RopeLayout::Interleaved : ops::RopeLayout::RotateHalf;
+      if (c.norm) {
+        opt.q_norm = Tensor::randn({d}, dt, dev, gen), opt.k_norm = Tensor::randn({d}, dt, dev, gen);
+        opt.norm.eps = 1e-6, opt.norm.offset = c.offset;
+        opt.norm.casting = c.gemma ? ops::RMSNormCasting::Gemma : ops::RMSNormCasting::Llama;
+      }
+      const double sentinel = 7.0;
+      const Tensor kc = Tensor::full({r, c.hkv, cap, d}, sentinel, dt, dev), vc = Tensor::full({r, c.hkv, cap, d}, sentinel, dt, dev);
+      const Tensor q = ops::qk_norm_rope_cache(qkv, opt, cos, sin, kc, vc, i32(rows, dev), i32(positions, dev));
+      ASSERT_EQ(q.shape(), (Shape{c.b, c.hq, d})) << cfg;
+      // The oracle, in f64 from the values the tensors hold.
+      const V x = values(qkv), cv = values(cos), sv = values(sin);
+      const V qw = c.norm ? values(opt.q_norm) : V{}, kw = c.norm ? values(opt.k_norm) : V{};
+      auto head = [&](int64_t i, int64_t h) { return V(x.begin() + (i * heads + h) * d, x.begin() + (i * heads + h + 1) * d); };
+      auto prep = [&](const V& in, const V& w, int64_t i) {
+        V y = c.norm ? oracle::rms_norm(in, w, 1, d, 1e-6, c.offset).y : in;
+        const V cb(cv.begin() + i * rd, cv.begin() + (i + 1) * rd), sb(sv.begin() + i * rd, sv.begin() + (i + 1) * rd);
+        return oracle::rope(y, cb, sb, 1, 1, 1, d, rd, 1, false, c.interleaved);
+      };
+      V q_ref;
+      V k_ref(static_cast<size_t>(r * c.hkv * cap * d), sentinel), v_ref = k_ref;
+      for (int64_t i = 0; i < c.b; ++i) {
+        for (int64_t h = 0; h < c.hq; ++h) {
+          const V y = prep(head(i, h), qw, i);
+          q_ref.insert(q_ref.end(), y.begin(), y.end());
+        }
+        for (int64_t h = 0; h < c.hkv; ++h) {
+          const V k = prep(head(i, c.hq + h), kw, i), v = head(i, c.hq + c.hkv + h);
+          const int64_t at = ((rows[i] * c.hkv + h) * cap + positions[i]) * d;
+          std::copy(k.begin(), k.end(), k_ref.begin() + at);
+          std::copy(v.begin(), v.end(), v_ref.begin() + at);
+        }
+      }
+      // A norm, then RoPE, each rounding a few intermediates to the dtype.
+      const double tol = test::composite_rel_l2(dt);
+      EXPECT_TRUE(test::close_l2(q, q_ref, tol)) << cfg << " (q)";
+      EXPECT_TRUE(test::close_l2(kc, k_ref, tol)) << cfg << " (k cache)";
+      EXPECT_EQ(values(vc), v_ref) << cfg << " (v cache: a copy)";
+      const V kv = values(kc);
+      for (size_t e = 0; e < kv.size(); ++e)
+        if (k_ref[e] == sentinel) ASSERT_EQ(kv[e], sentinel) << cfg << ": cache entry " << e << " was written";
+    }
+}
+
+TEST_P(DecodeFused, AddRmsNormMatchesTheOracle) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test_generator();
+  for (DType dt : test::float_dtypes(dev))
+    for (const auto& [n, h, gemma, offset] : {std::tuple{1, 1024, false, 0.0}, std::tuple{7, 333, false, 0.0},
+                                              std::tuple{3, 4099, true, 1.0}, std::tuple{2, 5000, false, 1.0},
+                                              std::tuple{32, 2048, false, 0.0}, std::tuple{1, 1, false, 0.0}}) {
+      const std::string cfg = fmt::format("{} n={} h={} gemma={} offset={}", config_name(dev, dt), n, h, gemma, offset);
+      const Tensor x = Tensor::randn({n, h}, dt, dev, gen), delta = Tensor::randn({n, h}, dt, dev, gen);
+      const Tensor w = Tensor::randn({h}, dt, dev, gen);
+      ops::RMSNormOptions opt;
+      opt.eps = 1e-5, opt.offset = offset, opt.casting = gemma ? ops::RMSNormCasting::Gemma : ops::RMSNormCasting::Llama;
+      const auto [s, y] = ops::add_rms_norm(x, delta, w, opt);
+      const V xv = values(x), dv = values(delta);
+      V s_ref(xv.size());
+      for (size_t e = 0; e < xv.size(); ++e) s_ref[e] = xv[e] + dv[e];
+      // The sum is one rounding; the norm reads the rounded sum, as the composition does.
+      EXPECT_TRUE(test::close_elementwise(s, s_ref, test::primitive_rtol(dt), 0.0)) << cfg << " (sum)";
+      EXPECT_TRUE(test::close_l2(y, oracle::rms_norm(values(s), values(w), n, h, 1e-5, offset).y, test::composite_rel_l2(dt)))
+          << cfg << " (norm)";
+    }
+}
+
+TEST_P(DecodeFused, GluPackedMatchesTheOracle) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test_generator();
+  for (DType dt : test::float_dtypes(dev))
+    for (const auto& [n, inter, act, oact] :
+         {std::tuple{1, 3072, ops::GluActivation::Silu, oracle::Act::Silu}, std::tuple{5, 77, ops::GluActivation::Gelu, oracle::Act::Gelu},
+          std::tuple{3, 1000, ops::GluActivation::GeluTanh, oracle::Act::GeluTanh}}) {
+      const std::string cfg = fmt::format("{} n={} inter={}", config_name(dev, dt), n, inter);
+      const Tensor gu = Tensor::randn({n, 2 * inter}, dt, dev, gen);
+      const Tensor out = ops::glu_packed(gu, act);
+      ASSERT_EQ(out.shape(), (Shape{n, inter})) << cfg;
+      const V g = values(gu.narrow(1, 0, inter).contiguous()), u = values(gu.narrow(1, inter, inter).contiguous());
+      EXPECT_TRUE(test::close_l2(out, oracle::glu(g, u, oact), test::composite_rel_l2(dt))) << cfg;
+    }
+}
+
+TEST_P(DecodeFused, BadInputIsRefused) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  const Tensor qkv = Tensor::zeros({2, 8, 16}, DType::f32, dev), cos = Tensor::zeros({2, 1, 16}, DType::f32, dev);
+  const Tensor kc = Tensor::zeros({3, 2, 5, 16}, DType::f32, dev), rows = i32({0, 1}, dev), pos = i32({0, 4}, dev);
+  ops::QkNormRopeCache opt;
+  opt.q_heads = 4, opt.kv_heads = 2;
+  EXPECT_NO_THROW(ops::qk_norm_rope_cache(qkv, opt, cos, cos, kc, kc.clone(), rows, pos));
+  ops::QkNormRopeCache three = opt;
+  three.q_heads = 3;
+  EXPECT_ERROR(ops::qk_norm_rope_cache(qkv, three, cos, cos, kc, kc.clone(), rows, pos), "it must have 7");
+  EXPECT_ERROR(ops::qk_norm_rope_cache(qkv, opt, cos.narrow(2, 0, 15), cos.narrow(2, 0, 15), kc, kc.clone(), rows, pos),
+               "rotary dim 15 must be even");
+  EXPECT_ERROR(ops::qk_norm_rope_cache(qkv, opt, cos, cos, kc, kc.clone(), rows.to(DType::i64), pos), "'rows' must be i32");
+  EXPECT_ERROR(ops::qk_norm_rope_cache(qkv, opt, cos, cos, Tensor::zeros({3, 3, 5, 16}, DType::f32, dev),
+                                       Tensor::zeros({3, 3, 5, 16}, DType::f32, dev), rows, pos),
+               "does not hold 2 heads of 16");
+  ops::QkNormRopeCache half = opt;
+  half.q_norm = Tensor::full({16}, 1.0, DType::f32, dev);
+  EXPECT_ERROR(ops::qk_norm_rope_cache(qkv, half, cos, cos, kc, kc.clone(), rows, pos), "both q_norm and k_norm");
+  const Tensor x = Tensor::zeros({2, 6}, DType::f32, dev);
+  EXPECT_ERROR(ops::add_rms_norm(x, Tensor::zeros({2, 5}, DType::f32, dev), Tensor::full({6}, 1.0, DType::f32, dev), {}), "delta");
+  EXPECT_ERROR(ops::add_rms_norm(x, x, Tensor::full({5}, 1.0, DType::f32, dev), {}), "weight");
+  EXPECT_ERROR(ops::glu_packed(Tensor::zeros({2, 7}, DType::f32, dev), ops::GluActivation::Silu), "halves of equal width");
+  if (dev.is_cuda()) {  // an out-of-range row or position: no cache write, q still computed
+    const Tensor kk = Tensor::full({3, 2, 5, 16}, 2.0, DType::f32, dev), vv = kk.clone();
+    const Tensor q = ops::qk_norm_rope_cache(Tensor::full({2, 8, 16}, 1.0, DType::f32, dev), opt, Tensor::full({2, 1, 16}, 1.0, DType::f32, dev),
+                                             Tensor::zeros({2, 1, 16}, DType::f32, dev), kk, vv, i32({3, -1}, dev), i32({0, 5}, dev));
+    for (double e : values(kk)) ASSERT_EQ(e, 2.0);
+    for (double e : values(vv)) ASSERT_EQ(e, 2.0);
+    for (double e : values(q)) ASSERT_EQ(e, 1.0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, DecodeFused, ::testing::Values(Device::cpu(), Device::cuda(0)),
+                         [](const auto& info) { return info.param.is_cuda() ? std::string("cuda") : std::string("cpu"); });
+
+}  // namespace
+}  // namespace kcpp
