@@ -794,6 +794,26 @@ void bench_decode_attention() {
   }
 }
 
+// A decode step's projections (ops::matmul with M <= 8 rows: ops/cuda/gemv.cu), bf16, at the
+// Qwen3-0.6B and Llama-3.2-1B dimensions.  Traffic: the weight once.  The peer (PyTorch's F.linear,
+// cuBLAS) is in bench/gemv.py, run in the same call.
+void bench_gemv() {
+  Generator gen(10);
+  struct Shape3 {
+    int64_t m, n, k;
+    const char* what;
+  };
+  for (const Shape3& c : {Shape3{1, 4096, 1024, "qwen3 qkv"}, Shape3{1, 1024, 2048, "qwen3 o"}, Shape3{1, 6144, 1024, "qwen3 gate_up"},
+                          Shape3{1, 1024, 3072, "qwen3 down"}, Shape3{1, 151936, 1024, "qwen3 lm_head"},
+                          Shape3{1, 3072, 2048, "llama qkv"}, Shape3{1, 16384, 2048, "llama gate_up"},
+                          Shape3{1, 2048, 8192, "llama down"}, Shape3{8, 6144, 1024, "qwen3 gate_up"},
+                          Shape3{8, 16384, 2048, "llama gate_up"}}) {
+    const Tensor a = Tensor::randn({c.m, c.k}, DType::bf16, kDev, gen), w = Tensor::randn({c.n, c.k}, DType::bf16, kDev, gen);
+    row(fmt::format("gemv m{} {}x{} {}", c.m, c.n, c.k, c.what), "kcpp", [&] { (void)ops::matmul(a, w, false, true); },
+        2.0 * c.n * c.k / 1e9);
+  }
+}
+
 int main(int argc, char** argv) {
   std::string json_path, only;
   bool sweep = false;
@@ -818,6 +838,7 @@ int main(int argc, char** argv) {
     if (want("flce")) bench_flce(sweep);
     if (want("attention")) bench_attention();
     if (want("decode_attention")) bench_decode_attention();
+    if (want("gemv")) bench_gemv();
     if (sweep) {
       if (want("rms_norm")) sweep_rms_norm();
       if (want("swiglu")) sweep_swiglu();

@@ -112,7 +112,8 @@ def main():
     ap.add_argument("--kcpp", default=os.path.join(os.path.dirname(__file__), "..", ".devlibs", "bin", "kcpp"))
     ap.add_argument("--skip-static", action="store_true")
     ap.add_argument("--skip-parity", action="store_true")
-    ap.add_argument("--unfused", action="store_true", help="also time kcpp with KCPP_DECODE_FUSED=0")
+    ap.add_argument("--variants", default="", help="also time kcpp with these settings, e.g. "
+                    "unfused:KCPP_DECODE_FUSED=0,cublas:KCPP_GEMV=0")
     a = ap.parse_args()
     import torch
     import transformers
@@ -153,10 +154,12 @@ def main():
                 line += (f" | kcpp {total:8.0f} (decode {decode:8.0f} = {100 * decode / roof:5.1f}% of roofline; "
                          f"first token {1e3 * stats['first_token_seconds']:6.1f} ms; "
                          f"{stats.get('graph_replays', 0)} graph replays)")
-                if a.unfused:  # the same run with the decode layers unfused (KCPP_DECODE_FUSED=0)
-                    u, _ = kcpp_run(a.kcpp, folder, ids.tolist(), a.new, env={"KCPP_DECODE_FUSED": "0"})
+                for variant in filter(None, a.variants.split(",")):  # the same run with a switch of kcpp's set
+                    label, _, setting = variant.partition(":")
+                    var, _, value = setting.partition("=")
+                    u, _ = kcpp_run(a.kcpp, folder, ids.tolist(), a.new, env={var: value})
                     if u is not None:
-                        line += f" | unfused decode {u['decode_tokens'] / max(u['decode_seconds'], 1e-9):8.0f}"
+                        line += f" | {label} decode {u['decode_tokens'] / max(u['decode_seconds'], 1e-9):8.0f}"
                 # In bf16 near ties part the rows early; the f32 parity below is the check.
                 same = sum(1 for r in range(batch) if stats["ids"][r] == out_eager[r].tolist())
                 line += f" | bf16 rows equal to hf eager: {same}/{batch}"

@@ -18,5 +18,8 @@ if [ "${KCPP_SKIP_DECODE_ATTN:-0}" != 1 ]; then
   .devlibs/bin/kcpp_bench_kernels --only decode_attention 2>&1 | grep -E "copy d2d 2GiB|decode_attn"
   timeout 120 python3 bench/decode_attention.py 2>&1 | grep -vE "warn|Warn|timed\("
 fi
+echo "== decode projections: kcpp (gemv.cu) beside F.linear (cuBLAS)"
+.devlibs/bin/kcpp_bench_kernels --only gemv 2>&1 | grep -E "copy d2d 2GiB|gemv"
+(cd bench && timeout 120 python3 gemv.py 2>&1 | grep -vE "warn|Warn")
 echo "== bench/generate.py"
 timeout 540 python3 bench/generate.py --kcpp .devlibs/bin/kcpp ${KCPP_GEN_ARGS:-} 2>&1 | grep -vE "deprecated|warn" | tail -n 20

@@ -221,7 +221,13 @@ TEST_P(Ops, MatmulMatchesOracle) {
   const Case cases[] = {{1, 1, 1, 1, false, false, false},  {1, 17, 9, 33, false, false, false},
                         {3, 7, 5, 111, true, false, false},  {2, 13, 11, 4, false, true, false},
                         {4, 5, 3, 19, true, true, false},     {3, 6, 10, 7, false, false, true},
-                        {2, 9, 4, 5, true, false, true}};
+                        {2, 9, 4, 5, true, false, true},
+                        // a few rows times a weight [N, K] (on CUDA in 16-bit types: ops/cuda/gemv.cu), K
+                        // one warp's step, several, with a tail, and not a multiple of 8 (cuBLAS)
+                        {1, 1, 4096, 1024, false, true, true}, {1, 3, 37, 1000, false, true, true},
+                        {2, 4, 100, 264, false, true, true},   {1, 8, 5, 8, false, true, true},
+                        {1, 5, 129, 4104, false, true, true},  {1, 2, 9, 33, false, true, true},
+                        {1, 9, 17, 64, false, true, true}};
   for (DType dt : test::float_dtypes(dev)) {
     for (const Case& c : cases) {
       const Tensor a = Tensor::randn(c.ta ? Shape{c.batch, c.k, c.m} : Shape{c.batch, c.m, c.k}, dt, dev, gen);

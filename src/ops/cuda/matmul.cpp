@@ -1,5 +1,5 @@
-// Matrix products through cuBLAS.  Row-major C[M,N] = A[M,K] B[K,N] is computed as the column-major
-// product C^T = B^T A^T, so the operands swap places and no data moves.  f32 uses
+// Matrix products through cuBLAS (a few rows times a weight go to ops/cuda/gemv.cu).  Row-major
+// C[M,N] = A[M,K] B[K,N] is computed as the column-major product C^T = B^T A^T, so the operands swap places and no data moves.  f32 uses
 // CUBLAS_COMPUTE_32F (no TF32, as PyTorch's default); bf16 and f16 accumulate in f32.
 #include <cublas_v2.h>
 
@@ -56,6 +56,8 @@ void matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, b
     m *= batch;
     batch = 1;
   }
+  // A few rows times a weight [N, K]: a decode step's projection, streamed by ops/cuda/gemv.cu.
+  if (batch == 1 && !trans_a && trans_b && m <= kGemvMaxRows && gemv_small_m(out, a, b, m, n, k)) return;
   KCPP_CUBLAS_CHECK(cublasGemmStridedBatchedEx(h, opb, opa, static_cast<int>(n), static_cast<int>(m),
                                                static_cast<int>(k), &alpha, b.data(), t, static_cast<int>(ldb),
                                                broadcast_b ? 0 : k * n, a.data(), t, static_cast<int>(lda), m * k,
