@@ -2,10 +2,11 @@
 // projections): the weights are streamed once at the copy rate, where cuBLAS's GEMM tiles, sized for
 // many rows, leave most of each tile empty.
 //
-// One warp per output column n: each lane reads 8 consecutive elements of w's row n (one 16-byte
-// load) and the same 8 elements of every row of a (through L1: a is small and every warp reads it),
-// kUnroll loads in flight before the first product, and keeps M f32 sums; the warp's sums are added
-// by shuffles and rounded once to the dtype, as cuBLAS rounds its f32 accumulator.
+// One warp (or KS warps over slices of K, for narrow weights) per output column n: each lane reads 8
+// consecutive elements of w's row n (one 16-byte load) and the same 8 elements of every row of a
+// (through L1: a is small and every warp reads it), kUnroll loads in flight before the first
+// product, and keeps M f32 sums; the sums are added by shuffles (and across the slices in shared
+// memory) and rounded once to the dtype, as cuBLAS rounds its f32 accumulator.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -23,21 +24,24 @@ using kcpp::kernel::cuda::load_f32;
 
 constexpr int kWarps = 8;
 constexpr int kUnroll = 4;
+constexpr int kStep = 32 * 8;  // elements a warp covers with one 16-byte load a lane
 
-template <typename T, int M>
+// KS warps of a block share a column, each over its own K / KS slice (8 / KS columns a block), so
+// that narrow weights still put enough loads in flight; their sums meet in shared memory.
+template <typename T, int M, int KS>
 __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(T* __restrict__ out, const T* __restrict__ a,
                                                            const T* __restrict__ w, int n, int k) {
-  const int lane = threadIdx.x % 32;
-  const int col = blockIdx.x * kWarps + threadIdx.x / 32;
-  if (col >= n) return;
-  const T* row = w + static_cast<int64_t>(col) * k;
+  __shared__ float part[kWarps][M];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % KS;
+  const int col = blockIdx.x * (kWarps / KS) + warp / KS;
+  const T* row = w + static_cast<int64_t>(min(col, n - 1)) * k;
   float acc[M] = {};
-  constexpr int kStep = 32 * 8;  // elements a warp covers with one load a lane
-  for (int base = 0; base < k; base += kStep * kUnroll) {
+  // Slice `slice` takes the warp steps slice, slice + KS, ... (each 256 elements).
+  for (int base = slice * kStep; base < k; base += kStep * KS * kUnroll) {
     float wv[kUnroll][8];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int e = base + u * kStep + lane * 8;
+      const int e = base + u * kStep * KS + lane * 8;
       if (e < k) {
         load_f32<T, 8>(row + e, wv[u]);
       } else {
@@ -47,7 +51,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(T* __restrict__ out, 
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int e = base + u * kStep + lane * 8;
+      const int e = base + u * kStep * KS + lane * 8;
       if (e >= k) break;
 #pragma unroll
       for (int m = 0; m < M; ++m) {
@@ -61,6 +65,21 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(T* __restrict__ out, 
 #pragma unroll
   for (int m = 0; m < M; ++m)
     for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
+  if constexpr (KS > 1) {
+    if (lane == 0)
+#pragma unroll
+      for (int m = 0; m < M; ++m) part[warp][m] = acc[m];
+    __syncthreads();
+    if (slice != 0) return;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float s = 0.f;
+#pragma unroll
+      for (int j = 0; j < KS; ++j) s += part[warp + j][m];
+      acc[m] = s;
+    }
+  }
+  if (col >= n) return;
   if (lane < M) {
     float v = acc[0];
 #pragma unroll
@@ -70,21 +89,36 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_kernel(T* __restrict__ out, 
   }
 }
 
-template <typename T, int M> void launch(const Tensor& out, const Tensor& a, const Tensor& w, int n, int k) {
-  gemv_kernel<T, M><<<(n + kWarps - 1) / kWarps, kWarps * 32, 0, kcpp::cuda::current_stream()>>>(
+template <typename T, int M, int KS> void launch(const Tensor& out, const Tensor& a, const Tensor& w, int n, int k) {
+  constexpr int cols = kWarps / KS;
+  gemv_kernel<T, M, KS><<<(n + cols - 1) / cols, kWarps * 32, 0, kcpp::cuda::current_stream()>>>(
       static_cast<T*>(out.data()), static_cast<const T*>(a.data()), static_cast<const T*>(w.data()), n, k);
+}
+
+// Warps a column: enough warps in all (about 32 an SM of an H100's 132) while each keeps at least
+// one full step of K.
+template <typename T, int M> void launch_split(const Tensor& out, const Tensor& a, const Tensor& w, int n, int k) {
+  const int64_t want = 132 * 32;
+  int ks = 1;
+  while (ks < kWarps && static_cast<int64_t>(n) * ks < want && k / (kStep * ks * 2) >= 1) ks *= 2;
+  switch (ks) {
+    case 1: launch<T, M, 1>(out, a, w, n, k); break;
+    case 2: launch<T, M, 2>(out, a, w, n, k); break;
+    case 4: launch<T, M, 4>(out, a, w, n, k); break;
+    default: launch<T, M, 8>(out, a, w, n, k); break;
+  }
 }
 
 template <typename T> void dispatch(int64_t m, const Tensor& out, const Tensor& a, const Tensor& w, int n, int k) {
   switch (m) {
-    case 1: launch<T, 1>(out, a, w, n, k); break;
-    case 2: launch<T, 2>(out, a, w, n, k); break;
-    case 3: launch<T, 3>(out, a, w, n, k); break;
-    case 4: launch<T, 4>(out, a, w, n, k); break;
-    case 5: launch<T, 5>(out, a, w, n, k); break;
-    case 6: launch<T, 6>(out, a, w, n, k); break;
-    case 7: launch<T, 7>(out, a, w, n, k); break;
-    default: launch<T, 8>(out, a, w, n, k); break;
+    case 1: launch_split<T, 1>(out, a, w, n, k); break;
+    case 2: launch_split<T, 2>(out, a, w, n, k); break;
+    case 3: launch_split<T, 3>(out, a, w, n, k); break;
+    case 4: launch_split<T, 4>(out, a, w, n, k); break;
+    case 5: launch_split<T, 5>(out, a, w, n, k); break;
+    case 6: launch_split<T, 6>(out, a, w, n, k); break;
+    case 7: launch_split<T, 7>(out, a, w, n, k); break;
+    default: launch_split<T, 8>(out, a, w, n, k); break;
   }
 }
 
