@@ -815,6 +815,7 @@ void bench_gemv() {
 }
 
 int main(int argc, char** argv) {
+  ::setenv("KCPP_GEMV", "8", 0);  // bench_gemv's eight-row shapes on the gemv path (default: one row)
   std::string json_path, only;
   bool sweep = false;
   for (int i = 1; i < argc; ++i) {

@@ -9,6 +9,7 @@
 // memory) and rounded once to the dtype, as cuBLAS rounds its f32 accumulator.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -125,12 +126,15 @@ template <typename T> void dispatch(int64_t m, const Tensor& out, const Tensor& 
 }  // namespace
 
 bool gemv_small_m(const Tensor& out, const Tensor& a, const Tensor& w, int64_t m, int64_t n, int64_t k) {
-  static const bool enabled = [] {
+  // KCPP_GEMV: the most rows this path takes (0: none).  One by default: at eight rows it measured
+  // slower than cuBLAS inside a decode step (bench/RESULTS.md, 2026-11-26).
+  static const int64_t max_rows = [] {
     const char* e = std::getenv("KCPP_GEMV");
-    return !(e && std::strcmp(e, "0") == 0);
+    if (!e || !*e) return int64_t{1};
+    return std::clamp<int64_t>(std::atoll(e), 0, kGemvMaxRows);
   }();
   const DType t = out.dtype();
-  if (!enabled || m < 1 || m > kGemvMaxRows || k % 8 != 0 || n > (1 << 30) || k > (1 << 30) ||
+  if (m < 1 || m > max_rows || k % 8 != 0 || n > (1 << 30) || k > (1 << 30) ||
       (t != DType::bf16 && t != DType::f16) || !kcpp::kernel::cuda::aligned16(a.data()) ||
       !kcpp::kernel::cuda::aligned16(w.data()))
     return false;

@@ -16,8 +16,9 @@ void softmax(Softmax kind, const Tensor& out, const Tensor& x);               //
 void softmax_backward(Softmax kind, const Tensor& dx, const Tensor& dy, const Tensor& y);
 void matmul(const Tensor& out, const Tensor& a, const Tensor& b, bool trans_a, bool trans_b, int64_t batch,
             int64_t m, int64_t n, int64_t k, bool broadcast_b);
-// out [M, N] = a [M, K] w [N, K]^T for M <= kGemvMaxRows in bf16 / f16 (ops/cuda/gemv.cu); false when
-// the call is not one it covers (K % 8, alignment, dtype, KCPP_GEMV=0), for cuBLAS to take.
+// out [M, N] = a [M, K] w [N, K]^T for M <= KCPP_GEMV (default 1, at most kGemvMaxRows) in bf16 / f16
+// (ops/cuda/gemv.cu); false when the call is not one it covers (rows, K % 8, alignment, dtype), for
+// cuBLAS to take.
 constexpr int64_t kGemvMaxRows = 8;
 bool gemv_small_m(const Tensor& out, const Tensor& a, const Tensor& w, int64_t m, int64_t n, int64_t k);
 // check_ids: a bad id throws (the op synchronizes); else its row is NaN and nothing waits (CUDA graphs).
