@@ -22,6 +22,7 @@
 #include "ops/nn/attention.h"
 #include "ops/nn/decode_attention.h"
 #include "ops/nn/decode_fused.h"
+#include "ops/nn/sampling.h"
 #include "ops/ops.h"
 
 namespace kcpp::models {
@@ -614,33 +615,36 @@ std::vector<int64_t> CausalLM::generate(const std::vector<int64_t>& prompt, int6
   return std::move(r[0].ids);
 }
 
-std::vector<int64_t> CausalLM::pick_tokens(const Tensor& logits_all, const Sampling& sampling,
-                                           std::vector<std::mt19937_64>& rngs, const std::vector<size_t>& rows,
-                                           const std::vector<int64_t>& positions) {
+std::vector<int64_t> CausalLM::pick_tokens(const Tensor& logits_all, const Sampling& sampling, bool many,
+                                           const std::vector<size_t>& rows, const std::vector<int64_t>& positions) {
   const int64_t n = logits_all.size(0), v = cfg_.vocab_size;
   const Tensor logits = logits_all.size(1) > v ? logits_all.narrow(1, 0, v) : logits_all;
-  const bool many = rngs.size() > 1;
   auto bad_logits = [&](int64_t j, int64_t id, double value) {
     KCPP_FAIL("generate: the model produced non-finite logits ({} for token id {}) at position {}{}; check the weights "
               "(NaN or infinite values in the safetensors) and config.json (rope_theta, rms_norm_eps, ...)", value, id,
               positions[static_cast<size_t>(j)], many ? fmt::format(" of prompt {}", rows[static_cast<size_t>(j)]) : "");
   };
-  std::vector<int64_t> tokens(static_cast<size_t>(n));
-  if (sampling.temperature <= 0.0) {  // greedy: the argmax on the logits' device, two ids a row back
-    const std::vector<int64_t> picked = ops::argmax_checked(logits).to_i64_vector();
+  // On the logits' device, two ids a row back: greedy's argmax, or a draw (ops/nn/sampling.h) keyed
+  // by the row's seed (sampling.seed + its prompt's index) and the position of the token it makes.
+  Tensor picked_t;
+  if (sampling.temperature <= 0.0) {
+    picked_t = ops::argmax_checked(logits);
+  } else {
+    std::vector<uint64_t> seeds(static_cast<size_t>(n));
+    std::vector<int64_t> next(static_cast<size_t>(n));
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t bad = picked[static_cast<size_t>(2 * j + 1)];
-      if (bad >= 0) bad_logits(j, bad, logits.narrow(0, j, 1).narrow(1, bad, 1).contiguous().to_f64_vector()[0]);
-      tokens[static_cast<size_t>(j)] = picked[static_cast<size_t>(2 * j)];
+      seeds[static_cast<size_t>(j)] = sampling.seed + rows[static_cast<size_t>(j)];
+      next[static_cast<size_t>(j)] = positions[static_cast<size_t>(j)] + 1;
     }
-    return tokens;
+    const ops::SampleOptions so{sampling.temperature, sampling.top_k, sampling.top_p};
+    picked_t = ops::sample_checked(ops::sampling_on_device(so) ? logits : logits.to(Device::cpu()), so, seeds, next);
   }
-  const std::vector<double> all = logits.contiguous().to_f64_vector();
+  const std::vector<int64_t> picked = picked_t.to_i64_vector();
+  std::vector<int64_t> tokens(static_cast<size_t>(n));
   for (int64_t j = 0; j < n; ++j) {
-    const auto row = all.begin() + j * v;
-    const auto bad = std::find_if(row, row + v, [](double x) { return !std::isfinite(x); });
-    if (bad != row + v) bad_logits(j, bad - row, *bad);
-    tokens[static_cast<size_t>(j)] = sample_next_token(std::vector<double>(row, row + v), sampling, rngs[rows[static_cast<size_t>(j)]]);
+    const int64_t bad = picked[static_cast<size_t>(2 * j + 1)];
+    if (bad >= 0) bad_logits(j, bad, logits.narrow(0, j, 1).narrow(1, bad, 1).contiguous().to_f64_vector()[0]);
+    tokens[static_cast<size_t>(j)] = picked[static_cast<size_t>(2 * j)];
   }
   return tokens;
 }
@@ -729,14 +733,12 @@ std::vector<CausalLM::Generated> CausalLM::generate_batch(const std::vector<std:
   const std::vector<int64_t>& stops = stop ? *stop : cfg_.eos_token_id;
   std::vector<Generated> out(n);
   std::vector<int64_t> steps(n);  // the new tokens row p may make
-  std::vector<std::mt19937_64> rngs;
   int64_t longest = 0, most = 0;
   for (size_t p = 0; p < n; ++p) {
     const int64_t len = static_cast<int64_t>(prompts[p].size());
     out[p].ids = prompts[p];
     steps[p] = std::min(max_new_tokens, context - len);
     out[p].reason = steps[p] < max_new_tokens ? StopReason::ContextLength : StopReason::MaxNewTokens;
-    rngs.emplace_back(sampling.seed + p);
     longest = std::max(longest, len);
     most = std::max(most, len + steps[p]);
   }
@@ -776,7 +778,7 @@ std::vector<CausalLM::Generated> CausalLM::generate_batch(const std::vector<std:
     }
     const Tensor logits = next_token_logits(Tensor::from_i64(prompts[p], {1, len}, DType::i64, device_), &one);
     cache.rows[p] = len;
-    const int64_t token = pick_tokens(logits, sampling, rngs, {p}, {len - 1})[0];
+    const int64_t token = pick_tokens(logits, sampling, many, {p}, {len - 1})[0];
     if (st.first_token_seconds == 0) st.first_token_seconds = since(t0);
     done[p] = emit(p, token);
     next[p] = token;
@@ -799,7 +801,7 @@ std::vector<CausalLM::Generated> CausalLM::generate_batch(const std::vector<std:
     const int64_t a = static_cast<int64_t>(active.size());
     const Tensor logits = graphs && !graphs->failed ? graph_step(*graphs, cache, ids, st.graph_replays) :
                                                       next_token_logits(Tensor::from_i64(ids, {a, 1}, DType::i64, device_), &cache);
-    const std::vector<int64_t> tokens = pick_tokens(logits, sampling, rngs, active, positions);
+    const std::vector<int64_t> tokens = pick_tokens(logits, sampling, many, active, positions);
     for (size_t j = 0; j < active.size(); ++j) {
       done[active[j]] = emit(active[j], tokens[j]);
       next[active[j]] = tokens[j];

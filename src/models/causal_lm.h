@@ -37,7 +37,8 @@ namespace kcpp::models {
 
 // Sampling as Transformers' generate(): temperature 0 = greedy; else softmax(logits / temperature)
 // restricted to the top_k tokens (0 = all) and then to the smallest set whose probability reaches
-// top_p, sampled with `seed`.
+// top_p, sampled with `seed`: CausalLM draws on the logits' device through ops::sample_checked
+// (ops/nn/sampling.h), keyed by seed + the prompt's index and the position of the new token.
 struct Sampling {
   double temperature = 0.0;  // 0 or a positive finite number
   int64_t top_k = 0;         // >= 0
@@ -51,6 +52,7 @@ struct Sampling {
 
 // The next token from the last position's logits (host values), as Transformers' generate():
 // temperature, then top-k, then top-p (nucleus), then a draw from `rng` (greedy: the largest).
+// The Mamba models' sampling.
 int64_t sample_next_token(std::vector<double> logits, const Sampling& sampling, std::mt19937_64& rng);
 
 // Why generate() stopped.
@@ -227,9 +229,10 @@ class CausalLM : public nn::Module {
   // One decode step of the rows cache.active with input `ids` through g's graph for that many rows
   // (run eagerly the first time, captured the second, replayed after): the logits [rows, V].
   Tensor graph_step(DecodeGraphs& g, KVCache& cache, const std::vector<int64_t>& ids, int64_t& replays);
-  // The token each row picks from its logits [R, V] (device-side argmax when greedy); non-finite
-  // logits are an error naming the row's position.
-  std::vector<int64_t> pick_tokens(const Tensor& logits, const Sampling& sampling, std::vector<std::mt19937_64>& rngs,
+  // The token each row picks from its logits [R, V], on their device (argmax when greedy, else
+  // ops::sample_checked); non-finite logits are an error naming the row's position (and prompt when
+  // `many`).  rows: each row's prompt index; positions: the position of each row's last token.
+  std::vector<int64_t> pick_tokens(const Tensor& logits, const Sampling& sampling, bool many,
                                    const std::vector<size_t>& rows, const std::vector<int64_t>& positions);
   Tensor hidden_states(const Tensor& input_ids, Tape* tape = nullptr, KVCache* cache = nullptr);  // [B, S, H], final norm applied
   Tensor shifted_targets(const Tensor& labels) const;

@@ -4,6 +4,7 @@
 
 #include "core/tensor.h"
 #include "ops/nn/decode_fused.h"
+#include "ops/nn/sampling.h"
 #include "ops/ops.h"
 
 namespace kcpp::ops::cuda {
@@ -39,5 +40,8 @@ void qk_norm_rope_cache(const Tensor& q, const Tensor& qkv, const QkNormRopeCach
 void add_rms_norm(const Tensor& s, const Tensor& y, const Tensor& x, const Tensor& delta, const Tensor& w,
                   const RMSNormOptions& opt);
 void glu_packed(const Tensor& h, const Tensor& gu, GluActivation act);
+// ops/nn/sampling.h: logits [B, V] contiguous, out [B, 2] i64; options sampling_on_device() takes.
+void sample_checked(const Tensor& out, const Tensor& logits, const SampleOptions& opt, const std::vector<uint64_t>& seeds,
+                    const std::vector<int64_t>& positions);
 
 }  // namespace kcpp::ops::cuda
