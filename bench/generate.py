@@ -11,7 +11,9 @@ tokens (end-of-sequence ignored), then
 each timed on its second run (the first warms compilation and allocators; kcpp's --warmup does the
 same in its process).  Then the parity of greedy ids in f32: kcpp's against Transformers' eager
 generate() for 32 tokens, up to each row's first step where Transformers' own top-1 margin is below
-1e-3 (after a near tie either pick is right and the rows may part).  Decode tokens/s counts
+1e-3 (after a near tie either pick is right and the rows may part); and a --prefill-token prompt
+(2,048) to its first token beside Transformers' forward, against the bf16 GEMM ceiling measured in
+the same call.  Decode tokens/s counts
 the tokens after each row's first; the memory roofline is (weight bytes + KV bytes read per step) /
 copy bandwidth, printed as a ceiling in tokens/s for batch 1.  Ratios hold within one call only.
 """
@@ -76,6 +78,48 @@ def kcpp_run(kcpp, folder, rows, new, dtype="bf16", env=None):
         return json.load(f), None
 
 
+def gemm_tflops(torch):
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn_like(a)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 10 * 2 * 8192**3 / (time.perf_counter() - t) / 1e12
+
+
+def prefill(kcpp, model, folder, name, dims, tokens, ceiling):
+    """One prompt of `tokens` tokens to its first new token: Transformers' forward (last logits only)
+    beside kcpp's time to first token, as tokens/s and as a share of the bf16 GEMM ceiling."""
+    import torch
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, dims["vocab_size"], (1, tokens), generator=g)
+    layers, h, inter = dims["num_hidden_layers"], dims["hidden_size"], dims["intermediate_size"]
+    hq, hkv, d = dims["num_attention_heads"], dims["num_key_value_heads"], dims["head_dim"]
+    per_token = 2 * layers * (h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * inter) + 2 * h * dims["vocab_size"] / tokens
+    flops = per_token * tokens + layers * 4 * hq * d * tokens * tokens / 2  # causal attention: half the scores
+    with torch.no_grad():
+        model(input_ids=ids.cuda(), logits_to_keep=1)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model(input_ids=ids.cuda(), logits_to_keep=1)
+        torch.cuda.synchronize()
+        hf = time.perf_counter() - t
+    line = (f"{name:13s} prefill {tokens} | GEMM ceiling {ceiling:5.0f} TFLOP/s | hf {tokens / hf:8.0f} tok/s "
+            f"({flops / hf / 1e12:5.0f} TFLOP/s)")
+    stats, err = kcpp_run(kcpp, folder, ids.tolist(), 1)
+    if stats is None:
+        line += f" | kcpp failed: {err}"
+    else:
+        s = stats["first_token_seconds"]
+        line += (f" | kcpp {tokens / s:8.0f} tok/s ({flops / s / 1e12:5.0f} TFLOP/s = "
+                 f"{100 * flops / s / 1e12 / ceiling:4.1f}% of the ceiling; first token {1e3 * s:6.1f} ms)")
+    print(line, flush=True)
+
+
 def parity(kcpp, folder, name, vocab, rows=4, new=32, margin=1e-3):
     """kcpp's f32 greedy ids against Transformers' f32 eager generate(), over the clear steps."""
     import torch
@@ -112,12 +156,14 @@ def main():
     ap.add_argument("--kcpp", default=os.path.join(os.path.dirname(__file__), "..", ".devlibs", "bin", "kcpp"))
     ap.add_argument("--skip-static", action="store_true")
     ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--prefill", type=int, default=2048, help="prompt tokens of the prefill run (0: none)")
     ap.add_argument("--variants", default="", help="also time kcpp with these settings, e.g. "
                     "unfused:KCPP_DECODE_FUSED=0,cublas:KCPP_GEMV=0")
     a = ap.parse_args()
     import torch
     import transformers
     gbps = copy_gbps(torch)
+    ceiling = gemm_tflops(torch) if a.prefill else 0.0
     print(f"{torch.cuda.get_device_name()}: copy {gbps:.0f} GB/s; torch {torch.__version__}, transformers "
           f"{transformers.__version__}; {PROMPT}-token prompts, {a.new} new tokens, greedy, bf16", flush=True)
     for key in a.models.split(","):
@@ -164,6 +210,8 @@ def main():
                 same = sum(1 for r in range(batch) if stats["ids"][r] == out_eager[r].tolist())
                 line += f" | bf16 rows equal to hf eager: {same}/{batch}"
             print(line, flush=True)
+        if a.prefill:
+            prefill(a.kcpp, model, folder, name, dims, a.prefill, ceiling)
         del model
         torch.cuda.empty_cache()
         if not a.skip_parity:

@@ -79,14 +79,17 @@ def parity():
         kt.unkernelize(model)
         del ref, got
 
-        model.train().to(torch.bfloat16)
-
         def loss_and_grads():
             model.zero_grad(set_to_none=True)
             loss = model(input_ids=ids, labels=labels).loss
             loss.backward()
             return loss.item(), {n: p.grad.float().flatten() for n, p in model.named_parameters() if p.grad is not None}
 
+        # Transformers' f32 gradients: what each bf16 run's own error is measured against.
+        model.train()
+        _, grads_f32 = loss_and_grads()
+        model.zero_grad(set_to_none=True)
+        model.to(torch.bfloat16)
         loss_ref, grads_ref = loss_and_grads()
         kt.kernelize(model)
         loss_got, grads_got = loss_and_grads()
@@ -100,9 +103,13 @@ def parity():
         print(f"{name:13s} f32 logits rel L2 {rel:.2e} (bar 1e-5) | bf16 loss {loss_got:.5f} vs {loss_ref:.5f} "
               f"(|diff| {abs(loss_got - loss_ref):.1e}, bar 1e-2) | min grad cosine {cos[worst]:.6f} at {worst} "
               f"over {len(cos)} grads (bar 0.999) | {'PASS' if passed else 'FAIL'}", flush=True)
+        f32_cos = torch.nn.functional.cosine_similarity
+        print(f"{'':13s} at {worst}, against Transformers' f32 gradient: kcpp bf16 "
+              f"{f32_cos(grads_got[worst], grads_f32[worst], dim=0).item():.6f}, Transformers bf16 "
+              f"{f32_cos(grads_ref[worst], grads_f32[worst], dim=0).item():.6f}", flush=True)
         print(f"{'':13s} calls, eval: {calls}", flush=True)
         print(f"{'':13s} calls, train: {train_calls}", flush=True)
-        del model, grads_ref, grads_got
+        del model, grads_ref, grads_got, grads_f32
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     return 0 if ok else 1
