@@ -11,7 +11,6 @@
 #include <nlohmann/json.hpp>
 #include <numbers>
 #include <numeric>
-#include <random>
 
 #include "core/cuda_graph.h"
 #include "nn/module.h"
@@ -579,33 +578,6 @@ void Sampling::validate() const {
   KCPP_CHECK(top_k >= 0, "sampling: top_k is {}; it must be 0 (every token) or a positive number of tokens", top_k);
   KCPP_CHECK(top_p > 0.0 && top_p <= 1.0, "sampling: top_p is {}; it must be above 0 and at most 1 (1 keeps every token)",
              top_p);
-}
-
-int64_t sample_next_token(std::vector<double> logits, const Sampling& s, std::mt19937_64& rng) {
-  const int64_t v = static_cast<int64_t>(logits.size());
-  if (s.temperature <= 0.0) return std::max_element(logits.begin(), logits.end()) - logits.begin();
-  std::vector<int64_t> order(static_cast<size_t>(v));
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return logits[a] > logits[b]; });
-  const int64_t k = s.top_k > 0 ? std::min(s.top_k, v) : v;
-  std::vector<double> p(static_cast<size_t>(k));
-  // Shifted by the largest logit before the division, so that a tiny temperature gives 0 and 1, not inf - inf.
-  const double mx = logits[order[0]];
-  double z = 0;
-  for (int64_t i = 0; i < k; ++i) z += p[i] = std::exp((logits[order[i]] - mx) / s.temperature);
-  int64_t keep = k;
-  if (s.top_p < 1.0) {
-    double cum = 0;
-    for (int64_t i = 0; i < k; ++i) {
-      cum += p[i] / z;
-      if (cum >= s.top_p) {
-        keep = i + 1;
-        break;
-      }
-    }
-  }
-  std::discrete_distribution<int64_t> draw(p.begin(), p.begin() + keep);
-  return order[draw(rng)];
 }
 
 std::vector<int64_t> CausalLM::generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens, const Sampling& sampling,

@@ -27,7 +27,6 @@
 #include <string>
 #include <memory>
 #include <optional>
-#include <random>
 #include <vector>
 
 #include "models/config.h"
@@ -37,8 +36,8 @@ namespace kcpp::models {
 
 // Sampling as Transformers' generate(): temperature 0 = greedy; else softmax(logits / temperature)
 // restricted to the top_k tokens (0 = all) and then to the smallest set whose probability reaches
-// top_p, sampled with `seed`: CausalLM draws on the logits' device through ops::sample_checked
-// (ops/nn/sampling.h), keyed by seed + the prompt's index and the position of the new token.
+// top_p, sampled with `seed`: drawn on the logits' device by ops::sample_checked (ops/nn/sampling.h),
+// keyed by seed + the prompt's index and the position of the new token.
 struct Sampling {
   double temperature = 0.0;  // 0 or a positive finite number
   int64_t top_k = 0;         // >= 0
@@ -49,11 +48,6 @@ struct Sampling {
   // or NaN temperature, a negative top_k, top_p 0 or above 1).
   void validate() const;
 };
-
-// The next token from the last position's logits (host values), as Transformers' generate():
-// temperature, then top-k, then top-p (nucleus), then a draw from `rng` (greedy: the largest).
-// The Mamba models' sampling.
-int64_t sample_next_token(std::vector<double> logits, const Sampling& sampling, std::mt19937_64& rng);
 
 // Why generate() stopped.
 enum class StopReason {

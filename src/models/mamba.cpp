@@ -7,10 +7,10 @@
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <random>
 
 #include "core/error.h"
 #include "models/safetensors.h"
+#include "ops/nn/sampling.h"
 #include "ops/ops.h"
 
 namespace kcpp::models {
@@ -359,18 +359,25 @@ std::vector<int64_t> MambaLM::generate(const std::vector<int64_t>& prompt, int64
                cfg_.vocab_size, cfg_.vocab_size - 1);
   const std::vector<int64_t>& stops = stop ? *stop : cfg_.eos_token_id;
   StopReason why = StopReason::MaxNewTokens;
-  std::mt19937_64 rng(sampling.seed);
   std::vector<int64_t> out = prompt;
   Cache cache;
   Tensor next = Tensor::from_i64(prompt, {1, static_cast<int64_t>(prompt.size())}, DType::i64, device_);
+  const ops::SampleOptions so{sampling.temperature, sampling.top_k, sampling.top_p};
   for (int64_t step = 0; step < max_new_tokens; ++step) {
     const Tensor logits = forward(next, &cache);
     const int64_t n = logits.size(1), v = cfg_.vocab_size;
-    const auto all = logits.narrow(1, n - 1, 1).to_f64_vector();
-    for (int64_t i = 0; i < v; ++i)
-      KCPP_CHECK(std::isfinite(all[i]), "generate: the model produced a non-finite logit ({} for token id {}); check the weights",
-                 all[i], i);
-    const int64_t tok = sample_next_token(std::vector<double>(all.begin(), all.begin() + v), sampling, rng);
+    const Tensor last = logits.narrow(1, n - 1, 1).contiguous().view({1, logits.size(2)}).narrow(1, 0, v);
+    // On the logits' device, as CausalLM picks (ops/nn/sampling.h; seed, then the new token's position).
+    const std::vector<int64_t> picked =
+        (sampling.temperature <= 0.0
+             ? ops::argmax_checked(last.contiguous())
+             : ops::sample_checked(ops::sampling_on_device(so) ? last : last.to(Device::cpu()), so, {sampling.seed},
+                                   {static_cast<int64_t>(out.size())}))
+            .to_i64_vector();
+    if (picked[1] >= 0)
+      KCPP_FAIL("generate: the model produced a non-finite logit ({} for token id {}); check the weights",
+                last.narrow(1, picked[1], 1).contiguous().to_f64_vector()[0], picked[1]);
+    const int64_t tok = picked[0];
     out.push_back(tok);
     if (std::find(stops.begin(), stops.end(), tok) != stops.end()) {
       why = StopReason::StopToken;
