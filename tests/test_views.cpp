@@ -548,7 +548,7 @@ TEST_P(Views, RandomChainsMatchTheReference) {
 }
 
 // The cases the property test found, minimized.
-TEST_P(Views, EmptyLayoutsAndExpandSizes) {
+TEST_P(Views, EmptyAndFullyBroadcastLayouts) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
   const DType dtype = dev.is_cpu() ? DType::f64 : DType::f32;
@@ -556,7 +556,11 @@ TEST_P(Views, EmptyLayoutsAndExpandSizes) {
   // and a transposed one narrowed to nothing.
   EXPECT_TRUE(Tensor::empty({3, 0, 5}, dtype, dev).is_contiguous());
   EXPECT_TRUE(Tensor::empty({2, 3}, dtype, dev).transpose(0, 1).narrow(1, 0, 0).is_contiguous());
+  // Operands broadcast in every dim merge into one dim of stride 0: each element reads the one value.
   const Tensor three = Tensor::full({1, 1}, 3.0, dtype, dev), two = Tensor::full({1}, 2.0, dtype, dev);
+  EXPECT_EQ(ops::neg(three.expand({4, 8})).to_f64_vector(), std::vector<double>(32, -3.0));
+  EXPECT_EQ(ops::add(three.expand({4, 8}), three.expand({4, 8})).to_f64_vector(), std::vector<double>(32, 6.0));
+  EXPECT_EQ(ops::mul(two.expand({32}), three.expand({1, 32})).to_f64_vector(), std::vector<double>(32, 6.0));
   // -1 keeps an existing dim's size only; no size is negative.
   EXPECT_ERROR(two.expand({-1, 4}), "new leading dim");
   EXPECT_ERROR(two.expand({-3}), "cannot be expanded");
