@@ -137,6 +137,10 @@ Device Tensor::device() const {
 int64_t Tensor::numel() const { return shape_numel(shape_); }
 
 bool Tensor::is_contiguous() const {
+  // Dims of size 1 are never stepped, so their strides do not matter; a tensor without elements is
+  // contiguous whatever its strides (contiguous_strides() gives a size-0 dim's outer dims the
+  // strides of a size-1 dim, which the product below would not match).
+  if (numel() == 0) return true;
   int64_t expected = 1;
   for (size_t i = shape_.size(); i-- > 0;) {
     if (shape_[i] == 1) continue;
@@ -311,11 +315,16 @@ Tensor Tensor::expand(Shape shape) const {
   const size_t lead = shape.size() - shape_.size();
   Shape st(shape.size(), 0);
   for (size_t i = 0; i < shape.size(); ++i) {
-    if (i < lead) continue;
+    // -1 keeps a dim's size, so it is no size for a new leading dim.
+    if (i < lead) {
+      KCPP_CHECK(shape[i] >= 0, "expand: {} cannot be expanded to {} (a new leading dim needs a size >= 0)",
+                 shape_str(shape_), shape_str(shape));
+      continue;
+    }
     const int64_t have = shape_[i - lead];
     if (shape[i] == -1) shape[i] = have;
-    KCPP_CHECK(have == shape[i] || have == 1, "expand: {} cannot be expanded to {}", shape_str(shape_),
-               shape_str(shape));
+    KCPP_CHECK(shape[i] >= 0 && (have == shape[i] || have == 1), "expand: {} cannot be expanded to {}",
+               shape_str(shape_), shape_str(shape));
     st[i] = have == shape[i] ? strides_[i - lead] : 0;
   }
   return with(std::move(shape), std::move(st), offset_);

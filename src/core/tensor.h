@@ -103,7 +103,7 @@ class Tensor {
   Tensor select(int64_t dim, int64_t index) const;
   Tensor unsqueeze(int64_t dim) const;
   Tensor squeeze(int64_t dim) const;
-  // Broadcast size-1 dims to `shape` with stride 0 (leading dims may be added).
+  // Broadcast size-1 dims to `shape` with stride 0 (leading dims may be added; -1 keeps a dim's size).
   Tensor expand(Shape shape) const;
   Tensor flatten() const { return reshape({numel()}); }
 

@@ -13,7 +13,9 @@ constexpr int kBlock = 256;
 
 template <typename T>
 __global__ void unary_kernel(StridedLayout<2> L, int64_t n, T* out, const T* x, Unary op, float alpha) {
-  const bool flat = L.ndim <= 1 && L.strides[1][0] <= 1;
+  // One merged dim that x steps through by 1 as `out` (a fresh contiguous tensor) does: element i of
+  // both is at i.  A stride-0 x (an expanded tensor) takes the offsets, which read x[0] throughout.
+  const bool flat = L.ndim == 0 || (L.ndim == 1 && L.strides[1][0] == 1);
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     int64_t off[2] = {i, i};
     if (!flat) L.offsets(i, off);
@@ -23,7 +25,9 @@ __global__ void unary_kernel(StridedLayout<2> L, int64_t n, T* out, const T* x, 
 
 template <typename T>
 __global__ void binary_kernel(StridedLayout<3> L, int64_t n, T* out, const T* a, const T* b, Binary op) {
-  const bool flat = L.ndim <= 1 && L.strides[1][0] <= 1 && L.strides[2][0] <= 1 && L.strides[1][0] == L.strides[2][0];
+  // As in unary_kernel: flat only when both operands step by 1 through one merged dim; a broadcast
+  // operand (stride 0) takes the offsets.
+  const bool flat = L.ndim == 0 || (L.ndim == 1 && L.strides[1][0] == 1 && L.strides[2][0] == 1);
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     int64_t off[3] = {i, i, i};
     if (!flat) L.offsets(i, off);
