@@ -173,6 +173,50 @@ TEST(Dist, LaunchInfoFromTheEnvironment) {
 // labelled tokens, one share a single row), three steps; every rank's parameters equal the
 // single-process model's after each step, in f32, within the rounding of a different summation
 // order.  ZeRO-1 gives stage 0's parameters exactly and keeps a share of the AdamW state.
+// The backward hands over each gradient once, whole, the last layer's first; the reduction of
+// buckets during the backward (DataParallelOptions::overlap) gives the parameters that reducing after
+// the backward gives, bit for bit, with two micro-batches a rank (the hook sees their sum).
+TEST(Dist, OverlappedReductionEqualsTheReductionAfterTheBackward) {
+  const fs::path dir = fs::path(test::fixtures_dir()) / "llama";
+  const models::ModelConfig cfg = models::ModelConfig::from_folder(dir);
+  Generator gen(5);
+  const Tensor ids = Tensor::randint({4, 7}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen);
+  {
+    auto model = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 7, 0.5);
+    std::vector<std::string> order;
+    std::map<std::string, const void*> handed;
+    const auto r = model->loss_and_gradients(ids, ids, 1.0, ops::Reduction::Mean, [&](const std::string& n, const Tensor& g) {
+      order.push_back(n);
+      handed[n] = g.data();
+    });
+    ASSERT_EQ(order.size(), r.grads.size()) << "each gradient handed over once";
+    for (const auto& [n, g] : r.grads) EXPECT_EQ(handed.at(n), g.data()) << n << ": not the tensor the result holds";
+    const std::string last = fmt::format("model.layers.{}.", cfg.num_hidden_layers - 1);
+    EXPECT_TRUE(order.front().starts_with(last)) << order.front();
+    EXPECT_EQ(std::count_if(order.end() - 3, order.end(), [](const std::string& n) { return !n.starts_with("model.layers."); }), 3)
+        << "the embedding, the final norm and the head come last";
+  }
+  train::AdamWOptions o;
+  o.lr = 5e-3, o.max_grad_norm = 0.5;
+  std::map<bool, std::vector<std::map<std::string, std::vector<double>>>> got;
+  for (bool overlap : {false, true}) {
+    got[overlap].resize(2);
+    on_ranks(2, [&](int r, dist::Communicator& c) {
+      auto model = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 7, 0.5);
+      train::DataParallelOptions dp;
+      dp.bucket_mib = 0.01, dp.overlap = overlap;
+      train::DataParallel trainer(*model, c, o, dp);
+      const Tensor mine = ids.narrow(0, 2 * r, 2);
+      for (int step = 0; step < 2; ++step)
+        (void)trainer.step({{mine.narrow(0, 0, 1).contiguous(), mine.narrow(0, 0, 1).contiguous()},
+                            {mine.narrow(0, 1, 1).contiguous(), mine.narrow(0, 1, 1).contiguous()}});
+      for (const auto& [name, p] : model->parameters()) got[overlap][static_cast<size_t>(r)][name] = p.to_f64_vector();
+    });
+  }
+  for (int r = 0; r < 2; ++r)
+    for (const auto& [name, v] : got[true][static_cast<size_t>(r)]) EXPECT_EQ(v, got[false][static_cast<size_t>(r)].at(name)) << "rank " << r << " " << name;
+}
+
 TEST(Dist, DataParallelEqualsOneProcessOnTheWholeBatch) {
   const fs::path dir = fs::path(test::fixtures_dir()) / "llama";
   const models::ModelConfig cfg = models::ModelConfig::from_folder(dir);

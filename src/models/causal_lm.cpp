@@ -830,7 +830,8 @@ int64_t CausalLM::labelled_tokens(const Tensor& labels) {
   return n;
 }
 
-CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor& labels, double dloss, ops::Reduction reduction) {
+CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor& labels, double dloss, ops::Reduction reduction,
+                                                  const GradientReady& ready) {
   KCPP_CHECK(reduction != ops::Reduction::None, "loss_and_gradients: reduction 'none' has no scalar loss to differentiate");
   struct Restore {
     nn::ForCausalLMLoss& slot;
@@ -953,11 +954,17 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
     const auto in = l.input_norm->backward(da.view({b, s, hdim}), t.in_norm);
     acc(p + "input_layernorm.weight", in.dweight);
     dh = ops::add(dh, in.dx);
+    if (ready) {  // this layer's gradients are whole
+      for (auto it = g.lower_bound(p); it != g.end() && it->first.starts_with(p); ++it) ready(it->first, it->second);
+    }
   }
   if (c.scale_embeddings)
     dh = ops::scale(dh, Tensor::full({}, std::sqrt(static_cast<double>(hdim)), dtype_, Device::cpu()).item());
   const Tensor ids_dev = ids.device() == device_ ? ids : ids.to(device_);
   acc("model.embed_tokens.weight", ops::embedding_backward(dh.contiguous(), ids_dev, c.vocab_size));
+  if (ready)
+    for (const auto& [name, grad] : g)
+      if (!name.starts_with("model.layers.")) ready(name, grad);
   return out;
 }
 

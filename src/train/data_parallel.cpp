@@ -7,6 +7,7 @@
 #include <exception>
 #include <numeric>
 
+#include "core/cuda_runtime.h"
 #include "core/error.h"
 #include "models/safetensors.h"
 #include "ops/ops.h"
@@ -39,6 +40,75 @@ std::vector<std::pair<std::string, Tensor>> owned(const std::vector<std::pair<st
 }
 
 }  // namespace
+
+// Collectives beside the current stream's work: over NCCL on a CUDA device, on a stream of their own
+// that first waits for what the current stream has queued (an event), so that the current stream
+// goes on meanwhile; join() makes the current stream wait for all of them.  Elsewhere (the thread
+// group, the CPU) a collective runs where it is called.
+class SideStream {
+ public:
+  explicit SideStream(dist::Communicator& comm) {
+#if KCPP_WITH_CUDA
+    if (comm.backend() == "nccl" && comm.device().is_cuda()) {
+      device_ = comm.device().index;
+      kcpp::cuda::DeviceGuard g(device_);
+      KCPP_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      KCPP_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    }
+#else
+    (void)comm;
+#endif
+  }
+  ~SideStream() {
+#if KCPP_WITH_CUDA
+    if (stream_) {
+      kcpp::cuda::DeviceGuard g(device_);
+      (void)cudaStreamSynchronize(stream_);
+      (void)cudaEventDestroy(event_);
+      (void)cudaStreamDestroy(stream_);
+    }
+#endif
+  }
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+
+  template <typename F> void run(F&& f) {
+#if KCPP_WITH_CUDA
+    if (stream_) {
+      kcpp::cuda::DeviceGuard g(device_);
+      const cudaStream_t main = kcpp::cuda::current_stream();
+      KCPP_CUDA_CHECK(cudaEventRecord(event_, main));
+      KCPP_CUDA_CHECK(cudaStreamWaitEvent(stream_, event_, 0));
+      kcpp::cuda::set_current_stream(stream_);
+      struct Back {
+        cudaStream_t s;
+        ~Back() { kcpp::cuda::set_current_stream(s); }
+      } back{main};
+      f();
+      return;
+    }
+#endif
+    f();
+  }
+  void join() {
+#if KCPP_WITH_CUDA
+    if (stream_) {
+      kcpp::cuda::DeviceGuard g(device_);
+      KCPP_CUDA_CHECK(cudaEventRecord(event_, stream_));
+      KCPP_CUDA_CHECK(cudaStreamWaitEvent(kcpp::cuda::current_stream(), event_, 0));
+    }
+#endif
+  }
+
+ private:
+#if KCPP_WITH_CUDA
+  int device_ = 0;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t event_ = nullptr;
+#endif
+};
+
+DataParallel::~DataParallel() = default;
 
 std::map<std::string, int> DataParallel::assign_owners(const std::vector<std::pair<std::string, Tensor>>& params, int world) {
   // Largest first, each to the rank holding the fewest elements so far (ties: the lower rank);
@@ -83,7 +153,29 @@ DataParallel::DataParallel(models::CausalLM& model, dist::Communicator& comm, Ad
         }
         return assign_owners(params_, comm.world_size());
       }()),
-      opt_(owned(params_, owner_, comm.rank()), adamw) {}
+      opt_(owned(params_, owner_, comm.rank()), adamw),
+      side_(std::make_unique<SideStream>(comm)) {}
+
+Tensor DataParallel::pack(const std::vector<std::string>& names, const std::map<std::string, Tensor>& grads) const {
+  std::vector<Tensor> parts;
+  for (const std::string& n : names) parts.push_back(grads.at(n).contiguous().view({grads.at(n).numel()}).to(options_.reduce_dtype));
+  Tensor flat = parts.size() == 1 ? parts[0].contiguous() : ops::cat(parts, 0);
+  if (parts.size() == 1 && flat.data() == grads.at(names[0]).data()) flat = flat.clone();  // never reduce in place of a view
+  return flat;
+}
+
+void DataParallel::unpack(const std::vector<std::string>& names, const Tensor& flat, std::map<std::string, Tensor>& grads) const {
+  int64_t at = 0;
+  // Back in the parameter's dtype on every rank (a local gradient of another dtype would round
+  // differently from rank to rank).
+  for (const std::string& n : names) {
+    Tensor& g = grads.at(n);
+    const int64_t k = g.numel();
+    const Tensor& p = param_of_.at(n);
+    g = flat.narrow(0, at, k).to(p.dtype()).contiguous().view(p.shape());
+    at += k;
+  }
+}
 
 void DataParallel::reduce_gradients(std::map<std::string, Tensor>& grads, const std::vector<char>& anywhere) {
   const size_t bucket_bytes = static_cast<size_t>(options_.bucket_mib * (1 << 20));
@@ -92,21 +184,9 @@ void DataParallel::reduce_gradients(std::map<std::string, Tensor>& grads, const 
   size_t bytes = 0;
   auto flush = [&] {
     if (bucket.empty()) return;
-    std::vector<Tensor> parts;
-    for (const std::string& n : bucket) parts.push_back(grads.at(n).contiguous().view({grads.at(n).numel()}).to(options_.reduce_dtype));
-    Tensor flat = parts.size() == 1 ? parts[0].contiguous() : ops::cat(parts, 0);
-    if (parts.size() == 1 && flat.data() == grads.at(bucket[0]).data()) flat = flat.clone();  // never reduce in place of a view
+    const Tensor flat = pack(bucket, grads);
     comm_.all_reduce(flat, dist::ReduceOp::Sum);
-    int64_t at = 0;
-    // Back in the parameter's dtype on every rank (a local gradient of another dtype would round
-    // differently from rank to rank).
-    for (const std::string& n : bucket) {
-      Tensor& g = grads.at(n);
-      const int64_t k = g.numel();
-      const Tensor& p = param_of_.at(n);
-      g = flat.narrow(0, at, k).to(p.dtype()).contiguous().view(p.shape());
-      at += k;
-    }
+    unpack(bucket, flat, grads);
     bucket.clear();
     bytes = 0;
   };
@@ -199,8 +279,37 @@ StepResult DataParallel::step(const std::vector<MicroBatch>& micro) {
   const int64_t total = static_cast<int64_t>(count.item());
   KCPP_CHECK(total > 0, "data parallel: no labelled token in the step's batch on any of the {} ranks", comm_.world_size());
   // Every share runs its forward and backward, labels or not (a share without labels adds nothing
-  // to the loss of the tokens, but an MoE model's auxiliary loss still counts).
-  Accumulated acc = accumulate_gradients(model_, micro, total);
+  // to the loss of the tokens, but an MoE model's auxiliary loss still counts).  Overlapped: buckets
+  // in the order the backward finishes parameters (the same on every rank), each summed on the side
+  // stream once full, held until the stream is joined.
+  const bool overlap = options_.overlap && model_.config().num_experts == 0;
+  const size_t bucket_bytes = static_cast<size_t>(options_.bucket_mib * (1 << 20));
+  std::vector<std::pair<std::vector<std::string>, Tensor>> summed_buckets;
+  std::vector<std::string> filling;
+  std::map<std::string, Tensor> whole;  // the gradients handed over so far
+  size_t filling_bytes = 0;
+  auto send = [&] {
+    if (filling.empty()) return;
+    Tensor flat = pack(filling, whole);
+    side_->run([&] { comm_.all_reduce(flat, dist::ReduceOp::Sum); });
+    summed_buckets.emplace_back(std::move(filling), std::move(flat));
+    filling.clear();
+    filling_bytes = 0;
+  };
+  models::CausalLM::GradientReady ready;
+  if (overlap)
+    ready = [&](const std::string& name, const Tensor& g) {
+      whole.emplace(name, g);
+      filling.push_back(name);
+      filling_bytes += static_cast<size_t>(g.numel()) * dtype_size(options_.reduce_dtype);
+      if (filling_bytes >= bucket_bytes) send();
+    };
+  Accumulated acc = accumulate_gradients(model_, micro, total, ready);
+  if (overlap) {
+    send();
+    side_->join();
+    for (const auto& [names, flat] : summed_buckets) unpack(names, flat, acc.grads);
+  }
   std::vector<double> info(params_.size() + 1);
   info[0] = acc.loss;
   for (size_t i = 0; i < params_.size(); ++i) info[i + 1] = acc.grads.count(params_[i].first) ? 1.0 : 0.0;
@@ -209,7 +318,7 @@ StepResult DataParallel::step(const std::vector<MicroBatch>& micro) {
   const std::vector<double> summed = shared.to_f64_vector();
   std::vector<char> anywhere(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) anywhere[i] = summed[i + 1] > 0;
-  reduce_gradients(acc.grads, anywhere);
+  if (!overlap) reduce_gradients(acc.grads, anywhere);
 
   std::map<std::string, Tensor> mine_grads;
   std::vector<Tensor> others;

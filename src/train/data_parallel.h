@@ -7,7 +7,11 @@
 //          g = sum over ranks of g_r                                        (all_reduce, in buckets)
 //          then AdamW with g, clipped by ||g||: the step of the whole batch
 // The gradients travel in buckets of about `bucket_mib` (flattened, in `reduce_dtype`: f32 by
-// default, so that sums of bf16 gradients are not rounded to bf16 on the way).
+// default, so that sums of bf16 gradients are not rounded to bf16 on the way).  With `overlap` (the
+// default; models without MoE layers, whose every parameter has a gradient on every rank) a bucket
+// is summed as soon as the last micro-batch's backward has finished its parameters, the last layer's
+// first: over NCCL on a stream of its own, while the backward goes on with the layers below.  The
+// sums are the same as after the backward.
 //
 // ZeRO stage 1 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 // Models", 2020): each parameter has an owner rank (whole parameters, balanced by size), only the
@@ -18,6 +22,7 @@
 
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -32,6 +37,7 @@ struct DataParallelOptions {
   int zero_stage = 0;              // 0 or 1
   double bucket_mib = 25.0;        // gradient bytes (in reduce_dtype) a bucket holds, about
   DType reduce_dtype = DType::f32;  // f32, or the gradients' own dtype (half the traffic for bf16)
+  bool overlap = true;             // buckets summed during the backward (see above)
 };
 
 // One optimizer's state as rank `rank` of `world` writes it (a single process: 0 of 1), with the
@@ -40,11 +46,14 @@ struct DataParallelOptions {
 void save_optimizer_state(const std::filesystem::path& folder, const AdamW& opt, int rank = 0, int world = 1);
 void load_optimizer_state(const std::filesystem::path& folder, AdamW& opt);
 
+class SideStream;  // data_parallel.cpp
+
 class DataParallel {
  public:
   // The parameters of `model` (on comm.device()) start as rank 0's: they are broadcast here, before
   // the optimizer copies them.
   DataParallel(models::CausalLM& model, dist::Communicator& comm, AdamWOptions adamw, DataParallelOptions options = {});
+  ~DataParallel();
 
   // One optimizer step; `micro` is this rank's share of the step's batch (its micro-batches).
   // Every rank gets the loss, the token count and the gradient norm of the whole step.
@@ -66,6 +75,10 @@ class DataParallel {
   static std::map<std::string, int> assign_owners(const std::vector<std::pair<std::string, Tensor>>& params, int world);
   // anywhere[i]: whether some rank has a gradient of params_[i].
   void reduce_gradients(std::map<std::string, Tensor>& grads, const std::vector<char>& anywhere);
+  // A bucket: its gradients flattened into one tensor of reduce_dtype, and back (in each parameter's
+  // dtype and shape) once summed.
+  Tensor pack(const std::vector<std::string>& names, const std::map<std::string, Tensor>& grads) const;
+  void unpack(const std::vector<std::string>& names, const Tensor& flat, std::map<std::string, Tensor>& grads) const;
 
   models::CausalLM& model_;
   dist::Communicator& comm_;
@@ -74,6 +87,7 @@ class DataParallel {
   std::map<std::string, Tensor> param_of_;              // the same, by name
   std::map<std::string, int> owner_;
   AdamW opt_;
+  std::unique_ptr<SideStream> side_;  // where overlapped buckets are summed
 };
 
 }  // namespace kcpp::train

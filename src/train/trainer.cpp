@@ -5,7 +5,8 @@
 
 namespace kcpp::train {
 
-Accumulated accumulate_gradients(models::CausalLM& model, const std::vector<MicroBatch>& micro, int64_t total_tokens) {
+Accumulated accumulate_gradients(models::CausalLM& model, const std::vector<MicroBatch>& micro, int64_t total_tokens,
+                                 const models::CausalLM::GradientReady& ready) {
   KCPP_CHECK(!micro.empty(), "accumulate_gradients: no micro-batches");
   Accumulated acc;
   for (const MicroBatch& m : micro) acc.tokens += models::CausalLM::labelled_tokens(m.labels);
@@ -13,14 +14,21 @@ Accumulated accumulate_gradients(models::CausalLM& model, const std::vector<Micr
   KCPP_CHECK(total_tokens == 0 || total_tokens >= acc.tokens,
              "accumulate_gradients: total_tokens {} is less than these micro-batches' {}", total_tokens, acc.tokens);
   const double scale = 1.0 / static_cast<double>(total_tokens > 0 ? total_tokens : acc.tokens);
-  for (const MicroBatch& m : micro) {
-    auto r = model.loss_and_gradients(m.input_ids, m.labels, scale, ops::Reduction::Sum);
+  auto add_in = [&](const std::string& name, const Tensor& g) -> const Tensor& {
+    auto it = acc.grads.find(name);
+    if (it == acc.grads.end()) return acc.grads.emplace(name, g).first->second;
+    return it->second = ops::add(it->second, g);
+  };
+  for (size_t i = 0; i < micro.size(); ++i) {
+    const MicroBatch& m = micro[i];
+    const bool hooked = ready && i + 1 == micro.size();
+    // The last micro-batch's gradients are summed in as the backward finishes each one.
+    models::CausalLM::GradientReady each;
+    if (hooked) each = [&](const std::string& name, const Tensor& g) { ready(name, add_in(name, g)); };
+    auto r = model.loss_and_gradients(m.input_ids, m.labels, scale, ops::Reduction::Sum, each);
+    if (!hooked)
+      for (auto& [name, g] : r.grads) add_in(name, g);
     acc.loss += r.loss.item() * scale;
-    for (auto& [name, g] : r.grads) {
-      auto it = acc.grads.find(name);
-      if (it == acc.grads.end()) acc.grads.emplace(name, std::move(g));
-      else it->second = ops::add(it->second, g);
-    }
   }
   return acc;
 }

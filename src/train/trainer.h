@@ -29,7 +29,10 @@ struct Accumulated {
 };
 // `total_tokens` > 0: the labelled tokens of the whole step when these micro-batches are one share
 // of it (data parallelism: each rank's share), so that the shares' gradients sum to the step's.
-Accumulated accumulate_gradients(models::CausalLM& model, const std::vector<MicroBatch>& micro, int64_t total_tokens = 0);
+// `ready`: called during the last micro-batch's backward with each parameter's accumulated gradient
+// as it becomes whole (CausalLM::loss_and_gradients), the same tensor the result then holds.
+Accumulated accumulate_gradients(models::CausalLM& model, const std::vector<MicroBatch>& micro, int64_t total_tokens = 0,
+                                 const models::CausalLM::GradientReady& ready = {});
 
 // accumulate_gradients, then one AdamW step.
 StepResult train_step(models::CausalLM& model, AdamW& opt, const std::vector<MicroBatch>& micro);

@@ -12,7 +12,8 @@
 // of itself with RANK, WORLD_SIZE, LOCAL_RANK and KCPP_NCCL_ID set, and waits for them.  A process
 // started with RANK set (by --gpus, or by another launcher that also sets KCPP_NCCL_ID) is one rank:
 // it trains on GPU LOCAL_RANK with its share of every step's --batch rows (train/data_parallel.h),
-// and rank 0 prints.  --zero 1 shards the optimizer state over the ranks.
+// and rank 0 prints.  --zero 1 shards the optimizer state over the ranks; the gradients are summed
+// in buckets during the backward (--no-overlap: after it).
 #include <fmt/format.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -67,6 +68,7 @@ struct TrainArgs {
   bool use_local_kernel = false, allow_all = false;
   bool liger_given = false;  // --liger-kernel-config or --packages: the Liger switches over this build's liger
   int64_t gpus = 1, zero = 0;
+  bool no_overlap = false;
   std::string resume;  // --resume DIR
 };
 
@@ -153,6 +155,7 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::
   if (ranks.comm) {
     train::DataParallelOptions dpo;
     dpo.zero_stage = static_cast<int>(a.zero);
+    dpo.overlap = !a.no_overlap;
     r.dp = std::make_unique<train::DataParallel>(*r.model, *ranks.comm, o, dpo);
     if (resume) r.dp->load_optimizer(resume->folder);
   } else {
@@ -507,6 +510,7 @@ void add_train_command(CLI::App& app, Action& action) {
                 "Continue from a folder kcpp train --save wrote (model, optimizer state, data position), for --steps more; "
                 "any number of GPUs");
   t->add_option("--gpus", args->gpus, "Train data-parallel on this many GPUs (one process each, NCCL)")->capture_default_str();
+  t->add_flag("--no-overlap", args->no_overlap, "With --gpus: sum the gradients after the backward, not during it");
   t->add_option("--zero", args->zero, "With --gpus: 1 shards the optimizer state over the GPUs (ZeRO stage 1)")
       ->capture_default_str();
   auto* liger_opt = t->get_option("--liger-kernel-config");
