@@ -83,7 +83,8 @@ __global__ void qk_norm_rope_cache_kernel(T* __restrict__ q_out, const T* __rest
       const int e = lane + 32 * i;
       if (e >= rd) continue;
       const float rot = interleaved ? ((e & 1) ? sh[e - 1] : -sh[e + 1]) : (e < half ? -sh[e + half] : sh[e - half]);
-      v[i] = round_to<T>(round_to<T>(v[i] * to_f32(c[e])) + round_to<T>(rot * to_f32(s[e])));
+      // Each product rounded before the add, as the eager ops store them (no fused multiply-add in f32).
+      v[i] = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(v[i], to_f32(c[e]))), round_to<T>(__fmul_rn(rot, to_f32(s[e])))));
     }
   }
   T* dst;
@@ -103,7 +104,7 @@ __global__ void qk_norm_rope_cache_kernel(T* __restrict__ q_out, const T* __rest
 }
 
 template <typename T>
-__global__ void add_rms_norm_kernel(T* __restrict__ s_out, T* __restrict__ y, const T* __restrict__ x,
+__global__ void __launch_bounds__(1024) add_rms_norm_kernel(T* __restrict__ s_out, T* __restrict__ y, const T* __restrict__ x,
                                     const T* __restrict__ delta, const T* __restrict__ w, int h, float eps, float offset,
                                     bool gemma) {
   __shared__ float scratch[32];

@@ -3,8 +3,8 @@
 // Top-k: the k-th largest logit is found by a radix select over order-preserving 32-bit keys of the
 // logits (four passes of 8-bit digit histograms, most significant first); the k candidates (those
 // above it, then the ties in id order) are compacted by a block scan over contiguous chunks, ordered
-// by a bitonic sort of (key descending, id ascending) packed in 64 bits, and one thread walks them in
-// f64 exactly as the host does: probabilities, top-p, the draw.
+// by a bitonic sort of (key descending, id ascending) packed in 64 bits; each thread computes one
+// candidate's probability in f64, and one thread adds them in order as the host does: top-p, the draw.
 // Gumbel-max (no top-k, no top-p): each thread keeps its best x / T + g over a strided share of the
 // vocabulary, in f64; a block reduction picks the largest (ties: the lower id).
 #include <cub/block/block_scan.cuh>
@@ -40,9 +40,11 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(int64_t* __restrict__ 
   __shared__ uint32_t prefix_s, mask_s;
   __shared__ int remaining_s;
   __shared__ unsigned long long cand[kMaxK];
+  __shared__ double p[kMaxK];
   __shared__ double best_v[kThreads / 32];
   __shared__ int64_t best_i[kThreads / 32];
-  const int tid = threadIdx.x, row = blockIdx.x;
+  const int tid = threadIdx.x;
+  const int64_t row = blockIdx.x;
   const T* x = logits + static_cast<int64_t>(row) * v;
   const uint64_t seed = static_cast<uint64_t>(counters[2 * row]), pos = static_cast<uint64_t>(counters[2 * row + 1]);
   if (tid == 0) bad = 0x7fffffff;
@@ -60,7 +62,9 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(int64_t* __restrict__ 
     for (int64_t i = tid; i < v; i += kThreads) {
       const double g = static_cast<double>(to_f32(x[i])) / temperature -
                        ::log(-::log(counter_uniform(seed, pos, static_cast<uint64_t>(i) + 1)));
-      if (g > best) best = g, at = i;  // strided: a thread meets its ids in increasing order
+      // Strided: a thread meets its ids in increasing order; the first is taken even at -inf (a
+      // temperature so small that x / T overflows), as the host takes id 0 then.
+      if (g > best || at == v) best = g, at = i;
     }
     for (int o = 16; o > 0; o >>= 1) {
       const double bv = __shfl_xor_sync(0xffffffffu, best, o);
@@ -137,17 +141,20 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(int64_t* __restrict__ 
       }
       __syncthreads();
     }
-  if (tid != 0) return;
+  // Each candidate's exp((x - x_max) / T) in parallel; one thread adds them in order, in f64, as the
+  // host does.
   const double x0 = to_f32(x[cand[0] & 0xffffffffu]);
-  // Probabilities, top-p and the draw, in f64 as the host computes them.
+  if (tid < k) p[tid] = ::exp((static_cast<double>(to_f32(x[cand[tid] & 0xffffffffu])) - x0) / temperature);
+  __syncthreads();
+  if (tid != 0) return;
   double z = 0;
-  for (int i = 0; i < k; ++i) z += ::exp((static_cast<double>(to_f32(x[cand[i] & 0xffffffffu])) - x0) / temperature);
+  for (int i = 0; i < k; ++i) z += p[i];
   int n = k;
   double total = z;
   if (top_p < 1.0) {
     double c = 0;
     for (int i = 0; i < k; ++i) {
-      c += ::exp((static_cast<double>(to_f32(x[cand[i] & 0xffffffffu])) - x0) / temperature);
+      c += p[i];
       if (c >= top_p * z) {
         n = i + 1, total = c;
         break;
@@ -158,7 +165,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(int64_t* __restrict__ 
   int pick = n - 1;
   double c = 0;
   for (int i = 0; i < n; ++i) {
-    c += ::exp((static_cast<double>(to_f32(x[cand[i] & 0xffffffffu])) - x0) / temperature);
+    c += p[i];
     if (c > target) {
       pick = i;
       break;
@@ -174,6 +181,8 @@ void sample_checked(const Tensor& out, const Tensor& logits, const SampleOptions
   kcpp::cuda::DeviceGuard guard(logits.device().index);
   const int64_t b = logits.size(0), v = logits.size(1);
   KCPP_CHECK(v <= 0x7fffffff && b <= 0x7fffffff, "op sample: logits [{}, {}] are too large for one launch", b, v);
+  KCPP_CHECK(sampling_on_device(opt), "op sample: top_k {} with top_p {} is not sampled on the GPU (top_k 1 to 1024, or "
+             "neither filter); sample_checked takes such calls to the host", opt.top_k, opt.top_p);
   std::vector<int64_t> counters(static_cast<size_t>(2 * b));
   for (int64_t i = 0; i < b; ++i)
     counters[2 * i] = static_cast<int64_t>(seeds[i]), counters[2 * i + 1] = positions[i];

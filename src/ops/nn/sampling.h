@@ -14,8 +14,8 @@
 // U(s, a, b) is a counter-based uniform: splitmix64 (Steele, Lea and Flood, "Fast splittable
 // pseudorandom number generators", 2014) applied to the three counters, its top 53 bits over 2^53.
 // The draws depend on (seed, position, id) only, so a row gives the same tokens alone or in a batch,
-// on the CPU or the GPU (up to the order of the f32 sums on the GPU, which moves a boundary by a few
-// units of roundoff), and a CUDA graph could replay them.
+// on the CPU or the GPU (both add the same f64 terms in the same order; the device's exp and log may
+// differ from the host's by an ulp, which moves a pick only for a draw within ~1e-16 of a boundary).
 //
 // Returns [B, 2] i64: the token, then -1, or the id of the first non-finite logit of the row (the
 // token is then meaningless; the caller reports it, as ops::argmax_checked's callers do).
