@@ -876,6 +876,10 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
   acc(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight", lg.dweight);
   auto fn = final_norm_->backward(lg.dhidden.view({b, s, hdim}), tape.final_norm);
   acc("model.norm.weight", fn.dweight);
+  if (ready) {  // whole already: the final norm's, and an untied head's
+    ready("model.norm.weight", g.at("model.norm.weight"));
+    if (!c.tie_word_embeddings) ready("lm_head.weight", g.at("lm_head.weight"));
+  }
   Tensor dh = fn.dx;  // [B, S, H]: the gradient of the residual stream
   // Gradients of a linear layer y = x W^T (+ bias): dx = dy W, dW = dy^T x, db = column sums of dy.
   auto col_sum = [&](const Tensor& dy) { return ops::matmul(Tensor::full({1, dy.size(0)}, 1.0, dy.dtype(), dy.device()), dy).view({dy.size(1)}); };
@@ -962,9 +966,10 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
     dh = ops::scale(dh, Tensor::full({}, std::sqrt(static_cast<double>(hdim)), dtype_, Device::cpu()).item());
   const Tensor ids_dev = ids.device() == device_ ? ids : ids.to(device_);
   acc("model.embed_tokens.weight", ops::embedding_backward(dh.contiguous(), ids_dev, c.vocab_size));
-  if (ready)
+  if (ready)  // the embedding, and whatever else lies outside the layers and was not handed over above
     for (const auto& [name, grad] : g)
-      if (!name.starts_with("model.layers.")) ready(name, grad);
+      if (!name.starts_with("model.layers.") && name != "model.norm.weight" && (c.tie_word_embeddings || name != "lm_head.weight"))
+        ready(name, grad);
   return out;
 }
 

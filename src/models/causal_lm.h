@@ -157,9 +157,10 @@ class CausalLM : public nn::Module {
   // `reduction` Sum: the loss summed over the labelled tokens (for gradient accumulation, where the
   // caller divides by the tokens of the whole accumulated batch through `dloss`).
   // `ready`, when given, is called with each parameter's gradient as soon as the backward has made
-  // it whole: a layer's after that layer's backward (the last layer first), then the embedding, the
-  // final norm and the head; the order is the same on every call (data parallelism reduces gradients
-  // in buckets while the backward goes on).  Every gradient is also in the result.
+  // it whole: the final norm's and an untied head's first, then each layer's after that layer's
+  // backward (the last layer first), the embedding last; the order is the same on every call (data
+  // parallelism reduces gradients in buckets while the backward goes on).  Every gradient is also in
+  // the result.
   using GradientReady = std::function<void(const std::string& name, const Tensor& grad)>;
   Gradients loss_and_gradients(const Tensor& input_ids, const Tensor& labels, double dloss = 1.0,
                                ops::Reduction reduction = ops::Reduction::Mean, const GradientReady& ready = {});

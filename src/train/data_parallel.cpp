@@ -63,7 +63,9 @@ class SideStream {
 #if KCPP_WITH_CUDA
     if (stream_) {
       kcpp::cuda::DeviceGuard g(device_);
-      (void)cudaStreamSynchronize(stream_);
+      // Not while an exception unwinds: a collective a failed peer never joins would never end
+      // (the communicator aborts them; destroying a stream with work queued is safe).
+      if (std::uncaught_exceptions() == 0) (void)cudaStreamSynchronize(stream_);
       (void)cudaEventDestroy(event_);
       (void)cudaStreamDestroy(stream_);
     }
@@ -167,12 +169,15 @@ Tensor DataParallel::pack(const std::vector<std::string>& names, const std::map<
 void DataParallel::unpack(const std::vector<std::string>& names, const Tensor& flat, std::map<std::string, Tensor>& grads) const {
   int64_t at = 0;
   // Back in the parameter's dtype on every rank (a local gradient of another dtype would round
-  // differently from rank to rank).
+  // differently from rank to rank): into the gradient's own memory when it has that dtype and shape
+  // (no second copy of the gradients alive), else as a new tensor.
   for (const std::string& n : names) {
     Tensor& g = grads.at(n);
     const int64_t k = g.numel();
     const Tensor& p = param_of_.at(n);
-    g = flat.narrow(0, at, k).to(p.dtype()).contiguous().view(p.shape());
+    const Tensor part = flat.narrow(0, at, k).view(p.shape());
+    if (g.dtype() == p.dtype() && g.shape() == p.shape()) g.copy_(part);
+    else g = part.to(p.dtype()).contiguous();
     at += k;
   }
 }
@@ -284,15 +289,36 @@ StepResult DataParallel::step(const std::vector<MicroBatch>& micro) {
   // stream once full, held until the stream is joined.
   const bool overlap = options_.overlap && model_.config().num_experts == 0;
   const size_t bucket_bytes = static_cast<size_t>(options_.bucket_mib * (1 << 20));
-  std::vector<std::pair<std::vector<std::string>, Tensor>> summed_buckets;
+  std::vector<std::pair<std::vector<std::string>, Tensor>> in_flight;  // buckets summing on the side stream
   std::vector<std::string> filling;
-  std::map<std::string, Tensor> whole;  // the gradients handed over so far
-  size_t filling_bytes = 0;
+  std::map<std::string, Tensor> whole;  // the gradients handed over (the result's tensors: summed in place)
+  size_t filling_bytes = 0, handed = 0;
+  // A step that throws with buckets in flight waits (on the device, not the host) for them before
+  // their buffers go back to the allocator.
+  struct JoinOnExit {
+    SideStream& side;
+    ~JoinOnExit() {
+      try {
+        side.join();
+      } catch (const std::exception&) {  // the error under way is the one to report
+      }
+    }
+  } joined{*side_};
+  // The buckets summed before the one about to be sent come back first: the current stream waits
+  // for them (they had the backward of a bucket's worth of layers to finish) and at most two
+  // buckets' buffers are alive at once.
+  auto collect = [&] {
+    if (in_flight.empty()) return;
+    side_->join();
+    for (const auto& [names, flat] : in_flight) unpack(names, flat, whole);
+    in_flight.clear();
+  };
   auto send = [&] {
     if (filling.empty()) return;
+    collect();
     Tensor flat = pack(filling, whole);
     side_->run([&] { comm_.all_reduce(flat, dist::ReduceOp::Sum); });
-    summed_buckets.emplace_back(std::move(filling), std::move(flat));
+    in_flight.emplace_back(std::move(filling), std::move(flat));
     filling.clear();
     filling_bytes = 0;
   };
@@ -302,13 +328,15 @@ StepResult DataParallel::step(const std::vector<MicroBatch>& micro) {
       whole.emplace(name, g);
       filling.push_back(name);
       filling_bytes += static_cast<size_t>(g.numel()) * dtype_size(options_.reduce_dtype);
-      if (filling_bytes >= bucket_bytes) send();
+      // Full, or the step's last gradient (every parameter has one: no MoE layers).
+      if (filling_bytes >= bucket_bytes || ++handed == params_.size()) send();
     };
   Accumulated acc = accumulate_gradients(model_, micro, total, ready);
   if (overlap) {
     send();
-    side_->join();
-    for (const auto& [names, flat] : summed_buckets) unpack(names, flat, acc.grads);
+    collect();
+    for (const auto& [name, g] : whole)  // a gradient unpacked as a new tensor (another dtype)
+      if (acc.grads.at(name).data() != g.data()) acc.grads.at(name) = g;
   }
   std::vector<double> info(params_.size() + 1);
   info[0] = acc.loss;

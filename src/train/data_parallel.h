@@ -9,9 +9,12 @@
 // The gradients travel in buckets of about `bucket_mib` (flattened, in `reduce_dtype`: f32 by
 // default, so that sums of bf16 gradients are not rounded to bf16 on the way).  With `overlap` (the
 // default; models without MoE layers, whose every parameter has a gradient on every rank) a bucket
-// is summed as soon as the last micro-batch's backward has finished its parameters, the last layer's
-// first: over NCCL on a stream of its own, while the backward goes on with the layers below.  The
-// sums are the same as after the backward.
+// is summed as soon as the last micro-batch's backward has finished its parameters (the final
+// norm's and the head's, then the last layer's down to the first's, the embedding's last): over NCCL
+// on a stream of its own, while the backward goes on with the layers below, at most two buckets'
+// buffers alive, each sum written back into its gradients.  The sums are those of summing after
+// the backward (bit for bit on the thread group; over NCCL with more than two ranks the order of an
+// element's sum may depend on its place in its bucket, which differs, and so may its last bits).
 //
 // ZeRO stage 1 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 // Models", 2020): each parameter has an owner rank (whole parameters, balanced by size), only the
