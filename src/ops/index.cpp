@@ -125,6 +125,7 @@ Tensor scatter_last(const Tensor& values, const Tensor& idx, int64_t num_classes
   check_device(idx, values, "scatter_last", "idx", "values");
   check_dims(values, 1, "scatter_last", "values");
   check_shape(idx, values.shape(), "scatter_last", "idx");
+  KCPP_CHECK(num_classes >= 0, "op scatter_last: num_classes {} < 0", num_classes);
   Tensor out = Tensor::zeros({values.size(0), num_classes}, values.dtype(), values.device());
   if (values.device().is_cuda()) {
 #if KCPP_WITH_CUDA

@@ -30,15 +30,16 @@ template <typename A, typename F> A pairwise_sum(int64_t begin, int64_t end, F&&
 }
 template <typename A, typename F> A lane_sum(int64_t n, F&& get) { return pairwise_sum<A>(0, n, get); }
 
-// Row view [rows, n] of a tensor reduced over its last dim.
+// Row view [rows, n] of a tensor reduced over its last dim.  rows is the product of the leading dims,
+// also when n is 0: a sum over an empty last dim still has one result per row (0, and NaN for a mean).
 struct Rows {
   Tensor t;  // contiguous
   int64_t rows, n;
 };
 Rows as_rows(const Tensor& x) {
   Tensor c = x.contiguous();
-  const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
-  return {c, n == 0 ? 0 : c.numel() / n, n};
+  if (x.dim() == 0) return {c, 1, 1};
+  return {c, shape_numel(Shape(x.shape().begin(), x.shape().end() - 1)), x.size(-1)};
 }
 
 const char* softmax_name(Softmax k) { return k == Softmax::Softmax ? "softmax" : "log_softmax"; }
@@ -208,8 +209,9 @@ Tensor sum_dim(const Tensor& x, int64_t dim, bool keepdim) {
 Tensor sum_leading(const Tensor& x) {
   check_float(x, "sum_leading", "x");
   KCPP_CHECK(x.dim() >= 1, "op sum_leading: argument 'x' must have at least 1 dim");
-  const int64_t h = x.size(-1);
-  return reduce_last(Reduce::Sum, x.reshape({-1, h}).transpose(0, 1), false);
+  // rows is given, not -1: with h = 0 there would be no element count to infer it from.
+  const int64_t h = x.size(-1), rows = shape_numel(Shape(x.shape().begin(), x.shape().end() - 1));
+  return reduce_last(Reduce::Sum, x.reshape({rows, h}).transpose(0, 1), false);
 }
 
 Tensor softmax(const Tensor& x) { return softmax_impl(Softmax::Softmax, x); }
