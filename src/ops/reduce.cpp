@@ -11,6 +11,11 @@ namespace {
 
 template <typename T> using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
+// The loops over rows run as an OpenMP team only from this many elements on, as host_for_each does
+// (core/strided.h): below it, starting and joining the team costs more than the loop, and far more
+// when the cores are busy with other work.  Rows are independent, so the result is the same either way.
+constexpr int64_t kParallelMin = 1 << 15;
+
 // Sum of get(begin .. end-1): pairwise (cascade) summation, as PyTorch's CPU reductions do.  The
 // error grows with log(n) rather than n, which matters when many equal small terms meet one large
 // one (a running f32 sum of a constant addend rounds the same way every time).  Leaves of 64 terms
@@ -60,7 +65,7 @@ Tensor softmax_impl(Softmax kind, const Tensor& x) {
     using A = acc_t<T>;
     const T* in = static_cast<const T*>(r.t.data());
     T* o = out.data_ptr<T>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (r.rows * r.n >= kParallelMin)
     for (int64_t row = 0; row < r.rows; ++row) {
       const T* xr = in + row * r.n;
       T* yr = o + row * r.n;
@@ -97,7 +102,7 @@ Tensor softmax_backward_impl(Softmax kind, const Tensor& dy, const Tensor& y) {
     const T* py = static_cast<const T*>(ry.t.data());
     const T* pd = static_cast<const T*>(rd.t.data());
     T* o = dx.data_ptr<T>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (ry.rows * ry.n >= kParallelMin)
     for (int64_t row = 0; row < ry.rows; ++row) {
       const T* yr = py + row * ry.n;
       const T* dr = pd + row * ry.n;
@@ -133,7 +138,7 @@ Tensor argmax_checked(const Tensor& x) {
   int64_t* o = out.data_ptr<int64_t>();
   visit_floating(x.dtype(), "argmax_checked", [&]<typename T>(std::type_identity<T>) {
     const T* in = static_cast<const T*>(r.t.data());
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (r.rows * r.n >= kParallelMin)
     for (int64_t row = 0; row < r.rows; ++row) {
       const T* xr = in + row * r.n;
       int64_t best = -1, bad = -1;
@@ -174,7 +179,7 @@ Tensor reduce_last(Reduce op, const Tensor& x, bool keepdim) {
     using A = acc_t<T>;
     const T* in = static_cast<const T*>(r.t.data());
     T* o = out.data_ptr<T>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (r.rows * r.n >= kParallelMin)
     for (int64_t row = 0; row < r.rows; ++row) {
       const T* xr = in + row * r.n;
       A v;
