@@ -179,8 +179,11 @@ double acc_u(DType t) { return t == DType::f64 ? test::unit_roundoff(DType::f64)
 // sequential f64 sum: each order's error is at most (n - 1) u sum|x| (Higham 4.3), so twice that
 // bounds the difference of two orders; plus one rounding of the result.  On the CPU in f64 this is
 // a few 1e-16 relative: any wrong or missing or extra term is orders of magnitude larger.
+// A result in the dtype's subnormal range is off by up to half the subnormal spacing whatever its
+// size (|fl(x) - x| <= u |x| + eta): that floor is added too (it matters for f16 only, 2^-25).
 double sum_tol(int64_t n, double abs_sum, double ref, DType t) {
-  return 2.0 * static_cast<double>(std::max<int64_t>(n, 1)) * acc_u(t) * abs_sum + 2.0 * test::unit_roundoff(t) * std::fabs(ref);
+  const double eta = t == DType::f16 ? 0x1p-25 : t == DType::bf16 ? 0x1p-134 : t == DType::f32 ? 0x1p-150 : 0.0;
+  return 2.0 * static_cast<double>(std::max<int64_t>(n, 1)) * acc_u(t) * abs_sum + 2.0 * test::unit_roundoff(t) * std::fabs(ref) + eta;
 }
 
 // ---- the ops ------------------------------------------------------------------------------------
@@ -327,7 +330,11 @@ void check_softmax(Ctx& c) {
       // O(1) after the max is subtracted, but x - lse loses u |x| when x is far from 0 (up to ~500 u).
       // 240 (n + 4) u covers all of these with room; a wrong term is O(1).  exp and log in f32 (on the
       // device possibly the fast intrinsics) are a few ulps more, hence 4x there.
+      // In bf16 and f16 the result is also rounded once to the dtype.
       tol[pos(i)] = 240.0 * static_cast<double>(n + 4) * (c.dtype == DType::f64 ? acc_u(c.dtype) : 4 * acc_u(c.dtype));
+      if (c.dtype == DType::bf16 || c.dtype == DType::f16)
+        for (const double* r : {&sm[pos(i)], &lsm[pos(i)], &dsm[pos(i)], &dlsm[pos(i)]})
+          tol[pos(i)] = std::max(tol[pos(i)], 240.0 * static_cast<double>(n + 4) * 4 * acc_u(c.dtype) + 2 * test::unit_roundoff(c.dtype) * std::fabs(*r));
     }
   }
   const std::string xs = "x " + x.desc, bs = "dy " + dy.desc + "; y " + y.desc;
@@ -363,6 +370,18 @@ void check_cat(Ctx& c) {
     ref.push_back(xs[k].at(idx));
   }
   c.chk.expect(fmt::format("cat(dim={})", dim), desc, ops::cat(ts, dim), os, ref);
+
+  // attention_mask: 0 where query i (at position i + kv - q) sees key j, -inf elsewhere; exact.
+  const int64_t q = pick(c.rng, 0, 5), kv = q + pick(c.rng, 0, 4), window = chance(c.rng, 50) ? 0 : pick(c.rng, 1, 4);
+  const bool causal = chance(c.rng, 70);
+  std::vector<double> mask;
+  for (int64_t i = 0; i < q; ++i)
+    for (int64_t j = 0; j < kv; ++j) {
+      const int64_t p = i + kv - q;
+      mask.push_back((!causal || j <= p) && (window == 0 || p - j < window) ? 0.0 : -HUGE_VAL);
+    }
+  c.chk.expect(fmt::format("attention_mask(q_len={}, kv_len={}, causal={}, window={})", q, kv, causal, window), "",
+               ops::attention_mask(q, kv, causal, window, c.dtype, c.dev), {q, kv}, mask);
 }
 
 // contiguous, clone, to(dtype) and cast of any layout (rank 0 included); exact.
@@ -575,9 +594,11 @@ TEST_P(OpsStrided, RandomLayoutsMatchTheReference) {
   const char* families[] = {"reductions", "softmax", "cat", "copies", "matmul", "index", "elementwise"};
   for (int k = 0; k < cases; ++k) {
     const int fam = k % 7;
-    // f64 on the CPU (nearly exact), with every fourth case in f32 there too, which exercises the f32
-    // host loops and the f32 tolerances that the CUDA run relies on.
-    const DType dtype = dev.is_cpu() && k % 4 != 3 ? DType::f64 : DType::f32;
+    // Half the CPU cases in f64 (nearly exact); a quarter in f32, which exercises the f32 host loops
+    // and the f32 tolerances the CUDA run relies on; the rest in bf16 and f16 (computed in f32, each
+    // result rounded once to the dtype).
+    const DType cpu_types[] = {DType::f64, DType::bf16, DType::f64, DType::f32, DType::f64, DType::f16, DType::f64, DType::f32};
+    const DType dtype = dev.is_cpu() ? cpu_types[k % 8] : DType::f32;
     chk.tag = fmt::format(" (seed {}, case {}, {}, {} {})", test::run_seed(), k, families[fam], dev.str(), dtype_name(dtype));
     Ctx c{dev, dtype, gen.engine(), chk};
     try {
@@ -627,6 +648,9 @@ TEST_P(OpsStrided, MalformedCallsThrow) {
   EXPECT_ERROR(ops::add(x, xt), "shapes [2, 3] and [3, 2] do not broadcast");
   EXPECT_ERROR(ops::add(x, Tensor::zeros({2, 3}, dt == DType::f32 ? DType::bf16 : DType::f32, dev)),
                fmt::format("but 'a' is {}", dtype_name(dt)));
+  EXPECT_ERROR(ops::exp(Tensor::zeros({2}, DType::i32, dev).expand({3, 2})), "expected a floating dtype, got i32");
+  EXPECT_ERROR(ops::valid_mask(xt, -100, dt), "expected i64 or i32");
+  EXPECT_ERROR(ops::attention_mask(3, 2, true, 0, dt, dev), "need 0 <= q_len <= kv_len");
   EXPECT_ERROR(ops::sum(Tensor::zeros({}, dt, dev)), "at least 1 dim");
   EXPECT_ERROR(ops::max(Tensor::zeros({3, 0}, dt, dev)), "empty last dim");
   EXPECT_ERROR(ops::sum_dim(x, 2), "dim 2 out of range");
