@@ -9,6 +9,10 @@
 namespace kcpp::ops {
 namespace {
 
+// The host loops run as an OpenMP team only from this many elements on (see reduce.cpp): below it the
+// team costs more than the copy.
+constexpr int64_t kParallelMin = 1 << 15;
+
 // Host copy of the ids as i64, row-major.
 std::vector<int64_t> host_ids(const Tensor& ids) { return ids.to_i64_vector(); }
 
@@ -47,7 +51,7 @@ Tensor embedding(const Tensor& weight, const Tensor& ids, bool check_ids) {
   const int64_t es = static_cast<int64_t>(w.element_size());
   const char* src = static_cast<const char*>(w.data());
   char* dst = static_cast<char*>(out.data());
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (out.numel() >= kParallelMin)
   for (int64_t i = 0; i < static_cast<int64_t>(idv.size()); ++i)
     std::memcpy(dst + i * h * es, src + idv[i] * h * es, static_cast<size_t>(h * es));
   return out;
@@ -85,7 +89,7 @@ Tensor embedding_backward(const Tensor& grad, const Tensor& ids, int64_t num_emb
     A* pa = acc.data_ptr<A>();
     const A* pg = static_cast<const A*>(g.data());
     // Parallel over the hidden dim keeps the accumulation order fixed (deterministic).
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (grad.numel() >= kParallelMin)
     for (int64_t c = 0; c < h; ++c)
       for (size_t i = 0; i < idv.size(); ++i) pa[idv[i] * h + c] += pg[static_cast<int64_t>(i) * h + c];
     }
@@ -125,6 +129,7 @@ Tensor scatter_last(const Tensor& values, const Tensor& idx, int64_t num_classes
   check_device(idx, values, "scatter_last", "idx", "values");
   check_dims(values, 1, "scatter_last", "values");
   check_shape(idx, values.shape(), "scatter_last", "idx");
+  KCPP_CHECK(num_classes >= 0, "op scatter_last: num_classes {} < 0", num_classes);
   Tensor out = Tensor::zeros({values.size(0), num_classes}, values.dtype(), values.device());
   if (values.device().is_cuda()) {
 #if KCPP_WITH_CUDA

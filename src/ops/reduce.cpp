@@ -11,6 +11,11 @@ namespace {
 
 template <typename T> using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
+// The loops over rows run as an OpenMP team only from this many elements on, as host_for_each does
+// (core/strided.h): below it, starting and joining the team costs more than the loop, and far more
+// when the cores are busy with other work.  Rows are independent, so the result is the same either way.
+constexpr int64_t kParallelMin = 1 << 15;
+
 // Sum of get(begin .. end-1): pairwise (cascade) summation, as PyTorch's CPU reductions do.  The
 // error grows with log(n) rather than n, which matters when many equal small terms meet one large
 // one (a running f32 sum of a constant addend rounds the same way every time).  Leaves of 64 terms
@@ -30,15 +35,16 @@ template <typename A, typename F> A pairwise_sum(int64_t begin, int64_t end, F&&
 }
 template <typename A, typename F> A lane_sum(int64_t n, F&& get) { return pairwise_sum<A>(0, n, get); }
 
-// Row view [rows, n] of a tensor reduced over its last dim.
+// Row view [rows, n] of a tensor reduced over its last dim.  rows is the product of the leading dims,
+// also when n is 0: a sum over an empty last dim still has one result per row (0, and NaN for a mean).
 struct Rows {
   Tensor t;  // contiguous
   int64_t rows, n;
 };
 Rows as_rows(const Tensor& x) {
   Tensor c = x.contiguous();
-  const int64_t n = x.dim() == 0 ? 1 : x.size(-1);
-  return {c, n == 0 ? 0 : c.numel() / n, n};
+  if (x.dim() == 0) return {c, 1, 1};
+  return {c, shape_numel(Shape(x.shape().begin(), x.shape().end() - 1)), x.size(-1)};
 }
 
 const char* softmax_name(Softmax k) { return k == Softmax::Softmax ? "softmax" : "log_softmax"; }
@@ -59,7 +65,7 @@ Tensor softmax_impl(Softmax kind, const Tensor& x) {
     using A = acc_t<T>;
     const T* in = static_cast<const T*>(r.t.data());
     T* o = out.data_ptr<T>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (r.rows * r.n >= kParallelMin)
     for (int64_t row = 0; row < r.rows; ++row) {
       const T* xr = in + row * r.n;
       T* yr = o + row * r.n;
@@ -96,7 +102,7 @@ Tensor softmax_backward_impl(Softmax kind, const Tensor& dy, const Tensor& y) {
     const T* py = static_cast<const T*>(ry.t.data());
     const T* pd = static_cast<const T*>(rd.t.data());
     T* o = dx.data_ptr<T>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (ry.rows * ry.n >= kParallelMin)
     for (int64_t row = 0; row < ry.rows; ++row) {
       const T* yr = py + row * ry.n;
       const T* dr = pd + row * ry.n;
@@ -132,7 +138,7 @@ Tensor argmax_checked(const Tensor& x) {
   int64_t* o = out.data_ptr<int64_t>();
   visit_floating(x.dtype(), "argmax_checked", [&]<typename T>(std::type_identity<T>) {
     const T* in = static_cast<const T*>(r.t.data());
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (r.rows * r.n >= kParallelMin)
     for (int64_t row = 0; row < r.rows; ++row) {
       const T* xr = in + row * r.n;
       int64_t best = -1, bad = -1;
@@ -173,7 +179,7 @@ Tensor reduce_last(Reduce op, const Tensor& x, bool keepdim) {
     using A = acc_t<T>;
     const T* in = static_cast<const T*>(r.t.data());
     T* o = out.data_ptr<T>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (r.rows * r.n >= kParallelMin)
     for (int64_t row = 0; row < r.rows; ++row) {
       const T* xr = in + row * r.n;
       A v;
@@ -208,8 +214,9 @@ Tensor sum_dim(const Tensor& x, int64_t dim, bool keepdim) {
 Tensor sum_leading(const Tensor& x) {
   check_float(x, "sum_leading", "x");
   KCPP_CHECK(x.dim() >= 1, "op sum_leading: argument 'x' must have at least 1 dim");
-  const int64_t h = x.size(-1);
-  return reduce_last(Reduce::Sum, x.reshape({-1, h}).transpose(0, 1), false);
+  // rows is given, not -1: with h = 0 there would be no element count to infer it from.
+  const int64_t h = x.size(-1), rows = shape_numel(Shape(x.shape().begin(), x.shape().end() - 1));
+  return reduce_last(Reduce::Sum, x.reshape({rows, h}).transpose(0, 1), false);
 }
 
 Tensor softmax(const Tensor& x) { return softmax_impl(Softmax::Softmax, x); }
