@@ -27,12 +27,18 @@ def timed(fn, reps=50):
     return times[len(times) // 2]
 
 
-def main():
+def copy_rate():
+    """The device copy rate in GB/s (bytes read and written), printed with the device's name."""
     x = torch.empty(2**31, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     copy = 2 * x.numel() / (timed(lambda: y.copy_(x), 20) * 1e-3) / 1e9
     del x, y
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s, torch {torch.__version__}")
+    return copy
+
+
+def main():
+    copy = copy_rate()
     for b, ctx in SHAPES:
         q = torch.randn(b, 32, 1, 128, dtype=torch.bfloat16, device="cuda")
         k = torch.randn(b, 8, ctx, 128, dtype=torch.bfloat16, device="cuda")

@@ -9,7 +9,7 @@ kcpp_bench_kernels prints them.  Both run in one device call so that the ratios 
 import torch
 import torch.nn.functional as F
 
-from decode_attention import timed
+from decode_attention import copy_rate, timed
 
 SHAPES = [(1, 4096, 1024, "qwen3 qkv"), (1, 1024, 2048, "qwen3 o"), (1, 6144, 1024, "qwen3 gate_up"),
           (1, 1024, 3072, "qwen3 down"), (1, 151936, 1024, "qwen3 lm_head"), (1, 3072, 2048, "llama qkv"),
@@ -18,11 +18,7 @@ SHAPES = [(1, 4096, 1024, "qwen3 qkv"), (1, 1024, 2048, "qwen3 o"), (1, 6144, 10
 
 
 def main():
-    x = torch.empty(2**31, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    copy = 2 * x.numel() / (timed(lambda: y.copy_(x), 20) * 1e-3) / 1e9
-    del x, y
-    print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s, torch {torch.__version__}")
+    copy = copy_rate()
     for m, n, k, what in SHAPES:
         a = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
         w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
