@@ -17,7 +17,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 n=$(nvidia-smi -L | wc -l)
 args=${KCPP_MGPU_ARGS:---steps 200 --batch 64}
 echo "== $n GPUs, NCCL from $nccl_dir; kcpp train $args"
-echo "== Dist tests (ranks as threads, CPU)"
+echo "== Dist tests (ranks as threads on the CPU; OverlapOnTheGpuOverNccl: a group of one over NCCL)"
 # Dist.* is every test of tests/test_dist.cpp (collectives, data parallelism, ZeRO checkpoints).
 KCPP_FIXTURES_DIR="$PWD/tests/fixtures" timeout 240 .devlibs/bin/kcpp_tests --gtest_brief=1 --gtest_filter='Dist.*' 2>&1 | tail -n 15
 echo "-- one GPU"

@@ -219,6 +219,32 @@ TEST(Dist, OverlappedReductionEqualsTheReductionAfterTheBackward) {
     for (const auto& [name, v] : got[true][static_cast<size_t>(r)]) EXPECT_EQ(v, got[false][static_cast<size_t>(r)].at(name)) << "rank " << r << " " << name;
 }
 
+// On a GPU with NCCL (a group of one): the buckets summed on the side stream during the backward give
+// the parameters that summing after the backward gives, bit for bit, in bf16 with two micro-batches.
+TEST(Dist, OverlapOnTheGpuOverNccl) {
+  std::string why;
+  if (cuda_device_count() == 0 || !dist::nccl_available(&why))
+    GTEST_SKIP() << "skipped: " << (cuda_device_count() == 0 ? std::string("no CUDA device") : why);
+  const models::ModelConfig cfg = models::ModelConfig::from_folder(fs::path(test::fixtures_dir()) / "llama");
+  Generator gen(9);
+  const Tensor ids = Tensor::randint({2, 11}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen).to(Device::cuda(0));
+  train::AdamWOptions o;
+  o.lr = 5e-3;
+  std::map<bool, std::map<std::string, std::vector<double>>> got;
+  for (bool overlap : {false, true}) {
+    const auto comm = dist::nccl_communicator({}, dist::nccl_unique_id(), Device::cuda(0));
+    auto model = models::CausalLM::random(cfg, DType::bf16, Device::cuda(0), 7, 0.5);
+    train::DataParallelOptions dp;
+    dp.bucket_mib = 0.01, dp.overlap = overlap;
+    train::DataParallel trainer(*model, *comm, o, dp);
+    for (int step = 0; step < 2; ++step)
+      (void)trainer.step({{ids.narrow(0, 0, 1).contiguous(), ids.narrow(0, 0, 1).contiguous()},
+                          {ids.narrow(0, 1, 1).contiguous(), ids.narrow(0, 1, 1).contiguous()}});
+    for (const auto& [name, p] : model->parameters()) got[overlap][name] = p.to_f64_vector();
+  }
+  for (const auto& [name, v] : got[true]) EXPECT_EQ(v, got[false].at(name)) << name;
+}
+
 TEST(Dist, DataParallelEqualsOneProcessOnTheWholeBatch) {
   const fs::path dir = fs::path(test::fixtures_dir()) / "llama";
   const models::ModelConfig cfg = models::ModelConfig::from_folder(dir);
