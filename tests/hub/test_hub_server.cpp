@@ -77,7 +77,10 @@ class HubServer : public ::testing::Test {
       const fs::path lib = test::abi99_library().parent_path() / ("libkcpp_fixture_example_" + v->str() + ".so");
       if (fs::exists(lib)) {
         const std::string cpu = host_variant_name(Backend::CPU);
-        for (const auto& [name, _] : nlohmann::json(j["variants"]).items())
+        // A named copy to iterate while the original loses entries (a temporary's items() would
+        // outlive it: the range-for keeps only the proxy alive, not the json it points into).
+        const nlohmann::json variants = j["variants"];
+        for (const auto& [name, _] : variants.items())
           if (name != cpu) j["variants"].erase(name), fs::remove_all(dst / "build" / name);
         fs::copy_file(lib, dst / j["variants"][cpu]["library"].get<std::string>(),
                       fs::copy_options::overwrite_existing);
