@@ -21,14 +21,10 @@ namespace {
 using kcpp::kernel::cuda::from_f32;
 using kcpp::kernel::cuda::round_to;
 using kcpp::kernel::cuda::to_f32;
+using kcpp::kernel::cuda::warp_sum;
 
 constexpr int kHeadsPerBlock = 4;
 constexpr int kMaxPerLane = 8;  // D <= 256
-
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 // The weight as the norm's casting applies it: Llama (offset + w) rounded to T, Gemma in f32.
 template <typename T> __device__ __forceinline__ float norm_weight(const T* w, int e, float offset, bool gemma) {
