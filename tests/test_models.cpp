@@ -460,6 +460,7 @@ TEST_P(Families, BatchedGenerationMatchesEachPromptAlone) {
   // Each row's first token comes from its prefill; the batched steps made the rest.
   EXPECT_EQ(st.decode_tokens, static_cast<int64_t>(prompts.size()) * (steps - 1));
   EXPECT_GT(st.first_token_seconds, 0.0);
+  EXPECT_EQ(st.prefills, 1) << "four short prompts fit one padded prefill";
   // Row 1's third new token as the stop: each row stops where it stops alone.
   const std::vector<int64_t> stops = {got[1].ids[prompts[1].size() + 2]};
   const auto stopped = model->generate_batch(prompts, steps, models::Sampling(), &stops);

@@ -60,6 +60,10 @@ std::pair<Tensor, Tensor> append_to_cache(Tensor& ck, Tensor& cv, const Tensor& 
   return {ck.narrow(2, 0, need), cv.narrow(2, 0, need)};
 }
 
+// generate_batch prefills neighbouring prompts together, up to this many (padded) tokens a group:
+// enough rows to fill the GEMMs of short prompts, few enough that the activations stay small.
+constexpr int64_t kPrefillTokens = 8192;
+
 // "'a', 'b', 'c'", at most `most` of them, then how many more.
 std::string name_list(const std::vector<std::string>& names, size_t most = 12) {
   std::string out;
@@ -739,37 +743,77 @@ std::vector<CausalLM::Generated> CausalLM::generate_batch(const std::vector<std:
     }
     return static_cast<int64_t>(out[p].ids.size() - prompts[p].size()) >= steps[p];
   };
-  // Prefill: each prompt alone, its keys written into its row of the cache (views of the storage).
-  for (size_t p = 0; p < n; ++p) {
-    if (steps[p] == 0) continue;
-    const int64_t len = static_cast<int64_t>(prompts[p].size());
-    KVCache one;
-    for (size_t l = 0; l < layers_.size(); ++l) {
-      one.k.push_back(cache.k[l].narrow(0, static_cast<int64_t>(p), 1));
-      one.v.push_back(cache.v[l].narrow(0, static_cast<int64_t>(p), 1));
+  // Cache slots in order of prompt length, so that prompts of similar lengths are neighbours: slot r
+  // holds prompt order[r] (the rows that make nothing last, their slots unused).
+  std::vector<size_t> order(n);
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) {
+    if ((steps[x] == 0) != (steps[y] == 0)) return steps[y] == 0;
+    return prompts[x].size() < prompts[y].size();
+  });
+  // Prefill: neighbouring prompts together, right-padded to the group's longest; each writes its
+  // keys into its slots of the cache (views of the storage).  Causal attention keeps a row's tokens
+  // from seeing the padding after them, so each row computes what it would alone; the padding's
+  // keys sit past the row's length and are overwritten by its decode steps.  Dynamic RoPE scales by
+  // the padded length, so under it only prompts of equal length share a group.
+  const bool dynamic_rope = cfg_.rope_scaling.type == RopeScaling::Type::Dynamic;
+  for (size_t r0 = 0; r0 < n && steps[order[r0]] > 0;) {
+    size_t r1 = r0 + 1;
+    while (r1 < n && steps[order[r1]] > 0) {
+      const size_t len = prompts[order[r1]].size();
+      if (dynamic_rope && len != prompts[order[r0]].size()) break;
+      if (static_cast<int64_t>((r1 - r0 + 1) * len) > kPrefillTokens) break;
+      ++r1;
     }
-    const Tensor logits = next_token_logits(Tensor::from_i64(prompts[p], {1, len}, DType::i64, device_), &one);
-    cache.rows[p] = len;
-    const int64_t token = pick_tokens(logits, sampling, many, {p}, {len - 1})[0];
+    const int64_t g = static_cast<int64_t>(r1 - r0), width = static_cast<int64_t>(prompts[order[r1 - 1]].size());
+    std::vector<int64_t> ids(static_cast<size_t>(g * width)), last(static_cast<size_t>(g));
+    std::vector<size_t> which(static_cast<size_t>(g));
+    std::vector<int64_t> positions(static_cast<size_t>(g));
+    for (int64_t j = 0; j < g; ++j) {
+      const std::vector<int64_t>& prompt = prompts[order[r0 + static_cast<size_t>(j)]];
+      const int64_t len = static_cast<int64_t>(prompt.size());
+      for (int64_t t = 0; t < width; ++t) ids[static_cast<size_t>(j * width + t)] = prompt[static_cast<size_t>(std::min(t, len - 1))];
+      last[static_cast<size_t>(j)] = j * width + len - 1;
+      which[static_cast<size_t>(j)] = order[r0 + static_cast<size_t>(j)];
+      positions[static_cast<size_t>(j)] = len - 1;
+    }
+    KVCache group;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      group.k.push_back(cache.k[l].narrow(0, static_cast<int64_t>(r0), g));
+      group.v.push_back(cache.v[l].narrow(0, static_cast<int64_t>(r0), g));
+    }
+    const Tensor h = hidden_states(Tensor::from_i64(ids, {g, width}, DType::i64, device_), nullptr, &group);
+    const Tensor rows_last = g == 1 && width == static_cast<int64_t>(prompts[which[0]].size())
+                                 ? h.narrow(1, width - 1, 1).contiguous().view({1, cfg_.hidden_size})
+                                 : ops::embedding(h.view({g * width, cfg_.hidden_size}), Tensor::from_i64(last, {g}, DType::i64, device_), false);
+    const Tensor logits = ops::matmul(rows_last, lm_head_, false, true);
+    ++st.prefills;
+    const std::vector<int64_t> tokens = pick_tokens(logits, sampling, many, which, positions);
     if (st.first_token_seconds == 0) st.first_token_seconds = since(t0);
-    done[p] = emit(p, token);
-    next[p] = token;
+    for (int64_t j = 0; j < g; ++j) {
+      const size_t p = which[static_cast<size_t>(j)];
+      cache.rows[r0 + static_cast<size_t>(j)] = static_cast<int64_t>(prompts[p].size());
+      done[p] = emit(p, tokens[static_cast<size_t>(j)]);
+      next[p] = tokens[static_cast<size_t>(j)];
+    }
+    r0 = r1;
   }
   st.prefill_seconds = since(t0);
-  // Decode: every unfinished row, one token a step.
+  // Decode: every unfinished row, one token a step, in slot order.
   const auto t1 = clock::now();
   for (;;) {
     std::vector<size_t> active;
-    for (size_t p = 0; p < n; ++p)
-      if (!done[p]) active.push_back(p);
-    if (active.empty()) break;
     std::vector<int64_t> ids, positions;
     cache.active.clear();
-    for (size_t p : active) {
-      cache.active.push_back(static_cast<int64_t>(p));
+    for (size_t r = 0; r < n; ++r) {
+      const size_t p = order[r];
+      if (done[p]) continue;
+      active.push_back(p);
+      cache.active.push_back(static_cast<int64_t>(r));
       ids.push_back(next[p]);
       positions.push_back(static_cast<int64_t>(out[p].ids.size()) - 1);
     }
+    if (active.empty()) break;
     const int64_t a = static_cast<int64_t>(active.size());
     const Tensor logits = graphs && !graphs->failed ? graph_step(*graphs, cache, ids, st.graph_replays) :
                                                       next_token_logits(Tensor::from_i64(ids, {a, 1}, DType::i64, device_), &cache);

@@ -127,7 +127,8 @@ class CausalLM : public nn::Module {
   // a token of `stop` (default: eos_token_id), after max_new_tokens, or at the context length.
   // Greedy rows pick on the device (only the ids come back); sampled rows read their logits, with
   // row i's draws seeded by sampling.seed + i.  `on_token(row, token)` sees every new token as it
-  // is chosen (streaming).  Results equal generate() of each prompt alone, up to the rounding of a
+  // is chosen (streaming).  Prompts are prefilled in groups of similar length (right-padded) and
+  // decoded together.  Results equal generate() of each prompt alone, up to the rounding of a
   // batched GEMM.  Throws as generate() does, naming the prompt.
   struct Generated {
     std::vector<int64_t> ids;  // the prompt and its new tokens
@@ -135,7 +136,8 @@ class CausalLM : public nn::Module {
   };
   struct GenerationStats {
     double prefill_seconds = 0;      // every prompt's prefill, to its first new token
-    double first_token_seconds = 0;  // from the call to the first prompt's first new token
+    double first_token_seconds = 0;  // from the call to the first new token of any prompt
+    int64_t prefills = 0;            // forwards the prefill took (prompts of similar length share one)
     double decode_seconds = 0;       // the batched steps after the prefills
     int64_t decode_tokens = 0;       // tokens those steps made
     int64_t graph_replays = 0;       // of those steps, how many replayed a captured CUDA graph

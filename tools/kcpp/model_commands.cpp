@@ -317,6 +317,7 @@ int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const mod
     if constexpr (std::is_same_v<Model, models::CausalLM>) {
       j["first_token_seconds"] = st.first_token_seconds;
       j["prefill_seconds"] = st.prefill_seconds;
+      j["prefills"] = st.prefills;
       j["decode_tokens"] = st.decode_tokens;
       j["decode_seconds"] = st.decode_seconds;
       j["graph_replays"] = st.graph_replays;
