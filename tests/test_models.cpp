@@ -395,6 +395,21 @@ TEST_P(Families, LogitsAndLossMatchTransformers) {
     EXPECT_EQ(cache.length, 7);
     EXPECT_TRUE(test::close_l2(ops::cat(parts, 1), full, 1e-5));
   }
+  // Into storage that already holds the positions (as generate_batch allocates it), chunks of several
+  // tokens after a cached prefix go through the fused prefill layers: the same logits.
+  {
+    const ModelConfig& c = model->config();
+    models::CausalLM::KVCache cache;
+    for (size_t l = 0; l < static_cast<size_t>(c.num_hidden_layers); ++l) {
+      cache.k.push_back(Tensor::zeros({ids.size(0), c.num_key_value_heads, 9, c.head_dim}, DType::f32, Device::cpu()));
+      cache.v.push_back(Tensor::zeros({ids.size(0), c.num_key_value_heads, 9, c.head_dim}, DType::f32, Device::cpu()));
+    }
+    const Tensor first = model->forward(ids.narrow(1, 0, 3).contiguous(), &cache);
+    const Tensor rest = model->forward(ids.narrow(1, 3, 4).contiguous(), &cache);
+    EXPECT_EQ(cache.length, 7);
+    EXPECT_EQ(cache.k[0].size(2), 9) << "the storage was used as given";
+    EXPECT_TRUE(test::close_l2(ops::cat({first, rest}, 1), logits.to_f64_vector(), 1e-5));
+  }
   // generate() with the cache = Transformers' greedy generate().
   {
     std::vector<int64_t> prompt;

@@ -445,6 +445,13 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache) {
     for (int64_t i = 0; i < b; ++i) ++cache->rows[static_cast<size_t>(cache->active.empty() ? i : cache->active[static_cast<size_t>(i)])];
     return out.view({b, 1, hdim});
   }
+  // An inference prefill into a cache whose storage holds its positions: the fused layers.
+  if (cache && !ragged && !tape && decode_fused_possible() && !cache->k.empty() && cache->k[0].defined() &&
+      cache->k[0].size(0) == b && cache->k[0].size(2) >= past + s) {
+    const Tensor out = prefill_layers(h.view({b * s, hdim}), b, s, cs, *cache);
+    cache->length += s;
+    return out.view({b, s, hdim});
+  }
   for (size_t li = 0; li < layers_.size(); ++li) {
     // Checkpointing keeps only each layer's input; the backward runs the layer again to get the rest.
     if (tape && tape->checkpoint) tape->inputs[li] = h;
@@ -555,6 +562,42 @@ Tensor CausalLM::decode_layers(const Tensor& h0, const ops::RopeCosSin& cs, KVCa
     const Tensor o = cached_attention(li, q, cache).view({b, hq * d});
     Tensor m;
     std::tie(x, m) = ops::add_rms_norm(x, linear(o, l.wo), l.post_norm->weight, l.post_norm->options);
+    const Tensor act = l.w_gate_up.defined() ? ops::glu_packed(linear(m, l.w_gate_up), l.mlp->activation)
+                                             : l.mlp->forward(linear(m, l.w_gate), linear(m, l.w_up));
+    const nn::RMSNorm& next = li + 1 < layers_.size() ? *layers_[li + 1].input_norm : *final_norm_;
+    std::tie(x, a) = ops::add_rms_norm(x, linear(act, l.w_down), next.weight, next.options);
+  }
+  return a;
+}
+
+// A prefill of [B, S] new tokens at positions cache.length .. into storage that holds them: the ops
+// of decode_layers, each token a row (its batch row and position say where its keys go), with the
+// prefill's causal attention over the cache's positions 0 .. length + S - 1.  Returns the final
+// norm's output [B * S, H].  The attention reads q and writes its output as [B, S, heads, D]
+// buffers through transposed views, so no layout copies remain.
+Tensor CausalLM::prefill_layers(const Tensor& h0, int64_t b, int64_t s, const ops::RopeCosSin& cs, KVCache& cache) {
+  const ModelConfig& c = cfg_;
+  const int64_t n = b * s, hq = c.num_attention_heads, hkv = c.num_key_value_heads, d = c.head_dim;
+  const int64_t past = cache.length, rd = cs.cos.size(2);
+  std::vector<int64_t> rows(static_cast<size_t>(n)), positions(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) rows[static_cast<size_t>(i)] = i / s, positions[static_cast<size_t>(i)] = past + i % s;
+  const Tensor rows_t = Tensor::from_i64(rows, {n}, DType::i32, device_);
+  const Tensor positions_t = Tensor::from_i64(positions, {n}, DType::i32, device_);
+  const Tensor cos = cs.cos.contiguous().view({n, 1, rd}), sin = cs.sin.contiguous().view({n, 1, rd});
+  Tensor x = h0;
+  Tensor a = layers_[0].input_norm->forward(x);
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    Layer& l = layers_[li];
+    ops::QkNormRopeCache qo;
+    qo.q_heads = hq, qo.kv_heads = hkv, qo.layout = l.rope->style;
+    if (l.q_norm) qo.q_norm = l.q_norm->weight, qo.k_norm = l.k_norm->weight, qo.norm = l.q_norm->options;
+    const Tensor qkv = linear(a, l.wqkv, l.bqkv).view({n, hq + 2 * hkv, d});
+    const Tensor q = ops::qk_norm_rope_cache(qkv, qo, cos, sin, cache.k[li], cache.v[li], rows_t, positions_t);
+    const Tensor k = cache.k[li].narrow(2, 0, past + s), v = cache.v[li].narrow(2, 0, past + s);
+    const Tensor o = Tensor::empty({b, s, hq, d}, dtype_, device_);
+    l.attn->forward(q.view({b, s, hq, d}).transpose(1, 2), k, v, nullptr, o.transpose(1, 2));
+    Tensor m;
+    std::tie(x, m) = ops::add_rms_norm(x, linear(o.view({n, hq * d}), l.wo), l.post_norm->weight, l.post_norm->options);
     const Tensor act = l.w_gate_up.defined() ? ops::glu_packed(linear(m, l.w_gate_up), l.mlp->activation)
                                              : l.mlp->forward(linear(m, l.w_gate), linear(m, l.w_up));
     const nn::RMSNorm& next = li + 1 < layers_.size() ? *layers_[li + 1].input_norm : *final_norm_;

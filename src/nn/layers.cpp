@@ -502,10 +502,13 @@ void attention_options(KernelArgs& a, const ops::AttentionOptions& o, int64_t he
 }
 }  // namespace
 
-Tensor Attention::forward(const Tensor& q, const Tensor& k, const Tensor& v, Saved* saved) {
+Tensor Attention::forward(const Tensor& q, const Tensor& k, const Tensor& v, Saved* saved, const Tensor& out_into) {
   KCPP_SLOT_REGION("forward", q.device(), attention_flops(q, k, options), 0);
+  if (out_into.defined())
+    KCPP_CHECK(out_into.shape() == q.shape() && out_into.dtype() == q.dtype() && out_into.device() == q.device(),
+               "Attention: `out` must have q's shape, dtype and device");
   if (kernel()) {
-    Tensor out = Tensor::empty(q.shape(), q.dtype(), q.device());
+    Tensor out = out_into.defined() ? out_into : Tensor::empty(q.shape(), q.dtype(), q.device());
     Tensor lse = saved ? Tensor::empty({q.size(0), q.size(1), q.size(2)}, DType::f32, q.device()) : Tensor();
     KernelArgs a;
     a.tensor("q", q).tensor("k", k).tensor("v", v).tensor("out", out);
@@ -520,6 +523,11 @@ Tensor Attention::forward(const Tensor& q, const Tensor& k, const Tensor& v, Sav
   }
   ops::AttentionForward f = ops::attention_forward(q, k, v, options);
   Tensor out = f.out;
+  if (out_into.defined()) {
+    Tensor target = out_into;
+    target.copy_(out);
+    out = target;
+  }
   if (saved) *saved = {q, k, v, out, Tensor(), std::move(f)};
   return out;
 }

@@ -84,7 +84,9 @@ class Attention : public Slot {
   struct Grads {
     Tensor dq, dk, dv;
   };
-  Tensor forward(const Tensor& q, const Tensor& k, const Tensor& v, Saved* saved = nullptr);
+  // `out`, when given, is where the result goes ([B, Hq, S, D], any strides with D contiguous, e.g.
+  // a transposed [B, S, Hq, D] buffer) and is returned; otherwise a contiguous one is allocated.
+  Tensor forward(const Tensor& q, const Tensor& k, const Tensor& v, Saved* saved = nullptr, const Tensor& out = {});
   Grads backward(const Tensor& dout, const Saved& saved);
 
   ops::AttentionOptions options;
