@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <type_traits>
 
 #include "ops/cuda/common.cuh"
@@ -146,25 +147,27 @@ __global__ void __launch_bounds__(kThreads) fused_gemv_kernel(const __grid_const
 
 // The blocks of `kernel` that fit on the device at once with `smem` bytes of dynamic shared memory
 // (raising the kernel's limit above the default 48 KiB where needed); 0 when it does not fit.
+// Cached a (kernel, device, smem): a decode step asks for the same few every layer.
 int resident_blocks(const void* kernel, size_t smem) {
   static std::mutex mu;
-  static std::map<std::pair<const void*, int>, int> sms_and_limit;  // (kernel, device) -> smem limit set
-  int dev = 0, sms = 0, optin = 0;
+  static std::map<std::tuple<const void*, int, size_t>, int> known;
+  int dev = 0;
   KCPP_CUDA_CHECK(cudaGetDevice(&dev));
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto [it, fresh] = known.try_emplace({kernel, dev, smem}, 0);
+  if (!fresh) return it->second;
+  int sms = 0, optin = 0;
   KCPP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   KCPP_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  if (smem + sizeof(float) * 2 * kWarps * kFusedLinearMaxRows > static_cast<size_t>(optin)) return 0;
-  if (smem > 48 * 1024) {
-    const std::lock_guard<std::mutex> lock(mu);
-    int& set = sms_and_limit[{kernel, dev}];
-    if (set < static_cast<int>(smem)) {
-      KCPP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-      set = static_cast<int>(smem);
-    }
-  }
+  cudaFuncAttributes attr{};
+  KCPP_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  const size_t most = static_cast<size_t>(optin) - attr.sharedSizeBytes;  // the static part is the kernel's own
+  if (smem > most) return 0;
+  if (smem > 48 * 1024)  // the kernel's limit, raised once to all there is (smaller calls stay valid)
+    KCPP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(most)));
   int per_sm = 0;
   KCPP_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
-  return per_sm * sms;
+  return it->second = per_sm * sms;
 }
 
 // False (nothing launched) when the rows do not fit in a block's shared memory.
