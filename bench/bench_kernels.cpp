@@ -6,7 +6,8 @@
 // included, inputs excluded), as anchors.py measures torch's.
 //
 // Run: build/release/bin/kcpp_bench_kernels [--json FILE] [--only SECTION[,SECTION...]] [--sweep]
-// Sections: rms_norm layer_norm swiglu rope cross_entropy activation flce attention.
+// Sections: rms_norm layer_norm swiglu rope cross_entropy activation flce attention decode_attention
+// gemv decode_fused (gemv runs decode_fused too).
 // KCPP_TIMING_FLUSH=clean times with a clean L2 instead of do_bench's dirty one (core/timing.h).
 #include <cstdio>
 #include <cstring>
@@ -39,6 +40,7 @@
 #include "attention.h"
 #include "ops/nn/attention.h"
 #include "ops/nn/decode_attention.h"
+#include "ops/nn/decode_fused.h"
 #include "built_packages.h"
 #include "nn/kernel_call.h"
 
@@ -814,6 +816,38 @@ void bench_gemv() {
   }
 }
 
+// The fused decode projections (ops/nn/decode_fused.h) at one row, bf16, beside the composition
+// they replace (add_rms_norm + gemv, glu_packed + gemv) at the Qwen3-0.6B and Llama-3.2-1B decode
+// shapes: add + norm + qkv and add + norm + gate/up, gated activation + down.  Traffic: the weight
+// once plus the rows read and written.
+void bench_decode_fused() {
+  Generator gen(11);
+  struct Model {
+    const char* name;
+    int64_t hidden, qkv, inter;
+  };
+  ops::RMSNormOptions opt;
+  opt.eps = 1e-6;
+  for (const Model& m : {Model{"qwen3", 1024, 4096, 3072}, Model{"llama", 2048, 3072, 8192}}) {
+    const int64_t h = m.hidden;
+    const Tensor x = Tensor::randn({1, h}, DType::bf16, kDev, gen), delta = Tensor::randn({1, h}, DType::bf16, kDev, gen);
+    const Tensor wn = Tensor::randn({h}, DType::bf16, kDev, gen);
+    for (const auto& [what, n] : {std::pair{"qkv", m.qkv}, std::pair{"gate_up", 2 * m.inter}}) {
+      const Tensor w = Tensor::randn({n, h}, DType::bf16, kDev, gen);
+      const double gb = (2.0 * n * h + 2.0 * 4 * h + 2.0 * n) / 1e9;
+      const std::string op = fmt::format("add_norm_gemv {}x{} {} {}", n, h, m.name, what);
+      row(op, "fused", [&] { (void)ops::add_rms_norm_linear(x, delta, wn, opt, w); }, gb);
+      row(op, "unfused", [&] { (void)ops::matmul(ops::add_rms_norm(x, delta, wn, opt).second, w, false, true); }, gb);
+    }
+    const Tensor gu = Tensor::randn({1, 2 * m.inter}, DType::bf16, kDev, gen);
+    const Tensor wd = Tensor::randn({h, m.inter}, DType::bf16, kDev, gen);
+    const double gb = (2.0 * h * m.inter + 2.0 * 2 * m.inter + 2.0 * h) / 1e9;
+    const std::string op = fmt::format("glu_gemv {}x{} {} down", h, m.inter, m.name);
+    row(op, "fused", [&] { (void)ops::glu_linear(gu, ops::GluActivation::Silu, wd); }, gb);
+    row(op, "unfused", [&] { (void)ops::matmul(ops::glu_packed(gu, ops::GluActivation::Silu), wd, false, true); }, gb);
+  }
+}
+
 int main(int argc, char** argv) {
   ::setenv("KCPP_GEMV", "8", 0);  // bench_gemv's eight-row shapes on the gemv path (default: one row)
   std::string json_path, only;
@@ -840,6 +874,7 @@ int main(int argc, char** argv) {
     if (want("attention")) bench_attention();
     if (want("decode_attention")) bench_decode_attention();
     if (want("gemv")) bench_gemv();
+    if (want("gemv") || want("decode_fused")) bench_decode_fused();
     if (sweep) {
       if (want("rms_norm")) sweep_rms_norm();
       if (want("swiglu")) sweep_swiglu();

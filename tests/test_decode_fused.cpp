@@ -1,11 +1,16 @@
 // The fused decode-layer ops (ops/nn/decode_fused.h) against the f64 oracle: q/k head norms (Llama and
 // Gemma casting, an offset), RoPE in both pair layouts and over part of the head, the cache append
 // at ragged rows and positions (every other cache entry unchanged), head dims that are not powers of
-// two; the residual add with the norm on awkward widths; the gated activation of a packed gate/up.
+// two; the residual add with the norm on awkward widths; the gated activation of a packed gate/up;
+// the fused projections (add + norm + GEMV, gated activation + GEMV) on 1 to 4 rows (the CUDA kernel
+// in bf16 / f16: K a multiple of 8 but not of a warp's 256, odd N) and on what they leave to the
+// composition (f32, 5 rows, K not a multiple of 8), and chained without synchronizing (dependent
+// launches on sm_90).
 #include <cmath>
 
 #include "oracle.h"
 #include "ops/nn/decode_fused.h"
+#include "ops/ops.h"
 #include "test_util.h"
 #include "tolerances.h"
 
@@ -144,6 +149,113 @@ TEST_P(DecodeFused, GluPackedMatchesTheOracle) {
     }
 }
 
+// out[n, o] = sum_k a[n, k] w[o, k] in f64.
+V product(const V& a, const V& w, int64_t n, int64_t k, int64_t o) {
+  V out(static_cast<size_t>(n * o));
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < o; ++j) {
+      double acc = 0;
+      for (int64_t e = 0; e < k; ++e) acc += a[i * k + e] * w[j * k + e];
+      out[i * o + j] = acc;
+    }
+  return out;
+}
+
+struct NormLinearCase {
+  int64_t n, k, o;
+  bool delta, gemma;
+  double offset;
+};
+
+TEST_P(DecodeFused, AddRmsNormLinearMatchesTheOracle) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test_generator();
+  const NormLinearCase cases[] = {{1, 1024, 4096, true, false, 0.0}, {1, 1024, 1, false, false, 0.0},
+                                  {2, 1000, 333, true, false, 1.0},  {3, 2056, 7, true, true, 1.0},
+                                  {4, 8, 129, true, false, 0.0},     {4, 3072, 1024, true, false, 0.0},
+                                  {3, 136, 4099, false, true, 1.0},  {5, 64, 33, true, false, 0.0},
+                                  {2, 333, 17, true, false, 0.0}};
+  for (DType dt : test::float_dtypes(dev))
+    for (const NormLinearCase& c : cases) {
+      const std::string cfg = fmt::format("{} n={} k={} o={} delta={} gemma={} offset={}", config_name(dev, dt), c.n, c.k,
+                                          c.o, c.delta, c.gemma, c.offset);
+      const Tensor x = Tensor::randn({c.n, c.k}, dt, dev, gen);
+      const Tensor delta = c.delta ? Tensor::randn({c.n, c.k}, dt, dev, gen) : Tensor();
+      const Tensor wn = Tensor::randn({c.k}, dt, dev, gen), w = Tensor::randn({c.o, c.k}, dt, dev, gen);
+      ops::RMSNormOptions opt;
+      opt.eps = 1e-6, opt.offset = c.offset, opt.casting = c.gemma ? ops::RMSNormCasting::Gemma : ops::RMSNormCasting::Llama;
+      const auto [s, out] = ops::add_rms_norm_linear(x, delta, wn, opt, w);
+      ASSERT_EQ(s.shape(), x.shape()) << cfg;
+      ASSERT_EQ(out.shape(), (Shape{c.n, c.o})) << cfg;
+      V s_ref = values(x);
+      if (c.delta) {
+        const V dv = values(delta);
+        for (size_t e = 0; e < s_ref.size(); ++e) s_ref[e] += dv[e];
+      }
+      EXPECT_TRUE(test::close_elementwise(s, s_ref, test::primitive_rtol(dt), 0.0)) << cfg << " (sum)";
+      // The norm reads the rounded sum, as the composition does; its output is rounded once more
+      // before the product.
+      const V a = oracle::rms_norm(values(s), values(wn), c.n, c.k, 1e-6, c.offset).y;
+      EXPECT_TRUE(test::close_l2(out, product(a, values(w), c.n, c.k, c.o), test::composite_rel_l2(dt))) << cfg << " (out)";
+    }
+}
+
+TEST_P(DecodeFused, GluLinearMatchesTheOracle) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test_generator();
+  for (DType dt : test::float_dtypes(dev))
+    for (const auto& [n, inter, o, act, oact] :
+         {std::tuple{1, 3072, 1024, ops::GluActivation::Silu, oracle::Act::Silu},
+          std::tuple{2, 1000, 77, ops::GluActivation::Gelu, oracle::Act::Gelu},
+          std::tuple{3, 8, 5, ops::GluActivation::GeluTanh, oracle::Act::GeluTanh},
+          std::tuple{4, 2056, 2049, ops::GluActivation::Silu, oracle::Act::Silu},
+          std::tuple{1, 77, 9, ops::GluActivation::Silu, oracle::Act::Silu},
+          std::tuple{6, 64, 11, ops::GluActivation::Gelu, oracle::Act::Gelu}}) {
+      const std::string cfg = fmt::format("{} n={} inter={} o={}", config_name(dev, dt), n, inter, o);
+      const Tensor gu = Tensor::randn({n, 2 * inter}, dt, dev, gen), w = Tensor::randn({o, inter}, dt, dev, gen);
+      const Tensor out = ops::glu_linear(gu, act, w);
+      ASSERT_EQ(out.shape(), (Shape{n, o})) << cfg;
+      const V g = values(gu.narrow(1, 0, inter).contiguous()), u = values(gu.narrow(1, inter, inter).contiguous());
+      EXPECT_TRUE(test::close_l2(out, product(oracle::glu(g, u, oact), values(w), n, inter, o), test::composite_rel_l2(dt)))
+          << cfg;
+    }
+}
+
+// A decode layer's chain of fused projections, each reading the one before, queued without a
+// synchronization (on sm_90 each may start before the previous one ends): every step gives what
+// the composition gives from the same inputs, computed afterwards.
+TEST_P(DecodeFused, FusedProjectionsChainedMatchTheComposition) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test_generator();
+  for (DType dt : test::float_dtypes(dev))
+    for (int64_t n : {1, 3}) {
+      const int64_t h = 1024, inter = 1536, layers = 6;
+      const std::string cfg = fmt::format("{} n={}", config_name(dev, dt), n);
+      ops::RMSNormOptions opt;
+      opt.eps = 1e-6;
+      const Tensor wn = Tensor::randn({h}, dt, dev, gen), w_up = Tensor::randn({2 * inter, h}, dt, dev, gen);
+      const Tensor w_down = ops::scale(Tensor::randn({h, inter}, dt, dev, gen), 0.03);
+      std::vector<Tensor> xs{Tensor::randn({n, h}, dt, dev, gen)}, deltas{Tensor()}, gus;
+      for (int64_t l = 0; l < layers; ++l) {
+        auto [s, gu] = ops::add_rms_norm_linear(xs.back(), deltas.back(), wn, opt, w_up);
+        xs.push_back(s), gus.push_back(gu);
+        deltas.push_back(ops::glu_linear(gu, ops::GluActivation::Silu, w_down));
+      }
+      for (int64_t l = 0; l < layers; ++l) {
+        const size_t i = static_cast<size_t>(l);
+        const Tensor s = deltas[i].defined() ? ops::add(xs[i], deltas[i]) : xs[i];
+        EXPECT_TRUE(test::close_elementwise(xs[i + 1], s.to_f64_vector(), test::primitive_rtol(dt), 0.0)) << cfg << " layer " << l;
+        const Tensor gu = ops::matmul(ops::rms_norm_forward(xs[i + 1], wn, opt).y, w_up, false, true);
+        EXPECT_TRUE(test::close_l2(gus[i], gu.to_f64_vector(), test::composite_rel_l2(dt))) << cfg << " layer " << l << " (gate/up)";
+        const Tensor down = ops::matmul(ops::glu_packed(gus[i], ops::GluActivation::Silu), w_down, false, true);
+        EXPECT_TRUE(test::close_l2(deltas[i + 1], down.to_f64_vector(), test::composite_rel_l2(dt))) << cfg << " layer " << l << " (down)";
+      }
+    }
+}
+
 TEST_P(DecodeFused, BadInputIsRefused) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
@@ -168,6 +280,16 @@ TEST_P(DecodeFused, BadInputIsRefused) {
   EXPECT_ERROR(ops::add_rms_norm(x, Tensor::zeros({2, 5}, DType::f32, dev), Tensor::full({6}, 1.0, DType::f32, dev), {}), "delta");
   EXPECT_ERROR(ops::add_rms_norm(x, x, Tensor::full({5}, 1.0, DType::f32, dev), {}), "weight");
   EXPECT_ERROR(ops::glu_packed(Tensor::zeros({2, 7}, DType::f32, dev), ops::GluActivation::Silu), "halves of equal width");
+  const Tensor w8 = Tensor::zeros({3, 8}, DType::f32, dev), one8 = Tensor::full({8}, 1.0, DType::f32, dev);
+  const Tensor x8 = Tensor::zeros({2, 8}, DType::f32, dev);
+  EXPECT_NO_THROW(ops::add_rms_norm_linear(x8, x8, one8, {}, w8));
+  EXPECT_ERROR(ops::add_rms_norm_linear(x8, x8, one8, {}, Tensor::zeros({3, 6}, DType::f32, dev)),
+               "must be [out features, 8]");
+  EXPECT_ERROR(ops::add_rms_norm_linear(x8, x8, Tensor::full({6}, 1.0, DType::f32, dev), {}, w8), "norm_weight");
+  EXPECT_ERROR(ops::add_rms_norm_linear(x8, Tensor::zeros({1, 8}, DType::f32, dev), one8, {}, w8), "delta");
+  EXPECT_ERROR(ops::glu_linear(Tensor::zeros({2, 16}, DType::f32, dev), ops::GluActivation::Silu, w8.narrow(1, 0, 4)),
+               "(half of gu's 16 columns)");
+  EXPECT_ERROR(ops::glu_linear(Tensor::zeros({2, 15}, DType::f32, dev), ops::GluActivation::Silu, w8), "halves of equal width");
   if (dev.is_cuda()) {  // an out-of-range row or position: no cache write, q still computed
     const Tensor kk = Tensor::full({3, 2, 5, 16}, 2.0, DType::f32, dev), vv = kk.clone();
     const Tensor q = ops::qk_norm_rope_cache(Tensor::full({2, 8, 16}, 1.0, DType::f32, dev), opt, Tensor::full({2, 1, 16}, 1.0, DType::f32, dev),

@@ -13,6 +13,7 @@
 #include "models/safetensors.h"
 #include "ops/ops.h"
 #include "test_util.h"
+#include "tolerances.h"
 
 namespace kcpp {
 namespace {
@@ -537,6 +538,68 @@ TEST(CausalLMGeneration, GraphDecodeEqualsEagerStepsOnTheGpu) {
         if (dt == DType::f32) expect_greedy_continuation(*model, graphed[p].ids, prompts[p].size(), what);
       }
     }
+}
+
+// Logits of a few ragged decode steps (one given token a row) after each prompt is prefilled into
+// its own row of the cache, as generate_batch runs them.
+std::vector<Tensor> ragged_step_logits(models::CausalLM& model, const std::vector<std::vector<int64_t>>& prompts, int64_t steps) {
+  const ModelConfig& c = model.config();
+  const Device dev = model.device();
+  const int64_t rows = static_cast<int64_t>(prompts.size()), layers = c.num_hidden_layers;
+  models::CausalLM::KVCache cache;
+  for (int64_t l = 0; l < layers; ++l) {
+    cache.k.push_back(Tensor::zeros({rows, c.num_key_value_heads, 64, c.head_dim}, model.dtype(), dev));
+    cache.v.push_back(Tensor::zeros({rows, c.num_key_value_heads, 64, c.head_dim}, model.dtype(), dev));
+  }
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    models::CausalLM::KVCache one;
+    for (int64_t l = 0; l < layers; ++l) {
+      one.k.push_back(cache.k[static_cast<size_t>(l)].narrow(0, static_cast<int64_t>(p), 1));
+      one.v.push_back(cache.v[static_cast<size_t>(l)].narrow(0, static_cast<int64_t>(p), 1));
+    }
+    const int64_t len = static_cast<int64_t>(prompts[p].size());
+    (void)model.next_token_logits(Tensor::from_i64(prompts[p], {1, len}, DType::i64, dev), &one);
+    cache.rows.push_back(len);
+  }
+  std::vector<Tensor> out;
+  for (int64_t t = 0; t < steps; ++t) {
+    std::vector<int64_t> ids;
+    for (int64_t r = 0; r < rows; ++r) ids.push_back((5 + 7 * t + 3 * r) % c.vocab_size);
+    out.push_back(model.next_token_logits(Tensor::from_i64(ids, {rows, 1}, DType::i64, dev), &cache));
+  }
+  return out;
+}
+
+// A decode step's layers through the fused decode ops (the fused projections where they apply:
+// bf16 / f16 on CUDA, up to 4 rows as the tests' KCPP_GEMV allows) against the same step layer by
+// layer (KCPP_DECODE_FUSED=0) and with the fused elementwise ops but separate projections
+// (KCPP_DECODE_FUSED=1).  The paths round the same intermediates to the dtype and differ only in the
+// order of f32 sums (a norm's sum of squares), which moves an element of a rounded intermediate by
+// at most one unit of the dtype: the logits agree within a few units of roundoff in relative L2
+// (composite_rel_l2), on 1 and 3 rows, every family, both devices where there is a GPU.
+TEST(CausalLMGeneration, FusedDecodeStepMatchesTheUnfusedStep) {
+  std::vector<Device> devices{Device::cpu()};
+  if (cuda_device_count() > 0) devices.push_back(Device::cuda(0));
+  const std::vector<std::vector<int64_t>> prompts = {{3, 4, 5}, {7, 8, 9, 10, 11, 12, 13}, {20}};
+  for (const Device dev : devices)
+    for (const char* family : {"llama", "qwen3", "mistral_swa", "gemma", "phi3"})
+      for (DType dt : {DType::f32, DType::bf16})
+        for (size_t rows : {size_t{1}, size_t{3}}) {
+          const std::string what = fmt::format("{} {} {} rows={}", dev.str(), family, dtype_name(dt), rows);
+          const auto model = models::CausalLM::from_folder(fs::path(test::fixtures_dir()) / family, dt, dev);
+          const std::vector<std::vector<int64_t>> ps(prompts.begin(), prompts.begin() + static_cast<int64_t>(rows));
+          const auto fused = ragged_step_logits(*model, ps, 3);
+          ::setenv("KCPP_DECODE_FUSED", "1", 1);
+          const auto elementwise = ragged_step_logits(*model, ps, 3);
+          ::setenv("KCPP_DECODE_FUSED", "0", 1);
+          const auto layered = ragged_step_logits(*model, ps, 3);
+          ::unsetenv("KCPP_DECODE_FUSED");
+          for (size_t t = 0; t < fused.size(); ++t) {
+            const std::vector<double> ref = layered[t].to_f64_vector();
+            EXPECT_TRUE(test::close_l2(fused[t], ref, test::composite_rel_l2(dt))) << what << " step " << t;
+            EXPECT_TRUE(test::close_l2(elementwise[t], ref, test::composite_rel_l2(dt))) << what << " step " << t << " (KCPP_DECODE_FUSED=1)";
+          }
+        }
 }
 
 // Every parameter's gradient of the loss against Transformers' (f32): within 1e-5 relative, the

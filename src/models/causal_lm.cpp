@@ -543,31 +543,54 @@ bool CausalLM::decode_fused_possible() const {
   return cfg_.num_experts == 0 && ops::decode_attention_supported(device_, cfg_.head_dim);
 }
 
-// Per layer: the qkv GEMM, q/k norms + RoPE + the cache append (one op), the attention, the o GEMM,
-// the residual add + post norm (one op), the gate/up GEMM, the gated activation, the down GEMM, and
-// the residual add + the next layer's input norm (the final norm after the last layer).
+// Per layer, with the fused projections (ops::decode_linear_fused: bf16 / f16 on CUDA, rows the gemv
+// takes): the residual add + input norm + qkv GEMV (one op; the first layer's has no add), q/k norms +
+// RoPE + the cache append (one op), the attention, the o GEMV, the residual add + post norm + gate/up
+// GEMV (one op), the gated activation + down GEMV (one op); after the last layer the residual add +
+// final norm.  Without them (KCPP_DECODE_FUSED=1, other dtypes, more rows, a qkv bias, separate
+// gate and up weights) each add + norm and each gated activation is its own op before its GEMM.
+// The residual stream is x + delta: delta, the last down projection, is added by the next norm.
 Tensor CausalLM::decode_layers(const Tensor& h0, const ops::RopeCosSin& cs, KVCache& cache) {
   const ModelConfig& c = cfg_;
   const int64_t b = h0.size(0), hq = c.num_attention_heads, hkv = c.num_key_value_heads, d = c.head_dim;
-  Tensor x = h0;
-  Tensor a = layers_[0].input_norm->forward(x);
+  const char* env = std::getenv("KCPP_DECODE_FUSED");
+  const bool fused_linear = !(env && std::string(env) == "1") && ops::decode_linear_fused(device_, dtype_, b);
+  Tensor x = h0, delta;
+  // s = x + delta (x without delta) and rms_norm(s) through `norm`, as separate ops.
+  auto add_norm = [&](nn::RMSNorm& norm) {
+    if (!delta.defined()) return norm.forward(x);
+    Tensor y;
+    std::tie(x, y) = ops::add_rms_norm(x, delta, norm.weight, norm.options);
+    return y;
+  };
   for (size_t li = 0; li < layers_.size(); ++li) {
     Layer& l = layers_[li];
     ops::QkNormRopeCache qo;
     qo.q_heads = hq, qo.kv_heads = hkv, qo.layout = l.rope->style;
     if (l.q_norm) qo.q_norm = l.q_norm->weight, qo.k_norm = l.k_norm->weight, qo.norm = l.q_norm->options;
-    const Tensor qkv = linear(a, l.wqkv, l.bqkv).view({b, hq + 2 * hkv, d});
-    const Tensor q = ops::qk_norm_rope_cache(qkv, qo, cs.cos, cs.sin, cache.k[li], cache.v[li], cache.step_rows,
-                                             cache.step_positions);
+    Tensor qkv;
+    if (fused_linear && !l.bqkv.defined())
+      std::tie(x, qkv) = ops::add_rms_norm_linear(x, delta, l.input_norm->weight, l.input_norm->options, l.wqkv);
+    else
+      qkv = linear(add_norm(*l.input_norm), l.wqkv, l.bqkv);
+    delta = Tensor();
+    const Tensor q = ops::qk_norm_rope_cache(qkv.view({b, hq + 2 * hkv, d}), qo, cs.cos, cs.sin, cache.k[li], cache.v[li],
+                                             cache.step_rows, cache.step_positions);
     const Tensor o = cached_attention(li, q, cache).view({b, hq * d});
-    Tensor m;
-    std::tie(x, m) = ops::add_rms_norm(x, linear(o, l.wo), l.post_norm->weight, l.post_norm->options);
-    const Tensor act = l.w_gate_up.defined() ? ops::glu_packed(linear(m, l.w_gate_up), l.mlp->activation)
-                                             : l.mlp->forward(linear(m, l.w_gate), linear(m, l.w_up));
-    const nn::RMSNorm& next = li + 1 < layers_.size() ? *layers_[li + 1].input_norm : *final_norm_;
-    std::tie(x, a) = ops::add_rms_norm(x, linear(act, l.w_down), next.weight, next.options);
+    delta = linear(o, l.wo);
+    if (fused_linear && l.w_gate_up.defined()) {
+      Tensor gu;
+      std::tie(x, gu) = ops::add_rms_norm_linear(x, delta, l.post_norm->weight, l.post_norm->options, l.w_gate_up);
+      delta = ops::glu_linear(gu, l.mlp->activation, l.w_down);
+    } else {
+      const Tensor m = add_norm(*l.post_norm);
+      delta = Tensor();
+      const Tensor act = l.w_gate_up.defined() ? ops::glu_packed(linear(m, l.w_gate_up), l.mlp->activation)
+                                               : l.mlp->forward(linear(m, l.w_gate), linear(m, l.w_up));
+      delta = linear(act, l.w_down);
+    }
   }
-  return a;
+  return add_norm(*final_norm_);
 }
 
 // A prefill of [B, S] new tokens at positions cache.length .. into storage that holds them: the ops

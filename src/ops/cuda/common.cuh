@@ -17,6 +17,23 @@ template <typename F> void visit_cuda_float(DType t, const char* op, F&& f) {
   }
 }
 
+// An RMSNorm weight element as the norm's casting applies it (ops/nn/rms_norm.h): Llama (offset + w)
+// rounded to T, Gemma (offset + w) in f32.
+template <typename T> __device__ __forceinline__ float norm_weight_value(float w, float offset, bool gemma) {
+  if (gemma) return w + offset;
+  return offset != 0.f ? kcpp::kernel::cuda::round_to<T>(w + offset) : w;
+}
+template <typename T> __device__ __forceinline__ float norm_weight(const T* w, int e, float offset, bool gemma) {
+  return norm_weight_value<T>(kcpp::kernel::cuda::to_f32(w[e]), offset, gemma);
+}
+
+// y = rms_norm's output element from s (in f32) as the casting rounds it: Gemma r(s rstd wt),
+// Llama r(wt r(s rstd)).
+template <typename T> __device__ __forceinline__ float norm_apply(float s, float rstd, float wt, bool gemma) {
+  using kcpp::kernel::cuda::round_to;
+  return gemma ? round_to<T>(s * rstd * wt) : round_to<T>(wt * round_to<T>(s * rstd));
+}
+
 enum class BlockOp { Sum, Max };
 
 template <BlockOp Op> __device__ __forceinline__ float combine(float a, float b) {

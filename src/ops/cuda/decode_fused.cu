@@ -3,7 +3,9 @@
 // composition gives up to the order of the f32 sums of squares.
 //
 // qk_norm_rope_cache: one warp per (row, head), 4 heads a block; the head's D <= 256 elements sit in
-// registers (8 a lane) and in shared memory, where RoPE reads each element's partner.
+// registers (8 a lane) and in shared memory, where RoPE reads each element's partner.  Launched with
+// programmatic dependent launch (ops/cuda/pdl.cuh), so that its blocks are resident when the
+// projection before it ends.
 // add_rms_norm: one block per row; the sum is written, then read back by the thread that wrote it
 // for the normalization (no second read of x and delta).
 // glu_packed: elementwise over [N, I], gate and up read from the two halves of each row.
@@ -13,6 +15,7 @@
 
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/launch.h"
+#include "ops/cuda/pdl.cuh"
 #include "ops/math.h"
 
 namespace kcpp::ops::cuda {
@@ -26,13 +29,6 @@ using kcpp::kernel::cuda::warp_sum;
 constexpr int kHeadsPerBlock = 4;
 constexpr int kMaxPerLane = 8;  // D <= 256
 
-// The weight as the norm's casting applies it: Llama (offset + w) rounded to T, Gemma in f32.
-template <typename T> __device__ __forceinline__ float norm_weight(const T* w, int e, float offset, bool gemma) {
-  const float x = to_f32(w[e]);
-  if (gemma) return x + offset;
-  return offset != 0.f ? round_to<T>(x + offset) : x;
-}
-
 template <typename T>
 __global__ void qk_norm_rope_cache_kernel(T* __restrict__ q_out, const T* __restrict__ qkv, const T* __restrict__ q_norm,
                                           const T* __restrict__ k_norm, const T* __restrict__ cos_, const T* __restrict__ sin_,
@@ -42,6 +38,8 @@ __global__ void qk_norm_rope_cache_kernel(T* __restrict__ q_out, const T* __rest
   __shared__ float buf[kHeadsPerBlock][kMaxPerLane * 32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int head = blockIdx.x * kHeadsPerBlock + warp, b = blockIdx.y, heads = hq + 2 * hkv;
+  pdl_wait();  // every input but the norm weights is an earlier kernel's output
+  pdl_trigger();
   if (head >= heads) return;
   const T* x = qkv + (static_cast<int64_t>(b) * heads + head) * d;
   const bool is_q = head < hq, is_v = head >= hq + hkv;
@@ -142,8 +140,8 @@ void qk_norm_rope_cache(const Tensor& q, const Tensor& qkv, const QkNormRopeCach
   visit_cuda_float(qkv.dtype(), "qk_norm_rope_cache", [&]<typename T>(std::type_identity<T>) {
     const T* qn = opt.q_norm.defined() ? static_cast<const T*>(opt.q_norm.data()) : nullptr;
     const T* kn = opt.k_norm.defined() ? static_cast<const T*>(opt.k_norm.data()) : nullptr;
-    qk_norm_rope_cache_kernel<T><<<dim3((heads + kHeadsPerBlock - 1) / kHeadsPerBlock, b), kHeadsPerBlock * 32, 0,
-                                   kcpp::cuda::current_stream()>>>(
+    launch_pdl("qk_norm_rope_cache", qk_norm_rope_cache_kernel<T>,
+               dim3((heads + kHeadsPerBlock - 1) / kHeadsPerBlock, b), dim3(kHeadsPerBlock * 32), 0,
         static_cast<T*>(q.data()), static_cast<const T*>(qkv.data()), qn, kn, static_cast<const T*>(cos.data()),
         static_cast<const T*>(sin.data()), static_cast<T*>(k_cache.data()), static_cast<T*>(v_cache.data()),
         static_cast<const int*>(rows.data()), static_cast<const int*>(positions.data()), static_cast<int>(opt.q_heads),
@@ -151,7 +149,6 @@ void qk_norm_rope_cache(const Tensor& q, const Tensor& qkv, const QkNormRopeCach
         static_cast<int>(k_cache.size(2)), static_cast<float>(opt.norm.eps), static_cast<float>(opt.norm.offset), gemma,
         opt.layout == RopeLayout::Interleaved);
   });
-  KCPP_CUDA_CHECK_LAUNCH("qk_norm_rope_cache");
 }
 
 void add_rms_norm(const Tensor& s, const Tensor& y, const Tensor& x, const Tensor& delta, const Tensor& w,

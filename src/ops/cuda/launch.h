@@ -40,6 +40,13 @@ void qk_norm_rope_cache(const Tensor& q, const Tensor& qkv, const QkNormRopeCach
 void add_rms_norm(const Tensor& s, const Tensor& y, const Tensor& x, const Tensor& delta, const Tensor& w,
                   const RMSNormOptions& opt);
 void glu_packed(const Tensor& h, const Tensor& gu, GluActivation act);
+// ops/nn/decode_fused.h, the fused projections (ops/cuda/decode_gemv.cu): bf16 / f16, 1 ..
+// kFusedLinearMaxRows rows, K % 8 == 0, every tensor contiguous and 16-byte aligned; out [N, O]
+// written, and s [N, K] where defined (it is with delta).  False, with nothing launched, when the
+// rows do not fit in a block's shared memory (the caller composes the op).
+bool add_rms_norm_linear(const Tensor& out, const Tensor& s, const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
+                         const RMSNormOptions& opt, const Tensor& weight);
+bool glu_linear(const Tensor& out, const Tensor& gu, GluActivation act, const Tensor& weight);
 // ops/nn/sampling.h: logits [B, V] contiguous, out [B, 2] i64; options sampling_on_device() takes.
 void sample_checked(const Tensor& out, const Tensor& logits, const SampleOptions& opt, const std::vector<uint64_t>& seeds,
                     const std::vector<int64_t>& positions);

@@ -1,5 +1,8 @@
 #include "ops/nn/decode_fused.h"
 
+#include <algorithm>
+#include <cstdlib>
+
 #include "ops/check.h"
 #include "ops/cuda/launch.h"
 #include "ops/nn/decode_attention.h"
@@ -19,6 +22,23 @@ bool fused_on_cuda(const Tensor& t) {
 }
 
 bool fused_casting(const RMSNormOptions& o) { return o.casting == RMSNormCasting::Llama || o.casting == RMSNormCasting::Gemma; }
+
+// The fused projection kernel covers this call: bf16 / f16 on CUDA, 1 .. kFusedLinearMaxRows rows,
+// rows of K % 8 == 0 elements, every operand contiguous and 16-byte aligned (ops/cuda/decode_gemv.cu).
+bool fused_linear_on_cuda(const Tensor& x, int64_t k, std::initializer_list<const Tensor*> operands) {
+#if KCPP_WITH_CUDA
+  const int64_t n = x.size(0);
+  if (!x.device().is_cuda() || (x.dtype() != DType::bf16 && x.dtype() != DType::f16) || n < 1 || n > kFusedLinearMaxRows ||
+      k < 8 || k % 8 != 0 || k > (int64_t{1} << 30))
+    return false;
+  for (const Tensor* t : operands)
+    if (t->defined() && (!t->is_contiguous() || reinterpret_cast<uintptr_t>(t->data()) % 16 != 0)) return false;
+  return true;
+#else
+  (void)x, (void)k, (void)operands;
+  return false;
+#endif
+}
 
 }  // namespace
 
@@ -118,6 +138,75 @@ Tensor glu_packed(const Tensor& gu, GluActivation act) {
 #endif
   }
   return glu_forward(gu.narrow(1, 0, inter).contiguous(), gu.narrow(1, inter, inter).contiguous(), act);
+}
+
+int64_t gemv_max_rows() {
+  static const int64_t rows = [] {
+    const char* e = std::getenv("KCPP_GEMV");
+    if (!e || !*e) return int64_t{1};
+    return std::clamp<int64_t>(std::atoll(e), 0, 8);
+  }();
+  return rows;
+}
+
+bool decode_linear_fused(Device device, DType dtype, int64_t rows) {
+#if KCPP_WITH_CUDA
+  return device.is_cuda() && (dtype == DType::bf16 || dtype == DType::f16) && rows >= 1 &&
+         rows <= std::min(kFusedLinearMaxRows, gemv_max_rows());
+#else
+  (void)device, (void)dtype, (void)rows;
+  return false;
+#endif
+}
+
+std::pair<Tensor, Tensor> add_rms_norm_linear(const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
+                                              const RMSNormOptions& opt, const Tensor& weight) {
+  constexpr const char* op = "add_rms_norm_linear";
+  check_float(x, op, "x");
+  check_dims(x, 2, op, "x");
+  const int64_t n = x.size(0), k = x.size(1);
+  if (delta.defined()) {
+    check_same(delta, x, op, "delta", "x");
+    check_shape(delta, x.shape(), op, "delta");
+  }
+  check_same(norm_weight, x, op, "norm_weight", "x");
+  check_shape(norm_weight, {k}, op, "norm_weight");
+  check_same(weight, x, op, "weight", "x");
+  check_dims(weight, 2, op, "weight");
+  KCPP_CHECK(weight.size(1) == k, "op {}: weight {} must be [out features, {}] to take rows of x {}", op,
+             shape_str(weight.shape()), k, shape_str(x.shape()));
+  KCPP_CHECK(opt.eps >= 0, "op {}: eps {} < 0", op, opt.eps);
+  if (fused_casting(opt) && weight.size(0) <= (int64_t{1} << 30) && fused_linear_on_cuda(x, k, {&x, &delta, &norm_weight, &weight})) {
+#if KCPP_WITH_CUDA
+    const Tensor s = delta.defined() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : x;
+    const Tensor out = Tensor::empty({n, weight.size(0)}, x.dtype(), x.device());
+    if (out.numel() == 0 || cuda::add_rms_norm_linear(out, delta.defined() ? s : Tensor(), x, delta, norm_weight, opt, weight))
+      return {s, out};
+#endif
+  }
+  if (!delta.defined()) return {x, matmul(rms_norm_forward(x, norm_weight, opt).y, weight, false, true)};
+  const auto [s, a] = add_rms_norm(x, delta, norm_weight, opt);
+  return {s, matmul(a, weight, false, true)};
+}
+
+Tensor glu_linear(const Tensor& gu, GluActivation act, const Tensor& weight) {
+  constexpr const char* op = "glu_linear";
+  check_float(gu, op, "gu");
+  check_dims(gu, 2, op, "gu");
+  KCPP_CHECK(gu.size(1) % 2 == 0, "op {}: gu has {} columns; it must hold gate and up halves of equal width", op,
+             gu.size(1));
+  const int64_t n = gu.size(0), inter = gu.size(1) / 2;
+  check_same(weight, gu, op, "weight", "gu");
+  check_dims(weight, 2, op, "weight");
+  KCPP_CHECK(weight.size(1) == inter, "op {}: weight {} must be [out features, {}] (half of gu's {} columns)", op,
+             shape_str(weight.shape()), inter, gu.size(1));
+  if (weight.size(0) <= (int64_t{1} << 30) && fused_linear_on_cuda(gu, inter, {&gu, &weight})) {
+#if KCPP_WITH_CUDA
+    const Tensor out = Tensor::empty({n, weight.size(0)}, gu.dtype(), gu.device());
+    if (out.numel() == 0 || cuda::glu_linear(out, gu, act, weight)) return out;
+#endif
+  }
+  return matmul(glu_packed(gu, act), weight, false, true);
 }
 
 }  // namespace kcpp::ops

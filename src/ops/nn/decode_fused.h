@@ -19,7 +19,25 @@
 // glu_packed — the gated activation of a fused gate/up projection gu [N, 2I] (gate columns first):
 //   h[n, i] = r(r(act(gu[n, i])) * gu[n, I + i])   (ops::glu_forward of the two halves)
 //
-// On CUDA (f32, bf16, f16) each is one kernel; elsewhere, and for what the kernels don't cover, the
+// add_rms_norm_linear — the residual add, the next norm and the projection that reads it, for a few
+// rows (a decode step's [N, H] with N <= 4): x, delta [N, K], norm weight w [K], projection W [O, K]:
+//   s = r(x + delta)                     (s = x without delta: a step's first layer)
+//   a = rms_norm(s, w)                   (as add_rms_norm: rounded to the dtype)
+//   out[n, o] = r(sum_k a[n, k] W[o, k])  (f32 sums, as ops::matmul(a, W, false, true))
+//   returns (s, out [N, O])
+//
+// glu_linear — the gated activation of a packed gate/up row and the projection that reads it:
+// gu [N, 2I], W [O, I]:
+//   h = glu_packed(gu, act)  (rounded to the dtype),  out[n, o] = r(sum_i h[n, i] W[o, i])
+//
+// On CUDA (bf16, f16; N <= kFusedLinearMaxRows; K % 8 == 0 and 16-byte aligned rows) each is one
+// kernel: every block recomputes the norm or the activation of the rows (a few K elements) into
+// shared memory and streams its share of W, as ops/cuda/gemv.cu does; one block writes s.  There
+// the kernels are launched with programmatic dependent launch (ops/cuda/pdl.cuh), so that the
+// weights are read while the previous kernel ends.  Elsewhere (f32, more rows, a CPU tensor, odd
+// widths) the composition add_rms_norm + ops::matmul, glu_packed + ops::matmul.
+//
+// On CUDA (f32, bf16, f16) each of the three ops above is one kernel; elsewhere, and for what the kernels don't cover, the
 // composition of the reference ops.  Rows and positions on the device are not read back by the host:
 // an out-of-range one skips the cache write (decode_attention then reports NaN for that row), as
 // ops::cache_write does.
@@ -51,5 +69,25 @@ std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, con
 
 // gu [N, 2I] contiguous.  Returns [N, I].
 Tensor glu_packed(const Tensor& gu, GluActivation act);
+
+// The most rows the fused CUDA projections below take in one kernel.
+constexpr int64_t kFusedLinearMaxRows = 4;
+
+// x, delta [N, K] of one dtype (delta may be undefined: s = x), norm weight [K], weight [O, K].
+// Returns (s, out [N, O]).
+std::pair<Tensor, Tensor> add_rms_norm_linear(const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
+                                              const RMSNormOptions& opt, const Tensor& weight);
+
+// gu [N, 2I], weight [O, I].  Returns [N, O].
+Tensor glu_linear(const Tensor& gu, GluActivation act, const Tensor& weight);
+
+// Whether add_rms_norm_linear / glu_linear run as one kernel for `rows` rows of `dtype` on `device`
+// (the shapes and alignment aside), and the gemv path of ops::matmul takes that many rows
+// (KCPP_GEMV, default 1; a decode step uses the fused projections only then).
+bool decode_linear_fused(Device device, DType dtype, int64_t rows);
+
+// The most rows ops::matmul sends to its gemv (ops/cuda/gemv.cu) instead of cuBLAS: KCPP_GEMV, 0 to
+// 8, default 1 (at more rows cuBLAS measured faster inside a decode step).
+int64_t gemv_max_rows();
 
 }  // namespace kcpp::ops

@@ -1,0 +1,249 @@
+// The fused decode projections (ops/nn/decode_fused.h): a prologue that makes the M <= 4 input rows
+// of a projection, then the few-row product of ops/cuda/gemv.cu (gemv.cuh) over them.
+//
+// Each block makes the rows itself, in shared memory [M, K] rounded to T (what the eager
+// composition stores): add_rms_norm_linear adds the residual and normalizes (one block also writes
+// the sum s), glu_linear applies the gated activation to the packed gate/up row.  The rows are a
+// few K elements read from L2, against the weight's N x K; to make them once for many columns the
+// grid is one wave (the blocks that fit on the device at once) and a block walks its columns
+// blockIdx.x, blockIdx.x + gridDim.x, ...
+//
+// Programmatic dependent launch (ops/cuda/pdl.cuh): the block's first pass of weight loads is issued
+// before pdl_wait(); the rows (the previous kernels' outputs) are read, and s written, after it.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <type_traits>
+
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/gemv.cuh"
+#include "ops/cuda/launch.h"
+#include "ops/cuda/pdl.cuh"
+#include "ops/math.h"
+
+namespace kcpp::ops::cuda {
+namespace {
+
+using namespace gemv;
+using kcpp::kernel::cuda::load_f32;
+using kcpp::kernel::cuda::round_to;
+using kcpp::kernel::cuda::store_f32;
+using kcpp::kernel::cuda::warp_sum;
+
+enum class Prologue { AddNorm, Glu };
+
+template <typename T> struct FusedGemvParams {
+  T* out;              // [M, N]
+  T* s;                // AddNorm: [M, K], x + delta, written by block 0; null without delta
+  const T* x;          // AddNorm: x [M, K]; Glu: gu [M, 2K]
+  const T* delta;      // AddNorm: [M, K] or null
+  const T* norm_w;     // AddNorm: [K]
+  const T* w;          // [N, K]
+  int n, k;
+  float eps, offset;   // AddNorm: the norm's options
+  bool gemma;
+  Unary act;           // Glu
+};
+
+// rows [M, K] in shared memory: the projection's input rows as the composition stores them.
+template <typename T, int M, Prologue P>
+__device__ __forceinline__ void make_rows(const FusedGemvParams<T>& p, T* rows) {
+  const int k = p.k;
+  if constexpr (P == Prologue::Glu) {
+    for (int m = 0; m < M; ++m)
+      for (int e = threadIdx.x * 8; e < k; e += kThreads * 8) {
+        const T* r = p.x + static_cast<int64_t>(m) * 2 * k;  // [2K]: gate, then up
+        float g[8], u[8], h[8];
+        load_f32<T, 8>(r + e, g);
+        load_f32<T, 8>(r + k + e, u);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) h[i] = round_to<T>(math::unary<float>(p.act, g[i], 0.f)) * u[i];
+        store_f32<T, 8>(rows + m * k + e, h);
+      }
+  } else {
+    __shared__ float red[kWarps][M];
+    float ss[M] = {};
+    for (int m = 0; m < M; ++m)
+      for (int e = threadIdx.x * 8; e < k; e += kThreads * 8) {
+        const int64_t at = static_cast<int64_t>(m) * k + e;
+        float v[8];
+        load_f32<T, 8>(p.x + at, v);
+        if (p.delta != nullptr) {
+          float d[8];
+          load_f32<T, 8>(p.delta + at, d);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) v[i] = round_to<T>(v[i] + d[i]);
+          if (p.s != nullptr && blockIdx.x == 0) store_f32<T, 8>(p.s + at, v);
+        }
+        store_f32<T, 8>(rows + at, v);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ss[m] += v[i] * v[i];
+      }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float t = warp_sum(ss[m]);
+      if (lane == 0) red[warp][m] = t;
+    }
+    __syncthreads();
+    float rstd[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float t = 0.f;
+#pragma unroll
+      for (int j = 0; j < kWarps; ++j) t += red[j][m];
+      rstd[m] = 1.f / sqrtf(t / static_cast<float>(k) + p.eps);
+    }
+    // Each thread normalizes the elements it stored above.
+    for (int e = threadIdx.x * 8; e < k; e += kThreads * 8) {
+      float wt[8];
+      load_f32<T, 8>(p.norm_w + e, wt);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) wt[i] = norm_weight_value<T>(wt[i], p.offset, p.gemma);
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        float v[8];
+        load_f32<T, 8>(rows + m * k + e, v);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = norm_apply<T>(v[i], rstd[m], wt[i], p.gemma);
+        store_f32<T, 8>(rows + m * k + e, v);
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// Columns (kWarps / KS a group) blockIdx.x, blockIdx.x + gridDim.x, ... of out.
+template <typename T, int M, int KS, Prologue P>
+__global__ void __launch_bounds__(kThreads) fused_gemv_kernel(const __grid_constant__ FusedGemvParams<T> p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* rows = reinterpret_cast<T*>(smem);  // [M, K]
+  __shared__ float part[kWarps][M];
+  constexpr int cols = kWarps / KS;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % KS, n = p.n, k = p.k;
+  const int groups = (n + cols - 1) / cols;
+  float wv[kUnroll][8];
+  int col = blockIdx.x * cols + warp / KS;
+  load_pass<T, KS>(p.w + static_cast<int64_t>(min(col, n - 1)) * k, slice * kStep, k, lane, wv);
+  pdl_wait();
+  pdl_trigger();
+  make_rows<T, M, P>(p, rows);
+  for (int g = blockIdx.x; g < groups; g += gridDim.x) {
+    col = g * cols + warp / KS;
+    const T* row = p.w + static_cast<int64_t>(min(col, n - 1)) * k;  // [K]
+    float acc[M] = {};
+    for (int base = slice * kStep; base < k; base += kStep * KS * kUnroll) {
+      if (g != static_cast<int>(blockIdx.x) || base != slice * kStep) load_pass<T, KS>(row, base, k, lane, wv);
+      dot_pass<T, M, KS>(rows, k, base, k, lane, wv, acc);
+    }
+    finish_column<T, M, KS>(p.out, n, col, warp, lane, acc, part);
+    if constexpr (KS > 1) __syncthreads();  // part is read before the next group writes it
+  }
+}
+
+// The blocks of `kernel` that fit on the device at once with `smem` bytes of dynamic shared memory
+// (raising the kernel's limit above the default 48 KiB where needed); 0 when it does not fit.
+// Cached a (kernel, device, smem): a decode step asks for the same few every layer.
+int resident_blocks(const void* kernel, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, size_t>, int> known;
+  int dev = 0;
+  KCPP_CUDA_CHECK(cudaGetDevice(&dev));
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto [it, fresh] = known.try_emplace({kernel, dev, smem}, 0);
+  if (!fresh) return it->second;
+  int sms = 0, optin = 0;
+  KCPP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  KCPP_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  cudaFuncAttributes attr{};
+  KCPP_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  const size_t most = static_cast<size_t>(optin) - attr.sharedSizeBytes;  // the static part is the kernel's own
+  if (smem > most) return 0;
+  if (smem > 48 * 1024)  // the kernel's limit, raised once to all there is (smaller calls stay valid)
+    KCPP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(most)));
+  int per_sm = 0;
+  KCPP_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+  return it->second = per_sm * sms;
+}
+
+// False (nothing launched) when the rows do not fit in a block's shared memory.
+template <typename T, int M, int KS, Prologue P> bool launch(const char* op, const FusedGemvParams<T>& p) {
+  auto kernel = fused_gemv_kernel<T, M, KS, P>;
+  const size_t smem = sizeof(T) * M * static_cast<size_t>(p.k);
+  const int fit = resident_blocks(reinterpret_cast<const void*>(kernel), smem);
+  if (fit == 0) return false;
+  const int groups = (p.n + kWarps / KS - 1) / (kWarps / KS);
+  launch_pdl(op, kernel, dim3(std::min(groups, fit)), dim3(kThreads), smem, p);
+  return true;
+}
+
+template <typename T, Prologue P> bool dispatch(const char* op, int64_t m, const FusedGemvParams<T>& p) {
+  auto with_rows = [&]<int M>() {
+    switch (slices_for(p.n, p.k)) {
+      case 1: return launch<T, M, 1, P>(op, p);
+      case 2: return launch<T, M, 2, P>(op, p);
+      case 4: return launch<T, M, 4, P>(op, p);
+      default: return launch<T, M, 8, P>(op, p);
+    }
+  };
+  static_assert(kFusedLinearMaxRows == 4);
+  switch (m) {
+    case 1: return with_rows.template operator()<1>();
+    case 2: return with_rows.template operator()<2>();
+    case 3: return with_rows.template operator()<3>();
+    default: return with_rows.template operator()<4>();
+  }
+}
+
+}  // namespace
+
+bool add_rms_norm_linear(const Tensor& out, const Tensor& s, const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
+                         const RMSNormOptions& opt, const Tensor& weight) {
+  constexpr const char* op = "add_rms_norm_linear";
+  kcpp::cuda::DeviceGuard guard(x.device().index);
+  bool done = false;
+  visit_cuda_float(x.dtype(), op, [&]<typename T>(std::type_identity<T>) {
+    if constexpr (std::is_same_v<T, float>) {
+      KCPP_FAIL("op {}: f32 has no fused CUDA kernel (the caller composes it)", op);
+    } else {
+      FusedGemvParams<T> p{};
+      p.out = static_cast<T*>(out.data());
+      p.s = s.defined() ? static_cast<T*>(s.data()) : nullptr;
+      p.x = static_cast<const T*>(x.data());
+      p.delta = delta.defined() ? static_cast<const T*>(delta.data()) : nullptr;
+      p.norm_w = static_cast<const T*>(norm_weight.data());
+      p.w = static_cast<const T*>(weight.data());
+      p.n = static_cast<int>(weight.size(0)), p.k = static_cast<int>(x.size(1));
+      p.eps = static_cast<float>(opt.eps), p.offset = static_cast<float>(opt.offset);
+      p.gemma = opt.casting == RMSNormCasting::Gemma;
+      done = dispatch<T, Prologue::AddNorm>(op, x.size(0), p);
+    }
+  });
+  return done;
+}
+
+bool glu_linear(const Tensor& out, const Tensor& gu, GluActivation act, const Tensor& weight) {
+  constexpr const char* op = "glu_linear";
+  kcpp::cuda::DeviceGuard guard(gu.device().index);
+  bool done = false;
+  visit_cuda_float(gu.dtype(), op, [&]<typename T>(std::type_identity<T>) {
+    if constexpr (std::is_same_v<T, float>) {
+      KCPP_FAIL("op {}: f32 has no fused CUDA kernel (the caller composes it)", op);
+    } else {
+      FusedGemvParams<T> p{};
+      p.out = static_cast<T*>(out.data());
+      p.x = static_cast<const T*>(gu.data());
+      p.w = static_cast<const T*>(weight.data());
+      p.n = static_cast<int>(weight.size(0)), p.k = static_cast<int>(gu.size(1) / 2);
+      p.act = act == GluActivation::Silu ? Unary::Silu : act == GluActivation::Gelu ? Unary::Gelu : Unary::GeluTanh;
+      done = dispatch<T, Prologue::Glu>(op, gu.size(0), p);
+    }
+  });
+  return done;
+}
+
+}  // namespace kcpp::ops::cuda

@@ -1,0 +1,94 @@
+// The pieces of the few-row matrix product y [M, N] = a [M, K] w [N, K]^T that the plain gemv
+// (ops/cuda/gemv.cu) and the fused decode projections (ops/cuda/decode_gemv.cu) share: one warp, or
+// KS warps over slices of K, a weight row; each lane reads 8 consecutive elements of the row (one
+// 16-byte load) kUnroll times before the first product, and keeps M f32 sums.
+#pragma once
+
+#include <cstdint>
+
+#include "ops/cuda/common.cuh"
+
+namespace kcpp::ops::cuda::gemv {
+
+using kcpp::kernel::cuda::load_f32;
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kUnroll = 4;
+constexpr int kStep = 32 * 8;  // elements a warp covers with one 16-byte load a lane
+
+// Warps a column: enough warps in all (about 32 an SM of an H100's 132) while each keeps at least
+// one full step of K.
+inline int slices_for(int64_t n, int64_t k) {
+  const int64_t want = 132 * 32;
+  int ks = 1;
+  while (ks < kWarps && n * ks < want && k / (kStep * ks * 2) >= 1) ks *= 2;
+  return ks;
+}
+
+// The kUnroll weight loads of one pass: slice `slice` of KS takes the warp steps slice, slice + KS,
+// ... (each kStep elements); the pass starting at `base` reads base + u * kStep * KS.  Zeros past k.
+template <typename T, int KS>
+__device__ __forceinline__ void load_pass(const T* row, int base, int k, int lane, float (&wv)[kUnroll][8]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int e = base + u * kStep * KS + lane * 8;
+    if (e < k) {
+      load_f32<T, 8>(row + e, wv[u]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) wv[u][i] = 0.f;
+    }
+  }
+}
+
+// acc[m] += a[m, e..e+8) . wv for the pass at `base`; a's rows are `lda` apart (global or shared).
+template <typename T, int M, int KS>
+__device__ __forceinline__ void dot_pass(const T* a, int64_t lda, int base, int k, int lane, const float (&wv)[kUnroll][8],
+                                         float (&acc)[M]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int e = base + u * kStep * KS + lane * 8;
+    if (e >= k) break;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float av[8];
+      load_f32<T, 8>(a + m * lda + e, av);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[m] = fmaf(av[i], wv[u][i], acc[m]);
+    }
+  }
+}
+
+// Adds each warp's sums over its lanes and over the KS slices of its column (through `part`), and
+// has lane m < M of the column's first warp write out[m, col] rounded to T.  Every thread of the
+// block calls it (it synchronizes the block when KS > 1).
+template <typename T, int M, int KS>
+__device__ __forceinline__ void finish_column(T* out, int n, int col, int warp, int lane, float (&acc)[M],
+                                              float (&part)[kWarps][M]) {
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+    for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
+  if constexpr (KS > 1) {
+    if (lane == 0)
+#pragma unroll
+      for (int m = 0; m < M; ++m) part[warp][m] = acc[m];
+    __syncthreads();
+    if (warp % KS == 0)
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        float s = 0.f;
+#pragma unroll
+        for (int j = 0; j < KS; ++j) s += part[warp + j][m];
+        acc[m] = s;
+      }
+  }
+  if (warp % KS != 0 || col >= n || lane >= M) return;
+  float v = acc[0];
+#pragma unroll
+  for (int m = 1; m < M; ++m)
+    if (lane == m) v = acc[m];
+  out[static_cast<int64_t>(lane) * n + col] = kcpp::kernel::cuda::from_f32<T>(v);
+}
+
+}  // namespace kcpp::ops::cuda::gemv
