@@ -139,7 +139,8 @@ TEST_P(DecodeFused, GluPackedMatchesTheOracle) {
   for (DType dt : test::float_dtypes(dev))
     for (const auto& [n, inter, act, oact] :
          {std::tuple{1, 3072, ops::GluActivation::Silu, oracle::Act::Silu}, std::tuple{5, 77, ops::GluActivation::Gelu, oracle::Act::Gelu},
-          std::tuple{3, 1000, ops::GluActivation::GeluTanh, oracle::Act::GeluTanh}}) {
+          std::tuple{3, 1000, ops::GluActivation::GeluTanh, oracle::Act::GeluTanh},
+          std::tuple{70000, 16, ops::GluActivation::Silu, oracle::Act::Silu}}) {  // more rows than a CUDA grid's y
       const std::string cfg = fmt::format("{} n={} inter={}", config_name(dev, dt), n, inter);
       const Tensor gu = Tensor::randn({n, 2 * inter}, dt, dev, gen);
       const Tensor out = ops::glu_packed(gu, act);

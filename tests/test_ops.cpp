@@ -152,13 +152,14 @@ TEST_P(Ops, ReductionsAndSoftmaxMatchOracle) {
 }
 
 // argmax_checked: the first largest value of each row (ties to the lower index, across the threads
-// of a CUDA block: rows longer than one block), and the first non-finite value, which never wins.
+// of a CUDA block and across the blocks a long row is split into), and the first non-finite value,
+// which never wins.
 TEST_P(Ops, ArgmaxCheckedFindsTheFirstLargestAndTheFirstNonFinite) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
   Generator gen = test_generator();
   for (DType dt : test::float_dtypes(dev)) {
-    for (int64_t n : {1, 5, 33, 600, 151936}) {
+    for (int64_t n : {1, 5, 33, 600, 4096, 4097, 151936}) {  // CUDA splits rows into parts of 4096
       const int64_t rows = 6;
       std::vector<double> v(static_cast<size_t>(rows * n));
       gen.fill_uniform(v, -4, 4);

@@ -7,10 +7,12 @@
 // programmatic dependent launch (ops/cuda/pdl.cuh), so that its blocks are resident when the
 // projection before it ends.
 // add_rms_norm: one block per row; the sum is written, then read back by the thread that wrote it
-// for the normalization (no second read of x and delta).
-// glu_packed: elementwise over [N, I], gate and up read from the two halves of each row.
+// for the normalization (no second read of x and delta).  16-byte accesses where the row allows.
+// glu_packed: elementwise over [N, I], gate and up read from the two halves of each row, 16 bytes a
+// thread where the row allows.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "ops/cuda/common.cuh"
@@ -97,36 +99,75 @@ __global__ void qk_norm_rope_cache_kernel(T* __restrict__ q_out, const T* __rest
   }
 }
 
-template <typename T>
+// kVec consecutive elements of T in 16 bytes: the unit of the vectorized loads and stores below.
+template <typename T> struct alignas(16) Pack {
+  static constexpr int kVec = 16 / sizeof(T);
+  T v[kVec];
+};
+
+// V: elements a thread reads at once (Pack<T>::kVec when the row and the pointers allow 16-byte
+// accesses, else 1).
+template <typename T, int V>
 __global__ void __launch_bounds__(1024) add_rms_norm_kernel(T* __restrict__ s_out, T* __restrict__ y, const T* __restrict__ x,
                                     const T* __restrict__ delta, const T* __restrict__ w, int h, float eps, float offset,
                                     bool gemma) {
+  struct alignas(V * sizeof(T)) Chunk { T v[V]; };
   __shared__ float scratch[32];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * h;
+  const int chunks = h / V;
+  const Chunk* xc = reinterpret_cast<const Chunk*>(x + base);
+  const Chunk* dc = reinterpret_cast<const Chunk*>(delta + base);
+  Chunk* sc = reinterpret_cast<Chunk*>(s_out + base);
   float ss = 0.f;
-  for (int e = threadIdx.x; e < h; e += blockDim.x) {
-    const float sum = round_to<T>(to_f32(x[base + e]) + to_f32(delta[base + e]));
-    s_out[base + e] = from_f32<T>(sum);
-    ss += sum * sum;
+  for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+    const Chunk a = xc[c], b = dc[c];
+    Chunk out;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float sum = round_to<T>(to_f32(a.v[j]) + to_f32(b.v[j]));
+      out.v[j] = from_f32<T>(sum);
+      ss += sum * sum;
+    }
+    sc[c] = out;
   }
   const float rstd = 1.f / sqrtf(block_reduce<BlockOp::Sum>(ss, scratch) / static_cast<float>(h) + eps);
-  for (int e = threadIdx.x; e < h; e += blockDim.x) {
-    const float sum = to_f32(s_out[base + e]);
-    const float wt = norm_weight(w, e, offset, gemma);
-    y[base + e] = from_f32<T>(gemma ? sum * rstd * wt : wt * round_to<T>(sum * rstd));
+  Chunk* yc = reinterpret_cast<Chunk*>(y + base);
+  for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+    const Chunk a = sc[c];  // this thread's own writes
+    Chunk out;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int e = c * V + j;
+      const float sum = to_f32(a.v[j]);
+      const float wt = norm_weight(w, e, offset, gemma);
+      out.v[j] = from_f32<T>(gemma ? sum * rstd * wt : wt * round_to<T>(sum * rstd));
+    }
+    yc[c] = out;
   }
 }
 
-template <typename T>
+// Over [N, I] by V-element chunks of a row (blockIdx.y walks the rows), gate and up read from the
+// two halves of each row of gu.
+template <typename T, int V>
 __global__ void glu_packed_kernel(T* __restrict__ out, const T* __restrict__ gu, int64_t n, int64_t inter, Unary act) {
-  const int64_t total = n * inter;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = i / inter, col = i - row * inter;
-    const T* r = gu + row * 2 * inter;
-    const float a = round_to<T>(math::unary<float>(act, to_f32(r[col]), 0.f));
-    out[i] = from_f32<T>(a * to_f32(r[inter + col]));
+  struct alignas(V * sizeof(T)) Chunk { T v[V]; };
+  const int64_t chunks = inter / V;
+  const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (c >= chunks) return;
+  for (int64_t row = blockIdx.y; row < n; row += gridDim.y) {
+    const Chunk* r = reinterpret_cast<const Chunk*>(gu + row * 2 * inter);
+    const Chunk g = r[c], u = r[chunks + c];
+    Chunk o;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float a = round_to<T>(math::unary<float>(act, to_f32(g.v[j]), 0.f));
+      o.v[j] = from_f32<T>(a * to_f32(u.v[j]));
+    }
+    reinterpret_cast<Chunk*>(out + row * inter)[c] = o;
   }
 }
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
@@ -158,7 +199,11 @@ void add_rms_norm(const Tensor& s, const Tensor& y, const Tensor& x, const Tenso
   KCPP_CHECK(n <= 2147483647 && h <= 2147483647, "op add_rms_norm: too large for one launch: [{}, {}]", n, h);
   const int threads = h >= 4096 ? 1024 : h >= 1024 ? 512 : 256;
   visit_cuda_float(x.dtype(), "add_rms_norm", [&]<typename T>(std::type_identity<T>) {
-    add_rms_norm_kernel<T><<<static_cast<unsigned>(n), threads, 0, kcpp::cuda::current_stream()>>>(
+    constexpr int kV = Pack<T>::kVec;
+    const bool vec = h % kV == 0 && aligned16(s.data()) && aligned16(y.data()) && aligned16(x.data()) && aligned16(delta.data());
+    auto kernel = vec ? add_rms_norm_kernel<T, kV> : add_rms_norm_kernel<T, 1>;
+    const int t = vec ? std::max(32, std::min(threads, static_cast<int>((h / kV + 31) / 32 * 32))) : threads;
+    kernel<<<static_cast<unsigned>(n), t, 0, kcpp::cuda::current_stream()>>>(
         static_cast<T*>(s.data()), static_cast<T*>(y.data()), static_cast<const T*>(x.data()),
         static_cast<const T*>(delta.data()), static_cast<const T*>(w.data()), static_cast<int>(h),
         static_cast<float>(opt.eps), static_cast<float>(opt.offset), opt.casting == RMSNormCasting::Gemma);
@@ -171,8 +216,15 @@ void glu_packed(const Tensor& h, const Tensor& gu, GluActivation act) {
   const int64_t n = gu.size(0), inter = gu.size(1) / 2;
   const Unary op = act == GluActivation::Silu ? Unary::Silu : act == GluActivation::Gelu ? Unary::Gelu : Unary::GeluTanh;
   visit_cuda_float(gu.dtype(), "glu_packed", [&]<typename T>(std::type_identity<T>) {
-    glu_packed_kernel<T><<<kcpp::cuda::grid_for(n * inter, 256), 256, 0, kcpp::cuda::current_stream()>>>(
-        static_cast<T*>(h.data()), static_cast<const T*>(gu.data()), n, inter, op);
+    constexpr int kV = Pack<T>::kVec;
+    const bool vec = inter % kV == 0 && aligned16(h.data()) && aligned16(gu.data());
+    auto kernel = vec ? glu_packed_kernel<T, kV> : glu_packed_kernel<T, 1>;
+    const int64_t chunks = inter / (vec ? kV : 1);
+    constexpr int kThreads = 256;
+    const dim3 grid(static_cast<unsigned>((chunks + kThreads - 1) / kThreads), static_cast<unsigned>(std::min<int64_t>(n, 65535)));
+    if (n > 0 && chunks > 0)
+      kernel<<<grid, kThreads, 0, kcpp::cuda::current_stream()>>>(static_cast<T*>(h.data()), static_cast<const T*>(gu.data()), n,
+                                                                  inter, op);
   });
   KCPP_CUDA_CHECK_LAUNCH("glu_packed");
 }

@@ -59,15 +59,40 @@ template <typename T> __global__ void softmax_backward_kernel(const T* dy, const
   }
 }
 
-// One block per row: each thread keeps its best (value, index) and its first non-finite index, then
-// the block combines them (larger value, then lower index; lower non-finite index).
-template <typename T> __global__ void argmax_checked_kernel(const T* x, int64_t* out, int64_t n) {
+// argmax with a check, split along the row so that one long row (a batch-1 decode step's logits,
+// 150k entries) is read by many blocks: block (part, row) scans `chunk` entries and keeps its best
+// (value, lowest index) and its first non-finite index; argmax_combine_kernel then folds a row's
+// parts in order.  "Better" is a larger value, then a lower index, so the result is the first
+// maximum, as one sequential scan would find it.
+struct ArgmaxPart {
+  float value;
+  long long index, bad;  // -1: none
+};
+
+__device__ __forceinline__ bool argmax_better(float v, long long i, float w, long long j) {  // (w, j) over (v, i)?
+  return j >= 0 && (i < 0 || w > v || (w == v && j < i));
+}
+
+__device__ __forceinline__ void argmax_fold(float& bv, long long& bi, long long& bad, float w, long long j, long long b2) {
+  if (argmax_better(bv, bi, w, j)) bv = w, bi = j;
+  if (b2 >= 0 && (bad < 0 || b2 < bad)) bad = b2;
+}
+
+__device__ __forceinline__ void argmax_warp(float& bv, long long& bi, long long& bad) {
+  for (int o = 16; o > 0; o >>= 1)
+    argmax_fold(bv, bi, bad, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o),
+                __shfl_xor_sync(0xffffffffu, bad, o));
+}
+
+template <typename T>
+__global__ void argmax_part_kernel(const T* x, ArgmaxPart* parts, int64_t n, int64_t chunk) {
   __shared__ float best_v[32];
   __shared__ long long best_i[32], bad_i[32];
-  const T* row = x + blockIdx.x * n;
+  const T* row = x + blockIdx.y * n;
+  const int64_t lo = blockIdx.x * chunk, hi = lo + chunk < n ? lo + chunk : n;
   float bv = -INFINITY;
   long long bi = -1, bad = -1;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+  for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
     const float v = to_f32(row[i]);
     if (!isfinite(v)) {
       if (bad < 0) bad = i;  // i grows: the thread's first
@@ -75,26 +100,31 @@ template <typename T> __global__ void argmax_checked_kernel(const T* x, int64_t*
       bv = v, bi = i;
     }
   }
-  auto better = [](float v, long long i, float w, long long j) {  // is (w, j) better than (v, i)?
-    return j >= 0 && (i < 0 || w > v || (w == v && j < i));
-  };
-  for (int o = 16; o > 0; o >>= 1) {
-    const float w = __shfl_xor_sync(0xffffffffu, bv, o);
-    const long long j = __shfl_xor_sync(0xffffffffu, bi, o);
-    const long long b2 = __shfl_xor_sync(0xffffffffu, bad, o);
-    if (better(bv, bi, w, j)) bv = w, bi = j;
-    if (b2 >= 0 && (bad < 0 || b2 < bad)) bad = b2;
-  }
+  argmax_warp(bv, bi, bad);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   if (lane == 0) best_v[warp] = bv, best_i[warp] = bi, bad_i[warp] = bad;
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 1; w < warps; ++w) {
-      if (better(bv, bi, best_v[w], best_i[w])) bv = best_v[w], bi = best_i[w];
-      if (bad_i[w] >= 0 && (bad < 0 || bad_i[w] < bad)) bad = bad_i[w];
-    }
-    out[2 * blockIdx.x] = bi < 0 ? 0 : bi;
-    out[2 * blockIdx.x + 1] = bad;
+    for (int w = 1; w < warps; ++w) argmax_fold(bv, bi, bad, best_v[w], best_i[w], bad_i[w]);
+    parts[blockIdx.y * gridDim.x + blockIdx.x] = {bv, bi, bad};
+  }
+}
+
+// One warp per row: out[2 r] = the row's argmax (0 when no entry is finite), out[2 r + 1] = its
+// first non-finite index or -1.
+__global__ void argmax_combine_kernel(const ArgmaxPart* parts, int64_t* out, int64_t rows, int n_parts) {
+  const int64_t r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (r >= rows) return;
+  float bv = -INFINITY;
+  long long bi = -1, bad = -1;
+  for (int p = threadIdx.x % 32; p < n_parts; p += 32) {
+    const ArgmaxPart q = parts[r * n_parts + p];
+    argmax_fold(bv, bi, bad, q.value, q.index, q.bad);
+  }
+  argmax_warp(bv, bi, bad);
+  if (threadIdx.x % 32 == 0) {
+    out[2 * r] = bi < 0 ? 0 : bi;
+    out[2 * r + 1] = bad;
   }
 }
 
@@ -124,10 +154,24 @@ void argmax_checked(const Tensor& out, const Tensor& x) {
   const int64_t n = x.size(-1), rows = rows_of(x);
   if (rows == 0) return;
   kcpp::cuda::DeviceGuard g(x.device().index);
+  // 4096 entries a block (16 a thread): a 150k-entry row is 37 blocks.
+  constexpr int64_t kChunk = 4096;
+  constexpr int kThreads = 256, kCombineWarps = 4;
+  const int64_t n_parts = (n + kChunk - 1) / kChunk;
+  const Tensor parts = Tensor::empty({rows * n_parts * static_cast<int64_t>(sizeof(ArgmaxPart))}, DType::u8, x.device());
+  auto* p = static_cast<ArgmaxPart*>(parts.data());
   visit_cuda_float(x.dtype(), "argmax_checked", [&]<typename T>(std::type_identity<T>) {
-    argmax_checked_kernel<T><<<static_cast<unsigned>(rows), block_for(n), 0, kcpp::cuda::current_stream()>>>(
-        static_cast<const T*>(x.data()), static_cast<int64_t*>(out.data()), n);
+    for (int64_t r0 = 0; r0 < rows; r0 += 65535) {  // the grid's y dimension holds 65535 rows
+      const int64_t r = std::min<int64_t>(rows - r0, 65535);
+      argmax_part_kernel<T><<<dim3(static_cast<unsigned>(n_parts), static_cast<unsigned>(r)), kThreads, 0,
+                              kcpp::cuda::current_stream()>>>(static_cast<const T*>(x.data()) + r0 * n, p + r0 * n_parts, n,
+                                                              kChunk);
+    }
   });
+  KCPP_CUDA_CHECK_LAUNCH("argmax_checked");
+  argmax_combine_kernel<<<static_cast<unsigned>((rows + kCombineWarps - 1) / kCombineWarps), 32 * kCombineWarps, 0,
+                          kcpp::cuda::current_stream()>>>(p, static_cast<int64_t*>(out.data()), rows,
+                                                          static_cast<int>(n_parts));
   KCPP_CUDA_CHECK_LAUNCH("argmax_checked");
 }
 
