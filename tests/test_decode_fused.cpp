@@ -104,7 +104,9 @@ TEST_P(DecodeFused, QkNormRopeCacheMatchesTheOracle) {
       EXPECT_EQ(values(vc), v_ref) << cfg << " (v cache: a copy)";
       const V kv = values(kc);
       for (size_t e = 0; e < kv.size(); ++e)
-        if (k_ref[e] == sentinel) ASSERT_EQ(kv[e], sentinel) << cfg << ": cache entry " << e << " was written";
+        if (k_ref[e] == sentinel) {
+          ASSERT_EQ(kv[e], sentinel) << cfg << ": cache entry " << e << " was written";
+        }
     }
 }
 

@@ -298,17 +298,24 @@ TEST(Dist, DataParallelEqualsOneProcessOnTheWholeBatch) {
         for (const auto& [name, v] : got[static_cast<size_t>(r)]) {
           EXPECT_TRUE(test::close_l2(Tensor::from_f64(v, {static_cast<int64_t>(v.size())}, DType::f64), want[2].at(name), 1e-5))
               << cfg_name << " rank " << r << " " << name;
-          if (r > 0) EXPECT_EQ(v, got[0].at(name)) << cfg_name << ": ranks 0 and " << r << " differ in " << name;
+          if (r > 0) {
+            EXPECT_EQ(v, got[0].at(name)) << cfg_name << ": ranks 0 and " << r << " differ in " << name;
+          }
         }
       // Stage 0: every rank keeps all the state; stage 1: each parameter's state on one rank only.
       const size_t whole = opt.state_bytes();
       size_t sum = 0;
       for (int r = 0; r < world; ++r) {
         sum += state[static_cast<size_t>(r)];
-        if (zero == 0) EXPECT_EQ(state[static_cast<size_t>(r)], whole) << cfg_name;
-        else EXPECT_LT(state[static_cast<size_t>(r)], whole) << cfg_name << " rank " << r;
+        if (zero == 0) {
+          EXPECT_EQ(state[static_cast<size_t>(r)], whole) << cfg_name;
+        } else {
+          EXPECT_LT(state[static_cast<size_t>(r)], whole) << cfg_name << " rank " << r;
+        }
       }
-      if (zero == 1) EXPECT_EQ(sum, whole) << cfg_name;
+      if (zero == 1) {
+        EXPECT_EQ(sum, whole) << cfg_name;
+      }
     }
 }
 
