@@ -2,8 +2,10 @@
 // dtype where the eager composition it replaces stores them (round_to), so that it gives what that
 // composition gives up to the order of the f32 sums of squares.
 //
-// qk_norm_rope_cache: one warp per (row, head), 4 heads a block; the head's D <= 256 elements sit in
-// registers (8 a lane) and in shared memory, where RoPE reads each element's partner.  Launched with
+// qk_norm_rope_cache: where D and the pointers allow 16-byte accesses, a group of lanes per (row,
+// head), each lane holding 16 bytes of the head; else one warp per (row, head), 4 heads a block, the
+// head's D <= 256 elements in registers (8 a lane).  Either way RoPE reads each element's partner
+// from shared memory.  Launched with
 // programmatic dependent launch (ops/cuda/pdl.cuh), so that its blocks are resident when the
 // projection before it ends.
 // add_rms_norm: one block per row; the sum is written, then read back by the thread that wrote it
@@ -105,6 +107,83 @@ template <typename T> struct alignas(16) Pack {
   T v[kVec];
 };
 
+// qk_norm_rope_cache with 16-byte accesses: a head is a group of P lanes (D / V rounded up to a
+// power of two), each holding V consecutive elements; 32 / P heads a warp, 4 warps a block.  The
+// norm's sum is a shuffle within the group; RoPE reads each element's partner from shared memory.
+template <typename T, int V>
+__global__ void qk_norm_rope_cache_vec_kernel(T* __restrict__ q_out, const T* __restrict__ qkv, const T* __restrict__ q_norm,
+                                              const T* __restrict__ k_norm, const T* __restrict__ cos_,
+                                              const T* __restrict__ sin_, T* __restrict__ k_cache, T* __restrict__ v_cache,
+                                              const int* __restrict__ rows, const int* __restrict__ positions, int hq, int hkv,
+                                              int d, int rd, int r_count, int capacity, float eps, float offset, bool gemma,
+                                              bool interleaved, int p) {
+  struct alignas(16) Chunk { T v[V]; };
+  __shared__ float buf[kHeadsPerBlock * 32 * V];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = lane / p, gl = lane % p;
+  const int per_warp = 32 / p, heads = hq + 2 * hkv, b = blockIdx.y;
+  const int head = (blockIdx.x * kHeadsPerBlock + warp) * per_warp + group;
+  pdl_wait();  // every input but the norm weights is an earlier kernel's output
+  pdl_trigger();
+  const bool in_head = head < heads, active = in_head && gl * V < d;
+  const bool is_q = head < hq, is_v = head >= hq + hkv;
+  float v[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) v[j] = 0.f;
+  if (active) {
+    const Chunk c = reinterpret_cast<const Chunk*>(qkv + (static_cast<int64_t>(b) * heads + head) * d)[gl];
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = to_f32(c.v[j]);
+  }
+  const T* w = is_q ? q_norm : k_norm;
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < V; ++j) ss += v[j] * v[j];
+  for (int o = p / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);  // within the group
+  if (active && !is_v && w != nullptr) {  // RMSNorm over the head: rstd in f32, as ops::rms_norm_forward
+    const float rstd = 1.f / sqrtf(ss / static_cast<float>(d) + eps);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float wt = norm_weight(w, gl * V + j, offset, gemma);
+      v[j] = gemma ? round_to<T>(v[j] * rstd * wt) : round_to<T>(wt * round_to<T>(v[j] * rstd));
+    }
+  }
+  float* sh = buf + (warp * 32 + group * p) * V;  // the head's D elements
+  if (active) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) sh[gl * V + j] = v[j];
+  }
+  __syncwarp();
+  if (!active) return;
+  if (!is_v) {
+    const T* c = cos_ + static_cast<int64_t>(b) * rd;
+    const T* s = sin_ + static_cast<int64_t>(b) * rd;
+    const int half = rd / 2;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int e = gl * V + j;
+      if (e >= rd) continue;
+      const float rot = interleaved ? ((e & 1) ? sh[e - 1] : -sh[e + 1]) : (e < half ? -sh[e + half] : sh[e - half]);
+      // Each product rounded before the add, as the eager ops store them (no fused multiply-add in f32).
+      v[j] = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(v[j], to_f32(c[e]))), round_to<T>(__fmul_rn(rot, to_f32(s[e])))));
+    }
+  }
+  T* dst;
+  if (is_q) {
+    dst = q_out + (static_cast<int64_t>(b) * hq + head) * d;
+  } else {
+    const int row = rows[b], pos = positions[b];
+    if (row < 0 || row >= r_count || pos < 0 || pos >= capacity) return;  // decode_attention reports this row as NaN
+    const int h = is_v ? head - hq - hkv : head - hq;
+    dst = (is_v ? v_cache : k_cache) + ((static_cast<int64_t>(row) * hkv + h) * capacity + pos) * d;
+  }
+  Chunk out;
+#pragma unroll
+  for (int j = 0; j < V; ++j) out.v[j] = from_f32<T>(v[j]);
+  reinterpret_cast<Chunk*>(dst)[gl] = out;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // V: elements a thread reads at once (Pack<T>::kVec when the row and the pointers allow 16-byte
 // accesses, else 1).
 template <typename T, int V>
@@ -167,28 +246,46 @@ __global__ void glu_packed_kernel(T* __restrict__ out, const T* __restrict__ gu,
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 }  // namespace
 
 void qk_norm_rope_cache(const Tensor& q, const Tensor& qkv, const QkNormRopeCache& opt, const Tensor& cos, const Tensor& sin,
                         const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows, const Tensor& positions) {
   kcpp::cuda::DeviceGuard guard(qkv.device().index);
-  const int b = static_cast<int>(qkv.size(0)), d = static_cast<int>(qkv.size(2));
-  KCPP_CHECK(b <= 65535, "op qk_norm_rope_cache: at most 65535 rows a call on CUDA, got {}", b);
+  const int64_t n = qkv.size(0);
+  const int d = static_cast<int>(qkv.size(2)), rd = static_cast<int>(cos.size(2));
   const int heads = static_cast<int>(opt.q_heads + 2 * opt.kv_heads);
   const bool gemma = opt.norm.casting == RMSNormCasting::Gemma;
   visit_cuda_float(qkv.dtype(), "qk_norm_rope_cache", [&]<typename T>(std::type_identity<T>) {
+    constexpr int kV = Pack<T>::kVec;
+    int p = 1;
+    while (p * kV < d) p <<= 1;
+    const bool vec = d % kV == 0 && p <= 32 && aligned16(q.data()) && aligned16(qkv.data()) && aligned16(k_cache.data()) &&
+                     aligned16(v_cache.data());
     const T* qn = opt.q_norm.defined() ? static_cast<const T*>(opt.q_norm.data()) : nullptr;
     const T* kn = opt.k_norm.defined() ? static_cast<const T*>(opt.k_norm.data()) : nullptr;
-    launch_pdl("qk_norm_rope_cache", qk_norm_rope_cache_kernel<T>,
-               dim3((heads + kHeadsPerBlock - 1) / kHeadsPerBlock, b), dim3(kHeadsPerBlock * 32), 0,
-        static_cast<T*>(q.data()), static_cast<const T*>(qkv.data()), qn, kn, static_cast<const T*>(cos.data()),
-        static_cast<const T*>(sin.data()), static_cast<T*>(k_cache.data()), static_cast<T*>(v_cache.data()),
-        static_cast<const int*>(rows.data()), static_cast<const int*>(positions.data()), static_cast<int>(opt.q_heads),
-        static_cast<int>(opt.kv_heads), d, static_cast<int>(cos.size(2)), static_cast<int>(k_cache.size(0)),
-        static_cast<int>(k_cache.size(2)), static_cast<float>(opt.norm.eps), static_cast<float>(opt.norm.offset), gemma,
-        opt.layout == RopeLayout::Interleaved);
+    for (int64_t r0 = 0; r0 < n; r0 += 65535) {  // the grid's y dimension holds 65535 rows
+      const unsigned rows_now = static_cast<unsigned>(std::min<int64_t>(n - r0, 65535));
+      T* q_out = static_cast<T*>(q.data()) + r0 * opt.q_heads * d;
+      const T* in = static_cast<const T*>(qkv.data()) + r0 * heads * d;
+      const T* c = static_cast<const T*>(cos.data()) + r0 * rd;
+      const T* s = static_cast<const T*>(sin.data()) + r0 * rd;
+      const int* rw = static_cast<const int*>(rows.data()) + r0;
+      const int* ps = static_cast<const int*>(positions.data()) + r0;
+      if (vec) {
+        const int per_block = kHeadsPerBlock * (32 / p);
+        launch_pdl("qk_norm_rope_cache", qk_norm_rope_cache_vec_kernel<T, kV>, dim3((heads + per_block - 1) / per_block, rows_now),
+                   dim3(kHeadsPerBlock * 32), 0, q_out, in, qn, kn, c, s, static_cast<T*>(k_cache.data()),
+                   static_cast<T*>(v_cache.data()), rw, ps, static_cast<int>(opt.q_heads), static_cast<int>(opt.kv_heads), d, rd,
+                   static_cast<int>(k_cache.size(0)), static_cast<int>(k_cache.size(2)), static_cast<float>(opt.norm.eps),
+                   static_cast<float>(opt.norm.offset), gemma, opt.layout == RopeLayout::Interleaved, p);
+      } else {
+        launch_pdl("qk_norm_rope_cache", qk_norm_rope_cache_kernel<T>, dim3((heads + kHeadsPerBlock - 1) / kHeadsPerBlock, rows_now),
+                   dim3(kHeadsPerBlock * 32), 0, q_out, in, qn, kn, c, s, static_cast<T*>(k_cache.data()),
+                   static_cast<T*>(v_cache.data()), rw, ps, static_cast<int>(opt.q_heads), static_cast<int>(opt.kv_heads), d, rd,
+                   static_cast<int>(k_cache.size(0)), static_cast<int>(k_cache.size(2)), static_cast<float>(opt.norm.eps),
+                   static_cast<float>(opt.norm.offset), gemma, opt.layout == RopeLayout::Interleaved);
+      }
+    }
   });
 }
 
