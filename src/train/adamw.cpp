@@ -18,7 +18,8 @@ bool decays(const std::string& name) {
 }
 }  // namespace
 
-AdamW::AdamW(std::vector<std::pair<std::string, Tensor>> params, AdamWOptions o) : options(o) {
+AdamW::AdamW(std::vector<std::pair<std::string, Tensor>> params, AdamWOptions o, Device device)
+    : options(o), device_(params.empty() ? device : params.front().second.device()) {
   // The ranges torch.optim.AdamW accepts (eps strictly positive here: it divides), each named; NaN fails every one.
   KCPP_CHECK(o.lr >= 0 && std::isfinite(o.lr), "AdamW: lr is {}; the learning rate must be a finite number, 0 or more", o.lr);
   KCPP_CHECK(o.beta1 >= 0 && o.beta1 < 1, "AdamW: beta1 is {}; it must be in [0, 1)", o.beta1);
@@ -26,15 +27,34 @@ AdamW::AdamW(std::vector<std::pair<std::string, Tensor>> params, AdamWOptions o)
   KCPP_CHECK(o.eps > 0, "AdamW: eps is {}; it must be positive", o.eps);
   KCPP_CHECK(o.weight_decay >= 0, "AdamW: weight_decay is {}; it must be 0 or more", o.weight_decay);
   KCPP_CHECK(o.max_grad_norm >= 0, "AdamW: max_grad_norm is {}; it must be 0 (no clipping) or more", o.max_grad_norm);
+  int64_t total = 0, total_master = 0;
   for (auto& [name, p] : params) {
     KCPP_CHECK(p.defined(), "AdamW: parameter '{}' is undefined", name);
     KCPP_CHECK(p.is_contiguous(), "AdamW: parameter '{}' is not contiguous", name);
+    KCPP_CHECK(p.device() == params.front().second.device(), "AdamW: parameter '{}' is on {}, '{}' on {}", name,
+               p.device().str(), params.front().first, params.front().second.device().str());
+    total += p.numel();
+    if (p.dtype() != DType::f32) total_master += p.numel();
+  }
+  if (params.empty()) return;
+  const Device dev = device_;
+  flat_m_ = Tensor::zeros({total}, DType::f32, dev);
+  flat_v_ = Tensor::zeros({total}, DType::f32, dev);
+  if (total_master > 0) flat_master_ = Tensor::empty({total_master}, DType::f32, dev);
+  int64_t at = 0, at_master = 0;
+  for (auto& [name, p] : params) {
     State s;
     s.name = name;
     s.param = p;
-    if (p.dtype() != DType::f32) s.master = p.to(DType::f32).clone();
-    s.m = Tensor::zeros(p.shape(), DType::f32, p.device());
-    s.v = Tensor::zeros(p.shape(), DType::f32, p.device());
+    const int64_t n = p.numel();
+    if (p.dtype() != DType::f32) {
+      s.master = flat_master_.narrow(0, at_master, n).view(p.shape());
+      s.master.copy_(p);
+      at_master += n;
+    }
+    s.m = flat_m_.narrow(0, at, n).view(p.shape());
+    s.v = flat_v_.narrow(0, at, n).view(p.shape());
+    at += n;
     s.decay = decays(name);
     state_.push_back(std::move(s));
   }
@@ -76,7 +96,8 @@ size_t AdamW::state_bytes() const {
   return n;
 }
 
-void AdamW::step(const std::map<std::string, Tensor>& grads, const std::vector<Tensor>& norm_only) {
+void AdamW::step(const std::map<std::string, Tensor>& grads, const std::vector<Tensor>& norm_only,
+                 const std::function<void(const Tensor&)>& reduce_sq_norm) {
   std::vector<std::pair<State*, Tensor>> work;
   for (State& s : state_) {
     const auto it = grads.find(s.name);
@@ -88,12 +109,12 @@ void AdamW::step(const std::map<std::string, Tensor>& grads, const std::vector<T
     work.emplace_back(&s, it->second.contiguous());
   }
   ++t_;
-  if (work.empty() && norm_only.empty()) {
+  if (work.empty() && norm_only.empty() && !reduce_sq_norm) {
     sq_norm_ = Tensor();
     return;
   }
   // The global norm: every gradient's sum of squares into one f64 on the parameters' device.
-  const Device dev = work.empty() ? norm_only.front().device() : work.front().second.device();
+  const Device dev = !work.empty() ? work.front().second.device() : !norm_only.empty() ? norm_only.front().device() : device();
   double moved = 0;  // bytes the two passes read and write (adamw_kernels.h)
   if (profile::enabled())
     for (auto& [s, g] : work)
@@ -109,6 +130,7 @@ void AdamW::step(const std::map<std::string, Tensor>& grads, const std::vector<T
     gs.push_back(g.contiguous());
   }
   add_squared_norms(gs, static_cast<double*>(sq_norm_.data()), scratch_);
+  if (reduce_sq_norm) reduce_sq_norm(sq_norm_);
   if (work.empty()) return;
 
   AdamWHyper h;

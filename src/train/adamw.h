@@ -5,7 +5,9 @@
 //   p     = p - lr wd p  (decay: not for biases and norm weights, as the Trainer groups them)
 //   p     = p - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 // State (m, v) in f32.  16-bit parameters get an f32 master copy: the update runs on it and the
-// parameter receives it rounded (bf16 weights with f32 master weights).  A step is two passes over
+// parameter receives it rounded (bf16 weights with f32 master weights).  m, v and the master copies
+// are each one flat f32 buffer, every parameter's state a view of it in the parameters' order (so a
+// data-parallel rank's shard of the state is three flat buffers: train/data_parallel.h).  A step is two passes over
 // all parameters (adamw_kernels.h: the squared norm, then the fused update), a few multi-tensor
 // launches on CUDA, with no host synchronization: the clipping factor is computed on the device and
 // the norm is read back only when grad_norm() asks for it.
@@ -28,20 +30,25 @@ struct AdamWOptions {
 
 class AdamW {
  public:
-  // The parameters by name (handles into the model: updated in place with copy_).
-  AdamW(std::vector<std::pair<std::string, Tensor>> params, AdamWOptions options);
+  // The parameters by name (handles into the model: updated in place with copy_), all on one device;
+  // `device` is that device when there are none (a data-parallel rank whose shard is only padding).
+  AdamW(std::vector<std::pair<std::string, Tensor>> params, AdamWOptions options, Device device = Device::cpu());
 
   // One step with these gradients (by the parameters' names; a parameter without one is skipped).
   // Queued on the parameters' device; returns without waiting for it.  `norm_only`: gradients of
   // parameters another optimizer updates (a data-parallel shard's peers) that count toward the
   // clipping norm, so that every shard clips by the norm of the whole gradient.
-  void step(const std::map<std::string, Tensor>& grads, const std::vector<Tensor>& norm_only = {});
+  // `reduce_sq_norm`: when given, the squared norm of these gradients (an f64 [1] on the parameters'
+  // device) is handed to it before the update reads it, to be summed in place with the other shards'
+  // (a data-parallel group's all-reduce); it is called even when this optimizer has no gradient.
+  void step(const std::map<std::string, Tensor>& grads, const std::vector<Tensor>& norm_only = {},
+            const std::function<void(const Tensor&)>& reduce_sq_norm = {});
   // The last step's global L2 norm of the gradients before clipping (waits for that step on CUDA).
   double grad_norm() const;
 
   AdamWOptions options;
   int64_t steps() const { return t_; }
-  Device device() const { return state_.empty() ? Device::cpu() : state_.front().param.device(); }
+  Device device() const { return device_; }
 
  private:
   struct State {
@@ -50,6 +57,8 @@ class AdamW {
     bool decay = true;
   };
   std::vector<State> state_;
+  Device device_;
+  Tensor flat_m_, flat_v_, flat_master_;  // [elements] f32 each (master: of the 16-bit parameters only)
 
  public:
   // Bytes of optimizer state: m, v and the f32 master copies.

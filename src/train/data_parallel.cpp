@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <exception>
+#include <cstring>
+#include <nlohmann/json.hpp>
 #include <numeric>
 
 #include "core/cuda_runtime.h"
@@ -31,12 +33,11 @@ struct Group {
   dist::Communicator& comm;
 };
 
-std::vector<std::pair<std::string, Tensor>> owned(const std::vector<std::pair<std::string, Tensor>>& params,
-                                                  const std::map<std::string, int>& owner, int rank) {
-  std::vector<std::pair<std::string, Tensor>> out;
-  for (const auto& [name, p] : params)
-    if (owner.at(name) == rank) out.emplace_back(name, p);
-  return out;
+// The parameter a state tensor's name belongs to ("<param>.exp_avg", ".exp_avg_sq", ".master").
+std::string param_of_key(const std::string& key) {
+  for (const char* suffix : {".exp_avg_sq", ".exp_avg", ".master"})
+    if (key.ends_with(suffix)) return key.substr(0, key.size() - std::strlen(suffix));
+  return key;
 }
 
 }  // namespace
@@ -112,51 +113,93 @@ class SideStream {
 
 DataParallel::~DataParallel() = default;
 
-std::map<std::string, int> DataParallel::assign_owners(const std::vector<std::pair<std::string, Tensor>>& params, int world) {
-  // Largest first, each to the rank holding the fewest elements so far (ties: the lower rank);
-  // deterministic, so every rank computes the same assignment.
-  std::vector<size_t> order(params.size());
-  std::iota(order.begin(), order.end(), size_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return params[a].second.numel() > params[b].second.numel(); });
-  std::vector<int64_t> load(static_cast<size_t>(world), 0);
-  std::map<std::string, int> owner;
-  for (size_t i : order) {
-    const int r = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
-    load[static_cast<size_t>(r)] += params[i].second.numel();
-    owner[params[i].first] = r;
-  }
-  return owner;
-}
-
 DataParallel::DataParallel(models::CausalLM& model, dist::Communicator& comm, AdamWOptions adamw, DataParallelOptions o)
     : model_(model),
       comm_(comm),
       options_(o),
       params_(model.parameters()),
       param_of_(params_.begin(), params_.end()),
-      owner_([&] {
-        KCPP_CHECK(o.zero_stage == 0 || o.zero_stage == 1, "data parallel: ZeRO stage {} is not supported (0 or 1)", o.zero_stage);
-        KCPP_CHECK(o.bucket_mib > 0, "data parallel: bucket_mib is {}; it must be positive", o.bucket_mib);
-        KCPP_CHECK(o.reduce_dtype == DType::f32 || o.reduce_dtype == DType::f64 || o.reduce_dtype == DType::bf16 ||
-                       o.reduce_dtype == DType::f16,
-                   "data parallel: reduce_dtype {} is not a floating dtype", dtype_name(o.reduce_dtype));
-        // Every replica starts as rank 0's, before AdamW takes its f32 master copies of them.
-        for (const auto& [name, p] : params_)
-          KCPP_CHECK(p.device() == comm.device(), "data parallel: parameter '{}' is on {} but the communicator is on {}",
-                     name, p.device().str(), comm.device().str());
-        {
-          Group group(comm);
-          for (const auto& [name, p] : params_) comm.broadcast(p, 0);
-        }
-        if (o.zero_stage == 0) {
-          std::map<std::string, int> all;
-          for (const auto& [name, p] : params_) all[name] = comm.rank();
-          return all;
-        }
-        return assign_owners(params_, comm.world_size());
-      }()),
-      opt_(owned(params_, owner_, comm.rank()), adamw),
+      opt_(
+          [&] {
+            KCPP_CHECK(o.zero_stage >= 0 && o.zero_stage <= 2, "data parallel: ZeRO stage {} is not supported (0, 1 or 2)",
+                       o.zero_stage);
+            KCPP_CHECK(o.bucket_mib > 0, "data parallel: bucket_mib is {}; it must be positive", o.bucket_mib);
+            KCPP_CHECK(o.reduce_dtype == DType::f32 || o.reduce_dtype == DType::f64 || o.reduce_dtype == DType::bf16 ||
+                           o.reduce_dtype == DType::f16,
+                       "data parallel: reduce_dtype {} is not a floating dtype", dtype_name(o.reduce_dtype));
+            for (size_t i = 0; i < params_.size(); ++i) index_of_[params_[i].first] = i;
+            for (const auto& [name, p] : params_) {
+              KCPP_CHECK(p.device() == comm.device(), "data parallel: parameter '{}' is on {} but the communicator is on {}",
+                         name, p.device().str(), comm.device().str());
+              KCPP_CHECK(p.is_contiguous(), "data parallel: parameter '{}' is not contiguous", name);
+            }
+            // Every replica starts as rank 0's, before AdamW takes its f32 master copies of them.
+            {
+              Group group(comm);
+              for (const auto& [name, p] : params_) comm.broadcast(p, 0);
+            }
+            return o.zero_stage == 0 ? params_ : shard_layout();
+          }(),
+          adamw, comm.device()),
       side_(std::make_unique<SideStream>(comm)) {}
+
+std::vector<std::pair<std::string, Tensor>> DataParallel::shard_layout() {
+  const int64_t world = comm_.world_size(), rank = comm_.rank();
+  const size_t bucket_bytes = static_cast<size_t>(options_.bucket_mib * (1 << 20));
+  const size_t es = dtype_size(options_.reduce_dtype);
+  // The model's parameters last first, roughly the order the backward finishes them, so that the
+  // first buckets are complete early in it; a new bucket when one is full or the dtype changes.
+  bucket_of_.assign(params_.size(), 0);
+  size_t bytes = 0;
+  for (size_t k = params_.size(); k-- > 0;) {
+    const Tensor& p = params_[k].second;
+    if (buckets_.empty() || bytes >= bucket_bytes || buckets_.back().dtype != p.dtype()) {
+      buckets_.emplace_back();
+      buckets_.back().dtype = p.dtype();
+      bytes = 0;
+    }
+    Bucket& b = buckets_.back();
+    b.params.push_back(k);
+    b.offset.push_back(b.numel);
+    b.numel += p.numel();
+    bytes += static_cast<size_t>(p.numel()) * es;
+    bucket_of_[k] = buckets_.size() - 1;
+  }
+  std::vector<std::pair<std::string, Tensor>> shard;
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    Bucket& b = buckets_[bi];
+    b.shard = (b.numel + world - 1) / world;  // the last ranks' shards end in padding
+    const int64_t lo = rank * b.shard, hi = lo + b.shard;
+    for (size_t j = 0; j < b.params.size(); ++j) {
+      const auto& [name, p] = params_[b.params[j]];
+      const int64_t from = std::max(lo, b.offset[j]), to = std::min(hi, b.offset[j] + p.numel());
+      if (from >= to) continue;
+      pieces_.push_back({bi, b.params[j], from - b.offset[j], to - from, from - lo});
+      // A view of the parameter's elements: AdamW updates them in place (its master, if 16-bit, is
+      // of these elements only), under the parameter's name (its weight decay or not).
+      shard.emplace_back(name, p.view({p.numel()}).narrow(0, from - b.offset[j], to - from));
+    }
+    if (options_.zero_stage == 1) {  // kept between steps, reduce-scattered in place
+      b.flat = Tensor::zeros({world * b.shard}, options_.reduce_dtype, comm_.device());
+      b.grad = b.flat.narrow(0, lo, b.shard);
+    } else {
+      b.grad = Tensor::zeros({b.shard}, options_.reduce_dtype, comm_.device());
+    }
+  }
+  return shard;
+}
+
+size_t DataParallel::gradient_bytes() const {
+  size_t n = 0;
+  for (const Bucket& b : buckets_) n += b.flat.defined() ? b.flat.nbytes() : b.grad.nbytes();
+  return n;
+}
+
+StateSlices DataParallel::slices() const {
+  StateSlices out;
+  for (const Piece& p : pieces_) out[params_[p.param].first] = {p.begin, params_[p.param].second.numel()};
+  return out;
+}
 
 Tensor DataParallel::pack(const std::vector<std::string>& names, const std::map<std::string, Tensor>& grads) const {
   std::vector<Tensor> parts;
@@ -213,7 +256,7 @@ void DataParallel::reduce_gradients(std::map<std::string, Tensor>& grads, const 
   flush();
 }
 
-void save_optimizer_state(const std::filesystem::path& folder, const AdamW& opt, int rank, int world) {
+void save_optimizer_state(const std::filesystem::path& folder, const AdamW& opt, int rank, int world, const StateSlices& slices) {
   KCPP_CHECK(rank >= 0 && rank < world, "save_optimizer_state: rank {} of a world of {}", rank, world);
   std::error_code ec;
   std::filesystem::create_directories(folder, ec);
@@ -224,11 +267,65 @@ void save_optimizer_state(const std::filesystem::path& folder, const AdamW& opt,
       if (e.path().filename().string().starts_with("optimizer-rank") && e.path().extension() == ".safetensors" &&
           !e.path().filename().string().ends_with(fmt::format("-of-{}.safetensors", world)))
         std::filesystem::remove(e.path());
-  models::save_safetensors(folder / fmt::format("optimizer-rank{}-of-{}.safetensors", rank, world), opt.state_tensors(),
-                           {{"steps", std::to_string(opt.steps())}, {"format", "kcpp AdamW state"}});
+  std::map<std::string, std::string> meta{{"steps", std::to_string(opt.steps())}, {"format", "kcpp AdamW state"}};
+  // A shard's pieces: each tensor holds elements [begin, begin + its numel) of its parameter's state.
+  if (!slices.empty()) {
+    nlohmann::json j = nlohmann::json::object();
+    for (const auto& [name, s] : slices) j[name] = {s.begin, s.full};
+    meta["slices"] = j.dump();
+  }
+  models::save_safetensors(folder / fmt::format("optimizer-rank{}-of-{}.safetensors", rank, world), opt.state_tensors(), meta);
 }
 
-void load_optimizer_state(const std::filesystem::path& folder, AdamW& opt) {
+namespace {
+
+// One file of a save, with the slices its metadata names.
+struct SavedState {
+  models::SafetensorsFile file;
+  StateSlices slices;
+};
+
+// Elements [begin, begin + count) of the state tensor `key` of a parameter of `full` elements, in
+// f32 on `device`, assembled from the files' whole tensors and slices of it (overlaps, as every
+// rank's copy of stage 0, are read once); undefined when no file has it.
+Tensor read_state(const std::vector<SavedState>& saved, const std::string& key, int64_t begin, int64_t count, int64_t full,
+                  Device device) {
+  struct Part {
+    int64_t begin, numel;
+    const SavedState* from;
+  };
+  std::vector<Part> parts;
+  const std::string param = param_of_key(key);
+  for (const SavedState& s : saved) {
+    if (!s.file.contains(key)) continue;
+    const Tensor t = s.file.view(key);
+    const auto it = s.slices.find(param);
+    const StateSlice slice = it != s.slices.end() ? it->second : StateSlice{0, t.numel()};
+    KCPP_CHECK(slice.full == full && slice.begin >= 0 && slice.begin + t.numel() <= full,
+               "AdamW: the saved '{}' is of a parameter of {} elements ({} from element {} in {}); this one has {}", key,
+               slice.full, t.numel(), slice.begin, s.file.path().string(), full);
+    parts.push_back({slice.begin, t.numel(), &s});
+  }
+  if (parts.empty()) return Tensor();
+  std::stable_sort(parts.begin(), parts.end(), [](const Part& a, const Part& b) { return a.begin < b.begin; });
+  const Tensor out = Tensor::empty({count}, DType::f32, device);
+  int64_t at = begin;  // the first element not yet read
+  const int64_t end = begin + count;
+  for (const Part& p : parts) {
+    if (at == end) break;
+    if (p.begin + p.numel <= at) continue;
+    KCPP_CHECK(p.begin <= at, "load_optimizer_state: no file holds elements [{}, {}) of '{}'", at, p.begin, key);
+    const int64_t n = std::min(end, p.begin + p.numel) - at;
+    out.narrow(0, at - begin, n).copy_(p.from->file.view(key).view({p.numel}).narrow(0, at - p.begin, n));
+    at += n;
+  }
+  KCPP_CHECK(at == end, "load_optimizer_state: no file holds elements [{}, {}) of '{}'", at, end, key);
+  return out;
+}
+
+}  // namespace
+
+void load_optimizer_state(const std::filesystem::path& folder, AdamW& opt, const StateSlices& slices) {
   // The files of one save: optimizer-rank<r>-of-<world>.safetensors for one world and every r.
   std::map<int, std::map<int, std::filesystem::path>> by_world;
   std::error_code ec;
@@ -247,31 +344,65 @@ void load_optimizer_state(const std::filesystem::path& folder, AdamW& opt) {
   const auto& [world, ranks] = *by_world.begin();
   KCPP_CHECK(static_cast<int>(ranks.size()) == world, "load_optimizer_state: {} holds {} of the {} rank files of its save",
              folder.string(), ranks.size(), world);
-  std::vector<models::SafetensorsFile> files;
-  for (const auto& [r, path] : ranks) files.push_back(models::SafetensorsFile::open(path));
-  int64_t steps = -1;
-  for (const auto& f : files) {
-    const auto it = f.metadata().find("steps");
-    KCPP_CHECK(it != f.metadata().end(), "load_optimizer_state: {} has no step count", folder.string());
-    const int64_t s = std::stoll(it->second);
-    KCPP_CHECK(steps < 0 || steps == s, "load_optimizer_state: the files in {} are of different steps ({} and {})",
-               folder.string(), steps, s);
-    steps = s;
+  std::vector<SavedState> saved;
+  for (const auto& [r, path] : ranks) {
+    SavedState s{models::SafetensorsFile::open(path), {}};
+    const auto it = s.file.metadata().find("slices");
+    if (it != s.file.metadata().end()) {
+      const auto j = nlohmann::json::parse(it->second, nullptr, /*allow_exceptions=*/false);
+      KCPP_CHECK(j.is_object(), "load_optimizer_state: {} has unreadable slices in its metadata", path.string());
+      for (const auto& [name, v] : j.items()) {
+        KCPP_CHECK(v.is_array() && v.size() == 2 && v[0].is_number_integer() && v[1].is_number_integer(),
+                   "load_optimizer_state: {}: the slice of '{}' is not [begin, elements]", path.string(), name);
+        s.slices[name] = {v[0].get<int64_t>(), v[1].get<int64_t>()};
+      }
+    }
+    saved.push_back(std::move(s));
   }
+  int64_t steps = -1;
+  for (const auto& s : saved) {
+    const auto it = s.file.metadata().find("steps");
+    KCPP_CHECK(it != s.file.metadata().end(), "load_optimizer_state: {} has no step count", folder.string());
+    const int64_t n = std::stoll(it->second);
+    KCPP_CHECK(steps < 0 || steps == n, "load_optimizer_state: the files in {} are of different steps ({} and {})",
+               folder.string(), steps, n);
+    steps = n;
+  }
+  std::map<std::string, Tensor> mine;  // the state tensors opt reads into, by name
+  for (auto& [key, t] : opt.state_tensors()) mine.emplace(key, t);
   opt.load_state(
-      [&](const std::string& name) {
-        for (const auto& f : files)
-          if (f.contains(name)) return f.load(name, DType::f32, opt.device());
-        return Tensor();
+      [&](const std::string& key) {
+        const auto it = mine.find(key);
+        if (it == mine.end()) return Tensor();
+        const auto s = slices.find(param_of_key(key));
+        const StateSlice want = s != slices.end() ? s->second : StateSlice{0, it->second.numel()};
+        const Tensor t = read_state(saved, key, want.begin, it->second.numel(), want.full, opt.device());
+        return t.defined() ? t.view(it->second.shape()) : t;
       },
       steps);
 }
 
 void DataParallel::save_optimizer(const std::filesystem::path& folder) const {
-  save_optimizer_state(folder, opt_, comm_.rank(), comm_.world_size());
+  save_optimizer_state(folder, opt_, comm_.rank(), comm_.world_size(), slices());
 }
 
-void DataParallel::load_optimizer(const std::filesystem::path& folder) { load_optimizer_state(folder, opt_); }
+void DataParallel::load_optimizer(const std::filesystem::path& folder) { load_optimizer_state(folder, opt_, slices()); }
+
+namespace {
+
+// A step that throws with collectives in flight on the side stream waits (on the device, not the
+// host) for them before their buffers go back to the allocator.
+struct JoinOnExit {
+  SideStream& side;
+  ~JoinOnExit() {
+    try {
+      side.join();
+    } catch (const std::exception&) {  // the error under way is the one to report
+    }
+  }
+};
+
+}  // namespace
 
 StepResult DataParallel::step(const std::vector<MicroBatch>& micro) {
   KCPP_CHECK(!micro.empty(), "data parallel: rank {} has no micro-batch (every rank takes a share of each step)", comm_.rank());
@@ -283,6 +414,110 @@ StepResult DataParallel::step(const std::vector<MicroBatch>& micro) {
   comm_.all_reduce(count, dist::ReduceOp::Sum);
   const int64_t total = static_cast<int64_t>(count.item());
   KCPP_CHECK(total > 0, "data parallel: no labelled token in the step's batch on any of the {} ranks", comm_.world_size());
+  return options_.zero_stage == 0 ? step_replicated(micro, total) : step_sharded(micro, total);
+}
+
+void DataParallel::reduce_scatter_bucket(size_t bi, const std::map<std::string, Tensor>& grads, std::vector<Tensor>& keep) {
+  Bucket& b = buckets_[bi];
+  // [world * shard] in reduce_dtype: the parameters' gradients (zeros for one this rank has none
+  // of), then zeros to the end.  Stage 1 packs into its kept buffer, stage 2 into one for this step.
+  Tensor flat = b.flat.defined() ? b.flat : Tensor::empty({comm_.world_size() * b.shard}, options_.reduce_dtype, comm_.device());
+  for (size_t j = 0; j < b.params.size(); ++j) {
+    const auto& [name, p] = params_[b.params[j]];
+    const Tensor part = flat.narrow(0, b.offset[j], p.numel()).view(p.shape());
+    const auto it = grads.find(name);
+    if (it == grads.end()) {
+      part.fill_(0);
+    } else {
+      KCPP_CHECK(it->second.numel() == p.numel(), "data parallel: the gradient of '{}' has {} elements, the parameter {}", name,
+                 it->second.numel(), p.numel());
+      part.copy_(it->second.shape() == p.shape() ? it->second : it->second.reshape(p.shape()));
+    }
+  }
+  if (!b.flat.defined() && flat.numel() > b.numel) flat.narrow(0, b.numel, flat.numel() - b.numel).fill_(0);
+  side_->run([&] { comm_.reduce_scatter(b.grad, flat, dist::ReduceOp::Sum); });
+  if (!b.flat.defined()) keep.push_back(std::move(flat));  // until the side stream is joined
+}
+
+StepResult DataParallel::step_sharded(const std::vector<MicroBatch>& micro, int64_t total) {
+  // Overlapped: the buckets in their order, each as soon as the backward has handed over all of its
+  // parameters' gradients (every parameter has one: no MoE layers) and those before it are sent.
+  const bool overlap = options_.overlap && model_.config().num_experts == 0;
+  std::map<std::string, Tensor> grads;  // handed over and not yet packed
+  std::vector<size_t> waiting(buckets_.size());
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) waiting[bi] = buckets_[bi].params.size();
+  size_t next = 0;           // the next bucket to send
+  std::vector<Tensor> keep;  // stage 2's flat buckets until the side stream is joined
+  JoinOnExit joined{*side_};
+  auto send = [&](size_t bi) {
+    // At most two flat buckets of stage 2 alive: the one before this one has had the backward of a
+    // bucket's worth of layers to finish.
+    if (!keep.empty()) {
+      side_->join();
+      keep.clear();
+    }
+    reduce_scatter_bucket(bi, grads, keep);
+    for (size_t k : buckets_[bi].params) grads.erase(params_[k].first);
+  };
+  models::CausalLM::GradientReady ready;
+  if (overlap)
+    ready = [&](const std::string& name, const Tensor& g) {
+      const auto it = index_of_.find(name);
+      KCPP_CHECK(it != index_of_.end(), "data parallel: the backward handed over a gradient of '{}', not a parameter", name);
+      grads.emplace(name, g);
+      --waiting[bucket_of_[it->second]];
+      while (next < buckets_.size() && waiting[next] == 0) send(next++);
+    };
+  Accumulated acc = accumulate_gradients(model_, micro, total, ready);
+  std::vector<double> info(params_.size() + 1);
+  info[0] = acc.loss;
+  for (size_t i = 0; i < params_.size(); ++i) info[i + 1] = acc.grads.count(params_[i].first) ? 1.0 : 0.0;
+  // The rest of the buckets (all of them without overlap), from the backward's gradients.
+  for (auto& [name, g] : acc.grads)
+    if (next < buckets_.size() && bucket_of_[index_of_.at(name)] >= next) grads.emplace(name, g);
+  acc.grads.clear();
+  while (next < buckets_.size()) send(next++);
+  grads.clear();
+  side_->join();
+  keep.clear();
+  const Tensor shared = Tensor::from_f64(info, {static_cast<int64_t>(info.size())}, DType::f64, comm_.device());
+  comm_.all_reduce(shared, dist::ReduceOp::Sum);
+  const std::vector<double> summed = shared.to_f64_vector();
+
+  // AdamW on this rank's pieces, with their sums in the parameter's dtype (as stage 0 and a single
+  // process give AdamW the gradients); a parameter with a gradient on no rank is skipped.
+  std::map<std::string, Tensor> shard_grads;
+  for (const Piece& pc : pieces_) {
+    const Tensor& p = params_[pc.param].second;
+    if (summed[pc.param + 1] == 0) continue;
+    const Tensor g = buckets_[pc.bucket].grad.narrow(0, pc.at, pc.length);
+    shard_grads.emplace(params_[pc.param].first, g.dtype() == p.dtype() ? g : g.to(p.dtype()));
+  }
+  opt_.step(shard_grads, {}, [&](const Tensor& sq_norm) { comm_.all_reduce(sq_norm, dist::ReduceOp::Sum); });
+  // Every rank's updated shard into every rank's parameters, a bucket at a time.
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    const Bucket& b = buckets_[bi];
+    const Tensor mine = Tensor::zeros({b.shard}, b.dtype, comm_.device());
+    for (const Piece& pc : pieces_)
+      if (pc.bucket == bi) {
+        const Tensor& p = params_[pc.param].second;
+        mine.narrow(0, pc.at, pc.length).copy_(p.view({p.numel()}).narrow(0, pc.begin, pc.length));
+      }
+    const Tensor all = Tensor::empty({comm_.world_size() * b.shard}, b.dtype, comm_.device());
+    comm_.all_gather(all, mine);
+    for (size_t j = 0; j < b.params.size(); ++j) {
+      const Tensor& p = params_[b.params[j]].second;
+      p.view({p.numel()}).copy_(all.narrow(0, b.offset[j], p.numel()));
+    }
+  }
+  StepResult r;
+  r.loss = summed[0];
+  r.tokens = total;
+  r.grad_norm = opt_.grad_norm();
+  return r;
+}
+
+StepResult DataParallel::step_replicated(const std::vector<MicroBatch>& micro, int64_t total) {
   // Every share runs its forward and backward, labels or not (a share without labels adds nothing
   // to the loss of the tokens, but an MoE model's auxiliary loss still counts).  Overlapped: buckets
   // in the order the backward finishes parameters (the same on every rank), each summed on the side
@@ -293,17 +528,7 @@ StepResult DataParallel::step(const std::vector<MicroBatch>& micro) {
   std::vector<std::string> filling;
   std::map<std::string, Tensor> whole;  // the gradients handed over (the result's tensors: summed in place)
   size_t filling_bytes = 0, handed = 0;
-  // A step that throws with buckets in flight waits (on the device, not the host) for them before
-  // their buffers go back to the allocator.
-  struct JoinOnExit {
-    SideStream& side;
-    ~JoinOnExit() {
-      try {
-        side.join();
-      } catch (const std::exception&) {  // the error under way is the one to report
-      }
-    }
-  } joined{*side_};
+  JoinOnExit joined{*side_};
   // The buckets summed before the one about to be sent come back first: the current stream waits
   // for them (they had the backward of a bucket's worth of layers to finish) and at most two
   // buckets' buffers are alive at once.
@@ -348,17 +573,7 @@ StepResult DataParallel::step(const std::vector<MicroBatch>& micro) {
   for (size_t i = 0; i < params_.size(); ++i) anywhere[i] = summed[i + 1] > 0;
   if (!overlap) reduce_gradients(acc.grads, anywhere);
 
-  std::map<std::string, Tensor> mine_grads;
-  std::vector<Tensor> others;
-  for (auto& [name, g] : acc.grads) {
-    if (owner_.at(name) == comm_.rank()) mine_grads.emplace(name, g);
-    else others.push_back(g);
-  }
-  opt_.step(mine_grads, others);
-  if (options_.zero_stage == 1) {  // each owner's updated parameters to every rank
-    Group group(comm_);
-    for (const auto& [name, p] : params_) comm_.broadcast(p, owner_.at(name));
-  }
+  opt_.step(acc.grads);
   StepResult r;
   r.loss = summed[0];
   r.tokens = total;

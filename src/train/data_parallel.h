@@ -16,11 +16,25 @@
 // the backward (bit for bit on the thread group; over NCCL with more than two ranks the order of an
 // element's sum may depend on its place in its bucket, which differs, and so may its last bits).
 //
-// ZeRO stage 1 (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-// Models", 2020): each parameter has an owner rank (whole parameters, balanced by size), only the
-// owner keeps its AdamW state (m, v, master copy: 1 / world of the state per rank) and updates it,
-// clipping by the norm of the whole gradient, and then broadcasts it to the other ranks.  The
-// result is the same as stage 0's.
+// ZeRO (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+// 2020), stages 1 and 2: the parameters are laid out once in flat buckets (the model's parameters
+// last first, about `bucket_mib` each, one parameter dtype a bucket), each padded to a multiple of
+// the world size and cut into `world` equal contiguous shards; rank r owns shard r of every bucket.
+//
+//   step:  each bucket's gradients packed flat (reduce_dtype)      [world * shard]
+//          reduce_scatter: rank r receives the sum of its shard    [shard]
+//          ||g||^2 = sum over ranks of the shards' squared norms    (all_reduce of one f64)
+//          AdamW on the shard's pieces of parameters (its m, v, master: 1 / world of the state)
+//          all_gather of the updated shards (the parameters' dtype) into every rank's parameters
+//
+// Half the gradient traffic of an all-reduce, and one all-gather a bucket instead of a broadcast a
+// parameter.  AdamW's maths are the single process's (a piece keeps its parameter's weight decay;
+// a parameter with a gradient on no rank is skipped), so the result is stage 0's up to the order of
+// the norm's sum.  Stage 1 keeps the flat gradient buckets between steps (reduce-scattered in
+// place: each rank's shard of them holds the sums); stage 2 keeps only each rank's shard of them,
+// the flat bucket living only until it is reduce-scattered (gradient_bytes()).  With `overlap` the
+// buckets are reduce-scattered in their order as soon as the backward has finished all of their
+// parameters.
 #pragma once
 
 #include <filesystem>
@@ -37,17 +51,27 @@
 namespace kcpp::train {
 
 struct DataParallelOptions {
-  int zero_stage = 0;              // 0 or 1
+  int zero_stage = 0;              // 0 (replicated), 1 (optimizer state sharded), 2 (and gradients)
   double bucket_mib = 25.0;        // gradient bytes (in reduce_dtype) a bucket holds, about
   DType reduce_dtype = DType::f32;  // f32, or the gradients' own dtype (half the traffic for bf16)
   bool overlap = true;             // buckets summed during the backward (see above)
 };
 
+// Where a tensor of optimizer state starts in its parameter (a data-parallel shard's piece of it),
+// and the parameter's number of elements.
+struct StateSlice {
+  int64_t begin = 0, full = 0;
+};
+// Slices by parameter name; a parameter absent from it has its whole state.
+using StateSlices = std::map<std::string, StateSlice>;
+
 // One optimizer's state as rank `rank` of `world` writes it (a single process: 0 of 1), with the
-// step count in the file's metadata; and the state of `opt`'s parameters read back from every such
-// file of a folder, whatever world size wrote them.
-void save_optimizer_state(const std::filesystem::path& folder, const AdamW& opt, int rank = 0, int world = 1);
-void load_optimizer_state(const std::filesystem::path& folder, AdamW& opt);
+// step count and the slices (for a shard) in the file's metadata; and the state of `opt`'s
+// parameters (or the pieces of them `slices` names) read back from every such file of a folder,
+// whatever world size or ZeRO stage wrote them.
+void save_optimizer_state(const std::filesystem::path& folder, const AdamW& opt, int rank = 0, int world = 1,
+                          const StateSlices& slices = {});
+void load_optimizer_state(const std::filesystem::path& folder, AdamW& opt, const StateSlices& slices = {});
 
 class SideStream;  // data_parallel.cpp
 
@@ -62,33 +86,59 @@ class DataParallel {
   // Every rank gets the loss, the token count and the gradient norm of the whole step.
   StepResult step(const std::vector<MicroBatch>& micro);
 
-  // The rank that owns (updates) each parameter: rank() for every one at stage 0.
-  const std::map<std::string, int>& owners() const { return owner_; }
-  // Bytes of AdamW state this rank keeps.
+  // Bytes of AdamW state this rank keeps (m, v, the f32 masters of its parameters or its shard).
   size_t optimizer_state_bytes() const { return opt_.state_bytes(); }
+  // Bytes of gradient buffers kept between steps: the flat buckets at stage 1, this rank's shards of
+  // them at stage 2, none at stage 0 (its gradients are the step's own tensors, gone when it returns).
+  size_t gradient_bytes() const;
   AdamW& optimizer() { return opt_; }
 
-  // Checkpoints of the optimizer, independent of the world size: each rank writes the state of the
-  // parameters it owns to folder/optimizer-rank<r>-of-<world>.safetensors (save_optimizer_state),
-  // and a later run of any number of ranks reads them all and keeps what it owns.
+  // Checkpoints of the optimizer, independent of the world size and the stage: each rank writes the
+  // state it keeps to folder/optimizer-rank<r>-of-<world>.safetensors (save_optimizer_state; at
+  // stage 0 every rank has all of it), and a later run of any number of ranks reads them all and
+  // keeps its part.
   void save_optimizer(const std::filesystem::path& folder) const;
   void load_optimizer(const std::filesystem::path& folder);
 
  private:
-  static std::map<std::string, int> assign_owners(const std::vector<std::pair<std::string, Tensor>>& params, int world);
+  // A bucket of the sharded layout (stages 1 and 2).
+  struct Bucket {
+    std::vector<size_t> params;   // indices into params_
+    std::vector<int64_t> offset;  // where each one starts in the flat bucket
+    int64_t numel = 0, shard = 0;  // its parameters' elements; a rank's shard: ceil(numel / world)
+    DType dtype = DType::f32;      // its parameters'
+    Tensor flat;                   // [world * shard] reduce_dtype: kept at stage 1, one step's at stage 2
+    Tensor grad;                   // [shard] this rank's summed shard (at stage 1 a view of flat)
+  };
+  // This rank's part of one parameter: elements [begin, begin + length) of params_[param], at `at` in
+  // the shard of bucket `bucket`.
+  struct Piece {
+    size_t bucket, param;
+    int64_t begin, length, at;
+  };
+  // Lays out buckets_ and pieces_; returns the pieces as the parameters AdamW updates.
+  std::vector<std::pair<std::string, Tensor>> shard_layout();
+  StepResult step_replicated(const std::vector<MicroBatch>& micro, int64_t total);
+  StepResult step_sharded(const std::vector<MicroBatch>& micro, int64_t total);
   // anywhere[i]: whether some rank has a gradient of params_[i].
   void reduce_gradients(std::map<std::string, Tensor>& grads, const std::vector<char>& anywhere);
   // A bucket: its gradients flattened into one tensor of reduce_dtype, and back (in each parameter's
   // dtype and shape) once summed.
   Tensor pack(const std::vector<std::string>& names, const std::map<std::string, Tensor>& grads) const;
   void unpack(const std::vector<std::string>& names, const Tensor& flat, std::map<std::string, Tensor>& grads) const;
+  // Sharded: bucket b's gradients (zeros where `grads` has none) reduce-scattered into its shard.
+  void reduce_scatter_bucket(size_t b, const std::map<std::string, Tensor>& grads, std::vector<Tensor>& keep);
+  StateSlices slices() const;
 
   models::CausalLM& model_;
   dist::Communicator& comm_;
   DataParallelOptions options_;
   std::vector<std::pair<std::string, Tensor>> params_;  // the model's, in its order (the same on every rank)
   std::map<std::string, Tensor> param_of_;              // the same, by name
-  std::map<std::string, int> owner_;
+  std::map<std::string, size_t> index_of_;              // position in params_, by name
+  std::vector<Bucket> buckets_;                         // stages 1 and 2
+  std::vector<size_t> bucket_of_;                       // params_[i]'s bucket
+  std::vector<Piece> pieces_;                           // in the buckets' order
   AdamW opt_;
   std::unique_ptr<SideStream> side_;  // where overlapped buckets are summed
 };

@@ -12,8 +12,9 @@
 // of itself with RANK, WORLD_SIZE, LOCAL_RANK and KCPP_NCCL_ID set, and waits for them.  A process
 // started with RANK set (by --gpus, or by another launcher that also sets KCPP_NCCL_ID) is one rank:
 // it trains on GPU LOCAL_RANK with its share of every step's --batch rows (train/data_parallel.h),
-// and rank 0 prints.  --zero 1 shards the optimizer state over the ranks; the gradients are summed
-// in buckets during the backward (--no-overlap: after it).
+// and rank 0 prints.  --zero 1 shards the optimizer state over the ranks (the gradients reduce-scattered,
+// the parameters all-gathered), --zero 2 the gradients too; the gradients are summed in buckets
+// during the backward (--no-overlap: after it).
 #include <fmt/format.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -361,7 +362,9 @@ int launch_ranks(const TrainArgs& a) {
 
 int run_train(TrainArgs a) {
   KCPP_CHECK(a.gpus >= 1, "kcpp train: --gpus is {}; it must be 1 or more", a.gpus);
-  KCPP_CHECK(a.zero == 0 || a.zero == 1, "kcpp train: --zero is {}; expected 0 (no sharding) or 1 (optimizer state sharded)", a.zero);
+  KCPP_CHECK(a.zero >= 0 && a.zero <= 2,
+             "kcpp train: --zero is {}; expected 0 (no sharding), 1 (optimizer state sharded) or 2 (optimizer state and "
+             "gradients sharded)", a.zero);
   const std::optional<dist::LaunchInfo> launched = dist::launch_info_from_env();
   if (a.gpus > 1 && !launched) return launch_ranks(a);
   Ranks ranks;
@@ -511,7 +514,8 @@ void add_train_command(CLI::App& app, Action& action) {
                 "any number of GPUs");
   t->add_option("--gpus", args->gpus, "Train data-parallel on this many GPUs (one process each, NCCL)")->capture_default_str();
   t->add_flag("--no-overlap", args->no_overlap, "With --gpus: sum the gradients after the backward, not during it");
-  t->add_option("--zero", args->zero, "With --gpus: 1 shards the optimizer state over the GPUs (ZeRO stage 1)")
+  t->add_option("--zero", args->zero, "With --gpus: the ZeRO stage: 0 replicates everything, 1 shards the optimizer state over the GPUs, "
+                "2 the optimizer state and the gradients")
       ->capture_default_str();
   auto* liger_opt = t->get_option("--liger-kernel-config");
   auto* packages_opt = t->get_option("--packages");
