@@ -3,8 +3,9 @@
 # job on one GPU, then on every GPU with the same global batch (plain, then ZeRO stage 1), so that
 # the losses and tokens/s compare.  NCCL is PyTorch's (site-packages/nvidia/nccl/lib), found here.
 # KCPP_MGPU_ARGS passes options to every `kcpp train` (default: 200 steps, batch 64, the kernels).
-# The two-GPU runs: ZeRO-0 and ZeRO-1 with the gradients summed during the backward, then ZeRO-0
-# summing them after it (--no-overlap).
+# The multi-GPU runs: ZeRO-0, 1 and 2 with the gradients reduced during the backward, then ZeRO-0
+# reducing them after it (--no-overlap).  KCPP_MGPU_CURVES=1 first compares the loss curves of the
+# reference layers in f32 over 20 steps, one GPU against every stage on all of them.
 set -uo pipefail
 source "$(dirname "$0")/device-env.sh"
 echo "== commit ${KCPP_COMMIT:-unknown}, $(date -u +%F)"
@@ -20,9 +21,16 @@ echo "== $n GPUs, NCCL from $nccl_dir; kcpp train $args"
 echo "== Dist tests (ranks as threads on the CPU; OverlapOnTheGpuOverNccl: a group of one over NCCL)"
 # Dist.* is every test of tests/test_dist.cpp (collectives, data parallelism, ZeRO checkpoints).
 KCPP_FIXTURES_DIR="$PWD/tests/fixtures" timeout 240 .devlibs/bin/kcpp_tests --gtest_brief=1 --gtest_filter='Dist.*' 2>&1 | tail -n 15
+if [ "${KCPP_MGPU_CURVES:-0}" = 1 ]; then
+  echo "== f32 loss curves, reference layers, 20 steps, batch 64 (a line every 2 steps)"
+  timeout 120 .devlibs/bin/kcpp train --dtype f32 --reference-only --steps 20 --batch 64 2>&1 | grep -oE "step +[0-9]+/20 +loss [0-9.]+" | tr '\n' ';'; echo " <- one GPU"
+  for z in 0 1 2; do
+    timeout 120 .devlibs/bin/kcpp train --dtype f32 --reference-only --steps 20 --batch 64 --gpus "$n" --zero "$z" 2>&1 | grep -oE "step +[0-9]+/20 +loss [0-9.]+" | tr '\n' ';'; echo " <- $n GPUs ZeRO-$z"
+  done
+fi
 echo "-- one GPU"
 timeout 200 .devlibs/bin/kcpp train $args 2>&1 | grep -E "reference|kernels|error" | tail -n 3
-for run in "0" "1" "0 --no-overlap"; do
+for run in "0" "1" "2" "0 --no-overlap"; do
   set -- $run
   echo "-- $n GPUs, ZeRO-$1 ${2:-}"
   timeout 200 .devlibs/bin/kcpp train $args --gpus "$n" --zero "$@" 2>&1 | grep -E "reference|kernels|error|failed" | tail -n 4
