@@ -33,6 +33,27 @@ using kcpp::kernel::cuda::warp_sum;
 constexpr int kHeadsPerBlock = 4;
 constexpr int kMaxPerLane = 8;  // D <= 256
 
+// RoPE of element e (< rd) of a head whose normed values are in sh, each product rounded before the
+// add, as the eager ops store them (no fused multiply-add in f32).
+template <typename T>
+__device__ __forceinline__ float rope_at(float x, const float* sh, int e, int half, bool interleaved, const T* c, const T* s) {
+  const float rot = interleaved ? ((e & 1) ? sh[e - 1] : -sh[e + 1]) : (e < half ? -sh[e + half] : sh[e - half]);
+  return round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(x, to_f32(c[e]))), round_to<T>(__fmul_rn(rot, to_f32(s[e])))));
+}
+
+// Where head `head` of row b goes: its row of q, or its slot of the k or v cache; nullptr for a row or
+// position out of range (decode_attention then reports that row as NaN).
+template <typename T>
+__device__ __forceinline__ T* qk_destination(T* q_out, T* k_cache, T* v_cache, const int* rows, const int* positions, int b,
+                                             int head, int hq, int hkv, int d, int r_count, int capacity) {
+  if (head < hq) return q_out + (static_cast<int64_t>(b) * hq + head) * d;
+  const int row = rows[b], pos = positions[b];
+  if (row < 0 || row >= r_count || pos < 0 || pos >= capacity) return nullptr;
+  const bool is_v = head >= hq + hkv;
+  const int h = is_v ? head - hq - hkv : head - hq;
+  return (is_v ? v_cache : k_cache) + ((static_cast<int64_t>(row) * hkv + h) * capacity + pos) * d;
+}
+
 template <typename T>
 __global__ void qk_norm_rope_cache_kernel(T* __restrict__ q_out, const T* __restrict__ qkv, const T* __restrict__ q_norm,
                                           const T* __restrict__ k_norm, const T* __restrict__ cos_, const T* __restrict__ sin_,
@@ -79,21 +100,11 @@ __global__ void qk_norm_rope_cache_kernel(T* __restrict__ q_out, const T* __rest
 #pragma unroll
     for (int i = 0; i < kMaxPerLane; ++i) {
       const int e = lane + 32 * i;
-      if (e >= rd) continue;
-      const float rot = interleaved ? ((e & 1) ? sh[e - 1] : -sh[e + 1]) : (e < half ? -sh[e + half] : sh[e - half]);
-      // Each product rounded before the add, as the eager ops store them (no fused multiply-add in f32).
-      v[i] = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(v[i], to_f32(c[e]))), round_to<T>(__fmul_rn(rot, to_f32(s[e])))));
+      if (e < rd) v[i] = rope_at(v[i], sh, e, half, interleaved, c, s);
     }
   }
-  T* dst;
-  if (is_q) {
-    dst = q_out + (static_cast<int64_t>(b) * hq + head) * d;
-  } else {
-    const int row = rows[b], pos = positions[b];
-    if (row < 0 || row >= r_count || pos < 0 || pos >= capacity) return;  // decode_attention reports this row as NaN
-    const int h = is_v ? head - hq - hkv : head - hq;
-    dst = (is_v ? v_cache : k_cache) + ((static_cast<int64_t>(row) * hkv + h) * capacity + pos) * d;
-  }
+  T* dst = qk_destination(q_out, k_cache, v_cache, rows, positions, b, head, hq, hkv, d, r_count, capacity);
+  if (dst == nullptr) return;
 #pragma unroll
   for (int i = 0; i < kMaxPerLane; ++i) {
     const int e = lane + 32 * i;
@@ -161,21 +172,11 @@ __global__ void qk_norm_rope_cache_vec_kernel(T* __restrict__ q_out, const T* __
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const int e = gl * V + j;
-      if (e >= rd) continue;
-      const float rot = interleaved ? ((e & 1) ? sh[e - 1] : -sh[e + 1]) : (e < half ? -sh[e + half] : sh[e - half]);
-      // Each product rounded before the add, as the eager ops store them (no fused multiply-add in f32).
-      v[j] = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(v[j], to_f32(c[e]))), round_to<T>(__fmul_rn(rot, to_f32(s[e])))));
+      if (e < rd) v[j] = rope_at(v[j], sh, e, half, interleaved, c, s);
     }
   }
-  T* dst;
-  if (is_q) {
-    dst = q_out + (static_cast<int64_t>(b) * hq + head) * d;
-  } else {
-    const int row = rows[b], pos = positions[b];
-    if (row < 0 || row >= r_count || pos < 0 || pos >= capacity) return;  // decode_attention reports this row as NaN
-    const int h = is_v ? head - hq - hkv : head - hq;
-    dst = (is_v ? v_cache : k_cache) + ((static_cast<int64_t>(row) * hkv + h) * capacity + pos) * d;
-  }
+  T* dst = qk_destination(q_out, k_cache, v_cache, rows, positions, b, head, hq, hkv, d, r_count, capacity);
+  if (dst == nullptr) return;
   Chunk out;
 #pragma unroll
   for (int j = 0; j < V; ++j) out.v[j] = from_f32<T>(v[j]);
