@@ -89,6 +89,9 @@ struct KernelPlan {
 struct Run {
   std::string name;
   double tokens_per_s = 0, peak_mib = 0, first_loss = 0, final_loss = 0, seconds = 0;
+  // The mean loss of the last tenth of the steps: one step's loss is one batch's, and runs whose
+  // sums differ in order (kernels with atomics, another number of GPUs) part after many bf16 steps.
+  double tail_loss = 0;
   std::unique_ptr<models::CausalLM> model;
   std::unique_ptr<train::AdamW> opt;         // alone
   std::unique_ptr<train::DataParallel> dp;   // in a group
@@ -181,6 +184,7 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::
   synchronize(dev);
   alloc.reset_peak();
   const size_t base = alloc.stats().current;
+  const int64_t tail = std::max<int64_t>(1, a.steps / 10);
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t step = 1; step <= a.steps; ++step) {
     // Every rank draws the same global batch (the same generator) and trains on its rows.
@@ -190,6 +194,7 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::
     const train::StepResult s = dp ? dp->step({{batch, batch}}) : train::train_step(*r.model, *opt, {{batch, batch}});
     if (step == 1) r.first_loss = s.loss;
     r.final_loss = s.loss;
+    if (step > a.steps - tail) r.tail_loss += s.loss / static_cast<double>(tail);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     // A bar redrawn in place on a terminal; a line every tenth of the run in a log.
     const bool tty = ::isatty(::fileno(stdout)) != 0;
@@ -428,9 +433,11 @@ int run_train(TrainArgs a) {
     else train::save_optimizer_state(a.save, *last.opt);
   }
   if (!ranks.printing()) return 0;  // rank 0 reports, samples and saves
-  fmt::print("\n{:<10} {:>12} {:>14} {:>12} {:>12}\n", "layers", "tokens/s", "peak MiB", "first loss", "final loss");
+  fmt::print("\n{:<10} {:>12} {:>14} {:>12} {:>12} {:>14}\n", "layers", "tokens/s", "peak MiB", "first loss", "final loss",
+             "last 10% mean");
   for (const Run& r : runs)
-    fmt::print("{:<10} {:>12.0f} {:>14.1f} {:>12.4f} {:>12.4f}\n", r.name, r.tokens_per_s, r.peak_mib, r.first_loss, r.final_loss);
+    fmt::print("{:<10} {:>12.0f} {:>14.1f} {:>12.4f} {:>12.4f} {:>14.4f}\n", r.name, r.tokens_per_s, r.peak_mib, r.first_loss,
+               r.final_loss, r.tail_loss);
   if (runs.size() == 2)
     fmt::print("kernels vs reference: {:.2f}x tokens/s, {:.0f}% of the peak memory\n", runs[1].tokens_per_s / runs[0].tokens_per_s,
                100.0 * runs[1].peak_mib / std::max(runs[0].peak_mib, 1e-9));
