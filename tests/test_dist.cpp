@@ -411,6 +411,15 @@ TEST(Dist, Bf16ReplicasStayTheSame) {
   }
 }
 
+// Every parameter of `got` equals the one of `want` of the same index (1e-5 relative L2).
+void expect_same_parameters(models::CausalLM& got_model, models::CausalLM& want_model, const std::string& what) {
+  const auto want = want_model.parameters();
+  const auto got = got_model.parameters();
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i)
+    EXPECT_TRUE(test::close_l2(got[i].second, want[i].second.to_f64_vector(), 1e-5)) << what << " " << got[i].first;
+}
+
 // Checkpoints of the optimizer do not depend on the world size: two steps, a save, two more steps
 // give the four steps of one uninterrupted process, whether the run is saved by one process and
 // resumed by three ranks (ZeRO-1, each reading the pieces of the state of its shard) or saved by
@@ -427,13 +436,7 @@ TEST(Dist, OptimizerCheckpointsResumeOnAnyWorldSize) {
   auto straight = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 9, 0.5);
   train::AdamW straight_opt(straight->parameters(), o);
   for (int step = 0; step < 4; ++step) train::train_step(*straight, straight_opt, {{ids[static_cast<size_t>(step)], ids[static_cast<size_t>(step)]}});
-  auto expect_straight = [&](models::CausalLM& m, const std::string& what) {
-    const auto want = straight->parameters();
-    const auto got = m.parameters();
-    ASSERT_EQ(got.size(), want.size());
-    for (size_t i = 0; i < got.size(); ++i)
-      EXPECT_TRUE(test::close_l2(got[i].second, want[i].second.to_f64_vector(), 1e-5)) << what << " " << got[i].first;
-  };
+  auto expect_straight = [&](models::CausalLM& m, const std::string& what) { expect_same_parameters(m, *straight, what); };
   std::string tmpl = (fs::temp_directory_path() / "kcpp-dp-ckpt-XXXXXX").string();
   const fs::path ckpt = ::mkdtemp(tmpl.data());
   const int64_t share = 1;  // world 3: a row each
@@ -511,13 +514,7 @@ TEST(Dist, ShardedCheckpointsResumeOnAnyWorldSize) {
   train::AdamW straight_opt(straight->parameters(), o);
   for (int step = 0; step < 4; ++step)
     train::train_step(*straight, straight_opt, {{ids[static_cast<size_t>(step)], ids[static_cast<size_t>(step)]}});
-  auto expect_straight = [&](models::CausalLM& m, const std::string& what) {
-    const auto want = straight->parameters();
-    const auto got = m.parameters();
-    ASSERT_EQ(got.size(), want.size());
-    for (size_t i = 0; i < got.size(); ++i)
-      EXPECT_TRUE(test::close_l2(got[i].second, want[i].second.to_f64_vector(), 1e-5)) << what << " " << got[i].first;
-  };
+  auto expect_straight = [&](models::CausalLM& m, const std::string& what) { expect_same_parameters(m, *straight, what); };
   auto rows_of = [&](int step, int r, int world) {
     const int64_t share = rows / world;
     return ids[static_cast<size_t>(step)].narrow(0, r * share, share).contiguous();

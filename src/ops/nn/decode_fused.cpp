@@ -11,6 +11,15 @@
 namespace kcpp::ops {
 namespace {
 
+// A fused gate/up output gu [N, 2I] (gate columns first): checked, its I returned.
+int64_t packed_halves(const Tensor& gu, const char* op) {
+  check_float(gu, op, "gu");
+  check_dims(gu, 2, op, "gu");
+  KCPP_CHECK(gu.size(1) % 2 == 0, "op {}: gu has {} columns; it must hold gate and up halves of equal width", op,
+             gu.size(1));
+  return gu.size(1) / 2;
+}
+
 // A fused CUDA kernel covers this call: f32 / bf16 / f16 on a CUDA device.
 bool fused_on_cuda(const Tensor& t) {
 #if KCPP_WITH_CUDA
@@ -125,11 +134,7 @@ std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, con
 
 Tensor glu_packed(const Tensor& gu, GluActivation act) {
   constexpr const char* op = "glu_packed";
-  check_float(gu, op, "gu");
-  check_dims(gu, 2, op, "gu");
-  KCPP_CHECK(gu.size(1) % 2 == 0, "op {}: gu has {} columns; it must hold gate and up halves of equal width", op,
-             gu.size(1));
-  const int64_t n = gu.size(0), inter = gu.size(1) / 2;
+  const int64_t n = gu.size(0), inter = packed_halves(gu, op);
   if (fused_on_cuda(gu) && gu.numel() > 0) {
 #if KCPP_WITH_CUDA
     const Tensor h = Tensor::empty({n, inter}, gu.dtype(), gu.device());
@@ -191,11 +196,7 @@ std::pair<Tensor, Tensor> add_rms_norm_linear(const Tensor& x, const Tensor& del
 
 Tensor glu_linear(const Tensor& gu, GluActivation act, const Tensor& weight) {
   constexpr const char* op = "glu_linear";
-  check_float(gu, op, "gu");
-  check_dims(gu, 2, op, "gu");
-  KCPP_CHECK(gu.size(1) % 2 == 0, "op {}: gu has {} columns; it must hold gate and up halves of equal width", op,
-             gu.size(1));
-  const int64_t n = gu.size(0), inter = gu.size(1) / 2;
+  const int64_t n = gu.size(0), inter = packed_halves(gu, op);
   check_same(weight, gu, op, "weight", "gu");
   check_dims(weight, 2, op, "weight");
   KCPP_CHECK(weight.size(1) == inter, "op {}: weight {} must be [out features, {}] (half of gu's {} columns)", op,
