@@ -44,6 +44,8 @@ TEST_P(DecodeFused, QkNormRopeCacheMatchesTheOracle) {
                           {2, 6, 2, 96, 32, true, false, true, 0.0},     {4, 12, 2, 40, 40, true, true, false, 1.0},
                           {1, 2, 1, 256, 256, true, false, false, 0.0},  {5, 3, 1, 8, 8, false, false, true, 0.0},
                           {2, 9, 3, 200, 136, true, false, false, 1.0},
+                          // Prefill-sized (several rows a CUDA block, a partial last block), rotary part of the head.
+                          {1027, 3, 1, 128, 64, true, false, false, 0.0},  {1030, 2, 2, 64, 64, true, true, true, 1.0},
                           {70000, 1, 1, 8, 8, true, false, false, 0.0}};  // more rows than a CUDA grid's y
   for (DType dt : test::float_dtypes(dev))
     for (const QkCase& c : cases) {

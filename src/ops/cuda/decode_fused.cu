@@ -119,68 +119,96 @@ template <typename T> struct alignas(16) Pack {
 };
 
 // qk_norm_rope_cache with 16-byte accesses: a head is a group of P lanes (D / V rounded up to a
-// power of two), each holding V consecutive elements; 32 / P heads a warp, 4 warps a block.  The
-// norm's sum is a shuffle within the group; RoPE reads each element's partner from shared memory.
-template <typename T, int V>
+// power of two), each holding V consecutive elements; 32 / P heads a warp, 4 warps a block, R rows a
+// block (R > 1 for prefill's many rows: every row's load is issued before the first is used, so a
+// thread has R loads in flight).  The norm's sum is a shuffle within the group; RoPE reads each
+// element's partner from shared memory.  The lane's norm weights and its cos / sin are 16-byte loads
+// where `wide` says the pointers and rd allow it (its V elements then all lie below rd or none do).
+template <typename T, int V, int R>
 __global__ void qk_norm_rope_cache_vec_kernel(T* __restrict__ q_out, const T* __restrict__ qkv, const T* __restrict__ q_norm,
                                               const T* __restrict__ k_norm, const T* __restrict__ cos_,
                                               const T* __restrict__ sin_, T* __restrict__ k_cache, T* __restrict__ v_cache,
                                               const int* __restrict__ rows, const int* __restrict__ positions, int hq, int hkv,
-                                              int d, int rd, int r_count, int capacity, float eps, float offset, bool gemma,
-                                              bool interleaved, int p) {
+                                              int d, int rd, int n, int r_count, int capacity, float eps, float offset, bool gemma,
+                                              bool interleaved, int p, bool wide) {
   struct alignas(16) Chunk { T v[V]; };
   __shared__ float buf[kHeadsPerBlock * 32 * V];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = lane / p, gl = lane % p;
-  const int per_warp = 32 / p, heads = hq + 2 * hkv, b = blockIdx.y;
+  const int per_warp = 32 / p, heads = hq + 2 * hkv, b0 = blockIdx.y * R;
   const int head = (blockIdx.x * kHeadsPerBlock + warp) * per_warp + group;
   pdl_wait();  // every input but the norm weights is an earlier kernel's output
   pdl_trigger();
   const bool in_head = head < heads, active = in_head && gl * V < d;
   const bool is_q = head < hq, is_v = head >= hq + hkv;
-  float v[V];
+  const int e0 = gl * V;
+  Chunk in[R];
 #pragma unroll
-  for (int j = 0; j < V; ++j) v[j] = 0.f;
-  if (active) {
-    const Chunk c = reinterpret_cast<const Chunk*>(qkv + (static_cast<int64_t>(b) * heads + head) * d)[gl];
-#pragma unroll
-    for (int j = 0; j < V; ++j) v[j] = to_f32(c.v[j]);
-  }
+  for (int r = 0; r < R; ++r)
+    if (active && b0 + r < n) in[r] = reinterpret_cast<const Chunk*>(qkv + (static_cast<int64_t>(b0 + r) * heads + head) * d)[gl];
   const T* w = is_q ? q_norm : k_norm;
-  float ss = 0.f;
+  const bool normed = active && !is_v && w != nullptr;
+  float wt[V];
+  if (normed) {
+    if (wide) {
+      const Chunk c = reinterpret_cast<const Chunk*>(w)[gl];
 #pragma unroll
-  for (int j = 0; j < V; ++j) ss += v[j] * v[j];
-  for (int o = p / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);  // within the group
-  if (active && !is_v && w != nullptr) {  // RMSNorm over the head: rstd in f32, as ops::rms_norm_forward
-    const float rstd = 1.f / sqrtf(ss / static_cast<float>(d) + eps);
+      for (int j = 0; j < V; ++j) wt[j] = norm_weight_value<T>(to_f32(c.v[j]), offset, gemma);
+    } else {
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const float wt = norm_weight(w, gl * V + j, offset, gemma);
-      v[j] = gemma ? round_to<T>(v[j] * rstd * wt) : round_to<T>(wt * round_to<T>(v[j] * rstd));
+      for (int j = 0; j < V; ++j) wt[j] = norm_weight(w, e0 + j, offset, gemma);
     }
   }
   float* sh = buf + (warp * 32 + group * p) * V;  // the head's D elements
-  if (active) {
+  const int half = rd / 2;
 #pragma unroll
-    for (int j = 0; j < V; ++j) sh[gl * V + j] = v[j];
-  }
-  __syncwarp();
-  if (!active) return;
-  if (!is_v) {
-    const T* c = cos_ + static_cast<int64_t>(b) * rd;
-    const T* s = sin_ + static_cast<int64_t>(b) * rd;
-    const int half = rd / 2;
+  for (int r = 0; r < R; ++r) {
+    const int b = b0 + r;
+    const bool live = active && b < n;
+    float v[V];
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const int e = gl * V + j;
-      if (e < rd) v[j] = rope_at(v[j], sh, e, half, interleaved, c, s);
+    for (int j = 0; j < V; ++j) v[j] = live ? to_f32(in[r].v[j]) : 0.f;
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < V; ++j) ss += v[j] * v[j];
+    for (int o = p / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);  // within the group
+    if (normed) {  // RMSNorm over the head: rstd in f32, as ops::rms_norm_forward
+      const float rstd = 1.f / sqrtf(ss / static_cast<float>(d) + eps);
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[j] = gemma ? round_to<T>(v[j] * rstd * wt[j]) : round_to<T>(wt[j] * round_to<T>(v[j] * rstd));
     }
-  }
-  T* dst = qk_destination(q_out, k_cache, v_cache, rows, positions, b, head, hq, hkv, d, r_count, capacity);
-  if (dst == nullptr) return;
-  Chunk out;
+    if (r > 0) __syncwarp();  // the previous row's partners have been read
+    if (active) {
 #pragma unroll
-  for (int j = 0; j < V; ++j) out.v[j] = from_f32<T>(v[j]);
-  reinterpret_cast<Chunk*>(dst)[gl] = out;
+      for (int j = 0; j < V; ++j) sh[e0 + j] = v[j];
+    }
+    __syncwarp();
+    if (!live) continue;
+    if (!is_v && e0 < rd) {
+      const T* c = cos_ + static_cast<int64_t>(b) * rd;
+      const T* s = sin_ + static_cast<int64_t>(b) * rd;
+      if (wide) {  // all V elements below rd; the partners from shared memory
+        const Chunk cc = reinterpret_cast<const Chunk*>(c)[gl], sc = reinterpret_cast<const Chunk*>(s)[gl];
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const int e = e0 + j;
+          const float rot = interleaved ? ((e & 1) ? sh[e - 1] : -sh[e + 1]) : (e < half ? -sh[e + half] : sh[e - half]);
+          v[j] = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(v[j], to_f32(cc.v[j]))), round_to<T>(__fmul_rn(rot, to_f32(sc.v[j])))));
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const int e = e0 + j;
+          if (e < rd) v[j] = rope_at(v[j], sh, e, half, interleaved, c, s);
+        }
+      }
+    }
+    T* dst = qk_destination(q_out, k_cache, v_cache, rows, positions, b, head, hq, hkv, d, r_count, capacity);
+    if (dst == nullptr) continue;
+    Chunk out;
+#pragma unroll
+    for (int j = 0; j < V; ++j) out.v[j] = from_f32<T>(v[j]);
+    reinterpret_cast<Chunk*>(dst)[gl] = out;
+  }
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -264,8 +292,14 @@ void qk_norm_rope_cache(const Tensor& q, const Tensor& qkv, const QkNormRopeCach
                      aligned16(v_cache.data());
     const T* qn = opt.q_norm.defined() ? static_cast<const T*>(opt.q_norm.data()) : nullptr;
     const T* kn = opt.k_norm.defined() ? static_cast<const T*>(opt.k_norm.data()) : nullptr;
-    for (int64_t r0 = 0; r0 < n; r0 += 65535) {  // the grid's y dimension holds 65535 rows
-      const unsigned rows_now = static_cast<unsigned>(std::min<int64_t>(n - r0, 65535));
+    // Prefill's many rows: R = 4 rows a block (fewer, fuller blocks); decode's few: a row a block.
+    const int rows_per_block = vec && n >= 1024 ? 4 : 1;
+    const bool wide = vec && rd % kV == 0 && aligned16(cos.data()) && aligned16(sin.data()) && (qn == nullptr || aligned16(qn)) &&
+                      (kn == nullptr || aligned16(kn));
+    const int64_t per_launch = 65535LL * rows_per_block;  // the grid's y dimension holds 65535 blocks
+    for (int64_t r0 = 0; r0 < n; r0 += per_launch) {
+      const int64_t n_now = std::min<int64_t>(n - r0, per_launch);
+      const unsigned rows_now = static_cast<unsigned>((n_now + rows_per_block - 1) / rows_per_block);
       T* q_out = static_cast<T*>(q.data()) + r0 * opt.q_heads * d;
       const T* in = static_cast<const T*>(qkv.data()) + r0 * heads * d;
       const T* c = static_cast<const T*>(cos.data()) + r0 * rd;
@@ -274,11 +308,13 @@ void qk_norm_rope_cache(const Tensor& q, const Tensor& qkv, const QkNormRopeCach
       const int* ps = static_cast<const int*>(positions.data()) + r0;
       if (vec) {
         const int per_block = kHeadsPerBlock * (32 / p);
-        launch_pdl("qk_norm_rope_cache", qk_norm_rope_cache_vec_kernel<T, kV>, dim3((heads + per_block - 1) / per_block, rows_now),
+        auto kernel = rows_per_block == 4 ? qk_norm_rope_cache_vec_kernel<T, kV, 4> : qk_norm_rope_cache_vec_kernel<T, kV, 1>;
+        launch_pdl("qk_norm_rope_cache", kernel, dim3((heads + per_block - 1) / per_block, rows_now),
                    dim3(kHeadsPerBlock * 32), 0, q_out, in, qn, kn, c, s, static_cast<T*>(k_cache.data()),
                    static_cast<T*>(v_cache.data()), rw, ps, static_cast<int>(opt.q_heads), static_cast<int>(opt.kv_heads), d, rd,
-                   static_cast<int>(k_cache.size(0)), static_cast<int>(k_cache.size(2)), static_cast<float>(opt.norm.eps),
-                   static_cast<float>(opt.norm.offset), gemma, opt.layout == RopeLayout::Interleaved, p);
+                   static_cast<int>(n_now), static_cast<int>(k_cache.size(0)), static_cast<int>(k_cache.size(2)),
+                   static_cast<float>(opt.norm.eps), static_cast<float>(opt.norm.offset), gemma,
+                   opt.layout == RopeLayout::Interleaved, p, wide);
       } else {
         launch_pdl("qk_norm_rope_cache", qk_norm_rope_cache_kernel<T>, dim3((heads + kHeadsPerBlock - 1) / kHeadsPerBlock, rows_now),
                    dim3(kHeadsPerBlock * 32), 0, q_out, in, qn, kn, c, s, static_cast<T*>(k_cache.data()),
