@@ -40,7 +40,9 @@
 // recomputes the projections.  No result depends on thread timing; nothing synchronizes with the host.
 //
 // CUDA (moe_cuda.cu, moe_gemm.cuh): bf16 / f16 only (tensor-core GEMMs); it also rounds each slot's
-// dx_s to the dtype before the per-token sum (the CPU keeps it in f32).
+// dx_s to the dtype before the per-token sum (the CPU keeps it in f32).  Its cuBLAS paths (ExpertGemm
+// below) round q_s to the dtype too (the GEMM's output) before dh and dw are formed from it, and with
+// gate and up given as two matrices dx_s is round(round(dg Wg_e) + du Wu_e).
 //
 // Layout.  x, out, dout, dx: rows of H elements x_stride (...) apart, H contiguous.  Weights: a Matrix
 // (below) whose row or column stride is 1, so that both Transformers layouts ([E, 2I, H] and Llama 4's

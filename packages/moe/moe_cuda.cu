@@ -1,7 +1,9 @@
 // Mixture-of-experts on CUDA (maths, layout and permutation in moe.h; the grouped GEMM in
 // moe_gemm.cuh).  bf16 and f16 (the tensor-core GEMMs); f32 is refused by the package's supports().
+// The experts' GEMMs run on the package's kernel (below) or on cuBLAS (moe.h: ExpertGemm; the
+// section "the cuBLAS paths" says how); everything else is the same for both.
 //
-// Forward, every launch on the caller's stream, no host synchronization:
+// Forward with the kernel, every launch on the caller's stream, no host synchronization:
 //   router GEMM (logits rounded to the dtype) -> route (a warp per token: softmax or sigmoid, top-k by
 //   warp arg-max, ties to the lower expert) -> count (a warp per chunk of 2048 slots: per-chunk counts
 //   of each expert, ranks by __match_any_sync) -> scan (one block: offsets, each chunk's base per
@@ -739,8 +741,8 @@ class Blas {
 
   template <typename F> cublasStatus_t grouped(const F& prod) {
     const int64_t np = static_cast<int64_t>(order_.size()), ng = static_cast<int64_t>(runs_.size());
-    if (used_ + 3 * np > kPtrSlots) return CUBLAS_STATUS_NOT_SUPPORTED;
-    if (hs_->pending) {  // the previous call's copies out of the pinned arrays
+    if (used_ + 3 * np > int64_t(kMaxCublasGemms) * 3 * experts_) return CUBLAS_STATUS_NOT_SUPPORTED;  // (never: see there)
+    if (used_ == 0 && hs_->pending) {  // an earlier call's copies out of the pinned arrays (this call's use other slots)
       if (cudaEventSynchronize(hs_->copied) != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
       hs_->pending = false;
     }
