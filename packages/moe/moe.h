@@ -37,12 +37,14 @@
 //   offsets[e] = valid slots of lower experts, offsets[E] = valid slots, offsets[E + 1] = S;
 //   sorted[p] = the slot at position p (expert e's at [offsets[e], offsets[e+1]), invalid ones last).
 // gate_up (optional, saved) holds [g, u] of sorted[p] in row p, [S, 2I]; without it backward
-// recomputes the projections.  No result depends on thread timing; nothing synchronizes with the host.
+// recomputes the projections.  No result depends on thread timing; nothing synchronizes with the host
+// (except the CUDA path's cuBLAS experts: ExpertGemm below).
 //
 // CUDA (moe_cuda.cu, moe_gemm.cuh): bf16 / f16 only (tensor-core GEMMs); it also rounds each slot's
 // dx_s to the dtype before the per-token sum (the CPU keeps it in f32).  Its cuBLAS paths (ExpertGemm
-// below) round q_s to the dtype too (the GEMM's output) before dh and dw are formed from it, and with
-// gate and up given as two matrices dx_s is round(round(dg Wg_e) + du Wu_e).
+// below) round q_s to the dtype too (the GEMM's output) before dh and dw are formed from it, and where
+// gate and up are not one [2I, H] stack in memory (separate gate_proj / up_proj) dx_s is
+// round(round(dg Wg_e) + du Wu_e).
 //
 // Layout.  x, out, dout, dx: rows of H elements x_stride (...) apart, H contiguous.  Weights: a Matrix
 // (below) whose row or column stride is 1, so that both Transformers layouts ([E, 2I, H] and Llama 4's
@@ -102,10 +104,11 @@ inline bool matrix_storage(int64_t rows, int64_t cols, int64_t rs, int64_t cs, b
 //   Grouped  cuBLAS, one cublasGemmGroupedBatchedEx per projection (experts with equal counts form
 //            one group of the call).
 //   Auto     the environment's KCPP_MOE_GEMM (kernel, loop, grouped or auto) when set; else Kernel
-//            for at most kMoeKernelTokens tokens (decode: the host read-back and the per-expert
-//            launches would cost more than the GEMMs), else Loop when one expert's average GEMM
-//            has at least one 128 x 128 tile per multiprocessor (a few large experts, each filling
-//            the GPU on its own), else Grouped (many small experts, which fill it only together).
+//            for at most kMoeKernelTokens tokens (decode sizes: a step stays free of host
+//            synchronization, and its GEMMs are weight reads, which no path does much better), else
+//            Loop when one expert's average GEMM has at least one 128 x 128 tile per multiprocessor
+//            (a few large experts, each filling the GPU on its own), else Grouped (many small
+//            experts, which fill it only together).
 // The cuBLAS paths read the expert offsets back to the host (one stream synchronization per call).
 // While the stream is being captured into a CUDA graph that is not allowed: every choice runs Kernel.
 enum class ExpertGemm : int32_t { Auto = 0, Kernel = 1, Loop = 2, Grouped = 3 };
