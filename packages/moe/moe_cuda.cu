@@ -77,7 +77,7 @@ struct Bufs {
   float *partial = nullptr, *dw = nullptr, *dxr = nullptr, *spartial = nullptr, *dl = nullptr;
   // the cuBLAS paths
   void** ptrs = nullptr;  // the grouped calls' pointer arrays on the device
-  void* blas = nullptr;         // cuBLAS's workspace
+  void* blas = nullptr;   // cuBLAS's workspace
 };
 
 // `cublas`: room for the cuBLAS paths too (their buffers, by path in the forward's and backward's
