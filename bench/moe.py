@@ -13,14 +13,19 @@ it), so every row runs the same experts layer:
     "kcpp block": the whole block with the router (routing "softmax", normalize), the router's GEMM
     and routing included in its time (FLOPs counted as the others');
   - the dense bf16 GEMM 8192^3 in the same run (the ceiling the Mixtral figures are held against).
+The kcpp rows run once for each path of the experts' GEMMs (--gemm, each set as KCPP_MOE_GEMM before
+its calls: the package reads it on every call): "kernel" (the package's mma.sync GEMM), "loop"
+(cuBLAS, one GEMM per expert), "grouped" (one cuBLAS grouped GEMM per projection), "auto" (the
+package's own choice: the kernel for decode sizes, else loop or grouped by the experts' sizes).
 Peak memory is the PyTorch allocator's peak during one forward + backward above what was allocated
 before it (the package's workspace comes from that allocator).  Outputs and gradients are compared
 with eager's before they are timed.  Decode-sized inputs (1, 16, 64 tokens) are timed forward.
 
 Run on the GPU machine:
   python3 bench/moe.py build/release/kernels/moe/build/kcpp1-cu130-x86_64-linux/libmoe.so
-Options: --configs qwen3,mixtral  --tokens 8192  --decode 1,16,64  --device cpu (a smoke run at small
-sizes, for the script itself; its timings mean nothing).
+Options: --configs qwen3,mixtral  --tokens 8192  --decode 1,16,64  --gemm kernel,loop,grouped,auto
+--no-peers (the kcpp rows only)  --device cpu (a smoke run at small sizes, for the script itself; its
+timings mean nothing).
 """
 import argparse
 import os
@@ -46,6 +51,8 @@ ap.add_argument("--configs", default="qwen3,mixtral")
 ap.add_argument("--tokens", type=int, default=8192)
 ap.add_argument("--decode", default="1,16,64")
 ap.add_argument("--device", default="cuda")
+ap.add_argument("--gemm", default="kernel,loop,grouped,auto", help="KCPP_MOE_GEMM values, one set of kcpp rows each")
+ap.add_argument("--no-peers", action="store_true", help="skip Transformers' implementations (eager still gives the reference)")
 opt = ap.parse_args()
 dev = opt.device
 cuda = dev == "cuda"
@@ -110,7 +117,7 @@ for key in opt.configs.split(","):
 
     # Transformers' implementations: references for the checks, then timed.
     ref = ref_grads = None
-    for impl in ("eager", "grouped_mm", "sonicmoe"):
+    for impl in ("eager",) if opt.no_peers else ("eager", "grouped_mm", "sonicmoe"):
         cfg._experts_implementation = impl
         xg, wg = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
 
@@ -133,6 +140,8 @@ for key in opt.configs.split(","):
         if ref is None:
             ref, ref_grads = out.detach().clone(), grads
         err, gerr = rel(out, ref), max(rel(a, b) for a, b in zip(grads, ref_grads))
+        if opt.no_peers:
+            continue
         tf, tfb = timed(fwd), timed(fwdbwd)
         rows.append((name, f"transformers {impl}", tf, fl / tf * 1e3, tfb, 3 * fl / tfb * 1e3, peak_mb(fwdbwd), err, gerr))
         print(rows[-1], flush=True)
@@ -161,29 +170,6 @@ for key in opt.configs.split(","):
     if not ok:
         print(f"{name} kcpp: refused ({why})", flush=True)
         continue
-    layer.forward(ta, mode="training")
-    layer.backward(ba)
-    if cuda:
-        torch.cuda.synchronize()
-    err = rel(out, ref)
-    gerr = max(rel(a, b) for a, b in zip((dx, dgu, ddn, dw), ref_grads))
-
-    def kfwd():
-        layer.forward(fa, mode="inference")
-
-    def kfwdbwd():
-        layer.forward(ta, mode="training")
-        layer.backward(ba)
-
-    tf, tfb = timed(kfwd), timed(kfwdbwd)
-    rows.append((name, "kcpp moe (routing given)", tf, fl / tf * 1e3, tfb, 3 * fl / tfb * 1e3, peak_mb(kfwdbwd), err, gerr))
-    print(rows[-1], flush=True)
-    for td in ([int(v) for v in opt.decode.split(",") if v] if cuda else []):
-        da = {"hidden": x[:td], "routing": "given", "topk_ids": ids[:td], "topk_weights": w[:td], "gate_up_proj": gu,
-              "down_proj": dn, "out": out[:td]}
-        decode_rows.append((name, td, "kcpp moe (routing given)", timed(lambda da=da: layer.forward(da, mode="inference"))))
-
-    # kcpp, the whole block: router GEMM, softmax top-k renormalized, experts.
     logits = torch.empty(t, e, dtype=dtype, device=dev)
     ids32, w32 = torch.empty(t, k, dtype=torch.int32, device=dev), torch.empty(t, k, dtype=torch.float32, device=dev)
     dr = torch.empty_like(router)
@@ -194,22 +180,53 @@ for key in opt.configs.split(","):
     bb = dict(blk, router_logits=logits, topk_ids=ids32, topk_weights=w32, expert_offsets=offsets,
               sorted_slots=sorted_slots, gate_up=saved, dout=dout, dhidden=dx, drouter_weight=dr, dgate_up_proj=dgu,
               ddown_proj=ddn)
-    layer.forward(bt, mode="training")
-    if cuda:
-        torch.cuda.synchronize()
-    same = (ids32.long() == ids).float().mean().item()
+    for gemm in [g for g in opt.gemm.split(",") if g]:
+        os.environ["KCPP_MOE_GEMM"] = gemm
+        # kcpp, routing given: the same experts layer.
+        for buf in (out, dx, dgu, ddn, dw):
+            buf.fill_(float("nan"))
+        layer.forward(ta, mode="training")
+        layer.backward(ba)
+        if cuda:
+            torch.cuda.synchronize()
+        err = rel(out, ref)
+        gerr = max(rel(a, b) for a, b in zip((dx, dgu, ddn, dw), ref_grads))
 
-    def bfwd():
-        layer.forward(dict(blk, out=out), mode="inference")
+        def kfwd():
+            layer.forward(fa, mode="inference")
 
-    def bfwdbwd():
+        def kfwdbwd():
+            layer.forward(ta, mode="training")
+            layer.backward(ba)
+
+        tf, tfb = timed(kfwd), timed(kfwdbwd)
+        rows.append((name, f"kcpp moe (routing given) gemm={gemm}", tf, fl / tf * 1e3, tfb, 3 * fl / tfb * 1e3,
+                     peak_mb(kfwdbwd), err, gerr))
+        print(rows[-1], flush=True)
+        for td in ([int(v) for v in opt.decode.split(",") if v] if cuda else []):
+            da = {"hidden": x[:td], "routing": "given", "topk_ids": ids[:td], "topk_weights": w[:td], "gate_up_proj": gu,
+                  "down_proj": dn, "out": out[:td]}
+            decode_rows.append((name, td, f"kcpp moe (routing given) gemm={gemm}",
+                                timed(lambda da=da: layer.forward(da, mode="inference"))))
+
+        # kcpp, the whole block: router GEMM, softmax top-k renormalized, experts.
         layer.forward(bt, mode="training")
-        layer.backward(bb)
+        if cuda:
+            torch.cuda.synchronize()
+        same = (ids32.long() == ids).float().mean().item()
 
-    tf, tfb = timed(bfwd), timed(bfwdbwd)
-    rows.append((name, f"kcpp moe block (router; ids as above {same:.1%})", tf, fl / tf * 1e3, tfb, 3 * fl / tfb * 1e3,
-                 peak_mb(bfwdbwd), rel(out, ref), float("nan")))
-    print(rows[-1], flush=True)
+        def bfwd():
+            layer.forward(dict(blk, out=out), mode="inference")
+
+        def bfwdbwd():
+            layer.forward(bt, mode="training")
+            layer.backward(bb)
+
+        tf, tfb = timed(bfwd), timed(bfwdbwd)
+        rows.append((name, f"kcpp moe block gemm={gemm} (router; ids as above {same:.1%})", tf, fl / tf * 1e3, tfb,
+                     3 * fl / tfb * 1e3, peak_mb(bfwdbwd), rel(out, ref), float("nan")))
+        print(rows[-1], flush=True)
+    os.environ.pop("KCPP_MOE_GEMM", None)
     del experts, x, out, saved, dx, dgu, ddn, gu, dn
     if cuda:
         torch.cuda.empty_cache()
@@ -225,11 +242,11 @@ if cuda:
 where = torch.cuda.get_device_name() if cuda else "cpu (smoke run: sizes small, timings meaningless)"
 print(f"\n{where}, torch {torch.__version__}; {opt.tokens if cuda else 64} tokens, {dtype}; "
       f"dense bf16 GEMM 8192^3: {ceiling:.1f} TFLOP/s")
-print(f"{'dimensions':22s} {'implementation':48s} {'fwd ms':>8s} {'TFLOP/s':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} "
+print(f"{'dimensions':22s} {'implementation':58s} {'fwd ms':>8s} {'TFLOP/s':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} "
       f"{'peak MiB':>9s} {'out err':>9s} {'grad err':>9s}")
 for name, impl, tf, ff, tfb, ffb, mem, err, gerr in rows:
-    print(f"{name:22s} {impl:48s} {tf:8.3f} {ff:8.1f} {tfb:8.3f} {ffb:8.1f} {mem:9.0f} {err:9.2e} {gerr:9.2e}")
+    print(f"{name:22s} {impl:58s} {tf:8.3f} {ff:8.1f} {tfb:8.3f} {ffb:8.1f} {mem:9.0f} {err:9.2e} {gerr:9.2e}")
 if decode_rows:
     print("\ndecode-sized forward (ms)")
     for name, td, impl, ms in decode_rows:
-        print(f"{name:22s} {td:5d} tokens  {impl:40s} {ms:8.4f}")
+        print(f"{name:22s} {td:5d} tokens  {impl:48s} {ms:8.4f}")

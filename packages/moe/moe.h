@@ -37,10 +37,14 @@
 //   offsets[e] = valid slots of lower experts, offsets[E] = valid slots, offsets[E + 1] = S;
 //   sorted[p] = the slot at position p (expert e's at [offsets[e], offsets[e+1]), invalid ones last).
 // gate_up (optional, saved) holds [g, u] of sorted[p] in row p, [S, 2I]; without it backward
-// recomputes the projections.  No result depends on thread timing; nothing synchronizes with the host.
+// recomputes the projections.  No result depends on thread timing; nothing synchronizes with the host
+// (except the CUDA path's cuBLAS experts: ExpertGemm below).
 //
 // CUDA (moe_cuda.cu, moe_gemm.cuh): bf16 / f16 only (tensor-core GEMMs); it also rounds each slot's
-// dx_s to the dtype before the per-token sum (the CPU keeps it in f32).
+// dx_s to the dtype before the per-token sum (the CPU keeps it in f32).  Its cuBLAS paths (ExpertGemm
+// below) round q_s to the dtype too (the GEMM's output) before dh and dw are formed from it, and where
+// gate and up are not one [2I, H] stack in memory (separate gate_proj / up_proj) dx_s is
+// round(round(dg Wg_e) + du Wu_e).
 //
 // Layout.  x, out, dout, dx: rows of H elements x_stride (...) apart, H contiguous.  Weights: a Matrix
 // (below) whose row or column stride is 1, so that both Transformers layouts ([E, 2I, H] and Llama 4's
@@ -75,6 +79,40 @@ struct Matrix {
   void* data = nullptr;  // read-only where the matrix is an input
   int64_t expert_stride = 0, row_stride = 0, col_stride = 1;
 };
+
+// The storage order of a rows x cols matrix with strides (rs, cs): false = rows of contiguous
+// elements (ld = rs), true = contiguous columns (ld = cs).  A dim of extent 1 may have any stride
+// (ld is then the other extent).  Returns false when neither stride is 1 or the lines overlap.
+inline bool matrix_storage(int64_t rows, int64_t cols, int64_t rs, int64_t cs, bool* col_major, int64_t* ld) {
+  if (cs == 1 || cols <= 1) {
+    *col_major = false;
+    *ld = rows <= 1 ? (cols > 1 ? cols : 1) : rs;
+    return rows <= 1 || rs >= cols;
+  }
+  if (rs == 1 || rows <= 1) {
+    *col_major = true;
+    *ld = cols <= 1 ? (rows > 1 ? rows : 1) : cs;
+    return cols <= 1 || cs >= rows;
+  }
+  return false;
+}
+
+// How the CUDA path runs the experts' GEMMs (moe_cuda.cu):
+//   Kernel   the package's grouped mma.sync GEMM (moe_gemm.cuh), the gated activation and the
+//            backward's GLU in its epilogues; the group sizes stay on the device (no host sync).
+//   Loop     cuBLAS, one cublasGemmEx per expert that received tokens.
+//   Grouped  cuBLAS, one cublasGemmGroupedBatchedEx per projection (experts with equal counts form
+//            one group of the call).
+//   Auto     the environment's KCPP_MOE_GEMM (kernel, loop, grouped or auto) when set; else Kernel
+//            for at most kMoeKernelTokens tokens (decode sizes: a step stays free of host
+//            synchronization, and its GEMMs are weight reads, which no path does much better), else
+//            Loop when one expert's average GEMM has at least one 128 x 128 tile per multiprocessor
+//            (a few large experts, each filling the GPU on its own), else Grouped (many small
+//            experts, which fill it only together).
+// The cuBLAS paths read the expert offsets back to the host (one stream synchronization per call).
+// While the stream is being captured into a CUDA graph that is not allowed: every choice runs Kernel.
+enum class ExpertGemm : int32_t { Auto = 0, Kernel = 1, Loop = 2, Grouped = 3 };
+constexpr int64_t kMoeKernelTokens = 64;
 
 struct MoeParams {
   kernel::DType dtype = kernel::DType::bf16;
@@ -119,6 +157,7 @@ struct MoeParams {
   void* dshared_expert_gate = nullptr;  // [H], optional
   float* dtopk_weights = nullptr;       // [S], optional
 
+  ExpertGemm expert_gemm = ExpertGemm::Auto;  // CUDA only
   void* workspace = nullptr;  // moe_workspace() bytes, 256-byte aligned
 };
 

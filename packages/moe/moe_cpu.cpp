@@ -65,28 +65,11 @@ void gemm(int64_t m, int64_t n, int64_t k, View a, View b, float* c, int64_t ldc
               c, static_cast<int>(ldc));
 }
 
-// The storage order of a rows x cols matrix with strides (rs, cs): false = rows of contiguous
-// elements (ld = rs), true = contiguous columns (ld = cs).  A dim of extent 1 may have any stride.
-// Returns false when neither stride is 1.
-bool storage(int64_t rows, int64_t cols, int64_t rs, int64_t cs, bool* col_major, int64_t* ld) {
-  if (cs == 1 || cols <= 1) {
-    *col_major = false;
-    *ld = rows <= 1 ? std::max<int64_t>(cols, 1) : rs;
-    return rows <= 1 || rs >= cols;
-  }
-  if (rs == 1 || rows <= 1) {
-    *col_major = true;
-    *ld = cols <= 1 ? std::max<int64_t>(rows, 1) : cs;
-    return cols <= 1 || cs >= rows;
-  }
-  return false;
-}
-
 // Expert e's rows x cols matrix as an f32 View: in place for f32, else widened into buf (same order).
 template <typename T> View expert_view(const Matrix& m, int64_t e, int64_t rows, int64_t cols, float* buf) {
   bool cm = false;
   int64_t ld = 0;
-  storage(rows, cols, m.row_stride, m.col_stride, &cm, &ld);
+  matrix_storage(rows, cols, m.row_stride, m.col_stride, &cm, &ld);
   const T* base = static_cast<const T*>(m.data) + e * m.expert_stride;
   if constexpr (std::is_same_v<T, float>) {
     return {base, ld, cm};
@@ -712,7 +695,7 @@ template <typename T> struct Lb {
 bool matrix_ok(const Matrix& m, int64_t rows, int64_t cols) {
   bool cm = false;
   int64_t ld = 0;
-  return m.data && storage(rows, cols, m.row_stride, m.col_stride, &cm, &ld);
+  return m.data && matrix_storage(rows, cols, m.row_stride, m.col_stride, &cm, &ld);
 }
 
 }  // namespace

@@ -1,7 +1,9 @@
 // Mixture-of-experts on CUDA (maths, layout and permutation in moe.h; the grouped GEMM in
 // moe_gemm.cuh).  bf16 and f16 (the tensor-core GEMMs); f32 is refused by the package's supports().
+// The experts' GEMMs run on the package's kernel (below) or on cuBLAS (moe.h: ExpertGemm; the
+// section "the cuBLAS paths" says how); everything else is the same for both.
 //
-// Forward, every launch on the caller's stream, no host synchronization:
+// Forward with the kernel, every launch on the caller's stream, no host synchronization:
 //   router GEMM (logits rounded to the dtype) -> route (a warp per token: softmax or sigmoid, top-k by
 //   warp arg-max, ties to the lower expert) -> count (a warp per chunk of 2048 slots: per-chunk counts
 //   of each expert, ranks by __match_any_sync) -> scan (one block: offsets, each chunk's base per
@@ -15,8 +17,15 @@
 //   expert's positions: the reduction dim) -> dw per slot (the row sums, or dx_s . x_t) -> dz per token
 //   -> the router's two GEMMs and the shared expert -> dx_t summed over slots in order.
 // Every reduction has a fixed order (no float atomics); integer counters only inside one warp.
+#include <cublas_v2.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
 
 #include "kcpp/kernel/cuda.cuh"
 #include "kcpp/kernel/error.h"
@@ -34,6 +43,10 @@ using kernel::cuda::warp_sum;
 
 constexpr int kChunk = 2048;  // slots per warp of the counting sort
 constexpr size_t kAlign = 256;
+constexpr size_t kCublasWorkspace = size_t(32) << 20;  // cuBLAS's recommendation for Hopper
+// cuBLAS calls of one forward or backward at most: in backward gate / up again (two when given apart),
+// q, dx (two), ddown, dgate and dup.
+constexpr int kMaxCublasGemms = 8;
 
 struct Carve {
   unsigned char* base = nullptr;
@@ -62,9 +75,14 @@ struct Bufs {
   void *gu = nullptr, *dgu = nullptr, *ch = nullptr, *dxs = nullptr, *dz = nullptr, *sgu = nullptr, *sdgu = nullptr,
        *sch = nullptr;
   float *partial = nullptr, *dw = nullptr, *dxr = nullptr, *spartial = nullptr, *dl = nullptr;
+  // the cuBLAS paths
+  void** ptrs = nullptr;  // the grouped calls' pointer arrays on the device
+  void* blas = nullptr;   // cuBLAS's workspace
 };
 
-Bufs layout(const MoeParams& p, bool bwd, Carve& cv) {
+// `cublas`: room for the cuBLAS paths too (their buffers, by path in the forward's and backward's
+// cuBLAS functions below); the kernel path runs within it all the same.
+Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas) {
   Bufs b;
   const int64_t t = p.tokens, h = p.hidden, e = p.experts, s = moe_slots(p), i = p.inter, si = p.shared_inter;
   const int64_t eb = kernel::dtype_bytes(p.dtype);
@@ -81,31 +99,35 @@ Bufs layout(const MoeParams& p, bool bwd, Carve& cv) {
   }
   b.tiles = cv.take<int32_t>(e + 1);
   if (router && !bwd && !p.router_logits) b.logits = cv.take<unsigned char>(t * e * eb);
-  if (input) b.xs = cv.take<unsigned char>(s * h * eb);
+  if (input || (bwd && cublas)) b.xs = cv.take<unsigned char>(s * h * eb);
   if (si > 0) b.sigma = cv.take<float>(t);
   if (!bwd) {
-    b.h = cv.take<unsigned char>(s * i * eb);
+    b.h = cv.take<unsigned char>(s * i * eb * (cublas && !p.gate_up ? 2 : 1));  // cuBLAS: [g, u] with h over g
     b.y = cv.take<unsigned char>(s * h * eb);
     if (si > 0) {
       b.sh = cv.take<unsigned char>(t * si * eb);
       b.sm = cv.take<unsigned char>(t * h * eb);
     }
-    return b;
+  } else {
+    if (!p.gate_up) b.gu = cv.take<unsigned char>(s * 2 * i * eb);
+    b.dgu = cv.take<unsigned char>(s * 2 * i * eb);
+    b.ch = cv.take<unsigned char>(s * i * eb);
+    if (!input) b.partial = cv.take<float>(s * ntiles(i));
+    b.dxs = cv.take<unsigned char>(s * h * eb);
+    b.dw = cv.take<float>(s);
+    if (router) b.dz = cv.take<unsigned char>(t * e * eb);
+    if (router || si > 0) b.dxr = cv.take<float>(t * h);
+    if (si > 0) {
+      b.sgu = cv.take<unsigned char>(t * 2 * si * eb);
+      b.sdgu = cv.take<unsigned char>(t * 2 * si * eb);
+      b.sch = cv.take<unsigned char>(t * si * eb);
+      b.spartial = cv.take<float>(t * ntiles(si));
+      b.dl = cv.take<float>(t);
+    }
   }
-  if (!p.gate_up) b.gu = cv.take<unsigned char>(s * 2 * i * eb);
-  b.dgu = cv.take<unsigned char>(s * 2 * i * eb);
-  b.ch = cv.take<unsigned char>(s * i * eb);
-  if (!input) b.partial = cv.take<float>(s * ntiles(i));
-  b.dxs = cv.take<unsigned char>(s * h * eb);
-  b.dw = cv.take<float>(s);
-  if (router) b.dz = cv.take<unsigned char>(t * e * eb);
-  if (router || si > 0) b.dxr = cv.take<float>(t * h);
-  if (si > 0) {
-    b.sgu = cv.take<unsigned char>(t * 2 * si * eb);
-    b.sdgu = cv.take<unsigned char>(t * 2 * si * eb);
-    b.sch = cv.take<unsigned char>(t * si * eb);
-    b.spartial = cv.take<float>(t * ntiles(si));
-    b.dl = cv.take<float>(t);
+  if (cublas) {
+    b.ptrs = cv.take<void*>(kMaxCublasGemms * 3 * e);
+    b.blas = cv.take<unsigned char>(static_cast<int64_t>(kCublasWorkspace));
   }
   return b;
 }
@@ -465,12 +487,582 @@ int64_t grid_y_rows(gemm::Grouping g, int64_t rows, int64_t groups) {
   return g == gemm::Grouping::MGroup ? ceil_div(rows, gemm::BM) + groups : ceil_div(rows, gemm::BM);
 }
 
+// ---- the cuBLAS paths ------------------------------------------------------------------------------
+//
+// The experts' GEMMs with the tokens already in expert order (positions): per expert e with n_e > 0
+// positions [o_e, o_e + n_e), row-major,
+//   forward   gu_e = xs_e [Wg_e; Wu_e]^T   h = round(act(g) u) (a kernel)   y_e = h_e Wd_e^T
+//   backward  q_e = dout_e Wd_e   (dgu, c h, q . h: a kernel)   dWd_e = dout_e^T (c h)_e
+//             dxs_e = dgu_e [Wg_e; Wu_e]   dWgu_e = dgu_e^T xs_e
+// where xs (and dout_e, backward) are the token rows gathered by position first (cuBLAS reads no
+// gather), and an expert without positions gets dW_e = 0 from a kernel (no GEMM with k = 0).  Gate
+// and up are one [2I, H] product where up's rows follow gate's in memory (Transformers' gate_up_proj,
+// Llama 4's seen transposed), else two, into / from the two halves of gu and dgu.
+//
+// cuBLAS is column-major: a row-major [r, c] matrix with row stride ld is its column-major [c, r]
+// transpose with leading dimension ld, so the row-major C = A B runs as C^T = B^T A^T (cuBLAS's
+// first operand is B, its m is our n).  f32 accumulation (CUBLAS_COMPUTE_32F) and f32 split-k
+// reductions (CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION); results in the dtype.
+//
+// The group sizes come to the host once per call (cudaMemcpyAsync of the offsets into pinned memory,
+// then a stream synchronization).  Loop: one cublasGemmEx per expert with positions.  Grouped: one
+// cublasGemmGroupedBatchedEx per product, the experts with equal n_e one group (a group shares m, n,
+// k, the leading dims and the scalars; its A, B, C pointers are device arrays, copied from pinned host
+// memory into the workspace), cuBLAS 12.5 on.
+
+enum class Path { Kernel, Loop, Grouped, Auto };  // Auto: Loop or Grouped, chosen from the counts
+
+// The path asked for: p.expert_gemm, else KCPP_MOE_GEMM, else by size (moe.h), before the capture test.
+const char* requested_path(const MoeParams& p, Path* out) {
+  ExpertGemm g = p.expert_gemm;
+  if (g == ExpertGemm::Auto) {
+    const char* env = std::getenv("KCPP_MOE_GEMM");
+    if (env && *env) {
+      if (!std::strcmp(env, "kernel")) g = ExpertGemm::Kernel;
+      else if (!std::strcmp(env, "loop")) g = ExpertGemm::Loop;
+      else if (!std::strcmp(env, "grouped")) g = ExpertGemm::Grouped;
+      else if (std::strcmp(env, "auto"))
+        return errorf("moe: KCPP_MOE_GEMM='%.64s' is none of kernel, loop, grouped, auto", env);
+    }
+  }
+  switch (g) {
+    case ExpertGemm::Kernel: *out = Path::Kernel; break;
+    case ExpertGemm::Loop: *out = Path::Loop; break;
+    case ExpertGemm::Grouped: *out = Path::Grouped; break;
+    default: *out = p.tokens <= kMoeKernelTokens ? Path::Kernel : Path::Auto;
+  }
+  return nullptr;
+}
+
+// Whether the workspace holds the cuBLAS paths' buffers (an unknown KCPP_MOE_GEMM: the call fails).
+bool cublas_workspace(const MoeParams& p) {
+  Path path = Path::Kernel;
+  return requested_path(p, &path) != nullptr || path != Path::Kernel;
+}
+
+// This call's path: Kernel while `st` is being captured into a graph (no host read-back there).
+const char* call_path(const MoeParams& p, cudaStream_t st, Path* out) {
+  if (const char* e = requested_path(p, out)) return e;
+  if (*out == Path::Kernel) return nullptr;
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(st, &cs) != cudaSuccess) {  // e.g. the legacy stream while another captures
+    cudaGetLastError();
+    cs = cudaStreamCaptureStatusActive;
+  }
+  if (cs != cudaStreamCaptureStatusNone) *out = Path::Kernel;
+  return nullptr;
+}
+
+// Per device and host thread (a cuBLAS handle must not be used by two threads at once): the handle,
+// pinned memory for the offsets read back and for the grouped calls' pointer arrays, and an event
+// recorded after the last copy out of those arrays (a call waits on it before writing them again).
+// Never destroyed: destroying at thread or process exit can run after the CUDA context is gone.
+constexpr int kMaxExperts = 1024;  // moe_cuda_unsupported
+constexpr int64_t kPtrSlots = int64_t(kMaxCublasGemms) * 3 * kMaxExperts;
+struct HostSide {
+  cublasHandle_t handle = nullptr;
+  int32_t* offsets = nullptr;   // [kMaxExperts + 1]
+  void** ptrs = nullptr;  // [kPtrSlots]
+  cudaEvent_t copied = nullptr;
+  bool pending = false;  // `copied` recorded since the last wait
+};
+
+const char* host_side(HostSide** out) {
+  thread_local HostSide sides[64];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return "moe: no usable CUDA device";
+  HostSide& h = sides[device];
+  if (!h.handle) {
+    cublasHandle_t handle = nullptr;
+    cublasStatus_t s = cublasCreate(&handle);
+    if (s != CUBLAS_STATUS_SUCCESS) return errorf("moe: cublasCreate failed: %s", cublasGetStatusString(s));
+    s = cublasSetMathMode(handle, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
+    if (s != CUBLAS_STATUS_SUCCESS) {
+      cublasDestroy(handle);
+      return errorf("moe: cublasSetMathMode failed: %s", cublasGetStatusString(s));
+    }
+    h.handle = handle;
+  }
+  if (!h.offsets) {
+    void* q = nullptr;
+    if (cudaMallocHost(&q, (kMaxExperts + 1) * sizeof(int32_t)) != cudaSuccess) {
+      cudaGetLastError();
+      return "moe: could not allocate pinned host memory for the expert offsets";
+    }
+    h.offsets = static_cast<int32_t*>(q);
+  }
+  if (!h.ptrs) {
+    void* q = nullptr;
+    if (cudaMallocHost(&q, static_cast<size_t>(kPtrSlots) * sizeof(void*)) != cudaSuccess) {
+      cudaGetLastError();
+      return "moe: could not allocate pinned host memory for the grouped GEMM's pointers";
+    }
+    h.ptrs = static_cast<void**>(q);
+  }
+  if (!h.copied && cudaEventCreateWithFlags(&h.copied, cudaEventDisableTiming) != cudaSuccess) {
+    h.copied = nullptr;
+    cudaGetLastError();
+    return "moe: could not create a CUDA event";
+  }
+  *out = &h;
+  return nullptr;
+}
+
+// A row-major operand: X(r, c) = p[r ld + c], or p[c ld + r] when t (the storage holds X^T).
+struct Op {
+  const void* p;
+  int64_t ld;
+  bool t;
+};
+Op tr(Op o) {
+  o.t = !o.t;
+  return o;
+}
+// Rows [row0, ...) of a row-major buffer.
+Op rows_op(const void* base, int64_t row0, int64_t ld, int64_t eb) {
+  return {static_cast<const char*>(base) + row0 * ld * eb, ld, false};
+}
+// Expert e's rows x cols matrix of a stack (a weight, or a weight gradient written).
+Op matrix_op(const Matrix& m, int64_t e, int64_t rows, int64_t cols, int64_t eb) {
+  bool cm = false;
+  int64_t ld = 1;
+  matrix_storage(rows, cols, m.row_stride, m.col_stride, &cm, &ld);
+  return {static_cast<const char*>(m.data) + e * m.expert_stride * eb, ld, cm};
+}
+
+// Gate and up as one [2I, H] stack: up's rows follow gate's, with the same strides.
+bool one_stack(const Matrix& g, const Matrix& u, int64_t inter, int64_t h, int64_t eb) {
+  bool cm = false;
+  int64_t ld = 0;
+  return g.data && u.data && g.expert_stride == u.expert_stride && g.row_stride == u.row_stride &&
+         g.col_stride == u.col_stride &&
+         static_cast<const char*>(u.data) == static_cast<const char*>(g.data) + inter * g.row_stride * eb &&
+         matrix_storage(2 * inter, h, g.row_stride, g.col_stride, &cm, &ld);
+}
+
+// One expert's row-major C [m, n] = A [m, k] B [k, n] + beta C.
+struct Prod {
+  int64_t m, n, k;
+  Op a, b, c;  // c is written
+  float beta;
+};
+
+// A Prod as cuBLAS's arguments (column-major C^T = B^T A^T; a C stored transposed first turns the
+// product around: C^T = B^T A^T row-major).
+struct BlasArgs {
+  cublasOperation_t ta, tb;
+  int64_t m, n, k;
+  const void *a, *b;
+  int64_t lda, ldb;
+  void* c;
+  int64_t ldc;
+  float beta;
+};
+BlasArgs blas_args(Prod q) {
+  if (q.c.t) q = Prod{q.n, q.m, q.k, tr(q.b), tr(q.a), tr(q.c), q.beta};
+  return {q.b.t ? CUBLAS_OP_T : CUBLAS_OP_N, q.a.t ? CUBLAS_OP_T : CUBLAS_OP_N, q.n, q.m, q.k, q.b.p, q.a.p, q.b.ld, q.a.ld,
+          const_cast<void*>(q.c.p), q.c.ld, q.beta};
+}
+
+cudaDataType_t blas_type(DType t) { return t == DType::f16 ? CUDA_R_16F : CUDA_R_16BF; }
+
+// One call's cuBLAS state: the handle on the stream, the counts read back, the experts with
+// positions (by count, descending, then by index) and the runs of equal counts among them.
+class Blas {
+ public:
+  const char* begin(Path path, const int32_t* offsets, int64_t experts, DType dt, const Bufs& b, int64_t h, int64_t inter,
+                    cudaStream_t st) {
+    if (const char* e = host_side(&hs_)) return e;
+    st_ = st, dt_ = blas_type(dt), dev_ptrs_ = b.ptrs, experts_ = experts;
+    cudaError_t err = cudaMemcpyAsync(hs_->offsets, offsets, static_cast<size_t>(experts + 1) * sizeof(int32_t),
+                                      cudaMemcpyDeviceToHost, st);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(st);
+    if (err != cudaSuccess) return errorf("moe: reading the expert offsets back failed: %s", cudaGetErrorString(err));
+    off_.assign(hs_->offsets, hs_->offsets + experts + 1);
+    for (int64_t e = 0; e < experts; ++e)
+      if (off_[e + 1] < off_[e]) return "moe: expert_offsets are not increasing";
+    order_.clear();
+    for (int64_t e = 0; e < experts; ++e)
+      if (count(e) > 0) order_.push_back(static_cast<int>(e));
+    std::stable_sort(order_.begin(), order_.end(), [&](int x, int y) { return count(x) > count(y); });
+    runs_.clear();
+    for (size_t q = 0; q < order_.size(); ++q) {
+      if (q == 0 || count(order_[q]) != count(order_[q - 1])) runs_.push_back(0);
+      ++runs_.back();
+    }
+    path_ = path == Path::Auto ? pick(h, inter) : path;
+    if (cublasSetStream(hs_->handle, st) != CUBLAS_STATUS_SUCCESS ||  // before the workspace: it resets it
+        cublasSetWorkspace(hs_->handle, b.blas, kCublasWorkspace) != CUBLAS_STATUS_SUCCESS)
+      return "moe: could not set cuBLAS's stream and workspace";
+    return nullptr;
+  }
+
+  int64_t count(int64_t e) const { return off_[e + 1] - off_[e]; }
+  int64_t offset(int64_t e) const { return off_[e]; }
+  int64_t valid() const { return off_[experts_]; }
+  bool any_empty() const { return static_cast<int64_t>(order_.size()) < experts_; }
+
+  // The product `prod(e)` (a Prod) of every expert with positions.
+  template <typename F> const char* run(const char* what, const F& prod) {
+    if (order_.empty()) return nullptr;
+    if (path_ == Path::Grouped) {
+      const cublasStatus_t s = grouped(prod);
+      if (s == CUBLAS_STATUS_SUCCESS) return nullptr;
+      if (s != CUBLAS_STATUS_NOT_SUPPORTED && s != CUBLAS_STATUS_INVALID_VALUE)
+        return errorf("moe: cublasGemmGroupedBatchedEx (%s) failed: %s", what, cublasGetStatusString(s));
+      static std::atomic<bool> told{false};  // refused: the loop below does the same products
+      if (!told.exchange(true))
+        std::fprintf(stderr, "kcpp moe: cublasGemmGroupedBatchedEx refused %s (%s); running it as cublasGemmEx per expert\n",
+                     what, cublasGetStatusString(s));
+    }
+    const float one = 1.0f;
+    for (int e : order_) {
+      const BlasArgs g = blas_args(prod(e));
+      const cublasStatus_t s = cublasGemmEx_64(hs_->handle, g.ta, g.tb, g.m, g.n, g.k, &one, g.a, dt_, g.lda, g.b, dt_, g.ldb,
+                                               &g.beta, g.c, dt_, g.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+      if (s != CUBLAS_STATUS_SUCCESS)
+        return errorf("moe: cublasGemmEx (%s, expert %d: m %lld n %lld k %lld) failed: %s", what, e, static_cast<long long>(g.m),
+                      static_cast<long long>(g.n), static_cast<long long>(g.k), cublasGetStatusString(s));
+    }
+    return nullptr;
+  }
+
+ private:
+  // Loop when one expert's average GEMM has a 128 x 128 tile per multiprocessor (its smaller output
+  // dim min(H, I) by its rows), else Grouped.
+  Path pick(int64_t h, int64_t inter) const {
+    if (order_.empty()) return Path::Loop;
+    int device = 0;
+    cudaGetDevice(&device);
+    const int64_t rows = valid() / static_cast<int64_t>(order_.size());
+    const int64_t tiles = ceil_div(rows, 128) * ceil_div(std::min(h, inter), 128);
+    return tiles >= kernel::cuda::sm_count(device) ? Path::Loop : Path::Grouped;
+  }
+
+  template <typename F> cublasStatus_t grouped(const F& prod) {
+    const int64_t np = static_cast<int64_t>(order_.size()), ng = static_cast<int64_t>(runs_.size());
+    if (used_ + 3 * np > int64_t(kMaxCublasGemms) * 3 * experts_) return CUBLAS_STATUS_NOT_SUPPORTED;  // (never: see there)
+    if (used_ == 0 && hs_->pending) {  // an earlier call's copies out of the pinned arrays (this call's use other slots)
+      if (cudaEventSynchronize(hs_->copied) != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
+      hs_->pending = false;
+    }
+    std::vector<cublasOperation_t> ta(ng), tb(ng);
+    std::vector<int64_t> m(ng), n(ng), k(ng), lda(ng), ldb(ng), ldc(ng), size(runs_.begin(), runs_.end());
+    std::vector<float> alpha(ng, 1.0f), beta(ng);
+    void** host = hs_->ptrs + used_;
+    int64_t q = 0;
+    for (int64_t g = 0; g < ng; ++g)
+      for (int64_t j = 0; j < runs_[g]; ++j, ++q) {
+        const BlasArgs a = blas_args(prod(order_[q]));
+        if (j == 0) ta[g] = a.ta, tb[g] = a.tb, m[g] = a.m, n[g] = a.n, k[g] = a.k, lda[g] = a.lda, ldb[g] = a.ldb, ldc[g] = a.ldc, beta[g] = a.beta;
+        host[q] = const_cast<void*>(a.a), host[np + q] = const_cast<void*>(a.b), host[2 * np + q] = a.c;
+      }
+    void** dev = dev_ptrs_ + used_;
+    used_ += 3 * np;
+    if (cudaMemcpyAsync(dev, host, static_cast<size_t>(3 * np) * sizeof(void*), cudaMemcpyHostToDevice, st_) != cudaSuccess ||
+        cudaEventRecord(hs_->copied, st_) != cudaSuccess)
+      return CUBLAS_STATUS_EXECUTION_FAILED;
+    hs_->pending = true;
+    return cublasGemmGroupedBatchedEx_64(hs_->handle, ta.data(), tb.data(), m.data(), n.data(), k.data(), alpha.data(), dev, dt_,
+                                         lda.data(), dev + np, dt_, ldb.data(), beta.data(), dev + 2 * np, dt_, ldc.data(), ng,
+                                         size.data(), CUBLAS_COMPUTE_32F);
+  }
+
+  HostSide* hs_ = nullptr;
+  cudaStream_t st_ = nullptr;
+  cudaDataType_t dt_ = CUDA_R_16BF;
+  void** dev_ptrs_ = nullptr;
+  int64_t experts_ = 0, used_ = 0;
+  Path path_ = Path::Loop;
+  std::vector<int64_t> off_, runs_;
+  std::vector<int> order_;
+};
+
+// rows[q] = x[sorted[q] / k] for the positions q of the grid (a block each); V elements a step.
+template <typename T, int V>
+__global__ void gather_rows(int64_t h, int k, const int32_t* sorted, const T* x, int64_t ldx, T* rows) {
+  const int64_t q = blockIdx.x;
+  const T* src = x + static_cast<int64_t>(sorted[q] / k) * ldx;
+  T* dst = rows + q * h;
+  for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < h; c += static_cast<int64_t>(blockDim.x) * V)
+    *reinterpret_cast<kernel::cuda::Vec<T, V>*>(dst + c) = *reinterpret_cast<const kernel::cuda::Vec<T, V>*>(src + c);
+}
+
+template <typename T> void launch_gather(int64_t n, int64_t h, int64_t k, const int32_t* sorted, const T* x, int64_t ldx, T* rows,
+                                         cudaStream_t st) {
+  if (n <= 0) return;
+  if (h % 8 == 0 && ldx % 8 == 0 && kernel::cuda::aligned16(x) && kernel::cuda::aligned16(rows))
+    gather_rows<T, 8><<<static_cast<unsigned>(n), 128, 0, st>>>(h, static_cast<int>(k), sorted, x, ldx, rows);
+  else
+    gather_rows<T, 1><<<static_cast<unsigned>(n), 128, 0, st>>>(h, static_cast<int>(k), sorted, x, ldx, rows);
+}
+
+// The forward's gated activation by position (a block per row): h[q, i] = round(act(g_i) u_i),
+// [g, u] = gu[q] (2I wide).  h may lie over gu's gate half (ldh = 2I): each element is read and
+// written by one thread.
+template <typename T, int V> __global__ void glu_rows(int64_t inter, kernel::Activation act, const T* gu, T* h, int64_t ldh) {
+  const int64_t q = blockIdx.x;
+  const T* row = gu + q * 2 * inter;
+  for (int64_t i = static_cast<int64_t>(threadIdx.x) * V; i < inter; i += static_cast<int64_t>(blockDim.x) * V) {
+    float g[V], u[V], out[V];
+    kernel::cuda::load_f32<T, V>(row + i, g);
+    kernel::cuda::load_f32<T, V>(row + inter + i, u);
+#pragma unroll
+    for (int j = 0; j < V; ++j) out[j] = gemm::act_eval(act, g[j], nullptr) * u[j];
+    kernel::cuda::store_f32<T, V>(h + q * ldh + i, out);
+  }
+}
+
+// The backward's GLU by position (a block per row), with q read from ch (the q GEMM's output, rounded
+// to the dtype), [g, u] = gu[q] and c = w[sorted[q]] (Output; Input: 1):
+//   a = act(g), h = round(a u), dh = round(c q), dgu = round([dh u act'(g), dh a]), ch = round(c h),
+//   rowsum[q] = sum_i q_i h_i (Output: the slot's dw), in a fixed order.
+template <typename T, int V>
+__global__ void glu_backward_rows(int64_t inter, kernel::Activation act, const T* gu, const float* w, const int32_t* sorted, T* ch, T* dgu,
+                                  float* rowsum) {
+  __shared__ float red[32];
+  const int64_t q = blockIdx.x;
+  const float c = w ? w[sorted[q]] : 1.0f;
+  const T* row = gu + q * 2 * inter;
+  T* chr = ch + q * inter;
+  T* dr = dgu + q * 2 * inter;
+  float acc = 0.0f;
+  for (int64_t i = static_cast<int64_t>(threadIdx.x) * V; i < inter; i += static_cast<int64_t>(blockDim.x) * V) {
+    float qv[V], g[V], u[V], dg[V], du[V], hc[V];
+    kernel::cuda::load_f32<T, V>(chr + i, qv);
+    kernel::cuda::load_f32<T, V>(row + i, g);
+    kernel::cuda::load_f32<T, V>(row + inter + i, u);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      float da = 0.0f;
+      const float a = gemm::act_eval(act, g[j], &da);
+      const float hv = kernel::cuda::round_to<T>(a * u[j]);
+      acc += qv[j] * hv;
+      const float dh = kernel::cuda::round_to<T>(c * qv[j]);
+      dg[j] = dh * u[j] * da, du[j] = dh * a, hc[j] = c * hv;
+    }
+    kernel::cuda::store_f32<T, V>(dr + i, dg);
+    kernel::cuda::store_f32<T, V>(dr + inter + i, du);
+    kernel::cuda::store_f32<T, V>(chr + i, hc);
+  }
+  if (rowsum) {
+    acc = kernel::cuda::block_sum(acc, red);
+    if (threadIdx.x == 0) rowsum[q] = acc;
+  }
+}
+
+// Zeroes the rows x cols matrix of every expert without positions (its weight gradient); the
+// contiguous dim innermost.
+template <typename T>
+__global__ void zero_empty_experts(const int32_t* offsets, T* m, int64_t es, int64_t rs, int64_t cs, int64_t rows, int64_t cols) {
+  const int64_t e = blockIdx.y;
+  if (offsets[e + 1] != offsets[e]) return;
+  const bool by_cols = cs != 1;  // columns contiguous: rows innermost
+  const int64_t inner = by_cols ? rows : cols, total = rows * cols;
+  const int64_t si = by_cols ? rs : cs, so = by_cols ? cs : rs;
+  T* base = m + e * es;
+  for (int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; q < total;
+       q += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    base[(q / inner) * so + (q % inner) * si] = from_f32<T>(0.0f);
+}
+
+template <typename T>
+void zero_empty(const Blas& blas, const int32_t* offsets, int64_t experts, const Matrix& m, int64_t rows, int64_t cols,
+                cudaStream_t st) {
+  if (!m.data || !blas.any_empty()) return;
+  const int64_t blocks = std::min<int64_t>(ceil_div(rows * cols, 256), 256);
+  zero_empty_experts<T><<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(experts)), 256, 0, st>>>(
+      offsets, static_cast<T*>(m.data), m.expert_stride, m.row_stride, m.col_stride, rows, cols);
+}
+
+// The forward's experts on cuBLAS: the expert inputs by position (gathered, or Input's scaled rows),
+// gu, h, then y by position into b.y (which held the gathered inputs until then, in Output mode).
+template <typename T>
+const char* experts_forward_cublas(const MoeParams& p, const Bufs& b, Path path, const int32_t* offsets, const int32_t* sorted,
+                                   const float* w, cudaStream_t st) {
+  const int64_t h = p.hidden, I = p.inter, k = p.top_k, ne = p.experts, eb = sizeof(T);
+  const bool input = p.weight_on == WeightOn::Input;
+  Blas blas;
+  if (const char* e = blas.begin(path, offsets, ne, p.dtype, b, h, I, st)) return e;
+  const int64_t n = blas.valid();
+  if (n == 0) return nullptr;
+  const T* x = static_cast<const T*>(p.x);
+  T* xs = static_cast<T*>(input ? b.xs : b.y);
+  if (input)
+    gather_scale<T><<<static_cast<unsigned>(n), 128, 0, st>>>(h, static_cast<int>(k), offsets + ne, sorted, w, x, p.x_stride, xs);
+  else
+    launch_gather<T>(n, h, k, sorted, x, p.x_stride, xs, st);
+  T* gu = static_cast<T*>(p.gate_up ? p.gate_up : b.h);
+  T* hb = p.gate_up ? static_cast<T*>(b.h) : gu;  // h over gu's gate half when gu is not kept
+  const int64_t ldh = p.gate_up ? I : 2 * I;
+  if (one_stack(p.gate, p.up, I, h, eb)) {
+    if (const char* e = blas.run("gate_up = x W_gate_up^T", [&](int ex) {
+          return Prod{blas.count(ex), 2 * I, h, rows_op(xs, blas.offset(ex), h, eb), tr(matrix_op(p.gate, ex, 2 * I, h, eb)),
+                      rows_op(gu, blas.offset(ex), 2 * I, eb), 0.0f};
+        }))
+      return e;
+  } else {
+    for (int half = 0; half < 2; ++half)
+      if (const char* e = blas.run(half ? "up = x W_up^T" : "gate = x W_gate^T", [&](int ex) {
+            return Prod{blas.count(ex), I, h, rows_op(xs, blas.offset(ex), h, eb), tr(matrix_op(half ? p.up : p.gate, ex, I, h, eb)),
+                        rows_op(gu + half * I, blas.offset(ex), 2 * I, eb), 0.0f};
+          }))
+        return e;
+  }
+  if (I % 8 == 0 && kernel::cuda::aligned16(gu) && kernel::cuda::aligned16(hb))
+    glu_rows<T, 8><<<static_cast<unsigned>(n), 128, 0, st>>>(I, p.act, gu, hb, ldh);
+  else
+    glu_rows<T, 1><<<static_cast<unsigned>(n), 128, 0, st>>>(I, p.act, gu, hb, ldh);
+  return blas.run("y = h W_down^T", [&](int ex) {
+    return Prod{blas.count(ex), h, I, rows_op(hb, blas.offset(ex), ldh, eb), tr(matrix_op(p.down, ex, h, I, eb)),
+                rows_op(b.y, blas.offset(ex), h, eb), 0.0f};
+  });
+}
+
+// The backward's experts on cuBLAS, through dxs, the weight gradients and (Output) the row sums of
+// q h in b.partial (one per position).  dout by position lives in b.dxs until the dx product.
+template <typename T>
+const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path, const int32_t* offsets, const int32_t* sorted,
+                                    const float* w, cudaStream_t st) {
+  const int64_t h = p.hidden, I = p.inter, k = p.top_k, ne = p.experts, eb = sizeof(T);
+  const bool input = p.weight_on == WeightOn::Input;
+  Blas blas;
+  if (const char* e = blas.begin(path, offsets, ne, p.dtype, b, h, I, st)) return e;
+  const int64_t n = blas.valid();
+  zero_empty<T>(blas, offsets, ne, p.ddown, h, I, st);
+  zero_empty<T>(blas, offsets, ne, p.dgate, I, h, st);
+  zero_empty<T>(blas, offsets, ne, p.dup, I, h, st);
+  if (n == 0) return nullptr;
+  const T* x = static_cast<const T*>(p.x);
+  T* xs = static_cast<T*>(b.xs);
+  const bool gate_up_grad = p.dgate.data || p.dup.data;
+  if (input)
+    gather_scale<T><<<static_cast<unsigned>(n), 128, 0, st>>>(h, static_cast<int>(k), offsets + ne, sorted, w, x, p.x_stride, xs);
+  else if (!p.gate_up || gate_up_grad)
+    launch_gather<T>(n, h, k, sorted, x, p.x_stride, xs, st);
+  const bool stacked = one_stack(p.gate, p.up, I, h, eb);
+  const T* gu = static_cast<const T*>(p.gate_up);
+  if (!gu) {  // gate_up again
+    T* out = static_cast<T*>(b.gu);
+    if (stacked) {
+      if (const char* e = blas.run("gate_up = x W_gate_up^T", [&](int ex) {
+            return Prod{blas.count(ex), 2 * I, h, rows_op(xs, blas.offset(ex), h, eb), tr(matrix_op(p.gate, ex, 2 * I, h, eb)),
+                        rows_op(out, blas.offset(ex), 2 * I, eb), 0.0f};
+          }))
+        return e;
+    } else {
+      for (int half = 0; half < 2; ++half)
+        if (const char* e = blas.run(half ? "up = x W_up^T" : "gate = x W_gate^T", [&](int ex) {
+              return Prod{blas.count(ex), I, h, rows_op(xs, blas.offset(ex), h, eb), tr(matrix_op(half ? p.up : p.gate, ex, I, h, eb)),
+                          rows_op(out + half * I, blas.offset(ex), 2 * I, eb), 0.0f};
+            }))
+          return e;
+    }
+    gu = out;
+  }
+  T* dout = static_cast<T*>(b.dxs);
+  launch_gather<T>(n, h, k, sorted, static_cast<const T*>(p.dout), p.dout_stride, dout, st);
+  T* ch = static_cast<T*>(b.ch);
+  T* dgu = static_cast<T*>(b.dgu);
+  if (const char* e = blas.run("q = dout W_down", [&](int ex) {
+        return Prod{blas.count(ex), I, h, rows_op(dout, blas.offset(ex), h, eb), matrix_op(p.down, ex, h, I, eb),
+                    rows_op(ch, blas.offset(ex), I, eb), 0.0f};
+      }))
+    return e;
+  const float* coef = input ? nullptr : w;
+  float* rowsum = input ? nullptr : b.partial;
+  if (I % 8 == 0 && kernel::cuda::aligned16(gu))
+    glu_backward_rows<T, 8><<<static_cast<unsigned>(n), 128, 0, st>>>(I, p.act, gu, coef, sorted, ch, dgu, rowsum);
+  else
+    glu_backward_rows<T, 1><<<static_cast<unsigned>(n), 128, 0, st>>>(I, p.act, gu, coef, sorted, ch, dgu, rowsum);
+  if (p.ddown.data)
+    if (const char* e = blas.run("dW_down = dout^T (c h)", [&](int ex) {
+          return Prod{h, I, blas.count(ex), tr(rows_op(dout, blas.offset(ex), h, eb)), rows_op(ch, blas.offset(ex), I, eb),
+                      matrix_op(p.ddown, ex, h, I, eb), 0.0f};
+        }))
+      return e;
+  T* dxs = static_cast<T*>(b.dxs);  // over dout, which is done with
+  if (stacked) {
+    if (const char* e = blas.run("dxs = dgu W_gate_up", [&](int ex) {
+          return Prod{blas.count(ex), h, 2 * I, rows_op(dgu, blas.offset(ex), 2 * I, eb), matrix_op(p.gate, ex, 2 * I, h, eb),
+                      rows_op(dxs, blas.offset(ex), h, eb), 0.0f};
+        }))
+      return e;
+  } else {
+    for (int half = 0; half < 2; ++half)
+      if (const char* e = blas.run(half ? "dxs += du W_up" : "dxs = dg W_gate", [&](int ex) {
+            return Prod{blas.count(ex), h, I, rows_op(dgu + half * I, blas.offset(ex), 2 * I, eb),
+                        matrix_op(half ? p.up : p.gate, ex, I, h, eb), rows_op(dxs, blas.offset(ex), h, eb), half ? 1.0f : 0.0f};
+          }))
+        return e;
+  }
+  if (one_stack(p.dgate, p.dup, I, h, eb)) {
+    return blas.run("dW_gate_up = dgu^T xs", [&](int ex) {
+      return Prod{2 * I, h, blas.count(ex), tr(rows_op(dgu, blas.offset(ex), 2 * I, eb)), rows_op(xs, blas.offset(ex), h, eb),
+                  matrix_op(p.dgate, ex, 2 * I, h, eb), 0.0f};
+    });
+  }
+  for (int half = 0; half < 2; ++half) {
+    const Matrix& g = half ? p.dup : p.dgate;
+    if (!g.data) continue;
+    if (const char* e = blas.run(half ? "dW_up = du^T xs" : "dW_gate = dg^T xs", [&](int ex) {
+          return Prod{I, h, blas.count(ex), tr(rows_op(dgu + half * I, blas.offset(ex), 2 * I, eb)), rows_op(xs, blas.offset(ex), h, eb),
+                      matrix_op(g, ex, I, h, eb), 0.0f};
+        }))
+      return e;
+  }
+  return nullptr;
+}
+
+// The forward's experts on the package's GEMM: gate / up with the activation in its epilogue, then down.
+template <typename T>
+void experts_forward_kernel(const MoeParams& p, const Bufs& b, const int32_t* offsets, const int32_t* sorted, const float* w,
+                            cudaStream_t st) {
+  using namespace gemm;
+  const int64_t h = p.hidden, ne = p.experts, k = p.top_k, I = p.inter, s = moe_slots(p);
+  const bool input = p.weight_on == WeightOn::Input;
+  const T* x = static_cast<const T*>(p.x);
+  const int32_t* valid = offsets + ne;
+  const T* a_in = x;
+  int64_t lda = p.x_stride;
+  if (input) {
+    gather_scale<T><<<static_cast<unsigned>(s), 128, 0, st>>>(h, static_cast<int>(k), valid, sorted, w, x, p.x_stride,
+                                                              static_cast<T*>(b.xs));
+    a_in = static_cast<const T*>(b.xs), lda = h;
+  }
+  {
+    Args<T> a;
+    a.grouping = Grouping::MGroup, a.groups = static_cast<int>(ne), a.offsets = offsets, a.tile_offsets = b.tiles;
+    a.N = 2 * I, a.K = h;
+    a.a = a_in, a.lda = lda;
+    if (!input) a.a_gather = sorted, a.a_div = static_cast<int>(k);
+    b_from(a, p.gate, false);
+    a.b1 = static_cast<const T*>(p.up.data);
+    a.split = Split::Dual, a.inter = I, a.act = p.act;
+    a.h = static_cast<T*>(b.h), a.gu_out = static_cast<T*>(p.gate_up);
+    a.vec = vec_ok({a_in, p.gate.data, p.up.data}, {h, lda, I, a.ldb, a.b_gstride});
+    launch<T>(a, Epi::Glu, ceil_div(I, BN / 2), grid_y_rows(Grouping::MGroup, s, ne), 1, st);
+  }
+  {
+    Args<T> a;
+    a.grouping = Grouping::MGroup, a.groups = static_cast<int>(ne), a.offsets = offsets, a.tile_offsets = b.tiles;
+    a.N = h, a.K = I;
+    a.a = static_cast<const T*>(b.h), a.lda = I;
+    b_from(a, p.down, false);
+    a.c = b.y, a.ldc = h;
+    a.vec = vec_ok({b.h, p.down.data}, {h, I, a.ldb, a.b_gstride});
+    launch<T>(a, Epi::Store, ntiles(h), grid_y_rows(Grouping::MGroup, s, ne), 1, st);
+  }
+}
+
 template <typename T> const char* forward(const MoeParams& p, cudaStream_t st) {
   using namespace gemm;
-  const int64_t tk = p.tokens, h = p.hidden, ne = p.experts, k = p.top_k, I = p.inter, si = p.shared_inter;
+  const int64_t tk = p.tokens, h = p.hidden, ne = p.experts, k = p.top_k, si = p.shared_inter;
   const int64_t s = moe_slots(p);
+  Path path = Path::Kernel;
+  if (const char* e = call_path(p, st, &path)) return e;
   Carve cv{static_cast<unsigned char*>(p.workspace)};
-  const Bufs b = layout(p, false, cv);
+  const Bufs b = layout(p, false, cv, cublas_workspace(p));
   const T* x = static_cast<const T*>(p.x);
   const bool router = p.routing != Routing::Given, input = p.weight_on == WeightOn::Input;
   int32_t* ids = (router && p.topk_ids) ? static_cast<int32_t*>(p.topk_ids) : b.ids;
@@ -505,35 +1097,10 @@ template <typename T> const char* forward(const MoeParams& p, cudaStream_t st) {
   if (s == 0) return kernel::cuda::launch_error("moe forward");
 
   // Experts: gate / up with the activation, then down.
-  const T* a_in = x;
-  int64_t lda = p.x_stride;
-  if (input) {
-    gather_scale<T><<<static_cast<unsigned>(s), 128, 0, st>>>(h, static_cast<int>(k), valid, sorted, w, x, p.x_stride,
-                                                              static_cast<T*>(b.xs));
-    a_in = static_cast<const T*>(b.xs), lda = h;
-  }
-  {
-    Args<T> a;
-    a.grouping = Grouping::MGroup, a.groups = static_cast<int>(ne), a.offsets = offsets, a.tile_offsets = b.tiles;
-    a.N = 2 * I, a.K = h;
-    a.a = a_in, a.lda = lda;
-    if (!input) a.a_gather = sorted, a.a_div = static_cast<int>(k);
-    b_from(a, p.gate, false);
-    a.b1 = static_cast<const T*>(p.up.data);
-    a.split = Split::Dual, a.inter = I, a.act = p.act;
-    a.h = static_cast<T*>(b.h), a.gu_out = static_cast<T*>(p.gate_up);
-    a.vec = vec_ok({a_in, p.gate.data, p.up.data}, {h, lda, I, a.ldb, a.b_gstride});
-    launch<T>(a, Epi::Glu, ceil_div(I, BN / 2), grid_y_rows(Grouping::MGroup, s, ne), 1, st);
-  }
-  {
-    Args<T> a;
-    a.grouping = Grouping::MGroup, a.groups = static_cast<int>(ne), a.offsets = offsets, a.tile_offsets = b.tiles;
-    a.N = h, a.K = I;
-    a.a = static_cast<const T*>(b.h), a.lda = I;
-    b_from(a, p.down, false);
-    a.c = b.y, a.ldc = h;
-    a.vec = vec_ok({b.h, p.down.data}, {h, I, a.ldb, a.b_gstride});
-    launch<T>(a, Epi::Store, ntiles(h), grid_y_rows(Grouping::MGroup, s, ne), 1, st);
+  if (path != Path::Kernel) {
+    if (const char* e = experts_forward_cublas<T>(p, b, path, offsets, sorted, w, st)) return e;
+  } else {
+    experts_forward_kernel<T>(p, b, offsets, sorted, w, st);
   }
   // The shared expert.
   if (si > 0) {
@@ -571,24 +1138,17 @@ template <typename T> void weight_grad(gemm::Args<T> a, const Matrix& g0, const 
   launch<T>(a, gemm::Epi::Wgrad, ntiles(a.N), ceil_div(a.M, gemm::BM), groups, st);
 }
 
-template <typename T> const char* backward(const MoeParams& p, cudaStream_t st) {
+// The backward's experts on the package's GEMM, through dxs, the weight gradients and (Output) the
+// per-tile row sums of q h in b.partial.
+template <typename T>
+void experts_backward_kernel(const MoeParams& p, const Bufs& b, const int32_t* offsets, const int32_t* sorted, const float* w,
+                             cudaStream_t st) {
   using namespace gemm;
-  const int64_t tk = p.tokens, h = p.hidden, ne = p.experts, k = p.top_k, I = p.inter, si = p.shared_inter;
-  const int64_t s = moe_slots(p);
-  Carve cv{static_cast<unsigned char*>(p.workspace)};
-  const Bufs b = layout(p, true, cv);
+  const int64_t h = p.hidden, ne = p.experts, k = p.top_k, I = p.inter, s = moe_slots(p);
+  const bool input = p.weight_on == WeightOn::Input;
   const T* x = static_cast<const T*>(p.x);
   const T* dout = static_cast<const T*>(p.dout);
-  const bool router = p.routing != Routing::Given, input = p.weight_on == WeightOn::Input;
-  const int32_t* ids = router ? static_cast<const int32_t*>(p.topk_ids) : b.ids;
-  const float* w = router ? static_cast<const float*>(p.topk_weights) : b.w;
-  const int32_t* offsets = p.expert_offsets;
-  const int32_t* sorted = p.sorted_slots;
   const int32_t* valid = offsets + ne;
-  if (!router && s > 0)
-    prepare_slots<T><<<static_cast<unsigned>(ceil_div(s, 256)), 256, 0, st>>>(s, p.topk_ids, p.ids_i64, p.topk_weights,
-                                                                             p.weights_f32, b.ids, b.w);
-  if (s > 0) invert<<<static_cast<unsigned>(ceil_div(s, 256)), 256, 0, st>>>(s, sorted, b.pos);
   tile_offsets<<<1, 1, 0, st>>>(static_cast<int>(ne), offsets, b.tiles);
   const int64_t gy = grid_y_rows(Grouping::MGroup, s, ne);
   const T* xs = x;  // the experts' inputs: gathered token rows, or the scaled rows by position
@@ -672,10 +1232,38 @@ template <typename T> const char* backward(const MoeParams& p, cudaStream_t st) 
       }
     }
   }
+}
+
+template <typename T> const char* backward(const MoeParams& p, cudaStream_t st) {
+  using namespace gemm;
+  const int64_t tk = p.tokens, h = p.hidden, ne = p.experts, k = p.top_k, I = p.inter, si = p.shared_inter;
+  const int64_t s = moe_slots(p);
+  Path path = Path::Kernel;
+  if (const char* e = call_path(p, st, &path)) return e;
+  Carve cv{static_cast<unsigned char*>(p.workspace)};
+  const Bufs b = layout(p, true, cv, cublas_workspace(p));
+  const T* x = static_cast<const T*>(p.x);
+  const T* dout = static_cast<const T*>(p.dout);
+  const bool router = p.routing != Routing::Given, input = p.weight_on == WeightOn::Input;
+  const int32_t* ids = router ? static_cast<const int32_t*>(p.topk_ids) : b.ids;
+  const float* w = router ? static_cast<const float*>(p.topk_weights) : b.w;
+  const int32_t* offsets = p.expert_offsets;
+  const int32_t* sorted = p.sorted_slots;
+  const int32_t* valid = offsets + ne;
+  if (!router && s > 0)
+    prepare_slots<T><<<static_cast<unsigned>(ceil_div(s, 256)), 256, 0, st>>>(s, p.topk_ids, p.ids_i64, p.topk_weights,
+                                                                             p.weights_f32, b.ids, b.w);
+  if (s > 0) invert<<<static_cast<unsigned>(ceil_div(s, 256)), 256, 0, st>>>(s, sorted, b.pos);
+  if (path != Path::Kernel) {
+    if (const char* e = experts_backward_cublas<T>(p, b, path, offsets, sorted, w, st)) return e;
+  } else {
+    experts_backward_kernel<T>(p, b, offsets, sorted, w, st);
+  }
   // dw per slot.
   if (s > 0)
     slot_dw<T><<<static_cast<unsigned>(ceil_div(s * 32, 256)), 256, 0, st>>>(
-        s, h, static_cast<int>(k), valid, b.pos, input ? nullptr : b.partial, ntiles(I), static_cast<const T*>(b.dxs), x,
+        s, h, static_cast<int>(k), valid, b.pos, input ? nullptr : b.partial, path == Path::Kernel ? ntiles(I) : 1,
+        static_cast<const T*>(b.dxs), x,
         p.x_stride, b.dw);
   if (p.dtopk_weights && s > 0) cudaMemcpyAsync(p.dtopk_weights, b.dw, static_cast<size_t>(s) * sizeof(float), cudaMemcpyDeviceToDevice, st);
   // The router.
@@ -922,7 +1510,7 @@ template <typename T> const char* load_balancing_run(const LoadBalancingParams& 
 
 size_t moe_workspace_cuda(const MoeParams& p, bool backward) {
   Carve cv;
-  layout(p, backward, cv);
+  layout(p, backward, cv, cublas_workspace(p));
   return cv.used;
 }
 

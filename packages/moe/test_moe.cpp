@@ -10,10 +10,14 @@
 // that form it (oracle::MoeResult), which a wrong term (an O(1) error) cannot pass.
 // Shapes: one token, odd sizes, one expert, top_k = E, experts that receive nothing, both weight
 // layouts (Transformers' [E, 2I, H] and Llama 4's [E, H, 2I] seen transposed) and separate gate / up.
+// On CUDA every case runs on each path of the experts' GEMMs (moe.h: ExpertGemm): the package's
+// kernel, cuBLAS per expert and cuBLAS grouped.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <limits>
+#include <random>
 
 #include "core/cuda_runtime.h"
 #include "moe.h"
@@ -40,6 +44,21 @@ constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 kernel::DType kdtype(DType t) {
   return t == DType::f32 ? kernel::DType::f32 : t == DType::bf16 ? kernel::DType::bf16 : kernel::DType::f16;
+}
+
+// The experts' GEMM paths a device runs: on CUDA the package's kernel and both cuBLAS paths (each
+// case on each), on the CPU its one path.
+std::vector<moe::ExpertGemm> gemm_paths(Device dev) {
+  if (!dev.is_cuda()) return {moe::ExpertGemm::Auto};
+  return {moe::ExpertGemm::Kernel, moe::ExpertGemm::Loop, moe::ExpertGemm::Grouped};
+}
+const char* gemm_name(moe::ExpertGemm g) {
+  switch (g) {
+    case moe::ExpertGemm::Kernel: return "kernel";
+    case moe::ExpertGemm::Loop: return "loop";
+    case moe::ExpertGemm::Grouped: return "grouped";
+    default: return "auto";
+  }
 }
 
 enum class Layout { Rows, Transposed, Separate };
@@ -111,6 +130,7 @@ struct Block {
   Case c;
   DType dt;
   Device dev;
+  moe::ExpertGemm gemm = moe::ExpertGemm::Auto;
   Tensor x, router, gs;
   Weight gate_up, gate, up, down, sgate_up, sdown;
   Tensor out, logits, ids, weights, offsets, sorted, saved, ws;
@@ -139,6 +159,7 @@ struct Block {
       if (c.shared_gate) gs = Tensor::randn({1, c.h}, dt, dev, gen, 0, sh);
     }
     p = {};
+    p.expert_gemm = gemm;
     p.dtype = kdtype(dt);
     p.tokens = c.t, p.hidden = c.h, p.experts = c.e, p.top_k = c.k, p.inter = c.i, p.shared_inter = c.si;
     p.routing = c.routing, p.normalize = c.normalize;
@@ -344,82 +365,83 @@ TEST_P(MoeKernels, MatchesTheOracle) {
   KCPP_REQUIRE_DEVICE(dev);
   Generator gen = test::test_generator();
   for (DType dt : {DType::f32, DType::bf16, DType::f16})
-    for (const Case& c : kCases) {
-      if (dev.is_cuda() && dt == DType::f32) continue;  // CUDA: bf16 / f16 (moe_cuda_unsupported)
-      const std::string cfg = test::config_name(dev, dt) + " " + describe(c);
-      Block m{c, dt, dev};
-      m.build(gen);
-      ASSERT_EQ(m.forward(), nullptr) << cfg;
+    for (const Case& c : kCases)
+      for (moe::ExpertGemm gemm : gemm_paths(dev)) {
+        if (dev.is_cuda() && dt == DType::f32) continue;  // CUDA: bf16 / f16 (moe_cuda_unsupported)
+        const std::string cfg = test::config_name(dev, dt) + " " + describe(c) + " gemm=" + gemm_name(gemm);
+        Block m{c, dt, dev, gemm};
+        m.build(gen);
+        ASSERT_EQ(m.forward(), nullptr) << cfg;
 
-      // The router's logits: one GEMM rounded once, within twice eager's error.
-      const oracle::MoeWeights wt = m.oracle_weights();
-      const auto z64 = oracle::matmul(wt.x, wt.router, 1, c.t, c.e, c.h, false, true, false);
-      const double ez_ref = test::rel_l2_error(ops::matmul(m.x, m.router, false, true), z64);
-      EXPECT_LE(test::rel_l2_error(m.logits, z64), test::kernel_bound(ez_ref, dt)) << cfg << " router_logits";
-      // The routing on the kernel's rounded logits: the same experts, the weights to f32 accuracy.
-      const oracle::MoeSpec s = m.spec();
-      const auto z = m.logits.to_f64_vector();
-      std::vector<int64_t> ids;
-      std::vector<double> w;
-      oracle::moe_route(s, z, ids, w);
-      EXPECT_EQ(m.ids.to_i64_vector(), ids) << cfg << " topk_ids";
-      EXPECT_TRUE(test::close_l2(m.weights, w, 1e-6)) << cfg << " topk_weights";
-      expect_permutation(m, ids, cfg);
-      // The output, within twice the error of Transformers' eager loop in this dtype.
-      const oracle::MoeResult ref = oracle::moe(s, wt, z, ids, w, nullptr, nullptr);
-      const double e_out = test::rel_l2_error(m.out, ref.out);
-      if (c.act == kernel::Activation::QuickGelu) {  // no eager GLU of it in ops/
-        EXPECT_LE(e_out, test::composite_rel_l2(dt)) << cfg << " out";
-      } else {
-        // The block rounds three intermediates to the dtype (gate_up, h, the output); on a token's
-        // few values the eager loop's error can fall below that by chance, so the bound is at least
-        // three roundings.
-        const double e_ref = test::rel_l2_error(eager_forward(m, ids, w), ref.out);
-        const double bound = std::max(test::kernel_bound(e_ref, dt), 3 * test::unit_roundoff(dt));
-        EXPECT_LE(e_out, bound) << cfg << " out (eager error " << e_ref << ")";
-      }
-      if (c.save) {  // the projections in expert order
-        std::vector<double> gu;
-        const auto sorted = m.sorted.to_i64_vector();
-        for (int64_t q = 0; q < m.slots(); ++q) {
-          const int64_t slot = sorted[q], t = slot / c.k, e = ids[slot];
-          for (int which = 0; which < 2; ++which)
-            for (int64_t a = 0; a < c.i; ++a) {
-              const auto& wm = which == 0 ? wt.gate : wt.up;
-              double acc = 0;
-              for (int64_t col = 0; col < c.h; ++col)
-                acc += wm[(e * c.i + a) * c.h + col] * wt.x[t * c.h + col] * (c.input ? w[slot] : 1.0);
-              gu.push_back(acc);
-            }
+        // The router's logits: one GEMM rounded once, within twice eager's error.
+        const oracle::MoeWeights wt = m.oracle_weights();
+        const auto z64 = oracle::matmul(wt.x, wt.router, 1, c.t, c.e, c.h, false, true, false);
+        const double ez_ref = test::rel_l2_error(ops::matmul(m.x, m.router, false, true), z64);
+        EXPECT_LE(test::rel_l2_error(m.logits, z64), test::kernel_bound(ez_ref, dt)) << cfg << " router_logits";
+        // The routing on the kernel's rounded logits: the same experts, the weights to f32 accuracy.
+        const oracle::MoeSpec s = m.spec();
+        const auto z = m.logits.to_f64_vector();
+        std::vector<int64_t> ids;
+        std::vector<double> w;
+        oracle::moe_route(s, z, ids, w);
+        EXPECT_EQ(m.ids.to_i64_vector(), ids) << cfg << " topk_ids";
+        EXPECT_TRUE(test::close_l2(m.weights, w, 1e-6)) << cfg << " topk_weights";
+        expect_permutation(m, ids, cfg);
+        // The output, within twice the error of Transformers' eager loop in this dtype.
+        const oracle::MoeResult ref = oracle::moe(s, wt, z, ids, w, nullptr, nullptr);
+        const double e_out = test::rel_l2_error(m.out, ref.out);
+        if (c.act == kernel::Activation::QuickGelu) {  // no eager GLU of it in ops/
+          EXPECT_LE(e_out, test::composite_rel_l2(dt)) << cfg << " out";
+        } else {
+          // The block rounds three intermediates to the dtype (gate_up, h, the output); on a token's
+          // few values the eager loop's error can fall below that by chance, so the bound is at least
+          // three roundings.
+          const double e_ref = test::rel_l2_error(eager_forward(m, ids, w), ref.out);
+          const double bound = std::max(test::kernel_bound(e_ref, dt), 3 * test::unit_roundoff(dt));
+          EXPECT_LE(e_out, bound) << cfg << " out (eager error " << e_ref << ")";
         }
-        EXPECT_TRUE(test::close_l2(m.saved, gu, test::composite_rel_l2(dt))) << cfg << " gate_up";
-      }
+        if (c.save) {  // the projections in expert order
+          std::vector<double> gu;
+          const auto sorted = m.sorted.to_i64_vector();
+          for (int64_t q = 0; q < m.slots(); ++q) {
+            const int64_t slot = sorted[q], t = slot / c.k, e = ids[slot];
+            for (int which = 0; which < 2; ++which)
+              for (int64_t a = 0; a < c.i; ++a) {
+                const auto& wm = which == 0 ? wt.gate : wt.up;
+                double acc = 0;
+                for (int64_t col = 0; col < c.h; ++col)
+                  acc += wm[(e * c.i + a) * c.h + col] * wt.x[t * c.h + col] * (c.input ? w[slot] : 1.0);
+                gu.push_back(acc);
+              }
+          }
+          EXPECT_TRUE(test::close_l2(m.saved, gu, test::composite_rel_l2(dt))) << cfg << " gate_up";
+        }
 
-      // Backward.
-      ASSERT_EQ(m.backward(gen), nullptr) << cfg;
-      const auto dout = m.dout.to_f64_vector();
-      std::vector<double> dz_extra;
-      if (m.dz_extra.defined()) dz_extra = m.dz_extra.to_f64_vector();
-      const oracle::MoeResult g = oracle::moe(s, wt, z, ids, w, &dout, m.dz_extra.defined() ? &dz_extra : nullptr);
-      const double tol = test::composite_rel_l2(dt);
-      EXPECT_TRUE(close_grad(m.dx, g.dx, g.dx_mag, tol)) << cfg << " dhidden";
-      EXPECT_TRUE(close_grad(m.drouter, g.drouter, g.drouter_mag, tol)) << cfg << " drouter_weight";
-      EXPECT_TRUE(close_grad(m.dw, g.dw, g.dw_mag, tol)) << cfg << " dtopk_weights";
-      if (c.layout == Layout::Separate) {
-        EXPECT_TRUE(close_grad(m.dgate, g.dgate, g.dgate_mag, tol)) << cfg << " dgate_proj";
-        EXPECT_TRUE(close_grad(m.dup, g.dup, g.dup_mag, tol)) << cfg << " dup_proj";
-      } else {
-        EXPECT_TRUE(close_grad(m.dgate_up.narrow(1, 0, c.i), g.dgate, g.dgate_mag, tol)) << cfg << " dgate_up_proj (gate)";
-        EXPECT_TRUE(close_grad(m.dgate_up.narrow(1, c.i, c.i), g.dup, g.dup_mag, tol)) << cfg << " dgate_up_proj (up)";
+        // Backward.
+        ASSERT_EQ(m.backward(gen), nullptr) << cfg;
+        const auto dout = m.dout.to_f64_vector();
+        std::vector<double> dz_extra;
+        if (m.dz_extra.defined()) dz_extra = m.dz_extra.to_f64_vector();
+        const oracle::MoeResult g = oracle::moe(s, wt, z, ids, w, &dout, m.dz_extra.defined() ? &dz_extra : nullptr);
+        const double tol = test::composite_rel_l2(dt);
+        EXPECT_TRUE(close_grad(m.dx, g.dx, g.dx_mag, tol)) << cfg << " dhidden";
+        EXPECT_TRUE(close_grad(m.drouter, g.drouter, g.drouter_mag, tol)) << cfg << " drouter_weight";
+        EXPECT_TRUE(close_grad(m.dw, g.dw, g.dw_mag, tol)) << cfg << " dtopk_weights";
+        if (c.layout == Layout::Separate) {
+          EXPECT_TRUE(close_grad(m.dgate, g.dgate, g.dgate_mag, tol)) << cfg << " dgate_proj";
+          EXPECT_TRUE(close_grad(m.dup, g.dup, g.dup_mag, tol)) << cfg << " dup_proj";
+        } else {
+          EXPECT_TRUE(close_grad(m.dgate_up.narrow(1, 0, c.i), g.dgate, g.dgate_mag, tol)) << cfg << " dgate_up_proj (gate)";
+          EXPECT_TRUE(close_grad(m.dgate_up.narrow(1, c.i, c.i), g.dup, g.dup_mag, tol)) << cfg << " dgate_up_proj (up)";
+        }
+        EXPECT_TRUE(close_grad(m.ddown, g.ddown, g.ddown_mag, tol)) << cfg << " ddown_proj";
+        if (c.si > 0) {
+          EXPECT_TRUE(close_grad(m.dsgate_up.narrow(0, 0, c.si), g.dsgate, g.dsgate_mag, tol)) << cfg << " dshared gate";
+          EXPECT_TRUE(close_grad(m.dsgate_up.narrow(0, c.si, c.si), g.dsup, g.dsup_mag, tol)) << cfg << " dshared up";
+          EXPECT_TRUE(close_grad(m.dsdown, g.dsdown, g.dsdown_mag, tol)) << cfg << " dshared_down_proj";
+          if (m.gs.defined()) EXPECT_TRUE(close_grad(m.dgs, g.dsgs, g.dsgs_mag, tol)) << cfg << " dshared_expert_gate";
+        }
       }
-      EXPECT_TRUE(close_grad(m.ddown, g.ddown, g.ddown_mag, tol)) << cfg << " ddown_proj";
-      if (c.si > 0) {
-        EXPECT_TRUE(close_grad(m.dsgate_up.narrow(0, 0, c.si), g.dsgate, g.dsgate_mag, tol)) << cfg << " dshared gate";
-        EXPECT_TRUE(close_grad(m.dsgate_up.narrow(0, c.si, c.si), g.dsup, g.dsup_mag, tol)) << cfg << " dshared up";
-        EXPECT_TRUE(close_grad(m.dsdown, g.dsdown, g.dsdown_mag, tol)) << cfg << " dshared_down_proj";
-        if (m.gs.defined()) EXPECT_TRUE(close_grad(m.dgs, g.dsgs, g.dsgs_mag, tol)) << cfg << " dshared_expert_gate";
-      }
-    }
 }
 
 // Routing given by the host: i64 ids with a repeated expert, Transformers' expert-parallel sentinel
@@ -430,34 +452,36 @@ TEST_P(MoeKernels, GivenRouting) {
   Generator gen = test::test_generator();
   for (DType dt : {DType::f32, DType::bf16})
     for (bool input : {false, true})
-      for (bool weights_f32 : {true, false}) {
-        if (dev.is_cuda() && dt == DType::f32) continue;
-        const Case c{6, 11, 4, 3, 7, 0, moe::Routing::Given, false, input, kernel::Activation::Silu, Layout::Rows,
-                     false, !input, false, false};
-        const std::string cfg = test::config_name(dev, dt) + " " + describe(c) + fmt::format(" weights_f32={}", weights_f32);
-        const std::vector<int64_t> ids{0, 2, 4, 1, 1, 3, 4, 4, 4, 2, 0, 3, 3, 2, 1, 0, -1, 2};  // 4 = E: a sentinel
-        std::vector<double> w(ids.size());
-        for (size_t q = 0; q < w.size(); ++q) w[q] = Tensor::from_f64(std::vector<double>{0.1 + 0.05 * static_cast<double>(q)}, {1}, dt).item();
-        Block m{c, dt, dev};
-        m.build(gen, &ids, &w, weights_f32);
-        ASSERT_EQ(m.forward(), nullptr) << cfg;
-        expect_permutation(m, ids, cfg);
-        const oracle::MoeSpec s = m.spec();
-        const oracle::MoeWeights wt = m.oracle_weights();
-        const oracle::MoeResult ref = oracle::moe(s, wt, {}, ids, w, nullptr, nullptr);
-        EXPECT_TRUE(test::close_l2(m.out, ref.out, test::composite_rel_l2(dt))) << cfg << " out";
-        ASSERT_EQ(m.backward(gen), nullptr) << cfg;
-        const auto dout = m.dout.to_f64_vector();
-        const oracle::MoeResult g = oracle::moe(s, wt, {}, ids, w, &dout, nullptr);
-        const double tol = test::composite_rel_l2(dt);
-        EXPECT_TRUE(close_grad(m.dx, g.dx, g.dx_mag, tol)) << cfg << " dhidden";
-        EXPECT_TRUE(close_grad(m.dw, g.dw, g.dw_mag, tol)) << cfg << " dtopk_weights";
-        EXPECT_TRUE(close_grad(m.dgate_up.narrow(1, 0, c.i), g.dgate, g.dgate_mag, tol)) << cfg << " dgate";
-        EXPECT_TRUE(close_grad(m.ddown, g.ddown, g.ddown_mag, tol)) << cfg << " ddown_proj";
-        const auto dw = m.dw.to_f64_vector();
-        for (size_t q = 0; q < ids.size(); ++q)
-          if (ids[q] < 0 || ids[q] >= c.e) EXPECT_EQ(dw[q], 0.0) << cfg << " slot " << q;
-      }
+      for (bool weights_f32 : {true, false})
+        for (moe::ExpertGemm gemm : gemm_paths(dev)) {
+          if (dev.is_cuda() && dt == DType::f32) continue;
+          const Case c{6, 11, 4, 3, 7, 0, moe::Routing::Given, false, input, kernel::Activation::Silu, Layout::Rows,
+                       false, !input, false, false};
+          const std::string cfg = test::config_name(dev, dt) + " " + describe(c) +
+                                  fmt::format(" weights_f32={} gemm={}", weights_f32, gemm_name(gemm));
+          const std::vector<int64_t> ids{0, 2, 4, 1, 1, 3, 4, 4, 4, 2, 0, 3, 3, 2, 1, 0, -1, 2};  // 4 = E: a sentinel
+          std::vector<double> w(ids.size());
+          for (size_t q = 0; q < w.size(); ++q) w[q] = Tensor::from_f64(std::vector<double>{0.1 + 0.05 * static_cast<double>(q)}, {1}, dt).item();
+          Block m{c, dt, dev, gemm};
+          m.build(gen, &ids, &w, weights_f32);
+          ASSERT_EQ(m.forward(), nullptr) << cfg;
+          expect_permutation(m, ids, cfg);
+          const oracle::MoeSpec s = m.spec();
+          const oracle::MoeWeights wt = m.oracle_weights();
+          const oracle::MoeResult ref = oracle::moe(s, wt, {}, ids, w, nullptr, nullptr);
+          EXPECT_TRUE(test::close_l2(m.out, ref.out, test::composite_rel_l2(dt))) << cfg << " out";
+          ASSERT_EQ(m.backward(gen), nullptr) << cfg;
+          const auto dout = m.dout.to_f64_vector();
+          const oracle::MoeResult g = oracle::moe(s, wt, {}, ids, w, &dout, nullptr);
+          const double tol = test::composite_rel_l2(dt);
+          EXPECT_TRUE(close_grad(m.dx, g.dx, g.dx_mag, tol)) << cfg << " dhidden";
+          EXPECT_TRUE(close_grad(m.dw, g.dw, g.dw_mag, tol)) << cfg << " dtopk_weights";
+          EXPECT_TRUE(close_grad(m.dgate_up.narrow(1, 0, c.i), g.dgate, g.dgate_mag, tol)) << cfg << " dgate";
+          EXPECT_TRUE(close_grad(m.ddown, g.ddown, g.ddown_mag, tol)) << cfg << " ddown_proj";
+          const auto dw = m.dw.to_f64_vector();
+          for (size_t q = 0; q < ids.size(); ++q)
+            if (ids[q] < 0 || ids[q] >= c.e) EXPECT_EQ(dw[q], 0.0) << cfg << " slot " << q;
+        }
 }
 
 // Ties go to the lower expert (all logits equal: experts 0 .. k-1), no tokens at all, and the
@@ -477,32 +501,182 @@ TEST_P(MoeKernels, TiesEmptyAndDeterminism) {
     for (int64_t j = 0; j < c.k; ++j) EXPECT_EQ(ids[t * c.k + j], j) << "token " << t;
   for (double v : m.weights.to_f64_vector()) EXPECT_NEAR(v, 0.25, 1e-6);
 
-  for (moe::Routing r : {moe::Routing::Softmax, moe::Routing::Sigmoid}) {
-    Case e = c;
-    e.routing = r, e.t = 0;
-    Block z{e, dev.is_cuda() ? DType::bf16 : DType::f32, dev};
-    z.build(gen);
-    ASSERT_EQ(z.forward(), nullptr);
-    EXPECT_EQ(z.offsets.to_i64_vector(), std::vector<int64_t>(static_cast<size_t>(c.e + 2), 0));
-    ASSERT_STREQ(z.backward(gen), nullptr);
-    for (const Tensor* t : {&z.drouter, &z.dgate_up, &z.ddown})
-      for (double v : t->to_f64_vector()) EXPECT_EQ(v, 0.0);
-  }
+  for (moe::ExpertGemm gemm : gemm_paths(dev))
+    for (moe::Routing r : {moe::Routing::Softmax, moe::Routing::Sigmoid}) {
+      Case e = c;
+      e.routing = r, e.t = 0;
+      Block z{e, dev.is_cuda() ? DType::bf16 : DType::f32, dev, gemm};
+      z.build(gen);
+      ASSERT_EQ(z.forward(), nullptr) << gemm_name(gemm);
+      EXPECT_EQ(z.offsets.to_i64_vector(), std::vector<int64_t>(static_cast<size_t>(c.e + 2), 0));
+      ASSERT_STREQ(z.backward(gen), nullptr);
+      for (const Tensor* t : {&z.drouter, &z.dgate_up, &z.ddown})
+        for (double v : t->to_f64_vector()) EXPECT_EQ(v, 0.0) << gemm_name(gemm);
+    }
 
-  Case d = c;
-  d.t = 37, d.e = 8, d.k = 2, d.i = 24, d.h = 32;
-  Block a{d, DType::bf16, dev};
-  a.build(gen);
-  ASSERT_EQ(a.forward(), nullptr);
-  const auto out1 = a.out.to_f64_vector();
-  ASSERT_EQ(a.backward(gen), nullptr);
-  const auto dx1 = a.dx.to_f64_vector(), dg1 = a.dgate_up.to_f64_vector();
-  ASSERT_EQ(a.forward(), nullptr);
-  EXPECT_EQ(a.out.to_f64_vector(), out1);
-  ASSERT_EQ(a.rerun_backward(), nullptr);
-  EXPECT_EQ(a.dx.to_f64_vector(), dx1);
-  EXPECT_EQ(a.dgate_up.to_f64_vector(), dg1);
+  for (moe::ExpertGemm gemm : gemm_paths(dev)) {
+    Case d = c;
+    d.t = 37, d.e = 8, d.k = 2, d.i = 24, d.h = 32;
+    Block a{d, DType::bf16, dev, gemm};
+    a.build(gen);
+    ASSERT_EQ(a.forward(), nullptr);
+    const auto out1 = a.out.to_f64_vector();
+    ASSERT_EQ(a.backward(gen), nullptr);
+    const auto dx1 = a.dx.to_f64_vector(), dg1 = a.dgate_up.to_f64_vector();
+    ASSERT_EQ(a.forward(), nullptr);
+    EXPECT_EQ(a.out.to_f64_vector(), out1) << gemm_name(gemm);
+    ASSERT_EQ(a.rerun_backward(), nullptr);
+    EXPECT_EQ(a.dx.to_f64_vector(), dx1) << gemm_name(gemm);
+    EXPECT_EQ(a.dgate_up.to_f64_vector(), dg1) << gemm_name(gemm);
+  }
 }
+
+// Group sizes that the grouped GEMMs must take as they come: experts that receive no slot (their
+// weight gradients, poisoned with NaN, must come back zero), one slot, odd counts, two experts with
+// the same count (one group of a grouped cuBLAS call), top_k 2 with a token choosing one expert twice
+// and sentinel slots; H and I no multiple of 8 (unaligned leading dims, the scalar gather and GLU
+// kernels) and multiples of 8 (their 16-byte forms); every weight layout, the routing weight on the
+// output (gate_up saved) and on the input (recomputed).  On CUDA on each path of the experts' GEMMs.
+TEST_P(MoeKernels, AwkwardExpertCounts) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const std::vector<int64_t> counts{0, 1, 5, 0, 3, 3, 12};
+  const int64_t e = static_cast<int64_t>(counts.size()), k = 2;
+  std::vector<int64_t> ids;
+  for (int64_t x = 0; x < e; ++x) ids.insert(ids.end(), static_cast<size_t>(counts[x]), x);
+  ids.push_back(e), ids.push_back(-1);  // taken by no expert
+  std::shuffle(ids.begin(), ids.end(), gen.engine());
+  const int64_t t = static_cast<int64_t>(ids.size()) / k;
+  std::vector<double> w(ids.size());
+  std::uniform_real_distribution<double> uniform(0.1, 1.0);
+  for (double& v : w) v = static_cast<double>(static_cast<float>(uniform(gen.engine())));
+  struct Size {
+    int64_t h, i;
+  };
+  for (const Size sz : {Size{37, 19}, Size{64, 40}})
+    for (DType dt : {DType::bf16, DType::f16})
+      for (Layout layout : {Layout::Rows, Layout::Transposed, Layout::Separate})
+        for (bool input : {false, true})
+          for (moe::ExpertGemm gemm : gemm_paths(dev)) {
+            const Case c{t, sz.h, e, k, sz.i, 0, moe::Routing::Given, false, input, kernel::Activation::Silu, layout, false,
+                         !input, false, layout == Layout::Transposed};
+            const std::string cfg = test::config_name(dev, dt) + " " + describe(c) + " gemm=" + gemm_name(gemm);
+            Block m{c, dt, dev, gemm};
+            m.build(gen, &ids, &w, true);
+            ASSERT_EQ(m.forward(), nullptr) << cfg;
+            expect_permutation(m, ids, cfg);
+            const oracle::MoeSpec s = m.spec();
+            const oracle::MoeWeights wt = m.oracle_weights();
+            const double tol = test::composite_rel_l2(dt);
+            const oracle::MoeResult ref = oracle::moe(s, wt, {}, ids, w, nullptr, nullptr);
+            EXPECT_TRUE(test::close_l2(m.out, ref.out, tol)) << cfg << " out";
+            ASSERT_EQ(m.backward(gen), nullptr) << cfg;
+            const auto dout = m.dout.to_f64_vector();
+            const oracle::MoeResult g = oracle::moe(s, wt, {}, ids, w, &dout, nullptr);
+            EXPECT_TRUE(close_grad(m.dx, g.dx, g.dx_mag, tol)) << cfg << " dhidden";
+            EXPECT_TRUE(close_grad(m.dw, g.dw, g.dw_mag, tol)) << cfg << " dtopk_weights";
+            const Tensor dgate = layout == Layout::Separate ? m.dgate : m.dgate_up.narrow(1, 0, c.i);
+            const Tensor dup = layout == Layout::Separate ? m.dup : m.dgate_up.narrow(1, c.i, c.i);
+            EXPECT_TRUE(close_grad(dgate, g.dgate, g.dgate_mag, tol)) << cfg << " dgate";
+            EXPECT_TRUE(close_grad(dup, g.dup, g.dup_mag, tol)) << cfg << " dup";
+            EXPECT_TRUE(close_grad(m.ddown, g.ddown, g.ddown_mag, tol)) << cfg << " ddown_proj";
+            for (int64_t x = 0; x < e; ++x) {
+              if (counts[x] > 0) continue;
+              for (const Tensor& grad : {dgate, dup, m.ddown})
+                for (double v : grad.select(0, x).to_f64_vector()) ASSERT_EQ(v, 0.0) << cfg << " expert " << x << " (no slots)";
+            }
+          }
+}
+
+// How the experts' GEMMs are chosen on CUDA: KCPP_MOE_GEMM when ExpertGemm is Auto (an unknown value
+// is an error that names it), and without it by size (more than kMoeKernelTokens tokens: cuBLAS);
+// every choice matches the oracle on a block of 200 tokens.
+TEST_P(MoeKernels, ExpertGemmChoice) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  if (!dev.is_cuda()) GTEST_SKIP() << "the choice is CUDA's";
+  Generator gen = test::test_generator();
+  const Case c{200, 96, 8, 2, 80, 0, moe::Routing::Softmax, true, false, kernel::Activation::Silu, Layout::Rows, false, true,
+               false, false};
+  const char* before = std::getenv("KCPP_MOE_GEMM");
+  const std::string saved = before ? before : "";
+  for (const char* env : {"bogus", "kernel", "loop", "grouped", "auto", ""}) {
+    const std::string cfg = fmt::format("KCPP_MOE_GEMM='{}'", env);
+    setenv("KCPP_MOE_GEMM", env, 1);
+    Block m{c, DType::bf16, dev};
+    m.build(gen);
+    if (std::string(env) == "bogus") {
+      EXPECT_TRUE(test::kernel_error_contains(m.forward(), "KCPP_MOE_GEMM='bogus'")) << cfg;
+      continue;
+    }
+    ASSERT_EQ(m.forward(), nullptr) << cfg;
+    const oracle::MoeSpec s = m.spec();
+    const oracle::MoeWeights wt = m.oracle_weights();
+    const auto z = m.logits.to_f64_vector();
+    std::vector<int64_t> ids;
+    std::vector<double> w;
+    oracle::moe_route(s, z, ids, w);
+    EXPECT_EQ(m.ids.to_i64_vector(), ids) << cfg;
+    const double tol = test::composite_rel_l2(DType::bf16);
+    EXPECT_TRUE(test::close_l2(m.out, oracle::moe(s, wt, z, ids, w, nullptr, nullptr).out, tol)) << cfg << " out";
+    ASSERT_EQ(m.backward(gen), nullptr) << cfg;
+    const auto dout = m.dout.to_f64_vector();
+    const oracle::MoeResult g = oracle::moe(s, wt, z, ids, w, &dout, nullptr);
+    EXPECT_TRUE(close_grad(m.dx, g.dx, g.dx_mag, tol)) << cfg << " dhidden";
+    EXPECT_TRUE(close_grad(m.drouter, g.drouter, g.drouter_mag, tol)) << cfg << " drouter_weight";
+    EXPECT_TRUE(close_grad(m.dgate_up.narrow(1, 0, c.i), g.dgate, g.dgate_mag, tol)) << cfg << " dgate";
+    EXPECT_TRUE(close_grad(m.ddown, g.ddown, g.ddown_mag, tol)) << cfg << " ddown_proj";
+  }
+  if (before) setenv("KCPP_MOE_GEMM", saved.c_str(), 1);
+  else unsetenv("KCPP_MOE_GEMM");
+}
+
+#if KCPP_WITH_CUDA && KCPP_MOE_CUDA
+// Captured into a CUDA graph, a call that asks for cuBLAS takes the package's kernel (a host
+// read-back cannot be captured): forward + backward replay bit for bit as the kernel's direct run.
+TEST_P(MoeKernels, GraphCaptureTakesTheKernel) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  if (!dev.is_cuda()) GTEST_SKIP() << "CUDA graphs";
+  Generator gen = test::test_generator();
+  const Case c{100, 64, 8, 2, 48, 0, moe::Routing::Softmax, true, false, kernel::Activation::Silu, Layout::Rows, false, true,
+               false, false};
+  Block m{c, DType::bf16, dev, moe::ExpertGemm::Kernel};
+  m.build(gen);
+  ASSERT_EQ(m.forward(), nullptr);
+  ASSERT_EQ(m.backward(gen), nullptr);
+  const std::vector<Tensor> outs{m.out, m.logits, m.offsets, m.sorted, m.saved, m.dx, m.drouter, m.dgate_up, m.ddown, m.dw};
+  std::vector<std::vector<double>> direct;
+  for (const Tensor& o : outs) direct.push_back(o.to_f64_vector());
+
+  moe::MoeParams pf = m.p, pb = m.p;
+  pf.expert_gemm = pb.expert_gemm = moe::ExpertGemm::Grouped;
+  const Tensor fws = Tensor::empty({static_cast<int64_t>(moe::moe_workspace(pf, false, true))}, DType::u8, dev);
+  const Tensor bws = Tensor::empty({static_cast<int64_t>(moe::moe_workspace(pb, true, true))}, DType::u8, dev);
+  pf.workspace = fws.data(), pb.workspace = bws.data();
+  cudaStream_t st = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const char* ef = moe::moe_forward_cuda(pf, st);
+  const char* eb = ef ? nullptr : moe::moe_backward_cuda(pb, st);
+  ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess) << "the capture was invalidated";
+  ASSERT_EQ(ef, nullptr);
+  ASSERT_EQ(eb, nullptr);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int replay = 0; replay < 2; ++replay) {
+    for (const Tensor& o : outs) ASSERT_EQ(cudaMemsetAsync(o.data(), 0xff, o.nbytes(), st), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+    for (size_t q = 0; q < outs.size(); ++q) EXPECT_EQ(outs[q].to_f64_vector(), direct[q]) << "output " << q << ", replay " << replay;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
+}
+#endif
 
 TEST_P(MoeKernels, BadParams) {
   const Device dev = GetParam();
