@@ -103,16 +103,14 @@ inline bool matrix_storage(int64_t rows, int64_t cols, int64_t rs, int64_t cs, b
 //   Loop     cuBLAS, one cublasGemmEx per expert that received tokens.
 //   Grouped  cuBLAS, one cublasGemmGroupedBatchedEx per projection (experts with equal counts form
 //            one group of the call).
-//   Auto     the environment's KCPP_MOE_GEMM (kernel, loop, grouped or auto) when set; else Kernel
-//            for at most kMoeKernelTokens tokens (decode sizes: a step stays free of host
-//            synchronization, and its GEMMs are weight reads, which no path does much better), else
-//            Loop when one expert's average GEMM has at least one 128 x 128 tile per multiprocessor
-//            (a few large experts, each filling the GPU on its own), else Grouped (many small
-//            experts, which fill it only together).
+//   Auto     the environment's KCPP_MOE_GEMM (kernel, loop, grouped or auto) when set; else Loop
+//            when one expert's GEMM has at least one 128 x 128 tile per multiprocessor, counting
+//            either its average rows against min(H, I) or its weight's H x I (a few large experts,
+//            each filling the GPU on its own, or, at decode sizes, streaming weights large enough to),
+//            else Grouped (many small experts, which fill it only together).
 // The cuBLAS paths read the expert offsets back to the host (one stream synchronization per call).
 // While the stream is being captured into a CUDA graph that is not allowed: every choice runs Kernel.
 enum class ExpertGemm : int32_t { Auto = 0, Kernel = 1, Loop = 2, Grouped = 3 };
-constexpr int64_t kMoeKernelTokens = 64;
 
 struct MoeParams {
   kernel::DType dtype = kernel::DType::bf16;

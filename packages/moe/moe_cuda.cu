@@ -529,7 +529,7 @@ const char* requested_path(const MoeParams& p, Path* out) {
     case ExpertGemm::Kernel: *out = Path::Kernel; break;
     case ExpertGemm::Loop: *out = Path::Loop; break;
     case ExpertGemm::Grouped: *out = Path::Grouped; break;
-    default: *out = p.tokens <= kMoeKernelTokens ? Path::Kernel : Path::Auto;
+    default: *out = Path::Auto;
   }
   return nullptr;
 }
@@ -734,9 +734,11 @@ class Blas {
     if (order_.empty()) return Path::Loop;
     int device = 0;
     cudaGetDevice(&device);
+    const int64_t sms = kernel::cuda::sm_count(device);
     const int64_t rows = valid() / static_cast<int64_t>(order_.size());
-    const int64_t tiles = ceil_div(rows, 128) * ceil_div(std::min(h, inter), 128);
-    return tiles >= kernel::cuda::sm_count(device) ? Path::Loop : Path::Grouped;
+    const int64_t row_tiles = ceil_div(rows, 128) * ceil_div(std::min(h, inter), 128);
+    const int64_t weight_tiles = ceil_div(h, 128) * ceil_div(inter, 128);
+    return row_tiles >= sms || weight_tiles >= sms ? Path::Loop : Path::Grouped;
   }
 
   template <typename F> cublasStatus_t grouped(const F& prod) {

@@ -590,7 +590,7 @@ TEST_P(MoeKernels, AwkwardExpertCounts) {
 }
 
 // How the experts' GEMMs are chosen on CUDA: KCPP_MOE_GEMM when ExpertGemm is Auto (an unknown value
-// is an error that names it), and without it by size (more than kMoeKernelTokens tokens: cuBLAS);
+// is an error that names it), and without it cuBLAS (Loop or Grouped by the experts' sizes);
 // every choice matches the oracle on a block of 200 tokens.
 TEST_P(MoeKernels, ExpertGemmChoice) {
   const Device dev = GetParam();
