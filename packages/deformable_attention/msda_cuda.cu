@@ -55,6 +55,7 @@ namespace kc = kernel::cuda;
 constexpr int kThreads = 256, kWarps = kThreads / 32;
 constexpr int kMaxChunks = 4;  // lane-per-channel kernels: channels a head held in registers, up to 128 in one pass
 constexpr unsigned kFull = 0xffffffffu;
+constexpr int kMaxLevels = 3072;  // grouped kernels: the level table, 16 bytes a level, in 48 KB of shared memory
 
 struct DevLevel {
   int64_t h, w, start;
@@ -77,7 +78,8 @@ __device__ __forceinline__ DevLevel level_at(const MsdaParams& p, int64_t l) {
 struct Grouped {
   MsdaParams p;
   float* dvalue;  // backward: the f32 accumulator (dvalue itself, or the workspace)
-  int queries, heads, seq, mc, lp, points, channels;
+  int queries, heads, seq, mc, lp, levels, channels;
+  float inv_points;  // 1 / P, rounded
   int group_log;  // log2 GP: the lanes of a group
   int width;      // C / V: the lanes of a group that hold channels
 };
@@ -90,21 +92,39 @@ struct Sample {
   float fx = 0, fy = 0, a = 0;
 };
 
-// Sample k of the item (level k / P).  h, w: the level's size (for the location gradients).  W_l <= S <
-// 2^27 (level_at and grouped_reason), so W << 4 and the rows fit in an int.
+// The levels as the grouped kernels keep them in shared memory: (H, W, start, 0), or all 0 for a level
+// that level_at rejects (it then samples zeros).  W <= S < 2^27 (grouped_reason), so they fit in an int.
+__device__ __forceinline__ int4 level_entry(const MsdaParams& p, int l) {
+  const DevLevel lv = level_at(p, l);
+  return lv.ok ? make_int4(static_cast<int>(lv.h), static_cast<int>(lv.w), static_cast<int>(lv.start), 0) : make_int4(0, 0, 0, 0);
+}
+
+// Fills the block's level table (every thread must call it, before any returns).
+__device__ __forceinline__ void load_levels(const MsdaParams& p, int levels, int4* table) {
+  for (int l = static_cast<int>(threadIdx.x); l < levels; l += static_cast<int>(blockDim.x)) table[l] = level_entry(p, l);
+  __syncthreads();
+}
+
+// Sample k of the item (level k / P), from the level table.  h, w: the level's size (for the location
+// gradients).  The same f32 operations as bilinear_at (msda.h), with 32-bit integers: |floor(x)|, |floor(y)|
+// <= S < 2^27, so W << 4 and the rows fit in an int.
 template <typename T>
-__device__ __forceinline__ Sample sample_at(const MsdaParams& p, const T* loc, const T* attn, int k, int points, float& h,
-                                            float& w) {
+__device__ __forceinline__ Sample sample_at(const int4* table, const T* loc, const T* attn, int k, float inv_points,
+                                            float& h, float& w) {
   Sample s;
-  const DevLevel lv = level_at(p, k / points);
-  if (!lv.ok) return s;
-  const Bilinear b = bilinear_at(kc::to_f32(loc[2 * k]), kc::to_f32(loc[2 * k + 1]), lv.h, lv.w);
-  if (!b.valid) return s;
-  s.r00 = static_cast<int>(lv.start + b.i0 * lv.w + b.j0);
-  s.wf = static_cast<int>(lv.w) << 4 | (b.in_i0 && b.in_j0 ? 1 : 0) | (b.in_i0 && b.in_j1 ? 2 : 0) |
-         (b.in_i1 && b.in_j0 ? 4 : 0) | (b.in_i1 && b.in_j1 ? 8 : 0);
-  s.fx = b.fx, s.fy = b.fy, s.a = kc::to_f32(attn[k]);
-  h = static_cast<float>(lv.h), w = static_cast<float>(lv.w);
+  // The level k / P: (k + 1/2) / P is at least 1 / (2P) from an integer, and its f32 product is within
+  // (k + 1/2) 2^-23 / P of it, less than 1 / (2P) for k < 2^22 (grouped_reason keeps L P < 2^20).
+  const int4 lv = table[static_cast<int>((static_cast<float>(k) + 0.5f) * inv_points)];
+  if (lv.y == 0) return s;  // a level that does not fit in value
+  h = static_cast<float>(lv.x), w = static_cast<float>(lv.y);
+  const float x = kc::to_f32(loc[2 * k]) * w - 0.5f, y = kc::to_f32(loc[2 * k + 1]) * h - 0.5f;
+  if (!(x >= -1.0f && x < w && y >= -1.0f && y < h)) return s;  // also for NaN
+  const float x0 = floorf(x), y0 = floorf(y);
+  const int j0 = static_cast<int>(x0), i0 = static_cast<int>(y0);
+  const bool in_j0 = j0 >= 0, in_j1 = j0 + 1 < lv.y, in_i0 = i0 >= 0, in_i1 = i0 + 1 < lv.x;
+  s.r00 = lv.z + i0 * lv.y + j0;
+  s.wf = lv.y << 4 | (in_i0 && in_j0 ? 1 : 0) | (in_i0 && in_j1 ? 2 : 0) | (in_i1 && in_j0 ? 4 : 0) | (in_i1 && in_j1 ? 8 : 0);
+  s.fx = x - x0, s.fy = y - y0, s.a = kc::to_f32(attn[k]);
   return s;
 }
 
@@ -314,6 +334,8 @@ template <int V> constexpr int backward_min_blocks() { return V == 1 ? 2 : 3; }
 template <typename T, int V, int U>
 __global__ void __launch_bounds__(kThreads, forward_min_blocks<T, V>()) grouped_forward_kernel(const Grouped g) {
   const int lane = threadIdx.x & 31, q = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x / 32);
+  extern __shared__ int4 levels[];
+  load_levels(g.p, g.levels, levels);
   if (q >= g.queries) return;  // the whole warp
   const Lanes ln = lanes_of(g, q, lane);
   const T* loc = static_cast<const T*>(g.p.loc) + ln.item * g.lp * 2;
@@ -325,7 +347,7 @@ __global__ void __launch_bounds__(kThreads, forward_min_blocks<T, V>()) grouped_
   for (int k0 = 0; k0 < g.lp; k0 += 32) {
     const int n = min(32, g.lp - k0);
     float h = 0, w = 0;  // not used here
-    const Sample s = lane < n ? sample_at(g.p, loc, attn, k0 + lane, g.points, h, w) : Sample{};
+    const Sample s = lane < n ? sample_at(levels, loc, attn, k0 + lane, g.inv_points, h, w) : Sample{};
     for (int j0 = 0; j0 < n; j0 += U * ln.ng) {
       Sample tk[U];
 #pragma unroll
@@ -345,6 +367,8 @@ __global__ void __launch_bounds__(kThreads, forward_min_blocks<T, V>()) grouped_
 template <typename T, int V, int U>
 __global__ void __launch_bounds__(kThreads, backward_min_blocks<V>()) grouped_backward_kernel(const Grouped g) {
   const int lane = threadIdx.x & 31, q = static_cast<int>(blockIdx.x) * kWarps + static_cast<int>(threadIdx.x / 32);
+  extern __shared__ int4 levels[];
+  load_levels(g.p, g.levels, levels);
   if (q >= g.queries) return;  // the whole warp
   const Lanes ln = lanes_of(g, q, lane);
   const T* loc = static_cast<const T*>(g.p.loc) + ln.item * g.lp * 2;
@@ -360,7 +384,7 @@ __global__ void __launch_bounds__(kThreads, backward_min_blocks<V>()) grouped_ba
   for (int k0 = 0; k0 < g.lp; k0 += 32) {
     const int n = min(32, g.lp - k0);
     float h = 0, w = 0;
-    const Sample s = lane < n ? sample_at(g.p, loc, attn, k0 + lane, g.points, h, w) : Sample{};
+    const Sample s = lane < n ? sample_at(levels, loc, attn, k0 + lane, g.inv_points, h, w) : Sample{};
     // For the lane's own sample: sum_c g_c sample_c / a, and the x and y slopes / (a W), (a H).
     float own[3] = {0.0f, 0.0f, 0.0f};
     for (int j0 = 0; j0 < n; j0 += U * ln.ng) {
@@ -580,7 +604,8 @@ const char* grouped_reason(const MsdaParams& p, bool backward) {
   if (p.heads * p.channels > INT32_MAX) return "heads * channels is 2^31 or more";
   if (p.queries > INT32_MAX - kWarps) return "2^31 queries or more";
   if (p.batch > 65535 || p.heads > 65535) return "batch or heads above 65535 (the grid's y and z)";
-  if (p.levels * p.points > INT32_MAX / 2) return "levels * points is 2^30 or more";
+  if (p.levels * p.points >= (int64_t{1} << 20)) return "levels * points is 2^20 or more";
+  if (p.levels > kMaxLevels) return "more than 3072 levels (the shared-memory level table)";
   return nullptr;
 }
 
@@ -589,13 +614,16 @@ Grouped grouped_of(const MsdaParams& p, float* dvalue, int v) {
   g.p = p, g.dvalue = dvalue;
   g.queries = static_cast<int>(p.queries), g.heads = static_cast<int>(p.heads), g.seq = static_cast<int>(p.seq);
   g.mc = static_cast<int>(p.heads * p.channels);
-  g.lp = static_cast<int>(p.levels * p.points), g.points = static_cast<int>(p.points);
+  g.lp = static_cast<int>(p.levels * p.points), g.levels = static_cast<int>(p.levels);
+  g.inv_points = 1.0f / static_cast<float>(p.points);
   g.channels = static_cast<int>(p.channels);
   g.width = static_cast<int>(p.channels / v);
   g.group_log = 0;
   while ((1 << g.group_log) < g.width) ++g.group_log;
   return g;
 }
+
+size_t level_bytes(const MsdaParams& p) { return static_cast<size_t>(p.levels) * sizeof(int4); }
 
 dim3 grouped_grid(const MsdaParams& p) {
   return dim3(static_cast<unsigned>((p.queries + kWarps - 1) / kWarps), static_cast<unsigned>(p.heads), static_cast<unsigned>(p.batch));
@@ -635,9 +663,9 @@ const char* msda_forward_cuda(const MsdaParams& p, cudaStream_t stream, MsdaCuda
       const int v = vector_of(p, false);
       const Grouped g = grouped_of(p, nullptr, v);
       if (v > 1)
-        grouped_forward_kernel<T, 16 / sizeof(T), kUnroll><<<grouped_grid(p), kThreads, 0, stream>>>(g);
+        grouped_forward_kernel<T, 16 / sizeof(T), kUnroll><<<grouped_grid(p), kThreads, level_bytes(p), stream>>>(g);
       else
-        grouped_forward_kernel<T, 1, kUnroll><<<grouped_grid(p), kThreads, 0, stream>>>(g);
+        grouped_forward_kernel<T, 1, kUnroll><<<grouped_grid(p), kThreads, level_bytes(p), stream>>>(g);
       return kc::launch_error("multi_scale_deformable_attention forward");
     }
     return with_chunks(p.channels, [&]<int CH>() -> const char* {
@@ -666,9 +694,9 @@ const char* msda_backward_cuda(const MsdaParams& p, cudaStream_t stream, MsdaCud
         const int v = vector_of(p, true);
         const Grouped g = grouped_of(p, dv, v);
         if (v > 1)
-          grouped_backward_kernel<T, 16 / sizeof(T), kUnroll><<<grouped_grid(p), kThreads, 0, stream>>>(g);
+          grouped_backward_kernel<T, 16 / sizeof(T), kUnroll><<<grouped_grid(p), kThreads, level_bytes(p), stream>>>(g);
         else
-          grouped_backward_kernel<T, 1, kUnroll><<<grouped_grid(p), kThreads, 0, stream>>>(g);
+          grouped_backward_kernel<T, 1, kUnroll><<<grouped_grid(p), kThreads, level_bytes(p), stream>>>(g);
       } else {
         with_chunks(p.channels, [&]<int CH>() -> const char* {
           legacy_backward_kernel<T, CH><<<warp_blocks(items), kThreads, 0, stream>>>(p, dv);
