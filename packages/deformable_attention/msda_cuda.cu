@@ -292,8 +292,9 @@ __device__ __forceinline__ void forward_step(const T* vb, int mc, bool holds, co
     for (int e = 0; e < V; ++e) acc[e] += sum[u][e];
 }
 
-// dvalue[corner] += a w_corner g over U samples' corners, and this lane's parts of sum_c g_c sample_c / a
-// and of the x and y slopes / (a W), (a H): part[u].
+// dvalue[corner] += a w_corner g over U samples' corners, and this lane's channels' parts of
+// dattention_weights = sum_c g_c sample_c and of the x and y slopes (dsampling_locations without their
+// factors a W, a H): part[u].
 template <typename T, int V, int U, bool kAllIn>
 __device__ __forceinline__ void backward_step(const T* vb, float* dvb, int mc, bool holds, const Sample (&tk)[U],
                                               const float (&go)[V], float (&part)[U][3]) {
@@ -385,7 +386,7 @@ __global__ void __launch_bounds__(kThreads, backward_min_blocks<V>()) grouped_ba
     const int n = min(32, g.lp - k0);
     float h = 0, w = 0;
     const Sample s = lane < n ? sample_at(levels, loc, attn, k0 + lane, g.inv_points, h, w) : Sample{};
-    // For the lane's own sample: sum_c g_c sample_c / a, and the x and y slopes / (a W), (a H).
+    // For the lane's own sample: dattention_weights and the x and y slopes (part summed over the group).
     float own[3] = {0.0f, 0.0f, 0.0f};
     for (int j0 = 0; j0 < n; j0 += U * ln.ng) {
       Sample tk[U];
