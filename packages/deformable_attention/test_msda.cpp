@@ -1,10 +1,11 @@
 // Multi-scale deformable attention against the f64 oracle (tests/oracle_msda.h), errors against the
-// magnitude of the terms (in L2 over each output, and element by element).  On CUDA both kernel sets
-// run every case: the grouped kernels (where they take the shape; the lane-per-channel ones otherwise)
-// and the lane-per-channel ones.  Shapes: one level, 1 x 1 levels, odd sizes, levels that do not tile
-// `value` (a gap), Q = 1, C = 1, 3, 5, 7 (scalar lanes), 4, 8, 16, 24, 32, 40, 64, 128, 256 (16-byte
-// lanes in groups of 1 to 32, some with idle lanes), 33, 130 (not multiples of 8, more than one register
-// chunk of the lane-per-channel kernels), L * P = 33 and 36 (more than one chunk of 32 samples);
+// magnitude of the terms (in L2 over each output, and the largest error against the largest
+// magnitude).  On CUDA both kernel sets run every case: the grouped kernels (where they take the shape;
+// the lane-per-channel ones otherwise) and the lane-per-channel ones.  Shapes: one level, 1 x 1 levels,
+// odd sizes, levels that do not tile `value` (a gap), Q = 1, C = 1, 3, 5, 7 (scalar lanes), 4, 8, 16,
+// 24, 32, 40, 64, 128, 256 (16-byte lanes where C is a multiple of 16 bytes, in groups of 1 to 32
+// lanes, some with idle lanes), 33, 130 (not multiples of 8, more than one register chunk of the
+// lane-per-channel kernels), L * P = 33 and 36 (more than one chunk of 32 samples);
 // locations uniform over [-0.3, 1.3] (outside the maps too), exactly on the borders (0, 1), on pixel
 // centres and cell edges, on the fading band [-1, -1/2] pixels, far outside, and non-finite.  Tensors
 // one element off 16-byte alignment take the grouped kernels' scalar lanes.  The oracle's own backward
