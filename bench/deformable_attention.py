@@ -7,17 +7,21 @@ bf16 (other shapes as arguments).
 
 Rows, for each dtype:
 - kcpp: the built package through its C ABI (python/kcpp), forward, then forward + backward (dvalue,
-  dsampling_locations, dattention_weights).
+  dsampling_locations, dattention_weights), with the default CUDA kernels (the grouped ones).
+- kcpp legacy: the same calls with KCPP_MSDA_LEGACY=1 (the lane-per-channel kernels), in the same run.
 - torch (Transformers): `MultiScaleDeformableAttention.forward` of
   transformers/models/deformable_detr/modeling_deformable_detr.py (grid_sample per level, the path run
   when no hub kernel is mapped), forward under no_grad, and forward + autograd backward.
 
-Before timing, kcpp's output and gradients are compared with the PyTorch path's in f32 (relative L2).
+Before timing, kcpp's output and gradients (both kernel sets) are compared with the PyTorch path's in f32
+(relative L2).  The last line gives the forward's gather rate: the corner bytes it reads (B Q M L P x 4
+corners x C x element size, the same in both kernel sets) over its time.
 
 Run on the GPU machine:
   python3 bench/deformable_attention.py \
       build/release/kernels/deformable_attention/build/kcpp1-cu130-x86_64-linux/libdeformable_attention.so
-  [--batch 8 --heads 8 --channels 32 --points 4 --height 800 --width 1333 --queries 0 (0: all positions)]
+  [--batch 8 --heads 8 --channels 32 --points 4 --height 800 --width 1333 --queries 0 (0: all positions)
+   --kernels grouped,legacy]
 """
 import argparse
 import math
@@ -43,6 +47,7 @@ ap.add_argument("--height", type=int, default=800)
 ap.add_argument("--width", type=int, default=1333)
 ap.add_argument("--queries", type=int, default=0, help="0: every position (the encoder); 300 / 900: the decoder")
 ap.add_argument("--dtypes", default="float32,bfloat16")
+ap.add_argument("--kernels", default="grouped,legacy", help="kcpp's CUDA kernels to time: grouped (default), legacy")
 args = ap.parse_args()
 dev = "cuda"
 B, M, C, P = args.batch, args.heads, args.channels, args.points
@@ -76,6 +81,20 @@ def inputs(dt):
     attn = torch.softmax(torch.randn(B, Q, M, L * P, device=dev, generator=g), -1).view(B, Q, M, L, P)
     dout = torch.randn(B, Q, M * C, device=dev, generator=g).to(dt)
     return value, loc.to(dt).contiguous(), attn.to(dt), dout
+
+
+KERNELS = args.kernels.split(",")
+for k in KERNELS:
+    if k not in ("grouped", "legacy"):
+        sys.exit(f"--kernels: unknown '{k}' (grouped, legacy)")
+
+
+def use_kernels(k):
+    """The package reads KCPP_MSDA_LEGACY at each call."""
+    if k == "legacy":
+        os.environ["KCPP_MSDA_LEGACY"] = "1"
+    else:
+        os.environ.pop("KCPP_MSDA_LEGACY", None)
 
 
 def kcpp_calls(value, loc, attn, dout):
@@ -119,37 +138,53 @@ print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; MultiScaleDef
 
 # Correctness first, in f32.
 value, loc, attn, dout = inputs(torch.float32)
-out, grads, kf, kfb = kcpp_calls(value, loc, attn, dout)
-kfb()
 leaves, call, _, _ = ref_calls(value, loc, attn, dout)
 y = call()
 y.backward(dout)
 torch.cuda.synchronize()
-errs = {"out": rel(out, y.detach()), "dvalue": rel(grads["dvalue"], leaves[0].grad),
-        "dsampling_locations": rel(grads["dsampling_locations"], leaves[1].grad),
-        "dattention_weights": rel(grads["dattention_weights"], leaves[2].grad)}
-print("  kcpp vs torch f32 (relative L2): " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()), flush=True)
-del y, leaves, call, out, grads, kf, kfb
+for k in KERNELS:
+    use_kernels(k)
+    out, grads, kf, kfb = kcpp_calls(value, loc, attn, dout)
+    kfb()
+    torch.cuda.synchronize()
+    errs = {"out": rel(out, y.detach()), "dvalue": rel(grads["dvalue"], leaves[0].grad),
+            "dsampling_locations": rel(grads["dsampling_locations"], leaves[1].grad),
+            "dattention_weights": rel(grads["dattention_weights"], leaves[2].grad)}
+    print(f"  kcpp {k} vs torch f32 (relative L2): " + ", ".join(f"{n} {v:.2e}" for n, v in errs.items()), flush=True)
+    del out, grads, kf, kfb
+del y, leaves, call
 torch.cuda.empty_cache()
 
 rows = []
 for name in args.dtypes.split(","):
     dt = getattr(torch, name)
     value, loc, attn, dout = inputs(dt)
-    _, _, kf, kfb = kcpp_calls(value, loc, attn, dout)
-    t_f, t_fb = ms(kf, f"kcpp {name} fwd"), ms(kfb, f"kcpp {name} fwd+bwd")
+    times = {}
+    for k in KERNELS:
+        use_kernels(k)
+        _, _, kf, kfb = kcpp_calls(value, loc, attn, dout)
+        times[k] = (ms(kf, f"kcpp {k} {name} fwd"), ms(kfb, f"kcpp {k} {name} fwd+bwd"))
+        del kf, kfb
+    use_kernels("grouped")
     try:
         _, _, rf, rfb = ref_calls(value, loc, attn, dout)
         r_f, r_fb = ms(rf, f"torch {name} fwd"), ms(rfb, f"torch {name} fwd+bwd")
+        del rf, rfb
     except torch.cuda.OutOfMemoryError as e:
         print(f"  torch {name}: out of memory ({e})", flush=True)
         r_f = r_fb = float("nan")
-    rows.append((name, t_f, t_fb, r_f, r_fb))
+    for k in KERNELS:
+        rows.append((name, k, *times[k], r_f, r_fb, value.element_size()))
     del value, loc, attn, dout
     torch.cuda.empty_cache()
 
 print()
-print("| dtype | kcpp fwd ms | kcpp fwd+bwd ms | torch fwd ms | torch fwd+bwd ms | speed-up fwd | speed-up fwd+bwd |")
-print("|---|---|---|---|---|---|---|")
-for name, t_f, t_fb, r_f, r_fb in rows:
-    print(f"| {name} | {t_f:.3f} | {t_fb:.3f} | {r_f:.3f} | {r_fb:.3f} | {r_f / t_f:.1f}x | {r_fb / t_fb:.1f}x |")
+print("| dtype | kcpp kernels | kcpp fwd ms | kcpp fwd+bwd ms | torch fwd ms | torch fwd+bwd ms | speed-up fwd | speed-up fwd+bwd |")
+print("|---|---|---|---|---|---|---|---|")
+for name, k, t_f, t_fb, r_f, r_fb, _ in rows:
+    print(f"| {name} | {k} | {t_f:.3f} | {t_fb:.3f} | {r_f:.3f} | {r_fb:.3f} | {r_f / t_f:.1f}x | {r_fb / t_fb:.1f}x |")
+print()
+gathered = B * Q * M * L * P * 4 * C
+for name, k, t_f, _, _, _, esize in rows:
+    print(f"  {name} {k} forward: {gathered * esize / 1e6:.0f} MB of corners in {t_f:.3f} ms = "
+          f"{gathered * esize / t_f / 1e9:.2f} TB/s gathered")

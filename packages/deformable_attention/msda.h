@@ -14,8 +14,10 @@
 //   dloc_y = a H_l sum_c g_c ((1-fx)(v10 - v00) + fx (v11 - v01)).
 // Paths: CPU (msda_cpu.cpp): forward over (b, q) rows in parallel; backward over (b, m) in parallel, each
 // owning dvalue[b, :, m, :] (an f32 copy, added in query order, rounded once at the end): reproducible.
-// CUDA (msda_cuda.cu): a warp per (b, q, m) sample set with the C channels across lanes; dvalue by f32
-// atomics (into an f32 workspace when dvalue is bf16 / f16), so not bitwise reproducible.
+// CUDA (msda_cuda.cu): a warp per (b, q, m) sample set; by default the grouped kernels (lane groups of
+// 16-byte channel vectors, one sample per group; see msda_cuda.cu), else the lane-per-channel kernels
+// (MsdaCudaKernels, KCPP_MSDA_LEGACY=1).  dvalue by f32 atomics (into an f32 workspace when dvalue is
+// bf16 / f16), so not bitwise reproducible.
 #pragma once
 
 #include <cmath>
@@ -81,13 +83,24 @@ inline size_t msda_workspace_bytes(const MsdaParams& p) {
   return p.dtype == kernel::DType::f32 ? 0 : static_cast<size_t>(p.batch * p.seq * p.heads * p.channels) * sizeof(float);
 }
 
+// The CUDA kernels a call runs.  Auto: the grouped kernels where they take the call
+// (msda_grouped_unsupported), unless the environment sets KCPP_MSDA_LEGACY=1; else the lane-per-channel
+// ones.  Grouped: those, or an error saying why they do not take the call.  Legacy: the lane-per-channel
+// kernels (any channel count), kept to compare against.
+enum class MsdaCudaKernels { Auto, Grouped, Legacy };
+
 // Shape and pointer checks (the index tensors' contents are checked by the CPU entry points only).
 const char* msda_check(const MsdaParams& p, bool backward);
 const char* msda_forward_cpu(const MsdaParams& p);
 const char* msda_backward_cpu(const MsdaParams& p);
 #if KCPP_WITH_CUDA
-const char* msda_forward_cuda(const MsdaParams& p, cudaStream_t stream);
-const char* msda_backward_cuda(const MsdaParams& p, cudaStream_t stream);
+const char* msda_forward_cuda(const MsdaParams& p, cudaStream_t stream, MsdaCudaKernels k = MsdaCudaKernels::Auto);
+const char* msda_backward_cuda(const MsdaParams& p, cudaStream_t stream, MsdaCudaKernels k = MsdaCudaKernels::Auto);
+// Null when the grouped kernels take the call, else why not (a constant string).
+const char* msda_grouped_unsupported(const MsdaParams& p, bool backward);
+// The channels a lane of the grouped kernels holds for this call: 16 bytes' worth when C is a multiple of
+// that and the pointers they vector-access are 16-byte aligned, else 1 (0 when they do not take it).
+int msda_grouped_vector(const MsdaParams& p, bool backward);
 #endif
 
 }  // namespace kcpp::msda

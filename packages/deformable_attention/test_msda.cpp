@@ -1,9 +1,16 @@
 // Multi-scale deformable attention against the f64 oracle (tests/oracle_msda.h), errors against the
-// magnitude of the terms.  Shapes: one level, 1 x 1 levels, odd sizes, levels that do not tile `value`
-// (a gap), Q = 1, C = 1, 33, 130 (not multiples of 8, more than one register chunk on CUDA); locations
-// uniform over [-0.3, 1.3] (outside the maps too), exactly on the borders (0, 1), on pixel centres and
-// cell edges, on the fading band [-1, -1/2] pixels, far outside, and non-finite.  The oracle's own
-// backward is checked by central differences.
+// magnitude of the terms (in L2 over each output, and the largest error against the largest
+// magnitude).  On CUDA both kernel sets run every case: the grouped kernels (where they take the shape;
+// the lane-per-channel ones otherwise) and the lane-per-channel ones.  Shapes: one level, 1 x 1 levels,
+// odd sizes, levels that do not tile `value` (a gap), Q = 1, C = 1, 3, 5, 7 (scalar lanes), 4, 8, 16,
+// 24, 32, 40, 64, 128, 256 (16-byte lanes where C is a multiple of 16 bytes, in groups of 1 to 32
+// lanes, some with idle lanes), 33, 130 (not multiples of 8, more than one register chunk of the
+// lane-per-channel kernels), L * P = 33 and 36 (more than one chunk of 32 samples);
+// locations uniform over [-0.3, 1.3] (outside the maps too), exactly on the borders (0, 1), on pixel
+// centres and cell edges, on the fading band [-1, -1/2] pixels, far outside, and non-finite.  Tensors
+// one element off 16-byte alignment take the grouped kernels' scalar lanes.  The oracle's own backward
+// is checked by central differences.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -22,14 +29,35 @@ namespace {
 
 using msda::MsdaParams;
 
+using Kernels = msda::MsdaCudaKernels;
+
+// Where a case runs: the CPU, or CUDA with the grouped kernels (Grouped: where they take the call, the
+// lane-per-channel ones otherwise) or the lane-per-channel ones (Legacy).
+struct Backend {
+  Device dev;
+  Kernels kernels = Kernels::Grouped;
+};
+
 #if KCPP_WITH_CUDA
 inline const char* finish(const char* e) {
   if (!e) KCPP_CUDA_CHECK(cudaDeviceSynchronize());
   return e;
 }
-#define MSDA_CALL(dev, fn, p) ((dev).is_cuda() ? finish(fn##_cuda((p), ::kcpp::cuda::current_stream())) : fn##_cpu(p))
+Kernels kernels_for(const Backend& be, const MsdaParams& p, bool backward) {
+  if (be.kernels == Kernels::Grouped && msda::msda_grouped_unsupported(p, backward)) return Kernels::Legacy;
+  return be.kernels;
+}
+const char* forward(const Backend& be, const MsdaParams& p) {
+  if (!be.dev.is_cuda()) return msda::msda_forward_cpu(p);
+  return finish(msda::msda_forward_cuda(p, ::kcpp::cuda::current_stream(), kernels_for(be, p, false)));
+}
+const char* backward(const Backend& be, const MsdaParams& p) {
+  if (!be.dev.is_cuda()) return msda::msda_backward_cpu(p);
+  return finish(msda::msda_backward_cuda(p, ::kcpp::cuda::current_stream(), kernels_for(be, p, true)));
+}
 #else
-#define MSDA_CALL(dev, fn, p) (fn##_cpu(p))
+const char* forward(const Backend&, const MsdaParams& p) { return msda::msda_forward_cpu(p); }
+const char* backward(const Backend&, const MsdaParams& p) { return msda::msda_backward_cpu(p); }
 #endif
 
 kernel::DType kdtype(DType t) {
@@ -141,21 +169,40 @@ struct Grads {
   Tensor out, dvalue, dloc, dattn, workspace;
 };
 
-Grads run(const Inputs& in, DType dt, Device dev) {
+// A tensor of `shape` one element past an aligned allocation (so not 16-byte aligned), holding `src`
+// when given, else NaN.
+Tensor off_by_one(const Shape& shape, DType dt, Device dev, const Tensor* src = nullptr) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  const Tensor t = Tensor::full({n + 1}, std::nan(""), dt, dev).narrow(0, 1, n).view(shape);
+  if (src) t.copy_(*src);
+  return t;
+}
+
+// Forward, then backward, on `be`; with `misaligned`, value, dout and every output one element off
+// 16-byte alignment.
+Grads run(const Inputs& in, DType dt, const Backend& be, bool misaligned = false) {
+  const Device dev = be.dev;
   Grads g;
   MsdaParams p = params_of(in, dt);
-  g.out = Tensor::full({p.batch, p.queries, p.heads * p.channels}, std::nan(""), dt, dev);
+  auto out_like = [&](const Shape& shape) {
+    return misaligned ? off_by_one(shape, dt, dev) : Tensor::full(shape, std::nan(""), dt, dev);
+  };
+  const Tensor value = misaligned ? off_by_one(in.value.shape(), dt, dev, &in.value) : in.value;
+  const Tensor dout = misaligned ? off_by_one(in.dout.shape(), dt, dev, &in.dout) : in.dout;
+  p.value = value.data();
+  g.out = out_like({p.batch, p.queries, p.heads * p.channels});
   p.out = g.out.data();
-  if (const char* e = MSDA_CALL(dev, msda::msda_forward, p)) throw Error(e);
-  g.dvalue = Tensor::full(in.value.shape(), std::nan(""), dt, dev);
-  g.dloc = Tensor::full(in.loc.shape(), std::nan(""), dt, dev);
-  g.dattn = Tensor::full(in.attn.shape(), std::nan(""), dt, dev);
-  p.dout = in.dout.data(), p.dvalue = g.dvalue.data(), p.dloc = g.dloc.data(), p.dattn = g.dattn.data();
+  if (const char* e = forward(be, p)) throw Error(e);
+  g.dvalue = out_like(in.value.shape());
+  g.dloc = out_like(in.loc.shape());
+  g.dattn = out_like(in.attn.shape());
+  p.dout = dout.data(), p.dvalue = g.dvalue.data(), p.dloc = g.dloc.data(), p.dattn = g.dattn.data();
   if (const size_t bytes = msda::msda_workspace_bytes(p); bytes > 0 && dev.is_cuda()) {
     g.workspace = Tensor::empty({static_cast<int64_t>(bytes / 4)}, DType::f32, dev);
     p.workspace = static_cast<float*>(g.workspace.data());
   }
-  if (const char* e = MSDA_CALL(dev, msda::msda_backward, p)) throw Error(e);
+  if (const char* e = backward(be, p)) throw Error(e);
   return g;
 }
 
@@ -163,9 +210,26 @@ double bound(DType dt, const oracle::V& mag) {
   return test::unit_roundoff(dt) + 32 * test::unit_roundoff(DType::f32) + test::underflow_allowance(dt, mag);
 }
 
+// In L2 against the magnitudes, and in the largest error against the largest magnitude (so that one
+// wrong element among many is not lost in the norm), both at the bound of one rounding to the dtype plus
+// f32 sums (the location's f32 rounding moves a weight by up to W u_f32, which the L2 bound covers and
+// the largest-error one covers with its factor 4).
 void expect_close(const Tensor& got, const oracle::V& ref, const oracle::V& mag, DType dt, const std::string& what) {
   const double e = test::mag_error(got, ref, mag);
   EXPECT_LE(e, bound(dt, mag)) << what << " (error / magnitude " << e << ")";
+  const std::vector<double> o = got.to_f64_vector();
+  double worst = 0, top = 0;
+  size_t at = 0;
+  for (size_t i = 0; i < o.size(); ++i) {
+    top = std::max(top, mag[i]);
+    const double d = std::isnan(ref[i]) ? (std::isnan(o[i]) ? 0.0 : INFINITY) : std::fabs(o[i] - ref[i]);
+    if (!(d <= worst)) worst = d, at = i;
+  }
+  const double u = test::unit_roundoff(dt), u32 = test::unit_roundoff(DType::f32);
+  const double eta = 2 * test::underflow_allowance(dt, {1.0});
+  EXPECT_LE(worst, 4 * (u + 32 * u32) * top + eta)
+      << what << ": the largest error " << worst << " at [" << at << "] (" << (o.empty() ? 0.0 : o[at]) << " against "
+      << (o.empty() ? 0.0 : ref[at]) << "), the largest magnitude " << top << " (ratio " << worst / top << ")";
 }
 
 const std::vector<Case>& cases() {
@@ -179,99 +243,196 @@ const std::vector<Case>& cases() {
       {1, 2, 130, 3, 2, {{4, 3}, {2, 5}}, Locs::Edges},
       {2, 2, 7, 6, 3, {{3, 4}, {2, 2}}, Locs::Uniform, 3},
       {1, 1, 3, 5, 1, {{1, 9}}, Locs::Edges},
+      // The grouped kernels' lane layouts: C / V lanes a sample in groups of 1 to 32, idle lanes (24, 40),
+      // more than one chunk of 32 samples (L * P = 36, 33), a gap between levels.
+      {2, 3, 4, 5, 4, {{7, 9}, {4, 5}}, Locs::Uniform},
+      {1, 2, 8, 7, 4, {{5, 11}, {3, 6}, {2, 3}, {1, 1}}, Locs::Edges},
+      {2, 2, 16, 9, 3, {{6, 7}, {3, 4}}, Locs::Edges},
+      {1, 4, 32, 13, 4, {{9, 14}, {5, 7}, {3, 4}, {2, 2}}, Locs::Edges},
+      {2, 2, 32, 6, 3, {{3, 4}, {2, 2}}, Locs::Uniform, 3},
+      {2, 3, 24, 6, 2, {{5, 6}}, Locs::Uniform},
+      {1, 3, 24, 5, 3, {{4, 5}}, Locs::Edges},
+      {1, 2, 40, 5, 3, {{4, 7}, {2, 3}}, Locs::Edges},
+      {1, 2, 64, 11, 2, {{6, 5}, {3, 3}}, Locs::Edges},
+      {1, 1, 128, 3, 2, {{3, 5}, {2, 2}}, Locs::Edges},
+      {1, 1, 256, 2, 1, {{3, 3}}, Locs::Uniform},
+      {2, 2, 16, 5, 12, {{5, 6}, {3, 3}, {2, 2}}, Locs::Edges},
+      {1, 3, 8, 4, 11, {{4, 4}, {3, 5}, {1, 2}}, Locs::Uniform},
   };
   return c;
 }
 
-class Msda : public ::testing::TestWithParam<Device> {};
+std::string case_name(const Case& k) {
+  return " b=" + std::to_string(k.b) + " m=" + std::to_string(k.m) + " c=" + std::to_string(k.c) + " q=" + std::to_string(k.q) +
+         " p=" + std::to_string(k.p) + " levels=" + std::to_string(k.levels.size()) + (k.locs == Locs::Edges ? " edges" : " uniform");
+}
+
+void expect_matches_oracle(const Inputs& in, const Grads& g, DType dt, const std::string& cfg) {
+  expect_close(g.out, oracle::msda_forward(in.o), oracle::msda_forward(in.o, true), dt, cfg + " out");
+  const auto dout = in.dout.to_f64_vector();
+  const oracle::MsdaGrad r = oracle::msda_backward(in.o, dout), m = oracle::msda_backward(in.o, dout, true);
+  expect_close(g.dvalue, r.dvalue, m.dvalue, dt, cfg + " dvalue");
+  expect_close(g.dloc, r.dloc, m.dloc, dt, cfg + " dsampling_locations");
+  expect_close(g.dattn, r.dattn, m.dattn, dt, cfg + " dattention_weights");
+}
+
+std::string backend_name(const Backend& be) {
+  if (be.dev.is_cpu()) return "cpu";
+  return be.kernels == Kernels::Legacy ? "cuda_legacy" : "cuda";
+}
+
+class Msda : public ::testing::TestWithParam<Backend> {};
 
 TEST_P(Msda, MatchesTheOracle) {
-  const Device dev = GetParam();
+  const Backend be = GetParam();
+  const Device dev = be.dev;
   KCPP_REQUIRE_DEVICE(dev);
   Generator gen = test::test_generator();
   for (DType dt : {DType::f32, DType::bf16, DType::f16})
     for (const Case& k : cases()) {
-      std::string cfg = test::config_name(dev, dt) + " b=" + std::to_string(k.b) + " m=" + std::to_string(k.m) +
-                        " c=" + std::to_string(k.c) + " q=" + std::to_string(k.q) + " p=" + std::to_string(k.p) +
-                        " levels=" + std::to_string(k.levels.size()) + (k.locs == Locs::Edges ? " edges" : " uniform");
+      const std::string cfg = backend_name(be) + " " + test::config_name(dev, dt) + case_name(k);
       const Inputs in = make(k, dt, dev, gen);
-      const Grads g = run(in, dt, dev);
-      expect_close(g.out, oracle::msda_forward(in.o), oracle::msda_forward(in.o, true), dt, cfg + " out");
-      const auto dout = in.dout.to_f64_vector();
-      const oracle::MsdaGrad r = oracle::msda_backward(in.o, dout), m = oracle::msda_backward(in.o, dout, true);
-      expect_close(g.dvalue, r.dvalue, m.dvalue, dt, cfg + " dvalue");
-      expect_close(g.dloc, r.dloc, m.dloc, dt, cfg + " dsampling_locations");
-      expect_close(g.dattn, r.dattn, m.dattn, dt, cfg + " dattention_weights");
+      expect_matches_oracle(in, run(in, dt, be), dt, cfg);
+    }
+}
+
+// value, dout and the outputs one element off 16-byte alignment: the grouped kernels take them with
+// scalar lanes (16-byte lanes when aligned).
+TEST_P(Msda, MisalignedTensorsMatchTheOracle) {
+  const Backend be = GetParam();
+  const Device dev = be.dev;
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  for (DType dt : {DType::f32, DType::bf16, DType::f16})
+    for (const Case& k : {Case{2, 3, 32, 7, 3, {{5, 6}, {3, 3}}, Locs::Edges}, Case{1, 2, 16, 9, 4, {{4, 9}, {2, 3}}, Locs::Uniform}}) {
+      const std::string cfg = backend_name(be) + " " + test::config_name(dev, dt) + case_name(k) + " misaligned";
+      const Inputs in = make(k, dt, dev, gen);
+      expect_matches_oracle(in, run(in, dt, be, true), dt, cfg);
     }
 }
 
 // Samples outside the maps (and non-finite ones) give exactly 0 and zero gradients; a 1 x 1 map at its
 // centre is the value itself.  (At x = -1 exactly, loc = -1/(2W), the sample is 0 but its slope is not.)
 TEST_P(Msda, OutsideSamplesAreZeroAndTheCentreIsExact) {
-  const Device dev = GetParam();
+  const Backend be = GetParam();
+  const Device dev = be.dev;
   KCPP_REQUIRE_DEVICE(dev);
   Generator gen = test::test_generator();
-  Inputs in = make({1, 1, 4, 6, 1, {{1, 1}}, Locs::Uniform}, DType::f32, dev, gen);
-  const std::vector<double> xs = {0.5, -0.75, 1.5, -1e30, std::numeric_limits<double>::quiet_NaN(), 0.5};
-  const std::vector<double> ys = {0.5, 0.5, 0.5, 0.5, 0.5, 1.5};
-  std::vector<double> loc;
-  for (size_t i = 0; i < xs.size(); ++i) loc.push_back(xs[i]), loc.push_back(ys[i]);
-  in.loc = Tensor::from_f64(loc, in.loc.shape(), DType::f32, dev);
-  in.attn = Tensor::full(in.attn.shape(), 1.0, DType::f32, dev);
-  const Grads g = run(in, DType::f32, dev);
-  const auto out = g.out.to_f64_vector(), v = in.value.to_f64_vector(), dl = g.dloc.to_f64_vector(), da = g.dattn.to_f64_vector();
-  for (int64_t c = 0; c < 4; ++c) EXPECT_EQ(out[static_cast<size_t>(c)], v[static_cast<size_t>(c)]) << "centre, channel " << c;
-  for (size_t q = 1; q < 6; ++q) {
-    for (int64_t c = 0; c < 4; ++c) EXPECT_EQ(out[q * 4 + static_cast<size_t>(c)], 0.0) << "query " << q;
-    EXPECT_EQ(da[q], 0.0) << "query " << q;
-    EXPECT_EQ(dl[2 * q], 0.0) << "query " << q;
-    EXPECT_EQ(dl[2 * q + 1], 0.0) << "query " << q;
+  for (int64_t c : {4, 5}) {  // 16-byte lanes and scalar ones on CUDA
+    Inputs in = make({1, 1, c, 6, 1, {{1, 1}}, Locs::Uniform}, DType::f32, dev, gen);
+    const std::vector<double> xs = {0.5, -0.75, 1.5, -1e30, std::numeric_limits<double>::quiet_NaN(), 0.5};
+    const std::vector<double> ys = {0.5, 0.5, 0.5, 0.5, 0.5, 1.5};
+    std::vector<double> loc;
+    for (size_t i = 0; i < xs.size(); ++i) loc.push_back(xs[i]), loc.push_back(ys[i]);
+    in.loc = Tensor::from_f64(loc, in.loc.shape(), DType::f32, dev);
+    in.attn = Tensor::full(in.attn.shape(), 1.0, DType::f32, dev);
+    const Grads g = run(in, DType::f32, be);
+    const auto out = g.out.to_f64_vector(), v = in.value.to_f64_vector(), dl = g.dloc.to_f64_vector(), da = g.dattn.to_f64_vector();
+    const size_t C = static_cast<size_t>(c);
+    for (size_t ch = 0; ch < C; ++ch) EXPECT_EQ(out[ch], v[ch]) << "C " << c << ", centre, channel " << ch;
+    for (size_t q = 1; q < 6; ++q) {
+      for (size_t ch = 0; ch < C; ++ch) EXPECT_EQ(out[q * C + ch], 0.0) << "C " << c << ", query " << q;
+      EXPECT_EQ(da[q], 0.0) << "C " << c << ", query " << q;
+      EXPECT_EQ(dl[2 * q], 0.0) << "C " << c << ", query " << q;
+      EXPECT_EQ(dl[2 * q + 1], 0.0) << "C " << c << ", query " << q;
+    }
   }
 }
 
 TEST_P(Msda, BackwardIsReproducibleOnTheCpu) {
-  const Device dev = GetParam();
+  const Backend be = GetParam();
+  const Device dev = be.dev;
   KCPP_REQUIRE_DEVICE(dev);
   if (dev.is_cuda()) GTEST_SKIP() << "the CUDA dvalue is summed with float atomics (documented as not reproducible)";
   const Case k{2, 4, 16, 200, 4, {{12, 9}, {6, 5}, {3, 3}}, Locs::Uniform};
   Generator g1 = test::test_generator(), g2 = test::test_generator();
   const Inputs a = make(k, DType::bf16, dev, g1), b = make(k, DType::bf16, dev, g2);
-  const Grads ga = run(a, DType::bf16, dev), gb = run(b, DType::bf16, dev);
+  const Grads ga = run(a, DType::bf16, be), gb = run(b, DType::bf16, be);
   EXPECT_EQ(ga.dvalue.to_f64_vector(), gb.dvalue.to_f64_vector());
   EXPECT_EQ(ga.dloc.to_f64_vector(), gb.dloc.to_f64_vector());
 }
 
 TEST_P(Msda, BadParamsAreRefusedByName) {
-  const Device dev = GetParam();
+  const Backend be = GetParam();
+  const Device dev = be.dev;
   KCPP_REQUIRE_DEVICE(dev);
   Generator gen = test::test_generator();
   const Inputs in = make({1, 2, 3, 4, 2, {{2, 3}, {1, 2}}, Locs::Uniform}, DType::f32, dev, gen);
-  Grads g = run(in, DType::f32, dev);
+  Grads g = run(in, DType::f32, be);
   MsdaParams p = params_of(in, DType::f32);
   p.out = g.out.data();
   MsdaParams q = p;
   q.out = nullptr;
-  EXPECT_TRUE(test::kernel_error_contains(MSDA_CALL(dev, msda::msda_forward, q), "'out' must not be null"));
+  EXPECT_TRUE(test::kernel_error_contains(forward(be, q), "'out' must not be null"));
   q = p;
   q.levels = 0;
-  EXPECT_TRUE(test::kernel_error_contains(MSDA_CALL(dev, msda::msda_forward, q), "at least one level"));
+  EXPECT_TRUE(test::kernel_error_contains(forward(be, q), "at least one level"));
   q = p;
   q.dout = in.dout.data(), q.dloc = g.dloc.data(), q.dattn = g.dattn.data();
-  EXPECT_TRUE(test::kernel_error_contains(MSDA_CALL(dev, msda::msda_backward, q), "'dvalue' must not be null"));
+  EXPECT_TRUE(test::kernel_error_contains(backward(be, q), "'dvalue' must not be null"));
   if (dev.is_cpu()) {  // the index tensors' contents: checked on the CPU only (CUDA reads them on the device)
     const std::vector<int64_t> big = {2, 3, 2, 2}, zero = {2, 3, 0, 2}, late = {0, 7};
     const Tensor tb = Tensor::from_i64(big, {2, 2}), tz = Tensor::from_i64(zero, {2, 2}), tl = Tensor::from_i64(late, {2});
     q = p;
     q.spatial_shapes = static_cast<const int64_t*>(tb.data());
-    EXPECT_TRUE(test::kernel_error_contains(MSDA_CALL(dev, msda::msda_forward, q), "level 1 (2 x 2 from row 6"));
+    EXPECT_TRUE(test::kernel_error_contains(forward(be, q), "level 1 (2 x 2 from row 6"));
     q = p;
     q.spatial_shapes = static_cast<const int64_t*>(tz.data());
-    EXPECT_TRUE(test::kernel_error_contains(MSDA_CALL(dev, msda::msda_forward, q), "level 1 of 'value_spatial_shapes' is 0 x 2"));
+    EXPECT_TRUE(test::kernel_error_contains(forward(be, q), "level 1 of 'value_spatial_shapes' is 0 x 2"));
     q = p;
     q.level_start = static_cast<const int64_t*>(tl.data());
-    EXPECT_TRUE(test::kernel_error_contains(MSDA_CALL(dev, msda::msda_forward, q), "does not fit in the 8 rows"));
+    EXPECT_TRUE(test::kernel_error_contains(forward(be, q), "does not fit in the 8 rows"));
   }
+#if KCPP_WITH_CUDA
+  if (dev.is_cuda()) {  // the grouped kernels asked for where they do not take the call
+    q = p;
+    q.channels = 132;  // f32: 33 lanes of 4 channels
+    EXPECT_TRUE(test::kernel_error_contains(msda::msda_forward_cuda(q, ::kcpp::cuda::current_stream(), Kernels::Grouped),
+                                            "the grouped kernels do not take this call: more channels a head than 32 lanes"));
+  }
+#endif
 }
+
+#if KCPP_WITH_CUDA
+// Which lanes the grouped kernels choose (host logic only, no device needed; the pointers are never
+// read): 16-byte lanes for Deformable DETR's shapes when aligned and C a multiple of 16 bytes, scalar
+// lanes otherwise, none beyond 32 lanes.
+TEST(MsdaGrouped, LanesForTheShapes) {
+  alignas(16) static char buf[64];
+  MsdaParams p;
+  p.batch = 8, p.seq = 22223, p.heads = 8, p.queries = 22223, p.levels = 4, p.points = 4;
+  p.value = p.loc = p.attn = p.dout = buf;
+  p.out = p.dvalue = p.dloc = p.dattn = buf;
+  p.workspace = reinterpret_cast<float*>(buf);
+  for (auto [dt, size] : {std::pair{kernel::DType::f32, 4}, {kernel::DType::bf16, 2}, {kernel::DType::f16, 2}}) {
+    p.dtype = dt;
+    const int full = 16 / size;
+    for (int64_t c : {8, 16, 32, 64}) {
+      p.channels = c;
+      const int want = c % full == 0 ? full : 1;
+      EXPECT_EQ(msda::msda_grouped_vector(p, false), want) << "forward, C " << c << ", " << size << "-byte elements";
+      EXPECT_EQ(msda::msda_grouped_vector(p, true), want) << "backward, C " << c << ", " << size << "-byte elements";
+    }
+    p.channels = 32;
+    p.value = buf + size;  // off 16-byte alignment
+    EXPECT_EQ(msda::msda_grouped_vector(p, false), 1);
+    p.value = buf;
+    p.dout = buf + size;
+    EXPECT_EQ(msda::msda_grouped_vector(p, true), 1);
+    EXPECT_EQ(msda::msda_grouped_vector(p, false), full);
+    p.dout = buf;
+    p.channels = 32 * full + full;
+    EXPECT_EQ(msda::msda_grouped_vector(p, false), 0);
+    EXPECT_NE(msda::msda_grouped_unsupported(p, false), nullptr);
+    p.channels = 33;
+    EXPECT_EQ(msda::msda_grouped_vector(p, false), 0);
+    p.channels = 31;
+    EXPECT_EQ(msda::msda_grouped_vector(p, false), 1);
+  }
+  p.channels = 32, p.seq = int64_t{1} << 27;
+  EXPECT_NE(msda::msda_grouped_unsupported(p, false), nullptr);
+}
+#endif
 
 // The oracle's gradients are those of its forward: central differences of sum(dout * out) in f64, at
 // locations away from the pixel centres where the slope jumps.
@@ -309,8 +470,10 @@ TEST(MsdaOracle, BackwardMatchesFiniteDifferences) {
   check(o.attn, g.dattn, "dattn", false);
 }
 
-INSTANTIATE_TEST_SUITE_P(Devices, Msda, ::testing::Values(Device::cpu(), Device::cuda(0)),
-                         [](const auto& info) { return info.param.is_cpu() ? std::string("cpu") : std::string("cuda"); });
+INSTANTIATE_TEST_SUITE_P(Devices, Msda,
+                         ::testing::Values(Backend{Device::cpu()}, Backend{Device::cuda(0), Kernels::Grouped},
+                                           Backend{Device::cuda(0), Kernels::Legacy}),
+                         [](const auto& info) { return backend_name(info.param); });
 
 }  // namespace
 }  // namespace kcpp
