@@ -9,6 +9,8 @@ fixed beforehand (a softmax top-k of random logits, renormalized, in bf16, as Qw
 it), so every row runs the same experts layer:
   - Transformers `eager` (the loop over experts of Qwen3MoeExperts.forward) and `grouped_mm`
     (torch's grouped GEMM), and `sonicmoe` where it can be loaded (kernels-community/sonic-moe);
+  - Liger-Kernel's fused MoE (LigerFusedMoEFunction, Triton grouped GEMMs) where liger_kernel can be
+    imported (LIGER_SRC names a folder holding its source, e.g. .anchors/src; never committed here);
   - kcpp: the package's MegaBlocksMoeMLP through its C ABI with routing "given" (the same work), and
     "kcpp block": the whole block with the router (routing "softmax", normalize), the router's GEMM
     and routing included in its time (FLOPs counted as the others');
@@ -16,7 +18,7 @@ it), so every row runs the same experts layer:
 The kcpp rows run once for each path of the experts' GEMMs (--gemm, each set as KCPP_MOE_GEMM before
 its calls: the package reads it on every call): "kernel" (the package's mma.sync GEMM), "loop"
 (cuBLAS, one GEMM per expert), "grouped" (one cuBLAS grouped GEMM per projection), "auto" (the
-package's own choice: the kernel for decode sizes, else loop or grouped by the experts' sizes).
+package's own choice: loop or grouped by the experts' sizes).
 Peak memory is the PyTorch allocator's peak during one forward + backward above what was allocated
 before it (the package's workspace comes from that allocator).  Outputs and gradients are compared
 with eager's before they are timed.  Decode-sized inputs (1, 16, 64 tokens) are timed forward.
@@ -41,6 +43,14 @@ sys.path.insert(0, HERE)
 import kcpp  # noqa: E402
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts  # noqa: E402
+
+LigerMoE = None
+if os.environ.get("LIGER_SRC"):
+    sys.path.insert(0, os.environ["LIGER_SRC"])
+    try:
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction as LigerMoE  # noqa: E402
+    except Exception as e:  # noqa: BLE001
+        print(f"liger_kernel's fused MoE could not be imported from LIGER_SRC: {type(e).__name__}: {e}", flush=True)
 
 CONFIGS = {"qwen3": ("Qwen3-30B-A3B", 2048, 128, 8, 768), "mixtral": ("Mixtral-8x7B", 4096, 8, 2, 14336)}
 SMALL = {"qwen3": ("Qwen3-like (small)", 128, 16, 4, 48), "mixtral": ("Mixtral-like (small)", 256, 8, 2, 512)}
@@ -152,6 +162,34 @@ for key in opt.configs.split(","):
             decode_rows.append((name, td, f"transformers {impl}", timed(dfwd)))
     cfg._experts_implementation = "eager"
     experts.gate_up_proj.grad = experts.down_proj.grad = None
+
+    # Liger-Kernel's fused MoE: the same weights (its layout is Transformers': [E, 2I, H] gate then up,
+    # [E, H, I]) and routing.
+    if cuda and not opt.no_peers and LigerMoE is not None:
+        gl = experts.gate_up_proj.detach().clone().requires_grad_(True)
+        dl = experts.down_proj.detach().clone().requires_grad_(True)
+        ids32 = ids.to(torch.int32)
+        xl, wl = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+
+        def lfwd():
+            with torch.no_grad():
+                return LigerMoE.apply(x, gl, dl, ids32, w)
+
+        def lfwdbwd():
+            gl.grad = dl.grad = xl.grad = wl.grad = None
+            LigerMoE.apply(xl, gl, dl, ids32, wl).backward(dout)
+
+        try:
+            out = lfwd()
+            lfwdbwd()
+            err = rel(out, ref)
+            gerr = max(rel(a, b) for a, b in zip([xl.grad, gl.grad, dl.grad, wl.grad], ref_grads))
+            tf, tfb = timed(lfwd), timed(lfwdbwd)
+            rows.append((name, "liger fused_moe", tf, fl / tf * 1e3, tfb, 3 * fl / tfb * 1e3, peak_mb(lfwdbwd), err, gerr))
+            print(rows[-1], flush=True)
+        except Exception as err:
+            print(f"{name} liger fused_moe: not run ({type(err).__name__}: {str(err)[:160]})", flush=True)
+        del gl, dl
 
     # kcpp, routing given: the same experts layer.
     gu, dn = experts.gate_up_proj.detach(), experts.down_proj.detach()
