@@ -1,7 +1,7 @@
 // Mixture-of-experts on CUDA (maths, layout and permutation in moe.h; the grouped GEMM in
 // moe_gemm.cuh).  bf16 and f16 (the tensor-core GEMMs); f32 is refused by the package's supports().
 // The experts' GEMMs run on the package's kernel (below) or on cuBLAS (moe.h: ExpertGemm; the
-// section "the cuBLAS paths" says how); everything else is the same for both.
+// section "the cuBLAS paths" says how, Padded's layout included); everything else is the same for both.
 //
 // Forward with the kernel, every launch on the caller's stream, no host synchronization:
 //   router GEMM (logits rounded to the dtype) -> route (a warp per token: softmax or sigmoid, top-k by
