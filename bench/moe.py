@@ -17,15 +17,16 @@ it), so every row runs the same experts layer:
   - the dense bf16 GEMM 8192^3 in the same run (the ceiling the Mixtral figures are held against).
 The kcpp rows run once for each path of the experts' GEMMs (--gemm, each set as KCPP_MOE_GEMM before
 its calls: the package reads it on every call): "kernel" (the package's mma.sync GEMM), "loop"
-(cuBLAS, one GEMM per expert), "grouped" (one cuBLAS grouped GEMM per projection), "auto" (the
-package's own choice: loop or grouped by the experts' sizes).
+(cuBLAS, one GEMM per expert), "grouped" (one cuBLAS grouped GEMM per projection), "padded" (one
+cuBLAS strided-batched GEMM per projection over the experts zero-padded to the largest count), "auto"
+(the package's own choice: loop, padded or grouped by the experts' counts).
 Peak memory is the PyTorch allocator's peak during one forward + backward above what was allocated
 before it (the package's workspace comes from that allocator).  Outputs and gradients are compared
 with eager's before they are timed.  Decode-sized inputs (1, 16, 64 tokens) are timed forward.
 
 Run on the GPU machine:
   python3 bench/moe.py build/release/kernels/moe/build/kcpp1-cu130-x86_64-linux/libmoe.so
-Options: --configs qwen3,mixtral  --tokens 8192  --decode 1,16,64  --gemm kernel,loop,grouped,auto
+Options: --configs qwen3,mixtral  --tokens 8192  --decode 1,16,64  --gemm kernel,loop,grouped,padded,auto
 --no-peers (the kcpp rows only)  --device cpu (a smoke run at small sizes, for the script itself; its
 timings mean nothing).
 """
@@ -61,7 +62,7 @@ ap.add_argument("--configs", default="qwen3,mixtral")
 ap.add_argument("--tokens", type=int, default=8192)
 ap.add_argument("--decode", default="1,16,64")
 ap.add_argument("--device", default="cuda")
-ap.add_argument("--gemm", default="kernel,loop,grouped,auto", help="KCPP_MOE_GEMM values, one set of kcpp rows each")
+ap.add_argument("--gemm", default="kernel,loop,grouped,padded,auto", help="KCPP_MOE_GEMM values, one set of kcpp rows each")
 ap.add_argument("--no-peers", action="store_true", help="skip Transformers' implementations (eager still gives the reference)")
 opt = ap.parse_args()
 dev = opt.device

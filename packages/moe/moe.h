@@ -103,14 +103,47 @@ inline bool matrix_storage(int64_t rows, int64_t cols, int64_t rs, int64_t cs, b
 //   Loop     cuBLAS, one cublasGemmEx per expert that received tokens.
 //   Grouped  cuBLAS, one cublasGemmGroupedBatchedEx per projection (experts with equal counts form
 //            one group of the call).
-//   Auto     the environment's KCPP_MOE_GEMM (kernel, loop, grouped or auto) when set; else Loop
-//            when one expert's GEMM has at least one 128 x 128 tile per multiprocessor, counting
+//   Padded   cuBLAS, one cublasGemmStridedBatchedEx per projection over the experts first .. last
+//            that received tokens (padded_layout below), each given M rows: its rows, then rows of
+//            zeros (an expert in that range without tokens: M rows of zeros, so its weight gradient
+//            comes out exactly 0).  Zero rows add nothing to a weight gradient's sum over rows, and
+//            the kernels between the products write 0 into the padding rows of h, dgu and c h (no
+//            activation is evaluated there); the routing weights, combine and dw read real rows only.
+//            The workspace holds padded_rows_cap(S, E) rows; a call whose layout needs more runs Grouped.
+//   Auto     the environment's KCPP_MOE_GEMM (kernel, loop, grouped, padded or auto) when set; else
+//            choose_expert_gemm() from the counts read back:
+//            Loop when one expert's GEMM has at least one 128 x 128 tile per multiprocessor, counting
 //            either its average rows against min(H, I) or its weight's H x I (a few large experts,
-//            each filling the GPU on its own, or, at decode sizes, streaming weights large enough to),
-//            else Grouped (many small experts, which fill it only together).
+//            each filling the GPU on its own, or, at decode sizes, streaming weights large enough to);
+//            else Padded when its rows exceed the routed rows by at most 15%: the padded products do
+//            that much more arithmetic, in one strided launch per product whose tiles all have the
+//            same shape, where Grouped runs one small kernel per group of equal counts (many at
+//            many small experts); more padding (a skewed routing, or at decode sizes a range of
+//            experts mostly without tokens, whose weights the padded call would still stream) is
+//            left to Grouped.
 // The cuBLAS paths read the expert offsets back to the host (one stream synchronization per call).
 // While the stream is being captured into a CUDA graph that is not allowed: every choice runs Kernel.
-enum class ExpertGemm : int32_t { Auto = 0, Kernel = 1, Loop = 2, Grouped = 3 };
+enum class ExpertGemm : int32_t { Auto = 0, Kernel = 1, Loop = 2, Grouped = 3, Padded = 4 };
+
+// Padded's rows per expert are a multiple of this (16-byte aligned rows of every buffer).
+constexpr int64_t kPaddedRowMultiple = 8;
+
+// The padded layout of a call's expert counts (offsets [E + 1], increasing): the experts first ..
+// first + experts - 1 (the first and the last that received slots), each `rows` rows (the largest
+// count rounded up to kPaddedRowMultiple); all 0 when no expert received a slot.
+struct PaddedLayout {
+  int64_t first = 0, experts = 0, rows = 0;
+};
+PaddedLayout padded_layout(const int32_t* offsets, int64_t experts);
+// The rows of the padded buffers in the workspace: S + S / 4 + 16 E (the routed rows, a quarter more,
+// and 16 per expert for the rounding and for small calls).  The count M is known only after the
+// read-back, while the workspace is sized before the call: this bound is what a call may use.
+int64_t padded_rows_cap(int64_t slots, int64_t experts);
+// The cuBLAS path of a call (moe_cuda.cu; a pure function of the counts, testable on the host):
+// `asked` Loop or Grouped as is; Padded when the layout fits padded_rows_cap, else Grouped; Auto by
+// the rule above (sms: the device's multiprocessors).  Returns Loop, Grouped or Padded.
+ExpertGemm choose_expert_gemm(ExpertGemm asked, const int32_t* offsets, int64_t experts, int64_t hidden, int64_t inter,
+                              int64_t slots, int64_t sms);
 
 struct MoeParams {
   kernel::DType dtype = kernel::DType::bf16;

@@ -1,7 +1,7 @@
 // Mixture-of-experts on CUDA (maths, layout and permutation in moe.h; the grouped GEMM in
 // moe_gemm.cuh).  bf16 and f16 (the tensor-core GEMMs); f32 is refused by the package's supports().
 // The experts' GEMMs run on the package's kernel (below) or on cuBLAS (moe.h: ExpertGemm; the
-// section "the cuBLAS paths" says how); everything else is the same for both.
+// section "the cuBLAS paths" says how, Padded's layout included); everything else is the same for both.
 //
 // Forward with the kernel, every launch on the caller's stream, no host synchronization:
 //   router GEMM (logits rounded to the dtype) -> route (a warp per token: softmax or sigmoid, top-k by
@@ -81,10 +81,13 @@ struct Bufs {
 };
 
 // `cublas`: room for the cuBLAS paths too (their buffers, by path in the forward's and backward's
-// cuBLAS functions below); the kernel path runs within it all the same.
-Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas) {
+// cuBLAS functions below); `padded`: the buffers by row (xs, h, y, gu, dgu, ch, partial, dxs) hold
+// padded_rows_cap(S, E) rows for the Padded path (moe.h), else S.  The kernel path runs within it all
+// the same.
+Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas, bool padded) {
   Bufs b;
   const int64_t t = p.tokens, h = p.hidden, e = p.experts, s = moe_slots(p), i = p.inter, si = p.shared_inter;
+  const int64_t r = padded ? std::max(s, padded_rows_cap(s, e)) : s;  // rows of the buffers by row
   const int64_t eb = kernel::dtype_bytes(p.dtype);
   const bool router = p.routing != Routing::Given, input = p.weight_on == WeightOn::Input;
   const bool own_ids = bwd ? !router : !(router && p.topk_ids);
@@ -99,21 +102,22 @@ Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas) {
   }
   b.tiles = cv.take<int32_t>(e + 1);
   if (router && !bwd && !p.router_logits) b.logits = cv.take<unsigned char>(t * e * eb);
-  if (input || (bwd && cublas)) b.xs = cv.take<unsigned char>(s * h * eb);
+  if (input || (bwd && cublas)) b.xs = cv.take<unsigned char>(r * h * eb);
   if (si > 0) b.sigma = cv.take<float>(t);
   if (!bwd) {
-    b.h = cv.take<unsigned char>(s * i * eb * (cublas && !p.gate_up ? 2 : 1));  // cuBLAS: [g, u] with h over g
-    b.y = cv.take<unsigned char>(s * h * eb);
+    // cuBLAS: [g, u] with h over g (Padded: also when gate_up is saved, which takes [g, u] by position)
+    b.h = cv.take<unsigned char>(r * i * eb * (cublas && (!p.gate_up || padded) ? 2 : 1));
+    b.y = cv.take<unsigned char>(r * h * eb);
     if (si > 0) {
       b.sh = cv.take<unsigned char>(t * si * eb);
       b.sm = cv.take<unsigned char>(t * h * eb);
     }
   } else {
-    if (!p.gate_up) b.gu = cv.take<unsigned char>(s * 2 * i * eb);
-    b.dgu = cv.take<unsigned char>(s * 2 * i * eb);
-    b.ch = cv.take<unsigned char>(s * i * eb);
-    if (!input) b.partial = cv.take<float>(s * ntiles(i));
-    b.dxs = cv.take<unsigned char>(s * h * eb);
+    if (!p.gate_up) b.gu = cv.take<unsigned char>(r * 2 * i * eb);
+    b.dgu = cv.take<unsigned char>(r * 2 * i * eb);
+    b.ch = cv.take<unsigned char>(r * i * eb);
+    if (!input) b.partial = cv.take<float>(std::max(s * ntiles(i), r));  // cuBLAS: one per row
+    b.dxs = cv.take<unsigned char>(r * h * eb);
     b.dw = cv.take<float>(s);
     if (router) b.dz = cv.take<unsigned char>(t * e * eb);
     if (router || si > 0) b.dxr = cv.take<float>(t * h);
@@ -294,17 +298,18 @@ __global__ void gather_scale(int64_t h, int k, const int32_t* valid, const int32
 }
 
 // out_t = sum_j c_s y[pos s] (+ sigma_t m_t), slots in order.
+// `valid` null: pos holds rows of y (Padded's), -1 for a slot no expert takes.
 template <typename T>
 __global__ void combine_forward(int64_t h, int k, const int32_t* valid, const int32_t* pos, const float* w, bool output,
                                 const T* y, const float* sigma, const T* m, T* out, int64_t ldo) {
   const int64_t t = blockIdx.x;
-  const int32_t nvalid = *valid;
+  const int32_t nvalid = valid ? *valid : INT32_MAX;
   for (int64_t c = threadIdx.x; c < h; c += blockDim.x) {
     float acc = 0.0f;
     for (int j = 0; j < k; ++j) {
       const int64_t s = t * k + j;
       const int32_t q = pos[s];
-      if (q >= nvalid) continue;
+      if (q < 0 || q >= nvalid) continue;
       acc += (output ? w[s] : 1.0f) * to_f32(y[static_cast<int64_t>(q) * h + c]);
     }
     if (m) acc += sigma[t] * to_f32(m[t * h + c]);
@@ -329,6 +334,7 @@ __global__ void shared_sigma(int64_t tokens, int64_t h, const T* x, int64_t ldx,
 }
 
 // dw per slot: Output: the row sums of q h over the n tiles; Input: dx_s . x_t (a warp per slot).
+// `valid` null: pos holds rows (Padded's), -1 for a slot no expert takes.
 template <typename T>
 __global__ void slot_dw(int64_t slots, int64_t h, int k, const int32_t* valid, const int32_t* pos, const float* partial,
                         int64_t nt, const T* dxs, const T* x, int64_t ldx, float* dw) {
@@ -336,7 +342,7 @@ __global__ void slot_dw(int64_t slots, int64_t h, int k, const int32_t* valid, c
   const int lane = threadIdx.x & 31;
   if (s >= slots) return;
   const int32_t q = pos[s];
-  if (q >= *valid) {
+  if (q < 0 || (valid && q >= *valid)) {
     if (lane == 0) dw[s] = 0.0f;
     return;
   }
@@ -393,18 +399,19 @@ __global__ void route_backward(int64_t tokens, int e, int k, const T* logits, Ro
   }
 }
 
-// dx_t = sum_j c'_s dx_s (slots in order) + dxr_t.
+// dx_t = sum_j c'_s dx_s (slots in order) + dxr_t.  `valid` null: pos holds rows of dxs (Padded's),
+// -1 for a slot no expert takes.
 template <typename T>
 __global__ void combine_backward(int64_t h, int k, const int32_t* valid, const int32_t* pos, const float* w, bool input,
                                  const T* dxs, const float* dxr, T* dx, int64_t ldd) {
   const int64_t t = blockIdx.x;
-  const int32_t nvalid = *valid;
+  const int32_t nvalid = valid ? *valid : INT32_MAX;
   for (int64_t c = threadIdx.x; c < h; c += blockDim.x) {
     float acc = 0.0f;
     for (int j = 0; j < k; ++j) {
       const int64_t s = t * k + j;
       const int32_t q = pos[s];
-      if (q >= nvalid) continue;
+      if (q < 0 || q >= nvalid) continue;
       acc += (input ? w[s] : 1.0f) * to_f32(dxs[static_cast<int64_t>(q) * h + c]);
     }
     if (dxr) acc += dxr[t * h + c];
@@ -509,8 +516,17 @@ int64_t grid_y_rows(gemm::Grouping g, int64_t rows, int64_t groups) {
 // cublasGemmGroupedBatchedEx per product, the experts with equal n_e one group (a group shares m, n,
 // k, the leading dims and the scalars; its A, B, C pointers are device arrays, copied from pinned host
 // memory into the workspace), cuBLAS 12.5 on.
+//
+// Padded (moe.h: PaddedLayout): the buffers by row hold row r = (e - first) M + j of expert e's j-th
+// position when j < n_e, a zero row (xs, dout) or a row of zeros written by the kernels (h, dgu, c h)
+// when j >= n_e; every product of the list above is one cublasGemmStridedBatchedEx over the experts
+// first .. last with m = M (k = M for the weight gradients), the batch strides M rows of the
+// buffers and the weights' expert stride.  The gathers write the padded rows directly (zeros
+// included), the GLU kernels copy [g, u] to the saved gate_up by position (forward) or read it from
+// there (backward), and afterwards each slot's position becomes its padded row (pad_positions) for
+// combine and dw.
 
-enum class Path { Kernel, Loop, Grouped, Auto };  // Auto: Loop or Grouped, chosen from the counts
+enum class Path { Kernel, Loop, Grouped, Padded, Auto };  // Auto: Loop, Grouped or Padded, chosen from the counts
 
 // The path asked for: p.expert_gemm, else KCPP_MOE_GEMM, else by size (moe.h), before the capture test.
 const char* requested_path(const MoeParams& p, Path* out) {
@@ -521,14 +537,16 @@ const char* requested_path(const MoeParams& p, Path* out) {
       if (!std::strcmp(env, "kernel")) g = ExpertGemm::Kernel;
       else if (!std::strcmp(env, "loop")) g = ExpertGemm::Loop;
       else if (!std::strcmp(env, "grouped")) g = ExpertGemm::Grouped;
+      else if (!std::strcmp(env, "padded")) g = ExpertGemm::Padded;
       else if (std::strcmp(env, "auto"))
-        return errorf("moe: KCPP_MOE_GEMM='%.64s' is none of kernel, loop, grouped, auto", env);
+        return errorf("moe: KCPP_MOE_GEMM='%.64s' is none of kernel, loop, grouped, padded, auto", env);
     }
   }
   switch (g) {
     case ExpertGemm::Kernel: *out = Path::Kernel; break;
     case ExpertGemm::Loop: *out = Path::Loop; break;
     case ExpertGemm::Grouped: *out = Path::Grouped; break;
+    case ExpertGemm::Padded: *out = Path::Padded; break;
     default: *out = Path::Auto;
   }
   return nullptr;
@@ -539,6 +557,14 @@ bool cublas_workspace(const MoeParams& p) {
   Path path = Path::Kernel;
   return requested_path(p, &path) != nullptr || path != Path::Kernel;
 }
+
+// Whether the workspace holds Padded's buffers (the path asked for is Padded or Auto).
+bool padded_workspace(const MoeParams& p) {
+  Path path = Path::Kernel;
+  return requested_path(p, &path) != nullptr || path == Path::Padded || path == Path::Auto;
+}
+
+Bufs call_layout(const MoeParams& p, bool bwd, Carve& cv) { return layout(p, bwd, cv, cublas_workspace(p), padded_workspace(p)); }
 
 // This call's path: Kernel while `st` is being captured into a graph (no host read-back there).
 const char* call_path(const MoeParams& p, cudaStream_t st, Path* out) {
@@ -666,12 +692,29 @@ BlasArgs blas_args(Prod q) {
 
 cudaDataType_t blas_type(DType t) { return t == DType::f16 ? CUDA_R_16F : CUDA_R_16BF; }
 
+// Padded's layout as the kernels see it: row r is expert first + r / m's (r % m)-th row; m == 0: no
+// padding (row r is position r).
+struct Pad {
+  int64_t m = 0;
+  int first = 0;
+  const int32_t* offsets = nullptr;
+};
+// The position in row r, or -1 for a padding row.
+__device__ __forceinline__ int32_t position_of(const Pad& pd, int64_t r) {
+  if (pd.m == 0) return static_cast<int32_t>(r);
+  const int e = pd.first + static_cast<int>(r / pd.m);
+  const int64_t j = r % pd.m;
+  const int32_t o = pd.offsets[e];
+  return j < pd.offsets[e + 1] - o ? o + static_cast<int32_t>(j) : -1;
+}
+
 // One call's cuBLAS state: the handle on the stream, the counts read back, the experts with
-// positions (by count, descending, then by index) and the runs of equal counts among them.
+// positions (by count, descending, then by index), the runs of equal counts among them and the
+// padded layout (Padded).
 class Blas {
  public:
   const char* begin(Path path, const int32_t* offsets, int64_t experts, DType dt, const Bufs& b, int64_t h, int64_t inter,
-                    cudaStream_t st) {
+                    int64_t slots, cudaStream_t st) {
     if (const char* e = host_side(&hs_)) return e;
     st_ = st, dt_ = blas_type(dt), dev_ptrs_ = b.ptrs, experts_ = experts;
     cudaError_t err = cudaMemcpyAsync(hs_->offsets, offsets, static_cast<size_t>(experts + 1) * sizeof(int32_t),
@@ -690,7 +733,20 @@ class Blas {
       if (q == 0 || count(order_[q]) != count(order_[q - 1])) runs_.push_back(0);
       ++runs_.back();
     }
-    path_ = path == Path::Auto ? pick(h, inter) : path;
+    if (path == Path::Loop || path == Path::Grouped) {
+      path_ = path;
+    } else {
+      int device = 0;
+      cudaGetDevice(&device);
+      const ExpertGemm g = choose_expert_gemm(path == Path::Padded ? ExpertGemm::Padded : ExpertGemm::Auto, hs_->offsets, experts,
+                                              h, inter, slots, kernel::cuda::sm_count(device));
+      path_ = g == ExpertGemm::Padded ? Path::Padded : g == ExpertGemm::Loop ? Path::Loop : Path::Grouped;
+      static std::atomic<bool> told{false};
+      if (path == Path::Padded && path_ != Path::Padded && !told.exchange(true))
+        std::fprintf(stderr, "kcpp moe: the padded layout needs more rows than the workspace holds (moe.h: padded_rows_cap); "
+                             "running Grouped\n");
+    }
+    if (path_ == Path::Padded) pad_ = padded_layout(hs_->offsets, experts);
     if (cublasSetStream(hs_->handle, st) != CUBLAS_STATUS_SUCCESS ||  // before the workspace: it resets it
         cublasSetWorkspace(hs_->handle, b.blas, kCublasWorkspace) != CUBLAS_STATUS_SUCCESS)
       return "moe: could not set cuBLAS's stream and workspace";
@@ -701,10 +757,27 @@ class Blas {
   int64_t offset(int64_t e) const { return off_[e]; }
   int64_t valid() const { return off_[experts_]; }
   bool any_empty() const { return static_cast<int64_t>(order_.size()) < experts_; }
+  bool padded() const { return path_ == Path::Padded; }
+  // Expert e's rows in the buffers by row: its count from its first position, or Padded's M from
+  // its block; the rows of those buffers in use; the layout for the kernels.
+  int64_t rows(int64_t e) const { return padded() ? pad_.rows : count(e); }
+  int64_t row0(int64_t e) const { return padded() ? (e - pad_.first) * pad_.rows : offset(e); }
+  int64_t buffer_rows() const { return padded() ? pad_.experts * pad_.rows : valid(); }
+  Pad pad(const int32_t* offsets) const {
+    Pad pd;
+    if (padded()) pd.m = pad_.rows, pd.first = static_cast<int>(pad_.first), pd.offsets = offsets;
+    return pd;
+  }
 
   // The product `prod(e)` (a Prod) of every expert with positions.
   template <typename F> const char* run(const char* what, const F& prod) {
     if (order_.empty()) return nullptr;
+    if (path_ == Path::Padded) {
+      const cublasStatus_t s = strided(prod);
+      if (s == CUBLAS_STATUS_SUCCESS) return nullptr;
+      return errorf("moe: cublasGemmStridedBatchedEx (%s, %lld experts of %lld rows) failed: %s", what,
+                    static_cast<long long>(pad_.experts), static_cast<long long>(pad_.rows), cublasGetStatusString(s));
+    }
     if (path_ == Path::Grouped) {
       const cublasStatus_t s = grouped(prod);
       if (s == CUBLAS_STATUS_SUCCESS) return nullptr;
@@ -728,17 +801,21 @@ class Blas {
   }
 
  private:
-  // Loop when one expert's average GEMM has a 128 x 128 tile per multiprocessor (its smaller output
-  // dim min(H, I) by its rows), else Grouped.
-  Path pick(int64_t h, int64_t inter) const {
-    if (order_.empty()) return Path::Loop;
-    int device = 0;
-    cudaGetDevice(&device);
-    const int64_t sms = kernel::cuda::sm_count(device);
-    const int64_t rows = valid() / static_cast<int64_t>(order_.size());
-    const int64_t row_tiles = ceil_div(rows, 128) * ceil_div(std::min(h, inter), 128);
-    const int64_t weight_tiles = ceil_div(h, 128) * ceil_div(inter, 128);
-    return row_tiles >= sms || weight_tiles >= sms ? Path::Loop : Path::Grouped;
+  // Padded: the products of experts first and first + 1 give the batch strides (every operand's
+  // address is affine in the expert: rows of a buffer by row0(), or a weight's expert stride).
+  template <typename F> cublasStatus_t strided(const F& prod) {
+    const int64_t nb = pad_.experts, eb = 2;  // bf16 / f16
+    const BlasArgs a = blas_args(prod(static_cast<int>(pad_.first)));
+    long long sa = 0, sb = 0, sc = 0;
+    if (nb > 1) {
+      const BlasArgs z = blas_args(prod(static_cast<int>(pad_.first + 1)));
+      sa = (static_cast<const char*>(z.a) - static_cast<const char*>(a.a)) / eb;
+      sb = (static_cast<const char*>(z.b) - static_cast<const char*>(a.b)) / eb;
+      sc = (static_cast<const char*>(z.c) - static_cast<const char*>(a.c)) / eb;
+    }
+    const float one = 1.0f;
+    return cublasGemmStridedBatchedEx_64(hs_->handle, a.ta, a.tb, a.m, a.n, a.k, &one, a.a, dt_, a.lda, sa, a.b, dt_, a.ldb, sb,
+                                         &a.beta, a.c, dt_, a.ldc, sc, nb, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   }
 
   template <typename F> cublasStatus_t grouped(const F& prod) {
@@ -776,58 +853,112 @@ class Blas {
   void** dev_ptrs_ = nullptr;
   int64_t experts_ = 0, used_ = 0;
   Path path_ = Path::Loop;
+  PaddedLayout pad_;
   std::vector<int64_t> off_, runs_;
   std::vector<int> order_;
 };
 
-// rows[q] = x[sorted[q] / k] for the positions q of the grid (a block each); V elements a step.
+// rows[r] = x_t of row r's position q (t = sorted[q] / k), or round(w x_t) with w = w[sorted[q]]
+// when w is given (Input); a row of zeros for a padding row (Pad).  A block per row, V elements a step.
 template <typename T, int V>
-__global__ void gather_rows(int64_t h, int k, const int32_t* sorted, const T* x, int64_t ldx, T* rows) {
-  const int64_t q = blockIdx.x;
-  const T* src = x + static_cast<int64_t>(sorted[q] / k) * ldx;
-  T* dst = rows + q * h;
-  for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < h; c += static_cast<int64_t>(blockDim.x) * V)
+__global__ void gather_rows(int64_t h, int k, Pad pd, const int32_t* sorted, const float* w, const T* x, int64_t ldx, T* rows) {
+  const int64_t r = blockIdx.x;
+  const int32_t q = position_of(pd, r);
+  T* dst = rows + r * h;
+  const int64_t step = static_cast<int64_t>(blockDim.x) * V;
+  if (q < 0) {
+    const float zero[V] = {};
+    for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < h; c += step) kernel::cuda::store_f32<T, V>(dst + c, zero);
+    return;
+  }
+  const int32_t slot = sorted[q];
+  const T* src = x + static_cast<int64_t>(slot / k) * ldx;
+  if (w) {
+    const float wv = w[slot];
+    for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < h; c += step) {
+      float v[V];
+      kernel::cuda::load_f32<T, V>(src + c, v);
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[j] *= wv;
+      kernel::cuda::store_f32<T, V>(dst + c, v);
+    }
+    return;
+  }
+  for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < h; c += step)
     *reinterpret_cast<kernel::cuda::Vec<T, V>*>(dst + c) = *reinterpret_cast<const kernel::cuda::Vec<T, V>*>(src + c);
 }
 
-template <typename T> void launch_gather(int64_t n, int64_t h, int64_t k, const int32_t* sorted, const T* x, int64_t ldx, T* rows,
-                                         cudaStream_t st) {
+template <typename T> void launch_gather(int64_t n, int64_t h, int64_t k, Pad pd, const int32_t* sorted, const float* w, const T* x,
+                                         int64_t ldx, T* rows, cudaStream_t st) {
   if (n <= 0) return;
   if (h % 8 == 0 && ldx % 8 == 0 && kernel::cuda::aligned16(x) && kernel::cuda::aligned16(rows))
-    gather_rows<T, 8><<<static_cast<unsigned>(n), 128, 0, st>>>(h, static_cast<int>(k), sorted, x, ldx, rows);
+    gather_rows<T, 8><<<static_cast<unsigned>(n), 128, 0, st>>>(h, static_cast<int>(k), pd, sorted, w, x, ldx, rows);
   else
-    gather_rows<T, 1><<<static_cast<unsigned>(n), 128, 0, st>>>(h, static_cast<int>(k), sorted, x, ldx, rows);
+    gather_rows<T, 1><<<static_cast<unsigned>(n), 128, 0, st>>>(h, static_cast<int>(k), pd, sorted, w, x, ldx, rows);
 }
 
-// The forward's gated activation by position (a block per row): h[q, i] = round(act(g_i) u_i),
-// [g, u] = gu[q] (2I wide).  h may lie over gu's gate half (ldh = 2I): each element is read and
-// written by one thread.
-template <typename T, int V> __global__ void glu_rows(int64_t inter, kernel::Activation act, const T* gu, T* h, int64_t ldh) {
-  const int64_t q = blockIdx.x;
-  const T* row = gu + q * 2 * inter;
+// Padded: each slot's position becomes its padded row (Pad), -1 for a slot no expert takes.
+__global__ void pad_positions(int64_t s, int e, const int32_t* ids, Pad pd, int32_t* pos) {
+  const int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (q >= s) return;
+  const int32_t id = ids[q];
+  pos[q] = id >= 0 && id < e ? static_cast<int32_t>((id - pd.first) * pd.m + (pos[q] - pd.offsets[id])) : -1;
+}
+
+// The forward's gated activation by row (a block per row): h[r, i] = round(act(g_i) u_i), [g, u] =
+// gu[r] (2I wide), and 0 in a padding row (Pad); `save` (Padded): [g, u] also to save[q] for the
+// row's position q.  h may lie over gu's gate half (ldh = 2I): each element is read and written by
+// one thread.
+template <typename T, int V>
+__global__ void glu_rows(int64_t inter, kernel::Activation act, Pad pd, const T* gu, T* h, int64_t ldh, T* save) {
+  const int64_t r = blockIdx.x;
+  const int32_t q = position_of(pd, r);
+  const T* row = gu + r * 2 * inter;
   for (int64_t i = static_cast<int64_t>(threadIdx.x) * V; i < inter; i += static_cast<int64_t>(blockDim.x) * V) {
     float g[V], u[V], out[V];
-    kernel::cuda::load_f32<T, V>(row + i, g);
-    kernel::cuda::load_f32<T, V>(row + inter + i, u);
+    if (q < 0) {
 #pragma unroll
-    for (int j = 0; j < V; ++j) out[j] = gemm::act_eval(act, g[j], nullptr) * u[j];
-    kernel::cuda::store_f32<T, V>(h + q * ldh + i, out);
+      for (int j = 0; j < V; ++j) out[j] = 0.0f;
+    } else {
+      kernel::cuda::load_f32<T, V>(row + i, g);
+      kernel::cuda::load_f32<T, V>(row + inter + i, u);
+      if (save) {
+        kernel::cuda::store_f32<T, V>(save + static_cast<int64_t>(q) * 2 * inter + i, g);
+        kernel::cuda::store_f32<T, V>(save + static_cast<int64_t>(q) * 2 * inter + inter + i, u);
+      }
+#pragma unroll
+      for (int j = 0; j < V; ++j) out[j] = gemm::act_eval(act, g[j], nullptr) * u[j];
+    }
+    kernel::cuda::store_f32<T, V>(h + r * ldh + i, out);
   }
 }
 
-// The backward's GLU by position (a block per row), with q read from ch (the q GEMM's output, rounded
-// to the dtype), [g, u] = gu[q] and c = w[sorted[q]] (Output; Input: 1):
+// The backward's GLU by row r (a block per row) of position p (Pad), with q read from ch (the q GEMM's
+// output, rounded to the dtype), [g, u] = gu[p] (gu_by_position: the saved gate_up) or gu[r], and
+// c = w[sorted[p]] (Output; Input: 1):
 //   a = act(g), h = round(a u), dh = round(c q), dgu = round([dh u act'(g), dh a]), ch = round(c h),
-//   rowsum[q] = sum_i q_i h_i (Output: the slot's dw), in a fixed order.
+//   rowsum[r] = sum_i q_i h_i (Output: the slot's dw), in a fixed order;
+// in a padding row dgu, ch and rowsum are 0.
 template <typename T, int V>
-__global__ void glu_backward_rows(int64_t inter, kernel::Activation act, const T* gu, const float* w, const int32_t* sorted, T* ch, T* dgu,
-                                  float* rowsum) {
+__global__ void glu_backward_rows(int64_t inter, kernel::Activation act, Pad pd, const T* gu, bool gu_by_position, const float* w,
+                                  const int32_t* sorted, T* ch, T* dgu, float* rowsum) {
   __shared__ float red[32];
-  const int64_t q = blockIdx.x;
-  const float c = w ? w[sorted[q]] : 1.0f;
-  const T* row = gu + q * 2 * inter;
-  T* chr = ch + q * inter;
-  T* dr = dgu + q * 2 * inter;
+  const int64_t r = blockIdx.x;
+  const int32_t p = position_of(pd, r);
+  T* chr = ch + r * inter;
+  T* dr = dgu + r * 2 * inter;
+  if (p < 0) {  // the whole block returns together
+    const float zero[V] = {};
+    for (int64_t i = static_cast<int64_t>(threadIdx.x) * V; i < inter; i += static_cast<int64_t>(blockDim.x) * V) {
+      kernel::cuda::store_f32<T, V>(dr + i, zero);
+      kernel::cuda::store_f32<T, V>(dr + inter + i, zero);
+      kernel::cuda::store_f32<T, V>(chr + i, zero);
+    }
+    if (rowsum && threadIdx.x == 0) rowsum[r] = 0.0f;
+    return;
+  }
+  const float c = w ? w[sorted[p]] : 1.0f;
+  const T* row = gu + (gu_by_position ? static_cast<int64_t>(p) : r) * 2 * inter;
   float acc = 0.0f;
   for (int64_t i = static_cast<int64_t>(threadIdx.x) * V; i < inter; i += static_cast<int64_t>(blockDim.x) * V) {
     float qv[V], g[V], u[V], dg[V], du[V], hc[V];
@@ -849,7 +980,7 @@ __global__ void glu_backward_rows(int64_t inter, kernel::Activation act, const T
   }
   if (rowsum) {
     acc = kernel::cuda::block_sum(acc, red);
-    if (threadIdx.x == 0) rowsum[q] = acc;
+    if (threadIdx.x == 0) rowsum[r] = acc;
   }
 }
 
@@ -877,141 +1008,157 @@ void zero_empty(const Blas& blas, const int32_t* offsets, int64_t experts, const
       offsets, static_cast<T*>(m.data), m.expert_stride, m.row_stride, m.col_stride, rows, cols);
 }
 
-// The forward's experts on cuBLAS: the expert inputs by position (gathered, or Input's scaled rows),
-// gu, h, then y by position into b.y (which held the gathered inputs until then, in Output mode).
+// The forward's experts on cuBLAS: the expert inputs by row (gathered, or Input's scaled rows), gu,
+// h, then y by row into b.y (which held the gathered inputs until then, in Output mode).  Padded:
+// the rows are padded ones, and b.pos then holds each slot's row (*padded set).
 template <typename T>
 const char* experts_forward_cublas(const MoeParams& p, const Bufs& b, Path path, const int32_t* offsets, const int32_t* sorted,
-                                   const float* w, cudaStream_t st) {
-  const int64_t h = p.hidden, I = p.inter, k = p.top_k, ne = p.experts, eb = sizeof(T);
+                                   const int32_t* ids, const float* w, bool* padded, cudaStream_t st) {
+  const int64_t h = p.hidden, I = p.inter, k = p.top_k, ne = p.experts, eb = sizeof(T), s = moe_slots(p);
   const bool input = p.weight_on == WeightOn::Input;
   Blas blas;
-  if (const char* e = blas.begin(path, offsets, ne, p.dtype, b, h, I, st)) return e;
-  const int64_t n = blas.valid();
-  if (n == 0) return nullptr;
+  if (const char* e = blas.begin(path, offsets, ne, p.dtype, b, h, I, s, st)) return e;
+  if (blas.valid() == 0) return nullptr;
+  const int64_t n = blas.buffer_rows();
+  const Pad pd = blas.pad(offsets);
   const T* x = static_cast<const T*>(p.x);
   T* xs = static_cast<T*>(input ? b.xs : b.y);
-  if (input)
-    gather_scale<T><<<static_cast<unsigned>(n), 128, 0, st>>>(h, static_cast<int>(k), offsets + ne, sorted, w, x, p.x_stride, xs);
-  else
-    launch_gather<T>(n, h, k, sorted, x, p.x_stride, xs, st);
-  T* gu = static_cast<T*>(p.gate_up ? p.gate_up : b.h);
-  T* hb = p.gate_up ? static_cast<T*>(b.h) : gu;  // h over gu's gate half when gu is not kept
-  const int64_t ldh = p.gate_up ? I : 2 * I;
+  launch_gather<T>(n, h, k, pd, sorted, input ? w : nullptr, x, p.x_stride, xs, st);
+  // gu: the saved gate_up, or b.h with h over its gate half; Padded: always b.h (padded rows), the
+  // GLU kernel copying [g, u] to the saved gate_up by position.
+  const bool direct = p.gate_up && !blas.padded();
+  T* gu = static_cast<T*>(direct ? p.gate_up : b.h);
+  T* hb = direct ? static_cast<T*>(b.h) : gu;
+  const int64_t ldh = direct ? I : 2 * I;
+  T* save = blas.padded() ? static_cast<T*>(p.gate_up) : nullptr;
   if (one_stack(p.gate, p.up, I, h, eb)) {
     if (const char* e = blas.run("gate_up = x W_gate_up^T", [&](int ex) {
-          return Prod{blas.count(ex), 2 * I, h, rows_op(xs, blas.offset(ex), h, eb), tr(matrix_op(p.gate, ex, 2 * I, h, eb)),
-                      rows_op(gu, blas.offset(ex), 2 * I, eb), 0.0f};
+          return Prod{blas.rows(ex), 2 * I, h, rows_op(xs, blas.row0(ex), h, eb), tr(matrix_op(p.gate, ex, 2 * I, h, eb)),
+                      rows_op(gu, blas.row0(ex), 2 * I, eb), 0.0f};
         }))
       return e;
   } else {
     for (int half = 0; half < 2; ++half)
       if (const char* e = blas.run(half ? "up = x W_up^T" : "gate = x W_gate^T", [&](int ex) {
-            return Prod{blas.count(ex), I, h, rows_op(xs, blas.offset(ex), h, eb), tr(matrix_op(half ? p.up : p.gate, ex, I, h, eb)),
-                        rows_op(gu + half * I, blas.offset(ex), 2 * I, eb), 0.0f};
+            return Prod{blas.rows(ex), I, h, rows_op(xs, blas.row0(ex), h, eb), tr(matrix_op(half ? p.up : p.gate, ex, I, h, eb)),
+                        rows_op(gu + half * I, blas.row0(ex), 2 * I, eb), 0.0f};
           }))
         return e;
   }
-  if (I % 8 == 0 && kernel::cuda::aligned16(gu) && kernel::cuda::aligned16(hb))
-    glu_rows<T, 8><<<static_cast<unsigned>(n), 128, 0, st>>>(I, p.act, gu, hb, ldh);
+  if (I % 8 == 0 && kernel::cuda::aligned16(gu) && kernel::cuda::aligned16(hb) && (!save || kernel::cuda::aligned16(save)))
+    glu_rows<T, 8><<<static_cast<unsigned>(n), 128, 0, st>>>(I, p.act, pd, gu, hb, ldh, save);
   else
-    glu_rows<T, 1><<<static_cast<unsigned>(n), 128, 0, st>>>(I, p.act, gu, hb, ldh);
-  return blas.run("y = h W_down^T", [&](int ex) {
-    return Prod{blas.count(ex), h, I, rows_op(hb, blas.offset(ex), ldh, eb), tr(matrix_op(p.down, ex, h, I, eb)),
-                rows_op(b.y, blas.offset(ex), h, eb), 0.0f};
-  });
+    glu_rows<T, 1><<<static_cast<unsigned>(n), 128, 0, st>>>(I, p.act, pd, gu, hb, ldh, save);
+  if (const char* e = blas.run("y = h W_down^T", [&](int ex) {
+        return Prod{blas.rows(ex), h, I, rows_op(hb, blas.row0(ex), ldh, eb), tr(matrix_op(p.down, ex, h, I, eb)),
+                    rows_op(b.y, blas.row0(ex), h, eb), 0.0f};
+      }))
+    return e;
+  if (blas.padded()) {
+    pad_positions<<<static_cast<unsigned>(ceil_div(s, 256)), 256, 0, st>>>(s, static_cast<int>(ne), ids, pd, b.pos);
+    *padded = true;
+  }
+  return nullptr;
 }
 
 // The backward's experts on cuBLAS, through dxs, the weight gradients and (Output) the row sums of
-// q h in b.partial (one per position).  dout by position lives in b.dxs until the dx product.
+// q h in b.partial (one per row).  dout by row lives in b.dxs until the dx product.  Padded: the
+// rows are padded ones, and b.pos then holds each slot's row (*padded set).
 template <typename T>
 const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path, const int32_t* offsets, const int32_t* sorted,
-                                    const float* w, cudaStream_t st) {
-  const int64_t h = p.hidden, I = p.inter, k = p.top_k, ne = p.experts, eb = sizeof(T);
+                                    const int32_t* ids, const float* w, bool* padded, cudaStream_t st) {
+  const int64_t h = p.hidden, I = p.inter, k = p.top_k, ne = p.experts, eb = sizeof(T), s = moe_slots(p);
   const bool input = p.weight_on == WeightOn::Input;
   Blas blas;
-  if (const char* e = blas.begin(path, offsets, ne, p.dtype, b, h, I, st)) return e;
-  const int64_t n = blas.valid();
+  if (const char* e = blas.begin(path, offsets, ne, p.dtype, b, h, I, s, st)) return e;
+  // Experts without positions: zero here (Padded: those between first and last get exact zeros
+  // from the products again).
   zero_empty<T>(blas, offsets, ne, p.ddown, h, I, st);
   zero_empty<T>(blas, offsets, ne, p.dgate, I, h, st);
   zero_empty<T>(blas, offsets, ne, p.dup, I, h, st);
-  if (n == 0) return nullptr;
+  if (blas.valid() == 0) return nullptr;
+  const int64_t n = blas.buffer_rows();
+  const Pad pd = blas.pad(offsets);
   const T* x = static_cast<const T*>(p.x);
   T* xs = static_cast<T*>(b.xs);
   const bool gate_up_grad = p.dgate.data || p.dup.data;
-  if (input)
-    gather_scale<T><<<static_cast<unsigned>(n), 128, 0, st>>>(h, static_cast<int>(k), offsets + ne, sorted, w, x, p.x_stride, xs);
-  else if (!p.gate_up || gate_up_grad)
-    launch_gather<T>(n, h, k, sorted, x, p.x_stride, xs, st);
+  if (input || !p.gate_up || gate_up_grad) launch_gather<T>(n, h, k, pd, sorted, input ? w : nullptr, x, p.x_stride, xs, st);
   const bool stacked = one_stack(p.gate, p.up, I, h, eb);
-  const T* gu = static_cast<const T*>(p.gate_up);
-  if (!gu) {  // gate_up again
+  const T* gu = static_cast<const T*>(p.gate_up);  // by position
+  if (!gu) {  // gate_up again, by row
     T* out = static_cast<T*>(b.gu);
     if (stacked) {
       if (const char* e = blas.run("gate_up = x W_gate_up^T", [&](int ex) {
-            return Prod{blas.count(ex), 2 * I, h, rows_op(xs, blas.offset(ex), h, eb), tr(matrix_op(p.gate, ex, 2 * I, h, eb)),
-                        rows_op(out, blas.offset(ex), 2 * I, eb), 0.0f};
+            return Prod{blas.rows(ex), 2 * I, h, rows_op(xs, blas.row0(ex), h, eb), tr(matrix_op(p.gate, ex, 2 * I, h, eb)),
+                        rows_op(out, blas.row0(ex), 2 * I, eb), 0.0f};
           }))
         return e;
     } else {
       for (int half = 0; half < 2; ++half)
         if (const char* e = blas.run(half ? "up = x W_up^T" : "gate = x W_gate^T", [&](int ex) {
-              return Prod{blas.count(ex), I, h, rows_op(xs, blas.offset(ex), h, eb), tr(matrix_op(half ? p.up : p.gate, ex, I, h, eb)),
-                          rows_op(out + half * I, blas.offset(ex), 2 * I, eb), 0.0f};
+              return Prod{blas.rows(ex), I, h, rows_op(xs, blas.row0(ex), h, eb), tr(matrix_op(half ? p.up : p.gate, ex, I, h, eb)),
+                          rows_op(out + half * I, blas.row0(ex), 2 * I, eb), 0.0f};
             }))
           return e;
     }
-    gu = out;
   }
   T* dout = static_cast<T*>(b.dxs);
-  launch_gather<T>(n, h, k, sorted, static_cast<const T*>(p.dout), p.dout_stride, dout, st);
+  launch_gather<T>(n, h, k, pd, sorted, nullptr, static_cast<const T*>(p.dout), p.dout_stride, dout, st);
   T* ch = static_cast<T*>(b.ch);
   T* dgu = static_cast<T*>(b.dgu);
   if (const char* e = blas.run("q = dout W_down", [&](int ex) {
-        return Prod{blas.count(ex), I, h, rows_op(dout, blas.offset(ex), h, eb), matrix_op(p.down, ex, h, I, eb),
-                    rows_op(ch, blas.offset(ex), I, eb), 0.0f};
+        return Prod{blas.rows(ex), I, h, rows_op(dout, blas.row0(ex), h, eb), matrix_op(p.down, ex, h, I, eb),
+                    rows_op(ch, blas.row0(ex), I, eb), 0.0f};
       }))
     return e;
   const float* coef = input ? nullptr : w;
   float* rowsum = input ? nullptr : b.partial;
-  if (I % 8 == 0 && kernel::cuda::aligned16(gu))
-    glu_backward_rows<T, 8><<<static_cast<unsigned>(n), 128, 0, st>>>(I, p.act, gu, coef, sorted, ch, dgu, rowsum);
+  const T* gu_rows = gu ? gu : static_cast<const T*>(b.gu);
+  if (I % 8 == 0 && kernel::cuda::aligned16(gu_rows))
+    glu_backward_rows<T, 8><<<static_cast<unsigned>(n), 128, 0, st>>>(I, p.act, pd, gu_rows, gu != nullptr, coef, sorted, ch, dgu, rowsum);
   else
-    glu_backward_rows<T, 1><<<static_cast<unsigned>(n), 128, 0, st>>>(I, p.act, gu, coef, sorted, ch, dgu, rowsum);
+    glu_backward_rows<T, 1><<<static_cast<unsigned>(n), 128, 0, st>>>(I, p.act, pd, gu_rows, gu != nullptr, coef, sorted, ch, dgu, rowsum);
   if (p.ddown.data)
     if (const char* e = blas.run("dW_down = dout^T (c h)", [&](int ex) {
-          return Prod{h, I, blas.count(ex), tr(rows_op(dout, blas.offset(ex), h, eb)), rows_op(ch, blas.offset(ex), I, eb),
+          return Prod{h, I, blas.rows(ex), tr(rows_op(dout, blas.row0(ex), h, eb)), rows_op(ch, blas.row0(ex), I, eb),
                       matrix_op(p.ddown, ex, h, I, eb), 0.0f};
         }))
       return e;
   T* dxs = static_cast<T*>(b.dxs);  // over dout, which is done with
   if (stacked) {
     if (const char* e = blas.run("dxs = dgu W_gate_up", [&](int ex) {
-          return Prod{blas.count(ex), h, 2 * I, rows_op(dgu, blas.offset(ex), 2 * I, eb), matrix_op(p.gate, ex, 2 * I, h, eb),
-                      rows_op(dxs, blas.offset(ex), h, eb), 0.0f};
+          return Prod{blas.rows(ex), h, 2 * I, rows_op(dgu, blas.row0(ex), 2 * I, eb), matrix_op(p.gate, ex, 2 * I, h, eb),
+                      rows_op(dxs, blas.row0(ex), h, eb), 0.0f};
         }))
       return e;
   } else {
     for (int half = 0; half < 2; ++half)
       if (const char* e = blas.run(half ? "dxs += du W_up" : "dxs = dg W_gate", [&](int ex) {
-            return Prod{blas.count(ex), h, I, rows_op(dgu + half * I, blas.offset(ex), 2 * I, eb),
-                        matrix_op(half ? p.up : p.gate, ex, I, h, eb), rows_op(dxs, blas.offset(ex), h, eb), half ? 1.0f : 0.0f};
+            return Prod{blas.rows(ex), h, I, rows_op(dgu + half * I, blas.row0(ex), 2 * I, eb),
+                        matrix_op(half ? p.up : p.gate, ex, I, h, eb), rows_op(dxs, blas.row0(ex), h, eb), half ? 1.0f : 0.0f};
           }))
         return e;
   }
   if (one_stack(p.dgate, p.dup, I, h, eb)) {
-    return blas.run("dW_gate_up = dgu^T xs", [&](int ex) {
-      return Prod{2 * I, h, blas.count(ex), tr(rows_op(dgu, blas.offset(ex), 2 * I, eb)), rows_op(xs, blas.offset(ex), h, eb),
-                  matrix_op(p.dgate, ex, 2 * I, h, eb), 0.0f};
-    });
-  }
-  for (int half = 0; half < 2; ++half) {
-    const Matrix& g = half ? p.dup : p.dgate;
-    if (!g.data) continue;
-    if (const char* e = blas.run(half ? "dW_up = du^T xs" : "dW_gate = dg^T xs", [&](int ex) {
-          return Prod{I, h, blas.count(ex), tr(rows_op(dgu + half * I, blas.offset(ex), 2 * I, eb)), rows_op(xs, blas.offset(ex), h, eb),
-                      matrix_op(g, ex, I, h, eb), 0.0f};
+    if (const char* e = blas.run("dW_gate_up = dgu^T xs", [&](int ex) {
+          return Prod{2 * I, h, blas.rows(ex), tr(rows_op(dgu, blas.row0(ex), 2 * I, eb)), rows_op(xs, blas.row0(ex), h, eb),
+                      matrix_op(p.dgate, ex, 2 * I, h, eb), 0.0f};
         }))
       return e;
+  } else {
+    for (int half = 0; half < 2; ++half) {
+      const Matrix& g = half ? p.dup : p.dgate;
+      if (!g.data) continue;
+      if (const char* e = blas.run(half ? "dW_up = du^T xs" : "dW_gate = dg^T xs", [&](int ex) {
+            return Prod{I, h, blas.rows(ex), tr(rows_op(dgu + half * I, blas.row0(ex), 2 * I, eb)), rows_op(xs, blas.row0(ex), h, eb),
+                        matrix_op(g, ex, I, h, eb), 0.0f};
+          }))
+        return e;
+    }
+  }
+  if (blas.padded()) {
+    pad_positions<<<static_cast<unsigned>(ceil_div(s, 256)), 256, 0, st>>>(s, static_cast<int>(ne), ids, pd, b.pos);
+    *padded = true;
   }
   return nullptr;
 }
@@ -1064,7 +1211,7 @@ template <typename T> const char* forward(const MoeParams& p, cudaStream_t st) {
   Path path = Path::Kernel;
   if (const char* e = call_path(p, st, &path)) return e;
   Carve cv{static_cast<unsigned char*>(p.workspace)};
-  const Bufs b = layout(p, false, cv, cublas_workspace(p));
+  const Bufs b = call_layout(p, false, cv);
   const T* x = static_cast<const T*>(p.x);
   const bool router = p.routing != Routing::Given, input = p.weight_on == WeightOn::Input;
   int32_t* ids = (router && p.topk_ids) ? static_cast<int32_t*>(p.topk_ids) : b.ids;
@@ -1099,8 +1246,9 @@ template <typename T> const char* forward(const MoeParams& p, cudaStream_t st) {
   if (s == 0) return kernel::cuda::launch_error("moe forward");
 
   // Experts: gate / up with the activation, then down.
+  bool padded = false;  // b.pos holds padded rows
   if (path != Path::Kernel) {
-    if (const char* e = experts_forward_cublas<T>(p, b, path, offsets, sorted, w, st)) return e;
+    if (const char* e = experts_forward_cublas<T>(p, b, path, offsets, sorted, ids, w, &padded, st)) return e;
   } else {
     experts_forward_kernel<T>(p, b, offsets, sorted, w, st);
   }
@@ -1125,7 +1273,7 @@ template <typename T> const char* forward(const MoeParams& p, cudaStream_t st) {
     shared_sigma<T><<<static_cast<unsigned>(ceil_div(tk * 32, 256)), 256, 0, st>>>(
         tk, h, x, p.x_stride, static_cast<const T*>(p.shared_expert_gate), b.sigma);
   }
-  combine_forward<T><<<static_cast<unsigned>(tk), 256, 0, st>>>(h, static_cast<int>(k), valid, b.pos, w, !input,
+  combine_forward<T><<<static_cast<unsigned>(tk), 256, 0, st>>>(h, static_cast<int>(k), padded ? nullptr : valid, b.pos, w, !input,
                                                                 static_cast<const T*>(b.y), b.sigma,
                                                                 static_cast<const T*>(b.sm), static_cast<T*>(p.out), p.out_stride);
   return kernel::cuda::launch_error("moe forward");
@@ -1243,7 +1391,7 @@ template <typename T> const char* backward(const MoeParams& p, cudaStream_t st) 
   Path path = Path::Kernel;
   if (const char* e = call_path(p, st, &path)) return e;
   Carve cv{static_cast<unsigned char*>(p.workspace)};
-  const Bufs b = layout(p, true, cv, cublas_workspace(p));
+  const Bufs b = call_layout(p, true, cv);
   const T* x = static_cast<const T*>(p.x);
   const T* dout = static_cast<const T*>(p.dout);
   const bool router = p.routing != Routing::Given, input = p.weight_on == WeightOn::Input;
@@ -1256,15 +1404,16 @@ template <typename T> const char* backward(const MoeParams& p, cudaStream_t st) 
     prepare_slots<T><<<static_cast<unsigned>(ceil_div(s, 256)), 256, 0, st>>>(s, p.topk_ids, p.ids_i64, p.topk_weights,
                                                                              p.weights_f32, b.ids, b.w);
   if (s > 0) invert<<<static_cast<unsigned>(ceil_div(s, 256)), 256, 0, st>>>(s, sorted, b.pos);
+  bool padded = false;  // b.pos holds padded rows
   if (path != Path::Kernel) {
-    if (const char* e = experts_backward_cublas<T>(p, b, path, offsets, sorted, w, st)) return e;
+    if (const char* e = experts_backward_cublas<T>(p, b, path, offsets, sorted, ids, w, &padded, st)) return e;
   } else {
     experts_backward_kernel<T>(p, b, offsets, sorted, w, st);
   }
   // dw per slot.
   if (s > 0)
     slot_dw<T><<<static_cast<unsigned>(ceil_div(s * 32, 256)), 256, 0, st>>>(
-        s, h, static_cast<int>(k), valid, b.pos, input ? nullptr : b.partial, path == Path::Kernel ? ntiles(I) : 1,
+        s, h, static_cast<int>(k), padded ? nullptr : valid, b.pos, input ? nullptr : b.partial, path == Path::Kernel ? ntiles(I) : 1,
         static_cast<const T*>(b.dxs), x,
         p.x_stride, b.dw);
   if (p.dtopk_weights && s > 0) cudaMemcpyAsync(p.dtopk_weights, b.dw, static_cast<size_t>(s) * sizeof(float), cudaMemcpyDeviceToDevice, st);
@@ -1365,7 +1514,7 @@ template <typename T> const char* backward(const MoeParams& p, cudaStream_t st) 
     }
   }
   if (tk > 0)
-    combine_backward<T><<<static_cast<unsigned>(tk), 256, 0, st>>>(h, static_cast<int>(k), valid, b.pos, w, input,
+    combine_backward<T><<<static_cast<unsigned>(tk), 256, 0, st>>>(h, static_cast<int>(k), padded ? nullptr : valid, b.pos, w, input,
                                                                    static_cast<const T*>(b.dxs), b.dxr, static_cast<T*>(p.dx),
                                                                    p.dx_stride);
   return kernel::cuda::launch_error("moe backward");
@@ -1512,7 +1661,7 @@ template <typename T> const char* load_balancing_run(const LoadBalancingParams& 
 
 size_t moe_workspace_cuda(const MoeParams& p, bool backward) {
   Carve cv;
-  layout(p, backward, cv, cublas_workspace(p));
+  call_layout(p, backward, cv);
   return cv.used;
 }
 

@@ -11,13 +11,14 @@
 // Shapes: one token, odd sizes, one expert, top_k = E, experts that receive nothing, both weight
 // layouts (Transformers' [E, 2I, H] and Llama 4's [E, H, 2I] seen transposed) and separate gate / up.
 // On CUDA every case runs on each path of the experts' GEMMs (moe.h: ExpertGemm): the package's
-// kernel, cuBLAS per expert and cuBLAS grouped.
+// kernel, cuBLAS per expert, cuBLAS grouped and cuBLAS strided-batched over zero-padded experts.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <functional>
 #include <limits>
 #include <random>
+#include <tuple>
 
 #include "core/cuda_runtime.h"
 #include "moe.h"
@@ -46,17 +47,18 @@ kernel::DType kdtype(DType t) {
   return t == DType::f32 ? kernel::DType::f32 : t == DType::bf16 ? kernel::DType::bf16 : kernel::DType::f16;
 }
 
-// The experts' GEMM paths a device runs: on CUDA the package's kernel and both cuBLAS paths (each
-// case on each), on the CPU its one path.
+// The experts' GEMM paths a device runs: on CUDA the package's kernel and the three cuBLAS paths
+// (each case on each), on the CPU its one path.
 std::vector<moe::ExpertGemm> gemm_paths(Device dev) {
   if (!dev.is_cuda()) return {moe::ExpertGemm::Auto};
-  return {moe::ExpertGemm::Kernel, moe::ExpertGemm::Loop, moe::ExpertGemm::Grouped};
+  return {moe::ExpertGemm::Kernel, moe::ExpertGemm::Loop, moe::ExpertGemm::Grouped, moe::ExpertGemm::Padded};
 }
 const char* gemm_name(moe::ExpertGemm g) {
   switch (g) {
     case moe::ExpertGemm::Kernel: return "kernel";
     case moe::ExpertGemm::Loop: return "loop";
     case moe::ExpertGemm::Grouped: return "grouped";
+    case moe::ExpertGemm::Padded: return "padded";
     default: return "auto";
   }
 }
@@ -590,7 +592,7 @@ TEST_P(MoeKernels, AwkwardExpertCounts) {
 }
 
 // How the experts' GEMMs are chosen on CUDA: KCPP_MOE_GEMM when ExpertGemm is Auto (an unknown value
-// is an error that names it), and without it cuBLAS (Loop or Grouped by the experts' sizes);
+// is an error that names it), and without it cuBLAS (Loop, Grouped or Padded by the experts' counts);
 // every choice matches the oracle on a block of 200 tokens.
 TEST_P(MoeKernels, ExpertGemmChoice) {
   const Device dev = GetParam();
@@ -601,7 +603,7 @@ TEST_P(MoeKernels, ExpertGemmChoice) {
                false, false};
   const char* before = std::getenv("KCPP_MOE_GEMM");
   const std::string saved = before ? before : "";
-  for (const char* env : {"bogus", "kernel", "loop", "grouped", "auto", ""}) {
+  for (const char* env : {"bogus", "kernel", "loop", "grouped", "padded", "auto", ""}) {
     const std::string cfg = fmt::format("KCPP_MOE_GEMM='{}'", env);
     setenv("KCPP_MOE_GEMM", env, 1);
     Block m{c, DType::bf16, dev};
@@ -630,6 +632,73 @@ TEST_P(MoeKernels, ExpertGemmChoice) {
   }
   if (before) setenv("KCPP_MOE_GEMM", saved.c_str(), 1);
   else unsetenv("KCPP_MOE_GEMM");
+}
+
+// The cuBLAS path chosen from the counts read back (moe.h: choose_expert_gemm), a host function:
+// Loop for a few large experts; Padded when padding every expert from the first to the last with
+// tokens to the largest count (a multiple of 8) adds at most 15% rows; Grouped beyond, or when a
+// Padded call asked for would not fit the workspace's padded rows.
+TEST(MoeExpertGemmRule, PaddedOrGrouped) {
+  using moe::ExpertGemm;
+  auto offsets_of = [](const std::vector<int64_t>& counts) {
+    std::vector<int32_t> o{0};
+    for (int64_t c : counts) o.push_back(o.back() + static_cast<int32_t>(c));
+    return o;
+  };
+  auto choose = [&](ExpertGemm asked, const std::vector<int64_t>& counts, int64_t h, int64_t i, int64_t slots) {
+    const std::vector<int32_t> o = offsets_of(counts);
+    return moe::choose_expert_gemm(asked, o.data(), static_cast<int64_t>(counts.size()), h, i, slots, 132);
+  };
+  // Qwen3-30B-A3B's experts (H 2048, I 768, 128 experts, 8192 tokens top-8): 512 each is no padding.
+  std::vector<int64_t> even(128, 512);
+  EXPECT_EQ(choose(ExpertGemm::Auto, even, 2048, 768, 65536), ExpertGemm::Padded);
+  // The largest 584 (M 584: 14.1% over the routed rows) still Padded; 592 (15.6%) Grouped, which an
+  // explicit Padded still takes (within S + S / 4 + 16 E rows); 1024 neither.
+  for (const auto& [most, autom, asked] : {std::tuple{584, ExpertGemm::Padded, ExpertGemm::Padded},
+                                           std::tuple{592, ExpertGemm::Grouped, ExpertGemm::Padded},
+                                           std::tuple{1024, ExpertGemm::Grouped, ExpertGemm::Grouped}}) {
+    std::vector<int64_t> skew(128, 0);
+    skew[5] = most;
+    const int64_t rest = (65536 - most) / 127;
+    int64_t total = most;
+    for (size_t e = 0; e < skew.size(); ++e)
+      if (e != 5) skew[e] = rest, total += rest;
+    skew[0] += 65536 - total;
+    ASSERT_LE(skew[0], most);
+    const moe::PaddedLayout l = moe::padded_layout(offsets_of(skew).data(), 128);
+    EXPECT_EQ(l.first, 0);
+    EXPECT_EQ(l.experts, 128);
+    EXPECT_EQ(l.rows, (most + 7) / 8 * 8);
+    EXPECT_EQ(choose(ExpertGemm::Auto, skew, 2048, 768, 65536), autom) << most;
+    EXPECT_EQ(choose(ExpertGemm::Padded, skew, 2048, 768, 65536), asked) << most;
+  }
+  // Mixtral-8x7B's (H 4096, I 14336, 8 experts): Loop, as before.
+  EXPECT_EQ(choose(ExpertGemm::Auto, std::vector<int64_t>(8, 2048), 4096, 14336, 16384), ExpertGemm::Loop);
+  // Decode: one token's 8 experts spread over 128, each one row: the range 3 .. 120 padded to 8 rows
+  // is 118 x 8 rows for 8 routed ones: Grouped unless asked for (it fits 8 + 2 + 16 x 128 rows).
+  std::vector<int64_t> decode(128, 0);
+  for (int e : {3, 17, 40, 41, 77, 90, 101, 120}) decode[static_cast<size_t>(e)] = 1;
+  const moe::PaddedLayout d = moe::padded_layout(offsets_of(decode).data(), 128);
+  EXPECT_EQ(d.first, 3);
+  EXPECT_EQ(d.experts, 118);
+  EXPECT_EQ(d.rows, 8);
+  EXPECT_EQ(choose(ExpertGemm::Auto, decode, 2048, 768, 8), ExpertGemm::Grouped);
+  EXPECT_EQ(choose(ExpertGemm::Padded, decode, 2048, 768, 8), ExpertGemm::Padded);
+  // AwkwardExpertCounts' counts (26 slots, two taken by no expert): experts 1 .. 6 of 16 rows, and
+  // Padded runs when asked for (that case's CUDA runs cover the padded path).
+  const std::vector<int64_t> awkward{0, 1, 5, 0, 3, 3, 12};
+  const moe::PaddedLayout a = moe::padded_layout(offsets_of(awkward).data(), 7);
+  EXPECT_EQ(a.first, 1);
+  EXPECT_EQ(a.experts, 6);
+  EXPECT_EQ(a.rows, 16);
+  EXPECT_EQ(choose(ExpertGemm::Padded, awkward, 37, 19, 26), ExpertGemm::Padded);
+  EXPECT_EQ(choose(ExpertGemm::Auto, awkward, 37, 19, 26), ExpertGemm::Grouped);
+  // No slot at all: an empty layout; Loop and Grouped asked for stay.
+  const std::vector<int64_t> none(6, 0);
+  EXPECT_EQ(moe::padded_layout(offsets_of(none).data(), 6).experts, 0);
+  EXPECT_EQ(choose(ExpertGemm::Padded, none, 8, 4, 20), ExpertGemm::Padded);
+  EXPECT_EQ(choose(ExpertGemm::Loop, even, 2048, 768, 65536), ExpertGemm::Loop);
+  EXPECT_EQ(choose(ExpertGemm::Grouped, even, 2048, 768, 65536), ExpertGemm::Grouped);
 }
 
 #if KCPP_WITH_CUDA && KCPP_MOE_CUDA
