@@ -75,6 +75,24 @@ static_assert(kChunk == 256 && kBwdThreads == kChunk, "the backward's reduction 
 
 __host__ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+// The gate's sigmoid from ex2.approx and rcp.approx (each within a few units in the last place).  e^-x
+// also carries the rounding of -x log2(e), about |x| units, which moves sigmoid(x) by that much only
+// where it is below ~e^-|x| (negligible against the other values).
+__device__ __forceinline__ float fast_sigmoid(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + exp2_approx(-x * kLog2e)));
+  return r;
+}
+__device__ __forceinline__ float fast_silu(float x) { return x * fast_sigmoid(x); }
+__device__ __forceinline__ float fast_dsilu(float x) {
+  const float s = fast_sigmoid(x);
+  return s * fmaf(x, 1.0f - s, 1.0f);
+}
+__device__ __forceinline__ float fast_dsoftplus(float x) { return x > 20.0f ? 1.0f : fast_sigmoid(x); }
+
+// Asks L2 for the line holding `ptr` (a row that a later step reads).
+__device__ __forceinline__ void prefetch_l2(const void* ptr) { asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr)); }
+
 // Where position p of a chunk sits in a shared chunk row read by lanes of K positions each (R = 256 / K
 // lanes): lane r's positions 4j .. 4j + 3 are the float4 at 4 R j + 4 r, so the R lanes' float4s for
 // one j are adjacent (a conflict-free 16-byte access).
@@ -125,10 +143,11 @@ __device__ __forceinline__ void store_run(T* row, int p0, int valid, bool vec, c
 }
 
 // Positions [l0, l0 + len) of B and C of (b, g) into s_B, s_C ([N][kChunk] f32 in slot<K> order, zeros
-// past len), normalised under bc_norm.  Starts after a barrier of the caller's, ends with one.
+// past len), normalised under bc_norm; the rows of the chunk at `next` (or none when negative) asked of
+// L2.  Starts after a barrier of the caller's, ends with one.
 template <typename T, int K, int NT>
-__device__ void stage_bc(const SelectiveScanParams& p, int64_t b, int64_t g, int64_t l0, int len, bool vec, float* s_B,
-                         float* s_C) {
+__device__ void stage_bc(const SelectiveScanParams& p, int64_t b, int64_t g, int64_t l0, int len, int64_t next, bool vec,
+                         float* s_B, float* s_C) {
   const int N = static_cast<int>(p.dstate);
   constexpr int E = 8, groups = kChunk / E;  // positions a thread moves at once, groups of them a row
   for (int e = threadIdx.x; e < 2 * N * groups; e += NT) {
@@ -136,6 +155,7 @@ __device__ void stage_bc(const SelectiveScanParams& p, int64_t b, int64_t g, int
     const T* src = (kind == 0 ? p.B : p.C).at<T>(b, g, n) + l0;
     float v[E];
     load_run<T, E>(src, q, len, vec, v);
+    if (next >= 0 && next + q < p.seqlen) prefetch_l2(src - l0 + next + q);
     float* dst = (kind == 0 ? s_B : s_C) + n * kChunk;
     // q is a multiple of 8 and K of 8: q .. q + 7 lie in one lane's run, two float4 slots.
     *reinterpret_cast<float4*>(dst + slot<K>(q)) = make_float4(v[0], v[1], v[2], v[3]);
@@ -169,9 +189,11 @@ __device__ __forceinline__ void load_row(const float* s_row, int r, float (&v)[K
 template <int R>
 __device__ __forceinline__ void scan_up(float& P, float& H, int r) {
 #pragma unroll
-  for (int o = 1; o < R; o <<= 1) {
+  for (int o = 1; o < R; o <<= 1) {  // lanes with no partner combine with the identity (1, 0)
     const float Pp = __shfl_up_sync(kFull, P, o, R), Hp = __shfl_up_sync(kFull, H, o, R);
-    if (r >= o) H = fmaf(P, Hp, H), P *= Pp;
+    const bool in = r >= o;
+    H = fmaf(P, in ? Hp : 0.0f, H);
+    P *= in ? Pp : 1.0f;
   }
 }
 // The same from the segment's last lane down: lane r holds the pair of lanes r .. R - 1 applied from the
@@ -181,7 +203,9 @@ __device__ __forceinline__ void scan_down(float& P, float& G, int r) {
 #pragma unroll
   for (int o = 1; o < R; o <<= 1) {
     const float Pn = __shfl_down_sync(kFull, P, o, R), Gn = __shfl_down_sync(kFull, G, o, R);
-    if (r + o < R) G = fmaf(P, Gn, G), P *= Pn;
+    const bool in = r + o < R;
+    G = fmaf(P, in ? Gn : 0.0f, G);
+    P *= in ? Pn : 1.0f;
   }
 }
 // After scan_up: the state entering lane r's run, from h0 entering the segment.
@@ -231,7 +255,7 @@ __global__ void __launch_bounds__(kFwdThreads) chunked_forward_kernel(const Sele
     const int64_t l0 = c * kChunk;
     const int len = static_cast<int>(min64(kChunk, L - l0));
     __syncthreads();  // the previous chunk's reads of s_B, s_C are done
-    stage_bc<T, K, kFwdThreads>(p, w.b, w.g, l0, len, bc_vec, s_B, s_C);
+    stage_bc<T, K, kFwdThreads>(p, w.b, w.g, l0, len, c + 1 < chunks ? l0 + kChunk : -1, bc_vec, s_B, s_C);
     for (int it = 0; it < iters; ++it) {
       const int ch = it * kFwdChannels + warp * (32 / R) + lane / R;
       const bool active = ch < w.kc;
@@ -242,6 +266,12 @@ __global__ void __launch_bounds__(kFwdThreads) chunked_forward_kernel(const Sele
         float u[K], raw[K];
         load_run<T, K>(p.u.at<T>(w.b, d) + l0, p0, valid, vec, u);
         load_run<T, K>(p.delta.at<T>(w.b, d) + l0, p0, valid, vec, raw);
+        if (ch + kFwdChannels < w.kc && p0 < len) {  // the rows of this lane's next channel
+          const int64_t dn = d + kFwdChannels;
+          prefetch_l2(p.u.at<T>(w.b, dn) + l0 + p0);
+          prefetch_l2(p.delta.at<T>(w.b, dn) + l0 + p0);
+          if (has_z) prefetch_l2(p.z.at<T>(w.b, dn) + l0 + p0);
+        }
         const float bias = active && p.delta_bias ? p.delta_bias[d] : 0.0f, Dd = active && p.D ? p.D[d] : 0.0f;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
@@ -251,10 +281,12 @@ __global__ void __launch_bounds__(kFwdThreads) chunked_forward_kernel(const Sele
           sdt += dt[k];
         }
       }
-      const float h0v = active && c > 0 && r < N ? s_h[ch][r] : 0.0f;  // lane r holds state r's
+      // Lane r holds state r's entry to the chunk and A log2(e).
+      const float h0v = active && c > 0 && r < N ? s_h[ch][r] : 0.0f;
+      const float A2v = active && r < N ? p.A[d * N + r] * kLog2e : 0.0f;
       __syncwarp();  // read before the lane R - 1 writes the chunk's end state below
       for (int n = 0; n < N; ++n) {
-        const float A2 = active ? p.A[d * N + n] * kLog2e : 0.0f;
+        const float A2 = __shfl_sync(kFull, A2v, n, R);
         float a[K], bu[K], bc[K];
         load_row<K>(s_B + n * kChunk, r, bc);
         float H = 0.0f;
@@ -273,19 +305,20 @@ __global__ void __launch_bounds__(kFwdThreads) chunked_forward_kernel(const Sele
           h = fmaf(a[k], h, bu[k]);
           y[k] = fmaf(bc[k], h, y[k]);
         }
-        if (active && r == R - 1) {  // the state after the chunk's last position
-          s_h[ch][n] = h;
-          const int64_t i = w.b * p.dim + d;
-          if (p.states) p.states[(i * chunks + c) * N + n] = h;
-          if (p.last_state && c == chunks - 1) p.last_state[i * N + n] = h;
-        }
+        if (r == R - 1) s_h[ch][n] = h;  // the state after the chunk's last position
+      }
+      __syncwarp();
+      if (active && r < N) {
+        const int64_t i = w.b * p.dim + d;
+        if (p.states) p.states[(i * chunks + c) * N + r] = s_h[ch][r];
+        if (p.last_state && c == chunks - 1) p.last_state[i * N + r] = s_h[ch][r];
       }
       if (active) {
         if (has_z) {
           float z[K];
           load_run<T, K>(p.z.at<T>(w.b, d) + l0, p0, valid, vec, z);
 #pragma unroll
-          for (int k = 0; k < K; ++k) y[k] *= silu(z[k]);
+          for (int k = 0; k < K; ++k) y[k] *= fast_silu(z[k]);
         }
         store_run<T, K>(p.out.mut<T>(w.b, d) + l0, p0, valid, vec, y);
       }
@@ -335,7 +368,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2)
     const int len = static_cast<int>(min64(kChunk, L - l0));
     __syncthreads();  // the previous chunk's reads of s_B, s_C, s_acc (and the zeroing above) are done
     for (int i = tid; i < 2 * N * kChunk; i += kBwdThreads) s_acc[i] = 0.0f;
-    stage_bc<T, K, kBwdThreads>(p, w.b, w.g, l0, len, bc_vec, s_B, s_C);
+    stage_bc<T, K, kBwdThreads>(p, w.b, w.g, l0, len, l0 - kChunk, bc_vec, s_B, s_C);
     for (int it = 0; it < iters; ++it) {
       const int ch = it * kBwdChannels + warp;
       const bool active = ch < w.kc;
@@ -349,6 +382,13 @@ __global__ void __launch_bounds__(kBwdThreads, 2)
         load_run<T, K>(p.u.at<T>(w.b, d) + l0, p0, valid, vec, u);
         load_run<T, K>(p.delta.at<T>(w.b, d) + l0, p0, valid, vec, raw);
         load_run<T, K>(p.dout.at<T>(w.b, d) + l0, p0, valid, vec, go);
+        if (ch + kBwdChannels < w.kc && p0 < len) {  // the rows of this warp's next channel
+          const int64_t dn = d + kBwdChannels;
+          prefetch_l2(p.u.at<T>(w.b, dn) + l0 + p0);
+          prefetch_l2(p.delta.at<T>(w.b, dn) + l0 + p0);
+          prefetch_l2(p.dout.at<T>(w.b, dn) + l0 + p0);
+          if (has_z) prefetch_l2(p.z.at<T>(w.b, dn) + l0 + p0);
+        }
         const float bias = active && p.delta_bias ? p.delta_bias[d] : 0.0f;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
@@ -362,16 +402,17 @@ __global__ void __launch_bounds__(kBwdThreads, 2)
           float z[K];
           load_run<T, K>(p.z.at<T>(w.b, d) + l0, p0, valid, vec, z);
 #pragma unroll
-          for (int k = 0; k < K; ++k) dy[k] *= silu(z[k]);
+          for (int k = 0; k < K; ++k) dy[k] *= fast_silu(z[k]);
         }
       }
-      // Lane n holds state n's entry to the chunk (saved by the forward) and carry from the next chunk.
+      // Lane n holds state n's entry to the chunk (saved by the forward), carry from the next chunk, A.
       const int64_t i_bd = w.b * D + d;
       const float h0v = active && c > 0 && lane < N ? p.states[(i_bd * chunks + c - 1) * N + lane] : 0.0f;
       const float gcv = lane < N ? s_g[ch * N + lane] : 0.0f;
+      const float Av = active && lane < N ? p.A[d * N + lane] : 0.0f;
       __syncwarp();  // read before lane 0 writes the new carries below
       for (int n = 0; n < N; ++n) {
-        const float A = active ? p.A[d * N + n] : 0.0f, A2 = A * kLog2e;
+        const float A = __shfl_sync(kFull, Av, n), A2 = A * kLog2e;
         float a[K], bv[K], cv[K], h[K];
         load_row<K>(s_B + n * kChunk, lane, bv);
         load_row<K>(s_C + n * kChunk, lane, cv);
@@ -444,7 +485,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2)
         for (int k = 0; k < K; ++k) {
           du[k] = fmaf(Dd, dy[k], dt[k] * sgb[k]);
           const float ddt = fmaf(u[k], sgb[k], sagx[k]);
-          dd[k] = p0 + k < valid ? (p.delta_softplus ? ddt * dsoftplus(raw[k] + bias) : ddt) : 0.0f;
+          dd[k] = p0 + k < valid ? (p.delta_softplus ? ddt * fast_dsoftplus(raw[k] + bias) : ddt) : 0.0f;
           sum_d = fmaf(dy[k], u[k], sum_d);
           sum_bias += dd[k];
         }
@@ -455,7 +496,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2)
           load_run<T, K>(p.z.at<T>(w.b, d) + l0, p0, valid, vec, z);
           load_run<T, K>(p.dout.at<T>(w.b, d) + l0, p0, valid, vec, go);
 #pragma unroll
-          for (int k = 0; k < K; ++k) go[k] *= dsilu(z[k]) * fmaf(Dd, u[k], y[k]);
+          for (int k = 0; k < K; ++k) go[k] *= fast_dsilu(z[k]) * fmaf(Dd, u[k], y[k]);
           store_run<T, K>(p.dz.mut<T>(w.b, d) + l0, p0, valid, vec, go);
         }
         sum_d = kc::warp_sum(sum_d);
