@@ -411,6 +411,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2)
       const float gcv = lane < N ? s_g[ch * N + lane] : 0.0f;
       const float Av = active && lane < N ? p.A[d * N + lane] : 0.0f;
       __syncwarp();  // read before lane 0 writes the new carries below
+      float dA_prev = 0.0f;  // the lane's share of the previous state's dA
       for (int n = 0; n < N; ++n) {
         const float A = __shfl_sync(kFull, Av, n), A2 = A * kLog2e;
         float a[K], bv[K], cv[K], h[K];
@@ -429,28 +430,34 @@ __global__ void __launch_bounds__(kBwdThreads, 2)
         scan_down<R>(Pr, G, lane);
         const float hin = enter_up<R>(Pf, H, lane, __shfl_sync(kFull, h0v, n));
         const float cin = enter_down<R>(Pr, G, lane, __shfl_sync(kFull, gcv, n));
-        float hp = hin;
+        // The two recurrences over the lane's positions, independent of each other: h forward, g back.
+        float hp = hin, carry = cin, g[K];
 #pragma unroll
         for (int k = 0; k < K; ++k) {
           h[k] = fmaf(dtu[k], bv[k], a[k] * hp);
           y[k] = fmaf(cv[k], h[k], y[k]);
           hp = h[k];
-        }
-        float carry = cin, dA = 0.0f, dB[K], dC[K];
-#pragma unroll
-        for (int k = K - 1; k >= 0; --k) {
-          const float g = fmaf(dy[k], cv[k], carry);
-          const float gx = g * (a[k] * (k > 0 ? h[k - 1] : hin));  // g a_l h_{l-1}
-          sagx[k] = fmaf(A, gx, sagx[k]);
-          dA = fmaf(gx, dt[k], dA);
-          sgb[k] = fmaf(g, bv[k], sgb[k]);
-          dB[k] = g * dtu[k];
-          dC[k] = dy[k] * h[k];
-          carry = a[k] * g;
+          const int j = K - 1 - k;
+          g[j] = fmaf(dy[j], cv[j], carry);
+          carry = a[j] * g[j];
         }
         if (lane == 0) s_g[ch * N + n] = carry;  // a g at the chunk's first position
-        dA = kc::warp_sum(dA);
-        if (active && lane == 0) s_dA[ch * N + n] += dA;
+        // The previous state's dA, summed over the warp here, off this state's path to the barrier.
+        if (n > 0) {
+          dA_prev = kc::warp_sum(dA_prev);
+          if (active && lane == 0) s_dA[ch * N + n - 1] += dA_prev;
+        }
+        float dA = 0.0f, dB[K], dC[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+          const float gx = g[k] * (a[k] * (k > 0 ? h[k - 1] : hin));  // g a_l h_{l-1}
+          sagx[k] = fmaf(A, gx, sagx[k]);
+          dA = fmaf(gx, dt[k], dA);
+          sgb[k] = fmaf(g[k], bv[k], sgb[k]);
+          dB[k] = g[k] * dtu[k];
+          dC[k] = dy[k] * h[k];
+        }
+        dA_prev = dA;
         float* red = s_red + warp * 2 * kChunk;
 #pragma unroll
         for (int j = 0; j < K / 4; ++j) {
@@ -459,21 +466,23 @@ __global__ void __launch_bounds__(kBwdThreads, 2)
               make_float4(dC[4 * j], dC[4 * j + 1], dC[4 * j + 2], dC[4 * j + 3]);
         }
         __syncthreads();  // the warps' rows are in
-        {  // thread tid adds slots 2 tid, 2 tid + 1 of the rows (dB's for tid < 128, dC's after)
-          const int e = 2 * tid, kind = e / kChunk, s = e % kChunk;
-          float2 sum = make_float2(0.0f, 0.0f);
+        if (tid < 2 * kChunk / 4) {  // thread tid adds slots 4 tid .. 4 tid + 3 (dB's for tid < 64, dC's after)
+          const int e = 4 * tid, kind = e / kChunk, s = e % kChunk;
+          float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
           for (int wp = 0; wp < kBwdWarps; ++wp) {
-            const float2 v = *reinterpret_cast<const float2*>(s_red + (wp * 2 + kind) * kChunk + s);
-            sum.x += v.x, sum.y += v.y;
+            const float4 v = *reinterpret_cast<const float4*>(s_red + (wp * 2 + kind) * kChunk + s);
+            sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
           }
-          float2* acc = reinterpret_cast<float2*>(s_acc + (kind * N + n) * kChunk + s);
-          float2 t = *acc;
-          t.x += sum.x, t.y += sum.y;
+          float4* acc = reinterpret_cast<float4*>(s_acc + (kind * N + n) * kChunk + s);
+          float4 t = *acc;
+          t.x += sum.x, t.y += sum.y, t.z += sum.z, t.w += sum.w;
           *acc = t;
         }
         __syncthreads();  // s_red free again
       }
+      dA_prev = kc::warp_sum(dA_prev);
+      if (active && lane == 0) s_dA[ch * N + N - 1] += dA_prev;
       if (active) {
         // Reloaded rather than kept through the loop over the states (registers): u, delta, z.
         float u[K], raw[K], du[K], dd[K];
