@@ -7,7 +7,7 @@ Rows:
   states) then backward, with every option Mamba uses (delta_bias + softplus, D, z; --falcon adds the
   B / C norm).
 - kcpp legacy: the same with KCPP_SCAN_LEGACY=1 in the environment, which selects the sequential CUDA
-  kernels that the chunked ones replaced (read at every call; --no-legacy leaves the row out).
+  kernels instead of the chunked ones (read at every call; --no-legacy leaves the row out).
 - torch (Transformers): `mamba_selective_scan` of transformers/models/mamba/modeling_mamba.py, unwrapped
   to its PyTorch body (the sequential loop over positions that the slow path runs when no hub kernel
   is mapped), forward + autograd backward; an identical loop written here when transformers is absent.
