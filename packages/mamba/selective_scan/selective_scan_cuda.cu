@@ -21,7 +21,8 @@
 // Chunks.  B and C of a chunk (normalised under bc_norm) go to shared memory as f32 once for all the
 // block's channels, in an order in which a lane's four consecutive positions are one float4 and the R
 // lanes' float4s are adjacent (slot<K>).  u, delta, z, dout are read by each lane as 16-byte vectors
-// where the views allow it (else element by element), once per position.
+// where the views allow it (else element by element); the backward reads them a second time for its
+// outputs (from L2, the rows just used) rather than keep them in registers through the states.
 //
 // Forward: a block per (batch, group, up to 32 channels), four warps of two channels each (R = 16, K =
 // 16).  Chunk after chunk, the block stages B and C, then each half-warp scans its channels, carrying
@@ -237,7 +238,7 @@ __device__ __forceinline__ Place place(const SelectiveScanParams& p, int64_t bpg
   return w;
 }
 
-// The forward.  Channel slots past the block's channels run on zeros (a = 1, b = 0) and write nothing,
+// The forward.  Channel slots past the block's channels run on zeros (a = 1, b = 0) and store nothing,
 // so that the shuffles see every lane.
 template <typename T>
 __global__ void __launch_bounds__(kFwdThreads) chunked_forward_kernel(const SelectiveScanParams p, int64_t bpg, int iters,
