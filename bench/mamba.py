@@ -6,6 +6,8 @@ Rows:
 - kcpp: the built package through its C ABI (python/kcpp), forward in training mode (writing the saved
   states) then backward, with every option Mamba uses (delta_bias + softplus, D, z; --falcon adds the
   B / C norm).
+- kcpp legacy: the same with KCPP_SCAN_LEGACY=1 in the environment, which selects the sequential CUDA
+  kernels instead of the chunked ones (read at every call; --no-legacy leaves the row out).
 - torch (Transformers): `mamba_selective_scan` of transformers/models/mamba/modeling_mamba.py, unwrapped
   to its PyTorch body (the sequential loop over positions that the slow path runs when no hub kernel
   is mapped), forward + autograd backward; an identical loop written here when transformers is absent.
@@ -22,7 +24,7 @@ anything is timed; the PyTorch path runs in f32 (the bf16 one rounds the state a
 
 Run on the GPU machine:
   python3 bench/mamba.py build/release/kernels/mamba/build/kcpp1-cu130-x86_64-linux/libmamba.so
-  [--batch 8 --dim 4096 --seqlen 2048 --dstate 16 --falcon --ref-reps 3]
+  [--batch 8 --dim 4096 --seqlen 2048 --dstate 16 --falcon --ref-reps 3 --no-legacy]
 """
 import argparse
 import inspect
@@ -47,6 +49,7 @@ ap.add_argument("--seqlen", type=int, default=2048)
 ap.add_argument("--dstate", type=int, default=16)
 ap.add_argument("--falcon", action="store_true", help="normalise B and C inside the scan (Falcon-Mamba)")
 ap.add_argument("--ref-reps", type=int, default=3, help="timed calls of the PyTorch path")
+ap.add_argument("--no-legacy", action="store_true", help="leave out the row of the legacy kernels (KCPP_SCAN_LEGACY=1)")
 args = ap.parse_args()
 Bn, D, L, N = args.batch, args.dim, args.seqlen, args.dstate
 dev, dt = "cuda", torch.bfloat16
@@ -136,6 +139,17 @@ def kcpp_fwd_bwd():
     layer.backward(ba)
 
 
+def use_legacy(on):
+    """Selects the legacy kernels for the calls that follow (the package reads the variable at every call)."""
+    if on:
+        os.environ["KCPP_SCAN_LEGACY"] = "1"
+    else:
+        os.environ.pop("KCPP_SCAN_LEGACY", None)
+
+
+paths = [("kcpp", False)] + ([] if args.no_legacy else [("kcpp legacy (KCPP_SCAN_LEGACY=1)", True)])
+
+
 def ref_inputs(dtype):
     leaves = [t.detach().to(dtype).requires_grad_(True) for t in (u, delta, A, Bm, Cm, Dp, z, bias)]
     return leaves
@@ -153,23 +167,31 @@ def ref_call(leaves):
 print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; selective scan B{Bn} D{D} L{L} N{N} bf16"
       f"{' (Falcon-Mamba B / C norm)' if args.falcon else ''}", flush=True)
 
-# Correctness first: kcpp against the PyTorch path in f32 (the same bf16 inputs).
-kcpp_fwd_bwd()
-torch.cuda.synchronize()
+# Correctness first: kcpp (each path) against the PyTorch path in f32 (the same bf16 inputs).
 leaves = ref_inputs(torch.float32)
 y = ref_call(leaves)
 y.backward(dout.float())
 names = ["du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias"]
-errs = {"out": rel(out, y.detach())}
-errs.update({n: rel(grads[n], leaf.grad) for n, leaf in zip(names, leaves)})
-print("  kcpp vs torch f32 (relative L2): " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()), flush=True)
+for name, legacy in paths:
+    use_legacy(legacy)
+    for t in [out] + list(grads.values()):
+        t.fill_(float("nan"))
+    kcpp_fwd_bwd()
+    torch.cuda.synchronize()
+    errs = {"out": rel(out, y.detach())}
+    errs.update({n: rel(grads[n], leaf.grad) for n, leaf in zip(names, leaves)})
+    print(f"  {name} vs torch f32 (relative L2): " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()), flush=True)
+use_legacy(False)
 del y, leaves
 torch.cuda.empty_cache()
 
 rows = []
-t_f = ms(kcpp_fwd, "kcpp fwd")
-t_fb = ms(kcpp_fwd_bwd, "kcpp fwd+bwd")
-rows.append(("kcpp", t_f, t_fb))
+for name, legacy in paths:
+    use_legacy(legacy)
+    f, fb = ms(kcpp_fwd, f"{name} fwd"), ms(kcpp_fwd_bwd, f"{name} fwd+bwd")
+    rows.append((name, f, fb))
+use_legacy(False)
+t_f, t_fb = rows[0][1], rows[0][2]
 
 # The PyTorch path in the inputs' dtype (what a bf16 model runs), a few calls.
 leaves = ref_inputs(dt)

@@ -31,17 +31,26 @@
 //   CPU: forward a task per (batch, channel); backward a task per (batch, block of 128 channels of a
 //        group), channel after channel, each chunk's states and decays recomputed into a buffer; dB / dC
 //        summed per block, then over the blocks in order.
-//   CUDA (selective_scan_cuda.cu): N <= 16 (selective_scan_cuda_unsupported says so otherwise).  A block
-//        per (batch, group, 32 channels), 1, 2 or 4 threads a channel (N <= 4, 8, 16) holding 4 states
-//        each in registers; u, delta, z, dout tiles of 32 positions widened into shared memory, B and C
-//        tiles (normalised there) likewise.  The forward walks the whole sequence; the backward walks
-//        the chunks from the last, recomputes each chunk's states from the saved one (a checkpoint every
-//        8 positions in shared memory, then 8 positions of decays in registers) and writes per-block
-//        partial sums of dB, dC and per-batch dA, dD, ddelta_bias to the workspace, which two kernels add
-//        in block and batch order (and send dB, dC back through the norm).
+//   CUDA (selective_scan_cuda.cu): N <= 16 (selective_scan_cuda_unsupported says so otherwise).  The
+//        recurrence runs in parallel over the positions of a chunk of kStateChunk, one chunk at a time:
+//        each lane of a warp holds a run of consecutive positions (loaded as 16-byte vectors), runs the
+//        recurrence over it, and a warp scan of the runs' (prod a, h) pairs under the associative
+//        operator (a1, h1) then (a2, h2) = (a1 a2, a2 h1 + h2) gives each run its entry state (Gu & Dao's
+//        scheme, with the scan inside one warp); B and C of the chunk are staged in shared memory once
+//        for all the block's channels.  Forward: a block per (batch, group, up to 32 channels), two
+//        channels a warp (16 lanes of 16 positions), the state carried from chunk to chunk and saved at
+//        each chunk's end.  Backward: a block per (batch, group, up to 128 channels), a channel a warp
+//        (32 lanes of 8 positions), chunks from the last: the forward recomputed from the chunk's saved
+//        state, the adjoint g scanned in reverse from the carry that the later chunk left, dB / dC summed
+//        over the block's channels in shared memory and written per block to the workspace, which two
+//        kernels add in block and batch order (and send dB, dC back through the norm).
+//        KCPP_SCAN_LEGACY=1 in the environment (read at every call) selects the sequential kernels
+//        instead (selective_scan_legacy_cuda.cu: a thread walks its channel's whole sequence), kept for
+//        comparison.
 // Memory: states is B D ceil(L / 256) N floats.  The CUDA backward's workspace,
-// selective_scan_backward_workspace(p) bytes: ceil(D / G / 32) B G 2 N L floats (the blocks' dB / dC
-// rows) + B D (N + 2) floats.
+// selective_scan_backward_workspace(p) bytes: P B G 2 N L floats (the blocks' dB / dC rows, P blocks a
+// group: ceil(D / G / c) for c channels a block, a multiple of 8 up to 128 as the grid allows; 32 for
+// the sequential kernels) + B D (N + 2) floats.
 #pragma once
 
 #include <cmath>

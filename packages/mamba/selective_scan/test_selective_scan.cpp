@@ -1,10 +1,14 @@
 // The selective scan and its decoding step against the f64 oracle (tests/oracle_mamba.h), errors measured
 // against the magnitude of the terms (mamba_bound: one rounding to the dtype plus 32 units of f32).
-// Shapes: L = 1, odd L, exactly one chunk of saved states (256), one past it, several chunks; N = 1, 3,
-// 16; groups; channels beyond one CPU block (128) and one CUDA block; every option on and off; strided
-// views.  The oracle's own backward is checked against finite differences on a tiny f64 case.
+// Shapes: L = 1, odd L, one short of a chunk of saved states (255), exactly one (256), one past it,
+// several chunks; N = 1, 3, 4, 16; groups; channels beyond one CPU block (128) and one CUDA block, and
+// enough of them that the CUDA blocks take several channels a warp; every option on and off; strided
+// views.  On CUDA the sequential kernels that KCPP_SCAN_LEGACY=1 selects are held to the same oracle.
+// The oracle's own backward is checked against finite differences on a tiny f64 case.
 #include <cmath>
+#include <cstdlib>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -166,24 +170,60 @@ void check_case(const Case& c, DType dt, Device dev, Generator& gen) {
   if (c.bias) expect_close(r.dbias, go.ddelta_bias, gm.ddelta_bias, DType::f32, cfg + " ddelta_bias");
 }
 
+// Sets an environment variable for the scope (KCPP_SCAN_LEGACY, which the CUDA entry points read at
+// every call), restoring what was there.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (old_)
+      setenv(name_, old_->c_str(), 1);
+    else
+      unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+// Every option on and off over L = 1, 7, 255, 256, 257, 700, 1000, N = 1, 3, 4, 5, 16, groups 1 to 4.
+const Case kAwkward[] = {
+    {1, 1, 1, 1, 1, false, false, false, false, false, false},    // L = 1, N = 1, nothing optional
+    {1, 1, 1, 16, 1, true, true, true, true, true, false},        // L = 1, everything
+    {2, 5, 7, 16, 1, true, true, true, true, false, true},        // odd L, strided views
+    {2, 9, 255, 4, 1, true, true, true, true, false, false},      // one short of a chunk, N = 4
+    {1, 4, 256, 3, 2, true, false, true, true, true, false},      // exactly one chunk, two groups
+    {2, 3, 257, 16, 1, false, true, false, false, false, true},   // a chunk and one position
+    {1, 6, 700, 5, 3, true, true, true, true, true, false},       // three chunks, three groups
+    {1, 20, 1000, 16, 4, true, false, true, true, true, true},    // four chunks, four groups, strided
+    {2, 12, 1000, 4, 2, false, true, false, true, false, false},  // no gate, N = 4
+    {1, 130, 33, 16, 1, true, true, true, true, false, false},    // more channels than a CPU block
+    {3, 2, 513, 1, 2, true, true, false, true, true, true},       // N = 1 (the norm of one value), 3 chunks
+};
+
 class SelectiveScan : public ::testing::TestWithParam<Device> {};
 
 TEST_P(SelectiveScan, MatchesTheOracleOnAwkwardShapes) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
   Generator gen = test::test_generator();
-  const Case cases[] = {
-      {1, 1, 1, 1, 1, false, false, false, false, false, false},   // L = 1, N = 1, nothing optional
-      {1, 1, 1, 16, 1, true, true, true, true, true, false},       // L = 1, everything
-      {2, 5, 7, 16, 1, true, true, true, true, false, true},       // odd L, strided views
-      {1, 4, 256, 3, 2, true, false, true, true, true, false},     // exactly one chunk, two groups
-      {2, 3, 257, 16, 1, false, true, false, false, false, true},  // a chunk and one position
-      {1, 6, 700, 5, 3, true, true, true, true, true, false},      // three chunks, three groups
-      {1, 130, 33, 16, 1, true, true, true, true, false, false},   // more channels than a CPU block
-      {3, 2, 513, 1, 2, true, true, false, true, true, true},      // N = 1 (the norm of one value), 3 chunks
-  };
   for (DType dt : {DType::f32, DType::bf16, DType::f16})
-    for (const Case& c : cases) check_case(c, dt, dev, gen);
+    for (const Case& c : kAwkward) check_case(c, dt, dev, gen);
+}
+
+// The sequential CUDA kernels (KCPP_SCAN_LEGACY=1), kept for comparison, on the same shapes.
+TEST_P(SelectiveScan, LegacyKernelsMatchTheOracle) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  if (dev.is_cpu()) GTEST_SKIP() << "the legacy kernels are CUDA's";
+  const ScopedEnv legacy("KCPP_SCAN_LEGACY", "1");
+  Generator gen = test::test_generator();
+  for (DType dt : {DType::f32, DType::bf16})
+    for (const Case& c : kAwkward) check_case(c, dt, dev, gen);
 }
 
 // Shapes that exercise the CUDA kernels' tiling: channel blocks partly filled, several blocks, tiles of
@@ -198,6 +238,21 @@ TEST_P(SelectiveScan, MatchesTheOracleOnLargerShapes) {
       {2, 70, 300, 13, 1, false, false, false, true, false, false},
   };
   for (DType dt : dev.is_cuda() ? std::vector<DType>{DType::f32, DType::bf16, DType::f16} : std::vector<DType>{DType::bf16})
+    for (const Case& c : cases) check_case(c, dt, dev, gen);
+}
+
+// Enough channels that a CUDA block takes several channels a warp (its forward more than 8, its
+// backward more than 8 channels and up to 128), the group's last block partly filled.
+TEST_P(SelectiveScan, MatchesTheOracleWithManyChannels) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const Case cases[] = {
+      {4, 4100, 130, 4, 2, true, true, true, true, true, false},       // 2050 channels a group
+      {3, 2004, 300, 16, 1, true, false, true, true, false, false},    // blocks of 16 channels, the last of 4
+      {2, 2048, 520, 16, 1, false, true, true, true, false, false},    // three chunks, no gate
+  };
+  for (DType dt : dev.is_cuda() ? std::vector<DType>{DType::bf16, DType::f32} : std::vector<DType>{DType::bf16})
     for (const Case& c : cases) check_case(c, dt, dev, gen);
 }
 
