@@ -250,7 +250,7 @@ kcpp_status scan_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
 #if KCPP_WITH_CUDA
   if (c.on_cuda()) {
     const size_t bytes = km::selective_scan_backward_workspace(p);
-    if (bytes > 0) p.workspace = c.workspace(bytes);
+    if (bytes > 0) p.workspace = c.workspace(bytes), p.workspace_bytes = bytes;
     if (!c.ok()) return c.status();
     return c.finish(km::selective_scan_backward_cuda(p, static_cast<cudaStream_t>(ctx->stream)));
   }

@@ -120,6 +120,8 @@ struct SelectiveScanParams {
   float* dD = nullptr;           // [D], required iff D
   float* ddelta_bias = nullptr;  // [D], required iff delta_bias
   void* workspace = nullptr;     // CUDA backward: selective_scan_backward_workspace(p) bytes
+  size_t workspace_bytes = 0;    // its size; the backward refuses a smaller one than it needs (e.g. when
+                                 // KCPP_SCAN_LEGACY changed between the query and the call)
 };
 
 // One decoding step (SelectiveStateUpdate/1).  x, dt, z, out are [B, D] with any strides (a Seq whose

@@ -728,6 +728,11 @@ const char* selective_scan_backward_cuda(const SelectiveScanParams& p, cudaStrea
   const bool legacy = use_legacy();
   const Plan pl = backward_plan(p);
   const BackwardWorkspace parts = workspace_parts(p, pl.bpg);
+  const size_t need = sizeof(float) * (parts.bc + parts.a + 2 * parts.d);
+  if (p.workspace_bytes < need)
+    return kernel::errorf("selective_scan backward: the workspace holds %zu bytes, this call needs %zu "
+                          "(selective_scan_backward_workspace(p), queried with the same KCPP_SCAN_LEGACY)",
+                          p.workspace_bytes, need);
   float* ws = static_cast<float*>(p.workspace);
   float *ws_bc = ws, *ws_a = ws + parts.bc, *ws_d = ws_a + parts.a, *ws_bias = ws_d + parts.d;
   return with_dtype(p.dtype, [&]<typename T>(T*) -> const char* {

@@ -130,7 +130,7 @@ void backward(const Case& c, const Inputs& t, DType dt, Device dev, const Tensor
 #if KCPP_WITH_CUDA
   if (dev.is_cuda()) {
     ws = Tensor::empty({std::max<int64_t>(1, static_cast<int64_t>(mamba::selective_scan_backward_workspace(p)))}, DType::u8, dev);
-    p.workspace = ws.data();
+    p.workspace = ws.data(), p.workspace_bytes = static_cast<size_t>(ws.numel());
   }
 #endif
   test::mamba_check(MAMBA_CALL(dev, mamba::selective_scan_backward, p));
@@ -328,6 +328,15 @@ TEST_P(SelectiveScan, BadParamsAreRefusedByName) {
   bad = q;
   bad.ddelta_bias = nullptr;
   EXPECT_TRUE(test::kernel_error_contains(MAMBA_CALL(dev, mamba::selective_scan_backward, bad), "'ddelta_bias'"));
+#if KCPP_WITH_CUDA
+  if (dev.is_cuda()) {  // a workspace smaller than the call needs is refused, not overrun
+    const size_t need = mamba::selective_scan_backward_workspace(q);
+    const Tensor ws = Tensor::empty({static_cast<int64_t>(need)}, DType::u8, dev);
+    bad = q;
+    bad.workspace = ws.data(), bad.workspace_bytes = need - 1;
+    EXPECT_TRUE(test::kernel_error_contains(MAMBA_CALL(dev, mamba::selective_scan_backward, bad), "the workspace holds"));
+  }
+#endif
 }
 
 // ---- the decoding step
