@@ -558,19 +558,6 @@ __global__ void round_kernel(const float* src, T* dst, int64_t n) {
 // ---------------------------------------------------------------------------------------------------
 // Host side.
 
-template <typename F>
-const char* with_dtype(kernel::DType t, F&& f) {
-  switch (t) {
-    case kernel::DType::f32:
-      return f(static_cast<float*>(nullptr));
-    case kernel::DType::bf16:
-      return f(static_cast<__nv_bfloat16*>(nullptr));
-    case kernel::DType::f16:
-      return f(static_cast<__half*>(nullptr));
-  }
-  return kernel::errorf("multi_scale_deformable_attention: unsupported dtype %d", static_cast<int>(t));
-}
-
 // Lane-per-channel kernels: the channel chunks in registers, the fewest that hold C (C > 128 takes
 // several passes of 128).
 template <typename F>
@@ -659,7 +646,7 @@ const char* msda_forward_cuda(const MsdaParams& p, cudaStream_t stream, MsdaCuda
   const char* error;
   const bool grouped = use_grouped(p, false, kernels, &error);
   if (error) return error;
-  return with_dtype(p.dtype, [&]<typename T>(T*) -> const char* {
+  return kc::with_float_dtype(p.dtype, "multi_scale_deformable_attention", [&]<typename T>(T*) -> const char* {
     if (grouped) {
       const int v = vector_of(p, false);
       const Grouped g = grouped_of(p, nullptr, v);
@@ -689,7 +676,7 @@ const char* msda_backward_cuda(const MsdaParams& p, cudaStream_t stream, MsdaCud
   float* dv = accumulator(p);
   if (nv > 0 && cudaMemsetAsync(dv, 0, static_cast<size_t>(nv) * sizeof(float), stream) != cudaSuccess)
     return kc::launch_error("multi_scale_deformable_attention backward (zeroing dvalue)");
-  return with_dtype(p.dtype, [&]<typename T>(T*) -> const char* {
+  return kc::with_float_dtype(p.dtype, "multi_scale_deformable_attention", [&]<typename T>(T*) -> const char* {
     if (items > 0 && p.levels * p.points > 0) {
       if (grouped) {
         const int v = vector_of(p, true);

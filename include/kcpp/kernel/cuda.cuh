@@ -190,4 +190,16 @@ inline const char* launch_error(const char* op) {
   return errorf("%s: kernel launch failed: %s", op, cudaGetErrorString(e));
 }
 
+// Host side: f(static_cast<T*>(nullptr)) for the storage type T of `t` (f32, bf16, f16), so that one
+// generic lambda, `[&]<typename T>(T*) -> const char* {...}`, launches the kernels of each; `what`
+// names the op in the error for any other dtype.
+template <typename F> const char* with_float_dtype(DType t, const char* what, F&& f) {
+  switch (t) {
+    case DType::f32: return f(static_cast<float*>(nullptr));
+    case DType::bf16: return f(static_cast<__nv_bfloat16*>(nullptr));
+    case DType::f16: return f(static_cast<__half*>(nullptr));
+  }
+  return errorf("%s: unsupported dtype %d (f32, bf16 and f16 are)", what, static_cast<int>(t));
+}
+
 }  // namespace kcpp::kernel::cuda

@@ -126,23 +126,10 @@ __global__ void __launch_bounds__(kThreads) conv_update_kernel(const ConvUpdateP
   for (int64_t k = 0; k < K; ++k) state[k] = S + k < K ? state[S + k] : x[(S + k - K) * p.x_sl];
 }
 
-template <typename F>
-const char* with_dtype(kernel::DType t, F&& f) {
-  switch (t) {
-    case kernel::DType::f32:
-      return f(static_cast<float*>(nullptr));
-    case kernel::DType::bf16:
-      return f(static_cast<__nv_bfloat16*>(nullptr));
-    case kernel::DType::f16:
-      return f(static_cast<__half*>(nullptr));
-  }
-  return "causal_conv1d: unknown dtype";
-}
-
 // Calls f.template operator()<T, W>() for the params' dtype and width (1 to 4).
 template <typename F>
 const char* with_width(kernel::DType t, int64_t width, F&& f) {
-  return with_dtype(t, [&]<typename T>(T*) -> const char* {
+  return kc::with_float_dtype(t, "causal_conv1d", [&]<typename T>(T*) -> const char* {
     switch (width) {
       case 1:
         return f.template operator()<T, 1>();
@@ -187,7 +174,7 @@ const char* causal_conv1d_update_cuda(const ConvUpdateParams& p, cudaStream_t st
     return kernel::errorf("causal_conv1d_update: the CUDA kernels take widths up to %lld, not %lld",
                           static_cast<long long>(kConvMaxWidthCuda), static_cast<long long>(p.width));
   const int64_t n = p.batch * p.dim;
-  return with_dtype(p.dtype, [&]<typename T>(T*) -> const char* {
+  return kc::with_float_dtype(p.dtype, "causal_conv1d", [&]<typename T>(T*) -> const char* {
     if (n > 0) conv_update_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(p);
     return kc::launch_error("causal_conv1d_update");
   });

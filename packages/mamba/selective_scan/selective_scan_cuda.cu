@@ -706,7 +706,7 @@ const char* selective_scan_forward_cuda(const SelectiveScanParams& p, cudaStream
   if (use_legacy()) return legacy_forward(p, stream);
   const Plan pl = plan(p, kFwdChannels, kFwdMaxIters, kFwdTargetBlocks);
   const unsigned grid = static_cast<unsigned>(p.batch * p.groups * pl.bpg);
-  return with_dtype(p.dtype, [&]<typename T>(T*) -> const char* {
+  return kc::with_float_dtype(p.dtype, "selective_scan", [&]<typename T>(T*) -> const char* {
     const bool vec = rows_aligned(sizeof(T), {p.u, p.delta, p.z, p.out});
     const bool bc_vec = rows_aligned(sizeof(T), {p.B, p.C});
     chunked_forward_kernel<T><<<grid, kFwdThreads, 0, stream>>>(p, pl.bpg, pl.iters, vec, bc_vec);
@@ -735,7 +735,7 @@ const char* selective_scan_backward_cuda(const SelectiveScanParams& p, cudaStrea
                           p.workspace_bytes, need);
   float* ws = static_cast<float*>(p.workspace);
   float *ws_bc = ws, *ws_a = ws + parts.bc, *ws_d = ws_a + parts.a, *ws_bias = ws_d + parts.d;
-  return with_dtype(p.dtype, [&]<typename T>(T*) -> const char* {
+  return kc::with_float_dtype(p.dtype, "selective_scan", [&]<typename T>(T*) -> const char* {
     const char* e = legacy ? legacy_backward_blocks(p, pl.bpg, ws_bc, ws_a, ws_d, ws_bias, stream)
                            : launch_chunked_backward<T>(p, pl, ws_bc, ws_a, ws_d, ws_bias, stream);
     if (e) return e;
@@ -751,7 +751,7 @@ const char* selective_state_update_cuda(const StateUpdateParams& p, cudaStream_t
   if (const char* e = state_update_check(p)) return e;
   const int64_t n = p.batch * p.dim;
   if (n == 0) return nullptr;
-  return with_dtype(p.dtype, [&]<typename T>(T*) -> const char* {
+  return kc::with_float_dtype(p.dtype, "selective_scan", [&]<typename T>(T*) -> const char* {
     state_update_kernel<T><<<static_cast<unsigned>((n + 127) / 128), 128, 0, stream>>>(p);
     return kc::launch_error("selective_state_update");
   });

@@ -19,20 +19,6 @@ constexpr int kMaxStates = 16;  // N the CUDA kernels take
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr unsigned kFull = 0xffffffffu;
 
-// f(static_cast<T*>(nullptr)) for the storage type T of `t`.
-template <typename F>
-const char* with_dtype(kernel::DType t, F&& f) {
-  switch (t) {
-    case kernel::DType::f32:
-      return f(static_cast<float*>(nullptr));
-    case kernel::DType::bf16:
-      return f(static_cast<__nv_bfloat16*>(nullptr));
-    case kernel::DType::f16:
-      return f(static_cast<__half*>(nullptr));
-  }
-  return "selective_scan: unknown dtype";
-}
-
 __device__ __forceinline__ float step_of(const SelectiveScanParams& p, float raw) { return p.delta_softplus ? softplus(raw) : raw; }
 
 // The sequential kernels (selective_scan_legacy_cuda.cu).  legacy_backward_blocks launches the kernel

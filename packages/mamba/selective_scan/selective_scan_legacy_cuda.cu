@@ -480,7 +480,7 @@ const char* legacy_forward(const SelectiveScanParams& p, cudaStream_t stream) {
   const int64_t bpg = blocks_per_group(p);
   const unsigned grid = static_cast<unsigned>(p.batch * p.groups * bpg);
   const int tpc = threads_per_channel(p.dstate);
-  return with_dtype(p.dtype, [&]<typename T>(T*) -> const char* {
+  return kc::with_float_dtype(p.dtype, "selective_scan", [&]<typename T>(T*) -> const char* {
     if (tpc == 1)
       scan_forward_kernel<T, 1><<<grid, 32, 0, stream>>>(p, bpg);
     else if (tpc == 2)
@@ -494,7 +494,7 @@ const char* legacy_forward(const SelectiveScanParams& p, cudaStream_t stream) {
 const char* legacy_backward_blocks(const SelectiveScanParams& p, int64_t bpg, float* ws_bc, float* ws_a, float* ws_d,
                                    float* ws_bias, cudaStream_t stream) {
   const int tpc = threads_per_channel(p.dstate);
-  return with_dtype(p.dtype, [&]<typename T>(T*) -> const char* {
+  return kc::with_float_dtype(p.dtype, "selective_scan", [&]<typename T>(T*) -> const char* {
     return tpc == 1   ? launch_backward<T, 1>(p, bpg, ws_bc, ws_a, ws_d, ws_bias, stream)
            : tpc == 2 ? launch_backward<T, 2>(p, bpg, ws_bc, ws_a, ws_d, ws_bias, stream)
                       : launch_backward<T, 4>(p, bpg, ws_bc, ws_a, ws_d, ws_bias, stream);
