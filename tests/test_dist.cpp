@@ -1,8 +1,8 @@
 // dist::Communicator's collectives (ranks as threads: the local group) and data-parallel training
 // over them: a world of 2 or 3 ranks, each with its share of the batch, ends every step with the
-// parameters of one process trained on the whole batch; ZeRO stages 1 and 2 with the same parameters
-// as stage 0, a share of the optimizer state (and at stage 2 of the gradients), and checkpoints that
-// resume on any number of ranks.
+// parameters of one process trained on the whole batch; ZeRO stages 1 to 3 with the same parameters
+// as stage 0, a share of the optimizer state (and at stage 2 of the gradients, at stage 3 of the
+// parameters too), and checkpoints that resume on any number of ranks.
 #include <stdlib.h>
 
 #include <cmath>

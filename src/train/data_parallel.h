@@ -35,6 +35,32 @@
 // the flat bucket living only until it is reduce-scattered (gradient_bytes()).  With `overlap` the
 // buckets are reduce-scattered in their order as soon as the backward has finished all of their
 // parameters.
+//
+// Stage 3 (ZeRO-3; PyTorch FSDP's per-module all-gather) shards the parameters too.  The buckets
+// are also cut where the parameter group changes (CausalLM::ParameterGroup: the embedding, each
+// layer, the head's final norm and untied lm_head), so a group's parameters are a set of whole
+// buckets; each rank keeps its shard of every bucket in a buffer of its own, of the parameters'
+// dtype (AdamW's pieces are views of it: the optimizer updates the shard), and the parameters'
+// memory is released between uses (Storage::evict: every handle and view of the model sees it; a
+// read throws an error naming ZeRO-3).  The model's parameter_use hook, set by the trainer, brings
+// a group in:
+//
+//   first use of group G (CausalLM calls parameter_use(G, true)):
+//          restore G's storages (allocated again, whole)
+//          for each bucket of G: all_gather of the ranks' shards   [world * shard]
+//                                copied into G's parameters
+//   last use (parameter_use(G, false)): release G's storages
+//   step:  stage 2's (reduce-scatter as each layer's backward ends, AdamW on the shards), without
+//          the all-gather after it: the next forward gathers the updated shards
+//
+// A pass uses one group at a time (a tied head also gathers the embedding), so a rank holds its
+// shards, 1 / world of the parameters (up to an element of padding a bucket), plus one group
+// (parameter_bytes(), peak_parameter_bytes()); gradients as at stage 2.  Each micro-batch's forward
+// and backward gather again (with activation checkpointing the recomputed forward runs inside the
+// backward's gather), so every rank must have the same number of micro-batches (checked: a named
+// error).  The values are stage 2's: the same all-gathered shards, the same sums.  While the
+// trainer lives the model refuses a forward with a KV cache (generation); gather_parameters() makes
+// every parameter whole (e.g. for CausalLM::save), and they stay whole if the trainer goes then.
 #pragma once
 
 #include <filesystem>
