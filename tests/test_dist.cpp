@@ -4,6 +4,7 @@
 // as stage 0, a share of the optimizer state (and at stage 2 of the gradients, at stage 3 of the
 // parameters too), and checkpoints that resume on any number of ranks.
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -453,9 +454,10 @@ TEST(Dist, ZeroThreeEqualsStageZero) {
   }
 }
 
-// A released parameter is an error naming ZeRO-3 (never a crash), as is generating from a model
-// training at stage 3, and ranks with different numbers of micro-batches; gather_parameters()
-// makes every parameter whole until release_parameters().
+// A released parameter is an error naming ZeRO-3 (never a crash: reading it, saving the model), as
+// is generating from a model training at stage 3, and ranks with different numbers of
+// micro-batches; a loss outside the step gathers through the hook; gather_parameters() makes every
+// parameter whole until release_parameters(), and save_model() gathers for rank 0's save.
 TEST(Dist, ZeroThreeReleasedParametersAreNamed) {
   {  // a storage released under its views, and restored
     const Tensor t = Tensor::zeros({4}, DType::f32);
@@ -489,6 +491,23 @@ TEST(Dist, ZeroThreeReleasedParametersAreNamed) {
     else EXPECT_ERROR(t.step({{row, row}}), "same number of micro-batches");
     t.step({{row, row}});
     const size_t shards = t.parameter_bytes();
+    // Saving needs the parameters whole: named when they are not; save_model gathers them.
+    const fs::path dir = fs::temp_directory_path() / fmt::format("kcpp-zero3-save-{}-{}", ::getpid(), r);
+    EXPECT_ERROR(model->save(dir), "released by ZeRO-3");
+    // A forward outside the trainer's step (evaluation) gathers each group through the hook, as the
+    // step does, and gives the loss of the whole parameters.
+    const double hooked = model->loss(row, row).item();
+    EXPECT_EQ(t.parameter_bytes(), shards);
+    t.gather_parameters();
+    EXPECT_EQ(model->loss(row, row).item(), hooked);
+    t.release_parameters();
+    t.save_model(dir);
+    EXPECT_EQ(t.parameter_bytes(), shards);
+    if (r == 0) {
+      auto saved = models::CausalLM::from_folder(dir, DType::f32, Device::cpu());
+      EXPECT_EQ(saved->loss(row, row).item(), hooked);
+    }
+    fs::remove_all(dir);
     t.gather_parameters();
     EXPECT_EQ(embed.to_f64_vector().size(), static_cast<size_t>(embed.numel()));
     EXPECT_GT(t.parameter_bytes(), shards);
@@ -647,9 +666,8 @@ TEST(Dist, ShardedCheckpointsResumeOnAnyWorldSize) {
       train::DataParallel t(*models[static_cast<size_t>(r)], c, o, dp);
       for (int step = 0; step < 2; ++step) t.step({{rows_of(step, r, 2), rows_of(step, r, 2)}});
       t.save_optimizer(ckpt);
-      t.gather_parameters();  // stage 3: whole for the save below (they stay so after the trainer)
+      t.save_model(ckpt);  // rank 0's (at stage 3 gathered for it)
     });
-    models[0]->save(ckpt);
     const std::string saved = fmt::format("saved by 2 ranks at ZeRO-{}", saved_at);
     {
       auto resumed = models::CausalLM::from_folder(ckpt, DType::f32, Device::cpu());

@@ -241,6 +241,18 @@ void DataParallel::release_parameters() {
     if (groups_[gi].users > 0) release(gi);
 }
 
+void DataParallel::save_model(const std::filesystem::path& folder) {
+  const bool gather = options_.zero_stage == 3;
+  if (gather) gather_parameters();
+  struct Release {
+    DataParallel* dp;
+    ~Release() {
+      if (dp) dp->release_parameters();
+    }
+  } release{gather ? this : nullptr};
+  if (comm_.rank() == 0) model_.save(folder);
+}
+
 size_t DataParallel::parameter_bytes() const {
   if (options_.zero_stage == 3) return resident_;
   std::map<const Storage*, size_t> storages;

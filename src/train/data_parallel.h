@@ -132,6 +132,9 @@ class DataParallel {
   // the parameters as they are: gathered ones stay usable, released ones stay released.
   void gather_parameters();
   void release_parameters();
+  // The model as a Hugging Face folder (CausalLM::save), written by rank 0 with whole parameters
+  // (at stage 3 gathered for it by every rank, and released after).  Every rank calls it.
+  void save_model(const std::filesystem::path& folder);
   AdamW& optimizer() { return opt_; }
 
   // Checkpoints of the optimizer, independent of the world size and the stage: each rank writes the
