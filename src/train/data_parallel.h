@@ -60,7 +60,8 @@
 // backward's gather), so every rank must have the same number of micro-batches (checked: a named
 // error).  The values are stage 2's: the same all-gathered shards, the same sums.  While the
 // trainer lives the model refuses a forward with a KV cache (generation); gather_parameters() makes
-// every parameter whole (e.g. for CausalLM::save), and they stay whole if the trainer goes then.
+// every parameter whole, and they stay whole if the trainer goes then; save_model() gathers them for
+// rank 0's CausalLM::save and releases them after.  The optimizer's checkpoints are stage 2's.
 #pragma once
 
 #include <filesystem>
