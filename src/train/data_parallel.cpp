@@ -209,7 +209,10 @@ void DataParallel::acquire(size_t gi) {
     for (size_t bi : g.buckets) {
       const Bucket& b = buckets_[bi];
       const Tensor all = Tensor::empty({comm_.world_size() * b.shard}, b.dtype, comm_.device());
-      comm_.all_gather(all, b.data);
+      // On the side stream, behind the overlapped reduce-scatters (every collective of a step is
+      // issued on one stream, in the same order on every rank), and waited for: the layer needs it.
+      side_->run([&] { comm_.all_gather(all, b.data); });
+      side_->join();
       for (size_t j = 0; j < b.params.size(); ++j) {
         const Tensor& p = params_[b.params[j]].second;
         p.view({p.numel()}).copy_(all.narrow(0, b.offset[j], p.numel()));

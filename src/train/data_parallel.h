@@ -48,6 +48,7 @@
 //   first use of group G (CausalLM calls parameter_use(G, true)):
 //          restore G's storages (allocated again, whole)
 //          for each bucket of G: all_gather of the ranks' shards   [world * shard]
+//                                (on the side stream, after the reduce-scatters queued there)
 //                                copied into G's parameters
 //   last use (parameter_use(G, false)): release G's storages
 //   step:  stage 2's (reduce-scatter as each layer's backward ends, AdamW on the shards), without
