@@ -24,13 +24,13 @@ KCPP_FIXTURES_DIR="$PWD/tests/fixtures" timeout 240 .devlibs/bin/kcpp_tests --gt
 if [ "${KCPP_MGPU_CURVES:-0}" = 1 ]; then
   echo "== f32 loss curves, reference layers, 20 steps, batch 64 (a line every 2 steps)"
   timeout 120 .devlibs/bin/kcpp train --dtype f32 --reference-only --steps 20 --batch 64 2>&1 | grep -oE "step +[0-9]+/20 +loss [0-9.]+" | tr '\n' ';'; echo " <- one GPU"
-  for z in 0 1 2; do
+  for z in 0 1 2 3; do
     timeout 120 .devlibs/bin/kcpp train --dtype f32 --reference-only --steps 20 --batch 64 --gpus "$n" --zero "$z" 2>&1 | grep -oE "step +[0-9]+/20 +loss [0-9.]+" | tr '\n' ';'; echo " <- $n GPUs ZeRO-$z"
   done
 fi
 echo "-- one GPU"
 timeout 200 .devlibs/bin/kcpp train $args 2>&1 | grep -E "reference|kernels|error" | tail -n 3
-for run in "0" "1" "2" "0 --no-overlap"; do
+for run in "0" "1" "2" "3" "3 --no-overlap" "0 --no-overlap"; do
   set -- $run
   echo "-- $n GPUs, ZeRO-$1 ${2:-}"
   timeout 200 .devlibs/bin/kcpp train $args --gpus "$n" --zero "$@" 2>&1 | grep -E "reference|kernels|error|failed" | tail -n 4

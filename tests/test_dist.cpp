@@ -1,9 +1,10 @@
 // dist::Communicator's collectives (ranks as threads: the local group) and data-parallel training
 // over them: a world of 2 or 3 ranks, each with its share of the batch, ends every step with the
-// parameters of one process trained on the whole batch; ZeRO stages 1 and 2 with the same parameters
-// as stage 0, a share of the optimizer state (and at stage 2 of the gradients), and checkpoints that
-// resume on any number of ranks.
+// parameters of one process trained on the whole batch; ZeRO stages 1 to 3 with the same parameters
+// as stage 0, a share of the optimizer state (and at stage 2 of the gradients, at stage 3 of the
+// parameters too), and checkpoints that resume on any number of ranks.
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -177,7 +178,7 @@ TEST(Dist, LaunchInfoFromTheEnvironment) {
 // The backward hands over each gradient once, whole, the last layer's before the first's; the reduction of
 // buckets during the backward (DataParallelOptions::overlap) gives the parameters that reducing after
 // the backward gives, bit for bit, with two micro-batches a rank (the hook sees their sum), at every
-// ZeRO stage (stages 1 and 2: the buckets reduce-scattered as soon as they are complete).
+// ZeRO stage (stages 1 to 3: the buckets reduce-scattered as soon as they are complete).
 TEST(Dist, OverlappedReductionEqualsTheReductionAfterTheBackward) {
   const fs::path dir = fs::path(test::fixtures_dir()) / "llama";
   const models::ModelConfig cfg = models::ModelConfig::from_folder(dir);
@@ -202,7 +203,7 @@ TEST(Dist, OverlappedReductionEqualsTheReductionAfterTheBackward) {
   }
   train::AdamWOptions o;
   o.lr = 5e-3, o.max_grad_norm = 0.5;
-  for (int zero : {0, 1, 2}) {
+  for (int zero : {0, 1, 2, 3}) {
   std::map<bool, std::vector<std::map<std::string, std::vector<double>>>> got;
   for (bool overlap : {false, true}) {
     got[overlap].resize(2);
@@ -215,6 +216,7 @@ TEST(Dist, OverlappedReductionEqualsTheReductionAfterTheBackward) {
       for (int step = 0; step < 2; ++step)
         (void)trainer.step({{mine.narrow(0, 0, 1).contiguous(), mine.narrow(0, 0, 1).contiguous()},
                             {mine.narrow(0, 1, 1).contiguous(), mine.narrow(0, 1, 1).contiguous()}});
+      trainer.gather_parameters();  // stage 3: whole again to read
       for (const auto& [name, p] : model->parameters()) got[overlap][static_cast<size_t>(r)][name] = p.to_f64_vector();
     });
   }
@@ -354,7 +356,7 @@ TEST(Dist, DataParallelEqualsOneProcessOnTheWholeBatch) {
 // Without clipping (whose norm is summed in another order) the sharded stages give stage 0's
 // parameters bit for bit, in f32 and in bf16 (f32 master pieces, the sums rounded to bf16 as stage
 // 0 rounds them), on 3 ranks with shards ending in padding; stage 2 keeps a third of stage 1's
-// gradient buffers.
+// gradient buffers.  Stage 3 (parameters sharded too) as well.
 TEST(Dist, ShardedStagesEqualStageZeroBitForBit) {
   const models::ModelConfig cfg = odd_llama();
   Generator gen(11);
@@ -364,7 +366,7 @@ TEST(Dist, ShardedStagesEqualStageZeroBitForBit) {
   for (DType dt : {DType::f32, DType::bf16}) {
     std::map<int, std::vector<std::vector<std::vector<double>>>> got;
     std::map<int, size_t> grad_bytes;
-    for (int zero : {0, 1, 2}) {
+    for (int zero : {0, 1, 2, 3}) {
       got[zero].resize(3);
       on_ranks(3, [&](int r, dist::Communicator& c) {
         auto model = models::CausalLM::random(cfg, dt, Device::cpu(), 4, 0.5);
@@ -373,14 +375,146 @@ TEST(Dist, ShardedStagesEqualStageZeroBitForBit) {
         train::DataParallel t(*model, c, o, dp);
         const Tensor mine = ids.narrow(0, r, 1).contiguous();
         for (int step = 0; step < 3; ++step) t.step({{mine, mine}});
+        t.gather_parameters();
         for (const auto& [name, p] : model->parameters()) got[zero][static_cast<size_t>(r)].push_back(p.to_f64_vector());
         if (r == 0) grad_bytes[zero] = t.gradient_bytes();
       });
     }
-    for (int zero : {1, 2})
+    for (int zero : {1, 2, 3})
       for (size_t r = 0; r < 3; ++r) EXPECT_EQ(got[zero][r], got[0][r]) << dtype_name(dt) << " ZeRO-" << zero << " rank " << r;
     EXPECT_EQ(grad_bytes[1], 3 * grad_bytes[2]) << dtype_name(dt);
   }
+}
+
+// ZeRO-3: each rank keeps its shard of every parameter and gathers a layer's parameters just before
+// the layer's forward and again before its backward.  Three steps of two micro-batches a rank on 2
+// and 3 ranks give stage 0's parameters bit for bit (f32), with and without activation
+// checkpointing (the recomputed forward gathers again) and overlap, for an untied model (llama), a
+// tied one (qwen2: the head gathers the embedding), fused projections (phi3) and MoE layers
+// (qwen3_moe).  Between steps a rank holds its shards only (1 / world of the parameters, up to a
+// padding element a bucket), during them at most one group more (a layer, the embedding, or the
+// head with a tied embedding).
+TEST(Dist, ZeroThreeEqualsStageZero) {
+  train::AdamWOptions o;
+  o.lr = 1e-2, o.weight_decay = 0.1;
+  for (const char* family : {"llama", "qwen2", "phi3", "qwen3_moe"}) {
+    const models::ModelConfig cfg = models::ModelConfig::from_folder(fs::path(test::fixtures_dir()) / family);
+    Generator gen(12);
+    const Tensor ids = Tensor::randint({6, 7}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen);
+    // The bytes of each group's parameters, and of them all.
+    size_t total = 0, largest = 0, largest_layer = 0, params = 0;
+    {
+      auto m = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 4, 0.5);
+      std::map<std::string, size_t> group;
+      for (const auto& [name, p] : m->parameters()) {
+        const std::string g = name.starts_with("model.layers.") ? name.substr(0, name.find('.', 13)) : name == "model.embed_tokens.weight" ? name : "head";
+        group[g] += p.nbytes(), total += p.nbytes(), ++params;
+        if (g == "head" && cfg.tie_word_embeddings) group[g] += m->parameters()[0].second.nbytes();
+      }
+      for (const auto& [g, bytes] : group) {
+        largest = std::max(largest, bytes);
+        if (g.starts_with("model.layers.")) largest_layer = std::max(largest_layer, bytes);
+      }
+    }
+    for (int world : {2, 3}) {
+      const int64_t share = 6 / world;
+      auto run = [&](int zero, bool checkpoint, bool overlap) {
+        std::vector<std::vector<std::vector<double>>> got(static_cast<size_t>(world));
+        on_ranks(world, [&](int r, dist::Communicator& c) {
+          auto model = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 4, 0.5);
+          model->checkpoint_layers = checkpoint;
+          train::DataParallelOptions dp;
+          dp.zero_stage = zero, dp.bucket_mib = 0.01, dp.overlap = overlap;
+          train::DataParallel t(*model, c, o, dp);
+          const Tensor mine = ids.narrow(0, r * share, share);
+          const Tensor first = mine.narrow(0, 0, 1).contiguous(), rest = mine.narrow(0, 1, share - 1).contiguous();
+          for (int step = 0; step < 3; ++step) {
+            t.step({{first, first}, {rest, rest}});
+            if (zero == 3) {
+              const size_t shards = t.parameter_bytes();
+              EXPECT_GE(shards * static_cast<size_t>(world), total) << family;
+              EXPECT_LE(shards, total / static_cast<size_t>(world) + 4 * params) << family;
+              EXPECT_GE(t.peak_parameter_bytes(), shards + largest_layer) << family;
+              EXPECT_LE(t.peak_parameter_bytes(), shards + largest) << family;
+            }
+          }
+          const size_t shards = t.parameter_bytes();
+          t.gather_parameters();
+          if (zero == 3) EXPECT_EQ(t.parameter_bytes(), shards + total) << family;
+          for (const auto& [name, p] : model->parameters()) got[static_cast<size_t>(r)].push_back(p.to_f64_vector());
+        });
+        return got;
+      };
+      const auto want = run(0, false, true);
+      for (bool checkpoint : {false, true})
+        for (bool overlap : {false, true})
+          EXPECT_EQ(run(3, checkpoint, overlap), want)
+              << family << " world " << world << (checkpoint ? " checkpointed" : "") << (overlap ? "" : " no overlap");
+    }
+  }
+}
+
+// A released parameter is an error naming ZeRO-3 (never a crash: reading it, saving the model), as
+// is generating from a model training at stage 3, and ranks with different numbers of
+// micro-batches; a loss outside the step gathers through the hook; gather_parameters() makes every
+// parameter whole until release_parameters(), and save_model() gathers for rank 0's save.
+TEST(Dist, ZeroThreeReleasedParametersAreNamed) {
+  {  // a storage released under its views, and restored
+    const Tensor t = Tensor::zeros({4}, DType::f32);
+    const Tensor v = t.narrow(0, 1, 2);
+    t.storage()->evict();
+    EXPECT_ERROR((void)v.data(), "released by ZeRO-3");
+    EXPECT_ERROR(v.to_f64_vector(), "released by ZeRO-3");
+    DLTensor dl;
+    EXPECT_ERROR(t.fill_dl_tensor(&dl), "released by ZeRO-3");
+    EXPECT_ERROR(t.to_dlpack(), "released by ZeRO-3");
+    t.storage()->restore();
+    v.fill_(2);
+    EXPECT_EQ(t.to_f64_vector()[1], 2.0);
+  }
+  const models::ModelConfig cfg = models::ModelConfig::from_folder(fs::path(test::fixtures_dir()) / "llama");
+  train::AdamWOptions o;
+  o.lr = 1e-2;
+  Generator gen(3);
+  const Tensor ids = Tensor::randint({3, 6}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen);
+  on_ranks(2, [&](int r, dist::Communicator& c) {
+    auto model = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 4, 0.5);
+    train::DataParallelOptions dp;
+    dp.zero_stage = 3;
+    train::DataParallel t(*model, c, o, dp);
+    const Tensor embed = model->parameters()[0].second;
+    EXPECT_ERROR(embed.to_f64_vector(), "released by ZeRO-3");
+    EXPECT_ERROR(model->generate({1, 2}, 2), "not supported while parameter_use is set");
+    EXPECT_ERROR(train::DataParallel(*model, c, o, dp), "parameter_use is set already");
+    const Tensor row = ids.narrow(0, r, 1).contiguous();
+    if (r == 0) EXPECT_ERROR(t.step({{row, row}, {row, row}}), "same number of micro-batches");
+    else EXPECT_ERROR(t.step({{row, row}}), "same number of micro-batches");
+    t.step({{row, row}});
+    const size_t shards = t.parameter_bytes();
+    // Saving needs the parameters whole: named when they are not; save_model gathers them.
+    const fs::path dir = fs::temp_directory_path() / fmt::format("kcpp-zero3-save-{}-{}", ::getpid(), r);
+    EXPECT_ERROR(model->save(dir), "released by ZeRO-3");
+    // A forward outside the trainer's step (evaluation) gathers each group through the hook, as the
+    // step does, and gives the loss of the whole parameters.
+    const double hooked = model->loss(row, row).item();
+    EXPECT_EQ(t.parameter_bytes(), shards);
+    t.gather_parameters();
+    EXPECT_EQ(model->loss(row, row).item(), hooked);
+    t.release_parameters();
+    t.save_model(dir);
+    EXPECT_EQ(t.parameter_bytes(), shards);
+    if (r == 0) {
+      auto saved = models::CausalLM::from_folder(dir, DType::f32, Device::cpu());
+      EXPECT_EQ(saved->loss(row, row).item(), hooked);
+    }
+    fs::remove_all(dir);
+    t.gather_parameters();
+    EXPECT_EQ(embed.to_f64_vector().size(), static_cast<size_t>(embed.numel()));
+    EXPECT_GT(t.parameter_bytes(), shards);
+    t.release_parameters();
+    EXPECT_EQ(t.parameter_bytes(), shards);
+    EXPECT_ERROR(embed.to_f64_vector(), "released by ZeRO-3");
+  });
 }
 
 // 16-bit weights: AdamW keeps f32 master copies, taken after the replicas start as rank 0's, so the
@@ -391,7 +525,7 @@ TEST(Dist, Bf16ReplicasStayTheSame) {
   const Tensor ids = Tensor::randint({2, 8}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen);
   train::AdamWOptions o;
   o.lr = 1e-2;
-  for (int zero : {0, 1, 2}) {
+  for (int zero : {0, 1, 2, 3}) {
     std::vector<std::vector<double>> params(2);
     on_ranks(2, [&](int r, dist::Communicator& c) {
       auto model = models::CausalLM::random(cfg, DType::bf16, Device::cpu(), 20 + r, 0.5);
@@ -402,6 +536,7 @@ TEST(Dist, Bf16ReplicasStayTheSame) {
         const Tensor mine = ids.narrow(0, r, 1).contiguous();
         t.step({{mine, mine}});
       }
+      t.gather_parameters();
       for (const auto& [name, p] : model->parameters()) {
         const auto v = p.to_f64_vector();
         params[static_cast<size_t>(r)].insert(params[static_cast<size_t>(r)].end(), v.begin(), v.end());
@@ -498,10 +633,11 @@ TEST(Dist, OptimizerCheckpointsResumeOnAnyWorldSize) {
   fs::remove_all(ckpt);
 }
 
-// A sharded save resumes anywhere: two steps on 2 ranks at ZeRO-1 or ZeRO-2 (each rank writes the
-// pieces of the state it owns, with their places in their parameters), a save, then two more steps
-// by one process, or by 3 ranks at stage 0, 1 or 2 (other shards: each reads its pieces out of the 2
-// ranks' files), give the four steps of one uninterrupted process.
+// A sharded save resumes anywhere: two steps on 2 ranks at ZeRO-1, 2 or 3 (each rank writes the
+// pieces of the state it owns, with their places in their parameters; at stage 3 the parameters
+// gathered for the model's save), a save, then two more steps by one process, or by 3 ranks at
+// stage 0, 1, 2 or 3 (other shards: each reads its pieces out of the 2 ranks' files), give the four
+// steps of one uninterrupted process.
 TEST(Dist, ShardedCheckpointsResumeOnAnyWorldSize) {
   const models::ModelConfig cfg = odd_llama();
   const int64_t rows = 6, seq = 8;
@@ -521,7 +657,7 @@ TEST(Dist, ShardedCheckpointsResumeOnAnyWorldSize) {
   };
   std::string tmpl = (fs::temp_directory_path() / "kcpp-zero-ckpt-XXXXXX").string();
   const fs::path ckpt = ::mkdtemp(tmpl.data());
-  for (int saved_at : {1, 2}) {
+  for (int saved_at : {1, 2, 3}) {
     std::vector<std::unique_ptr<models::CausalLM>> models(2);
     on_ranks(2, [&](int r, dist::Communicator& c) {
       models[static_cast<size_t>(r)] = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 9, 0.5);
@@ -530,8 +666,8 @@ TEST(Dist, ShardedCheckpointsResumeOnAnyWorldSize) {
       train::DataParallel t(*models[static_cast<size_t>(r)], c, o, dp);
       for (int step = 0; step < 2; ++step) t.step({{rows_of(step, r, 2), rows_of(step, r, 2)}});
       t.save_optimizer(ckpt);
+      t.save_model(ckpt);  // rank 0's (at stage 3 gathered for it)
     });
-    models[0]->save(ckpt);
     const std::string saved = fmt::format("saved by 2 ranks at ZeRO-{}", saved_at);
     {
       auto resumed = models::CausalLM::from_folder(ckpt, DType::f32, Device::cpu());
@@ -541,7 +677,7 @@ TEST(Dist, ShardedCheckpointsResumeOnAnyWorldSize) {
       for (int step = 2; step < 4; ++step) train::train_step(*resumed, opt, {{ids[static_cast<size_t>(step)], ids[static_cast<size_t>(step)]}});
       expect_straight(*resumed, saved + ", resumed by 1");
     }
-    for (int resumed_at : {0, 1, 2})
+    for (int resumed_at : {0, 1, 2, 3})
       on_ranks(3, [&](int r, dist::Communicator& c) {
         auto resumed = models::CausalLM::from_folder(ckpt, DType::f32, Device::cpu());
         train::DataParallelOptions dp;
@@ -550,6 +686,7 @@ TEST(Dist, ShardedCheckpointsResumeOnAnyWorldSize) {
         t.load_optimizer(ckpt);
         EXPECT_EQ(t.optimizer().steps(), 2);
         for (int step = 2; step < 4; ++step) t.step({{rows_of(step, r, 3), rows_of(step, r, 3)}});
+        t.gather_parameters();
         if (r == 1) expect_straight(*resumed, fmt::format("{}, resumed by 3 at ZeRO-{}", saved, resumed_at));
       });
   }

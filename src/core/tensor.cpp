@@ -55,6 +55,32 @@ Storage::~Storage() {
   else allocator_for(device).deallocate(data);
 }
 
+void Storage::evict() {
+  if (evicted) return;
+  if (release) {
+    release();
+    release = {};  // restored memory comes from the allocator
+  } else {
+    allocator_for(device).deallocate(data);
+  }
+  data = nullptr;
+  evicted = true;
+}
+
+void Storage::restore() {
+  if (!evicted) return;
+  data = allocator_for(device).allocate(nbytes);
+  evicted = false;
+}
+
+namespace {
+[[noreturn]] void throw_evicted(const Storage& s) {
+  KCPP_FAIL("use of a tensor whose memory ({} bytes on {}) was released by ZeRO-3: a sharded parameter is whole only "
+            "between its layer's gather and release (DataParallel at zero_stage 3; gather_parameters() makes every "
+            "parameter whole)", s.nbytes, s.device.str());
+}
+}  // namespace
+
 // ---- factories -------------------------------------------------------------------------------
 
 Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
@@ -152,6 +178,7 @@ bool Tensor::is_contiguous() const {
 
 void* Tensor::data() const {
   KCPP_CHECK(defined(), "use of an undefined tensor");
+  if (storage_->evicted) [[unlikely]] throw_evicted(*storage_);
   return static_cast<char*>(storage_->data) + offset_ * static_cast<int64_t>(element_size());
 }
 
@@ -455,6 +482,7 @@ struct DLContext {
 
 DLManagedTensor* Tensor::to_dlpack() const {
   KCPP_CHECK(defined(), "to_dlpack: undefined tensor");
+  if (storage_->evicted) [[unlikely]] throw_evicted(*storage_);
   auto* ctx = new DLContext{*this, shape_, strides_, {}};
   DLTensor& t = ctx->managed.dl_tensor;
   t.data = storage_->data;
@@ -472,6 +500,7 @@ DLManagedTensor* Tensor::to_dlpack() const {
 
 void Tensor::fill_dl_tensor(DLTensor* t) const {
   KCPP_CHECK(defined(), "fill_dl_tensor: undefined tensor");
+  if (storage_->evicted) [[unlikely]] throw_evicted(*storage_);
   const Device d = device();
   t->data = storage_->data;
   t->byte_offset = static_cast<uint64_t>(offset_) * element_size();

@@ -29,13 +29,23 @@ using Shape = std::vector<int64_t>;
 
 class Generator;
 
-// Memory owned by the allocator of `device`, or borrowed from elsewhere (DLPack import) and
-// released through `release`.
+// Memory owned by the allocator of `device`, or borrowed from elsewhere (DLPack import, a mapped
+// weight file) and released through `release`.
+//
+// A storage can be released while its tensors live (ZeRO-3 keeps only a shard of each parameter
+// between uses, train/data_parallel.h): evict() gives the memory back (to the allocator, or through
+// `release` for borrowed memory) and keeps nbytes; restore() allocates nbytes again from the
+// allocator (contents undefined until written).  Every tensor and view over the storage sees the
+// change; while it is evicted, Tensor::data() and the DLPack exports throw kcpp::Error.
 struct Storage {
   void* data = nullptr;
   size_t nbytes = 0;
   Device device;
   std::function<void()> release;  // set for borrowed memory; empty for allocator memory
+  bool evicted = false;
+
+  void evict();    // no-op when evicted
+  void restore();  // no-op unless evicted
 
   Storage(size_t n, Device d);                                  // allocates
   Storage(void* p, size_t n, Device d, std::function<void()> r)  // borrows

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <exception>
 #include <map>
 #include <cmath>
 #include <fstream>
@@ -347,6 +348,35 @@ Tensor CausalLM::inv_freq(int64_t seq_len) const {
   return Tensor::from_f64(f, {rd / 2}, DType::f32, device_);
 }
 
+struct CausalLM::InUse {
+  const CausalLM& model;
+  ParameterGroup group;
+  bool on = false;
+  InUse(const CausalLM& m, ParameterGroup::Kind kind, size_t layer = 0) : model(m), group{kind, layer} {}
+  InUse(const InUse&) = delete;
+  InUse& operator=(const InUse&) = delete;
+  ~InUse() {
+    if (std::uncaught_exceptions() == 0) {
+      release();
+      return;
+    }
+    try {
+      release();
+    } catch (const std::exception&) {  // the error under way is the one to report
+    }
+  }
+  void acquire() {
+    if (on || !model.parameter_use) return;
+    model.parameter_use(group, true);
+    on = true;
+  }
+  void release() {
+    if (!on) return;
+    on = false;
+    model.parameter_use(group, false);
+  }
+};
+
 struct CausalLM::LayerTape {
   nn::RMSNorm::Saved in_norm, post_norm, q_norm, k_norm;
   nn::Attention::Saved attn;
@@ -408,12 +438,19 @@ Tensor CausalLM::layer_forward(size_t li, Tensor h, const ops::RopeCosSin& cs, L
   return h;
 }
 
-Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache) {
+Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache, InUse* head) {
   KCPP_CHECK(ids.dim() == 2, "CausalLM: input_ids must be [batch, seq], got {} dims", ids.dim());
+  KCPP_CHECK(!(cache && parameter_use), "CausalLM: a forward with a KV cache (generation) is not supported while "
+             "parameter_use is set (ZeRO-3 training: gather the parameters and unset it first)");
   const ModelConfig& c = cfg_;
   const int64_t b = ids.size(0), s = ids.size(1), hdim = c.hidden_size;
-  // In a captured step the ids are the previous step's picks (in range), and checking them would wait.
-  Tensor h = ops::embedding(embed_, ids.device() == device_ ? ids : ids.to(device_), !(cache && cache->step_ready));
+  Tensor h;
+  {
+    InUse embedding(*this, ParameterGroup::Kind::Embedding);
+    embedding.acquire();
+    // In a captured step the ids are the previous step's picks (in range), and checking them would wait.
+    h = ops::embedding(embed_, ids.device() == device_ ? ids : ids.to(device_), !(cache && cache->step_ready));
+  }
   if (c.scale_embeddings)  // Gemma: times sqrt(hidden) rounded to the model's dtype, as Transformers does
     h = ops::scale(h, Tensor::full({}, std::sqrt(static_cast<double>(hdim)), dtype_, Device::cpu()).item());
   const bool ragged = cache && !cache->rows.empty();
@@ -455,6 +492,8 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache) {
   for (size_t li = 0; li < layers_.size(); ++li) {
     // Checkpointing keeps only each layer's input; the backward runs the layer again to get the rest.
     if (tape && tape->checkpoint) tape->inputs[li] = h;
+    InUse layer(*this, ParameterGroup::Kind::Layer, li);
+    layer.acquire();
     h = layer_forward(li, h, cs, tape && !tape->checkpoint ? &tape->layers[li] : nullptr, cache);
   }
   if (ragged) {
@@ -462,6 +501,8 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache) {
   } else if (cache) {
     cache->length += s;
   }
+  InUse own_head(*this, ParameterGroup::Kind::Head);
+  (head ? *head : own_head).acquire();
   return final_norm_->forward(h, tape ? &tape->final_norm : nullptr);
 }
 
@@ -630,13 +671,15 @@ Tensor CausalLM::prefill_layers(const Tensor& h0, int64_t b, int64_t s, const op
 }
 
 Tensor CausalLM::forward(const Tensor& ids, KVCache* cache) {
-  const Tensor h = hidden_states(ids, nullptr, cache);
+  InUse head(*this, ParameterGroup::Kind::Head);
+  const Tensor h = hidden_states(ids, nullptr, cache, &head);
   const int64_t b = ids.size(0), s = ids.size(1);
   return ops::matmul(h.view({b * s, cfg_.hidden_size}), lm_head_, false, true).view({b, s, cfg_.vocab_size});
 }
 
 Tensor CausalLM::next_token_logits(const Tensor& ids, KVCache* cache) {
-  const Tensor h = hidden_states(ids, nullptr, cache);
+  InUse head(*this, ParameterGroup::Kind::Head);
+  const Tensor h = hidden_states(ids, nullptr, cache, &head);
   const int64_t b = ids.size(0), s = ids.size(1);
   const Tensor last = s == 1 ? h.view({b, cfg_.hidden_size}) : h.narrow(1, s - 1, 1).contiguous().view({b, cfg_.hidden_size});
   return ops::matmul(last, lm_head_, false, true);
@@ -924,7 +967,8 @@ Tensor CausalLM::loss(const Tensor& ids, const Tensor& labels) {
     ~Sink() { slot = nullptr; }
   } sink{router_logits_};
   if (aux_loss_on()) router_logits_ = &logits;
-  const Tensor h = hidden_states(ids).view({ids.numel(), cfg_.hidden_size});
+  InUse head(*this, ParameterGroup::Kind::Head);
+  const Tensor h = hidden_states(ids, nullptr, nullptr, &head).view({ids.numel(), cfg_.hidden_size});
   router_logits_ = nullptr;
   const Tensor l = loss_->forward(h, lm_head_, shifted_targets(labels));
   return logits.empty() ? l : ops::add(l, aux_loss(logits, 1.0).loss);
@@ -962,7 +1006,8 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
     ~Sink() { slot = nullptr; }
   } sink{router_logits_};
   if (aux_loss_on()) router_logits_ = &router_logits;
-  const Tensor hf = hidden_states(ids, &tape).view({n, hdim});
+  InUse head(*this, ParameterGroup::Kind::Head);
+  const Tensor hf = hidden_states(ids, &tape, nullptr, &head).view({n, hdim});
   router_logits_ = nullptr;
   nn::ForCausalLMLoss::Saved ls;
   Gradients out;
@@ -986,6 +1031,7 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
   acc(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight", lg.dweight);
   auto fn = final_norm_->backward(lg.dhidden.view({b, s, hdim}), tape.final_norm);
   acc("model.norm.weight", fn.dweight);
+  head.release();
   if (ready) {  // whole already: the final norm's, and an untied head's
     ready("model.norm.weight", g.at("model.norm.weight"));
     if (!c.tie_word_embeddings) ready("lm_head.weight", g.at("lm_head.weight"));
@@ -995,6 +1041,8 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
   auto col_sum = [&](const Tensor& dy) { return ops::matmul(Tensor::full({1, dy.size(0)}, 1.0, dy.dtype(), dy.device()), dy).view({dy.size(1)}); };
   for (int64_t li = static_cast<int64_t>(layers_.size()) - 1; li >= 0; --li) {
     Layer& l = layers_[li];
+    InUse in_use(*this, ParameterGroup::Kind::Layer, static_cast<size_t>(li));
+    in_use.acquire();
     LayerTape recomputed;
     if (tape.checkpoint) layer_forward(li, tape.inputs[li], {tape.cos, tape.sin}, &recomputed, nullptr);
     LayerTape& t = tape.checkpoint ? recomputed : tape.layers[li];
@@ -1068,6 +1116,7 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
     const auto in = l.input_norm->backward(da.view({b, s, hdim}), t.in_norm);
     acc(p + "input_layernorm.weight", in.dweight);
     dh = ops::add(dh, in.dx);
+    in_use.release();
     if (ready) {  // this layer's gradients are whole
       for (auto it = g.lower_bound(p); it != g.end() && it->first.starts_with(p); ++it) ready(it->first, it->second);
     }

@@ -111,7 +111,9 @@ class SideStream {
 #endif
 };
 
-DataParallel::~DataParallel() = default;
+DataParallel::~DataParallel() {
+  if (options_.zero_stage == 3) model_.parameter_use = {};
+}
 
 DataParallel::DataParallel(models::CausalLM& model, dist::Communicator& comm, AdamWOptions adamw, DataParallelOptions o)
     : model_(model),
@@ -121,8 +123,10 @@ DataParallel::DataParallel(models::CausalLM& model, dist::Communicator& comm, Ad
       param_of_(params_.begin(), params_.end()),
       opt_(
           [&] {
-            KCPP_CHECK(o.zero_stage >= 0 && o.zero_stage <= 2, "data parallel: ZeRO stage {} is not supported (0, 1 or 2)",
+            KCPP_CHECK(o.zero_stage >= 0 && o.zero_stage <= 3, "data parallel: ZeRO stage {} is not supported (0, 1, 2 or 3)",
                        o.zero_stage);
+            KCPP_CHECK(o.zero_stage < 3 || !model.parameter_use,
+                       "data parallel: ZeRO-3: the model's parameter_use is set already (another ZeRO-3 trainer of it?)");
             KCPP_CHECK(o.bucket_mib > 0, "data parallel: bucket_mib is {}; it must be positive", o.bucket_mib);
             KCPP_CHECK(o.reduce_dtype == DType::f32 || o.reduce_dtype == DType::f64 || o.reduce_dtype == DType::bf16 ||
                            o.reduce_dtype == DType::f16,
@@ -141,21 +145,145 @@ DataParallel::DataParallel(models::CausalLM& model, dist::Communicator& comm, Ad
             return o.zero_stage == 0 ? params_ : shard_layout();
           }(),
           adamw, comm.device()),
-      side_(std::make_unique<SideStream>(comm)) {}
+      side_(std::make_unique<SideStream>(comm)) {
+  if (options_.zero_stage == 3) release_layout();
+}
+
+size_t DataParallel::group_of(const std::string& name) const {
+  const size_t layers = static_cast<size_t>(model_.config().num_hidden_layers);
+  if (name == "model.embed_tokens.weight") return 0;
+  size_t layer = 0;
+  if (std::sscanf(name.c_str(), "model.layers.%zu.", &layer) == 1 && layer < layers) return 1 + layer;
+  return layers + 1;  // the final norm, an untied head
+}
+
+void DataParallel::release_layout() {
+  groups_.resize(static_cast<size_t>(model_.config().num_hidden_layers) + 2);
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) groups_[buckets_[bi].group].buckets.push_back(bi);
+  // Each storage is released whole: it must hold the parameters of one group and nothing else (the
+  // views wq, wk, wv of wqkv fill it together).
+  struct Seen {
+    size_t group, bytes;
+    std::string first;
+  };
+  std::map<const Storage*, Seen> seen;
+  for (const auto& [name, p] : params_) {
+    const size_t g = group_of(name);
+    const auto [it, fresh] = seen.emplace(p.storage().get(), Seen{g, 0, name});
+    KCPP_CHECK(it->second.group == g, "data parallel: ZeRO-3 releases each group's parameters alone, but '{}' and '{}' share "
+               "memory across groups", it->second.first, name);
+    it->second.bytes += p.nbytes();
+    if (fresh) groups_[g].storages.push_back(p.storage());
+  }
+  for (const auto& [storage, s] : seen)
+    KCPP_CHECK(s.bytes == storage->nbytes, "data parallel: ZeRO-3 releases whole storages, but the memory of '{}' holds {} "
+               "bytes and its group's parameters in it {}", s.first, storage->nbytes, s.bytes);
+  for (const Bucket& b : buckets_) resident_ += b.data.nbytes();
+  for (ParamGroup& g : groups_) {
+    for (const auto& st : g.storages) g.bytes += st->nbytes;
+    for (const auto& st : g.storages) st->evict();
+  }
+  peak_ = resident_;  // from here on
+  const bool tied = model_.config().tie_word_embeddings;
+  const size_t head = groups_.size() - 1;
+  model_.parameter_use = [this, tied, head](const models::CausalLM::ParameterGroup& g, bool in_use) {
+    using Kind = models::CausalLM::ParameterGroup::Kind;
+    const size_t group = g.kind == Kind::Embedding ? 0 : g.kind == Kind::Layer ? 1 + g.layer : head;
+    KCPP_CHECK(group < groups_.size(), "data parallel: ZeRO-3: the model used layer {} of {}", g.layer, groups_.size() - 2);
+    // A tied head reads the embedding's weight: both gathered, in the same order on every rank.
+    if (in_use) {
+      acquire(group);
+      if (g.kind == Kind::Head && tied) acquire(0);
+    } else {
+      if (g.kind == Kind::Head && tied) release(0);
+      release(group);
+    }
+  };
+}
+
+void DataParallel::acquire(size_t gi) {
+  ParamGroup& g = groups_[gi];
+  if (g.users++ > 0) return;
+  try {
+    for (const auto& st : g.storages) st->restore();
+    for (size_t bi : g.buckets) {
+      const Bucket& b = buckets_[bi];
+      const Tensor all = Tensor::empty({comm_.world_size() * b.shard}, b.dtype, comm_.device());
+      // On the side stream, behind the overlapped reduce-scatters (every collective of a step is
+      // issued on one stream, in the same order on every rank), and waited for: the layer needs it.
+      side_->run([&] { comm_.all_gather(all, b.data); });
+      side_->join();
+      for (size_t j = 0; j < b.params.size(); ++j) {
+        const Tensor& p = params_[b.params[j]].second;
+        p.view({p.numel()}).copy_(all.narrow(0, b.offset[j], p.numel()));
+      }
+    }
+  } catch (...) {
+    --g.users;
+    for (const auto& st : g.storages) st->evict();
+    throw;
+  }
+  resident_ += g.bytes;
+  peak_ = std::max(peak_, resident_);
+}
+
+void DataParallel::release(size_t gi) {
+  ParamGroup& g = groups_[gi];
+  KCPP_CHECK(g.users > 0, "data parallel: ZeRO-3: group {} released more often than gathered", gi);
+  if (--g.users > 0) return;
+  for (const auto& st : g.storages) st->evict();
+  resident_ -= g.bytes;
+}
+
+void DataParallel::gather_parameters() {
+  for (size_t gi = 0; gi < groups_.size(); ++gi) acquire(gi);
+}
+
+void DataParallel::release_parameters() {
+  for (size_t gi = 0; gi < groups_.size(); ++gi)
+    if (groups_[gi].users > 0) release(gi);
+}
+
+void DataParallel::save_model(const std::filesystem::path& folder) {
+  const bool gather = options_.zero_stage == 3;
+  if (gather) gather_parameters();
+  struct Release {
+    DataParallel* dp;
+    ~Release() {
+      if (dp) dp->release_parameters();
+    }
+  } release{gather ? this : nullptr};
+  if (comm_.rank() == 0) model_.save(folder);
+}
+
+size_t DataParallel::parameter_bytes() const {
+  if (options_.zero_stage == 3) return resident_;
+  std::map<const Storage*, size_t> storages;
+  for (const auto& [name, p] : params_) storages[p.storage().get()] = p.storage()->nbytes;
+  size_t n = 0;
+  for (const auto& [s, bytes] : storages) n += bytes;
+  return n;
+}
+
+size_t DataParallel::peak_parameter_bytes() const { return options_.zero_stage == 3 ? peak_ : parameter_bytes(); }
 
 std::vector<std::pair<std::string, Tensor>> DataParallel::shard_layout() {
   const int64_t world = comm_.world_size(), rank = comm_.rank();
   const size_t bucket_bytes = static_cast<size_t>(options_.bucket_mib * (1 << 20));
   const size_t es = dtype_size(options_.reduce_dtype);
   // The model's parameters last first, roughly the order the backward finishes them, so that the
-  // first buckets are complete early in it; a new bucket when one is full or the dtype changes.
+  // first buckets are complete early in it; a new bucket when one is full or the dtype changes (at
+  // stage 3 also where the group changes: a bucket is gathered with its group).
+  const bool grouped = options_.zero_stage == 3;
   bucket_of_.assign(params_.size(), 0);
   size_t bytes = 0;
   for (size_t k = params_.size(); k-- > 0;) {
     const Tensor& p = params_[k].second;
-    if (buckets_.empty() || bytes >= bucket_bytes || buckets_.back().dtype != p.dtype()) {
+    const size_t group = grouped ? group_of(params_[k].first) : 0;
+    if (buckets_.empty() || bytes >= bucket_bytes || buckets_.back().dtype != p.dtype() || buckets_.back().group != group) {
       buckets_.emplace_back();
       buckets_.back().dtype = p.dtype();
+      buckets_.back().group = group;
       bytes = 0;
     }
     Bucket& b = buckets_.back();
@@ -170,14 +298,23 @@ std::vector<std::pair<std::string, Tensor>> DataParallel::shard_layout() {
     Bucket& b = buckets_[bi];
     b.shard = (b.numel + world - 1) / world;  // the last ranks' shards end in padding
     const int64_t lo = rank * b.shard, hi = lo + b.shard;
+    if (grouped) b.data = Tensor::zeros({b.shard}, b.dtype, comm_.device());
     for (size_t j = 0; j < b.params.size(); ++j) {
       const auto& [name, p] = params_[b.params[j]];
       const int64_t from = std::max(lo, b.offset[j]), to = std::min(hi, b.offset[j] + p.numel());
       if (from >= to) continue;
       pieces_.push_back({bi, b.params[j], from - b.offset[j], to - from, from - lo});
-      // A view of the parameter's elements: AdamW updates them in place (its master, if 16-bit, is
-      // of these elements only), under the parameter's name (its weight decay or not).
-      shard.emplace_back(name, p.view({p.numel()}).narrow(0, from - b.offset[j], to - from));
+      // A view of the parameter's elements (at stage 3 of their copy in the shard, which outlives
+      // the whole parameter): AdamW updates them in place (its master, if 16-bit, is of these
+      // elements only), under the parameter's name (its weight decay or not).
+      const Tensor elements = p.view({p.numel()}).narrow(0, from - b.offset[j], to - from);
+      if (grouped) {
+        const Tensor kept = b.data.narrow(0, from - lo, to - from);
+        kept.copy_(elements);
+        shard.emplace_back(name, kept);
+      } else {
+        shard.emplace_back(name, elements);
+      }
     }
     if (options_.zero_stage == 1) {  // kept between steps, reduce-scattered in place
       b.flat = Tensor::zeros({world * b.shard}, options_.reduce_dtype, comm_.device());
@@ -413,6 +550,16 @@ StepResult DataParallel::step(const std::vector<MicroBatch>& micro) {
   const Tensor count = Tensor::from_f64(std::vector<double>{static_cast<double>(mine)}, {1}, DType::f64, comm_.device());
   comm_.all_reduce(count, dist::ReduceOp::Sum);
   const int64_t total = static_cast<int64_t>(count.item());
+  if (options_.zero_stage == 3) {
+    // Every forward and backward gathers each layer (collectives): the same number on every rank.
+    const Tensor n = Tensor::from_f64(std::vector<double>{static_cast<double>(micro.size())}, {1}, DType::f64, comm_.device());
+    const Tensor all = Tensor::empty({comm_.world_size()}, DType::f64, comm_.device());
+    comm_.all_gather(all, n);
+    const std::vector<double> v = all.to_f64_vector();
+    for (size_t r = 1; r < v.size(); ++r)
+      KCPP_CHECK(v[r] == v[0], "data parallel: ZeRO-3 gathers the parameters in every micro-batch's forward and backward, "
+                 "so every rank needs the same number of micro-batches; rank 0 has {}, rank {} has {}", v[0], r, v[r]);
+  }
   KCPP_CHECK(total > 0, "data parallel: no labelled token in the step's batch on any of the {} ranks", comm_.world_size());
   return options_.zero_stage == 0 ? step_replicated(micro, total) : step_sharded(micro, total);
 }
@@ -494,8 +641,9 @@ StepResult DataParallel::step_sharded(const std::vector<MicroBatch>& micro, int6
     shard_grads.emplace(params_[pc.param].first, g.dtype() == p.dtype() ? g : g.to(p.dtype()));
   }
   opt_.step(shard_grads, {}, [&](const Tensor& sq_norm) { comm_.all_reduce(sq_norm, dist::ReduceOp::Sum); });
-  // Every rank's updated shard into every rank's parameters, a bucket at a time.
-  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+  // Every rank's updated shard into every rank's parameters, a bucket at a time (stage 3: the
+  // updated shards are the parameters; the next forward gathers them).
+  for (size_t bi = 0; bi < buckets_.size() && options_.zero_stage < 3; ++bi) {
     const Bucket& b = buckets_[bi];
     const Tensor mine = Tensor::zeros({b.shard}, b.dtype, comm_.device());
     for (const Piece& pc : pieces_)

@@ -35,6 +35,34 @@
 // the flat bucket living only until it is reduce-scattered (gradient_bytes()).  With `overlap` the
 // buckets are reduce-scattered in their order as soon as the backward has finished all of their
 // parameters.
+//
+// Stage 3 (ZeRO-3; PyTorch FSDP's per-module all-gather) shards the parameters too.  The buckets
+// are also cut where the parameter group changes (CausalLM::ParameterGroup: the embedding, each
+// layer, the head's final norm and untied lm_head), so a group's parameters are a set of whole
+// buckets; each rank keeps its shard of every bucket in a buffer of its own, of the parameters'
+// dtype (AdamW's pieces are views of it: the optimizer updates the shard), and the parameters'
+// memory is released between uses (Storage::evict: every handle and view of the model sees it; a
+// read throws an error naming ZeRO-3).  The model's parameter_use hook, set by the trainer, brings
+// a group in:
+//
+//   first use of group G (CausalLM calls parameter_use(G, true)):
+//          restore G's storages (allocated again, whole)
+//          for each bucket of G: all_gather of the ranks' shards   [world * shard]
+//                                (on the side stream, after the reduce-scatters queued there)
+//                                copied into G's parameters
+//   last use (parameter_use(G, false)): release G's storages
+//   step:  stage 2's (reduce-scatter as each layer's backward ends, AdamW on the shards), without
+//          the all-gather after it: the next forward gathers the updated shards
+//
+// A pass uses one group at a time (a tied head also gathers the embedding), so a rank holds its
+// shards, 1 / world of the parameters (up to an element of padding a bucket), plus one group
+// (parameter_bytes(), peak_parameter_bytes()); gradients as at stage 2.  Each micro-batch's forward
+// and backward gather again (with activation checkpointing the recomputed forward runs inside the
+// backward's gather), so every rank must have the same number of micro-batches (checked: a named
+// error).  The values are stage 2's: the same all-gathered shards, the same sums.  While the
+// trainer lives the model refuses a forward with a KV cache (generation); gather_parameters() makes
+// every parameter whole, and they stay whole if the trainer goes then; save_model() gathers them for
+// rank 0's CausalLM::save and releases them after.  The optimizer's checkpoints are stage 2's.
 #pragma once
 
 #include <filesystem>
@@ -51,7 +79,7 @@
 namespace kcpp::train {
 
 struct DataParallelOptions {
-  int zero_stage = 0;              // 0 (replicated), 1 (optimizer state sharded), 2 (and gradients)
+  int zero_stage = 0;  // 0 (replicated), 1 (optimizer state sharded), 2 (and gradients), 3 (and parameters)
   double bucket_mib = 25.0;        // gradient bytes (in reduce_dtype) a bucket holds, about
   DType reduce_dtype = DType::f32;  // f32, or the gradients' own dtype (half the traffic for bf16)
   bool overlap = true;             // buckets summed during the backward (see above)
@@ -89,8 +117,26 @@ class DataParallel {
   // Bytes of AdamW state this rank keeps (m, v, the f32 masters of its parameters or its shard).
   size_t optimizer_state_bytes() const { return opt_.state_bytes(); }
   // Bytes of gradient buffers kept between steps: the flat buckets at stage 1, this rank's shards of
-  // them at stage 2, none at stage 0 (its gradients are the step's own tensors, gone when it returns).
+  // them at stages 2 and 3, none at stage 0 (its gradients are the step's own tensors, gone when it
+  // returns).
   size_t gradient_bytes() const;
+  // Bytes of parameter memory this rank holds now: every parameter at stages 0 to 2; at stage 3 its
+  // shards plus the groups gathered at the moment (none between steps).  The peak: its maximum
+  // since the trainer was made (at stage 3, since the constructor released the parameters: the
+  // shards plus the largest group or two gathered at once, a layer, or the head with a tied
+  // embedding).
+  size_t parameter_bytes() const;
+  size_t peak_parameter_bytes() const;
+  // Stage 3: every parameter gathered whole on every rank (a collective: all ranks call it), e.g.
+  // to save, evaluate or sample from the model, until release_parameters() (after which the model's
+  // parameters are released again; the optimizer's shards are what training updates, so changes to
+  // the whole parameters are not kept).  No-ops at stages 0 to 2.  The trainer's destructor leaves
+  // the parameters as they are: gathered ones stay usable, released ones stay released.
+  void gather_parameters();
+  void release_parameters();
+  // The model as a Hugging Face folder (CausalLM::save), written by rank 0 with whole parameters
+  // (at stage 3 gathered for it by every rank, and released after).  Every rank calls it.
+  void save_model(const std::filesystem::path& folder);
   AdamW& optimizer() { return opt_; }
 
   // Checkpoints of the optimizer, independent of the world size and the stage: each rank writes the
@@ -101,7 +147,7 @@ class DataParallel {
   void load_optimizer(const std::filesystem::path& folder);
 
  private:
-  // A bucket of the sharded layout (stages 1 and 2).
+  // A bucket of the sharded layout (stages 1 to 3).
   struct Bucket {
     std::vector<size_t> params;   // indices into params_
     std::vector<int64_t> offset;  // where each one starts in the flat bucket
@@ -109,6 +155,17 @@ class DataParallel {
     DType dtype = DType::f32;      // its parameters'
     Tensor flat;                   // [world * shard] reduce_dtype: kept at stage 1, one step's at stage 2
     Tensor grad;                   // [shard] this rank's summed shard (at stage 1 a view of flat)
+    Tensor data;                   // stage 3: [shard] (dtype) this rank's shard of the parameters
+    size_t group = 0;              // stage 3: its parameters' group (see ParamGroup)
+  };
+  // Stage 3: the parameters of one CausalLM::ParameterGroup (group 0: the embedding, 1 + l: layer l,
+  // then the head's final norm and untied lm_head), their buckets, and the storages they fill (each
+  // storage the memory of parameters of this group only, released and restored whole).
+  struct ParamGroup {
+    std::vector<size_t> buckets;
+    std::vector<std::shared_ptr<Storage>> storages;
+    size_t bytes = 0;  // the storages'
+    int users = 0;     // gathered while positive
   };
   // This rank's part of one parameter: elements [begin, begin + length) of params_[param], at `at` in
   // the shard of bucket `bucket`.
@@ -129,6 +186,12 @@ class DataParallel {
   // Sharded: bucket b's gradients (zeros where `grads` has none) reduce-scattered into its shard.
   void reduce_scatter_bucket(size_t b, const std::map<std::string, Tensor>& grads, std::vector<Tensor>& keep);
   StateSlices slices() const;
+  // Stage 3: the group of params_[i]; groups_ laid out, the parameters released, the model's
+  // parameter_use set.
+  size_t group_of(const std::string& name) const;
+  void release_layout();
+  void acquire(size_t group);  // gathered by the first user
+  void release(size_t group);  // released by the last
 
   models::CausalLM& model_;
   dist::Communicator& comm_;
@@ -141,6 +204,8 @@ class DataParallel {
   std::vector<Piece> pieces_;                           // in the buckets' order
   AdamW opt_;
   std::unique_ptr<SideStream> side_;  // where overlapped buckets are summed
+  std::vector<ParamGroup> groups_;         // stage 3
+  size_t resident_ = 0, peak_ = 0;    // stage 3: parameter_bytes() and its peak
 };
 
 }  // namespace kcpp::train

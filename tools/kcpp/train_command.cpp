@@ -13,8 +13,9 @@
 // started with RANK set (by --gpus, or by another launcher that also sets KCPP_NCCL_ID) is one rank:
 // it trains on GPU LOCAL_RANK with its share of every step's --batch rows (train/data_parallel.h),
 // and rank 0 prints.  --zero 1 shards the optimizer state over the ranks (the gradients reduce-scattered,
-// the parameters all-gathered), --zero 2 the gradients too; the gradients are summed in buckets
-// during the backward (--no-overlap: after it).
+// the parameters all-gathered), --zero 2 the gradients too, --zero 3 the parameters too (each layer's
+// gathered for its forward and its backward; every rank gathers them all at the end, for rank 0's
+// sample and save); the gradients are summed in buckets during the backward (--no-overlap: after it).
 #include <fmt/format.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -367,9 +368,9 @@ int launch_ranks(const TrainArgs& a) {
 
 int run_train(TrainArgs a) {
   KCPP_CHECK(a.gpus >= 1, "kcpp train: --gpus is {}; it must be 1 or more", a.gpus);
-  KCPP_CHECK(a.zero >= 0 && a.zero <= 2,
-             "kcpp train: --zero is {}; expected 0 (no sharding), 1 (optimizer state sharded) or 2 (optimizer state and "
-             "gradients sharded)", a.zero);
+  KCPP_CHECK(a.zero >= 0 && a.zero <= 3,
+             "kcpp train: --zero is {}; expected 0 (no sharding), 1 (optimizer state sharded), 2 (optimizer state and "
+             "gradients sharded) or 3 (optimizer state, gradients and parameters sharded)", a.zero);
   const std::optional<dist::LaunchInfo> launched = dist::launch_info_from_env();
   if (a.gpus > 1 && !launched) return launch_ranks(a);
   Ranks ranks;
@@ -431,6 +432,12 @@ int run_train(TrainArgs a) {
     const Run& last = runs.back();
     if (last.dp) last.dp->save_optimizer(a.save);
     else train::save_optimizer_state(a.save, *last.opt);
+  }
+  // ZeRO-3: every rank gathers the parameters of the model rank 0 samples from and saves; its trainer
+  // goes, leaving the model whole and without the gathering hook.
+  if (runs.back().dp && a.zero == 3) {
+    runs.back().dp->gather_parameters();
+    runs.back().dp.reset();
   }
   if (!ranks.printing()) return 0;  // rank 0 reports, samples and saves
   fmt::print("\n{:<10} {:>12} {:>14} {:>12} {:>12} {:>14}\n", "layers", "tokens/s", "peak MiB", "first loss", "final loss",
@@ -522,7 +529,7 @@ void add_train_command(CLI::App& app, Action& action) {
   t->add_option("--gpus", args->gpus, "Train data-parallel on this many GPUs (one process each, NCCL)")->capture_default_str();
   t->add_flag("--no-overlap", args->no_overlap, "With --gpus: sum the gradients after the backward, not during it");
   t->add_option("--zero", args->zero, "With --gpus: the ZeRO stage: 0 replicates everything, 1 shards the optimizer state over the GPUs, "
-                "2 the optimizer state and the gradients")
+                "2 the optimizer state and the gradients, 3 the parameters too (gathered a layer at a time)")
       ->capture_default_str();
   auto* liger_opt = t->get_option("--liger-kernel-config");
   auto* packages_opt = t->get_option("--packages");
