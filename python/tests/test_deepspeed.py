@@ -18,13 +18,11 @@ or kcpp._core is missing (scripts/python-env.sh installs DeepSpeed into build/py
 """
 import importlib.util
 import os
-import tempfile
 import unittest
 
 try:
     import torch
     import torch.distributed as dist
-    import torch.multiprocessing as mp
     import transformers  # noqa: F401
     import kcpp
     import kcpp.torch as kt
@@ -38,7 +36,7 @@ if HAVE and importlib.util.find_spec("deepspeed") is None:
     # Imported in the ranks only (below): DeepSpeed picks its accelerator when imported.
     HAVE, WHY = False, "deepspeed is not installed (scripts/python-env.sh installs it into build/pyenv)"
 
-from test_fsdp import free_port, full_batch  # noqa: E402  (the batch test_fsdp.py trains on)
+from test_fsdp import full_batch, spawn_ranks, whole_batch_reference  # noqa: E402  (test_fsdp.py's batch and ranks)
 from test_torch import make_model, rel_l2  # noqa: E402
 
 WORLD = 2
@@ -97,14 +95,8 @@ def rank_main(rank, port, out_dir):
 @unittest.skipUnless(HAVE, WHY)
 class DeepSpeedZero3(unittest.TestCase):
     def test_a_kernelized_llama_trains_under_zero3(self):
-        ids, labels = full_batch()
-        ref = make_model("llama")
-        out = ref(input_ids=ids, labels=labels)
-        out.loss.backward()
-        want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-        with tempfile.TemporaryDirectory() as d:
-            mp.spawn(rank_main, args=(free_port(), d), nprocs=WORLD, join=True)
-            ranks = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(WORLD)]
+        ref, out, want = whole_batch_reference()
+        ranks = spawn_ranks(rank_main)
         for r, saved in enumerate(ranks):
             numel, shard, whole = saved["partitioned"]
             self.assertEqual(whole, ref.lm_head.weight.numel())

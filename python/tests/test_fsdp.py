@@ -46,6 +46,22 @@ def full_batch():
     return ids, labels
 
 
+def whole_batch_reference():
+    """The unsharded model without kernels on the whole batch: the model, its output and every gradient."""
+    ids, labels = full_batch()
+    ref = make_model("llama")
+    out = ref(input_ids=ids, labels=labels)
+    out.loss.backward()
+    return ref, out, {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+
+
+def spawn_ranks(rank_main):
+    """rank_main(rank, port, folder) in WORLD processes; what each saved as folder/rank<r>.pt, by rank."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(rank_main, args=(free_port(), d), nprocs=WORLD, join=True)
+        return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(WORLD)]
+
+
 def rank_main(rank, port, out_dir):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -76,15 +92,9 @@ def rank_main(rank, port, out_dir):
 @unittest.skipUnless(HAVE, WHY)
 class Fsdp2(unittest.TestCase):
     def test_a_kernelized_llama_trains_under_fully_shard(self):
-        ids, labels = full_batch()
-        ref = make_model("llama")
-        out = ref(input_ids=ids, labels=labels)
-        out.loss.backward()
-        want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-        with tempfile.TemporaryDirectory() as d:
-            mp.spawn(rank_main, args=(free_port(), d), nprocs=WORLD, join=True)
-            got = torch.load(os.path.join(d, "rank0.pt"))
-            reports = [torch.load(os.path.join(d, f"rank{r}.pt"))["report"] for r in range(WORLD)]
+        _, out, want = whole_batch_reference()
+        ranks = spawn_ranks(rank_main)
+        got, reports = ranks[0], [saved["report"] for saved in ranks]
         for r, rep in enumerate(reports):
             self.assertGreater(rep["kernel_calls"], 0, f"rank {r}: the fused loss did not run as a kernel: {rep}")
             self.assertEqual(rep["fallbacks"], 0, f"rank {r}: {rep}")
