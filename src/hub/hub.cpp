@@ -112,16 +112,27 @@ std::vector<RepoFile> Hub::files(const std::string& repo, const std::string& rev
   }
   auto j = nlohmann::json::parse(resp.body, nullptr, false);
   if (j.is_discarded() || !j.is_array()) KCPP_FAIL("{}: the file list of {}@{} is not a JSON list", cfg_.endpoint, repo, revision);
+  // A field of an entry that the server typed wrongly is its error, named (not a JSON library's).
+  auto bad = [&](const std::string& what) {
+    KCPP_FAIL("{}: the file list of {}@{} has an entry whose {}", cfg_.endpoint, repo, revision, what);
+  };
   std::vector<RepoFile> out;
   for (const auto& e : j) {
-    if (!e.is_object() || e.value("type", "") != "file") continue;  // folders
-    if (!e.contains("path") || !e["path"].is_string())
-      KCPP_FAIL("{}: the file list of {}@{} has an entry without a path", cfg_.endpoint, repo, revision);
+    if (!e.is_object()) continue;
+    if (e.contains("type") && !e["type"].is_string()) bad("'type' is not a string");
+    if (e.value("type", std::string()) != "file") continue;  // folders
+    if (!e.contains("path") || !e["path"].is_string()) bad("'path' is missing or not a string");
     RepoFile f;
-    f.path = e["path"];
-    f.size = e.value("size", uint64_t{0});
+    f.path = e["path"].get<std::string>();
+    if (e.contains("size")) {
+      if (!e["size"].is_number_unsigned()) bad("'size' is not a non-negative integer (" + f.path + ")");
+      f.size = e["size"].get<uint64_t>();
+    }
     // Large files carry their sha256 as the LFS object id; small ones only a git blob id.
-    if (e.contains("lfs") && e["lfs"].is_object()) f.sha256 = e["lfs"].value("oid", "");
+    if (e.contains("lfs") && e["lfs"].is_object() && e["lfs"].contains("oid")) {
+      if (!e["lfs"]["oid"].is_string()) bad("'lfs.oid' is not a string (" + f.path + ")");
+      f.sha256 = e["lfs"]["oid"].get<std::string>();
+    }
     out.push_back(std::move(f));
   }
   return out;

@@ -95,6 +95,10 @@ struct Server::Impl {
       case Fault::Kind::Status: error(res, f.status, "injected fault"); return true;
       case Fault::Kind::Delay: std::this_thread::sleep_for(std::chrono::milliseconds(f.delay_ms)); return false;
       case Fault::Kind::DropMidBody: *drop = true; return false;
+      case Fault::Kind::Body:
+        res.status = 200;
+        res.set_content(f.body, "application/json");
+        return true;
     }
     return false;
   }

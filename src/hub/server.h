@@ -27,10 +27,11 @@ struct RequestView {
   std::string_view authorization;  // the Authorization header, "" if none
 };
 struct Fault {
-  enum class Kind { None, Status, Delay, DropMidBody };
+  enum class Kind { None, Status, Delay, DropMidBody, Body };
   Kind kind = Kind::None;
   int status = 0;    // Kind::Status
   int delay_ms = 0;  // Kind::Delay: sleep before answering
+  std::string body;  // Kind::Body: answered with status 200 and this JSON body instead
 };
 using FaultHook = std::function<Fault(const RequestView& request)>;
 

@@ -237,6 +237,50 @@ TEST_F(HubServer, ListsTheFilesOfARevision) {
   EXPECT_TRUE(throws_with([&] { hub.files("acme/example", "v9.9.9"); }, "no revision v9.9.9"));
 }
 
+// A file list whose entries the server typed wrongly is an error naming the field, not the JSON
+// library's exception; a well-typed list with folders and files without LFS ids still reads.
+TEST_F(HubServer, AMistypedFileListIsANamedError) {
+  publish("v1.0.0", &acme);
+  std::mutex mu;  // the reply is read on the server's thread
+  std::string reply_body;
+  auto reply = [&](std::string b) {
+    std::lock_guard<std::mutex> lock(mu);
+    reply_body = std::move(b);
+  };
+  set_fault([&](const RequestView& r) {
+    if (r.path.find("/tree/") == std::string_view::npos) return Fault{};
+    Fault f;
+    f.kind = Fault::Kind::Body;
+    std::lock_guard<std::mutex> lock(mu);
+    f.body = reply_body;
+    return f;
+  });
+  Hub hub(config());
+  const std::pair<const char*, const char*> cases[] = {
+      {R"([{"type": 7, "path": "a"}])", "'type' is not a string"},
+      {R"([{"type": "file", "path": 3}])", "'path' is missing or not a string"},
+      {R"([{"type": "file"}])", "'path' is missing or not a string"},
+      {R"([{"type": "file", "path": "a.so", "size": "12"}])", "'size' is not a non-negative integer (a.so)"},
+      {R"([{"type": "file", "path": "a.so", "size": -1}])", "'size' is not a non-negative integer (a.so)"},
+      {R"([{"type": "file", "path": "a.so", "lfs": {"oid": 5}}])", "'lfs.oid' is not a string (a.so)"},
+      {R"({"type": "file"})", "is not a JSON list"},
+  };
+  for (const auto& [text, why] : cases) {
+    reply(text);
+    EXPECT_TRUE(throws_with([&] { hub.files("acme/example", "v1.0.0"); }, why)) << text;
+  }
+  reply(R"([{"type": "directory", "path": "d"}, {"type": "file", "path": "d/a.so", "size": 4, "lfs": {"oid": "ab"}},
+             {"type": "file", "path": "b.json"}, 5])");
+  const auto files = hub.files("acme/example", "v1.0.0");
+  ASSERT_EQ(files.size(), 2u);
+  EXPECT_EQ(files[0].path, "d/a.so");
+  EXPECT_EQ(files[0].size, 4u);
+  EXPECT_EQ(files[0].sha256, "ab");
+  EXPECT_EQ(files[1].path, "b.json");
+  EXPECT_EQ(files[1].size, 0u);
+  EXPECT_EQ(files[1].sha256, "");
+}
+
 TEST_F(HubServer, LoadsTheBestVersionForAConstraintAndCachesIt) {
   for (const char* v : {"v1.0.0", "v1.2.0", "v1.3.0-rc.1", "v2.0.0"}) publish(v, &acme);
   Hub hub(config());
@@ -375,13 +419,13 @@ TEST_F(HubServer, ServerErrorsAreRetriedThenReported) {
   std::atomic<int> failures{2};
   set_fault([&](const RequestView& r) {
     if (r.path.find("/resolve/") != std::string_view::npos && failures.fetch_sub(1) > 0)
-      return Fault{Fault::Kind::Status, 500, 0};
+      return Fault{Fault::Kind::Status, 500, 0, {}};
     return Fault{};
   });
   Hub hub(config());  // 2 retries: the third attempt succeeds
   EXPECT_NO_THROW(hub.load(Reference::parse("acme/example@v1.0.0:SiLU")));
 
-  set_fault([](const RequestView&) { return Fault{Fault::Kind::Status, 503, 0}; });
+  set_fault([](const RequestView&) { return Fault{Fault::Kind::Status, 503, 0, {}}; });
   test::TempDir other_cache;
   HubConfig c = config();
   c.cache_dir = other_cache.path();
@@ -395,14 +439,14 @@ TEST_F(HubServer, TimeoutsAndDroppedConnectionsLeaveTheCacheConsistent) {
   c.http.retries = 0;
   c.http.connect_timeout_s = c.http.stall_timeout_s = c.http.request_timeout_s = 1;
   set_fault([](const RequestView& r) {
-    return r.path.ends_with(".so") ? Fault{Fault::Kind::DropMidBody, 0, 0} : Fault{};
+    return r.path.ends_with(".so") ? Fault{Fault::Kind::DropMidBody, 0, 0, {}} : Fault{};
   });
   EXPECT_TRUE(throws_with([&] { Hub(c).load(Reference::parse("acme/example@v1.0.0")); }, "GET "));
   expect_cache_consistent();
   EXPECT_EQ(blob_count(), 1u);
 
   set_fault([](const RequestView& r) {
-    return r.path.ends_with("/refs") ? Fault{Fault::Kind::Delay, 0, 2500} : Fault{};
+    return r.path.ends_with("/refs") ? Fault{Fault::Kind::Delay, 0, 2500, {}} : Fault{};
   });
   EXPECT_TRUE(throws_with([&] { Hub(c).load(Reference::parse("acme/example@v1.0.0")); }, "imeout"));
   expect_cache_consistent();
@@ -416,7 +460,7 @@ TEST_F(HubServer, TwoProcessesDownloadingTheSamePackage) {
   publish("v1.0.0", &acme);
   // Slow file responses make the two downloads overlap.
   set_fault([](const RequestView& r) {
-    return r.path.find("/resolve/") != std::string_view::npos ? Fault{Fault::Kind::Delay, 0, 300} : Fault{};
+    return r.path.find("/resolve/") != std::string_view::npos ? Fault{Fault::Kind::Delay, 0, 300, {}} : Fault{};
   });
   const std::string trust = "acme=" + acme.public_key.str();
   std::vector<std::string> env_strings = {"HF_ENDPOINT=" + server->url(), "KCPP_CACHE=" + cache_dir.string(),
@@ -460,7 +504,7 @@ TEST_F(HubServer, ADownloadKilledMidwayLeavesNoPartialFileBehind) {
   publish("v1.0.0", &acme);
   // The library's answer waits, so the download is caught with its partial file open.
   set_fault([](const RequestView& r) {
-    return r.path.ends_with(".so") ? Fault{Fault::Kind::Delay, 0, 1500} : Fault{};
+    return r.path.ends_with(".so") ? Fault{Fault::Kind::Delay, 0, 1500, {}} : Fault{};
   });
   const fs::path blobs = cache_dir / "models--acme--example" / "blobs";
   const Manifest m = Manifest::parse(read_file(hub_dir / "acme/example/v1.0.0/manifest.json"), "v1.0.0");
