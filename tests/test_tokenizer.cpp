@@ -188,6 +188,43 @@ TEST(Tokenizer, IdsOutsideTheVocabularyAreErrors) {
   }, {"post_processor.special_tokens.x", "the id 2 is neither a vocabulary entry nor an added token"});
 }
 
+// Added tokens with lstrip / rstrip take the Unicode whitespace before / after them into their match,
+// as the `tokenizers` library does: the expected ids are that library's (0.23.3) on the same file.
+// single_word is refused by name, and a flag that is not a boolean is an error naming it.
+TEST(Tokenizer, AddedTokensStripWhitespaceAsTheTokenizersLibrary) {
+  nlohmann::json j = read_json(dir() / "gpt2.json");
+  ASSERT_EQ(j["model"]["vocab"].size(), 561u);
+  auto token = [](int id, const char* content, bool lstrip, bool rstrip) {
+    return nlohmann::json{{"id", id}, {"content", content}, {"special", true}, {"lstrip", lstrip}, {"rstrip", rstrip},
+                          {"single_word", false}, {"normalized", false}};
+  };
+  j["added_tokens"].push_back(token(561, "<L>", true, false));
+  j["added_tokens"].push_back(token(562, "<R>", false, true));
+  j["added_tokens"].push_back(token(563, "<B>", true, true));
+  const Tokenizer tok = Tokenizer::from_json_text(j.dump(), "gpt2 + stripping tokens");
+  const std::pair<std::string, std::vector<int64_t>> cases[] = {
+      {"a <L> b", {65, 561, 221, 66}},
+      {"a  \t<L>b", {65, 561, 66}},
+      {"<R>   x", {562, 88}},
+      {"x<R>\n\ny", {88, 562, 89}},
+      {"hi \u3000<B>\u00a0 there", {72, 73, 563, 84, 258, 261}},
+      {"<L><R> z", {561, 562, 90}},
+      {"  <L>", {561}},
+      {"<B>", {563}},
+      {"a <R> <L> b", {65, 221, 562, 561, 221, 66}},
+  };
+  for (const auto& [text, ids] : cases) EXPECT_EQ(tok.encode(text, false), ids) << text;
+
+  nlohmann::json single = read_json(dir() / "gpt2.json");
+  single["added_tokens"].push_back(token(561, "<W>", false, false));
+  single["added_tokens"].back()["single_word"] = true;
+  expect_error([&] { Tokenizer::from_json_text(single.dump(), "t.json"); }, {"added_tokens[1].single_word", "<W>", "not supported"});
+  nlohmann::json typed = read_json(dir() / "gpt2.json");
+  typed["added_tokens"].push_back(token(561, "<T>", false, false));
+  typed["added_tokens"].back()["rstrip"] = "yes";
+  expect_error([&] { Tokenizer::from_json_text(typed.dump(), "t.json"); }, {"added_tokens[1].rstrip", "not a boolean"});
+}
+
 // A merge is exactly two non-empty symbols of the vocabulary whose concatenation is in it too, as
 // the `tokenizers` library checks, in the string form "a b" and the array form ["a", "b"].
 TEST(Tokenizer, MergesAreTwoSymbolsOfTheVocabulary) {

@@ -182,11 +182,21 @@ struct PreStep {
   bool add_prefix_space = false;  // ByteLevel
 };
 
+// An added token; lstrip / rstrip: the whitespace before / after it in a text is part of its match
+// (not encoded), as the `tokenizers` library's AddedToken flags.
 struct AddedToken {
   std::string content;
   int64_t id = 0;
   bool special = false;
+  bool lstrip = false, rstrip = false;
 };
+
+// Unicode's White_Space property (what Rust's char::is_whitespace, and so the `tokenizers` library's
+// lstrip / rstrip, strip).
+bool is_white_space(uint32_t cp) {
+  return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 || cp == 0xA0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) ||
+         cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000;
+}
 
 }  // namespace
 
@@ -375,8 +385,15 @@ Tokenizer Tokenizer::from_json_text(std::string_view text, const std::string& or
       const std::string key = fmt::format("added_tokens[{}]", i);
       if (!a.is_object() || !a.contains("id") || !a.contains("content") || !a["content"].is_string())
         t.fail(key, "an entry without an 'id' and a string 'content'");
-      AddedToken at{a["content"].get<std::string>(), check_id(a["id"], key + ".id"), a.value("special", false)};
+      auto flag = [&](const char* name) {
+        if (!a.contains(name) || a[name].is_null()) return false;
+        if (!a[name].is_boolean()) t.fail(key + "." + name, "not a boolean");
+        return a[name].get<bool>();
+      };
+      AddedToken at{a["content"].get<std::string>(), check_id(a["id"], key + ".id"), flag("special"), flag("lstrip"), flag("rstrip")};
       if (at.content.empty()) t.fail(key, "an empty token");
+      if (flag("single_word"))
+        t.fail(key + ".single_word", "added tokens matched only as whole words are not supported (\"" + at.content + "\")");
       max_id = std::max(max_id, at.id);
       t.added.push_back(std::move(at));
     }
@@ -525,10 +542,25 @@ std::vector<int64_t> Tokenizer::encode(std::string_view text, bool add_special_t
       if (next[i] != std::string_view::npos && next[i] < pos) next[i] = text.find(t.added[i].content, pos);
       if (next[i] < best) best = next[i], hit = &t.added[i];  // longest first: ties keep the longer
     }
-    t.encode_plain(text.substr(pos, (hit ? best : text.size()) - pos), out);
+    size_t start = hit ? best : text.size(), end = hit ? best + hit->content.size() : text.size();
+    if (hit && hit->lstrip)  // the whitespace between pos and the token, code point by code point from the token back
+      while (start > pos) {
+        size_t b = start - 1;
+        while (b > pos && (static_cast<unsigned char>(text[b]) & 0xC0) == 0x80) --b;
+        size_t i = b;
+        if (!is_white_space(next_cp(text, i)) || i != start) break;
+        start = b;
+      }
+    t.encode_plain(text.substr(pos, start - pos), out);
     if (!hit) break;
     out.push_back(hit->id);
-    pos = best + hit->content.size();
+    if (hit->rstrip)
+      while (end < text.size()) {
+        size_t i = end;
+        if (!is_white_space(next_cp(text, i))) break;
+        end = i;
+      }
+    pos = end;
   }
   if (add_special_tokens) out.insert(out.end(), t.suffix.begin(), t.suffix.end());
   return out;
