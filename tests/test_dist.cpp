@@ -548,6 +548,16 @@ TEST(Dist, Bf16ReplicasStayTheSame) {
   }
 }
 
+// What a resumed run must equal: the random model of seed 9 trained by one process, a step on each
+// batch of `ids` (inputs and labels alike).
+std::unique_ptr<models::CausalLM> uninterrupted(const models::ModelConfig& cfg, const std::vector<Tensor>& ids,
+                                                const train::AdamWOptions& o) {
+  auto model = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 9, 0.5);
+  train::AdamW opt(model->parameters(), o);
+  for (const Tensor& batch : ids) train::train_step(*model, opt, {{batch, batch}});
+  return model;
+}
+
 // Every parameter of `got` equals the one of `want` of the same index (1e-5 relative L2).
 void expect_same_parameters(models::CausalLM& got_model, models::CausalLM& want_model, const std::string& what) {
   const auto want = want_model.parameters();
@@ -570,9 +580,7 @@ TEST(Dist, OptimizerCheckpointsResumeOnAnyWorldSize) {
   for (int step = 0; step < 4; ++step) ids.push_back(Tensor::randint({rows, seq}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen));
   train::AdamWOptions o;
   o.lr = 5e-3, o.weight_decay = 0.01, o.max_grad_norm = 0.5;
-  auto straight = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 9, 0.5);
-  train::AdamW straight_opt(straight->parameters(), o);
-  for (int step = 0; step < 4; ++step) train::train_step(*straight, straight_opt, {{ids[static_cast<size_t>(step)], ids[static_cast<size_t>(step)]}});
+  const auto straight = uninterrupted(cfg, ids, o);
   auto expect_straight = [&](models::CausalLM& m, const std::string& what) { expect_same_parameters(m, *straight, what); };
   std::string tmpl = (fs::temp_directory_path() / "kcpp-dp-ckpt-XXXXXX").string();
   const fs::path ckpt = ::mkdtemp(tmpl.data());
@@ -648,10 +656,7 @@ TEST(Dist, ShardedCheckpointsResumeOnAnyWorldSize) {
   for (int step = 0; step < 4; ++step) ids.push_back(Tensor::randint({rows, seq}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen));
   train::AdamWOptions o;
   o.lr = 5e-3, o.weight_decay = 0.01, o.max_grad_norm = 0.5;
-  auto straight = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 9, 0.5);
-  train::AdamW straight_opt(straight->parameters(), o);
-  for (int step = 0; step < 4; ++step)
-    train::train_step(*straight, straight_opt, {{ids[static_cast<size_t>(step)], ids[static_cast<size_t>(step)]}});
+  const auto straight = uninterrupted(cfg, ids, o);
   auto expect_straight = [&](models::CausalLM& m, const std::string& what) { expect_same_parameters(m, *straight, what); };
   auto rows_of = [&](int step, int r, int world) {
     const int64_t share = rows / world;
