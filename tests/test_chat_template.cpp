@@ -260,6 +260,10 @@ TEST(ChatTemplate, HostileTemplatesAreBounded) {
             std::string::npos);
   EXPECT_NE(error_of("{{ 'x' * 100000000000 }}").find("larger than"), std::string::npos);
   EXPECT_NE(error_of("{% set ns = namespace() %}{% set ns.me = ns %}{{ ns }}").find("nested more than"), std::string::npos);
+  // A namespace that holds itself, directly or through another, renders; the render frees the cycle
+  // (the fuzz build's leak checker replays this from corpus/chat_template/regression-namespace-cycle).
+  EXPECT_EQ(render("{% set a = namespace() %}{% set b = namespace(a=a) %}{% set a.b = [b] %}{% set a.me = a %}{{ a.b[0].a.me.b|length }}"),
+            "1");
   EXPECT_NE(error_of("{% set ns = namespace(a=[1], b=[1]) %}{% for i in range(60) %}{% set ns.a = [ns.a, ns.a] %}{% set ns.b = [ns.b, "
                      "ns.b] %}{% endfor %}{{ ns.a == ns.b }}")
                 .find("steps"),

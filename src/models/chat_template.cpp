@@ -1252,6 +1252,15 @@ using Frame = std::unordered_map<std::string, Value>;
 class Interp {
  public:
   Interp(const ChatTemplate::Program& prog, const ChatTemplate::Limits& lim) : prog_(prog), lim_(lim) {}
+  Interp(const Interp&) = delete;
+  Interp& operator=(const Interp&) = delete;
+  // Lists and dicts are immutable in the sandbox, so a reference cycle can only pass through a
+  // namespace's attributes (`{% set ns.me = ns %}`). Every namespace is made by this render and none
+  // outlives it (the render returns text), so emptying them here frees any cycle.
+  ~Interp() {
+    for (const auto& d : namespaces_) d->items.clear();
+  }
+  void own_namespace(const Value& ns) { namespaces_.push_back(ns.dict); }
 
   std::string run(Frame globals) {
     frames_.push_back(std::move(globals));
@@ -1853,6 +1862,7 @@ class Interp {
   int64_t steps_ = 0;
   int depth_ = 0;
   int macro_depth_ = 0;
+  std::vector<std::shared_ptr<DictData>> namespaces_;
 };
 
 // Positional and keyword arguments by parameter names, with defaults (null: required).
@@ -2822,7 +2832,9 @@ Frame globals() {
         }
       }
       for (auto& [k, v] : a.kw) put(Value::string(k), v);
-      return Value::make_dict(std::move(items), ns);
+      Value made = Value::make_dict(std::move(items), ns);
+      if (ns) in.own_namespace(made);
+      return made;
     };
   };
   g["namespace"] = Value::function("namespace", make_dict(true));
