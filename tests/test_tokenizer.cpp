@@ -225,6 +225,50 @@ TEST(Tokenizer, AddedTokensStripWhitespaceAsTheTokenizersLibrary) {
   expect_error([&] { Tokenizer::from_json_text(typed.dump(), "t.json"); }, {"added_tokens[1].rstrip", "not a boolean"});
 }
 
+// Added tokens with `normalized: true` are matched in the normalized text as their normalized
+// content, after the tokens that are not normalized have split the raw text (the `tokenizers`
+// library's two passes); a stretch left empty between two tokens encodes to nothing, even with
+// ByteLevel's add_prefix_space. The expected ids are that library's (0.23.3) on the same files.
+TEST(Tokenizer, NormalizedAddedTokensAsTheTokenizersLibrary) {
+  auto token = [](int id, const char* content, bool normalized, bool lstrip = false) {
+    return nlohmann::json{{"id", id},   {"content", content}, {"special", false}, {"lstrip", lstrip},
+                          {"rstrip", false}, {"single_word", false}, {"normalized", normalized}};
+  };
+  auto with = [&](std::vector<nlohmann::json> tokens, nlohmann::json normalizer, bool prefix_space) {
+    nlohmann::json j = read_json(dir() / "gpt2.json");
+    for (auto& t : tokens) j["added_tokens"].push_back(std::move(t));
+    j["normalizer"] = std::move(normalizer);
+    j["pre_tokenizer"]["add_prefix_space"] = prefix_space;
+    return Tokenizer::from_json_text(j.dump(), "gpt2 + added tokens");
+  };
+  using Cases = std::vector<std::pair<std::string, std::vector<int64_t>>>;
+  auto check = [](const Tokenizer& tok, const Cases& cases) {
+    for (const auto& [text, ids] : cases) EXPECT_EQ(tok.encode(text, false), ids) << text;
+  };
+  // NFKC: the ligature token matches "fix" and its own spelling; " \u00bd " normalizes to " 1\u20442 ".
+  check(with({token(561, "\ufb01x", true), token(562, "<R>", false), token(563, "b<R", true), token(564, " \u00bd ", true, true)},
+             {{"type", "NFKC"}}, false),
+        Cases{{"fix", {561}},
+              {"\ufb01x", {561}},
+              {"a\ufb01xb", {65, 561, 66}},
+              {"ab<R>c", {326, 562, 67}},
+              {"ab<Rc", {65, 563, 67}},
+              {"x\u00bdy", {88, 17, 159, 224, 227, 18, 89}},
+              {"x 1\u20442 y", {88, 564, 89}},
+              {"x \u00bd  y", {88, 564, 221, 89}},
+              {"\ufb01x<R>fix", {561, 562, 561}}});
+  // Without a normalizer the passes still order the matches: "z<r>" (raw) is found before "<n>z".
+  check(with({token(561, "<n>z", true), token(562, "z<r>", false)}, nullptr, false),
+        Cases{{"<n>z<r>", {28, 78, 30, 562}}, {"<n>z<n>z", {561, 561}}, {"a z<r><n>z", {65, 221, 562, 561}}, {"<n>z <r>", {561, 221, 28, 82, 30}}});
+  check(with({token(561, "<S>", false), token(562, "tok", true)}, nullptr, true),
+        Cases{{"<S>hi", {561, 221, 72, 73}},
+              {"hi<S>", {221, 72, 73, 561}},
+              {"<S><S>", {561, 561}},
+              {"tok tok", {562, 221, 562}},
+              {"a tok", {266, 221, 562}},
+              {"<S>tok<S>", {561, 562, 561}}});
+}
+
 // A merge is exactly two non-empty symbols of the vocabulary whose concatenation is in it too, as
 // the `tokenizers` library checks, in the string form "a b" and the array form ["a", "b"].
 TEST(Tokenizer, MergesAreTwoSymbolsOfTheVocabulary) {

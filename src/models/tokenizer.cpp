@@ -183,12 +183,16 @@ struct PreStep {
 };
 
 // An added token; lstrip / rstrip: the whitespace before / after it in a text is part of its match
-// (not encoded), as the `tokenizers` library's AddedToken flags.
+// (not encoded); normalized: matched in the normalized text, as its normalized content (`match`),
+// after the tokens that are not normalized have been matched in the raw text. These are the
+// `tokenizers` library's AddedToken flags and its AddedVocabulary's two passes.
 struct AddedToken {
   std::string content;
   int64_t id = 0;
   bool special = false;
   bool lstrip = false, rstrip = false;
+  bool normalized = false;
+  std::string match;  // what a text is searched for: content, normalized when `normalized`
 };
 
 // Unicode's White_Space property (what Rust's char::is_whitespace, and so the `tokenizers` library's
@@ -215,7 +219,8 @@ struct Tokenizer::Impl {
   std::vector<int> normalizers;  // utf8proc_map options of each normalization form, in order
   std::vector<PreStep> pre;
   bool byte_level_words = false;  // a ByteLevel step ran: words are in the byte alphabet
-  std::vector<AddedToken> added;  // longest first
+  std::vector<AddedToken> added;
+  std::vector<const AddedToken*> added_raw, added_normalized;  // by pass, each longest match first
   std::unordered_map<int64_t, const AddedToken*> added_by_id;
   std::vector<int64_t> prefix, suffix;  // the post-processor's special tokens around a sequence
 
@@ -260,10 +265,54 @@ struct Tokenizer::Impl {
     out.insert(out.end(), syms.begin(), syms.end());
   }
 
-  // Pre-tokenizes and encodes a stretch of text without added tokens.
+  std::string normalized(std::string_view text) const {
+    std::string s(text);
+    for (const int form : normalizers) s = normalize(s, form);
+    return s;
+  }
+
+  // Splits `text` at the added tokens of `tokens` (longest first): the earliest match, the longest
+  // there, with the whitespace its lstrip / rstrip take; `plain` gets each stretch between matches
+  // (possibly empty), `token` each match.
+  template <class Plain>
+  void split_added(std::string_view text, const std::vector<const AddedToken*>& tokens, Plain&& plain, std::vector<int64_t>& out) const {
+    // Each token's first occurrence at or after pos, searched again only once pos has passed it:
+    // the text is scanned about once per added token, not once per added token and match.
+    std::vector<size_t> next(tokens.size());
+    for (size_t i = 0; i < tokens.size(); ++i) next[i] = text.find(tokens[i]->match);
+    size_t pos = 0;
+    while (pos < text.size()) {
+      size_t best = std::string_view::npos;
+      const AddedToken* hit = nullptr;
+      for (size_t i = 0; i < tokens.size(); ++i) {
+        if (next[i] != std::string_view::npos && next[i] < pos) next[i] = text.find(tokens[i]->match, pos);
+        if (next[i] < best) best = next[i], hit = tokens[i];  // longest first: ties keep the longer
+      }
+      size_t start = hit ? best : text.size(), end = hit ? best + hit->match.size() : text.size();
+      if (hit && hit->lstrip)  // the whitespace between pos and the token, code point by code point from the token back
+        while (start > pos) {
+          size_t b = start - 1;
+          while (b > pos && (static_cast<unsigned char>(text[b]) & 0xC0) == 0x80) --b;
+          size_t i = b;
+          if (!is_white_space(next_cp(text, i)) || i != start) break;
+          start = b;
+        }
+      plain(text.substr(pos, start - pos));
+      if (!hit) break;
+      out.push_back(hit->id);
+      if (hit->rstrip)
+        while (end < text.size()) {
+          size_t i = end;
+          if (!is_white_space(next_cp(text, i))) break;
+          end = i;
+        }
+      pos = end;
+    }
+  }
+
+  // Pre-tokenizes and encodes a stretch of normalized text without added tokens.
   void encode_plain(std::string_view text, std::vector<int64_t>& out) const {
     std::vector<std::string> pieces{std::string(text)};
-    for (const int form : normalizers) pieces[0] = normalize(pieces[0], form);
     for (const PreStep& st : pre) {
       std::vector<std::string> next;
       for (std::string& p : pieces) {
@@ -390,14 +439,14 @@ Tokenizer Tokenizer::from_json_text(std::string_view text, const std::string& or
         if (!a[name].is_boolean()) t.fail(key + "." + name, "not a boolean");
         return a[name].get<bool>();
       };
-      AddedToken at{a["content"].get<std::string>(), check_id(a["id"], key + ".id"), flag("special"), flag("lstrip"), flag("rstrip")};
+      AddedToken at{a["content"].get<std::string>(), check_id(a["id"], key + ".id"), flag("special"), flag("lstrip"), flag("rstrip"),
+                    flag("normalized"), {}};
       if (at.content.empty()) t.fail(key, "an empty token");
       if (flag("single_word"))
         t.fail(key + ".single_word", "added tokens matched only as whole words are not supported (\"" + at.content + "\")");
       max_id = std::max(max_id, at.id);
       t.added.push_back(std::move(at));
     }
-    std::sort(t.added.begin(), t.added.end(), [](const AddedToken& a, const AddedToken& b) { return a.content.size() > b.content.size(); });
     for (const AddedToken& a : t.added) t.added_by_id[a.id] = &a;
     t.id_to_token.assign(static_cast<size_t>(max_id + 1), std::string());
     for (const auto& [tok, id] : t.vocab) t.id_to_token[static_cast<size_t>(id)] = tok;
@@ -424,6 +473,13 @@ Tokenizer Tokenizer::from_json_text(std::string_view text, const std::string& or
       }
     };
     if (j.contains("normalizer") && !j["normalizer"].is_null()) add_norm(j["normalizer"], "normalizer");
+    for (AddedToken& a : t.added) {
+      a.match = a.normalized ? t.normalized(a.content) : a.content;
+      if (a.match.empty()) continue;  // normalized to nothing: never matched, as in the `tokenizers` library
+      (a.normalized ? t.added_normalized : t.added_raw).push_back(&a);
+    }
+    for (auto* pass : {&t.added_raw, &t.added_normalized})
+      std::stable_sort(pass->begin(), pass->end(), [](const AddedToken* a, const AddedToken* b) { return a->match.size() > b->match.size(); });
     // ---- pre-tokenizer
     std::function<void(const json&, const std::string&)> add_pre = [&](const json& p, const std::string& key) {
       const std::string pt = p.value("type", "");
@@ -529,39 +585,18 @@ std::vector<int64_t> Tokenizer::encode(std::string_view text, bool add_special_t
                             "convert the text to UTF-8", t.origin, bad, static_cast<unsigned char>(text[bad])));
   std::vector<int64_t> out;
   if (add_special_tokens) out = t.prefix;
-  // Each added token's first occurrence at or after pos, searched again only once pos has passed
-  // it: the text is scanned about once per added token, not once per added token and match.
-  std::vector<size_t> next(t.added.size());
-  for (size_t i = 0; i < t.added.size(); ++i) next[i] = text.find(t.added[i].content);
-  size_t pos = 0;
-  while (pos < text.size()) {
-    // The earliest added token at or after pos, the longest one there.
-    size_t best = std::string_view::npos;
-    const AddedToken* hit = nullptr;
-    for (size_t i = 0; i < t.added.size(); ++i) {
-      if (next[i] != std::string_view::npos && next[i] < pos) next[i] = text.find(t.added[i].content, pos);
-      if (next[i] < best) best = next[i], hit = &t.added[i];  // longest first: ties keep the longer
-    }
-    size_t start = hit ? best : text.size(), end = hit ? best + hit->content.size() : text.size();
-    if (hit && hit->lstrip)  // the whitespace between pos and the token, code point by code point from the token back
-      while (start > pos) {
-        size_t b = start - 1;
-        while (b > pos && (static_cast<unsigned char>(text[b]) & 0xC0) == 0x80) --b;
-        size_t i = b;
-        if (!is_white_space(next_cp(text, i)) || i != start) break;
-        start = b;
-      }
-    t.encode_plain(text.substr(pos, start - pos), out);
-    if (!hit) break;
-    out.push_back(hit->id);
-    if (hit->rstrip)
-      while (end < text.size()) {
-        size_t i = end;
-        if (!is_white_space(next_cp(text, i))) break;
-        end = i;
-      }
-    pos = end;
-  }
+  // The tokens that are not normalized split the raw text; each stretch between them is normalized
+  // and split by the normalized tokens; what is left is pre-tokenized and encoded.
+  t.split_added(
+      text, t.added_raw,
+      [&](std::string_view raw) {
+        if (raw.empty()) return;
+        const std::string norm = t.normalized(raw);
+        t.split_added(norm, t.added_normalized, [&](std::string_view piece) {
+          if (!piece.empty()) t.encode_plain(piece, out);
+        }, out);
+      },
+      out);
   if (add_special_tokens) out.insert(out.end(), t.suffix.begin(), t.suffix.end());
   return out;
 }
