@@ -3,9 +3,12 @@
 //
 // Encoding, in the order of the `tokenizers` library:
 //   1. added tokens (`added_tokens`: <|begin_of_text|>, <|im_start|>, ...) are cut out of the text
-//      first, longest match at each position, and map to their ids unchanged;
+//      first, the earliest match and the longest there, and map to their ids unchanged (`lstrip` /
+//      `rstrip` take the whitespace beside them along); those with `normalized: false` cut the raw
+//      text, then
 //   2. the normalizer: `null`, a Unicode normalization form (`NFC`, `NFD`, `NFKC`, `NFKD`, on
-//      utf8proc) or a `Sequence` of these;
+//      utf8proc) or a `Sequence` of these, normalizes each stretch left, in which the added tokens
+//      with `normalized: true` are cut out as their normalized content;
 //   3. the pre-tokenizer splits the rest into words: `ByteLevel` (GPT-2's regex when `use_regex`,
 //      `add_prefix_space`), `Split` with a regex pattern (behaviour `Isolated`: matches and the gaps
 //      between them are words), `Digits`, or a `Sequence` of these; the regexes run on PCRE2 with
