@@ -5,8 +5,10 @@
 #include <stdlib.h>
 
 #include <cmath>
+#include <fstream>
 #include <numeric>
 #include <random>
+#include <tuple>
 
 #include "models/causal_lm.h"
 #include "models/safetensors.h"
@@ -14,6 +16,8 @@
 #include "train/adamw.h"
 #include "train/adamw_kernels.h"
 #include "train/corpus.h"
+#include "train/schedule.h"
+#include "train/text_data.h"
 #include "train/trainer.h"
 
 namespace kcpp {
@@ -237,6 +241,69 @@ TEST(TokenWindows, EveryWindowIsInsideTheStream) {
   EXPECT_EQ(out[3], 9);
   EXPECT_THROW(w.copy_window(7, out), Error);
   EXPECT_THROW(w.copy_window(-1, out), Error);
+}
+
+// The rates of Transformers' get_scheduler (5.24) over 12 steps of SGD at lr 1, read after each
+// step; kcpp's factor(t) is the rate of the step after t others.
+TEST(LrSchedule, MatchesTransformersSchedulers) {
+  const std::vector<std::tuple<const char*, int64_t, int64_t, std::vector<double>>> cases = {
+      {"linear", 3, 10, {0.0, 1.0 / 3, 2.0 / 3, 1.0, 0.857142857143, 0.714285714286, 0.571428571429, 0.428571428571,
+                         0.285714285714, 0.142857142857, 0.0, 0.0}},
+      {"cosine", 3, 10, {0.0, 1.0 / 3, 2.0 / 3, 1.0, 0.950484433951, 0.811744900929, 0.611260466978, 0.388739533022,
+                         0.188255099071, 0.049515566049, 0.0, 0.049515566049}},
+      {"constant_with_warmup", 4, 10, {0.0, 0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0}},
+      {"cosine", 0, 7, {1.0, 0.950484433951, 0.811744900929, 0.611260466978, 0.388739533022, 0.188255099071, 0.049515566049,
+                        0.0, 0.049515566049}},
+      {"linear", 0, 1, {1.0, 0.0, 0.0}},
+      {"constant", 0, 0, {1.0, 1.0, 1.0}},
+  };
+  for (const auto& [name, warmup, total, rates] : cases) {
+    const train::LrSchedule s = train::LrSchedule::make(name, warmup, total);
+    for (size_t t = 0; t < rates.size(); ++t)
+      EXPECT_NEAR(s.factor(static_cast<int64_t>(t)), rates[t], 1e-12) << name << " warmup " << warmup << " step " << t;
+  }
+  EXPECT_ERROR(train::LrSchedule::make("cosine_with_restarts", 0, 10), "not one of constant, constant_with_warmup, linear, cosine");
+  EXPECT_ERROR(train::LrSchedule::make("constant", 5, 10), "use constant_with_warmup");
+  EXPECT_ERROR(train::LrSchedule::make("linear", 10, 10), "the warmup must end before the schedule does");
+  EXPECT_ERROR(train::LrSchedule::make("cosine", 0, 0), "the warmup must end before the schedule does");
+  EXPECT_ERROR(train::LrSchedule::make("linear", -1, 10), "give 0 or more");
+}
+
+// Training text: a .jsonl file's documents by line (blank lines skipped), another file whole; each
+// document's tokens followed by EOS; every malformed line named with its number.
+TEST(TextData, DocumentsAndTheirErrors) {
+  std::string tmpl = (fs::temp_directory_path() / "kcpp-data-XXXXXX").string();
+  const fs::path dir = ::mkdtemp(tmpl.data());
+  auto write = [&](const char* name, const std::string& text) {
+    std::ofstream(dir / name, std::ios::binary) << text;
+    return dir / name;
+  };
+  const auto docs = train::read_text_documents(write("a.jsonl", "{\"text\": \"ab\"}\n\n  \n{\"text\": \"c\", \"id\": 3}\n"));
+  EXPECT_EQ(docs.texts, (std::vector<std::string>{"ab", "c"}));
+  EXPECT_EQ(docs.lines, (std::vector<int64_t>{1, 4}));
+  const train::ByteTokenizer bytes;
+  const auto encode = [&](std::string_view t) { return bytes.encode(t); };
+  EXPECT_EQ(train::tokenize_documents(docs, encode, 257, "a.jsonl"), (std::vector<int64_t>{256, 'a', 'b', 257, 256, 'c', 257}));
+  EXPECT_EQ(train::tokenize_documents(docs, encode, std::nullopt, "a.jsonl"), (std::vector<int64_t>{256, 'a', 'b', 256, 'c'}));
+  const auto plain = train::read_text_documents(write("b.txt", "line one\n{\"text\": 1}\n"));
+  EXPECT_EQ(plain.texts, (std::vector<std::string>{"line one\n{\"text\": 1}\n"}));
+  const auto other = train::read_text_documents(write("c.jsonl", "{\"content\": \"x\"}\n"), "content");
+  EXPECT_EQ(other.texts, (std::vector<std::string>{"x"}));
+
+  EXPECT_ERROR(train::read_text_documents(dir / "missing.txt"), "missing.txt: cannot open the training data");
+  EXPECT_ERROR(train::read_text_documents(write("e.txt", "")), "e.txt: no text to train on");
+  EXPECT_ERROR(train::read_text_documents(write("f.jsonl", "{\"text\": \"\"}\n")), "f.jsonl: no text to train on (no 'text' with text)");
+  EXPECT_ERROR(train::read_text_documents(write("g.jsonl", "{\"text\": \"a\"}\n{\"text\": \n")), "g.jsonl:2: not a JSON value");
+  EXPECT_ERROR(train::read_text_documents(write("h.jsonl", "[\"a\"]\n")), "h.jsonl:1: a JSON array, not an object with a 'text' string");
+  EXPECT_ERROR(train::read_text_documents(write("i.jsonl", "{\"txt\": \"a\"}\n")), "i.jsonl:1: no 'text' field");
+  EXPECT_ERROR(train::read_text_documents(write("j.jsonl", "{\"text\": [1]}\n")), "j.jsonl:1: 'text' is a JSON array, not a string");
+  const train::TextDocuments bad{{"ok", "no"}, {1, 7}};
+  EXPECT_ERROR(train::tokenize_documents(bad, [](std::string_view t) -> std::vector<int64_t> {
+                 if (t == "no") throw Error("the text to encode is not valid UTF-8");
+                 return {1};
+               }, std::nullopt, "d.jsonl"),
+               "d.jsonl:7: the text to encode is not valid UTF-8");
+  fs::remove_all(dir);
 }
 
 }  // namespace

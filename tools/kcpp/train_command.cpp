@@ -3,6 +3,12 @@
 // CPU — first with the reference layers, then kernelized — showing progress, loss, tokens/s and peak
 // memory, prints the two side by side, and samples text from the kernel-trained model.
 //
+// --model DIR starts from a Hugging Face folder instead (any family CausalLM loads), --data FILE
+// trains on a text or JSON-lines file (train/text_data.h) through the folder's tokenizer.json (or
+// --tokenizer; the byte-level one for the generated model), --lr-scheduler / --warmup-steps set the
+// learning rate step by step as Transformers' schedulers do (train/schedule.h), --micro-batch splits
+// each step into micro-batches whose gradients accumulate, and --kernels-only skips the reference run.
+//
 // The kernel run's mapping: --kernels MAPPING when given; else, with --liger-kernel-config or
 // --packages, the Liger switches over this build's liger package (and flash_attn's attention);
 // else the default mapping (nn::default_kernel_config: this project's packages on the hub, falling
@@ -46,8 +52,11 @@
 #include "models/causal_lm.h"
 #include "models/tokenizer.h"
 #include "nn/kernel_config.h"
+#include "hub/crypto.h"
 #include "train/corpus.h"
 #include "train/data_parallel.h"
+#include "train/schedule.h"
+#include "train/text_data.h"
 #include "train/trainer.h"
 
 namespace kcpp::tools {
@@ -56,9 +65,16 @@ namespace {
 
 struct TrainArgs {
   // Unset / "": chosen by the device (run_train): a GPU gets a larger model in bf16.
-  std::optional<int64_t> given_steps, given_seq, given_hidden;
+  std::optional<int64_t> given_steps, given_seq, given_hidden, given_layers;
   int64_t steps = 0, batch = 16, seq = 0, layers = 4, hidden = 0;  // as run
+  int64_t micro_batch = 0;  // rows of a micro-batch; 0: the whole step at once
   double lr = 3e-3;
+  std::string model;                     // --model DIR: a Hugging Face folder to start from
+  std::string data, text_field = "text", tokenizer;  // --data FILE, its JSON-lines field, --tokenizer FILE
+  std::optional<std::string> given_scheduler;
+  std::optional<int64_t> given_warmup, given_schedule_steps;
+  train::LrSchedule schedule;  // as run
+  bool kernels_only = false;
   std::string device = "auto", dtype, packages, save;
   std::string liger_kernel_config = "{}";  // LigerSwitches as JSON, as TrainingArguments(liger_kernel_config=...)
   // flash_attn's attention: "auto" = on a GPU only (on the CPU, at the main job's sizes, the
@@ -72,6 +88,14 @@ struct TrainArgs {
   int64_t gpus = 1, zero = 0;
   bool no_overlap = false;
   std::string resume;  // --resume DIR
+};
+
+// The token stream the windows are drawn from, and what it is, for messages and trainer_state.json.
+struct TrainingData {
+  std::vector<int64_t> tokens;
+  std::string source;  // the --data file, or "" for the embedded corpus
+  std::string what;    // "the embedded corpus", "data.jsonl"
+  std::string digest;  // sha256 of the tokens: a resumed run must draw from the same stream
 };
 
 // This process's place in a data-parallel run (rank 0 of 1 when alone).
@@ -103,12 +127,23 @@ struct Run {
 struct Resume {
   std::filesystem::path folder;
   int64_t steps_done = 0;
+  nlohmann::json state;  // its trainer_state.json
 };
 
 // trainer_state.json: what a resumed run must match or continue (the data's seed and shape, the steps).
-void save_trainer_state(const std::filesystem::path& folder, const TrainArgs& a, int64_t steps_done) {
-  const nlohmann::json j{{"steps_done", steps_done}, {"seed", a.seed}, {"batch", a.batch}, {"seq", a.seq}, {"lr", a.lr},
-                         {"dtype", a.dtype}};
+void save_trainer_state(const std::filesystem::path& folder, const TrainArgs& a, const TrainingData& data, int64_t steps_done) {
+  const nlohmann::json j{{"steps_done", steps_done},
+                         {"seed", a.seed},
+                         {"batch", a.batch},
+                         {"seq", a.seq},
+                         {"lr", a.lr},
+                         {"dtype", a.dtype},
+                         {"data", data.source},
+                         {"data_tokens", data.tokens.size()},
+                         {"data_sha256", data.digest},
+                         {"lr_scheduler", train::lr_schedule_name(a.schedule.kind)},
+                         {"warmup_steps", a.schedule.warmup_steps},
+                         {"schedule_steps", a.schedule.total_steps}};
   std::ofstream(folder / "trainer_state.json") << j.dump(1) << "\n";
 }
 
@@ -126,7 +161,38 @@ Resume read_resume(const std::string& folder, const TrainArgs& a) {
   KCPP_CHECK(j.value("dtype", std::string()) == a.dtype,
              "kcpp train: --resume {}: it was trained with --dtype {}; give the same (its optimizer state is of those weights)",
              folder, j.value("dtype", std::string("?")));
-  return {std::filesystem::path(folder), j["steps_done"].get<int64_t>()};
+  return {std::filesystem::path(folder), j["steps_done"].get<int64_t>(), j};
+}
+
+// A resumed run continues its checkpoint's data and learning-rate schedule: the same token stream
+// (its position is the steps taken) and, unless --lr-scheduler / --warmup-steps say the same again,
+// the saved schedule, whose end a decaying one must not pass.  (A checkpoint from before these were
+// saved had the embedded corpus and a constant rate.)
+void check_resume(const Resume& r, TrainArgs& a, const TrainingData& data) {
+  const std::string folder = r.folder.string();
+  const std::string saved_data = r.state.value("data", std::string());
+  const std::string saved_digest = r.state.value("data_sha256", std::string());
+  KCPP_CHECK(saved_data == data.source && (saved_digest.empty() || saved_digest == data.digest),
+             "kcpp train: --resume {}: it was trained on {} ({} tokens), this run's data is {} ({} tokens){}; give the same "
+             "--data to continue where it stopped", folder, saved_data.empty() ? "the embedded corpus" : saved_data,
+             r.state.value("data_tokens", int64_t{0}), data.what, data.tokens.size(),
+             saved_data == data.source ? " and its tokens differ" : "");
+  const std::string name = r.state.value("lr_scheduler", std::string("constant"));
+  const int64_t warmup = r.state.value("warmup_steps", int64_t{0});
+  const int64_t total = r.state.value("schedule_steps", int64_t{0});
+  KCPP_CHECK((!a.given_scheduler || *a.given_scheduler == name) && (!a.given_warmup || *a.given_warmup == warmup) &&
+                 (!a.given_schedule_steps || *a.given_schedule_steps == total),
+             "kcpp train: --resume {}: it was trained with --lr-scheduler {} --warmup-steps {} --schedule-steps {}; give the same, "
+             "or none of them, to continue its schedule", folder, name, warmup, total);
+  try {
+    a.schedule = train::LrSchedule::make(name, warmup, total);
+  } catch (const Error& e) {
+    KCPP_FAIL("kcpp train: --resume {}: its trainer_state.json holds a schedule this build cannot continue: {}", folder, e.what());
+  }
+  const bool decays = a.schedule.kind == train::LrScheduleKind::Linear || a.schedule.kind == train::LrScheduleKind::Cosine;
+  KCPP_CHECK(!decays || r.steps_done + a.steps <= total,
+             "kcpp train: --resume {}: its {} schedule ends at step {}, {} steps after its {}; --steps {} would go past it",
+             folder, name, total, total - r.steps_done, r.steps_done, a.steps);
 }
 
 models::ModelConfig small_llama(const TrainArgs& a) {
@@ -146,12 +212,27 @@ models::ModelConfig small_llama(const TrainArgs& a) {
   return c;
 }
 
-Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::vector<int64_t>& tokens,
-            const KernelPlan* plan, Ranks& ranks, const std::optional<Resume>& resume) {
+// Rows [lo, hi) of a step's batch (this rank's share) as micro-batches of at most `micro` rows.
+std::vector<train::MicroBatch> micro_batches(const std::vector<int64_t>& rows, int64_t span, int64_t lo, int64_t hi,
+                                             int64_t micro, Device dev) {
+  std::vector<train::MicroBatch> out;
+  for (int64_t b = lo; b < hi; b += micro) {
+    const int64_t e = std::min(hi, b + micro);
+    const Tensor ids = Tensor::from_i64(std::vector<int64_t>(rows.begin() + b * span, rows.begin() + e * span), {e - b, span},
+                                        DType::i64, dev);
+    out.push_back({ids, ids});
+  }
+  return out;
+}
+
+Run run_one(const std::string& name, const TrainArgs& a, Device dev, const TrainingData& data, const KernelPlan* plan,
+            Ranks& ranks, const std::optional<Resume>& resume) {
   Run r;
   r.name = name;
-  r.model = resume ? models::CausalLM::from_folder(resume->folder, parse_dtype(a.dtype), dev)
-                   : models::CausalLM::random(small_llama(a), parse_dtype(a.dtype), dev, a.seed);
+  const DType dtype = parse_dtype(a.dtype);
+  r.model = resume             ? models::CausalLM::from_folder(resume->folder, dtype, dev)
+            : !a.model.empty() ? models::CausalLM::from_folder(a.model, dtype, dev)
+                               : models::CausalLM::random(small_llama(a), dtype, dev, a.seed);
   const auto report = plan ? r.model->kernelize(plan->config, nn::kTraining, dev, plan->loader).str() : std::string();
   if (ranks.printing()) fmt::print("{}", report);
   train::AdamWOptions o;
@@ -178,7 +259,8 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::
   const int64_t lo = a.batch * ranks.rank / ranks.world, hi = a.batch * (ranks.rank + 1) / ranks.world;
   Generator gen(a.seed + 1);
   const int64_t span = a.seq;
-  const train::TokenWindows windows(tokens, span, a.batch);
+  const train::TokenWindows windows(data.tokens, span, a.batch);
+  const int64_t micro = a.micro_batch > 0 ? a.micro_batch : a.batch;
   // A resumed run continues the data where the checkpoint left it: the batches it drew are drawn again.
   for (int64_t i = 0; resume && i < resume->steps_done; ++i) (void)windows.next(gen.engine());
   Allocator& alloc = allocator_for(dev);
@@ -187,12 +269,14 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::
   const size_t base = alloc.stats().current;
   const int64_t tail = std::max<int64_t>(1, a.steps / 10);
   const auto t0 = std::chrono::steady_clock::now();
+  const int64_t before = resume ? resume->steps_done : 0;
+  train::AdamWOptions& rate = dp ? dp->optimizer().options : opt->options;
   for (int64_t step = 1; step <= a.steps; ++step) {
     // Every rank draws the same global batch (the same generator) and trains on its rows.
     const std::vector<int64_t> rows = windows.next(gen.engine());
-    const Tensor batch = Tensor::from_i64(std::vector<int64_t>(rows.begin() + lo * span, rows.begin() + hi * span),
-                                          {hi - lo, span}, DType::i64, dev);
-    const train::StepResult s = dp ? dp->step({{batch, batch}}) : train::train_step(*r.model, *opt, {{batch, batch}});
+    const std::vector<train::MicroBatch> parts = micro_batches(rows, span, lo, hi, micro, dev);
+    rate.lr = a.lr * a.schedule.factor(before + step - 1);
+    const train::StepResult s = dp ? dp->step(parts) : train::train_step(*r.model, *opt, parts);
     if (step == 1) r.first_loss = s.loss;
     r.final_loss = s.loss;
     if (step > a.steps - tail) r.tail_loss += s.loss / static_cast<double>(tail);
@@ -201,10 +285,9 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const std::
     const bool tty = ::isatty(::fileno(stdout)) != 0;
     if (ranks.printing() && (tty || step % std::max<int64_t>(1, a.steps / 10) == 0 || step == a.steps)) {
       const int width = 24, done = static_cast<int>(width * step / a.steps);
-      const int64_t before = resume ? resume->steps_done : 0;
-      fmt::print("{}  {:<10} [{}{}] step {:>4}/{}  loss {:.4f}  {:>8.0f} tokens/s{}", tty ? "\r" : "", name,
+      fmt::print("{}  {:<10} [{}{}] step {:>4}/{}  loss {:.4f}{}  {:>8.0f} tokens/s{}", tty ? "\r" : "", name,
                  std::string(done, '#'), std::string(width - done, ' '), before + step, before + a.steps, s.loss,
-                 step * a.batch * span / secs, tty ? "" : "\n");
+                 a.schedule.varies() ? fmt::format("  lr {:.3g}", rate.lr) : "", step * a.batch * span / secs, tty ? "" : "\n");
       std::fflush(stdout);
     }
   }
@@ -232,6 +315,54 @@ void check_sizes(const TrainArgs& a) {
              "kcpp train: --hidden is {}; it must be a positive multiple of 8 below 256 (4 attention heads) and a multiple "
              "of 128 from 256 on (heads of 64)", a.hidden);
   KCPP_CHECK(std::isfinite(a.lr) && a.lr > 0, "kcpp train: --lr is {}; the learning rate must be a positive number", a.lr);
+  KCPP_CHECK(a.micro_batch >= 0 && a.micro_batch <= a.batch,
+             "kcpp train: --micro-batch is {}; it must be between 1 and --batch ({}) rows (0: the whole step at once)",
+             a.micro_batch, a.batch);
+}
+
+// The token stream: --data through the tokenizer of the model trained (--tokenizer, else the model
+// folder's tokenizer.json; the byte-level one for the generated model), or the embedded corpus.
+TrainingData training_data(const TrainArgs& a, const std::optional<Resume>& resume) {
+  TrainingData d;
+  if (a.data.empty()) {
+    KCPP_CHECK(a.model.empty(), "kcpp train: --model {} needs --data FILE: the embedded corpus is byte-level text for the "
+               "generated model, not for this model's vocabulary", a.model);
+    d.tokens = train::ByteTokenizer().encode(train::generated_corpus(400000));
+    d.what = "the embedded corpus";
+  } else {
+    const train::TextDocuments docs = train::read_text_documents(a.data, a.text_field);
+    // The model's folder (the checkpoint's when resuming); none for the generated model, whose
+    // tokenizer is the byte-level one it is saved with.
+    const std::string folder = resume ? resume->folder.string() : a.model;
+    KCPP_CHECK(!folder.empty() || a.tokenizer.empty(), "kcpp train: --tokenizer is for --model: the generated model's "
+               "vocabulary is the byte-level one");
+    std::filesystem::path tf;
+    models::Tokenizer tok = [&] {
+      if (folder.empty())
+        return models::Tokenizer::from_json_text(
+            models::Tokenizer::byte_level_json(train::ByteTokenizer::kBos, train::ByteTokenizer::kEos), "byte-level tokenizer");
+      tf = a.tokenizer.empty() ? std::filesystem::path(folder) / "tokenizer.json" : std::filesystem::path(a.tokenizer);
+      KCPP_CHECK(std::filesystem::exists(tf), "kcpp train: {} not found: --data is tokenized by the model's tokenizer.json "
+                 "(or give --tokenizer FILE)", tf.string());
+      return models::Tokenizer::from_file(tf);
+    }();
+    int64_t vocab = train::ByteTokenizer::kVocab;
+    std::optional<int64_t> eos = train::ByteTokenizer::kEos;
+    if (!folder.empty()) {
+      const models::ModelConfig cfg = models::ModelConfig::from_folder(folder);
+      vocab = cfg.vocab_size;
+      eos = cfg.eos_token_id.empty() ? std::nullopt : std::optional<int64_t>(cfg.eos_token_id[0]);
+    }
+    d.tokens = train::tokenize_documents(docs, [&](std::string_view t) { return tok.encode(t, /*add_special_tokens=*/true); },
+                                         eos, a.data);
+    for (const int64_t id : d.tokens)
+      KCPP_CHECK(id >= 0 && id < vocab, "kcpp train: {} encodes {} to token {}, outside the model's vocabulary of {}; give the "
+                 "model's own tokenizer", tf.empty() ? std::string("the byte-level tokenizer") : tf.string(), a.data, id, vocab);
+    d.source = std::filesystem::absolute(a.data).lexically_normal().string();
+    d.what = a.data;
+  }
+  d.digest = hub::sha256_hex(std::string_view(reinterpret_cast<const char*>(d.tokens.data()), d.tokens.size() * sizeof(int64_t)));
+  return d;
 }
 
 // Loads every reference `config` selects for training on `dev` once, now (so that a problem shows
@@ -387,6 +518,7 @@ int run_train(TrainArgs a) {
   }
   a.steps = a.given_steps.value_or(dev.is_cuda() ? 1000 : 60);
   a.hidden = a.given_hidden.value_or(dev.is_cuda() ? 512 : 128);
+  a.layers = a.given_layers.value_or(4);
   a.seq = a.given_seq.value_or(dev.is_cuda() ? 512 : 128);
   if (a.dtype.empty()) a.dtype = dev.is_cuda() ? "bf16" : "f32";
   check_sizes(a);
@@ -399,31 +531,71 @@ int run_train(TrainArgs a) {
              "kcpp train: --attention-kernel is '{}'; expected auto, on or off", a.attention_kernel);
   KCPP_CHECK(a.dtype == "f32" || a.dtype == "bf16" || a.dtype == "f16", "kcpp train: --dtype is '{}'; expected f32, bf16 or f16",
              a.dtype);
-  const train::ByteTokenizer tok;
-  const std::string corpus = train::generated_corpus(400000);
-  const std::vector<int64_t> tokens = tok.encode(corpus);
+  KCPP_CHECK((a.model.empty() && a.resume.empty()) || (!a.given_hidden && !a.given_layers),
+             "kcpp train: --hidden and --layers size the generated model; {} brings its own",
+             a.resume.empty() ? "--model " + a.model : "--resume " + a.resume);
+  KCPP_CHECK(a.model.empty() || a.resume.empty(), "kcpp train: --model and --resume both name the model to train; a resumed run "
+             "continues the model its checkpoint holds (give only --resume)");
+  // The model folder's config first, so that a wrong folder fails before the data is read.
+  std::optional<models::ModelConfig> folder_config;
+  if (!a.model.empty()) {
+    folder_config = models::ModelConfig::from_folder(a.model);
+    KCPP_CHECK(a.seq <= folder_config->max_position_embeddings,
+               "kcpp train: --seq is {}; {}'s context length (max_position_embeddings) is {}", a.seq, a.model,
+               folder_config->max_position_embeddings);
+  }
+  const std::optional<Resume> resume = a.resume.empty() ? std::nullopt : std::optional<Resume>(read_resume(a.resume, a));
+  const TrainingData data = training_data(a, resume);
+  if (resume) {
+    check_resume(*resume, a, data);
+  } else {
+    try {
+      a.schedule = train::LrSchedule::make(a.given_scheduler.value_or("constant"), a.given_warmup.value_or(0),
+                                           a.given_schedule_steps.value_or(a.steps));
+    } catch (const Error& e) {
+      KCPP_FAIL("kcpp train: --lr-scheduler / --warmup-steps / --schedule-steps: {}", e.what());
+    }
+    KCPP_CHECK(a.schedule.total_steps >= a.steps || !(a.schedule.kind == train::LrScheduleKind::Linear ||
+                                                       a.schedule.kind == train::LrScheduleKind::Cosine),
+               "kcpp train: --schedule-steps is {}, fewer than --steps {}: the {} schedule would end before the run does",
+               a.schedule.total_steps, a.steps, train::lr_schedule_name(a.schedule.kind));
+  }
+  const std::vector<int64_t>& tokens = data.tokens;
   KCPP_CHECK(a.seq <= train::TokenWindows::max_seq(tokens.size()),
-             "kcpp train: --seq is {}; the embedded corpus ({} tokens) allows sequences of at most {}", a.seq, tokens.size(),
+             "kcpp train: --seq is {}; {} ({} tokens) allows sequences of at most {}", a.seq, data.what, tokens.size(),
              train::TokenWindows::max_seq(tokens.size()));
   KCPP_CHECK(a.batch <= train::TokenWindows::max_batch(tokens.size(), a.seq),
-             "kcpp train: --batch is {}; at --seq {} the embedded corpus ({} tokens) allows batches of at most {}", a.batch,
-             a.seq, tokens.size(), train::TokenWindows::max_batch(tokens.size(), a.seq));
-  if (ranks.printing())
-    fmt::print("kcpp train: a {}-layer Llama-style model (hidden {}, byte-level vocabulary {}) on {} bytes of generated text, "
-               "{} steps of {} x {} tokens, {} weights{}, AdamW lr {}, on {}{}\n",
-               a.layers, a.hidden, train::ByteTokenizer::kVocab, corpus.size(), a.steps, a.batch, a.seq, a.dtype,
-               a.dtype == "f32" ? "" : " (f32 master copies)", a.lr, dev.str(),
+             "kcpp train: --batch is {}; at --seq {} {} ({} tokens) allows batches of at most {}", a.batch, a.seq, data.what,
+             tokens.size(), train::TokenWindows::max_batch(tokens.size(), a.seq));
+  if (ranks.printing()) {
+    const std::string model =
+        !a.model.empty()
+            ? fmt::format("the {} model of {} (layers {}, hidden {}, vocabulary {})", folder_config->model_type, a.model,
+                          folder_config->num_hidden_layers, folder_config->hidden_size, folder_config->vocab_size)
+        : resume ? fmt::format("the model of {}", a.resume)
+                 : fmt::format("a {}-layer Llama-style model (hidden {}, byte-level vocabulary {})", a.layers, a.hidden,
+                               train::ByteTokenizer::kVocab);
+    const std::string schedule =
+        a.schedule.varies() ? fmt::format(", {} schedule over {} steps ({} of warmup)", train::lr_schedule_name(a.schedule.kind),
+                                          a.schedule.total_steps, a.schedule.warmup_steps)
+                            : "";
+    fmt::print("kcpp train: {} on {} ({} tokens), {} steps of {} x {} tokens{}, {} weights{}, AdamW lr {}{}, on {}{}\n", model,
+               data.what, tokens.size(), a.steps, a.batch, a.seq,
+               a.micro_batch > 0 && a.micro_batch < a.batch ? fmt::format(" in micro-batches of {}", a.micro_batch) : "", a.dtype,
+               a.dtype == "f32" ? "" : " (f32 master copies)", a.lr, schedule, dev.str(),
                ranks.world > 1 ? fmt::format(" and {} more GPUs, data parallel over NCCL", ranks.world - 1) : "");
+  }
   // The packages are looked up (and loaded) before any training, so that a bad --packages or
   // mapping fails at once.
   const std::optional<KernelPlan> plan = a.reference_only ? std::nullopt : kernel_plan(a, dev);
+  KCPP_CHECK(!a.kernels_only || plan, "kcpp train: --kernels-only but no liger package was found (build it, or pass --packages DIR)");
   std::vector<Run> runs;
-  const std::optional<Resume> resume = a.resume.empty() ? std::nullopt : std::optional<Resume>(read_resume(a.resume, a));
   if (resume && ranks.printing())
-    fmt::print("resuming {} after its {} steps (model, optimizer state and data position)\n", a.resume, resume->steps_done);
-  runs.push_back(run_one("reference", a, dev, tokens, nullptr, ranks, resume));
+    fmt::print("resuming {} after its {} steps (model, optimizer state, data position and learning-rate schedule)\n", a.resume,
+               resume->steps_done);
+  if (!a.kernels_only) runs.push_back(run_one("reference", a, dev, data, nullptr, ranks, resume));
   if (!a.reference_only) {
-    if (plan) runs.push_back(run_one("kernels", a, dev, tokens, &*plan, ranks, resume));
+    if (plan) runs.push_back(run_one("kernels", a, dev, data, &*plan, ranks, resume));
     else if (ranks.printing()) fmt::print("(no liger package found: build it, or pass --packages DIR; showing the reference only)\n");
   }
   // --save: every rank writes the optimizer state it keeps (then rank 0 the rest, below).
@@ -450,20 +622,45 @@ int run_train(TrainArgs a) {
                100.0 * runs[1].peak_mib / std::max(runs[0].peak_mib, 1e-9));
   models::CausalLM& best = *runs.back().model;
   best.eval();
+  // The folder the model came from, whose tokenizer files go with a save; none for the generated model.
+  const std::filesystem::path source = resume ? resume->folder : std::filesystem::path(a.model);
+  const std::filesystem::path tokenizer_file =
+      !a.tokenizer.empty() ? std::filesystem::path(a.tokenizer) : source.empty() ? std::filesystem::path() : source / "tokenizer.json";
   // The sample stays inside the context the model was trained on (--seq tokens).
-  const std::vector<int64_t> prompt = tok.encode("The ");
-  const int64_t room = a.seq - static_cast<int64_t>(prompt.size());
-  if (room > 0) {
-    const auto out = best.generate(prompt, std::min<int64_t>(160, room), models::Sampling{0.7, 20, 0.95, a.seed});
-    fmt::print("\nsample ({}): {}\n", runs.back().name, tok.decode(out));
-  } else {
-    fmt::print("\n(no sample: --seq {} leaves no room after the {}-token prompt)\n", a.seq, prompt.size());
+  std::optional<models::Tokenizer> tok;
+  if (tokenizer_file.empty())
+    tok = models::Tokenizer::from_json_text(models::Tokenizer::byte_level_json(train::ByteTokenizer::kBos, train::ByteTokenizer::kEos),
+                                            "byte-level tokenizer");
+  else if (std::filesystem::exists(tokenizer_file))
+    tok = models::Tokenizer::from_file(tokenizer_file);
+  if (tok) {
+    const std::vector<int64_t> prompt = tok->encode("The ", /*add_special_tokens=*/true);
+    const int64_t room = a.seq - static_cast<int64_t>(prompt.size());
+    if (room > 0) {
+      const auto out = best.generate(prompt, std::min<int64_t>(160, room), models::Sampling{0.7, 20, 0.95, a.seed});
+      fmt::print("\nsample ({}): {}\n", runs.back().name, tok->decode(out, /*skip_special_tokens=*/true));
+    } else {
+      fmt::print("\n(no sample: --seq {} leaves no room after the {}-token prompt)\n", a.seq, prompt.size());
+    }
   }
   if (!a.save.empty()) {
     best.save(a.save);
-    std::ofstream(std::filesystem::path(a.save) / "tokenizer.json")
-        << models::Tokenizer::byte_level_json(train::ByteTokenizer::kBos, train::ByteTokenizer::kEos);
-    save_trainer_state(a.save, a, steps_done);
+    const std::filesystem::path dest(a.save);
+    if (tokenizer_file.empty()) {
+      std::ofstream(dest / "tokenizer.json")
+          << models::Tokenizer::byte_level_json(train::ByteTokenizer::kBos, train::ByteTokenizer::kEos);
+    } else {
+      // The tokenizer and the files that describe its use, as the model came with them.
+      std::error_code ec;
+      auto bring = [&](const std::filesystem::path& from, const std::string& name) {
+        if (!std::filesystem::exists(from) || std::filesystem::equivalent(from, dest / name, ec)) return;
+        std::filesystem::copy_file(from, dest / name, std::filesystem::copy_options::overwrite_existing);
+      };
+      bring(tokenizer_file, "tokenizer.json");
+      for (const char* name : {"tokenizer_config.json", "special_tokens_map.json", "generation_config.json"})
+        bring(source / name, name);
+    }
+    save_trainer_state(a.save, a, data, steps_done);
     fmt::print("saved to {} (config.json, model.safetensors, tokenizer.json, the optimizer state, trainer_state.json) after "
                "{} steps; try: kcpp generate --model {} --prompt 'The ', or continue with kcpp train --resume {}\n",
                a.save, steps_done, a.save, a.save);
@@ -497,11 +694,12 @@ std::optional<std::filesystem::path> find_built_package(const std::string& given
 
 void add_train_command(CLI::App& app, Action& action) {
   auto args = std::make_shared<TrainArgs>();
-  auto* t = app.add_subcommand("train", "Train a small Llama-style model on the embedded corpus: reference layers, then kernels, side by side");
+  auto* t = app.add_subcommand("train", "Train a small Llama-style model on the embedded corpus (or a Hugging Face model on your "
+                                        "text): reference layers, then kernels, side by side");
   t->add_option("--steps", args->given_steps, "Optimizer steps (default 1000 on a GPU, 60 on the CPU)");
   t->add_option("--batch", args->batch, "Sequences per step")->capture_default_str();
   t->add_option("--seq", args->given_seq, "Tokens per sequence (default 512 on a GPU, 128 on the CPU)");
-  t->add_option("--layers", args->layers, "Decoder layers")->capture_default_str();
+  t->add_option("--layers", args->given_layers, "Decoder layers of the generated model (default 4)");
   t->add_option("--hidden", args->given_hidden,
                 "Hidden size: a multiple of 8 below 256 (4 heads), of 128 from 256 on (heads of 64) (default 512 on a GPU: 8 "
                 "heads of 64; 128 on the CPU: 4 heads)");
@@ -512,6 +710,23 @@ void add_train_command(CLI::App& app, Action& action) {
   t->add_option("--packages", args->packages, "Folder holding the built liger and flash_attn packages (default: next to this binary)");
   t->add_option("--save", args->save, "Save the trained model here as a Hugging Face folder");
   t->add_flag("--reference-only", args->reference_only, "Skip the kernel run");
+  t->add_flag("--kernels-only", args->kernels_only, "Skip the reference run")->excludes("--reference-only");
+  t->add_option("--model", args->model, "Start from this Hugging Face model folder (config.json, safetensors, tokenizer.json) "
+                "instead of a generated model; needs --data");
+  t->add_option("--data", args->data, "Train on this text: a .jsonl file (one JSON object a line, its --text-field a document) "
+                "or any other file as one plain-text document");
+  t->add_option("--text-field", args->text_field, "The field of each .jsonl line that holds its text")->capture_default_str();
+  t->add_option("--tokenizer", args->tokenizer, "A tokenizer.json other than the model folder's, for --data");
+  t->add_option("--lr-scheduler", args->given_scheduler,
+                "The learning rate step by step, as Transformers' lr_scheduler_type: constant (default), constant_with_warmup, "
+                "linear or cosine (these two decay to 0 at the end of --schedule-steps)");
+  t->add_option("--warmup-steps", args->given_warmup, "Steps over which the rate rises linearly from 0 (default 0)");
+  t->add_option("--schedule-steps", args->given_schedule_steps,
+                "The steps the schedule spans, when this run takes only the first --steps of it (to --save and --resume the "
+                "rest); default: --steps");
+  t->add_option("--micro-batch", args->micro_batch,
+                "Rows of each micro-batch: every step's --batch rows run in micro-batches whose gradients accumulate (less "
+                "memory, the same step); default: the whole batch at once");
   t->add_option("--liger-kernel-config", args->liger_kernel_config,
                 "Liger switches as JSON, e.g. '{\"rope\": false}' (rope, rms_norm, swiglu, cross_entropy, fused_linear_cross_entropy)")
       ->capture_default_str();
