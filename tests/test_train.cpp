@@ -235,6 +235,18 @@ TEST(TokenWindows, EveryWindowIsInsideTheStream) {
   EXPECT_NE(message(3, 4).find("the largest batch allowed at that length is 3"), std::string::npos);
   EXPECT_NE(message(0, 1).find("must be positive"), std::string::npos);
   EXPECT_NE(message(3, -1).find("must be positive"), std::string::npos);
+  // Labels come from the same windows as the ids.
+  std::vector<int64_t> targets(tokens.size());
+  for (size_t i = 0; i < tokens.size(); ++i) targets[i] = i % 3 ? 100 + tokens[i] : -100;
+  const train::TokenWindows labelled(tokens, 4, 2, targets);
+  for (int draw = 0; draw < 20; ++draw) {
+    std::vector<int64_t> labels;
+    const std::vector<int64_t> ids = labelled.next(rng, &labels);
+    ASSERT_EQ(labels.size(), ids.size());
+    for (size_t i = 0; i < ids.size(); ++i) ASSERT_EQ(labels[i], targets[static_cast<size_t>(ids[i])]);
+  }
+  EXPECT_NE(test::error_of([&] { (void)train::TokenWindows(tokens, 4, 1, std::span<const int64_t>(targets).first(9)); })
+                .find("9 labels for 10 tokens"), std::string::npos);
   const train::TokenWindows w(tokens, 4, 1);
   int64_t out[4];
   w.copy_window(6, out);
@@ -269,8 +281,9 @@ TEST(LrSchedule, MatchesTransformersSchedulers) {
   EXPECT_ERROR(train::LrSchedule::make("linear", -1, 10), "give 0 or more");
 }
 
-// Training text: a .jsonl file's documents by line (blank lines skipped), another file whole; each
-// document's tokens followed by EOS; every malformed line named with its number.
+// Training text: a .jsonl file's documents by line (blank lines skipped) in TRL's formats, another
+// file whole; the token stream of each format (EOS after text and completions, the prompt's tokens
+// untrained, conversations through the chat template); every malformed line named with its number.
 TEST(TextData, DocumentsAndTheirErrors) {
   std::string tmpl = (fs::temp_directory_path() / "kcpp-data-XXXXXX").string();
   const fs::path dir = ::mkdtemp(tmpl.data());
@@ -278,31 +291,58 @@ TEST(TextData, DocumentsAndTheirErrors) {
     std::ofstream(dir / name, std::ios::binary) << text;
     return dir / name;
   };
-  const auto docs = train::read_text_documents(write("a.jsonl", "{\"text\": \"ab\"}\n\n  \n{\"text\": \"c\", \"id\": 3}\n"));
-  EXPECT_EQ(docs.texts, (std::vector<std::string>{"ab", "c"}));
-  EXPECT_EQ(docs.lines, (std::vector<int64_t>{1, 4}));
+  using Kind = train::TextDocument::Kind;
+  const auto docs = train::read_text_documents(write("a.jsonl", "{\"text\": \"ab\"}\n\n  \n{\"text\": \"c\", \"id\": 3}\n"
+                                                                "{\"prompt\": \"q\", \"completion\": \"r\"}\n"
+                                                                "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n"));
+  ASSERT_EQ(docs.docs.size(), 4u);
+  EXPECT_EQ(docs.docs[0].text, "ab");
+  EXPECT_EQ(docs.docs[1].line, 4);
+  EXPECT_EQ(docs.docs[2].kind, Kind::PromptCompletion);
+  EXPECT_EQ(docs.docs[2].completion, "r");
+  EXPECT_EQ(docs.docs[3].kind, Kind::Messages);
+  EXPECT_EQ(docs.docs[3].line, 6);
   const train::ByteTokenizer bytes;
-  const auto encode = [&](std::string_view t) { return bytes.encode(t); };
-  EXPECT_EQ(train::tokenize_documents(docs, encode, 257, "a.jsonl"), (std::vector<int64_t>{256, 'a', 'b', 257, 256, 'c', 257}));
-  EXPECT_EQ(train::tokenize_documents(docs, encode, std::nullopt, "a.jsonl"), (std::vector<int64_t>{256, 'a', 'b', 256, 'c'}));
+  train::Encoder enc;
+  enc.encode = [&](std::string_view t, bool special) { return bytes.encode(t, special); };
+  enc.chat = [](const nlohmann::ordered_json& m) { return "<" + m[0]["content"].get<std::string>() + ">"; };
+  enc.eos = 257;
+  const train::TokenStream s = train::tokenize_documents(docs, enc, "a.jsonl");
+  EXPECT_EQ(s.ids, (std::vector<int64_t>{256, 'a', 'b', 257, 256, 'c', 257, 256, 'q', 'r', 257, '<', 'h', 'i', '>'}));
+  EXPECT_EQ(s.labels, (std::vector<int64_t>{256, 'a', 'b', 257, 256, 'c', 257, -100, -100, 'r', 257, '<', 'h', 'i', '>'}));
+  enc.eos.reset();
+  const train::TextDocuments two{{docs.docs[0], docs.docs[1]}};
+  const train::TokenStream plain_stream = train::tokenize_documents(two, enc, "a.jsonl");
+  EXPECT_EQ(plain_stream.ids, (std::vector<int64_t>{256, 'a', 'b', 256, 'c'}));
+  EXPECT_TRUE(plain_stream.labels.empty()) << "without a prompt to mask, the labels are the ids";
   const auto plain = train::read_text_documents(write("b.txt", "line one\n{\"text\": 1}\n"));
-  EXPECT_EQ(plain.texts, (std::vector<std::string>{"line one\n{\"text\": 1}\n"}));
-  const auto other = train::read_text_documents(write("c.jsonl", "{\"content\": \"x\"}\n"), "content");
-  EXPECT_EQ(other.texts, (std::vector<std::string>{"x"}));
+  ASSERT_EQ(plain.docs.size(), 1u);
+  EXPECT_EQ(plain.docs[0].text, "line one\n{\"text\": 1}\n");
+  const auto other = train::read_text_documents(write("c.jsonl", "{\"content\": \"x\"}\n"), "content", true);
+  EXPECT_EQ(other.docs[0].text, "x");
 
   EXPECT_ERROR(train::read_text_documents(dir / "missing.txt"), "missing.txt: cannot open the training data");
   EXPECT_ERROR(train::read_text_documents(write("e.txt", "")), "e.txt: no text to train on");
   EXPECT_ERROR(train::read_text_documents(write("f.jsonl", "{\"text\": \"\"}\n")), "f.jsonl: no text to train on (no 'text' with text)");
   EXPECT_ERROR(train::read_text_documents(write("g.jsonl", "{\"text\": \"a\"}\n{\"text\": \n")), "g.jsonl:2: not a JSON value");
-  EXPECT_ERROR(train::read_text_documents(write("h.jsonl", "[\"a\"]\n")), "h.jsonl:1: a JSON array, not an object with a 'text' string");
-  EXPECT_ERROR(train::read_text_documents(write("i.jsonl", "{\"txt\": \"a\"}\n")), "i.jsonl:1: no 'text' field");
+  EXPECT_ERROR(train::read_text_documents(write("h.jsonl", "[\"a\"]\n")), "h.jsonl:1: a JSON array, not an object");
+  EXPECT_ERROR(train::read_text_documents(write("i.jsonl", "{\"txt\": \"a\"}\n")),
+               "i.jsonl:1: no 'text' field, nor 'prompt' and 'completion', nor 'messages'");
+  EXPECT_ERROR(train::read_text_documents(write("i2.jsonl", "{\"prompt\": \"a\"}\n"), "text", true), "i2.jsonl:1: no 'text' field");
   EXPECT_ERROR(train::read_text_documents(write("j.jsonl", "{\"text\": [1]}\n")), "j.jsonl:1: 'text' is a JSON array, not a string");
-  const train::TextDocuments bad{{"ok", "no"}, {1, 7}};
-  EXPECT_ERROR(train::tokenize_documents(bad, [](std::string_view t) -> std::vector<int64_t> {
-                 if (t == "no") throw Error("the text to encode is not valid UTF-8");
-                 return {1};
-               }, std::nullopt, "d.jsonl"),
-               "d.jsonl:7: the text to encode is not valid UTF-8");
+  EXPECT_ERROR(train::read_text_documents(write("k.jsonl", "{\"prompt\": \"a\"}\n")), "k.jsonl:1: a prompt-completion line needs both");
+  EXPECT_ERROR(train::read_text_documents(write("l.jsonl", "{\"messages\": [{\"content\": \"a\"}]}\n")),
+               "l.jsonl:1: messages[0] is not an object with a string 'role'");
+  EXPECT_ERROR(train::read_text_documents(write("m.jsonl", "{\"messages\": []}\n")), "m.jsonl:1: 'messages' must be a non-empty list");
+  train::Encoder no_chat = enc;
+  no_chat.chat = nullptr;
+  EXPECT_ERROR(train::tokenize_documents(docs, no_chat, "a.jsonl"), "a.jsonl:6: a conversation ('messages') needs the model's chat template");
+  train::Encoder failing = enc;
+  failing.encode = [](std::string_view t, bool) -> std::vector<int64_t> {
+    if (t == "c") throw Error("the text to encode is not valid UTF-8");
+    return {1};
+  };
+  EXPECT_ERROR(train::tokenize_documents(docs, failing, "d.jsonl"), "d.jsonl:4: the text to encode is not valid UTF-8");
   fs::remove_all(dir);
 }
 

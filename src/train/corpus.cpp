@@ -66,9 +66,10 @@ int64_t TokenWindows::max_batch(size_t tokens, int64_t seq) {
   return seq > 0 ? static_cast<int64_t>(tokens) / seq : 0;
 }
 
-TokenWindows::TokenWindows(std::span<const int64_t> tokens, int64_t seq, int64_t batch)
-    : tokens_(tokens), seq_(seq), batch_(batch) {
+TokenWindows::TokenWindows(std::span<const int64_t> tokens, int64_t seq, int64_t batch, std::span<const int64_t> labels)
+    : tokens_(tokens), labels_(labels), seq_(seq), batch_(batch) {
   const size_t n = tokens.size();
+  KCPP_CHECK(labels.empty() || labels.size() == n, "training data: {} labels for {} tokens", labels.size(), n);
   KCPP_CHECK(seq > 0 && batch > 0, "training data: sequences of {} tokens, {} per batch: both must be positive", seq, batch);
   KCPP_CHECK(seq <= max_seq(n), "training data: sequences of {} tokens do not fit in the {} tokens of the data; the longest "
              "allowed is {}", seq, n, max_seq(n));
@@ -76,10 +77,18 @@ TokenWindows::TokenWindows(std::span<const int64_t> tokens, int64_t seq, int64_t
              "the data; the largest batch allowed at that length is {}", batch, seq, n, max_batch(n, seq));
 }
 
-std::vector<int64_t> TokenWindows::next(std::mt19937_64& rng) const {
+std::vector<int64_t> TokenWindows::next(std::mt19937_64& rng, std::vector<int64_t>* labels) const {
   std::uniform_int_distribution<int64_t> start(0, static_cast<int64_t>(tokens_.size()) - seq_ - 1);
   std::vector<int64_t> ids(static_cast<size_t>(batch_ * seq_));
-  for (int64_t b = 0; b < batch_; ++b) copy_window(start(rng), ids.data() + b * seq_);
+  if (labels) labels->resize(ids.size());
+  for (int64_t b = 0; b < batch_; ++b) {
+    const int64_t at = start(rng);
+    copy_window(at, ids.data() + b * seq_);
+    if (labels) {
+      const std::span<const int64_t> from = labels_.empty() ? tokens_ : labels_;
+      std::copy(from.begin() + at, from.begin() + at + seq_, labels->begin() + b * seq_);
+    }
+  }
   return ids;
 }
 

@@ -32,19 +32,21 @@ class TokenWindows {
   static int64_t max_seq(size_t tokens);
   static int64_t max_batch(size_t tokens, int64_t seq);
 
-  // Over `tokens` (not copied: they must outlive this).  Throws kcpp::Error, naming the limit, when
-  // `seq` or `batch` is not positive or past the limits.
-  TokenWindows(std::span<const int64_t> tokens, int64_t seq, int64_t batch);
+  // Over `tokens` (not copied: they must outlive this), and over `labels` (the target of each token;
+  // empty: the tokens themselves) when given.  Throws kcpp::Error, naming the limit, when `seq` or
+  // `batch` is not positive or past the limits, or when `labels` is not as long as `tokens`.
+  TokenWindows(std::span<const int64_t> tokens, int64_t seq, int64_t batch, std::span<const int64_t> labels = {});
 
   int64_t seq() const { return seq_; }
   int64_t batch() const { return batch_; }
-  // batch x seq ids, row by row, each row's start drawn from `rng`.
-  std::vector<int64_t> next(std::mt19937_64& rng) const;
+  // batch x seq ids, row by row, each row's start drawn from `rng`; the same windows of the labels
+  // into `labels` when given (the ids again when there are none).
+  std::vector<int64_t> next(std::mt19937_64& rng, std::vector<int64_t>* labels = nullptr) const;
   // Copies the window at `start` into out[0, seq); throws kcpp::Error when it is not inside the stream.
   void copy_window(int64_t start, int64_t* out) const;
 
  private:
-  std::span<const int64_t> tokens_;
+  std::span<const int64_t> tokens_, labels_;
   int64_t seq_, batch_;
 };
 

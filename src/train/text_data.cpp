@@ -1,58 +1,121 @@
 #include "train/text_data.h"
 
 #include <fstream>
-#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "core/error.h"
 
 namespace kcpp::train {
 
-TextDocuments read_text_documents(const std::filesystem::path& file, const std::string& field) {
+size_t TextDocuments::count(TextDocument::Kind kind) const {
+  size_t n = 0;
+  for (const TextDocument& d : docs) n += d.kind == kind;
+  return n;
+}
+
+namespace {
+
+// One .jsonl line's document, by the fields it has.
+TextDocument document_of(const nlohmann::json& j, const std::string& where, const std::string& field, bool field_given) {
+  KCPP_CHECK(j.is_object(), "{}: a JSON {}, not an object (with a '{}' string, 'prompt' and 'completion', or 'messages')", where,
+             j.type_name(), field);
+  auto string_of = [&](const char* name) {
+    const auto& v = j.at(name);
+    KCPP_CHECK(v.is_string(), "{}: '{}' is a JSON {}, not a string", where, name, v.type_name());
+    return v.get<std::string>();
+  };
+  TextDocument d;
+  if (j.contains(field) || field_given) {
+    KCPP_CHECK(j.contains(field), "{}: no '{}' field (the text field is chosen with --text-field)", where, field);
+    d.text = string_of(field.c_str());
+  } else if (j.contains("prompt") || j.contains("completion")) {
+    KCPP_CHECK(j.contains("prompt") && j.contains("completion"), "{}: a prompt-completion line needs both 'prompt' and "
+               "'completion'", where);
+    d.kind = TextDocument::Kind::PromptCompletion;
+    d.text = string_of("prompt");
+    d.completion = string_of("completion");
+  } else if (j.contains("messages")) {
+    const auto& m = j["messages"];
+    KCPP_CHECK(m.is_array() && !m.empty(), "{}: 'messages' must be a non-empty list of {{\"role\", \"content\"}} objects", where);
+    for (size_t i = 0; i < m.size(); ++i)
+      KCPP_CHECK(m[i].is_object() && m[i].contains("role") && m[i]["role"].is_string(),
+                 "{}: messages[{}] is not an object with a string 'role'", where, i);
+    d.kind = TextDocument::Kind::Messages;
+    d.messages = m;
+  } else {
+    KCPP_FAIL("{}: no '{}' field, nor 'prompt' and 'completion', nor 'messages' (the text field is chosen with --text-field)",
+              where, field);
+  }
+  return d;
+}
+
+}  // namespace
+
+TextDocuments read_text_documents(const std::filesystem::path& file, const std::string& field, bool field_given) {
   std::ifstream in(file, std::ios::binary);
   KCPP_CHECK(in.good(), "{}: cannot open the training data", file.string());
-  TextDocuments docs;
+  TextDocuments out;
   const bool jsonl = file.extension() == ".jsonl";
   if (!jsonl) {
     std::stringstream ss;
     ss << in.rdbuf();
     KCPP_CHECK(!in.bad(), "{}: cannot read the training data", file.string());
-    docs.texts.push_back(ss.str());
-    docs.lines.push_back(1);
+    out.docs.push_back({TextDocument::Kind::Text, ss.str(), {}, nullptr, 1});
   } else {
     std::string line;
     for (int64_t n = 1; std::getline(in, line); ++n) {
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+      const std::string where = fmt::format("{}:{}", file.string(), n);
       const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-      KCPP_CHECK(!j.is_discarded(), "{}:{}: not a JSON value (a .jsonl file holds one JSON object a line)", file.string(), n);
-      KCPP_CHECK(j.is_object(), "{}:{}: a JSON {}, not an object with a '{}' string", file.string(), n, j.type_name(), field);
-      const auto it = j.find(field);
-      KCPP_CHECK(it != j.end(), "{}:{}: no '{}' field (the text field is chosen with --text-field)", file.string(), n, field);
-      KCPP_CHECK(it->is_string(), "{}:{}: '{}' is a JSON {}, not a string", file.string(), n, field, it->type_name());
-      docs.texts.push_back(it->get<std::string>());
-      docs.lines.push_back(n);
+      KCPP_CHECK(!j.is_discarded(), "{}: not a JSON value (a .jsonl file holds one JSON object a line)", where);
+      TextDocument d = document_of(j, where, field, field_given);
+      d.line = n;
+      out.docs.push_back(std::move(d));
     }
     KCPP_CHECK(!in.bad(), "{}: cannot read the training data", file.string());
   }
-  size_t bytes = 0;
-  for (const std::string& t : docs.texts) bytes += t.size();
-  KCPP_CHECK(bytes > 0, "{}: no text to train on{}", file.string(), jsonl ? fmt::format(" (no '{}' with text)", field) : "");
-  return docs;
+  bool any = false;
+  for (const TextDocument& d : out.docs) any = any || !d.text.empty() || !d.completion.empty() || d.kind == TextDocument::Kind::Messages;
+  KCPP_CHECK(any, "{}: no text to train on{}", file.string(), jsonl ? fmt::format(" (no '{}' with text)", field) : "");
+  return out;
 }
 
-std::vector<int64_t> tokenize_documents(const TextDocuments& docs, const Encode& encode, std::optional<int64_t> eos,
-                                        const std::string& origin) {
-  std::vector<int64_t> tokens;
-  for (size_t i = 0; i < docs.texts.size(); ++i) {
+TokenStream tokenize_documents(const TextDocuments& docs, const Encoder& encoder, const std::string& origin) {
+  TokenStream s;
+  const bool masked = docs.count(TextDocument::Kind::PromptCompletion) > 0;
+  auto append = [&](const std::vector<int64_t>& ids, size_t untrained) {
+    s.ids.insert(s.ids.end(), ids.begin(), ids.end());
+    if (!masked) return;
+    for (size_t i = 0; i < ids.size(); ++i) s.labels.push_back(i < untrained ? -100 : ids[i]);
+  };
+  for (const TextDocument& d : docs.docs) {
     try {
-      const std::vector<int64_t> ids = encode(docs.texts[i]);
-      tokens.insert(tokens.end(), ids.begin(), ids.end());
+      switch (d.kind) {
+        case TextDocument::Kind::Text: {
+          std::vector<int64_t> ids = encoder.encode(d.text, true);
+          if (encoder.eos) ids.push_back(*encoder.eos);
+          append(ids, 0);
+          break;
+        }
+        case TextDocument::Kind::PromptCompletion: {
+          const size_t prompt = encoder.encode(d.text, true).size();
+          std::vector<int64_t> ids = encoder.encode(d.text + d.completion, true);
+          if (encoder.eos) ids.push_back(*encoder.eos);
+          append(ids, prompt);
+          break;
+        }
+        case TextDocument::Kind::Messages: {
+          KCPP_CHECK(encoder.chat, "a conversation ('messages') needs the model's chat template (tokenizer_config.json's "
+                     "chat_template, or chat_template.jinja, in the model folder)");
+          append(encoder.encode(encoder.chat(d.messages), false), 0);
+          break;
+        }
+      }
     } catch (const Error& e) {
-      KCPP_FAIL("{}:{}: {}", origin, docs.lines[i], e.what());
+      KCPP_FAIL("{}:{}: {}", origin, d.line, e.what());
     }
-    if (eos) tokens.push_back(*eos);
   }
-  return tokens;
+  return s;
 }
 
 }  // namespace kcpp::train

@@ -8,6 +8,8 @@
 #include <optional>
 #include <string>
 
+#include "models/chat_template.h"
+
 namespace kcpp::tools {
 
 using Action = std::function<int()>;
@@ -28,5 +30,10 @@ std::string kernel_mapping_text(const std::string& arg);
 // <bin>/../kernels (the build tree) or, installed, <bin>/../lib/kcpp/kernels (KCPP_INSTALL_PACKAGE_DIR;
 // train_command.cpp).
 std::optional<std::filesystem::path> find_built_package(const std::string& given, const char* name);
+
+// The chat template of a model folder: `given` (--chat-template: a tokenizer_config.json, or a
+// template's text with the folder's special tokens), else the folder's tokenizer_config.json.
+// `user` starts the error messages ("kcpp generate: --chat").  (model_commands.cpp)
+models::ChatTemplate load_chat_template(const std::filesystem::path& model, const std::string& given, const std::string& user);
 
 }  // namespace kcpp::tools

@@ -104,15 +104,14 @@ nlohmann::ordered_json special_tokens_of(const std::filesystem::path& config) {
   return out;
 }
 
-// The chat template `--chat` renders with: --chat-template FILE (a tokenizer_config.json, or a
-// template's text with the model folder's special tokens), else the model's tokenizer_config.json.
-models::ChatTemplate load_chat_template(const GenerateArgs& a) {
-  const std::filesystem::path config = std::filesystem::path(a.model) / "tokenizer_config.json";
-  const std::filesystem::path src = a.chat_template.empty() ? config : std::filesystem::path(a.chat_template);
-  KCPP_CHECK(std::filesystem::is_regular_file(src), "kcpp generate: --chat: {} not found ({})", src.string(),
-             a.chat_template.empty() ? "the model's chat template is in its tokenizer_config.json; --chat-template FILE "
-                                       "names another"
-                                     : "--chat-template names a tokenizer_config.json or a template file");
+}  // namespace
+
+models::ChatTemplate load_chat_template(const std::filesystem::path& model, const std::string& given, const std::string& user) {
+  const std::filesystem::path config = model / "tokenizer_config.json";
+  const std::filesystem::path src = given.empty() ? config : std::filesystem::path(given);
+  KCPP_CHECK(std::filesystem::is_regular_file(src), "{}: {} not found ({})", user, src.string(),
+             given.empty() ? "the model's chat template is in its tokenizer_config.json; --chat-template FILE names another"
+                           : "--chat-template names a tokenizer_config.json or a template file");
   if (src.extension() == ".json") return models::ChatTemplate::from_tokenizer_config(src);
   std::ifstream in(src);
   KCPP_CHECK(in.good(), "--chat-template: cannot read {}", src.string());
@@ -120,6 +119,8 @@ models::ChatTemplate load_chat_template(const GenerateArgs& a) {
   t.set_special_tokens(special_tokens_of(config));
   return t;
 }
+
+namespace {
 
 // The length of the longest prefix of `s` that ends on a whole UTF-8 character, so that a stream
 // never prints half of one (byte-level tokens can split a character).
@@ -176,7 +177,7 @@ int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const mod
   nlohmann::ordered_json chat_kwargs;
   if (a.chat) {
     KCPP_CHECK(text, "kcpp generate: --chat takes text (--prompt or --prompts), not token ids");
-    chat = load_chat_template(a);
+    chat = load_chat_template(a.model, a.chat_template, "kcpp generate: --chat");
     if (!a.chat_kwargs.empty()) {
       chat_kwargs = nlohmann::ordered_json::parse(a.chat_kwargs, nullptr, /*allow_exceptions=*/false);
       KCPP_CHECK(chat_kwargs.is_object(), "--chat-kwargs: expected a JSON object such as {{\"enable_thinking\": false}}, got '{}'",

@@ -50,6 +50,7 @@
 #include "dist/communicator.h"
 #include "hub/hub.h"
 #include "models/causal_lm.h"
+#include "models/chat_template.h"
 #include "models/tokenizer.h"
 #include "nn/kernel_config.h"
 #include "hub/crypto.h"
@@ -71,6 +72,8 @@ struct TrainArgs {
   double lr = 3e-3;
   std::string model;                     // --model DIR: a Hugging Face folder to start from
   std::string data, text_field = "text", tokenizer;  // --data FILE, its JSON-lines field, --tokenizer FILE
+  bool text_field_given = false;
+  std::string chat_template;  // --chat-template FILE
   std::optional<std::string> given_scheduler;
   std::optional<int64_t> given_warmup, given_schedule_steps;
   train::LrSchedule schedule;  // as run
@@ -93,6 +96,7 @@ struct TrainArgs {
 // The token stream the windows are drawn from, and what it is, for messages and trainer_state.json.
 struct TrainingData {
   std::vector<int64_t> tokens;
+  std::vector<int64_t> labels;  // each token's target (-100: not trained); empty: the tokens themselves
   std::string source;  // the --data file, or "" for the embedded corpus
   std::string what;    // "the embedded corpus", "data.jsonl"
   std::string digest;  // sha256 of the tokens: a resumed run must draw from the same stream
@@ -213,14 +217,15 @@ models::ModelConfig small_llama(const TrainArgs& a) {
 }
 
 // Rows [lo, hi) of a step's batch (this rank's share) as micro-batches of at most `micro` rows.
-std::vector<train::MicroBatch> micro_batches(const std::vector<int64_t>& rows, int64_t span, int64_t lo, int64_t hi,
-                                             int64_t micro, Device dev) {
+std::vector<train::MicroBatch> micro_batches(const std::vector<int64_t>& rows, const std::vector<int64_t>& labels, int64_t span,
+                                             int64_t lo, int64_t hi, int64_t micro, Device dev) {
   std::vector<train::MicroBatch> out;
   for (int64_t b = lo; b < hi; b += micro) {
     const int64_t e = std::min(hi, b + micro);
-    const Tensor ids = Tensor::from_i64(std::vector<int64_t>(rows.begin() + b * span, rows.begin() + e * span), {e - b, span},
-                                        DType::i64, dev);
-    out.push_back({ids, ids});
+    auto rows_of = [&](const std::vector<int64_t>& v) {
+      return Tensor::from_i64(std::vector<int64_t>(v.begin() + b * span, v.begin() + e * span), {e - b, span}, DType::i64, dev);
+    };
+    out.push_back({rows_of(rows), rows_of(labels)});
   }
   return out;
 }
@@ -259,7 +264,7 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
   const int64_t lo = a.batch * ranks.rank / ranks.world, hi = a.batch * (ranks.rank + 1) / ranks.world;
   Generator gen(a.seed + 1);
   const int64_t span = a.seq;
-  const train::TokenWindows windows(data.tokens, span, a.batch);
+  const train::TokenWindows windows(data.tokens, span, a.batch, data.labels);
   const int64_t micro = a.micro_batch > 0 ? a.micro_batch : a.batch;
   // A resumed run continues the data where the checkpoint left it: the batches it drew are drawn again.
   for (int64_t i = 0; resume && i < resume->steps_done; ++i) (void)windows.next(gen.engine());
@@ -273,8 +278,9 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
   train::AdamWOptions& rate = dp ? dp->optimizer().options : opt->options;
   for (int64_t step = 1; step <= a.steps; ++step) {
     // Every rank draws the same global batch (the same generator) and trains on its rows.
-    const std::vector<int64_t> rows = windows.next(gen.engine());
-    const std::vector<train::MicroBatch> parts = micro_batches(rows, span, lo, hi, micro, dev);
+    std::vector<int64_t> labels;
+    const std::vector<int64_t> rows = windows.next(gen.engine(), &labels);
+    const std::vector<train::MicroBatch> parts = micro_batches(rows, labels, span, lo, hi, micro, dev);
     rate.lr = a.lr * a.schedule.factor(before + step - 1);
     const train::StepResult s = dp ? dp->step(parts) : train::train_step(*r.model, *opt, parts);
     if (step == 1) r.first_loss = s.loss;
@@ -330,7 +336,7 @@ TrainingData training_data(const TrainArgs& a, const std::optional<Resume>& resu
     d.tokens = train::ByteTokenizer().encode(train::generated_corpus(400000));
     d.what = "the embedded corpus";
   } else {
-    const train::TextDocuments docs = train::read_text_documents(a.data, a.text_field);
+    const train::TextDocuments docs = train::read_text_documents(a.data, a.text_field, a.text_field_given);
     // The model's folder (the checkpoint's when resuming); none for the generated model, whose
     // tokenizer is the byte-level one it is saved with.
     const std::string folder = resume ? resume->folder.string() : a.model;
@@ -353,15 +359,30 @@ TrainingData training_data(const TrainArgs& a, const std::optional<Resume>& resu
       vocab = cfg.vocab_size;
       eos = cfg.eos_token_id.empty() ? std::nullopt : std::optional<int64_t>(cfg.eos_token_id[0]);
     }
-    d.tokens = train::tokenize_documents(docs, [&](std::string_view t) { return tok.encode(t, /*add_special_tokens=*/true); },
-                                         eos, a.data);
+    train::Encoder encoder;
+    encoder.encode = [&](std::string_view t, bool special) { return tok.encode(t, special); };
+    encoder.eos = eos;
+    // Conversations are rendered by the model's chat template (tokenizer_config.json's, or its
+    // chat_template.jinja), with no generation prompt: the conversation as written.
+    std::optional<models::ChatTemplate> chat;
+    if (docs.count(train::TextDocument::Kind::Messages) > 0 &&
+        (!a.chat_template.empty() || std::filesystem::exists(std::filesystem::path(folder) / "tokenizer_config.json"))) {
+      chat = load_chat_template(folder, a.chat_template, "kcpp train: --data's conversations");
+      encoder.chat = [&](const nlohmann::ordered_json& messages) { return chat->render(messages, /*add_generation_prompt=*/false); };
+    }
+    train::TokenStream stream = train::tokenize_documents(docs, encoder, a.data);
+    d.tokens = std::move(stream.ids);
+    d.labels = std::move(stream.labels);
     for (const int64_t id : d.tokens)
       KCPP_CHECK(id >= 0 && id < vocab, "kcpp train: {} encodes {} to token {}, outside the model's vocabulary of {}; give the "
                  "model's own tokenizer", tf.empty() ? std::string("the byte-level tokenizer") : tf.string(), a.data, id, vocab);
     d.source = std::filesystem::absolute(a.data).lexically_normal().string();
     d.what = a.data;
   }
-  d.digest = hub::sha256_hex(std::string_view(reinterpret_cast<const char*>(d.tokens.data()), d.tokens.size() * sizeof(int64_t)));
+  auto bytes = [](const std::vector<int64_t>& v) {
+    return std::string_view(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(int64_t));
+  };
+  d.digest = hub::sha256_hex(std::string(bytes(d.tokens)) + std::string(bytes(d.labels)));
   return d;
 }
 
@@ -579,8 +600,10 @@ int run_train(TrainArgs a) {
         a.schedule.varies() ? fmt::format(", {} schedule over {} steps ({} of warmup)", train::lr_schedule_name(a.schedule.kind),
                                           a.schedule.total_steps, a.schedule.warmup_steps)
                             : "";
-    fmt::print("kcpp train: {} on {} ({} tokens), {} steps of {} x {} tokens{}, {} weights{}, AdamW lr {}{}, on {}{}\n", model,
-               data.what, tokens.size(), a.steps, a.batch, a.seq,
+    const int64_t trained = std::count_if(data.labels.begin(), data.labels.end(), [](int64_t l) { return l != -100; });
+    fmt::print("kcpp train: {} on {} ({} tokens{}), {} steps of {} x {} tokens{}, {} weights{}, AdamW lr {}{}, on {}{}\n", model,
+               data.what, tokens.size(), data.labels.empty() ? "" : fmt::format(", {} of them trained", trained), a.steps,
+               a.batch, a.seq,
                a.micro_batch > 0 && a.micro_batch < a.batch ? fmt::format(" in micro-batches of {}", a.micro_batch) : "", a.dtype,
                a.dtype == "f32" ? "" : " (f32 master copies)", a.lr, schedule, dev.str(),
                ranks.world > 1 ? fmt::format(" and {} more GPUs, data parallel over NCCL", ranks.world - 1) : "");
@@ -713,10 +736,13 @@ void add_train_command(CLI::App& app, Action& action) {
   t->add_flag("--kernels-only", args->kernels_only, "Skip the reference run")->excludes("--reference-only");
   t->add_option("--model", args->model, "Start from this Hugging Face model folder (config.json, safetensors, tokenizer.json) "
                 "instead of a generated model; needs --data");
-  t->add_option("--data", args->data, "Train on this text: a .jsonl file (one JSON object a line, its --text-field a document) "
-                "or any other file as one plain-text document");
+  t->add_option("--data", args->data, "Train on this text: a .jsonl file, one document a line as TRL's SFTTrainer takes them "
+                "(its --text-field; or 'prompt' and 'completion', the completion trained; or 'messages', rendered by the model's "
+                "chat template), or any other file as one plain-text document");
   t->add_option("--text-field", args->text_field, "The field of each .jsonl line that holds its text")->capture_default_str();
   t->add_option("--tokenizer", args->tokenizer, "A tokenizer.json other than the model folder's, for --data");
+  t->add_option("--chat-template", args->chat_template, "For --data's conversations: a tokenizer_config.json or a Jinja "
+                "template file other than the model folder's");
   t->add_option("--lr-scheduler", args->given_scheduler,
                 "The learning rate step by step, as Transformers' lr_scheduler_type: constant (default), constant_with_warmup, "
                 "linear or cosine (these two decay to 0 at the end of --schedule-steps)");
@@ -746,10 +772,12 @@ void add_train_command(CLI::App& app, Action& action) {
   t->add_option("--zero", args->zero, "With --gpus: the ZeRO stage: 0 replicates everything, 1 shards the optimizer state over the GPUs, "
                 "2 the optimizer state and the gradients, 3 the parameters too (gathered a layer at a time)")
       ->capture_default_str();
+  auto* text_field_opt = t->get_option("--text-field");
   auto* liger_opt = t->get_option("--liger-kernel-config");
   auto* packages_opt = t->get_option("--packages");
-  t->callback([args, &action, liger_opt, packages_opt] {
+  t->callback([args, &action, liger_opt, packages_opt, text_field_opt] {
     args->liger_given = liger_opt->count() > 0 || packages_opt->count() > 0;
+    args->text_field_given = text_field_opt->count() > 0;
     action = [args] { return run_train(*args); };
   });
 }
