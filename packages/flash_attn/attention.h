@@ -40,6 +40,22 @@
 //        (forward, dq) or per key row (dk, dv); correct, not fast.
 // Memory: forward none beyond out and lse; backward (CUDA) attention_backward_workspace(p) bytes:
 // delta [B, Hq, Sq] f32 and the dq accumulator [B, Hq, Sq, D] f32.
+//
+// Variable-length packed sequences (varlen, cu_seqlens_q / cu_seqlens_k non-null): B sequences packed
+// end to end, q / out / dout / dq [total_q, Hq, D] and k / v / dk / dv [total_k, Hkv, D] (any token and
+// head strides), sequence b owning tokens [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and
+// [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k (int32 prefix sums, cu[0] = 0, cu[B] = total).  Each
+// sequence is an attention of its own with Sq = its query count and Skv = its key count, in the maths
+// above (so causal aligns its queries to the end of its own keys; a sequence may have more queries than
+// keys, its first queries then seeing no key under causal).  lse is [Hq, total_q] f32 contiguous.
+// Operands then carry sb = 0 and ss = the token stride: a kernel addresses token `begin + i` of
+// sequence b as at(b, h, begin + i), the same code as the batched layout (sequence() and lse_row()
+// below give the begin, the lengths and the lse row for both layouts).  batch, seq_q and seq_kv hold B,
+// max_seqlen_q and max_seqlen_k (each at most its token count): the tasks cover max_seqlen positions
+// per sequence and the positions past a sequence's own length do nothing.  The CPU checks the cu_seqlens
+// (attention_check_varlen: named errors) before it uses them.  In this build varlen runs on the CPU
+// only: the package refuses it on CUDA (UNSUPPORTED, so a host falls back), and no CUDA kernel reads
+// cu_seqlens; the CUDA kernels for it wait for a GPU to test them.
 #pragma once
 
 #include <cstddef>
@@ -52,6 +68,13 @@
 #endif
 
 namespace kcpp::flash {
+
+// Helpers that run on the host and in kernels.
+#if defined(__CUDACC__)
+#define KCPP_FLASH_HD __host__ __device__ __forceinline__
+#else
+#define KCPP_FLASH_HD inline
+#endif
 
 // A [B, H, S, D] tensor: its data and the element strides of B, H and S (D is contiguous).
 struct Operand {
@@ -77,10 +100,46 @@ struct AttentionParams {
   // backward
   Operand dout, dq, dk, dv;
   void* workspace = nullptr;  // backward on CUDA: attention_backward_workspace(p) bytes, 256-byte aligned
+  // varlen (both or neither): int32 [batch + 1] on the tensors' device; total_q / total_kv tokens.
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+  int64_t total_q = 0, total_kv = 0;
+  KCPP_FLASH_HD bool varlen() const { return cu_seqlens_q != nullptr; }
 };
+
+// Sequence b: its first query and key token (0 in the batched layout) and its lengths.
+struct Sequence {
+  int64_t q_begin, k_begin, seq_q, seq_kv;
+};
+// Reads cu_seqlens where they live (host memory on the CPU path), each entry clamped into [0, total] and
+// each length to max_seqlen (a no-op on checked input; it keeps every access inside the tensors).
+KCPP_FLASH_HD int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
+KCPP_FLASH_HD Sequence sequence(const AttentionParams& p, int64_t b) {
+  if (!p.varlen()) return {0, 0, p.seq_q, p.seq_kv};
+  const int64_t q0 = clamp64(p.cu_seqlens_q[b], 0, p.total_q), k0 = clamp64(p.cu_seqlens_k[b], 0, p.total_kv);
+  const int64_t q1 = clamp64(p.cu_seqlens_q[b + 1], q0, p.total_q), k1 = clamp64(p.cu_seqlens_k[b + 1], k0, p.total_kv);
+  return {q0, k0, clamp64(q1 - q0, 0, p.seq_q), clamp64(k1 - k0, 0, p.seq_kv)};
+}
+// The index of query token s (sequence begin included) of batch b and head h in lse, delta and the dq
+// accumulator: (b Hq + h) Sq + s batched, h total_q + s varlen.  A head's tokens are consecutive rows.
+KCPP_FLASH_HD int64_t lse_row(const AttentionParams& p, int64_t b, int64_t h, int64_t s) {
+  return p.varlen() ? h * p.total_q + s : (b * p.heads_q + h) * p.seq_q + s;
+}
+// The number of such rows.
+KCPP_FLASH_HD int64_t lse_rows(const AttentionParams& p) {
+  return p.varlen() ? p.heads_q * p.total_q : p.batch * p.heads_q * p.seq_q;
+}
+// Row `row` of lse_row's numbering back to (b, h, s); b is 0 for varlen (its operands ignore b: sb = 0).
+KCPP_FLASH_HD void lse_row_index(const AttentionParams& p, int64_t row, int64_t& b, int64_t& h, int64_t& s) {
+  const int64_t per_head = p.varlen() ? p.total_q : p.seq_q;
+  s = row % per_head, h = row / per_head % p.heads_q, b = p.varlen() ? 0 : row / (per_head * p.heads_q);
+}
 
 // Checks shapes, strides and pointers; nullptr or the message naming what is wrong.
 const char* attention_check(const AttentionParams& p, bool backward);
+// varlen on host memory (the CPU path): cu_seqlens start at 0, do not decrease, end at the totals, and
+// no sequence is longer than max_seqlen (seq_q / seq_kv); nullptr or the message.  A no-op otherwise.
+const char* attention_check_varlen(const AttentionParams& p);
 // True when the CUDA tensor-core path takes these params (else the generic CUDA path runs).
 bool attention_fast_path(const AttentionParams& p);
 size_t attention_backward_workspace(const AttentionParams& p);

@@ -1,8 +1,9 @@
-// Attention on the CPU (maths in attention.h).  Forward: blocks of kRows query rows in parallel, each
+// Attention on the CPU (maths and layouts in attention.h).  Forward: blocks of kRows query rows in parallel, each
 // key and value row widened to f32 once per block and used by every row of it; the scores of a block
 // live in a per-thread buffer of kRows x Skv floats (never the Sq x Skv matrix).  Backward: one task
 // per (batch, kv head), so the f32 accumulators of dk and dv have a single writer; dq is finished row
-// block by row block.
+// block by row block.  varlen: the same tasks over (sequence, ...), each reading its sequence's begin
+// and lengths (sequence()); a task past its sequence's queries does nothing.
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
@@ -27,17 +28,46 @@ const char* attention_check(const AttentionParams& p, bool backward) {
   KCPP_KERNEL_REQUIRE(p.heads_kv >= 1 && p.heads_q >= p.heads_kv && p.heads_q % p.heads_kv == 0,
                       "%s: %lld query heads are not a multiple of %lld kv heads", op, static_cast<long long>(p.heads_q),
                       static_cast<long long>(p.heads_kv));
-  KCPP_KERNEL_REQUIRE(p.seq_q <= p.seq_kv, "%s: %lld queries but only %lld keys (the queries are the last positions)", op,
-                      static_cast<long long>(p.seq_q), static_cast<long long>(p.seq_kv));
+  KCPP_KERNEL_REQUIRE((p.cu_seqlens_q == nullptr) == (p.cu_seqlens_k == nullptr),
+                      "%s: cu_seqlens_q and cu_seqlens_k come together", op);
+  KCPP_KERNEL_REQUIRE(p.total_q >= 0 && p.total_kv >= 0, "%s: negative total token count", op);
+  // Batched: the queries are the last Sq positions of the keys.  varlen: per sequence, any lengths.
+  if (!p.varlen())
+    KCPP_KERNEL_REQUIRE(p.seq_q <= p.seq_kv, "%s: %lld queries but only %lld keys (the queries are the last positions)", op,
+                        static_cast<long long>(p.seq_q), static_cast<long long>(p.seq_kv));
   KCPP_KERNEL_REQUIRE(p.window >= 0, "%s: window %lld < 0", op, static_cast<long long>(p.window));
   KCPP_KERNEL_REQUIRE(std::isfinite(p.scale), "%s: scale is not finite", op);
-  if (p.batch == 0 || p.seq_kv == 0) return nullptr;
-  if (backward) KCPP_KERNEL_REQUIRE(p.dk.data && p.dv.data, "%s: dk or dv is null", op);
-  if (p.seq_q == 0) return nullptr;
-  KCPP_KERNEL_REQUIRE(p.q.data && p.k.data && p.v.data && p.out.data, "%s: q, k, v or out is null", op);
+  // No keys: batched, no queries either (nothing to check); varlen may still have queries (out / dq zero).
+  const bool keys = p.batch > 0 && p.seq_kv > 0, queries = p.batch > 0 && p.seq_q > 0;
+  if (backward && keys) KCPP_KERNEL_REQUIRE(p.dk.data && p.dv.data, "%s: dk or dv is null", op);
+  if (!queries) return nullptr;
+  KCPP_KERNEL_REQUIRE(p.q.data && p.out.data && (!keys || (p.k.data && p.v.data)), "%s: q, k, v or out is null", op);
   if (backward) {
     KCPP_KERNEL_REQUIRE(p.lse, "%s: lse is null (the forward's, required)", op);
     KCPP_KERNEL_REQUIRE(p.dout.data && p.dq.data, "%s: dout or dq is null", op);
+  }
+  return nullptr;
+}
+
+const char* attention_check_varlen(const AttentionParams& p) {
+  if (!p.varlen()) return nullptr;
+  const struct {
+    const char* name;
+    const int32_t* cu;
+    int64_t total, max;
+    const char* max_name;
+  } sides[] = {{"cu_seqlens_q", p.cu_seqlens_q, p.total_q, p.seq_q, "max_seqlen_q"},
+               {"cu_seqlens_k", p.cu_seqlens_k, p.total_kv, p.seq_kv, "max_seqlen_k"}};
+  for (const auto& x : sides) {
+    KCPP_KERNEL_REQUIRE(x.cu[0] == 0, "attention: %s[0] is %d; expected 0", x.name, x.cu[0]);
+    for (int64_t b = 0; b < p.batch; ++b) {
+      KCPP_KERNEL_REQUIRE(x.cu[b + 1] >= x.cu[b], "attention: %s decreases (entry %lld is %d, entry %lld is %d)",
+                          x.name, static_cast<long long>(b), x.cu[b], static_cast<long long>(b + 1), x.cu[b + 1]);
+      KCPP_KERNEL_REQUIRE(x.cu[b + 1] - x.cu[b] <= x.max, "attention: sequence %lld has %d tokens in %s, more than %s = %lld",
+                          static_cast<long long>(b), x.cu[b + 1] - x.cu[b], x.name, x.max_name, static_cast<long long>(x.max));
+    }
+    KCPP_KERNEL_REQUIRE(x.cu[p.batch] == x.total, "attention: the last entry of %s is %d but the tensors hold %lld tokens",
+                        x.name, x.cu[p.batch], static_cast<long long>(x.total));
   }
   return nullptr;
 }
@@ -54,7 +84,7 @@ bool attention_fast_path(const AttentionParams& p) {
 }
 
 size_t attention_backward_workspace(const AttentionParams& p) {
-  const auto rows = static_cast<size_t>(p.batch * p.heads_q * p.seq_q);
+  const auto rows = static_cast<size_t>(lse_rows(p));
   auto aligned = [](size_t n) { return (n + 255) / 256 * 256; };
   // delta (f32), the generic path's f64 log-sum-exp and delta, the tensor-core path's dq accumulator (f32).
   return aligned(rows * sizeof(float)) + aligned(2 * rows * sizeof(double)) +
@@ -68,13 +98,14 @@ namespace {
 constexpr int64_t kRows = 8;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// The keys query i sees: [lo, hi] (empty when lo > hi).
+// The keys query i of sequence `sq` sees: [lo, hi] (empty when lo > hi).
 struct Range {
   int64_t lo, hi;
 };
-Range visible(const AttentionParams& p, int64_t i) {
-  const int64_t pos = i + p.seq_kv - p.seq_q;
-  return {p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0, p.causal ? pos : p.seq_kv - 1};
+Range visible(const AttentionParams& p, const Sequence& sq, int64_t i) {
+  const int64_t pos = i + sq.seq_kv - sq.seq_q;
+  return {p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0,
+          p.causal ? pos : sq.seq_kv - 1};
 }
 
 // The accumulation type: f64 for f32 inputs (f32's bound, a few units of roundoff against the f64
@@ -109,17 +140,19 @@ template <typename T> KCPP_CPU_MULTIVERSION void forward(const AttentionParams& 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t b = task / (p.heads_q * blocks), h = task / blocks % p.heads_q, i0 = task % blocks * kRows;
-      const int64_t rows = std::min(kRows, p.seq_q - i0), hk = h / group;
+      const Sequence seq = sequence(p, b);
+      if (i0 >= seq.seq_q) continue;  // varlen: past this sequence's queries
+      const int64_t rows = std::min(kRows, seq.seq_q - i0), hk = h / group, qb = seq.q_begin, kb = seq.k_begin;
       Range r[kRows];
-      int64_t lo = p.seq_kv, hi = -1;
+      int64_t lo = seq.seq_kv, hi = -1;
       for (int64_t a = 0; a < rows; ++a) {
-        r[a] = visible(p, i0 + a);
+        r[a] = visible(p, seq, i0 + a);
         lo = std::min(lo, r[a].lo), hi = std::max(hi, r[a].hi);
-        load(p.q.at<T>(b, h, i0 + a), d, q.data() + a * d);
+        load(p.q.at<T>(b, h, qb + i0 + a), d, q.data() + a * d);
       }
       std::fill(o.begin(), o.end(), A(0));
       for (int64_t j = lo; j <= hi; ++j) {  // scores
-        load(p.k.at<T>(b, hk, j), d, kv.data());
+        load(p.k.at<T>(b, hk, kb + j), d, kv.data());
         for (int64_t a = 0; a < rows; ++a)
           s[a * p.seq_kv + j] = j >= r[a].lo && j <= r[a].hi ? A(p.scale) * dot(q.data() + a * d, kv.data(), d) : ninf;
       }
@@ -136,14 +169,14 @@ template <typename T> KCPP_CPU_MULTIVERSION void forward(const AttentionParams& 
         inv[a] = sum > 0.0 ? static_cast<A>(1.0 / sum) : A(0);
         // lse rounded once (the backward's p = exp(s - lse) is as exact as this rounding).
         if (p.lse)
-          p.lse[(b * p.heads_q + h) * p.seq_q + i0 + a] = sum > 0.0 ? static_cast<float>(mx + std::log(sum)) : kNegInf;
+          p.lse[lse_row(p, b, h, qb + i0 + a)] = sum > 0.0 ? static_cast<float>(mx + std::log(sum)) : kNegInf;
       }
       for (int64_t j = lo; j <= hi; ++j) {  // out = p v
-        load(p.v.at<T>(b, hk, j), d, kv.data());
+        load(p.v.at<T>(b, hk, kb + j), d, kv.data());
         for (int64_t a = 0; a < rows; ++a)
           if (const A pj = s[a * p.seq_kv + j]; pj != A(0)) axpy(pj, kv.data(), o.data() + a * d, d);
       }
-      for (int64_t a = 0; a < rows; ++a) store(o.data() + a * d, d, inv[a], p.out.mut<T>(b, h, i0 + a));
+      for (int64_t a = 0; a < rows; ++a) store(o.data() + a * d, d, inv[a], p.out.mut<T>(b, h, qb + i0 + a));
     }
   }
 }
@@ -157,22 +190,24 @@ template <typename T> KCPP_CPU_MULTIVERSION void backward(const AttentionParams&
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t b = task / p.heads_kv, hk = task % p.heads_kv;
+      const Sequence seq = sequence(p, b);
+      const int64_t qb = seq.q_begin, kb = seq.k_begin;
       std::fill(dk.begin(), dk.end(), A(0));
       std::fill(dv.begin(), dv.end(), A(0));
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
-        for (int64_t i0 = 0; i0 < p.seq_q; i0 += kRows) {
-          const int64_t rows = std::min(kRows, p.seq_q - i0);
+        for (int64_t i0 = 0; i0 < seq.seq_q; i0 += kRows) {
+          const int64_t rows = std::min(kRows, seq.seq_q - i0);
           Range r[kRows];
           A lse[kRows], delta[kRows];
-          int64_t lo = p.seq_kv, hi = -1;
+          int64_t lo = seq.seq_kv, hi = -1;
           for (int64_t a = 0; a < rows; ++a) {
-            r[a] = visible(p, i0 + a);
+            r[a] = visible(p, seq, i0 + a);
             lo = std::min(lo, r[a].lo), hi = std::max(hi, r[a].hi);
-            load(p.q.at<T>(b, h, i0 + a), d, q.data() + a * d);
-            load(p.dout.at<T>(b, h, i0 + a), d, dout.data() + a * d);
-            load(p.out.at<T>(b, h, i0 + a), d, tmp.data());
+            load(p.q.at<T>(b, h, qb + i0 + a), d, q.data() + a * d);
+            load(p.dout.at<T>(b, h, qb + i0 + a), d, dout.data() + a * d);
+            load(p.out.at<T>(b, h, qb + i0 + a), d, tmp.data());
             delta[a] = dot(dout.data() + a * d, tmp.data(), d);
-            lse[a] = p.lse[(b * p.heads_q + h) * p.seq_q + i0 + a];
+            lse[a] = p.lse[lse_row(p, b, h, qb + i0 + a)];
           }
           if constexpr (std::is_same_v<T, float>) {
             // f32: the log-sum-exp again in f64.  The saved one is rounded to f32, an error of
@@ -181,7 +216,7 @@ template <typename T> KCPP_CPU_MULTIVERSION void backward(const AttentionParams&
               if (lse[a] == -std::numeric_limits<A>::infinity()) continue;
               A mx = -std::numeric_limits<A>::infinity(), sum = 0;
               for (int64_t j = r[a].lo; j <= r[a].hi; ++j) {  // online: one dot per key
-                load(p.k.at<T>(b, hk, j), d, kr.data());
+                load(p.k.at<T>(b, hk, kb + j), d, kr.data());
                 const A x = A(p.scale) * dot(q.data() + a * d, kr.data(), d);
                 if (x > mx) sum = sum * std::exp(mx - x) + 1, mx = x;
                 else sum += std::exp(x - mx);
@@ -191,8 +226,8 @@ template <typename T> KCPP_CPU_MULTIVERSION void backward(const AttentionParams&
           }
           std::fill(dq.begin(), dq.end(), A(0));
           for (int64_t j = lo; j <= hi; ++j) {
-            load(p.k.at<T>(b, hk, j), d, kr.data());
-            load(p.v.at<T>(b, hk, j), d, vr.data());
+            load(p.k.at<T>(b, hk, kb + j), d, kr.data());
+            load(p.v.at<T>(b, hk, kb + j), d, vr.data());
             for (int64_t a = 0; a < rows; ++a) {
               if (j < r[a].lo || j > r[a].hi || lse[a] == -std::numeric_limits<A>::infinity()) continue;
               const A* qa = q.data() + a * d;
@@ -204,11 +239,11 @@ template <typename T> KCPP_CPU_MULTIVERSION void backward(const AttentionParams&
               axpy(pj, da, dv.data() + j * d, d);
             }
           }
-          for (int64_t a = 0; a < rows; ++a) store(dq.data() + a * d, d, A(p.scale), p.dq.mut<T>(b, h, i0 + a));
+          for (int64_t a = 0; a < rows; ++a) store(dq.data() + a * d, d, A(p.scale), p.dq.mut<T>(b, h, qb + i0 + a));
         }
-      for (int64_t j = 0; j < p.seq_kv; ++j) {
-        store(dk.data() + j * d, d, A(p.scale), p.dk.mut<T>(b, hk, j));
-        store(dv.data() + j * d, d, A(1), p.dv.mut<T>(b, hk, j));
+      for (int64_t j = 0; j < seq.seq_kv; ++j) {
+        store(dk.data() + j * d, d, A(p.scale), p.dk.mut<T>(b, hk, kb + j));
+        store(dv.data() + j * d, d, A(1), p.dv.mut<T>(b, hk, kb + j));
       }
     }
   }
@@ -233,13 +268,17 @@ template <typename T> struct Backward {
 
 const char* attention_forward_cpu(const AttentionParams& p) {
   if (const char* e = attention_check(p, false)) return e;
+  if (const char* e = attention_check_varlen(p)) return e;
   if (p.batch == 0 || p.seq_q == 0) return nullptr;
   return dispatch<Forward>(p);
 }
 
 const char* attention_backward_cpu(const AttentionParams& p) {
   if (const char* e = attention_check(p, true)) return e;
-  if (p.batch == 0 || p.seq_kv == 0) return nullptr;  // with no queries, dk and dv are zeros
+  if (const char* e = attention_check_varlen(p)) return e;
+  // Batched, no keys means no queries: nothing to write.  varlen with no keys at all (max_seqlen_k 0) may
+  // still have queries, whose dq is zero: the tasks write it.
+  if (p.batch == 0 || (p.seq_kv == 0 && !p.varlen())) return nullptr;
   return dispatch<Backward>(p);
 }
 

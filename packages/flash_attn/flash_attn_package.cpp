@@ -1,15 +1,24 @@
 // Package "flash_attn": the ABI table (include/kcpp/abi.h) over attention.h.
 //
-//   FlashAttention   Attention/1   attention.h   (causal / sliding window, grouped-query heads, lse saved)
+//   FlashAttention   Attention/1   attention.h   (causal / sliding window, grouped-query heads, lse saved,
+//                                                 variable-length packed sequences)
 //
 // On CUDA the forward runs the first path of attention.h's that takes the call (Hopper, then the
 // mma.sync kernel, then the generic one); KCPP_FLASH_ATTN_FORWARD names one to require, and supports()
 // refuses a call it cannot take.
 //
 // The named arguments are those of docs/contracts/Attention.md.  Every tensor is [B, H, S, D] with D
-// contiguous and any other strides.  supports() runs the same checks as the call without running it.
+// contiguous and any other strides; with cu_seqlens_q / cu_seqlens_k (variable-length packed sequences)
+// [total, H, D] instead, lse [Hq, total_q].  supports() runs the same checks as the call without
+// running it, from the tensors' descriptions alone: it never reads a tensor's memory (a host such as
+// kcpp.torch asks it over tensors with no memory behind them), so the contents of the cu_seqlens are
+// checked by the CPU forward and backward (attention_check_varlen), which refuse bad ones naming them.
+// varlen runs on the CPU in this build: on CUDA supports() and the calls refuse it (UNSUPPORTED), so a
+// host falls back; the CUDA kernels for it are pending a GPU test.
+#include <algorithm>
 #include <cmath>
 #include <initializer_list>
+#include <utility>
 
 #include "attention.h"
 #include "kcpp/abi.h"
@@ -26,31 +35,84 @@ namespace fa = kcpp::flash;
 
 constexpr bool kCuda = KCPP_WITH_CUDA != 0;
 
-// A [B, H, S, D] operand with D contiguous; `like` (when given) fixes dtype, B, S and D; `heads` H.
+// Where an operand keeps its positions and head_dim: [B, H, S, D], or [total, H, D] for packed
+// sequences (varlen), whose operands get sb = 0 (the kernels add the sequence's begin to the position).
+struct Dims {
+  int32_t rank, seq, head_dim;
+};
+constexpr Dims kBatched{4, 2, 3}, kPacked{3, 0, 2};
+
+// An operand with D contiguous; `like` (when given) fixes dtype, B (batched) and D; `heads` H.
 bool operand(kk::Call& c, const DLTensor* t, const char* name, const DLTensor* like, const char* like_name, int64_t heads,
-             fa::Operand& o) {
+             const Dims& dims, fa::Operand& o) {
   if (!t || !c.ok()) return c.ok();
-  if (!c.ndim(t, name, 4)) return false;
+  if (!c.ndim(t, name, dims.rank)) return false;
+  const int32_t dd = dims.head_dim;
   if (like) {
     c.same_dtype(t, name, like, like_name);
     if (!c.ok()) return false;
-    if (t->shape[0] != like->shape[0] || t->shape[3] != like->shape[3] || (heads > 0 && t->shape[1] != heads))
-      return c.require(false, "tensor '%s' [%lld, %lld, %lld, %lld] does not match '%s' in batch, heads or head_dim", name,
-                       static_cast<long long>(t->shape[0]), static_cast<long long>(t->shape[1]),
-                       static_cast<long long>(t->shape[2]), static_cast<long long>(t->shape[3]), like_name);
+    if ((dims.rank == 4 && t->shape[0] != like->shape[0]) || t->shape[dd] != like->shape[dd] ||
+        (heads > 0 && t->shape[1] != heads)) {
+      char shape[128];
+      return c.require(false, "tensor '%s' %s does not match '%s' in batch, heads or head_dim", name,
+                       kk::Call::shape_str(t, shape, sizeof shape), like_name);
+    }
   }
-  if (t->shape[3] > 1 && kk::stride(t, 3) != 1)
+  if (t->shape[dd] > 1 && kk::stride(t, dd) != 1)
     return c.fail(KCPP_ERROR_UNSUPPORTED, "tensor '%s': head_dim must be contiguous (stride %lld)", name,
-                  static_cast<long long>(kk::stride(t, 3)));
+                  static_cast<long long>(kk::stride(t, dd)));
   o.data = kk::data_ptr(t);
-  o.sb = kk::stride(t, 0), o.sh = kk::stride(t, 1), o.ss = kk::stride(t, 2);
+  o.sb = dims.rank == 4 ? kk::stride(t, 0) : 0, o.sh = kk::stride(t, 1), o.ss = kk::stride(t, dims.seq);
   return true;
 }
 
-bool same_seq(kk::Call& c, const DLTensor* t, const char* name, int64_t s) {
-  if (!t || !c.ok() || t->shape[2] == s) return c.ok();
-  return c.require(false, "tensor '%s' has %lld positions, expected %lld", name, static_cast<long long>(t->shape[2]),
-                   static_cast<long long>(s));
+bool same_seq(kk::Call& c, const DLTensor* t, const char* name, int64_t s, const Dims& dims) {
+  if (!t || !c.ok() || t->shape[dims.seq] == s) return c.ok();
+  return c.require(false, "tensor '%s' has %lld positions, expected %lld", name,
+                   static_cast<long long>(t->shape[dims.seq]), static_cast<long long>(s));
+}
+
+// varlen's arguments: cu_seqlens_q / cu_seqlens_k int32 [B + 1] (contiguous, on the call's device),
+// max_seqlen_q / max_seqlen_k (required, as in FlashAttention's varlen API: a kernel may size its work by
+// them without reading the cu_seqlens).  Their contents are not read here (supports() reads no memory);
+// the CPU entry points check them.  A max_seqlen above the token count is taken as the token count (no
+// sequence can be longer), so that it never sizes a buffer beyond the tensors.
+bool varlen_args(kk::Call& c, const DLTensor* cuq, const DLTensor* cuk, const DLTensor* q, const DLTensor* k,
+                 fa::AttentionParams& p) {
+  if (!cuq || !cuk)
+    return c.require(false, "'%s' is given without '%s' (variable-length sequences take both)",
+                     cuq ? "cu_seqlens_q" : "cu_seqlens_k", cuq ? "cu_seqlens_k" : "cu_seqlens_q");
+  for (const auto& [t, name] : {std::pair{cuq, "cu_seqlens_q"}, std::pair{cuk, "cu_seqlens_k"}}) {
+    if (t->dtype.code != kDLInt || t->dtype.bits != 32 || t->dtype.lanes != 1)
+      return c.require(false, "tensor '%s' must be i32, is %s", name, kk::dl_dtype_name(t->dtype));
+    if (t->ndim != 1 || t->shape[0] < 1) {
+      char shape[128];
+      return c.require(false, "tensor '%s' must be [batch + 1], has shape %s", name, kk::Call::shape_str(t, shape, sizeof shape));
+    }
+    if (!c.row_major(t, name)) return false;
+  }
+  if (cuk->shape[0] != cuq->shape[0])
+    return c.require(false, "tensor 'cu_seqlens_k' has %lld entries but 'cu_seqlens_q' has %lld",
+                     static_cast<long long>(cuk->shape[0]), static_cast<long long>(cuq->shape[0]));
+  const int64_t max_q = c.integer("max_seqlen_q", 0, true), max_k = c.integer("max_seqlen_k", 0, true);
+  if (!c.ok()) return false;
+  if (max_q < 0 || max_k < 0)
+    return c.require(false, "argument '%s' is %lld; expected >= 0", max_q < 0 ? "max_seqlen_q" : "max_seqlen_k",
+                     static_cast<long long>(max_q < 0 ? max_q : max_k));
+  p.total_q = q->shape[0], p.total_kv = k->shape[0];
+  p.batch = cuq->shape[0] - 1, p.seq_q = std::min(max_q, p.total_q), p.seq_kv = std::min(max_k, p.total_kv);
+  p.cu_seqlens_q = static_cast<const int32_t*>(kk::data_ptr(cuq));
+  p.cu_seqlens_k = static_cast<const int32_t*>(kk::data_ptr(cuk));
+  return true;
+}
+
+// varlen runs on the CPU in this build: a CUDA call with cu_seqlens is refused (after every contract
+// check, so a call that breaks the contract is still INVALID_ARGUMENT), and the host falls back.
+bool varlen_device(kk::Call& c, const fa::AttentionParams& p) {
+  if (!c.ok() || !p.varlen() || !c.on_cuda()) return c.ok();
+  return c.fail(KCPP_ERROR_UNSUPPORTED,
+                "variable-length sequences (cu_seqlens_q / cu_seqlens_k) run on the CPU in this build; "
+                "their CUDA kernels are pending");
 }
 
 bool distinct(kk::Call& c, const void* out, const char* name, std::initializer_list<const void*> inputs) {
@@ -67,22 +129,29 @@ bool attention_args(kk::Call& c, bool bwd, fa::AttentionParams& p) {
   DLTensor* v = c.tensor("v");
   DLTensor* out = c.tensor("out");
   DLTensor* lse = c.tensor("lse", bwd);
+  const DLTensor* cuq = c.tensor("cu_seqlens_q", false);
+  const DLTensor* cuk = c.tensor("cu_seqlens_k", false);
   if (!c.ok()) return false;
+  const bool varlen = cuq || cuk;
+  const Dims dims = varlen ? kPacked : kBatched;
   c.float_dtype(q, "q", &p.dtype);
-  if (!c.ndim(q, "q", 4) || !c.ndim(k, "k", 4)) return false;
-  p.batch = q->shape[0], p.heads_q = q->shape[1], p.seq_q = q->shape[2], p.head_dim = q->shape[3];
-  p.heads_kv = k->shape[1], p.seq_kv = k->shape[2];
-  operand(c, q, "q", nullptr, nullptr, 0, p.q);
-  operand(c, k, "k", q, "q", 0, p.k);
-  operand(c, v, "v", k, "k", p.heads_kv, p.v);
-  same_seq(c, v, "v", p.seq_kv);
-  operand(c, out, "out", q, "q", p.heads_q, p.out);
-  same_seq(c, out, "out", p.seq_q);
+  if (!c.ndim(q, "q", dims.rank) || !c.ndim(k, "k", dims.rank)) return false;
+  p.heads_q = q->shape[1], p.head_dim = q->shape[dims.head_dim], p.heads_kv = k->shape[1];
+  if (!varlen) p.batch = q->shape[0], p.seq_q = q->shape[2], p.seq_kv = k->shape[2];
+  // The positions each operand holds: Sq / Skv batched, total_q / total_k packed.
+  const int64_t nq = q->shape[dims.seq], nk = k->shape[dims.seq];
+  operand(c, q, "q", nullptr, nullptr, 0, dims, p.q);
+  operand(c, k, "k", q, "q", 0, dims, p.k);
+  operand(c, v, "v", k, "k", p.heads_kv, dims, p.v);
+  same_seq(c, v, "v", nk, dims);
+  operand(c, out, "out", q, "q", p.heads_q, dims, p.out);
+  same_seq(c, out, "out", nq, dims);
   if (!c.ok()) return false;
   if (p.heads_kv < 1 || p.heads_q % p.heads_kv != 0)
     return c.require(false, "%lld query heads are not a multiple of %lld kv heads", static_cast<long long>(p.heads_q),
                      static_cast<long long>(p.heads_kv));
-  if (p.seq_q > p.seq_kv)
+  if (varlen && !varlen_args(c, cuq, cuk, q, k, p)) return false;
+  if (!varlen && p.seq_q > p.seq_kv)
     return c.require(false, "%lld queries but only %lld keys (queries are the last positions of the keys)",
                      static_cast<long long>(p.seq_q), static_cast<long long>(p.seq_kv));
   const double scale = c.real("scale", 1.0 / std::sqrt(static_cast<double>(p.head_dim > 0 ? p.head_dim : 1)));
@@ -97,34 +166,41 @@ bool attention_args(kk::Call& c, bool bwd, fa::AttentionParams& p) {
   if (lse) {
     if (lse->dtype.code != kDLFloat || lse->dtype.bits != 32 || lse->dtype.lanes != 1)
       return c.require(false, "tensor 'lse' must be f32, is %s", kk::dl_dtype_name(lse->dtype));
-    if (kk::numel(lse) != p.batch * p.heads_q * p.seq_q)
+    if (varlen && (lse->ndim != 2 || lse->shape[0] != p.heads_q || lse->shape[1] != p.total_q)) {
+      char shape[128];
+      return c.require(false, "tensor 'lse' must be [%lld, %lld] (heads, total_q), has shape %s",
+                       static_cast<long long>(p.heads_q), static_cast<long long>(p.total_q),
+                       kk::Call::shape_str(lse, shape, sizeof shape));
+    }
+    if (!varlen && kk::numel(lse) != p.batch * p.heads_q * p.seq_q)
       return c.require(false, "tensor 'lse' must be [%lld, %lld, %lld]", static_cast<long long>(p.batch),
                        static_cast<long long>(p.heads_q), static_cast<long long>(p.seq_q));
     if (kk::numel(lse) > 0 && !c.row_major(lse, "lse")) return false;
     p.lse = static_cast<float*>(kk::data_ptr(lse));
   }
   if (!bwd) return distinct(c, p.out.data, "out", {p.q.data, p.k.data, p.v.data}) &&
-                   (!p.lse || distinct(c, p.lse, "lse", {p.q.data, p.k.data, p.v.data, p.out.data}));
+                   (!p.lse || distinct(c, p.lse, "lse", {p.q.data, p.k.data, p.v.data, p.out.data})) &&
+                   varlen_device(c, p);
   DLTensor* dout = c.tensor("dout");
   DLTensor* dq = c.tensor("dq");
   DLTensor* dk = c.tensor("dk");
   DLTensor* dv = c.tensor("dv");
-  operand(c, dout, "dout", q, "q", p.heads_q, p.dout);
-  same_seq(c, dout, "dout", p.seq_q);
-  operand(c, dq, "dq", q, "q", p.heads_q, p.dq);
-  same_seq(c, dq, "dq", p.seq_q);
-  operand(c, dk, "dk", k, "k", p.heads_kv, p.dk);
-  same_seq(c, dk, "dk", p.seq_kv);
-  operand(c, dv, "dv", k, "k", p.heads_kv, p.dv);
-  same_seq(c, dv, "dv", p.seq_kv);
+  operand(c, dout, "dout", q, "q", p.heads_q, dims, p.dout);
+  same_seq(c, dout, "dout", nq, dims);
+  operand(c, dq, "dq", q, "q", p.heads_q, dims, p.dq);
+  same_seq(c, dq, "dq", nq, dims);
+  operand(c, dk, "dk", k, "k", p.heads_kv, dims, p.dk);
+  same_seq(c, dk, "dk", nk, dims);
+  operand(c, dv, "dv", k, "k", p.heads_kv, dims, p.dv);
+  same_seq(c, dv, "dv", nk, dims);
   const std::initializer_list<const void*> ins = {p.q.data, p.k.data, p.v.data, p.out.data, p.dout.data, p.lse};
   distinct(c, p.dq.data, "dq", ins);
   distinct(c, p.dk.data, "dk", ins);
   distinct(c, p.dv.data, "dv", ins);
-  if (c.ok() && p.seq_kv > 0 && p.dk.data == p.dv.data) c.require(false, "'dk' and 'dv' must be different tensors");
-  if (c.ok() && p.seq_q > 0 && (p.dq.data == p.dk.data || p.dq.data == p.dv.data))
+  if (c.ok() && nk > 0 && p.dk.data == p.dv.data) c.require(false, "'dk' and 'dv' must be different tensors");
+  if (c.ok() && nq > 0 && (p.dq.data == p.dk.data || p.dq.data == p.dv.data))
     c.require(false, "'dq' must differ from 'dk' and 'dv'");
-  return c.ok();
+  return c.ok() && varlen_device(c, p);
 }
 
 // On CUDA, the forward path that KCPP_FLASH_ATTN_FORWARD asks for must be able to run (attention.h).
@@ -189,6 +265,7 @@ constexpr uint32_t kModes = KCPP_MODE_INFERENCE | KCPP_MODE_TRAINING | KCPP_MODE
 const kcpp_layer kLayers[] = {
     {sizeof(kcpp_layer), kModes, kDevices, 0, "FlashAttention", "Attention/1",
      "FlashAttention-2: causal / sliding-window attention with grouped-query heads, no score matrix; saves lse; "
+     "variable-length packed sequences (cu_seqlens; on the CPU in this build); "
      "tensor cores for bf16 / f16 head_dim 64 / 128 on CUDA (the forward on wgmma and TMA on sm_90a, also head_dim 256; the backward at head_dim 128)",
      attention_supports, attention_forward, attention_backward},
 };

@@ -18,8 +18,10 @@ Phi-3, Gemma 1 / 2 / 3 text):
                     modules                                                                       rotary_pos_emb/1
   Attention         the attention function, registered in Transformers' AttentionInterface as
                     "kcpp" (kernelize selects it; `attn_implementation="kcpp"` in
-                    from_pretrained too): causal / sliding-window masks; a padding or custom mask,
-                    dropout, or soft-capping runs Transformers' own function                    Attention/1
+                    from_pretrained too): causal / sliding-window masks; packed sequences
+                    (cu_seq_lens_q / _k, as FlashAttention's varlen API) through its varlen call;
+                    a padding or custom mask, dropout, or soft-capping runs Transformers' own
+                    function                                                                    Attention/1
   CrossEntropyLoss  the causal-LM loss of the logits (the model's `loss_function`)                 CrossEntropyLoss/1
   ForCausalLMLoss   the causal-LM loss fused with `lm_head` (the logits never exist): training
                     calls with labels return no logits, as Liger's                                  ForCausalLMLoss/1
@@ -617,6 +619,53 @@ _ATTENTION_BWD = _Op("attention_backward", "(Tensor dout, Tensor q, Tensor k, Te
                      lambda a, light: (a["dq"], a["dk"], a["dv"]), backward_entry=True)
 
 
+# Attention/1 with variable-length packed sequences (FlashAttention's varlen API): q [Tq, Hq, D], k / v
+# [Tk, Hkv, D] (D contiguous), cu_seqlens_q / cu_seqlens_k [B + 1] i32 and max_seqlen_q / max_seqlen_k as the
+# contract names them; out [Tq, Hq, D] (what Transformers' attention functions return, [B, S, H, D], once
+# the batch row is put back) and lse [Hq, Tq].  The package checks the cu_seqlens (their entries on the CPU).
+def _attention_varlen_build(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, layer, training):
+    return {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max_q,
+            "max_seqlen_k": max_k, "scale": scale, "causal": int(causal), "window": window,
+            "out": torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            "lse": _f32((q.shape[1], q.shape[0]), q.device) if training else None}
+
+
+def _attention_varlen_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, layer, training = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k)
+    ctx.kcpp = (max_q, max_k, scale, causal, window, layer)
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _attention_varlen_backward(ctx, eager, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    max_q, max_k, scale, causal, window, layer = ctx.kcpp
+    if dout is None:
+        return (None,) * 12
+    dq, dk, dv = _call(_ATTENTION_VARLEN_BWD, eager, _last_contig(dout), q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
+                       scale, causal, window, layer)
+    return (dq, dk, dv) + (None,) * 9
+
+
+_ATTENTION_VARLEN = _Op("attention_varlen", "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+                        "int max_seqlen_q, int max_seqlen_k, float scale, bool causal, int window, int layer, "
+                        "bool training) -> (Tensor, Tensor)", _attention_varlen_build,
+                        lambda a, light: (a["out"], _made(a["lse"], a["q"], light)),
+                        setup=_attention_varlen_setup, backward=_attention_varlen_backward)
+_ATTENTION_VARLEN_BWD = _Op(
+    "attention_varlen_backward", "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float scale, bool causal, "
+    "int window, int layer) -> (Tensor, Tensor, Tensor)",
+    lambda dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window, layer: {
+        "dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
+        "max_seqlen_q": max_q, "max_seqlen_k": max_k, "scale": scale, "causal": int(causal), "window": window,
+        "dq": torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        "dk": torch.empty(k.shape, dtype=k.dtype, device=k.device),
+        "dv": torch.empty(v.shape, dtype=v.dtype, device=v.device)},
+    lambda a, light: (a["dq"], a["dk"], a["dv"]), backward_entry=True)
+
+
 # CrossEntropyLoss/1: the gradient is made by forward (the logits are read once) and scaled by backward.
 def _ce_setup(ctx, inputs, output):
     ctx.save_for_backward(output[1])
@@ -929,6 +978,9 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
         return _reference_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal,
                                     sliding_window, softcap, kwargs, implementation)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        return _packed_attention(module, query, key, value, attention_mask, dropout, scaling, causal, is_causal,
+                                 sliding_window, softcap, kwargs, slot, where, implementation)
     why = None
     if attention_mask is not None:
         why = "an attention mask (padding, packed sequences, a cache or a custom mask): Attention/1 takes causal and " \
@@ -965,6 +1017,157 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     except kcpp.Unsupported as e:
         _refuse(slot.sid, str(e))
         return reference()
+
+
+# ---- packed sequences (Transformers' cu_seq_lens_q / cu_seq_lens_k / max_length_q / max_length_k) ------
+#
+# DataCollatorWithFlattening(return_flash_attn_kwargs=True) and the models that pack sequences pass these
+# keyword arguments to the attention function, as FlashAttention's varlen API takes them: the tokens of
+# all batch rows, in order, are B sequences end to end, sequence b owning tokens
+# [cu_seq_lens_q[b], cu_seq_lens_q[b + 1]) of the queries and [cu_seq_lens_k[b], cu_seq_lens_k[b + 1]) of the
+# keys, each an attention of its own (causal aligning its queries to the end of its keys; the sliding
+# window within it).  "kcpp" hands them to Attention/1's varlen arguments as they are (the package checks
+# them: i32, [B + 1], entries that start at 0, do not decrease and end at the token counts, no sequence
+# longer than max_length); the max lengths, when not given, are read from the cu_seq_lens.
+#
+# As with FlashAttention, the cu_seq_lens say which tokens attend to which; an attention mask can only
+# take more away.  The call computes the attention over the packing's mask and the call's mask together.
+# The kernel takes it when the call has no mask, or one that takes nothing from the packing's (the mask
+# Transformers makes from packed position_ids, or a plain causal one; checked by one comparison, not
+# while torch.compile traces: there a mask sends the call to the reference).  Otherwise, or when the
+# package refuses the call, Transformers' attention runs over the rows' tokens flattened into one row
+# with the two masks combined: the same per-sequence result.  (A mask that is not boolean [B, 1, Sq, Skv]
+# runs the reference over that mask as it is.)
+
+def _packed_mask(cu_q, cu_k, q_len, kv_len, causal, window, device):
+    """[q_len, kv_len] booleans of packed sequences: query token t of sequence b (at position
+    t - cu_q[b] + len_k(b) - len_q(b) of its keys) sees key token u of the same sequence (causal / window
+    as Attention/1).  Entries past the cu_seq_lens are clamped (the package checks them where it runs)."""
+    cu_q = cu_q.reshape(-1).to(device=device, dtype=torch.int64)
+    cu_k = cu_k.reshape(-1).to(device=device, dtype=torch.int64)
+    n = min(cu_q.numel(), cu_k.numel()) - 1
+    if n < 1:  # no sequence
+        return torch.zeros(q_len, kv_len, dtype=torch.bool, device=device)
+    tq, tk = torch.arange(q_len, device=device), torch.arange(kv_len, device=device)
+    bq = torch.searchsorted(cu_q[1:n + 1].contiguous(), tq, right=True).clamp_(max=n - 1)
+    bk = torch.searchsorted(cu_k[1:n + 1].contiguous(), tk, right=True).clamp_(max=n - 1)
+    pos = tq - cu_q[bq] + (cu_k[bq + 1] - cu_k[bq]) - (cu_q[bq + 1] - cu_q[bq])
+    j = tk - cu_k[bk]
+    see = bq[:, None] == bk[None, :]
+    if causal:
+        see = see & (j[None, :] <= pos[:, None])
+    if window:
+        see = see & (pos[:, None] - j[None, :] < window)
+    return see
+
+
+def _packed_max(max_len, cu, traced):
+    """max_length_q / max_length_k as an int: given (an int, or a one-element tensor read on the host), or
+    the longest of the cu_seq_lens; None when that would read a tensor while torch.compile traces."""
+    if isinstance(max_len, int):
+        return max_len
+    if traced:
+        return None
+    if max_len is not None:
+        return int(max_len)
+    if cu is None:  # the package names what is missing
+        return 0
+    cu = cu.reshape(-1)
+    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+
+
+def _flat_mask(mask, q_len, kv_len):
+    """A boolean [B, 1, Sq, Skv] mask as [B Sq, B Skv] over the rows' tokens flattened (a token sees none of
+    another row's); None for any other mask."""
+    if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
+        return None
+    if mask.shape[0] == 1:
+        m = mask[0, 0]
+    else:
+        m = torch.block_diag(*mask[:, 0])
+    return m if tuple(m.shape) == (q_len, kv_len) else None
+
+
+def _packed_attention(module, query, key, value, attention_mask, dropout, scaling, causal, is_causal, sliding_window,
+                      softcap, kwargs, slot, where, implementation):
+    """The attention function "kcpp" for packed sequences: Attention/1's varlen call, or the reference."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    traced = torch.compiler.is_compiling()
+    four_d = query.dim() == 4 and key.dim() == 4 and value.shape == key.shape
+    window = operator.index(sliding_window) if sliding_window else 0
+
+    def flat(t):  # [B, H, S, D] -> [B S, H, D]: every row's tokens, in order (FlashAttention's reading)
+        return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
+
+    def reference():
+        """Transformers' own attention over the packing's mask and the call's, the rows flattened into one;
+        over the call's mask as it is where it has no boolean [B, 1, Sq, Skv] form or the cu_seq_lens are
+        not both given."""
+        own = None
+        if four_d and cu_q is not None and cu_k is not None:
+            q_len, kv_len = query.shape[0] * query.shape[2], key.shape[0] * key.shape[2]
+            given = _flat_mask(attention_mask, q_len, kv_len)
+            if attention_mask is None or given is not None:
+                own = _packed_mask(cu_q, cu_k, q_len, kv_len, causal, window, query.device)
+                own = own if given is None else own & given.to(own.device)
+        if own is None:
+            return _reference_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                                        sliding_window, softcap, kwargs, implementation)
+        q1, k1, v1 = (flat(t).transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+        out, weights = _reference_attention(module, q1, k1, v1, own[None, None], dropout, scaling, is_causal,
+                                            sliding_window, softcap, kwargs, implementation)
+        return out.reshape(query.shape[0], query.shape[2], *out.shape[2:]), weights
+
+    def fall_back(why):
+        _refuse(slot.sid, why)
+        return reference()
+
+    why = None
+    if dropout:
+        why = f"dropout {dropout}: Attention/1 has none"
+    elif softcap is not None:
+        why = f"soft-capping {softcap}: Attention/1 has none"
+    elif kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None:
+        why = "attention sinks or a position bias: Attention/1 has none"
+    elif any(kwargs.get(n) is not None for n in ("block_table", "k_cache", "v_cache")):
+        why = "a paged cache (block_table): Attention/1 has none"
+    elif not four_d:
+        why = f"q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}: Attention/1 takes [B, H, S, D]"
+    elif not causal and sliding_window:
+        why = "a sliding window without the causal mask"
+    elif query.numel() == 0 or key.numel() == 0:
+        why = "an empty tensor: the reference handles it"
+    if why is not None:
+        return fall_back(why)
+    q, k, v = (_last_contig(flat(t)) for t in (query, key, value))
+    max_q = _packed_max(kwargs.get("max_length_q"), cu_q, traced)
+    max_k = _packed_max(kwargs.get("max_length_k"), cu_k, traced)
+    if max_q is None or max_k is None:
+        return fall_back("packed sequences without max_length_q / max_length_k as ints while torch.compile traces "
+                         "(reading them from the cu_seq_lens would read a tensor)")
+    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(q.shape[-1])
+    training = _needs_grad(q, k, v)
+    desc = (_desc(q, traced, (1, 2)), _desc(k, traced, (1, 2)), _desc(v, traced, (1, 2)),
+            cu_q if cu_q is None else _desc(cu_q, traced, ()), cu_k if cu_k is None else _desc(cu_k, traced, ()),
+            _ANY, _ANY, scale, bool(causal), window)
+    lid = _decide(slot.sid, training, "attention_varlen", desc, where)  # a refusal is counted here
+    if lid < 0:
+        return reference()
+    if attention_mask is not None:
+        if traced:
+            return fall_back("packed sequences with an attention mask while torch.compile traces (whether it takes "
+                             "anything from the packing's would read tensors)")
+        given = _flat_mask(attention_mask, q.shape[0], k.shape[0])
+        if given is None or bool((_packed_mask(cu_q, cu_k, q.shape[0], k.shape[0], causal, window, given.device)
+                                  & ~given).any()):
+            return fall_back("packed sequences with an attention mask that takes keys from the packing's (padding "
+                             "or a custom mask)")
+    try:
+        out = _invoke(_ATTENTION_VARLEN, training, traced, q, k, v, cu_q, cu_k, max_q, max_k, scale, bool(causal),
+                      window, lid, training)
+    except kcpp.Unsupported as e:
+        return fall_back(str(e))
+    return out.reshape(query.shape[0], query.shape[2], *out.shape[1:]), None
 
 
 def _register_attention():

@@ -2,7 +2,8 @@
 
 The logits, the loss and every parameter's gradient with the kernels equal the model's own within the
 f32 tolerance; unkernelize restores the model bit for bit; a call a kernel refuses falls back to the
-original forward and is reported; the attention function "kcpp" matches SDPA / eager; Liger's
+original forward and is reported; the attention function "kcpp" matches SDPA / eager, and takes packed
+sequences (cu_seq_lens_q / _k) through flash_attn's varlen call, matching each sequence run alone; Liger's
 switches are read as Liger reads them; torch.compile(fullgraph=True) traces kernelized models with no
 graph break and matches eager (mode="reduce-overhead" on CUDA only: skipped here); bad input is an
 exception naming the layer, the argument and the reason.  Skipped where torch, transformers or the
@@ -424,6 +425,183 @@ class Attention(Base):
         self.assertEqual(kt._DEFAULT_ATTENTION.kernel_calls - before, 4)
         r = kt.report(loaded)
         self.assertIn("flash_attn", r["Attention"]["kernel"], str(r))
+
+
+@unittest.skipUnless(HAVE, WHY)
+class PackedSequences(Base):
+    """Packed sequences: DataCollatorWithFlattening(return_flash_attn_kwargs=True) makes one row of 3 sequences
+    of different lengths (position_ids restarting at each; cu_seq_lens_q / _k and max_length_q / _k, which the
+    model passes on to the attention function).  Through "kcpp" they run flash_attn's varlen call: logits,
+    loss and gradients equal to each sequence run alone, with or without the mask Transformers makes from
+    the packed position_ids (use_cache=False: a mask; use_cache=True: none, where SDPA would attend across
+    the sequences).  A call the package refuses runs the reference over the packing's mask (the same
+    result), counted with the package's reason; a different mask runs the reference over that mask; bad
+    cu_seq_lens are the package's errors."""
+    TOL = 1e-5
+    LENGTHS = (5, 11, 3)
+
+    def sequences(self):
+        g = torch.Generator().manual_seed(SEED)
+        return [torch.randint(3, COMMON["vocab_size"], (n,), generator=g) for n in self.LENGTHS]
+
+    @staticmethod
+    def packed(seqs, device="cpu"):
+        batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
+            [{"input_ids": s.tolist()} for s in seqs])
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    @staticmethod
+    def grads(model):
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    def alone(self, model, seqs):
+        """Each sequence run alone: the logits (concatenated), the next-token loss within each sequence over
+        all their tokens, and its gradients (what the packed batch's labels ask for)."""
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            logits = torch.cat([model(input_ids=s[None], use_cache=False).logits[0] for s in seqs])
+        per = [model(input_ids=s[None], use_cache=False).logits[0] for s in seqs]
+        loss = torch.nn.functional.cross_entropy(torch.cat([x[:-1] for x in per]).float(), torch.cat([s[1:] for s in seqs]))
+        loss.backward()
+        return logits, loss.detach(), self.grads(model)
+
+    def run_packed(self, model, batch, use_cache):
+        model.zero_grad(set_to_none=True)
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        with torch.no_grad():
+            logits = model(**inputs, use_cache=use_cache).logits[0].clone()
+        out = model(**batch, use_cache=False)
+        out.loss.backward()
+        return logits, out.loss.detach(), self.grads(model)
+
+    def test_a_packed_batch_matches_each_sequence_alone(self):
+        for family, overrides in (("llama", {}), ("mistral", dict(sliding_window=4))):
+            with self.subTest(family=family):
+                model = make_model(family, attn="sdpa", **overrides)
+                seqs = self.sequences()
+                ref = self.alone(model, seqs)
+                kt.kernelize(model)
+                batch = self.packed(seqs)
+                for use_cache in (False, True):
+                    self.assert_close(self.run_packed(model, batch, use_cache), ref, f"{family}, use_cache={use_cache}")
+                e = kt.report(model)["Attention"]
+                self.assertEqual(e["kernel_calls"], 2 * 2 * 2, str(e))  # 2 layers, no-grad and training, twice
+                self.assertEqual(e["fallbacks"], 0, str(e))
+
+    def test_a_refused_packed_call_falls_back_over_the_packing(self):
+        # f64: supports() refuses (Attention/1 takes f32 / bf16 / f16); the reference runs with the packing's
+        # mask, made from the cu_seq_lens where Transformers made none (use_cache=True).
+        model = make_model("llama", attn="sdpa").double()
+        seqs = self.sequences()
+        ref = self.alone(model, seqs)
+        kt.kernelize(model)
+        batch = self.packed(seqs)
+        for use_cache in (False, True):
+            self.assert_close(self.run_packed(model, batch, use_cache), ref, f"f64, use_cache={use_cache}", tol=1e-12)
+        e = kt.report(model)["Attention"]
+        self.assertEqual(e["kernel_calls"], 0, str(e))
+        self.assertEqual(e["fallbacks"], 2 * 2 * 2, str(e))
+        self.assertRegex(e["last_refusal"], "f64", str(e))
+
+    def call(self, model, q, k, v, mask=None, **packing):
+        attention = model.model.layers[0].self_attn
+        out, _ = kt._attention(attention, q, k, v, mask, scaling=0.5, **packing)
+        return out
+
+    def qkv(self, total):
+        g = torch.Generator().manual_seed(SEED)
+        return (torch.randn(1, 4, total, 8, generator=g), torch.randn(1, 2, total, 8, generator=g),
+                torch.randn(1, 2, total, 8, generator=g))
+
+    def test_a_mask_takes_keys_away_from_the_packing(self):
+        # The cu_seq_lens say which tokens attend to which; a mask can only take more away.
+        model = kt.kernelize(make_model("llama", attn="sdpa"))
+        q, k, v = self.qkv(19)
+        cu = torch.tensor([0, 5, 16, 19], dtype=torch.int32)
+        packing = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=11, max_length_k=11)
+        seq = torch.repeat_interleave(torch.arange(3), torch.tensor([5, 11, 3]))
+        causal = torch.ones(19, 19, dtype=torch.bool).tril()
+        own = causal & (seq[:, None] == seq[None, :])  # the packing's: each sequence causal on its own
+
+        def sdpa(mask):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask, scale=0.5).transpose(1, 2)
+        # A causal mask over the whole row takes nothing from the packing's: the kernel, each sequence alone.
+        with torch.no_grad():
+            got = self.call(model, q, k, v, causal[None, None], **packing)
+        self.assertLess(rel_l2(got, sdpa(own)), self.TOL)
+        e = kt.report(model)["Attention"]
+        self.assertEqual((e["kernel_calls"], e["fallbacks"]), (1, 0), str(e))
+        # One that hides key 7 (padding) does: the reference runs over both masks.
+        hidden = causal.clone()
+        hidden[:, 7] = False
+        hidden[7, 7] = True  # its own query still sees itself
+        with torch.no_grad():
+            got = self.call(model, q, k, v, hidden[None, None], **packing)
+        self.assertLess(rel_l2(got, sdpa(own & hidden)), self.TOL)
+        e = kt.report(model)["Attention"]
+        self.assertEqual((e["kernel_calls"], e["fallbacks"]), (1, 1), str(e))
+        self.assertRegex(e["last_refusal"], "an attention mask that takes keys from the packing's", str(e))
+        # Without max_length_q / _k the bridge reads them from the cu_seq_lens.
+        with torch.no_grad():
+            got = self.call(model, q, k, v, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+        self.assertLess(rel_l2(got, sdpa(own)), self.TOL)
+        self.assertEqual(kt.report(model)["Attention"]["kernel_calls"], 2)
+
+    def test_bad_cu_seq_lens_are_the_packages_errors(self):
+        model = kt.kernelize(make_model("llama", attn="sdpa"))
+        q, k, v = self.qkv(19)
+        cu = torch.tensor([0, 5, 16, 19], dtype=torch.int32)
+        cases = (
+            (dict(cu_seq_lens_q=cu.long(), cu_seq_lens_k=cu), r"tensor 'cu_seqlens_q' must be i32, is i64"),
+            (dict(cu_seq_lens_q=cu), r"'cu_seqlens_q' is given without 'cu_seqlens_k'"),
+            (dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu[:3]), r"'cu_seqlens_k' has 3 entries but 'cu_seqlens_q' has 4"),
+            (dict(cu_seq_lens_q=torch.tensor([0, 16, 5, 19], dtype=torch.int32), cu_seq_lens_k=cu),
+             r"cu_seqlens_q decreases \(entry 1 is 16, entry 2 is 5\)"),
+            (dict(cu_seq_lens_q=cu, cu_seq_lens_k=torch.tensor([0, 5, 16, 18], dtype=torch.int32)),
+             r"the last entry of cu_seqlens_k is 18 but the tensors hold 19 tokens"),
+            (dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=4, max_length_k=11),
+             r"sequence 0 has 5 tokens in cu_seqlens_q, more than max_seqlen_q = 4"),
+        )
+        for packing, message in cases:
+            with self.subTest(message=message), torch.no_grad():
+                with self.assertRaisesRegex(kcpp.InvalidArgument, r"FlashAttention.*" + message):
+                    self.call(model, q, k, v, **packing)
+
+    def test_torch_compile_fullgraph(self):
+        # While torch.compile traces, Transformers always makes a mask for packed position_ids, and whether it
+        # takes anything from the packing's cannot be known without reading it: the reference runs over both
+        # masks (counted once per trace), in the graph, with the same result; no graph break.
+        model = make_model("llama", attn="sdpa")
+        seqs = self.sequences()
+        with torch.no_grad():
+            ref = torch.cat([model(input_ids=s[None], use_cache=False).logits[0] for s in seqs])
+        kt.kernelize(model)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        batch = self.packed(seqs)
+        batch.pop("labels")
+        with torch.no_grad():
+            got = compiled(**batch, use_cache=False).logits[0]
+        self.assertLess(rel_l2(got, ref), self.TOL)
+        e = kt.report(model)["Attention"]
+        self.assertEqual((e["kernel_calls"], e["fallbacks"]), (0, 2), str(e))
+        self.assertRegex(e["last_refusal"], "while torch.compile traces", str(e))
+
+    @unittest.skipUnless(CUDA, "needs a CUDA device")
+    def test_on_cuda_the_package_refuses_and_the_reference_runs_over_the_packing(self):
+        # This build runs varlen on the CPU only: on CUDA supports() refuses it (UNSUPPORTED), the reference runs.
+        model = make_model("llama", attn="sdpa").cuda()
+        seqs = [s.cuda() for s in self.sequences()]
+        ref = self.alone(model, seqs)
+        kt.kernelize(model)
+        batch = self.packed(seqs, "cuda")
+        for use_cache in (False, True):
+            self.assert_close(self.run_packed(model, batch, use_cache), ref, f"cuda, use_cache={use_cache}", tol=1e-4)
+        e = kt.report(model)["Attention"]
+        self.assertEqual(e["kernel_calls"], 0, str(e))
+        self.assertEqual(e["fallbacks"], 2 * 2 * 2, str(e))
+        self.assertRegex(e["last_refusal"], "run on the CPU in this build", str(e))
 
 
 @unittest.skipUnless(HAVE, WHY)

@@ -3,15 +3,22 @@
 // (ops::attention_*: scores and probabilities materialized in the dtype) in the same precision.
 // Shapes cover both CUDA paths (tensor cores: bf16 / f16, head_dim 64 / 128; generic: the rest),
 // partial tiles on every side, grouped-query heads, a KV cache (fewer queries than keys), sliding
-// windows, non-causal attention and the [B, S, H, D] layout read through strides.
+// windows, non-causal attention and the [B, S, H, D] layout read through strides; variable-length
+// packed sequences (cu_seqlens) against the oracle per sequence and against each sequence run batched
+// (on the CPU; on CUDA this build refuses them, which is checked with or without a GPU).
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <deque>
+#include <exception>
+#include <filesystem>
 #include <limits>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "core/platform.h"
+#include "hub/package.h"
 #include "oracle.h"
 #include "ops/nn/attention.h"
 #include "package_util.h"
@@ -312,6 +319,422 @@ TEST_P(FlashAttnPackage, BadInputIsRefusedNamingTheArgument) {
                dv = Tensor::empty(kv.shape(), kv.dtype(), dev);
   b.tensor("dout", q).tensor("dq", dq).tensor("dk", dk).tensor("dv", dv);
   EXPECT_TRUE(test::refused(k.supports(b, dev, test::kTraining), KCPP_ERROR_INVALID_ARGUMENT, "'lse'"));
+}
+
+// ---- variable-length packed sequences (cu_seqlens) ------------------------------------------------
+
+// A varlen case: each sequence's query and key counts (packed end to end), heads, head_dim, mask.
+struct VarlenCase {
+  std::vector<int64_t> lq, lk;
+  int64_t hq, hkv, d;
+  bool causal;
+  int64_t window;
+};
+
+// int32 prefix sums [B + 1] on `dev`.
+Tensor cu_seqlens(const std::vector<int64_t>& lens, Device dev, DType dt = DType::i32) {
+  std::vector<int64_t> cu{0};
+  for (int64_t n : lens) cu.push_back(cu.back() + n);
+  return Tensor::from_i64(cu, {static_cast<int64_t>(cu.size())}, dt, dev);
+}
+
+int64_t max_of(const std::vector<int64_t>& v) {
+  int64_t m = 0;
+  for (int64_t x : v) m = std::max(m, x);
+  return m;
+}
+
+// Tokens [begin, begin + n) of a packed [total, H, D] tensor as a batched [1, H, n, D] view.
+Tensor batched_view(const Tensor& t, int64_t begin, int64_t n) { return t.narrow(0, begin, n).transpose(0, 1).unsqueeze(0); }
+
+// Forward and backward through the package with cu_seqlens: out / dq [total_q, Hq, D], dk / dv
+// [total_k, Hkv, D], lse [Hq, total_q].
+Result run_varlen(const KernelLayer& k, const Tensor& q, const Tensor& kk, const Tensor& v, const Tensor& dout,
+                  const VarlenCase& c, Device dev) {
+  const Tensor cuq = cu_seqlens(c.lq, dev), cuk = cu_seqlens(c.lk, dev);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
+  Result r;
+  r.out = Tensor::empty(q.shape(), q.dtype(), dev);
+  r.lse = Tensor::empty({c.hq, q.size(0)}, DType::f32, dev);
+  auto common = [&](KernelArgs& a) {
+    a.tensor("q", q).tensor("k", kk).tensor("v", v).tensor("out", r.out).tensor("lse", r.lse);
+    a.tensor("cu_seqlens_q", cuq).tensor("cu_seqlens_k", cuk);
+    a.integer("max_seqlen_q", max_of(c.lq)).integer("max_seqlen_k", max_of(c.lk));
+    a.real("scale", scale).integer("causal", c.causal ? 1 : 0).integer("window", c.window);
+  };
+  KernelArgs f;
+  common(f);
+  const nn::KernelStatus st = k.supports(f, dev, test::kTraining);
+  EXPECT_TRUE(st.ok()) << st.message;
+  k.forward(f, dev, test::kTraining);
+  r.dq = Tensor::empty(q.shape(), q.dtype(), dev);
+  r.dk = Tensor::empty(kk.shape(), kk.dtype(), dev);
+  r.dv = Tensor::empty(v.shape(), v.dtype(), dev);
+  KernelArgs b;
+  common(b);
+  b.tensor("dout", dout).tensor("dq", r.dq).tensor("dk", r.dk).tensor("dv", r.dv);
+  k.backward(b, dev, test::kTraining);
+  return r;
+}
+
+// Runs a varlen case in `dt` and holds it to (1) the f64 oracle per sequence (out, dq, dk, dv within
+// composite_rel_l2, lse within the batched test's bound; queries that see no key give 0 and -inf) and
+// (2) each sequence run alone through the batched layout (the same kernels: identical results, up to the
+// order of the CUDA backward's f32 atomics in dq).
+void check_varlen(const KernelLayer& k, const VarlenCase& c, DType dt, Device dev, Generator& gen) {
+  std::string lens;
+  for (size_t b = 0; b < c.lq.size(); ++b) lens += fmt::format("{}{}/{}", b ? "," : "", c.lq[b], c.lk[b]);
+  const std::string cfg = fmt::format("{} varlen q/k=[{}] hq={} hkv={} d={} causal={} window={}", test::config_name(dev, dt), lens,
+                                      c.hq, c.hkv, c.d, c.causal, c.window);
+  int64_t tq = 0, tk = 0;
+  for (size_t b = 0; b < c.lq.size(); ++b) tq += c.lq[b], tk += c.lk[b];
+  const Tensor q = Tensor::randn({tq, c.hq, c.d}, dt, dev, gen), kk = Tensor::randn({tk, c.hkv, c.d}, dt, dev, gen);
+  const Tensor v = Tensor::randn({tk, c.hkv, c.d}, dt, dev, gen), dout = Tensor::randn({tq, c.hq, c.d}, dt, dev, gen);
+  const Result r = run_varlen(k, q, kk, v, dout, c, dev);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
+  const double ninf = -std::numeric_limits<double>::infinity();
+
+  // (1) The oracle, sequence by sequence, scattered into the packed layout.
+  oracle::V ref_out(static_cast<size_t>(tq * c.hq * c.d)), ref_dq(ref_out.size()), ref_dk(static_cast<size_t>(tk * c.hkv * c.d)),
+      ref_dv(ref_dk.size()), ref_lse(static_cast<size_t>(c.hq * tq), ninf);
+  const auto qv = q.to_f64_vector(), kv = kk.to_f64_vector();
+  int64_t q0 = 0, k0 = 0;
+  for (size_t b = 0; b < c.lq.size(); ++b) {
+    const int64_t sq = c.lq[b], skv = c.lk[b];
+    // The queries that see no key: the first sq - skv under causal (the queries end with the keys), all
+    // of them without keys.  The oracle takes the rest (it needs a visible key per query).
+    const int64_t skip = skv == 0 ? sq : c.causal ? std::max<int64_t>(0, sq - skv) : 0, n = sq - skip;
+    if (n > 0) {
+      const auto dv_seq = batched_view(dout, q0 + skip, n).to_f64_vector();
+      const oracle::Attn o = oracle::attention(batched_view(q, q0 + skip, n).to_f64_vector(), batched_view(kk, k0, skv).to_f64_vector(),
+                                               batched_view(v, k0, skv).to_f64_vector(), &dv_seq, 1, c.hq, c.hkv, n, skv, c.d,
+                                               scale, c.causal, c.window);
+      for (int64_t h = 0; h < c.hq; ++h)
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t e = 0; e < c.d; ++e) {
+            const size_t at = static_cast<size_t>(((q0 + skip + i) * c.hq + h) * c.d + e), from = static_cast<size_t>((h * n + i) * c.d + e);
+            ref_out[at] = o.out[from], ref_dq[at] = o.dq[from];
+          }
+      for (int64_t h = 0; h < c.hkv; ++h)
+        for (int64_t j = 0; j < skv; ++j)
+          for (int64_t e = 0; e < c.d; ++e) {
+            const size_t at = static_cast<size_t>(((k0 + j) * c.hkv + h) * c.d + e), from = static_cast<size_t>((h * skv + j) * c.d + e);
+            ref_dk[at] = o.dk[from], ref_dv[at] = o.dv[from];
+          }
+    }
+    // lse in f64 from the packed inputs.
+    for (int64_t h = 0; h < c.hq; ++h)
+      for (int64_t i = 0; i < sq; ++i) {
+        const int64_t pos = i + skv - sq, hk = h / (c.hq / c.hkv);
+        double mx = ninf, sum = 0;
+        std::vector<double> sc;
+        for (int64_t j = 0; j < skv; ++j) {
+          if ((c.causal && j > pos) || (c.window > 0 && pos - j >= c.window)) continue;
+          double x = 0;
+          for (int64_t e = 0; e < c.d; ++e)
+            x += qv[static_cast<size_t>(((q0 + i) * c.hq + h) * c.d + e)] * kv[static_cast<size_t>(((k0 + j) * c.hkv + hk) * c.d + e)];
+          sc.push_back(x * scale), mx = std::max(mx, x * scale);
+        }
+        for (double x : sc) sum += std::exp(x - mx);
+        ref_lse[static_cast<size_t>(h * tq + q0 + i)] = sc.empty() ? ninf : mx + std::log(sum);
+      }
+    q0 += sq, k0 += skv;
+  }
+  const std::pair<const char*, std::pair<const Tensor*, const oracle::V*>> outs[] = {
+      {"out", {&r.out, &ref_out}}, {"dq", {&r.dq, &ref_dq}}, {"dk", {&r.dk, &ref_dk}}, {"dv", {&r.dv, &ref_dv}}};
+  for (const auto& [name, tr] : outs) {
+    if (tr.first->numel() == 0) continue;
+    double norm = 0;
+    for (double x : *tr.second) norm += x * x;
+    const auto got = tr.first->to_f64_vector();
+    if (norm == 0) {  // all zero (no query sees a key): exactly
+      for (double x : got) ASSERT_EQ(x, 0.0) << cfg << " " << name;
+      continue;
+    }
+    EXPECT_LE(test::rel_l2_error(*tr.first, *tr.second), test::composite_rel_l2(dt)) << cfg << " " << name;
+  }
+  const auto lse = r.lse.to_f64_vector();
+  double worst = 0;
+  for (size_t i = 0; i < lse.size(); ++i) {
+    if (ref_lse[i] == ninf) {
+      EXPECT_EQ(lse[i], ninf) << cfg << " lse row " << i << " sees no key";
+      continue;
+    }
+    worst = std::max(worst, std::abs(lse[i] - ref_lse[i]));
+  }
+  EXPECT_LE(worst, 1e-4 * std::sqrt(static_cast<double>(c.d))) << cfg << " lse";
+
+  // (2) Each sequence alone in the batched layout ([1, H, S, D] views of the packed tensors), where the
+  // batched layout takes it (queries no more than keys).  On CUDA both calls run the same path: the
+  // Hopper one does not take varlen, so the batched call is pinned to the varlen call's.
+  std::unique_ptr<ScopedEnv> pin_fwd, pin_bwd;
+  if (dev.is_cuda() && !std::getenv("KCPP_FLASH_ATTN_FORWARD")) {  // a test that pinned a path keeps it
+    const bool mma = dt != DType::f32 && (c.d == 64 || c.d == 128);  // aligned rows: the tensors are fresh
+    pin_fwd = std::make_unique<ScopedEnv>("KCPP_FLASH_ATTN_FORWARD", mma ? "ampere" : "generic");
+    pin_bwd = std::make_unique<ScopedEnv>("KCPP_FLASH_ATTN_BACKWARD", mma ? "ampere" : "generic");
+  }
+  q0 = 0, k0 = 0;
+  for (size_t b = 0; b < c.lq.size(); q0 += c.lq[b], k0 += c.lk[b], ++b) {
+    const int64_t sq = c.lq[b], skv = c.lk[b];
+    if (sq > skv || skv == 0) continue;
+    const Case one{1, c.hq, c.hkv, sq, skv, c.d, c.causal, c.window};
+    const Result a = run_both(k, batched_view(q, q0, sq), batched_view(kk, k0, skv), batched_view(v, k0, skv),
+                              batched_view(dout, q0, sq), one, dev);
+    const std::string where = fmt::format("{} sequence {} against the batched layout", cfg, b);
+    EXPECT_EQ(a.out.to_f64_vector(), batched_view(r.out, q0, sq).to_f64_vector()) << where << " out";
+    EXPECT_EQ(a.lse.to_f64_vector(), r.lse.narrow(1, q0, sq).unsqueeze(0).to_f64_vector()) << where << " lse";
+    EXPECT_EQ(a.dk.to_f64_vector(), batched_view(r.dk, k0, skv).to_f64_vector()) << where << " dk";
+    EXPECT_EQ(a.dv.to_f64_vector(), batched_view(r.dv, k0, skv).to_f64_vector()) << where << " dv";
+    const Tensor dq = batched_view(r.dq, q0, sq);
+    if (dev.is_cuda() && sq > 0)
+      EXPECT_LE(test::rel_l2_error(dq, a.dq.to_f64_vector()), test::composite_rel_l2(dt) / 4) << where << " dq";
+    else
+      EXPECT_EQ(a.dq.to_f64_vector(), dq.to_f64_vector()) << where << " dq";
+  }
+}
+
+// On CUDA this build refuses varlen (its CUDA kernels wait for a GPU test): supports() says so and the
+// calls refuse it too, before any kernel runs.  Returns whether `dev` is such a device.
+bool cuda_refuses_varlen(const KernelLayer& k, const VarlenCase& c, DType dt, Device dev, Generator& gen) {
+  if (!dev.is_cuda()) return false;
+  int64_t tq = 0, tk = 0;
+  for (size_t b = 0; b < c.lq.size(); ++b) tq += c.lq[b], tk += c.lk[b];
+  const Tensor q = Tensor::randn({tq, c.hq, c.d}, dt, dev, gen), kv = Tensor::randn({tk, c.hkv, c.d}, dt, dev, gen);
+  const Tensor out = Tensor::empty(q.shape(), q.dtype(), dev), cuq = cu_seqlens(c.lq, dev), cuk = cu_seqlens(c.lk, dev);
+  KernelArgs a;
+  a.tensor("q", q).tensor("k", kv).tensor("v", kv).tensor("out", out).tensor("cu_seqlens_q", cuq).tensor("cu_seqlens_k", cuk);
+  a.integer("max_seqlen_q", max_of(c.lq)).integer("max_seqlen_k", max_of(c.lk));
+  a.integer("causal", c.causal ? 1 : 0).integer("window", c.window);
+  EXPECT_TRUE(test::refused(k.supports(a, dev, test::kInference), KCPP_ERROR_UNSUPPORTED, "run on the CPU in this build"));
+  EXPECT_THROW(k.forward(a, dev, test::kInference), Error);
+  return true;
+}
+
+// Lengths 0, 1, 7, 129 (no multiple of any tile), unequal query and key counts (fewer queries: a
+// prefix of keys; more queries: the first ones see no key under causal), grouped-query heads, causal or
+// not, sliding windows, no keys at all (max_seqlen_k 0: out and dq zero, lse -inf), head_dim 64 / 128
+// (the tensor-core kernels on CUDA for bf16 / f16) and 8 / 40 (the generic ones), f32 / bf16 / f16.
+TEST_P(FlashAttnPackage, VarlenMatchesTheOracleAndTheBatchedLayout) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const KernelLayer k = layer();
+  const VarlenCase cases[] = {
+      {{7, 0, 1, 129, 33}, {7, 0, 1, 129, 33}, 4, 2, 64, true, 0},
+      {{1, 7, 129, 0, 70}, {5, 7, 200, 3, 64}, 2, 1, 128, true, 0},
+      {{129, 1, 70}, {129, 1, 70}, 2, 2, 64, true, 17},
+      {{3, 129, 7}, {150, 129, 0}, 4, 1, 64, false, 40},
+      {{9, 0, 20, 1}, {9, 4, 20, 1}, 3, 1, 8, true, 0},
+      {{5, 3, 66}, {2, 0, 130}, 2, 1, 40, true, 0},
+      {{5, 65}, {2, 64}, 2, 2, 64, true, 0},
+      {{4, 7}, {2, 7}, 2, 1, 64, false, 0},
+      {{3, 2}, {0, 0}, 2, 1, 64, true, 0},
+      {{1, 4}, {0, 0}, 2, 2, 8, false, 0},
+  };
+  if (cuda_refuses_varlen(k, cases[0], DType::bf16, dev, gen)) return;
+  for (DType dt : {DType::f32, DType::bf16, DType::f16})
+    for (const VarlenCase& c : cases) check_varlen(k, c, dt, dev, gen);
+}
+
+// max_seqlen_q / max_seqlen_k are bounds: any value at least the longest sequence gives the same
+// result, also one beyond the token count (which sizes nothing: the package takes the token count).
+TEST(FlashAttnVarlen, MaxSeqlenAboveTheLongestChangesNothing) {
+  const Device dev = Device::cpu();
+  Generator gen = test::test_generator();
+  const KernelLayer k = layer();
+  const std::vector<int64_t> lens{5, 0, 12};
+  const Tensor q = Tensor::randn({17, 4, 16}, DType::f32, dev, gen), kv = Tensor::randn({17, 2, 16}, DType::f32, dev, gen);
+  const Tensor cu = cu_seqlens(lens, dev);
+  std::vector<std::vector<double>> outs, lses;
+  for (int64_t max : {int64_t{12}, int64_t{17}, int64_t{1} << 40}) {
+    const Tensor out = Tensor::empty(q.shape(), q.dtype(), dev), lse = Tensor::empty({4, 17}, DType::f32, dev);
+    KernelArgs a;
+    a.tensor("q", q).tensor("k", kv).tensor("v", kv).tensor("out", out).tensor("lse", lse);
+    a.tensor("cu_seqlens_q", cu).tensor("cu_seqlens_k", cu).integer("max_seqlen_q", max).integer("max_seqlen_k", max);
+    ASSERT_TRUE(k.supports(a, dev, test::kTraining).ok());
+    k.forward(a, dev, test::kTraining);
+    outs.push_back(out.to_f64_vector()), lses.push_back(lse.to_f64_vector());
+  }
+  for (size_t i = 1; i < outs.size(); ++i) {
+    EXPECT_EQ(outs[i], outs[0]) << "run " << i;
+    EXPECT_EQ(lses[i], lses[0]) << "run " << i;
+  }
+}
+
+// A call as a host describes it to supports() without memory (kcpp.torch's probes): every tensor
+// argument's DLTensor copied onto `device` with a data pointer that points at nothing.
+struct Described {
+  std::vector<kcpp_arg> args;
+  std::deque<DLTensor> tensors;
+};
+
+Described described(const KernelArgs& a, DLDevice device) {
+  Described d;
+  uintptr_t fake = uintptr_t{1} << 44;  // aligned, distinct per tensor, mapped nowhere
+  for (int32_t i = 0; i < a.size(); ++i) {
+    kcpp_arg x = a.data()[i];
+    if (x.kind == KCPP_ARG_TENSOR) {
+      DLTensor t = *x.value.tensor;
+      t.device = device, t.data = reinterpret_cast<void*>(fake), t.byte_offset = 0;
+      fake += uintptr_t{1} << 36;
+      d.tensors.push_back(t);
+      x.value.tensor = &d.tensors.back();
+    }
+    d.args.push_back(x);
+  }
+  return d;
+}
+
+// Calls an entry point of the package's table directly, on `device`, with no stream, workspace or
+// device guard (nothing that needs a GPU).
+nn::KernelStatus call_described(kcpp_entry_fn fn, const Described& d, DLDevice device, uint32_t mode) {
+  char error[1024] = {};
+  kcpp_context ctx{};
+  ctx.struct_size = sizeof ctx, ctx.mode = mode, ctx.device = device, ctx.deterministic = 1;
+  ctx.error = error, ctx.error_size = sizeof error;
+  nn::KernelStatus s;
+  s.status = fn(&ctx, d.args.data(), static_cast<int32_t>(d.args.size()));
+  if (s.status != KCPP_OK) s.message = error;
+  return s;
+}
+
+// supports() decides varlen from the tensors' descriptions, never reading the cu_seqlens: over tensors
+// with no memory behind them it answers (on the CPU: yes), and bad contents pass it (the call refuses them,
+// VarlenBadInputIsRefusedNamingTheArgument).  On CUDA (described, no GPU needed) this build refuses varlen,
+// forward and backward, through supports() and the calls alike, while a call that breaks the contract is
+// still an invalid argument.
+TEST(FlashAttnVarlen, SupportsReadsNoMemoryAndCudaRefusesVarlen) {
+  const Device dev = Device::cpu();
+  Generator gen = test::test_generator();
+  const KernelLayer k = layer();
+  const kcpp_layer& table = k.info();
+  const Tensor q = Tensor::randn({10, 4, 64}, DType::bf16, dev, gen), kv = Tensor::randn({12, 2, 64}, DType::bf16, dev, gen);
+  const Tensor out = Tensor::empty(q.shape(), q.dtype(), dev), lse = Tensor::empty({4, 10}, DType::f32, dev);
+  const Tensor dq = Tensor::empty(q.shape(), q.dtype(), dev), dk = Tensor::empty(kv.shape(), kv.dtype(), dev),
+               dv = Tensor::empty(kv.shape(), kv.dtype(), dev);
+  const Tensor cuq = cu_seqlens({3, 7}, dev), cuk = cu_seqlens({5, 7}, dev), cu64 = cu_seqlens({3, 7}, dev, DType::i64);
+  auto fwd = [&](KernelArgs& a, const Tensor& cq) {
+    a.tensor("q", q).tensor("k", kv).tensor("v", kv).tensor("out", out).tensor("lse", lse);
+    a.tensor("cu_seqlens_q", cq).tensor("cu_seqlens_k", cuk).integer("max_seqlen_q", 7).integer("max_seqlen_k", 7);
+  };
+  KernelArgs f, b, bad;
+  fwd(f, cuq);
+  fwd(b, cuq);
+  b.tensor("dout", out).tensor("dq", dq).tensor("dk", dk).tensor("dv", dv);
+  fwd(bad, cu64);
+  const DLDevice cpu{kDLCPU, 0}, cuda{kDLCUDA, 0};
+
+  // The CPU: the answer comes from the shapes alone (a read of the fake pointers would crash here).
+  EXPECT_TRUE(call_described(table.supports, described(f, cpu), cpu, test::kTraining).ok());
+  EXPECT_TRUE(call_described(table.supports, described(b, cpu), cpu, test::kTraining).ok());
+  EXPECT_TRUE(test::refused(call_described(table.supports, described(bad, cpu), cpu, test::kTraining),
+                            KCPP_ERROR_INVALID_ARGUMENT, "'cu_seqlens_q' must be i32, is i64"));
+
+  // CUDA: the build's CUDA variant of the package, loaded from its file whether or not a GPU is here.
+  std::filesystem::path variant;
+  for (const auto& e : std::filesystem::directory_iterator(test::built_package_dir("flash_attn") / "build"))
+    if (e.path().filename().string().starts_with("kcpp1-cu")) variant = e.path() / "libflash_attn.so";
+  if (variant.empty()) GTEST_SKIP() << "skipped: a build without CUDA";
+  const auto cuda_package = hub::LoadedPackage::open_file(variant);
+  const kcpp_layer& cuda_table = *cuda_package->layer("FlashAttention");
+  ASSERT_NE(cuda_table.devices & KCPP_DEVICE_BIT(kDLCUDA), 0u);
+  for (const auto* a : {&f, &b}) {
+    const Described d = described(*a, cuda);
+    const bool backward = a == &b;
+    EXPECT_TRUE(test::refused(call_described(cuda_table.supports, d, cuda, test::kTraining), KCPP_ERROR_UNSUPPORTED,
+                              "variable-length sequences (cu_seqlens_q / cu_seqlens_k) run on the CPU in this build"))
+        << (backward ? "backward" : "forward");
+    EXPECT_TRUE(test::refused(call_described(backward ? cuda_table.backward : cuda_table.forward, d, cuda, test::kTraining),
+                              KCPP_ERROR_UNSUPPORTED, "run on the CPU in this build"))
+        << (backward ? "backward" : "forward");
+    // The CUDA variant takes the same call on the CPU.
+    EXPECT_TRUE(call_described(cuda_table.supports, described(*a, cpu), cpu, test::kTraining).ok());
+  }
+  EXPECT_TRUE(test::refused(call_described(cuda_table.supports, described(bad, cuda), cuda, test::kTraining),
+                            KCPP_ERROR_INVALID_ARGUMENT, "'cu_seqlens_q' must be i32, is i64"));
+}
+
+// Arguments that break the contract: named invalid arguments from supports() (their descriptions) on
+// every device; bad cu_seqlens contents (read only by the call) from the CPU forward and backward.
+TEST_P(FlashAttnPackage, VarlenBadInputIsRefusedNamingTheArgument) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const KernelLayer k = layer();
+  const Tensor q = Tensor::randn({10, 4, 64}, DType::bf16, dev, gen), kv = Tensor::randn({12, 2, 64}, DType::bf16, dev, gen);
+  const Tensor out = Tensor::empty(q.shape(), q.dtype(), dev);
+  const Tensor cuq = cu_seqlens({3, 7}, dev), cuk = cu_seqlens({5, 7}, dev);
+  std::vector<std::unique_ptr<KernelArgs>> keep;
+  auto args = [&](const Tensor& cq, const Tensor& ck, int64_t mq = 7, int64_t mk = 7) -> KernelArgs& {
+    keep.push_back(std::make_unique<KernelArgs>());
+    keep.back()->tensor("q", q).tensor("k", kv).tensor("v", kv).tensor("out", out);
+    if (cq.defined()) keep.back()->tensor("cu_seqlens_q", cq);
+    if (ck.defined()) keep.back()->tensor("cu_seqlens_k", ck);
+    if (mq >= -1) keep.back()->integer("max_seqlen_q", mq);
+    keep.back()->integer("max_seqlen_k", mk);
+    return *keep.back();
+  };
+  const auto bad = KCPP_ERROR_INVALID_ARGUMENT;
+  if (dev.is_cuda())
+    EXPECT_TRUE(test::refused(k.supports(args(cuq, cuk), dev, test::kInference), KCPP_ERROR_UNSUPPORTED,
+                              "run on the CPU in this build"));
+  else
+    EXPECT_TRUE(k.supports(args(cuq, cuk), dev, test::kInference).ok());
+  EXPECT_TRUE(test::refused(k.supports(args(cuq, Tensor()), dev, test::kInference), bad, "without 'cu_seqlens_k'"));
+  EXPECT_TRUE(test::refused(k.supports(args(Tensor(), cuk), dev, test::kInference), bad, "without 'cu_seqlens_q'"));
+  EXPECT_TRUE(test::refused(k.supports(args(cu_seqlens({3, 7}, dev, DType::i64), cuk), dev, test::kInference), bad,
+                            "'cu_seqlens_q' must be i32, is i64"));
+  EXPECT_TRUE(test::refused(k.supports(args(cuq, cu_seqlens({5, 7}, dev, DType::f32)), dev, test::kInference), bad,
+                            "'cu_seqlens_k' must be i32, is f32"));
+  EXPECT_TRUE(test::refused(k.supports(args(cuq, cu_seqlens({12}, dev)), dev, test::kInference), bad, "'cu_seqlens_k' has 2 entries"));
+  const Tensor cu2d = Tensor::from_i64(std::vector<int64_t>{0, 3, 10, 0}, {2, 2}, DType::i32, dev);
+  EXPECT_TRUE(test::refused(k.supports(args(cu2d, cuk), dev, test::kInference), bad, "'cu_seqlens_q' must be [batch + 1]"));
+  EXPECT_TRUE(test::refused(k.supports(args(cuq, cuk, -2), dev, test::kInference), bad, "missing integer argument 'max_seqlen_q'"));
+  EXPECT_TRUE(test::refused(k.supports(args(cuq, cuk, 7, -1), dev, test::kInference), bad, "'max_seqlen_k' is -1"));
+  // Batched tensors with cu_seqlens.
+  const Tensor q4 = Tensor::randn({1, 4, 10, 64}, DType::bf16, dev, gen);
+  KernelArgs four;
+  four.tensor("q", q4).tensor("k", kv).tensor("v", kv).tensor("out", out).tensor("cu_seqlens_q", cuq).tensor("cu_seqlens_k", cuk);
+  four.integer("max_seqlen_q", 7).integer("max_seqlen_k", 7);
+  EXPECT_TRUE(test::refused(k.supports(four, dev, test::kInference), bad, "'q' must have 3 dims"));
+  // lse in the packed layout [Hq, total_q], not the batched one nor transposed.
+  for (const std::vector<int64_t>& shape : {std::vector<int64_t>{2, 4, 7}, std::vector<int64_t>{10, 4}}) {
+    KernelArgs& l = args(cuq, cuk);
+    l.tensor("lse", Tensor::empty(shape, DType::f32, dev));
+    EXPECT_TRUE(test::refused(k.supports(l, dev, test::kInference), bad, "'lse' must be [4, 10]"));
+  }
+  if (dev.is_cuda()) return;  // refused on CUDA in this build before anything reads the contents
+
+  // The contents: supports() does not read them (it answers from the descriptions); the call refuses them.
+  auto call_fails = [&](KernelArgs& a, const std::string& needle) {
+    EXPECT_TRUE(k.supports(a, dev, test::kInference).ok()) << needle;
+    try {
+      k.forward(a, dev, test::kInference);
+      ADD_FAILURE() << "a forward with bad cu_seqlens ran (expected: " << needle << ")";
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("(invalid argument)"), std::string::npos) << what;
+      EXPECT_NE(what.find(needle), std::string::npos) << what;
+    }
+  };
+  const Tensor cu_down = Tensor::from_i64(std::vector<int64_t>{0, 8, 3, 10}, {4}, DType::i32, dev), cuk3 = cu_seqlens({5, 0, 7}, dev);
+  call_fails(args(cu_down, cuk3, 8), "cu_seqlens_q decreases (entry 1 is 8, entry 2 is 3)");
+  call_fails(args(cuq, cu_seqlens({5, 6}, dev)), "the last entry of cu_seqlens_k is 11 but the tensors hold 12 tokens");
+  call_fails(args(cu_seqlens({3, 8}, dev), cuk, 8), "the last entry of cu_seqlens_q is 11 but the tensors hold 10 tokens");
+  call_fails(args(Tensor::from_i64(std::vector<int64_t>{1, 3, 10}, {3}, DType::i32, dev), cuk), "cu_seqlens_q[0] is 1");
+  call_fails(args(Tensor::from_i64(std::vector<int64_t>{0, -5, 10}, {3}, DType::i32, dev), cuk), "cu_seqlens_q decreases");
+  call_fails(args(cuq, cuk, 6), "sequence 1 has 7 tokens in cu_seqlens_q, more than max_seqlen_q = 6");
+  // The backward checks them likewise.
+  const Tensor lse = Tensor::empty({4, 10}, DType::f32, dev), dq = Tensor::empty(q.shape(), q.dtype(), dev);
+  const Tensor dk = Tensor::empty(kv.shape(), kv.dtype(), dev), dv = Tensor::empty(kv.shape(), kv.dtype(), dev);
+  KernelArgs& bw = args(cuq, cu_seqlens({5, 6}, dev));
+  bw.tensor("lse", lse).tensor("dout", out).tensor("dq", dq).tensor("dk", dk).tensor("dv", dv);
+  try {
+    k.backward(bw, dev, test::kTraining);
+    ADD_FAILURE() << "a backward with bad cu_seqlens ran";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("the last entry of cu_seqlens_k is 11"), std::string::npos) << e.what();
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, FlashAttnPackage, ::testing::Values(Device::cpu(), Device::cuda(0)),
