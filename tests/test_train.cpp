@@ -11,7 +11,9 @@
 #include <tuple>
 
 #include "models/causal_lm.h"
+#include "models/chat_template.h"
 #include "models/safetensors.h"
+#include "models/tokenizer.h"
 #include "test_util.h"
 #include "train/adamw.h"
 #include "train/adamw_kernels.h"
@@ -305,7 +307,7 @@ TEST(TextData, DocumentsAndTheirErrors) {
   const train::ByteTokenizer bytes;
   train::Encoder enc;
   enc.encode = [&](std::string_view t, bool special) { return bytes.encode(t, special); };
-  enc.chat = [](const nlohmann::ordered_json& m) { return "<" + m[0]["content"].get<std::string>() + ">"; };
+  enc.chat = [](const nlohmann::ordered_json& m) { return train::ChatText{"<" + m[0]["content"].get<std::string>() + ">", {{1, 3}}}; };
   enc.eos = 257;
   const train::TokenStream s = train::tokenize_documents(docs, enc, "a.jsonl");
   EXPECT_EQ(s.ids, (std::vector<int64_t>{256, 'a', 'b', 257, 256, 'c', 257, 256, 'q', 'r', 257, '<', 'h', 'i', '>'}));
@@ -344,6 +346,55 @@ TEST(TextData, DocumentsAndTheirErrors) {
   };
   EXPECT_ERROR(train::tokenize_documents(docs, failing, "d.jsonl"), "d.jsonl:4: the text to encode is not valid UTF-8");
   fs::remove_all(dir);
+}
+
+// Assistant-only loss: the tokens that overlap what the template's {% generation %} blocks rendered,
+// as Transformers' apply_chat_template(..., return_assistant_tokens_mask=True) (5.24) marks them on
+// the same template, conversation and tokenizer (the gpt2 fixture).
+TEST(TextData, AssistantOnlyLossAsTransformersMasks) {
+  const models::Tokenizer tok = models::Tokenizer::from_file(fs::path(test::fixtures_dir()) / "tokenizers" / "gpt2.json");
+  const models::ChatTemplate tmpl = models::ChatTemplate::parse(
+      "{% for m in messages %}{% if m.role == 'assistant' %}A:{% generation %} {{ m.content }}.{% endgeneration %}\n{% else %}"
+      "{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}");
+  train::TextDocument conversation;
+  conversation.kind = train::TextDocument::Kind::Messages;
+  conversation.messages = nlohmann::ordered_json::parse(
+      R"([{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello you"},
+          {"role": "user", "content": "and?"}, {"role": "assistant", "content": "bye"}])");
+  train::Encoder enc;
+  enc.encode = [&](std::string_view t, bool special) { return tok.encode(t, special); };
+  enc.token_bytes = [&](int64_t id) { return tok.token_bytes(id); };
+  enc.chat = [&](const nlohmann::ordered_json& m) {
+    auto r = tmpl.render_with_generation(m, false);
+    return train::ChatText{r.text, r.generation};
+  };
+  enc.assistant_only = true;
+  const train::TokenStream s = train::tokenize_documents(train::TextDocuments{{conversation}}, enc, "chat.jsonl");
+  const std::vector<int64_t> ids = {85, 83, 342, 26, 221, 72, 73, 473, 199, 33, 26, 416, 356, 437, 14,
+                                    85, 83, 342, 26, 298, 31, 199, 33, 26, 221, 66, 89, 69, 14};
+  const std::vector<int> mask = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1};
+  ASSERT_EQ(s.ids, ids);
+  ASSERT_EQ(s.labels.size(), ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) EXPECT_EQ(s.labels[i], mask[i] ? ids[i] : -100) << "token " << i;
+
+  // A template that marks nothing, and a generation block inside a macro, are errors naming why.
+  const models::ChatTemplate unmarked = models::ChatTemplate::parse("{% for m in messages %}{{ m.content }}{% endfor %}");
+  enc.chat = [&](const nlohmann::ordered_json& m) { return train::ChatText{unmarked.render(m, false), {}}; };
+  EXPECT_ERROR(train::tokenize_documents(train::TextDocuments{{conversation}}, enc, "chat.jsonl"),
+               "chat.jsonl:1: the chat template marked none of this conversation as the assistant's");
+  const models::ChatTemplate in_macro = models::ChatTemplate::parse(
+      "{% macro a(m) %}{% generation %}{{ m.content }}{% endgeneration %}{% endmacro %}{% for m in messages %}{{ a(m) }}{% endfor %}");
+  EXPECT_ERROR(in_macro.render_with_generation(conversation.messages, false), "a generation block inside a set, filter or macro block");
+  EXPECT_EQ(in_macro.render(conversation.messages, false), "hi therehello youand?bye");
+  // Tokens that do not spell the text back (an NFKC normalizer folds the ligature) cannot be placed.
+  nlohmann::json folding = nlohmann::json::parse(std::ifstream(fs::path(test::fixtures_dir()) / "tokenizers" / "gpt2.json"));
+  folding["normalizer"] = {{"type", "NFKC"}};
+  const models::Tokenizer nfkc = models::Tokenizer::from_json_text(folding.dump(), "nfkc");
+  enc.encode = [&](std::string_view t, bool special) { return nfkc.encode(t, special); };
+  enc.token_bytes = [&](int64_t id) { return nfkc.token_bytes(id); };
+  enc.chat = [&](const nlohmann::ordered_json&) { return train::ChatText{"A: \xef\xac\x81ne", {{2, 8}}}; };
+  EXPECT_ERROR(train::tokenize_documents(train::TextDocuments{{conversation}}, enc, "chat.jsonl"),
+               "does not spell the rendered conversation back at byte 3");
 }
 
 }  // namespace

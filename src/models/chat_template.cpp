@@ -334,7 +334,7 @@ using NodeP = std::unique_ptr<Node>;
 using Body = std::vector<NodeP>;
 
 struct Node {
-  enum class K { Text, Output, If, For, Set, SetBlock, Macro, FilterBlock, Break, Continue, Scope };
+  enum class K { Text, Output, If, For, Set, SetBlock, Macro, FilterBlock, Break, Continue, Generation };
   K k;
   Pos pos;
   std::string text;                              // Text; Macro's name; Set's namespace attribute
@@ -861,8 +861,8 @@ class Parser {
       std::string end;
       n->body = parse_body({"endfilter"}, end, "filter", tag.pos);
       expect_block_end("endfilter");
-    } else if (s == "generation") {  // Transformers' assistant-mask tag: renders its body
-      n->k = Node::K::Scope;
+    } else if (s == "generation") {  // Transformers' assistant-mask tag: renders its body, noting where
+      n->k = Node::K::Generation;
       expect_block_end("generation");
       std::string end;
       n->body = parse_body({"endgeneration"}, end, "generation", tag.pos);
@@ -1262,9 +1262,12 @@ class Interp {
   }
   void own_namespace(const Value& ns) { namespaces_.push_back(ns.dict); }
 
-  std::string run(Frame globals) {
+  // The prompt; with `spans`, the [begin, end) byte ranges of it that generation blocks rendered.
+  std::string run(Frame globals, std::vector<std::pair<size_t, size_t>>* spans = nullptr) {
     frames_.push_back(std::move(globals));
     std::string out;
+    top_ = &out;
+    spans_ = spans;
     exec(prog_.body, out);
     return out;
   }
@@ -1863,6 +1866,8 @@ class Interp {
   int depth_ = 0;
   int macro_depth_ = 0;
   std::vector<std::shared_ptr<DictData>> namespaces_;
+  const std::string* top_ = nullptr;                     // the prompt being rendered
+  std::vector<std::pair<size_t, size_t>>* spans_ = nullptr;  // generation blocks' ranges in it, when asked
 };
 
 // Positional and keyword arguments by parameter names, with defaults (null: required).
@@ -2745,8 +2750,13 @@ Flow Interp::exec(const Body& body, std::string& out) {
         frames_.back()[n.text] = Value::function(n.text, [m](Interp& in, CallArgs& a) { return in.call_macro(*m, a); });
         break;
       }
-      case Node::K::Scope: {
+      case Node::K::Generation: {
+        // Where its text lands in the prompt is known only when it renders into the prompt itself.
+        if (spans_ && &out != top_)
+          fail("a generation block inside a set, filter or macro block: where its text lands in the prompt is not known");
+        const size_t start = out.size();
         const Flow f = exec(n.body, out);
+        if (spans_ && out.size() > start) spans_->emplace_back(start, out.size());
         if (f != Flow::Normal) return f;
         break;
       }
@@ -2941,6 +2951,18 @@ ChatTemplate ChatTemplate::from_tokenizer_config(const std::filesystem::path& pa
 
 std::string ChatTemplate::render(const nlohmann::ordered_json& messages, bool add_generation_prompt,
                                  const nlohmann::ordered_json& extra) const {
+  return render_impl(messages, add_generation_prompt, extra, nullptr);
+}
+
+ChatTemplate::Rendered ChatTemplate::render_with_generation(const nlohmann::ordered_json& messages, bool add_generation_prompt,
+                                                            const nlohmann::ordered_json& extra) const {
+  Rendered r;
+  r.text = render_impl(messages, add_generation_prompt, extra, &r.generation);
+  return r;
+}
+
+std::string ChatTemplate::render_impl(const nlohmann::ordered_json& messages, bool add_generation_prompt,
+                                      const nlohmann::ordered_json& extra, std::vector<std::pair<size_t, size_t>>* spans) const {
   KCPP_CHECK(program_, "chat template: render() on an empty ChatTemplate");
   KCPP_CHECK(extra.is_null() || extra.is_object(), "{}: the extra variables must be a JSON object, got {}", program_->origin,
              extra.type_name());
@@ -2953,7 +2975,7 @@ std::string ChatTemplate::render(const nlohmann::ordered_json& messages, bool ad
   if (extra.is_object())
     for (const auto& [k, v] : extra.items()) g[k] = from_json(v);
   Interp in(*program_, limits_);
-  return in.run(std::move(g));
+  return in.run(std::move(g), spans);
 }
 
 const std::string& ChatTemplate::source() const {

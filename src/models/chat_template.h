@@ -17,7 +17,8 @@
 //   - statements: if / elif / else, for (tuple targets, `if` filter, `else`, `loop.index`,
 //     `index0`, `revindex`, `revindex0`, `first`, `last`, `length`, `previtem`, `nextitem`,
 //     `cycle`), break / continue, set (names, tuples, `ns.attr`, block set with filters), macro
-//     (positional, keyword and default arguments), filter blocks, `generation` (rendered as is);
+//     (positional, keyword and default arguments), filter blocks, `generation` (rendered as is;
+//     render_with_generation says where);
 //   - expressions: none / true / false literals (either case), ints, floats, strings with Python
 //     escapes, lists, tuples, dicts, attributes and subscripts (Jinja's getattr / getitem order),
 //     slices, calls with keyword arguments, `not and or`, chained comparisons, `in`, `not in`,
@@ -49,6 +50,8 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace kcpp::models {
 
@@ -73,6 +76,15 @@ class ChatTemplate {
   // in `tojson` and `items()`), hence ordered_json; an nlohmann::json converts to it.
   std::string render(const nlohmann::ordered_json& messages, bool add_generation_prompt,
                      const nlohmann::ordered_json& extra = nullptr) const;
+  // render, and the byte ranges [begin, end) of the text that `{% generation %}` blocks rendered
+  // (the assistant's turns in templates written for Transformers' return_assistant_tokens_mask),
+  // in order; a generation block that renders inside a set, filter or macro block is an error.
+  struct Rendered {
+    std::string text;
+    std::vector<std::pair<size_t, size_t>> generation;
+  };
+  Rendered render_with_generation(const nlohmann::ordered_json& messages, bool add_generation_prompt,
+                                  const nlohmann::ordered_json& extra = nullptr) const;
 
   const std::string& source() const;
   // bos_token, eos_token, unk_token, pad_token as strings, those the tokenizer config gives.
@@ -83,6 +95,8 @@ class ChatTemplate {
   struct Program;
 
  private:
+  std::string render_impl(const nlohmann::ordered_json& messages, bool add_generation_prompt, const nlohmann::ordered_json& extra,
+                          std::vector<std::pair<size_t, size_t>>* spans) const;
   std::shared_ptr<const Program> program_;
   nlohmann::ordered_json special_tokens_ = nlohmann::ordered_json::object();
   Limits limits_;

@@ -629,6 +629,22 @@ std::string Tokenizer::decode(const std::vector<int64_t>& ids, bool skip_special
   return out;
 }
 
+std::string Tokenizer::token_bytes(int64_t id) const {
+  const Impl& t = *impl_;
+  if (id < 0 || id >= static_cast<int64_t>(t.id_to_token.size()))
+    throw Error(fmt::format("{}: token id {} is outside the vocabulary (size {})", t.origin, id, t.id_to_token.size()));
+  if (const auto a = t.added_by_id.find(id); a != t.added_by_id.end()) return a->second->content;
+  const std::string& sym = t.id_to_token[static_cast<size_t>(id)];
+  std::string bytes;
+  for (size_t i = 0; i < sym.size();) {
+    const uint32_t cp = next_cp(sym, i);
+    const auto it = alphabet().back.find(cp);
+    if (it != alphabet().back.end()) bytes += static_cast<char>(it->second);
+    else if (cp < 0x110000u) append_utf8(bytes, cp);
+  }
+  return bytes;
+}
+
 int64_t Tokenizer::vocab_size() const { return static_cast<int64_t>(impl_->id_to_token.size()); }
 
 std::optional<int64_t> Tokenizer::token_to_id(std::string_view token) const {

@@ -48,6 +48,11 @@ class Tokenizer {
   // `text` must be UTF-8 (an error names the first invalid byte).
   std::vector<int64_t> encode(std::string_view text, bool add_special_tokens = false) const;
   std::string decode(const std::vector<int64_t>& ids, bool skip_special_tokens = false) const;
+  // The bytes of the text token `id` stands for (an added token's content; a vocabulary entry's
+  // bytes through the byte alphabet), not made valid UTF-8: a character may span several tokens.
+  // Concatenated over encode(t) they give t back wherever encoding kept the text as it was (no
+  // normalization that changed it, no added prefix space, no whitespace an added token stripped).
+  std::string token_bytes(int64_t id) const;
 
   int64_t vocab_size() const;  // the largest id + 1 (vocabulary and added tokens)
   std::optional<int64_t> token_to_id(std::string_view token) const;

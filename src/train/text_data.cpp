@@ -82,32 +82,61 @@ TextDocuments read_text_documents(const std::filesystem::path& file, const std::
 
 TokenStream tokenize_documents(const TextDocuments& docs, const Encoder& encoder, const std::string& origin) {
   TokenStream s;
-  const bool masked = docs.count(TextDocument::Kind::PromptCompletion) > 0;
-  auto append = [&](const std::vector<int64_t>& ids, size_t untrained) {
+  const bool masked = docs.count(TextDocument::Kind::PromptCompletion) > 0 ||
+                      (encoder.assistant_only && docs.count(TextDocument::Kind::Messages) > 0);
+  // `trained(i)`: whether token i of `ids` is a target.
+  auto append = [&](const std::vector<int64_t>& ids, const std::function<bool(size_t)>& trained) {
     s.ids.insert(s.ids.end(), ids.begin(), ids.end());
     if (!masked) return;
-    for (size_t i = 0; i < ids.size(); ++i) s.labels.push_back(i < untrained ? -100 : ids[i]);
+    for (size_t i = 0; i < ids.size(); ++i) s.labels.push_back(trained(i) ? ids[i] : -100);
   };
+  const auto all = [](size_t) { return true; };
   for (const TextDocument& d : docs.docs) {
     try {
       switch (d.kind) {
         case TextDocument::Kind::Text: {
           std::vector<int64_t> ids = encoder.encode(d.text, true);
           if (encoder.eos) ids.push_back(*encoder.eos);
-          append(ids, 0);
+          append(ids, all);
           break;
         }
         case TextDocument::Kind::PromptCompletion: {
           const size_t prompt = encoder.encode(d.text, true).size();
           std::vector<int64_t> ids = encoder.encode(d.text + d.completion, true);
           if (encoder.eos) ids.push_back(*encoder.eos);
-          append(ids, prompt);
+          append(ids, [&](size_t i) { return i >= prompt; });
           break;
         }
         case TextDocument::Kind::Messages: {
           KCPP_CHECK(encoder.chat, "a conversation ('messages') needs the model's chat template (tokenizer_config.json's "
                      "chat_template, or chat_template.jinja, in the model folder)");
-          append(encoder.encode(encoder.chat(d.messages), false), 0);
+          const ChatText chat = encoder.chat(d.messages);
+          const std::vector<int64_t> ids = encoder.encode(chat.text, false);
+          if (!encoder.assistant_only) {
+            append(ids, all);
+            break;
+          }
+          KCPP_CHECK(!chat.generation.empty(), "the chat template marked none of this conversation as the assistant's: "
+                     "assistant-only loss needs a template whose assistant turns are in {{% generation %}} blocks (as "
+                     "Transformers' return_assistant_tokens_mask)");
+          // Each token's bytes in the rendered text, then the tokens that overlap a marked range.
+          std::vector<std::pair<size_t, size_t>> at;
+          size_t pos = 0;
+          for (const int64_t id : ids) {
+            const std::string b = encoder.token_bytes(id);
+            KCPP_CHECK(pos + b.size() <= chat.text.size() && chat.text.compare(pos, b.size(), b) == 0, "the tokenizer does not spell the rendered conversation back "
+                       "at byte {} (it normalized the text, or added a space), so the assistant's tokens cannot be placed; "
+                       "train on every token instead", pos);
+            at.emplace_back(pos, pos + b.size());
+            pos += b.size();
+          }
+          KCPP_CHECK(pos == chat.text.size(), "the tokenizer does not spell the rendered conversation back ({} of its {} "
+                     "bytes), so the assistant's tokens cannot be placed; train on every token instead", pos, chat.text.size());
+          append(ids, [&](size_t i) {
+            for (const auto& [b, e] : chat.generation)
+              if (b < at[i].second && at[i].first < e) return true;
+            return false;
+          });
           break;
         }
       }

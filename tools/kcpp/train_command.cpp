@@ -74,6 +74,7 @@ struct TrainArgs {
   std::string data, text_field = "text", tokenizer;  // --data FILE, its JSON-lines field, --tokenizer FILE
   bool text_field_given = false;
   std::string chat_template;  // --chat-template FILE
+  bool assistant_only_loss = false;
   std::optional<std::string> given_scheduler;
   std::optional<int64_t> given_warmup, given_schedule_steps;
   train::LrSchedule schedule;  // as run
@@ -362,13 +363,20 @@ TrainingData training_data(const TrainArgs& a, const std::optional<Resume>& resu
     train::Encoder encoder;
     encoder.encode = [&](std::string_view t, bool special) { return tok.encode(t, special); };
     encoder.eos = eos;
+    encoder.token_bytes = [&](int64_t id) { return tok.token_bytes(id); };
+    encoder.assistant_only = a.assistant_only_loss;
+    KCPP_CHECK(!a.assistant_only_loss || docs.count(train::TextDocument::Kind::Messages) > 0,
+               "kcpp train: --assistant-only-loss is for conversations ('messages' lines); {} has none", a.data);
     // Conversations are rendered by the model's chat template (tokenizer_config.json's, or its
     // chat_template.jinja), with no generation prompt: the conversation as written.
     std::optional<models::ChatTemplate> chat;
     if (docs.count(train::TextDocument::Kind::Messages) > 0 &&
         (!a.chat_template.empty() || std::filesystem::exists(std::filesystem::path(folder) / "tokenizer_config.json"))) {
       chat = load_chat_template(folder, a.chat_template, "kcpp train: --data's conversations");
-      encoder.chat = [&](const nlohmann::ordered_json& messages) { return chat->render(messages, /*add_generation_prompt=*/false); };
+      encoder.chat = [&](const nlohmann::ordered_json& messages) {
+        models::ChatTemplate::Rendered r = chat->render_with_generation(messages, /*add_generation_prompt=*/false);
+        return train::ChatText{std::move(r.text), std::move(r.generation)};
+      };
     }
     train::TokenStream stream = train::tokenize_documents(docs, encoder, a.data);
     d.tokens = std::move(stream.ids);
@@ -741,6 +749,9 @@ void add_train_command(CLI::App& app, Action& action) {
                 "chat template), or any other file as one plain-text document");
   t->add_option("--text-field", args->text_field, "The field of each .jsonl line that holds its text")->capture_default_str();
   t->add_option("--tokenizer", args->tokenizer, "A tokenizer.json other than the model folder's, for --data");
+  t->add_flag("--assistant-only-loss", args->assistant_only_loss,
+              "For --data's conversations: train only on the assistant's tokens, those the chat template renders in "
+              "{% generation %} blocks (TRL's assistant_only_loss)");
   t->add_option("--chat-template", args->chat_template, "For --data's conversations: a tokenizer_config.json or a Jinja "
                 "template file other than the model folder's");
   t->add_option("--lr-scheduler", args->given_scheduler,
