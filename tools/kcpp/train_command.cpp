@@ -75,6 +75,8 @@ struct TrainArgs {
   bool text_field_given = false;
   std::string chat_template;  // --chat-template FILE
   bool assistant_only_loss = false;
+  std::string eval_data;  // --eval-data FILE
+  int64_t eval_every = 0, eval_windows = 256;
   std::optional<std::string> given_scheduler;
   std::optional<int64_t> given_warmup, given_schedule_steps;
   train::LrSchedule schedule;  // as run
@@ -122,6 +124,8 @@ struct Run {
   // The mean loss of the last tenth of the steps: one step's loss is one batch's, and runs whose
   // sums differ in order (kernels with atomics, another number of GPUs) part after many bf16 steps.
   double tail_loss = 0;
+  double eval_loss = std::nan("");  // on --eval-data after the last step
+  int64_t eval_tokens = 0;
   std::unique_ptr<models::CausalLM> model;
   std::unique_ptr<train::AdamW> opt;         // alone
   std::unique_ptr<train::DataParallel> dp;   // in a group
@@ -231,8 +235,34 @@ std::vector<train::MicroBatch> micro_batches(const std::vector<int64_t>& rows, c
   return out;
 }
 
-Run run_one(const std::string& name, const TrainArgs& a, Device dev, const TrainingData& data, const KernelPlan* plan,
-            Ranks& ranks, const std::optional<Resume>& resume) {
+// The mean loss over the labelled tokens of the eval stream's first `max_windows` consecutive windows
+// of `seq` tokens (each token's target is the next, as in training; a window's first label is not
+// one), `rows` windows a forward; every rank runs it (ZeRO-3 gathers the parameters for it).
+struct EvalResult {
+  double loss = 0;
+  int64_t tokens = 0;
+};
+EvalResult evaluate(models::CausalLM& model, const TrainingData& d, int64_t seq, int64_t rows, int64_t max_windows, Device dev) {
+  const int64_t windows = std::min<int64_t>(max_windows, static_cast<int64_t>(d.tokens.size()) / seq);
+  const std::vector<int64_t>& targets = d.labels.empty() ? d.tokens : d.labels;
+  double sum = 0;
+  int64_t tokens = 0;
+  for (int64_t w = 0; w < windows; w += rows) {
+    const int64_t n = std::min(rows, windows - w);
+    const auto from = [&](const std::vector<int64_t>& v) {
+      return Tensor::from_i64(std::vector<int64_t>(v.begin() + w * seq, v.begin() + (w + n) * seq), {n, seq}, DType::i64, dev);
+    };
+    const Tensor labels = from(targets);
+    const int64_t count = models::CausalLM::labelled_tokens(labels);
+    if (count == 0) continue;
+    sum += model.loss(from(d.tokens), labels).item() * static_cast<double>(count);
+    tokens += count;
+  }
+  return {tokens > 0 ? sum / static_cast<double>(tokens) : std::nan(""), tokens};
+}
+
+Run run_one(const std::string& name, const TrainArgs& a, Device dev, const TrainingData& data, const TrainingData* eval,
+            const KernelPlan* plan, Ranks& ranks, const std::optional<Resume>& resume) {
   Run r;
   r.name = name;
   const DType dtype = parse_dtype(a.dtype);
@@ -276,6 +306,7 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
   const int64_t tail = std::max<int64_t>(1, a.steps / 10);
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t before = resume ? resume->steps_done : 0;
+  double eval_seconds = 0;
   train::AdamWOptions& rate = dp ? dp->optimizer().options : opt->options;
   for (int64_t step = 1; step <= a.steps; ++step) {
     // Every rank draws the same global batch (the same generator) and trains on its rows.
@@ -287,7 +318,7 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
     if (step == 1) r.first_loss = s.loss;
     r.final_loss = s.loss;
     if (step > a.steps - tail) r.tail_loss += s.loss / static_cast<double>(tail);
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - eval_seconds;
     // A bar redrawn in place on a terminal; a line every tenth of the run in a log.
     const bool tty = ::isatty(::fileno(stdout)) != 0;
     if (ranks.printing() && (tty || step % std::max<int64_t>(1, a.steps / 10) == 0 || step == a.steps)) {
@@ -297,11 +328,25 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
                  a.schedule.varies() ? fmt::format("  lr {:.3g}", rate.lr) : "", step * a.batch * span / secs, tty ? "" : "\n");
       std::fflush(stdout);
     }
+    if (eval && a.eval_every > 0 && step % a.eval_every == 0 && step != a.steps) {
+      const auto e0 = std::chrono::steady_clock::now();  // evaluation is not training time
+      const EvalResult e = evaluate(*r.model, *eval, span, micro, a.eval_windows, dev);
+      synchronize(dev);
+      eval_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - e0).count();
+      if (ranks.printing())
+        fmt::print("{}  {:<10} eval at step {}: loss {:.4f} (perplexity {:.2f}) over {} tokens\n",
+                   ::isatty(::fileno(stdout)) ? "\n" : "", name, before + step, e.loss, std::exp(e.loss), e.tokens);
+    }
   }
   synchronize(dev);
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - eval_seconds;
   r.tokens_per_s = static_cast<double>(a.steps * a.batch * span) / r.seconds;
   r.peak_mib = static_cast<double>(alloc.stats().peak - base) / (1 << 20);
+  if (eval) {
+    const EvalResult e = evaluate(*r.model, *eval, span, micro, a.eval_windows, dev);
+    r.eval_loss = e.loss;
+    r.eval_tokens = e.tokens;
+  }
   if (ranks.printing())
     fmt::print("{}  {:<10} done: {:.1f} s, peak {:.1f} MiB{}\n", ::isatty(::fileno(stdout)) ? "\n" : "", name, r.seconds,
                r.peak_mib, ranks.world > 1 ? fmt::format(" per GPU ({} GPUs, ZeRO-{})", ranks.world, a.zero) : "");
@@ -329,15 +374,15 @@ void check_sizes(const TrainArgs& a) {
 
 // The token stream: --data through the tokenizer of the model trained (--tokenizer, else the model
 // folder's tokenizer.json; the byte-level one for the generated model), or the embedded corpus.
-TrainingData training_data(const TrainArgs& a, const std::optional<Resume>& resume) {
+TrainingData training_data(const TrainArgs& a, const std::optional<Resume>& resume, const std::string& file) {
   TrainingData d;
-  if (a.data.empty()) {
+  if (file.empty()) {
     KCPP_CHECK(a.model.empty(), "kcpp train: --model {} needs --data FILE: the embedded corpus is byte-level text for the "
                "generated model, not for this model's vocabulary", a.model);
     d.tokens = train::ByteTokenizer().encode(train::generated_corpus(400000));
     d.what = "the embedded corpus";
   } else {
-    const train::TextDocuments docs = train::read_text_documents(a.data, a.text_field, a.text_field_given);
+    const train::TextDocuments docs = train::read_text_documents(file, a.text_field, a.text_field_given);
     // The model's folder (the checkpoint's when resuming); none for the generated model, whose
     // tokenizer is the byte-level one it is saved with.
     const std::string folder = resume ? resume->folder.string() : a.model;
@@ -366,7 +411,7 @@ TrainingData training_data(const TrainArgs& a, const std::optional<Resume>& resu
     encoder.token_bytes = [&](int64_t id) { return tok.token_bytes(id); };
     encoder.assistant_only = a.assistant_only_loss;
     KCPP_CHECK(!a.assistant_only_loss || docs.count(train::TextDocument::Kind::Messages) > 0,
-               "kcpp train: --assistant-only-loss is for conversations ('messages' lines); {} has none", a.data);
+               "kcpp train: --assistant-only-loss is for conversations ('messages' lines); {} has none", file);
     // Conversations are rendered by the model's chat template (tokenizer_config.json's, or its
     // chat_template.jinja), with no generation prompt: the conversation as written.
     std::optional<models::ChatTemplate> chat;
@@ -378,14 +423,14 @@ TrainingData training_data(const TrainArgs& a, const std::optional<Resume>& resu
         return train::ChatText{std::move(r.text), std::move(r.generation)};
       };
     }
-    train::TokenStream stream = train::tokenize_documents(docs, encoder, a.data);
+    train::TokenStream stream = train::tokenize_documents(docs, encoder, file);
     d.tokens = std::move(stream.ids);
     d.labels = std::move(stream.labels);
     for (const int64_t id : d.tokens)
       KCPP_CHECK(id >= 0 && id < vocab, "kcpp train: {} encodes {} to token {}, outside the model's vocabulary of {}; give the "
-                 "model's own tokenizer", tf.empty() ? std::string("the byte-level tokenizer") : tf.string(), a.data, id, vocab);
-    d.source = std::filesystem::absolute(a.data).lexically_normal().string();
-    d.what = a.data;
+                 "model's own tokenizer", tf.empty() ? std::string("the byte-level tokenizer") : tf.string(), file, id, vocab);
+    d.source = std::filesystem::absolute(file).lexically_normal().string();
+    d.what = file;
   }
   auto bytes = [](const std::vector<int64_t>& v) {
     return std::string_view(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(int64_t));
@@ -574,7 +619,14 @@ int run_train(TrainArgs a) {
                folder_config->max_position_embeddings);
   }
   const std::optional<Resume> resume = a.resume.empty() ? std::nullopt : std::optional<Resume>(read_resume(a.resume, a));
-  const TrainingData data = training_data(a, resume);
+  const TrainingData data = training_data(a, resume, a.data);
+  const std::optional<TrainingData> eval_data =
+      a.eval_data.empty() ? std::nullopt : std::optional<TrainingData>(training_data(a, resume, a.eval_data));
+  KCPP_CHECK(!eval_data || static_cast<int64_t>(eval_data->tokens.size()) >= a.seq,
+             "kcpp train: --eval-data {} holds {} tokens, fewer than one window of --seq {}", a.eval_data,
+             eval_data ? eval_data->tokens.size() : 0, a.seq);
+  KCPP_CHECK(a.eval_every >= 0 && a.eval_windows > 0, "kcpp train: --eval-every is {} and --eval-windows {}; give 0 or more "
+             "steps (0: at the end only) and 1 or more windows", a.eval_every, a.eval_windows);
   if (resume) {
     check_resume(*resume, a, data);
   } else {
@@ -624,9 +676,10 @@ int run_train(TrainArgs a) {
   if (resume && ranks.printing())
     fmt::print("resuming {} after its {} steps (model, optimizer state, data position and learning-rate schedule)\n", a.resume,
                resume->steps_done);
-  if (!a.kernels_only) runs.push_back(run_one("reference", a, dev, data, nullptr, ranks, resume));
+  const TrainingData* eval = eval_data ? &*eval_data : nullptr;
+  if (!a.kernels_only) runs.push_back(run_one("reference", a, dev, data, eval, nullptr, ranks, resume));
   if (!a.reference_only) {
-    if (plan) runs.push_back(run_one("kernels", a, dev, data, &*plan, ranks, resume));
+    if (plan) runs.push_back(run_one("kernels", a, dev, data, eval, &*plan, ranks, resume));
     else if (ranks.printing()) fmt::print("(no liger package found: build it, or pass --packages DIR; showing the reference only)\n");
   }
   // --save: every rank writes the optimizer state it keeps (then rank 0 the rest, below).
@@ -643,11 +696,14 @@ int run_train(TrainArgs a) {
     runs.back().dp.reset();
   }
   if (!ranks.printing()) return 0;  // rank 0 reports, samples and saves
-  fmt::print("\n{:<10} {:>12} {:>14} {:>12} {:>12} {:>14}\n", "layers", "tokens/s", "peak MiB", "first loss", "final loss",
-             "last 10% mean");
+  fmt::print("\n{:<10} {:>12} {:>14} {:>12} {:>12} {:>14}{}\n", "layers", "tokens/s", "peak MiB", "first loss", "final loss",
+             "last 10% mean", eval ? fmt::format(" {:>12}", "eval loss") : "");
   for (const Run& r : runs)
-    fmt::print("{:<10} {:>12.0f} {:>14.1f} {:>12.4f} {:>12.4f} {:>14.4f}\n", r.name, r.tokens_per_s, r.peak_mib, r.first_loss,
-               r.final_loss, r.tail_loss);
+    fmt::print("{:<10} {:>12.0f} {:>14.1f} {:>12.4f} {:>12.4f} {:>14.4f}{}\n", r.name, r.tokens_per_s, r.peak_mib, r.first_loss,
+               r.final_loss, r.tail_loss, eval ? fmt::format(" {:>12.4f}", r.eval_loss) : "");
+  if (eval)
+    fmt::print("eval: {} ({} labelled tokens in at most {} windows of {}), perplexity {:.2f}\n", a.eval_data, runs.back().eval_tokens,
+               a.eval_windows, a.seq, std::exp(runs.back().eval_loss));
   if (runs.size() == 2)
     fmt::print("kernels vs reference: {:.2f}x tokens/s, {:.0f}% of the peak memory\n", runs[1].tokens_per_s / runs[0].tokens_per_s,
                100.0 * runs[1].peak_mib / std::max(runs[0].peak_mib, 1e-9));
@@ -749,6 +805,12 @@ void add_train_command(CLI::App& app, Action& action) {
                 "chat template), or any other file as one plain-text document");
   t->add_option("--text-field", args->text_field, "The field of each .jsonl line that holds its text")->capture_default_str();
   t->add_option("--tokenizer", args->tokenizer, "A tokenizer.json other than the model folder's, for --data");
+  t->add_option("--eval-data", args->eval_data, "Held-out text in --data's formats: its loss (and perplexity) after training, "
+                "and every --eval-every steps");
+  t->add_option("--eval-every", args->eval_every, "Evaluate on --eval-data every this many steps too (0: at the end only)")
+      ->capture_default_str();
+  t->add_option("--eval-windows", args->eval_windows, "The --eval-data windows of --seq tokens evaluated, from its start")
+      ->capture_default_str();
   t->add_flag("--assistant-only-loss", args->assistant_only_loss,
               "For --data's conversations: train only on the assistant's tokens, those the chat template renders in "
               "{% generation %} blocks (TRL's assistant_only_loss)");
