@@ -12,6 +12,7 @@
 
 #include "models/causal_lm.h"
 #include "models/chat_template.h"
+#include "models/mamba.h"
 #include "models/safetensors.h"
 #include "models/tokenizer.h"
 #include "test_util.h"
@@ -395,6 +396,43 @@ TEST(TextData, AssistantOnlyLossAsTransformersMasks) {
   enc.chat = [&](const nlohmann::ordered_json&) { return train::ChatText{"A: \xef\xac\x81ne", {{2, 8}}}; };
   EXPECT_ERROR(train::tokenize_documents(train::TextDocuments{{conversation}}, enc, "chat.jsonl"),
                "does not spell the rendered conversation back at byte 3");
+}
+
+// A Mamba model's step: two micro-batches with different numbers of labelled tokens give the whole
+// batch's AdamW update (the same parameters after the step, within f32 rounding); steps lower the
+// loss; save() writes a folder that loads back to the same logits.
+TEST(Training, MambaStepsAccumulateAndSave) {
+  const fs::path dir = fs::path(test::fixtures_dir()) / "mamba";
+  auto split = models::MambaLM::from_folder(dir, DType::f32, Device::cpu());
+  auto whole = models::MambaLM::from_folder(dir, DType::f32, Device::cpu());
+  const auto e = models::SafetensorsFile::open(dir / "expected.safetensors");
+  const Tensor ids = e.view("input_ids");
+  ASSERT_EQ(ids.size(0), 2);
+  const int64_t s = ids.size(1);
+  auto lv = ids.to_f64_vector();
+  lv[static_cast<size_t>(s) + 2] = lv[static_cast<size_t>(s) + 3] = -100;  // row 1: two fewer labelled tokens
+  const Tensor labels = Tensor::from_f64(lv, {2, s}, DType::i64);
+  train::AdamWOptions o;
+  o.lr = 1e-2, o.weight_decay = 0.01, o.max_grad_norm = 1.0;
+  train::AdamW opt_split(split->parameters(), o), opt_whole(whole->parameters(), o);
+  std::vector<train::MicroBatch> micro;
+  for (int64_t r = 0; r < 2; ++r) micro.push_back({ids.narrow(0, r, 1).contiguous(), labels.narrow(0, r, 1).contiguous()});
+  const auto a = train::train_step(*split, opt_split, micro);
+  const auto b = train::train_step(*whole, opt_whole, {{ids, labels}});
+  EXPECT_EQ(a.tokens, b.tokens);
+  EXPECT_NEAR(a.loss, b.loss, 1e-6 * std::abs(b.loss));
+  const auto ps = split->parameters(), pw = whole->parameters();
+  ASSERT_EQ(ps.size(), pw.size());
+  for (size_t i = 0; i < ps.size(); ++i) EXPECT_TRUE(test::close_l2(ps[i].second, pw[i].second.to_f64_vector(), 1e-6)) << ps[i].first;
+  double last = b.loss;
+  for (int step = 0; step < 10; ++step) last = train::train_step(*whole, opt_whole, {{ids, labels}}).loss;
+  EXPECT_LT(last, 0.9 * b.loss) << "loss " << b.loss << " -> " << last;
+  std::string tmpl = (fs::temp_directory_path() / "kcpp-mamba-XXXXXX").string();
+  const fs::path out = ::mkdtemp(tmpl.data());
+  whole->save(out);
+  auto again = models::MambaLM::from_folder(out, DType::f32, Device::cpu());
+  EXPECT_TRUE(test::close_l2(again->forward(ids), whole->forward(ids).to_f64_vector(), 1e-7));
+  fs::remove_all(out);
 }
 
 }  // namespace

@@ -265,6 +265,20 @@ std::vector<std::pair<std::string, Tensor>> MambaLM::parameters() const {
   return out;
 }
 
+void MambaLM::save(const std::filesystem::path& folder) const {
+  std::filesystem::create_directories(folder);
+  MambaConfig c = cfg_;
+  c.torch_dtype = dtype_ == DType::bf16 ? "bfloat16" : dtype_ == DType::f16 ? "float16" : "float32";
+  const auto tmp = folder / "config.json.tmp";
+  {
+    std::ofstream out(tmp);
+    out << c.to_json().dump(2) << "\n";
+    KCPP_CHECK(out.good(), "{}: cannot write", tmp.string());
+  }
+  std::filesystem::rename(tmp, folder / "config.json");
+  save_safetensors(folder / "model.safetensors", parameters(), {{"format", "pt"}});
+}
+
 // ---- forward -------------------------------------------------------------------------------------
 
 struct MambaLM::LayerTape {

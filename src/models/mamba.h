@@ -84,7 +84,11 @@ class MambaLM : public nn::Module {
   CausalLM::Gradients loss_and_gradients(const Tensor& input_ids, const Tensor& labels, double dloss = 1.0);
 
   void visit_slots(const std::function<void(nn::Slot&)>& fn) override;
+  // Every parameter by its safetensors name (handles: writing into one updates the model; a tied
+  // lm_head is the embedding and is listed once).
   std::vector<std::pair<std::string, Tensor>> parameters() const;
+  // A Hugging Face folder Transformers loads: config.json (dtype = the model's) and model.safetensors.
+  void save(const std::filesystem::path& folder) const;
 
   const MambaConfig& config() const { return cfg_; }
   const std::vector<std::string>& unused_weights() const { return unused_weights_; }

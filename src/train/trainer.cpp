@@ -43,4 +43,27 @@ StepResult train_step(models::CausalLM& model, AdamW& opt, const std::vector<Mic
   return r;
 }
 
+StepResult train_step(models::MambaLM& model, AdamW& opt, const std::vector<MicroBatch>& micro) {
+  KCPP_CHECK(!micro.empty(), "train_step: no micro-batches");
+  StepResult r;
+  for (const MicroBatch& m : micro) r.tokens += models::CausalLM::labelled_tokens(m.labels);
+  KCPP_CHECK(r.tokens > 0, "train_step: no labelled token in {} micro-batches", micro.size());
+  std::map<std::string, Tensor> grads;
+  for (const MicroBatch& m : micro) {
+    const int64_t n = models::CausalLM::labelled_tokens(m.labels);
+    if (n == 0) continue;  // its mean is NaN and its share nothing
+    const double share = static_cast<double>(n) / static_cast<double>(r.tokens);
+    auto g = model.loss_and_gradients(m.input_ids, m.labels, share);
+    r.loss += g.loss.item() * share;
+    for (auto& [name, t] : g.grads) {
+      auto it = grads.find(name);
+      if (it == grads.end()) grads.emplace(name, t);
+      else it->second = ops::add(it->second, t);
+    }
+  }
+  opt.step(grads);
+  r.grad_norm = opt.grad_norm();
+  return r;
+}
+
 }  // namespace kcpp::train

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "models/causal_lm.h"
+#include "models/mamba.h"
 #include "train/adamw.h"
 
 namespace kcpp::train {
@@ -36,5 +37,9 @@ Accumulated accumulate_gradients(models::CausalLM& model, const std::vector<Micr
 
 // accumulate_gradients, then one AdamW step.
 StepResult train_step(models::CausalLM& model, AdamW& opt, const std::vector<MicroBatch>& micro);
+
+// The same step for a Mamba-family model: each micro-batch's mean loss weighted by its share of the
+// labelled tokens (dloss = its tokens / all of them), so that the step is the whole batch's.
+StepResult train_step(models::MambaLM& model, AdamW& opt, const std::vector<MicroBatch>& micro);
 
 }  // namespace kcpp::train

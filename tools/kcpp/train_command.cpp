@@ -51,6 +51,7 @@
 #include "hub/hub.h"
 #include "models/causal_lm.h"
 #include "models/chat_template.h"
+#include "models/mamba.h"
 #include "models/tokenizer.h"
 #include "nn/kernel_config.h"
 #include "hub/crypto.h"
@@ -105,6 +106,28 @@ struct TrainingData {
   std::string digest;  // sha256 of the tokens: a resumed run must draw from the same stream
 };
 
+// What the command needs of a model folder's config.json, either family's.
+struct FolderModel {
+  bool mamba = false;
+  std::string model_type;
+  int64_t layers = 0, hidden = 0, vocab = 0, max_positions = 0;
+  std::vector<int64_t> eos;
+};
+FolderModel folder_model(const std::filesystem::path& folder) {
+  FolderModel f;
+  f.mamba = models::is_mamba_folder(folder);
+  if (f.mamba) {
+    const models::MambaConfig c = models::MambaConfig::from_folder(folder);
+    f.model_type = c.model_type, f.layers = c.num_hidden_layers, f.hidden = c.hidden_size, f.vocab = c.vocab_size;
+    f.max_positions = c.max_position_embeddings, f.eos = c.eos_token_id;
+  } else {
+    const models::ModelConfig c = models::ModelConfig::from_folder(folder);
+    f.model_type = c.model_type, f.layers = c.num_hidden_layers, f.hidden = c.hidden_size, f.vocab = c.vocab_size;
+    f.max_positions = c.max_position_embeddings, f.eos = c.eos_token_id;
+  }
+  return f;
+}
+
 // This process's place in a data-parallel run (rank 0 of 1 when alone).
 struct Ranks {
   std::unique_ptr<dist::Communicator> comm;  // null when alone
@@ -127,6 +150,7 @@ struct Run {
   double eval_loss = std::nan("");  // on --eval-data after the last step
   int64_t eval_tokens = 0;
   std::unique_ptr<models::CausalLM> model;
+  std::unique_ptr<models::MambaLM> mamba;  // a Mamba-family folder's model, instead of `model`
   std::unique_ptr<train::AdamW> opt;         // alone
   std::unique_ptr<train::DataParallel> dp;   // in a group
 };
@@ -242,7 +266,8 @@ struct EvalResult {
   double loss = 0;
   int64_t tokens = 0;
 };
-EvalResult evaluate(models::CausalLM& model, const TrainingData& d, int64_t seq, int64_t rows, int64_t max_windows, Device dev) {
+template <class Model>
+EvalResult evaluate(Model& model, const TrainingData& d, int64_t seq, int64_t rows, int64_t max_windows, Device dev) {
   const int64_t windows = std::min<int64_t>(max_windows, static_cast<int64_t>(d.tokens.size()) / seq);
   const std::vector<int64_t>& targets = d.labels.empty() ? d.tokens : d.labels;
   double sum = 0;
@@ -266,14 +291,18 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
   Run r;
   r.name = name;
   const DType dtype = parse_dtype(a.dtype);
-  r.model = resume             ? models::CausalLM::from_folder(resume->folder, dtype, dev)
-            : !a.model.empty() ? models::CausalLM::from_folder(a.model, dtype, dev)
-                               : models::CausalLM::random(small_llama(a), dtype, dev, a.seed);
-  const auto report = plan ? r.model->kernelize(plan->config, nn::kTraining, dev, plan->loader).str() : std::string();
+  const std::filesystem::path folder = resume ? resume->folder : std::filesystem::path(a.model);
+  if (!folder.empty() && models::is_mamba_folder(folder)) r.mamba = models::MambaLM::from_folder(folder, dtype, dev);
+  else if (!folder.empty()) r.model = models::CausalLM::from_folder(folder, dtype, dev);
+  else r.model = models::CausalLM::random(small_llama(a), dtype, dev, a.seed);
+  nn::Module& module = r.model ? static_cast<nn::Module&>(*r.model) : *r.mamba;
+  const auto report = plan ? module.kernelize(plan->config, nn::kTraining, dev, plan->loader).str() : std::string();
   if (ranks.printing()) fmt::print("{}", report);
   train::AdamWOptions o;
   o.lr = a.lr, o.weight_decay = 0.01, o.max_grad_norm = 1.0;
   // Alone: one AdamW; in a group: the data-parallel step over this rank's rows of each batch.
+  KCPP_CHECK(!ranks.comm || r.model, "kcpp train: a {} model trains on one device (data parallelism covers the Llama families "
+             "and the mixture-of-experts ones)", r.mamba ? r.mamba->config().model_type : "");
   if (ranks.comm) {
     train::DataParallelOptions dpo;
     dpo.zero_stage = static_cast<int>(a.zero);
@@ -281,7 +310,7 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
     r.dp = std::make_unique<train::DataParallel>(*r.model, *ranks.comm, o, dpo);
     if (resume) r.dp->load_optimizer(resume->folder);
   } else {
-    r.opt = std::make_unique<train::AdamW>(r.model->parameters(), o);
+    r.opt = std::make_unique<train::AdamW>(r.model ? r.model->parameters() : r.mamba->parameters(), o);
     if (resume) train::load_optimizer_state(resume->folder, *r.opt);
   }
   if (resume) {  // the model, the optimizer and the data position of one save
@@ -314,7 +343,8 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
     const std::vector<int64_t> rows = windows.next(gen.engine(), &labels);
     const std::vector<train::MicroBatch> parts = micro_batches(rows, labels, span, lo, hi, micro, dev);
     rate.lr = a.lr * a.schedule.factor(before + step - 1);
-    const train::StepResult s = dp ? dp->step(parts) : train::train_step(*r.model, *opt, parts);
+    const train::StepResult s = dp ? dp->step(parts) : r.mamba ? train::train_step(*r.mamba, *opt, parts)
+                                                               : train::train_step(*r.model, *opt, parts);
     if (step == 1) r.first_loss = s.loss;
     r.final_loss = s.loss;
     if (step > a.steps - tail) r.tail_loss += s.loss / static_cast<double>(tail);
@@ -330,7 +360,8 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
     }
     if (eval && a.eval_every > 0 && step % a.eval_every == 0 && step != a.steps) {
       const auto e0 = std::chrono::steady_clock::now();  // evaluation is not training time
-      const EvalResult e = evaluate(*r.model, *eval, span, micro, a.eval_windows, dev);
+      const EvalResult e = r.mamba ? evaluate(*r.mamba, *eval, span, micro, a.eval_windows, dev)
+                                   : evaluate(*r.model, *eval, span, micro, a.eval_windows, dev);
       synchronize(dev);
       eval_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - e0).count();
       if (ranks.printing())
@@ -343,7 +374,8 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
   r.tokens_per_s = static_cast<double>(a.steps * a.batch * span) / r.seconds;
   r.peak_mib = static_cast<double>(alloc.stats().peak - base) / (1 << 20);
   if (eval) {
-    const EvalResult e = evaluate(*r.model, *eval, span, micro, a.eval_windows, dev);
+    const EvalResult e = r.mamba ? evaluate(*r.mamba, *eval, span, micro, a.eval_windows, dev)
+                                 : evaluate(*r.model, *eval, span, micro, a.eval_windows, dev);
     r.eval_loss = e.loss;
     r.eval_tokens = e.tokens;
   }
@@ -401,9 +433,9 @@ TrainingData training_data(const TrainArgs& a, const std::optional<Resume>& resu
     int64_t vocab = train::ByteTokenizer::kVocab;
     std::optional<int64_t> eos = train::ByteTokenizer::kEos;
     if (!folder.empty()) {
-      const models::ModelConfig cfg = models::ModelConfig::from_folder(folder);
-      vocab = cfg.vocab_size;
-      eos = cfg.eos_token_id.empty() ? std::nullopt : std::optional<int64_t>(cfg.eos_token_id[0]);
+      const FolderModel cfg = folder_model(folder);
+      vocab = cfg.vocab;
+      eos = cfg.eos.empty() ? std::nullopt : std::optional<int64_t>(cfg.eos[0]);
     }
     train::Encoder encoder;
     encoder.encode = [&](std::string_view t, bool special) { return tok.encode(t, special); };
@@ -611,12 +643,11 @@ int run_train(TrainArgs a) {
   KCPP_CHECK(a.model.empty() || a.resume.empty(), "kcpp train: --model and --resume both name the model to train; a resumed run "
              "continues the model its checkpoint holds (give only --resume)");
   // The model folder's config first, so that a wrong folder fails before the data is read.
-  std::optional<models::ModelConfig> folder_config;
+  std::optional<FolderModel> folder_config;
   if (!a.model.empty()) {
-    folder_config = models::ModelConfig::from_folder(a.model);
-    KCPP_CHECK(a.seq <= folder_config->max_position_embeddings,
-               "kcpp train: --seq is {}; {}'s context length (max_position_embeddings) is {}", a.seq, a.model,
-               folder_config->max_position_embeddings);
+    folder_config = folder_model(a.model);
+    KCPP_CHECK(a.seq <= folder_config->max_positions, "kcpp train: --seq is {}; {}'s context length (max_position_embeddings) is {}",
+               a.seq, a.model, folder_config->max_positions);
   }
   const std::optional<Resume> resume = a.resume.empty() ? std::nullopt : std::optional<Resume>(read_resume(a.resume, a));
   const TrainingData data = training_data(a, resume, a.data);
@@ -652,7 +683,7 @@ int run_train(TrainArgs a) {
     const std::string model =
         !a.model.empty()
             ? fmt::format("the {} model of {} (layers {}, hidden {}, vocabulary {})", folder_config->model_type, a.model,
-                          folder_config->num_hidden_layers, folder_config->hidden_size, folder_config->vocab_size)
+                          folder_config->layers, folder_config->hidden, folder_config->vocab)
         : resume ? fmt::format("the model of {}", a.resume)
                  : fmt::format("a {}-layer Llama-style model (hidden {}, byte-level vocabulary {})", a.layers, a.hidden,
                                train::ByteTokenizer::kVocab);
@@ -707,31 +738,38 @@ int run_train(TrainArgs a) {
   if (runs.size() == 2)
     fmt::print("kernels vs reference: {:.2f}x tokens/s, {:.0f}% of the peak memory\n", runs[1].tokens_per_s / runs[0].tokens_per_s,
                100.0 * runs[1].peak_mib / std::max(runs[0].peak_mib, 1e-9));
-  models::CausalLM& best = *runs.back().model;
-  best.eval();
+  Run& best = runs.back();
+  (best.model ? static_cast<nn::Module&>(*best.model) : *best.mamba).eval();
   // The folder the model came from, whose tokenizer files go with a save; none for the generated model.
   const std::filesystem::path source = resume ? resume->folder : std::filesystem::path(a.model);
   const std::filesystem::path tokenizer_file =
       !a.tokenizer.empty() ? std::filesystem::path(a.tokenizer) : source.empty() ? std::filesystem::path() : source / "tokenizer.json";
   // The sample stays inside the context the model was trained on (--seq tokens).
-  std::optional<models::Tokenizer> tok;
+  std::optional<models::Tokenizer> tok;  // for --data, the one that encoded it
   if (tokenizer_file.empty())
     tok = models::Tokenizer::from_json_text(models::Tokenizer::byte_level_json(train::ByteTokenizer::kBos, train::ByteTokenizer::kEos),
                                             "byte-level tokenizer");
   else if (std::filesystem::exists(tokenizer_file))
     tok = models::Tokenizer::from_file(tokenizer_file);
   if (tok) {
-    const std::vector<int64_t> prompt = tok->encode("The ", /*add_special_tokens=*/true);
+    // The generated model's sample starts as its corpus's sentences do; another starts as its data does.
+    const std::vector<int64_t> prompt =
+        source.empty() && a.data.empty()
+            ? tok->encode("The ", /*add_special_tokens=*/true)
+            : std::vector<int64_t>(data.tokens.begin(), data.tokens.begin() + std::min<int64_t>(8, a.seq / 2));
     const int64_t room = a.seq - static_cast<int64_t>(prompt.size());
     if (room > 0) {
-      const auto out = best.generate(prompt, std::min<int64_t>(160, room), models::Sampling{0.7, 20, 0.95, a.seed});
+      const models::Sampling sampling{0.7, 20, 0.95, a.seed};
+      const int64_t n = std::min<int64_t>(160, room);
+      const auto out = best.model ? best.model->generate(prompt, n, sampling) : best.mamba->generate(prompt, n, sampling);
       fmt::print("\nsample ({}): {}\n", runs.back().name, tok->decode(out, /*skip_special_tokens=*/true));
     } else {
       fmt::print("\n(no sample: --seq {} leaves no room after the {}-token prompt)\n", a.seq, prompt.size());
     }
   }
   if (!a.save.empty()) {
-    best.save(a.save);
+    if (best.model) best.model->save(a.save);
+    else best.mamba->save(a.save);
     const std::filesystem::path dest(a.save);
     if (tokenizer_file.empty()) {
       std::ofstream(dest / "tokenizer.json")
