@@ -231,7 +231,7 @@ const std::map<std::string, std::string>& default_package_constraints() {
   // The packages' versions, as packages/*/CMakeLists.txt set them (tests/packages checks that they
   // agree with the built manifests).
   static const std::map<std::string, std::string> c = {
-      {"liger", "^0.1"}, {"activation", "^0.1"}, {"flash_attn", "^0.1"}};
+      {"liger", "^0.1"}, {"activation", "^0.1"}, {"flash_attn", "^0.1"}, {"moe", "^0.1"}, {"mamba", "^0.1"}};
   return c;
 }
 
@@ -249,6 +249,10 @@ nlohmann::json default_kernel_mapping() {
   for (const char* act : {"SiLU", "GeLU", "GeluTanh", "FastGELU", "NewGELU", "QuickGELU", "SiluAndMul", "GeluAndMul",
                           "GeluTanhAndMul"})
     m[act] = ref("activation", act);
+  // Mixture-of-experts blocks on a GPU (where the package's grouped GEMMs were measured; the CPU keeps
+  // the reference's loop over experts), and Mamba's scan and convolution everywhere.
+  m["MegaBlocksMoeMLP"] = {{"cuda", ref("moe", "MegaBlocksMoeMLP")}, {"cpu", ""}};
+  for (const char* ssm : {"SelectiveScan", "SelectiveStateUpdate", "CausalConv1d", "CausalConv1dUpdate"}) m[ssm] = ref("mamba", ssm);
   return m;
 }
 
