@@ -103,7 +103,7 @@ struct TrainingData {
   std::vector<int64_t> labels;  // each token's target (-100: not trained); empty: the tokens themselves
   std::string source;  // the --data file, or "" for the embedded corpus
   std::string what;    // "the embedded corpus", "data.jsonl"
-  std::string digest;  // sha256 of the tokens: a resumed run must draw from the same stream
+  std::string digest;  // sha256 of the tokens (+ of the labels): a resumed run must draw from the same stream
 };
 
 // What the command needs of a model folder's config.json, either family's.
@@ -467,7 +467,8 @@ TrainingData training_data(const TrainArgs& a, const std::optional<Resume>& resu
   auto bytes = [](const std::vector<int64_t>& v) {
     return std::string_view(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(int64_t));
   };
-  d.digest = hub::sha256_hex(std::string(bytes(d.tokens)) + std::string(bytes(d.labels)));
+  d.digest = hub::sha256_hex(bytes(d.tokens));  // hashed in place: the stream may be large
+  if (!d.labels.empty()) d.digest += "+" + hub::sha256_hex(bytes(d.labels));
   return d;
 }
 
