@@ -110,7 +110,8 @@ KernelLoader default_loader(std::shared_ptr<hub::Hub> hub, LocalPackageFinder lo
       } catch (const hub::HubUnavailable& e) {
         why = e.what();
         std::lock_guard<std::mutex> g(st->mu);
-        if (e.unreachable()) st->endpoint_down = "the hub did not answer: " + why;
+        // Later references are not asked for: their reason is this request's failure, said as such.
+        if (e.unreachable()) st->endpoint_down = "the hub did not answer an earlier request, so it is not asked again (" + why + ")";
         st->hub_refused[key] = why;
       } catch (const hub::Untrusted& e) {
         why = e.what();

@@ -519,8 +519,11 @@ std::optional<KernelPlan> kernel_plan(const TrainArgs& a, Device dev) {
   hub::HubConfig hc = nn::default_hub_config();
   hc.allow_all_kernels = hc.allow_all_kernels || a.allow_all;
   nn::KernelConfig c = nn::KernelConfig::parse(m);
-  return KernelPlan{c, preload(c, dev, nn::default_loader(std::make_shared<hub::Hub>(std::move(hc)),
-                                                          [](const std::string& p) { return find_built_package("", p.c_str()); }))};
+  // Not preloaded: the default mapping names packages for every family (MoE, Mamba), and a package
+  // it cannot have is no error (this build's stands in, else the reference), so kernelize loads
+  // those of the layers the model has, when it has them.
+  return KernelPlan{c, nn::default_loader(std::make_shared<hub::Hub>(std::move(hc)),
+                                          [](const std::string& p) { return find_built_package("", p.c_str()); })};
 }
 
 // --gpus N: N copies of this command as ranks 0 .. N-1 of one NCCL group; waits for them all (a rank
