@@ -292,8 +292,8 @@ TEST(ModelConfig, ReadsTheTransformersFixtures) {
   EXPECT_EQ(ModelConfig::from_folder(fs::path(test::fixtures_dir()) / "gemma").hidden_act, "gelu_pytorch_tanh");
 }
 
-// The mixture-of-experts keys (mixtral, qwen3_moe): read as Transformers 5 writes them, each out of
-// range a named error, written back; a model saved with the fused expert tensors loads again.
+// The mixture-of-experts keys (mixtral, qwen3_moe, qwen2_moe): read as Transformers 5 writes them, each
+// out of range a named error, written back; a model saved with the fused expert tensors loads again.
 TEST(ModelConfig, MixtureOfExpertsKeys) {
   const fs::path fx = fs::path(test::fixtures_dir());
   const ModelConfig mx = ModelConfig::from_folder(fx / "mixtral"), qm = ModelConfig::from_folder(fx / "qwen3_moe");
@@ -309,7 +309,26 @@ TEST(ModelConfig, MixtureOfExpertsKeys) {
   EXPECT_TRUE(qm.qk_norm);
   EXPECT_FALSE(qm.moe_layer(0));  // mlp_only_layers [0]
   EXPECT_TRUE(qm.moe_layer(1));
-  for (const ModelConfig& c : {mx, qm}) EXPECT_EQ(ModelConfig::from_json(c.to_json()).to_json(), c.to_json());
+  // Qwen2-MoE: decoder_sparse_step 2 makes layers 1, 3, 5 sparse, mlp_only_layers [3] takes 3 back;
+  // the shared expert; q/k/v biases (qkv_bias); its own sliding rule (even layers below
+  // max_window_layers 3: 0 and 2).
+  const ModelConfig q2 = ModelConfig::from_folder(fx / "qwen2_moe");
+  EXPECT_EQ(q2.num_experts, 5);
+  EXPECT_EQ(q2.num_experts_per_tok, 3);
+  EXPECT_EQ(q2.moe_intermediate_size, 20);
+  EXPECT_EQ(q2.shared_expert_intermediate_size, 28);
+  EXPECT_EQ(q2.intermediate_size, 44);
+  EXPECT_FALSE(q2.norm_topk_prob);
+  EXPECT_TRUE(q2.qkv_bias_only);
+  EXPECT_FALSE(q2.attention_bias || q2.qk_norm);
+  EXPECT_TRUE(q2.tie_word_embeddings);
+  EXPECT_EQ(mx.shared_expert_intermediate_size, 0);
+  EXPECT_EQ(qm.shared_expert_intermediate_size, 0);
+  for (int64_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(q2.moe_layer(i), i == 1 || i == 5) << i;
+    EXPECT_EQ(q2.attention_window(i), i == 0 || i == 2 ? 3 : 0) << i;
+  }
+  for (const ModelConfig& c : {mx, qm, q2}) EXPECT_EQ(ModelConfig::from_json(c.to_json()).to_json(), c.to_json());
   auto with = [&](const fs::path& dir, const std::string& key, const nlohmann::json& v) {
     std::ifstream in(dir / "config.json");
     nlohmann::json j = nlohmann::json::parse(in);
@@ -328,9 +347,83 @@ TEST(ModelConfig, MixtureOfExpertsKeys) {
   ModelConfig dense = ModelConfig::from_folder(fx / "llama");
   dense.num_experts = 4;
   EXPECT_ERROR(dense.validate(), "model_type 'llama' has no experts");
+  ModelConfig shared = qm;
+  shared.shared_expert_intermediate_size = 8;
+  EXPECT_ERROR(shared.validate(), "model_type 'qwen3_moe' has no shared expert");
+
+  // Qwen2-MoE's keys: each out of range named; what its configuration class does without them.
+  const fs::path q2d = fx / "qwen2_moe";
+  EXPECT_ERROR(ModelConfig::from_json(with(q2d, "shared_expert_intermediate_size", 0)),
+               "'shared_expert_intermediate_size' must be in [1, 16777216], is 0");
+  EXPECT_ERROR(ModelConfig::from_json(with(q2d, "num_experts", 0)), "'num_experts' must be in [1, 65536], is 0");
+  EXPECT_ERROR(ModelConfig::from_json(with(q2d, "num_experts_per_tok", 6)), "'num_experts_per_tok' must be in [1, 5], is 6");
+  EXPECT_ERROR(ModelConfig::from_json(with(q2d, "qkv_bias", "yes")), "'qkv_bias' must be true or false");
+  EXPECT_ERROR(ModelConfig::from_json(with(q2d, "mlp_only_layers", nlohmann::json::array({6}))), "'mlp_only_layers' must be in [0, 5], is 6");
+  EXPECT_ERROR(ModelConfig::from_json(with(q2d, "sliding_window", 0)), "'sliding_window' must be >= 1, is 0");
+  EXPECT_ERROR(ModelConfig::from_json(with(q2d, "rope_parameters", {{"rope_type", "default"}, {"rope_theta", 1e4}, {"partial_rotary_factor", 0.5}})),
+               "'partial_rotary_factor' 0.5 is not supported for qwen2_moe");
+  EXPECT_ERROR(ModelConfig::from_json(with(q2d, "rope_parameters", {{"rope_type", "yarn"}, {"rope_theta", 1e4}, {"factor", 4.0}})),
+               "rope_type 'yarn' is not supported");
+  EXPECT_FALSE(ModelConfig::from_json(with(q2d, "qkv_bias", false)).qkv_bias_only);
+  // Keys Qwen2-MoE's modeling code does not read change nothing.
+  EXPECT_FALSE(ModelConfig::from_json(with(q2d, "attention_bias", true)).attention_bias);
+  EXPECT_EQ(ModelConfig::from_json(with(q2d, "num_local_experts", 9)).num_experts, 5);
+  {  // No layer_types: Qwen2MoeConfig's rule gives the fixture's; without use_sliding_window no window
+     // (Transformers sets sliding_window to 0), and listing a sliding layer then is an error.
+    nlohmann::json j = with(q2d, "layer_types", nullptr);
+    j.erase("layer_types");
+    EXPECT_EQ(ModelConfig::from_json(j).layer_types, q2.layer_types);
+    j["max_window_layers"] = 28;
+    const ModelConfig all = ModelConfig::from_json(j);
+    for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(all.attention_window(i), i % 2 == 0 ? 3 : 0) << i;
+    j["use_sliding_window"] = false;
+    j["sliding_window"] = 0;
+    const ModelConfig none = ModelConfig::from_json(j);
+    EXPECT_FALSE(none.sliding_window.has_value());
+    for (int64_t i = 0; i < 6; ++i) EXPECT_EQ(none.attention_window(i), 0) << i;
+    EXPECT_ERROR(ModelConfig::from_json(with(q2d, "use_sliding_window", false)),
+                 "layer 0 is 'sliding_attention' but the config sets no sliding window (sliding_window with use_sliding_window true)");
+  }
+  {  // A Transformers 4 config of the hub's Qwen1.5-MoE layout: rope_theta at the top, a window that
+     // use_sliding_window false turns off, num_experts; the dense MLPs none (decoder_sparse_step 1).
+    const nlohmann::json old = nlohmann::json::parse(R"({
+      "architectures": ["Qwen2MoeForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151643,
+      "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 5632,
+      "max_position_embeddings": 8192, "max_window_layers": 21, "model_type": "qwen2_moe", "num_attention_heads": 16,
+      "num_hidden_layers": 24, "num_key_value_heads": 16, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+      "sliding_window": 32768, "tie_word_embeddings": false, "torch_dtype": "bfloat16", "transformers_version": "4.40.0",
+      "use_cache": true, "use_sliding_window": false, "vocab_size": 151936, "decoder_sparse_step": 1,
+      "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, "num_experts_per_tok": 4, "num_experts": 60,
+      "norm_topk_prob": false, "output_router_logits": false, "router_aux_loss_coef": 0.001})");
+    const ModelConfig c = ModelConfig::from_json(old);
+    EXPECT_DOUBLE_EQ(c.rope_theta, 1e6);
+    EXPECT_EQ(c.head_dim, 128);
+    EXPECT_FALSE(c.sliding_window.has_value());
+    EXPECT_EQ(c.num_experts, 60);
+    EXPECT_EQ(c.shared_expert_intermediate_size, 5632);
+    EXPECT_TRUE(c.qkv_bias_only);
+    for (int64_t i = 0; i < 24; ++i) EXPECT_TRUE(c.moe_layer(i) && c.attention_window(i) == 0) << i;
+    EXPECT_EQ(ModelConfig::from_json(c.to_json()).to_json(), c.to_json());
+  }
+  {  // Transformers' defaults when the keys are absent.
+    nlohmann::json j = with(q2d, "model_type", "qwen2_moe");
+    for (const char* k : {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                          "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "qkv_bias", "router_aux_loss_coef",
+                          "output_router_logits", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"})
+      j.erase(k);
+    const ModelConfig d = ModelConfig::from_json(j);
+    EXPECT_EQ(d.num_experts, 60);
+    EXPECT_EQ(d.num_experts_per_tok, 4);
+    EXPECT_EQ(d.moe_intermediate_size, 1408);
+    EXPECT_EQ(d.shared_expert_intermediate_size, 5632);
+    EXPECT_FALSE(d.norm_topk_prob || d.output_router_logits || d.sliding_window.has_value());
+    EXPECT_TRUE(d.qkv_bias_only);
+    EXPECT_DOUBLE_EQ(d.router_aux_loss_coef, 0.001);
+    for (int64_t i = 0; i < 6; ++i) EXPECT_TRUE(d.moe_layer(i)) << i;
+  }
 
   // Saved with Transformers 5's fused expert tensors, read back (strict: every tensor used).
-  for (const char* family : {"mixtral", "qwen3_moe"}) {
+  for (const char* family : {"mixtral", "qwen3_moe", "qwen2_moe"}) {
     SCOPED_TRACE(family);
     TempDir d;
     const auto a = models::CausalLM::from_folder(fx / family, DType::f32, Device::cpu());
@@ -630,7 +723,7 @@ TEST_P(Families, GradientsMatchTransformers) {
 // The *_swa fixtures: sliding windows (3 or 4) shorter than the sequence, per family's rules.
 INSTANTIATE_TEST_SUITE_P(Transformers, Families,
                          ::testing::Values("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "mistral_swa", "phi3_swa",
-                                           "qwen2_swa", "qwen3_swa", "mixtral", "qwen3_moe"),
+                                           "qwen2_swa", "qwen3_swa", "mixtral", "qwen3_moe", "qwen2_moe"),
                          [](const auto& info) { return std::string(info.param); });
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "nn/kernel_config.h"
+#include "nn/layers.h"
 #include "oracle.h"
 #include "ops/nn/attention.h"
 #include "ops/nn/cross_entropy.h"
@@ -238,6 +239,75 @@ TEST_P(Nn, AttentionForwardBackward) {
       EXPECT_TRUE(close_l2(bwd.dk, ref.dk, tol)) << cfg;
       EXPECT_TRUE(close_l2(bwd.dv, ref.dv, tol)) << cfg;
     }
+}
+
+// nn::MoE's reference (Transformers' eager loop; no kernel) with Qwen2-MoE's shared expert and its
+// sigmoid gate, with and without the gate and the renormalization, against the f64 oracle of MoE/1:
+// the routing exactly (on the reference's own rounded logits), the output and every gradient (an
+// extra upstream gradient of the logits too, as the auxiliary loss gives it).
+TEST_P(Nn, MoESharedExpertReferenceMatchesTheOracle) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test_generator();
+  for (DType dt : test::float_dtypes(dev))
+    for (bool gated : {true, false})
+      for (bool normalize : {false, true}) {
+        // The routing probabilities are f32 whatever the dtype (Transformers' softmax(dtype=torch.float)),
+        // so f64 holds no f64 precision here.
+        if (dt == DType::f64) continue;
+        const int64_t t = 11, h = 24, e = 5, k = 3, i = 12, si = 20;
+        const double sh = 1 / std::sqrt(static_cast<double>(h));
+        const Tensor x = Tensor::randn({t, h}, dt, dev, gen);
+        const Tensor router = Tensor::randn({e, h}, dt, dev, gen, 0, 1.5 * sh);
+        const Tensor gate_up = Tensor::randn({e, 2 * i, h}, dt, dev, gen, 0, sh);
+        const Tensor down = Tensor::randn({e, h, i}, dt, dev, gen, 0, 1 / std::sqrt(static_cast<double>(i)));
+        const Tensor sgate_up = Tensor::randn({2 * si, h}, dt, dev, gen, 0, sh);
+        const Tensor sdown = Tensor::randn({h, si}, dt, dev, gen, 0, 1 / std::sqrt(static_cast<double>(si)));
+        const Tensor sgs = gated ? Tensor::randn({1, h}, dt, dev, gen, 0, sh) : Tensor();
+        nn::MoE moe(router, gate_up, down, {k, normalize, ops::GluActivation::Silu});
+        moe.set_shared_expert(sgate_up, sdown, sgs);
+        nn::MoE::Saved saved;
+        const Tensor out = moe.forward(x, &saved);
+        const Tensor dout = Tensor::randn({t, h}, dt, dev, gen), dz = Tensor::randn({t, e}, DType::f32, dev, gen, 0, 0.1);
+        const nn::MoE::Grads g = moe.backward(dout, saved, dz);
+        const std::string cfg = fmt::format("{} gated={} normalize={}", config_name(dev, dt), gated, normalize);
+
+        oracle::MoeSpec sp;
+        sp.t = t, sp.h = h, sp.e = e, sp.k = k, sp.i = i, sp.si = si, sp.normalize = normalize;
+        oracle::MoeWeights wt;
+        wt.x = x.to_f64_vector(), wt.router = router.to_f64_vector(), wt.down = down.to_f64_vector();
+        wt.gate = gate_up.narrow(1, 0, i).to_f64_vector(), wt.up = gate_up.narrow(1, i, i).to_f64_vector();
+        wt.sgate = sgate_up.narrow(0, 0, si).to_f64_vector(), wt.sup = sgate_up.narrow(0, si, si).to_f64_vector();
+        wt.sdown = sdown.to_f64_vector();
+        if (gated) wt.sgs = sgs.to_f64_vector();
+        const auto z = saved.router_logits.to_f64_vector();
+        std::vector<int64_t> ids;
+        std::vector<double> w;
+        oracle::moe_route(sp, z, ids, w);
+        EXPECT_EQ(saved.topk_ids.to_i64_vector(), ids) << cfg;
+        const auto dv = dout.to_f64_vector(), dzv = dz.to_f64_vector();
+        const oracle::MoeResult r = oracle::moe(sp, wt, z, ids, {}, &dv, &dzv);
+        const double tol = test::composite_rel_l2(dt);
+        EXPECT_TRUE(close_l2(out, r.out, tol)) << cfg << " out";
+        EXPECT_TRUE(test::close_l2_mag(g.dhidden, r.dx, r.dx_mag, tol)) << cfg << " dhidden";
+        EXPECT_TRUE(test::close_l2_mag(g.drouter_weight, r.drouter, r.drouter_mag, tol)) << cfg << " drouter_weight";
+        EXPECT_TRUE(test::close_l2_mag(g.dgate_up_proj.narrow(1, 0, i), r.dgate, r.dgate_mag, tol)) << cfg << " dgate";
+        EXPECT_TRUE(test::close_l2_mag(g.dgate_up_proj.narrow(1, i, i), r.dup, r.dup_mag, tol)) << cfg << " dup";
+        EXPECT_TRUE(test::close_l2_mag(g.ddown_proj, r.ddown, r.ddown_mag, tol)) << cfg << " ddown_proj";
+        EXPECT_TRUE(test::close_l2_mag(g.dshared_gate_up_proj.narrow(0, 0, si), r.dsgate, r.dsgate_mag, tol)) << cfg << " dshared gate";
+        EXPECT_TRUE(test::close_l2_mag(g.dshared_gate_up_proj.narrow(0, si, si), r.dsup, r.dsup_mag, tol)) << cfg << " dshared up";
+        EXPECT_TRUE(test::close_l2_mag(g.dshared_down_proj, r.dsdown, r.dsdown_mag, tol)) << cfg << " dshared_down_proj";
+        ASSERT_EQ(g.dshared_expert_gate.defined(), gated) << cfg;
+        if (gated) {
+          EXPECT_EQ(g.dshared_expert_gate.shape(), (Shape{1, h})) << cfg;
+          EXPECT_TRUE(test::close_l2_mag(g.dshared_expert_gate, r.dsgs, r.dsgs_mag, tol)) << cfg << " dshared_expert_gate";
+        }
+      }
+  // The shared expert's weights must fit the block.
+  auto zeros = [&](Shape shape) { return Tensor::zeros(shape, DType::f32, dev); };
+  nn::MoE moe(zeros({4, 8}), zeros({4, 6, 8}), zeros({4, 8, 3}), {2, false, ops::GluActivation::Silu});
+  EXPECT_ERROR(moe.set_shared_expert(zeros({10, 8}), zeros({8, 4})), "do not fit hidden 8");
+  EXPECT_ERROR(moe.set_shared_expert(zeros({10, 8}), zeros({8, 5}), zeros({1, 7})), "shared_expert_gate must have 8 elements");
 }
 
 TEST_P(Nn, BadArgumentsNameOpAndArgument) {

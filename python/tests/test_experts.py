@@ -1,5 +1,5 @@
 """kcpp.torch's experts backend: experts_implementation "kcpp" sends Transformers' MoE experts (Mixtral,
-Qwen3-MoE) to this build's moe package, with Transformers' own router choosing.  A tiny random model's
+Qwen2-MoE, Qwen3-MoE) to this build's moe package, with Transformers' own router choosing.  A tiny random model's
 logits, loss and every parameter's gradient (the router's included, through the routing weights) equal
 the model with its eager experts; a call the package does not take runs Transformers' batched_mm
 experts, counted.  Skipped where torch, transformers, the experts interface or kcpp._core is missing.
@@ -27,6 +27,11 @@ FAMILIES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=24, num_local_experts=5, num_experts_per_tok=2)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(moe_intermediate_size=24, intermediate_size=48, num_experts=6,
                                                                 num_experts_per_tok=3, norm_topk_prob=True, head_dim=8)),
+    # Layer 0 dense (mlp_only_layers), layer 1 sparse with the shared expert and its sigmoid gate (Transformers'
+    # own modules: only the routed experts go to the package).
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(moe_intermediate_size=24, intermediate_size=40, num_experts=5,
+                                                                num_experts_per_tok=3, shared_expert_intermediate_size=20,
+                                                                mlp_only_layers=[0])),
 }
 
 
@@ -75,7 +80,7 @@ class Experts(unittest.TestCase):
                 self.assertLess(rel(got[2][name], g), 2e-5, f"{family}: gradient of {name}")
 
     def test_kernelize_takes_the_moe_families(self):
-        """kernelize on Mixtral and Qwen3-MoE: the norms, RoPE, attention and the fused loss from liger /
+        """kernelize on Mixtral, Qwen2-MoE and Qwen3-MoE: the norms, RoPE, attention and the fused loss from liger /
         flash_attn, the experts from moe; the same logits, loss and gradients; unkernelize restores."""
         ids = torch.randint(0, COMMON["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(SEED + 1))
         for family in FAMILIES:

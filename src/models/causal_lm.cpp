@@ -212,6 +212,15 @@ void CausalLM::build(const std::function<Tensor(const std::string&, std::vector<
       mo.normalize = c.norm_topk_prob;
       mo.activation = glu_activation(c.hidden_act);
       l.moe = std::make_unique<nn::MoE>(router, gate_up, down, mo);
+      if (c.shared_expert_intermediate_size > 0) {
+        // Qwen2-MoE's shared expert (mlp.shared_expert.{gate,up,down}_proj, as every checkpoint names
+        // them) and its gate mlp.shared_expert_gate [1, H]; gate and up one [2Is, H] tensor, as the
+        // dense MLP's (the checkpoint's names become views of it).
+        const int64_t si = c.shared_expert_intermediate_size;
+        const std::string se = p + "mlp.shared_expert.";
+        const Tensor sgu = ops::cat({load(se + "gate_proj.weight", {si, h}), load(se + "up_proj.weight", {si, h})}, 0);
+        l.moe->set_shared_expert(sgu, load(se + "down_proj.weight", {h, si}), load(p + "mlp.shared_expert_gate.weight", {1, h}));
+      }
     } else {
       if (c.fused_gate_up) {
         l.w_gate_up = load(p + "mlp.gate_up_proj.weight", {2 * inter, h});
@@ -282,6 +291,14 @@ std::vector<std::pair<std::string, Tensor>> CausalLM::parameters() const {
       add(p + "mlp.gate.weight", l.moe->router_weight);
       add(p + "mlp.experts.gate_up_proj", l.moe->gate_up_proj);
       add(p + "mlp.experts.down_proj", l.moe->down_proj);
+      if (l.moe->shared_gate_up_proj.defined()) {
+        const Tensor& sgu = l.moe->shared_gate_up_proj;
+        const int64_t si = sgu.size(0) / 2;
+        add(p + "mlp.shared_expert.gate_proj.weight", sgu.narrow(0, 0, si));
+        add(p + "mlp.shared_expert.up_proj.weight", sgu.narrow(0, si, si));
+        add(p + "mlp.shared_expert.down_proj.weight", l.moe->shared_down_proj);
+        add(p + "mlp.shared_expert_gate.weight", l.moe->shared_expert_gate);
+      }
     }
   }
   add("model.norm.weight", final_norm_->weight);
@@ -301,6 +318,7 @@ void CausalLM::save(const std::filesystem::path& folder) const {
                         : c.model_type == "gemma"   ? "GemmaForCausalLM"
                         : c.model_type == "mixtral" ? "MixtralForCausalLM"
                         : c.model_type == "qwen3_moe" ? "Qwen3MoeForCausalLM"
+                        : c.model_type == "qwen2_moe" ? "Qwen2MoeForCausalLM"
                                                     : "Phi3ForCausalLM"};
   const auto tmp = folder / "config.json.tmp";
   {
@@ -1055,6 +1073,13 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
       acc(p + "mlp.gate.weight", mg.drouter_weight);
       acc(p + "mlp.experts.gate_up_proj", mg.dgate_up_proj);
       acc(p + "mlp.experts.down_proj", mg.ddown_proj);
+      if (mg.dshared_gate_up_proj.defined()) {
+        const int64_t si = mg.dshared_gate_up_proj.size(0) / 2;
+        acc(p + "mlp.shared_expert.gate_proj.weight", mg.dshared_gate_up_proj.narrow(0, 0, si));
+        acc(p + "mlp.shared_expert.up_proj.weight", mg.dshared_gate_up_proj.narrow(0, si, si));
+        acc(p + "mlp.shared_expert.down_proj.weight", mg.dshared_down_proj);
+        if (mg.dshared_expert_gate.defined()) acc(p + "mlp.shared_expert_gate.weight", mg.dshared_expert_gate);
+      }
       dm = mg.dhidden;
     } else {
       acc(p + "mlp.down_proj.weight", ops::matmul(dy, t.act, true, false));

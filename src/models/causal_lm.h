@@ -1,6 +1,7 @@
-// A Llama-family causal language model (llama, mistral, qwen2, qwen3, gemma, phi3) loaded from a
-// Hugging Face folder, its layers in nn/ slots so that kernelize() can swap them.  The forward pass
-// follows Transformers' modeling code of each family op for op (eager attention):
+// A Llama-family causal language model (llama, mistral, qwen2, qwen3, gemma, phi3, and the
+// mixture-of-experts mixtral, qwen3_moe, qwen2_moe) loaded from a Hugging Face folder, its layers in
+// nn/ slots so that kernelize() can swap them.  The forward pass follows Transformers' modeling code
+// of each family op for op (eager attention):
 //
 //   h = embed(ids) (* sqrt(hidden) for gemma)
 //   per layer:  a = RMSNorm(h);  q, k, v = a Wq^T (+bq), a Wk^T, a Wv^T   (one GEMM: [Wq; Wk; Wv])
@@ -8,17 +9,20 @@
 //               q, k = RoPE(q, k)   (inv_freq by the config's rope scaling: linear, dynamic, llama3)
 //               h = h + Attention(q, k, v) Wo^T                   (a slot: GQA, causal, window)
 //               m = RMSNorm(h);  h = h + down(act(gate(m)) * up(m))          (phi3: fused gate_up)
-//                            or h = h + MoE(m)   (mixtral, qwen3_moe: the MoE layers, an nn::MoE slot)
+//                            or h = h + MoE(m)   (mixtral, qwen3_moe, qwen2_moe: the MoE layers, an nn::MoE
+//                                                 slot; qwen2_moe's adds sigmoid(m gs^T) shared_expert(m))
 //   logits = RMSNorm(h) W_lm^T   (W_lm = embed when tied)
 // and the loss is Transformers' ForCausalLMLoss: labels shifted left by one, mean cross-entropy over
 // the tokens whose label is not -100; with output_router_logits (MoE families) plus
 // router_aux_loss_coef times load_balancing_loss_func over every MoE layer's router logits.
 //
 // MoE weights: the checkpoint's per-expert matrices (Mixtral's block_sparse_moe.experts.N.w1 / w3 /
-// w2, Qwen3-MoE's mlp.experts.N.gate_proj / up_proj / down_proj, what Transformers 5 saves) are
-// stacked at load into Transformers 5's fused parameters mlp.experts.gate_up_proj [E, 2I, H] and
-// mlp.experts.down_proj [E, H, I] (folders holding those are read as they are); the router is
-// mlp.gate.weight.  parameters(), the gradients and save() use the fused names.
+// w2, Qwen2-MoE's and Qwen3-MoE's mlp.experts.N.gate_proj / up_proj / down_proj, what Transformers 5
+// saves) are stacked at load into Transformers 5's fused parameters mlp.experts.gate_up_proj
+// [E, 2I, H] and mlp.experts.down_proj [E, H, I] (folders holding those are read as they are); the
+// router is mlp.gate.weight.  parameters(), the gradients and save() use the fused names.  Qwen2-MoE's
+// shared expert keeps its checkpoint names (mlp.shared_expert.gate_proj / up_proj / down_proj.weight,
+// mlp.shared_expert_gate.weight), gate and up held as one [2Is, H] tensor whose views they are.
 #pragma once
 
 #include <filesystem>

@@ -14,9 +14,9 @@ namespace kcpp::models {
 
 namespace {
 
-constexpr const char* kFamilies[] = {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "mixtral", "qwen3_moe"};
+constexpr const char* kFamilies[] = {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "mixtral", "qwen3_moe", "qwen2_moe"};
 
-bool is_moe_family(const std::string& t) { return t == "mixtral" || t == "qwen3_moe"; }
+bool is_moe_family(const std::string& t) { return t == "mixtral" || t == "qwen3_moe" || t == "qwen2_moe"; }
 
 // Typed reads of config keys, each error naming the file and the key.
 struct Reader {
@@ -121,9 +121,10 @@ RopeScaling parse_rope_scaling(const nlohmann::json& r, const std::string& where
 // The sliding-window keys of each family, as its Transformers 5 configuration class reads them.
 void read_sliding_window(const Reader& r, ModelConfig& c) {
   const std::string& t = c.model_type;
-  if (t != "mistral" && t != "phi3" && t != "qwen2" && t != "qwen3" && t != "mixtral" && t != "qwen3_moe") return;  // llama, gemma: no window
-  // The class default when the key is absent (Mistral, Qwen2, Qwen3, Qwen3-MoE: 4096; Phi-3, Mixtral:
-  // none); null: none.
+  if (t != "mistral" && t != "phi3" && t != "qwen2" && t != "qwen3" && t != "mixtral" && t != "qwen3_moe" && t != "qwen2_moe")
+    return;  // llama, gemma: no window
+  // The class default when the key is absent (Mistral, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE: 4096; Phi-3,
+  // Mixtral: none); null: none.
   if (!r.j.contains("sliding_window")) {
     if (t != "phi3" && t != "mixtral") c.sliding_window = 4096;
   } else if (r.has("sliding_window")) {
@@ -137,10 +138,23 @@ void read_sliding_window(const Reader& r, ModelConfig& c) {
     c.layer_types.assign(static_cast<size_t>(c.num_hidden_layers), c.sliding_window ? "sliding_attention" : "full_attention");
     return;
   }
-  // Qwen2 / Qwen3: the window only with use_sliding_window; unless the config lists layer_types,
-  // layer i slides when i >= max_window_layers.
   c.use_sliding_window = r.boolean("use_sliding_window", false);
   c.max_window_layers = r.integer("max_window_layers", 28);
+  if (t == "qwen2_moe") {
+    // Qwen2MoeConfig: the window only with use_sliding_window (its sliding_window becomes 0 without);
+    // unless the config lists layer_types, layer i slides when use_sliding_window, i < max_window_layers
+    // and i is even ((i + 1) % 2 != 0).
+    if (!c.use_sliding_window) c.sliding_window.reset();
+    if (c.sliding_window) check_in(r.where, "sliding_window", *c.sliding_window, 1, std::numeric_limits<int64_t>::max());
+    c.layer_types = r.strings("layer_types");
+    if (!r.has("layer_types"))
+      for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+        c.layer_types.push_back(c.use_sliding_window && (i + 1) % 2 != 0 && i < c.max_window_layers ? "sliding_attention"
+                                                                                                    : "full_attention");
+    return;
+  }
+  // Qwen2 / Qwen3: the window only with use_sliding_window; unless the config lists layer_types,
+  // layer i slides when i >= max_window_layers.
   if (c.sliding_window) check_in(r.where, "sliding_window", *c.sliding_window, 1, std::numeric_limits<int64_t>::max());
   if (!c.use_sliding_window) c.sliding_window.reset();
   c.layer_types = r.strings("layer_types");
@@ -211,7 +225,7 @@ void ModelConfig::validate(const std::string& where) const {
                "{}: 'layer_types' entry {} is '{}', must be 'full_attention' or 'sliding_attention'", where, i, t);
     KCPP_CHECK(t == "full_attention" || sliding_window,
                "{}: layer {} is 'sliding_attention' but the config sets no sliding window (sliding_window{})", where, i,
-               model_type == "qwen2" || model_type == "qwen3" ? " with use_sliding_window true" : "");
+               model_type == "qwen2" || model_type == "qwen3" || model_type == "qwen2_moe" ? " with use_sliding_window true" : "");
   }
   if (is_moe_family(model_type)) {
     const char* experts_key = model_type == "mixtral" ? "num_local_experts" : "num_experts";
@@ -223,8 +237,20 @@ void ModelConfig::validate(const std::string& where) const {
     KCPP_CHECK(std::isfinite(router_aux_loss_coef) && router_aux_loss_coef >= 0,
                "{}: 'router_aux_loss_coef' must be a finite number >= 0, is {}", where, router_aux_loss_coef);
   } else {
-    KCPP_CHECK(num_experts == 0, "{}: model_type '{}' has no experts, num_experts is {} (use mixtral or qwen3_moe)", where,
-               model_type, num_experts);
+    KCPP_CHECK(num_experts == 0, "{}: model_type '{}' has no experts, num_experts is {} (use mixtral, qwen3_moe or qwen2_moe)",
+               where, model_type, num_experts);
+  }
+  if (model_type == "qwen2_moe") {
+    check_in(where, "shared_expert_intermediate_size", shared_expert_intermediate_size, 1, kMaxSize);
+    // Its rotary embedding spans the whole head: Transformers' default RoPE ignores the factor and the
+    // other RoPE types would not fit the head (an error there).
+    KCPP_CHECK(partial_rotary_factor == 1.0,
+               "{}: 'partial_rotary_factor' {} is not supported for qwen2_moe (its attention rotates the whole head: 1 only)", where,
+               partial_rotary_factor);
+  } else {
+    KCPP_CHECK(shared_expert_intermediate_size == 0,
+               "{}: model_type '{}' has no shared expert, shared_expert_intermediate_size is {} (use qwen2_moe)", where, model_type,
+               shared_expert_intermediate_size);
   }
   for (int64_t id : bos_token_id) check_in(where, "bos_token_id", id, 0, vocab_size - 1);
   for (int64_t id : eos_token_id) check_in(where, "eos_token_id", id, 0, vocab_size - 1);
@@ -283,21 +309,30 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& w
   read_sliding_window(r, c);
   // What each family fixes.
   if (c.model_type == "qwen2") c.qkv_bias_only = true;
+  if (c.model_type == "qwen2_moe") {
+    // Qwen2MoeAttention: q/k/v biases as qkv_bias says (default true), none on o; its modeling code
+    // reads neither attention_bias nor mlp_bias.
+    c.qkv_bias_only = r.boolean("qkv_bias", true);
+    c.attention_bias = c.mlp_bias = false;
+  }
   if (c.model_type == "qwen3" || c.model_type == "qwen3_moe") c.qk_norm = true;
   if (is_moe_family(c.model_type)) {
     // Mixtral: num_local_experts, the experts of intermediate_size, always renormalized; Qwen3-MoE:
-    // num_experts (Transformers 5 writes num_local_experts, its attribute_map reads both).
-    const bool mixtral = c.model_type == "mixtral";
-    c.num_experts = r.has("num_local_experts") ? r.integer("num_local_experts") : r.integer("num_experts", mixtral ? 8 : 128);
-    c.num_experts_per_tok = r.integer("num_experts_per_tok", mixtral ? 2 : 8);
-    c.moe_intermediate_size = mixtral ? c.intermediate_size : r.integer("moe_intermediate_size", 768);
+    // num_experts (Transformers 5 writes num_local_experts, its attribute_map reads both); Qwen2-MoE:
+    // num_experts alone (no attribute_map), and the shared expert.  Defaults: each configuration class's.
+    const bool mixtral = c.model_type == "mixtral", qwen2_moe = c.model_type == "qwen2_moe";
+    if (qwen2_moe) c.num_experts = r.integer("num_experts", 60);
+    else c.num_experts = r.has("num_local_experts") ? r.integer("num_local_experts") : r.integer("num_experts", mixtral ? 8 : 128);
+    c.num_experts_per_tok = r.integer("num_experts_per_tok", mixtral ? 2 : qwen2_moe ? 4 : 8);
+    c.moe_intermediate_size = mixtral ? c.intermediate_size : r.integer("moe_intermediate_size", qwen2_moe ? 1408 : 768);
+    if (qwen2_moe) c.shared_expert_intermediate_size = r.integer("shared_expert_intermediate_size", 5632);
     c.norm_topk_prob = mixtral ? true : r.boolean("norm_topk_prob", false);
     c.decoder_sparse_step = mixtral ? 1 : r.integer("decoder_sparse_step", 1);
     c.mlp_only_layers = mixtral ? std::vector<int64_t>{} : r.ids("mlp_only_layers");
     c.router_aux_loss_coef = r.real("router_aux_loss_coef", 0.001);
     c.output_router_logits = r.boolean("output_router_logits", false);
-    KCPP_CHECK(r.real("router_jitter_noise", 0.0) == 0.0, "{}: 'router_jitter_noise' {} is not supported (0 only)", where,
-               r.real("router_jitter_noise", 0.0));
+    KCPP_CHECK(qwen2_moe || r.real("router_jitter_noise", 0.0) == 0.0, "{}: 'router_jitter_noise' {} is not supported (0 only)",
+               where, r.real("router_jitter_noise", 0.0));
   }
   if (c.model_type == "gemma") {
     c.norm_offset = 1.0;
@@ -377,19 +412,24 @@ nlohmann::json ModelConfig::to_json() const {
     j["num_experts_per_tok"] = num_experts_per_tok;
     j["router_aux_loss_coef"] = router_aux_loss_coef;
     j["output_router_logits"] = output_router_logits;
-    if (model_type == "qwen3_moe") {
+    if (model_type == "qwen3_moe" || model_type == "qwen2_moe") {
       j["moe_intermediate_size"] = moe_intermediate_size;
       j["norm_topk_prob"] = norm_topk_prob;
       j["decoder_sparse_step"] = decoder_sparse_step;
       j["mlp_only_layers"] = mlp_only_layers;
       j["use_sliding_window"] = sliding_window.has_value();
     }
+    if (model_type == "qwen2_moe") {  // its keys; attention_bias and mlp_bias are not (Qwen2-MoE ignores them)
+      j["shared_expert_intermediate_size"] = shared_expert_intermediate_size;
+      j["qkv_bias"] = qkv_bias_only;
+      j.erase("attention_bias"), j.erase("mlp_bias");
+    }
   }
   if (model_type == "mistral" || model_type == "phi3" || model_type == "mixtral" || model_type == "qwen3_moe") {
     j["sliding_window"] = sliding_window ? nlohmann::json(*sliding_window) : nlohmann::json(nullptr);
     if (model_type == "mixtral" || model_type == "qwen3_moe") return j;
   }
-  if (model_type == "mistral" || model_type == "phi3" || model_type == "qwen2" || model_type == "qwen3") {
+  if (model_type == "mistral" || model_type == "phi3" || model_type == "qwen2" || model_type == "qwen3" || model_type == "qwen2_moe") {
     j["sliding_window"] = sliding_window ? nlohmann::json(*sliding_window) : nlohmann::json(nullptr);
     const bool uniform = std::all_of(layer_types.begin(), layer_types.end(), [&](const std::string& t) { return t == layer_types[0]; });
     if (model_type == "mistral" || model_type == "phi3") {

@@ -2,8 +2,10 @@
 //
 // Families (model_type): llama (Llama 2 / 3), mistral, qwen2, qwen3 (q/k norm), gemma (offset norm,
 // GeGLU-tanh, embeddings scaled by sqrt(hidden)), phi3 (fused qkv and gate_up), and the
-// mixture-of-experts families mixtral (Mistral with an MoE MLP in every layer) and qwen3_moe (Qwen3
-// with MoE MLPs in the layers decoder_sparse_step and mlp_only_layers pick).  Keys and defaults
+// mixture-of-experts families mixtral (Mistral with an MoE MLP in every layer), qwen3_moe (Qwen3
+// with MoE MLPs in the layers decoder_sparse_step and mlp_only_layers pick) and qwen2_moe (Qwen2's
+// attention, q/k/v biases by qkv_bias, MoE MLPs picked likewise, each with a shared expert scaled by
+// a sigmoid gate).  Keys and defaults
 // follow Transformers' configuration classes of those families; what a family fixes (Gemma's norm
 // offset, Qwen2's q/k/v bias) is set here, so the model code reads one struct.
 #pragma once
@@ -33,7 +35,7 @@ struct RopeScaling {
 };
 
 struct ModelConfig {
-  std::string model_type;  // "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "mixtral", "qwen3_moe"
+  std::string model_type;  // "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "mixtral", "qwen3_moe", "qwen2_moe"
   int64_t vocab_size = 0, hidden_size = 0, intermediate_size = 0, num_hidden_layers = 0;
   int64_t num_attention_heads = 0, num_key_value_heads = 0, head_dim = 0;
   int64_t max_position_embeddings = 2048;
@@ -42,7 +44,7 @@ struct ModelConfig {
   std::string hidden_act = "silu";  // "silu", "gelu", "gelu_pytorch_tanh", ...
   bool tie_word_embeddings = false;
   bool attention_bias = false;      // q/k/v (and o) projections have bias (qwen2: q/k/v always)
-  bool qkv_bias_only = false;       // qwen2: bias on q/k/v, none on o
+  bool qkv_bias_only = false;       // qwen2: bias on q/k/v, none on o; qwen2_moe: as its qkv_bias says
   bool mlp_bias = false;
   bool qk_norm = false;             // qwen3: RMSNorm on each head of q and k
   double norm_offset = 0.0;         // gemma: (1 + w)
@@ -53,20 +55,25 @@ struct ModelConfig {
   // "full_attention" all of them.  mistral, phi3: every layer slides when sliding_window is set
   // (Mistral's default is 4096, Phi-3's none); qwen2, qwen3: the window is set only with
   // use_sliding_window, and the layers from max_window_layers on slide, unless the config lists
-  // layer_types itself; llama, gemma: none.  Empty layer_types: every layer slides when the window
-  // is set.
+  // layer_types itself; qwen2_moe: likewise with use_sliding_window, but the layers that slide are
+  // those below max_window_layers with an even index (Qwen2MoeConfig's rule); llama, gemma: none.
+  // Empty layer_types: every layer slides when the window is set.
   std::optional<int64_t> sliding_window;
   std::vector<std::string> layer_types;
-  bool use_sliding_window = false;  // qwen2, qwen3: kept to write the config back
-  int64_t max_window_layers = 28;   // qwen2, qwen3: likewise
-  // Mixture of experts (mixtral, qwen3_moe; num_experts 0 for the dense families): the MoE layers'
-  // MLP is a router over num_experts experts of moe_intermediate_size (mixtral: intermediate_size),
-  // each token through its num_experts_per_tok best, their outputs weighted by the softmax
-  // probabilities (renormalized over the chosen ones: mixtral always, qwen3_moe with norm_topk_prob).
-  // qwen3_moe: layer i is MoE when it is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0,
-  // the others a dense MLP of intermediate_size.  With output_router_logits, training adds
-  // router_aux_loss_coef times Transformers' load_balancing_loss_func over the MoE layers to the loss.
+  bool use_sliding_window = false;  // qwen2, qwen3, qwen2_moe: kept to write the config back
+  int64_t max_window_layers = 28;   // qwen2, qwen3, qwen2_moe: likewise
+  // Mixture of experts (mixtral, qwen3_moe, qwen2_moe; num_experts 0 for the dense families): the MoE
+  // layers' MLP is a router over num_experts experts of moe_intermediate_size (mixtral:
+  // intermediate_size), each token through its num_experts_per_tok best, their outputs weighted by
+  // the softmax probabilities (renormalized over the chosen ones: mixtral always, the Qwen families
+  // with norm_topk_prob).  qwen3_moe, qwen2_moe: layer i is MoE when it is not in mlp_only_layers and
+  // (i + 1) % decoder_sparse_step == 0, the others a dense MLP of intermediate_size.  qwen2_moe: each
+  // MoE layer also has a shared expert, a gated MLP of shared_expert_intermediate_size whose output
+  // is scaled by sigmoid(x . shared_expert_gate) and added (0: none, the other families).  With
+  // output_router_logits, training adds router_aux_loss_coef times Transformers'
+  // load_balancing_loss_func over the MoE layers to the loss.
   int64_t num_experts = 0, num_experts_per_tok = 0, moe_intermediate_size = 0, decoder_sparse_step = 1;
+  int64_t shared_expert_intermediate_size = 0;
   bool norm_topk_prob = false, output_router_logits = false;
   std::vector<int64_t> mlp_only_layers;
   double router_aux_loss_coef = 0.001;
@@ -86,7 +93,8 @@ struct ModelConfig {
   // factors finite and positive, token ids inside the vocabulary, layer_types one per layer; MoE
   // families: num_experts in [1, 2^16], num_experts_per_tok in [1, num_experts], sizes as above,
   // decoder_sparse_step >= 1, mlp_only_layers inside [0, num_hidden_layers), router_aux_loss_coef
-  // finite and >= 0.
+  // finite and >= 0; qwen2_moe: shared_expert_intermediate_size in [1, 2^24], partial_rotary_factor 1
+  // (its attention rotates the whole head).
   // from_json checks every config it reads; CausalLM::random checks the ones built in code.
   void validate(const std::string& where = "config") const;
 

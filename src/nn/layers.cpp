@@ -221,6 +221,17 @@ MoE::MoE(Tensor rw, Tensor gu, Tensor dp, Options o)
   KCPP_CHECK(o.top_k >= 1 && o.top_k <= e, "MoE: top_k is {}; it must be in [1, {}] (the number of experts)", o.top_k, e);
 }
 
+void MoE::set_shared_expert(Tensor gu, Tensor dn, Tensor gate) {
+  const int64_t h = router_weight.size(1);
+  KCPP_CHECK(gu.dim() == 2 && dn.dim() == 2 && gu.size(0) % 2 == 0 && gu.size(1) == h && dn.size(0) == h &&
+                 dn.size(1) == gu.size(0) / 2,
+             "MoE: the shared expert's gate_up [{}] and down [{}] do not fit hidden {} (want [2Is, H] and [H, Is])",
+             fmt::join(gu.shape(), ", "), fmt::join(dn.shape(), ", "), h);
+  KCPP_CHECK(!gate.defined() || gate.numel() == h, "MoE: shared_expert_gate must have {} elements (the hidden size), has {}", h,
+             gate.numel());
+  shared_gate_up_proj = std::move(gu), shared_down_proj = std::move(dn), shared_expert_gate = std::move(gate);
+}
+
 namespace {
 
 // Each row's top_k columns of values [R, E] (host), in descending order, ties to the lower index.
@@ -259,8 +270,11 @@ Routing group(const std::vector<double>& ids, int64_t k, int64_t experts) {
 Tensor MoE::forward(const Tensor& hidden, Saved* saved, Tensor router_logits) {
   KCPP_CHECK(hidden.dim() == 2 && hidden.size(1) == router_weight.size(1), "MoE: hidden must be [T, {}]", router_weight.size(1));
   const int64_t t = hidden.size(0), e = router_weight.size(0), k = options.top_k, i = down_proj.size(2);
-  KCPP_SLOT_REGION("forward", hidden.device(), 2.0 * t * (e + 3.0 * k * i) * hidden.size(1),
-                   2 * bytes(hidden) + bytes(router_weight) + bytes(gate_up_proj) + bytes(down_proj));
+  const bool shared = shared_gate_up_proj.defined();
+  const double is = shared ? static_cast<double>(shared_down_proj.size(1)) : 0.0;
+  KCPP_SLOT_REGION("forward", hidden.device(), 2.0 * t * (e + 3.0 * k * i + 3.0 * is + (shared_expert_gate.defined() ? 1 : 0)) * hidden.size(1),
+                   2 * bytes(hidden) + bytes(router_weight) + bytes(gate_up_proj) + bytes(down_proj) +
+                       (shared ? bytes(shared_gate_up_proj) + bytes(shared_down_proj) : 0));
   if (!router_logits.defined()) router_logits = Tensor::empty({t, e}, hidden.dtype(), hidden.device());
   if (kernel()) {
     Tensor out = Tensor::empty(hidden.shape(), hidden.dtype(), hidden.device());
@@ -271,13 +285,17 @@ Tensor MoE::forward(const Tensor& hidden, Saved* saved, Tensor router_logits) {
     a.integer("normalize", options.normalize ? 1 : 0).string("activation", activation_name(options.activation));
     a.tensor("gate_up_proj", gate_up_proj).tensor("down_proj", down_proj).tensor("out", out).tensor("router_logits", router_logits);
     a.tensor("topk_ids", ids).tensor("topk_weights", w);
+    if (shared) {
+      a.tensor("shared_gate_up_proj", shared_gate_up_proj).tensor("shared_down_proj", shared_down_proj);
+      if (shared_expert_gate.defined()) a.tensor("shared_expert_gate", shared_expert_gate);
+    }
     if (saved) {
       offsets = Tensor::empty({e + 2}, DType::i32, hidden.device()), sorted = Tensor::empty({t * k}, DType::i32, hidden.device());
       gu = Tensor::empty({t * k, 2 * i}, hidden.dtype(), hidden.device());
       a.tensor("expert_offsets", offsets).tensor("sorted_slots", sorted).tensor("gate_up", gu);
     }
     if (run_forward(a, hidden.device(), saved != nullptr)) {
-      if (saved) *saved = {hidden, router_logits, ids, w, offsets, sorted, gu};
+      if (saved) *saved = {hidden, router_logits, ids, w, offsets, sorted, gu, {}, {}, {}, {}, {}};
       return out;
     }
   } else {
@@ -320,20 +338,69 @@ Tensor MoE::reference_forward(const Tensor& hidden, Saved* saved, Tensor router_
   }
   if (saved)
     *saved = {hidden, router_logits, Tensor::from_f64(ids, {t, k}, DType::i32, dev), Tensor::from_f64(w, {t, k}, DType::f32, dev),
-              {}, {}, {}};
+              {}, {}, {}, {}, {}, {}, {}, {}};
+  // Qwen2MoeSparseMoeBlock: expert_output + sigmoid(shared_expert_gate(x)) * shared_expert(x).
+  if (shared_gate_up_proj.defined()) out = ops::add(out, shared_forward(hidden, saved));
   return out;
+}
+
+// The shared expert as Qwen2MoeMLP (down(act(gate(x)) * up(x)); gate and up here one GEMM, the same
+// dot products), scaled by F.sigmoid(F.linear(x, shared_expert_gate)) when there is a gate.
+Tensor MoE::shared_forward(const Tensor& hidden, Saved* saved) const {
+  const int64_t h = hidden.size(1), is = shared_down_proj.size(1);
+  const Tensor gu = ops::matmul(hidden, shared_gate_up_proj, false, true);  // [T, 2Is]
+  const Tensor g = gu.narrow(1, 0, is).contiguous(), u = gu.narrow(1, is, is).contiguous();
+  const Tensor act = ops::glu_forward(g, u, options.activation);
+  const Tensor m = ops::matmul(act, shared_down_proj, false, true);  // [T, H]
+  Tensor sigma;
+  if (shared_expert_gate.defined()) sigma = ops::sigmoid(ops::matmul(hidden, shared_expert_gate.view({1, h}), false, true));  // [T, 1]
+  if (saved) saved->shared_gate = g, saved->shared_up = u, saved->shared_h = act, saved->shared_out = m, saved->shared_sigma = sigma;
+  return sigma.defined() ? ops::mul(sigma, m) : m;
+}
+
+// The shared expert's backward: an MLP with upstream gradient sigma dout, and the gate's logit
+// getting (dout . m) sigma (1 - sigma) (autograd's mul and sigmoid backward).
+void MoE::shared_backward(const Tensor& dout, const Saved& s, Grads& g) const {
+  Saved recomputed;
+  const Saved* sp = &s;
+  if (!s.shared_h.defined()) {  // a kernel's forward, whose backward was refused: recompute the activations
+    (void)shared_forward(s.hidden, &recomputed);
+    sp = &recomputed;
+  }
+  const Saved& r = *sp;
+  const Tensor& x = s.hidden;
+  const int64_t h = x.size(1);
+  const Tensor dm = r.shared_sigma.defined() ? ops::mul(dout, r.shared_sigma) : dout;  // [T, H]
+  g.dshared_down_proj = ops::matmul(dm, r.shared_h, true, false);                         // [H, Is]
+  const ops::GluBackward gb = ops::glu_backward(ops::matmul(dm, shared_down_proj), r.shared_gate, r.shared_up, options.activation);
+  const Tensor dgu = ops::cat({gb.dgate, gb.dup}, 1);                                     // [T, 2Is]
+  g.dshared_gate_up_proj = ops::matmul(dgu, x, true, false);                              // [2Is, H]
+  Tensor dx = ops::matmul(dgu, shared_gate_up_proj);
+  if (r.shared_sigma.defined()) {
+    const DType dt = x.dtype();
+    const Tensor dsigma = ops::sum(ops::mul(dout, r.shared_out), true).to(DType::f32);     // [T, 1]
+    const Tensor sig = r.shared_sigma.to(DType::f32);
+    const Tensor dl = ops::mul(dsigma, ops::mul(sig, ops::add_scalar(ops::neg(sig), 1.0))).to(dt);
+    g.dshared_expert_gate = ops::matmul(dl, x, true, false).view(shared_expert_gate.shape());  // [1, H]
+    dx = ops::add(dx, ops::matmul(dl, shared_expert_gate.view({1, h})));
+  }
+  g.dhidden = ops::add(g.dhidden, dx);
 }
 
 MoE::Grads MoE::backward(const Tensor& dout, const Saved& s, const Tensor& drouter_logits) {
   KCPP_CHECK(s.hidden.defined() && s.router_logits.defined() && s.topk_ids.defined(), "MoE backward: nothing saved (run forward with a Saved)");
   const int64_t t = s.hidden.size(0), e = router_weight.size(0), k = options.top_k, i = down_proj.size(2);
-  KCPP_SLOT_REGION("backward", dout.device(), 4.0 * t * (e + 3.0 * k * i) * s.hidden.size(1),
-                   3 * bytes(dout) + 2 * (bytes(router_weight) + bytes(gate_up_proj) + bytes(down_proj)));
+  const bool shared = shared_gate_up_proj.defined();
+  const double is = shared ? static_cast<double>(shared_down_proj.size(1)) : 0.0;
+  KCPP_SLOT_REGION("backward", dout.device(), 4.0 * t * (e + 3.0 * k * i + 3.0 * is + (shared_expert_gate.defined() ? 1 : 0)) * s.hidden.size(1),
+                   3 * bytes(dout) + 2 * (bytes(router_weight) + bytes(gate_up_proj) + bytes(down_proj)) +
+                       (shared ? 2 * (bytes(shared_gate_up_proj) + bytes(shared_down_proj)) : 0));
   // A kernel's backward needs its own forward's permutation; after a reference forward, the reference.
   if (kernel() && s.expert_offsets.defined()) {
     const Device dev = dout.device();
     Grads g{Tensor::empty(s.hidden.shape(), s.hidden.dtype(), dev), Tensor::empty(router_weight.shape(), router_weight.dtype(), dev),
-            Tensor::empty(gate_up_proj.shape(), gate_up_proj.dtype(), dev), Tensor::empty(down_proj.shape(), down_proj.dtype(), dev)};
+            Tensor::empty(gate_up_proj.shape(), gate_up_proj.dtype(), dev), Tensor::empty(down_proj.shape(), down_proj.dtype(), dev),
+            {}, {}, {}};
     KernelArgs a;
     a.tensor("dout", dout).tensor("hidden", s.hidden).tensor("router_weight", router_weight).string("routing", "softmax");
     a.integer("top_k", k).integer("normalize", options.normalize ? 1 : 0).string("activation", activation_name(options.activation));
@@ -344,6 +411,16 @@ MoE::Grads MoE::backward(const Tensor& dout, const Saved& s, const Tensor& drout
     if (drouter_logits.defined()) a.tensor("drouter_logits", drouter_logits);
     a.tensor("dhidden", g.dhidden).tensor("drouter_weight", g.drouter_weight).tensor("dgate_up_proj", g.dgate_up_proj);
     a.tensor("ddown_proj", g.ddown_proj);
+    if (shared) {
+      g.dshared_gate_up_proj = Tensor::empty(shared_gate_up_proj.shape(), shared_gate_up_proj.dtype(), dev);
+      g.dshared_down_proj = Tensor::empty(shared_down_proj.shape(), shared_down_proj.dtype(), dev);
+      a.tensor("shared_gate_up_proj", shared_gate_up_proj).tensor("shared_down_proj", shared_down_proj);
+      a.tensor("dshared_gate_up_proj", g.dshared_gate_up_proj).tensor("dshared_down_proj", g.dshared_down_proj);
+      if (shared_expert_gate.defined()) {
+        g.dshared_expert_gate = Tensor::empty(shared_expert_gate.shape(), shared_expert_gate.dtype(), dev);
+        a.tensor("shared_expert_gate", shared_expert_gate).tensor("dshared_expert_gate", g.dshared_expert_gate);
+      }
+    }
     if (run_backward(a, dev)) return g;
   } else {
     count_reference();
@@ -361,7 +438,7 @@ MoE::Grads MoE::reference_backward(const Tensor& dout, const Saved& s, const Ten
   const Routing rt = group(ids, k, e);
   const Tensor dy = dout.contiguous().view({t, x.size(1)});
   Grads g{Tensor::zeros(x.shape(), dt, dev), {}, Tensor::zeros(gate_up_proj.shape(), gate_up_proj.dtype(), dev),
-          Tensor::zeros(down_proj.shape(), down_proj.dtype(), dev)};
+          Tensor::zeros(down_proj.shape(), down_proj.dtype(), dev), {}, {}, {}};
   std::vector<double> dw(static_cast<size_t>(t * k), 0.0);
   for (int64_t xe = 0; xe < e; ++xe) {
     const auto& tok = rt.tokens[xe];
@@ -409,6 +486,7 @@ MoE::Grads MoE::reference_backward(const Tensor& dout, const Saved& s, const Ten
   dzt = dzt.to(dt);
   g.drouter_weight = ops::matmul(dzt, x, true, false);
   g.dhidden = ops::add(g.dhidden, ops::matmul(dzt, router_weight));
+  if (shared_gate_up_proj.defined()) shared_backward(dy, s, g);
   return g;
 }
 

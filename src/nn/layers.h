@@ -93,14 +93,19 @@ class Attention : public Slot {
 };
 
 // "MegaBlocksMoeMLP" / MoE/1: a dropless mixture-of-experts MLP over hidden [T, H] (Mixtral's,
-// Qwen3-MoE's sparse block): router logits z = hidden router_weight^T [T, E], p = softmax(z) in f32,
-// each token's top_k experts by p (ties to the lower index) with weights w = p (renormalized over the
-// chosen ones with `normalize`), out_t = sum_j w_j down_e(act(gate_e(x_t)) * up_e(x_t)) with the
-// fused gate_up_proj [E, 2I, H] and down_proj [E, H, I] of Transformers 5.  The reference is
-// Transformers' eager loop over the experts that received tokens (routing on the host).
-// Saved: router_logits (also what the load-balancing loss reads), topk_ids, topk_weights, and a
-// kernel's permutation (expert_offsets, sorted_slots, gate_up).  backward takes the logits' other
-// upstream gradient (the auxiliary loss's) as drouter_logits.
+// Qwen2-MoE's and Qwen3-MoE's sparse block): router logits z = hidden router_weight^T [T, E],
+// p = softmax(z) in f32, each token's top_k experts by p (ties to the lower index) with weights w = p
+// (renormalized over the chosen ones with `normalize`), out_t = sum_j w_j down_e(act(gate_e(x_t)) *
+// up_e(x_t)) with the fused gate_up_proj [E, 2I, H] and down_proj [E, H, I] of Transformers 5.
+// With a shared expert (Qwen2-MoE: set_shared_expert) every token also goes through a gated MLP
+// shared_gate_up_proj [2Is, H] (gate rows, then up rows), shared_down_proj [H, Is], its output scaled
+// by sigmoid(hidden shared_expert_gate^T) (shared_expert_gate [1, H]; absent: 1) and added:
+// out_t += sigma_t m_t, as Qwen2MoeSparseMoeBlock computes it.
+// The reference is Transformers' eager loop over the experts that received tokens (routing on the
+// host), then the shared expert as Qwen2MoeMLP and the gate as F.sigmoid(F.linear).
+// Saved: router_logits (also what the load-balancing loss reads), topk_ids, topk_weights, a kernel's
+// permutation (expert_offsets, sorted_slots, gate_up), and the reference's shared-expert activations.
+// backward takes the logits' other upstream gradient (the auxiliary loss's) as drouter_logits.
 class MoE : public Slot {
  public:
   struct Options {
@@ -109,12 +114,18 @@ class MoE : public Slot {
     ops::GluActivation activation = ops::GluActivation::Silu;
   };
   MoE(Tensor router_weight, Tensor gate_up_proj, Tensor down_proj, Options options);
+  // The shared expert: gate_up [2Is, H], down [H, Is], and optionally its gate [1, H].
+  void set_shared_expert(Tensor gate_up, Tensor down, Tensor gate = {});
   struct Saved {
     Tensor hidden, router_logits, topk_ids, topk_weights;  // [T, H], [T, E], [T, k] i32, [T, k] f32
     Tensor expert_offsets, sorted_slots, gate_up;          // a kernel's
+    // The reference's shared expert: its gate and up projections [T, Is] each, the gated product h'
+    // [T, Is], its output m [T, H] and sigma [T, 1] (a kernel's backward recomputes them).
+    Tensor shared_gate, shared_up, shared_h, shared_out, shared_sigma;
   };
   struct Grads {
     Tensor dhidden, drouter_weight, dgate_up_proj, ddown_proj;
+    Tensor dshared_gate_up_proj, dshared_down_proj, dshared_expert_gate;  // with a shared expert
   };
   // hidden [T, H] (contiguous).  `router_logits`: where to write them ([T, E] of the model's dtype,
   // contiguous: a slice of a buffer of every layer's), else allocated; either way in saved.
@@ -122,11 +133,15 @@ class MoE : public Slot {
   Grads backward(const Tensor& dout, const Saved& saved, const Tensor& drouter_logits = {});
 
   Tensor router_weight, gate_up_proj, down_proj;
+  Tensor shared_gate_up_proj, shared_down_proj, shared_expert_gate;  // undefined without a shared expert
   Options options;
 
  private:
   Tensor reference_forward(const Tensor& hidden, Saved* saved, Tensor router_logits);
   Grads reference_backward(const Tensor& dout, const Saved& saved, const Tensor& drouter_logits);
+  // The shared expert's part of forward (sigma m, added to `out`) and of backward (into g).
+  Tensor shared_forward(const Tensor& hidden, Saved* saved) const;
+  void shared_backward(const Tensor& dout, const Saved& saved, Grads& g) const;
 };
 
 // Transformers' load_balancing_loss_func over router logits [R, E] (every MoE layer's rows

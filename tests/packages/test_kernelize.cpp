@@ -462,7 +462,8 @@ TEST(DefaultMapping, NoPackageAnywhereKeepsTheReference) {
 
 // The mixture-of-experts families with the moe package's MegaBlocksMoeMLP (and the Liger kernels and
 // flash_attn's attention elsewhere): logits, loss with the router auxiliary loss, and every gradient
-// as Transformers computes them; every mapped slot ran its kernel.
+// (Qwen2-MoE's shared expert and its gate included: MoE/1 takes them) as Transformers computes them;
+// every mapped slot ran its kernel.
 KernelConfig moe_model_config() {
   const std::string liger = test::built_package_dir("liger").string();
   return KernelConfig::parse({{"RMSNorm", liger + ":LigerRMSNorm"},
@@ -478,7 +479,7 @@ TEST_P(Kernelize, KernelizedMoEModelsMatchTransformers) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
   const KernelConfig config = moe_model_config();
-  for (const char* family : {"mixtral", "qwen3_moe"}) {
+  for (const char* family : {"mixtral", "qwen3_moe", "qwen2_moe"}) {
     SCOPED_TRACE(family);
     const auto dir = std::filesystem::path(test::fixtures_dir()) / family;
     auto model = models::CausalLM::from_folder(dir, DType::f32, dev);
@@ -506,7 +507,7 @@ TEST_P(Kernelize, KernelizedMoEModelsMatchTransformers) {
       EXPECT_GT(s.stats().kernel_calls, 0) << s.layer_name();
       EXPECT_EQ(s.stats().fallbacks, 0) << s.layer_name() << ": " << s.stats().last_refusal;
     });
-    EXPECT_EQ(moe_slots, std::string(family) == "mixtral" ? 2 : 1);
+    EXPECT_EQ(moe_slots, std::string(family) == "qwen3_moe" ? 1 : 2);
   }
 }
 
@@ -517,7 +518,7 @@ TEST_P(Kernelize, MoETrainingWithKernelsTracksTheReference) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
   const KernelConfig config = moe_model_config();
-  for (const char* family : {"mixtral", "qwen3_moe"}) {
+  for (const char* family : {"mixtral", "qwen3_moe", "qwen2_moe"}) {
     const auto dir = std::filesystem::path(test::fixtures_dir()) / family;
     const auto e = models::SafetensorsFile::open(dir / "expected.safetensors");
     const Tensor ids = e.view("input_ids"), labels = e.view("labels");
