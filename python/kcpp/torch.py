@@ -985,12 +985,8 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     if attention_mask is not None:
         why = "an attention mask (padding, packed sequences, a cache or a custom mask): Attention/1 takes causal and " \
               "sliding-window masks"
-    elif dropout:
-        why = f"dropout {dropout}: Attention/1 has none"
-    elif softcap is not None:
-        why = f"soft-capping {softcap}: Attention/1 has none"
-    elif kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None:
-        why = "attention sinks or a position bias: Attention/1 has none"
+    elif (missing := _attention_features_missing(dropout, softcap, kwargs)) is not None:
+        why = missing
     elif query.dim() != 4 or key.dim() != 4 or value.shape != key.shape:
         why = f"q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}: Attention/1 takes [B, H, S, D]"
     elif not causal and sliding_window:
@@ -1088,6 +1084,17 @@ def _flat_mask(mask, q_len, kv_len):
     return m if tuple(m.shape) == (q_len, kv_len) else None
 
 
+def _attention_features_missing(dropout, softcap, kwargs):
+    """Why Attention/1 cannot take a call for what it asks beyond the mask (None when it can)."""
+    if dropout:
+        return f"dropout {dropout}: Attention/1 has none"
+    if softcap is not None:
+        return f"soft-capping {softcap}: Attention/1 has none"
+    if kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None:
+        return "attention sinks or a position bias: Attention/1 has none"
+    return None
+
+
 def _packed_attention(module, query, key, value, attention_mask, dropout, scaling, causal, is_causal, sliding_window,
                       softcap, kwargs, slot, where, implementation):
     """The attention function "kcpp" for packed sequences: Attention/1's varlen call, or the reference."""
@@ -1123,12 +1130,8 @@ def _packed_attention(module, query, key, value, attention_mask, dropout, scalin
         return reference()
 
     why = None
-    if dropout:
-        why = f"dropout {dropout}: Attention/1 has none"
-    elif softcap is not None:
-        why = f"soft-capping {softcap}: Attention/1 has none"
-    elif kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None:
-        why = "attention sinks or a position bias: Attention/1 has none"
+    if (missing := _attention_features_missing(dropout, softcap, kwargs)) is not None:
+        why = missing
     elif any(kwargs.get(n) is not None for n in ("block_table", "k_cache", "v_cache")):
         why = "a paged cache (block_table): Attention/1 has none"
     elif not four_d:

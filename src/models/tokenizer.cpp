@@ -601,18 +601,28 @@ std::vector<int64_t> Tokenizer::encode(std::string_view text, bool add_special_t
   return out;
 }
 
+namespace {
+
+// The bytes vocabulary symbols stand for: each character of the byte alphabet its byte, any other
+// character itself (UTF-8).
+std::string symbol_bytes(std::string_view symbols) {
+  std::string bytes;
+  for (size_t i = 0; i < symbols.size();) {
+    const uint32_t cp = next_cp(symbols, i);
+    const auto it = alphabet().back.find(cp);
+    if (it != alphabet().back.end()) bytes += static_cast<char>(it->second);
+    else if (cp < 0x110000u) append_utf8(bytes, cp);
+  }
+  return bytes;
+}
+
+}  // namespace
+
 std::string Tokenizer::decode(const std::vector<int64_t>& ids, bool skip_special_tokens) const {
   const Impl& t = *impl_;
   std::string out, pending;
   auto flush = [&] {
-    std::string bytes;
-    for (size_t i = 0; i < pending.size();) {
-      const uint32_t cp = next_cp(pending, i);
-      const auto it = alphabet().back.find(cp);
-      if (it != alphabet().back.end()) bytes += static_cast<char>(it->second);
-      else if (cp < 0x110000u) append_utf8(bytes, cp);
-    }
-    append_utf8_lossy(out, bytes);
+    append_utf8_lossy(out, symbol_bytes(pending));
     pending.clear();
   };
   for (int64_t id : ids) {
@@ -634,15 +644,7 @@ std::string Tokenizer::token_bytes(int64_t id) const {
   if (id < 0 || id >= static_cast<int64_t>(t.id_to_token.size()))
     throw Error(fmt::format("{}: token id {} is outside the vocabulary (size {})", t.origin, id, t.id_to_token.size()));
   if (const auto a = t.added_by_id.find(id); a != t.added_by_id.end()) return a->second->content;
-  const std::string& sym = t.id_to_token[static_cast<size_t>(id)];
-  std::string bytes;
-  for (size_t i = 0; i < sym.size();) {
-    const uint32_t cp = next_cp(sym, i);
-    const auto it = alphabet().back.find(cp);
-    if (it != alphabet().back.end()) bytes += static_cast<char>(it->second);
-    else if (cp < 0x110000u) append_utf8(bytes, cp);
-  }
-  return bytes;
+  return symbol_bytes(t.id_to_token[static_cast<size_t>(id)]);
 }
 
 int64_t Tokenizer::vocab_size() const { return static_cast<int64_t>(impl_->id_to_token.size()); }
