@@ -156,7 +156,8 @@ write("tokenizer_load", "seed-qwen2-like", tokenizer(normalizer={"type": "NFC"},
 write("tokenizer_load", "edge-wordpiece", tokenizer(model={"type": "WordPiece"}))
 
 # ---- tokenizer text: byte 0 picks gpt2 / llama3 / qwen2 / kcpp byte-level, byte 1 the flags
-texts = [t["text"] for tok in json.loads((FIXTURES / "tokenizers" / "expected.json").read_text()).values() for t in tok]
+texts = [t["text"] for tok in json.loads((FIXTURES / "tokenizers" / "expected.json").read_text()).values()
+         if isinstance(tok, list) for t in tok]  # the tokenizers' rows ("normalizers" holds other tables)
 for i, text in enumerate(texts[:12]):
     write("tokenizer_text", f"seed-{i:02}", bytes([i % 4, i % 4]) + text.encode())
 write("tokenizer_text", "seed-added", b"\x00\x03<|endoftext|>a<|endoftext|>")
