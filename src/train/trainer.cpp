@@ -1,5 +1,7 @@
 #include "train/trainer.h"
 
+#include <nlohmann/json.hpp>
+
 #include "core/error.h"
 #include "ops/ops.h"
 
@@ -64,6 +66,36 @@ StepResult train_step(models::MambaLM& model, AdamW& opt, const std::vector<Micr
   opt.step(grads);
   r.grad_norm = opt.grad_norm();
   return r;
+}
+
+std::string TrainerState::dump() const {
+  const nlohmann::json j{{"steps_done", steps_done},   {"seed", seed},
+                         {"batch", batch},             {"seq", seq},
+                         {"lr", lr},                   {"dtype", dtype},
+                         {"data", data},               {"data_tokens", data_tokens},
+                         {"data_sha256", data_sha256}, {"lr_scheduler", lr_scheduler},
+                         {"warmup_steps", warmup_steps}, {"schedule_steps", schedule_steps}};
+  return j.dump(1) + "\n";
+}
+
+TrainerState TrainerState::parse(std::string_view text, const std::string& where) {
+  const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  KCPP_CHECK(j.is_object() && j.contains("steps_done") && j["steps_done"].is_number_integer() && j.contains("seed"),
+             "{}: trainer_state.json is not one kcpp train wrote", where);
+  TrainerState s;
+  s.steps_done = j["steps_done"].get<int64_t>();
+  s.seed = j.value("seed", uint64_t{0});
+  s.batch = j.value("batch", int64_t{0});
+  s.seq = j.value("seq", int64_t{0});
+  s.lr = j.value("lr", 0.0);
+  s.dtype = j.value("dtype", std::string());
+  s.data = j.value("data", std::string());
+  s.data_tokens = j.value("data_tokens", int64_t{0});
+  s.data_sha256 = j.value("data_sha256", std::string());
+  s.lr_scheduler = j.value("lr_scheduler", std::string("constant"));
+  s.warmup_steps = j.value("warmup_steps", int64_t{0});
+  s.schedule_steps = j.value("schedule_steps", int64_t{0});
+  return s;
 }
 
 }  // namespace kcpp::train
