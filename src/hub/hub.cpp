@@ -56,7 +56,16 @@ std::vector<RepoRef> parse_refs_answer(std::string_view body, const std::string&
       if (!r.is_object() || !r.contains("name") || !r["name"].is_string() || !r.contains("targetCommit") ||
           !r["targetCommit"].is_string())
         KCPP_FAIL("{}: refs of {}: an entry without name or targetCommit", endpoint, repo);
-      out.push_back({r["name"], r["targetCommit"], is_tag});
+      RepoRef ref{r["name"], r["targetCommit"], is_tag};
+      // Both become names in the cache (refs/NAME, snapshots/COMMIT/): what git would not make is refused.
+      if (ref.name.empty()) KCPP_FAIL("{}: refs of {}: a ref in '{}' has an empty name", endpoint, repo, key);
+      if (const std::string p = revision_problem(ref.name); !p.empty())
+        KCPP_FAIL("{}: refs of {}: a ref in '{}': {}; is HF_ENDPOINT a Hugging Face hub?", endpoint, repo, key, p);
+      if (!is_commit_id(ref.commit))
+        KCPP_FAIL("{}: refs of {}: {} has the targetCommit '{}', not a commit id (40 lower-case hex digits); is "
+                  "HF_ENDPOINT a Hugging Face hub?",
+                  endpoint, repo, ref.name, ref.commit);
+      out.push_back(std::move(ref));
     }
   }
   return out;
@@ -78,6 +87,8 @@ std::vector<RepoFile> parse_tree_answer(std::string_view body, const std::string
     if (!e.contains("path") || !e["path"].is_string()) bad("'path' is missing or not a string");
     RepoFile f;
     f.path = e["path"].get<std::string>();
+    if (const std::string p = relative_path_problem(f.path); !p.empty())
+      bad(fmt::format("'path' is not a path inside the repository: {} ('{}')", p, f.path));
     if (e.contains("size")) {
       if (!e["size"].is_number_unsigned()) bad("'size' is not a non-negative integer (" + f.path + ")");
       f.size = e["size"].get<uint64_t>();
