@@ -75,6 +75,11 @@ std::string base64_encode(std::string_view bytes) {
 
 std::string base64_decode(std::string_view text, std::string_view what) {
   ensure_sodium();
+  // libsodium (1.0.18) decodes every byte from 0x80 up as '/': only the alphabet is base64 here, so
+  // that a key or a signature has one text.
+  for (const char c : text)
+    if (!((c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '+' || c == '/' || c == '='))
+      KCPP_FAIL("{}: not valid base64 (the byte 0x{:02x} is not one of A-Z a-z 0-9 + / =)", what, static_cast<unsigned char>(c));
   std::string out(text.size(), '\0');
   size_t len = 0;
   const char* end = nullptr;

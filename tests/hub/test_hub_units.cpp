@@ -329,6 +329,27 @@ TEST(Crypto, Sha256AndBase64KnownAnswers) {
   EXPECT_EQ(size, 3u);
 }
 
+// libsodium decodes every byte from 0x80 up as '/': a key or signature with such a byte in place of a
+// '/' read as the real one.  Only the alphabet is base64 (fuzz finding:
+// tests/fuzz/corpus/trust/regression-base64-high-byte).
+TEST(Crypto, Base64IsTheAlphabetAndNothingElse) {
+  const std::string key = "11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo=";  // RFC 8032 7.1, TEST 1
+  EXPECT_EQ(PublicKey::parse(key, "k").str(), "ed25519:" + key);
+  for (const char high : {'\x80', '\x88', '\xff'}) {
+    std::string twin = key;
+    twin[key.find('/')] = high;
+    EXPECT_TRUE(throws_with([&] { PublicKey::parse(twin, "k"); }, "k: not valid base64 (the byte 0x")) << int(high);
+    EXPECT_TRUE(throws_with([&] { base64_decode(std::string(1, high) + "A==", "v"); }, "v: not valid base64"));
+  }
+  const KeyPair k = KeyPair::generate("acme");
+  std::string sig = k.sign("message");
+  for (size_t i = 0; i < sig.size(); ++i)
+    if (sig[i] == '/') sig[i] = '\xc0';
+  EXPECT_EQ(verify_signature(k.public_key, "message", sig), sig == k.sign("message"));
+  for (const char* bad : {"Zg", "Zg=", "AB==", "Zg==Zg==", "=", " Zg==", "Zg==\n"})
+    EXPECT_TRUE(throws_with([&] { base64_decode(bad, "v"); }, "v: not valid base64")) << bad;
+}
+
 TEST(Crypto, SignVerifyAndKeyFiles) {
   test::TempDir t;
   const KeyPair k = KeyPair::generate("acme");
