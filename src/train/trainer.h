@@ -62,7 +62,9 @@ struct TrainerState {
   int64_t warmup_steps = 0, schedule_steps = 0;
 
   std::string dump() const;  // the file's text
-  // `where` names the file in errors.
+  // steps_done and seed are required, whole numbers from 0; batch and seq whole numbers from 0, lr a
+  // finite number and dtype a string when present.  Anything else is a kcpp::Error naming `where`
+  // and the key.
   static TrainerState parse(std::string_view text, const std::string& where);
 };
 
