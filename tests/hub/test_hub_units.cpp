@@ -373,6 +373,30 @@ TEST(Crypto, SignVerifyAndKeyFiles) {
   EXPECT_TRUE(throws_with([] { PublicKey::parse("ed25519:AAAA", "k"); }, "32 bytes"));
 }
 
+// A .key file's secret key is its seed, then its public key: a damaged seed (the public half intact)
+// was accepted and signed what the public key does not verify (fuzz finding:
+// tests/fuzz/corpus/trust/regression-key-file-damaged-seed).
+TEST(Crypto, AKeyFileIsItsSeedsPair) {
+  test::TempDir t;
+  const KeyPair k = KeyPair::generate("acme");
+  k.save(t.path() / "acme.key", t.path() / "acme.pub");
+  const nlohmann::json saved = nlohmann::json::parse(read_file(t.path() / "acme.key"));
+  for (const size_t byte : {size_t{0}, size_t{7}, size_t{31}, size_t{32}, size_t{63}}) {
+    std::string secret = base64_decode(saved["secret_key"].get<std::string>(), "secret");
+    secret[byte] ^= 0x10;
+    nlohmann::json j = saved;
+    j["secret_key"] = base64_encode(secret);
+    write_file_atomic(t.path() / "damaged.key", j.dump(), 0600);
+    EXPECT_TRUE(throws_with([&] { KeyPair::load(t.path() / "damaged.key"); }, "the public key does not belong to the secret key"))
+        << "byte " << byte;
+  }
+  nlohmann::json other = saved;
+  other["public_key"] = KeyPair::generate("acme").public_key.str();
+  write_file_atomic(t.path() / "other.key", other.dump(), 0600);
+  EXPECT_TRUE(throws_with([&] { KeyPair::load(t.path() / "other.key"); }, "the public key does not belong to the secret key"));
+  EXPECT_TRUE(verify_signature(k.public_key, "m", KeyPair::load(t.path() / "acme.key").sign("m")));
+}
+
 // ---- manifests and trust --------------------------------------------------------------------------
 
 std::string example_manifest_text() { return read_file(test::example_package_dir() / "manifest.json"); }
