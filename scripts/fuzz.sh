@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 seconds="${1:-20}"
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(reference manifest lockfile safetensors config tokenizer_load tokenizer_text kernel_config chat_template)
+[ ${#targets[@]} -gt 0 ] || targets=(reference manifest lockfile safetensors config tokenizer_load tokenizer_text kernel_config chat_template
+                                  hub_api trust checkpoint training_data weight_index tokenizer_config)
 
 cmake --preset fuzz >/dev/null
 cmake --build --preset fuzz -j "$(nproc)"
@@ -21,7 +22,7 @@ rm -rf "$work" build/fuzz/findings
 mkdir -p build/fuzz/findings
 run_one() {
   local t="$1" dict="$work/$1.dict" max_len=4096
-  case "$t" in reference) max_len=256 ;; tokenizer_text) max_len=2048 ;; manifest | tokenizer_load) max_len=8192 ;; esac
+  case "$t" in reference) max_len=256 ;; tokenizer_text) max_len=2048 ;; manifest | tokenizer_load | tokenizer_config) max_len=8192 ;; esac
   mkdir -p "$work/corpus/$t"  # what the run adds; the seeds in the repository stay as they are
   cat tests/fuzz/dict/"$t".dict > "$dict"
   case "$t" in reference | tokenizer_text | chat_template) ;; *) cat tests/fuzz/dict/json.dict >> "$dict" ;; esac

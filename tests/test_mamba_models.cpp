@@ -100,5 +100,23 @@ TEST(MambaConfig, ReadsTheFixturesAndNamesBadKeys) {
   EXPECT_ERROR(models::MambaConfig::from_json(with("eos_token_id", 50)), "token id 50 (eos_token_id) is outside the vocabulary");
 }
 
+// A hidden_size near 2^63 overflowed computing the defaults (expand x hidden_size, ceil(hidden_size /
+// 16)) before it was checked, and a bos_token_id list did not survive to_json (fuzz findings: kept in
+// tests/fuzz/corpus/config/regression-mamba-*).
+TEST(MambaConfig, HugeSizesAreNamedAndIdListsWriteBack) {
+  const nlohmann::json base = {{"model_type", "mamba"}, {"hidden_size", 32}, {"vocab_size", 50}};
+  for (const nlohmann::json& j : {nlohmann::json{{"model_type", "mamba"}, {"hidden_size", INT64_MAX}},
+                                  nlohmann::json{{"model_type", "mamba"}, {"hidden_size", INT64_MAX}, {"expand", 1},
+                                                 {"intermediate_size", INT64_MAX}}})
+    EXPECT_ERROR(models::MambaConfig::from_json(j), "'hidden_size' must be in [1, 16777216], is 9223372036854775807");
+  nlohmann::json ids = base;
+  ids["bos_token_id"] = {0, 1};
+  ids["eos_token_id"] = {2, 3};
+  const auto c = models::MambaConfig::from_json(ids);
+  const auto back = models::MambaConfig::from_json(c.to_json());
+  EXPECT_EQ(back.bos_token_id, (std::vector<int64_t>{0, 1}));
+  EXPECT_EQ(back.eos_token_id, (std::vector<int64_t>{2, 3}));
+}
+
 }  // namespace
 }  // namespace kcpp

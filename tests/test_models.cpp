@@ -162,6 +162,14 @@ TEST(Safetensors, ShardedFolderAndShapeChecks) {
   EXPECT_ERROR(models::WeightStore::open_folder(d.path), "weight_map says 'a' is in model-00002-of-00002.safetensors");
   std::ofstream(d.path / "model.safetensors.index.json") << R"({"weight_map": {"a": "../etc/passwd"}})";
   EXPECT_ERROR(models::WeightStore::open_folder(d.path), "is not a file in the folder");
+  // A NUL in the name: the OS opened what comes before it (fuzz finding: kept in
+  // tests/fuzz/corpus/weight_index/regression-nul-in-file-name).
+  std::ofstream(d.path / "model.safetensors.index.json")
+      << R"({"weight_map": {"a": "model-00001-of-00002.safetensors\u0000.json"}})";
+  EXPECT_ERROR(models::WeightStore::open_folder(d.path),
+               R"(weight_map.a = "model-00001-of-00002.safetensors\u0000.json" is not a file in the folder)");
+  std::ofstream(d.path / "model.safetensors.index.json") << R"({"weight_map": {"a": "."}})";
+  EXPECT_ERROR(models::WeightStore::open_folder(d.path), R"(weight_map.a = "." is not a file in the folder)");
   TempDir empty;
   EXPECT_ERROR(models::WeightStore::open_folder(empty.path), "no model.safetensors or model.safetensors.index.json");
 }

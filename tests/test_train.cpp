@@ -19,6 +19,7 @@
 #include "train/adamw.h"
 #include "train/adamw_kernels.h"
 #include "train/corpus.h"
+#include "train/data_parallel.h"
 #include "train/schedule.h"
 #include "train/text_data.h"
 #include "train/trainer.h"
@@ -433,6 +434,87 @@ TEST(Training, MambaStepsAccumulateAndSave) {
   auto again = models::MambaLM::from_folder(out, DType::f32, Device::cpu());
   EXPECT_TRUE(test::close_l2(again->forward(ids), whole->forward(ids).to_f64_vector(), 1e-7));
   fs::remove_all(out);
+}
+
+// trainer_state.json of a checkpoint: each value of its type and range, or an error naming the key
+// (fuzz findings: a float past int64 cast to an integer, a negative step count; kept in
+// tests/fuzz/corpus/checkpoint/regression-*).
+TEST(Checkpoint, TrainerStateValuesAreTypedAndNamed) {
+  train::TrainerState s;
+  s.steps_done = 12, s.seed = 18446744073709551615u, s.batch = 16, s.seq = 64, s.lr = 3e-3, s.dtype = "bf16";
+  s.data = "data.jsonl", s.data_tokens = 4096, s.data_sha256 = std::string(64, 'a');
+  s.lr_scheduler = "cosine", s.warmup_steps = 10, s.schedule_steps = 100;
+  const train::TrainerState back = train::TrainerState::parse(s.dump(), "ckpt");
+  EXPECT_EQ(back.steps_done, 12);
+  EXPECT_EQ(back.seed, 18446744073709551615u);
+  EXPECT_EQ(back.batch, 16);
+  EXPECT_EQ(back.seq, 64);
+  EXPECT_EQ(back.lr, 3e-3);
+  EXPECT_EQ(back.dtype, "bf16");
+  EXPECT_EQ(back.data, "data.jsonl");
+  EXPECT_EQ(back.data_tokens, 4096);
+  EXPECT_EQ(back.data_sha256, std::string(64, 'a'));
+  EXPECT_EQ(back.lr_scheduler, "cosine");
+  EXPECT_EQ(back.warmup_steps, 10);
+  EXPECT_EQ(back.schedule_steps, 100);
+  const std::string ok = R"("steps_done": 2, "seed": 1)";
+  // Absent: 0 or empty (refused by the caller's match), the embedded corpus and a constant rate.
+  const train::TrainerState old = train::TrainerState::parse("{" + ok + "}", "ckpt");
+  EXPECT_EQ(old.batch, 0);
+  EXPECT_EQ(old.data, "");
+  EXPECT_EQ(old.lr_scheduler, "constant");
+  const std::pair<std::string, std::string> cases[] = {
+      {R"({"steps_done": -3, "seed": 1})", "ckpt: trainer_state.json: 'steps_done' must be a whole number, 0 or more, is -3"},
+      {R"({"steps_done": 2.5, "seed": 1})", "ckpt: trainer_state.json is not one kcpp train wrote"},
+      {R"({"steps_done": 2})", "ckpt: trainer_state.json is not one kcpp train wrote"},
+      {"{" + ok + R"(, "seq": 922337203685477580864})", "'seq' must be a whole number, 0 or more, is 9.223372036854776e+20"},
+      {"{" + ok + R"(, "batch": "16"})", "'batch' must be a whole number, 0 or more, is \"16\""},
+      {"{" + ok + R"(, "batch": 9223372036854775808})", "'batch' must be a whole number, 0 or more"},
+      {R"({"steps_done": 2, "seed": -1})", "'seed' must be a whole number, 0 or more, is -1"},
+      {"{" + ok + R"(, "lr": "fast"})", "'lr' must be a finite number"},
+      {"{" + ok + R"(, "lr": null})", "'lr' must be a finite number, is null"},
+      {"{" + ok + R"(, "dtype": 16})", "'dtype' must be a string, is 16"},
+      {"{" + ok + R"(, "data": ["a.jsonl"]})", "'data' must be a string, is [\"a.jsonl\"]"},
+      {"{" + ok + R"(, "data_tokens": 1e300})", "'data_tokens' must be a whole number, 0 or more, is 1e+300"},
+      {"{" + ok + R"(, "data_sha256": null})", "'data_sha256' must be a string, is null"},
+      {"{" + ok + R"(, "lr_scheduler": 1})", "'lr_scheduler' must be a string, is 1"},
+      {"{" + ok + R"(, "warmup_steps": "10"})", "'warmup_steps' must be a whole number, 0 or more, is \"10\""},
+      {"{" + ok + R"(, "schedule_steps": -5})", "'schedule_steps' must be a whole number, 0 or more, is -5"},
+      {"[]", "ckpt: trainer_state.json is not one kcpp train wrote"},
+  };
+  for (const auto& [text, needle] : cases) EXPECT_ERROR(train::TrainerState::parse(text, "ckpt"), needle);
+}
+
+// The optimizer state's metadata: a step count that is not a whole number was std::stoll's
+// std::invalid_argument, a slice beginning near 2^63 an overflow (fuzz findings, kept in
+// tests/fuzz/corpus/checkpoint/regression-*); both are now named errors.
+TEST(Checkpoint, OptimizerStateMetadataIsChecked) {
+  auto params = [] {
+    return std::vector<std::pair<std::string, Tensor>>{{"w", Tensor::zeros({2, 3}, DType::f32, Device::cpu())}};
+  };
+  train::AdamW saved(params(), {});
+  std::string tmpl = (fs::temp_directory_path() / "kcpp-ckpt-XXXXXX").string();
+  const fs::path dir = ::mkdtemp(tmpl.data());
+  train::save_optimizer_state(dir, saved);
+  const fs::path file = dir / "optimizer-rank0-of-1.safetensors";
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  for (const auto& [name, t] : saved.state_tensors()) tensors.emplace_back(name, t);
+  auto with_meta = [&](std::map<std::string, std::string> meta) {
+    meta["format"] = "kcpp AdamW state";
+    models::save_safetensors(file, tensors, meta);
+  };
+  for (const char* steps : {"two", "", "2 ", "-1", "99999999999999999999"}) {
+    with_meta({{"steps", steps}});
+    train::AdamW opt(params(), {});
+    EXPECT_ERROR(train::load_optimizer_state(dir, opt), fmt::format("the step count '{}' is not a whole number of steps", steps));
+  }
+  with_meta({{"steps", "7"}});
+  train::AdamW opt(params(), {});
+  train::load_optimizer_state(dir, opt);
+  EXPECT_EQ(opt.steps(), 7);
+  with_meta({{"steps", "7"}, {"slices", R"({"w": [9223372036854775807, 6]})"}});
+  EXPECT_ERROR(train::load_optimizer_state(dir, opt), "AdamW: the saved 'w.exp_avg' is of a parameter of 6 elements (6 from element 9223372036854775807");
+  fs::remove_all(dir);
 }
 
 }  // namespace

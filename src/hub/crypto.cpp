@@ -75,6 +75,11 @@ std::string base64_encode(std::string_view bytes) {
 
 std::string base64_decode(std::string_view text, std::string_view what) {
   ensure_sodium();
+  // libsodium (1.0.18) decodes every byte from 0x80 up as '/': only the alphabet is base64 here, so
+  // that a key or a signature has one text.
+  for (const char c : text)
+    if (!((c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '+' || c == '/' || c == '='))
+      KCPP_FAIL("{}: not valid base64 (the byte 0x{:02x} is not one of A-Z a-z 0-9 + / =)", what, static_cast<unsigned char>(c));
   std::string out(text.size(), '\0');
   size_t len = 0;
   const char* end = nullptr;
@@ -148,10 +153,18 @@ KeyPair KeyPair::load(const std::filesystem::path& file) {
   const std::string raw = base64_decode(j["secret_key"].get<std::string>(), file.string());
   if (raw.size() != 64) KCPP_FAIL("{}: an Ed25519 secret key has 64 bytes, this one {}", file.string(), raw.size());
   std::memcpy(k.secret.data(), raw.data(), 64);
-  unsigned char derived[32];
-  crypto_sign_ed25519_sk_to_pk(derived, k.secret.data());
-  if (std::memcmp(derived, k.public_key.bytes.data(), 32) != 0)
-    KCPP_FAIL("{}: the public key does not belong to the secret key", file.string());
+  // A secret key is its 32-byte seed, then the public key; the pair is derived from the seed
+  // (crypto_sign_ed25519_sk_to_pk only copies the second half: a damaged seed passed and signed what
+  // the public key does not verify).
+  unsigned char seed[crypto_sign_SEEDBYTES], pk[crypto_sign_PUBLICKEYBYTES], sk[crypto_sign_SECRETKEYBYTES];
+  crypto_sign_ed25519_sk_to_seed(seed, k.secret.data());
+  crypto_sign_seed_keypair(pk, sk, seed);
+  const bool same = std::memcmp(pk, k.public_key.bytes.data(), 32) == 0 && std::memcmp(sk, k.secret.data(), 64) == 0;
+  sodium_memzero(seed, sizeof seed);
+  sodium_memzero(sk, sizeof sk);
+  if (!same)
+    KCPP_FAIL("{}: the public key does not belong to the secret key (a damaged key file? `kcpp keygen` makes a new pair)",
+              file.string());
   return k;
 }
 

@@ -21,7 +21,8 @@ std::string sha256_file(const std::filesystem::path& path, uint64_t* size = null
 bool is_sha256_hex(std::string_view s);
 
 std::string base64_encode(std::string_view bytes);
-// Throws kcpp::Error (naming `what`) on bad input.
+// Standard base64 with padding, canonical (the unused bits of the last character zero); throws
+// kcpp::Error (naming `what`) on anything else, a byte outside the alphabet included.
 std::string base64_decode(std::string_view text, std::string_view what);
 
 struct PublicKey {

@@ -45,6 +45,64 @@ std::string PackageInfo::origin() const {
   return resolved.repo + "@" + resolved.revision;
 }
 
+std::vector<RepoRef> parse_refs_answer(std::string_view body, const std::string& endpoint, const std::string& repo) {
+  auto j = nlohmann::json::parse(body, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) KCPP_FAIL("{}: the refs of {} are not a JSON object", endpoint, repo);
+  std::vector<RepoRef> out;
+  for (auto [key, is_tag] : {std::pair{"branches", false}, {"tags", true}}) {
+    if (!j.contains(key)) continue;
+    if (!j[key].is_array()) KCPP_FAIL("{}: refs of {}: '{}' is not a list", endpoint, repo, key);
+    for (const auto& r : j[key]) {
+      if (!r.is_object() || !r.contains("name") || !r["name"].is_string() || !r.contains("targetCommit") ||
+          !r["targetCommit"].is_string())
+        KCPP_FAIL("{}: refs of {}: an entry without name or targetCommit", endpoint, repo);
+      RepoRef ref{r["name"], r["targetCommit"], is_tag};
+      // Both become names in the cache (refs/NAME, snapshots/COMMIT/): what git would not make is refused.
+      if (ref.name.empty()) KCPP_FAIL("{}: refs of {}: a ref in '{}' has an empty name", endpoint, repo, key);
+      if (const std::string p = revision_problem(ref.name); !p.empty())
+        KCPP_FAIL("{}: refs of {}: a ref in '{}': {}; is HF_ENDPOINT a Hugging Face hub?", endpoint, repo, key, p);
+      if (!is_commit_id(ref.commit))
+        KCPP_FAIL("{}: refs of {}: {} has the targetCommit '{}', not a commit id (40 lower-case hex digits); is "
+                  "HF_ENDPOINT a Hugging Face hub?",
+                  endpoint, repo, ref.name, ref.commit);
+      out.push_back(std::move(ref));
+    }
+  }
+  return out;
+}
+
+std::vector<RepoFile> parse_tree_answer(std::string_view body, const std::string& endpoint, const std::string& repo,
+                                        const std::string& revision) {
+  auto j = nlohmann::json::parse(body, nullptr, false);
+  if (j.is_discarded() || !j.is_array()) KCPP_FAIL("{}: the file list of {}@{} is not a JSON list", endpoint, repo, revision);
+  // A field of an entry that the server typed wrongly is its error, named (not a JSON library's).
+  auto bad = [&](const std::string& what) {
+    KCPP_FAIL("{}: the file list of {}@{} has an entry whose {}", endpoint, repo, revision, what);
+  };
+  std::vector<RepoFile> out;
+  for (const auto& e : j) {
+    if (!e.is_object()) continue;
+    if (e.contains("type") && !e["type"].is_string()) bad("'type' is not a string");
+    if (e.value("type", std::string()) != "file") continue;  // folders
+    if (!e.contains("path") || !e["path"].is_string()) bad("'path' is missing or not a string");
+    RepoFile f;
+    f.path = e["path"].get<std::string>();
+    if (const std::string p = relative_path_problem(f.path); !p.empty())
+      bad(fmt::format("'path' is not a path inside the repository: {} ('{}')", p, f.path));
+    if (e.contains("size")) {
+      if (!e["size"].is_number_unsigned()) bad("'size' is not a non-negative integer (" + f.path + ")");
+      f.size = e["size"].get<uint64_t>();
+    }
+    // Large files carry their sha256 as the LFS object id; small ones only a git blob id.
+    if (e.contains("lfs") && e["lfs"].is_object() && e["lfs"].contains("oid")) {
+      if (!e["lfs"]["oid"].is_string()) bad("'lfs.oid' is not a string (" + f.path + ")");
+      f.sha256 = e["lfs"]["oid"].get<std::string>();
+    }
+    out.push_back(std::move(f));
+  }
+  return out;
+}
+
 Hub::Hub(HubConfig config) : cfg_(std::move(config)), cache_(cfg_.cache_dir) {
   const std::string& e = cfg_.endpoint;
   if (e.starts_with("file://")) dir_.emplace(e.substr(7));
@@ -77,20 +135,7 @@ std::vector<RepoRef> Hub::refs(const std::string& repo) const {
                        e.status());
     throw HubUnavailable(e.what(), e.status() == 0 || e.transient());
   }
-  auto j = nlohmann::json::parse(resp.body, nullptr, false);
-  if (j.is_discarded() || !j.is_object()) KCPP_FAIL("{}: the refs of {} are not a JSON object", cfg_.endpoint, repo);
-  std::vector<RepoRef> out;
-  for (auto [key, is_tag] : {std::pair{"branches", false}, {"tags", true}}) {
-    if (!j.contains(key)) continue;
-    if (!j[key].is_array()) KCPP_FAIL("{}: refs of {}: '{}' is not a list", cfg_.endpoint, repo, key);
-    for (const auto& r : j[key]) {
-      if (!r.is_object() || !r.contains("name") || !r["name"].is_string() || !r.contains("targetCommit") ||
-          !r["targetCommit"].is_string())
-        KCPP_FAIL("{}: refs of {}: an entry without name or targetCommit", cfg_.endpoint, repo);
-      out.push_back({r["name"], r["targetCommit"], is_tag});
-    }
-  }
-  return out;
+  return parse_refs_answer(resp.body, cfg_.endpoint, repo);
 }
 
 std::vector<RepoFile> Hub::files(const std::string& repo, const std::string& revision) const {
@@ -110,32 +155,7 @@ std::vector<RepoFile> Hub::files(const std::string& repo, const std::string& rev
       KCPP_UNAVAILABLE("{}: no revision {} of {} ({})", cfg_.endpoint, revision, repo, e.what());
     throw HubUnavailable(e.what(), e.status() == 0 || e.transient());
   }
-  auto j = nlohmann::json::parse(resp.body, nullptr, false);
-  if (j.is_discarded() || !j.is_array()) KCPP_FAIL("{}: the file list of {}@{} is not a JSON list", cfg_.endpoint, repo, revision);
-  // A field of an entry that the server typed wrongly is its error, named (not a JSON library's).
-  auto bad = [&](const std::string& what) {
-    KCPP_FAIL("{}: the file list of {}@{} has an entry whose {}", cfg_.endpoint, repo, revision, what);
-  };
-  std::vector<RepoFile> out;
-  for (const auto& e : j) {
-    if (!e.is_object()) continue;
-    if (e.contains("type") && !e["type"].is_string()) bad("'type' is not a string");
-    if (e.value("type", std::string()) != "file") continue;  // folders
-    if (!e.contains("path") || !e["path"].is_string()) bad("'path' is missing or not a string");
-    RepoFile f;
-    f.path = e["path"].get<std::string>();
-    if (e.contains("size")) {
-      if (!e["size"].is_number_unsigned()) bad("'size' is not a non-negative integer (" + f.path + ")");
-      f.size = e["size"].get<uint64_t>();
-    }
-    // Large files carry their sha256 as the LFS object id; small ones only a git blob id.
-    if (e.contains("lfs") && e["lfs"].is_object() && e["lfs"].contains("oid")) {
-      if (!e["lfs"]["oid"].is_string()) bad("'lfs.oid' is not a string (" + f.path + ")");
-      f.sha256 = e["lfs"]["oid"].get<std::string>();
-    }
-    out.push_back(std::move(f));
-  }
-  return out;
+  return parse_tree_answer(resp.body, cfg_.endpoint, repo, revision);
 }
 
 std::string Hub::requested(const Reference& ref) const {

@@ -108,6 +108,17 @@ struct LoadedKernel {
   std::string substituted;
 };
 
+// The Hub API's answers as Hub::refs and Hub::files read them, from the body the server sent:
+// GET /api/models/REPO/refs ({"branches": [{"name", "targetCommit"}], "tags": [...]}) and
+// GET /api/models/REPO/tree/REV?recursive=true ([{"type": "file", "path", "size", "lfs": {"oid"}}]).
+// Every ref's targetCommit must be a commit id (40 lower-case hex digits) and its name a valid tag or
+// branch name, every file's path a relative path inside the repository (revision_problem,
+// relative_path_problem): they become paths of the cache.  Anything else is a kcpp::Error naming
+// `endpoint`, the repo (and revision) and the entry.
+std::vector<RepoRef> parse_refs_answer(std::string_view body, const std::string& endpoint, const std::string& repo);
+std::vector<RepoFile> parse_tree_answer(std::string_view body, const std::string& endpoint, const std::string& repo,
+                                        const std::string& revision);
+
 // Throws "REF: no layer 'L' in NAME VERSION (variant V has: A, B)" when the reference names a layer
 // (":L") that `variant` does not list; with no variant, that no variant of the package lists.
 void check_layer(const PackageInfo& info, const ManifestVariant* variant = nullptr);

@@ -5,6 +5,8 @@
 #include "core/error.h"
 #include "hub/crypto.h"
 #include "hub/fs.h"
+#include "hub/reference.h"
+#include "hub/semver.h"
 
 namespace kcpp::hub {
 
@@ -24,6 +26,12 @@ LockFile LockFile::load(const std::filesystem::path& path) {
       if (!p.contains(key) || !p[key].is_string()) bad(fmt::format("{}: missing string '{}'", where, key));
       *dst = p[key].get<std::string>();
     }
+    // The commit becomes a folder of the cache (snapshots/COMMIT/): a commit id and nothing else.
+    if (!is_commit_id(e.commit))
+      bad(fmt::format("{}: commit '{}' is not a commit id (40 lower-case hex digits); run `kcpp lock` again", where, e.commit));
+    if (!is_commit_id(e.revision))
+      if (const std::string why = e.revision.empty() ? "empty" : revision_problem(e.revision); !why.empty())
+        bad(fmt::format("{}: revision: {}; run `kcpp lock` again", where, why));
     if (!is_sha256_hex(e.manifest_sha256)) bad(where + ": manifest_sha256 is not a sha256");
     if (p.contains("files")) {
       if (!p["files"].is_object()) bad(where + ": 'files' must be an object");

@@ -9,7 +9,9 @@
 //      "files": {"build/kcpp1-cpu-x86_64-linux/libexample.so": "<64 hex>", ...}}]}
 //
 // A locked load uses the pinned commit and refuses it when the hub's revision now points at a
-// different commit, when the manifest's hash differs, or when a file's hash differs.
+// different commit, when the manifest's hash differs, or when a file's hash differs.  Reading one, a
+// commit that is not 40 lower-case hex digits (it names a folder of the cache) or a revision that is
+// neither a tag or branch name nor a commit is an error.
 #pragma once
 
 #include <filesystem>

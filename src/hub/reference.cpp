@@ -30,9 +30,6 @@ std::string repo_part_problem(std::string_view part, std::string_view what) {
   return "";
 }
 
-namespace {
-
-// Git ref-name rules that matter here (git check-ref-format), plus no '/' at either end.
 std::string revision_problem(std::string_view rev) {
   if (rev.empty()) return "empty revision after '@'";
   if (rev.size() > 255) return "revision longer than 255 characters";
@@ -45,8 +42,6 @@ std::string revision_problem(std::string_view rev) {
     return fmt::format("'{}' is not a valid tag or branch name", rev);
   return "";
 }
-
-}  // namespace
 
 void validate_repo_id(std::string_view repo) {
   const size_t slash = repo.find('/');

@@ -52,6 +52,9 @@ struct Reference {
 void validate_repo_id(std::string_view repo);
 // Why `part` is not a valid organization or repo name (called `what` in the message), or "".
 std::string repo_part_problem(std::string_view part, std::string_view what);
+// Why `rev` is not a valid tag or branch name (the git ref-name rules that matter here, as
+// `git check-ref-format` applies them, plus no '/' at either end), or "".
+std::string revision_problem(std::string_view rev);
 
 struct MappingEntry {
   Backend device = Backend::CPU;

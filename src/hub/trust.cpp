@@ -56,23 +56,25 @@ TrustStore TrustStore::from_env() {
   TrustStore s;
   const auto path = default_path();
   if (std::filesystem::exists(path)) s.load_file(path);
-  if (const char* env = std::getenv("KCPP_TRUSTED_PUBLISHERS"); env && *env) {
-    std::string_view rest(env);
-    while (!rest.empty()) {
-      const size_t sep = rest.find_first_of(";,");
-      std::string_view item = rest.substr(0, sep);
-      rest = sep == std::string_view::npos ? std::string_view() : rest.substr(sep + 1);
-      while (!item.empty() && item.front() == ' ') item.remove_prefix(1);
-      while (!item.empty() && item.back() == ' ') item.remove_suffix(1);
-      if (item.empty()) continue;
-      const size_t eq = item.find('=');
-      if (eq == std::string_view::npos)
-        KCPP_FAIL("KCPP_TRUSTED_PUBLISHERS: '{}' is not NAME=ed25519:BASE64", item);
-      s.add(std::string(item.substr(0, eq)),
-            PublicKey::parse(item.substr(eq + 1), fmt::format("KCPP_TRUSTED_PUBLISHERS ({})", item.substr(0, eq))));
-    }
-  }
+  if (const char* env = std::getenv("KCPP_TRUSTED_PUBLISHERS"); env && *env) s.add_list(env);
   return s;
+}
+
+void TrustStore::add_list(std::string_view list) {
+  std::string_view rest(list);
+  while (!rest.empty()) {
+    const size_t sep = rest.find_first_of(";,");
+    std::string_view item = rest.substr(0, sep);
+    rest = sep == std::string_view::npos ? std::string_view() : rest.substr(sep + 1);
+    while (!item.empty() && item.front() == ' ') item.remove_prefix(1);
+    while (!item.empty() && item.back() == ' ') item.remove_suffix(1);
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    if (eq == std::string_view::npos)
+      KCPP_FAIL("KCPP_TRUSTED_PUBLISHERS: '{}' is not NAME=ed25519:BASE64", item);
+    add(std::string(item.substr(0, eq)),
+        PublicKey::parse(item.substr(eq + 1), fmt::format("KCPP_TRUSTED_PUBLISHERS ({})", item.substr(0, eq))));
+  }
 }
 
 void TrustStore::add_to_file(const std::filesystem::path& file, const std::string& publisher, const PublicKey& key) {

@@ -35,6 +35,9 @@ class TrustStore {
   static std::filesystem::path default_path();
   void load_file(const std::filesystem::path& file);  // merges; throws naming the file
   void add(const std::string& publisher, const PublicKey& key);
+  // Merges a KCPP_TRUSTED_PUBLISHERS value: "acme=ed25519:BASE64;other=ed25519:BASE64" (';' or ','
+  // separated, spaces around items ignored); throws naming the item that is not NAME=KEY.
+  void add_list(std::string_view list);
   // Adds to the store file (creating it) and saves it atomically.
   static void add_to_file(const std::filesystem::path& file, const std::string& publisher, const PublicKey& key);
 

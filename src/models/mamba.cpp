@@ -68,11 +68,15 @@ struct Reader {
 
 // ---- MambaConfig ---------------------------------------------------------------------------------
 
-void MambaConfig::validate(const std::string& where) const {
+namespace {
+void check_size(const std::string& where, const char* key, int64_t v) {
   constexpr int64_t kMax = int64_t{1} << 24;
-  auto size = [&](const char* key, int64_t v) {
-    KCPP_CHECK(v >= 1 && v <= kMax, "{}: '{}' must be in [1, {}], is {}", where, key, kMax, v);
-  };
+  KCPP_CHECK(v >= 1 && v <= kMax, "{}: '{}' must be in [1, {}], is {}", where, key, kMax, v);
+}
+}  // namespace
+
+void MambaConfig::validate(const std::string& where) const {
+  auto size = [&](const char* key, int64_t v) { check_size(where, key, v); };
   size("vocab_size", vocab_size), size("hidden_size", hidden_size), size("state_size", state_size);
   size("num_hidden_layers", num_hidden_layers), size("intermediate_size", intermediate_size);
   size("conv_kernel", conv_kernel), size("time_step_rank", time_step_rank);
@@ -102,6 +106,8 @@ MambaConfig MambaConfig::from_json(const nlohmann::json& j, const std::string& w
   c.num_hidden_layers = r.integer("num_hidden_layers", c.num_hidden_layers);
   c.expand = r.integer("expand", c.expand);
   KCPP_CHECK(c.expand >= 1 && c.expand <= 64, "{}: 'expand' must be in [1, 64], is {}", where, c.expand);
+  // In range before the defaults below are computed from it (expand x hidden_size, ceil(hidden_size / 16)).
+  check_size(where, "hidden_size", c.hidden_size);
   c.intermediate_size = r.integer("intermediate_size", c.expand * c.hidden_size);
   KCPP_CHECK(c.intermediate_size == c.expand * c.hidden_size,
              "{}: 'intermediate_size' is {}, but Transformers sets it to expand x hidden_size = {} x {}", where,
@@ -153,6 +159,7 @@ nlohmann::json MambaConfig::to_json() const {
                       {"hidden_act", hidden_act}, {"dtype", torch_dtype}};
   if (mixer_rms_eps) j["mixer_rms_eps"] = *mixer_rms_eps;
   if (bos_token_id.size() == 1) j["bos_token_id"] = bos_token_id[0];
+  else if (!bos_token_id.empty()) j["bos_token_id"] = bos_token_id;
   if (eos_token_id.size() == 1) j["eos_token_id"] = eos_token_id[0];
   else if (!eos_token_id.empty()) j["eos_token_id"] = eos_token_id;
   if (pad_token_id) j["pad_token_id"] = *pad_token_id;

@@ -229,8 +229,11 @@ WeightStore WeightStore::open_folder(const std::filesystem::path& folder) {
     for (const auto& [tensor, file] : j["weight_map"].items()) {
       KCPP_CHECK(file.is_string(), "{}: weight_map.{} must be a file name", index.string(), tensor);
       const std::string fname = file.get<std::string>();
-      KCPP_CHECK(fname.find('/') == std::string::npos && fname != ".." && !fname.empty(),
-                 "{}: weight_map.{} = '{}' is not a file in the folder", index.string(), tensor, fname);
+      // A plain name in the folder: no '/', not "." or "..", and no NUL (the OS would open the name
+      // before it: "shard.safetensors\0x" read shard.safetensors).
+      KCPP_CHECK(fname.find('/') == std::string::npos && fname.find('\0') == std::string::npos && fname != "." &&
+                     fname != ".." && !fname.empty(),
+                 "{}: weight_map.{} = {} is not a file in the folder", index.string(), tensor, file.dump());
       auto [it, fresh] = shard_index.try_emplace(fname, w.files_.size());
       if (fresh) w.files_.push_back(SafetensorsFile::open(folder / fname));
       KCPP_CHECK(w.files_[it->second].contains(tensor), "{}: weight_map says '{}' is in {}, which has no such tensor",

@@ -3,11 +3,13 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <exception>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <system_error>
 
 #include "core/cuda_runtime.h"
 #include "core/error.h"
@@ -438,7 +440,7 @@ Tensor read_state(const std::vector<SavedState>& saved, const std::string& key, 
     const Tensor t = s.file.view(key);
     const auto it = s.slices.find(param);
     const StateSlice slice = it != s.slices.end() ? it->second : StateSlice{0, t.numel()};
-    KCPP_CHECK(slice.full == full && slice.begin >= 0 && slice.begin + t.numel() <= full,
+    KCPP_CHECK(slice.full == full && slice.begin >= 0 && t.numel() <= full && slice.begin <= full - t.numel(),
                "AdamW: the saved '{}' is of a parameter of {} elements ({} from element {} in {}); this one has {}", key,
                slice.full, t.numel(), slice.begin, s.file.path().string(), full);
     parts.push_back({slice.begin, t.numel(), &s});
@@ -500,7 +502,13 @@ void load_optimizer_state(const std::filesystem::path& folder, AdamW& opt, const
   for (const auto& s : saved) {
     const auto it = s.file.metadata().find("steps");
     KCPP_CHECK(it != s.file.metadata().end(), "load_optimizer_state: {} has no step count", folder.string());
-    const int64_t n = std::stoll(it->second);
+    // A whole number of steps, nothing before or after it (std::stoll threw std::invalid_argument).
+    const std::string& text = it->second;
+    int64_t n = -1;
+    const auto [end, err] = std::from_chars(text.data(), text.data() + text.size(), n);
+    KCPP_CHECK(err == std::errc() && end == text.data() + text.size() && n >= 0,
+               "load_optimizer_state: {}: the step count '{}' is not a whole number of steps (0 or more)",
+               s.file.path().string(), text);
     KCPP_CHECK(steps < 0 || steps == n, "load_optimizer_state: the files in {} are of different steps ({} and {})",
                folder.string(), steps, n);
     steps = n;

@@ -1,5 +1,9 @@
 #include "train/trainer.h"
 
+#include <cmath>
+#include <cstdint>
+#include <nlohmann/json.hpp>
+
 #include "core/error.h"
 #include "ops/ops.h"
 
@@ -64,6 +68,58 @@ StepResult train_step(models::MambaLM& model, AdamW& opt, const std::vector<Micr
   opt.step(grads);
   r.grad_norm = opt.grad_norm();
   return r;
+}
+
+std::string TrainerState::dump() const {
+  const nlohmann::json j{{"steps_done", steps_done},   {"seed", seed},
+                         {"batch", batch},             {"seq", seq},
+                         {"lr", lr},                   {"dtype", dtype},
+                         {"data", data},               {"data_tokens", data_tokens},
+                         {"data_sha256", data_sha256}, {"lr_scheduler", lr_scheduler},
+                         {"warmup_steps", warmup_steps}, {"schedule_steps", schedule_steps}};
+  return j.dump(1) + "\n";
+}
+
+TrainerState TrainerState::parse(std::string_view text, const std::string& where) {
+  const auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  KCPP_CHECK(j.is_object() && j.contains("steps_done") && j["steps_done"].is_number_integer() && j.contains("seed"),
+             "{}: trainer_state.json is not one kcpp train wrote", where);
+  // Every value of its type and range, or an error naming it (not the JSON library's exception, nor
+  // a float cast to an integer).
+  auto bad = [&](const char* key, const char* what) {
+    KCPP_FAIL("{}: trainer_state.json: '{}' must be {}, is {} (is this a folder kcpp train --save wrote?)", where, key, what,
+              j[key].dump());
+  };
+  auto count = [&](const char* key) -> int64_t {  // 0 when absent
+    if (!j.contains(key)) return 0;
+    const auto& v = j[key];
+    if (!v.is_number_unsigned() || v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+      bad(key, "a whole number, 0 or more");
+    return v.get<int64_t>();
+  };
+  TrainerState s;
+  s.steps_done = count("steps_done");
+  if (!j["seed"].is_number_unsigned()) bad("seed", "a whole number, 0 or more");
+  s.seed = j["seed"].get<uint64_t>();
+  s.batch = count("batch");
+  s.seq = count("seq");
+  auto string = [&](const char* key, std::string& into) {  // left as it is when absent
+    if (!j.contains(key)) return;
+    if (!j[key].is_string()) bad(key, "a string");
+    into = j[key].get<std::string>();
+  };
+  if (j.contains("lr")) {
+    if (!j["lr"].is_number() || !std::isfinite(j["lr"].get<double>())) bad("lr", "a finite number");
+    s.lr = j["lr"].get<double>();
+  }
+  string("dtype", s.dtype);
+  string("data", s.data);
+  s.data_tokens = count("data_tokens");
+  string("data_sha256", s.data_sha256);
+  string("lr_scheduler", s.lr_scheduler);
+  s.warmup_steps = count("warmup_steps");
+  s.schedule_steps = count("schedule_steps");
+  return s;
 }
 
 }  // namespace kcpp::train

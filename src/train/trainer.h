@@ -4,6 +4,9 @@
 // equals one over the concatenated batch (not the mean of per-micro-batch means).
 #pragma once
 
+#include <cstdint>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "models/causal_lm.h"
@@ -41,5 +44,28 @@ StepResult train_step(models::CausalLM& model, AdamW& opt, const std::vector<Mic
 // The same step for a Mamba-family model: each micro-batch's mean loss weighted by its share of the
 // labelled tokens (dloss = its tokens / all of them), so that the step is the whole batch's.
 StepResult train_step(models::MambaLM& model, AdamW& opt, const std::vector<MicroBatch>& micro);
+
+// trainer_state.json of a checkpoint (`kcpp train --save`, beside the model and the optimizer state):
+// what a resumed run must match or continue: the steps taken, the data's seed and shape, the token
+// stream and the learning-rate schedule.  A checkpoint from before the data and the schedule were
+// saved has none of them: the embedded corpus and a constant rate.
+struct TrainerState {
+  int64_t steps_done = 0;
+  uint64_t seed = 0;
+  int64_t batch = 0, seq = 0;
+  double lr = 0;
+  std::string dtype;        // of the weights: "f32", "bf16", "f16"
+  std::string data;         // the --data file, "" for the embedded corpus
+  int64_t data_tokens = 0;  // of the token stream
+  std::string data_sha256;  // of the token stream (and its labels); "" when not saved
+  std::string lr_scheduler = "constant";
+  int64_t warmup_steps = 0, schedule_steps = 0;
+
+  std::string dump() const;  // the file's text
+  // steps_done and seed are required, whole numbers from 0; batch and seq whole numbers from 0, lr a
+  // finite number and dtype a string when present.  Anything else is a kcpp::Error naming `where`
+  // and the key.
+  static TrainerState parse(std::string_view text, const std::string& where);
+};
 
 }  // namespace kcpp::train

@@ -3,6 +3,8 @@
 and edge cases, several taken from tests/fixtures.  Run it again after changing it; libFuzzer
 mutates from these (scripts/fuzz.sh), and inputs that once broke a parser are kept beside them
 as regression-* files, which this script leaves alone."""
+import base64
+import hashlib
 import json
 import pathlib
 import struct
@@ -105,6 +107,11 @@ for name, rope in [("llama3", {"rope_type": "llama3", "factor": 8.0, "low_freq_f
 write("config", "seed-rope-parameters", dumps(dict(llama, rope_parameters={"rope_theta": 500000.0, "rope_type": "default",
                                                                           "partial_rotary_factor": 0.5})))
 write("config", "seed-ids-window", dumps(dict(llama, eos_token_id=[1, 2], pad_token_id=0, sliding_window=16, head_dim=8)))
+for fam in ["mamba", "falcon_mamba", "mixtral", "qwen3_moe", "qwen2_moe", "mistral_swa", "qwen3_swa"]:
+    write("config", f"seed-{fam}", (FIXTURES / fam / "config.json").read_bytes())
+mamba = json.loads((FIXTURES / "mamba" / "config.json").read_text())
+write("config", "seed-mamba-auto-rank", dumps(dict(mamba, time_step_rank="auto", intermediate_size=None, bos_token_id=[0, 1],
+                                                   eos_token_id=[0], pad_token_id=None, torch_dtype="bfloat16")))
 
 
 # ---- tokenizer.json: small byte-level BPE files covering each supported piece
@@ -156,7 +163,8 @@ write("tokenizer_load", "seed-qwen2-like", tokenizer(normalizer={"type": "NFC"},
 write("tokenizer_load", "edge-wordpiece", tokenizer(model={"type": "WordPiece"}))
 
 # ---- tokenizer text: byte 0 picks gpt2 / llama3 / qwen2 / kcpp byte-level, byte 1 the flags
-texts = [t["text"] for tok in json.loads((FIXTURES / "tokenizers" / "expected.json").read_text()).values() for t in tok]
+texts = [t["text"] for tok in json.loads((FIXTURES / "tokenizers" / "expected.json").read_text()).values()
+         if isinstance(tok, list) for t in tok]  # the tokenizers' rows ("normalizers" holds other tables)
 for i, text in enumerate(texts[:12]):
     write("tokenizer_text", f"seed-{i:02}", bytes([i % 4, i % 4]) + text.encode())
 write("tokenizer_text", "seed-added", b"\x00\x03<|endoftext|>a<|endoftext|>")
@@ -200,3 +208,193 @@ for i, text in enumerate(pieces):
 write("chat_template", "edge-unclosed", "{% if x %}{% for y in z %}{{ y")
 write("chat_template", "edge-recursion", "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}")
 write("chat_template", "edge-doubling", "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}")
+
+
+# ---- Hub API answers: refs and tree, as kcpp serve writes them and as huggingface.co does
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def ref(name, tag):
+    return {"name": name, "ref": ("refs/tags/" if tag else "refs/heads/") + name, "targetCommit": COMMIT}
+
+
+write("hub_api", "seed-refs-serve", json.dumps({"branches": [ref("main", False)], "tags": [ref("v1.0.0", True), ref("1.2.0-rc.1", True)],
+                                                "converts": []}))
+write("hub_api", "seed-refs-hf", dumps({"branches": [ref("main", False), ref("feature/x", False)], "converts": [],
+                                        "tags": [ref("v0.1.0", True)], "pullRequests": [{"name": "refs/pr/1", "ref": "refs/pr/1",
+                                                                                          "targetCommit": COMMIT}]}))
+write("hub_api", "seed-tree-serve", json.dumps([{"type": "file", "path": p, "size": n, "oid": SHA[:40], "lfs": {"oid": SHA, "size": n}}
+                                                for p, n in [("manifest.json", 812), (f"build/{cpu}/libexample.so", 4096)]]))
+write("hub_api", "seed-tree-hf", dumps([{"type": "directory", "oid": SHA[:40], "size": 0, "path": "build"},
+                                        {"type": "file", "oid": SHA[:40], "size": 812, "path": "manifest.json"},
+                                        {"type": "file", "oid": SHA[:40], "size": 4096, "path": f"build/{cpu}/libexample.so",
+                                         "lfs": {"oid": SHA, "size": 4096, "pointerSize": 134}}]))
+write("hub_api", "edge-empty-refs", "{}")
+write("hub_api", "edge-empty-tree", "[]")
+
+
+# ---- trust: byte 0 picks the input's kind (fuzz_trust.cpp); keys and signatures of RFC 8032's test vectors
+P25519 = 2**255 - 19
+L25519 = 2**252 + 27742317777372353535851937790883648493
+D25519 = -121665 * pow(121666, P25519 - 2, P25519) % P25519
+
+
+def _ed_x(y, sign):
+    x2 = (y * y - 1) * pow(D25519 * y * y + 1, P25519 - 2, P25519) % P25519
+    x = pow(x2, (P25519 + 3) // 8, P25519)
+    if (x * x - x2) % P25519:
+        x = x * pow(2, (P25519 - 1) // 4, P25519) % P25519
+    return P25519 - x if x & 1 != sign else x
+
+
+def _ed_add(p, q):  # extended coordinates (X, Y, Z, T)
+    a, b = (p[1] - p[0]) * (q[1] - q[0]) % P25519, (p[1] + p[0]) * (q[1] + q[0]) % P25519
+    c, d = 2 * D25519 * p[3] * q[3] % P25519, 2 * p[2] * q[2] % P25519
+    e, f, g, h = b - a, d - c, d + c, b + a
+    return (e * f % P25519, g * h % P25519, f * g % P25519, e * h % P25519)
+
+
+def _ed_mul(k, p):
+    out = (0, 1, 1, 0)
+    while k:
+        if k & 1:
+            out = _ed_add(out, p)
+        p, k = _ed_add(p, p), k >> 1
+    return out
+
+
+def _ed_encode(p):
+    zi = pow(p[2], P25519 - 2, P25519)
+    x, y = p[0] * zi % P25519, p[1] * zi % P25519
+    return (y | (x & 1) << 255).to_bytes(32, "little")
+
+
+_BY = 4 * pow(5, P25519 - 2, P25519) % P25519
+_B = (_ed_x(_BY, 0), _BY, 1, _ed_x(_BY, 0) * _BY % P25519)
+
+
+def ed25519_sign(seed, message):
+    """(public key, signature) of `message` under the 32-byte secret `seed` (RFC 8032, 5.1.6)."""
+    h = hashlib.sha512(seed).digest()
+    a = int.from_bytes(h[:32], "little") & ~7 & ((1 << 254) - 1) | (1 << 254)
+    public = _ed_encode(_ed_mul(a, _B))
+    r = int.from_bytes(hashlib.sha512(h[32:] + message).digest(), "little") % L25519
+    big_r = _ed_encode(_ed_mul(r, _B))
+    k = int.from_bytes(hashlib.sha512(big_r + public + message).digest(), "little") % L25519
+    return public, big_r + ((r + k * a) % L25519).to_bytes(32, "little")
+
+
+def b64(b):
+    return base64.b64encode(b).decode()
+
+
+SEED1 = bytes.fromhex("9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60")  # RFC 8032 7.1 TEST 1
+SEED2 = bytes.fromhex("4ccd089b28ff96da9db6c346ec114e0f5b8a319f35aba624da8cf6ed4fb8a6fb")  # TEST 2
+PUB1, SIG1 = ed25519_sign(SEED1, b"")
+PUB2, SIG2 = ed25519_sign(SEED2, b"r")
+assert PUB1.hex() == "d75a980182b10ab7d54bfed3c964073a0ee172f3daa62325af021a68f707511a"
+assert SIG1.hex().startswith("e5564300c360ac729086e2cc806e828a84877f1eb8e5d974d873e06522490155")
+assert SIG2.hex().startswith("92a009a9f0d4cab8720e820b5f642540a2b27b5416503f8fb3762223ebdb69da")
+KEY1, KEY2 = "ed25519:" + b64(PUB1), "ed25519:" + b64(PUB2)
+
+
+def trust(kind, name, text):
+    write("trust", name, bytes([kind]) + (text.encode() if isinstance(text, str) else text))
+
+
+trust(0, "seed-store", dumps({"publishers": {"acme": [KEY1]}}))
+trust(0, "seed-store-two", dumps({"publishers": {"acme": [KEY2, KEY1], "kernels-community": [b64(PUB2)]}}))
+trust(0, "edge-store-empty", '{"publishers": {}}')
+trust(1, "seed-pub", dumps({"kcpp_key": 1, "publisher": "acme", "algorithm": "ed25519", "public_key": KEY1}))
+trust(1, "seed-key", dumps({"kcpp_key": 1, "publisher": "acme", "algorithm": "ed25519", "public_key": KEY1,
+                            "secret_key": b64(SEED1 + PUB1)}))
+trust(1, "edge-key-other-public", dumps({"kcpp_key": 1, "publisher": "acme", "algorithm": "ed25519", "public_key": KEY2,
+                                         "secret_key": b64(SEED1 + PUB1)}))
+for i, text in enumerate([KEY1, b64(PUB2), "AA==", "Zm9vYmFy", "Zm9vYg==", "", "rsa:AAAA", "ed25519:" + b64(PUB1[:31])]):
+    trust(2, f"seed-text-{i}", text)
+trust(3, "seed-signature-empty", f"{KEY1}\n{b64(SIG1)}\n")
+trust(3, "seed-signature-r", f"{KEY2}\n{b64(SIG2)}\nr")
+manifest_plain = {"kcpp_manifest": 1, "name": "example", "version": "1.0.0", "abi_version": 1,
+                  "variants": {cpu: {"library": f"build/{cpu}/libexample.so",
+                                     "files": {f"build/{cpu}/libexample.so": {"sha256": SHA, "size": 4096}}}}}
+_, msig = ed25519_sign(SEED1, json.dumps(manifest_plain, separators=(",", ":"), sort_keys=True).encode())
+signed = dict(manifest_plain, signature={"algorithm": "ed25519", "publisher": "acme", "public_key": KEY1, "value": b64(msig)})
+trust(4, "seed-manifest-signed", dumps(signed))
+trust(4, "seed-manifest-tampered", dumps(dict(signed, version="1.0.1")))
+trust(4, "seed-manifest-other-publisher", dumps(dict(signed, signature=dict(signed["signature"], publisher="other"))))
+trust(4, "seed-manifest-unsigned", dumps(manifest_plain))
+trust(5, "seed-list", f"acme={KEY1};kernels-community={b64(PUB2)}, other = {KEY2} ;")
+trust(5, "edge-list-no-key", "acme")
+
+
+# ---- training checkpoints: trainer_state.json, then each rank's optimizer state, each ending at KCPPFILE
+def f32s(values):
+    return struct.pack(f"<{len(values)}f", *values)
+
+
+def optimizer_file(pieces, meta):
+    """pieces: {param: (elements, has master)} -> a safetensors file of its exp_avg, exp_avg_sq (and master)."""
+    header, data = {"__metadata__": meta}, b""
+    for param, (n, master) in pieces.items():
+        for key in ["exp_avg", "exp_avg_sq"] + (["master"] if master else []):
+            header[f"{param}.{key}"] = {"dtype": "F32", "shape": [n], "data_offsets": [len(data), len(data) + 4 * n]}
+            data += f32s([0.25 * (i + 1) for i in range(n)])
+    return safetensors(header, data)
+
+
+state = dumps({"steps_done": 2, "seed": 1, "batch": 16, "seq": 64, "lr": 0.003, "dtype": "f32", "data": "data.jsonl",
+               "data_tokens": 40960, "data_sha256": SHA, "lr_scheduler": "cosine", "warmup_steps": 1, "schedule_steps": 10})
+AdamW = {"format": "kcpp AdamW state"}
+whole = optimizer_file({"w": (6, False), "b": (4, True)}, dict(AdamW, steps="2"))
+write("checkpoint", "seed-state", state)
+write("checkpoint", "seed-state-before-data", dumps({"steps_done": 2, "seed": 1, "batch": 16, "seq": 64, "lr": 0.003, "dtype": "f32"}))
+write("checkpoint", "seed-one-rank", state.encode() + b"KCPPFILE" + whole)
+write("checkpoint", "seed-two-ranks",
+      state.encode() + b"KCPPFILE" +
+      optimizer_file({"w": (3, False), "b": (2, True)}, dict(AdamW, steps="2", slices='{"b":[0,4],"w":[0,6]}')) + b"KCPPFILE" +
+      optimizer_file({"w": (3, False), "b": (2, True)}, dict(AdamW, steps="2", slices='{"b":[2,4],"w":[3,6]}')))
+write("checkpoint", "seed-stage0-copies", state.encode() + b"KCPPFILE" + whole + b"KCPPFILE" + whole)
+write("checkpoint", "edge-missing-master", state.encode() + b"KCPPFILE" +
+      optimizer_file({"w": (6, False), "b": (4, False)}, dict(AdamW, steps="2")))
+
+# ---- model.safetensors.index.json over the shards fuzz_weight_index.cpp writes
+shard1, shard2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+write("weight_index", "seed-two-shards", dumps({"metadata": {"total_size": 68}, "weight_map": {
+    "lm_head.weight": shard2, "model.embed_tokens.weight": shard1, "model.norm.weight": shard1}}))
+write("weight_index", "seed-single", dumps({"weight_map": {"model.norm.weight": "model.safetensors"}}))
+write("weight_index", "edge-wrong-shard", dumps({"weight_map": {"lm_head.weight": shard1}}))
+write("weight_index", "edge-outside", dumps({"weight_map": {"lm_head.weight": "../" + shard2}}))
+write("weight_index", "edge-empty", '{"weight_map": {}}')
+
+# ---- tokenizer_config.json: the chat template and the special tokens
+features = (FIXTURES / "chat_templates" / "features.jinja").read_text()
+small = pieces[0]
+write("tokenizer_config", "seed-string", dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": None, "pad_token": None,
+                                                "chat_template": small, "model_max_length": 4096}))
+write("tokenizer_config", "seed-added-tokens", dumps({
+    "bos_token": {"__type": "AddedToken", "content": "<|begin_of_text|>", "lstrip": False, "normalized": False,
+                  "rstrip": False, "single_word": False}, "eos_token": "<|eot_id|>", "chat_template": features}))
+write("tokenizer_config", "seed-list", dumps({"eos_token": "<|im_end|>", "chat_template": [
+    {"name": "default", "template": small}, {"name": "tool_use", "template": pieces[2]}]}))
+write("tokenizer_config", "edge-no-template", dumps({"bos_token": "<s>"}))
+write("tokenizer_config", "edge-list-without-default", dumps({"chat_template": [{"name": "rag", "template": small}]}))
+
+# ---- kcpp train --data files: byte 0 holds the flags of fuzz_training_data.cpp (1: .jsonl, 2: the text
+# field "content" named, 4: assistant-only loss, 8: Qwen2's tokenizer)
+def training(flags, name, text):
+    write("training_data", name, bytes([flags]) + text.encode())
+
+
+conversation = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi, café"},
+                             {"role": "assistant", "content": "Hello."}]}
+lines = [{"text": "The gentle gardener sings to a clever clock."}, {"prompt": "2 + 2 =", "completion": " 4"}, conversation]
+training(0, "seed-plain", "The café opens at nine.\nIt closes at five.\n")
+training(1, "seed-jsonl-text", "\n".join(json.dumps(j, ensure_ascii=False) for j in lines[:1] * 2) + "\n")
+training(1, "seed-jsonl-prompt", json.dumps(lines[1]) + "\n\n" + json.dumps({"prompt": "", "completion": "x"}) + "\n")
+training(1, "seed-jsonl-messages", json.dumps(conversation, ensure_ascii=False) + "\n")
+training(5, "seed-jsonl-assistant-only", json.dumps(conversation, ensure_ascii=False) + "\n")
+training(13, "seed-jsonl-assistant-only-qwen2", json.dumps(conversation, ensure_ascii=False) + "\n")
+training(3, "seed-jsonl-field", json.dumps({"content": "named field", "text": "not this"}) + "\n")
+training(9, "seed-jsonl-mixed-qwen2", "\n".join(json.dumps(j, ensure_ascii=False) for j in lines) + "\r\n")
+training(1, "edge-jsonl-not-object", "[1, 2]\n")
+training(1, "edge-jsonl-no-text", json.dumps({"text": ""}) + "\n")

@@ -13,6 +13,7 @@
 #include "hub/cache.h"
 #include "hub/crypto.h"
 #include "hub/fs.h"
+#include "hub/hub.h"
 #include "hub/lockfile.h"
 #include "hub/manifest.h"
 #include "hub/package.h"
@@ -328,6 +329,27 @@ TEST(Crypto, Sha256AndBase64KnownAnswers) {
   EXPECT_EQ(size, 3u);
 }
 
+// libsodium decodes every byte from 0x80 up as '/': a key or signature with such a byte in place of a
+// '/' read as the real one.  Only the alphabet is base64 (fuzz finding:
+// tests/fuzz/corpus/trust/regression-base64-high-byte).
+TEST(Crypto, Base64IsTheAlphabetAndNothingElse) {
+  const std::string key = "11qYAYKxCrfVS/7TyWQHOg7hcvPapiMlrwIaaPcHURo=";  // RFC 8032 7.1, TEST 1
+  EXPECT_EQ(PublicKey::parse(key, "k").str(), "ed25519:" + key);
+  for (const char high : {'\x80', '\x88', '\xff'}) {
+    std::string twin = key;
+    twin[key.find('/')] = high;
+    EXPECT_TRUE(throws_with([&] { PublicKey::parse(twin, "k"); }, "k: not valid base64 (the byte 0x")) << int(high);
+    EXPECT_TRUE(throws_with([&] { base64_decode(std::string(1, high) + "A==", "v"); }, "v: not valid base64"));
+  }
+  const KeyPair k = KeyPair::generate("acme");
+  std::string sig = k.sign("message");
+  for (size_t i = 0; i < sig.size(); ++i)
+    if (sig[i] == '/') sig[i] = '\xc0';
+  EXPECT_EQ(verify_signature(k.public_key, "message", sig), sig == k.sign("message"));
+  for (const char* bad : {"Zg", "Zg=", "AB==", "Zg==Zg==", "=", " Zg==", "Zg==\n"})
+    EXPECT_TRUE(throws_with([&] { base64_decode(bad, "v"); }, "v: not valid base64")) << bad;
+}
+
 TEST(Crypto, SignVerifyAndKeyFiles) {
   test::TempDir t;
   const KeyPair k = KeyPair::generate("acme");
@@ -349,6 +371,30 @@ TEST(Crypto, SignVerifyAndKeyFiles) {
   EXPECT_TRUE(throws_with([] { KeyPair::generate("bad name"); }, "bad publisher name"));
   EXPECT_TRUE(throws_with([] { PublicKey::parse("rsa:AAAA", "k"); }, "only ed25519"));
   EXPECT_TRUE(throws_with([] { PublicKey::parse("ed25519:AAAA", "k"); }, "32 bytes"));
+}
+
+// A .key file's secret key is its seed, then its public key: a damaged seed (the public half intact)
+// was accepted and signed what the public key does not verify (fuzz finding:
+// tests/fuzz/corpus/trust/regression-key-file-damaged-seed).
+TEST(Crypto, AKeyFileIsItsSeedsPair) {
+  test::TempDir t;
+  const KeyPair k = KeyPair::generate("acme");
+  k.save(t.path() / "acme.key", t.path() / "acme.pub");
+  const nlohmann::json saved = nlohmann::json::parse(read_file(t.path() / "acme.key"));
+  for (const size_t byte : {size_t{0}, size_t{7}, size_t{31}, size_t{32}, size_t{63}}) {
+    std::string secret = base64_decode(saved["secret_key"].get<std::string>(), "secret");
+    secret[byte] ^= 0x10;
+    nlohmann::json j = saved;
+    j["secret_key"] = base64_encode(secret);
+    write_file_atomic(t.path() / "damaged.key", j.dump(), 0600);
+    EXPECT_TRUE(throws_with([&] { KeyPair::load(t.path() / "damaged.key"); }, "the public key does not belong to the secret key"))
+        << "byte " << byte;
+  }
+  nlohmann::json other = saved;
+  other["public_key"] = KeyPair::generate("acme").public_key.str();
+  write_file_atomic(t.path() / "other.key", other.dump(), 0600);
+  EXPECT_TRUE(throws_with([&] { KeyPair::load(t.path() / "other.key"); }, "the public key does not belong to the secret key"));
+  EXPECT_TRUE(verify_signature(k.public_key, "m", KeyPair::load(t.path() / "acme.key").sign("m")));
 }
 
 // ---- manifests and trust --------------------------------------------------------------------------
@@ -549,6 +595,61 @@ TEST(LockFile, AFormatThatIsNotANumberIsAnError) {
   }
   write_file_atomic(d.path() / "kcpp.lock", R"({"kcpp_lock": 1, "packages": []})");
   EXPECT_TRUE(LockFile::load(d.path() / "kcpp.lock").packages.empty());
+}
+
+// A lock file's commit becomes a folder of the cache (snapshots/COMMIT/): anything but a commit id is
+// refused, as is a revision that is neither a tag or branch name nor a commit (fuzz findings: kept in
+// tests/fuzz/corpus/lockfile/regression-*).
+TEST(LockFile, CommitsAreCommitIdsAndRevisionsRefNames) {
+  test::TempDir d;
+  const std::string sha(64, 'a'), commit(40, 'c');
+  auto entry = [&](const std::string& revision, const std::string& c) {
+    return nlohmann::json{{"kcpp_lock", 1},
+                          {"packages", {{{"repo", "acme/example"}, {"requested", "^1.0"}, {"revision", revision}, {"commit", c},
+                                         {"manifest_sha256", sha}, {"publisher", "acme"}}}}}
+        .dump();
+  };
+  for (const std::string& bad : std::vector<std::string>{"../../../../tmp/x", "C0FFEE" + std::string(34, '0'), std::string(39, 'c'), ""}) {
+    write_file_atomic(d.path() / "kcpp.lock", entry("v1.0.0", bad));
+    EXPECT_TRUE(throws_with([&] { LockFile::load(d.path() / "kcpp.lock"); }, "packages[0]: commit '" + bad + "' is not a commit id"))
+        << bad;
+  }
+  for (const char* bad : {"../v1.0.0", "", "a b", "v1.0.0.lock"}) {
+    write_file_atomic(d.path() / "kcpp.lock", entry(bad, commit));
+    EXPECT_TRUE(throws_with([&] { LockFile::load(d.path() / "kcpp.lock"); }, "packages[0]: revision: ")) << bad;
+  }
+  for (const std::string& good : std::vector<std::string>{"v1.0.0", "feature/x", commit}) {
+    write_file_atomic(d.path() / "kcpp.lock", entry(good, commit));
+    EXPECT_EQ(LockFile::load(d.path() / "kcpp.lock").packages.at(0).revision, good);
+  }
+}
+
+// The Hub API's answers: a ref's targetCommit and name, and a file's path, become paths of the cache;
+// a server sending others is refused by name (fuzz findings: tests/fuzz/corpus/hub_api/regression-*).
+TEST(HubAnswers, RefsAndFilesNameOnlyWhatTheCacheCanHold) {
+  const std::string c(40, 'a');
+  auto refs = [&](const std::string& name, const std::string& commit) {
+    return nlohmann::json{{"branches", nlohmann::json::array()}, {"tags", {{{"name", name}, {"targetCommit", commit}}}}}.dump();
+  };
+  const auto ok = parse_refs_answer(refs("v1.0.0", c), "http://hub", "acme/example");
+  ASSERT_EQ(ok.size(), 1u);
+  EXPECT_EQ(ok[0].commit, c);
+  EXPECT_TRUE(ok[0].is_tag);
+  for (const std::string& bad : std::vector<std::string>{"../../../../home/me/.bashrc", "A" + std::string(39, 'a'), std::string(41, 'a'), ""})
+    EXPECT_TRUE(throws_with([&] { parse_refs_answer(refs("v1.0.0", bad), "http://hub", "acme/example"); },
+                            "http://hub: refs of acme/example: v1.0.0 has the targetCommit '" + bad + "', not a commit id"))
+        << bad;
+  EXPECT_TRUE(throws_with([&] { parse_refs_answer(refs("", c), "http://hub", "acme/example"); }, "a ref in 'tags' has an empty name"));
+  for (const char* bad : {"../../x", "v1..0", "/v1", "v1/", "a\nb", "v1.lock"})
+    EXPECT_TRUE(throws_with([&] { parse_refs_answer(refs(bad, c), "http://hub", "acme/example"); }, "refs of acme/example: a ref in 'tags'"))
+        << bad;
+
+  auto tree = [](const std::string& path) { return nlohmann::json{{{"type", "file"}, {"path", path}, {"size", 1}}}.dump(); };
+  EXPECT_EQ(parse_tree_answer(tree("build/x/a.so"), "http://hub", "acme/example", "main").at(0).path, "build/x/a.so");
+  for (const char* bad : {"../a.so", "/etc/passwd", "build//a.so", "build/./a.so", "a\\b", ""})
+    EXPECT_TRUE(throws_with([&] { parse_tree_answer(tree(bad), "http://hub", "acme/example", "main"); },
+                            "the file list of acme/example@main has an entry whose 'path' is not a path inside the repository"))
+        << bad;
 }
 
 TEST(Trust, SignedUnsignedUntrustedAndTampered) {

@@ -160,41 +160,32 @@ struct Run {
 struct Resume {
   std::filesystem::path folder;
   int64_t steps_done = 0;
-  nlohmann::json state;  // its trainer_state.json
+  train::TrainerState state;  // its trainer_state.json
 };
 
 // trainer_state.json: what a resumed run must match or continue (the data's seed and shape, the steps).
 void save_trainer_state(const std::filesystem::path& folder, const TrainArgs& a, const TrainingData& data, int64_t steps_done) {
-  const nlohmann::json j{{"steps_done", steps_done},
-                         {"seed", a.seed},
-                         {"batch", a.batch},
-                         {"seq", a.seq},
-                         {"lr", a.lr},
-                         {"dtype", a.dtype},
-                         {"data", data.source},
-                         {"data_tokens", data.tokens.size()},
-                         {"data_sha256", data.digest},
-                         {"lr_scheduler", train::lr_schedule_name(a.schedule.kind)},
-                         {"warmup_steps", a.schedule.warmup_steps},
-                         {"schedule_steps", a.schedule.total_steps}};
-  std::ofstream(folder / "trainer_state.json") << j.dump(1) << "\n";
+  train::TrainerState s;
+  s.steps_done = steps_done, s.seed = a.seed, s.batch = a.batch, s.seq = a.seq, s.lr = a.lr, s.dtype = a.dtype;
+  s.data = data.source, s.data_tokens = static_cast<int64_t>(data.tokens.size()), s.data_sha256 = data.digest;
+  s.lr_scheduler = train::lr_schedule_name(a.schedule.kind);
+  s.warmup_steps = a.schedule.warmup_steps, s.schedule_steps = a.schedule.total_steps;
+  std::ofstream(folder / "trainer_state.json") << s.dump();
 }
 
 Resume read_resume(const std::string& folder, const TrainArgs& a) {
   const std::filesystem::path f = std::filesystem::path(folder) / "trainer_state.json";
   std::ifstream in(f);
   KCPP_CHECK(in.good(), "kcpp train: --resume {}: no trainer_state.json (a folder written by kcpp train --save)", folder);
-  const auto j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  KCPP_CHECK(j.is_object() && j.contains("steps_done") && j["steps_done"].is_number_integer() && j.contains("seed"),
-             "kcpp train: --resume {}: trainer_state.json is not one kcpp train wrote", folder);
-  KCPP_CHECK(j.value("batch", int64_t{0}) == a.batch && j.value("seq", int64_t{0}) == a.seq &&
-                 j.value("seed", uint64_t{0}) == a.seed,
+  const train::TrainerState s =
+      train::TrainerState::parse(std::string(std::istreambuf_iterator<char>(in), {}), "kcpp train: --resume " + folder);
+  KCPP_CHECK(s.batch == a.batch && s.seq == a.seq && s.seed == a.seed,
              "kcpp train: --resume {}: it was trained with --batch {} --seq {} --seed {}; give the same to continue its data",
-             folder, j.value("batch", int64_t{0}), j.value("seq", int64_t{0}), j.value("seed", uint64_t{0}));
-  KCPP_CHECK(j.value("dtype", std::string()) == a.dtype,
+             folder, s.batch, s.seq, s.seed);
+  KCPP_CHECK(s.dtype == a.dtype,
              "kcpp train: --resume {}: it was trained with --dtype {}; give the same (its optimizer state is of those weights)",
-             folder, j.value("dtype", std::string("?")));
-  return {std::filesystem::path(folder), j["steps_done"].get<int64_t>(), j};
+             folder, s.dtype.empty() ? "?" : s.dtype);
+  return {std::filesystem::path(folder), s.steps_done, s};
 }
 
 // A resumed run continues its checkpoint's data and learning-rate schedule: the same token stream
@@ -203,16 +194,16 @@ Resume read_resume(const std::string& folder, const TrainArgs& a) {
 // saved had the embedded corpus and a constant rate.)
 void check_resume(const Resume& r, TrainArgs& a, const TrainingData& data) {
   const std::string folder = r.folder.string();
-  const std::string saved_data = r.state.value("data", std::string());
-  const std::string saved_digest = r.state.value("data_sha256", std::string());
+  const std::string& saved_data = r.state.data;
+  const std::string& saved_digest = r.state.data_sha256;
   KCPP_CHECK(saved_data == data.source && (saved_digest.empty() || saved_digest == data.digest),
              "kcpp train: --resume {}: it was trained on {} ({} tokens), this run's data is {} ({} tokens){}; give the same "
              "--data to continue where it stopped", folder, saved_data.empty() ? "the embedded corpus" : saved_data,
-             r.state.value("data_tokens", int64_t{0}), data.what, data.tokens.size(),
+             r.state.data_tokens, data.what, data.tokens.size(),
              saved_data == data.source ? " and its tokens differ" : "");
-  const std::string name = r.state.value("lr_scheduler", std::string("constant"));
-  const int64_t warmup = r.state.value("warmup_steps", int64_t{0});
-  const int64_t total = r.state.value("schedule_steps", int64_t{0});
+  const std::string& name = r.state.lr_scheduler;
+  const int64_t warmup = r.state.warmup_steps;
+  const int64_t total = r.state.schedule_steps;
   KCPP_CHECK((!a.given_scheduler || *a.given_scheduler == name) && (!a.given_warmup || *a.given_warmup == warmup) &&
                  (!a.given_schedule_steps || *a.given_schedule_steps == total),
              "kcpp train: --resume {}: it was trained with --lr-scheduler {} --warmup-steps {} --schedule-steps {}; give the same, "
