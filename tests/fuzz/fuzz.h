@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <string_view>
 
@@ -49,6 +50,23 @@ class MemFile {
  private:
   int fd_;
   std::string path_;
+};
+
+// A folder of the fuzzer's own under $TMPDIR (kcpp-fuzz-<name>-XXXXXX), for parsers that read a
+// folder; removed when the fuzzer exits (a crash leaves it).
+struct TempFolder {
+  std::filesystem::path path;
+  explicit TempFolder(const std::string& name) {
+    std::string tmpl = (std::filesystem::temp_directory_path() / ("kcpp-fuzz-" + name + "-XXXXXX")).string();
+    if (!::mkdtemp(tmpl.data())) std::perror("mkdtemp"), std::abort();
+    path = tmpl;
+  }
+  TempFolder(const TempFolder&) = delete;
+  TempFolder& operator=(const TempFolder&) = delete;
+  ~TempFolder() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
 };
 
 }  // namespace kcpp::fuzz

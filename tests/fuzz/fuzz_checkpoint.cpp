@@ -29,20 +29,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// A folder of its own, removed when the fuzzer exits.
-struct Folder {
-  fs::path path;
-  Folder() {
-    std::string tmpl = (fs::temp_directory_path() / "kcpp-fuzz-checkpoint-XXXXXX").string();
-    if (!::mkdtemp(tmpl.data())) std::perror("mkdtemp"), std::abort();
-    path = tmpl;
-  }
-  ~Folder() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
-
 std::vector<std::pair<std::string, Tensor>> whole_params() {
   return {{"w", Tensor::zeros({2, 3}, DType::f32, Device::cpu())}, {"b", Tensor::zeros({4}, DType::bf16, Device::cpu())}};
 }
@@ -97,7 +83,7 @@ void optimizer_state(const fs::path& folder, size_t world) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static Folder folder;
+  static const fuzz::TempFolder folder("checkpoint");
   std::vector<std::string_view> parts;
   std::string_view rest = fuzz::text(data, size);
   for (;;) {

@@ -28,19 +28,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct Folder {
-  fs::path path;
-  Folder() {
-    std::string tmpl = (fs::temp_directory_path() / "kcpp-fuzz-data-XXXXXX").string();
-    if (!::mkdtemp(tmpl.data())) std::perror("mkdtemp"), std::abort();
-    path = tmpl;
-  }
-  ~Folder() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
-
 models::Tokenizer qwen2() {
   const char* env = std::getenv("KCPP_FUZZ_FIXTURES");
   return models::Tokenizer::from_file(std::string(env && *env ? env : KCPP_FUZZ_FIXTURES) + "/tokenizers/qwen2.json");
@@ -49,7 +36,7 @@ models::Tokenizer qwen2() {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static Folder folder;
+  static const fuzz::TempFolder folder("data");
   static const models::Tokenizer byte_level =
       models::Tokenizer::from_json_text(models::Tokenizer::byte_level_json(256, 257), "byte-level tokenizer");
   static const models::Tokenizer qwen = qwen2();

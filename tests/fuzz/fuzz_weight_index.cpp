@@ -23,31 +23,24 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct Folder {
-  fs::path path;
-  Folder() {
-    std::string tmpl = (fs::temp_directory_path() / "kcpp-fuzz-weights-XXXXXX").string();
-    if (!::mkdtemp(tmpl.data())) std::perror("mkdtemp"), std::abort();
-    path = tmpl;
-    const std::vector<double> e = {0, 1, 2, 3, 4, 5, 6, 7}, n = {1, 1}, h = {7, 6, 5, 4, 3, 2, 1, 0};
-    const Tensor embed = Tensor::from_f64(e, {4, 2}, DType::f32);
-    const Tensor norm = Tensor::from_f64(n, {2}, DType::bf16);
-    const Tensor head = Tensor::from_f64(h, {4, 2}, DType::f32);
-    save_safetensors(path / "model-00001-of-00002.safetensors", {{"model.embed_tokens.weight", embed}, {"model.norm.weight", norm}});
-    save_safetensors(path / "model-00002-of-00002.safetensors", {{"lm_head.weight", head}});
-    save_safetensors(path / "model.safetensors",
-                     {{"model.embed_tokens.weight", embed}, {"model.norm.weight", norm}, {"lm_head.weight", head}});
-  }
-  ~Folder() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
+// The shards the index under test names: two of a tiny model, and the single file.
+const fuzz::TempFolder& shards() {
+  static const fuzz::TempFolder folder("weights");
+  const std::vector<double> e = {0, 1, 2, 3, 4, 5, 6, 7}, n = {1, 1}, h = {7, 6, 5, 4, 3, 2, 1, 0};
+  const Tensor embed = Tensor::from_f64(e, {4, 2}, DType::f32);
+  const Tensor norm = Tensor::from_f64(n, {2}, DType::bf16);
+  const Tensor head = Tensor::from_f64(h, {4, 2}, DType::f32);
+  save_safetensors(folder.path / "model-00001-of-00002.safetensors", {{"model.embed_tokens.weight", embed}, {"model.norm.weight", norm}});
+  save_safetensors(folder.path / "model-00002-of-00002.safetensors", {{"lm_head.weight", head}});
+  save_safetensors(folder.path / "model.safetensors",
+                   {{"model.embed_tokens.weight", embed}, {"model.norm.weight", norm}, {"lm_head.weight", head}});
+  return folder;
+}
 
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static Folder folder;
+  static const fuzz::TempFolder& folder = shards();
   static fs::path index = folder.path / "model.safetensors.index.json";
   {
     std::FILE* f = std::fopen(index.c_str(), "wb");
