@@ -239,6 +239,12 @@ TEST(TokenWindows, EveryWindowIsInsideTheStream) {
   EXPECT_NE(message(3, 4).find("the largest batch allowed at that length is 3"), std::string::npos);
   EXPECT_NE(message(0, 1).find("must be positive"), std::string::npos);
   EXPECT_NE(message(3, -1).find("must be positive"), std::string::npos);
+  // skip() leaves the generator where next() would.
+  std::mt19937_64 drawn(9), skipped(9);
+  const train::TokenWindows three(tokens, 3, 2);
+  for (int i = 0; i < 5; ++i) (void)three.next(drawn);
+  three.skip(skipped, 5);
+  EXPECT_EQ(three.next(drawn), three.next(skipped));
   // Labels come from the same windows as the ids.
   std::vector<int64_t> targets(tokens.size());
   for (size_t i = 0; i < tokens.size(); ++i) targets[i] = i % 3 ? 100 + tokens[i] : -100;

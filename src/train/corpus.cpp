@@ -92,6 +92,11 @@ std::vector<int64_t> TokenWindows::next(std::mt19937_64& rng, std::vector<int64_
   return ids;
 }
 
+void TokenWindows::skip(std::mt19937_64& rng, int64_t batches) const {
+  std::uniform_int_distribution<int64_t> start(0, static_cast<int64_t>(tokens_.size()) - seq_ - 1);
+  for (int64_t i = 0; i < batches * batch_; ++i) (void)start(rng);
+}
+
 void TokenWindows::copy_window(int64_t start, int64_t* out) const {
   KCPP_CHECK(start >= 0 && start <= static_cast<int64_t>(tokens_.size()) - seq_,
              "training data: a window of {} tokens at {} is outside the {} tokens of the data", seq_, start, tokens_.size());

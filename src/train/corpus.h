@@ -42,6 +42,8 @@ class TokenWindows {
   // batch x seq ids, row by row, each row's start drawn from `rng`; the same windows of the labels
   // into `labels` when given (the ids again when there are none).
   std::vector<int64_t> next(std::mt19937_64& rng, std::vector<int64_t>* labels = nullptr) const;
+  // Advances `rng` as `batches` calls of next() would, copying nothing (a resumed run's data position).
+  void skip(std::mt19937_64& rng, int64_t batches) const;
   // Copies the window at `start` into out[0, seq); throws kcpp::Error when it is not inside the stream.
   void copy_window(int64_t start, int64_t* out) const;
 

@@ -185,6 +185,11 @@ Resume read_resume(const std::string& folder, const TrainArgs& a) {
   KCPP_CHECK(s.dtype == a.dtype,
              "kcpp train: --resume {}: it was trained with --dtype {}; give the same (its optimizer state is of those weights)",
              folder, s.dtype.empty() ? "?" : s.dtype);
+  // The data position is found again by drawing the windows of every step taken (TokenWindows::skip):
+  // a count no run reaches is a damaged file, not hours of drawing.
+  KCPP_CHECK(static_cast<double>(s.steps_done) * static_cast<double>(s.batch) <= 1e10,
+             "kcpp train: --resume {}: trainer_state.json says {} steps of {} rows were taken, more windows than any run "
+             "draws (10^10); the file is damaged", folder, s.steps_done, s.batch);
   return {std::filesystem::path(folder), s.steps_done, s};
 }
 
@@ -318,7 +323,7 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
   const train::TokenWindows windows(data.tokens, span, a.batch, data.labels);
   const int64_t micro = a.micro_batch > 0 ? a.micro_batch : a.batch;
   // A resumed run continues the data where the checkpoint left it: the batches it drew are drawn again.
-  for (int64_t i = 0; resume && i < resume->steps_done; ++i) (void)windows.next(gen.engine());
+  if (resume) windows.skip(gen.engine(), resume->steps_done);
   Allocator& alloc = allocator_for(dev);
   synchronize(dev);
   alloc.reset_peak();
