@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "hub/crypto.h"
 #include "hub/fs.h"
+#include "hub/semver.h"
 
 namespace kcpp::hub {
 namespace fs = std::filesystem;
@@ -34,6 +35,10 @@ std::optional<std::string> Cache::ref(const std::string& repo, const std::string
   if (!fs::is_regular_file(p, ec)) return std::nullopt;
   std::string c = read_file(p);
   while (!c.empty() && (c.back() == '\n' || c.back() == ' ')) c.pop_back();
+  // The commit names a snapshot folder: anything else in the file (damaged, or written by hand) must
+  // not become a path.
+  KCPP_CHECK(is_commit_id(c), "{}: the cache's ref '{}' of {} holds '{}', not a commit id (40 hex digits); delete the file and "
+             "fetch the repository again", p.string(), name, repo, c.substr(0, 64));
   return c;
 }
 

@@ -726,6 +726,20 @@ TEST(Cache, StalePartialDownloadsAreRemovedLiveOnesKept) {
   EXPECT_EQ(cache.remove_stale_partials("acme/absent"), 0u);
 }
 
+// A ref file of the cache that does not hold a commit id is an error naming it (offline, refs are read
+// from these files and their commits become snapshot paths).
+TEST(Cache, RefsHoldCommitIds) {
+  test::TempDir t;
+  const Cache cache(t.path());
+  const std::string repo = "acme/example", commit = std::string(40, 'c');
+  cache.set_ref(repo, "v1.0.0", commit);
+  EXPECT_EQ(cache.ref(repo, "v1.0.0"), commit);
+  write_file_atomic(cache.repo_dir(repo) / "refs" / "main", "../../../elsewhere\n");
+  EXPECT_TRUE(throws_with([&] { (void)cache.ref(repo, "main"); }, "the cache's ref 'main' of acme/example holds '../../../elsewhere'"));
+  EXPECT_TRUE(throws_with([&] { (void)cache.refs(repo); }, "not a commit id"));
+  EXPECT_EQ(cache.ref(repo, "absent"), std::nullopt);
+}
+
 // ---- loading packages through the ABI ---------------------------------------------------------------
 
 std::filesystem::path example_library() {
