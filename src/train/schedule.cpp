@@ -34,8 +34,7 @@ LrSchedule LrSchedule::make(std::string_view name, int64_t warmup_steps, int64_t
   KCPP_CHECK(warmup_steps >= 0, "learning-rate schedule: {} warmup steps; give 0 or more", warmup_steps);
   KCPP_CHECK(s.kind != LrScheduleKind::Constant || warmup_steps == 0,
              "learning-rate schedule: 'constant' has no warmup ({} warmup steps given); use constant_with_warmup", warmup_steps);
-  const bool decays = s.kind == LrScheduleKind::Linear || s.kind == LrScheduleKind::Cosine;
-  KCPP_CHECK(!decays || warmup_steps < total_steps,
+  KCPP_CHECK(!s.decays() || warmup_steps < total_steps,
              "learning-rate schedule '{}' over {} steps with {} warmup steps: the warmup must end before the schedule does",
              name, total_steps, warmup_steps);
   s.warmup_steps = warmup_steps;

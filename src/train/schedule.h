@@ -35,6 +35,8 @@ struct LrSchedule {
   double factor(int64_t t) const;
   // Whether the rate changes from step to step.
   bool varies() const { return kind != LrScheduleKind::Constant; }
+  // Whether it reaches 0 at total_steps (linear, cosine): a run must not go past that.
+  bool decays() const { return kind == LrScheduleKind::Linear || kind == LrScheduleKind::Cosine; }
 };
 
 const char* lr_schedule_name(LrScheduleKind kind);

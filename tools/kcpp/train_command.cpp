@@ -218,8 +218,7 @@ void check_resume(const Resume& r, TrainArgs& a, const TrainingData& data) {
   } catch (const Error& e) {
     KCPP_FAIL("kcpp train: --resume {}: its trainer_state.json holds a schedule this build cannot continue: {}", folder, e.what());
   }
-  const bool decays = a.schedule.kind == train::LrScheduleKind::Linear || a.schedule.kind == train::LrScheduleKind::Cosine;
-  KCPP_CHECK(!decays || r.steps_done + a.steps <= total,
+  KCPP_CHECK(!a.schedule.decays() || r.steps_done + a.steps <= total,
              "kcpp train: --resume {}: its {} schedule ends at step {}, {} steps after its {}; --steps {} would go past it",
              folder, name, total, total - r.steps_done, r.steps_done, a.steps);
 }
@@ -667,8 +666,7 @@ int run_train(TrainArgs a) {
     } catch (const Error& e) {
       KCPP_FAIL("kcpp train: --lr-scheduler / --warmup-steps / --schedule-steps: {}", e.what());
     }
-    KCPP_CHECK(a.schedule.total_steps >= a.steps || !(a.schedule.kind == train::LrScheduleKind::Linear ||
-                                                       a.schedule.kind == train::LrScheduleKind::Cosine),
+    KCPP_CHECK(a.schedule.total_steps >= a.steps || !a.schedule.decays(),
                "kcpp train: --schedule-steps is {}, fewer than --steps {}: the {} schedule would end before the run does",
                a.schedule.total_steps, a.steps, train::lr_schedule_name(a.schedule.kind));
   }
