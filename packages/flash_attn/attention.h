@@ -39,7 +39,8 @@
 //   CUDA, generic: everything else (f32, other D up to 256, unaligned rows): a warp per query row
 //        (forward, dq) or per key row (dk, dv); correct, not fast.
 // Memory: forward none beyond out and lse; backward (CUDA) attention_backward_workspace(p) bytes:
-// delta [B, Hq, Sq] f32 and the dq accumulator [B, Hq, Sq, D] f32.
+// delta [B, Hq, Sq] f32 and the dq accumulator [B, Hq, Sq, D] f32 (varlen: [Hq, total_q] and
+// [Hq, total_q, D]).
 //
 // Variable-length packed sequences (varlen, cu_seqlens_q / cu_seqlens_k non-null): B sequences packed
 // end to end, q / out / dout / dq [total_q, Hq, D] and k / v / dk / dv [total_k, Hkv, D] (any token and
@@ -48,14 +49,16 @@
 // sequence is an attention of its own with Sq = its query count and Skv = its key count, in the maths
 // above (so causal aligns its queries to the end of its own keys; a sequence may have more queries than
 // keys, its first queries then seeing no key under causal).  lse is [Hq, total_q] f32 contiguous.
-// Operands then carry sb = 0 and ss = the token stride: a kernel addresses token `begin + i` of
+// Operands then carry sb = 0 and ss = the token stride: every kernel addresses token `begin + i` of
 // sequence b as at(b, h, begin + i), the same code as the batched layout (sequence() and lse_row()
-// below give the begin, the lengths and the lse row for both layouts).  batch, seq_q and seq_kv hold B,
-// max_seqlen_q and max_seqlen_k (each at most its token count): the tasks cover max_seqlen positions
-// per sequence and the positions past a sequence's own length do nothing.  The CPU checks the cu_seqlens
-// (attention_check_varlen: named errors) before it uses them.  In this build varlen runs on the CPU
-// only: the package refuses it on CUDA (UNSUPPORTED, so a host falls back), and no CUDA kernel reads
-// cu_seqlens; the CUDA kernels for it wait for a GPU to test them.
+// below give the begin, the lengths and the lse / workspace row for both layouts).  batch, seq_q and
+// seq_kv hold B, max_seqlen_q and max_seqlen_k (each at most its token count): the grids cover
+// max_seqlen positions per sequence and the positions past a sequence's own length do nothing.  The CPU
+// checks the cu_seqlens (attention_check_varlen: named errors) before it uses them; CUDA reads them only
+// on the device (the host never waits for them), so there a bad cu_seqlens is not reported: every entry
+// is clamped into [0, total] and each length to max_seqlen, which keeps every access inside the tensors
+// but leaves the result unspecified.  The Hopper paths do not take varlen (the mma.sync and generic
+// kernels do).
 #pragma once
 
 #include <cstddef>
@@ -111,8 +114,9 @@ struct AttentionParams {
 struct Sequence {
   int64_t q_begin, k_begin, seq_q, seq_kv;
 };
-// Reads cu_seqlens where they live (host memory on the CPU path), each entry clamped into [0, total] and
-// each length to max_seqlen (a no-op on checked input; it keeps every access inside the tensors).
+// Reads cu_seqlens where they live (host memory on the CPU path, device memory in a kernel), each entry
+// clamped into [0, total] and each length to max_seqlen (a no-op on checked input; it keeps every access
+// inside the tensors).
 KCPP_FLASH_HD int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
 KCPP_FLASH_HD Sequence sequence(const AttentionParams& p, int64_t b) {
   if (!p.varlen()) return {0, 0, p.seq_q, p.seq_kv};

@@ -7,6 +7,10 @@
 // memory (its .trans form for operands stored k-major the other way round).  Tiles are stored with
 // rows of D elements in 16-byte chunks, chunk c of row r at position c ^ (r % 8), so the eight rows
 // one ldmatrix reads fall in eight different bank groups.
+//
+// varlen (attention.h): every kernel's grid covers max_seqlen positions of each sequence; a block or
+// warp reads its sequence's begin and lengths from the cu_seqlens on the device (sequence()) and does
+// nothing past them, and works inside the sequence exactly as on one batch entry of the batched layout.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -160,21 +164,24 @@ template <typename T, int D> __global__ void __launch_bounds__(kThreads) fwd_ker
   T* sV = sK + 2 * kBc * D;   // two buffers
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int64_t b = blockIdx.y / p.heads_q, h = blockIdx.y % p.heads_q, hk = h / (p.heads_q / p.heads_kv);
-  const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kBr, off = p.seq_kv - p.seq_q;
-  const int64_t pos_lo = q0 + off, pos_hi = min(q0 + kBr, p.seq_q) - 1 + off;
+  const Sequence seq = sequence(p, b);
+  const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kBr;
+  if (q0 >= seq.seq_q) return;  // varlen: a tile past this sequence's queries (the whole block leaves)
+  const int64_t sq = seq.seq_q, skv = seq.seq_kv, off = skv - sq;
+  const int64_t pos_lo = q0 + off, pos_hi = min(q0 + kBr, sq) - 1 + off;
   const int64_t kv_lo = p.window > 0 ? max(int64_t{0}, pos_lo - p.window + 1) : 0;
-  const int64_t kv_hi = p.causal ? pos_hi : p.seq_kv - 1;
+  const int64_t kv_hi = p.causal ? pos_hi : skv - 1;
   const int64_t n_begin = kv_lo / kBc, n_end = kv_hi >= kv_lo ? kv_hi / kBc + 1 : n_begin;
 
-  const T* qg = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + q0 * p.q.ss;
-  const T* kg = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
-  const T* vg = static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh;
+  const T* qg = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + (seq.q_begin + q0) * p.q.ss;
+  const T* kg = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh + seq.k_begin * p.k.ss;
+  const T* vg = static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh + seq.k_begin * p.v.ss;
   auto load_kv = [&](int64_t n, int buf) {
-    const int valid = static_cast<int>(min(int64_t{kBc}, p.seq_kv - n * kBc));
+    const int valid = static_cast<int>(min(int64_t{kBc}, skv - n * kBc));
     load_tile<kBc, D, kThreads>(sK + buf * kBc * D, kg + n * kBc * p.k.ss, p.k.ss, valid, tid);
     load_tile<kBc, D, kThreads>(sV + buf * kBc * D, vg + n * kBc * p.v.ss, p.v.ss, valid, tid);
   };
-  load_tile<kBr, D, kThreads>(sQ, qg, p.q.ss, static_cast<int>(min(int64_t{kBr}, p.seq_q - q0)), tid);
+  load_tile<kBr, D, kThreads>(sQ, qg, p.q.ss, static_cast<int>(min(int64_t{kBr}, sq - q0)), tid);
   if (n_begin < n_end) load_kv(n_begin, 0);
   cp_async_commit();
 
@@ -208,7 +215,7 @@ template <typename T, int D> __global__ void __launch_bounds__(kThreads) fwd_ker
       }
     const int64_t j0 = n * kBc;
     const bool masked = (p.causal && j0 + kBc - 1 > pos_lo) || (p.window > 0 && j0 <= pos_hi - p.window) ||
-                        j0 + kBc > p.seq_kv;
+                        j0 + kBc > skv;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       // The maximum of the raw scores (scale > 0 on this path), then p = 2^(s scale log2(e) - max
@@ -220,7 +227,7 @@ template <typename T, int D> __global__ void __launch_bounds__(kThreads) fwd_ker
         for (int nt = 0; nt < kBc / 8; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e)
-            if (!visible(pos, j0 + nt * 8 + 2 * t + e, p.seq_kv, p.causal, p.window)) s[nt][2 * hf + e] = -INFINITY;
+            if (!visible(pos, j0 + nt * 8 + 2 * t + e, skv, p.causal, p.window)) s[nt][2 * hf + e] = -INFINITY;
       }
 #pragma unroll
       for (int nt = 0; nt < kBc / 8; ++nt) m_raw = fmaxf(m_raw, fmaxf(s[nt][2 * hf], s[nt][2 * hf + 1]));
@@ -256,24 +263,25 @@ template <typename T, int D> __global__ void __launch_bounds__(kThreads) fwd_ker
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     const int64_t row = q0 + warp * 16 + g + 8 * hf;
-    if (row >= p.seq_q) continue;
+    if (row >= sq) continue;
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    T* og = static_cast<T*>(const_cast<void*>(p.out.data)) + b * p.out.sb + h * p.out.sh + row * p.out.ss;
+    T* og = static_cast<T*>(const_cast<void*>(p.out.data)) + b * p.out.sb + h * p.out.sh + (seq.q_begin + row) * p.out.ss;
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt)
       *reinterpret_cast<uint32_t*>(og + dt * 8 + 2 * t) = pack2<T>(o[dt][2 * hf] * inv, o[dt][2 * hf + 1] * inv);
     if (p.lse && t == 0)
-      p.lse[(b * p.heads_q + h) * p.seq_q + row] = sum > 0.0f ? (mx[hf] + log2f(sum)) * kLn2 : -INFINITY;
+      p.lse[lse_row(p, b, h, seq.q_begin + row)] = sum > 0.0f ? (mx[hf] + log2f(sum)) * kLn2 : -INFINITY;
   }
 }
 
 // ---- backward (tensor cores) -------------------------------------------------------------------
 
-// delta_i = dout_i . out_i, one warp per row (f32).
+// delta_i = dout_i . out_i, one warp per row of lse_row's numbering (f32).
 template <typename T> __global__ void delta_kernel(const AttentionParams p, float* delta) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (row >= p.batch * p.heads_q * p.seq_q) return;
-  const int64_t b = row / (p.heads_q * p.seq_q), h = row / p.seq_q % p.heads_q, i = row % p.seq_q;
+  if (row >= lse_rows(p)) return;
+  int64_t b, h, i;
+  lse_row_index(p, row, b, h, i);
   const T* o = static_cast<const T*>(p.out.data) + b * p.out.sb + h * p.out.sh + i * p.out.ss;
   const T* d = static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i * p.dout.ss;
   float s = 0.0f;
@@ -282,13 +290,27 @@ template <typename T> __global__ void delta_kernel(const AttentionParams p, floa
   if (threadIdx.x % 32 == 0) delta[row] = s;
 }
 
-// dq = scale * the f32 accumulator, rounded to T.
-template <typename T> __global__ void dq_finish_kernel(const AttentionParams p, const float* acc) {
-  const int64_t n = p.batch * p.heads_q * p.seq_q * p.head_dim;
+// dq = 0 for every query token: varlen with no keys at all (max_seqlen_k 0), where no other backward
+// kernel runs (their grids over the keys are empty).
+template <typename T> __global__ void dq_zero_kernel(const AttentionParams p) {
+  const int64_t n = lse_rows(p) * p.head_dim;
   for (int64_t x = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; x < n;
        x += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t c = x % p.head_dim, row = x / p.head_dim;
-    const int64_t b = row / (p.heads_q * p.seq_q), h = row / p.seq_q % p.heads_q, i = row % p.seq_q;
+    int64_t b, h, i;
+    lse_row_index(p, row, b, h, i);
+    static_cast<T*>(const_cast<void*>(p.dq.data))[b * p.dq.sb + h * p.dq.sh + i * p.dq.ss + c] = kc::from_f32<T>(0.0f);
+  }
+}
+
+// dq = scale * the f32 accumulator, rounded to T.
+template <typename T> __global__ void dq_finish_kernel(const AttentionParams p, const float* acc) {
+  const int64_t n = lse_rows(p) * p.head_dim;
+  for (int64_t x = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; x < n;
+       x += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t c = x % p.head_dim, row = x / p.head_dim;
+    int64_t b, h, i;
+    lse_row_index(p, row, b, h, i);
     static_cast<T*>(const_cast<void*>(p.dq.data))[b * p.dq.sb + h * p.dq.sh + i * p.dq.ss + c] =
         kc::from_f32<T>(acc[x] * p.scale);
   }
@@ -312,27 +334,33 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4, m8 = lane >> 3;
   const int64_t group = p.heads_q / p.heads_kv;
   const int64_t b = blockIdx.y / p.heads_kv, hk = blockIdx.y % p.heads_kv;
+  const Sequence seq = sequence(p, b);
   const int64_t k0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kBc;  // the longest tiles first
-  const int64_t off = p.seq_kv - p.seq_q, k_last = min(k0 + kBc, p.seq_kv) - 1;
+  if (k0 >= seq.seq_kv) return;  // varlen: a tile past this sequence's keys (the whole block leaves)
+  const int64_t sq = seq.seq_q, skv = seq.seq_kv, qb = seq.q_begin, kb = seq.k_begin;
+  const int64_t off = skv - sq, k_last = min(k0 + kBc, skv) - 1;
   const int64_t i_lo = p.causal ? max(int64_t{0}, k0 - off) : 0;
-  const int64_t i_hi = p.window > 0 ? min(p.seq_q - 1, k_last + p.window - 1 - off) : p.seq_q - 1;
+  const int64_t i_hi = p.window > 0 ? min(sq - 1, k_last + p.window - 1 - off) : sq - 1;
   const int64_t m_begin = i_lo / kBr, m_end = i_hi >= i_lo ? i_hi / kBr + 1 : m_begin;
 
   const int64_t tiles = m_end - m_begin, iters = group * tiles;  // (query head, query tile) pairs
   const int kvalid = static_cast<int>(k_last - k0 + 1);
-  load_tile<kBc, D, kThreads>(sK, static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh + k0 * p.k.ss, p.k.ss, kvalid, tid);
-  load_tile<kBc, D, kThreads>(sV, static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh + k0 * p.v.ss, p.v.ss, kvalid, tid);
+  load_tile<kBc, D, kThreads>(sK, static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh + (kb + k0) * p.k.ss, p.k.ss,
+                              kvalid, tid);
+  load_tile<kBc, D, kThreads>(sV, static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh + (kb + k0) * p.v.ss, p.v.ss,
+                              kvalid, tid);
   // Iteration `it`'s q and dout tiles (cp.async) and its lse and delta (plain loads).  Issued for the
   // next iteration once this one no longer reads sQ / sO / sL / sD (before its dq stage), so the
   // copy overlaps the dq GEMM and its atomics.
   auto load_q = [&](int64_t it) {
     const int64_t h = hk * group + it / tiles, i0 = (m_begin + it % tiles) * kBr;
-    const int qvalid = static_cast<int>(min(int64_t{kBr}, p.seq_q - i0));
-    load_tile<kBr, D, kThreads>(sQ, static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i0 * p.q.ss, p.q.ss, qvalid, tid);
-    load_tile<kBr, D, kThreads>(sO, static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i0 * p.dout.ss,
+    const int qvalid = static_cast<int>(min(int64_t{kBr}, sq - i0));
+    load_tile<kBr, D, kThreads>(sQ, static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + (qb + i0) * p.q.ss, p.q.ss,
+                                qvalid, tid);
+    load_tile<kBr, D, kThreads>(sO, static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + (qb + i0) * p.dout.ss,
                                 p.dout.ss, qvalid, tid);
     if (tid < kBr) {
-      const int64_t row = (b * p.heads_q + h) * p.seq_q + i0 + tid;
+      const int64_t row = lse_row(p, b, h, qb + i0 + tid);  // read only for tid < qvalid
       const float lse = tid < qvalid ? p.lse[row] : -INFINITY;
       sL[tid] = lse == -INFINITY ? INFINITY : lse * kLog2e;
       sD[tid] = tid < qvalid ? delta[row] : 0.0f;
@@ -347,8 +375,8 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, 
   for (int64_t it = 0; it < iters; ++it) {
     {
       const int64_t h = hk * group + it / tiles, i0 = (m_begin + it % tiles) * kBr;
-      const int qvalid = static_cast<int>(min(int64_t{kBr}, p.seq_q - i0));
-      const int64_t row0 = (b * p.heads_q + h) * p.seq_q + i0;
+      const int qvalid = static_cast<int>(min(int64_t{kBr}, sq - i0));
+      const int64_t row0 = lse_row(p, b, h, qb + i0);  // the tile's rows are row0, row0 + 1, ...
       cp_async_wait<0>();
       __syncthreads();
 
@@ -356,14 +384,14 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, 
       float st[kBr / 8][4] = {};
       mma_rows_bt<T, D, kBr>(st, sK, warp * 16, sQ, lane);
       const bool masked = (p.causal && k0 + kBc - 1 > i0 + off) || (p.window > 0 && i0 + kBr - 1 + off - k0 >= p.window) ||
-                          k0 + kBc > p.seq_kv;
+                          k0 + kBc > skv;
 #pragma unroll
       for (int nt = 0; nt < kBr / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qi = nt * 8 + 2 * t + (e & 1);
           float x = exp2_approx(fmaf(st[nt][e], sl2, -sL[qi]));
-          if (masked && !visible(i0 + qi + off, k0 + warp * 16 + g + 8 * (e >> 1), p.seq_kv, p.causal, p.window)) x = 0.0f;
+          if (masked && !visible(i0 + qi + off, k0 + warp * 16 + g + 8 * (e >> 1), skv, p.causal, p.window)) x = 0.0f;
           st[nt][e] = x;
         }
       // dv += p^T dout
@@ -446,9 +474,9 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, 
 #pragma unroll
   for (int e2 = 0; e2 < 2; ++e2) {
     const int64_t j = k0 + warp * 16 + g + 8 * e2;
-    if (j >= p.seq_kv) continue;
-    T* dkg = static_cast<T*>(const_cast<void*>(p.dk.data)) + b * p.dk.sb + hk * p.dk.sh + j * p.dk.ss;
-    T* dvg = static_cast<T*>(const_cast<void*>(p.dv.data)) + b * p.dv.sb + hk * p.dv.sh + j * p.dv.ss;
+    if (j >= skv) continue;
+    T* dkg = static_cast<T*>(const_cast<void*>(p.dk.data)) + b * p.dk.sb + hk * p.dk.sh + (kb + j) * p.dk.ss;
+    T* dvg = static_cast<T*>(const_cast<void*>(p.dv.data)) + b * p.dv.sb + hk * p.dv.sh + (kb + j) * p.dv.ss;
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) {
       *reinterpret_cast<uint32_t*>(dkg + dt * 8 + 2 * t) = pack2<T>(dk[dt][2 * e2] * p.scale, dk[dt][2 * e2 + 1] * p.scale);
@@ -494,31 +522,38 @@ template <typename T> __device__ __forceinline__ void store_lane(T* row, const d
   }
 }
 
-// Query row `row` of [B, Hq, Sq]: its indices, kv head and the keys [lo, hi] it sees (empty: lo > hi).
+// Query `x` of the grid [B, Hq, Sq] (Sq = max_seqlen_q with varlen): its batch and head, its token i
+// (the sequence's begin included), kv head, first key token kb, the keys [lo, hi] of its sequence it sees
+// (empty: lo > hi), its row in lse (lse_row) and whether it exists (varlen: x past its sequence's end).
 struct QueryRow {
-  int64_t b, h, i, hk, lo, hi;
+  int64_t b, h, i, hk, kb, lo, hi, row;
+  bool valid;
 };
-__device__ __forceinline__ QueryRow query_row(const AttentionParams& p, int64_t row) {
+__device__ __forceinline__ QueryRow query_row(const AttentionParams& p, int64_t x) {
   QueryRow r;
-  r.b = row / (p.heads_q * p.seq_q), r.h = row / p.seq_q % p.heads_q, r.i = row % p.seq_q;
+  r.b = x / (p.heads_q * p.seq_q), r.h = x / p.seq_q % p.heads_q;
   r.hk = r.h / (p.heads_q / p.heads_kv);
-  const int64_t pos = r.i + p.seq_kv - p.seq_q;
+  const Sequence seq = sequence(p, r.b);
+  const int64_t i = x % p.seq_q, pos = i + seq.seq_kv - seq.seq_q;
+  r.valid = i < seq.seq_q;
+  r.i = seq.q_begin + i, r.kb = seq.k_begin, r.row = lse_row(p, r.b, r.h, r.i);
   r.lo = p.window > 0 ? max(int64_t{0}, pos - p.window + 1) : 0;
-  r.hi = p.causal ? pos : p.seq_kv - 1;
+  r.hi = p.causal ? pos : seq.seq_kv - 1;
   return r;
 }
 
 // One warp per query row: the online softmax one key at a time.
 template <typename T> __global__ void fwd_generic_kernel(const AttentionParams p) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (row >= p.batch * p.heads_q * p.seq_q) return;
+  const int64_t x = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (x >= p.batch * p.heads_q * p.seq_q) return;
   const int lane = threadIdx.x % 32;
-  const QueryRow r = query_row(p, row);
-  const int64_t b = r.b, h = r.h, i = r.i, hk = r.hk, lo = r.lo, hi = r.hi, d = p.head_dim;
+  const QueryRow r = query_row(p, x);
+  if (!r.valid) return;  // the whole warp: one query per warp
+  const int64_t b = r.b, h = r.h, i = r.i, hk = r.hk, lo = r.lo, hi = r.hi, d = p.head_dim, row = r.row;
   double q[kMaxPerLane], o[kMaxPerLane] = {};
   load_lane(q, static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.ss, d, lane);
-  const T* kb = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
-  const T* vb = static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh;
+  const T* kb = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh + r.kb * p.k.ss;
+  const T* vb = static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh + r.kb * p.v.ss;
   double mx = -INFINITY, l = 0.0;
   for (int64_t j = lo; j <= hi; ++j) {
     const double s = dot_lane(q, kb + j * p.k.ss, d, lane) * p.scale;
@@ -541,14 +576,15 @@ template <typename T> __global__ void fwd_generic_kernel(const AttentionParams p
 // u |lse| and an f32 delta by u |delta|; ds = p (dp - delta) cancels, and f32's bound is a few units
 // of roundoff).  lse64[rows + row] is delta.
 template <typename T> __global__ void lse64_generic_kernel(const AttentionParams p, double* lse64) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (row >= p.batch * p.heads_q * p.seq_q) return;
+  const int64_t x = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (x >= p.batch * p.heads_q * p.seq_q) return;
   const int lane = threadIdx.x % 32;
-  const QueryRow r = query_row(p, row);
-  const int64_t b = r.b, h = r.h, i = r.i, hk = r.hk, lo = r.lo, hi = r.hi, d = p.head_dim;
+  const QueryRow r = query_row(p, x);
+  if (!r.valid) return;
+  const int64_t b = r.b, h = r.h, i = r.i, hk = r.hk, lo = r.lo, hi = r.hi, d = p.head_dim, row = r.row;
   double q[kMaxPerLane];
   load_lane(q, static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.ss, d, lane);
-  const T* kb = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
+  const T* kb = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh + r.kb * p.k.ss;
   double mx = -INFINITY, l = 0.0;
   for (int64_t j = lo; j <= hi; ++j) {
     const double s = dot_lane(q, kb + j * p.k.ss, d, lane) * p.scale;
@@ -558,23 +594,24 @@ template <typename T> __global__ void lse64_generic_kernel(const AttentionParams
   double o[kMaxPerLane];
   load_lane(o, static_cast<const T*>(p.out.data) + b * p.out.sb + h * p.out.sh + i * p.out.ss, d, lane);
   const double delta = dot_lane(o, static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i * p.dout.ss, d, lane);
-  if (lane == 0) lse64[row] = l > 0.0 ? mx + log(l) : -INFINITY, lse64[p.batch * p.heads_q * p.seq_q + row] = delta;
+  if (lane == 0) lse64[row] = l > 0.0 ? mx + log(l) : -INFINITY, lse64[lse_rows(p) + row] = delta;
 }
 
 // One warp per query row: dq.
 template <typename T> __global__ void dq_generic_kernel(const AttentionParams p, const double* lse64) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (row >= p.batch * p.heads_q * p.seq_q) return;
+  const int64_t x = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (x >= p.batch * p.heads_q * p.seq_q) return;
   const int lane = threadIdx.x % 32;
-  const QueryRow r = query_row(p, row);
+  const QueryRow r = query_row(p, x);
+  if (!r.valid) return;
   const int64_t b = r.b, h = r.h, i = r.i, hk = r.hk, lo = r.lo, hi = r.hi, d = p.head_dim;
-  const double lse = lse64[row];
-  const double dl = lse64[p.batch * p.heads_q * p.seq_q + row];
+  const double lse = lse64[r.row];
+  const double dl = lse64[lse_rows(p) + r.row];
   double q[kMaxPerLane], dout[kMaxPerLane], dq[kMaxPerLane] = {};
   load_lane(q, static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.ss, d, lane);
   load_lane(dout, static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i * p.dout.ss, d, lane);
-  const T* kb = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh;
-  const T* vb = static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh;
+  const T* kb = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh + r.kb * p.k.ss;
+  const T* vb = static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh + r.kb * p.v.ss;
   if (lse != -INFINITY)
     for (int64_t j = lo; j <= hi; ++j) {
       const T* kr = kb + j * p.k.ss;
@@ -589,27 +626,31 @@ template <typename T> __global__ void dq_generic_kernel(const AttentionParams p,
   store_lane(static_cast<T*>(const_cast<void*>(p.dq.data)) + b * p.dq.sb + h * p.dq.sh + i * p.dq.ss, dq, p.scale, d, lane);
 }
 
-// One warp per key row of a kv head: dk and dv over the group's query heads.
+// One warp per key of the grid [B, Hkv, Skv] (Skv = max_seqlen_k with varlen): dk and dv over the
+// group's query heads.
 template <typename T> __global__ void dkdv_generic_kernel(const AttentionParams p, const double* lse64) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (row >= p.batch * p.heads_kv * p.seq_kv) return;
+  const int64_t x = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (x >= p.batch * p.heads_kv * p.seq_kv) return;
   const int lane = threadIdx.x % 32;
-  const int64_t b = row / (p.heads_kv * p.seq_kv), hk = row / p.seq_kv % p.heads_kv, j = row % p.seq_kv;
-  const int64_t group = p.heads_q / p.heads_kv, d = p.head_dim, off = p.seq_kv - p.seq_q;
-  const int64_t i_lo = p.causal ? max(int64_t{0}, j - off) : 0;
-  const int64_t i_hi = p.window > 0 ? min(p.seq_q - 1, j + p.window - 1 - off) : p.seq_q - 1;
+  const int64_t b = x / (p.heads_kv * p.seq_kv), hk = x / p.seq_kv % p.heads_kv, jj = x % p.seq_kv;
+  const Sequence seq = sequence(p, b);
+  if (jj >= seq.seq_kv) return;  // varlen: past this sequence's keys
+  const int64_t j = seq.k_begin + jj, qb = seq.q_begin;  // j: the key's token
+  const int64_t group = p.heads_q / p.heads_kv, d = p.head_dim, off = seq.seq_kv - seq.seq_q;
+  const int64_t i_lo = p.causal ? max(int64_t{0}, jj - off) : 0;
+  const int64_t i_hi = p.window > 0 ? min(seq.seq_q - 1, jj + p.window - 1 - off) : seq.seq_q - 1;
   double k[kMaxPerLane], v[kMaxPerLane], dk[kMaxPerLane] = {}, dv[kMaxPerLane] = {};
   load_lane(k, static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh + j * p.k.ss, d, lane);
   load_lane(v, static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh + j * p.v.ss, d, lane);
   for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
-    for (int64_t i = i_lo; i <= i_hi; ++i) {
-      const int64_t r = (b * p.heads_q + h) * p.seq_q + i;
+    for (int64_t ii = i_lo; ii <= i_hi; ++ii) {
+      const int64_t i = qb + ii, r = lse_row(p, b, h, i);
       const double lse = lse64[r];
       if (lse == -INFINITY) continue;
       const T* qr = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.ss;
       const T* dr = static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i * p.dout.ss;
       const double pr = exp(dot_lane(k, qr, d, lane) * p.scale - lse);
-      const double ds = pr * (dot_lane(v, dr, d, lane) - lse64[p.batch * p.heads_q * p.seq_q + r]);
+      const double ds = pr * (dot_lane(v, dr, d, lane) - lse64[lse_rows(p) + r]);
 #pragma unroll
       for (int u = 0; u < kMaxPerLane; ++u) {
         const int64_t c = lane + 32 * u;
@@ -657,7 +698,9 @@ template <typename T> const char* forward_t(const AttentionParams& p, const char
 }
 
 template <typename T> const char* backward_t(const AttentionParams& p, const char* path, cudaStream_t stream) {
-  const auto rows = static_cast<size_t>(p.batch * p.heads_q * p.seq_q);
+  // rows: of lse, delta and the dq accumulator (lse_row); grid: the generic kernels' queries (query_row).
+  const auto rows = static_cast<size_t>(lse_rows(p));
+  const int64_t grid = p.batch * p.heads_q * p.seq_q;
   float* delta = static_cast<float*>(p.workspace);
   auto aligned = [](size_t n) { return (n + 255) / 256 * 256; };  // attention_backward_workspace's layout
   auto* lse64 = reinterpret_cast<double*>(static_cast<unsigned char*>(p.workspace) + aligned(rows * sizeof(float)));
@@ -678,9 +721,9 @@ template <typename T> const char* backward_t(const AttentionParams& p, const cha
     }
     return kc::launch_error("attention_backward (dq)");
   }
-  if (rows > 0) {
-    lse64_generic_kernel<T><<<blocks_for(static_cast<int64_t>(rows), 4), 128, 0, stream>>>(p, lse64);
-    dq_generic_kernel<T><<<blocks_for(static_cast<int64_t>(rows), 4), 128, 0, stream>>>(p, lse64);
+  if (rows > 0 && grid > 0) {
+    lse64_generic_kernel<T><<<blocks_for(grid, 4), 128, 0, stream>>>(p, lse64);
+    dq_generic_kernel<T><<<blocks_for(grid, 4), 128, 0, stream>>>(p, lse64);
   }
   dkdv_generic_kernel<T><<<blocks_for(p.batch * p.heads_kv * p.seq_kv, 4), 128, 0, stream>>>(p, lse64);
   return kc::launch_error("attention_backward");
@@ -748,7 +791,18 @@ const char* attention_forward_cuda(const AttentionParams& p, cudaStream_t stream
 
 const char* attention_backward_cuda(const AttentionParams& p, cudaStream_t stream) {
   if (const char* e = cuda_check(p, true)) return e;
-  if (p.batch == 0 || p.seq_kv == 0) return nullptr;
+  if (p.batch == 0) return nullptr;
+  if (p.seq_kv == 0) {  // no keys: batched, no queries either; varlen, queries whose dq is 0 (dk, dv are empty)
+    if (!p.varlen() || p.seq_q == 0) return nullptr;
+    const int64_t n = lse_rows(p) * p.head_dim;
+    const auto blocks = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65536));
+    switch (p.dtype) {
+      case DType::f32: dq_zero_kernel<float><<<blocks, 256, 0, stream>>>(p); break;
+      case DType::bf16: dq_zero_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(p); break;
+      case DType::f16: dq_zero_kernel<__half><<<blocks, 256, 0, stream>>>(p); break;
+    }
+    return kc::launch_error("attention_backward (dq of queries without keys)");
+  }
   const char* error = nullptr;
   const char* path = attention_backward_path(p, &error);
   if (error) return error;

@@ -331,6 +331,7 @@ const char* attention_sm90_backward_unsupported(const AttentionParams& p) {
   if (p.seq_q == 0) return "there are no queries";
   if (p.head_dim != kD) return "head_dim is not 128";
   if (p.window > 0) return "sliding windows are not on this path";
+  if (p.varlen()) return "variable-length sequences (cu_seqlens) are not on this path";
   if (!(p.scale > 0.0f)) return "scale is not positive";
   for (const Operand* o : {&p.q, &p.k, &p.v, &p.dout})  // the tensor maps' 16-byte rule
     if ((reinterpret_cast<uintptr_t>(o->data) & 15u) != 0 || o->sb % 8 != 0 || o->sh % 8 != 0 || o->ss % 8 != 0)

@@ -12,9 +12,9 @@
 // [total, H, D] instead, lse [Hq, total_q].  supports() runs the same checks as the call without
 // running it, from the tensors' descriptions alone: it never reads a tensor's memory (a host such as
 // kcpp.torch asks it over tensors with no memory behind them), so the contents of the cu_seqlens are
-// checked by the CPU forward and backward (attention_check_varlen), which refuse bad ones naming them.
-// varlen runs on the CPU in this build: on CUDA supports() and the calls refuse it (UNSUPPORTED), so a
-// host falls back; the CUDA kernels for it are pending a GPU test.
+// checked by the CPU forward and backward (attention_check_varlen), which refuse bad ones naming them; on
+// CUDA they stay on the device, unchecked (attention.h).  varlen runs on the CPU and on CUDA's mma.sync
+// and generic paths; the Hopper paths refuse it.
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
@@ -106,15 +106,6 @@ bool varlen_args(kk::Call& c, const DLTensor* cuq, const DLTensor* cuk, const DL
   return true;
 }
 
-// varlen runs on the CPU in this build: a CUDA call with cu_seqlens is refused (after every contract
-// check, so a call that breaks the contract is still INVALID_ARGUMENT), and the host falls back.
-bool varlen_device(kk::Call& c, const fa::AttentionParams& p) {
-  if (!c.ok() || !p.varlen() || !c.on_cuda()) return c.ok();
-  return c.fail(KCPP_ERROR_UNSUPPORTED,
-                "variable-length sequences (cu_seqlens_q / cu_seqlens_k) run on the CPU in this build; "
-                "their CUDA kernels are pending");
-}
-
 bool distinct(kk::Call& c, const void* out, const char* name, std::initializer_list<const void*> inputs) {
   if (!c.ok() || !out) return c.ok();
   for (const void* in : inputs)
@@ -179,8 +170,7 @@ bool attention_args(kk::Call& c, bool bwd, fa::AttentionParams& p) {
     p.lse = static_cast<float*>(kk::data_ptr(lse));
   }
   if (!bwd) return distinct(c, p.out.data, "out", {p.q.data, p.k.data, p.v.data}) &&
-                   (!p.lse || distinct(c, p.lse, "lse", {p.q.data, p.k.data, p.v.data, p.out.data})) &&
-                   varlen_device(c, p);
+                   (!p.lse || distinct(c, p.lse, "lse", {p.q.data, p.k.data, p.v.data, p.out.data}));
   DLTensor* dout = c.tensor("dout");
   DLTensor* dq = c.tensor("dq");
   DLTensor* dk = c.tensor("dk");
@@ -200,7 +190,7 @@ bool attention_args(kk::Call& c, bool bwd, fa::AttentionParams& p) {
   if (c.ok() && nk > 0 && p.dk.data == p.dv.data) c.require(false, "'dk' and 'dv' must be different tensors");
   if (c.ok() && nq > 0 && (p.dq.data == p.dk.data || p.dq.data == p.dv.data))
     c.require(false, "'dq' must differ from 'dk' and 'dv'");
-  return c.ok() && varlen_device(c, p);
+  return c.ok();
 }
 
 // On CUDA, the forward path that KCPP_FLASH_ATTN_FORWARD asks for must be able to run (attention.h).
@@ -265,7 +255,7 @@ constexpr uint32_t kModes = KCPP_MODE_INFERENCE | KCPP_MODE_TRAINING | KCPP_MODE
 const kcpp_layer kLayers[] = {
     {sizeof(kcpp_layer), kModes, kDevices, 0, "FlashAttention", "Attention/1",
      "FlashAttention-2: causal / sliding-window attention with grouped-query heads, no score matrix; saves lse; "
-     "variable-length packed sequences (cu_seqlens; on the CPU in this build); "
+     "variable-length packed sequences (cu_seqlens; not on the Hopper paths); "
      "tensor cores for bf16 / f16 head_dim 64 / 128 on CUDA (the forward on wgmma and TMA on sm_90a, also head_dim 256; the backward at head_dim 128)",
      attention_supports, attention_forward, attention_backward},
 };

@@ -4,8 +4,7 @@
 // Shapes cover both CUDA paths (tensor cores: bf16 / f16, head_dim 64 / 128; generic: the rest),
 // partial tiles on every side, grouped-query heads, a KV cache (fewer queries than keys), sliding
 // windows, non-causal attention and the [B, S, H, D] layout read through strides; variable-length
-// packed sequences (cu_seqlens) against the oracle per sequence and against each sequence run batched
-// (on the CPU; on CUDA this build refuses them, which is checked with or without a GPU).
+// packed sequences (cu_seqlens) against the oracle per sequence and against each sequence run batched.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -493,23 +492,6 @@ void check_varlen(const KernelLayer& k, const VarlenCase& c, DType dt, Device de
   }
 }
 
-// On CUDA this build refuses varlen (its CUDA kernels wait for a GPU test): supports() says so and the
-// calls refuse it too, before any kernel runs.  Returns whether `dev` is such a device.
-bool cuda_refuses_varlen(const KernelLayer& k, const VarlenCase& c, DType dt, Device dev, Generator& gen) {
-  if (!dev.is_cuda()) return false;
-  int64_t tq = 0, tk = 0;
-  for (size_t b = 0; b < c.lq.size(); ++b) tq += c.lq[b], tk += c.lk[b];
-  const Tensor q = Tensor::randn({tq, c.hq, c.d}, dt, dev, gen), kv = Tensor::randn({tk, c.hkv, c.d}, dt, dev, gen);
-  const Tensor out = Tensor::empty(q.shape(), q.dtype(), dev), cuq = cu_seqlens(c.lq, dev), cuk = cu_seqlens(c.lk, dev);
-  KernelArgs a;
-  a.tensor("q", q).tensor("k", kv).tensor("v", kv).tensor("out", out).tensor("cu_seqlens_q", cuq).tensor("cu_seqlens_k", cuk);
-  a.integer("max_seqlen_q", max_of(c.lq)).integer("max_seqlen_k", max_of(c.lk));
-  a.integer("causal", c.causal ? 1 : 0).integer("window", c.window);
-  EXPECT_TRUE(test::refused(k.supports(a, dev, test::kInference), KCPP_ERROR_UNSUPPORTED, "run on the CPU in this build"));
-  EXPECT_THROW(k.forward(a, dev, test::kInference), Error);
-  return true;
-}
-
 // Lengths 0, 1, 7, 129 (no multiple of any tile), unequal query and key counts (fewer queries: a
 // prefix of keys; more queries: the first ones see no key under causal), grouped-query heads, causal or
 // not, sliding windows, no keys at all (max_seqlen_k 0: out and dq zero, lse -inf), head_dim 64 / 128
@@ -531,9 +513,36 @@ TEST_P(FlashAttnPackage, VarlenMatchesTheOracleAndTheBatchedLayout) {
       {{3, 2}, {0, 0}, 2, 1, 64, true, 0},
       {{1, 4}, {0, 0}, 2, 2, 8, false, 0},
   };
-  if (cuda_refuses_varlen(k, cases[0], DType::bf16, dev, gen)) return;
   for (DType dt : {DType::f32, DType::bf16, DType::f16})
     for (const VarlenCase& c : cases) check_varlen(k, c, dt, dev, gen);
+}
+
+// On CUDA the generic kernels (forced) take varlen in 16-bit too.
+TEST(FlashAttnVarlen, GenericCudaKernels) {
+  const Device dev = Device::cuda(0);
+  KCPP_REQUIRE_DEVICE(dev);
+  const ScopedEnv fwd("KCPP_FLASH_ATTN_FORWARD", "generic"), bwd("KCPP_FLASH_ATTN_BACKWARD", "generic");
+  Generator gen = test::test_generator();
+  const KernelLayer k = layer();
+  const VarlenCase c{{7, 0, 1, 129, 33}, {7, 0, 1, 200, 33}, 4, 2, 64, true, 0};
+  // check_varlen keeps this pin for its batched comparison too.
+  for (DType dt : {DType::bf16, DType::f16}) check_varlen(k, c, dt, dev, gen);
+}
+
+// The Hopper paths do not take varlen: required through the environment, the call is refused naming why.
+TEST(FlashAttnVarlen, HopperRefusesVarlen) {
+  const Device dev = Device::cuda(0);
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const KernelLayer k = layer();
+  const Tensor q = Tensor::randn({10, 2, 128}, DType::bf16, dev, gen), kv = Tensor::randn({10, 1, 128}, DType::bf16, dev, gen);
+  const Tensor out = Tensor::empty(q.shape(), q.dtype(), dev), cu = cu_seqlens({3, 7}, dev);
+  KernelArgs a;
+  a.tensor("q", q).tensor("k", kv).tensor("v", kv).tensor("out", out).tensor("cu_seqlens_q", cu).tensor("cu_seqlens_k", cu);
+  a.integer("max_seqlen_q", 7).integer("max_seqlen_k", 7);
+  EXPECT_TRUE(k.supports(a, dev, test::kInference).ok());
+  const ScopedEnv env("KCPP_FLASH_ATTN_FORWARD", "hopper");
+  EXPECT_TRUE(test::refused(k.supports(a, dev, test::kInference), KCPP_ERROR_UNSUPPORTED, "KCPP_FLASH_ATTN_FORWARD=hopper"));
 }
 
 // max_seqlen_q / max_seqlen_k are bounds: any value at least the longest sequence gives the same
@@ -599,11 +608,10 @@ nn::KernelStatus call_described(kcpp_entry_fn fn, const Described& d, DLDevice d
 }
 
 // supports() decides varlen from the tensors' descriptions, never reading the cu_seqlens: over tensors
-// with no memory behind them it answers (on the CPU: yes), and bad contents pass it (the call refuses them,
-// VarlenBadInputIsRefusedNamingTheArgument).  On CUDA (described, no GPU needed) this build refuses varlen,
-// forward and backward, through supports() and the calls alike, while a call that breaks the contract is
-// still an invalid argument.
-TEST(FlashAttnVarlen, SupportsReadsNoMemoryAndCudaRefusesVarlen) {
+// with no memory behind them it answers yes, on the CPU and on CUDA (described: no GPU needed; the
+// CUDA variant's paths are chosen without a device), and bad contents pass it (the call refuses them,
+// VarlenBadInputIsRefusedNamingTheArgument); a call that breaks the contract is an invalid argument.
+TEST(FlashAttnVarlen, SupportsReadsNoMemory) {
   const Device dev = Device::cpu();
   Generator gen = test::test_generator();
   const KernelLayer k = layer();
@@ -641,12 +649,8 @@ TEST(FlashAttnVarlen, SupportsReadsNoMemoryAndCudaRefusesVarlen) {
   for (const auto* a : {&f, &b}) {
     const Described d = described(*a, cuda);
     const bool backward = a == &b;
-    EXPECT_TRUE(test::refused(call_described(cuda_table.supports, d, cuda, test::kTraining), KCPP_ERROR_UNSUPPORTED,
-                              "variable-length sequences (cu_seqlens_q / cu_seqlens_k) run on the CPU in this build"))
-        << (backward ? "backward" : "forward");
-    EXPECT_TRUE(test::refused(call_described(backward ? cuda_table.backward : cuda_table.forward, d, cuda, test::kTraining),
-                              KCPP_ERROR_UNSUPPORTED, "run on the CPU in this build"))
-        << (backward ? "backward" : "forward");
+    const nn::KernelStatus st = call_described(cuda_table.supports, d, cuda, test::kTraining);
+    EXPECT_TRUE(st.ok()) << (backward ? "backward: " : "forward: ") << st.message;
     // The CUDA variant takes the same call on the CPU.
     EXPECT_TRUE(call_described(cuda_table.supports, described(*a, cpu), cpu, test::kTraining).ok());
   }
@@ -675,11 +679,7 @@ TEST_P(FlashAttnPackage, VarlenBadInputIsRefusedNamingTheArgument) {
     return *keep.back();
   };
   const auto bad = KCPP_ERROR_INVALID_ARGUMENT;
-  if (dev.is_cuda())
-    EXPECT_TRUE(test::refused(k.supports(args(cuq, cuk), dev, test::kInference), KCPP_ERROR_UNSUPPORTED,
-                              "run on the CPU in this build"));
-  else
-    EXPECT_TRUE(k.supports(args(cuq, cuk), dev, test::kInference).ok());
+  EXPECT_TRUE(k.supports(args(cuq, cuk), dev, test::kInference).ok());
   EXPECT_TRUE(test::refused(k.supports(args(cuq, Tensor()), dev, test::kInference), bad, "without 'cu_seqlens_k'"));
   EXPECT_TRUE(test::refused(k.supports(args(Tensor(), cuk), dev, test::kInference), bad, "without 'cu_seqlens_q'"));
   EXPECT_TRUE(test::refused(k.supports(args(cu_seqlens({3, 7}, dev, DType::i64), cuk), dev, test::kInference), bad,
@@ -703,7 +703,7 @@ TEST_P(FlashAttnPackage, VarlenBadInputIsRefusedNamingTheArgument) {
     l.tensor("lse", Tensor::empty(shape, DType::f32, dev));
     EXPECT_TRUE(test::refused(k.supports(l, dev, test::kInference), bad, "'lse' must be [4, 10]"));
   }
-  if (dev.is_cuda()) return;  // refused on CUDA in this build before anything reads the contents
+  if (dev.is_cuda()) return;  // the contents of cu_seqlens stay on the device there (the contract)
 
   // The contents: supports() does not read them (it answers from the descriptions); the call refuses them.
   auto call_fails = [&](KernelArgs& a, const std::string& needle) {
