@@ -653,7 +653,10 @@ TEST(MoeExpertGemmRule, PaddedOrGrouped) {
   std::vector<int64_t> even(128, 512);
   EXPECT_EQ(choose(ExpertGemm::Auto, even, 2048, 768, 65536), ExpertGemm::Padded);
   // The largest 584 (M 584: 14.1% over the routed rows) still Padded; 592 (15.6%) Grouped, which an
-  // explicit Padded still takes (within S + S / 4 + 16 E rows); 1024 neither.
+  // explicit Padded still takes (within S + S / 4 + 16 E rows); 1024 neither.  Auto's workspace holds
+  // floor(23 S / 20) rows, what its rule takes; an explicit Padded's the larger bound.
+  EXPECT_EQ(moe::padded_rows_cap(65536, 128, false), 75366);
+  EXPECT_EQ(moe::padded_rows_cap(65536, 128, true), 65536 + 16384 + 2048);
   for (const auto& [most, autom, asked] : {std::tuple{584, ExpertGemm::Padded, ExpertGemm::Padded},
                                            std::tuple{592, ExpertGemm::Grouped, ExpertGemm::Padded},
                                            std::tuple{1024, ExpertGemm::Grouped, ExpertGemm::Grouped}}) {
