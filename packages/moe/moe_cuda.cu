@@ -78,6 +78,7 @@ struct Bufs {
   // the cuBLAS paths
   void** ptrs = nullptr;  // the grouped calls' pointer arrays on the device
   void* blas = nullptr;   // cuBLAS's workspace
+  int64_t rows = 0;       // the rows of the buffers by row (layout's r): no path may use more
 };
 
 // `cublas`: room for the cuBLAS paths too (their buffers, by path in the forward's and backward's
@@ -90,6 +91,7 @@ Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas, int64_t padded
   Bufs b;
   const int64_t t = p.tokens, h = p.hidden, e = p.experts, s = moe_slots(p), i = p.inter, si = p.shared_inter;
   const int64_t r = std::max(s, padded_rows);  // rows of the buffers by row
+  b.rows = r;
   const int64_t eb = kernel::dtype_bytes(p.dtype);
   const bool router = p.routing != Routing::Given, input = p.weight_on == WeightOn::Input;
   const bool own_ids = bwd ? !router : !(router && p.topk_ids);
@@ -732,6 +734,9 @@ class Blas {
     off_.assign(hs_->offsets, hs_->offsets + experts + 1);
     for (int64_t e = 0; e < experts; ++e)
       if (off_[e + 1] < off_[e]) return "moe: expert_offsets are not increasing";
+    if (off_[0] != 0 || off_[experts] > slots)  // the positions index sorted_slots [S]
+      return errorf("moe: expert_offsets are not a grouping of the %lld slots (expert_offsets[0] = %lld, expert_offsets[E] = %lld)",
+                    static_cast<long long>(slots), static_cast<long long>(off_[0]), static_cast<long long>(off_[experts]));
     order_.clear();
     for (int64_t e = 0; e < experts; ++e)
       if (count(e) > 0) order_.push_back(static_cast<int>(e));
@@ -771,6 +776,7 @@ class Blas {
   int64_t rows(int64_t e) const { return padded() ? pad_.rows : count(e); }
   int64_t row0(int64_t e) const { return padded() ? (e - pad_.first) * pad_.rows : offset(e); }
   int64_t buffer_rows() const { return padded() ? pad_.experts * pad_.rows : valid(); }
+  const char* path_name() const { return padded() ? "Padded" : path_ == Path::Loop ? "Loop" : "Grouped"; }
   Pad pad(const int32_t* offsets) const {
     Pad pd;
     if (padded()) pd.m = pad_.rows, pd.first = static_cast<int>(pad_.first), pd.offsets = offsets;
@@ -865,6 +871,15 @@ class Blas {
   std::vector<int64_t> off_, runs_;
   std::vector<int> order_;
 };
+
+// Whether the rows by row of the path chosen (buffer_rows) fit the workspace's (Bufs::rows), checked
+// on the host after the read-back: a layout the workspace was not sized for (a padded bound of
+// choose_expert_gemm unlike the one layout() took) is refused by name, never written past.
+const char* rows_fit(const Blas& blas, const Bufs& b, const char* call) {
+  if (blas.buffer_rows() <= b.rows) return nullptr;
+  return errorf("moe %s: the %s path needs %lld rows by row, the workspace holds %lld (moe.h: padded_rows_cap)", call,
+                blas.path_name(), static_cast<long long>(blas.buffer_rows()), static_cast<long long>(b.rows));
+}
 
 // rows[r] = x_t of row r's position q (t = sorted[q] / k), or round(w x_t) with w = w[sorted[q]]
 // when w is given (Input); a row of zeros for a padding row (Pad).  A block per row, V elements a step.
@@ -1026,6 +1041,7 @@ const char* experts_forward_cublas(const MoeParams& p, const Bufs& b, Path path,
   const bool input = p.weight_on == WeightOn::Input;
   Blas blas;
   if (const char* e = blas.begin(path, offsets, ne, p.dtype, b, h, I, s, st)) return e;
+  if (const char* e = rows_fit(blas, b, "forward")) return e;
   if (blas.valid() == 0) return nullptr;
   const int64_t n = blas.buffer_rows();
   const Pad pd = blas.pad(offsets);
@@ -1081,6 +1097,7 @@ const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path
   const bool input = p.weight_on == WeightOn::Input;
   Blas blas;
   if (const char* e = blas.begin(path, offsets, ne, p.dtype, b, h, I, s, st)) return e;
+  if (const char* e = rows_fit(blas, b, "backward")) return e;
   // Experts without positions: zero here (Padded: those between first and last get exact zeros
   // from the products again).
   zero_empty<T>(blas, offsets, ne, p.ddown, h, I, st);

@@ -18,6 +18,7 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <string>
 #include <tuple>
 
 #include "core/cuda_runtime.h"
@@ -591,6 +592,19 @@ TEST_P(MoeKernels, AwkwardExpertCounts) {
           }
 }
 
+// The slots of `counts` (expert x taken counts[x] times, then `extra` ids no expert takes), shuffled,
+// and a weight in [0.1, 1) per slot, an f32 value.
+void given_slots(const std::vector<int64_t>& counts, const std::vector<int64_t>& extra, Generator& gen, std::vector<int64_t>& ids,
+                 std::vector<double>& w) {
+  ids.clear();
+  for (size_t x = 0; x < counts.size(); ++x) ids.insert(ids.end(), static_cast<size_t>(counts[x]), static_cast<int64_t>(x));
+  ids.insert(ids.end(), extra.begin(), extra.end());
+  std::shuffle(ids.begin(), ids.end(), gen.engine());
+  w.assign(ids.size(), 0.0);
+  std::uniform_real_distribution<double> uniform(0.1, 1.0);
+  for (double& v : w) v = static_cast<double>(static_cast<float>(uniform(gen.engine())));
+}
+
 // How the experts' GEMMs are chosen on CUDA: KCPP_MOE_GEMM when ExpertGemm is Auto (an unknown value
 // is an error that names it), and without it cuBLAS (Loop, Grouped or Padded by the experts' counts);
 // every choice matches the oracle on a block of 200 tokens.
@@ -747,6 +761,32 @@ TEST_P(MoeKernels, GraphCaptureTakesTheKernel) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(st);
+}
+
+// Expert offsets given to the backward that are no grouping of the S slots (expert_offsets[E] past S:
+// positions past sorted_slots, rows past the workspace's) are refused by the cuBLAS paths after the
+// read-back, before any row is gathered or written.
+TEST_P(MoeKernels, OffsetsPastTheSlotsAreRefused) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  if (!dev.is_cuda()) GTEST_SKIP() << "the cuBLAS paths' read-back";
+  Generator gen = test::test_generator();
+  const int64_t e = 4, k = 2;
+  std::vector<int64_t> ids;
+  std::vector<double> w;
+  given_slots({3, 0, 5, 4}, {}, gen, ids, w);
+  const int64_t t = static_cast<int64_t>(ids.size()) / k;
+  const Case c{t, 32, e, k, 24, 0, moe::Routing::Given, false, false, kernel::Activation::Silu, Layout::Rows, false, true, false,
+               false};
+  for (moe::ExpertGemm gemm : {moe::ExpertGemm::Loop, moe::ExpertGemm::Grouped, moe::ExpertGemm::Padded}) {
+    Block m{c, DType::bf16, dev, gemm};
+    m.build(gen, &ids, &w, true);
+    ASSERT_EQ(m.forward(), nullptr) << gemm_name(gemm);
+    const std::vector<int32_t> bad{0, 3, 3, 8, 12 + 8, 12};  // expert 3 given 12 positions, 8 past S = 12
+    ASSERT_EQ(cudaMemcpy(m.offsets.data(), bad.data(), bad.size() * sizeof(int32_t), cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_TRUE(test::kernel_error_contains(m.backward(gen), "expert_offsets are not a grouping of the 12 slots")) << gemm_name(gemm);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << gemm_name(gemm);
+  }
 }
 #endif
 
