@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <tuple>
@@ -605,6 +606,103 @@ void given_slots(const std::vector<int64_t>& counts, const std::vector<int64_t>&
   for (double& v : w) v = static_cast<double>(static_cast<float>(uniform(gen.engine())));
 }
 
+// KCPP_MOE_GEMM unset for a scope (ExpertGemm::Auto then means choose_expert_gemm's rule), restored after.
+struct UnsetMoeGemmEnv {
+  std::optional<std::string> before;
+  UnsetMoeGemmEnv() {
+    if (const char* v = std::getenv("KCPP_MOE_GEMM")) before = v;
+    unsetenv("KCPP_MOE_GEMM");
+  }
+  ~UnsetMoeGemmEnv() {
+    if (before) setenv("KCPP_MOE_GEMM", before->c_str(), 1);
+  }
+};
+
+// 23 experts, 20 of 8 slots and experts 4, 11 and 19 (between the first and the last) of none: S = 160
+// routed slots, and a padded layout of 23 x 8 = 184 rows = floor(23 S / 20), exactly the rows Auto's
+// workspace holds (moe.h: padded_rows_cap) and the most its rule takes (15% over the routed rows).
+std::vector<int64_t> auto_bound_counts() {
+  std::vector<int64_t> c(23, 8);
+  for (size_t e : {4, 11, 19}) c[e] = 0;
+  return c;
+}
+
+// ExpertGemm::Auto on the padded bound (auto_bound_counts, T = 80, top-2, no slot outside the experts):
+// on CUDA the rule takes Padded on the counts read back (checked with choose_expert_gemm and this
+// device's multiprocessors), and the call runs it within Auto's workspace, smaller than an explicit
+// Padded's; forward and backward against the oracle, the three empty experts' weight gradients
+// (padding blocks of the strided products) exactly 0.  Every weight layout, the routing weight on the
+// output (gate_up saved) and on the input (recomputed).  On the CPU its one path, on the same checks.
+TEST_P(MoeKernels, AutoPaddedAtTheBound) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const UnsetMoeGemmEnv unset;
+  const std::vector<int64_t> counts = auto_bound_counts();
+  const int64_t e = static_cast<int64_t>(counts.size()), k = 2;
+  std::vector<int64_t> ids;
+  std::vector<double> w;
+  given_slots(counts, {}, gen, ids, w);
+  const int64_t t = static_cast<int64_t>(ids.size()) / k;
+  ASSERT_EQ(t, 80);
+  ASSERT_EQ(moe::padded_rows_cap(t * k, e, false), 184);
+  int sms = 0;
+#if KCPP_WITH_CUDA && KCPP_MOE_CUDA
+  if (dev.is_cuda()) {
+    int d = 0;
+    ASSERT_EQ(cudaGetDevice(&d), cudaSuccess);
+    ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d), cudaSuccess);
+  }
+#endif
+  const std::vector<DType> dtypes = dev.is_cuda() ? std::vector<DType>{DType::bf16, DType::f16} : std::vector<DType>{DType::f32, DType::bf16};
+  for (DType dt : dtypes)
+    for (Layout layout : {Layout::Rows, Layout::Transposed, Layout::Separate})
+      for (bool input : {false, true}) {
+        const Case c{t, 64, e, k, 40, 0, moe::Routing::Given, false, input, kernel::Activation::Silu, layout, false, !input, false,
+                     layout == Layout::Transposed};
+        const std::string cfg = test::config_name(dev, dt) + " " + describe(c) + " gemm=auto";
+        Block m{c, dt, dev, moe::ExpertGemm::Auto};
+        m.build(gen, &ids, &w, true);
+        if (dev.is_cuda()) {  // Auto's padded rows: floor(23 S / 20), below an explicit Padded's S + S / 4 + 16 E
+          moe::MoeParams asked = m.p;
+          asked.expert_gemm = moe::ExpertGemm::Padded;
+          EXPECT_LT(moe::moe_workspace(m.p, false, true), moe::moe_workspace(asked, false, true)) << cfg;
+          EXPECT_LT(moe::moe_workspace(m.p, true, true), moe::moe_workspace(asked, true, true)) << cfg;
+        }
+        ASSERT_EQ(m.forward(), nullptr) << cfg;
+        expect_permutation(m, ids, cfg);
+        if (dev.is_cuda()) {  // the path the call took: the rule on the offsets it read back
+          const std::vector<int64_t> off = m.offsets.to_i64_vector();
+          std::vector<int32_t> off32;
+          for (int64_t x = 0; x <= e; ++x) off32.push_back(static_cast<int32_t>(off[static_cast<size_t>(x)]));
+          const moe::PaddedLayout l = moe::padded_layout(off32.data(), e);
+          EXPECT_EQ(l.experts * l.rows, 184) << cfg;
+          EXPECT_EQ(moe::choose_expert_gemm(moe::ExpertGemm::Auto, off32.data(), e, c.h, c.i, t * k, sms), moe::ExpertGemm::Padded)
+              << cfg << " (" << sms << " multiprocessors)";
+        }
+        const oracle::MoeSpec s = m.spec();
+        const oracle::MoeWeights wt = m.oracle_weights();
+        const double tol = test::composite_rel_l2(dt);
+        const oracle::MoeResult ref = oracle::moe(s, wt, {}, ids, w, nullptr, nullptr);
+        EXPECT_TRUE(test::close_l2(m.out, ref.out, tol)) << cfg << " out";
+        ASSERT_EQ(m.backward(gen), nullptr) << cfg;
+        const auto dout = m.dout.to_f64_vector();
+        const oracle::MoeResult g = oracle::moe(s, wt, {}, ids, w, &dout, nullptr);
+        EXPECT_TRUE(close_grad(m.dx, g.dx, g.dx_mag, tol)) << cfg << " dhidden";
+        EXPECT_TRUE(close_grad(m.dw, g.dw, g.dw_mag, tol)) << cfg << " dtopk_weights";
+        const Tensor dgate = layout == Layout::Separate ? m.dgate : m.dgate_up.narrow(1, 0, c.i);
+        const Tensor dup = layout == Layout::Separate ? m.dup : m.dgate_up.narrow(1, c.i, c.i);
+        EXPECT_TRUE(close_grad(dgate, g.dgate, g.dgate_mag, tol)) << cfg << " dgate";
+        EXPECT_TRUE(close_grad(dup, g.dup, g.dup_mag, tol)) << cfg << " dup";
+        EXPECT_TRUE(close_grad(m.ddown, g.ddown, g.ddown_mag, tol)) << cfg << " ddown_proj";
+        for (int64_t x = 0; x < e; ++x) {
+          if (counts[static_cast<size_t>(x)] > 0) continue;
+          for (const Tensor& grad : {dgate, dup, m.ddown})
+            for (double v : grad.select(0, x).to_f64_vector()) ASSERT_EQ(v, 0.0) << cfg << " expert " << x << " (no slots)";
+        }
+      }
+}
+
 // How the experts' GEMMs are chosen on CUDA: KCPP_MOE_GEMM when ExpertGemm is Auto (an unknown value
 // is an error that names it), and without it cuBLAS (Loop, Grouped or Padded by the experts' counts);
 // every choice matches the oracle on a block of 200 tokens.
@@ -710,6 +808,22 @@ TEST(MoeExpertGemmRule, PaddedOrGrouped) {
   EXPECT_EQ(a.rows, 16);
   EXPECT_EQ(choose(ExpertGemm::Padded, awkward, 37, 19, 26), ExpertGemm::Padded);
   EXPECT_EQ(choose(ExpertGemm::Auto, awkward, 37, 19, 26), ExpertGemm::Grouped);
+  // AutoPaddedAtTheBound's counts (E 23, S 160, experts 4, 11 and 19 empty): 23 x 8 = 184 padded rows,
+  // exactly floor(23 S / 20), Auto's workspace and the most its rule takes: Padded.  One slot fewer
+  // (an expert of 7, S 159) keeps the layout at 184 rows over a bound of 182: Grouped under Auto, Padded
+  // asked for (within S + S / 4 + 16 E).
+  std::vector<int64_t> bound = auto_bound_counts();
+  const moe::PaddedLayout b = moe::padded_layout(offsets_of(bound).data(), 23);
+  EXPECT_EQ(b.first, 0);
+  EXPECT_EQ(b.experts, 23);
+  EXPECT_EQ(b.rows, 8);
+  EXPECT_EQ(moe::padded_rows_cap(160, 23, false), 184);
+  EXPECT_EQ(choose(ExpertGemm::Auto, bound, 64, 40, 160), ExpertGemm::Padded);
+  EXPECT_EQ(choose(ExpertGemm::Padded, bound, 64, 40, 160), ExpertGemm::Padded);
+  bound[22] = 7;
+  EXPECT_EQ(moe::padded_rows_cap(159, 23, false), 182);
+  EXPECT_EQ(choose(ExpertGemm::Auto, bound, 64, 40, 159), ExpertGemm::Grouped);
+  EXPECT_EQ(choose(ExpertGemm::Padded, bound, 64, 40, 159), ExpertGemm::Padded);
   // No slot at all: an empty layout; Loop and Grouped asked for stay.
   const std::vector<int64_t> none(6, 0);
   EXPECT_EQ(moe::padded_layout(offsets_of(none).data(), 6).experts, 0);
