@@ -1159,7 +1159,10 @@ const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path
                       matrix_op(p.ddown, ex, h, I, eb), 0.0f};
         }))
       return e;
-  // dout is done with: the gate / up weights' gradients from x by row, then dx by row over it.
+  // dout is done with: the gate / up weights' gradients from x by row, then dx by row over it.  x by
+  // row is gathered only when dgate or dup is asked for.  Output mode with gate_up recomputed (not
+  // saved) thus gathers x twice, for gate_up above and again here (dout overwrote it): an extra n x H
+  // gather, the price of not holding x and dout by row at once (n x H elements of workspace saved).
   if (gate_up_grad && !xs_ready) gather_xs();
   if (one_stack(p.dgate, p.dup, I, h, eb)) {
     if (const char* e = blas.run("dW_gate_up = dgu^T xs", [&](int ex) {

@@ -135,6 +135,7 @@ struct Block {
   DType dt;
   Device dev;
   moe::ExpertGemm gemm = moe::ExpertGemm::Auto;
+  int gate_up_grads = 3;  // the backward asks for dgate (bit 0) and dup (bit 1); the other's tensor stays NaN
   Tensor x, router, gs;
   Weight gate_up, gate, up, down, sgate_up, sdown;
   Tensor out, logits, ids, weights, offsets, sorted, saved, ws;
@@ -233,6 +234,8 @@ struct Block {
       dgate_up = make_out({c.e, 2 * c.i, c.h}, tr, dt, dev);
       p.dgate = matrix(dgate_up), p.dup = matrix(dgate_up, c.i);
     }
+    if (!(gate_up_grads & 1)) p.dgate = {};
+    if (!(gate_up_grads & 2)) p.dup = {};
     ddown = make_out({c.e, c.h, c.i}, !tr, dt, dev);
     p.ddown = matrix(ddown);
     if (c.si > 0) {
@@ -606,6 +609,12 @@ void given_slots(const std::vector<int64_t>& counts, const std::vector<int64_t>&
   for (double& v : w) v = static_cast<double>(static_cast<float>(uniform(gen.engine())));
 }
 
+bool all_nan(const Tensor& t) {
+  for (double v : t.to_f64_vector())
+    if (!std::isnan(v)) return false;
+  return true;
+}
+
 // KCPP_MOE_GEMM unset for a scope (ExpertGemm::Auto then means choose_expert_gemm's rule), restored after.
 struct UnsetMoeGemmEnv {
   std::optional<std::string> before;
@@ -701,6 +710,65 @@ TEST_P(MoeKernels, AutoPaddedAtTheBound) {
             for (double v : grad.select(0, x).to_f64_vector()) ASSERT_EQ(v, 0.0) << cfg << " expert " << x << " (no slots)";
         }
       }
+}
+
+// The gate / up weights' gradients asked for in part: neither, up only, gate only (the cuBLAS
+// backward then gathers x by row only when one is asked for, and with gate_up saved not at all).
+// The routing weight on the output, gate_up saved or recomputed, and on the input; gate and up
+// stacked (the asked half alone) and apart; AwkwardExpertCounts' counts.  dx, dw and ddown match the
+// oracle, so does what was asked for (the empty experts' exactly 0), and what was not stays untouched
+// (NaN).  On CUDA on each path of the experts' GEMMs.
+TEST_P(MoeKernels, PartialGateUpGradients) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const std::vector<int64_t> counts{0, 1, 5, 0, 3, 3, 12};
+  const int64_t e = static_cast<int64_t>(counts.size()), k = 2;
+  std::vector<int64_t> ids;
+  std::vector<double> w;
+  given_slots(counts, {e, -1}, gen, ids, w);
+  const int64_t t = static_cast<int64_t>(ids.size()) / k;
+  const std::vector<DType> dtypes = dev.is_cuda() ? std::vector<DType>{DType::bf16} : std::vector<DType>{DType::f32, DType::bf16};
+  for (DType dt : dtypes)
+    for (Layout layout : {Layout::Rows, Layout::Separate})
+      for (bool input : {false, true})
+        for (bool save : {true, false})
+          for (int grads : {0, 2, 1})
+            for (moe::ExpertGemm gemm : gemm_paths(dev)) {
+              const bool rows = layout == Layout::Rows;
+              const Case c{t, rows ? 64 : 37, e, k, rows ? 40 : 19, 0, moe::Routing::Given, false, input, kernel::Activation::Silu,
+                           layout, false, save, false, false};
+              const std::string cfg = test::config_name(dev, dt) + " " + describe(c) +
+                                      fmt::format(" dgate={} dup={} gemm={}", (grads & 1) != 0, (grads & 2) != 0, gemm_name(gemm));
+              Block m{c, dt, dev, gemm};
+              m.gate_up_grads = grads;
+              m.build(gen, &ids, &w, true);
+              ASSERT_EQ(m.forward(), nullptr) << cfg;
+              const oracle::MoeSpec s = m.spec();
+              const oracle::MoeWeights wt = m.oracle_weights();
+              const double tol = test::composite_rel_l2(dt);
+              EXPECT_TRUE(test::close_l2(m.out, oracle::moe(s, wt, {}, ids, w, nullptr, nullptr).out, tol)) << cfg << " out";
+              ASSERT_EQ(m.backward(gen), nullptr) << cfg;
+              const auto dout = m.dout.to_f64_vector();
+              const oracle::MoeResult g = oracle::moe(s, wt, {}, ids, w, &dout, nullptr);
+              EXPECT_TRUE(close_grad(m.dx, g.dx, g.dx_mag, tol)) << cfg << " dhidden";
+              EXPECT_TRUE(close_grad(m.dw, g.dw, g.dw_mag, tol)) << cfg << " dtopk_weights";
+              EXPECT_TRUE(close_grad(m.ddown, g.ddown, g.ddown_mag, tol)) << cfg << " ddown_proj";
+              const Tensor dgate = rows ? m.dgate_up.narrow(1, 0, c.i) : m.dgate;
+              const Tensor dup = rows ? m.dgate_up.narrow(1, c.i, c.i) : m.dup;
+              for (int half = 0; half < 2; ++half) {
+                const Tensor& grad = half ? dup : dgate;
+                const char* name = half ? " dup" : " dgate";
+                if (!(grads >> half & 1)) {
+                  EXPECT_TRUE(all_nan(grad)) << cfg << name << " (not asked for) was written";
+                  continue;
+                }
+                EXPECT_TRUE(close_grad(grad, half ? g.dup : g.dgate, half ? g.dup_mag : g.dgate_mag, tol)) << cfg << name;
+                for (int64_t x = 0; x < e; ++x)
+                  if (counts[static_cast<size_t>(x)] == 0)
+                    for (double v : grad.select(0, x).to_f64_vector()) ASSERT_EQ(v, 0.0) << cfg << name << " expert " << x << " (no slots)";
+              }
+            }
 }
 
 // How the experts' GEMMs are chosen on CUDA: KCPP_MOE_GEMM when ExpertGemm is Auto (an unknown value
