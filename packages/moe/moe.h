@@ -109,7 +109,8 @@ inline bool matrix_storage(int64_t rows, int64_t cols, int64_t rs, int64_t cs, b
 //            comes out exactly 0).  Zero rows add nothing to a weight gradient's sum over rows, and
 //            the kernels between the products write 0 into the padding rows of h, dgu and c h (no
 //            activation is evaluated there); the routing weights, combine and dw read real rows only.
-//            The workspace holds padded_rows_cap(S, E) rows; a call whose layout needs more runs Grouped.
+//            The workspace holds padded_rows_cap(S, E, asked) rows; a call whose layout needs more runs
+//            Grouped.
 //   Auto     the environment's KCPP_MOE_GEMM (kernel, loop, grouped, padded or auto) when set; else
 //            choose_expert_gemm() from the counts read back:
 //            Loop when one expert's GEMM has at least one 128 x 128 tile per multiprocessor, counting
@@ -121,7 +122,9 @@ inline bool matrix_storage(int64_t rows, int64_t cols, int64_t rs, int64_t cs, b
 //            many small experts); more padding (a skewed routing, or at decode sizes a range of
 //            experts mostly without tokens, whose weights the padded call would still stream) is
 //            left to Grouped.
-// The cuBLAS paths read the expert offsets back to the host (one stream synchronization per call).
+// The cuBLAS paths read the expert offsets back to the host (one stream synchronization per call);
+// offsets that are no grouping of the S slots (expert_offsets[0] != 0, expert_offsets[E] > S) are
+// refused there, and so is a layout that needs more rows than the workspace holds.
 // While the stream is being captured into a CUDA graph that is not allowed: every choice runs Kernel.
 enum class ExpertGemm : int32_t { Auto = 0, Kernel = 1, Loop = 2, Grouped = 3, Padded = 4 };
 
@@ -135,12 +138,14 @@ struct PaddedLayout {
   int64_t first = 0, experts = 0, rows = 0;
 };
 PaddedLayout padded_layout(const int32_t* offsets, int64_t experts);
-// The rows of the padded buffers in the workspace: S + S / 4 + 16 E (the routed rows, a quarter more,
-// and 16 per expert for the rounding and for small calls).  The count M is known only after the
-// read-back, while the workspace is sized before the call: this bound is what a call may use.
-int64_t padded_rows_cap(int64_t slots, int64_t experts);
+// The rows of the padded buffers in the workspace.  The count M is known only after the read-back,
+// while the workspace is sized before the call: this bound is what a call may use.  Padded asked for
+// (`asked`): S + S / 4 + 16 E (the routed rows, a quarter more, and 16 per expert for the rounding and
+// for small calls); under Auto: floor(23 S / 20), exactly what Auto's rule takes (at most 15% over the
+// routed rows, which are at most S), so that the default costs no memory it cannot use.
+int64_t padded_rows_cap(int64_t slots, int64_t experts, bool asked);
 // The cuBLAS path of a call (moe_cuda.cu; a pure function of the counts, testable on the host):
-// `asked` Loop or Grouped as is; Padded when the layout fits padded_rows_cap, else Grouped; Auto by
+// `asked` Loop or Grouped as is; Padded when the layout fits padded_rows_cap(.., true), else Grouped; Auto by
 // the rule above (sms: the device's multiprocessors).  Returns Loop, Grouped or Padded.
 ExpertGemm choose_expert_gemm(ExpertGemm asked, const int32_t* offsets, int64_t experts, int64_t hidden, int64_t inter,
                               int64_t slots, int64_t sms);

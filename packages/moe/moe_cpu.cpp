@@ -800,14 +800,16 @@ PaddedLayout padded_layout(const int32_t* offsets, int64_t experts) {
   return l;
 }
 
-int64_t padded_rows_cap(int64_t slots, int64_t experts) { return slots + slots / 4 + 16 * experts; }
+int64_t padded_rows_cap(int64_t slots, int64_t experts, bool asked) {
+  return asked ? slots + slots / 4 + 16 * experts : slots * 23 / 20;
+}
 
 ExpertGemm choose_expert_gemm(ExpertGemm asked, const int32_t* offsets, int64_t experts, int64_t hidden, int64_t inter,
                               int64_t slots, int64_t sms) {
   if (asked != ExpertGemm::Padded && asked != ExpertGemm::Auto) return asked == ExpertGemm::Loop ? asked : ExpertGemm::Grouped;
   const PaddedLayout l = padded_layout(offsets, experts);
   const int64_t padded = l.experts * l.rows;
-  const bool fits = padded <= padded_rows_cap(slots, experts);
+  const bool fits = padded <= padded_rows_cap(slots, experts, asked == ExpertGemm::Padded);
   if (asked == ExpertGemm::Padded) return fits ? ExpertGemm::Padded : ExpertGemm::Grouped;
   int64_t used = 0;
   for (int64_t e = 0; e < experts; ++e) used += offsets[e + 1] > offsets[e];

@@ -78,16 +78,20 @@ struct Bufs {
   // the cuBLAS paths
   void** ptrs = nullptr;  // the grouped calls' pointer arrays on the device
   void* blas = nullptr;   // cuBLAS's workspace
+  int64_t rows = 0;       // the rows of the buffers by row (layout's r): no path may use more
 };
 
 // `cublas`: room for the cuBLAS paths too (their buffers, by path in the forward's and backward's
-// cuBLAS functions below); `padded`: the buffers by row (xs, h, y, gu, dgu, ch, partial, dxs) hold
-// padded_rows_cap(S, E) rows for the Padded path (moe.h), else S.  The kernel path runs within it all
-// the same.
-Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas, bool padded) {
+// cuBLAS functions below); `padded_rows`: the rows the buffers by row (xs, h, y, gu, dgu, ch, partial,
+// dxs) hold for the Padded path (padded_rows_cap, moe.h; 0: not padded, S).  The kernel path runs
+// within it all the same.  The cuBLAS backward (experts_backward_cublas) keeps x by row in dxs's
+// buffer, gathered once dout by row is done with, unless the weights apply to the input (the kernel
+// path then needs both at once).
+Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas, int64_t padded_rows) {
   Bufs b;
   const int64_t t = p.tokens, h = p.hidden, e = p.experts, s = moe_slots(p), i = p.inter, si = p.shared_inter;
-  const int64_t r = padded ? std::max(s, padded_rows_cap(s, e)) : s;  // rows of the buffers by row
+  const int64_t r = std::max(s, padded_rows);  // rows of the buffers by row
+  b.rows = r;
   const int64_t eb = kernel::dtype_bytes(p.dtype);
   const bool router = p.routing != Routing::Given, input = p.weight_on == WeightOn::Input;
   const bool own_ids = bwd ? !router : !(router && p.topk_ids);
@@ -102,11 +106,11 @@ Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas, bool padded) {
   }
   b.tiles = cv.take<int32_t>(e + 1);
   if (router && !bwd && !p.router_logits) b.logits = cv.take<unsigned char>(t * e * eb);
-  if (input || (bwd && cublas)) b.xs = cv.take<unsigned char>(r * h * eb);
+  if (input) b.xs = cv.take<unsigned char>(r * h * eb);
   if (si > 0) b.sigma = cv.take<float>(t);
   if (!bwd) {
     // cuBLAS: [g, u] with h over g (Padded: also when gate_up is saved, which takes [g, u] by position)
-    b.h = cv.take<unsigned char>(r * i * eb * (cublas && (!p.gate_up || padded) ? 2 : 1));
+    b.h = cv.take<unsigned char>(r * i * eb * (cublas && (!p.gate_up || padded_rows > 0) ? 2 : 1));
     b.y = cv.take<unsigned char>(r * h * eb);
     if (si > 0) {
       b.sh = cv.take<unsigned char>(t * si * eb);
@@ -118,6 +122,7 @@ Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas, bool padded) {
     b.ch = cv.take<unsigned char>(r * i * eb);
     if (!input) b.partial = cv.take<float>(std::max(s * ntiles(i), r));  // cuBLAS: one per row
     b.dxs = cv.take<unsigned char>(r * h * eb);
+    if (cublas && !input) b.xs = b.dxs;
     b.dw = cv.take<float>(s);
     if (router) b.dz = cv.take<unsigned char>(t * e * eb);
     if (router || si > 0) b.dxr = cv.take<float>(t * h);
@@ -558,13 +563,18 @@ bool cublas_workspace(const MoeParams& p) {
   return requested_path(p, &path) != nullptr || path != Path::Kernel;
 }
 
-// Whether the workspace holds Padded's buffers (the path asked for is Padded or Auto).
-bool padded_workspace(const MoeParams& p) {
+// The rows of Padded's buffers the workspace holds: padded_rows_cap for the path asked for (Padded, or
+// Auto, which may take it), else 0.
+int64_t padded_workspace_rows(const MoeParams& p) {
   Path path = Path::Kernel;
-  return requested_path(p, &path) != nullptr || path == Path::Padded || path == Path::Auto;
+  const bool unknown = requested_path(p, &path) != nullptr;
+  if (!unknown && path != Path::Padded && path != Path::Auto) return 0;
+  return padded_rows_cap(moe_slots(p), p.experts, unknown || path == Path::Padded);
 }
 
-Bufs call_layout(const MoeParams& p, bool bwd, Carve& cv) { return layout(p, bwd, cv, cublas_workspace(p), padded_workspace(p)); }
+Bufs call_layout(const MoeParams& p, bool bwd, Carve& cv) {
+  return layout(p, bwd, cv, cublas_workspace(p), padded_workspace_rows(p));
+}
 
 // This call's path: Kernel while `st` is being captured into a graph (no host read-back there).
 const char* call_path(const MoeParams& p, cudaStream_t st, Path* out) {
@@ -724,6 +734,9 @@ class Blas {
     off_.assign(hs_->offsets, hs_->offsets + experts + 1);
     for (int64_t e = 0; e < experts; ++e)
       if (off_[e + 1] < off_[e]) return "moe: expert_offsets are not increasing";
+    if (off_[0] != 0 || off_[experts] > slots)  // the positions index sorted_slots [S]
+      return errorf("moe: expert_offsets are not a grouping of the %lld slots (expert_offsets[0] = %lld, expert_offsets[E] = %lld)",
+                    static_cast<long long>(slots), static_cast<long long>(off_[0]), static_cast<long long>(off_[experts]));
     order_.clear();
     for (int64_t e = 0; e < experts; ++e)
       if (count(e) > 0) order_.push_back(static_cast<int>(e));
@@ -763,6 +776,7 @@ class Blas {
   int64_t rows(int64_t e) const { return padded() ? pad_.rows : count(e); }
   int64_t row0(int64_t e) const { return padded() ? (e - pad_.first) * pad_.rows : offset(e); }
   int64_t buffer_rows() const { return padded() ? pad_.experts * pad_.rows : valid(); }
+  const char* path_name() const { return padded() ? "Padded" : path_ == Path::Loop ? "Loop" : "Grouped"; }
   Pad pad(const int32_t* offsets) const {
     Pad pd;
     if (padded()) pd.m = pad_.rows, pd.first = static_cast<int>(pad_.first), pd.offsets = offsets;
@@ -857,6 +871,15 @@ class Blas {
   std::vector<int64_t> off_, runs_;
   std::vector<int> order_;
 };
+
+// Whether the rows by row of the path chosen (buffer_rows) fit the workspace's (Bufs::rows), checked
+// on the host after the read-back: a layout the workspace was not sized for (a padded bound of
+// choose_expert_gemm unlike the one layout() took) is refused by name, never written past.
+const char* rows_fit(const Blas& blas, const Bufs& b, const char* call) {
+  if (blas.buffer_rows() <= b.rows) return nullptr;
+  return errorf("moe %s: the %s path needs %lld rows by row, the workspace holds %lld (moe.h: padded_rows_cap)", call,
+                blas.path_name(), static_cast<long long>(blas.buffer_rows()), static_cast<long long>(b.rows));
+}
 
 // rows[r] = x_t of row r's position q (t = sorted[q] / k), or round(w x_t) with w = w[sorted[q]]
 // when w is given (Input); a row of zeros for a padding row (Pad).  A block per row, V elements a step.
@@ -1018,6 +1041,7 @@ const char* experts_forward_cublas(const MoeParams& p, const Bufs& b, Path path,
   const bool input = p.weight_on == WeightOn::Input;
   Blas blas;
   if (const char* e = blas.begin(path, offsets, ne, p.dtype, b, h, I, s, st)) return e;
+  if (const char* e = rows_fit(blas, b, "forward")) return e;
   if (blas.valid() == 0) return nullptr;
   const int64_t n = blas.buffer_rows();
   const Pad pd = blas.pad(offsets);
@@ -1062,8 +1086,10 @@ const char* experts_forward_cublas(const MoeParams& p, const Bufs& b, Path path,
 }
 
 // The backward's experts on cuBLAS, through dxs, the weight gradients and (Output) the row sums of
-// q h in b.partial (one per row).  dout by row lives in b.dxs until the dx product.  Padded: the
-// rows are padded ones, and b.pos then holds each slot's row (*padded set).
+// q h in b.partial (one per row).  One buffer by row of width H, b.dxs, holds in turn dout by row
+// (until dW_down), x by row (until dW_gate_up; b.xs is that buffer unless the weights apply to the
+// input) and dx by row, so x is gathered after dout is done with (and once more first when gate_up is
+// recomputed).  Padded: the rows are padded ones, and b.pos then holds each slot's row (*padded set).
 template <typename T>
 const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path, const int32_t* offsets, const int32_t* sorted,
                                     const int32_t* ids, const float* w, bool* padded, cudaStream_t st) {
@@ -1071,6 +1097,7 @@ const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path
   const bool input = p.weight_on == WeightOn::Input;
   Blas blas;
   if (const char* e = blas.begin(path, offsets, ne, p.dtype, b, h, I, s, st)) return e;
+  if (const char* e = rows_fit(blas, b, "backward")) return e;
   // Experts without positions: zero here (Padded: those between first and last get exact zeros
   // from the products again).
   zero_empty<T>(blas, offsets, ne, p.ddown, h, I, st);
@@ -1081,11 +1108,18 @@ const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path
   const Pad pd = blas.pad(offsets);
   const T* x = static_cast<const T*>(p.x);
   T* xs = static_cast<T*>(b.xs);
+  T* rows_h = static_cast<T*>(b.dxs);  // dout, then (when xs is this buffer) x, then dx, by row
+  const bool shared_xs = xs == rows_h;
+  bool xs_ready = false;  // xs holds x by row
+  auto gather_xs = [&] {
+    launch_gather<T>(n, h, k, pd, sorted, input ? w : nullptr, x, p.x_stride, xs, st);
+    xs_ready = true;
+  };
   const bool gate_up_grad = p.dgate.data || p.dup.data;
-  if (input || !p.gate_up || gate_up_grad) launch_gather<T>(n, h, k, pd, sorted, input ? w : nullptr, x, p.x_stride, xs, st);
   const bool stacked = one_stack(p.gate, p.up, I, h, eb);
   const T* gu = static_cast<const T*>(p.gate_up);  // by position
   if (!gu) {  // gate_up again, by row
+    gather_xs();
     T* out = static_cast<T*>(b.gu);
     if (stacked) {
       if (const char* e = blas.run("gate_up = x W_gate_up^T", [&](int ex) {
@@ -1102,8 +1136,9 @@ const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path
           return e;
     }
   }
-  T* dout = static_cast<T*>(b.dxs);
+  T* dout = rows_h;
   launch_gather<T>(n, h, k, pd, sorted, nullptr, static_cast<const T*>(p.dout), p.dout_stride, dout, st);
+  if (shared_xs) xs_ready = false;  // x by row, if gathered, is overwritten
   T* ch = static_cast<T*>(b.ch);
   T* dgu = static_cast<T*>(b.dgu);
   if (const char* e = blas.run("q = dout W_down", [&](int ex) {
@@ -1124,21 +1159,11 @@ const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path
                       matrix_op(p.ddown, ex, h, I, eb), 0.0f};
         }))
       return e;
-  T* dxs = static_cast<T*>(b.dxs);  // over dout, which is done with
-  if (stacked) {
-    if (const char* e = blas.run("dxs = dgu W_gate_up", [&](int ex) {
-          return Prod{blas.rows(ex), h, 2 * I, rows_op(dgu, blas.row0(ex), 2 * I, eb), matrix_op(p.gate, ex, 2 * I, h, eb),
-                      rows_op(dxs, blas.row0(ex), h, eb), 0.0f};
-        }))
-      return e;
-  } else {
-    for (int half = 0; half < 2; ++half)
-      if (const char* e = blas.run(half ? "dxs += du W_up" : "dxs = dg W_gate", [&](int ex) {
-            return Prod{blas.rows(ex), h, I, rows_op(dgu + half * I, blas.row0(ex), 2 * I, eb),
-                        matrix_op(half ? p.up : p.gate, ex, I, h, eb), rows_op(dxs, blas.row0(ex), h, eb), half ? 1.0f : 0.0f};
-          }))
-        return e;
-  }
+  // dout is done with: the gate / up weights' gradients from x by row, then dx by row over it.  x by
+  // row is gathered only when dgate or dup is asked for.  Output mode with gate_up recomputed (not
+  // saved) thus gathers x twice, for gate_up above and again here (dout overwrote it): an extra n x H
+  // gather, the price of not holding x and dout by row at once (n x H elements of workspace saved).
+  if (gate_up_grad && !xs_ready) gather_xs();
   if (one_stack(p.dgate, p.dup, I, h, eb)) {
     if (const char* e = blas.run("dW_gate_up = dgu^T xs", [&](int ex) {
           return Prod{2 * I, h, blas.rows(ex), tr(rows_op(dgu, blas.row0(ex), 2 * I, eb)), rows_op(xs, blas.row0(ex), h, eb),
@@ -1155,6 +1180,21 @@ const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path
           }))
         return e;
     }
+  }
+  T* dxs = rows_h;
+  if (stacked) {
+    if (const char* e = blas.run("dxs = dgu W_gate_up", [&](int ex) {
+          return Prod{blas.rows(ex), h, 2 * I, rows_op(dgu, blas.row0(ex), 2 * I, eb), matrix_op(p.gate, ex, 2 * I, h, eb),
+                      rows_op(dxs, blas.row0(ex), h, eb), 0.0f};
+        }))
+      return e;
+  } else {
+    for (int half = 0; half < 2; ++half)
+      if (const char* e = blas.run(half ? "dxs += du W_up" : "dxs = dg W_gate", [&](int ex) {
+            return Prod{blas.rows(ex), h, I, rows_op(dgu + half * I, blas.row0(ex), 2 * I, eb),
+                        matrix_op(half ? p.up : p.gate, ex, I, h, eb), rows_op(dxs, blas.row0(ex), h, eb), half ? 1.0f : 0.0f};
+          }))
+        return e;
   }
   if (blas.padded()) {
     pad_positions<<<static_cast<unsigned>(ceil_div(s, 256)), 256, 0, st>>>(s, static_cast<int>(ne), ids, pd, b.pos);

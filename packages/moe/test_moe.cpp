@@ -17,7 +17,9 @@
 #include <cstdlib>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <random>
+#include <string>
 #include <tuple>
 
 #include "core/cuda_runtime.h"
@@ -133,6 +135,7 @@ struct Block {
   DType dt;
   Device dev;
   moe::ExpertGemm gemm = moe::ExpertGemm::Auto;
+  int gate_up_grads = 3;  // the backward asks for dgate (bit 0) and dup (bit 1); the other's tensor stays NaN
   Tensor x, router, gs;
   Weight gate_up, gate, up, down, sgate_up, sdown;
   Tensor out, logits, ids, weights, offsets, sorted, saved, ws;
@@ -231,6 +234,8 @@ struct Block {
       dgate_up = make_out({c.e, 2 * c.i, c.h}, tr, dt, dev);
       p.dgate = matrix(dgate_up), p.dup = matrix(dgate_up, c.i);
     }
+    if (!(gate_up_grads & 1)) p.dgate = {};
+    if (!(gate_up_grads & 2)) p.dup = {};
     ddown = make_out({c.e, c.h, c.i}, !tr, dt, dev);
     p.ddown = matrix(ddown);
     if (c.si > 0) {
@@ -591,6 +596,181 @@ TEST_P(MoeKernels, AwkwardExpertCounts) {
           }
 }
 
+// The slots of `counts` (expert x taken counts[x] times, then `extra` ids no expert takes), shuffled,
+// and a weight in [0.1, 1) per slot, an f32 value.
+void given_slots(const std::vector<int64_t>& counts, const std::vector<int64_t>& extra, Generator& gen, std::vector<int64_t>& ids,
+                 std::vector<double>& w) {
+  ids.clear();
+  for (size_t x = 0; x < counts.size(); ++x) ids.insert(ids.end(), static_cast<size_t>(counts[x]), static_cast<int64_t>(x));
+  ids.insert(ids.end(), extra.begin(), extra.end());
+  std::shuffle(ids.begin(), ids.end(), gen.engine());
+  w.assign(ids.size(), 0.0);
+  std::uniform_real_distribution<double> uniform(0.1, 1.0);
+  for (double& v : w) v = static_cast<double>(static_cast<float>(uniform(gen.engine())));
+}
+
+bool all_nan(const Tensor& t) {
+  for (double v : t.to_f64_vector())
+    if (!std::isnan(v)) return false;
+  return true;
+}
+
+// KCPP_MOE_GEMM unset for a scope (ExpertGemm::Auto then means choose_expert_gemm's rule), restored after.
+struct UnsetMoeGemmEnv {
+  std::optional<std::string> before;
+  UnsetMoeGemmEnv() {
+    if (const char* v = std::getenv("KCPP_MOE_GEMM")) before = v;
+    unsetenv("KCPP_MOE_GEMM");
+  }
+  ~UnsetMoeGemmEnv() {
+    if (before) setenv("KCPP_MOE_GEMM", before->c_str(), 1);
+  }
+};
+
+// 23 experts, 20 of 8 slots and experts 4, 11 and 19 (between the first and the last) of none: S = 160
+// routed slots, and a padded layout of 23 x 8 = 184 rows = floor(23 S / 20), exactly the rows Auto's
+// workspace holds (moe.h: padded_rows_cap) and the most its rule takes (15% over the routed rows).
+std::vector<int64_t> auto_bound_counts() {
+  std::vector<int64_t> c(23, 8);
+  for (size_t e : {4, 11, 19}) c[e] = 0;
+  return c;
+}
+
+// ExpertGemm::Auto on the padded bound (auto_bound_counts, T = 80, top-2, no slot outside the experts):
+// on CUDA the rule takes Padded on the counts read back (checked with choose_expert_gemm and this
+// device's multiprocessors), and the call runs it within Auto's workspace, smaller than an explicit
+// Padded's; forward and backward against the oracle, the three empty experts' weight gradients
+// (padding blocks of the strided products) exactly 0.  Every weight layout, the routing weight on the
+// output (gate_up saved) and on the input (recomputed).  On the CPU its one path, on the same checks.
+TEST_P(MoeKernels, AutoPaddedAtTheBound) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const UnsetMoeGemmEnv unset;
+  const std::vector<int64_t> counts = auto_bound_counts();
+  const int64_t e = static_cast<int64_t>(counts.size()), k = 2;
+  std::vector<int64_t> ids;
+  std::vector<double> w;
+  given_slots(counts, {}, gen, ids, w);
+  const int64_t t = static_cast<int64_t>(ids.size()) / k;
+  ASSERT_EQ(t, 80);
+  ASSERT_EQ(moe::padded_rows_cap(t * k, e, false), 184);
+  int sms = 0;
+#if KCPP_WITH_CUDA && KCPP_MOE_CUDA
+  if (dev.is_cuda()) {
+    int d = 0;
+    ASSERT_EQ(cudaGetDevice(&d), cudaSuccess);
+    ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d), cudaSuccess);
+  }
+#endif
+  const std::vector<DType> dtypes = dev.is_cuda() ? std::vector<DType>{DType::bf16, DType::f16} : std::vector<DType>{DType::f32, DType::bf16};
+  for (DType dt : dtypes)
+    for (Layout layout : {Layout::Rows, Layout::Transposed, Layout::Separate})
+      for (bool input : {false, true}) {
+        const Case c{t, 64, e, k, 40, 0, moe::Routing::Given, false, input, kernel::Activation::Silu, layout, false, !input, false,
+                     layout == Layout::Transposed};
+        const std::string cfg = test::config_name(dev, dt) + " " + describe(c) + " gemm=auto";
+        Block m{c, dt, dev, moe::ExpertGemm::Auto};
+        m.build(gen, &ids, &w, true);
+        if (dev.is_cuda()) {  // Auto's padded rows: floor(23 S / 20), below an explicit Padded's S + S / 4 + 16 E
+          moe::MoeParams asked = m.p;
+          asked.expert_gemm = moe::ExpertGemm::Padded;
+          EXPECT_LT(moe::moe_workspace(m.p, false, true), moe::moe_workspace(asked, false, true)) << cfg;
+          EXPECT_LT(moe::moe_workspace(m.p, true, true), moe::moe_workspace(asked, true, true)) << cfg;
+        }
+        ASSERT_EQ(m.forward(), nullptr) << cfg;
+        expect_permutation(m, ids, cfg);
+        if (dev.is_cuda()) {  // the path the call took: the rule on the offsets it read back
+          const std::vector<int64_t> off = m.offsets.to_i64_vector();
+          std::vector<int32_t> off32;
+          for (int64_t x = 0; x <= e; ++x) off32.push_back(static_cast<int32_t>(off[static_cast<size_t>(x)]));
+          const moe::PaddedLayout l = moe::padded_layout(off32.data(), e);
+          EXPECT_EQ(l.experts * l.rows, 184) << cfg;
+          EXPECT_EQ(moe::choose_expert_gemm(moe::ExpertGemm::Auto, off32.data(), e, c.h, c.i, t * k, sms), moe::ExpertGemm::Padded)
+              << cfg << " (" << sms << " multiprocessors)";
+        }
+        const oracle::MoeSpec s = m.spec();
+        const oracle::MoeWeights wt = m.oracle_weights();
+        const double tol = test::composite_rel_l2(dt);
+        const oracle::MoeResult ref = oracle::moe(s, wt, {}, ids, w, nullptr, nullptr);
+        EXPECT_TRUE(test::close_l2(m.out, ref.out, tol)) << cfg << " out";
+        ASSERT_EQ(m.backward(gen), nullptr) << cfg;
+        const auto dout = m.dout.to_f64_vector();
+        const oracle::MoeResult g = oracle::moe(s, wt, {}, ids, w, &dout, nullptr);
+        EXPECT_TRUE(close_grad(m.dx, g.dx, g.dx_mag, tol)) << cfg << " dhidden";
+        EXPECT_TRUE(close_grad(m.dw, g.dw, g.dw_mag, tol)) << cfg << " dtopk_weights";
+        const Tensor dgate = layout == Layout::Separate ? m.dgate : m.dgate_up.narrow(1, 0, c.i);
+        const Tensor dup = layout == Layout::Separate ? m.dup : m.dgate_up.narrow(1, c.i, c.i);
+        EXPECT_TRUE(close_grad(dgate, g.dgate, g.dgate_mag, tol)) << cfg << " dgate";
+        EXPECT_TRUE(close_grad(dup, g.dup, g.dup_mag, tol)) << cfg << " dup";
+        EXPECT_TRUE(close_grad(m.ddown, g.ddown, g.ddown_mag, tol)) << cfg << " ddown_proj";
+        for (int64_t x = 0; x < e; ++x) {
+          if (counts[static_cast<size_t>(x)] > 0) continue;
+          for (const Tensor& grad : {dgate, dup, m.ddown})
+            for (double v : grad.select(0, x).to_f64_vector()) ASSERT_EQ(v, 0.0) << cfg << " expert " << x << " (no slots)";
+        }
+      }
+}
+
+// The gate / up weights' gradients asked for in part: neither, up only, gate only (the cuBLAS
+// backward then gathers x by row only when one is asked for, and with gate_up saved not at all).
+// The routing weight on the output, gate_up saved or recomputed, and on the input; gate and up
+// stacked (the asked half alone) and apart; AwkwardExpertCounts' counts.  dx, dw and ddown match the
+// oracle, so does what was asked for (the empty experts' exactly 0), and what was not stays untouched
+// (NaN).  On CUDA on each path of the experts' GEMMs.
+TEST_P(MoeKernels, PartialGateUpGradients) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const std::vector<int64_t> counts{0, 1, 5, 0, 3, 3, 12};
+  const int64_t e = static_cast<int64_t>(counts.size()), k = 2;
+  std::vector<int64_t> ids;
+  std::vector<double> w;
+  given_slots(counts, {e, -1}, gen, ids, w);
+  const int64_t t = static_cast<int64_t>(ids.size()) / k;
+  const std::vector<DType> dtypes = dev.is_cuda() ? std::vector<DType>{DType::bf16} : std::vector<DType>{DType::f32, DType::bf16};
+  for (DType dt : dtypes)
+    for (Layout layout : {Layout::Rows, Layout::Separate})
+      for (bool input : {false, true})
+        for (bool save : {true, false})
+          for (int grads : {0, 2, 1})
+            for (moe::ExpertGemm gemm : gemm_paths(dev)) {
+              const bool rows = layout == Layout::Rows;
+              const Case c{t, rows ? 64 : 37, e, k, rows ? 40 : 19, 0, moe::Routing::Given, false, input, kernel::Activation::Silu,
+                           layout, false, save, false, false};
+              const std::string cfg = test::config_name(dev, dt) + " " + describe(c) +
+                                      fmt::format(" dgate={} dup={} gemm={}", (grads & 1) != 0, (grads & 2) != 0, gemm_name(gemm));
+              Block m{c, dt, dev, gemm};
+              m.gate_up_grads = grads;
+              m.build(gen, &ids, &w, true);
+              ASSERT_EQ(m.forward(), nullptr) << cfg;
+              const oracle::MoeSpec s = m.spec();
+              const oracle::MoeWeights wt = m.oracle_weights();
+              const double tol = test::composite_rel_l2(dt);
+              EXPECT_TRUE(test::close_l2(m.out, oracle::moe(s, wt, {}, ids, w, nullptr, nullptr).out, tol)) << cfg << " out";
+              ASSERT_EQ(m.backward(gen), nullptr) << cfg;
+              const auto dout = m.dout.to_f64_vector();
+              const oracle::MoeResult g = oracle::moe(s, wt, {}, ids, w, &dout, nullptr);
+              EXPECT_TRUE(close_grad(m.dx, g.dx, g.dx_mag, tol)) << cfg << " dhidden";
+              EXPECT_TRUE(close_grad(m.dw, g.dw, g.dw_mag, tol)) << cfg << " dtopk_weights";
+              EXPECT_TRUE(close_grad(m.ddown, g.ddown, g.ddown_mag, tol)) << cfg << " ddown_proj";
+              const Tensor dgate = rows ? m.dgate_up.narrow(1, 0, c.i) : m.dgate;
+              const Tensor dup = rows ? m.dgate_up.narrow(1, c.i, c.i) : m.dup;
+              for (int half = 0; half < 2; ++half) {
+                const Tensor& grad = half ? dup : dgate;
+                const char* name = half ? " dup" : " dgate";
+                if (!(grads >> half & 1)) {
+                  EXPECT_TRUE(all_nan(grad)) << cfg << name << " (not asked for) was written";
+                  continue;
+                }
+                EXPECT_TRUE(close_grad(grad, half ? g.dup : g.dgate, half ? g.dup_mag : g.dgate_mag, tol)) << cfg << name;
+                for (int64_t x = 0; x < e; ++x)
+                  if (counts[static_cast<size_t>(x)] == 0)
+                    for (double v : grad.select(0, x).to_f64_vector()) ASSERT_EQ(v, 0.0) << cfg << name << " expert " << x << " (no slots)";
+              }
+            }
+}
+
 // How the experts' GEMMs are chosen on CUDA: KCPP_MOE_GEMM when ExpertGemm is Auto (an unknown value
 // is an error that names it), and without it cuBLAS (Loop, Grouped or Padded by the experts' counts);
 // every choice matches the oracle on a block of 200 tokens.
@@ -653,7 +833,10 @@ TEST(MoeExpertGemmRule, PaddedOrGrouped) {
   std::vector<int64_t> even(128, 512);
   EXPECT_EQ(choose(ExpertGemm::Auto, even, 2048, 768, 65536), ExpertGemm::Padded);
   // The largest 584 (M 584: 14.1% over the routed rows) still Padded; 592 (15.6%) Grouped, which an
-  // explicit Padded still takes (within S + S / 4 + 16 E rows); 1024 neither.
+  // explicit Padded still takes (within S + S / 4 + 16 E rows); 1024 neither.  Auto's workspace holds
+  // floor(23 S / 20) rows, what its rule takes; an explicit Padded's the larger bound.
+  EXPECT_EQ(moe::padded_rows_cap(65536, 128, false), 75366);
+  EXPECT_EQ(moe::padded_rows_cap(65536, 128, true), 65536 + 16384 + 2048);
   for (const auto& [most, autom, asked] : {std::tuple{584, ExpertGemm::Padded, ExpertGemm::Padded},
                                            std::tuple{592, ExpertGemm::Grouped, ExpertGemm::Padded},
                                            std::tuple{1024, ExpertGemm::Grouped, ExpertGemm::Grouped}}) {
@@ -693,6 +876,22 @@ TEST(MoeExpertGemmRule, PaddedOrGrouped) {
   EXPECT_EQ(a.rows, 16);
   EXPECT_EQ(choose(ExpertGemm::Padded, awkward, 37, 19, 26), ExpertGemm::Padded);
   EXPECT_EQ(choose(ExpertGemm::Auto, awkward, 37, 19, 26), ExpertGemm::Grouped);
+  // AutoPaddedAtTheBound's counts (E 23, S 160, experts 4, 11 and 19 empty): 23 x 8 = 184 padded rows,
+  // exactly floor(23 S / 20), Auto's workspace and the most its rule takes: Padded.  One slot fewer
+  // (an expert of 7, S 159) keeps the layout at 184 rows over a bound of 182: Grouped under Auto, Padded
+  // asked for (within S + S / 4 + 16 E).
+  std::vector<int64_t> bound = auto_bound_counts();
+  const moe::PaddedLayout b = moe::padded_layout(offsets_of(bound).data(), 23);
+  EXPECT_EQ(b.first, 0);
+  EXPECT_EQ(b.experts, 23);
+  EXPECT_EQ(b.rows, 8);
+  EXPECT_EQ(moe::padded_rows_cap(160, 23, false), 184);
+  EXPECT_EQ(choose(ExpertGemm::Auto, bound, 64, 40, 160), ExpertGemm::Padded);
+  EXPECT_EQ(choose(ExpertGemm::Padded, bound, 64, 40, 160), ExpertGemm::Padded);
+  bound[22] = 7;
+  EXPECT_EQ(moe::padded_rows_cap(159, 23, false), 182);
+  EXPECT_EQ(choose(ExpertGemm::Auto, bound, 64, 40, 159), ExpertGemm::Grouped);
+  EXPECT_EQ(choose(ExpertGemm::Padded, bound, 64, 40, 159), ExpertGemm::Padded);
   // No slot at all: an empty layout; Loop and Grouped asked for stay.
   const std::vector<int64_t> none(6, 0);
   EXPECT_EQ(moe::padded_layout(offsets_of(none).data(), 6).experts, 0);
@@ -744,6 +943,32 @@ TEST_P(MoeKernels, GraphCaptureTakesTheKernel) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(st);
+}
+
+// Expert offsets given to the backward that are no grouping of the S slots (expert_offsets[E] past S:
+// positions past sorted_slots, rows past the workspace's) are refused by the cuBLAS paths after the
+// read-back, before any row is gathered or written.
+TEST_P(MoeKernels, OffsetsPastTheSlotsAreRefused) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  if (!dev.is_cuda()) GTEST_SKIP() << "the cuBLAS paths' read-back";
+  Generator gen = test::test_generator();
+  const int64_t e = 4, k = 2;
+  std::vector<int64_t> ids;
+  std::vector<double> w;
+  given_slots({3, 0, 5, 4}, {}, gen, ids, w);
+  const int64_t t = static_cast<int64_t>(ids.size()) / k;
+  const Case c{t, 32, e, k, 24, 0, moe::Routing::Given, false, false, kernel::Activation::Silu, Layout::Rows, false, true, false,
+               false};
+  for (moe::ExpertGemm gemm : {moe::ExpertGemm::Loop, moe::ExpertGemm::Grouped, moe::ExpertGemm::Padded}) {
+    Block m{c, DType::bf16, dev, gemm};
+    m.build(gen, &ids, &w, true);
+    ASSERT_EQ(m.forward(), nullptr) << gemm_name(gemm);
+    const std::vector<int32_t> bad{0, 3, 3, 8, 12 + 8, 12};  // expert 3 given 12 positions, 8 past S = 12
+    ASSERT_EQ(cudaMemcpy(m.offsets.data(), bad.data(), bad.size() * sizeof(int32_t), cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_TRUE(test::kernel_error_contains(m.backward(gen), "expert_offsets are not a grouping of the 12 slots")) << gemm_name(gemm);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << gemm_name(gemm);
+  }
 }
 #endif
 
