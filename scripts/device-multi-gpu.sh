@@ -35,3 +35,16 @@ for run in "0" "1" "2" "3" "3 --no-overlap" "0 --no-overlap"; do
   echo "-- $n GPUs, ZeRO-$1 ${2:-}"
   timeout 200 .devlibs/bin/kcpp train $args --gpus "$n" --zero "$@" 2>&1 | grep -E "reference|kernels|error|failed" | tail -n 4
 done
+# KCPP_MGPU_WEAK="--hidden 4096 --layers 4 --seq 2048 --steps 20": weak scaling, KCPP_MGPU_WEAK_BATCH
+# sequences a GPU (default 4) on 1, 2, 4, ... up to every GPU, ZeRO-1 (tokens/s per GPU compare).
+if [ -n "${KCPP_MGPU_WEAK:-}" ]; then
+  per=${KCPP_MGPU_WEAK_BATCH:-4}
+  echo "== weak scaling: kcpp train --kernels-only $KCPP_MGPU_WEAK, $per sequences a GPU, ZeRO-1"
+  g=1
+  while [ "$g" -le "$n" ]; do
+    echo "-- $g GPU(s), batch $((per * g))"
+    timeout 240 .devlibs/bin/kcpp train --kernels-only $KCPP_MGPU_WEAK --batch $((per * g)) --gpus "$g" --zero $([ "$g" -gt 1 ] && echo 1 || echo 0) 2>&1 |
+      grep -E "kernels|error|failed|memory" | tail -n 3
+    g=$((g * 2))
+  done
+fi
