@@ -100,8 +100,12 @@ for B, S, D in shapes:
     torch.cuda.synchronize()
     err = rel(out, ref)
     tf = bench(lambda: layer.forward(fa), "kcpp hopper fwd")
-    for path in ("hopper", "ampere"):
+    # The Hopper backward in its two block orders (KCPP_FLASH_ATTN_SM90_BWD_ORDER: "keys", each head's
+    # key blocks together, or "heads", every head's first key blocks first), then mma.sync's.
+    for path, order in (("hopper", "keys"), ("hopper", "heads"), ("ampere", "")):
         os.environ["KCPP_FLASH_ATTN_BACKWARD"] = path
+        os.environ["KCPP_FLASH_ATTN_SM90_BWD_ORDER"] = order
+        path = path + (f" ({order} first)" if order else "")
         for t in (dq, dk, dv):
             t.fill_(float("nan"))
         try:
@@ -119,7 +123,7 @@ for B, S, D in shapes:
         tfb = bench(fb, f"kcpp hopper fwd + {path} bwd")
         rows.append((B, S, D, f"kcpp hopper fwd, {path} bwd", tf, fl / tf * 1e3, tfb, 3.5 * fl / tfb * 1e3, err, gerr))
         print(rows[-1], f"backward alone ~{tfb - tf:.3f} ms, {2.5 * fl / (tfb - tf) * 1e3:.1f} TFLOP/s", flush=True)
-    del os.environ["KCPP_FLASH_ATTN_BACKWARD"]
+    del os.environ["KCPP_FLASH_ATTN_BACKWARD"], os.environ["KCPP_FLASH_ATTN_SM90_BWD_ORDER"]
     del q, k, v, do, out, dq, dk, dv, qg, kg, vg, ke, ve, ref
     torch.cuda.empty_cache()
 

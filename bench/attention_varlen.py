@@ -6,7 +6,7 @@ The sequences: lengths drawn (seed 0) uniformly from [--min, --max] until --toke
 as q [T, 32, 128], k / v [T, 8, 128], bf16, causal within each sequence.  The padded equivalent is the
 same sequences zero-padded to the longest, [B, H, S_max, 128], with a causal mask: its outputs on each
 sequence's rows are the same, its work is the padding's too.  Rows:
-  - kcpp varlen: the package's packed call (the path attention_forward_path() names);
+  - kcpp varlen: the package's packed call on each CUDA path (hopper: wgmma + TMA; ampere: mma.sync);
   - kcpp padded: the package on the padded batch (the Hopper forward / backward where they run);
   - SDPA cuDNN and FlashAttention-2 on the padded batch;
   - torch.nn.attention.varlen.varlen_attn where this torch has it (FlashAttention's varlen kernels).
@@ -128,32 +128,52 @@ dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 va = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "scale": 1 / math.sqrt(D), "causal": 1,
       "cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": S, "max_seqlen_k": S}
 vb = dict(va, dout=do, dq=dq, dk=dk, dv=dv)
-for t in (out, dq, dk, dv):
-    t.fill_(float("nan"))
-layer.forward(va)
-layer.backward(vb)
-torch.cuda.synchronize()
-row("kcpp, varlen", lambda: layer.forward(va), lambda: (layer.forward(va), layer.backward(vb)), out, [dq, dk, dv])
+# Each path pinned (KCPP_FLASH_ATTN_FORWARD / _BACKWARD), fresh outputs; the Hopper backward in both
+# block orders (KCPP_FLASH_ATTN_SM90_BWD_ORDER).
+for path, order in (("hopper", "keys"), ("hopper", "heads"), ("ampere", "")):
+    os.environ["KCPP_FLASH_ATTN_FORWARD"] = os.environ["KCPP_FLASH_ATTN_BACKWARD"] = path
+    os.environ["KCPP_FLASH_ATTN_SM90_BWD_ORDER"] = order
+    for t in (out, dq, dk, dv):
+        t.fill_(float("nan"))
+    try:
+        layer.forward(va)
+        layer.backward(vb)
+    except kcpp.KcppError as e:
+        print(f"!! kcpp varlen {path}: {e}", flush=True)
+        continue
+    torch.cuda.synchronize()
+    row(f"kcpp, varlen, {path}" + (f" ({order})" if order else ""), lambda: layer.forward(va), lambda: (layer.forward(va), layer.backward(vb)), out, [dq, dk, dv])
+del os.environ["KCPP_FLASH_ATTN_FORWARD"], os.environ["KCPP_FLASH_ATTN_BACKWARD"], os.environ["KCPP_FLASH_ATTN_SM90_BWD_ORDER"]
 
-try:
+try:  # its keywords changed between torch versions: causal as is_causal or window_size (-1, 0)
+    import inspect
+
     from torch.nn.attention.varlen import varlen_attn
-    qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    o = varlen_attn(qg, kg, vg, cu, cu, S, S, is_causal=True)
+    params = inspect.signature(varlen_attn).parameters
+    kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    kv = (k, v)
+    if "enable_gqa" in params:
+        kw["enable_gqa"] = True
+    else:  # K / V repeated to the query heads (outside the timer)
+        kv = tuple(t.repeat_interleave(HQ // HKV, dim=1) for t in (k, v))
+    qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q,) + kv)
+    o = varlen_attn(qg, kg, vg, cu, cu, S, S, **kw)
     o.backward(do)
+    g = [qg.grad] + [t.grad if "enable_gqa" in params else t.grad.unflatten(1, (HKV, HQ // HKV)).sum(2) for t in (kg, vg)]
 
     def f():
         with torch.no_grad():
-            varlen_attn(q, k, v, cu, cu, S, S, is_causal=True)
+            varlen_attn(q, kv[0], kv[1], cu, cu, S, S, **kw)
 
     def fb():
-        varlen_attn(qg, kg, vg, cu, cu, S, S, is_causal=True).backward(do)
+        varlen_attn(qg, kg, vg, cu, cu, S, S, **kw).backward(do)
 
-    row("torch varlen_attn", f, fb, o.detach(), [qg.grad, kg.grad, vg.grad])
-except Exception as e:  # not in this torch, or no grouped heads there
+    row("torch varlen_attn", f, fb, o.detach(), g)
+except Exception as e:  # not in this torch, or these arguments refused
     print(f"!! torch varlen_attn: {type(e).__name__}: {e}", flush=True)
 
 print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; causal bf16, {HQ}/{HKV} heads of {D}; "
       f"{B} sequences, {T} tokens, max {S}")
-print(f"{'impl':22s} {'fwd ms':>8s} {'TFLOP/s':>8s} {'fwd+bwd ms':>11s} {'TFLOP/s':>8s} {'out vs cuDNN':>13s} {'grads vs cuDNN':>15s}")
+print(f"{'impl':30s} {'fwd ms':>8s} {'TFLOP/s':>8s} {'fwd+bwd ms':>11s} {'TFLOP/s':>8s} {'out vs cuDNN':>13s} {'grads vs cuDNN':>15s}")
 for name, tf, ff, tfb, ffb, err, gerr in rows:
-    print(f"{name:22s} {tf:8.3f} {ff:8.1f} {tfb:11.3f} {ffb:8.1f} {err:13.2e} {gerr:15.2e}")
+    print(f"{name:30s} {tf:8.3f} {ff:8.1f} {tfb:11.3f} {ffb:8.1f} {err:13.2e} {gerr:15.2e}")

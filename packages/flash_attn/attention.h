@@ -57,8 +57,8 @@
 // checks the cu_seqlens (attention_check_varlen: named errors) before it uses them; CUDA reads them only
 // on the device (the host never waits for them), so there a bad cu_seqlens is not reported: every entry
 // is clamped into [0, total] and each length to max_seqlen, which keeps every access inside the tensors
-// but leaves the result unspecified.  The Hopper paths do not take varlen (the mma.sync and generic
-// kernels do).
+// but leaves the result unspecified.  Every path takes varlen, the Hopper ones within their limits
+// above (no sliding window; the backward at head dim 128).
 #pragma once
 
 #include <cstddef>

@@ -700,6 +700,7 @@ template <typename T> const char* forward_t(const AttentionParams& p, const char
 template <typename T> const char* backward_t(const AttentionParams& p, const char* path, cudaStream_t stream) {
   // rows: of lse, delta and the dq accumulator (lse_row); grid: the generic kernels' queries (query_row).
   const auto rows = static_cast<size_t>(lse_rows(p));
+  if (rows == 0) path = "generic";  // no queries: dk = dv = 0 on any path, the generic one needs no tensor map
   const int64_t grid = p.batch * p.heads_q * p.seq_q;
   float* delta = static_cast<float*>(p.workspace);
   auto aligned = [](size_t n) { return (n + 255) / 256 * 256; };  // attention_backward_workspace's layout

@@ -75,8 +75,9 @@ template <int D> struct Tile {
 
 // PP: ping-pong between the consumer warpgroups (FlashAttention-3, section 3.1): each issues its
 // matrix products only after the other has issued its own, so one's softmax runs while the other's
-// products occupy the tensor cores.  Named barriers 1 and 2 pass the turn.
-template <typename T, int D, bool PP>
+// products occupy the tensor cores.  Named barriers 1 and 2 pass the turn.  V: varlen (cu_seqlens), a
+// kernel of its own so that the batched one keeps its lengths in the parameters, not in registers.
+template <typename T, int D, bool PP, bool V>
 __global__ void __launch_bounds__(kThreads, 1)
     fwd_sm90_kernel(const __grid_constant__ AttentionParams p, const __grid_constant__ CUtensorMap tq,
                     const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
@@ -99,20 +100,41 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Work items: (query tile, batch x head), the heaviest query tiles first (causal), heads fastest.
   // Block k takes item k of each round of gridDim.x items, the rounds alternately forwards and
   // backwards (a snake), so that the causal items' falling costs even out between blocks.
+  // Varlen: the query tiles run over max_seqlen_q of each sequence; an item past its sequence's
+  // queries has no rows (n_tiles < 0) and one whose rows see no key (more queries than keys under
+  // causal, or no keys) has no tiles (n_tiles 0): producer and consumers skip both alike, the
+  // consumers writing the latter's zero rows.  The tensor maps then span the packed tokens (batch
+  // coordinate 0), a tile starting at the sequence's first token; rows past the sequence's end are
+  // the next sequence's tokens, masked (keys) or not written (queries).
   const int tid = threadIdx.x;
   const int64_t bh_count = p.batch * p.heads_q, n_qt = (p.seq_q + kBr - 1) / kBr, n_items = n_qt * bh_count;
-  const int64_t off = p.seq_kv - p.seq_q;
+  // 32-bit fields (every count fits: attention_sm90_unsupported), so that an item costs few registers.
   struct Item {
-    int64_t b, h, hk, q0;
+    int b, h, hk, q0;
+    int qb, kb, sq, skv, off;  // the sequence's first query / key token, its lengths, skv - sq
+    int mb;                    // the tensor maps' batch coordinate
     int n_tiles;
   };
   auto item = [&](int64_t w) {
     Item x;
     const int64_t bh = w % bh_count;
-    x.b = bh / p.heads_q, x.h = bh % p.heads_q, x.hk = x.h / (p.heads_q / p.heads_kv);
-    x.q0 = (n_qt - 1 - w / bh_count) * kBr;
-    const int64_t pos_hi = min(x.q0 + kBr, p.seq_q) - 1 + off;
-    x.n_tiles = static_cast<int>(p.causal ? pos_hi / kBc + 1 : (p.seq_kv + kBc - 1) / kBc);
+    x.b = static_cast<int>(bh / p.heads_q), x.h = static_cast<int>(bh % p.heads_q);
+    x.hk = x.h / static_cast<int>(p.heads_q / p.heads_kv);
+    x.q0 = static_cast<int>((n_qt - 1 - w / bh_count) * kBr);
+    if constexpr (V) {
+      const Sequence seq = sequence(p, x.b);
+      x.qb = static_cast<int>(seq.q_begin), x.kb = static_cast<int>(seq.k_begin);
+      x.sq = static_cast<int>(seq.seq_q), x.skv = static_cast<int>(seq.seq_kv), x.mb = 0;
+    } else {
+      x.qb = x.kb = 0, x.sq = static_cast<int>(p.seq_q), x.skv = static_cast<int>(p.seq_kv), x.mb = x.b;
+    }
+    x.off = x.skv - x.sq;
+    if (x.q0 >= x.sq) {
+      x.n_tiles = -1;
+      return x;
+    }
+    const int pos_hi = min(x.q0 + kBr, x.sq) - 1 + x.off;
+    x.n_tiles = p.causal ? (pos_hi < 0 ? 0 : pos_hi / kBc + 1) : (x.skv + kBc - 1) / kBc;
     return x;
   };
 
@@ -134,15 +156,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tq)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tk)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tv)) : "memory");
-      int kc = 0, vc = 0, i = 0;  // K and V tiles loaded, items begun (ring and Q phases)
-      for (int64_t r = 0, w = item_of_round(0); w < n_items; w = item_of_round(++r), ++i) {
+      int kc = 0, vc = 0, i = 0;  // K and V tiles loaded, items loaded (ring and Q phases)
+      for (int64_t r = 0, w = item_of_round(0); w < n_items; w = item_of_round(++r)) {
         const Item x = item(w);
-        const int hk = static_cast<int>(x.hk), b = static_cast<int>(x.b);
+        if (V && x.n_tiles <= 0) continue;
+        const int hk = x.hk, b = x.mb;
         mbar_wait(qempty, (i & 1) ^ 1);
         mbar_expect_tx(qfull, C::kQBytes);
 #pragma unroll
         for (int c = 0; c < kCols; ++c)
-          tma_load(sQ + c * kBr * 128, &tq, qfull, c * 64, static_cast<int>(x.q0), static_cast<int>(x.h), b);
+          tma_load(sQ + c * kBr * 128, &tq, qfull, c * 64, x.qb + x.q0, x.h, b);
         // K of tile it, then V of tile it - 1 (the consumers need them in that order): a K load never
         // waits behind the release of a V slot.
         auto load = [&](const CUtensorMap* map, uint32_t ring, int stages, uint32_t full, uint32_t empty, int n, int count) {
@@ -150,12 +173,14 @@ __global__ void __launch_bounds__(kThreads, 1)
           mbar_wait(empty, ((count / stages) & 1) ^ 1);
           mbar_expect_tx(full, C::kKVBytes);
 #pragma unroll
-          for (int c = 0; c < kCols; ++c) tma_load(ring + st * C::kKVBytes + c * kBc * 128, map, full, c * 64, n * kBc, hk, b);
+          for (int c = 0; c < kCols; ++c)
+            tma_load(ring + st * C::kKVBytes + c * kBc * 128, map, full, c * 64, x.kb + n * kBc, hk, b);
         };
         for (int it = 0; it <= x.n_tiles; ++it) {
           if (it < x.n_tiles) load(&tk, sK, kSK, kfull(kc % kSK), kempty(kc % kSK), x.n_tiles - 1 - it, kc), ++kc;
           if (it > 0) load(&tv, sV, kSV, vfull(vc % kSV), vempty(vc % kSV), x.n_tiles - it, vc), ++vc;
         }
+        ++i;
       }
     }
     return;
@@ -184,12 +209,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   // The online softmax of the tile of keys from j0: s becomes the probabilities (f32, relative to the
   // new maximum), corr the factor that rescales what was accumulated before.
-  auto softmax = [&](int64_t j0, int64_t pos0, bool masked, float (&corr)[2]) {
+  auto softmax = [&](int64_t j0, int64_t pos0, int64_t skv, bool masked, float (&corr)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if (masked) {
         // Column c = 8 i + e of the tile (key j0 + c + 2 t) is visible when c < limit.
-        const int64_t lim = min(p.seq_kv, p.causal ? pos0 + 8 * r + 1 : p.seq_kv) - j0 - 2 * t;
+        const int64_t lim = min(skv, p.causal ? pos0 + 8 * r + 1 : skv) - j0 - 2 * t;
         const int limit = static_cast<int>(max(int64_t{-1}, min(int64_t{kBc}, lim)));
 #pragma unroll
         for (int i = 0; i < kBc / 8; ++i)
@@ -238,20 +263,52 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (PP)
       if (!(last && cw == 1)) bar_arrive(2 - cw, 256);  // warpgroup 1's very last would be one arrival too many
   };
+  // out = o / l straight from the accumulators (pairs of columns) for the rows of x's sequence, lse =
+  // (max + log2 l) ln 2 (0 and -inf where l is 0: no visible key).
+  auto write_direct = [&](const Item& x, int64_t row0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float sum = l[r];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int64_t row = row0 + 8 * r;
+      if (row >= x.sq) continue;
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      T* og = static_cast<T*>(const_cast<void*>(p.out.data)) + x.b * p.out.sb + x.h * p.out.sh + (x.qb + row) * p.out.ss;
+#pragma unroll
+      for (int c = 0; c < D / 8; ++c)
+        *reinterpret_cast<uint32_t*>(og + 8 * c + 2 * t) = pack2<T>(o[4 * c + 2 * r] * inv, o[4 * c + 2 * r + 1] * inv);
+      if (p.lse && t == 0) p.lse[lse_row(p, x.b, x.h, x.qb + row)] = sum > 0.0f ? (mx[r] + log2f(sum)) * kLn2 : -INFINITY;
+    }
+  };
+  // Whether a round after r holds an item with tiles (the ping-pong's last hand-over is the one before
+  // none is left).  Each call scans the items without tiles up to the next one with, so the scans of a
+  // block cover its rounds about once.
+  auto tiles_after = [&](int64_t r) {
+    if constexpr (!V) return item_of_round(r + 1) < n_items;  // every batched item has tiles
+    for (int64_t w = item_of_round(++r); w < n_items; w = item_of_round(++r))
+      if (item(w).n_tiles > 0) return true;
+    return false;
+  };
   if constexpr (PP)
-    if (cw == 1) bar_arrive(1, 256);
+    if (cw == 1 && tiles_after(-1)) bar_arrive(1, 256);
 
-  int kc = 0, vc = 0, i = 0;  // K and V tiles consumed, items begun
-  for (int64_t r = 0, w = item_of_round(0); w < n_items; w = item_of_round(++r), ++i) {
+  int kc = 0, vc = 0, i = 0;  // K and V tiles consumed, items with tiles begun
+  for (int64_t r = 0, w = item_of_round(0); w < n_items; w = item_of_round(++r)) {
     const Item x = item(w);
-    const bool last_item = item_of_round(r + 1) >= n_items;
+    if (V && x.n_tiles < 0) continue;                     // no rows of this sequence
     const int64_t row0 = x.q0 + cw * 64 + warp * 16 + g;  // this thread's rows: row0 and row0 + 8
-    const int64_t pos0 = row0 + off, pos_wg = x.q0 + cw * 64 + off;
-    auto tile_j0 = [&](int it) { return static_cast<int64_t>(x.n_tiles - 1 - it) * kBc; };
-    auto tile_masked = [&](int64_t j0) { return (p.causal && j0 + kBc - 1 > pos_wg) || j0 + kBc > p.seq_kv; };
 #pragma unroll
     for (int e = 0; e < kNO; ++e) o[e] = 0.0f;
     mx[0] = mx[1] = -INFINITY, l[0] = l[1] = 0.0f;
+    if (V && x.n_tiles == 0) {  // rows that see no key: 0 and -inf
+      write_direct(x, row0);
+      continue;
+    }
+    const bool last_item = !tiles_after(r);
+    const int64_t pos0 = row0 + x.off, pos_wg = x.q0 + cw * 64 + x.off;
+    auto tile_j0 = [&](int it) { return static_cast<int64_t>(x.n_tiles - 1 - it) * kBc; };
+    auto tile_masked = [&](int64_t j0) { return (p.causal && j0 + kBc - 1 > pos_wg) || j0 + kBc > x.skv; };
 
     mbar_wait(qfull, i & 1);
     // Tile 0: its scores alone.
@@ -271,7 +328,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       ++kc;
       float corr[2];
-      softmax(tile_j0(0), pos0, tile_masked(tile_j0(0)), corr);
+      softmax(tile_j0(0), pos0, x.skv, tile_masked(tile_j0(0)), corr);
       to_p();
     }
     // Tile it's scores with tile it - 1's P V in flight.
@@ -294,7 +351,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       float corr[2];
       const int64_t j0 = tile_j0(it);
-      softmax(j0, pos0, tile_masked(j0), corr);
+      softmax(j0, pos0, x.skv, tile_masked(j0), corr);
       wg_wait<0>();
       pin(o);
       pin(pf);
@@ -317,23 +374,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (lane == 0) mbar_arrive(vempty(ps));
       ++vc;
     }
+    ++i;
 
-    if constexpr (!C::kStaged) {
-      // out = o / l straight from the accumulators (pairs of columns), lse = (max + log2 l) ln 2.
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float sum = l[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const int64_t row = row0 + 8 * r;
-        if (row >= p.seq_q) continue;
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        T* og = static_cast<T*>(const_cast<void*>(p.out.data)) + x.b * p.out.sb + x.h * p.out.sh + row * p.out.ss;
-#pragma unroll
-        for (int c = 0; c < D / 8; ++c)
-          *reinterpret_cast<uint32_t*>(og + 8 * c + 2 * t) = pack2<T>(o[4 * c + 2 * r] * inv, o[4 * c + 2 * r + 1] * inv);
-        if (p.lse && t == 0) p.lse[(x.b * p.heads_q + x.h) * p.seq_q + row] = sum > 0.0f ? (mx[r] + log2f(sum)) * kLn2 : -INFINITY;
-      }
+    // Straight from registers at head dim 256 (no staging tile) and for a varlen tile that ends past
+    // its sequence (a bulk store would write the next sequence's rows).
+    if (!C::kStaged || (V && x.q0 + cw * 64 + 64 > x.sq)) {
+      write_direct(x, row0);
       continue;
     }
     // out = o / l through the staging tile (same swizzle as the loads: a conflict-free scatter) and
@@ -355,15 +401,15 @@ __global__ void __launch_bounds__(kThreads, 1)
                      : "memory");
       }
       const int64_t row = row0 + 8 * r;
-      if (p.lse && t == 0 && row < p.seq_q)
-        p.lse[(x.b * p.heads_q + x.h) * p.seq_q + row] = sum > 0.0f ? (mx[r] + log2f(sum)) * kLn2 : -INFINITY;
+      if (p.lse && t == 0 && row < x.sq)
+        p.lse[lse_row(p, x.b, x.h, x.qb + row)] = sum > 0.0f ? (mx[r] + log2f(sum)) * kLn2 : -INFINITY;
     }
     fence_async_smem();
     bar_sync(3 + cw, 128);
     if (tw == 0) {
 #pragma unroll
       for (int c = 0; c < kCols; ++c)
-        tma_store(&to, o_base + c * 64 * 128, c * 64, static_cast<int>(x.q0 + cw * 64), static_cast<int>(x.h), static_cast<int>(x.b));
+        tma_store(&to, o_base + c * 64 * 128, c * 64, x.qb + x.q0 + cw * 64, x.h, x.mb);
       bulk_commit();
     }
   }
@@ -374,23 +420,27 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ---- host ------------------------------------------------------------------------------------------
 
 
-template <typename T, int D, bool PP> const char* launch(const AttentionParams& p, cudaStream_t stream) {
+template <typename T, int D, bool PP, bool V> const char* launch(const AttentionParams& p, cudaStream_t stream) {
   using C = Tile<D>;
+  // Varlen: the maps span the packed tokens, one "batch".  Varlen without keys (no key tokens, or
+  // max_seqlen_k 0) gives every item no tiles: no K / V map exists to be made, none is read.
+  const int64_t nq = p.varlen() ? p.total_q : p.seq_q, nk = p.varlen() ? p.total_kv : p.seq_kv, nb = p.varlen() ? 1 : p.batch;
+  const bool no_keys = nk == 0 || p.seq_kv == 0;
   CUtensorMap tq, tk, tv, to;
-  if (!make_map(&tq, p.q, p.dtype, D, p.seq_q, p.heads_q, p.batch, kBr) ||
-      !make_map(&tk, p.k, p.dtype, D, p.seq_kv, p.heads_kv, p.batch, C::kBc) ||
-      !make_map(&tv, p.v, p.dtype, D, p.seq_kv, p.heads_kv, p.batch, C::kBc) ||
-      !make_map(&to, p.out, p.dtype, D, p.seq_q, p.heads_q, p.batch, 64))
+  if (!make_map(&tq, p.q, p.dtype, D, nq, p.heads_q, nb, kBr) || !make_map(&to, p.out, p.dtype, D, nq, p.heads_q, nb, 64) ||
+      (!no_keys && (!make_map(&tk, p.k, p.dtype, D, nk, p.heads_kv, nb, C::kBc) ||
+                    !make_map(&tv, p.v, p.dtype, D, nk, p.heads_kv, nb, C::kBc))))
     return "attention_forward (hopper): the driver refused a tensor map of these strides "
            "(KCPP_FLASH_ATTN_FORWARD=ampere takes the mma.sync kernel instead)";
-  const cudaError_t attr = cudaFuncSetAttribute(fwd_sm90_kernel<T, D, PP>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+  if (no_keys) tk = tv = tq;  // never read
+  const cudaError_t attr = cudaFuncSetAttribute(fwd_sm90_kernel<T, D, PP, V>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (attr != cudaSuccess)
     return kernel::errorf("attention_forward (hopper): cannot reserve %d bytes of shared memory: %s", C::kSmem,
                           cudaGetErrorString(attr));
   // Persistent: a block an SM, each looping over the work items.
   const int64_t items = (p.seq_q + kBr - 1) / kBr * p.batch * p.heads_q;
   const auto grid = static_cast<unsigned>(std::min<int64_t>(items, sm_count()));
-  fwd_sm90_kernel<T, D, PP><<<grid, kThreads, C::kSmem, stream>>>(p, tq, tk, tv, to);
+  fwd_sm90_kernel<T, D, PP, V><<<grid, kThreads, C::kSmem, stream>>>(p, tq, tk, tv, to);
   return kernel::cuda::launch_error("attention_forward (hopper)");
 }
 
@@ -405,12 +455,13 @@ const char* attention_sm90_unsupported(const AttentionParams& p) {
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "the dtype is not bf16 or f16";
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return "head_dim is not 64, 128 or 256";
   if (p.window > 0) return "sliding windows are not on this path";
-  if (p.varlen()) return "variable-length sequences (cu_seqlens) are not on this path";
   if (!(p.scale > 0.0f)) return "scale is not positive";
   for (const Operand* o : {&p.q, &p.k, &p.v, &p.out})  // the tensor maps' 16-byte rule
     if ((reinterpret_cast<uintptr_t>(o->data) & 15u) != 0 || o->sb % 8 != 0 || o->sh % 8 != 0 || o->ss % 8 != 0)
       return "a pointer or a stride is not a multiple of 16 bytes";
-  if (p.seq_q > (int64_t{1} << 31) - 256 || p.seq_kv > (int64_t{1} << 31) - 256 || p.batch * p.heads_q > 0x7fffffff)
+  constexpr int64_t kMaxRows = (int64_t{1} << 31) - 256;  // the tensor maps' 32-bit row coordinates
+  if (p.seq_q > kMaxRows || p.seq_kv > kMaxRows || p.total_q > kMaxRows || p.total_kv > kMaxRows ||
+      p.batch * p.heads_q > 0x7fffffff)
     return "a dimension is beyond the tensor map's 32-bit coordinates";
   if (!encode_fn()) return "the driver has no cuTensorMapEncodeTiled";
   return nullptr;
@@ -420,19 +471,24 @@ const char* attention_sm90_unsupported(const AttentionParams& p) {
 const char* attention_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.seq_q == 0) return nullptr;
   const bool bf = p.dtype == DType::bf16;
-  // KCPP_FLASH_ATTN_SM90_PINGPONG=0 turns the ping-pong off (for measuring what it gives).
+  // KCPP_FLASH_ATTN_SM90_PINGPONG=0 turns the ping-pong off (for measuring what it gives; batched only).
   const char* pp_env = std::getenv("KCPP_FLASH_ATTN_SM90_PINGPONG");
   const bool pp = !(pp_env && std::strcmp(pp_env, "0") == 0);
+  if (p.varlen()) {  // always in ping-pong
+    if (p.head_dim == 64) return bf ? launch<__nv_bfloat16, 64, true, true>(p, stream) : launch<__half, 64, true, true>(p, stream);
+    if (p.head_dim == 256) return bf ? launch<__nv_bfloat16, 256, true, true>(p, stream) : launch<__half, 256, true, true>(p, stream);
+    return bf ? launch<__nv_bfloat16, 128, true, true>(p, stream) : launch<__half, 128, true, true>(p, stream);
+  }
   if (p.head_dim == 64) {
-    if (pp) return bf ? launch<__nv_bfloat16, 64, true>(p, stream) : launch<__half, 64, true>(p, stream);
-    return bf ? launch<__nv_bfloat16, 64, false>(p, stream) : launch<__half, 64, false>(p, stream);
+    if (pp) return bf ? launch<__nv_bfloat16, 64, true, false>(p, stream) : launch<__half, 64, true, false>(p, stream);
+    return bf ? launch<__nv_bfloat16, 64, false, false>(p, stream) : launch<__half, 64, false, false>(p, stream);
   }
   if (p.head_dim == 256) {
-    if (pp) return bf ? launch<__nv_bfloat16, 256, true>(p, stream) : launch<__half, 256, true>(p, stream);
-    return bf ? launch<__nv_bfloat16, 256, false>(p, stream) : launch<__half, 256, false>(p, stream);
+    if (pp) return bf ? launch<__nv_bfloat16, 256, true, false>(p, stream) : launch<__half, 256, true, false>(p, stream);
+    return bf ? launch<__nv_bfloat16, 256, false, false>(p, stream) : launch<__half, 256, false, false>(p, stream);
   }
-  if (pp) return bf ? launch<__nv_bfloat16, 128, true>(p, stream) : launch<__half, 128, true>(p, stream);
-  return bf ? launch<__nv_bfloat16, 128, false>(p, stream) : launch<__half, 128, false>(p, stream);
+  if (pp) return bf ? launch<__nv_bfloat16, 128, true, false>(p, stream) : launch<__half, 128, true, false>(p, stream);
+  return bf ? launch<__nv_bfloat16, 128, false, false>(p, stream) : launch<__half, 128, false, false>(p, stream);
 }
 
 }  // namespace kcpp::flash

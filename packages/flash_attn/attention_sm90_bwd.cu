@@ -23,6 +23,12 @@
 // named barrier an iteration orders both warpgroups' writes before either's dQ product (and, its issuer
 // having waited, the dQ tile's last reduction before the tile is rewritten); a second, on which only
 // the issuing warp waits, orders both halves of the dQ tile before its reductions.
+// Varlen (cu_seqlens): a block per 128 keys of a kv head of one sequence, the grid over max_seqlen_k
+// (the blocks past the sequence's keys leave at once); the tensor maps span the packed tokens (batch
+// coordinate 0) with tiles from the sequence's first token.  Rows past the sequence's end are the next
+// sequence's tokens: its keys are masked, its queries get lse +inf (probabilities 0, so dS 0 and their
+// dQ rows exact zeros, which the reductions add harmlessly), and dK / dV are written for the sequence's
+// keys only.
 // Head dim 128, bf16 / f16.
 #include <algorithm>
 #include <cmath>
@@ -76,7 +82,7 @@ __device__ __forceinline__ void tma_reduce_add(const CUtensorMap* map, uint32_t 
 
 template <typename T>
 __global__ void __launch_bounds__(kThreadsB, 1)
-    bwd_sm90_kernel(const __grid_constant__ AttentionParams p, const float* __restrict__ delta, float* __restrict__ dq_acc,
+    bwd_sm90_kernel(const __grid_constant__ AttentionParams p, bool heads_fastest, const float* __restrict__ delta, float* __restrict__ dq_acc,
                     const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
                     const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
                     const __grid_constant__ CUtensorMap tdq) {
@@ -94,11 +100,20 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   auto empty = [&](int s) { return bars + 8u * (1 + kStages + s); };
 
   const int tid = threadIdx.x;
-  const int64_t group = p.heads_q / p.heads_kv, off = p.seq_kv - p.seq_q;
-  const int64_t b = blockIdx.y / p.heads_kv, hk = blockIdx.y % p.heads_kv;
-  const int64_t k0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kBk;  // the longest blocks first
+  // The block order (backward_order below): heads_fastest, grid (B Hkv, key blocks), the first key
+  // blocks (under causal the longest) first for every head; else grid (key blocks, B Hkv), each head's
+  // key blocks together, the last first.
+  const bool varlen = p.varlen();
+  const int64_t bh = heads_fastest ? blockIdx.x : blockIdx.y;
+  const int64_t group = p.heads_q / p.heads_kv, b = bh / p.heads_kv, hk = bh % p.heads_kv;
+  const Sequence seq = sequence(p, b);
+  const int64_t sq = seq.seq_q, skv = seq.seq_kv, off = skv - sq;
+  const int64_t k0 = (heads_fastest ? static_cast<int64_t>(blockIdx.y) : static_cast<int64_t>(gridDim.x - 1 - blockIdx.x)) * kBk;
+  if (k0 >= skv) return;  // varlen: past this sequence's keys (the whole block, before any barrier)
+  const int mb = varlen ? 0 : static_cast<int>(b);  // the tensor maps' batch coordinate
+  const int kb = static_cast<int>(seq.k_begin), qb = static_cast<int>(seq.q_begin);
   const int64_t i_lo = p.causal ? max(int64_t{0}, k0 - off) : 0;
-  const int64_t m_begin = i_lo / kBq, m_end = i_lo < p.seq_q ? (p.seq_q + kBq - 1) / kBq : m_begin;
+  const int64_t m_begin = i_lo / kBq, m_end = i_lo < sq ? (sq + kBq - 1) / kBq : m_begin;
   const int64_t tiles = m_end - m_begin;
   const int n_items = static_cast<int>(group * tiles);  // (query head, query tile) pairs
   auto item_h = [&](int it) { return hk * group + it / tiles; };
@@ -118,8 +133,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       mbar_expect_tx(kvfull, 2 * kKVBytes);
 #pragma unroll
       for (int c = 0; c < kD / 64; ++c) {
-        tma_load(sK + c * kBk * 128, &tk, kvfull, c * 64, static_cast<int>(k0), static_cast<int>(hk), static_cast<int>(b));
-        tma_load(sV + c * kBk * 128, &tv, kvfull, c * 64, static_cast<int>(k0), static_cast<int>(hk), static_cast<int>(b));
+        tma_load(sK + c * kBk * 128, &tk, kvfull, c * 64, kb + static_cast<int>(k0), static_cast<int>(hk), mb);
+        tma_load(sV + c * kBk * 128, &tv, kvfull, c * 64, kb + static_cast<int>(k0), static_cast<int>(hk), mb);
       }
       for (int it = 0; it < n_items; ++it) {
         const int st = it % kStages;
@@ -129,8 +144,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         const uint32_t q_dst = sQ + st * 2 * kQBytes;
 #pragma unroll
         for (int c = 0; c < kD / 64; ++c) {
-          tma_load(q_dst + c * kBq * 128, &tq, full(st), c * 64, q0, h, static_cast<int>(b));
-          tma_load(q_dst + kQBytes + c * kBq * 128, &tdo, full(st), c * 64, q0, h, static_cast<int>(b));
+          tma_load(q_dst + c * kBq * 128, &tq, full(st), c * 64, qb + q0, h, mb);
+          tma_load(q_dst + kQBytes + c * kBq * 128, &tdo, full(st), c * 64, qb + q0, h, mb);
         }
       }
     } else if (tid >= 32 && tid < 64) {
@@ -139,14 +154,14 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       for (int it = 0; it < n_items; ++it) {
         const int st = it % kStages;
         mbar_wait(empty(st), ((it / kStages) & 1) ^ 1);
-        const int64_t row0 = (b * p.heads_q + item_h(it)) * p.seq_q, q0 = item_q0(it);
+        const int64_t row0 = lse_row(p, b, item_h(it), qb), q0 = item_q0(it);
         float* dst = s_stats + st * 2 * kBq;
 #pragma unroll
         for (int u = 0; u < kBq / 32; ++u) {
           const int64_t i = q0 + lane + 32 * u;
-          const float l = i < p.seq_q ? p.lse[row0 + i] : -INFINITY;
+          const float l = i < sq ? p.lse[row0 + i] : -INFINITY;
           dst[lane + 32 * u] = l == -INFINITY ? INFINITY : l * kLog2e;
-          dst[kBq + lane + 32 * u] = i < p.seq_q ? delta[row0 + i] : 0.0f;
+          dst[kBq + lane + 32 * u] = i < sq ? delta[row0 + i] : 0.0f;
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(full(st));
@@ -189,9 +204,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     pin(s);
     pin(dp);
     // P^T and dS^T: row r of the thread is key key0 + 8 r, column 8 i + 2 t + e is query q0 + that.
-    const bool masked = (p.causal && k0 + kBk - 1 > q0 + off) || k0 + kBk > p.seq_kv;
+    const bool masked = (p.causal && k0 + kBk - 1 > q0 + off) || k0 + kBk > skv;
     // Key key0 + 8 r lies past the end when 8 r >= kv_left, after query q0 + c when 8 r + ahead > c.
-    const int kv_left = static_cast<int>(min(p.seq_kv - key0, int64_t{64})), ahead = static_cast<int>(key0 - q0 - off);
+    const int kv_left = static_cast<int>(min(skv - key0, int64_t{64})), ahead = static_cast<int>(key0 - q0 - off);
     uint32_t pf[kBq / 16][4], df[kBq / 16][4];
 #pragma unroll
     for (int i = 0; i < kBq / 8; ++i)
@@ -269,7 +284,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       if (tid == 128) {
 #pragma unroll
         for (int j = 0; j < kD / 32; ++j)
-          tma_reduce_add(&tdq, sDQ + j * (kBq * 128), 32 * j, static_cast<int>(q0), static_cast<int>(b * p.heads_q + h));
+          tma_reduce_add(&tdq, sDQ + j * (kBq * 128), 32 * j, static_cast<int>(varlen ? qb + q0 : q0),
+                         static_cast<int>(varlen ? h : b * p.heads_q + h));
         bulk_commit();
       }
     } else {
@@ -282,9 +298,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int64_t key = key0 + 8 * r;
-    if (key >= p.seq_kv) continue;
-    T* kg = static_cast<T*>(const_cast<void*>(p.dk.data)) + b * p.dk.sb + hk * p.dk.sh + key * p.dk.ss;
-    T* vg = static_cast<T*>(const_cast<void*>(p.dv.data)) + b * p.dv.sb + hk * p.dv.sh + key * p.dv.ss;
+    if (key >= skv) continue;
+    T* kg = static_cast<T*>(const_cast<void*>(p.dk.data)) + b * p.dk.sb + hk * p.dk.sh + (kb + key) * p.dk.ss;
+    T* vg = static_cast<T*>(const_cast<void*>(p.dv.data)) + b * p.dv.sb + hk * p.dv.sh + (kb + key) * p.dv.ss;
 #pragma unroll
     for (int c = 0; c < kD / 8; ++c) {
       *reinterpret_cast<uint32_t*>(kg + 8 * c + 2 * t) = pack2<T>(dk[4 * c + 2 * r] * p.scale, dk[4 * c + 2 * r + 1] * p.scale);
@@ -294,28 +310,50 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 #endif
 }
 
+// The order of the blocks.  Each head's key blocks together (the default) lets the blocks that run at
+// once share their Q / dO tiles in L2; every head's first key blocks first (heads_fastest) gives the
+// blocks longest first under causal, so that the grid ends on short ones, but spreads the blocks that
+// run at once over every head.  Measured on an H100 (bench/RESULTS.md, 2026-11-27), heads first pays
+// at 8192 keys and loses at 1024.  So: heads first from 8192 keys, or where the other grid's y would
+// pass 65,535 (B Hkv); KCPP_FLASH_ATTN_SM90_BWD_ORDER = heads | keys pins one (for measuring; the
+// grid's limits still apply).
+bool backward_heads_fastest(const AttentionParams& p) {
+  const int64_t key_blocks = (p.seq_kv + kBk - 1) / kBk, bh = p.batch * p.heads_kv;
+  if (bh > 65535) return true;
+  if (key_blocks > 65535) return false;
+  const char* order = std::getenv("KCPP_FLASH_ATTN_SM90_BWD_ORDER");
+  if (order && std::strcmp(order, "heads") == 0) return true;
+  if (order && std::strcmp(order, "keys") == 0) return false;
+  return p.seq_kv >= 8192;
+}
+
 template <typename T> const char* launch_bwd(const AttentionParams& p, const float* delta, float* dq_acc, cudaStream_t stream) {
+  // Varlen: the maps span the packed tokens, one "batch".
+  const bool varlen = p.varlen();
+  const int64_t nq = varlen ? p.total_q : p.seq_q, nk = varlen ? p.total_kv : p.seq_kv, nb = varlen ? 1 : p.batch;
   CUtensorMap tq, tdo, tk, tv;
-  if (!make_map(&tq, p.q, p.dtype, kD, p.seq_q, p.heads_q, p.batch, kBq) ||
-      !make_map(&tdo, p.dout, p.dtype, kD, p.seq_q, p.heads_q, p.batch, kBq) ||
-      !make_map(&tk, p.k, p.dtype, kD, p.seq_kv, p.heads_kv, p.batch, kBk) ||
-      !make_map(&tv, p.v, p.dtype, kD, p.seq_kv, p.heads_kv, p.batch, kBk))
+  if (!make_map(&tq, p.q, p.dtype, kD, nq, p.heads_q, nb, kBq) || !make_map(&tdo, p.dout, p.dtype, kD, nq, p.heads_q, nb, kBq) ||
+      !make_map(&tk, p.k, p.dtype, kD, nk, p.heads_kv, nb, kBk) || !make_map(&tv, p.v, p.dtype, kD, nk, p.heads_kv, nb, kBk))
     return "attention_backward (hopper): the driver refused a tensor map of these strides "
            "(KCPP_FLASH_ATTN_BACKWARD=ampere takes the mma.sync kernel instead)";
   const cudaError_t attr = cudaFuncSetAttribute(bwd_sm90_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemB);
   if (attr != cudaSuccess)
     return kernel::errorf("attention_backward (hopper): cannot reserve %d bytes of shared memory: %s", kSmemB,
                           cudaGetErrorString(attr));
-  // The dq accumulator, f32 [B Hq, Sq, D]: boxes of 32 columns x 64 rows, 128-byte swizzle.
+  // The dq accumulator, f32 [B Hq, Sq, D] (varlen [Hq, total_q, D]: lse_row's numbering): boxes of 32
+  // columns x 64 rows, 128-byte swizzle.
   CUtensorMap tdq;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(p.seq_q), static_cast<cuuint64_t>(p.batch * p.heads_q)};
-  const cuuint64_t strides[2] = {kD * 4, static_cast<cuuint64_t>(p.seq_q) * kD * 4};
+  const int64_t planes = varlen ? p.heads_q : p.batch * p.heads_q;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(nq), static_cast<cuuint64_t>(planes)};
+  const cuuint64_t strides[2] = {kD * 4, static_cast<cuuint64_t>(nq) * kD * 4};
   const cuuint32_t box[3] = {32, kBq, 1}, estr[3] = {1, 1, 1};
   if (encode_fn()(&tdq, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, dq_acc, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
                   CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
     return "attention_backward (hopper): the driver refused the tensor map of the dq accumulator";
-  const dim3 grid(static_cast<unsigned>((p.seq_kv + kBk - 1) / kBk), static_cast<unsigned>(p.batch * p.heads_kv));
-  bwd_sm90_kernel<T><<<grid, kThreadsB, kSmemB, stream>>>(p, delta, dq_acc, tq, tdo, tk, tv, tdq);
+  const auto key_blocks = static_cast<unsigned>((p.seq_kv + kBk - 1) / kBk), bh = static_cast<unsigned>(p.batch * p.heads_kv);
+  const bool heads_fastest = backward_heads_fastest(p);
+  const dim3 grid = heads_fastest ? dim3(bh, key_blocks) : dim3(key_blocks, bh);
+  bwd_sm90_kernel<T><<<grid, kThreadsB, kSmemB, stream>>>(p, heads_fastest, delta, dq_acc, tq, tdo, tk, tv, tdq);
   return kernel::cuda::launch_error("attention_backward (hopper)");
 }
 
@@ -328,10 +366,8 @@ const char* attention_sm90_backward_unsupported(const AttentionParams& p) {
 #else
   if (device_cc() != 90) return "the device is not compute capability 9.0";
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "the dtype is not bf16 or f16";
-  if (p.seq_q == 0) return "there are no queries";
   if (p.head_dim != kD) return "head_dim is not 128";
   if (p.window > 0) return "sliding windows are not on this path";
-  if (p.varlen()) return "variable-length sequences (cu_seqlens) are not on this path";
   if (!(p.scale > 0.0f)) return "scale is not positive";
   for (const Operand* o : {&p.q, &p.k, &p.v, &p.dout})  // the tensor maps' 16-byte rule
     if ((reinterpret_cast<uintptr_t>(o->data) & 15u) != 0 || o->sb % 8 != 0 || o->sh % 8 != 0 || o->ss % 8 != 0)
@@ -339,8 +375,11 @@ const char* attention_sm90_backward_unsupported(const AttentionParams& p) {
   for (const Operand* o : {&p.dk, &p.dv})  // 4-byte stores of pairs
     if ((reinterpret_cast<uintptr_t>(o->data) & 3u) != 0 || o->sb % 2 != 0 || o->sh % 2 != 0 || o->ss % 2 != 0)
       return "dk or dv is not 4-byte aligned";
-  if (p.seq_q > (int64_t{1} << 31) - 256 || p.seq_kv > (int64_t{1} << 31) - 256 || p.batch * p.heads_q > 0x7fffffff ||
-      (p.seq_kv + kBk - 1) / kBk > 0x7fffffff || p.batch * p.heads_kv > 65535)
+  constexpr int64_t kMaxRows = (int64_t{1} << 31) - 256;  // the tensor maps' 32-bit row coordinates
+  const int64_t key_blocks = (p.seq_kv + kBk - 1) / kBk, bh = p.batch * p.heads_kv;
+  const bool grid_fits = (bh <= 0x7fffffff && key_blocks <= 65535) || (key_blocks <= 0x7fffffff && bh <= 65535);
+  if (p.seq_q > kMaxRows || p.seq_kv > kMaxRows || p.total_q > kMaxRows || p.total_kv > kMaxRows ||
+      p.batch * p.heads_q > 0x7fffffff || !grid_fits)
     return "a dimension is beyond the tensor map's 32-bit coordinates or the grid";
   if (!encode_fn()) return "the driver has no cuTensorMapEncodeTiled";
   return nullptr;

@@ -13,8 +13,8 @@
 // running it, from the tensors' descriptions alone: it never reads a tensor's memory (a host such as
 // kcpp.torch asks it over tensors with no memory behind them), so the contents of the cu_seqlens are
 // checked by the CPU forward and backward (attention_check_varlen), which refuse bad ones naming them; on
-// CUDA they stay on the device, unchecked (attention.h).  varlen runs on the CPU and on CUDA's mma.sync
-// and generic paths; the Hopper paths refuse it.
+// CUDA they stay on the device, unchecked (attention.h).  varlen runs on every path (the Hopper ones
+// without a sliding window, as for the batched layout).
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
@@ -255,7 +255,7 @@ constexpr uint32_t kModes = KCPP_MODE_INFERENCE | KCPP_MODE_TRAINING | KCPP_MODE
 const kcpp_layer kLayers[] = {
     {sizeof(kcpp_layer), kModes, kDevices, 0, "FlashAttention", "Attention/1",
      "FlashAttention-2: causal / sliding-window attention with grouped-query heads, no score matrix; saves lse; "
-     "variable-length packed sequences (cu_seqlens; not on the Hopper paths); "
+     "variable-length packed sequences (cu_seqlens); "
      "tensor cores for bf16 / f16 head_dim 64 / 128 on CUDA (the forward on wgmma and TMA on sm_90a, also head_dim 256; the backward at head_dim 128)",
      attention_supports, attention_forward, attention_backward},
 };

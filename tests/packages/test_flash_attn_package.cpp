@@ -379,8 +379,16 @@ Result run_varlen(const KernelLayer& k, const Tensor& q, const Tensor& kk, const
 // Runs a varlen case in `dt` and holds it to (1) the f64 oracle per sequence (out, dq, dk, dv within
 // composite_rel_l2, lse within the batched test's bound; queries that see no key give 0 and -inf) and
 // (2) each sequence run alone through the batched layout (the same kernels: identical results, up to the
-// order of the CUDA backward's f32 atomics in dq).
+// order of the CUDA backward's f32 atomics in dq).  On CUDA both run on one path: the one a test pinned
+// through KCPP_FLASH_ATTN_FORWARD / _BACKWARD, else mma.sync (bf16 / f16 at head dim 64 / 128) or generic.
 void check_varlen(const KernelLayer& k, const VarlenCase& c, DType dt, Device dev, Generator& gen) {
+  std::unique_ptr<ScopedEnv> pin_fwd, pin_bwd;
+  if (dev.is_cuda()) {
+    const bool mma = dt != DType::f32 && (c.d == 64 || c.d == 128);  // aligned rows: the tensors are fresh
+    if (!std::getenv("KCPP_FLASH_ATTN_FORWARD")) pin_fwd = std::make_unique<ScopedEnv>("KCPP_FLASH_ATTN_FORWARD", mma ? "ampere" : "generic");
+    if (!std::getenv("KCPP_FLASH_ATTN_BACKWARD"))
+      pin_bwd = std::make_unique<ScopedEnv>("KCPP_FLASH_ATTN_BACKWARD", mma ? "ampere" : "generic");
+  }
   std::string lens;
   for (size_t b = 0; b < c.lq.size(); ++b) lens += fmt::format("{}{}/{}", b ? "," : "", c.lq[b], c.lk[b]);
   const std::string cfg = fmt::format("{} varlen q/k=[{}] hq={} hkv={} d={} causal={} window={}", test::config_name(dev, dt), lens,
@@ -464,14 +472,7 @@ void check_varlen(const KernelLayer& k, const VarlenCase& c, DType dt, Device de
   EXPECT_LE(worst, 1e-4 * std::sqrt(static_cast<double>(c.d))) << cfg << " lse";
 
   // (2) Each sequence alone in the batched layout ([1, H, S, D] views of the packed tensors), where the
-  // batched layout takes it (queries no more than keys).  On CUDA both calls run the same path: the
-  // Hopper one does not take varlen, so the batched call is pinned to the varlen call's.
-  std::unique_ptr<ScopedEnv> pin_fwd, pin_bwd;
-  if (dev.is_cuda() && !std::getenv("KCPP_FLASH_ATTN_FORWARD")) {  // a test that pinned a path keeps it
-    const bool mma = dt != DType::f32 && (c.d == 64 || c.d == 128);  // aligned rows: the tensors are fresh
-    pin_fwd = std::make_unique<ScopedEnv>("KCPP_FLASH_ATTN_FORWARD", mma ? "ampere" : "generic");
-    pin_bwd = std::make_unique<ScopedEnv>("KCPP_FLASH_ATTN_BACKWARD", mma ? "ampere" : "generic");
-  }
+  // batched layout takes it (queries no more than keys), on the path pinned above.
   q0 = 0, k0 = 0;
   for (size_t b = 0; b < c.lq.size(); q0 += c.lq[b], k0 += c.lk[b], ++b) {
     const int64_t sq = c.lq[b], skv = c.lk[b];
@@ -529,10 +530,59 @@ TEST(FlashAttnVarlen, GenericCudaKernels) {
   for (DType dt : {DType::bf16, DType::f16}) check_varlen(k, c, dt, dev, gen);
 }
 
-// The Hopper paths do not take varlen: required through the environment, the call is refused naming why.
-TEST(FlashAttnVarlen, HopperRefusesVarlen) {
+// The Hopper paths (required through the environment, so that a fallback fails the call) on varlen:
+// lengths 0, 1, 7 and others no multiple of the 128-row tiles, a sequence's last query tile ending
+// inside the next sequence (its rows must not be written), fewer queries than keys and more (the first
+// see no key under causal), sequences without keys and with no keys at all, grouped-query heads (32 /
+// 8), causal or not, 300 short sequences (many work items without rows), bf16 / f16, the backward's
+// two block orders; the forward at head dims 64 and 256 too (their backward then mma.sync or generic).
+TEST(FlashAttnHopper, VarlenOnAwkwardLengths) {
   const Device dev = Device::cuda(0);
   KCPP_REQUIRE_DEVICE(dev);
+  const PlatformInfo pl = detect_platform();
+  if (pl.gpus.empty() || pl.gpus[0].cc_major != 9 || pl.gpus[0].cc_minor != 0 ||
+      pl.cuda_archs_compiled.find("90a") == std::string::npos)
+    GTEST_SKIP() << "skipped: needs a compute capability 9.0 GPU and a build with sm_90a";
+  Generator gen = test::test_generator();
+  const KernelLayer k = layer();
+  std::vector<int64_t> many;  // 300 sequences of 1 to 40 tokens
+  for (int i = 0; i < 300; ++i) many.push_back(1 + (i * 37) % 40);
+  const VarlenCase both[] = {
+      {{7, 0, 1, 129, 33}, {7, 0, 1, 129, 33}, 4, 2, 128, true, 0},
+      {{1, 7, 129, 0, 70}, {5, 7, 200, 3, 64}, 2, 1, 128, true, 0},
+      {{3, 129, 7}, {150, 129, 0}, 4, 1, 128, false, 0},
+      {{300, 65, 1000}, {300, 65, 1000}, 32, 8, 128, true, 0},
+      {{5, 65}, {2, 64}, 2, 2, 128, true, 0},
+      {{200, 70}, {130, 190}, 2, 1, 128, false, 0},
+      {{3, 2}, {0, 0}, 2, 1, 128, true, 0},
+      {many, many, 4, 2, 128, true, 0},
+  };
+  const VarlenCase forward_only[] = {
+      {{7, 0, 1, 129, 33}, {7, 0, 1, 129, 33}, 4, 2, 64, true, 0},
+      {{300, 65}, {300, 100}, 2, 1, 64, false, 0},
+      {{1, 7, 129, 0, 70}, {5, 7, 200, 3, 64}, 2, 1, 256, true, 0},
+      {{130, 3}, {130, 3}, 2, 2, 256, false, 0},
+  };
+  for (DType dt : {DType::bf16, DType::f16}) {
+    for (const char* order : {"keys", "heads"}) {  // the backward's two block orders
+      const ScopedEnv fwd("KCPP_FLASH_ATTN_FORWARD", "hopper"), bwd("KCPP_FLASH_ATTN_BACKWARD", "hopper");
+      const ScopedEnv by("KCPP_FLASH_ATTN_SM90_BWD_ORDER", order);
+      for (const VarlenCase& c : both) check_varlen(k, c, dt, dev, gen);
+    }
+    const ScopedEnv fwd("KCPP_FLASH_ATTN_FORWARD", "hopper");
+    for (const VarlenCase& c : forward_only) check_varlen(k, c, dt, dev, gen);
+  }
+}
+
+// Varlen with a sliding window is not on the Hopper paths: required through the environment, the call
+// is refused naming why; without the window it is taken.
+TEST(FlashAttnVarlen, HopperRefusesAWindow) {
+  const Device dev = Device::cuda(0);
+  KCPP_REQUIRE_DEVICE(dev);
+  const PlatformInfo pl = detect_platform();
+  if (pl.gpus.empty() || pl.gpus[0].cc_major != 9 || pl.gpus[0].cc_minor != 0 ||
+      pl.cuda_archs_compiled.find("90a") == std::string::npos)
+    GTEST_SKIP() << "skipped: needs a compute capability 9.0 GPU and a build with sm_90a";
   Generator gen = test::test_generator();
   const KernelLayer k = layer();
   const Tensor q = Tensor::randn({10, 2, 128}, DType::bf16, dev, gen), kv = Tensor::randn({10, 1, 128}, DType::bf16, dev, gen);
@@ -540,8 +590,9 @@ TEST(FlashAttnVarlen, HopperRefusesVarlen) {
   KernelArgs a;
   a.tensor("q", q).tensor("k", kv).tensor("v", kv).tensor("out", out).tensor("cu_seqlens_q", cu).tensor("cu_seqlens_k", cu);
   a.integer("max_seqlen_q", 7).integer("max_seqlen_k", 7);
-  EXPECT_TRUE(k.supports(a, dev, test::kInference).ok());
   const ScopedEnv env("KCPP_FLASH_ATTN_FORWARD", "hopper");
+  EXPECT_TRUE(k.supports(a, dev, test::kInference).ok());
+  a.integer("window", 4);
   EXPECT_TRUE(test::refused(k.supports(a, dev, test::kInference), KCPP_ERROR_UNSUPPORTED, "KCPP_FLASH_ATTN_FORWARD=hopper"));
 }
 
