@@ -100,9 +100,10 @@ for B, S, D in shapes:
     torch.cuda.synchronize()
     err = rel(out, ref)
     tf = bench(lambda: layer.forward(fa), "kcpp hopper fwd")
-    # The Hopper backward in its two block orders (KCPP_FLASH_ATTN_SM90_BWD_ORDER: "keys", each head's
-    # key blocks together, or "heads", every head's first key blocks first), then mma.sync's.
-    for path, order in (("hopper", "keys"), ("hopper", "heads"), ("ampere", "")):
+    # The Hopper backward in its block orders (KCPP_FLASH_ATTN_SM90_BWD_ORDER: "keys", each head's
+    # key blocks together, "heads", every head's first key blocks first, or "grouped", that in groups of
+    # heads), then mma.sync's.
+    for path, order in (("hopper", "keys"), ("hopper", "heads"), ("hopper", "grouped"), ("ampere", "")):
         os.environ["KCPP_FLASH_ATTN_BACKWARD"] = path
         os.environ["KCPP_FLASH_ATTN_SM90_BWD_ORDER"] = order
         path = path + (f" ({order} first)" if order else "")

@@ -130,7 +130,7 @@ va = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "scale": 1 / math.sqrt(D),
 vb = dict(va, dout=do, dq=dq, dk=dk, dv=dv)
 # Each path pinned (KCPP_FLASH_ATTN_FORWARD / _BACKWARD), fresh outputs; the Hopper backward in both
 # block orders (KCPP_FLASH_ATTN_SM90_BWD_ORDER).
-for path, order in (("hopper", "keys"), ("hopper", "heads"), ("ampere", "")):
+for path, order in (("hopper", "keys"), ("hopper", "heads"), ("hopper", "grouped"), ("ampere", "")):
     os.environ["KCPP_FLASH_ATTN_FORWARD"] = os.environ["KCPP_FLASH_ATTN_BACKWARD"] = path
     os.environ["KCPP_FLASH_ATTN_SM90_BWD_ORDER"] = order
     for t in (out, dq, dk, dv):

@@ -82,7 +82,7 @@ __device__ __forceinline__ void tma_reduce_add(const CUtensorMap* map, uint32_t 
 
 template <typename T>
 __global__ void __launch_bounds__(kThreadsB, 1)
-    bwd_sm90_kernel(const __grid_constant__ AttentionParams p, bool heads_fastest, const float* __restrict__ delta, float* __restrict__ dq_acc,
+    bwd_sm90_kernel(const __grid_constant__ AttentionParams p, int head_group, const float* __restrict__ delta, float* __restrict__ dq_acc,
                     const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
                     const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
                     const __grid_constant__ CUtensorMap tdq) {
@@ -100,15 +100,24 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   auto empty = [&](int s) { return bars + 8u * (1 + kStages + s); };
 
   const int tid = threadIdx.x;
-  // The block order (backward_order below): heads_fastest, grid (B Hkv, key blocks), the first key
-  // blocks (under causal the longest) first for every head; else grid (key blocks, B Hkv), each head's
-  // key blocks together, the last first.
+  // The block order (backward_head_group below).  head_group 0: grid (key blocks, B Hkv), each head's
+  // key blocks together, the last first.  head_group G >= 1: a grid of B Hkv x key blocks in groups of
+  // G heads, each group's blocks first key block first (under causal the longest), heads fastest
+  // within it.
   const bool varlen = p.varlen();
-  const int64_t bh = heads_fastest ? blockIdx.x : blockIdx.y;
+  int64_t bh, kblk;
+  if (head_group == 0) {
+    bh = blockIdx.y, kblk = gridDim.x - 1 - blockIdx.x;
+  } else {
+    const int64_t heads = p.batch * p.heads_kv, blocks = (p.seq_kv + kBk - 1) / kBk, per = head_group * blocks;
+    const int64_t gi = blockIdx.x / per, r = blockIdx.x - gi * per;
+    const int64_t in_group = min(static_cast<int64_t>(head_group), heads - gi * head_group);
+    kblk = r / in_group, bh = gi * head_group + r % in_group;
+  }
   const int64_t group = p.heads_q / p.heads_kv, b = bh / p.heads_kv, hk = bh % p.heads_kv;
   const Sequence seq = sequence(p, b);
   const int64_t sq = seq.seq_q, skv = seq.seq_kv, off = skv - sq;
-  const int64_t k0 = (heads_fastest ? static_cast<int64_t>(blockIdx.y) : static_cast<int64_t>(gridDim.x - 1 - blockIdx.x)) * kBk;
+  const int64_t k0 = kblk * kBk;
   if (k0 >= skv) return;  // varlen: past this sequence's keys (the whole block, before any barrier)
   const int mb = varlen ? 0 : static_cast<int>(b);  // the tensor maps' batch coordinate
   const int kb = static_cast<int>(seq.k_begin), qb = static_cast<int>(seq.q_begin);
@@ -310,21 +319,22 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 #endif
 }
 
-// The order of the blocks.  Each head's key blocks together (the default) lets the blocks that run at
-// once share their Q / dO tiles in L2; every head's first key blocks first (heads_fastest) gives the
-// blocks longest first under causal, so that the grid ends on short ones, but spreads the blocks that
-// run at once over every head.  Measured on an H100 (bench/RESULTS.md, 2026-11-27), heads first pays
-// at 8192 keys and loses at 1024.  So: heads first from 8192 keys, or where the other grid's y would
-// pass 65,535 (B Hkv); KCPP_FLASH_ATTN_SM90_BWD_ORDER = heads | keys pins one (for measuring; the
-// grid's limits still apply).
-bool backward_heads_fastest(const AttentionParams& p) {
-  const int64_t key_blocks = (p.seq_kv + kBk - 1) / kBk, bh = p.batch * p.heads_kv;
-  if (bh > 65535) return true;
-  if (key_blocks > 65535) return false;
+// The order of the blocks: the group of kv heads whose blocks run first key block first (0: each
+// head's blocks together, the last key block first).  Each head's blocks together lets the blocks that
+// run at once share their Q / dO tiles in L2; every head's first key blocks first (a group of all
+// heads) starts the longest causal blocks first and ends the grid on short ones, but spreads the
+// blocks that run at once over every head.  Groups of about two waves of blocks (the default) keep
+// most of both: on an H100 they were the fastest of the three at B4 S4096, B16 S1024, B8 S2048, B1
+// S16384 and on packed sequences, and within 5% of "heads" at B2 S8192 (bench/RESULTS.md,
+// 2026-11-27).  KCPP_FLASH_ATTN_SM90_BWD_ORDER = keys | heads | grouped pins one (for measuring).
+int backward_head_group(const AttentionParams& p) {
+  const int64_t key_blocks = (p.seq_kv + kBk - 1) / kBk, heads = p.batch * p.heads_kv;
+  const int64_t waves2 = 2 * static_cast<int64_t>(sm_count());
+  const auto grouped = static_cast<int>(std::clamp<int64_t>((waves2 + key_blocks - 1) / std::max<int64_t>(key_blocks, 1), 1, heads));
   const char* order = std::getenv("KCPP_FLASH_ATTN_SM90_BWD_ORDER");
-  if (order && std::strcmp(order, "heads") == 0) return true;
-  if (order && std::strcmp(order, "keys") == 0) return false;
-  return p.seq_kv >= 8192;
+  if (order && std::strcmp(order, "heads") == 0) return static_cast<int>(heads);
+  if (order && std::strcmp(order, "keys") == 0 && heads <= 65535) return 0;  // its grid (key blocks, B Hkv)
+  return grouped;
 }
 
 template <typename T> const char* launch_bwd(const AttentionParams& p, const float* delta, float* dq_acc, cudaStream_t stream) {
@@ -351,9 +361,9 @@ template <typename T> const char* launch_bwd(const AttentionParams& p, const flo
                   CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
     return "attention_backward (hopper): the driver refused the tensor map of the dq accumulator";
   const auto key_blocks = static_cast<unsigned>((p.seq_kv + kBk - 1) / kBk), bh = static_cast<unsigned>(p.batch * p.heads_kv);
-  const bool heads_fastest = backward_heads_fastest(p);
-  const dim3 grid = heads_fastest ? dim3(bh, key_blocks) : dim3(key_blocks, bh);
-  bwd_sm90_kernel<T><<<grid, kThreadsB, kSmemB, stream>>>(p, heads_fastest, delta, dq_acc, tq, tdo, tk, tv, tdq);
+  const int head_group = backward_head_group(p);
+  const dim3 grid = head_group == 0 ? dim3(key_blocks, bh) : dim3(key_blocks * bh);
+  bwd_sm90_kernel<T><<<grid, kThreadsB, kSmemB, stream>>>(p, head_group, delta, dq_acc, tq, tdo, tk, tv, tdq);
   return kernel::cuda::launch_error("attention_backward (hopper)");
 }
 
@@ -377,7 +387,7 @@ const char* attention_sm90_backward_unsupported(const AttentionParams& p) {
       return "dk or dv is not 4-byte aligned";
   constexpr int64_t kMaxRows = (int64_t{1} << 31) - 256;  // the tensor maps' 32-bit row coordinates
   const int64_t key_blocks = (p.seq_kv + kBk - 1) / kBk, bh = p.batch * p.heads_kv;
-  const bool grid_fits = (bh <= 0x7fffffff && key_blocks <= 65535) || (key_blocks <= 0x7fffffff && bh <= 65535);
+  const bool grid_fits = bh * key_blocks <= 0x7fffffff;  // the grouped orders' grid (backward_head_group)
   if (p.seq_q > kMaxRows || p.seq_kv > kMaxRows || p.total_q > kMaxRows || p.total_kv > kMaxRows ||
       p.batch * p.heads_q > 0x7fffffff || !grid_fits)
     return "a dimension is beyond the tensor map's 32-bit coordinates or the grid";

@@ -214,6 +214,12 @@ TEST(FlashAttnHopper, BackwardOnAwkwardLengths) {
         if (dt == DType::f16 && c.sq > 1000) continue;
         check_case(k, c, dt, dev, gen, bshd);
       }
+  // The block orders (KCPP_FLASH_ATTN_SM90_BWD_ORDER), each pinned, in bf16.
+  for (const char* order : {"keys", "heads", "grouped"}) {
+    const ScopedEnv by("KCPP_FLASH_ATTN_SM90_BWD_ORDER", order);
+    for (const Case& c : cases)
+      if (c.sq <= 1000) check_case(k, c, DType::bf16, dev, gen, false);
+  }
 }
 
 // Asking for a forward path that cannot take the call is refused in supports(), naming why.
@@ -535,7 +541,7 @@ TEST(FlashAttnVarlen, GenericCudaKernels) {
 // inside the next sequence (its rows must not be written), fewer queries than keys and more (the first
 // see no key under causal), sequences without keys and with no keys at all, grouped-query heads (32 /
 // 8), causal or not, 300 short sequences (many work items without rows), bf16 / f16, the backward's
-// two block orders; the forward at head dims 64 and 256 too (their backward then mma.sync or generic).
+// three block orders; the forward at head dims 64 and 256 too (their backward then mma.sync or generic).
 TEST(FlashAttnHopper, VarlenOnAwkwardLengths) {
   const Device dev = Device::cuda(0);
   KCPP_REQUIRE_DEVICE(dev);
@@ -564,7 +570,7 @@ TEST(FlashAttnHopper, VarlenOnAwkwardLengths) {
       {{130, 3}, {130, 3}, 2, 2, 256, false, 0},
   };
   for (DType dt : {DType::bf16, DType::f16}) {
-    for (const char* order : {"keys", "heads"}) {  // the backward's two block orders
+    for (const char* order : {"keys", "heads", "grouped"}) {  // the backward's block orders
       const ScopedEnv fwd("KCPP_FLASH_ATTN_FORWARD", "hopper"), bwd("KCPP_FLASH_ATTN_BACKWARD", "hopper");
       const ScopedEnv by("KCPP_FLASH_ATTN_SM90_BWD_ORDER", order);
       for (const VarlenCase& c : both) check_varlen(k, c, dt, dev, gen);
