@@ -220,6 +220,11 @@ def _as_forward_of(module, fn, *args):
             del module.forward
 
 
+# Why the reference runs a call instead of the kernel, where more than one place refuses for the same reason
+# (report() shows it as the last refusal).
+_WHY_EMPTY = "an empty tensor: the reference handles it"
+
+
 def _needs_grad(*tensors):
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -741,7 +746,7 @@ def _rms_norm_forward(where, module, slot, original, spec, hidden_states):
         _refuse(slot.sid, f"x is {x.dtype} and weight {weight.dtype}: RMSNorm/1 takes one dtype")
         return original(hidden_states)
     if x.numel() == 0:
-        _refuse(slot.sid, "an empty tensor: the reference handles it")
+        _refuse(slot.sid, _WHY_EMPTY)
         return original(hidden_states)
     # RMSNorm/1's rows may be strided but must be one stride apart (Gemma 3's q / k norms get transposed views).
     x = _last_contig(x) if x.dim() <= 2 else _contig(x)
@@ -832,7 +837,7 @@ def _rope_dispatch(original, q, k, cos, sin, *args, **kwargs):
         why = (f"q {tuple(q.shape)} {q.dtype}, k {k.dtype}, cos {cos.dtype}: rotary_pos_emb/1 takes 4-D q, k in "
                "cos's dtype")
     elif q.numel() == 0 or k.numel() == 0:
-        why = "an empty tensor: the reference handles it"
+        why = _WHY_EMPTY
     if why is not None:
         _refuse(slot.sid, why)
         return original(q, k, cos, sin, *args, **kwargs)
@@ -981,18 +986,12 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         return _packed_attention(module, query, key, value, attention_mask, dropout, scaling, causal, is_causal,
                                  sliding_window, softcap, kwargs, slot, where, implementation)
-    why = None
     if attention_mask is not None:
         why = "an attention mask (padding, packed sequences, a cache or a custom mask): Attention/1 takes causal and " \
               "sliding-window masks"
-    elif (missing := _attention_features_missing(dropout, softcap, kwargs)) is not None:
-        why = missing
-    elif query.dim() != 4 or key.dim() != 4 or value.shape != key.shape:
-        why = f"q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}: Attention/1 takes [B, H, S, D]"
-    elif not causal and sliding_window:
-        why = "a sliding window without the causal mask"
-    elif query.numel() == 0 or key.numel() == 0:
-        why = "an empty tensor: the reference handles it"
+    else:
+        why = _attention_features_missing(dropout, softcap, kwargs) or \
+            _attention_shapes_missing(query, key, value, causal, sliding_window)
     if why is not None:
         _refuse(slot.sid, why)
         return reference()
@@ -1095,12 +1094,28 @@ def _attention_features_missing(dropout, softcap, kwargs):
     return None
 
 
+def _is_bhsd(query, key, value):
+    """Whether q, k, v have Attention/1's padded layout, [B, H, S, D] (k and v of one shape)."""
+    return query.dim() == 4 and key.dim() == 4 and value.shape == key.shape
+
+
+def _attention_shapes_missing(query, key, value, causal, sliding_window):
+    """Why Attention/1 cannot take a call for its tensors' shapes or its mask pattern (None when it can)."""
+    if not _is_bhsd(query, key, value):
+        return f"q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}: Attention/1 takes [B, H, S, D]"
+    if not causal and sliding_window:
+        return "a sliding window without the causal mask"
+    if query.numel() == 0 or key.numel() == 0:
+        return _WHY_EMPTY
+    return None
+
+
 def _packed_attention(module, query, key, value, attention_mask, dropout, scaling, causal, is_causal, sliding_window,
                       softcap, kwargs, slot, where, implementation):
     """The attention function "kcpp" for packed sequences: Attention/1's varlen call, or the reference."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     traced = torch.compiler.is_compiling()
-    four_d = query.dim() == 4 and key.dim() == 4 and value.shape == key.shape
+    four_d = _is_bhsd(query, key, value)
     window = operator.index(sliding_window) if sliding_window else 0
 
     def flat(t):  # [B, H, S, D] -> [B S, H, D]: every row's tokens, in order (FlashAttention's reading)
@@ -1129,17 +1144,10 @@ def _packed_attention(module, query, key, value, attention_mask, dropout, scalin
         _refuse(slot.sid, why)
         return reference()
 
-    why = None
-    if (missing := _attention_features_missing(dropout, softcap, kwargs)) is not None:
-        why = missing
-    elif any(kwargs.get(n) is not None for n in ("block_table", "k_cache", "v_cache")):
+    why = _attention_features_missing(dropout, softcap, kwargs)
+    if why is None and any(kwargs.get(n) is not None for n in ("block_table", "k_cache", "v_cache")):
         why = "a paged cache (block_table): Attention/1 has none"
-    elif not four_d:
-        why = f"q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}: Attention/1 takes [B, H, S, D]"
-    elif not causal and sliding_window:
-        why = "a sliding window without the causal mask"
-    elif query.numel() == 0 or key.numel() == 0:
-        why = "an empty tensor: the reference handles it"
+    why = why or _attention_shapes_missing(query, key, value, causal, sliding_window)
     if why is not None:
         return fall_back(why)
     q, k, v = (_last_contig(flat(t)) for t in (query, key, value))
@@ -1343,7 +1351,7 @@ def _causal_lm_loss(slot, original, logits, labels, vocab_size, num_items_in_bat
         return original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                         ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
     if logits.numel() == 0:
-        _refuse(slot.sid, "an empty tensor: the reference handles it")
+        _refuse(slot.sid, _WHY_EMPTY)
         return reference()
     logits2d = _contig(logits).view(-1, vocab_size)
     targets = _shifted_targets(labels, ignore_index, shift_labels, logits.device)
