@@ -8,7 +8,7 @@ gradients of the pixels and of every parameter equal the unkernelized model's; i
 kernel too; a call the package's supports() refuses (f64) or the bridge cannot express runs the module's own
 forward, counted, with its reason in report(); unkernelize restores the model bit for bit;
 torch.compile(fullgraph=True) traces the kernelized model (the kernel a torch.library op) with no graph break,
-forward and backward.  Skipped where torch, transformers, kcpp._core or the built package is missing (CTest's
+forward and backward, at two image sizes (the second with dynamic shapes).  Skipped where torch, transformers, kcpp._core or the built package is missing (CTest's
 python.package runs it in the project's environment, scripts/python-env.sh).
 """
 import os
@@ -257,9 +257,8 @@ class DeformableDetr(unittest.TestCase):
         # Eval mode (in training mode the encoder layer checks its output for infinities on the host, a graph
         # break of Transformers' own), with gradients: the training kernel and its backward in one graph,
         # traced by dynamo with no graph break (fullgraph=True raises on one) and differentiated by AOTAutograd.
+        # A second image size compiles again, with dynamic shapes (levels of 8 x 6 down to 1 x 1): still one graph.
         model = kt.kernelize(make_model().eval())
-        pixels, mask = inputs()
-        eager = run(model, pixels, mask)
         ops = set()
 
         def backend(gm, example_inputs):
@@ -268,11 +267,17 @@ class DeformableDetr(unittest.TestCase):
             return aot_eager(gm, example_inputs)
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=backend, fullgraph=True)
-        before = kt.report(model)[LAYER]["kernel_calls"]
-        self.assert_close(run(compiled, pixels, mask), eager, "compiled")
+        other = torch.randn(2, 3, 61, 47, generator=torch.Generator().manual_seed(SEED)), \
+            torch.ones(2, 61, 47, dtype=torch.long)
+        for p, m in (inputs(), other):
+            size = tuple(p.shape[2:])
+            with self.subTest(size=size):
+                eager = run(model, p, m)
+                before = kt.report(model)[LAYER]["kernel_calls"]
+                self.assert_close(run(compiled, p, m), eager, f"compiled, {size}")
+                e = kt.report(model)[LAYER]
+                self.assertEqual((e["kernel_calls"] - before, e["fallbacks"]), (4, 0), str(e))
         self.assertIn("kcpp.multi_scale_deformable_attention.default", ops)
-        e = kt.report(model)[LAYER]
-        self.assertEqual((e["kernel_calls"] - before, e["fallbacks"]), (4, 0), str(e))
 
     def test_a_refusal_is_decided_while_tracing(self):
         # f64 under torch.compile: supports() refuses while the graph is traced, so the module's own forward is
