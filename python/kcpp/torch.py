@@ -1701,8 +1701,9 @@ def _kernel_config(model_type, kernel_config, use_liger_kernel, liger_kernel_con
     if model_type in _DEFORMABLE_MODEL_TYPES:  # no Liger layers: this build's deformable_attention
         folder = kcpp.local_packages().get("deformable_attention")
         if folder is None:
-            raise kcpp.KcppError("kernelize: this kcpp has no built deformable_attention package (kcpp.local_packages() "
-                                 "has none); pass kernel_config, or set KCPP_PACKAGES_DIR to a build's kernels/ folder")
+            raise kcpp.KcppError("kernelize: this kcpp has no built deformable_attention package "
+                                 "(kcpp.local_packages() has none); pass kernel_config, or set KCPP_PACKAGES_DIR to a "
+                                 "build's kernels/ folder")
         mapping = {"MultiScaleDeformableAttention": f"{folder}:MultiScaleDeformableAttention"}
         note = f"liger_kernel_config: not read ({model_type} has no Liger layers)" if liger_kernel_config else ""
         return _core.KernelConfig(json.dumps(mapping), True), {"allow_all_kernels": True}, note

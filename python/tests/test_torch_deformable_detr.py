@@ -8,8 +8,9 @@ gradients of the pixels and of every parameter equal the unkernelized model's; i
 kernel too; a call the package's supports() refuses (f64) or the bridge cannot express runs the module's own
 forward, counted, with its reason in report(); unkernelize restores the model bit for bit;
 torch.compile(fullgraph=True) traces the kernelized model (the kernel a torch.library op) with no graph break,
-forward and backward, at two image sizes (the second with dynamic shapes).  Skipped where torch, transformers, kcpp._core or the built package is missing (CTest's
-python.package runs it in the project's environment, scripts/python-env.sh).
+forward and backward, at two image sizes (the second with dynamic shapes).  Skipped where torch,
+transformers, kcpp._core or the built package is missing (CTest's python.package runs it in the project's
+environment, scripts/python-env.sh).
 """
 import os
 import unittest
@@ -43,7 +44,8 @@ def make_model(seed=SEED, head=False, **overrides):
         backbone_config=backbone, use_timm_backbone=False, d_model=64, encoder_layers=2, decoder_layers=2,
         encoder_attention_heads=2, decoder_attention_heads=4, encoder_ffn_dim=40, decoder_ffn_dim=40, num_queries=5,
         num_feature_levels=len(LEVELS), encoder_n_points=3, decoder_n_points=2, dropout=0.0, **overrides)
-    model = (transformers.DeformableDetrForObjectDetection if head else transformers.DeformableDetrModel)(config).float()
+    cls = transformers.DeformableDetrForObjectDetection if head else transformers.DeformableDetrModel
+    model = cls(config).float()
     with torch.no_grad():
         for m in model.modules():
             if type(m).__name__ == "DeformableDetrMultiscaleDeformableAttention":
