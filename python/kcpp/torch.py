@@ -9,7 +9,7 @@
     torch.compile(model, fullgraph=True)             # the kernels are torch.library ops: no graph break
 
 Layers are found by what they are, in the model's own modeling module (Llama, Mistral, Qwen2, Qwen3,
-Phi-3, Gemma 1 / 2 / 3 text):
+Phi-3, Gemma 1 / 2 / 3 text, Mixtral, Qwen2-MoE, Qwen3-MoE):
   RMSNorm           every `*RMSNorm` of the family: Llama's casting, or Gemma's (1 + w) in f32
                     (offset 1, casting "gemma"); Qwen3's / Gemma 3's q / k norms included     RMSNorm/1
   MLP               gated MLPs (`gate_proj`, `up_proj`, `down_proj`, `act_fn`): the part between the
@@ -25,6 +25,13 @@ Phi-3, Gemma 1 / 2 / 3 text):
   CrossEntropyLoss  the causal-LM loss of the logits (the model's `loss_function`)                 CrossEntropyLoss/1
   ForCausalLMLoss   the causal-LM loss fused with `lm_head` (the logits never exist): training
                     calls with labels return no logits, as Liger's                                  ForCausalLMLoss/1
+
+and in a Deformable DETR (DeformableDetrModel, DeformableDetrForObjectDetection; by default this build's
+deformable_attention package):
+  MultiScaleDeformableAttention   the forward of Transformers' MultiScaleDeformableAttention module (the
+                    one it marks use_kernel_forward_from_hub("MultiScaleDeformableAttention")): the
+                    bilinear multi-level sampling of the encoder's and decoder's deformable
+                    attention, forward and backward                              MultiScaleDeformableAttention/1
 
 Every kernel is a torch.library custom op (`torch.ops.kcpp.*`: forward and backward, each with a fake
 implementation, the forward's gradient registered with register_autograd), so torch.compile (also
@@ -85,9 +92,10 @@ _INFERENCE, _TRAINING, _GRAPH = kcpp.MODE_INFERENCE, kcpp.MODE_TRAINING, kcpp.MO
 # kernel (utils.generic.is_flash_attention_requested) and tries to import one.
 ATTENTION_NAME = "kcpp"
 
-# The contract each layer name's kernels implement.
+# The contract each layer name's kernels implement: the causal LMs' layers, and Deformable DETR's one.
 _CONTRACTS = {"RMSNorm": "RMSNorm/1", "MLP": "GLU/1", "rotary_pos_emb": "rotary_pos_emb/1", "Attention": "Attention/1",
               "CrossEntropyLoss": "CrossEntropyLoss/1", "ForCausalLMLoss": "ForCausalLMLoss/1"}
+_DEFORMABLE_CONTRACTS = {"MultiScaleDeformableAttention": "MultiScaleDeformableAttention/1"}
 
 # The model types whose modeling code kcpp.torch's swaps were checked against (RMSNorm's casting,
 # apply_rotary_pos_emb's rotate-half, the attention call's arguments, the *ForCausalLM forward that the
@@ -95,6 +103,10 @@ _CONTRACTS = {"RMSNorm": "RMSNorm/1", "MLP": "GLU/1", "rotary_pos_emb": "rotary_
 # models keep their layers, saying so.
 _MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
                 "qwen3_moe")
+# The model types whose MultiScaleDeformableAttention module was checked (its forward's arguments, its
+# grid_sample maths): their only kernelized layer.  Other detection models copy the module (Grounding DINO,
+# OmDet-Turbo, RT-DETR, ...) but are not checked here.
+_DEFORMABLE_MODEL_TYPES = ("deformable_detr",)
 
 # Transformers' hidden_act names the GLU/1 contract takes.
 _GLU_ACTIVATIONS = {"silu", "swish", "gelu", "gelu_tanh", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "quick_gelu"}
@@ -218,6 +230,11 @@ def _as_forward_of(module, fn, *args):
             module.forward = previous
         else:
             del module.forward
+
+
+# Why the reference runs a call instead of the kernel, where more than one place refuses for the same reason
+# (report() shows it as the last refusal).
+_WHY_EMPTY = "an empty tensor: the reference handles it"
 
 
 def _needs_grad(*tensors):
@@ -741,7 +758,7 @@ def _rms_norm_forward(where, module, slot, original, spec, hidden_states):
         _refuse(slot.sid, f"x is {x.dtype} and weight {weight.dtype}: RMSNorm/1 takes one dtype")
         return original(hidden_states)
     if x.numel() == 0:
-        _refuse(slot.sid, "an empty tensor: the reference handles it")
+        _refuse(slot.sid, _WHY_EMPTY)
         return original(hidden_states)
     # RMSNorm/1's rows may be strided but must be one stride apart (Gemma 3's q / k norms get transposed views).
     x = _last_contig(x) if x.dim() <= 2 else _contig(x)
@@ -832,7 +849,7 @@ def _rope_dispatch(original, q, k, cos, sin, *args, **kwargs):
         why = (f"q {tuple(q.shape)} {q.dtype}, k {k.dtype}, cos {cos.dtype}: rotary_pos_emb/1 takes 4-D q, k in "
                "cos's dtype")
     elif q.numel() == 0 or k.numel() == 0:
-        why = "an empty tensor: the reference handles it"
+        why = _WHY_EMPTY
     if why is not None:
         _refuse(slot.sid, why)
         return original(q, k, cos, sin, *args, **kwargs)
@@ -981,18 +998,12 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         return _packed_attention(module, query, key, value, attention_mask, dropout, scaling, causal, is_causal,
                                  sliding_window, softcap, kwargs, slot, where, implementation)
-    why = None
     if attention_mask is not None:
         why = "an attention mask (padding, packed sequences, a cache or a custom mask): Attention/1 takes causal and " \
               "sliding-window masks"
-    elif (missing := _attention_features_missing(dropout, softcap, kwargs)) is not None:
-        why = missing
-    elif query.dim() != 4 or key.dim() != 4 or value.shape != key.shape:
-        why = f"q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}: Attention/1 takes [B, H, S, D]"
-    elif not causal and sliding_window:
-        why = "a sliding window without the causal mask"
-    elif query.numel() == 0 or key.numel() == 0:
-        why = "an empty tensor: the reference handles it"
+    else:
+        why = _attention_features_missing(dropout, softcap, kwargs) or \
+            _attention_shapes_missing(query, key, value, causal, sliding_window)
     if why is not None:
         _refuse(slot.sid, why)
         return reference()
@@ -1095,12 +1106,28 @@ def _attention_features_missing(dropout, softcap, kwargs):
     return None
 
 
+def _is_bhsd(query, key, value):
+    """Whether q, k, v have Attention/1's padded layout, [B, H, S, D] (k and v of one shape)."""
+    return query.dim() == 4 and key.dim() == 4 and value.shape == key.shape
+
+
+def _attention_shapes_missing(query, key, value, causal, sliding_window):
+    """Why Attention/1 cannot take a call for its tensors' shapes or its mask pattern (None when it can)."""
+    if not _is_bhsd(query, key, value):
+        return f"q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}: Attention/1 takes [B, H, S, D]"
+    if not causal and sliding_window:
+        return "a sliding window without the causal mask"
+    if query.numel() == 0 or key.numel() == 0:
+        return _WHY_EMPTY
+    return None
+
+
 def _packed_attention(module, query, key, value, attention_mask, dropout, scaling, causal, is_causal, sliding_window,
                       softcap, kwargs, slot, where, implementation):
     """The attention function "kcpp" for packed sequences: Attention/1's varlen call, or the reference."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     traced = torch.compiler.is_compiling()
-    four_d = query.dim() == 4 and key.dim() == 4 and value.shape == key.shape
+    four_d = _is_bhsd(query, key, value)
     window = operator.index(sliding_window) if sliding_window else 0
 
     def flat(t):  # [B, H, S, D] -> [B S, H, D]: every row's tokens, in order (FlashAttention's reading)
@@ -1129,17 +1156,10 @@ def _packed_attention(module, query, key, value, attention_mask, dropout, scalin
         _refuse(slot.sid, why)
         return reference()
 
-    why = None
-    if (missing := _attention_features_missing(dropout, softcap, kwargs)) is not None:
-        why = missing
-    elif any(kwargs.get(n) is not None for n in ("block_table", "k_cache", "v_cache")):
+    why = _attention_features_missing(dropout, softcap, kwargs)
+    if why is None and any(kwargs.get(n) is not None for n in ("block_table", "k_cache", "v_cache")):
         why = "a paged cache (block_table): Attention/1 has none"
-    elif not four_d:
-        why = f"q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}: Attention/1 takes [B, H, S, D]"
-    elif not causal and sliding_window:
-        why = "a sliding window without the causal mask"
-    elif query.numel() == 0 or key.numel() == 0:
-        why = "an empty tensor: the reference handles it"
+    why = why or _attention_shapes_missing(query, key, value, causal, sliding_window)
     if why is not None:
         return fall_back(why)
     q, k, v = (_last_contig(flat(t)) for t in (query, key, value))
@@ -1343,7 +1363,7 @@ def _causal_lm_loss(slot, original, logits, labels, vocab_size, num_items_in_bat
         return original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                         ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
     if logits.numel() == 0:
-        _refuse(slot.sid, "an empty tensor: the reference handles it")
+        _refuse(slot.sid, _WHY_EMPTY)
         return reference()
     logits2d = _contig(logits).view(-1, vocab_size)
     targets = _shifted_targets(labels, ignore_index, shift_labels, logits.device)
@@ -1449,6 +1469,144 @@ def _finish_reference(model, output_class, outputs, hidden, head, labels, logits
                         hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
+# ---- MultiScaleDeformableAttention/1 (Deformable DETR's sampling core) -------------------------------------------
+#
+# Transformers' MultiScaleDeformableAttention module (models/deformable_detr/modeling_deformable_detr.py, the
+# class it marks use_kernel_forward_from_hub("MultiScaleDeformableAttention")) is the sampling step of every
+# DeformableDetrMultiscaleDeformableAttention, the encoder's self-attention and the decoder's cross-attention:
+#   forward(value [B, S, M, C], value_spatial_shapes [L, 2] int64, value_spatial_shapes_list [(H_l, W_l)] * L,
+#           level_start_index [L] int64, sampling_locations [B, Q, M, L, P, 2], attention_weights [B, Q, M, L, P],
+#           im2col_step) -> [B, Q, M*C]
+# its maths grid_sample(bilinear, zero padding, align_corners=False) per level, the contract's.  kernelize
+# swaps that forward.  The kernel reads the levels from the two index tensors (as Deformable DETR's original
+# op does), the reference from the list; the model makes them from the same feature maps.  Forward saves
+# nothing: backward reads the inputs again.
+
+# The forward's arguments after self, as the modules checked here have them; a module named
+# MultiScaleDeformableAttention with others is not swapped.
+_MSDA_ARGUMENTS = ("value", "value_spatial_shapes", "value_spatial_shapes_list", "level_start_index",
+                   "sampling_locations", "attention_weights", "im2col_step")
+
+
+def _msda_build(value, shapes, starts, loc, weights, im2col_step, layer, training):
+    b, _, m, c = value.shape
+    return {"value": value, "value_spatial_shapes": shapes, "value_level_start_index": starts,
+            "sampling_locations": loc, "attention_weights": weights, "im2col_step": im2col_step,
+            "out": torch.empty((b, loc.shape[1], m * c), dtype=value.dtype, device=value.device)}
+
+
+def _msda_setup(ctx, inputs, output):
+    value, shapes, starts, loc, weights, im2col_step, layer, _training = inputs
+    ctx.save_for_backward(value, shapes, starts, loc, weights)
+    ctx.kcpp = (im2col_step, layer)
+    ctx.set_materialize_grads(False)
+
+
+def _msda_backward(ctx, eager, dout):
+    if dout is None:
+        return (None,) * 8
+    value, shapes, starts, loc, weights = ctx.saved_tensors
+    im2col_step, layer = ctx.kcpp
+    dvalue, dloc, dweights = _call(_MSDA_BWD, eager, _contig(dout), value, shapes, starts, loc, weights, im2col_step,
+                                   layer)
+    return (dvalue if _needs(ctx, eager, 0) else None, None, None, dloc if _needs(ctx, eager, 3) else None,
+            dweights if _needs(ctx, eager, 4) else None, None, None, None)
+
+
+def _msda_bwd_build(dout, value, shapes, starts, loc, weights, im2col_step, layer):
+    return {"dout": dout, "value": value, "value_spatial_shapes": shapes, "value_level_start_index": starts,
+            "sampling_locations": loc, "attention_weights": weights, "im2col_step": im2col_step,
+            "dvalue": torch.empty(value.shape, dtype=value.dtype, device=value.device),
+            "dsampling_locations": torch.empty(loc.shape, dtype=loc.dtype, device=loc.device),
+            "dattention_weights": torch.empty(weights.shape, dtype=weights.dtype, device=weights.device)}
+
+
+_MSDA = _Op("multi_scale_deformable_attention", "(Tensor value, Tensor value_spatial_shapes, "
+            "Tensor value_level_start_index, Tensor sampling_locations, Tensor attention_weights, int im2col_step, "
+            "int layer, bool training) -> Tensor", _msda_build, lambda a, light: a["out"], result=lambda o: o,
+            setup=_msda_setup, backward=_msda_backward)
+_MSDA_BWD = _Op("multi_scale_deformable_attention_backward", "(Tensor dout, Tensor value, Tensor value_spatial_shapes, "
+                "Tensor value_level_start_index, Tensor sampling_locations, Tensor attention_weights, int im2col_step, "
+                "int layer) -> (Tensor, Tensor, Tensor)", _msda_bwd_build,
+                lambda a, light: (a["dvalue"], a["dsampling_locations"], a["dattention_weights"]), backward_entry=True)
+
+
+def _msda_missing(value, shapes, starts, loc, weights, im2col_step):
+    """Why the bridge cannot hand this call to MultiScaleDeformableAttention/1 (None when it can)."""
+    given = {"value": value, "value_spatial_shapes": shapes, "level_start_index": starts, "sampling_locations": loc,
+             "attention_weights": weights}
+    if not_tensors := [name for name, t in given.items() if not isinstance(t, torch.Tensor)]:
+        return f"{', '.join(not_tensors)} not tensors: MultiScaleDeformableAttention/1 takes tensors"
+    if value.dim() != 4 or loc.dim() != 6 or weights.dim() != 5:
+        return (f"value {tuple(value.shape)}, sampling_locations {tuple(loc.shape)}, attention_weights "
+                f"{tuple(weights.shape)}: MultiScaleDeformableAttention/1 takes [B, S, M, C], [B, Q, M, L, P, 2], "
+                "[B, Q, M, L, P]")
+    if loc.dtype != value.dtype or weights.dtype != value.dtype:
+        return (f"value {value.dtype}, sampling_locations {loc.dtype}, attention_weights {weights.dtype}: "
+                "MultiScaleDeformableAttention/1 takes one dtype")
+    if shapes.dtype != torch.int64 or starts.dtype != torch.int64:
+        return (f"value_spatial_shapes {shapes.dtype}, level_start_index {starts.dtype}: "
+                "MultiScaleDeformableAttention/1 takes int64")
+    if not isinstance(im2col_step, int):
+        return f"im2col_step {im2col_step!r}: MultiScaleDeformableAttention/1 takes an int"
+    if value.numel() == 0 or loc.numel() == 0:
+        return _WHY_EMPTY
+    return None
+
+
+def _msda_forward(where, slot, original, value, value_spatial_shapes, value_spatial_shapes_list, level_start_index,
+                  sampling_locations, attention_weights, im2col_step):
+    """MultiScaleDeformableAttention.forward through the kernel where it takes the call, else the module's own."""
+    def reference():
+        return original(value, value_spatial_shapes, value_spatial_shapes_list, level_start_index, sampling_locations,
+                        attention_weights, im2col_step)
+    why = _msda_missing(value, value_spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                        im2col_step)
+    if why is not None:
+        _refuse(slot.sid, why)
+        return reference()
+    value, loc, weights = _contig(value), _contig(sampling_locations), _contig(attention_weights)
+    shapes, starts = _contig(value_spatial_shapes), _contig(level_start_index)
+    training = _needs_grad(value, loc, weights)
+    traced = torch.compiler.is_compiling()
+    # The token dimensions: batch, value rows (the images' size), queries; the others are the model's.
+    desc = (_desc(value, traced, (2, 3)), _desc(shapes, traced, (0, 1)), _desc(starts, traced, (0,)),
+            _desc(loc, traced, (2, 3, 4, 5)), _desc(weights, traced, (2, 3, 4)), im2col_step)
+    lid = _decide(slot.sid, training, "multi_scale_deformable_attention", desc, where)
+    if lid < 0:
+        return reference()
+    try:
+        return _invoke(_MSDA, training, traced, value, shapes, starts, loc, weights, im2col_step, lid, training)
+    except kcpp.Unsupported as e:
+        _refuse(slot.sid, str(e))
+        return reference()
+
+
+def _is_msda(m):
+    """Whether `m` is a Transformers MultiScaleDeformableAttention module whose forward is the one checked here."""
+    if type(m).__name__ != "MultiScaleDeformableAttention" or \
+            not getattr(_modeling_module(m), "__name__", "").startswith("transformers.models."):
+        return False
+    try:
+        names = tuple(inspect.signature(type(m).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return False
+    return names == _MSDA_ARGUMENTS
+
+
+def _swap_deformable(model, state):
+    """Every MultiScaleDeformableAttention module of a Deformable DETR model through the slot's kernels."""
+    slot = state.slots["MultiScaleDeformableAttention"]
+    names = {m: n for n, m in model.named_modules()}
+    for module in model.modules():
+        if not _is_msda(module):
+            continue
+        slot.modules += 1
+        if slot.kernels:
+            original = type(module).forward.__get__(module)
+            _set_forward(state, module, functools.partial(_msda_forward, names.get(module) or "model", slot, original))
+
+
 # ---- finding the layers -------------------------------------------------------------------------------------
 
 def _modeling_module(module):
@@ -1540,6 +1698,15 @@ def _kernel_config(model_type, kernel_config, use_liger_kernel, liger_kernel_con
             raise TypeError(f"kernel_config: expected a dict kernel_mapping, a transformers.KernelConfig or a "
                             f"kcpp.KernelConfig, got {type(kernel_config).__name__}")
         return _core.KernelConfig(json.dumps(mapping), local), {"allow_all_kernels": allow_all_kernels}, ""
+    if model_type in _DEFORMABLE_MODEL_TYPES:  # no Liger layers: this build's deformable_attention
+        folder = kcpp.local_packages().get("deformable_attention")
+        if folder is None:
+            raise kcpp.KcppError("kernelize: this kcpp has no built deformable_attention package "
+                                 "(kcpp.local_packages() has none); pass kernel_config, or set KCPP_PACKAGES_DIR to a "
+                                 "build's kernels/ folder")
+        mapping = {"MultiScaleDeformableAttention": f"{folder}:MultiScaleDeformableAttention"}
+        note = f"liger_kernel_config: not read ({model_type} has no Liger layers)" if liger_kernel_config else ""
+        return _core.KernelConfig(json.dumps(mapping), True), {"allow_all_kernels": True}, note
     if not use_liger_kernel:
         return None, {}, ""
     switches, note = _liger_switches(model_type, liger_kernel_config)
@@ -1594,7 +1761,8 @@ def _load_slot(slot, config, hub, loaded, modes, device):
 def kernelize(model, mode=None, kernel_config=None, use_liger_kernel=True, liger_kernel_config=None, device=None,
               allow_all_kernels=False, hub=None, attention=True):
     """Swaps the layers of a Transformers causal-LM `model` (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1 /
-    2 / 3 text) for kernels, in place; returns the model.
+    2 / 3 text, Mixtral, Qwen2-MoE, Qwen3-MoE), or the MultiScaleDeformableAttention modules of a Deformable
+    DETR (DeformableDetrModel, DeformableDetrForObjectDetection), for kernels, in place; returns the model.
 
     mode: "training", "inference", or None (both: each call picks by whether autograd needs it).
     kernel_config: Transformers' kernel_mapping (a dict, a transformers.KernelConfig, or a
@@ -1602,7 +1770,9 @@ def kernelize(model, mode=None, kernel_config=None, use_liger_kernel=True, liger
       package, as Transformers' Trainer passes them to Liger's _apply_liger_kernel_to_instance: the
       switches rope, rms_norm, swiglu (geglu for Gemma), cross_entropy, fused_linear_cross_entropy,
       Liger's defaults for those not given (cross_entropy off, the others on), a switch the model
-      type does not have ignored, cross_entropy with fused_linear_cross_entropy an error.
+      type does not have ignored, cross_entropy with fused_linear_cross_entropy an error.  For a
+      Deformable DETR, which has no Liger layers, None is this build's deformable_attention package
+      (use_liger_kernel, liger_kernel_config and attention do not apply).
     attention: with use_liger_kernel, also this build's flash_attn for the attention, selected as
       attn_implementation="kcpp" (unkernelize restores the model's).  A kernel_config maps
       "Attention" itself.
@@ -1624,7 +1794,7 @@ def kernelize(model, mode=None, kernel_config=None, use_liger_kernel=True, liger
                                                attention, allow_all_kernels)
 
     state = _State()
-    for name, contract in _CONTRACTS.items():
+    for name, contract in (_DEFORMABLE_CONTRACTS if model_type in _DEFORMABLE_MODEL_TYPES else _CONTRACTS).items():
         state.slots[name] = _Slot(name, contract)
     try:
         if config is not None:
@@ -1651,11 +1821,15 @@ def kernelize(model, mode=None, kernel_config=None, use_liger_kernel=True, liger
 def _swap(model, state):
     slots = state.slots
     model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in _DEFORMABLE_MODEL_TYPES:
+        _swap_deformable(model, state)
+        return
     if model_type not in _MODEL_TYPES:
         for slot in slots.values():
             slot.release()
-            slot.reason = (f"model type {model_type!r}: kcpp.torch kernelizes {', '.join(_MODEL_TYPES)} "
-                           "(their modeling code is what its swaps were checked against)")
+            slot.reason = (f"model type {model_type!r}: kcpp.torch kernelizes {', '.join(_MODEL_TYPES)}, "
+                           f"{', '.join(_DEFORMABLE_MODEL_TYPES)} (their modeling code is what its swaps were checked "
+                           "against)")
         return
     names = {m: n for n, m in model.named_modules()}
     patched_modeling = set()

@@ -40,6 +40,8 @@ class DefaultMapping(unittest.TestCase):
         self.assertEqual(kcpp.DEFAULT_KERNEL_ORG, kcpp._core.DEFAULT_KERNEL_ORG)
         self.assertEqual(m["RMSNorm"], "kernels-cpp/liger@^0.1:LigerRMSNorm")
         self.assertEqual(m["Attention"], {"cuda": "kernels-cpp/flash_attn@^0.1:FlashAttention", "cpu": ""})
+        self.assertEqual(m["MultiScaleDeformableAttention"],
+                         "kernels-cpp/deformable_attention@^0.1:MultiScaleDeformableAttention")
         config = kcpp.default_kernel_config()
         self.assertEqual(sorted(config.layers), sorted(m))
         self.assertEqual(config.select("SiLU", "inference", "cpu")[0], "kernels-cpp/activation@^0.1:SiLU")

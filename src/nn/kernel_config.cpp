@@ -40,7 +40,7 @@ const std::vector<std::string>& known_layer_names() {
       "RMSNorm", "LayerNorm", "MLP", "rotary_pos_emb", "Attention", "CrossEntropyLoss", "ForCausalLMLoss",
       "SiLU",    "GeLU",      "GeluTanh", "FastGELU", "NewGELU", "QuickGELU", "SiluAndMul", "GeluAndMul",
       "GeluTanhAndMul", "SelectiveScan", "SelectiveStateUpdate", "CausalConv1d", "CausalConv1dUpdate",
-      "MegaBlocksMoeMLP"};
+      "MegaBlocksMoeMLP", "MultiScaleDeformableAttention"};
   return names;
 }
 
@@ -231,7 +231,8 @@ const std::map<std::string, std::string>& default_package_constraints() {
   // The packages' versions, as packages/*/CMakeLists.txt set them (tests/packages checks that they
   // agree with the built manifests).
   static const std::map<std::string, std::string> c = {
-      {"liger", "^0.1"}, {"activation", "^0.1"}, {"flash_attn", "^0.1"}, {"moe", "^0.1"}, {"mamba", "^0.1"}};
+      {"liger", "^0.1"}, {"activation", "^0.1"}, {"flash_attn", "^0.1"}, {"moe", "^0.1"}, {"mamba", "^0.1"},
+      {"deformable_attention", "^0.1"}};
   return c;
 }
 
@@ -253,6 +254,9 @@ nlohmann::json default_kernel_mapping() {
   // the reference's loop over experts), and Mamba's scan and convolution everywhere.
   m["MegaBlocksMoeMLP"] = {{"cuda", ref("moe", "MegaBlocksMoeMLP")}, {"cpu", ""}};
   for (const char* ssm : {"SelectiveScan", "SelectiveStateUpdate", "CausalConv1d", "CausalConv1dUpdate"}) m[ssm] = ref("mamba", ssm);
+  // Deformable DETR's sampling core everywhere (the CPU kernel included: it is faster than the reference's
+  // grid_sample per level); no C++ model has the slot, kcpp.torch swaps Transformers' module.
+  m["MultiScaleDeformableAttention"] = ref("deformable_attention", "MultiScaleDeformableAttention");
   return m;
 }
 

@@ -40,7 +40,8 @@ enum ModeBits : uint32_t { kInference = 1u << 0, kTraining = 1u << 1, kGraph = 1
 std::string mode_name(uint32_t mode);
 uint32_t parse_mode(std::string_view text);  // the inverse; throws naming the text
 
-// The layer names of Transformers' kernel hub integration that this runtime's models have slots for.
+// The layer names of Transformers' kernel hub integration that this runtime's models, or the Python
+// bridge's kernelize (kcpp.torch: MultiScaleDeformableAttention, which no C++ model has), have slots for.
 const std::vector<std::string>& known_layer_names();
 
 class KernelConfig {
@@ -106,6 +107,9 @@ inline constexpr const char* kDefaultKernelOrg = "kernels-cpp";
 //   Attention                                        flash_attn on CUDA; the reference on the CPU
 //                                                     (its BLAS attention is the faster there)
 //   SiLU, GeLU, GeluTanh, FastGELU, NewGELU, QuickGELU, SiluAndMul, GeluAndMul, GeluTanhAndMul   activation
+//   MegaBlocksMoeMLP                                 moe on CUDA; the reference on the CPU
+//   SelectiveScan, SelectiveStateUpdate, CausalConv1d, CausalConv1dUpdate   mamba
+//   MultiScaleDeformableAttention                    deformable_attention (kcpp.torch's Deformable DETR)
 // References name the org's repos (`kernels-cpp/liger@^0.1:LigerRMSNorm`); a host loads them with
 // default_loader (nn/module.h), which falls back to this build's packages when the hub cannot
 // supply them.

@@ -407,6 +407,10 @@ TEST(DefaultMapping, NamesThisProjectsPackagesAtThisBuildsVersions) {
   // The CPU keeps the reference attention; CUDA gets flash_attn's.
   EXPECT_FALSE(c.select("Attention", nn::kTraining, hub::Backend::CPU)->ref.has_value());
   EXPECT_EQ(c.select("Attention", nn::kTraining, hub::Backend::CUDA)->ref->repo, "kernels-cpp/flash_attn");
+  // Deformable DETR's sampling core on every device (a layer name of the Python bridge's; no C++ model has it).
+  for (const hub::Backend b : {hub::Backend::CPU, hub::Backend::CUDA})
+    EXPECT_EQ(c.select("MultiScaleDeformableAttention", nn::kTraining, b)->ref->text,
+              "kernels-cpp/deformable_attention@^0.1:MultiScaleDeformableAttention");
 }
 
 // With the hub offline and the org's packages not in the cache, the default mapping kernelizes a
