@@ -290,20 +290,8 @@ template <typename T> __global__ void delta_kernel(const AttentionParams p, floa
   if (threadIdx.x % 32 == 0) delta[row] = s;
 }
 
-// dq = 0 for every query token: varlen with no keys at all (max_seqlen_k 0), where no other backward
-// kernel runs (their grids over the keys are empty).
-template <typename T> __global__ void dq_zero_kernel(const AttentionParams p) {
-  const int64_t n = lse_rows(p) * p.head_dim;
-  for (int64_t x = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; x < n;
-       x += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t c = x % p.head_dim, row = x / p.head_dim;
-    int64_t b, h, i;
-    lse_row_index(p, row, b, h, i);
-    static_cast<T*>(const_cast<void*>(p.dq.data))[b * p.dq.sb + h * p.dq.sh + i * p.dq.ss + c] = kc::from_f32<T>(0.0f);
-  }
-}
-
-// dq = scale * the f32 accumulator, rounded to T.
+// dq = scale * the f32 accumulator, rounded to T; 0 without one (acc null: varlen with no keys at all,
+// max_seqlen_k 0, where no other backward kernel runs, their grids over the keys being empty).
 template <typename T> __global__ void dq_finish_kernel(const AttentionParams p, const float* acc) {
   const int64_t n = lse_rows(p) * p.head_dim;
   for (int64_t x = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; x < n;
@@ -312,7 +300,7 @@ template <typename T> __global__ void dq_finish_kernel(const AttentionParams p, 
     int64_t b, h, i;
     lse_row_index(p, row, b, h, i);
     static_cast<T*>(const_cast<void*>(p.dq.data))[b * p.dq.sb + h * p.dq.sh + i * p.dq.ss + c] =
-        kc::from_f32<T>(acc[x] * p.scale);
+        kc::from_f32<T>(acc ? acc[x] * p.scale : 0.0f);
   }
 }
 
@@ -798,9 +786,9 @@ const char* attention_backward_cuda(const AttentionParams& p, cudaStream_t strea
     const int64_t n = lse_rows(p) * p.head_dim;
     const auto blocks = static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65536));
     switch (p.dtype) {
-      case DType::f32: dq_zero_kernel<float><<<blocks, 256, 0, stream>>>(p); break;
-      case DType::bf16: dq_zero_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(p); break;
-      case DType::f16: dq_zero_kernel<__half><<<blocks, 256, 0, stream>>>(p); break;
+      case DType::f32: dq_finish_kernel<float><<<blocks, 256, 0, stream>>>(p, nullptr); break;
+      case DType::bf16: dq_finish_kernel<__nv_bfloat16><<<blocks, 256, 0, stream>>>(p, nullptr); break;
+      case DType::f16: dq_finish_kernel<__half><<<blocks, 256, 0, stream>>>(p, nullptr); break;
     }
     return kc::launch_error("attention_backward (dq of queries without keys)");
   }

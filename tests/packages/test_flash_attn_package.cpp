@@ -138,6 +138,13 @@ TEST_P(FlashAttnPackage, WithinTwiceTheReferenceError) {
       }
 }
 
+// Whether the Hopper paths can run here: a compute capability 9.0 GPU and a build with sm_90a.
+bool hopper_here() {
+  const PlatformInfo pl = detect_platform();
+  return !pl.gpus.empty() && pl.gpus[0].cc_major == 9 && pl.gpus[0].cc_minor == 0 &&
+         pl.cuda_archs_compiled.find("90a") != std::string::npos;
+}
+
 // Sets an environment variable for a scope (the package reads KCPP_FLASH_ATTN_FORWARD at each call).
 class ScopedEnv {
  public:
@@ -162,10 +169,7 @@ class ScopedEnv {
 TEST(FlashAttnHopper, ForwardOnAwkwardLengths) {
   const Device dev = Device::cuda(0);
   KCPP_REQUIRE_DEVICE(dev);
-  const PlatformInfo pl = detect_platform();
-  if (pl.gpus.empty() || pl.gpus[0].cc_major != 9 || pl.gpus[0].cc_minor != 0 ||
-      pl.cuda_archs_compiled.find("90a") == std::string::npos)
-    GTEST_SKIP() << "skipped: needs a compute capability 9.0 GPU and a build with sm_90a";
+  if (!hopper_here()) GTEST_SKIP() << "skipped: needs a compute capability 9.0 GPU and a build with sm_90a";
   const ScopedEnv env("KCPP_FLASH_ATTN_FORWARD", "hopper");
   Generator gen = test::test_generator();
   const KernelLayer k = layer();
@@ -194,10 +198,7 @@ TEST(FlashAttnHopper, ForwardOnAwkwardLengths) {
 TEST(FlashAttnHopper, BackwardOnAwkwardLengths) {
   const Device dev = Device::cuda(0);
   KCPP_REQUIRE_DEVICE(dev);
-  const PlatformInfo pl = detect_platform();
-  if (pl.gpus.empty() || pl.gpus[0].cc_major != 9 || pl.gpus[0].cc_minor != 0 ||
-      pl.cuda_archs_compiled.find("90a") == std::string::npos)
-    GTEST_SKIP() << "skipped: needs a compute capability 9.0 GPU and a build with sm_90a";
+  if (!hopper_here()) GTEST_SKIP() << "skipped: needs a compute capability 9.0 GPU and a build with sm_90a";
   const ScopedEnv env("KCPP_FLASH_ATTN_BACKWARD", "hopper");
   Generator gen = test::test_generator();
   const KernelLayer k = layer();
@@ -545,10 +546,7 @@ TEST(FlashAttnVarlen, GenericCudaKernels) {
 TEST(FlashAttnHopper, VarlenOnAwkwardLengths) {
   const Device dev = Device::cuda(0);
   KCPP_REQUIRE_DEVICE(dev);
-  const PlatformInfo pl = detect_platform();
-  if (pl.gpus.empty() || pl.gpus[0].cc_major != 9 || pl.gpus[0].cc_minor != 0 ||
-      pl.cuda_archs_compiled.find("90a") == std::string::npos)
-    GTEST_SKIP() << "skipped: needs a compute capability 9.0 GPU and a build with sm_90a";
+  if (!hopper_here()) GTEST_SKIP() << "skipped: needs a compute capability 9.0 GPU and a build with sm_90a";
   Generator gen = test::test_generator();
   const KernelLayer k = layer();
   std::vector<int64_t> many;  // 300 sequences of 1 to 40 tokens
@@ -585,10 +583,7 @@ TEST(FlashAttnHopper, VarlenOnAwkwardLengths) {
 TEST(FlashAttnVarlen, HopperRefusesAWindow) {
   const Device dev = Device::cuda(0);
   KCPP_REQUIRE_DEVICE(dev);
-  const PlatformInfo pl = detect_platform();
-  if (pl.gpus.empty() || pl.gpus[0].cc_major != 9 || pl.gpus[0].cc_minor != 0 ||
-      pl.cuda_archs_compiled.find("90a") == std::string::npos)
-    GTEST_SKIP() << "skipped: needs a compute capability 9.0 GPU and a build with sm_90a";
+  if (!hopper_here()) GTEST_SKIP() << "skipped: needs a compute capability 9.0 GPU and a build with sm_90a";
   Generator gen = test::test_generator();
   const KernelLayer k = layer();
   const Tensor q = Tensor::randn({10, 2, 128}, DType::bf16, dev, gen), kv = Tensor::randn({10, 1, 128}, DType::bf16, dev, gen);
