@@ -731,7 +731,7 @@ TEST_P(Families, GradientsMatchTransformers) {
 // The *_swa fixtures: sliding windows (3 or 4) shorter than the sequence, per family's rules.
 INSTANTIATE_TEST_SUITE_P(Transformers, Families,
                          ::testing::Values("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "mistral_swa", "phi3_swa",
-                                           "qwen2_swa", "qwen3_swa", "mixtral", "qwen3_moe", "qwen2_moe"),
+                                           "qwen2_swa", "qwen3_swa", "mixtral", "qwen3_moe", "qwen2_moe", "llama4_text"),
                          [](const auto& info) { return std::string(info.param); });
 
 }  // namespace

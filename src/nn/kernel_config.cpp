@@ -40,7 +40,7 @@ const std::vector<std::string>& known_layer_names() {
       "RMSNorm", "LayerNorm", "MLP", "rotary_pos_emb", "Attention", "CrossEntropyLoss", "ForCausalLMLoss",
       "SiLU",    "GeLU",      "GeluTanh", "FastGELU", "NewGELU", "QuickGELU", "SiluAndMul", "GeluAndMul",
       "GeluTanhAndMul", "SelectiveScan", "SelectiveStateUpdate", "CausalConv1d", "CausalConv1dUpdate",
-      "MegaBlocksMoeMLP"};
+      "MegaBlocksMoeMLP", "Llama4TextMoe"};
   return names;
 }
 
@@ -252,6 +252,7 @@ nlohmann::json default_kernel_mapping() {
   // Mixture-of-experts blocks on a GPU (where the package's grouped GEMMs were measured; the CPU keeps
   // the reference's loop over experts), and Mamba's scan and convolution everywhere.
   m["MegaBlocksMoeMLP"] = {{"cuda", ref("moe", "MegaBlocksMoeMLP")}, {"cpu", ""}};
+  m["Llama4TextMoe"] = {{"cuda", ref("moe", "Llama4TextMoe")}, {"cpu", ""}};
   for (const char* ssm : {"SelectiveScan", "SelectiveStateUpdate", "CausalConv1d", "CausalConv1dUpdate"}) m[ssm] = ref("mamba", ssm);
   return m;
 }
