@@ -508,6 +508,9 @@ TEST(ModelConfig, Llama4Keys) {
   EXPECT_TRUE(nope.rope_layer(3));
   EXPECT_EQ(nope.attention_chunk(0), 0);
   EXPECT_EQ(nope.attention_chunk(3), 8192);
+  EXPECT_TRUE(ModelConfig::from_json(with("attn_temperature_tuning", 4)).attn_temperature_tuning);  // as Meta's configs write it
+  EXPECT_FALSE(ModelConfig::from_json(with("attn_temperature_tuning", 0)).attn_temperature_tuning);
+  EXPECT_FALSE(ModelConfig::from_json(with("attn_temperature_tuning", false)).attn_temperature_tuning);
   const ModelConfig unchunked = ModelConfig::from_json(with("attention_chunk_size", nullptr));
   for (int64_t i = 0; i < 8; ++i) EXPECT_EQ(unchunked.attention_chunk(i), 0) << i;
 

@@ -203,7 +203,11 @@ void read_llama4(const Reader& r, ModelConfig& c) {
     for (int64_t i = 0; i < c.num_hidden_layers; ++i)
       c.layer_types.push_back(c.no_rope_layers[static_cast<size_t>(i)] != 0 && c.attention_chunk_size ? "chunked_attention" : "full_attention");
   c.l2_qk_norm = r.boolean("use_qk_norm", true);
-  c.attn_temperature_tuning = r.boolean("attn_temperature_tuning", true);
+  // Meta's Llama 4 configs write a number here (4); Transformers tests its truth.
+  if (r.has("attn_temperature_tuning") && r.j["attn_temperature_tuning"].is_number())
+    c.attn_temperature_tuning = r.j["attn_temperature_tuning"].get<double>() != 0.0;
+  else
+    c.attn_temperature_tuning = r.boolean("attn_temperature_tuning", true);
   c.floor_scale = r.real("floor_scale", 8192.0);
   c.attn_scale = r.real("attn_scale", 0.1);
   c.router_aux_loss_coef = r.real("router_aux_loss_coef", 0.001);
