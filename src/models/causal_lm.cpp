@@ -115,9 +115,9 @@ std::unique_ptr<CausalLM> CausalLM::from_folder(const std::filesystem::path& fol
   };
   if (!untied.empty()) warn(untied);
   m->unused_weights_ = w.unused();
-  if (equal_head) std::erase(m->unused_weights_, prefix + "lm_head.weight");
+  if (equal_head) std::erase(m->unused_weights_, prefix + "lm_head.weight");  // the embeddings' copy: tied, as Transformers does
   // A llama4 folder's vision tower and projector are left unread on purpose: not reported.
-  if (!prefix.empty()) std::erase_if(m->unused_weights_, [&](const std::string& n) { return !n.starts_with(prefix); });  // the embeddings' copy: tied, as Transformers does
+  if (!prefix.empty()) std::erase_if(m->unused_weights_, [&](const std::string& n) { return !n.starts_with(prefix); });
   if (!m->unused_weights_.empty()) {
     const auto& u = m->unused_weights_;
     const std::string what = fmt::format("{}: {} tensor{} of the weight files {} not used by the model (config.json: {} with {} layers): {}",
@@ -469,11 +469,9 @@ ops::RopeCosSin interleaved(const ops::RopeCosSin& cs) {
   return {pairs(cs.cos), pairs(cs.sin)};
 }
 
-}  // namespace
-
 // Llama4TextAttention's temperature tuning at `positions` (one per row of b x s, row-major):
 // log1p(floor((p + 1) / floor_scale)) * attn_scale + 1, in f32 as Transformers computes it, [B, 1, S, 1].
-static Tensor temperature_scales(const ModelConfig& c, const std::vector<int64_t>& positions, int64_t b, int64_t s, Device device) {
+Tensor temperature_scales(const ModelConfig& c, const std::vector<int64_t>& positions, int64_t b, int64_t s, Device device) {
   std::vector<double> v(positions.size());
   for (size_t i = 0; i < positions.size(); ++i) {
     const float x = std::floor((static_cast<float>(positions[i]) + 1.0f) / static_cast<float>(c.floor_scale));
@@ -481,6 +479,8 @@ static Tensor temperature_scales(const ModelConfig& c, const std::vector<int64_t
   }
   return Tensor::from_f64(v, {b, 1, s, 1}, DType::f32, device);
 }
+
+}  // namespace
 
 Tensor CausalLM::layer_forward(size_t li, Tensor h, const ops::RopeCosSin& cs, LayerTape* t, KVCache* cache,
                                const Tensor& temp_scales) {
@@ -576,7 +576,10 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache, In
     cs = interleaved(cs);
     if (std::any_of(layers_.begin(), layers_.end(), [](const Layer& l) { return l.temperature; })) {
       if (ragged)  // each row's position: its length before this step
-        for (int64_t i = 0; i < b; ++i) pos[static_cast<size_t>(i)] = cache->rows[static_cast<size_t>(cache->active.empty() ? i : cache->active[static_cast<size_t>(i)])];
+        for (int64_t i = 0; i < b; ++i) {
+          const int64_t r = cache->active.empty() ? i : cache->active[static_cast<size_t>(i)];
+          pos[static_cast<size_t>(i)] = cache->rows[static_cast<size_t>(r)];
+        }
       temp_scales = temperature_scales(c, pos, b, s, device_);
     }
   }
