@@ -14,8 +14,8 @@ namespace kcpp::models {
 
 namespace {
 
-constexpr const char* kFamilies[] = {"llama",   "mistral",   "qwen2",     "qwen3",      "gemma",
-                                     "phi3",    "mixtral",   "qwen3_moe", "qwen2_moe",  "llama4_text"};
+constexpr const char* kFamilies[] = {"llama",   "mistral",   "qwen2",     "qwen3",     "gemma",
+                                     "phi3",    "mixtral",   "qwen3_moe", "qwen2_moe", "llama4_text"};
 
 bool is_moe_family(const std::string& t) { return t == "mixtral" || t == "qwen3_moe" || t == "qwen2_moe"; }
 
