@@ -315,7 +315,7 @@ V cross_entropy_backward(const V& logits, const std::vector<int64_t>& t, const V
 }
 
 Attn attention(const V& q, const V& k, const V& v, const V* dout, int64_t b, int64_t hq, int64_t hkv, int64_t sq,
-               int64_t skv, int64_t d, double scale, bool causal, int64_t window) {
+               int64_t skv, int64_t d, double scale, bool causal, int64_t window, int64_t chunk) {
   Attn r{V(q.size()), V(q.size()), V(k.size()), V(v.size())};
   const int64_t g = hq / hkv;
   V p(static_cast<size_t>(skv)), dp(static_cast<size_t>(skv));
@@ -327,7 +327,7 @@ Attn attention(const V& q, const V& k, const V& v, const V* dout, int64_t b, int
         const double* qi = q.data() + ((bi * hq + h) * sq + i) * d;
         double mx = -std::numeric_limits<double>::infinity();
         for (int64_t j = 0; j < skv; ++j) {
-          const bool vis = (!causal || j <= pos) && (window <= 0 || pos - j < window);
+          const bool vis = (!causal || j <= pos) && (window <= 0 || pos - j < window) && (chunk <= 0 || j / chunk == pos / chunk);
           if (!vis) {
             p[j] = -std::numeric_limits<double>::infinity();
             continue;

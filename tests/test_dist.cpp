@@ -391,14 +391,15 @@ TEST(Dist, ShardedStagesEqualStageZeroBitForBit) {
 // and 3 ranks give stage 0's parameters bit for bit (f32), with and without activation
 // checkpointing (the recomputed forward gathers again) and overlap, for an untied model (llama), a
 // tied one (qwen2: the head gathers the embedding), fused projections (phi3) and MoE layers
-// (qwen3_moe; qwen2_moe: tied, with shared experts whose gate and up are views of one tensor).
+// (qwen3_moe; qwen2_moe: tied, with shared experts whose gate and up are views of one tensor;
+// llama4_text: experts held as transposed views, NoPE and chunked layers).
 // Between steps a rank holds its shards only (1 / world of the parameters, up to a padding element a
 // bucket), during them at most one group more (a layer, the embedding, or the head with a tied
 // embedding).
 TEST(Dist, ZeroThreeEqualsStageZero) {
   train::AdamWOptions o;
   o.lr = 1e-2, o.weight_decay = 0.1;
-  for (const char* family : {"llama", "qwen2", "phi3", "qwen3_moe", "qwen2_moe"}) {
+  for (const char* family : {"llama", "qwen2", "phi3", "qwen3_moe", "qwen2_moe", "llama4_text"}) {
     const models::ModelConfig cfg = models::ModelConfig::from_folder(fs::path(test::fixtures_dir()) / family);
     Generator gen(12);
     const Tensor ids = Tensor::randint({6, 7}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen);

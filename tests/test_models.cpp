@@ -445,6 +445,165 @@ TEST(ModelConfig, MixtureOfExpertsKeys) {
   }
 }
 
+// Llama 4 (llama4_text): Llama4TextConfig's keys as the fixture writes them, its defaults and derived
+// lists (moe_layers, no_rope_layers, layer_types), every unsupported or out-of-range value a named
+// error, the config written back and read again.
+TEST(ModelConfig, Llama4Keys) {
+  const fs::path dir = fs::path(test::fixtures_dir()) / "llama4_text";
+  const ModelConfig c = ModelConfig::from_folder(dir);
+  EXPECT_TRUE(c.is_llama4());
+  EXPECT_EQ(c.num_experts, 4);
+  EXPECT_EQ(c.num_experts_per_tok, 2);
+  EXPECT_EQ(c.moe_intermediate_size, 20);
+  EXPECT_EQ(c.intermediate_size_mlp, 44);
+  EXPECT_TRUE(c.l2_qk_norm && c.attn_temperature_tuning);
+  EXPECT_FALSE(c.qk_norm || c.multimodal);
+  EXPECT_DOUBLE_EQ(c.floor_scale, 2.0);
+  EXPECT_DOUBLE_EQ(c.attn_scale, 0.5);
+  EXPECT_EQ(c.rope_scaling.type, models::RopeScaling::Type::Llama3);
+  for (int64_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(c.moe_layer(i), i == 1 || i == 3) << i;
+    EXPECT_EQ(c.rope_layer(i), i != 2) << i;
+    EXPECT_EQ(c.attention_chunk(i), i != 2 ? 3 : 0) << i;
+    EXPECT_EQ(c.attention_window(i), 0) << i;
+  }
+  EXPECT_EQ(ModelConfig::from_json(c.to_json()).to_json(), c.to_json());
+  EXPECT_TRUE(c.to_json()["floor_scale"].is_number_integer()) << "Llama4TextConfig types floor_scale as an int";
+
+  // Llama4TextConfig's defaults: 16 experts, top-1, every layer MoE, NoPE every fourth layer, chunks
+  // of 8192 on the RoPE layers, head_dim 128, theta 500000.
+  const nlohmann::json minimal = {{"model_type", "llama4_text"}, {"vocab_size", 300}, {"hidden_size", 64}, {"intermediate_size", 32},
+                                  {"num_hidden_layers", 8}, {"num_attention_heads", 4}};
+  const ModelConfig d = ModelConfig::from_json(minimal);
+  EXPECT_EQ(d.num_experts, 16);
+  EXPECT_EQ(d.num_experts_per_tok, 1);
+  EXPECT_EQ(d.intermediate_size_mlp, 16384);
+  EXPECT_EQ(d.head_dim, 128);
+  EXPECT_EQ(d.max_position_embeddings, 131072);
+  EXPECT_DOUBLE_EQ(d.rope_theta, 500000.0);
+  EXPECT_DOUBLE_EQ(d.rms_norm_eps, 1e-5);
+  EXPECT_EQ(d.bos_token_id, std::vector<int64_t>{1});
+  EXPECT_EQ(d.eos_token_id, std::vector<int64_t>{2});
+  EXPECT_TRUE(d.l2_qk_norm && d.attn_temperature_tuning);
+  EXPECT_DOUBLE_EQ(d.floor_scale, 8192.0);
+  EXPECT_DOUBLE_EQ(d.attn_scale, 0.1);
+  for (int64_t i = 0; i < 8; ++i) {
+    EXPECT_TRUE(d.moe_layer(i)) << i;
+    EXPECT_EQ(d.rope_layer(i), i != 3 && i != 7) << i;
+    EXPECT_EQ(d.attention_chunk(i), i != 3 && i != 7 ? 8192 : 0) << i;
+  }
+  auto with = [&](const std::string& key, const nlohmann::json& v) {
+    nlohmann::json j = minimal;
+    j[key] = v;
+    return j;
+  };
+  const ModelConfig step = ModelConfig::from_json(with("interleave_moe_layer_step", 2));
+  for (int64_t i = 0; i < 8; ++i) EXPECT_EQ(step.moe_layer(i), i % 2 == 1) << i;
+  nlohmann::json listed = with("moe_layers", nlohmann::json::array({0, 5}));
+  listed["interleave_moe_layer_step"] = 2;  // moe_layers overrides it
+  const ModelConfig ml = ModelConfig::from_json(listed);
+  for (int64_t i = 0; i < 8; ++i) EXPECT_EQ(ml.moe_layer(i), i == 0 || i == 5) << i;
+  const ModelConfig nope = ModelConfig::from_json(with("no_rope_layers", nlohmann::json::array({0, 1, 1, 1, 1, 1, 1, 0})));
+  EXPECT_FALSE(nope.rope_layer(0) || nope.rope_layer(7));
+  EXPECT_TRUE(nope.rope_layer(3));
+  EXPECT_EQ(nope.attention_chunk(0), 0);
+  EXPECT_EQ(nope.attention_chunk(3), 8192);
+  EXPECT_TRUE(ModelConfig::from_json(with("attn_temperature_tuning", 4)).attn_temperature_tuning);  // as Meta's configs write it
+  EXPECT_FALSE(ModelConfig::from_json(with("attn_temperature_tuning", 0)).attn_temperature_tuning);
+  EXPECT_FALSE(ModelConfig::from_json(with("attn_temperature_tuning", false)).attn_temperature_tuning);
+  const ModelConfig unchunked = ModelConfig::from_json(with("attention_chunk_size", nullptr));
+  for (int64_t i = 0; i < 8; ++i) EXPECT_EQ(unchunked.attention_chunk(i), 0) << i;
+
+  EXPECT_ERROR(ModelConfig::from_json(with("router_jitter_noise", 0.1)), "'router_jitter_noise' 0.1 is not supported");
+  EXPECT_ERROR(ModelConfig::from_json(with("attention_dropout", 0.1)), "'attention_dropout' 0.1 is not supported (0 only");
+  EXPECT_ERROR(ModelConfig::from_json(with("attention_bias", true)), "'attention_bias' true is not supported for llama4_text");
+  EXPECT_ERROR(ModelConfig::from_json(with("num_local_experts", 0)), "'num_local_experts' must be in [1, 65536], is 0");
+  EXPECT_ERROR(ModelConfig::from_json(with("num_experts_per_tok", 17)), "'num_experts_per_tok' must be in [1, 16], is 17");
+  EXPECT_ERROR(ModelConfig::from_json(with("intermediate_size_mlp", 0)), "'intermediate_size_mlp' must be in [1, 16777216], is 0");
+  EXPECT_ERROR(ModelConfig::from_json(with("interleave_moe_layer_step", 0)), "'interleave_moe_layer_step' must be in [1, ");
+  EXPECT_ERROR(ModelConfig::from_json(with("moe_layers", nlohmann::json::array({8}))), "'moe_layers' must be in [0, 7], is 8");
+  EXPECT_ERROR(ModelConfig::from_json(with("moe_layers", "all")), "'moe_layers' must be a list of integers");
+  EXPECT_ERROR(ModelConfig::from_json(with("no_rope_layers", nlohmann::json::array({1, 2, 1, 1, 1, 1, 1, 1}))),
+               "'no_rope_layers' entries must be 1 (RoPE) or 0 (NoPE), holds 2");
+  EXPECT_ERROR(ModelConfig::from_json(with("no_rope_layers", nlohmann::json::array({1, 0}))), "'no_rope_layers' must hold one entry per layer");
+  EXPECT_ERROR(ModelConfig::from_json(with("attention_chunk_size", 0)), "'attention_chunk_size' must be >= 1, is 0");
+  EXPECT_ERROR(ModelConfig::from_json(with("floor_scale", 0)), "'floor_scale' must be a finite number > 0");
+  EXPECT_ERROR(ModelConfig::from_json(with("attn_scale", -1.0)), "'attn_scale' must be a finite number > 0");
+  EXPECT_ERROR(ModelConfig::from_json(with("moe_intermediate_size", 8)), "'moe_intermediate_size' is not a llama4_text key");
+  EXPECT_ERROR(ModelConfig::from_json(with("partial_rotary_factor", 0.5)), "'partial_rotary_factor' 0.5 is not supported for llama4_text");
+  nlohmann::json types = with("layer_types", std::vector<std::string>(8, "sliding_attention"));
+  EXPECT_ERROR(ModelConfig::from_json(types), "llama4_text layers are 'full_attention' or 'chunked_attention'");
+  types = with("layer_types", std::vector<std::string>(8, "chunked_attention"));
+  types["attention_chunk_size"] = nullptr;
+  EXPECT_ERROR(ModelConfig::from_json(types), "layer 0 is 'chunked_attention' but 'attention_chunk_size' is null");
+  EXPECT_ERROR(ModelConfig::from_json({{"model_type", "llama4"}}), "model_type 'llama4' needs a 'text_config' object");
+  EXPECT_ERROR(ModelConfig::from_json({{"model_type", "llama4"}, {"text_config", {{"model_type", "llama"}}}}),
+               "text_config's model_type is 'llama'");
+}
+
+// A llama4 folder (Llama4ForConditionalGeneration): the language model from text_config and the
+// "language_model." weights, the vision tower's left unread without a word (strict too); the logits
+// are the text model's.  Saved, it is a llama4_text folder Transformers' Llama4ForCausalLM reads (the
+// experts in the checkpoint's [E, H, 2I] / [E, I, H]), read back strictly with equal logits.
+TEST(ModelConfig, Llama4MultimodalFolderAndSave) {
+  const fs::path src = fs::path(test::fixtures_dir()) / "llama4_text";
+  nlohmann::json text;
+  {
+    std::ifstream in(src / "config.json");
+    text = nlohmann::json::parse(in);
+  }
+  TempDir d;
+  {
+    std::ofstream out(d.path / "config.json");
+    out << nlohmann::json{{"model_type", "llama4"}, {"text_config", text}, {"vision_config", {{"hidden_size", 8}}}}.dump();
+  }
+  const auto f = SafetensorsFile::open(src / "model.safetensors");
+  std::vector<std::pair<std::string, Tensor>> all;
+  for (const auto& [name, e] : f.entries()) all.emplace_back("language_model." + name, f.view(name));
+  all.emplace_back("vision_model.patch_embedding.weight", Tensor::zeros({8, 3}, DType::f32, Device::cpu()));
+  all.emplace_back("multi_modal_projector.linear_1.weight", Tensor::zeros({32, 8}, DType::f32, Device::cpu()));
+  models::save_safetensors(d.path / "model.safetensors", all);
+  models::LoadOptions strict;
+  strict.strict = true;
+  const auto mm = models::CausalLM::from_folder(d.path, DType::f32, Device::cpu(), strict);
+  EXPECT_TRUE(mm->config().multimodal);
+  EXPECT_TRUE(mm->unused_weights().empty());
+  const SafetensorsFile e = SafetensorsFile::open(src / "expected.safetensors");
+  const Tensor logits = mm->forward(e.view("input_ids"));
+  EXPECT_TRUE(test::close_l2(logits, e.view("logits").to_f64_vector(), 1e-5));
+  // A missing language-model weight is named with its prefix.
+  std::erase_if(all, [](const auto& p) { return p.first == "language_model.model.layers.1.feed_forward.router.weight"; });
+  models::save_safetensors(d.path / "model.safetensors", all);
+  EXPECT_ERROR(models::CausalLM::from_folder(d.path, DType::f32, Device::cpu()),
+               "missing weight 'language_model.model.layers.1.feed_forward.router.weight'");
+
+  TempDir saved;
+  mm->save(saved.path);
+  const auto sf = SafetensorsFile::open(saved.path / "model.safetensors");
+  EXPECT_EQ(sf.view("model.layers.1.feed_forward.experts.gate_up_proj").shape(), (Shape{4, 32, 40}));
+  EXPECT_EQ(sf.view("model.layers.3.feed_forward.experts.down_proj").shape(), (Shape{4, 20, 32}));
+  std::ifstream in(saved.path / "config.json");
+  const nlohmann::json sj = nlohmann::json::parse(in);
+  EXPECT_EQ(sj["model_type"], "llama4_text");
+  EXPECT_EQ(sj["architectures"][0], "Llama4ForCausalLM");
+  const auto back = models::CausalLM::from_folder(saved.path, DType::f32, Device::cpu(), strict);
+  EXPECT_EQ(back->forward(e.view("input_ids")).to_f64_vector(), logits.to_f64_vector());
+}
+
+// Activation checkpointing recomputes each Llama 4 layer (its temperature scales and L2 norms
+// included) in the backward: the same loss and gradients.
+TEST(CausalLM, Llama4CheckpointedGradientsEqualTheKeptOnes) {
+  const fs::path dir = fs::path(test::fixtures_dir()) / "llama4_text";
+  const auto model = models::CausalLM::from_folder(dir, DType::f32, Device::cpu());
+  const SafetensorsFile e = SafetensorsFile::open(dir / "expected.safetensors");
+  const auto kept = model->loss_and_gradients(e.view("input_ids"), e.view("labels"));
+  model->checkpoint_layers = true;
+  const auto again = model->loss_and_gradients(e.view("input_ids"), e.view("labels"));
+  EXPECT_EQ(again.loss.to_f64_vector(), kept.loss.to_f64_vector());
+  ASSERT_EQ(again.grads.size(), kept.grads.size());
+  for (const auto& [name, g] : kept.grads) EXPECT_EQ(again.grads.at(name).to_f64_vector(), g.to_f64_vector()) << name;
+}
+
 // A model folder whose weights are missing or mis-shaped: the error names the folder / file and the
 // tensor (and both shapes).
 TEST(ModelConfig, MissingOrMisShapedWeightsNameTheTensor) {
@@ -731,7 +890,7 @@ TEST_P(Families, GradientsMatchTransformers) {
 // The *_swa fixtures: sliding windows (3 or 4) shorter than the sequence, per family's rules.
 INSTANTIATE_TEST_SUITE_P(Transformers, Families,
                          ::testing::Values("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "mistral_swa", "phi3_swa",
-                                           "qwen2_swa", "qwen3_swa", "mixtral", "qwen3_moe", "qwen2_moe"),
+                                           "qwen2_swa", "qwen3_swa", "mixtral", "qwen3_moe", "qwen2_moe", "llama4_text"),
                          [](const auto& info) { return std::string(info.param); });
 
 }  // namespace

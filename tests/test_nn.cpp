@@ -215,22 +215,25 @@ TEST_P(Nn, AttentionForwardBackward) {
   struct Case {
     int64_t b, hq, hkv, sq, skv, d;
     bool causal;
-    int64_t window;
+    int64_t window, chunk = 0;
   };
+  // The last three: Llama 4's chunked attention (chunks of 4 over 13 positions; 5 queries at the end of 23
+  // keys, the chunk boundary at 20 among them; a chunk longer than the sequence).
   const Case cases[] = {{1, 1, 1, 1, 1, 8, true, 0},    {2, 4, 2, 13, 13, 16, true, 0}, {1, 6, 2, 7, 19, 32, true, 0},
-                        {2, 3, 3, 11, 11, 8, false, 0}, {1, 4, 1, 17, 17, 16, true, 5}, {1, 2, 1, 5, 23, 64, true, 9}};
+                        {2, 3, 3, 11, 11, 8, false, 0}, {1, 4, 1, 17, 17, 16, true, 5}, {1, 2, 1, 5, 23, 64, true, 9},
+                        {2, 4, 2, 13, 13, 16, true, 0, 4}, {1, 2, 1, 5, 23, 8, true, 0, 5}, {1, 2, 2, 7, 7, 8, true, 0, 64}};
   for (DType dt : test::float_dtypes(dev))
     for (const Case& c : cases) {
       const Tensor q = Tensor::randn({c.b, c.hq, c.sq, c.d}, dt, dev, gen);
       const Tensor k = Tensor::randn({c.b, c.hkv, c.skv, c.d}, dt, dev, gen);
       const Tensor v = Tensor::randn({c.b, c.hkv, c.skv, c.d}, dt, dev, gen);
       const Tensor dout = Tensor::randn({c.b, c.hq, c.sq, c.d}, dt, dev, gen);
-      const ops::AttentionOptions opt{0.0, c.causal, c.window};
+      const ops::AttentionOptions opt{0.0, c.causal, c.window, c.chunk};
       const auto dv = dout.to_f64_vector();
       const auto ref = oracle::attention(q.to_f64_vector(), k.to_f64_vector(), v.to_f64_vector(), &dv, c.b, c.hq,
-                                         c.hkv, c.sq, c.skv, c.d, 1.0 / std::sqrt(double(c.d)), c.causal, c.window);
-      const std::string cfg = fmt::format("{} hq={} hkv={} sq={} skv={} d={} causal={} window={}", config_name(dev, dt),
-                                          c.hq, c.hkv, c.sq, c.skv, c.d, c.causal, c.window);
+                                         c.hkv, c.sq, c.skv, c.d, 1.0 / std::sqrt(double(c.d)), c.causal, c.window, c.chunk);
+      const std::string cfg = fmt::format("{} hq={} hkv={} sq={} skv={} d={} causal={} window={} chunk={}", config_name(dev, dt),
+                                          c.hq, c.hkv, c.sq, c.skv, c.d, c.causal, c.window, c.chunk);
       const auto fwd = ops::attention_forward(q, k, v, opt);
       const double tol = test::composite_rel_l2(dt);
       EXPECT_TRUE(close_l2(fwd.out, ref.out, tol)) << cfg;
@@ -308,6 +311,64 @@ TEST_P(Nn, MoESharedExpertReferenceMatchesTheOracle) {
   nn::MoE moe(zeros({4, 8}), zeros({4, 6, 8}), zeros({4, 8, 3}), {2, false, ops::GluActivation::Silu});
   EXPECT_ERROR(moe.set_shared_expert(zeros({10, 8}), zeros({8, 4})), "do not fit hidden 8");
   EXPECT_ERROR(moe.set_shared_expert(zeros({10, 8}), zeros({8, 5}), zeros({1, 7})), "shared_expert_gate must have 8 elements");
+}
+
+// nn::MoE's reference as Llama 4 runs it (Llama4TextMoe: sigmoid routing weights applied to the expert
+// inputs, a shared expert without a gate; the experts given as the transposed views of the
+// checkpoint's [E, H, 2I] / [E, I, H] stacks) against the f64 oracle of MoE/1: the routing exactly, the
+// output and every gradient.
+TEST_P(Nn, MoELlama4ReferenceMatchesTheOracle) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test_generator();
+  for (DType dt : test::float_dtypes(dev))
+    for (int64_t k : {1, 2}) {
+      if (dt == DType::f64) continue;  // the routing weights are f32 whatever the dtype
+      const int64_t t = 13, h = 24, e = 5, i = 12, si = 12;
+      const double sh = 1 / std::sqrt(static_cast<double>(h));
+      const Tensor x = Tensor::randn({t, h}, dt, dev, gen);
+      const Tensor router = Tensor::randn({e, h}, dt, dev, gen, 0, 1.5 * sh);
+      const Tensor gate_up_ck = Tensor::randn({e, h, 2 * i}, dt, dev, gen, 0, sh);  // [E, H, 2I]: gate columns, up columns
+      const Tensor down_ck = Tensor::randn({e, i, h}, dt, dev, gen, 0, 1 / std::sqrt(static_cast<double>(i)));
+      const Tensor sgate_up = Tensor::randn({2 * si, h}, dt, dev, gen, 0, sh);
+      const Tensor sdown = Tensor::randn({h, si}, dt, dev, gen, 0, 1 / std::sqrt(static_cast<double>(si)));
+      nn::MoE::Options o{k, false, ops::GluActivation::Silu, nn::MoE::Routing::Sigmoid, true};
+      nn::MoE moe(router, gate_up_ck.transpose(1, 2), down_ck.transpose(1, 2), o, "Llama4TextMoe");
+      EXPECT_EQ(moe.layer_name(), "Llama4TextMoe");
+      moe.set_shared_expert(sgate_up, sdown);
+      nn::MoE::Saved saved;
+      const Tensor out = moe.forward(x, &saved);
+      const Tensor dout = Tensor::randn({t, h}, dt, dev, gen);
+      const nn::MoE::Grads g = moe.backward(dout, saved);
+      const std::string cfg = fmt::format("{} top_k={}", config_name(dev, dt), k);
+
+      oracle::MoeSpec sp;
+      sp.t = t, sp.h = h, sp.e = e, sp.k = k, sp.i = i, sp.si = si, sp.routing = 1, sp.weight_on_input = true;
+      oracle::MoeWeights wt;
+      const Tensor gate_up = gate_up_ck.transpose(1, 2), down = down_ck.transpose(1, 2);  // [E, 2I, H], [E, H, I]
+      wt.x = x.to_f64_vector(), wt.router = router.to_f64_vector(), wt.down = down.contiguous().to_f64_vector();
+      wt.gate = gate_up.narrow(1, 0, i).contiguous().to_f64_vector(), wt.up = gate_up.narrow(1, i, i).contiguous().to_f64_vector();
+      wt.sgate = sgate_up.narrow(0, 0, si).to_f64_vector(), wt.sup = sgate_up.narrow(0, si, si).to_f64_vector();
+      wt.sdown = sdown.to_f64_vector();
+      const auto z = saved.router_logits.to_f64_vector();
+      std::vector<int64_t> ids;
+      std::vector<double> w;
+      oracle::moe_route(sp, z, ids, w);
+      EXPECT_EQ(saved.topk_ids.to_i64_vector(), ids) << cfg;
+      const auto dv = dout.to_f64_vector();
+      const oracle::MoeResult r = oracle::moe(sp, wt, z, ids, {}, &dv, nullptr);
+      const double tol = test::composite_rel_l2(dt);
+      EXPECT_TRUE(close_l2(out, r.out, tol)) << cfg << " out";
+      EXPECT_TRUE(test::close_l2_mag(g.dhidden, r.dx, r.dx_mag, tol)) << cfg << " dhidden";
+      EXPECT_TRUE(test::close_l2_mag(g.drouter_weight, r.drouter, r.drouter_mag, tol)) << cfg << " drouter_weight";
+      EXPECT_TRUE(test::close_l2_mag(g.dgate_up_proj.narrow(1, 0, i), r.dgate, r.dgate_mag, tol)) << cfg << " dgate";
+      EXPECT_TRUE(test::close_l2_mag(g.dgate_up_proj.narrow(1, i, i), r.dup, r.dup_mag, tol)) << cfg << " dup";
+      EXPECT_TRUE(test::close_l2_mag(g.ddown_proj, r.ddown, r.ddown_mag, tol)) << cfg << " ddown_proj";
+      EXPECT_TRUE(test::close_l2_mag(g.dshared_gate_up_proj.narrow(0, 0, si), r.dsgate, r.dsgate_mag, tol)) << cfg << " dshared gate";
+      EXPECT_TRUE(test::close_l2_mag(g.dshared_gate_up_proj.narrow(0, si, si), r.dsup, r.dsup_mag, tol)) << cfg << " dshared up";
+      EXPECT_TRUE(test::close_l2_mag(g.dshared_down_proj, r.dsdown, r.dsdown_mag, tol)) << cfg << " dshared_down_proj";
+      EXPECT_FALSE(g.dshared_expert_gate.defined()) << cfg;
+    }
 }
 
 TEST_P(Nn, BadArgumentsNameOpAndArgument) {

@@ -311,6 +311,14 @@ TEST_P(Ops, GatherScatterMaskAndCat) {
   EXPECT_EQ(m[1], 0.0);
   EXPECT_EQ(m[2], 0.0);
   EXPECT_TRUE(std::isinf(m[3]));
+  // Chunks of 2 (Llama 4): the queries at positions 2, 3, 4 see keys {2}, {2, 3}, {4}.
+  const auto mc = ops::attention_mask(3, 5, true, 0, DType::f32, dev, 2).to_f64_vector();
+  for (int64_t i = 0; i < 3; ++i)
+    for (int64_t j = 0; j < 5; ++j) {
+      const bool visible = (i == 0 && j == 2) || (i == 1 && (j == 2 || j == 3)) || (i == 2 && j == 4);
+      EXPECT_EQ(mc[static_cast<size_t>(i * 5 + j)] == 0.0, visible) << i << " " << j;
+    }
+  EXPECT_ERROR(ops::attention_mask(3, 5, true, 0, DType::f32, dev, -1), "chunk -1 < 0");
 }
 
 TEST_P(Ops, OutOfRangeIndicesThrowNamingTheOp) {

@@ -82,12 +82,15 @@ std::unique_ptr<CausalLM> CausalLM::from_folder(const std::filesystem::path& fol
   m->dtype_ = dtype;
   m->device_ = device;
   const WeightStore w = WeightStore::open_folder(folder);
+  // A llama4 folder (Llama4ForConditionalGeneration) names its language model's weights
+  // "language_model." + the text model's names.
+  const std::string prefix = m->cfg_.multimodal ? "language_model." : "";
   // Transformers 5 ties the head to the embeddings only when the files hold no lm_head.weight or an
   // equal one; a different one is used as an untied head.
   std::string untied;
   bool equal_head = false;
-  if (m->cfg_.tie_word_embeddings && w.contains("lm_head.weight") && w.contains("model.embed_tokens.weight")) {
-    equal_head = w.same("lm_head.weight", "model.embed_tokens.weight");
+  if (m->cfg_.tie_word_embeddings && w.contains(prefix + "lm_head.weight") && w.contains(prefix + "model.embed_tokens.weight")) {
+    equal_head = w.same(prefix + "lm_head.weight", prefix + "model.embed_tokens.weight");
     if (!equal_head) {
       m->cfg_.tie_word_embeddings = false;
       untied = fmt::format("{}: config.json ties the embeddings to lm_head.weight, but the files hold both with different "
@@ -98,10 +101,10 @@ std::unique_ptr<CausalLM> CausalLM::from_folder(const std::filesystem::path& fol
   // Every missing weight is collected (a zero placeholder of no storage stands in) and named at once.
   std::vector<std::string> missing;
   m->build([&](const std::string& name, std::vector<int64_t> shape) {
-    if (w.contains(name)) return w.load(name, dtype, device, &shape);
-    missing.push_back(name);
+    if (w.contains(prefix + name)) return w.load(prefix + name, dtype, device, &shape);
+    missing.push_back(prefix + name);
     return Tensor::zeros(Shape(shape.size(), 1), dtype, device).expand(shape);
-  }, [&](const std::string& name) { return w.contains(name); });
+  }, [&](const std::string& name) { return w.contains(prefix + name); });
   const std::string f = folder.string(), mt = m->cfg_.model_type;
   const int64_t layers = m->cfg_.num_hidden_layers;
   KCPP_CHECK(missing.empty(), "{}: missing weight{} {} (config.json: {} with {} layers; are model_type and the sizes right?)", f,
@@ -112,7 +115,9 @@ std::unique_ptr<CausalLM> CausalLM::from_folder(const std::filesystem::path& fol
   };
   if (!untied.empty()) warn(untied);
   m->unused_weights_ = w.unused();
-  if (equal_head) std::erase(m->unused_weights_, "lm_head.weight");  // the embeddings' copy: tied, as Transformers does
+  if (equal_head) std::erase(m->unused_weights_, prefix + "lm_head.weight");  // the embeddings' copy: tied, as Transformers does
+  // A llama4 folder's vision tower and projector are left unread on purpose: not reported.
+  if (!prefix.empty()) std::erase_if(m->unused_weights_, [&](const std::string& n) { return !n.starts_with(prefix); });
   if (!m->unused_weights_.empty()) {
     const auto& u = m->unused_weights_;
     const std::string what = fmt::format("{}: {} tensor{} of the weight files {} not used by the model (config.json: {} with {} layers): {}",
@@ -146,7 +151,11 @@ void CausalLM::build(const std::function<Tensor(const std::string&, std::vector<
   const ModelConfig& c = cfg_;
   auto load = [&](const std::string& name, std::vector<int64_t> shape) { return get(name, std::move(shape)); };
   const int64_t h = c.hidden_size, d = c.head_dim, q = c.num_attention_heads * d, kv = c.num_key_value_heads * d;
-  const int64_t inter = c.intermediate_size;
+  const bool l4 = c.is_llama4();
+  // Llama 4's dense layers are intermediate_size_mlp wide (its experts intermediate_size); its MLPs
+  // are named feed_forward.
+  const int64_t inter = l4 ? c.intermediate_size_mlp : c.intermediate_size;
+  const std::string mlp = l4 ? "feed_forward." : "mlp.";
   ops::RMSNormOptions norm;
   norm.eps = c.rms_norm_eps;
   norm.offset = c.norm_offset;
@@ -184,7 +193,26 @@ void CausalLM::build(const std::function<Tensor(const std::string&, std::vector<
       l.q_norm = std::make_unique<nn::RMSNorm>(load(p + "self_attn.q_norm.weight", {d}), norm);
       l.k_norm = std::make_unique<nn::RMSNorm>(load(p + "self_attn.k_norm.weight", {d}), norm);
     }
-    if (c.moe_layer(i)) {
+    if (c.moe_layer(i) && l4) {
+      // Llama4TextMoe: router.weight [E, H], the experts' stacks [E, H, 2I] (gate columns, then up
+      // columns) and [E, I, H], as the checkpoint holds them, handed to nn::MoE as [E, 2I, H] / [E, H, I]
+      // views; a shared expert without a gate.
+      const int64_t ne = c.num_experts, mi = c.intermediate_size;
+      const std::string f = p + "feed_forward.";
+      l.experts_gate_up = load(f + "experts.gate_up_proj", {ne, h, 2 * mi});
+      l.experts_down = load(f + "experts.down_proj", {ne, mi, h});
+      nn::MoE::Options mo;
+      mo.top_k = c.num_experts_per_tok;
+      mo.normalize = false;
+      mo.activation = glu_activation(c.hidden_act);
+      mo.routing = nn::MoE::Routing::Sigmoid;
+      mo.weight_on_input = true;
+      l.moe = std::make_unique<nn::MoE>(load(f + "router.weight", {ne, h}), l.experts_gate_up.transpose(1, 2),
+                                        l.experts_down.transpose(1, 2), mo, "Llama4TextMoe");
+      const std::string se = f + "shared_expert.";
+      const Tensor sgu = ops::cat({load(se + "gate_proj.weight", {mi, h}), load(se + "up_proj.weight", {mi, h})}, 0);
+      l.moe->set_shared_expert(sgu, load(se + "down_proj.weight", {h, mi}));
+    } else if (c.moe_layer(i)) {
       // Transformers 5's fused experts when the folder holds them, else the checkpoint's per-expert
       // matrices stacked (gate rows, then up rows, per expert).
       const int64_t ne = c.num_experts, mi = c.moe_intermediate_size;
@@ -226,17 +254,23 @@ void CausalLM::build(const std::function<Tensor(const std::string&, std::vector<
         l.w_gate_up = load(p + "mlp.gate_up_proj.weight", {2 * inter, h});
       } else {
         // One GEMM instead of two, forward and backward; the parts become views of the whole.
-        l.w_gate_up = ops::cat({load(p + "mlp.gate_proj.weight", {inter, h}), load(p + "mlp.up_proj.weight", {inter, h})}, 0);
+        l.w_gate_up = ops::cat({load(p + mlp + "gate_proj.weight", {inter, h}), load(p + mlp + "up_proj.weight", {inter, h})}, 0);
         l.w_gate = l.w_gate_up.narrow(0, 0, inter), l.w_up = l.w_gate_up.narrow(0, inter, inter);
         l.gate_up_from_parts = true;
       }
-      l.w_down = load(p + "mlp.down_proj.weight", {h, inter});
+      l.w_down = load(p + mlp + "down_proj.weight", {h, inter});
     }
-    l.rope = std::make_unique<nn::RotaryEmbedding>();
+    // Llama 4 rotates interleaved pairs (Transformers' view_as_complex over (2j, 2j + 1)).
+    l.rope = std::make_unique<nn::RotaryEmbedding>(l4 ? ops::RopeLayout::Interleaved : ops::RopeLayout::RotateHalf);
+    l.use_rope = c.rope_layer(i);
+    l.temperature = l4 && !l.use_rope && c.attn_temperature_tuning;
+    if (l4 && l.use_rope && c.l2_qk_norm)  // Llama4TextL2Norm: x * rsqrt(mean(x^2) + eps) in f32, no weight
+      l.l2_norm = std::make_unique<nn::RMSNorm>(Tensor::full({d}, 1.0, dtype_, device_), norm);
     ops::AttentionOptions ao;
     ao.scale = 1.0 / std::sqrt(static_cast<double>(d));
     ao.causal = true;
     ao.window = c.attention_window(i);
+    ao.chunk = c.attention_chunk(i);
     l.attn = std::make_unique<nn::Attention>(ao);
     if (!l.moe) l.mlp = std::make_unique<nn::MLP>(glu_activation(c.hidden_act));
     layers_.push_back(std::move(l));
@@ -250,7 +284,8 @@ void CausalLM::visit_slots(const std::function<void(nn::Slot&)>& fn) {
   for (Layer& l : layers_) {
     fn(*l.input_norm);
     if (l.q_norm) fn(*l.q_norm), fn(*l.k_norm);
-    fn(*l.rope);
+    if (l.use_rope) fn(*l.rope);
+    if (l.l2_norm) fn(*l.l2_norm);
     fn(*l.attn);
     fn(*l.post_norm);
     if (l.moe) fn(*l.moe);
@@ -283,11 +318,21 @@ std::vector<std::pair<std::string, Tensor>> CausalLM::parameters() const {
       add(p + "self_attn.q_norm.weight", l.q_norm->weight);
       add(p + "self_attn.k_norm.weight", l.k_norm->weight);
     }
+    const std::string mlp = cfg_.is_llama4() ? "feed_forward." : "mlp.";
     if (!l.gate_up_from_parts) add(p + "mlp.gate_up_proj.weight", l.w_gate_up);
-    add(p + "mlp.gate_proj.weight", l.w_gate);
-    add(p + "mlp.up_proj.weight", l.w_up);
-    add(p + "mlp.down_proj.weight", l.w_down);
-    if (l.moe) {
+    add(p + mlp + "gate_proj.weight", l.w_gate);
+    add(p + mlp + "up_proj.weight", l.w_up);
+    add(p + mlp + "down_proj.weight", l.w_down);
+    if (l.moe && cfg_.is_llama4()) {
+      const Tensor& sgu = l.moe->shared_gate_up_proj;
+      const int64_t si = sgu.size(0) / 2;
+      add(p + "feed_forward.router.weight", l.moe->router_weight);
+      add(p + "feed_forward.experts.gate_up_proj", l.experts_gate_up);
+      add(p + "feed_forward.experts.down_proj", l.experts_down);
+      add(p + "feed_forward.shared_expert.gate_proj.weight", sgu.narrow(0, 0, si));
+      add(p + "feed_forward.shared_expert.up_proj.weight", sgu.narrow(0, si, si));
+      add(p + "feed_forward.shared_expert.down_proj.weight", l.moe->shared_down_proj);
+    } else if (l.moe) {
       add(p + "mlp.gate.weight", l.moe->router_weight);
       add(p + "mlp.experts.gate_up_proj", l.moe->gate_up_proj);
       add(p + "mlp.experts.down_proj", l.moe->down_proj);
@@ -319,6 +364,7 @@ void CausalLM::save(const std::filesystem::path& folder) const {
                         : c.model_type == "mixtral" ? "MixtralForCausalLM"
                         : c.model_type == "qwen3_moe" ? "Qwen3MoeForCausalLM"
                         : c.model_type == "qwen2_moe" ? "Qwen2MoeForCausalLM"
+                        : c.model_type == "llama4_text" ? "Llama4ForCausalLM"
                                                     : "Phi3ForCausalLM"};
   const auto tmp = folder / "config.json.tmp";
   {
@@ -396,7 +442,7 @@ struct CausalLM::InUse {
 };
 
 struct CausalLM::LayerTape {
-  nn::RMSNorm::Saved in_norm, post_norm, q_norm, k_norm;
+  nn::RMSNorm::Saved in_norm, post_norm, q_norm, k_norm, l2_q, l2_k;  // l2_*: Llama 4's L2 q/k norm
   nn::Attention::Saved attn;
   nn::MoE::Saved moe;
   Tensor a, o, m, gate, up, act;  // a, m: the normed inputs [B*S, H]; o: the attention's, [B*S, Hq*D]
@@ -408,9 +454,36 @@ struct CausalLM::Tape {
   std::vector<Tensor> inputs;
   nn::RMSNorm::Saved final_norm;
   Tensor ids, cos, sin;
+  Tensor temp_scales;  // Llama 4's attention temperature per position [B, 1, S, 1] f32 (undefined: none)
 };
 
-Tensor CausalLM::layer_forward(size_t li, Tensor h, const ops::RopeCosSin& cs, LayerTape* t, KVCache* cache) {
+namespace {
+
+// Llama 4's cos / sin: each angle twice in a row ([c0 c0 c1 c1 ...]), the interleaved layout's form of
+// rope_cos_sin's [c0 c1 ... c0 c1 ...].
+ops::RopeCosSin interleaved(const ops::RopeCosSin& cs) {
+  auto pairs = [](const Tensor& t) {
+    const int64_t b = t.size(0), s = t.size(1), half = t.size(2) / 2;
+    return t.narrow(2, 0, half).unsqueeze(3).expand({b, s, half, 2}).reshape({b, s, 2 * half});
+  };
+  return {pairs(cs.cos), pairs(cs.sin)};
+}
+
+// Llama4TextAttention's temperature tuning at `positions` (one per row of b x s, row-major):
+// log1p(floor((p + 1) / floor_scale)) * attn_scale + 1, in f32 as Transformers computes it, [B, 1, S, 1].
+Tensor temperature_scales(const ModelConfig& c, const std::vector<int64_t>& positions, int64_t b, int64_t s, Device device) {
+  std::vector<double> v(positions.size());
+  for (size_t i = 0; i < positions.size(); ++i) {
+    const float x = std::floor((static_cast<float>(positions[i]) + 1.0f) / static_cast<float>(c.floor_scale));
+    v[i] = std::log1p(x) * static_cast<float>(c.attn_scale) + 1.0f;
+  }
+  return Tensor::from_f64(v, {b, 1, s, 1}, DType::f32, device);
+}
+
+}  // namespace
+
+Tensor CausalLM::layer_forward(size_t li, Tensor h, const ops::RopeCosSin& cs, LayerTape* t, KVCache* cache,
+                               const Tensor& temp_scales) {
   const ModelConfig& c = cfg_;
   const int64_t b = h.size(0), s = h.size(1), hdim = c.hidden_size, d = c.head_dim;
   const int64_t hq = c.num_attention_heads, hkv = c.num_key_value_heads;
@@ -424,7 +497,15 @@ Tensor CausalLM::layer_forward(size_t li, Tensor h, const ops::RopeCosSin& cs, L
     k = l.k_norm->forward(k.contiguous(), t ? &t->k_norm : nullptr);
   }
   q = q.transpose(1, 2).contiguous(), k = k.transpose(1, 2).contiguous(), v = v.transpose(1, 2).contiguous();
-  std::tie(q, k) = l.rope->forward(q, k, cs.cos, cs.sin);
+  if (l.use_rope) std::tie(q, k) = l.rope->forward(q, k, cs.cos, cs.sin);
+  if (l.l2_norm) {  // Llama 4: after RoPE
+    q = l.l2_norm->forward(q, t ? &t->l2_q : nullptr);
+    k = l.l2_norm->forward(k, t ? &t->l2_k : nullptr);
+  }
+  if (l.temperature) {  // Llama 4's NoPE layers: q (as f32) times the position's scale, rounded back
+    KCPP_CHECK(temp_scales.defined(), "CausalLM: layer {} tunes the attention temperature but has no scales", li);
+    q = ops::mul(q.to(DType::f32), temp_scales).to(dtype_);
+  }
   Tensor o;
   if (cache && !cache->rows.empty()) {
     o = ragged_attention(li, q, k, v, *cache);
@@ -445,7 +526,7 @@ Tensor CausalLM::layer_forward(size_t li, Tensor h, const ops::RopeCosSin& cs, L
   Tensor gate, up;
   if (l.w_gate_up.defined()) {
     const Tensor gu = linear(m, l.w_gate_up);
-    const int64_t inter = c.intermediate_size;
+    const int64_t inter = l.w_down.size(1);
     gate = gu.narrow(1, 0, inter).contiguous(), up = gu.narrow(1, inter, inter).contiguous();
   } else {
     gate = linear(m, l.w_gate), up = linear(m, l.w_up);
@@ -487,13 +568,25 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache, In
     for (int64_t i = 0; i < b * s; ++i) pos[static_cast<size_t>(i)] = past + i % s;
   }
   // A ragged step's positions are its rows' lengths before the step, already on the device.
-  const ops::RopeCosSin cs =
+  ops::RopeCosSin cs =
       ops::rope_cos_sin(ragged ? cache->step_positions.view({b, 1}) : Tensor::from_i64(pos, {b, s}, DType::i64, device_),
                         rope_inv_freq(end), 1.0, dtype_);
+  Tensor temp_scales;
+  if (c.is_llama4()) {
+    cs = interleaved(cs);
+    if (std::any_of(layers_.begin(), layers_.end(), [](const Layer& l) { return l.temperature; })) {
+      if (ragged)  // each row's position: its length before this step
+        for (int64_t i = 0; i < b; ++i) {
+          const int64_t r = cache->active.empty() ? i : cache->active[static_cast<size_t>(i)];
+          pos[static_cast<size_t>(i)] = cache->rows[static_cast<size_t>(r)];
+        }
+      temp_scales = temperature_scales(c, pos, b, s, device_);
+    }
+  }
   if (tape) {
     tape->layers.assign(layers_.size(), {});
     tape->inputs.assign(layers_.size(), {});
-    tape->ids = ids, tape->cos = cs.cos, tape->sin = cs.sin;
+    tape->ids = ids, tape->cos = cs.cos, tape->sin = cs.sin, tape->temp_scales = temp_scales;
   }
   if (ragged && !tape && decode_fused_possible()) {
     const Tensor out = decode_layers(h.view({b, hdim}), cs, *cache);
@@ -512,7 +605,7 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache, In
     if (tape && tape->checkpoint) tape->inputs[li] = h;
     InUse layer(*this, ParameterGroup::Kind::Layer, li);
     layer.acquire();
-    h = layer_forward(li, h, cs, tape && !tape->checkpoint ? &tape->layers[li] : nullptr, cache);
+    h = layer_forward(li, h, cs, tape && !tape->checkpoint ? &tape->layers[li] : nullptr, cache, temp_scales);
   }
   if (ragged) {
     for (int64_t i = 0; i < b; ++i) ++cache->rows[static_cast<size_t>(cache->active.empty() ? i : cache->active[static_cast<size_t>(i)])];
@@ -568,7 +661,7 @@ bool CausalLM::graph_decode_possible() const {
   if (const char* env = std::getenv("KCPP_DECODE_GRAPHS"); env && std::string(env) == "0") return false;
   // MoE routing and dynamic RoPE read values on the host; head dims decode_attention lacks on CUDA
   // go row by row with host lengths.
-  return cfg_.num_experts == 0 && cfg_.rope_scaling.type != RopeScaling::Type::Dynamic &&
+  return cfg_.num_experts == 0 && !cfg_.is_llama4() && cfg_.rope_scaling.type != RopeScaling::Type::Dynamic &&
          ops::decode_attention_supported(device_, cfg_.head_dim);
 }
 
@@ -577,12 +670,16 @@ Tensor CausalLM::ragged_attention(size_t li, const Tensor& q, const Tensor& k, c
   Tensor& ck = c.k[li];
   Tensor& cv = c.v[li];
   ops::cache_write(ck, cv, k.reshape({b, hkv, d}), v.reshape({b, hkv, d}), c.step_rows, c.step_positions);
-  if (!ops::decode_attention_supported(q.device(), d)) {  // row by row through the attention slot
+  const int64_t chunk = layers_[li].attn->options.chunk;
+  if (chunk > 0 || !ops::decode_attention_supported(q.device(), d)) {  // row by row through the attention slot
+    // A chunked layer's query (position n - 1) sees the keys of its chunk: from the chunk's start on,
+    // which keeps positions and chunks aligned in the slot's mask (the start is a multiple of chunk).
     std::vector<Tensor> outs;
     for (int64_t i = 0; i < b; ++i) {
       const int64_t r = c.active.empty() ? i : c.active[static_cast<size_t>(i)], n = c.rows[static_cast<size_t>(r)] + 1;
-      outs.push_back(layers_[li].attn->forward(q.narrow(0, i, 1), ck.narrow(0, r, 1).narrow(2, 0, n),
-                                               cv.narrow(0, r, 1).narrow(2, 0, n)));
+      const int64_t start = chunk > 0 ? (n - 1) / chunk * chunk : 0;
+      outs.push_back(layers_[li].attn->forward(q.narrow(0, i, 1), ck.narrow(0, r, 1).narrow(2, start, n - start),
+                                               cv.narrow(0, r, 1).narrow(2, start, n - start)));
     }
     return b == 1 ? outs[0] : ops::cat(outs, 0);
   }
@@ -599,7 +696,8 @@ Tensor CausalLM::cached_attention(size_t li, const Tensor& q, KVCache& c) {
 
 bool CausalLM::decode_fused_possible() const {
   if (const char* env = std::getenv("KCPP_DECODE_FUSED"); env && std::string(env) == "0") return false;
-  return cfg_.num_experts == 0 && ops::decode_attention_supported(device_, cfg_.head_dim);
+  // (Llama 4's NoPE, L2 norm, temperature and chunks are not in the fused ops.)
+  return cfg_.num_experts == 0 && !cfg_.is_llama4() && ops::decode_attention_supported(device_, cfg_.head_dim);
 }
 
 // Per layer, with the fused projections (ops::decode_linear_fused: bf16 / f16 on CUDA, rows the gemv
@@ -1062,35 +1160,43 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
     InUse in_use(*this, ParameterGroup::Kind::Layer, static_cast<size_t>(li));
     in_use.acquire();
     LayerTape recomputed;
-    if (tape.checkpoint) layer_forward(li, tape.inputs[li], {tape.cos, tape.sin}, &recomputed, nullptr);
+    if (tape.checkpoint) layer_forward(li, tape.inputs[li], {tape.cos, tape.sin}, &recomputed, nullptr, tape.temp_scales);
     LayerTape& t = tape.checkpoint ? recomputed : tape.layers[li];
     const std::string p = fmt::format("model.layers.{}.", li);
+    const bool l4 = c.is_llama4();
+    const std::string mlp = l4 ? "feed_forward." : "mlp.";
     // MLP: h += down(act(gate(m)) * up(m)), or h += MoE(m)
     const Tensor dy = dh.contiguous().view({n, hdim});
     Tensor dm;
     if (l.moe) {
       const nn::MoE::Grads mg = l.moe->backward(dy, t.moe, drouter[li]);
-      acc(p + "mlp.gate.weight", mg.drouter_weight);
-      acc(p + "mlp.experts.gate_up_proj", mg.dgate_up_proj);
-      acc(p + "mlp.experts.down_proj", mg.ddown_proj);
+      if (l4) {  // the checkpoint's layouts [E, H, 2I] and [E, I, H]
+        acc(p + "feed_forward.router.weight", mg.drouter_weight);
+        acc(p + "feed_forward.experts.gate_up_proj", mg.dgate_up_proj.transpose(1, 2).contiguous());
+        acc(p + "feed_forward.experts.down_proj", mg.ddown_proj.transpose(1, 2).contiguous());
+      } else {
+        acc(p + "mlp.gate.weight", mg.drouter_weight);
+        acc(p + "mlp.experts.gate_up_proj", mg.dgate_up_proj);
+        acc(p + "mlp.experts.down_proj", mg.ddown_proj);
+      }
       if (mg.dshared_gate_up_proj.defined()) {
         const int64_t si = mg.dshared_gate_up_proj.size(0) / 2;
-        acc(p + "mlp.shared_expert.gate_proj.weight", mg.dshared_gate_up_proj.narrow(0, 0, si));
-        acc(p + "mlp.shared_expert.up_proj.weight", mg.dshared_gate_up_proj.narrow(0, si, si));
-        acc(p + "mlp.shared_expert.down_proj.weight", mg.dshared_down_proj);
+        acc(p + mlp + "shared_expert.gate_proj.weight", mg.dshared_gate_up_proj.narrow(0, 0, si));
+        acc(p + mlp + "shared_expert.up_proj.weight", mg.dshared_gate_up_proj.narrow(0, si, si));
+        acc(p + mlp + "shared_expert.down_proj.weight", mg.dshared_down_proj);
         if (mg.dshared_expert_gate.defined()) acc(p + "mlp.shared_expert_gate.weight", mg.dshared_expert_gate);
       }
       dm = mg.dhidden;
     } else {
-      acc(p + "mlp.down_proj.weight", ops::matmul(dy, t.act, true, false));
+      acc(p + mlp + "down_proj.weight", ops::matmul(dy, t.act, true, false));
       const nn::MLP::Grads mg = l.mlp->backward(ops::matmul(dy, l.w_down), t.gate, t.up);
       if (l.w_gate_up.defined()) {
         const Tensor dgu = ops::cat({mg.dgate, mg.dup}, 1);
         const Tensor dw = ops::matmul(dgu, t.m, true, false);
         if (l.gate_up_from_parts) {
-          const int64_t inter = c.intermediate_size;
-          acc(p + "mlp.gate_proj.weight", dw.narrow(0, 0, inter));
-          acc(p + "mlp.up_proj.weight", dw.narrow(0, inter, inter));
+          const int64_t inter = l.w_down.size(1);
+          acc(p + mlp + "gate_proj.weight", dw.narrow(0, 0, inter));
+          acc(p + mlp + "up_proj.weight", dw.narrow(0, inter, inter));
         } else {
           acc(p + "mlp.gate_up_proj.weight", dw);
         }
@@ -1109,7 +1215,10 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
     acc(p + "self_attn.o_proj.weight", ops::matmul(dy2, t.o, true, false));
     const Tensor dattn = ops::matmul(dy2, l.wo).view({b, s, hq, d}).transpose(1, 2).contiguous();
     const nn::Attention::Grads ab = l.attn->backward(dattn, t.attn);
-    auto [dq, dk] = l.rope->backward(ab.dq, ab.dk, tape.cos, tape.sin);  // [B, heads, S, D]
+    Tensor dq = ab.dq, dk = ab.dk;                                           // [B, heads, S, D]
+    if (l.temperature) dq = ops::mul(dq.to(DType::f32), tape.temp_scales).to(dtype_);
+    if (l.l2_norm) dq = l.l2_norm->backward(dq, t.l2_q).dx, dk = l.l2_norm->backward(dk, t.l2_k).dx;
+    if (l.use_rope) std::tie(dq, dk) = l.rope->backward(dq, dk, tape.cos, tape.sin);
     dq = dq.transpose(1, 2), dk = dk.transpose(1, 2);                    // [B, S, heads, D] views
     if (l.q_norm) {
       const auto qn = l.q_norm->backward(dq.contiguous(), t.q_norm), kn = l.k_norm->backward(dk.contiguous(), t.k_norm);

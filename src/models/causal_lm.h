@@ -1,5 +1,5 @@
 // A Llama-family causal language model (llama, mistral, qwen2, qwen3, gemma, phi3, and the
-// mixture-of-experts mixtral, qwen3_moe, qwen2_moe) loaded from a Hugging Face folder, its layers in
+// mixture-of-experts mixtral, qwen3_moe, qwen2_moe, llama4_text) loaded from a Hugging Face folder, its layers in
 // nn/ slots so that kernelize() can swap them.  The forward pass follows Transformers' modeling code
 // of each family op for op (eager attention):
 //
@@ -12,6 +12,16 @@
 //                            or h = h + MoE(m)   (mixtral, qwen3_moe, qwen2_moe: the MoE layers, an nn::MoE
 //                                                 slot; qwen2_moe's adds sigmoid(m gs^T) shared_expert(m))
 //   logits = RMSNorm(h) W_lm^T   (W_lm = embed when tied)
+// Llama 4 (llama4_text, Llama4ForCausalLM) differs in the attention and the MLP of each layer:
+//               q, k = RoPE(q, k) in interleaved pairs (2j, 2j + 1), then L2Norm_head(q), L2Norm_head(k)
+//                                                     (RoPE layers; NoPE layers neither)
+//               q = q * (log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1)   (NoPE layers, tuning on)
+//               Attention: causal, and on "chunked_attention" layers within the chunk of the query
+//               MLP: dense of intermediate_size_mlp, or on MoE layers (nn::MoE, "Llama4TextMoe") the shared
+//               expert plus sum_j expert_ej(sigmoid(z_ej) m) over the top-k router logits z
+// with its weights named model.layers.N.feed_forward.* (router.weight, experts.gate_up_proj [E, H, 2I],
+// experts.down_proj [E, I, H], shared_expert.*, or the dense gate / up / down_proj); a `llama4` folder's
+// weights are its language model's, "language_model." + those names (the vision tower is not loaded).
 // and the loss is Transformers' ForCausalLMLoss: labels shifted left by one, mean cross-entropy over
 // the tokens whose label is not -100; with output_router_logits (MoE families) plus
 // router_aux_loss_coef times load_balancing_loss_func over every MoE layer's router logits.
@@ -223,6 +233,13 @@ class CausalLM : public nn::Module {
     std::unique_ptr<nn::Attention> attn;
     std::unique_ptr<nn::MLP> mlp;
     std::unique_ptr<nn::MoE> moe;  // the MoE layers' MLP (mlp is then null)
+    // Llama 4: whether the layer rotates q and k (false: a NoPE layer), its L2 q/k norm (an RMSNorm
+    // slot of weight 1 after RoPE: no parameter), whether it tunes the attention temperature (NoPE
+    // layers), and the checkpoint's expert stacks feed_forward.experts.gate_up_proj [E, H, 2I] and
+    // down_proj [E, I, H], whose transposed views moe holds.
+    bool use_rope = true, temperature = false;
+    std::unique_ptr<nn::RMSNorm> l2_norm;
+    Tensor experts_gate_up, experts_down;
   };
 
  private:
@@ -233,7 +250,9 @@ class CausalLM : public nn::Module {
              const std::function<bool(const std::string&)>& has = {});
   struct Tape;       // what the forward keeps for the backward
   struct LayerTape;  // ... of one layer
-  Tensor layer_forward(size_t li, Tensor h, const ops::RopeCosSin& cs, LayerTape* t, KVCache* cache);
+  // `temp_scales`: Llama 4's attention temperature per position, [B, 1, S, 1] f32 (NoPE layers).
+  Tensor layer_forward(size_t li, Tensor h, const ops::RopeCosSin& cs, LayerTape* t, KVCache* cache,
+                       const Tensor& temp_scales = {});
   // Attention of one token per row against each row's own cached length (a ragged cache).
   Tensor ragged_attention(size_t li, const Tensor& q, const Tensor& k, const Tensor& v, KVCache& cache);
   // ... of q [B, Hq, D] against the cache, this step's keys already written.
@@ -270,7 +289,8 @@ class CausalLM : public nn::Module {
   Tensor inv_freq_fixed_;
   // The auxiliary loss's part: with output_router_logits, router_aux_loss_coef * load-balancing loss
   // of the MoE layers' logits (and its gradient, rows in layer order, for an upstream `dloss`).
-  bool aux_loss_on() const { return cfg_.output_router_logits && cfg_.num_experts > 0; }
+  // (Llama 4: Transformers' Llama4ForCausalLM adds no auxiliary loss.)
+  bool aux_loss_on() const { return cfg_.output_router_logits && cfg_.num_experts > 0 && !cfg_.is_llama4(); }
   nn::LoadBalancingLoss aux_loss(const std::vector<Tensor>& router_logits, double dloss) const;
   std::vector<Tensor>* router_logits_ = nullptr;  // while set, each MoE layer's forward appends its logits
 

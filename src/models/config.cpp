@@ -14,7 +14,8 @@ namespace kcpp::models {
 
 namespace {
 
-constexpr const char* kFamilies[] = {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "mixtral", "qwen3_moe", "qwen2_moe"};
+constexpr const char* kFamilies[] = {"llama",   "mistral",   "qwen2",     "qwen3",     "gemma",
+                                     "phi3",    "mixtral",   "qwen3_moe", "qwen2_moe", "llama4_text"};
 
 bool is_moe_family(const std::string& t) { return t == "mixtral" || t == "qwen3_moe" || t == "qwen2_moe"; }
 
@@ -57,6 +58,17 @@ struct Reader {
     for (const auto& v : j[key]) {
       KCPP_CHECK(v.is_number_integer() && (!v.is_number_unsigned() || v.get<uint64_t>() <= uint64_t{std::numeric_limits<int64_t>::max()}),
                  "{}: '{}' must hold token ids, holds {}", where, key, v.dump());
+      out.push_back(v.get<int64_t>());
+    }
+    return out;
+  }
+  std::vector<int64_t> indices(const char* key) const {  // a list of integers (layer indices, flags)
+    std::vector<int64_t> out;
+    if (!has(key)) return out;
+    KCPP_CHECK(j[key].is_array(), "{}: '{}' must be a list of integers, is {}", where, key, j[key].dump());
+    for (const auto& v : j[key]) {
+      KCPP_CHECK(v.is_number_integer() && (!v.is_number_unsigned() || v.get<uint64_t>() <= uint64_t{std::numeric_limits<int64_t>::max()}),
+                 "{}: '{}' must hold integers, holds {}", where, key, v.dump());
       out.push_back(v.get<int64_t>());
     }
     return out;
@@ -163,6 +175,52 @@ void read_sliding_window(const Reader& r, ModelConfig& c) {
       c.layer_types.push_back(c.sliding_window && i >= c.max_window_layers ? "sliding_attention" : "full_attention");
 }
 
+// Llama4TextConfig's own keys, with its defaults and its __post_init__: moe_layers from
+// interleave_moe_layer_step, no_rope_layers from no_rope_layer_interval, layer_types from both.
+void read_llama4(const Reader& r, ModelConfig& c) {
+  const std::string& where = r.where;
+  c.num_experts = r.integer("num_local_experts", 16);
+  c.num_experts_per_tok = r.integer("num_experts_per_tok", 1);
+  c.moe_intermediate_size = c.intermediate_size;  // the experts' and the shared expert's width
+  c.intermediate_size_mlp = r.integer("intermediate_size_mlp", 16384);
+  c.interleave_moe_layer_step = r.integer("interleave_moe_layer_step", 1);
+  check_in(where, "interleave_moe_layer_step", c.interleave_moe_layer_step, 1, kMaxSize);
+  if (r.has("moe_layers")) {
+    c.moe_layers = r.indices("moe_layers");
+  } else {
+    for (int64_t i = c.interleave_moe_layer_step - 1; i < c.num_hidden_layers; i += c.interleave_moe_layer_step) c.moe_layers.push_back(i);
+  }
+  c.no_rope_layer_interval = r.integer("no_rope_layer_interval", 4);
+  check_in(where, "no_rope_layer_interval", c.no_rope_layer_interval, 1, kMaxSize);
+  c.no_rope_layers = r.indices("no_rope_layers");
+  if (c.no_rope_layers.empty())
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) c.no_rope_layers.push_back((i + 1) % c.no_rope_layer_interval != 0 ? 1 : 0);
+  // attention_chunk_size: 8192 when absent, null for none.
+  if (!r.j.contains("attention_chunk_size")) c.attention_chunk_size = 8192;
+  else if (r.has("attention_chunk_size")) c.attention_chunk_size = r.integer("attention_chunk_size");
+  c.layer_types = r.strings("layer_types");
+  if (!r.has("layer_types") && static_cast<int64_t>(c.no_rope_layers.size()) >= c.num_hidden_layers)
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+      c.layer_types.push_back(c.no_rope_layers[static_cast<size_t>(i)] != 0 && c.attention_chunk_size ? "chunked_attention" : "full_attention");
+  c.l2_qk_norm = r.boolean("use_qk_norm", true);
+  // Meta's Llama 4 configs write a number here (4); Transformers tests its truth.
+  if (r.has("attn_temperature_tuning") && r.j["attn_temperature_tuning"].is_number())
+    c.attn_temperature_tuning = r.j["attn_temperature_tuning"].get<double>() != 0.0;
+  else
+    c.attn_temperature_tuning = r.boolean("attn_temperature_tuning", true);
+  c.floor_scale = r.real("floor_scale", 8192.0);
+  c.attn_scale = r.real("attn_scale", 0.1);
+  c.router_aux_loss_coef = r.real("router_aux_loss_coef", 0.001);
+  c.output_router_logits = r.boolean("output_router_logits", false);
+  const double jitter = r.real("router_jitter_noise", 0.0), dropout = r.real("attention_dropout", 0.0);
+  KCPP_CHECK(jitter == 0.0, "{}: 'router_jitter_noise' {} is not supported (0 only: the router here adds no noise)", where, jitter);
+  KCPP_CHECK(dropout == 0.0, "{}: 'attention_dropout' {} is not supported (0 only: this runtime applies no dropout); set it to 0",
+             where, dropout);
+  for (const char* key : {"moe_intermediate_size", "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers"})
+    KCPP_CHECK(!r.has(key), "{}: '{}' is not a llama4_text key (Llama 4's experts are intermediate_size wide, its MoE layers "
+               "moe_layers / interleave_moe_layer_step); remove it", where, key);
+}
+
 }  // namespace
 
 void RopeScaling::validate(const std::string& w) const {
@@ -180,6 +238,7 @@ void RopeScaling::validate(const std::string& w) const {
 
 bool ModelConfig::moe_layer(int64_t layer) const {
   if (num_experts == 0) return false;
+  if (is_llama4()) return std::find(moe_layers.begin(), moe_layers.end(), layer) != moe_layers.end();
   if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end()) return false;
   return (layer + 1) % decoder_sparse_step == 0;
 }
@@ -188,6 +247,19 @@ int64_t ModelConfig::attention_window(int64_t layer) const {
   if (!sliding_window) return 0;
   if (layer_types.empty()) return *sliding_window;
   return layer_types.at(static_cast<size_t>(layer)) == "sliding_attention" ? *sliding_window : 0;
+}
+
+bool ModelConfig::rope_layer(int64_t layer) const {
+  if (!is_llama4()) return true;
+  // Llama4TextConfig: an empty no_rope_layers is replaced by the interval's.
+  if (no_rope_layers.empty()) return (layer + 1) % no_rope_layer_interval != 0;
+  return no_rope_layers.at(static_cast<size_t>(layer)) != 0;
+}
+
+int64_t ModelConfig::attention_chunk(int64_t layer) const {
+  if (!is_llama4() || !attention_chunk_size) return 0;
+  if (layer_types.empty()) return rope_layer(layer) ? *attention_chunk_size : 0;
+  return layer_types.at(static_cast<size_t>(layer)) == "chunked_attention" ? *attention_chunk_size : 0;
 }
 
 void ModelConfig::validate(const std::string& where) const {
@@ -221,6 +293,14 @@ void ModelConfig::validate(const std::string& where) const {
              "{}: 'layer_types' must list one type per layer ({}), lists {}", where, num_hidden_layers, layer_types.size());
   for (size_t i = 0; i < layer_types.size(); ++i) {
     const std::string& t = layer_types[i];
+    if (is_llama4()) {  // Llama 4's layers are full or chunked
+      KCPP_CHECK(t == "full_attention" || t == "chunked_attention",
+                 "{}: 'layer_types' entry {} is '{}'; llama4_text layers are 'full_attention' or 'chunked_attention'", where, i, t);
+      KCPP_CHECK(t == "full_attention" || attention_chunk_size,
+                 "{}: layer {} is 'chunked_attention' but 'attention_chunk_size' is null (set it, or make the layer 'full_attention')",
+                 where, i);
+      continue;
+    }
     KCPP_CHECK(t == "full_attention" || t == "sliding_attention",
                "{}: 'layer_types' entry {} is '{}', must be 'full_attention' or 'sliding_attention'", where, i, t);
     KCPP_CHECK(t == "full_attention" || sliding_window,
@@ -236,8 +316,33 @@ void ModelConfig::validate(const std::string& where) const {
     for (int64_t l : mlp_only_layers) check_in(where, "mlp_only_layers", l, 0, num_hidden_layers - 1);
     KCPP_CHECK(std::isfinite(router_aux_loss_coef) && router_aux_loss_coef >= 0,
                "{}: 'router_aux_loss_coef' must be a finite number >= 0, is {}", where, router_aux_loss_coef);
+  } else if (is_llama4()) {
+    check_in(where, "num_local_experts", num_experts, 1, int64_t{1} << 16);
+    check_in(where, "num_experts_per_tok", num_experts_per_tok, 1, num_experts);
+    check_in(where, "intermediate_size_mlp", intermediate_size_mlp, 1, kMaxSize);
+    check_in(where, "interleave_moe_layer_step", interleave_moe_layer_step, 1, kMaxSize);
+    check_in(where, "no_rope_layer_interval", no_rope_layer_interval, 1, kMaxSize);
+    for (int64_t l : moe_layers) check_in(where, "moe_layers", l, 0, num_hidden_layers - 1);
+    KCPP_CHECK(no_rope_layers.empty() || static_cast<int64_t>(no_rope_layers.size()) >= num_hidden_layers,
+               "{}: 'no_rope_layers' must hold one entry per layer ({}), holds {}", where, num_hidden_layers, no_rope_layers.size());
+    for (int64_t f : no_rope_layers)
+      KCPP_CHECK(f == 0 || f == 1, "{}: 'no_rope_layers' entries must be 1 (RoPE) or 0 (NoPE), holds {}", where, f);
+    if (attention_chunk_size) check_in(where, "attention_chunk_size", *attention_chunk_size, 1, std::numeric_limits<int64_t>::max());
+    check_positive(where, "floor_scale", floor_scale);
+    check_positive(where, "attn_scale", attn_scale);
+    KCPP_CHECK(std::isfinite(router_aux_loss_coef) && router_aux_loss_coef >= 0,
+               "{}: 'router_aux_loss_coef' must be a finite number >= 0, is {}", where, router_aux_loss_coef);
+    KCPP_CHECK(!attention_bias, "{}: 'attention_bias' true is not supported for llama4_text (its o_proj bias is not implemented): "
+               "set it to false or remove the biases", where);
+    KCPP_CHECK(!mlp_bias && !qkv_bias_only && !qk_norm && norm_offset == 0.0 && !scale_embeddings && !fused_qkv && !fused_gate_up,
+               "{}: llama4_text has no MLP bias, q/k/v bias, weighted q/k norm, norm offset, scaled embeddings or fused projections",
+               where);
+    KCPP_CHECK(partial_rotary_factor == 1.0,
+               "{}: 'partial_rotary_factor' {} is not supported for llama4_text (its RoPE rotates the whole head: 1 only)", where,
+               partial_rotary_factor);
+    KCPP_CHECK(!sliding_window, "{}: llama4_text has no sliding window (its local layers are chunked: attention_chunk_size)", where);
   } else {
-    KCPP_CHECK(num_experts == 0, "{}: model_type '{}' has no experts, num_experts is {} (use mixtral, qwen3_moe or qwen2_moe)",
+    KCPP_CHECK(num_experts == 0, "{}: model_type '{}' has no experts, num_experts is {} (use mixtral, qwen3_moe, qwen2_moe or llama4_text)",
                where, model_type, num_experts);
   }
   if (model_type == "qwen2_moe") {
@@ -266,7 +371,23 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& w
   KCPP_CHECK(!c.model_type.empty(), "{}: missing key 'model_type'", where);
   bool known = false;
   for (const char* f : kFamilies) known = known || c.model_type == f;
-  KCPP_CHECK(known, "{}: unknown model_type '{}' (supported: {})", where, c.model_type, fmt::join(kFamilies, ", "));
+  KCPP_CHECK(known || c.model_type == "llama4", "{}: unknown model_type '{}' (supported: {}, and llama4 for its text model)",
+             where, c.model_type, fmt::join(kFamilies, ", "));
+  if (c.model_type == "llama4") {
+    // Llama4ForConditionalGeneration: the language model is its text_config (a llama4_text config);
+    // the vision tower is not loaded.
+    KCPP_CHECK(r.has("text_config") && j["text_config"].is_object(),
+               "{}: model_type 'llama4' needs a 'text_config' object (the language model's configuration)", where);
+    nlohmann::json text = j["text_config"];
+    const std::string inner = text.value("model_type", std::string("llama4_text"));
+    KCPP_CHECK(inner == "llama4_text", "{}: text_config's model_type is '{}'; a llama4 model's text_config must be llama4_text", where,
+               inner);
+    text["model_type"] = "llama4_text";
+    ModelConfig t = from_json(text, where + ": text_config");
+    t.multimodal = true;
+    return t;
+  }
+  const bool llama4 = c.is_llama4();
   // The sizes are checked at once: what follows divides by them and sizes lists by them.
   for (auto [key, field] : {std::pair{"vocab_size", &c.vocab_size}, {"hidden_size", &c.hidden_size},
                             {"intermediate_size", &c.intermediate_size}, {"num_hidden_layers", &c.num_hidden_layers},
@@ -277,6 +398,8 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& w
   c.num_key_value_heads = r.integer("num_key_value_heads", c.num_attention_heads);
   if (r.has("head_dim")) {
     c.head_dim = r.integer("head_dim");
+  } else if (llama4) {
+    c.head_dim = 128;  // Llama4TextConfig's default
   } else if (c.model_type == "gemma" || c.model_type == "qwen3") {  // (not qwen3_moe: hidden / heads)
     c.head_dim = c.model_type == "gemma" ? 256 : 128;  // GemmaConfig's and Qwen3Config's defaults
   } else {
@@ -285,15 +408,16 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& w
                c.num_attention_heads);
     c.head_dim = c.hidden_size / c.num_attention_heads;
   }
-  c.max_position_embeddings = r.integer("max_position_embeddings", 2048);
-  c.rms_norm_eps = r.real("rms_norm_eps", 1e-6);
+  c.max_position_embeddings = r.integer("max_position_embeddings", llama4 ? 4096 * 32 : 2048);
+  c.rms_norm_eps = r.real("rms_norm_eps", llama4 ? 1e-5 : 1e-6);
   // Transformers 5 writes "rope_parameters" {rope_theta, rope_type, partial_rotary_factor, factor...};
   // earlier versions "rope_theta", "partial_rotary_factor" and "rope_scaling" at the top.  Both read.
   const bool v5 = r.has("rope_parameters");
   if (v5) KCPP_CHECK(j["rope_parameters"].is_object(), "{}: 'rope_parameters' must be an object", where);
   const nlohmann::json rope = v5 ? j["rope_parameters"] : nlohmann::json::object();
   const Reader rp{rope, where + ": rope_parameters"};
-  c.rope_theta = v5 && rp.has("rope_theta") ? rp.real("rope_theta", 10000.0) : r.real("rope_theta", 10000.0);
+  const double theta = llama4 ? 500000.0 : 10000.0;  // Llama4TextConfig's default_theta
+  c.rope_theta = v5 && rp.has("rope_theta") ? rp.real("rope_theta", theta) : r.real("rope_theta", theta);
   c.partial_rotary_factor =
       v5 && rp.has("partial_rotary_factor") ? rp.real("partial_rotary_factor", 1.0) : r.real("partial_rotary_factor", 1.0);
   c.rope_scaling = v5 ? parse_rope_scaling(rope, where + ": rope_parameters")
@@ -305,6 +429,8 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& w
   c.torch_dtype = r.string("torch_dtype", r.string("dtype", "float32"));
   c.bos_token_id = r.ids("bos_token_id");
   c.eos_token_id = r.ids("eos_token_id");
+  if (llama4 && !r.j.contains("bos_token_id")) c.bos_token_id = {1};  // Llama4TextConfig's defaults
+  if (llama4 && !r.j.contains("eos_token_id")) c.eos_token_id = {2};
   if (r.has("pad_token_id")) c.pad_token_id = r.integer("pad_token_id");
   read_sliding_window(r, c);
   // What each family fixes.
@@ -334,6 +460,7 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& w
     KCPP_CHECK(qwen2_moe || r.real("router_jitter_noise", 0.0) == 0.0, "{}: 'router_jitter_noise' {} is not supported (0 only)",
                where, r.real("router_jitter_noise", 0.0));
   }
+  if (llama4) read_llama4(r, c);
   if (c.model_type == "gemma") {
     c.norm_offset = 1.0;
     c.scale_embeddings = true;
@@ -424,6 +551,31 @@ nlohmann::json ModelConfig::to_json() const {
       j["qkv_bias"] = qkv_bias_only;
       j.erase("attention_bias"), j.erase("mlp_bias");
     }
+  }
+  if (is_llama4()) {  // Llama4TextConfig's keys
+    j["num_local_experts"] = num_experts;
+    j["num_experts_per_tok"] = num_experts_per_tok;
+    j["intermediate_size_mlp"] = intermediate_size_mlp;
+    j["moe_layers"] = moe_layers;
+    j["interleave_moe_layer_step"] = interleave_moe_layer_step;
+    std::vector<int64_t> rope_flags;
+    for (int64_t i = 0; i < num_hidden_layers; ++i) rope_flags.push_back(rope_layer(i) ? 1 : 0);
+    j["no_rope_layers"] = rope_flags;
+    j["no_rope_layer_interval"] = no_rope_layer_interval;
+    j["attention_chunk_size"] = attention_chunk_size ? nlohmann::json(*attention_chunk_size) : nlohmann::json(nullptr);
+    std::vector<std::string> types;
+    for (int64_t i = 0; i < num_hidden_layers; ++i) types.push_back(attention_chunk(i) > 0 ? "chunked_attention" : "full_attention");
+    j["layer_types"] = types;
+    j["use_qk_norm"] = l2_qk_norm;
+    j["attn_temperature_tuning"] = attn_temperature_tuning;
+    // Llama4TextConfig types floor_scale as an int: written as one when it is whole.
+    j["floor_scale"] = std::floor(floor_scale) == floor_scale && std::abs(floor_scale) < 9e15 ? nlohmann::json(static_cast<int64_t>(floor_scale))
+                                                                                             : nlohmann::json(floor_scale);
+    j["attn_scale"] = attn_scale;
+    j["router_aux_loss_coef"] = router_aux_loss_coef;
+    j["output_router_logits"] = output_router_logits;
+    j.erase("mlp_bias");  // not a Llama 4 key
+    return j;
   }
   if (model_type == "mistral" || model_type == "phi3" || model_type == "mixtral" || model_type == "qwen3_moe") {
     j["sliding_window"] = sliding_window ? nlohmann::json(*sliding_window) : nlohmann::json(nullptr);

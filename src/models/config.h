@@ -5,7 +5,11 @@
 // mixture-of-experts families mixtral (Mistral with an MoE MLP in every layer), qwen3_moe (Qwen3
 // with MoE MLPs in the layers decoder_sparse_step and mlp_only_layers pick) and qwen2_moe (Qwen2's
 // attention, q/k/v biases by qkv_bias, MoE MLPs picked likewise, each with a shared expert scaled by
-// a sigmoid gate).  Keys and defaults
+// a sigmoid gate), and llama4_text (Llama 4's language model: MoE layers every interleave_moe_layer_step
+// or as moe_layers lists, sigmoid routing weights on the experts' inputs and a shared expert, dense
+// MLPs of intermediate_size_mlp elsewhere; NoPE layers, RoPE in interleaved pairs with an L2 q/k norm,
+// chunked attention and attention temperature tuning; a `llama4` folder's text_config is read as
+// one).  Keys and defaults
 // follow Transformers' configuration classes of those families; what a family fixes (Gemma's norm
 // offset, Qwen2's q/k/v bias) is set here, so the model code reads one struct.
 #pragma once
@@ -35,7 +39,8 @@ struct RopeScaling {
 };
 
 struct ModelConfig {
-  std::string model_type;  // "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "mixtral", "qwen3_moe", "qwen2_moe"
+  std::string model_type;  // "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "mixtral", "qwen3_moe", "qwen2_moe",
+                           // "llama4_text"
   int64_t vocab_size = 0, hidden_size = 0, intermediate_size = 0, num_hidden_layers = 0;
   int64_t num_attention_heads = 0, num_key_value_heads = 0, head_dim = 0;
   int64_t max_position_embeddings = 2048;
@@ -77,6 +82,25 @@ struct ModelConfig {
   bool norm_topk_prob = false, output_router_logits = false;
   std::vector<int64_t> mlp_only_layers;
   double router_aux_loss_coef = 0.001;
+  // Llama 4 (llama4_text; Llama4TextConfig's keys).  num_experts is num_local_experts, the experts and
+  // the shared expert of intermediate_size, the dense layers' MLP of intermediate_size_mlp; layer i is
+  // MoE when moe_layers lists it (default: every interleave_moe_layer_step-th layer, i + 1 a multiple
+  // of it).  Routing: the num_experts_per_tok largest router logits, each expert's input scaled by
+  // sigmoid(logit), plus the shared expert (no gate).  no_rope_layers[i] is 1 for a RoPE layer, 0 for
+  // a NoPE one (default: NoPE where i + 1 is a multiple of no_rope_layer_interval).  RoPE layers
+  // rotate interleaved pairs (2j, 2j + 1) and, with use_qk_norm (l2_qk_norm), L2-normalize each head
+  // of q and k after it (RMS norm without a weight, eps rms_norm_eps); a layer of type
+  // "chunked_attention" (default: the RoPE layers when attention_chunk_size is set) sees only the
+  // keys of its own chunk of attention_chunk_size positions, causally.  NoPE layers with
+  // attn_temperature_tuning scale q at position p by log1p(floor((p + 1) / floor_scale)) * attn_scale + 1.
+  // Transformers' Llama 4 adds no auxiliary loss: output_router_logits is read and kept, nothing more.
+  // `multimodal`: read from a `llama4` folder (Llama4ForConditionalGeneration), whose text_config this
+  // is and whose language model's weights are named "language_model." + the text model's names.
+  int64_t intermediate_size_mlp = 0, interleave_moe_layer_step = 1, no_rope_layer_interval = 4;
+  std::vector<int64_t> moe_layers, no_rope_layers;
+  std::optional<int64_t> attention_chunk_size;
+  bool l2_qk_norm = false, attn_temperature_tuning = false, multimodal = false;
+  double floor_scale = 8192.0, attn_scale = 0.1;
   std::string torch_dtype = "float32";
   std::vector<int64_t> bos_token_id, eos_token_id;
   std::optional<int64_t> pad_token_id;
@@ -86,6 +110,11 @@ struct ModelConfig {
   bool moe_layer(int64_t layer) const;
   // The attention window of layer `layer`: the number of keys it sees, 0 for all of them.
   int64_t attention_window(int64_t layer) const;
+  // Whether layer `layer` rotates q and k (llama4_text: no_rope_layers; every layer of the others).
+  bool rope_layer(int64_t layer) const;
+  // The attention chunk of layer `layer` (llama4_text's "chunked_attention" layers), 0 for none.
+  int64_t attention_chunk(int64_t layer) const;
+  bool is_llama4() const { return model_type == "llama4_text"; }
 
   // Every value within its range, else a kcpp::Error naming `where`, the key, the value and the
   // range allowed: sizes in [1, 2^24] (heads x head_dim too, so that no weight's element count
@@ -94,7 +123,10 @@ struct ModelConfig {
   // families: num_experts in [1, 2^16], num_experts_per_tok in [1, num_experts], sizes as above,
   // decoder_sparse_step >= 1, mlp_only_layers inside [0, num_hidden_layers), router_aux_loss_coef
   // finite and >= 0; qwen2_moe: shared_expert_intermediate_size in [1, 2^24], partial_rotary_factor 1
-  // (its attention rotates the whole head).
+  // (its attention rotates the whole head); llama4_text: intermediate_size_mlp in [1, 2^24], moe_layers
+  // and no_rope_layers inside the layers (no_rope_layers one 0 / 1 per layer), attention_chunk_size
+  // >= 1 where a layer is chunked, floor_scale and attn_scale finite and positive, and no feature it
+  // does not run (attention_bias, partial rotary, router jitter, attention dropout).
   // from_json checks every config it reads; CausalLM::random checks the ones built in code.
   void validate(const std::string& where = "config") const;
 

@@ -40,7 +40,7 @@ const std::vector<std::string>& known_layer_names() {
       "RMSNorm", "LayerNorm", "MLP", "rotary_pos_emb", "Attention", "CrossEntropyLoss", "ForCausalLMLoss",
       "SiLU",    "GeLU",      "GeluTanh", "FastGELU", "NewGELU", "QuickGELU", "SiluAndMul", "GeluAndMul",
       "GeluTanhAndMul", "SelectiveScan", "SelectiveStateUpdate", "CausalConv1d", "CausalConv1dUpdate",
-      "MegaBlocksMoeMLP", "MultiScaleDeformableAttention"};
+      "MegaBlocksMoeMLP", "Llama4TextMoe", "MultiScaleDeformableAttention"};
   return names;
 }
 
@@ -253,6 +253,7 @@ nlohmann::json default_kernel_mapping() {
   // Mixture-of-experts blocks on a GPU (where the package's grouped GEMMs were measured; the CPU keeps
   // the reference's loop over experts), and Mamba's scan and convolution everywhere.
   m["MegaBlocksMoeMLP"] = {{"cuda", ref("moe", "MegaBlocksMoeMLP")}, {"cpu", ""}};
+  m["Llama4TextMoe"] = {{"cuda", ref("moe", "Llama4TextMoe")}, {"cpu", ""}};
   for (const char* ssm : {"SelectiveScan", "SelectiveStateUpdate", "CausalConv1d", "CausalConv1dUpdate"}) m[ssm] = ref("mamba", ssm);
   // Deformable DETR's sampling core everywhere (the CPU kernel included: it is faster than the reference's
   // grid_sample per level); no C++ model has the slot, kcpp.torch swaps Transformers' module.

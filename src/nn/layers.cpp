@@ -207,8 +207,8 @@ MLP::Grads MLP::backward(const Tensor& dh, const Tensor& gate, const Tensor& up)
 
 // ---- MoE -----------------------------------------------------------------------------------------
 
-MoE::MoE(Tensor rw, Tensor gu, Tensor dp, Options o)
-    : Slot("MegaBlocksMoeMLP", "MoE/1"), router_weight(std::move(rw)), gate_up_proj(std::move(gu)), down_proj(std::move(dp)), options(o) {
+MoE::MoE(Tensor rw, Tensor gu, Tensor dp, Options o, std::string layer_name)
+    : Slot(std::move(layer_name), "MoE/1"), router_weight(std::move(rw)), gate_up_proj(std::move(gu)), down_proj(std::move(dp)), options(o) {
   KCPP_CHECK(router_weight.dim() == 2 && gate_up_proj.dim() == 3 && down_proj.dim() == 3,
              "MoE: router_weight must be [E, H], gate_up_proj [E, 2I, H], down_proj [E, H, I]");
   const int64_t e = router_weight.size(0), h = router_weight.size(1), i2 = gate_up_proj.size(1);
@@ -248,14 +248,17 @@ std::vector<int64_t> host_topk(const std::vector<double>& v, int64_t rows, int64
 }
 
 // Expert e's [rows, cols] matrix of a [E, rows, cols] stack.
-Tensor expert(const Tensor& w, int64_t e) { return w.narrow(0, e, 1).view({w.size(1), w.size(2)}); }
+// (A view of any strides: Llama 4's stacks are transposed views of its checkpoint's [E, H, 2I] / [E, I, H].)
+Tensor expert(const Tensor& w, int64_t e) { return w.select(0, e); }
+
+const char* routing_name(MoE::Routing r) { return r == MoE::Routing::Sigmoid ? "sigmoid" : "softmax"; }
 
 // The tokens each expert received and the slots (t k + j) they came in, in slot order.
-struct Routing {
+struct ExpertGroups {
   std::vector<std::vector<int64_t>> tokens, slots;
 };
-Routing group(const std::vector<double>& ids, int64_t k, int64_t experts) {
-  Routing r;
+ExpertGroups group(const std::vector<double>& ids, int64_t k, int64_t experts) {
+  ExpertGroups r;
   r.tokens.resize(static_cast<size_t>(experts)), r.slots.resize(static_cast<size_t>(experts));
   for (size_t s = 0; s < ids.size(); ++s) {
     const int64_t e = static_cast<int64_t>(ids[s]);
@@ -281,7 +284,8 @@ Tensor MoE::forward(const Tensor& hidden, Saved* saved, Tensor router_logits) {
     Tensor ids = Tensor::empty({t, k}, DType::i32, hidden.device()), w = Tensor::empty({t, k}, DType::f32, hidden.device());
     Tensor offsets, sorted, gu;
     KernelArgs a;
-    a.tensor("hidden", hidden).tensor("router_weight", router_weight).string("routing", "softmax").integer("top_k", k);
+    a.tensor("hidden", hidden).tensor("router_weight", router_weight).string("routing", routing_name(options.routing)).integer("top_k", k);
+    a.string("apply_router_weight", options.weight_on_input ? "input" : "output");
     a.integer("normalize", options.normalize ? 1 : 0).string("activation", activation_name(options.activation));
     a.tensor("gate_up_proj", gate_up_proj).tensor("down_proj", down_proj).tensor("out", out).tensor("router_logits", router_logits);
     a.tensor("topk_ids", ids).tensor("topk_weights", w);
@@ -305,15 +309,22 @@ Tensor MoE::forward(const Tensor& hidden, Saved* saved, Tensor router_logits) {
 }
 
 // Transformers' eager MoE: router, softmax in f32, top-k (renormalized), then each expert that
-// received tokens runs its gated MLP on them and adds its weighted output to theirs.
+// received tokens runs its gated MLP on them and adds its weighted output to theirs.  Llama 4
+// (Llama4TextMoe): the top-k logits, weights sigmoid(logit) in f32, each expert's input scaled by its
+// weight and its output added as it is (Transformers runs every expert on every token, the others'
+// inputs scaled by sigmoid(-inf) = 0, which adds exact zeros: only the chosen ones are run here).
 Tensor MoE::reference_forward(const Tensor& hidden, Saved* saved, Tensor router_logits) {
   const int64_t t = hidden.size(0), e = router_weight.size(0), k = options.top_k, i = down_proj.size(2);
   const Device dev = hidden.device();
   router_logits.copy_(ops::matmul(hidden, router_weight, false, true));
-  const std::vector<double> p = ops::softmax(router_logits.to(DType::f32)).to_f64_vector();
+  const bool sigmoid = options.routing == Routing::Sigmoid, on_input = options.weight_on_input;
+  const std::vector<double> p = sigmoid ? router_logits.to(DType::f32).to_f64_vector()
+                                        : ops::softmax(router_logits.to(DType::f32)).to_f64_vector();
   const std::vector<int64_t> top = host_topk(p, t, e, k);
   std::vector<double> ids(top.begin(), top.end()), w(static_cast<size_t>(t * k));
-  for (int64_t r = 0; r < t; ++r) {
+  for (int64_t r = 0; r < t && sigmoid; ++r)
+    for (int64_t j = 0; j < k; ++j) w[r * k + j] = 1.0f / (1.0f + std::exp(-static_cast<float>(p[r * e + top[r * k + j]])));
+  for (int64_t r = 0; r < t && !sigmoid; ++r) {
     float sum = 0;  // in f32, as torch sums the chosen probabilities
     for (int64_t j = 0; j < k; ++j) sum += static_cast<float>(p[r * e + top[r * k + j]]);
     for (int64_t j = 0; j < k; ++j) {
@@ -321,7 +332,7 @@ Tensor MoE::reference_forward(const Tensor& hidden, Saved* saved, Tensor router_
       w[r * k + j] = options.normalize ? pj / sum : pj;
     }
   }
-  const Routing g = group(ids, k, e);
+  const ExpertGroups g = group(ids, k, e);
   Tensor out = Tensor::zeros(hidden.shape(), hidden.dtype(), dev);
   for (int64_t x = 0; x < e; ++x) {
     const auto& tok = g.tokens[x];
@@ -330,10 +341,13 @@ Tensor MoE::reference_forward(const Tensor& hidden, Saved* saved, Tensor router_
     std::vector<double> wx(static_cast<size_t>(n));
     for (int64_t j = 0; j < n; ++j) wx[j] = w[g.slots[x][j]];
     const Tensor tokens = Tensor::from_i64(tok, {n}, DType::i64, dev);
-    const Tensor gu = ops::matmul(ops::embedding(hidden, tokens), expert(gate_up_proj, x), false, true);
+    const Tensor wcol = Tensor::from_f64(wx, {n, 1}, DType::f32, dev);
+    Tensor xs = ops::embedding(hidden, tokens);
+    if (on_input) xs = ops::mul(xs.to(DType::f32), wcol).to(hidden.dtype());  // routed_in = hidden * score
+    const Tensor gu = ops::matmul(xs, expert(gate_up_proj, x), false, true);
     const Tensor h = ops::glu_forward(gu.narrow(1, 0, i).contiguous(), gu.narrow(1, i, i).contiguous(), options.activation);
     const Tensor y = ops::matmul(h, expert(down_proj, x), false, true);
-    const Tensor yw = ops::mul(y.to(DType::f32), Tensor::from_f64(wx, {n, 1}, DType::f32, dev)).to(hidden.dtype());
+    const Tensor yw = on_input ? y : ops::mul(y.to(DType::f32), wcol).to(hidden.dtype());
     out = ops::add(out, ops::embedding_backward(yw, tokens, t));
   }
   if (saved)
@@ -402,7 +416,8 @@ MoE::Grads MoE::backward(const Tensor& dout, const Saved& s, const Tensor& drout
             Tensor::empty(gate_up_proj.shape(), gate_up_proj.dtype(), dev), Tensor::empty(down_proj.shape(), down_proj.dtype(), dev),
             {}, {}, {}};
     KernelArgs a;
-    a.tensor("dout", dout).tensor("hidden", s.hidden).tensor("router_weight", router_weight).string("routing", "softmax");
+    a.tensor("dout", dout).tensor("hidden", s.hidden).tensor("router_weight", router_weight).string("routing", routing_name(options.routing));
+    a.string("apply_router_weight", options.weight_on_input ? "input" : "output");
     a.integer("top_k", k).integer("normalize", options.normalize ? 1 : 0).string("activation", activation_name(options.activation));
     a.tensor("gate_up_proj", gate_up_proj).tensor("down_proj", down_proj);
     a.tensor("router_logits", s.router_logits).tensor("topk_ids", s.topk_ids).tensor("topk_weights", s.topk_weights);
@@ -434,8 +449,9 @@ MoE::Grads MoE::reference_backward(const Tensor& dout, const Saved& s, const Ten
   const Device dev = x.device();
   const DType dt = x.dtype();
   const std::vector<double> ids = s.topk_ids.to_f64_vector(), w = s.topk_weights.to_f64_vector();
-  const std::vector<double> p = ops::softmax(s.router_logits.to(DType::f32)).to_f64_vector();
-  const Routing rt = group(ids, k, e);
+  const bool sigmoid = options.routing == Routing::Sigmoid, on_input = options.weight_on_input;
+  const std::vector<double> p = sigmoid ? std::vector<double>() : ops::softmax(s.router_logits.to(DType::f32)).to_f64_vector();
+  const ExpertGroups rt = group(ids, k, e);
   const Tensor dy = dout.contiguous().view({t, x.size(1)});
   Grads g{Tensor::zeros(x.shape(), dt, dev), {}, Tensor::zeros(gate_up_proj.shape(), gate_up_proj.dtype(), dev),
           Tensor::zeros(down_proj.shape(), down_proj.dtype(), dev), {}, {}, {}};
@@ -448,12 +464,25 @@ MoE::Grads MoE::reference_backward(const Tensor& dout, const Saved& s, const Ten
     for (int64_t j = 0; j < n; ++j) wx[j] = w[rt.slots[xe][j]];
     const Tensor tokens = Tensor::from_i64(tok, {n}, DType::i64, dev);
     const Tensor wcol = Tensor::from_f64(wx, {n, 1}, DType::f32, dev);
-    const Tensor xs = ops::embedding(x, tokens);
+    const Tensor x0 = ops::embedding(x, tokens);                                            // the tokens' hidden
+    const Tensor xs = on_input ? ops::mul(x0.to(DType::f32), wcol).to(dt) : x0;             // the experts' input
     const Tensor gu = ops::matmul(xs, expert(gate_up_proj, xe), false, true);
     const Tensor gate = gu.narrow(1, 0, i).contiguous(), up = gu.narrow(1, i, i).contiguous();
     const Tensor h = ops::glu_forward(gate, up, options.activation);
     const Tensor de = ops::embedding(dy, tokens);                                          // dout of its tokens
     const Tensor q = ops::matmul(de, expert(down_proj, xe));                              // [n, I]
+    if (on_input) {
+      // y = expert(w x): the output unscaled, dx_s = [dg, du] W_gu, dw = dx_s . x, dhidden += w dx_s.
+      expert(g.ddown_proj, xe).copy_(ops::matmul(de, h, true, false));
+      const ops::GluBackward gb = ops::glu_backward(q, gate, up, options.activation);
+      const Tensor dgu = ops::cat({gb.dgate, gb.dup}, 1);
+      expert(g.dgate_up_proj, xe).copy_(ops::matmul(dgu, xs, true, false));
+      const Tensor dxs = ops::matmul(dgu, expert(gate_up_proj, xe));                       // [n, H]
+      const std::vector<double> dws = ops::sum(ops::mul(dxs.to(DType::f32), x0.to(DType::f32))).to_f64_vector();
+      for (int64_t j = 0; j < n; ++j) dw[rt.slots[xe][j]] = dws[j];
+      g.dhidden = ops::add(g.dhidden, ops::embedding_backward(ops::mul(dxs.to(DType::f32), wcol).to(dt), tokens, t));
+      continue;
+    }
     const std::vector<double> dws = ops::sum(ops::mul(q.to(DType::f32), h.to(DType::f32))).to_f64_vector();
     for (int64_t j = 0; j < n; ++j) dw[rt.slots[xe][j]] = dws[j];
     const Tensor dyw = ops::mul(de.to(DType::f32), wcol).to(dt);
@@ -466,6 +495,11 @@ MoE::Grads MoE::reference_backward(const Tensor& dout, const Saved& s, const Ten
   // The routing weights' gradient into the logits' (softmax, with the top-k renormalization).
   std::vector<double> dz(static_cast<size_t>(t * e), 0.0);
   for (int64_t r = 0; r < t; ++r) {
+    if (sigmoid) {  // w = sigmoid(z) of the chosen logits
+      for (int64_t j = 0; j < k; ++j)
+        dz[r * e + static_cast<int64_t>(ids[r * k + j])] = dw[r * k + j] * w[r * k + j] * (1.0 - w[r * k + j]);
+      continue;
+    }
     const double* pr = p.data() + r * e;
     if (options.normalize) {
       double c = 0;
@@ -568,11 +602,15 @@ double attention_flops(const Tensor& q, const Tensor& k, const ops::AttentionOpt
   double pairs = 0;
   for (int64_t i = 0; i < sq; ++i) {
     const int64_t last = o.causal ? sk - sq + i : sk - 1;  // the last key position query i sees
-    const int64_t first = o.window > 0 ? std::max<int64_t>(0, last - o.window + 1) : 0;
+    int64_t first = o.window > 0 ? std::max<int64_t>(0, last - o.window + 1) : 0;
+    if (o.chunk > 0) first = std::max(first, last / o.chunk * o.chunk);
     pairs += static_cast<double>(std::max<int64_t>(0, last - first + 1));
   }
   return 4.0 * q.size(0) * q.size(1) * pairs * q.size(3);
 }
+
+// Attention/1 has no chunk argument: chunked layers keep to the reference.
+constexpr const char* kChunkRefusal = "chunked attention (Llama 4's attention_chunk_size) is not part of Attention/1: the reference runs";
 
 void attention_options(KernelArgs& a, const ops::AttentionOptions& o, int64_t head_dim) {
   a.real("scale", o.scale > 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(head_dim)));
@@ -585,7 +623,9 @@ Tensor Attention::forward(const Tensor& q, const Tensor& k, const Tensor& v, Sav
   if (out_into.defined())
     KCPP_CHECK(out_into.shape() == q.shape() && out_into.dtype() == q.dtype() && out_into.device() == q.device(),
                "Attention: `out` must have q's shape, dtype and device");
-  if (kernel()) {
+  if (options.chunk > 0) {
+    count_refusal(kChunkRefusal);
+  } else if (kernel()) {
     Tensor out = out_into.defined() ? out_into : Tensor::empty(q.shape(), q.dtype(), q.device());
     Tensor lse = saved ? Tensor::empty({q.size(0), q.size(1), q.size(2)}, DType::f32, q.device()) : Tensor();
     KernelArgs a;
@@ -626,7 +666,8 @@ Attention::Grads Attention::backward(const Tensor& dout, const Saved& s) {
     const ops::AttentionBackward b = ops::attention_backward(dout, s.q, s.k, s.v, f, options);
     return {b.dq, b.dk, b.dv};
   }
-  count_reference();
+  if (options.chunk > 0) count_refusal(kChunkRefusal);
+  else count_reference();
   const ops::AttentionBackward b = ops::attention_backward(dout, s.q, s.k, s.v, s.reference, options);
   return {b.dq, b.dk, b.dv};
 }

@@ -72,7 +72,8 @@ class RotaryEmbedding : public Slot {
 };
 
 // "Attention" / Attention/1: softmax(q k^T scale + mask) v with grouped-query heads (ops/nn/attention.h);
-// q [B, Hq, Sq, D], k, v [B, Hkv, Skv, D].  Saved: a kernel's out and lse (it recomputes the
+// q [B, Hq, Sq, D], k, v [B, Hkv, Skv, D].  Chunked attention (options.chunk, Llama 4) is not in the
+// contract: those calls run the reference, counted as fallbacks when a kernel is set.  Saved: a kernel's out and lse (it recomputes the
 // probabilities), or the reference's probabilities.
 class Attention : public Slot {
  public:
@@ -92,7 +93,7 @@ class Attention : public Slot {
   ops::AttentionOptions options;
 };
 
-// "MegaBlocksMoeMLP" / MoE/1: a dropless mixture-of-experts MLP over hidden [T, H] (Mixtral's,
+// "MegaBlocksMoeMLP" / "Llama4TextMoe" / MoE/1: a dropless mixture-of-experts MLP over hidden [T, H] (Mixtral's,
 // Qwen2-MoE's and Qwen3-MoE's sparse block): router logits z = hidden router_weight^T [T, E],
 // p = softmax(z) in f32, each token's top_k experts by p (ties to the lower index) with weights w = p
 // (renormalized over the chosen ones with `normalize`), out_t = sum_j w_j down_e(act(gate_e(x_t)) *
@@ -101,6 +102,11 @@ class Attention : public Slot {
 // shared_gate_up_proj [2Is, H] (gate rows, then up rows), shared_down_proj [H, Is], its output scaled
 // by sigmoid(hidden shared_expert_gate^T) (shared_expert_gate [1, H]; absent: 1) and added:
 // out_t += sigma_t m_t, as Qwen2MoeSparseMoeBlock computes it.
+// Llama 4 (Llama4TextMoe; Options routing Sigmoid, weight_on_input): the top_k largest logits z, w =
+// sigmoid(z) in f32, each chosen expert run on w x_t and its output added unweighted, plus a shared
+// expert without a gate; its stacks are passed as the transposed views of its checkpoint's
+// gate_up_proj [E, H, 2I] and down_proj [E, I, H] (any strides; the gradients come back contiguous in
+// the [E, 2I, H] / [E, H, I] shapes).
 // The reference is Transformers' eager loop over the experts that received tokens (routing on the
 // host), then the shared expert as Qwen2MoeMLP and the gate as F.sigmoid(F.linear).
 // Saved: router_logits (also what the load-balancing loss reads), topk_ids, topk_weights, a kernel's
@@ -108,12 +114,16 @@ class Attention : public Slot {
 // backward takes the logits' other upstream gradient (the auxiliary loss's) as drouter_logits.
 class MoE : public Slot {
  public:
+  enum class Routing { Softmax, Sigmoid };  // MoE/1's routing "softmax" / "sigmoid"
   struct Options {
     int64_t top_k = 2;
-    bool normalize = true;
+    bool normalize = true;  // softmax only
     ops::GluActivation activation = ops::GluActivation::Silu;
+    Routing routing = Routing::Softmax;
+    bool weight_on_input = false;  // MoE/1's apply_router_weight "input" (Llama 4), else "output"
   };
-  MoE(Tensor router_weight, Tensor gate_up_proj, Tensor down_proj, Options options);
+  // `layer_name`: the name kernelize maps ("MegaBlocksMoeMLP"; Llama 4's block is "Llama4TextMoe").
+  MoE(Tensor router_weight, Tensor gate_up_proj, Tensor down_proj, Options options, std::string layer_name = "MegaBlocksMoeMLP");
   // The shared expert: gate_up [2Is, H], down [H, Is], and optionally its gate [1, H].
   void set_shared_expert(Tensor gate_up, Tensor down, Tensor gate = {});
   struct Saved {

@@ -64,6 +64,13 @@ bool Slot::run(const KernelArgs& args, Device device, bool backward, uint32_t mo
   return true;
 }
 
+void Slot::count_refusal(const std::string& why) {
+  ++stats_.reference_calls;
+  if (!kernel_) return;
+  ++stats_.fallbacks;
+  stats_.last_refusal = why;
+}
+
 bool Slot::run_forward(const KernelArgs& args, Device device, bool for_backward) {
   const uint32_t mode = for_backward || !(mode_ & kTraining) ? mode_ : (mode_ & kGraph) | kInference;
   return run(args, device, false, mode);

@@ -79,6 +79,9 @@ class Slot {
   bool run_forward(const KernelArgs& args, Device device, bool for_backward = true);
   bool run_backward(const KernelArgs& args, Device device);
   void count_reference() { ++stats_.reference_calls; }
+  // A call the slot keeps from its kernel itself (an option the kernel's contract lacks, e.g. Llama 4's
+  // chunked attention): with a kernel set, a fallback whose refusal is `why`; else a reference call.
+  void count_refusal(const std::string& why);
 
  private:
   bool run(const KernelArgs& args, Device device, bool backward, uint32_t mode);

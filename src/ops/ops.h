@@ -112,7 +112,9 @@ Tensor valid_mask(const Tensor& idx, int64_t ignore_index, DType dtype);
 Tensor cat(const std::vector<Tensor>& xs, int64_t dim);
 // Additive attention mask [q_len, kv_len]: 0 where query i (at absolute position
 // i + kv_len - q_len) may see key j, -inf elsewhere.  causal: j <= pos(i); window > 0: also
-// pos(i) - j < window (Mistral's sliding window).
-Tensor attention_mask(int64_t q_len, int64_t kv_len, bool causal, int64_t window, DType dtype, Device device);
+// pos(i) - j < window (Mistral's sliding window); chunk > 0: also j / chunk == pos(i) / chunk (Llama 4's
+// chunked attention, positions counted from key 0).
+Tensor attention_mask(int64_t q_len, int64_t kv_len, bool causal, int64_t window, DType dtype, Device device,
+                      int64_t chunk = 0);
 
 }  // namespace kcpp::ops

@@ -34,10 +34,11 @@ Tensor cat(const std::vector<Tensor>& xs, int64_t dim) {
   return out;
 }
 
-Tensor attention_mask(int64_t q_len, int64_t kv_len, bool causal, int64_t window, DType dtype, Device device) {
+Tensor attention_mask(int64_t q_len, int64_t kv_len, bool causal, int64_t window, DType dtype, Device device, int64_t chunk) {
   KCPP_CHECK(q_len >= 0 && kv_len >= q_len, "op attention_mask: need 0 <= q_len <= kv_len, got {} and {}", q_len,
              kv_len);
   KCPP_CHECK(window >= 0, "op attention_mask: window {} < 0", window);
+  KCPP_CHECK(chunk >= 0, "op attention_mask: chunk {} < 0", chunk);
   std::vector<double> m(static_cast<size_t>(q_len * kv_len));
   const double ninf = -std::numeric_limits<double>::infinity();
   for (int64_t i = 0; i < q_len; ++i) {
@@ -45,6 +46,7 @@ Tensor attention_mask(int64_t q_len, int64_t kv_len, bool causal, int64_t window
     for (int64_t j = 0; j < kv_len; ++j) {
       bool visible = !causal || j <= pos;
       if (window > 0) visible = visible && pos - j < window;
+      if (chunk > 0) visible = visible && j / chunk == pos / chunk;
       m[i * kv_len + j] = visible ? 0.0 : ninf;
     }
   }

@@ -475,7 +475,8 @@ KernelConfig moe_model_config() {
                               {"rotary_pos_emb", liger + ":LigerRotaryEmbedding"},
                               {"ForCausalLMLoss", liger + ":LigerFusedLinearCrossEntropy"},
                               {"Attention", test::built_package_dir("flash_attn").string()},
-                              {"MegaBlocksMoeMLP", test::built_package_dir("moe").string() + ":MegaBlocksMoeMLP"}},
+                              {"MegaBlocksMoeMLP", test::built_package_dir("moe").string() + ":MegaBlocksMoeMLP"},
+                              {"Llama4TextMoe", test::built_package_dir("moe").string() + ":Llama4TextMoe"}},
                              true);
 }
 
@@ -515,14 +516,70 @@ TEST_P(Kernelize, KernelizedMoEModelsMatchTransformers) {
   }
 }
 
+// Llama 4 (text) kernelized by the default slots' packages and the moe package's Llama4TextMoe (routing
+// "sigmoid", the weight on the expert input, a shared expert): logits, loss and every gradient as
+// Transformers computes them.  The MoE blocks, norms (the L2 q/k norm as RMSNorm of weight 1), the
+// interleaved RoPE, the MLPs and the loss run their kernels; the attention kernel runs on the NoPE layer
+// and the chunked layers keep to the reference (Attention/1 has no chunk), counted as fallbacks saying so.
+TEST_P(Kernelize, KernelizedLlama4MatchesTransformers) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  const std::string liger = test::built_package_dir("liger").string();
+  const KernelConfig config = KernelConfig::parse({{"RMSNorm", liger + ":LigerRMSNorm"},
+                                                   {"MLP", liger + ":LigerGLU"},
+                                                   {"rotary_pos_emb", liger + ":LigerRotaryEmbedding"},
+                                                   {"ForCausalLMLoss", liger + ":LigerFusedLinearCrossEntropy"},
+                                                   {"Attention", test::built_package_dir("flash_attn").string()},
+                                                   {"Llama4TextMoe", test::built_package_dir("moe").string() + ":Llama4TextMoe"}},
+                                                  true);
+  const auto dir = std::filesystem::path(test::fixtures_dir()) / "llama4_text";
+  auto model = models::CausalLM::from_folder(dir, DType::f32, dev);
+  model->kernelize(config, nn::kTraining, dev, local_loader());
+  const auto e = models::SafetensorsFile::open(dir / "expected.safetensors");
+  const Tensor ids = e.view("input_ids"), labels = e.view("labels");
+  EXPECT_TRUE(test::close_l2(model->forward(ids), e.view("logits").to_f64_vector(), 1e-5));
+  EXPECT_TRUE(test::close_l2(model->loss(ids, labels), e.view("loss").to_f64_vector(), 1e-5));
+  const auto lg = model->loss_and_gradients(ids, labels);
+  EXPECT_TRUE(test::close_l2(lg.loss, e.view("loss").to_f64_vector(), 1e-5));
+  size_t expected = 0;
+  for (const auto& [name, entry] : e.entries()) expected += name.starts_with("grad.");
+  EXPECT_EQ(lg.grads.size(), expected);
+  for (const auto& [name, grad] : lg.grads)
+    EXPECT_TRUE(test::close_l2(grad, e.view("grad." + name).to_f64_vector(), 1e-5)) << name;
+  int moe_slots = 0, chunked = 0, full = 0;
+  model->visit_slots([&](nn::Slot& s) {
+    EXPECT_TRUE(s.kernel().has_value()) << s.layer_name() << ": " << s.reason();
+    if (s.layer_name() == "Attention" && static_cast<nn::Attention&>(s).options.chunk > 0) {
+      ++chunked;
+      EXPECT_EQ(s.stats().kernel_calls, 0);
+      EXPECT_GT(s.stats().fallbacks, 0);
+      EXPECT_NE(s.stats().last_refusal.find("chunked attention"), std::string::npos) << s.stats().last_refusal;
+      return;
+    }
+    full += s.layer_name() == "Attention";
+    const bool moe = s.layer_name() == "Llama4TextMoe";
+    moe_slots += moe;
+    if (moe && dev.is_cuda()) {  // the CUDA experts are bf16 / f16 GEMMs: f32 calls run the reference, saying so
+      EXPECT_NE(s.stats().last_refusal.find("f32 on CUDA"), std::string::npos) << s.stats().last_refusal;
+      return;
+    }
+    EXPECT_GT(s.stats().kernel_calls, 0) << s.layer_name();
+    EXPECT_EQ(s.stats().fallbacks, 0) << s.layer_name() << ": " << s.stats().last_refusal;
+  });
+  EXPECT_EQ(moe_slots, 2);
+  EXPECT_EQ(chunked, 3);
+  EXPECT_EQ(full, 1);
+}
+
 // The convergence bar for the MoE families: 100 AdamW steps with the kernels (the moe package's
 // experts) track the reference layers' loss curve (router auxiliary loss included) within 1e-5
-// relative in f32 and 1e-2 absolute in bf16.
+// relative in f32 and 1e-2 absolute in bf16.  Llama 4 too (its chunked layers' attention the
+// reference on both sides).
 TEST_P(Kernelize, MoETrainingWithKernelsTracksTheReference) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
   const KernelConfig config = moe_model_config();
-  for (const char* family : {"mixtral", "qwen3_moe", "qwen2_moe"}) {
+  for (const char* family : {"mixtral", "qwen3_moe", "qwen2_moe", "llama4_text"}) {
     const auto dir = std::filesystem::path(test::fixtures_dir()) / family;
     const auto e = models::SafetensorsFile::open(dir / "expected.safetensors");
     const Tensor ids = e.view("input_ids"), labels = e.view("labels");

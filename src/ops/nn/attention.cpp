@@ -21,6 +21,7 @@ void check_attention(const Tensor& q, const Tensor& k, const Tensor& v, const At
              q.size(1), k.size(1));
   KCPP_CHECK(q.size(2) <= k.size(2), "op {}: {} queries but only {} keys", op, q.size(2), k.size(2));
   KCPP_CHECK(opt.window >= 0, "op {}: window {} < 0", op, opt.window);
+  KCPP_CHECK(opt.chunk >= 0, "op {}: chunk {} < 0", op, opt.chunk);
 }
 
 // [B, Hkv, S, D] -> [B, Hkv * g, S, D] (HF repeat_kv: each kv head repeated g times, materialized).
@@ -47,8 +48,8 @@ AttentionForward attention_forward(const Tensor& q, const Tensor& k, const Tenso
   check_attention(q, k, v, opt, "attention");
   const int64_t g = q.size(1) / k.size(1);
   Tensor s = scale(matmul(q, repeat_kv(k, g), false, true), scale_of(q, opt));
-  if (opt.causal || opt.window > 0)
-    s = add(s, attention_mask(q.size(2), k.size(2), opt.causal, opt.window, q.dtype(), q.device()));
+  if (opt.causal || opt.window > 0 || opt.chunk > 0)
+    s = add(s, attention_mask(q.size(2), k.size(2), opt.causal, opt.window, q.dtype(), q.device(), opt.chunk));
   const Tensor p32 = softmax(s.to(q.dtype() == DType::f64 ? DType::f64 : DType::f32));
   const Tensor p = p32.to(q.dtype());
   return {matmul(p, repeat_kv(v, g)), p, p32};

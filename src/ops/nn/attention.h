@@ -2,7 +2,7 @@
 //
 //   k, v repeated to the query heads (GQA: query head h reads kv head h / (Hq / Hkv))
 //   s = (q @ k^T) * scale + mask          [B, Hq, Sq, Skv], in the input dtype
-//   p = softmax(s in f32).to(dtype)        mask: causal and/or sliding window (ops::attention_mask)
+//   p = softmax(s in f32).to(dtype)        mask: causal, sliding window and/or chunk (ops::attention_mask)
 //   o = p @ v                              [B, Hq, Sq, D]
 // q [B, Hq, Sq, D], k and v [B, Hkv, Skv, D], Hq a multiple of Hkv, Sq <= Skv (queries are the last
 // Sq positions).  Saved for backward: p (dtype) and p in f32, as eager autograd keeps them.
@@ -18,6 +18,8 @@ struct AttentionOptions {
   double scale = 0.0;   // 0: 1 / sqrt(D)
   bool causal = true;
   int64_t window = 0;   // > 0: sliding window of this many keys (the query's own included)
+  int64_t chunk = 0;    // > 0: chunked attention (Llama 4): a query sees only the keys of its own chunk of
+                        // `chunk` positions (key j, query at position p: j / chunk == p / chunk)
 };
 
 struct AttentionForward {
