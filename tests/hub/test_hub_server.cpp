@@ -269,13 +269,19 @@ TEST_F(HubServer, AMistypedFileListIsANamedError) {
     reply(text);
     EXPECT_TRUE(throws_with([&] { hub.files("acme/example", "v1.0.0"); }, why)) << text;
   }
-  reply(R"([{"type": "directory", "path": "d"}, {"type": "file", "path": "d/a.so", "size": 4, "lfs": {"oid": "ab"}},
-             {"type": "file", "path": "b.json"}, 5])");
+  // An LFS oid that is no sha256 is refused, naming the repository, revision and file.
+  reply(R"([{"type": "file", "path": "d/a.so", "size": 4, "lfs": {"oid": "ab"}}])");
+  EXPECT_TRUE(throws_with([&] { hub.files("acme/example", "v1.0.0"); },
+                          server->url() + ": the file list of acme/example@v1.0.0 has an entry whose 'lfs.oid' 'ab' is "
+                                          "not a sha256 (64 lower-case hex digits) (d/a.so)"));
+  const std::string sha(64, 'a');
+  reply(R"([{"type": "directory", "path": "d"}, {"type": "file", "path": "d/a.so", "size": 4, "lfs": {"oid": ")" + sha +
+        R"("}}, {"type": "file", "path": "b.json"}, 5])");
   const auto files = hub.files("acme/example", "v1.0.0");
   ASSERT_EQ(files.size(), 2u);
   EXPECT_EQ(files[0].path, "d/a.so");
   EXPECT_EQ(files[0].size, 4u);
-  EXPECT_EQ(files[0].sha256, "ab");
+  EXPECT_EQ(files[0].sha256, sha);
   EXPECT_EQ(files[1].path, "b.json");
   EXPECT_EQ(files[1].size, 0u);
   EXPECT_EQ(files[1].sha256, "");
@@ -348,8 +354,9 @@ TEST_F(HubServer, AFileWhoseHashDiffersNeverEntersTheCacheOrLoads) {
   // Tampered after signing: the manifest still lists the original hash.
   { std::ofstream(library_path(rev), std::ios::app) << "evil"; }
   Hub hub(config());
+  // (Longer than the manifest says: the download stops at the manifest's size.)
   EXPECT_TRUE(throws_with([&] { hub.load(Reference::parse("acme/example@v1.0.0:SiLU")); },
-                          "but the manifest says"));
+                          "bytes expected (the size the manifest gives); not stored, not loaded"));
   EXPECT_EQ(blob_count(), 1u);  // the manifest only
   expect_cache_consistent();
   // A tampered *cached* copy is refused on the next load as well.
@@ -361,6 +368,79 @@ TEST_F(HubServer, AFileWhoseHashDiffersNeverEntersTheCacheOrLoads) {
   Hub fresh(config());
   EXPECT_TRUE(throws_with([&] { fresh.load(Reference::parse("acme/example@v1.1.0:SiLU")); },
                           "the file was modified or corrupted; refusing to load"));
+}
+
+// A download stops at the size the manifest gives (at 16 MiB for manifest.json, whose size nothing
+// gives), so that a server cannot fill the disk; a file of the right size but other bytes is refused
+// by its hash.  Neither enters the cache.
+TEST_F(HubServer, ADownloadLongerThanClaimedIsCutOffAndRefused) {
+  const fs::path rev = publish("v1.0.0", &acme);
+  const fs::path lib = library_path(rev);
+  const uint64_t size = fs::file_size(lib);
+  std::mutex m;
+  std::string body;  // what the server answers for the library, when set
+  set_fault([&](const RequestView& r) {
+    std::lock_guard<std::mutex> g(m);
+    if (body.empty() || r.path.find("/resolve/") == std::string_view::npos) return Fault{};
+    const bool manifest = r.path.ends_with("/manifest.json");
+    if (manifest != (body.size() > (uint64_t{16} << 20))) return Fault{};
+    Fault f;
+    f.kind = Fault::Kind::Body;
+    f.body = body;
+    return f;
+  });
+  auto answer = [&](std::string b) {
+    std::lock_guard<std::mutex> g(m);
+    body = std::move(b);
+  };
+  const std::string lib_name = fs::relative(lib, rev).generic_string();
+  answer(std::string(size + 100000, 'x'));
+  EXPECT_TRUE(throws_with([&] { Hub(config()).load(Reference::parse("acme/example@v1.0.0:SiLU")); },
+                          "acme/example@" + Hub(config()).resolve(Reference::parse("acme/example@v1.0.0")).commit.substr(0, 12) +
+                              ": " + lib_name + ": the hub's answer (" + server->url() + "/acme/example/resolve/"));
+  EXPECT_TRUE(throws_with([&] { Hub(config()).load(Reference::parse("acme/example@v1.0.0:SiLU")); },
+                          fmt::format("holds more than the {} bytes expected (the size the manifest gives); not stored, "
+                                      "not loaded",
+                                      size)));
+  answer(std::string(size, 'x'));
+  EXPECT_TRUE(throws_with([&] { Hub(config()).load(Reference::parse("acme/example@v1.0.0:SiLU")); },
+                          fmt::format("{} has sha256 {} ({} bytes) but the manifest says", lib_name,
+                                      sha256_hex(std::string(size, 'x')), size)));
+  EXPECT_EQ(blob_count(), 1u);  // the manifest only
+  fs::remove_all(cache_dir);
+  answer(std::string((uint64_t{16} << 20) + 1, ' '));
+  EXPECT_TRUE(throws_with([&] { Hub(config()).inspect(Reference::parse("acme/example@v1.0.0")); },
+                          "manifest.json: the hub's answer"));
+  EXPECT_TRUE(throws_with([&] { Hub(config()).inspect(Reference::parse("acme/example@v1.0.0")); },
+                          "holds more than the 16777216 bytes expected (the most a manifest.json may have)"));
+  EXPECT_EQ(blob_count(), 0u);
+  expect_cache_consistent();
+  // A plain-directory hub (HF_ENDPOINT a folder) checks the size before copying.
+  answer("");
+  { std::ofstream(lib, std::ios::app) << "longer"; }
+  HubConfig c = config();
+  c.endpoint = hub_dir.string();
+  EXPECT_TRUE(throws_with([&] { Hub(c).load(Reference::parse("acme/example@v1.0.0:SiLU")); },
+                          fmt::format("{}: {} holds more than the {} bytes expected", lib_name, lib.string(), size)));
+  expect_cache_consistent();
+}
+
+// The cached manifest.json is read only when its bytes are what its blob's name says (nothing else
+// checks an unsigned, unlocked one).
+TEST_F(HubServer, ACachedManifestThatIsNotItsBlobsHashIsRefused) {
+  publish("v1.0.0", &acme);
+  Hub hub(config());
+  const PackageInfo info = hub.inspect(Reference::parse("acme/example@v1.0.0"));
+  const fs::path link = info.folder / "manifest.json";
+  const fs::path blob = fs::canonical(link);
+  EXPECT_EQ(blob.filename().string(), info.manifest_sha256);
+  { std::ofstream(blob, std::ios::app) << " "; }
+  EXPECT_TRUE(throws_with([&] { Hub(config()).inspect(Reference::parse("acme/example@v1.0.0")); },
+                          "acme/example@v1.0.0: the cache's manifest.json has sha256 " + sha256_file(blob) +
+                              " but its blob is named '" + info.manifest_sha256 + "'"));
+  fs::remove(link);  // as the message says: then it is downloaded again
+  fs::remove(blob);
+  EXPECT_EQ(Hub(config()).inspect(Reference::parse("acme/example@v1.0.0")).manifest_sha256, info.manifest_sha256);
 }
 
 TEST_F(HubServer, SignaturesAndTrustDecideWhatLoads) {
