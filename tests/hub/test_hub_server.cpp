@@ -3,6 +3,7 @@
 // gets its own hub folder, cache, keys and server.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <httplib.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -219,6 +220,150 @@ TEST_F(HubServer, ServesTheHubApiSubset) {
   EXPECT_EQ(requests.size(), 1u);
   EXPECT_TRUE(throws_with([&] { http.get(server->url() + "/acme/example/resolve/v1.0.0/../../../etc/passwd"); },
                           "HTTP 40"));
+}
+
+// ---- route_request: kcpp serve's routing without sockets (also fuzzed: tests/fuzz/fuzz_serve_routing.cpp)
+
+class ServeRouting : public ::testing::Test {
+ protected:
+  test::TempDir tmp;
+  fs::path root = tmp.path() / "served", outside = tmp.path() / "outside";
+  RepoDir dir{root};
+
+  void SetUp() override {
+    write_file_atomic(root / "acme/example/v1.0.0/manifest.json", "{}");
+    write_file_atomic(root / "acme/example/v1.0.0/build/a.so", "library");
+    write_file_atomic(root / "acme/example/main/README.md", "main");
+    write_file_atomic(outside / "secret.txt", "secret");
+    write_file_atomic(outside / "org/pkg/v1.0.0/secret.txt", "secret");
+  }
+  ServeAnswer get(const std::string& path, const std::string& method = "GET") {
+    return route_request(dir, ServeRequest{method, path});
+  }
+  // The status, and for an error that its body is {"error": ...}.
+  int status(const std::string& path, const std::string& method = "GET") {
+    const ServeAnswer a = get(path, method);
+    if (a.status != 200) {
+      const auto j = nlohmann::json::parse(a.body, nullptr, false);
+      EXPECT_TRUE(j.is_object() && j.contains("error") && j["error"].is_string()) << path << ": " << a.body;
+    }
+    return a.status;
+  }
+};
+
+TEST_F(ServeRouting, AnswersTheApiSubset) {
+  const std::string commit = dir.commit_of("acme/example", "v1.0.0");
+  const auto refs = nlohmann::json::parse(get("/api/models/acme/example/refs").body);
+  EXPECT_EQ(refs["tags"][0]["targetCommit"], commit);
+  EXPECT_EQ(refs["branches"][0]["name"], "main");
+  EXPECT_EQ(nlohmann::json::parse(get("/api/models/acme/example/revision/v1.0.0").body)["sha"], commit);
+  EXPECT_EQ(nlohmann::json::parse(get("/api/models/acme/example/tree/" + commit).body).size(), 2u);
+  EXPECT_EQ(nlohmann::json::parse(get("/api/models/acme/example/tree/v1.0.0/build/").body).size(), 1u);
+  EXPECT_EQ(nlohmann::json::parse(get("/api/models/acme/example/tree/v1.0.0/build").body).size(), 1u);
+  EXPECT_EQ(nlohmann::json::parse(get("/api/models/acme/example/tree/v1.0.0/").body).size(), 2u);
+  for (const char* method : {"GET", "HEAD"}) {
+    const ServeAnswer a = get("/acme/example/resolve/v1.0.0/build/a.so", method);
+    EXPECT_EQ(a.status, 200);
+    EXPECT_EQ(a.body, "library");
+    EXPECT_EQ(a.file, root / "acme/example/v1.0.0/build/a.so");
+    EXPECT_EQ(a.content_type, "application/octet-stream");
+    const std::vector<std::pair<std::string, std::string>> headers = {{"ETag", "\"" + sha256_hex("library") + "\""},
+                                                                      {"X-Repo-Commit", commit}};
+    EXPECT_EQ(a.headers, headers);
+  }
+}
+
+TEST_F(ServeRouting, OtherMethodsRoutesAndIdsAreErrors) {
+  for (const char* method : {"POST", "PUT", "DELETE", "OPTIONS", "PATCH", "get", ""}) {
+    const ServeAnswer a = get("/api/models/acme/example/refs", method);
+    EXPECT_EQ(a.status, 405) << method;
+    ASSERT_EQ(a.headers.size(), 1u);
+    EXPECT_EQ(a.headers[0].second, "GET, HEAD");
+  }
+  for (const char* path : {"", "/", "*", "/api/models/acme/example", "/api/models/acme/example/refs/", "/api/models/acme/example/revision/",
+                           "/api/models/acme/example/revision/v1.0.0/x", "/api/models/acme/example/tree/", "/acme/example/resolve/v1.0.0",
+                           "/acme/example/resolve/v1.0.0/", "//acme/example/resolve/v1.0.0/manifest.json", "/api/models/-acme/example/refs",
+                           "/api/models/acme/example/branches"})
+    EXPECT_EQ(status(path), 404) << path;
+  EXPECT_EQ(status("/api/models/acme--x/example/refs"), 400);  // a route, but not a repo id
+  EXPECT_EQ(status("/api/models/acme/nothing/refs"), 404);
+  EXPECT_EQ(status("/api/models/acme/example/revision/v9"), 404);
+}
+
+// Traversal in every spelling the HTTP layer may hand over (it percent-decodes the path: "%2e%2e"
+// arrives as ".."), absolute paths, NULs: never a 200, never a file outside the served folder.
+TEST_F(ServeRouting, NoPathLeavesTheServedFolder) {
+  for (const std::string& path : std::vector<std::string>{
+           "/acme/example/resolve/v1.0.0/../../../../outside/secret.txt", "/acme/example/resolve/v1.0.0/../main/README.md",
+           "/acme/example/resolve/../main/README.md", "/acme/example/resolve/v1.0.0//etc/passwd",
+           "/acme/example/resolve/v1.0.0/./manifest.json", "/acme/example/resolve/v1.0.0/build\\..\\manifest.json",
+           "/acme/example/resolve/.hidden/x", std::string("/acme/example/resolve/v1.0.0/manifest.json") + '\0' + ".txt",
+           "/acme/example/resolve/v1.0.0/%2e%2e/main/README.md", "/api/models/acme/../refs", "/api/models/../../refs"})
+    EXPECT_NE(status(path), 200) << path;
+  EXPECT_EQ(status("/api/models/acme/example/tree/v1.0.0/../main"), 400);
+  EXPECT_EQ(status("/api/models/acme/example/tree/v1.0.0/./"), 400);
+  EXPECT_EQ(status("/api/models/acme/example/tree/v1.0.0//etc"), 400);
+}
+
+// Symbolic links are never followed, wherever they sit: a file, a folder, a revision, a repo, an org
+// (fuzz findings: the org and repo folders were followed; tests/fuzz/corpus/serve_routing/regression-*).
+TEST_F(ServeRouting, SymbolicLinksAreNeverFollowed) {
+  fs::create_symlink(outside / "secret.txt", root / "acme/example/v1.0.0/build/link.so");
+  fs::create_symlink(outside, root / "acme/example/v1.0.0/build/out");
+  fs::create_symlink(outside / "org/pkg/v1.0.0", root / "acme/example/v2.0.0");
+  fs::create_symlink(outside / "org/pkg", root / "acme/linked");
+  fs::create_symlink(outside / "org", root / "evil");
+  for (const char* path : {"/acme/example/resolve/v1.0.0/build/link.so", "/acme/example/resolve/v1.0.0/build/out/secret.txt",
+                           "/acme/example/resolve/v2.0.0/secret.txt", "/api/models/acme/example/revision/v2.0.0",
+                           "/acme/linked/resolve/v1.0.0/secret.txt", "/api/models/acme/linked/refs",
+                           "/api/models/acme/linked/tree/v1.0.0", "/evil/pkg/resolve/v1.0.0/secret.txt",
+                           "/api/models/evil/pkg/refs", "/api/models/evil/pkg/revision/v1.0.0"})
+    EXPECT_EQ(status(path), 404) << path;
+  const std::string tree = get("/api/models/acme/example/tree/v1.0.0").body;
+  EXPECT_EQ(tree.find("secret"), std::string::npos) << tree;
+  EXPECT_EQ(get("/api/models/acme/example/refs").body.find("v2.0.0"), std::string::npos);
+}
+
+// A revision with a NUL byte named the folder before it ("v1.0.0\0x" served v1.0.0: the file system
+// stops reading a name at a NUL); bytes that are not UTF-8 made the JSON error itself fail (a 500).
+// Fuzz findings, kept in tests/fuzz/corpus/serve_routing/regression-*.
+TEST_F(ServeRouting, NulBytesAndNonUtf8AreClientErrors) {
+  EXPECT_EQ(status(std::string("/acme/example/resolve/v1.0.0") + '\0' + "x/manifest.json"), 404);
+  EXPECT_EQ(status(std::string("/api/models/acme/example/revision/v1.0.0") + '\0'), 404);
+  EXPECT_EQ(status(std::string("/api/models/acme/example/tree/v1.0.0") + '\0' + "/build"), 404);
+  EXPECT_EQ(status("/api/models/acme/example/revision/\xff\xfe"), 404);
+  EXPECT_EQ(status("/acme/example/resolve/v1.0.0/\xff"), 404);
+  write_file_atomic(root / "acme/example/v1.0.0/bad\xff.bin", "x");
+  const ServeAnswer a = get("/api/models/acme/example/tree/v1.0.0");
+  EXPECT_EQ(a.status, 200);
+  EXPECT_FALSE(nlohmann::json::parse(a.body, nullptr, false).is_discarded());
+}
+
+// The server hands every request to route_request: HEAD is GET without the body, other methods are
+// 405, unknown paths 404 with a JSON error, and a percent-encoded '..' arrives decoded and is refused.
+TEST_F(HubServer, EveryRequestGoesThroughTheRouter) {
+  publish("v1.0.0", &acme);
+  httplib::Client client(server->url());
+  const std::string file = "/acme/example/resolve/v1.0.0/manifest.json";
+  const auto head = client.Head(file);
+  ASSERT_TRUE(head);
+  EXPECT_EQ(head->status, 200);
+  EXPECT_EQ(head->body, "");
+  EXPECT_EQ(head->get_header_value("ETag"), "\"" + sha256_file(hub_dir / "acme/example/v1.0.0/manifest.json") + "\"");
+  const auto post = client.Post(file, "x", "text/plain");
+  ASSERT_TRUE(post);
+  EXPECT_EQ(post->status, 405);
+  EXPECT_EQ(post->get_header_value("Allow"), "GET, HEAD");
+  const auto none = client.Get("/nothing/here/at/all");
+  ASSERT_TRUE(none);
+  EXPECT_EQ(none->status, 404);
+  EXPECT_TRUE(nlohmann::json::parse(none->body).contains("error"));
+  for (const char* path : {"/acme/example/resolve/v1.0.0/%2e%2e/%2e%2e/%2e%2e/etc/passwd",
+                           "/acme/example/resolve/v1.0.0%00x/manifest.json", "/api/models/acme/example/revision/%ff"}) {
+    const auto r = client.Get(path);
+    ASSERT_TRUE(r) << path;
+    EXPECT_EQ(r->status, 404) << path;
+  }
 }
 
 TEST_F(HubServer, ListsTheFilesOfARevision) {
