@@ -89,8 +89,13 @@ std::optional<fs::path> Cache::file(const std::string& repo, const std::string& 
 std::optional<std::string> Cache::blob_sha256(const std::string& repo, const std::string& commit,
                                               const std::string& path) const {
   std::error_code ec;
-  const fs::path target = fs::read_symlink(snapshot_dir(repo, commit) / path, ec);
+  const fs::path link = snapshot_dir(repo, commit) / path;
+  const fs::path target = fs::read_symlink(link, ec);
   if (ec) return std::nullopt;
+  // A link that leaves blobs/ names no blob of this cache: the whole target is returned, which is
+  // no sha256 and so matches no content.
+  if ((link.parent_path() / target).lexically_normal().parent_path() != (repo_dir(repo) / "blobs").lexically_normal())
+    return target.string();
   return target.filename().string();
 }
 

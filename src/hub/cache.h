@@ -41,8 +41,9 @@ class Cache {
   // The cached file's path in the snapshot, when present and pointing at an existing blob.
   std::optional<std::filesystem::path> file(const std::string& repo, const std::string& commit,
                                             const std::string& path) const;
-  // The name of the blob that the snapshot path links to: the sha256 the blob claims to hold;
-  // nullopt when the path is no symbolic link (absent, or a copy).
+  // The name of the blob that the snapshot path links to: the sha256 the blob claims to hold (the
+  // link's whole target when it points anywhere but blobs/); nullopt when the path is no symbolic
+  // link (absent, or a copy).
   std::optional<std::string> blob_sha256(const std::string& repo, const std::string& commit,
                                          const std::string& path) const;
   // Moves the complete, checked `tmp` into blobs/<sha256> and links the snapshot path to it.

@@ -336,7 +336,7 @@ PackageInfo Hub::inspect(const Reference& ref) const {
         named && *named != info.manifest_sha256)
       KCPP_FAIL("{}: the cache's manifest.json has sha256 {} but its blob is named {}: the file was modified or "
                 "damaged; refusing to read it (delete {} and the blob it links to, to download it again)",
-                info.origin(), info.manifest_sha256, shown(*named), cached.string());
+                info.origin(), info.manifest_sha256, shown(*named, 1024), cached.string());
     if (e && e->manifest_sha256 != info.manifest_sha256)
       KCPP_FAIL("{}: manifest.json has sha256 {} but {} pins {}; refusing to load it", info.origin(),
                 info.manifest_sha256, cfg_.lock_file->string(), e->manifest_sha256);

@@ -53,10 +53,7 @@ std::string bind_problem(const std::string& host, int port) {
   return err ? std::strerror(err) : "";
 }
 
-}  // namespace
-
-// The routes (server.h), matched by hand: each part of the path is one '/'-separated segment.
-namespace {
+// ---- The routes (server.h), matched by hand: each part of the path is one '/'-separated segment.
 
 // What dump() writes for any string: bytes that are not UTF-8 (a request may hold any) become U+FFFD
 // instead of an exception.

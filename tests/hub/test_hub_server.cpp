@@ -586,6 +586,14 @@ TEST_F(HubServer, ACachedManifestThatIsNotItsBlobsHashIsRefused) {
   fs::remove(link);  // as the message says: then it is downloaded again
   fs::remove(blob);
   EXPECT_EQ(Hub(config()).inspect(Reference::parse("acme/example@v1.0.0")).manifest_sha256, info.manifest_sha256);
+  // A link out of blobs/ names no blob, even to a file named by its own hash.
+  const std::string other = R"({"kcpp_manifest": 1})";
+  const fs::path elsewhere = tmp.path() / "elsewhere" / sha256_hex(other);
+  write_file_atomic(elsewhere, other);
+  fs::remove(link);
+  fs::create_symlink(elsewhere, link);
+  EXPECT_TRUE(throws_with([&] { Hub(config()).inspect(Reference::parse("acme/example@v1.0.0")); },
+                          "but its blob is named '" + elsewhere.string() + "'"));
 }
 
 TEST_F(HubServer, SignaturesAndTrustDecideWhatLoads) {
