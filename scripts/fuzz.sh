@@ -12,7 +12,7 @@ seconds="${1:-20}"
 shift || true
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(reference manifest lockfile safetensors config tokenizer_load tokenizer_text kernel_config chat_template
-                                  hub_api trust checkpoint training_data weight_index tokenizer_config)
+                                  hub_api trust checkpoint training_data weight_index tokenizer_config serve_routing)
 
 cmake --preset fuzz >/dev/null
 cmake --build --preset fuzz -j "$(nproc)"
@@ -25,7 +25,7 @@ run_one() {
   case "$t" in reference) max_len=256 ;; tokenizer_text) max_len=2048 ;; manifest | tokenizer_load | tokenizer_config) max_len=8192 ;; esac
   mkdir -p "$work/corpus/$t"  # what the run adds; the seeds in the repository stay as they are
   cat tests/fuzz/dict/"$t".dict > "$dict"
-  case "$t" in reference | tokenizer_text | chat_template) ;; *) cat tests/fuzz/dict/json.dict >> "$dict" ;; esac
+  case "$t" in reference | tokenizer_text | chat_template | serve_routing) ;; *) cat tests/fuzz/dict/json.dict >> "$dict" ;; esac
   if OMP_NUM_THREADS=1 UBSAN_OPTIONS=print_stacktrace=1 build/fuzz/bin/fuzz_"$t" -max_total_time="$seconds" \
       -timeout=10 -rss_limit_mb=2048 -max_len="$max_len" -dict="$dict" -print_final_stats=1 \
       -artifact_prefix=build/fuzz/findings/"$t"- "$work/corpus/$t" tests/fuzz/corpus/"$t" >"$work/$t.log" 2>&1; then

@@ -51,9 +51,10 @@ step "$kcpp" lock --quiet
 step "$kcpp" verify 'acme/example@>=1.0,<2.0:SiLU' --lock kcpp.lock --quiet
 step "$kcpp" verify 'acme/example@>=1.0,<2.0:SiLU' --offline --quiet
 
-# The publisher's v1.0.0 is replaced behind everyone's back: the lock notices the new commit, and
-# without the lock the file's hash no longer matches the signed manifest.
-printf 'tampered' >> hub/acme/example/v1.0.0/build/kcpp1-cpu-*/libexample.so
+# The publisher's v1.0.0 is replaced behind everyone's back (8 bytes overwritten, the size kept: a
+# longer file would be cut off at the manifest's size): the lock notices the new commit, and without
+# the lock the file's hash no longer matches the signed manifest.
+printf 'tampered' | dd of="$(echo hub/acme/example/v1.0.0/build/kcpp1-cpu-*/libexample.so)" bs=1 seek=4096 conv=notrunc status=none
 fails "but the hub now has commit" "$kcpp" verify 'acme/example@>=1.0,<2.0:SiLU' --lock kcpp.lock --quiet
 fails "but the manifest says" "$kcpp" download 'acme/example@v1.0.0' --quiet --cache "$work/fresh-cache"
 echo; echo "hub-demo: every step behaved"

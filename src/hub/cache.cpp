@@ -12,6 +12,15 @@
 namespace kcpp::hub {
 namespace fs = std::filesystem;
 
+namespace {
+
+// A key names files of the cache: a sha256 and nothing else.
+void check_key(const std::string& repo, const std::string& key) {
+  if (const std::string p = sha256_problem(key); !p.empty()) KCPP_FAIL("cache: {}: the file key {}", repo, p);
+}
+
+}  // namespace
+
 Cache::Cache(fs::path root) : root_(std::move(root)) {}
 
 fs::path Cache::default_root() {
@@ -43,6 +52,10 @@ std::optional<std::string> Cache::ref(const std::string& repo, const std::string
 }
 
 void Cache::set_ref(const std::string& repo, const std::string& name, const std::string& commit) const {
+  KCPP_CHECK(is_commit_id(commit), "cache: {}@{}: the commit {} is not a commit id (40 lower-case hex digits); not "
+             "recorded", repo, name, shown(commit));
+  KCPP_CHECK(relative_path_problem(name).empty(), "cache: {}: the ref {} cannot name a file under refs/: {}; not "
+             "recorded", repo, shown(name), relative_path_problem(name));
   write_file_atomic(repo_dir(repo) / "refs" / name, commit);
 }
 
@@ -61,6 +74,8 @@ std::vector<std::pair<std::string, std::string>> Cache::refs(const std::string& 
 }
 
 fs::path Cache::snapshot_dir(const std::string& repo, const std::string& commit) const {
+  KCPP_CHECK(is_commit_id(commit), "cache: {}: the commit {} is not a commit id (40 lower-case hex digits)", repo,
+             shown(commit));
   return repo_dir(repo) / "snapshots" / commit;
 }
 
@@ -71,11 +86,27 @@ std::optional<fs::path> Cache::file(const std::string& repo, const std::string& 
   return p;
 }
 
+std::optional<std::string> Cache::blob_sha256(const std::string& repo, const std::string& commit,
+                                              const std::string& path) const {
+  std::error_code ec;
+  const fs::path link = snapshot_dir(repo, commit) / path;
+  const fs::path target = fs::read_symlink(link, ec);
+  if (ec) return std::nullopt;
+  // A link that leaves blobs/ names no blob of this cache: the whole target is returned, which is
+  // no sha256 and so matches no content.
+  if ((link.parent_path() / target).lexically_normal().parent_path() != (repo_dir(repo) / "blobs").lexically_normal())
+    return target.string();
+  return target.filename().string();
+}
+
+
 fs::path Cache::lock_path(const std::string& repo, const std::string& key) const {
+  check_key(repo, key);
   return root_ / ".locks" / repo_dir(repo).filename() / (key + ".lock");
 }
 
 fs::path Cache::temp_path(const std::string& repo, const std::string& key) const {
+  check_key(repo, key);
   std::random_device rd;
   return repo_dir(repo) / "blobs" / (key + ".incomplete." + std::to_string(::getpid()) + "." + std::to_string(rd()));
 }
@@ -102,12 +133,17 @@ size_t Cache::remove_stale_partials(const std::string& repo) const {
 
 fs::path Cache::commit_file(const std::string& repo, const std::string& commit, const std::string& path,
                             const std::string& sha256, const fs::path& tmp) const {
+  check_key(repo, sha256);
+  const fs::path snapshot = snapshot_dir(repo, commit);
+  if (const std::string p = relative_path_problem(path); !p.empty())
+    KCPP_FAIL("cache: {}@{}: {} is not a path inside the repository: {}; not stored", repo, commit.substr(0, 12),
+              shown(path), p);
   const fs::path blob = repo_dir(repo) / "blobs" / sha256;
   std::error_code ec;
   fs::create_directories(blob.parent_path(), ec);
   fs::rename(tmp, blob, ec);
   if (ec) KCPP_FAIL("cache: cannot move {} to {}: {}", tmp.string(), blob.string(), ec.message());
-  const fs::path link = snapshot_dir(repo, commit) / path;
+  const fs::path link = snapshot / path;
   fs::create_directories(link.parent_path(), ec);
   const fs::path target = fs::relative(blob, link.parent_path());
   const fs::path tmp_link = link.string() + ".tmp." + std::to_string(::getpid());

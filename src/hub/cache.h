@@ -10,7 +10,8 @@
 // else ~/.cache/huggingface/hub.  A file enters the cache only complete and with the expected hash:
 // it is downloaded to a temporary file in blobs/ (KEY.incomplete.PID.RANDOM, KEY the expected sha256),
 // checked, renamed to its hash, then linked (the link is made under a temporary name and renamed into
-// place).  Concurrent processes serialize on the file's lock and the second finds the file there.
+// place).  A sha256 or commit id that names a file or folder here is checked to be one first (a
+// kcpp::Error otherwise).  Concurrent processes serialize on the file's lock and the second finds the file there.
 // A download killed outright (kill -9, power loss) leaves its temporary file behind; such files are
 // removed, not resumed: before downloading, remove_stale_partials() deletes every partial file of the
 // repo whose key's lock is free (a live download holds its lock from before it creates its partial
@@ -40,9 +41,15 @@ class Cache {
   // The cached file's path in the snapshot, when present and pointing at an existing blob.
   std::optional<std::filesystem::path> file(const std::string& repo, const std::string& commit,
                                             const std::string& path) const;
+  // The name of the blob that the snapshot path links to: the sha256 the blob claims to hold (the
+  // link's whole target when it points anywhere but blobs/); nullopt when the path is no symbolic
+  // link (absent, or a copy).
+  std::optional<std::string> blob_sha256(const std::string& repo, const std::string& commit,
+                                         const std::string& path) const;
   // Moves the complete, checked `tmp` into blobs/<sha256> and links the snapshot path to it.
   std::filesystem::path commit_file(const std::string& repo, const std::string& commit, const std::string& path,
                                     const std::string& sha256, const std::filesystem::path& tmp) const;
+  // The lock and a fresh partial download's name of the file with the key `key` (its sha256).
   std::filesystem::path lock_path(const std::string& repo, const std::string& key) const;
   std::filesystem::path temp_path(const std::string& repo, const std::string& key) const;
   // Deletes the repo's partial downloads that no live download owns (see above); returns how many.

@@ -64,6 +64,26 @@ bool is_sha256_hex(std::string_view s) {
          });
 }
 
+std::string shown(std::string_view s, size_t max) {
+  std::string out = "'";
+  for (size_t i = 0; i < s.size() && i < max; ++i) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x20 && c < 0x7f && c != '\\') out += static_cast<char>(c);
+    else out += fmt::format("\\x{:02x}", c);
+  }
+  return out + (s.size() > max ? "'..." : "'");
+}
+
+std::string sha256_problem(std::string_view s) {
+  if (is_sha256_hex(s)) return "";
+  return fmt::format("{} is not a sha256 (64 lower-case hex digits)", shown(s));
+}
+
+std::string size_problem(uint64_t size) {
+  if (size <= kMaxFileSize) return "";
+  return fmt::format("the size {} is more than the {} bytes (1 TiB) a hub file may have", size, kMaxFileSize);
+}
+
 std::string base64_encode(std::string_view bytes) {
   ensure_sodium();
   std::string s(sodium_base64_encoded_len(bytes.size(), sodium_base64_VARIANT_ORIGINAL), '\0');

@@ -20,6 +20,18 @@ std::string sha256_hex(std::string_view bytes);
 std::string sha256_file(const std::filesystem::path& path, uint64_t* size = nullptr);
 bool is_sha256_hex(std::string_view s);
 
+// What a hash or size that a server, a manifest, a lock file or the cache claims must be before the
+// hub names a file by it, compares with it or downloads up to it.  The largest file it accepts is
+// 1 TiB: a larger size is damaged or hostile, not a package file.
+inline constexpr uint64_t kMaxFileSize = uint64_t{1} << 40;
+// "" when `s` is a sha256 (64 lower-case hex digits), else why not, showing `s` (see shown()).
+std::string sha256_problem(std::string_view s);
+// "" when a claimed size is at most kMaxFileSize, else why not.
+std::string size_problem(uint64_t size);
+// Untrusted text for an error message: quoted, bytes outside printable ASCII as \xNN, at most
+// `max` bytes of it ("..." after them).
+std::string shown(std::string_view s, size_t max = 80);
+
 std::string base64_encode(std::string_view bytes);
 // Standard base64 with padding, canonical (the unused bits of the last character zero); throws
 // kcpp::Error (naming `what`) on anything else, a byte outside the alphabet included.

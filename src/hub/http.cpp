@@ -24,6 +24,8 @@ struct Transfer {
   HttpResponse* response = nullptr;
   std::string label;
   bool progress = false;
+  uint64_t limit = 0, written = 0;  // download(): max_bytes (0: none) and the bytes so far
+  bool over_limit = false;
   std::chrono::steady_clock::time_point last_draw{};
   bool drew = false;
 };
@@ -31,7 +33,15 @@ struct Transfer {
 size_t on_write(char* data, size_t size, size_t n, void* user) {
   auto* t = static_cast<Transfer*>(user);
   const size_t bytes = size * n;
-  if (t->file) return std::fwrite(data, 1, bytes, t->file);
+  if (t->file) {
+    // Writing fewer bytes than given makes libcurl stop the transfer (CURLE_WRITE_ERROR).
+    if (t->limit && bytes > t->limit - t->written) {
+      t->over_limit = true;
+      return 0;
+    }
+    t->written += bytes;
+    return std::fwrite(data, 1, bytes, t->file);
+  }
   t->body->append(data, bytes);
   return bytes;
 }
@@ -98,15 +108,15 @@ std::string url_escape(const std::string& s) {
 
 HttpClient::HttpClient(HttpOptions options) : opt_(std::move(options)) { ensure_curl(); }
 
-HttpResponse HttpClient::get(const std::string& url) const { return perform(url, nullptr, ""); }
+HttpResponse HttpClient::get(const std::string& url) const { return perform(url, nullptr, "", 0); }
 
-HttpResponse HttpClient::download(const std::string& url, const std::filesystem::path& dest,
-                                  const std::string& label) const {
-  return perform(url, &dest, label);
+HttpResponse HttpClient::download(const std::string& url, const std::filesystem::path& dest, const std::string& label,
+                                  uint64_t max_bytes) const {
+  return perform(url, &dest, label, max_bytes);
 }
 
-HttpResponse HttpClient::perform(const std::string& url, const std::filesystem::path* dest,
-                                 const std::string& label) const {
+HttpResponse HttpClient::perform(const std::string& url, const std::filesystem::path* dest, const std::string& label,
+                                 uint64_t max_bytes) const {
   const bool send_token = !opt_.token.empty() && !opt_.token_origin.empty() && url.starts_with(opt_.token_origin) &&
                           (url.size() == opt_.token_origin.size() || url[opt_.token_origin.size()] == '/');
   for (int attempt = 0;; ++attempt) {
@@ -115,6 +125,7 @@ HttpResponse HttpClient::perform(const std::string& url, const std::filesystem::
     t.response = &resp;
     t.body = &resp.body;
     t.label = label;
+    t.limit = max_bytes;
     t.progress = dest && opt_.progress && ::isatty(2);
     if (dest) {
       t.file = std::fopen(dest->c_str(), "wb");
@@ -156,7 +167,11 @@ HttpResponse HttpClient::perform(const std::string& url, const std::filesystem::
 
     std::string what;
     bool transient = false;
-    if (rc != CURLE_OK) {
+    if (t.over_limit && status < 400) {
+      resp.over_limit = true;
+      return resp;
+    }
+    if (rc != CURLE_OK && !t.over_limit) {  // (an error page past the limit is reported by its status)
       what = fmt::format("{} ({})", *errbuf ? errbuf : curl_easy_strerror(rc), curl_easy_strerror(rc));
       transient = rc != CURLE_UNSUPPORTED_PROTOCOL && rc != CURLE_URL_MALFORMAT && rc != CURLE_WRITE_ERROR;
     } else if (write_failed) {

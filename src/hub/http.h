@@ -49,6 +49,9 @@ class HttpError : public Error {
 struct HttpResponse {
   std::string body;
   std::string etag, repo_commit;  // ETag and X-Repo-Commit headers, if any
+  // download() with max_bytes: the server sent more, and the transfer was stopped there (the file
+  // holds a part); never retried, since the server says what it has.
+  bool over_limit = false;
 };
 
 class HttpClient {
@@ -57,13 +60,16 @@ class HttpClient {
   // The body of a GET (for JSON APIs).  Throws HttpError after the last attempt.
   HttpResponse get(const std::string& url) const;
   // Streams a GET into `dest` (created or truncated at each attempt).  `label` names the download
-  // on the progress bar.
-  HttpResponse download(const std::string& url, const std::filesystem::path& dest, const std::string& label) const;
+  // on the progress bar.  A body longer than `max_bytes` (0: no limit) is cut off there and the
+  // answer says so (over_limit), so that a server cannot fill the disk.
+  HttpResponse download(const std::string& url, const std::filesystem::path& dest, const std::string& label,
+                        uint64_t max_bytes = 0) const;
   const HttpOptions& options() const { return opt_; }
 
  private:
   HttpOptions opt_;
-  HttpResponse perform(const std::string& url, const std::filesystem::path* dest, const std::string& label) const;
+  HttpResponse perform(const std::string& url, const std::filesystem::path* dest, const std::string& label,
+                       uint64_t max_bytes) const;
 };
 
 // Percent-encodes one path segment (a revision name may contain '/').

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <set>
 
 #include "core/error.h"
 #include "hub/crypto.h"
@@ -77,9 +78,18 @@ std::vector<RepoFile> parse_tree_answer(std::string_view body, const std::string
   if (j.is_discarded() || !j.is_array()) KCPP_FAIL("{}: the file list of {}@{} is not a JSON list", endpoint, repo, revision);
   // A field of an entry that the server typed wrongly is its error, named (not a JSON library's).
   auto bad = [&](const std::string& what) {
-    KCPP_FAIL("{}: the file list of {}@{} has an entry whose {}", endpoint, repo, revision, what);
+    KCPP_FAIL("{}: the file list of {}@{} has an entry whose {}; is HF_ENDPOINT a Hugging Face hub?", endpoint, repo,
+              revision, what);
+  };
+  // A size: a JSON integer, not negative, at most kMaxFileSize.
+  auto size_of = [&](const nlohmann::json& v, const std::string& field, const std::string& path) {
+    if (!v.is_number_unsigned()) bad(fmt::format("'{}' is not a non-negative integer ({})", field, path));
+    const uint64_t n = v.get<uint64_t>();
+    if (const std::string p = size_problem(n); !p.empty()) bad(fmt::format("'{}' is not sane: {} ({})", field, p, path));
+    return n;
   };
   std::vector<RepoFile> out;
+  std::set<std::string> seen;
   for (const auto& e : j) {
     if (!e.is_object()) continue;
     if (e.contains("type") && !e["type"].is_string()) bad("'type' is not a string");
@@ -88,15 +98,33 @@ std::vector<RepoFile> parse_tree_answer(std::string_view body, const std::string
     RepoFile f;
     f.path = e["path"].get<std::string>();
     if (const std::string p = relative_path_problem(f.path); !p.empty())
-      bad(fmt::format("'path' is not a path inside the repository: {} ('{}')", p, f.path));
-    if (e.contains("size")) {
-      if (!e["size"].is_number_unsigned()) bad("'size' is not a non-negative integer (" + f.path + ")");
-      f.size = e["size"].get<uint64_t>();
+      bad(fmt::format("'path' is not a path inside the repository: {} ({})", p, shown(f.path)));
+    // Two entries for one path would let the second's claims replace the first's.
+    if (!seen.insert(f.path).second) bad(fmt::format("'path' repeats an earlier entry's ({})", f.path));
+    if (e.contains("size")) f.size = size_of(e["size"], "size", f.path);
+    // The git object id (sha1, or sha256 in a sha256 repository): never used, but a listing that
+    // claims one claims a well-formed one.
+    if (e.contains("oid")) {
+      const auto& oid = e["oid"];
+      if (!oid.is_string() || !(is_commit_id(oid.get<std::string>()) || is_sha256_hex(oid.get<std::string>())))
+        bad(fmt::format("'oid' {} is not a git object id (40 or 64 lower-case hex digits) ({})",
+                        oid.is_string() ? shown(oid.get<std::string>()) : oid.dump().substr(0, 80), f.path));
     }
-    // Large files carry their sha256 as the LFS object id; small ones only a git blob id.
-    if (e.contains("lfs") && e["lfs"].is_object() && e["lfs"].contains("oid")) {
-      if (!e["lfs"]["oid"].is_string()) bad("'lfs.oid' is not a string (" + f.path + ")");
-      f.sha256 = e["lfs"]["oid"].get<std::string>();
+    // Large files carry their sha256 as the LFS object id, and their size again; small ones only a
+    // git blob id.  The sha256 names the file in the cache and is what its download is checked against.
+    if (e.contains("lfs") && !e["lfs"].is_null()) {
+      const auto& lfs = e["lfs"];
+      if (!lfs.is_object()) bad("'lfs' is not an object (" + f.path + ")");
+      if (!lfs.contains("oid")) bad("'lfs' has no 'oid' (" + f.path + ")");
+      if (!lfs["oid"].is_string()) bad("'lfs.oid' is not a string (" + f.path + ")");
+      f.sha256 = lfs["oid"].get<std::string>();
+      if (const std::string p = sha256_problem(f.sha256); !p.empty()) bad(fmt::format("'lfs.oid' {} ({})", p, f.path));
+      if (lfs.contains("size")) {
+        const uint64_t n = size_of(lfs["size"], "lfs.size", f.path);
+        if (e.contains("size") && n != f.size)
+          bad(fmt::format("'lfs.size' {} differs from its 'size' {} ({})", n, f.size, f.path));
+        f.size = n;
+      }
     }
     out.push_back(std::move(f));
   }
@@ -218,27 +246,48 @@ Resolved Hub::resolve(const Reference& ref) const {
 }
 
 void Hub::download(const std::string& repo, const std::string& commit, const std::string& path,
-                   const fs::path& dest) const {
+                   const fs::path& dest, uint64_t max_bytes) const {
+  auto too_long = [&](const std::string& source) {
+    KCPP_FAIL("{}@{}: {}: {} holds more than the {} bytes expected ({}); not stored, not loaded", repo,
+              commit.substr(0, 12), path, source, max_bytes,
+              path == "manifest.json" ? "the most a manifest.json may have" : "the size the manifest gives");
+  };
   if (dir_) {
     const auto folder = dir_->revision_folder(repo, commit);
     if (!folder) KCPP_UNAVAILABLE("{}: no revision with commit {} of {}", dir_->root().string(), commit, repo);
     const auto file = dir_->file(repo, *folder, path);
     if (!file) KCPP_UNAVAILABLE("{}: {}@{} has no file {}", dir_->root().string(), repo, *folder, path);
+    std::error_code ec;
+    if (fs::file_size(*file, ec) > max_bytes && !ec) too_long(file->string());
     fs::copy_file(*file, dest, fs::copy_options::overwrite_existing);
     return;
   }
   const std::string url = cfg_.endpoint + "/" + repo + "/resolve/" + url_escape(commit) + "/" + path;
+  HttpResponse resp;
   try {
-    http_->download(url, dest, repo + "/" + fs::path(path).filename().string());
+    resp = http_->download(url, dest, repo + "/" + fs::path(path).filename().string(), max_bytes);
   } catch (const HttpError& e) {
     if (e.status() == 404)
       KCPP_UNAVAILABLE("{}@{}: the hub has no file {} ({})", repo, commit.substr(0, 12), path, e.what());
     throw HubUnavailable(e.what(), e.status() == 0 || e.transient());
   }
+  if (resp.over_limit) too_long("the hub's answer (" + url + ")");
 }
 
 fs::path Hub::fetch_file(const std::string& repo, const std::string& commit, const std::string& path,
                          const std::string& sha256, uint64_t size) const {
+  // What names the file in the cache and bounds its download is checked first, whoever supplied it.
+  if (!is_commit_id(commit))
+    KCPP_FAIL("{}: {}: the commit {} is not a commit id (40 lower-case hex digits); not downloaded", repo, path,
+              shown(commit));
+  if (const std::string p = relative_path_problem(path); !p.empty())
+    KCPP_FAIL("{}@{}: {} is not a path inside the repository: {}; not downloaded", repo, commit.substr(0, 12),
+              shown(path), p);
+  if (!sha256.empty()) {
+    std::string p = sha256_problem(sha256);
+    if (p.empty()) p = size_problem(size);
+    if (!p.empty()) KCPP_FAIL("{}@{}: {}: the manifest's claim: {}; not downloaded", repo, commit.substr(0, 12), path, p);
+  }
   if (auto p = cache_.file(repo, commit, path)) return *p;
   if (cfg_.offline)
     KCPP_UNAVAILABLE("{}@{}: {} is not in the cache {} and HF_HUB_OFFLINE is set", repo, commit.substr(0, 12), path,
@@ -251,7 +300,7 @@ fs::path Hub::fetch_file(const std::string& repo, const std::string& commit, con
   std::error_code ec;
   fs::create_directories(tmp.parent_path(), ec);
   try {
-    download(repo, commit, path, tmp);
+    download(repo, commit, path, tmp, sha256.empty() ? kMaxManifestSize : size);
     uint64_t got_size = 0;
     const std::string got = sha256_file(tmp, &got_size);
     if (!sha256.empty() && (got != sha256 || got_size != size))
@@ -277,9 +326,17 @@ PackageInfo Hub::inspect(const Reference& ref) const {
   } else {
     info.resolved = resolve(ref);
     const LockEntry* e = lock_entry(ref);
-    text = read_file(fetch_file(ref.repo, info.resolved.commit, "manifest.json", "", 0));
+    const fs::path cached = fetch_file(ref.repo, info.resolved.commit, "manifest.json", "", 0);
+    text = read_file(cached);
     info.folder = cache_.snapshot_dir(ref.repo, info.resolved.commit);
     info.manifest_sha256 = sha256_hex(text);
+    // Nothing else checks the manifest's bytes (the lock, when there is one, and the signature, when
+    // trusted, cover them): the cache's blob must hold what its name says.
+    if (const auto named = cache_.blob_sha256(ref.repo, info.resolved.commit, "manifest.json");
+        named && *named != info.manifest_sha256)
+      KCPP_FAIL("{}: the cache's manifest.json has sha256 {} but its blob is named {}: the file was modified or "
+                "damaged; refusing to read it (delete {} and the blob it links to, to download it again)",
+                info.origin(), info.manifest_sha256, shown(*named, 1024), cached.string());
     if (e && e->manifest_sha256 != info.manifest_sha256)
       KCPP_FAIL("{}: manifest.json has sha256 {} but {} pins {}; refusing to load it", info.origin(),
                 info.manifest_sha256, cfg_.lock_file->string(), e->manifest_sha256);

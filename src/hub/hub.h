@@ -153,11 +153,13 @@ class Hub {
 
   std::string requested(const Reference& ref) const;  // the lock key: text after '@' or ""
   const LockEntry* lock_entry(const Reference& ref) const;
-  // Fetches repo@commit:path into the cache (if absent), checking sha256 when given.
+  // Fetches repo@commit:path into the cache (if absent), checking sha256 and size when sha256 is
+  // given; without one (manifest.json) the file may have at most kMaxManifestSize bytes.
   std::filesystem::path fetch_file(const std::string& repo, const std::string& commit, const std::string& path,
                                    const std::string& sha256, uint64_t size) const;
+  // Copies or downloads the file to `dest`, refusing one of more than `max_bytes`.
   void download(const std::string& repo, const std::string& commit, const std::string& path,
-                const std::filesystem::path& dest) const;
+                const std::filesystem::path& dest, uint64_t max_bytes) const;
 };
 
 }  // namespace kcpp::hub

@@ -19,24 +19,30 @@ LockFile LockFile::load(const std::filesystem::path& path) {
   LockFile lf;
   for (size_t i = 0; i < j["packages"].size(); ++i) {
     const auto& p = j["packages"][i];
-    const std::string where = fmt::format("packages[{}]", i);
+    std::string where = fmt::format("packages[{}]", i);
     LockEntry e;
     for (auto [key, dst] : {std::pair{"repo", &e.repo}, {"requested", &e.requested}, {"revision", &e.revision},
                             {"commit", &e.commit}, {"manifest_sha256", &e.manifest_sha256}, {"publisher", &e.publisher}}) {
       if (!p.contains(key) || !p[key].is_string()) bad(fmt::format("{}: missing string '{}'", where, key));
       *dst = p[key].get<std::string>();
     }
+    where += " (" + e.repo + ")";
     // The commit becomes a folder of the cache (snapshots/COMMIT/): a commit id and nothing else.
     if (!is_commit_id(e.commit))
       bad(fmt::format("{}: commit '{}' is not a commit id (40 lower-case hex digits); run `kcpp lock` again", where, e.commit));
     if (!is_commit_id(e.revision))
       if (const std::string why = e.revision.empty() ? "empty" : revision_problem(e.revision); !why.empty())
         bad(fmt::format("{}: revision: {}; run `kcpp lock` again", where, why));
-    if (!is_sha256_hex(e.manifest_sha256)) bad(where + ": manifest_sha256 is not a sha256");
+    if (const std::string why = sha256_problem(e.manifest_sha256); !why.empty())
+      bad(fmt::format("{}: manifest_sha256 {}; run `kcpp lock` again", where, why));
     if (p.contains("files")) {
       if (!p["files"].is_object()) bad(where + ": 'files' must be an object");
       for (const auto& [f, h] : p["files"].items()) {
-        if (!h.is_string() || !is_sha256_hex(h.get<std::string>())) bad(fmt::format("{}: files[{}]: not a sha256", where, f));
+        if (const std::string why = relative_path_problem(f); !why.empty())
+          bad(fmt::format("{}: files[{}]: not a path inside the repository: {}", where, shown(f), why));
+        if (!h.is_string()) bad(fmt::format("{}: files[{}]: not a sha256 but {}", where, f, h.type_name()));
+        if (const std::string why = sha256_problem(h.get<std::string>()); !why.empty())
+          bad(fmt::format("{}: files[{}]: {}; run `kcpp lock` again", where, f, why));
         e.files[f] = h.get<std::string>();
       }
     }

@@ -60,10 +60,11 @@ struct Reader {
       ManifestFile f;
       f.path = path;
       f.sha256 = str(fj, "sha256", fw);
-      if (!is_sha256_hex(f.sha256)) fail(fw, "sha256 must be 64 lower-case hex digits");
+      if (const std::string p = sha256_problem(f.sha256); !p.empty()) fail(fw, "sha256 " + p);
       const auto& size = field(fj, "size", fw);
-      if (!size.is_number_integer() || size.get<int64_t>() < 0) fail(fw, "size must be a non-negative integer");
+      if (!size.is_number_unsigned()) fail(fw, "size must be a non-negative integer");
       f.size = size.get<uint64_t>();
+      if (const std::string p = size_problem(f.size); !p.empty()) fail(fw, p);
       out.push_back(std::move(f));
     }
     return out;

@@ -45,6 +45,9 @@
 
 namespace kcpp::hub {
 
+// The largest manifest.json the hub downloads (16 MiB: some hundred thousand files).
+inline constexpr uint64_t kMaxManifestSize = uint64_t{16} << 20;
+
 struct ManifestFile {
   std::string path;
   std::string sha256;

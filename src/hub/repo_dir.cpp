@@ -25,18 +25,47 @@ std::string RepoDir::hash_memo(const fs::path& p, uint64_t size, int64_t mtime) 
   return h;
 }
 
-std::vector<RepoFile> RepoDir::files(const std::string& repo, const std::string& folder) const {
-  const fs::path base = root_ / repo / folder;
-  std::vector<RepoFile> out;
+std::optional<fs::path> RepoDir::repo_folder(const std::string& repo) const {
+  validate_repo_id(repo);
+  const size_t slash = repo.find('/');
+  const fs::path org = root_ / repo.substr(0, slash), folder = org / repo.substr(slash + 1);
   std::error_code ec;
+  for (const fs::path& p : {org, folder})
+    if (fs::is_symlink(p, ec) || !fs::is_directory(p, ec)) return std::nullopt;
+  return folder;
+}
+
+namespace {
+
+// A revision folder's name as a request may give it: one name, not hidden, no NUL or other control
+// byte (the file system would read a name only up to a NUL: "v1.0.0\0x" would be v1.0.0).
+bool is_revision_name(std::string_view name) {
+  if (name.empty() || name[0] == '.' || name.size() > 255) return false;
+  return std::none_of(name.begin(), name.end(), [](char c) {
+    return c == '/' || c == '\\' || static_cast<unsigned char>(c) < 0x20 || c == 0x7f;
+  });
+}
+
+}  // namespace
+
+std::vector<RepoFile> RepoDir::files(const std::string& repo, const std::string& folder) const {
+  std::vector<RepoFile> out;
+  const auto repo_path = repo_folder(repo);
+  if (!repo_path || !is_revision_name(folder)) return out;
+  const fs::path base = *repo_path / folder;
+  std::error_code ec;
+  if (fs::is_symlink(base, ec)) return out;
   for (auto it = fs::recursive_directory_iterator(base, ec); !ec && it != fs::recursive_directory_iterator();
        it.increment(ec)) {
-    if (it->is_symlink() || !it->is_regular_file()) continue;
-    const std::string rel = fs::relative(it->path(), base).generic_string();
+    // A file that changes or goes while it is listed is left out (no exception from a race).
+    std::error_code fe;
+    if (it->is_symlink(fe) || !it->is_regular_file(fe) || fe) continue;
+    const std::string rel = it->path().lexically_relative(base).generic_string();
     if (!relative_path_problem(rel).empty()) continue;
-    const uint64_t size = it->file_size();
-    const int64_t mtime = it->last_write_time().time_since_epoch().count();
-    out.push_back({rel, size, hash_memo(it->path(), size, mtime)});
+    const uint64_t size = it->file_size(fe);
+    const auto mtime = it->last_write_time(fe);
+    if (fe) continue;
+    out.push_back({rel, size, hash_memo(it->path(), size, mtime.time_since_epoch().count())});
   }
   std::sort(out.begin(), out.end(), [](const RepoFile& a, const RepoFile& b) { return a.path < b.path; });
   return out;
@@ -53,13 +82,15 @@ std::string RepoDir::commit_of(const std::string& repo, const std::string& folde
 }
 
 std::vector<RepoRef> RepoDir::refs(const std::string& repo) const {
-  validate_repo_id(repo);
   std::vector<RepoRef> out;
+  const auto repo_path = repo_folder(repo);
+  if (!repo_path) return out;
   std::error_code ec;
-  for (const auto& e : fs::directory_iterator(root_ / repo, ec)) {
-    if (e.is_symlink() || !e.is_directory()) continue;
+  for (const auto& e : fs::directory_iterator(*repo_path, ec)) {
+    std::error_code ec2;
+    if (e.is_symlink(ec2) || !e.is_directory(ec2)) continue;
     const std::string name = e.path().filename().string();
-    if (name.empty() || name[0] == '.') continue;
+    if (!is_revision_name(name)) continue;
     out.push_back({name, commit_of(repo, name), Version::try_parse(name).has_value()});
   }
   std::sort(out.begin(), out.end(), [](const RepoRef& a, const RepoRef& b) { return a.name < b.name; });
@@ -67,10 +98,10 @@ std::vector<RepoRef> RepoDir::refs(const std::string& repo) const {
 }
 
 std::optional<std::string> RepoDir::revision_folder(const std::string& repo, const std::string& revision) const {
-  validate_repo_id(repo);
-  if (revision.empty() || revision.find('/') != std::string::npos || revision[0] == '.') return std::nullopt;
+  const auto repo_path = repo_folder(repo);
+  if (!repo_path || !is_revision_name(revision)) return std::nullopt;
   std::error_code ec;
-  if (fs::is_directory(root_ / repo / revision, ec) && !fs::is_symlink(root_ / repo / revision, ec)) return revision;
+  if (fs::is_directory(*repo_path / revision, ec) && !fs::is_symlink(*repo_path / revision, ec)) return revision;
   if (revision.size() == 40)
     for (const RepoRef& r : refs(repo))
       if (r.commit == revision) return r.name;
@@ -79,10 +110,12 @@ std::optional<std::string> RepoDir::revision_folder(const std::string& repo, con
 
 std::optional<fs::path> RepoDir::file(const std::string& repo, const std::string& folder, const std::string& path) const {
   if (!relative_path_problem(path).empty()) return std::nullopt;
-  const fs::path base = root_ / repo / folder;
-  fs::path p = base;
+  const auto repo_path = repo_folder(repo);
+  if (!repo_path || !is_revision_name(folder)) return std::nullopt;
+  fs::path p = *repo_path / folder;
   // No component may be a symbolic link (a link could point outside the served folder).
   std::error_code ec;
+  if (fs::is_symlink(p, ec)) return std::nullopt;
   size_t start = 0;
   while (start <= path.size()) {
     const size_t at = path.find('/', start);

@@ -6,8 +6,9 @@
 // Each revision folder is one tag or branch: a name that parses as a version ("v1.2.0", "1.2.0")
 // is a tag, anything else ("main") a branch.  A revision's commit id is 40 hex digits derived from
 // its content (sha256 over the sorted list of (path, sha256 of the file), truncated), so it changes
-// exactly when a file does, and a client can pin it like a git commit.  Symbolic links and names
-// that are not safe relative paths are never served.
+// exactly when a file does, and a client can pin it like a git commit.  Symbolic links (an org, a
+// repo or a revision folder, or anything under one) and names that are not safe relative paths are
+// never served; a revision name is one name, not hidden, without control bytes.
 #pragma once
 
 #include <cstdint>
@@ -58,6 +59,8 @@ class RepoDir {
   mutable std::mutex mu_;
   mutable std::map<std::string, Memo> hashes_;  // by absolute path
   std::string hash_memo(const std::filesystem::path& p, uint64_t size, int64_t mtime) const;
+  // ROOT/org/repo when both are folders and neither a symbolic link; throws for an invalid repo id.
+  std::optional<std::filesystem::path> repo_folder(const std::string& repo) const;
 };
 
 }  // namespace kcpp::hub

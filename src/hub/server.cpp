@@ -14,6 +14,8 @@
 #include <thread>
 
 #include "core/error.h"
+#include "hub/crypto.h"
+#include "hub/fs.h"
 #include "hub/repo_dir.h"
 
 namespace kcpp::hub {
@@ -51,7 +53,166 @@ std::string bind_problem(const std::string& host, int port) {
   return err ? std::strerror(err) : "";
 }
 
+// ---- The routes (server.h), matched by hand: each part of the path is one '/'-separated segment.
+
+// What dump() writes for any string: bytes that are not UTF-8 (a request may hold any) become U+FFFD
+// instead of an exception.
+std::string json_text(const nlohmann::json& j) { return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
+
+ServeAnswer error_answer(int status, const std::string& message) {
+  ServeAnswer a;
+  a.status = status;
+  a.body = json_text(nlohmann::json{{"error", message}});
+  return a;
+}
+
+// An org or repo name as the routes take it: a letter or digit, then letters, digits, '.', '_', '-'
+// (validate_repo_id then applies the Hub's full rules).
+bool is_repo_part(std::string_view s) {
+  auto ok = [](char c, bool first) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+           (!first && (c == '.' || c == '_' || c == '-'));
+  };
+  if (s.empty() || !ok(s[0], true)) return false;
+  for (char c : s.substr(1))
+    if (!ok(c, false)) return false;
+  return true;
+}
+
+// Takes the segment up to the next '/' (or the end) off the front of `rest`; `slash` tells whether
+// one followed.
+std::string_view take_segment(std::string_view& rest, bool* slash) {
+  const size_t at = rest.find('/');
+  const std::string_view seg = rest.substr(0, at);
+  *slash = at != std::string_view::npos;
+  rest = *slash ? rest.substr(at + 1) : std::string_view();
+  return seg;
+}
+
+struct Route {
+  enum class Kind { None, Refs, Revision, Tree, Resolve } kind = Kind::None;
+  std::string repo, revision, rest;  // rest: the tree's path prefix (may be empty) or the resolved file
+};
+
+// "/api/models/ORG/REPO/refs", ".../revision/REV", ".../tree/REV[/PREFIX]", or "/ORG/REPO/resolve/REV/PATH".
+Route match(std::string_view path) {
+  Route r;
+  auto repo_then = [&](std::string_view& rest) {
+    bool slash = false;
+    const std::string_view org = take_segment(rest, &slash);
+    if (!slash || !is_repo_part(org)) return false;
+    const std::string_view name = take_segment(rest, &slash);
+    if (!slash || !is_repo_part(name)) return false;
+    r.repo = std::string(org) + "/" + std::string(name);
+    return true;
+  };
+  constexpr std::string_view api = "/api/models/";
+  if (path.starts_with(api)) {
+    std::string_view rest = path.substr(api.size());
+    bool slash = false;
+    if (repo_then(rest)) {
+      const std::string_view verb = take_segment(rest, &slash);
+      if (verb == "refs" && !slash) {
+        r.kind = Route::Kind::Refs;
+        return r;
+      }
+      if (slash && (verb == "revision" || verb == "tree")) {
+        r.revision = take_segment(rest, &slash);
+        if (!r.revision.empty() && verb == "revision" && !slash) {
+          r.kind = Route::Kind::Revision;
+          return r;
+        }
+        if (!r.revision.empty() && verb == "tree") {
+          r.kind = Route::Kind::Tree, r.rest = rest;
+          return r;
+        }
+      }
+    }
+  }
+  r = Route{};
+  if (!path.starts_with("/")) return r;
+  std::string_view rest = path.substr(1);
+  bool slash = false;
+  if (!repo_then(rest) || take_segment(rest, &slash) != "resolve" || !slash) return Route{};
+  r.revision = take_segment(rest, &slash);
+  if (r.revision.empty() || !slash || rest.empty()) return Route{};
+  r.kind = Route::Kind::Resolve, r.rest = rest;
+  return r;
+}
+
+ServeAnswer answer(const RepoDir& dir, const ServeRequest& req) {
+  if (req.method != "GET" && req.method != "HEAD") {
+    ServeAnswer a = error_answer(405, "kcpp serve answers GET and HEAD only, not " + std::string(req.method));
+    a.headers.emplace_back("Allow", "GET, HEAD");
+    return a;
+  }
+  const Route r = match(req.path);
+  if (r.kind == Route::Kind::None) return error_answer(404, "no such route: " + std::string(req.path));
+  ServeAnswer a;
+  if (r.kind == Route::Kind::Refs) {
+    const auto refs = dir.refs(r.repo);
+    if (refs.empty()) return error_answer(404, "repository " + r.repo + " not found");
+    nlohmann::json j = {{"branches", nlohmann::json::array()}, {"tags", nlohmann::json::array()},
+                        {"converts", nlohmann::json::array()}};
+    for (const RepoRef& ref : refs)
+      j[ref.is_tag ? "tags" : "branches"].push_back({{"name", ref.name},
+                                                     {"ref", (ref.is_tag ? "refs/tags/" : "refs/heads/") + ref.name},
+                                                     {"targetCommit", ref.commit}});
+    a.body = json_text(j);
+    return a;
+  }
+  const auto folder = dir.revision_folder(r.repo, r.revision);
+  if (!folder) return error_answer(404, "revision " + r.revision + " of " + r.repo + " not found");
+  if (r.kind == Route::Kind::Revision) {
+    const auto files = dir.files(r.repo, *folder);
+    nlohmann::json j = {{"id", r.repo}, {"sha", RepoDir::commit_of(files)}, {"siblings", nlohmann::json::array()}};
+    for (const RepoFile& f : files) j["siblings"].push_back({{"rfilename", f.path}});
+    a.body = json_text(j);
+    return a;
+  }
+  if (r.kind == Route::Kind::Tree) {
+    // The listing under a folder of the revision ("" or "/": all of it), a path inside it.
+    std::string prefix = r.rest;
+    while (!prefix.empty() && prefix.back() == '/') prefix.pop_back();
+    if (!prefix.empty()) {
+      if (const std::string p = relative_path_problem(prefix); !p.empty())
+        return error_answer(400, "tree of " + r.repo + "@" + r.revision + ": '" + prefix + "' is not a folder path: " + p);
+      prefix += '/';
+    }
+    nlohmann::json j = nlohmann::json::array();
+    for (const RepoFile& f : dir.files(r.repo, *folder))
+      if (f.path.starts_with(prefix))
+        j.push_back({{"type", "file"}, {"path", f.path}, {"size", f.size}, {"oid", f.sha256.substr(0, 40)},
+                     {"lfs", {{"oid", f.sha256}, {"size", f.size}}}});
+    a.body = json_text(j);
+    return a;
+  }
+  const auto file = dir.file(r.repo, *folder, r.rest);
+  if (!file) return error_answer(404, "file " + r.rest + " not found in " + r.repo + "@" + *folder);
+  {
+    std::ifstream in(*file, std::ios::binary);
+    a.body.assign(std::istreambuf_iterator<char>(in), {});
+    if (in.bad()) return error_answer(404, "file " + r.rest + " of " + r.repo + "@" + *folder + " cannot be read");
+  }
+  a.file = *file;
+  a.content_type = "application/octet-stream";
+  // The ETag is the hash of the very bytes sent; the commit, of the revision as it is now.
+  a.headers.emplace_back("ETag", "\"" + sha256_hex(a.body) + "\"");
+  a.headers.emplace_back("X-Repo-Commit", dir.commit_of(r.repo, *folder));
+  return a;
+}
+
 }  // namespace
+
+ServeAnswer route_request(const RepoDir& dir, const ServeRequest& request) {
+  try {
+    return answer(dir, request);
+  } catch (const Error& e) {
+    return error_answer(400, e.what());
+  } catch (const std::exception& e) {
+    return error_answer(500, e.what());
+  }
+}
 
 struct Server::Impl {
   RepoDir dir;
@@ -69,6 +230,13 @@ struct Server::Impl {
       const int yes = 1;
       ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
     });
+    // Every request, whatever its method and path, goes to route_request (before cpp-httplib's own
+    // routing, which then has nothing registered).
+    http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+      bool drop = false;
+      if (!fault(req, res, &drop)) send(route_request(dir, ServeRequest{req.method, req.path}), res, drop);
+      return httplib::Server::HandlerResponse::Handled;
+    });
   }
 
   // Binds (port 0: any free port) and records the port; throws saying why it cannot.
@@ -82,7 +250,7 @@ struct Server::Impl {
 
   static void error(httplib::Response& res, int status, const std::string& msg) {
     res.status = status;
-    res.set_content(nlohmann::json{{"error", msg}}.dump(), "application/json");
+    res.set_content(json_text(nlohmann::json{{"error", msg}}), "application/json");
   }
 
   // Applies an injected fault; true when the response is already decided.
@@ -103,98 +271,21 @@ struct Server::Impl {
     return false;
   }
 
-  // The repo of a matched route ("org/repo" from the first two groups).
-  static std::string repo_of(const httplib::Request& req) { return req.matches[1].str() + "/" + req.matches[2].str(); }
-
-  // A folder for the revision in the third group, or a 404 already written.
-  std::optional<std::string> revision(const httplib::Request& req, httplib::Response& res) {
-    const std::string repo = repo_of(req), rev = req.matches[3].str();
-    auto folder = dir.revision_folder(repo, rev);
-    if (!folder) error(res, 404, "revision " + rev + " of " + repo + " not found");
-    return folder;
-  }
-
-  // Registers a GET route for "/<prefix>org/repo<suffix>": faults first, then the handler, whose
-  // exceptions become 400 (kcpp::Error: a bad id) or 500 responses.
-  template <typename F>
-  void route(const std::string& prefix, const std::string& suffix, F handler) {
-    const std::string repo_re = "([A-Za-z0-9][A-Za-z0-9._-]*)/([A-Za-z0-9][A-Za-z0-9._-]*)";
-    http.Get(prefix + repo_re + suffix, [this, handler](const httplib::Request& req, httplib::Response& res) {
-      bool drop = false;
-      if (fault(req, res, &drop)) return;
-      guarded(res, [&] { handler(req, res, drop); });
-    });
-  }
-
-  void routes() {
-    route("/api/models/", "/refs", [this](const httplib::Request& req, httplib::Response& res, bool) {
-      const std::string repo = repo_of(req);
-      const auto refs = dir.refs(repo);
-      if (refs.empty()) return error(res, 404, "repository " + repo + " not found");
-      nlohmann::json j = {{"branches", nlohmann::json::array()}, {"tags", nlohmann::json::array()},
-                          {"converts", nlohmann::json::array()}};
-      for (const RepoRef& r : refs)
-        j[r.is_tag ? "tags" : "branches"].push_back(
-            {{"name", r.name}, {"ref", (r.is_tag ? "refs/tags/" : "refs/heads/") + r.name}, {"targetCommit", r.commit}});
-      res.set_content(j.dump(), "application/json");
-    });
-    route("/api/models/", "/revision/([^/]+)", [this](const httplib::Request& req, httplib::Response& res, bool) {
-      const auto folder = revision(req, res);
-      if (!folder) return;
-      const auto files = dir.files(repo_of(req), *folder);
-      nlohmann::json j = {{"id", repo_of(req)}, {"sha", RepoDir::commit_of(files)}, {"siblings", nlohmann::json::array()}};
-      for (const RepoFile& f : files) j["siblings"].push_back({{"rfilename", f.path}});
-      res.set_content(j.dump(), "application/json");
-    });
-    route("/api/models/", "/tree/([^/]+)(/.*)?", [this](const httplib::Request& req, httplib::Response& res, bool) {
-      const auto folder = revision(req, res);
-      if (!folder) return;
-      std::string prefix = req.matches[4].str();
-      if (!prefix.empty()) prefix = prefix.substr(1) + (prefix.size() > 1 && prefix.back() != '/' ? "/" : "");
-      nlohmann::json j = nlohmann::json::array();
-      for (const RepoFile& f : dir.files(repo_of(req), *folder))
-        if (f.path.starts_with(prefix))
-          j.push_back({{"type", "file"}, {"path", f.path}, {"size", f.size}, {"oid", f.sha256.substr(0, 40)},
-                       {"lfs", {{"oid", f.sha256}, {"size", f.size}}}});
-      res.set_content(j.dump(), "application/json");
-    });
-    route("/", "/resolve/([^/]+)/(.+)", [this](const httplib::Request& req, httplib::Response& res, bool drop) {
-      const auto folder = revision(req, res);
-      if (!folder) return;
-      const std::string repo = repo_of(req), path = req.matches[4].str();
-      const auto file = dir.file(repo, *folder, path);
-      if (!file) return error(res, 404, "file " + path + " not found in " + repo + "@" + *folder);
-      auto content = std::make_shared<std::string>();
-      {
-        std::ifstream in(*file, std::ios::binary);
-        content->assign(std::istreambuf_iterator<char>(in), {});
-      }
-      // One walk of the revision gives both the commit id and this file's hash.
-      const auto files = dir.files(repo, *folder);
-      for (const RepoFile& f : files)
-        if (f.path == path) res.set_header("ETag", "\"" + f.sha256 + "\"");
-      res.set_header("X-Repo-Commit", RepoDir::commit_of(files));
-      res.set_content_provider(content->size(), "application/octet-stream",
-                               [content, drop](size_t offset, size_t length, httplib::DataSink& sink) {
-                                 // A dropped connection sends the first half, then hangs up.
-                                 const size_t limit = drop ? content->size() / 2 : content->size();
-                                 if (offset >= limit) return false;
-                                 const size_t n = std::min({length, limit - offset, size_t{1} << 16});
-                                 sink.write(content->data() + offset, n);
-                                 return true;
-                               });
-    });
-  }
-
-  template <typename F>
-  void guarded(httplib::Response& res, F&& f) {
-    try {
-      f();
-    } catch (const Error& e) {
-      error(res, 400, e.what());
-    } catch (const std::exception& e) {
-      error(res, 500, e.what());
-    }
+  // Writes the router's answer; a file's body is streamed (and, with `drop`, hung up on halfway).
+  static void send(ServeAnswer a, httplib::Response& res, bool drop) {
+    if (a.status != 200) res.status = a.status;  // (200: cpp-httplib's own choice, 206 for a range)
+    for (const auto& [name, value] : a.headers) res.set_header(name, value);
+    if (a.file.empty()) return res.set_content(a.body, a.content_type);
+    auto content = std::make_shared<std::string>(std::move(a.body));
+    res.set_content_provider(content->size(), a.content_type,
+                             [content, drop](size_t offset, size_t length, httplib::DataSink& sink) {
+                               // A dropped connection sends the first half, then hangs up.
+                               const size_t limit = drop ? content->size() / 2 : content->size();
+                               if (offset >= limit) return false;
+                               const size_t n = std::min({length, limit - offset, size_t{1} << 16});
+                               sink.write(content->data() + offset, n);
+                               return true;
+                             });
   }
 };
 
@@ -202,7 +293,6 @@ Server::Server(std::filesystem::path root, FaultHook faults, bool log)
     : impl_(std::make_unique<Impl>(std::move(root), std::move(faults))) {
   if (!std::filesystem::is_directory(impl_->dir.root()))
     KCPP_FAIL("kcpp serve: {} is not a directory", impl_->dir.root().string());
-  impl_->routes();
   impl_->http.set_read_timeout(30, 0);
   impl_->http.set_write_timeout(30, 0);
   if (log)

@@ -9,8 +9,14 @@
 //                                                          "lfs": {"oid": SHA256, "size"}}]  (recursive)
 //   GET /<org>/<repo>/resolve/<rev>/<path>               the file; headers X-Repo-Commit, ETag (sha256)
 //
-// Errors are JSON {"error": "..."} with 404 (unknown repo, revision or file) or 400 (bad id).
-// The server never follows symbolic links and never serves a path with '..'.
+// HEAD is answered as GET (without the body).  Errors are JSON {"error": "..."} with 404 (no such
+// route, or an unknown repo, revision or file), 400 (a bad id or path) or 405 (a method other than
+// GET and HEAD).  The server never follows symbolic links and never serves a path with '..'.
+//
+// What a request gets is decided by route_request(), a function of the folder and the request alone
+// (no socket, no HTTP library): the Server hands it each request that cpp-httplib parsed (the path
+// percent-decoded, the query string apart), and tests/fuzz/fuzz_serve_routing.cpp hands it arbitrary
+// ones.
 #pragma once
 
 #include <filesystem>
@@ -18,8 +24,32 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
+
+#include "hub/repo_dir.h"
 
 namespace kcpp::hub {
+
+// A request as the router sees it.  The routes read neither the query string (a tree listing is
+// always recursive) nor any header.
+struct ServeRequest {
+  std::string_view method;  // "GET", "HEAD", "POST", ...
+  std::string_view path;    // percent-decoded, without the query: "/api/models/acme/example/refs"
+};
+
+// What the server answers: a status, and a JSON body or the bytes of a served file.
+struct ServeAnswer {
+  int status = 200;                                          // 200, 400, 404, 405 (500: a bug)
+  std::string content_type = "application/json";           // or application/octet-stream for a file
+  std::string body;
+  std::vector<std::pair<std::string, std::string>> headers;  // ETag, X-Repo-Commit; Allow with 405
+  std::filesystem::path file;                                // resolve: the file whose bytes `body` holds
+};
+
+// Routes one request over `dir` (see above).  Never throws: a kcpp::Error of the folder (a bad repo
+// id) is a 400, any other exception a 500.
+ServeAnswer route_request(const RepoDir& dir, const ServeRequest& request);
 
 // Fault injection for tests: consulted on every request.
 struct RequestView {

@@ -398,3 +398,42 @@ training(3, "seed-jsonl-field", json.dumps({"content": "named field", "text": "n
 training(9, "seed-jsonl-mixed-qwen2", "\n".join(json.dumps(j, ensure_ascii=False) for j in lines) + "\r\n")
 training(1, "edge-jsonl-not-object", "[1, 2]\n")
 training(1, "edge-jsonl-no-text", json.dumps({"text": ""}) + "\n")
+
+# ---- kcpp serve's routing: a request line "METHOD TARGET HTTP/1.1" (and headers, which the router
+# does not read) over fuzz_serve_routing.cpp's served folder; "{commit}" is acme/example@v1.0.0's commit
+def request(name, target, method="GET", headers=""):
+    write("serve_routing", name, f"{method} {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}\r\n")
+
+
+for i, target in enumerate([
+        "/api/models/acme/example/refs", "/api/models/acme/example/revision/v1.0.0", "/api/models/acme/example/revision/main",
+        "/api/models/acme/example/tree/v1.0.0?recursive=true", "/api/models/acme/example/tree/v1.0.0/build/",
+        "/api/models/acme/example/tree/{commit}", "/acme/example/resolve/v1.0.0/manifest.json",
+        "/acme/example/resolve/{commit}/build/kcpp1-cpu-x86_64-linux/libexample.so",
+        "/acme/example/resolve/v1.0.0/build/kcpp1-cpu-x86_64-linux/name%20with%20space.txt",
+        "/acme/example/resolve/main/README.md", "/acme/other/resolve/1.0.0/x.txt", "/api/models/acme/other/refs"]):
+    request(f"seed-{i:02}", target)
+request("seed-head", "/acme/example/resolve/v1.0.0/manifest.json", "HEAD")
+request("seed-token", "/api/models/acme/example/refs", headers="Authorization: Bearer hf_x\r\n")
+# What must never answer 200 (or leave the served folder): traversal, encoded or not, absolute paths,
+# NULs, symbolic links out of the folder (a file, a folder, a revision, a repo, an org).
+for i, target in enumerate([
+        "/acme/example/resolve/v1.0.0/../../../kcpp-outside/kcpp-outside-secret.txt",
+        "/acme/example/resolve/v1.0.0/%2e%2e/%2e%2e/%2e%2e/kcpp-outside/kcpp-outside-secret.txt",
+        "/acme/example/resolve/v1.0.0/%2E%2E%2F%2E%2E%2Fmain/README.md", "/acme/example/resolve/..%2fmain/README.md",
+        "/acme/example/resolve/v1.0.0//etc/passwd", "/acme/example/resolve/v1.0.0/%2fetc%2fpasswd",
+        "/acme/example/resolve/v1.0.0/manifest.json%00.txt", "/acme/example/resolve/v1.0.0%00x/manifest.json",
+        "/acme/example/resolve/v1.0.0/build/link-out.txt",
+        "/acme/example/resolve/v1.0.0/build/dir-out/kcpp-outside-secret.txt", "/api/models/acme/example/tree/v1.0.0/build/dir-out",
+        "/acme/example/resolve/linked-rev/kcpp-outside-file.txt", "/api/models/acme/example/tree/linked-rev",
+        "/acme/example/resolve/.hidden/manifest.json",
+        "/api/models/acme/example/tree/v1.0.0/../main", "/api/models/acme/example/tree/v1.0.0/%2e",
+        "/api/models/acme/example/tree/v1.0.0/build/bad%ff%fe.bin", "/acme/example/resolve/v1.0.0/a%2e%2e",
+        "/api/models/acme/%2e%2e/refs", "/api/models/acme/example%2f..%2fother/refs",
+        "/acme/example/resolve/v1.0.0/build%5c..%5cmanifest.json", "/api/models/acme/example/revision/%u002e%u002e",
+        "*", "", "/", "//acme/example/resolve/v1.0.0/manifest.json"]):
+    request(f"edge-{i:02}", target)
+# (Requests that once got a wrong answer are kept as regression-* files: a revision with a NUL byte,
+# symbolic links at the org or repo, a revision that is not UTF-8.)
+for method in ["POST", "PUT", "DELETE", "OPTIONS", "PATCH", "TRACE", "CONNECT", "get"]:
+    request(f"edge-method-{method}", "/api/models/acme/example/refs", method)

@@ -3,6 +3,7 @@
 // gets its own hub folder, cache, keys and server.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <httplib.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -221,6 +222,150 @@ TEST_F(HubServer, ServesTheHubApiSubset) {
                           "HTTP 40"));
 }
 
+// ---- route_request: kcpp serve's routing without sockets (also fuzzed: tests/fuzz/fuzz_serve_routing.cpp)
+
+class ServeRouting : public ::testing::Test {
+ protected:
+  test::TempDir tmp;
+  fs::path root = tmp.path() / "served", outside = tmp.path() / "outside";
+  RepoDir dir{root};
+
+  void SetUp() override {
+    write_file_atomic(root / "acme/example/v1.0.0/manifest.json", "{}");
+    write_file_atomic(root / "acme/example/v1.0.0/build/a.so", "library");
+    write_file_atomic(root / "acme/example/main/README.md", "main");
+    write_file_atomic(outside / "secret.txt", "secret");
+    write_file_atomic(outside / "org/pkg/v1.0.0/secret.txt", "secret");
+  }
+  ServeAnswer get(const std::string& path, const std::string& method = "GET") {
+    return route_request(dir, ServeRequest{method, path});
+  }
+  // The status, and for an error that its body is {"error": ...}.
+  int status(const std::string& path, const std::string& method = "GET") {
+    const ServeAnswer a = get(path, method);
+    if (a.status != 200) {
+      const auto j = nlohmann::json::parse(a.body, nullptr, false);
+      EXPECT_TRUE(j.is_object() && j.contains("error") && j["error"].is_string()) << path << ": " << a.body;
+    }
+    return a.status;
+  }
+};
+
+TEST_F(ServeRouting, AnswersTheApiSubset) {
+  const std::string commit = dir.commit_of("acme/example", "v1.0.0");
+  const auto refs = nlohmann::json::parse(get("/api/models/acme/example/refs").body);
+  EXPECT_EQ(refs["tags"][0]["targetCommit"], commit);
+  EXPECT_EQ(refs["branches"][0]["name"], "main");
+  EXPECT_EQ(nlohmann::json::parse(get("/api/models/acme/example/revision/v1.0.0").body)["sha"], commit);
+  EXPECT_EQ(nlohmann::json::parse(get("/api/models/acme/example/tree/" + commit).body).size(), 2u);
+  EXPECT_EQ(nlohmann::json::parse(get("/api/models/acme/example/tree/v1.0.0/build/").body).size(), 1u);
+  EXPECT_EQ(nlohmann::json::parse(get("/api/models/acme/example/tree/v1.0.0/build").body).size(), 1u);
+  EXPECT_EQ(nlohmann::json::parse(get("/api/models/acme/example/tree/v1.0.0/").body).size(), 2u);
+  for (const char* method : {"GET", "HEAD"}) {
+    const ServeAnswer a = get("/acme/example/resolve/v1.0.0/build/a.so", method);
+    EXPECT_EQ(a.status, 200);
+    EXPECT_EQ(a.body, "library");
+    EXPECT_EQ(a.file, root / "acme/example/v1.0.0/build/a.so");
+    EXPECT_EQ(a.content_type, "application/octet-stream");
+    const std::vector<std::pair<std::string, std::string>> headers = {{"ETag", "\"" + sha256_hex("library") + "\""},
+                                                                      {"X-Repo-Commit", commit}};
+    EXPECT_EQ(a.headers, headers);
+  }
+}
+
+TEST_F(ServeRouting, OtherMethodsRoutesAndIdsAreErrors) {
+  for (const char* method : {"POST", "PUT", "DELETE", "OPTIONS", "PATCH", "get", ""}) {
+    const ServeAnswer a = get("/api/models/acme/example/refs", method);
+    EXPECT_EQ(a.status, 405) << method;
+    ASSERT_EQ(a.headers.size(), 1u);
+    EXPECT_EQ(a.headers[0].second, "GET, HEAD");
+  }
+  for (const char* path : {"", "/", "*", "/api/models/acme/example", "/api/models/acme/example/refs/", "/api/models/acme/example/revision/",
+                           "/api/models/acme/example/revision/v1.0.0/x", "/api/models/acme/example/tree/", "/acme/example/resolve/v1.0.0",
+                           "/acme/example/resolve/v1.0.0/", "//acme/example/resolve/v1.0.0/manifest.json", "/api/models/-acme/example/refs",
+                           "/api/models/acme/example/branches"})
+    EXPECT_EQ(status(path), 404) << path;
+  EXPECT_EQ(status("/api/models/acme--x/example/refs"), 400);  // a route, but not a repo id
+  EXPECT_EQ(status("/api/models/acme/nothing/refs"), 404);
+  EXPECT_EQ(status("/api/models/acme/example/revision/v9"), 404);
+}
+
+// Traversal in every spelling the HTTP layer may hand over (it percent-decodes the path: "%2e%2e"
+// arrives as ".."), absolute paths, NULs: never a 200, never a file outside the served folder.
+TEST_F(ServeRouting, NoPathLeavesTheServedFolder) {
+  for (const std::string& path : std::vector<std::string>{
+           "/acme/example/resolve/v1.0.0/../../../../outside/secret.txt", "/acme/example/resolve/v1.0.0/../main/README.md",
+           "/acme/example/resolve/../main/README.md", "/acme/example/resolve/v1.0.0//etc/passwd",
+           "/acme/example/resolve/v1.0.0/./manifest.json", "/acme/example/resolve/v1.0.0/build\\..\\manifest.json",
+           "/acme/example/resolve/.hidden/x", std::string("/acme/example/resolve/v1.0.0/manifest.json") + '\0' + ".txt",
+           "/acme/example/resolve/v1.0.0/%2e%2e/main/README.md", "/api/models/acme/../refs", "/api/models/../../refs"})
+    EXPECT_NE(status(path), 200) << path;
+  EXPECT_EQ(status("/api/models/acme/example/tree/v1.0.0/../main"), 400);
+  EXPECT_EQ(status("/api/models/acme/example/tree/v1.0.0/./"), 400);
+  EXPECT_EQ(status("/api/models/acme/example/tree/v1.0.0//etc"), 400);
+}
+
+// Symbolic links are never followed, wherever they sit: a file, a folder, a revision, a repo, an org
+// (fuzz findings: the org and repo folders were followed; tests/fuzz/corpus/serve_routing/regression-*).
+TEST_F(ServeRouting, SymbolicLinksAreNeverFollowed) {
+  fs::create_symlink(outside / "secret.txt", root / "acme/example/v1.0.0/build/link.so");
+  fs::create_symlink(outside, root / "acme/example/v1.0.0/build/out");
+  fs::create_symlink(outside / "org/pkg/v1.0.0", root / "acme/example/v2.0.0");
+  fs::create_symlink(outside / "org/pkg", root / "acme/linked");
+  fs::create_symlink(outside / "org", root / "evil");
+  for (const char* path : {"/acme/example/resolve/v1.0.0/build/link.so", "/acme/example/resolve/v1.0.0/build/out/secret.txt",
+                           "/acme/example/resolve/v2.0.0/secret.txt", "/api/models/acme/example/revision/v2.0.0",
+                           "/acme/linked/resolve/v1.0.0/secret.txt", "/api/models/acme/linked/refs",
+                           "/api/models/acme/linked/tree/v1.0.0", "/evil/pkg/resolve/v1.0.0/secret.txt",
+                           "/api/models/evil/pkg/refs", "/api/models/evil/pkg/revision/v1.0.0"})
+    EXPECT_EQ(status(path), 404) << path;
+  const std::string tree = get("/api/models/acme/example/tree/v1.0.0").body;
+  EXPECT_EQ(tree.find("secret"), std::string::npos) << tree;
+  EXPECT_EQ(get("/api/models/acme/example/refs").body.find("v2.0.0"), std::string::npos);
+}
+
+// A revision with a NUL byte named the folder before it ("v1.0.0\0x" served v1.0.0: the file system
+// stops reading a name at a NUL); bytes that are not UTF-8 made the JSON error itself fail (a 500).
+// Fuzz findings, kept in tests/fuzz/corpus/serve_routing/regression-*.
+TEST_F(ServeRouting, NulBytesAndNonUtf8AreClientErrors) {
+  EXPECT_EQ(status(std::string("/acme/example/resolve/v1.0.0") + '\0' + "x/manifest.json"), 404);
+  EXPECT_EQ(status(std::string("/api/models/acme/example/revision/v1.0.0") + '\0'), 404);
+  EXPECT_EQ(status(std::string("/api/models/acme/example/tree/v1.0.0") + '\0' + "/build"), 404);
+  EXPECT_EQ(status("/api/models/acme/example/revision/\xff\xfe"), 404);
+  EXPECT_EQ(status("/acme/example/resolve/v1.0.0/\xff"), 404);
+  write_file_atomic(root / "acme/example/v1.0.0/bad\xff.bin", "x");
+  const ServeAnswer a = get("/api/models/acme/example/tree/v1.0.0");
+  EXPECT_EQ(a.status, 200);
+  EXPECT_FALSE(nlohmann::json::parse(a.body, nullptr, false).is_discarded());
+}
+
+// The server hands every request to route_request: HEAD is GET without the body, other methods are
+// 405, unknown paths 404 with a JSON error, and a percent-encoded '..' arrives decoded and is refused.
+TEST_F(HubServer, EveryRequestGoesThroughTheRouter) {
+  publish("v1.0.0", &acme);
+  httplib::Client client(server->url());
+  const std::string file = "/acme/example/resolve/v1.0.0/manifest.json";
+  const auto head = client.Head(file);
+  ASSERT_TRUE(head);
+  EXPECT_EQ(head->status, 200);
+  EXPECT_EQ(head->body, "");
+  EXPECT_EQ(head->get_header_value("ETag"), "\"" + sha256_file(hub_dir / "acme/example/v1.0.0/manifest.json") + "\"");
+  const auto post = client.Post(file, "x", "text/plain");
+  ASSERT_TRUE(post);
+  EXPECT_EQ(post->status, 405);
+  EXPECT_EQ(post->get_header_value("Allow"), "GET, HEAD");
+  const auto none = client.Get("/nothing/here/at/all");
+  ASSERT_TRUE(none);
+  EXPECT_EQ(none->status, 404);
+  EXPECT_TRUE(nlohmann::json::parse(none->body).contains("error"));
+  for (const char* path : {"/acme/example/resolve/v1.0.0/%2e%2e/%2e%2e/%2e%2e/etc/passwd",
+                           "/acme/example/resolve/v1.0.0%00x/manifest.json", "/api/models/acme/example/revision/%ff"}) {
+    const auto r = client.Get(path);
+    ASSERT_TRUE(r) << path;
+    EXPECT_EQ(r->status, 404) << path;
+  }
+}
+
 TEST_F(HubServer, ListsTheFilesOfARevision) {
   const fs::path rev = publish("v1.0.0", &acme);
   Hub hub(config());
@@ -269,13 +414,19 @@ TEST_F(HubServer, AMistypedFileListIsANamedError) {
     reply(text);
     EXPECT_TRUE(throws_with([&] { hub.files("acme/example", "v1.0.0"); }, why)) << text;
   }
-  reply(R"([{"type": "directory", "path": "d"}, {"type": "file", "path": "d/a.so", "size": 4, "lfs": {"oid": "ab"}},
-             {"type": "file", "path": "b.json"}, 5])");
+  // An LFS oid that is no sha256 is refused, naming the repository, revision and file.
+  reply(R"([{"type": "file", "path": "d/a.so", "size": 4, "lfs": {"oid": "ab"}}])");
+  EXPECT_TRUE(throws_with([&] { hub.files("acme/example", "v1.0.0"); },
+                          server->url() + ": the file list of acme/example@v1.0.0 has an entry whose 'lfs.oid' 'ab' is "
+                                          "not a sha256 (64 lower-case hex digits) (d/a.so)"));
+  const std::string sha(64, 'a');
+  reply(R"([{"type": "directory", "path": "d"}, {"type": "file", "path": "d/a.so", "size": 4, "lfs": {"oid": ")" + sha +
+        R"("}}, {"type": "file", "path": "b.json"}, 5])");
   const auto files = hub.files("acme/example", "v1.0.0");
   ASSERT_EQ(files.size(), 2u);
   EXPECT_EQ(files[0].path, "d/a.so");
   EXPECT_EQ(files[0].size, 4u);
-  EXPECT_EQ(files[0].sha256, "ab");
+  EXPECT_EQ(files[0].sha256, sha);
   EXPECT_EQ(files[1].path, "b.json");
   EXPECT_EQ(files[1].size, 0u);
   EXPECT_EQ(files[1].sha256, "");
@@ -348,8 +499,9 @@ TEST_F(HubServer, AFileWhoseHashDiffersNeverEntersTheCacheOrLoads) {
   // Tampered after signing: the manifest still lists the original hash.
   { std::ofstream(library_path(rev), std::ios::app) << "evil"; }
   Hub hub(config());
+  // (Longer than the manifest says: the download stops at the manifest's size.)
   EXPECT_TRUE(throws_with([&] { hub.load(Reference::parse("acme/example@v1.0.0:SiLU")); },
-                          "but the manifest says"));
+                          "bytes expected (the size the manifest gives); not stored, not loaded"));
   EXPECT_EQ(blob_count(), 1u);  // the manifest only
   expect_cache_consistent();
   // A tampered *cached* copy is refused on the next load as well.
@@ -361,6 +513,87 @@ TEST_F(HubServer, AFileWhoseHashDiffersNeverEntersTheCacheOrLoads) {
   Hub fresh(config());
   EXPECT_TRUE(throws_with([&] { fresh.load(Reference::parse("acme/example@v1.1.0:SiLU")); },
                           "the file was modified or corrupted; refusing to load"));
+}
+
+// A download stops at the size the manifest gives (at 16 MiB for manifest.json, whose size nothing
+// gives), so that a server cannot fill the disk; a file of the right size but other bytes is refused
+// by its hash.  Neither enters the cache.
+TEST_F(HubServer, ADownloadLongerThanClaimedIsCutOffAndRefused) {
+  const fs::path rev = publish("v1.0.0", &acme);
+  const fs::path lib = library_path(rev);
+  const uint64_t size = fs::file_size(lib);
+  std::mutex m;
+  std::string body;  // what the server answers for the library, when set
+  set_fault([&](const RequestView& r) {
+    std::lock_guard<std::mutex> g(m);
+    if (body.empty() || r.path.find("/resolve/") == std::string_view::npos) return Fault{};
+    const bool manifest = r.path.ends_with("/manifest.json");
+    if (manifest != (body.size() > (uint64_t{16} << 20))) return Fault{};
+    Fault f;
+    f.kind = Fault::Kind::Body;
+    f.body = body;
+    return f;
+  });
+  auto answer = [&](std::string b) {
+    std::lock_guard<std::mutex> g(m);
+    body = std::move(b);
+  };
+  const std::string lib_name = fs::relative(lib, rev).generic_string();
+  answer(std::string(size + 100000, 'x'));
+  EXPECT_TRUE(throws_with([&] { Hub(config()).load(Reference::parse("acme/example@v1.0.0:SiLU")); },
+                          "acme/example@" + Hub(config()).resolve(Reference::parse("acme/example@v1.0.0")).commit.substr(0, 12) +
+                              ": " + lib_name + ": the hub's answer (" + server->url() + "/acme/example/resolve/"));
+  EXPECT_TRUE(throws_with([&] { Hub(config()).load(Reference::parse("acme/example@v1.0.0:SiLU")); },
+                          fmt::format("holds more than the {} bytes expected (the size the manifest gives); not stored, "
+                                      "not loaded",
+                                      size)));
+  answer(std::string(size, 'x'));
+  EXPECT_TRUE(throws_with([&] { Hub(config()).load(Reference::parse("acme/example@v1.0.0:SiLU")); },
+                          fmt::format("{} has sha256 {} ({} bytes) but the manifest says", lib_name,
+                                      sha256_hex(std::string(size, 'x')), size)));
+  EXPECT_EQ(blob_count(), 1u);  // the manifest only
+  fs::remove_all(cache_dir);
+  answer(std::string((uint64_t{16} << 20) + 1, ' '));
+  EXPECT_TRUE(throws_with([&] { Hub(config()).inspect(Reference::parse("acme/example@v1.0.0")); },
+                          "manifest.json: the hub's answer"));
+  EXPECT_TRUE(throws_with([&] { Hub(config()).inspect(Reference::parse("acme/example@v1.0.0")); },
+                          "holds more than the 16777216 bytes expected (the most a manifest.json may have)"));
+  EXPECT_EQ(blob_count(), 0u);
+  expect_cache_consistent();
+  // A plain-directory hub (HF_ENDPOINT a folder) checks the size before copying.
+  answer("");
+  { std::ofstream(lib, std::ios::app) << "longer"; }
+  HubConfig c = config();
+  c.endpoint = hub_dir.string();
+  EXPECT_TRUE(throws_with([&] { Hub(c).load(Reference::parse("acme/example@v1.0.0:SiLU")); },
+                          fmt::format("{}: {} holds more than the {} bytes expected", lib_name, lib.string(), size)));
+  expect_cache_consistent();
+}
+
+// The cached manifest.json is read only when its bytes are what its blob's name says (nothing else
+// checks an unsigned, unlocked one).
+TEST_F(HubServer, ACachedManifestThatIsNotItsBlobsHashIsRefused) {
+  publish("v1.0.0", &acme);
+  Hub hub(config());
+  const PackageInfo info = hub.inspect(Reference::parse("acme/example@v1.0.0"));
+  const fs::path link = info.folder / "manifest.json";
+  const fs::path blob = fs::canonical(link);
+  EXPECT_EQ(blob.filename().string(), info.manifest_sha256);
+  { std::ofstream(blob, std::ios::app) << " "; }
+  EXPECT_TRUE(throws_with([&] { Hub(config()).inspect(Reference::parse("acme/example@v1.0.0")); },
+                          "acme/example@v1.0.0: the cache's manifest.json has sha256 " + sha256_file(blob) +
+                              " but its blob is named '" + info.manifest_sha256 + "'"));
+  fs::remove(link);  // as the message says: then it is downloaded again
+  fs::remove(blob);
+  EXPECT_EQ(Hub(config()).inspect(Reference::parse("acme/example@v1.0.0")).manifest_sha256, info.manifest_sha256);
+  // A link out of blobs/ names no blob, even to a file named by its own hash.
+  const std::string other = R"({"kcpp_manifest": 1})";
+  const fs::path elsewhere = tmp.path() / "elsewhere" / sha256_hex(other);
+  write_file_atomic(elsewhere, other);
+  fs::remove(link);
+  fs::create_symlink(elsewhere, link);
+  EXPECT_TRUE(throws_with([&] { Hub(config()).inspect(Reference::parse("acme/example@v1.0.0")); },
+                          "but its blob is named '" + elsewhere.string() + "'"));
 }
 
 TEST_F(HubServer, SignaturesAndTrustDecideWhatLoads) {

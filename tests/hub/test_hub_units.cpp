@@ -565,6 +565,12 @@ TEST(Manifest, MalformedManifestsAreErrorsNamingTheField) {
       {with([&](auto& j) { j["variants"]["kcpp1-gpu-x-y"] = j["variants"][variant]; }), "bad variant name"},
       {with([&](auto& j) { j["variants"][variant]["files"][lib]["sha256"] = "abc"; }), "64 lower-case hex"},
       {with([&](auto& j) { j["variants"][variant]["files"][lib]["size"] = -1; }), "non-negative"},
+      {with([&](auto& j) { j["variants"][variant]["files"][lib]["sha256"] = std::string(64, 'A'); }),
+       "files[" + lib + "]: sha256 '" + std::string(64, 'A') + "' is not a sha256 (64 lower-case hex digits)"},
+      {with([&](auto& j) { j["variants"][variant]["files"][lib]["sha256"] = "../../blobs/x"; }), "'../../blobs/x' is not a sha256"},
+      {with([&](auto& j) { j["variants"][variant]["files"][lib]["size"] = 1.5; }), "size must be a non-negative integer"},
+      {with([&](auto& j) { j["variants"][variant]["files"][lib]["size"] = uint64_t{1} << 41; }),
+       "files[" + lib + "]: the size 2199023255552 is more than the 1099511627776 bytes (1 TiB) a hub file may have"},
       {with([&](auto& j) { j["variants"][variant]["files"]["build/" + variant + "/../../../etc/passwd"] = j["variants"][variant]["files"][lib]; }), "'..' component"},
       {with([&](auto& j) { j["variants"][variant]["files"]["/etc/passwd"] = j["variants"][variant]["files"][lib]; }), "is absolute"},
       {with([&](auto& j) { j["variants"][variant]["files"]["build/other/x.so"] = j["variants"][variant]["files"][lib]; }), "must be under build/" + variant},
@@ -611,17 +617,46 @@ TEST(LockFile, CommitsAreCommitIdsAndRevisionsRefNames) {
   };
   for (const std::string& bad : std::vector<std::string>{"../../../../tmp/x", "C0FFEE" + std::string(34, '0'), std::string(39, 'c'), ""}) {
     write_file_atomic(d.path() / "kcpp.lock", entry("v1.0.0", bad));
-    EXPECT_TRUE(throws_with([&] { LockFile::load(d.path() / "kcpp.lock"); }, "packages[0]: commit '" + bad + "' is not a commit id"))
+    EXPECT_TRUE(throws_with([&] { LockFile::load(d.path() / "kcpp.lock"); }, "packages[0] (acme/example): commit '" + bad + "' is not a commit id"))
         << bad;
   }
   for (const char* bad : {"../v1.0.0", "", "a b", "v1.0.0.lock"}) {
     write_file_atomic(d.path() / "kcpp.lock", entry(bad, commit));
-    EXPECT_TRUE(throws_with([&] { LockFile::load(d.path() / "kcpp.lock"); }, "packages[0]: revision: ")) << bad;
+    EXPECT_TRUE(throws_with([&] { LockFile::load(d.path() / "kcpp.lock"); }, "packages[0] (acme/example): revision: ")) << bad;
   }
   for (const std::string& good : std::vector<std::string>{"v1.0.0", "feature/x", commit}) {
     write_file_atomic(d.path() / "kcpp.lock", entry(good, commit));
     EXPECT_EQ(LockFile::load(d.path() / "kcpp.lock").packages.at(0).revision, good);
   }
+}
+
+// Every hash a lock file pins is a sha256 and every file it names a path inside the repository; the
+// error names the entry's repository and the file.
+TEST(LockFile, PinnedHashesAreSha256sOfPathsInsideTheRepository) {
+  test::TempDir d;
+  const std::string sha(64, 'a'), commit(40, 'c');
+  auto entry = [&](const std::string& manifest_sha256, const nlohmann::json& files) {
+    return nlohmann::json{{"kcpp_lock", 1},
+                          {"packages", {{{"repo", "acme/example"}, {"requested", "^1.0"}, {"revision", "v1.0.0"},
+                                         {"commit", commit}, {"manifest_sha256", manifest_sha256}, {"publisher", "acme"},
+                                         {"files", files}}}}}
+        .dump();
+  };
+  const std::pair<std::string, std::string> bad[] = {
+      {entry(std::string(64, 'A'), nlohmann::json::object()),
+       "packages[0] (acme/example): manifest_sha256 '" + std::string(64, 'A') + "' is not a sha256"},
+      {entry("", nlohmann::json::object()), "packages[0] (acme/example): manifest_sha256 '' is not a sha256"},
+      {entry(sha, {{"build/x/a.so", "abc"}}), "packages[0] (acme/example): files[build/x/a.so]: 'abc' is not a sha256"},
+      {entry(sha, {{"build/x/a.so", 5}}), "packages[0] (acme/example): files[build/x/a.so]: not a sha256 but number"},
+      {entry(sha, {{"../../x", sha}}), "packages[0] (acme/example): files['../../x']: not a path inside the repository"},
+      {entry(sha, {{"/etc/passwd", sha}}), "files['/etc/passwd']: not a path inside the repository"},
+  };
+  for (const auto& [text, needle] : bad) {
+    write_file_atomic(d.path() / "kcpp.lock", text);
+    EXPECT_TRUE(throws_with([&] { LockFile::load(d.path() / "kcpp.lock"); }, needle)) << needle;
+  }
+  write_file_atomic(d.path() / "kcpp.lock", entry(sha, {{"build/x/a.so", sha}}));
+  EXPECT_EQ(LockFile::load(d.path() / "kcpp.lock").packages.at(0).files.at("build/x/a.so"), sha);
 }
 
 // The Hub API's answers: a ref's targetCommit and name, and a file's path, become paths of the cache;
@@ -650,6 +685,77 @@ TEST(HubAnswers, RefsAndFilesNameOnlyWhatTheCacheCanHold) {
     EXPECT_TRUE(throws_with([&] { parse_tree_answer(tree(bad), "http://hub", "acme/example", "main"); },
                             "the file list of acme/example@main has an entry whose 'path' is not a path inside the repository"))
         << bad;
+}
+
+// Every sha256 and size of a tree listing is checked before anything uses it: the LFS oid names the
+// file in the cache and is what its download is checked against, the sizes bound the download.  Each
+// refusal names the endpoint, the repository and revision, the file and what was wrong.
+TEST(HubAnswers, TreeHashesAndSizesAreWhatTheyClaim) {
+  const std::string sha(64, 'e'), git(40, 'd');
+  auto tree = [](nlohmann::json entry) {
+    entry["type"] = "file";
+    if (!entry.contains("path")) entry["path"] = "build/x/a.so";
+    return nlohmann::json::array({entry}).dump();
+  };
+  auto parse = [](const std::string& body) { return parse_tree_answer(body, "http://hub", "acme/example", "v1.0.0"); };
+  const std::string at = "http://hub: the file list of acme/example@v1.0.0 has an entry whose ";
+  const std::pair<std::string, std::string> bad[] = {
+      {tree({{"lfs", {{"oid", "ab"}}}}), at + "'lfs.oid' 'ab' is not a sha256 (64 lower-case hex digits) (build/x/a.so)"},
+      {tree({{"lfs", {{"oid", std::string(64, 'E')}}}}), "'lfs.oid' '" + std::string(64, 'E') + "' is not a sha256"},
+      {tree({{"lfs", {{"oid", sha + "0"}}}}), "'lfs.oid' '" + sha + "0' is not a sha256"},
+      {tree({{"lfs", {{"oid", "../../../../tmp/x"}}}}), "'lfs.oid' '../../../../tmp/x' is not a sha256"},
+      {tree({{"lfs", {{"oid", std::string(63, 'a') + '\n'}}}}), "'lfs.oid' '" + std::string(63, 'a') + "\\x0a' is not"},
+      {tree({{"lfs", {{"oid", ""}}}}), "'lfs.oid' '' is not a sha256"},
+      {tree({{"lfs", {{"oid", 5}}}}), "'lfs.oid' is not a string (build/x/a.so)"},
+      {tree({{"lfs", "yes"}}), at + "'lfs' is not an object (build/x/a.so)"},
+      {tree({{"lfs", nlohmann::json::object()}}), at + "'lfs' has no 'oid' (build/x/a.so)"},
+      {tree({{"size", 4}, {"lfs", {{"oid", sha}, {"size", 5}}}}), at + "'lfs.size' 5 differs from its 'size' 4 (build/x/a.so)"},
+      {tree({{"lfs", {{"oid", sha}, {"size", -5}}}}), at + "'lfs.size' is not a non-negative integer (build/x/a.so)"},
+      {tree({{"size", -1}}), at + "'size' is not a non-negative integer (build/x/a.so)"},
+      {tree({{"size", 2.5}}), at + "'size' is not a non-negative integer (build/x/a.so)"},
+      {tree({{"size", uint64_t{1} << 41}}),
+       at + "'size' is not sane: the size 2199023255552 is more than the 1099511627776 bytes (1 TiB) a hub file may have"},
+      {tree({{"lfs", {{"oid", sha}, {"size", ~uint64_t{0}}}}}), "'lfs.size' is not sane"},
+      {tree({{"oid", "zz"}}), at + "'oid' 'zz' is not a git object id (40 or 64 lower-case hex digits) (build/x/a.so)"},
+      {tree({{"oid", 7}}), "'oid' 7 is not a git object id"},
+      {nlohmann::json::array({{{"type", "file"}, {"path", "a.so"}, {"lfs", {{"oid", sha}}}},
+                              {{"type", "file"}, {"path", "a.so"}, {"lfs", {{"oid", std::string(64, 'f')}}}}})
+           .dump(),
+       at + "'path' repeats an earlier entry's (a.so)"},
+  };
+  for (const auto& [body, needle] : bad) EXPECT_TRUE(throws_with([&] { parse(body); }, needle)) << body;
+
+  // What a Hugging Face hub answers reads: a git oid, size and LFS size that agree; a small file
+  // without LFS; "lfs": null; a folder.
+  const auto files = parse(nlohmann::json::array({{{"type", "file"}, {"path", "a.so"}, {"oid", git}, {"size", 4},
+                                                   {"lfs", {{"oid", sha}, {"size", 4}, {"pointerSize", 134}}}},
+                                                  {{"type", "file"}, {"path", "b.json"}, {"oid", sha}, {"size", 2}},
+                                                  {{"type", "file"}, {"path", "c.txt"}, {"lfs", nullptr}},
+                                                  {{"type", "file"}, {"path", "d.so"}, {"lfs", {{"oid", sha}, {"size", 9}}}},
+                                                  {{"type", "directory"}, {"path", "build"}, {"oid", git}}})
+                               .dump());
+  ASSERT_EQ(files.size(), 4u);
+  EXPECT_EQ(files[0].sha256, sha);
+  EXPECT_EQ(files[0].size, 4u);
+  EXPECT_EQ(files[1].sha256, "");
+  EXPECT_EQ(files[1].size, 2u);
+  EXPECT_EQ(files[2].sha256, "");
+  EXPECT_EQ(files[3].size, 9u);  // the LFS size, when the entry gives no other
+  EXPECT_EQ(parse(tree({{"size", kMaxFileSize}})).at(0).size, kMaxFileSize);
+}
+
+TEST(Crypto, ClaimedHashesAndSizesAreNamedWhenWrong) {
+  EXPECT_EQ(sha256_problem(std::string(64, '0')), "");
+  EXPECT_EQ(sha256_problem(sha256_hex("x")), "");
+  EXPECT_EQ(sha256_problem("abc"), "'abc' is not a sha256 (64 lower-case hex digits)");
+  EXPECT_EQ(sha256_problem(std::string(64, 'g')), "'" + std::string(64, 'g') + "' is not a sha256 (64 lower-case hex digits)");
+  EXPECT_EQ(sha256_problem(std::string(65, 'a')).substr(0, 4), "'aaa");
+  EXPECT_EQ(size_problem(0), "");
+  EXPECT_EQ(size_problem(kMaxFileSize), "");
+  EXPECT_NE(size_problem(kMaxFileSize + 1), "");
+  // Untrusted text in a message: control bytes escaped, long text cut.
+  EXPECT_EQ(shown(std::string("a\0b\x1b[31m\\", 9)), "'a\\x00b\\x1b[31m\\x5c'");
+  EXPECT_EQ(shown(std::string(100, 'a')), "'" + std::string(80, 'a') + "'...");
 }
 
 TEST(Trust, SignedUnsignedUntrustedAndTampered) {
@@ -738,6 +844,34 @@ TEST(Cache, RefsHoldCommitIds) {
   EXPECT_TRUE(throws_with([&] { (void)cache.ref(repo, "main"); }, "the cache's ref 'main' of acme/example holds '../../../elsewhere'"));
   EXPECT_TRUE(throws_with([&] { (void)cache.refs(repo); }, "not a commit id"));
   EXPECT_EQ(cache.ref(repo, "absent"), std::nullopt);
+}
+
+// What names a file or folder of the cache is checked to be a sha256 or a commit id (or a path inside
+// the repository) first, whoever passes it.
+TEST(Cache, KeysCommitsAndRefNamesAreCheckedBeforeTheyNameFiles) {
+  test::TempDir t;
+  const Cache cache(t.path());
+  const std::string repo = "acme/example", sha(64, 'a'), commit(40, 'c');
+  for (const std::string& bad : {std::string("../../x"), std::string(64, 'A'), std::string(""), sha + "/x"}) {
+    EXPECT_TRUE(throws_with([&] { (void)cache.lock_path(repo, bad); }, "cache: acme/example: the file key")) << bad;
+    EXPECT_TRUE(throws_with([&] { (void)cache.temp_path(repo, bad); }, "is not a sha256")) << bad;
+  }
+  const std::filesystem::path tmp = t.path() / "download";
+  write_file_atomic(tmp, "x");
+  EXPECT_TRUE(throws_with([&] { cache.commit_file(repo, commit, "a.so", "../../../a", tmp); },
+                          "cache: acme/example: the file key '../../../a' is not a sha256"));
+  EXPECT_TRUE(throws_with([&] { cache.commit_file(repo, commit, "../a.so", sha256_hex("x"), tmp); },
+                          "cache: acme/example@cccccccccccc: '../a.so' is not a path inside the repository"));
+  EXPECT_TRUE(throws_with([&] { cache.commit_file(repo, "../../../x", "a.so", sha256_hex("x"), tmp); },
+                          "the commit '../../../x' is not a commit id"));
+  EXPECT_TRUE(std::filesystem::exists(tmp));  // nothing moved
+  EXPECT_TRUE(throws_with([&] { (void)cache.snapshot_dir(repo, "C" + std::string(39, 'c')); }, "is not a commit id"));
+  EXPECT_TRUE(throws_with([&] { cache.set_ref(repo, "v1.0.0", "../x"); }, "cache: acme/example@v1.0.0: the commit '../x' is not a commit id"));
+  EXPECT_TRUE(throws_with([&] { cache.set_ref(repo, "../../refs-elsewhere", commit); }, "cannot name a file under refs/"));
+  const auto link = cache.commit_file(repo, commit, "build/a.so", sha256_hex("x"), tmp);
+  EXPECT_EQ(read_file(link), "x");
+  EXPECT_EQ(cache.blob_sha256(repo, commit, "build/a.so"), sha256_hex("x"));
+  EXPECT_EQ(cache.blob_sha256(repo, commit, "absent"), std::nullopt);
 }
 
 // ---- loading packages through the ABI ---------------------------------------------------------------
