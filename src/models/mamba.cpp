@@ -352,13 +352,18 @@ Tensor MambaLM::layer_forward(size_t li, const Tensor& h, LayerTape* t, Cache* c
   return ops::add(h, out);
 }
 
-Tensor MambaLM::hidden_states(const Tensor& ids, std::vector<LayerTape>* tapes, nn::RMSNorm::Saved* final_saved, Cache* cache) {
+Tensor MambaLM::hidden_states(const Tensor& ids, std::vector<LayerTape>* tapes, nn::RMSNorm::Saved* final_saved, Cache* cache,
+                              std::vector<Tensor>* inputs) {
   KCPP_CHECK(ids.dim() == 2, "MambaLM: input_ids must be [batch, seq], got {} dims", ids.dim());
   const Tensor ids_dev = ids.device() == device_ ? ids : ids.to(device_);
   Tensor h = ops::embedding(embed_, ids_dev);
   if (cache && cache->length == 0) cache->conv.assign(layers_.size(), Tensor()), cache->ssm.assign(layers_.size(), Tensor());
   if (tapes) tapes->resize(layers_.size());
-  for (size_t li = 0; li < layers_.size(); ++li) h = layer_forward(li, h, tapes ? &(*tapes)[li] : nullptr, cache);
+  if (inputs) inputs->resize(layers_.size());
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    if (inputs) (*inputs)[li] = h;
+    h = layer_forward(li, h, tapes ? &(*tapes)[li] : nullptr, cache);
+  }
   if (cache) cache->length += ids.size(1);
   return final_norm_->forward(h, final_saved);
 }
@@ -432,8 +437,10 @@ CausalLM::Gradients MambaLM::loss_and_gradients(const Tensor& ids, const Tensor&
   const MambaConfig& c = cfg_;
   const int64_t b = ids.size(0), s = ids.size(1), n = b * s, hd = c.hidden_size, d = c.intermediate_size;
   std::vector<LayerTape> tapes;
+  std::vector<Tensor> inputs;  // checkpointing: each layer's input, its tape made again in the backward
   nn::RMSNorm::Saved fs;
-  const Tensor hf = hidden_states(ids, &tapes, &fs, nullptr).view({n, hd});
+  const bool ckpt = checkpoint_layers;
+  const Tensor hf = hidden_states(ids, ckpt ? nullptr : &tapes, &fs, nullptr, ckpt ? &inputs : nullptr).view({n, hd});
   nn::ForCausalLMLoss::Saved ls;
   CausalLM::Gradients out;
   out.loss = loss_->forward(hf, lm_head_, shifted_targets(labels), &ls);
@@ -453,7 +460,12 @@ CausalLM::Gradients MambaLM::loss_and_gradients(const Tensor& ids, const Tensor&
   auto token_major = [&](const Tensor& m) { return m.transpose(1, 2).contiguous().view({n, m.size(1)}); };
   for (int64_t li = static_cast<int64_t>(layers_.size()) - 1; li >= 0; --li) {
     Layer& l = layers_[li];
-    LayerTape& t = tapes[li];
+    LayerTape recomputed;
+    if (ckpt) {
+      layer_forward(static_cast<size_t>(li), inputs[li], &recomputed, nullptr);
+      inputs[li] = Tensor();  // its activations now live in `recomputed`
+    }
+    LayerTape& t = ckpt ? recomputed : tapes[li];
     const std::string p = fmt::format("backbone.layers.{}.mixer.", li);
     const Tensor dy_out = dh.contiguous().view({n, hd});
     acc(p + "out_proj.weight", ops::matmul(dy_out, t.y, true, false));

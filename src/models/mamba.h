@@ -82,6 +82,10 @@ class MambaLM : public nn::Module {
   Tensor loss(const Tensor& input_ids, const Tensor& labels);
   // The loss and every parameter's gradient by its safetensors name ("backbone.layers.0.mixer.A_log").
   CausalLM::Gradients loss_and_gradients(const Tensor& input_ids, const Tensor& labels, double dloss = 1.0);
+  // Activation checkpointing per layer, as CausalLM's: the forward of loss_and_gradients keeps only
+  // each layer's input and the backward runs the layer's forward again (the same slots, so the same
+  // values) before its backward: one layer's activations at a time for an extra forward.
+  bool checkpoint_layers = false;
 
   void visit_slots(const std::function<void(nn::Slot&)>& fn) override;
   // Every parameter by its safetensors name (handles: writing into one updates the model; a tied
@@ -110,7 +114,9 @@ class MambaLM : public nn::Module {
   MambaLM() = default;
   struct LayerTape;
   Tensor layer_forward(size_t li, const Tensor& h, LayerTape* t, Cache* cache);
-  Tensor hidden_states(const Tensor& input_ids, std::vector<LayerTape>* tapes, nn::RMSNorm::Saved* final_saved, Cache* cache);
+  // tapes: every layer's saved activations; inputs: only each layer's input (checkpointing).
+  Tensor hidden_states(const Tensor& input_ids, std::vector<LayerTape>* tapes, nn::RMSNorm::Saved* final_saved, Cache* cache,
+                       std::vector<Tensor>* inputs = nullptr);
   Tensor shifted_targets(const Tensor& labels) const;
 
   MambaConfig cfg_;
