@@ -77,6 +77,19 @@ template <typename F> std::string error_of(F&& fn) {
 // machine), else the source tree's.
 std::string fixtures_dir();
 
+// Activation checkpointing recomputes each layer in the backward: the same loss and gradients bit for
+// bit as keeping the activations (a model with checkpoint_layers and loss_and_gradients).
+template <typename Model> void expect_checkpointing_changes_nothing(Model& model, const Tensor& ids, const Tensor& labels) {
+  model.checkpoint_layers = false;
+  const auto kept = model.loss_and_gradients(ids, labels);
+  model.checkpoint_layers = true;
+  const auto again = model.loss_and_gradients(ids, labels);
+  model.checkpoint_layers = false;
+  EXPECT_EQ(again.loss.to_f64_vector(), kept.loss.to_f64_vector());
+  ASSERT_EQ(again.grads.size(), kept.grads.size());
+  for (const auto& [name, g] : kept.grads) EXPECT_EQ(again.grads.at(name).to_f64_vector(), g.to_f64_vector()) << name;
+}
+
 }  // namespace kcpp::test
 
 namespace kcpp {
