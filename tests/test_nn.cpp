@@ -244,6 +244,22 @@ TEST_P(Nn, AttentionForwardBackward) {
     }
 }
 
+// An nn::MoE with a shared expert against the oracle's result r: its output and every gradient but the
+// shared expert's gate (i, si: the experts' and the shared expert's intermediate sizes).
+void expect_moe_matches_the_oracle(const Tensor& out, const nn::MoE::Grads& g, const oracle::MoeResult& r, int64_t i, int64_t si,
+                                   DType dt, const std::string& cfg) {
+  const double tol = test::composite_rel_l2(dt);
+  EXPECT_TRUE(close_l2(out, r.out, tol)) << cfg << " out";
+  EXPECT_TRUE(test::close_l2_mag(g.dhidden, r.dx, r.dx_mag, tol)) << cfg << " dhidden";
+  EXPECT_TRUE(test::close_l2_mag(g.drouter_weight, r.drouter, r.drouter_mag, tol)) << cfg << " drouter_weight";
+  EXPECT_TRUE(test::close_l2_mag(g.dgate_up_proj.narrow(1, 0, i), r.dgate, r.dgate_mag, tol)) << cfg << " dgate";
+  EXPECT_TRUE(test::close_l2_mag(g.dgate_up_proj.narrow(1, i, i), r.dup, r.dup_mag, tol)) << cfg << " dup";
+  EXPECT_TRUE(test::close_l2_mag(g.ddown_proj, r.ddown, r.ddown_mag, tol)) << cfg << " ddown_proj";
+  EXPECT_TRUE(test::close_l2_mag(g.dshared_gate_up_proj.narrow(0, 0, si), r.dsgate, r.dsgate_mag, tol)) << cfg << " dshared gate";
+  EXPECT_TRUE(test::close_l2_mag(g.dshared_gate_up_proj.narrow(0, si, si), r.dsup, r.dsup_mag, tol)) << cfg << " dshared up";
+  EXPECT_TRUE(test::close_l2_mag(g.dshared_down_proj, r.dsdown, r.dsdown_mag, tol)) << cfg << " dshared_down_proj";
+}
+
 // nn::MoE's reference (Transformers' eager loop; no kernel) with Qwen2-MoE's shared expert and its
 // sigmoid gate, with and without the gate and the renormalization, against the f64 oracle of MoE/1:
 // the routing exactly (on the reference's own rounded logits), the output and every gradient (an
@@ -290,20 +306,12 @@ TEST_P(Nn, MoESharedExpertReferenceMatchesTheOracle) {
         EXPECT_EQ(saved.topk_ids.to_i64_vector(), ids) << cfg;
         const auto dv = dout.to_f64_vector(), dzv = dz.to_f64_vector();
         const oracle::MoeResult r = oracle::moe(sp, wt, z, ids, {}, &dv, &dzv);
-        const double tol = test::composite_rel_l2(dt);
-        EXPECT_TRUE(close_l2(out, r.out, tol)) << cfg << " out";
-        EXPECT_TRUE(test::close_l2_mag(g.dhidden, r.dx, r.dx_mag, tol)) << cfg << " dhidden";
-        EXPECT_TRUE(test::close_l2_mag(g.drouter_weight, r.drouter, r.drouter_mag, tol)) << cfg << " drouter_weight";
-        EXPECT_TRUE(test::close_l2_mag(g.dgate_up_proj.narrow(1, 0, i), r.dgate, r.dgate_mag, tol)) << cfg << " dgate";
-        EXPECT_TRUE(test::close_l2_mag(g.dgate_up_proj.narrow(1, i, i), r.dup, r.dup_mag, tol)) << cfg << " dup";
-        EXPECT_TRUE(test::close_l2_mag(g.ddown_proj, r.ddown, r.ddown_mag, tol)) << cfg << " ddown_proj";
-        EXPECT_TRUE(test::close_l2_mag(g.dshared_gate_up_proj.narrow(0, 0, si), r.dsgate, r.dsgate_mag, tol)) << cfg << " dshared gate";
-        EXPECT_TRUE(test::close_l2_mag(g.dshared_gate_up_proj.narrow(0, si, si), r.dsup, r.dsup_mag, tol)) << cfg << " dshared up";
-        EXPECT_TRUE(test::close_l2_mag(g.dshared_down_proj, r.dsdown, r.dsdown_mag, tol)) << cfg << " dshared_down_proj";
+        expect_moe_matches_the_oracle(out, g, r, i, si, dt, cfg);
         ASSERT_EQ(g.dshared_expert_gate.defined(), gated) << cfg;
         if (gated) {
           EXPECT_EQ(g.dshared_expert_gate.shape(), (Shape{1, h})) << cfg;
-          EXPECT_TRUE(test::close_l2_mag(g.dshared_expert_gate, r.dsgs, r.dsgs_mag, tol)) << cfg << " dshared_expert_gate";
+          EXPECT_TRUE(test::close_l2_mag(g.dshared_expert_gate, r.dsgs, r.dsgs_mag, test::composite_rel_l2(dt)))
+              << cfg << " dshared_expert_gate";
         }
       }
   // The shared expert's weights must fit the block.
@@ -357,16 +365,7 @@ TEST_P(Nn, MoELlama4ReferenceMatchesTheOracle) {
       EXPECT_EQ(saved.topk_ids.to_i64_vector(), ids) << cfg;
       const auto dv = dout.to_f64_vector();
       const oracle::MoeResult r = oracle::moe(sp, wt, z, ids, {}, &dv, nullptr);
-      const double tol = test::composite_rel_l2(dt);
-      EXPECT_TRUE(close_l2(out, r.out, tol)) << cfg << " out";
-      EXPECT_TRUE(test::close_l2_mag(g.dhidden, r.dx, r.dx_mag, tol)) << cfg << " dhidden";
-      EXPECT_TRUE(test::close_l2_mag(g.drouter_weight, r.drouter, r.drouter_mag, tol)) << cfg << " drouter_weight";
-      EXPECT_TRUE(test::close_l2_mag(g.dgate_up_proj.narrow(1, 0, i), r.dgate, r.dgate_mag, tol)) << cfg << " dgate";
-      EXPECT_TRUE(test::close_l2_mag(g.dgate_up_proj.narrow(1, i, i), r.dup, r.dup_mag, tol)) << cfg << " dup";
-      EXPECT_TRUE(test::close_l2_mag(g.ddown_proj, r.ddown, r.ddown_mag, tol)) << cfg << " ddown_proj";
-      EXPECT_TRUE(test::close_l2_mag(g.dshared_gate_up_proj.narrow(0, 0, si), r.dsgate, r.dsgate_mag, tol)) << cfg << " dshared gate";
-      EXPECT_TRUE(test::close_l2_mag(g.dshared_gate_up_proj.narrow(0, si, si), r.dsup, r.dsup_mag, tol)) << cfg << " dshared up";
-      EXPECT_TRUE(test::close_l2_mag(g.dshared_down_proj, r.dsdown, r.dsdown_mag, tol)) << cfg << " dshared_down_proj";
+      expect_moe_matches_the_oracle(out, g, r, i, si, dt, cfg);
       EXPECT_FALSE(g.dshared_expert_gate.defined()) << cfg;
     }
 }

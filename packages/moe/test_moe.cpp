@@ -538,6 +538,36 @@ TEST_P(MoeKernels, TiesEmptyAndDeterminism) {
   }
 }
 
+// A block with given routing (m.forward() already run) against the f64 oracle: its output, then its
+// backward's gradients; the gate / up / down gradients of the experts without slots (counts[x] 0)
+// exactly zero.
+void expect_given_routing_matches_the_oracle(Block& m, const std::vector<int64_t>& ids, const std::vector<double>& w,
+                                             const std::vector<int64_t>& counts, Generator& gen, const std::string& cfg) {
+  const Case& c = m.c;
+  const oracle::MoeSpec s = m.spec();
+  const oracle::MoeWeights wt = m.oracle_weights();
+  const double tol = test::composite_rel_l2(m.dt);
+  const oracle::MoeResult ref = oracle::moe(s, wt, {}, ids, w, nullptr, nullptr);
+  EXPECT_TRUE(test::close_l2(m.out, ref.out, tol)) << cfg << " out";
+  ASSERT_EQ(m.backward(gen), nullptr) << cfg;
+  const auto dout = m.dout.to_f64_vector();
+  const oracle::MoeResult g = oracle::moe(s, wt, {}, ids, w, &dout, nullptr);
+  EXPECT_TRUE(close_grad(m.dx, g.dx, g.dx_mag, tol)) << cfg << " dhidden";
+  EXPECT_TRUE(close_grad(m.dw, g.dw, g.dw_mag, tol)) << cfg << " dtopk_weights";
+  const bool separate = c.layout == Layout::Separate;
+  const Tensor dgate = separate ? m.dgate : m.dgate_up.narrow(1, 0, c.i);
+  const Tensor dup = separate ? m.dup : m.dgate_up.narrow(1, c.i, c.i);
+  EXPECT_TRUE(close_grad(dgate, g.dgate, g.dgate_mag, tol)) << cfg << " dgate";
+  EXPECT_TRUE(close_grad(dup, g.dup, g.dup_mag, tol)) << cfg << " dup";
+  EXPECT_TRUE(close_grad(m.ddown, g.ddown, g.ddown_mag, tol)) << cfg << " ddown_proj";
+  for (size_t x = 0; x < counts.size(); ++x) {
+    if (counts[x] > 0) continue;
+    for (const Tensor& grad : {dgate, dup, m.ddown})
+      for (double v : grad.select(0, static_cast<int64_t>(x)).to_f64_vector())
+        ASSERT_EQ(v, 0.0) << cfg << " expert " << x << " (no slots)";
+  }
+}
+
 // Group sizes that the grouped GEMMs must take as they come: experts that receive no slot (their
 // weight gradients, poisoned with NaN, must come back zero), one slot, odd counts, two experts with
 // the same count (one group of a grouped cuBLAS call), top_k 2 with a token choosing one expert twice
@@ -573,26 +603,7 @@ TEST_P(MoeKernels, AwkwardExpertCounts) {
             m.build(gen, &ids, &w, true);
             ASSERT_EQ(m.forward(), nullptr) << cfg;
             expect_permutation(m, ids, cfg);
-            const oracle::MoeSpec s = m.spec();
-            const oracle::MoeWeights wt = m.oracle_weights();
-            const double tol = test::composite_rel_l2(dt);
-            const oracle::MoeResult ref = oracle::moe(s, wt, {}, ids, w, nullptr, nullptr);
-            EXPECT_TRUE(test::close_l2(m.out, ref.out, tol)) << cfg << " out";
-            ASSERT_EQ(m.backward(gen), nullptr) << cfg;
-            const auto dout = m.dout.to_f64_vector();
-            const oracle::MoeResult g = oracle::moe(s, wt, {}, ids, w, &dout, nullptr);
-            EXPECT_TRUE(close_grad(m.dx, g.dx, g.dx_mag, tol)) << cfg << " dhidden";
-            EXPECT_TRUE(close_grad(m.dw, g.dw, g.dw_mag, tol)) << cfg << " dtopk_weights";
-            const Tensor dgate = layout == Layout::Separate ? m.dgate : m.dgate_up.narrow(1, 0, c.i);
-            const Tensor dup = layout == Layout::Separate ? m.dup : m.dgate_up.narrow(1, c.i, c.i);
-            EXPECT_TRUE(close_grad(dgate, g.dgate, g.dgate_mag, tol)) << cfg << " dgate";
-            EXPECT_TRUE(close_grad(dup, g.dup, g.dup_mag, tol)) << cfg << " dup";
-            EXPECT_TRUE(close_grad(m.ddown, g.ddown, g.ddown_mag, tol)) << cfg << " ddown_proj";
-            for (int64_t x = 0; x < e; ++x) {
-              if (counts[x] > 0) continue;
-              for (const Tensor& grad : {dgate, dup, m.ddown})
-                for (double v : grad.select(0, x).to_f64_vector()) ASSERT_EQ(v, 0.0) << cfg << " expert " << x << " (no slots)";
-            }
+            expect_given_routing_matches_the_oracle(m, ids, w, counts, gen, cfg);
           }
 }
 
@@ -689,26 +700,7 @@ TEST_P(MoeKernels, AutoPaddedAtTheBound) {
           EXPECT_EQ(moe::choose_expert_gemm(moe::ExpertGemm::Auto, off32.data(), e, c.h, c.i, t * k, sms), moe::ExpertGemm::Padded)
               << cfg << " (" << sms << " multiprocessors)";
         }
-        const oracle::MoeSpec s = m.spec();
-        const oracle::MoeWeights wt = m.oracle_weights();
-        const double tol = test::composite_rel_l2(dt);
-        const oracle::MoeResult ref = oracle::moe(s, wt, {}, ids, w, nullptr, nullptr);
-        EXPECT_TRUE(test::close_l2(m.out, ref.out, tol)) << cfg << " out";
-        ASSERT_EQ(m.backward(gen), nullptr) << cfg;
-        const auto dout = m.dout.to_f64_vector();
-        const oracle::MoeResult g = oracle::moe(s, wt, {}, ids, w, &dout, nullptr);
-        EXPECT_TRUE(close_grad(m.dx, g.dx, g.dx_mag, tol)) << cfg << " dhidden";
-        EXPECT_TRUE(close_grad(m.dw, g.dw, g.dw_mag, tol)) << cfg << " dtopk_weights";
-        const Tensor dgate = layout == Layout::Separate ? m.dgate : m.dgate_up.narrow(1, 0, c.i);
-        const Tensor dup = layout == Layout::Separate ? m.dup : m.dgate_up.narrow(1, c.i, c.i);
-        EXPECT_TRUE(close_grad(dgate, g.dgate, g.dgate_mag, tol)) << cfg << " dgate";
-        EXPECT_TRUE(close_grad(dup, g.dup, g.dup_mag, tol)) << cfg << " dup";
-        EXPECT_TRUE(close_grad(m.ddown, g.ddown, g.ddown_mag, tol)) << cfg << " ddown_proj";
-        for (int64_t x = 0; x < e; ++x) {
-          if (counts[static_cast<size_t>(x)] > 0) continue;
-          for (const Tensor& grad : {dgate, dup, m.ddown})
-            for (double v : grad.select(0, x).to_f64_vector()) ASSERT_EQ(v, 0.0) << cfg << " expert " << x << " (no slots)";
-        }
+        expect_given_routing_matches_the_oracle(m, ids, w, counts, gen, cfg);
       }
 }
 
