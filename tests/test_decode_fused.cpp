@@ -10,6 +10,7 @@
 
 #include "oracle.h"
 #include "ops/nn/decode_fused.h"
+#include "ops/nn/decode_persistent.h"
 #include "ops/ops.h"
 #include "test_util.h"
 #include "tolerances.h"
@@ -317,6 +318,41 @@ TEST_P(DecodeFused, BadInputIsRefused) {
     for (double e : values(vv)) ASSERT_EQ(e, 2.0);
     for (double e : values(q)) ASSERT_EQ(e, 1.0);
   }
+}
+
+// The persistent decode step's operands: contradictions are errors that name the layer and the
+// operand; a call the kernel does not cover (here: f32, or a CPU tensor) returns nothing, for the
+// caller to compose the fused ops.
+TEST_P(DecodeFused, PersistentDecodeChecksItsOperands) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  const int64_t h = 16, hq = 4, hkv = 2, d = 8, inter = 24;
+  auto z = [&](Shape s) { return Tensor::zeros(s, DType::f32, dev); };
+  ops::PersistentDecodeLayer l;
+  l.input_norm = z({h}), l.post_norm = z({h}), l.wqkv = z({(hq + 2 * hkv) * d, h}), l.wo = z({h, hq * d});
+  l.w_gate_up = z({2 * inter, h}), l.w_down = z({h, inter}), l.k_cache = z({2, hkv, 5, d}), l.v_cache = z({2, hkv, 5, d});
+  ops::PersistentDecodeOptions opt;
+  opt.q_heads = hq, opt.kv_heads = hkv;
+  const Tensor x = z({2, h}), cs = z({2, 1, d}), rows = i32({0, 1}, dev), pos = i32({0, 4}, dev), len = i32({1, 5}, dev);
+  ::setenv("KCPP_DECODE_PERSISTENT", "1", 1);
+  EXPECT_FALSE(ops::decode_layers_persistent(x, Tensor(), {l, l}, opt, cs, cs, rows, pos, len).has_value());  // f32
+  ops::PersistentDecodeLayer bad = l;
+  bad.wqkv = z({(hq + 2 * hkv) * d, h + 8});
+  EXPECT_ERROR(ops::decode_layers_persistent(x, Tensor(), {l, bad}, opt, cs, cs, rows, pos, len), "layers[1].wqkv");
+  bad = l;
+  bad.q_norm = z({d});
+  EXPECT_ERROR(ops::decode_layers_persistent(x, Tensor(), {bad}, opt, cs, cs, rows, pos, len), "layer 0 has a q norm without a k norm");
+  bad = l;
+  bad.v_cache = z({2, hkv, 6, d});
+  EXPECT_ERROR(ops::decode_layers_persistent(x, Tensor(), {bad}, opt, cs, cs, rows, pos, len), "layers[0].v_cache");
+  EXPECT_ERROR(ops::decode_layers_persistent(x, Tensor(), {l}, opt, cs, cs, rows.to(DType::i64), pos, len), "rows must be i32 [2]");
+  EXPECT_ERROR(ops::decode_layers_persistent(x, Tensor(), {l}, opt, z({2, 1, d + 2}), z({2, 1, d + 2}), rows, pos, len),
+               "rotary width 10 must be even and at most the head dim 8");
+  ops::PersistentDecodeOptions three = opt;
+  three.kv_heads = 3;
+  EXPECT_ERROR(ops::decode_layers_persistent(x, Tensor(), {l}, three, cs, cs, rows, pos, len), "multiple of the kv heads");
+  EXPECT_ERROR(ops::decode_layers_persistent(x, Tensor(), {}, opt, cs, cs, rows, pos, len), "no layers");
+  ::unsetenv("KCPP_DECODE_PERSISTENT");
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, DecodeFused, ::testing::Values(Device::cpu(), Device::cuda(0)),

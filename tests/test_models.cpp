@@ -11,7 +11,9 @@
 #include "models/causal_lm.h"
 #include "models/config.h"
 #include "models/safetensors.h"
+#include "ops/nn/decode_persistent.h"
 #include "ops/ops.h"
+#include "core/platform.h"
 #include "test_util.h"
 #include "tolerances.h"
 
@@ -803,10 +805,12 @@ std::vector<Tensor> ragged_step_logits(models::CausalLM& model, const std::vecto
   const ModelConfig& c = model.config();
   const Device dev = model.device();
   const int64_t rows = static_cast<int64_t>(prompts.size()), layers = c.num_hidden_layers;
+  int64_t capacity = 64;  // the prompts and the steps fit
+  for (const auto& p : prompts) capacity = std::max(capacity, static_cast<int64_t>(p.size()) + steps);
   models::CausalLM::KVCache cache;
   for (int64_t l = 0; l < layers; ++l) {
-    cache.k.push_back(Tensor::zeros({rows, c.num_key_value_heads, 64, c.head_dim}, model.dtype(), dev));
-    cache.v.push_back(Tensor::zeros({rows, c.num_key_value_heads, 64, c.head_dim}, model.dtype(), dev));
+    cache.k.push_back(Tensor::zeros({rows, c.num_key_value_heads, capacity, c.head_dim}, model.dtype(), dev));
+    cache.v.push_back(Tensor::zeros({rows, c.num_key_value_heads, capacity, c.head_dim}, model.dtype(), dev));
   }
   for (size_t p = 0; p < prompts.size(); ++p) {
     models::CausalLM::KVCache one;
@@ -857,6 +861,60 @@ TEST(CausalLMGeneration, FusedDecodeStepMatchesTheUnfusedStep) {
             EXPECT_TRUE(test::close_l2(elementwise[t], ref, test::composite_rel_l2(dt))) << what << " step " << t << " (KCPP_DECODE_FUSED=1)";
           }
         }
+}
+
+// The persistent decode step (ops/nn/decode_persistent.h) against the same step layer by layer
+// (KCPP_DECODE_FUSED=0) and through the fused ops (its switch KCPP_DECODE_PERSISTENT=1 unset), on a GPU that runs it
+// (compute capability 9.0, a build with sm_90a).  The fixtures' families it covers, and random
+// models reaching what the fixtures do not: K above a stage's 1024 elements with a partial last
+// piece, several groups of seven rows a block, five query heads a kv head, head dims 64 and 128,
+// Gemma's norms and activation, a sliding window of 37, and a 200-token row whose keys split over
+// several blocks.  1 and 3 rows, bf16.  The paths round the same intermediates and differ in the
+// order of f32 sums: the logits agree within composite_rel_l2.  Each call must have run the kernel.
+TEST(CausalLMGeneration, PersistentDecodeStepMatchesTheLayeredStep) {
+  const PlatformInfo pl = detect_platform();
+  if (pl.gpus.empty() || pl.gpus[0].cc_major != 9 || pl.cuda_archs_compiled.find("90a") == std::string::npos)
+    GTEST_SKIP() << "needs a compute capability 9.0 GPU and a build with sm_90a";
+  const Device dev = Device::cuda(0);
+  auto resized = [](const char* family, int64_t hidden, int64_t inter, int64_t hq, int64_t hkv, int64_t d, int64_t window) {
+    models::ModelConfig c = models::ModelConfig::from_folder(fs::path(test::fixtures_dir()) / family);
+    c.hidden_size = hidden, c.intermediate_size = inter, c.num_attention_heads = hq, c.num_key_value_heads = hkv;
+    c.head_dim = d, c.vocab_size = 211;
+    c.sliding_window = window > 0 ? std::optional<int64_t>(window) : std::nullopt;
+    return c;
+  };
+  struct Case {
+    std::string name;
+    std::unique_ptr<models::CausalLM> model;
+  };
+  std::vector<Case> cases;
+  for (const char* family : {"llama", "qwen3", "mistral_swa", "gemma"})
+    cases.push_back({family, models::CausalLM::from_folder(fs::path(test::fixtures_dir()) / family, DType::bf16, dev)});
+  cases.push_back({"qwen3 1280/2600, 10/2 heads of 128", models::CausalLM::random(resized("qwen3", 1280, 2600, 10, 2, 128, 0), DType::bf16, dev, 11, 0.05)});
+  cases.push_back({"llama 1536/4096, 16/4 heads of 64", models::CausalLM::random(resized("llama", 1536, 4096, 16, 4, 64, 0), DType::bf16, dev, 12, 0.05)});
+  cases.push_back({"gemma 512/1536, 8/8 heads of 32", models::CausalLM::random(resized("gemma", 512, 1536, 8, 8, 32, 0), DType::bf16, dev, 13, 0.05)});
+  cases.push_back({"mistral 768/2048, 12/4 heads of 64, window 37", models::CausalLM::random(resized("mistral", 768, 2048, 12, 4, 64, 37), DType::bf16, dev, 14, 0.05)});
+  std::vector<int64_t> long_prompt(200);
+  for (size_t i = 0; i < long_prompt.size(); ++i) long_prompt[i] = static_cast<int64_t>(3 + 5 * i) % 97;
+  const std::vector<std::vector<int64_t>> prompts = {long_prompt, {7, 8, 9, 10, 11, 12, 13}, {20}};
+  for (Case& c : cases)
+    for (size_t rows : {size_t{1}, size_t{3}}) {
+      const std::string what = fmt::format("{} rows={}", c.name, rows);
+      const std::vector<std::vector<int64_t>> ps(prompts.begin(), prompts.begin() + static_cast<int64_t>(rows));
+      const int64_t before = ops::decode_persistent_runs();
+      ::setenv("KCPP_DECODE_PERSISTENT", "1", 1);
+      const auto persistent = ragged_step_logits(*c.model, ps, 3);
+      EXPECT_EQ(ops::decode_persistent_runs() - before, 3) << what << ": the persistent kernel did not run every step";
+      ::unsetenv("KCPP_DECODE_PERSISTENT");
+      const auto fused = ragged_step_logits(*c.model, ps, 3);
+      ::setenv("KCPP_DECODE_FUSED", "0", 1);
+      const auto layered = ragged_step_logits(*c.model, ps, 3);
+      ::unsetenv("KCPP_DECODE_FUSED");
+      for (size_t t = 0; t < persistent.size(); ++t) {
+        EXPECT_TRUE(test::close_l2(persistent[t], layered[t].to_f64_vector(), test::composite_rel_l2(DType::bf16))) << what << " step " << t;
+        EXPECT_TRUE(test::close_l2(persistent[t], fused[t].to_f64_vector(), test::composite_rel_l2(DType::bf16))) << what << " step " << t << " (fused)";
+      }
+    }
 }
 
 // Every parameter's gradient of the loss against Transformers' (f32): within 1e-5 relative, the

@@ -21,6 +21,7 @@
 #include "models/safetensors.h"
 #include "ops/nn/attention.h"
 #include "ops/nn/decode_attention.h"
+#include "ops/nn/decode_persistent.h"
 #include "ops/nn/decode_fused.h"
 #include "ops/nn/sampling.h"
 #include "ops/ops.h"
@@ -720,6 +721,11 @@ Tensor CausalLM::decode_layers(const Tensor& h0, const ops::RopeCosSin& cs, KVCa
     std::tie(x, y) = ops::add_rms_norm(x, delta, norm.weight, norm.options);
     return y;
   };
+  std::optional<std::pair<Tensor, Tensor>> r;
+  if (!(env && std::string(env) == "1") && (r = decode_layers_persistent(x, cs, cache))) {
+    std::tie(x, delta) = *r;
+    return add_norm(*final_norm_);
+  }
   for (size_t li = 0; li < layers_.size(); ++li) {
     Layer& l = layers_[li];
     ops::QkNormRopeCache qo;
@@ -748,6 +754,45 @@ Tensor CausalLM::decode_layers(const Tensor& h0, const ops::RopeCosSin& cs, KVCa
     }
   }
   return add_norm(*final_norm_);
+}
+
+// Every layer in one persistent kernel (ops/nn/decode_persistent.h) where the layers are ones it
+// covers (packed qkv and gate/up weights without biases, rotate-half RoPE, one casting of the
+// norms) and the op takes the call; nothing otherwise.
+std::optional<std::pair<Tensor, Tensor>> CausalLM::decode_layers_persistent(const Tensor& h0, const ops::RopeCosSin& cs,
+                                                                            KVCache& cache) {
+  const ModelConfig& c = cfg_;
+  if (!device_.is_cuda() || (dtype_ != DType::bf16 && dtype_ != DType::f16) || h0.size(0) > 4) return std::nullopt;
+  std::vector<ops::PersistentDecodeLayer> pl;
+  pl.reserve(layers_.size());
+  ops::PersistentDecodeOptions po;
+  po.q_heads = c.num_attention_heads, po.kv_heads = c.num_key_value_heads;
+  po.max_length = cache.step_ready ? 0 : cache.step_max_length;
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    const Layer& l = layers_[li];
+    if (l.bqkv.defined() || !l.w_gate_up.defined() || !l.mlp || l.rope->style != ops::RopeLayout::RotateHalf ||
+        l.attn->options.chunk > 0)
+      return std::nullopt;
+    const ops::RMSNormOptions& norm = l.input_norm->options;
+    if (li == 0) {
+      po.norm = norm, po.act = l.mlp->activation;
+      if (l.q_norm) po.qk_norm = l.q_norm->options;
+    }
+    auto same = [](const ops::RMSNormOptions& a, const ops::RMSNormOptions& b) {
+      return a.eps == b.eps && a.offset == b.offset && a.casting == b.casting;
+    };
+    if (!same(norm, po.norm) || !same(l.post_norm->options, po.norm) || l.mlp->activation != po.act ||
+        (l.q_norm && !same(l.q_norm->options, po.qk_norm)) || (l.k_norm && !same(l.k_norm->options, po.qk_norm)))
+      return std::nullopt;
+    ops::PersistentDecodeLayer& p = pl.emplace_back();
+    p.input_norm = l.input_norm->weight, p.post_norm = l.post_norm->weight, p.wqkv = l.wqkv;
+    if (l.q_norm && l.k_norm) p.q_norm = l.q_norm->weight, p.k_norm = l.k_norm->weight;
+    p.wo = l.wo, p.w_gate_up = l.w_gate_up, p.w_down = l.w_down;
+    p.k_cache = cache.k[li], p.v_cache = cache.v[li];
+    p.scale = l.attn->options.scale, p.window = l.attn->options.window;
+  }
+  return ops::decode_layers_persistent(h0, Tensor(), pl, po, cs.cos, cs.sin, cache.step_rows, cache.step_positions,
+                                       cache.step_lengths);
 }
 
 // A prefill of [B, S] new tokens at positions cache.length .. into storage that holds them: the ops

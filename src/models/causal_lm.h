@@ -260,6 +260,9 @@ class CausalLM : public nn::Module {
   // A decode step's layers (one token per row of a ragged cache, no tape) through the fused decode
   // ops (ops/nn/decode_fused.h): h [B, H] embedded; returns the final norm's output [B, H].
   Tensor decode_layers(const Tensor& h, const ops::RopeCosSin& cs, KVCache& cache);
+  // ... as one persistent kernel (ops/nn/decode_persistent.h): (x, delta) before the final norm, or
+  // nothing where the layers or the call are not ones it covers.
+  std::optional<std::pair<Tensor, Tensor>> decode_layers_persistent(const Tensor& h, const ops::RopeCosSin& cs, KVCache& cache);
   Tensor prefill_layers(const Tensor& h, int64_t b, int64_t s, const ops::RopeCosSin& cs, KVCache& cache);
   bool decode_fused_possible() const;
   // Before a ragged step: doubles every layer's storage when a row is full, and makes the step's

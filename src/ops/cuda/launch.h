@@ -4,6 +4,7 @@
 
 #include "core/tensor.h"
 #include "ops/nn/decode_fused.h"
+#include "ops/nn/decode_persistent.h"
 #include "ops/nn/sampling.h"
 #include "ops/ops.h"
 
@@ -47,6 +48,14 @@ void glu_packed(const Tensor& h, const Tensor& gu, GluActivation act);
 bool add_rms_norm_linear(const Tensor& out, const Tensor& s, const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
                          const RMSNormOptions& opt, const Tensor& weight);
 bool glu_linear(const Tensor& out, const Tensor& gu, GluActivation act, const Tensor& weight);
+// ops/nn/decode_persistent.h, operands checked and covered: writes x_out and delta_out [B, H]; false
+// (nothing launched) when the device or the kernel's build cannot run it, or its shared memory does
+// not fit.
+bool decode_layers_persistent(const Tensor& x_out, const Tensor& delta_out, const Tensor& x, const Tensor& delta_in,
+                              const std::vector<PersistentDecodeLayer>& layers, const PersistentDecodeOptions& opt,
+                              const Tensor& cos, const Tensor& sin, const Tensor& rows, const Tensor& positions,
+                              const Tensor& lengths);
+int64_t decode_persistent_launches();
 // ops/nn/sampling.h: logits [B, V] contiguous, out [B, 2] i64; options sampling_on_device() takes.
 void sample_checked(const Tensor& out, const Tensor& logits, const SampleOptions& opt, const std::vector<uint64_t>& seeds,
                     const std::vector<int64_t>& positions);
