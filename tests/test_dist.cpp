@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <array>
 #include <cmath>
 #include <filesystem>
 #include <thread>
@@ -252,6 +253,42 @@ TEST(Dist, OverlapOnTheGpuOverNccl) {
   for (const auto& [name, v] : got[true]) EXPECT_EQ(v, got[false].at(name)) << name;
 }
 
+// ZeRO-3 on the GPU over NCCL (a group of one, bf16): the gathers on the current stream (no
+// overlap), on the side stream at each use, and prefetched during the use before (waited for by an
+// event, while the reduce-scatters queued after them run on) give the parameters of ZeRO-2 bit for
+// bit, with and without activation checkpointing.
+TEST(Dist, ZeroThreePrefetchOnTheGpuOverNccl) {
+  std::string why;
+  if (cuda_device_count() == 0 || !dist::nccl_available(&why))
+    GTEST_SKIP() << "skipped: " << (cuda_device_count() == 0 ? std::string("no CUDA device") : why);
+  const models::ModelConfig cfg = models::ModelConfig::from_folder(fs::path(test::fixtures_dir()) / "llama");
+  Generator gen(19);
+  const Tensor ids = Tensor::randint({2, 11}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen).to(Device::cuda(0));
+  const Tensor first = ids.narrow(0, 0, 1).contiguous(), second = ids.narrow(0, 1, 1).contiguous();
+  train::AdamWOptions o;
+  o.lr = 5e-3;
+  for (bool checkpoint : {false, true}) {
+    auto run = [&](int zero, bool overlap, bool prefetch) {
+      const auto comm = dist::nccl_communicator({}, dist::nccl_unique_id(), Device::cuda(0));
+      auto model = models::CausalLM::random(cfg, DType::bf16, Device::cuda(0), 7, 0.5);
+      model->checkpoint_layers = checkpoint;
+      train::DataParallelOptions dp;
+      dp.zero_stage = zero, dp.bucket_mib = 0.01, dp.overlap = overlap, dp.prefetch = prefetch;
+      train::DataParallel trainer(*model, *comm, o, dp);
+      for (int step = 0; step < 3; ++step) (void)trainer.step({{first, first}, {second, second}});
+      EXPECT_EQ(trainer.prefetch_stats().issued > 0, zero == 3 && overlap && prefetch);
+      trainer.gather_parameters();
+      std::vector<std::vector<double>> got;
+      for (const auto& [name, p] : model->parameters()) got.push_back(p.to_f64_vector());
+      return got;
+    };
+    const auto want = run(2, true, false);
+    EXPECT_EQ(run(3, false, false), want) << "no overlap" << (checkpoint ? ", checkpointed" : "");
+    EXPECT_EQ(run(3, true, false), want) << "no prefetch" << (checkpoint ? ", checkpointed" : "");
+    EXPECT_EQ(run(3, true, true), want) << "prefetch" << (checkpoint ? ", checkpointed" : "");
+  }
+}
+
 // The model of the data-parallel tests: the llama fixture with a hidden size of 31, so that its
 // parameter count (and most buckets') is a multiple of neither 2 nor 3 and the shards end in padding.
 models::ModelConfig odd_llama() {
@@ -395,7 +432,7 @@ TEST(Dist, ShardedStagesEqualStageZeroBitForBit) {
 // llama4_text: experts held as transposed views, NoPE and chunked layers).
 // Between steps a rank holds its shards only (1 / world of the parameters, up to a padding element a
 // bucket), during them at most one group more (a layer, the embedding, or the head with a tied
-// embedding).
+// embedding), or with prefetch two (and the next group's padding).
 TEST(Dist, ZeroThreeEqualsStageZero) {
   train::AdamWOptions o;
   o.lr = 1e-2, o.weight_decay = 0.1;
@@ -420,13 +457,13 @@ TEST(Dist, ZeroThreeEqualsStageZero) {
     }
     for (int world : {2, 3}) {
       const int64_t share = 6 / world;
-      auto run = [&](int zero, bool checkpoint, bool overlap) {
+      auto run = [&](int zero, bool checkpoint, bool overlap, bool prefetch) {
         std::vector<std::vector<std::vector<double>>> got(static_cast<size_t>(world));
         on_ranks(world, [&](int r, dist::Communicator& c) {
           auto model = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 4, 0.5);
           model->checkpoint_layers = checkpoint;
           train::DataParallelOptions dp;
-          dp.zero_stage = zero, dp.bucket_mib = 0.01, dp.overlap = overlap;
+          dp.zero_stage = zero, dp.bucket_mib = 0.01, dp.overlap = overlap, dp.prefetch = prefetch;
           train::DataParallel t(*model, c, o, dp);
           const Tensor mine = ids.narrow(0, r * share, share);
           const Tensor first = mine.narrow(0, 0, 1).contiguous(), rest = mine.narrow(0, 1, share - 1).contiguous();
@@ -437,7 +474,11 @@ TEST(Dist, ZeroThreeEqualsStageZero) {
               EXPECT_GE(shards * static_cast<size_t>(world), total) << family;
               EXPECT_LE(shards, total / static_cast<size_t>(world) + 4 * params) << family;
               EXPECT_GE(t.peak_parameter_bytes(), shards + largest_layer) << family;
-              EXPECT_LE(t.peak_parameter_bytes(), shards + largest) << family;
+              if (overlap && prefetch)  // a use and the next one's staged buckets (a bucket a parameter at most)
+                EXPECT_LE(t.peak_parameter_bytes(), shards + 2 * largest + 4 * static_cast<size_t>(world) * params) << family;
+              else
+                EXPECT_LE(t.peak_parameter_bytes(), shards + largest) << family;
+              EXPECT_EQ(t.prefetch_stats().issued > 0, overlap && prefetch) << family;
             }
           }
           const size_t shards = t.parameter_bytes();
@@ -449,11 +490,210 @@ TEST(Dist, ZeroThreeEqualsStageZero) {
         });
         return got;
       };
-      const auto want = run(0, false, true);
+      const auto want = run(0, false, true, false);
       for (bool checkpoint : {false, true})
-        for (bool overlap : {false, true})
-          EXPECT_EQ(run(3, checkpoint, overlap), want)
-              << family << " world " << world << (checkpoint ? " checkpointed" : "") << (overlap ? "" : " no overlap");
+        for (int mode : {0, 1, 2})  // no overlap; overlap without prefetch; with it
+          EXPECT_EQ(run(3, checkpoint, mode > 0, mode == 2), want)
+              << family << " world " << world << (checkpoint ? " checkpointed" : "")
+              << (mode == 0 ? " no overlap" : mode == 1 ? " no prefetch" : "");
+    }
+  }
+}
+
+// The elements of each ZeRO-3 group of `cfg`'s model (data_parallel.h: the embedding, each layer,
+// then the final norm with an untied lm_head), in that order.
+std::vector<int64_t> group_elements(const models::ModelConfig& cfg) {
+  auto m = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 4, 0.5);
+  std::vector<int64_t> n(static_cast<size_t>(cfg.num_hidden_layers) + 2);
+  for (const auto& [name, p] : m->parameters()) {
+    size_t g = n.size() - 1;
+    if (name == "model.embed_tokens.weight") g = 0;
+    else if (name.starts_with("model.layers.")) g = 1 + std::stoul(name.substr(13));
+    n[g] += p.numel();
+  }
+  return n;
+}
+
+// A step's uses of groups in CausalLM's order (two micro-batches): the embedding, the layers, the
+// head (with a tied head also the embedding), the layers backwards.
+std::vector<std::vector<size_t>> step_uses(size_t layers, bool tied, int micro) {
+  std::vector<std::vector<size_t>> uses;
+  const size_t head = layers + 1;
+  for (int m = 0; m < micro; ++m) {
+    uses.push_back({0});
+    for (size_t l = 0; l < layers; ++l) uses.push_back({1 + l});
+    uses.push_back(tied ? std::vector<size_t>{head, 0} : std::vector<size_t>{head});
+    for (size_t l = layers; l-- > 0;) uses.push_back({1 + l});
+  }
+  return uses;
+}
+
+// What a data-parallel run gives on one rank: each step's loss and gradient norm, the parameters
+// after the last (gathered).
+struct RankRun {
+  std::vector<double> losses, norms;
+  std::vector<std::vector<double>> params;
+};
+
+// ZeRO-3's prefetch (data_parallel.h: the next use's gathers issued when a use begins) changes only
+// when a gather runs.  Three steps of two micro-batches a rank on 2 and 3 ranks give the losses and
+// parameters of ZeRO-2 and of ZeRO-3 without prefetch bit for bit (and the latter's gradient norms,
+// of the same buckets), with activation checkpointing and without, for an untied model (llama) and a
+// tied one (qwen2: the head's use gathers the embedding too), with groups of several buckets and of
+// one.  Every use but a step's last prefetches the next, and each prefetch is taken; nothing staged
+// is left between steps.  With a bucket a group the peak parameter bytes are data_parallel.h's: the
+// shards plus the largest use without prefetch, and with it at most (for the untied model exactly)
+// the shards plus max(bytes(a), bytes(b)) + staged(b) over consecutive uses a, b.
+TEST(Dist, ZeroThreePrefetchChangesNothing) {
+  train::AdamWOptions o;
+  o.lr = 1e-2, o.weight_decay = 0.1;
+  for (const char* family : {"llama", "qwen2"}) {
+    const models::ModelConfig cfg = models::ModelConfig::from_folder(fs::path(test::fixtures_dir()) / family);
+    const bool tied = cfg.tie_word_embeddings;
+    ASSERT_EQ(tied, std::string(family) == "qwen2");
+    Generator gen(21);
+    const Tensor ids = Tensor::randint({6, 7}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen);
+    const std::vector<int64_t> elements = group_elements(cfg);
+    const auto uses = step_uses(elements.size() - 2, tied, 2);
+    for (int world : {2, 3}) {
+      const int64_t share = 6 / world, w = world;
+      // A bucket a group (f32): a rank's shards, a use's parameter bytes and its staged bytes.
+      size_t shards = 0, largest = 0, bound = 0;
+      for (int64_t n : elements) shards += 4 * static_cast<size_t>((n + w - 1) / w);
+      auto bytes = [&](const std::vector<size_t>& u) {
+        size_t b = 0;
+        for (size_t g : u) b += 4 * static_cast<size_t>(elements[g]);
+        return b;
+      };
+      auto staged = [&](const std::vector<size_t>& u) {
+        size_t b = 0;
+        for (size_t g : u) b += 4 * static_cast<size_t>(w * ((elements[g] + w - 1) / w));
+        return b;
+      };
+      for (const auto& u : uses) largest = std::max(largest, bytes(u));
+      for (size_t i = 0; i + 1 < uses.size(); ++i)
+        bound = std::max(bound, std::max(bytes(uses[i]), bytes(uses[i + 1])) + staged(uses[i + 1]));
+      ASSERT_GT(bound, largest);
+      auto run = [&](int zero, bool checkpoint, bool prefetch, double bucket_mib) {
+        const std::string what = fmt::format("{} world {} ZeRO-{}{}{} buckets of {} MiB", family, world, zero,
+                                             checkpoint ? " checkpointed" : "", prefetch ? " prefetch" : "", bucket_mib);
+        std::vector<RankRun> got(static_cast<size_t>(world));
+        on_ranks(world, [&](int r, dist::Communicator& c) {
+          auto model = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 4, 0.5);
+          model->checkpoint_layers = checkpoint;
+          train::DataParallelOptions dp;
+          dp.zero_stage = zero, dp.bucket_mib = bucket_mib, dp.prefetch = prefetch;
+          train::DataParallel t(*model, c, o, dp);
+          const size_t before = t.parameter_bytes();
+          const Tensor mine = ids.narrow(0, r * share, share);
+          const Tensor first = mine.narrow(0, 0, 1).contiguous(), rest = mine.narrow(0, 1, share - 1).contiguous();
+          RankRun& out = got[static_cast<size_t>(r)];
+          for (int step = 0; step < 3; ++step) {
+            const train::StepResult s = t.step({{first, first}, {rest, rest}});
+            out.losses.push_back(s.loss), out.norms.push_back(s.grad_norm);
+            EXPECT_EQ(t.parameter_bytes(), before) << what << " step " << step;
+          }
+          if (zero == 3) {
+            const train::DataParallel::PrefetchStats st = t.prefetch_stats();
+            EXPECT_EQ(st.issued, prefetch ? 3 * (static_cast<int64_t>(uses.size()) - 1) : 0) << what;
+            EXPECT_EQ(st.used, st.issued) << what;
+            EXPECT_EQ(st.deviations, 0) << what;
+            if (bucket_mib > 100) {
+              EXPECT_EQ(before, shards) << what;
+              if (!prefetch) {
+                EXPECT_EQ(t.peak_parameter_bytes(), shards + largest) << what;
+              } else {
+                if (tied) EXPECT_LE(t.peak_parameter_bytes(), shards + bound) << what;
+                else EXPECT_EQ(t.peak_parameter_bytes(), shards + bound) << what;
+                EXPECT_GT(t.peak_parameter_bytes(), shards + largest) << what;
+              }
+            }
+          }
+          t.gather_parameters();
+          for (const auto& [name, p] : model->parameters()) out.params.push_back(p.to_f64_vector());
+        });
+        return got;
+      };
+      for (bool checkpoint : {false, true}) {
+        const auto zero2 = run(2, checkpoint, false, 0.01);
+        for (double mib : {0.01, 1000.0}) {
+          const auto plain = run(3, checkpoint, false, mib), ahead = run(3, checkpoint, true, mib);
+          for (size_t r = 0; r < static_cast<size_t>(world); ++r) {
+            const std::string what = fmt::format("{} world {}{} buckets of {} MiB, rank {}", family, world,
+                                                 checkpoint ? " checkpointed" : "", mib, r);
+            EXPECT_EQ(ahead[r].losses, plain[r].losses) << what;
+            EXPECT_EQ(ahead[r].norms, plain[r].norms) << what;
+            EXPECT_EQ(ahead[r].params, plain[r].params) << what;
+            EXPECT_EQ(ahead[r].losses, zero2[r].losses) << what;
+            EXPECT_EQ(ahead[r].params, zero2[r].params) << what;
+          }
+        }
+      }
+    }
+  }
+}
+
+// A step whose uses deviate from the order the prefetch expects (a hook around the trainer's adds a
+// use before layer 1's forward and backward: in the first step layer 1 itself, the prefetched group,
+// so that the real use finds the one after it staged; in the second the head) drops what is staged
+// and gathers the rest of the step at each use.  The values are those without prefetch (the same
+// hook), nothing staged is left after a step, and the next step prefetches again.  A step with every
+// group gathered already (gather_parameters()) gathers none ahead.  Two micro-batches, checkpointed.
+TEST(Dist, ZeroThreePrefetchFallsBackWhenTheOrderDeviates) {
+  train::AdamWOptions o;
+  o.lr = 1e-2, o.weight_decay = 0.1;
+  using Group = models::CausalLM::ParameterGroup;
+  for (const char* family : {"llama", "qwen2"}) {
+    const models::ModelConfig cfg = models::ModelConfig::from_folder(fs::path(test::fixtures_dir()) / family);
+    Generator gen(22);
+    const Tensor ids = Tensor::randint({4, 6}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen);
+    const int64_t each = static_cast<int64_t>(step_uses(static_cast<size_t>(cfg.num_hidden_layers), cfg.tie_word_embeddings, 2).size()) - 1;
+    auto run = [&](bool prefetch) {
+      std::vector<RankRun> got(2);
+      on_ranks(2, [&](int r, dist::Communicator& c) {
+        auto model = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 4, 0.5);
+        model->checkpoint_layers = true;
+        train::DataParallelOptions dp;
+        dp.zero_stage = 3, dp.bucket_mib = 0.01, dp.prefetch = prefetch;
+        train::DataParallel t(*model, c, o, dp);
+        const size_t shards = t.parameter_bytes();
+        int step = 0;
+        const auto inner = model->parameter_use;
+        model->parameter_use = [&step, inner](const Group& g, bool in_use) {
+          if (in_use && g.kind == Group::Kind::Layer && g.layer == 1 && step < 2) {
+            const Group extra = step == 0 ? g : Group{Group::Kind::Head, 0};
+            inner(extra, true);
+            inner(extra, false);
+          }
+          inner(g, in_use);
+        };
+        const Tensor first = ids.narrow(0, 2 * r, 1).contiguous(), second = ids.narrow(0, 2 * r + 1, 1).contiguous();
+        RankRun& out = got[static_cast<size_t>(r)];
+        // Per step: uses gathered ahead, prefetches taken, deviations.
+        const std::vector<std::array<int64_t, 3>> want = {{3, 2, 1}, {2, 1, 1}, {each, each, 0}, {0, 0, 0}};
+        for (step = 0; step < 4; ++step) {
+          if (step == 3) t.gather_parameters();
+          const train::DataParallel::PrefetchStats before = t.prefetch_stats();
+          const train::StepResult s = t.step({{first, first}, {second, second}});
+          if (step == 3) t.release_parameters();
+          out.losses.push_back(s.loss), out.norms.push_back(s.grad_norm);
+          EXPECT_EQ(t.parameter_bytes(), shards) << family << " step " << step;
+          const train::DataParallel::PrefetchStats st = t.prefetch_stats();
+          const std::array<int64_t, 3> did = {st.issued - before.issued, st.used - before.used, st.deviations - before.deviations};
+          const std::array<int64_t, 3> expected = prefetch ? want[static_cast<size_t>(step)] : std::array<int64_t, 3>{};
+          EXPECT_EQ(did, expected)
+              << family << " step " << step;
+        }
+        t.gather_parameters();
+        for (const auto& [name, p] : model->parameters()) out.params.push_back(p.to_f64_vector());
+      });
+      return got;
+    };
+    const auto plain = run(false), ahead = run(true);
+    for (size_t r = 0; r < 2; ++r) {
+      EXPECT_EQ(ahead[r].losses, plain[r].losses) << family << " rank " << r;
+      EXPECT_EQ(ahead[r].norms, plain[r].norms) << family << " rank " << r;
+      EXPECT_EQ(ahead[r].params, plain[r].params) << family << " rank " << r;
     }
   }
 }

@@ -10,6 +10,8 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <system_error>
+#include <utility>
+#include <vector>
 
 #include "core/cuda_runtime.h"
 #include "core/error.h"
@@ -70,6 +72,7 @@ class SideStream {
       // (the communicator aborts them; destroying a stream with work queued is safe).
       if (std::uncaught_exceptions() == 0) (void)cudaStreamSynchronize(stream_);
       (void)cudaEventDestroy(event_);
+      for (cudaEvent_t e : marks_) (void)cudaEventDestroy(e);
       (void)cudaStreamDestroy(stream_);
     }
 #endif
@@ -104,12 +107,44 @@ class SideStream {
     }
 #endif
   }
+  // An event after the work queued on the stream so far (-1 where collectives run where they are
+  // called), and the current stream made to wait for it only, not for what is queued after it (the
+  // event then goes back to the pool; `mark` becomes -1).
+  int mark() {
+#if KCPP_WITH_CUDA
+    if (stream_) {
+      kcpp::cuda::DeviceGuard g(device_);
+      if (free_.empty()) {
+        cudaEvent_t e = nullptr;
+        KCPP_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+        marks_.push_back(e);
+        free_.push_back(static_cast<int>(marks_.size()) - 1);
+      }
+      const int m = free_.back();
+      KCPP_CUDA_CHECK(cudaEventRecord(marks_[static_cast<size_t>(m)], stream_));
+      free_.pop_back();
+      return m;
+    }
+#endif
+    return -1;
+  }
+  void wait(int& mark) {
+    if (mark < 0) return;
+#if KCPP_WITH_CUDA
+    kcpp::cuda::DeviceGuard g(device_);
+    const int m = std::exchange(mark, -1);
+    free_.push_back(m);
+    KCPP_CUDA_CHECK(cudaStreamWaitEvent(kcpp::cuda::current_stream(), marks_[static_cast<size_t>(m)], 0));
+#endif
+  }
 
  private:
 #if KCPP_WITH_CUDA
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t event_ = nullptr;
+  std::vector<cudaEvent_t> marks_;  // mark()'s events; free_: those not in use
+  std::vector<int> free_;
 #endif
 };
 
@@ -186,47 +221,145 @@ void DataParallel::release_layout() {
     for (const auto& st : g.storages) st->evict();
   }
   peak_ = resident_;  // from here on
-  const bool tied = model_.config().tie_word_embeddings;
   const size_t head = groups_.size() - 1;
-  model_.parameter_use = [this, tied, head](const models::CausalLM::ParameterGroup& g, bool in_use) {
+  model_.parameter_use = [this, head](const models::CausalLM::ParameterGroup& g, bool in_use) {
     using Kind = models::CausalLM::ParameterGroup::Kind;
     const size_t group = g.kind == Kind::Embedding ? 0 : g.kind == Kind::Layer ? 1 + g.layer : head;
     KCPP_CHECK(group < groups_.size(), "data parallel: ZeRO-3: the model used layer {} of {}", g.layer, groups_.size() - 2);
-    // A tied head reads the embedding's weight: both gathered, in the same order on every rank.
     if (in_use) {
-      acquire(group);
-      if (g.kind == Kind::Head && tied) acquire(0);
+      begin_use(group);
     } else {
-      if (g.kind == Kind::Head && tied) release(0);
-      release(group);
+      const std::vector<size_t> groups = groups_of_use(group);
+      for (size_t k = groups.size(); k-- > 0;) release(groups[k]);
     }
   };
+}
+
+std::vector<size_t> DataParallel::groups_of_use(size_t use) const {
+  // A tied head reads the embedding's weight: both gathered, in the same order on every rank.
+  if (use == groups_.size() - 1 && model_.config().tie_word_embeddings) return {use, 0};
+  return {use};
+}
+
+void DataParallel::begin_use(size_t use) {
+  bool planned = false;
+  if (!plan_.empty()) {
+    if (planned_ < plan_.size() && plan_[planned_] == use) {
+      ++planned_;
+      planned = true;
+    } else {  // not the order the prefetch expects: none for the rest of the step
+      ++prefetch_stats_.deviations;
+      end_plan();
+    }
+  }
+  const std::vector<size_t> groups = groups_of_use(use);
+  bool staged = false;
+  for (size_t gi : groups) staged = staged || !groups_[gi].staged.empty();
+  size_t done = 0;
+  try {
+    for (; done < groups.size(); ++done) acquire(groups[done]);
+  } catch (...) {
+    while (done-- > 0) release(groups[done]);
+    throw;
+  }
+  if (planned && staged) ++prefetch_stats_.used;
+  if (planned && planned_ < plan_.size()) prefetch(plan_[planned_]);
+}
+
+void DataParallel::prefetch(size_t use) {
+  bool issued = false;
+  for (size_t gi : groups_of_use(use)) {
+    ParamGroup& g = groups_[gi];
+    if (g.users > 0 || !g.staged.empty()) continue;  // whole already
+    g.staged = gather_staged(gi, g.staged_event);
+    for (const Tensor& t : g.staged) resident_ += t.nbytes();
+    peak_ = std::max(peak_, resident_);
+    issued = true;
+  }
+  if (issued) ++prefetch_stats_.issued;
+}
+
+void DataParallel::drop_staged(size_t gi) {
+  ParamGroup& g = groups_[gi];
+  if (g.staged.empty()) return;
+  side_->wait(g.staged_event);  // the gathers done before their buffers go back to the allocator
+  for (const Tensor& t : g.staged) resident_ -= t.nbytes();
+  g.staged.clear();
+}
+
+void DataParallel::end_plan() {
+  plan_.clear();
+  planned_ = 0;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) drop_staged(gi);
+}
+
+std::vector<Tensor> DataParallel::gather_staged(size_t gi, int& event) {
+  std::vector<Tensor> staged;
+  for (size_t bi : groups_[gi].buckets)
+    staged.push_back(Tensor::empty({comm_.world_size() * buckets_[bi].shard}, buckets_[bi].dtype, comm_.device()));
+  // On the side stream, after what is queued there (every collective of a step is issued in the same
+  // order on every rank), while the current stream goes on.
+  side_->run([&] {
+    for (size_t k = 0; k < staged.size(); ++k) comm_.all_gather(staged[k], buckets_[groups_[gi].buckets[k]].data);
+  });
+  event = side_->mark();
+  return staged;
+}
+
+void DataParallel::fill_from(size_t gi, const std::vector<Tensor>& staged) {
+  const ParamGroup& g = groups_[gi];
+  for (const auto& st : g.storages) st->restore();
+  for (size_t k = 0; k < g.buckets.size(); ++k) {
+    const Bucket& b = buckets_[g.buckets[k]];
+    for (size_t j = 0; j < b.params.size(); ++j) {
+      const Tensor& p = params_[b.params[j]].second;
+      p.view({p.numel()}).copy_(staged[k].narrow(0, b.offset[j], p.numel()));
+    }
+  }
 }
 
 void DataParallel::acquire(size_t gi) {
   ParamGroup& g = groups_[gi];
   if (g.users++ > 0) return;
+  // A prefetch: its gathers waited for (on the device), then copied in; held until copied, so that
+  // the peak counts both.
+  std::vector<Tensor> staged = std::move(g.staged);
+  g.staged.clear();
+  size_t staged_bytes = 0;
+  for (const Tensor& t : staged) staged_bytes += t.nbytes();
   try {
-    for (const auto& st : g.storages) st->restore();
-    for (size_t bi : g.buckets) {
-      const Bucket& b = buckets_[bi];
-      const Tensor all = Tensor::empty({comm_.world_size() * b.shard}, b.dtype, comm_.device());
-      // On the side stream, behind the overlapped reduce-scatters (every collective of a step is
-      // issued on one stream, in the same order on every rank), and waited for: the layer needs it.
-      side_->run([&] { comm_.all_gather(all, b.data); });
-      side_->join();
-      for (size_t j = 0; j < b.params.size(); ++j) {
-        const Tensor& p = params_[b.params[j]].second;
-        p.view({p.numel()}).copy_(all.narrow(0, b.offset[j], p.numel()));
+    if (!staged.empty()) {
+      side_->wait(g.staged_event);
+      fill_from(gi, staged);
+    } else {
+      for (const auto& st : g.storages) st->restore();
+      for (size_t bi : g.buckets) {
+        const Bucket& b = buckets_[bi];
+        const Tensor all = Tensor::empty({comm_.world_size() * b.shard}, b.dtype, comm_.device());
+        // With overlap on the side stream, behind the overlapped reduce-scatters (every collective of
+        // a step is issued on one stream, in the same order on every rank), and waited for: the layer
+        // needs it.  Without, on the current stream.
+        if (options_.overlap) {
+          side_->run([&] { comm_.all_gather(all, b.data); });
+          side_->join();
+        } else {
+          comm_.all_gather(all, b.data);
+        }
+        for (size_t j = 0; j < b.params.size(); ++j) {
+          const Tensor& p = params_[b.params[j]].second;
+          p.view({p.numel()}).copy_(all.narrow(0, b.offset[j], p.numel()));
+        }
       }
     }
   } catch (...) {
     --g.users;
     for (const auto& st : g.storages) st->evict();
+    resident_ -= staged_bytes;
     throw;
   }
   resident_ += g.bytes;
   peak_ = std::max(peak_, resident_);
+  resident_ -= staged_bytes;
 }
 
 void DataParallel::release(size_t gi) {
@@ -604,6 +737,28 @@ StepResult DataParallel::step_sharded(const std::vector<MicroBatch>& micro, int6
   size_t next = 0;           // the next bucket to send
   std::vector<Tensor> keep;  // stage 2's flat buckets until the side stream is joined
   JoinOnExit joined{*side_};
+  // Stage 3 prefetch: the step's order of uses (data_parallel.h), followed until it ends or deviates;
+  // whatever is staged still when the step ends (by an error) is dropped.
+  struct EndPlan {
+    DataParallel* dp;
+    ~EndPlan() {
+      try {
+        dp->end_plan();
+      } catch (const std::exception&) {  // the error under way is the one to report
+      }
+    }
+  } end_plan{this};
+  if (options_.zero_stage == 3 && options_.overlap && options_.prefetch) {
+    const size_t layers = groups_.size() - 2, head = groups_.size() - 1;
+    plan_.clear();
+    for (size_t m = 0; m < micro.size(); ++m) {
+      plan_.push_back(0);
+      for (size_t l = 0; l < layers; ++l) plan_.push_back(1 + l);
+      plan_.push_back(head);
+      for (size_t l = layers; l-- > 0;) plan_.push_back(1 + l);
+    }
+    planned_ = 0;
+  }
   auto send = [&](size_t bi) {
     // At most two flat buckets of stage 2 alive: the one before this one has had the backward of a
     // bucket's worth of layers to finish.

@@ -47,22 +47,50 @@
 //
 //   first use of group G (CausalLM calls parameter_use(G, true)):
 //          restore G's storages (allocated again, whole)
-//          for each bucket of G: all_gather of the ranks' shards   [world * shard]
-//                                (on the side stream, after the reduce-scatters queued there)
+//          for each bucket of G: all_gather of the ranks' shards   [world * shard], a staging buffer
+//                                (with `overlap` on the side stream, after the reduce-scatters
+//                                 queued there, and waited for; without, on the current stream)
 //                                copied into G's parameters
 //   last use (parameter_use(G, false)): release G's storages
 //   step:  stage 2's (reduce-scatter as each layer's backward ends, AdamW on the shards), without
 //          the all-gather after it: the next forward gathers the updated shards
 //
+// Prefetch (`prefetch`, with `overlap`; PyTorch FSDP's forward_prefetch / backward_prefetch): a
+// step's order of uses is known before it runs, CausalLM's (parameter_use): for each micro-batch
+// the embedding, layers 0 .. L-1, the head (with a tied head, the head and the embedding together:
+// one use), then layers L-1 .. 0 (activation checkpointing recomputes a layer inside its backward's
+// use: the order does not change).  When a step's use i begins, the all-gathers of use i + 1 are
+// issued on the side stream into their staging buffers, so they run during use i's compute (in the
+// backward before use i's reduce-scatter, which the side stream then runs during use i + 1); use
+// i + 1 waits on that event only, restores its storages and copies its staged buckets in.  The
+// last use of a step prefetches nothing (the optimizer changes the shards); the embedding of the
+// next micro-batch is prefetched during layer 0's backward.  Each use is checked against the
+// order: a use that deviates from it (another pass inside the step, a hook calling the model
+// differently) drops the staged buckets (waited for, freed: their gathers were issued on every rank
+// alike) and turns the prefetch off for the rest of the step, so the group is gathered at its use as
+// without prefetch.  Only when the gather runs changes: the values are the same bit for bit.
+//
 // A pass uses one group at a time (a tied head also gathers the embedding), so a rank holds its
-// shards, 1 / world of the parameters (up to an element of padding a bucket), plus one group
-// (parameter_bytes(), peak_parameter_bytes()); gradients as at stage 2.  Each micro-batch's forward
-// and backward gather again (with activation checkpointing the recomputed forward runs inside the
-// backward's gather), so every rank must have the same number of micro-batches (checked: a named
-// error).  The values are stage 2's: the same all-gathered shards, the same sums.  While the
-// trainer lives the model refuses a forward with a KV cache (generation); gather_parameters() makes
-// every parameter whole, and they stay whole if the trainer goes then; save_model() gathers them for
-// rank 0's CausalLM::save and releases them after.  The optimizer's checkpoints are stage 2's.
+// shards, 1 / world of the parameters (up to an element of padding a bucket), plus one use's
+// groups, or with prefetch the current use's groups and the next use's staged buckets (a use's
+// staged bytes: its buckets' world * shard elements, its parameters' bytes up to world - 1 elements
+// of padding a bucket); at the moment the next use begins, its storages are restored while its
+// staged buckets are still held.  With bytes(u) a use's parameter bytes and staged(u) its staged
+// bytes, over the uses u and consecutive uses a, b of a step, a step's peak is
+//
+//   shards + max(bytes(u))                                            without prefetch
+//   shards + max(max(bytes(a), bytes(b)) + staged(b))   at most,      with prefetch
+//
+// (equal for an untied head; a tied head's pair is restored a group at a time): about two groups
+// instead of one (parameter_bytes(), peak_parameter_bytes(); the staging buffer of a gather that is
+// not prefetched lives only until it is copied, a bucket at a time, and is not counted).
+// Gradients as at stage 2.  Each micro-batch's forward and backward gather again (with activation
+// checkpointing the recomputed forward runs inside the backward's gather), so every rank must have
+// the same number of micro-batches (checked: a named error).  The values are stage 2's: the same
+// all-gathered shards, the same sums.  While the trainer lives the model refuses a forward with a KV
+// cache (generation); gather_parameters() makes every parameter whole, and they stay whole if the
+// trainer goes then; save_model() gathers them for rank 0's CausalLM::save and releases them after.
+// The optimizer's checkpoints are stage 2's.
 #pragma once
 
 #include <filesystem>
@@ -83,6 +111,7 @@ struct DataParallelOptions {
   double bucket_mib = 25.0;        // gradient bytes (in reduce_dtype) a bucket holds, about
   DType reduce_dtype = DType::f32;  // f32, or the gradients' own dtype (half the traffic for bf16)
   bool overlap = true;             // buckets summed during the backward (see above)
+  bool prefetch = true;            // stage 3 with overlap: the next use's gathers issued during this one's
 };
 
 // Where a tensor of optimizer state starts in its parameter (a data-parallel shard's piece of it),
@@ -121,12 +150,20 @@ class DataParallel {
   // returns).
   size_t gradient_bytes() const;
   // Bytes of parameter memory this rank holds now: every parameter at stages 0 to 2; at stage 3 its
-  // shards plus the groups gathered at the moment (none between steps).  The peak: its maximum
-  // since the trainer was made (at stage 3, since the constructor released the parameters: the
-  // shards plus the largest group or two gathered at once, a layer, or the head with a tied
-  // embedding).
+  // shards plus the groups gathered at the moment and the staged buckets of a prefetch (none between
+  // steps).  The peak: its maximum since the trainer was made (at stage 3, since the constructor
+  // released the parameters: the shards plus the largest use, a layer, the embedding, or the head
+  // with a tied embedding; with prefetch, plus the next use's staged buckets: the bound above).
   size_t parameter_bytes() const;
   size_t peak_parameter_bytes() const;
+  // Stage 3's prefetches since the trainer was made: uses whose gathers were issued ahead (a use
+  // whose groups were all gathered already, e.g. by gather_parameters(), counts in none), of those
+  // the ones their use took, and the steps whose order of uses deviated from the expected one (their
+  // staged buckets dropped, the rest of the step without prefetch).
+  struct PrefetchStats {
+    int64_t issued = 0, used = 0, deviations = 0;
+  };
+  PrefetchStats prefetch_stats() const { return prefetch_stats_; }
   // Stage 3: every parameter gathered whole on every rank (a collective: all ranks call it), e.g.
   // to save, evaluate or sample from the model, until release_parameters() (after which the model's
   // parameters are released again; the optimizer's shards are what training updates, so changes to
@@ -166,6 +203,10 @@ class DataParallel {
     std::vector<std::shared_ptr<Storage>> storages;
     size_t bytes = 0;  // the storages'
     int users = 0;     // gathered while positive
+    // A prefetch not yet taken: the buckets' all-gathers ([world * shard] each, in g.buckets' order)
+    // and the side stream's event after them (-1 where the gathers ran where they were called).
+    std::vector<Tensor> staged;
+    int staged_event = -1;
   };
   // This rank's part of one parameter: elements [begin, begin + length) of params_[param], at `at` in
   // the shard of bucket `bucket`.
@@ -190,8 +231,19 @@ class DataParallel {
   // parameter_use set.
   size_t group_of(const std::string& name) const;
   void release_layout();
-  void acquire(size_t group);  // gathered by the first user
+  void acquire(size_t group);  // gathered by the first user (taking its prefetch, if any)
   void release(size_t group);  // released by the last
+  // Stage 3: the all-gathers of group's buckets into new staging buffers on the side stream (an
+  // event after them in `event`); and the group's storages restored and filled from them.
+  std::vector<Tensor> gather_staged(size_t group, int& event);
+  void fill_from(size_t group, const std::vector<Tensor>& staged);
+  // Stage 3 prefetch: the groups of use `use` (its group; a tied head's also the embedding); the
+  // hook's start of a use (checked against plan_, the next one prefetched); a prefetch dropped.
+  std::vector<size_t> groups_of_use(size_t use) const;
+  void begin_use(size_t use);
+  void prefetch(size_t use);
+  void drop_staged(size_t group);
+  void end_plan();
 
   models::CausalLM& model_;
   dist::Communicator& comm_;
@@ -206,6 +258,12 @@ class DataParallel {
   std::unique_ptr<SideStream> side_;  // where overlapped buckets are summed
   std::vector<ParamGroup> groups_;         // stage 3
   size_t resident_ = 0, peak_ = 0;    // stage 3: parameter_bytes() and its peak
+  // Stage 3 prefetch, during a step: the uses expected (group indices of the hook's groups, the head's
+  // standing for a tied head's pair), and how many have begun; empty outside a step or after a
+  // deviation.
+  std::vector<size_t> plan_;
+  size_t planned_ = 0;
+  PrefetchStats prefetch_stats_;
 };
 
 }  // namespace kcpp::train
