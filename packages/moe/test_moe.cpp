@@ -827,6 +827,47 @@ TEST_P(MoeKernels, OverwriteGateUpGivesTheSameBits) {
           }
 }
 
+// ExpertGemm::Auto where one expert's weight fills the device (H 2048 x I 1536: 192 tiles of 128 x 128,
+// at least one per multiprocessor): its rule takes Loop whatever the counts, so its workspace holds no
+// padded rows (the same bytes as Loop's), and with overwrite_gate_up none for [dg, du] either; the
+// forward and the backward (which writes over the saved gate_up) against the oracle, the empty
+// expert's gradients exactly 0.  CUDA only (the CPU has one path).
+TEST_P(MoeKernels, AutoWhereLoopAlwaysHoldsNoPaddedRows) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  if (!dev.is_cuda()) GTEST_SKIP() << "the paths are CUDA's";
+  Generator gen = test::test_generator();
+  const UnsetMoeGemmEnv unset;
+  int sms = 0;
+#if KCPP_WITH_CUDA && KCPP_MOE_CUDA
+  int d = 0;
+  ASSERT_EQ(cudaGetDevice(&d), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d), cudaSuccess);
+#endif
+  const int64_t h = 2048, i = 1536, k = 2;
+  if (!moe::auto_always_loop(h, i, sms)) GTEST_SKIP() << sms << " multiprocessors: more than H x I's 192 tiles";
+  const std::vector<int64_t> counts{5, 0, 9, 2};
+  const int64_t e = static_cast<int64_t>(counts.size());
+  std::vector<int64_t> ids;
+  std::vector<double> w;
+  given_slots(counts, {}, gen, ids, w);
+  const int64_t t = static_cast<int64_t>(ids.size()) / k;
+  const Case c{t, h, e, k, i, 0, moe::Routing::Given, false, false, kernel::Activation::Silu, Layout::Rows, false, true, false, false};
+  const std::string cfg = test::config_name(dev, DType::bf16) + " " + describe(c) + " gemm=auto";
+  Block m{c, DType::bf16, dev, moe::ExpertGemm::Auto};
+  m.build(gen, &ids, &w, true);
+  moe::MoeParams loop = m.p;
+  loop.expert_gemm = moe::ExpertGemm::Loop;
+  for (bool bwd : {false, true}) EXPECT_EQ(moe::moe_workspace(m.p, bwd, true), moe::moe_workspace(loop, bwd, true)) << cfg << " bwd=" << bwd;
+  const size_t plain = moe::moe_workspace(m.p, true, true);
+  m.p.overwrite_gate_up = true;
+  EXPECT_EQ(moe::moe_workspace(m.p, true, true) + static_cast<size_t>((t * k * 2 * i * 2 + 255) / 256 * 256), plain) << cfg;
+  ASSERT_EQ(m.forward(), nullptr) << cfg;
+  const std::vector<double> saved = m.saved.to_f64_vector();
+  expect_given_routing_matches_the_oracle(m, ids, w, counts, gen, cfg);
+  EXPECT_FALSE(same_values(m.saved.to_f64_vector(), saved)) << cfg << " (the saved gate_up was not written)";
+}
+
 #if KCPP_WITH_CUDA && KCPP_MOE_CUDA
 // The CUDA backward's workspace (host arithmetic, no device needed for the paths asked for by name), at
 // Mixtral-8x7B's dimensions (8192 tokens, top-2, H 4096, I 14336, bf16) and a small odd block: with
