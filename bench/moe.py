@@ -21,7 +21,12 @@ its calls: the package reads it on every call): "kernel" (the package's mma.sync
 cuBLAS strided-batched GEMM per projection over the experts zero-padded to the largest count), "auto"
 (the package's own choice: loop, padded or grouped by the experts' counts).
 Peak memory is the PyTorch allocator's peak during one forward + backward above what was allocated
-before it (the package's workspace comes from that allocator).  Outputs and gradients are compared
+before it (the package's workspace comes from that allocator).  The kcpp rows' gradients and saved
+tensors are allocated before (the peers' gradients were too, from their previous call, and are freed
+and allocated again within theirs; their saved activations are within their peak): the row "gate_up
+saved" holds the forward's gate_up [S, 2I] outside its peak (printed below the table), which its
+backward may write over (overwrite_gate_up, as nn::MoE's host passes it); the row "gate_up
+recomputed" (--gate-up, what kcpp.torch's experts backend runs) holds nothing of that size.  Outputs and gradients are compared
 with eager's before they are timed.  Decode-sized inputs (1, 16, 64 tokens) are timed forward.
 
 Run on the GPU machine:
@@ -64,6 +69,7 @@ ap.add_argument("--decode", default="1,16,64")
 ap.add_argument("--device", default="cuda")
 ap.add_argument("--gemm", default="kernel,loop,grouped,padded,auto", help="KCPP_MOE_GEMM values, one set of kcpp rows each")
 ap.add_argument("--no-peers", action="store_true", help="skip Transformers' implementations (eager still gives the reference)")
+ap.add_argument("--gate-up", default="saved", help="kcpp rows with routing given: saved (the backward overwrites it), recomputed")
 opt = ap.parse_args()
 dev = opt.device
 cuda = dev == "cuda"
@@ -117,7 +123,7 @@ def make(h, e, k, inter, t):
     return cfg, experts, router, x, ids, w
 
 
-rows, decode_rows = [], []
+rows, decode_rows, held = [], [], {}
 for key in opt.configs.split(","):
     name, h, e, k, inter = (CONFIGS if cuda else SMALL)[key]
     t = opt.tokens if cuda else 64
@@ -203,12 +209,17 @@ for key in opt.configs.split(","):
     base = {"hidden": x, "routing": "given", "topk_ids": ids, "topk_weights": w, "gate_up_proj": gu, "down_proj": dn}
     fa = dict(base, out=out)
     ta = dict(fa, expert_offsets=offsets, sorted_slots=sorted_slots, gate_up=saved)
-    ba = dict(base, expert_offsets=offsets, sorted_slots=sorted_slots, gate_up=saved, dout=dout, dhidden=dx,
-              dgate_up_proj=dgu, ddown_proj=ddn, dtopk_weights=dw)
+    ba = dict(base, expert_offsets=offsets, sorted_slots=sorted_slots, gate_up=saved, overwrite_gate_up=1, dout=dout,
+              dhidden=dx, dgate_up_proj=dgu, ddown_proj=ddn, dtopk_weights=dw)
+    modes = {"saved": (ta, ba)}
+    if "recomputed" in opt.gate_up.split(","):
+        modes["recomputed"] = ({k_: v for k_, v in ta.items() if k_ != "gate_up"},
+                               {k_: v for k_, v in ba.items() if k_ not in ("gate_up", "overwrite_gate_up")})
     ok, why = layer.supports(ta, mode="training")
     if not ok:
         print(f"{name} kcpp: refused ({why})", flush=True)
         continue
+    held[name] = saved.numel() * saved.element_size() / 2**20
     logits = torch.empty(t, e, dtype=dtype, device=dev)
     ids32, w32 = torch.empty(t, k, dtype=torch.int32, device=dev), torch.empty(t, k, dtype=torch.float32, device=dev)
     dr = torch.empty_like(router)
@@ -217,31 +228,29 @@ for key in opt.configs.split(","):
     bt = dict(blk, out=out, router_logits=logits, topk_ids=ids32, topk_weights=w32, expert_offsets=offsets,
               sorted_slots=sorted_slots, gate_up=saved)
     bb = dict(blk, router_logits=logits, topk_ids=ids32, topk_weights=w32, expert_offsets=offsets,
-              sorted_slots=sorted_slots, gate_up=saved, dout=dout, dhidden=dx, drouter_weight=dr, dgate_up_proj=dgu,
-              ddown_proj=ddn)
+              sorted_slots=sorted_slots, gate_up=saved, overwrite_gate_up=1, dout=dout, dhidden=dx, drouter_weight=dr,
+              dgate_up_proj=dgu, ddown_proj=ddn)
     for gemm in [g for g in opt.gemm.split(",") if g]:
         os.environ["KCPP_MOE_GEMM"] = gemm
         # kcpp, routing given: the same experts layer.
-        for buf in (out, dx, dgu, ddn, dw):
-            buf.fill_(float("nan"))
-        layer.forward(ta, mode="training")
-        layer.backward(ba)
-        if cuda:
-            torch.cuda.synchronize()
-        err = rel(out, ref)
-        gerr = max(rel(a, b) for a, b in zip((dx, dgu, ddn, dw), ref_grads))
+        for mode, (mta, mba) in modes.items():
+            for buf in (out, dx, dgu, ddn, dw):
+                buf.fill_(float("nan"))
+            layer.forward(mta, mode="training")
+            layer.backward(mba)
+            if cuda:
+                torch.cuda.synchronize()
+            err = rel(out, ref)
+            gerr = max(rel(a, b) for a, b in zip((dx, dgu, ddn, dw), ref_grads))
 
-        def kfwd():
-            layer.forward(fa, mode="inference")
+            def kfwdbwd(mta=mta, mba=mba):
+                layer.forward(mta, mode="training")
+                layer.backward(mba)
 
-        def kfwdbwd():
-            layer.forward(ta, mode="training")
-            layer.backward(ba)
-
-        tf, tfb = timed(kfwd), timed(kfwdbwd)
-        rows.append((name, f"kcpp moe (routing given) gemm={gemm}", tf, fl / tf * 1e3, tfb, 3 * fl / tfb * 1e3,
-                     peak_mb(kfwdbwd), err, gerr))
-        print(rows[-1], flush=True)
+            tf, tfb = timed(lambda: layer.forward(fa, mode="inference")), timed(kfwdbwd)
+            rows.append((name, f"kcpp moe (routing given, gate_up {mode}) gemm={gemm}", tf, fl / tf * 1e3, tfb,
+                         3 * fl / tfb * 1e3, peak_mb(kfwdbwd), err, gerr))
+            print(rows[-1], flush=True)
         for td in ([int(v) for v in opt.decode.split(",") if v] if cuda else []):
             da = {"hidden": x[:td], "routing": "given", "topk_ids": ids[:td], "topk_weights": w[:td], "gate_up_proj": gu,
                   "down_proj": dn, "out": out[:td]}
@@ -285,6 +294,8 @@ print(f"{'dimensions':22s} {'implementation':58s} {'fwd ms':>8s} {'TFLOP/s':>8s}
       f"{'peak MiB':>9s} {'out err':>9s} {'grad err':>9s}")
 for name, impl, tf, ff, tfb, ffb, mem, err, gerr in rows:
     print(f"{name:22s} {impl:58s} {tf:8.3f} {ff:8.1f} {tfb:8.3f} {ffb:8.1f} {mem:9.0f} {err:9.2e} {gerr:9.2e}")
+for name, mib in held.items():
+    print(f"{name}: the kcpp rows with gate_up saved hold it from forward to backward, {mib:.0f} MiB outside their peak")
 if decode_rows:
     print("\ndecode-sized forward (ms)")
     for name, td, impl, ms in decode_rows:

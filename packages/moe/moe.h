@@ -40,6 +40,13 @@
 // recomputes the projections.  No result depends on thread timing; nothing synchronizes with the host
 // (except the CUDA path's cuBLAS experts: ExpertGemm below).
 //
+// Backward memory: [dg, du] is formed in place over the [g, u] it is computed from, element by element
+// (each is read and then written by one thread): over the recomputed projections in the workspace, or,
+// when the host lets it (overwrite_gate_up: the saved gate_up is dead after this call), over the saved
+// gate_up itself, whose rows are then [dg, du] by position (CUDA, except where its rows are Padded's:
+// moe_workspace() then still holds them).  The CPU computes [dg, du] in f32 over its widened copy of
+// [g, u] and leaves the saved tensor unread after that copy.
+//
 // CUDA (moe_cuda.cu, moe_gemm.cuh): bf16 / f16 only (tensor-core GEMMs); it also rounds each slot's
 // dx_s to the dtype before the per-token sum (the CPU keeps it in f32).  Its cuBLAS paths (ExpertGemm
 // below) round q_s to the dtype too (the GEMM's output) before dh and dw are formed from it, and where
@@ -109,8 +116,8 @@ inline bool matrix_storage(int64_t rows, int64_t cols, int64_t rs, int64_t cs, b
 //            comes out exactly 0).  Zero rows add nothing to a weight gradient's sum over rows, and
 //            the kernels between the products write 0 into the padding rows of h, dgu and c h (no
 //            activation is evaluated there); the routing weights, combine and dw read real rows only.
-//            The workspace holds padded_rows_cap(S, E, asked) rows; a call whose layout needs more runs
-//            Grouped.
+//            The workspace holds padded_rows_cap(S, E, asked) rows (workspace_padded_rows: none under
+//            Auto where its rule never takes Padded); a call whose layout needs more runs Grouped.
 //   Auto     the environment's KCPP_MOE_GEMM (kernel, loop, grouped, padded or auto) when set; else
 //            choose_expert_gemm() from the counts read back:
 //            Loop when one expert's GEMM has at least one 128 x 128 tile per multiprocessor, counting
@@ -149,6 +156,13 @@ int64_t padded_rows_cap(int64_t slots, int64_t experts, bool asked);
 // the rule above (sms: the device's multiprocessors).  Returns Loop, Grouped or Padded.
 ExpertGemm choose_expert_gemm(ExpertGemm asked, const int32_t* offsets, int64_t experts, int64_t hidden, int64_t inter,
                               int64_t slots, int64_t sms);
+// Whether Auto's rule takes Loop whatever the counts: one expert's weight H x I alone has at least one
+// 128 x 128 tile per multiprocessor (Mixtral-8x7B's 4096 x 14336 on any current GPU).
+bool auto_always_loop(int64_t hidden, int64_t inter, int64_t sms);
+// The rows of Padded's buffers a CUDA call's workspace holds (0: none, the buffers by row hold S):
+// padded_rows_cap(S, E, true) for Padded asked for, for Auto padded_rows_cap(S, E, false) unless
+// auto_always_loop (then Padded is never taken and nothing is held for it), 0 for Kernel, Loop, Grouped.
+int64_t workspace_padded_rows(ExpertGemm asked, int64_t slots, int64_t experts, int64_t hidden, int64_t inter, int64_t sms);
 
 struct MoeParams {
   kernel::DType dtype = kernel::DType::bf16;
@@ -179,6 +193,10 @@ struct MoeParams {
   int32_t* expert_offsets = nullptr;  // [E + 2]; forward: optional (then workspace)
   int32_t* sorted_slots = nullptr;    // [S]; forward: optional (then workspace)
   void* gate_up = nullptr;            // [S, 2I], dtype, optional
+  // Backward: the saved gate_up is dead after this call, and may be written over (its contents are
+  // then unspecified).  Needs gate_up.  On CUDA the workspace (moe_workspace()) then holds no [dg, du]
+  // rows of its own, unless it holds Padded's rows (workspace_padded_rows > 0).
+  bool overwrite_gate_up = false;
 
   // Backward.
   const void* dout = nullptr;  // [T, H]

@@ -127,7 +127,7 @@ template <typename T> void gated(Activation a, const float* gu, int64_t n, int64
   });
 }
 
-// dgu [n, 2I] = round([dh * u * act'(g), dh * act(g)]).
+// dgu [n, 2I] = round([dh * u * act'(g), dh * act(g)]); dgu may be gu (each pair is read before it is written).
 template <typename T> void gated_backward(Activation a, const float* gu, const float* dh, int64_t n, int64_t inter,
                                           float* dgu) {
   with_activation(a, [&](auto tag) {
@@ -227,14 +227,14 @@ struct Buffers {
   float *swg = nullptr, *swu = nullptr, *swd = nullptr, *sgu = nullptr, *sh = nullptr, *sm = nullptr, *sigma = nullptr;
   // backward
   float *dw = nullptr;                    // weights widened dout [T, H] (16-bit) -> dout view
-  float *ds = nullptr, *q = nullptr, *ch = nullptr, *dgu = nullptr;  // [n, H], [n, I], [n, I], [n, 2I]
+  float *ds = nullptr, *q = nullptr, *ch = nullptr, *dgu = nullptr;  // [n, H], [n, I], [n, I], [n, 2I] (dgu: over gu)
   float *gw_gu = nullptr, *gw_d = nullptr;  // weight gradients of one expert: [I, H] (x2, reused), [H, I]
   float *dx = nullptr;                    // [S, H] per position
   float *dws = nullptr;                   // [S] routing weight gradients by slot
   float *dz = nullptr;                    // [T, E]
   float *drouter = nullptr;               // [E, H]
   float *dxr = nullptr;                   // [T, H] the router's and shared expert's part of dx
-  float *sq = nullptr, *sdgu = nullptr, *sdl = nullptr;  // shared: [T, Is], [T, 2Is], [T]
+  float *sq = nullptr, *sdgu = nullptr, *sdl = nullptr;  // shared: [T, Is], [T, 2Is] (over sgu), [T]
 };
 
 Buffers layout(const MoeParams& p, bool bwd, Carve& cv) {
@@ -282,7 +282,7 @@ Buffers layout(const MoeParams& p, bool bwd, Carve& cv) {
   b.ds = cv.take<float>(nmax * h);
   b.q = cv.take<float>(nmax * i);
   b.ch = cv.take<float>(nmax * i);
-  b.dgu = cv.take<float>(nmax * 2 * i);
+  b.dgu = b.gu;  // [dg, du] over the [g, u] it is formed from (gated_backward reads each pair before writing it)
   const int64_t wmax = std::max(i, si) * h;
   b.gw_gu = cv.take<float>(wmax);
   b.gw_d = cv.take<float>(wmax);
@@ -293,7 +293,7 @@ Buffers layout(const MoeParams& p, bool bwd, Carve& cv) {
   b.dxr = cv.take<float>(t * h);
   if (si > 0) {
     b.sq = cv.take<float>(t * si);
-    b.sdgu = cv.take<float>(t * 2 * si);
+    b.sdgu = b.sgu;  // likewise over the shared expert's [g', u']
     b.sdl = cv.take<float>(t);
   }
   return b;
@@ -732,6 +732,8 @@ const char* moe_check(const MoeParams& p, bool bwd) {
   KCPP_KERNEL_REQUIRE(p.expert_offsets && (p.sorted_slots || moe_slots(p) == 0), "%s: needs expert_offsets and sorted_slots", op);
   KCPP_KERNEL_REQUIRE(p.dout || p.tokens == 0, "%s: no dout", op);
   KCPP_KERNEL_REQUIRE(p.dx || p.tokens == 0, "%s: no dhidden", op);
+  KCPP_KERNEL_REQUIRE(!p.overwrite_gate_up || p.gate_up || moe_slots(p) == 0,
+                      "%s: overwrite_gate_up without the saved gate_up (pass the forward's gate_up, or leave the flag out)", op);
   for (const Matrix* m : {&p.dgate, &p.dup})
     KCPP_KERNEL_REQUIRE(!m->data || matrix_ok(*m, p.inter, p.hidden), "%s: gate / up gradients need a unit stride", op);
   KCPP_KERNEL_REQUIRE(!p.ddown.data || matrix_ok(p.ddown, p.hidden, p.inter), "%s: down gradient needs a unit stride", op);
@@ -816,8 +818,16 @@ ExpertGemm choose_expert_gemm(ExpertGemm asked, const int32_t* offsets, int64_t 
   if (used == 0) return ExpertGemm::Loop;  // nothing to run
   const int64_t valid = static_cast<int64_t>(offsets[experts]) - offsets[0];
   auto tiles = [](int64_t a, int64_t b) { return ((a + 127) / 128) * ((b + 127) / 128); };
-  if (tiles(valid / used, std::min(hidden, inter)) >= sms || tiles(hidden, inter) >= sms) return ExpertGemm::Loop;
+  if (tiles(valid / used, std::min(hidden, inter)) >= sms || auto_always_loop(hidden, inter, sms)) return ExpertGemm::Loop;
   return fits && padded * 20 <= valid * 23 ? ExpertGemm::Padded : ExpertGemm::Grouped;
+}
+
+bool auto_always_loop(int64_t hidden, int64_t inter, int64_t sms) { return ((hidden + 127) / 128) * ((inter + 127) / 128) >= sms; }
+
+int64_t workspace_padded_rows(ExpertGemm asked, int64_t slots, int64_t experts, int64_t hidden, int64_t inter, int64_t sms) {
+  if (asked == ExpertGemm::Padded) return padded_rows_cap(slots, experts, true);
+  if (asked == ExpertGemm::Auto && !auto_always_loop(hidden, inter, sms)) return padded_rows_cap(slots, experts, false);
+  return 0;
 }
 
 const char* moe_cuda_unsupported(const MoeParams& p, bool /*backward: the same limits*/) {

@@ -83,10 +83,13 @@ struct Bufs {
 
 // `cublas`: room for the cuBLAS paths too (their buffers, by path in the forward's and backward's
 // cuBLAS functions below); `padded_rows`: the rows the buffers by row (xs, h, y, gu, dgu, ch, partial,
-// dxs) hold for the Padded path (padded_rows_cap, moe.h; 0: not padded, S).  The kernel path runs
+// dxs) hold for the Padded path (workspace_padded_rows, moe.h; 0: not padded, S).  The kernel path runs
 // within it all the same.  The cuBLAS backward (experts_backward_cublas) keeps x by row in dxs's
 // buffer, gathered once dout by row is done with, unless the weights apply to the input (the kernel
-// path then needs both at once).
+// path then needs both at once).  dgu lies over the [g, u] the backward's GLU reads (moe.h: Backward
+// memory): the recomputed gu (same rows on every path), or the saved gate_up by position when the host
+// lets it be overwritten and no row is Padded's (rows are then positions); else it has its own rows.
+// The shared expert's sdgu lies over sgu likewise.
 Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas, int64_t padded_rows) {
   Bufs b;
   const int64_t t = p.tokens, h = p.hidden, e = p.experts, s = moe_slots(p), i = p.inter, si = p.shared_inter;
@@ -117,8 +120,9 @@ Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas, int64_t padded
       b.sm = cv.take<unsigned char>(t * h * eb);
     }
   } else {
-    if (!p.gate_up) b.gu = cv.take<unsigned char>(r * 2 * i * eb);
-    b.dgu = cv.take<unsigned char>(r * 2 * i * eb);
+    if (!p.gate_up) b.gu = b.dgu = cv.take<unsigned char>(r * 2 * i * eb);
+    else if (p.overwrite_gate_up && padded_rows == 0) b.dgu = p.gate_up;
+    else b.dgu = cv.take<unsigned char>(r * 2 * i * eb);
     b.ch = cv.take<unsigned char>(r * i * eb);
     if (!input) b.partial = cv.take<float>(std::max(s * ntiles(i), r));  // cuBLAS: one per row
     b.dxs = cv.take<unsigned char>(r * h * eb);
@@ -127,8 +131,7 @@ Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas, int64_t padded
     if (router) b.dz = cv.take<unsigned char>(t * e * eb);
     if (router || si > 0) b.dxr = cv.take<float>(t * h);
     if (si > 0) {
-      b.sgu = cv.take<unsigned char>(t * 2 * si * eb);
-      b.sdgu = cv.take<unsigned char>(t * 2 * si * eb);
+      b.sgu = b.sdgu = cv.take<unsigned char>(t * 2 * si * eb);
       b.sch = cv.take<unsigned char>(t * si * eb);
       b.spartial = cv.take<float>(t * ntiles(si));
       b.dl = cv.take<float>(t);
@@ -563,13 +566,19 @@ bool cublas_workspace(const MoeParams& p) {
   return requested_path(p, &path) != nullptr || path != Path::Kernel;
 }
 
-// The rows of Padded's buffers the workspace holds: padded_rows_cap for the path asked for (Padded, or
-// Auto, which may take it), else 0.
+// The rows of Padded's buffers the workspace holds (moe.h: workspace_padded_rows) for the path asked
+// for, on the current device (its multiprocessors decide whether Auto can take Padded).
 int64_t padded_workspace_rows(const MoeParams& p) {
   Path path = Path::Kernel;
   const bool unknown = requested_path(p, &path) != nullptr;
   if (!unknown && path != Path::Padded && path != Path::Auto) return 0;
-  return padded_rows_cap(moe_slots(p), p.experts, unknown || path == Path::Padded);
+  if (unknown || path == Path::Padded) return padded_rows_cap(moe_slots(p), p.experts, true);
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return padded_rows_cap(moe_slots(p), p.experts, false);
+  }
+  return workspace_padded_rows(ExpertGemm::Auto, moe_slots(p), p.experts, p.hidden, p.inter, kernel::cuda::sm_count(device));
 }
 
 Bufs call_layout(const MoeParams& p, bool bwd, Carve& cv) {
@@ -961,7 +970,9 @@ __global__ void glu_rows(int64_t inter, kernel::Activation act, Pad pd, const T*
 // c = w[sorted[p]] (Output; Input: 1):
 //   a = act(g), h = round(a u), dh = round(c q), dgu = round([dh u act'(g), dh a]), ch = round(c h),
 //   rowsum[r] = sum_i q_i h_i (Output: the slot's dw), in a fixed order;
-// in a padding row dgu, ch and rowsum are 0.
+// in a padding row dgu, ch and rowsum are 0.  dgu may lie over the rows [g, u] is read from (the
+// recomputed gu by row, or the saved gate_up by position where rows are positions): each element is
+// read, then written, by one thread.
 template <typename T, int V>
 __global__ void glu_backward_rows(int64_t inter, kernel::Activation act, Pad pd, const T* gu, bool gu_by_position, const float* w,
                                   const int32_t* sorted, T* ch, T* dgu, float* rowsum) {
@@ -1149,7 +1160,7 @@ const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path
   const float* coef = input ? nullptr : w;
   float* rowsum = input ? nullptr : b.partial;
   const T* gu_rows = gu ? gu : static_cast<const T*>(b.gu);
-  if (I % 8 == 0 && kernel::cuda::aligned16(gu_rows))
+  if (I % 8 == 0 && kernel::cuda::aligned16(gu_rows) && kernel::cuda::aligned16(dgu))
     glu_backward_rows<T, 8><<<static_cast<unsigned>(n), 128, 0, st>>>(I, p.act, pd, gu_rows, gu != nullptr, coef, sorted, ch, dgu, rowsum);
   else
     glu_backward_rows<T, 1><<<static_cast<unsigned>(n), 128, 0, st>>>(I, p.act, pd, gu_rows, gu != nullptr, coef, sorted, ch, dgu, rowsum);

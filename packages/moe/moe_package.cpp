@@ -259,6 +259,18 @@ bool moe_args(kk::Call& c, bool bwd, km::MoeParams& p) {
     p.gate_up = kk::data_ptr(saved);
   }
   if (!c.ok()) return false;
+  const kcpp_arg* ow = c.find("overwrite_gate_up");
+  if (ow && ow->kind != KCPP_ARG_NONE) {
+    if (!bwd)
+      return c.require(false, "argument 'overwrite_gate_up' is the backward's (it lets the backward write over the saved 'gate_up')");
+    const int64_t v = c.integer("overwrite_gate_up", 0);
+    if (!c.ok()) return false;
+    if (v != 0 && v != 1) return c.require(false, "argument 'overwrite_gate_up' = %lld; expected 0 or 1", static_cast<long long>(v));
+    if (v && !saved)
+      return c.require(false, "argument 'overwrite_gate_up' = 1 without the tensor 'gate_up': pass the forward's saved gate_up "
+                              "(which this backward may then write over), or leave the flag out");
+    p.overwrite_gate_up = v != 0;
+  }
   if (!bwd) {
     if (training && !given && (!logits || !ids || !weights))
       return c.require(false, "missing '%s' (required in training mode: backward needs it)",

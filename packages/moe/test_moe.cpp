@@ -763,6 +763,171 @@ TEST_P(MoeKernels, PartialGateUpGradients) {
             }
 }
 
+// The backward allowed to write over the saved gate_up (MoeParams::overwrite_gate_up) gives the same
+// bits as without: AwkwardExpertCounts' counts (empty experts, one slot, equal counts, sentinels), H and
+// I no multiple of 8 and multiples of 8, every weight layout, the routing weight on the output and on
+// the input (gate_up saved in both), every path.  The run without the flag is held to the oracle
+// first.  Where the workspace holds no [dg, du] rows of its own (CUDA, every path but Padded, whose
+// rows are not the saved rows) the saved tensor was written (it held [dg, du]); elsewhere it is unread.
+// The same values, NaN matching NaN (a saved gate_up's rows past the routed ones are never written).
+bool same_values(const std::vector<double>& a, const std::vector<double>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t q = 0; q < a.size(); ++q)
+    if (!(a[q] == b[q] || (std::isnan(a[q]) && std::isnan(b[q])))) return false;
+  return true;
+}
+
+TEST_P(MoeKernels, OverwriteGateUpGivesTheSameBits) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const std::vector<int64_t> counts{0, 1, 5, 0, 3, 3, 12};
+  const int64_t e = static_cast<int64_t>(counts.size()), k = 2;
+  std::vector<int64_t> ids;
+  std::vector<double> w;
+  given_slots(counts, {e, -1}, gen, ids, w);
+  const int64_t t = static_cast<int64_t>(ids.size()) / k;
+  struct Size {
+    int64_t h, i;
+  };
+  const std::vector<DType> dtypes = dev.is_cuda() ? std::vector<DType>{DType::bf16, DType::f16} : std::vector<DType>{DType::f32, DType::bf16};
+  for (const Size sz : {Size{37, 19}, Size{64, 40}})
+    for (DType dt : dtypes)
+      for (Layout layout : {Layout::Rows, Layout::Transposed, Layout::Separate})
+        for (bool input : {false, true})
+          for (moe::ExpertGemm gemm : gemm_paths(dev)) {
+            const Case c{t, sz.h, e, k, sz.i, 0, moe::Routing::Given, false, input, kernel::Activation::Silu, layout, false,
+                         true, false, layout == Layout::Transposed};
+            const std::string cfg = test::config_name(dev, dt) + " " + describe(c) + " gemm=" + gemm_name(gemm);
+            Block m{c, dt, dev, gemm};
+            m.build(gen, &ids, &w, true);
+            ASSERT_EQ(m.forward(), nullptr) << cfg;
+            const std::vector<double> saved = m.saved.to_f64_vector();
+            expect_given_routing_matches_the_oracle(m, ids, w, counts, gen, cfg);
+            EXPECT_TRUE(same_values(m.saved.to_f64_vector(), saved)) << cfg << " (gate_up written without the flag)";
+            std::vector<Tensor> grads{m.dx, m.dw, m.ddown};
+            if (layout == Layout::Separate) grads.insert(grads.end(), {m.dgate, m.dup});
+            else grads.push_back(m.dgate_up);
+            std::vector<std::vector<double>> before;
+            for (const Tensor& g : grads) before.push_back(g.to_f64_vector());
+            const size_t plain = moe::moe_workspace(m.p, true, dev.is_cuda());
+            m.p.overwrite_gate_up = true;
+            const size_t over = moe::moe_workspace(m.p, true, dev.is_cuda());
+            for (const Tensor& g : grads) g.fill_(kNaN);
+            ASSERT_EQ(m.rerun_backward(), nullptr) << cfg;
+            for (size_t q = 0; q < grads.size(); ++q) EXPECT_EQ(grads[q].to_f64_vector(), before[q]) << cfg << " gradient " << q;
+            const bool reused = dev.is_cuda() && gemm != moe::ExpertGemm::Padded;
+            if (reused) {
+              EXPECT_FALSE(same_values(m.saved.to_f64_vector(), saved)) << cfg << " (the saved gate_up was not written)";
+              EXPECT_LT(over, plain) << cfg;
+            } else {
+              EXPECT_TRUE(same_values(m.saved.to_f64_vector(), saved)) << cfg;
+              EXPECT_EQ(over, plain) << cfg;
+            }
+          }
+}
+
+// ExpertGemm::Auto where one expert's weight fills the device (H 2048 x I 1536: 192 tiles of 128 x 128,
+// at least one per multiprocessor): its rule takes Loop whatever the counts, so its workspace holds no
+// padded rows (the same bytes as Loop's), and with overwrite_gate_up none for [dg, du] either; the
+// forward and the backward (which writes over the saved gate_up) against the oracle, the empty
+// expert's gradients exactly 0.  CUDA only (the CPU has one path).
+TEST_P(MoeKernels, AutoWhereLoopAlwaysHoldsNoPaddedRows) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  if (!dev.is_cuda()) GTEST_SKIP() << "the paths are CUDA's";
+  Generator gen = test::test_generator();
+  const UnsetMoeGemmEnv unset;
+  int sms = 0;
+#if KCPP_WITH_CUDA && KCPP_MOE_CUDA
+  int d = 0;
+  ASSERT_EQ(cudaGetDevice(&d), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d), cudaSuccess);
+#endif
+  const int64_t h = 2048, i = 1536, k = 2;
+  if (!moe::auto_always_loop(h, i, sms)) GTEST_SKIP() << sms << " multiprocessors: more than H x I's 192 tiles";
+  const std::vector<int64_t> counts{5, 0, 9, 2};
+  const int64_t e = static_cast<int64_t>(counts.size());
+  std::vector<int64_t> ids;
+  std::vector<double> w;
+  given_slots(counts, {}, gen, ids, w);
+  const int64_t t = static_cast<int64_t>(ids.size()) / k;
+  const Case c{t, h, e, k, i, 0, moe::Routing::Given, false, false, kernel::Activation::Silu, Layout::Rows, false, true, false, false};
+  const std::string cfg = test::config_name(dev, DType::bf16) + " " + describe(c) + " gemm=auto";
+  Block m{c, DType::bf16, dev, moe::ExpertGemm::Auto};
+  m.build(gen, &ids, &w, true);
+  moe::MoeParams loop = m.p;
+  loop.expert_gemm = moe::ExpertGemm::Loop;
+  for (bool bwd : {false, true}) EXPECT_EQ(moe::moe_workspace(m.p, bwd, true), moe::moe_workspace(loop, bwd, true)) << cfg << " bwd=" << bwd;
+  const size_t plain = moe::moe_workspace(m.p, true, true);
+  m.p.overwrite_gate_up = true;
+  EXPECT_EQ(moe::moe_workspace(m.p, true, true) + static_cast<size_t>((t * k * 2 * i * 2 + 255) / 256 * 256), plain) << cfg;
+  ASSERT_EQ(m.forward(), nullptr) << cfg;
+  const std::vector<double> saved = m.saved.to_f64_vector();
+  expect_given_routing_matches_the_oracle(m, ids, w, counts, gen, cfg);
+  EXPECT_FALSE(same_values(m.saved.to_f64_vector(), saved)) << cfg << " (the saved gate_up was not written)";
+}
+
+#if KCPP_WITH_CUDA && KCPP_MOE_CUDA
+// The CUDA backward's workspace (host arithmetic, no device needed for the paths asked for by name), at
+// Mixtral-8x7B's dimensions (8192 tokens, top-2, H 4096, I 14336, bf16) and a small odd block: with
+// the saved gate_up and overwrite_gate_up it holds S x 2I elements fewer on Kernel, Loop and Grouped,
+// the same on Padded; recomputing gate_up costs no more than saving it (the recomputed [g, u] holds
+// [dg, du] after).  Auto holds no padded rows where its rule takes Loop whatever the counts (Mixtral),
+// floor(23 S / 20) elsewhere (Qwen3-30B-A3B).
+TEST(MoeWorkspace, OverwriteGateUpFreesTheGradientRows) {
+  struct Dims {
+    int64_t t, h, e, k, i;
+  };
+  constexpr int64_t kMiB = int64_t(1) << 20;
+  for (const Dims d : {Dims{8192, 4096, 8, 2, 14336}, Dims{13, 37, 7, 3, 19}})
+    for (kernel::DType dt : {kernel::DType::bf16, kernel::DType::f16})
+      for (bool input : {false, true}) {
+        moe::MoeParams p;
+        p.dtype = dt;
+        p.tokens = d.t, p.hidden = d.h, p.experts = d.e, p.top_k = d.k, p.inter = d.i;
+        p.routing = moe::Routing::Given;
+        p.weight_on = input ? moe::WeightOn::Input : moe::WeightOn::Output;
+        const int64_t s = d.t * d.k;
+        const size_t rows = static_cast<size_t>((s * 2 * d.i * 2 + 255) / 256 * 256);  // S x 2I, 256-byte aligned
+        static char token;  // a saved gate_up's address: only whether there is one counts here
+        for (moe::ExpertGemm g : {moe::ExpertGemm::Kernel, moe::ExpertGemm::Loop, moe::ExpertGemm::Grouped, moe::ExpertGemm::Padded}) {
+          const std::string cfg = fmt::format("T={} H={} I={} input={} gemm={}", d.t, d.h, d.i, input, gemm_name(g));
+          p.expert_gemm = g;
+          p.gate_up = nullptr, p.overwrite_gate_up = false;
+          const size_t recomputed = moe::moe_workspace(p, true, true);
+          p.gate_up = &token;
+          const size_t saved = moe::moe_workspace(p, true, true);
+          p.overwrite_gate_up = true;
+          const size_t over = moe::moe_workspace(p, true, true);
+          EXPECT_EQ(recomputed, saved) << cfg;
+          EXPECT_EQ(over + (g == moe::ExpertGemm::Padded ? 0 : rows), saved) << cfg;
+          if (d.t == 8192 && g == moe::ExpertGemm::Loop && !input) {
+            // c h [S, I] 448 MiB + x / dout / dx by row [S, H] 128 MiB + cuBLAS's 32 MiB + q . h's row sums
+            // (S x 112 tiles of f32, 7 MiB) and small buffers: under Transformers' grouped_mm's 1152 MiB
+            // (bench/RESULTS.md), where the saved gate_up without the flag adds S x 2I (896 MiB).
+            EXPECT_EQ(saved - over, static_cast<size_t>(896 * kMiB)) << cfg;
+            EXPECT_LT(over, static_cast<size_t>(616 * kMiB)) << cfg;
+            EXPECT_GT(over, static_cast<size_t>(615 * kMiB)) << cfg;
+          }
+        }
+      }
+  EXPECT_TRUE(moe::auto_always_loop(4096, 14336, 132));
+  EXPECT_EQ(moe::workspace_padded_rows(moe::ExpertGemm::Auto, 16384, 8, 4096, 14336, 132), 0);
+  EXPECT_FALSE(moe::auto_always_loop(2048, 768, 132));
+  EXPECT_EQ(moe::workspace_padded_rows(moe::ExpertGemm::Auto, 65536, 128, 2048, 768, 132), 75366);
+  EXPECT_EQ(moe::workspace_padded_rows(moe::ExpertGemm::Padded, 16384, 8, 4096, 14336, 132), 16384 + 4096 + 128);
+  for (moe::ExpertGemm g : {moe::ExpertGemm::Kernel, moe::ExpertGemm::Loop, moe::ExpertGemm::Grouped})
+    EXPECT_EQ(moe::workspace_padded_rows(g, 65536, 128, 2048, 768, 132), 0) << gemm_name(g);
+  // Auto's rule where it holds no padded rows: Loop on any counts (a skewed routing, one expert alone, none).
+  for (const std::vector<int32_t>& off : {std::vector<int32_t>{0, 2048, 4096, 6144, 8192, 10240, 12288, 14336, 16384},
+                                          std::vector<int32_t>{0, 16000, 16100, 16200, 16300, 16384, 16384, 16384, 16384},
+                                          std::vector<int32_t>{0, 0, 0, 0, 1, 1, 1, 1, 1},
+                                          std::vector<int32_t>(9, 0)})
+    EXPECT_EQ(moe::choose_expert_gemm(moe::ExpertGemm::Auto, off.data(), 8, 4096, 14336, off.back(), 132), moe::ExpertGemm::Loop);
+}
+#endif
+
 // How the experts' GEMMs are chosen on CUDA: KCPP_MOE_GEMM when ExpertGemm is Auto (an unknown value
 // is an error that names it), and without it cuBLAS (Loop, Grouped or Padded by the experts' counts);
 // every choice matches the oracle on a block of 200 tokens.
@@ -983,6 +1148,12 @@ TEST_P(MoeKernels, BadParams) {
   expect([](moe::MoeParams& p) { p.router = nullptr; }, "router weight");
   expect([](moe::MoeParams& p) { p.gate.col_stride = 2; }, "unit row or column stride");
   expect([](moe::MoeParams& p) { p.x_stride = 3; }, "rows overlap");
+  // The backward told it may write over a saved gate_up it was not given.
+  Block m{c, dev.is_cuda() ? DType::bf16 : DType::f32, dev};
+  m.build(gen);
+  ASSERT_EQ(m.forward(), nullptr);
+  m.p.overwrite_gate_up = true;
+  EXPECT_TRUE(test::kernel_error_contains(m.backward(gen), "overwrite_gate_up without the saved gate_up"));
 }
 
 // Transformers' load_balancing_loss_func: several layers' logits as one [L, T, E] tensor, with and

@@ -1214,7 +1214,7 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
     const Tensor dy = dh.contiguous().view({n, hdim});
     Tensor dm;
     if (l.moe) {
-      const nn::MoE::Grads mg = l.moe->backward(dy, t.moe, drouter[li]);
+      const nn::MoE::Grads mg = l.moe->backward(dy, t.moe, drouter[li], /*last_use=*/true);  // the tape's only use
       if (l4) {  // the checkpoint's layouts [E, H, 2I] and [E, I, H]
         acc(p + "feed_forward.router.weight", mg.drouter_weight);
         acc(p + "feed_forward.experts.gate_up_proj", mg.dgate_up_proj.transpose(1, 2).contiguous());

@@ -401,7 +401,7 @@ void MoE::shared_backward(const Tensor& dout, const Saved& s, Grads& g) const {
   g.dhidden = ops::add(g.dhidden, dx);
 }
 
-MoE::Grads MoE::backward(const Tensor& dout, const Saved& s, const Tensor& drouter_logits) {
+MoE::Grads MoE::backward(const Tensor& dout, const Saved& s, const Tensor& drouter_logits, bool last_use) {
   KCPP_CHECK(s.hidden.defined() && s.router_logits.defined() && s.topk_ids.defined(), "MoE backward: nothing saved (run forward with a Saved)");
   const int64_t t = s.hidden.size(0), e = router_weight.size(0), k = options.top_k, i = down_proj.size(2);
   const bool shared = shared_gate_up_proj.defined();
@@ -422,7 +422,10 @@ MoE::Grads MoE::backward(const Tensor& dout, const Saved& s, const Tensor& drout
     a.tensor("gate_up_proj", gate_up_proj).tensor("down_proj", down_proj);
     a.tensor("router_logits", s.router_logits).tensor("topk_ids", s.topk_ids).tensor("topk_weights", s.topk_weights);
     a.tensor("expert_offsets", s.expert_offsets).tensor("sorted_slots", s.sorted_slots);
-    if (s.gate_up.defined()) a.tensor("gate_up", s.gate_up);
+    if (s.gate_up.defined()) {
+      a.tensor("gate_up", s.gate_up);
+      if (last_use) a.integer("overwrite_gate_up", 1);  // dead after this call: the package may put dgate_up there
+    }
     if (drouter_logits.defined()) a.tensor("drouter_logits", drouter_logits);
     a.tensor("dhidden", g.dhidden).tensor("drouter_weight", g.drouter_weight).tensor("dgate_up_proj", g.dgate_up_proj);
     a.tensor("ddown_proj", g.ddown_proj);

@@ -140,7 +140,9 @@ class MoE : public Slot {
   // hidden [T, H] (contiguous).  `router_logits`: where to write them ([T, E] of the model's dtype,
   // contiguous: a slice of a buffer of every layer's), else allocated; either way in saved.
   Tensor forward(const Tensor& hidden, Saved* saved = nullptr, Tensor router_logits = {});
-  Grads backward(const Tensor& dout, const Saved& saved, const Tensor& drouter_logits = {});
+  // `last_use`: the caller reads `saved` no more after this call, so a kernel's backward may write
+  // over its gate_up (MoE/1's overwrite_gate_up), which then holds no activation.
+  Grads backward(const Tensor& dout, const Saved& saved, const Tensor& drouter_logits = {}, bool last_use = false);
 
   Tensor router_weight, gate_up_proj, down_proj;
   Tensor shared_gate_up_proj, shared_down_proj, shared_expert_gate;  // undefined without a shared expert

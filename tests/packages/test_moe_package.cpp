@@ -153,6 +153,8 @@ TEST_P(MoePackage, FamiliesMatchTheOracle) {
           bw.tensor("dshared_expert_gate", dsgs);
         }
       }
+      // Mixtral's backward may write over the saved gate_up (dead after it, as a model's tape is).
+      if (std::string(f.name) == "mixtral") bw.integer("overwrite_gate_up", 1);
       ASSERT_TRUE(moe.supports(bw, dev, test::kTraining).ok()) << cfg;
       moe.backward(bw, dev, test::kTraining);
 
@@ -328,6 +330,36 @@ TEST_P(MoePackage, Refusals) {
          KCPP_ERROR_INVALID_ARGUMENT, "without the shared expert");
   expect([&](Base&, KernelArgs& a) { a.string("routing", "given"); }, kInference, KCPP_ERROR_INVALID_ARGUMENT,
          "'router_weight' given with routing 'given'");
+  expect([](Base&, KernelArgs& a) { a.integer("overwrite_gate_up", 1); }, kInference, KCPP_ERROR_INVALID_ARGUMENT,
+         "'overwrite_gate_up' is the backward's");
+  // The backward's overwrite_gate_up: 0 or 1, and 1 only with the saved gate_up it lets be written over.
+  {
+    const Tensor logits = Tensor::zeros({t, e}, dt, dev), ids = Tensor::zeros({t, k}, DType::i32, dev);
+    const Tensor w = Tensor::zeros({t, k}, DType::f32, dev), offsets = Tensor::zeros({e + 2}, DType::i32, dev);
+    const Tensor sorted = Tensor::zeros({t * k}, DType::i32, dev), dx = Tensor::empty({t, h}, dt, dev);
+    auto backward_args = [&](KernelArgs& a) {
+      a.tensor("hidden", hidden).tensor("router_weight", router).tensor("gate_up_proj", gate_up).tensor("down_proj", down);
+      a.integer("top_k", k).tensor("router_logits", logits).tensor("topk_ids", ids).tensor("topk_weights", w);
+      a.tensor("expert_offsets", offsets).tensor("sorted_slots", sorted).tensor("dout", hidden).tensor("dhidden", dx);
+    };
+    KernelArgs none;
+    backward_args(none);
+    none.integer("overwrite_gate_up", 1);
+    EXPECT_TRUE(test::refused(moe.supports(none, dev, kTraining), KCPP_ERROR_INVALID_ARGUMENT,
+                              "'overwrite_gate_up' = 1 without the tensor 'gate_up'"));
+    KernelArgs two;
+    backward_args(two);
+    two.tensor("gate_up", Tensor::zeros({t * k, 2 * i}, dt, dev)).integer("overwrite_gate_up", 2);
+    EXPECT_TRUE(test::refused(moe.supports(two, dev, kTraining), KCPP_ERROR_INVALID_ARGUMENT, "'overwrite_gate_up' = 2"));
+    KernelArgs small;  // a saved gate_up of the wrong size is refused with or without the flag
+    backward_args(small);
+    small.tensor("gate_up", Tensor::zeros({t * k, i}, dt, dev)).integer("overwrite_gate_up", 1);
+    EXPECT_TRUE(test::refused(moe.supports(small, dev, kTraining), KCPP_ERROR_INVALID_ARGUMENT, "'gate_up' must have 96 elements"));
+    KernelArgs ok;
+    backward_args(ok);
+    ok.tensor("gate_up", Tensor::zeros({t * k, 2 * i}, dt, dev)).integer("overwrite_gate_up", 1);
+    EXPECT_TRUE(moe.supports(ok, dev, kTraining).ok());
+  }
   // top_k beyond the experts, and missing.
   {
     KernelArgs a;
