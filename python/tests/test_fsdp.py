@@ -23,6 +23,7 @@ import socket
 import tempfile
 import unittest
 
+DEVICE = os.environ.get("KCPP_FSDP_DEVICE", "cpu")
 try:
     import torch
     import torch.distributed as dist
@@ -34,7 +35,6 @@ try:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-    DEVICE = os.environ.get("KCPP_FSDP_DEVICE", "cpu")
     BACKEND = "nccl" if DEVICE == "cuda" else "gloo"
     if kcpp._core is None or not dist.is_available():
         HAVE, WHY = False, "kcpp._core or torch.distributed is missing"
@@ -54,7 +54,7 @@ WORLD = 2
 FAMILIES = ("llama", "qwen3")
 STEPS = 3
 LR, MOMENTUM = 0.2, 0.9  # SGD: an update is linear in the gradients, so f32's tolerance holds for it
-TOL = 2e-5  # f32: a few roundings of relative L2, as test_torch's
+TOL = 1e-4 if DEVICE == "cuda" else 2e-5  # f32: a few roundings of relative L2, as test_torch's (its CUDA one)
 F32_EPS = 2.0 ** -23
 # The layers a kernelized model of FAMILIES runs as kernels on the CPU and on CUDA (CrossEntropyLoss: the
 # fused loss replaces it).
@@ -193,6 +193,33 @@ def one_process(family):
     return initial, train(model, full_batch)
 
 
+def check_trained_alike(test, got, want, initial, what):
+    """The same losses, first gradients and parameter updates (what train() returns), within f32's tolerance."""
+    for step, (a, b) in enumerate(zip(got["losses"].tolist(), want["losses"].tolist())):
+        test.assertLess(abs(a - b) / abs(b), TOL, f"{what}: loss of step {step}: {a} against {b}")
+    test.assertEqual(set(got["grads"]), set(want["grads"]), what)
+    for name, g in want["grads"].items():
+        test.assertLess(rel_l2(got["grads"][name], g), TOL, f"{what}: first gradient of {name}")
+    test.assertEqual(set(got["params"]), set(want["params"]), what)
+    for name, p in want["params"].items():
+        # The updates' difference is the parameters' (from the same initial ones): within TOL of the
+        # update, plus each step's rounding of the parameter to f32 (half an ulp in either run).
+        update = (p.double() - initial[name].double()).norm().item()
+        bound = TOL * update + STEPS * F32_EPS * p.double().norm().item()
+        diff = (got["params"][name].double() - p.double()).norm().item()
+        test.assertLessEqual(diff, bound, f"{what}: the update of {name} (of norm {update}) is off by {diff}")
+
+
+def check_kernels_ran(test, report, what):
+    """Every kernelized layer a kernel at each of its places in every step; no fallback, no reference."""
+    entries = {e["layer"]: e for e in report}
+    for layer in KERNELIZED:
+        e = entries[layer]
+        test.assertEqual(e["kernel_calls"], e["modules"] * STEPS, f"{what}: {layer}: {e}")
+    for e in report:
+        test.assertEqual((e["fallbacks"], e["reference_calls"]), (0, 0), f"{what}: {e['layer']}: {e}")
+
+
 @unittest.skipUnless(HAVE, WHY)
 class Fsdp2(unittest.TestCase):
     @classmethod
@@ -200,55 +227,30 @@ class Fsdp2(unittest.TestCase):
         cls.ranks = spawn_ranks(rank_main, DEVICE)
         cls.whole = {family: one_process(family) for family in FAMILIES}
 
-    def assert_trained_alike(self, got, want, initial, what):
-        """The same losses, first gradients and parameter updates, within f32's tolerance."""
-        for step, (a, b) in enumerate(zip(got["losses"].tolist(), want["losses"].tolist())):
-            self.assertLess(abs(a - b) / abs(b), TOL, f"{what}: loss of step {step}: {a} against {b}")
-        self.assertEqual(set(got["grads"]), set(want["grads"]), what)
-        for name, g in want["grads"].items():
-            self.assertLess(rel_l2(got["grads"][name], g), TOL, f"{what}: first gradient of {name}")
-        self.assertEqual(set(got["params"]), set(want["params"]), what)
-        for name, p in want["params"].items():
-            # The updates' difference is the parameters' (from the same initial ones): within TOL of the
-            # update, plus each step's rounding of the parameter to f32 (half an ulp in either run).
-            update = (p.double() - initial[name].double()).norm().item()
-            bound = TOL * update + STEPS * F32_EPS * p.double().norm().item()
-            diff = (got["params"][name].double() - p.double()).norm().item()
-            self.assertLessEqual(diff, bound, f"{what}: the update of {name} (of norm {update}) is off by {diff}")
-
     def assert_sharded(self, got, what):
         for name, (is_dtensor, local, whole) in got["shards"].items():
             self.assertTrue(is_dtensor and local < whole, f"{what}: {name} is not sharded ({local} of {whole})")
-
-    def assert_kernels_ran(self, report, what):
-        """Every kernelized layer a kernel at each of its places in every step; no fallback, no reference."""
-        entries = {e["layer"]: e for e in report}
-        for layer in KERNELIZED:
-            e = entries[layer]
-            self.assertEqual(e["kernel_calls"], e["modules"] * STEPS, f"{what}: {layer}: {e}")
-        for e in report:
-            self.assertEqual((e["fallbacks"], e["reference_calls"]), (0, 0), f"{what}: {e['layer']}: {e}")
 
     def test_kernelized_models_train_under_fully_shard(self):
         for family in FAMILIES:
             initial, whole = self.whole[family]
             plain = self.ranks[0][(family, False)]
-            self.assert_trained_alike(plain, whole, initial, f"{family} under FSDP2 without kernels")
+            check_trained_alike(self, plain, whole, initial, f"{family} under FSDP2 without kernels")
             got = self.ranks[0][(family, True)]
-            self.assert_trained_alike(got, plain, initial, f"{family} under FSDP2, kernels against none")
-            self.assert_trained_alike(got, whole, initial, f"{family} under FSDP2, kernels against one process")
+            check_trained_alike(self, got, plain, initial, f"{family} under FSDP2, kernels against none")
+            check_trained_alike(self, got, whole, initial, f"{family} under FSDP2, kernels against one process")
             for r, saved in enumerate(self.ranks):
                 self.assert_sharded(saved[(family, True)], f"{family}, rank {r}")
-                self.assert_kernels_ran(saved[(family, True)]["report"], f"{family}, rank {r}")
+                check_kernels_ran(self, saved[(family, True)]["report"], f"{family}, rank {r}")
 
     def test_compiled_kernelized_llama_trains_under_fully_shard(self):
         initial, whole = self.whole["llama"]
         got = self.ranks[0]["compiled"]
-        self.assert_trained_alike(got, self.ranks[0][("llama", True)], initial, "compiled llama against eager")
-        self.assert_trained_alike(got, whole, initial, "compiled llama against one process")
+        check_trained_alike(self, got, self.ranks[0][("llama", True)], initial, "compiled llama against eager")
+        check_trained_alike(self, got, whole, initial, "compiled llama against one process")
         for r, saved in enumerate(self.ranks):
             self.assert_sharded(saved["compiled"], f"compiled llama, rank {r}")
-            self.assert_kernels_ran(saved["compiled"]["report"], f"compiled llama, rank {r}")
+            check_kernels_ran(self, saved["compiled"]["report"], f"compiled llama, rank {r}")
 
     def test_dtensors_of_tensor_parallelism_run_the_reference(self):
         ref, out, want = whole_batch_reference()
