@@ -121,8 +121,9 @@ class DeepSpeedZero3(unittest.TestCase):
                 what = f"{family}, rank {r}"
                 numel, shard, whole_numel = saved[(family, True)]["partitioned"]
                 self.assertEqual(whole_numel, initial["lm_head.weight"].numel(), what)
-                self.assertTrue(numel == 0 and 0 < shard < whole_numel, f"{what}: lm_head's weight is not "
-                                f"partitioned: {numel} elements outside its forward, a shard of {shard} of {whole_numel}")
+                self.assertTrue(numel == 0 and 0 < shard < whole_numel,
+                                f"{what}: lm_head's weight is not partitioned: {numel} elements outside its "
+                                f"forward, a shard of {shard} of {whole_numel}")
                 self.assertEqual(saved[(family, True)]["external"], [],
                                  f"{what}: parameters read outside their module's forward")
                 check_kernels_ran(self, saved[(family, True)]["report"], what)

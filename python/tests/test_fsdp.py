@@ -1,15 +1,16 @@
 """kcpp.torch under PyTorch FSDP2 (fully_shard), on the CPU with two gloo processes.
 
-Kernelized Llama and Qwen3 models, each decoder layer, lm_head and the root sharded over two ranks,
-train a few SGD steps, each rank on its row of the batch.  Every step's loss, the first step's
-(gathered) gradients and every parameter's update equal those of the same model trained under FSDP2
-without kernels, and those of one process training the model without kernels on the whole batch.
-Every kernelized layer ran as a kernel on every rank, as often as the model has it per step, with no
-fallback and no reference call: inside an FSDP2 module's forward the parameters are whole, and the
-fused linear cross-entropy runs as lm_head's forward, where lm_head's own hooks gathered its weight
-(lm_head is sharded on its own: a loss fused with lm_head, called outside lm_head's forward, would see
-a shard of its weight).  The same under torch.compile (backend aot_eager on the CPU: the kernels are
-the graphs' torch.library ops; inductor on CUDA), for Llama.
+Kernelized Llama and Qwen3 models, each decoder layer, lm_head and the root sharded over two ranks
+(and Qwen2, whose lm_head is tied to the embedding: its layers and the root), train a few SGD steps,
+each rank on its row of the batch.  Every step's loss, the first step's (gathered) gradients and
+every parameter's update equal those of the same model trained under FSDP2 without kernels, and
+those of one process training the model without kernels on the whole batch.  Every kernelized layer
+ran as a kernel on every rank, as often as the model has it per step, with no fallback and no
+reference call: inside an FSDP2 module's forward the parameters are whole, and the fused linear
+cross-entropy runs as lm_head's forward, where lm_head's own hooks gathered its weight (lm_head is
+sharded on its own: a loss fused with lm_head, called outside lm_head's forward, would see a shard of
+its weight).  The same under torch.compile (backend aot_eager on the CPU, inductor on CUDA; FSDP2's
+hooks break the graphs) for Llama, every kernel an op of its graphs.
 
 DTensors of tensor / sequence parallelism are not FSDP2's: an RMSNorm given a batch-sharded input, and
 a kernelized Llama whose lm_head is column-parallel (parallelize_module), run the reference for those
@@ -52,6 +53,9 @@ from test_torch import batch, make_model, rel_l2  # noqa: E402  (the same tiny m
 
 WORLD = 2
 FAMILIES = ("llama", "qwen3")
+# FSDP2's too: Qwen2 with lm_head tied to the embedding (the root holds that weight, whole in the root's
+# forward, so the fused loss reads it directly).
+FSDP_FAMILIES = FAMILIES + ("qwen2",)
 STEPS = 3
 LR, MOMENTUM = 0.2, 0.9  # SGD: an update is linear in the gradients, so f32's tolerance holds for it
 TOL = 1e-4 if DEVICE == "cuda" else 2e-5  # f32: a few roundings of relative L2, as test_torch's (its CUDA one)
@@ -130,16 +134,25 @@ def sharded(family, kernels, rank, device, compiled=False):
     mesh = init_device_mesh(device.type, (WORLD,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
-    fully_shard(model.lm_head, mesh=mesh)
+    if not model.config.tie_word_embeddings:
+        fully_shard(model.lm_head, mesh=mesh)
     fully_shard(model, mesh=mesh)
     # Every parameter a DTensor of which this rank holds a part (lm_head's weight included).
     shards = {n: (isinstance(p, DTensor), p.to_local().numel() if isinstance(p, DTensor) else p.numel(), p.numel())
               for n, p in model.named_parameters()}
-    run = torch.compile(model, backend="inductor" if device.type == "cuda" else "aot_eager") if compiled else model
+    traced = set()  # the kcpp ops in the graphs torch.compile made
+    run = model
+    if compiled:
+        backend = torch._dynamo.lookup_backend("inductor" if device.type == "cuda" else "aot_eager")
+
+        def noting(gm, example_inputs):
+            traced.update(str(n.target) for n in gm.graph.nodes if str(n.target).startswith("kcpp."))
+            return backend(gm, example_inputs)
+        run = torch.compile(model, backend=noting)
     ids, labels = full_batch()
     mine = slice(rank, rank + 1)
     got = train(model, lambda: (ids[mine].to(device), labels[mine].to(device)), run)
-    got.update(shards=shards, report=kt.report(model).entries if kernels else None)
+    got.update(shards=shards, report=kt.report(model).entries if kernels else None, traced=sorted(traced))
     return got
 
 
@@ -178,7 +191,7 @@ def rank_main(rank, port, out_dir, device_type):
     try:
         torch.set_num_threads(1)
         saved = {(family, kernels): sharded(family, kernels, rank, device)
-                 for family in FAMILIES for kernels in (True, False)}
+                 for family in FSDP_FAMILIES for kernels in (True, False)}
         saved["compiled"] = sharded("llama", True, rank, device, compiled=True)
         saved["tensor_parallel"] = tensor_parallel(rank, device)
         torch.save(saved, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -225,14 +238,14 @@ class Fsdp2(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.ranks = spawn_ranks(rank_main, DEVICE)
-        cls.whole = {family: one_process(family) for family in FAMILIES}
+        cls.whole = {family: one_process(family) for family in FSDP_FAMILIES}
 
     def assert_sharded(self, got, what):
         for name, (is_dtensor, local, whole) in got["shards"].items():
             self.assertTrue(is_dtensor and local < whole, f"{what}: {name} is not sharded ({local} of {whole})")
 
     def test_kernelized_models_train_under_fully_shard(self):
-        for family in FAMILIES:
+        for family in FSDP_FAMILIES:
             initial, whole = self.whole[family]
             plain = self.ranks[0][(family, False)]
             check_trained_alike(self, plain, whole, initial, f"{family} under FSDP2 without kernels")
@@ -248,6 +261,9 @@ class Fsdp2(unittest.TestCase):
         got = self.ranks[0]["compiled"]
         check_trained_alike(self, got, self.ranks[0][("llama", True)], initial, "compiled llama against eager")
         check_trained_alike(self, got, whole, initial, "compiled llama against one process")
+        ops = [f"kcpp.{op}.default" for op in ("attention", "fused_linear_cross_entropy", "glu", "rms_norm",
+                                                "rotary_pos_emb")]
+        self.assertEqual(got["traced"], ops, "the kernels are not all ops of the compiled graphs")
         for r, saved in enumerate(self.ranks):
             self.assert_sharded(saved["compiled"], f"compiled llama, rank {r}")
             check_kernels_ran(self, saved["compiled"]["report"], f"compiled llama, rank {r}")
