@@ -127,7 +127,7 @@ def train(model, step_batch, run=None):
 
 
 def sharded(family, kernels, rank, device, compiled=False):
-    """`family` trained under FSDP2 (each decoder layer, lm_head, the root), with or without kernels."""
+    """`family` trained under FSDP2 (each decoder layer, lm_head unless tied, the root), with or without kernels."""
     model = make_model(family).to(device)
     if kernels:
         kt.kernelize(model)  # Liger's defaults: the fused linear cross-entropy included
