@@ -55,6 +55,12 @@ dtype the contract does not take) is a kcpp.InvalidArgument / ValueError naming 
 argument and the reason.  Packages come through the C++ hub (kcpp.Hub): references, versions,
 variants, hashes, signatures and trust are checked there.
 
+Sharded training: under FSDP2 (fully_shard) and DeepSpeed ZeRO-3 a module's parameters are whole inside
+its forward, where its kernels run.  The fused loss reads lm_head's weight outside lm_head's forward,
+so where lm_head holds a shard it runs as lm_head's forward, inside the hooks that gather the weight
+(eager and under torch.compile).  A DTensor argument (tensor or sequence parallelism) is refused, with
+that reason: the reference runs it through DTensor's own operators.
+
 Mode: a call that autograd will differentiate runs the kernel in training mode (it saves what backward
 needs); any other call (torch.no_grad(), model.eval() generation) in inference mode.  kernelize(mode=)
 chooses the kernels the config maps for that mode; by default both modes' kernels are loaded, so
@@ -74,6 +80,15 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch without torch.distributed: no DTensor exists
+    _DTensor = ()
+try:
+    from torch.distributed.fsdp import FSDPModule as _FSDPModule
+except ImportError:  # a torch without FSDP2
+    _FSDPModule = ()
 
 import kcpp
 from . import _core
@@ -207,13 +222,13 @@ class _State:
 
 
 def _holds_a_shard(module):
-    """Whether `module`'s parameters are sharded outside its own forward: FSDP2 (fully_shard: DTensor
-    parameters, gathered by hooks around the module's forward) or DeepSpeed ZeRO-3 (partitioned
-    parameters, gathered the same way)."""
-    for p in module.parameters(recurse=False):
-        if type(p).__name__ == "DTensor" or hasattr(p, "ds_id"):
-            return True
-    return False
+    """Whether `module`'s parameters are sharded outside its own forward: FSDP2 (fully_shard made it an
+    FSDPModule: DTensor parameters, gathered by hooks around its forward) or DeepSpeed ZeRO-3
+    (partitioned parameters, gathered the same way).  A module whose parameters are DTensors of tensor
+    parallelism (parallelize_module) holds them so in its forward too: not a shard in this sense."""
+    if isinstance(module, _FSDPModule):
+        return True
+    return any(hasattr(p, "ds_id") for p in module.parameters(recurse=False))
 
 
 def _as_forward_of(module, fn, *args):
@@ -268,10 +283,19 @@ _DL_DTYPE = {torch.float32: (2, 32), torch.float16: (2, 16), torch.bfloat16: (4,
              torch.bool: (6, 8)}
 _DTYPES = {str(d): d for d in _DL_DTYPE}
 
+# The dtype of a DTensor's description: a tensor distributed over a device mesh (tensor or sequence
+# parallelism, a parameter FSDP2 keeps sharded) is refused, and the reference runs it through DTensor's
+# own operators.  A kernel takes the whole tensor, which a DTensor's local part need not be.
+_DTENSOR = "DTensor"
+_WHY_DTENSOR = ("is a DTensor (distributed over a device mesh): kcpp kernels take whole, local tensors; a "
+                "module sharded by FSDP2 (fully_shard) has whole parameters inside its forward")
+
 
 def _desc(t, traced, features=(-1,)):
     """A tensor's description: (shape, dtype, device); while torch.compile traces (`traced`), the dims in
-    `features` at their size and the others 1 or _ANY."""
+    `features` at their size and the others 1 or _ANY.  A DTensor's: ((), _DTENSOR, its device)."""
+    if isinstance(t, _DTensor):
+        return (), _DTENSOR, str(t.device)
     if not traced:
         return t.shape, t.dtype, t.device
     n = t.dim()
@@ -337,6 +361,8 @@ def _ask(slot, training, op, desc, where):
     for name, d in zip(op.arg_names, desc):
         if isinstance(d, tuple):  # a tensor's (shape, dtype, device)
             shape, dtype, dev = d
+            if dtype == _DTENSOR:
+                return -1, f"argument '{name}' {_WHY_DTENSOR}"
             dtype = dtype if isinstance(dtype, torch.dtype) else _DTYPES.get(dtype)
             if dtype not in _DL_DTYPE:
                 return -1, f"argument '{name}' is {d[1]}, which no kernel takes"
@@ -1404,9 +1430,10 @@ def _causal_lm_forward(model, slot, original, names, output_class, has_training,
     shift_labels = kwargs.pop("shift_labels", None)
     outputs = model.model(**kwargs)
     hidden = outputs.last_hidden_state
-    if not torch.compiler.is_compiling() and _holds_a_shard(lm_head):
+    if _holds_a_shard(lm_head):
         # lm_head's weight is whole only inside its own forward (FSDP2, ZeRO-3): the fused loss runs there,
         # and a fallback computes the logits with lm_head's own forward (its hooks are already running).
+        # Under torch.compile too: FSDP2's hooks run outside the graph, and `inside` is traced on its own.
         def inside(h):
             return _fused_loss(model, slot, output_class, outputs, h, lm_head, lambda x: type(lm_head).forward(lm_head, x),
                                labels, logits_to_keep, num_items_in_batch, ignore_index, shift_labels)

@@ -1,20 +1,22 @@
 """kcpp.torch under DeepSpeed ZeRO-3, on the CPU with two gloo processes.
 
-A kernelized Llama wrapped by `deepspeed.initialize` with ZeRO stage 3 (f32, no bf16/fp16) trains one
-step, each rank on its row of the batch: the loss and every parameter's full gradient (gathered with
-`deepspeed.utils.safe_get_full_grad`) equal those of the unsharded model without kernels on the whole
-batch, and the fused linear cross-entropy ran as a kernel on every rank, with no fallbacks — ZeRO-3
-partitions every parameter (lm_head's weight included) and gathers it only in hooks around its
-module's forward, so a loss fused with lm_head called outside lm_head's forward would see an empty
-partition.
+Kernelized Llama and Qwen3 models wrapped by `deepspeed.initialize` with ZeRO stage 3 (f32, no
+bf16/fp16) train a few SGD steps, each rank on its row of the batch: every step's loss, the first
+step's full gradients (gathered with `deepspeed.utils.safe_get_full_grad`) and every parameter's
+update (`safe_get_full_fp32_param`) equal those of the same model trained under ZeRO-3 without
+kernels, and those of one process training the model without kernels on the whole batch (test_fsdp's
+checks).  Every kernelized layer ran as a kernel on every rank in every step, with no fallback and no
+reference call — ZeRO-3 partitions every parameter (lm_head's weight included) and gathers it only in
+hooks around its module's forward, so a loss fused with lm_head called outside lm_head's forward would
+see an empty partition; and no parameter was read outside its module's forward.
 
 On the CPU DeepSpeed needs: DS_ACCELERATOR=cpu (set here before deepspeed is imported, in the ranks
 only; without it DeepSpeed picks CUDA wherever a GPU is visible), the gloo backend (its CPU
 accelerator asks for oneCCL's "ccl" when oneccl_bindings_for_pytorch is importable, so the backend is
 named explicitly), and a torch optimizer as the client optimizer with `zero_force_ds_cpu_optimizer`
-off, so that no DeepSpeed C++ op (cpu_adam) is JIT-built.  The optimizer never steps: the gradients
-are read after the backward.  Skipped where deepspeed, torch.distributed's gloo backend, transformers
-or kcpp._core is missing (scripts/python-env.sh installs DeepSpeed into build/pyenv).
+off, so that no DeepSpeed C++ op (cpu_adam) is JIT-built.  Skipped where deepspeed, torch.distributed's
+gloo backend, transformers or kcpp._core is missing (scripts/python-env.sh installs DeepSpeed into
+build/pyenv).
 """
 import importlib.util
 import os
@@ -36,10 +38,54 @@ if HAVE and importlib.util.find_spec("deepspeed") is None:
     # Imported in the ranks only (below): DeepSpeed picks its accelerator when imported.
     HAVE, WHY = False, "deepspeed is not installed (scripts/python-env.sh installs it into build/pyenv)"
 
-from test_fsdp import full_batch, spawn_ranks, whole_batch_reference  # noqa: E402  (test_fsdp.py's batch and ranks)
-from test_torch import make_model, rel_l2  # noqa: E402
+# test_fsdp.py's batch, ranks, training and checks
+from test_fsdp import (FAMILIES, LR, MOMENTUM, STEPS, WORLD, check_kernels_ran, check_trained_alike,  # noqa: E402
+                       full_batch, one_process, spawn_ranks)
+from test_torch import make_model  # noqa: E402
 
-WORLD = 2
+
+def zero3(deepspeed, family, kernels, rank):
+    """`family` trained under ZeRO-3, with or without kernels: as test_fsdp.train() returns, and how lm_head's
+    weight is partitioned, the parameters read outside their module's forward, the report."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+    model = make_model(family)
+    if kernels:
+        kt.kernelize(model)  # Liger's defaults: the fused linear cross-entropy included
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              # Every parameter partitioned, however small (the default keeps those under 1e5 elements
+              # whole on every rank: all of these tiny models'), and none fetched ahead of its module.
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_prefetch_bucket_size": 0},
+              "zero_force_ds_cpu_optimizer": False,
+              "zero_allow_untested_optimizer": True,  # torch's SGD: DeepSpeed vouches for Adam(W), LAMB, ... only
+              "gradient_clipping": 0.0,  # plain SGD's update
+              "bf16": {"enabled": False}, "fp16": {"enabled": False}, "steps_per_print": 1 << 30}
+    engine, *_ = deepspeed.initialize(model=model, config=config,
+                                      optimizer=torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM))
+    weight = model.lm_head.weight  # partitioned: empty outside lm_head's forward, a shard on each rank
+    partitioned = (weight.numel(), weight.ds_tensor.numel(), weight.ds_numel)
+    ids, labels = full_batch()
+    mine = slice(rank, rank + 1)
+    losses, grads = [], None
+    for step in range(STEPS):
+        out = engine(input_ids=ids[mine], labels=labels[mine])
+        engine.backward(out.loss)
+        if step == 0:  # safe_get_full_grad is a collective: every rank asks for every parameter
+            grads = {n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()}
+        engine.step()
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss)
+        losses.append(loss / WORLD)
+    params = {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()}
+    # DeepSpeed's safety net: a partitioned parameter read outside its module's forward is gathered by its
+    # getter and registered as an "external parameter" of the module whose forward runs (then gathered
+    # around every forward of that module).  The fused loss must not need it: it runs as lm_head's
+    # forward, where lm_head's own hooks gathered its weight.
+    external = sorted(f"{m_name or 'the model'}: {p_name}" for m_name, m in model.named_modules()
+                      for p in getattr(m, "_external_params", {}).values()
+                      for p_name, q in model.named_parameters() if q is p)
+    return {"losses": torch.stack(losses), "grads": grads, "params": params, "partitioned": partitioned,
+            "external": external, "report": kt.report(model).entries if kernels else None}
 
 
 def rank_main(rank, port, out_dir):
@@ -47,46 +93,14 @@ def rank_main(rank, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
     import deepspeed
-    from deepspeed.utils import safe_get_full_grad
     # Every op reported incompatible: DeepSpeed's communication backend would JIT-build its shared-memory
     # all-reduce (deepspeed_shm_comm, a minute of g++) for the CPU; gloo does every collective instead.
     deepspeed.ops.__compatible_ops__ = {}
     deepspeed.init_distributed(dist_backend="gloo", rank=rank, world_size=WORLD)
     try:
         torch.set_num_threads(1)
-        model = make_model("llama")
-        kt.kernelize(model)  # Liger's defaults: the fused linear cross-entropy included
-        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-                  # Every parameter partitioned, however small (the default keeps those under 1e5 elements
-                  # whole on every rank: all of this tiny model's), and none fetched ahead of its module.
-                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                        "stage3_prefetch_bucket_size": 0},
-                  "zero_force_ds_cpu_optimizer": False,
-                  "bf16": {"enabled": False}, "fp16": {"enabled": False}, "steps_per_print": 1 << 30}
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.0),
-                                          config=config)
-        weight = model.lm_head.weight  # partitioned: empty outside lm_head's forward, a shard on each rank
-        partitioned = (weight.numel(), weight.ds_tensor.numel(), weight.ds_numel)
-        ids, labels = full_batch()
-        out = engine(input_ids=ids[rank:rank + 1], labels=labels[rank:rank + 1])
-        engine.backward(out.loss)
-        loss = out.loss.detach().clone()
-        dist.all_reduce(loss)
-        grads = {}
-        for n, p in engine.module.named_parameters():
-            g = safe_get_full_grad(p)  # a collective: every rank asks for every parameter
-            if g is not None:
-                grads[n] = g.detach().clone()
-        # DeepSpeed's safety net: a partitioned parameter read outside its module's forward is gathered
-        # by its getter and registered as an "external parameter" of the module whose forward runs (then
-        # gathered around every forward of that module).  The fused loss must not need it: it runs as
-        # lm_head's forward, where lm_head's own hooks gathered its weight.
-        external = sorted(f"{m_name or 'the model'}: {p_name}" for m_name, m in model.named_modules()
-                          for p in getattr(m, "_external_params", {}).values()
-                          for p_name, q in model.named_parameters() if q is p)
-        saved = {"report": kt.report(model)["ForCausalLMLoss"], "partitioned": partitioned, "external": external}
-        if rank == 0:
-            saved.update(loss=loss / WORLD, grads=grads)
+        saved = {(family, kernels): zero3(deepspeed, family, kernels, rank)
+                 for family in FAMILIES for kernels in (True, False)}
         torch.save(saved, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -94,24 +108,25 @@ def rank_main(rank, port, out_dir):
 
 @unittest.skipUnless(HAVE, WHY)
 class DeepSpeedZero3(unittest.TestCase):
-    def test_a_kernelized_llama_trains_under_zero3(self):
-        ref, out, want = whole_batch_reference()
+    def test_kernelized_models_train_under_zero3(self):
         ranks = spawn_ranks(rank_main)
-        for r, saved in enumerate(ranks):
-            numel, shard, whole = saved["partitioned"]
-            self.assertEqual(whole, ref.lm_head.weight.numel())
-            self.assertTrue(numel == 0 and 0 < shard < whole, f"rank {r}: lm_head's weight is not partitioned: "
-                            f"{numel} elements outside its forward, a shard of {shard} of {whole}")
-            self.assertEqual(saved["external"], [], f"rank {r}: parameters read outside their module's forward")
-            rep = saved["report"]
-            self.assertGreater(rep["kernel_calls"], 0, f"rank {r}: the fused loss did not run as a kernel: {rep}")
-            self.assertEqual(rep["fallbacks"], 0, f"rank {r}: {rep}")
-        got = ranks[0]
-        self.assertLess(abs(got["loss"].item() - out.loss.item()) / out.loss.item(), 2e-5)
-        self.assertEqual(set(got["grads"]), set(want))
-        for name, g in want.items():
-            self.assertEqual(got["grads"][name].shape, g.shape, name)
-            self.assertLess(rel_l2(got["grads"][name], g), 2e-5, f"gradient of {name}")
+        for family in FAMILIES:
+            initial, whole = one_process(family)
+            plain = ranks[0][(family, False)]
+            check_trained_alike(self, plain, whole, initial, f"{family} under ZeRO-3 without kernels")
+            got = ranks[0][(family, True)]
+            check_trained_alike(self, got, plain, initial, f"{family} under ZeRO-3, kernels against none")
+            check_trained_alike(self, got, whole, initial, f"{family} under ZeRO-3, kernels against one process")
+            for r, saved in enumerate(ranks):
+                what = f"{family}, rank {r}"
+                numel, shard, whole_numel = saved[(family, True)]["partitioned"]
+                self.assertEqual(whole_numel, initial["lm_head.weight"].numel(), what)
+                self.assertTrue(numel == 0 and 0 < shard < whole_numel,
+                                f"{what}: lm_head's weight is not partitioned: {numel} elements outside its "
+                                f"forward, a shard of {shard} of {whole_numel}")
+                self.assertEqual(saved[(family, True)]["external"], [],
+                                 f"{what}: parameters read outside their module's forward")
+                check_kernels_ran(self, saved[(family, True)]["report"], what)
 
 
 if __name__ == "__main__":

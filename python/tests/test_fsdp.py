@@ -1,17 +1,30 @@
 """kcpp.torch under PyTorch FSDP2 (fully_shard), on the CPU with two gloo processes.
 
-A kernelized Llama whose decoder layers, lm_head and root are each sharded over two ranks trains one
-step, each rank on its row of the batch: the loss and every parameter's (gathered) gradient equal
-those of the unsharded model without kernels on the whole batch, and the fused linear cross-entropy
-ran as a kernel on every rank — with lm_head sharded on its own, the case where a loss fused with
-lm_head, called outside lm_head's forward, would see only a shard of its weight.  Skipped where
-torch.distributed's gloo backend, transformers or kcpp._core is missing.
+Kernelized Llama and Qwen3 models, each decoder layer, lm_head and the root sharded over two ranks
+(and Qwen2, whose lm_head is tied to the embedding: its layers and the root), train a few SGD steps,
+each rank on its row of the batch.  Every step's loss, the first step's (gathered) gradients and
+every parameter's update equal those of the same model trained under FSDP2 without kernels, and
+those of one process training the model without kernels on the whole batch.  Every kernelized layer
+ran as a kernel on every rank, as often as the model has it per step, with no fallback and no
+reference call: inside an FSDP2 module's forward the parameters are whole, and the fused linear
+cross-entropy runs as lm_head's forward, where lm_head's own hooks gathered its weight (lm_head is
+sharded on its own: a loss fused with lm_head, called outside lm_head's forward, would see a shard of
+its weight).  The same under torch.compile (backend aot_eager on the CPU, inductor on CUDA; FSDP2's
+hooks break the graphs) for Llama, every kernel an op of its graphs.
+
+DTensors of tensor / sequence parallelism are not FSDP2's: an RMSNorm given a batch-sharded input, and
+a kernelized Llama whose lm_head is column-parallel (parallelize_module), run the reference for those
+calls (the fallback says "DTensor"), with the same values as the model without kernels.
+
+KCPP_FSDP_DEVICE=cuda runs the ranks on two GPUs (NCCL); the test's device otherwise is the CPU (gloo).
+Skipped where torch.distributed's backend, transformers or kcpp._core is missing.
 """
 import os
 import socket
 import tempfile
 import unittest
 
+DEVICE = os.environ.get("KCPP_FSDP_DEVICE", "cpu")
 try:
     import torch
     import torch.distributed as dist
@@ -19,10 +32,18 @@ try:
     import transformers  # noqa: F401
     import kcpp
     import kcpp.torch as kt
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.device_mesh import init_device_mesh
-    HAVE = kcpp._core is not None and dist.is_available() and dist.is_gloo_available()
-    WHY = "" if HAVE else "kcpp._core or torch.distributed's gloo is missing"
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    BACKEND = "nccl" if DEVICE == "cuda" else "gloo"
+    if kcpp._core is None or not dist.is_available():
+        HAVE, WHY = False, "kcpp._core or torch.distributed is missing"
+    elif DEVICE == "cuda":
+        HAVE = dist.is_nccl_available() and torch.cuda.device_count() >= 2
+        WHY = "" if HAVE else "KCPP_FSDP_DEVICE=cuda needs NCCL and two CUDA devices"
+    else:
+        HAVE, WHY = dist.is_gloo_available(), "torch.distributed's gloo backend is missing"
 except ImportError as e:
     HAVE, WHY = False, str(e)
     if os.environ.get("KCPP_REQUIRE_TORCH"):
@@ -31,6 +52,17 @@ except ImportError as e:
 from test_torch import batch, make_model, rel_l2  # noqa: E402  (the same tiny models and batch)
 
 WORLD = 2
+FAMILIES = ("llama", "qwen3")
+# FSDP2's too: Qwen2 with lm_head tied to the embedding (the root holds that weight, whole in the root's
+# forward, so the fused loss reads it directly).
+FSDP_FAMILIES = FAMILIES + ("qwen2",)
+STEPS = 3
+LR, MOMENTUM = 0.2, 0.9  # SGD: an update is linear in the gradients, so f32's tolerance holds for it
+TOL = 1e-4 if DEVICE == "cuda" else 2e-5  # f32: a few roundings of relative L2, as test_torch's (its CUDA one)
+F32_EPS = 2.0 ** -23
+# The layers a kernelized model of FAMILIES runs as kernels on the CPU and on CUDA (CrossEntropyLoss: the
+# fused loss replaces it).
+KERNELIZED = ("RMSNorm", "MLP", "rotary_pos_emb", "Attention", "ForCausalLMLoss")
 
 
 def free_port():
@@ -55,53 +87,207 @@ def whole_batch_reference():
     return ref, out, {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
 
 
-def spawn_ranks(rank_main):
-    """rank_main(rank, port, folder) in WORLD processes; what each saved as folder/rank<r>.pt, by rank."""
+def spawn_ranks(rank_main, *args):
+    """rank_main(rank, port, folder, *args) in WORLD processes; what each saved as folder/rank<r>.pt, by rank."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(rank_main, args=(free_port(), d), nprocs=WORLD, join=True)
+        mp.spawn(rank_main, args=(free_port(), d, *args), nprocs=WORLD, join=True)
         return [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(WORLD)]
 
 
-def rank_main(rank, port, out_dir):
+def cpu(tensors):
+    """Copies on the CPU (not views of parameters an optimizer updates in place)."""
+    return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
+
+
+def train(model, step_batch, run=None):
+    """STEPS SGD steps of `model` (called through `run`), step_batch() -> (ids, labels) of this process: the
+    losses (averaged over the ranks when distributed), the first step's gradients and the parameters
+    after, gathered from their shards and on the CPU."""
+    run = model if run is None else run
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    losses, grads = [], None
+
+    def whole(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+    for step in range(STEPS):
+        ids, labels = step_batch()
+        out = run(input_ids=ids, labels=labels)
+        out.loss.backward()
+        if step == 0:
+            grads = cpu({n: whole(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = out.loss.detach().clone()
+        if dist.is_initialized():
+            dist.all_reduce(loss)
+            loss /= WORLD
+        losses.append(loss.cpu())
+    return {"losses": torch.stack(losses), "grads": grads,
+            "params": cpu({n: whole(p) for n, p in model.named_parameters()})}
+
+
+def sharded(family, kernels, rank, device, compiled=False):
+    """`family` trained under FSDP2 (each decoder layer, lm_head unless tied, the root), with or without kernels."""
+    model = make_model(family).to(device)
+    if kernels:
+        kt.kernelize(model)  # Liger's defaults: the fused linear cross-entropy included
+    mesh = init_device_mesh(device.type, (WORLD,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    if not model.config.tie_word_embeddings:
+        fully_shard(model.lm_head, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # Every parameter a DTensor of which this rank holds a part (lm_head's weight included).
+    shards = {n: (isinstance(p, DTensor), p.to_local().numel() if isinstance(p, DTensor) else p.numel(), p.numel())
+              for n, p in model.named_parameters()}
+    traced = set()  # the kcpp ops in the graphs torch.compile made
+    run = model
+    if compiled:
+        backend = torch._dynamo.lookup_backend("inductor" if device.type == "cuda" else "aot_eager")
+
+        def noting(gm, example_inputs):
+            traced.update(str(n.target) for n in gm.graph.nodes if str(n.target).startswith("kcpp."))
+            return backend(gm, example_inputs)
+        run = torch.compile(model, backend=noting)
+    ids, labels = full_batch()
+    mine = slice(rank, rank + 1)
+    got = train(model, lambda: (ids[mine].to(device), labels[mine].to(device)), run)
+    got.update(shards=shards, report=kt.report(model).entries if kernels else None, traced=sorted(traced))
+    return got
+
+
+def tensor_parallel(rank, device):
+    """DTensors of tensor / sequence parallelism reaching kernelized layers: what ran and the values."""
+    mesh = init_device_mesh(device.type, (WORLD,))
+    # RMSNorm given a DTensor sharded over the batch (as sequence parallelism shards the sequence).
+    model = make_model("llama").to(device)
+    kt.kernelize(model)
+    norm = model.model.norm
+    norm.weight = torch.nn.Parameter(distribute_tensor(norm.weight.detach(), mesh, [Replicate()]))
+    torch.manual_seed(7)
+    x = torch.randn(4, 5, 32, device=device)
+    y = norm(distribute_tensor(x, mesh, [Shard(0)])).full_tensor()
+    want = make_model("llama").to(device).model.norm(x)
+    saved = {"norm": (y.cpu(), want.detach().cpu()), "norm_report": kt.report(model)["RMSNorm"]}
+    # A kernelized Llama whose lm_head is column-parallel (its logits gathered): every rank the whole batch.
+    ids, labels = (t.to(device) for t in full_batch())
+    model = make_model("llama").to(device)
+    kt.kernelize(model)
+    parallelize_module(model.lm_head, mesh, ColwiseParallel(output_layouts=Replicate()))
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    saved.update(tp_loss=out.loss.detach().cpu(), tp_report=kt.report(model).entries,
+                 tp_grads=cpu({n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                               for n, p in model.named_parameters()}))
+    return saved
+
+
+def rank_main(rank, port, out_dir, device_type):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device(device_type)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(BACKEND, rank=rank, world_size=WORLD)
     try:
         torch.set_num_threads(1)
-        model = make_model("llama")
-        kt.kernelize(model)  # Liger's defaults: the fused linear cross-entropy included
-        mesh = init_device_mesh("cpu", (WORLD,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model.lm_head, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        ids, labels = full_batch()
-        out = model(input_ids=ids[rank:rank + 1], labels=labels[rank:rank + 1])
-        out.loss.backward()
-        loss = out.loss.detach().clone()
-        dist.all_reduce(loss)
-        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
-        r = kt.report(model)["ForCausalLMLoss"]
-        if rank == 0:
-            torch.save({"loss": loss / WORLD, "grads": grads, "report": r}, os.path.join(out_dir, "rank0.pt"))
-        else:
-            torch.save({"report": r}, os.path.join(out_dir, f"rank{rank}.pt"))
+        saved = {(family, kernels): sharded(family, kernels, rank, device)
+                 for family in FSDP_FAMILIES for kernels in (True, False)}
+        saved["compiled"] = sharded("llama", True, rank, device, compiled=True)
+        saved["tensor_parallel"] = tensor_parallel(rank, device)
+        torch.save(saved, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
+def one_process(family):
+    """`family` without kernels trained in one process on the whole batch: the initial parameters, the result."""
+    model = make_model(family)
+    initial = cpu(dict(model.named_parameters()))
+    return initial, train(model, full_batch)
+
+
+def check_trained_alike(test, got, want, initial, what):
+    """The same losses, first gradients and parameter updates (what train() returns), within f32's tolerance."""
+    for step, (a, b) in enumerate(zip(got["losses"].tolist(), want["losses"].tolist())):
+        test.assertLess(abs(a - b) / abs(b), TOL, f"{what}: loss of step {step}: {a} against {b}")
+    test.assertEqual(set(got["grads"]), set(want["grads"]), what)
+    for name, g in want["grads"].items():
+        test.assertLess(rel_l2(got["grads"][name], g), TOL, f"{what}: first gradient of {name}")
+    test.assertEqual(set(got["params"]), set(want["params"]), what)
+    for name, p in want["params"].items():
+        # The updates' difference is the parameters' (from the same initial ones): within TOL of the
+        # update, plus each step's rounding of the parameter to f32 (half an ulp in either run).
+        update = (p.double() - initial[name].double()).norm().item()
+        bound = TOL * update + STEPS * F32_EPS * p.double().norm().item()
+        diff = (got["params"][name].double() - p.double()).norm().item()
+        test.assertLessEqual(diff, bound, f"{what}: the update of {name} (of norm {update}) is off by {diff}")
+
+
+def check_kernels_ran(test, report, what):
+    """Every kernelized layer a kernel at each of its places in every step; no fallback, no reference."""
+    entries = {e["layer"]: e for e in report}
+    for layer in KERNELIZED:
+        e = entries[layer]
+        test.assertEqual(e["kernel_calls"], e["modules"] * STEPS, f"{what}: {layer}: {e}")
+    for e in report:
+        test.assertEqual((e["fallbacks"], e["reference_calls"]), (0, 0), f"{what}: {e['layer']}: {e}")
+
+
 @unittest.skipUnless(HAVE, WHY)
 class Fsdp2(unittest.TestCase):
-    def test_a_kernelized_llama_trains_under_fully_shard(self):
-        _, out, want = whole_batch_reference()
-        ranks = spawn_ranks(rank_main)
-        got, reports = ranks[0], [saved["report"] for saved in ranks]
-        for r, rep in enumerate(reports):
-            self.assertGreater(rep["kernel_calls"], 0, f"rank {r}: the fused loss did not run as a kernel: {rep}")
-            self.assertEqual(rep["fallbacks"], 0, f"rank {r}: {rep}")
-        self.assertLess(abs(got["loss"].item() - out.loss.item()) / out.loss.item(), 2e-5)
-        self.assertEqual(set(got["grads"]), set(want))
-        for name, g in want.items():
-            self.assertLess(rel_l2(got["grads"][name], g), 2e-5, f"gradient of {name}")
+    @classmethod
+    def setUpClass(cls):
+        cls.ranks = spawn_ranks(rank_main, DEVICE)
+        cls.whole = {family: one_process(family) for family in FSDP_FAMILIES}
+
+    def assert_sharded(self, got, what):
+        for name, (is_dtensor, local, whole) in got["shards"].items():
+            self.assertTrue(is_dtensor and local < whole, f"{what}: {name} is not sharded ({local} of {whole})")
+
+    def test_kernelized_models_train_under_fully_shard(self):
+        for family in FSDP_FAMILIES:
+            initial, whole = self.whole[family]
+            plain = self.ranks[0][(family, False)]
+            check_trained_alike(self, plain, whole, initial, f"{family} under FSDP2 without kernels")
+            got = self.ranks[0][(family, True)]
+            check_trained_alike(self, got, plain, initial, f"{family} under FSDP2, kernels against none")
+            check_trained_alike(self, got, whole, initial, f"{family} under FSDP2, kernels against one process")
+            for r, saved in enumerate(self.ranks):
+                self.assert_sharded(saved[(family, True)], f"{family}, rank {r}")
+                check_kernels_ran(self, saved[(family, True)]["report"], f"{family}, rank {r}")
+
+    def test_compiled_kernelized_llama_trains_under_fully_shard(self):
+        initial, whole = self.whole["llama"]
+        got = self.ranks[0]["compiled"]
+        check_trained_alike(self, got, self.ranks[0][("llama", True)], initial, "compiled llama against eager")
+        check_trained_alike(self, got, whole, initial, "compiled llama against one process")
+        ops = [f"kcpp.{op}.default" for op in ("attention", "fused_linear_cross_entropy", "glu", "rms_norm",
+                                                "rotary_pos_emb")]
+        self.assertEqual(got["traced"], ops, "the kernels are not all ops of the compiled graphs")
+        for r, saved in enumerate(self.ranks):
+            self.assert_sharded(saved["compiled"], f"compiled llama, rank {r}")
+            check_kernels_ran(self, saved["compiled"]["report"], f"compiled llama, rank {r}")
+
+    def test_dtensors_of_tensor_parallelism_run_the_reference(self):
+        ref, out, want = whole_batch_reference()
+        for r, saved in enumerate(self.ranks):
+            tp = saved["tensor_parallel"]
+            y, y_ref = tp["norm"]
+            self.assertLess(rel_l2(y, y_ref), TOL, f"rank {r}: RMSNorm of a DTensor")
+            e = tp["norm_report"]
+            self.assertEqual((e["kernel_calls"], e["fallbacks"]), (0, 1), f"rank {r}: {e}")
+            self.assertIn("is a DTensor", e["last_refusal"])
+            entries = {e["layer"]: e for e in tp["tp_report"]}
+            loss = entries["ForCausalLMLoss"]
+            self.assertEqual((loss["kernel_calls"], loss["fallbacks"]), (0, 1), f"rank {r}: {loss}")
+            self.assertIn("argument 'weight' is a DTensor", loss["last_refusal"])
+            for layer in ("RMSNorm", "MLP", "rotary_pos_emb", "Attention"):  # plain tensors: kernels
+                e = entries[layer]
+                self.assertEqual((e["kernel_calls"], e["fallbacks"]), (e["modules"], 0), f"rank {r}: {e}")
+            self.assertLess(abs(tp["tp_loss"].item() - out.loss.item()) / out.loss.item(), TOL, f"rank {r}")
+            self.assertEqual(set(tp["tp_grads"]), set(want))
+            for name, g in want.items():
+                self.assertLess(rel_l2(tp["tp_grads"][name], g), TOL, f"rank {r}: gradient of {name}")
 
 
 if __name__ == "__main__":
