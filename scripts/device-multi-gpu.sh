@@ -4,9 +4,9 @@
 # the losses and tokens/s compare.  NCCL is PyTorch's (site-packages/nvidia/nccl/lib), found here.
 # KCPP_MGPU_ARGS passes options to every `kcpp train` (default: 200 steps, batch 64, the kernels).
 # The multi-GPU runs: ZeRO-0, 1, 2 and 3 with the gradients reduced during the backward (ZeRO-3
-# gathering each layer during the use before it), ZeRO-3 gathering at the use (--no-prefetch) and
+# gathering each layer at its use), ZeRO-3 gathering during the use before it (--prefetch) and
 # with nothing on a side stream (--no-overlap), then ZeRO-0 reducing after the backward
-# (--no-overlap).  KCPP_MGPU_RUNS picks runs, comma-separated (e.g. "2,3,3 --no-prefetch").  KCPP_MGPU_CURVES=1 first compares the loss curves of the
+# (--no-overlap).  KCPP_MGPU_RUNS picks runs, comma-separated (e.g. "2,3,3 --prefetch").  KCPP_MGPU_CURVES=1 first compares the loss curves of the
 # reference layers in f32 over 20 steps, one GPU against every stage on all of them.
 set -uo pipefail
 source "$(dirname "$0")/device-env.sh"
@@ -32,7 +32,7 @@ if [ "${KCPP_MGPU_CURVES:-0}" = 1 ]; then
 fi
 echo "-- one GPU"
 timeout 200 .devlibs/bin/kcpp train $args 2>&1 | grep -E "reference|kernels|error" | tail -n 3
-IFS=, read -ra runs <<< "${KCPP_MGPU_RUNS:-0,1,2,3,3 --no-prefetch,3 --no-overlap,0 --no-overlap}"
+IFS=, read -ra runs <<< "${KCPP_MGPU_RUNS:-0,1,2,3,3 --prefetch,3 --no-overlap,0 --no-overlap}"
 for run in "${runs[@]}"; do
   set -- $run
   echo "-- $n GPUs, ZeRO-$1 ${2:-}"

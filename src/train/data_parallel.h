@@ -111,7 +111,8 @@ struct DataParallelOptions {
   double bucket_mib = 25.0;        // gradient bytes (in reduce_dtype) a bucket holds, about
   DType reduce_dtype = DType::f32;  // f32, or the gradients' own dtype (half the traffic for bf16)
   bool overlap = true;             // buckets summed during the backward (see above)
-  bool prefetch = true;            // stage 3 with overlap: the next use's gathers issued during this one's
+  bool prefetch = false;           // stage 3 with overlap: the next use's gathers issued during this one's
+                                   // (off by default: slower than gathering at the use, bench/RESULTS.md)
 };
 
 // Where a tensor of optimizer state starts in its parameter (a data-parallel shard's piece of it),

@@ -20,7 +20,7 @@
 // it trains on GPU LOCAL_RANK with its share of every step's --batch rows (train/data_parallel.h),
 // and rank 0 prints.  --zero 1 shards the optimizer state over the ranks (the gradients reduce-scattered,
 // the parameters all-gathered), --zero 2 the gradients too, --zero 3 the parameters too (each layer's
-// gathered for its forward and its backward, during the use before it, --no-prefetch: at its use;
+// gathered for its forward and its backward at its use, --prefetch: during the use before it;
 // every rank gathers them all at the end, for rank 0's sample and save); the gradients are summed in
 // buckets during the backward (--no-overlap: after it, and no gather ahead).
 #include <fmt/format.h>
@@ -94,7 +94,7 @@ struct TrainArgs {
   bool use_local_kernel = false, allow_all = false;
   bool liger_given = false;  // --liger-kernel-config or --packages: the Liger switches over this build's liger
   int64_t gpus = 1, zero = 0;
-  bool no_overlap = false, no_prefetch = false;
+  bool no_overlap = false, prefetch = false;
   std::string resume;  // --resume DIR
 };
 
@@ -303,7 +303,7 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
     train::DataParallelOptions dpo;
     dpo.zero_stage = static_cast<int>(a.zero);
     dpo.overlap = !a.no_overlap;
-    dpo.prefetch = !a.no_prefetch;
+    dpo.prefetch = a.prefetch;
     r.dp = std::make_unique<train::DataParallel>(*r.model, *ranks.comm, o, dpo);
     if (resume) r.dp->load_optimizer(resume->folder);
   } else {
@@ -881,8 +881,9 @@ void add_train_command(CLI::App& app, Action& action) {
   t->add_option("--gpus", args->gpus, "Train data-parallel on this many GPUs (one process each, NCCL)")->capture_default_str();
   t->add_flag("--no-overlap", args->no_overlap, "With --gpus: sum the gradients after the backward, not during it (at --zero 3 "
               "also gather each layer on the compute stream at its use)");
-  t->add_flag("--no-prefetch", args->no_prefetch,
-              "With --gpus --zero 3: gather a layer's parameters at its use, not during the use before it");
+  t->add_flag("--prefetch", args->prefetch,
+              "With --gpus --zero 3: gather a layer's parameters during the use before it, not at its use (slower on "
+              "the models measured so far)");
   t->add_option("--zero", args->zero, "With --gpus: the ZeRO stage: 0 replicates everything, 1 shards the optimizer state over the GPUs, "
                 "2 the optimizer state and the gradients, 3 the parameters too (gathered a layer at a time)")
       ->capture_default_str();

@@ -5,15 +5,17 @@
 // block's share of every projection of every layer in the order the consumers use them (qkv, o,
 // gate/up, down; layer after layer): rows [n b / G, n (b + 1) / G) of the projection's n, in groups
 // of seven rows, each group in pieces of at most kPiece elements of K.  A piece of a group is one
-// stage of a ring of p.stages (up to kMaxStages) in shared memory, filled by one bulk copy a row; `full[s]` completes
-// when its bytes have landed, `empty[s]` when the seven consumer warps have read it.  Consumer warp
-// w takes row w of each group: f32 sums over the pieces in order, then over its lanes.
+// stage of a ring of p.stages (up to kMaxStages) in shared memory, filled by one bulk copy a row
+// (one for a group of whole rows); `full[s]` completes when its bytes have landed, `empty[s]` when
+// the seven consumer warps have read it.  Consumer warp w takes row w of each group: f32 sums over
+// the pieces in order, then over its lanes.
 //
 // The consumers run the phases of a layer between grid-wide barriers (an arrival counter in global
 // memory that each block's first thread raises and then waits on): norm + qkv | attention | merge +
-// o | norm + gate/up (a block's gate and up rows are pairs, the gated activation its epilogue) | down.  Values another block wrote during the launch are read
-// through L2 (ld.global.cg), never the non-coherent L1 path.  The producer never waits on a
-// barrier, only on the ring, so the next weights stream in while the consumers wait.
+// o | norm + gate/up (a block's gate and up rows are pairs, the gated activation their epilogue) |
+// down.  Values another block wrote during the launch are read through L2 (ld.global.cg), never the
+// non-coherent L1 path.  The producer never waits on a barrier, only on the ring, so the next
+// weights stream in while the consumers wait.
 //
 // The attention of a (row, kv head) is split over its keys, kKeysPerSplit or more a split and at
 // most smax splits, so that the items of a step fill the grid.  A block with item (row, kv head,
