@@ -620,6 +620,22 @@ void given_slots(const std::vector<int64_t>& counts, const std::vector<int64_t>&
   for (double& v : w) v = static_cast<double>(static_cast<float>(uniform(gen.engine())));
 }
 
+// A given routing of top-k slots: `counts` per expert, shuffled, with weights (given_slots); with
+// `stray` two ids no expert takes (e and -1) among them.  t tokens of k slots.
+struct Routing {
+  std::vector<int64_t> counts, ids;
+  std::vector<double> w;
+  int64_t e = 0, k = 0, t = 0;
+};
+Routing given_routing(std::vector<int64_t> counts, bool stray, Generator& gen, int64_t k = 2) {
+  Routing r;
+  r.e = static_cast<int64_t>(counts.size()), r.k = k;
+  given_slots(counts, stray ? std::vector<int64_t>{r.e, -1} : std::vector<int64_t>{}, gen, r.ids, r.w);
+  r.t = static_cast<int64_t>(r.ids.size()) / k;
+  r.counts = std::move(counts);
+  return r;
+}
+
 bool all_nan(const Tensor& t) {
   for (double v : t.to_f64_vector())
     if (!std::isnan(v)) return false;
@@ -658,12 +674,8 @@ TEST_P(MoeKernels, AutoPaddedAtTheBound) {
   KCPP_REQUIRE_DEVICE(dev);
   Generator gen = test::test_generator();
   const UnsetMoeGemmEnv unset;
-  const std::vector<int64_t> counts = auto_bound_counts();
-  const int64_t e = static_cast<int64_t>(counts.size()), k = 2;
-  std::vector<int64_t> ids;
-  std::vector<double> w;
-  given_slots(counts, {}, gen, ids, w);
-  const int64_t t = static_cast<int64_t>(ids.size()) / k;
+  const Routing routing = given_routing(auto_bound_counts(), false, gen);
+  const auto& [counts, ids, w, e, k, t] = routing;
   ASSERT_EQ(t, 80);
   ASSERT_EQ(moe::padded_rows_cap(t * k, e, false), 184);
   int sms = 0;
@@ -714,12 +726,8 @@ TEST_P(MoeKernels, PartialGateUpGradients) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
   Generator gen = test::test_generator();
-  const std::vector<int64_t> counts{0, 1, 5, 0, 3, 3, 12};
-  const int64_t e = static_cast<int64_t>(counts.size()), k = 2;
-  std::vector<int64_t> ids;
-  std::vector<double> w;
-  given_slots(counts, {e, -1}, gen, ids, w);
-  const int64_t t = static_cast<int64_t>(ids.size()) / k;
+  const Routing routing = given_routing({0, 1, 5, 0, 3, 3, 12}, true, gen);
+  const auto& [counts, ids, w, e, k, t] = routing;
   const std::vector<DType> dtypes = dev.is_cuda() ? std::vector<DType>{DType::bf16} : std::vector<DType>{DType::f32, DType::bf16};
   for (DType dt : dtypes)
     for (Layout layout : {Layout::Rows, Layout::Separate})
@@ -781,12 +789,8 @@ TEST_P(MoeKernels, OverwriteGateUpGivesTheSameBits) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
   Generator gen = test::test_generator();
-  const std::vector<int64_t> counts{0, 1, 5, 0, 3, 3, 12};
-  const int64_t e = static_cast<int64_t>(counts.size()), k = 2;
-  std::vector<int64_t> ids;
-  std::vector<double> w;
-  given_slots(counts, {e, -1}, gen, ids, w);
-  const int64_t t = static_cast<int64_t>(ids.size()) / k;
+  const Routing routing = given_routing({0, 1, 5, 0, 3, 3, 12}, true, gen);
+  const auto& [counts, ids, w, e, k, t] = routing;
   struct Size {
     int64_t h, i;
   };

@@ -17,6 +17,18 @@ template <typename F> void visit_cuda_float(DType t, const char* op, F&& f) {
   }
 }
 
+// Merges (m2, l2, a2) into (m, l, a): two partial softmaxes in base 2 (running maximum m, sum l and
+// weighted values a; m = -inf: empty), as the decoding attentions merge their lanes and splits.
+template <int N>
+__device__ __forceinline__ void softmax_merge(float& m, float& l, float (&a)[N], float m2, float l2, const float (&a2)[N]) {
+  const float mm = fmaxf(m, m2);
+  const float s1 = m == -INFINITY ? 0.f : exp2f(m - mm), s2 = m2 == -INFINITY ? 0.f : exp2f(m2 - mm);
+  l = l * s1 + l2 * s2;
+#pragma unroll
+  for (int i = 0; i < N; ++i) a[i] = a[i] * s1 + a2[i] * s2;
+  m = mm;
+}
+
 // An RMSNorm weight element as the norm's casting applies it (ops/nn/rms_norm.h): Llama (offset + w)
 // rounded to T, Gemma (offset + w) in f32.
 template <typename T> __device__ __forceinline__ float norm_weight_value(float w, float offset, bool gemma) {

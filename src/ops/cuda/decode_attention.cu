@@ -47,15 +47,6 @@ __device__ __forceinline__ bool bad_row(const int* rows, const int* lengths, int
   return row < 0 || row >= r_count || len < 1 || len > max_length;
 }
 
-// Merges (m2, l2, a2) into (m, l, a): two partial softmaxes in base 2 (m = -inf: empty).
-template <int N> __device__ __forceinline__ void merge(float& m, float& l, float (&a)[N], float m2, float l2, const float (&a2)[N]) {
-  const float mm = fmaxf(m, m2);
-  const float s1 = m == -INFINITY ? 0.f : exp2f(m - mm), s2 = m2 == -INFINITY ? 0.f : exp2f(m2 - mm);
-  l = l * s1 + l2 * s2;
-#pragma unroll
-  for (int i = 0; i < N; ++i) a[i] = a[i] * s1 + a2[i] * s2;
-  m = mm;
-}
 
 template <typename T, int LPK, int GMAX>
 __global__ void __launch_bounds__(kWarps * 32)
@@ -135,7 +126,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
       for (int i = 0; i < 8; ++i) a2[i] = __shfl_xor_sync(0xffffffffu, acc[gi][i], o);
       const float m2 = __shfl_xor_sync(0xffffffffu, m[gi], o), l2 = __shfl_xor_sync(0xffffffffu, l[gi], o);
-      merge(m[gi], l[gi], acc[gi], m2, l2, a2);
+      softmax_merge(m[gi], l[gi], acc[gi], m2, l2, a2);
     }
   }
   if (sub == 0) {

@@ -373,20 +373,12 @@ template <typename T> __device__ __forceinline__ RowKeys row_keys(const Params<T
   return {lo, len, splits, false};
 }
 
-// Merges (m2, l2, a2) into (m, l, a): two partial softmaxes in base 2 (m = -inf: empty), over N
-// elements of the weighted values.
-template <int N> __device__ __forceinline__ void merge(float& m, float& l, float (&a)[N], float m2, float l2, const float (&a2)[N]) {
-  const float mm = fmaxf(m, m2);
-  const float s1 = m == -INFINITY ? 0.f : exp2f(m - mm), s2 = m2 == -INFINITY ? 0.f : exp2f(m2 - mm);
-  l = l * s1 + l2 * s2;
-#pragma unroll
-  for (int i = 0; i < N; ++i) a[i] = a[i] * s1 + a2[i] * s2;
-  m = mm;
-}
+// softmax_merge (common.cuh) of one element.
 __device__ __forceinline__ void merge(float& m, float& l, float& a, float m2, float l2, float a2) {
-  float (&one)[1] = *reinterpret_cast<float(*)[1]>(&a);
+  float one[1] = {a};
   const float two[1] = {a2};
-  merge<1>(m, l, one, m2, l2, two);
+  softmax_merge(m, l, one, m2, l2, two);
+  a = one[0];
 }
 
 // Item (row m, kv head kvh, split) of a layer's attention.  scratch: [warps, g, D + 2] floats; qf [g, D];
@@ -522,7 +514,7 @@ __device__ void attention_item(const Params<T>& p, const int (*step)[4], const L
 #pragma unroll
       for (int i = 0; i < 8; ++i) a2[i] = __shfl_xor_sync(0xffffffffu, acc[j][i], o);
       const float m2 = __shfl_xor_sync(0xffffffffu, mx[j], o), l2 = __shfl_xor_sync(0xffffffffu, sum[j], o);
-      merge(mx[j], sum[j], acc[j], m2, l2, a2);
+      softmax_merge(mx[j], sum[j], acc[j], m2, l2, a2);
     }
     if (sub == 0) {
       float* w = scratch + (warp * g + j) * (d + 2);
@@ -582,7 +574,7 @@ template <typename T, int M> __device__ void merge_rows(const Params<T>& p, cons
         const float4* src = reinterpret_cast<const float4*>(p.part_o + (at + s) * p.d + e);
         const float4 lo = __ldcg(src), hi = __ldcg(src + 1);
         const float a2[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-        merge(mm, l, a, ml.x, ml.y, a2);
+        softmax_merge(mm, l, a, ml.x, ml.y, a2);
       }
 #pragma unroll
       for (int i = 0; i < 8; ++i) o[i] = a[i] / l;
@@ -626,6 +618,12 @@ template <typename T, int M> __global__ void __launch_bounds__(kThreads, 1) deco
   kc::RingCursor at;
   unsigned target = 0;
   const Tracer tr{p.trace};
+  // Projection `phase` of layer l (gemv_of) from act into out; stamps 2 and 3 of trace phase tp.
+  auto project = [&](int l, int phase, int tp, T* out) {
+    gemv<T, M>(gemv_of(p, l, phase), act, out, ring, full, empty, at, p.stages, p.act, tr.at(l, tp, 2));
+    if (p.trace != nullptr) consumers_sync();
+    tr.stamp(l, tp, 3);
+  };
   for (int l = 0; l < p.layers; ++l) {
     const LayerPtrs<T>& L = p.layer[l];
     if (l > 0) grid_sync(p.arrived, target);
@@ -633,9 +631,7 @@ template <typename T, int M> __global__ void __launch_bounds__(kThreads, 1) deco
     add_norm_rows<T, M>(l == 0 ? p.x_in : p.x_out, l == 0 ? p.delta_in : p.delta, L.input_norm, p.x_mid, act, wbuf, p.h, p.eps,
                         p.offset, p.gemma, red);
     tr.stamp(l, 0, 1);
-    gemv<T, M>(gemv_of(p, l, 0), act, p.qkv, ring, full, empty, at, p.stages, p.act, tr.at(l, 0, 2));
-    if (p.trace != nullptr) consumers_sync();
-    tr.stamp(l, 0, 3);
+    project(l, 0, 0, p.qkv);
     grid_sync(p.arrived, target);
     tr.stamp(l, 1, 0);
     attention<T, M>(p, step, L, scratch, qf, kv_new);
@@ -644,23 +640,17 @@ template <typename T, int M> __global__ void __launch_bounds__(kThreads, 1) deco
     tr.stamp(l, 2, 0);
     merge_rows<T, M>(p, step, L.window, act);
     tr.stamp(l, 2, 1);
-    gemv<T, M>(gemv_of(p, l, 1), act, p.delta, ring, full, empty, at, p.stages, p.act, tr.at(l, 2, 2));
-    if (p.trace != nullptr) consumers_sync();
-    tr.stamp(l, 2, 3);
+    project(l, 1, 2, p.delta);
     grid_sync(p.arrived, target);
     tr.stamp(l, 3, 0);
     add_norm_rows<T, M>(p.x_mid, p.delta, L.post_norm, p.x_out, act, wbuf, p.h, p.eps, p.offset, p.gemma, red);
     tr.stamp(l, 3, 1);
-    gemv<T, M>(gemv_of(p, l, 2), act, p.gu, ring, full, empty, at, p.stages, p.act, tr.at(l, 3, 2));
-    if (p.trace != nullptr) consumers_sync();
-    tr.stamp(l, 3, 3);
+    project(l, 2, 3, p.gu);
     grid_sync(p.arrived, target);
     tr.stamp(l, 4, 0);
     load_rows<T, M>(p.gu, act, p.inter);
     tr.stamp(l, 4, 1);
-    gemv<T, M>(gemv_of(p, l, 3), act, p.delta, ring, full, empty, at, p.stages, p.act, tr.at(l, 4, 2));
-    if (p.trace != nullptr) consumers_sync();
-    tr.stamp(l, 4, 3);
+    project(l, 3, 4, p.delta);
   }
 #endif
 }
