@@ -24,7 +24,7 @@ struct Transfer {
   HttpResponse* response = nullptr;
   std::string label;
   bool progress = false;
-  uint64_t limit = 0, written = 0;  // download(): max_bytes (0: none) and the bytes so far
+  uint64_t limit = 0, written = 0;  // max_bytes (0: none) and, for a download, the bytes so far
   bool over_limit = false;
   std::chrono::steady_clock::time_point last_draw{};
   bool drew = false;
@@ -41,6 +41,10 @@ size_t on_write(char* data, size_t size, size_t n, void* user) {
     }
     t->written += bytes;
     return std::fwrite(data, 1, bytes, t->file);
+  }
+  if (t->limit && bytes > t->limit - t->body->size()) {
+    t->over_limit = true;
+    return 0;
   }
   t->body->append(data, bytes);
   return bytes;
@@ -108,7 +112,7 @@ std::string url_escape(const std::string& s) {
 
 HttpClient::HttpClient(HttpOptions options) : opt_(std::move(options)) { ensure_curl(); }
 
-HttpResponse HttpClient::get(const std::string& url) const { return perform(url, nullptr, "", 0); }
+HttpResponse HttpClient::get(const std::string& url, uint64_t max_bytes) const { return perform(url, nullptr, "", max_bytes); }
 
 HttpResponse HttpClient::download(const std::string& url, const std::filesystem::path& dest, const std::string& label,
                                   uint64_t max_bytes) const {
@@ -168,6 +172,11 @@ HttpResponse HttpClient::perform(const std::string& url, const std::filesystem::
     std::string what;
     bool transient = false;
     if (t.over_limit && status < 400) {
+      if (!dest)
+        throw HttpError(fmt::format("GET {}: the answer is longer than {} bytes, the most kcpp reads from a hub's JSON API; "
+                                    "is HF_ENDPOINT a Hugging Face hub?",
+                                    url, max_bytes),
+                        static_cast<int>(status), false);
       resp.over_limit = true;
       return resp;
     }

@@ -54,11 +54,16 @@ struct HttpResponse {
   bool over_limit = false;
 };
 
+// The longest answer get() reads by default: a hub's JSON answers (refs, a revision's file list)
+// are far smaller, so a longer one is a server's fault, not something to hold in memory.
+constexpr uint64_t kMaxJsonAnswerBytes = uint64_t{64} << 20;
+
 class HttpClient {
  public:
   explicit HttpClient(HttpOptions options);
-  // The body of a GET (for JSON APIs).  Throws HttpError after the last attempt.
-  HttpResponse get(const std::string& url) const;
+  // The body of a GET (for JSON APIs).  Throws HttpError after the last attempt, and at once (not
+  // retried) when the body grows past `max_bytes`, naming the limit.
+  HttpResponse get(const std::string& url, uint64_t max_bytes = kMaxJsonAnswerBytes) const;
   // Streams a GET into `dest` (created or truncated at each attempt).  `label` names the download
   // on the progress bar.  A body longer than `max_bytes` (0: no limit) is cut off there and the
   // answer says so (over_limit), so that a server cannot fill the disk.

@@ -218,6 +218,13 @@ TEST_F(HubServer, ServesTheHubApiSubset) {
   requests.clear();
   EXPECT_TRUE(throws_with([&] { http.get(server->url() + "/acme/example/resolve/v1.0.0/nope"); }, "HTTP 404"));
   EXPECT_EQ(requests.size(), 1u);
+  // A JSON answer past the limit is refused at once (not retried), naming the limit (by default
+  // kMaxJsonAnswerBytes).
+  requests.clear();
+  EXPECT_TRUE(throws_with([&] { http.get(server->url() + "/api/models/acme/example/tree/v1.0.0?recursive=true", 64); },
+                          "the answer is longer than 64 bytes"));
+  EXPECT_EQ(requests.size(), 1u);
+  EXPECT_NO_THROW(http.get(server->url() + "/api/models/acme/example/tree/v1.0.0?recursive=true", 1 << 20));
   EXPECT_TRUE(throws_with([&] { http.get(server->url() + "/acme/example/resolve/v1.0.0/../../../etc/passwd"); },
                           "HTTP 40"));
 }
