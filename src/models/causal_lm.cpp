@@ -762,7 +762,8 @@ Tensor CausalLM::decode_layers(const Tensor& h0, const ops::RopeCosSin& cs, KVCa
 std::optional<std::pair<Tensor, Tensor>> CausalLM::decode_layers_persistent(const Tensor& h0, const ops::RopeCosSin& cs,
                                                                             KVCache& cache) {
   const ModelConfig& c = cfg_;
-  if (!device_.is_cuda() || (dtype_ != DType::bf16 && dtype_ != DType::f16) || h0.size(0) > 4) return std::nullopt;
+  if (!ops::decode_persistent_enabled() || !device_.is_cuda() || (dtype_ != DType::bf16 && dtype_ != DType::f16) || h0.size(0) > 4)
+    return std::nullopt;
   std::vector<ops::PersistentDecodeLayer> pl;
   pl.reserve(layers_.size());
   ops::PersistentDecodeOptions po;

@@ -12,12 +12,6 @@ namespace {
 
 constexpr const char* kOp = "decode_layers_persistent";
 
-// Off unless KCPP_DECODE_PERSISTENT=1 (bench/RESULTS.md: not yet ahead of the fused ops at every
-// batch).  Read at every call (a step's few hundred nanoseconds), so that a process may compare.
-bool enabled() {
-  const char* e = std::getenv("KCPP_DECODE_PERSISTENT");
-  return e && std::strcmp(e, "1") == 0;
-}
 
 bool power_of_two(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
 
@@ -87,7 +81,7 @@ std::optional<std::pair<Tensor, Tensor>> decode_layers_persistent(const Tensor& 
   KCPP_CHECK(opt.max_length >= 0, "op {}: max_length {} < 0", kOp, opt.max_length);
 
   // What the kernel covers (see the header); anything else is the caller's to compose.
-  if (!enabled() || !x.device().is_cuda() || (x.dtype() != DType::bf16 && x.dtype() != DType::f16) || b < 1 || b > 4) return std::nullopt;
+  if (!decode_persistent_enabled() || !x.device().is_cuda() || (x.dtype() != DType::bf16 && x.dtype() != DType::f16) || b < 1 || b > 4) return std::nullopt;
   if (h % 8 != 0 || inter % 8 != 0 || !power_of_two(d) || d < 8 || d > 256 || hq / hkv > 8) return std::nullopt;
   if (h > (int64_t{1} << 24) || inter > (int64_t{1} << 24) || (hq + 2 * hkv) * d > (int64_t{1} << 24) || capacity > (int64_t{1} << 30) ||
       cache_shape[0] > (int64_t{1} << 30))
@@ -105,6 +99,12 @@ std::optional<std::pair<Tensor, Tensor>> decode_layers_persistent(const Tensor& 
     return std::pair{x_out, delta_out};
 #endif
   return std::nullopt;
+}
+
+// Off unless KCPP_DECODE_PERSISTENT=1 (bench/RESULTS.md: not yet ahead of the fused ops at every batch).
+bool decode_persistent_enabled() {
+  const char* e = std::getenv("KCPP_DECODE_PERSISTENT");
+  return e && std::strcmp(e, "1") == 0;
 }
 
 int64_t decode_persistent_runs() {

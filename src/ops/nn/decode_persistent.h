@@ -77,6 +77,9 @@ std::optional<std::pair<Tensor, Tensor>> decode_layers_persistent(const Tensor& 
                                                                   const Tensor& sin, const Tensor& rows,
                                                                   const Tensor& positions, const Tensor& lengths);
 
+// Whether KCPP_DECODE_PERSISTENT=1 (read at each call, so that a process may compare the paths).
+bool decode_persistent_enabled();
+
 // How many calls of this process ran the persistent kernel (a CUDA graph's replays not counted).
 int64_t decode_persistent_runs();
 
