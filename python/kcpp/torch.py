@@ -503,6 +503,20 @@ def _invoke(op, training, traced, *inputs):
     return op.result(op.outputs(op.run(inputs), True))
 
 
+def _kernel_or_reference(slot, training, traced, op_name, desc, where, op, inputs, reference):
+    """The call through the kernel the slot chose (`op` over `inputs`, then the kernel id and whether
+    it trains), or `reference()` where none is chosen or the package refuses the call's sizes
+    (outside torch.compile; the refusal counted with its reason)."""
+    lid = _decide(slot.sid, training, op_name, desc, where)
+    if lid < 0:
+        return reference()
+    try:
+        return _invoke(op, training, traced, *inputs, lid, training)
+    except kcpp.Unsupported as e:
+        _refuse(slot.sid, str(e))
+        return reference()
+
+
 def _needs(ctx, eager, i):
     return ctx.needs_input_grad[i + 1 if eager else i]
 
@@ -790,14 +804,9 @@ def _rms_norm_forward(where, module, slot, original, spec, hidden_states):
     x = _last_contig(x) if x.dim() <= 2 else _contig(x)
     eps, offset, casting = spec
     traced = torch.compiler.is_compiling()
-    lid = _decide(slot.sid, training, "rms_norm", (_desc(x, traced), _desc(weight, traced), eps, offset, casting), where)
-    if lid < 0:
-        return original(hidden_states)
-    try:
-        return _invoke(_RMS_NORM, training, traced, x, weight, eps, offset, casting, lid, training)
-    except kcpp.Unsupported as e:  # outside torch.compile: a refusal the call's sizes caused
-        _refuse(slot.sid, str(e))
-        return original(hidden_states)
+    return _kernel_or_reference(slot, training, traced, "rms_norm",
+                                (_desc(x, traced), _desc(weight, traced), eps, offset, casting), where, _RMS_NORM,
+                                (x, weight, eps, offset, casting), lambda: original(hidden_states))
 
 
 def _rms_norm_spec(m):
@@ -881,14 +890,8 @@ def _rope_dispatch(original, q, k, cos, sin, *args, **kwargs):
         return original(q, k, cos, sin, *args, **kwargs)
     q, k, cos, sin = _last_contig(q), _last_contig(k), _contig(cos), _contig(sin)
     desc = (_desc(q, traced, (1, 3)), _desc(k, traced, (1, 3)), _desc(cos, traced), _desc(sin, traced))
-    lid = _decide(slot.sid, training, "rotary_pos_emb", desc, "apply_rotary_pos_emb")
-    if lid < 0:
-        return original(q, k, cos, sin, *args, **kwargs)
-    try:
-        return _invoke(_ROPE, training, traced, q, k, cos, sin, lid, training)
-    except kcpp.Unsupported as e:
-        _refuse(slot.sid, str(e))
-        return original(q, k, cos, sin, *args, **kwargs)
+    return _kernel_or_reference(slot, training, traced, "rotary_pos_emb", desc, "apply_rotary_pos_emb", _ROPE,
+                                (q, k, cos, sin), lambda: original(q, k, cos, sin, *args, **kwargs))
 
 
 def _patch_rope(modeling):
@@ -1350,14 +1353,8 @@ def _experts(module, hidden_states, top_k_index, top_k_weights):
     traced = torch.compiler.is_compiling()
     desc = (_desc(hidden, traced), _desc(ids, traced, (1,)), _desc(w, traced, (1,)), _desc(gate_up, traced, (0, 1, 2)),
             _desc(down, traced, (0, 1, 2)), act)
-    lid = _decide(slot.sid, training, "moe_experts", desc, where)
-    if lid < 0:
-        return reference()
-    try:
-        return _invoke(_EXPERTS, training, traced, hidden, ids, w, gate_up, down, act, lid, training)
-    except kcpp.Unsupported as e:
-        _refuse(slot.sid, str(e))
-        return reference()
+    return _kernel_or_reference(slot, training, traced, "moe_experts", desc, where, _EXPERTS,
+                                (hidden, ids, w, gate_up, down, act), reference)
 
 
 def _register_experts():
@@ -1599,14 +1596,8 @@ def _msda_forward(where, slot, original, value, value_spatial_shapes, value_spat
     # The token dimensions: batch, value rows (the images' size), queries; the others are the model's.
     desc = (_desc(value, traced, (2, 3)), _desc(shapes, traced, (0, 1)), _desc(starts, traced, (0,)),
             _desc(loc, traced, (2, 3, 4, 5)), _desc(weights, traced, (2, 3, 4)), im2col_step)
-    lid = _decide(slot.sid, training, "multi_scale_deformable_attention", desc, where)
-    if lid < 0:
-        return reference()
-    try:
-        return _invoke(_MSDA, training, traced, value, shapes, starts, loc, weights, im2col_step, lid, training)
-    except kcpp.Unsupported as e:
-        _refuse(slot.sid, str(e))
-        return reference()
+    return _kernel_or_reference(slot, training, traced, "multi_scale_deformable_attention", desc, where, _MSDA,
+                                (value, shapes, starts, loc, weights, im2col_step), reference)
 
 
 def _is_msda(m):
