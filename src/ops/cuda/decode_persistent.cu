@@ -66,8 +66,9 @@ constexpr int kThreads = kConsumers + 32;  // and the producer warp
 constexpr int kRowsPerGroup = kConsumerWarps;
 constexpr int kPiece = 1024;                                // elements of a row a stage holds
 constexpr int kStageElems = kRowsPerGroup * kPiece;         // 14 KiB in 16-bit dtypes
-constexpr int kMaxStages = 12;  // as many as shared memory holds beside the rest, 4 at least
+constexpr int kMaxStages = 16;  // as many as shared memory holds beside the rest, 4 at least
 constexpr int kMaxLayers = 32;                              // a launch's; more go in several launches
+constexpr int kTraceSlots = 5;                              // a phase's in the trace (Tracer)
 
 template <typename T> struct LayerPtrs {
   const T *input_norm, *post_norm, *wqkv, *q_norm, *k_norm, *wo, *w_gate_up, *w_down;
@@ -94,7 +95,8 @@ template <typename T> struct Params {
   const int* positions;
   const int* lengths;
   unsigned* arrived;   // the grid barrier's count, zero at launch
-  uint64_t* trace;     // null, or [layers, 5 phases, 4] time stamps (KCPP_DECODE_PERSISTENT_TRACE)
+  unsigned* qkv_ready; // [Hkv] rows of each kv head's q / k / v made so far in this launch, zero at launch
+  uint64_t* trace;     // null, or [layers, 5 phases, 5] (KCPP_DECODE_PERSISTENT_TRACE, Tracer)
   int h, inter, hq, hkv, d, rd, r_count, capacity, max_length, smax, union_bytes, stages;
   float eps, offset, qk_eps, qk_offset;
   bool gemma, qk_gemma;
@@ -134,13 +136,26 @@ __device__ __forceinline__ void grid_sync(unsigned* arrived, unsigned& target) {
   consumers_sync();
 }
 
+// Waits (the block's consumers) until *count reaches target: written with a release add by the
+// blocks it counts, read with acquire, so their writes before the add are visible after the wait.
+__device__ __forceinline__ void wait_count(const unsigned* count, unsigned target) {
+  if (threadIdx.x == 0) {
+    unsigned seen = 0;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(count) : "memory");
+    } while (seen < target);
+  }
+  consumers_sync();
+}
+
 // With a trace (KCPP_DECODE_PERSISTENT_TRACE), block 0's first thread stamps each phase of each
 // layer: 0 when the barrier before it lets the block go, 1 when its input rows are made, 2 when its
-// first stage of weights is ready, 3 when its work is done.
+// first stage of weights is ready, 3 when its work is done; slot 4 counts the phase's stages
+// (low 32 bits) and those whose bytes had not landed when warp 0 reached them (high 32 bits).
 struct Tracer {
   uint64_t* t;
   __device__ __forceinline__ uint64_t* at(int layer, int phase, int k) const {
-    return t != nullptr && blockIdx.x == 0 ? t + (layer * 5 + phase) * 4 + k : nullptr;
+    return t != nullptr && blockIdx.x == 0 ? t + (layer * 5 + phase) * kTraceSlots + k : nullptr;
   }
   __device__ __forceinline__ void stamp(int layer, int phase, int k) const {
     if (uint64_t* w = at(layer, phase, k); w != nullptr && threadIdx.x == 0) *w = global_ns();
@@ -228,6 +243,8 @@ template <typename T, int M>
 __device__ void gemv(const Gemv<T>& g, const T* act, T* out, const T* ring, uint64_t* full, uint64_t* empty, kc::RingCursor& at,
                      int p_stages, Unary fn, uint64_t* ready) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  uint64_t* stages_seen = ready != nullptr ? ready + 2 : nullptr;  // the trace's slot 4 (Tracer)
+  uint64_t seen = 0;
   int r0, r1;
   rows_of(g.n, r0, r1);
   for (int g0 = r0; g0 < r1; g0 += kRowsPerGroup) {
@@ -238,6 +255,8 @@ __device__ void gemv(const Gemv<T>& g, const T* act, T* out, const T* ring, uint
       if (half >= g.halves) break;
       for (int e0 = 0; e0 < g.k; e0 += kPiece) {
         const int len = min(kPiece, g.k - e0);
+        if (stages_seen != nullptr && threadIdx.x == 0)
+          seen += 1 + (::cuda::ptx::mbarrier_test_wait_parity(&full[at.slot], at.parity) ? 0 : uint64_t{1} << 32);
         ring_wait(&full[at.slot], at.parity);
         if (ready != nullptr && threadIdx.x == 0) *ready = global_ns(), ready = nullptr;
         if (mine) {
@@ -285,6 +304,7 @@ __device__ void gemv(const Gemv<T>& g, const T* act, T* out, const T* ring, uint
       }
     }
   }
+  if (stages_seen != nullptr && threadIdx.x == 0) *stages_seen = seen;
 }
 
 // ---- the projections' input rows ---------------------------------------------------------------------
@@ -382,10 +402,12 @@ __device__ __forceinline__ void merge(float& m, float& l, float& a, float m2, fl
 }
 
 // Item (row m, kv head kvh, split) of a layer's attention.  scratch: [warps, g, D + 2] floats; qf [g, D];
-// kv_new [2, D].
+// kv_new [2, D].  The item's q / k / v rows are read once *ready reaches ready_target (the blocks
+// that make them count them there); the cache's keys and values of the item's first pass are
+// loaded before that wait, and every vector the heads need (norm weights, cos, sin) with its head.
 template <typename T>
 __device__ void attention_item(const Params<T>& p, const int (*step)[4], const LayerPtrs<T>& L, int m, int kvh, int split,
-                               const RowKeys& rk, float* scratch, float* qf, float* kv_new) {
+                               const RowKeys& rk, float* scratch, float* qf, float* kv_new, unsigned ready_target) {
   const int t = threadIdx.x, warp = t / 32, lane = t % 32, d = p.d, g = p.hq / p.hkv, h0 = kvh * g;
   const int heads = p.hq + 2 * p.hkv;
   const T* src = p.qkv + static_cast<int64_t>(m) * heads * d;
@@ -395,40 +417,54 @@ __device__ void attention_item(const Params<T>& p, const int (*step)[4], const L
   const int lpk = d / 8, kpi = 32 / lpk, sub = lane / lpk, e0 = (lane % lpk) * 8;
   const int chunk = rk.bad ? 0 : (rk.len - rk.lo + rk.splits - 1) / rk.splits;
   const int start = rk.lo + split * chunk, end = rk.bad ? start : ::min(rk.len, start + chunk);
-  const T* kc = L.k_cache + head_base * d;
-  const T* vc = L.v_cache + head_base * d;
-  // The lane's first key and value from the cache, loaded while the heads below are made.
-  const int first = start + warp * kpi + sub;
-  const bool preloaded = first < end && first != pos;
-  float kv0[8] = {}, vv0[8] = {};
-  if (preloaded) {
-    load_f32<T, 8>(kc + static_cast<int64_t>(first) * d + e0, kv0);
-    load_f32<T, 8>(vc + static_cast<int64_t>(first) * d + e0, vv0);
-  }
+  const T* kcache = L.k_cache + head_base * d;
+  const T* vcache = L.v_cache + head_base * d;
+  // A pass of the block covers `stride` keys, lane `sub` of a warp's kpi keys; a lane holds kPasses
+  // passes' keys and values in registers, loaded together.
+  constexpr int kPasses = 4;
+  const int stride = kConsumerWarps * kpi, first = start + warp * kpi;
+  uint4 kraw[kPasses], vraw[kPasses];
+  auto load_passes = [&](int base) {
+#pragma unroll
+    for (int q = 0; q < kPasses; ++q) {
+      const int key = base + q * stride + sub;
+      if (key < end && key != pos) {  // the step's own key is made below
+        kraw[q] = *reinterpret_cast<const uint4*>(kcache + static_cast<int64_t>(key) * d + e0);
+        vraw[q] = *reinterpret_cast<const uint4*>(vcache + static_cast<int64_t>(key) * d + e0);
+      }
+    }
+  };
+  load_passes(first);
+  wait_count(p.qkv_ready + kvh, ready_target);
   // The item's query heads and the step's key and value: a warp a head, lane holding elements
   // lane, lane + 32, ...
   for (int j = warp; j < g + 2; j += kConsumerWarps) {
     const bool is_k = j == g, is_v = j == g + 1;
     const int head = is_v ? p.hq + p.hkv + kvh : is_k ? p.hq + kvh : h0 + j;
     float* dst = is_v ? kv_new + d : is_k ? kv_new : qf + j * d;
-    float v[8];
+    const T* nw = is_v ? nullptr : is_k ? L.k_norm : L.q_norm;
+    const T* c = p.cos + static_cast<int64_t>(m) * p.rd;
+    const T* sn = p.sin + static_cast<int64_t>(m) * p.rd;
+    float v[8], wt[8], cv[8], sv[8];
     float ss = 0.f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < 8; ++i) {  // every load of the head first
       const int e = lane + 32 * i;
       v[i] = e < d ? load_cg(src + head * d + e) : 0.f;
-      ss += v[i] * v[i];
+      wt[i] = nw != nullptr && e < d ? norm_weight<T>(nw, e, p.qk_offset, p.qk_gemma) : 0.f;
+      const bool rot = !is_v && e < p.rd;
+      cv[i] = rot ? to_f32(c[e]) : 0.f;
+      sv[i] = rot ? to_f32(sn[e]) : 0.f;
     }
-    const T* nw = is_v ? nullptr : is_k ? L.k_norm : L.q_norm;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ss += v[i] * v[i];
     if (nw != nullptr) {  // RMSNorm over the head, rstd in f32
       ss = warp_sum(ss);
       const float rstd = 1.f / sqrtf(ss / static_cast<float>(d) + p.qk_eps);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const int e = lane + 32 * i;
-        if (e >= d) continue;
-        const float wt = norm_weight<T>(nw, e, p.qk_offset, p.qk_gemma);
-        v[i] = p.qk_gemma ? round_to<T>(v[i] * rstd * wt) : round_to<T>(wt * round_to<T>(v[i] * rstd));
+        if (lane + 32 * i >= d) continue;
+        v[i] = p.qk_gemma ? round_to<T>(v[i] * rstd * wt[i]) : round_to<T>(wt[i] * round_to<T>(v[i] * rstd));
       }
     }
 #pragma unroll
@@ -436,8 +472,6 @@ __device__ void attention_item(const Params<T>& p, const int (*step)[4], const L
       if (lane + 32 * i < d) dst[lane + 32 * i] = v[i];
     __syncwarp();
     if (!is_v) {  // RoPE, rotate-half, on the first rd elements; each product rounded before the add
-      const T* c = p.cos + static_cast<int64_t>(m) * p.rd;
-      const T* s = p.sin + static_cast<int64_t>(m) * p.rd;
       const int half = p.rd / 2;
       float r[8];
 #pragma unroll
@@ -446,7 +480,7 @@ __device__ void attention_item(const Params<T>& p, const int (*step)[4], const L
         r[i] = v[i];
         if (e < p.rd) {
           const float rot = e < half ? -dst[e + half] : dst[e - half];
-          r[i] = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(v[i], to_f32(c[e]))), round_to<T>(__fmul_rn(rot, to_f32(s[e])))));
+          r[i] = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(v[i], cv[i])), round_to<T>(__fmul_rn(rot, sv[i]))));
         }
       }
       __syncwarp();
@@ -470,38 +504,43 @@ __device__ void attention_item(const Params<T>& p, const int (*step)[4], const L
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[j][i] = 0.f;
   }
-  for (int base = start + warp * kpi; base < end; base += kConsumerWarps * kpi) {  // uniform in the warp
-    const int key = base + sub;
-    const bool valid = key < end;
-    float kv[8], vv[8];
-    if (!valid) {
+  for (int base = first; base < end; base += kPasses * stride) {
+    if (base != first) load_passes(base);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) kv[i] = vv[i] = 0.f;
-    } else if (key == pos) {  // the step's own key, written by split 0 meanwhile
+    for (int q = 0; q < kPasses; ++q) {
+      if (base + q * stride >= end) break;  // uniform in the warp
+      const int key = base + q * stride + sub;
+      const bool valid = key < end;
+      float kv[8], vv[8];
+      if (!valid) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) kv[i] = kv_new[e0 + i], vv[i] = kv_new[d + e0 + i];
-    } else if (key == first) {
+        for (int i = 0; i < 8; ++i) kv[i] = vv[i] = 0.f;
+      } else if (key == pos) {  // the step's own key, written by split 0 meanwhile
 #pragma unroll
-      for (int i = 0; i < 8; ++i) kv[i] = kv0[i], vv[i] = vv0[i];
-    } else {
-      load_f32<T, 8>(kc + static_cast<int64_t>(key) * d + e0, kv);
-      load_f32<T, 8>(vc + static_cast<int64_t>(key) * d + e0, vv);
-    }
+        for (int i = 0; i < 8; ++i) kv[i] = kv_new[e0 + i], vv[i] = kv_new[d + e0 + i];
+      } else {
+        kc::Vec<T, 8> kw, vw;
+        memcpy(&kw, &kraw[q], sizeof(kw));
+        memcpy(&vw, &vraw[q], sizeof(vw));
+        kc::widen(kw, kv);
+        kc::widen(vw, vv);
+      }
 #pragma unroll
-    for (int j = 0; j < kMaxGroup; ++j) {
-      if (j >= g) break;
-      float s = 0.f;
+      for (int j = 0; j < kMaxGroup; ++j) {
+        if (j >= g) break;
+        float s = 0.f;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) s = fmaf(qf[j * d + e0 + i], kv[i], s);
-      for (int o = lpk / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-      if (valid) {
-        s *= L.scale_log2;
-        const float mn = fmaxf(mx[j], s);
-        const float a = exp2f(mx[j] - mn), pe = exp2f(s - mn);
-        sum[j] = sum[j] * a + pe;
+        for (int i = 0; i < 8; ++i) s = fmaf(qf[j * d + e0 + i], kv[i], s);
+        for (int o = lpk / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (valid) {
+          s *= L.scale_log2;
+          const float mn = fmaxf(mx[j], s);
+          const float a = exp2f(mx[j] - mn), pe = exp2f(s - mn);
+          sum[j] = sum[j] * a + pe;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[j][i] = fmaf(pe, vv[i], acc[j][i] * a);
-        mx[j] = mn;
+          for (int i = 0; i < 8; ++i) acc[j][i] = fmaf(pe, vv[i], acc[j][i] * a);
+          mx[j] = mn;
+        }
       }
     }
   }
@@ -539,7 +578,8 @@ __device__ void attention_item(const Params<T>& p, const int (*step)[4], const L
 }
 
 template <typename T, int M>
-__device__ void attention(const Params<T>& p, const int (*step)[4], const LayerPtrs<T>& L, float* scratch, float* qf, float* kv_new) {
+__device__ void attention(const Params<T>& p, const int (*step)[4], const LayerPtrs<T>& L, float* scratch, float* qf, float* kv_new,
+                          unsigned ready_target) {
   RowKeys rk[M];
   int total = 0;
 #pragma unroll
@@ -550,36 +590,63 @@ __device__ void attention(const Params<T>& p, const int (*step)[4], const LayerP
   for (int it = blockIdx.x; it < total; it += gridDim.x) {
     int m = 0, r = it;
     while (r >= p.hkv * rk[m].splits) r -= p.hkv * rk[m].splits, ++m;
-    attention_item(p, step, L, m, r / rk[m].splits, r % rk[m].splits, rk[m], scratch, qf, kv_new);
+    attention_item(p, step, L, m, r / rk[m].splits, r % rk[m].splits, rk[m], scratch, qf, kv_new, ready_target);
+  }
+}
+
+// After the block's qkv rows [r0, r1) are written: each kv head's count of its rows made (its g
+// query heads, its key and its value head, D rows each) goes up by this block's share, with release.
+template <typename T> __device__ void publish_qkv(const Params<T>& p) {
+  consumers_sync();  // every consumer's rows written
+  if (threadIdx.x != 0) return;
+  int r0, r1;
+  rows_of((p.hq + 2 * p.hkv) * p.d, r0, r1);
+  const int g = p.hq / p.hkv;
+  auto overlap = [&](int lo, int hi) { return ::max(0, ::min(r1, hi) - ::max(r0, lo)); };
+  for (int kvh = 0; kvh < p.hkv; ++kvh) {
+    const int n = overlap(kvh * g * p.d, (kvh + 1) * g * p.d) + overlap((p.hq + kvh) * p.d, (p.hq + kvh + 1) * p.d) +
+                  overlap((p.hq + p.hkv + kvh) * p.d, (p.hq + p.hkv + kvh + 1) * p.d);
+    if (n > 0) asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p.qkv_ready + kvh), "r"(n) : "memory");
   }
 }
 
 // act[m, h D + e] = r(the merged softmax of row m's splits for query head h): the o projection's
-// input.  A thread 8 elements of a head; the splits merged in their order, loads unrolled ahead.
-template <typename T, int M> __device__ void merge_rows(const Params<T>& p, const int (*step)[4], int window, T* act) {
-  const int n = p.hq * p.d, units = M * n / 8;
+// input.  A thread W elements of a head (one unit a thread at one row and D >= 16: the loads of every
+// split in one round trip); the splits merged in their order, loads unrolled ahead.
+template <typename T, int M, int W> __device__ void merge_rows(const Params<T>& p, const int (*step)[4], int window, T* act) {
+  const int n = p.hq * p.d, units = M * n / W;
   for (int u = threadIdx.x; u < units; u += kConsumers) {
-    const int idx = u * 8, m = idx / n, h = (idx % n) / p.d, e = idx % p.d;
+    const int idx = u * W, m = idx / n, h = (idx % n) / p.d, e = idx % p.d;
     const RowKeys rk = row_keys(p, step, window, m);
-    float o[8];
+    float o[W];
     if (rk.bad) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) o[i] = NAN;
+      for (int i = 0; i < W; ++i) o[i] = NAN;
     } else {
       const int64_t at = (static_cast<int64_t>(m) * p.hq + h) * p.smax;
-      float mm = -INFINITY, l = 0.f, a[8] = {};
-#pragma unroll 8
+      float mm = -INFINITY, l = 0.f, a[W] = {};
+#pragma unroll 4
       for (int s = 0; s < rk.splits; ++s) {
         const float2 ml = __ldcg(reinterpret_cast<const float2*>(p.part_ml + (at + s) * 2));
         const float4* src = reinterpret_cast<const float4*>(p.part_o + (at + s) * p.d + e);
-        const float4 lo = __ldcg(src), hi = __ldcg(src + 1);
-        const float a2[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        float a2[W];
+#pragma unroll
+        for (int i = 0; i < W / 4; ++i) {
+          const float4 f = __ldcg(src + i);
+          a2[4 * i] = f.x, a2[4 * i + 1] = f.y, a2[4 * i + 2] = f.z, a2[4 * i + 3] = f.w;
+        }
         softmax_merge(mm, l, a, ml.x, ml.y, a2);
       }
 #pragma unroll
-      for (int i = 0; i < 8; ++i) o[i] = a[i] / l;
+      for (int i = 0; i < W; ++i) o[i] = a[i] / l;
     }
-    store_f32<T, 8>(act + idx, o);
+#pragma unroll
+    for (int i = 0; i < W; i += 8) {
+      float o8[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) o8[j] = o[i + j];
+      store_f32<T, 8>(act + idx + i, o8);
+    }
   }
   consumers_sync();
 }
@@ -632,13 +699,16 @@ template <typename T, int M> __global__ void __launch_bounds__(kThreads, 1) deco
                         p.offset, p.gemma, red);
     tr.stamp(l, 0, 1);
     project(l, 0, 0, p.qkv);
-    grid_sync(p.arrived, target);
+    publish_qkv(p);  // no grid barrier: an attention item waits for its kv head's rows only
     tr.stamp(l, 1, 0);
-    attention<T, M>(p, step, L, scratch, qf, kv_new);
+    attention<T, M>(p, step, L, scratch, qf, kv_new, static_cast<unsigned>((l + 1) * (p.hq / p.hkv + 2) * p.d));
     tr.stamp(l, 1, 1), tr.stamp(l, 1, 2), tr.stamp(l, 1, 3);
     grid_sync(p.arrived, target);
     tr.stamp(l, 2, 0);
-    merge_rows<T, M>(p, step, L.window, act);
+    if (p.d % 16 == 0)
+      merge_rows<T, M, 16>(p, step, L.window, act);
+    else
+      merge_rows<T, M, 8>(p, step, L.window, act);
     tr.stamp(l, 2, 1);
     project(l, 1, 2, p.delta);
     grid_sync(p.arrived, target);
@@ -710,27 +780,31 @@ uint64_t* trace_buffer(cudaStream_t stream) {
   KCPP_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
   if (capturing != cudaStreamCaptureStatusNone) return nullptr;
   static uint64_t* buf = nullptr;  // one device's, for a diagnosis
-  if (buf == nullptr) KCPP_CUDA_CHECK(cudaMalloc(&buf, sizeof(uint64_t) * 20 * kMaxLayers));
+  if (buf == nullptr) KCPP_CUDA_CHECK(cudaMalloc(&buf, sizeof(uint64_t) * 5 * kTraceSlots * kMaxLayers));
   return buf;
 }
 
 void print_trace(const uint64_t* trace, int layers, cudaStream_t stream) {
-  std::vector<uint64_t> t(static_cast<size_t>(20 * layers));
+  std::vector<uint64_t> t(static_cast<size_t>(5 * kTraceSlots * layers));
   KCPP_CUDA_CHECK(cudaMemcpyAsync(t.data(), trace, sizeof(uint64_t) * t.size(), cudaMemcpyDeviceToHost, stream));
   KCPP_CUDA_CHECK(cudaStreamSynchronize(stream));
   static const char* names[5] = {"norm+qkv", "attention", "merge+o", "norm+gate/up+act", "down"};
   double part[5][3] = {}, wait = 0;
+  uint64_t stages[5] = {}, late[5] = {};
+  auto slot = [&](int l, int ph, int k) { return t[static_cast<size_t>((l * 5 + ph) * kTraceSlots + k)]; };
   for (int l = 0; l < layers; ++l)
     for (int ph = 0; ph < 5; ++ph) {
-      const size_t at = static_cast<size_t>((l * 5 + ph) * 4);
-      for (size_t k = 0; k < 3; ++k) part[ph][k] += static_cast<double>(t[at + k + 1] - t[at + k]) / 1e3;
-      if (at > 0) wait += static_cast<double>(t[at] - t[at - 1]) / 1e3;
+      for (int k = 0; k < 3; ++k) part[ph][k] += static_cast<double>(slot(l, ph, k + 1) - slot(l, ph, k)) / 1e3;
+      if (l > 0 || ph > 0) wait += static_cast<double>(slot(l, ph, 0) - (ph > 0 ? slot(l, ph - 1, 3) : slot(l - 1, 4, 3))) / 1e3;
+      if (ph != 1) stages[ph] += slot(l, ph, 4) & 0xffffffffu, late[ph] += slot(l, ph, 4) >> 32;
     }
   std::fprintf(stderr, "decode_layers_persistent: %d layers %.1f us (block 0; summed over the layers: rows made / weights "
-               "awaited / the rest)\n", layers, static_cast<double>(t.back() - t.front()) / 1e3);
+               "awaited / the rest; stages whose bytes had not landed when reached / stages)\n", layers,
+               static_cast<double>(slot(layers - 1, 4, 3) - slot(0, 0, 0)) / 1e3);
   for (int ph = 0; ph < 5; ++ph)
-    std::fprintf(stderr, "  %-13s %7.1f %7.1f %7.1f\n", names[ph], part[ph][0], part[ph][1], part[ph][2]);
-  std::fprintf(stderr, "  %-13s %7.1f\n", "barriers", wait);
+    std::fprintf(stderr, "  %-17s %7.1f %7.1f %7.1f   %llu / %llu\n", names[ph], part[ph][0], part[ph][1], part[ph][2],
+                 static_cast<unsigned long long>(late[ph]), static_cast<unsigned long long>(stages[ph]));
+  std::fprintf(stderr, "  %-17s %7.1f\n", "barriers and waits", wait);
 }
 
 template <typename T, int M> bool run(Params<T> p, const std::vector<PersistentDecodeLayer>& layers, size_t smem, int sms) {
@@ -756,7 +830,7 @@ template <typename T, int M> bool run(Params<T> p, const std::vector<PersistentD
       L.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
       L.window = static_cast<int>(std::min<int64_t>(l.window, INT32_MAX));
     }
-    KCPP_CUDA_CHECK(cudaMemsetAsync(p.arrived, 0, sizeof(unsigned), stream));
+    KCPP_CUDA_CHECK(cudaMemsetAsync(p.arrived, 0, sizeof(unsigned) * (1 + p.hkv), stream));
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(static_cast<unsigned>(sms));
     cfg.blockDim = dim3(kThreads);
@@ -802,7 +876,7 @@ bool decode_layers_persistent(const Tensor& x_out, const Tensor& delta_out, cons
   const Tensor gu = Tensor::empty({b, inter}, x.dtype(), x.device());
   const Tensor part_o = Tensor::empty({b, hq, smax, d}, DType::f32, x.device());
   const Tensor part_ml = Tensor::empty({b, hq, smax, 2}, DType::f32, x.device());
-  const Tensor arrived = Tensor::empty({1}, DType::i32, x.device());
+  const Tensor arrived = Tensor::empty({1 + hkv}, DType::i32, x.device());  // the barrier's count, then qkv_ready
   const int64_t max_length = opt.max_length > 0 ? std::min(opt.max_length, layers[0].k_cache.size(2)) : layers[0].k_cache.size(2);
   bool done = false;
   visit_cuda_float(x.dtype(), "decode_layers_persistent", [&]<typename T>(std::type_identity<T>) {
@@ -825,6 +899,7 @@ bool decode_layers_persistent(const Tensor& x_out, const Tensor& delta_out, cons
       p.positions = static_cast<const int*>(positions.data());
       p.lengths = static_cast<const int*>(lengths.data());
       p.arrived = static_cast<unsigned*>(arrived.data());
+      p.qkv_ready = p.arrived + 1;
       p.h = static_cast<int>(h), p.inter = static_cast<int>(inter), p.hq = static_cast<int>(hq), p.hkv = static_cast<int>(hkv);
       p.d = static_cast<int>(d), p.rd = static_cast<int>(b > 0 ? cos.numel() / b : 0);
       p.r_count = static_cast<int>(layers[0].k_cache.size(0)), p.capacity = static_cast<int>(layers[0].k_cache.size(2));
