@@ -68,7 +68,7 @@ constexpr int kPiece = 1024;                                // elements of a row
 constexpr int kStageElems = kRowsPerGroup * kPiece;         // 14 KiB in 16-bit dtypes
 constexpr int kMaxStages = 16;  // as many as shared memory holds beside the rest, 4 at least
 constexpr int kMaxLayers = 32;                              // a launch's; more go in several launches
-constexpr int kTraceSlots = 5;                              // a phase's in the trace (Tracer)
+constexpr int kTraceSlots = 9;                              // a phase's in the trace (Tracer)
 
 template <typename T> struct LayerPtrs {
   const T *input_norm, *post_norm, *wqkv, *q_norm, *k_norm, *wo, *w_gate_up, *w_down;
@@ -109,6 +109,7 @@ template <typename T> struct Params {
 
 constexpr int kMaxGroup = 8;  // query heads a kv head
 constexpr int kKeysPerSplit = 48;
+constexpr uint32_t kProducerSleepNs = 1000000;  // try_wait's suspend-time hint
 
 // ---- synchronization -------------------------------------------------------------------------------
 
@@ -120,38 +121,42 @@ __device__ __forceinline__ uint64_t global_ns() {
   return t;
 }
 
+// Thread 0 polls *count with relaxed loads until it reaches target, then one acquire fence makes
+// what the counted blocks wrote before their release adds visible (the PTX memory model's acquire
+// pattern); an acquire load as the poll would invalidate the L1 cache at every poll.
+__device__ __forceinline__ void poll_until(const unsigned* count, unsigned target) {
+  unsigned seen = 0;
+  do {
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(count) : "memory");
+  } while (seen < target);
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+
 // Every block's consumers have finished the phase before (their global writes visible to all): the
-// block's barrier orders its threads' writes before its first thread's release, which the other
-// blocks' acquire of the count orders before their reads.
+// block's barrier orders its threads' writes before its first thread's release add, which the
+// other blocks' polls and fence order before their reads.
 __device__ __forceinline__ void grid_sync(unsigned* arrived, unsigned& target) {
   consumers_sync();
   if (threadIdx.x == 0) {
     target += gridDim.x;
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(arrived) : "memory");
-    unsigned seen = 0;
-    do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(arrived) : "memory");
-    } while (seen < target);
+    poll_until(arrived, target);
   }
   consumers_sync();
 }
 
-// Waits (the block's consumers) until *count reaches target: written with a release add by the
-// blocks it counts, read with acquire, so their writes before the add are visible after the wait.
+// Waits (the block's consumers) until *count reaches target: written with release adds by the
+// blocks it counts, so their writes before the adds are visible after the wait.
 __device__ __forceinline__ void wait_count(const unsigned* count, unsigned target) {
-  if (threadIdx.x == 0) {
-    unsigned seen = 0;
-    do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(count) : "memory");
-    } while (seen < target);
-  }
+  if (threadIdx.x == 0) poll_until(count, target);
   consumers_sync();
 }
 
 // With a trace (KCPP_DECODE_PERSISTENT_TRACE), block 0's first thread stamps each phase of each
 // layer: 0 when the barrier before it lets the block go, 1 when its input rows are made, 2 when its
 // first stage of weights is ready, 3 when its work is done; slot 4 counts the phase's stages
-// (low 32 bits) and those whose bytes had not landed when warp 0 reached them (high 32 bits).
+// (low 32 bits) and those whose bytes had not landed when warp 0 reached them (high 32 bits).  In
+// the attention phase, slots 4-8 stamp the steps of the block's first item (attention_item).
 struct Tracer {
   uint64_t* t;
   __device__ __forceinline__ uint64_t* at(int layer, int phase, int k) const {
@@ -176,11 +181,23 @@ template <typename T> __device__ __forceinline__ void load8_cg(const T* p, float
   kc::widen(w, v);
 }
 
-template <typename T> __device__ __forceinline__ float load_cg(const T* p) {
-  const unsigned short u = __ldcg(reinterpret_cast<const unsigned short*>(p));
-  T v;
-  memcpy(&v, &u, sizeof(v));
-  return to_f32(v);
+// Elements [0, n) of p widened to f32 (out[n..8) zero), n in {1, 2, 4, 8} and p aligned to n
+// elements: one load of 2 n bytes, through L2 with kL2 (what other blocks wrote in this launch).
+template <typename T, bool kL2> __device__ __forceinline__ void load_run(const T* p, int n, float (&out)[8]) {
+  uint4 u = {0u, 0u, 0u, 0u};
+  if (n == 8) {
+    u = kL2 ? __ldcg(reinterpret_cast<const uint4*>(p)) : *reinterpret_cast<const uint4*>(p);
+  } else if (n == 4) {
+    const uint2 h = kL2 ? __ldcg(reinterpret_cast<const uint2*>(p)) : *reinterpret_cast<const uint2*>(p);
+    u.x = h.x, u.y = h.y;
+  } else if (n == 2) {
+    u.x = kL2 ? __ldcg(reinterpret_cast<const unsigned*>(p)) : *reinterpret_cast<const unsigned*>(p);
+  } else {
+    u.x = kL2 ? __ldcg(reinterpret_cast<const unsigned short*>(p)) : *reinterpret_cast<const unsigned short*>(p);
+  }
+  kc::Vec<T, 8> w;
+  memcpy(&w, &u, sizeof(w));
+  kc::widen(w, out);
 }
 
 // ---- the projections ----------------------------------------------------------------------------------
@@ -223,7 +240,11 @@ template <typename T> __device__ void produce(const Params<T>& p, T* ring, uint6
           for (int e0 = 0; e0 < g.k; e0 += kPiece) {
             const int len = min(kPiece, g.k - e0);
             const T* src = g.w + (static_cast<int64_t>(half) * g.n + g0) * g.k + e0;
-            ring_wait(&empty[at.slot], at.parity ^ 1u);  // a fresh barrier's "previous phase" is complete
+            // A fresh barrier's "previous phase" is complete.  The ring is mostly full: the producer
+            // sleeps in the wait (woken when the stage frees) rather than taking issue slots from
+            // the consumers on its scheduler.
+            while (!::cuda::ptx::mbarrier_try_wait_parity(&empty[at.slot], at.parity ^ 1u, uint32_t{kProducerSleepNs})) {
+            }
             kc::bulk_expect(&full[at.slot], static_cast<uint32_t>(rows * len * sizeof(T)));
             T* dst = ring + at.slot * kStageElems;
             if (len == g.k)  // whole rows: the group is contiguous, one copy
@@ -407,8 +428,12 @@ __device__ __forceinline__ void merge(float& m, float& l, float& a, float m2, fl
 // loaded before that wait, and every vector the heads need (norm weights, cos, sin) with its head.
 template <typename T>
 __device__ void attention_item(const Params<T>& p, const int (*step)[4], const LayerPtrs<T>& L, int m, int kvh, int split,
-                               const RowKeys& rk, float* scratch, float* qf, float* kv_new, unsigned ready_target) {
+                               const RowKeys& rk, float* scratch, float* qf, float* kv_new, unsigned ready_target,
+                               uint64_t* steps) {
   const int t = threadIdx.x, warp = t / 32, lane = t % 32, d = p.d, g = p.hq / p.hkv, h0 = kvh * g;
+  auto mark = [&](int k) {
+    if (steps != nullptr && t == 0) steps[k] = global_ns();
+  };
   const int heads = p.hq + 2 * p.hkv;
   const T* src = p.qkv + static_cast<int64_t>(m) * heads * d;
   const int pos = step[1][m], crow = step[0][m];
@@ -436,8 +461,10 @@ __device__ void attention_item(const Params<T>& p, const int (*step)[4], const L
   };
   load_passes(first);
   wait_count(p.qkv_ready + kvh, ready_target);
-  // The item's query heads and the step's key and value: a warp a head, lane holding elements
-  // lane, lane + 32, ...
+  mark(0);
+  // The item's query heads and the step's key and value: a warp a head, lane holding the E = D / 32
+  // elements [lane E, lane E + E) (one element for D < 32), each vector it needs loaded at once.
+  const int per = ::max(1, d / 32), e = lane * per;
   for (int j = warp; j < g + 2; j += kConsumerWarps) {
     const bool is_k = j == g, is_v = j == g + 1;
     const int head = is_v ? p.hq + p.hkv + kvh : is_k ? p.hq + kvh : h0 + j;
@@ -445,51 +472,57 @@ __device__ void attention_item(const Params<T>& p, const int (*step)[4], const L
     const T* nw = is_v ? nullptr : is_k ? L.k_norm : L.q_norm;
     const T* c = p.cos + static_cast<int64_t>(m) * p.rd;
     const T* sn = p.sin + static_cast<int64_t>(m) * p.rd;
-    float v[8], wt[8], cv[8], sv[8];
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {  // every load of the head first
-      const int e = lane + 32 * i;
-      v[i] = e < d ? load_cg(src + head * d + e) : 0.f;
-      wt[i] = nw != nullptr && e < d ? norm_weight<T>(nw, e, p.qk_offset, p.qk_gemma) : 0.f;
-      const bool rot = !is_v && e < p.rd;
-      cv[i] = rot ? to_f32(c[e]) : 0.f;
-      sv[i] = rot ? to_f32(sn[e]) : 0.f;
+    const bool mine = e < d, rot = mine && !is_v && e < p.rd;
+    float v[8] = {}, wt[8] = {}, cv[8] = {}, sv[8] = {};
+    if (mine) {
+      load_run<T, true>(src + head * d + e, per, v);
+      if (nw != nullptr) load_run<T, false>(nw + e, per, wt);
     }
+    if (rot && e + per <= p.rd && p.rd % per == 0) {
+      load_run<T, false>(c + e, per, cv);
+      load_run<T, false>(sn + e, per, sv);
+    } else if (rot) {  // a run across the rotary width's end, or rows not aligned to a run
 #pragma unroll
-    for (int i = 0; i < 8; ++i) ss += v[i] * v[i];
+      for (int i = 0; i < 8; ++i)
+        if (i < per && e + i < p.rd) cv[i] = to_f32(c[e + i]), sv[i] = to_f32(sn[e + i]);
+    }
     if (nw != nullptr) {  // RMSNorm over the head, rstd in f32
+      float ss = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) ss += v[i] * v[i];
       ss = warp_sum(ss);
       const float rstd = 1.f / sqrtf(ss / static_cast<float>(d) + p.qk_eps);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        if (lane + 32 * i >= d) continue;
-        v[i] = p.qk_gemma ? round_to<T>(v[i] * rstd * wt[i]) : round_to<T>(wt[i] * round_to<T>(v[i] * rstd));
+        if (i >= per) break;
+        const float w = norm_weight_value<T>(wt[i], p.qk_offset, p.qk_gemma);
+        v[i] = p.qk_gemma ? round_to<T>(v[i] * rstd * w) : round_to<T>(w * round_to<T>(v[i] * rstd));
       }
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i)
-      if (lane + 32 * i < d) dst[lane + 32 * i] = v[i];
+      if (mine && i < per) dst[e + i] = v[i];
     __syncwarp();
     if (!is_v) {  // RoPE, rotate-half, on the first rd elements; each product rounded before the add
       const int half = p.rd / 2;
       float r[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const int e = lane + 32 * i;
         r[i] = v[i];
-        if (e < p.rd) {
-          const float rot = e < half ? -dst[e + half] : dst[e - half];
-          r[i] = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(v[i], cv[i])), round_to<T>(__fmul_rn(rot, sv[i]))));
+        if (rot && i < per && e + i < p.rd) {
+          const int x = e + i;
+          const float other = x < half ? -dst[x + half] : dst[x - half];
+          r[i] = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(v[i], cv[i])), round_to<T>(__fmul_rn(other, sv[i]))));
         }
       }
       __syncwarp();
 #pragma unroll
       for (int i = 0; i < 8; ++i)
-        if (lane + 32 * i < d) dst[lane + 32 * i] = r[i];
+        if (mine && i < per) dst[e + i] = r[i];
     }
   }
   consumers_sync();
+  mark(1);
   if (split == 0 && row_ok && pos >= 0 && pos < p.capacity)
     for (int e = t; e < d; e += kConsumers) {
       L.k_cache[(head_base + pos) * d + e] = from_f32<T>(kv_new[e]);
@@ -544,6 +577,7 @@ __device__ void attention_item(const Params<T>& p, const int (*step)[4], const L
       }
     }
   }
+  mark(2);
   // The lanes holding the same elements of different keys, then the warps.
 #pragma unroll
   for (int j = 0; j < kMaxGroup; ++j) {
@@ -563,6 +597,7 @@ __device__ void attention_item(const Params<T>& p, const int (*step)[4], const L
     }
   }
   consumers_sync();
+  mark(3);
   for (int idx = t; idx < g * d; idx += kConsumers) {
     const int j = idx / d, e = idx % d;
     float mm = -INFINITY, l = 0.f, a = 0.f;
@@ -575,11 +610,12 @@ __device__ void attention_item(const Params<T>& p, const int (*step)[4], const L
     if (e == 0) p.part_ml[at * 2] = mm, p.part_ml[at * 2 + 1] = l;
   }
   consumers_sync();  // scratch, qf and kv_new are free again
+  mark(4);
 }
 
 template <typename T, int M>
 __device__ void attention(const Params<T>& p, const int (*step)[4], const LayerPtrs<T>& L, float* scratch, float* qf, float* kv_new,
-                          unsigned ready_target) {
+                          unsigned ready_target, uint64_t* steps) {
   RowKeys rk[M];
   int total = 0;
 #pragma unroll
@@ -590,7 +626,8 @@ __device__ void attention(const Params<T>& p, const int (*step)[4], const LayerP
   for (int it = blockIdx.x; it < total; it += gridDim.x) {
     int m = 0, r = it;
     while (r >= p.hkv * rk[m].splits) r -= p.hkv * rk[m].splits, ++m;
-    attention_item(p, step, L, m, r / rk[m].splits, r % rk[m].splits, rk[m], scratch, qf, kv_new, ready_target);
+    attention_item(p, step, L, m, r / rk[m].splits, r % rk[m].splits, rk[m], scratch, qf, kv_new, ready_target,
+                   it == blockIdx.x ? steps : nullptr);
   }
 }
 
@@ -701,7 +738,7 @@ template <typename T, int M> __global__ void __launch_bounds__(kThreads, 1) deco
     project(l, 0, 0, p.qkv);
     publish_qkv(p);  // no grid barrier: an attention item waits for its kv head's rows only
     tr.stamp(l, 1, 0);
-    attention<T, M>(p, step, L, scratch, qf, kv_new, static_cast<unsigned>((l + 1) * (p.hq / p.hkv + 2) * p.d));
+    attention<T, M>(p, step, L, scratch, qf, kv_new, static_cast<unsigned>((l + 1) * (p.hq / p.hkv + 2) * p.d), tr.at(l, 1, 4));
     tr.stamp(l, 1, 1), tr.stamp(l, 1, 2), tr.stamp(l, 1, 3);
     grid_sync(p.arrived, target);
     tr.stamp(l, 2, 0);
@@ -805,6 +842,11 @@ void print_trace(const uint64_t* trace, int layers, cudaStream_t stream) {
     std::fprintf(stderr, "  %-17s %7.1f %7.1f %7.1f   %llu / %llu\n", names[ph], part[ph][0], part[ph][1], part[ph][2],
                  static_cast<unsigned long long>(late[ph]), static_cast<unsigned long long>(stages[ph]));
   std::fprintf(stderr, "  %-17s %7.1f\n", "barriers and waits", wait);
+  double item[5] = {};
+  for (int l = 0; l < layers; ++l)
+    for (int k = 0; k < 5; ++k) item[k] += static_cast<double>(slot(l, 1, 4 + k) - (k == 0 ? slot(l, 1, 0) : slot(l, 1, 3 + k))) / 1e3;
+  std::fprintf(stderr, "  attention item: q/k/v awaited %.1f, heads made %.1f, keys %.1f, lanes and warps merged %.1f, "
+               "splits written %.1f\n", item[0], item[1], item[2], item[3], item[4]);
 }
 
 template <typename T, int M> bool run(Params<T> p, const std::vector<PersistentDecodeLayer>& layers, size_t smem, int sms) {
