@@ -798,6 +798,178 @@ TEST(Dist, Bf16ReplicasStayTheSame) {
   }
 }
 
+// The sparse embedding gradient's parts: with sparse_embedding_gradient an untied model returns the
+// gradient of the embedding's output (its rows summed by token are the dense gradient, bit for bit)
+// and hands no embedding gradient to `ready`; a tied model's embedding gradient stays dense.  A
+// layer's MLP and post-attention norm gradients are handed over before its attention's.
+TEST(Dist, SparseEmbeddingRowsAreTheDenseGradientsTerms) {
+  for (const char* family : {"llama", "qwen2"}) {
+    const models::ModelConfig cfg = models::ModelConfig::from_folder(fs::path(test::fixtures_dir()) / family);
+    Generator gen(6);
+    const Tensor ids = Tensor::randint({2, 7}, 0, 5, DType::i64, Device::cpu(), gen);  // ids repeat
+    auto model = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 7, 0.5);
+    const auto dense = model->loss_and_gradients(ids, ids, 1.0, ops::Reduction::Mean);
+    EXPECT_FALSE(dense.embedding_rows.defined()) << family;
+    model->sparse_embedding_gradient = true;
+    std::vector<std::string> order;
+    const auto sparse = model->loss_and_gradients(ids, ids, 1.0, ops::Reduction::Mean,
+                                                  [&](const std::string& n, const Tensor&) { order.push_back(n); });
+    const std::string embed = "model.embed_tokens.weight";
+    if (cfg.tie_word_embeddings) {
+      EXPECT_FALSE(sparse.embedding_rows.defined()) << family;
+      EXPECT_EQ(sparse.grads.at(embed).to_f64_vector(), dense.grads.at(embed).to_f64_vector()) << family;
+      EXPECT_EQ(order.back(), embed) << family;
+      continue;
+    }
+    ASSERT_TRUE(sparse.embedding_rows.defined()) << family;
+    EXPECT_EQ(sparse.embedding_rows.shape(), (Shape{ids.numel(), cfg.hidden_size})) << family;
+    EXPECT_EQ(sparse.grads.count(embed), 0u) << family;
+    EXPECT_EQ(std::count(order.begin(), order.end(), embed), 0) << family;
+    EXPECT_EQ(order.size(), dense.grads.size() - 1) << family;
+    const Tensor summed = ops::embedding_backward(sparse.embedding_rows, ids.view({ids.numel()}), cfg.vocab_size);
+    EXPECT_EQ(summed.to_f64_vector(), dense.grads.at(embed).to_f64_vector()) << family;
+    for (const auto& [name, g] : dense.grads)
+      if (name != embed) EXPECT_EQ(sparse.grads.at(name).to_f64_vector(), g.to_f64_vector()) << family << " " << name;
+    // Layer 0: the MLP's (and the post-attention norm's) before the attention's.
+    const auto at = [&](const std::string& n) { return std::find(order.begin(), order.end(), n) - order.begin(); };
+    EXPECT_LT(at("model.layers.0.mlp.down_proj.weight"), at("model.layers.0.self_attn.o_proj.weight")) << family;
+    EXPECT_LT(at("model.layers.0.post_attention_layernorm.weight"), at("model.layers.0.self_attn.q_proj.weight")) << family;
+    EXPECT_LT(at("model.layers.1.input_layernorm.weight"), at("model.layers.0.mlp.down_proj.weight")) << family;
+  }
+}
+
+// The embedding's gradient summed from every rank's rows (sparse) gives the parameters of summing
+// the dense gradients and of one process on the whole batch (f32, clipping active), at every ZeRO
+// stage, with and without overlap, on 2 and 3 ranks whose shares differ in size (the padding rows)
+// and hold several micro-batches, with ids repeated inside each rank and across ranks.  Every rank
+// ends with the same parameters.  A tied model (its embedding's gradient dense) takes the dense
+// path by itself and refuses a forced sparse one.  The automatic choice is the one of fewer bytes.
+TEST(Dist, SparseEmbeddingGradientEqualsTheDenseOne) {
+  const int64_t rows = 7, seq = 9;
+  train::AdamWOptions o;
+  o.lr = 5e-3, o.weight_decay = 0.01, o.max_grad_norm = 0.5;
+  for (bool tied : {false, true}) {
+    models::ModelConfig cfg = odd_llama();
+    cfg.tie_word_embeddings = tied;
+    std::vector<Tensor> ids;
+    Generator gen(21);
+    for (int step = 0; step < 3; ++step) {
+      // Half the tokens from the ids 3 .. 6 (repeated inside every rank's rows and across ranks), the
+      // rest anywhere in the vocabulary.
+      const auto few = Tensor::randint({rows, seq}, 3, 7, DType::i64, Device::cpu(), gen).to_f64_vector();
+      auto any = Tensor::randint({rows, seq}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen).to_f64_vector();
+      for (size_t i = 0; i < any.size(); i += 2) any[i] = few[i];
+      ids.push_back(Tensor::from_f64(any, {rows, seq}, DType::i64));
+    }
+    auto single = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 7, 0.5);
+    train::AdamW opt(single->parameters(), o);
+    for (const Tensor& batch : ids) train::train_step(*single, opt, {{batch, batch}});
+    std::map<std::string, std::vector<double>> want;
+    for (const auto& [name, p] : single->parameters()) want[name] = p.to_f64_vector();
+    for (int world : {2, 3})
+      for (int zero : {0, 1, 2, 3})
+        for (bool overlap : {true, false})
+          for (auto mode : {train::EmbeddingGradient::Sparse, train::EmbeddingGradient::Dense, train::EmbeddingGradient::Auto}) {
+            if (tied && mode == train::EmbeddingGradient::Sparse) continue;
+            const char* mode_name = mode == train::EmbeddingGradient::Sparse  ? "sparse"
+                                    : mode == train::EmbeddingGradient::Dense ? "dense"
+                                                                              : "auto";
+            const std::string what = fmt::format("{} world {} ZeRO-{}{} {}", tied ? "tied" : "untied", world, zero,
+                                                 overlap ? "" : " no overlap", mode_name);
+            std::vector<std::map<std::string, std::vector<double>>> got(static_cast<size_t>(world));
+            std::vector<train::DataParallel::CommStats> stats(static_cast<size_t>(world));
+            on_ranks(world, [&](int r, dist::Communicator& c) {
+              auto model = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 7, 0.5);
+              train::DataParallelOptions dp;
+              dp.zero_stage = zero, dp.overlap = overlap, dp.bucket_mib = 0.01, dp.embedding_gradient = mode;
+              train::DataParallel t(*model, c, o, dp);
+              // Rows 0..1 | 2..6 on 2 ranks, 0..1 | 2..3 | 4..6 on 3, each share as two micro-batches
+              // (its first row, the rest).
+              const int64_t lo = 2 * r, hi = r == world - 1 ? rows : 2 * r + 2;
+              for (const Tensor& batch : ids) {
+                const Tensor first = batch.narrow(0, lo, 1).contiguous(), rest = batch.narrow(0, lo + 1, hi - lo - 1).contiguous();
+                (void)t.step({{first, first}, {rest, rest}});
+              }
+              t.gather_parameters();
+              for (const auto& [name, p] : model->parameters()) got[static_cast<size_t>(r)][name] = p.to_f64_vector();
+              stats[static_cast<size_t>(r)] = t.comm_stats();
+            });
+            // Auto: sparse where a rank receives fewer bytes: the largest share is 27 tokens on 3
+            // ranks (3 rows of 9), 45 on 2, each a row of 31 f32 values and an 8-byte id, against the
+            // 97 x 31 f32 values reduced: on 3 ranks 2 x 27 x 132 = 7128 bytes against 2 x 2/3 x
+            // 12028 = 16037 (stage 0, an all-reduce) and 8019 (a reduce-scatter); on 2 ranks 45 x 132
+            // = 5940 against 12028 and 6014.  A tied head: dense.
+            const bool sparse = !tied && mode != train::EmbeddingGradient::Dense;
+            for (int r = 0; r < world; ++r) {
+              EXPECT_EQ(stats[static_cast<size_t>(r)].steps, 3) << what;
+              EXPECT_EQ(stats[static_cast<size_t>(r)].sparse_embedding_steps, sparse ? 3 : 0) << what;
+              EXPECT_EQ(stats[static_cast<size_t>(r)].timed, 3) << what;
+              for (const auto& [name, v] : got[static_cast<size_t>(r)]) {
+                EXPECT_TRUE(test::close_l2(Tensor::from_f64(v, {static_cast<int64_t>(v.size())}, DType::f64), want.at(name), 1e-5))
+                    << what << " rank " << r << " " << name;
+                if (r > 0) EXPECT_EQ(v, got[0].at(name)) << what << ": ranks 0 and " << r << " differ in " << name;
+              }
+            }
+          }
+    if (tied) {
+      const std::string err = error_of([&] {
+        on_ranks(2, [&](int, dist::Communicator& c) {
+          auto model = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 7, 0.5);
+          train::DataParallelOptions dp;
+          dp.embedding_gradient = train::EmbeddingGradient::Sparse;
+          train::DataParallel t(*model, c, o, dp);
+        });
+      });
+      EXPECT_NE(err.find("tied"), std::string::npos) << err;
+    }
+  }
+}
+
+// Without clipping, the sparse embedding gradient gives stage 0's parameters bit for bit at stages 1
+// to 3 (each rank sums the rows of its shard in the order stage 0 sums them), in f32 and bf16, on 3
+// ranks whose ids repeat; and the automatic choice follows the bytes: a share of 200 tokens on 3
+// ranks moves 2 x 200 x (31 x 4 + 8) = 52800 bytes of rows, more than the 16037 (stage 0) or 8019
+// bytes of the dense gradient: dense.
+TEST(Dist, SparseEmbeddingStagesEqualStageZeroBitForBit) {
+  const models::ModelConfig cfg = odd_llama();
+  Generator gen(13);
+  const Tensor ids = Tensor::randint({3, 10}, 0, 9, DType::i64, Device::cpu(), gen);
+  train::AdamWOptions o;
+  o.lr = 1e-2, o.weight_decay = 0.1;
+  for (DType dt : {DType::f32, DType::bf16}) {
+    std::map<int, std::vector<std::vector<std::vector<double>>>> got;
+    for (int zero : {0, 1, 2, 3}) {
+      got[zero].resize(3);
+      on_ranks(3, [&](int r, dist::Communicator& c) {
+        auto model = models::CausalLM::random(cfg, dt, Device::cpu(), 4, 0.5);
+        train::DataParallelOptions dp;
+        dp.zero_stage = zero, dp.bucket_mib = 0.02, dp.embedding_gradient = train::EmbeddingGradient::Sparse;
+        train::DataParallel t(*model, c, o, dp);
+        const Tensor mine = ids.narrow(0, r, 1).contiguous();
+        for (int step = 0; step < 3; ++step) t.step({{mine, mine}});
+        EXPECT_EQ(t.comm_stats().sparse_embedding_steps, 3);
+        t.gather_parameters();
+        for (const auto& [name, p] : model->parameters()) got[zero][static_cast<size_t>(r)].push_back(p.to_f64_vector());
+      });
+    }
+    for (int zero : {0, 1, 2, 3})
+      for (size_t r = 0; r < 3; ++r) {
+        EXPECT_EQ(got[zero][r], got[0][0]) << dtype_name(dt) << " ZeRO-" << zero << " rank " << r;
+      }
+  }
+  const Tensor long_ids = Tensor::randint({4, 50}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen);
+  for (int zero : {0, 1}) {
+    on_ranks(3, [&](int, dist::Communicator& c) {
+      auto model = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 4, 0.5);
+      train::DataParallelOptions dp;
+      dp.zero_stage = zero;
+      train::DataParallel t(*model, c, o, dp);
+      t.step({{long_ids, long_ids}});
+      EXPECT_EQ(t.comm_stats().sparse_embedding_steps, 0) << "ZeRO-" << zero;
+    });
+  }
+}
+
 // What a resumed run must equal: the random model of seed 9 trained by one process, a step on each
 // batch of `ids` (inputs and labels alike).
 std::unique_ptr<models::CausalLM> uninterrupted(const models::ModelConfig& cfg, const std::vector<Tensor>& ids,

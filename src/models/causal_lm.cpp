@@ -1199,6 +1199,7 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
     if (!c.tie_word_embeddings) ready("lm_head.weight", g.at("lm_head.weight"));
   }
   Tensor dh = fn.dx;  // [B, S, H]: the gradient of the residual stream
+  std::vector<std::string> handed_early;  // a layer's gradients handed to `ready` after its MLP's backward
   // Gradients of a linear layer y = x W^T (+ bias): dx = dy W, dW = dy^T x, db = column sums of dy.
   auto col_sum = [&](const Tensor& dy) { return ops::matmul(Tensor::full({1, dy.size(0)}, 1.0, dy.dtype(), dy.device()), dy).view({dy.size(1)}); };
   for (int64_t li = static_cast<int64_t>(layers_.size()) - 1; li >= 0; --li) {
@@ -1256,6 +1257,13 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
     const auto pn = l.post_norm->backward(dm.view({b, s, hdim}), t.post_norm);
     acc(p + "post_attention_layernorm.weight", pn.dweight);
     dh = ops::add(dh, pn.dx);
+    if (ready) {  // the MLP's and the post-attention norm's are whole: summed during the attention's backward
+      for (auto it = g.lower_bound(p); it != g.end() && it->first.starts_with(p); ++it)
+        if (!it->first.starts_with(p + "self_attn.") && !it->first.starts_with(p + "input_layernorm.")) {
+          handed_early.push_back(it->first);
+          ready(it->first, it->second);
+        }
+    }
     // Attention: h += o_proj(attention(rope(q), rope(k), v))
     const Tensor dy2 = dh.contiguous().view({n, hdim});
     acc(p + "self_attn.o_proj.weight", ops::matmul(dy2, t.o, true, false));
@@ -1297,14 +1305,20 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
     acc(p + "input_layernorm.weight", in.dweight);
     dh = ops::add(dh, in.dx);
     in_use.release();
-    if (ready) {  // this layer's gradients are whole
-      for (auto it = g.lower_bound(p); it != g.end() && it->first.starts_with(p); ++it) ready(it->first, it->second);
+    if (ready) {  // the rest of this layer's gradients are whole
+      for (auto it = g.lower_bound(p); it != g.end() && it->first.starts_with(p); ++it)
+        if (std::find(handed_early.begin(), handed_early.end(), it->first) == handed_early.end()) ready(it->first, it->second);
+      handed_early.clear();
     }
   }
   if (c.scale_embeddings)
     dh = ops::scale(dh, Tensor::full({}, std::sqrt(static_cast<double>(hdim)), dtype_, Device::cpu()).item());
-  const Tensor ids_dev = ids.device() == device_ ? ids : ids.to(device_);
-  acc("model.embed_tokens.weight", ops::embedding_backward(dh.contiguous(), ids_dev, c.vocab_size));
+  if (sparse_embedding_gradient && !c.tie_word_embeddings) {
+    out.embedding_rows = dh.contiguous().view({n, hdim});
+  } else {
+    const Tensor ids_dev = ids.device() == device_ ? ids : ids.to(device_);
+    acc("model.embed_tokens.weight", ops::embedding_backward(dh.contiguous(), ids_dev, c.vocab_size));
+  }
   if (ready)  // the embedding, and whatever else lies outside the layers and was not handed over above
     for (const auto& [name, grad] : g)
       if (!name.starts_with("model.layers.") && name != "model.norm.weight" && (c.tie_word_embeddings || name != "lm_head.weight"))
