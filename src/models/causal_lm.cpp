@@ -1257,16 +1257,17 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
     const auto pn = l.post_norm->backward(dm.view({b, s, hdim}), t.post_norm);
     acc(p + "post_attention_layernorm.weight", pn.dweight);
     dh = ops::add(dh, pn.dx);
-    if (ready) {  // the MLP's and the post-attention norm's are whole: summed during the attention's backward
+    // Attention: h += o_proj(attention(rope(q), rope(k), v))
+    const Tensor dy2 = dh.contiguous().view({n, hdim});
+    acc(p + "self_attn.o_proj.weight", ops::matmul(dy2, t.o, true, false));
+    if (ready) {  // the MLP's, the post-attention norm's and o_proj's are whole: summed during the attention's backward
       for (auto it = g.lower_bound(p); it != g.end() && it->first.starts_with(p); ++it)
-        if (!it->first.starts_with(p + "self_attn.") && !it->first.starts_with(p + "input_layernorm.")) {
+        if (!it->first.starts_with(p + "input_layernorm.") &&
+            (!it->first.starts_with(p + "self_attn.") || it->first == p + "self_attn.o_proj.weight")) {
           handed_early.push_back(it->first);
           ready(it->first, it->second);
         }
     }
-    // Attention: h += o_proj(attention(rope(q), rope(k), v))
-    const Tensor dy2 = dh.contiguous().view({n, hdim});
-    acc(p + "self_attn.o_proj.weight", ops::matmul(dy2, t.o, true, false));
     const Tensor dattn = ops::matmul(dy2, l.wo).view({b, s, hq, d}).transpose(1, 2).contiguous();
     const nn::Attention::Grads ab = l.attn->backward(dattn, t.attn);
     Tensor dq = ab.dq, dk = ab.dk;                                           // [B, heads, S, D]

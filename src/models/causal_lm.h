@@ -178,7 +178,7 @@ class CausalLM : public nn::Module {
   // caller divides by the tokens of the whole accumulated batch through `dloss`).
   // `ready`, when given, is called with each parameter's gradient as soon as the backward has made
   // it whole: the final norm's and an untied head's first, then each layer's (the last layer first:
-  // its MLP's and post-attention norm's after the MLP's backward, the rest after the attention's),
+  // its MLP's, post-attention norm's and o_proj's before the attention's backward, the rest after it),
   // the embedding last; the order is the same on every call (data
   // parallelism reduces gradients in buckets while the backward goes on).  Every gradient is also in
   // the result.
