@@ -40,17 +40,20 @@ for run in "${runs[@]}"; do
 done
 # KCPP_MGPU_WEAK="--hidden 4096 --layers 4 --seq 2048 --steps 20": weak scaling, KCPP_MGPU_WEAK_BATCH
 # sequences a GPU (default 4) on 1, 2, 4, ... up to every GPU, ZeRO-1 (tokens/s per GPU compare; add
-# "--vocab 128256" for Llama-3's vocabulary).  KCPP_MGPU_WEAK_GRAD="sparse dense" runs each multi-GPU
-# size once per --embedding-grad mode (default: auto).
+# "--vocab 128256" for Llama-3's vocabulary).  KCPP_MGPU_WEAK_RUNS runs each multi-GPU size once per
+# comma-separated set of extra options (e.g. "--embedding-grad sparse,--embedding-grad dense,
+# --overlap-param-gather"; default: one run with none).
 if [ -n "${KCPP_MGPU_WEAK:-}" ]; then
   per=${KCPP_MGPU_WEAK_BATCH:-4}
   echo "== weak scaling: kcpp train --kernels-only $KCPP_MGPU_WEAK, $per sequences a GPU, ZeRO-1"
+  IFS=, read -ra variants <<< "${KCPP_MGPU_WEAK_RUNS:- }"
   g=1
   while [ "$g" -le "$n" ]; do
-    for mode in $([ "$g" -gt 1 ] && echo "${KCPP_MGPU_WEAK_GRAD:-auto}" || echo auto); do
-      echo "-- $g GPU(s), batch $((per * g))$([ "$g" -gt 1 ] && echo ", --embedding-grad $mode")"
+    if [ "$g" -gt 1 ]; then todo=("${variants[@]}"); else todo=(" "); fi
+    for extra in "${todo[@]}"; do
+      echo "-- $g GPU(s), batch $((per * g)) $extra"
       timeout 300 .devlibs/bin/kcpp train --kernels-only $KCPP_MGPU_WEAK --batch $((per * g)) --gpus "$g" \
-        --zero $([ "$g" -gt 1 ] && echo 1 || echo 0) --embedding-grad "$mode" 2>&1 |
+        --zero $([ "$g" -gt 1 ] && echo 1 || echo 0) $extra 2>&1 |
         grep -E "kernels|error|failed|memory" | tail -n 3
     done
     g=$((g * 2))

@@ -253,6 +253,47 @@ TEST(Dist, OverlapOnTheGpuOverNccl) {
   for (const auto& [name, v] : got[true]) EXPECT_EQ(v, got[false].at(name)) << name;
 }
 
+// On a GPU with NCCL (a group of one, bf16): ZeRO-1 and 2 with the parameters' all-gather deferred to
+// the next forward on the side stream (each use waiting for its group's event), and the sparse
+// embedding gradient, give the parameters of gathering after AdamW and of the dense gradient, bit for
+// bit; the step's communication is timed by events.
+TEST(Dist, OverlappedParameterGatherOnTheGpuOverNccl) {
+  std::string why;
+  if (cuda_device_count() == 0 || !dist::nccl_available(&why))
+    GTEST_SKIP() << "skipped: " << (cuda_device_count() == 0 ? std::string("no CUDA device") : why);
+  const models::ModelConfig cfg = models::ModelConfig::from_folder(fs::path(test::fixtures_dir()) / "llama");
+  Generator gen(23);
+  const Tensor ids = Tensor::randint({2, 11}, 0, 6, DType::i64, Device::cpu(), gen).to(Device::cuda(0));  // ids repeat
+  const Tensor first = ids.narrow(0, 0, 1).contiguous(), second = ids.narrow(0, 1, 1).contiguous();
+  train::AdamWOptions o;
+  o.lr = 5e-3;
+  for (int zero : {1, 2}) {
+    auto run = [&](bool deferred, train::EmbeddingGradient grad, bool two_micro) {
+      const auto comm = dist::nccl_communicator({}, dist::nccl_unique_id(), Device::cuda(0));
+      auto model = models::CausalLM::random(cfg, DType::bf16, Device::cuda(0), 7, 0.5);
+      train::DataParallelOptions dp;
+      dp.zero_stage = zero, dp.bucket_mib = 0.01, dp.overlap_parameter_gather = deferred, dp.embedding_gradient = grad;
+      train::DataParallel trainer(*model, *comm, o, dp);
+      for (int step = 0; step < 3; ++step)
+        (void)(two_micro ? trainer.step({{first, first}, {second, second}}) : trainer.step({{ids, ids}}));
+      trainer.gather_parameters();
+      const auto stats = trainer.comm_stats();
+      EXPECT_EQ(stats.timed, 3);
+      EXPECT_EQ(stats.sparse_embedding_steps, grad == train::EmbeddingGradient::Sparse ? 3 : 0);
+      EXPECT_TRUE(stats.after_backward_ms >= 0 && stats.parameter_gather_ms >= 0);
+      std::vector<std::vector<double>> got;
+      for (const auto& [name, p] : model->parameters()) got.push_back(p.to_f64_vector());
+      return got;
+    };
+    const auto want = run(false, train::EmbeddingGradient::Dense, true);
+    EXPECT_EQ(run(true, train::EmbeddingGradient::Dense, true), want) << "ZeRO-" << zero << " deferred";
+    // One rank, one micro-batch: its rows summed in f32 and rounded once, as its dense gradient is.
+    const auto dense = run(false, train::EmbeddingGradient::Dense, false);
+    EXPECT_EQ(run(false, train::EmbeddingGradient::Sparse, false), dense) << "ZeRO-" << zero << " sparse";
+    EXPECT_EQ(run(true, train::EmbeddingGradient::Sparse, false), dense) << "ZeRO-" << zero << " deferred, sparse";
+  }
+}
+
 // ZeRO-3 on the GPU over NCCL (a group of one, bf16): the gathers on the current stream (no
 // overlap), on the side stream at each use, and prefetched during the use before (waited for by an
 // event, while the reduce-scatters queued after them run on) give the parameters of ZeRO-2 bit for
@@ -973,6 +1014,72 @@ TEST(Dist, SparseEmbeddingStagesEqualStageZeroBitForBit) {
       EXPECT_EQ(t.comm_stats().sparse_embedding_steps, 0) << "ZeRO-" << zero;
     });
   }
+}
+
+// ZeRO-1 and 2 with the parameters' all-gather deferred to the next forward: the same parameters as
+// gathering after AdamW, bit for bit, on 2 and 3 ranks.  Between steps the other ranks' shards are
+// those of the step before until a forward (a collective: every rank runs it) or gather_parameters();
+// a loss between steps equals the one without deferral; a forward with a KV cache is refused while
+// the hook is set, and runs after gather_parameters().  Stages 0 and 3, or no overlap: an error.
+TEST(Dist, OverlappedParameterGatherEqualsTheGatherAfterAdamW) {
+  const models::ModelConfig cfg = odd_llama();
+  Generator gen(17);
+  const Tensor ids = Tensor::randint({6, 8}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen);
+  const Tensor probe = Tensor::randint({1, 8}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen);
+  train::AdamWOptions o;
+  o.lr = 1e-2, o.weight_decay = 0.1, o.max_grad_norm = 0.5;
+  for (int world : {2, 3})
+    for (int zero : {1, 2}) {
+      const int64_t share = 6 / world;
+      struct Result {
+        std::vector<std::vector<double>> params, stale;
+        std::vector<double> losses;
+      };
+      auto run = [&](bool deferred) {
+        std::vector<Result> got(static_cast<size_t>(world));
+        on_ranks(world, [&](int r, dist::Communicator& c) {
+          auto model = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 4, 0.5);
+          train::DataParallelOptions dp;
+          dp.zero_stage = zero, dp.bucket_mib = 0.01, dp.overlap_parameter_gather = deferred;
+          train::DataParallel t(*model, c, o, dp);
+          Result& res = got[static_cast<size_t>(r)];
+          const Tensor mine = ids.narrow(0, r * share, share).contiguous();
+          for (int step = 0; step < 3; ++step) {
+            t.step({{mine, mine}});
+            EXPECT_EQ(static_cast<bool>(model->parameter_use), deferred);
+            if (step == 0)
+              for (const auto& [name, p] : model->parameters()) res.stale.push_back(p.to_f64_vector());
+            if (step == 1) res.losses.push_back(model->loss(probe, probe).item());
+          }
+          if (deferred) {
+            models::CausalLM::KVCache cache;
+            const std::string err = error_of([&] { (void)model->forward(probe, &cache); });
+            EXPECT_NE(err.find("gather_parameters"), std::string::npos) << err;
+          }
+          t.gather_parameters();
+          EXPECT_FALSE(model->parameter_use);
+          models::CausalLM::KVCache cache;
+          (void)model->forward(probe, &cache);
+          for (const auto& [name, p] : model->parameters()) res.params.push_back(p.to_f64_vector());
+        });
+        return got;
+      };
+      const std::string what = fmt::format("world {} ZeRO-{}", world, zero);
+      const auto want = run(false), got = run(true);
+      for (size_t r = 0; r < static_cast<size_t>(world); ++r) {
+        EXPECT_EQ(got[r].params, want[r].params) << what << " rank " << r;
+        EXPECT_EQ(got[r].losses, want[r].losses) << what << " rank " << r;
+        EXPECT_NE(got[r].stale, want[r].stale) << what << " rank " << r << ": the all-gather was not deferred";
+      }
+    }
+  const auto model = models::CausalLM::random(odd_llama(), DType::f32, Device::cpu(), 4, 0.5);
+  for (int zero : {0, 1, 3})
+    on_ranks(1, [&](int, dist::Communicator& c) {
+      train::DataParallelOptions dp;
+      dp.zero_stage = zero, dp.overlap = zero != 1, dp.overlap_parameter_gather = true;
+      const std::string err = error_of([&] { train::DataParallel t(*model, c, o, dp); });
+      EXPECT_NE(err.find("overlap_parameter_gather"), std::string::npos) << "ZeRO-" << zero << ": " << err;
+    });
 }
 
 // What a resumed run must equal: the random model of seed 9 trained by one process, a step on each

@@ -541,7 +541,8 @@ Tensor CausalLM::layer_forward(size_t li, Tensor h, const ops::RopeCosSin& cs, L
 Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache, InUse* head) {
   KCPP_CHECK(ids.dim() == 2, "CausalLM: input_ids must be [batch, seq], got {} dims", ids.dim());
   KCPP_CHECK(!(cache && parameter_use), "CausalLM: a forward with a KV cache (generation) is not supported while "
-             "parameter_use is set (ZeRO-3 training: gather the parameters and unset it first)");
+             "parameter_use is set (ZeRO-3 training: gather the parameters and unset it first; ZeRO-1 / 2 with the "
+             "parameters' all-gather overlapped: DataParallel::gather_parameters() unsets it)");
   const ModelConfig& c = cfg_;
   const int64_t b = ids.size(0), s = ids.size(1), hdim = c.hidden_size;
   Tensor h;

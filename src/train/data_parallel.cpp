@@ -222,7 +222,7 @@ class StepClock {
 constexpr int kBackwardDone = 0, kReduced = 1, kGatherBegins = 2, kGathered = 3;
 
 DataParallel::~DataParallel() {
-  if (options_.zero_stage == 3) model_.parameter_use = {};
+  if (options_.zero_stage == 3 || options_.overlap_parameter_gather) model_.parameter_use = {};
 }
 
 DataParallel::DataParallel(models::CausalLM& model, dist::Communicator& comm, AdamWOptions adamw, DataParallelOptions o)
@@ -238,6 +238,11 @@ DataParallel::DataParallel(models::CausalLM& model, dist::Communicator& comm, Ad
             KCPP_CHECK(o.zero_stage < 3 || !model.parameter_use,
                        "data parallel: ZeRO-3: the model's parameter_use is set already (another ZeRO-3 trainer of it?)");
             KCPP_CHECK(o.bucket_mib > 0, "data parallel: bucket_mib is {}; it must be positive", o.bucket_mib);
+            KCPP_CHECK(!o.overlap_parameter_gather || ((o.zero_stage == 1 || o.zero_stage == 2) && o.overlap),
+                       "data parallel: overlap_parameter_gather defers the all-gather of ZeRO stages 1 and 2 with overlap; "
+                       "this trainer is at stage {}{}", o.zero_stage, o.overlap ? "" : " without overlap");
+            KCPP_CHECK(!o.overlap_parameter_gather || !model.parameter_use,
+                       "data parallel: overlap_parameter_gather: the model's parameter_use is set already (another trainer of it?)");
             KCPP_CHECK(o.embedding_gradient != EmbeddingGradient::Sparse || !model.config().tie_word_embeddings,
                        "data parallel: a sparse embedding gradient was asked for, but the model's lm_head is tied to the "
                        "embedding, whose gradient is then dense; use the automatic choice or the dense one");
@@ -450,7 +455,98 @@ void DataParallel::release(size_t gi) {
 }
 
 void DataParallel::gather_parameters() {
+  if (options_.zero_stage < 3) {
+    if (options_.overlap_parameter_gather) {
+      finish_gathers();
+      model_.parameter_use = {};
+    }
+    return;
+  }
   for (size_t gi = 0; gi < groups_.size(); ++gi) acquire(gi);
+}
+
+void DataParallel::gather_updated() {
+  if (options_.overlap_parameter_gather) {
+    finish_gathers();
+    gathers_due_ = true;
+    if (!model_.parameter_use) {
+      const size_t head = static_cast<size_t>(model_.config().num_hidden_layers) + 1;
+      model_.parameter_use = [this, head](const models::CausalLM::ParameterGroup& g, bool in_use) {
+        using Kind = models::CausalLM::ParameterGroup::Kind;
+        if (!in_use) return;
+        const size_t group = g.kind == Kind::Embedding ? 0 : g.kind == Kind::Layer ? 1 + g.layer : head;
+        KCPP_CHECK(group <= head, "data parallel: the model used layer {} of {}", g.layer, head - 1);
+        if (gathers_due_) issue_gathers();
+        wait_gathered(group);
+        if (group == head && model_.config().tie_word_embeddings) wait_gathered(0);
+      };
+    }
+    return;
+  }
+  clock_->mark(kGatherBegins);
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    const Bucket& b = buckets_[bi];
+    const Tensor mine = Tensor::zeros({b.shard}, b.dtype, comm_.device());
+    for (const Piece& pc : pieces_)
+      if (pc.bucket == bi) {
+        const Tensor& p = params_[pc.param].second;
+        mine.narrow(0, pc.at, pc.length).copy_(p.view({p.numel()}).narrow(0, pc.begin, pc.length));
+      }
+    const Tensor all = Tensor::empty({comm_.world_size() * b.shard}, b.dtype, comm_.device());
+    comm_.all_gather(all, mine);
+    for (size_t j = 0; j < b.params.size(); ++j) {
+      const Tensor& p = params_[b.params[j]].second;
+      p.view({p.numel()}).copy_(all.narrow(0, b.offset[j], p.numel()));
+    }
+  }
+  clock_->mark(kGathered);
+}
+
+void DataParallel::issue_gathers() {
+  gathers_due_ = false;
+  const size_t groups = static_cast<size_t>(model_.config().num_hidden_layers) + 2;
+  // Each group's last bucket in the order of issue (the buckets from the last one down: the
+  // embedding's first, the head's last).
+  std::vector<size_t> last(groups, buckets_.size());
+  for (size_t bi = 0; bi < buckets_.size(); ++bi)
+    for (size_t k : buckets_[bi].params) last[group_of(params_[k].first)] = std::min(last[group_of(params_[k].first)], bi);
+  // This rank's pieces packed on the current stream, after AdamW; the rest on the side stream.
+  std::vector<Tensor> mine(buckets_.size()), all(buckets_.size());
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    mine[bi] = Tensor::zeros({buckets_[bi].shard}, buckets_[bi].dtype, comm_.device());
+    all[bi] = Tensor::empty({comm_.world_size() * buckets_[bi].shard}, buckets_[bi].dtype, comm_.device());
+  }
+  for (const Piece& pc : pieces_) {
+    const Tensor& p = params_[pc.param].second;
+    mine[pc.bucket].narrow(0, pc.at, pc.length).copy_(p.view({p.numel()}).narrow(0, pc.begin, pc.length));
+  }
+  gather_marks_.assign(groups, -1);
+  side_->run([&] {
+    for (size_t bi = buckets_.size(); bi-- > 0;) {
+      const Bucket& b = buckets_[bi];
+      comm_.all_gather(all[bi], mine[bi]);
+      for (size_t j = 0; j < b.params.size(); ++j) {
+        const Tensor& p = params_[b.params[j]].second;
+        p.view({p.numel()}).copy_(all[bi].narrow(0, b.offset[j], p.numel()));
+      }
+      for (size_t g = 0; g < groups; ++g)
+        if (last[g] == bi) gather_marks_[g] = side_->mark();
+    }
+  });
+  // Held until the current stream has waited for every mark (the side stream is done with them).
+  gather_buffers_ = std::move(mine);
+  gather_buffers_.insert(gather_buffers_.end(), all.begin(), all.end());
+}
+
+void DataParallel::wait_gathered(size_t group) {
+  if (group < gather_marks_.size()) side_->wait(gather_marks_[group]);
+  if (std::all_of(gather_marks_.begin(), gather_marks_.end(), [](int m) { return m < 0; })) gather_buffers_.clear();
+}
+
+void DataParallel::finish_gathers() {
+  if (gathers_due_) issue_gathers();
+  for (size_t g = 0; g < gather_marks_.size(); ++g) wait_gathered(g);
+  gather_buffers_.clear();
 }
 
 void DataParallel::release_parameters() {
@@ -459,6 +555,7 @@ void DataParallel::release_parameters() {
 }
 
 void DataParallel::save_model(const std::filesystem::path& folder) {
+  if (options_.zero_stage < 3) gather_parameters();  // a deferred all-gather
   const bool gather = options_.zero_stage == 3;
   if (gather) gather_parameters();
   struct Release {
@@ -987,26 +1084,11 @@ StepResult DataParallel::step_sharded(const std::vector<MicroBatch>& micro, int6
     const Tensor g = buckets_[pc.bucket].grad.narrow(0, pc.at, pc.length);
     shard_grads.emplace(params_[pc.param].first, g.dtype() == p.dtype() ? g : g.to(p.dtype()));
   }
+  finish_gathers();  // the last step's deferred all-gather (waited for by this step's forward already)
   opt_.step(shard_grads, {}, [&](const Tensor& sq_norm) { comm_.all_reduce(sq_norm, dist::ReduceOp::Sum); });
-  // Every rank's updated shard into every rank's parameters, a bucket at a time (stage 3: the
-  // updated shards are the parameters; the next forward gathers them).
-  if (options_.zero_stage < 3) clock_->mark(kGatherBegins);
-  for (size_t bi = 0; bi < buckets_.size() && options_.zero_stage < 3; ++bi) {
-    const Bucket& b = buckets_[bi];
-    const Tensor mine = Tensor::zeros({b.shard}, b.dtype, comm_.device());
-    for (const Piece& pc : pieces_)
-      if (pc.bucket == bi) {
-        const Tensor& p = params_[pc.param].second;
-        mine.narrow(0, pc.at, pc.length).copy_(p.view({p.numel()}).narrow(0, pc.begin, pc.length));
-      }
-    const Tensor all = Tensor::empty({comm_.world_size() * b.shard}, b.dtype, comm_.device());
-    comm_.all_gather(all, mine);
-    for (size_t j = 0; j < b.params.size(); ++j) {
-      const Tensor& p = params_[b.params[j]].second;
-      p.view({p.numel()}).copy_(all.narrow(0, b.offset[j], p.numel()));
-    }
-  }
-  if (options_.zero_stage < 3) clock_->mark(kGathered);
+  // Stages 1 and 2: every rank's updated shard into every rank's parameters (stage 3: the updated
+  // shards are the parameters; the next forward gathers them).
+  if (options_.zero_stage < 3) gather_updated();
   StepResult r;
   r.loss = summed[0];
   r.tokens = total;

@@ -88,6 +88,22 @@
 // always takes the dense path.  The embedding is a bucket of its own (stages 1 to 3), so that no
 // other parameter waits for it.
 //
+// The parameters' all-gather after AdamW (stages 1 and 2) overlapped with the next forward
+// (`overlap_parameter_gather`, with `overlap`; Megatron-LM's overlapped parameter gather of its
+// distributed optimizer): the step ends with only this rank's shards of the parameters updated, and
+// the model's parameter_use hook (set then) issues every bucket's all-gather at the first use of a
+// parameter group (the next forward's embedding), on the side stream, the buckets in the order the
+// forward uses them (the embedding's, then layer 0's, ..., the head's), each followed by its copy
+// into the parameters; each use waits (on the device) for the gathers of its group only, so the
+// later buckets are gathered while the first layers compute.  The collectives stay in one order on
+// every rank: the step's first ones (the token counts, the ids) are issued before the forward, and
+// none on the compute stream until the side stream is waited for.  Until then the model's other
+// ranks' shards are those of the step before: a forward is a collective (every rank runs it, as at
+// stage 3), and anything else that reads the parameters between steps must call gather_parameters()
+// first (every rank; it also unsets the hook, so that a forward with a KV cache, refused while it is
+// set, can run); save_model() does.  The trainer going leaves the parameters as they are.  The
+// gathered buckets are held until the last use waits for them: one more copy of the parameters.
+//
 // Where communication shows: comm_stats() sums, a step at a time, the time from the end of the
 // backward's work to the end of the gradients' reduction (the buckets not yet summed, the
 // embedding's rows, the wait for the side stream), and at stages 1 and 2 that of the all-gather of
@@ -145,6 +161,9 @@ struct DataParallelOptions {
   bool prefetch = false;           // stage 3 with overlap: the next use's gathers issued during this one's
                                    // (off by default: slower than gathering at the use, bench/RESULTS.md)
   EmbeddingGradient embedding_gradient = EmbeddingGradient::Auto;
+  // Stages 1 and 2 with overlap: the updated parameters' all-gather deferred to the next forward,
+  // each group's waited for at its use (see above).  Off by default.
+  bool overlap_parameter_gather = false;
 };
 
 // Where a tensor of optimizer state starts in its parameter (a data-parallel shard's piece of it),
@@ -207,6 +226,8 @@ class DataParallel {
     double after_backward_ms = 0, parameter_gather_ms = 0;
   };
   CommStats comm_stats();
+  // Stages 1 and 2 with overlap_parameter_gather: the deferred all-gather done and waited for, the
+  // hook unset (a collective when one is due).
   // Stage 3: every parameter gathered whole on every rank (a collective: all ranks call it), e.g.
   // to save, evaluate or sample from the model, until release_parameters() (after which the model's
   // parameters are released again; the optimizer's shards are what training updates, so changes to
@@ -294,6 +315,14 @@ class DataParallel {
   void prefetch(size_t use);
   void drop_staged(size_t group);
   void end_plan();
+  // Stages 1 and 2: the updated shards all-gathered into every rank's parameters, a bucket at a time,
+  // on the current stream; or, with overlap_parameter_gather, the same on the side stream (issue:
+  // marks per group in gather_marks_), waited for a group at a time (wait_gathered) or all at once
+  // (finish_gathers).
+  void gather_updated();
+  void issue_gathers();
+  void wait_gathered(size_t group);
+  void finish_gathers();
 
   models::CausalLM& model_;
   dist::Communicator& comm_;
@@ -321,6 +350,11 @@ class DataParallel {
   int64_t rows_max_ = 0;
   std::vector<int64_t> all_ids_;
   std::unique_ptr<StepClock> clock_;
+  // overlap_parameter_gather: whether the last step's all-gather is still to be issued; once issued,
+  // the side stream's mark after each group's last bucket (-1: waited for), and the buffers it uses.
+  bool gathers_due_ = false;
+  std::vector<int> gather_marks_;
+  std::vector<Tensor> gather_buffers_;
   CommStats stats_;
 };
 

@@ -94,7 +94,7 @@ struct TrainArgs {
   bool use_local_kernel = false, allow_all = false;
   bool liger_given = false;  // --liger-kernel-config or --packages: the Liger switches over this build's liger
   int64_t gpus = 1, zero = 0;
-  bool no_overlap = false, prefetch = false;
+  bool no_overlap = false, prefetch = false, overlap_param_gather = false;
   std::string embedding_grad = "auto";  // --embedding-grad: auto, sparse, dense
   std::string resume;  // --resume DIR
 };
@@ -305,6 +305,7 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
     dpo.zero_stage = static_cast<int>(a.zero);
     dpo.overlap = !a.no_overlap;
     dpo.prefetch = a.prefetch;
+    dpo.overlap_parameter_gather = a.overlap_param_gather;
     dpo.embedding_gradient = a.embedding_grad == "sparse"  ? train::EmbeddingGradient::Sparse
                              : a.embedding_grad == "dense" ? train::EmbeddingGradient::Dense
                                                            : train::EmbeddingGradient::Auto;
@@ -370,6 +371,8 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
                    ::isatty(::fileno(stdout)) ? "\n" : "", name, before + step, e.loss, std::exp(e.loss), e.tokens);
     }
   }
+  // The last step's all-gather, when deferred to a next forward (--overlap-param-gather), in the time.
+  if (dp && a.zero < 3) dp->gather_parameters();
   synchronize(dev);
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - eval_seconds;
   r.tokens_per_s = static_cast<double>(a.steps * a.batch * span) / r.seconds;
@@ -385,7 +388,9 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
     const train::DataParallel::CommStats c = dp->comm_stats();
     if (c.timed > 0)
       comm = fmt::format("; communication after the backward {:.2f} ms a step{}, embedding gradient {}", c.after_backward_ms / c.timed,
-                         a.zero == 1 || a.zero == 2 ? fmt::format(", parameter all-gather {:.2f} ms", c.parameter_gather_ms / c.timed) : "",
+                         a.zero == 0 || a.zero == 3 ? ""
+                         : a.overlap_param_gather ? ", parameter all-gather overlapped with the forward"
+                                                  : fmt::format(", parameter all-gather {:.2f} ms", c.parameter_gather_ms / c.timed),
                          c.sparse_embedding_steps == 0 ? "dense" : c.sparse_embedding_steps == c.steps ? "sparse"
                                                              : fmt::format("sparse in {} of {} steps", c.sparse_embedding_steps, c.steps));
   }
@@ -916,6 +921,9 @@ void add_train_command(CLI::App& app, Action& action) {
                 "'dense' (the whole [vocab, hidden] gradient reduced) or 'auto' (sparse when it moves fewer bytes; a tied "
                 "lm_head is always dense)")
       ->capture_default_str();
+  t->add_flag("--overlap-param-gather", args->overlap_param_gather,
+              "With --gpus --zero 1 or 2: all-gather the updated parameters during the next forward, each layer's waited "
+              "for at its use, not after AdamW");
   t->add_option("--zero", args->zero, "With --gpus: the ZeRO stage: 0 replicates everything, 1 shards the optimizer state over the GPUs, "
                 "2 the optimizer state and the gradients, 3 the parameters too (gathered a layer at a time)")
       ->capture_default_str();
