@@ -870,6 +870,9 @@ StepResult DataParallel::step(const std::vector<MicroBatch>& micro) {
   // and micro-batches; then the shares' losses with, for each parameter, how many ranks have its
   // gradient (step_replicated, step_sharded).
   const int64_t world = comm_.world_size();
+  // A deferred all-gather issued by a forward since the last step (not yet waited for by it all) ends
+  // before the collectives below start on the current stream; one still due stays due.
+  for (size_t g = 0; g < gather_marks_.size(); ++g) wait_gathered(g);
   const Tensor counts = Tensor::from_f64(std::vector<double>{static_cast<double>(mine), static_cast<double>(rows),
                                                              static_cast<double>(micro.size())},
                                          {3}, DType::f64, comm_.device());
