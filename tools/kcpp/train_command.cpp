@@ -22,7 +22,11 @@
 // the parameters all-gathered), --zero 2 the gradients too, --zero 3 the parameters too (each layer's
 // gathered for its forward and its backward at its use, --prefetch: during the use before it;
 // every rank gathers them all at the end, for rank 0's sample and save); the gradients are summed in
-// buckets during the backward (--no-overlap: after it, and no gather ahead).
+// buckets during the backward (--no-overlap: after it, and no gather ahead), in f32 (--reduce-dtype
+// bf16: in bf16), the embedding's as the rows of every GPU's tokens when that moves fewer bytes
+// (--embedding-grad); --overlap-param-gather defers the all-gather of --zero 1 and 2 to the next
+// forward.  The end of a run prints the communication the steps waited for after the backward.
+// --vocab gives the generated model rows past its byte-level tokens (Llama-3's 128256).
 #include <fmt/format.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -96,6 +100,7 @@ struct TrainArgs {
   int64_t gpus = 1, zero = 0;
   bool no_overlap = false, prefetch = false, overlap_param_gather = false;
   std::string embedding_grad = "auto";  // --embedding-grad: auto, sparse, dense
+  std::string reduce_dtype = "f32";     // --reduce-dtype: the gradients' dtype on the wire
   std::string resume;  // --resume DIR
 };
 
@@ -306,6 +311,7 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
     dpo.overlap = !a.no_overlap;
     dpo.prefetch = a.prefetch;
     dpo.overlap_parameter_gather = a.overlap_param_gather;
+    dpo.reduce_dtype = a.reduce_dtype == "bf16" ? DType::bf16 : DType::f32;
     dpo.embedding_gradient = a.embedding_grad == "sparse"  ? train::EmbeddingGradient::Sparse
                              : a.embedding_grad == "dense" ? train::EmbeddingGradient::Dense
                                                            : train::EmbeddingGradient::Auto;
@@ -338,6 +344,9 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t before = resume ? resume->steps_done : 0;
   double eval_seconds = 0;
+  // The time after the first step (its one-time costs: allocations, NCCL's connections), for the rate
+  // without them.
+  std::optional<std::chrono::steady_clock::time_point> first_done;
   train::AdamWOptions& rate = dp ? dp->optimizer().options : opt->options;
   for (int64_t step = 1; step <= a.steps; ++step) {
     // Every rank draws the same global batch (the same generator) and trains on its rows.
@@ -347,7 +356,13 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
     rate.lr = a.lr * a.schedule.factor(before + step - 1);
     const train::StepResult s = dp ? dp->step(parts) : r.mamba ? train::train_step(*r.mamba, *opt, parts)
                                                                : train::train_step(*r.model, *opt, parts);
-    if (step == 1) r.first_loss = s.loss;
+    if (step == 1) {
+      r.first_loss = s.loss;
+      if (a.steps > 1) {
+        synchronize(dev);
+        first_done = std::chrono::steady_clock::now();
+      }
+    }
     r.final_loss = s.loss;
     if (step > a.steps - tail) r.tail_loss += s.loss / static_cast<double>(tail);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - eval_seconds;
@@ -376,6 +391,10 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
   synchronize(dev);
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - eval_seconds;
   r.tokens_per_s = static_cast<double>(a.steps * a.batch * span) / r.seconds;
+  const double later_tokens_per_s =
+      first_done ? static_cast<double>((a.steps - 1) * a.batch * span) /
+                       (std::chrono::duration<double>(std::chrono::steady_clock::now() - *first_done).count() - eval_seconds)
+                 : 0;
   r.peak_mib = static_cast<double>(alloc.stats().peak - base) / (1 << 20);
   if (eval) {
     const EvalResult e = r.mamba ? evaluate(*r.mamba, *eval, span, micro, a.eval_windows, dev)
@@ -395,8 +414,9 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
                                                              : fmt::format("sparse in {} of {} steps", c.sparse_embedding_steps, c.steps));
   }
   if (ranks.printing())
-    fmt::print("{}  {:<10} done: {:.1f} s, peak {:.1f} MiB{}{}\n", ::isatty(::fileno(stdout)) ? "\n" : "", name, r.seconds,
-               r.peak_mib, ranks.world > 1 ? fmt::format(" per GPU ({} GPUs, ZeRO-{})", ranks.world, a.zero) : "", comm);
+    fmt::print("{}  {:<10} done: {:.1f} s, {}peak {:.1f} MiB{}{}\n", ::isatty(::fileno(stdout)) ? "\n" : "", name, r.seconds,
+               first_done ? fmt::format("{:.0f} tokens/s after the first step, ", later_tokens_per_s) : "", r.peak_mib,
+               ranks.world > 1 ? fmt::format(" per GPU ({} GPUs, ZeRO-{})", ranks.world, a.zero) : "", comm);
   return r;
 }
 
@@ -660,6 +680,8 @@ int run_train(TrainArgs a) {
              "kcpp train: --attention-kernel is '{}'; expected auto, on or off", a.attention_kernel);
   KCPP_CHECK(a.dtype == "f32" || a.dtype == "bf16" || a.dtype == "f16", "kcpp train: --dtype is '{}'; expected f32, bf16 or f16",
              a.dtype);
+  KCPP_CHECK(a.reduce_dtype == "f32" || a.reduce_dtype == "bf16", "kcpp train: --reduce-dtype is '{}'; expected f32 or bf16",
+             a.reduce_dtype);
   KCPP_CHECK(a.embedding_grad == "auto" || a.embedding_grad == "sparse" || a.embedding_grad == "dense",
              "kcpp train: --embedding-grad is '{}'; expected auto, sparse or dense", a.embedding_grad);
   KCPP_CHECK((a.model.empty() && a.resume.empty()) || (!a.given_hidden && !a.given_layers && !a.given_vocab),
@@ -920,6 +942,10 @@ void add_train_command(CLI::App& app, Action& action) {
                 "With --gpus: how the embedding's gradient is summed: 'sparse' (every GPU's rows of its tokens gathered), "
                 "'dense' (the whole [vocab, hidden] gradient reduced) or 'auto' (sparse when it moves fewer bytes; a tied "
                 "lm_head is always dense)")
+      ->capture_default_str();
+  t->add_option("--reduce-dtype", args->reduce_dtype,
+                "With --gpus: the dtype the gradients are summed in across the GPUs: f32, or bf16 (half the traffic, "
+                "rounded at every sum)")
       ->capture_default_str();
   t->add_flag("--overlap-param-gather", args->overlap_param_gather,
               "With --gpus --zero 1 or 2: all-gather the updated parameters during the next forward, each layer's waited "
