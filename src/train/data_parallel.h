@@ -2,7 +2,7 @@
 // each step's batch, and the ranks' gradients are summed before one AdamW step, so every rank's
 // model stays the same as the single-process model trained on the whole batch.
 //
-//   step:  T = sum over ranks of the labelled tokens of their share        (all_reduce)
+//   step:  T = sum over ranks of the labelled tokens of their share        (all_gather of the counts)
 //          g_r = gradient of (sum of the share's token losses) / T          (each rank)
 //          g = sum over ranks of g_r                                        (all_reduce, in buckets)
 //          then AdamW with g, clipped by ||g||: the step of the whole batch
@@ -70,6 +70,28 @@
 // alike) and turns the prefetch off for the rest of the step, so the group is gathered at its use as
 // without prefetch.  Only when the gather runs changes: the values are the same bit for bit.
 //
+// A pass uses one group at a time (a tied head also gathers the embedding), so a rank holds its
+// shards, 1 / world of the parameters (up to an element of padding a bucket), plus one use's
+// groups, or with prefetch the current use's groups and the next use's staged buckets (a use's
+// staged bytes: its buckets' world * shard elements, its parameters' bytes up to world - 1 elements
+// of padding a bucket); at the moment the next use begins, its storages are restored while its
+// staged buckets are still held.  With bytes(u) a use's parameter bytes and staged(u) its staged
+// bytes, over the uses u and consecutive uses a, b of a step, a step's peak is
+//
+//   shards + max(bytes(u))                                            without prefetch
+//   shards + max(max(bytes(a), bytes(b)) + staged(b))   at most,      with prefetch
+//
+// (equal for an untied head; a tied head's pair is restored a group at a time): about two groups
+// instead of one (parameter_bytes(), peak_parameter_bytes(); the staging buffer of a gather that is
+// not prefetched lives only until it is copied, a bucket at a time, and is not counted).
+// Gradients as at stage 2.  Each micro-batch's forward and backward gather again (with activation
+// checkpointing the recomputed forward runs inside the backward's gather), so every rank must have
+// the same number of micro-batches (checked: a named error).  The values are stage 2's: the same
+// all-gathered shards, the same sums.  While the trainer lives the model refuses a forward with a KV
+// cache (generation); gather_parameters() makes every parameter whole, and they stay whole if the
+// trainer goes then; save_model() gathers them for rank 0's CausalLM::save and releases them after.
+// The optimizer's checkpoints are stage 2's.
+//
 // The embedding's gradient.  Its dense gradient [V, H] is whole only at the end of the backward, so
 // its reduction overlaps nothing; but a rank's share of it comes from its T tokens only: the gradient
 // of the embedding's output, rows [T, H], and the token ids.  With the sparse path every rank
@@ -109,28 +131,6 @@
 // embedding's rows, the wait for the side stream), and at stages 1 and 2 that of the all-gather of
 // the updated parameters after AdamW (on a CUDA device by events on the compute stream, elsewhere by
 // the host's clock).
-//
-// A pass uses one group at a time (a tied head also gathers the embedding), so a rank holds its
-// shards, 1 / world of the parameters (up to an element of padding a bucket), plus one use's
-// groups, or with prefetch the current use's groups and the next use's staged buckets (a use's
-// staged bytes: its buckets' world * shard elements, its parameters' bytes up to world - 1 elements
-// of padding a bucket); at the moment the next use begins, its storages are restored while its
-// staged buckets are still held.  With bytes(u) a use's parameter bytes and staged(u) its staged
-// bytes, over the uses u and consecutive uses a, b of a step, a step's peak is
-//
-//   shards + max(bytes(u))                                            without prefetch
-//   shards + max(max(bytes(a), bytes(b)) + staged(b))   at most,      with prefetch
-//
-// (equal for an untied head; a tied head's pair is restored a group at a time): about two groups
-// instead of one (parameter_bytes(), peak_parameter_bytes(); the staging buffer of a gather that is
-// not prefetched lives only until it is copied, a bucket at a time, and is not counted).
-// Gradients as at stage 2.  Each micro-batch's forward and backward gather again (with activation
-// checkpointing the recomputed forward runs inside the backward's gather), so every rank must have
-// the same number of micro-batches (checked: a named error).  The values are stage 2's: the same
-// all-gathered shards, the same sums.  While the trainer lives the model refuses a forward with a KV
-// cache (generation); gather_parameters() makes every parameter whole, and they stay whole if the
-// trainer goes then; save_model() gathers them for rank 0's CausalLM::save and releases them after.
-// The optimizer's checkpoints are stage 2's.
 #pragma once
 
 #include <filesystem>
