@@ -6,8 +6,10 @@
 # The multi-GPU runs: ZeRO-0, 1, 2 and 3 with the gradients reduced during the backward (ZeRO-3
 # gathering each layer at its use), ZeRO-3 gathering during the use before it (--prefetch) and
 # with nothing on a side stream (--no-overlap), then ZeRO-0 reducing after the backward
-# (--no-overlap).  KCPP_MGPU_RUNS picks runs, comma-separated (e.g. "2,3,3 --prefetch").  KCPP_MGPU_CURVES=1 first compares the loss curves of the
-# reference layers in f32 over 20 steps, one GPU against every stage on all of them.
+# (--no-overlap).  KCPP_MGPU_RUNS picks runs, comma-separated (e.g. "2,3,3 --prefetch"; "none": neither
+# these nor the one-GPU run).  KCPP_MGPU_TESTS=0 skips the Dist tests.  KCPP_MGPU_CURVES=1 first
+# compares the loss curves of the reference layers in f32 over 20 steps, one GPU against every stage
+# on all of them.
 set -uo pipefail
 source "$(dirname "$0")/device-env.sh"
 echo "== commit ${KCPP_COMMIT:-unknown}, $(date -u +%F)"
@@ -20,9 +22,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 n=$(nvidia-smi -L | wc -l)
 args=${KCPP_MGPU_ARGS:---steps 200 --batch 64}
 echo "== $n GPUs, NCCL from $nccl_dir; kcpp train $args"
-echo "== Dist tests (ranks as threads on the CPU; OverlapOnTheGpuOverNccl: a group of one over NCCL)"
-# Dist.* is every test of tests/test_dist.cpp (collectives, data parallelism, ZeRO checkpoints).
-KCPP_FIXTURES_DIR="$PWD/tests/fixtures" timeout 240 .devlibs/bin/kcpp_tests --gtest_brief=1 --gtest_filter='Dist.*' 2>&1 | tail -n 15
+if [ "${KCPP_MGPU_TESTS:-1}" != 0 ]; then
+  echo "== Dist tests (ranks as threads on the CPU; *OnTheGpuOverNccl: a group of one over NCCL)"
+  # Dist.* is every test of tests/test_dist.cpp (collectives, data parallelism, ZeRO checkpoints).
+  KCPP_FIXTURES_DIR="$PWD/tests/fixtures" timeout 240 .devlibs/bin/kcpp_tests --gtest_brief=1 --gtest_filter='Dist.*' 2>&1 | tail -n 15
+fi
 if [ "${KCPP_MGPU_CURVES:-0}" = 1 ]; then
   echo "== f32 loss curves, reference layers, 20 steps, batch 64 (a line every 2 steps)"
   timeout 120 .devlibs/bin/kcpp train --dtype f32 --reference-only --steps 20 --batch 64 2>&1 | grep -oE "step +[0-9]+/20 +loss [0-9.]+" | tr '\n' ';'; echo " <- one GPU"
@@ -30,24 +34,36 @@ if [ "${KCPP_MGPU_CURVES:-0}" = 1 ]; then
     timeout 120 .devlibs/bin/kcpp train --dtype f32 --reference-only --steps 20 --batch 64 --gpus "$n" --zero "$z" 2>&1 | grep -oE "step +[0-9]+/20 +loss [0-9.]+" | tr '\n' ';'; echo " <- $n GPUs ZeRO-$z"
   done
 fi
-echo "-- one GPU"
-timeout 200 .devlibs/bin/kcpp train $args 2>&1 | grep -E "reference|kernels|error" | tail -n 3
-IFS=, read -ra runs <<< "${KCPP_MGPU_RUNS:-0,1,2,3,3 --prefetch,3 --no-overlap,0 --no-overlap}"
+if [ "${KCPP_MGPU_RUNS:-}" != none ]; then
+  echo "-- one GPU"
+  timeout 200 .devlibs/bin/kcpp train $args 2>&1 | grep -E "reference|kernels|error" | tail -n 3
+  IFS=, read -ra runs <<< "${KCPP_MGPU_RUNS:-0,1,2,3,3 --prefetch,3 --no-overlap,0 --no-overlap}"
+else
+  runs=()
+fi
 for run in "${runs[@]}"; do
   set -- $run
   echo "-- $n GPUs, ZeRO-$1 ${2:-}"
   timeout 200 .devlibs/bin/kcpp train $args --gpus "$n" --zero "$@" 2>&1 | grep -E "reference|kernels|error|failed" | tail -n 4
 done
 # KCPP_MGPU_WEAK="--hidden 4096 --layers 4 --seq 2048 --steps 20": weak scaling, KCPP_MGPU_WEAK_BATCH
-# sequences a GPU (default 4) on 1, 2, 4, ... up to every GPU, ZeRO-1 (tokens/s per GPU compare).
+# sequences a GPU (default 4) on 1, 2, 4, ... up to every GPU, ZeRO-1 (tokens/s per GPU compare; add
+# "--vocab 128256" for Llama-3's vocabulary).  KCPP_MGPU_WEAK_RUNS runs each multi-GPU size once per
+# comma-separated set of extra options (e.g. "--embedding-grad sparse,--embedding-grad dense,
+# --overlap-param-gather"; default: one run with none).
 if [ -n "${KCPP_MGPU_WEAK:-}" ]; then
   per=${KCPP_MGPU_WEAK_BATCH:-4}
   echo "== weak scaling: kcpp train --kernels-only $KCPP_MGPU_WEAK, $per sequences a GPU, ZeRO-1"
+  IFS=, read -ra variants <<< "${KCPP_MGPU_WEAK_RUNS:- }"
   g=1
   while [ "$g" -le "$n" ]; do
-    echo "-- $g GPU(s), batch $((per * g))"
-    timeout 240 .devlibs/bin/kcpp train --kernels-only $KCPP_MGPU_WEAK --batch $((per * g)) --gpus "$g" --zero $([ "$g" -gt 1 ] && echo 1 || echo 0) 2>&1 |
-      grep -E "kernels|error|failed|memory" | tail -n 3
+    if [ "$g" -gt 1 ]; then todo=("${variants[@]}"); else todo=(" "); fi
+    for extra in "${todo[@]}"; do
+      echo "-- $g GPU(s), batch $((per * g)) $extra"
+      timeout 300 .devlibs/bin/kcpp train --kernels-only $KCPP_MGPU_WEAK --batch $((per * g)) --gpus "$g" \
+        --zero $([ "$g" -gt 1 ] && echo 1 || echo 0) $extra 2>&1 |
+        grep -E "kernels|error|failed|memory" | tail -n 3
+    done
     g=$((g * 2))
   done
 fi

@@ -253,6 +253,47 @@ TEST(Dist, OverlapOnTheGpuOverNccl) {
   for (const auto& [name, v] : got[true]) EXPECT_EQ(v, got[false].at(name)) << name;
 }
 
+// On a GPU with NCCL (a group of one, bf16): ZeRO-1 and 2 with the parameters' all-gather deferred to
+// the next forward on the side stream (each use waiting for its group's event), and the sparse
+// embedding gradient, give the parameters of gathering after AdamW and of the dense gradient, bit for
+// bit; the step's communication is timed by events.
+TEST(Dist, OverlappedParameterGatherOnTheGpuOverNccl) {
+  std::string why;
+  if (cuda_device_count() == 0 || !dist::nccl_available(&why))
+    GTEST_SKIP() << "skipped: " << (cuda_device_count() == 0 ? std::string("no CUDA device") : why);
+  const models::ModelConfig cfg = models::ModelConfig::from_folder(fs::path(test::fixtures_dir()) / "llama");
+  Generator gen(23);
+  const Tensor ids = Tensor::randint({2, 11}, 0, 6, DType::i64, Device::cpu(), gen).to(Device::cuda(0));  // ids repeat
+  const Tensor first = ids.narrow(0, 0, 1).contiguous(), second = ids.narrow(0, 1, 1).contiguous();
+  train::AdamWOptions o;
+  o.lr = 5e-3;
+  for (int zero : {1, 2}) {
+    auto run = [&](bool deferred, train::EmbeddingGradient grad, bool two_micro) {
+      const auto comm = dist::nccl_communicator({}, dist::nccl_unique_id(), Device::cuda(0));
+      auto model = models::CausalLM::random(cfg, DType::bf16, Device::cuda(0), 7, 0.5);
+      train::DataParallelOptions dp;
+      dp.zero_stage = zero, dp.bucket_mib = 0.01, dp.overlap_parameter_gather = deferred, dp.embedding_gradient = grad;
+      train::DataParallel trainer(*model, *comm, o, dp);
+      for (int step = 0; step < 3; ++step)
+        (void)(two_micro ? trainer.step({{first, first}, {second, second}}) : trainer.step({{ids, ids}}));
+      trainer.gather_parameters();
+      const auto stats = trainer.comm_stats();
+      EXPECT_EQ(stats.timed, 3);
+      EXPECT_EQ(stats.sparse_embedding_steps, grad == train::EmbeddingGradient::Sparse ? 3 : 0);
+      EXPECT_TRUE(stats.after_backward_ms >= 0 && stats.parameter_gather_ms >= 0);
+      std::vector<std::vector<double>> got;
+      for (const auto& [name, p] : model->parameters()) got.push_back(p.to_f64_vector());
+      return got;
+    };
+    const auto want = run(false, train::EmbeddingGradient::Dense, true);
+    EXPECT_EQ(run(true, train::EmbeddingGradient::Dense, true), want) << "ZeRO-" << zero << " deferred";
+    // One rank, one micro-batch: its rows summed in f32 and rounded once, as its dense gradient is.
+    const auto dense = run(false, train::EmbeddingGradient::Dense, false);
+    EXPECT_EQ(run(false, train::EmbeddingGradient::Sparse, false), dense) << "ZeRO-" << zero << " sparse";
+    EXPECT_EQ(run(true, train::EmbeddingGradient::Sparse, false), dense) << "ZeRO-" << zero << " deferred, sparse";
+  }
+}
+
 // ZeRO-3 on the GPU over NCCL (a group of one, bf16): the gathers on the current stream (no
 // overlap), on the side stream at each use, and prefetched during the use before (waited for by an
 // event, while the reduce-scatters queued after them run on) give the parameters of ZeRO-2 bit for
@@ -796,6 +837,249 @@ TEST(Dist, Bf16ReplicasStayTheSame) {
     });
     EXPECT_EQ(params[0], params[1]) << "ZeRO-" << zero << ": the bf16 replicas differ";
   }
+}
+
+// The sparse embedding gradient's parts: with sparse_embedding_gradient an untied model returns the
+// gradient of the embedding's output (its rows summed by token are the dense gradient, bit for bit)
+// and hands no embedding gradient to `ready`; a tied model's embedding gradient stays dense.  A
+// layer's MLP and post-attention norm gradients are handed over before its attention's.
+TEST(Dist, SparseEmbeddingRowsAreTheDenseGradientsTerms) {
+  for (const char* family : {"llama", "qwen2"}) {
+    const models::ModelConfig cfg = models::ModelConfig::from_folder(fs::path(test::fixtures_dir()) / family);
+    Generator gen(6);
+    const Tensor ids = Tensor::randint({2, 7}, 0, 5, DType::i64, Device::cpu(), gen);  // ids repeat
+    auto model = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 7, 0.5);
+    const auto dense = model->loss_and_gradients(ids, ids, 1.0, ops::Reduction::Mean);
+    EXPECT_FALSE(dense.embedding_rows.defined()) << family;
+    model->sparse_embedding_gradient = true;
+    std::vector<std::string> order;
+    const auto sparse = model->loss_and_gradients(ids, ids, 1.0, ops::Reduction::Mean,
+                                                  [&](const std::string& n, const Tensor&) { order.push_back(n); });
+    const std::string embed = "model.embed_tokens.weight";
+    if (cfg.tie_word_embeddings) {
+      EXPECT_FALSE(sparse.embedding_rows.defined()) << family;
+      EXPECT_EQ(sparse.grads.at(embed).to_f64_vector(), dense.grads.at(embed).to_f64_vector()) << family;
+      EXPECT_EQ(order.back(), embed) << family;
+      continue;
+    }
+    ASSERT_TRUE(sparse.embedding_rows.defined()) << family;
+    EXPECT_EQ(sparse.embedding_rows.shape(), (Shape{ids.numel(), cfg.hidden_size})) << family;
+    EXPECT_EQ(sparse.grads.count(embed), 0u) << family;
+    EXPECT_EQ(std::count(order.begin(), order.end(), embed), 0) << family;
+    EXPECT_EQ(order.size(), dense.grads.size() - 1) << family;
+    const Tensor summed = ops::embedding_backward(sparse.embedding_rows, ids.view({ids.numel()}), cfg.vocab_size);
+    EXPECT_EQ(summed.to_f64_vector(), dense.grads.at(embed).to_f64_vector()) << family;
+    for (const auto& [name, g] : dense.grads)
+      if (name != embed) {
+        EXPECT_EQ(sparse.grads.at(name).to_f64_vector(), g.to_f64_vector()) << family << " " << name;
+      }
+    // Layer 0: the MLP's, the post-attention norm's and o_proj's before the attention's backward.
+    const auto at = [&](const std::string& n) { return std::find(order.begin(), order.end(), n) - order.begin(); };
+    for (const char* early : {"mlp.down_proj.weight", "mlp.gate_proj.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"})
+      for (const char* late : {"self_attn.q_proj.weight", "self_attn.v_proj.weight", "input_layernorm.weight"})
+        EXPECT_LT(at(fmt::format("model.layers.0.{}", early)), at(fmt::format("model.layers.0.{}", late))) << family << " " << early;
+    EXPECT_LT(at("model.layers.1.input_layernorm.weight"), at("model.layers.0.mlp.down_proj.weight")) << family;
+  }
+}
+
+// The embedding's gradient summed from every rank's rows (sparse) gives the parameters of summing
+// the dense gradients and of one process on the whole batch (f32, clipping active), at every ZeRO
+// stage, with and without overlap, on 2 and 3 ranks whose shares differ in size (the padding rows)
+// and hold several micro-batches, with ids repeated inside each rank and across ranks.  Every rank
+// ends with the same parameters.  A tied model (its embedding's gradient dense) takes the dense
+// path by itself and refuses a forced sparse one.  The automatic choice is the one of fewer bytes.
+TEST(Dist, SparseEmbeddingGradientEqualsTheDenseOne) {
+  const int64_t rows = 7, seq = 9;
+  train::AdamWOptions o;
+  o.lr = 5e-3, o.weight_decay = 0.01, o.max_grad_norm = 0.5;
+  for (bool tied : {false, true}) {
+    models::ModelConfig cfg = odd_llama();
+    cfg.tie_word_embeddings = tied;
+    std::vector<Tensor> ids;
+    Generator gen(21);
+    for (int step = 0; step < 3; ++step) {
+      // Half the tokens from the ids 3 .. 6 (repeated inside every rank's rows and across ranks), the
+      // rest anywhere in the vocabulary.
+      const auto few = Tensor::randint({rows, seq}, 3, 7, DType::i64, Device::cpu(), gen).to_f64_vector();
+      auto any = Tensor::randint({rows, seq}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen).to_f64_vector();
+      for (size_t i = 0; i < any.size(); i += 2) any[i] = few[i];
+      ids.push_back(Tensor::from_f64(any, {rows, seq}, DType::i64));
+    }
+    auto single = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 7, 0.5);
+    train::AdamW opt(single->parameters(), o);
+    for (const Tensor& batch : ids) train::train_step(*single, opt, {{batch, batch}});
+    std::map<std::string, std::vector<double>> want;
+    for (const auto& [name, p] : single->parameters()) want[name] = p.to_f64_vector();
+    for (int world : {2, 3})
+      for (int zero : {0, 1, 2, 3})
+        for (bool overlap : {true, false})
+          for (auto mode : {train::EmbeddingGradient::Sparse, train::EmbeddingGradient::Dense, train::EmbeddingGradient::Auto}) {
+            if (tied && mode == train::EmbeddingGradient::Sparse) continue;
+            const char* mode_name = mode == train::EmbeddingGradient::Sparse  ? "sparse"
+                                    : mode == train::EmbeddingGradient::Dense ? "dense"
+                                                                              : "auto";
+            const std::string what = fmt::format("{} world {} ZeRO-{}{} {}", tied ? "tied" : "untied", world, zero,
+                                                 overlap ? "" : " no overlap", mode_name);
+            std::vector<std::map<std::string, std::vector<double>>> got(static_cast<size_t>(world));
+            std::vector<train::DataParallel::CommStats> stats(static_cast<size_t>(world));
+            on_ranks(world, [&](int r, dist::Communicator& c) {
+              auto model = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 7, 0.5);
+              train::DataParallelOptions dp;
+              dp.zero_stage = zero, dp.overlap = overlap, dp.bucket_mib = 0.01, dp.embedding_gradient = mode;
+              train::DataParallel t(*model, c, o, dp);
+              // Rows 0..1 | 2..6 on 2 ranks, 0..1 | 2..3 | 4..6 on 3, each share as two micro-batches
+              // (its first row, the rest).
+              const int64_t lo = 2 * r, hi = r == world - 1 ? rows : 2 * r + 2;
+              for (const Tensor& batch : ids) {
+                const Tensor first = batch.narrow(0, lo, 1).contiguous(), rest = batch.narrow(0, lo + 1, hi - lo - 1).contiguous();
+                (void)t.step({{first, first}, {rest, rest}});
+              }
+              t.gather_parameters();
+              for (const auto& [name, p] : model->parameters()) got[static_cast<size_t>(r)][name] = p.to_f64_vector();
+              stats[static_cast<size_t>(r)] = t.comm_stats();
+            });
+            // Auto: sparse where a rank receives fewer bytes: the largest share is 27 tokens on 3
+            // ranks (3 rows of 9), 45 on 2, each a row of 31 f32 values and an 8-byte id, against the
+            // 97 x 31 f32 values reduced: on 3 ranks 2 x 27 x 132 = 7128 bytes against 2 x 2/3 x
+            // 12028 = 16037 (stage 0, an all-reduce) and 8019 (a reduce-scatter); on 2 ranks 45 x 132
+            // = 5940 against 12028 and 6014.  A tied head: dense.
+            const bool sparse = !tied && mode != train::EmbeddingGradient::Dense;
+            for (int r = 0; r < world; ++r) {
+              EXPECT_EQ(stats[static_cast<size_t>(r)].steps, 3) << what;
+              EXPECT_EQ(stats[static_cast<size_t>(r)].sparse_embedding_steps, sparse ? 3 : 0) << what;
+              EXPECT_EQ(stats[static_cast<size_t>(r)].timed, 3) << what;
+              for (const auto& [name, v] : got[static_cast<size_t>(r)]) {
+                EXPECT_TRUE(test::close_l2(Tensor::from_f64(v, {static_cast<int64_t>(v.size())}, DType::f64), want.at(name), 1e-5))
+                    << what << " rank " << r << " " << name;
+                if (r > 0) {
+                  EXPECT_EQ(v, got[0].at(name)) << what << ": ranks 0 and " << r << " differ in " << name;
+                }
+              }
+            }
+          }
+    if (tied) {
+      const std::string err = error_of([&] {
+        on_ranks(2, [&](int, dist::Communicator& c) {
+          auto model = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 7, 0.5);
+          train::DataParallelOptions dp;
+          dp.embedding_gradient = train::EmbeddingGradient::Sparse;
+          train::DataParallel t(*model, c, o, dp);
+        });
+      });
+      EXPECT_NE(err.find("tied"), std::string::npos) << err;
+    }
+  }
+}
+
+// Without clipping, the sparse embedding gradient gives stage 0's parameters bit for bit at stages 1
+// to 3 (each rank sums the rows of its shard in the order stage 0 sums them), in f32 and bf16, on 3
+// ranks whose ids repeat; and the automatic choice follows the bytes: a share of 200 tokens on 3
+// ranks moves 2 x 200 x (31 x 4 + 8) = 52800 bytes of rows, more than the 16037 (stage 0) or 8019
+// bytes of the dense gradient: dense.
+TEST(Dist, SparseEmbeddingStagesEqualStageZeroBitForBit) {
+  const models::ModelConfig cfg = odd_llama();
+  Generator gen(13);
+  const Tensor ids = Tensor::randint({3, 10}, 0, 9, DType::i64, Device::cpu(), gen);
+  train::AdamWOptions o;
+  o.lr = 1e-2, o.weight_decay = 0.1;
+  for (DType dt : {DType::f32, DType::bf16}) {
+    std::map<int, std::vector<std::vector<std::vector<double>>>> got;
+    for (int zero : {0, 1, 2, 3}) {
+      got[zero].resize(3);
+      on_ranks(3, [&](int r, dist::Communicator& c) {
+        auto model = models::CausalLM::random(cfg, dt, Device::cpu(), 4, 0.5);
+        train::DataParallelOptions dp;
+        dp.zero_stage = zero, dp.bucket_mib = 0.02, dp.embedding_gradient = train::EmbeddingGradient::Sparse;
+        train::DataParallel t(*model, c, o, dp);
+        const Tensor mine = ids.narrow(0, r, 1).contiguous();
+        for (int step = 0; step < 3; ++step) t.step({{mine, mine}});
+        EXPECT_EQ(t.comm_stats().sparse_embedding_steps, 3);
+        t.gather_parameters();
+        for (const auto& [name, p] : model->parameters()) got[zero][static_cast<size_t>(r)].push_back(p.to_f64_vector());
+      });
+    }
+    for (int zero : {0, 1, 2, 3})
+      for (size_t r = 0; r < 3; ++r) {
+        EXPECT_EQ(got[zero][r], got[0][0]) << dtype_name(dt) << " ZeRO-" << zero << " rank " << r;
+      }
+  }
+  const Tensor long_ids = Tensor::randint({4, 50}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen);
+  for (int zero : {0, 1}) {
+    on_ranks(3, [&](int, dist::Communicator& c) {
+      auto model = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 4, 0.5);
+      train::DataParallelOptions dp;
+      dp.zero_stage = zero;
+      train::DataParallel t(*model, c, o, dp);
+      t.step({{long_ids, long_ids}});
+      EXPECT_EQ(t.comm_stats().sparse_embedding_steps, 0) << "ZeRO-" << zero;
+    });
+  }
+}
+
+// ZeRO-1 and 2 with the parameters' all-gather deferred to the next forward: the same parameters as
+// gathering after AdamW, bit for bit, on 2 and 3 ranks.  Between steps the other ranks' shards are
+// those of the step before until a forward (a collective: every rank runs it) or gather_parameters();
+// a loss between steps equals the one without deferral; a forward with a KV cache is refused while
+// the hook is set, and runs after gather_parameters().  Stages 0 and 3, or no overlap: an error.
+TEST(Dist, OverlappedParameterGatherEqualsTheGatherAfterAdamW) {
+  const models::ModelConfig cfg = odd_llama();
+  Generator gen(17);
+  const Tensor ids = Tensor::randint({6, 8}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen);
+  const Tensor probe = Tensor::randint({1, 8}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen);
+  train::AdamWOptions o;
+  o.lr = 1e-2, o.weight_decay = 0.1, o.max_grad_norm = 0.5;
+  for (int world : {2, 3})
+    for (int zero : {1, 2}) {
+      const int64_t share = 6 / world;
+      struct Result {
+        std::vector<std::vector<double>> params, stale;
+        std::vector<double> losses;
+      };
+      auto run = [&](bool deferred) {
+        std::vector<Result> got(static_cast<size_t>(world));
+        on_ranks(world, [&](int r, dist::Communicator& c) {
+          auto model = models::CausalLM::random(cfg, DType::f32, Device::cpu(), 4, 0.5);
+          train::DataParallelOptions dp;
+          dp.zero_stage = zero, dp.bucket_mib = 0.01, dp.overlap_parameter_gather = deferred;
+          train::DataParallel t(*model, c, o, dp);
+          Result& res = got[static_cast<size_t>(r)];
+          const Tensor mine = ids.narrow(0, r * share, share).contiguous();
+          for (int step = 0; step < 3; ++step) {
+            t.step({{mine, mine}});
+            EXPECT_EQ(static_cast<bool>(model->parameter_use), deferred);
+            if (step == 0)
+              for (const auto& [name, p] : model->parameters()) res.stale.push_back(p.to_f64_vector());
+            if (step == 1) res.losses.push_back(model->loss(probe, probe).item());
+          }
+          if (deferred) {
+            models::CausalLM::KVCache cache;
+            const std::string err = error_of([&] { (void)model->forward(probe, &cache); });
+            EXPECT_NE(err.find("gather_parameters"), std::string::npos) << err;
+          }
+          t.gather_parameters();
+          EXPECT_FALSE(model->parameter_use);
+          models::CausalLM::KVCache cache;
+          (void)model->forward(probe, &cache);
+          for (const auto& [name, p] : model->parameters()) res.params.push_back(p.to_f64_vector());
+        });
+        return got;
+      };
+      const std::string what = fmt::format("world {} ZeRO-{}", world, zero);
+      const auto want = run(false), got = run(true);
+      for (size_t r = 0; r < static_cast<size_t>(world); ++r) {
+        EXPECT_EQ(got[r].params, want[r].params) << what << " rank " << r;
+        EXPECT_EQ(got[r].losses, want[r].losses) << what << " rank " << r;
+        EXPECT_NE(got[r].stale, want[r].stale) << what << " rank " << r << ": the all-gather was not deferred";
+      }
+    }
+  const auto model = models::CausalLM::random(odd_llama(), DType::f32, Device::cpu(), 4, 0.5);
+  for (int zero : {0, 1, 3})
+    on_ranks(1, [&](int, dist::Communicator& c) {
+      train::DataParallelOptions dp;
+      dp.zero_stage = zero, dp.overlap = zero != 1, dp.overlap_parameter_gather = true;
+      const std::string err = error_of([&] { train::DataParallel t(*model, c, o, dp); });
+      EXPECT_NE(err.find("overlap_parameter_gather"), std::string::npos) << "ZeRO-" << zero << ": " << err;
+    });
 }
 
 // What a resumed run must equal: the random model of seed 9 trained by one process, a step on each

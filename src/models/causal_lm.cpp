@@ -541,7 +541,8 @@ Tensor CausalLM::layer_forward(size_t li, Tensor h, const ops::RopeCosSin& cs, L
 Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache, InUse* head) {
   KCPP_CHECK(ids.dim() == 2, "CausalLM: input_ids must be [batch, seq], got {} dims", ids.dim());
   KCPP_CHECK(!(cache && parameter_use), "CausalLM: a forward with a KV cache (generation) is not supported while "
-             "parameter_use is set (ZeRO-3 training: gather the parameters and unset it first)");
+             "parameter_use is set (ZeRO-3 training: gather the parameters and unset it first; ZeRO-1 / 2 with the "
+             "parameters' all-gather overlapped: DataParallel::gather_parameters() unsets it)");
   const ModelConfig& c = cfg_;
   const int64_t b = ids.size(0), s = ids.size(1), hdim = c.hidden_size;
   Tensor h;
@@ -1199,6 +1200,7 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
     if (!c.tie_word_embeddings) ready("lm_head.weight", g.at("lm_head.weight"));
   }
   Tensor dh = fn.dx;  // [B, S, H]: the gradient of the residual stream
+  std::vector<std::string> handed_early;  // a layer's gradients handed to `ready` after its MLP's backward
   // Gradients of a linear layer y = x W^T (+ bias): dx = dy W, dW = dy^T x, db = column sums of dy.
   auto col_sum = [&](const Tensor& dy) { return ops::matmul(Tensor::full({1, dy.size(0)}, 1.0, dy.dtype(), dy.device()), dy).view({dy.size(1)}); };
   for (int64_t li = static_cast<int64_t>(layers_.size()) - 1; li >= 0; --li) {
@@ -1259,6 +1261,14 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
     // Attention: h += o_proj(attention(rope(q), rope(k), v))
     const Tensor dy2 = dh.contiguous().view({n, hdim});
     acc(p + "self_attn.o_proj.weight", ops::matmul(dy2, t.o, true, false));
+    if (ready) {  // the MLP's, the post-attention norm's and o_proj's are whole: summed during the attention's backward
+      for (auto it = g.lower_bound(p); it != g.end() && it->first.starts_with(p); ++it)
+        if (!it->first.starts_with(p + "input_layernorm.") &&
+            (!it->first.starts_with(p + "self_attn.") || it->first == p + "self_attn.o_proj.weight")) {
+          handed_early.push_back(it->first);
+          ready(it->first, it->second);
+        }
+    }
     const Tensor dattn = ops::matmul(dy2, l.wo).view({b, s, hq, d}).transpose(1, 2).contiguous();
     const nn::Attention::Grads ab = l.attn->backward(dattn, t.attn);
     Tensor dq = ab.dq, dk = ab.dk;                                           // [B, heads, S, D]
@@ -1297,14 +1307,20 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
     acc(p + "input_layernorm.weight", in.dweight);
     dh = ops::add(dh, in.dx);
     in_use.release();
-    if (ready) {  // this layer's gradients are whole
-      for (auto it = g.lower_bound(p); it != g.end() && it->first.starts_with(p); ++it) ready(it->first, it->second);
+    if (ready) {  // the rest of this layer's gradients are whole
+      for (auto it = g.lower_bound(p); it != g.end() && it->first.starts_with(p); ++it)
+        if (std::find(handed_early.begin(), handed_early.end(), it->first) == handed_early.end()) ready(it->first, it->second);
+      handed_early.clear();
     }
   }
   if (c.scale_embeddings)
     dh = ops::scale(dh, Tensor::full({}, std::sqrt(static_cast<double>(hdim)), dtype_, Device::cpu()).item());
-  const Tensor ids_dev = ids.device() == device_ ? ids : ids.to(device_);
-  acc("model.embed_tokens.weight", ops::embedding_backward(dh.contiguous(), ids_dev, c.vocab_size));
+  if (sparse_embedding_gradient && !c.tie_word_embeddings) {
+    out.embedding_rows = dh.contiguous().view({n, hdim});
+  } else {
+    const Tensor ids_dev = ids.device() == device_ ? ids : ids.to(device_);
+    acc("model.embed_tokens.weight", ops::embedding_backward(dh.contiguous(), ids_dev, c.vocab_size));
+  }
   if (ready)  // the embedding, and whatever else lies outside the layers and was not handed over above
     for (const auto& [name, grad] : g)
       if (!name.starts_with("model.layers.") && name != "model.norm.weight" && (c.tie_word_embeddings || name != "lm_head.weight"))

@@ -169,17 +169,27 @@ class CausalLM : public nn::Module {
   struct Gradients {
     Tensor loss;
     std::map<std::string, Tensor> grads;
+    // With sparse_embedding_gradient (and an untied head): the gradient of the embedding's output,
+    // [B * S, H] (row i that of token input_ids.view({-1})[i]), in place of the embedding's gradient
+    // embedding_backward(embedding_rows, input_ids, vocab_size); undefined otherwise.
+    Tensor embedding_rows;
   };
   // `reduction` Sum: the loss summed over the labelled tokens (for gradient accumulation, where the
   // caller divides by the tokens of the whole accumulated batch through `dloss`).
   // `ready`, when given, is called with each parameter's gradient as soon as the backward has made
-  // it whole: the final norm's and an untied head's first, then each layer's after that layer's
-  // backward (the last layer first), the embedding last; the order is the same on every call (data
+  // it whole: the final norm's and an untied head's first, then each layer's (the last layer first:
+  // its MLP's, post-attention norm's and o_proj's before the attention's backward, the rest after it),
+  // the embedding last; the order is the same on every call (data
   // parallelism reduces gradients in buckets while the backward goes on).  Every gradient is also in
   // the result.
   using GradientReady = std::function<void(const std::string& name, const Tensor& grad)>;
   Gradients loss_and_gradients(const Tensor& input_ids, const Tensor& labels, double dloss = 1.0,
                                ops::Reduction reduction = ops::Reduction::Mean, const GradientReady& ready = {});
+  // Sparse embedding gradient (data parallelism sums the ranks' rows instead of their dense [V, H]
+  // gradients, train/data_parallel.h): when set and the head is untied, loss_and_gradients returns
+  // the embedding's output gradient in Gradients::embedding_rows and leaves the embedding out of
+  // `grads` and of `ready`.  A tied head adds a dense gradient to the embedding's: there it is unused.
+  bool sparse_embedding_gradient = false;
   // Activation checkpointing per layer: the forward of loss_and_gradients keeps only each layer's
   // input and the backward runs the layer again (a second forward's time for a layer's activations).
   bool checkpoint_layers = false;

@@ -3,7 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <charconv>
+#include <chrono>
 #include <cstdio>
 #include <exception>
 #include <cstring>
@@ -20,6 +22,8 @@
 
 namespace kcpp::train {
 namespace {
+
+constexpr const char* kEmbedding = "model.embed_tokens.weight";
 
 // A group of collectives (NCCL's group calls) closed however its scope ends.
 struct Group {
@@ -148,8 +152,77 @@ class SideStream {
 #endif
 };
 
+// Points of a step on the compute stream (CUDA events over NCCL on a CUDA device; elsewhere, where
+// every collective has ended when its call returns, the host's clock), and the milliseconds between
+// two of them once the device has passed both.
+class StepClock {
+ public:
+  static constexpr int kPoints = 4;
+  explicit StepClock(dist::Communicator& comm) {
+#if KCPP_WITH_CUDA
+    if (comm.backend() == "nccl" && comm.device().is_cuda()) {
+      device_ = comm.device().index;
+      kcpp::cuda::DeviceGuard g(device_);
+      for (cudaEvent_t& e : events_) KCPP_CUDA_CHECK(cudaEventCreate(&e));
+      cuda_ = true;
+    }
+#else
+    (void)comm;
+#endif
+  }
+  ~StepClock() {
+#if KCPP_WITH_CUDA
+    if (cuda_) {
+      kcpp::cuda::DeviceGuard g(device_);
+      for (cudaEvent_t e : events_) (void)cudaEventDestroy(e);
+    }
+#endif
+  }
+  StepClock(const StepClock&) = delete;
+  StepClock& operator=(const StepClock&) = delete;
+
+  void mark(int point) {
+    marked_[point] = true;
+#if KCPP_WITH_CUDA
+    if (cuda_) {
+      kcpp::cuda::DeviceGuard g(device_);
+      KCPP_CUDA_CHECK(cudaEventRecord(events_[point], kcpp::cuda::current_stream()));
+      return;
+    }
+#endif
+    host_[point] = std::chrono::steady_clock::now();
+  }
+  bool marked(int point) const { return marked_[point]; }
+  // From `from` to `to` (both marked; waits for `to`).
+  double ms(int from, int to) const {
+#if KCPP_WITH_CUDA
+    if (cuda_) {
+      kcpp::cuda::DeviceGuard g(device_);
+      KCPP_CUDA_CHECK(cudaEventSynchronize(events_[to]));
+      float t = 0;
+      KCPP_CUDA_CHECK(cudaEventElapsedTime(&t, events_[from], events_[to]));
+      return t;
+    }
+#endif
+    return std::chrono::duration<double, std::milli>(host_[to] - host_[from]).count();
+  }
+  void clear() { marked_.fill(false); }
+
+ private:
+  std::array<bool, kPoints> marked_{};
+  std::array<std::chrono::steady_clock::time_point, kPoints> host_{};
+#if KCPP_WITH_CUDA
+  bool cuda_ = false;
+  int device_ = 0;
+  std::array<cudaEvent_t, kPoints> events_{};
+#endif
+};
+
+// StepClock's points.
+constexpr int kBackwardDone = 0, kReduced = 1, kGatherBegins = 2, kGathered = 3;
+
 DataParallel::~DataParallel() {
-  if (options_.zero_stage == 3) model_.parameter_use = {};
+  if (options_.zero_stage == 3 || options_.overlap_parameter_gather) model_.parameter_use = {};
 }
 
 DataParallel::DataParallel(models::CausalLM& model, dist::Communicator& comm, AdamWOptions adamw, DataParallelOptions o)
@@ -165,10 +238,20 @@ DataParallel::DataParallel(models::CausalLM& model, dist::Communicator& comm, Ad
             KCPP_CHECK(o.zero_stage < 3 || !model.parameter_use,
                        "data parallel: ZeRO-3: the model's parameter_use is set already (another ZeRO-3 trainer of it?)");
             KCPP_CHECK(o.bucket_mib > 0, "data parallel: bucket_mib is {}; it must be positive", o.bucket_mib);
+            KCPP_CHECK(!o.overlap_parameter_gather || ((o.zero_stage == 1 || o.zero_stage == 2) && o.overlap),
+                       "data parallel: overlap_parameter_gather defers the all-gather of ZeRO stages 1 and 2 with overlap; "
+                       "this trainer is at stage {}{}", o.zero_stage, o.overlap ? "" : " without overlap");
+            KCPP_CHECK(!o.overlap_parameter_gather || !model.parameter_use,
+                       "data parallel: overlap_parameter_gather: the model's parameter_use is set already (another trainer of it?)");
+            KCPP_CHECK(o.embedding_gradient != EmbeddingGradient::Sparse || !model.config().tie_word_embeddings,
+                       "data parallel: a sparse embedding gradient was asked for, but the model's lm_head is tied to the "
+                       "embedding, whose gradient is then dense; use the automatic choice or the dense one");
             KCPP_CHECK(o.reduce_dtype == DType::f32 || o.reduce_dtype == DType::f64 || o.reduce_dtype == DType::bf16 ||
                            o.reduce_dtype == DType::f16,
                        "data parallel: reduce_dtype {} is not a floating dtype", dtype_name(o.reduce_dtype));
             for (size_t i = 0; i < params_.size(); ++i) index_of_[params_[i].first] = i;
+            KCPP_CHECK(index_of_.count(kEmbedding) > 0, "data parallel: the model has no parameter '{}'", kEmbedding);
+            embed_param_ = index_of_.at(kEmbedding);
             for (const auto& [name, p] : params_) {
               KCPP_CHECK(p.device() == comm.device(), "data parallel: parameter '{}' is on {} but the communicator is on {}",
                          name, p.device().str(), comm.device().str());
@@ -182,13 +265,14 @@ DataParallel::DataParallel(models::CausalLM& model, dist::Communicator& comm, Ad
             return o.zero_stage == 0 ? params_ : shard_layout();
           }(),
           adamw, comm.device()),
-      side_(std::make_unique<SideStream>(comm)) {
+      side_(std::make_unique<SideStream>(comm)),
+      clock_(std::make_unique<StepClock>(comm)) {
   if (options_.zero_stage == 3) release_layout();
 }
 
 size_t DataParallel::group_of(const std::string& name) const {
   const size_t layers = static_cast<size_t>(model_.config().num_hidden_layers);
-  if (name == "model.embed_tokens.weight") return 0;
+  if (name == kEmbedding) return 0;
   size_t layer = 0;
   if (std::sscanf(name.c_str(), "model.layers.%zu.", &layer) == 1 && layer < layers) return 1 + layer;
   return layers + 1;  // the final norm, an untied head
@@ -371,7 +455,98 @@ void DataParallel::release(size_t gi) {
 }
 
 void DataParallel::gather_parameters() {
+  if (options_.zero_stage < 3) {
+    if (options_.overlap_parameter_gather) {
+      finish_gathers();
+      model_.parameter_use = {};
+    }
+    return;
+  }
   for (size_t gi = 0; gi < groups_.size(); ++gi) acquire(gi);
+}
+
+void DataParallel::gather_updated() {
+  if (options_.overlap_parameter_gather) {
+    finish_gathers();
+    gathers_due_ = true;
+    if (!model_.parameter_use) {
+      const size_t head = static_cast<size_t>(model_.config().num_hidden_layers) + 1;
+      model_.parameter_use = [this, head](const models::CausalLM::ParameterGroup& g, bool in_use) {
+        using Kind = models::CausalLM::ParameterGroup::Kind;
+        if (!in_use) return;
+        const size_t group = g.kind == Kind::Embedding ? 0 : g.kind == Kind::Layer ? 1 + g.layer : head;
+        KCPP_CHECK(group <= head, "data parallel: the model used layer {} of {}", g.layer, head - 1);
+        if (gathers_due_) issue_gathers();
+        wait_gathered(group);
+        if (group == head && model_.config().tie_word_embeddings) wait_gathered(0);
+      };
+    }
+    return;
+  }
+  clock_->mark(kGatherBegins);
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    const Bucket& b = buckets_[bi];
+    const Tensor mine = Tensor::zeros({b.shard}, b.dtype, comm_.device());
+    for (const Piece& pc : pieces_)
+      if (pc.bucket == bi) {
+        const Tensor& p = params_[pc.param].second;
+        mine.narrow(0, pc.at, pc.length).copy_(p.view({p.numel()}).narrow(0, pc.begin, pc.length));
+      }
+    const Tensor all = Tensor::empty({comm_.world_size() * b.shard}, b.dtype, comm_.device());
+    comm_.all_gather(all, mine);
+    for (size_t j = 0; j < b.params.size(); ++j) {
+      const Tensor& p = params_[b.params[j]].second;
+      p.view({p.numel()}).copy_(all.narrow(0, b.offset[j], p.numel()));
+    }
+  }
+  clock_->mark(kGathered);
+}
+
+void DataParallel::issue_gathers() {
+  gathers_due_ = false;
+  const size_t groups = static_cast<size_t>(model_.config().num_hidden_layers) + 2;
+  // Each group's last bucket in the order of issue (the buckets from the last one down: the
+  // embedding's first, the head's last).
+  std::vector<size_t> last(groups, buckets_.size());
+  for (size_t bi = 0; bi < buckets_.size(); ++bi)
+    for (size_t k : buckets_[bi].params) last[group_of(params_[k].first)] = std::min(last[group_of(params_[k].first)], bi);
+  // This rank's pieces packed on the current stream, after AdamW; the rest on the side stream.
+  std::vector<Tensor> mine(buckets_.size()), all(buckets_.size());
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    mine[bi] = Tensor::zeros({buckets_[bi].shard}, buckets_[bi].dtype, comm_.device());
+    all[bi] = Tensor::empty({comm_.world_size() * buckets_[bi].shard}, buckets_[bi].dtype, comm_.device());
+  }
+  for (const Piece& pc : pieces_) {
+    const Tensor& p = params_[pc.param].second;
+    mine[pc.bucket].narrow(0, pc.at, pc.length).copy_(p.view({p.numel()}).narrow(0, pc.begin, pc.length));
+  }
+  gather_marks_.assign(groups, -1);
+  side_->run([&] {
+    for (size_t bi = buckets_.size(); bi-- > 0;) {
+      const Bucket& b = buckets_[bi];
+      comm_.all_gather(all[bi], mine[bi]);
+      for (size_t j = 0; j < b.params.size(); ++j) {
+        const Tensor& p = params_[b.params[j]].second;
+        p.view({p.numel()}).copy_(all[bi].narrow(0, b.offset[j], p.numel()));
+      }
+      for (size_t g = 0; g < groups; ++g)
+        if (last[g] == bi) gather_marks_[g] = side_->mark();
+    }
+  });
+  // Held until the current stream has waited for every mark (the side stream is done with them).
+  gather_buffers_ = std::move(mine);
+  gather_buffers_.insert(gather_buffers_.end(), all.begin(), all.end());
+}
+
+void DataParallel::wait_gathered(size_t group) {
+  if (group < gather_marks_.size()) side_->wait(gather_marks_[group]);
+  if (std::all_of(gather_marks_.begin(), gather_marks_.end(), [](int m) { return m < 0; })) gather_buffers_.clear();
+}
+
+void DataParallel::finish_gathers() {
+  if (gathers_due_) issue_gathers();
+  for (size_t g = 0; g < gather_marks_.size(); ++g) wait_gathered(g);
+  gather_buffers_.clear();
 }
 
 void DataParallel::release_parameters() {
@@ -380,6 +555,7 @@ void DataParallel::release_parameters() {
 }
 
 void DataParallel::save_model(const std::filesystem::path& folder) {
+  if (options_.zero_stage < 3) gather_parameters();  // a deferred all-gather
   const bool gather = options_.zero_stage == 3;
   if (gather) gather_parameters();
   struct Release {
@@ -415,7 +591,9 @@ std::vector<std::pair<std::string, Tensor>> DataParallel::shard_layout() {
   for (size_t k = params_.size(); k-- > 0;) {
     const Tensor& p = params_[k].second;
     const size_t group = grouped ? group_of(params_[k].first) : 0;
-    if (buckets_.empty() || bytes >= bucket_bytes || buckets_.back().dtype != p.dtype() || buckets_.back().group != group) {
+    // The embedding alone in its bucket (its gradient may be summed sparse, data_parallel.h).
+    const bool alone = k == embed_param_ || (!buckets_.empty() && buckets_.back().params.back() == embed_param_);
+    if (buckets_.empty() || bytes >= bucket_bytes || buckets_.back().dtype != p.dtype() || buckets_.back().group != group || alone) {
       buckets_.emplace_back();
       buckets_.back().dtype = p.dtype();
       buckets_.back().group = group;
@@ -427,6 +605,7 @@ std::vector<std::pair<std::string, Tensor>> DataParallel::shard_layout() {
     b.numel += p.numel();
     bytes += static_cast<size_t>(p.numel()) * es;
     bucket_of_[k] = buckets_.size() - 1;
+    if (k == embed_param_) embed_bucket_ = buckets_.size() - 1;
   }
   std::vector<std::pair<std::string, Tensor>> shard;
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {
@@ -497,7 +676,7 @@ void DataParallel::unpack(const std::vector<std::string>& names, const Tensor& f
   }
 }
 
-void DataParallel::reduce_gradients(std::map<std::string, Tensor>& grads, const std::vector<char>& anywhere) {
+void DataParallel::reduce_gradients(std::map<std::string, Tensor>& grads, const std::vector<char>& anywhere, size_t skip) {
   const size_t bucket_bytes = static_cast<size_t>(options_.bucket_mib * (1 << 20));
   const size_t es = dtype_size(options_.reduce_dtype);
   std::vector<std::string> bucket;
@@ -515,6 +694,7 @@ void DataParallel::reduce_gradients(std::map<std::string, Tensor>& grads, const 
   // left out, as a single process's AdamW skips it.
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& [name, p] = params_[i];
+    if (i == skip) continue;
     if (!anywhere[i]) {
       grads.erase(name);
       continue;
@@ -684,25 +864,110 @@ struct JoinOnExit {
 
 StepResult DataParallel::step(const std::vector<MicroBatch>& micro) {
   KCPP_CHECK(!micro.empty(), "data parallel: rank {} has no micro-batch (every rank takes a share of each step)", comm_.rank());
-  int64_t mine = 0;
-  for (const MicroBatch& m : micro) mine += models::CausalLM::labelled_tokens(m.labels);
-  // Two all-reduces before the gradients': the step's labelled tokens (which scale every share's
-  // gradient), then the shares' losses with, for each parameter, how many ranks have its gradient.
-  const Tensor count = Tensor::from_f64(std::vector<double>{static_cast<double>(mine)}, {1}, DType::f64, comm_.device());
-  comm_.all_reduce(count, dist::ReduceOp::Sum);
-  const int64_t total = static_cast<int64_t>(count.item());
-  if (options_.zero_stage == 3) {
-    // Every forward and backward gathers each layer (collectives): the same number on every rank.
-    const Tensor n = Tensor::from_f64(std::vector<double>{static_cast<double>(micro.size())}, {1}, DType::f64, comm_.device());
-    const Tensor all = Tensor::empty({comm_.world_size()}, DType::f64, comm_.device());
-    comm_.all_gather(all, n);
-    const std::vector<double> v = all.to_f64_vector();
-    for (size_t r = 1; r < v.size(); ++r)
-      KCPP_CHECK(v[r] == v[0], "data parallel: ZeRO-3 gathers the parameters in every micro-batch's forward and backward, "
-                 "so every rank needs the same number of micro-batches; rank 0 has {}, rank {} has {}", v[0], r, v[r]);
+  int64_t mine = 0, rows = 0;
+  for (const MicroBatch& m : micro) mine += models::CausalLM::labelled_tokens(m.labels), rows += m.input_ids.numel();
+  // Before the gradients: every rank's labelled tokens (which scale every share's gradient), tokens
+  // and micro-batches; then the shares' losses with, for each parameter, how many ranks have its
+  // gradient (step_replicated, step_sharded).
+  const int64_t world = comm_.world_size();
+  // A deferred all-gather issued by a forward since the last step (not yet waited for by it all) ends
+  // before the collectives below start on the current stream; one still due stays due.
+  for (size_t g = 0; g < gather_marks_.size(); ++g) wait_gathered(g);
+  const Tensor counts = Tensor::from_f64(std::vector<double>{static_cast<double>(mine), static_cast<double>(rows),
+                                                             static_cast<double>(micro.size())},
+                                         {3}, DType::f64, comm_.device());
+  const Tensor all_counts = Tensor::empty({3 * world}, DType::f64, comm_.device());
+  comm_.all_gather(all_counts, counts);
+  const std::vector<double> v = all_counts.to_f64_vector();
+  read_clock();  // the last step's points are behind the device now
+  int64_t total = 0;
+  rows_max_ = 0;
+  for (int64_t r = 0; r < world; ++r) {
+    total += static_cast<int64_t>(v[static_cast<size_t>(3 * r)]);
+    rows_max_ = std::max(rows_max_, static_cast<int64_t>(v[static_cast<size_t>(3 * r + 1)]));
+    // ZeRO-3: every forward and backward gathers each layer (collectives): the same number on every rank.
+    KCPP_CHECK(options_.zero_stage < 3 || v[static_cast<size_t>(3 * r + 2)] == v[2],
+               "data parallel: ZeRO-3 gathers the parameters in every micro-batch's forward and backward, so every rank "
+               "needs the same number of micro-batches; rank 0 has {}, rank {} has {}", v[2], r, v[static_cast<size_t>(3 * r + 2)]);
   }
-  KCPP_CHECK(total > 0, "data parallel: no labelled token in the step's batch on any of the {} ranks", comm_.world_size());
+  KCPP_CHECK(total > 0, "data parallel: no labelled token in the step's batch on any of the {} ranks", world);
+  ++stats_.steps;
+  all_ids_.clear();
+  if (sparse_embedding(rows_max_)) {
+    ++stats_.sparse_embedding_steps;
+    std::vector<double> ids;
+    ids.reserve(static_cast<size_t>(rows_max_));
+    for (const MicroBatch& m : micro)
+      for (double id : m.input_ids.to_f64_vector()) ids.push_back(id);
+    ids.resize(static_cast<size_t>(rows_max_), -1.0);  // the padding's rows are zeros, of no token
+    const Tensor sent = Tensor::from_f64(ids, {rows_max_}, DType::f64, comm_.device());
+    const Tensor gathered = Tensor::empty({world * rows_max_}, DType::f64, comm_.device());
+    comm_.all_gather(gathered, sent);
+    for (double id : gathered.to_f64_vector()) all_ids_.push_back(static_cast<int64_t>(id));
+  }
+  struct Flag {  // the model hands over its embedding's output gradient during this step only
+    bool& flag;
+    ~Flag() { flag = false; }
+  } flag{model_.sparse_embedding_gradient};
+  model_.sparse_embedding_gradient = !all_ids_.empty();
   return options_.zero_stage == 0 ? step_replicated(micro, total) : step_sharded(micro, total);
+}
+
+bool DataParallel::sparse_embedding(int64_t rows_max) const {
+  if (model_.config().tie_word_embeddings || options_.embedding_gradient == EmbeddingGradient::Dense) return false;
+  if (options_.embedding_gradient == EmbeddingGradient::Sparse) return true;
+  // The bytes a rank receives either way (data_parallel.h); ids travel as f64.
+  const Tensor& e = params_[embed_param_].second;
+  const double w = static_cast<double>(comm_.world_size()), v = static_cast<double>(e.size(0)), h = static_cast<double>(e.size(1));
+  const double sparse = (w - 1) * static_cast<double>(rows_max) * (h * static_cast<double>(e.element_size()) + 8);
+  const double dense = (options_.zero_stage == 0 ? 2 : 1) * (w - 1) / w * v * h * static_cast<double>(dtype_size(options_.reduce_dtype));
+  return sparse < dense;
+}
+
+Tensor DataParallel::sparse_embedding_rows(const std::vector<Tensor>& rows, int64_t lo, int64_t hi) {
+  const Tensor& e = params_[embed_param_].second;
+  const int64_t h = e.size(1), world = comm_.world_size();
+  const DType dt = rows.empty() ? e.dtype() : rows[0].dtype();
+  // This rank's rows in its micro-batches' order (that of its ids), then zeros up to the largest share.
+  const Tensor send = Tensor::empty({rows_max_, h}, dt, comm_.device());
+  int64_t at = 0;
+  for (const Tensor& r : rows) {
+    KCPP_CHECK(r.dim() == 2 && r.size(1) == h && at + r.size(0) <= rows_max_ && r.dtype() == dt,
+               "data parallel: the embedding's output gradient has shape [{}] ({}), not rows of {} of its tokens",
+               fmt::join(r.shape(), ", "), dtype_name(r.dtype()), h);
+    send.narrow(0, at, r.size(0)).copy_(r);
+    at += r.size(0);
+  }
+  if (at < rows_max_) send.narrow(0, at, rows_max_ - at).fill_(0);
+  const Tensor all = Tensor::empty({world * rows_max_, h}, dt, comm_.device());
+  // On the side stream, behind the buckets' sums (the same order of collectives on every rank).
+  side_->run([&] { comm_.all_gather(all, send); });
+  side_->join();
+  // The rows of the tokens in [lo, hi), in rank order, then token order.
+  std::vector<int64_t> pick, local;
+  for (size_t j = 0; j < all_ids_.size(); ++j)
+    if (all_ids_[j] >= lo && all_ids_[j] < hi) pick.push_back(static_cast<int64_t>(j)), local.push_back(all_ids_[j] - lo);
+  if (pick.empty()) return Tensor::zeros({hi - lo, h}, dt, comm_.device());
+  const int64_t n = static_cast<int64_t>(pick.size());
+  const Tensor picked = n == all.size(0) ? all
+                                         : ops::embedding(all, Tensor::from_i64(pick, {n}, DType::i64, comm_.device()),
+                                                          /*check_ids=*/false);
+  return ops::embedding_backward(picked, Tensor::from_i64(local, {n}, DType::i64, comm_.device()), hi - lo);
+}
+
+void DataParallel::read_clock() {
+  StepClock& c = *clock_;
+  if (c.marked(kBackwardDone) && c.marked(kReduced)) {
+    ++stats_.timed;
+    stats_.after_backward_ms += c.ms(kBackwardDone, kReduced);
+    if (c.marked(kGatherBegins) && c.marked(kGathered)) stats_.parameter_gather_ms += c.ms(kGatherBegins, kGathered);
+  }
+  c.clear();
+}
+
+DataParallel::CommStats DataParallel::comm_stats() {
+  read_clock();
+  return stats_;
 }
 
 void DataParallel::reduce_scatter_bucket(size_t bi, const std::map<std::string, Tensor>& grads, std::vector<Tensor>& keep) {
@@ -732,8 +997,11 @@ StepResult DataParallel::step_sharded(const std::vector<MicroBatch>& micro, int6
   // parameters' gradients (every parameter has one: no MoE layers) and those before it are sent.
   const bool overlap = options_.overlap && model_.config().num_experts == 0;
   std::map<std::string, Tensor> grads;  // handed over and not yet packed
+  // With the sparse embedding gradient, the embedding's bucket is not reduce-scattered: each rank
+  // sums its shard from every rank's rows after the backward.
+  const bool sparse = !all_ids_.empty();
   std::vector<size_t> waiting(buckets_.size());
-  for (size_t bi = 0; bi < buckets_.size(); ++bi) waiting[bi] = buckets_[bi].params.size();
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) waiting[bi] = sparse && bi == embed_bucket_ ? 0 : buckets_[bi].params.size();
   size_t next = 0;           // the next bucket to send
   std::vector<Tensor> keep;  // stage 2's flat buckets until the side stream is joined
   JoinOnExit joined{*side_};
@@ -760,6 +1028,7 @@ StepResult DataParallel::step_sharded(const std::vector<MicroBatch>& micro, int6
     planned_ = 0;
   }
   auto send = [&](size_t bi) {
+    if (sparse && bi == embed_bucket_) return;
     // At most two flat buckets of stage 2 alive: the one before this one has had the backward of a
     // bucket's worth of layers to finish.
     if (!keep.empty()) {
@@ -779,17 +1048,32 @@ StepResult DataParallel::step_sharded(const std::vector<MicroBatch>& micro, int6
       while (next < buckets_.size() && waiting[next] == 0) send(next++);
     };
   Accumulated acc = accumulate_gradients(model_, micro, total, ready);
+  clock_->mark(kBackwardDone);
   std::vector<double> info(params_.size() + 1);
   info[0] = acc.loss;
   for (size_t i = 0; i < params_.size(); ++i) info[i + 1] = acc.grads.count(params_[i].first) ? 1.0 : 0.0;
+  if (sparse) info[embed_param_ + 1] = 1.0;
   // The rest of the buckets (all of them without overlap), from the backward's gradients.
   for (auto& [name, g] : acc.grads)
     if (next < buckets_.size() && bucket_of_[index_of_.at(name)] >= next) grads.emplace(name, g);
   acc.grads.clear();
   while (next < buckets_.size()) send(next++);
   grads.clear();
+  if (sparse) {
+    // This rank's shard of the embedding's bucket (the embedding alone, then padding), from the
+    // rows of the tokens whose embedding rows it covers.
+    Bucket& b = buckets_[embed_bucket_];
+    const int64_t h = params_[embed_param_].second.size(1);
+    const int64_t lo = std::min(b.numel, comm_.rank() * b.shard), hi = std::min(b.numel, lo + b.shard);
+    const int64_t first = lo / h, last = (hi + h - 1) / h;  // the embedding rows elements [lo, hi) lie in
+    const Tensor summed = sparse_embedding_rows(acc.embedding_rows, first, last);
+    if (hi > lo) b.grad.narrow(0, 0, hi - lo).copy_(summed.view({summed.numel()}).narrow(0, lo - first * h, hi - lo));
+    if (hi - lo < b.shard) b.grad.narrow(0, hi - lo, b.shard - (hi - lo)).fill_(0);
+    acc.embedding_rows.clear();
+  }
   side_->join();
   keep.clear();
+  clock_->mark(kReduced);
   const Tensor shared = Tensor::from_f64(info, {static_cast<int64_t>(info.size())}, DType::f64, comm_.device());
   comm_.all_reduce(shared, dist::ReduceOp::Sum);
   const std::vector<double> summed = shared.to_f64_vector();
@@ -803,24 +1087,11 @@ StepResult DataParallel::step_sharded(const std::vector<MicroBatch>& micro, int6
     const Tensor g = buckets_[pc.bucket].grad.narrow(0, pc.at, pc.length);
     shard_grads.emplace(params_[pc.param].first, g.dtype() == p.dtype() ? g : g.to(p.dtype()));
   }
+  finish_gathers();  // the last step's deferred all-gather (waited for by this step's forward already)
   opt_.step(shard_grads, {}, [&](const Tensor& sq_norm) { comm_.all_reduce(sq_norm, dist::ReduceOp::Sum); });
-  // Every rank's updated shard into every rank's parameters, a bucket at a time (stage 3: the
-  // updated shards are the parameters; the next forward gathers them).
-  for (size_t bi = 0; bi < buckets_.size() && options_.zero_stage < 3; ++bi) {
-    const Bucket& b = buckets_[bi];
-    const Tensor mine = Tensor::zeros({b.shard}, b.dtype, comm_.device());
-    for (const Piece& pc : pieces_)
-      if (pc.bucket == bi) {
-        const Tensor& p = params_[pc.param].second;
-        mine.narrow(0, pc.at, pc.length).copy_(p.view({p.numel()}).narrow(0, pc.begin, pc.length));
-      }
-    const Tensor all = Tensor::empty({comm_.world_size() * b.shard}, b.dtype, comm_.device());
-    comm_.all_gather(all, mine);
-    for (size_t j = 0; j < b.params.size(); ++j) {
-      const Tensor& p = params_[b.params[j]].second;
-      p.view({p.numel()}).copy_(all.narrow(0, b.offset[j], p.numel()));
-    }
-  }
+  // Stages 1 and 2: every rank's updated shard into every rank's parameters (stage 3: the updated
+  // shards are the parameters; the next forward gathers them).
+  if (options_.zero_stage < 3) gather_updated();
   StepResult r;
   r.loss = summed[0];
   r.tokens = total;
@@ -868,11 +1139,18 @@ StepResult DataParallel::step_replicated(const std::vector<MicroBatch>& micro, i
       if (filling_bytes >= bucket_bytes || ++handed == params_.size()) send();
     };
   Accumulated acc = accumulate_gradients(model_, micro, total, ready);
+  clock_->mark(kBackwardDone);
   if (overlap) {
     send();
     collect();
     for (const auto& [name, g] : whole)  // a gradient unpacked as a new tensor (another dtype)
       if (acc.grads.at(name).data() != g.data()) acc.grads.at(name) = g;
+  }
+  const bool sparse = !all_ids_.empty();
+  if (sparse) {  // every rank's rows summed into the whole embedding's gradient
+    const Tensor& e = params_[embed_param_].second;
+    acc.grads[kEmbedding] = sparse_embedding_rows(acc.embedding_rows, 0, e.size(0)).to(e.dtype());
+    acc.embedding_rows.clear();
   }
   std::vector<double> info(params_.size() + 1);
   info[0] = acc.loss;
@@ -882,7 +1160,8 @@ StepResult DataParallel::step_replicated(const std::vector<MicroBatch>& micro, i
   const std::vector<double> summed = shared.to_f64_vector();
   std::vector<char> anywhere(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) anywhere[i] = summed[i + 1] > 0;
-  if (!overlap) reduce_gradients(acc.grads, anywhere);
+  if (!overlap) reduce_gradients(acc.grads, anywhere, sparse ? embed_param_ : params_.size());
+  clock_->mark(kReduced);
 
   opt_.step(acc.grads);
   StepResult r;

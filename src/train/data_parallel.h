@@ -2,7 +2,7 @@
 // each step's batch, and the ranks' gradients are summed before one AdamW step, so every rank's
 // model stays the same as the single-process model trained on the whole batch.
 //
-//   step:  T = sum over ranks of the labelled tokens of their share        (all_reduce)
+//   step:  T = sum over ranks of the labelled tokens of their share        (all_gather of the counts)
 //          g_r = gradient of (sum of the share's token losses) / T          (each rank)
 //          g = sum over ranks of g_r                                        (all_reduce, in buckets)
 //          then AdamW with g, clipped by ||g||: the step of the whole batch
@@ -91,6 +91,46 @@
 // cache (generation); gather_parameters() makes every parameter whole, and they stay whole if the
 // trainer goes then; save_model() gathers them for rank 0's CausalLM::save and releases them after.
 // The optimizer's checkpoints are stage 2's.
+//
+// The embedding's gradient.  Its dense gradient [V, H] is whole only at the end of the backward, so
+// its reduction overlaps nothing; but a rank's share of it comes from its T tokens only: the gradient
+// of the embedding's output, rows [T, H], and the token ids.  With the sparse path every rank
+// all-gathers the ids (at the step's start, with the token counts) and those rows (after the
+// backward, padded with zero rows to the largest T of the ranks), and every rank adds all ranks'
+// rows, in rank order and token order (ops::embedding_backward: f32 sums rounded once to the
+// gradient's dtype), into the rows of the embedding it needs: all of them at stage 0, its shard's at
+// stages 1 to 3.  The result is the same on every rank, and the dense reduction's up to the order of
+// the sums; the rows carry the step's 1 / T_total scale as the dense gradient does.  The sparse path
+// is taken (EmbeddingGradient::Auto) when a rank receives fewer bytes by it than by the dense one, with
+// ring algorithms (NCCL's bus-bandwidth factors, nccl-tests' PERFORMANCE.md): with w ranks,
+//   sparse: (w - 1) T_max (H bytes(gradient dtype) + 8)              (all-gather of rows and ids)
+//   dense:  c (w - 1) / w V H bytes(reduce_dtype), c = 2 at stage 0 (all-reduce), 1 above (reduce-scatter)
+// so for Llama-3's vocabulary of 128,256 and hidden 4096 below about 64 K tokens a rank (bf16, f32
+// sums, 4 ranks, ZeRO-1).  A tied head adds a dense gradient (the lm_head's) to the embedding's: it
+// always takes the dense path.  The embedding is a bucket of its own (stages 1 to 3), so that no
+// other parameter waits for it.
+//
+// The parameters' all-gather after AdamW (stages 1 and 2) overlapped with the next forward
+// (`overlap_parameter_gather`, with `overlap`; Megatron-LM's overlapped parameter gather of its
+// distributed optimizer): the step ends with only this rank's shards of the parameters updated, and
+// the model's parameter_use hook (set then) issues every bucket's all-gather at the first use of a
+// parameter group (the next forward's embedding), on the side stream, the buckets in the order the
+// forward uses them (the embedding's, then layer 0's, ..., the head's), each followed by its copy
+// into the parameters; each use waits (on the device) for the gathers of its group only, so the
+// later buckets are gathered while the first layers compute.  The collectives stay in one order on
+// every rank: the step's first ones (the token counts, the ids) are issued before the forward, and
+// none on the compute stream until the side stream is waited for.  Until then the model's other
+// ranks' shards are those of the step before: a forward is a collective (every rank runs it, as at
+// stage 3), and anything else that reads the parameters between steps must call gather_parameters()
+// first (every rank; it also unsets the hook, so that a forward with a KV cache, refused while it is
+// set, can run); save_model() does.  The trainer going leaves the parameters as they are.  The
+// gathered buckets are held until the last use waits for them: one more copy of the parameters.
+//
+// Where communication shows: comm_stats() sums, a step at a time, the time from the end of the
+// backward's work to the end of the gradients' reduction (the buckets not yet summed, the
+// embedding's rows, the wait for the side stream), and at stages 1 and 2 that of the all-gather of
+// the updated parameters after AdamW (on a CUDA device by events on the compute stream, elsewhere by
+// the host's clock).
 #pragma once
 
 #include <filesystem>
@@ -106,6 +146,13 @@
 
 namespace kcpp::train {
 
+// How the embedding's gradient is summed over the ranks (see above).
+enum class EmbeddingGradient {
+  Auto,    // sparse when that moves fewer bytes, and the head is untied
+  Sparse,  // the ranks' rows and ids all-gathered (an untied head only: an error with a tied one)
+  Dense,   // the dense [V, H] gradient, like every other parameter's
+};
+
 struct DataParallelOptions {
   int zero_stage = 0;  // 0 (replicated), 1 (optimizer state sharded), 2 (and gradients), 3 (and parameters)
   double bucket_mib = 25.0;        // gradient bytes (in reduce_dtype) a bucket holds, about
@@ -113,6 +160,10 @@ struct DataParallelOptions {
   bool overlap = true;             // buckets summed during the backward (see above)
   bool prefetch = false;           // stage 3 with overlap: the next use's gathers issued during this one's
                                    // (off by default: slower than gathering at the use, bench/RESULTS.md)
+  EmbeddingGradient embedding_gradient = EmbeddingGradient::Auto;
+  // Stages 1 and 2 with overlap: the updated parameters' all-gather deferred to the next forward,
+  // each group's waited for at its use (see above).  Off by default.
+  bool overlap_parameter_gather = false;
 };
 
 // Where a tensor of optimizer state starts in its parameter (a data-parallel shard's piece of it),
@@ -132,6 +183,7 @@ void save_optimizer_state(const std::filesystem::path& folder, const AdamW& opt,
 void load_optimizer_state(const std::filesystem::path& folder, AdamW& opt, const StateSlices& slices = {});
 
 class SideStream;  // data_parallel.cpp
+class StepClock;
 
 class DataParallel {
  public:
@@ -165,6 +217,17 @@ class DataParallel {
     int64_t issued = 0, used = 0, deviations = 0;
   };
   PrefetchStats prefetch_stats() const { return prefetch_stats_; }
+  // Since the trainer was made (see above): the steps, those whose embedding gradient was summed
+  // sparse, and the milliseconds spent after the backward on the gradients' reduction and (stages 1
+  // and 2) on the parameters' all-gather after AdamW, over the `timed` steps (all of them once the
+  // last one's events are read: this call waits for them).
+  struct CommStats {
+    int64_t steps = 0, sparse_embedding_steps = 0, timed = 0;
+    double after_backward_ms = 0, parameter_gather_ms = 0;
+  };
+  CommStats comm_stats();
+  // Stages 1 and 2 with overlap_parameter_gather: the deferred all-gather done and waited for, the
+  // hook unset (a collective when one is due).
   // Stage 3: every parameter gathered whole on every rank (a collective: all ranks call it), e.g.
   // to save, evaluate or sample from the model, until release_parameters() (after which the model's
   // parameters are released again; the optimizer's shards are what training updates, so changes to
@@ -220,7 +283,14 @@ class DataParallel {
   StepResult step_replicated(const std::vector<MicroBatch>& micro, int64_t total);
   StepResult step_sharded(const std::vector<MicroBatch>& micro, int64_t total);
   // anywhere[i]: whether some rank has a gradient of params_[i].
-  void reduce_gradients(std::map<std::string, Tensor>& grads, const std::vector<char>& anywhere);
+  // `skip`: a parameter left out (the embedding, summed sparse).
+  void reduce_gradients(std::map<std::string, Tensor>& grads, const std::vector<char>& anywhere, size_t skip);
+  // The sparse embedding gradient: whether this step takes it (the same on every rank: from the
+  // largest share of tokens); and rows [lo, hi) of the embedding's gradient summed from every rank's
+  // rows (this rank's: `rows`, its micro-batches'), in the rows' dtype.
+  bool sparse_embedding(int64_t rows_max) const;
+  Tensor sparse_embedding_rows(const std::vector<Tensor>& rows, int64_t lo, int64_t hi);
+  void read_clock();  // the last step's times into stats_
   // A bucket: its gradients flattened into one tensor of reduce_dtype, and back (in each parameter's
   // dtype and shape) once summed.
   Tensor pack(const std::vector<std::string>& names, const std::map<std::string, Tensor>& grads) const;
@@ -245,6 +315,14 @@ class DataParallel {
   void prefetch(size_t use);
   void drop_staged(size_t group);
   void end_plan();
+  // Stages 1 and 2: the updated shards all-gathered into every rank's parameters, a bucket at a time,
+  // on the current stream; or, with overlap_parameter_gather, the same on the side stream (issue:
+  // marks per group in gather_marks_), waited for a group at a time (wait_gathered) or all at once
+  // (finish_gathers).
+  void gather_updated();
+  void issue_gathers();
+  void wait_gathered(size_t group);
+  void finish_gathers();
 
   models::CausalLM& model_;
   dist::Communicator& comm_;
@@ -255,6 +333,8 @@ class DataParallel {
   std::vector<Bucket> buckets_;                         // stages 1 and 2
   std::vector<size_t> bucket_of_;                       // params_[i]'s bucket
   std::vector<Piece> pieces_;                           // in the buckets' order
+  // The embedding's index in params_ and its bucket (stages 1 to 3), set while opt_ is made.
+  size_t embed_param_ = 0, embed_bucket_ = 0;
   AdamW opt_;
   std::unique_ptr<SideStream> side_;  // where overlapped buckets are summed
   std::vector<ParamGroup> groups_;         // stage 3
@@ -265,6 +345,17 @@ class DataParallel {
   std::vector<size_t> plan_;
   size_t planned_ = 0;
   PrefetchStats prefetch_stats_;
+  // This step's sparse embedding gradient: the largest share of tokens, every rank's ids (padded to
+  // it with -1, in rank order).
+  int64_t rows_max_ = 0;
+  std::vector<int64_t> all_ids_;
+  std::unique_ptr<StepClock> clock_;
+  // overlap_parameter_gather: whether the last step's all-gather is still to be issued; once issued,
+  // the side stream's mark after each group's last bucket (-1: waited for), and the buffers it uses.
+  bool gathers_due_ = false;
+  std::vector<int> gather_marks_;
+  std::vector<Tensor> gather_buffers_;
+  CommStats stats_;
 };
 
 }  // namespace kcpp::train

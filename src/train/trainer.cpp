@@ -32,6 +32,7 @@ Accumulated accumulate_gradients(models::CausalLM& model, const std::vector<Micr
     auto r = model.loss_and_gradients(m.input_ids, m.labels, scale, ops::Reduction::Sum, each);
     if (!hooked)
       for (auto& [name, g] : r.grads) add_in(name, g);
+    if (r.embedding_rows.defined()) acc.embedding_rows.push_back(r.embedding_rows);
     acc.loss += r.loss.item() * scale;
   }
   return acc;

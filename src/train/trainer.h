@@ -28,6 +28,9 @@ struct StepResult {
 // The gradients of the accumulated batch (summed over the micro-batches, already scaled).
 struct Accumulated {
   std::map<std::string, Tensor> grads;
+  // With the model's sparse_embedding_gradient (untied head): each micro-batch's embedding_rows, in
+  // their order, in place of the embedding's gradient.
+  std::vector<Tensor> embedding_rows;
   double loss = 0;
   int64_t tokens = 0;
 };

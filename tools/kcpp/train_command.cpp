@@ -22,7 +22,11 @@
 // the parameters all-gathered), --zero 2 the gradients too, --zero 3 the parameters too (each layer's
 // gathered for its forward and its backward at its use, --prefetch: during the use before it;
 // every rank gathers them all at the end, for rank 0's sample and save); the gradients are summed in
-// buckets during the backward (--no-overlap: after it, and no gather ahead).
+// buckets during the backward (--no-overlap: after it, and no gather ahead), in f32 (--reduce-dtype
+// bf16: in bf16), the embedding's as the rows of every GPU's tokens when that moves fewer bytes
+// (--embedding-grad); --overlap-param-gather defers the all-gather of --zero 1 and 2 to the next
+// forward.  The end of a run prints the communication the steps waited for after the backward.
+// --vocab gives the generated model rows past its byte-level tokens (Llama-3's 128256).
 #include <fmt/format.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -68,8 +72,8 @@ namespace {
 
 struct TrainArgs {
   // Unset / "": chosen by the device (run_train): a GPU gets a larger model in bf16.
-  std::optional<int64_t> given_steps, given_seq, given_hidden, given_layers;
-  int64_t steps = 0, batch = 16, seq = 0, layers = 4, hidden = 0;  // as run
+  std::optional<int64_t> given_steps, given_seq, given_hidden, given_layers, given_vocab;
+  int64_t steps = 0, batch = 16, seq = 0, layers = 4, hidden = 0, vocab = 0;  // as run
   int64_t micro_batch = 0;  // rows of a micro-batch; 0: the whole step at once
   double lr = 3e-3;
   std::string model;                     // --model DIR: a Hugging Face folder to start from
@@ -94,7 +98,9 @@ struct TrainArgs {
   bool use_local_kernel = false, allow_all = false;
   bool liger_given = false;  // --liger-kernel-config or --packages: the Liger switches over this build's liger
   int64_t gpus = 1, zero = 0;
-  bool no_overlap = false, prefetch = false;
+  bool no_overlap = false, prefetch = false, overlap_param_gather = false;
+  std::string embedding_grad = "auto";  // --embedding-grad: auto, sparse, dense
+  std::string reduce_dtype = "f32";     // --reduce-dtype: the gradients' dtype on the wire
   std::string resume;  // --resume DIR
 };
 
@@ -227,7 +233,7 @@ void check_resume(const Resume& r, TrainArgs& a, const TrainingData& data) {
 models::ModelConfig small_llama(const TrainArgs& a) {
   models::ModelConfig c;
   c.model_type = "llama";
-  c.vocab_size = train::ByteTokenizer::kVocab;
+  c.vocab_size = a.vocab;
   c.hidden_size = a.hidden;
   c.intermediate_size = a.hidden * 3;
   c.num_hidden_layers = a.layers;
@@ -304,6 +310,11 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
     dpo.zero_stage = static_cast<int>(a.zero);
     dpo.overlap = !a.no_overlap;
     dpo.prefetch = a.prefetch;
+    dpo.overlap_parameter_gather = a.overlap_param_gather;
+    dpo.reduce_dtype = a.reduce_dtype == "bf16" ? DType::bf16 : DType::f32;
+    dpo.embedding_gradient = a.embedding_grad == "sparse"  ? train::EmbeddingGradient::Sparse
+                             : a.embedding_grad == "dense" ? train::EmbeddingGradient::Dense
+                                                           : train::EmbeddingGradient::Auto;
     r.dp = std::make_unique<train::DataParallel>(*r.model, *ranks.comm, o, dpo);
     if (resume) r.dp->load_optimizer(resume->folder);
   } else {
@@ -333,6 +344,9 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t before = resume ? resume->steps_done : 0;
   double eval_seconds = 0;
+  // The time after the first step (its one-time costs: allocations, NCCL's connections), for the rate
+  // without them.
+  std::optional<std::chrono::steady_clock::time_point> first_done;
   train::AdamWOptions& rate = dp ? dp->optimizer().options : opt->options;
   for (int64_t step = 1; step <= a.steps; ++step) {
     // Every rank draws the same global batch (the same generator) and trains on its rows.
@@ -342,7 +356,13 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
     rate.lr = a.lr * a.schedule.factor(before + step - 1);
     const train::StepResult s = dp ? dp->step(parts) : r.mamba ? train::train_step(*r.mamba, *opt, parts)
                                                                : train::train_step(*r.model, *opt, parts);
-    if (step == 1) r.first_loss = s.loss;
+    if (step == 1) {
+      r.first_loss = s.loss;
+      if (a.steps > 1) {
+        synchronize(dev);
+        first_done = std::chrono::steady_clock::now();
+      }
+    }
     r.final_loss = s.loss;
     if (step > a.steps - tail) r.tail_loss += s.loss / static_cast<double>(tail);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - eval_seconds;
@@ -366,9 +386,15 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
                    ::isatty(::fileno(stdout)) ? "\n" : "", name, before + step, e.loss, std::exp(e.loss), e.tokens);
     }
   }
+  // The last step's all-gather, when deferred to a next forward (--overlap-param-gather), in the time.
+  if (dp && a.zero < 3) dp->gather_parameters();
   synchronize(dev);
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - eval_seconds;
   r.tokens_per_s = static_cast<double>(a.steps * a.batch * span) / r.seconds;
+  const double later_tokens_per_s =
+      first_done ? static_cast<double>((a.steps - 1) * a.batch * span) /
+                       (std::chrono::duration<double>(std::chrono::steady_clock::now() - *first_done).count() - eval_seconds)
+                 : 0;
   r.peak_mib = static_cast<double>(alloc.stats().peak - base) / (1 << 20);
   if (eval) {
     const EvalResult e = r.mamba ? evaluate(*r.mamba, *eval, span, micro, a.eval_windows, dev)
@@ -376,9 +402,21 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
     r.eval_loss = e.loss;
     r.eval_tokens = e.tokens;
   }
+  std::string comm;  // what the steps waited for of the communication, a step's mean
+  if (dp) {
+    const train::DataParallel::CommStats c = dp->comm_stats();
+    if (c.timed > 0)
+      comm = fmt::format("; communication after the backward {:.2f} ms a step{}, embedding gradient {}", c.after_backward_ms / c.timed,
+                         a.zero == 0 || a.zero == 3 ? ""
+                         : a.overlap_param_gather ? ", parameter all-gather overlapped with the forward"
+                                                  : fmt::format(", parameter all-gather {:.2f} ms", c.parameter_gather_ms / c.timed),
+                         c.sparse_embedding_steps == 0 ? "dense" : c.sparse_embedding_steps == c.steps ? "sparse"
+                                                             : fmt::format("sparse in {} of {} steps", c.sparse_embedding_steps, c.steps));
+  }
   if (ranks.printing())
-    fmt::print("{}  {:<10} done: {:.1f} s, peak {:.1f} MiB{}\n", ::isatty(::fileno(stdout)) ? "\n" : "", name, r.seconds,
-               r.peak_mib, ranks.world > 1 ? fmt::format(" per GPU ({} GPUs, ZeRO-{})", ranks.world, a.zero) : "");
+    fmt::print("{}  {:<10} done: {:.1f} s, {}peak {:.1f} MiB{}{}\n", ::isatty(::fileno(stdout)) ? "\n" : "", name, r.seconds,
+               first_done ? fmt::format("{:.0f} tokens/s after the first step, ", later_tokens_per_s) : "", r.peak_mib,
+               ranks.world > 1 ? fmt::format(" per GPU ({} GPUs, ZeRO-{})", ranks.world, a.zero) : "", comm);
   return r;
 }
 
@@ -390,6 +428,9 @@ void check_sizes(const TrainArgs& a) {
   KCPP_CHECK(a.seq > 1, "kcpp train: --seq is {}; a sequence needs at least 2 tokens (each token is trained to predict the "
              "next)", a.seq);
   KCPP_CHECK(a.layers > 0, "kcpp train: --layers is {}; it must be a positive number of decoder layers", a.layers);
+  KCPP_CHECK(a.vocab >= train::ByteTokenizer::kVocab && a.vocab <= INT32_MAX,
+             "kcpp train: --vocab is {}; the generated model's vocabulary holds its {} byte-level tokens, so at least that "
+             "(and at most 2^31 - 1)", a.vocab, train::ByteTokenizer::kVocab);
   // small_llama's heads: 4 of hidden / 4 (an even size, for RoPE) below 256, else heads of 64 in
   // pairs sharing a key-value head.
   KCPP_CHECK(a.hidden > 0 && a.hidden % 8 == 0 && (a.hidden < 256 || a.hidden % 128 == 0),
@@ -626,6 +667,7 @@ int run_train(TrainArgs a) {
   a.steps = a.given_steps.value_or(dev.is_cuda() ? 1000 : 60);
   a.hidden = a.given_hidden.value_or(dev.is_cuda() ? 512 : 128);
   a.layers = a.given_layers.value_or(4);
+  a.vocab = a.given_vocab.value_or(train::ByteTokenizer::kVocab);
   a.seq = a.given_seq.value_or(dev.is_cuda() ? 512 : 128);
   if (a.dtype.empty()) a.dtype = dev.is_cuda() ? "bf16" : "f32";
   check_sizes(a);
@@ -638,8 +680,12 @@ int run_train(TrainArgs a) {
              "kcpp train: --attention-kernel is '{}'; expected auto, on or off", a.attention_kernel);
   KCPP_CHECK(a.dtype == "f32" || a.dtype == "bf16" || a.dtype == "f16", "kcpp train: --dtype is '{}'; expected f32, bf16 or f16",
              a.dtype);
-  KCPP_CHECK((a.model.empty() && a.resume.empty()) || (!a.given_hidden && !a.given_layers),
-             "kcpp train: --hidden and --layers size the generated model; {} brings its own",
+  KCPP_CHECK(a.reduce_dtype == "f32" || a.reduce_dtype == "bf16", "kcpp train: --reduce-dtype is '{}'; expected f32 or bf16",
+             a.reduce_dtype);
+  KCPP_CHECK(a.embedding_grad == "auto" || a.embedding_grad == "sparse" || a.embedding_grad == "dense",
+             "kcpp train: --embedding-grad is '{}'; expected auto, sparse or dense", a.embedding_grad);
+  KCPP_CHECK((a.model.empty() && a.resume.empty()) || (!a.given_hidden && !a.given_layers && !a.given_vocab),
+             "kcpp train: --hidden, --layers and --vocab size the generated model; {} brings its own",
              a.resume.empty() ? "--model " + a.model : "--resume " + a.resume);
   KCPP_CHECK(a.model.empty() || a.resume.empty(), "kcpp train: --model and --resume both name the model to train; a resumed run "
              "continues the model its checkpoint holds (give only --resume)");
@@ -685,8 +731,11 @@ int run_train(TrainArgs a) {
             ? fmt::format("the {} model of {} (layers {}, hidden {}, vocabulary {})", folder_config->model_type, a.model,
                           folder_config->layers, folder_config->hidden, folder_config->vocab)
         : resume ? fmt::format("the model of {}", a.resume)
-                 : fmt::format("a {}-layer Llama-style model (hidden {}, byte-level vocabulary {})", a.layers, a.hidden,
-                               train::ByteTokenizer::kVocab);
+                 : fmt::format("a {}-layer Llama-style model (hidden {}, {})", a.layers, a.hidden,
+                               a.vocab == train::ByteTokenizer::kVocab
+                                   ? fmt::format("byte-level vocabulary {}", a.vocab)
+                                   : fmt::format("vocabulary {}, of which the byte-level tokens are the first {}", a.vocab,
+                                                 train::ByteTokenizer::kVocab));
     const std::string schedule =
         a.schedule.varies() ? fmt::format(", {} schedule over {} steps ({} of warmup)", train::lr_schedule_name(a.schedule.kind),
                                           a.schedule.total_steps, a.schedule.warmup_steps)
@@ -761,7 +810,9 @@ int run_train(TrainArgs a) {
     if (room > 0) {
       const models::Sampling sampling{0.7, 20, 0.95, a.seed};
       const int64_t n = std::min<int64_t>(160, room);
-      const auto out = best.model ? best.model->generate(prompt, n, sampling) : best.mamba->generate(prompt, n, sampling);
+      auto out = best.model ? best.model->generate(prompt, n, sampling) : best.mamba->generate(prompt, n, sampling);
+      // The generated model's rows past the byte-level tokens (--vocab) have no text.
+      if (tokenizer_file.empty()) std::erase_if(out, [](int64_t id) { return id >= train::ByteTokenizer::kVocab; });
       fmt::print("\nsample ({}): {}\n", runs.back().name, tok->decode(out, /*skip_special_tokens=*/true));
     } else {
       fmt::print("\n(no sample: --seq {} leaves no room after the {}-token prompt)\n", a.seq, prompt.size());
@@ -825,6 +876,9 @@ void add_train_command(CLI::App& app, Action& action) {
   t->add_option("--batch", args->batch, "Sequences per step")->capture_default_str();
   t->add_option("--seq", args->given_seq, "Tokens per sequence (default 512 on a GPU, 128 on the CPU)");
   t->add_option("--layers", args->given_layers, "Decoder layers of the generated model (default 4)");
+  t->add_option("--vocab", args->given_vocab,
+                "Vocabulary of the generated model: its byte-level tokens (258, the default) and unused rows up to this "
+                "size (128256: Llama-3's)");
   t->add_option("--hidden", args->given_hidden,
                 "Hidden size: a multiple of 8 below 256 (4 heads), of 128 from 256 on (heads of 64) (default 512 on a GPU: 8 "
                 "heads of 64; 128 on the CPU: 4 heads)");
@@ -884,6 +938,18 @@ void add_train_command(CLI::App& app, Action& action) {
   t->add_flag("--prefetch", args->prefetch,
               "With --gpus --zero 3: gather a layer's parameters during the use before it, not at its use (slower on "
               "the models measured so far)");
+  t->add_option("--embedding-grad", args->embedding_grad,
+                "With --gpus: how the embedding's gradient is summed: 'sparse' (every GPU's rows of its tokens gathered), "
+                "'dense' (the whole [vocab, hidden] gradient reduced) or 'auto' (sparse when it moves fewer bytes; a tied "
+                "lm_head is always dense)")
+      ->capture_default_str();
+  t->add_option("--reduce-dtype", args->reduce_dtype,
+                "With --gpus: the dtype the gradients are summed in across the GPUs: f32, or bf16 (half the traffic, "
+                "rounded at every sum)")
+      ->capture_default_str();
+  t->add_flag("--overlap-param-gather", args->overlap_param_gather,
+              "With --gpus --zero 1 or 2: all-gather the updated parameters during the next forward, each layer's waited "
+              "for at its use, not after AdamW");
   t->add_option("--zero", args->zero, "With --gpus: the ZeRO stage: 0 replicates everything, 1 shards the optimizer state over the GPUs, "
                 "2 the optimizer state and the gradients, 3 the parameters too (gathered a layer at a time)")
       ->capture_default_str();
