@@ -100,8 +100,10 @@
 // rows, in rank order and token order (ops::embedding_backward: f32 sums rounded once to the
 // gradient's dtype), into the rows of the embedding it needs: all of them at stage 0, its shard's at
 // stages 1 to 3.  The result is the same on every rank, and the dense reduction's up to the order of
-// the sums; the rows carry the step's 1 / T_total scale as the dense gradient does.  The sparse path
-// is taken (EmbeddingGradient::Auto) when a rank receives fewer bytes by it than by the dense one, with
+// the sums; the rows carry the step's 1 / T_total scale as the dense gradient does.  The default is
+// the dense path: on two H200s at Llama-3's vocabulary the sparse one left more time exposed after
+// the backward (bench/RESULTS.md), although it moves fewer bytes.  EmbeddingGradient::Auto takes the
+// sparse path when a rank receives fewer bytes by it than by the dense one, with
 // ring algorithms (NCCL's bus-bandwidth factors, nccl-tests' PERFORMANCE.md): with w ranks,
 //   sparse: (w - 1) T_max (H bytes(gradient dtype) + 8)              (all-gather of rows and ids)
 //   dense:  c (w - 1) / w V H bytes(reduce_dtype), c = 2 at stage 0 (all-reduce), 1 above (reduce-scatter)
@@ -148,7 +150,7 @@ namespace kcpp::train {
 
 // How the embedding's gradient is summed over the ranks (see above).
 enum class EmbeddingGradient {
-  Auto,    // sparse when that moves fewer bytes, and the head is untied
+  Auto,    // sparse when that moves fewer bytes, and the head is untied (not yet faster where measured)
   Sparse,  // the ranks' rows and ids all-gathered (an untied head only: an error with a tied one)
   Dense,   // the dense [V, H] gradient, like every other parameter's
 };
@@ -160,7 +162,7 @@ struct DataParallelOptions {
   bool overlap = true;             // buckets summed during the backward (see above)
   bool prefetch = false;           // stage 3 with overlap: the next use's gathers issued during this one's
                                    // (off by default: slower than gathering at the use, bench/RESULTS.md)
-  EmbeddingGradient embedding_gradient = EmbeddingGradient::Auto;
+  EmbeddingGradient embedding_gradient = EmbeddingGradient::Dense;
   // Stages 1 and 2 with overlap: the updated parameters' all-gather deferred to the next forward,
   // each group's waited for at its use (see above).  Off by default.
   bool overlap_parameter_gather = false;

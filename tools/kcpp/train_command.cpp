@@ -23,8 +23,8 @@
 // gathered for its forward and its backward at its use, --prefetch: during the use before it;
 // every rank gathers them all at the end, for rank 0's sample and save); the gradients are summed in
 // buckets during the backward (--no-overlap: after it, and no gather ahead), in f32 (--reduce-dtype
-// bf16: in bf16), the embedding's as the rows of every GPU's tokens when that moves fewer bytes
-// (--embedding-grad); --overlap-param-gather defers the all-gather of --zero 1 and 2 to the next
+// bf16: in bf16), the embedding's dense (--embedding-grad sparse: as the rows of every GPU's
+// tokens; auto: sparse when that moves fewer bytes); --overlap-param-gather defers the all-gather of --zero 1 and 2 to the next
 // forward.  The end of a run prints the communication the steps waited for after the backward.
 // --vocab gives the generated model rows past its byte-level tokens (Llama-3's 128256).
 #include <fmt/format.h>
@@ -99,7 +99,7 @@ struct TrainArgs {
   bool liger_given = false;  // --liger-kernel-config or --packages: the Liger switches over this build's liger
   int64_t gpus = 1, zero = 0;
   bool no_overlap = false, prefetch = false, overlap_param_gather = false;
-  std::string embedding_grad = "auto";  // --embedding-grad: auto, sparse, dense
+  std::string embedding_grad = "dense";  // --embedding-grad: dense, sparse, auto
   std::string reduce_dtype = "f32";     // --reduce-dtype: the gradients' dtype on the wire
   std::string resume;  // --resume DIR
 };
@@ -941,7 +941,7 @@ void add_train_command(CLI::App& app, Action& action) {
   t->add_option("--embedding-grad", args->embedding_grad,
                 "With --gpus: how the embedding's gradient is summed: 'sparse' (every GPU's rows of its tokens gathered), "
                 "'dense' (the whole [vocab, hidden] gradient reduced) or 'auto' (sparse when it moves fewer bytes; a tied "
-                "lm_head is always dense)")
+                "lm_head is always dense). Dense is the default: on two H200s the sparse path waited longer (bench/RESULTS.md)")
       ->capture_default_str();
   t->add_option("--reduce-dtype", args->reduce_dtype,
                 "With --gpus: the dtype the gradients are summed in across the GPUs: f32, or bf16 (half the traffic, "
