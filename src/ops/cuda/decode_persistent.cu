@@ -11,9 +11,11 @@
 // the pieces in order, then over its lanes.
 //
 // The consumers run the phases of a layer between grid-wide barriers (an arrival counter in global
-// memory that each block's first thread raises and then waits on): norm + qkv | attention | merge +
+// memory that each block's first thread raises and then waits on): norm + qkv, attention | merge +
 // o | norm + gate/up (a block's gate and up rows are pairs, the gated activation their epilogue) |
-// down.  Values another block wrote during the launch are read through L2 (ld.global.cg), never the
+// down.  Between qkv and attention there is no barrier: each block adds the number of q / k / v rows
+// it made for each kv head to that head's count (qkv_ready), and an attention item waits for its
+// head's count only.  Values another block wrote during the launch are read through L2 (ld.global.cg), never the
 // non-coherent L1 path.  The producer never waits on a barrier, only on the ring, so the next
 // weights stream in while the consumers wait.
 //

@@ -18,7 +18,9 @@
 // and returns (x, delta) after the last layer: the caller adds them under the final norm.
 //
 // How it runs.  One block an SM, all resident at once (a cooperative launch), and a grid-wide
-// barrier between the phases of a layer (norm + qkv, attention, o, norm + gate/up, down).  A
+// barrier between the phases of a layer (norm + qkv, attention, o, norm + gate/up, down), except
+// between qkv and attention: there each attention item waits only for its kv head's q / k / v rows,
+// which the blocks that make them count in global memory.  A
 // projection's rows are split evenly over the blocks; in each block one warp streams the block's
 // rows of every weight of every layer, in the order they are used, into a ring of shared-memory
 // stages with bulk copies (cp.async.bulk, include/kcpp/kernel/bulk.cuh), and seven warps consume
