@@ -227,12 +227,17 @@ TEST(Dist, OverlappedReductionEqualsTheReductionAfterTheBackward) {
   }
 }
 
+// Why a test of a group of one over NCCL cannot run here ("" when it can).
+std::string why_no_gpu_group() {
+  if (cuda_device_count() == 0) return "no CUDA device";
+  std::string why;
+  return dist::nccl_available(&why) ? std::string() : why;
+}
+
 // On a GPU with NCCL (a group of one): the buckets summed on the side stream during the backward give
 // the parameters that summing after the backward gives, bit for bit, in bf16 with two micro-batches.
 TEST(Dist, OverlapOnTheGpuOverNccl) {
-  std::string why;
-  if (cuda_device_count() == 0 || !dist::nccl_available(&why))
-    GTEST_SKIP() << "skipped: " << (cuda_device_count() == 0 ? std::string("no CUDA device") : why);
+  if (const std::string why = why_no_gpu_group(); !why.empty()) GTEST_SKIP() << "skipped: " << why;
   const models::ModelConfig cfg = models::ModelConfig::from_folder(fs::path(test::fixtures_dir()) / "llama");
   Generator gen(9);
   const Tensor ids = Tensor::randint({2, 11}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen).to(Device::cuda(0));
@@ -258,9 +263,7 @@ TEST(Dist, OverlapOnTheGpuOverNccl) {
 // embedding gradient, give the parameters of gathering after AdamW and of the dense gradient, bit for
 // bit; the step's communication is timed by events.
 TEST(Dist, OverlappedParameterGatherOnTheGpuOverNccl) {
-  std::string why;
-  if (cuda_device_count() == 0 || !dist::nccl_available(&why))
-    GTEST_SKIP() << "skipped: " << (cuda_device_count() == 0 ? std::string("no CUDA device") : why);
+  if (const std::string why = why_no_gpu_group(); !why.empty()) GTEST_SKIP() << "skipped: " << why;
   const models::ModelConfig cfg = models::ModelConfig::from_folder(fs::path(test::fixtures_dir()) / "llama");
   Generator gen(23);
   const Tensor ids = Tensor::randint({2, 11}, 0, 6, DType::i64, Device::cpu(), gen).to(Device::cuda(0));  // ids repeat
@@ -299,9 +302,7 @@ TEST(Dist, OverlappedParameterGatherOnTheGpuOverNccl) {
 // event, while the reduce-scatters queued after them run on) give the parameters of ZeRO-2 bit for
 // bit, with and without activation checkpointing.
 TEST(Dist, ZeroThreePrefetchOnTheGpuOverNccl) {
-  std::string why;
-  if (cuda_device_count() == 0 || !dist::nccl_available(&why))
-    GTEST_SKIP() << "skipped: " << (cuda_device_count() == 0 ? std::string("no CUDA device") : why);
+  if (const std::string why = why_no_gpu_group(); !why.empty()) GTEST_SKIP() << "skipped: " << why;
   const models::ModelConfig cfg = models::ModelConfig::from_folder(fs::path(test::fixtures_dir()) / "llama");
   Generator gen(19);
   const Tensor ids = Tensor::randint({2, 11}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen).to(Device::cuda(0));
