@@ -44,18 +44,23 @@ __global__ void embedding_kernel(char* out, const char* w, const void* ids, DTyp
 // The embedding's backward without atomics.  The token positions are sorted by id (CUB's stable
 // radix sort, so each run of equal ids lists its positions in increasing order); out-of-range ids
 // are reported and sorted last under the key v, which no output row has.  The sorted rows are cut
-// into tiles of kEmbTile rows, and one block per (tile, column chunk) sums each run's rows of its
-// tile in position order (f32, kEmbUnroll rows loaded ahead of the adds).  A run that lies in one
-// tile is written to its output row there.  A run that crosses a tile edge leaves each tile's f32
-// sum in a workspace (slot 0: the tile's first run, slot 1: its last), and embedding_spans_kernel
-// adds those sums in a fixed order: kEmbGroups contiguous groups of tiles, each summed in tile
-// order, then the groups' sums in group order.  Every sum's order depends only on the ids, never
-// on timing: the result has the same bits for the same inputs.  Rows of ids no token has are left
-// to the caller's zero fill.
-constexpr int kEmbTile = 64;     // sorted rows a block sums
+// into tiles of 16, 32 or 64 rows (chosen from n and h alone), and one block per (tile, column
+// chunk) sums each run's rows of its tile in position order (f32, kEmbUnroll rows loaded ahead of
+// the adds).  A run that lies in one tile is written to its output row there.  A run that crosses
+// a tile edge leaves each tile's f32 sum in a workspace (slot 0: the tile's first run, slot 1: its
+// last), and embedding_spans_kernel adds those sums in a fixed order: kEmbGroups contiguous groups
+// of tiles, each summed in tile order, then the groups' sums in group order.  Every sum's order
+// depends only on the ids and the shape, never on timing or the device: the same inputs give the
+// same bits.  Rows of ids no token has are left to the caller's zero fill.
+constexpr int kEmbTile = 64;     // the most sorted rows a block sums
 constexpr int kEmbUnroll = 8;    // gradient rows loaded before they are added
 constexpr int kEmbThreads = 128; // threads of a tile block (fewer for narrow rows)
 constexpr int kEmbGroups = 8;    // warps of a span block, each summing a contiguous group of tiles
+// Tile blocks resident at once, as the tile choice assumes: an H100 / H200 (132 SMs) holds 4 of
+// 128 threads an SM at the bf16 tiles kernel's 100 registers (sm_90a; f16 and f32: 68-69, 7 an SM).
+// Four blocks keep 64 KiB of loads in flight an SM, several times what the memory's bandwidth x
+// latency needs.
+constexpr int64_t kEmbSlots = 132 * 4;
 
 __global__ void embedding_keys_kernel(const void* ids, DType id_t, int64_t n, int64_t v, uint32_t* keys, int32_t* pos,
                                       unsigned long long* flag) {
@@ -76,11 +81,11 @@ template <typename T, int V> struct alignas(sizeof(T) * V) Pack {
 // Block (tile t, column chunk y); thread x owns columns [c0, c0 + V).  part: [2 * tiles, h] f32.
 template <typename T, int V>
 __global__ void __launch_bounds__(kEmbThreads) embedding_tiles_kernel(T* out, float* part, const T* g, const uint32_t* keys,
-                                                                      const int32_t* pos, int64_t n, uint32_t v, int64_t h) {
+                                                                      const int32_t* pos, int64_t n, uint32_t v, int64_t h, int tile) {
   __shared__ uint32_t sk[kEmbTile];
   __shared__ int32_t sp[kEmbTile];
-  const int64_t t = blockIdx.x, b = t * kEmbTile;
-  const int rows = static_cast<int>(min(n - b, static_cast<int64_t>(kEmbTile)));
+  const int64_t t = blockIdx.x, b = t * tile;
+  const int rows = static_cast<int>(min(n - b, static_cast<int64_t>(tile)));
   for (int r = threadIdx.x; r < rows; r += blockDim.x) sk[r] = keys[b + r], sp[r] = pos[b + r];
   __syncthreads();
   const int64_t c0 = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * V;
@@ -132,9 +137,9 @@ __global__ void __launch_bounds__(kEmbThreads) embedding_tiles_kernel(T* out, fl
 // then adds the groups' sums in group order.  Lane l owns columns [c0, c0 + V).
 template <typename T, int V>
 __global__ void __launch_bounds__(32 * kEmbGroups) embedding_spans_kernel(T* out, const float* part, const uint32_t* keys,
-                                                                          int64_t n, uint32_t v, int64_t h) {
+                                                                          int64_t n, uint32_t v, int64_t h, int tile) {
   __shared__ float sums[kEmbGroups][32 * V];
-  const int64_t t = blockIdx.x, b = t * kEmbTile, e = min(n, b + kEmbTile);
+  const int64_t t = blockIdx.x, b = t * tile, e = min(n, b + tile);
   if (e >= n) return;
   const uint32_t id = keys[e - 1];
   if (id >= v || keys[e] != id || (b > 0 && keys[b - 1] == id)) return;
@@ -144,7 +149,7 @@ __global__ void __launch_bounds__(32 * kEmbGroups) embedding_spans_kernel(T* out
     if (keys[mid] <= id) lo = mid + 1;
     else hi = mid;
   }
-  const int64_t count = (lo - 1) / kEmbTile - t + 1;  // tiles holding part of the run
+  const int64_t count = (lo - 1) / tile - t + 1;  // tiles holding part of the run
   const int slot = keys[b] == id ? 0 : 1;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t c0 = (static_cast<int64_t>(blockIdx.y) * 32 + lane) * V;
@@ -260,17 +265,29 @@ void embedding_backward(const Tensor& out, const Tensor& grad, const Tensor& ids
     const Tensor temp = Tensor::empty({static_cast<int64_t>(std::max<size_t>(temp_bytes, 1))}, DType::u8, dev);
     KCPP_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data(), temp_bytes, k_in, k_out, p_in, p_out, static_cast<int>(n), 0,
                                                     bits, stream));
-    const int64_t tiles = (n + kEmbTile - 1) / kEmbTile;
-    const Tensor part = Tensor::empty({2 * tiles, h}, DType::f32, dev);
     visit_cuda_float(out.dtype(), "embedding_backward", [&]<typename T>(std::type_identity<T>) {
+      int64_t tiles = 1;
+      int tile = kEmbTile;
+      Tensor part;
       auto launch = [&]<int V>(std::integral_constant<int, V>) {
         const int64_t packs = (h + V - 1) / V;
         const int threads = static_cast<int>(std::min<int64_t>(kEmbThreads, (packs + 31) / 32 * 32));
         const int64_t chunks = (packs + threads - 1) / threads;
         KCPP_CHECK(chunks <= 65535, "op embedding_backward: hidden size {} is too large for CUDA", h);
+        // The tile: a block's time grows with its rows (plus up to two f32 partial rows written), and the
+        // grid runs in waves of kEmbSlots blocks; the tile with the fewest (waves x block time) wins, so
+        // a grid just over one wave is split finer.  It depends on n and h only: the same inputs give
+        // the same bits on every device.
+        int64_t best = -1;
+        for (int l : {kEmbTile, kEmbTile / 2, kEmbTile / 4}) {
+          const int64_t blocks = (n + l - 1) / l * chunks, cost = (blocks + kEmbSlots - 1) / kEmbSlots * (l + 2);
+          if (best < 0 || cost < best) best = cost, tile = l;
+        }
+        tiles = (n + tile - 1) / tile;
+        part = Tensor::empty({2 * tiles, h}, DType::f32, dev);
         embedding_tiles_kernel<T, V><<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks)), threads, 0, stream>>>(
             static_cast<T*>(out.data()), static_cast<float*>(part.data()), static_cast<const T*>(grad.data()), k_out, p_out, n,
-            static_cast<uint32_t>(v), h);
+            static_cast<uint32_t>(v), h, tile);
         KCPP_CUDA_CHECK_LAUNCH("embedding_backward tiles");
       };
       constexpr int kVec = static_cast<int>(16 / sizeof(T));
@@ -284,7 +301,7 @@ void embedding_backward(const Tensor& out, const Tensor& grad, const Tensor& ids
           KCPP_CHECK(chunks <= 65535, "op embedding_backward: hidden size {} is too large for CUDA", h);
           embedding_spans_kernel<T, V><<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks)), 32 * kEmbGroups, 0,
                                          stream>>>(static_cast<T*>(out.data()), static_cast<const float*>(part.data()), k_out,
-                                                   n, static_cast<uint32_t>(v), h);
+                                                   n, static_cast<uint32_t>(v), h, tile);
           KCPP_CUDA_CHECK_LAUNCH("embedding_backward spans");
         };
         if (h % 4 == 0) spans(std::integral_constant<int, 4>{});
