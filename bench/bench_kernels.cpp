@@ -854,10 +854,11 @@ void bench_decode_fused() {
 // The embedding's backward at the data-parallel trainer's sparse path: 16,384 gradient rows of
 // 4096 bf16 summed into Llama-3's 128,256 rows.  Ids: uniform over the vocabulary (mostly
 // singletons); byte-level text (256 distinct ids, Zipf-like: the r-th most frequent has weight
-// 1 / r, its runs thousands of rows); one id for every token.  "kernel": the launcher on an output
-// zeroed once (it writes only the touched rows), bytes the gradient read once and the touched rows
-// written once.  "op": ops::embedding_backward, which also zero-fills the [V, H] result, bytes the
-// gradient read once and [V, H] written once.
+// 1 / r, its runs thousands of rows); one id for every token.  "kernel": the launcher, ids
+// unchecked (no wait for the device), on an output zeroed once (it writes only the touched rows),
+// bytes the gradient read once and the touched rows written once.  "op": ops::embedding_backward as
+// the models call it (ids checked: the host waits for the device), which also zero-fills the
+// [V, H] result, bytes the gradient read once and [V, H] written once.
 void bench_embedding() {
   const int64_t n = 16384, h = 4096, v = 128256;
   Generator gen(17);
@@ -887,7 +888,7 @@ void bench_embedding() {
     const Tensor out = Tensor::zeros({v, h}, DType::bf16, kDev);
     const double grad_gb = double(n) * h * 2 / 1e9;
     std::printf("embedding bwd %s: %lld distinct ids\n", d.name, static_cast<long long>(touched));
-    row(fmt::format("emb bwd {} kernel", d.name), "reference", [&] { ops::cuda::embedding_backward(out, g, ids); },
+    row(fmt::format("emb bwd {} kernel", d.name), "reference", [&] { ops::cuda::embedding_backward(out, g, ids, false); },
         grad_gb + double(touched) * h * 2 / 1e9);
     row(fmt::format("emb bwd {} op", d.name), "reference", [&] { (void)ops::embedding_backward(g, ids, v); },
         grad_gb + double(v) * h * 2 / 1e9);

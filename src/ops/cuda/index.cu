@@ -1,5 +1,7 @@
 // Reference gathers and scatters.  Indices are checked on the device; a bad one is reported
-// through DataCheck (which synchronizes) and the op throws instead of reading out of bounds.
+// through DataCheck (which synchronizes: the host waits for the stream to drain) and the op throws
+// instead of reading out of bounds.  embedding and embedding_backward can skip the check (and the
+// wait) for ids known to be good; a bad id then never reads or writes out of bounds either.
 #include <cub/device/device_radix_sort.cuh>
 #include <algorithm>
 #include <cstdint>
@@ -43,7 +45,7 @@ __global__ void embedding_kernel(char* out, const char* w, const void* ids, DTyp
 
 // The embedding's backward without atomics.  The token positions are sorted by id (CUB's stable
 // radix sort, so each run of equal ids lists its positions in increasing order); out-of-range ids
-// are reported and sorted last under the key v, which no output row has.  The sorted rows are cut
+// are reported (unless unchecked) and sorted last under the key v, which no output row has.  The sorted rows are cut
 // into tiles of 16, 32 or 64 rows (chosen from n and h alone), and one block per (tile, column
 // chunk) sums each run's rows of its tile in position order (f32, kEmbUnroll rows loaded ahead of
 // the adds).  A run that lies in one tile is written to its output row there.  A run that crosses
@@ -67,7 +69,7 @@ __global__ void embedding_keys_kernel(const void* ids, DType id_t, int64_t n, in
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t id = load_as_i64(ids, id_t, i);
     const bool ok = id >= 0 && id < v;
-    if (!ok) report_bad(flag, i, id);
+    if (!ok && flag) report_bad(flag, i, id);
     keys[i] = static_cast<uint32_t>(ok ? id : v);
     pos[i] = static_cast<int32_t>(i);
   }
@@ -237,7 +239,7 @@ void embedding(const Tensor& out, const Tensor& weight, const Tensor& ids, bool 
   if (check) check->check("embedding", "ids", weight.size(0));
 }
 
-void embedding_backward(const Tensor& out, const Tensor& grad, const Tensor& ids) {
+void embedding_backward(const Tensor& out, const Tensor& grad, const Tensor& ids, bool check_ids) {
   const int64_t n = ids.numel();
   if (n == 0) return;
   const int64_t v = out.size(0), h = out.size(1);
@@ -248,9 +250,11 @@ void embedding_backward(const Tensor& out, const Tensor& grad, const Tensor& ids
   const cudaStream_t stream = kcpp::cuda::current_stream();
   Tensor keys = Tensor::empty({n}, DType::i32, dev), keys_sorted = Tensor::empty({n}, DType::i32, dev);
   Tensor pos = Tensor::empty({n}, DType::i32, dev), pos_sorted = Tensor::empty({n}, DType::i32, dev);
-  DataCheck check(dev);
+  std::optional<DataCheck> check;
+  if (check_ids) check.emplace(dev);
   embedding_keys_kernel<<<kcpp::cuda::grid_for(n, 256, 4096), 256, 0, stream>>>(
-      ids.data(), ids.dtype(), n, v, static_cast<uint32_t*>(keys.data()), static_cast<int32_t*>(pos.data()), check.ptr());
+      ids.data(), ids.dtype(), n, v, static_cast<uint32_t*>(keys.data()), static_cast<int32_t*>(pos.data()),
+      check ? check->ptr() : nullptr);
   KCPP_CUDA_CHECK_LAUNCH("embedding_backward keys");
   if (h > 0) {
     int bits = 1;  // the keys are at most v (the bad ids' key)
@@ -309,7 +313,7 @@ void embedding_backward(const Tensor& out, const Tensor& grad, const Tensor& ids
       }
     });
   }
-  check.check("embedding_backward", "ids", v);
+  if (check) check->check("embedding_backward", "ids", v);
 }
 
 void gather_last(const Tensor& out, const Tensor& x, const Tensor& idx, int64_t ignore_index) {
