@@ -286,8 +286,8 @@ TEST_P(Ops, EmbeddingAndBackward) {
 // embedding_backward at the id distributions that decide its CUDA schedule: one id for every token
 // (a run spanning every tile of sorted rows), a few runs of 5,000+ rows among singletons, uniform
 // ids, and hidden sizes that are not a multiple of the 16-byte vector width.  The gradients are
-// multiples of 1/4 in [-2, 2]: every partial sum of at most 12,000 of them is a multiple of 1/4 of
-// at most 24,000 in magnitude (fewer than 2^24 quarters), exact in f32 in any order, so each element must equal the f64 sum rounded once to the
+// multiples of 1/4 in [-2, 2]: every partial sum of at most 40,000 of them is a multiple of 1/4 of
+// at most 80,000 in magnitude (fewer than 2^24 quarters), exact in f32 in any order, so each element must equal the f64 sum rounded once to the
 // dtype, exactly; a wrong, missing or extra row fails.  With random normal gradients (inexact
 // sums) two calls must give the same bits: the sums' order is fixed.
 TEST_P(Ops, EmbeddingBackwardSkewedIds) {
@@ -318,6 +318,19 @@ TEST_P(Ops, EmbeddingBackwardSkewedIds) {
     std::vector<int64_t> ids;
     for (int64_t i = 0; i < 5000; ++i) ids.push_back(static_cast<int64_t>(rng() % 20000));
     cases.push_back({"uniform", 20000, 16, ids});
+  }
+  if (dev.is_cuda()) {
+    // Grids of whole waves, where CUDA takes tiles of 32 rows (16,896 rows of 512) and of 64
+    // (33,792 rows of 1024; the cases above take 16 or 32): half the tokens one id, a quarter 16
+    // ids, a quarter uniform over 50,000.
+    for (const auto& [n, h] : {std::pair<int64_t, int64_t>{16896, 512}, {33792, 1024}}) {
+      std::vector<int64_t> ids;
+      for (int64_t i = 0; i < n; ++i) {
+        const auto r = rng() % 4;
+        ids.push_back(r < 2 ? 7 : r == 2 ? static_cast<int64_t>(rng() % 16) : static_cast<int64_t>(rng() % 50000));
+      }
+      cases.push_back({"skewed, large", 50000, h, ids});
+    }
   }
   for (DType dt : test::float_dtypes(dev)) {
     for (const Case& c : cases) {
