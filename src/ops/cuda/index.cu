@@ -45,15 +45,15 @@ __global__ void embedding_kernel(char* out, const char* w, const void* ids, DTyp
 
 // The embedding's backward without atomics.  The token positions are sorted by id (CUB's stable
 // radix sort, so each run of equal ids lists its positions in increasing order); out-of-range ids
-// are reported (unless unchecked) and sorted last under the key v, which no output row has.  The sorted rows are cut
-// into tiles of 16, 32 or 64 rows (chosen from n and h alone), and one block per (tile, column
-// chunk) sums each run's rows of its tile in position order (f32, kEmbUnroll rows loaded ahead of
-// the adds).  A run that lies in one tile is written to its output row there.  A run that crosses
-// a tile edge leaves each tile's f32 sum in a workspace (slot 0: the tile's first run, slot 1: its
-// last), and embedding_spans_kernel adds those sums in a fixed order: kEmbGroups contiguous groups
-// of tiles, each summed in tile order, then the groups' sums in group order.  Every sum's order
-// depends only on the ids and the shape, never on timing or the device: the same inputs give the
-// same bits.  Rows of ids no token has are left to the caller's zero fill.
+// are reported (when checked) and sorted last under the key v, which no output row has.  The
+// sorted rows are cut into tiles of 16, 32 or 64 rows (chosen from n and h alone), and one block
+// per (tile, column chunk) sums each run's rows of its tile in position order (f32, kEmbUnroll
+// rows loaded ahead of the adds).  A run that lies in one tile is written to its output row there.
+// A run that crosses a tile edge leaves each tile's f32 sum in a workspace (slot 0: the tile's
+// first run, slot 1: its last), and embedding_spans_kernel adds those sums in a fixed order:
+// kEmbGroups contiguous groups of tiles, each summed in tile order, then the groups' sums in group
+// order.  Every sum's order depends only on the ids and the shape, never on timing or the device:
+// the same inputs give the same bits.  Rows of ids no token has are left to the caller's zero fill.
 constexpr int kEmbTile = 64;     // the most sorted rows a block sums
 constexpr int kEmbUnroll = 8;    // gradient rows loaded before they are added
 constexpr int kEmbThreads = 128; // threads of a tile block (fewer for narrow rows)
