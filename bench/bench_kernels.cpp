@@ -7,13 +7,15 @@
 //
 // Run: build/release/bin/kcpp_bench_kernels [--json FILE] [--only SECTION[,SECTION...]] [--sweep]
 // Sections: rms_norm layer_norm swiglu rope cross_entropy activation flce attention decode_attention
-// gemv decode_fused (gemv runs decode_fused too).
+// gemv decode_fused embedding (gemv runs decode_fused too).
 // KCPP_TIMING_FLUSH=clean times with a clean L2 instead of do_bench's dirty one (core/timing.h).
 #include <cstdio>
 #include <cstring>
+#include <algorithm>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -25,6 +27,7 @@
 #include "ops/nn/cross_entropy.h"
 #include "ops/nn/rms_norm.h"
 #include "ops/nn/rope.h"
+#include "ops/cuda/launch.h"
 #include "ops/ops.h"
 #include <vector>
 #include "kernel_params.h"
@@ -848,6 +851,50 @@ void bench_decode_fused() {
   }
 }
 
+// The embedding's backward at the data-parallel trainer's sparse path: 16,384 gradient rows of
+// 4096 bf16 summed into Llama-3's 128,256 rows.  Ids: uniform over the vocabulary (mostly
+// singletons); byte-level text (256 distinct ids, Zipf-like: the r-th most frequent has weight
+// 1 / r, its runs thousands of rows); one id for every token.  "kernel": the launcher, ids
+// unchecked (no wait for the device), on an output zeroed once (it writes only the touched rows),
+// bytes the gradient read once and the touched rows written once.  "op": ops::embedding_backward as
+// the models call it (ids checked: the host waits for the device), which also zero-fills the
+// [V, H] result, bytes the gradient read once and [V, H] written once.
+void bench_embedding() {
+  const int64_t n = 16384, h = 4096, v = 128256;
+  Generator gen(17);
+  const Tensor g = Tensor::randn({n, h}, DType::bf16, kDev, gen);
+  std::mt19937_64 rng(5);
+  std::vector<double> cdf;
+  double total = 0;
+  for (int r = 1; r <= 256; ++r) cdf.push_back(total += 1.0 / r);
+  struct Dist {
+    const char* name;
+    std::vector<int64_t> ids;
+  };
+  std::vector<Dist> dists(3);
+  dists[0].name = "uniform", dists[1].name = "zipf256", dists[2].name = "one id";
+  for (int64_t i = 0; i < n; ++i) {
+    dists[0].ids.push_back(static_cast<int64_t>(rng() % v));
+    const double x = std::uniform_real_distribution<double>(0, total)(rng);
+    const auto r = std::lower_bound(cdf.begin(), cdf.end(), x) - cdf.begin();
+    dists[1].ids.push_back(1000 + 397 * r);  // 256 ids spread over the vocabulary
+    dists[2].ids.push_back(128000);
+  }
+  for (const Dist& d : dists) {
+    std::vector<char> seen(static_cast<size_t>(v));
+    int64_t touched = 0;
+    for (int64_t id : d.ids) touched += seen[id] ? 0 : (seen[id] = 1);
+    const Tensor ids = Tensor::from_i64(d.ids, {n}, DType::i64, kDev);
+    const Tensor out = Tensor::zeros({v, h}, DType::bf16, kDev);
+    const double grad_gb = double(n) * h * 2 / 1e9;
+    std::printf("embedding bwd %s: %lld distinct ids\n", d.name, static_cast<long long>(touched));
+    row(fmt::format("emb bwd {} kernel", d.name), "reference", [&] { ops::cuda::embedding_backward(out, g, ids, false); },
+        grad_gb + double(touched) * h * 2 / 1e9);
+    row(fmt::format("emb bwd {} op", d.name), "reference", [&] { (void)ops::embedding_backward(g, ids, v); },
+        grad_gb + double(v) * h * 2 / 1e9);
+  }
+}
+
 int main(int argc, char** argv) {
   ::setenv("KCPP_GEMV", "8", 0);  // bench_gemv's eight-row shapes on the gemv path (default: one row)
   std::string json_path, only;
@@ -875,6 +922,7 @@ int main(int argc, char** argv) {
     if (want("decode_attention")) bench_decode_attention();
     if (want("gemv")) bench_gemv();
     if (want("gemv") || want("decode_fused")) bench_decode_fused();
+    if (want("embedding")) bench_embedding();
     if (sweep) {
       if (want("rms_norm")) sweep_rms_norm();
       if (want("swiglu")) sweep_swiglu();

@@ -3,7 +3,9 @@
 #include <cblas.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
+#include <random>
 
 #include "oracle.h"
 #include "ops/ops.h"
@@ -279,6 +281,98 @@ TEST_P(Ops, EmbeddingAndBackward) {
           << config_name(dev, dt);
     }
   }
+}
+
+// embedding_backward at the id distributions that decide its CUDA schedule: one id for every token
+// (a run spanning every tile of sorted rows), a few runs of 5,000+ rows among singletons, uniform
+// ids, and hidden sizes that are not a multiple of the 16-byte vector width.  The gradients are
+// multiples of 1/4 in [-2, 2]: every partial sum of at most 40,000 of them is a multiple of 1/4 of
+// at most 80,000 in magnitude (fewer than 2^24 quarters), exact in f32 in any order, so each element must equal the f64 sum rounded once to the
+// dtype, exactly; a wrong, missing or extra row fails.  With random normal gradients (inexact
+// sums) two calls must give the same bits: the sums' order is fixed.
+TEST_P(Ops, EmbeddingBackwardSkewedIds) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test_generator();
+  std::mt19937_64 rng(7);
+  struct Case {
+    const char* name;
+    int64_t v, h;
+    std::vector<int64_t> ids;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"one id", 50, 40, std::vector<int64_t>(12000, 17)});
+  {
+    std::vector<int64_t> ids;
+    for (int64_t r = 0; r < 3; ++r) ids.insert(ids.end(), 5000 + 97 * r, 4000 - r * 1500);  // ids 4000, 2500, 1000
+    for (int64_t i = 0; i < 3000; ++i) ids.push_back(1 + i);  // singletons, two of them in the long runs' ids
+    std::shuffle(ids.begin(), ids.end(), rng);
+    cases.push_back({"long runs and singletons", 4001, 24, ids});
+  }
+  for (int64_t h : {1, 13, 67, 1030, 4104}) {  // 1030: 9 column chunks of 128; 4104: 5 of 1024 bf16 columns
+    std::vector<int64_t> ids;
+    for (int64_t i = 0; i < 700; ++i) ids.push_back(i % 3 == 0 ? 5 : static_cast<int64_t>(rng() % 300));
+    cases.push_back({"mixed", 300, h, ids});
+  }
+  {
+    std::vector<int64_t> ids;
+    for (int64_t i = 0; i < 5000; ++i) ids.push_back(static_cast<int64_t>(rng() % 20000));
+    cases.push_back({"uniform", 20000, 16, ids});
+  }
+  if (dev.is_cuda()) {
+    // Grids of whole waves, where CUDA takes tiles of 32 rows (16,896 rows of 512) and of 64
+    // (33,792 rows of 1024; the cases above take 16 or 32): half the tokens one id, a quarter 16
+    // ids, a quarter uniform over 50,000.
+    for (const auto& [n, h] : {std::pair<int64_t, int64_t>{16896, 512}, {33792, 1024}}) {
+      std::vector<int64_t> ids;
+      for (int64_t i = 0; i < n; ++i) {
+        const auto r = rng() % 4;
+        ids.push_back(r < 2 ? 7 : r == 2 ? static_cast<int64_t>(rng() % 16) : static_cast<int64_t>(rng() % 50000));
+      }
+      cases.push_back({"skewed, large", 50000, h, ids});
+    }
+  }
+  for (DType dt : test::float_dtypes(dev)) {
+    for (const Case& c : cases) {
+      const auto n = static_cast<int64_t>(c.ids.size());
+      const Tensor ids = Tensor::from_i64(c.ids, {n}, DType::i64, dev);
+      std::vector<double> gv(static_cast<size_t>(n * c.h)), ref(static_cast<size_t>(c.v * c.h));
+      for (double& x : gv) x = static_cast<double>(static_cast<int64_t>(rng() % 17) - 8) / 4;
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < c.h; ++j) ref[c.ids[i] * c.h + j] += gv[i * c.h + j];
+      const Tensor g = Tensor::from_f64(gv, {n, c.h}, dt, dev);
+      const Tensor out = ops::embedding_backward(g, ids, c.v);
+      ASSERT_EQ(out.shape(), (Shape{c.v, c.h}));
+      const auto ov = out.to_f64_vector(), rv = Tensor::from_f64(ref, {c.v, c.h}, dt).to_f64_vector();
+      int64_t bad = 0, first = -1;
+      for (size_t k = 0; k < rv.size(); ++k)
+        if (ov[k] != rv[k]) ++bad, first = first < 0 ? static_cast<int64_t>(k) : first;
+      EXPECT_EQ(bad, 0) << config_name(dev, dt) << " " << c.name << " h=" << c.h << ": first at row " << first / c.h
+                        << " column " << first % c.h << ": " << (first < 0 ? 0.0 : ov[first]) << " vs "
+                        << (first < 0 ? 0.0 : rv[first]);
+      const Tensor gr = Tensor::randn({n, c.h}, dt, dev, gen);
+      EXPECT_EQ(ops::embedding_backward(gr, ids, c.v).to_f64_vector(), ops::embedding_backward(gr, ids, c.v).to_f64_vector())
+          << config_name(dev, dt) << " " << c.name << " h=" << c.h;
+    }
+  }
+  // An out-of-range id among long runs is reported (on CUDA once the device is done) and the device
+  // stays usable.
+  std::vector<int64_t> ids(12000, 3);
+  for (int64_t i = 0; i < 6000; ++i) ids[i * 2] = i % 5;
+  ids[7001] = 5;
+  const Tensor t = Tensor::from_i64(ids, {12000}, DType::i64, dev);
+  EXPECT_ERROR(ops::embedding_backward(Tensor::zeros({12000, 8}, DType::f32, dev), t, 5),
+               "op embedding_backward: argument 'ids'[7001] = 5 is out of range [0, 5)");
+  ids[7001] = -2;
+  EXPECT_ERROR(ops::embedding_backward(Tensor::zeros({12000, 8}, DType::f32, dev), Tensor::from_i64(ids, {12000}, DType::i32, dev), 5),
+               "'ids'[7001] = -2 is out of range [0, 5)");
+  if (dev.is_cuda()) {  // unchecked: the bad id's terms are left out, nothing throws
+    std::vector<double> ones(12000 * 8, 1.0), ref(5 * 8, 0.0);
+    for (int64_t i = 0; i < 12000; ++i)
+      for (int64_t j = 0; j < 8 && i != 7001; ++j) ref[ids[i] * 8 + j] += 1.0;
+    EXPECT_EQ(ops::embedding_backward(Tensor::from_f64(ones, {12000, 8}, DType::f32, dev), t, 5, false).to_f64_vector(), ref);
+  }
+  EXPECT_EQ(ops::sum(Tensor::full({4}, 1.0, DType::f32, dev)).item(), 4.0);
 }
 
 TEST_P(Ops, GatherScatterMaskAndCat) {

@@ -57,7 +57,7 @@ Tensor embedding(const Tensor& weight, const Tensor& ids, bool check_ids) {
   return out;
 }
 
-Tensor embedding_backward(const Tensor& grad, const Tensor& ids, int64_t num_embeddings) {
+Tensor embedding_backward(const Tensor& grad, const Tensor& ids, int64_t num_embeddings, bool check_ids) {
   // Floor: read the gradient, write the [V, H] result once.
   const profile::Region region("embedding_backward", grad.device(), 0,
                                profile::enabled() && grad.dim() > 0
@@ -75,7 +75,7 @@ Tensor embedding_backward(const Tensor& grad, const Tensor& ids, int64_t num_emb
 #if KCPP_WITH_CUDA
     // In grad's dtype: each row is summed in f32 and rounded once (cuda/index.cu).
     Tensor out = Tensor::zeros({num_embeddings, h}, grad.dtype(), grad.device());
-    cuda::embedding_backward(out, grad.contiguous(), ids.contiguous());
+    cuda::embedding_backward(out, grad.contiguous(), ids.contiguous(), check_ids);
     return out;
 #endif
   }

@@ -98,8 +98,11 @@ Tensor matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans
 // with ids known to be good): a bad id's row is then NaN.  The CPU always checks.
 Tensor embedding(const Tensor& weight, const Tensor& ids, bool check_ids = true);
 // grad [..., H], ids [...] -> grad_weight [V, H] in grad's dtype (f32 accumulation, deterministic:
-// each row's terms are added in token order).
-Tensor embedding_backward(const Tensor& grad, const Tensor& ids, int64_t num_embeddings);
+// each row's terms are added in a fixed order, on the CPU token order, on CUDA token order within
+// tiles of 16 to 64 rows sorted by id and the tiles' sums in a fixed tree).  An id out of range
+// throws; on CUDA that check waits for the device, and check_ids = false skips the wait (ids known
+// to be good): a bad id's terms are then left out.  The CPU always checks.
+Tensor embedding_backward(const Tensor& grad, const Tensor& ids, int64_t num_embeddings, bool check_ids = true);
 // x [N, V], idx [N] -> [N] with x[i, idx[i]], and 0 where idx[i] == ignore_index.
 Tensor gather_last(const Tensor& x, const Tensor& idx, int64_t ignore_index);
 // values [N], idx [N] -> [N, V] of zeros with values[i] at [i, idx[i]] (rows with ignore_index stay 0).

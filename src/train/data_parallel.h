@@ -97,9 +97,9 @@
 // of the embedding's output, rows [T, H], and the token ids.  With the sparse path every rank
 // all-gathers the ids (at the step's start, with the token counts) and those rows (after the
 // backward, padded with zero rows to the largest T of the ranks), and every rank adds all ranks'
-// rows, in rank order and token order (ops::embedding_backward: f32 sums rounded once to the
-// gradient's dtype), into the rows of the embedding it needs: all of them at stage 0, its shard's at
-// stages 1 to 3.  The result is the same on every rank, and the dense reduction's up to the order of
+// rows (ops::embedding_backward: f32 sums in a fixed order, rank order and token order within its
+// tiles of sorted rows, rounded once to the gradient's dtype), into the rows of the embedding it
+// needs: all of them at stage 0, its shard's at stages 1 to 3.  The result is the same on every rank, and the dense reduction's up to the order of
 // the sums; the rows carry the step's 1 / T_total scale as the dense gradient does.  The default is
 // the dense path: on two H200s at Llama-3's vocabulary the sparse one left more time exposed after
 // the backward (bench/RESULTS.md), although it moves fewer bytes.  EmbeddingGradient::Auto takes the

@@ -26,7 +26,8 @@ bool gemv_small_m(const Tensor& out, const Tensor& a, const Tensor& w, int64_t m
 // check_ids: a bad id throws (the op synchronizes); else its row is NaN and nothing waits (CUDA graphs).
 void embedding(const Tensor& out, const Tensor& weight, const Tensor& ids, bool check_ids);
 // out [V, H] zero-filled, in grad's dtype (f32 / bf16 / f16), grad [n, H] contiguous: deterministic (sorted ids).
-void embedding_backward(const Tensor& out, const Tensor& grad, const Tensor& ids);
+// check_ids: a bad id throws (the op synchronizes); else its terms are left out and nothing waits.
+void embedding_backward(const Tensor& out, const Tensor& grad, const Tensor& ids, bool check_ids);
 void gather_last(const Tensor& out, const Tensor& x, const Tensor& idx, int64_t ignore_index);
 void scatter_last(const Tensor& out, const Tensor& values, const Tensor& idx, int64_t ignore_index);
 void valid_mask(const Tensor& out, const Tensor& idx, int64_t ignore_index);
