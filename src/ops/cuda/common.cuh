@@ -29,6 +29,16 @@ __device__ __forceinline__ void softmax_merge(float& m, float& l, float (&a)[N],
   m = mm;
 }
 
+// softmax_merge of the partial softmax held by lane (this lane ^ o) into this lane's (every lane of
+// the warp takes part).
+template <int N> __device__ __forceinline__ void softmax_merge_lane(float& m, float& l, float (&a)[N], int o) {
+  float a2[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) a2[i] = __shfl_xor_sync(0xffffffffu, a[i], o);
+  const float m2 = __shfl_xor_sync(0xffffffffu, m, o), l2 = __shfl_xor_sync(0xffffffffu, l, o);
+  softmax_merge(m, l, a, m2, l2, a2);
+}
+
 // An RMSNorm weight element as the norm's casting applies it (ops/nn/rms_norm.h): Llama (offset + w)
 // rounded to T, Gemma (offset + w) in f32.
 template <typename T> __device__ __forceinline__ float norm_weight_value(float w, float offset, bool gemma) {

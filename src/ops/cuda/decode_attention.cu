@@ -121,13 +121,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
   for (int o = LPK; o < 32; o <<= 1) {
 #pragma unroll
-    for (int gi = 0; gi < GMAX; ++gi) {
-      float a2[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) a2[i] = __shfl_xor_sync(0xffffffffu, acc[gi][i], o);
-      const float m2 = __shfl_xor_sync(0xffffffffu, m[gi], o), l2 = __shfl_xor_sync(0xffffffffu, l[gi], o);
-      softmax_merge(m[gi], l[gi], acc[gi], m2, l2, a2);
-    }
+    for (int gi = 0; gi < GMAX; ++gi) softmax_merge_lane(m[gi], l[gi], acc[gi], o);
   }
   if (sub == 0) {
 #pragma unroll

@@ -617,13 +617,7 @@ __device__ void attention_item(const Params<T>& p, const int (*step)[4], const L
 #pragma unroll
   for (int j = 0; j < kMaxGroup; ++j) {
     if (j >= g) break;
-    for (int o = lpk; o < 32; o <<= 1) {
-      float a2[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) a2[i] = __shfl_xor_sync(0xffffffffu, acc[j][i], o);
-      const float m2 = __shfl_xor_sync(0xffffffffu, mx[j], o), l2 = __shfl_xor_sync(0xffffffffu, sum[j], o);
-      softmax_merge(mx[j], sum[j], acc[j], m2, l2, a2);
-    }
+    for (int o = lpk; o < 32; o <<= 1) softmax_merge_lane(mx[j], sum[j], acc[j], o);
     if (sub == 0) {
       float* w = scratch + (warp * g + j) * (d + 2);
 #pragma unroll
