@@ -277,7 +277,8 @@ void embedding_backward(const Tensor& out, const Tensor& grad, const Tensor& ids
         const int64_t packs = (h + V - 1) / V;
         const int threads = static_cast<int>(std::min<int64_t>(kEmbThreads, (packs + 31) / 32 * 32));
         const int64_t chunks = (packs + threads - 1) / threads;
-        KCPP_CHECK(chunks <= 65535, "op embedding_backward: hidden size {} is too large for CUDA", h);
+        KCPP_CHECK(chunks <= 65535, "op embedding_backward: hidden size {} is too large for CUDA (at most {}); run the embedding on the CPU", h,
+                   int64_t{65535} * kEmbThreads * V);
         // The tile: a block's time grows with its rows (plus up to two f32 partial rows written), and the
         // grid runs in waves of kEmbSlots blocks; the tile with the fewest (waves x block time) wins, so
         // a grid just over one wave is split finer.  It depends on n and h only: the same inputs give
@@ -302,7 +303,8 @@ void embedding_backward(const Tensor& out, const Tensor& grad, const Tensor& ids
       if (tiles > 1) {
         auto spans = [&]<int V>(std::integral_constant<int, V>) {
           const int64_t chunks = (h + 32 * V - 1) / (32 * V);
-          KCPP_CHECK(chunks <= 65535, "op embedding_backward: hidden size {} is too large for CUDA", h);
+          KCPP_CHECK(chunks <= 65535, "op embedding_backward: hidden size {} is too large for CUDA (at most {}); run the embedding on the CPU", h,
+                     int64_t{65535} * 32 * V);
           embedding_spans_kernel<T, V><<<dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks)), 32 * kEmbGroups, 0,
                                          stream>>>(static_cast<T*>(out.data()), static_cast<const float*>(part.data()), k_out,
                                                    n, static_cast<uint32_t>(v), h, tile);
