@@ -8,8 +8,7 @@
 // stage of a ring of p.stages (up to kMaxStages) in shared memory, filled by one bulk copy a row
 // (one for a group of whole rows); `full[s]` completes when its bytes have landed, `empty[s]` when
 // the seven consumer warps have read it.  Consumer warp w takes row w of each group: f32 sums over
-// the pieces in order, then over its lanes; in a block's last group of fewer rows, a row's pieces
-// are spread over several warps (gemv).
+// the pieces in order, then over its lanes.
 //
 // The consumers run the phases of a layer between grid-wide barriers (an arrival counter in global
 // memory that each block's first thread raises and then waits on): norm + qkv, attention | merge +
@@ -262,40 +261,31 @@ template <typename T> __device__ void produce(const Params<T>& p, T* ring, uint6
 }
 
 // out[m, row] = r(sum_k act[m, k] w[row, k]) for this block's rows (with halves = 2 the gated
-// activation of the pair's two sums, as glu_packed rounds it): the consumer side of produce().  In a
-// group of seven rows warp w takes row w.  The block's last group may hold fewer rows (o and down
-// give most blocks 8 rows of 1,024: a second group of one); there each row's stages are spread over
-// wpr = 7 / rows warps (stage q of the group to warp row wpr + q mod wpr), and the row's sum is
-// their sums added in warp order, so a tail row takes about one stage's time instead of all of its
-// K's.
+// activation of the pair's two sums, as glu_packed rounds it): the consumer side of produce().
 template <typename T, int M>
 __device__ void gemv(const Gemv<T>& g, const T* act, T* out, const T* ring, uint64_t* full, uint64_t* empty, kc::RingCursor& at,
                      int p_stages, Unary fn, uint64_t* ready) {
-  __shared__ float tail[kConsumerWarps][2][M];  // the tail group's sums a warp
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   uint64_t* stages_seen = ready != nullptr ? ready + 2 : nullptr;  // the trace's slot 4 (Tracer)
   uint64_t seen = 0;
   int r0, r1;
   rows_of(g.n, r0, r1);
   for (int g0 = r0; g0 < r1; g0 += kRowsPerGroup) {
-    const int rows = min(kRowsPerGroup, r1 - g0), wpr = kConsumerWarps / rows;
-    const int row = warp / wpr, sub = warp % wpr;
-    const bool mine = row < rows;
+    const bool mine = g0 + warp < r1;
     float acc[2][M] = {};
-    int q = 0;  // the group's stage
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       if (half >= g.halves) break;
-      for (int e0 = 0; e0 < g.k; e0 += kPiece, ++q) {
+      for (int e0 = 0; e0 < g.k; e0 += kPiece) {
         const int len = min(kPiece, g.k - e0);
         if (stages_seen != nullptr && threadIdx.x == 0)
           seen += 1 + (::cuda::ptx::mbarrier_test_wait_parity(&full[at.slot], at.parity) ? 0 : uint64_t{1} << 32);
         ring_wait(&full[at.slot], at.parity);
         if (ready != nullptr && threadIdx.x == 0) *ready = global_ns(), ready = nullptr;
-        if (mine && q % wpr == sub) {
+        if (mine) {
           // U steps of 256 elements a pass (fewer with more rows, so the loaded values stay in registers).
           constexpr int U = M == 1 ? 4 : M == 2 ? 2 : 1;
-          const T* w = ring + at.slot * kStageElems + row * len;
+          const T* w = ring + at.slot * kStageElems + warp * len;
           for (int base = lane * 8; base < len; base += 32 * 8 * U) {
 #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -318,36 +308,13 @@ __device__ void gemv(const Gemv<T>& g, const T* act, T* out, const T* ring, uint
         at.advance(p_stages);
       }
     }
-    float sum[2][M] = {};
-    if (mine)
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-#pragma unroll
-        for (int m = 0; m < M; ++m) sum[half][m] = warp_sum(acc[half][m]);
-    if (wpr > 1) {  // the same in every warp of the block
-      if (mine && lane == 0)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-          for (int m = 0; m < M; ++m) tail[warp][half][m] = sum[half][m];
-      consumers_sync();
-      if (mine && sub == 0)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-          for (int m = 0; m < M; ++m) {
-            float t = tail[warp][half][m];
-            for (int w = 1; w < wpr; ++w) t += tail[warp + w][half][m];
-            sum[half][m] = t;
-          }
-    }
-    if (mine && sub == 0) {
+    if (mine) {
       float v[M];
 #pragma unroll
       for (int m = 0; m < M; ++m) {
-        v[m] = sum[0][m];
+        v[m] = warp_sum(acc[0][m]);
         if (g.halves == 2) {
-          const float up = round_to<T>(sum[1][m]);
+          const float up = round_to<T>(warp_sum(acc[1][m]));
           v[m] = round_to<T>(math::unary<float>(fn, round_to<T>(v[m]), 0.f)) * up;
         }
       }
@@ -356,7 +323,7 @@ __device__ void gemv(const Gemv<T>& g, const T* act, T* out, const T* ring, uint
 #pragma unroll
         for (int m = 1; m < M; ++m)
           if (lane == m) o = v[m];
-        out[static_cast<int64_t>(lane) * g.n + g0 + row] = from_f32<T>(o);
+        out[static_cast<int64_t>(lane) * g.n + g0 + warp] = from_f32<T>(o);
       }
     }
   }
