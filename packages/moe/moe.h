@@ -163,6 +163,22 @@ bool auto_always_loop(int64_t hidden, int64_t inter, int64_t sms);
 // padded_rows_cap(S, E, true) for Padded asked for, for Auto padded_rows_cap(S, E, false) unless
 // auto_always_loop (then Padded is never taken and nothing is held for it), 0 for Kernel, Loop, Grouped.
 int64_t workspace_padded_rows(ExpertGemm asked, int64_t slots, int64_t experts, int64_t hidden, int64_t inter, int64_t sms);
+// Loop's smaller buffers.  Where a call's path is Loop whatever the counts (Loop asked for, or Auto
+// where auto_always_loop), a few large experts make the [rows, I] buffers the largest part of the
+// workspace; there they hold a slice no larger than half of the [rows, H] buffer it holds anyway:
+//   the training forward (gate_up saved) forms h = round(act(g) u) window_rows at a time, an expert's
+//     rows in windows (rows independent: the same values);
+//   the backward forms q, c h and dW_down chunk_cols columns of I at a time (dW_down's columns are
+//     whole sums over the rows; q . h's row sums add the chunks' sums in order).
+// Mixtral-8x7B (H 4096, I 14336, 16,384 slots): windows of 2,336 rows, chunks of 2,048 columns, 64
+// MiB each where [S, I] is 448.  Under CUDA graph capture (every path then runs the package's GEMM,
+// which needs whole buffers) a call with such a workspace is refused by name.
+// loop_window_rows: rows when I <= H / 2, else rows * H / (2 I) rounded down to a multiple of 8, at
+// least 8, at most rows;
+// loop_chunk_cols: I when I <= H / 2, else I in n = ceil(I / c) chunks of ceil(I / n) rounded up to
+// a multiple of 8, c = H / 2 rounded down to a multiple of 8 (at least 8).
+int64_t loop_window_rows(int64_t rows, int64_t hidden, int64_t inter);
+int64_t loop_chunk_cols(int64_t hidden, int64_t inter);
 
 struct MoeParams {
   kernel::DType dtype = kernel::DType::bf16;

@@ -830,6 +830,19 @@ int64_t workspace_padded_rows(ExpertGemm asked, int64_t slots, int64_t experts, 
   return 0;
 }
 
+int64_t loop_window_rows(int64_t rows, int64_t hidden, int64_t inter) {
+  if (rows <= 0 || inter <= 0 || 2 * inter <= hidden) return rows;
+  const int64_t r = std::max<int64_t>(rows * hidden / (2 * inter) / 8 * 8, 8);
+  return std::min(r, rows);
+}
+
+int64_t loop_chunk_cols(int64_t hidden, int64_t inter) {
+  const int64_t c = std::max<int64_t>(hidden / 2 / 8 * 8, 8);
+  if (inter <= c) return inter;
+  const int64_t n = (inter + c - 1) / c;
+  return ((inter + n - 1) / n + 7) / 8 * 8;
+}
+
 const char* moe_cuda_unsupported(const MoeParams& p, bool /*backward: the same limits*/) {
   if (p.dtype == DType::f32) return "f32 on CUDA: the expert GEMMs are bf16 / f16 tensor-core ones";
   if (p.experts > 1024) return errorf("%lld experts on CUDA (at most 1024)", static_cast<long long>(p.experts));

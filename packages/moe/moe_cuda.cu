@@ -79,6 +79,8 @@ struct Bufs {
   void** ptrs = nullptr;  // the grouped calls' pointer arrays on the device
   void* blas = nullptr;   // cuBLAS's workspace
   int64_t rows = 0;       // the rows of the buffers by row (layout's r): no path may use more
+  int64_t h_rows = 0;     // forward: the rows h holds (rows, or Loop's window: moe.h, loop_window_rows)
+  int64_t ch_cols = 0;    // backward: the columns c h holds (I, or Loop's chunk: moe.h, loop_chunk_cols)
 };
 
 // `cublas`: room for the cuBLAS paths too (their buffers, by path in the forward's and backward's
@@ -89,12 +91,16 @@ struct Bufs {
 // path then needs both at once).  dgu lies over the [g, u] the backward's GLU reads (moe.h: Backward
 // memory): the recomputed gu (same rows on every path), or the saved gate_up by position when the host
 // lets it be overwritten and no row is Padded's (rows are then positions); else it has its own rows.
-// The shared expert's sdgu lies over sgu likewise.
-Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas, int64_t padded_rows) {
+// The shared expert's sdgu lies over sgu likewise.  `loop` (the path is Loop whatever the counts):
+// the training forward's h holds a window of rows, the backward's c h a chunk of I's columns (moe.h:
+// Loop's smaller buffers).
+Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas, int64_t padded_rows, bool loop) {
   Bufs b;
   const int64_t t = p.tokens, h = p.hidden, e = p.experts, s = moe_slots(p), i = p.inter, si = p.shared_inter;
   const int64_t r = std::max(s, padded_rows);  // rows of the buffers by row
   b.rows = r;
+  b.h_rows = !bwd && loop && p.gate_up ? loop_window_rows(r, h, i) : r;
+  b.ch_cols = bwd && loop ? loop_chunk_cols(h, i) : i;
   const int64_t eb = kernel::dtype_bytes(p.dtype);
   const bool router = p.routing != Routing::Given, input = p.weight_on == WeightOn::Input;
   const bool own_ids = bwd ? !router : !(router && p.topk_ids);
@@ -113,7 +119,7 @@ Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas, int64_t padded
   if (si > 0) b.sigma = cv.take<float>(t);
   if (!bwd) {
     // cuBLAS: [g, u] with h over g (Padded: also when gate_up is saved, which takes [g, u] by position)
-    b.h = cv.take<unsigned char>(r * i * eb * (cublas && (!p.gate_up || padded_rows > 0) ? 2 : 1));
+    b.h = cv.take<unsigned char>(b.h_rows * i * eb * (cublas && (!p.gate_up || padded_rows > 0) ? 2 : 1));
     b.y = cv.take<unsigned char>(r * h * eb);
     if (si > 0) {
       b.sh = cv.take<unsigned char>(t * si * eb);
@@ -123,7 +129,7 @@ Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas, int64_t padded
     if (!p.gate_up) b.gu = b.dgu = cv.take<unsigned char>(r * 2 * i * eb);
     else if (p.overwrite_gate_up && padded_rows == 0) b.dgu = p.gate_up;
     else b.dgu = cv.take<unsigned char>(r * 2 * i * eb);
-    b.ch = cv.take<unsigned char>(r * i * eb);
+    b.ch = cv.take<unsigned char>(r * b.ch_cols * eb);
     if (!input) b.partial = cv.take<float>(std::max(s * ntiles(i), r));  // cuBLAS: one per row
     b.dxs = cv.take<unsigned char>(r * h * eb);
     if (cublas && !input) b.xs = b.dxs;
@@ -581,8 +587,32 @@ int64_t padded_workspace_rows(const MoeParams& p) {
   return workspace_padded_rows(ExpertGemm::Auto, moe_slots(p), p.experts, p.hidden, p.inter, kernel::cuda::sm_count(device));
 }
 
+// Whether this call's path is Loop whatever the counts (moe.h: Loop's smaller buffers): Loop asked
+// for, or Auto where auto_always_loop on the current device.
+bool loop_only(const MoeParams& p) {
+  Path path = Path::Kernel;
+  if (requested_path(p, &path) != nullptr) return false;
+  if (path == Path::Loop) return true;
+  if (path != Path::Auto) return false;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return auto_always_loop(p.hidden, p.inter, kernel::cuda::sm_count(device));
+}
+
 Bufs call_layout(const MoeParams& p, bool bwd, Carve& cv) {
-  return layout(p, bwd, cv, cublas_workspace(p), padded_workspace_rows(p));
+  return layout(p, bwd, cv, cublas_workspace(p), padded_workspace_rows(p), loop_only(p));
+}
+
+// The package's GEMM (Kernel; under graph capture every path) needs whole [rows, I] buffers.
+const char* kernel_fits(const Bufs& b, int64_t inter, const char* call) {
+  if (b.h_rows >= b.rows && b.ch_cols >= inter) return nullptr;
+  return errorf("moe %s: under CUDA graph capture the experts run on the package's GEMM, which needs the whole [%lld, %lld] "
+                "buffers; this workspace holds Loop's smaller ones (moe.h). Size the workspace of a call to be captured with "
+                "expert_gemm = Kernel (or KCPP_MOE_GEMM=kernel)",
+                call, static_cast<long long>(b.rows), static_cast<long long>(inter));
 }
 
 // This call's path: Kernel while `st` is being captured into a graph (no host read-back there).
@@ -666,6 +696,11 @@ Op tr(Op o) {
 // Rows [row0, ...) of a row-major buffer.
 Op rows_op(const void* base, int64_t row0, int64_t ld, int64_t eb) {
   return {static_cast<const char*>(base) + row0 * ld * eb, ld, false};
+}
+// Columns [col0, ...) of an operand.
+Op cols_op(Op o, int64_t col0, int64_t eb) {
+  o.p = static_cast<const char*>(o.p) + (o.t ? col0 * o.ld : col0) * eb;
+  return o;
 }
 // Expert e's rows x cols matrix of a stack (a weight, or a weight gradient written).
 Op matrix_op(const Matrix& m, int64_t e, int64_t rows, int64_t cols, int64_t eb) {
@@ -811,17 +846,24 @@ class Blas {
         std::fprintf(stderr, "kcpp moe: cublasGemmGroupedBatchedEx refused %s (%s); running it as cublasGemmEx per expert\n",
                      what, cublasGetStatusString(s));
     }
-    const float one = 1.0f;
-    for (int e : order_) {
-      const BlasArgs g = blas_args(prod(e));
-      const cublasStatus_t s = cublasGemmEx_64(hs_->handle, g.ta, g.tb, g.m, g.n, g.k, &one, g.a, dt_, g.lda, g.b, dt_, g.ldb,
-                                               &g.beta, g.c, dt_, g.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-      if (s != CUBLAS_STATUS_SUCCESS)
-        return errorf("moe: cublasGemmEx (%s, expert %d: m %lld n %lld k %lld) failed: %s", what, e, static_cast<long long>(g.m),
-                      static_cast<long long>(g.n), static_cast<long long>(g.k), cublasGetStatusString(s));
-    }
+    for (int e : order_)
+      if (const char* err = one(what, e, prod(e))) return err;
     return nullptr;
   }
+
+  // One product of expert e (for its name in an error).
+  const char* one(const char* what, int e, const Prod& prod) const {
+    const float alpha = 1.0f;
+    const BlasArgs g = blas_args(prod);
+    const cublasStatus_t s = cublasGemmEx_64(hs_->handle, g.ta, g.tb, g.m, g.n, g.k, &alpha, g.a, dt_, g.lda, g.b, dt_, g.ldb,
+                                             &g.beta, g.c, dt_, g.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (s == CUBLAS_STATUS_SUCCESS) return nullptr;
+    return errorf("moe: cublasGemmEx (%s, expert %d: m %lld n %lld k %lld) failed: %s", what, e, static_cast<long long>(g.m),
+                  static_cast<long long>(g.n), static_cast<long long>(g.k), cublasGetStatusString(s));
+  }
+  // The experts with positions, by count (descending), then index.
+  const std::vector<int>& experts() const { return order_; }
+  bool loop() const { return path_ == Path::Loop; }
 
  private:
   // Padded: the products of experts first and first + 1 give the batch strides (every operand's
@@ -965,25 +1007,27 @@ __global__ void glu_rows(int64_t inter, kernel::Activation act, Pad pd, const T*
   }
 }
 
-// The backward's GLU by row r (a block per row) of position p (Pad), with q read from ch (the q GEMM's
-// output, rounded to the dtype), [g, u] = gu[p] (gu_by_position: the saved gate_up) or gu[r], and
+// The backward's GLU by row r (a block per row) of position p (Pad), over the columns [col0, col0 +
+// cols) of I (Loop's chunks, moe.h; else all of them), with q read from ch (the q GEMM's output,
+// rounded to the dtype; cols wide), [g, u] = gu[p] (gu_by_position: the saved gate_up) or gu[r], and
 // c = w[sorted[p]] (Output; Input: 1):
 //   a = act(g), h = round(a u), dh = round(c q), dgu = round([dh u act'(g), dh a]), ch = round(c h),
-//   rowsum[r] = sum_i q_i h_i (Output: the slot's dw), in a fixed order;
+//   rowsum[r] (+)= sum_i q_i h_i (Output: the slot's dw; `add`: onto the earlier chunks' sum), in a
+//   fixed order;
 // in a padding row dgu, ch and rowsum are 0.  dgu may lie over the rows [g, u] is read from (the
 // recomputed gu by row, or the saved gate_up by position where rows are positions): each element is
 // read, then written, by one thread.
 template <typename T, int V>
-__global__ void glu_backward_rows(int64_t inter, kernel::Activation act, Pad pd, const T* gu, bool gu_by_position, const float* w,
-                                  const int32_t* sorted, T* ch, T* dgu, float* rowsum) {
+__global__ void glu_backward_rows(int64_t inter, int64_t col0, int64_t cols, kernel::Activation act, Pad pd, const T* gu,
+                                  bool gu_by_position, const float* w, const int32_t* sorted, T* ch, T* dgu, float* rowsum, bool add) {
   __shared__ float red[32];
   const int64_t r = blockIdx.x;
   const int32_t p = position_of(pd, r);
-  T* chr = ch + r * inter;
-  T* dr = dgu + r * 2 * inter;
+  T* chr = ch + r * cols;
+  T* dr = dgu + r * 2 * inter + col0;
   if (p < 0) {  // the whole block returns together
     const float zero[V] = {};
-    for (int64_t i = static_cast<int64_t>(threadIdx.x) * V; i < inter; i += static_cast<int64_t>(blockDim.x) * V) {
+    for (int64_t i = static_cast<int64_t>(threadIdx.x) * V; i < cols; i += static_cast<int64_t>(blockDim.x) * V) {
       kernel::cuda::store_f32<T, V>(dr + i, zero);
       kernel::cuda::store_f32<T, V>(dr + inter + i, zero);
       kernel::cuda::store_f32<T, V>(chr + i, zero);
@@ -992,9 +1036,9 @@ __global__ void glu_backward_rows(int64_t inter, kernel::Activation act, Pad pd,
     return;
   }
   const float c = w ? w[sorted[p]] : 1.0f;
-  const T* row = gu + (gu_by_position ? static_cast<int64_t>(p) : r) * 2 * inter;
+  const T* row = gu + (gu_by_position ? static_cast<int64_t>(p) : r) * 2 * inter + col0;
   float acc = 0.0f;
-  for (int64_t i = static_cast<int64_t>(threadIdx.x) * V; i < inter; i += static_cast<int64_t>(blockDim.x) * V) {
+  for (int64_t i = static_cast<int64_t>(threadIdx.x) * V; i < cols; i += static_cast<int64_t>(blockDim.x) * V) {
     float qv[V], g[V], u[V], dg[V], du[V], hc[V];
     kernel::cuda::load_f32<T, V>(chr + i, qv);
     kernel::cuda::load_f32<T, V>(row + i, g);
@@ -1014,7 +1058,7 @@ __global__ void glu_backward_rows(int64_t inter, kernel::Activation act, Pad pd,
   }
   if (rowsum) {
     acc = kernel::cuda::block_sum(acc, red);
-    if (threadIdx.x == 0) rowsum[r] = acc;
+    if (threadIdx.x == 0) rowsum[r] = add ? rowsum[r] + acc : acc;
   }
 }
 
@@ -1042,6 +1086,24 @@ void zero_empty(const Blas& blas, const int32_t* offsets, int64_t experts, const
       offsets, static_cast<T*>(m.data), m.expert_stride, m.row_stride, m.col_stride, rows, cols);
 }
 
+// gu = xs [Wg; Wu]^T of every expert, by row (2I wide): one product where gate and up are one stack,
+// else one a half.
+template <typename T> const char* gate_up_products(const MoeParams& p, Blas& blas, const T* xs, T* gu) {
+  const int64_t h = p.hidden, I = p.inter, eb = sizeof(T);
+  if (one_stack(p.gate, p.up, I, h, eb))
+    return blas.run("gate_up = x W_gate_up^T", [&](int ex) {
+      return Prod{blas.rows(ex), 2 * I, h, rows_op(xs, blas.row0(ex), h, eb), tr(matrix_op(p.gate, ex, 2 * I, h, eb)),
+                  rows_op(gu, blas.row0(ex), 2 * I, eb), 0.0f};
+    });
+  for (int half = 0; half < 2; ++half)
+    if (const char* e = blas.run(half ? "up = x W_up^T" : "gate = x W_gate^T", [&](int ex) {
+          return Prod{blas.rows(ex), I, h, rows_op(xs, blas.row0(ex), h, eb), tr(matrix_op(half ? p.up : p.gate, ex, I, h, eb)),
+                      rows_op(gu + half * I, blas.row0(ex), 2 * I, eb), 0.0f};
+        }))
+      return e;
+  return nullptr;
+}
+
 // The forward's experts on cuBLAS: the expert inputs by row (gathered, or Input's scaled rows), gu,
 // h, then y by row into b.y (which held the gathered inputs until then, in Output mode).  Padded:
 // the rows are padded ones, and b.pos then holds each slot's row (*padded set).
@@ -1066,20 +1128,23 @@ const char* experts_forward_cublas(const MoeParams& p, const Bufs& b, Path path,
   T* hb = direct ? static_cast<T*>(b.h) : gu;
   const int64_t ldh = direct ? I : 2 * I;
   T* save = blas.padded() ? static_cast<T*>(p.gate_up) : nullptr;
-  if (one_stack(p.gate, p.up, I, h, eb)) {
-    if (const char* e = blas.run("gate_up = x W_gate_up^T", [&](int ex) {
-          return Prod{blas.rows(ex), 2 * I, h, rows_op(xs, blas.row0(ex), h, eb), tr(matrix_op(p.gate, ex, 2 * I, h, eb)),
-                      rows_op(gu, blas.row0(ex), 2 * I, eb), 0.0f};
-        }))
-      return e;
-  } else {
-    for (int half = 0; half < 2; ++half)
-      if (const char* e = blas.run(half ? "up = x W_up^T" : "gate = x W_gate^T", [&](int ex) {
-            return Prod{blas.rows(ex), I, h, rows_op(xs, blas.row0(ex), h, eb), tr(matrix_op(half ? p.up : p.gate, ex, I, h, eb)),
-                        rows_op(gu + half * I, blas.row0(ex), 2 * I, eb), 0.0f};
-          }))
-        return e;
+  if (b.h_rows < n) {  // Loop's windows (moe.h): gate_up whole into the saved one, then h and y a window at a time
+    if (!blas.loop() || !direct) return "moe forward: the workspace holds Loop's windows of h, the path is not Loop";
+    if (const char* e = gate_up_products(p, blas, xs, gu)) return e;
+    for (int ex : blas.experts())
+      for (int64_t a0 = 0; a0 < blas.rows(ex); a0 += b.h_rows) {
+        const int64_t m = std::min(b.h_rows, blas.rows(ex) - a0), r0 = blas.row0(ex) + a0;
+        if (I % 8 == 0 && kernel::cuda::aligned16(gu) && kernel::cuda::aligned16(hb))
+          glu_rows<T, 8><<<static_cast<unsigned>(m), 128, 0, st>>>(I, p.act, Pad{}, gu + r0 * 2 * I, hb, I, nullptr);
+        else
+          glu_rows<T, 1><<<static_cast<unsigned>(m), 128, 0, st>>>(I, p.act, Pad{}, gu + r0 * 2 * I, hb, I, nullptr);
+        if (const char* e = blas.one("y = h W_down^T", ex, Prod{m, h, I, rows_op(hb, 0, I, eb), tr(matrix_op(p.down, ex, h, I, eb)),
+                                                                 rows_op(b.y, r0, h, eb), 0.0f}))
+          return e;
+      }
+    return nullptr;
   }
+  if (const char* e = gate_up_products(p, blas, xs, gu)) return e;
   if (I % 8 == 0 && kernel::cuda::aligned16(gu) && kernel::cuda::aligned16(hb) && (!save || kernel::cuda::aligned16(save)))
     glu_rows<T, 8><<<static_cast<unsigned>(n), 128, 0, st>>>(I, p.act, pd, gu, hb, ldh, save);
   else
@@ -1131,45 +1196,38 @@ const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path
   const T* gu = static_cast<const T*>(p.gate_up);  // by position
   if (!gu) {  // gate_up again, by row
     gather_xs();
-    T* out = static_cast<T*>(b.gu);
-    if (stacked) {
-      if (const char* e = blas.run("gate_up = x W_gate_up^T", [&](int ex) {
-            return Prod{blas.rows(ex), 2 * I, h, rows_op(xs, blas.row0(ex), h, eb), tr(matrix_op(p.gate, ex, 2 * I, h, eb)),
-                        rows_op(out, blas.row0(ex), 2 * I, eb), 0.0f};
-          }))
-        return e;
-    } else {
-      for (int half = 0; half < 2; ++half)
-        if (const char* e = blas.run(half ? "up = x W_up^T" : "gate = x W_gate^T", [&](int ex) {
-              return Prod{blas.rows(ex), I, h, rows_op(xs, blas.row0(ex), h, eb), tr(matrix_op(half ? p.up : p.gate, ex, I, h, eb)),
-                          rows_op(out + half * I, blas.row0(ex), 2 * I, eb), 0.0f};
-            }))
-          return e;
-    }
+    if (const char* e = gate_up_products(p, blas, xs, static_cast<T*>(b.gu))) return e;
   }
   T* dout = rows_h;
   launch_gather<T>(n, h, k, pd, sorted, nullptr, static_cast<const T*>(p.dout), p.dout_stride, dout, st);
   if (shared_xs) xs_ready = false;  // x by row, if gathered, is overwritten
   T* ch = static_cast<T*>(b.ch);
   T* dgu = static_cast<T*>(b.dgu);
-  if (const char* e = blas.run("q = dout W_down", [&](int ex) {
-        return Prod{blas.rows(ex), I, h, rows_op(dout, blas.row0(ex), h, eb), matrix_op(p.down, ex, h, I, eb),
-                    rows_op(ch, blas.row0(ex), I, eb), 0.0f};
-      }))
-    return e;
   const float* coef = input ? nullptr : w;
   float* rowsum = input ? nullptr : b.partial;
   const T* gu_rows = gu ? gu : static_cast<const T*>(b.gu);
-  if (I % 8 == 0 && kernel::cuda::aligned16(gu_rows) && kernel::cuda::aligned16(dgu))
-    glu_backward_rows<T, 8><<<static_cast<unsigned>(n), 128, 0, st>>>(I, p.act, pd, gu_rows, gu != nullptr, coef, sorted, ch, dgu, rowsum);
-  else
-    glu_backward_rows<T, 1><<<static_cast<unsigned>(n), 128, 0, st>>>(I, p.act, pd, gu_rows, gu != nullptr, coef, sorted, ch, dgu, rowsum);
-  if (p.ddown.data)
-    if (const char* e = blas.run("dW_down = dout^T (c h)", [&](int ex) {
-          return Prod{h, I, blas.rows(ex), tr(rows_op(dout, blas.row0(ex), h, eb)), rows_op(ch, blas.row0(ex), I, eb),
-                      matrix_op(p.ddown, ex, h, I, eb), 0.0f};
+  // q, dgu, c h and dW_down by chunks of I's columns (one chunk of I but on Loop's smaller buffers).
+  if (b.ch_cols < I && !blas.loop()) return "moe backward: the workspace holds Loop's chunks of c h, the path is not Loop";
+  for (int64_t c0 = 0; c0 < I; c0 += b.ch_cols) {
+    const int64_t nc = std::min(b.ch_cols, I - c0);
+    if (const char* e = blas.run("q = dout W_down", [&](int ex) {
+          return Prod{blas.rows(ex), nc, h, rows_op(dout, blas.row0(ex), h, eb), cols_op(matrix_op(p.down, ex, h, I, eb), c0, eb),
+                      rows_op(ch, blas.row0(ex), nc, eb), 0.0f};
         }))
       return e;
+    if (I % 8 == 0 && c0 % 8 == 0 && nc % 8 == 0 && kernel::cuda::aligned16(gu_rows) && kernel::cuda::aligned16(dgu))
+      glu_backward_rows<T, 8><<<static_cast<unsigned>(n), 128, 0, st>>>(I, c0, nc, p.act, pd, gu_rows, gu != nullptr, coef, sorted,
+                                                                        ch, dgu, rowsum, c0 > 0);
+    else
+      glu_backward_rows<T, 1><<<static_cast<unsigned>(n), 128, 0, st>>>(I, c0, nc, p.act, pd, gu_rows, gu != nullptr, coef, sorted,
+                                                                        ch, dgu, rowsum, c0 > 0);
+    if (p.ddown.data)
+      if (const char* e = blas.run("dW_down = dout^T (c h)", [&](int ex) {
+            return Prod{h, nc, blas.rows(ex), tr(rows_op(dout, blas.row0(ex), h, eb)), rows_op(ch, blas.row0(ex), nc, eb),
+                        cols_op(matrix_op(p.ddown, ex, h, I, eb), c0, eb), 0.0f};
+          }))
+        return e;
+  }
   // dout is done with: the gate / up weights' gradients from x by row, then dx by row over it.  x by
   // row is gathered only when dgate or dup is asked for.  Output mode with gate_up recomputed (not
   // saved) thus gathers x twice, for gate_up above and again here (dout overwrote it): an extra n x H
@@ -1263,6 +1321,8 @@ template <typename T> const char* forward(const MoeParams& p, cudaStream_t st) {
   if (const char* e = call_path(p, st, &path)) return e;
   Carve cv{static_cast<unsigned char*>(p.workspace)};
   const Bufs b = call_layout(p, false, cv);
+  if (path == Path::Kernel)
+    if (const char* e = kernel_fits(b, p.inter, "forward")) return e;
   const T* x = static_cast<const T*>(p.x);
   const bool router = p.routing != Routing::Given, input = p.weight_on == WeightOn::Input;
   int32_t* ids = (router && p.topk_ids) ? static_cast<int32_t*>(p.topk_ids) : b.ids;
@@ -1443,6 +1503,8 @@ template <typename T> const char* backward(const MoeParams& p, cudaStream_t st) 
   if (const char* e = call_path(p, st, &path)) return e;
   Carve cv{static_cast<unsigned char*>(p.workspace)};
   const Bufs b = call_layout(p, true, cv);
+  if (path == Path::Kernel)
+    if (const char* e = kernel_fits(b, p.inter, "backward")) return e;
   const T* x = static_cast<const T*>(p.x);
   const T* dout = static_cast<const T*>(p.dout);
   const bool router = p.routing != Routing::Given, input = p.weight_on == WeightOn::Input;

@@ -831,6 +831,46 @@ TEST_P(MoeKernels, OverwriteGateUpGivesTheSameBits) {
           }
 }
 
+// Loop's smaller buffers (moe.h): with I > H / 2 the training forward forms h in windows of rows (an
+// expert's 41 rows over six of them) and the backward forms q, c h and dW_down in chunks of I's
+// columns (equal chunks of 16 at I = 96, with 16-byte loads; a last one of 4 at I = 100, without);
+// forward and backward against the oracle in every layout, weights on the output and on the input,
+// with the saved gate_up overwritten or not, and the workspaces smaller than Grouped's by the rows
+// of h and c h they no longer hold.
+TEST_P(MoeKernels, LoopWindowsAndChunks) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  if (!dev.is_cuda()) GTEST_SKIP() << "Loop is a CUDA path";
+  Generator gen = test::test_generator();
+  const Routing routing = given_routing({41, 3, 0, 18}, true, gen);
+  const auto& [counts, ids, w, e, k, t] = routing;
+  const int64_t h = 32, s = t * k;
+  EXPECT_EQ(moe::loop_window_rows(s, h, 96), 8);
+  EXPECT_EQ(moe::loop_chunk_cols(h, 96), 16);
+  EXPECT_EQ(moe::loop_chunk_cols(h, 100), 16);
+  for (DType dt : {DType::bf16, DType::f16})
+    for (int64_t i : {96, 100})
+      for (Layout layout : {Layout::Rows, Layout::Transposed, Layout::Separate})
+        for (bool input : {false, true})
+          for (bool overwrite : {false, true}) {
+            const Case c{t, h, e, k, i, 0, moe::Routing::Given, false, input, kernel::Activation::Silu, layout, false, true, false,
+                         layout == Layout::Transposed};
+            const std::string cfg = test::config_name(dev, dt) + " " + describe(c) + " gemm=loop overwrite=" + std::to_string(overwrite);
+            Block m{c, dt, dev, moe::ExpertGemm::Loop};
+            m.build(gen, &ids, &w, true);
+            m.p.overwrite_gate_up = overwrite;
+            moe::MoeParams grouped = m.p;
+            grouped.expert_gemm = moe::ExpertGemm::Grouped;
+            const int64_t eb = 2;
+            EXPECT_EQ(moe::moe_workspace(grouped, false, true) - moe::moe_workspace(m.p, false, true),
+                      static_cast<size_t>((s * i * eb + 255) / 256 * 256 - (8 * i * eb + 255) / 256 * 256)) << cfg << " forward";
+            EXPECT_EQ(moe::moe_workspace(grouped, true, true) - moe::moe_workspace(m.p, true, true),
+                      static_cast<size_t>((s * i * eb + 255) / 256 * 256 - (s * 16 * eb + 255) / 256 * 256)) << cfg << " backward";
+            ASSERT_EQ(m.forward(), nullptr) << cfg;
+            expect_given_routing_matches_the_oracle(m, ids, w, counts, gen, cfg);
+          }
+}
+
 // ExpertGemm::Auto where one expert's weight fills the device (H 2048 x I 1536: 192 tiles of 128 x 128,
 // at least one per multiprocessor): its rule takes Loop whatever the counts, so its workspace holds no
 // padded rows (the same bytes as Loop's), and with overwrite_gate_up none for [dg, du] either; the
@@ -907,16 +947,28 @@ TEST(MoeWorkspace, OverwriteGateUpFreesTheGradientRows) {
           EXPECT_EQ(recomputed, saved) << cfg;
           EXPECT_EQ(over + (g == moe::ExpertGemm::Padded ? 0 : rows), saved) << cfg;
           if (d.t == 8192 && g == moe::ExpertGemm::Loop && !input) {
-            // c h [S, I] 448 MiB + x / dout / dx by row [S, H] 128 MiB + cuBLAS's 32 MiB + q . h's row sums
-            // (S x 112 tiles of f32, 7 MiB) and small buffers: under Transformers' grouped_mm's 1152 MiB
-            // (bench/RESULTS.md), where the saved gate_up without the flag adds S x 2I (896 MiB).
+            // Loop's chunks of c h [S, 2048] 64 MiB + x / dout / dx by row [S, H] 128 MiB + cuBLAS's 32 MiB
+            // + q . h's row sums (S x 112 tiles of f32, 7 MiB) and small buffers; the forward: Loop's
+            // window of h [2336, I] 64 MiB + y by row 128 MiB + cuBLAS's 32 MiB.  With the saved gate_up
+            // (S x 2I, 896 MiB) either stays under Transformers' grouped_mm's 1152 MiB (bench/RESULTS.md).
             EXPECT_EQ(saved - over, static_cast<size_t>(896 * kMiB)) << cfg;
-            EXPECT_LT(over, static_cast<size_t>(616 * kMiB)) << cfg;
-            EXPECT_GT(over, static_cast<size_t>(615 * kMiB)) << cfg;
+            EXPECT_LT(over, static_cast<size_t>(232 * kMiB)) << cfg;
+            EXPECT_GT(over, static_cast<size_t>(231 * kMiB)) << cfg;
+            const size_t fwd = moe::moe_workspace(p, false, true);
+            EXPECT_LT(fwd, static_cast<size_t>(225 * kMiB)) << cfg;
+            EXPECT_LT(896 * kMiB + std::max(fwd, over), static_cast<size_t>(1152 * kMiB)) << cfg;
           }
         }
       }
   EXPECT_TRUE(moe::auto_always_loop(4096, 14336, 132));
+  EXPECT_EQ(moe::loop_window_rows(16384, 4096, 14336), 2336);
+  EXPECT_EQ(moe::loop_chunk_cols(4096, 14336), 2048);
+  EXPECT_EQ(moe::loop_chunk_cols(2048, 768), 768);  // Qwen3-30B-A3B: one chunk
+  EXPECT_EQ(moe::loop_chunk_cols(64, 40), 24);      // 24 + 16
+  EXPECT_EQ(moe::loop_chunk_cols(37, 19), 16);      // 16 + 3
+  EXPECT_EQ(moe::loop_window_rows(100, 4096, 2048), 100);  // I <= H / 2: all rows
+  EXPECT_EQ(moe::loop_window_rows(100, 8192, 14336), 24);
+  EXPECT_EQ(moe::loop_window_rows(5, 16, 4096), 5);  // at least 8 rows, at most all
   EXPECT_EQ(moe::workspace_padded_rows(moe::ExpertGemm::Auto, 16384, 8, 4096, 14336, 132), 0);
   EXPECT_FALSE(moe::auto_always_loop(2048, 768, 132));
   EXPECT_EQ(moe::workspace_padded_rows(moe::ExpertGemm::Auto, 65536, 128, 2048, 768, 132), 75366);
