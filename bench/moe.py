@@ -14,7 +14,9 @@ it), so every row runs the same experts layer:
   - kcpp: the package's MegaBlocksMoeMLP through its C ABI with routing "given" (the same work), and
     "kcpp block": the whole block with the router (routing "softmax", normalize), the router's GEMM
     and routing included in its time (FLOPs counted as the others');
-  - the dense bf16 GEMM 8192^3 in the same run (the ceiling the Mixtral figures are held against).
+  - the dense bf16 GEMM 8192^3 in the same run (the ceiling the Mixtral figures are held against): one
+    GEMM a timed call (1.4 ms between 8 GiB L2 flushes), and twenty back to back (~28 ms, as long as
+    Mixtral's forward + backward: a GEMM that long runs at the GPU's power cap, its clocks lowered).
 The kcpp rows run once for each path of the experts' GEMMs (--gemm, each set as KCPP_MOE_GEMM before
 its calls: the package reads it on every call): "kernel" (the package's mma.sync GEMM), "loop"
 (cuBLAS, one GEMM per expert), "grouped" (one cuBLAS grouped GEMM per projection), "padded" (one
@@ -70,6 +72,7 @@ ap.add_argument("--device", default="cuda")
 ap.add_argument("--gemm", default="kernel,loop,grouped,padded,auto", help="KCPP_MOE_GEMM values, one set of kcpp rows each")
 ap.add_argument("--no-peers", action="store_true", help="skip Transformers' implementations (eager still gives the reference)")
 ap.add_argument("--gate-up", default="saved", help="kcpp rows with routing given: saved (the backward overwrites it), recomputed")
+ap.add_argument("--profile", action="store_true", help="print the kernels of the kcpp rows' forward + backward (torch.profiler)")
 opt = ap.parse_args()
 dev = opt.device
 cuda = dev == "cuda"
@@ -100,6 +103,42 @@ def peak_mb(fn):
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def profile(what, fn, reps=3):
+    """The CUDA kernels of `reps` calls of fn, by total time (ms a call), the 14 longest."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    print(f"profile {what}: back to back (no L2 flush between calls) {a.elapsed_time(b) / reps:.3f} ms a call", flush=True)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    stats, spans = {}, []
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            n, t = stats.get(ev.name, (0, 0.0))
+            stats[ev.name] = (n + 1, t + ev.device_time_total / 1e3)
+            spans.append((ev.time_range.start, ev.time_range.end, ev.name))
+    total = sum(t for _, t in stats.values()) / reps
+    spans.sort()
+    wall = (spans[-1][1] - spans[0][0]) / 1e3 / reps if spans else 0.0
+    print(f"profile {what}: {total:.3f} ms of kernels a call, {wall:.3f} ms from the first one's start to the last one's end",
+          flush=True)
+    for kname, (n, t) in sorted(stats.items(), key=lambda kv: -kv[1][1])[:14]:
+        print(f"  {t / reps:8.3f} ms {n // reps:5d}x  {kname[:110]}", flush=True)
+    gaps = sorted(((b[0] - a[1], a[2], b[2]) for a, b in zip(spans, spans[1:])), reverse=True)
+    print(f"  idle between kernels: {sum(g for g, _, _ in gaps if g > 0) / 1e3 / reps:.3f} ms a call; the longest:", flush=True)
+    for g, a, b in gaps[:8]:
+        print(f"  {g:8.1f} us after {a[:60]} before {b[:60]}", flush=True)
 
 
 def rel(a, b):
@@ -248,6 +287,8 @@ for key in opt.configs.split(","):
                 layer.backward(mba)
 
             tf, tfb = timed(lambda: layer.forward(fa, mode="inference")), timed(kfwdbwd)
+            if opt.profile and cuda:
+                profile(f"{name} gate_up {mode} gemm={gemm}", kfwdbwd)
             rows.append((name, f"kcpp moe (routing given, gate_up {mode}) gemm={gemm}", tf, fl / tf * 1e3, tfb,
                          3 * fl / tfb * 1e3, peak_mb(kfwdbwd), err, gerr))
             print(rows[-1], flush=True)
@@ -279,17 +320,23 @@ for key in opt.configs.split(","):
     if cuda:
         torch.cuda.empty_cache()
 
-ceiling = float("nan")
+ceiling = sustained_ceiling = float("nan")
 if cuda:
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
     b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
     ms = timed(lambda: a @ b)
     ceiling = 2 * 8192**3 / ms / 1e9
+
+    def sustained():  # ~28 ms of GEMMs back to back, as long as Mixtral's forward + backward
+        for _ in range(20):
+            a @ b
+
+    sustained_ceiling = 2 * 8192**3 * 20 / timed(sustained) / 1e9
     del a, b
 
 where = torch.cuda.get_device_name() if cuda else "cpu (smoke run: sizes small, timings meaningless)"
 print(f"\n{where}, torch {torch.__version__}; {opt.tokens if cuda else 64} tokens, {dtype}; "
-      f"dense bf16 GEMM 8192^3: {ceiling:.1f} TFLOP/s")
+      f"dense bf16 GEMM 8192^3: {ceiling:.1f} TFLOP/s one at a time, {sustained_ceiling:.1f} twenty back to back")
 print(f"{'dimensions':22s} {'implementation':58s} {'fwd ms':>8s} {'TFLOP/s':>8s} {'f+b ms':>8s} {'TFLOP/s':>8s} "
       f"{'peak MiB':>9s} {'out err':>9s} {'grad err':>9s}")
 for name, impl, tf, ff, tfb, ffb, mem, err, gerr in rows:
