@@ -43,9 +43,9 @@
 // Backward memory: [dg, du] is formed in place over the [g, u] it is computed from, element by element
 // (each is read and then written by one thread): over the recomputed projections in the workspace, or,
 // when the host lets it (overwrite_gate_up: the saved gate_up is dead after this call), over the saved
-// gate_up itself, whose rows are then [dg, du] by position (CUDA, except where its rows are Padded's:
-// moe_workspace() then still holds them).  The CPU computes [dg, du] in f32 over its widened copy of
-// [g, u] and leaves the saved tensor unread after that copy.
+// gate_up itself, whose rows are then [dg, du] by position (CUDA; Padded copies a group of experts'
+// rows at a time into padded rows for its products: Padded's groups, below).  The CPU computes
+// [dg, du] in f32 over its widened copy of [g, u] and leaves the saved tensor unread after that copy.
 //
 // CUDA (moe_cuda.cu, moe_gemm.cuh): bf16 / f16 only (tensor-core GEMMs); it also rounds each slot's
 // dx_s to the dtype before the per-token sum (the CPU keeps it in f32).  Its cuBLAS paths (ExpertGemm
@@ -179,6 +179,18 @@ int64_t workspace_padded_rows(ExpertGemm asked, int64_t slots, int64_t experts, 
 // a multiple of 8, c = H / 2 rounded down to a multiple of 8 (at least 8).
 int64_t loop_window_rows(int64_t rows, int64_t hidden, int64_t inter);
 int64_t loop_chunk_cols(int64_t hidden, int64_t inter);
+// Padded's groups.  Where Padded may run (workspace_padded_rows > 0) with gate_up saved, the training
+// forward forms [g, u] and h (its [rows, 2I] buffer), and the backward with overwrite_gate_up its
+// [dg, du] by padded row, for a group of consecutive experts of the padded range at a time: as many
+// as padded_group_rows hold (at least one), one strided-batched product a group.  [dg, du] is then
+// formed over the saved gate_up by position and copied a group at a time into padded rows (without
+// overwrite_gate_up it has padded rows of its own, and the products run by the same groups).  A call
+// whose padded rows an expert are more than a group holds runs Grouped.  The training forward on any
+// other path then forms h an expert's rows at a time in windows of 2 padded_group_rows rows (Loop's
+// windows, above).  Qwen3-30B-A3B (8192 tokens, top-8, I 768): groups of 18,848 rows, 55 MiB where
+// [rows, 2I] was 221.
+// padded_group_rows: a quarter of the padded rows, rounded up to a multiple of 8.
+int64_t padded_group_rows(int64_t padded_rows);
 
 struct MoeParams {
   kernel::DType dtype = kernel::DType::bf16;

@@ -836,6 +836,8 @@ int64_t loop_window_rows(int64_t rows, int64_t hidden, int64_t inter) {
   return std::min(r, rows);
 }
 
+int64_t padded_group_rows(int64_t padded_rows) { return ((padded_rows + 3) / 4 + 7) / 8 * 8; }
+
 int64_t loop_chunk_cols(int64_t hidden, int64_t inter) {
   const int64_t c = std::max<int64_t>(hidden / 2 / 8 * 8, 8);
   if (inter <= c) return inter;

@@ -25,6 +25,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "kcpp/kernel/cuda.cuh"
@@ -79,8 +80,10 @@ struct Bufs {
   void** ptrs = nullptr;  // the grouped calls' pointer arrays on the device
   void* blas = nullptr;   // cuBLAS's workspace
   int64_t rows = 0;       // the rows of the buffers by row (layout's r): no path may use more
-  int64_t h_rows = 0;     // forward: the rows h holds (rows, or Loop's window: moe.h, loop_window_rows)
-  int64_t ch_cols = 0;    // backward: the columns c h holds (I, or Loop's chunk: moe.h, loop_chunk_cols)
+  int64_t h_elems = 0;     // forward: the elements b.h holds (fewer with Loop's windows or Padded's groups)
+  int64_t ch_cols = 0;     // backward: the columns c h holds (I, or Loop's chunk: moe.h, loop_chunk_cols)
+  int64_t group_rows = 0;  // Padded's groups of experts (moe.h, padded_group_rows; 0: none): rows they hold
+  void* dgu_group = nullptr;  // backward: a group's [dg, du] by padded row, where dgu lies over the saved gate_up
 };
 
 // `cublas`: room for the cuBLAS paths too (their buffers, by path in the forward's and backward's
@@ -93,14 +96,16 @@ struct Bufs {
 // lets it be overwritten and no row is Padded's (rows are then positions); else it has its own rows.
 // The shared expert's sdgu lies over sgu likewise.  `loop` (the path is Loop whatever the counts):
 // the training forward's h holds a window of rows, the backward's c h a chunk of I's columns (moe.h:
-// Loop's smaller buffers).
+// Loop's smaller buffers).  Where Padded may run with gate_up saved, its forward's [g, u] / h and,
+// with overwrite_gate_up, its backward's [dg, du] by padded row hold a group of experts at a time
+// (moe.h: Padded's groups; the backward's dgu then lies over the saved gate_up by position).
 Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas, int64_t padded_rows, bool loop) {
   Bufs b;
   const int64_t t = p.tokens, h = p.hidden, e = p.experts, s = moe_slots(p), i = p.inter, si = p.shared_inter;
   const int64_t r = std::max(s, padded_rows);  // rows of the buffers by row
   b.rows = r;
-  b.h_rows = !bwd && loop && p.gate_up ? loop_window_rows(r, h, i) : r;
   b.ch_cols = bwd && loop ? loop_chunk_cols(h, i) : i;
+  b.group_rows = padded_rows > 0 && p.gate_up ? padded_group_rows(r) : 0;
   const int64_t eb = kernel::dtype_bytes(p.dtype);
   const bool router = p.routing != Routing::Given, input = p.weight_on == WeightOn::Input;
   const bool own_ids = bwd ? !router : !(router && p.topk_ids);
@@ -119,7 +124,10 @@ Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas, int64_t padded
   if (si > 0) b.sigma = cv.take<float>(t);
   if (!bwd) {
     // cuBLAS: [g, u] with h over g (Padded: also when gate_up is saved, which takes [g, u] by position)
-    b.h = cv.take<unsigned char>(b.h_rows * i * eb * (cublas && (!p.gate_up || padded_rows > 0) ? 2 : 1));
+    if (loop && p.gate_up) b.h_elems = loop_window_rows(r, h, i) * i;
+    else if (b.group_rows > 0) b.h_elems = b.group_rows * 2 * i;
+    else b.h_elems = r * i * (cublas && (!p.gate_up || padded_rows > 0) ? 2 : 1);
+    b.h = cv.take<unsigned char>(b.h_elems * eb);
     b.y = cv.take<unsigned char>(r * h * eb);
     if (si > 0) {
       b.sh = cv.take<unsigned char>(t * si * eb);
@@ -127,8 +135,9 @@ Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas, int64_t padded
     }
   } else {
     if (!p.gate_up) b.gu = b.dgu = cv.take<unsigned char>(r * 2 * i * eb);
-    else if (p.overwrite_gate_up && padded_rows == 0) b.dgu = p.gate_up;
+    else if (p.overwrite_gate_up) b.dgu = p.gate_up;  // by position
     else b.dgu = cv.take<unsigned char>(r * 2 * i * eb);
+    if (p.gate_up && p.overwrite_gate_up && b.group_rows > 0) b.dgu_group = cv.take<unsigned char>(b.group_rows * 2 * i * eb);
     b.ch = cv.take<unsigned char>(r * b.ch_cols * eb);
     if (!input) b.partial = cv.take<float>(std::max(s * ntiles(i), r));  // cuBLAS: one per row
     b.dxs = cv.take<unsigned char>(r * h * eb);
@@ -607,10 +616,10 @@ Bufs call_layout(const MoeParams& p, bool bwd, Carve& cv) {
 }
 
 // The package's GEMM (Kernel; under graph capture every path) needs whole [rows, I] buffers.
-const char* kernel_fits(const Bufs& b, int64_t inter, const char* call) {
-  if (b.h_rows >= b.rows && b.ch_cols >= inter) return nullptr;
+const char* kernel_fits(const Bufs& b, int64_t inter, bool bwd, const char* call) {
+  if (bwd ? b.ch_cols >= inter : b.h_elems >= b.rows * inter) return nullptr;
   return errorf("moe %s: under CUDA graph capture the experts run on the package's GEMM, which needs the whole [%lld, %lld] "
-                "buffers; this workspace holds Loop's smaller ones (moe.h). Size the workspace of a call to be captured with "
+                "buffers; this workspace holds Loop's or Padded's smaller ones (moe.h). Size the workspace of a call to be captured with "
                 "expert_gemm = Kernel (or KCPP_MOE_GEMM=kernel)",
                 call, static_cast<long long>(b.rows), static_cast<long long>(inter));
 }
@@ -804,6 +813,14 @@ class Blas {
                              "running Grouped\n");
     }
     if (path_ == Path::Padded) pad_ = padded_layout(hs_->offsets, experts);
+    if (path_ == Path::Padded && b.group_rows > 0 && pad_.rows > b.group_rows) {  // no expert fits a group
+      path_ = Path::Grouped;
+      static std::atomic<bool> told{false};
+      if (!told.exchange(true))
+        std::fprintf(stderr, "kcpp moe: an expert's %lld padded rows are more than a group of the workspace holds (%lld; moe.h: "
+                             "Padded's groups); running Grouped\n", static_cast<long long>(pad_.rows), static_cast<long long>(b.group_rows));
+    }
+    group_ = {pad_.first, pad_.experts};
     if (cublasSetStream(hs_->handle, st) != CUBLAS_STATUS_SUCCESS ||  // before the workspace: it resets it
         cublasSetWorkspace(hs_->handle, b.blas, kCublasWorkspace) != CUBLAS_STATUS_SUCCESS)
       return "moe: could not set cuBLAS's stream and workspace";
@@ -834,7 +851,7 @@ class Blas {
       const cublasStatus_t s = strided(prod);
       if (s == CUBLAS_STATUS_SUCCESS) return nullptr;
       return errorf("moe: cublasGemmStridedBatchedEx (%s, %lld experts of %lld rows) failed: %s", what,
-                    static_cast<long long>(pad_.experts), static_cast<long long>(pad_.rows), cublasGetStatusString(s));
+                    static_cast<long long>(group_.second), static_cast<long long>(pad_.rows), cublasGetStatusString(s));
     }
     if (path_ == Path::Grouped) {
       const cublasStatus_t s = grouped(prod);
@@ -861,6 +878,10 @@ class Blas {
     return errorf("moe: cublasGemmEx (%s, expert %d: m %lld n %lld k %lld) failed: %s", what, e, static_cast<long long>(g.m),
                   static_cast<long long>(g.n), static_cast<long long>(g.k), cublasGetStatusString(s));
   }
+  // Padded: the products of run() over the experts [e0, e1) of the padded range only (a group).
+  void limit(int64_t e0, int64_t e1) { group_ = {e0, e1 - e0}; }
+  void unlimit() { group_ = {pad_.first, pad_.experts}; }
+  const PaddedLayout& layout() const { return pad_; }
   // The experts with positions, by count (descending), then index.
   const std::vector<int>& experts() const { return order_; }
   bool loop() const { return path_ == Path::Loop; }
@@ -869,11 +890,11 @@ class Blas {
   // Padded: the products of experts first and first + 1 give the batch strides (every operand's
   // address is affine in the expert: rows of a buffer by row0(), or a weight's expert stride).
   template <typename F> cublasStatus_t strided(const F& prod) {
-    const int64_t nb = pad_.experts, eb = 2;  // bf16 / f16
-    const BlasArgs a = blas_args(prod(static_cast<int>(pad_.first)));
+    const int64_t nb = group_.second, eb = 2;  // bf16 / f16
+    const BlasArgs a = blas_args(prod(static_cast<int>(group_.first)));
     long long sa = 0, sb = 0, sc = 0;
     if (nb > 1) {
-      const BlasArgs z = blas_args(prod(static_cast<int>(pad_.first + 1)));
+      const BlasArgs z = blas_args(prod(static_cast<int>(group_.first + 1)));
       sa = (static_cast<const char*>(z.a) - static_cast<const char*>(a.a)) / eb;
       sb = (static_cast<const char*>(z.b) - static_cast<const char*>(a.b)) / eb;
       sc = (static_cast<const char*>(z.c) - static_cast<const char*>(a.c)) / eb;
@@ -919,6 +940,7 @@ class Blas {
   int64_t experts_ = 0, used_ = 0;
   Path path_ = Path::Loop;
   PaddedLayout pad_;
+  std::pair<int64_t, int64_t> group_;  // Padded: the first expert and the count run() takes
   std::vector<int64_t> off_, runs_;
   std::vector<int> order_;
 };
@@ -1014,22 +1036,25 @@ __global__ void glu_rows(int64_t inter, kernel::Activation act, Pad pd, const T*
 //   a = act(g), h = round(a u), dh = round(c q), dgu = round([dh u act'(g), dh a]), ch = round(c h),
 //   rowsum[r] (+)= sum_i q_i h_i (Output: the slot's dw; `add`: onto the earlier chunks' sum), in a
 //   fixed order;
-// in a padding row dgu, ch and rowsum are 0.  dgu may lie over the rows [g, u] is read from (the
-// recomputed gu by row, or the saved gate_up by position where rows are positions): each element is
-// read, then written, by one thread.
+// in a padding row ch and rowsum are 0, and so is dgu's row (none where dgu is by position).  dgu
+// lies by row, or by position (dgu_by_position) over the saved gate_up [g, u] is read from: each
+// element is read, then written, by one thread; likewise over the recomputed gu by row.
 template <typename T, int V>
 __global__ void glu_backward_rows(int64_t inter, int64_t col0, int64_t cols, kernel::Activation act, Pad pd, const T* gu,
-                                  bool gu_by_position, const float* w, const int32_t* sorted, T* ch, T* dgu, float* rowsum, bool add) {
+                                  bool gu_by_position, const float* w, const int32_t* sorted, T* ch, T* dgu, bool dgu_by_position,
+                                  float* rowsum, bool add) {
   __shared__ float red[32];
   const int64_t r = blockIdx.x;
   const int32_t p = position_of(pd, r);
   T* chr = ch + r * cols;
-  T* dr = dgu + r * 2 * inter + col0;
+  T* dr = dgu + (dgu_by_position ? static_cast<int64_t>(p) : r) * 2 * inter + col0;
   if (p < 0) {  // the whole block returns together
     const float zero[V] = {};
     for (int64_t i = static_cast<int64_t>(threadIdx.x) * V; i < cols; i += static_cast<int64_t>(blockDim.x) * V) {
-      kernel::cuda::store_f32<T, V>(dr + i, zero);
-      kernel::cuda::store_f32<T, V>(dr + inter + i, zero);
+      if (!dgu_by_position) {
+        kernel::cuda::store_f32<T, V>(dr + i, zero);
+        kernel::cuda::store_f32<T, V>(dr + inter + i, zero);
+      }
       kernel::cuda::store_f32<T, V>(chr + i, zero);
     }
     if (rowsum && threadIdx.x == 0) rowsum[r] = 0.0f;
@@ -1062,6 +1087,25 @@ __global__ void glu_backward_rows(int64_t inter, int64_t col0, int64_t cols, ker
   }
 }
 
+// dst[r] = src[p] for the position p in row r (Pad), a row of zeros in a padding row: `width`
+// elements a row, a block per row.  Padded's groups: a group's [dg, du] by padded row from the saved
+// gate_up they were written over by position.
+template <typename T, int V>
+__global__ void rows_by_position(int64_t width, Pad pd, const T* src, T* dst) {
+  const int64_t r = blockIdx.x;
+  const int32_t p = position_of(pd, r);
+  T* d = dst + r * width;
+  const T* q = src + static_cast<int64_t>(p) * width;
+  for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < width; c += static_cast<int64_t>(blockDim.x) * V) {
+    if (p < 0) {
+      const float zero[V] = {};
+      kernel::cuda::store_f32<T, V>(d + c, zero);
+    } else {
+      *reinterpret_cast<kernel::cuda::Vec<T, V>*>(d + c) = *reinterpret_cast<const kernel::cuda::Vec<T, V>*>(q + c);
+    }
+  }
+}
+
 // Zeroes the rows x cols matrix of every expert without positions (its weight gradient); the
 // contiguous dim innermost.
 template <typename T>
@@ -1086,19 +1130,19 @@ void zero_empty(const Blas& blas, const int32_t* offsets, int64_t experts, const
       offsets, static_cast<T*>(m.data), m.expert_stride, m.row_stride, m.col_stride, rows, cols);
 }
 
-// gu = xs [Wg; Wu]^T of every expert, by row (2I wide): one product where gate and up are one stack,
-// else one a half.
-template <typename T> const char* gate_up_products(const MoeParams& p, Blas& blas, const T* xs, T* gu) {
+// gu = xs [Wg; Wu]^T of every expert run() takes, by row (2I wide; gu's rows `shift` before the
+// buffers' by row: a group's buffer): one product where gate and up are one stack, else one a half.
+template <typename T> const char* gate_up_products(const MoeParams& p, Blas& blas, const T* xs, T* gu, int64_t shift = 0) {
   const int64_t h = p.hidden, I = p.inter, eb = sizeof(T);
   if (one_stack(p.gate, p.up, I, h, eb))
     return blas.run("gate_up = x W_gate_up^T", [&](int ex) {
       return Prod{blas.rows(ex), 2 * I, h, rows_op(xs, blas.row0(ex), h, eb), tr(matrix_op(p.gate, ex, 2 * I, h, eb)),
-                  rows_op(gu, blas.row0(ex), 2 * I, eb), 0.0f};
+                  rows_op(gu, blas.row0(ex) - shift, 2 * I, eb), 0.0f};
     });
   for (int half = 0; half < 2; ++half)
     if (const char* e = blas.run(half ? "up = x W_up^T" : "gate = x W_gate^T", [&](int ex) {
           return Prod{blas.rows(ex), I, h, rows_op(xs, blas.row0(ex), h, eb), tr(matrix_op(half ? p.up : p.gate, ex, I, h, eb)),
-                      rows_op(gu + half * I, blas.row0(ex), 2 * I, eb), 0.0f};
+                      rows_op(gu + half * I, blas.row0(ex) - shift, 2 * I, eb), 0.0f};
         }))
       return e;
   return nullptr;
@@ -1128,12 +1172,39 @@ const char* experts_forward_cublas(const MoeParams& p, const Bufs& b, Path path,
   T* hb = direct ? static_cast<T*>(b.h) : gu;
   const int64_t ldh = direct ? I : 2 * I;
   T* save = blas.padded() ? static_cast<T*>(p.gate_up) : nullptr;
-  if (b.h_rows < n) {  // Loop's windows (moe.h): gate_up whole into the saved one, then h and y a window at a time
-    if (!blas.loop() || !direct) return "moe forward: the workspace holds Loop's windows of h, the path is not Loop";
+  if (b.h_elems < n * ldh && blas.padded()) {  // Padded's groups of experts (moe.h), [g, u] and h a group at a time
+    const PaddedLayout& lay = blas.layout();
+    const int64_t per = std::max<int64_t>(b.group_rows / lay.rows, 1), end = lay.first + lay.experts;
+    T* grp = static_cast<T*>(b.h);
+    for (int64_t g0 = lay.first; g0 < end; g0 += per) {
+      const int64_t g1 = std::min(g0 + per, end), base = blas.row0(g0), m = (g1 - g0) * lay.rows;
+      blas.limit(g0, g1);
+      if (const char* e = gate_up_products(p, blas, xs, grp, base)) return e;
+      Pad pg = pd;
+      pg.first = static_cast<int>(g0);
+      if (I % 8 == 0 && kernel::cuda::aligned16(grp) && kernel::cuda::aligned16(save))
+        glu_rows<T, 8><<<static_cast<unsigned>(m), 128, 0, st>>>(I, p.act, pg, grp, grp, 2 * I, save);
+      else
+        glu_rows<T, 1><<<static_cast<unsigned>(m), 128, 0, st>>>(I, p.act, pg, grp, grp, 2 * I, save);
+      if (const char* e = blas.run("y = h W_down^T", [&](int ex) {
+            return Prod{blas.rows(ex), h, I, rows_op(grp, blas.row0(ex) - base, 2 * I, eb), tr(matrix_op(p.down, ex, h, I, eb)),
+                        rows_op(b.y, blas.row0(ex), h, eb), 0.0f};
+          }))
+        return e;
+    }
+    blas.unlimit();
+    pad_positions<<<static_cast<unsigned>(ceil_div(s, 256)), 256, 0, st>>>(s, static_cast<int>(ne), ids, pd, b.pos);
+    *padded = true;
+    return nullptr;
+  }
+  if (b.h_elems < n * ldh) {  // Loop's windows (moe.h; Loop's or Padded's buffer, any path but Padded): gate_up whole
+    // into the saved one, then h and y a window of an expert's rows at a time
+    if (!direct) return "moe forward: the workspace holds a window of h without a saved gate_up";
+    const int64_t window = b.h_elems / I;
     if (const char* e = gate_up_products(p, blas, xs, gu)) return e;
     for (int ex : blas.experts())
-      for (int64_t a0 = 0; a0 < blas.rows(ex); a0 += b.h_rows) {
-        const int64_t m = std::min(b.h_rows, blas.rows(ex) - a0), r0 = blas.row0(ex) + a0;
+      for (int64_t a0 = 0; a0 < blas.rows(ex); a0 += window) {
+        const int64_t m = std::min(window, blas.rows(ex) - a0), r0 = blas.row0(ex) + a0;
         if (I % 8 == 0 && kernel::cuda::aligned16(gu) && kernel::cuda::aligned16(hb))
           glu_rows<T, 8><<<static_cast<unsigned>(m), 128, 0, st>>>(I, p.act, Pad{}, gu + r0 * 2 * I, hb, I, nullptr);
         else
@@ -1203,6 +1274,8 @@ const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path
   if (shared_xs) xs_ready = false;  // x by row, if gathered, is overwritten
   T* ch = static_cast<T*>(b.ch);
   T* dgu = static_cast<T*>(b.dgu);
+  const bool dgu_by_position = b.dgu == p.gate_up;  // over the saved gate_up (overwrite_gate_up)
+  if (dgu_by_position && blas.padded() && !b.dgu_group) return "moe backward: Padded with dgu by position needs a group buffer";
   const float* coef = input ? nullptr : w;
   float* rowsum = input ? nullptr : b.partial;
   const T* gu_rows = gu ? gu : static_cast<const T*>(b.gu);
@@ -1217,10 +1290,10 @@ const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path
       return e;
     if (I % 8 == 0 && c0 % 8 == 0 && nc % 8 == 0 && kernel::cuda::aligned16(gu_rows) && kernel::cuda::aligned16(dgu))
       glu_backward_rows<T, 8><<<static_cast<unsigned>(n), 128, 0, st>>>(I, c0, nc, p.act, pd, gu_rows, gu != nullptr, coef, sorted,
-                                                                        ch, dgu, rowsum, c0 > 0);
+                                                                        ch, dgu, dgu_by_position, rowsum, c0 > 0);
     else
       glu_backward_rows<T, 1><<<static_cast<unsigned>(n), 128, 0, st>>>(I, c0, nc, p.act, pd, gu_rows, gu != nullptr, coef, sorted,
-                                                                        ch, dgu, rowsum, c0 > 0);
+                                                                        ch, dgu, dgu_by_position, rowsum, c0 > 0);
     if (p.ddown.data)
       if (const char* e = blas.run("dW_down = dout^T (c h)", [&](int ex) {
             return Prod{h, nc, blas.rows(ex), tr(rows_op(dout, blas.row0(ex), h, eb)), rows_op(ch, blas.row0(ex), nc, eb),
@@ -1233,37 +1306,63 @@ const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path
   // saved) thus gathers x twice, for gate_up above and again here (dout overwrote it): an extra n x H
   // gather, the price of not holding x and dout by row at once (n x H elements of workspace saved).
   if (gate_up_grad && !xs_ready) gather_xs();
-  if (one_stack(p.dgate, p.dup, I, h, eb)) {
-    if (const char* e = blas.run("dW_gate_up = dgu^T xs", [&](int ex) {
-          return Prod{2 * I, h, blas.rows(ex), tr(rows_op(dgu, blas.row0(ex), 2 * I, eb)), rows_op(xs, blas.row0(ex), h, eb),
-                      matrix_op(p.dgate, ex, 2 * I, h, eb), 0.0f};
-        }))
-      return e;
-  } else {
-    for (int half = 0; half < 2; ++half) {
-      const Matrix& g = half ? p.dup : p.dgate;
-      if (!g.data) continue;
-      if (const char* e = blas.run(half ? "dW_up = du^T xs" : "dW_gate = dg^T xs", [&](int ex) {
-            return Prod{I, h, blas.rows(ex), tr(rows_op(dgu + half * I, blas.row0(ex), 2 * I, eb)), rows_op(xs, blas.row0(ex), h, eb),
-                        matrix_op(g, ex, I, h, eb), 0.0f};
+  T* dxs = rows_h;
+  // dW_gate_up = dgu^T xs, then dxs = dgu [Wg; Wu], of the experts run() takes, with dgu's rows `shift`
+  // before the buffers' by row (a group's buffer).
+  auto gate_up_grads = [&](const T* dg, int64_t shift) -> const char* {
+    if (one_stack(p.dgate, p.dup, I, h, eb)) {
+      if (const char* e = blas.run("dW_gate_up = dgu^T xs", [&](int ex) {
+            return Prod{2 * I, h, blas.rows(ex), tr(rows_op(dg, blas.row0(ex) - shift, 2 * I, eb)), rows_op(xs, blas.row0(ex), h, eb),
+                        matrix_op(p.dgate, ex, 2 * I, h, eb), 0.0f};
           }))
         return e;
+    } else {
+      for (int half = 0; half < 2; ++half) {
+        const Matrix& g = half ? p.dup : p.dgate;
+        if (!g.data) continue;
+        if (const char* e = blas.run(half ? "dW_up = du^T xs" : "dW_gate = dg^T xs", [&](int ex) {
+              return Prod{I, h, blas.rows(ex), tr(rows_op(dg + half * I, blas.row0(ex) - shift, 2 * I, eb)),
+                          rows_op(xs, blas.row0(ex), h, eb), matrix_op(g, ex, I, h, eb), 0.0f};
+            }))
+          return e;
+      }
     }
-  }
-  T* dxs = rows_h;
-  if (stacked) {
-    if (const char* e = blas.run("dxs = dgu W_gate_up", [&](int ex) {
-          return Prod{blas.rows(ex), h, 2 * I, rows_op(dgu, blas.row0(ex), 2 * I, eb), matrix_op(p.gate, ex, 2 * I, h, eb),
-                      rows_op(dxs, blas.row0(ex), h, eb), 0.0f};
-        }))
-      return e;
-  } else {
+    if (stacked)
+      return blas.run("dxs = dgu W_gate_up", [&](int ex) {
+        return Prod{blas.rows(ex), h, 2 * I, rows_op(dg, blas.row0(ex) - shift, 2 * I, eb), matrix_op(p.gate, ex, 2 * I, h, eb),
+                    rows_op(dxs, blas.row0(ex), h, eb), 0.0f};
+      });
     for (int half = 0; half < 2; ++half)
       if (const char* e = blas.run(half ? "dxs += du W_up" : "dxs = dg W_gate", [&](int ex) {
-            return Prod{blas.rows(ex), h, I, rows_op(dgu + half * I, blas.row0(ex), 2 * I, eb),
+            return Prod{blas.rows(ex), h, I, rows_op(dg + half * I, blas.row0(ex) - shift, 2 * I, eb),
                         matrix_op(half ? p.up : p.gate, ex, I, h, eb), rows_op(dxs, blas.row0(ex), h, eb), half ? 1.0f : 0.0f};
           }))
         return e;
+    return nullptr;
+  };
+  if (blas.padded() && b.group_rows > 0) {
+    // Padded's groups (moe.h): a group's dgu by padded row (copied from the saved gate_up it lies over
+    // by position), then its products.  Without overwrite_gate_up dgu has its padded rows and the
+    // products run by the same groups (the same cuBLAS calls: the same bits either way).
+    const PaddedLayout& lay = blas.layout();
+    const int64_t per = std::max<int64_t>(b.group_rows / lay.rows, 1), end = lay.first + lay.experts;
+    T* grp = static_cast<T*>(b.dgu_group);
+    for (int64_t g0 = lay.first; g0 < end; g0 += per) {
+      const int64_t g1 = std::min(g0 + per, end), m = (g1 - g0) * lay.rows;
+      if (dgu_by_position) {
+        Pad pg = pd;
+        pg.first = static_cast<int>(g0);
+        if (I % 4 == 0 && kernel::cuda::aligned16(dgu) && kernel::cuda::aligned16(grp))
+          rows_by_position<T, 8><<<static_cast<unsigned>(m), 128, 0, st>>>(2 * I, pg, dgu, grp);
+        else
+          rows_by_position<T, 1><<<static_cast<unsigned>(m), 128, 0, st>>>(2 * I, pg, dgu, grp);
+      }
+      blas.limit(g0, g1);
+      if (const char* e = dgu_by_position ? gate_up_grads(grp, blas.row0(g0)) : gate_up_grads(dgu, 0)) return e;
+    }
+    blas.unlimit();
+  } else {
+    if (const char* e = gate_up_grads(dgu, 0)) return e;
   }
   if (blas.padded()) {
     pad_positions<<<static_cast<unsigned>(ceil_div(s, 256)), 256, 0, st>>>(s, static_cast<int>(ne), ids, pd, b.pos);
@@ -1322,7 +1421,7 @@ template <typename T> const char* forward(const MoeParams& p, cudaStream_t st) {
   Carve cv{static_cast<unsigned char*>(p.workspace)};
   const Bufs b = call_layout(p, false, cv);
   if (path == Path::Kernel)
-    if (const char* e = kernel_fits(b, p.inter, "forward")) return e;
+    if (const char* e = kernel_fits(b, p.inter, false, "forward")) return e;
   const T* x = static_cast<const T*>(p.x);
   const bool router = p.routing != Routing::Given, input = p.weight_on == WeightOn::Input;
   int32_t* ids = (router && p.topk_ids) ? static_cast<int32_t*>(p.topk_ids) : b.ids;
@@ -1504,7 +1603,7 @@ template <typename T> const char* backward(const MoeParams& p, cudaStream_t st) 
   Carve cv{static_cast<unsigned char*>(p.workspace)};
   const Bufs b = call_layout(p, true, cv);
   if (path == Path::Kernel)
-    if (const char* e = kernel_fits(b, p.inter, "backward")) return e;
+    if (const char* e = kernel_fits(b, p.inter, true, "backward")) return e;
   const T* x = static_cast<const T*>(p.x);
   const T* dout = static_cast<const T*>(p.dout);
   const bool router = p.routing != Routing::Given, input = p.weight_on == WeightOn::Input;

@@ -820,7 +820,7 @@ TEST_P(MoeKernels, OverwriteGateUpGivesTheSameBits) {
             for (const Tensor& g : grads) g.fill_(kNaN);
             ASSERT_EQ(m.rerun_backward(), nullptr) << cfg;
             for (size_t q = 0; q < grads.size(); ++q) EXPECT_EQ(grads[q].to_f64_vector(), before[q]) << cfg << " gradient " << q;
-            const bool reused = dev.is_cuda() && gemm != moe::ExpertGemm::Padded;
+            const bool reused = dev.is_cuda();  // Padded too: its [dg, du] by position, copied a group at a time
             if (reused) {
               EXPECT_FALSE(same_values(m.saved.to_f64_vector(), saved)) << cfg << " (the saved gate_up was not written)";
               EXPECT_LT(over, plain) << cfg;
@@ -836,7 +836,9 @@ TEST_P(MoeKernels, OverwriteGateUpGivesTheSameBits) {
 // columns (equal chunks of 16 at I = 96, with 16-byte loads; a last one of 4 at I = 100, without);
 // forward and backward against the oracle in every layout, weights on the output and on the input,
 // with the saved gate_up overwritten or not, and the workspaces smaller than Grouped's by the rows
-// of h and c h they no longer hold.
+// of h and c h they no longer hold.  Padded asked for on the same counts runs Grouped (its layout
+// needs more than the workspace's 144 padded rows; expert 0's 48 would not fit a group's 40 either),
+// its forward in windows of 80 rows (moe.h: Padded's groups).
 TEST_P(MoeKernels, LoopWindowsAndChunks) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
@@ -848,6 +850,8 @@ TEST_P(MoeKernels, LoopWindowsAndChunks) {
   EXPECT_EQ(moe::loop_window_rows(s, h, 96), 8);
   EXPECT_EQ(moe::loop_chunk_cols(h, 96), 16);
   EXPECT_EQ(moe::loop_chunk_cols(h, 100), 16);
+  EXPECT_EQ(moe::padded_group_rows(moe::padded_rows_cap(s, e, true)), 40);
+  for (moe::ExpertGemm gemm : {moe::ExpertGemm::Loop, moe::ExpertGemm::Padded})
   for (DType dt : {DType::bf16, DType::f16})
     for (int64_t i : {96, 100})
       for (Layout layout : {Layout::Rows, Layout::Transposed, Layout::Separate})
@@ -855,10 +859,16 @@ TEST_P(MoeKernels, LoopWindowsAndChunks) {
           for (bool overwrite : {false, true}) {
             const Case c{t, h, e, k, i, 0, moe::Routing::Given, false, input, kernel::Activation::Silu, layout, false, true, false,
                          layout == Layout::Transposed};
-            const std::string cfg = test::config_name(dev, dt) + " " + describe(c) + " gemm=loop overwrite=" + std::to_string(overwrite);
-            Block m{c, dt, dev, moe::ExpertGemm::Loop};
+            const std::string cfg = test::config_name(dev, dt) + " " + describe(c) + " gemm=" + gemm_name(gemm) +
+                                    " overwrite=" + std::to_string(overwrite);
+            Block m{c, dt, dev, gemm};
             m.build(gen, &ids, &w, true);
             m.p.overwrite_gate_up = overwrite;
+            if (gemm == moe::ExpertGemm::Padded) {
+              ASSERT_EQ(m.forward(), nullptr) << cfg;
+              expect_given_routing_matches_the_oracle(m, ids, w, counts, gen, cfg);
+              continue;
+            }
             moe::MoeParams grouped = m.p;
             grouped.expert_gemm = moe::ExpertGemm::Grouped;
             const int64_t eb = 2;
@@ -945,7 +955,19 @@ TEST(MoeWorkspace, OverwriteGateUpFreesTheGradientRows) {
           p.overwrite_gate_up = true;
           const size_t over = moe::moe_workspace(p, true, true);
           EXPECT_EQ(recomputed, saved) << cfg;
-          EXPECT_EQ(over + (g == moe::ExpertGemm::Padded ? 0 : rows), saved) << cfg;
+          // Padded's groups (moe.h): [dg, du] over the saved gate_up, a group's padded rows held.
+          const int64_t cap = moe::padded_rows_cap(s, d.e, true);
+          const size_t group = static_cast<size_t>((moe::padded_group_rows(cap) * 2 * d.i * 2 + 255) / 256 * 256);
+          const size_t padded_dgu = static_cast<size_t>((cap * 2 * d.i * 2 + 255) / 256 * 256);  // Padded's [dg, du] rows
+          if (g == moe::ExpertGemm::Padded) EXPECT_EQ(over + padded_dgu - group, saved) << cfg;
+          else EXPECT_EQ(over + rows, saved) << cfg;
+          if (g == moe::ExpertGemm::Padded) {  // the training forward: [g, u] and h a group at a time
+            const size_t fwd_saved = moe::moe_workspace(p, false, true);
+            p.gate_up = nullptr;
+            const size_t fwd_inference = moe::moe_workspace(p, false, true);
+            p.gate_up = &token;
+            EXPECT_EQ(fwd_saved + padded_dgu, fwd_inference + group) << cfg;
+          }
           if (d.t == 8192 && g == moe::ExpertGemm::Loop && !input) {
             // Loop's chunks of c h [S, 2048] 64 MiB + x / dout / dx by row [S, H] 128 MiB + cuBLAS's 32 MiB
             // + q . h's row sums (S x 112 tiles of f32, 7 MiB) and small buffers; the forward: Loop's
@@ -963,6 +985,8 @@ TEST(MoeWorkspace, OverwriteGateUpFreesTheGradientRows) {
   EXPECT_TRUE(moe::auto_always_loop(4096, 14336, 132));
   EXPECT_EQ(moe::loop_window_rows(16384, 4096, 14336), 2336);
   EXPECT_EQ(moe::loop_chunk_cols(4096, 14336), 2048);
+  EXPECT_EQ(moe::padded_group_rows(75366), 18848);  // Qwen3-30B-A3B under Auto: 55 MiB of [g, u] rows
+  EXPECT_EQ(moe::padded_group_rows(1), 8);
   EXPECT_EQ(moe::loop_chunk_cols(2048, 768), 768);  // Qwen3-30B-A3B: one chunk
   EXPECT_EQ(moe::loop_chunk_cols(64, 40), 24);      // 24 + 16
   EXPECT_EQ(moe::loop_chunk_cols(37, 19), 16);      // 16 + 3
@@ -1154,6 +1178,40 @@ TEST_P(MoeKernels, GraphCaptureTakesTheKernel) {
     for (size_t q = 0; q < outs.size(); ++q) EXPECT_EQ(outs[q].to_f64_vector(), direct[q]) << "output " << q << ", replay " << replay;
   }
   cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
+}
+
+// Captured into a CUDA graph, a call whose workspace holds Loop's smaller buffers (Loop asked for,
+// I > H / 2, gate_up saved) cannot take the package's kernel, which needs whole ones: the forward and
+// the backward are refused by name before anything is launched, and the capture stays valid.
+TEST_P(MoeKernels, GraphCaptureRefusesLoopsSmallerBuffers) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  if (!dev.is_cuda()) GTEST_SKIP() << "CUDA graphs";
+  Generator gen = test::test_generator();
+  const Case c{100, 32, 8, 2, 96, 0, moe::Routing::Softmax, true, false, kernel::Activation::Silu, Layout::Rows, false, true,
+               false, false};
+  Block m{c, DType::bf16, dev, moe::ExpertGemm::Loop};
+  m.build(gen);
+  ASSERT_EQ(m.forward(), nullptr);
+  ASSERT_EQ(m.backward(gen), nullptr);
+  const Tensor fws = Tensor::empty({static_cast<int64_t>(moe::moe_workspace(m.p, false, true))}, DType::u8, dev);
+  const Tensor bws = Tensor::empty({static_cast<int64_t>(moe::moe_workspace(m.p, true, true))}, DType::u8, dev);
+  moe::MoeParams pf = m.p, pb = m.p;
+  pf.workspace = fws.data(), pb.workspace = bws.data();
+  cudaStream_t st = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const char* ef = moe::moe_forward_cuda(pf, st);
+  const char* eb = moe::moe_backward_cuda(pb, st);
+  ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess) << "the capture was invalidated";
+  for (const char* e : {ef, eb}) {
+    ASSERT_NE(e, nullptr);
+    EXPECT_NE(std::string(e).find("under CUDA graph capture"), std::string::npos) << e;
+    EXPECT_NE(std::string(e).find("expert_gemm = Kernel"), std::string::npos) << e;
+  }
   cudaGraphDestroy(graph);
   cudaStreamDestroy(st);
 }
