@@ -72,6 +72,7 @@ ap.add_argument("--device", default="cuda")
 ap.add_argument("--gemm", default="kernel,loop,grouped,padded,auto", help="KCPP_MOE_GEMM values, one set of kcpp rows each")
 ap.add_argument("--no-peers", action="store_true", help="skip Transformers' implementations (eager still gives the reference)")
 ap.add_argument("--gate-up", default="saved", help="kcpp rows with routing given: saved (the backward overwrites it), recomputed")
+ap.add_argument("--liger", default="qwen3", help="configs where Liger's fused MoE runs (at Mixtral's dims it takes minutes)")
 ap.add_argument("--profile", action="store_true", help="print the kernels of the kcpp rows' forward + backward (torch.profiler)")
 opt = ap.parse_args()
 dev = opt.device
@@ -211,7 +212,7 @@ for key in opt.configs.split(","):
 
     # Liger-Kernel's fused MoE: the same weights (its layout is Transformers': [E, 2I, H] gate then up,
     # [E, H, I]) and routing.
-    if cuda and not opt.no_peers and LigerMoE is not None:
+    if cuda and not opt.no_peers and LigerMoE is not None and key in opt.liger.split(","):
         gl = experts.gate_up_proj.detach().clone().requires_grad_(True)
         dl = experts.down_proj.detach().clone().requires_grad_(True)
         ids32 = ids.to(torch.int32)
