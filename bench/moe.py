@@ -289,7 +289,8 @@ for key in opt.configs.split(","):
 
             tf, tfb = timed(lambda: layer.forward(fa, mode="inference")), timed(kfwdbwd)
             if opt.profile and cuda:
-                profile(f"{name} gate_up {mode} gemm={gemm}", kfwdbwd)
+                profile(f"{name} gemm={gemm} forward (inference)", lambda: layer.forward(fa, mode="inference"))
+                profile(f"{name} gate_up {mode} gemm={gemm} forward + backward", kfwdbwd)
             rows.append((name, f"kcpp moe (routing given, gate_up {mode}) gemm={gemm}", tf, fl / tf * 1e3, tfb,
                          3 * fl / tfb * 1e3, peak_mb(kfwdbwd), err, gerr))
             print(rows[-1], flush=True)

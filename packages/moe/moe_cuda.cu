@@ -42,7 +42,7 @@ using kernel::cuda::from_f32;
 using kernel::cuda::to_f32;
 using kernel::cuda::warp_sum;
 
-constexpr int kChunk = 2048;  // slots per warp of the counting sort
+constexpr int kChunk = 256;  // slots per warp of the counting sort (8 steps of a warp: its loop is latency-bound)
 constexpr size_t kAlign = 256;
 constexpr size_t kCublasWorkspace = size_t(32) << 20;  // cuBLAS's recommendation for Hopper
 // cuBLAS calls of one forward or backward at most: in backward gate / up again (two when given apart),
@@ -234,47 +234,61 @@ __global__ void count_slots(int64_t s, int e, const int32_t* ids, int32_t* count
   for (int b = lane; b <= e; b += 32) counts[static_cast<int64_t>(blockIdx.x) * (e + 1) + b] = cnt[b];
 }
 
-// One block: offsets (E + 2), each chunk's first position per bucket, and the grouped GEMM's tile
-// offsets (tiles of BM rows per expert).
-__global__ void scan_slots(int64_t s, int e, int nchunks, const int32_t* counts, int32_t* offsets, int32_t* base,
-                           int32_t* tiles) {
-  extern __shared__ int32_t tot[];  // [e + 1]
-  for (int b = threadIdx.x; b <= e; b += blockDim.x) {
-    int32_t acc = 0;
-    for (int c = 0; c < nchunks; ++c) acc += counts[static_cast<int64_t>(c) * (e + 1) + b];
-    tot[b] = acc;
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int32_t run = 0, tr = 0;
-    for (int b = 0; b <= e; ++b) {
-      const int32_t n = tot[b];
-      tot[b] = run;
-      offsets[b] = run;
-      if (b < e) {
-        tiles[b] = tr;
-        tr += (n + gemm::BM - 1) / gemm::BM;
-      }
-      run += n;
+// A block per bucket b: each chunk's first position of b among b's slots (an exclusive scan over
+// the chunks, kScanThreads at a time, into base) and b's total (into tot[b]).
+constexpr int kScanThreads = 256;
+__global__ void scan_chunks(int e, int nchunks, const int32_t* counts, int32_t* base, int32_t* tot) {
+  __shared__ int32_t warp_tot[kScanThreads / 32];
+  const int b = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int32_t run = 0;
+  for (int c0 = 0; c0 < nchunks; c0 += kScanThreads) {
+    const int c = c0 + static_cast<int>(threadIdx.x);
+    const int32_t n = c < nchunks ? counts[static_cast<int64_t>(c) * (e + 1) + b] : 0;
+    int32_t incl = n;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int32_t v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
     }
+    if (lane == 31) warp_tot[warp] = incl;
+    __syncthreads();
+    int32_t before = run;
+    for (int w = 0; w < warp; ++w) before += warp_tot[w];
+    if (c < nchunks) base[static_cast<int64_t>(c) * (e + 1) + b] = before + incl - n;
+    for (int w = 0; w < kScanThreads / 32; ++w) run += warp_tot[w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) tot[b] = run;
+}
+
+// One warp: offsets (E + 2) from the bucket totals (in offsets[0 .. E] on entry), and the grouped
+// GEMM's tile offsets (tiles of BM rows per expert).
+__global__ void scan_buckets(int64_t s, int e, int32_t* offsets, int32_t* tiles) {
+  const int lane = threadIdx.x;
+  int32_t run = 0, tr = 0;
+  for (int b0 = 0; b0 <= e; b0 += 32) {
+    const int b = b0 + lane;
+    const int32_t n = b <= e ? offsets[b] : 0, t = b < e ? (n + gemm::BM - 1) / gemm::BM : 0;
+    int32_t incl = n, tincl = t;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int32_t v = __shfl_up_sync(0xffffffffu, incl, o), tv = __shfl_up_sync(0xffffffffu, tincl, o);
+      if (lane >= o) incl += v, tincl += tv;
+    }
+    if (b <= e) offsets[b] = run + incl - n;
+    if (b < e) tiles[b] = tr + tincl - t;
+    run += __shfl_sync(0xffffffffu, incl, 31), tr += __shfl_sync(0xffffffffu, tincl, 31);
+  }
+  if (lane == 0) {
     tiles[e] = tr;
     offsets[e + 1] = static_cast<int32_t>(s);
-  }
-  __syncthreads();
-  for (int b = threadIdx.x; b <= e; b += blockDim.x) {
-    int32_t run = tot[b];
-    for (int c = 0; c < nchunks; ++c) {
-      base[static_cast<int64_t>(c) * (e + 1) + b] = run;
-      run += counts[static_cast<int64_t>(c) * (e + 1) + b];
-    }
   }
 }
 
 // The same warps as count_slots: each slot's position, in slot order within a bucket.
-__global__ void scatter_slots(int64_t s, int e, const int32_t* ids, const int32_t* base, int32_t* sorted, int32_t* pos) {
+__global__ void scatter_slots(int64_t s, int e, const int32_t* ids, const int32_t* offsets, const int32_t* base, int32_t* sorted,
+                              int32_t* pos) {
   extern __shared__ int32_t run[];
   const int lane = threadIdx.x;
-  for (int b = lane; b <= e; b += 32) run[b] = base[static_cast<int64_t>(blockIdx.x) * (e + 1) + b];
+  for (int b = lane; b <= e; b += 32) run[b] = offsets[b] + base[static_cast<int64_t>(blockIdx.x) * (e + 1) + b];
   __syncwarp();
   const int64_t begin = static_cast<int64_t>(blockIdx.x) * kChunk;
   for (int64_t q0 = begin; q0 < std::min<int64_t>(begin + kChunk, s); q0 += 32) {
@@ -320,24 +334,45 @@ __global__ void gather_scale(int64_t h, int k, const int32_t* valid, const int32
   for (int64_t c = threadIdx.x; c < h; c += blockDim.x) xs[q * h + c] = from_f32<T>(wv * to_f32(src[c]));
 }
 
-// out_t = sum_j c_s y[pos s] (+ sigma_t m_t), slots in order.
+// out_t = sum_j c_s y[pos s] (+ sigma_t m_t), slots in order; a block per token, V columns a thread
+// a step (V = 8: 16-byte loads, the k rows' loads of a step in flight together).
 // `valid` null: pos holds rows of y (Padded's), -1 for a slot no expert takes.
-template <typename T>
+template <typename T, int V>
 __global__ void combine_forward(int64_t h, int k, const int32_t* valid, const int32_t* pos, const float* w, bool output,
                                 const T* y, const float* sigma, const T* m, T* out, int64_t ldo) {
   const int64_t t = blockIdx.x;
   const int32_t nvalid = valid ? *valid : INT32_MAX;
-  for (int64_t c = threadIdx.x; c < h; c += blockDim.x) {
-    float acc = 0.0f;
+  for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < h; c += static_cast<int64_t>(blockDim.x) * V) {
+    float acc[V] = {};
     for (int j = 0; j < k; ++j) {
       const int64_t s = t * k + j;
       const int32_t q = pos[s];
       if (q < 0 || q >= nvalid) continue;
-      acc += (output ? w[s] : 1.0f) * to_f32(y[static_cast<int64_t>(q) * h + c]);
+      const float cs = output ? w[s] : 1.0f;
+      float v[V];
+      kernel::cuda::load_f32<T, V>(y + static_cast<int64_t>(q) * h + c, v);
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[i] += cs * v[i];
     }
-    if (m) acc += sigma[t] * to_f32(m[t * h + c]);
-    out[t * ldo + c] = from_f32<T>(acc);
+    if (m) {
+      float v[V];
+      kernel::cuda::load_f32<T, V>(m + t * h + c, v);
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[i] += sigma[t] * v[i];
+    }
+    kernel::cuda::store_f32<T, V>(out + t * ldo + c, acc);
   }
+}
+
+template <typename T>
+void launch_combine_forward(int64_t tokens, int64_t h, int k, const int32_t* valid, const int32_t* pos, const float* w, bool output,
+                            const T* y, const float* sigma, const T* m, T* out, int64_t ldo, cudaStream_t st) {
+  if (tokens <= 0) return;
+  const bool vec = h % 8 == 0 && ldo % 8 == 0 && kernel::cuda::aligned16(y) && kernel::cuda::aligned16(m) && kernel::cuda::aligned16(out);
+  if (vec)
+    combine_forward<T, 8><<<static_cast<unsigned>(tokens), 256, 0, st>>>(h, k, valid, pos, w, output, y, sigma, m, out, ldo);
+  else
+    combine_forward<T, 1><<<static_cast<unsigned>(tokens), 256, 0, st>>>(h, k, valid, pos, w, output, y, sigma, m, out, ldo);
 }
 
 // sigma_t = sigmoid(x_t . gs), or 1 without a gate: a warp per token.
@@ -424,22 +459,49 @@ __global__ void route_backward(int64_t tokens, int e, int k, const T* logits, Ro
 
 // dx_t = sum_j c'_s dx_s (slots in order) + dxr_t.  `valid` null: pos holds rows of dxs (Padded's),
 // -1 for a slot no expert takes.
-template <typename T>
+// A block per token, V columns a thread a step, as combine_forward.
+template <typename T, int V>
 __global__ void combine_backward(int64_t h, int k, const int32_t* valid, const int32_t* pos, const float* w, bool input,
                                  const T* dxs, const float* dxr, T* dx, int64_t ldd) {
   const int64_t t = blockIdx.x;
   const int32_t nvalid = valid ? *valid : INT32_MAX;
-  for (int64_t c = threadIdx.x; c < h; c += blockDim.x) {
-    float acc = 0.0f;
+  for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < h; c += static_cast<int64_t>(blockDim.x) * V) {
+    float acc[V] = {};
     for (int j = 0; j < k; ++j) {
       const int64_t s = t * k + j;
       const int32_t q = pos[s];
       if (q < 0 || q >= nvalid) continue;
-      acc += (input ? w[s] : 1.0f) * to_f32(dxs[static_cast<int64_t>(q) * h + c]);
+      const float cs = input ? w[s] : 1.0f;
+      float v[V];
+      kernel::cuda::load_f32<T, V>(dxs + static_cast<int64_t>(q) * h + c, v);
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[i] += cs * v[i];
     }
-    if (dxr) acc += dxr[t * h + c];
-    dx[t * ldd + c] = from_f32<T>(acc);
+    if (dxr) {
+      const float* r = dxr + t * h + c;
+#pragma unroll
+      for (int i = 0; i < V; i += 4) {
+        if constexpr (V % 4 == 0) {
+          const float4 f = *reinterpret_cast<const float4*>(r + i);
+          acc[i] += f.x, acc[i + 1] += f.y, acc[i + 2] += f.z, acc[i + 3] += f.w;
+        } else {
+          acc[i] += r[i];
+        }
+      }
+    }
+    kernel::cuda::store_f32<T, V>(dx + t * ldd + c, acc);
   }
+}
+
+template <typename T>
+void launch_combine_backward(int64_t tokens, int64_t h, int k, const int32_t* valid, const int32_t* pos, const float* w, bool input,
+                             const T* dxs, const float* dxr, T* dx, int64_t ldd, cudaStream_t st) {
+  if (tokens <= 0) return;
+  const bool vec = h % 8 == 0 && ldd % 8 == 0 && kernel::cuda::aligned16(dxs) && kernel::cuda::aligned16(dxr) && kernel::cuda::aligned16(dx);
+  if (vec)
+    combine_backward<T, 8><<<static_cast<unsigned>(tokens), 256, 0, st>>>(h, k, valid, pos, w, input, dxs, dxr, dx, ldd);
+  else
+    combine_backward<T, 1><<<static_cast<unsigned>(tokens), 256, 0, st>>>(h, k, valid, pos, w, input, dxs, dxr, dx, ldd);
 }
 
 // The shared expert's gate: dl_t = (sum of the row sums) sigma (1 - sigma); dxr += dl gs.
@@ -780,6 +842,10 @@ class Blas {
                     int64_t slots, cudaStream_t st) {
     if (const char* e = host_side(&hs_)) return e;
     st_ = st, dt_ = blas_type(dt), dev_ptrs_ = b.ptrs, experts_ = experts;
+    // cuBLAS's stream and workspace first: set while the GPU still works on what the read-back waits for.
+    if (cublasSetStream(hs_->handle, st) != CUBLAS_STATUS_SUCCESS ||  // before the workspace: it resets it
+        cublasSetWorkspace(hs_->handle, b.blas, kCublasWorkspace) != CUBLAS_STATUS_SUCCESS)
+      return "moe: could not set cuBLAS's stream and workspace";
     cudaError_t err = cudaMemcpyAsync(hs_->offsets, offsets, static_cast<size_t>(experts + 1) * sizeof(int32_t),
                                       cudaMemcpyDeviceToHost, st);
     if (err == cudaSuccess) err = cudaStreamSynchronize(st);
@@ -821,9 +887,6 @@ class Blas {
                              "Padded's groups); running Grouped\n", static_cast<long long>(pad_.rows), static_cast<long long>(b.group_rows));
     }
     group_ = {pad_.first, pad_.experts};
-    if (cublasSetStream(hs_->handle, st) != CUBLAS_STATUS_SUCCESS ||  // before the workspace: it resets it
-        cublasSetWorkspace(hs_->handle, b.blas, kCublasWorkspace) != CUBLAS_STATUS_SUCCESS)
-      return "moe: could not set cuBLAS's stream and workspace";
     return nullptr;
   }
 
@@ -955,42 +1018,66 @@ const char* rows_fit(const Blas& blas, const Bufs& b, const char* call) {
 }
 
 // rows[r] = x_t of row r's position q (t = sorted[q] / k), or round(w x_t) with w = w[sorted[q]]
-// when w is given (Input); a row of zeros for a padding row (Pad).  A block per row, V elements a step.
+// when w is given (Input); a row of zeros for a padding row (Pad).  A warp per row, V elements a lane
+// a step, four steps' loads issued together.
+constexpr int kGatherWarps = 8;
 template <typename T, int V>
-__global__ void gather_rows(int64_t h, int k, Pad pd, const int32_t* sorted, const float* w, const T* x, int64_t ldx, T* rows) {
-  const int64_t r = blockIdx.x;
+__global__ void gather_rows(int64_t n, int64_t h, int k, Pad pd, const int32_t* sorted, const float* w, const T* x, int64_t ldx,
+                            T* rows) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kGatherWarps + (threadIdx.x >> 5);
+  if (r >= n) return;
+  const int lane = threadIdx.x & 31;
   const int32_t q = position_of(pd, r);
   T* dst = rows + r * h;
-  const int64_t step = static_cast<int64_t>(blockDim.x) * V;
+  constexpr int64_t step = 32 * V;
   if (q < 0) {
     const float zero[V] = {};
-    for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < h; c += step) kernel::cuda::store_f32<T, V>(dst + c, zero);
+    for (int64_t c = lane * V; c < h; c += step) kernel::cuda::store_f32<T, V>(dst + c, zero);
     return;
   }
   const int32_t slot = sorted[q];
   const T* src = x + static_cast<int64_t>(slot / k) * ldx;
-  if (w) {
-    const float wv = w[slot];
-    for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < h; c += step) {
-      float v[V];
-      kernel::cuda::load_f32<T, V>(src + c, v);
+  const float wv = w ? w[slot] : 1.0f;
+  int64_t c = lane * V;
+  for (; c + 3 * step < h; c += 4 * step) {
+    kernel::cuda::Vec<T, V> v[4];
 #pragma unroll
-      for (int j = 0; j < V; ++j) v[j] *= wv;
-      kernel::cuda::store_f32<T, V>(dst + c, v);
+    for (int u = 0; u < 4; ++u) v[u] = *reinterpret_cast<const kernel::cuda::Vec<T, V>*>(src + c + u * step);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      if (w) {
+        float f[V];
+        kernel::cuda::widen(v[u], f);
+#pragma unroll
+        for (int j = 0; j < V; ++j) f[j] *= wv;
+        kernel::cuda::store_f32<T, V>(dst + c + u * step, f);
+      } else {
+        *reinterpret_cast<kernel::cuda::Vec<T, V>*>(dst + c + u * step) = v[u];
+      }
     }
-    return;
   }
-  for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < h; c += step)
-    *reinterpret_cast<kernel::cuda::Vec<T, V>*>(dst + c) = *reinterpret_cast<const kernel::cuda::Vec<T, V>*>(src + c);
+  for (; c < h; c += step) {
+    const kernel::cuda::Vec<T, V> v = *reinterpret_cast<const kernel::cuda::Vec<T, V>*>(src + c);
+    if (w) {
+      float f[V];
+      kernel::cuda::widen(v, f);
+#pragma unroll
+      for (int j = 0; j < V; ++j) f[j] *= wv;
+      kernel::cuda::store_f32<T, V>(dst + c, f);
+    } else {
+      *reinterpret_cast<kernel::cuda::Vec<T, V>*>(dst + c) = v;
+    }
+  }
 }
 
 template <typename T> void launch_gather(int64_t n, int64_t h, int64_t k, Pad pd, const int32_t* sorted, const float* w, const T* x,
                                          int64_t ldx, T* rows, cudaStream_t st) {
   if (n <= 0) return;
+  const unsigned blocks = static_cast<unsigned>(ceil_div(n, kGatherWarps));
   if (h % 8 == 0 && ldx % 8 == 0 && kernel::cuda::aligned16(x) && kernel::cuda::aligned16(rows))
-    gather_rows<T, 8><<<static_cast<unsigned>(n), 128, 0, st>>>(h, static_cast<int>(k), pd, sorted, w, x, ldx, rows);
+    gather_rows<T, 8><<<blocks, kGatherWarps * 32, 0, st>>>(n, h, static_cast<int>(k), pd, sorted, w, x, ldx, rows);
   else
-    gather_rows<T, 1><<<static_cast<unsigned>(n), 128, 0, st>>>(h, static_cast<int>(k), pd, sorted, w, x, ldx, rows);
+    gather_rows<T, 1><<<blocks, kGatherWarps * 32, 0, st>>>(n, h, static_cast<int>(k), pd, sorted, w, x, ldx, rows);
 }
 
 // Padded: each slot's position becomes its padded row (Pad), -1 for a slot no expert takes.
@@ -1450,8 +1537,11 @@ template <typename T> const char* forward(const MoeParams& p, cudaStream_t st) {
   const int64_t nch = chunks(s);
   const size_t cnt_bytes = static_cast<size_t>(ne + 1) * sizeof(int32_t);
   count_slots<<<static_cast<unsigned>(nch), 32, cnt_bytes, st>>>(s, static_cast<int>(ne), ids, b.counts);
-  scan_slots<<<1, 256, cnt_bytes, st>>>(s, static_cast<int>(ne), static_cast<int>(nch), b.counts, offsets, b.base, b.tiles);
-  if (s > 0) scatter_slots<<<static_cast<unsigned>(nch), 32, cnt_bytes, st>>>(s, static_cast<int>(ne), ids, b.base, sorted, b.pos);
+  scan_chunks<<<static_cast<unsigned>(ne + 1), kScanThreads, 0, st>>>(static_cast<int>(ne), static_cast<int>(nch), b.counts, b.base,
+                                                                     offsets);
+  scan_buckets<<<1, 32, 0, st>>>(s, static_cast<int>(ne), offsets, b.tiles);
+  if (s > 0)
+    scatter_slots<<<static_cast<unsigned>(nch), 32, cnt_bytes, st>>>(s, static_cast<int>(ne), ids, offsets, b.base, sorted, b.pos);
   const int32_t* valid = offsets + ne;
   if (s == 0) return kernel::cuda::launch_error("moe forward");
 
@@ -1483,9 +1573,8 @@ template <typename T> const char* forward(const MoeParams& p, cudaStream_t st) {
     shared_sigma<T><<<static_cast<unsigned>(ceil_div(tk * 32, 256)), 256, 0, st>>>(
         tk, h, x, p.x_stride, static_cast<const T*>(p.shared_expert_gate), b.sigma);
   }
-  combine_forward<T><<<static_cast<unsigned>(tk), 256, 0, st>>>(h, static_cast<int>(k), padded ? nullptr : valid, b.pos, w, !input,
-                                                                static_cast<const T*>(b.y), b.sigma,
-                                                                static_cast<const T*>(b.sm), static_cast<T*>(p.out), p.out_stride);
+  launch_combine_forward<T>(tk, h, static_cast<int>(k), padded ? nullptr : valid, b.pos, w, !input, static_cast<const T*>(b.y), b.sigma,
+                            static_cast<const T*>(b.sm), static_cast<T*>(p.out), p.out_stride, st);
   return kernel::cuda::launch_error("moe forward");
 }
 
@@ -1725,10 +1814,8 @@ template <typename T> const char* backward(const MoeParams& p, cudaStream_t st) 
       }
     }
   }
-  if (tk > 0)
-    combine_backward<T><<<static_cast<unsigned>(tk), 256, 0, st>>>(h, static_cast<int>(k), padded ? nullptr : valid, b.pos, w, input,
-                                                                   static_cast<const T*>(b.dxs), b.dxr, static_cast<T*>(p.dx),
-                                                                   p.dx_stride);
+  launch_combine_backward<T>(tk, h, static_cast<int>(k), padded ? nullptr : valid, b.pos, w, input, static_cast<const T*>(b.dxs), b.dxr,
+                             static_cast<T*>(p.dx), p.dx_stride, st);
   return kernel::cuda::launch_error("moe backward");
 }
 
