@@ -334,6 +334,25 @@ __global__ void gather_scale(int64_t h, int k, const int32_t* valid, const int32
   for (int64_t c = threadIdx.x; c < h; c += blockDim.x) xs[q * h + c] = from_f32<T>(wv * to_f32(src[c]));
 }
 
+// acc[i] = sum_j c_s rows[pos s][c + i] over token t's slots s = t k + j in order (c_s = w[s], or 1
+// without w), slots no expert takes (pos < 0 or >= nvalid) left out: the combines' sums.
+template <typename T, int V>
+__device__ __forceinline__ void sum_slot_rows(float (&acc)[V], int64_t t, int k, int64_t h, int64_t c, const int32_t* pos,
+                                              int32_t nvalid, const float* w, const T* rows) {
+#pragma unroll
+  for (int i = 0; i < V; ++i) acc[i] = 0.0f;
+  for (int j = 0; j < k; ++j) {
+    const int64_t s = t * k + j;
+    const int32_t q = pos[s];
+    if (q < 0 || q >= nvalid) continue;
+    const float cs = w ? w[s] : 1.0f;
+    float v[V];
+    kernel::cuda::load_f32<T, V>(rows + static_cast<int64_t>(q) * h + c, v);
+#pragma unroll
+    for (int i = 0; i < V; ++i) acc[i] += cs * v[i];
+  }
+}
+
 // out_t = sum_j c_s y[pos s] (+ sigma_t m_t), slots in order; a block per token, V columns a thread
 // a step (V = 8: 16-byte loads, the k rows' loads of a step in flight together).
 // `valid` null: pos holds rows of y (Padded's), -1 for a slot no expert takes.
@@ -343,17 +362,8 @@ __global__ void combine_forward(int64_t h, int k, const int32_t* valid, const in
   const int64_t t = blockIdx.x;
   const int32_t nvalid = valid ? *valid : INT32_MAX;
   for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < h; c += static_cast<int64_t>(blockDim.x) * V) {
-    float acc[V] = {};
-    for (int j = 0; j < k; ++j) {
-      const int64_t s = t * k + j;
-      const int32_t q = pos[s];
-      if (q < 0 || q >= nvalid) continue;
-      const float cs = output ? w[s] : 1.0f;
-      float v[V];
-      kernel::cuda::load_f32<T, V>(y + static_cast<int64_t>(q) * h + c, v);
-#pragma unroll
-      for (int i = 0; i < V; ++i) acc[i] += cs * v[i];
-    }
+    float acc[V];
+    sum_slot_rows<T, V>(acc, t, k, h, c, pos, nvalid, output ? w : nullptr, y);
     if (m) {
       float v[V];
       kernel::cuda::load_f32<T, V>(m + t * h + c, v);
@@ -466,17 +476,8 @@ __global__ void combine_backward(int64_t h, int k, const int32_t* valid, const i
   const int64_t t = blockIdx.x;
   const int32_t nvalid = valid ? *valid : INT32_MAX;
   for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < h; c += static_cast<int64_t>(blockDim.x) * V) {
-    float acc[V] = {};
-    for (int j = 0; j < k; ++j) {
-      const int64_t s = t * k + j;
-      const int32_t q = pos[s];
-      if (q < 0 || q >= nvalid) continue;
-      const float cs = input ? w[s] : 1.0f;
-      float v[V];
-      kernel::cuda::load_f32<T, V>(dxs + static_cast<int64_t>(q) * h + c, v);
-#pragma unroll
-      for (int i = 0; i < V; ++i) acc[i] += cs * v[i];
-    }
+    float acc[V];
+    sum_slot_rows<T, V>(acc, t, k, h, c, pos, nvalid, input ? w : nullptr, dxs);
     if (dxr) {
       const float* r = dxr + t * h + c;
 #pragma unroll

@@ -1138,6 +1138,33 @@ TEST(MoeExpertGemmRule, PaddedOrGrouped) {
 }
 
 #if KCPP_WITH_CUDA && KCPP_MOE_CUDA
+
+// pf's forward and pb's backward, each with a workspace of its own, captured on a stream of their
+// own into `graph`: their errors and the end of the capture's (cudaSuccess: the capture was valid).
+struct CapturedCalls {
+  Tensor fws, bws;
+  cudaStream_t st = nullptr;
+  cudaGraph_t graph = nullptr;
+  const char *ef = nullptr, *eb = nullptr;
+  cudaError_t begun = cudaErrorUnknown, ended = cudaErrorUnknown;
+  CapturedCalls(moe::MoeParams pf, moe::MoeParams pb, Device dev)
+      : fws(Tensor::empty({static_cast<int64_t>(moe::moe_workspace(pf, false, true))}, DType::u8, dev)),
+        bws(Tensor::empty({static_cast<int64_t>(moe::moe_workspace(pb, true, true))}, DType::u8, dev)) {
+    pf.workspace = fws.data(), pb.workspace = bws.data();
+    if (cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess) return;
+    if ((begun = cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal)) != cudaSuccess) return;
+    ef = moe::moe_forward_cuda(pf, st);
+    eb = moe::moe_backward_cuda(pb, st);
+    ended = cudaStreamEndCapture(st, &graph);
+  }
+  CapturedCalls(const CapturedCalls&) = delete;
+  CapturedCalls& operator=(const CapturedCalls&) = delete;
+  ~CapturedCalls() {
+    if (graph) cudaGraphDestroy(graph);
+    if (st) cudaStreamDestroy(st);
+  }
+};
+
 // Captured into a CUDA graph, a call that asks for cuBLAS takes the package's kernel (a host
 // read-back cannot be captured): forward + backward replay bit for bit as the kernel's direct run.
 TEST_P(MoeKernels, GraphCaptureTakesTheKernel) {
@@ -1157,29 +1184,20 @@ TEST_P(MoeKernels, GraphCaptureTakesTheKernel) {
 
   moe::MoeParams pf = m.p, pb = m.p;
   pf.expert_gemm = pb.expert_gemm = moe::ExpertGemm::Grouped;
-  const Tensor fws = Tensor::empty({static_cast<int64_t>(moe::moe_workspace(pf, false, true))}, DType::u8, dev);
-  const Tensor bws = Tensor::empty({static_cast<int64_t>(moe::moe_workspace(pb, true, true))}, DType::u8, dev);
-  pf.workspace = fws.data(), pb.workspace = bws.data();
-  cudaStream_t st = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
-  cudaGraph_t graph = nullptr;
-  ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  const char* ef = moe::moe_forward_cuda(pf, st);
-  const char* eb = ef ? nullptr : moe::moe_backward_cuda(pb, st);
-  ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess) << "the capture was invalidated";
-  ASSERT_EQ(ef, nullptr);
-  ASSERT_EQ(eb, nullptr);
+  const CapturedCalls cap(pf, pb, dev);
+  ASSERT_EQ(cap.begun, cudaSuccess);
+  ASSERT_EQ(cap.ended, cudaSuccess) << "the capture was invalidated";
+  ASSERT_EQ(cap.ef, nullptr);
+  ASSERT_EQ(cap.eb, nullptr);
   cudaGraphExec_t exec = nullptr;
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, cap.graph, 0), cudaSuccess);
   for (int replay = 0; replay < 2; ++replay) {
-    for (const Tensor& o : outs) ASSERT_EQ(cudaMemsetAsync(o.data(), 0xff, o.nbytes(), st), cudaSuccess);
-    ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+    for (const Tensor& o : outs) ASSERT_EQ(cudaMemsetAsync(o.data(), 0xff, o.nbytes(), cap.st), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, cap.st), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(cap.st), cudaSuccess);
     for (size_t q = 0; q < outs.size(); ++q) EXPECT_EQ(outs[q].to_f64_vector(), direct[q]) << "output " << q << ", replay " << replay;
   }
   cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(st);
 }
 
 // Captured into a CUDA graph, a call whose workspace holds Loop's smaller buffers (Loop asked for,
@@ -1196,24 +1214,14 @@ TEST_P(MoeKernels, GraphCaptureRefusesLoopsSmallerBuffers) {
   m.build(gen);
   ASSERT_EQ(m.forward(), nullptr);
   ASSERT_EQ(m.backward(gen), nullptr);
-  const Tensor fws = Tensor::empty({static_cast<int64_t>(moe::moe_workspace(m.p, false, true))}, DType::u8, dev);
-  const Tensor bws = Tensor::empty({static_cast<int64_t>(moe::moe_workspace(m.p, true, true))}, DType::u8, dev);
-  moe::MoeParams pf = m.p, pb = m.p;
-  pf.workspace = fws.data(), pb.workspace = bws.data();
-  cudaStream_t st = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
-  cudaGraph_t graph = nullptr;
-  ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  const char* ef = moe::moe_forward_cuda(pf, st);
-  const char* eb = moe::moe_backward_cuda(pb, st);
-  ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess) << "the capture was invalidated";
-  for (const char* e : {ef, eb}) {
+  const CapturedCalls cap(m.p, m.p, dev);
+  ASSERT_EQ(cap.begun, cudaSuccess);
+  ASSERT_EQ(cap.ended, cudaSuccess) << "the capture was invalidated";
+  for (const char* e : {cap.ef, cap.eb}) {
     ASSERT_NE(e, nullptr);
     EXPECT_NE(std::string(e).find("under CUDA graph capture"), std::string::npos) << e;
     EXPECT_NE(std::string(e).find("expert_gemm = Kernel"), std::string::npos) << e;
   }
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(st);
 }
 
 // Expert offsets given to the backward that are no grouping of the S slots (expert_offsets[E] past S:
