@@ -172,11 +172,13 @@ int64_t workspace_padded_rows(ExpertGemm asked, int64_t slots, int64_t experts, 
 //     whole sums over the rows; q . h's row sums add the chunks' sums in order).
 // Mixtral-8x7B (H 4096, I 14336, 16,384 slots): windows of 2,336 rows, chunks of 2,048 columns, 64
 // MiB each where [S, I] is 448.  Under CUDA graph capture (every path then runs the package's GEMM,
-// which needs whole buffers) a call with such a workspace is refused by name.
+// which needs whole buffers) a call with such a workspace, or with Padded's groups (below), is
+// refused by name: a call to be captured sizes its workspace with ExpertGemm::Kernel, as the
+// package's forward and backward do on a capturing stream.
 // loop_window_rows: rows when I <= H / 2, else rows * H / (2 I) rounded down to a multiple of 8, at
 // least 8, at most rows;
-// loop_chunk_cols: I when I <= H / 2, else I in n = ceil(I / c) chunks of ceil(I / n) rounded up to
-// a multiple of 8, c = H / 2 rounded down to a multiple of 8 (at least 8).
+// loop_chunk_cols: with c = H / 2 rounded down to a multiple of 8 (at least 8), I when I <= c, else I
+// in n = ceil(I / c) chunks of ceil(I / n) rounded up to a multiple of 8.
 int64_t loop_window_rows(int64_t rows, int64_t hidden, int64_t inter);
 int64_t loop_chunk_cols(int64_t hidden, int64_t inter);
 // Padded's groups.  Where Padded may run (workspace_padded_rows > 0) with gate_up saved, the training
@@ -185,9 +187,9 @@ int64_t loop_chunk_cols(int64_t hidden, int64_t inter);
 // as padded_group_rows hold (at least one), one strided-batched product a group.  [dg, du] is then
 // formed over the saved gate_up by position and copied a group at a time into padded rows (without
 // overwrite_gate_up it has padded rows of its own, and the products run by the same groups).  A call
-// whose padded rows an expert are more than a group holds runs Grouped.  The training forward on any
-// other path then forms h an expert's rows at a time in windows of 2 padded_group_rows rows (Loop's
-// windows, above).  Qwen3-30B-A3B (8192 tokens, top-8, I 768): groups of 18,848 rows, 55 MiB where
+// whose padded rows of one expert are more than a group holds runs Grouped instead of Padded.  The
+// training forward on any path but Padded then forms h an expert's rows at a time in windows of
+// 2 padded_group_rows rows (Loop's windows, above).  Qwen3-30B-A3B (8192 tokens, top-8, I 768): groups of 18,848 rows, 55 MiB where
 // [rows, 2I] was 221.
 // padded_group_rows: a quarter of the padded rows, rounded up to a multiple of 8.
 int64_t padded_group_rows(int64_t padded_rows);
@@ -223,7 +225,7 @@ struct MoeParams {
   void* gate_up = nullptr;            // [S, 2I], dtype, optional
   // Backward: the saved gate_up is dead after this call, and may be written over (its contents are
   // then unspecified).  Needs gate_up.  On CUDA the workspace (moe_workspace()) then holds no [dg, du]
-  // rows of its own, unless it holds Padded's rows (workspace_padded_rows > 0).
+  // rows of its own, only a group's padded rows where Padded may run (Padded's groups, above).
   bool overwrite_gate_up = false;
 
   // Backward.

@@ -5,9 +5,10 @@
 //
 // Forward with the kernel, every launch on the caller's stream, no host synchronization:
 //   router GEMM (logits rounded to the dtype) -> route (a warp per token: softmax or sigmoid, top-k by
-//   warp arg-max, ties to the lower expert) -> count (a warp per chunk of 2048 slots: per-chunk counts
-//   of each expert, ranks by __match_any_sync) -> scan (one block: offsets, each chunk's base per
-//   expert, the GEMM's tile offsets) -> scatter (the same warps again: stable positions) ->
+//   warp arg-max, ties to the lower expert) -> count (a warp per chunk of 256 slots: per-chunk counts
+//   of each expert, ranks by __match_any_sync) -> scan (a block per expert: each chunk's base within
+//   the expert, over its counts; then one warp: offsets and the GEMM's tile offsets) -> scatter (the
+//   same warps again: stable positions) ->
 //   [Input: gather the scaled rows] -> gate/up GEMM grouped by expert with the gated activation in its
 //   epilogue (h, and gate_up when saved) -> down GEMM (y by position) -> [shared expert: the same two
 //   GEMMs over every token] -> combine (out_t = sum over slots in order, plus the shared part).
@@ -93,7 +94,7 @@ struct Bufs {
 // buffer, gathered once dout by row is done with, unless the weights apply to the input (the kernel
 // path then needs both at once).  dgu lies over the [g, u] the backward's GLU reads (moe.h: Backward
 // memory): the recomputed gu (same rows on every path), or the saved gate_up by position when the host
-// lets it be overwritten and no row is Padded's (rows are then positions); else it has its own rows.
+// lets it be overwritten (Padded then copies a group's rows into dgu_group); else it has its own rows.
 // The shared expert's sdgu lies over sgu likewise.  `loop` (the path is Loop whatever the counts):
 // the training forward's h holds a window of rows, the backward's c h a chunk of I's columns (moe.h:
 // Loop's smaller buffers).  Where Padded may run with gate_up saved, its forward's [g, u] / h and,
@@ -114,10 +115,7 @@ Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas, int64_t padded
   if (!bwd && !p.expert_offsets) b.offsets = cv.take<int32_t>(e + 2);
   if (!bwd && !p.sorted_slots) b.sorted = cv.take<int32_t>(s);
   b.pos = cv.take<int32_t>(s);
-  if (!bwd) {
-    b.counts = cv.take<int32_t>(chunks(s) * (e + 1));
-    b.base = cv.take<int32_t>(chunks(s) * (e + 1));
-  }
+  if (!bwd) b.counts = b.base = cv.take<int32_t>(chunks(s) * (e + 1));  // scan_chunks writes each base over its count
   b.tiles = cv.take<int32_t>(e + 1);
   if (router && !bwd && !p.router_logits) b.logits = cv.take<unsigned char>(t * e * eb);
   if (input) b.xs = cv.take<unsigned char>(r * h * eb);
@@ -235,7 +233,8 @@ __global__ void count_slots(int64_t s, int e, const int32_t* ids, int32_t* count
 }
 
 // A block per bucket b: each chunk's first position of b among b's slots (an exclusive scan over
-// the chunks, kScanThreads at a time, into base) and b's total (into tot[b]).
+// the chunks, kScanThreads at a time, into base, which may be counts: each element is read, then
+// written, by one thread) and b's total (into tot[b]).
 constexpr int kScanThreads = 256;
 __global__ void scan_chunks(int e, int nchunks, const int32_t* counts, int32_t* base, int32_t* tot) {
   __shared__ int32_t warp_tot[kScanThreads / 32];
@@ -606,7 +605,8 @@ int64_t grid_y_rows(gemm::Grouping g, int64_t rows, int64_t groups) {
 // Padded (moe.h: PaddedLayout): the buffers by row hold row r = (e - first) M + j of expert e's j-th
 // position when j < n_e, a zero row (xs, dout) or a row of zeros written by the kernels (h, dgu, c h)
 // when j >= n_e; every product of the list above is one cublasGemmStridedBatchedEx over the experts
-// first .. last with m = M (k = M for the weight gradients), the batch strides M rows of the
+// first .. last (with gate_up saved, one a group of them: moe.h, Padded's groups) with m = M (k = M
+// for the weight gradients), the batch strides M rows of the
 // buffers and the weights' expert stride.  The gathers write the padded rows directly (zeros
 // included), the GLU kernels copy [g, u] to the saved gate_up by position (forward) or read it from
 // there (backward), and afterwards each slot's position becomes its padded row (pad_positions) for
@@ -1135,7 +1135,7 @@ __global__ void glu_backward_rows(int64_t inter, int64_t col0, int64_t cols, ker
   const int64_t r = blockIdx.x;
   const int32_t p = position_of(pd, r);
   T* chr = ch + r * cols;
-  T* dr = dgu + (dgu_by_position ? static_cast<int64_t>(p) : r) * 2 * inter + col0;
+  T* dr = dgu + (dgu_by_position ? static_cast<int64_t>(p < 0 ? 0 : p) : r) * 2 * inter + col0;  // unused if p < 0 by position
   if (p < 0) {  // the whole block returns together
     const float zero[V] = {};
     for (int64_t i = static_cast<int64_t>(threadIdx.x) * V; i < cols; i += static_cast<int64_t>(blockDim.x) * V) {
@@ -1183,7 +1183,7 @@ __global__ void rows_by_position(int64_t width, Pad pd, const T* src, T* dst) {
   const int64_t r = blockIdx.x;
   const int32_t p = position_of(pd, r);
   T* d = dst + r * width;
-  const T* q = src + static_cast<int64_t>(p) * width;
+  const T* q = src + static_cast<int64_t>(p < 0 ? 0 : p) * width;  // unread in a padding row
   for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < width; c += static_cast<int64_t>(blockDim.x) * V) {
     if (p < 0) {
       const float zero[V] = {};

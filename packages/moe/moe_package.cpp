@@ -376,10 +376,27 @@ kcpp_status moe_supports(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
   return c.status();
 }
 
+// On a stream being captured into a CUDA graph every path runs the package's GEMM (no host read-back
+// there), which needs the workspace sized for it (moe.h: Loop's smaller buffers, Padded's groups).
+void kernel_when_captured(const kk::Call& c, km::MoeParams& p) {
+#if KCPP_WITH_CUDA
+  if (!c.on_cuda()) return;
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream_of(c), &cs) != cudaSuccess) {  // e.g. the legacy stream while another captures
+    cudaGetLastError();
+    cs = cudaStreamCaptureStatusActive;
+  }
+  if (cs != cudaStreamCaptureStatusNone) p.expert_gemm = km::ExpertGemm::Kernel;
+#else
+  (void)c, (void)p;
+#endif
+}
+
 kcpp_status moe_forward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
   kk::Call c(ctx, args, n, "MoE.forward");
   km::MoeParams p;
   if (!moe_args(c, false, p)) return c.status();
+  kernel_when_captured(c, p);
   p.workspace = c.workspace(km::moe_workspace(p, false, c.on_cuda()));
   if (!c.ok()) return c.status();
   return MOE_RUN(c, km::moe_forward, p);
@@ -389,6 +406,7 @@ kcpp_status moe_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
   kk::Call c(ctx, args, n, "MoE.backward");
   km::MoeParams p;
   if (!moe_args(c, true, p)) return c.status();
+  kernel_when_captured(c, p);
   p.workspace = c.workspace(km::moe_workspace(p, true, c.on_cuda()));
   if (!c.ok()) return c.status();
   return MOE_RUN(c, km::moe_backward, p);

@@ -775,8 +775,8 @@ TEST_P(MoeKernels, PartialGateUpGradients) {
 // bits as without: AwkwardExpertCounts' counts (empty experts, one slot, equal counts, sentinels), H and
 // I no multiple of 8 and multiples of 8, every weight layout, the routing weight on the output and on
 // the input (gate_up saved in both), every path.  The run without the flag is held to the oracle
-// first.  Where the workspace holds no [dg, du] rows of its own (CUDA, every path but Padded, whose
-// rows are not the saved rows) the saved tensor was written (it held [dg, du]); elsewhere it is unread.
+// first.  On CUDA (every path; Padded copies a group of experts' rows at a time from there) the saved
+// tensor was written (it held [dg, du]) and the workspace is smaller; on the CPU it is unread.
 // The same values, NaN matching NaN (a saved gate_up's rows past the routed ones are never written).
 bool same_values(const std::vector<double>& a, const std::vector<double>& b) {
   if (a.size() != b.size()) return false;
@@ -879,6 +879,51 @@ TEST_P(MoeKernels, LoopWindowsAndChunks) {
             ASSERT_EQ(m.forward(), nullptr) << cfg;
             expect_given_routing_matches_the_oracle(m, ids, w, counts, gen, cfg);
           }
+}
+
+// Padded's groups (moe.h) where one expert's padded rows exceed a group: one expert taking all 64
+// slots (top-1) has 64 padded rows, within the workspace's 96 but more than a group's 24, so the
+// call runs Grouped, its training forward in windows of 48 rows (the expert's rows split in two), its
+// backward with [dg, du] over the saved gate_up; against the oracle, overwrite or not.
+TEST_P(MoeKernels, PaddedGroupTooSmallRunsGroupedInWindows) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  if (!dev.is_cuda()) GTEST_SKIP() << "Padded is a CUDA path";
+  Generator gen = test::test_generator();
+  const Routing routing = given_routing({64}, false, gen, 1);
+  const auto& [counts, ids, w, e, k, t] = routing;
+  ASSERT_EQ(moe::padded_rows_cap(t * k, e, true), 96);
+  ASSERT_EQ(moe::padded_group_rows(96), 24);
+  for (int64_t i : {24, 20})
+    for (Layout layout : {Layout::Rows, Layout::Separate})
+      for (bool overwrite : {false, true}) {
+        const Case c{t, 32, e, k, i, 0, moe::Routing::Given, false, false, kernel::Activation::Silu, layout, false, true, false, false};
+        const std::string cfg = test::config_name(dev, DType::bf16) + " " + describe(c) + " overwrite=" + std::to_string(overwrite);
+        Block m{c, DType::bf16, dev, moe::ExpertGemm::Padded};
+        m.build(gen, &ids, &w, true);
+        m.p.overwrite_gate_up = overwrite;
+        ASSERT_EQ(m.forward(), nullptr) << cfg;
+        expect_given_routing_matches_the_oracle(m, ids, w, counts, gen, cfg);
+      }
+}
+
+// The counting sort at scale: 72,000 slots (282 chunks of 256: several warps and two passes of the
+// per-expert scan) over 128 experts and the sentinels (129 buckets: the offsets' scan over five warps'
+// worth), against the host's stable sort.
+TEST_P(MoeKernels, PermutationAtScale) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const int64_t e = 128, k = 8, t = 9000;
+  std::vector<int64_t> ids(static_cast<size_t>(t * k));
+  std::vector<double> w(ids.size(), 0.5);
+  std::uniform_int_distribution<int64_t> pick(-1, e);  // -1 and e: taken by no expert
+  for (int64_t& id : ids) id = pick(gen.engine());
+  const Case c{t, 8, e, k, 8, 0, moe::Routing::Given, false, false, kernel::Activation::Silu, Layout::Rows, false, true, false, false};
+  Block m{c, DType::bf16, dev, moe::ExpertGemm::Kernel};
+  m.build(gen, &ids, &w, true);
+  ASSERT_EQ(m.forward(), nullptr);
+  expect_permutation(m, ids, test::config_name(dev, DType::bf16) + " " + describe(c));
 }
 
 // ExpertGemm::Auto where one expert's weight fills the device (H 2048 x I 1536: 192 tiles of 128 x 128,
