@@ -652,11 +652,19 @@ StateSlices DataParallel::slices() const {
   return out;
 }
 
+// The gradients of `names` one after another in a new flat buffer of reduce_dtype, each converted as
+// it is copied in (one pass over each gradient; never the gradient's own memory, which a view of it
+// may share).
 Tensor DataParallel::pack(const std::vector<std::string>& names, const std::map<std::string, Tensor>& grads) const {
-  std::vector<Tensor> parts;
-  for (const std::string& n : names) parts.push_back(grads.at(n).contiguous().view({grads.at(n).numel()}).to(options_.reduce_dtype));
-  Tensor flat = parts.size() == 1 ? parts[0].contiguous() : ops::cat(parts, 0);
-  if (parts.size() == 1 && flat.data() == grads.at(names[0]).data()) flat = flat.clone();  // never reduce in place of a view
+  int64_t total = 0;
+  for (const std::string& n : names) total += grads.at(n).numel();
+  const Tensor flat = Tensor::empty({total}, options_.reduce_dtype, grads.at(names.front()).device());
+  int64_t at = 0;
+  for (const std::string& n : names) {
+    const Tensor& g = grads.at(n);
+    flat.narrow(0, at, g.numel()).copy_(g.reshape({g.numel()}));
+    at += g.numel();
+  }
   return flat;
 }
 
