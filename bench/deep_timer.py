@@ -36,6 +36,20 @@ def bench_deep(fn, warmup=10, rep=40):
     return statistics.median(a.elapsed_time(b) for a, b in zip(starts, ends))
 
 
+def back_to_back(fn, reps):
+    """ms a call of `reps` calls timed together between two events, no L2 flush between them (after
+    one untimed call): for slow references and for comparing with bench_deep's flushed figure."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def host_us(fn, n=50):
     """Host time a call takes to enqueue its work (no synchronisation inside the loop): a timed
     figure means the GPU's time only while this stays below it plus do_bench's flush (~60 us)."""

@@ -39,7 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, HERE)
 import kcpp  # noqa: E402
-from deep_timer import bench_deep, host_us  # noqa: E402
+from deep_timer import back_to_back, bench_deep, host_us  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("lib", help="libmamba.so of the CUDA variant")
@@ -208,20 +208,9 @@ def ref_fwd_bwd():
     ref_call(leaves).backward(dout)
 
 
-def few(fn, reps):
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(reps):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / reps
-
 
 try:
-    r_f, r_fb = few(ref_fwd, args.ref_reps), few(ref_fwd_bwd, args.ref_reps)
+    r_f, r_fb = back_to_back(ref_fwd, args.ref_reps), back_to_back(ref_fwd_bwd, args.ref_reps)
     print(f"  {REF_NAME}: fwd {r_f:.1f} ms, fwd+bwd {r_fb:.1f} ms", flush=True)
     rows.append((REF_NAME, r_f, r_fb))
 except torch.cuda.OutOfMemoryError as e:

@@ -79,7 +79,7 @@ dev = opt.device
 cuda = dev == "cuda"
 dtype = torch.bfloat16 if cuda else torch.float32
 if cuda:
-    from deep_timer import bench_deep  # noqa: E402
+    from deep_timer import back_to_back, bench_deep  # noqa: E402
 layer = kcpp.Package(opt.lib).layer("MegaBlocksMoeMLP")
 
 
@@ -110,15 +110,7 @@ def profile(what, fn, reps=3):
     """The CUDA kernels of `reps` calls of fn, by total time (ms a call), the 14 longest."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    print(f"profile {what}: back to back (no L2 flush between calls) {a.elapsed_time(b) / reps:.3f} ms a call", flush=True)
+    print(f"profile {what}: back to back (no L2 flush between calls) {back_to_back(fn, reps):.3f} ms a call", flush=True)
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()

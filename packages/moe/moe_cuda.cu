@@ -682,7 +682,7 @@ Bufs call_layout(const MoeParams& p, bool bwd, Carve& cv) {
 const char* kernel_fits(const Bufs& b, int64_t inter, bool bwd, const char* call) {
   if (bwd ? b.ch_cols >= inter : b.h_elems >= b.rows * inter) return nullptr;
   return errorf("moe %s: under CUDA graph capture the experts run on the package's GEMM, which needs the whole [%lld, %lld] "
-                "buffers; this workspace holds Loop's or Padded's smaller ones (moe.h). Size the workspace of a call to be captured with "
+                "buffers; this workspace holds the cuBLAS paths' smaller ones. Size the workspace of a call to be captured with "
                 "expert_gemm = Kernel (or KCPP_MOE_GEMM=kernel)",
                 call, static_cast<long long>(b.rows), static_cast<long long>(inter));
 }
@@ -884,8 +884,8 @@ class Blas {
       path_ = Path::Grouped;
       static std::atomic<bool> told{false};
       if (!told.exchange(true))
-        std::fprintf(stderr, "kcpp moe: an expert's %lld padded rows are more than a group of the workspace holds (%lld; moe.h: "
-                             "Padded's groups); running Grouped\n", static_cast<long long>(pad_.rows), static_cast<long long>(b.group_rows));
+        std::fprintf(stderr, "kcpp moe: an expert's %lld padded rows are more than a group of the workspace holds (%lld); "
+                             "running Grouped\n", static_cast<long long>(pad_.rows), static_cast<long long>(b.group_rows));
     }
     group_ = {pad_.first, pad_.experts};
     return nullptr;
@@ -1117,6 +1117,16 @@ __global__ void glu_rows(int64_t inter, kernel::Activation act, Pad pd, const T*
   }
 }
 
+template <typename T>
+void launch_glu_rows(int64_t rows, int64_t inter, kernel::Activation act, Pad pd, const T* gu, T* h, int64_t ldh, T* save,
+                     cudaStream_t st) {
+  if (rows <= 0) return;
+  if (inter % 8 == 0 && kernel::cuda::aligned16(gu) && kernel::cuda::aligned16(h) && kernel::cuda::aligned16(save))
+    glu_rows<T, 8><<<static_cast<unsigned>(rows), 128, 0, st>>>(inter, act, pd, gu, h, ldh, save);
+  else
+    glu_rows<T, 1><<<static_cast<unsigned>(rows), 128, 0, st>>>(inter, act, pd, gu, h, ldh, save);
+}
+
 // The backward's GLU by row r (a block per row) of position p (Pad), over the columns [col0, col0 +
 // cols) of I (Loop's chunks, moe.h; else all of them), with q read from ch (the q GEMM's output,
 // rounded to the dtype; cols wide), [g, u] = gu[p] (gu_by_position: the saved gate_up) or gu[r], and
@@ -1270,10 +1280,7 @@ const char* experts_forward_cublas(const MoeParams& p, const Bufs& b, Path path,
       if (const char* e = gate_up_products(p, blas, xs, grp, base)) return e;
       Pad pg = pd;
       pg.first = static_cast<int>(g0);
-      if (I % 8 == 0 && kernel::cuda::aligned16(grp) && kernel::cuda::aligned16(save))
-        glu_rows<T, 8><<<static_cast<unsigned>(m), 128, 0, st>>>(I, p.act, pg, grp, grp, 2 * I, save);
-      else
-        glu_rows<T, 1><<<static_cast<unsigned>(m), 128, 0, st>>>(I, p.act, pg, grp, grp, 2 * I, save);
+      launch_glu_rows<T>(m, I, p.act, pg, grp, grp, 2 * I, save, st);
       if (const char* e = blas.run("y = h W_down^T", [&](int ex) {
             return Prod{blas.rows(ex), h, I, rows_op(grp, blas.row0(ex) - base, 2 * I, eb), tr(matrix_op(p.down, ex, h, I, eb)),
                         rows_op(b.y, blas.row0(ex), h, eb), 0.0f};
@@ -1281,38 +1288,29 @@ const char* experts_forward_cublas(const MoeParams& p, const Bufs& b, Path path,
         return e;
     }
     blas.unlimit();
-    pad_positions<<<static_cast<unsigned>(ceil_div(s, 256)), 256, 0, st>>>(s, static_cast<int>(ne), ids, pd, b.pos);
-    *padded = true;
-    return nullptr;
-  }
-  if (b.h_elems < n * ldh) {  // Loop's windows (moe.h; Loop's or Padded's buffer, any path but Padded): gate_up whole
-    // into the saved one, then h and y a window of an expert's rows at a time
-    if (!direct) return "moe forward: the workspace holds a window of h without a saved gate_up";
+  } else if (b.h_elems < n * ldh) {  // Loop's windows (moe.h; Loop's or Padded's buffer, any path but Padded): gate_up
+    // whole into the saved one, then h and y a window of an expert's rows at a time
+    if (!direct)
+      return "moe forward: the workspace was sized for a call that saves gate_up; size it with moe_workspace() for this call";
     const int64_t window = b.h_elems / I;
     if (const char* e = gate_up_products(p, blas, xs, gu)) return e;
     for (int ex : blas.experts())
       for (int64_t a0 = 0; a0 < blas.rows(ex); a0 += window) {
         const int64_t m = std::min(window, blas.rows(ex) - a0), r0 = blas.row0(ex) + a0;
-        if (I % 8 == 0 && kernel::cuda::aligned16(gu) && kernel::cuda::aligned16(hb))
-          glu_rows<T, 8><<<static_cast<unsigned>(m), 128, 0, st>>>(I, p.act, Pad{}, gu + r0 * 2 * I, hb, I, nullptr);
-        else
-          glu_rows<T, 1><<<static_cast<unsigned>(m), 128, 0, st>>>(I, p.act, Pad{}, gu + r0 * 2 * I, hb, I, nullptr);
+        launch_glu_rows<T>(m, I, p.act, Pad{}, gu + r0 * 2 * I, hb, I, static_cast<T*>(nullptr), st);
         if (const char* e = blas.one("y = h W_down^T", ex, Prod{m, h, I, rows_op(hb, 0, I, eb), tr(matrix_op(p.down, ex, h, I, eb)),
                                                                  rows_op(b.y, r0, h, eb), 0.0f}))
           return e;
       }
-    return nullptr;
+  } else {
+    if (const char* e = gate_up_products(p, blas, xs, gu)) return e;
+    launch_glu_rows<T>(n, I, p.act, pd, gu, hb, ldh, save, st);
+    if (const char* e = blas.run("y = h W_down^T", [&](int ex) {
+          return Prod{blas.rows(ex), h, I, rows_op(hb, blas.row0(ex), ldh, eb), tr(matrix_op(p.down, ex, h, I, eb)),
+                      rows_op(b.y, blas.row0(ex), h, eb), 0.0f};
+        }))
+      return e;
   }
-  if (const char* e = gate_up_products(p, blas, xs, gu)) return e;
-  if (I % 8 == 0 && kernel::cuda::aligned16(gu) && kernel::cuda::aligned16(hb) && (!save || kernel::cuda::aligned16(save)))
-    glu_rows<T, 8><<<static_cast<unsigned>(n), 128, 0, st>>>(I, p.act, pd, gu, hb, ldh, save);
-  else
-    glu_rows<T, 1><<<static_cast<unsigned>(n), 128, 0, st>>>(I, p.act, pd, gu, hb, ldh, save);
-  if (const char* e = blas.run("y = h W_down^T", [&](int ex) {
-        return Prod{blas.rows(ex), h, I, rows_op(hb, blas.row0(ex), ldh, eb), tr(matrix_op(p.down, ex, h, I, eb)),
-                    rows_op(b.y, blas.row0(ex), h, eb), 0.0f};
-      }))
-    return e;
   if (blas.padded()) {
     pad_positions<<<static_cast<unsigned>(ceil_div(s, 256)), 256, 0, st>>>(s, static_cast<int>(ne), ids, pd, b.pos);
     *padded = true;
@@ -1363,12 +1361,15 @@ const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path
   T* ch = static_cast<T*>(b.ch);
   T* dgu = static_cast<T*>(b.dgu);
   const bool dgu_by_position = b.dgu == p.gate_up;  // over the saved gate_up (overwrite_gate_up)
-  if (dgu_by_position && blas.padded() && !b.dgu_group) return "moe backward: Padded with dgu by position needs a group buffer";
+  if (dgu_by_position && blas.padded() && !b.dgu_group)
+    return "moe backward: the workspace was sized for other parameters; size it with moe_workspace() for this call";
   const float* coef = input ? nullptr : w;
   float* rowsum = input ? nullptr : b.partial;
   const T* gu_rows = gu ? gu : static_cast<const T*>(b.gu);
   // q, dgu, c h and dW_down by chunks of I's columns (one chunk of I but on Loop's smaller buffers).
-  if (b.ch_cols < I && !blas.loop()) return "moe backward: the workspace holds Loop's chunks of c h, the path is not Loop";
+  if (b.ch_cols < I && !blas.loop())  // KCPP_MOE_GEMM or the device changed between sizing and the call
+    return "moe backward: the workspace was sized for the Loop path, this call runs another; size it with moe_workspace() for "
+           "this call (KCPP_MOE_GEMM and the device as at the call)";
   for (int64_t c0 = 0; c0 < I; c0 += b.ch_cols) {
     const int64_t nc = std::min(b.ch_cols, I - c0);
     if (const char* e = blas.run("q = dout W_down", [&](int ex) {
