@@ -7,7 +7,6 @@
 // composition (f32, 5 rows, K not a multiple of 8), and chained without synchronizing (dependent
 // launches on sm_90).
 #include <cmath>
-#include <tuple>
 
 #include "oracle.h"
 #include "ops/nn/decode_fused.h"
@@ -275,44 +274,6 @@ TEST_P(DecodeFused, FusedProjectionsChainedMatchTheComposition) {
         EXPECT_TRUE(test::close_l2(deltas[i + 1], down.to_f64_vector(), test::composite_rel_l2(dt))) << cfg << " layer " << l << " (down)";
       }
     }
-}
-
-// prefetch_l2 (a hint) changes no result: the fused chain above with a prefetch of the next weights
-// between each producer and its consumer (on CUDA a kernel of its own in the programmatic launch
-// chain, which must not let the consumer start before the producer has finished) gives the same bits
-// as without; on the CPU, with an undefined second tensor, or with more than the L2 holds, nothing.
-TEST_P(DecodeFused, PrefetchL2ChangesNoResult) {
-  const Device dev = GetParam();
-  KCPP_REQUIRE_DEVICE(dev);
-  Generator gen = test_generator();
-  for (DType dt : test::float_dtypes(dev)) {
-    const int64_t h = 1024, inter = 1536, layers = 4;
-    const std::string cfg = config_name(dev, dt);
-    ops::RMSNormOptions opt;
-    opt.eps = 1e-6;
-    const Tensor wn = Tensor::randn({h}, dt, dev, gen), w_up = Tensor::randn({2 * inter, h}, dt, dev, gen);
-    const Tensor w_down = ops::scale(Tensor::randn({h, inter}, dt, dev, gen), 0.03);
-    // More than half of any L2 (the CPU ignores the hint: no need for the bytes there).
-    const Tensor big = dev.is_cuda() ? Tensor::zeros({int64_t{64} << 20}, dt, dev) : w_down;
-    const Tensor x0 = Tensor::randn({1, h}, dt, dev, gen);
-    auto run = [&](bool prefetch) {
-      Tensor x = x0, delta;
-      for (int64_t l = 0; l < layers; ++l) {
-        Tensor gu;
-        std::tie(x, gu) = ops::add_rms_norm_linear(x, delta, wn, opt, w_up);
-        if (prefetch) ops::prefetch_l2(l % 2 ? big : w_down, l % 2 ? Tensor() : w_up);
-        delta = ops::glu_linear(gu, ops::GluActivation::Silu, w_down);
-        if (prefetch) ops::prefetch_l2(w_up, big);
-      }
-      return ops::add(x, delta).to_f64_vector();
-    };
-    const std::vector<double> plain = run(false), hinted = run(true);
-    EXPECT_EQ(hinted, plain) << cfg;
-    const std::vector<double> w_before = w_down.to_f64_vector();
-    ops::prefetch_l2(w_down);
-    ops::prefetch_l2(Tensor());
-    EXPECT_EQ(w_down.to_f64_vector(), w_before) << cfg;
-  }
 }
 
 TEST_P(DecodeFused, BadInputIsRefused) {

@@ -714,8 +714,6 @@ Tensor CausalLM::decode_layers(const Tensor& h0, const ops::RopeCosSin& cs, KVCa
   const int64_t b = h0.size(0), hq = c.num_attention_heads, hkv = c.num_key_value_heads, d = c.head_dim;
   const char* env = std::getenv("KCPP_DECODE_FUSED");
   const bool fused_linear = !(env && std::string(env) == "1") && ops::decode_linear_fused(device_, dtype_, b);
-  const char* pf = std::getenv("KCPP_DECODE_PREFETCH");
-  const bool prefetch = pf && std::string(pf) == "1";
   Tensor x = h0, delta;
   // s = x + delta (x without delta) and rms_norm(s) through `norm`, as separate ops.
   auto add_norm = [&](nn::RMSNorm& norm) {
@@ -740,8 +738,6 @@ Tensor CausalLM::decode_layers(const Tensor& h0, const ops::RopeCosSin& cs, KVCa
     else
       qkv = linear(add_norm(*l.input_norm), l.wqkv, l.bqkv);
     delta = Tensor();
-    // o_proj's and gate/up's weights into L2 while the attention leaves the memory idle (decode_fused.h).
-    if (prefetch) ops::prefetch_l2(l.wo, l.w_gate_up);
     const Tensor q = ops::qk_norm_rope_cache(qkv.view({b, hq + 2 * hkv, d}), qo, cs.cos, cs.sin, cache.k[li], cache.v[li],
                                              cache.step_rows, cache.step_positions);
     const Tensor o = cached_attention(li, q, cache).view({b, hq * d});

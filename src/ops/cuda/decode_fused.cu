@@ -15,8 +15,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
 #include <cstdint>
 
 #include "ops/cuda/common.cuh"
@@ -278,58 +276,6 @@ __global__ void glu_packed_kernel(T* __restrict__ out, const T* __restrict__ gu,
 }
 
 }  // namespace
-
-namespace {
-
-// The bulk L2 prefetch of two regions in pieces of kPrefetchPiece bytes, spread over the blocks (a
-// block's prefetches go through its multiprocessor's copy engine one after another: a single block
-// issuing megabytes held the chain up for tens of microseconds).  It reads nothing an earlier kernel
-// writes (weights), so it issues its prefetches before pdl_wait(); it waits all the same, so that
-// its finishing implies its predecessor's (pdl.cuh).
-constexpr int64_t kPrefetchPiece = 64 << 10;
-__global__ void prefetch_l2_kernel(const char* a, int64_t na, const char* b, int64_t nb) {
-  pdl_trigger();
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const int64_t pa = (na + kPrefetchPiece - 1) / kPrefetchPiece, pieces = pa + (nb + kPrefetchPiece - 1) / kPrefetchPiece;
-  for (int64_t i = static_cast<int64_t>(threadIdx.x) * gridDim.x + blockIdx.x; i < pieces;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const bool first = i < pa;
-    const int64_t off = (first ? i : i - pa) * kPrefetchPiece, left = (first ? na : nb) - off;
-    const uint32_t len = static_cast<uint32_t>((left < kPrefetchPiece ? left : kPrefetchPiece) & ~int64_t{15});
-    if (len > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"((first ? a : b) + off), "r"(len) : "memory");
-  }
-#endif
-  pdl_wait();
-}
-
-// Half the L2 of the current device where it is sm_90 or later, else 0; asked once a device.
-int64_t prefetch_budget() {
-  static std::mutex mu;
-  static std::map<int, int64_t> known;
-  int dev = 0;
-  KCPP_CUDA_CHECK(cudaGetDevice(&dev));
-  const std::lock_guard<std::mutex> lock(mu);
-  const auto [it, fresh] = known.try_emplace(dev, 0);
-  if (fresh) {
-    int major = 0, l2 = 0;
-    KCPP_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    KCPP_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
-    it->second = major >= 9 ? l2 / 2 : 0;
-  }
-  return it->second;
-}
-
-}  // namespace
-
-void prefetch_l2(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
-  const int64_t budget = prefetch_budget();
-  const int64_t na = std::min<int64_t>(a_bytes, budget), nb = b ? std::min<int64_t>(b_bytes, budget - na) : 0;
-  if (na <= 0 || reinterpret_cast<uintptr_t>(a) % 16 != 0 || (nb > 0 && reinterpret_cast<uintptr_t>(b) % 16 != 0)) return;
-  int dev = 0;
-  KCPP_CUDA_CHECK(cudaGetDevice(&dev));
-  launch_pdl("prefetch_l2", prefetch_l2_kernel, dim3(static_cast<unsigned>(kernel::cuda::sm_count(dev))), dim3(32), 0,
-             static_cast<const char*>(a), na, static_cast<const char*>(b), nb);
-}
 
 void qk_norm_rope_cache(const Tensor& q, const Tensor& qkv, const QkNormRopeCache& opt, const Tensor& cos, const Tensor& sin,
                         const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows, const Tensor& positions) {

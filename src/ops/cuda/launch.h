@@ -37,9 +37,6 @@ void decode_attention(const Tensor& out, const Tensor& q, const Tensor& k_cache,
 void cache_write(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k, const Tensor& v, const Tensor& rows,
                  const Tensor& positions);
 // ops/nn/decode_fused.h: every tensor contiguous; q [B, Hq, D] written.
-// ops/nn/decode_fused.h: prefetch_l2 of [a, a + a_bytes) then [b, b + b_bytes) (b may be null), at most
-// half the device's L2 in all; nothing below sm_90.
-void prefetch_l2(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes);
 void qk_norm_rope_cache(const Tensor& q, const Tensor& qkv, const QkNormRopeCache& opt, const Tensor& cos, const Tensor& sin,
                         const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows, const Tensor& positions);
 void add_rms_norm(const Tensor& s, const Tensor& y, const Tensor& x, const Tensor& delta, const Tensor& w,

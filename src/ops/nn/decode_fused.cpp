@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <string>
 
 #include "ops/check.h"
 #include "ops/cuda/launch.h"
@@ -51,16 +50,6 @@ bool fused_linear_on_cuda(const Tensor& x, int64_t k, std::initializer_list<cons
 }
 
 }  // namespace
-
-void prefetch_l2(const Tensor& a, const Tensor& b) {
-#if KCPP_WITH_CUDA
-  if (!a.defined() || !a.device().is_cuda() || (b.defined() && b.device() != a.device())) return;
-  cuda::prefetch_l2(a.data(), static_cast<int64_t>(a.nbytes()), b.defined() ? b.data() : nullptr,
-                    b.defined() ? static_cast<int64_t>(b.nbytes()) : 0);
-#else
-  (void)a, (void)b;
-#endif
-}
 
 Tensor qk_norm_rope_cache(const Tensor& qkv, const QkNormRopeCache& opt, const Tensor& cos, const Tensor& sin,
                           const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows, const Tensor& positions) {

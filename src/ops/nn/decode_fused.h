@@ -64,15 +64,6 @@ struct QkNormRopeCache {
 Tensor qk_norm_rope_cache(const Tensor& qkv, const QkNormRopeCache& opt, const Tensor& cos, const Tensor& sin,
                           const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows, const Tensor& positions);
 
-// A hint, no result: the first bytes of each tensor's storage brought into the GPU's L2 cache ahead of
-// the kernels that will read them, by sm_90's bulk L2 prefetch (cp.async.bulk.prefetch.L2), issued
-// from a kernel of its own that does nothing else.  The decode step issues it for a layer's o_proj
-// and gate/up weights before its attention, which leaves the memory idle, with
-// KCPP_DECODE_PREFETCH=1 (opt-in: bench/RESULTS.md has what it measured): their projections then
-// read what fits from L2.  At most half the L2 in all, `a` first.  Nothing where it cannot act (the
-// CPU, devices below sm_90) or for an undefined tensor.
-void prefetch_l2(const Tensor& a, const Tensor& b = {});
-
 // x, delta [N, H] of one dtype, w [H].  Returns (x + delta, rms_norm(x + delta, w)).
 std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& w, const RMSNormOptions& opt);
 
