@@ -21,7 +21,10 @@ The kcpp rows run once for each path of the experts' GEMMs (--gemm, each set as 
 its calls: the package reads it on every call): "kernel" (the package's mma.sync GEMM), "loop"
 (cuBLAS, one GEMM per expert), "grouped" (one cuBLAS grouped GEMM per projection), "padded" (one
 cuBLAS strided-batched GEMM per projection over the experts zero-padded to the largest count), "auto"
-(the package's own choice: loop, padded or grouped by the experts' counts).
+(the package's own choice: on Hopper the forward on the package's Hopper GEMM where it runs, else loop,
+padded or grouped by the experts' counts).  "kernel" runs the Hopper GEMM (moe_gemm_sm90.cuh) where
+the device and shapes take it, the mma.sync one elsewhere.  A value may carry settings for its rows
+after a colon, e.g. "auto:KCPP_MOE_SM90=0" (the cuBLAS paths for the forward too).
 Peak memory is the PyTorch allocator's peak during one forward + backward above what was allocated
 before it (the package's workspace comes from that allocator).  The kcpp rows' gradients and saved
 tensors are allocated before (the peers' gradients were too, from their previous call, and are freed
@@ -263,7 +266,10 @@ for key in opt.configs.split(","):
               sorted_slots=sorted_slots, gate_up=saved, overwrite_gate_up=1, dout=dout, dhidden=dx, drouter_weight=dr,
               dgate_up_proj=dgu, ddown_proj=ddn)
     for gemm in [g for g in opt.gemm.split(",") if g]:
-        os.environ["KCPP_MOE_GEMM"] = gemm
+        path, _, setting = gemm.partition(":")  # e.g. auto:KCPP_MOE_SM90=0
+        os.environ["KCPP_MOE_GEMM"] = path
+        for kv in filter(None, setting.split(";")):
+            os.environ[kv.split("=", 1)[0]] = kv.split("=", 1)[1]
         # kcpp, routing given: the same experts layer.
         for mode, (mta, mba) in modes.items():
             for buf in (out, dx, dgu, ddn, dw):
@@ -309,6 +315,8 @@ for key in opt.configs.split(","):
         rows.append((name, f"kcpp moe block gemm={gemm} (router; ids as above {same:.1%})", tf, fl / tf * 1e3, tfb,
                      3 * fl / tfb * 1e3, peak_mb(bfwdbwd), rel(out, ref), float("nan")))
         print(rows[-1], flush=True)
+        for kv in filter(None, setting.split(";")):
+            os.environ.pop(kv.split("=", 1)[0], None)
     os.environ.pop("KCPP_MOE_GEMM", None)
     del experts, x, out, saved, dx, dgu, ddn, gu, dn
     if cuda:

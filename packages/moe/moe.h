@@ -105,8 +105,12 @@ inline bool matrix_storage(int64_t rows, int64_t cols, int64_t rs, int64_t cs, b
 }
 
 // How the CUDA path runs the experts' GEMMs (moe_cuda.cu):
-//   Kernel   the package's grouped mma.sync GEMM (moe_gemm.cuh), the gated activation and the
-//            backward's GLU in its epilogues; the group sizes stay on the device (no host sync).
+//   Kernel   the package's grouped GEMMs, the gated activation and the backward's GLU in their
+//            epilogues; the group sizes stay on the device (no host sync).  On compute capability 9.0
+//            (a build with sm_90a) the forward's two products run on a Hopper kernel
+//            (moe_gemm_sm90.cuh: TMA, wgmma, persistent warp-specialized blocks) over the token rows
+//            gathered by position, where the weights are contiguous along K with 16-byte strides
+//            (KCPP_MOE_SM90=0 turns it off); everything else on mma.sync (moe_gemm.cuh).
 //   Loop     cuBLAS, one cublasGemmEx per expert that received tokens.
 //   Grouped  cuBLAS, one cublasGemmGroupedBatchedEx per projection (experts with equal counts form
 //            one group of the call).
@@ -119,6 +123,9 @@ inline bool matrix_storage(int64_t rows, int64_t cols, int64_t rs, int64_t cs, b
 //            The workspace holds padded_rows_cap(S, E, asked) rows (workspace_padded_rows: none under
 //            Auto where its rule never takes Padded); a call whose layout needs more runs Grouped.
 //   Auto     the environment's KCPP_MOE_GEMM (kernel, loop, grouped, padded or auto) when set; else
+//            for the forward on compute capability 9.0, Kernel on its Hopper kernel at decode sizes (at
+//            most kSm90AutoRows slots an expert on average, where no Loop rule below holds whatever the
+//            counts: bench/RESULTS.md has the sizes it is ahead at); else
 //            choose_expert_gemm() from the counts read back:
 //            Loop when one expert's GEMM has at least one 128 x 128 tile per multiprocessor, counting
 //            either its average rows against min(H, I) or its weight's H x I (a few large experts,
@@ -134,6 +141,10 @@ inline bool matrix_storage(int64_t rows, int64_t cols, int64_t rs, int64_t cs, b
 // refused there, and so is a layout that needs more rows than the workspace holds.
 // While the stream is being captured into a CUDA graph that is not allowed: every choice runs Kernel.
 enum class ExpertGemm : int32_t { Auto = 0, Kernel = 1, Loop = 2, Grouped = 3, Padded = 4 };
+
+// Auto's forward takes the Hopper kernel up to this many slots an expert on average (S <= 4 E: 64
+// tokens top-8 over 128 experts).
+constexpr int64_t kSm90AutoRows = 4;
 
 // Padded's rows per expert are a multiple of this (16-byte aligned rows of every buffer).
 constexpr int64_t kPaddedRowMultiple = 8;

@@ -33,6 +33,7 @@
 #include "kcpp/kernel/error.h"
 #include "moe.h"
 #include "moe_gemm.cuh"
+#include "moe_gemm_sm90.cuh"
 
 namespace kcpp::moe {
 namespace {
@@ -674,7 +675,23 @@ bool loop_only(const MoeParams& p) {
   return auto_always_loop(p.hidden, p.inter, kernel::cuda::sm_count(device));
 }
 
+// Whether a forward under Auto takes the package's GEMM on its Hopper kernel (moe_gemm_sm90.cuh: no
+// read-back of the counts, no padding, the activation in the epilogue) rather than cuBLAS: where that
+// kernel can run (bf16 / f16 weights contiguous along K with 16-byte strides), at decode sizes (at
+// most kSm90AutoRows slots an expert on average: moe.h), and where Auto's rule does not take Loop
+// whatever the counts (a few large experts, each a GEMM that fills the GPU).
+bool auto_sm90_forward(const MoeParams& p) {
+  Path path = Path::Kernel;
+  if (requested_path(p, &path) != nullptr || path != Path::Auto || !gemm::sm90::enabled()) return false;
+  if (p.dtype != DType::bf16 && p.dtype != DType::f16) return false;
+  if (p.hidden % 8 || p.inter % 8 || moe_slots(p) > kSm90AutoRows * p.experts) return false;
+  for (const Matrix* m : {&p.gate, &p.up, &p.down})
+    if (m->col_stride != 1 || m->row_stride % 8 || m->expert_stride % 8) return false;
+  return !auto_always_loop(p.hidden, p.inter, gemm::sm90::sm_count());
+}
+
 Bufs call_layout(const MoeParams& p, bool bwd, Carve& cv) {
+  if (!bwd && auto_sm90_forward(p)) return layout(p, false, cv, false, 0, false);
   return layout(p, bwd, cv, cublas_workspace(p), padded_workspace_rows(p), loop_only(p));
 }
 
@@ -1461,6 +1478,9 @@ const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path
 }
 
 // The forward's experts on the package's GEMM: gate / up with the activation in its epilogue, then down.
+// Each product runs on the Hopper kernel (moe_gemm_sm90.cuh) where it takes it, its A then the rows by
+// position in a buffer of their own (the tokens gathered into b.y, which the down product writes y over
+// afterwards, or Input's scaled rows in b.xs); else on the mma.sync kernel, which gathers while it loads.
 template <typename T>
 void experts_forward_kernel(const MoeParams& p, const Bufs& b, const int32_t* offsets, const int32_t* sorted, const float* w,
                             cudaStream_t st) {
@@ -1486,8 +1506,18 @@ void experts_forward_kernel(const MoeParams& p, const Bufs& b, const int32_t* of
     a.b1 = static_cast<const T*>(p.up.data);
     a.split = Split::Dual, a.inter = I, a.act = p.act;
     a.h = static_cast<T*>(b.h), a.gu_out = static_cast<T*>(p.gate_up);
-    a.vec = vec_ok({a_in, p.gate.data, p.up.data}, {h, lda, I, a.ldb, a.b_gstride});
-    launch<T>(a, Epi::Glu, ceil_div(I, BN / 2), grid_y_rows(Grouping::MGroup, s, ne), 1, st);
+    Args<T> rows = a;  // A as rows by position (the Hopper kernel reads no gather)
+    if (!input) rows.a = static_cast<const T*>(b.y), rows.lda = h, rows.a_gather = nullptr, rows.a_div = 1;
+    bool done = false;
+    if (sm90::sm_launchable(rows, Epi::Glu, s)) {
+      if (!input) launch_gather<T>(s, h, k, Pad{}, sorted, nullptr, x, p.x_stride, static_cast<T*>(b.y), st);
+      done = sm90::launch(rows, Epi::Glu, s, st);
+      if (!done && !input) a = rows;  // gathered already: the mma.sync kernel reads the rows
+    }
+    if (!done) {
+      a.vec = vec_ok({a.a, p.gate.data, p.up.data}, {h, a.lda, I, a.ldb, a.b_gstride});
+      launch<T>(a, Epi::Glu, ceil_div(I, BN / 2), grid_y_rows(Grouping::MGroup, s, ne), 1, st);
+    }
   }
   {
     Args<T> a;
@@ -1496,8 +1526,10 @@ void experts_forward_kernel(const MoeParams& p, const Bufs& b, const int32_t* of
     a.a = static_cast<const T*>(b.h), a.lda = I;
     b_from(a, p.down, false);
     a.c = b.y, a.ldc = h;
-    a.vec = vec_ok({b.h, p.down.data}, {h, I, a.ldb, a.b_gstride});
-    launch<T>(a, Epi::Store, ntiles(h), grid_y_rows(Grouping::MGroup, s, ne), 1, st);
+    if (!(sm90::sm_launchable(a, Epi::Store, s) && sm90::launch(a, Epi::Store, s, st))) {
+      a.vec = vec_ok({b.h, p.down.data}, {h, I, a.ldb, a.b_gstride});
+      launch<T>(a, Epi::Store, ntiles(h), grid_y_rows(Grouping::MGroup, s, ne), 1, st);
+    }
   }
 }
 
@@ -1507,6 +1539,7 @@ template <typename T> const char* forward(const MoeParams& p, cudaStream_t st) {
   const int64_t s = moe_slots(p);
   Path path = Path::Kernel;
   if (const char* e = call_path(p, st, &path)) return e;
+  if (path == Path::Auto && auto_sm90_forward(p)) path = Path::Kernel;
   Carve cv{static_cast<unsigned char*>(p.workspace)};
   const Bufs b = call_layout(p, false, cv);
   if (path == Path::Kernel)
