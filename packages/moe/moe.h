@@ -74,6 +74,13 @@
 #include <cuda_runtime.h>
 #endif
 
+// The layout rules below run on the host and, in the CUDA forward, on the device too.
+#if defined(__CUDACC__)
+#define KCPP_MOE_HD __host__ __device__
+#else
+#define KCPP_MOE_HD
+#endif
+
 namespace kcpp::moe {
 
 enum class Routing : int32_t { Softmax = 0, Sigmoid = 1, Given = 2 };
@@ -155,21 +162,52 @@ constexpr int64_t kPaddedRowMultiple = 8;
 struct PaddedLayout {
   int64_t first = 0, experts = 0, rows = 0;
 };
-PaddedLayout padded_layout(const int32_t* offsets, int64_t experts);
+KCPP_MOE_HD inline PaddedLayout padded_layout(const int32_t* offsets, int64_t experts) {
+  PaddedLayout l;
+  int64_t first = -1, last = -1, most = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t n = static_cast<int64_t>(offsets[e + 1]) - offsets[e];
+    if (n <= 0) continue;
+    if (first < 0) first = e;
+    last = e, most = most > n ? most : n;
+  }
+  if (first < 0) return l;
+  l.first = first, l.experts = last - first + 1;
+  l.rows = (most + kPaddedRowMultiple - 1) / kPaddedRowMultiple * kPaddedRowMultiple;
+  return l;
+}
 // The rows of the padded buffers in the workspace.  The count M is known only after the read-back,
 // while the workspace is sized before the call: this bound is what a call may use.  Padded asked for
 // (`asked`): S + S / 4 + 16 E (the routed rows, a quarter more, and 16 per expert for the rounding and
 // for small calls); under Auto: floor(23 S / 20), exactly what Auto's rule takes (at most 15% over the
 // routed rows, which are at most S), so that the default costs no memory it cannot use.
-int64_t padded_rows_cap(int64_t slots, int64_t experts, bool asked);
-// The cuBLAS path of a call (moe_cuda.cu; a pure function of the counts, testable on the host):
-// `asked` Loop or Grouped as is; Padded when the layout fits padded_rows_cap(.., true), else Grouped; Auto by
-// the rule above (sms: the device's multiprocessors).  Returns Loop, Grouped or Padded.
-ExpertGemm choose_expert_gemm(ExpertGemm asked, const int32_t* offsets, int64_t experts, int64_t hidden, int64_t inter,
-                              int64_t slots, int64_t sms);
+KCPP_MOE_HD inline int64_t padded_rows_cap(int64_t slots, int64_t experts, bool asked) {
+  return asked ? slots + slots / 4 + 16 * experts : slots * 23 / 20;
+}
 // Whether Auto's rule takes Loop whatever the counts: one expert's weight H x I alone has at least one
 // 128 x 128 tile per multiprocessor (Mixtral-8x7B's 4096 x 14336 on any current GPU).
-bool auto_always_loop(int64_t hidden, int64_t inter, int64_t sms);
+KCPP_MOE_HD inline bool auto_always_loop(int64_t hidden, int64_t inter, int64_t sms) {
+  return ((hidden + 127) / 128) * ((inter + 127) / 128) >= sms;
+}
+// The cuBLAS path of a call (a pure function of the counts: the host runs it on the counts read back,
+// the forward's planning kernel on the device's, testable on the host): `asked` Loop or Grouped as
+// is; Padded when the layout fits padded_rows_cap(.., true), else Grouped; Auto by the rule above
+// (sms: the device's multiprocessors).  Returns Loop, Grouped or Padded.
+KCPP_MOE_HD inline ExpertGemm choose_expert_gemm(ExpertGemm asked, const int32_t* offsets, int64_t experts, int64_t hidden,
+                                                 int64_t inter, int64_t slots, int64_t sms) {
+  if (asked != ExpertGemm::Padded && asked != ExpertGemm::Auto) return asked == ExpertGemm::Loop ? asked : ExpertGemm::Grouped;
+  const PaddedLayout l = padded_layout(offsets, experts);
+  const int64_t padded = l.experts * l.rows;
+  const bool fits = padded <= padded_rows_cap(slots, experts, asked == ExpertGemm::Padded);
+  if (asked == ExpertGemm::Padded) return fits ? ExpertGemm::Padded : ExpertGemm::Grouped;
+  int64_t used = 0;
+  for (int64_t e = 0; e < experts; ++e) used += offsets[e + 1] > offsets[e];
+  if (used == 0) return ExpertGemm::Loop;  // nothing to run
+  const int64_t valid = static_cast<int64_t>(offsets[experts]) - offsets[0];
+  const int64_t avg = valid / used, narrow = hidden < inter ? hidden : inter;
+  if (((avg + 127) / 128) * ((narrow + 127) / 128) >= sms || auto_always_loop(hidden, inter, sms)) return ExpertGemm::Loop;
+  return fits && padded * 20 <= valid * 23 ? ExpertGemm::Padded : ExpertGemm::Grouped;
+}
 // The rows of Padded's buffers a CUDA call's workspace holds (0: none, the buffers by row hold S):
 // padded_rows_cap(S, E, true) for Padded asked for, for Auto padded_rows_cap(S, E, false) unless
 // auto_always_loop (then Padded is never taken and nothing is held for it), 0 for Kernel, Loop, Grouped.

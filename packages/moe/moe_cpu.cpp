@@ -787,43 +787,6 @@ size_t load_balancing_workspace(const LoadBalancingParams& p, bool cuda) {
   return cv.used;
 }
 
-PaddedLayout padded_layout(const int32_t* offsets, int64_t experts) {
-  PaddedLayout l;
-  int64_t first = -1, last = -1, most = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t n = static_cast<int64_t>(offsets[e + 1]) - offsets[e];
-    if (n <= 0) continue;
-    if (first < 0) first = e;
-    last = e, most = std::max(most, n);
-  }
-  if (first < 0) return l;
-  l.first = first, l.experts = last - first + 1;
-  l.rows = (most + kPaddedRowMultiple - 1) / kPaddedRowMultiple * kPaddedRowMultiple;
-  return l;
-}
-
-int64_t padded_rows_cap(int64_t slots, int64_t experts, bool asked) {
-  return asked ? slots + slots / 4 + 16 * experts : slots * 23 / 20;
-}
-
-ExpertGemm choose_expert_gemm(ExpertGemm asked, const int32_t* offsets, int64_t experts, int64_t hidden, int64_t inter,
-                              int64_t slots, int64_t sms) {
-  if (asked != ExpertGemm::Padded && asked != ExpertGemm::Auto) return asked == ExpertGemm::Loop ? asked : ExpertGemm::Grouped;
-  const PaddedLayout l = padded_layout(offsets, experts);
-  const int64_t padded = l.experts * l.rows;
-  const bool fits = padded <= padded_rows_cap(slots, experts, asked == ExpertGemm::Padded);
-  if (asked == ExpertGemm::Padded) return fits ? ExpertGemm::Padded : ExpertGemm::Grouped;
-  int64_t used = 0;
-  for (int64_t e = 0; e < experts; ++e) used += offsets[e + 1] > offsets[e];
-  if (used == 0) return ExpertGemm::Loop;  // nothing to run
-  const int64_t valid = static_cast<int64_t>(offsets[experts]) - offsets[0];
-  auto tiles = [](int64_t a, int64_t b) { return ((a + 127) / 128) * ((b + 127) / 128); };
-  if (tiles(valid / used, std::min(hidden, inter)) >= sms || auto_always_loop(hidden, inter, sms)) return ExpertGemm::Loop;
-  return fits && padded * 20 <= valid * 23 ? ExpertGemm::Padded : ExpertGemm::Grouped;
-}
-
-bool auto_always_loop(int64_t hidden, int64_t inter, int64_t sms) { return ((hidden + 127) / 128) * ((inter + 127) / 128) >= sms; }
-
 int64_t workspace_padded_rows(ExpertGemm asked, int64_t slots, int64_t experts, int64_t hidden, int64_t inter, int64_t sms) {
   if (asked == ExpertGemm::Padded) return padded_rows_cap(slots, experts, true);
   if (asked == ExpertGemm::Auto && !auto_always_loop(hidden, inter, sms)) return padded_rows_cap(slots, experts, false);

@@ -86,6 +86,7 @@ struct Bufs {
   int64_t ch_cols = 0;     // backward: the columns c h holds (I, or Loop's chunk: moe.h, loop_chunk_cols)
   int64_t group_rows = 0;  // Padded's groups of experts (moe.h, padded_group_rows; 0: none): rows they hold
   void* dgu_group = nullptr;  // backward: a group's [dg, du] by padded row, where dgu lies over the saved gate_up
+  void* plan = nullptr;       // forward on cuBLAS: the layout planned on the device (Plan)
 };
 
 // `cublas`: room for the cuBLAS paths too (their buffers, by path in the forward's and backward's
@@ -152,6 +153,7 @@ Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas, int64_t padded
     }
   }
   if (cublas) {
+    if (!bwd) b.plan = cv.take<int32_t>(4);
     b.ptrs = cv.take<void*>(kMaxCublasGemms * 3 * e);
     b.blas = cv.take<unsigned char>(static_cast<int64_t>(kCublasWorkspace));
   }
@@ -729,6 +731,7 @@ struct HostSide {
   void** ptrs = nullptr;  // [kPtrSlots]
   cudaEvent_t copied = nullptr;
   bool pending = false;  // `copied` recorded since the last wait
+  cudaEvent_t read = nullptr;  // recorded after the offsets' copy to the host (Blas::read_back)
 };
 
 const char* host_side(HostSide** out) {
@@ -765,6 +768,11 @@ const char* host_side(HostSide** out) {
   }
   if (!h.copied && cudaEventCreateWithFlags(&h.copied, cudaEventDisableTiming) != cudaSuccess) {
     h.copied = nullptr;
+    cudaGetLastError();
+    return "moe: could not create a CUDA event";
+  }
+  if (!h.read && cudaEventCreateWithFlags(&h.read, cudaEventDisableTiming) != cudaSuccess) {
+    h.read = nullptr;
     cudaGetLastError();
     return "moe: could not create a CUDA event";
   }
@@ -864,9 +872,14 @@ class Blas {
     if (cublasSetStream(hs_->handle, st) != CUBLAS_STATUS_SUCCESS ||  // before the workspace: it resets it
         cublasSetWorkspace(hs_->handle, b.blas, kCublasWorkspace) != CUBLAS_STATUS_SUCCESS)
       return "moe: could not set cuBLAS's stream and workspace";
-    cudaError_t err = cudaMemcpyAsync(hs_->offsets, offsets, static_cast<size_t>(experts + 1) * sizeof(int32_t),
-                                      cudaMemcpyDeviceToHost, st);
-    if (err == cudaSuccess) err = cudaStreamSynchronize(st);
+    cudaError_t err = cudaSuccess;
+    if (read_pending_) {  // read_back enqueued the copy before the work that follows it on the stream
+      err = cudaEventSynchronize(hs_->read);
+      read_pending_ = false;
+    } else {
+      err = cudaMemcpyAsync(hs_->offsets, offsets, static_cast<size_t>(experts + 1) * sizeof(int32_t), cudaMemcpyDeviceToHost, st);
+      if (err == cudaSuccess) err = cudaStreamSynchronize(st);
+    }
     if (err != cudaSuccess) return errorf("moe: reading the expert offsets back failed: %s", cudaGetErrorString(err));
     off_.assign(hs_->offsets, hs_->offsets + experts + 1);
     for (int64_t e = 0; e < experts; ++e)
@@ -905,6 +918,18 @@ class Blas {
                              "running Grouped\n", static_cast<long long>(pad_.rows), static_cast<long long>(b.group_rows));
     }
     group_ = {pad_.first, pad_.experts};
+    return nullptr;
+  }
+
+  // Enqueues the offsets' copy to the host now; begin() then waits for that copy alone, so that
+  // work enqueued in between (the forward's planned gather) runs while the host waits and decides.
+  const char* read_back(const int32_t* offsets, int64_t experts, cudaStream_t st) {
+    if (const char* e = host_side(&hs_)) return e;
+    cudaError_t err = cudaMemcpyAsync(hs_->offsets, offsets, static_cast<size_t>(experts + 1) * sizeof(int32_t),
+                                      cudaMemcpyDeviceToHost, st);
+    if (err == cudaSuccess) err = cudaEventRecord(hs_->read, st);
+    if (err != cudaSuccess) return errorf("moe: reading the expert offsets back failed: %s", cudaGetErrorString(err));
+    read_pending_ = true;
     return nullptr;
   }
 
@@ -1015,6 +1040,7 @@ class Blas {
   }
 
   HostSide* hs_ = nullptr;
+  bool read_pending_ = false;
   cudaStream_t st_ = nullptr;
   cudaDataType_t dt_ = CUDA_R_16BF;
   void** dev_ptrs_ = nullptr;
@@ -1040,10 +1066,8 @@ const char* rows_fit(const Blas& blas, const Bufs& b, const char* call) {
 // a step, four steps' loads issued together.
 constexpr int kGatherWarps = 8;
 template <typename T, int V>
-__global__ void gather_rows(int64_t n, int64_t h, int k, Pad pd, const int32_t* sorted, const float* w, const T* x, int64_t ldx,
-                            T* rows) {
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * kGatherWarps + (threadIdx.x >> 5);
-  if (r >= n) return;
+__device__ __forceinline__ void gather_row(int64_t r, int64_t h, int k, const Pad& pd, const int32_t* sorted, const float* w, const T* x,
+                                           int64_t ldx, T* rows) {
   const int lane = threadIdx.x & 31;
   const int32_t q = position_of(pd, r);
   T* dst = rows + r * h;
@@ -1088,6 +1112,43 @@ __global__ void gather_rows(int64_t n, int64_t h, int k, Pad pd, const int32_t* 
   }
 }
 
+template <typename T, int V>
+__global__ void gather_rows(int64_t n, int64_t h, int k, Pad pd, const int32_t* sorted, const float* w, const T* x, int64_t ldx,
+                            T* rows) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kGatherWarps + (threadIdx.x >> 5);
+  if (r < n) gather_row<T, V>(r, h, k, pd, sorted, w, x, ldx, rows);
+}
+
+// The forward's layout decided on the device from the counts, as Blas::begin decides it on the host
+// once they are read back (the same functions, moe.h): plan = {padded, first, experts, rows}.
+struct Plan {
+  int32_t padded, first, experts, rows;
+};
+__global__ void plan_layout(const int32_t* offsets, int64_t experts, int64_t hidden, int64_t inter, int64_t slots, int64_t sms,
+                            ExpertGemm asked, int64_t group_rows, Plan* plan) {
+  Plan q{0, 0, 0, 0};
+  if (choose_expert_gemm(asked, offsets, experts, hidden, inter, slots, sms) == ExpertGemm::Padded) {
+    const PaddedLayout l = padded_layout(offsets, experts);
+    if (group_rows <= 0 || l.rows <= group_rows)  // else Grouped: no expert fits a group
+      q = Plan{1, static_cast<int32_t>(l.first), static_cast<int32_t>(l.experts), static_cast<int32_t>(l.rows)};
+  }
+  *plan = q;
+}
+
+// gather_rows over the layout of `plan`: its rows (the padded ones, or the valid positions), at most
+// the grid's.
+template <typename T, int V>
+__global__ void gather_planned(const Plan* plan, int64_t experts, int64_t h, int k, const int32_t* offsets, const int32_t* sorted,
+                               const float* w, const T* x, int64_t ldx, T* rows) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kGatherWarps + (threadIdx.x >> 5);
+  const Plan q = *plan;
+  const int64_t n = q.padded ? static_cast<int64_t>(q.experts) * q.rows : offsets[experts];
+  if (r >= n) return;
+  Pad pd;
+  if (q.padded) pd.m = q.rows, pd.first = q.first, pd.offsets = offsets;
+  gather_row<T, V>(r, h, k, pd, sorted, w, x, ldx, rows);
+}
+
 template <typename T> void launch_gather(int64_t n, int64_t h, int64_t k, Pad pd, const int32_t* sorted, const float* w, const T* x,
                                          int64_t ldx, T* rows, cudaStream_t st) {
   if (n <= 0) return;
@@ -1096,6 +1157,18 @@ template <typename T> void launch_gather(int64_t n, int64_t h, int64_t k, Pad pd
     gather_rows<T, 8><<<blocks, kGatherWarps * 32, 0, st>>>(n, h, static_cast<int>(k), pd, sorted, w, x, ldx, rows);
   else
     gather_rows<T, 1><<<blocks, kGatherWarps * 32, 0, st>>>(n, h, static_cast<int>(k), pd, sorted, w, x, ldx, rows);
+}
+
+// The planned gather over at most `max_rows` rows (the workspace's buffers by row).
+template <typename T> void launch_gather_planned(int64_t max_rows, const Plan* plan, int64_t experts, int64_t h, int64_t k,
+                                                 const int32_t* offsets, const int32_t* sorted, const float* w, const T* x,
+                                                 int64_t ldx, T* rows, cudaStream_t st) {
+  if (max_rows <= 0) return;
+  const unsigned blocks = static_cast<unsigned>(ceil_div(max_rows, kGatherWarps));
+  if (h % 8 == 0 && ldx % 8 == 0 && kernel::cuda::aligned16(x) && kernel::cuda::aligned16(rows))
+    gather_planned<T, 8><<<blocks, kGatherWarps * 32, 0, st>>>(plan, experts, h, static_cast<int>(k), offsets, sorted, w, x, ldx, rows);
+  else
+    gather_planned<T, 1><<<blocks, kGatherWarps * 32, 0, st>>>(plan, experts, h, static_cast<int>(k), offsets, sorted, w, x, ldx, rows);
 }
 
 // Padded: each slot's position becomes its padded row (Pad), -1 for a slot no expert takes.
@@ -1266,20 +1339,33 @@ template <typename T> const char* gate_up_products(const MoeParams& p, Blas& bla
 // The forward's experts on cuBLAS: the expert inputs by row (gathered, or Input's scaled rows), gu,
 // h, then y by row into b.y (which held the gathered inputs until then, in Output mode).  Padded:
 // the rows are padded ones, and b.pos then holds each slot's row (*padded set).
+//
+// The rows are gathered before the host has the counts: plan_layout decides the layout on the device
+// with the functions Blas::begin runs on the host once the counts are read back (the same decision),
+// the copy of the offsets to the host is enqueued next, then the gather over the planned layout, so
+// that the gather runs while the host waits for the copy and decides.
 template <typename T>
 const char* experts_forward_cublas(const MoeParams& p, const Bufs& b, Path path, const int32_t* offsets, const int32_t* sorted,
                                    const int32_t* ids, const float* w, bool* padded, cudaStream_t st) {
   const int64_t h = p.hidden, I = p.inter, k = p.top_k, ne = p.experts, eb = sizeof(T), s = moe_slots(p);
   const bool input = p.weight_on == WeightOn::Input;
+  const T* x = static_cast<const T*>(p.x);
+  T* xs = static_cast<T*>(input ? b.xs : b.y);
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return "moe forward: no usable CUDA device";
+  const ExpertGemm asked = path == Path::Loop ? ExpertGemm::Loop : path == Path::Grouped ? ExpertGemm::Grouped
+                           : path == Path::Padded                ? ExpertGemm::Padded
+                                                                 : ExpertGemm::Auto;
+  Plan* plan = static_cast<Plan*>(b.plan);
+  plan_layout<<<1, 1, 0, st>>>(offsets, ne, h, I, s, kernel::cuda::sm_count(device), asked, b.group_rows, plan);
   Blas blas;
+  if (const char* e = blas.read_back(offsets, ne, st)) return e;
+  launch_gather_planned<T>(b.rows, plan, ne, h, k, offsets, sorted, input ? w : nullptr, x, p.x_stride, xs, st);
   if (const char* e = blas.begin(path, offsets, ne, p.dtype, b, h, I, s, st)) return e;
   if (const char* e = rows_fit(blas, b, "forward")) return e;
   if (blas.valid() == 0) return nullptr;
   const int64_t n = blas.buffer_rows();
   const Pad pd = blas.pad(offsets);
-  const T* x = static_cast<const T*>(p.x);
-  T* xs = static_cast<T*>(input ? b.xs : b.y);
-  launch_gather<T>(n, h, k, pd, sorted, input ? w : nullptr, x, p.x_stride, xs, st);
   // gu: the saved gate_up, or b.h with h over its gate half; Padded: always b.h (padded rows), the
   // GLU kernel copying [g, u] to the saved gate_up by position.
   const bool direct = p.gate_up && !blas.padded();
