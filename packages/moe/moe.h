@@ -143,9 +143,11 @@ inline bool matrix_storage(int64_t rows, int64_t cols, int64_t rs, int64_t cs, b
 //            many small experts); more padding (a skewed routing, or at decode sizes a range of
 //            experts mostly without tokens, whose weights the padded call would still stream) is
 //            left to Grouped.
-// The cuBLAS paths read the expert offsets back to the host (one stream synchronization per call);
-// offsets that are no grouping of the S slots (expert_offsets[0] != 0, expert_offsets[E] > S) are
-// refused there, and so is a layout that needs more rows than the workspace holds.
+// The cuBLAS paths read the expert offsets back to the host (one wait for that copy a call; the
+// backward synchronizes the stream, the forward waits for the copy alone while the token rows are
+// gathered over the same layout decided on the device by these functions); offsets that are no
+// grouping of the S slots (expert_offsets[0] != 0, expert_offsets[E] > S) are refused there, and so
+// is a layout that needs more rows than the workspace holds.
 // While the stream is being captured into a CUDA graph that is not allowed: every choice runs Kernel.
 enum class ExpertGemm : int32_t { Auto = 0, Kernel = 1, Loop = 2, Grouped = 3, Padded = 4 };
 
