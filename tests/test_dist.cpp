@@ -1093,13 +1093,17 @@ std::unique_ptr<models::CausalLM> uninterrupted(const models::ModelConfig& cfg, 
   return model;
 }
 
-// Every parameter of `got` equals the one of `want` of the same index (1e-5 relative L2).
+// Every parameter of `got` equals the one of `want` of the same index (1e-4 relative L2).  Runs over
+// different numbers of ranks sum a batch's gradients in different orders, and AdamW's normalized step
+// turns those rounding-level differences into up to a few percent of a step for an element whose
+// gradient is near zero (2.7e-5 relative L2 seen on o_proj with OpenBLAS on an AVX-512 machine); a
+// resume without the optimizer's state is off by 5e-3 to 1.2e-2 on every parameter.
 void expect_same_parameters(models::CausalLM& got_model, models::CausalLM& want_model, const std::string& what) {
   const auto want = want_model.parameters();
   const auto got = got_model.parameters();
   ASSERT_EQ(got.size(), want.size());
   for (size_t i = 0; i < got.size(); ++i)
-    EXPECT_TRUE(test::close_l2(got[i].second, want[i].second.to_f64_vector(), 1e-5)) << what << " " << got[i].first;
+    EXPECT_TRUE(test::close_l2(got[i].second, want[i].second.to_f64_vector(), 1e-4)) << what << " " << got[i].first;
 }
 
 // Checkpoints of the optimizer do not depend on the world size: two steps, a save, two more steps
