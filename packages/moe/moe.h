@@ -152,7 +152,9 @@ inline bool matrix_storage(int64_t rows, int64_t cols, int64_t rs, int64_t cs, b
 enum class ExpertGemm : int32_t { Auto = 0, Kernel = 1, Loop = 2, Grouped = 3, Padded = 4 };
 
 // Auto's forward takes the Hopper kernel up to this many slots an expert on average (S <= 4 E: 64
-// tokens top-8 over 128 experts).
+// tokens top-8 over 128 experts).  So the forward's workspace (moe_workspace) depends, as Padded's
+// rows do, on the current device and the environment (KCPP_MOE_SM90, KCPP_MOE_GEMM): size it on the
+// device and with the settings of the call.
 constexpr int64_t kSm90AutoRows = 4;
 
 // Padded's rows per expert are a multiple of this (16-byte aligned rows of every buffer).

@@ -600,7 +600,7 @@ int64_t grid_y_rows(gemm::Grouping g, int64_t rows, int64_t groups) {
 // reductions (CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION); results in the dtype.
 //
 // The group sizes come to the host once per call (cudaMemcpyAsync of the offsets into pinned memory,
-// then a stream synchronization).  Loop: one cublasGemmEx per expert with positions.  Grouped: one
+// then a wait: for the copy alone in the forward, Blas::read_back; for the stream in the backward).  Loop: one cublasGemmEx per expert with positions.  Grouped: one
 // cublasGemmGroupedBatchedEx per product, the experts with equal n_e one group (a group shares m, n,
 // k, the leading dims and the scalars; its A, B, C pointers are device arrays, copied from pinned host
 // memory into the workspace), cuBLAS 12.5 on.
@@ -869,14 +869,16 @@ class Blas {
     if (const char* e = host_side(&hs_)) return e;
     st_ = st, dt_ = blas_type(dt), dev_ptrs_ = b.ptrs, experts_ = experts;
     // cuBLAS's stream and workspace first: set while the GPU still works on what the read-back waits for.
-    if (cublasSetStream(hs_->handle, st) != CUBLAS_STATUS_SUCCESS ||  // before the workspace: it resets it
-        cublasSetWorkspace(hs_->handle, b.blas, kCublasWorkspace) != CUBLAS_STATUS_SUCCESS)
-      return "moe: could not set cuBLAS's stream and workspace";
+    const bool blas_set = cublasSetStream(hs_->handle, st) == CUBLAS_STATUS_SUCCESS &&  // before the workspace: it resets it
+                          cublasSetWorkspace(hs_->handle, b.blas, kCublasWorkspace) == CUBLAS_STATUS_SUCCESS;
     cudaError_t err = cudaSuccess;
-    if (read_pending_) {  // read_back enqueued the copy before the work that follows it on the stream
-      err = cudaEventSynchronize(hs_->read);
+    const bool enqueued = read_pending_;
+    if (enqueued) {  // read_back enqueued the copy before the work that follows it on the stream
+      err = cudaEventSynchronize(hs_->read);  // also on failure: no copy into the pinned offsets outlives the call
       read_pending_ = false;
-    } else {
+    }
+    if (!blas_set) return "moe: could not set cuBLAS's stream and workspace";
+    if (!enqueued) {
       err = cudaMemcpyAsync(hs_->offsets, offsets, static_cast<size_t>(experts + 1) * sizeof(int32_t), cudaMemcpyDeviceToHost, st);
       if (err == cudaSuccess) err = cudaStreamSynchronize(st);
     }
@@ -1138,12 +1140,12 @@ __global__ void plan_layout(const int32_t* offsets, int64_t experts, int64_t hid
 // gather_rows over the layout of `plan`: its rows (the padded ones, or the valid positions), at most
 // the grid's.
 template <typename T, int V>
-__global__ void gather_planned(const Plan* plan, int64_t experts, int64_t h, int k, const int32_t* offsets, const int32_t* sorted,
-                               const float* w, const T* x, int64_t ldx, T* rows) {
+__global__ void gather_planned(const Plan* plan, int64_t max_rows, int64_t experts, int64_t h, int k, const int32_t* offsets,
+                               const int32_t* sorted, const float* w, const T* x, int64_t ldx, T* rows) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kGatherWarps + (threadIdx.x >> 5);
   const Plan q = *plan;
   const int64_t n = q.padded ? static_cast<int64_t>(q.experts) * q.rows : offsets[experts];
-  if (r >= n) return;
+  if (r >= n || r >= max_rows) return;  // a layout past the workspace is refused by the host after the read-back
   Pad pd;
   if (q.padded) pd.m = q.rows, pd.first = q.first, pd.offsets = offsets;
   gather_row<T, V>(r, h, k, pd, sorted, w, x, ldx, rows);
@@ -1166,9 +1168,11 @@ template <typename T> void launch_gather_planned(int64_t max_rows, const Plan* p
   if (max_rows <= 0) return;
   const unsigned blocks = static_cast<unsigned>(ceil_div(max_rows, kGatherWarps));
   if (h % 8 == 0 && ldx % 8 == 0 && kernel::cuda::aligned16(x) && kernel::cuda::aligned16(rows))
-    gather_planned<T, 8><<<blocks, kGatherWarps * 32, 0, st>>>(plan, experts, h, static_cast<int>(k), offsets, sorted, w, x, ldx, rows);
+    gather_planned<T, 8><<<blocks, kGatherWarps * 32, 0, st>>>(plan, max_rows, experts, h, static_cast<int>(k), offsets, sorted, w, x,
+                                                                ldx, rows);
   else
-    gather_planned<T, 1><<<blocks, kGatherWarps * 32, 0, st>>>(plan, experts, h, static_cast<int>(k), offsets, sorted, w, x, ldx, rows);
+    gather_planned<T, 1><<<blocks, kGatherWarps * 32, 0, st>>>(plan, max_rows, experts, h, static_cast<int>(k), offsets, sorted, w, x,
+                                                                ldx, rows);
 }
 
 // Padded: each slot's position becomes its padded row (Pad), -1 for a slot no expert takes.
@@ -1340,10 +1344,10 @@ template <typename T> const char* gate_up_products(const MoeParams& p, Blas& bla
 // h, then y by row into b.y (which held the gathered inputs until then, in Output mode).  Padded:
 // the rows are padded ones, and b.pos then holds each slot's row (*padded set).
 //
-// The rows are gathered before the host has the counts: plan_layout decides the layout on the device
-// with the functions Blas::begin runs on the host once the counts are read back (the same decision),
-// the copy of the offsets to the host is enqueued next, then the gather over the planned layout, so
-// that the gather runs while the host waits for the copy and decides.
+// The rows are gathered before the host has the counts: the copy of the offsets to the host is
+// enqueued, then plan_layout decides the layout on the device with the functions Blas::begin runs on
+// the host once the counts are read back (the same decision), then the gather over the planned
+// layout, so that the plan and the gather run while the host waits for the copy and decides.
 template <typename T>
 const char* experts_forward_cublas(const MoeParams& p, const Bufs& b, Path path, const int32_t* offsets, const int32_t* sorted,
                                    const int32_t* ids, const float* w, bool* padded, cudaStream_t st) {
@@ -1357,9 +1361,9 @@ const char* experts_forward_cublas(const MoeParams& p, const Bufs& b, Path path,
                            : path == Path::Padded                ? ExpertGemm::Padded
                                                                  : ExpertGemm::Auto;
   Plan* plan = static_cast<Plan*>(b.plan);
-  plan_layout<<<1, 1, 0, st>>>(offsets, ne, h, I, s, kernel::cuda::sm_count(device), asked, b.group_rows, plan);
   Blas blas;
   if (const char* e = blas.read_back(offsets, ne, st)) return e;
+  plan_layout<<<1, 1, 0, st>>>(offsets, ne, h, I, s, kernel::cuda::sm_count(device), asked, b.group_rows, plan);
   launch_gather_planned<T>(b.rows, plan, ne, h, k, offsets, sorted, input ? w : nullptr, x, p.x_stride, xs, st);
   if (const char* e = blas.begin(path, offsets, ne, p.dtype, b, h, I, s, st)) return e;
   if (const char* e = rows_fit(blas, b, "forward")) return e;
@@ -1566,7 +1570,8 @@ const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path
 // The forward's experts on the package's GEMM: gate / up with the activation in its epilogue, then down.
 // Each product runs on the Hopper kernel (moe_gemm_sm90.cuh) where it takes it, its A then the rows by
 // position in a buffer of their own (the tokens gathered into b.y, which the down product writes y over
-// afterwards, or Input's scaled rows in b.xs); else on the mma.sync kernel, which gathers while it loads.
+// afterwards, or Input's scaled rows in b.xs); else on the mma.sync kernel, which gathers while it loads
+// (or reads the gathered rows, where the Hopper kernel was refused after the gather).
 template <typename T>
 void experts_forward_kernel(const MoeParams& p, const Bufs& b, const int32_t* offsets, const int32_t* sorted, const float* w,
                             cudaStream_t st) {

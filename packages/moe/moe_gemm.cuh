@@ -141,6 +141,17 @@ __device__ __forceinline__ float act_eval(Activation a, float x, float* d) {
   }
 }
 
+// MGroup: the group of m tile mt, the last g with tile_offsets[g] <= mt (a binary search).
+__device__ __forceinline__ int group_of_tile(const int32_t* tile_offsets, int groups, int mt) {
+  int lo = 0, hi = groups - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (tile_offsets[mid] <= mt) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
 // Where this block works: its group, the rows (positions) of the grouped dim, and the k range.
 struct Place {
   int g;
@@ -166,12 +177,7 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm(const Args<T> p) {
   if (G == Grouping::MGroup) {
     const int mt = blockIdx.y;
     if (mt >= p.tile_offsets[p.groups]) return;
-    int lo = 0, hi = p.groups - 1;  // the last g with tile_offsets[g] <= mt
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (p.tile_offsets[mid] <= mt) lo = mid;
-      else hi = mid - 1;
-    }
+    const int lo = group_of_tile(p.tile_offsets, p.groups, mt);
     pl.g = lo;
     pl.m0 = p.offsets[lo] + static_cast<int64_t>(mt - p.tile_offsets[lo]) * BM;
     pl.m_end = p.offsets[lo + 1];

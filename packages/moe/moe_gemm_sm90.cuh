@@ -92,12 +92,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     Item x;
     const int mt = static_cast<int>(w / p.n_tiles);
     x.nt = static_cast<int>(w % p.n_tiles);
-    int lo = 0, hi = p.groups - 1;  // the last g with tile_offsets[g] <= mt
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (p.tile_offsets[mid] <= mt) lo = mid;
-      else hi = mid - 1;
-    }
+    const int lo = group_of_tile(p.tile_offsets, p.groups, mt);
     x.g = lo;
     x.m0 = p.offsets[lo] + (mt - p.tile_offsets[lo]) * kBM;
     x.m_end = p.offsets[lo + 1];
@@ -247,7 +242,8 @@ template <typename T> bool sm_launchable(const Args<T>& a, Epi e, int64_t a_rows
 }
 
 // Launches the product (sm_launchable must have said yes).  False when the driver refused a tensor map
-// or the launch failed to configure (the caller then runs the mma.sync kernel).
+// or the kernel's shared-memory size (the caller then runs the mma.sync kernel); an error of the launch
+// itself is the forward's launch error.
 template <typename T> bool launch(const Args<T>& a, Epi e, int64_t a_rows, cudaStream_t st) {
   const bool bf16 = std::is_same_v<T, __nv_bfloat16>;
   const int64_t groups = a.groups;

@@ -656,16 +656,18 @@ struct UnsetMoeGemmEnv {
 
 // The forward's products on the Hopper grouped GEMM (moe_gemm_sm90.cuh, where the device and the
 // shapes take it: H and I multiples of 8, weights contiguous along K) and on the mma.sync kernel
-// (KCPP_MOE_SM90=0), through the package's kernel path and through Auto (which takes the Hopper
-// kernel for the forward where it can): counts at the 128-row tile's edges (127, 128, 129), a long
-// expert, empty ones and stray slots; H = 264 and I = 136 (a 256-column tile of the output and 8
-// more, a 128-column tile of I and 8 more, k-steps of 64 and a part of 8), and H = 128, I = 64.  The
-// output and every gradient (the backward reads the gate_up the forward saved) against the oracle.
+// (KCPP_MOE_SM90=0), through the package's kernel path and through Auto: counts at the 128-row
+// tile's edges (127, 128, 129), a long expert, empty ones and stray slots (Auto runs cuBLAS there),
+// and a decode-sized routing of 10 slots over 7 experts (at most kSm90AutoRows an expert: Auto takes
+// the Hopper kernel, in its smaller workspace); H = 264 and I = 136 (a 256-column tile of the output
+// and 8 more, a 128-column tile of I and 8 more, k-steps of 64 and a part of 8), and H = 128, I = 64.
+// The output and every gradient (the backward reads the gate_up the forward saved) against the oracle.
 TEST_P(MoeKernels, HopperGroupedGemmAtTileEdges) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
   Generator gen = test::test_generator();
-  const Routing r = given_routing({0, 1, 127, 128, 129, 300, 5}, true, gen);
+  const Routing tiles = given_routing({0, 1, 127, 128, 129, 300, 5}, true, gen);
+  const Routing decode = given_routing({1, 0, 2, 1, 0, 3, 1}, true, gen);
   struct Size {
     int64_t h, i;
   };
@@ -674,25 +676,27 @@ TEST_P(MoeKernels, HopperGroupedGemmAtTileEdges) {
     return v ? std::optional<std::string>(v) : std::nullopt;
   }();
   UnsetMoeGemmEnv unset;
-  for (const Size sz : {Size{264, 136}, Size{128, 64}})
-    for (DType dt : {DType::bf16, DType::f16})
-      for (Layout layout : {Layout::Rows, Layout::Separate})
-        for (bool input : {false, true})
-          for (moe::ExpertGemm gemm : dev.is_cuda() ? std::vector<moe::ExpertGemm>{moe::ExpertGemm::Kernel, moe::ExpertGemm::Auto}
-                                                    : std::vector<moe::ExpertGemm>{moe::ExpertGemm::Auto})
-            for (const char* sm90 : {"1", "0"}) {
-              if (!dev.is_cuda() && sm90[0] == '0') continue;
-              setenv("KCPP_MOE_SM90", sm90, 1);
-              const Case c{r.t, sz.h, r.e, r.k, sz.i, 0, moe::Routing::Given, false, input, kernel::Activation::Silu, layout, false,
-                           !input, false, false};
-              const std::string cfg = test::config_name(dev, dt) + " " + describe(c) + " gemm=" + gemm_name(gemm) +
-                                      " KCPP_MOE_SM90=" + sm90;
-              Block m{c, dt, dev, gemm};
-              m.build(gen, &r.ids, &r.w, true);
-              ASSERT_EQ(m.forward(), nullptr) << cfg;
-              expect_permutation(m, r.ids, cfg);
-              expect_given_routing_matches_the_oracle(m, r.ids, r.w, r.counts, gen, cfg);
-            }
+  for (const Routing* rp : {&tiles, &decode})
+    for (const Size sz : {Size{264, 136}, Size{128, 64}})
+      for (DType dt : {DType::bf16, DType::f16})
+        for (Layout layout : {Layout::Rows, Layout::Separate})
+          for (bool input : {false, true})
+            for (moe::ExpertGemm gemm : dev.is_cuda() ? std::vector<moe::ExpertGemm>{moe::ExpertGemm::Kernel, moe::ExpertGemm::Auto}
+                                                      : std::vector<moe::ExpertGemm>{moe::ExpertGemm::Auto})
+              for (const char* sm90 : {"1", "0"}) {
+                if (!dev.is_cuda() && sm90[0] == '0') continue;
+                setenv("KCPP_MOE_SM90", sm90, 1);
+                const Routing& r = *rp;
+                const Case c{r.t, sz.h, r.e, r.k, sz.i, 0, moe::Routing::Given, false, input, kernel::Activation::Silu, layout, false,
+                             !input, false, false};
+                const std::string cfg = test::config_name(dev, dt) + " " + describe(c) + " gemm=" + gemm_name(gemm) +
+                                        " KCPP_MOE_SM90=" + sm90;
+                Block m{c, dt, dev, gemm};
+                m.build(gen, &r.ids, &r.w, true);
+                ASSERT_EQ(m.forward(), nullptr) << cfg;
+                expect_permutation(m, r.ids, cfg);
+                expect_given_routing_matches_the_oracle(m, r.ids, r.w, r.counts, gen, cfg);
+              }
   if (before) setenv("KCPP_MOE_SM90", before->c_str(), 1);
   else unsetenv("KCPP_MOE_SM90");
 }

@@ -26,6 +26,18 @@ template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return
 // Rounds a float to T and back: the value an eager op would have stored as an intermediate.
 template <typename T> __device__ __forceinline__ float round_to(float v) { return to_f32(from_f32<T>(v)); }
 
+// Two floats rounded to a 16-bit T and packed in one word, the first in the low half (the lower
+// column of a matrix fragment).
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
 // N elements of T moved as one aligned access (16 bytes when N * sizeof(T) == 16).
 template <typename T, int N> struct alignas(sizeof(T) * N) Vec {
   T v[N];

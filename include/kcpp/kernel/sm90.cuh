@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <mutex>
 
+#include "kcpp/kernel/cuda.cuh"
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define KCPP_SM90_DEVICE 1
 #else
@@ -25,6 +27,8 @@
 #endif
 
 namespace kcpp::kernel::sm90 {
+
+using cuda::pack2;  // wgmma fragments from accumulators
 
 #if KCPP_SM90_DEVICE || !defined(__CUDA_ARCH__)
 
@@ -180,15 +184,6 @@ template <> __device__ __forceinline__ void wgmma_ss<__half, 256>(float (&d)[128
                : "l"(a), "l"(b), "r"(scale_d));
 }
 
-template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
 
 __device__ __forceinline__ void bar_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 __device__ __forceinline__ void bar_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
