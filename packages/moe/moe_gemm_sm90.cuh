@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- host ------------------------------------------------------------------------------------------
 
-inline bool aligned16(const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15u) == 0; }
+using kernel::cuda::aligned16;
 
 // A 4-d map {k, rows, groups, 1} over a [groups][rows][k] stack (row stride ld, group stride gs, in
 // elements), boxes of 64 x box_rows, 128-byte swizzle; what lies past an extent reads as zeros.

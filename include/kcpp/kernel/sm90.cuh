@@ -16,7 +16,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <mutex>
 
 #include "kcpp/kernel/cuda.cuh"
 
@@ -212,35 +211,18 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   return fn;
 }
 
-// Compute capability of the current device, cached per device.
+// Compute capability (10 major + minor) and multiprocessors of the current device, through
+// cuda.cuh's cached attributes; 0 and 1 when there is no usable device.
 inline int device_cc() {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return cudaGetLastError(), 0;
-  static std::mutex mu;
-  static int cc[64] = {};
-  std::lock_guard lock(mu);
-  if (dev < 0 || dev >= 64) return 0;
-  if (cc[dev] == 0) {
-    int major = 0, minor = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
-      return cudaGetLastError(), 0;
-    cc[dev] = 10 * major + minor;
-  }
-  return cc[dev];
+  return 10 * cuda::device_attribute(cudaDevAttrComputeCapabilityMajor, dev) +
+         cuda::device_attribute(cudaDevAttrComputeCapabilityMinor, dev);
 }
-
-// Multiprocessors of the current device, cached per device.
 inline int sm_count() {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return cudaGetLastError(), 1;
-  static std::mutex mu;
-  static int n[64] = {};
-  std::lock_guard lock(mu);
-  if (dev < 0 || dev >= 64) return 1;
-  if (n[dev] == 0 && cudaDeviceGetAttribute(&n[dev], cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    return cudaGetLastError(), n[dev] = 0, 1;
-  return n[dev];
+  return cuda::sm_count(dev);
 }
 
 }  // namespace kcpp::kernel::sm90
