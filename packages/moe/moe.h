@@ -130,9 +130,9 @@ inline bool matrix_storage(int64_t rows, int64_t cols, int64_t rs, int64_t cs, b
 //            The workspace holds padded_rows_cap(S, E, asked) rows (workspace_padded_rows: none under
 //            Auto where its rule never takes Padded); a call whose layout needs more runs Grouped.
 //   Auto     the environment's KCPP_MOE_GEMM (kernel, loop, grouped, padded or auto) when set; else
-//            for the forward on compute capability 9.0, Kernel on its Hopper kernel at decode sizes (at
-//            most kSm90AutoRows slots an expert on average, where no Loop rule below holds whatever the
-//            counts: bench/RESULTS.md has the sizes it is ahead at); else
+//            for the forward on compute capability 9.0, Kernel on its Hopper kernel up to
+//            kSm90AutoRows slots an expert on average, where no Loop rule below holds whatever the
+//            counts (bench/RESULTS.md has the sizes it is ahead at); else
 //            choose_expert_gemm() from the counts read back:
 //            Loop when one expert's GEMM has at least one 128 x 128 tile per multiprocessor, counting
 //            either its average rows against min(H, I) or its weight's H x I (a few large experts,
@@ -151,11 +151,12 @@ inline bool matrix_storage(int64_t rows, int64_t cols, int64_t rs, int64_t cs, b
 // While the stream is being captured into a CUDA graph that is not allowed: every choice runs Kernel.
 enum class ExpertGemm : int32_t { Auto = 0, Kernel = 1, Loop = 2, Grouped = 3, Padded = 4 };
 
-// Auto's forward takes the Hopper kernel up to this many slots an expert on average (S <= 4 E: 64
-// tokens top-8 over 128 experts).  So the forward's workspace (moe_workspace) depends, as Padded's
-// rows do, on the current device and the environment (KCPP_MOE_SM90, KCPP_MOE_GEMM): size it on the
-// device and with the settings of the call.
-constexpr int64_t kSm90AutoRows = 4;
+// Auto's forward takes the Hopper kernel up to this many slots an expert on average (S <= 512 E:
+// 8,192 tokens top-8 over 128 experts; measured on an H200 at Qwen3-30B-A3B's dims it is ahead of
+// cuBLAS's paths from 1 to 4,096 tokens and level at 8,192).  So the forward's workspace
+// (moe_workspace) depends, as Padded's rows do, on the current device and the environment
+// (KCPP_MOE_SM90, KCPP_MOE_GEMM): size it on the device and with the settings of the call.
+constexpr int64_t kSm90AutoRows = 512;
 
 // Padded's rows per expert are a multiple of this (16-byte aligned rows of every buffer).
 constexpr int64_t kPaddedRowMultiple = 8;

@@ -679,9 +679,9 @@ bool loop_only(const MoeParams& p) {
 
 // Whether a forward under Auto takes the package's GEMM on its Hopper kernel (moe_gemm_sm90.cuh: no
 // read-back of the counts, no padding, the activation in the epilogue) rather than cuBLAS: where that
-// kernel can run (bf16 / f16 weights contiguous along K with 16-byte strides), at decode sizes (at
-// most kSm90AutoRows slots an expert on average: moe.h), and where Auto's rule does not take Loop
-// whatever the counts (a few large experts, each a GEMM that fills the GPU).
+// kernel can run (bf16 / f16 weights contiguous along K with 16-byte strides), up to kSm90AutoRows
+// slots an expert on average (moe.h), and where Auto's rule does not take Loop whatever the counts (a
+// few large experts, each a GEMM that fills the GPU: there cuBLAS is ahead from 512 tokens on).
 bool auto_sm90_forward(const MoeParams& p) {
   Path path = Path::Kernel;
   if (requested_path(p, &path) != nullptr || path != Path::Auto || !gemm::sm90::enabled()) return false;
@@ -1205,7 +1205,7 @@ __global__ void glu_rows(int64_t inter, kernel::Activation act, Pad pd, const T*
         kernel::cuda::store_f32<T, V>(save + static_cast<int64_t>(q) * 2 * inter + inter + i, u);
       }
 #pragma unroll
-      for (int j = 0; j < V; ++j) out[j] = gemm::act_eval(act, g[j], nullptr) * u[j];
+      for (int j = 0; j < V; ++j) out[j] = gemm::act_eval<T>(act, g[j], nullptr) * u[j];
     }
     kernel::cuda::store_f32<T, V>(h + r * ldh + i, out);
   }
@@ -1263,7 +1263,7 @@ __global__ void glu_backward_rows(int64_t inter, int64_t col0, int64_t cols, ker
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       float da = 0.0f;
-      const float a = gemm::act_eval(act, g[j], &da);
+      const float a = gemm::act_eval<T>(act, g[j], &da);
       const float hv = kernel::cuda::round_to<T>(a * u[j]);
       acc += qv[j] * hv;
       const float dh = kernel::cuda::round_to<T>(c * qv[j]);

@@ -131,13 +131,15 @@ template <> __device__ __forceinline__ void mma16816<__half>(float (&c)[4], cons
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// act(x), and act'(x) into *d when d is not null.
-__device__ __forceinline__ float act_eval(Activation a, float x, float* d) {
+// act(x), and act'(x) into *d when d is not null: for 16-bit T with the hardware exp and division
+// (kernel/activation.h's Fast mode; its error is far below one rounding to T), for f32 the accurate ones.
+template <typename T> __device__ __forceinline__ float act_eval(Activation a, float x, float* d) {
+  constexpr kernel::MathMode M = sizeof(T) == 2 ? kernel::MathMode::Fast : kernel::MathMode::Accurate;
   switch (a) {
-    case Activation::Gelu: return kernel::activate<Activation::Gelu>(x, d);
-    case Activation::GeluTanh: return kernel::activate<Activation::GeluTanh>(x, d);
-    case Activation::QuickGelu: return kernel::activate<Activation::QuickGelu>(x, d);
-    default: return kernel::activate<Activation::Silu>(x, d);
+    case Activation::Gelu: return kernel::activate<Activation::Gelu, M>(x, d);
+    case Activation::GeluTanh: return kernel::activate<Activation::GeluTanh, M>(x, d);
+    case Activation::QuickGelu: return kernel::activate<Activation::QuickGelu, M>(x, d);
+    default: return kernel::activate<Activation::Silu, M>(x, d);
   }
 }
 
@@ -399,7 +401,7 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm(const Args<T> p) {
             p.gu_out[m * 2 * I + pc] = g;
             p.gu_out[m * 2 * I + I + pc] = u;
           }
-          if (p.h) p.h[m * I + pc] = from_f32<T>(act_eval(p.act, to_f32(g), nullptr) * to_f32(u));
+          if (p.h) p.h[m * I + pc] = from_f32<T>(act_eval<T>(p.act, to_f32(g), nullptr) * to_f32(u));
         }
   } else if constexpr (E == Epi::BwdGlu) {
     const int64_t I = p.inter;
@@ -422,7 +424,7 @@ __global__ void __launch_bounds__(THREADS) grouped_gemm(const Args<T> p) {
             const float q = acc[mi][ni][half * 2 + j];
             const float g = to_f32(p.gu_in[m * 2 * I + i]), u = to_f32(p.gu_in[m * 2 * I + I + i]);
             float da = 0.0f;
-            const float a = act_eval(p.act, g, &da);
+            const float a = act_eval<T>(p.act, g, &da);
             const float hv = to_f32(from_f32<T>(a * u));
             rowsum[mi][half] += q * hv;
             const float dh = to_f32(from_f32<T>(c * q));

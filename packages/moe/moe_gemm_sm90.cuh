@@ -42,12 +42,19 @@
 namespace kcpp::moe::gemm::sm90 {
 
 using namespace kernel::sm90;
+using kernel::cuda::round_to;
 
-constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 4, kThreads = 384;
+constexpr int kBM = 128, kBN = 256, kBK = 64, kThreads = 384;
+// Work items run in panels of kPanel m tiles, n tiles outer (see the head comment).
+constexpr int kPanel = 16;
 static_assert(kBM == BM, "the tile offsets (scan_buckets) count tiles of moe_gemm.cuh's BM rows");
 constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;
-constexpr int kSmem = 1024 /* alignment slack */ + kStages * kStageBytes + 8 * 2 * kStages;
-static_assert(kSmem <= 227 * 1024, "moe sm90 GEMM: the stages do not fit in shared memory");
+// Per epilogue: the ring's stages, and each consumer warpgroup's staging tile of its 64 output rows
+// (Glu: h's 128 columns; Store: 256 columns), in boxes of 64 x 64 (8 KiB, 128-byte swizzle).
+constexpr int stages(Epi e) { return e == Epi::Glu ? 4 : 3; }
+constexpr int staging_bytes(Epi e) { return 64 * (e == Epi::Glu ? kBN / 2 : kBN) * 2; }
+constexpr int smem_bytes(Epi e) { return 1024 /* alignment slack */ + stages(e) * kStageBytes + 2 * staging_bytes(e) + 16 * stages(e); }
+static_assert(smem_bytes(Epi::Glu) <= 227 * 1024 && smem_bytes(Epi::Store) <= 227 * 1024, "moe sm90 GEMM: shared memory");
 
 template <typename T> struct Sm90Args {
   int groups = 0;
@@ -60,38 +67,56 @@ template <typename T> struct Sm90Args {
   T* c = nullptr;
   int64_t ldc = 0;
   // Glu
-  Activation act = Activation::Silu;
   T* h = nullptr;       // [rows, inter]
   T* gu_out = nullptr;  // [rows, 2 inter], optional
 };
 
 #if KCPP_SM90_DEVICE || !defined(__CUDA_ARCH__)
-__device__ __forceinline__ void store_pair(void* p, uint32_t v) { *static_cast<uint32_t*>(p) = v; }
+__device__ __forceinline__ void st_shared(uint32_t addr, uint32_t v) { asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory"); }
+__device__ __forceinline__ uint32_t pick4(const uint32_t (&v)[4], int s) { return s == 0 ? v[0] : s == 1 ? v[1] : s == 2 ? v[2] : v[3]; }
+// The four lanes t of a quad hold pairs v[j] of columns 8 (i0 + j) + 2 t; returns the 8 columns 8 (i0 + t) .. + 7.
+__device__ __forceinline__ uint4 quad_transpose(const uint32_t (&v)[4], int t) {
+  uint32_t g[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t send = pick4(v, t ^ k);
+    g[k] = k == 0 ? send : __shfl_xor_sync(0xffffffffu, send, k);
+  }
+  return make_uint4(pick4(g, t), pick4(g, t ^ 1), pick4(g, t ^ 2), pick4(g, t ^ 3));
+}
 #endif
 
-template <typename T, Epi E>
+template <typename T, Epi E, Activation A>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_sm90(const __grid_constant__ Sm90Args<T> p, const __grid_constant__ CUtensorMap ta,
-                      const __grid_constant__ CUtensorMap tb0, const __grid_constant__ CUtensorMap tb1) {
+                      const __grid_constant__ CUtensorMap tb0, const __grid_constant__ CUtensorMap tb1,
+                      const __grid_constant__ CUtensorMap tout) {
 #if KCPP_SM90_DEVICE
+  constexpr int kStages = stages(E), kStaging = staging_bytes(E);
   extern __shared__ unsigned char smem_raw[];
   const uint32_t s0 = (smem_addr(smem_raw) + 1023u) & ~1023u;
   auto sa = [&](int st) { return s0 + st * kStageBytes; };
   auto sb = [&](int st) { return s0 + st * kStageBytes + kABytes; };
-  const uint32_t bars = s0 + kStages * kStageBytes;
+  const uint32_t staging = s0 + kStages * kStageBytes;  // [2 warpgroups][kStaging]
+  const uint32_t bars = staging + 2 * kStaging;
   auto full = [&](int st) { return bars + 8u * st; };
   auto empty = [&](int st) { return bars + 8u * (kStages + st); };
 
   const int tid = threadIdx.x;
-  const int64_t items = static_cast<int64_t>(p.tile_offsets[p.groups]) * p.n_tiles;
+  const int m_tiles = p.tile_offsets[p.groups];
+  const int64_t items = static_cast<int64_t>(m_tiles) * p.n_tiles;
   // Item w: m tile w / n_tiles (an expert's tile of rows, found in tile_offsets), n tile w % n_tiles.
   struct Item {
     int g, m0, m_end, nt;
   };
   auto item = [&](int64_t w) {
     Item x;
-    const int mt = static_cast<int>(w / p.n_tiles);
-    x.nt = static_cast<int>(w % p.n_tiles);
+    const int64_t per_panel = static_cast<int64_t>(kPanel) * p.n_tiles;
+    const int first = static_cast<int>(w / per_panel) * kPanel;  // the panel's first m tile
+    const int rows = min(kPanel, m_tiles - first);                // its m tiles
+    const int rem = static_cast<int>(w % per_panel);
+    const int mt = first + rem % rows;
+    x.nt = rem / rows;
     const int lo = group_of_tile(p.tile_offsets, p.groups, mt);
     x.g = lo;
     x.m0 = p.offsets[lo] + (mt - p.tile_offsets[lo]) * kBM;
@@ -112,6 +137,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&ta)) : "memory");
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tb0)) : "memory");
       if constexpr (E == Epi::Glu) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tb1)) : "memory");
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tout)) : "memory");
       int cnt = 0;
       for (int64_t w = blockIdx.x; w < items; w += gridDim.x) {
         const Item x = item(w);
@@ -157,38 +183,91 @@ __global__ void __launch_bounds__(kThreads, 1)
     pin(acc);
     if (prev >= 0 && lane == 0) mbar_arrive(empty(prev));
 
-    // Epilogue: this thread's rows m0 + 64 cw + 16 warp + g4 (+ 8), columns 8 i + 2 t (+ 1).
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int64_t m = static_cast<int64_t>(x.m0) + cw * 64 + warp * 16 + g4 + 8 * r;
-      if (m >= x.m_end) continue;
+    // The epilogue, on this thread's fragments: rows 16 warp + g4 + 8 r of the warpgroup's 64, pairs of
+    // columns 8 i + 2 t of the output tile (Glu: h's kBN / 2 columns of I, from the gate's pair i and
+    // the up's pair i + kBN / 16; Store: kBN columns).  The activation at 16-bit outputs with the
+    // hardware exp and division (kernel/activation.h's Fast mode).
+    constexpr int kPairs = E == Epi::Glu ? kBN / 16 : kBN / 8;
+    auto out_pair = [&](int r, int i) {
       if constexpr (E == Epi::Glu) {
-        const int64_t I = p.n;
-#pragma unroll
-        for (int i = 0; i < kBN / 16; ++i) {
-          const int64_t col = static_cast<int64_t>(x.nt) * (kBN / 2) + 8 * i + 2 * t;
-          if (col >= I) continue;
-          const uint32_t gv = pack2<T>(acc[4 * i + 2 * r], acc[4 * i + 2 * r + 1]);
-          const uint32_t uv = pack2<T>(acc[4 * (i + kBN / 16) + 2 * r], acc[4 * (i + kBN / 16) + 2 * r + 1]);
-          if (p.gu_out) {
-            store_pair(p.gu_out + m * 2 * I + col, gv);
-            store_pair(p.gu_out + m * 2 * I + I + col, uv);
-          }
-          const T* gp = reinterpret_cast<const T*>(&gv);
-          const T* up = reinterpret_cast<const T*>(&uv);
-          store_pair(p.h + m * I + col, pack2<T>(act_eval(p.act, to_f32(gp[0]), nullptr) * to_f32(up[0]),
-                                                 act_eval(p.act, to_f32(gp[1]), nullptr) * to_f32(up[1])));
-        }
+        const float g0 = round_to<T>(acc[4 * i + 2 * r]), g1 = round_to<T>(acc[4 * i + 2 * r + 1]);
+        const float u0 = round_to<T>(acc[4 * (i + kPairs) + 2 * r]), u1 = round_to<T>(acc[4 * (i + kPairs) + 2 * r + 1]);
+        return pack2<T>(kernel::activate<A, kernel::MathMode::Fast>(g0, nullptr) * u0,
+                        kernel::activate<A, kernel::MathMode::Fast>(g1, nullptr) * u1);
       } else {
+        return pack2<T>(acc[4 * i + 2 * r], acc[4 * i + 2 * r + 1]);
+      }
+    };
+    const int64_t row0 = static_cast<int64_t>(x.m0) + cw * 64;  // the warpgroup's first row
+    const int64_t n = p.n;
+    const int64_t col0 = static_cast<int64_t>(x.nt) * (kBN / (E == Epi::Glu ? 2 : 1));
+    if (row0 + 64 <= x.m_end) {
+      // All 64 rows are the expert's: through the staging tile and a bulk tensor store (columns past
+      // n are dropped by the tensor map), which runs on while the warpgroup goes on to its next item.
+      const uint32_t stg = staging + cw * kStaging;
+      if (tid % 128 == 0) bulk_wait_read();  // the previous item's store has read the staging tile
+      bar_sync(1 + cw, 128);
 #pragma unroll
-        for (int i = 0; i < kBN / 8; ++i) {
-          const int64_t col = static_cast<int64_t>(x.nt) * kBN + 8 * i + 2 * t;
-          if (col >= p.n) continue;
-          store_pair(p.c + m * p.ldc + col, pack2<T>(acc[4 * i + 2 * r], acc[4 * i + 2 * r + 1]));
+      for (int r = 0; r < 2; ++r) {
+        const int row = warp * 16 + g4 + 8 * r;
+#pragma unroll
+        for (int i = 0; i < kPairs; ++i)
+          st_shared(stg + (i / 8) * 8192 + row * 128 + (((i % 8) ^ (row % 8)) << 4) + t * 4, out_pair(r, i));
+      }
+      fence_async_smem();
+      bar_sync(1 + cw, 128);
+      if (tid % 128 == 0) {
+#pragma unroll
+        for (int b = 0; b < kPairs / 8; ++b)
+          if (col0 + 64 * b < n) tma_store(&tout, stg + b * 8192, static_cast<int>(col0 + 64 * b), static_cast<int>(row0), 0, 0);
+        bulk_commit();
+      }
+    } else {
+      // The expert's last tile: rows past its end are the next expert's, not written.  Each quad
+      // exchanges its pairs (quad_transpose) so that a thread writes 16 bytes.
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t m = row0 + warp * 16 + g4 + 8 * r;
+#pragma unroll
+        for (int i0 = 0; i0 < kPairs; i0 += 4) {
+          uint32_t v[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) v[j] = out_pair(r, i0 + j);
+          const uint4 q = quad_transpose(v, t);
+          const int64_t col = col0 + 8 * (i0 + t);
+          if (m < x.m_end && col < n) {
+            if constexpr (E == Epi::Glu) *reinterpret_cast<uint4*>(p.h + m * n + col) = q;
+            else *reinterpret_cast<uint4*>(p.c + m * p.ldc + col) = q;
+          }
+        }
+      }
+    }
+    if constexpr (E == Epi::Glu) {
+      // The saved gate_up [g, u] (training), 16 bytes a thread.
+      if (p.gu_out) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int64_t m = row0 + warp * 16 + g4 + 8 * r;
+#pragma unroll
+          for (int i0 = 0; i0 < kPairs; i0 += 4) {
+            uint32_t gv[4], uv[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              gv[j] = pack2<T>(acc[4 * (i0 + j) + 2 * r], acc[4 * (i0 + j) + 2 * r + 1]);
+              uv[j] = pack2<T>(acc[4 * (i0 + j + kPairs) + 2 * r], acc[4 * (i0 + j + kPairs) + 2 * r + 1]);
+            }
+            const uint4 gq = quad_transpose(gv, t), uq = quad_transpose(uv, t);
+            const int64_t col = col0 + 8 * (i0 + t);
+            if (m < x.m_end && col < n) {
+              *reinterpret_cast<uint4*>(p.gu_out + m * 2 * n + col) = gq;
+              *reinterpret_cast<uint4*>(p.gu_out + m * 2 * n + n + col) = uq;
+            }
+          }
         }
       }
     }
   }
+  if (tid % 128 == 0) bulk_wait();  // the warpgroup's last store has completed
 #endif
 }
 
@@ -247,30 +326,40 @@ template <typename T> bool sm_launchable(const Args<T>& a, Epi e, int64_t a_rows
 template <typename T> bool launch(const Args<T>& a, Epi e, int64_t a_rows, cudaStream_t st) {
   const bool bf16 = std::is_same_v<T, __nv_bfloat16>;
   const int64_t groups = a.groups;
-  CUtensorMap ta{}, tb0{}, tb1{};
+  CUtensorMap ta{}, tb0{}, tb1{}, tout{};
   if (!make_map(&ta, a.a, bf16, a.K, a_rows, 1, a.lda, 0, kBM)) return false;
   Sm90Args<T> p;
   p.groups = a.groups, p.offsets = a.offsets, p.tile_offsets = a.tile_offsets;
   p.k_tiles = static_cast<int>((a.K + kBK - 1) / kBK);
   if (e == Epi::Glu) {
     if (!make_map(&tb0, a.b0, bf16, a.K, a.inter, groups, a.ldb, a.b_gstride, kBN / 2) ||
-        !make_map(&tb1, a.b1, bf16, a.K, a.inter, groups, a.ldb, a.b_gstride, kBN / 2))
+        !make_map(&tb1, a.b1, bf16, a.K, a.inter, groups, a.ldb, a.b_gstride, kBN / 2) ||
+        !make_map(&tout, a.h, bf16, a.inter, a_rows, 1, a.inter, 0, 64))
       return false;
     p.n = a.inter, p.n_tiles = static_cast<int>((a.inter + kBN / 2 - 1) / (kBN / 2));
-    p.act = a.act, p.h = a.h, p.gu_out = a.gu_out;
+    p.h = a.h, p.gu_out = a.gu_out;
   } else {
-    if (!make_map(&tb0, a.b0, bf16, a.K, a.N, groups, a.ldb, a.b_gstride, kBN)) return false;
+    if (!make_map(&tb0, a.b0, bf16, a.K, a.N, groups, a.ldb, a.b_gstride, kBN) ||
+        !make_map(&tout, a.c, bf16, a.N, a_rows, 1, a.ldc, 0, 64))
+      return false;
     tb1 = tb0;
     p.n = a.N, p.n_tiles = static_cast<int>((a.N + kBN - 1) / kBN);
     p.c = static_cast<T*>(a.c), p.ldc = a.ldc;
   }
-  auto kern = e == Epi::Glu ? grouped_gemm_sm90<T, Epi::Glu> : grouped_gemm_sm90<T, Epi::Store>;
-  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess) {
+  auto kern = grouped_gemm_sm90<T, Epi::Store, Activation::Silu>;
+  if (e == Epi::Glu) switch (a.act) {
+      case Activation::Gelu: kern = grouped_gemm_sm90<T, Epi::Glu, Activation::Gelu>; break;
+      case Activation::GeluTanh: kern = grouped_gemm_sm90<T, Epi::Glu, Activation::GeluTanh>; break;
+      case Activation::QuickGelu: kern = grouped_gemm_sm90<T, Epi::Glu, Activation::QuickGelu>; break;
+      default: kern = grouped_gemm_sm90<T, Epi::Glu, Activation::Silu>;
+    }
+  const int smem = smem_bytes(e);
+  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
     cudaGetLastError();
     return false;
   }
   // Every block reads the item count on the device; blocks beyond it exit at once.
-  kern<<<static_cast<unsigned>(sm_count()), kThreads, kSmem, st>>>(p, ta, tb0, tb1);
+  kern<<<static_cast<unsigned>(sm_count()), kThreads, smem, st>>>(p, ta, tb0, tb1, tout);
   return true;
 }
 

@@ -654,13 +654,29 @@ struct UnsetMoeGemmEnv {
   }
 };
 
+// An environment variable set for a scope, restored after.
+struct ScopedEnv {
+  std::string name;
+  std::optional<std::string> before;
+  ScopedEnv(const char* n, const char* value) : name(n) {
+    if (const char* v = std::getenv(n)) before = v;
+    setenv(n, value, 1);
+  }
+  ~ScopedEnv() {
+    if (before) setenv(name.c_str(), before->c_str(), 1);
+    else unsetenv(name.c_str());
+  }
+};
+
 // The forward's products on the Hopper grouped GEMM (moe_gemm_sm90.cuh, where the device and the
 // shapes take it: H and I multiples of 8, weights contiguous along K) and on the mma.sync kernel
 // (KCPP_MOE_SM90=0), through the package's kernel path and through Auto: counts at the 128-row
-// tile's edges (127, 128, 129), a long expert, empty ones and stray slots (Auto runs cuBLAS there),
-// and a decode-sized routing of 10 slots over 7 experts (at most kSm90AutoRows an expert: Auto takes
-// the Hopper kernel, in its smaller workspace); H = 264 and I = 136 (a 256-column tile of the output
-// and 8 more, a 128-column tile of I and 8 more, k-steps of 64 and a part of 8), and H = 128, I = 64.
+// tile's edges (127, 128, 129), a long expert, empty ones and stray slots, and a decode-sized routing
+// of 10 slots over 7 experts (both at most kSm90AutoRows an expert: with KCPP_MOE_SM90=1 Auto takes
+// the Hopper kernel, in its workspace; with 0, cuBLAS); H = 264 and I = 136 (a 256-column tile of the output
+// and 8 more, a 128-column tile of I and 8 more, k-steps of 64 and a part of 8), and H = 128, I = 64;
+// SiLU, then the kernel's other activations (GELU, GELU tanh, QuickGELU) at the tile edges, and a
+// routing of 20 tiles (more than one panel of the kernel's work order).
 // The output and every gradient (the backward reads the gate_up the forward saved) against the oracle.
 TEST_P(MoeKernels, HopperGroupedGemmAtTileEdges) {
   const Device dev = GetParam();
@@ -697,6 +713,26 @@ TEST_P(MoeKernels, HopperGroupedGemmAtTileEdges) {
                 expect_permutation(m, r.ids, cfg);
                 expect_given_routing_matches_the_oracle(m, r.ids, r.w, r.counts, gen, cfg);
               }
+  // The kernel's other activations (one instantiation each; the loops above are SiLU's), and 20 m
+  // tiles: more than one panel of the kernel's work order (kPanel = 16), the last one partial.
+  if (dev.is_cuda()) {
+    setenv("KCPP_MOE_SM90", "1", 1);
+    const Routing panels = given_routing({700, 2, 1200, 0, 300}, true, gen);
+    const std::pair<const Routing*, kernel::Activation> runs[] = {{&tiles, kernel::Activation::Gelu},
+                                                                   {&tiles, kernel::Activation::GeluTanh},
+                                                                   {&tiles, kernel::Activation::QuickGelu},
+                                                                   {&panels, kernel::Activation::Silu}};
+    for (const auto& [rp, act] : runs)
+      for (DType dt : {DType::bf16, DType::f16}) {
+        const Routing& r = *rp;
+        const Case c{r.t, 264, r.e, r.k, 136, 0, moe::Routing::Given, false, false, act, Layout::Rows, false, true, false, false};
+        const std::string cfg = test::config_name(dev, dt) + " " + describe(c) + " gemm=kernel KCPP_MOE_SM90=1";
+        Block m{c, dt, dev, moe::ExpertGemm::Kernel};
+        m.build(gen, &r.ids, &r.w, true);
+        ASSERT_EQ(m.forward(), nullptr) << cfg;
+        expect_given_routing_matches_the_oracle(m, r.ids, r.w, r.counts, gen, cfg);
+      }
+  }
   if (before) setenv("KCPP_MOE_SM90", before->c_str(), 1);
   else unsetenv("KCPP_MOE_SM90");
 }
@@ -721,6 +757,7 @@ TEST_P(MoeKernels, AutoPaddedAtTheBound) {
   KCPP_REQUIRE_DEVICE(dev);
   Generator gen = test::test_generator();
   const UnsetMoeGemmEnv unset;
+  const ScopedEnv no_sm90("KCPP_MOE_SM90", "0");  // cuBLAS's Auto (on Hopper Auto's forward would take the Hopper kernel)
   const Routing routing = given_routing(auto_bound_counts(), false, gen);
   const auto& [counts, ids, w, e, k, t] = routing;
   ASSERT_EQ(t, 80);
