@@ -15,20 +15,32 @@
 // the device, so the products need no stream synchronization and run under graph capture.
 //
 // The kernel is persistent (a block an SM, each looping over work items: one 128-row tile of one
-// expert's rows x one 256-column tile of N, columns fastest so that the blocks working at a time share
-// the A rows and the expert's weight in L2) with three warpgroups, as the package flash_attn's Hopper
-// attention: warpgroup 0 is the producer, one thread issuing the bulk tensor copies of A's [128, 64]
-// and W's [256, 64] tiles of each k-step into a ring of four stages, each guarded by a "full" mbarrier
-// (completed by the copy engine with its bytes) and an "empty" one (every consumer warp arrives once
-// its products have read the stage), the ring running on across items so that the next item's loads
-// overlap this one's epilogue; warpgroups 1 and 2 each own 64 of the tile's rows and issue
-// m64n256k16 wgmma with both operands in shared memory (K-major, 128-byte swizzle), keeping one
-// k-step's products in flight while they wait for the next stage.  A tile's rows that belong to the
-// next expert (or lie past the buffer, read as zeros) are computed and not written; K past its end
-// reads zeros from both operands.  Glu's tile of W is the gate's 128 rows then the up's 128 rows of
-// the same columns of I, so a thread holds g and u of one element in accumulators 4 i + e and
-// 4 (i + 16) + e and the activation needs no exchange between threads.  The epilogue writes pairs of
-// columns from the registers.
+// expert's rows x one 256-column tile of N) with three warpgroups, as the package flash_attn's Hopper
+// attention.  The items run in panels of kPanel = 16 m tiles, n tiles outer and the panel's m tiles
+// inner, so that the blocks working at a time read about 16 tiles of A rows and 132 / 16 tiles of W:
+// the fewest bytes from memory for 132 tiles of 128 x 256 when W's tile is twice A's (sqrt(132 * 2)).
+// With the columns fastest instead, a wave of blocks at Mixtral's I = 14,336 reads 132 different
+// weight tiles and its gate_up ran 7.3 against 5.4 ms (bench/RESULTS.md).
+// Warpgroup 0 is the producer, one thread issuing the bulk tensor copies of A's [128, 64] and W's
+// [256, 64] tiles of each k-step into a ring of stages (4 for Glu, 3 for Store), each guarded by a
+// "full" mbarrier (completed by the copy engine with its bytes) and an "empty" one (every consumer
+// warp arrives once its products have read the stage), the ring running on across items so that the
+// next item's loads overlap this one's epilogue; warpgroups 1 and 2 each own 64 of the tile's rows
+// and issue m64n256k16 wgmma with both operands in shared memory (K-major, 128-byte swizzle), keeping
+// one k-step's products in flight while they wait for the next stage.  A tile's rows that belong to
+// the next expert (or lie past the buffer, read as zeros) are computed and not written; K past its
+// end reads zeros from both operands.  Glu's tile of W is the gate's 128 rows then the up's 128 rows
+// of the same columns of I, so a thread holds g and u of one element in accumulators 4 i + e and
+// 4 (i + 16) + e and the activation needs no exchange between threads; the activation is a template
+// parameter (a runtime switch over the four, unrolled 64 times a thread, cost gate_up about twice its
+// products' time) in kernel/activation.h's Fast mode (the outputs are 16-bit).
+// The epilogue: where all 64 rows of a warpgroup are its expert's, the warpgroup writes its output
+// (h, or C) into a staging tile of its own in the 128-byte swizzle (conflict-free: the 8 rows of a
+// store instruction fall in 8 different 16-byte chunks) and one thread issues bulk tensor stores of
+// 64 x 64 boxes, which run on while the warpgroup starts its next item; before it writes the staging
+// tile again, that thread waits until the previous stores have read it.  The expert's last tile
+// (rows past its end are the next expert's) is written from the registers, 16 bytes a thread after
+// each quad of threads exchanges its column pairs, and so is Glu's saved gate_up.
 #pragma once
 
 #include <climits>
