@@ -679,7 +679,8 @@ bool loop_only(const MoeParams& p) {
 
 // Whether a forward under Auto takes the package's GEMM on its Hopper kernel (moe_gemm_sm90.cuh: no
 // read-back of the counts, no padding, the activation in the epilogue) rather than cuBLAS: where that
-// kernel can run (bf16 / f16 weights contiguous along K with 16-byte strides), up to kSm90AutoRows
+// kernel can run (bf16 / f16 weights contiguous along K with 16-byte aligned bases and strides, and a
+// 16-byte aligned saved gate_up), up to kSm90AutoRows
 // slots an expert on average (moe.h), and where Auto's rule does not take Loop whatever the counts (a
 // few large experts, each a GEMM that fills the GPU: there cuBLAS is ahead from 512 tokens on).
 bool auto_sm90_forward(const MoeParams& p) {
@@ -688,7 +689,8 @@ bool auto_sm90_forward(const MoeParams& p) {
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return false;
   if (p.hidden % 8 || p.inter % 8 || moe_slots(p) > kSm90AutoRows * p.experts) return false;
   for (const Matrix* m : {&p.gate, &p.up, &p.down})
-    if (m->col_stride != 1 || m->row_stride % 8 || m->expert_stride % 8) return false;
+    if (m->col_stride != 1 || m->row_stride % 8 || m->expert_stride % 8 || !kernel::cuda::aligned16(m->data)) return false;
+  if (p.gate_up && !kernel::cuda::aligned16(p.gate_up)) return false;  // else the products would fall to mma.sync
   return !auto_always_loop(p.hidden, p.inter, gemm::sm90::sm_count());
 }
 

@@ -117,7 +117,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x;
   const int m_tiles = p.tile_offsets[p.groups];
   const int64_t items = static_cast<int64_t>(m_tiles) * p.n_tiles;
-  // Item w: m tile w / n_tiles (an expert's tile of rows, found in tile_offsets), n tile w % n_tiles.
+  // Item w: in panel w / (kPanel n_tiles) of kPanel m tiles (the last one may hold fewer), n tile
+  // (w % (kPanel n_tiles)) / rows and the panel's m tile (w % (kPanel n_tiles)) % rows, rows its m
+  // tiles; an m tile is an expert's tile of rows, found in tile_offsets.
   struct Item {
     int g, m0, m_end, nt;
   };

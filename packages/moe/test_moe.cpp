@@ -675,8 +675,9 @@ struct ScopedEnv {
 // of 10 slots over 7 experts (both at most kSm90AutoRows an expert: with KCPP_MOE_SM90=1 Auto takes
 // the Hopper kernel, in its workspace; with 0, cuBLAS); H = 264 and I = 136 (a 256-column tile of the output
 // and 8 more, a 128-column tile of I and 8 more, k-steps of 64 and a part of 8), and H = 128, I = 64;
-// SiLU, then the kernel's other activations (GELU, GELU tanh, QuickGELU) at the tile edges, and a
-// routing of 20 tiles (more than one panel of the kernel's work order).
+// SiLU, then the kernel's other activations (GELU, GELU tanh, QuickGELU) at the tile edges, a routing
+// of 20 tiles (more than one panel of the kernel's work order) and one of 151 (every block runs
+// several work items).
 // The output and every gradient (the backward reads the gate_up the forward saved) against the oracle.
 TEST_P(MoeKernels, HopperGroupedGemmAtTileEdges) {
   const Device dev = GetParam();
@@ -687,10 +688,7 @@ TEST_P(MoeKernels, HopperGroupedGemmAtTileEdges) {
   struct Size {
     int64_t h, i;
   };
-  const std::optional<std::string> before = [] {
-    const char* v = std::getenv("KCPP_MOE_SM90");
-    return v ? std::optional<std::string>(v) : std::nullopt;
-  }();
+  const ScopedEnv sm90_env("KCPP_MOE_SM90", "1");  // set per case below, restored after
   UnsetMoeGemmEnv unset;
   for (const Routing* rp : {&tiles, &decode})
     for (const Size sz : {Size{264, 136}, Size{128, 64}})
@@ -718,10 +716,14 @@ TEST_P(MoeKernels, HopperGroupedGemmAtTileEdges) {
   if (dev.is_cuda()) {
     setenv("KCPP_MOE_SM90", "1", 1);
     const Routing panels = given_routing({700, 2, 1200, 0, 300}, true, gen);
+    // 151 m tiles, 302 work items a product: every block of a 132-multiprocessor GPU runs two or
+    // three (the staging tile written again after its bulk stores, the ring running across items).
+    const Routing many = given_routing({6000, 1, 5000, 0, 7001, 900}, true, gen);
     const std::pair<const Routing*, kernel::Activation> runs[] = {{&tiles, kernel::Activation::Gelu},
                                                                    {&tiles, kernel::Activation::GeluTanh},
                                                                    {&tiles, kernel::Activation::QuickGelu},
-                                                                   {&panels, kernel::Activation::Silu}};
+                                                                   {&panels, kernel::Activation::Silu},
+                                                                   {&many, kernel::Activation::Silu}};
     for (const auto& [rp, act] : runs)
       for (DType dt : {DType::bf16, DType::f16}) {
         const Routing& r = *rp;
@@ -733,8 +735,6 @@ TEST_P(MoeKernels, HopperGroupedGemmAtTileEdges) {
         expect_given_routing_matches_the_oracle(m, r.ids, r.w, r.counts, gen, cfg);
       }
   }
-  if (before) setenv("KCPP_MOE_SM90", before->c_str(), 1);
-  else unsetenv("KCPP_MOE_SM90");
 }
 
 // 23 experts, 20 of 8 slots and experts 4, 11 and 19 (between the first and the last) of none: S = 160
