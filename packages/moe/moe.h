@@ -117,7 +117,8 @@ inline bool matrix_storage(int64_t rows, int64_t cols, int64_t rs, int64_t cs, b
 //            (a build with sm_90a) the forward's two products run on a Hopper kernel
 //            (moe_gemm_sm90.cuh: TMA, wgmma, persistent warp-specialized blocks) over the token rows
 //            gathered by position, where the weights are contiguous along K with 16-byte strides
-//            (KCPP_MOE_SM90=0 turns it off); everything else on mma.sync (moe_gemm.cuh).
+//            (KCPP_MOE_SM90=0 turns it off; =1 requires it, a product it cannot take failing the call);
+//            everything else on mma.sync (moe_gemm.cuh).
 //   Loop     cuBLAS, one cublasGemmEx per expert that received tokens.
 //   Grouped  cuBLAS, one cublasGemmGroupedBatchedEx per projection (experts with equal counts form
 //            one group of the call).
@@ -316,6 +317,9 @@ const char* moe_cuda_unsupported(const MoeParams& p, bool backward);
 const char* moe_forward_cuda(const MoeParams& p, cudaStream_t stream);
 const char* moe_backward_cuda(const MoeParams& p, cudaStream_t stream);
 size_t moe_workspace_cuda(const MoeParams& p, bool backward);
+// Null when the forward's Hopper grouped GEMM can run on the current device (a build with its sm_90a
+// code, compute capability 9.0, the driver's tensor-map encoder), KCPP_MOE_SM90 aside; else why not.
+const char* moe_sm90_unavailable();
 #endif
 
 // ---- the auxiliary loss --------------------------------------------------------------------------

@@ -1574,9 +1574,10 @@ const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path
 // position in a buffer of their own (the tokens gathered into b.y, which the down product writes y over
 // afterwards, or Input's scaled rows in b.xs); else on the mma.sync kernel, which gathers while it loads
 // (or reads the gathered rows, where the Hopper kernel was refused after the gather).
+// With KCPP_MOE_SM90=1 a product the Hopper kernel does not take is an error (sm90::mode).
 template <typename T>
-void experts_forward_kernel(const MoeParams& p, const Bufs& b, const int32_t* offsets, const int32_t* sorted, const float* w,
-                            cudaStream_t st) {
+const char* experts_forward_kernel(const MoeParams& p, const Bufs& b, const int32_t* offsets, const int32_t* sorted,
+                                   const float* w, cudaStream_t st) {
   using namespace gemm;
   const int64_t h = p.hidden, ne = p.experts, k = p.top_k, I = p.inter, s = moe_slots(p);
   const bool input = p.weight_on == WeightOn::Input;
@@ -1602,11 +1603,15 @@ void experts_forward_kernel(const MoeParams& p, const Bufs& b, const int32_t* of
     Args<T> rows = a;  // A as rows by position (the Hopper kernel reads no gather)
     if (!input) rows.a = static_cast<const T*>(b.y), rows.lda = h, rows.a_gather = nullptr, rows.a_div = 1;
     bool done = false;
-    if (sm90::sm_launchable(rows, Epi::Glu, s)) {
+    const char* why = sm90::unsupported(rows, Epi::Glu, s);
+    if (!why) {
       if (!input) launch_gather<T>(s, h, k, Pad{}, sorted, nullptr, x, p.x_stride, static_cast<T*>(b.y), st);
       done = sm90::launch(rows, Epi::Glu, s, st);
       if (!done && !input) a = rows;  // gathered already: the mma.sync kernel reads the rows
+      if (!done) why = "the driver refused a tensor map or the shared memory";
     }
+    if (!done && sm90::mode() == sm90::Mode::Required)
+      return errorf("moe forward: KCPP_MOE_SM90=1 asks for the Hopper grouped GEMM, which cannot run the gate / up product: %s", why);
     if (!done) {
       a.vec = vec_ok({a.a, p.gate.data, p.up.data}, {h, a.lda, I, a.ldb, a.b_gstride});
       launch<T>(a, Epi::Glu, ceil_div(I, BN / 2), grid_y_rows(Grouping::MGroup, s, ne), 1, st);
@@ -1619,11 +1624,16 @@ void experts_forward_kernel(const MoeParams& p, const Bufs& b, const int32_t* of
     a.a = static_cast<const T*>(b.h), a.lda = I;
     b_from(a, p.down, false);
     a.c = b.y, a.ldc = h;
-    if (!(sm90::sm_launchable(a, Epi::Store, s) && sm90::launch(a, Epi::Store, s, st))) {
+    const char* why = sm90::unsupported(a, Epi::Store, s);
+    if (!why && !sm90::launch(a, Epi::Store, s, st)) why = "the driver refused a tensor map or the shared memory";
+    if (why && sm90::mode() == sm90::Mode::Required)
+      return errorf("moe forward: KCPP_MOE_SM90=1 asks for the Hopper grouped GEMM, which cannot run the down product: %s", why);
+    if (why) {
       a.vec = vec_ok({b.h, p.down.data}, {h, I, a.ldb, a.b_gstride});
       launch<T>(a, Epi::Store, ntiles(h), grid_y_rows(Grouping::MGroup, s, ne), 1, st);
     }
   }
+  return nullptr;
 }
 
 template <typename T> const char* forward(const MoeParams& p, cudaStream_t st) {
@@ -1678,7 +1688,7 @@ template <typename T> const char* forward(const MoeParams& p, cudaStream_t st) {
   if (path != Path::Kernel) {
     if (const char* e = experts_forward_cublas<T>(p, b, path, offsets, sorted, ids, w, &padded, st)) return e;
   } else {
-    experts_forward_kernel<T>(p, b, offsets, sorted, w, st);
+    if (const char* e = experts_forward_kernel<T>(p, b, offsets, sorted, w, st)) return e;
   }
   // The shared expert.
   if (si > 0) {
@@ -2085,6 +2095,8 @@ template <typename T> const char* load_balancing_run(const LoadBalancingParams& 
 }
 
 }  // namespace
+
+const char* moe_sm90_unavailable() { return gemm::sm90::device_unavailable(); }
 
 size_t moe_workspace_cuda(const MoeParams& p, bool backward) {
   Carve cv;

@@ -306,33 +306,57 @@ inline bool make_map(CUtensorMap* map, const void* base, bool bf16, int64_t k, i
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// Whether the kernel can run here: a build with sm_90a code, a device of compute capability 9.0, the
-// driver's tensor-map encoder, and KCPP_MOE_SM90 not 0 (KCPP_MOE_SM90=0 leaves every product to the
-// mma.sync kernel, for comparing the two).
-inline bool enabled() {
-#if defined(KCPP_MOE_HAS_SM90)
+// KCPP_MOE_SM90: 0 leaves every product to the mma.sync kernel (for comparing the two); 1 requires
+// this kernel for every product of the package's forward path that it is built for (the call fails,
+// saying why, where it cannot take one: so a test or benchmark knows what it ran); unset or anything
+// else, this kernel wherever it can run.
+enum class Mode { Off, Auto, Required };
+inline Mode mode() {
   const char* env = std::getenv("KCPP_MOE_SM90");
-  if (env && std::string(env) == "0") return false;
-  return device_cc() == 90 && encode_fn() != nullptr;
-#else
-  return false;
-#endif
+  if (env && std::string(env) == "0") return Mode::Off;
+  if (env && std::string(env) == "1") return Mode::Required;
+  return Mode::Auto;
 }
 
-// Whether this kernel takes the product `a` (moe_gemm.cuh's arguments) with its A buffer of a_rows
-// rows: enabled(), bf16 / f16, MGroup, Glu (gate and up two matrices, or halves of one stack:
-// Split::Dual) or Store (no split, in the dtype, not added to), A and W contiguous along K and not
-// gathered, 16-byte aligned bases and strides (TMA) and outputs.
-template <typename T> bool sm_launchable(const Args<T>& a, Epi e, int64_t a_rows) {
-  if (!enabled() || a.grouping != Grouping::MGroup || a_rows <= 0 || a_rows > INT32_MAX) return false;
-  if (!a.a_kcontig || !a.b_kcontig || a.a_gather || a.b_gather) return false;
-  if (a.K % 8 || a.lda % 8 || a.ldb % 8 || a.b_gstride % 8 || !aligned16(a.a) || !aligned16(a.b0)) return false;
-  if (e == Epi::Glu)
-    return a.split == Split::Dual && a.b1 && aligned16(a.b1) && a.inter % 8 == 0 && a.h && aligned16(a.h) &&
-           (!a.gu_out || aligned16(a.gu_out));
-  if (e == Epi::Store) return a.split == Split::None && !a.c_f32 && !a.c_add && a.c && aligned16(a.c) && a.N % 8 == 0 && a.ldc % 8 == 0;
-  return false;
+// Null when the kernel can run on this device, else why not: a build with sm_90a code, a device of
+// compute capability 9.0, the driver's tensor-map encoder.
+inline const char* device_unavailable() {
+#if defined(KCPP_MOE_HAS_SM90)
+  if (device_cc() != 90) return "the device is not of compute capability 9.0";
+  if (!encode_fn()) return "the driver has no cuTensorMapEncodeTiled";
+  return nullptr;
+#else
+  return "the package was built without sm_90a code";
+#endif
 }
+// The same, and KCPP_MOE_SM90 not 0.
+inline const char* unavailable() { return mode() == Mode::Off ? "KCPP_MOE_SM90=0" : device_unavailable(); }
+inline bool enabled() { return unavailable() == nullptr; }
+
+// Null when this kernel takes the product `a` (moe_gemm.cuh's arguments) with its A buffer of a_rows
+// rows, else why not: the kernel available here, bf16 / f16, MGroup, Glu (gate and up two matrices, or
+// halves of one stack: Split::Dual) or Store (no split, in the dtype, not added to), A and W
+// contiguous along K and not gathered, with 16-byte aligned bases and strides (TMA) and outputs.
+template <typename T> const char* unsupported(const Args<T>& a, Epi e, int64_t a_rows) {
+  if (const char* why = unavailable()) return why;
+  if (a.grouping != Grouping::MGroup || a_rows <= 0 || a_rows > INT32_MAX) return "not a grouping of 1 to 2^31 - 1 rows by expert";
+  if (!a.a_kcontig || !a.b_kcontig || a.a_gather || a.b_gather) return "an operand is gathered or not contiguous along K";
+  if (a.K % 8 || a.lda % 8 || a.ldb % 8 || a.b_gstride % 8 || !aligned16(a.a) || !aligned16(a.b0))
+    return "an operand's base or stride is not a multiple of 16 bytes";
+  if (e == Epi::Glu) {
+    if (a.split != Split::Dual || !a.b1 || !a.h) return "not a gate / up product into h";
+    if (!aligned16(a.b1) || a.inter % 8 || !aligned16(a.h) || (a.gu_out && !aligned16(a.gu_out)))
+      return "the up weight, h or gate_up is not 16-byte aligned, or the intermediate size not a multiple of 8";
+    return nullptr;
+  }
+  if (e == Epi::Store) {
+    if (a.split != Split::None || a.c_f32 || a.c_add || !a.c) return "not a product stored in the dtype";
+    if (!aligned16(a.c) || a.N % 8 || a.ldc % 8) return "the output's base or stride is not a multiple of 16 bytes";
+    return nullptr;
+  }
+  return "an epilogue this kernel does not have";
+}
+template <typename T> bool sm_launchable(const Args<T>& a, Epi e, int64_t a_rows) { return unsupported(a, e, a_rows) == nullptr; }
 
 // Launches the product (sm_launchable must have said yes).  False when the driver refused a tensor map
 // or the kernel's shared-memory size (the caller then runs the mma.sync kernel); an error of the launch

@@ -690,6 +690,12 @@ TEST_P(MoeKernels, HopperGroupedGemmAtTileEdges) {
   };
   const ScopedEnv sm90_env("KCPP_MOE_SM90", "1");  // set per case below, restored after
   UnsetMoeGemmEnv unset;
+  // Where the Hopper kernel can run, KCPP_MOE_SM90=1 requires it (a product it does not take fails
+  // the call); elsewhere the kernel path runs mma.sync.
+  const char* on = "auto";
+#if KCPP_WITH_CUDA && KCPP_MOE_CUDA
+  if (dev.is_cuda() && moe::moe_sm90_unavailable() == nullptr) on = "1";
+#endif
   for (const Routing* rp : {&tiles, &decode})
     for (const Size sz : {Size{264, 136}, Size{128, 64}})
       for (DType dt : {DType::bf16, DType::f16})
@@ -697,7 +703,7 @@ TEST_P(MoeKernels, HopperGroupedGemmAtTileEdges) {
           for (bool input : {false, true})
             for (moe::ExpertGemm gemm : dev.is_cuda() ? std::vector<moe::ExpertGemm>{moe::ExpertGemm::Kernel, moe::ExpertGemm::Auto}
                                                       : std::vector<moe::ExpertGemm>{moe::ExpertGemm::Auto})
-              for (const char* sm90 : {"1", "0"}) {
+              for (const char* sm90 : {on, "0"}) {
                 if (!dev.is_cuda() && sm90[0] == '0') continue;
                 setenv("KCPP_MOE_SM90", sm90, 1);
                 const Routing& r = *rp;
@@ -714,7 +720,7 @@ TEST_P(MoeKernels, HopperGroupedGemmAtTileEdges) {
   // The kernel's other activations (one instantiation each; the loops above are SiLU's), and 20 m
   // tiles: more than one panel of the kernel's work order (kPanel = 16), the last one partial.
   if (dev.is_cuda()) {
-    setenv("KCPP_MOE_SM90", "1", 1);
+    setenv("KCPP_MOE_SM90", on, 1);
     const Routing panels = given_routing({700, 2, 1200, 0, 300}, true, gen);
     // 151 m tiles, 302 work items a product: every block of a 132-multiprocessor GPU runs two or
     // three (the staging tile written again after its bulk stores, the ring running across items).
@@ -728,12 +734,24 @@ TEST_P(MoeKernels, HopperGroupedGemmAtTileEdges) {
       for (DType dt : {DType::bf16, DType::f16}) {
         const Routing& r = *rp;
         const Case c{r.t, 264, r.e, r.k, 136, 0, moe::Routing::Given, false, false, act, Layout::Rows, false, true, false, false};
-        const std::string cfg = test::config_name(dev, dt) + " " + describe(c) + " gemm=kernel KCPP_MOE_SM90=1";
+        const std::string cfg = test::config_name(dev, dt) + " " + describe(c) + " gemm=kernel KCPP_MOE_SM90=" + on;
         Block m{c, dt, dev, moe::ExpertGemm::Kernel};
         m.build(gen, &r.ids, &r.w, true);
         ASSERT_EQ(m.forward(), nullptr) << cfg;
         expect_given_routing_matches_the_oracle(m, r.ids, r.w, r.counts, gen, cfg);
       }
+    // KCPP_MOE_SM90=1 where the kernel cannot take a product (I = 36, not a multiple of 8; or a device
+    // without it): the call fails, saying why.
+    setenv("KCPP_MOE_SM90", "1", 1);
+    const Case c{tiles.t, 264, tiles.e, tiles.k, 36, 0, moe::Routing::Given, false, false, kernel::Activation::Silu, Layout::Rows,
+                 false, true, false, false};
+    Block m{c, DType::bf16, dev, moe::ExpertGemm::Kernel};
+    m.build(gen, &tiles.ids, &tiles.w, true);
+    const char* err = m.forward();
+    ASSERT_NE(err, nullptr);
+    EXPECT_NE(std::string(err).find("KCPP_MOE_SM90=1 asks for the Hopper grouped GEMM, which cannot run the gate / up product"),
+              std::string::npos)
+        << err;
   }
 }
 
