@@ -49,6 +49,7 @@
 #include <type_traits>
 
 #include "kcpp/kernel/sm90.cuh"
+#include "moe.h"
 #include "moe_gemm.cuh"
 
 namespace kcpp::moe::gemm::sm90 {
@@ -117,20 +118,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x;
   const int m_tiles = p.tile_offsets[p.groups];
   const int64_t items = static_cast<int64_t>(m_tiles) * p.n_tiles;
-  // Item w: in panel w / (kPanel n_tiles) of kPanel m tiles (the last one may hold fewer), n tile
-  // (w % (kPanel n_tiles)) / rows and the panel's m tile (w % (kPanel n_tiles)) % rows, rows its m
-  // tiles; an m tile is an expert's tile of rows, found in tile_offsets.
+  // Item w: its m tile and n tile in panels of kPanel m tiles (moe.h: panel_item); an m tile is an
+  // expert's tile of rows, found in tile_offsets.
   struct Item {
     int g, m0, m_end, nt;
   };
   auto item = [&](int64_t w) {
     Item x;
-    const int64_t per_panel = static_cast<int64_t>(kPanel) * p.n_tiles;
-    const int first = static_cast<int>(w / per_panel) * kPanel;  // the panel's first m tile
-    const int rows = min(kPanel, m_tiles - first);                // its m tiles
-    const int rem = static_cast<int>(w % per_panel);
-    const int mt = first + rem % rows;
-    x.nt = rem / rows;
+    int mt = 0;
+    panel_item(w, m_tiles, p.n_tiles, kPanel, &mt, &x.nt);
     const int lo = group_of_tile(p.tile_offsets, p.groups, mt);
     x.g = lo;
     x.m0 = p.offsets[lo] + (mt - p.tile_offsets[lo]) * kBM;

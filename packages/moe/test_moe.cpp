@@ -1155,6 +1155,31 @@ TEST(MoeWorkspace, OverwriteGateUpFreesTheGradientRows) {
 }
 #endif
 
+// The Hopper GEMM's work order (moe.h: panel_item): every (m tile, n tile) pair is the item of exactly
+// one index, at tile counts below, at and past a panel's (16) and its multiples, and within a panel
+// the n tiles go outer (the panel's m tiles inner).
+TEST(MoeGemmOrder, PanelItemsCoverEveryTileOnce) {
+  for (int panel : {1, 3, 16})
+    for (int m_tiles : {1, 2, 15, 16, 17, 31, 32, 33, 151})
+      for (int n_tiles : {1, 2, 6, 112}) {
+        std::vector<int> seen(static_cast<size_t>(m_tiles) * static_cast<size_t>(n_tiles), 0);
+        int prev_mt = -1, prev_nt = -1;
+        for (int64_t w = 0; w < static_cast<int64_t>(m_tiles) * n_tiles; ++w) {
+          int mt = -1, nt = -1;
+          moe::panel_item(w, m_tiles, n_tiles, panel, &mt, &nt);
+          ASSERT_TRUE(mt >= 0 && mt < m_tiles && nt >= 0 && nt < n_tiles)
+              << "panel " << panel << " " << m_tiles << " x " << n_tiles << " item " << w << ": (" << mt << ", " << nt << ")";
+          ++seen[static_cast<size_t>(mt) * static_cast<size_t>(n_tiles) + static_cast<size_t>(nt)];
+          if (w % (static_cast<int64_t>(panel) * n_tiles) != 0) {  // within a panel: m inner, n outer
+            EXPECT_EQ(mt / panel, prev_mt / panel) << "panel " << panel << " item " << w;
+            EXPECT_GE(nt, prev_nt) << "panel " << panel << " item " << w;
+          }
+          prev_mt = mt, prev_nt = nt;
+        }
+        for (int v : seen) ASSERT_EQ(v, 1) << "panel " << panel << " " << m_tiles << " x " << n_tiles;
+      }
+}
+
 // How the experts' GEMMs are chosen on CUDA: KCPP_MOE_GEMM when ExpertGemm is Auto (an unknown value
 // is an error that names it), and without it cuBLAS (Loop, Grouped or Padded by the experts' counts);
 // every choice matches the oracle on a block of 200 tokens.
