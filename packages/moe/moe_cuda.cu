@@ -690,7 +690,7 @@ bool auto_sm90_forward(const MoeParams& p) {
   if (p.hidden % 8 || p.inter % 8 || moe_slots(p) > kSm90AutoRows * p.experts) return false;
   for (const Matrix* m : {&p.gate, &p.up, &p.down})
     if (m->col_stride != 1 || m->row_stride % 8 || m->expert_stride % 8 || !kernel::cuda::aligned16(m->data)) return false;
-  if (p.gate_up && !kernel::cuda::aligned16(p.gate_up)) return false;  // else the products would fall to mma.sync
+  if (p.gate_up && !kernel::cuda::aligned16(p.gate_up)) return false;  // the kernel would refuse it
   return !auto_always_loop(p.hidden, p.inter, gemm::sm90::sm_count());
 }
 

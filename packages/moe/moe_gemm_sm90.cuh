@@ -2,7 +2,7 @@
 // scheduling (group g = expert g, its rows the positions [offsets[g], offsets[g + 1]) of a buffer by
 // position) with warpgroup MMA (wgmma) on tiles that the tensor memory accelerator (TMA) brings into
 // shared memory.  Internal to moe_cuda.cu; the mma.sync kernel (moe_gemm.cuh) runs whatever this one
-// does not take (sm_launchable below).
+// does not take (unsupported below).
 //
 //   Glu    [g | u] = A [Wg; Wu]^T of the group's rows, then gate_up (saved, optional) = round([g, u])
 //          and h = round(act(round g) round u), both by position
@@ -352,11 +352,10 @@ template <typename T> const char* unsupported(const Args<T>& a, Epi e, int64_t a
   }
   return "an epilogue this kernel does not have";
 }
-template <typename T> bool sm_launchable(const Args<T>& a, Epi e, int64_t a_rows) { return unsupported(a, e, a_rows) == nullptr; }
 
-// Launches the product (sm_launchable must have said yes).  False when the driver refused a tensor map
-// or the kernel's shared-memory size (the caller then runs the mma.sync kernel); an error of the launch
-// itself is the forward's launch error.
+// Launches the product (unsupported must have said null).  False when the driver refused a tensor map
+// or the kernel's shared-memory size (the caller then runs the mma.sync kernel, or under
+// KCPP_MOE_SM90=1 fails the call); an error of the launch itself is the forward's launch error.
 template <typename T> bool launch(const Args<T>& a, Epi e, int64_t a_rows, cudaStream_t st) {
   const bool bf16 = std::is_same_v<T, __nv_bfloat16>;
   const int64_t groups = a.groups;

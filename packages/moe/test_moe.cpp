@@ -676,7 +676,7 @@ struct ScopedEnv {
 // the Hopper kernel, in its workspace; with 0, cuBLAS); H = 264 and I = 136 (a 256-column tile of the output
 // and 8 more, a 128-column tile of I and 8 more, k-steps of 64 and a part of 8), and H = 128, I = 64;
 // SiLU, then the kernel's other activations (GELU, GELU tanh, QuickGELU) at the tile edges, a routing
-// of 20 tiles (more than one panel of the kernel's work order) and one of 151 (every block runs
+// of 20 tiles (more than one panel of the kernel's work order) and one of 275 (every block runs
 // several work items).
 // The output and every gradient (the backward reads the gate_up the forward saved) against the oracle.
 TEST_P(MoeKernels, HopperGroupedGemmAtTileEdges) {
@@ -722,18 +722,25 @@ TEST_P(MoeKernels, HopperGroupedGemmAtTileEdges) {
   if (dev.is_cuda()) {
     setenv("KCPP_MOE_SM90", on, 1);
     const Routing panels = given_routing({700, 2, 1200, 0, 300}, true, gen);
-    // 151 m tiles, 302 work items a product: every block of a 132-multiprocessor GPU runs two or
-    // three (the staging tile written again after its bulk stores, the ring running across items).
-    const Routing many = given_routing({6000, 1, 5000, 0, 7001, 900}, true, gen);
-    const std::pair<const Routing*, kernel::Activation> runs[] = {{&tiles, kernel::Activation::Gelu},
-                                                                   {&tiles, kernel::Activation::GeluTanh},
-                                                                   {&tiles, kernel::Activation::QuickGelu},
-                                                                   {&panels, kernel::Activation::Silu},
-                                                                   {&many, kernel::Activation::Silu}};
-    for (const auto& [rp, act] : runs)
+    // 275 m tiles at H = 128, I = 64 (one n tile a product): every block of a 132-multiprocessor GPU
+    // runs two or three work items (the staging tile written again after its bulk stores, the ring
+    // running across items), at a fifth of the oracle's work at H = 264, I = 136.
+    const Routing many = given_routing({12000, 1, 9000, 0, 12801, 900}, true, gen);
+    struct Run {
+      const Routing* r;
+      kernel::Activation act;
+      int64_t h, i;
+    };
+    const Run runs[] = {{&tiles, kernel::Activation::Gelu, 264, 136},
+                        {&tiles, kernel::Activation::GeluTanh, 264, 136},
+                        {&tiles, kernel::Activation::QuickGelu, 264, 136},
+                        {&panels, kernel::Activation::Silu, 264, 136},
+                        {&many, kernel::Activation::Silu, 128, 64}};
+    for (const Run& run : runs)
       for (DType dt : {DType::bf16, DType::f16}) {
-        const Routing& r = *rp;
-        const Case c{r.t, 264, r.e, r.k, 136, 0, moe::Routing::Given, false, false, act, Layout::Rows, false, true, false, false};
+        const Routing& r = *run.r;
+        const Case c{r.t, run.h, r.e, r.k, run.i, 0, moe::Routing::Given, false, false, run.act, Layout::Rows, false, true, false,
+                     false};
         const std::string cfg = test::config_name(dev, dt) + " " + describe(c) + " gemm=kernel KCPP_MOE_SM90=" + on;
         Block m{c, dt, dev, moe::ExpertGemm::Kernel};
         m.build(gen, &r.ids, &r.w, true);
