@@ -24,7 +24,8 @@ cuBLAS strided-batched GEMM per projection over the experts zero-padded to the l
 (the package's own choice: on Hopper the forward on the package's Hopper GEMM where it runs, else loop,
 padded or grouped by the experts' counts).  "kernel" runs the Hopper GEMM (moe_gemm_sm90.cuh) where
 the device and shapes take it, the mma.sync one elsewhere.  A value may carry settings for its rows
-after a colon, e.g. "auto:KCPP_MOE_SM90=0" (the cuBLAS paths for the forward too).
+after a colon, e.g. "auto:KCPP_MOE_SM90=0" (the cuBLAS paths for the forward too) or
+"kernel:KCPP_MOE_SM90=1" (the Hopper GEMM required: a product it cannot take fails the call).
 Peak memory is the PyTorch allocator's peak during one forward + backward above what was allocated
 before it (the package's workspace comes from that allocator).  The kcpp rows' gradients and saved
 tensors are allocated before (the peers' gradients were too, from their previous call, and are freed
