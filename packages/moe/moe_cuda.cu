@@ -1611,7 +1611,8 @@ const char* experts_forward_kernel(const MoeParams& p, const Bufs& b, const int3
       if (!done) why = "the driver refused a tensor map or the shared memory";
     }
     if (!done && sm90::mode() == sm90::Mode::Required)
-      return errorf("moe forward: KCPP_MOE_SM90=1 asks for the Hopper grouped GEMM, which cannot run the gate / up product: %s", why);
+      return errorf("moe forward: KCPP_MOE_SM90=1 asks for the Hopper grouped GEMM, which cannot run the gate / up product: %s. "
+                    "Unset KCPP_MOE_SM90 to let the package's other GEMM run it", why);
     if (!done) {
       a.vec = vec_ok({a.a, p.gate.data, p.up.data}, {h, a.lda, I, a.ldb, a.b_gstride});
       launch<T>(a, Epi::Glu, ceil_div(I, BN / 2), grid_y_rows(Grouping::MGroup, s, ne), 1, st);
@@ -1627,7 +1628,8 @@ const char* experts_forward_kernel(const MoeParams& p, const Bufs& b, const int3
     const char* why = sm90::unsupported(a, Epi::Store, s);
     if (!why && !sm90::launch(a, Epi::Store, s, st)) why = "the driver refused a tensor map or the shared memory";
     if (why && sm90::mode() == sm90::Mode::Required)
-      return errorf("moe forward: KCPP_MOE_SM90=1 asks for the Hopper grouped GEMM, which cannot run the down product: %s", why);
+      return errorf("moe forward: KCPP_MOE_SM90=1 asks for the Hopper grouped GEMM, which cannot run the down product: %s. "
+                    "Unset KCPP_MOE_SM90 to let the package's other GEMM run it", why);
     if (why) {
       a.vec = vec_ok({b.h, p.down.data}, {h, I, a.ldb, a.b_gstride});
       launch<T>(a, Epi::Store, ntiles(h), grid_y_rows(Grouping::MGroup, s, ne), 1, st);

@@ -45,7 +45,7 @@
 
 #include <climits>
 #include <cstdlib>
-#include <string>
+#include <cstring>
 #include <type_traits>
 
 #include "kcpp/kernel/sm90.cuh"
@@ -309,8 +309,8 @@ inline bool make_map(CUtensorMap* map, const void* base, bool bf16, int64_t k, i
 enum class Mode { Off, Auto, Required };
 inline Mode mode() {
   const char* env = std::getenv("KCPP_MOE_SM90");
-  if (env && std::string(env) == "0") return Mode::Off;
-  if (env && std::string(env) == "1") return Mode::Required;
+  if (env && std::strcmp(env, "0") == 0) return Mode::Off;
+  if (env && std::strcmp(env, "1") == 0) return Mode::Required;
   return Mode::Auto;
 }
 

@@ -642,30 +642,23 @@ bool all_nan(const Tensor& t) {
   return true;
 }
 
-// KCPP_MOE_GEMM unset for a scope (ExpertGemm::Auto then means choose_expert_gemm's rule), restored after.
-struct UnsetMoeGemmEnv {
-  std::optional<std::string> before;
-  UnsetMoeGemmEnv() {
-    if (const char* v = std::getenv("KCPP_MOE_GEMM")) before = v;
-    unsetenv("KCPP_MOE_GEMM");
-  }
-  ~UnsetMoeGemmEnv() {
-    if (before) setenv("KCPP_MOE_GEMM", before->c_str(), 1);
-  }
-};
-
-// An environment variable set for a scope, restored after.
+// An environment variable set (or, value null, unset) for a scope, restored after.
 struct ScopedEnv {
   std::string name;
   std::optional<std::string> before;
   ScopedEnv(const char* n, const char* value) : name(n) {
     if (const char* v = std::getenv(n)) before = v;
-    setenv(n, value, 1);
+    if (value) setenv(n, value, 1);
+    else unsetenv(n);
   }
   ~ScopedEnv() {
     if (before) setenv(name.c_str(), before->c_str(), 1);
     else unsetenv(name.c_str());
   }
+};
+// KCPP_MOE_GEMM unset for a scope: ExpertGemm::Auto then means choose_expert_gemm's rule.
+struct UnsetMoeGemmEnv : ScopedEnv {
+  UnsetMoeGemmEnv() : ScopedEnv("KCPP_MOE_GEMM", nullptr) {}
 };
 
 // The forward's products on the Hopper grouped GEMM (moe_gemm_sm90.cuh, where the device and the
