@@ -600,8 +600,8 @@ int64_t grid_y_rows(gemm::Grouping g, int64_t rows, int64_t groups) {
 // reductions (CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION); results in the dtype.
 //
 // The group sizes come to the host once per call (cudaMemcpyAsync of the offsets into pinned memory,
-// then a wait: for the copy alone in the forward, Blas::read_back; for the stream in the backward).  Loop: one cublasGemmEx per expert with positions.  Grouped: one
-// cublasGemmGroupedBatchedEx per product, the experts with equal n_e one group (a group shares m, n,
+// then a wait: for the copy alone in the forward, Blas::read_back; for the stream in the backward).
+// Loop: one cublasGemmEx per expert with positions.  Grouped: one cublasGemmGroupedBatchedEx per product, the experts with equal n_e one group (a group shares m, n,
 // k, the leading dims and the scalars; its A, B, C pointers are device arrays, copied from pinned host
 // memory into the workspace), cuBLAS 12.5 on.
 //
@@ -680,9 +680,9 @@ bool loop_only(const MoeParams& p) {
 // Whether a forward under Auto takes the package's GEMM on its Hopper kernel (moe_gemm_sm90.cuh: no
 // read-back of the counts, no padding, the activation in the epilogue) rather than cuBLAS: where that
 // kernel can run (bf16 / f16 weights contiguous along K with 16-byte aligned bases and strides, and a
-// 16-byte aligned saved gate_up), up to kSm90AutoRows
-// slots an expert on average (moe.h), and where Auto's rule does not take Loop whatever the counts (a
-// few large experts, each a GEMM that fills the GPU: there cuBLAS is ahead from 512 tokens on).
+// 16-byte aligned saved gate_up), up to kSm90AutoRows slots an expert on average (moe.h), and where
+// Auto's rule does not take Loop whatever the counts (a few large experts, each a GEMM that fills the
+// GPU: there cuBLAS is ahead from 512 tokens on).
 bool auto_sm90_forward(const MoeParams& p) {
   Path path = Path::Kernel;
   if (requested_path(p, &path) != nullptr || path != Path::Auto || !gemm::sm90::enabled()) return false;

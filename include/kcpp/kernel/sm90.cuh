@@ -183,7 +183,6 @@ template <> __device__ __forceinline__ void wgmma_ss<__half, 256>(float (&d)[128
                : "l"(a), "l"(b), "r"(scale_d));
 }
 
-
 __device__ __forceinline__ void bar_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 __device__ __forceinline__ void bar_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 
