@@ -9,6 +9,8 @@ sm_90a; ampere: mma.sync) and the backward on KCPP_FLASH_ATTN_BACKWARD's (hopper
 and gradients are compared with cuDNN's before they are timed.
 
 Run on the GPU machine: python3 bench/attention_sm90.py <path to libflash_attn.so of the CUDA variant>
+[BxSxD ...] [--bwd=hopper:grouped,ampere] (the backward paths to time, path:order; default all four;
+--no-sdpa-flash2 skips that backend).
 """
 import math
 import os
@@ -29,8 +31,17 @@ from deep_timer import bench_deep, host_us  # noqa: E402
 lib = sys.argv[1]
 shapes = [(4, 4096, 128), (2, 8192, 128), (16, 1024, 128)]  # B, S, head dim
 HQ, HKV = 32, 8
-if len(sys.argv) > 2:  # BxSxD ...
-    shapes = [tuple(int(x) for x in s.split("x")) for s in sys.argv[2:]]
+bwd_paths = [("hopper", "keys"), ("hopper", "heads"), ("hopper", "grouped"), ("ampere", "")]
+sdpa_backends = [("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash2", SDPBackend.FLASH_ATTENTION)]
+given = []
+for a in sys.argv[2:]:
+    if a.startswith("--bwd="):
+        bwd_paths = [tuple((x + ":").split(":")[:2]) for x in a[len("--bwd="):].split(",")]
+    elif a == "--no-sdpa-flash2":
+        sdpa_backends = sdpa_backends[:1]
+    else:  # BxSxD
+        given.append(tuple(int(x) for x in a.split("x")))
+shapes = given or shapes
 layer = kcpp.Package(lib).layer("FlashAttention")
 
 
@@ -63,7 +74,7 @@ for B, S, D in shapes:
     qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     ke, ve = (t.repeat_interleave(HQ // HKV, dim=1).detach().requires_grad_(True) for t in (k, v))
     ref = grads = None
-    for name, be in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash2", SDPBackend.FLASH_ATTENTION)):
+    for name, be in sdpa_backends:
         with sdpa_kernel(be):
             how = "gqa"
             try:
@@ -103,7 +114,7 @@ for B, S, D in shapes:
     # The Hopper backward in its block orders (KCPP_FLASH_ATTN_SM90_BWD_ORDER: "keys", each head's
     # key blocks together, "heads", every head's first key blocks first, or "grouped", that in groups of
     # heads), then mma.sync's.
-    for path, order in (("hopper", "keys"), ("hopper", "heads"), ("hopper", "grouped"), ("ampere", "")):
+    for path, order in bwd_paths:
         os.environ["KCPP_FLASH_ATTN_BACKWARD"] = path
         os.environ["KCPP_FLASH_ATTN_SM90_BWD_ORDER"] = order
         path = path + (f" ({order} first)" if order else "")

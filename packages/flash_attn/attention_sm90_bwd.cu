@@ -186,6 +186,12 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const uint32_t k_wg = sK + cw * 64 * 128, v_wg = sV + cw * 64 * 128;  // this warpgroup's 64 keys (row offset)
   const int64_t key0 = k0 + cw * 64 + warp * 16 + g;                     // this thread's keys: key0 and key0 + 8
 
+  // The operands' descriptors (desc_at steps them): K and V as S^T's and dP^T's A (K-major), slot 0's Q
+  // as S^T's B (K-major, dO a tile after it) and as dK's B (MN-major, likewise for dV), dS^T buffer 0 as
+  // dQ's A, and the keys of this warpgroup's head-dim columns of dQ as its B.
+  const uint64_t k_desc = desc(k_wg, 16, 1024), v_desc = desc(v_wg, 16, 1024);
+  const uint64_t q_desc0 = desc(sQ, 16, 1024), q_mn0 = desc(sQ, kBq * 128, 1024);
+  const uint64_t ds_desc0 = desc(sDS, kBq * 128, 1024), kq_desc = desc(sK + cw * kBk * 128, kBk * 128, 1024);
   float dk[kD / 2], dv[kD / 2];
 #pragma unroll
   for (int e = 0; e < kD / 2; ++e) dk[e] = dv[e] = 0.0f;
@@ -194,25 +200,30 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   for (int it = 0; it < n_items; ++it) {
     const int st = it % kStages;
     const int64_t h = item_h(it), q0 = item_q0(it);
-    const uint32_t q_s = sQ + st * 2 * kQBytes, do_s = q_s + kQBytes, ds_s = sDS + (it & 1) * kDSBytes;
+    const uint32_t slot = st * 2 * kQBytes, ds_s = sDS + (it & 1) * kDSBytes;
+    const uint64_t q_desc = desc_at(q_desc0, slot), do_desc = desc_at(q_desc0, slot + kQBytes);
+    const uint64_t q_mn = desc_at(q_mn0, slot), do_mn = desc_at(q_mn0, slot + kQBytes), ds_desc = desc_at(ds_desc0, (it & 1) * kDSBytes);
     const float* lse_s = s_stats + st * 2 * kBq;
     const float* dl_s = lse_s + kBq;
     float s[32], dp[32];
     mbar_wait(full(st), (it / kStages) & 1);
+    // Three commit groups, each waited for only when its result is needed: S^T, then dP^T, then dV.
+    // P's exponentials run while dP^T is on the tensor cores, dS^T's arithmetic while dV is, and
+    // dS^T's shared-memory stores while dK is.
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk)
-      wgmma_ss<T, 64>(s, desc(k_wg + (kk / 4) * kBk * 128 + (kk % 4) * 32, 16, 1024), desc(q_s + (kk / 4) * kBq * 128 + (kk % 4) * 32, 16, 1024),
+      wgmma_ss<T, 64>(s, desc_at(k_desc, (kk / 4) * kBk * 128 + (kk % 4) * 32), desc_at(q_desc, (kk / 4) * kBq * 128 + (kk % 4) * 32),
                       kk > 0);
+    wg_commit();
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk)
-      wgmma_ss<T, 64>(dp, desc(v_wg + (kk / 4) * kBk * 128 + (kk % 4) * 32, 16, 1024),
-                      desc(do_s + (kk / 4) * kBq * 128 + (kk % 4) * 32, 16, 1024), kk > 0);
+      wgmma_ss<T, 64>(dp, desc_at(v_desc, (kk / 4) * kBk * 128 + (kk % 4) * 32), desc_at(do_desc, (kk / 4) * kBq * 128 + (kk % 4) * 32),
+                      kk > 0);
     wg_commit();
-    wg_wait<0>();
+    wg_wait<1>();  // S^T
     pin(s);
-    pin(dp);
-    // P^T and dS^T: row r of the thread is key key0 + 8 r, column 8 i + 2 t + e is query q0 + that.
+    // P^T: row r of the thread is key key0 + 8 r, column 8 i + 2 t + e is query q0 + that.
     const bool masked = (p.causal && k0 + kBk - 1 > q0 + off) || k0 + kBk > skv;
     // Key key0 + 8 r lies past the end when 8 r >= kv_left, after query q0 + c when 8 r + ahead > c.
     const int kv_left = static_cast<int>(min(skv - key0, int64_t{64})), ahead = static_cast<int>(key0 - q0 - off);
@@ -221,24 +232,50 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     for (int i = 0; i < kBq / 8; ++i)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int c = 8 * i + 2 * t + e;
-        const float l2 = lse_s[c], dl = dl_s[c];
+        const float l2 = lse_s[8 * i + 2 * t + e];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) s[4 * i + 2 * r + e] = ex2(fmaf(s[4 * i + 2 * r + e], sl2, -l2));
+      }
+    if (masked)  // the tiles on the causal diagonal or past the last key only (a branch of the warpgroup)
+#pragma unroll
+      for (int i = 0; i < kBq / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            if (8 * r >= kv_left || (p.causal && 8 * r + ahead > 8 * i + 2 * t + e)) s[4 * i + 2 * r + e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kBq / 16; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pf[kk][e] = pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+    // dV += P^T dO (k-steps of 16 queries; dO MN-major as loaded).
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBq / 16; ++kk) wgmma_rs<T, kD>(dv, pf[kk], desc_at(do_mn, kk * 16 * 128));
+    wg_commit();
+    wg_wait<1>();  // dP^T (dV may still run)
+    pin(dp);
+    // dS^T = P^T o (dP^T - delta).
+#pragma unroll
+    for (int i = 0; i < kBq / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float dl = dl_s[8 * i + 2 * t + e];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int x = 4 * i + 2 * r + e;
-          float pr = ex2(fmaf(s[x], sl2, -l2));
-          if (masked && (8 * r >= kv_left || (p.causal && 8 * r + ahead > c))) pr = 0.0f;
-          s[x] = pr;
-          dp[x] = pr * (dp[x] - dl);
+          dp[x] = s[x] * (dp[x] - dl);
         }
       }
 #pragma unroll
     for (int kk = 0; kk < kBq / 16; ++kk)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        pf[kk][e] = pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
-        df[kk][e] = pack2<T>(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
-      }
+      for (int e = 0; e < 4; ++e) df[kk][e] = pack2<T>(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
+    // dK += dS^T Q (Q MN-major as loaded).
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBq / 16; ++kk) wgmma_rs<T, kD>(dk, df[kk], desc_at(q_mn, kk * 16 * 128));
+    wg_commit();
     // dS^T into shared memory, [keys][queries] in the 128-byte swizzle (the A operand of dQ, MN-major).
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -250,13 +287,6 @@ __global__ void __launch_bounds__(kThreadsB, 1)
                      : "memory");
     }
     fence_async_smem();
-    // dV += P^T dO, dK += dS^T Q (k-steps of 16 queries; dO and Q MN-major as loaded).
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBq / 16; ++kk) wgmma_rs<T, kD>(dv, pf[kk], desc(do_s + kk * 16 * 128, kBq * 128, 1024));
-#pragma unroll
-    for (int kk = 0; kk < kBq / 16; ++kk) wgmma_rs<T, kD>(dk, df[kk], desc(q_s + kk * 16 * 128, kBq * 128, 1024));
-    wg_commit();
     // Both warpgroups' dS^T written; the dQ tile's last bulk reduction has read it (its issuer waited).
     if (tid == 128) bulk_wait_read();
     bar_sync(1, 256);
@@ -265,7 +295,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     float dq[32];
 #pragma unroll
     for (int kk = 0; kk < kBk / 16; ++kk)
-      wgmma_ss_mn<T>(dq, desc(ds_s + kk * 16 * 128, kBq * 128, 1024), desc(sK + cw * kBk * 128 + kk * 16 * 128, kBk * 128, 1024), kk > 0);
+      wgmma_ss_mn<T>(dq, desc_at(ds_desc, kk * 16 * 128), desc_at(kq_desc, kk * 16 * 128), kk > 0);
     wg_commit();
     wg_wait<0>();
     pin(dv);

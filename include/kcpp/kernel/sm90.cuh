@@ -103,6 +103,16 @@ __device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t lbo, uint32_t s
          static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32 | uint64_t{1} << 62;
 }
 
+// desc(addr + bytes, lbo, sbo) from d = desc(addr, lbo, sbo), for bytes a multiple of 16 that keeps the
+// address in shared memory: the start address field (bits 0-13, the address over 16) takes bytes / 16
+// with no carry out of it, so one 32-bit add replaces desc()'s masks and shifts.  Loops that issue many
+// wgmma keep a descriptor per operand and step it with this: the integer work of a descriptor a wgmma
+// otherwise delays the tensor cores' next instruction.
+__device__ __forceinline__ uint64_t desc_at(uint64_t d, uint32_t bytes) {
+  const uint32_t lo = static_cast<uint32_t>(d) + (bytes >> 4);
+  return (d & 0xFFFFFFFF00000000ull) | lo;
+}
+
 // d (64 x N, f32) = (scale_d ? d : 0) + A B^T, A and B K-major in shared memory (descriptors).
 template <typename T, int N> __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int scale_d);
 // d (64 x N, f32) += A B, A (64 x 16) in registers, B (16 x N) MN-major in shared memory.
