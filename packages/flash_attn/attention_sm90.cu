@@ -197,15 +197,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t pf[kBc / 16][4];  // P as the A operand of k-steps of 16 keys
   float mx[2], l[2];         // running maximum (scaled, base 2), the thread's part of the row sum
 
+  // The operands' descriptors, stepped by desc_at: this warpgroup's Q rows, ring slot 0's K (K-major) and V (MN-major).
+  const uint64_t q_desc = desc(q_base, 16, 1024), k_desc = desc(sK, 16, 1024), v_desc = desc(sV, kBc * 128, 1024);
   auto qk = [&](int st) {  // s = Q K^T for ring slot st (issued, not waited for)
+    const uint64_t k_st = desc_at(k_desc, st * C::kKVBytes);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss<T, kBc>(s, desc(q_base + (kk / 4) * kBr * 128 + (kk % 4) * 32, 16, 1024),
-                       desc(sK + st * C::kKVBytes + (kk / 4) * kBc * 128 + (kk % 4) * 32, 16, 1024), kk > 0);
+      wgmma_ss<T, kBc>(s, desc_at(q_desc, (kk / 4) * kBr * 128 + (kk % 4) * 32), desc_at(k_st, (kk / 4) * kBc * 128 + (kk % 4) * 32),
+                       kk > 0);
   };
   auto pv = [&](int st) {  // o += P V for ring slot st
+    const uint64_t v_st = desc_at(v_desc, st * C::kKVBytes);
 #pragma unroll
-    for (int kk = 0; kk < kBc / 16; ++kk) wgmma_rs<T, D>(o, pf[kk], desc(sV + st * C::kKVBytes + kk * 16 * 128, kBc * 128, 1024));
+    for (int kk = 0; kk < kBc / 16; ++kk) wgmma_rs<T, D>(o, pf[kk], desc_at(v_st, kk * 16 * 128));
   };
   // The online softmax of the tile of keys from j0: s becomes the probabilities (f32, relative to the
   // new maximum), corr the factor that rescales what was accumulated before.

@@ -172,6 +172,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int cw = tid / 128 - 1, lane = tid % 32, warp = (tid % 128) / 32, g4 = lane / 4, t = lane % 4;
   float acc[kBN / 2];
+  // Stage 0's descriptors of this warpgroup's A rows and of B, stepped by desc_at.
+  const uint64_t a_desc = desc(sa(0) + cw * 64 * 128, 16, 1024), b_desc = desc(sb(0), 16, 1024);
   int cnt = 0;
   for (int64_t w = blockIdx.x; w < items; w += gridDim.x) {
     const Item x = item(w);
@@ -182,7 +184,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wg_fence();
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk)
-        wgmma_ss<T, kBN>(acc, desc(sa(st) + cw * 64 * 128 + kk * 32, 16, 1024), desc(sb(st) + kk * 32, 16, 1024), kb > 0 || kk > 0);
+        wgmma_ss<T, kBN>(acc, desc_at(a_desc, st * kStageBytes + kk * 32), desc_at(b_desc, st * kStageBytes + kk * 32), kb > 0 || kk > 0);
       wg_commit();
       wg_wait<1>();  // the previous stage's products are done: release it
       pin(acc);
