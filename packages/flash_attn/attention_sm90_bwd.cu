@@ -181,7 +181,10 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 
   // Consumers.
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
-  const int cw = tid / 128 - 1, tw = tid % 128, lane = tid % 32, warp = tw / 32, g = lane / 4, t = lane % 4;
+  // The warpgroup's index broadcast from lane 0: the compiler then knows it is the same across the warp
+  // and keeps the descriptors below in uniform registers, the wgmma's operands (no move a wgmma).
+  const int cw = __shfl_sync(0xffffffffu, tid / 128, 0) - 1;
+  const int tw = tid % 128, lane = tid % 32, warp = tw / 32, g = lane / 4, t = lane % 4;
   const float sl2 = p.scale * kLog2e;
   const uint32_t k_wg = sK + cw * 64 * 128, v_wg = sV + cw * 64 * 128;  // this warpgroup's 64 keys (row offset)
   const int64_t key0 = k0 + cw * 64 + warp * 16 + g;                     // this thread's keys: key0 and key0 + 8
@@ -221,6 +224,12 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       wgmma_ss<T, 64>(dp, desc_at(v_desc, (kk / 4) * kBk * 128 + (kk % 4) * 32), desc_at(do_desc, (kk / 4) * kBq * 128 + (kk % 4) * 32),
                       kk > 0);
     wg_commit();
+    // The tile's lse while the products run (the exponentials wait for neither).
+    float l2[kBq / 8][2];
+#pragma unroll
+    for (int i = 0; i < kBq / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) l2[i][e] = lse_s[8 * i + 2 * t + e];
     wg_wait<1>();  // S^T
     pin(s);
     // P^T: row r of the thread is key key0 + 8 r, column 8 i + 2 t + e is query q0 + that.
@@ -231,11 +240,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 #pragma unroll
     for (int i = 0; i < kBq / 8; ++i)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float l2 = lse_s[8 * i + 2 * t + e];
+      for (int e = 0; e < 2; ++e)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) s[4 * i + 2 * r + e] = ex2(fmaf(s[4 * i + 2 * r + e], sl2, -l2));
-      }
+        for (int r = 0; r < 2; ++r) s[4 * i + 2 * r + e] = ex2(fmaf(s[4 * i + 2 * r + e], sl2, -l2[i][e]));
     if (masked)  // the tiles on the causal diagonal or past the last key only (a branch of the warpgroup)
 #pragma unroll
       for (int i = 0; i < kBq / 8; ++i)
@@ -353,17 +360,21 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 // head's blocks together, the last key block first).  Each head's blocks together lets the blocks that
 // run at once share their Q / dO tiles in L2; every head's first key blocks first (a group of all
 // heads) starts the longest causal blocks first and ends the grid on short ones, but spreads the
-// blocks that run at once over every head.  Groups of about two waves of blocks (the default) keep
-// most of both: on an H100 they were the fastest of the three at B4 S4096, B16 S1024, B8 S2048, B1
-// S16384 and on packed sequences, and within 5% of "heads" at B2 S8192 (bench/RESULTS.md,
-// 2026-11-27).  KCPP_FLASH_ATTN_SM90_BWD_ORDER = keys | heads | grouped pins one (for measuring).
+// blocks that run at once over every head.  Groups of about a wave of blocks, the heads split evenly
+// between them (the default), keep most of both.  Uneven groups cost: on an H200 at B2 S8192 (16
+// heads) groups of 5 heads (5, 5, 5, 1) ran fwd+bwd at 460.7 TFLOP/s, of 2 or 4 at 496.7 / 493.2, all
+// in one group at 476.9 (bench/RESULTS.md, 2026-11-27, twelfth session).
+// KCPP_FLASH_ATTN_SM90_BWD_ORDER = keys | heads | grouped pins one, a number N groups of N heads (for
+// measuring).
 int backward_head_group(const AttentionParams& p) {
-  const int64_t key_blocks = (p.seq_kv + kBk - 1) / kBk, heads = p.batch * p.heads_kv;
-  const int64_t waves2 = 2 * static_cast<int64_t>(sm_count());
-  const auto grouped = static_cast<int>(std::clamp<int64_t>((waves2 + key_blocks - 1) / std::max<int64_t>(key_blocks, 1), 1, heads));
+  const int64_t key_blocks = std::max<int64_t>((p.seq_kv + kBk - 1) / kBk, 1), heads = p.batch * p.heads_kv;
+  const int64_t per_wave = std::clamp<int64_t>((sm_count() + key_blocks / 2) / key_blocks, 1, heads);
+  const int64_t groups = (heads + per_wave - 1) / per_wave;
+  const auto grouped = static_cast<int>((heads + groups - 1) / groups);
   const char* order = std::getenv("KCPP_FLASH_ATTN_SM90_BWD_ORDER");
   if (order && std::strcmp(order, "heads") == 0) return static_cast<int>(heads);
   if (order && std::strcmp(order, "keys") == 0 && heads <= 65535) return 0;  // its grid (key blocks, B Hkv)
+  if (order && order[0] >= '1' && order[0] <= '9') return static_cast<int>(std::clamp<int64_t>(std::atoll(order), 1, heads));
   return grouped;
 }
 
