@@ -86,7 +86,7 @@ struct Bufs {
   int64_t ch_cols = 0;     // backward: the columns c h holds (I, or Loop's chunk: moe.h, loop_chunk_cols)
   int64_t group_rows = 0;  // Padded's groups of experts (moe.h, padded_group_rows; 0: none): rows they hold
   void* dgu_group = nullptr;  // backward: a group's [dg, du] by padded row, where dgu lies over the saved gate_up
-  void* plan = nullptr;       // forward on cuBLAS: the layout planned on the device (Plan)
+  void* plan = nullptr;       // on cuBLAS: the layout planned on the device (Plan)
 };
 
 // `cublas`: room for the cuBLAS paths too (their buffers, by path in the forward's and backward's
@@ -153,7 +153,7 @@ Bufs layout(const MoeParams& p, bool bwd, Carve& cv, bool cublas, int64_t padded
     }
   }
   if (cublas) {
-    if (!bwd) b.plan = cv.take<int32_t>(4);
+    b.plan = cv.take<int32_t>(4);
     b.ptrs = cv.take<void*>(kMaxCublasGemms * 3 * e);
     b.blas = cv.take<unsigned char>(static_cast<int64_t>(kCublasWorkspace));
   }
@@ -1177,6 +1177,26 @@ template <typename T> void launch_gather_planned(int64_t max_rows, const Plan* p
                                                                 ldx, rows);
 }
 
+// Enqueues the copy of the offsets to the host (Blas::read_back), then plan_layout and the gather of
+// src by row over the planned layout into `rows`, so that both run while Blas::begin waits for the
+// copy and decides the same layout on the host.  w scales the rows (Input mode's x) or is null.
+template <typename T>
+const char* gather_before_read_back(Blas& blas, const MoeParams& p, const Bufs& b, Path path, const int32_t* offsets,
+                                    const int32_t* sorted, const float* w, const T* src, int64_t ld, T* rows, const char* what,
+                                    cudaStream_t st) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return errorf("moe %s: no usable CUDA device", what);
+  const ExpertGemm asked = path == Path::Loop ? ExpertGemm::Loop : path == Path::Grouped ? ExpertGemm::Grouped
+                           : path == Path::Padded                ? ExpertGemm::Padded
+                                                                 : ExpertGemm::Auto;
+  if (const char* e = blas.read_back(offsets, p.experts, st)) return e;
+  Plan* plan = static_cast<Plan*>(b.plan);
+  plan_layout<<<1, 1, 0, st>>>(offsets, p.experts, p.hidden, p.inter, moe_slots(p), kernel::cuda::sm_count(device), asked,
+                               b.group_rows, plan);
+  launch_gather_planned<T>(b.rows, plan, p.experts, p.hidden, p.top_k, offsets, sorted, w, src, ld, rows, st);
+  return nullptr;
+}
+
 // Padded: each slot's position becomes its padded row (Pad), -1 for a slot no expert takes.
 __global__ void pad_positions(int64_t s, int e, const int32_t* ids, Pad pd, int32_t* pos) {
   const int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -1353,20 +1373,13 @@ template <typename T> const char* gate_up_products(const MoeParams& p, Blas& bla
 template <typename T>
 const char* experts_forward_cublas(const MoeParams& p, const Bufs& b, Path path, const int32_t* offsets, const int32_t* sorted,
                                    const int32_t* ids, const float* w, bool* padded, cudaStream_t st) {
-  const int64_t h = p.hidden, I = p.inter, k = p.top_k, ne = p.experts, eb = sizeof(T), s = moe_slots(p);
+  const int64_t h = p.hidden, I = p.inter, ne = p.experts, eb = sizeof(T), s = moe_slots(p);
   const bool input = p.weight_on == WeightOn::Input;
   const T* x = static_cast<const T*>(p.x);
   T* xs = static_cast<T*>(input ? b.xs : b.y);
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return "moe forward: no usable CUDA device";
-  const ExpertGemm asked = path == Path::Loop ? ExpertGemm::Loop : path == Path::Grouped ? ExpertGemm::Grouped
-                           : path == Path::Padded                ? ExpertGemm::Padded
-                                                                 : ExpertGemm::Auto;
-  Plan* plan = static_cast<Plan*>(b.plan);
   Blas blas;
-  if (const char* e = blas.read_back(offsets, ne, st)) return e;
-  plan_layout<<<1, 1, 0, st>>>(offsets, ne, h, I, s, kernel::cuda::sm_count(device), asked, b.group_rows, plan);
-  launch_gather_planned<T>(b.rows, plan, ne, h, k, offsets, sorted, input ? w : nullptr, x, p.x_stride, xs, st);
+  if (const char* e = gather_before_read_back<T>(blas, p, b, path, offsets, sorted, input ? w : nullptr, x, p.x_stride, xs, "forward", st))
+    return e;
   if (const char* e = blas.begin(path, offsets, ne, p.dtype, b, h, I, s, st)) return e;
   if (const char* e = rows_fit(blas, b, "forward")) return e;
   if (blas.valid() == 0) return nullptr;
@@ -1437,7 +1450,16 @@ const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path
                                     const int32_t* ids, const float* w, bool* padded, cudaStream_t st) {
   const int64_t h = p.hidden, I = p.inter, k = p.top_k, ne = p.experts, eb = sizeof(T), s = moe_slots(p);
   const bool input = p.weight_on == WeightOn::Input;
+  T* rows_h = static_cast<T*>(b.dxs);  // dout, then (when xs is this buffer) x, then dx, by row
+  // dout by row is gathered before the host has the counts, as the forward gathers x (over the layout
+  // plan_layout decides on the device), unless x by row must pass through the same buffer first (gate_up
+  // recomputed from x gathered into it).
+  const bool dout_early = p.gate_up || b.xs != b.dxs;
   Blas blas;
+  if (dout_early)
+    if (const char* e = gather_before_read_back<T>(blas, p, b, path, offsets, sorted, nullptr, static_cast<const T*>(p.dout),
+                                                   p.dout_stride, rows_h, "backward", st))
+      return e;
   if (const char* e = blas.begin(path, offsets, ne, p.dtype, b, h, I, s, st)) return e;
   if (const char* e = rows_fit(blas, b, "backward")) return e;
   // Experts without positions: zero here (Padded: those between first and last get exact zeros
@@ -1450,7 +1472,6 @@ const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path
   const Pad pd = blas.pad(offsets);
   const T* x = static_cast<const T*>(p.x);
   T* xs = static_cast<T*>(b.xs);
-  T* rows_h = static_cast<T*>(b.dxs);  // dout, then (when xs is this buffer) x, then dx, by row
   const bool shared_xs = xs == rows_h;
   bool xs_ready = false;  // xs holds x by row
   auto gather_xs = [&] {
@@ -1465,7 +1486,7 @@ const char* experts_backward_cublas(const MoeParams& p, const Bufs& b, Path path
     if (const char* e = gate_up_products(p, blas, xs, static_cast<T*>(b.gu))) return e;
   }
   T* dout = rows_h;
-  launch_gather<T>(n, h, k, pd, sorted, nullptr, static_cast<const T*>(p.dout), p.dout_stride, dout, st);
+  if (!dout_early) launch_gather<T>(n, h, k, pd, sorted, nullptr, static_cast<const T*>(p.dout), p.dout_stride, dout, st);
   if (shared_xs) xs_ready = false;  // x by row, if gathered, is overwritten
   T* ch = static_cast<T*>(b.ch);
   T* dgu = static_cast<T*>(b.dgu);
