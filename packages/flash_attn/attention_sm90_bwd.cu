@@ -182,7 +182,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   // Consumers.
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
   // The warpgroup's index broadcast from lane 0: the compiler then knows it is the same across the warp
-  // and keeps the descriptors below in uniform registers, the wgmma's operands (no move a wgmma).
+  // and may keep the descriptors below in uniform registers, where wgmma takes them, instead of moving
+  // them there before every wgmma.
   const int cw = __shfl_sync(0xffffffffu, tid / 128, 0) - 1;
   const int tw = tid % 128, lane = tid % 32, warp = tw / 32, g = lane / 4, t = lane % 4;
   const float sl2 = p.scale * kLog2e;
@@ -195,6 +196,21 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const uint64_t k_desc = desc(k_wg, 16, 1024), v_desc = desc(v_wg, 16, 1024);
   const uint64_t q_desc0 = desc(sQ, 16, 1024), q_mn0 = desc(sQ, kBq * 128, 1024);
   const uint64_t ds_desc0 = desc(sDS, kBq * 128, 1024), kq_desc = desc(sK + cw * kBk * 128, kBk * 128, 1024);
+  // X (64 keys x kBq queries, f32 in the accumulator layout) rounded into A fragments, k-steps of 16 queries.
+  auto pack = [&](uint32_t(&frag)[kBq / 16][4], const float(&x)[32]) {
+#pragma unroll
+    for (int kk = 0; kk < kBq / 16; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) frag[kk][e] = pack2<T>(x[8 * kk + 2 * e], x[8 * kk + 2 * e + 1]);
+  };
+  // acc += X B in one commit group, X from the fragments `frag` (which neither the wgmma's issuer nor
+  // anyone else may touch until a wait covers the group), B from `b` (MN-major).
+  auto rs_product = [&](float(&acc)[kD / 2], const uint32_t(&frag)[kBq / 16][4], uint64_t b) {
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBq / 16; ++kk) wgmma_rs<T, kD>(acc, frag[kk], desc_at(b, kk * 16 * 128));
+    wg_commit();
+  };
   float dk[kD / 2], dv[kD / 2];
 #pragma unroll
   for (int e = 0; e < kD / 2; ++e) dk[e] = dv[e] = 0.0f;
@@ -210,9 +226,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     const float* dl_s = lse_s + kBq;
     float s[32], dp[32];
     mbar_wait(full(st), (it / kStages) & 1);
-    // Three commit groups, each waited for only when its result is needed: S^T, then dP^T, then dV.
-    // P's exponentials run while dP^T is on the tensor cores, dS^T's arithmetic while dV is, and
-    // dS^T's shared-memory stores while dK is.
+    // Five commit groups an item (S^T, dP^T, dV, dK, dQ), each waited for only when its result is
+    // needed: P's exponentials run while dP^T is on the tensor cores, dS^T's arithmetic while dV is,
+    // and its shared-memory stores while dK is.
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk)
@@ -251,15 +267,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 #pragma unroll
           for (int r = 0; r < 2; ++r)
             if (8 * r >= kv_left || (p.causal && 8 * r + ahead > 8 * i + 2 * t + e)) s[4 * i + 2 * r + e] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < kBq / 16; ++kk)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) pf[kk][e] = pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
-    // dV += P^T dO (k-steps of 16 queries; dO MN-major as loaded).
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBq / 16; ++kk) wgmma_rs<T, kD>(dv, pf[kk], desc_at(do_mn, kk * 16 * 128));
-    wg_commit();
+    // dV += P^T dO (dO MN-major as loaded).
+    pack(pf, s);
+    rs_product(dv, pf, do_mn);
     wg_wait<1>();  // dP^T (dV may still run)
     pin(dp);
     // dS^T = P^T o (dP^T - delta).
@@ -274,23 +284,18 @@ __global__ void __launch_bounds__(kThreadsB, 1)
           dp[x] = s[x] * (dp[x] - dl);
         }
       }
-#pragma unroll
-    for (int kk = 0; kk < kBq / 16; ++kk)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) df[kk][e] = pack2<T>(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
     // dK += dS^T Q (Q MN-major as loaded).
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBq / 16; ++kk) wgmma_rs<T, kD>(dk, df[kk], desc_at(q_mn, kk * 16 * 128));
-    wg_commit();
-    // dS^T into shared memory, [keys][queries] in the 128-byte swizzle (the A operand of dQ, MN-major).
+    pack(df, dp);
+    rs_product(dk, df, q_mn);
+    // dS^T into shared memory while dK runs, [keys][queries] in the 128-byte swizzle (the A operand of
+    // dQ, MN-major): rounded again from dp, since df may not be read before a wait covers dK.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int rl = cw * 64 + warp * 16 + g + 8 * r;
 #pragma unroll
       for (int i = 0; i < kBq / 8; ++i)
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_s + rl * 128 + ((i ^ (rl % 8)) << 4) + 4 * t),
-                     "r"(df[i / 2][(i % 2) * 2 + r])
+                     "r"(pack2<T>(dp[4 * i + 2 * r], dp[4 * i + 2 * r + 1]))
                      : "memory");
     }
     fence_async_smem();
@@ -360,17 +365,25 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 // head's blocks together, the last key block first).  Each head's blocks together lets the blocks that
 // run at once share their Q / dO tiles in L2; every head's first key blocks first (a group of all
 // heads) starts the longest causal blocks first and ends the grid on short ones, but spreads the
-// blocks that run at once over every head.  Groups of about a wave of blocks, the heads split evenly
-// between them (the default), keep most of both.  Uneven groups cost: on an H200 at B2 S8192 (16
+// blocks that run at once over every head.  Groups of about a wave of blocks (the default) keep most
+// of both, of a size that divides the heads where one lies within a factor of two below a wave: a
+// short last group starts its longest blocks near the end of the grid.  On an H200 at B2 S8192 (16
 // heads) groups of 5 heads (5, 5, 5, 1) ran fwd+bwd at 460.7 TFLOP/s, of 2 or 4 at 496.7 / 493.2, all
-// in one group at 476.9 (bench/RESULTS.md, 2026-11-27, twelfth session).
+// in one group at 476.9 (bench/RESULTS.md, 2026-11-27, twelfth session).  Where no such divisor
+// exists, the groups are as even as groups of one size get (13 heads in fours: 4, 4, 4, 1).
 // KCPP_FLASH_ATTN_SM90_BWD_ORDER = keys | heads | grouped pins one, a number N groups of N heads (for
 // measuring).
 int backward_head_group(const AttentionParams& p) {
   const int64_t key_blocks = std::max<int64_t>((p.seq_kv + kBk - 1) / kBk, 1), heads = p.batch * p.heads_kv;
   const int64_t per_wave = std::clamp<int64_t>((sm_count() + key_blocks / 2) / key_blocks, 1, heads);
-  const int64_t groups = (heads + per_wave - 1) / per_wave;
-  const auto grouped = static_cast<int>((heads + groups - 1) / groups);
+  int64_t size = 0;
+  for (int64_t c = per_wave; c >= std::max<int64_t>(1, per_wave / 2) && size == 0; --c)
+    if (heads % c == 0) size = c;
+  if (size == 0) {
+    const int64_t groups = (heads + per_wave - 1) / per_wave;
+    size = (heads + groups - 1) / groups;
+  }
+  const auto grouped = static_cast<int>(size);
   const char* order = std::getenv("KCPP_FLASH_ATTN_SM90_BWD_ORDER");
   if (order && std::strcmp(order, "heads") == 0) return static_cast<int>(heads);
   if (order && std::strcmp(order, "keys") == 0 && heads <= 65535) return 0;  // its grid (key blocks, B Hkv)

@@ -144,11 +144,13 @@ inline bool matrix_storage(int64_t rows, int64_t cols, int64_t rs, int64_t cs, b
 //            many small experts); more padding (a skewed routing, or at decode sizes a range of
 //            experts mostly without tokens, whose weights the padded call would still stream) is
 //            left to Grouped.
-// The cuBLAS paths read the expert offsets back to the host (one wait for that copy a call; the
-// backward synchronizes the stream, the forward waits for the copy alone while the token rows are
-// gathered over the same layout decided on the device by these functions); offsets that are no
-// grouping of the S slots (expert_offsets[0] != 0, expert_offsets[E] > S) are refused there, and so
-// is a layout that needs more rows than the workspace holds.
+// The cuBLAS paths read the expert offsets back to the host (one wait for that copy a call, while
+// the forward's token rows and the backward's dout rows are gathered over the same layout decided on
+// the device by these functions; the backward synchronizes the stream instead where x by row must
+// pass through dout's buffer first); offsets that are no grouping of the S slots
+// (expert_offsets[0] != 0, decreasing, expert_offsets[E] > S) are refused there, the device's plan
+// gathering nothing for them meanwhile, and so is a layout that needs more rows than the workspace
+// holds.
 // While the stream is being captured into a CUDA graph that is not allowed: every choice runs Kernel.
 enum class ExpertGemm : int32_t { Auto = 0, Kernel = 1, Loop = 2, Grouped = 3, Padded = 4 };
 
@@ -208,7 +210,7 @@ KCPP_MOE_HD inline void panel_item(int64_t w, int m_tiles, int n_tiles, int pane
   *nt = rem / rows;
 }
 // The cuBLAS path of a call (a pure function of the counts: the host runs it on the counts read back,
-// the forward's planning kernel on the device's, testable on the host): `asked` Loop or Grouped as
+// the planning kernel on the device's, testable on the host): `asked` Loop or Grouped as
 // is; Padded when the layout fits padded_rows_cap(.., true), else Grouped; Auto by the rule above
 // (sms: the device's multiprocessors).  Returns Loop, Grouped or Padded.
 KCPP_MOE_HD inline ExpertGemm choose_expert_gemm(ExpertGemm asked, const int32_t* offsets, int64_t experts, int64_t hidden,

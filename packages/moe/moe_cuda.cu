@@ -600,7 +600,8 @@ int64_t grid_y_rows(gemm::Grouping g, int64_t rows, int64_t groups) {
 // reductions (CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION); results in the dtype.
 //
 // The group sizes come to the host once per call (cudaMemcpyAsync of the offsets into pinned memory,
-// then a wait: for the copy alone in the forward, Blas::read_back; for the stream in the backward).
+// then a wait for the copy alone, Blas::read_back; for the stream where the backward gathers x by
+// row into the buffer dout goes through).
 // Loop: one cublasGemmEx per expert with positions.  Grouped: one cublasGemmGroupedBatchedEx per product, the experts with equal n_e one group (a group shares m, n,
 // k, the leading dims and the scalars; its A, B, C pointers are device arrays, copied from pinned host
 // memory into the workspace), cuBLAS 12.5 on.
@@ -926,7 +927,8 @@ class Blas {
   }
 
   // Enqueues the offsets' copy to the host now; begin() then waits for that copy alone, so that
-  // work enqueued in between (the forward's planned gather) runs while the host waits and decides.
+  // work enqueued in between (gather_before_read_back's planned gather) runs while the host waits and
+  // decides.
   const char* read_back(const int32_t* offsets, int64_t experts, cudaStream_t st) {
     if (const char* e = host_side(&hs_)) return e;
     cudaError_t err = cudaMemcpyAsync(hs_->offsets, offsets, static_cast<size_t>(experts + 1) * sizeof(int32_t),
@@ -1123,13 +1125,21 @@ __global__ void gather_rows(int64_t n, int64_t h, int k, Pad pd, const int32_t* 
   if (r < n) gather_row<T, V>(r, h, k, pd, sorted, w, x, ldx, rows);
 }
 
-// The forward's layout decided on the device from the counts, as Blas::begin decides it on the host
-// once they are read back (the same functions, moe.h): plan = {padded, first, experts, rows}.
+// The layout decided on the device from the counts, as Blas::begin decides it on the host once they
+// are read back (the same functions, moe.h): plan = {padded, first, experts, rows}.
 struct Plan {
-  int32_t padded, first, experts, rows;
+  int32_t padded, first, experts, rows;  // padded -1: the offsets are no grouping of the slots
 };
 __global__ void plan_layout(const int32_t* offsets, int64_t experts, int64_t hidden, int64_t inter, int64_t slots, int64_t sms,
                             ExpertGemm asked, int64_t group_rows, Plan* plan) {
+  // Offsets that are no grouping of the slots (Blas::begin refuses them once read back): no rows, so
+  // that the gather reads nothing past sorted_slots before the host has said so.
+  bool grouping = offsets[0] == 0 && offsets[experts] <= slots;
+  for (int64_t e = 0; e < experts && grouping; ++e) grouping = offsets[e + 1] >= offsets[e];
+  if (!grouping) {
+    *plan = Plan{-1, 0, 0, 0};
+    return;
+  }
   Plan q{0, 0, 0, 0};
   if (choose_expert_gemm(asked, offsets, experts, hidden, inter, slots, sms) == ExpertGemm::Padded) {
     const PaddedLayout l = padded_layout(offsets, experts);
@@ -1146,6 +1156,7 @@ __global__ void gather_planned(const Plan* plan, int64_t max_rows, int64_t exper
                                const int32_t* sorted, const float* w, const T* x, int64_t ldx, T* rows) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kGatherWarps + (threadIdx.x >> 5);
   const Plan q = *plan;
+  if (q.padded < 0) return;  // no grouping of the slots (plan_layout)
   const int64_t n = q.padded ? static_cast<int64_t>(q.experts) * q.rows : offsets[experts];
   if (r >= n || r >= max_rows) return;  // a layout past the workspace is refused by the host after the read-back
   Pad pd;

@@ -1398,7 +1398,8 @@ TEST_P(MoeKernels, GraphCaptureRefusesLoopsSmallerBuffers) {
 
 // Expert offsets given to the backward that are no grouping of the S slots (expert_offsets[E] past S:
 // positions past sorted_slots, rows past the workspace's) are refused by the cuBLAS paths after the
-// read-back, before any row is gathered or written.
+// read-back, before any row is written past the workspace; the rows gathered before the read-back
+// (over the layout planned on the device) are none for such offsets.
 TEST_P(MoeKernels, OffsetsPastTheSlotsAreRefused) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);

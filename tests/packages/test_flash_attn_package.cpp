@@ -215,8 +215,9 @@ TEST(FlashAttnHopper, BackwardOnAwkwardLengths) {
         if (dt == DType::f16 && c.sq > 1000) continue;
         check_case(k, c, dt, dev, gen, bshd);
       }
-  // The block orders (KCPP_FLASH_ATTN_SM90_BWD_ORDER), each pinned, in bf16.
-  for (const char* order : {"keys", "heads", "grouped"}) {
+  // The block orders (KCPP_FLASH_ATTN_SM90_BWD_ORDER), each pinned, in bf16; "3": groups of three
+  // heads, the last one shorter where the heads are not a multiple of three (B 8 x 4 kv heads: 3 x 10 + 2).
+  for (const char* order : {"keys", "heads", "grouped", "3"}) {
     const ScopedEnv by("KCPP_FLASH_ATTN_SM90_BWD_ORDER", order);
     for (const Case& c : cases)
       if (c.sq <= 1000) check_case(k, c, DType::bf16, dev, gen, false);
@@ -568,7 +569,7 @@ TEST(FlashAttnHopper, VarlenOnAwkwardLengths) {
       {{130, 3}, {130, 3}, 2, 2, 256, false, 0},
   };
   for (DType dt : {DType::bf16, DType::f16}) {
-    for (const char* order : {"keys", "heads", "grouped"}) {  // the backward's block orders
+    for (const char* order : {"keys", "heads", "grouped", "3"}) {  // the backward's block orders
       const ScopedEnv fwd("KCPP_FLASH_ATTN_FORWARD", "hopper"), bwd("KCPP_FLASH_ATTN_BACKWARD", "hopper");
       const ScopedEnv by("KCPP_FLASH_ATTN_SM90_BWD_ORDER", order);
       for (const VarlenCase& c : both) check_varlen(k, c, dt, dev, gen);

@@ -106,8 +106,8 @@ __device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t lbo, uint32_t s
 // desc(addr + bytes, lbo, sbo) from d = desc(addr, lbo, sbo), for bytes a multiple of 16 that keeps the
 // address in shared memory: the start address field (bits 0-13, the address over 16) takes bytes / 16
 // with no carry out of it, so one 32-bit add replaces desc()'s masks and shifts.  Loops that issue many
-// wgmma keep a descriptor per operand and step it with this: the integer work of a descriptor a wgmma
-// otherwise delays the tensor cores' next instruction.
+// wgmma keep a descriptor per operand and step it with this: building two descriptors for every wgmma
+// otherwise puts integer work between the tensor cores' instructions.
 __device__ __forceinline__ uint64_t desc_at(uint64_t d, uint32_t bytes) {
   const uint32_t lo = static_cast<uint32_t>(d) + (bytes >> 4);
   return (d & 0xFFFFFFFF00000000ull) | lo;
