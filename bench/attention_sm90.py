@@ -9,7 +9,8 @@ sm_90a; ampere: mma.sync) and the backward on KCPP_FLASH_ATTN_BACKWARD's (hopper
 and gradients are compared with cuDNN's before they are timed.
 
 Run on the GPU machine: python3 bench/attention_sm90.py <path to libflash_attn.so of the CUDA variant>
-[BxSxD ...] [--bwd=hopper:grouped,ampere] (the backward paths to time, path:order; default all four;
+[BxSxD ...] [--bwd=hopper:grouped,hopper:4,ampere] (the backward paths to time, path:order, an order
+being keys, heads, grouped or a number of heads a group; default keys, heads, grouped and ampere;
 --no-sdpa-flash2 skips that backend).
 """
 import math
