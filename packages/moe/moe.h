@@ -209,6 +209,15 @@ KCPP_MOE_HD inline void panel_item(int64_t w, int m_tiles, int n_tiles, int pane
   *mt = first + rem % rows;
   *nt = rem / rows;
 }
+// Whether the expert offsets group the S slots: expert_offsets[0] = 0, never decreasing,
+// expert_offsets[E] <= S.  The host refuses other offsets once read back; the planning kernel
+// gathers no rows for them meanwhile.
+template <typename I> KCPP_MOE_HD inline bool offsets_group_slots(const I* offsets, int64_t experts, int64_t slots) {
+  if (offsets[0] != 0 || offsets[experts] > slots) return false;
+  for (int64_t e = 0; e < experts; ++e)
+    if (offsets[e + 1] < offsets[e]) return false;
+  return true;
+}
 // The cuBLAS path of a call (a pure function of the counts: the host runs it on the counts read back,
 // the planning kernel on the device's, testable on the host): `asked` Loop or Grouped as
 // is; Padded when the layout fits padded_rows_cap(.., true), else Grouped; Auto by the rule above

@@ -887,11 +887,11 @@ class Blas {
     }
     if (err != cudaSuccess) return errorf("moe: reading the expert offsets back failed: %s", cudaGetErrorString(err));
     off_.assign(hs_->offsets, hs_->offsets + experts + 1);
-    for (int64_t e = 0; e < experts; ++e)
-      if (off_[e + 1] < off_[e]) return "moe: expert_offsets are not increasing";
-    if (off_[0] != 0 || off_[experts] > slots)  // the positions index sorted_slots [S]
-      return errorf("moe: expert_offsets are not a grouping of the %lld slots (expert_offsets[0] = %lld, expert_offsets[E] = %lld)",
-                    static_cast<long long>(slots), static_cast<long long>(off_[0]), static_cast<long long>(off_[experts]));
+    if (!offsets_group_slots(off_.data(), experts, slots))  // the positions index sorted_slots [S]
+      return errorf("moe: expert_offsets are not a grouping of the %lld slots: they must start at 0, never decrease and end "
+                    "at most at %lld (expert_offsets[0] = %lld, expert_offsets[E] = %lld)",
+                    static_cast<long long>(slots), static_cast<long long>(slots), static_cast<long long>(off_[0]),
+                    static_cast<long long>(off_[experts]));
     order_.clear();
     for (int64_t e = 0; e < experts; ++e)
       if (count(e) > 0) order_.push_back(static_cast<int>(e));
@@ -1132,11 +1132,9 @@ struct Plan {
 };
 __global__ void plan_layout(const int32_t* offsets, int64_t experts, int64_t hidden, int64_t inter, int64_t slots, int64_t sms,
                             ExpertGemm asked, int64_t group_rows, Plan* plan) {
-  // Offsets that are no grouping of the slots (Blas::begin refuses them once read back): no rows, so
-  // that the gather reads nothing past sorted_slots before the host has said so.
-  bool grouping = offsets[0] == 0 && offsets[experts] <= slots;
-  for (int64_t e = 0; e < experts && grouping; ++e) grouping = offsets[e + 1] >= offsets[e];
-  if (!grouping) {
+  // Offsets that are no grouping of the slots: no rows, so that the gather reads nothing past
+  // sorted_slots before the host has refused them.
+  if (!offsets_group_slots(offsets, experts, slots)) {
     *plan = Plan{-1, 0, 0, 0};
     return;
   }

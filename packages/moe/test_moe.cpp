@@ -1158,6 +1158,18 @@ TEST(MoeWorkspace, OverwriteGateUpFreesTheGradientRows) {
 // The Hopper GEMM's work order (moe.h: panel_item): every (m tile, n tile) pair is the item of exactly
 // one index, at tile counts below, at and past a panel's (16) and its multiples, and within a panel
 // the n tiles go outer (the panel's m tiles inner).
+// The offsets' check that the host runs once they are read back and the planning kernel on the device.
+TEST(MoeGemmOrder, OffsetsGroupTheSlots) {
+  const std::vector<int32_t> good{0, 3, 3, 8, 12}, empty{0, 0, 0}, short_of_s{0, 2, 5};
+  EXPECT_TRUE(moe::offsets_group_slots(good.data(), 4, 12));
+  EXPECT_TRUE(moe::offsets_group_slots(empty.data(), 2, 12));
+  EXPECT_TRUE(moe::offsets_group_slots(short_of_s.data(), 2, 12));  // slots no expert takes
+  const std::vector<int32_t> past_s{0, 3, 3, 8, 20}, late_start{1, 3, 3, 8, 12}, decreasing{0, 5, 3, 8, 12};
+  EXPECT_FALSE(moe::offsets_group_slots(past_s.data(), 4, 12));
+  EXPECT_FALSE(moe::offsets_group_slots(late_start.data(), 4, 12));
+  EXPECT_FALSE(moe::offsets_group_slots(decreasing.data(), 4, 12));
+}
+
 TEST(MoeGemmOrder, PanelItemsCoverEveryTileOnce) {
   for (int panel : {1, 3, 16})
     for (int m_tiles : {1, 2, 15, 16, 17, 31, 32, 33, 151})
