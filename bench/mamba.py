@@ -6,8 +6,9 @@ Rows:
 - kcpp: the built package through its C ABI (python/kcpp), forward in training mode (writing the saved
   states) then backward, with every option Mamba uses (delta_bias + softplus, D, z; --falcon adds the
   B / C norm).
-- kcpp legacy: the same with KCPP_SCAN_LEGACY=1 in the environment, which selects the sequential CUDA
-  kernels instead of the chunked ones (read at every call; --no-legacy leaves the row out).
+  The default pairs the state-lane forward with the chunked backward; the rows kcpp lanes / chunked /
+  legacy run one family both ways (KCPP_SCAN_LANES=1 / KCPP_SCAN_CHUNKED=1 / KCPP_SCAN_LEGACY=1 in the
+  environment, read at every call; --paths picks the rows).
 - torch (Transformers): `mamba_selective_scan` of transformers/models/mamba/modeling_mamba.py, unwrapped
   to its PyTorch body (the sequential loop over positions that the slow path runs when no hub kernel
   is mapped), forward + autograd backward; an identical loop written here when transformers is absent.
@@ -24,7 +25,7 @@ anything is timed; the PyTorch path runs in f32 (the bf16 one rounds the state a
 
 Run on the GPU machine:
   python3 bench/mamba.py build/release/kernels/mamba/build/kcpp1-cu130-x86_64-linux/libmamba.so
-  [--batch 8 --dim 4096 --seqlen 2048 --dstate 16 --falcon --ref-reps 3 --no-legacy]
+  [--batch 8 --dim 4096 --seqlen 2048 --dstate 16 --falcon --ref-reps 3 --paths default,lanes,chunked]
 """
 import argparse
 import inspect
@@ -49,7 +50,9 @@ ap.add_argument("--seqlen", type=int, default=2048)
 ap.add_argument("--dstate", type=int, default=16)
 ap.add_argument("--falcon", action="store_true", help="normalise B and C inside the scan (Falcon-Mamba)")
 ap.add_argument("--ref-reps", type=int, default=3, help="timed calls of the PyTorch path")
-ap.add_argument("--no-legacy", action="store_true", help="leave out the row of the legacy kernels (KCPP_SCAN_LEGACY=1)")
+ap.add_argument("--paths", default="default,lanes,chunked",
+                help="the CUDA kernels to time, comma-separated: default, lanes (KCPP_SCAN_LANES=1), chunked "
+                     "(KCPP_SCAN_CHUNKED=1), legacy (KCPP_SCAN_LEGACY=1); the first is the speed-ups' base")
 args = ap.parse_args()
 Bn, D, L, N = args.batch, args.dim, args.seqlen, args.dstate
 dev, dt = "cuda", torch.bfloat16
@@ -139,15 +142,22 @@ def kcpp_fwd_bwd():
     layer.backward(ba)
 
 
-def use_legacy(on):
-    """Selects the legacy kernels for the calls that follow (the package reads the variable at every call)."""
-    if on:
-        os.environ["KCPP_SCAN_LEGACY"] = "1"
-    else:
-        os.environ.pop("KCPP_SCAN_LEGACY", None)
+PATH_ENV = {"default": None, "lanes": "KCPP_SCAN_LANES", "chunked": "KCPP_SCAN_CHUNKED", "legacy": "KCPP_SCAN_LEGACY"}
 
 
-paths = [("kcpp", False)] + ([] if args.no_legacy else [("kcpp legacy (KCPP_SCAN_LEGACY=1)", True)])
+def use_path(path):
+    """Selects a path's kernels for the calls that follow (the package reads the variables at every call)."""
+    for var in ("KCPP_SCAN_LANES", "KCPP_SCAN_CHUNKED", "KCPP_SCAN_LEGACY"):
+        os.environ.pop(var, None)
+    if PATH_ENV[path]:
+        os.environ[PATH_ENV[path]] = "1"
+
+
+paths = []
+for path in args.paths.split(","):
+    if path not in PATH_ENV:
+        sys.exit(f"--paths: unknown path {path!r} (default, lanes, chunked, legacy)")
+    paths.append(("kcpp" if path == "default" else f"kcpp {path} ({PATH_ENV[path]}=1)", path))
 
 
 def ref_inputs(dtype):
@@ -172,8 +182,8 @@ leaves = ref_inputs(torch.float32)
 y = ref_call(leaves)
 y.backward(dout.float())
 names = ["du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias"]
-for name, legacy in paths:
-    use_legacy(legacy)
+for name, path in paths:
+    use_path(path)
     for t in [out] + list(grads.values()):
         t.fill_(float("nan"))
     kcpp_fwd_bwd()
@@ -181,16 +191,16 @@ for name, legacy in paths:
     errs = {"out": rel(out, y.detach())}
     errs.update({n: rel(grads[n], leaf.grad) for n, leaf in zip(names, leaves)})
     print(f"  {name} vs torch f32 (relative L2): " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()), flush=True)
-use_legacy(False)
+use_path("default")
 del y, leaves
 torch.cuda.empty_cache()
 
 rows = []
-for name, legacy in paths:
-    use_legacy(legacy)
+for name, path in paths:
+    use_path(path)
     f, fb = ms(kcpp_fwd, f"{name} fwd"), ms(kcpp_fwd_bwd, f"{name} fwd+bwd")
     rows.append((name, f, fb))
-use_legacy(False)
+use_path("default")
 t_f, t_fb = rows[0][1], rows[0][2]
 
 # The PyTorch path in the inputs' dtype (what a bf16 model runs), a few calls.

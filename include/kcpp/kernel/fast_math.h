@@ -28,4 +28,16 @@ KCPP_KERNEL_INLINE float exp2_approx(float x) {
 #endif
 }
 
+// 1 / x: on the device rcp.approx.ftz (within one unit in the last place; subnormals flushed to 0); on
+// the host the division.
+KCPP_KERNEL_INLINE float rcp_approx(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return 1.0f / x;
+#endif
+}
+
 }  // namespace kcpp::kernel

@@ -31,8 +31,18 @@
 //   CPU: forward a task per (batch, channel); backward a task per (batch, block of 128 channels of a
 //        group), channel after channel, each chunk's states and decays recomputed into a buffer; dB / dC
 //        summed per block, then over the blocks in order.
-//   CUDA (selective_scan_cuda.cu): N <= 16 (selective_scan_cuda_unsupported says so otherwise).  The
-//        recurrence runs in parallel over the positions of a chunk of kStateChunk, one chunk at a time:
+//   CUDA: N <= 16 (selective_scan_cuda_unsupported says so otherwise); the step dt's softplus is
+//        softplus_fast below.  By default the state-lane forward and the chunked backward, the fastest
+//        of each direction as measured (bench/RESULTS.md); the saved states are the same either way.
+//        KCPP_SCAN_LANES=1, KCPP_SCAN_CHUNKED=1 or KCPP_SCAN_LEGACY=1 in the environment (read at every
+//        call) runs one family both ways.
+//     State lanes (selective_scan_lanes_cuda.cu): a thread holds four states of one channel and walks
+//        the positions in order (no scan across threads); four threads a channel share dt and the
+//        output's sum over the states by shuffles; B, C of a tile in shared memory as [position][state].
+//        The backward walks each chunk three times: the forward to checkpoints every 16 positions, then
+//        per sub-chunk from the last the forward again (its states in registers) and the adjoint back.
+//     Chunked (selective_scan_cuda.cu): the recurrence runs in parallel over the positions of a chunk
+//        of kStateChunk, one chunk at a time:
 //        each lane of a warp holds a run of consecutive positions (loaded as 16-byte vectors), runs the
 //        recurrence over it, and a warp scan of the runs' (prod a, h) pairs under the associative
 //        operator (a1, h1) then (a2, h2) = (a1 a2, a2 h1 + h2) gives each run its entry state (Gu & Dao's
@@ -44,13 +54,12 @@
 //        state, the adjoint g scanned in reverse from the carry that the later chunk left, dB / dC summed
 //        over the block's channels in shared memory and written per block to the workspace, which two
 //        kernels add in block and batch order (and send dB, dC back through the norm).
-//        KCPP_SCAN_LEGACY=1 in the environment (read at every call) selects the sequential kernels
-//        instead (selective_scan_legacy_cuda.cu: a thread walks its channel's whole sequence), kept for
+//     Legacy (selective_scan_legacy_cuda.cu): a thread walks its channel's whole sequence; kept for
 //        comparison.
 // Memory: states is B D ceil(L / 256) N floats.  The CUDA backward's workspace,
 // selective_scan_backward_workspace(p) bytes: P B G 2 N L floats (the blocks' dB / dC rows, P blocks a
-// group: ceil(D / G / c) for c channels a block, a multiple of 8 up to 128 as the grid allows; 32 for
-// the sequential kernels) + B D (N + 2) floats.
+// group: ceil(D / G / c) for c channels a block: a multiple of 8 up to 128 as the grid allows for the
+// chunked kernels, 96 for the state-lane ones, 32 for the sequential ones) + B D (N + 2) floats.
 #pragma once
 
 #include <cmath>
@@ -121,7 +130,7 @@ struct SelectiveScanParams {
   float* ddelta_bias = nullptr;  // [D], required iff delta_bias
   void* workspace = nullptr;     // CUDA backward: selective_scan_backward_workspace(p) bytes
   size_t workspace_bytes = 0;    // its size; the backward refuses a smaller one than it needs (e.g. when
-                                 // KCPP_SCAN_LEGACY changed between the query and the call)
+                                 // a KCPP_SCAN_* variable changed between the query and the call)
 };
 
 // One decoding step (SelectiveStateUpdate/1).  x, dt, z, out are [B, D] with any strides (a Seq whose
@@ -158,6 +167,34 @@ KCPP_KERNEL_INLINE float softplus(float x) { return x > 20.0f ? x : std::log1p(s
 KCPP_KERNEL_INLINE float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 KCPP_KERNEL_INLINE float dsoftplus(float x) { return x > 20.0f ? 1.0f : sigmoid(x); }
 KCPP_KERNEL_INLINE float silu(float x) { return x * sigmoid(x); }
+
+// softplus as the CUDA kernels compute it, in about 20 instructions where log1pf takes some 80 (a
+// tenth of the forward's instructions): max(x, 0) + log1p(u) with u = e^-|x| from exp2_approx, the
+// rounding of -|x| log2(e) added back to first order (u (1 + lo ln 2)), and log1p(u), u in (0, 1], as
+// 2 atanh(s) = 2 (s + s^3 / 3 + ... + s^15 / 15) with s = u / (2 + u) <= 1/3 (the series' tail is below
+// 2e-8 relative).  With correctly rounded operations (the host) it is within 4e-7 relative of the exact
+// value (MambaMath.FastSoftplusIsWithinItsBound); the device's ex2.approx and rcp.approx add about 3e-7.
+// PyTorch's threshold as softplus(): x itself above 20.
+KCPP_KERNEL_INLINE float softplus_fast(float x) {
+  if (x > 20.0f) return x;
+  constexpr float kL2e = 1.44269502162933349609375f;     // log2(e) rounded to f32
+  constexpr float kL2eLo = 1.925963033500011e-8f;        // log2(e) - kL2e
+  constexpr float kLn2 = 0.6931471805599453f;
+  const float a = -std::fabs(x), hi = a * kL2e;
+  const float lo = std::fma(a, kL2e, -hi) + a * kL2eLo;  // a log2(e) - hi
+  float u = kernel::exp2_approx(hi);
+  u = std::fma(u, lo * kLn2, u);
+  const float s = u * kernel::rcp_approx(2.0f + u), s2 = s * s;
+  float poly = 1.0f / 15;
+  poly = std::fma(poly, s2, 1.0f / 13);
+  poly = std::fma(poly, s2, 1.0f / 11);
+  poly = std::fma(poly, s2, 1.0f / 9);
+  poly = std::fma(poly, s2, 1.0f / 7);
+  poly = std::fma(poly, s2, 1.0f / 5);
+  poly = std::fma(poly, s2, 1.0f / 3);
+  poly = std::fma(poly, s2, 1.0f);
+  return std::fmax(x, 0.0f) + 2.0f * s * poly;
+}
 KCPP_KERNEL_INLINE float dsilu(float x) {
   const float s = sigmoid(x);
   return s * (1.0f + x * (1.0f - s));

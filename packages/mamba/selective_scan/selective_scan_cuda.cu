@@ -1,8 +1,9 @@
-// The selective scan on CUDA (maths, saved states and layout in selective_scan.h): the recurrence runs
-// in parallel over the positions of a chunk of kStateChunk, as in Gu & Dao's selective_scan kernel
-// (Mamba, 2023: each thread holds a run of consecutive positions, a block scan combines the runs) with
-// the scan kept inside one warp.  KCPP_SCAN_LEGACY=1 in the environment (read at every call) selects the
-// sequential kernels of selective_scan_legacy_cuda.cu instead.
+// The selective scan on CUDA (maths, saved states and layout in selective_scan.h): the entry points,
+// which pick the kernels (path(): by default the state-lane forward of selective_scan_lanes_cuda.cu and
+// the chunked backward below), and the chunked kernels, in which the recurrence runs in parallel over
+// the positions of a chunk of kStateChunk, as in Gu & Dao's selective_scan kernel (Mamba, 2023: each
+// thread holds a run of consecutive positions, a block scan combines the runs) with the scan kept
+// inside one warp.
 //
 // The scan.  Per channel and state n, h_l = a_l h_{l-1} + b_l with a_l = exp(dt_l A_n) and
 // b_l = dt_l B_n,l u_l.  A chunk's R lanes each own K = kStateChunk / R consecutive positions (R K = 256)
@@ -75,21 +76,6 @@ static_assert(kFwdK % 8 == 0 && kBwdK % 8 == 0, "stage_bc moves 8 positions of a
 static_assert(kChunk == 256 && kBwdThreads == kChunk, "the backward's reduction gives each thread one position");
 
 __host__ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-
-// The gate's sigmoid from ex2.approx and rcp.approx (each within a few units in the last place).  e^-x
-// also carries the rounding of -x log2(e), about |x| units, which moves sigmoid(x) by that much only
-// where it is below ~e^-|x| (negligible against the other values).
-__device__ __forceinline__ float fast_sigmoid(float x) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + exp2_approx(-x * kLog2e)));
-  return r;
-}
-__device__ __forceinline__ float fast_silu(float x) { return x * fast_sigmoid(x); }
-__device__ __forceinline__ float fast_dsilu(float x) {
-  const float s = fast_sigmoid(x);
-  return s * fmaf(x, 1.0f - s, 1.0f);
-}
-__device__ __forceinline__ float fast_dsoftplus(float x) { return x > 20.0f ? 1.0f : fast_sigmoid(x); }
 
 // Asks L2 for the line holding `ptr` (a row that a later step reads).
 __device__ __forceinline__ void prefetch_l2(const void* ptr) { asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr)); }
@@ -276,7 +262,7 @@ __global__ void __launch_bounds__(kFwdThreads) chunked_forward_kernel(const Sele
         const float bias = active && p.delta_bias ? p.delta_bias[d] : 0.0f, Dd = active && p.D ? p.D[d] : 0.0f;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
-          dt[k] = p0 + k < valid ? step_of(p, raw[k] + bias) : 0.0f;
+          dt[k] = p0 + k < valid ? step_fast(p, raw[k] + bias) : 0.0f;
           dtu[k] = dt[k] * u[k];
           y[k] = Dd * u[k];
           sdt += dt[k];
@@ -393,7 +379,7 @@ __global__ void __launch_bounds__(kBwdThreads, 2)
         const float bias = active && p.delta_bias ? p.delta_bias[d] : 0.0f;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
-          dt[k] = p0 + k < valid ? step_of(p, raw[k] + bias) : 0.0f;
+          dt[k] = p0 + k < valid ? step_fast(p, raw[k] + bias) : 0.0f;
           dtu[k] = dt[k] * u[k];
           dy[k] = go[k];
           y[k] = 0.0f, sgb[k] = 0.0f, sagx[k] = 0.0f;
@@ -618,9 +604,20 @@ __global__ void state_update_kernel(const StateUpdateParams p) {
   static_cast<T*>(p.out)[b * p.out_sb + d * p.out_sd] = kc::from_f32<T>(y);
 }
 
-bool use_legacy() {
-  const char* e = std::getenv("KCPP_SCAN_LEGACY");
+// Which kernels run (read at every call): KCPP_SCAN_LEGACY=1 the sequential ones, KCPP_SCAN_CHUNKED=1
+// the chunked ones, KCPP_SCAN_LANES=1 the state-lane ones, each both ways; else the fastest of each
+// direction as measured (bench/RESULTS.md): the state-lane forward, the chunked backward.  The saved
+// states are the contract's whichever forward wrote them.
+enum class Path { lanes, chunked, legacy };
+bool env_is_1(const char* name) {
+  const char* e = std::getenv(name);
   return e && e[0] == '1' && e[1] == '\0';
+}
+Path path(bool backward) {
+  if (env_is_1("KCPP_SCAN_LEGACY")) return Path::legacy;
+  if (env_is_1("KCPP_SCAN_CHUNKED")) return Path::chunked;
+  if (env_is_1("KCPP_SCAN_LANES")) return Path::lanes;
+  return backward ? Path::chunked : Path::lanes;
 }
 
 // Whether every row of these views starts on a 16-byte boundary (16-byte loads of a lane's run).
@@ -649,8 +646,13 @@ Plan plan(const SelectiveScanParams& p, int channels, int max_iters, int64_t tar
   const int64_t cpb = channels * iters;
   return {static_cast<int>(iters), (per_group + cpb - 1) / cpb};
 }
-Plan backward_plan(const SelectiveScanParams& p) {
-  return use_legacy() ? Plan{1, legacy_blocks_per_group(p)} : plan(p, kBwdChannels, kBwdMaxIters, kBwdTargetBlocks);
+Plan backward_plan(const SelectiveScanParams& p, Path path) {
+  switch (path) {
+    case Path::legacy: return Plan{1, legacy_blocks_per_group(p)};
+    case Path::lanes: return Plan{1, lanes_blocks_per_group(p)};
+    case Path::chunked: break;
+  }
+  return plan(p, kBwdChannels, kBwdMaxIters, kBwdTargetBlocks);
 }
 
 // The backward's workspace, in floats: the blocks' dB / dC rows [bpg][B][G][2][N][L], then dA [B][D][N],
@@ -691,7 +693,7 @@ const char* selective_scan_cuda_unsupported(const SelectiveScanParams& p) {
 
 size_t selective_scan_backward_workspace(const SelectiveScanParams& p) {
   if (selective_scan_cuda_unsupported(p) || p.batch * p.dim * p.seqlen == 0 || p.groups < 1 || p.dim % p.groups != 0) return 0;
-  const BackwardWorkspace parts = workspace_parts(p, backward_plan(p).bpg);
+  const BackwardWorkspace parts = workspace_parts(p, backward_plan(p, path(true)).bpg);
   return sizeof(float) * (parts.bc + parts.a + 2 * parts.d);
 }
 
@@ -703,7 +705,9 @@ const char* selective_scan_forward_cuda(const SelectiveScanParams& p, cudaStream
     if (p.last_state) cudaMemsetAsync(p.last_state, 0, sizeof(float) * p.batch * p.dim * p.dstate, stream);
     return kc::launch_error("selective_scan forward");
   }
-  if (use_legacy()) return legacy_forward(p, stream);
+  const Path which = path(false);
+  if (which == Path::legacy) return legacy_forward(p, stream);
+  if (which == Path::lanes) return lanes_forward(p, stream);
   const Plan pl = plan(p, kFwdChannels, kFwdMaxIters, kFwdTargetBlocks);
   const unsigned grid = static_cast<unsigned>(p.batch * p.groups * pl.bpg);
   return kc::with_float_dtype(p.dtype, "selective_scan", [&]<typename T>(T*) -> const char* {
@@ -725,19 +729,20 @@ const char* selective_scan_backward_cuda(const SelectiveScanParams& p, cudaStrea
     return kc::launch_error("selective_scan backward");
   }
   if (!p.workspace) return "selective_scan backward: no workspace (selective_scan_backward_workspace(p) bytes)";
-  const bool legacy = use_legacy();
-  const Plan pl = backward_plan(p);
+  const Path which = path(true);
+  const Plan pl = backward_plan(p, which);
   const BackwardWorkspace parts = workspace_parts(p, pl.bpg);
   const size_t need = sizeof(float) * (parts.bc + parts.a + 2 * parts.d);
   if (p.workspace_bytes < need)
     return kernel::errorf("selective_scan backward: the workspace holds %zu bytes, this call needs %zu "
-                          "(selective_scan_backward_workspace(p), queried with the same KCPP_SCAN_LEGACY)",
+                          "(selective_scan_backward_workspace(p), queried with the same KCPP_SCAN_* variables)",
                           p.workspace_bytes, need);
   float* ws = static_cast<float*>(p.workspace);
   float *ws_bc = ws, *ws_a = ws + parts.bc, *ws_d = ws_a + parts.a, *ws_bias = ws_d + parts.d;
   return kc::with_float_dtype(p.dtype, "selective_scan", [&]<typename T>(T*) -> const char* {
-    const char* e = legacy ? legacy_backward_blocks(p, pl.bpg, ws_bc, ws_a, ws_d, ws_bias, stream)
-                           : launch_chunked_backward<T>(p, pl, ws_bc, ws_a, ws_d, ws_bias, stream);
+    const char* e = which == Path::legacy  ? legacy_backward_blocks(p, pl.bpg, ws_bc, ws_a, ws_d, ws_bias, stream)
+                    : which == Path::lanes ? lanes_backward_blocks(p, pl.bpg, ws_bc, ws_a, ws_d, ws_bias, stream)
+                                           : launch_chunked_backward<T>(p, pl, ws_bc, ws_a, ws_d, ws_bias, stream);
     if (e) return e;
     const int64_t rows = p.batch * p.groups * p.seqlen;
     reduce_bc_kernel<T><<<static_cast<unsigned>((rows + 255) / 256), 256, 0, stream>>>(p, pl.bpg, ws_bc);

@@ -3,7 +3,8 @@
 // Shapes: L = 1, odd L, one short of a chunk of saved states (255), exactly one (256), one past it,
 // several chunks; N = 1, 3, 4, 16; groups; channels beyond one CPU block (128) and one CUDA block, and
 // enough of them that the CUDA blocks take several channels a warp; every option on and off; strided
-// views.  On CUDA the sequential kernels that KCPP_SCAN_LEGACY=1 selects are held to the same oracle.
+// views.  On CUDA the default pairing (the state-lane forward, the chunked backward) and each family both
+// ways (KCPP_SCAN_LANES=1, KCPP_SCAN_CHUNKED=1, KCPP_SCAN_LEGACY=1) are held to the same oracle.
 // The oracle's own backward is checked against finite differences on a tiny f64 case.
 #include <cmath>
 #include <cstdlib>
@@ -170,8 +171,8 @@ void check_case(const Case& c, DType dt, Device dev, Generator& gen) {
   if (c.bias) expect_close(r.dbias, go.ddelta_bias, gm.ddelta_bias, DType::f32, cfg + " ddelta_bias");
 }
 
-// Sets an environment variable for the scope (KCPP_SCAN_LEGACY, which the CUDA entry points read at
-// every call), restoring what was there.
+// Sets an environment variable for the scope (the KCPP_SCAN_* variables, which the CUDA entry points
+// read at every call), restoring what was there.
 class ScopedEnv {
  public:
   ScopedEnv(const char* name, const char* value) : name_(name) {
@@ -212,6 +213,28 @@ TEST_P(SelectiveScan, MatchesTheOracleOnAwkwardShapes) {
   KCPP_REQUIRE_DEVICE(dev);
   Generator gen = test::test_generator();
   for (DType dt : {DType::f32, DType::bf16, DType::f16})
+    for (const Case& c : kAwkward) check_case(c, dt, dev, gen);
+}
+
+// The state-lane CUDA kernels both ways (KCPP_SCAN_LANES=1; by default only the forward is theirs).
+TEST_P(SelectiveScan, StateLaneKernelsMatchTheOracle) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  if (dev.is_cpu()) GTEST_SKIP() << "the state-lane kernels are CUDA's";
+  const ScopedEnv lanes("KCPP_SCAN_LANES", "1");
+  Generator gen = test::test_generator();
+  for (DType dt : {DType::f32, DType::bf16, DType::f16})
+    for (const Case& c : kAwkward) check_case(c, dt, dev, gen);
+}
+
+// The chunked CUDA kernels both ways (KCPP_SCAN_CHUNKED=1; by default only the backward is theirs).
+TEST_P(SelectiveScan, ChunkedKernelsMatchTheOracle) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  if (dev.is_cpu()) GTEST_SKIP() << "the chunked kernels are CUDA's";
+  const ScopedEnv chunked("KCPP_SCAN_CHUNKED", "1");
+  Generator gen = test::test_generator();
+  for (DType dt : {DType::f32, DType::bf16})
     for (const Case& c : kAwkward) check_case(c, dt, dev, gen);
 }
 
@@ -442,6 +465,29 @@ TEST_P(SelectiveScan, PrefillThenStepsMatchOneScan) {
 
 // The oracle's backward against central differences of its forward: the gradients the kernels are held
 // to are the derivatives of what they compute.
+// The CUDA kernels' softplus (softplus_fast: e^-|x| on the special-function unit and a short series for
+// log1p) against the exact value in f64, over [-127, 30] and both sides of the threshold: within 4e-7
+// relative with the host's correctly rounded operations (the bound its comment states; log1pf's own
+// error is about 1e-7).
+TEST(MambaMath, FastSoftplusIsWithinItsBound) {
+  double worst = 0.0, at = 0.0;
+  auto check = [&](float x) {
+    const double exact = x > 20.0f ? static_cast<double>(x) : std::log1p(std::exp(static_cast<double>(x)));
+    if (exact < 1e-37) {  // below f32's normal range (x < -85): 0 or a subnormal
+      EXPECT_LT(mamba::softplus_fast(x), 1e-37f) << "at x = " << x;
+      return;
+    }
+    const double err = std::fabs(static_cast<double>(mamba::softplus_fast(x)) - exact) / exact;
+    if (err > worst) worst = err, at = x;
+  };
+  for (int i = 0; i <= 700000; ++i) check(-40.0f + 70.0f * static_cast<float>(i) / 700000.0f);
+  for (int e = -30; e <= 4; ++e)
+    for (float m : {1.0f, 1.37f, 2.5f, 7.9f}) check(m * std::ldexp(1.0f, e)), check(-m * std::ldexp(1.0f, e));
+  for (float x : {0.0f, 20.0f, std::nextafter(20.0f, 0.0f), std::nextafter(20.0f, 30.0f), -87.0f, -103.0f}) check(x);
+  EXPECT_LT(worst, 4e-7) << "at x = " << at;
+  EXPECT_EQ(mamba::softplus_fast(25.0f), 25.0f);
+}
+
 TEST(SelectiveScanOracle, BackwardMatchesFiniteDifferences) {
   Generator gen = test::test_generator();
   for (bool all : {true, false}) {
