@@ -1,8 +1,9 @@
 """Decoding speed: `kcpp generate` beside Transformers' generate() on the same random weights.
 
-  python3 bench/generate.py [--models qwen3,llama] [--batches 1,8,32] [--new 128] [--kcpp .devlibs/bin/kcpp]
+  python3 bench/generate.py [--models qwen3,llama,mamba,falcon_mamba] [--batches 1,8,32] [--new 128] [--kcpp .devlibs/bin/kcpp]
 
-For each model's real dimensions (Qwen3-0.6B, Llama-3.2-1B; random weights saved once as a bf16
+For each model's real dimensions (Qwen3-0.6B, Llama-3.2-1B; Mamba-1.4B and Falcon-Mamba-7B at batch 1
+only, without the static cache and the prefill row; random weights saved once as a bf16
 Hugging Face folder) and each batch size: prompts of 16 random token ids, greedy, exactly --new new
 tokens (end-of-sequence ignored), then
   - Transformers eager (dynamic cache, SDPA),
@@ -14,8 +15,9 @@ generate() for 32 tokens, up to each row's first step where Transformers' own to
 1e-3 (after a near tie either pick is right and the rows may part); and a --prefill-token prompt
 (2,048) to its first token beside Transformers' forward, against the bf16 GEMM ceiling measured in
 the same call.  Decode tokens/s counts
-the tokens after each row's first; the memory roofline is (weight bytes + KV bytes read per step) /
-copy bandwidth, printed as a ceiling in tokens/s for batch 1.  Ratios hold within one call only.
+the tokens after each row's first; the memory roofline is (weight bytes + KV bytes read per step, or
+the state-space models' f32 states read and written) / copy bandwidth, printed as a ceiling in tokens/s
+for batch 1.  Ratios hold within one call only.
 """
 import argparse
 import json
@@ -34,7 +36,17 @@ MODELS = {
               dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                    num_key_value_heads=8, head_dim=64, vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
                    max_position_embeddings=131072, tie_word_embeddings=True)),
+    # State-space models (batch 1: kcpp generate takes one prompt at a time for them; no static cache,
+    # no prefill row): Mamba-1.4B's and Falcon-Mamba-7B's dimensions.
+    "mamba": ("Mamba-1.4B", "MambaConfig", "MambaForCausalLM",
+              dict(hidden_size=2048, expand=2, num_hidden_layers=48, state_size=16, conv_kernel=4,
+                   time_step_rank=128, vocab_size=50280, layer_norm_epsilon=1e-5, tie_word_embeddings=True)),
+    "falcon_mamba": ("Falcon-Mamba-7B", "FalconMambaConfig", "FalconMambaForCausalLM",
+                     dict(hidden_size=4096, expand=2, num_hidden_layers=64, state_size=16, conv_kernel=4,
+                          time_step_rank=256, vocab_size=65024, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
+                          mixer_rms_eps=1e-6)),
 }
+SSM = ("mamba", "falcon_mamba")
 PROMPT = 16
 
 
@@ -169,14 +181,23 @@ def main():
     for key in a.models.split(","):
         name, cfg_name, model_name, dims = MODELS[key]
         config = getattr(transformers, cfg_name)(**dims)
-        config._attn_implementation = "sdpa"
+        if key not in SSM:
+            config._attn_implementation = "sdpa"
         torch.manual_seed(0)
         model = getattr(transformers, model_name)(config).to("cuda", torch.bfloat16).eval()
         folder = tempfile.mkdtemp(prefix=f"kcpp-{key}-")
         model.save_pretrained(folder)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        kv_per_token = 2 * dims["num_hidden_layers"] * dims["num_key_value_heads"] * dims["head_dim"] * 2
+        ssm = key in SSM
+        if ssm:  # per step: the f32 conv and SSM states read and written, whatever the length
+            kv_per_token = 0
+            d_inner = dims["expand"] * dims["hidden_size"]
+            weight_bytes += 2 * 4 * dims["num_hidden_layers"] * d_inner * (dims["state_size"] + dims["conv_kernel"] - 1)
+        else:
+            kv_per_token = 2 * dims["num_hidden_layers"] * dims["num_key_value_heads"] * dims["head_dim"] * 2
         for batch in (int(b) for b in a.batches.split(",")):
+            if ssm and batch != 1:
+                continue
             g = torch.Generator().manual_seed(batch)
             ids = torch.randint(0, dims["vocab_size"], (batch, PROMPT), generator=g)
             avg_len = PROMPT + a.new / 2
@@ -185,7 +206,7 @@ def main():
             with torch.no_grad():
                 secs, out_eager = hf_run(model, ids.cuda(), a.new, False)
                 line += f" | hf eager {batch * a.new / secs:8.0f}"
-                if not a.skip_static:
+                if not a.skip_static and not ssm:
                     try:
                         secs, _ = hf_run(model, ids.cuda(), a.new, True)
                         line += f" | hf static+compile {batch * a.new / secs:8.0f}"
@@ -210,12 +231,12 @@ def main():
                 same = sum(1 for r in range(batch) if stats["ids"][r] == out_eager[r].tolist())
                 line += f" | bf16 rows equal to hf eager: {same}/{batch}"
             print(line, flush=True)
-        if a.prefill:
+        if a.prefill and not ssm:
             prefill(a.kcpp, model, folder, name, dims, a.prefill, ceiling)
         del model
         torch.cuda.empty_cache()
         if not a.skip_parity:
-            parity(a.kcpp, folder, name, dims["vocab_size"])
+            parity(a.kcpp, folder, name, dims["vocab_size"], rows=1 if ssm else 4)
     return 0
 
 

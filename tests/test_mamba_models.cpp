@@ -47,6 +47,14 @@ TEST_P(MambaFamilies, LogitsLossAndGenerationMatchTransformers) {
   EXPECT_EQ(std::vector<double>(got.begin(), got.end()), want);
   models::Sampling s{0.8, 20, 0.9, 7};
   EXPECT_EQ(model->generate(prompt, 5, s, &none), model->generate(prompt, 5, s, &none));
+  // The timings: one prefill to the first token, then one step a token.
+  models::CausalLM::GenerationStats st;
+  EXPECT_EQ(model->generate(prompt, 5, models::Sampling(), &none, nullptr, &st).size(), prompt.size() + 5);
+  EXPECT_EQ(st.prefills, 1);
+  EXPECT_EQ(st.decode_tokens, 4);
+  EXPECT_GT(st.first_token_seconds, 0.0);
+  EXPECT_EQ(st.first_token_seconds, st.prefill_seconds);
+  EXPECT_GE(st.decode_seconds, 0.0);
   EXPECT_ERROR(model->generate({200}, 1), "token id 200 (position 0) is outside the model's vocabulary of 97 ids");
 }
 

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <chrono>
 #include <cmath>
 #include <fstream>
 #include <limits>
@@ -375,7 +376,7 @@ Tensor MambaLM::forward(const Tensor& ids, Cache* cache) {
 }
 
 std::vector<int64_t> MambaLM::generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens, const Sampling& sampling,
-                                       const std::vector<int64_t>* stop, StopReason* reason) {
+                                       const std::vector<int64_t>* stop, StopReason* reason, CausalLM::GenerationStats* stats) {
   KCPP_CHECK(!prompt.empty(), "generate: the prompt has no tokens");
   KCPP_CHECK(max_new_tokens >= 0, "generate: max_new_tokens is {}; it must be 0 or more", max_new_tokens);
   sampling.validate();
@@ -389,6 +390,11 @@ std::vector<int64_t> MambaLM::generate(const std::vector<int64_t>& prompt, int64
   Cache cache;
   Tensor next = Tensor::from_i64(prompt, {1, static_cast<int64_t>(prompt.size())}, DType::i64, device_);
   const ops::SampleOptions so{sampling.temperature, sampling.top_k, sampling.top_p};
+  // Timings: each step's pick reads the token back to the host, so the clock sees the device's work.
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  auto t1 = t0;
+  CausalLM::GenerationStats st;
   for (int64_t step = 0; step < max_new_tokens; ++step) {
     const Tensor logits = forward(next, &cache);
     const int64_t n = logits.size(1), v = cfg_.vocab_size;
@@ -405,12 +411,21 @@ std::vector<int64_t> MambaLM::generate(const std::vector<int64_t>& prompt, int64
                 last.narrow(1, picked[1], 1).contiguous().to_f64_vector()[0], picked[1]);
     const int64_t tok = picked[0];
     out.push_back(tok);
+    if (step == 0) {
+      t1 = clock::now();
+      st.first_token_seconds = st.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
+      st.prefills = 1;
+    } else {
+      ++st.decode_tokens;
+    }
     if (std::find(stops.begin(), stops.end(), tok) != stops.end()) {
       why = StopReason::StopToken;
       break;
     }
     next = Tensor::from_i64(std::vector<int64_t>{tok}, {1, 1}, DType::i64, device_);
   }
+  if (st.prefills) st.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
+  if (stats) *stats = st;
   if (reason) *reason = why;
   return out;
 }

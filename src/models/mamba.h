@@ -75,9 +75,11 @@ class MambaLM : public nn::Module {
   // logits [B, S, V] for input_ids [B, S]; with a cache, continuing the tokens it holds.
   Tensor forward(const Tensor& input_ids, Cache* cache = nullptr);
   // As CausalLM::generate (batch of one; greedy or sampled; stops at a token of `stop`, default the
-  // config's eos_token_id).
+  // config's eos_token_id).  `stats`: the prompt's forward to the first new token, then the one-token
+  // steps after it (CausalLM's fields; one prefill, no graph replays).
   std::vector<int64_t> generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens, const Sampling& sampling = Sampling(),
-                                const std::vector<int64_t>* stop = nullptr, StopReason* reason = nullptr);
+                                const std::vector<int64_t>* stop = nullptr, StopReason* reason = nullptr,
+                                CausalLM::GenerationStats* stats = nullptr);
   // ForCausalLMLoss of forward(input_ids) against labels [B, S].
   Tensor loss(const Tensor& input_ids, const Tensor& labels);
   // The loss and every parameter's gradient by its safetensors name ("backbone.layers.0.mixer.A_log").

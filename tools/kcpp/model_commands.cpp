@@ -276,7 +276,7 @@ int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const mod
   } else {
     KCPP_CHECK(prompts.size() == 1, "kcpp generate: {} generates one prompt at a time; {} were given", a.model, prompts.size());
     out.resize(1);
-    out[0].ids = model->generate(prompts[0], a.max_new_tokens, s, stop, &out[0].reason);
+    out[0].ids = model->generate(prompts[0], a.max_new_tokens, s, stop, &out[0].reason, &st);
     seen.assign(out[0].ids.begin() + (chat ? static_cast<int64_t>(prompts[0].size()) : 0), out[0].ids.end());
   }
   const double secs = std::chrono::duration<double>(clock::now() - t0).count();
@@ -303,7 +303,7 @@ int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const mod
                  out[p].ids.size() - prompts[p].size(), a.max_new_tokens, prompts[p].size());
   }
   fmt::print(stderr, "{} new tokens for {} prompt{} in {:.3f} s on {}", fresh, out.size(), out.size() > 1 ? "s" : "", secs, dev.str());
-  if constexpr (std::is_same_v<Model, models::CausalLM>) {
+  if (st.prefills) {
     fmt::print(stderr, ": first token after {:.1f} ms (prefill {:.0f} tokens/s); decode {} tokens in {:.3f} s ({:.1f} tokens/s{})",
                1e3 * st.first_token_seconds, prompt_tokens / std::max(st.prefill_seconds, 1e-9), st.decode_tokens,
                st.decode_seconds, st.decode_tokens / std::max(st.decode_seconds, 1e-9),
@@ -315,7 +315,7 @@ int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const mod
                      {"device", dev.str()}};
     j["ids"] = nlohmann::json::array();
     for (const auto& g : out) j["ids"].push_back(g.ids);
-    if constexpr (std::is_same_v<Model, models::CausalLM>) {
+    if (st.prefills) {
       j["first_token_seconds"] = st.first_token_seconds;
       j["prefill_seconds"] = st.prefill_seconds;
       j["prefills"] = st.prefills;
