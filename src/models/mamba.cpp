@@ -9,7 +9,9 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "core/cuda_graph.h"
 #include "core/error.h"
+#include "core/profile.h"
 #include "models/safetensors.h"
 #include "ops/nn/sampling.h"
 #include "ops/ops.h"
@@ -357,7 +359,7 @@ Tensor MambaLM::hidden_states(const Tensor& ids, std::vector<LayerTape>* tapes, 
                               std::vector<Tensor>* inputs) {
   KCPP_CHECK(ids.dim() == 2, "MambaLM: input_ids must be [batch, seq], got {} dims", ids.dim());
   const Tensor ids_dev = ids.device() == device_ ? ids : ids.to(device_);
-  Tensor h = ops::embedding(embed_, ids_dev);
+  Tensor h = ops::embedding(embed_, ids_dev, !(cache && cache->picked_ids));
   if (cache && cache->length == 0) cache->conv.assign(layers_.size(), Tensor()), cache->ssm.assign(layers_.size(), Tensor());
   if (tapes) tapes->resize(layers_.size());
   if (inputs) inputs->resize(layers_.size());
@@ -388,15 +390,54 @@ std::vector<int64_t> MambaLM::generate(const std::vector<int64_t>& prompt, int64
   StopReason why = StopReason::MaxNewTokens;
   std::vector<int64_t> out = prompt;
   Cache cache;
-  Tensor next = Tensor::from_i64(prompt, {1, static_cast<int64_t>(prompt.size())}, DType::i64, device_);
+  const Tensor next = Tensor::from_i64(prompt, {1, static_cast<int64_t>(prompt.size())}, DType::i64, device_);
   const ops::SampleOptions so{sampling.temperature, sampling.top_k, sampling.top_p};
   // Timings: each step's pick reads the token back to the host, so the clock sees the device's work.
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
   auto t1 = t0;
   CausalLM::GenerationStats st;
+  // One-token steps as a CUDA graph on CUDA, for now only under KCPP_MAMBA_DECODE_GRAPHS=1 (not yet
+  // run on a GPU; KCPP_DECODE_GRAPHS=0 still turns graphs off): the first step runs eagerly (warming
+  // every kernel and library), the second is captured, every later one replays it.  A step writes its
+  // conv and SSM states in place, so the graph's addresses stay the cache's; its token comes in
+  // through `step_ids`, overwritten before each replay, and its logits come out in the tensor the
+  // capture returned.  A capture the runtime refuses leaves the steps eager.
+  auto env_is = [](const char* name, const char* value) {
+    const char* e = std::getenv(name);
+    return e && std::string(e) == value;
+  };
+  bool graphs = device_.is_cuda() && cuda_graphs_compiled() && !profile::enabled() && env_is("KCPP_MAMBA_DECODE_GRAPHS", "1") &&
+                !env_is("KCPP_DECODE_GRAPHS", "0");
+  CudaGraph graph;
+  Tensor step_ids, step_logits;
+  auto decode_step = [&](int64_t tok) -> Tensor {
+    if (!graphs) return forward(Tensor::from_i64(std::vector<int64_t>{tok}, {1, 1}, DType::i64, device_), &cache);
+    if (!step_ids.defined()) {
+      step_ids = Tensor::from_i64(std::vector<int64_t>{tok}, {1, 1}, DType::i64, device_);
+      return forward(step_ids, &cache);
+    }
+    step_ids.copy_(Tensor::from_i64(std::vector<int64_t>{tok}, {1, 1}, DType::i64, Device::cpu()));
+    if (!graph.captured()) {
+      const int64_t length = cache.length;  // recording runs the host side (which advances it) but no GPU work
+      try {
+        nn::CaptureScope capturing;
+        graph.capture(device_, [&] { step_logits = forward(step_ids, &cache); });
+      } catch (const std::exception& e) {
+        fmt::print(stderr, "kcpp: decoding without CUDA graphs ({})\n", e.what());
+        graphs = false;
+      }
+      cache.length = length;
+      if (!graphs) return forward(step_ids, &cache);
+    }
+    graph.replay();
+    ++st.graph_replays;
+    ++cache.length;
+    return step_logits;
+  };
   for (int64_t step = 0; step < max_new_tokens; ++step) {
-    const Tensor logits = forward(next, &cache);
+    const Tensor logits = step == 0 ? forward(next, &cache) : decode_step(out.back());
+    cache.picked_ids = true;  // every forward after the prompt's takes a picked token
     const int64_t n = logits.size(1), v = cfg_.vocab_size;
     const Tensor last = logits.narrow(1, n - 1, 1).contiguous().view({1, logits.size(2)}).narrow(1, 0, v);
     // On the logits' device, as CausalLM picks (ops/nn/sampling.h; seed, then the new token's position).
@@ -422,7 +463,6 @@ std::vector<int64_t> MambaLM::generate(const std::vector<int64_t>& prompt, int64
       why = StopReason::StopToken;
       break;
     }
-    next = Tensor::from_i64(std::vector<int64_t>{tok}, {1, 1}, DType::i64, device_);
   }
   if (st.prefills) st.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
   if (stats) *stats = st;

@@ -69,14 +69,18 @@ class MambaLM : public nn::Module {
   struct Cache {
     std::vector<Tensor> conv, ssm;
     int64_t length = 0;
-    void clear() { conv.clear(), ssm.clear(), length = 0; }
+    // The next forward's ids are the model's own picks (in range by construction): the embedding skips
+    // its range check, which waits for the device and so cannot be captured in a CUDA graph.
+    bool picked_ids = false;
+    void clear() { conv.clear(), ssm.clear(), length = 0, picked_ids = false; }
   };
 
   // logits [B, S, V] for input_ids [B, S]; with a cache, continuing the tokens it holds.
   Tensor forward(const Tensor& input_ids, Cache* cache = nullptr);
   // As CausalLM::generate (batch of one; greedy or sampled; stops at a token of `stop`, default the
-  // config's eos_token_id).  `stats`: the prompt's forward to the first new token, then the one-token
-  // steps after it (CausalLM's fields; one prefill, no graph replays).
+  // config's eos_token_id).  On CUDA under KCPP_MAMBA_DECODE_GRAPHS=1 the one-token steps after the
+  // second replay a CUDA graph (opt-in until it has run on a GPU).  `stats`: the prompt's forward to
+  // the first new token, then the one-token steps after it (CausalLM's fields; one prefill).
   std::vector<int64_t> generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens, const Sampling& sampling = Sampling(),
                                 const std::vector<int64_t>* stop = nullptr, StopReason* reason = nullptr,
                                 CausalLM::GenerationStats* stats = nullptr);
