@@ -1,7 +1,8 @@
 // Mamba and Falcon-Mamba (models/mamba.h) kernelized with this build's `mamba` package, loaded
 // through the hub from its local folder: every scan and convolution slot runs the kernel (no
-// fallback), and the logits, loss, gradients and greedy generation still match Transformers'
-// fixtures (tests/fixtures/mamba, falcon_mamba) within 1e-5 relative in f32.
+// fallback), and the logits, loss, gradients and greedy generation (its steps eager, then as a CUDA
+// graph) still match Transformers' fixtures (tests/fixtures/mamba, falcon_mamba) within 1e-5 relative
+// in f32.
 #include <nlohmann/json.hpp>
 
 #include "hub/hub.h"
@@ -66,6 +67,16 @@ TEST_P(MambaKernelized, MatchesTransformersWithTheKernels) {
   const std::vector<int64_t> none;
   const auto got = model->generate(prompt, static_cast<int64_t>(want.size() - prompt.size()), models::Sampling(), &none);
   EXPECT_EQ(std::vector<double>(got.begin(), got.end()), want);
+  // The one-token steps as a CUDA graph (KCPP_MAMBA_DECODE_GRAPHS=1): the same ids, and on CUDA every
+  // step after the second a replay.
+  {
+    const test::ScopedEnv graphs("KCPP_MAMBA_DECODE_GRAPHS", "1");
+    const auto steps = static_cast<int64_t>(want.size() - prompt.size());
+    models::CausalLM::GenerationStats st;
+    const auto again = model->generate(prompt, steps, models::Sampling(), &none, nullptr, &st);
+    EXPECT_EQ(std::vector<double>(again.begin(), again.end()), want);
+    EXPECT_EQ(st.graph_replays, dev.is_cuda() ? std::max<int64_t>(steps - 2, 0) : 0);
+  }
 
   int slots = 0;
   model->visit_slots([&](nn::Slot& s) {
