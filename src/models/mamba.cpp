@@ -428,7 +428,10 @@ std::vector<int64_t> MambaLM::generate(const std::vector<int64_t>& prompt, int64
         graphs = false;
       }
       cache.length = length;
-      if (!graphs) return forward(step_ids, &cache);
+      if (!graphs) {
+        step_logits = Tensor();
+        return forward(step_ids, &cache);
+      }
     }
     graph.replay();
     ++st.graph_replays;

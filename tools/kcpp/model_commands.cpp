@@ -303,7 +303,7 @@ int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const mod
                  out[p].ids.size() - prompts[p].size(), a.max_new_tokens, prompts[p].size());
   }
   fmt::print(stderr, "{} new tokens for {} prompt{} in {:.3f} s on {}", fresh, out.size(), out.size() > 1 ? "s" : "", secs, dev.str());
-  if (st.prefills) {
+  if (st.prefills || std::is_same_v<Model, models::CausalLM>) {
     fmt::print(stderr, ": first token after {:.1f} ms (prefill {:.0f} tokens/s); decode {} tokens in {:.3f} s ({:.1f} tokens/s{})",
                1e3 * st.first_token_seconds, prompt_tokens / std::max(st.prefill_seconds, 1e-9), st.decode_tokens,
                st.decode_seconds, st.decode_tokens / std::max(st.decode_seconds, 1e-9),
@@ -315,7 +315,7 @@ int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const mod
                      {"device", dev.str()}};
     j["ids"] = nlohmann::json::array();
     for (const auto& g : out) j["ids"].push_back(g.ids);
-    if (st.prefills) {
+    {
       j["first_token_seconds"] = st.first_token_seconds;
       j["prefill_seconds"] = st.prefill_seconds;
       j["prefills"] = st.prefills;

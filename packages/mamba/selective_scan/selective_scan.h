@@ -174,9 +174,10 @@ KCPP_KERNEL_INLINE float silu(float x) { return x * sigmoid(x); }
 // 2 atanh(s) = 2 (s + s^3 / 3 + ... + s^15 / 15) with s = u / (2 + u) <= 1/3 (the series' tail is below
 // 2e-8 relative).  With correctly rounded operations (the host) it is within 4e-7 relative of the exact
 // value (MambaMath.FastSoftplusIsWithinItsBound); the device's ex2.approx and rcp.approx add about 3e-7.
-// PyTorch's threshold as softplus(): x itself above 20.
+// PyTorch's threshold as softplus(): x itself above 20; 0 below -88; NaN stays NaN.
 KCPP_KERNEL_INLINE float softplus_fast(float x) {
   if (x > 20.0f) return x;
+  if (x < -88.0f) return 0.0f;  // e^x below f32's normal range (and -inf, whose exponent arithmetic gives NaN)
   constexpr float kL2e = 1.44269502162933349609375f;     // log2(e) rounded to f32
   constexpr float kL2eLo = 1.925963033500011e-8f;        // log2(e) - kL2e
   constexpr float kLn2 = 0.6931471805599453f;

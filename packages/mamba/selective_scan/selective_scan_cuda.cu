@@ -605,9 +605,10 @@ __global__ void state_update_kernel(const StateUpdateParams p) {
 }
 
 // Which kernels run (read at every call): KCPP_SCAN_LEGACY=1 the sequential ones, KCPP_SCAN_CHUNKED=1
-// the chunked ones, KCPP_SCAN_LANES=1 the state-lane ones, each both ways; else the fastest of each
-// direction as measured (bench/RESULTS.md): the state-lane forward, the chunked backward.  The saved
-// states are the contract's whichever forward wrote them.
+// the chunked ones, KCPP_SCAN_LANES=1 the state-lane ones, each both ways (the state-lane backward where
+// the device gives a block its shared memory, else the chunked one); else the fastest of each direction
+// as measured (bench/RESULTS.md): the state-lane forward, the chunked backward.  The saved states are
+// the contract's whichever forward wrote them.
 enum class Path { lanes, chunked, legacy };
 bool env_is_1(const char* name) {
   const char* e = std::getenv(name);
@@ -616,7 +617,7 @@ bool env_is_1(const char* name) {
 Path path(bool backward) {
   if (env_is_1("KCPP_SCAN_LEGACY")) return Path::legacy;
   if (env_is_1("KCPP_SCAN_CHUNKED")) return Path::chunked;
-  if (env_is_1("KCPP_SCAN_LANES")) return Path::lanes;
+  if (env_is_1("KCPP_SCAN_LANES") && (!backward || lanes_backward_fits())) return Path::lanes;
   return backward ? Path::chunked : Path::lanes;
 }
 

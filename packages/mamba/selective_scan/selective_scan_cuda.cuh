@@ -54,6 +54,9 @@ const char* legacy_backward_blocks(const SelectiveScanParams& p, int64_t bpg, fl
 // The state-lane kernels (selective_scan_lanes_cuda.cu), the default path; the backward's blocks as the
 // legacy ones'.
 int64_t lanes_blocks_per_group(const SelectiveScanParams& p);
+// Whether the current device gives a block the state-lane backward's shared memory (Hopper does; an
+// A100 does not).
+bool lanes_backward_fits();
 const char* lanes_forward(const SelectiveScanParams& p, cudaStream_t stream);
 const char* lanes_backward_blocks(const SelectiveScanParams& p, int64_t bpg, float* ws_bc, float* ws_a, float* ws_d,
                                   float* ws_bias, cudaStream_t stream);

@@ -19,8 +19,9 @@
 // The state is saved at each chunk's end as the contract asks.
 //
 // Backward: a block of 96 channels (384 threads of up to 168 registers, one block an SM: its checkpoints
-// and staged rows take 165 KB of shared memory), chunk after chunk of kStateChunk positions from the
-// last.  Per chunk:
+// and staged rows take 190 KiB of shared memory, which Hopper gives a block and an A100's 163 KiB does
+// not: lanes_backward_fits() says which, and the entry points take the chunked backward elsewhere), chunk
+// after chunk of kStateChunk positions from the last.  Per chunk:
 //   1. B and C of the chunk staged; the state at the chunk's entry read from the forward's `states`;
 //   2. the forward walked over the chunk, its state saved in shared memory at the start of each
 //      sub-chunk of 16 positions (the checkpoints);
@@ -582,6 +583,14 @@ bool rows_aligned4(size_t elem, std::initializer_list<GroupSeq> seqs) {
 }
 
 }  // namespace
+
+bool lanes_backward_fits() {
+  int dev = 0, optin = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+    return false;
+  return static_cast<size_t>(optin) >= kBwdSmemBytes;
+}
 
 int64_t lanes_blocks_per_group(const SelectiveScanParams& p) {
   return (p.dim / p.groups + kBwdChannels - 1) / kBwdChannels;

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -216,7 +217,8 @@ TEST_P(SelectiveScan, MatchesTheOracleOnAwkwardShapes) {
     for (const Case& c : kAwkward) check_case(c, dt, dev, gen);
 }
 
-// The state-lane CUDA kernels both ways (KCPP_SCAN_LANES=1; by default only the forward is theirs).
+// The state-lane CUDA kernels both ways (KCPP_SCAN_LANES=1; by default only the forward is theirs; the
+// backward where the device gives a block its shared memory, else the chunked one).
 TEST_P(SelectiveScan, StateLaneKernelsMatchTheOracle) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
@@ -225,6 +227,14 @@ TEST_P(SelectiveScan, StateLaneKernelsMatchTheOracle) {
   Generator gen = test::test_generator();
   for (DType dt : {DType::f32, DType::bf16, DType::f16})
     for (const Case& c : kAwkward) check_case(c, dt, dev, gen);
+  // Several backward blocks (96 channels) in each of several groups, the last partly filled: the
+  // workspace rows of block cb > 0 of group g > 0.
+  const Case wide[] = {
+      {2, 400, 300, 16, 2, true, true, true, true, false, false},
+      {1, 300, 260, 5, 3, true, true, true, true, true, true},
+  };
+  for (DType dt : {DType::f32, DType::bf16})
+    for (const Case& c : wide) check_case(c, dt, dev, gen);
 }
 
 // The chunked CUDA kernels both ways (KCPP_SCAN_CHUNKED=1; by default only the backward is theirs).
@@ -463,8 +473,6 @@ TEST_P(SelectiveScan, PrefillThenStepsMatchOneScan) {
   expect_close(state, fo.last_state, fm.last_state, DType::f32, "state after the steps");
 }
 
-// The oracle's backward against central differences of its forward: the gradients the kernels are held
-// to are the derivatives of what they compute.
 // The CUDA kernels' softplus (softplus_fast: e^-|x| on the special-function unit and a short series for
 // log1p) against the exact value in f64, over [-127, 30] and both sides of the threshold: within 4e-7
 // relative with the host's correctly rounded operations (the bound its comment states; log1pf's own
@@ -486,8 +494,16 @@ TEST(MambaMath, FastSoftplusIsWithinItsBound) {
   for (float x : {0.0f, 20.0f, std::nextafter(20.0f, 0.0f), std::nextafter(20.0f, 30.0f), -87.0f, -103.0f}) check(x);
   EXPECT_LT(worst, 4e-7) << "at x = " << at;
   EXPECT_EQ(mamba::softplus_fast(25.0f), 25.0f);
+  // The ends: 0 below the range (not the NaN that -inf's exponent arithmetic would give), inf, NaN kept.
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(mamba::softplus_fast(-inf), 0.0f);
+  EXPECT_EQ(mamba::softplus_fast(-3e38f), 0.0f);
+  EXPECT_EQ(mamba::softplus_fast(inf), inf);
+  EXPECT_TRUE(std::isnan(mamba::softplus_fast(std::numeric_limits<float>::quiet_NaN())));
 }
 
+// The oracle's backward against central differences of its forward: the gradients the kernels are held
+// to are the derivatives of what they compute.
 TEST(SelectiveScanOracle, BackwardMatchesFiniteDifferences) {
   Generator gen = test::test_generator();
   for (bool all : {true, false}) {
