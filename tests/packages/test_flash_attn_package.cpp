@@ -145,20 +145,8 @@ bool hopper_here() {
          pl.cuda_archs_compiled.find("90a") != std::string::npos;
 }
 
-// Sets an environment variable for a scope (the package reads KCPP_FLASH_ATTN_FORWARD at each call).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
-    ::setenv(name, value, 1);
-  }
-  ~ScopedEnv() { had_ ? ::setenv(name_, old_.c_str(), 1) : ::unsetenv(name_); }
-
- private:
-  const char* name_;
-  std::string old_;
-  bool had_ = false;
-};
+// For a scope's KCPP_FLASH_ATTN_* settings (the package reads them at each call).
+using test::ScopedEnv;
 
 // The Hopper forward (wgmma + TMA, sm_90a), required through KCPP_FLASH_ATTN_FORWARD=hopper so that a
 // fallback to another path fails the call: lengths that are no multiple of its 128-row tiles (1, 127,

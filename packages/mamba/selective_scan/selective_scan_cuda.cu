@@ -208,22 +208,6 @@ __device__ __forceinline__ float enter_down(float P, float G, int r, float c0) {
   return r == R - 1 ? c0 : fmaf(Pn, c0, Gn);
 }
 
-// A block's place: batch b, group g, its block cb of the group, channels [d0, d0 + kc) (kc <= cpb).
-struct Place {
-  int64_t b, g, cb, d0;
-  int kc;
-};
-__device__ __forceinline__ Place place(const SelectiveScanParams& p, int64_t bpg, int cpb) {
-  const int64_t blk = blockIdx.x, per_group = p.dim / p.groups;
-  Place w;
-  w.b = blk / (p.groups * bpg);
-  w.g = blk / bpg % p.groups;
-  w.cb = blk % bpg;
-  w.d0 = w.g * per_group + w.cb * cpb;
-  w.kc = static_cast<int>(min64(cpb, per_group - w.cb * cpb));
-  return w;
-}
-
 // The forward.  Channel slots past the block's channels run on zeros (a = 1, b = 0) and store nothing,
 // so that the shuffles see every lane.
 template <typename T>

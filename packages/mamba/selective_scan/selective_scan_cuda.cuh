@@ -43,6 +43,25 @@ __device__ __forceinline__ float fast_dsilu(float x) {
 }
 __device__ __forceinline__ float fast_dsoftplus(float x) { return x > 20.0f ? 1.0f : fast_sigmoid(x); }
 
+// A block's place in the grid of (batch, group, block of the group's channels), cpb channels a block:
+// batch b, group g, its block cb of the group, channels [d0, d0 + kc) (kc <= cpb, fewer in the group's
+// last block).
+struct Place {
+  int64_t b, g, cb, d0;
+  int kc;
+};
+__device__ __forceinline__ Place place(const SelectiveScanParams& p, int64_t bpg, int cpb) {
+  const int64_t blk = blockIdx.x, per_group = p.dim / p.groups;
+  Place w;
+  w.b = blk / (p.groups * bpg);
+  w.g = blk / bpg % p.groups;
+  w.cb = blk % bpg;
+  w.d0 = w.g * per_group + w.cb * cpb;
+  const int64_t left = per_group - w.cb * cpb;
+  w.kc = static_cast<int>(left < cpb ? left : cpb);
+  return w;
+}
+
 // The sequential kernels (selective_scan_legacy_cuda.cu).  legacy_backward_blocks launches the kernel
 // that writes the workspace's partial sums for `bpg` = legacy_blocks_per_group(p) blocks a group; the
 // caller adds them up.

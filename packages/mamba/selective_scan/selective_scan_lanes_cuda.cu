@@ -73,22 +73,6 @@ static_assert(kBwdSub == 4 * kQuad, "a backward thread owns four positions of a 
 
 __host__ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-// A block's place: batch b, group g, its block cb of the group, channels [d0, d0 + kc) (kc <= cpb).
-struct Place {
-  int64_t b, g, cb, d0;
-  int kc;
-};
-__device__ __forceinline__ Place place(const SelectiveScanParams& p, int64_t bpg, int cpb) {
-  const int64_t blk = blockIdx.x, per_group = p.dim / p.groups;
-  Place w;
-  w.b = blk / (p.groups * bpg);
-  w.g = blk / bpg % p.groups;
-  w.cb = blk % bpg;
-  w.d0 = w.g * per_group + w.cb * cpb;
-  w.kc = static_cast<int>(min64(cpb, per_group - w.cb * cpb));
-  return w;
-}
-
 // Asks L2 for the 128-byte line holding `ptr` (a row that a later step reads).
 __device__ __forceinline__ void prefetch_l2(const void* ptr) { asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr)); }
 
@@ -379,10 +363,42 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
   float carry[kLaneStates] = {}, dA[kLaneStates] = {};
   float sum_dD = 0.0f, sum_bias = 0.0f;
   const int64_t row0 = (((w.cb * p.batch + w.b) * p.groups + w.g) * 2) * N;  // the block's dB rows in ws_bc
+  int64_t l0 = 0;  // the chunk in hand's first position
+  int valid = 0;   // its positions (0 for a channel slot past the block's channels)
+  // dt, dt u and (with_dy) dy = dout silu(z) of the thread's positions sl0 + q + 4k of the sub-chunk at
+  // sl0 into s_v, then the warp's barrier: each thread reads every position of its channel after.
+  auto stage_steps = [&](int sl0, bool with_dy) {
+    const int sv = valid - sl0;
+    float u[4], dt[4], go[4] = {}, z[4] = {};
+    load_strided<T>(u_row + l0 + sl0, q, sv, u);
+    load_strided<T>(d_row + l0 + sl0, q, sv, dt);
+    if (with_dy) load_strided<T>(o_row + l0 + sl0, q, sv, go);
+    if (with_dy && has_z) load_strided<T>(z_row + l0 + sl0, q, sv, z);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float v = q + 4 * k < sv ? step_fast(p, dt[k] + bias) : 0.0f;
+      s_v[ch * kVStride + q + 4 * k] = make_float4(v, v * u[k], has_z ? go[k] * fast_silu(z[k]) : go[k], 0.0f);
+    }
+    __syncwarp();
+  };
+  // The recurrence over the sub-chunk at sl0 (s_v staged) from the state h, updated in place; keep(t, h)
+  // sees the state after each position t.
+  auto walk = [&](int sl0, float (&h)[kLaneStates], auto&& keep) {
+#pragma unroll
+    for (int t = 0; t < kBwdSub; ++t) {
+      const float4 v = s_v[ch * kVStride + t];
+      float bb[4];
+      unpack(*reinterpret_cast<const float4*>(&s_B[sl0 + t][kLaneStates * q]), bb);
+#pragma unroll
+      for (int s = 0; s < kLaneStates; ++s) h[s] = fmaf(exp2_approx(v.x * A2[s]), h[s], v.y * bb[s]);
+      keep(t, h);
+    }
+  };
 
   for (int64_t c = chunks - 1; c >= 0; --c) {
-    const int64_t l0 = c * kChunkL;
-    const int len = static_cast<int>(min64(kChunkL, L - l0)), valid = active ? len : 0;
+    l0 = c * kChunkL;
+    const int len = static_cast<int>(min64(kChunkL, L - l0));
+    valid = active ? len : 0;
     const int subs = (len + kBwdSub - 1) / kBwdSub;
     __syncthreads();  // the previous chunk's reads of s_B, s_C, s_ck are done
     stage_bc_rows<T, kChunkL, kBwdThreads>(p, w.b, w.g, l0, len, bc_vec, s_B, s_C);
@@ -413,26 +429,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
       for (int sc = 0; sc < subs; ++sc) {
         s_ck[sc * kBwdThreads + tid] = make_float4(h[0], h[1], h[2], h[3]);
         if (sc == subs - 1) break;
-        const int sl0 = sc * kBwdSub;
-        {
-          float u[4], dt[4];
-          load_strided<T>(u_row + l0 + sl0, q, valid - sl0, u);
-          load_strided<T>(d_row + l0 + sl0, q, valid - sl0, dt);
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const float v = sl0 + q + 4 * k < valid ? step_fast(p, dt[k] + bias) : 0.0f;
-            s_v[ch * kVStride + q + 4 * k] = make_float4(v, v * u[k], 0.0f, 0.0f);
-          }
-        }
-        __syncwarp();
-#pragma unroll
-        for (int t = 0; t < kBwdSub; ++t) {
-          const float4 v = s_v[ch * kVStride + t];
-          float bb[4];
-          unpack(*reinterpret_cast<const float4*>(&s_B[sl0 + t][kLaneStates * q]), bb);
-#pragma unroll
-          for (int s = 0; s < kLaneStates; ++s) h[s] = fmaf(exp2_approx(v.x * A2[s]), h[s], v.y * bb[s]);
-        }
+        stage_steps(sc * kBwdSub, false);
+        walk(sc * kBwdSub, h, [](int, const float (&)[kLaneStates]) {});
         __syncwarp();  // s_v read before the next sub-chunk's values
       }
     }
@@ -440,31 +438,16 @@ __global__ void __launch_bounds__(kBwdThreads, 1)
     // 3. Sub-chunk after sub-chunk from the last.
     for (int sc = subs - 1; sc >= 0; --sc) {
       const int sl0 = sc * kBwdSub, sv = valid - sl0;  // the thread's positions sl0 + q + 4k are real below sv
-      {
-        float u[4], dt[4], go[4], z[4] = {};
-        load_strided<T>(u_row + l0 + sl0, q, sv, u);
-        load_strided<T>(d_row + l0 + sl0, q, sv, dt);
-        load_strided<T>(o_row + l0 + sl0, q, sv, go);
-        if (has_z) load_strided<T>(z_row + l0 + sl0, q, sv, z);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const float v = q + 4 * k < sv ? step_fast(p, dt[k] + bias) : 0.0f;
-          s_v[ch * kVStride + q + 4 * k] = make_float4(v, v * u[k], has_z ? go[k] * fast_silu(z[k]) : go[k], 0.0f);
-        }
-      }
-      __syncwarp();
+      stage_steps(sl0, true);
       // The states of the sub-chunk's positions (hin: the checkpoint, read again where the adjoint needs it).
-      float hs[kBwdSub][kLaneStates], hin[4];
+      float hs[kBwdSub][kLaneStates], hin[4], hp[4];
       unpack(s_ck[sc * kBwdThreads + tid], hin);
 #pragma unroll
-      for (int t = 0; t < kBwdSub; ++t) {
-        const float4 v = s_v[ch * kVStride + t];
-        float bb[4];
-        unpack(*reinterpret_cast<const float4*>(&s_B[sl0 + t][kLaneStates * q]), bb);
+      for (int s = 0; s < kLaneStates; ++s) hp[s] = hin[s];
+      walk(sl0, hp, [&](int t, const float (&h)[kLaneStates]) {
 #pragma unroll
-        for (int s = 0; s < kLaneStates; ++s)
-          hs[t][s] = fmaf(exp2_approx(v.x * A2[s]), t > 0 ? hs[t - 1][s] : hin[s], v.y * bb[s]);
-      }
+        for (int s = 0; s < kLaneStates; ++s) hs[t][s] = h[s];
+      });
       // The adjoint, from the sub-chunk's last position; the thread's sums of its own positions.
       float sgb[4], sagx[4], yv[4];
       float* x = s_x + warp * 32 * 8;

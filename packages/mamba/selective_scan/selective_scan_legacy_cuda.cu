@@ -98,22 +98,6 @@ __device__ __forceinline__ float channel_reduce8(float (&v)[8], int lane) {
   return v[0];
 }
 
-// Where a block sits: batch b, group g, channels [d0, d0 + kc) of the group's block cb.
-struct Place {
-  int64_t b, g, cb, d0;
-  int kc;
-};
-__device__ __forceinline__ Place place(const SelectiveScanParams& p, int64_t bpg) {
-  const int64_t blk = blockIdx.x, per_group = p.dim / p.groups;
-  Place w;
-  w.b = blk / (p.groups * bpg);
-  w.g = blk / bpg % p.groups;
-  w.cb = blk % bpg;
-  w.d0 = w.g * per_group + w.cb * kKC;
-  w.kc = static_cast<int>(min64(kKC, per_group - w.cb * kKC));
-  return w;
-}
-
 // B and C of the tile [l0, l0 + tl) as [kTile][NP] f32 (zeros past N and tl), normalised under bc_norm.
 // Ends with the tile ready (a barrier).
 template <typename T, int NT, int NP>
@@ -197,7 +181,7 @@ __global__ void __launch_bounds__(32 * TPC, 8) scan_forward_kernel(const Selecti
   __shared__ float s_u[kKC][kRow], s_dt[kKC][kRow], s_gate[kKC][kRow], s_out[kKC][kRow];
   __shared__ __align__(16) float s_B[kTile][NP];
   __shared__ __align__(16) float s_C[kTile][NP];
-  const Place w = place(p, bpg);
+  const Place w = place(p, bpg, kKC);
   const int c = threadIdx.x / TPC, sg = threadIdx.x % TPC;
   const int64_t N = p.dstate, L = p.seqlen, d = w.d0 + c, chunks = state_chunks(L);
   const bool active = c < w.kc;
@@ -285,7 +269,7 @@ __global__ void __launch_bounds__(32 * TPC)
   at += TPC * kSub * 2 * NP;
   float* s_pbc = at;  // [2 NP][kTile]
 
-  const Place w = place(p, bpg);
+  const Place w = place(p, bpg, kKC);
   const int tid = threadIdx.x, c = tid / TPC, sg = tid % TPC, lane = tid % 32, warp = tid / 32, cw = lane / TPC;
   const int64_t N = p.dstate, L = p.seqlen, D = p.dim, d = w.d0 + c, chunks = state_chunks(L);
   const bool active = c < w.kc, has_z = p.z.data != nullptr;
