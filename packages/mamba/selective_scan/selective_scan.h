@@ -35,10 +35,12 @@
 //        softplus_fast below.  By default the state-lane forward and the chunked backward, the fastest
 //        of each direction as measured (bench/RESULTS.md); the saved states are the same either way.
 //        KCPP_SCAN_LANES=1, KCPP_SCAN_CHUNKED=1 or KCPP_SCAN_LEGACY=1 in the environment (read at every
-//        call) runs one family both ways.
+//        call) runs one family both ways (the state-lane backward only where the device gives a block
+//        its 190 KiB of shared memory: Hopper, not an A100; the chunked one elsewhere).
 //     State lanes (selective_scan_lanes_cuda.cu): a thread holds four states of one channel and walks
-//        the positions in order (no scan across threads); four threads a channel share dt and the
-//        output's sum over the states by shuffles; B, C of a tile in shared memory as [position][state].
+//        the positions in order (no scan across threads); four threads a channel share dt (through
+//        shared memory) and the output's sum over the states (by shuffles); B, C of a tile in shared
+//        memory as [position][state].
 //        The backward walks each chunk three times: the forward to checkpoints every 16 positions, then
 //        per sub-chunk from the last the forward again (its states in registers) and the adjoint back.
 //     Chunked (selective_scan_cuda.cu): the recurrence runs in parallel over the positions of a chunk
