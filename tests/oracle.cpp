@@ -318,10 +318,13 @@ Attn attention(const V& q, const V& k, const V& v, const V* dout, int64_t b, int
                int64_t skv, int64_t d, double scale, bool causal, int64_t window, int64_t chunk) {
   Attn r{V(q.size()), V(q.size()), V(k.size()), V(v.size())};
   const int64_t g = hq / hkv;
-  V p(static_cast<size_t>(skv)), dp(static_cast<size_t>(skv));
-  for (int64_t bi = 0; bi < b; ++bi)
-    for (int64_t h = 0; h < hq; ++h) {
-      const int64_t kh = h / g;
+  // A task per (batch, kv head): it alone writes that head's dk, dv and its query heads' out, dq, in
+  // the order of one thread (query heads, then queries), so the results do not depend on the threads.
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t bk = 0; bk < b * hkv; ++bk) {
+    const int64_t bi = bk / hkv, kh = bk % hkv;
+    V p(static_cast<size_t>(skv)), dp(static_cast<size_t>(skv));
+    for (int64_t h = kh * g; h < (kh + 1) * g; ++h) {
       for (int64_t i = 0; i < sq; ++i) {
         const int64_t pos = i + skv - sq;
         const double* qi = q.data() + ((bi * hq + h) * sq + i) * d;
@@ -370,6 +373,7 @@ Attn attention(const V& q, const V& k, const V& v, const V* dout, int64_t b, int
         }
       }
     }
+  }
   return r;
 }
 
