@@ -470,28 +470,46 @@ MoeResult moe_pass(const MoeSpec& s, const MoeWeights& wt, const V& z, const std
     }
     return dcoef;
   };
-  V xs(static_cast<size_t>(H)), dxs(static_cast<size_t>(H));
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t j = 0; j < K; ++j) {
-      const int64_t e = ids[t * K + j];
-      if (e < 0 || e >= E) continue;
-      const double wj = w[t * K + j];
+  // A task per expert (OpenMP): it alone writes its weight gradients, adding its slots (t, j) in the
+  // order of one thread, and each slot's share of out_t and dx_t goes to a buffer of its own, added
+  // below in slot order: the results do not depend on the threads.
+  const int64_t n_slots = T * K;
+  V out_slot(static_cast<size_t>(n_slots * H), 0.0), dx_slot(grads ? out_slot.size() : 0, 0.0);
+  std::vector<std::vector<int64_t>> slots_of(static_cast<size_t>(E));
+  for (int64_t sl = 0; sl < n_slots; ++sl)
+    if (ids[sl] >= 0 && ids[sl] < E) slots_of[static_cast<size_t>(ids[sl])].push_back(sl);
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t e = 0; e < E; ++e) {
+    V xs(static_cast<size_t>(H)), dxs(static_cast<size_t>(H));
+    for (const int64_t sl : slots_of[static_cast<size_t>(e)]) {
+      const int64_t t = sl / K;
+      const double wj = w[sl];
       const double* xt = wt.x.data() + t * H;
       for (int64_t c = 0; c < H; ++c) xs[c] = s.weight_on_input ? wj * xt[c] : xt[c];
       std::fill(dxs.begin(), dxs.end(), 0.0);
       const double coef = s.weight_on_input ? 1.0 : wj;
       const double dcoef = mlp(xs.data(), wt.gate.data() + e * I * H, wt.up.data() + e * I * H, wt.down.data() + e * H * I,
-                               I, coef, r.out.data() + t * H, grads ? dout->data() + t * H : nullptr, dxs.data(),
+                               I, coef, out_slot.data() + sl * H, grads ? dout->data() + t * H : nullptr, dxs.data(),
                                grads ? r.dgate.data() + e * I * H : nullptr, grads ? r.dup.data() + e * I * H : nullptr,
                                grads ? r.ddown.data() + e * H * I : nullptr);
       if (!grads) continue;
       double dwj = s.weight_on_input ? 0.0 : dcoef;
       for (int64_t c = 0; c < H; ++c) {
-        r.dx[t * H + c] += (s.weight_on_input ? A(wj) : 1.0) * dxs[c];
+        dx_slot[static_cast<size_t>(sl * H + c)] = (s.weight_on_input ? A(wj) : 1.0) * dxs[c];
         if (s.weight_on_input) dwj += dxs[c] * A(xt[c]);
       }
-      r.dw[t * K + j] = dwj;
+      r.dw[sl] = dwj;
     }
+  }
+  for (int64_t sl = 0; sl < n_slots; ++sl) {
+    if (ids[sl] < 0 || ids[sl] >= E) continue;
+    const int64_t t = sl / K;
+    for (int64_t c = 0; c < H; ++c) {
+      r.out[t * H + c] += out_slot[static_cast<size_t>(sl * H + c)];
+      if (grads) r.dx[t * H + c] += dx_slot[static_cast<size_t>(sl * H + c)];
+    }
+  }
+  V dxs(static_cast<size_t>(H));
   if (SI > 0) {
     if (grads) {
       r.dsgate.assign(static_cast<size_t>(SI * H), 0.0);
