@@ -91,13 +91,13 @@ template <typename Model> void expect_checkpointing_changes_nothing(Model& model
   for (const auto& [name, g] : kept.grads) EXPECT_EQ(again.grads.at(name).to_f64_vector(), g.to_f64_vector()) << name;
 }
 
-// Sets an environment variable for a scope (for the switches the library and packages read at each
-// call), restoring what was there.
+// Sets (or, value null, unsets) an environment variable for a scope (for the switches the library and
+// packages read at each call), restoring what was there.
 class ScopedEnv {
  public:
   ScopedEnv(const char* name, const char* value) : name_(name) {
     if (const char* old = std::getenv(name)) old_ = old, had_ = true;
-    ::setenv(name, value, 1);
+    value ? ::setenv(name, value, 1) : ::unsetenv(name);
   }
   ~ScopedEnv() { had_ ? ::setenv(name_, old_.c_str(), 1) : ::unsetenv(name_); }
   ScopedEnv(const ScopedEnv&) = delete;

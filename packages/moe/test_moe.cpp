@@ -17,7 +17,6 @@
 #include <cstdlib>
 #include <functional>
 #include <limits>
-#include <optional>
 #include <random>
 #include <string>
 #include <tuple>
@@ -642,20 +641,7 @@ bool all_nan(const Tensor& t) {
   return true;
 }
 
-// An environment variable set (or, value null, unset) for a scope, restored after.
-struct ScopedEnv {
-  std::string name;
-  std::optional<std::string> before;
-  ScopedEnv(const char* n, const char* value) : name(n) {
-    if (const char* v = std::getenv(n)) before = v;
-    if (value) setenv(n, value, 1);
-    else unsetenv(n);
-  }
-  ~ScopedEnv() {
-    if (before) setenv(name.c_str(), before->c_str(), 1);
-    else unsetenv(name.c_str());
-  }
-};
+using test::ScopedEnv;
 // KCPP_MOE_GEMM unset for a scope: ExpertGemm::Auto then means choose_expert_gemm's rule.
 struct UnsetMoeGemmEnv : ScopedEnv {
   UnsetMoeGemmEnv() : ScopedEnv("KCPP_MOE_GEMM", nullptr) {}

@@ -10,7 +10,6 @@
 #include <cstdlib>
 #include <functional>
 #include <limits>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -172,25 +171,7 @@ void check_case(const Case& c, DType dt, Device dev, Generator& gen) {
   if (c.bias) expect_close(r.dbias, go.ddelta_bias, gm.ddelta_bias, DType::f32, cfg + " ddelta_bias");
 }
 
-// Sets an environment variable for the scope (the KCPP_SCAN_* variables, which the CUDA entry points
-// read at every call), restoring what was there.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (old_)
-      setenv(name_, old_->c_str(), 1);
-    else
-      unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
+using test::ScopedEnv;
 
 // Every option on and off over L = 1, 7, 255, 256, 257, 700, 1000, N = 1, 3, 4, 5, 16, groups 1 to 4.
 const Case kAwkward[] = {
@@ -209,12 +190,17 @@ const Case kAwkward[] = {
 
 class SelectiveScan : public ::testing::TestWithParam<Device> {};
 
+// Every awkward shape in each of the dtypes.
+void check_awkward(Device dev, Generator& gen, std::initializer_list<DType> dtypes) {
+  for (DType dt : dtypes)
+    for (const Case& c : kAwkward) check_case(c, dt, dev, gen);
+}
+
 TEST_P(SelectiveScan, MatchesTheOracleOnAwkwardShapes) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
   Generator gen = test::test_generator();
-  for (DType dt : {DType::f32, DType::bf16, DType::f16})
-    for (const Case& c : kAwkward) check_case(c, dt, dev, gen);
+  check_awkward(dev, gen, {DType::f32, DType::bf16, DType::f16});
 }
 
 // The state-lane CUDA kernels both ways (KCPP_SCAN_LANES=1; by default only the forward is theirs; the
@@ -225,8 +211,7 @@ TEST_P(SelectiveScan, StateLaneKernelsMatchTheOracle) {
   if (dev.is_cpu()) GTEST_SKIP() << "the state-lane kernels are CUDA's";
   const ScopedEnv lanes("KCPP_SCAN_LANES", "1");
   Generator gen = test::test_generator();
-  for (DType dt : {DType::f32, DType::bf16, DType::f16})
-    for (const Case& c : kAwkward) check_case(c, dt, dev, gen);
+  check_awkward(dev, gen, {DType::f32, DType::bf16, DType::f16});
   // Several backward blocks (96 channels) in each of several groups, the last partly filled: the
   // workspace rows of block cb > 0 of group g > 0.
   const Case wide[] = {
@@ -244,8 +229,7 @@ TEST_P(SelectiveScan, ChunkedKernelsMatchTheOracle) {
   if (dev.is_cpu()) GTEST_SKIP() << "the chunked kernels are CUDA's";
   const ScopedEnv chunked("KCPP_SCAN_CHUNKED", "1");
   Generator gen = test::test_generator();
-  for (DType dt : {DType::f32, DType::bf16})
-    for (const Case& c : kAwkward) check_case(c, dt, dev, gen);
+  check_awkward(dev, gen, {DType::f32, DType::bf16});
 }
 
 // The sequential CUDA kernels (KCPP_SCAN_LEGACY=1), kept for comparison, on the same shapes.
@@ -255,8 +239,7 @@ TEST_P(SelectiveScan, LegacyKernelsMatchTheOracle) {
   if (dev.is_cpu()) GTEST_SKIP() << "the legacy kernels are CUDA's";
   const ScopedEnv legacy("KCPP_SCAN_LEGACY", "1");
   Generator gen = test::test_generator();
-  for (DType dt : {DType::f32, DType::bf16})
-    for (const Case& c : kAwkward) check_case(c, dt, dev, gen);
+  check_awkward(dev, gen, {DType::f32, DType::bf16});
 }
 
 // Shapes that exercise the CUDA kernels' tiling: channel blocks partly filled, several blocks, tiles of
