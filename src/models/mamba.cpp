@@ -397,8 +397,8 @@ std::vector<int64_t> MambaLM::generate(const std::vector<int64_t>& prompt, int64
   const auto t0 = clock::now();
   auto t1 = t0;
   CausalLM::GenerationStats st;
-  // One-token steps as a CUDA graph on CUDA, for now only under KCPP_MAMBA_DECODE_GRAPHS=1 (not yet
-  // run on a GPU; KCPP_DECODE_GRAPHS=0 still turns graphs off): the first step runs eagerly (warming
+  // One-token steps as a CUDA graph on CUDA (KCPP_DECODE_GRAPHS=0 turns graphs off, as for
+  // CausalLM): the first step runs eagerly (warming
   // every kernel and library), the second is captured, every later one replays it.  A step writes its
   // conv and SSM states in place, so the graph's addresses stay the cache's; its token comes in
   // through `step_ids`, overwritten before each replay, and its logits come out in the tensor the
@@ -407,8 +407,7 @@ std::vector<int64_t> MambaLM::generate(const std::vector<int64_t>& prompt, int64
     const char* e = std::getenv(name);
     return e && std::string(e) == value;
   };
-  bool graphs = device_.is_cuda() && cuda_graphs_compiled() && !profile::enabled() && env_is("KCPP_MAMBA_DECODE_GRAPHS", "1") &&
-                !env_is("KCPP_DECODE_GRAPHS", "0");
+  bool graphs = device_.is_cuda() && cuda_graphs_compiled() && !profile::enabled() && !env_is("KCPP_DECODE_GRAPHS", "0");
   CudaGraph graph;
   Tensor step_ids, step_logits;
   auto decode_step = [&](int64_t tok) -> Tensor {

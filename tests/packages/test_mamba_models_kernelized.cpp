@@ -65,12 +65,18 @@ TEST_P(MambaKernelized, MatchesTransformersWithTheKernels) {
   for (double x : e.view("greedy.prompt").to_f64_vector()) prompt.push_back(static_cast<int64_t>(x));
   const auto want = e.view("greedy.ids").to_f64_vector();
   const std::vector<int64_t> none;
-  const auto got = model->generate(prompt, static_cast<int64_t>(want.size() - prompt.size()), models::Sampling(), &none);
-  EXPECT_EQ(std::vector<double>(got.begin(), got.end()), want);
-  // The one-token steps as a CUDA graph (KCPP_MAMBA_DECODE_GRAPHS=1): the same ids, and on CUDA every
-  // step after the second a replay.
   {
-    const test::ScopedEnv graphs("KCPP_MAMBA_DECODE_GRAPHS", "1");
+    const test::ScopedEnv eager("KCPP_DECODE_GRAPHS", "0");
+    models::CausalLM::GenerationStats st;
+    const auto got = model->generate(prompt, static_cast<int64_t>(want.size() - prompt.size()), models::Sampling(), &none,
+                                     nullptr, &st);
+    EXPECT_EQ(std::vector<double>(got.begin(), got.end()), want);
+    EXPECT_EQ(st.graph_replays, 0);
+  }
+  // By default the one-token steps run as a CUDA graph: the same ids, and on CUDA every step after the
+  // second a replay.
+  {
+    const test::ScopedEnv graphs("KCPP_DECODE_GRAPHS", nullptr);
     const auto steps = static_cast<int64_t>(want.size() - prompt.size());
     models::CausalLM::GenerationStats st;
     const auto again = model->generate(prompt, steps, models::Sampling(), &none, nullptr, &st);
