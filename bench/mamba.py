@@ -13,7 +13,9 @@ Rows:
   to its PyTorch body (the sequential loop over positions that the slow path runs when no hub kernel
   is mapped), forward + autograd backward; an identical loop written here when transformers is absent.
   Timed over --ref-reps calls (it takes seconds).
-- mamba-ssm: `selective_scan_fn` of mamba_ssm, the anchor, where it is installed.
+- mamba-ssm: `selective_scan_fn` of mamba_ssm, the anchor, where it is installed; or its CUDA extension
+  `selective_scan_cuda` alone on PYTHONPATH (built without the package's Python dependencies), called
+  through a small autograd wrapper here.
 - copy: torch's copy of a buffer of half the bytes below (so that it reads and writes them all).
 
 Bytes counted for forward + backward (each tensor once, at its dtype): forward reads u, delta, z, B, C
@@ -95,6 +97,31 @@ try:
     from mamba_ssm.ops.selective_scan_interface import selective_scan_fn as ssm_scan
 except ImportError:
     ssm_scan = None
+    try:  # mamba-ssm's extension alone (built without the package's Python dependencies), on PYTHONPATH
+        import selective_scan_cuda
+    except ImportError:
+        selective_scan_cuda = None
+    if selective_scan_cuda is not None:
+        class _SsmScan(torch.autograd.Function):
+            """selective_scan_cuda's fwd / bwd with z (out * silu(z)), as mamba-ssm's own wrapper calls them."""
+
+            @staticmethod
+            def forward(ctx, u, delta, A, B, C, D, z, delta_bias):
+                # B and C as [batch, groups = 1, d_state, seqlen]; fwd returns out, the chunk states, out_z.
+                out, x, out_z = selective_scan_cuda.fwd(u, delta, A, B.unsqueeze(1), C.unsqueeze(1), D, z, delta_bias, True)
+                ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, x, out)
+                return out_z
+
+            @staticmethod
+            def backward(ctx, dout):
+                u, delta, A, B, C, D, z, delta_bias, x, out = ctx.saved_tensors
+                du, ddelta, dA, dB, dC, dD, ddelta_bias, dz, *_ = selective_scan_cuda.bwd(
+                    u, delta, A, B.unsqueeze(1), C.unsqueeze(1), D, z, delta_bias, dout.contiguous(), x, out, None, True, False)
+                return du, ddelta, dA, dB.squeeze(1), dC.squeeze(1), dD, dz, ddelta_bias
+
+        def ssm_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus):
+            assert delta_softplus
+            return _SsmScan.apply(u, delta, A, B, C, D, z, delta_bias)
 
 
 def rel(a, b):
@@ -192,6 +219,14 @@ for name, path in paths:
     errs.update({n: rel(grads[n], leaf.grad) for n, leaf in zip(names, leaves)})
     print(f"  {name} vs torch f32 (relative L2): " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()), flush=True)
 use_path("default")
+if ssm_scan is not None and not args.falcon:  # the anchor against the same reference
+    sl = [t.detach().clone().requires_grad_(True) for t in (u, delta, A, Bm, Cm, Dp, z, bias)]
+    ys = ssm_scan(*sl, delta_softplus=True)
+    ys.backward(dout)
+    errs = {"out": rel(ys, y.detach())}
+    errs.update({n: rel(leaf.grad, ref.grad) for n, leaf, ref in zip(names, sl, leaves)})
+    print("  mamba-ssm vs torch f32 (relative L2): " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()), flush=True)
+    del sl, ys
 del y, leaves
 torch.cuda.empty_cache()
 

@@ -122,7 +122,10 @@ TEST_P(DecodeFused, AddRmsNormMatchesTheOracle) {
   for (DType dt : test::float_dtypes(dev))
     for (const auto& [n, h, gemma, offset] : {std::tuple{1, 1024, false, 0.0}, std::tuple{7, 333, false, 0.0},
                                               std::tuple{3, 4099, true, 1.0}, std::tuple{2, 5000, false, 1.0},
-                                              std::tuple{32, 2048, false, 0.0}, std::tuple{1, 1, false, 0.0}}) {
+                                              std::tuple{32, 2048, false, 0.0}, std::tuple{1, 1, false, 0.0},
+                                              // Prefill-sized; rows of more chunks than a block's threads.
+                                              std::tuple{2051, 1024, false, 0.0}, std::tuple{3, 8200, true, 1.0},
+                                              std::tuple{2, 40000, false, 0.0}}) {
       const std::string cfg = fmt::format("{} n={} h={} gemma={} offset={}", config_name(dev, dt), n, h, gemma, offset);
       const Tensor x = Tensor::randn({n, h}, dt, dev, gen), delta = Tensor::randn({n, h}, dt, dev, gen);
       const Tensor w = Tensor::randn({h}, dt, dev, gen);
@@ -147,7 +150,10 @@ TEST_P(DecodeFused, GluPackedMatchesTheOracle) {
     for (const auto& [n, inter, act, oact] :
          {std::tuple{1, 3072, ops::GluActivation::Silu, oracle::Act::Silu}, std::tuple{5, 77, ops::GluActivation::Gelu, oracle::Act::Gelu},
           std::tuple{3, 1000, ops::GluActivation::GeluTanh, oracle::Act::GeluTanh},
-          std::tuple{70000, 16, ops::GluActivation::Silu, oracle::Act::Silu}}) {  // more rows than a CUDA grid's y
+          std::tuple{70000, 16, ops::GluActivation::Silu, oracle::Act::Silu},  // more rows than a CUDA grid's y
+          // Prefill-sized: several rows a thread, a partial last group; a row split over blocks unevenly.
+          std::tuple{2049, 3072, ops::GluActivation::Silu, oracle::Act::Silu}, std::tuple{301, 77, ops::GluActivation::Gelu, oracle::Act::Gelu},
+          std::tuple{258, 2056, ops::GluActivation::GeluTanh, oracle::Act::GeluTanh}}) {
       const std::string cfg = fmt::format("{} n={} inter={}", config_name(dev, dt), n, inter);
       const Tensor gu = Tensor::randn({n, 2 * inter}, dt, dev, gen);
       const Tensor out = ops::glu_packed(gu, act);

@@ -8,10 +8,11 @@
 // from shared memory.  Launched with
 // programmatic dependent launch (ops/cuda/pdl.cuh), so that its blocks are resident when the
 // projection before it ends.
-// add_rms_norm: one block per row; the sum is written, then read back by the thread that wrote it
-// for the normalization (no second read of x and delta).  16-byte accesses where the row allows.
+// add_rms_norm: one block per row; a thread keeps its sums in registers for the normalization where
+// the row has at most a chunk a thread (else reads back what it wrote; never a second read of x and
+// delta).  16-byte accesses where the row allows.
 // glu_packed: elementwise over [N, I], gate and up read from the two halves of each row, 16 bytes a
-// thread where the row allows.
+// thread where the row allows, four rows a thread for prefill's many rows.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -214,11 +215,13 @@ __global__ void qk_norm_rope_cache_vec_kernel(T* __restrict__ q_out, const T* __
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // V: elements a thread reads at once (Pack<T>::kVec when the row and the pointers allow 16-byte
-// accesses, else 1).
-template <typename T, int V>
+// accesses, else 1).  kOne: the row has at most blockDim.x chunks, so a thread keeps its chunk's sums
+// in registers and loads its norm weights (as a chunk where `wvec`) before the block's reduction;
+// else the threads walk the chunks and read their own sums back for the normalization.
+template <typename T, int V, bool kOne>
 __global__ void __launch_bounds__(1024) add_rms_norm_kernel(T* __restrict__ s_out, T* __restrict__ y, const T* __restrict__ x,
                                     const T* __restrict__ delta, const T* __restrict__ w, int h, float eps, float offset,
-                                    bool gemma) {
+                                    bool gemma, bool wvec) {
   struct alignas(V * sizeof(T)) Chunk { T v[V]; };
   __shared__ float scratch[32];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * h;
@@ -226,52 +229,96 @@ __global__ void __launch_bounds__(1024) add_rms_norm_kernel(T* __restrict__ s_ou
   const Chunk* xc = reinterpret_cast<const Chunk*>(x + base);
   const Chunk* dc = reinterpret_cast<const Chunk*>(delta + base);
   Chunk* sc = reinterpret_cast<Chunk*>(s_out + base);
-  float ss = 0.f;
-  for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-    const Chunk a = xc[c], b = dc[c];
-    Chunk out;
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const float sum = round_to<T>(to_f32(a.v[j]) + to_f32(b.v[j]));
-      out.v[j] = from_f32<T>(sum);
-      ss += sum * sum;
-    }
-    sc[c] = out;
-  }
-  const float rstd = 1.f / sqrtf(block_reduce<BlockOp::Sum>(ss, scratch) / static_cast<float>(h) + eps);
   Chunk* yc = reinterpret_cast<Chunk*>(y + base);
-  for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-    const Chunk a = sc[c];  // this thread's own writes
+  float ss = 0.f;
+  if constexpr (kOne) {
+    const int c = threadIdx.x;
+    const bool live = c < chunks;
+    Chunk a{}, b{};
+    if (live) a = xc[c], b = dc[c];
+    float wt[V] = {};
+    if (live) {
+      if (wvec) {
+        const Chunk wc = reinterpret_cast<const Chunk*>(w)[c];
+#pragma unroll
+        for (int j = 0; j < V; ++j) wt[j] = norm_weight_value<T>(to_f32(wc.v[j]), offset, gemma);
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) wt[j] = norm_weight(w, c * V + j, offset, gemma);
+      }
+    }
+    float sum[V];
     Chunk out;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const int e = c * V + j;
-      const float sum = to_f32(a.v[j]);
-      const float wt = norm_weight(w, e, offset, gemma);
-      out.v[j] = from_f32<T>(gemma ? sum * rstd * wt : wt * round_to<T>(sum * rstd));
+      sum[j] = round_to<T>(to_f32(a.v[j]) + to_f32(b.v[j]));
+      out.v[j] = from_f32<T>(sum[j]);
+      ss += sum[j] * sum[j];
     }
+    if (live) sc[c] = out;
+    const float rstd = 1.f / sqrtf(block_reduce<BlockOp::Sum>(ss, scratch) / static_cast<float>(h) + eps);
+    if (!live) return;
+#pragma unroll
+    for (int j = 0; j < V; ++j) out.v[j] = from_f32<T>(gemma ? sum[j] * rstd * wt[j] : wt[j] * round_to<T>(sum[j] * rstd));
     yc[c] = out;
+  } else {
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+      const Chunk a = xc[c], b = dc[c];
+      Chunk out;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const float sum = round_to<T>(to_f32(a.v[j]) + to_f32(b.v[j]));
+        out.v[j] = from_f32<T>(sum);
+        ss += sum * sum;
+      }
+      sc[c] = out;
+    }
+    const float rstd = 1.f / sqrtf(block_reduce<BlockOp::Sum>(ss, scratch) / static_cast<float>(h) + eps);
+    for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+      const Chunk a = sc[c];  // this thread's own writes
+      Chunk out;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const int e = c * V + j;
+        const float sum = to_f32(a.v[j]);
+        const float wt = norm_weight(w, e, offset, gemma);
+        out.v[j] = from_f32<T>(gemma ? sum * rstd * wt : wt * round_to<T>(sum * rstd));
+      }
+      yc[c] = out;
+    }
   }
 }
 
-// Over [N, I] by V-element chunks of a row (blockIdx.y walks the rows), gate and up read from the
-// two halves of each row of gu.
-template <typename T, int V>
-__global__ void glu_packed_kernel(T* __restrict__ out, const T* __restrict__ gu, int64_t n, int64_t inter, Unary act) {
+// Over [N, I] by V-element chunks of a row: blockIdx.x and the thread pick the chunk, blockIdx.y a
+// group of R rows (walking on by gridDim.y groups), gate and up read from the two halves of each row.
+// A thread issues its R rows' loads before the first is used, so R gate / up pairs are in flight.  The
+// activation is a template parameter: the unrolled body holds only its code (a runtime switch over
+// every unary op, sin and cos with their slow paths among them, made the kernel's code too big).
+template <typename T, int V, int R, Unary A>
+__global__ void glu_packed_kernel(T* __restrict__ out, const T* __restrict__ gu, int64_t n, int64_t inter) {
   struct alignas(V * sizeof(T)) Chunk { T v[V]; };
   const int64_t chunks = inter / V;
   const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (c >= chunks) return;
-  for (int64_t row = blockIdx.y; row < n; row += gridDim.y) {
-    const Chunk* r = reinterpret_cast<const Chunk*>(gu + row * 2 * inter);
-    const Chunk g = r[c], u = r[chunks + c];
-    Chunk o;
+  for (int64_t row0 = static_cast<int64_t>(blockIdx.y) * R; row0 < n; row0 += static_cast<int64_t>(gridDim.y) * R) {
+    Chunk g[R], u[R];
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const float a = round_to<T>(math::unary<float>(act, to_f32(g.v[j]), 0.f));
-      o.v[j] = from_f32<T>(a * to_f32(u.v[j]));
+    for (int r = 0; r < R; ++r)
+      if (row0 + r < n) {
+        const Chunk* src = reinterpret_cast<const Chunk*>(gu + (row0 + r) * 2 * inter);
+        g[r] = src[c], u[r] = src[chunks + c];
+      }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (row0 + r >= n) break;
+      Chunk o;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const float a = round_to<T>(math::unary<float>(A, to_f32(g[r].v[j]), 0.f));
+        o.v[j] = from_f32<T>(a * to_f32(u[r].v[j]));
+      }
+      reinterpret_cast<Chunk*>(out + (row0 + r) * inter)[c] = o;
     }
-    reinterpret_cast<Chunk*>(out + row * inter)[c] = o;
   }
 }
 
@@ -335,12 +382,17 @@ void add_rms_norm(const Tensor& s, const Tensor& y, const Tensor& x, const Tenso
   visit_cuda_float(x.dtype(), "add_rms_norm", [&]<typename T>(std::type_identity<T>) {
     constexpr int kV = Pack<T>::kVec;
     const bool vec = h % kV == 0 && aligned16(s.data()) && aligned16(y.data()) && aligned16(x.data()) && aligned16(delta.data());
-    auto kernel = vec ? add_rms_norm_kernel<T, kV> : add_rms_norm_kernel<T, 1>;
-    const int t = vec ? std::max(32, std::min(threads, static_cast<int>((h / kV + 31) / 32 * 32))) : threads;
+    const int64_t chunks = vec ? h / kV : h;
+    // A row of at most 1024 chunks: a thread a chunk (kOne), the block rounded up to whole warps.
+    const bool one = chunks <= 1024;
+    auto kernel = vec ? (one ? add_rms_norm_kernel<T, kV, true> : add_rms_norm_kernel<T, kV, false>)
+                      : (one ? add_rms_norm_kernel<T, 1, true> : add_rms_norm_kernel<T, 1, false>);
+    const int t = one ? static_cast<int>(std::max<int64_t>(32, (chunks + 31) / 32 * 32)) : threads;
     kernel<<<static_cast<unsigned>(n), t, 0, kcpp::cuda::current_stream()>>>(
         static_cast<T*>(s.data()), static_cast<T*>(y.data()), static_cast<const T*>(x.data()),
         static_cast<const T*>(delta.data()), static_cast<const T*>(w.data()), static_cast<int>(h),
-        static_cast<float>(opt.eps), static_cast<float>(opt.offset), opt.casting == RMSNormCasting::Gemma);
+        static_cast<float>(opt.eps), static_cast<float>(opt.offset), opt.casting == RMSNormCasting::Gemma,
+        !vec || aligned16(w.data()));
   });
   KCPP_CUDA_CHECK_LAUNCH("add_rms_norm");
 }
@@ -351,14 +403,25 @@ void glu_packed(const Tensor& h, const Tensor& gu, GluActivation act) {
   const Unary op = act == GluActivation::Silu ? Unary::Silu : act == GluActivation::Gelu ? Unary::Gelu : Unary::GeluTanh;
   visit_cuda_float(gu.dtype(), "glu_packed", [&]<typename T>(std::type_identity<T>) {
     constexpr int kV = Pack<T>::kVec;
-    const bool vec = inter % kV == 0 && aligned16(h.data()) && aligned16(gu.data());
-    auto kernel = vec ? glu_packed_kernel<T, kV> : glu_packed_kernel<T, 1>;
-    const int64_t chunks = inter / (vec ? kV : 1);
-    constexpr int kThreads = 256;
-    const dim3 grid(static_cast<unsigned>((chunks + kThreads - 1) / kThreads), static_cast<unsigned>(std::min<int64_t>(n, 65535)));
-    if (n > 0 && chunks > 0)
-      kernel<<<grid, kThreads, 0, kcpp::cuda::current_stream()>>>(static_cast<T*>(h.data()), static_cast<const T*>(gu.data()), n,
-                                                                  inter, op);
+    // Prefill's many rows: 4 rows a thread; decode's few: one.  The blocks of a row split its chunks
+    // evenly (a multiple of 32 threads each, at most 256), so few threads idle at the row's end.
+    const bool vec = inter % kV == 0 && aligned16(h.data()) && aligned16(gu.data()), many = n >= 256;
+    const int64_t chunks = inter / (vec ? kV : 1), rows_per_block = many ? 4 : 1;
+    const int64_t blocks_x = (chunks + 255) / 256;
+    const int threads = static_cast<int>(((chunks + blocks_x - 1) / blocks_x + 31) / 32 * 32);
+    const dim3 grid(static_cast<unsigned>(blocks_x),
+                    static_cast<unsigned>(std::min<int64_t>((n + rows_per_block - 1) / rows_per_block, 65535)));
+    auto launch = [&]<int V, int R>() {
+      auto kernel = op == Unary::Silu ? glu_packed_kernel<T, V, R, Unary::Silu>
+                    : op == Unary::Gelu ? glu_packed_kernel<T, V, R, Unary::Gelu>
+                                        : glu_packed_kernel<T, V, R, Unary::GeluTanh>;
+      kernel<<<grid, threads, 0, kcpp::cuda::current_stream()>>>(static_cast<T*>(h.data()), static_cast<const T*>(gu.data()), n,
+                                                                 inter);
+    };
+    if (n > 0 && chunks > 0) {
+      if (vec) many ? launch.template operator()<kV, 4>() : launch.template operator()<kV, 1>();
+      else many ? launch.template operator()<1, 4>() : launch.template operator()<1, 1>();
+    }
   });
   KCPP_CUDA_CHECK_LAUNCH("glu_packed");
 }
