@@ -1,7 +1,12 @@
 // Mamba and Falcon-Mamba (models/mamba.h) against the Transformers fixtures (tests/fixtures/mamba,
 // falcon_mamba; make_fixtures.py): logits, loss, the conv + SSM state cache, greedy generation and
 // every gradient, with the reference slots, in f32 within 1e-5 relative.
+#include <stdlib.h>
+
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
 
@@ -87,6 +92,62 @@ TEST_P(MambaFamilies, CheckpointedGradientsEqualTheKeptOnes) {
   const auto model = models::MambaLM::from_folder(dir, DType::f32, Device::cpu());
   const SafetensorsFile e = SafetensorsFile::open(dir / "expected.safetensors");
   test::expect_checkpointing_changes_nothing(*model, e.view("input_ids"), e.view("labels"));
+}
+
+double rel_l2(const Tensor& out, const std::vector<double>& ref) {
+  const std::vector<double> o = out.to_f64_vector();
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) num += (o[i] - ref[i]) * (o[i] - ref[i]), den += ref[i] * ref[i];
+  return std::sqrt(num / den);
+}
+
+// In bf16 with residual_in_fp32 (the fixtures' config, as the released models'), against what
+// Transformers computes for the same weights in bf16 (bf16.* in the fixture): the logits closer to it
+// than the same model's with the residual kept in bf16 (the flag off in a copy of the folder), and
+// the logits, loss and every gradient within twice Transformers' own bf16 error against its f32
+// results (the project's bound for a same-precision reference).
+TEST_P(MambaFamilies, Bf16KeepsTheResidualInF32AsTransformers) {
+  const fs::path dir = fs::path(test::fixtures_dir()) / GetParam();
+  const auto model = models::MambaLM::from_folder(dir, DType::bf16, Device::cpu());
+  ASSERT_TRUE(model->config().residual_in_fp32);
+  const SafetensorsFile e = SafetensorsFile::open(dir / "expected.safetensors");
+  const Tensor ids = e.view("input_ids"), labels = e.view("labels");
+  const Tensor logits = model->forward(ids);
+  const double on = rel_l2(logits, e.view("bf16.logits").to_f64_vector());
+
+  std::string tmpl = (fs::temp_directory_path() / "kcpp-mamba-bf16-XXXXXX").string();
+  const fs::path off_dir = ::mkdtemp(tmpl.data());
+  fs::copy(dir, off_dir, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+  nlohmann::json cfg;
+  std::ifstream(off_dir / "config.json") >> cfg;
+  cfg["residual_in_fp32"] = false;
+  std::ofstream(off_dir / "config.json") << cfg.dump();
+  const double off = rel_l2(models::MambaLM::from_folder(off_dir, DType::bf16, Device::cpu())->forward(ids),
+                            e.view("bf16.logits").to_f64_vector());
+  fs::remove_all(off_dir);
+  EXPECT_LT(on, off) << "the f32 residual brings bf16 logits closer to Transformers' bf16";
+
+  // x (ours) against the f32 reference, within twice Transformers' bf16 result's distance to it.
+  auto within_hf_bf16 = [&](const Tensor& x, const std::string& name) {
+    const std::vector<double> f32 = e.view(name).to_f64_vector();
+    const double ours = rel_l2(x, f32), theirs = rel_l2(e.view("bf16." + name), f32);
+    EXPECT_LE(ours, 2 * theirs) << name << ": ours " << ours << ", Transformers' bf16 " << theirs;
+  };
+  within_hf_bf16(logits, "logits");
+  const auto r = model->loss_and_gradients(ids, labels);
+  const double loss = e.view("loss").to_f64_vector()[0], hf_loss = e.view("bf16.loss").to_f64_vector()[0];
+  EXPECT_NEAR(r.loss.to_f64_vector()[0], loss, std::max(2 * std::abs(hf_loss - loss), 1e-4));
+  size_t n = 0;
+  for (const auto& [name, entry] : e.entries()) {
+    if (name.rfind("bf16.grad.", 0) != 0) continue;
+    ++n;
+    const auto it = r.grads.find(name.substr(10));
+    ASSERT_NE(it, r.grads.end()) << name;
+    within_hf_bf16(it->second, name.substr(5));
+  }
+  EXPECT_EQ(n, r.grads.size());
+  // Checkpointing recomputes the f32 residual stream alike.
+  test::expect_checkpointing_changes_nothing(*model, ids, labels);
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, MambaFamilies, ::testing::Values("mamba", "falcon_mamba"));

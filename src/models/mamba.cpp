@@ -306,7 +306,8 @@ Tensor MambaLM::layer_forward(size_t li, const Tensor& h, LayerTape* t, Cache* c
   const MambaConfig& c = cfg_;
   const int64_t b = h.size(0), s = h.size(1), n = b * s, d = c.intermediate_size, r = c.time_step_rank, st = c.state_size;
   nn::RMSNorm::Saved ns;
-  const Tensor a = l.norm->forward(h, t ? &ns : nullptr).view({n, c.hidden_size});
+  const bool wide = f32_residual();
+  const Tensor a = l.norm->forward(wide ? h.to(dtype_) : h, t ? &ns : nullptr).view({n, c.hidden_size});
   // [B, 2D, L], L contiguous: x the first D channels, z the gate.
   const Tensor xz = linear(a, l.w_in, l.b_in).view({b, s, 2 * d}).transpose(1, 2).contiguous();
   const Tensor x = xz.narrow(1, 0, d), z = xz.narrow(1, d, d);
@@ -352,7 +353,21 @@ Tensor MambaLM::layer_forward(size_t li, const Tensor& h, LayerTape* t, Cache* c
     t->norm = std::move(ns), t->dt_norm = std::move(dns);
     t->a = a, t->x = x, t->xc = xc_t, t->dt_low = dt_low, t->y = y_t;
   }
-  return ops::add(h, out);
+  return ops::add(h, wide ? out.to(DType::f32) : out);
+}
+
+Tensor MambaLM::final_norm_forward(const Tensor& h, nn::RMSNorm::Saved* saved) {
+  if (!f32_residual()) return final_norm_->forward(h, saved);
+  const ops::RMSNormForward f = ops::rms_norm_forward(h, final_norm_->weight.to(DType::f32), final_norm_->options);
+  if (saved) *saved = {h, f.rstd};
+  return f.y.to(dtype_);
+}
+
+nn::RMSNorm::Grads MambaLM::final_norm_backward(const Tensor& dy, const nn::RMSNorm::Saved& saved) {
+  if (!f32_residual()) return final_norm_->backward(dy, saved);
+  const ops::RMSNormBackward b = ops::rms_norm_backward(dy.to(DType::f32), saved.x, final_norm_->weight.to(DType::f32),
+                                                        saved.rstd, final_norm_->options);
+  return {b.dx, b.dw.to(dtype_)};
 }
 
 Tensor MambaLM::hidden_states(const Tensor& ids, std::vector<LayerTape>* tapes, nn::RMSNorm::Saved* final_saved, Cache* cache,
@@ -360,6 +375,7 @@ Tensor MambaLM::hidden_states(const Tensor& ids, std::vector<LayerTape>* tapes, 
   KCPP_CHECK(ids.dim() == 2, "MambaLM: input_ids must be [batch, seq], got {} dims", ids.dim());
   const Tensor ids_dev = ids.device() == device_ ? ids : ids.to(device_);
   Tensor h = ops::embedding(embed_, ids_dev, !(cache && cache->picked_ids));
+  if (f32_residual()) h = h.to(DType::f32);
   if (cache && cache->length == 0) cache->conv.assign(layers_.size(), Tensor()), cache->ssm.assign(layers_.size(), Tensor());
   if (tapes) tapes->resize(layers_.size());
   if (inputs) inputs->resize(layers_.size());
@@ -368,7 +384,7 @@ Tensor MambaLM::hidden_states(const Tensor& ids, std::vector<LayerTape>* tapes, 
     h = layer_forward(li, h, tapes ? &(*tapes)[li] : nullptr, cache);
   }
   if (cache) cache->length += ids.size(1);
-  return final_norm_->forward(h, final_saved);
+  return final_norm_forward(h, final_saved);
 }
 
 Tensor MambaLM::forward(const Tensor& ids, Cache* cache) {
@@ -398,8 +414,8 @@ std::vector<int64_t> MambaLM::generate(const std::vector<int64_t>& prompt, int64
   auto t1 = t0;
   CausalLM::GenerationStats st;
   // One-token steps as a CUDA graph on CUDA (KCPP_DECODE_GRAPHS=0 turns graphs off, as for
-  // CausalLM): the first step runs eagerly (warming
-  // every kernel and library), the second is captured, every later one replays it.  A step writes its
+  // CausalLM): the first step runs eagerly (warming every kernel and library), the second is
+  // captured, every later one replays it.  A step writes its
   // conv and SSM states in place, so the graph's addresses stay the cache's; its token comes in
   // through `step_ids`, overwritten before each replay, and its logits come out in the tensor the
   // capture returned.  A capture the runtime refuses leaves the steps eager.
@@ -497,6 +513,7 @@ CausalLM::Gradients MambaLM::loss_and_gradients(const Tensor& ids, const Tensor&
   std::vector<Tensor> inputs;  // checkpointing: each layer's input, its tape made again in the backward
   nn::RMSNorm::Saved fs;
   const bool ckpt = checkpoint_layers;
+  const bool wide = f32_residual();
   const Tensor hf = hidden_states(ids, ckpt ? nullptr : &tapes, &fs, nullptr, ckpt ? &inputs : nullptr).view({n, hd});
   nn::ForCausalLMLoss::Saved ls;
   CausalLM::Gradients out;
@@ -509,7 +526,7 @@ CausalLM::Gradients MambaLM::loss_and_gradients(const Tensor& ids, const Tensor&
     else it->second = ops::add(it->second, t);
   };
   acc(c.tie_word_embeddings ? "backbone.embeddings.weight" : "lm_head.weight", lg.dweight);
-  auto fn = final_norm_->backward(lg.dhidden.view({b, s, hd}), fs);
+  auto fn = final_norm_backward(lg.dhidden.view({b, s, hd}), fs);
   acc("backbone.norm_f.weight", fn.dweight);
   Tensor dh = fn.dx;
   // [B, D, L] from a token-major [B S, D], and back.
@@ -524,7 +541,9 @@ CausalLM::Gradients MambaLM::loss_and_gradients(const Tensor& ids, const Tensor&
     }
     LayerTape& t = ckpt ? recomputed : tapes[li];
     const std::string p = fmt::format("backbone.layers.{}.mixer.", li);
-    const Tensor dy_out = dh.contiguous().view({n, hd});
+    // With residual_in_fp32 dh is f32: the mixer's output was added widened, so its gradient is dh
+    // rounded to the dtype.
+    const Tensor dy_out = (wide ? dh.to(dtype_) : dh).contiguous().view({n, hd});
     acc(p + "out_proj.weight", ops::matmul(dy_out, t.y, true, false));
     if (l.b_out.defined()) acc(p + "out_proj.bias", col_sum(dy_out));
     const Tensor dy = channels_first(ops::matmul(dy_out, l.w_out), d);
@@ -548,7 +567,11 @@ CausalLM::Gradients MambaLM::loss_and_gradients(const Tensor& ids, const Tensor&
     if (l.b_in.defined()) acc(p + "in_proj.bias", col_sum(dxz));
     const auto nb = l.norm->backward(ops::matmul(dxz, l.w_in).view({b, s, hd}), t.norm);
     acc(fmt::format("backbone.layers.{}.norm.weight", li), nb.dweight);
-    dh = ops::add(dh, nb.dx);
+    // The norm read h rounded to the dtype; layer 0's h is the embedding's output widened, whose
+    // gradient adds the residual's (rounded) and the norm's in the dtype, as autograd does.
+    if (!wide) dh = ops::add(dh, nb.dx);
+    else if (li > 0) dh = ops::add(dh, nb.dx.to(DType::f32));
+    else dh = ops::add(dh.to(dtype_), nb.dx);
   }
   const Tensor ids_dev = ids.device() == device_ ? ids : ids.to(device_);
   acc("backbone.embeddings.weight", ops::embedding_backward(dh.contiguous(), ids_dev, c.vocab_size));

@@ -11,9 +11,12 @@
 //               h = h + y W_out^T (+ b_out)
 //   logits = RMSNorm(h) W_lm^T   (W_lm = embed when tied)
 //
-// The residual stream stays in the model's dtype: Transformers' residual_in_fp32 (an f32 residual
-// for 16-bit weights) is read from config.json but not applied, so bf16 / f16 models follow its
-// arithmetic only up to that rounding; f32 models exactly.
+// Transformers' residual_in_fp32 (config.json; true for the released models) with 16-bit weights:
+// the residual stream h is f32 (the embedding's output widened), each layer's norm reads h rounded to
+// the model's dtype, the mixer's output is added in f32, and the final norm runs in f32 with its
+// weight widened, its output rounded to the dtype for the head — MambaBlock's and MambaRMSNorm's
+// arithmetic on an f32 input.  The final norm then runs through ops::rms_norm_* rather than its slot
+// (the RMSNorm contract takes one dtype).  Without the flag, or in f32, h keeps the model's dtype.
 //
 // Generation keeps per layer the last conv_kernel - 1 inputs of the convolution and the SSM state,
 // and decodes through the CausalConv1dUpdate and SelectiveStateUpdate slots.
@@ -124,6 +127,11 @@ class MambaLM : public nn::Module {
   Tensor hidden_states(const Tensor& input_ids, std::vector<LayerTape>* tapes, nn::RMSNorm::Saved* final_saved, Cache* cache,
                        std::vector<Tensor>* inputs = nullptr);
   Tensor shifted_targets(const Tensor& labels) const;
+  // residual_in_fp32 in effect: the flag with 16-bit weights (the header comment).
+  bool f32_residual() const { return cfg_.residual_in_fp32 && dtype_ != DType::f32 && !layers_.empty(); }
+  // The final norm of h (the residual stream), and its backward, in either mode.
+  Tensor final_norm_forward(const Tensor& h, nn::RMSNorm::Saved* saved);
+  nn::RMSNorm::Grads final_norm_backward(const Tensor& dy, const nn::RMSNorm::Saved& saved);
 
   MambaConfig cfg_;
   DType dtype_ = DType::f32;
