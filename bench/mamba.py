@@ -14,8 +14,8 @@ Rows:
   is mapped), forward + autograd backward; an identical loop written here when transformers is absent.
   Timed over --ref-reps calls (it takes seconds).
 - mamba-ssm: `selective_scan_fn` of mamba_ssm, the anchor, where it is installed; or its CUDA extension
-  `selective_scan_cuda` alone on PYTHONPATH (built without the package's Python dependencies), called
-  through a small autograd wrapper here.
+  `selective_scan_cuda` alone on PYTHONPATH (bench/build_mamba_ssm.py builds it without the package's
+  Python dependencies), called through a small autograd wrapper here.
 - copy: torch's copy of a buffer of half the bytes below (so that it reads and writes them all).
 
 Bytes counted for forward + backward (each tensor once, at its dtype): forward reads u, delta, z, B, C

@@ -81,8 +81,8 @@ class MambaLM : public nn::Module {
   // logits [B, S, V] for input_ids [B, S]; with a cache, continuing the tokens it holds.
   Tensor forward(const Tensor& input_ids, Cache* cache = nullptr);
   // As CausalLM::generate (batch of one; greedy or sampled; stops at a token of `stop`, default the
-  // config's eos_token_id).  On CUDA the one-token steps after the second replay a CUDA graph
-  // (KCPP_DECODE_GRAPHS=0: every step eager).  `stats`: the prompt's forward to
+  // config's eos_token_id).  On CUDA the first one-token step runs eagerly and every later one
+  // replays a CUDA graph (KCPP_DECODE_GRAPHS=0: every step eager).  `stats`: the prompt's forward to
   // the first new token, then the one-token steps after it (CausalLM's fields; one prefill).
   std::vector<int64_t> generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens, const Sampling& sampling = Sampling(),
                                 const std::vector<int64_t>* stop = nullptr, StopReason* reason = nullptr,

@@ -407,6 +407,7 @@ void glu_packed(const Tensor& h, const Tensor& gu, GluActivation act) {
     // evenly (a multiple of 32 threads each, at most 256), so few threads idle at the row's end.
     const bool vec = inter % kV == 0 && aligned16(h.data()) && aligned16(gu.data()), many = n >= 256;
     const int64_t chunks = inter / (vec ? kV : 1), rows_per_block = many ? 4 : 1;
+    if (n == 0 || chunks == 0) return;
     const int64_t blocks_x = (chunks + 255) / 256;
     const int threads = static_cast<int>(((chunks + blocks_x - 1) / blocks_x + 31) / 32 * 32);
     const dim3 grid(static_cast<unsigned>(blocks_x),
@@ -418,10 +419,8 @@ void glu_packed(const Tensor& h, const Tensor& gu, GluActivation act) {
       kernel<<<grid, threads, 0, kcpp::cuda::current_stream()>>>(static_cast<T*>(h.data()), static_cast<const T*>(gu.data()), n,
                                                                  inter);
     };
-    if (n > 0 && chunks > 0) {
-      if (vec) many ? launch.template operator()<kV, 4>() : launch.template operator()<kV, 1>();
-      else many ? launch.template operator()<1, 4>() : launch.template operator()<1, 1>();
-    }
+    if (vec) many ? launch.template operator()<kV, 4>() : launch.template operator()<kV, 1>();
+    else many ? launch.template operator()<1, 4>() : launch.template operator()<1, 1>();
   });
   KCPP_CUDA_CHECK_LAUNCH("glu_packed");
 }
