@@ -159,4 +159,31 @@ inline liger::GluParams glu_params(const Tensor& gate, const Tensor& up, ops::Gl
   return p;
 }
 
+// The same over 2-D [rows, cols] tensors with the last dim contiguous and a row stride each (e.g. the
+// halves of a packed [rows, 2 cols] gate_up): GluParams' rows form.
+inline liger::GluParams glu_rows_params(const Tensor& gate, const Tensor& up, ops::GluActivation act, const Tensor& out,
+                                        const Tensor& dout = {}, const Tensor& dgate = {}, const Tensor& dup = {}) {
+  int64_t* lds[6] = {};
+  liger::GluParams p;
+  const Tensor* ts[6] = {&gate, &up, &out, &dout, &dgate, &dup};
+  int64_t* fields[6] = {&p.gate_ld, &p.up_ld, &p.out_ld, &p.dout_ld, &p.dgate_ld, &p.dup_ld};
+  for (int i = 0; i < 6; ++i) {
+    lds[i] = fields[i];
+    if (!ts[i]->defined()) continue;
+    if (ts[i]->dim() != 2 || ts[i]->stride(1) != 1) throw Error("glu kernel: 2-D tensors with a contiguous last dim, got " + ts[i]->str());
+    *lds[i] = ts[i]->stride(0);
+  }
+  p.dtype = kernel_dtype(gate.dtype());
+  p.act = static_cast<liger::GluActivation>(static_cast<int>(act));
+  p.n = gate.numel();
+  p.cols = gate.size(1);
+  p.gate = gate.data();
+  p.up = up.data();
+  if (out.defined()) p.out = out.data();
+  if (dout.defined()) p.dout = dout.data();
+  if (dgate.defined()) p.dgate = dgate.data();
+  if (dup.defined()) p.dup = dup.data();
+  return p;
+}
+
 }  // namespace kcpp::test

@@ -275,25 +275,30 @@ bool glu_args(kk::Call& c, bool bwd, lg::GluParams& p) {
   c.float_dtype(gate, "gate", &p.dtype);
   c.same_dtype(up, "up", gate, "gate");
   c.same_shape(up, "up", gate, "gate");
-  const char* outs[3] = {"out", nullptr, nullptr};
-  if (bwd) outs[0] = "dout", outs[1] = "dgate", outs[2] = "dup";
-  DLTensor* t[3] = {};
-  for (int i = 0; i < 3 && outs[i]; ++i) {
-    t[i] = c.tensor(outs[i]);
-    c.same_dtype(t[i], outs[i], gate, "gate");
-    c.same_shape(t[i], outs[i], gate, "gate");
-    c.row_major(t[i], outs[i]);
+  const char* names[5] = {"gate", "up", "out", nullptr, nullptr};
+  if (bwd) names[2] = "dout", names[3] = "dgate", names[4] = "dup";
+  DLTensor* t[5] = {gate, up};
+  for (int i = 2; i < 5 && names[i]; ++i) {
+    t[i] = c.tensor(names[i]);
+    c.same_dtype(t[i], names[i], gate, "gate");
+    c.same_shape(t[i], names[i], gate, "gate");
   }
-  c.row_major(gate, "gate");
-  c.row_major(up, "up");
+  // Each tensor as rows of the last dim's width, with a row stride of its own (GLU/1: the halves of a
+  // packed [.., 2I] gate_up and of its gradient).
+  int64_t ld[5] = {}, rows = 0, width = 0;
+  const bool scalar = gate && gate->ndim == 0;  // one element: flat
+  for (int i = 0; i < 5 && names[i]; ++i) scalar ? c.row_major(t[i], names[i]) : c.rows(t[i], names[i], &rows, &width, &ld[i]);
   if (!c.ok()) return false;
   p.n = kk::numel(gate);
-  p.gate = kk::data_ptr(gate);
-  p.up = kk::data_ptr(up);
+  p.cols = scalar ? 0 : width;
+  p.gate = kk::data_ptr(gate), p.gate_ld = ld[0];
+  p.up = kk::data_ptr(up), p.up_ld = ld[1];
   if (!bwd) {
-    p.out = kk::data_ptr(t[0]);
+    p.out = kk::data_ptr(t[2]), p.out_ld = ld[2];
   } else {
-    p.dout = kk::data_ptr(t[0]), p.dgate = kk::data_ptr(t[1]), p.dup = kk::data_ptr(t[2]);
+    p.dout = kk::data_ptr(t[2]), p.dout_ld = ld[2];
+    p.dgate = kk::data_ptr(t[3]), p.dgate_ld = ld[3];
+    p.dup = kk::data_ptr(t[4]), p.dup_ld = ld[4];
     if (p.n > 0 && p.dgate == p.dup) c.require(false, "'dgate' and 'dup' must be different tensors");
   }
   return c.ok();

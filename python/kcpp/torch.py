@@ -13,7 +13,8 @@ Phi-3, Gemma 1 / 2 / 3 text, Mixtral, Qwen2-MoE, Qwen3-MoE):
   RMSNorm           every `*RMSNorm` of the family: Llama's casting, or Gemma's (1 + w) in f32
                     (offset 1, casting "gemma"); Qwen3's / Gemma 3's q / k norms included     RMSNorm/1
   MLP               gated MLPs (`gate_proj`, `up_proj`, `down_proj`, `act_fn`): the part between the
-                    projections, act(gate) * up                                                    GLU/1
+                    projections, act(gate) * up; Phi-3's (`gate_up_proj`, `down_proj`,
+                    `activation_fn`): the same on the projection's halves, read in place      GLU/1
   rotary_pos_emb    the modeling module's `apply_rotary_pos_emb`, inside the model's attention
                     modules                                                                       rotary_pos_emb/1
   Attention         the attention function, registered in Transformers' AttentionInterface as
@@ -601,6 +602,52 @@ _GLU_BWD = _Op("glu_backward", "(Tensor dout, Tensor gate, Tensor up, str activa
                lambda a, light: (a["dgate"], a["dup"]), backward_entry=True)
 
 
+# GLU/1 over a packed [..., 2I] gate_up (Phi-3's MLP): the kernel reads the halves in place and writes
+# the gradient into the halves of one [..., 2I] buffer, so neither direction copies.
+class _Args(dict):
+    """A call's arguments, with `made`: an output the caller takes that is no argument itself."""
+    made = None
+
+
+def _halves(t):
+    i = t.shape[-1] // 2
+    return t[..., :i], t[..., i:]
+
+
+def _glu_packed_build(gate_up, activation, layer, training):
+    gate, up = _halves(gate_up)
+    return {"gate": gate, "up": up, "activation": activation,
+            "out": gate_up.new_empty(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,))}
+
+
+def _glu_packed_bwd_build(dout, gate_up, activation, layer):
+    gate, up = _halves(gate_up)
+    dgu = torch.empty_like(gate_up)
+    dgate, dup = _halves(dgu)
+    a = _Args(dout=dout, gate=gate, up=up, activation=activation, dgate=dgate, dup=dup)
+    a.made = dgu
+    return a
+
+
+def _glu_packed_setup(ctx, inputs, output):
+    gate_up, activation, layer, training = inputs
+    ctx.save_for_backward(gate_up)
+    ctx.kcpp = (activation, layer)
+
+
+def _glu_packed_backward(ctx, eager, dout):
+    gate_up, = ctx.saved_tensors
+    activation, layer = ctx.kcpp
+    return _call(_GLU_PACKED_BWD, eager, _contig(dout), gate_up, activation, layer), None, None, None
+
+
+_GLU_PACKED = _Op("glu_packed", "(Tensor gate_up, str activation, int layer, bool training) -> Tensor",
+                  _glu_packed_build, lambda a, light: a["out"], result=lambda o: o, setup=_glu_packed_setup,
+                  backward=_glu_packed_backward)
+_GLU_PACKED_BWD = _Op("glu_packed_backward", "(Tensor dout, Tensor gate_up, str activation, int layer) -> Tensor",
+                      _glu_packed_bwd_build, lambda a, light: a.made, result=lambda o: o, backward_entry=True)
+
+
 # rotary_pos_emb/1
 def _rope_setup(ctx, inputs, output):
     q, k, cos, sin, layer, training = inputs
@@ -843,6 +890,34 @@ def _mlp_forward(where, module, slot, original, activation, x):
     except kcpp.Unsupported as e:
         _refuse(slot.sid, str(e))
         return module.down_proj(module.act_fn(gate) * up)
+    return module.down_proj(out)
+
+
+def _packed_mlp_forward(where, module, slot, original, activation, x):
+    """Phi-3's MLP, down_proj(up * act(gate)) with gate, up = gate_up_proj(x).chunk(2, -1), its
+    activation through GLU/1 on the halves in place."""
+    gate_up = module.gate_up_proj(x)
+
+    def reference():
+        gate, up = gate_up.chunk(2, dim=-1)
+        return module.down_proj(up * module.activation_fn(gate))
+    if activation is None:
+        _refuse(slot.sid, f"activation {module.activation_fn.__class__.__name__} is not one GLU/1 takes")
+        return reference()
+    if gate_up.numel() == 0 or gate_up.shape[-1] % 2:
+        _refuse(slot.sid, f"gate_up {tuple(gate_up.shape)}: GLU/1 takes two non-empty halves")
+        return reference()
+    training = _needs_grad(gate_up)
+    gate_up = _contig(gate_up)
+    traced = torch.compiler.is_compiling()
+    lid = _decide(slot.sid, training, "glu_packed", (_desc(gate_up, traced), activation), where)
+    if lid < 0:
+        return reference()
+    try:
+        out = _invoke(_GLU_PACKED, training, traced, gate_up, activation, lid, training)
+    except kcpp.Unsupported as e:
+        _refuse(slot.sid, str(e))
+        return reference()
     return module.down_proj(out)
 
 
@@ -1636,6 +1711,12 @@ def _is_gated_mlp(m):
         and hasattr(m, "act_fn")
 
 
+def _is_packed_gated_mlp(m):
+    """Phi-3's MLP: one gate_up_proj Linear of 2 I outputs, down_proj, activation_fn."""
+    return all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("gate_up_proj", "down_proj")) \
+        and hasattr(m, "activation_fn")
+
+
 def _is_attention(m):
     modeling = _modeling_module(m)
     return type(m).__name__.endswith("Attention") and callable(getattr(modeling, "apply_rotary_pos_emb", None)) \
@@ -1866,6 +1947,12 @@ def _swap(model, state):
             if slots["MLP"].kernels:
                 original = type(module).forward.__get__(module)
                 _set_forward(state, module, functools.partial(_mlp_forward, where, module, slots["MLP"], original,
+                                                              _glu_activation(module)))
+        elif _is_packed_gated_mlp(module):
+            slots["MLP"].modules += 1
+            if slots["MLP"].kernels:
+                original = type(module).forward.__get__(module)
+                _set_forward(state, module, functools.partial(_packed_mlp_forward, where, module, slots["MLP"], original,
                                                               _glu_activation(module)))
         elif _is_attention(module):
             attention_modules.append(module)

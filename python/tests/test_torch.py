@@ -153,8 +153,8 @@ class Kernelize(Base):
             with self.subTest(family=family):
                 model = self.check_family(family)
                 r = kt.report(model)
-                # Phi-3's MLP has one merged gate_up projection: not a gated MLP of GLU/1's shape.
-                for layer in ("ForCausalLMLoss", "rotary_pos_emb", "RMSNorm") + (("MLP",) if family != "phi3" else ()):
+                # Phi-3's MLP has one merged gate_up projection: GLU/1 on its halves.
+                for layer in ("ForCausalLMLoss", "rotary_pos_emb", "RMSNorm", "MLP"):
                     self.assertGreater(r[layer]["kernel_calls"], 0, f"{family}: {r}")
                     self.assertEqual(r[layer]["fallbacks"], 0, f"{family}: {r}")
 
@@ -628,8 +628,9 @@ class Compile(Base):
         return model
 
     def test_fullgraph_cpu(self):
-        # Gemma 2: the (1 + w) norms, the capped logits, the soft-capped attention's fallback in the graph.
-        for family, lengths in (("llama", (9, 13)), ("gemma2", (9,))):
+        # Gemma 2: the (1 + w) norms, the capped logits, the soft-capped attention's fallback in the graph;
+        # Phi-3: GLU/1 on the halves of its packed gate_up (kcpp.glu_packed and its backward).
+        for family, lengths in (("llama", (9, 13)), ("gemma2", (9,)), ("phi3", (9,))):
             with self.subTest(family=family):
                 model = self.compiled_matches_eager(family, "aot_eager", lengths=lengths)
                 r = kt.report(model)

@@ -303,7 +303,30 @@ TEST_P(LigerPackage, GLUMatchesTheOracle) {
   EXPECT_TRUE(test::refused(glu.supports(a, dev, test::kInference), KCPP_ERROR_INVALID_ARGUMENT, "'activation' is 'relu'"));
   KernelArgs t;
   t.tensor("gate", g.transpose(0, 1)).tensor("up", Tensor::zeros({6, 4}, DType::bf16, dev)).tensor("out", Tensor::zeros({6, 4}, DType::bf16, dev));
-  EXPECT_TRUE(test::refused(glu.supports(t, dev, test::kInference), KCPP_ERROR_UNSUPPORTED, "'gate' is not contiguous"));
+  EXPECT_TRUE(test::refused(glu.supports(t, dev, test::kInference), KCPP_ERROR_UNSUPPORTED,
+                            "tensor 'gate': the last dim must be contiguous"));
+  // The halves of a packed [rows, 2I] gate_up (Phi-3's MLP) are taken as rows with a stride, the
+  // gradients written into the halves of one buffer.
+  {
+    Generator gen = test::test_generator();
+    const Tensor gu = Tensor::randn({5, 2, 24}, DType::f32, dev, gen), d = Tensor::randn({5, 2, 12}, DType::f32, dev, gen);
+    const Tensor gate = gu.narrow(2, 0, 12), up = gu.narrow(2, 12, 12), out = Tensor::empty({5, 2, 12}, DType::f32, dev);
+    KernelArgs f;
+    f.tensor("gate", gate).tensor("up", up).string("activation", "silu").tensor("out", out);
+    glu.forward(f, dev, test::kTraining);
+    const auto gv = gate.contiguous().to_f64_vector(), uv = up.contiguous().to_f64_vector(), dv = d.to_f64_vector();
+    const auto mag = oracle::glu_magnitude(dv, gv, uv, oracle::Act::Silu);
+    EXPECT_TRUE(test::close_l2_mag(out, oracle::glu(gv, uv, oracle::Act::Silu), mag.out, test::composite_rel_l2(DType::f32)));
+    const Tensor dgu = Tensor::empty({5, 2, 24}, DType::f32, dev);
+    KernelArgs b;
+    b.tensor("dout", d).tensor("gate", gate).tensor("up", up).string("activation", "silu");
+    b.tensor("dgate", dgu.narrow(2, 0, 12)).tensor("dup", dgu.narrow(2, 12, 12));
+    glu.backward(b, dev, test::kTraining);
+    oracle::V dg, du;
+    oracle::glu_backward(dv, gv, uv, oracle::Act::Silu, dg, du);
+    EXPECT_TRUE(test::close_l2_mag(dgu.narrow(2, 0, 12).contiguous(), dg, mag.dgate, test::composite_rel_l2(DType::f32)));
+    EXPECT_TRUE(test::close_l2_mag(dgu.narrow(2, 12, 12).contiguous(), du, mag.dup, test::composite_rel_l2(DType::f32)));
+  }
   KernelArgs same;
   same.tensor("dout", g).tensor("gate", g).tensor("up", g).tensor("dgate", g).tensor("dup", g);
   EXPECT_TRUE(test::refused(glu.supports(same, dev, test::kTraining), KCPP_ERROR_INVALID_ARGUMENT, "different tensors"));

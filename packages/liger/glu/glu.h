@@ -6,10 +6,12 @@
 //             (act recomputed from gate: nothing is saved beyond the inputs)
 //   act and act' as kcpp/kernel/activation.h gives them (silu, gelu, gelu_tanh, quick_gelu); the hardware
 //   exp / division (MathMode::Fast) for 16-bit dtypes, the accurate ones for f32.
-// Layout: gate, up, out, dout, dgate, dup are contiguous arrays of n elements of one dtype (the
-// host makes them so or refuses the call).  In-place is allowed element for element: out may be
-// gate or up; dgate may be gate and dup may be up (Liger's memory saving: no new buffers in the
-// backward).  NaN and Inf propagate as the formulas do.
+// Layout: gate, up, out, dout, dgate, dup hold n elements of one dtype: contiguous arrays, or with
+// `cols` > 0, n / cols rows of cols contiguous elements, each tensor's rows its own `*_ld` elements
+// apart (the two halves of a packed [.., 2I] gate_up projection, as Phi-3's MLP makes it, with their
+// gradients written into the halves of one [.., 2I] buffer).  In-place is allowed element for
+// element: out may be gate or up; dgate may be gate and dup may be up (Liger's memory saving: no new
+// buffers in the backward).  NaN and Inf propagate as the formulas do.
 // Cost: forward reads 2n and writes n elements; backward reads 3n and writes 2n.
 #pragma once
 
@@ -37,6 +39,9 @@ struct GluParams {
   const void* dout = nullptr;  // backward
   void* dgate = nullptr;
   void* dup = nullptr;
+  // Rows (above): 0 = flat; else n is a multiple of cols and every *_ld of a tensor in use >= cols.
+  int64_t cols = 0;
+  int64_t gate_ld = 0, up_ld = 0, out_ld = 0, dout_ld = 0, dgate_ld = 0, dup_ld = 0;
 };
 
 const char* glu_check(const GluParams& p, bool backward);

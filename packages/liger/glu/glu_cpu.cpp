@@ -1,4 +1,4 @@
-// GLU on the CPU (maths in glu.h): chunks of rows in parallel, each widened to f32, computed in a
+// GLU on the CPU (maths in glu.h): pieces of rows in parallel, each widened to f32, computed in a
 // loop the compiler vectorizes, and rounded back.
 #include <algorithm>
 #include <vector>
@@ -20,41 +20,51 @@ template <typename T> constexpr kernel::MathMode fast_for() {
   return sizeof(T) == 2 ? kernel::MathMode::Fast : kernel::MathMode::FastExp;
 }
 
+// The work as rows of `cols` elements (one row of n when flat), cut into pieces of at most kChunk.
+struct Rows {
+  int64_t rows, cols, pieces_a_row;
+  Rows(const GluParams& p)
+      : rows(p.cols > 0 ? p.n / p.cols : 1), cols(p.cols > 0 ? p.cols : p.n), pieces_a_row((cols + kChunk - 1) / kChunk) {}
+  int64_t pieces() const { return rows * pieces_a_row; }
+};
+// Element offset of (row r, column c) in a tensor whose rows are `ld` apart (flat: r is 0).
+inline int64_t at(const GluParams& p, int64_t ld, int64_t r, int64_t c) { return (p.cols > 0 ? r * ld : 0) + c; }
+
 template <typename T, GluActivation A> KCPP_CPU_MULTIVERSION void forward(const GluParams& p) {
-  const int64_t chunks = (p.n + kChunk - 1) / kChunk;
+  const Rows w(p);
 #pragma omp parallel
   {
     float g[kChunk], u[kChunk];
 #pragma omp for schedule(static)
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t b = c * kChunk, m = std::min(kChunk, p.n - b);
-      load_row(static_cast<const T*>(p.gate) + b, m, g);
-      load_row(static_cast<const T*>(p.up) + b, m, u);
+    for (int64_t k = 0; k < w.pieces(); ++k) {
+      const int64_t r = k / w.pieces_a_row, b = (k % w.pieces_a_row) * kChunk, m = std::min(kChunk, w.cols - b);
+      load_row(static_cast<const T*>(p.gate) + at(p, p.gate_ld, r, b), m, g);
+      load_row(static_cast<const T*>(p.up) + at(p, p.up_ld, r, b), m, u);
       for (int64_t i = 0; i < m; ++i) g[i] = kernel::activate<A, fast_for<T>()>(g[i], nullptr) * u[i];
-      store_row(g, m, static_cast<T*>(p.out) + b);
+      store_row(g, m, static_cast<T*>(p.out) + at(p, p.out_ld, r, b));
     }
   }
 }
 
 template <typename T, GluActivation A> KCPP_CPU_MULTIVERSION void backward(const GluParams& p) {
-  const int64_t chunks = (p.n + kChunk - 1) / kChunk;
+  const Rows w(p);
 #pragma omp parallel
   {
     float g[kChunk], u[kChunk], d[kChunk];
 #pragma omp for schedule(static)
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t b = c * kChunk, m = std::min(kChunk, p.n - b);
-      load_row(static_cast<const T*>(p.gate) + b, m, g);
-      load_row(static_cast<const T*>(p.up) + b, m, u);
-      load_row(static_cast<const T*>(p.dout) + b, m, d);
+    for (int64_t k = 0; k < w.pieces(); ++k) {
+      const int64_t r = k / w.pieces_a_row, b = (k % w.pieces_a_row) * kChunk, m = std::min(kChunk, w.cols - b);
+      load_row(static_cast<const T*>(p.gate) + at(p, p.gate_ld, r, b), m, g);
+      load_row(static_cast<const T*>(p.up) + at(p, p.up_ld, r, b), m, u);
+      load_row(static_cast<const T*>(p.dout) + at(p, p.dout_ld, r, b), m, d);
       for (int64_t i = 0; i < m; ++i) {  // all three read before either output is written (in-place safe)
         float da;
         const float a = kernel::activate<A, fast_for<T>()>(g[i], &da);
         g[i] = d[i] * u[i] * da;  // dgate
         u[i] = d[i] * a;          // dup
       }
-      store_row(g, m, static_cast<T*>(p.dgate) + b);
-      store_row(u, m, static_cast<T*>(p.dup) + b);
+      store_row(g, m, static_cast<T*>(p.dgate) + at(p, p.dgate_ld, r, b));
+      store_row(u, m, static_cast<T*>(p.dup) + at(p, p.dup_ld, r, b));
     }
   }
 }
@@ -96,6 +106,16 @@ const char* glu_check(const GluParams& p, bool backward) {
   else KCPP_KERNEL_REQUIRE(p.dout && p.dgate && p.dup, "%s: arguments 'dout', 'dgate' and 'dup' must not be null", op);
   if (backward)
     KCPP_KERNEL_REQUIRE(p.dgate != p.dup, "%s: 'dgate' and 'dup' must be different buffers", op);
+  KCPP_KERNEL_REQUIRE(p.cols >= 0, "%s: cols = %lld < 0", op, static_cast<long long>(p.cols));
+  if (p.cols > 0) {
+    KCPP_KERNEL_REQUIRE(p.n % p.cols == 0, "%s: n = %lld is not a whole number of rows of %lld", op, static_cast<long long>(p.n),
+                        static_cast<long long>(p.cols));
+    const int64_t lds[] = {p.gate_ld, p.up_ld, backward ? p.dout_ld : p.out_ld, backward ? p.dgate_ld : p.cols,
+                           backward ? p.dup_ld : p.cols};
+    for (int64_t ld : lds)
+      KCPP_KERNEL_REQUIRE(p.n == p.cols || ld >= p.cols, "%s: a row stride of %lld is below the row's %lld elements", op,
+                          static_cast<long long>(ld), static_cast<long long>(p.cols));
+  }
   return nullptr;
 }
 

@@ -97,6 +97,41 @@ TEST_P(LigerGlu, InPlaceMatchesOutOfPlace) {
   EXPECT_EQ(g3.to_f64_vector(), out.to_f64_vector());
 }
 
+// Rows with strides of their own: the halves of a packed [rows, 2I] gate_up (Phi-3's MLP), the
+// gradients into the halves of one [rows, 2I] buffer, and row strides wider than both (a slice of a
+// wider buffer): the same bits as the kernel on contiguous copies (the maths is elementwise).
+TEST_P(LigerGlu, PackedHalvesMatchContiguousCopies) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const GluKernel k{dev};
+  for (DType dt : {DType::f32, DType::bf16, DType::f16})
+    for (const auto& [rows, inter, pad] : {std::tuple{37, 1024, 0}, std::tuple{5, 1001, 0}, std::tuple{70000, 8, 8},
+                                           std::tuple{3, 4104, 3}}) {
+      const std::string cfg = fmt::format("{} rows={} inter={} pad={}", test::config_name(dev, dt), rows, inter, pad);
+      const Tensor gu = Tensor::randn({rows, 2 * inter + pad}, dt, dev, gen, 0.0, 2.0);
+      const Tensor d = Tensor::randn({rows, inter + pad}, dt, dev, gen).narrow(1, 0, inter);
+      const Tensor g = gu.narrow(1, 0, inter), u = gu.narrow(1, inter, inter);
+      const Tensor out = Tensor::empty({rows, inter}, dt, dev);
+      k.check(k.forward_raw(test::glu_rows_params(g, u, GluActivation::Silu, out)));
+      const Tensor gc = g.contiguous(), uc = u.contiguous(), dc = d.contiguous();
+      EXPECT_EQ(out.to_f64_vector(), k.forward(gc, uc, GluActivation::Silu).to_f64_vector()) << cfg;
+      const Tensor dgu = Tensor::full({rows, 2 * inter + pad}, 7.0, dt, dev);
+      const Tensor dg = dgu.narrow(1, 0, inter), du = dgu.narrow(1, inter, inter);
+      k.check(k.backward_raw(test::glu_rows_params(g, u, GluActivation::GeluTanh, {}, d, dg, du)));
+      const auto [rg, ru] = k.backward(dc, gc, uc, GluActivation::GeluTanh);
+      EXPECT_EQ(dg.contiguous().to_f64_vector(), rg.to_f64_vector()) << cfg << " dgate";
+      EXPECT_EQ(du.contiguous().to_f64_vector(), ru.to_f64_vector()) << cfg << " dup";
+      if (pad > 0)  // the padding columns are not written
+        EXPECT_EQ(dgu.narrow(1, 2 * inter, pad).contiguous().to_f64_vector(), std::vector<double>(rows * pad, 7.0)) << cfg;
+    }
+  // A row stride below the row is an error.
+  const Tensor g = Tensor::randn({4, 16}, DType::bf16, dev, gen);
+  liger::GluParams p = test::glu_rows_params(g, g, GluActivation::Silu, Tensor::empty({4, 16}, DType::bf16, dev));
+  p.up_ld = 8;
+  EXPECT_TRUE(test::kernel_error_contains(k.forward_raw(p), "a row stride of 8 is below the row's 16 elements"));
+}
+
 TEST_P(LigerGlu, NaNPropagatesAndBadInputIsAnError) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
