@@ -62,6 +62,15 @@ std::pair<Tensor, Tensor> append_to_cache(Tensor& ck, Tensor& cv, const Tensor& 
   return {ck.narrow(2, 0, need), cv.narrow(2, 0, need)};
 }
 
+// Training's MLP with a fused gate_up projection: gate and up as the halves of its output and the
+// gradient written into one [.., 2I] buffer, no copy either way (GLU/1's rows).  Opt-in
+// (KCPP_MLP_PACKED=1) until the strided GLU kernel has run on a GPU; otherwise gate and up are copied
+// out contiguous and their gradients concatenated.
+bool packed_glu() {
+  const char* e = std::getenv("KCPP_MLP_PACKED");
+  return e && std::string(e) == "1";
+}
+
 // generate_batch prefills neighbouring prompts together, up to this many (padded) tokens a group:
 // enough rows to fill the GEMMs of short prompts, few enough that the activations stay small.
 constexpr int64_t kPrefillTokens = 8192;
@@ -528,7 +537,8 @@ Tensor CausalLM::layer_forward(size_t li, Tensor h, const ops::RopeCosSin& cs, L
   if (l.w_gate_up.defined()) {
     const Tensor gu = linear(m, l.w_gate_up);
     const int64_t inter = l.w_down.size(1);
-    gate = gu.narrow(1, 0, inter).contiguous(), up = gu.narrow(1, inter, inter).contiguous();
+    gate = gu.narrow(1, 0, inter), up = gu.narrow(1, inter, inter);
+    if (!packed_glu()) gate = gate.contiguous(), up = up.contiguous();
   } else {
     gate = linear(m, l.w_gate), up = linear(m, l.w_up);
   }
@@ -1237,9 +1247,10 @@ CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor
       dm = mg.dhidden;
     } else {
       acc(p + mlp + "down_proj.weight", ops::matmul(dy, t.act, true, false));
-      const nn::MLP::Grads mg = l.mlp->backward(ops::matmul(dy, l.w_down), t.gate, t.up);
+      const bool packed = l.w_gate_up.defined() && packed_glu();
+      const nn::MLP::Grads mg = l.mlp->backward(ops::matmul(dy, l.w_down), t.gate, t.up, packed);
       if (l.w_gate_up.defined()) {
-        const Tensor dgu = ops::cat({mg.dgate, mg.dup}, 1);
+        const Tensor dgu = packed ? mg.packed : ops::cat({mg.dgate, mg.dup}, 1);
         const Tensor dw = ops::matmul(dgu, t.m, true, false);
         if (l.gate_up_from_parts) {
           const int64_t inter = l.w_down.size(1);

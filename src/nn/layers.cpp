@@ -190,10 +190,20 @@ Tensor MLP::forward(const Tensor& gate, const Tensor& up) {
   return ops::glu_forward(gate, up, activation);
 }
 
-MLP::Grads MLP::backward(const Tensor& dh, const Tensor& gate, const Tensor& up) {
+MLP::Grads MLP::backward(const Tensor& dh, const Tensor& gate, const Tensor& up, bool packed) {
   KCPP_SLOT_REGION("backward", gate.device(), 0, 5 * bytes(gate));
+  Grads g;
+  if (packed) {
+    Shape shape = gate.shape();
+    const int64_t inter = shape.back();
+    shape.back() = 2 * inter;
+    g.packed = Tensor::empty(shape, gate.dtype(), gate.device());
+    const int64_t last = static_cast<int64_t>(shape.size()) - 1;
+    g.dgate = g.packed.narrow(last, 0, inter), g.dup = g.packed.narrow(last, inter, inter);
+  } else if (kernel()) {
+    g.dgate = Tensor::empty(gate.shape(), gate.dtype(), gate.device()), g.dup = Tensor::empty(gate.shape(), gate.dtype(), gate.device());
+  }
   if (kernel()) {
-    Grads g{Tensor::empty(gate.shape(), gate.dtype(), gate.device()), Tensor::empty(gate.shape(), gate.dtype(), gate.device())};
     KernelArgs a;
     a.tensor("dout", dh).tensor("gate", gate).tensor("up", up).string("activation", activation_name(activation));
     a.tensor("dgate", g.dgate).tensor("dup", g.dup);
@@ -202,7 +212,9 @@ MLP::Grads MLP::backward(const Tensor& dh, const Tensor& gate, const Tensor& up)
     count_reference();
   }
   ops::GluBackward b = ops::glu_backward(dh, gate, up, activation);
-  return {b.dgate, b.dup};
+  if (!packed) return {b.dgate, b.dup, Tensor()};
+  g.dgate.copy_(b.dgate), g.dup.copy_(b.dup);
+  return g;
 }
 
 // ---- MoE -----------------------------------------------------------------------------------------

@@ -47,15 +47,18 @@ class Activation : public Slot {
 };
 
 // "MLP" / GLU/1: the gated activation of a Llama MLP, h = act(gate) * up (the projections around it
-// are the model's GEMMs).  Nothing is saved but gate and up, which the caller keeps.
+// are the model's GEMMs).  Nothing is saved but gate and up, which the caller keeps.  gate and up may
+// be views with a row stride (GLU/1's rows: the halves of one [.., 2I] projection); backward with
+// `packed` writes dgate and dup into the halves of one [.., 2I] tensor, returned as `packed`.
 class MLP : public Slot {
  public:
   explicit MLP(ops::GluActivation activation = ops::GluActivation::Silu);
   struct Grads {
     Tensor dgate, dup;
+    Tensor packed;  // [.., 2I] = [dgate, dup] when backward was asked for it
   };
   Tensor forward(const Tensor& gate, const Tensor& up);
-  Grads backward(const Tensor& dh, const Tensor& gate, const Tensor& up);
+  Grads backward(const Tensor& dh, const Tensor& gate, const Tensor& up, bool packed = false);
 
   ops::GluActivation activation;
 };
