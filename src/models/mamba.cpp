@@ -333,13 +333,26 @@ Tensor MambaLM::layer_forward(size_t li, const Tensor& h, LayerTape* t, Cache* c
   auto channels_first = [&](const Tensor& m, int64_t width) { return m.contiguous().view({b, s, width}).transpose(1, 2).contiguous(); };
   const Tensor dt = channels_first(ops::matmul(dt_low, l.w_dt, false, true), d);  // [B, D, L], before bias and softplus
   const Tensor Bm = channels_first(xdbl.narrow(1, r, st), st), Cm = channels_first(xdbl.narrow(1, r + st, st), st);
-  const Tensor A = ops::neg(ops::exp(l.A_log));
+  Tensor A;
+  if (decode) {
+    if (cache->A.size() != layers_.size()) cache->A.assign(layers_.size(), Tensor());
+    if (!cache->A[li].defined()) cache->A[li] = ops::neg(ops::exp(l.A_log));
+    A = cache->A[li];
+  } else {
+    A = ops::neg(ops::exp(l.A_log));
+  }
   Tensor y;  // [B, D, L]
   if (decode) {
-    y = Tensor::empty({b, d, s}, dtype_, device_);
-    for (int64_t p = 0; p < s; ++p)
-      y.narrow(2, p, 1).copy_(l.state_update->forward(cache->ssm[li], xc.select(2, p), dt.select(2, p), A, Bm.select(2, p).contiguous(),
-                                                         Cm.select(2, p).contiguous(), l.D, z.select(2, p), l.b_dt).unsqueeze(2));
+    auto step = [&](int64_t p) {
+      return l.state_update->forward(cache->ssm[li], xc.select(2, p), dt.select(2, p), A, Bm.select(2, p).contiguous(),
+                                     Cm.select(2, p).contiguous(), l.D, z.select(2, p), l.b_dt).unsqueeze(2);
+    };
+    if (s == 1) {
+      y = step(0);  // one position (a decoding step): its output is y
+    } else {
+      y = Tensor::empty({b, d, s}, dtype_, device_);
+      for (int64_t p = 0; p < s; ++p) y.narrow(2, p, 1).copy_(step(p));
+    }
   } else {
     Tensor last;
     nn::SelectiveScan::Saved ss;

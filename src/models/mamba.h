@@ -71,11 +71,14 @@ class MambaLM : public nn::Module {
   // ssm [B, D, N] f32 (the state after the last token).
   struct Cache {
     std::vector<Tensor> conv, ssm;
+    // Each layer's A = -exp(A_log), made at the first decoding step (the weights do not change while
+    // a cache decodes), so a step does not launch it again.
+    std::vector<Tensor> A;
     int64_t length = 0;
     // The next forward's ids are the model's own picks (in range by construction): the embedding skips
     // its range check, which waits for the device and so cannot be captured in a CUDA graph.
     bool picked_ids = false;
-    void clear() { conv.clear(), ssm.clear(), length = 0, picked_ids = false; }
+    void clear() { conv.clear(), ssm.clear(), A.clear(), length = 0, picked_ids = false; }
   };
 
   // logits [B, S, V] for input_ids [B, S]; with a cache, continuing the tokens it holds.
