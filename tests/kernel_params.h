@@ -141,11 +141,9 @@ inline liger::CrossEntropyParams cross_entropy_params(const Tensor& logits, cons
   return p;
 }
 
-// GLU params over tensors of one shape; each must be contiguous (the kernel's layout).
-inline liger::GluParams glu_params(const Tensor& gate, const Tensor& up, ops::GluActivation act, const Tensor& out,
-                                   const Tensor& dout = {}, const Tensor& dgate = {}, const Tensor& dup = {}) {
-  for (const Tensor* t : {&gate, &up, &out, &dout, &dgate, &dup})
-    if (t->defined() && !t->is_contiguous()) throw Error("glu kernel: tensors must be contiguous, got " + t->str());
+// GLU params over tensors of one shape (pointers, dtype, activation, n); the layout is the caller's.
+inline liger::GluParams glu_pointers(const Tensor& gate, const Tensor& up, ops::GluActivation act, const Tensor& out,
+                                     const Tensor& dout, const Tensor& dgate, const Tensor& dup) {
   liger::GluParams p;
   p.dtype = kernel_dtype(gate.dtype());
   p.act = static_cast<liger::GluActivation>(static_cast<int>(act));
@@ -159,30 +157,27 @@ inline liger::GluParams glu_params(const Tensor& gate, const Tensor& up, ops::Gl
   return p;
 }
 
+// GLU params over tensors of one shape; each must be contiguous (the kernel's flat layout).
+inline liger::GluParams glu_params(const Tensor& gate, const Tensor& up, ops::GluActivation act, const Tensor& out,
+                                   const Tensor& dout = {}, const Tensor& dgate = {}, const Tensor& dup = {}) {
+  for (const Tensor* t : {&gate, &up, &out, &dout, &dgate, &dup})
+    if (t->defined() && !t->is_contiguous()) throw Error("glu kernel: tensors must be contiguous, got " + t->str());
+  return glu_pointers(gate, up, act, out, dout, dgate, dup);
+}
+
 // The same over 2-D [rows, cols] tensors with the last dim contiguous and a row stride each (e.g. the
 // halves of a packed [rows, 2 cols] gate_up): GluParams' rows form.
 inline liger::GluParams glu_rows_params(const Tensor& gate, const Tensor& up, ops::GluActivation act, const Tensor& out,
                                         const Tensor& dout = {}, const Tensor& dgate = {}, const Tensor& dup = {}) {
-  int64_t* lds[6] = {};
-  liger::GluParams p;
+  liger::GluParams p = glu_pointers(gate, up, act, out, dout, dgate, dup);
+  p.cols = gate.size(1);
   const Tensor* ts[6] = {&gate, &up, &out, &dout, &dgate, &dup};
-  int64_t* fields[6] = {&p.gate_ld, &p.up_ld, &p.out_ld, &p.dout_ld, &p.dgate_ld, &p.dup_ld};
+  int64_t* lds[6] = {&p.gate_ld, &p.up_ld, &p.out_ld, &p.dout_ld, &p.dgate_ld, &p.dup_ld};
   for (int i = 0; i < 6; ++i) {
-    lds[i] = fields[i];
     if (!ts[i]->defined()) continue;
     if (ts[i]->dim() != 2 || ts[i]->stride(1) != 1) throw Error("glu kernel: 2-D tensors with a contiguous last dim, got " + ts[i]->str());
     *lds[i] = ts[i]->stride(0);
   }
-  p.dtype = kernel_dtype(gate.dtype());
-  p.act = static_cast<liger::GluActivation>(static_cast<int>(act));
-  p.n = gate.numel();
-  p.cols = gate.size(1);
-  p.gate = gate.data();
-  p.up = up.data();
-  if (out.defined()) p.out = out.data();
-  if (dout.defined()) p.dout = dout.data();
-  if (dgate.defined()) p.dgate = dgate.data();
-  if (dup.defined()) p.dup = dup.data();
   return p;
 }
 
