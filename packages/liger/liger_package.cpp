@@ -290,7 +290,10 @@ bool glu_args(kk::Call& c, bool bwd, lg::GluParams& p) {
   for (int i = 0; i < 5 && names[i]; ++i) scalar ? c.row_major(t[i], names[i]) : c.rows(t[i], names[i], &rows, &width, &ld[i]);
   if (!c.ok()) return false;
   p.n = kk::numel(gate);
-  p.cols = scalar ? 0 : width;
+  // Rows only where some tensor's rows are apart (else the flat loop over n, as for any contiguous call).
+  bool apart = false;
+  for (int i = 0; i < 5 && names[i]; ++i) apart = apart || (rows > 1 && ld[i] != width);
+  p.cols = scalar || !apart ? 0 : width;
   p.gate = kk::data_ptr(gate), p.gate_ld = ld[0];
   p.up = kk::data_ptr(up), p.up_ld = ld[1];
   if (!bwd) {

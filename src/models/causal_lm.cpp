@@ -62,7 +62,8 @@ std::pair<Tensor, Tensor> append_to_cache(Tensor& ck, Tensor& cv, const Tensor& 
   return {ck.narrow(2, 0, need), cv.narrow(2, 0, need)};
 }
 
-// Training's MLP with a fused gate_up projection: gate and up as the halves of its output and the
+// The MLP of layer_forward (training, and forwards outside the fused decode / prefill ops) with a
+// fused gate_up projection: gate and up as the halves of its output and, in the backward, the
 // gradient written into one [.., 2I] buffer, no copy either way (GLU/1's rows).  Opt-in
 // (KCPP_MLP_PACKED=1) until the strided GLU kernel has run on a GPU; otherwise gate and up are copied
 // out contiguous and their gradients concatenated.

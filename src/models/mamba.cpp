@@ -389,7 +389,10 @@ Tensor MambaLM::hidden_states(const Tensor& ids, std::vector<LayerTape>* tapes, 
   const Tensor ids_dev = ids.device() == device_ ? ids : ids.to(device_);
   Tensor h = ops::embedding(embed_, ids_dev, !(cache && cache->picked_ids));
   if (f32_residual()) h = h.to(DType::f32);
-  if (cache && cache->length == 0) cache->conv.assign(layers_.size(), Tensor()), cache->ssm.assign(layers_.size(), Tensor());
+  if (cache && cache->length == 0) {
+    cache->conv.assign(layers_.size(), Tensor()), cache->ssm.assign(layers_.size(), Tensor());
+    cache->A.clear();  // made again from this model's weights at the first decoding step
+  }
   if (tapes) tapes->resize(layers_.size());
   if (inputs) inputs->resize(layers_.size());
   for (size_t li = 0; li < layers_.size(); ++li) {

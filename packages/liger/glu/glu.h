@@ -39,7 +39,8 @@ struct GluParams {
   const void* dout = nullptr;  // backward
   void* dgate = nullptr;
   void* dup = nullptr;
-  // Rows (above): 0 = flat; else n is a multiple of cols and every *_ld of a tensor in use >= cols.
+  // Rows (above): 0 = flat; else n is a multiple of cols and, with more than one row, every *_ld of
+  // a tensor in use >= cols.
   int64_t cols = 0;
   int64_t gate_ld = 0, up_ld = 0, out_ld = 0, dout_ld = 0, dgate_ld = 0, dup_ld = 0;
 };
