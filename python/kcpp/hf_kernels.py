@@ -44,7 +44,7 @@ __all__ = ["layers_for", "package_reference", "load_package", "stats", "reset_st
 
 # Contract -> exported layer classes' forward signature, by Transformers module (see _FACTORIES).
 LAYER_CONTRACTS = ("RMSNorm/1", "rotary_pos_emb/1", "SiLU/1", "GeLU/1", "GeluTanh/1", "FastGELU/1", "NewGELU/1",
-                   "QuickGELU/1", "SiluAndMul/1", "GeluAndMul/1", "GeluTanhAndMul/1")
+                   "QuickGELU/1", "SiluAndMul/1", "GeluAndMul/1", "GeluTanhAndMul/1", "MultiScaleDeformableAttention/1")
 
 # Other names a layer is exported under: the layer names of kernels-community's repos that
 # Transformers' default mapping uses for the same layers.
@@ -256,7 +256,29 @@ def _functions():
             ctx.layer.backward({"dy": dy.contiguous(), "x": x, "dx": dx})
             return dx, None, None
 
-    _F = {"RMSNorm": RMSNorm, "Rotary": Rotary, "Activation": Activation}
+    class Msda(torch.autograd.Function):
+        """MultiScaleDeformableAttention/1: the gradients of value, the sampling locations and the attention
+        weights (the level shapes and starts are indices)."""
+
+        @staticmethod
+        def forward(ctx, value, loc, weights, layer, args):
+            layer.forward(args, "training")
+            ctx.save_for_backward(args["value"], args["value_spatial_shapes"], args["value_level_start_index"],
+                                  args["sampling_locations"], args["attention_weights"])
+            ctx.layer, ctx.im2col_step = layer, args["im2col_step"]
+            return args["out"]
+
+        @staticmethod
+        def backward(ctx, dout):
+            value, shapes, starts, loc, weights = ctx.saved_tensors
+            grads = {"dvalue": torch.empty_like(value), "dsampling_locations": torch.empty_like(loc),
+                     "dattention_weights": torch.empty_like(weights)}
+            ctx.layer.backward({"dout": dout.contiguous(), "value": value, "value_spatial_shapes": shapes,
+                                "value_level_start_index": starts, "sampling_locations": loc,
+                                "attention_weights": weights, "im2col_step": ctx.im2col_step, **grads})
+            return grads["dvalue"], grads["dsampling_locations"], grads["dattention_weights"], None, None
+
+    _F = {"RMSNorm": RMSNorm, "Rotary": Rotary, "Activation": Activation, "Msda": Msda}
     return _F
 
 
@@ -355,7 +377,49 @@ def _activation(gated):
     return factory
 
 
-_FACTORIES = {"RMSNorm/1": _rms_norm, "rotary_pos_emb/1": _rotary,
+def _msda(call):
+    # Transformers' MultiScaleDeformableAttention (Deformable DETR's sampling step, marked
+    # use_kernel_forward_from_hub("MultiScaleDeformableAttention")): value [B, S, M, C], the levels' shapes
+    # [L, 2] and starts [L] (int64) with their list, sampling_locations [B, Q, M, L, P, 2], attention_weights
+    # [B, Q, M, L, P] -> [B, Q, M C].  The kernel reads the levels from the two index tensors.
+    def forward(self, value, value_spatial_shapes, value_spatial_shapes_list, level_start_index, sampling_locations,
+                attention_weights, im2col_step):
+        import torch
+
+        def own():
+            return _original(self, call)(value, value_spatial_shapes, value_spatial_shapes_list, level_start_index,
+                                         sampling_locations, attention_weights, im2col_step)
+        tensors = (value, value_spatial_shapes, level_start_index, sampling_locations, attention_weights)
+        why = None
+        if not all(isinstance(t, torch.Tensor) for t in tensors) or not isinstance(im2col_step, int):
+            why = "arguments of other types than MultiScaleDeformableAttention/1's"
+        elif value.dim() != 4 or sampling_locations.dim() != 6 or attention_weights.dim() != 5:
+            why = (f"value {tuple(value.shape)}, sampling_locations {tuple(sampling_locations.shape)}: "
+                   "MultiScaleDeformableAttention/1 takes [B, S, M, C] and [B, Q, M, L, P, 2]")
+        elif sampling_locations.dtype != value.dtype or attention_weights.dtype != value.dtype:
+            why = "MultiScaleDeformableAttention/1 takes one dtype for value, locations and weights"
+        if why is not None:
+            call.counts.fallbacks += 1
+            call.counts.last_refusal = why
+            return own()
+        training = _grad(value, sampling_locations, attention_weights)
+        v, loc, w = value.contiguous(), sampling_locations.contiguous(), attention_weights.contiguous()
+        b, _, m, c = v.shape
+        args = {"value": v, "value_spatial_shapes": value_spatial_shapes.contiguous(),
+                "value_level_start_index": level_start_index.contiguous(), "sampling_locations": loc,
+                "attention_weights": w, "im2col_step": im2col_step,
+                "out": torch.empty((b, loc.shape[1], m * c), dtype=v.dtype, device=v.device)}
+        mode = call.choose(args, training, v.device)
+        if mode is None:
+            return own()
+        if not training:
+            call.layer.forward(args, mode)
+            return args["out"]
+        return _functions()["Msda"].apply(v, loc, w, call.layer, args)
+    return forward
+
+
+_FACTORIES = {"RMSNorm/1": _rms_norm, "rotary_pos_emb/1": _rotary, "MultiScaleDeformableAttention/1": _msda,
               **{c: _activation(False) for c in ("SiLU/1", "GeLU/1", "GeluTanh/1", "FastGELU/1", "NewGELU/1",
                                                   "QuickGELU/1")},
               **{c: _activation(True) for c in ("SiluAndMul/1", "GeluAndMul/1", "GeluTanhAndMul/1")}}

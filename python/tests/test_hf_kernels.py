@@ -232,6 +232,33 @@ class NoarchLayers(unittest.TestCase):
         torch.testing.assert_close(gated(x), torch.nn.functional.silu(x[:, :19]) * x[:, 19:], rtol=1e-5, atol=1e-6)
 
 
+    def test_multi_scale_deformable_attention(self):
+        # Deformable DETR's module with the deformable_attention package's layer bound to it: forward and
+        # the gradients of value, locations and weights against the module's own grid_sample path.
+        from transformers.models.deformable_detr.modeling_deformable_detr import MultiScaleDeformableAttention
+        layer = hf_kernels.layers_for(Path(packages()["deformable_attention"]) / "build" / "torch-cpu" / "layers.py")
+        ours = self.bind(MultiScaleDeformableAttention(), layer["MultiScaleDeformableAttention"])
+        torch.manual_seed(SEED)
+        shapes_list = [(6, 5), (3, 3), (2, 1)]
+        shapes = torch.tensor(shapes_list, dtype=torch.int64)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), (shapes[:, 0] * shapes[:, 1]).cumsum(0)[:-1]])
+        b, q, m, c, p = 2, 7, 2, 8, 3
+        value = torch.randn(b, int((shapes[:, 0] * shapes[:, 1]).sum()), m, c, requires_grad=True)
+        loc = torch.rand(b, q, m, len(shapes_list), p, 2).mul(1.2).sub(0.1).requires_grad_()  # some outside
+        weights = torch.rand(b, q, m, len(shapes_list), p).softmax(-1).requires_grad_()
+        leaves = [t.detach().clone().requires_grad_() for t in (value, loc, weights)]
+        before = calls("deformable_attention:MultiScaleDeformableAttention")
+        ref = MultiScaleDeformableAttention()(value, shapes, shapes_list, starts, loc, weights, 64)
+        got = ours(leaves[0], shapes, shapes_list, starts, leaves[1], leaves[2], 64)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        dout = torch.randn_like(ref)
+        ref.backward(dout)
+        got.backward(dout)
+        for mine, theirs, name in zip(leaves, (value, loc, weights), ("value", "locations", "weights")):
+            torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-5, msg=name)
+        self.assertEqual(calls("deformable_attention:MultiScaleDeformableAttention"), before + 1)
+
+
 @unittest.skipUnless(HAVE_KERNELS, WHY_KERNELS)
 class WithTheKernelsLibrary(unittest.TestCase):
     """The real `kernels` library and Transformers' use_kernels."""
