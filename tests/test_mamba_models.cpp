@@ -97,11 +97,8 @@ TEST_P(MambaFamilies, CheckpointedGradientsEqualTheKeptOnes) {
 }
 
 double rel_l2(const Tensor& out, const std::vector<double>& ref) {
-  const std::vector<double> o = out.to_f64_vector();
-  EXPECT_EQ(o.size(), ref.size());
-  double num = 0, den = 0;
-  for (size_t i = 0; i < std::min(o.size(), ref.size()); ++i) num += (o[i] - ref[i]) * (o[i] - ref[i]), den += ref[i] * ref[i];
-  return std::sqrt(num / den);
+  EXPECT_EQ(out.numel(), static_cast<int64_t>(ref.size()));
+  return test::rel_l2_error(out, ref);
 }
 
 // In bf16 with residual_in_fp32 (the fixtures' config, as the released models'), against what
@@ -172,6 +169,13 @@ TEST_P(MambaFamilies, Bf16KeepsTheResidualInF32AsTransformers) {
   EXPECT_EQ(n, on.grads.size());
   // Checkpointing recomputes the f32 residual stream alike.
   test::expect_checkpointing_changes_nothing(*model, ids, labels);
+  // Decoding with the cache (its widened final-norm weight and A made once) follows the full pass, to
+  // bf16's rounding of the scan's and the step's outputs.
+  models::MambaLM::Cache cache;
+  std::vector<Tensor> parts = {model->forward(ids.narrow(1, 0, 4).contiguous(), &cache)};
+  for (int64_t p = 4; p < ids.size(1); ++p) parts.push_back(model->forward(ids.narrow(1, p, 1).contiguous(), &cache));
+  EXPECT_TRUE(cache.final_weight_f32.defined() && cache.A.size() == 2);
+  EXPECT_TRUE(test::close_l2(ops::cat(parts, 1), logits.to_f64_vector(), test::composite_rel_l2(DType::bf16)));
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, MambaFamilies, ::testing::Values("mamba", "falcon_mamba"));

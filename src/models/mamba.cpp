@@ -369,9 +369,16 @@ Tensor MambaLM::layer_forward(size_t li, const Tensor& h, LayerTape* t, Cache* c
   return ops::add(h, wide ? out.to(DType::f32) : out);
 }
 
-Tensor MambaLM::final_norm_forward(const Tensor& h, nn::RMSNorm::Saved* saved) {
+Tensor MambaLM::final_norm_forward(const Tensor& h, nn::RMSNorm::Saved* saved, Cache* cache) {
   if (!f32_residual()) return final_norm_->forward(h, saved);
-  const ops::RMSNormForward f = ops::rms_norm_forward(h, final_norm_->weight.to(DType::f32), final_norm_->options);
+  Tensor w;
+  if (cache) {
+    if (!cache->final_weight_f32.defined()) cache->final_weight_f32 = final_norm_->weight.to(DType::f32);
+    w = cache->final_weight_f32;
+  } else {
+    w = final_norm_->weight.to(DType::f32);
+  }
+  const ops::RMSNormForward f = ops::rms_norm_forward(h, w, final_norm_->options);
   if (saved) *saved = {h, f.rstd};
   return f.y.to(dtype_);
 }
@@ -391,7 +398,7 @@ Tensor MambaLM::hidden_states(const Tensor& ids, std::vector<LayerTape>* tapes, 
   if (f32_residual()) h = h.to(DType::f32);
   if (cache && cache->length == 0) {
     cache->conv.assign(layers_.size(), Tensor()), cache->ssm.assign(layers_.size(), Tensor());
-    cache->A.clear();  // made again from this model's weights at the first decoding step
+    cache->A.clear(), cache->final_weight_f32 = Tensor();  // made again from this model's weights
   }
   if (tapes) tapes->resize(layers_.size());
   if (inputs) inputs->resize(layers_.size());
@@ -400,7 +407,7 @@ Tensor MambaLM::hidden_states(const Tensor& ids, std::vector<LayerTape>* tapes, 
     h = layer_forward(li, h, tapes ? &(*tapes)[li] : nullptr, cache);
   }
   if (cache) cache->length += ids.size(1);
-  return final_norm_forward(h, final_saved);
+  return final_norm_forward(h, final_saved, cache);
 }
 
 Tensor MambaLM::forward(const Tensor& ids, Cache* cache) {

@@ -71,14 +71,16 @@ class MambaLM : public nn::Module {
   // ssm [B, D, N] f32 (the state after the last token).
   struct Cache {
     std::vector<Tensor> conv, ssm;
-    // Each layer's A = -exp(A_log), made at the first decoding step (the weights do not change while
-    // a cache decodes), so a step does not launch it again.
+    // Each layer's A = -exp(A_log), made at the first decoding step, and the final norm's weight
+    // widened to f32 (residual_in_fp32), made at the first forward: the weights do not change while a
+    // cache decodes, so a step does not launch them again.
     std::vector<Tensor> A;
+    Tensor final_weight_f32;
     int64_t length = 0;
     // The next forward's ids are the model's own picks (in range by construction): the embedding skips
     // its range check, which waits for the device and so cannot be captured in a CUDA graph.
     bool picked_ids = false;
-    void clear() { conv.clear(), ssm.clear(), A.clear(), length = 0, picked_ids = false; }
+    void clear() { conv.clear(), ssm.clear(), A.clear(), final_weight_f32 = Tensor(), length = 0, picked_ids = false; }
   };
 
   // logits [B, S, V] for input_ids [B, S]; with a cache, continuing the tokens it holds.
@@ -133,7 +135,7 @@ class MambaLM : public nn::Module {
   // residual_in_fp32 in effect: the flag with 16-bit weights (the header comment).
   bool f32_residual() const { return cfg_.residual_in_fp32 && dtype_ != DType::f32 && !layers_.empty(); }
   // The final norm of h (the residual stream), and its backward, in either mode.
-  Tensor final_norm_forward(const Tensor& h, nn::RMSNorm::Saved* saved);
+  Tensor final_norm_forward(const Tensor& h, nn::RMSNorm::Saved* saved, Cache* cache);
   nn::RMSNorm::Grads final_norm_backward(const Tensor& dy, const nn::RMSNorm::Saved& saved);
 
   MambaConfig cfg_;
