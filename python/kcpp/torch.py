@@ -894,11 +894,6 @@ def _mlp_forward(where, module, slot, original, activation, x):
     return module.down_proj(out)
 
 
-# The strided GLU kernel on CUDA has not run on a GPU yet: Phi-3's packed MLP keeps the reference there
-# unless KCPP_MLP_PACKED=1 (read at import).
-_PACKED_GLU_ON_GPU = os.environ.get("KCPP_MLP_PACKED") == "1"
-
-
 def _packed_mlp_forward(where, module, slot, original, activation, x):
     """Phi-3's MLP, down_proj(up * act(gate)) with gate, up = gate_up_proj(x).chunk(2, -1), its
     activation through GLU/1 on the halves in place."""
@@ -912,9 +907,6 @@ def _packed_mlp_forward(where, module, slot, original, activation, x):
         return reference()
     if gate_up.numel() == 0 or gate_up.shape[-1] % 2:
         _refuse(slot.sid, f"gate_up {tuple(gate_up.shape)}: GLU/1 takes two non-empty halves")
-        return reference()
-    if gate_up.is_cuda and not _PACKED_GLU_ON_GPU:
-        _refuse(slot.sid, "GLU/1 on a packed gate_up's halves has not run on a GPU yet: KCPP_MLP_PACKED=1 enables it")
         return reference()
     training = _needs_grad(gate_up)
     gate_up = _contig(gate_up)

@@ -158,6 +158,21 @@ class Kernelize(Base):
                     self.assertGreater(r[layer]["kernel_calls"], 0, f"{family}: {r}")
                     self.assertEqual(r[layer]["fallbacks"], 0, f"{family}: {r}")
 
+    @unittest.skipUnless(CUDA, "needs a CUDA device")
+    def test_families_on_cuda(self):
+        # f32 on CUDA (the loss and every gradient), Phi-3's MLP through GLU/1 on its gate_up's halves in place.
+        for family in ("llama", "qwen3", "phi3"):
+            with self.subTest(family=family):
+                model = make_model(family, attn="sdpa").cuda()
+                ids, labels = (t.cuda() for t in batch())
+                ref = run(model, ids, labels)
+                kt.kernelize(model)
+                self.assert_close(run(model, ids, labels), ref, f"{family} on cuda", tol=1e-4)
+                r = kt.report(model)
+                for layer in ("RMSNorm", "MLP", "ForCausalLMLoss"):
+                    self.assertGreater(r[layer]["kernel_calls"], 0, f"{family}: {r}")
+                    self.assertEqual(r[layer]["fallbacks"], 0, f"{family}: {r}")
+
     def test_an_unknown_model_type_keeps_its_layers(self):
         model = make_model("llama")
         model.config.model_type = "llama_like_but_unchecked"

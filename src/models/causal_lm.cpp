@@ -64,12 +64,12 @@ std::pair<Tensor, Tensor> append_to_cache(Tensor& ck, Tensor& cv, const Tensor& 
 
 // The MLP of layer_forward (training, and forwards outside the fused decode / prefill ops) with a
 // fused gate_up projection: gate and up as the halves of its output and, in the backward, the
-// gradient written into one [.., 2I] buffer, no copy either way (GLU/1's rows).  Opt-in
-// (KCPP_MLP_PACKED=1) until the strided GLU kernel has run on a GPU; otherwise gate and up are copied
-// out contiguous and their gradients concatenated.
+// gradient written into one [.., 2I] buffer, no copy either way (GLU/1's rows).  KCPP_MLP_PACKED=0
+// copies gate and up out contiguous and concatenates their gradients instead (the layout before
+// GLU/1 took strided rows, kept for comparison: bench/RESULTS.md has the two steps side by side).
 bool packed_glu() {
   const char* e = std::getenv("KCPP_MLP_PACKED");
-  return e && std::string(e) == "1";
+  return !(e && std::string(e) == "0");
 }
 
 // generate_batch prefills neighbouring prompts together, up to this many (padded) tokens a group:

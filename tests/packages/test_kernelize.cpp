@@ -326,10 +326,10 @@ TEST_P(Kernelize, KernelizedModelsMatchTransformers) {
     EXPECT_TRUE(test::close_l2(lg.loss, e.view("loss").to_f64_vector(), 1e-5));
     for (const auto& [name, grad] : lg.grads)
       EXPECT_TRUE(test::close_l2(grad, e.view("grad." + name).to_f64_vector(), 1e-5)) << name;
-    // The MLP on the halves of the fused gate_up in place (KCPP_MLP_PACKED=1): the same bits (GLU/1 is
-    // elementwise), with the kernel taking the strided rows.
+    // The MLP on the halves of the fused gate_up in place (the default, above) and on contiguous
+    // copies (KCPP_MLP_PACKED=0): the same bits, GLU/1 being elementwise.
     {
-      const test::ScopedEnv packed("KCPP_MLP_PACKED", "1");
+      const test::ScopedEnv packed("KCPP_MLP_PACKED", "0");
       const auto pg = model->loss_and_gradients(ids, labels);
       EXPECT_EQ(pg.loss.to_f64_vector(), lg.loss.to_f64_vector());
       for (const auto& [name, grad] : lg.grads) EXPECT_EQ(pg.grads.at(name).to_f64_vector(), grad.to_f64_vector()) << name;
