@@ -5,12 +5,14 @@
 // the fused projections (add + norm + GEMV, gated activation + GEMV) on 1 to 4 rows (the CUDA kernel
 // in bf16 / f16: K a multiple of 8 but not of a warp's 256, odd N) and on what they leave to the
 // composition (f32, 5 rows, K not a multiple of 8), and chained without synchronizing (dependent
-// launches on sm_90).
+// launches on sm_90); the f32 residual of add_rms_norm_linear; the Mamba step's fused ops
+// (ops/nn/mamba_decode.h) on awkward widths, ranks and state counts, with Falcon-Mamba's norms.
 #include <cmath>
 
 #include "oracle.h"
 #include "ops/nn/decode_fused.h"
 #include "ops/nn/decode_persistent.h"
+#include "ops/nn/mamba_decode.h"
 #include "ops/ops.h"
 #include "test_util.h"
 #include "tolerances.h"
@@ -248,6 +250,181 @@ TEST_P(DecodeFused, GluLinearMatchesTheOracle) {
                                  test::composite_rel_l2(dt)))
           << cfg;
     }
+}
+
+// An f32 residual stream beside bf16 / f16 weights (Mamba's residual_in_fp32): s = x + delta in f32,
+// the norm of s rounded to the weights' dtype, the product of that stored row.
+TEST_P(DecodeFused, AddRmsNormLinearWithAnF32Residual) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test_generator();
+  for (DType dt : {DType::bf16, DType::f16})
+    for (const auto& [n, k, o, with_delta] : {std::tuple{1, 2048, 4096, true}, std::tuple{3, 136, 77, true},
+                                              std::tuple{4, 24, 96, false}, std::tuple{2, 1000, 9, true}}) {
+      const std::string cfg = fmt::format("{} n={} k={} o={} delta={}", config_name(dev, dt), n, k, o, with_delta);
+      const Tensor x = Tensor::randn({n, k}, DType::f32, dev, gen);
+      const Tensor delta = with_delta ? Tensor::randn({n, k}, dt, dev, gen) : Tensor();
+      const Tensor wn = Tensor::randn({k}, dt, dev, gen), w = Tensor::randn({o, k}, dt, dev, gen);
+      ops::RMSNormOptions opt;
+      opt.eps = 1e-5;
+      const auto [s, out] = ops::add_rms_norm_linear(x, delta, wn, opt, w);
+      ASSERT_EQ(s.dtype(), DType::f32) << cfg;
+      ASSERT_EQ(out.dtype(), dt) << cfg;
+      V s_ref = values(x);
+      if (with_delta) {
+        const V dv = values(delta);
+        for (size_t e = 0; e < s_ref.size(); ++e) s_ref[e] += dv[e];
+      }
+      EXPECT_TRUE(test::close_elementwise(s, s_ref, test::primitive_rtol(DType::f32), 0.0)) << cfg << " (sum, f32)";
+      const Tensor a = ops::rms_norm_forward(s.to(Device::cpu()).to(dt), wn.to(Device::cpu()), opt).y;
+      EXPECT_TRUE(test::close_l2(a, oracle::rms_norm(values(s), values(wn), n, k, 1e-5, 0.0).y, test::composite_rel_l2(dt)))
+          << cfg << " (norm)";
+      EXPECT_TRUE(test::close_l2(out, product(values(a), values(w), n, k, o), test::composite_rel_l2(dt))) << cfg << " (out)";
+    }
+}
+
+struct MambaStepCase {
+  int64_t m, h, d, r, n, width, k;  // rows, hidden, channels, dt rank, states, convolution width, state length
+  bool f32_residual, with_delta, bias, falcon;
+};
+
+// The Mamba step's fused ops against the f64 oracle, each from the stored outputs of the one before
+// (as the composition stores them): the residual add, the norm and in_proj (with its bias), the
+// convolution at the new position and its state's advance; dt_proj, the state update and the gate
+// (Falcon-Mamba: dt_low's weightless norm, B and C normalised) and the SSM state after the step.
+// Off CUDA the ops name where they run.
+TEST_P(DecodeFused, MambaStepMatchesTheOracle) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test_generator();
+  auto bad_call = [&](int64_t rows, int64_t h, int64_t width, int64_t k, DType xt) {
+    const Tensor w_in = Tensor::randn({32, h}, DType::bf16, dev, gen);
+    return ops::mamba_norm_in_proj(Tensor::randn({rows, h}, xt, dev, gen), Tensor(), Tensor::randn({h}, DType::bf16, dev, gen),
+                                   ops::RMSNormOptions{}, w_in, Tensor(), Tensor::zeros({rows, 16, k}, DType::bf16, dev),
+                                   Tensor::randn({16, width}, DType::bf16, dev, gen), Tensor());
+  };
+  if (!dev.is_cuda()) {
+    EXPECT_ERROR(bad_call(1, 24, 4, 3, DType::f32), "runs on CUDA in bf16 or f16 only");
+    return;
+  }
+  const MambaStepCase cases[] = {{1, 24, 48, 3, 8, 4, 3, true, true, true, false},     {3, 136, 64, 12, 5, 4, 3, false, true, false, true},
+                                 {4, 1000, 2056, 129, 17, 3, 4, true, false, true, true}, {2, 8, 8, 1, 1, 2, 1, false, true, false, false},
+                                 {1, 2048, 4096, 128, 16, 4, 3, true, true, false, false}, {2, 24, 48, 3, 8, 4, 3, true, true, true, true},
+                                 {1, 64, 40, 300, 16, 1, 0, false, true, false, true}};
+  for (DType dt : {DType::bf16, DType::f16})
+    for (const MambaStepCase& c : cases) {
+      const std::string cfg = fmt::format("{} m={} h={} d={} r={} n={} width={} k={} f32_residual={} delta={} bias={} falcon={}",
+                                          config_name(dev, dt), c.m, c.h, c.d, c.r, c.n, c.width, c.k, c.f32_residual, c.with_delta,
+                                          c.bias, c.falcon);
+      const int64_t m = c.m, hd = c.h, d = c.d, r = c.r, n = c.n, w = c.width, k = c.k, o = r + 2 * n;
+      // Weights scaled as trained ones are (unit-sized products), so that dt and the states stay in range.
+      auto scaled = [&](const Shape& shape, double fan_in) {
+        return ops::scale(Tensor::randn(shape, dt, dev, gen), 1.0 / std::sqrt(fan_in));
+      };
+      const Tensor x = Tensor::randn({m, hd}, c.f32_residual ? DType::f32 : dt, dev, gen);
+      const Tensor delta = c.with_delta ? Tensor::randn({m, hd}, dt, dev, gen) : Tensor();
+      const Tensor wn = Tensor::randn({hd}, dt, dev, gen), w_in = scaled({2 * d, hd}, static_cast<double>(hd));
+      const Tensor b_in = c.bias ? Tensor::randn({2 * d}, dt, dev, gen) : Tensor();
+      const Tensor conv_state = Tensor::randn({m, d, k}, dt, dev, gen), conv_w = scaled({d, w}, 2.0);
+      const Tensor conv_b = c.bias ? Tensor::randn({d}, dt, dev, gen) : Tensor();
+      const Tensor w_x = scaled({o, d}, static_cast<double>(d)), w_dt = scaled({d, r}, static_cast<double>(r));
+      const Tensor A = ops::neg(ops::exp(Tensor::randn({d, n}, DType::f32, dev, gen)));
+      const Tensor skip = Tensor::randn({d}, DType::f32, dev, gen), dt_bias = Tensor::randn({d}, DType::f32, dev, gen);
+      const Tensor ssm = Tensor::randn({m, d, n}, DType::f32, dev, gen);
+      const V cs0 = values(conv_state), ssm0 = values(ssm), cw = values(conv_w);
+      const V cb = c.bias ? values(conv_b) : V(static_cast<size_t>(d), 0.0);
+      ops::RMSNormOptions opt;
+      opt.eps = 1e-5;
+
+      const ops::MambaNormInProj in = ops::mamba_norm_in_proj(x, delta, wn, opt, w_in, b_in, conv_state, conv_w, conv_b);
+      ASSERT_EQ(in.s.dtype(), x.dtype()) << cfg;
+      ASSERT_EQ(in.xz.shape(), (Shape{m, 2 * d})) << cfg;
+      ASSERT_EQ(in.xc.shape(), (Shape{m, d})) << cfg;
+      // The sum, then the norm of the sum as stored (rounded to dt), then in_proj of the normed row.
+      V s_ref = values(x);
+      if (c.with_delta) {
+        const V dv = values(delta);
+        for (size_t e = 0; e < s_ref.size(); ++e) s_ref[e] += dv[e];
+      }
+      EXPECT_TRUE(test::close_elementwise(in.s, s_ref, test::primitive_rtol(x.dtype()), 0.0)) << cfg << " (sum)";
+      const Tensor a = ops::rms_norm_forward(in.s.to(Device::cpu()).to(dt), wn.to(Device::cpu()), opt).y;
+      V xz_ref = product(values(a), values(w_in), m, hd, 2 * d);
+      if (c.bias) {
+        xz_ref = rounded(xz_ref, dt);  // linear() rounds the product, then adds the bias
+        const V bv = values(b_in);
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t j = 0; j < 2 * d; ++j) xz_ref[i * 2 * d + j] += bv[j];
+      }
+      EXPECT_TRUE(test::close_l2(in.xz, xz_ref, test::composite_rel_l2(dt))) << cfg << " (xz)";
+      // The convolution of the stored x, and the state it leaves: the oldest entry out, x in.
+      const V xz = values(in.xz);
+      V xc_ref(static_cast<size_t>(m * d)), cs_ref = cs0;
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t ch = 0; ch < d; ++ch) {
+          double acc = cb[ch];
+          for (int64_t j = 0; j + 1 < w; ++j) acc += cw[ch * w + j] * cs0[(i * d + ch) * k + k - (w - 1) + j];
+          acc += cw[ch * w + w - 1] * xz[i * 2 * d + ch];
+          xc_ref[i * d + ch] = acc / (1.0 + std::exp(-acc));
+          double* st = cs_ref.data() + (i * d + ch) * k;
+          for (int64_t j = 0; j + 1 < k; ++j) st[j] = st[j + 1];
+          if (k > 0) st[k - 1] = xz[i * 2 * d + ch];
+        }
+      EXPECT_TRUE(test::close_elementwise(in.xc, xc_ref, test::primitive_rtol(dt), 1.0)) << cfg << " (xc)";
+      EXPECT_EQ(values(conv_state), cs_ref) << cfg << " (the convolution's state)";
+
+      const Tensor xdbl = ops::matmul(in.xc, w_x, false, true);
+      ops::MambaSsmStep st;
+      st.xz = in.xz, st.xc = in.xc, st.xdbl = xdbl, st.w_dt = w_dt, st.dt_bias = dt_bias, st.A = A, st.D = skip, st.ssm_state = ssm;
+      if (c.falcon) st.dt_rms_eps = 1e-6, st.bc_rms_eps = 1e-6;
+      const Tensor y = ops::mamba_ssm_step(st);
+      ASSERT_EQ(y.shape(), (Shape{m, d})) << cfg;
+      // The oracle from the stored xc and xdbl.
+      const V xcv = values(in.xc), xd = values(xdbl), wdt = values(w_dt), av = values(A), sk = values(skip), bias = values(dt_bias);
+      V y_ref(static_cast<size_t>(m * d)), ssm_ref = ssm0;
+      auto rms_scale = [](V& v) {
+        double ss = 0;
+        for (double e : v) ss += e * e;
+        const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(v.size()) + 1e-6);
+        for (double& e : v) e *= rstd;
+      };
+      for (int64_t i = 0; i < m; ++i) {
+        V low(xd.begin() + i * o, xd.begin() + i * o + r), bv(xd.begin() + i * o + r, xd.begin() + i * o + r + n),
+            cv(xd.begin() + i * o + r + n, xd.begin() + (i + 1) * o);
+        if (c.falcon) {
+          rms_scale(low);
+          low = rounded(low, dt);  // the dt norm's output, stored in the dtype
+          rms_scale(bv), rms_scale(cv);
+        }
+        const V dts = rounded(product(low, wdt, 1, r, d), dt);  // dt_proj's output, stored in the dtype
+        for (int64_t ch = 0; ch < d; ++ch) {
+          const double raw = dts[ch] + bias[ch], step = raw > 20 ? raw : std::log1p(std::exp(raw));
+          const double xv = xcv[i * d + ch];
+          double acc = 0;
+          for (int64_t q = 0; q < n; ++q) {
+            double& hv = ssm_ref[(i * d + ch) * n + q];
+            hv = std::exp(step * av[ch * n + q]) * hv + step * bv[q] * xv;
+            acc += cv[q] * hv;
+          }
+          const double z = xz[i * 2 * d + d + ch];
+          y_ref[i * d + ch] = (acc + sk[ch] * xv) * z / (1.0 + std::exp(-z));
+        }
+      }
+      EXPECT_TRUE(test::close_l2(y, y_ref, test::composite_rel_l2(dt))) << cfg << " (y)";
+      EXPECT_TRUE(test::close_l2(ssm, ssm_ref, test::composite_rel_l2(dt))) << cfg << " (the SSM state)";
+    }
+  // Bad input: named errors.
+  EXPECT_ERROR(bad_call(1, 24, 4, 2, DType::bf16), "K <= 4");
+  EXPECT_ERROR(bad_call(1, 24, 5, 4, DType::bf16), "width 1 to 4");
+  EXPECT_ERROR(bad_call(5, 24, 4, 3, DType::bf16), "5 rows");
+  EXPECT_ERROR(bad_call(1, 12, 4, 3, DType::bf16), "rows of 12 elements");
+  EXPECT_ERROR(bad_call(1, 24, 4, 3, DType::f16), "x is f16");
+  ops::MambaSsmStep st;
+  st.xz = Tensor::randn({1, 16}, DType::bf16, dev, gen), st.xc = Tensor::randn({1, 8}, DType::bf16, dev, gen);
+  st.xdbl = Tensor::randn({1, 4 + 2 * 16}, DType::bf16, dev, gen), st.w_dt = Tensor::randn({8, 4}, DType::bf16, dev, gen);
+  st.A = Tensor::randn({8, 16}, DType::bf16, dev, gen), st.ssm_state = Tensor::zeros({1, 8, 16}, DType::f32, dev);
+  EXPECT_ERROR(ops::mamba_ssm_step(st), "argument 'A' must be f32");
+  st.A = Tensor::randn({8, 16}, DType::f32, dev, gen), st.ssm_state = Tensor::zeros({1, 8, 15}, DType::f32, dev);
+  EXPECT_ERROR(ops::mamba_ssm_step(st), "ssm_state");
 }
 
 // A decode layer's chain of fused projections, each reading the one before, queued without a

@@ -1,7 +1,7 @@
 // Mamba and Falcon-Mamba (models/mamba.h) against the Transformers fixtures (tests/fixtures/mamba,
 // falcon_mamba; make_fixtures.py): logits, loss, the conv + SSM state cache, greedy generation and
-// every gradient, with the reference slots, in f32 within 1e-5 relative; and bf16 with
-// residual_in_fp32 against Transformers' bf16.
+// every gradient, with the reference slots, in f32 within 1e-5 relative; bf16 with
+// residual_in_fp32 against Transformers' bf16; on CUDA, the fused decoding step against the slots'.
 #include <stdlib.h>
 
 #include <algorithm>
@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "models/mamba.h"
 #include "models/safetensors.h"
+#include "ops/nn/mamba_decode.h"
 #include "ops/ops.h"
 #include "test_util.h"
 
@@ -146,8 +147,9 @@ TEST_P(MambaFamilies, Bf16KeepsTheResidualInF32AsTransformers) {
     const auto ref = e.view(name).to_f64_vector();
     const double a = rel_l2(on.grads.at(param), ref), b = rel_l2(off.grads.at(param), ref);
     sum_on += a, sum_off += b;
-    if (param == "backbone.embeddings.weight" || param == "backbone.norm_f.weight" || param == "lm_head.weight")
+    if (param == "backbone.embeddings.weight" || param == "backbone.norm_f.weight" || param == "lm_head.weight") {
       EXPECT_LT(a, b) << param;
+    }
   }
   EXPECT_LT(sum_on, sum_off) << "the gradients' summed error";
 
@@ -176,6 +178,39 @@ TEST_P(MambaFamilies, Bf16KeepsTheResidualInF32AsTransformers) {
   for (int64_t p = 4; p < ids.size(1); ++p) parts.push_back(model->forward(ids.narrow(1, p, 1).contiguous(), &cache));
   EXPECT_TRUE(cache.final_weight_f32.defined() && cache.A.size() == 2);
   EXPECT_TRUE(test::close_l2(ops::cat(parts, 1), logits.to_f64_vector(), test::composite_rel_l2(DType::bf16)));
+}
+
+// On CUDA in bf16 with KCPP_MAMBA_DECODE_FUSED=1 a one-token step runs as the fused ops
+// (ops/nn/mamba_decode.h): its logits and both states follow the slots' steps (KCPP_DECODE_FUSED=0)
+// and the full pass, to bf16's rounding.
+TEST_P(MambaFamilies, FusedDecodeStepsFollowTheSlots) {
+  const Device dev = Device::cuda(0);
+  KCPP_REQUIRE_DEVICE(dev);
+  const fs::path dir = fs::path(test::fixtures_dir()) / GetParam();
+  const auto model = models::MambaLM::from_folder(dir, DType::bf16, dev);
+  const Tensor ids = SafetensorsFile::open(dir / "expected.safetensors").view("input_ids");
+  const test::ScopedEnv on("KCPP_MAMBA_DECODE_FUSED", "1");  // opt-in (ops/nn/mamba_decode.h)
+  ASSERT_TRUE(ops::mamba_decode_fused(dev, DType::bf16, ids.size(0)));
+  auto decode = [&](models::MambaLM::Cache& cache) {
+    std::vector<Tensor> parts = {model->forward(ids.narrow(1, 0, 4).contiguous(), &cache)};
+    for (int64_t p = 4; p < ids.size(1); ++p) parts.push_back(model->forward(ids.narrow(1, p, 1).contiguous(), &cache));
+    return ops::cat(parts, 1).to(DType::f32);
+  };
+  models::MambaLM::Cache fused, slots;
+  const Tensor got = decode(fused);
+  Tensor want;
+  {
+    const test::ScopedEnv off("KCPP_DECODE_FUSED", "0");
+    want = decode(slots);
+  }
+  const double tol = test::composite_rel_l2(DType::bf16);
+  EXPECT_TRUE(test::close_l2(got, want.to_f64_vector(), tol)) << "against the slots' steps";
+  EXPECT_TRUE(test::close_l2(got, model->forward(ids).to(DType::f32).to_f64_vector(), tol)) << "against the full pass";
+  ASSERT_EQ(fused.ssm.size(), slots.ssm.size());
+  for (size_t li = 0; li < fused.ssm.size(); ++li) {
+    EXPECT_TRUE(test::close_l2(fused.ssm[li], slots.ssm[li].to_f64_vector(), tol)) << "SSM state of layer " << li;
+    EXPECT_TRUE(test::close_l2(fused.conv[li], slots.conv[li].to_f64_vector(), tol)) << "convolution state of layer " << li;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, MambaFamilies, ::testing::Values("mamba", "falcon_mamba"));

@@ -13,6 +13,8 @@
 #include "core/error.h"
 #include "core/profile.h"
 #include "models/safetensors.h"
+#include "ops/nn/decode_fused.h"
+#include "ops/nn/mamba_decode.h"
 #include "ops/nn/sampling.h"
 #include "ops/ops.h"
 
@@ -369,6 +371,37 @@ Tensor MambaLM::layer_forward(size_t li, const Tensor& h, LayerTape* t, Cache* c
   return ops::add(h, wide ? out.to(DType::f32) : out);
 }
 
+bool MambaLM::decode_fused_possible(int64_t rows) const {
+  const MambaConfig& c = cfg_;
+  return ops::mamba_decode_fused(device_, dtype_, rows) && c.conv_kernel <= 4 && c.hidden_size % 8 == 0 &&
+         4 * rows * (c.time_step_rank + 2 * c.state_size) <= 48 * 1024;
+}
+
+Tensor MambaLM::decode_layers_fused(const Tensor& h, Cache& cache) {
+  const MambaConfig& c = cfg_;
+  const int64_t b = h.size(0), hd = c.hidden_size;
+  if (cache.A.size() != layers_.size()) cache.A.assign(layers_.size(), Tensor());
+  // The residual stream is x + delta: delta, the last out_proj, is added by the next layer's norm.
+  Tensor x = h.view({b, hd}), delta;
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    Layer& l = layers_[li];
+    if (!cache.A[li].defined()) cache.A[li] = ops::neg(ops::exp(l.A_log));
+    if (!cache.ssm[li].is_contiguous()) cache.ssm[li] = cache.ssm[li].contiguous();  // once, at the first step
+    if (!cache.conv[li].is_contiguous()) cache.conv[li] = cache.conv[li].contiguous();
+    const ops::MambaNormInProj in = ops::mamba_norm_in_proj(x, delta, l.norm->weight, l.norm->options, l.w_in, l.b_in,
+                                                            cache.conv[li], l.conv_w, l.conv_b);
+    x = in.s;
+    ops::MambaSsmStep st;
+    st.xz = in.xz, st.xc = in.xc, st.xdbl = ops::matmul(in.xc, l.w_x, false, true), st.w_dt = l.w_dt, st.dt_bias = l.b_dt;
+    st.A = cache.A[li], st.D = l.D, st.ssm_state = cache.ssm[li];
+    st.dt_softplus = l.scan->options.delta_softplus, st.bc_rms_eps = l.scan->options.bc_rms_eps;
+    if (l.dt_norm) st.dt_rms_eps = l.dt_norm->options.eps;
+    delta = linear(ops::mamba_ssm_step(st), l.w_out, l.b_out);
+  }
+  const Tensor out = delta.defined() ? ops::add(x, x.dtype() == delta.dtype() ? delta : delta.to(x.dtype())) : x;
+  return out.view({b, 1, hd});
+}
+
 Tensor MambaLM::final_norm_forward(const Tensor& h, nn::RMSNorm::Saved* saved, Cache* cache) {
   if (!f32_residual()) return final_norm_->forward(h, saved);
   Tensor w;
@@ -402,9 +435,13 @@ Tensor MambaLM::hidden_states(const Tensor& ids, std::vector<LayerTape>* tapes, 
   }
   if (tapes) tapes->resize(layers_.size());
   if (inputs) inputs->resize(layers_.size());
-  for (size_t li = 0; li < layers_.size(); ++li) {
-    if (inputs) (*inputs)[li] = h;
-    h = layer_forward(li, h, tapes ? &(*tapes)[li] : nullptr, cache);
+  if (cache && cache->length > 0 && ids.size(1) == 1 && !tapes && !inputs && decode_fused_possible(ids.size(0))) {
+    h = decode_layers_fused(h, *cache);
+  } else {
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      if (inputs) (*inputs)[li] = h;
+      h = layer_forward(li, h, tapes ? &(*tapes)[li] : nullptr, cache);
+    }
   }
   if (cache) cache->length += ids.size(1);
   return final_norm_forward(h, final_saved, cache);

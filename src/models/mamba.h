@@ -19,7 +19,11 @@
 // (the RMSNorm contract takes one dtype).  Without the flag, or in f32, h keeps the model's dtype.
 //
 // Generation keeps per layer the last conv_kernel - 1 inputs of the convolution and the SSM state,
-// and decodes through the CausalConv1dUpdate and SelectiveStateUpdate slots.
+// and decodes through the CausalConv1dUpdate and SelectiveStateUpdate slots; on CUDA in bf16 / f16
+// (up to 4 rows) a one-token step runs instead as four launches a layer (ops/nn/mamba_decode.h: the
+// norm, in_proj and the convolution; x_proj; dt_proj with the state update; out_proj), the same
+// maths with the slots' kernels bypassed as CausalLM's fused decode bypasses its own.  Opt-in
+// (KCPP_MAMBA_DECODE_FUSED=1) until it has been timed on a GPU against the slots' step.
 #pragma once
 
 #include <filesystem>
@@ -128,6 +132,10 @@ class MambaLM : public nn::Module {
   MambaLM() = default;
   struct LayerTape;
   Tensor layer_forward(size_t li, const Tensor& h, LayerTape* t, Cache* cache);
+  // The fused one-token step (the header comment) over every layer, from the residual h [B, 1, H]:
+  // returns the residual after the last layer.  decode_fused_possible: whether it takes `rows` rows.
+  Tensor decode_layers_fused(const Tensor& h, Cache& cache);
+  bool decode_fused_possible(int64_t rows) const;
   // tapes: every layer's saved activations; inputs: only each layer's input (checkpointing).
   Tensor hidden_states(const Tensor& input_ids, std::vector<LayerTape>* tapes, nn::RMSNorm::Saved* final_saved, Cache* cache,
                        std::vector<Tensor>* inputs = nullptr);

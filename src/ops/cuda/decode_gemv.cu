@@ -3,7 +3,10 @@
 //
 // Each block makes the rows itself, in shared memory [M, K] rounded to T (what the eager
 // composition stores): add_rms_norm_linear adds the residual and normalizes (one block also writes
-// the sum s), glu_linear applies the gated activation to the packed gate/up row.  The rows are a
+// the sum s; an f32 residual is summed in f32 and rounded to T for the norm), glu_linear applies
+// the gated activation to the packed gate/up row.  mamba_norm_in_proj is add_rms_norm_linear with
+// an epilogue: the output column's bias and, for the columns of x (the first D), the column's
+// convolution at the new position and the advance of its state (ops/nn/mamba_decode.h).  The rows are a
 // few K elements read from L2, against the weight's N x K; to make them once for many columns the
 // grid is one wave (the blocks that fit on the device at once) and a block walks its columns
 // blockIdx.x, blockIdx.x + gridDim.x, ...
@@ -29,9 +32,11 @@ namespace kcpp::ops::cuda {
 namespace {
 
 using namespace gemv;
+using kcpp::kernel::cuda::from_f32;
 using kcpp::kernel::cuda::load_f32;
 using kcpp::kernel::cuda::round_to;
 using kcpp::kernel::cuda::store_f32;
+using kcpp::kernel::cuda::to_f32;
 using kcpp::kernel::cuda::warp_sum;
 
 enum class Prologue { AddNorm, Glu };
@@ -47,7 +52,20 @@ template <typename T> struct FusedGemvParams {
   float eps, offset;   // AddNorm: the norm's options
   bool gemma;
   Unary act;           // Glu
+  const float* xw;     // AddNorm with an f32 residual: x [M, K] (x above unused) and its sum sw [M, K]
+  float* sw;
+  // The Mamba epilogue (mamba_norm_in_proj): out's bias [N] or null; the convolution of columns
+  // col < conv_d over conv_state [M, conv_d, conv_k] (the last conv_k inputs, oldest first; advanced
+  // in place) with conv_w [conv_d, width] and conv_b [conv_d] or null, written to xc [M, conv_d].
+  const T* bias;
+  T* conv_state;
+  const T* conv_w;
+  const T* conv_b;
+  T* xc;
+  int conv_d, conv_k, width;
 };
+
+constexpr int kMaxConv = 4;  // the most convolution taps and state entries the epilogue takes
 
 // rows [M, K] in shared memory: the projection's input rows as the composition stores them.
 template <typename T, int M, Prologue P>
@@ -71,8 +89,26 @@ __device__ __forceinline__ void make_rows(const FusedGemvParams<T>& p, T* rows) 
       for (int e = threadIdx.x * 8; e < k; e += kThreads * 8) {
         const int64_t at = static_cast<int64_t>(m) * k + e;
         float v[8];
-        load_f32<T, 8>(p.x + at, v);
-        if (p.delta != nullptr) {
+        if (p.xw != nullptr) {  // an f32 residual: summed in f32, the norm reads the sum rounded to T
+          const float4* xr = reinterpret_cast<const float4*>(p.xw + at);
+          const float4 lo = xr[0], hi = xr[1];
+          v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+          if (p.delta != nullptr) {
+            float d[8];
+            load_f32<T, 8>(p.delta + at, d);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[i] += d[i];
+            if (p.sw != nullptr && blockIdx.x == 0) {
+              float4* sr = reinterpret_cast<float4*>(p.sw + at);
+              sr[0] = make_float4(v[0], v[1], v[2], v[3]), sr[1] = make_float4(v[4], v[5], v[6], v[7]);
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < 8; ++i) v[i] = kcpp::kernel::cuda::round_to<T>(v[i]);
+        } else {
+          load_f32<T, 8>(p.x + at, v);
+        }
+        if (p.xw == nullptr && p.delta != nullptr) {
           float d[8];
           load_f32<T, 8>(p.delta + at, d);
 #pragma unroll
@@ -132,15 +168,63 @@ __global__ void __launch_bounds__(kThreads) fused_gemv_kernel(const __grid_const
   pdl_wait();
   pdl_trigger();
   make_rows<T, M, P>(p, rows);
+  const bool mamba = P == Prologue::AddNorm && (p.bias != nullptr || p.conv_state != nullptr);
   for (int g = blockIdx.x; g < groups; g += gridDim.x) {
     col = g * cols + warp / KS;
     const T* row = p.w + static_cast<int64_t>(min(col, n - 1)) * k;  // [K]
+    // The Mamba epilogue's operands, loaded while the product runs: lane m < M of the column's
+    // first warp takes row m's convolution.
+    const bool conv = mamba && p.conv_state != nullptr && col < p.conv_d && warp % KS == 0 && lane < M;
+    T* st = conv ? p.conv_state + (static_cast<int64_t>(lane) * p.conv_d + col) * p.conv_k : nullptr;
+    float taps[kMaxConv] = {}, state[kMaxConv] = {}, cbias = 0.f, obias = 0.f;
+    if (mamba && warp % KS == 0 && lane < M && col < n && p.bias != nullptr) obias = to_f32(p.bias[col]);
+    if (conv) {
+#pragma unroll
+      for (int j = 0; j < kMaxConv; ++j) {
+        if (j < p.width) taps[j] = to_f32(p.conv_w[static_cast<int64_t>(col) * p.width + j]);
+        if (j < p.conv_k) state[j] = to_f32(st[j]);
+      }
+      if (p.conv_b != nullptr) cbias = to_f32(p.conv_b[col]);
+    }
     float acc[M] = {};
     for (int base = slice * kStep; base < k; base += kStep * KS * kUnroll) {
       if (g != static_cast<int>(blockIdx.x) || base != slice * kStep) load_pass<T, KS>(row, base, k, lane, wv);
       dot_pass<T, M, KS>(rows, k, base, k, lane, wv, acc);
     }
-    finish_column<T, M, KS>(p.out, n, col, warp, lane, acc, part);
+    if (!mamba) {
+      finish_column<T, M, KS>(p.out, n, col, warp, lane, acc, part);
+    } else {
+      sum_column<M, KS>(warp, lane, acc, part);
+      if (warp % KS == 0 && col < n && lane < M) {
+        // out as linear() stores it: the product rounded, then the bias added and rounded.
+        float v = round_to<T>(lane_sum<M>(acc, lane));
+        if (p.bias != nullptr) v = round_to<T>(v + obias);
+        p.out[static_cast<int64_t>(lane) * n + col] = from_f32<T>(v);
+        if (conv) {
+          // CausalConv1dUpdate/1 at the new position: the state's last width - 1 entries, then v.
+          float c = cbias;
+#pragma unroll
+          for (int j = 0; j < kMaxConv; ++j)
+            if (j < p.width - 1) {
+              const int at = p.conv_k - (p.width - 1) + j;
+              float sv = state[0];
+#pragma unroll
+              for (int i = 1; i < kMaxConv; ++i)
+                if (at == i) sv = state[i];
+              c += taps[j] * sv;
+            }
+#pragma unroll
+          for (int j = 0; j < kMaxConv; ++j)
+            if (j == p.width - 1) c += taps[j] * v;
+          p.xc[static_cast<int64_t>(lane) * p.conv_d + col] = from_f32<T>(math::unary<float>(Unary::Silu, c, 0.f));
+          // The state: its oldest entry out, v in (values as stored).
+#pragma unroll
+          for (int j = 0; j + 1 < kMaxConv; ++j)
+            if (j + 1 < p.conv_k) st[j] = from_f32<T>(state[j + 1]);
+          if (p.conv_k > 0) st[p.conv_k - 1] = from_f32<T>(v);
+        }
+      }
+    }
     if constexpr (KS > 1) __syncthreads();  // part is read before the next group writes it
   }
 }
@@ -201,25 +285,65 @@ template <typename T, Prologue P> bool dispatch(const char* op, int64_t m, const
 
 }  // namespace
 
+namespace {
+
+// add_rms_norm_linear's parameters (an f32 x with 16-bit weights: the f32 residual's fields).
+template <typename T>
+FusedGemvParams<T> norm_params(const Tensor& out, const Tensor& s, const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
+                               const RMSNormOptions& opt, const Tensor& weight) {
+  FusedGemvParams<T> p{};
+  p.out = static_cast<T*>(out.data());
+  if (x.dtype() == DType::f32) {
+    p.xw = static_cast<const float*>(x.data());
+    p.sw = s.defined() ? static_cast<float*>(s.data()) : nullptr;
+  } else {
+    p.x = static_cast<const T*>(x.data());
+    p.s = s.defined() ? static_cast<T*>(s.data()) : nullptr;
+  }
+  p.delta = delta.defined() ? static_cast<const T*>(delta.data()) : nullptr;
+  p.norm_w = static_cast<const T*>(norm_weight.data());
+  p.w = static_cast<const T*>(weight.data());
+  p.n = static_cast<int>(weight.size(0)), p.k = static_cast<int>(x.size(1));
+  p.eps = static_cast<float>(opt.eps), p.offset = static_cast<float>(opt.offset);
+  p.gemma = opt.casting == RMSNormCasting::Gemma;
+  return p;
+}
+
+}  // namespace
+
 bool add_rms_norm_linear(const Tensor& out, const Tensor& s, const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
                          const RMSNormOptions& opt, const Tensor& weight) {
   constexpr const char* op = "add_rms_norm_linear";
   kcpp::cuda::DeviceGuard guard(x.device().index);
   bool done = false;
-  visit_cuda_float(x.dtype(), op, [&]<typename T>(std::type_identity<T>) {
+  visit_cuda_float(weight.dtype(), op, [&]<typename T>(std::type_identity<T>) {
     if constexpr (std::is_same_v<T, float>) {
       KCPP_FAIL("op {}: f32 has no fused CUDA kernel (the caller composes it)", op);
     } else {
-      FusedGemvParams<T> p{};
-      p.out = static_cast<T*>(out.data());
-      p.s = s.defined() ? static_cast<T*>(s.data()) : nullptr;
-      p.x = static_cast<const T*>(x.data());
-      p.delta = delta.defined() ? static_cast<const T*>(delta.data()) : nullptr;
-      p.norm_w = static_cast<const T*>(norm_weight.data());
-      p.w = static_cast<const T*>(weight.data());
-      p.n = static_cast<int>(weight.size(0)), p.k = static_cast<int>(x.size(1));
-      p.eps = static_cast<float>(opt.eps), p.offset = static_cast<float>(opt.offset);
-      p.gemma = opt.casting == RMSNormCasting::Gemma;
+      done = dispatch<T, Prologue::AddNorm>(op, x.size(0), norm_params<T>(out, s, x, delta, norm_weight, opt, weight));
+    }
+  });
+  return done;
+}
+
+bool mamba_norm_in_proj(const Tensor& out, const Tensor& s, const Tensor& xc, const Tensor& x, const Tensor& delta,
+                        const Tensor& norm_weight, const RMSNormOptions& opt, const Tensor& weight, const Tensor& bias,
+                        const Tensor& conv_state, const Tensor& conv_w, const Tensor& conv_b) {
+  constexpr const char* op = "mamba_norm_in_proj";
+  kcpp::cuda::DeviceGuard guard(x.device().index);
+  bool done = false;
+  visit_cuda_float(weight.dtype(), op, [&]<typename T>(std::type_identity<T>) {
+    if constexpr (std::is_same_v<T, float>) {
+      KCPP_FAIL("op {}: f32 has no fused CUDA kernel", op);
+    } else {
+      FusedGemvParams<T> p = norm_params<T>(out, s, x, delta, norm_weight, opt, weight);
+      p.bias = bias.defined() ? static_cast<const T*>(bias.data()) : nullptr;
+      p.conv_state = static_cast<T*>(conv_state.data());
+      p.conv_w = static_cast<const T*>(conv_w.data());
+      p.conv_b = conv_b.defined() ? static_cast<const T*>(conv_b.data()) : nullptr;
+      p.xc = static_cast<T*>(xc.data());
+      p.conv_d = static_cast<int>(conv_state.size(1)), p.conv_k = static_cast<int>(conv_state.size(2));
+      p.width = static_cast<int>(conv_w.size(1));
       done = dispatch<T, Prologue::AddNorm>(op, x.size(0), p);
     }
   });

@@ -60,12 +60,11 @@ __device__ __forceinline__ void dot_pass(const T* a, int64_t lda, int base, int 
   }
 }
 
-// Adds each warp's sums over its lanes and over the KS slices of its column (through `part`), and
-// has lane m < M of the column's first warp write out[m, col] rounded to T.  Every thread of the
-// block calls it (it synchronizes the block when KS > 1).
-template <typename T, int M, int KS>
-__device__ __forceinline__ void finish_column(T* out, int n, int col, int warp, int lane, float (&acc)[M],
-                                              float (&part)[kWarps][M]) {
+// Adds each warp's sums over its lanes and over the KS slices of its column (through `part`): every
+// lane of the column's first warp (warp % KS == 0) then holds the column's M sums.  Every thread of
+// the block calls it (it synchronizes the block when KS > 1).
+template <int M, int KS>
+__device__ __forceinline__ void sum_column(int warp, int lane, float (&acc)[M], float (&part)[kWarps][M]) {
 #pragma unroll
   for (int m = 0; m < M; ++m)
     for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
@@ -83,12 +82,24 @@ __device__ __forceinline__ void finish_column(T* out, int n, int col, int warp, 
         acc[m] = s;
       }
   }
-  if (warp % KS != 0 || col >= n || lane >= M) return;
+}
+
+// acc[lane] for lane < M (a register array indexed without local memory).
+template <int M> __device__ __forceinline__ float lane_sum(const float (&acc)[M], int lane) {
   float v = acc[0];
 #pragma unroll
   for (int m = 1; m < M; ++m)
     if (lane == m) v = acc[m];
-  out[static_cast<int64_t>(lane) * n + col] = kcpp::kernel::cuda::from_f32<T>(v);
+  return v;
+}
+
+// sum_column, then lane m < M of the column's first warp writes out[m, col] rounded to T.
+template <typename T, int M, int KS>
+__device__ __forceinline__ void finish_column(T* out, int n, int col, int warp, int lane, float (&acc)[M],
+                                              float (&part)[kWarps][M]) {
+  sum_column<M, KS>(warp, lane, acc, part);
+  if (warp % KS != 0 || col >= n || lane >= M) return;
+  out[static_cast<int64_t>(lane) * n + col] = kcpp::kernel::cuda::from_f32<T>(lane_sum<M>(acc, lane));
 }
 
 }  // namespace kcpp::ops::cuda::gemv

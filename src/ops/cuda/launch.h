@@ -5,6 +5,7 @@
 #include "core/tensor.h"
 #include "ops/nn/decode_fused.h"
 #include "ops/nn/decode_persistent.h"
+#include "ops/nn/mamba_decode.h"
 #include "ops/nn/sampling.h"
 #include "ops/ops.h"
 
@@ -49,6 +50,14 @@ void glu_packed(const Tensor& h, const Tensor& gu, GluActivation act);
 bool add_rms_norm_linear(const Tensor& out, const Tensor& s, const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
                          const RMSNormOptions& opt, const Tensor& weight);
 bool glu_linear(const Tensor& out, const Tensor& gu, GluActivation act, const Tensor& weight);
+// ops/nn/mamba_decode.h, operands checked (ops/cuda/decode_gemv.cu, ops/cuda/mamba_decode.cu):
+// mamba_norm_in_proj writes out, s (with delta) and xc and advances conv_state (false, nothing
+// launched, when the rows do not fit in a block's shared memory); mamba_ssm_step writes y and
+// advances the SSM state.  (add_rms_norm_linear above takes an f32 x with 16-bit weights too.)
+bool mamba_norm_in_proj(const Tensor& out, const Tensor& s, const Tensor& xc, const Tensor& x, const Tensor& delta,
+                        const Tensor& norm_weight, const RMSNormOptions& opt, const Tensor& weight, const Tensor& bias,
+                        const Tensor& conv_state, const Tensor& conv_w, const Tensor& conv_b);
+void mamba_ssm_step(const Tensor& y, const MambaSsmStep& step);
 // ops/nn/decode_persistent.h, operands checked and covered: writes x_out and delta_out [B, H]; false
 // (nothing launched) when the device or the kernel's build cannot run it, or its shared memory does
 // not fit.

@@ -34,17 +34,17 @@ bool fused_casting(const RMSNormOptions& o) { return o.casting == RMSNormCasting
 
 // The fused projection kernel covers this call: bf16 / f16 on CUDA, 1 .. kFusedLinearMaxRows rows,
 // rows of K % 8 == 0 elements, every operand contiguous and 16-byte aligned (ops/cuda/decode_gemv.cu).
-bool fused_linear_on_cuda(const Tensor& x, int64_t k, std::initializer_list<const Tensor*> operands) {
+bool fused_linear_on_cuda(const Tensor& x, DType dtype, int64_t k, std::initializer_list<const Tensor*> operands) {
 #if KCPP_WITH_CUDA
   const int64_t n = x.size(0);
-  if (!x.device().is_cuda() || (x.dtype() != DType::bf16 && x.dtype() != DType::f16) || n < 1 || n > kFusedLinearMaxRows ||
+  if (!x.device().is_cuda() || (dtype != DType::bf16 && dtype != DType::f16) || n < 1 || n > kFusedLinearMaxRows ||
       k < 8 || k % 8 != 0 || k > (int64_t{1} << 30))
     return false;
   for (const Tensor* t : operands)
     if (t->defined() && (!t->is_contiguous() || reinterpret_cast<uintptr_t>(t->data()) % 16 != 0)) return false;
   return true;
 #else
-  (void)x, (void)k, (void)operands;
+  (void)x, (void)dtype, (void)k, (void)operands;
   return false;
 #endif
 }
@@ -170,24 +170,37 @@ std::pair<Tensor, Tensor> add_rms_norm_linear(const Tensor& x, const Tensor& del
   check_float(x, op, "x");
   check_dims(x, 2, op, "x");
   const int64_t n = x.size(0), k = x.size(1);
+  check_defined(weight, op, "weight");
+  // An f32 residual stream beside 16-bit weights (Mamba's residual_in_fp32): delta and the weights
+  // in the 16-bit dtype, s in f32, the norm reading s rounded.
+  const bool wide = x.dtype() == DType::f32 && (weight.dtype() == DType::bf16 || weight.dtype() == DType::f16);
+  const Tensor& ref = wide ? weight : x;
+  const char* ref_name = wide ? "weight" : "x";
   if (delta.defined()) {
-    check_same(delta, x, op, "delta", "x");
+    check_same(delta, ref, op, "delta", ref_name);
     check_shape(delta, x.shape(), op, "delta");
   }
-  check_same(norm_weight, x, op, "norm_weight", "x");
+  check_same(norm_weight, ref, op, "norm_weight", ref_name);
   check_shape(norm_weight, {k}, op, "norm_weight");
-  check_same(weight, x, op, "weight", "x");
+  if (!wide) check_same(weight, x, op, "weight", "x");
+  KCPP_CHECK(weight.device() == x.device(), "op {}: argument 'weight' is on {} but x is on {}", op, weight.device().str(),
+             x.device().str());
   check_dims(weight, 2, op, "weight");
   KCPP_CHECK(weight.size(1) == k, "op {}: weight {} must be [out features, {}] to take rows of x {}", op,
              shape_str(weight.shape()), k, shape_str(x.shape()));
   KCPP_CHECK(opt.eps >= 0, "op {}: eps {} < 0", op, opt.eps);
-  if (fused_casting(opt) && weight.size(0) <= (int64_t{1} << 30) && fused_linear_on_cuda(x, k, {&x, &delta, &norm_weight, &weight})) {
+  if (fused_casting(opt) && weight.size(0) <= (int64_t{1} << 30) &&
+      fused_linear_on_cuda(x, weight.dtype(), k, {&x, &delta, &norm_weight, &weight})) {
 #if KCPP_WITH_CUDA
     const Tensor s = delta.defined() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : x;
-    const Tensor out = Tensor::empty({n, weight.size(0)}, x.dtype(), x.device());
+    const Tensor out = Tensor::empty({n, weight.size(0)}, weight.dtype(), x.device());
     if (out.numel() == 0 || cuda::add_rms_norm_linear(out, delta.defined() ? s : Tensor(), x, delta, norm_weight, opt, weight))
       return {s, out};
 #endif
+  }
+  if (wide) {
+    const Tensor s = delta.defined() ? add(x, delta.to(DType::f32)) : x;
+    return {s, matmul(rms_norm_forward(s.to(weight.dtype()), norm_weight, opt).y, weight, false, true)};
   }
   if (!delta.defined()) return {x, matmul(rms_norm_forward(x, norm_weight, opt).y, weight, false, true)};
   const auto [s, a] = add_rms_norm(x, delta, norm_weight, opt);
@@ -201,7 +214,7 @@ Tensor glu_linear(const Tensor& gu, GluActivation act, const Tensor& weight) {
   check_dims(weight, 2, op, "weight");
   KCPP_CHECK(weight.size(1) == inter, "op {}: weight {} must be [out features, {}] (half of gu's {} columns)", op,
              shape_str(weight.shape()), inter, gu.size(1));
-  if (weight.size(0) <= (int64_t{1} << 30) && fused_linear_on_cuda(gu, inter, {&gu, &weight})) {
+  if (weight.size(0) <= (int64_t{1} << 30) && fused_linear_on_cuda(gu, gu.dtype(), inter, {&gu, &weight})) {
 #if KCPP_WITH_CUDA
     const Tensor out = Tensor::empty({n, weight.size(0)}, gu.dtype(), gu.device());
     if (out.numel() == 0 || cuda::glu_linear(out, gu, act, weight)) return out;

@@ -25,6 +25,8 @@
 //   a = rms_norm(s, w)                   (as add_rms_norm: rounded to the dtype)
 //   out[n, o] = r(sum_k a[n, k] W[o, k])  (f32 sums, as ops::matmul(a, W, false, true))
 //   returns (s, out [N, O])
+// With an f32 residual x beside bf16 / f16 delta and weights (Mamba's residual_in_fp32): s = x +
+// delta in f32, unrounded, and a = rms_norm(r(s), w); out in the weights' dtype.
 //
 // glu_linear — the gated activation of a packed gate/up row and the projection that reads it:
 // gu [N, 2I], W [O, I]:
@@ -73,8 +75,8 @@ Tensor glu_packed(const Tensor& gu, GluActivation act);
 // The most rows the fused CUDA projections below take in one kernel.
 constexpr int64_t kFusedLinearMaxRows = 4;
 
-// x, delta [N, K] of one dtype (delta may be undefined: s = x), norm weight [K], weight [O, K].
-// Returns (s, out [N, O]).
+// x, delta [N, K] of one dtype (delta may be undefined: s = x), norm weight [K], weight [O, K]; or x
+// f32 with the rest bf16 / f16.  Returns (s, out [N, O]).
 std::pair<Tensor, Tensor> add_rms_norm_linear(const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
                                               const RMSNormOptions& opt, const Tensor& weight);
 
