@@ -356,6 +356,7 @@ TEST_P(DecodeFused, MambaStepMatchesTheOracle) {
           for (int64_t j = 0; j < 2 * d; ++j) xz_ref[i * 2 * d + j] += bv[j];
       }
       EXPECT_TRUE(test::close_l2(in.xz, xz_ref, test::composite_rel_l2(dt))) << cfg << " (xz)";
+      EXPECT_TRUE(test::close_elementwise(in.xz, xz_ref, 2 * test::primitive_rtol(dt), 1.0)) << cfg << " (xz, elementwise)";
       // The convolution of the stored x, and the state it leaves: the oldest entry out, x in.
       const V xz = values(in.xz);
       V xc_ref(static_cast<size_t>(m * d)), cs_ref = cs0;

@@ -182,35 +182,51 @@ TEST_P(MambaFamilies, Bf16KeepsTheResidualInF32AsTransformers) {
 
 // On CUDA in bf16 with KCPP_MAMBA_DECODE_FUSED=1 a one-token step runs as the fused ops
 // (ops/nn/mamba_decode.h): its logits and both states follow the slots' steps (KCPP_DECODE_FUSED=0)
-// and the full pass, to bf16's rounding.
+// and the full pass, to bf16's rounding; as saved (biases, the f32 residual) and as the released
+// models are (no in_proj / out_proj biases) with the residual in the dtype.
 TEST_P(MambaFamilies, FusedDecodeStepsFollowTheSlots) {
   const Device dev = Device::cuda(0);
   KCPP_REQUIRE_DEVICE(dev);
   const fs::path dir = fs::path(test::fixtures_dir()) / GetParam();
-  const auto model = models::MambaLM::from_folder(dir, DType::bf16, dev);
   const Tensor ids = SafetensorsFile::open(dir / "expected.safetensors").view("input_ids");
   const test::ScopedEnv on("KCPP_MAMBA_DECODE_FUSED", "1");  // opt-in (ops/nn/mamba_decode.h)
   ASSERT_TRUE(ops::mamba_decode_fused(dev, DType::bf16, ids.size(0)));
-  auto decode = [&](models::MambaLM::Cache& cache) {
-    std::vector<Tensor> parts = {model->forward(ids.narrow(1, 0, 4).contiguous(), &cache)};
-    for (int64_t p = 4; p < ids.size(1); ++p) parts.push_back(model->forward(ids.narrow(1, p, 1).contiguous(), &cache));
-    return ops::cat(parts, 1).to(DType::f32);
-  };
-  models::MambaLM::Cache fused, slots;
-  const Tensor got = decode(fused);
-  Tensor want;
+  std::string tmpl = (fs::temp_directory_path() / "kcpp-mamba-fused-XXXXXX").string();
+  const fs::path plain_dir = ::mkdtemp(tmpl.data());
+  fs::copy(dir, plain_dir, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
   {
-    const test::ScopedEnv off("KCPP_DECODE_FUSED", "0");
-    want = decode(slots);
+    nlohmann::json cfg;
+    std::ifstream(plain_dir / "config.json") >> cfg;
+    cfg["use_bias"] = false, cfg["residual_in_fp32"] = false;
+    std::ofstream(plain_dir / "config.json") << cfg.dump();
   }
-  const double tol = test::composite_rel_l2(DType::bf16);
-  EXPECT_TRUE(test::close_l2(got, want.to_f64_vector(), tol)) << "against the slots' steps";
-  EXPECT_TRUE(test::close_l2(got, model->forward(ids).to(DType::f32).to_f64_vector(), tol)) << "against the full pass";
-  ASSERT_EQ(fused.ssm.size(), slots.ssm.size());
-  for (size_t li = 0; li < fused.ssm.size(); ++li) {
-    EXPECT_TRUE(test::close_l2(fused.ssm[li], slots.ssm[li].to_f64_vector(), tol)) << "SSM state of layer " << li;
-    EXPECT_TRUE(test::close_l2(fused.conv[li], slots.conv[li].to_f64_vector(), tol)) << "convolution state of layer " << li;
+  for (const fs::path& folder : {dir, plain_dir}) {
+    SCOPED_TRACE(folder.string());
+    const auto model = models::MambaLM::from_folder(folder, DType::bf16, dev);
+    auto decode = [&](models::MambaLM::Cache& cache) {
+      std::vector<Tensor> parts = {model->forward(ids.narrow(1, 0, 4).contiguous(), &cache)};
+      for (int64_t p = 4; p < ids.size(1); ++p) parts.push_back(model->forward(ids.narrow(1, p, 1).contiguous(), &cache));
+      return ops::cat(parts, 1).to(DType::f32);
+    };
+    models::MambaLM::Cache fused, slots;
+    const Tensor got = decode(fused);
+    Tensor want;
+    {
+      const test::ScopedEnv off("KCPP_DECODE_FUSED", "0");
+      want = decode(slots);
+    }
+    EXPECT_EQ(fused.fused_steps, ids.size(1) - 4);
+    EXPECT_EQ(slots.fused_steps, 0);
+    const double tol = test::composite_rel_l2(DType::bf16);
+    EXPECT_TRUE(test::close_l2(got, want.to_f64_vector(), tol)) << "against the slots' steps";
+    EXPECT_TRUE(test::close_l2(got, model->forward(ids).to(DType::f32).to_f64_vector(), tol)) << "against the full pass";
+    ASSERT_EQ(fused.ssm.size(), slots.ssm.size());
+    for (size_t li = 0; li < fused.ssm.size(); ++li) {
+      EXPECT_TRUE(test::close_l2(fused.ssm[li], slots.ssm[li].to_f64_vector(), tol)) << "SSM state of layer " << li;
+      EXPECT_TRUE(test::close_l2(fused.conv[li], slots.conv[li].to_f64_vector(), tol)) << "convolution state of layer " << li;
+    }
   }
+  fs::remove_all(plain_dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, MambaFamilies, ::testing::Values("mamba", "falcon_mamba"));

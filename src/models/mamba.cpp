@@ -373,21 +373,28 @@ Tensor MambaLM::layer_forward(size_t li, const Tensor& h, LayerTape* t, Cache* c
 
 bool MambaLM::decode_fused_possible(int64_t rows) const {
   const MambaConfig& c = cfg_;
+  // The ops' limits: the convolution's width, in_proj's rows in shared memory (2 bytes an element,
+  // well under what an SM gives a block), the state step's staging.
   return ops::mamba_decode_fused(device_, dtype_, rows) && c.conv_kernel <= 4 && c.hidden_size % 8 == 0 &&
-         4 * rows * (c.time_step_rank + 2 * c.state_size) <= 48 * 1024;
+         2 * rows * c.hidden_size <= 96 * 1024 && 4 * rows * (c.time_step_rank + 2 * c.state_size) <= ops::kMambaStageBytes;
 }
 
 Tensor MambaLM::decode_layers_fused(const Tensor& h, Cache& cache) {
   const MambaConfig& c = cfg_;
   const int64_t b = h.size(0), hd = c.hidden_size;
+  // Every layer's A, and contiguous states, before the layers' chain of launches (once, at the first
+  // step): the state step reads A before it waits for the kernel ahead of it (ops/cuda/pdl.cuh).
   if (cache.A.size() != layers_.size()) cache.A.assign(layers_.size(), Tensor());
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    if (!cache.A[li].defined()) cache.A[li] = ops::neg(ops::exp(layers_[li].A_log));
+    if (!cache.ssm[li].is_contiguous()) cache.ssm[li] = cache.ssm[li].contiguous();
+    if (!cache.conv[li].is_contiguous()) cache.conv[li] = cache.conv[li].contiguous();
+  }
+  ++cache.fused_steps;
   // The residual stream is x + delta: delta, the last out_proj, is added by the next layer's norm.
   Tensor x = h.view({b, hd}), delta;
   for (size_t li = 0; li < layers_.size(); ++li) {
     Layer& l = layers_[li];
-    if (!cache.A[li].defined()) cache.A[li] = ops::neg(ops::exp(l.A_log));
-    if (!cache.ssm[li].is_contiguous()) cache.ssm[li] = cache.ssm[li].contiguous();  // once, at the first step
-    if (!cache.conv[li].is_contiguous()) cache.conv[li] = cache.conv[li].contiguous();
     const ops::MambaNormInProj in = ops::mamba_norm_in_proj(x, delta, l.norm->weight, l.norm->options, l.w_in, l.b_in,
                                                             cache.conv[li], l.conv_w, l.conv_b);
     x = in.s;

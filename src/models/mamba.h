@@ -81,10 +81,15 @@ class MambaLM : public nn::Module {
     std::vector<Tensor> A;
     Tensor final_weight_f32;
     int64_t length = 0;
+    // One-token steps that ran as the fused step (ops/nn/mamba_decode.h), counted on the host: a CUDA
+    // graph's capture counts once, its replays not at all.
+    int64_t fused_steps = 0;
     // The next forward's ids are the model's own picks (in range by construction): the embedding skips
     // its range check, which waits for the device and so cannot be captured in a CUDA graph.
     bool picked_ids = false;
-    void clear() { conv.clear(), ssm.clear(), A.clear(), final_weight_f32 = Tensor(), length = 0, picked_ids = false; }
+    void clear() {
+      conv.clear(), ssm.clear(), A.clear(), final_weight_f32 = Tensor(), length = 0, fused_steps = 0, picked_ids = false;
+    }
   };
 
   // logits [B, S, V] for input_ids [B, S]; with a cache, continuing the tokens it holds.

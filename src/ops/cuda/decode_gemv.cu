@@ -39,7 +39,9 @@ using kcpp::kernel::cuda::store_f32;
 using kcpp::kernel::cuda::to_f32;
 using kcpp::kernel::cuda::warp_sum;
 
-enum class Prologue { AddNorm, Glu };
+// AddNorm and Glu make the rows; MambaNorm makes them as AddNorm and ends each column with the Mamba
+// epilogue (a template case of its own, so that the other kernels keep no epilogue registers).
+enum class Prologue { AddNorm, Glu, MambaNorm };
 
 template <typename T> struct FusedGemvParams {
   T* out;              // [M, N]
@@ -168,14 +170,14 @@ __global__ void __launch_bounds__(kThreads) fused_gemv_kernel(const __grid_const
   pdl_wait();
   pdl_trigger();
   make_rows<T, M, P>(p, rows);
-  const bool mamba = P == Prologue::AddNorm && (p.bias != nullptr || p.conv_state != nullptr);
+  constexpr bool mamba = P == Prologue::MambaNorm;
   for (int g = blockIdx.x; g < groups; g += gridDim.x) {
     col = g * cols + warp / KS;
     const T* row = p.w + static_cast<int64_t>(min(col, n - 1)) * k;  // [K]
     // The Mamba epilogue's operands, loaded while the product runs: lane m < M of the column's
     // first warp takes row m's convolution.
-    const bool conv = mamba && p.conv_state != nullptr && col < p.conv_d && warp % KS == 0 && lane < M;
-    T* st = conv ? p.conv_state + (static_cast<int64_t>(lane) * p.conv_d + col) * p.conv_k : nullptr;
+    const bool conv = mamba && col < p.conv_d && warp % KS == 0 && lane < M;
+    T* st = conv && p.conv_k > 0 ? p.conv_state + (static_cast<int64_t>(lane) * p.conv_d + col) * p.conv_k : nullptr;
     float taps[kMaxConv] = {}, state[kMaxConv] = {}, cbias = 0.f, obias = 0.f;
     if (mamba && warp % KS == 0 && lane < M && col < n && p.bias != nullptr) obias = to_f32(p.bias[col]);
     if (conv) {
@@ -191,7 +193,7 @@ __global__ void __launch_bounds__(kThreads) fused_gemv_kernel(const __grid_const
       if (g != static_cast<int>(blockIdx.x) || base != slice * kStep) load_pass<T, KS>(row, base, k, lane, wv);
       dot_pass<T, M, KS>(rows, k, base, k, lane, wv, acc);
     }
-    if (!mamba) {
+    if constexpr (!mamba) {
       finish_column<T, M, KS>(p.out, n, col, warp, lane, acc, part);
     } else {
       sum_column<M, KS>(warp, lane, acc, part);
@@ -344,7 +346,7 @@ bool mamba_norm_in_proj(const Tensor& out, const Tensor& s, const Tensor& xc, co
       p.xc = static_cast<T*>(xc.data());
       p.conv_d = static_cast<int>(conv_state.size(1)), p.conv_k = static_cast<int>(conv_state.size(2));
       p.width = static_cast<int>(conv_w.size(1));
-      done = dispatch<T, Prologue::AddNorm>(op, x.size(0), p);
+      done = dispatch<T, Prologue::MambaNorm>(op, x.size(0), p);
     }
   });
   return done;

@@ -112,9 +112,12 @@ MambaNormInProj mamba_norm_in_proj(const Tensor& x, const Tensor& delta, const T
     check_shape(conv_b, {d}, op, "conv_b");
     check_contiguous(conv_b, op, "conv_b");
   }
-  KCPP_CHECK(h % 8 == 0 && h <= (int64_t{1} << 30) && d <= (int64_t{1} << 29) && aligned16(x) && aligned16(w_in) &&
-                 aligned16(norm_weight) && (!delta.defined() || aligned16(delta)),
-             "op {}: rows of {} elements; the kernel takes a multiple of 8 with 16-byte aligned rows", op, h);
+  KCPP_CHECK(h % 8 == 0 && h <= (int64_t{1} << 30), "op {}: rows of {} elements; the kernel takes a multiple of 8", op, h);
+  KCPP_CHECK(d <= (int64_t{1} << 29), "op {}: {} channels is more than the kernel indexes", op, d);
+  for (const auto& [t, arg] : {std::pair{&x, "x"}, std::pair{&w_in, "w_in"}, std::pair{&norm_weight, "norm_weight"},
+                               std::pair{&delta, "delta"}})
+    KCPP_CHECK(!t->defined() || aligned16(*t), "op {}: argument '{}' must start on a 16-byte boundary (the kernel's vector loads)",
+               op, arg);
   MambaNormInProj r;
   r.s = delta.defined() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : x;
   r.xz = Tensor::empty({m, 2 * d}, w_in.dtype(), x.device());
@@ -157,9 +160,8 @@ Tensor mamba_ssm_step(const MambaSsmStep& s) {
   check_contiguous(s.xdbl, op, "xdbl");
   for (const auto& [eps, name] : {std::pair{s.dt_rms_eps, "dt_rms_eps"}, std::pair{s.bc_rms_eps, "bc_rms_eps"}})
     KCPP_CHECK(!eps || *eps >= 0, "op {}: {} is {}; it must be >= 0", op, name, *eps);
-  constexpr int64_t kStageBytes = 48 * 1024;  // the kernel's shared-memory stage of dt_low, B and C
-  KCPP_CHECK(static_cast<int64_t>(sizeof(float)) * m * (r + 2 * n) <= kStageBytes && d <= (int64_t{1} << 30),
-             "op {}: rank {} and {} states over {} rows exceed the kernel's {} bytes of staging", op, r, n, m, kStageBytes);
+  KCPP_CHECK(static_cast<int64_t>(sizeof(float)) * m * (r + 2 * n) <= kMambaStageBytes && d <= (int64_t{1} << 30),
+             "op {}: rank {} and {} states over {} rows exceed the kernel's {} bytes of staging", op, r, n, m, kMambaStageBytes);
   const Tensor y = Tensor::empty({m, d}, s.xz.dtype(), s.xz.device());
 #if KCPP_WITH_CUDA
   if (d > 0) cuda::mamba_ssm_step(y, s);

@@ -52,6 +52,10 @@ MambaNormInProj mamba_norm_in_proj(const Tensor& x, const Tensor& delta, const T
                                    const Tensor& w_in, const Tensor& b_in, const Tensor& conv_state, const Tensor& conv_w,
                                    const Tensor& conv_b);
 
+// The most bytes of dt_low, B and C (f32, every row) mamba_ssm_step stages in a block's shared memory
+// (48 KiB less the kernel's own): M (R + 2N) 4 bytes must fit.
+constexpr int64_t kMambaStageBytes = 48 * 1024 - 256;
+
 struct MambaSsmStep {
   Tensor xz;          // [M, 2D], step 1's: its second half is the gate z
   Tensor xc;          // [M, D], step 1's
