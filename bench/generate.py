@@ -2,8 +2,8 @@
 
   python3 bench/generate.py [--models qwen3,llama,mamba,falcon_mamba] [--batches 1,8,32] [--new 128] [--kcpp .devlibs/bin/kcpp]
 
-For each model's real dimensions (Qwen3-0.6B, Llama-3.2-1B; Mamba-1.4B and Falcon-Mamba-7B at batch 1
-only, without the static cache and the prefill row; random weights saved once as a bf16
+For each model's real dimensions (Qwen3-0.6B, Llama-3.2-1B; Mamba-1.4B and Falcon-Mamba-7B without the
+static cache and the prefill row; random weights saved once as a bf16
 Hugging Face folder) and each batch size: prompts of 16 random token ids, greedy, exactly --new new
 tokens (end-of-sequence ignored), then
   - Transformers eager (dynamic cache, SDPA),
@@ -16,8 +16,8 @@ generate() for 32 tokens, up to each row's first step where Transformers' own to
 (2,048) to its first token beside Transformers' forward, against the bf16 GEMM ceiling measured in
 the same call.  Decode tokens/s counts
 the tokens after each row's first; the memory roofline is (weight bytes + KV bytes read per step, or
-the state-space models' f32 states read and written) / copy bandwidth, printed as a ceiling in tokens/s
-for batch 1.  Ratios hold within one call only.
+the state-space models' states read and written) / copy bandwidth, printed as a ceiling in tokens/s
+for the batch.  Ratios hold within one call only.
 """
 import argparse
 import json
@@ -36,8 +36,7 @@ MODELS = {
               dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                    num_key_value_heads=8, head_dim=64, vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0,
                    max_position_embeddings=131072, tie_word_embeddings=True)),
-    # State-space models (batch 1: kcpp generate takes one prompt at a time for them; no static cache,
-    # no prefill row): Mamba-1.4B's and Falcon-Mamba-7B's dimensions.
+    # State-space models (no static cache, no prefill row): Mamba-1.4B's and Falcon-Mamba-7B's dimensions.
     "mamba": ("Mamba-1.4B", "MambaConfig", "MambaForCausalLM",
               dict(hidden_size=2048, expand=2, num_hidden_layers=48, state_size=16, conv_kernel=4,
                    time_step_rank=128, vocab_size=50280, layer_norm_epsilon=1e-5, tie_word_embeddings=True)),
@@ -195,19 +194,18 @@ def main():
         model.save_pretrained(folder)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         ssm = key in SSM
-        if ssm:  # per step: the f32 conv and SSM states read and written, whatever the length
+        state_per_row = 0
+        if ssm:  # per step and row: the SSM state (f32) and the conv state (bf16) read and written, whatever the length
             kv_per_token = 0
             d_inner = dims["expand"] * dims["hidden_size"]
-            weight_bytes += 2 * 4 * dims["num_hidden_layers"] * d_inner * (dims["state_size"] + dims["conv_kernel"] - 1)
+            state_per_row = 2 * dims["num_hidden_layers"] * d_inner * (4 * dims["state_size"] + 2 * (dims["conv_kernel"] - 1))
         else:
             kv_per_token = 2 * dims["num_hidden_layers"] * dims["num_key_value_heads"] * dims["head_dim"] * 2
         for batch in (int(b) for b in a.batches.split(",")):
-            if ssm and batch != 1:
-                continue
             g = torch.Generator().manual_seed(batch)
             ids = torch.randint(0, dims["vocab_size"], (batch, PROMPT), generator=g)
             avg_len = PROMPT + a.new / 2
-            roof = gbps * 1e9 / (weight_bytes + batch * avg_len * kv_per_token) * batch
+            roof = gbps * 1e9 / (weight_bytes + batch * (avg_len * kv_per_token + state_per_row)) * batch
             line = f"{name:13s} batch {batch:4d} | roofline {roof:8.0f} tok/s"
             out_eager = None
             with torch.no_grad():

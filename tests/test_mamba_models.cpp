@@ -66,6 +66,48 @@ TEST_P(MambaFamilies, LogitsLossAndGenerationMatchTransformers) {
   EXPECT_ERROR(model->generate({200}, 1), "token id 200 (position 0) is outside the model's vocabulary of 97 ids");
 }
 
+// Several prompts of different lengths decoded together: each row makes the tokens it makes alone
+// (greedy; sampled with its seed, sampling.seed + row), a row that stops early stops as alone and the
+// others go on; tokens reach on_token as they are picked.
+TEST_P(MambaFamilies, BatchedGenerationMatchesEachPromptAlone) {
+  const fs::path dir = fs::path(test::fixtures_dir()) / GetParam();
+  const auto model = models::MambaLM::from_folder(dir, DType::f32, Device::cpu());
+  const std::vector<std::vector<int64_t>> prompts = {{1, 5, 9, 13, 2}, {7}, {40, 41, 42, 43, 44, 45, 46, 47, 48}};
+  const std::vector<int64_t> none;
+  models::CausalLM::GenerationStats st;
+  std::vector<std::vector<int64_t>> seen(prompts.size());
+  const auto got = model->generate_batch(prompts, 6, models::Sampling(), &none,
+                                         [&](size_t row, int64_t token) { seen.at(row).push_back(token); }, &st);
+  ASSERT_EQ(got.size(), prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(got[i].ids, model->generate(prompts[i], 6, models::Sampling(), &none)) << "prompt " << i;
+    EXPECT_EQ(got[i].reason, models::StopReason::MaxNewTokens);
+    EXPECT_EQ(seen[i], std::vector<int64_t>(got[i].ids.begin() + static_cast<int64_t>(prompts[i].size()), got[i].ids.end()));
+  }
+  EXPECT_EQ(st.prefills, 3);
+  EXPECT_EQ(st.decode_tokens, 15);
+  const models::Sampling s{0.8, 20, 0.9, 7};
+  const auto sampled = model->generate_batch(prompts, 6, s, &none);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    models::Sampling alone = s;
+    alone.seed = s.seed + i;
+    EXPECT_EQ(sampled[i].ids, model->generate(prompts[i], 6, alone, &none)) << "prompt " << i << ", sampled";
+  }
+  // Row 1's second new token ends it.
+  const std::vector<int64_t> stops = {got[1].ids[prompts[1].size() + 1]};
+  const auto stopped = model->generate_batch(prompts, 6, models::Sampling(), &stops);
+  EXPECT_EQ(stopped[1].reason, models::StopReason::StopToken);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    models::StopReason why{};
+    EXPECT_EQ(stopped[i].ids, model->generate(prompts[i], 6, models::Sampling(), &stops, &why)) << "prompt " << i << ", stopped";
+    EXPECT_EQ(stopped[i].reason, why) << "prompt " << i;
+  }
+  EXPECT_TRUE(model->generate_batch(prompts, 0)[2].ids == prompts[2]);
+  EXPECT_ERROR(model->generate_batch({{1, 2}, {}}, 2), "prompt 1 has no tokens");
+  EXPECT_ERROR(model->generate_batch({{1, 2}, {3, 200}}, 2), "prompt 1's token id 200 (position 1)");
+  EXPECT_ERROR(model->generate_batch({}, 2), "no prompts");
+}
+
 TEST_P(MambaFamilies, GradientsMatchTransformers) {
   const fs::path dir = fs::path(test::fixtures_dir()) / GetParam();
   const auto model = models::MambaLM::from_folder(dir, DType::f32, Device::cpu());

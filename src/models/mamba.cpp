@@ -463,29 +463,113 @@ Tensor MambaLM::forward(const Tensor& ids, Cache* cache) {
 std::vector<int64_t> MambaLM::generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens, const Sampling& sampling,
                                        const std::vector<int64_t>* stop, StopReason* reason, CausalLM::GenerationStats* stats) {
   KCPP_CHECK(!prompt.empty(), "generate: the prompt has no tokens");
+  auto r = generate_batch({prompt}, max_new_tokens, sampling, stop, {}, stats);
+  if (reason) *reason = r[0].reason;
+  return std::move(r[0].ids);
+}
+
+std::vector<CausalLM::Generated> MambaLM::generate_batch(const std::vector<std::vector<int64_t>>& prompts, int64_t max_new_tokens,
+                                                         const Sampling& sampling, const std::vector<int64_t>* stop,
+                                                         const std::function<void(size_t, int64_t)>& on_token,
+                                                         CausalLM::GenerationStats* stats) {
+  KCPP_CHECK(!prompts.empty(), "generate: no prompts were given");
   KCPP_CHECK(max_new_tokens >= 0, "generate: max_new_tokens is {}; it must be 0 or more", max_new_tokens);
   sampling.validate();
-  for (size_t i = 0; i < prompt.size(); ++i)
-    KCPP_CHECK(prompt[i] >= 0 && prompt[i] < cfg_.vocab_size,
-               "generate: the prompt's token id {} (position {}) is outside the model's vocabulary of {} ids (0 to {})", prompt[i], i,
-               cfg_.vocab_size, cfg_.vocab_size - 1);
+  const bool many = prompts.size() > 1;
+  auto which = [&](size_t i) { return many ? fmt::format("prompt {}'s ", i) : std::string("the prompt's "); };
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    KCPP_CHECK(!prompts[i].empty(), "generate: {}has no tokens", many ? fmt::format("prompt {} ", i) : std::string("the prompt "));
+    for (size_t j = 0; j < prompts[i].size(); ++j)
+      KCPP_CHECK(prompts[i][j] >= 0 && prompts[i][j] < cfg_.vocab_size,
+                 "generate: {}token id {} (position {}) is outside the model's vocabulary of {} ids (0 to {})", which(i),
+                 prompts[i][j], j, cfg_.vocab_size, cfg_.vocab_size - 1);
+  }
   const std::vector<int64_t>& stops = stop ? *stop : cfg_.eos_token_id;
-  StopReason why = StopReason::MaxNewTokens;
-  std::vector<int64_t> out = prompt;
-  Cache cache;
-  const Tensor next = Tensor::from_i64(prompt, {1, static_cast<int64_t>(prompt.size())}, DType::i64, device_);
+  const size_t rows = prompts.size();
+  std::vector<CausalLM::Generated> out(rows);
+  for (size_t i = 0; i < rows; ++i) out[i].ids = prompts[i];
+  CausalLM::GenerationStats st;
+  if (max_new_tokens == 0) {
+    if (stats) *stats = st;
+    return out;
+  }
   const ops::SampleOptions so{sampling.temperature, sampling.top_k, sampling.top_p};
-  // Timings: each step's pick reads the token back to the host, so the clock sees the device's work.
+  // Each row's next token from logits [rows, V] on their device, as CausalLM picks (ops/nn/sampling.h;
+  // row i's seed is sampling.seed + i, its position the new token's).
+  auto pick = [&](const Tensor& logits_all) {
+    const Tensor logits = logits_all.narrow(1, 0, cfg_.vocab_size);
+    std::vector<uint64_t> seeds(rows);
+    std::vector<int64_t> positions(rows);
+    for (size_t i = 0; i < rows; ++i) seeds[i] = sampling.seed + i, positions[i] = static_cast<int64_t>(out[i].ids.size());
+    const std::vector<int64_t> picked =
+        (sampling.temperature <= 0.0
+             ? ops::argmax_checked(logits.contiguous())
+             : ops::sample_checked(ops::sampling_on_device(so) ? logits : logits.to(Device::cpu()), so, seeds, positions))
+            .to_i64_vector();
+    std::vector<int64_t> tokens(rows);
+    for (size_t i = 0; i < rows; ++i) {
+      if (const int64_t bad = picked[2 * i + 1]; bad >= 0)
+        KCPP_FAIL("generate: the model produced a non-finite logit ({} for token id {}){}; check the weights",
+                  logits.narrow(0, static_cast<int64_t>(i), 1).narrow(1, bad, 1).contiguous().to_f64_vector()[0], bad,
+                  many ? fmt::format(" for prompt {}", i) : std::string());
+      tokens[i] = picked[2 * i];
+    }
+    return tokens;
+  };
+  // Timings: each step's pick reads the tokens back to the host, so the clock sees the device's work.
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
-  auto t1 = t0;
-  CausalLM::GenerationStats st;
-  // One-token steps as a CUDA graph on CUDA (KCPP_DECODE_GRAPHS=0 turns graphs off, as for
-  // CausalLM): the first step runs eagerly (warming every kernel and library), the second is
-  // captured, every later one replays it.  A step writes its
-  // conv and SSM states in place, so the graph's addresses stay the cache's; its token comes in
-  // through `step_ids`, overwritten before each replay, and its logits come out in the tensor the
-  // capture returned.  A capture the runtime refuses leaves the steps eager.
+  // The prompts' forwards, each alone (a state-space model takes no padding: the scan would carry it
+  // into the state), into caches of one row, then the rows' states side by side in one cache.
+  Cache cache;
+  std::vector<Tensor> last(rows);
+  {
+    std::vector<Cache> alone(rows);
+    for (size_t i = 0; i < rows; ++i) {
+      const int64_t n = static_cast<int64_t>(prompts[i].size());
+      const Tensor logits = forward(Tensor::from_i64(prompts[i], {1, n}, DType::i64, device_), &alone[i]);
+      last[i] = logits.narrow(1, n - 1, 1).contiguous().view({1, logits.size(2)});
+    }
+    if (rows == 1) {
+      cache = std::move(alone[0]);
+    } else {
+      cache.conv.resize(layers_.size()), cache.ssm.resize(layers_.size());
+      for (size_t li = 0; li < layers_.size(); ++li) {
+        std::vector<Tensor> conv, ssm;
+        for (const Cache& c : alone) conv.push_back(c.conv[li]), ssm.push_back(c.ssm[li]);
+        cache.conv[li] = ops::cat(conv, 0).contiguous(), cache.ssm[li] = ops::cat(ssm, 0).contiguous();
+      }
+      cache.final_weight_f32 = alone[0].final_weight_f32;
+      for (const Cache& c : alone) cache.length = std::max(cache.length, c.length);
+    }
+  }
+  cache.picked_ids = true;  // every forward after the prompts' takes picked tokens
+  std::vector<bool> done(rows, false);
+  size_t live = rows;
+  // Appends the picks of the rows still generating; a row stops at a token of `stops`.
+  auto take = [&](const std::vector<int64_t>& tokens) {
+    for (size_t i = 0; i < rows; ++i) {
+      if (done[i]) continue;
+      out[i].ids.push_back(tokens[i]);
+      if (on_token) on_token(i, tokens[i]);
+      if (std::find(stops.begin(), stops.end(), tokens[i]) != stops.end()) {
+        out[i].reason = StopReason::StopToken;
+        done[i] = true;
+        --live;
+      }
+    }
+  };
+  take(pick(rows == 1 ? last[0] : ops::cat(last, 0)));
+  const auto t1 = clock::now();
+  st.first_token_seconds = st.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
+  st.prefills = static_cast<int64_t>(rows);
+  // One-token steps for every row together (a finished row keeps its place, its picks dropped: one
+  // shape for the whole generation), as a CUDA graph on CUDA (KCPP_DECODE_GRAPHS=0 turns graphs off,
+  // as for CausalLM): the first step runs eagerly (warming every kernel and library), the second is
+  // captured, every later one replays it.  A step writes its conv and SSM states in place, so the
+  // graph's addresses stay the cache's; its tokens come in through `step_ids`, overwritten before
+  // each replay, and its logits come out in the tensor the capture returned.  A capture the runtime
+  // refuses leaves the steps eager.
   auto env_is = [](const char* name, const char* value) {
     const char* e = std::getenv(name);
     return e && std::string(e) == value;
@@ -493,13 +577,15 @@ std::vector<int64_t> MambaLM::generate(const std::vector<int64_t>& prompt, int64
   bool graphs = device_.is_cuda() && cuda_graphs_compiled() && !profile::enabled() && !env_is("KCPP_DECODE_GRAPHS", "0");
   CudaGraph graph;
   Tensor step_ids, step_logits;
-  auto decode_step = [&](int64_t tok) -> Tensor {
-    if (!graphs) return forward(Tensor::from_i64(std::vector<int64_t>{tok}, {1, 1}, DType::i64, device_), &cache);
+  const int64_t b = static_cast<int64_t>(rows);
+  auto decode_step = [&](const std::vector<int64_t>& tokens) -> Tensor {
+    const Tensor host = Tensor::from_i64(tokens, {b, 1}, DType::i64, Device::cpu());
+    if (!graphs) return forward(host.to(device_), &cache);
     if (!step_ids.defined()) {
-      step_ids = Tensor::from_i64(std::vector<int64_t>{tok}, {1, 1}, DType::i64, device_);
+      step_ids = host.to(device_);
       return forward(step_ids, &cache);
     }
-    step_ids.copy_(Tensor::from_i64(std::vector<int64_t>{tok}, {1, 1}, DType::i64, Device::cpu()));
+    step_ids.copy_(host);
     if (!graph.captured()) {
       const int64_t length = cache.length;  // recording runs the host side (which advances it) but no GPU work
       try {
@@ -520,38 +606,16 @@ std::vector<int64_t> MambaLM::generate(const std::vector<int64_t>& prompt, int64
     ++cache.length;
     return step_logits;
   };
-  for (int64_t step = 0; step < max_new_tokens; ++step) {
-    const Tensor logits = step == 0 ? forward(next, &cache) : decode_step(out.back());
-    cache.picked_ids = true;  // every forward after the prompt's takes a picked token
-    const int64_t n = logits.size(1), v = cfg_.vocab_size;
-    const Tensor last = logits.narrow(1, n - 1, 1).contiguous().view({1, logits.size(2)}).narrow(1, 0, v);
-    // On the logits' device, as CausalLM picks (ops/nn/sampling.h; seed, then the new token's position).
-    const std::vector<int64_t> picked =
-        (sampling.temperature <= 0.0
-             ? ops::argmax_checked(last.contiguous())
-             : ops::sample_checked(ops::sampling_on_device(so) ? last : last.to(Device::cpu()), so, {sampling.seed},
-                                   {static_cast<int64_t>(out.size())}))
-            .to_i64_vector();
-    if (picked[1] >= 0)
-      KCPP_FAIL("generate: the model produced a non-finite logit ({} for token id {}); check the weights",
-                last.narrow(1, picked[1], 1).contiguous().to_f64_vector()[0], picked[1]);
-    const int64_t tok = picked[0];
-    out.push_back(tok);
-    if (step == 0) {
-      t1 = clock::now();
-      st.first_token_seconds = st.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
-      st.prefills = 1;
-    } else {
-      ++st.decode_tokens;
-    }
-    if (std::find(stops.begin(), stops.end(), tok) != stops.end()) {
-      why = StopReason::StopToken;
-      break;
-    }
+  std::vector<int64_t> tokens(rows);
+  for (int64_t step = 1; step < max_new_tokens && live > 0; ++step) {
+    for (size_t i = 0; i < rows; ++i) tokens[i] = out[i].ids.back();
+    const Tensor logits = decode_step(tokens);
+    const size_t before = live;
+    take(pick(logits.view({b, logits.size(2)})));
+    st.decode_tokens += static_cast<int64_t>(before);
   }
-  if (st.prefills) st.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
+  st.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
   if (stats) *stats = st;
-  if (reason) *reason = why;
   return out;
 }
 

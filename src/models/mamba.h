@@ -27,6 +27,7 @@
 #pragma once
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json_fwd.hpp>
@@ -101,6 +102,15 @@ class MambaLM : public nn::Module {
   std::vector<int64_t> generate(const std::vector<int64_t>& prompt, int64_t max_new_tokens, const Sampling& sampling = Sampling(),
                                 const std::vector<int64_t>* stop = nullptr, StopReason* reason = nullptr,
                                 CausalLM::GenerationStats* stats = nullptr);
+  // Several prompts, as CausalLM::generate_batch: each prompt's forward alone (no padding enters a
+  // state), then one-token steps for all rows together, a finished row keeping its place (its picks
+  // dropped) so that every step has one shape (one CUDA graph).  Row i samples with seed
+  // sampling.seed + i, so it makes the tokens generate() makes for it alone with that seed, up to the
+  // batched products' roundings.  on_token(row, token) sees each new token as it is picked.
+  std::vector<CausalLM::Generated> generate_batch(const std::vector<std::vector<int64_t>>& prompts, int64_t max_new_tokens,
+                                                  const Sampling& sampling = Sampling(), const std::vector<int64_t>* stop = nullptr,
+                                                  const std::function<void(size_t, int64_t)>& on_token = {},
+                                                  CausalLM::GenerationStats* stats = nullptr);
   // ForCausalLMLoss of forward(input_ids) against labels [B, S].
   Tensor loss(const Tensor& input_ids, const Tensor& labels);
   // The loss and every parameter's gradient by its safetensors name ("backbone.layers.0.mixer.A_log").

@@ -262,23 +262,13 @@ int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const mod
     show(false);
   };
 
-  if (a.warmup) {
-    if constexpr (std::is_same_v<Model, models::CausalLM>) (void)model->generate_batch(prompts, std::min<int64_t>(a.max_new_tokens, 4), s, &none);
-    else (void)model->generate(prompts[0], std::min<int64_t>(a.max_new_tokens, 4), s, &none);
-  }
+  if (a.warmup) (void)model->generate_batch(prompts, std::min<int64_t>(a.max_new_tokens, 4), s, &none);
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
   models::CausalLM::GenerationStats st;
   std::vector<models::CausalLM::Generated> out;
-  if constexpr (std::is_same_v<Model, models::CausalLM>) {
-    out = model->generate_batch(prompts, a.max_new_tokens, s, stop, stream ? std::function<void(size_t, int64_t)>(on_token)
-                                                                           : std::function<void(size_t, int64_t)>(), &st);
-  } else {
-    KCPP_CHECK(prompts.size() == 1, "kcpp generate: {} generates one prompt at a time; {} were given", a.model, prompts.size());
-    out.resize(1);
-    out[0].ids = model->generate(prompts[0], a.max_new_tokens, s, stop, &out[0].reason, &st);
-    seen.assign(out[0].ids.begin() + (chat ? static_cast<int64_t>(prompts[0].size()) : 0), out[0].ids.end());
-  }
+  out = model->generate_batch(prompts, a.max_new_tokens, s, stop, stream ? std::function<void(size_t, int64_t)>(on_token)
+                                                                         : std::function<void(size_t, int64_t)>(), &st);
   const double secs = std::chrono::duration<double>(clock::now() - t0).count();
   if (stream) {
     show(true);
