@@ -134,7 +134,8 @@ std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, con
 
 Tensor glu_packed(const Tensor& gu, GluActivation act) {
   constexpr const char* op = "glu_packed";
-  const int64_t n = gu.size(0), inter = packed_halves(gu, op);
+  [[maybe_unused]] const int64_t n = gu.size(0);  // the CUDA path's
+  const int64_t inter = packed_halves(gu, op);
   if (fused_on_cuda(gu) && gu.numel() > 0) {
 #if KCPP_WITH_CUDA
     const Tensor h = Tensor::empty({n, inter}, gu.dtype(), gu.device());
@@ -169,7 +170,8 @@ std::pair<Tensor, Tensor> add_rms_norm_linear(const Tensor& x, const Tensor& del
   constexpr const char* op = "add_rms_norm_linear";
   check_float(x, op, "x");
   check_dims(x, 2, op, "x");
-  const int64_t n = x.size(0), k = x.size(1);
+  [[maybe_unused]] const int64_t n = x.size(0);  // the CUDA path's
+  const int64_t k = x.size(1);
   check_defined(weight, op, "weight");
   // An f32 residual stream beside 16-bit weights (Mamba's residual_in_fp32): delta and the weights
   // in the 16-bit dtype, s in f32, the norm reading s rounded.
@@ -209,7 +211,8 @@ std::pair<Tensor, Tensor> add_rms_norm_linear(const Tensor& x, const Tensor& del
 
 Tensor glu_linear(const Tensor& gu, GluActivation act, const Tensor& weight) {
   constexpr const char* op = "glu_linear";
-  const int64_t n = gu.size(0), inter = packed_halves(gu, op);
+  [[maybe_unused]] const int64_t n = gu.size(0);  // the CUDA path's
+  const int64_t inter = packed_halves(gu, op);
   check_same(weight, gu, op, "weight", "gu");
   check_dims(weight, 2, op, "weight");
   KCPP_CHECK(weight.size(1) == inter, "op {}: weight {} must be [out features, {}] (half of gu's {} columns)", op,
