@@ -82,6 +82,13 @@ TEST_P(MambaKernelized, MatchesTransformersWithTheKernels) {
     const auto again = model->generate(prompt, steps, models::Sampling(), &none, nullptr, &st);
     EXPECT_EQ(std::vector<double>(again.begin(), again.end()), want);
     EXPECT_EQ(st.graph_replays, dev.is_cuda() ? std::max<int64_t>(steps - 2, 0) : 0);
+    // Three prompts decoded together (one graph for the three rows): the greedy prompt's row makes
+    // the same ids, the others what they make alone.
+    const std::vector<std::vector<int64_t>> prompts = {{5, 6}, prompt, {9, 8, 7, 6, 5, 4}};
+    const auto batch = model->generate_batch(prompts, steps, models::Sampling(), &none, {}, &st);
+    EXPECT_EQ(std::vector<double>(batch[1].ids.begin(), batch[1].ids.end()), want);
+    for (size_t i : {size_t{0}, size_t{2}}) EXPECT_EQ(batch[i].ids, model->generate(prompts[i], steps, models::Sampling(), &none));
+    EXPECT_EQ(st.graph_replays, dev.is_cuda() ? std::max<int64_t>(steps - 2, 0) : 0);
   }
 
   int slots = 0;
