@@ -29,6 +29,32 @@
 #include "ops/math.h"
 
 namespace kcpp::ops::cuda {
+
+// The blocks of `kernel` that fit on the device at once with `smem` bytes of dynamic shared memory
+// (raising the kernel's limit above the default 48 KiB where needed); 0 when it does not fit.
+// Cached a (kernel, device, threads, smem): a decode step asks for the same few every layer.
+int resident_blocks(const void* kernel, int threads, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, int, int, size_t>, int> known;
+  int dev = 0;
+  KCPP_CUDA_CHECK(cudaGetDevice(&dev));
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto [it, fresh] = known.try_emplace({kernel, dev, threads, smem}, 0);
+  if (!fresh) return it->second;
+  int sms = 0, optin = 0;
+  KCPP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  KCPP_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  cudaFuncAttributes attr{};
+  KCPP_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  const size_t most = static_cast<size_t>(optin) - attr.sharedSizeBytes;  // the static part is the kernel's own
+  if (smem > most) return 0;
+  if (smem > 48 * 1024)  // the kernel's limit, raised once to all there is (smaller calls stay valid)
+    KCPP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(most)));
+  int per_sm = 0;
+  KCPP_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  return it->second = per_sm * sms;
+}
+
 namespace {
 
 using namespace gemv;
@@ -231,36 +257,11 @@ __global__ void __launch_bounds__(kThreads) fused_gemv_kernel(const __grid_const
   }
 }
 
-// The blocks of `kernel` that fit on the device at once with `smem` bytes of dynamic shared memory
-// (raising the kernel's limit above the default 48 KiB where needed); 0 when it does not fit.
-// Cached a (kernel, device, smem): a decode step asks for the same few every layer.
-int resident_blocks(const void* kernel, size_t smem) {
-  static std::mutex mu;
-  static std::map<std::tuple<const void*, int, size_t>, int> known;
-  int dev = 0;
-  KCPP_CUDA_CHECK(cudaGetDevice(&dev));
-  const std::lock_guard<std::mutex> lock(mu);
-  const auto [it, fresh] = known.try_emplace({kernel, dev, smem}, 0);
-  if (!fresh) return it->second;
-  int sms = 0, optin = 0;
-  KCPP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  KCPP_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  cudaFuncAttributes attr{};
-  KCPP_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  const size_t most = static_cast<size_t>(optin) - attr.sharedSizeBytes;  // the static part is the kernel's own
-  if (smem > most) return 0;
-  if (smem > 48 * 1024)  // the kernel's limit, raised once to all there is (smaller calls stay valid)
-    KCPP_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(most)));
-  int per_sm = 0;
-  KCPP_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
-  return it->second = per_sm * sms;
-}
-
 // False (nothing launched) when the rows do not fit in a block's shared memory.
 template <typename T, int M, int KS, Prologue P> bool launch(const char* op, const FusedGemvParams<T>& p) {
   auto kernel = fused_gemv_kernel<T, M, KS, P>;
   const size_t smem = sizeof(T) * M * static_cast<size_t>(p.k);
-  const int fit = resident_blocks(reinterpret_cast<const void*>(kernel), smem);
+  const int fit = resident_blocks(reinterpret_cast<const void*>(kernel), kThreads, smem);
   if (fit == 0) return false;
   const int groups = (p.n + kWarps / KS - 1) / (kWarps / KS);
   launch_pdl(op, kernel, dim3(std::min(groups, fit)), dim3(kThreads), smem, p);

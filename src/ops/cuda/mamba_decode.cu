@@ -11,9 +11,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <tuple>
 #include <type_traits>
 
 #include "ops/cuda/common.cuh"
@@ -156,24 +153,6 @@ template <typename T> __global__ void __launch_bounds__(kThreads) ssm_step_kerne
   }
 }
 
-// The blocks of `kernel` resident at once with `smem` bytes of shared memory (at least 1), cached a
-// (kernel, device, smem): a decoding step asks for the same one every layer, in a CUDA graph's capture too.
-int wave(const void* kernel, size_t smem) {
-  static std::mutex mu;
-  static std::map<std::tuple<const void*, int, size_t>, int> known;
-  int dev = 0;
-  KCPP_CUDA_CHECK(cudaGetDevice(&dev));
-  const std::lock_guard<std::mutex> lock(mu);
-  const auto [it, fresh] = known.try_emplace({kernel, dev, smem}, 1);
-  if (fresh) {
-    int sms = 0, per_sm = 0;
-    KCPP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    KCPP_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
-    it->second = std::max(1, per_sm * sms);
-  }
-  return it->second;
-}
-
 }  // namespace
 
 void mamba_ssm_step(const Tensor& y, const MambaSsmStep& s) {
@@ -200,7 +179,8 @@ void mamba_ssm_step(const Tensor& y, const MambaSsmStep& s) {
       const size_t smem = sizeof(float) * static_cast<size_t>(p.m) * (p.r + 2 * p.n);
       auto kernel = ssm_step_kernel<T>;
       const int want = (p.d + kGroups - 1) / kGroups;
-      launch_pdl(op, kernel, dim3(std::min(want, wave(reinterpret_cast<const void*>(kernel), smem))), dim3(kThreads), smem, p);
+      const int fit = std::max(1, resident_blocks(reinterpret_cast<const void*>(kernel), kThreads, smem));  // smem is checked
+      launch_pdl(op, kernel, dim3(std::min(want, fit)), dim3(kThreads), smem, p);
     }
   });
 }
