@@ -243,7 +243,7 @@ def main():
         del model
         torch.cuda.empty_cache()
         if not a.skip_parity:
-            parity(a.kcpp, folder, name, dims["vocab_size"], rows=1 if ssm else 4)
+            parity(a.kcpp, folder, name, dims["vocab_size"], rows=4)
     return 0
 
 

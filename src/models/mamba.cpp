@@ -494,6 +494,7 @@ std::vector<CausalLM::Generated> MambaLM::generate_batch(const std::vector<std::
     return out;
   }
   const ops::SampleOptions so{sampling.temperature, sampling.top_k, sampling.top_p};
+  std::vector<bool> done(rows, false);  // a row that made a stop token
   // Each row's next token from logits [rows, V] on their device, as CausalLM picks (ops/nn/sampling.h;
   // row i's seed is sampling.seed + i, its position the new token's).
   auto pick = [&](const Tensor& logits_all) {
@@ -508,10 +509,15 @@ std::vector<CausalLM::Generated> MambaLM::generate_batch(const std::vector<std::
             .to_i64_vector();
     std::vector<int64_t> tokens(rows);
     for (size_t i = 0; i < rows; ++i) {
+      if (done[i]) {  // a finished row's pick is dropped, whatever its logits
+        tokens[i] = out[i].ids.back();
+        continue;
+      }
       if (const int64_t bad = picked[2 * i + 1]; bad >= 0)
-        KCPP_FAIL("generate: the model produced a non-finite logit ({} for token id {}){}; check the weights",
+        KCPP_FAIL("generate: the model produced non-finite logits ({} for token id {}) at position {}{}; check the weights "
+                  "(NaN or infinite values in the safetensors) and config.json",
                   logits.narrow(0, static_cast<int64_t>(i), 1).narrow(1, bad, 1).contiguous().to_f64_vector()[0], bad,
-                  many ? fmt::format(" for prompt {}", i) : std::string());
+                  out[i].ids.size() - 1, many ? fmt::format(" of prompt {}", i) : std::string());
       tokens[i] = picked[2 * i];
     }
     return tokens;
@@ -540,11 +546,11 @@ std::vector<CausalLM::Generated> MambaLM::generate_batch(const std::vector<std::
         cache.conv[li] = ops::cat(conv, 0).contiguous(), cache.ssm[li] = ops::cat(ssm, 0).contiguous();
       }
       cache.final_weight_f32 = alone[0].final_weight_f32;
+      // Only length > 0 matters to a forward (the rows' own lengths differ; no position enters the model).
       for (const Cache& c : alone) cache.length = std::max(cache.length, c.length);
     }
   }
   cache.picked_ids = true;  // every forward after the prompts' takes picked tokens
-  std::vector<bool> done(rows, false);
   size_t live = rows;
   // Appends the picks of the rows still generating; a row stops at a token of `stops`.
   auto take = [&](const std::vector<int64_t>& tokens) {

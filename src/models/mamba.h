@@ -106,7 +106,8 @@ class MambaLM : public nn::Module {
   // state), then one-token steps for all rows together, a finished row keeping its place (its picks
   // dropped) so that every step has one shape (one CUDA graph).  Row i samples with seed
   // sampling.seed + i, so it makes the tokens generate() makes for it alone with that seed, up to the
-  // batched products' roundings.  on_token(row, token) sees each new token as it is picked.
+  // batched products' roundings.  on_token(row, token) sees each new token as it is picked.  Stats:
+  // prefills counts the prompts; the first token comes after every prompt's forward.
   std::vector<CausalLM::Generated> generate_batch(const std::vector<std::vector<int64_t>>& prompts, int64_t max_new_tokens,
                                                   const Sampling& sampling = Sampling(), const std::vector<int64_t>* stop = nullptr,
                                                   const std::function<void(size_t, int64_t)>& on_token = {},
