@@ -68,7 +68,7 @@ TEST_P(MambaFamilies, LogitsLossAndGenerationMatchTransformers) {
 
 // Several prompts of different lengths decoded together: each row makes the tokens it makes alone
 // (greedy; sampled with its seed, sampling.seed + row), a row that stops early stops as alone and the
-// others go on; tokens reach on_token as they are picked.
+// others go on (also once the batch keeps only its live rows); tokens reach on_token as picked.
 TEST_P(MambaFamilies, BatchedGenerationMatchesEachPromptAlone) {
   const fs::path dir = fs::path(test::fixtures_dir()) / GetParam();
   const auto model = models::MambaLM::from_folder(dir, DType::f32, Device::cpu());
@@ -102,6 +102,18 @@ TEST_P(MambaFamilies, BatchedGenerationMatchesEachPromptAlone) {
     EXPECT_EQ(stopped[i].ids, model->generate(prompts[i], 6, models::Sampling(), &stops, &why)) << "prompt " << i << ", stopped";
     EXPECT_EQ(stopped[i].reason, why) << "prompt " << i;
   }
+  // Rows 1 and 2 end at their first new token: the batch goes on with row 0's state alone.
+  const std::vector<int64_t> early = {got[1].ids[prompts[1].size()], got[2].ids[prompts[2].size()]};
+  models::CausalLM::GenerationStats est;
+  const auto shrunk = model->generate_batch(prompts, 6, models::Sampling(), &early, {}, &est);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    models::StopReason why{};
+    EXPECT_EQ(shrunk[i].ids, model->generate(prompts[i], 6, models::Sampling(), &early, &why)) << "prompt " << i << ", shrunk";
+    EXPECT_EQ(shrunk[i].reason, why) << "prompt " << i;
+  }
+  EXPECT_EQ(shrunk[1].reason, models::StopReason::StopToken);
+  EXPECT_EQ(shrunk[2].reason, models::StopReason::StopToken);
+  EXPECT_EQ(est.decode_tokens, static_cast<int64_t>(shrunk[0].ids.size() - prompts[0].size()) - 1);
   EXPECT_TRUE(model->generate_batch(prompts, 0)[2].ids == prompts[2]);
   EXPECT_ERROR(model->generate_batch({{1, 2}, {}}, 2), "prompt 1 has no tokens");
   EXPECT_ERROR(model->generate_batch({{1, 2}, {3, 200}}, 2), "prompt 1's token id 200 (position 1)");

@@ -497,28 +497,33 @@ std::vector<CausalLM::Generated> MambaLM::generate_batch(const std::vector<std::
   std::vector<bool> done(rows, false);  // a row that made a stop token
   // Each row's next token from logits [rows, V] on their device, as CausalLM picks (ops/nn/sampling.h;
   // row i's seed is sampling.seed + i, its position the new token's).
+  // The rows of the batch as it stands (prompt indices): all of them, fewer once rows finish.
+  std::vector<size_t> active(rows);
+  for (size_t i = 0; i < rows; ++i) active[i] = i;
   auto pick = [&](const Tensor& logits_all) {
+    const size_t n = active.size();
     const Tensor logits = logits_all.narrow(1, 0, cfg_.vocab_size);
-    std::vector<uint64_t> seeds(rows);
-    std::vector<int64_t> positions(rows);
-    for (size_t i = 0; i < rows; ++i) seeds[i] = sampling.seed + i, positions[i] = static_cast<int64_t>(out[i].ids.size());
+    std::vector<uint64_t> seeds(n);
+    std::vector<int64_t> positions(n);
+    for (size_t j = 0; j < n; ++j) seeds[j] = sampling.seed + active[j], positions[j] = static_cast<int64_t>(out[active[j]].ids.size());
     const std::vector<int64_t> picked =
         (sampling.temperature <= 0.0
              ? ops::argmax_checked(logits.contiguous())
              : ops::sample_checked(ops::sampling_on_device(so) ? logits : logits.to(Device::cpu()), so, seeds, positions))
             .to_i64_vector();
-    std::vector<int64_t> tokens(rows);
-    for (size_t i = 0; i < rows; ++i) {
+    std::vector<int64_t> tokens(n);
+    for (size_t j = 0; j < n; ++j) {
+      const size_t i = active[j];
       if (done[i]) {  // a finished row's pick is dropped, whatever its logits
-        tokens[i] = out[i].ids.back();
+        tokens[j] = out[i].ids.back();
         continue;
       }
-      if (const int64_t bad = picked[2 * i + 1]; bad >= 0)
+      if (const int64_t bad = picked[2 * j + 1]; bad >= 0)
         KCPP_FAIL("generate: the model produced non-finite logits ({} for token id {}) at position {}{}; check the weights "
                   "(NaN or infinite values in the safetensors) and config.json",
-                  logits.narrow(0, static_cast<int64_t>(i), 1).narrow(1, bad, 1).contiguous().to_f64_vector()[0], bad,
+                  logits.narrow(0, static_cast<int64_t>(j), 1).narrow(1, bad, 1).contiguous().to_f64_vector()[0], bad,
                   out[i].ids.size() - 1, many ? fmt::format(" of prompt {}", i) : std::string());
-      tokens[i] = picked[2 * i];
+      tokens[j] = picked[2 * j];
     }
     return tokens;
   };
@@ -554,11 +559,12 @@ std::vector<CausalLM::Generated> MambaLM::generate_batch(const std::vector<std::
   size_t live = rows;
   // Appends the picks of the rows still generating; a row stops at a token of `stops`.
   auto take = [&](const std::vector<int64_t>& tokens) {
-    for (size_t i = 0; i < rows; ++i) {
+    for (size_t j = 0; j < active.size(); ++j) {
+      const size_t i = active[j];
       if (done[i]) continue;
-      out[i].ids.push_back(tokens[i]);
-      if (on_token) on_token(i, tokens[i]);
-      if (std::find(stops.begin(), stops.end(), tokens[i]) != stops.end()) {
+      out[i].ids.push_back(tokens[j]);
+      if (on_token) on_token(i, tokens[j]);
+      if (std::find(stops.begin(), stops.end(), tokens[j]) != stops.end()) {
         out[i].reason = StopReason::StopToken;
         done[i] = true;
         --live;
@@ -569,13 +575,14 @@ std::vector<CausalLM::Generated> MambaLM::generate_batch(const std::vector<std::
   const auto t1 = clock::now();
   st.first_token_seconds = st.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
   st.prefills = static_cast<int64_t>(rows);
-  // One-token steps for every row together (a finished row keeps its place, its picks dropped: one
-  // shape for the whole generation), as a CUDA graph on CUDA (KCPP_DECODE_GRAPHS=0 turns graphs off,
-  // as for CausalLM): the first step runs eagerly (warming every kernel and library), the second is
-  // captured, every later one replays it.  A step writes its conv and SSM states in place, so the
-  // graph's addresses stay the cache's; its tokens come in through `step_ids`, overwritten before
-  // each replay, and its logits come out in the tensor the capture returned.  A capture the runtime
-  // refuses leaves the steps eager.
+  // One-token steps for the batch's rows together, as a CUDA graph on CUDA (KCPP_DECODE_GRAPHS=0
+  // turns graphs off, as for CausalLM): a batch's first step runs eagerly (warming every kernel and
+  // library), its second is captured, every later one replays it.  A step writes its conv and SSM
+  // states in place, so the graph's addresses stay the cache's; its tokens come in through
+  // `step_ids`, overwritten before each replay, and its logits come out in the tensor the capture
+  // returned.  A finished row keeps its place (its picks dropped) until half the batch has finished;
+  // then the batch keeps its live rows' states only, and the smaller batch gets a graph of its own.
+  // A capture the runtime refuses leaves the steps eager.
   auto env_is = [](const char* name, const char* value) {
     const char* e = std::getenv(name);
     return e && std::string(e) == value;
@@ -583,8 +590,8 @@ std::vector<CausalLM::Generated> MambaLM::generate_batch(const std::vector<std::
   bool graphs = device_.is_cuda() && cuda_graphs_compiled() && !profile::enabled() && !env_is("KCPP_DECODE_GRAPHS", "0");
   CudaGraph graph;
   Tensor step_ids, step_logits;
-  const int64_t b = static_cast<int64_t>(rows);
   auto decode_step = [&](const std::vector<int64_t>& tokens) -> Tensor {
+    const int64_t b = static_cast<int64_t>(tokens.size());
     const Tensor host = Tensor::from_i64(tokens, {b, 1}, DType::i64, Device::cpu());
     if (!graphs) return forward(host.to(device_), &cache);
     if (!step_ids.defined()) {
@@ -612,12 +619,29 @@ std::vector<CausalLM::Generated> MambaLM::generate_batch(const std::vector<std::
     ++cache.length;
     return step_logits;
   };
-  std::vector<int64_t> tokens(rows);
+  // The live rows' states only, in the batch's order; the graph of the larger batch dropped.
+  auto compact = [&] {
+    std::vector<int64_t> keep;
+    std::vector<size_t> rest;
+    for (size_t j = 0; j < active.size(); ++j)
+      if (!done[active[j]]) keep.push_back(static_cast<int64_t>(j)), rest.push_back(active[j]);
+    auto rows_of = [&](const Tensor& t) {
+      std::vector<Tensor> parts;
+      for (int64_t j : keep) parts.push_back(t.narrow(0, j, 1));
+      return ops::cat(parts, 0).contiguous();
+    };
+    graph.reset();
+    step_ids = Tensor(), step_logits = Tensor();
+    for (size_t li = 0; li < layers_.size(); ++li) cache.conv[li] = rows_of(cache.conv[li]), cache.ssm[li] = rows_of(cache.ssm[li]);
+    active = std::move(rest);
+  };
   for (int64_t step = 1; step < max_new_tokens && live > 0; ++step) {
-    for (size_t i = 0; i < rows; ++i) tokens[i] = out[i].ids.back();
+    if (live <= active.size() / 2) compact();
+    std::vector<int64_t> tokens(active.size());
+    for (size_t j = 0; j < active.size(); ++j) tokens[j] = out[active[j]].ids.back();
     const Tensor logits = decode_step(tokens);
     const size_t before = live;
-    take(pick(logits.view({b, logits.size(2)})));
+    take(pick(logits.view({static_cast<int64_t>(active.size()), logits.size(2)})));
     st.decode_tokens += static_cast<int64_t>(before);
   }
   st.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();

@@ -103,8 +103,9 @@ class MambaLM : public nn::Module {
                                 const std::vector<int64_t>* stop = nullptr, StopReason* reason = nullptr,
                                 CausalLM::GenerationStats* stats = nullptr);
   // Several prompts, as CausalLM::generate_batch: each prompt's forward alone (no padding enters a
-  // state), then one-token steps for all rows together, a finished row keeping its place (its picks
-  // dropped) so that every step has one shape (one CUDA graph).  Row i samples with seed
+  // state), then one-token steps for all rows together (a CUDA graph a batch size), a finished row
+  // keeping its place (its picks dropped) until half the batch has finished, when the live rows'
+  // states are kept and the rest dropped.  Row i samples with seed
   // sampling.seed + i, so it makes the tokens generate() makes for it alone with that seed, up to the
   // batched products' roundings.  on_token(row, token) sees each new token as it is picked.  Stats:
   // prefills counts the prompts; the first token comes after every prompt's forward.
