@@ -230,9 +230,11 @@ def main():
                 for variant in filter(None, a.variants.split(",")):  # the same run with a switch of kcpp's set
                     label, _, setting = variant.partition(":")
                     var, _, value = setting.partition("=")
-                    u, _ = kcpp_run(a.kcpp, folder, ids.tolist(), a.new, env={var: value})
+                    u, verr = kcpp_run(a.kcpp, folder, ids.tolist(), a.new, env={var: value})
                     if u is not None:
                         line += f" | {label} decode {u['decode_tokens'] / max(u['decode_seconds'], 1e-9):8.0f}"
+                    else:
+                        line += f" | {label} failed: {verr}"
                 # In bf16 near ties part the rows early; the f32 parity below is the check.
                 if out_eager is not None:
                     same = sum(1 for r in range(batch) if stats["ids"][r] == out_eager[r].tolist())
