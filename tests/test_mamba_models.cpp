@@ -244,7 +244,9 @@ TEST_P(MambaFamilies, FusedDecodeStepsFollowTheSlots) {
   const fs::path dir = fs::path(test::fixtures_dir()) / GetParam();
   const Tensor ids = SafetensorsFile::open(dir / "expected.safetensors").view("input_ids");
   const test::ScopedEnv on("KCPP_MAMBA_DECODE_FUSED", "1");  // opt-in (ops/nn/mamba_decode.h)
-  ASSERT_TRUE(ops::mamba_decode_fused(dev, DType::bf16, ids.size(0)));
+  const models::MambaConfig cfg = models::MambaConfig::from_folder(dir);
+  ASSERT_TRUE(ops::mamba_decode_fused(
+      dev, DType::bf16, {ids.size(0), cfg.hidden_size, cfg.time_step_rank, cfg.state_size, cfg.conv_kernel}));
   std::string tmpl = (fs::temp_directory_path() / "kcpp-mamba-fused-XXXXXX").string();
   const fs::path plain_dir = ::mkdtemp(tmpl.data());
   fs::copy(dir, plain_dir, fs::copy_options::recursive | fs::copy_options::overwrite_existing);

@@ -335,14 +335,7 @@ Tensor MambaLM::layer_forward(size_t li, const Tensor& h, LayerTape* t, Cache* c
   auto channels_first = [&](const Tensor& m, int64_t width) { return m.contiguous().view({b, s, width}).transpose(1, 2).contiguous(); };
   const Tensor dt = channels_first(ops::matmul(dt_low, l.w_dt, false, true), d);  // [B, D, L], before bias and softplus
   const Tensor Bm = channels_first(xdbl.narrow(1, r, st), st), Cm = channels_first(xdbl.narrow(1, r + st, st), st);
-  Tensor A;
-  if (decode) {
-    if (cache->A.size() != layers_.size()) cache->A.assign(layers_.size(), Tensor());
-    if (!cache->A[li].defined()) cache->A[li] = ops::neg(ops::exp(l.A_log));
-    A = cache->A[li];
-  } else {
-    A = ops::neg(ops::exp(l.A_log));
-  }
+  const Tensor A = decode ? cached_A(*cache, li) : ops::neg(ops::exp(l.A_log));
   Tensor y;  // [B, D, L]
   if (decode) {
     auto step = [&](int64_t p) {
@@ -373,10 +366,13 @@ Tensor MambaLM::layer_forward(size_t li, const Tensor& h, LayerTape* t, Cache* c
 
 bool MambaLM::decode_fused_possible(int64_t rows) const {
   const MambaConfig& c = cfg_;
-  // The ops' limits: the convolution's width, in_proj's rows in shared memory (2 bytes an element,
-  // well under what an SM gives a block), the state step's staging.
-  return ops::mamba_decode_fused(device_, dtype_, rows) && c.conv_kernel <= 4 && c.hidden_size % 8 == 0 &&
-         2 * rows * c.hidden_size <= 96 * 1024 && 4 * rows * (c.time_step_rank + 2 * c.state_size) <= ops::kMambaStageBytes;
+  return ops::mamba_decode_fused(device_, dtype_, {rows, c.hidden_size, c.time_step_rank, c.state_size, c.conv_kernel});
+}
+
+const Tensor& MambaLM::cached_A(Cache& cache, size_t li) const {
+  if (cache.A.size() != layers_.size()) cache.A.assign(layers_.size(), Tensor());
+  if (!cache.A[li].defined()) cache.A[li] = ops::neg(ops::exp(layers_[li].A_log));
+  return cache.A[li];
 }
 
 Tensor MambaLM::decode_layers_fused(const Tensor& h, Cache& cache) {
@@ -384,9 +380,8 @@ Tensor MambaLM::decode_layers_fused(const Tensor& h, Cache& cache) {
   const int64_t b = h.size(0), hd = c.hidden_size;
   // Every layer's A, and contiguous states, before the layers' chain of launches (once, at the first
   // step): the state step reads A before it waits for the kernel ahead of it (ops/cuda/pdl.cuh).
-  if (cache.A.size() != layers_.size()) cache.A.assign(layers_.size(), Tensor());
   for (size_t li = 0; li < layers_.size(); ++li) {
-    if (!cache.A[li].defined()) cache.A[li] = ops::neg(ops::exp(layers_[li].A_log));
+    (void)cached_A(cache, li);
     if (!cache.ssm[li].is_contiguous()) cache.ssm[li] = cache.ssm[li].contiguous();
     if (!cache.conv[li].is_contiguous()) cache.conv[li] = cache.conv[li].contiguous();
   }
@@ -400,7 +395,7 @@ Tensor MambaLM::decode_layers_fused(const Tensor& h, Cache& cache) {
     x = in.s;
     ops::MambaSsmStep st;
     st.xz = in.xz, st.xc = in.xc, st.xdbl = ops::matmul(in.xc, l.w_x, false, true), st.w_dt = l.w_dt, st.dt_bias = l.b_dt;
-    st.A = cache.A[li], st.D = l.D, st.ssm_state = cache.ssm[li];
+    st.A = cached_A(cache, li), st.D = l.D, st.ssm_state = cache.ssm[li];
     st.dt_softplus = l.scan->options.delta_softplus, st.bc_rms_eps = l.scan->options.bc_rms_eps;
     if (l.dt_norm) st.dt_rms_eps = l.dt_norm->options.eps;
     delta = linear(ops::mamba_ssm_step(st), l.w_out, l.b_out);
@@ -495,11 +490,11 @@ std::vector<CausalLM::Generated> MambaLM::generate_batch(const std::vector<std::
   }
   const ops::SampleOptions so{sampling.temperature, sampling.top_k, sampling.top_p};
   std::vector<bool> done(rows, false);  // a row that made a stop token
-  // Each row's next token from logits [rows, V] on their device, as CausalLM picks (ops/nn/sampling.h;
-  // row i's seed is sampling.seed + i, its position the new token's).
   // The rows of the batch as it stands (prompt indices): all of them, fewer once rows finish.
   std::vector<size_t> active(rows);
   for (size_t i = 0; i < rows; ++i) active[i] = i;
+  // The batch's rows' next tokens from logits [active rows, V] on their device, as CausalLM picks
+  // (ops/nn/sampling.h; prompt i's seed is sampling.seed + i, its position the new token's).
   auto pick = [&](const Tensor& logits_all) {
     const size_t n = active.size();
     const Tensor logits = logits_all.narrow(1, 0, cfg_.vocab_size);

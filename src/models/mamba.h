@@ -153,6 +153,8 @@ class MambaLM : public nn::Module {
   // returns the residual after the last layer.  decode_fused_possible: whether it takes `rows` rows.
   Tensor decode_layers_fused(const Tensor& h, Cache& cache);
   bool decode_fused_possible(int64_t rows) const;
+  // Layer li's A = -exp(A_log), made once a cache (the weights do not change while it decodes).
+  const Tensor& cached_A(Cache& cache, size_t li) const;
   // tapes: every layer's saved activations; inputs: only each layer's input (checkpointing).
   Tensor hidden_states(const Tensor& input_ids, std::vector<LayerTape>* tapes, nn::RMSNorm::Saved* final_saved, Cache* cache,
                        std::vector<Tensor>* inputs = nullptr);

@@ -44,16 +44,19 @@ void check_f32(const Tensor& t, const Tensor& ref, const Shape& shape, const cha
 
 }  // namespace
 
-bool mamba_decode_fused(Device device, DType dtype, int64_t rows) {
+bool mamba_decode_fused(Device device, DType dtype, const MambaDecodeShape& shape) {
 #if KCPP_WITH_CUDA
   auto env_is = [](const char* name, const char* value) {
     const char* e = std::getenv(name);
     return e && std::string(e) == value;
   };
   if (!env_is("KCPP_MAMBA_DECODE_FUSED", "1") || env_is("KCPP_DECODE_FUSED", "0")) return false;
-  return device.is_cuda() && (dtype == DType::bf16 || dtype == DType::f16) && rows >= 1 && rows <= kFusedLinearMaxRows;
+  const int64_t m = shape.rows;
+  return device.is_cuda() && (dtype == DType::bf16 || dtype == DType::f16) && m >= 1 && m <= kFusedLinearMaxRows &&
+         shape.hidden % 8 == 0 && 2 * m * shape.hidden <= kMambaRowsBytes && shape.conv_width >= 1 &&
+         shape.conv_width <= kMaxConvWidth && 4 * m * (shape.rank + 2 * shape.states) <= kMambaStageBytes;
 #else
-  (void)device, (void)dtype, (void)rows;
+  (void)device, (void)dtype, (void)shape;
   return false;
 #endif
 }
@@ -112,7 +115,10 @@ MambaNormInProj mamba_norm_in_proj(const Tensor& x, const Tensor& delta, const T
     check_shape(conv_b, {d}, op, "conv_b");
     check_contiguous(conv_b, op, "conv_b");
   }
-  KCPP_CHECK(h % 8 == 0 && h <= (int64_t{1} << 30), "op {}: rows of {} elements; the kernel takes a multiple of 8", op, h);
+  KCPP_CHECK(h % 8 == 0 && 2 * m * h <= kMambaRowsBytes,
+             "op {}: x has {} row(s) of {} elements; the kernel takes widths that are multiples of 8, and up to {} bytes of "
+             "rows in all",
+             op, m, h, kMambaRowsBytes);
   KCPP_CHECK(d <= (int64_t{1} << 29), "op {}: {} channels is more than the kernel indexes", op, d);
   for (const auto& [t, arg] : {std::pair{&x, "x"}, std::pair{&w_in, "w_in"}, std::pair{&norm_weight, "norm_weight"},
                                std::pair{&delta, "delta"}})

@@ -33,11 +33,23 @@
 
 namespace kcpp::ops {
 
-// Whether the model's step takes the ops for `rows` rows of `dtype` on `device` (the shapes and
-// alignment aside; the ops check them).  Opt-in, KCPP_MAMBA_DECODE_FUSED=1, until this form has been
-// timed on a GPU against the slots' step (bench/RESULTS.md: a first form, the convolution in x_proj's
-// prologue, was slower); KCPP_DECODE_FUSED=0: never.
-bool mamba_decode_fused(Device device, DType dtype, int64_t rows);
+// The most bytes of in_proj's input rows (16-bit, every row) mamba_norm_in_proj keeps in a block's
+// shared memory: 2 M H bytes must fit (well under what an SM gives a block, so that blocks share one).
+constexpr int64_t kMambaRowsBytes = 96 * 1024;
+// The most bytes of dt_low, B and C (f32, every row) mamba_ssm_step stages in a block's shared memory
+// (48 KiB less the kernel's own): 4 M (R + 2N) bytes must fit.
+constexpr int64_t kMambaStageBytes = 48 * 1024 - 256;
+
+// A model's step, as the ops see it.
+struct MambaDecodeShape {
+  int64_t rows = 0, hidden = 0, rank = 0, states = 0, conv_width = 0;
+};
+
+// Whether a model's step of `shape` in `dtype` on `device` can take the ops (their limits above; the
+// alignment of its tensors the ops check).  Opt-in, KCPP_MAMBA_DECODE_FUSED=1, until this form has
+// been timed on a GPU against the slots' step (bench/RESULTS.md: a first form, the convolution in
+// x_proj's prologue, was slower); KCPP_DECODE_FUSED=0: never.
+bool mamba_decode_fused(Device device, DType dtype, const MambaDecodeShape& shape);
 
 struct MambaNormInProj {
   Tensor s;   // [M, H], the residual stream (x's dtype)
@@ -51,10 +63,6 @@ struct MambaNormInProj {
 MambaNormInProj mamba_norm_in_proj(const Tensor& x, const Tensor& delta, const Tensor& norm_weight, const RMSNormOptions& opt,
                                    const Tensor& w_in, const Tensor& b_in, const Tensor& conv_state, const Tensor& conv_w,
                                    const Tensor& conv_b);
-
-// The most bytes of dt_low, B and C (f32, every row) mamba_ssm_step stages in a block's shared memory
-// (48 KiB less the kernel's own): M (R + 2N) 4 bytes must fit.
-constexpr int64_t kMambaStageBytes = 48 * 1024 - 256;
 
 struct MambaSsmStep {
   Tensor xz;          // [M, 2D], step 1's: its second half is the gate z
