@@ -5,7 +5,7 @@
 # fused steps against the slots'; with kcpp_package_tests packed, the kernelized models' batched
 # generation as a CUDA graph), then `kcpp generate` at Mamba-1.4B and Falcon-Mamba-7B dimensions
 # (random bf16 weights made on the GPU, no Transformers rows): the slots' step as a CUDA graph beside
-# the fused one (KCPP_MAMBA_DECODE_FUSED=1), at the batches KCPP_MAMBA_BATCHES names (default 1,4).
+# the fused one (the default; the slots' with KCPP_MAMBA_DECODE_FUSED=0), at the batches KCPP_MAMBA_BATCHES names (default 1,4).
 # KCPP_GEN_ARGS adds options to bench/generate.py.  About 3 minutes on an H100.
 set -uo pipefail
 source "$(dirname "$0")/device-env.sh"
@@ -23,5 +23,5 @@ if [ -x .devlibs/bin/kcpp_package_tests ]; then  # kernelized, batched generatio
 fi
 echo "== bench/generate.py"
 timeout 420 python3 bench/generate.py --kcpp .devlibs/bin/kcpp --models mamba,falcon_mamba --batches "${KCPP_MAMBA_BATCHES:-1,4}" \
-  --new 128 --prefill 0 --skip-parity --skip-hf --variants fused:KCPP_MAMBA_DECODE_FUSED=1 ${KCPP_GEN_ARGS:-} 2>&1 |
+  --new 128 --prefill 0 --skip-parity --skip-hf --variants slots:KCPP_MAMBA_DECODE_FUSED=0 ${KCPP_GEN_ARGS:-} 2>&1 |
   grep -vE "deprecated|warn" | tail -n 12

@@ -417,7 +417,7 @@ TEST_P(DecodeFused, MambaStepMatchesTheOracle) {
   EXPECT_ERROR(bad_call(1, 24, 4, 2, DType::bf16), "K <= 4");
   EXPECT_ERROR(bad_call(1, 24, 5, 4, DType::bf16), "width 1 to 4");
   EXPECT_ERROR(bad_call(5, 24, 4, 3, DType::bf16), "5 rows");
-  EXPECT_ERROR(bad_call(1, 12, 4, 3, DType::bf16), "rows of 12 elements");
+  EXPECT_ERROR(bad_call(1, 12, 4, 3, DType::bf16), "row(s) of 12 elements");
   EXPECT_ERROR(bad_call(1, 24, 4, 3, DType::f16), "x is f16");
   ops::MambaSsmStep st;
   st.xz = Tensor::randn({1, 16}, DType::bf16, dev, gen), st.xc = Tensor::randn({1, 8}, DType::bf16, dev, gen);

@@ -234,7 +234,7 @@ TEST_P(MambaFamilies, Bf16KeepsTheResidualInF32AsTransformers) {
   EXPECT_TRUE(test::close_l2(ops::cat(parts, 1), logits.to_f64_vector(), test::composite_rel_l2(DType::bf16)));
 }
 
-// On CUDA in bf16 with KCPP_MAMBA_DECODE_FUSED=1 a one-token step runs as the fused ops
+// On CUDA in bf16 a one-token step runs as the fused ops
 // (ops/nn/mamba_decode.h): its logits and both states follow the slots' steps (KCPP_DECODE_FUSED=0)
 // and the full pass, to bf16's rounding; as saved (biases, the f32 residual) and as the released
 // models are (no in_proj / out_proj biases) with the residual in the dtype.
@@ -243,7 +243,7 @@ TEST_P(MambaFamilies, FusedDecodeStepsFollowTheSlots) {
   KCPP_REQUIRE_DEVICE(dev);
   const fs::path dir = fs::path(test::fixtures_dir()) / GetParam();
   const Tensor ids = SafetensorsFile::open(dir / "expected.safetensors").view("input_ids");
-  const test::ScopedEnv on("KCPP_MAMBA_DECODE_FUSED", "1");  // opt-in (ops/nn/mamba_decode.h)
+  const test::ScopedEnv on("KCPP_MAMBA_DECODE_FUSED", "1");  // the default, whatever the caller's environment
   const models::MambaConfig cfg = models::MambaConfig::from_folder(dir);
   ASSERT_TRUE(ops::mamba_decode_fused(
       dev, DType::bf16, {ids.size(0), cfg.hidden_size, cfg.time_step_rank, cfg.state_size, cfg.conv_kernel}));

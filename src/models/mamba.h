@@ -22,8 +22,8 @@
 // and decodes through the CausalConv1dUpdate and SelectiveStateUpdate slots; on CUDA in bf16 / f16
 // (up to 4 rows) a one-token step runs instead as four launches a layer (ops/nn/mamba_decode.h: the
 // norm, in_proj and the convolution; x_proj; dt_proj with the state update; out_proj), the same
-// maths with the slots' kernels bypassed as CausalLM's fused decode bypasses its own.  Opt-in
-// (KCPP_MAMBA_DECODE_FUSED=1) until it has been timed on a GPU against the slots' step.
+// maths with the slots' kernels bypassed as CausalLM's fused decode bypasses its own
+// (KCPP_MAMBA_DECODE_FUSED=0 keeps the slots).
 #pragma once
 
 #include <filesystem>

@@ -50,7 +50,7 @@ bool mamba_decode_fused(Device device, DType dtype, const MambaDecodeShape& shap
     const char* e = std::getenv(name);
     return e && std::string(e) == value;
   };
-  if (!env_is("KCPP_MAMBA_DECODE_FUSED", "1") || env_is("KCPP_DECODE_FUSED", "0")) return false;
+  if (env_is("KCPP_MAMBA_DECODE_FUSED", "0") || env_is("KCPP_DECODE_FUSED", "0")) return false;
   const int64_t m = shape.rows;
   return device.is_cuda() && (dtype == DType::bf16 || dtype == DType::f16) && m >= 1 && m <= kFusedLinearMaxRows &&
          shape.hidden % 8 == 0 && 2 * m * shape.hidden <= kMambaRowsBytes && shape.conv_width >= 1 &&

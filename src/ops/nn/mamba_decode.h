@@ -46,9 +46,9 @@ struct MambaDecodeShape {
 };
 
 // Whether a model's step of `shape` in `dtype` on `device` can take the ops (their limits above; the
-// alignment of its tensors the ops check).  Opt-in, KCPP_MAMBA_DECODE_FUSED=1, until this form has
-// been timed on a GPU against the slots' step (bench/RESULTS.md: a first form, the convolution in
-// x_proj's prologue, was slower); KCPP_DECODE_FUSED=0: never.
+// alignment of its tensors the ops check).  The default (faster than the slots' step as a CUDA graph
+// at batch 1 on both families, level at Falcon-Mamba-7B's batch 4: bench/RESULTS.md);
+// KCPP_MAMBA_DECODE_FUSED=0 or KCPP_DECODE_FUSED=0: never.
 bool mamba_decode_fused(Device device, DType dtype, const MambaDecodeShape& shape);
 
 struct MambaNormInProj {
