@@ -840,6 +840,48 @@ TEST(Dist, Bf16ReplicasStayTheSame) {
   }
 }
 
+// The dtype of the sums across ranks: unset, bf16 for a bf16 model (half stage 1's flat buffers of
+// f32 sums, up to padding) and f32 for an f32 one; given, the one given.  Summed in bf16 the step's gradient norm
+// stays within bf16's rounding of the f32 sums' on 3 ranks.
+TEST(Dist, ReduceDtypeFollowsTheParameters) {
+  const models::ModelConfig cfg = odd_llama();
+  Generator gen(12);
+  const Tensor ids = Tensor::randint({3, 8}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen);
+  train::AdamWOptions o;
+  o.lr = 1e-2;
+  struct Got {
+    DType reduce;
+    size_t grad_bytes;
+    std::vector<double> norms;
+  };
+  auto run = [&](DType weights, std::optional<DType> reduce) {
+    std::vector<Got> got(3);
+    on_ranks(3, [&](int r, dist::Communicator& c) {
+      auto model = models::CausalLM::random(cfg, weights, Device::cpu(), 4, 0.5);
+      train::DataParallelOptions dp;
+      dp.zero_stage = 1, dp.bucket_mib = 0.02, dp.reduce_dtype = reduce;
+      train::DataParallel t(*model, c, o, dp);
+      Got& g = got[static_cast<size_t>(r)];
+      g.reduce = t.reduce_dtype(), g.grad_bytes = t.gradient_bytes();
+      const Tensor mine = ids.narrow(0, r, 1).contiguous();
+      for (int step = 0; step < 2; ++step) g.norms.push_back(t.step({{mine, mine}}).grad_norm);
+    });
+    return got[0];
+  };
+  const Got bf16 = run(DType::bf16, std::nullopt), f32_sums = run(DType::bf16, DType::f32), f32 = run(DType::f32, std::nullopt);
+  EXPECT_EQ(bf16.reduce, DType::bf16);
+  EXPECT_EQ(f32_sums.reduce, DType::f32);
+  EXPECT_EQ(f32.reduce, DType::f32);
+  // (Buckets of about bucket_mib of sums: their boundaries, and so their padding, follow the dtype.)
+  EXPECT_NEAR(2.0 * static_cast<double>(bf16.grad_bytes), static_cast<double>(f32_sums.grad_bytes), 0.01 * f32_sums.grad_bytes);
+  EXPECT_EQ(f32.grad_bytes, f32_sums.grad_bytes);
+  for (size_t s = 0; s < 2; ++s) {
+    EXPECT_GT(f32_sums.norms[s], 0.0);
+    EXPECT_NEAR(bf16.norms[s], f32_sums.norms[s], 1e-2 * f32_sums.norms[s]) << "step " << s;
+  }
+  EXPECT_ERROR(run(DType::bf16, DType::i32), "reduce_dtype i32 is not a floating dtype");
+}
+
 // The sparse embedding gradient's parts: with sparse_embedding_gradient an untied model returns the
 // gradient of the embedding's output (its rows summed by token are the dense gradient, bit for bit)
 // and hands no embedding gradient to `ready`; a tied model's embedding gradient stays dense.  A

@@ -246,9 +246,15 @@ DataParallel::DataParallel(models::CausalLM& model, dist::Communicator& comm, Ad
             KCPP_CHECK(o.embedding_gradient != EmbeddingGradient::Sparse || !model.config().tie_word_embeddings,
                        "data parallel: a sparse embedding gradient was asked for, but the model's lm_head is tied to the "
                        "embedding, whose gradient is then dense; use the automatic choice or the dense one");
-            KCPP_CHECK(o.reduce_dtype == DType::f32 || o.reduce_dtype == DType::f64 || o.reduce_dtype == DType::bf16 ||
-                           o.reduce_dtype == DType::f16,
-                       "data parallel: reduce_dtype {} is not a floating dtype", dtype_name(o.reduce_dtype));
+            if (o.reduce_dtype) {
+              const DType r = *o.reduce_dtype;
+              KCPP_CHECK(r == DType::f32 || r == DType::f64 || r == DType::bf16 || r == DType::f16,
+                         "data parallel: reduce_dtype {} is not a floating dtype (f32, f64, bf16 or f16)", dtype_name(r));
+              reduce_dtype_ = r;
+            } else {
+              const bool all_bf16 = std::all_of(params_.begin(), params_.end(), [](const auto& np) { return np.second.dtype() == DType::bf16; });
+              reduce_dtype_ = all_bf16 ? DType::bf16 : DType::f32;
+            }
             for (size_t i = 0; i < params_.size(); ++i) index_of_[params_[i].first] = i;
             KCPP_CHECK(index_of_.count(kEmbedding) > 0, "data parallel: the model has no parameter '{}'", kEmbedding);
             embed_param_ = index_of_.at(kEmbedding);
@@ -581,7 +587,7 @@ size_t DataParallel::peak_parameter_bytes() const { return options_.zero_stage =
 std::vector<std::pair<std::string, Tensor>> DataParallel::shard_layout() {
   const int64_t world = comm_.world_size(), rank = comm_.rank();
   const size_t bucket_bytes = static_cast<size_t>(options_.bucket_mib * (1 << 20));
-  const size_t es = dtype_size(options_.reduce_dtype);
+  const size_t es = dtype_size(reduce_dtype_);
   // The model's parameters last first, roughly the order the backward finishes them, so that the
   // first buckets are complete early in it; a new bucket when one is full or the dtype changes (at
   // stage 3 also where the group changes: a bucket is gathered with its group).
@@ -631,10 +637,10 @@ std::vector<std::pair<std::string, Tensor>> DataParallel::shard_layout() {
       }
     }
     if (options_.zero_stage == 1) {  // kept between steps, reduce-scattered in place
-      b.flat = Tensor::zeros({world * b.shard}, options_.reduce_dtype, comm_.device());
+      b.flat = Tensor::zeros({world * b.shard}, reduce_dtype_, comm_.device());
       b.grad = b.flat.narrow(0, lo, b.shard);
     } else {
-      b.grad = Tensor::zeros({b.shard}, options_.reduce_dtype, comm_.device());
+      b.grad = Tensor::zeros({b.shard}, reduce_dtype_, comm_.device());
     }
   }
   return shard;
@@ -658,7 +664,7 @@ StateSlices DataParallel::slices() const {
 Tensor DataParallel::pack(const std::vector<std::string>& names, const std::map<std::string, Tensor>& grads) const {
   int64_t total = 0;
   for (const std::string& n : names) total += grads.at(n).numel();
-  const Tensor flat = Tensor::empty({total}, options_.reduce_dtype, grads.at(names.front()).device());
+  const Tensor flat = Tensor::empty({total}, reduce_dtype_, grads.at(names.front()).device());
   int64_t at = 0;
   for (const std::string& n : names) {
     const Tensor& g = grads.at(n);
@@ -686,7 +692,7 @@ void DataParallel::unpack(const std::vector<std::string>& names, const Tensor& f
 
 void DataParallel::reduce_gradients(std::map<std::string, Tensor>& grads, const std::vector<char>& anywhere, size_t skip) {
   const size_t bucket_bytes = static_cast<size_t>(options_.bucket_mib * (1 << 20));
-  const size_t es = dtype_size(options_.reduce_dtype);
+  const size_t es = dtype_size(reduce_dtype_);
   std::vector<std::string> bucket;
   size_t bytes = 0;
   auto flush = [&] {
@@ -928,7 +934,7 @@ bool DataParallel::sparse_embedding(int64_t rows_max) const {
   const Tensor& e = params_[embed_param_].second;
   const double w = static_cast<double>(comm_.world_size()), v = static_cast<double>(e.size(0)), h = static_cast<double>(e.size(1));
   const double sparse = (w - 1) * static_cast<double>(rows_max) * (h * static_cast<double>(e.element_size()) + 8);
-  const double dense = (options_.zero_stage == 0 ? 2 : 1) * (w - 1) / w * v * h * static_cast<double>(dtype_size(options_.reduce_dtype));
+  const double dense = (options_.zero_stage == 0 ? 2 : 1) * (w - 1) / w * v * h * static_cast<double>(dtype_size(reduce_dtype_));
   return sparse < dense;
 }
 
@@ -984,7 +990,7 @@ void DataParallel::reduce_scatter_bucket(size_t bi, const std::map<std::string, 
   Bucket& b = buckets_[bi];
   // [world * shard] in reduce_dtype: the parameters' gradients (zeros for one this rank has none
   // of), then zeros to the end.  Stage 1 packs into its kept buffer, stage 2 into one for this step.
-  Tensor flat = b.flat.defined() ? b.flat : Tensor::empty({comm_.world_size() * b.shard}, options_.reduce_dtype, comm_.device());
+  Tensor flat = b.flat.defined() ? b.flat : Tensor::empty({comm_.world_size() * b.shard}, reduce_dtype_, comm_.device());
   for (size_t j = 0; j < b.params.size(); ++j) {
     const auto& [name, p] = params_[b.params[j]];
     const Tensor part = flat.narrow(0, b.offset[j], p.numel()).view(p.shape());
@@ -1144,7 +1150,7 @@ StepResult DataParallel::step_replicated(const std::vector<MicroBatch>& micro, i
     ready = [&](const std::string& name, const Tensor& g) {
       whole.emplace(name, g);
       filling.push_back(name);
-      filling_bytes += static_cast<size_t>(g.numel()) * dtype_size(options_.reduce_dtype);
+      filling_bytes += static_cast<size_t>(g.numel()) * dtype_size(reduce_dtype_);
       // Full, or the step's last gradient (every parameter has one: no MoE layers).
       if (filling_bytes >= bucket_bytes || ++handed == params_.size()) send();
     };

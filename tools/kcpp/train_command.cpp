@@ -22,8 +22,8 @@
 // the parameters all-gathered), --zero 2 the gradients too, --zero 3 the parameters too (each layer's
 // gathered for its forward and its backward at its use, --prefetch: during the use before it;
 // every rank gathers them all at the end, for rank 0's sample and save); the gradients are summed in
-// buckets during the backward (--no-overlap: after it, and no gather ahead), in f32 (--reduce-dtype
-// bf16: in bf16), the embedding's dense (--embedding-grad sparse: as the rows of every GPU's
+// buckets during the backward (--no-overlap: after it, and no gather ahead), in bf16 for bf16 weights
+// and f32 otherwise (--reduce-dtype f32 / bf16 chooses), the embedding's dense (--embedding-grad sparse: as the rows of every GPU's
 // tokens; auto: sparse when that moves fewer bytes); --overlap-param-gather defers the all-gather of --zero 1 and 2 to the next
 // forward.  The end of a run prints the communication the steps waited for after the backward.
 // --vocab gives the generated model rows past its byte-level tokens (Llama-3's 128256).
@@ -100,7 +100,7 @@ struct TrainArgs {
   int64_t gpus = 1, zero = 0;
   bool no_overlap = false, prefetch = false, overlap_param_gather = false;
   std::string embedding_grad = "dense";  // --embedding-grad: dense, sparse, auto
-  std::string reduce_dtype = "f32";     // --reduce-dtype: the gradients' dtype on the wire
+  std::string reduce_dtype = "auto";    // --reduce-dtype: the gradients' dtype on the wire
   std::string resume;  // --resume DIR
 };
 
@@ -311,7 +311,7 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
     dpo.overlap = !a.no_overlap;
     dpo.prefetch = a.prefetch;
     dpo.overlap_parameter_gather = a.overlap_param_gather;
-    dpo.reduce_dtype = a.reduce_dtype == "bf16" ? DType::bf16 : DType::f32;
+    if (a.reduce_dtype != "auto") dpo.reduce_dtype = a.reduce_dtype == "bf16" ? DType::bf16 : DType::f32;
     dpo.embedding_gradient = a.embedding_grad == "sparse"  ? train::EmbeddingGradient::Sparse
                              : a.embedding_grad == "dense" ? train::EmbeddingGradient::Dense
                                                            : train::EmbeddingGradient::Auto;
@@ -406,7 +406,8 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
   if (dp) {
     const train::DataParallel::CommStats c = dp->comm_stats();
     if (c.timed > 0)
-      comm = fmt::format("; communication after the backward {:.2f} ms a step{}, embedding gradient {}", c.after_backward_ms / c.timed,
+      comm = fmt::format("; gradients summed in {}, communication after the backward {:.2f} ms a step{}, embedding gradient {}",
+                         dtype_name(dp->reduce_dtype()), c.after_backward_ms / c.timed,
                          a.zero == 0 || a.zero == 3 ? ""
                          : a.overlap_param_gather ? ", parameter all-gather overlapped with the forward"
                                                   : fmt::format(", parameter all-gather {:.2f} ms", c.parameter_gather_ms / c.timed),
@@ -680,8 +681,8 @@ int run_train(TrainArgs a) {
              "kcpp train: --attention-kernel is '{}'; expected auto, on or off", a.attention_kernel);
   KCPP_CHECK(a.dtype == "f32" || a.dtype == "bf16" || a.dtype == "f16", "kcpp train: --dtype is '{}'; expected f32, bf16 or f16",
              a.dtype);
-  KCPP_CHECK(a.reduce_dtype == "f32" || a.reduce_dtype == "bf16", "kcpp train: --reduce-dtype is '{}'; expected f32 or bf16",
-             a.reduce_dtype);
+  KCPP_CHECK(a.reduce_dtype == "auto" || a.reduce_dtype == "f32" || a.reduce_dtype == "bf16",
+             "kcpp train: --reduce-dtype is '{}'; expected auto, f32 or bf16", a.reduce_dtype);
   KCPP_CHECK(a.embedding_grad == "auto" || a.embedding_grad == "sparse" || a.embedding_grad == "dense",
              "kcpp train: --embedding-grad is '{}'; expected auto, sparse or dense", a.embedding_grad);
   KCPP_CHECK((a.model.empty() && a.resume.empty()) || (!a.given_hidden && !a.given_layers && !a.given_vocab),
@@ -944,8 +945,8 @@ void add_train_command(CLI::App& app, Action& action) {
                 "lm_head is always dense). Dense is the default: on two H200s the sparse path waited longer (bench/RESULTS.md)")
       ->capture_default_str();
   t->add_option("--reduce-dtype", args->reduce_dtype,
-                "With --gpus: the dtype the gradients are summed in across the GPUs: f32, or bf16 (half the traffic, "
-                "rounded at every sum)")
+                "With --gpus: the dtype the gradients are summed in across the GPUs: f32, bf16 (half the traffic, "
+                "rounded at every sum) or auto (bf16 for bf16 weights, as FSDP2 sums them; else f32)")
       ->capture_default_str();
   t->add_flag("--overlap-param-gather", args->overlap_param_gather,
               "With --gpus --zero 1 or 2: all-gather the updated parameters during the next forward, each layer's waited "
