@@ -67,3 +67,21 @@ if [ -n "${KCPP_MGPU_WEAK:-}" ]; then
     g=$((g * 2))
   done
 fi
+# KCPP_MGPU_FSDP2=1: issue 27's comparison at Llama-3's vocabulary, on every GPU with 4 x 2048 tokens
+# a GPU: `kcpp train --gpus N --zero 1 --overlap-param-gather` beside Transformers under PyTorch FSDP2
+# with Liger's kernels and with kcpp's (bench/fsdp2_step.py: the same dimensions; Liger's source in
+# .anchors/src, carried), and each on one GPU.  KCPP_MGPU_FSDP2_ARGS adds options to both (default
+# "--hidden 4096 --layers 4 --vocab 128256").
+if [ "${KCPP_MGPU_FSDP2:-0}" = 1 ]; then
+  dims=${KCPP_MGPU_FSDP2_ARGS:---hidden 4096 --layers 4 --vocab 128256}
+  export LIGER_SRC="$PWD/.anchors/src" PYTHONPATH="$PWD/.devlibs/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+  echo "== $n GPUs: kcpp train against Transformers under FSDP2 ($dims, seq 2048, 4 sequences a GPU)"
+  for g in 1 "$n"; do
+    timeout 200 .devlibs/bin/kcpp train --kernels-only $dims --seq 2048 --steps 20 --batch $((4 * g)) --gpus "$g" \
+      $([ "$g" -gt 1 ] && echo "--zero 1 --overlap-param-gather") 2>&1 | grep -E "done:|error|failed" | cut -c1-220
+    for k in liger kcpp; do
+      timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node "$g" bench/fsdp2_step.py $dims --seq 2048 \
+        --batch 4 --steps 15 --kernels "$k" --reduce-dtype bf16 2>&1 | grep -E "^FSDP2|Error" | head -n 3
+    done
+  done
+fi
