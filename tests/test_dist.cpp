@@ -882,6 +882,81 @@ TEST(Dist, ReduceDtypeFollowsTheParameters) {
   EXPECT_ERROR(run(DType::bf16, DType::i32), "reduce_dtype i32 is not a floating dtype");
 }
 
+// A Mamba-family model trains data-parallel at stages 0 to 2: on 2 and 3 ranks, shares of unequal
+// rows and one row with no labelled token, three steps give the single process's parameters on the
+// whole batch (clipping active: the norm is the whole gradient's), every rank the same bit for bit;
+// the options that need a Llama-family model's hooks are refused by name.
+TEST(Dist, MambaDataParallelEqualsOneProcessOnTheWholeBatch) {
+  for (const char* family : {"mamba", "falcon_mamba"}) {
+    const fs::path dir = fs::path(test::fixtures_dir()) / family;
+    const models::MambaConfig cfg = models::MambaConfig::from_folder(dir);
+    const int64_t rows = 5, seq = 7;
+    std::vector<Tensor> ids, labels;
+    Generator gen(31);
+    for (int step = 0; step < 3; ++step) {
+      ids.push_back(Tensor::randint({rows, seq}, 0, cfg.vocab_size, DType::i64, Device::cpu(), gen));
+      auto lv = ids.back().to_f64_vector();
+      for (int64_t i = 0; i < seq; ++i) lv[static_cast<size_t>(i)] = -100;  // row 0: no labelled token
+      labels.push_back(Tensor::from_f64(lv, {rows, seq}, DType::i64));
+    }
+    train::AdamWOptions o;
+    o.lr = 5e-3, o.weight_decay = 0.01, o.max_grad_norm = 0.5;
+    auto single = models::MambaLM::from_folder(dir, DType::f32, Device::cpu());
+    train::AdamW opt(single->parameters(), o);
+    std::vector<double> want_loss;
+    for (int step = 0; step < 3; ++step)
+      want_loss.push_back(train::train_step(*single, opt, {{ids[static_cast<size_t>(step)], labels[static_cast<size_t>(step)]}}).loss);
+    std::map<std::string, std::vector<double>> want;
+    for (const auto& [name, p] : single->parameters()) want[name] = p.to_f64_vector();
+    for (int world : {2, 3})
+      for (int zero : {0, 1, 2}) {
+        const std::string what = fmt::format("{} world {} ZeRO-{}", family, world, zero);
+        std::vector<std::map<std::string, std::vector<double>>> got(static_cast<size_t>(world));
+        on_ranks(world, [&](int r, dist::Communicator& c) {
+          auto model = models::MambaLM::from_folder(dir, DType::f32, Device::cpu());
+          train::DataParallelOptions dp;
+          dp.zero_stage = zero, dp.bucket_mib = 0.005;  // several buckets
+          train::DataParallel trainer(*model, c, o, dp);
+          // Rank 0 takes row 0 alone (no labelled token) on 2 ranks; rows 0-1, 2-3, 4 on 3.
+          const int64_t lo = world == 2 ? (r == 0 ? 0 : 1) : r * 2;
+          const int64_t hi = world == 2 ? (r == 0 ? 1 : rows) : std::min<int64_t>(rows, r * 2 + 2);
+          for (int step = 0; step < 3; ++step) {
+            const auto& i = ids[static_cast<size_t>(step)];
+            const auto& l = labels[static_cast<size_t>(step)];
+            const auto s = trainer.step({{i.narrow(0, lo, hi - lo).contiguous(), l.narrow(0, lo, hi - lo).contiguous()}});
+            EXPECT_NEAR(s.loss, want_loss[static_cast<size_t>(step)], 1e-6 * want_loss[static_cast<size_t>(step)]) << what;
+          }
+          trainer.gather_parameters();
+          for (const auto& [name, p] : model->parameters()) got[static_cast<size_t>(r)][name] = p.to_f64_vector();
+        });
+        for (int r = 0; r < world; ++r)
+          for (const auto& [name, v] : got[static_cast<size_t>(r)]) {
+            EXPECT_TRUE(test::close_l2(Tensor::from_f64(v, {static_cast<int64_t>(v.size())}, DType::f64),
+                                       want.at(name), 1e-5))
+                << what << " rank " << r << " " << name;
+            if (r > 0) EXPECT_EQ(v, got[0].at(name)) << what << ": ranks 0 and " << r << " differ in " << name;
+          }
+      }
+    auto refused = [&](int zero, bool deferred, train::EmbeddingGradient grad) {
+      std::string err;
+      on_ranks(1, [&](int, dist::Communicator& c) {
+        auto model = models::MambaLM::from_folder(dir, DType::f32, Device::cpu());
+        train::DataParallelOptions dp;
+        dp.zero_stage = zero, dp.overlap_parameter_gather = deferred, dp.embedding_gradient = grad;
+        try {
+          train::DataParallel trainer(*model, c, o, dp);
+        } catch (const Error& e) {
+          err = e.what();
+        }
+      });
+      return err;
+    };
+    EXPECT_NE(refused(3, false, train::EmbeddingGradient::Dense).find("trains at ZeRO stages 0 to 2"), std::string::npos) << family;
+    EXPECT_NE(refused(1, true, train::EmbeddingGradient::Dense).find("leave overlap_parameter_gather off"), std::string::npos) << family;
+    EXPECT_NE(refused(1, false, train::EmbeddingGradient::Sparse).find("summed dense"), std::string::npos) << family;
+  }
+}
+
 // The sparse embedding gradient's parts: with sparse_embedding_gradient an untied model returns the
 // gradient of the embedding's output (its rows summed by token are the dense gradient, bit for bit)
 // and hands no embedding gradient to `ready`; a tied model's embedding gradient stays dense.  A

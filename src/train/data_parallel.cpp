@@ -24,6 +24,7 @@ namespace kcpp::train {
 namespace {
 
 constexpr const char* kEmbedding = "model.embed_tokens.weight";
+constexpr const char* kMambaEmbedding = "backbone.embeddings.weight";
 
 // A group of collectives (NCCL's group calls) closed however its scope ends.
 struct Group {
@@ -222,28 +223,45 @@ class StepClock {
 constexpr int kBackwardDone = 0, kReduced = 1, kGatherBegins = 2, kGathered = 3;
 
 DataParallel::~DataParallel() {
-  if (options_.zero_stage == 3 || options_.overlap_parameter_gather) model_.parameter_use = {};
+  if (causal_ && (options_.zero_stage == 3 || options_.overlap_parameter_gather)) causal_->parameter_use = {};
 }
 
 DataParallel::DataParallel(models::CausalLM& model, dist::Communicator& comm, AdamWOptions adamw, DataParallelOptions o)
-    : model_(model),
+    : DataParallel(&model, nullptr, model.parameters(), comm, adamw, o) {}
+
+DataParallel::DataParallel(models::MambaLM& model, dist::Communicator& comm, AdamWOptions adamw, DataParallelOptions o)
+    : DataParallel(nullptr, &model, model.parameters(), comm, adamw, o) {}
+
+DataParallel::DataParallel(models::CausalLM* causal, models::MambaLM* mamba, std::vector<std::pair<std::string, Tensor>> params,
+                           dist::Communicator& comm, AdamWOptions adamw, DataParallelOptions o)
+    : causal_(causal),
+      mamba_(mamba),
       comm_(comm),
       options_(o),
-      params_(model.parameters()),
+      params_(std::move(params)),
       param_of_(params_.begin(), params_.end()),
       opt_(
           [&] {
             KCPP_CHECK(o.zero_stage >= 0 && o.zero_stage <= 3, "data parallel: ZeRO stage {} is not supported (0, 1, 2 or 3)",
                        o.zero_stage);
-            KCPP_CHECK(o.zero_stage < 3 || !model.parameter_use,
+            if (mamba_) {
+              const std::string& type = mamba_->config().model_type;
+              KCPP_CHECK(o.zero_stage < 3, "data parallel: ZeRO-3 gathers a Llama-family model's layers at their use; a {} model "
+                         "trains at ZeRO stages 0 to 2", type);
+              KCPP_CHECK(!o.overlap_parameter_gather, "data parallel: the all-gather deferred into the next forward needs a "
+                         "Llama-family model's hooks; a {} model gathers after AdamW (leave overlap_parameter_gather off)", type);
+              KCPP_CHECK(o.embedding_gradient != EmbeddingGradient::Sparse, "data parallel: a {} model's embedding gradient is "
+                         "summed dense (use the dense or the automatic choice)", type);
+            }
+            KCPP_CHECK(o.zero_stage < 3 || !causal_->parameter_use,
                        "data parallel: ZeRO-3: the model's parameter_use is set already (another ZeRO-3 trainer of it?)");
             KCPP_CHECK(o.bucket_mib > 0, "data parallel: bucket_mib is {}; it must be positive", o.bucket_mib);
             KCPP_CHECK(!o.overlap_parameter_gather || ((o.zero_stage == 1 || o.zero_stage == 2) && o.overlap),
                        "data parallel: overlap_parameter_gather defers the all-gather of ZeRO stages 1 and 2 with overlap; "
                        "this trainer is at stage {}{}", o.zero_stage, o.overlap ? "" : " without overlap");
-            KCPP_CHECK(!o.overlap_parameter_gather || !model.parameter_use,
+            KCPP_CHECK(!o.overlap_parameter_gather || !causal_->parameter_use,
                        "data parallel: overlap_parameter_gather: the model's parameter_use is set already (another trainer of it?)");
-            KCPP_CHECK(o.embedding_gradient != EmbeddingGradient::Sparse || !model.config().tie_word_embeddings,
+            KCPP_CHECK(o.embedding_gradient != EmbeddingGradient::Sparse || !causal_->config().tie_word_embeddings,
                        "data parallel: a sparse embedding gradient was asked for, but the model's lm_head is tied to the "
                        "embedding, whose gradient is then dense; use the automatic choice or the dense one");
             if (o.reduce_dtype) {
@@ -256,8 +274,9 @@ DataParallel::DataParallel(models::CausalLM& model, dist::Communicator& comm, Ad
               reduce_dtype_ = all_bf16 ? DType::bf16 : DType::f32;
             }
             for (size_t i = 0; i < params_.size(); ++i) index_of_[params_[i].first] = i;
-            KCPP_CHECK(index_of_.count(kEmbedding) > 0, "data parallel: the model has no parameter '{}'", kEmbedding);
-            embed_param_ = index_of_.at(kEmbedding);
+            const char* embedding = causal_ ? kEmbedding : kMambaEmbedding;
+            KCPP_CHECK(index_of_.count(embedding) > 0, "data parallel: the model has no parameter '{}'", embedding);
+            embed_param_ = index_of_.at(embedding);
             for (const auto& [name, p] : params_) {
               KCPP_CHECK(p.device() == comm.device(), "data parallel: parameter '{}' is on {} but the communicator is on {}",
                          name, p.device().str(), comm.device().str());
@@ -277,7 +296,7 @@ DataParallel::DataParallel(models::CausalLM& model, dist::Communicator& comm, Ad
 }
 
 size_t DataParallel::group_of(const std::string& name) const {
-  const size_t layers = static_cast<size_t>(model_.config().num_hidden_layers);
+  const size_t layers = static_cast<size_t>(causal_->config().num_hidden_layers);
   if (name == kEmbedding) return 0;
   size_t layer = 0;
   if (std::sscanf(name.c_str(), "model.layers.%zu.", &layer) == 1 && layer < layers) return 1 + layer;
@@ -285,7 +304,7 @@ size_t DataParallel::group_of(const std::string& name) const {
 }
 
 void DataParallel::release_layout() {
-  groups_.resize(static_cast<size_t>(model_.config().num_hidden_layers) + 2);
+  groups_.resize(static_cast<size_t>(causal_->config().num_hidden_layers) + 2);
   for (size_t bi = 0; bi < buckets_.size(); ++bi) groups_[buckets_[bi].group].buckets.push_back(bi);
   // Each storage is released whole: it must hold the parameters of one group and nothing else (the
   // views wq, wk, wv of wqkv fill it together).
@@ -312,7 +331,7 @@ void DataParallel::release_layout() {
   }
   peak_ = resident_;  // from here on
   const size_t head = groups_.size() - 1;
-  model_.parameter_use = [this, head](const models::CausalLM::ParameterGroup& g, bool in_use) {
+  causal_->parameter_use = [this, head](const models::CausalLM::ParameterGroup& g, bool in_use) {
     using Kind = models::CausalLM::ParameterGroup::Kind;
     const size_t group = g.kind == Kind::Embedding ? 0 : g.kind == Kind::Layer ? 1 + g.layer : head;
     KCPP_CHECK(group < groups_.size(), "data parallel: ZeRO-3: the model used layer {} of {}", g.layer, groups_.size() - 2);
@@ -327,7 +346,7 @@ void DataParallel::release_layout() {
 
 std::vector<size_t> DataParallel::groups_of_use(size_t use) const {
   // A tied head reads the embedding's weight: both gathered, in the same order on every rank.
-  if (use == groups_.size() - 1 && model_.config().tie_word_embeddings) return {use, 0};
+  if (use == groups_.size() - 1 && causal_->config().tie_word_embeddings) return {use, 0};
   return {use};
 }
 
@@ -464,7 +483,7 @@ void DataParallel::gather_parameters() {
   if (options_.zero_stage < 3) {
     if (options_.overlap_parameter_gather) {
       finish_gathers();
-      model_.parameter_use = {};
+      causal_->parameter_use = {};
     }
     return;
   }
@@ -475,16 +494,16 @@ void DataParallel::gather_updated() {
   if (options_.overlap_parameter_gather) {
     finish_gathers();
     gathers_due_ = true;
-    if (!model_.parameter_use) {
-      const size_t head = static_cast<size_t>(model_.config().num_hidden_layers) + 1;
-      model_.parameter_use = [this, head](const models::CausalLM::ParameterGroup& g, bool in_use) {
+    if (!causal_->parameter_use) {
+      const size_t head = static_cast<size_t>(causal_->config().num_hidden_layers) + 1;
+      causal_->parameter_use = [this, head](const models::CausalLM::ParameterGroup& g, bool in_use) {
         using Kind = models::CausalLM::ParameterGroup::Kind;
         if (!in_use) return;
         const size_t group = g.kind == Kind::Embedding ? 0 : g.kind == Kind::Layer ? 1 + g.layer : head;
         KCPP_CHECK(group <= head, "data parallel: the model used layer {} of {}", g.layer, head - 1);
         if (gathers_due_) issue_gathers();
         wait_gathered(group);
-        if (group == head && model_.config().tie_word_embeddings) wait_gathered(0);
+        if (group == head && causal_->config().tie_word_embeddings) wait_gathered(0);
       };
     }
     return;
@@ -510,7 +529,7 @@ void DataParallel::gather_updated() {
 
 void DataParallel::issue_gathers() {
   gathers_due_ = false;
-  const size_t groups = static_cast<size_t>(model_.config().num_hidden_layers) + 2;
+  const size_t groups = static_cast<size_t>(causal_->config().num_hidden_layers) + 2;
   // Each group's last bucket in the order of issue (the buckets from the last one down: the
   // embedding's first, the head's last).
   std::vector<size_t> last(groups, buckets_.size());
@@ -570,7 +589,7 @@ void DataParallel::save_model(const std::filesystem::path& folder) {
       if (dp) dp->release_parameters();
     }
   } release{gather ? this : nullptr};
-  if (comm_.rank() == 0) model_.save(folder);
+  if (comm_.rank() == 0) causal_ ? causal_->save(folder) : mamba_->save(folder);
 }
 
 size_t DataParallel::parameter_bytes() const {
@@ -922,13 +941,15 @@ StepResult DataParallel::step(const std::vector<MicroBatch>& micro) {
   struct Flag {  // the model hands over its embedding's output gradient during this step only
     bool& flag;
     ~Flag() { flag = false; }
-  } flag{model_.sparse_embedding_gradient};
-  model_.sparse_embedding_gradient = !all_ids_.empty();
+  };
+  bool unused = false;
+  Flag flag{causal_ ? causal_->sparse_embedding_gradient : unused};
+  flag.flag = !all_ids_.empty();
   return options_.zero_stage == 0 ? step_replicated(micro, total) : step_sharded(micro, total);
 }
 
 bool DataParallel::sparse_embedding(int64_t rows_max) const {
-  if (model_.config().tie_word_embeddings || options_.embedding_gradient == EmbeddingGradient::Dense) return false;
+  if (!causal_ || causal_->config().tie_word_embeddings || options_.embedding_gradient == EmbeddingGradient::Dense) return false;
   if (options_.embedding_gradient == EmbeddingGradient::Sparse) return true;
   // The bytes a rank receives either way (data_parallel.h); ids travel as f64.
   const Tensor& e = params_[embed_param_].second;
@@ -1011,7 +1032,7 @@ void DataParallel::reduce_scatter_bucket(size_t bi, const std::map<std::string, 
 StepResult DataParallel::step_sharded(const std::vector<MicroBatch>& micro, int64_t total) {
   // Overlapped: the buckets in their order, each as soon as the backward has handed over all of its
   // parameters' gradients (every parameter has one: no MoE layers) and those before it are sent.
-  const bool overlap = options_.overlap && model_.config().num_experts == 0;
+  const bool overlap = options_.overlap && causal_ && causal_->config().num_experts == 0;
   std::map<std::string, Tensor> grads;  // handed over and not yet packed
   // With the sparse embedding gradient, the embedding's bucket is not reduce-scattered: each rank
   // sums its shard from every rank's rows after the backward.
@@ -1063,7 +1084,7 @@ StepResult DataParallel::step_sharded(const std::vector<MicroBatch>& micro, int6
       --waiting[bucket_of_[it->second]];
       while (next < buckets_.size() && waiting[next] == 0) send(next++);
     };
-  Accumulated acc = accumulate_gradients(model_, micro, total, ready);
+  Accumulated acc = causal_ ? accumulate_gradients(*causal_, micro, total, ready) : accumulate_gradients(*mamba_, micro, total);
   clock_->mark(kBackwardDone);
   std::vector<double> info(params_.size() + 1);
   info[0] = acc.loss;
@@ -1120,7 +1141,7 @@ StepResult DataParallel::step_replicated(const std::vector<MicroBatch>& micro, i
   // to the loss of the tokens, but an MoE model's auxiliary loss still counts).  Overlapped: buckets
   // in the order the backward finishes parameters (the same on every rank), each summed on the side
   // stream once full, held until the stream is joined.
-  const bool overlap = options_.overlap && model_.config().num_experts == 0;
+  const bool overlap = options_.overlap && causal_ && causal_->config().num_experts == 0;
   const size_t bucket_bytes = static_cast<size_t>(options_.bucket_mib * (1 << 20));
   std::vector<std::pair<std::vector<std::string>, Tensor>> in_flight;  // buckets summing on the side stream
   std::vector<std::string> filling;
@@ -1154,7 +1175,7 @@ StepResult DataParallel::step_replicated(const std::vector<MicroBatch>& micro, i
       // Full, or the step's last gradient (every parameter has one: no MoE layers).
       if (filling_bytes >= bucket_bytes || ++handed == params_.size()) send();
     };
-  Accumulated acc = accumulate_gradients(model_, micro, total, ready);
+  Accumulated acc = causal_ ? accumulate_gradients(*causal_, micro, total, ready) : accumulate_gradients(*mamba_, micro, total);
   clock_->mark(kBackwardDone);
   if (overlap) {
     send();

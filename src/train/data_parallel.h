@@ -197,6 +197,10 @@ class DataParallel {
   // The parameters of `model` (on comm.device()) start as rank 0's: they are broadcast here, before
   // the optimizer copies them.
   DataParallel(models::CausalLM& model, dist::Communicator& comm, AdamWOptions adamw, DataParallelOptions options = {});
+  // A Mamba-family model: stages 0 to 2, its buckets summed after the backward (its backward hands
+  // over no gradient early), the embedding's gradient dense, the all-gather after AdamW; an error
+  // for the options that need a CausalLM (ZeRO-3, overlap_parameter_gather, a sparse embedding gradient).
+  DataParallel(models::MambaLM& model, dist::Communicator& comm, AdamWOptions adamw, DataParallelOptions options = {});
   ~DataParallel();
 
   // One optimizer step; `micro` is this rank's share of the step's batch (its micro-batches).
@@ -333,7 +337,13 @@ class DataParallel {
   void wait_gathered(size_t group);
   void finish_gathers();
 
-  models::CausalLM& model_;
+  // The model: one of the two.  Everything that needs a CausalLM's hooks (ZeRO-3's and the deferred
+  // gather's parameter_use, the gradients handed over during the backward, the sparse embedding
+  // gradient) runs for causal_ only; the constructor refuses those options for mamba_.
+  DataParallel(models::CausalLM* causal, models::MambaLM* mamba, std::vector<std::pair<std::string, Tensor>> params,
+               dist::Communicator& comm, AdamWOptions adamw, DataParallelOptions options);
+  models::CausalLM* causal_ = nullptr;
+  models::MambaLM* mamba_ = nullptr;
   dist::Communicator& comm_;
   DataParallelOptions options_;
   DType reduce_dtype_ = DType::f32;  // options_.reduce_dtype, resolved

@@ -48,25 +48,35 @@ StepResult train_step(models::CausalLM& model, AdamW& opt, const std::vector<Mic
   return r;
 }
 
-StepResult train_step(models::MambaLM& model, AdamW& opt, const std::vector<MicroBatch>& micro) {
-  KCPP_CHECK(!micro.empty(), "train_step: no micro-batches");
-  StepResult r;
-  for (const MicroBatch& m : micro) r.tokens += models::CausalLM::labelled_tokens(m.labels);
-  KCPP_CHECK(r.tokens > 0, "train_step: no labelled token in {} micro-batches", micro.size());
-  std::map<std::string, Tensor> grads;
+Accumulated accumulate_gradients(models::MambaLM& model, const std::vector<MicroBatch>& micro, int64_t total_tokens) {
+  KCPP_CHECK(!micro.empty(), "accumulate_gradients: no micro-batches");
+  Accumulated acc;
+  for (const MicroBatch& m : micro) acc.tokens += models::CausalLM::labelled_tokens(m.labels);
+  KCPP_CHECK(total_tokens > 0 || acc.tokens > 0, "accumulate_gradients: no labelled token in {} micro-batches", micro.size());
+  KCPP_CHECK(total_tokens == 0 || total_tokens >= acc.tokens,
+             "accumulate_gradients: total_tokens {} is less than these micro-batches' {}", total_tokens, acc.tokens);
+  const double total = static_cast<double>(total_tokens > 0 ? total_tokens : acc.tokens);
   for (const MicroBatch& m : micro) {
     const int64_t n = models::CausalLM::labelled_tokens(m.labels);
     if (n == 0) continue;  // its mean is NaN and its share nothing
-    const double share = static_cast<double>(n) / static_cast<double>(r.tokens);
+    const double share = static_cast<double>(n) / total;
     auto g = model.loss_and_gradients(m.input_ids, m.labels, share);
-    r.loss += g.loss.item() * share;
+    acc.loss += g.loss.item() * share;
     for (auto& [name, t] : g.grads) {
-      auto it = grads.find(name);
-      if (it == grads.end()) grads.emplace(name, t);
+      auto it = acc.grads.find(name);
+      if (it == acc.grads.end()) acc.grads.emplace(name, t);
       else it->second = ops::add(it->second, t);
     }
   }
-  opt.step(grads);
+  return acc;
+}
+
+StepResult train_step(models::MambaLM& model, AdamW& opt, const std::vector<MicroBatch>& micro) {
+  Accumulated acc = accumulate_gradients(model, micro);
+  StepResult r;
+  r.loss = acc.loss;
+  r.tokens = acc.tokens;
+  opt.step(acc.grads);
   r.grad_norm = opt.grad_norm();
   return r;
 }

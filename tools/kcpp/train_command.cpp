@@ -303,8 +303,6 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
   train::AdamWOptions o;
   o.lr = a.lr, o.weight_decay = 0.01, o.max_grad_norm = 1.0;
   // Alone: one AdamW; in a group: the data-parallel step over this rank's rows of each batch.
-  KCPP_CHECK(!ranks.comm || r.model, "kcpp train: a {} model trains on one device (data parallelism covers the Llama families "
-             "and the mixture-of-experts ones)", r.mamba ? r.mamba->config().model_type : "");
   if (ranks.comm) {
     train::DataParallelOptions dpo;
     dpo.zero_stage = static_cast<int>(a.zero);
@@ -315,7 +313,8 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
     dpo.embedding_gradient = a.embedding_grad == "sparse"  ? train::EmbeddingGradient::Sparse
                              : a.embedding_grad == "dense" ? train::EmbeddingGradient::Dense
                                                            : train::EmbeddingGradient::Auto;
-    r.dp = std::make_unique<train::DataParallel>(*r.model, *ranks.comm, o, dpo);
+    r.dp = r.model ? std::make_unique<train::DataParallel>(*r.model, *ranks.comm, o, dpo)
+                   : std::make_unique<train::DataParallel>(*r.mamba, *ranks.comm, o, dpo);
     if (resume) r.dp->load_optimizer(resume->folder);
   } else {
     r.opt = std::make_unique<train::AdamW>(r.model ? r.model->parameters() : r.mamba->parameters(), o);
