@@ -934,7 +934,9 @@ TEST(Dist, MambaDataParallelEqualsOneProcessOnTheWholeBatch) {
             EXPECT_TRUE(test::close_l2(Tensor::from_f64(v, {static_cast<int64_t>(v.size())}, DType::f64),
                                        want.at(name), 1e-5))
                 << what << " rank " << r << " " << name;
-            if (r > 0) EXPECT_EQ(v, got[0].at(name)) << what << ": ranks 0 and " << r << " differ in " << name;
+            if (r > 0) {
+              EXPECT_EQ(v, got[0].at(name)) << what << ": ranks 0 and " << r << " differ in " << name;
+            }
           }
       }
     auto refused = [&](int zero, bool deferred, train::EmbeddingGradient grad) {

@@ -9,8 +9,9 @@
 // The gradients travel in buckets of about `bucket_mib` (flattened, in `reduce_dtype`: by default bf16
 // when every parameter is bf16, as PyTorch FSDP2's MixedPrecisionPolicy and Megatron-core's
 // grad_reduce_in_fp32=false sum them, half the traffic of f32 sums; else f32.  f32 keeps bf16
-// gradients' sums unrounded on the way, at a measured 6% of a 4-GPU step: bench/RESULTS.md).  With `overlap` (the
-// default; models without MoE layers, whose every parameter has a gradient on every rank) a bucket
+// gradients' sums unrounded on the way, at a measured 6% of a 4-GPU step: bench/RESULTS.md).  With
+// `overlap` (the default; a CausalLM without MoE layers, whose every parameter has a gradient on every
+// rank and whose backward hands them over as they are finished; not a MambaLM) a bucket
 // is summed as soon as the last micro-batch's backward has finished its parameters (the final
 // norm's and the head's, then the last layer's down to the first's, the embedding's last): over NCCL
 // on a stream of its own, while the backward goes on with the layers below, at most two buckets'
@@ -91,7 +92,7 @@
 // the same number of micro-batches (checked: a named error).  The values are stage 2's: the same
 // all-gathered shards, the same sums.  While the trainer lives the model refuses a forward with a KV
 // cache (generation); gather_parameters() makes every parameter whole, and they stay whole if the
-// trainer goes then; save_model() gathers them for rank 0's CausalLM::save and releases them after.
+// trainer goes then; save_model() gathers them for rank 0's save of the model and releases them after.
 // The optimizer's checkpoints are stage 2's.
 //
 // The embedding's gradient.  Its dense gradient [V, H] is whole only at the end of the backward, so
@@ -110,7 +111,7 @@
 //   sparse: (w - 1) T_max (H bytes(gradient dtype) + 8)              (all-gather of rows and ids)
 //   dense:  c (w - 1) / w V H bytes(reduce_dtype), c = 2 at stage 0 (all-reduce), 1 above (reduce-scatter)
 // so for Llama-3's vocabulary of 128,256 and hidden 4096 below about 64 K tokens a rank (bf16, f32
-// sums, 4 ranks, ZeRO-1).  A tied head adds a dense gradient (the lm_head's) to the embedding's: it
+// sums, 4 ranks, ZeRO-1), about 32 K with bf16 sums.  A tied head adds a dense gradient (the lm_head's) to the embedding's: it
 // always takes the dense path.  The embedding is a bucket of its own (stages 1 to 3), so that no
 // other parameter waits for it.
 //
@@ -248,7 +249,7 @@ class DataParallel {
   // the parameters as they are: gathered ones stay usable, released ones stay released.
   void gather_parameters();
   void release_parameters();
-  // The model as a Hugging Face folder (CausalLM::save), written by rank 0 with whole parameters
+  // The model as a Hugging Face folder (its save()), written by rank 0 with whole parameters
   // (at stage 3 gathered for it by every rank, and released after).  Every rank calls it.
   void save_model(const std::filesystem::path& folder);
   AdamW& optimizer() { return opt_; }

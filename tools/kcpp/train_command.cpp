@@ -22,8 +22,9 @@
 // the parameters all-gathered), --zero 2 the gradients too, --zero 3 the parameters too (each layer's
 // gathered for its forward and its backward at its use, --prefetch: during the use before it;
 // every rank gathers them all at the end, for rank 0's sample and save); the gradients are summed in
-// buckets during the backward (--no-overlap: after it, and no gather ahead), in bf16 for bf16 weights
-// and f32 otherwise (--reduce-dtype f32 / bf16 chooses), the embedding's dense (--embedding-grad sparse: as the rows of every GPU's
+// buckets during the backward (--no-overlap: after it, and no gather ahead), in bf16 when every weight
+// is bf16 and f32 otherwise (a Mamba model's f32 A_log, D and dt bias keep it f32; --reduce-dtype f32
+// / bf16 chooses), the embedding's dense (--embedding-grad sparse: as the rows of every GPU's
 // tokens; auto: sparse when that moves fewer bytes); --overlap-param-gather defers the all-gather of --zero 1 and 2 to the next
 // forward.  The end of a run prints the communication the steps waited for after the backward.
 // --vocab gives the generated model rows past its byte-level tokens (Llama-3's 128256).
@@ -695,6 +696,10 @@ int run_train(TrainArgs a) {
     folder_config = folder_model(a.model);
     KCPP_CHECK(a.seq <= folder_config->max_positions, "kcpp train: --seq is {}; {}'s context length (max_position_embeddings) is {}",
                a.seq, a.model, folder_config->max_positions);
+    // What data parallelism cannot do for a Mamba model, before its data and weights are read.
+    KCPP_CHECK(!folder_config->mamba || a.gpus <= 1 || (a.zero < 3 && !a.overlap_param_gather && a.embedding_grad != "sparse"),
+               "kcpp train: a {} model trains data-parallel at --zero 0, 1 or 2, gathering after AdamW, its embedding's "
+               "gradient dense: drop --zero 3, --overlap-param-gather and --embedding-grad sparse", folder_config->model_type);
   }
   const std::optional<Resume> resume = a.resume.empty() ? std::nullopt : std::optional<Resume>(read_resume(a.resume, a));
   const TrainingData data = training_data(a, resume, a.data);
@@ -945,7 +950,8 @@ void add_train_command(CLI::App& app, Action& action) {
       ->capture_default_str();
   t->add_option("--reduce-dtype", args->reduce_dtype,
                 "With --gpus: the dtype the gradients are summed in across the GPUs: f32, bf16 (half the traffic, "
-                "rounded at every sum) or auto (bf16 for bf16 weights, as FSDP2 sums them; else f32)")
+                "rounded at every sum) or auto (bf16 when every weight is bf16, as FSDP2 sums them; else f32, as for a "
+                "Mamba model's f32 A_log, D and dt bias)")
       ->capture_default_str();
   t->add_flag("--overlap-param-gather", args->overlap_param_gather,
               "With --gpus --zero 1 or 2: all-gather the updated parameters during the next forward, each layer's waited "
