@@ -9,29 +9,52 @@
 
 namespace kcpp::train {
 
-Accumulated accumulate_gradients(models::CausalLM& model, const std::vector<MicroBatch>& micro, int64_t total_tokens,
-                                 const models::CausalLM::GradientReady& ready) {
+namespace {
+
+// The labelled tokens of `micro` counted into `acc`, checked against `total_tokens` (the step's when
+// these micro-batches are one rank's share of it; 0: theirs): the divisor of every token's loss.
+double count_tokens(Accumulated& acc, const std::vector<MicroBatch>& micro, int64_t total_tokens) {
   KCPP_CHECK(!micro.empty(), "accumulate_gradients: no micro-batches");
-  Accumulated acc;
   for (const MicroBatch& m : micro) acc.tokens += models::CausalLM::labelled_tokens(m.labels);
   KCPP_CHECK(total_tokens > 0 || acc.tokens > 0, "accumulate_gradients: no labelled token in {} micro-batches", micro.size());
   KCPP_CHECK(total_tokens == 0 || total_tokens >= acc.tokens,
              "accumulate_gradients: total_tokens {} is less than these micro-batches' {}", total_tokens, acc.tokens);
-  const double scale = 1.0 / static_cast<double>(total_tokens > 0 ? total_tokens : acc.tokens);
-  auto add_in = [&](const std::string& name, const Tensor& g) -> const Tensor& {
-    auto it = acc.grads.find(name);
-    if (it == acc.grads.end()) return acc.grads.emplace(name, g).first->second;
-    return it->second = ops::add(it->second, g);
-  };
+  return static_cast<double>(total_tokens > 0 ? total_tokens : acc.tokens);
+}
+
+// `g` summed into the accumulated gradient of `name`; the sum.
+const Tensor& add_in(Accumulated& acc, const std::string& name, const Tensor& g) {
+  auto it = acc.grads.find(name);
+  if (it == acc.grads.end()) return acc.grads.emplace(name, g).first->second;
+  return it->second = ops::add(it->second, g);
+}
+
+template <class Model>
+StepResult accumulate_and_step(Model& model, AdamW& opt, const std::vector<MicroBatch>& micro) {
+  Accumulated acc = accumulate_gradients(model, micro);
+  StepResult r;
+  r.loss = acc.loss;
+  r.tokens = acc.tokens;
+  opt.step(acc.grads);
+  r.grad_norm = opt.grad_norm();
+  return r;
+}
+
+}  // namespace
+
+Accumulated accumulate_gradients(models::CausalLM& model, const std::vector<MicroBatch>& micro, int64_t total_tokens,
+                                 const models::CausalLM::GradientReady& ready) {
+  Accumulated acc;
+  const double scale = 1.0 / count_tokens(acc, micro, total_tokens);
   for (size_t i = 0; i < micro.size(); ++i) {
     const MicroBatch& m = micro[i];
     const bool hooked = ready && i + 1 == micro.size();
     // The last micro-batch's gradients are summed in as the backward finishes each one.
     models::CausalLM::GradientReady each;
-    if (hooked) each = [&](const std::string& name, const Tensor& g) { ready(name, add_in(name, g)); };
+    if (hooked) each = [&](const std::string& name, const Tensor& g) { ready(name, add_in(acc, name, g)); };
     auto r = model.loss_and_gradients(m.input_ids, m.labels, scale, ops::Reduction::Sum, each);
     if (!hooked)
-      for (auto& [name, g] : r.grads) add_in(name, g);
+      for (auto& [name, g] : r.grads) add_in(acc, name, g);
     if (r.embedding_rows.defined()) acc.embedding_rows.push_back(r.embedding_rows);
     acc.loss += r.loss.item() * scale;
   }
@@ -39,46 +62,25 @@ Accumulated accumulate_gradients(models::CausalLM& model, const std::vector<Micr
 }
 
 StepResult train_step(models::CausalLM& model, AdamW& opt, const std::vector<MicroBatch>& micro) {
-  Accumulated acc = accumulate_gradients(model, micro);
-  StepResult r;
-  r.loss = acc.loss;
-  r.tokens = acc.tokens;
-  opt.step(acc.grads);
-  r.grad_norm = opt.grad_norm();
-  return r;
+  return accumulate_and_step(model, opt, micro);
 }
 
 Accumulated accumulate_gradients(models::MambaLM& model, const std::vector<MicroBatch>& micro, int64_t total_tokens) {
-  KCPP_CHECK(!micro.empty(), "accumulate_gradients: no micro-batches");
   Accumulated acc;
-  for (const MicroBatch& m : micro) acc.tokens += models::CausalLM::labelled_tokens(m.labels);
-  KCPP_CHECK(total_tokens > 0 || acc.tokens > 0, "accumulate_gradients: no labelled token in {} micro-batches", micro.size());
-  KCPP_CHECK(total_tokens == 0 || total_tokens >= acc.tokens,
-             "accumulate_gradients: total_tokens {} is less than these micro-batches' {}", total_tokens, acc.tokens);
-  const double total = static_cast<double>(total_tokens > 0 ? total_tokens : acc.tokens);
+  const double total = count_tokens(acc, micro, total_tokens);
   for (const MicroBatch& m : micro) {
     const int64_t n = models::CausalLM::labelled_tokens(m.labels);
     if (n == 0) continue;  // its mean is NaN and its share nothing
     const double share = static_cast<double>(n) / total;
     auto g = model.loss_and_gradients(m.input_ids, m.labels, share);
     acc.loss += g.loss.item() * share;
-    for (auto& [name, t] : g.grads) {
-      auto it = acc.grads.find(name);
-      if (it == acc.grads.end()) acc.grads.emplace(name, t);
-      else it->second = ops::add(it->second, t);
-    }
+    for (auto& [name, t] : g.grads) add_in(acc, name, t);
   }
   return acc;
 }
 
 StepResult train_step(models::MambaLM& model, AdamW& opt, const std::vector<MicroBatch>& micro) {
-  Accumulated acc = accumulate_gradients(model, micro);
-  StepResult r;
-  r.loss = acc.loss;
-  r.tokens = acc.tokens;
-  opt.step(acc.grads);
-  r.grad_norm = opt.grad_norm();
-  return r;
+  return accumulate_and_step(model, opt, micro);
 }
 
 std::string TrainerState::dump() const {
