@@ -841,7 +841,7 @@ TEST(Dist, Bf16ReplicasStayTheSame) {
 }
 
 // The dtype of the sums across ranks: unset, bf16 for a bf16 model (half stage 1's flat buffers of
-// f32 sums, up to padding) and f32 for an f32 one; given, the one given.  Summed in bf16 the step's gradient norm
+// f32 sums, up to padding) and f32 for an f32 one, a bf16 Mamba model's f32 parameters' in f32; given, the one given.  Summed in bf16 the step's gradient norm
 // stays within bf16's rounding of the f32 sums' on 3 ranks.
 TEST(Dist, ReduceDtypeFollowsTheParameters) {
   const models::ModelConfig cfg = odd_llama();
@@ -862,7 +862,7 @@ TEST(Dist, ReduceDtypeFollowsTheParameters) {
       dp.zero_stage = 1, dp.bucket_mib = 0.02, dp.reduce_dtype = reduce;
       train::DataParallel t(*model, c, o, dp);
       Got& g = got[static_cast<size_t>(r)];
-      g.reduce = t.reduce_dtype(), g.grad_bytes = t.gradient_bytes();
+      g.reduce = t.reduce_dtype(weights), g.grad_bytes = t.gradient_bytes();
       const Tensor mine = ids.narrow(0, r, 1).contiguous();
       for (int step = 0; step < 2; ++step) g.norms.push_back(t.step({{mine, mine}}).grad_norm);
     });
@@ -880,6 +880,50 @@ TEST(Dist, ReduceDtypeFollowsTheParameters) {
     EXPECT_NEAR(bf16.norms[s], f32_sums.norms[s], 1e-2 * f32_sums.norms[s]) << "step " << s;
   }
   EXPECT_ERROR(run(DType::bf16, DType::i32), "reduce_dtype i32 is not a floating dtype");
+
+  // A bf16 Mamba model keeps A_log, D and dt_proj's bias in f32: those sums in f32, the rest in bf16,
+  // at stage 0 (its buckets cut where the dtype of the sums changes) and at stage 1 (buckets of one
+  // parameter dtype).
+  const fs::path dir = fs::path(test::fixtures_dir()) / "mamba";
+  const Tensor mamba_ids = Tensor::randint({3, 8}, 0, models::MambaConfig::from_folder(dir).vocab_size, DType::i64, Device::cpu(), gen);
+  auto mamba = [&](int zero, std::optional<DType> reduce, int world = 3) {
+    std::vector<Got> got(3);
+    std::vector<std::vector<double>> params(3);
+    on_ranks(world, [&](int r, dist::Communicator& c) {
+      auto model = models::MambaLM::from_folder(dir, DType::bf16, Device::cpu());
+      train::DataParallelOptions dp;
+      dp.zero_stage = zero, dp.bucket_mib = 0.005, dp.reduce_dtype = reduce;
+      train::DataParallel t(*model, c, o, dp);
+      Got& g = got[static_cast<size_t>(r)];
+      EXPECT_EQ(t.reduce_dtype(DType::f32), reduce.value_or(DType::f32));
+      g.reduce = t.reduce_dtype(DType::bf16), g.grad_bytes = t.gradient_bytes();
+      const Tensor mine = mamba_ids.narrow(0, r, 1).contiguous();
+      for (int step = 0; step < 2; ++step) g.norms.push_back(t.step({{mine, mine}}).grad_norm);
+      t.gather_parameters();
+      for (const auto& [name, p] : model->parameters()) {
+        const auto v = p.to_f64_vector();
+        params[static_cast<size_t>(r)].insert(params[static_cast<size_t>(r)].end(), v.begin(), v.end());
+      }
+    });
+    for (int r = 1; r < world; ++r) EXPECT_EQ(params[static_cast<size_t>(r)], params[0]) << "ZeRO-" << zero;
+    return std::make_pair(got[0], params[0]);
+  };
+  for (int zero : {0, 1}) {
+    // One rank: a sum of one changes nothing, so the f32 parameters' gradients reach AdamW unrounded
+    // only if they travel in f32: the same parameters as with f32 sums throughout, bit for bit.
+    EXPECT_EQ(mamba(zero, std::nullopt, 1).second, mamba(zero, DType::f32, 1).second) << "Mamba ZeRO-" << zero;
+    const Got mixed = mamba(zero, std::nullopt).first, all_f32 = mamba(zero, DType::f32).first;
+    EXPECT_EQ(mixed.reduce, DType::bf16);
+    EXPECT_EQ(all_f32.reduce, DType::f32);
+    if (zero == 1) {  // most of the parameters are bf16: a little over half the f32 sums' buffers
+      EXPECT_GT(static_cast<double>(mixed.grad_bytes), 0.5 * static_cast<double>(all_f32.grad_bytes));
+      EXPECT_LT(static_cast<double>(mixed.grad_bytes), 0.6 * static_cast<double>(all_f32.grad_bytes));
+    }
+    for (size_t s = 0; s < 2; ++s) {
+      EXPECT_GT(all_f32.norms[s], 0.0);
+      EXPECT_NEAR(mixed.norms[s], all_f32.norms[s], 1e-2 * all_f32.norms[s]) << "Mamba ZeRO-" << zero << " step " << s;
+    }
+  }
 }
 
 // A Mamba-family model trains data-parallel at stages 0 to 2: on 2 and 3 ranks, shares of unequal

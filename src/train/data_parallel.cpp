@@ -268,10 +268,6 @@ DataParallel::DataParallel(models::CausalLM* causal, models::MambaLM* mamba, std
               const DType r = *o.reduce_dtype;
               KCPP_CHECK(r == DType::f32 || r == DType::f64 || r == DType::bf16 || r == DType::f16,
                          "data parallel: reduce_dtype {} is not a floating dtype (f32, f64, bf16 or f16)", dtype_name(r));
-              reduce_dtype_ = r;
-            } else {
-              const bool all_bf16 = std::all_of(params_.begin(), params_.end(), [](const auto& np) { return np.second.dtype() == DType::bf16; });
-              reduce_dtype_ = all_bf16 ? DType::bf16 : DType::f32;
             }
             for (size_t i = 0; i < params_.size(); ++i) index_of_[params_[i].first] = i;
             const char* embedding = causal_ ? kEmbedding : kMambaEmbedding;
@@ -606,7 +602,6 @@ size_t DataParallel::peak_parameter_bytes() const { return options_.zero_stage =
 std::vector<std::pair<std::string, Tensor>> DataParallel::shard_layout() {
   const int64_t world = comm_.world_size(), rank = comm_.rank();
   const size_t bucket_bytes = static_cast<size_t>(options_.bucket_mib * (1 << 20));
-  const size_t es = dtype_size(reduce_dtype_);
   // The model's parameters last first, roughly the order the backward finishes them, so that the
   // first buckets are complete early in it; a new bucket when one is full or the dtype changes (at
   // stage 3 also where the group changes: a bucket is gathered with its group).
@@ -628,7 +623,7 @@ std::vector<std::pair<std::string, Tensor>> DataParallel::shard_layout() {
     b.params.push_back(k);
     b.offset.push_back(b.numel);
     b.numel += p.numel();
-    bytes += static_cast<size_t>(p.numel()) * es;
+    bytes += static_cast<size_t>(p.numel()) * dtype_size(reduce_dtype(p.dtype()));
     bucket_of_[k] = buckets_.size() - 1;
     if (k == embed_param_) embed_bucket_ = buckets_.size() - 1;
   }
@@ -656,10 +651,10 @@ std::vector<std::pair<std::string, Tensor>> DataParallel::shard_layout() {
       }
     }
     if (options_.zero_stage == 1) {  // kept between steps, reduce-scattered in place
-      b.flat = Tensor::zeros({world * b.shard}, reduce_dtype_, comm_.device());
+      b.flat = Tensor::zeros({world * b.shard}, reduce_dtype(b.dtype), comm_.device());
       b.grad = b.flat.narrow(0, lo, b.shard);
     } else {
-      b.grad = Tensor::zeros({b.shard}, reduce_dtype_, comm_.device());
+      b.grad = Tensor::zeros({b.shard}, reduce_dtype(b.dtype), comm_.device());
     }
   }
   return shard;
@@ -677,13 +672,13 @@ StateSlices DataParallel::slices() const {
   return out;
 }
 
-// The gradients of `names` one after another in a new flat buffer of reduce_dtype, each converted as
-// it is copied in (one pass over each gradient; never the gradient's own memory, which a view of it
+// The gradients of `names` (parameters whose sums share a dtype, reduce_dtype()) one after another in a
+// new flat buffer of that dtype, each converted as it is copied in (one pass over each gradient; never the gradient's own memory, which a view of it
 // may share).
 Tensor DataParallel::pack(const std::vector<std::string>& names, const std::map<std::string, Tensor>& grads) const {
   int64_t total = 0;
   for (const std::string& n : names) total += grads.at(n).numel();
-  const Tensor flat = Tensor::empty({total}, reduce_dtype_, grads.at(names.front()).device());
+  const Tensor flat = Tensor::empty({total}, reduce_dtype(param_of_.at(names.front()).dtype()), grads.at(names.front()).device());
   int64_t at = 0;
   for (const std::string& n : names) {
     const Tensor& g = grads.at(n);
@@ -711,9 +706,9 @@ void DataParallel::unpack(const std::vector<std::string>& names, const Tensor& f
 
 void DataParallel::reduce_gradients(std::map<std::string, Tensor>& grads, const std::vector<char>& anywhere, size_t skip) {
   const size_t bucket_bytes = static_cast<size_t>(options_.bucket_mib * (1 << 20));
-  const size_t es = dtype_size(reduce_dtype_);
   std::vector<std::string> bucket;
   size_t bytes = 0;
+  DType summed_in = DType::f32;  // the bucket's sums' dtype
   auto flush = [&] {
     if (bucket.empty()) return;
     const Tensor flat = pack(bucket, grads);
@@ -734,8 +729,10 @@ void DataParallel::reduce_gradients(std::map<std::string, Tensor>& grads, const 
     }
     auto it = grads.find(name);
     if (it == grads.end()) it = grads.emplace(name, Tensor::zeros(p.shape(), p.dtype(), p.device())).first;
+    if (!bucket.empty() && reduce_dtype(p.dtype()) != summed_in) flush();  // one dtype of sums a bucket
+    summed_in = reduce_dtype(p.dtype());
     bucket.push_back(name);
-    bytes += static_cast<size_t>(p.numel()) * es;
+    bytes += static_cast<size_t>(p.numel()) * dtype_size(summed_in);
     if (bytes >= bucket_bytes) flush();
   }
   flush();
@@ -955,7 +952,7 @@ bool DataParallel::sparse_embedding(int64_t rows_max) const {
   const Tensor& e = params_[embed_param_].second;
   const double w = static_cast<double>(comm_.world_size()), v = static_cast<double>(e.size(0)), h = static_cast<double>(e.size(1));
   const double sparse = (w - 1) * static_cast<double>(rows_max) * (h * static_cast<double>(e.element_size()) + 8);
-  const double dense = (options_.zero_stage == 0 ? 2 : 1) * (w - 1) / w * v * h * static_cast<double>(dtype_size(reduce_dtype_));
+  const double dense = (options_.zero_stage == 0 ? 2 : 1) * (w - 1) / w * v * h * static_cast<double>(dtype_size(reduce_dtype(e.dtype())));
   return sparse < dense;
 }
 
@@ -1002,6 +999,11 @@ void DataParallel::read_clock() {
   c.clear();
 }
 
+DType DataParallel::reduce_dtype(DType param) const {
+  if (options_.reduce_dtype) return *options_.reduce_dtype;
+  return param == DType::bf16 ? DType::bf16 : DType::f32;
+}
+
 DataParallel::CommStats DataParallel::comm_stats() {
   read_clock();
   return stats_;
@@ -1011,7 +1013,7 @@ void DataParallel::reduce_scatter_bucket(size_t bi, const std::map<std::string, 
   Bucket& b = buckets_[bi];
   // [world * shard] in reduce_dtype: the parameters' gradients (zeros for one this rank has none
   // of), then zeros to the end.  Stage 1 packs into its kept buffer, stage 2 into one for this step.
-  Tensor flat = b.flat.defined() ? b.flat : Tensor::empty({comm_.world_size() * b.shard}, reduce_dtype_, comm_.device());
+  Tensor flat = b.flat.defined() ? b.flat : Tensor::empty({comm_.world_size() * b.shard}, b.grad.dtype(), comm_.device());
   for (size_t j = 0; j < b.params.size(); ++j) {
     const auto& [name, p] = params_[b.params[j]];
     const Tensor part = flat.narrow(0, b.offset[j], p.numel()).view(p.shape());
@@ -1169,9 +1171,11 @@ StepResult DataParallel::step_replicated(const std::vector<MicroBatch>& micro, i
   models::CausalLM::GradientReady ready;
   if (overlap)
     ready = [&](const std::string& name, const Tensor& g) {
+      const DType sums = reduce_dtype(param_of_.at(name).dtype());
+      if (!filling.empty() && sums != reduce_dtype(param_of_.at(filling.front()).dtype())) send();  // one dtype a bucket
       whole.emplace(name, g);
       filling.push_back(name);
-      filling_bytes += static_cast<size_t>(g.numel()) * dtype_size(reduce_dtype_);
+      filling_bytes += static_cast<size_t>(g.numel()) * dtype_size(sums);
       // Full, or the step's last gradient (every parameter has one: no MoE layers).
       if (filling_bytes >= bucket_bytes || ++handed == params_.size()) send();
     };

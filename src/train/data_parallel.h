@@ -6,9 +6,10 @@
 //          g_r = gradient of (sum of the share's token losses) / T          (each rank)
 //          g = sum over ranks of g_r                                        (all_reduce, in buckets)
 //          then AdamW with g, clipped by ||g||: the step of the whole batch
-// The gradients travel in buckets of about `bucket_mib` (flattened, in `reduce_dtype`: by default bf16
-// when every parameter is bf16, as PyTorch FSDP2's MixedPrecisionPolicy and Megatron-core's
-// grad_reduce_in_fp32=false sum them, half the traffic of f32 sums; else f32.  f32 keeps bf16
+// The gradients travel in buckets of about `bucket_mib` (flattened, in `reduce_dtype`, one dtype of
+// sums a bucket: by default a bf16 parameter's in bf16, as PyTorch FSDP2's MixedPrecisionPolicy and
+// Megatron-core's grad_reduce_in_fp32=false sum them, half the traffic of f32 sums, and any other's
+// (an f32 model's, a Mamba model's f32 A_log, D and dt bias) in f32.  reduce_dtype = f32 keeps bf16
 // gradients' sums unrounded on the way, at a measured 6% of a 4-GPU step: bench/RESULTS.md).  With
 // `overlap` (the default; a CausalLM without MoE layers, whose every parameter has a gradient on every
 // rank and whose backward hands them over as they are finished; not a MambaLM) a bucket
@@ -162,8 +163,8 @@ enum class EmbeddingGradient {
 struct DataParallelOptions {
   int zero_stage = 0;  // 0 (replicated), 1 (optimizer state sharded), 2 (and gradients), 3 (and parameters)
   double bucket_mib = 25.0;        // gradient bytes (in reduce_dtype) a bucket holds, about
-  // The dtype gradients are summed in across the ranks: f32, f64, bf16 or f16; unset: bf16 when every
-  // parameter is bf16, else f32 (see above).  reduce_dtype() tells the one taken.
+  // The dtype gradients are summed in across the ranks: f32, f64, bf16 or f16; unset: a bf16
+  // parameter's in bf16, any other's in f32 (see above).  reduce_dtype() tells the one taken.
   std::optional<DType> reduce_dtype;
   bool overlap = true;             // buckets summed during the backward (see above)
   bool prefetch = false;           // stage 3 with overlap: the next use's gathers issued during this one's
@@ -208,8 +209,9 @@ class DataParallel {
   // Every rank gets the loss, the token count and the gradient norm of the whole step.
   StepResult step(const std::vector<MicroBatch>& micro);
 
-  // The dtype the gradients are summed in across the ranks (DataParallelOptions::reduce_dtype resolved).
-  DType reduce_dtype() const { return reduce_dtype_; }
+  // The dtype the gradients of a parameter of dtype `param` are summed in across the ranks
+  // (DataParallelOptions::reduce_dtype, or unset: bf16 for bf16 parameters, f32 for the others).
+  DType reduce_dtype(DType param) const;
   // Bytes of AdamW state this rank keeps (m, v, the f32 masters of its parameters or its shard).
   size_t optimizer_state_bytes() const { return opt_.state_bytes(); }
   // Bytes of gradient buffers kept between steps: the flat buckets at stage 1, this rank's shards of
@@ -347,7 +349,6 @@ class DataParallel {
   models::MambaLM* mamba_ = nullptr;
   dist::Communicator& comm_;
   DataParallelOptions options_;
-  DType reduce_dtype_ = DType::f32;  // options_.reduce_dtype, resolved
   std::vector<std::pair<std::string, Tensor>> params_;  // the model's, in its order (the same on every rank)
   std::map<std::string, Tensor> param_of_;              // the same, by name
   std::map<std::string, size_t> index_of_;              // position in params_, by name

@@ -22,9 +22,8 @@
 // the parameters all-gathered), --zero 2 the gradients too, --zero 3 the parameters too (each layer's
 // gathered for its forward and its backward at its use, --prefetch: during the use before it;
 // every rank gathers them all at the end, for rank 0's sample and save); the gradients are summed in
-// buckets during the backward (--no-overlap: after it, and no gather ahead), in bf16 when every weight
-// is bf16 and f32 otherwise (a Mamba model's f32 A_log, D and dt bias keep it f32; --reduce-dtype f32
-// / bf16 chooses), the embedding's dense (--embedding-grad sparse: as the rows of every GPU's
+// buckets during the backward (--no-overlap: after it, and no gather ahead), a bf16 weight's in bf16
+// and any other's in f32 (--reduce-dtype f32 / bf16 chooses for all), the embedding's dense (--embedding-grad sparse: as the rows of every GPU's
 // tokens; auto: sparse when that moves fewer bytes); --overlap-param-gather defers the all-gather of --zero 1 and 2 to the next
 // forward.  The end of a run prints the communication the steps waited for after the backward.
 // --vocab gives the generated model rows past its byte-level tokens (Llama-3's 128256).
@@ -407,7 +406,7 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
     const train::DataParallel::CommStats c = dp->comm_stats();
     if (c.timed > 0)
       comm = fmt::format("; gradients summed in {}, communication after the backward {:.2f} ms a step{}, embedding gradient {}",
-                         dtype_name(dp->reduce_dtype()), c.after_backward_ms / c.timed,
+                         dtype_name(dp->reduce_dtype(dtype)), c.after_backward_ms / c.timed,
                          a.zero == 0 || a.zero == 3 ? ""
                          : a.overlap_param_gather ? ", parameter all-gather overlapped with the forward"
                                                   : fmt::format(", parameter all-gather {:.2f} ms", c.parameter_gather_ms / c.timed),
@@ -950,8 +949,7 @@ void add_train_command(CLI::App& app, Action& action) {
       ->capture_default_str();
   t->add_option("--reduce-dtype", args->reduce_dtype,
                 "With --gpus: the dtype the gradients are summed in across the GPUs: f32, bf16 (half the traffic, "
-                "rounded at every sum) or auto (bf16 when every weight is bf16, as FSDP2 sums them; else f32, as for a "
-                "Mamba model's f32 A_log, D and dt bias)")
+                "rounded at every sum) or auto (a bf16 weight's in bf16, as FSDP2 sums them; any other's in f32)")
       ->capture_default_str();
   t->add_flag("--overlap-param-gather", args->overlap_param_gather,
               "With --gpus --zero 1 or 2: all-gather the updated parameters during the next forward, each layer's waited "
