@@ -926,14 +926,36 @@ TEST(Dist, ReduceDtypeFollowsTheParameters) {
   }
 }
 
-// A Mamba-family model trains data-parallel at stages 0 to 2: on 2 and 3 ranks, shares of unequal
-// rows and one row with no labelled token, three steps give the single process's parameters on the
-// whole batch (clipping active: the norm is the whole gradient's), every rank the same bit for bit;
-// the options that need a Llama-family model's hooks are refused by name.
+// A Mamba-family model hands each gradient over once, as the backward makes it whole: an untied
+// head's and the final norm's first, the layers from the last down, the embedding last; and it
+// trains data-parallel at stages 0 to 2: on 2 and 3 ranks, shares of unequal rows and one row with
+// no labelled token, three steps with the buckets summed during the backward and after it give the
+// single process's parameters on the whole batch (clipping active: the norm is the whole
+// gradient's), every rank the same bit for bit; the options that need a Llama-family model's hooks
+// are refused by name.
 TEST(Dist, MambaDataParallelEqualsOneProcessOnTheWholeBatch) {
   for (const char* family : {"mamba", "falcon_mamba"}) {
     const fs::path dir = fs::path(test::fixtures_dir()) / family;
     const models::MambaConfig cfg = models::MambaConfig::from_folder(dir);
+    {
+      auto model = models::MambaLM::from_folder(dir, DType::f32, Device::cpu());
+      Generator g0(3);
+      const Tensor ids = Tensor::randint({2, 6}, 0, cfg.vocab_size, DType::i64, Device::cpu(), g0);
+      std::vector<std::string> order;
+      std::map<std::string, const void*> handed;
+      const auto r = model->loss_and_gradients(ids, ids, 1.0, ops::Reduction::Mean, [&](const std::string& n, const Tensor& g) {
+        order.push_back(n);
+        handed[n] = g.data();
+      });
+      ASSERT_EQ(order.size(), r.grads.size()) << family << ": each gradient handed over once";
+      ASSERT_EQ(order.size(), model->parameters().size()) << family;
+      for (const auto& [n, g] : r.grads) EXPECT_EQ(handed.at(n), g.data()) << n << ": not the tensor the result holds";
+      const size_t first_layer = cfg.tie_word_embeddings ? 1 : 2;
+      EXPECT_EQ(order[first_layer - 1], "backbone.norm_f.weight") << family;
+      EXPECT_TRUE(order[first_layer].starts_with(fmt::format("backbone.layers.{}.", cfg.num_hidden_layers - 1))) << order[first_layer];
+      EXPECT_TRUE(order[order.size() - 2].starts_with("backbone.layers.0.")) << order[order.size() - 2];
+      EXPECT_EQ(order.back(), "backbone.embeddings.weight") << family;
+    }
     const int64_t rows = 5, seq = 7;
     std::vector<Tensor> ids, labels;
     Generator gen(31);
@@ -953,13 +975,14 @@ TEST(Dist, MambaDataParallelEqualsOneProcessOnTheWholeBatch) {
     std::map<std::string, std::vector<double>> want;
     for (const auto& [name, p] : single->parameters()) want[name] = p.to_f64_vector();
     for (int world : {2, 3})
-      for (int zero : {0, 1, 2}) {
-        const std::string what = fmt::format("{} world {} ZeRO-{}", family, world, zero);
+      for (int zero : {0, 1, 2})
+      for (bool overlap : {true, false}) {
+        const std::string what = fmt::format("{} world {} ZeRO-{}{}", family, world, zero, overlap ? "" : " no overlap");
         std::vector<std::map<std::string, std::vector<double>>> got(static_cast<size_t>(world));
         on_ranks(world, [&](int r, dist::Communicator& c) {
           auto model = models::MambaLM::from_folder(dir, DType::f32, Device::cpu());
           train::DataParallelOptions dp;
-          dp.zero_stage = zero, dp.bucket_mib = 0.005;  // several buckets
+          dp.zero_stage = zero, dp.bucket_mib = 0.005, dp.overlap = overlap;  // several buckets
           train::DataParallel trainer(*model, c, o, dp);
           // Rank 0 takes row 0 alone (no labelled token) on 2 ranks; rows 0-1, 2-3, 4 on 3.
           const int64_t lo = world == 2 ? (r == 0 ? 0 : 1) : r * 2;

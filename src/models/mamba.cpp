@@ -661,8 +661,16 @@ Tensor MambaLM::loss(const Tensor& ids, const Tensor& labels) {
   return loss_->forward(h, lm_head_, shifted_targets(labels));
 }
 
-CausalLM::Gradients MambaLM::loss_and_gradients(const Tensor& ids, const Tensor& labels, double dloss) {
+CausalLM::Gradients MambaLM::loss_and_gradients(const Tensor& ids, const Tensor& labels, double dloss, ops::Reduction reduction,
+                                                const CausalLM::GradientReady& ready) {
   KCPP_CHECK(labels.shape() == ids.shape(), "MambaLM: labels must match input_ids");
+  KCPP_CHECK(reduction != ops::Reduction::None, "loss_and_gradients: reduction 'none' has no scalar loss to differentiate");
+  struct Restore {
+    nn::ForCausalLMLoss& slot;
+    ops::Reduction saved;
+    ~Restore() { slot.options.reduction = saved; }
+  } restore{*loss_, loss_->options.reduction};
+  loss_->options.reduction = reduction;
   const MambaConfig& c = cfg_;
   const int64_t b = ids.size(0), s = ids.size(1), n = b * s, hd = c.hidden_size, d = c.intermediate_size;
   std::vector<LayerTape> tapes;
@@ -676,14 +684,24 @@ CausalLM::Gradients MambaLM::loss_and_gradients(const Tensor& ids, const Tensor&
   out.loss = loss_->forward(hf, lm_head_, shifted_targets(labels), &ls);
   const nn::ForCausalLMLoss::Grads lg = loss_->backward(dloss, ls);
   auto& g = out.grads;
+  const std::string embedding = "backbone.embeddings.weight";
+  std::vector<std::string> pending;  // made since the last hand-over, in their order
   auto acc = [&](const std::string& name, const Tensor& t) {
     auto it = g.find(name);
-    if (it == g.end()) g.emplace(name, t);
+    if (it == g.end()) g.emplace(name, t), pending.push_back(name);
     else it->second = ops::add(it->second, t);
   };
-  acc(c.tie_word_embeddings ? "backbone.embeddings.weight" : "lm_head.weight", lg.dweight);
+  // The gradients made since the last call are whole (a tied head's embedding only at the end).
+  auto hand_over = [&](bool last) {
+    if (!ready) return;
+    for (const std::string& name : pending)
+      if (last || name != embedding) ready(name, g.at(name));
+    std::erase_if(pending, [&](const std::string& name) { return last || name != embedding; });
+  };
+  acc(c.tie_word_embeddings ? embedding : "lm_head.weight", lg.dweight);
   auto fn = final_norm_backward(lg.dhidden.view({b, s, hd}), fs);
   acc("backbone.norm_f.weight", fn.dweight);
+  hand_over(false);
   Tensor dh = fn.dx;
   // [B, D, L] from a token-major [B S, D], and back.
   auto channels_first = [&](const Tensor& m, int64_t width) { return m.contiguous().view({b, s, width}).transpose(1, 2).contiguous(); };
@@ -728,9 +746,11 @@ CausalLM::Gradients MambaLM::loss_and_gradients(const Tensor& ids, const Tensor&
     if (!wide) dh = ops::add(dh, nb.dx);
     else if (li > 0) dh = ops::add(dh, nb.dx.to(DType::f32));
     else dh = ops::add(dh.to(dtype_), nb.dx);
+    hand_over(false);
   }
   const Tensor ids_dev = ids.device() == device_ ? ids : ids.to(device_);
-  acc("backbone.embeddings.weight", ops::embedding_backward(dh.contiguous(), ids_dev, c.vocab_size));
+  acc(embedding, ops::embedding_backward(dh.contiguous(), ids_dev, c.vocab_size));
+  hand_over(true);
   return out;
 }
 

@@ -115,8 +115,15 @@ class MambaLM : public nn::Module {
                                                   CausalLM::GenerationStats* stats = nullptr);
   // ForCausalLMLoss of forward(input_ids) against labels [B, S].
   Tensor loss(const Tensor& input_ids, const Tensor& labels);
-  // The loss and every parameter's gradient by its safetensors name ("backbone.layers.0.mixer.A_log").
-  CausalLM::Gradients loss_and_gradients(const Tensor& input_ids, const Tensor& labels, double dloss = 1.0);
+  // The loss (the labelled tokens' mean, or with Reduction::Sum their sum: no NaN for a batch without
+  // labels) times dloss, and every parameter's gradient by its safetensors name
+  // ("backbone.layers.0.mixer.A_log").  `ready`, if set, is called with each gradient as soon as the
+  // backward has made it whole: an untied head's and the final norm's first, then each layer's (the
+  // last layer first), the embedding last; the same order on every call (data parallelism sums
+  // buckets during the backward).  Every gradient is also in the result.
+  CausalLM::Gradients loss_and_gradients(const Tensor& input_ids, const Tensor& labels, double dloss = 1.0,
+                                         ops::Reduction reduction = ops::Reduction::Mean,
+                                         const CausalLM::GradientReady& ready = {});
   // Activation checkpointing per layer, as CausalLM's: the forward of loss_and_gradients keeps only
   // each layer's input and the backward runs the layer's forward again (the same slots, so the same
   // values) before its backward: one layer's activations at a time for an extra forward.

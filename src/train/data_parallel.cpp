@@ -1034,7 +1034,7 @@ void DataParallel::reduce_scatter_bucket(size_t bi, const std::map<std::string, 
 StepResult DataParallel::step_sharded(const std::vector<MicroBatch>& micro, int64_t total) {
   // Overlapped: the buckets in their order, each as soon as the backward has handed over all of its
   // parameters' gradients (every parameter has one: no MoE layers) and those before it are sent.
-  const bool overlap = options_.overlap && causal_ && causal_->config().num_experts == 0;
+  const bool overlap = options_.overlap && (mamba_ || causal_->config().num_experts == 0);
   std::map<std::string, Tensor> grads;  // handed over and not yet packed
   // With the sparse embedding gradient, the embedding's bucket is not reduce-scattered: each rank
   // sums its shard from every rank's rows after the backward.
@@ -1086,7 +1086,7 @@ StepResult DataParallel::step_sharded(const std::vector<MicroBatch>& micro, int6
       --waiting[bucket_of_[it->second]];
       while (next < buckets_.size() && waiting[next] == 0) send(next++);
     };
-  Accumulated acc = causal_ ? accumulate_gradients(*causal_, micro, total, ready) : accumulate_gradients(*mamba_, micro, total);
+  Accumulated acc = causal_ ? accumulate_gradients(*causal_, micro, total, ready) : accumulate_gradients(*mamba_, micro, total, ready);
   clock_->mark(kBackwardDone);
   std::vector<double> info(params_.size() + 1);
   info[0] = acc.loss;
@@ -1143,7 +1143,7 @@ StepResult DataParallel::step_replicated(const std::vector<MicroBatch>& micro, i
   // to the loss of the tokens, but an MoE model's auxiliary loss still counts).  Overlapped: buckets
   // in the order the backward finishes parameters (the same on every rank), each summed on the side
   // stream once full, held until the stream is joined.
-  const bool overlap = options_.overlap && causal_ && causal_->config().num_experts == 0;
+  const bool overlap = options_.overlap && (mamba_ || causal_->config().num_experts == 0);
   const size_t bucket_bytes = static_cast<size_t>(options_.bucket_mib * (1 << 20));
   std::vector<std::pair<std::vector<std::string>, Tensor>> in_flight;  // buckets summing on the side stream
   std::vector<std::string> filling;
@@ -1179,7 +1179,7 @@ StepResult DataParallel::step_replicated(const std::vector<MicroBatch>& micro, i
       // Full, or the step's last gradient (every parameter has one: no MoE layers).
       if (filling_bytes >= bucket_bytes || ++handed == params_.size()) send();
     };
-  Accumulated acc = causal_ ? accumulate_gradients(*causal_, micro, total, ready) : accumulate_gradients(*mamba_, micro, total);
+  Accumulated acc = causal_ ? accumulate_gradients(*causal_, micro, total, ready) : accumulate_gradients(*mamba_, micro, total, ready);
   clock_->mark(kBackwardDone);
   if (overlap) {
     send();

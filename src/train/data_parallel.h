@@ -11,8 +11,8 @@
 // Megatron-core's grad_reduce_in_fp32=false sum them, half the traffic of f32 sums, and any other's
 // (an f32 model's, a Mamba model's f32 A_log, D and dt bias) in f32.  reduce_dtype = f32 keeps bf16
 // gradients' sums unrounded on the way, at a measured 6% of a 4-GPU step: bench/RESULTS.md).  With
-// `overlap` (the default; a CausalLM without MoE layers, whose every parameter has a gradient on every
-// rank and whose backward hands them over as they are finished; not a MambaLM) a bucket
+// `overlap` (the default; models without MoE layers, whose every parameter has a gradient on every
+// rank) a bucket
 // is summed as soon as the last micro-batch's backward has finished its parameters (the final
 // norm's and the head's, then the last layer's down to the first's, the embedding's last): over NCCL
 // on a stream of its own, while the backward goes on with the layers below, at most two buckets'
@@ -199,9 +199,9 @@ class DataParallel {
   // The parameters of `model` (on comm.device()) start as rank 0's: they are broadcast here, before
   // the optimizer copies them.
   DataParallel(models::CausalLM& model, dist::Communicator& comm, AdamWOptions adamw, DataParallelOptions options = {});
-  // A Mamba-family model: stages 0 to 2, its buckets summed after the backward (its backward hands
-  // over no gradient early), the embedding's gradient dense, the all-gather after AdamW; an error
-  // for the options that need a CausalLM (ZeRO-3, overlap_parameter_gather, a sparse embedding gradient).
+  // A Mamba-family model: stages 0 to 2 (its buckets summed during the backward as a CausalLM's), the
+  // embedding's gradient dense, the all-gather after AdamW; an error for the options that need a
+  // CausalLM's hooks (ZeRO-3, overlap_parameter_gather, a sparse embedding gradient).
   DataParallel(models::MambaLM& model, dist::Communicator& comm, AdamWOptions adamw, DataParallelOptions options = {});
   ~DataParallel();
 
@@ -341,8 +341,8 @@ class DataParallel {
   void finish_gathers();
 
   // The model: one of the two.  Everything that needs a CausalLM's hooks (ZeRO-3's and the deferred
-  // gather's parameter_use, the gradients handed over during the backward, the sparse embedding
-  // gradient) runs for causal_ only; the constructor refuses those options for mamba_.
+  // gather's parameter_use, the sparse embedding gradient) runs for causal_ only; the constructor
+  // refuses those options for mamba_.
   DataParallel(models::CausalLM* causal, models::MambaLM* mamba, std::vector<std::pair<std::string, Tensor>> params,
                dist::Communicator& comm, AdamWOptions adamw, DataParallelOptions options);
   models::CausalLM* causal_ = nullptr;

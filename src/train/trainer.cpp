@@ -29,21 +29,12 @@ const Tensor& add_in(Accumulated& acc, const std::string& name, const Tensor& g)
   return it->second = ops::add(it->second, g);
 }
 
+// The shares' gradients of either family: every micro-batch's forward and backward with its token
+// losses summed and scaled by 1 / total (a micro-batch without labels adds zeros), the last one's
+// handed to `ready` as its backward finishes each.
 template <class Model>
-StepResult accumulate_and_step(Model& model, AdamW& opt, const std::vector<MicroBatch>& micro) {
-  Accumulated acc = accumulate_gradients(model, micro);
-  StepResult r;
-  r.loss = acc.loss;
-  r.tokens = acc.tokens;
-  opt.step(acc.grads);
-  r.grad_norm = opt.grad_norm();
-  return r;
-}
-
-}  // namespace
-
-Accumulated accumulate_gradients(models::CausalLM& model, const std::vector<MicroBatch>& micro, int64_t total_tokens,
-                                 const models::CausalLM::GradientReady& ready) {
+Accumulated accumulate(Model& model, const std::vector<MicroBatch>& micro, int64_t total_tokens,
+                       const models::CausalLM::GradientReady& ready) {
   Accumulated acc;
   const double scale = 1.0 / count_tokens(acc, micro, total_tokens);
   for (size_t i = 0; i < micro.size(); ++i) {
@@ -61,22 +52,31 @@ Accumulated accumulate_gradients(models::CausalLM& model, const std::vector<Micr
   return acc;
 }
 
-StepResult train_step(models::CausalLM& model, AdamW& opt, const std::vector<MicroBatch>& micro) {
-  return accumulate_and_step(model, opt, micro);
+template <class Model>
+StepResult accumulate_and_step(Model& model, AdamW& opt, const std::vector<MicroBatch>& micro) {
+  Accumulated acc = accumulate(model, micro, 0, {});
+  StepResult r;
+  r.loss = acc.loss;
+  r.tokens = acc.tokens;
+  opt.step(acc.grads);
+  r.grad_norm = opt.grad_norm();
+  return r;
 }
 
-Accumulated accumulate_gradients(models::MambaLM& model, const std::vector<MicroBatch>& micro, int64_t total_tokens) {
-  Accumulated acc;
-  const double total = count_tokens(acc, micro, total_tokens);
-  for (const MicroBatch& m : micro) {
-    const int64_t n = models::CausalLM::labelled_tokens(m.labels);
-    if (n == 0) continue;  // its mean is NaN and its share nothing
-    const double share = static_cast<double>(n) / total;
-    auto g = model.loss_and_gradients(m.input_ids, m.labels, share);
-    acc.loss += g.loss.item() * share;
-    for (auto& [name, t] : g.grads) add_in(acc, name, t);
-  }
-  return acc;
+}  // namespace
+
+Accumulated accumulate_gradients(models::CausalLM& model, const std::vector<MicroBatch>& micro, int64_t total_tokens,
+                                 const models::CausalLM::GradientReady& ready) {
+  return accumulate(model, micro, total_tokens, ready);
+}
+
+Accumulated accumulate_gradients(models::MambaLM& model, const std::vector<MicroBatch>& micro, int64_t total_tokens,
+                                 const models::CausalLM::GradientReady& ready) {
+  return accumulate(model, micro, total_tokens, ready);
+}
+
+StepResult train_step(models::CausalLM& model, AdamW& opt, const std::vector<MicroBatch>& micro) {
+  return accumulate_and_step(model, opt, micro);
 }
 
 StepResult train_step(models::MambaLM& model, AdamW& opt, const std::vector<MicroBatch>& micro) {

@@ -44,11 +44,10 @@ Accumulated accumulate_gradients(models::CausalLM& model, const std::vector<Micr
 // accumulate_gradients, then one AdamW step.
 StepResult train_step(models::CausalLM& model, AdamW& opt, const std::vector<MicroBatch>& micro);
 
-// The same for a Mamba-family model: each micro-batch's mean loss weighted by its share of the
-// labelled tokens (dloss = its tokens / all of them, or / total_tokens when these micro-batches are
-// one rank's share of a step), so that the gradients are the whole batch's.  A micro-batch with no
-// labelled token adds nothing (its mean is undefined); with none at all the result holds no gradient.
-Accumulated accumulate_gradients(models::MambaLM& model, const std::vector<MicroBatch>& micro, int64_t total_tokens = 0);
+// The same for a Mamba-family model (MambaLM::loss_and_gradients hands its gradients over in its own
+// order).
+Accumulated accumulate_gradients(models::MambaLM& model, const std::vector<MicroBatch>& micro, int64_t total_tokens = 0,
+                                 const models::CausalLM::GradientReady& ready = {});
 StepResult train_step(models::MambaLM& model, AdamW& opt, const std::vector<MicroBatch>& micro);
 
 // trainer_state.json of a checkpoint (`kcpp train --save`, beside the model and the optimizer state):
