@@ -1026,6 +1026,59 @@ TEST(Dist, MambaDataParallelEqualsOneProcessOnTheWholeBatch) {
   }
 }
 
+// A Mamba model's data-parallel checkpoint resumes on another world size and stage: two steps on 2
+// ranks at ZeRO-2, the model and the optimizer saved, two more on 3 ranks at ZeRO-1 give the single
+// process's four steps on the whole batch.
+TEST(Dist, MambaCheckpointsResumeOnAnyWorldSize) {
+  const fs::path dir = fs::path(test::fixtures_dir()) / "falcon_mamba";
+  const int64_t vocab = models::MambaConfig::from_folder(dir).vocab_size;
+  Generator gen(17);
+  std::vector<Tensor> ids;
+  for (int step = 0; step < 4; ++step) ids.push_back(Tensor::randint({6, 5}, 0, vocab, DType::i64, Device::cpu(), gen));
+  train::AdamWOptions o;
+  o.lr = 5e-3, o.weight_decay = 0.01, o.max_grad_norm = 0.5;
+  auto straight = models::MambaLM::from_folder(dir, DType::f32, Device::cpu());
+  {
+    train::AdamW opt(straight->parameters(), o);
+    for (const Tensor& i : ids) train::train_step(*straight, opt, {{i, i}});
+  }
+  std::string tmpl = (fs::temp_directory_path() / "kcpp-dp-mamba-ckpt-XXXXXX").string();
+  const fs::path ckpt = ::mkdtemp(tmpl.data());
+  auto run = [&](int world, int zero, int from, int to, bool load, bool save) {
+    std::vector<std::vector<double>> got;
+    on_ranks(world, [&](int r, dist::Communicator& c) {
+      auto model = models::MambaLM::from_folder(load ? ckpt : dir, DType::f32, Device::cpu());
+      train::DataParallelOptions dp;
+      dp.zero_stage = zero;
+      train::DataParallel t(*model, c, o, dp);
+      if (load) t.load_optimizer(ckpt);
+      EXPECT_EQ(t.optimizer().steps(), from);
+      const int64_t share = 6 / world;
+      for (int step = from; step < to; ++step) {
+        const Tensor mine = ids[static_cast<size_t>(step)].narrow(0, r * share, share).contiguous();
+        t.step({{mine, mine}});
+      }
+      if (save) {
+        t.save_model(ckpt);
+        t.save_optimizer(ckpt);
+      }
+      t.gather_parameters();
+      if (r == 0)
+        for (const auto& [name, p] : model->parameters()) got.push_back(p.to_f64_vector());
+    });
+    return got;
+  };
+  (void)run(2, 2, 0, 2, false, true);
+  const auto resumed = run(3, 1, 2, 4, true, false);
+  const auto want = straight->parameters();
+  ASSERT_EQ(resumed.size(), want.size());
+  for (size_t k = 0; k < want.size(); ++k)
+    EXPECT_TRUE(test::close_l2(Tensor::from_f64(resumed[k], {static_cast<int64_t>(resumed[k].size())}, DType::f64),
+                               want[k].second.to_f64_vector(), 1e-5))
+        << want[k].first;
+  fs::remove_all(ckpt);
+}
+
 // The sparse embedding gradient's parts: with sparse_embedding_gradient an untied model returns the
 // gradient of the embedding's output (its rows summed by token are the dense gradient, bit for bit)
 // and hands no embedding gradient to `ready`; a tied model's embedding gradient stays dense.  A
