@@ -255,7 +255,10 @@ TEST(ModelConfig, BadConfigsNameTheKey) {
                "rope_type 'yarn' is not supported");
   EXPECT_ERROR(ModelConfig::from_json(with("tie_word_embeddings", 1)), "'tie_word_embeddings' must be true or false");
   TempDir d;
-  EXPECT_ERROR(ModelConfig::from_folder(d.path), "config.json: cannot read");
+  EXPECT_ERROR(ModelConfig::from_folder(d.path), "config.json does not exist");
+  fs::create_directory(d.path / "config.json");
+  EXPECT_ERROR(ModelConfig::from_folder(d.path), "config.json is a folder, not a file");
+  fs::remove(d.path / "config.json");
   std::ofstream(d.path / "config.json") << "{\"model_type\": ";
   EXPECT_ERROR(ModelConfig::from_folder(d.path), "config.json: not JSON");
   std::ofstream(d.path / "config.json") << llama3().dump();

@@ -331,7 +331,8 @@ TEST(TextData, DocumentsAndTheirErrors) {
   const auto other = train::read_text_documents(write("c.jsonl", "{\"content\": \"x\"}\n"), "content", true);
   EXPECT_EQ(other.docs[0].text, "x");
 
-  EXPECT_ERROR(train::read_text_documents(dir / "missing.txt"), "missing.txt: cannot open the training data");
+  EXPECT_ERROR(train::read_text_documents(dir / "missing.txt"), "the text " + (dir / "missing.txt").string() + " does not exist");
+  EXPECT_ERROR(train::read_text_documents(dir), "the text " + dir.string() + " is a folder, not a file");
   EXPECT_ERROR(train::read_text_documents(write("e.txt", "")), "e.txt: no text to train on");
   EXPECT_ERROR(train::read_text_documents(write("f.jsonl", "{\"text\": \"\"}\n")), "f.jsonl: no text to train on (no 'text' with text)");
   EXPECT_ERROR(train::read_text_documents(write("g.jsonl", "{\"text\": \"a\"}\n{\"text\": \n")), "g.jsonl:2: not a JSON value");

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/files.h"
 
 namespace kcpp::models {
 
@@ -371,7 +372,8 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& w
   KCPP_CHECK(!c.model_type.empty(), "{}: missing key 'model_type'", where);
   bool known = false;
   for (const char* f : kFamilies) known = known || c.model_type == f;
-  KCPP_CHECK(known || c.model_type == "llama4", "{}: unknown model_type '{}' (supported: {}, and llama4 for its text model)",
+  KCPP_CHECK(known || c.model_type == "llama4",
+             "{}: unknown model_type '{}' (supported: {}, llama4 for its text model, and the state-space mamba and falcon_mamba)",
              where, c.model_type, fmt::join(kFamilies, ", "));
   if (c.model_type == "llama4") {
     // Llama4ForConditionalGeneration: the language model is its text_config (a llama4_text config);
@@ -479,11 +481,10 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& w
 
 ModelConfig ModelConfig::from_folder(const std::filesystem::path& folder) {
   const auto path = folder / "config.json";
-  std::ifstream in(path);
-  KCPP_CHECK(in.good(), "{}: cannot read (no config.json in the model folder?)", path.string());
+  const std::string text = read_whole_file(path, "the model's config");
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(in);
+    j = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     KCPP_FAIL("{}: not JSON: {}", path.string(), e.what());
   }

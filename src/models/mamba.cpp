@@ -11,6 +11,7 @@
 
 #include "core/cuda_graph.h"
 #include "core/error.h"
+#include "core/files.h"
 #include "core/profile.h"
 #include "models/safetensors.h"
 #include "ops/nn/decode_fused.h"
@@ -142,11 +143,10 @@ MambaConfig MambaConfig::from_json(const nlohmann::json& j, const std::string& w
 
 MambaConfig MambaConfig::from_folder(const std::filesystem::path& folder) {
   const auto path = folder / "config.json";
-  std::ifstream f(path);
-  KCPP_CHECK(f.good(), "{}: cannot open config.json", folder.string());
+  const std::string text = read_whole_file(path, "the model's config");
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(f);
+    j = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     KCPP_FAIL("{}: not valid JSON ({})", path.string(), e.what());
   }
@@ -172,6 +172,8 @@ nlohmann::json MambaConfig::to_json() const {
 }
 
 bool is_mamba_folder(const std::filesystem::path& folder) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(folder / "config.json", ec)) return false;  // ModelConfig names what is wrong
   std::ifstream f(folder / "config.json");
   if (!f.good()) return false;
   const nlohmann::json j = nlohmann::json::parse(f, nullptr, false);

@@ -20,6 +20,7 @@
 #include <unordered_map>
 
 #include "core/error.h"
+#include "core/files.h"
 
 namespace kcpp::models {
 
@@ -339,11 +340,7 @@ Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
 Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 
 Tokenizer Tokenizer::from_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(fmt::format("{}: cannot open", path.string()));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return from_json_text(ss.str(), path.string());
+  return from_json_text(read_whole_file(path, "the tokenizer"), path.string());
 }
 
 Tokenizer Tokenizer::from_json_text(std::string_view text, const std::string& origin) {

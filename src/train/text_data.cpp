@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/files.h"
 
 namespace kcpp::train {
 
@@ -52,6 +53,7 @@ TextDocument document_of(const nlohmann::json& j, const std::string& where, cons
 }  // namespace
 
 TextDocuments read_text_documents(const std::filesystem::path& file, const std::string& field, bool field_given) {
+  check_readable_file(file, "the text");
   std::ifstream in(file, std::ios::binary);
   KCPP_CHECK(in.good(), "{}: cannot open the training data", file.string());
   TextDocuments out;

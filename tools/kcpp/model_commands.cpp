@@ -31,6 +31,7 @@
 #include "commands.h"
 #include "core/device.h"
 #include "core/error.h"
+#include "core/files.h"
 #include "hub/hub.h"
 #include "models/causal_lm.h"
 #include "models/chat_template.h"
@@ -75,6 +76,7 @@ std::vector<int64_t> parse_ids(const std::string& text, const std::string& where
 
 // The non-blank lines of a prompts file, each with its 1-based line number.
 std::vector<std::pair<size_t, std::string>> read_lines(const std::string& path, const char* option) {
+  check_readable_file(path, option);
   std::ifstream in(path);
   KCPP_CHECK(in.good(), "{}: cannot read {}", option, path);
   std::vector<std::pair<size_t, std::string>> lines;
@@ -91,6 +93,8 @@ std::vector<std::pair<size_t, std::string>> read_lines(const std::string& path, 
 // object with "content"); an unreadable file gives none.
 nlohmann::ordered_json special_tokens_of(const std::filesystem::path& config) {
   nlohmann::ordered_json out = nlohmann::ordered_json::object();
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(config, ec)) return out;
   std::ifstream in(config);
   if (!in.good()) return out;
   const auto j = nlohmann::ordered_json::parse(in, nullptr, /*allow_exceptions=*/false);
@@ -113,6 +117,7 @@ models::ChatTemplate load_chat_template(const std::filesystem::path& model, cons
              given.empty() ? "the model's chat template is in its tokenizer_config.json; --chat-template FILE names another"
                            : "--chat-template names a tokenizer_config.json or a template file");
   if (src.extension() == ".json") return models::ChatTemplate::from_tokenizer_config(src);
+  check_readable_file(src, "--chat-template");
   std::ifstream in(src);
   KCPP_CHECK(in.good(), "--chat-template: cannot read {}", src.string());
   models::ChatTemplate t = models::ChatTemplate::parse(std::string(std::istreambuf_iterator<char>(in), {}), src.string());

@@ -50,6 +50,7 @@
 #include "core/allocator.h"
 #include "core/device.h"
 #include "core/error.h"
+#include "core/files.h"
 #include "core/random.h"
 #include "core/timing.h"
 #include "dist/communicator.h"
@@ -182,8 +183,10 @@ void save_trainer_state(const std::filesystem::path& folder, const TrainArgs& a,
 
 Resume read_resume(const std::string& folder, const TrainArgs& a) {
   const std::filesystem::path f = std::filesystem::path(folder) / "trainer_state.json";
+  std::error_code ec;
+  KCPP_CHECK(std::filesystem::is_regular_file(f, ec), "kcpp train: --resume {}: no trainer_state.json (a folder written by kcpp train --save)", folder);
   std::ifstream in(f);
-  KCPP_CHECK(in.good(), "kcpp train: --resume {}: no trainer_state.json (a folder written by kcpp train --save)", folder);
+  KCPP_CHECK(in.good(), "kcpp train: --resume {}: cannot read its trainer_state.json", folder);
   const train::TrainerState s =
       train::TrainerState::parse(std::string(std::istreambuf_iterator<char>(in), {}), "kcpp train: --resume " + folder);
   KCPP_CHECK(s.batch == a.batch && s.seq == a.seq && s.seed == a.seed,
@@ -355,6 +358,12 @@ Run run_one(const std::string& name, const TrainArgs& a, Device dev, const Train
     rate.lr = a.lr * a.schedule.factor(before + step - 1);
     const train::StepResult s = dp ? dp->step(parts) : r.mamba ? train::train_step(*r.mamba, *opt, parts)
                                                                : train::train_step(*r.model, *opt, parts);
+    // The same loss on every rank (summed across them): all stop together, before anything is saved.
+    KCPP_CHECK(std::isfinite(s.loss),
+               "kcpp train: the {} run's loss is {} at step {}{}: training diverged. Lower --lr (now {:g}) or add "
+               "--warmup-steps{}; nothing was saved",
+               name, s.loss, before + step, step > 1 ? fmt::format(" (it was {:.4f} at step {})", r.first_loss, before + 1) : "",
+               rate.lr, a.dtype == "f32" ? "" : ", or train in f32 (--dtype f32) to see whether 16-bit arithmetic overflowed");
     if (step == 1) {
       r.first_loss = s.loss;
       if (a.steps > 1) {
@@ -664,6 +673,17 @@ int run_train(TrainArgs a) {
     ranks.rank = launched->rank, ranks.world = launched->world_size;
     KCPP_CHECK(a.batch >= ranks.world, "kcpp train: --batch is {}; {} ranks need at least one row each", a.batch, ranks.world);
   }
+  if (!ranks.comm) {  // one device: the data-parallel options have nothing to act on; say so once
+    std::vector<std::string> unused;
+    if (a.zero != 0) unused.push_back(fmt::format("--zero {}", a.zero));
+    if (a.no_overlap) unused.push_back("--no-overlap");
+    if (a.prefetch) unused.push_back("--prefetch");
+    if (a.overlap_param_gather) unused.push_back("--overlap-param-gather");
+    if (a.embedding_grad != "dense") unused.push_back("--embedding-grad " + a.embedding_grad);
+    if (a.reduce_dtype != "auto") unused.push_back("--reduce-dtype " + a.reduce_dtype);
+    if (!unused.empty())
+      fmt::print(stderr, "kcpp train: note: {} act with --gpus N (data parallelism); one device ignores them\n", fmt::join(unused, ", "));
+  }
   a.steps = a.given_steps.value_or(dev.is_cuda() ? 1000 : 60);
   a.hidden = a.given_hidden.value_or(dev.is_cuda() ? 512 : 128);
   a.layers = a.given_layers.value_or(4);
@@ -699,6 +719,19 @@ int run_train(TrainArgs a) {
     KCPP_CHECK(!folder_config->mamba || a.gpus <= 1 || (a.zero < 3 && !a.overlap_param_gather && a.embedding_grad != "sparse"),
                "kcpp train: a {} model trains data-parallel at --zero 0, 1 or 2, gathering after AdamW, its embedding's "
                "gradient dense: drop --zero 3, --overlap-param-gather and --embedding-grad sparse", folder_config->model_type);
+  }
+  // --save's folder made (or found writable) now, not after the training.
+  if (!a.save.empty()) {
+    const std::filesystem::path dest(a.save);
+    std::error_code ec;
+    KCPP_CHECK(!std::filesystem::exists(dest, ec) || std::filesystem::is_directory(dest, ec),
+               "kcpp train: --save {} is a file; name a folder (it is made if missing)", a.save);
+    std::filesystem::create_directories(dest, ec);
+    KCPP_CHECK(!ec, "kcpp train: --save {}: cannot make the folder: {}", a.save, ec.message());
+    const std::filesystem::path probe = dest / fmt::format(".kcpp-write-check-{}", ::getpid());
+    const bool writable = static_cast<bool>(std::ofstream(probe));
+    std::filesystem::remove(probe, ec);
+    KCPP_CHECK(writable, "kcpp train: --save {}: the folder is not writable", a.save);
   }
   const std::optional<Resume> resume = a.resume.empty() ? std::nullopt : std::optional<Resume>(read_resume(a.resume, a));
   const TrainingData data = training_data(a, resume, a.data);
@@ -797,6 +830,30 @@ int run_train(TrainArgs a) {
   const std::filesystem::path source = resume ? resume->folder : std::filesystem::path(a.model);
   const std::filesystem::path tokenizer_file =
       !a.tokenizer.empty() ? std::filesystem::path(a.tokenizer) : source.empty() ? std::filesystem::path() : source / "tokenizer.json";
+  // The save before the sample, so that a sample's failure loses nothing.
+  if (!a.save.empty()) {
+    if (best.model) best.model->save(a.save);
+    else best.mamba->save(a.save);
+    const std::filesystem::path dest(a.save);
+    if (tokenizer_file.empty()) {
+      std::ofstream(dest / "tokenizer.json")
+          << models::Tokenizer::byte_level_json(train::ByteTokenizer::kBos, train::ByteTokenizer::kEos);
+    } else {
+      // The tokenizer and the files that describe its use, as the model came with them.
+      std::error_code ec;
+      auto bring = [&](const std::filesystem::path& from, const std::string& name) {
+        if (!std::filesystem::exists(from) || std::filesystem::equivalent(from, dest / name, ec)) return;
+        std::filesystem::copy_file(from, dest / name, std::filesystem::copy_options::overwrite_existing);
+      };
+      bring(tokenizer_file, "tokenizer.json");
+      for (const char* name : {"tokenizer_config.json", "special_tokens_map.json", "generation_config.json"})
+        bring(source / name, name);
+    }
+    save_trainer_state(a.save, a, data, steps_done);
+    fmt::print("saved to {} (config.json, model.safetensors, tokenizer.json, the optimizer state, trainer_state.json) after "
+               "{} steps; try: kcpp generate --model {} --prompt TEXT, or continue with kcpp train --resume {}\n",
+               a.save, steps_done, a.save, a.save);
+  }
   // The sample stays inside the context the model was trained on (--seq tokens).
   std::optional<models::Tokenizer> tok;  // for --data, the one that encoded it
   if (tokenizer_file.empty())
@@ -821,29 +878,6 @@ int run_train(TrainArgs a) {
     } else {
       fmt::print("\n(no sample: --seq {} leaves no room after the {}-token prompt)\n", a.seq, prompt.size());
     }
-  }
-  if (!a.save.empty()) {
-    if (best.model) best.model->save(a.save);
-    else best.mamba->save(a.save);
-    const std::filesystem::path dest(a.save);
-    if (tokenizer_file.empty()) {
-      std::ofstream(dest / "tokenizer.json")
-          << models::Tokenizer::byte_level_json(train::ByteTokenizer::kBos, train::ByteTokenizer::kEos);
-    } else {
-      // The tokenizer and the files that describe its use, as the model came with them.
-      std::error_code ec;
-      auto bring = [&](const std::filesystem::path& from, const std::string& name) {
-        if (!std::filesystem::exists(from) || std::filesystem::equivalent(from, dest / name, ec)) return;
-        std::filesystem::copy_file(from, dest / name, std::filesystem::copy_options::overwrite_existing);
-      };
-      bring(tokenizer_file, "tokenizer.json");
-      for (const char* name : {"tokenizer_config.json", "special_tokens_map.json", "generation_config.json"})
-        bring(source / name, name);
-    }
-    save_trainer_state(a.save, a, data, steps_done);
-    fmt::print("saved to {} (config.json, model.safetensors, tokenizer.json, the optimizer state, trainer_state.json) after "
-               "{} steps; try: kcpp generate --model {} --prompt 'The ', or continue with kcpp train --resume {}\n",
-               a.save, steps_done, a.save, a.save);
   }
   return 0;
 }
