@@ -76,14 +76,6 @@ bool packed_glu() {
 // enough rows to fill the GEMMs of short prompts, few enough that the activations stay small.
 constexpr int64_t kPrefillTokens = 8192;
 
-// "'a', 'b', 'c'", at most `most` of them, then how many more.
-std::string name_list(const std::vector<std::string>& names, size_t most = 12) {
-  std::string out;
-  for (size_t i = 0; i < names.size() && i < most; ++i) out += fmt::format("{}'{}'", i ? ", " : "", names[i]);
-  if (names.size() > most) out += fmt::format(" and {} more", names.size() - most);
-  return out;
-}
-
 }  // namespace
 
 std::unique_ptr<CausalLM> CausalLM::from_folder(const std::filesystem::path& folder, DType dtype, Device device,

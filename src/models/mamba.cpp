@@ -234,7 +234,7 @@ std::unique_ptr<MambaLM> MambaLM::from_folder(const std::filesystem::path& folde
   m->final_norm_ = std::make_unique<nn::RMSNorm>(get("backbone.norm_f.weight", {h}, dtype), norm);
   m->loss_ = std::make_unique<nn::ForCausalLMLoss>();
   KCPP_CHECK(missing.empty(), "{}: missing weight{} {} (config.json: {} with {} layers)", folder.string(), missing.size() > 1 ? "s" : "",
-             fmt::join(missing, ", "), c.model_type, c.num_hidden_layers);
+             name_list(missing), c.model_type, c.num_hidden_layers);
   m->unused_weights_ = w.unused();
   if (!m->unused_weights_.empty()) {
     const std::string what = fmt::format("{}: tensors of the weight files not used by the model ({} with {} layers): {}",

@@ -292,4 +292,11 @@ Tensor WeightStore::load(std::string_view name, DType dtype, Device device, cons
   return t;
 }
 
+std::string name_list(const std::vector<std::string>& names, size_t most) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < most; ++i) out += fmt::format("{}'{}'", i ? ", " : "", names[i]);
+  if (names.size() > most) out += fmt::format(" and {} more", names.size() - most);
+  return out;
+}
+
 }  // namespace kcpp::models

@@ -92,4 +92,7 @@ class WeightStore {
   mutable std::set<std::string, std::less<>> loaded_;
 };
 
+// "'a', 'b', 'c'": tensor names for an error message, at most `most` of them, then how many more.
+std::string name_list(const std::vector<std::string>& names, size_t most = 12);
+
 }  // namespace kcpp::models
