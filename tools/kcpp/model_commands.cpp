@@ -358,7 +358,8 @@ void add_model_commands(CLI::App& app, Action& action) {
   auto args = std::make_shared<GenerateArgs>();
   auto* g = app.add_subcommand("generate", "Continue a prompt with a Hugging Face model folder (KV cache; greedy or sampled)");
   g->add_option("--model", args->model, "Model folder: config.json + model.safetensors (or the sharded index)")->required();
-  g->add_option("--prompt", args->prompt, "The prompt as text (tokenized by the model's tokenizer.json; the output is text)");
+  g->add_option("--prompt", args->prompt, "The prompt as text (tokenized by the model's tokenizer.json; the output is text)")
+      ->check([](const std::string& v) { return v.empty() ? std::string("the prompt is empty: give some text") : std::string(); });
   g->add_option("--prompt-ids", args->prompt_ids, "The prompt as comma-separated token ids (the output is ids)");
   g->add_option("--prompts", args->prompts_file, "A file of text prompts, one a line, generated as one batch");
   g->add_option("--prompt-ids-file", args->prompt_ids_file, "A file of token-id prompts (1,15,7), one a line, as one batch");
