@@ -116,8 +116,9 @@ MambaConfig MambaConfig::from_json(const nlohmann::json& j, const std::string& w
   check_size(where, "hidden_size", c.hidden_size);
   c.intermediate_size = r.integer("intermediate_size", c.expand * c.hidden_size);
   KCPP_CHECK(c.intermediate_size == c.expand * c.hidden_size,
-             "{}: 'intermediate_size' is {}, but Transformers sets it to expand x hidden_size = {} x {}", where,
-             c.intermediate_size, c.expand, c.hidden_size);
+             "{}: 'intermediate_size' is {}, but Transformers sets it to expand x hidden_size = {} x {}{}", where,
+             c.intermediate_size, c.expand, c.hidden_size,
+             r.has("hidden_size") ? "" : " (there is no 'hidden_size': Transformers' default was taken; give the model's)");
   c.conv_kernel = r.integer("conv_kernel", c.conv_kernel);
   if (r.has("time_step_rank") && j["time_step_rank"].is_string()) {
     KCPP_CHECK(j["time_step_rank"] == "auto", "{}: 'time_step_rank' must be an integer or \"auto\", is {}", where,
