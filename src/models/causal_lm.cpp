@@ -1152,13 +1152,7 @@ int64_t CausalLM::labelled_tokens(const Tensor& labels) {
 
 CausalLM::Gradients CausalLM::loss_and_gradients(const Tensor& ids, const Tensor& labels, double dloss, ops::Reduction reduction,
                                                   const GradientReady& ready) {
-  KCPP_CHECK(reduction != ops::Reduction::None, "loss_and_gradients: reduction 'none' has no scalar loss to differentiate");
-  struct Restore {
-    nn::ForCausalLMLoss& slot;
-    ops::Reduction saved;
-    ~Restore() { slot.options.reduction = saved; }
-  } restore{*loss_, loss_->options.reduction};
-  loss_->options.reduction = reduction;
+  const nn::ForCausalLMLoss::ReductionScope scope(*loss_, reduction);
   KCPP_CHECK(labels.shape() == ids.shape(), "CausalLM: labels [{}] must match input_ids [{}]", fmt::join(labels.shape(), ", "),
              fmt::join(ids.shape(), ", "));
   const ModelConfig& c = cfg_;

@@ -667,13 +667,7 @@ Tensor MambaLM::loss(const Tensor& ids, const Tensor& labels) {
 CausalLM::Gradients MambaLM::loss_and_gradients(const Tensor& ids, const Tensor& labels, double dloss, ops::Reduction reduction,
                                                 const CausalLM::GradientReady& ready) {
   KCPP_CHECK(labels.shape() == ids.shape(), "MambaLM: labels must match input_ids");
-  KCPP_CHECK(reduction != ops::Reduction::None, "loss_and_gradients: reduction 'none' has no scalar loss to differentiate");
-  struct Restore {
-    nn::ForCausalLMLoss& slot;
-    ops::Reduction saved;
-    ~Restore() { slot.options.reduction = saved; }
-  } restore{*loss_, loss_->options.reduction};
-  loss_->options.reduction = reduction;
+  const nn::ForCausalLMLoss::ReductionScope scope(*loss_, reduction);
   const MambaConfig& c = cfg_;
   const int64_t b = ids.size(0), s = ids.size(1), n = b * s, hd = c.hidden_size, d = c.intermediate_size;
   std::vector<LayerTape> tapes;

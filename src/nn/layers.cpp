@@ -731,6 +731,12 @@ Tensor CrossEntropyLoss::backward(double dloss, const Saved& s) {
 
 // ---- ForCausalLMLoss -------------------------------------------------------------------------------
 
+ForCausalLMLoss::ReductionScope::ReductionScope(ForCausalLMLoss& slot, ops::Reduction reduction)
+    : slot_(slot), saved_(slot.options.reduction) {
+  KCPP_CHECK(reduction != ops::Reduction::None, "loss_and_gradients: reduction 'none' has no scalar loss to differentiate");
+  slot.options.reduction = reduction;
+}
+
 ForCausalLMLoss::ForCausalLMLoss(ops::CrossEntropyOptions o) : Slot("ForCausalLMLoss", "ForCausalLMLoss/1"), options(o) {}
 
 Tensor ForCausalLMLoss::forward(const Tensor& hidden, const Tensor& weight, const Tensor& targets, Saved* saved) {

@@ -202,6 +202,20 @@ class ForCausalLMLoss : public Slot {
   Tensor forward(const Tensor& hidden, const Tensor& weight, const Tensor& targets, Saved* saved = nullptr);
   Grads backward(double dloss, const Saved& saved);
 
+  // options.reduction set to `reduction` (mean or sum: a scalar to differentiate) for the scope of
+  // this object, then restored: a model's loss_and_gradients.
+  class ReductionScope {
+   public:
+    ReductionScope(ForCausalLMLoss& slot, ops::Reduction reduction);
+    ~ReductionScope() { slot_.options.reduction = saved_; }
+    ReductionScope(const ReductionScope&) = delete;
+    ReductionScope& operator=(const ReductionScope&) = delete;
+
+   private:
+    ForCausalLMLoss& slot_;
+    ops::Reduction saved_;
+  };
+
   ops::CrossEntropyOptions options;
 };
 
