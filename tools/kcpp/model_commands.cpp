@@ -240,7 +240,8 @@ int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const mod
   const std::vector<int64_t> none;
   const std::vector<int64_t>* stop = a.ignore_eos ? &none : &stops;
 
-  // One prompt streams: its text (or ids) first, then every new token as it comes.  Byte-level
+  // One prompt streams: its text (or ids) with the first new token (so that a prompt the model
+  // refuses prints nothing before the error), then every new token as it comes.  Byte-level
   // decoding concatenates, so only the tokens not yet printed are decoded; they are held back while
   // their bytes end inside a UTF-8 character.
   const bool stream = prompts.size() == 1;
@@ -258,10 +259,7 @@ int generate_with(std::unique_ptr<Model> model, const GenerateArgs& a, const mod
     }
     std::fflush(stdout);
   };
-  if (stream && !chat) {  // a chat prints the answer only
-    seen = prompts[0];
-    show(false);
-  }
+  if (stream && !chat) seen = prompts[0];  // a chat prints the answer only
   const auto on_token = [&](size_t, int64_t token) {
     seen.push_back(token);
     show(false);
