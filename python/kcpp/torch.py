@@ -82,6 +82,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 try:
     from torch.distributed.tensor import DTensor as _DTensor
@@ -158,6 +159,12 @@ class _Slot:
         self.kernels[mode] = layer
         self.ids[mode] = _register_layer(layer, self)
 
+    def __deepcopy__(self, memo):
+        raise TypeError(_NO_COPY)
+
+    def __reduce__(self):
+        raise TypeError(_NO_COPY)
+
     def refuse(self, why):
         self.fallbacks += 1
         self.reference_calls += 1
@@ -170,6 +177,10 @@ class _Slot:
         self.kernels.clear()
         self.decisions.clear()
 
+
+_NO_COPY = ("kcpp.torch: a kernelized model cannot be deep-copied or pickled (its layers hold loaded kernels): copy it "
+            "before kernelize, or kcpp.torch.unkernelize(model), copy, and kernelize each copy; to save it, save its "
+            "state_dict()")
 
 # id -> (kcpp.Layer, _Slot): the kernels the ops call (an op's `layer` argument is such an id, an int a
 # traced graph can hold).  unkernelize removes a model's; a graph compiled before names a missing id.
@@ -221,6 +232,12 @@ class _State:
     def __init__(self):
         self.slots = {}
         self.restore = []  # callables, run in reverse order
+
+    def __deepcopy__(self, memo):
+        raise TypeError(_NO_COPY)
+
+    def __reduce__(self):
+        raise TypeError(_NO_COPY)
 
 
 def _holds_a_shard(module):
@@ -492,6 +509,7 @@ class _EagerFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not itself differentiable: a second order raises
     def backward(ctx, *grads):
         return (None, *ctx.kcpp_op.formula(ctx, True, *grads))
 
@@ -1220,6 +1238,8 @@ def _attention_shapes_missing(query, key, value, causal, sliding_window):
     """Why Attention/1 cannot take a call for its tensors' shapes or its mask pattern (None when it can)."""
     if not _is_bhsd(query, key, value):
         return f"q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}: Attention/1 takes [B, H, S, D]"
+    if not query.dtype == key.dtype == value.dtype:  # e.g. under torch.autocast after a RoPE left in f32
+        return f"q {query.dtype}, k {key.dtype}, v {value.dtype}: Attention/1 takes one dtype"
     if not causal and sliding_window:
         return "a sliding window without the causal mask"
     if query.numel() == 0 or key.numel() == 0:
@@ -1230,7 +1250,9 @@ def _attention_shapes_missing(query, key, value, causal, sliding_window):
 def _packed_attention(module, query, key, value, attention_mask, dropout, scaling, causal, is_causal, sliding_window,
                       softcap, kwargs, slot, where, implementation):
     """The attention function "kcpp" for packed sequences: Attention/1's varlen call, or the reference."""
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    # Attention/1's cu_seqlens are i32; Transformers' may be int64 (torch.tensor's default).
+    cu_q, cu_k = (c.to(torch.int32) if c is not None and c.dtype == torch.int64 else c
+                  for c in (kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")))
     traced = torch.compiler.is_compiling()
     four_d = _is_bhsd(query, key, value)
     window = operator.index(sliding_window) if sliding_window else 0
@@ -1889,6 +1911,10 @@ def kernelize(model, mode=None, kernel_config=None, use_liger_kernel=True, liger
         param = next(model.parameters(), None)
         device = param.device if param is not None else torch.device("cpu")
     device = torch.device(device)
+    if device.type == "meta":
+        raise ValueError("kcpp.torch.kernelize: the model is on the meta device (no data yet): pass the device it will "
+                         "run on (device='cuda' or 'cpu'), or kernelize after its weights are loaded (to_empty / "
+                         "from_pretrained)")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     config, hub_options, note = _kernel_config(model_type, kernel_config, use_liger_kernel, liger_kernel_config,
                                                attention, allow_all_kernels)

@@ -10,7 +10,9 @@ exception naming the layer, the argument and the reason.  Skipped where torch, t
 extension kcpp._core is missing (CTest's python.package runs it in the project's environment,
 scripts/python-env.sh).
 """
+import copy
 import gc
+import io
 import os
 import tempfile
 import time
@@ -503,6 +505,17 @@ class PackedSequences(Base):
                 self.assertEqual(e["kernel_calls"], 2 * 2 * 2, str(e))  # 2 layers, no-grad and training, twice
                 self.assertEqual(e["fallbacks"], 0, str(e))
 
+    def test_int64_cu_seq_lens_take_the_kernel(self):
+        model = make_model("llama", attn="sdpa")
+        seqs = self.sequences()
+        ref = self.alone(model, seqs)
+        kt.kernelize(model)
+        batch = {k: v.to(torch.int64) if k.startswith("cu_seq_lens") else v for k, v in self.packed(seqs).items()}
+        self.assertEqual(batch["cu_seq_lens_q"].dtype, torch.int64)
+        self.assert_close(self.run_packed(model, batch, False), ref, "int64 cu_seq_lens")
+        e = kt.report(model)["Attention"]
+        self.assertEqual((e["kernel_calls"], e["fallbacks"]), (2 * 2, 0), str(e))
+
     def test_a_refused_packed_call_falls_back_over_the_packing(self):
         # f64: supports() refuses (Attention/1 takes f32 / bf16 / f16); the reference runs with the packing's
         # mask, made from the cu_seq_lens where Transformers made none (use_cache=True).
@@ -568,7 +581,7 @@ class PackedSequences(Base):
         q, k, v = self.qkv(19)
         cu = torch.tensor([0, 5, 16, 19], dtype=torch.int32)
         cases = (
-            (dict(cu_seq_lens_q=cu.long(), cu_seq_lens_k=cu), r"tensor 'cu_seqlens_q' must be i32, is i64"),
+            (dict(cu_seq_lens_q=cu.float(), cu_seq_lens_k=cu), r"tensor 'cu_seqlens_q' must be i32, is f32"),
             (dict(cu_seq_lens_q=cu), r"'cu_seqlens_q' is given without 'cu_seqlens_k'"),
             (dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu[:3]), r"'cu_seqlens_k' has 3 entries but 'cu_seqlens_q' has 4"),
             (dict(cu_seq_lens_q=torch.tensor([0, 16, 5, 19], dtype=torch.int32), cu_seq_lens_k=cu),
@@ -719,15 +732,47 @@ class BadInput(Base):
         self.assertEqual(y.device.type, "meta")
         self.assertRegex(kt.report(model)["RMSNorm"]["last_refusal"], "meta")
 
-    def test_a_dtype_the_contract_does_not_take(self):
+    def test_heads_the_contract_does_not_take(self):
         model = kt.kernelize(make_model("llama"))
         attention = model.model.layers[0].self_attn
-        q = torch.randn(1, 4, 5, 8)
-        k = torch.randn(1, 2, 5, 8, dtype=torch.float16)
+        q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 3, 5, 8)
         with torch.no_grad(), self.assertRaisesRegex(
-                kcpp.InvalidArgument, r"model\.layers\.0\.self_attn \(Attention\): FlashAttention.*tensor 'k' is f16 but 'q' "
-                                      r"is f32"):
+                kcpp.InvalidArgument, r"model\.layers\.0\.self_attn \(Attention\): FlashAttention.*4 query heads are not a "
+                                      r"multiple of 3 kv heads"):
             kt._attention(attention, q, k, k, None, scaling=0.5)
+
+    def test_mixed_dtypes_fall_back(self):
+        # Under torch.autocast a RoPE that fell back leaves q and k in f32 beside a bf16 v: the attention
+        # runs the reference (as the un-kernelized model does), the reason reported.
+        ref = make_model("llama", attn="sdpa")
+        model = kt.kernelize(make_model("llama", attn="sdpa"))
+        ids, labels = batch()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = ref(input_ids=ids, labels=labels).loss
+            got = model(input_ids=ids, labels=labels).loss
+        self.assertLess(abs(got.item() - want.item()), 2e-2 * abs(want.item()))
+        self.assertRegex(kt.report(model)["Attention"]["last_refusal"], "Attention/1 takes one dtype")
+
+    def test_second_order_gradients_raise(self):
+        # The kernels' backward is first-order only: differentiating it again is an error, not a gradient
+        # that leaves the kernels' part out.
+        model = kt.kernelize(make_model("llama"))
+        ids, labels = batch()
+        emb = model.model.embed_tokens(ids).detach().requires_grad_()
+        g, = torch.autograd.grad(model(inputs_embeds=emb, labels=labels).loss, emb, create_graph=True)
+        with self.assertRaisesRegex(RuntimeError, "once_differentiable"):
+            g.pow(2).sum().backward()
+
+    def test_copies_and_meta_models_are_named(self):
+        model = kt.kernelize(make_model("llama"))
+        with self.assertRaisesRegex(TypeError, "cannot be deep-copied or pickled.*unkernelize"):
+            copy.deepcopy(model)
+        with self.assertRaisesRegex(TypeError, "cannot be deep-copied or pickled"):
+            torch.save(model, io.BytesIO())
+        with torch.device("meta"):
+            meta = make_model("llama")
+        with self.assertRaisesRegex(ValueError, "meta device"):
+            kt.kernelize(meta)
 
     def test_non_contiguous_input(self):
         # The bridge makes a kernelized layer's input what the contract needs ...
