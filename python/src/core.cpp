@@ -20,6 +20,7 @@
 // called with the GIL re-acquired.  Blocks go back when the call returns, as the ABI allows.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/filesystem.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
@@ -657,6 +658,8 @@ NB_MODULE(_core, m) {
            "allow_all_kernels"_a = nb::none(), "trust_store"_a = nb::none(), "lock_file"_a = nb::none(),
            "enabled"_a = nb::none())
       .def("load", &HubObj::load, "reference"_a)
+      .def(  // a local package folder as a path object
+          "load", [](HubObj& h, const std::filesystem::path& folder) { return h.load(folder.string()); }, "reference"_a)
       .def("inspect", &HubObj::inspect, "reference"_a)
       .def_prop_ro("endpoint", [](const HubObj& h) { return h.hub->config().endpoint; })
       .def_prop_ro("cache_dir", [](const HubObj& h) { return h.hub->config().cache_dir.string(); })
@@ -676,6 +679,12 @@ NB_MODULE(_core, m) {
              new (self) KernelConfigObj{kcpp::nn::KernelConfig::parse_text(json_text, use_local_kernel)};
            },
            "kernel_mapping_json"_a, "use_local_kernel"_a = false)
+      .def("__init__",  // the mapping as a dict, as Transformers' KernelConfig(kernel_mapping=...) takes it
+           [](KernelConfigObj* self, const nb::dict& mapping, bool use_local_kernel) {
+             const std::string text = nb::cast<std::string>(nb::module_::import_("json").attr("dumps")(mapping));
+             new (self) KernelConfigObj{kcpp::nn::KernelConfig::parse_text(text, use_local_kernel)};
+           },
+           "kernel_mapping"_a, "use_local_kernel"_a = false)
       .def("select", &KernelConfigObj::select, "layer"_a, "mode"_a, "device"_a, "cc_major"_a = 0, "cc_minor"_a = 0)
       .def_prop_ro("layers", [](const KernelConfigObj& k) { return k.config.layers(); })
       .def_prop_ro("use_local_kernel", [](const KernelConfigObj& k) { return k.config.use_local_kernel(); });

@@ -41,6 +41,8 @@ class HubLoads(unittest.TestCase):
         p = kcpp.Hub(allow_all_kernels=True).load(self.packages["liger"])
         self.assertTrue(p.verified)
         self.assertEqual(p.name, "liger")
+        import pathlib  # a folder as a path object too
+        self.assertEqual(kcpp.Hub(allow_all_kernels=True).load(pathlib.Path(self.packages["liger"])).name, "liger")
         self.assertRegex(p.info["manifest_sha256"], "^[0-9a-f]{64}$")
         self.assertRegex(p.info["variant"], r"^kcpp1-(cpu|cu\d+)-")
         self.assertIn("LigerRMSNorm", p.layers)
@@ -96,6 +98,9 @@ class HubLoads(unittest.TestCase):
             kcpp.KernelConfig('{"RMSNorm": "acme/norm"}', True)
         with self.assertRaisesRegex(kcpp.KcppError, "kernel_mapping.*Nope"):
             kcpp.KernelConfig('{"Nope": "acme/x"}')
+        # The mapping as a dict, as Transformers' KernelConfig takes it.
+        as_dict = kcpp.KernelConfig({"RMSNorm": {"cuda": "acme/norm:Fast", "cpu": ""}})
+        self.assertEqual(as_dict.select("RMSNorm", "training", "cuda")[0], "acme/norm:Fast")
 
 
 @unittest.skipUnless(HAVE_CORE and torch is not None, "needs the extension and PyTorch")
