@@ -77,6 +77,7 @@ import math
 import operator
 import os
 import sys
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -1862,7 +1863,11 @@ def _load_slot(slot, config, hub, loaded, modes, device):
             except kcpp.KcppError as e:
                 raise type(e)(f"kernelize: {slot.layer_name} ({slot.contract}) -> {ref}: {e}") from None
         package = loaded[ref]
-        layer = package.layer(package.default_layer) if package.default_layer else package.layer_by_contract(slot.contract)
+        try:
+            layer = package.layer(package.default_layer) if package.default_layer else package.layer_by_contract(slot.contract)
+        except KeyError as e:
+            raise kcpp.KcppError(f"kernelize: {slot.layer_name} ({slot.contract}) -> {ref}: {e.args[0]}; name a package "
+                                 f"that implements {slot.contract}, or a layer of it as {ref}:LAYER") from None
         if layer.contract != slot.contract:
             raise kcpp.KcppError(f"{slot.layer_name}: {ref} names {layer.name}, which implements {layer.contract}; "
                                  f"this slot takes {slot.contract}")
@@ -1922,6 +1927,11 @@ def kernelize(model, mode=None, kernel_config=None, use_liger_kernel=True, liger
     state = _State()
     for name, contract in (_DEFORMABLE_CONTRACTS if model_type in _DEFORMABLE_MODEL_TYPES else _CONTRACTS).items():
         state.slots[name] = _Slot(name, contract)
+    if kernel_config is not None and config is not None:  # the user's mapping: a layer it names that no slot takes
+        unused = [layer for layer in config.layers if layer not in state.slots]
+        if unused:
+            warnings.warn(f"kcpp.torch.kernelize: kernel_config maps {', '.join(unused)}, which kcpp.torch does not swap "
+                          f"in this model (it swaps {', '.join(state.slots)}); those entries are unused", stacklevel=2)
     try:
         if config is not None:
             hub = hub if hub is not None else kcpp.Hub(**hub_options)

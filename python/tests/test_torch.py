@@ -266,6 +266,13 @@ class Kernelize(Base):
             kt.kernelize(make_model("llama"), kernel_config=["RMSNorm"])
         with self.assertRaisesRegex(kcpp.KcppError, "kernel_mapping"):
             kt.kernelize(make_model("llama"), kernel_config={"NoSuchLayer": "acme/x"})
+        # A layer Transformers knows but kcpp.torch does not swap: said, not silently ignored.
+        with self.assertWarnsRegex(UserWarning, "kernel_config maps SiLU, which kcpp.torch does not swap"):
+            kt.kernelize(make_model("llama"), kernel_config={"SiLU": "acme/silu"})
+        # A package without the slot's contract: named, with what to do.
+        activation = kcpp.local_packages()["activation"]
+        with self.assertRaisesRegex(kcpp.KcppError, "kernelize: MLP .GLU/1. -> .*no layer implementing GLU/1; name a package"):
+            kt.kernelize(make_model("llama"), kernel_config=kcpp.KernelConfig('{"MLP": "%s"}' % activation, True), allow_all_kernels=True)
 
 
 @unittest.skipUnless(HAVE, WHY)
