@@ -1,7 +1,7 @@
 """The multi-GPU training anchor: a Hugging Face LlamaForCausalLM trained under PyTorch FSDP2
 (`fully_shard`), one process a GPU, with Liger-Kernel's kernels, kcpp's (through `kcpp.torch`) or none:
 what a Transformers user runs instead of `kcpp train --gpus N`.  Tokens/s of the whole group after
-warm-up, and each GPU's peak memory.
+warm-up, and each GPU's peak memory.  bench/deepspeed_step.py is the same under DeepSpeed ZeRO-3.
 
   torchrun --nproc_per_node 4 bench/fsdp2_step.py --kernels liger --vocab 128256
   python3 bench/fsdp2_step.py ...          # one process, one GPU (FSDP2 over a group of one)
@@ -23,33 +23,38 @@ import os
 import sys
 import time
 
+KERNELS = ["none", "liger", "liger_ce", "kcpp"]
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kernels", choices=["none", "liger", "kcpp"], default="liger")
+
+def arguments(description, reduce_default="f32"):
+    """The options both anchors take (the model's dimensions, the batch a GPU, the kernels)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--kernels", choices=KERNELS, default="liger",
+                    help="liger: Liger's defaults (RoPE, RMSNorm, SwiGLU, the fused linear cross-entropy); "
+                         "liger_ce: the same with its plain cross-entropy; kcpp: kcpp.torch.kernelize")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=4, help="sequences a GPU")
     ap.add_argument("--steps", type=int, default=20, help="timed steps, after 3 of warm-up")
-    ap.add_argument("--reduce-dtype", choices=["f32", "bf16"], default="f32")
+    ap.add_argument("--reduce-dtype", choices=["f32", "bf16"], default=reduce_default)
     ap.add_argument("--lr", type=float, default=3e-4)
-    a = ap.parse_args()
+    return ap
 
+
+def ranks():
+    """(rank, world size, local rank) from the launcher's variables; one process is a group of one."""
+    if "RANK" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"), RANK="0",
+                          WORLD_SIZE="1", LOCAL_RANK="0")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def build_model(a):
+    """kcpp train's generated Llama on the current GPU, in f32, with the kernels --kernels names."""
     import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if "RANK" not in os.environ:  # one process: a group of one
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"), RANK="0", WORLD_SIZE="1")
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-
     head_dim = 64 if a.hidden >= 256 else a.hidden // 4
     heads = a.hidden // head_dim
     cfg = LlamaConfig(hidden_size=a.hidden, intermediate_size=3 * a.hidden, vocab_size=a.vocab, num_hidden_layers=a.layers,
@@ -57,14 +62,53 @@ def main():
                       max_position_embeddings=a.seq, rms_norm_eps=1e-5, tie_word_embeddings=False)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    if a.kernels == "liger":
+    if a.kernels.startswith("liger"):
         sys.path.insert(0, os.environ.get("LIGER_SRC", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".anchors", "src")))
         from liger_kernel.transformers import apply_liger_kernel_to_llama
-        apply_liger_kernel_to_llama()  # its defaults: RoPE, RMSNorm, SwiGLU, the fused linear cross-entropy
+        fused = a.kernels == "liger"
+        apply_liger_kernel_to_llama(fused_linear_cross_entropy=fused, cross_entropy=not fused)
     model = LlamaForCausalLM(cfg).to("cuda")
     if a.kernels == "kcpp":
         import kcpp.torch as kt
         kt.kernelize(model)
+    return model
+
+
+def timed(a, step, rank, world, what):
+    """Runs step() 3 times, then --steps times under the timer; rank 0 prints tokens/s and the peak memory."""
+    import torch
+    import torch.distributed as dist
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        loss = step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    seconds = time.perf_counter() - t0
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**20], device="cuda")
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        tokens = world * a.batch * a.seq * a.steps
+        print(f"{what} {a.kernels:8s} {world} GPU(s), reduce {a.reduce_dtype}: {tokens / seconds:10.0f} tokens/s "
+              f"({tokens / seconds / world:8.0f} a GPU), {1e3 * seconds / a.steps:7.1f} ms a step, "
+              f"peak {peak.item():7.0f} MiB a GPU, loss {loss.item():.4f}", flush=True)
+
+
+def main():
+    a = arguments(__doc__.split("\n\n")[0]).parse_args()
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    rank, world, local = ranks()
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    model = build_model(a)
     mesh = init_device_mesh("cuda", (world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                               reduce_dtype=torch.float32 if a.reduce_dtype == "f32" else torch.bfloat16)
@@ -83,24 +127,7 @@ def main():
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    dist.barrier()
-    torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(a.steps):
-        loss = step()
-    torch.cuda.synchronize()
-    dist.barrier()
-    seconds = time.perf_counter() - t0
-    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**20], device="cuda")
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        tokens = world * a.batch * a.seq * a.steps
-        print(f"FSDP2 {a.kernels:5s} {world} GPU(s), reduce {a.reduce_dtype}: {tokens / seconds:10.0f} tokens/s "
-              f"({tokens / seconds / world:8.0f} a GPU), {1e3 * seconds / a.steps:7.1f} ms a step, "
-              f"peak {peak.item():7.0f} MiB a GPU, loss {loss.item():.4f}", flush=True)
+    timed(a, step, rank, world, "FSDP2")
     dist.destroy_process_group()
 
 

@@ -85,6 +85,26 @@ if [ "${KCPP_MGPU_FSDP2:-0}" = 1 ]; then
     done
   done
 fi
+# KCPP_MGPU_DEEPSPEED=1: the same comparison under DeepSpeed ZeRO-3 (bench/deepspeed_step.py): `kcpp train
+# --zero 3` beside Transformers + kcpp's kernels and + Liger's (its fused loss, then its plain
+# cross-entropy) under deepspeed.initialize, on one GPU and on every GPU.  DeepSpeed is not in the GPU
+# machine's image: its wheel and those of its dependencies are carried in .devwheels/ds (git-ignored;
+# `pip download` them for Python 3.12 and build DeepSpeed's with DS_BUILD_OPS=0) and installed here.
+if [ "${KCPP_MGPU_DEEPSPEED:-0}" = 1 ]; then
+  dims=${KCPP_MGPU_FSDP2_ARGS:---hidden 4096 --layers 4 --vocab 128256}
+  ds_site=$(mktemp -d)
+  python3 -m pip install --quiet --disable-pip-version-check --no-index --no-deps --target "$ds_site" .devwheels/ds/*.whl
+  export LIGER_SRC="$PWD/.anchors/src" PYTHONPATH="$PWD/.devlibs/python:$ds_site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+  echo "== $n GPUs: kcpp train against Transformers under DeepSpeed ZeRO-3 ($dims, seq 2048, 4 sequences a GPU)"
+  for g in 1 "$n"; do
+    timeout 200 .devlibs/bin/kcpp train --kernels-only $dims --seq 2048 --steps 20 --batch $((4 * g)) --gpus "$g" \
+      $([ "$g" -gt 1 ] && echo "--zero 3") 2>&1 | grep -E "done:|error|failed" | cut -c1-220
+    for k in kcpp liger liger_ce; do
+      timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node "$g" bench/deepspeed_step.py $dims --seq 2048 \
+        --batch 4 --steps 15 --kernels "$k" 2>&1 | grep -E "^ZeRO-3|Error" | head -n 8
+    done
+  done
+fi
 # KCPP_MGPU_MAMBA=1: the Mamba fixture fine-tuned in f32 on one GPU and on every GPU at ZeRO 0, 1 and 2
 # with the same global batch (DataParallel(MambaLM&)): the loss at every step (the reference layers' run,
 # then the kernels'), which should agree.
