@@ -69,7 +69,8 @@ if [ -n "${KCPP_MGPU_WEAK:-}" ]; then
 fi
 # KCPP_MGPU_FSDP2=1: issue 27's comparison at Llama-3's vocabulary, on every GPU with 4 x 2048 tokens
 # a GPU: `kcpp train --gpus N --zero 1 --overlap-param-gather` beside Transformers under PyTorch FSDP2
-# with Liger's kernels and with kcpp's (bench/fsdp2_step.py: the same dimensions; Liger's source in
+# with Liger's kernels (its default fused loss, then its plain cross-entropy, the faster at these
+# dimensions) and with kcpp's (bench/fsdp2_step.py: the same dimensions; Liger's source in
 # .anchors/src, carried), and each on one GPU.  KCPP_MGPU_FSDP2_ARGS adds options to both (default
 # "--hidden 4096 --layers 4 --vocab 128256").
 if [ "${KCPP_MGPU_FSDP2:-0}" = 1 ]; then
@@ -79,7 +80,7 @@ if [ "${KCPP_MGPU_FSDP2:-0}" = 1 ]; then
   for g in 1 "$n"; do
     timeout 200 .devlibs/bin/kcpp train --kernels-only $dims --seq 2048 --steps 20 --batch $((4 * g)) --gpus "$g" \
       $([ "$g" -gt 1 ] && echo "--zero 1 --overlap-param-gather") 2>&1 | grep -E "done:|error|failed" | cut -c1-220
-    for k in liger kcpp; do
+    for k in liger liger_ce kcpp; do
       timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node "$g" bench/fsdp2_step.py $dims --seq 2048 \
         --batch 4 --steps 15 --kernels "$k" --reduce-dtype bf16 2>&1 | grep -E "^FSDP2|Error" | head -n 3
     done
