@@ -106,17 +106,17 @@ if [ "${KCPP_MGPU_DEEPSPEED:-0}" = 1 ]; then
     done
   done
 fi
-# KCPP_MGPU_MAMBA=1: the Mamba fixture fine-tuned in f32 on one GPU and on every GPU at ZeRO 0, 1 and 2
-# with the same global batch (DataParallel(MambaLM&)): the loss at every step (the reference layers' run,
-# then the kernels'), which should agree.
+# KCPP_MGPU_MAMBA=1: the Mamba fixture fine-tuned in f32 on one GPU and on every GPU at ZeRO 0, 1, 2 and
+# 3, and 1 with the all-gather deferred (--overlap-param-gather), with the same global batch
+# (DataParallel(MambaLM&)): the loss at every step, which should agree.
 if [ "${KCPP_MGPU_MAMBA:-0}" = 1 ]; then
   text="$OUT/mamba_upper.txt"
   for _ in 1 2 3 4 5 6 7 8; do printf 'THE MILLER COUNTS 12 SACKS OF GRAIN BY THE RIVER. '; done > "$text"
   m="--model $PWD/tests/fixtures/mamba --tokenizer $PWD/tests/fixtures/tokenizers/bytes97.json --data $text --dtype f32 --steps 10 --batch 8 --seq 16"
-  echo "== Mamba fixture, f32, 10 steps of 8 x 16 tokens: one GPU, then $n GPUs at ZeRO 0 / 1 / 2"
+  echo "== Mamba fixture, f32, 10 steps of 8 x 16 tokens: one GPU, then $n GPUs at ZeRO 0 / 1 / 2 / 3 / 1 deferred gather"
   timeout 120 .devlibs/bin/kcpp train $m 2>&1 | grep -oE "step +[0-9]+/10 +loss [0-9.]+|error.*" | tr '\n' ';'; echo " <- one GPU"
-  for z in 0 1 2; do
-    timeout 120 .devlibs/bin/kcpp train $m --gpus "$n" --zero "$z" 2>&1 | grep -oE "step +[0-9]+/10 +loss [0-9.]+|error.*" | tr '\n' ';'
+  for z in 0 1 2 3 "1 --overlap-param-gather"; do
+    timeout 120 .devlibs/bin/kcpp train $m --gpus "$n" --zero $z 2>&1 | grep -oE "step +[0-9]+/10 +loss [0-9.]+|error.*" | tr '\n' ';'
     echo " <- $n GPUs ZeRO-$z"
   done
 fi

@@ -927,12 +927,14 @@ TEST(Dist, ReduceDtypeFollowsTheParameters) {
 }
 
 // A Mamba-family model hands each gradient over once, as the backward makes it whole: an untied
-// head's and the final norm's first, the layers from the last down, the embedding last; and it
-// trains data-parallel at stages 0 to 2: on 2 and 3 ranks, shares of unequal rows and one row with
-// no labelled token, three steps with the buckets summed during the backward and after it give the
-// single process's parameters on the whole batch (clipping active: the norm is the whole
-// gradient's), every rank the same bit for bit; the options that need a Llama-family model's hooks
-// are refused by name.
+// head's and the final norm's first, the layers from the last down, the embedding last; it uses its
+// parameter groups in parameter_use.h's order; and it trains data-parallel at every stage: on 2 and 3
+// ranks, shares of unequal rows and one row with no labelled token, three steps with the buckets
+// summed during the backward and after it, the all-gather of stages 1 and 2 deferred into the next
+// forward, stage 3's groups gathered at their use (with the next use prefetched, with activation
+// checkpointing) give the single process's parameters on the whole batch (clipping active: the norm
+// is the whole gradient's), every rank the same bit for bit; a sparse embedding gradient is refused
+// by name.
 TEST(Dist, MambaDataParallelEqualsOneProcessOnTheWholeBatch) {
   for (const char* family : {"mamba", "falcon_mamba"}) {
     const fs::path dir = fs::path(test::fixtures_dir()) / family;
@@ -955,6 +957,37 @@ TEST(Dist, MambaDataParallelEqualsOneProcessOnTheWholeBatch) {
       EXPECT_TRUE(order[first_layer].starts_with(fmt::format("backbone.layers.{}.", cfg.num_hidden_layers - 1))) << order[first_layer];
       EXPECT_TRUE(order[order.size() - 2].starts_with("backbone.layers.0.")) << order[order.size() - 2];
       EXPECT_EQ(order.back(), "backbone.embeddings.weight") << family;
+      // The groups' uses: the embedding, the layers up, the head (held through the loss and its
+      // backward), the layers down; each released before the next is taken.
+      std::vector<std::string> uses;
+      int held = 0;
+      model->parameter_use = [&](const models::ParameterGroup& g, bool in_use) {
+        held += in_use ? 1 : -1;
+        ASSERT_TRUE(held == 0 || held == 1) << family << ": two groups in use at once";
+        if (in_use) uses.push_back(g.kind == models::ParameterGroup::Kind::Embedding ? "E"
+                                   : g.kind == models::ParameterGroup::Kind::Head ? "H" : std::to_string(g.layer));
+      };
+      for (bool ckpt : {false, true}) {
+        uses.clear();
+        model->checkpoint_layers = ckpt;
+        model->loss_and_gradients(ids, ids);
+        std::vector<std::string> want{"E"};
+        for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) want.push_back(std::to_string(l));
+        want.push_back("H");
+        for (int64_t l = cfg.num_hidden_layers; l-- > 0;) want.push_back(std::to_string(l));
+        EXPECT_EQ(uses, want) << family << (ckpt ? " with checkpointing" : "");
+        EXPECT_EQ(held, 0) << family;
+      }
+      model->checkpoint_layers = false;
+      std::string err;
+      try {
+        models::MambaLM::Cache cache;
+        model->forward(ids, &cache);
+      } catch (const Error& e) {
+        err = e.what();
+      }
+      EXPECT_NE(err.find("not supported while parameter_use is set"), std::string::npos) << family << ": " << err;
+      model->parameter_use = {};
     }
     const int64_t rows = 5, seq = 7;
     std::vector<Tensor> ids, labels;
@@ -974,15 +1007,30 @@ TEST(Dist, MambaDataParallelEqualsOneProcessOnTheWholeBatch) {
       want_loss.push_back(train::train_step(*single, opt, {{ids[static_cast<size_t>(step)], labels[static_cast<size_t>(step)]}}).loss);
     std::map<std::string, std::vector<double>> want;
     for (const auto& [name, p] : single->parameters()) want[name] = p.to_f64_vector();
+    struct Run {
+      int zero;
+      bool overlap, deferred_gather, prefetch, checkpoint;
+    };
+    std::vector<Run> runs;
+    for (int zero : {0, 1, 2, 3})
+      for (bool overlap : {true, false}) runs.push_back({zero, overlap, false, false, false});
+    runs.push_back({1, true, true, false, false});
+    runs.push_back({2, true, true, false, false});
+    runs.push_back({3, true, false, true, false});
+    runs.push_back({3, true, false, true, true});
+    runs.push_back({3, false, false, false, true});
     for (int world : {2, 3})
-      for (int zero : {0, 1, 2})
-      for (bool overlap : {true, false}) {
-        const std::string what = fmt::format("{} world {} ZeRO-{}{}", family, world, zero, overlap ? "" : " no overlap");
+      for (const Run& run : runs) {
+        const std::string what = fmt::format("{} world {} ZeRO-{}{}{}{}{}", family, world, run.zero, run.overlap ? "" : " no overlap",
+                                             run.deferred_gather ? " deferred gather" : "", run.prefetch ? " prefetch" : "",
+                                             run.checkpoint ? " checkpointing" : "");
         std::vector<std::map<std::string, std::vector<double>>> got(static_cast<size_t>(world));
         on_ranks(world, [&](int r, dist::Communicator& c) {
           auto model = models::MambaLM::from_folder(dir, DType::f32, Device::cpu());
+          model->checkpoint_layers = run.checkpoint;
           train::DataParallelOptions dp;
-          dp.zero_stage = zero, dp.bucket_mib = 0.005, dp.overlap = overlap;  // several buckets
+          dp.zero_stage = run.zero, dp.bucket_mib = 0.005, dp.overlap = run.overlap;  // several buckets
+          dp.overlap_parameter_gather = run.deferred_gather, dp.prefetch = run.prefetch;
           train::DataParallel trainer(*model, c, o, dp);
           // Rank 0 takes row 0 alone (no labelled token) on 2 ranks; rows 0-1, 2-3, 4 on 3.
           const int64_t lo = world == 2 ? (r == 0 ? 0 : 1) : r * 2;
@@ -1006,7 +1054,7 @@ TEST(Dist, MambaDataParallelEqualsOneProcessOnTheWholeBatch) {
             }
           }
       }
-    auto refused = [&](int zero, bool deferred, train::EmbeddingGradient grad) {
+    auto refused = [&](int zero, bool deferred, train::EmbeddingGradient grad) {  // "" when the trainer is made
       std::string err;
       on_ranks(1, [&](int, dist::Communicator& c) {
         auto model = models::MambaLM::from_folder(dir, DType::f32, Device::cpu());
@@ -1020,8 +1068,6 @@ TEST(Dist, MambaDataParallelEqualsOneProcessOnTheWholeBatch) {
       });
       return err;
     };
-    EXPECT_NE(refused(3, false, train::EmbeddingGradient::Dense).find("trains at ZeRO stages 0 to 2"), std::string::npos) << family;
-    EXPECT_NE(refused(1, true, train::EmbeddingGradient::Dense).find("leave overlap_parameter_gather off"), std::string::npos) << family;
     EXPECT_NE(refused(1, false, train::EmbeddingGradient::Sparse).find("summed dense"), std::string::npos) << family;
   }
 }

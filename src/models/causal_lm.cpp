@@ -415,35 +415,6 @@ Tensor CausalLM::inv_freq(int64_t seq_len) const {
   return Tensor::from_f64(f, {rd / 2}, DType::f32, device_);
 }
 
-struct CausalLM::InUse {
-  const CausalLM& model;
-  ParameterGroup group;
-  bool on = false;
-  InUse(const CausalLM& m, ParameterGroup::Kind kind, size_t layer = 0) : model(m), group{kind, layer} {}
-  InUse(const InUse&) = delete;
-  InUse& operator=(const InUse&) = delete;
-  ~InUse() {
-    if (std::uncaught_exceptions() == 0) {
-      release();
-      return;
-    }
-    try {
-      release();
-    } catch (const std::exception&) {  // the error under way is the one to report
-    }
-  }
-  void acquire() {
-    if (on || !model.parameter_use) return;
-    model.parameter_use(group, true);
-    on = true;
-  }
-  void release() {
-    if (!on) return;
-    on = false;
-    model.parameter_use(group, false);
-  }
-};
-
 struct CausalLM::LayerTape {
   nn::RMSNorm::Saved in_norm, post_norm, q_norm, k_norm, l2_q, l2_k;  // l2_*: Llama 4's L2 q/k norm
   nn::Attention::Saved attn;

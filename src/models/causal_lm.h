@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "models/config.h"
+#include "models/parameter_use.h"
 #include "nn/layers.h"
 
 namespace kcpp::models {
@@ -194,22 +195,12 @@ class CausalLM : public nn::Module {
   // input and the backward runs the layer again (a second forward's time for a layer's activations).
   bool checkpoint_layers = false;
 
-  // The model's parameters in groups that a pass uses one after the other: the embedding, each
-  // layer, and the head (the final norm and the lm_head; with a tied head that is the embedding, so
-  // the Head group reads the embedding's weight too).
-  struct ParameterGroup {
-    enum class Kind { Embedding, Layer, Head } kind = Kind::Embedding;
-    size_t layer = 0;  // Kind::Layer's index
-  };
+  // The model's parameters in groups that a pass uses one after the other (models/parameter_use.h).
+  using ParameterGroup = models::ParameterGroup;
   // When set (ZeRO-3, train/data_parallel.h, gathers a group's parameters before its use and releases
-  // them after), called with in_use = true before a pass reads a group's parameters and false after
-  // its last read of them (also when the pass throws).  A forward (forward(), loss(),
-  // loss_and_gradients()): Embedding, Layer 0 .. L-1, Head (held through the loss and, in
-  // loss_and_gradients, the head's backward); then the backward: Layer L-1 .. 0 (the recomputed
-  // forward of activation checkpointing inside it); the embedding's backward reads no weight.  One
-  // group is in use at a time.  A forward with a KV cache (generation) is refused while it is set.
-  // Unset: nothing is called.
-  std::function<void(const ParameterGroup&, bool in_use)> parameter_use;
+  // them after), called around each use of a group, in parameter_use.h's order.  A forward with a KV
+  // cache (generation) is refused while it is set.  Unset: nothing is called.
+  ParameterUse parameter_use;
   // The labelled tokens of `labels` after the shift (what a mean divides by).
   static int64_t labelled_tokens(const Tensor& labels);
 
@@ -291,7 +282,9 @@ class CausalLM : public nn::Module {
   std::vector<int64_t> pick_tokens(const Tensor& logits, const Sampling& sampling, bool many,
                                    const std::vector<size_t>& rows, const std::vector<int64_t>& positions);
   // A group in use (parameter_use) from acquire() to release() or the end of its scope.
-  struct InUse;
+  struct InUse : GroupInUse {
+    InUse(const CausalLM& model, ParameterGroup::Kind kind, size_t layer = 0) : GroupInUse(model.parameter_use, kind, layer) {}
+  };
   // [B, S, H], final norm applied; the head group in use from the final norm on, held by `head` when
   // given (its caller reads the lm_head after), else released on return.
   Tensor hidden_states(const Tensor& input_ids, Tape* tape = nullptr, KVCache* cache = nullptr, InUse* head = nullptr);

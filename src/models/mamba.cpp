@@ -429,10 +429,18 @@ nn::RMSNorm::Grads MambaLM::final_norm_backward(const Tensor& dy, const nn::RMSN
 }
 
 Tensor MambaLM::hidden_states(const Tensor& ids, std::vector<LayerTape>* tapes, nn::RMSNorm::Saved* final_saved, Cache* cache,
-                              std::vector<Tensor>* inputs) {
+                              std::vector<Tensor>* inputs, GroupInUse* head) {
   KCPP_CHECK(ids.dim() == 2, "MambaLM: input_ids must be [batch, seq], got {} dims", ids.dim());
+  KCPP_CHECK(!(cache && parameter_use), "MambaLM: a forward with a cache (generation) is not supported while "
+             "parameter_use is set (data-parallel training: DataParallel::gather_parameters() gathers the parameters "
+             "and unsets it)");
   const Tensor ids_dev = ids.device() == device_ ? ids : ids.to(device_);
-  Tensor h = ops::embedding(embed_, ids_dev, !(cache && cache->picked_ids));
+  Tensor h;
+  {
+    GroupInUse embedding(parameter_use, ParameterGroup::Kind::Embedding);
+    embedding.acquire();
+    h = ops::embedding(embed_, ids_dev, !(cache && cache->picked_ids));
+  }
   if (f32_residual()) h = h.to(DType::f32);
   if (cache && cache->length == 0) {
     cache->conv.assign(layers_.size(), Tensor()), cache->ssm.assign(layers_.size(), Tensor());
@@ -445,15 +453,20 @@ Tensor MambaLM::hidden_states(const Tensor& ids, std::vector<LayerTape>* tapes, 
   } else {
     for (size_t li = 0; li < layers_.size(); ++li) {
       if (inputs) (*inputs)[li] = h;
+      GroupInUse layer(parameter_use, ParameterGroup::Kind::Layer, li);
+      layer.acquire();
       h = layer_forward(li, h, tapes ? &(*tapes)[li] : nullptr, cache);
     }
   }
   if (cache) cache->length += ids.size(1);
+  GroupInUse own_head(parameter_use, ParameterGroup::Kind::Head);
+  (head ? *head : own_head).acquire();
   return final_norm_forward(h, final_saved, cache);
 }
 
 Tensor MambaLM::forward(const Tensor& ids, Cache* cache) {
-  const Tensor h = hidden_states(ids, nullptr, nullptr, cache);
+  GroupInUse head(parameter_use, ParameterGroup::Kind::Head);
+  const Tensor h = hidden_states(ids, nullptr, nullptr, cache, nullptr, &head);
   const int64_t b = ids.size(0), s = ids.size(1);
   return ops::matmul(h.view({b * s, cfg_.hidden_size}), lm_head_, false, true).view({b, s, cfg_.vocab_size});
 }
@@ -660,7 +673,8 @@ Tensor MambaLM::shifted_targets(const Tensor& labels) const {
 
 Tensor MambaLM::loss(const Tensor& ids, const Tensor& labels) {
   KCPP_CHECK(labels.shape() == ids.shape(), "MambaLM::loss: labels must match input_ids");
-  const Tensor h = hidden_states(ids, nullptr, nullptr, nullptr).view({ids.numel(), cfg_.hidden_size});
+  GroupInUse head(parameter_use, ParameterGroup::Kind::Head);
+  const Tensor h = hidden_states(ids, nullptr, nullptr, nullptr, nullptr, &head).view({ids.numel(), cfg_.hidden_size});
   return loss_->forward(h, lm_head_, shifted_targets(labels));
 }
 
@@ -675,7 +689,8 @@ CausalLM::Gradients MambaLM::loss_and_gradients(const Tensor& ids, const Tensor&
   nn::RMSNorm::Saved fs;
   const bool ckpt = checkpoint_layers;
   const bool wide = f32_residual();
-  const Tensor hf = hidden_states(ids, ckpt ? nullptr : &tapes, &fs, nullptr, ckpt ? &inputs : nullptr).view({n, hd});
+  GroupInUse head(parameter_use, ParameterGroup::Kind::Head);
+  const Tensor hf = hidden_states(ids, ckpt ? nullptr : &tapes, &fs, nullptr, ckpt ? &inputs : nullptr, &head).view({n, hd});
   nn::ForCausalLMLoss::Saved ls;
   CausalLM::Gradients out;
   out.loss = loss_->forward(hf, lm_head_, shifted_targets(labels), &ls);
@@ -698,6 +713,7 @@ CausalLM::Gradients MambaLM::loss_and_gradients(const Tensor& ids, const Tensor&
   acc(c.tie_word_embeddings ? embedding : "lm_head.weight", lg.dweight);
   auto fn = final_norm_backward(lg.dhidden.view({b, s, hd}), fs);
   acc("backbone.norm_f.weight", fn.dweight);
+  head.release();
   hand_over(false);
   Tensor dh = fn.dx;
   // [B, D, L] from a token-major [B S, D], and back.
@@ -705,6 +721,8 @@ CausalLM::Gradients MambaLM::loss_and_gradients(const Tensor& ids, const Tensor&
   auto token_major = [&](const Tensor& m) { return m.transpose(1, 2).contiguous().view({n, m.size(1)}); };
   for (int64_t li = static_cast<int64_t>(layers_.size()) - 1; li >= 0; --li) {
     Layer& l = layers_[li];
+    GroupInUse in_use(parameter_use, ParameterGroup::Kind::Layer, static_cast<size_t>(li));
+    in_use.acquire();
     LayerTape recomputed;
     if (ckpt) {
       layer_forward(static_cast<size_t>(li), inputs[li], &recomputed, nullptr);

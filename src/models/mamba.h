@@ -124,6 +124,10 @@ class MambaLM : public nn::Module {
   CausalLM::Gradients loss_and_gradients(const Tensor& input_ids, const Tensor& labels, double dloss = 1.0,
                                          ops::Reduction reduction = ops::Reduction::Mean,
                                          const CausalLM::GradientReady& ready = {});
+  // As CausalLM's (models/parameter_use.h): set by ZeRO-3 (train/data_parallel.h) and, with the
+  // parameters' all-gather deferred into the next forward, by ZeRO-1 / 2; called around each use of a
+  // group in that order.  A forward with a cache (generation) is refused while it is set.
+  ParameterUse parameter_use;
   // Activation checkpointing per layer, as CausalLM's: the forward of loss_and_gradients keeps only
   // each layer's input and the backward runs the layer's forward again (the same slots, so the same
   // values) before its backward: one layer's activations at a time for an extra forward.
@@ -163,8 +167,10 @@ class MambaLM : public nn::Module {
   // Layer li's A = -exp(A_log), made once a cache (the weights do not change while it decodes).
   const Tensor& cached_A(Cache& cache, size_t li) const;
   // tapes: every layer's saved activations; inputs: only each layer's input (checkpointing).
+  // The head group in use from the final norm on, held by `head` when given (its caller reads the
+  // lm_head after), else released on return.
   Tensor hidden_states(const Tensor& input_ids, std::vector<LayerTape>* tapes, nn::RMSNorm::Saved* final_saved, Cache* cache,
-                       std::vector<Tensor>* inputs = nullptr);
+                       std::vector<Tensor>* inputs = nullptr, GroupInUse* head = nullptr);
   Tensor shifted_targets(const Tensor& labels) const;
   // residual_in_fp32 in effect: the flag with 16-bit weights (the header comment).
   bool f32_residual() const { return cfg_.residual_in_fp32 && dtype_ != DType::f32 && !layers_.empty(); }

@@ -223,8 +223,18 @@ class StepClock {
 constexpr int kBackwardDone = 0, kReduced = 1, kGatherBegins = 2, kGathered = 3;
 
 DataParallel::~DataParallel() {
-  if (causal_ && (options_.zero_stage == 3 || options_.overlap_parameter_gather)) causal_->parameter_use = {};
+  if (options_.zero_stage == 3 || options_.overlap_parameter_gather) parameter_use() = {};
 }
+
+size_t DataParallel::layer_count() const {
+  return static_cast<size_t>(causal_ ? causal_->config().num_hidden_layers : mamba_->config().num_hidden_layers);
+}
+
+bool DataParallel::tied_head() const {
+  return causal_ ? causal_->config().tie_word_embeddings : mamba_->config().tie_word_embeddings;
+}
+
+models::ParameterUse& DataParallel::parameter_use() const { return causal_ ? causal_->parameter_use : mamba_->parameter_use; }
 
 DataParallel::DataParallel(models::CausalLM& model, dist::Communicator& comm, AdamWOptions adamw, DataParallelOptions o)
     : DataParallel(&model, nullptr, model.parameters(), comm, adamw, o) {}
@@ -244,24 +254,18 @@ DataParallel::DataParallel(models::CausalLM* causal, models::MambaLM* mamba, std
           [&] {
             KCPP_CHECK(o.zero_stage >= 0 && o.zero_stage <= 3, "data parallel: ZeRO stage {} is not supported (0, 1, 2 or 3)",
                        o.zero_stage);
-            if (mamba_) {
-              const std::string& type = mamba_->config().model_type;
-              KCPP_CHECK(o.zero_stage < 3, "data parallel: ZeRO-3 gathers a Llama-family model's layers at their use; a {} model "
-                         "trains at ZeRO stages 0 to 2", type);
-              KCPP_CHECK(!o.overlap_parameter_gather, "data parallel: the all-gather deferred into the next forward needs a "
-                         "Llama-family model's hooks; a {} model gathers after AdamW (leave overlap_parameter_gather off)", type);
-              KCPP_CHECK(o.embedding_gradient != EmbeddingGradient::Sparse, "data parallel: a {} model's embedding gradient is "
-                         "summed dense (use the dense or the automatic choice)", type);
-            }
-            KCPP_CHECK(o.zero_stage < 3 || !causal_->parameter_use,
+            KCPP_CHECK(!mamba_ || o.embedding_gradient != EmbeddingGradient::Sparse, "data parallel: a {} model's embedding "
+                       "gradient is summed dense (use the dense or the automatic choice)",
+                       mamba_ ? mamba_->config().model_type : "");
+            KCPP_CHECK(o.zero_stage < 3 || !parameter_use(),
                        "data parallel: ZeRO-3: the model's parameter_use is set already (another ZeRO-3 trainer of it?)");
             KCPP_CHECK(o.bucket_mib > 0, "data parallel: bucket_mib is {}; it must be positive", o.bucket_mib);
             KCPP_CHECK(!o.overlap_parameter_gather || ((o.zero_stage == 1 || o.zero_stage == 2) && o.overlap),
                        "data parallel: overlap_parameter_gather defers the all-gather of ZeRO stages 1 and 2 with overlap; "
                        "this trainer is at stage {}{}", o.zero_stage, o.overlap ? "" : " without overlap");
-            KCPP_CHECK(!o.overlap_parameter_gather || !causal_->parameter_use,
+            KCPP_CHECK(!o.overlap_parameter_gather || !parameter_use(),
                        "data parallel: overlap_parameter_gather: the model's parameter_use is set already (another trainer of it?)");
-            KCPP_CHECK(o.embedding_gradient != EmbeddingGradient::Sparse || !causal_->config().tie_word_embeddings,
+            KCPP_CHECK(o.embedding_gradient != EmbeddingGradient::Sparse || !tied_head(),
                        "data parallel: a sparse embedding gradient was asked for, but the model's lm_head is tied to the "
                        "embedding, whose gradient is then dense; use the automatic choice or the dense one");
             if (o.reduce_dtype) {
@@ -292,15 +296,16 @@ DataParallel::DataParallel(models::CausalLM* causal, models::MambaLM* mamba, std
 }
 
 size_t DataParallel::group_of(const std::string& name) const {
-  const size_t layers = static_cast<size_t>(causal_->config().num_hidden_layers);
-  if (name == kEmbedding) return 0;
+  const size_t layers = layer_count();
+  if (name == (causal_ ? kEmbedding : kMambaEmbedding)) return 0;
   size_t layer = 0;
-  if (std::sscanf(name.c_str(), "model.layers.%zu.", &layer) == 1 && layer < layers) return 1 + layer;
+  if (std::sscanf(name.c_str(), causal_ ? "model.layers.%zu." : "backbone.layers.%zu.", &layer) == 1 && layer < layers)
+    return 1 + layer;
   return layers + 1;  // the final norm, an untied head
 }
 
 void DataParallel::release_layout() {
-  groups_.resize(static_cast<size_t>(causal_->config().num_hidden_layers) + 2);
+  groups_.resize(layer_count() + 2);
   for (size_t bi = 0; bi < buckets_.size(); ++bi) groups_[buckets_[bi].group].buckets.push_back(bi);
   // Each storage is released whole: it must hold the parameters of one group and nothing else (the
   // views wq, wk, wv of wqkv fill it together).
@@ -327,8 +332,8 @@ void DataParallel::release_layout() {
   }
   peak_ = resident_;  // from here on
   const size_t head = groups_.size() - 1;
-  causal_->parameter_use = [this, head](const models::CausalLM::ParameterGroup& g, bool in_use) {
-    using Kind = models::CausalLM::ParameterGroup::Kind;
+  parameter_use() = [this, head](const models::ParameterGroup& g, bool in_use) {
+    using Kind = models::ParameterGroup::Kind;
     const size_t group = g.kind == Kind::Embedding ? 0 : g.kind == Kind::Layer ? 1 + g.layer : head;
     KCPP_CHECK(group < groups_.size(), "data parallel: ZeRO-3: the model used layer {} of {}", g.layer, groups_.size() - 2);
     if (in_use) {
@@ -342,7 +347,7 @@ void DataParallel::release_layout() {
 
 std::vector<size_t> DataParallel::groups_of_use(size_t use) const {
   // A tied head reads the embedding's weight: both gathered, in the same order on every rank.
-  if (use == groups_.size() - 1 && causal_->config().tie_word_embeddings) return {use, 0};
+  if (use == groups_.size() - 1 && tied_head()) return {use, 0};
   return {use};
 }
 
@@ -479,7 +484,7 @@ void DataParallel::gather_parameters() {
   if (options_.zero_stage < 3) {
     if (options_.overlap_parameter_gather) {
       finish_gathers();
-      causal_->parameter_use = {};
+      parameter_use() = {};
     }
     return;
   }
@@ -490,16 +495,16 @@ void DataParallel::gather_updated() {
   if (options_.overlap_parameter_gather) {
     finish_gathers();
     gathers_due_ = true;
-    if (!causal_->parameter_use) {
-      const size_t head = static_cast<size_t>(causal_->config().num_hidden_layers) + 1;
-      causal_->parameter_use = [this, head](const models::CausalLM::ParameterGroup& g, bool in_use) {
-        using Kind = models::CausalLM::ParameterGroup::Kind;
+    if (!parameter_use()) {
+      const size_t head = layer_count() + 1;
+      parameter_use() = [this, head](const models::ParameterGroup& g, bool in_use) {
+        using Kind = models::ParameterGroup::Kind;
         if (!in_use) return;
         const size_t group = g.kind == Kind::Embedding ? 0 : g.kind == Kind::Layer ? 1 + g.layer : head;
         KCPP_CHECK(group <= head, "data parallel: the model used layer {} of {}", g.layer, head - 1);
         if (gathers_due_) issue_gathers();
         wait_gathered(group);
-        if (group == head && causal_->config().tie_word_embeddings) wait_gathered(0);
+        if (group == head && tied_head()) wait_gathered(0);
       };
     }
     return;
@@ -525,7 +530,7 @@ void DataParallel::gather_updated() {
 
 void DataParallel::issue_gathers() {
   gathers_due_ = false;
-  const size_t groups = static_cast<size_t>(causal_->config().num_hidden_layers) + 2;
+  const size_t groups = layer_count() + 2;
   // Each group's last bucket in the order of issue (the buckets from the last one down: the
   // embedding's first, the head's last).
   std::vector<size_t> last(groups, buckets_.size());

@@ -41,7 +41,7 @@
 // parameters.
 //
 // Stage 3 (ZeRO-3; PyTorch FSDP's per-module all-gather) shards the parameters too.  The buckets
-// are also cut where the parameter group changes (CausalLM::ParameterGroup: the embedding, each
+// are also cut where the parameter group changes (models::ParameterGroup: the embedding, each
 // layer, the head's final norm and untied lm_head), so a group's parameters are a set of whole
 // buckets; each rank keeps its shard of every bucket in a buffer of its own, of the parameters'
 // dtype (AdamW's pieces are views of it: the optimizer updates the shard), and the parameters'
@@ -199,9 +199,9 @@ class DataParallel {
   // The parameters of `model` (on comm.device()) start as rank 0's: they are broadcast here, before
   // the optimizer copies them.
   DataParallel(models::CausalLM& model, dist::Communicator& comm, AdamWOptions adamw, DataParallelOptions options = {});
-  // A Mamba-family model: stages 0 to 2 (its buckets summed during the backward as a CausalLM's), the
-  // embedding's gradient dense, the all-gather after AdamW; an error for the options that need a
-  // CausalLM's hooks (ZeRO-3, overlap_parameter_gather, a sparse embedding gradient).
+  // A Mamba-family model: every stage and option of a CausalLM's (its buckets summed during the
+  // backward, its groups gathered at their use through MambaLM::parameter_use) but the sparse embedding
+  // gradient, an error: its embedding's gradient is summed dense.
   DataParallel(models::MambaLM& model, dist::Communicator& comm, AdamWOptions adamw, DataParallelOptions options = {});
   ~DataParallel();
 
@@ -275,7 +275,7 @@ class DataParallel {
     Tensor data;                   // stage 3: [shard] (dtype) this rank's shard of the parameters
     size_t group = 0;              // stage 3: its parameters' group (see ParamGroup)
   };
-  // Stage 3: the parameters of one CausalLM::ParameterGroup (group 0: the embedding, 1 + l: layer l,
+  // Stage 3: the parameters of one models::ParameterGroup (group 0: the embedding, 1 + l: layer l,
   // then the head's final norm and untied lm_head), their buckets, and the storages they fill (each
   // storage the memory of parameters of this group only, released and restored whole).
   struct ParamGroup {
@@ -340,9 +340,11 @@ class DataParallel {
   void wait_gathered(size_t group);
   void finish_gathers();
 
-  // The model: one of the two.  Everything that needs a CausalLM's hooks (ZeRO-3's and the deferred
-  // gather's parameter_use, the sparse embedding gradient) runs for causal_ only; the constructor
-  // refuses those options for mamba_.
+  // The model: one of the two.  The sparse embedding gradient runs for causal_ only (the constructor
+  // refuses it for mamba_); the rest reads the model through these.
+  size_t layer_count() const;
+  bool tied_head() const;
+  models::ParameterUse& parameter_use() const;
   DataParallel(models::CausalLM* causal, models::MambaLM* mamba, std::vector<std::pair<std::string, Tensor>> params,
                dist::Communicator& comm, AdamWOptions adamw, DataParallelOptions options);
   models::CausalLM* causal_ = nullptr;

@@ -716,9 +716,9 @@ int run_train(TrainArgs a) {
     KCPP_CHECK(a.seq <= folder_config->max_positions, "kcpp train: --seq is {}; {}'s context length (max_position_embeddings) is {}",
                a.seq, a.model, folder_config->max_positions);
     // What data parallelism cannot do for a Mamba model, before its data and weights are read.
-    KCPP_CHECK(!folder_config->mamba || !ranks.comm || (a.zero < 3 && !a.overlap_param_gather && a.embedding_grad != "sparse"),
-               "kcpp train: a {} model trains data-parallel at --zero 0, 1 or 2, gathering after AdamW, its embedding's "
-               "gradient dense: drop --zero 3, --overlap-param-gather and --embedding-grad sparse", folder_config->model_type);
+    KCPP_CHECK(!folder_config->mamba || !ranks.comm || a.embedding_grad != "sparse",
+               "kcpp train: a {} model's embedding gradient is summed dense: drop --embedding-grad sparse",
+               folder_config->model_type);
   }
   // --save's folder made (or found writable) now, not after the training.
   if (!a.save.empty()) {
