@@ -24,6 +24,9 @@ import hashlib
 import json
 import os
 import re
+import shutil
+import subprocess
+import sys
 import tempfile
 import unittest
 from pathlib import Path
@@ -353,6 +356,113 @@ class WithTheKernelsLibrary(unittest.TestCase):
         model.train()
         model.set_use_kernels(True, transformers.KernelConfig(kernel_mapping=self.mapping(), use_local_kernel=True))
         self.check_train_and_generate(model, ids, labels, loss, grads, tokens)
+
+
+# What the subprocess of FromAHub runs: kernels.get_kernel over HF_ENDPOINT, then the exported RMSNorm
+# against Transformers' own; a JSON line of what happened.
+_GET_KERNEL = r"""
+import json, sys, torch, kernels
+from kcpp import hf_kernels
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+try:
+    module = kernels.get_kernel(sys.argv[1], revision=sys.argv[2], trust_remote_code=True)
+except Exception as e:  # the refusal travels back as text
+    print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+    sys.exit(0)
+torch.manual_seed(0)
+ref = LlamaRMSNorm(24, eps=1e-5)
+ref.weight.data.normal_()
+ours = LlamaRMSNorm(24, eps=1e-5)
+ours.weight.data.copy_(ref.weight.data)
+ours.forward = module.layers.LigerRMSNorm.forward.__get__(ours)
+x = torch.randn(4, 24)
+with torch.no_grad():
+    diff = (ours(x) - ref(x)).abs().max().item()
+print(json.dumps({"file": module.__file__, "diff": diff, "calls": hf_kernels.stats()}))
+"""
+
+
+@unittest.skipUnless(HAVE_KERNELS, WHY_KERNELS)
+class FromAHub(unittest.TestCase):
+    """`kernels.get_kernel("org/repo", revision=...)` from a hub: `kcpp serve` on loopback over this build's
+    liger package, published as kernels-cpp/liger at v<version> (the Hub's kernel repositories' routes,
+    /api/kernels/...).  The `kernels` library picks the noarch variant and downloads it into its cache;
+    its layers.py loads the package by reference through kcpp's C++ hub, which verifies it as any load:
+    unsigned, or signed by a publisher not trusted, it is refused; signed and trusted, the layer runs and
+    equals Transformers' RMSNorm.  Each load runs in a process of its own (huggingface_hub reads
+    HF_ENDPOINT when imported)."""
+
+    @classmethod
+    def setUpClass(cls):
+        from test_default_mapping import kcpp_binary
+        cls.exe = kcpp_binary()
+        if cls.exe is None or not cls.exe.is_file():
+            raise unittest.SkipTest(f"needs the kcpp binary ({cls.exe})")
+        cls.tmp = tempfile.TemporaryDirectory()
+        root = Path(cls.tmp.name)
+        cls.version = kcpp.Hub(allow_all_kernels=True).inspect(packages()["liger"])["version"]
+        cls.env = {k: v for k, v in os.environ.items()
+                   if k not in ("KCPP_ALLOW_ALL_KERNELS", "KCPP_TRUSTED_PUBLISHERS", "HF_HUB_OFFLINE", "HF_TOKEN")}
+        cls.env.update(KCPP_TRUST_STORE=str(root / "trusted_publishers.json"), KCPP_LOCK_FILE="",
+                       PYTHONPATH=os.pathsep.join(p for p in sys.path if p), HF_HUB_DISABLE_XET="1")
+        # (HF_HUB_DISABLE_TELEMETRY=1 makes huggingface_hub 2.4 send a User-Agent ending in "; ", which
+        # httpx refuses to send; the telemetry would go to the loopback server anyway.)
+        cls.env.pop("HF_HUB_DISABLE_TELEMETRY", None)
+        # v<version>: signed by kcpp-test; unsigned: the same package without a signature.
+        subprocess.run([str(cls.exe), "keygen", "--publisher", "kcpp-test", "--out", str(root / "keys")], env=cls.env,
+                       check=True, capture_output=True)
+        signed = root / "hub" / "kernels-cpp" / "liger" / f"v{cls.version}"
+        shutil.copytree(packages()["liger"], signed)
+        subprocess.run([str(cls.exe), "package", "sign", str(signed), "--key", str(root / "keys" / "kcpp-test.key")],
+                       env=cls.env, check=True, capture_output=True)
+        shutil.copytree(packages()["liger"], root / "hub" / "kernels-cpp" / "liger-unsigned" / f"v{cls.version}")
+        cls.server = subprocess.Popen([str(cls.exe), "serve", str(root / "hub"), "--port", "0", "--quiet"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        line = cls.server.stdout.readline()
+        m = re.search(r"http://127\.0\.0\.1:\d+", line)
+        if not m:
+            cls.server.kill()
+            raise RuntimeError(f"kcpp serve did not start: {line!r}")
+        cls.env["HF_ENDPOINT"] = m.group(0)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.terminate()
+        cls.server.wait(timeout=10)
+        cls.server.stdout.close()
+        cls.tmp.cleanup()
+
+    def get_kernel(self, repo):
+        """A fresh process and fresh caches (the `kernels` library's and kcpp's): what get_kernel gave."""
+        caches = tempfile.mkdtemp(dir=self.tmp.name)
+        env = dict(self.env, HF_HOME=os.path.join(caches, "hf"), KCPP_CACHE=os.path.join(caches, "kcpp"))
+        out = subprocess.run([sys.executable, "-c", _GET_KERNEL, repo, f"v{self.version}"], env=env,
+                             capture_output=True, text=True, timeout=300)
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def trust(self, trusted):
+        store = Path(self.env["KCPP_TRUST_STORE"])
+        store.unlink(missing_ok=True)
+        if trusted:
+            subprocess.run([str(self.exe), "trust", "add", str(Path(self.tmp.name) / "keys" / "kcpp-test.pub")],
+                           env=self.env, check=True, capture_output=True)
+
+    def test_a_signed_package_of_a_trusted_publisher_loads_and_runs(self):
+        self.trust(True)
+        got = self.get_kernel("kernels-cpp/liger")
+        self.assertNotIn("error", got, got.get("error"))
+        backend = "cuda" if torch.version.cuda else "cpu"
+        self.assertRegex(got["file"], rf"kernels--kernels-cpp--liger/snapshots/[0-9a-f]{{40}}/build/torch-{backend}/")
+        self.assertLess(got["diff"], 1e-5)
+        self.assertEqual(got["calls"]["liger:LigerRMSNorm"]["kernel_calls"], 1)
+
+    def test_verification_stays_on(self):
+        self.trust(False)
+        got = self.get_kernel("kernels-cpp/liger")
+        self.assertRegex(got.get("error", ""), "signed by 'kcpp-test'.*a publisher not in the trust store")
+        got = self.get_kernel("kernels-cpp/liger-unsigned")
+        self.assertRegex(got.get("error", ""), "the manifest is not signed")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <thread>
@@ -94,7 +95,8 @@ struct Route {
   std::string repo, revision, rest;  // rest: the tree's path prefix (may be empty) or the resolved file
 };
 
-// "/api/models/ORG/REPO/refs", ".../revision/REV", ".../tree/REV[/PREFIX]", or "/ORG/REPO/resolve/REV/PATH".
+// "/api/models/ORG/REPO/refs", ".../revision/REV", ".../tree/REV[/PREFIX]", or "/ORG/REPO/resolve/REV/PATH";
+// the same under "/api/kernels/" and "/kernels/ORG/REPO/resolve/" (kernel repositories).
 Route match(std::string_view path) {
   Route r;
   auto repo_then = [&](std::string_view& rest) {
@@ -106,8 +108,8 @@ Route match(std::string_view path) {
     r.repo = std::string(org) + "/" + std::string(name);
     return true;
   };
-  constexpr std::string_view api = "/api/models/";
-  if (path.starts_with(api)) {
+  for (const std::string_view api : {std::string_view("/api/models/"), std::string_view("/api/kernels/")}) {
+    if (!path.starts_with(api)) continue;
     std::string_view rest = path.substr(api.size());
     bool slash = false;
     if (repo_then(rest)) {
@@ -129,15 +131,20 @@ Route match(std::string_view path) {
       }
     }
   }
-  r = Route{};
-  if (!path.starts_with("/")) return r;
-  std::string_view rest = path.substr(1);
-  bool slash = false;
-  if (!repo_then(rest) || take_segment(rest, &slash) != "resolve" || !slash) return Route{};
-  r.revision = take_segment(rest, &slash);
-  if (r.revision.empty() || !slash || rest.empty()) return Route{};
-  r.kind = Route::Kind::Resolve, r.rest = rest;
-  return r;
+  // "/ORG/REPO/resolve/..." first, then "/kernels/ORG/REPO/resolve/..." (an org named "kernels" has
+  // its repo's name where "resolve" should be, so the two never both match).
+  for (const std::string_view prefix : {std::string_view("/"), std::string_view("/kernels/")}) {
+    r = Route{};
+    if (!path.starts_with(prefix)) continue;
+    std::string_view rest = path.substr(prefix.size());
+    bool slash = false;
+    if (!repo_then(rest) || take_segment(rest, &slash) != "resolve" || !slash) continue;
+    r.revision = take_segment(rest, &slash);
+    if (r.revision.empty() || !slash || rest.empty()) continue;
+    r.kind = Route::Kind::Resolve, r.rest = rest;
+    return r;
+  }
+  return Route{};
 }
 
 ServeAnswer answer(const RepoDir& dir, const ServeRequest& req) {
@@ -180,10 +187,27 @@ ServeAnswer answer(const RepoDir& dir, const ServeRequest& req) {
       prefix += '/';
     }
     nlohmann::json j = nlohmann::json::array();
-    for (const RepoFile& f : dir.files(r.repo, *folder))
-      if (f.path.starts_with(prefix))
-        j.push_back({{"type", "file"}, {"path", f.path}, {"size", f.size}, {"oid", f.sha256.substr(0, 40)},
-                     {"lfs", {{"oid", f.sha256}, {"size", f.size}}}});
+    // Not recursive: each folder directly under the prefix once, in the order of its first file, its
+    // oid a hash of the paths and hashes of the files below it.
+    std::map<std::string, std::string> folders;  // path -> the paths and hashes below it
+    std::vector<std::string> folder_order;
+    for (const RepoFile& f : dir.files(r.repo, *folder)) {
+      if (!f.path.starts_with(prefix)) continue;
+      const size_t slash = f.path.find('/', prefix.size());
+      if (!req.recursive && slash != std::string::npos) {
+        const std::string sub = f.path.substr(0, slash);
+        if (!folders.count(sub)) folder_order.push_back(sub);
+        folders[sub] += f.path + " " + f.sha256 + "\n";
+        continue;
+      }
+      // pointerSize: the bytes of the Git LFS pointer the Hub would store for the file ("version
+      // https://git-lfs.github.com/spec/v1\noid sha256:HEX\nsize N\n"), which huggingface_hub reads.
+      const size_t pointer = 43 + 11 + f.sha256.size() + 1 + 5 + std::to_string(f.size).size() + 1;
+      j.push_back({{"type", "file"}, {"path", f.path}, {"size", f.size}, {"oid", f.sha256.substr(0, 40)},
+                   {"lfs", {{"oid", f.sha256}, {"size", f.size}, {"pointerSize", pointer}}}});
+    }
+    for (const std::string& sub : folder_order)
+      j.push_back({{"type", "directory"}, {"path", sub}, {"oid", sha256_hex(folders.at(sub)).substr(0, 40)}});
     a.body = json_text(j);
     return a;
   }
@@ -234,7 +258,9 @@ struct Server::Impl {
     // routing, which then has nothing registered).
     http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
       bool drop = false;
-      if (!fault(req, res, &drop)) send(route_request(dir, ServeRequest{req.method, req.path}), res, drop);
+      const std::string recursive = req.get_param_value("recursive");
+      if (!fault(req, res, &drop))
+        send(route_request(dir, ServeRequest{req.method, req.path, recursive != "false" && recursive != "0"}), res, drop);
       return httplib::Server::HandlerResponse::Handled;
     });
   }

@@ -6,8 +6,17 @@
 //                                                        each {"name", "ref": "refs/tags/NAME", "targetCommit"}
 //   GET /api/models/<org>/<repo>/revision/<rev>          {"id", "sha", "siblings": [{"rfilename"}]}
 //   GET /api/models/<org>/<repo>/tree/<rev>[/<path>]     [{"type": "file", "path", "size", "oid",
-//                                                          "lfs": {"oid": SHA256, "size"}}]  (recursive)
+//                                                          "lfs": {"oid": SHA256, "size", "pointerSize"}}]: every file
+//                                                        below; with ?recursive=false the path's own
+//                                                        files and {"type": "directory", "path", "oid"}
+//                                                        for each folder in it
 //   GET /<org>/<repo>/resolve/<rev>/<path>               the file; headers X-Repo-Commit, ETag (sha256)
+//
+// The Hub's kernel repositories (huggingface_hub's repo_type "kernel", which the Hugging Face `kernels`
+// library reads) have the same routes under /api/kernels/ and /kernels/<org>/<repo>/resolve/: the
+// folder's repos are served as both kinds, so `kernels.get_kernel("<org>/<repo>", ...)` with HF_ENDPOINT
+// set to the server loads a package's noarch variant.  (The Hub lists a tree non-recursively unless
+// asked; kcpp's client asks, and an absent parameter lists every file as it always has here.)
 //
 // HEAD is answered as GET (without the body).  Errors are JSON {"error": "..."} with 404 (no such
 // route, or an unknown repo, revision or file), 400 (a bad id or path) or 405 (a method other than
@@ -31,11 +40,12 @@
 
 namespace kcpp::hub {
 
-// A request as the router sees it.  The routes read neither the query string (a tree listing is
-// always recursive) nor any header.
+// A request as the router sees it.  The routes read no header, and of the query string only a tree
+// listing's `recursive`.
 struct ServeRequest {
   std::string_view method;  // "GET", "HEAD", "POST", ...
   std::string_view path;    // percent-decoded, without the query: "/api/models/acme/example/refs"
+  bool recursive = true;    // false where the query says recursive=false (or 0)
 };
 
 // What the server answers: a status, and a JSON body or the bytes of a served file.

@@ -9,7 +9,8 @@
 // server reads the Authorization header only for its test fault hook).  The text "{commit}" in the
 // target becomes acme/example@v1.0.0's commit id.  The target's path (before '?') is routed twice:
 // as it is (any bytes: NULs, '\', absolute parts) and percent-decoded by cpp-httplib's own
-// decode_url, which is what the server hands the router ("%2e%2e" becomes "..").
+// decode_url, which is what the server hands the router ("%2e%2e" becomes ".."); a query holding
+// "recursive=false" or "recursive=0" asks for a tree listing without recursion, as the server reads it.
 //
 // Properties of every answer: the status is 200, 400, 404 or 405 (405 exactly for a method other
 // than GET and HEAD; a 500 is an exception the router did not expect); a JSON body parses, and an
@@ -88,8 +89,8 @@ bool has_segment(std::string_view path, std::string_view seg) {
   return false;
 }
 
-void check(const Served& s, std::string_view method, const std::string& path) {
-  const ServeAnswer a = route_request(*s.dir, ServeRequest{method, path});
+void check(const Served& s, std::string_view method, const std::string& path, bool recursive) {
+  const ServeAnswer a = route_request(*s.dir, ServeRequest{method, path, recursive});
   const bool readable = method == "GET" || method == "HEAD";
   KCPP_FUZZ_EXPECT(a.status == 200 || a.status == 400 || a.status == 404 || a.status == 405,
                    "{} '{}': status {} ({})", method, path, a.status, a.body.substr(0, 300));
@@ -139,10 +140,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     target = line.substr(sp + 1);
     target = target.substr(0, target.find(' '));
   }
-  std::string path(target.substr(0, target.find('?')));
+  const size_t q = target.find('?');
+  std::string path(target.substr(0, q));
+  const std::string_view query = q == std::string_view::npos ? std::string_view() : target.substr(q);
+  const bool recursive = query.find("recursive=false") == std::string_view::npos && query.find("recursive=0") == std::string_view::npos;
   for (size_t at = path.find("{commit}"); at != std::string::npos; at = path.find("{commit}", at))
     path.replace(at, 8, s.commit);
-  check(s, method, path);
-  check(s, method, httplib::detail::decode_url(path, false));
+  check(s, method, path, recursive);
+  check(s, method, httplib::detail::decode_url(path, false), recursive);
   return 0;
 }

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <map>
 #include <set>
 
 #include "hub/crypto.h"
@@ -208,6 +209,13 @@ TEST_F(HubServer, ServesTheHubApiSubset) {
   std::set<std::string> paths;
   for (const auto& f : tree) paths.insert(f["path"].get<std::string>());
   EXPECT_TRUE(paths.count("manifest.json"));
+  // The query's recursive=false reaches the listing: the top folder's own entries, "build" a directory.
+  const auto top = nlohmann::json::parse(http.get(server->url() + "/api/kernels/acme/example/tree/v1.0.0?recursive=false&expand=false").body);
+  std::map<std::string, std::string> types;
+  for (const auto& f : top) types[f["path"].get<std::string>()] = f["type"].get<std::string>();
+  EXPECT_EQ(types.at("build"), "directory");
+  EXPECT_EQ(types.at("manifest.json"), "file");
+  EXPECT_LT(types.size(), paths.size());
   auto info = nlohmann::json::parse(http.get(server->url() + "/api/models/acme/example/revision/v1.0.0").body);
   EXPECT_EQ(info["sha"], refs["tags"][0]["targetCommit"]);
   const HttpResponse r = http.get(server->url() + "/acme/example/resolve/v1.0.0/manifest.json");
@@ -278,6 +286,38 @@ TEST_F(ServeRouting, AnswersTheApiSubset) {
                                                                       {"X-Repo-Commit", commit}};
     EXPECT_EQ(a.headers, headers);
   }
+}
+
+// The Hub's kernel repositories (the `kernels` library's repo_type "kernel"): the same answers under
+// /api/kernels/ and /kernels/ORG/REPO/resolve/; and a tree listed with recursive=false (as
+// huggingface_hub asks) has the path's own files and one directory entry a folder, whose oid changes
+// with the files below it.
+TEST_F(ServeRouting, KernelRepositoriesAndFolderListings) {
+  for (const char* api : {"refs", "revision/v1.0.0", "tree/v1.0.0", "tree/v1.0.0/build"})
+    EXPECT_EQ(get(std::string("/api/kernels/acme/example/") + api).body, get(std::string("/api/models/acme/example/") + api).body)
+        << api;
+  const ServeAnswer file = get("/kernels/acme/example/resolve/v1.0.0/build/a.so");
+  EXPECT_EQ(file.status, 200);
+  EXPECT_EQ(file.body, "library");
+  EXPECT_EQ(file.headers, get("/acme/example/resolve/v1.0.0/build/a.so").headers);
+  EXPECT_EQ(status("/kernels/acme/example/resolve/v1.0.0/nothing"), 404);
+  EXPECT_EQ(status("/kernels/acme/example/tree/v1.0.0"), 404);
+
+  auto list = [&](const std::string& path) { return nlohmann::json::parse(route_request(dir, ServeRequest{"GET", path, false}).body); };
+  const auto top = list("/api/kernels/acme/example/tree/v1.0.0");
+  ASSERT_EQ(top.size(), 2u) << top.dump();
+  EXPECT_EQ(top[0]["type"], "file");
+  EXPECT_EQ(top[0]["path"], "manifest.json");
+  EXPECT_EQ(top[0]["lfs"]["pointerSize"], 43 + 11 + 64 + 1 + 5 + 1 + 1);  // "size 2\n"
+  EXPECT_EQ(top[1]["type"], "directory");
+  EXPECT_EQ(top[1]["path"], "build");
+  ASSERT_TRUE(top[1]["oid"].is_string());
+  EXPECT_EQ(top[1]["oid"].get<std::string>().size(), 40u);
+  const auto build = list("/api/kernels/acme/example/tree/v1.0.0/build");
+  ASSERT_EQ(build.size(), 1u);
+  EXPECT_EQ(build[0]["path"], "build/a.so");
+  write_file_atomic(root / "acme/example/v1.0.0/build/a.so", "library 2");
+  EXPECT_NE(list("/api/kernels/acme/example/tree/v1.0.0")[1]["oid"], top[1]["oid"]);
 }
 
 TEST_F(ServeRouting, OtherMethodsRoutesAndIdsAreErrors) {
