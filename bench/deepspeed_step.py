@@ -13,8 +13,6 @@ sizes DeepSpeed's defaults.  Liger's fused linear cross-entropy reads lm_head's 
 lm_head's forward, where ZeRO-3 holds only a partition: DeepSpeed's getter gathers it as an "external
 parameter" of the model (printed when it happens); kcpp's fused loss runs as lm_head's forward.
 """
-import os
-
 from fsdp2_step import arguments, build_model, ranks, timed
 
 

@@ -9,8 +9,11 @@
 #include <array>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <thread>
 
+#include "core/files.h"
 #include "dist/communicator.h"
 #include "models/causal_lm.h"
 #include "models/config.h"
@@ -936,9 +939,23 @@ TEST(Dist, ReduceDtypeFollowsTheParameters) {
 // is the whole gradient's), every rank the same bit for bit; a sparse embedding gradient is refused
 // by name.
 TEST(Dist, MambaDataParallelEqualsOneProcessOnTheWholeBatch) {
-  for (const char* family : {"mamba", "falcon_mamba"}) {
-    const fs::path dir = fs::path(test::fixtures_dir()) / family;
+  // Both fixtures have an untied head; Mamba's default ties it to the embedding: a tied copy of the
+  // mamba fixture (its config's tie_word_embeddings on, its weights without lm_head.weight) too.
+  std::string tmpl = (fs::temp_directory_path() / "kcpp-dp-mamba-tied-XXXXXX").string();
+  const fs::path tied = ::mkdtemp(tmpl.data());
+  {
+    const fs::path src = fs::path(test::fixtures_dir()) / "mamba";
+    nlohmann::json config = nlohmann::json::parse(read_whole_file(src / "config.json", "the fixture's config"));
+    config["tie_word_embeddings"] = true;
+    std::ofstream(tied / "config.json") << config.dump(2);
+    std::vector<std::pair<std::string, Tensor>> weights = models::MambaLM::from_folder(src, DType::f32, Device::cpu())->parameters();
+    std::erase_if(weights, [](const auto& w) { return w.first == "lm_head.weight"; });
+    models::save_safetensors(tied / "model.safetensors", weights);
+  }
+  for (const fs::path& dir : {fs::path(test::fixtures_dir()) / "mamba", fs::path(test::fixtures_dir()) / "falcon_mamba", tied}) {
     const models::MambaConfig cfg = models::MambaConfig::from_folder(dir);
+    const std::string family = dir == tied ? "mamba, tied head" : cfg.model_type;
+    ASSERT_EQ(cfg.tie_word_embeddings, dir == tied) << family;
     {
       auto model = models::MambaLM::from_folder(dir, DType::f32, Device::cpu());
       Generator g0(3);
@@ -1041,6 +1058,12 @@ TEST(Dist, MambaDataParallelEqualsOneProcessOnTheWholeBatch) {
             const auto s = trainer.step({{i.narrow(0, lo, hi - lo).contiguous(), l.narrow(0, lo, hi - lo).contiguous()}});
             EXPECT_NEAR(s.loss, want_loss[static_cast<size_t>(step)], 1e-6 * want_loss[static_cast<size_t>(step)]) << what;
           }
+          if (run.prefetch) {  // every use prefetched as planned: the model's order is the plan's
+            const train::DataParallel::PrefetchStats st = trainer.prefetch_stats();
+            EXPECT_GT(st.issued, 0) << what;
+            EXPECT_EQ(st.used, st.issued) << what;
+            EXPECT_EQ(st.deviations, 0) << what;
+          }
           trainer.gather_parameters();
           for (const auto& [name, p] : model->parameters()) got[static_cast<size_t>(r)][name] = p.to_f64_vector();
         });
@@ -1054,7 +1077,7 @@ TEST(Dist, MambaDataParallelEqualsOneProcessOnTheWholeBatch) {
             }
           }
       }
-    auto refused = [&](int zero, bool deferred, train::EmbeddingGradient grad) {  // "" when the trainer is made
+    auto refused = [&](int zero, bool deferred, train::EmbeddingGradient grad) {
       std::string err;
       on_ranks(1, [&](int, dist::Communicator& c) {
         auto model = models::MambaLM::from_folder(dir, DType::f32, Device::cpu());
@@ -1070,6 +1093,7 @@ TEST(Dist, MambaDataParallelEqualsOneProcessOnTheWholeBatch) {
     };
     EXPECT_NE(refused(1, false, train::EmbeddingGradient::Sparse).find("summed dense"), std::string::npos) << family;
   }
+  fs::remove_all(tied);
 }
 
 // A Mamba model's data-parallel checkpoint resumes on another world size and stage: two steps on 2

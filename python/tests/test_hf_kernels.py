@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import unittest
 from pathlib import Path
 
@@ -397,46 +398,62 @@ class FromAHub(unittest.TestCase):
         from test_default_mapping import kcpp_binary
         cls.exe = kcpp_binary()
         if cls.exe is None or not cls.exe.is_file():
+            if os.environ.get("KCPP_REQUIRE_HF_KERNELS"):
+                raise RuntimeError(f"KCPP_REQUIRE_HF_KERNELS is set but the kcpp binary is missing ({cls.exe})")
             raise unittest.SkipTest(f"needs the kcpp binary ({cls.exe})")
         cls.tmp = tempfile.TemporaryDirectory()
+        cls.server = None
+        try:
+            cls.start()
+        except BaseException:
+            cls.tearDownClass()
+            raise
+
+    @classmethod
+    def start(cls):
         root = Path(cls.tmp.name)
         cls.version = kcpp.Hub(allow_all_kernels=True).inspect(packages()["liger"])["version"]
         cls.env = {k: v for k, v in os.environ.items()
-                   if k not in ("KCPP_ALLOW_ALL_KERNELS", "KCPP_TRUSTED_PUBLISHERS", "HF_HUB_OFFLINE", "HF_TOKEN")}
+                   if k not in ("KCPP_ALLOW_ALL_KERNELS", "KCPP_TRUSTED_PUBLISHERS", "HF_HUB_OFFLINE", "HF_TOKEN",
+                                "HF_HUB_DISABLE_TELEMETRY")}
+        # (HF_HUB_DISABLE_TELEMETRY=1 makes huggingface_hub 2.4 send a User-Agent ending in "; ", which
+        # httpx refuses to send; the telemetry would go to the loopback server anyway.)  The lock file:
+        # none is named, and the processes run in the scratch folder, where no ./kcpp.lock is.
         cls.env.update(KCPP_TRUST_STORE=str(root / "trusted_publishers.json"), KCPP_LOCK_FILE="",
                        PYTHONPATH=os.pathsep.join(p for p in sys.path if p), HF_HUB_DISABLE_XET="1")
-        # (HF_HUB_DISABLE_TELEMETRY=1 makes huggingface_hub 2.4 send a User-Agent ending in "; ", which
-        # httpx refuses to send; the telemetry would go to the loopback server anyway.)
-        cls.env.pop("HF_HUB_DISABLE_TELEMETRY", None)
-        # v<version>: signed by kcpp-test; unsigned: the same package without a signature.
-        subprocess.run([str(cls.exe), "keygen", "--publisher", "kcpp-test", "--out", str(root / "keys")], env=cls.env,
-                       check=True, capture_output=True)
+        run = dict(env=cls.env, cwd=root, check=True, capture_output=True, timeout=120)
+        # v<version>: signed by kcpp-test; liger-unsigned: the same package without a signature.
+        subprocess.run([str(cls.exe), "keygen", "--publisher", "kcpp-test", "--out", str(root / "keys")], **run)
         signed = root / "hub" / "kernels-cpp" / "liger" / f"v{cls.version}"
         shutil.copytree(packages()["liger"], signed)
-        subprocess.run([str(cls.exe), "package", "sign", str(signed), "--key", str(root / "keys" / "kcpp-test.key")],
-                       env=cls.env, check=True, capture_output=True)
+        subprocess.run([str(cls.exe), "package", "sign", str(signed), "--key", str(root / "keys" / "kcpp-test.key")], **run)
         shutil.copytree(packages()["liger"], root / "hub" / "kernels-cpp" / "liger-unsigned" / f"v{cls.version}")
         cls.server = subprocess.Popen([str(cls.exe), "serve", str(root / "hub"), "--port", "0", "--quiet"],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        line = cls.server.stdout.readline()
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root)
+        timer = threading.Timer(60, cls.server.kill)  # a server that never prints its address ends the read
+        timer.start()
+        try:
+            line = cls.server.stdout.readline()
+        finally:
+            timer.cancel()
         m = re.search(r"http://127\.0\.0\.1:\d+", line)
         if not m:
-            cls.server.kill()
             raise RuntimeError(f"kcpp serve did not start: {line!r}")
         cls.env["HF_ENDPOINT"] = m.group(0)
 
     @classmethod
     def tearDownClass(cls):
-        cls.server.terminate()
-        cls.server.wait(timeout=10)
-        cls.server.stdout.close()
+        if cls.server is not None:
+            cls.server.terminate()
+            cls.server.wait(timeout=10)
+            cls.server.stdout.close()
         cls.tmp.cleanup()
 
     def get_kernel(self, repo):
         """A fresh process and fresh caches (the `kernels` library's and kcpp's): what get_kernel gave."""
         caches = tempfile.mkdtemp(dir=self.tmp.name)
         env = dict(self.env, HF_HOME=os.path.join(caches, "hf"), KCPP_CACHE=os.path.join(caches, "kcpp"))
-        out = subprocess.run([sys.executable, "-c", _GET_KERNEL, repo, f"v{self.version}"], env=env,
+        out = subprocess.run([sys.executable, "-c", _GET_KERNEL, repo, f"v{self.version}"], env=env, cwd=caches,
                              capture_output=True, text=True, timeout=300)
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -446,7 +463,7 @@ class FromAHub(unittest.TestCase):
         store.unlink(missing_ok=True)
         if trusted:
             subprocess.run([str(self.exe), "trust", "add", str(Path(self.tmp.name) / "keys" / "kcpp-test.pub")],
-                           env=self.env, check=True, capture_output=True)
+                           env=self.env, cwd=self.tmp.name, check=True, capture_output=True, timeout=120)
 
     def test_a_signed_package_of_a_trusted_publisher_loads_and_runs(self):
         self.trust(True)

@@ -749,9 +749,10 @@ class BadInput(Base):
             kt._attention(attention, q, k, k, None, scaling=0.5)
 
     def test_mixed_dtypes_fall_back(self):
-        # Under torch.autocast a RoPE that fell back can leave q and k in f32 beside a bf16 v (whether it
-        # does depends on the torch version's autocast lists): the attention runs the reference, as the
-        # un-kernelized model does, with the reason reported.
+        # Under torch.autocast a RoPE that fell back can leave q and k in f32 beside a bf16 v (whether a
+        # model's forward does depends on the torch version's autocast lists, so the attention is called
+        # here with mixed dtypes itself): it runs the reference, Transformers' SDPA function (which CPU
+        # autocast casts), with the reason reported.
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         model = kt.kernelize(make_model("llama", attn="sdpa"))
         attention = model.model.layers[0].self_attn

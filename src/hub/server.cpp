@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -131,8 +132,9 @@ Route match(std::string_view path) {
       }
     }
   }
-  // "/ORG/REPO/resolve/..." first, then "/kernels/ORG/REPO/resolve/..." (an org named "kernels" has
-  // its repo's name where "resolve" should be, so the two never both match).
+  // "/ORG/REPO/resolve/..." first, then "/kernels/ORG/REPO/resolve/...".  A path of both forms
+  // ("/kernels/X/resolve/resolve/R/P": repo kernels/X at revision "resolve", or repo X/resolve at R)
+  // is read as the first.
   for (const std::string_view prefix : {std::string_view("/"), std::string_view("/kernels/")}) {
     r = Route{};
     if (!path.starts_with(prefix)) continue;
@@ -228,6 +230,12 @@ ServeAnswer answer(const RepoDir& dir, const ServeRequest& req) {
 
 }  // namespace
 
+bool tree_recursive(std::string_view value) {
+  std::string v(value);
+  for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return v != "false" && v != "0";
+}
+
 ServeAnswer route_request(const RepoDir& dir, const ServeRequest& request) {
   try {
     return answer(dir, request);
@@ -258,9 +266,8 @@ struct Server::Impl {
     // routing, which then has nothing registered).
     http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
       bool drop = false;
-      const std::string recursive = req.get_param_value("recursive");
       if (!fault(req, res, &drop))
-        send(route_request(dir, ServeRequest{req.method, req.path, recursive != "false" && recursive != "0"}), res, drop);
+        send(route_request(dir, ServeRequest{req.method, req.path, tree_recursive(req.get_param_value("recursive"))}), res, drop);
       return httplib::Server::HandlerResponse::Handled;
     });
   }

@@ -45,8 +45,12 @@ namespace kcpp::hub {
 struct ServeRequest {
   std::string_view method;  // "GET", "HEAD", "POST", ...
   std::string_view path;    // percent-decoded, without the query: "/api/models/acme/example/refs"
-  bool recursive = true;    // false where the query says recursive=false (or 0)
+  bool recursive = true;    // a tree listing's: tree_recursive(the query's `recursive`)
 };
+
+// Whether a tree listing's query parameter `recursive` (its decoded value, "" when absent) asks for
+// every file below the path: anything but "false" and "0" (in any case: Python's requests writes False).
+bool tree_recursive(std::string_view value);
 
 // What the server answers: a status, and a JSON body or the bytes of a served file.
 struct ServeAnswer {

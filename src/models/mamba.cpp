@@ -432,8 +432,8 @@ Tensor MambaLM::hidden_states(const Tensor& ids, std::vector<LayerTape>* tapes, 
                               std::vector<Tensor>* inputs, GroupInUse* head) {
   KCPP_CHECK(ids.dim() == 2, "MambaLM: input_ids must be [batch, seq], got {} dims", ids.dim());
   KCPP_CHECK(!(cache && parameter_use), "MambaLM: a forward with a cache (generation) is not supported while "
-             "parameter_use is set (data-parallel training: DataParallel::gather_parameters() gathers the parameters "
-             "and unsets it)");
+             "parameter_use is set (ZeRO-3 training: gather the parameters and unset it first; ZeRO-1 / 2 with the "
+             "parameters' all-gather deferred: DataParallel::gather_parameters() unsets it)");
   const Tensor ids_dev = ids.device() == device_ ? ids : ids.to(device_);
   Tensor h;
   {

@@ -25,14 +25,15 @@ struct ParameterGroup {
 using ParameterUse = std::function<void(const ParameterGroup&, bool in_use)>;
 
 // A group in use from acquire() to release() or the end of its scope.  The hook is read when the group
-// is acquired (a model's member: unset, nothing happens).  When the scope ends by an exception, a
-// failure of the release is dropped: the error under way is the one to report.
+// is acquired (a model's member: unset, nothing happens).  A failure of the release at the end of the
+// scope is thrown from the destructor; when the scope ends by an exception, it is dropped: the error
+// under way is the one to report.
 class GroupInUse {
  public:
   GroupInUse(const ParameterUse& hook, ParameterGroup::Kind kind, size_t layer = 0) : hook_(hook), group_{kind, layer} {}
   GroupInUse(const GroupInUse&) = delete;
   GroupInUse& operator=(const GroupInUse&) = delete;
-  ~GroupInUse() {
+  ~GroupInUse() noexcept(false) {
     if (std::uncaught_exceptions() == 0) {
       release();
       return;

@@ -49,7 +49,7 @@
 // read throws an error naming ZeRO-3).  The model's parameter_use hook, set by the trainer, brings
 // a group in:
 //
-//   first use of group G (CausalLM calls parameter_use(G, true)):
+//   first use of group G (the model calls parameter_use(G, true)):
 //          restore G's storages (allocated again, whole)
 //          for each bucket of G: all_gather of the ranks' shards   [world * shard], a staging buffer
 //                                (with `overlap` on the side stream, after the reduce-scatters
@@ -60,7 +60,7 @@
 //          the all-gather after it: the next forward gathers the updated shards
 //
 // Prefetch (`prefetch`, with `overlap`; PyTorch FSDP's forward_prefetch / backward_prefetch): a
-// step's order of uses is known before it runs, CausalLM's (parameter_use): for each micro-batch
+// step's order of uses is known before it runs, the model's (models/parameter_use.h): for each micro-batch
 // the embedding, layers 0 .. L-1, the head (with a tied head, the head and the embedding together:
 // one use), then layers L-1 .. 0 (activation checkpointing recomputes a layer inside its backward's
 // use: the order does not change).  When a step's use i begins, the all-gathers of use i + 1 are

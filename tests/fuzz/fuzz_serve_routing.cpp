@@ -9,8 +9,8 @@
 // server reads the Authorization header only for its test fault hook).  The text "{commit}" in the
 // target becomes acme/example@v1.0.0's commit id.  The target's path (before '?') is routed twice:
 // as it is (any bytes: NULs, '\', absolute parts) and percent-decoded by cpp-httplib's own
-// decode_url, which is what the server hands the router ("%2e%2e" becomes ".."); a query holding
-// "recursive=false" or "recursive=0" asks for a tree listing without recursion, as the server reads it.
+// decode_url, which is what the server hands the router ("%2e%2e" becomes ".."); the query's
+// `recursive`, parsed by cpp-httplib and read by tree_recursive as the server does, sets the listing's.
 //
 // Properties of every answer: the status is 200, 400, 404 or 405 (405 exactly for a method other
 // than GET and HEAD; a 500 is an exception the router did not expect); a JSON body parses, and an
@@ -142,8 +142,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   const size_t q = target.find('?');
   std::string path(target.substr(0, q));
-  const std::string_view query = q == std::string_view::npos ? std::string_view() : target.substr(q);
-  const bool recursive = query.find("recursive=false") == std::string_view::npos && query.find("recursive=0") == std::string_view::npos;
+  httplib::Params params;
+  if (q != std::string_view::npos) httplib::detail::parse_query_text(std::string(target.substr(q + 1)), params);
+  const auto it = params.find("recursive");
+  const bool recursive = hub::tree_recursive(it == params.end() ? "" : it->second);
   for (size_t at = path.find("{commit}"); at != std::string::npos; at = path.find("{commit}", at))
     path.replace(at, 8, s.commit);
   check(s, method, path, recursive);

@@ -318,6 +318,9 @@ TEST_F(ServeRouting, KernelRepositoriesAndFolderListings) {
   EXPECT_EQ(build[0]["path"], "build/a.so");
   write_file_atomic(root / "acme/example/v1.0.0/build/a.so", "library 2");
   EXPECT_NE(list("/api/kernels/acme/example/tree/v1.0.0")[1]["oid"], top[1]["oid"]);
+  // The query's value as the server reads it: Python's requests writes False, httpx false.
+  for (const char* no : {"false", "False", "FALSE", "0"}) EXPECT_FALSE(tree_recursive(no)) << no;
+  for (const char* yes : {"", "true", "True", "1", "falsey"}) EXPECT_TRUE(tree_recursive(yes)) << yes;
 }
 
 TEST_F(ServeRouting, OtherMethodsRoutesAndIdsAreErrors) {
