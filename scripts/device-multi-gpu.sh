@@ -67,6 +67,22 @@ if [ -n "${KCPP_MGPU_WEAK:-}" ]; then
     g=$((g * 2))
   done
 fi
+# compare_with SCRIPT "KCPP TRAIN OPTIONS ON SEVERAL GPUS" PREFIX KERNELS...: on one GPU, then on every
+# GPU, kcpp train beside SCRIPT's run with each --kernels choice (its result lines start with PREFIX).
+compare_with() {
+  local script="$1" several="$2" prefix="$3"
+  shift 3
+  local dims=${KCPP_MGPU_FSDP2_ARGS:---hidden 4096 --layers 4 --vocab 128256}
+  echo "== $n GPUs: kcpp train against Transformers in $script ($dims, seq 2048, 4 sequences a GPU)"
+  for g in 1 "$n"; do
+    timeout 200 .devlibs/bin/kcpp train --kernels-only $dims --seq 2048 --steps 20 --batch $((4 * g)) --gpus "$g" \
+      $([ "$g" -gt 1 ] && echo "$several") 2>&1 | grep -E "done:|error|failed" | cut -c1-220
+    for k in "$@"; do
+      timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node "$g" "$script" $dims --seq 2048 \
+        --batch 4 --steps 15 --kernels "$k" --reduce-dtype bf16 2>&1 | grep -E "^$prefix|Error" | head -n 8
+    done
+  done
+}
 # KCPP_MGPU_FSDP2=1: issue 27's comparison at Llama-3's vocabulary, on every GPU with 4 x 2048 tokens
 # a GPU: `kcpp train --gpus N --zero 1 --overlap-param-gather` beside Transformers under PyTorch FSDP2
 # with Liger's kernels (its default fused loss, then its plain cross-entropy, the faster at these
@@ -74,17 +90,8 @@ fi
 # .anchors/src, carried), and each on one GPU.  KCPP_MGPU_FSDP2_ARGS adds options to both (default
 # "--hidden 4096 --layers 4 --vocab 128256").
 if [ "${KCPP_MGPU_FSDP2:-0}" = 1 ]; then
-  dims=${KCPP_MGPU_FSDP2_ARGS:---hidden 4096 --layers 4 --vocab 128256}
   export LIGER_SRC="$PWD/.anchors/src" PYTHONPATH="$PWD/.devlibs/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-  echo "== $n GPUs: kcpp train against Transformers under FSDP2 ($dims, seq 2048, 4 sequences a GPU)"
-  for g in 1 "$n"; do
-    timeout 200 .devlibs/bin/kcpp train --kernels-only $dims --seq 2048 --steps 20 --batch $((4 * g)) --gpus "$g" \
-      $([ "$g" -gt 1 ] && echo "--zero 1 --overlap-param-gather") 2>&1 | grep -E "done:|error|failed" | cut -c1-220
-    for k in liger liger_ce kcpp; do
-      timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node "$g" bench/fsdp2_step.py $dims --seq 2048 \
-        --batch 4 --steps 15 --kernels "$k" --reduce-dtype bf16 2>&1 | grep -E "^FSDP2|Error" | head -n 3
-    done
-  done
+  compare_with bench/fsdp2_step.py "--zero 1 --overlap-param-gather" FSDP2 liger liger_ce kcpp
 fi
 # KCPP_MGPU_DEEPSPEED=1: the same comparison under DeepSpeed ZeRO-3 (bench/deepspeed_step.py): `kcpp train
 # --zero 3` beside Transformers + kcpp's kernels and + Liger's (its fused loss, then its plain
@@ -92,19 +99,10 @@ fi
 # machine's image: its wheel and those of its dependencies are carried in .devwheels/ds (git-ignored;
 # `pip download` them for Python 3.12 and build DeepSpeed's with DS_BUILD_OPS=0) and installed here.
 if [ "${KCPP_MGPU_DEEPSPEED:-0}" = 1 ]; then
-  dims=${KCPP_MGPU_FSDP2_ARGS:---hidden 4096 --layers 4 --vocab 128256}
   ds_site=$(mktemp -d)
   python3 -m pip install --quiet --disable-pip-version-check --no-index --no-deps --target "$ds_site" .devwheels/ds/*.whl
   export LIGER_SRC="$PWD/.anchors/src" PYTHONPATH="$PWD/.devlibs/python:$ds_site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-  echo "== $n GPUs: kcpp train against Transformers under DeepSpeed ZeRO-3 ($dims, seq 2048, 4 sequences a GPU)"
-  for g in 1 "$n"; do
-    timeout 200 .devlibs/bin/kcpp train --kernels-only $dims --seq 2048 --steps 20 --batch $((4 * g)) --gpus "$g" \
-      $([ "$g" -gt 1 ] && echo "--zero 3") 2>&1 | grep -E "done:|error|failed" | cut -c1-220
-    for k in kcpp liger liger_ce; do
-      timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node "$g" bench/deepspeed_step.py $dims --seq 2048 \
-        --batch 4 --steps 15 --kernels "$k" 2>&1 | grep -E "^ZeRO-3|Error" | head -n 8
-    done
-  done
+  compare_with bench/deepspeed_step.py "--zero 3" ZeRO-3 kcpp liger liger_ce
 fi
 # KCPP_MGPU_MAMBA=1: the Mamba fixture fine-tuned in f32 on one GPU and on every GPU at ZeRO 0, 1, 2 and
 # 3, and 1 with the all-gather deferred (--overlap-param-gather), with the same global batch
