@@ -1766,6 +1766,13 @@ def _swap_experts(model, state):
 def _set_forward(state, module, forward):
     had = "forward" in module.__dict__
     previous = module.__dict__.get("forward")
+    # The swapped forward answers inspect.signature as the module's own did: frameworks read it
+    # (Transformers' Trainer keeps only the dataset columns model.forward names; a signature of
+    # (*args, labels, **kwargs) would make it drop input_ids).
+    try:
+        forward.__signature__ = inspect.signature(module.forward)
+    except (TypeError, ValueError):  # no signature to keep (a builtin)
+        pass
     module.forward = forward
 
     def undo():

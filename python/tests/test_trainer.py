@@ -1,0 +1,104 @@
+"""kcpp.torch under Transformers' Trainer, what users of `TrainingArguments(use_liger_kernel=True)` run:
+a kernelized tiny Llama, Qwen3 and Qwen2 (lm_head tied to the embedding) trained by `Trainer` on the
+CPU, two micro-batches a step (gradient accumulation), AdamW, a checkpoint at the end.
+
+- The dataset is a torch Dataset of {"input_ids", "labels", "note"}: Trainer keeps only the keys that
+  `inspect.signature(model.forward)` names, so the kernelized model's forward must still name
+  input_ids (a swapped forward of (*args, labels, **kwargs) made Trainer drop them) and "note" must be
+  dropped as for the model without kernels.
+- Every logged loss equals the un-kernelized model's under the same Trainer (f32: the kernels and the
+  reference agree to rounding), every kernelized layer ran as a kernel, with no fallback.
+- The checkpoint Trainer saved loads in Transformers without kcpp (its config keeps no kcpp attention
+  implementation) and gives the kernelized model's logits.
+
+Skipped where kcpp._core, transformers or accelerate (which Trainer needs; scripts/python-env.sh installs
+it) is missing; KCPP_REQUIRE_TORCH makes a missing one an error.
+"""
+import inspect
+import os
+import tempfile
+import unittest
+
+try:
+    import torch
+    import transformers
+    import accelerate  # noqa: F401  (Trainer's own requirement)
+    import kcpp
+    import kcpp.torch as kt
+    HAVE = kcpp._core is not None
+    WHY = "" if HAVE else "the extension kcpp._core is not built"
+except ImportError as e:
+    HAVE, WHY = False, str(e)
+    if os.environ.get("KCPP_REQUIRE_TORCH"):
+        raise
+
+from test_torch import COMMON, make_model  # noqa: E402  (the same tiny models)
+
+STEPS = 3
+
+
+class Rows(torch.utils.data.Dataset if HAVE else object):
+    """Eight rows of nine token ids, the labels the ids with one position unlabelled, and a column no
+    model takes."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(100 + i)
+        ids = torch.randint(3, COMMON["vocab_size"], (9,), generator=g)
+        labels = ids.clone()
+        labels[i % 9] = -100
+        return {"input_ids": ids, "labels": labels, "note": torch.tensor(i)}
+
+
+def train(family, kernels, out):
+    """The model Trainer trained, its logged losses, and the batches' keys its forward received."""
+    model = make_model(family)
+    if kernels:
+        kt.kernelize(model)
+    seen = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(sorted(kwargs)), with_kwargs=True)
+    args = transformers.TrainingArguments(
+        output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS,
+        learning_rate=1e-3, lr_scheduler_type="constant", optim="adamw_torch", logging_steps=1, save_steps=STEPS,
+        report_to=[], use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows())
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return model, losses, seen
+
+
+@unittest.skipUnless(HAVE, WHY)
+class TrainerRuns(unittest.TestCase):
+    def test_kernelized_models_train_under_trainer(self):
+        for family in ("llama", "qwen3", "qwen2"):
+            with self.subTest(family=family), tempfile.TemporaryDirectory() as tmp:
+                _, want, plain_seen = train(family, False, os.path.join(tmp, "plain"))
+                model, got, seen = train(family, True, os.path.join(tmp, "kernels"))
+                self.assertEqual(len(got), STEPS)
+                for step, (g, w) in enumerate(zip(got, want)):
+                    self.assertAlmostEqual(g, w, delta=1e-4 * abs(w), msg=f"{family}: step {step + 1}'s loss")
+                self.assertEqual(seen, plain_seen, family)
+                self.assertIn("input_ids", seen[0], f"{family}: Trainer dropped the ids ({seen[0]})")
+                self.assertNotIn("note", seen[0], family)
+                self.assertEqual(inspect.signature(model.forward),
+                                 inspect.signature(type(model).forward.__get__(model)), family)
+                for e in kt.report(model).entries:
+                    if e["kernel"]:
+                        self.assertEqual(e["fallbacks"], 0, f"{family} {e['layer']}: {e['last_refusal']}")
+                self.assertGreater(kt.report(model)["RMSNorm"]["kernel_calls"], 0, family)
+                self.assertGreater(kt.report(model)["ForCausalLMLoss"]["kernel_calls"], 0, family)
+                # The checkpoint, in Transformers alone.
+                saved = transformers.AutoModelForCausalLM.from_pretrained(
+                    os.path.join(tmp, "kernels", f"checkpoint-{STEPS}"), dtype=torch.float32)
+                self.assertNotIn("kcpp", str(saved.config._attn_implementation))
+                ids = Rows()[0]["input_ids"][None]
+                model.eval()
+                with torch.no_grad():
+                    torch.testing.assert_close(model(input_ids=ids).logits, saved(input_ids=ids).logits,
+                                               rtol=1e-5, atol=1e-5)
+
+
+if __name__ == "__main__":
+    unittest.main()
