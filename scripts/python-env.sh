@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's Python environment, build/pyenv: nanobind and scikit-build-core (the extension
 # kcpp._core builds with them: python/CMakeLists.txt picks this environment up), NumPy, PyTorch +
-# Transformers 5 for kcpp.torch's tests (CTest python.package), Accelerate for their Trainer test,
+# Transformers 5 for kcpp.torch's tests (CTest python.package), Accelerate and PEFT for their Trainer and LoRA tests,
 # DeepSpeed for their ZeRO-3 test, and the
 # overlay build/pyenv-hf with the Hugging Face `kernels` library (CTest python.hf_kernels).  Idempotent:
 # installs what is missing.
@@ -38,12 +38,13 @@ if [ "${KCPP_PYTHON_TORCH:-1}" != 0 ] && ! "$env/bin/python" -c "import torch, t
   "${pip[@]}" torch "transformers>=5,<6"
   echo "python-env: torch and transformers installed in $((SECONDS - start)) s"
 fi
-# Accelerate for python.package's test_trainer.py (Transformers' Trainer needs it), with the torch pinned.
-if [ "${KCPP_PYTHON_TORCH:-1}" != 0 ] && ! "$env/bin/python" -c "import accelerate" 2>/dev/null; then
-  echo "python-env: installing accelerate into $env"
+# Accelerate for python.package's test_trainer.py (Transformers' Trainer needs it) and PEFT for its
+# test_peft.py (LoRA over kernelized models), with the torch and the Transformers pinned.
+if [ "${KCPP_PYTHON_TORCH:-1}" != 0 ] && ! "$env/bin/python" -c "import accelerate, peft" 2>/dev/null; then
+  echo "python-env: installing accelerate and peft into $env"
   constraint=$(mktemp)
-  "$env/bin/python" -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" >"$constraint"
-  "${pip[@]}" -c "$constraint" "accelerate>=1.1,<2"
+  "$env/bin/python" -c "import importlib.metadata as m; print('torch==' + m.version('torch')); print('transformers==' + m.version('transformers'))" >"$constraint"
+  "${pip[@]}" -c "$constraint" "accelerate>=1.1,<2" "peft>=0.17,<1"
   rm -f "$constraint"
 fi
 # DeepSpeed for python.package's test_deepspeed.py (kcpp.torch under ZeRO-3 on the CPU): PyPI has it as a
@@ -74,7 +75,7 @@ fi
 import importlib
 import importlib.metadata
 have = []
-for name in ("nanobind", "numpy", "torch", "transformers", "accelerate"):
+for name in ("nanobind", "numpy", "torch", "transformers", "accelerate", "peft"):
     try:
         have.append(f"{name} {importlib.import_module(name).__version__}")
     except ImportError:

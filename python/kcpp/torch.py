@@ -1521,6 +1521,12 @@ def _causal_lm_forward(model, slot, original, names, output_class, has_training,
         _refuse(slot.sid, "the router's auxiliary loss (output_router_logits): the fused loss does not add it")
         return original(labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     lm_head = model.get_output_embeddings()
+    if type(lm_head).forward is not torch.nn.Linear.forward:
+        # A PEFT adapter (LoRA on lm_head, modules_to_save) or another module whose output is not x W^T of
+        # its `weight`: the fused loss, which reads only that weight, would leave the rest out.
+        _refuse(slot.sid, f"lm_head is a {type(lm_head).__module__}.{type(lm_head).__qualname__}, not a Linear: "
+                          "the fused loss reads only its weight")
+        return original(labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     ignore_index = kwargs.pop("ignore_index", -100)
     shift_labels = kwargs.pop("shift_labels", None)
@@ -1731,13 +1737,15 @@ def _modeling_module(module):
 
 
 def _is_gated_mlp(m):
-    return all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")) \
+    """The families' gated MLP: gate_proj, up_proj and down_proj modules (Linear, or a PEFT adapter around
+    one: the swapped forward calls them, reading no weight) and act_fn."""
+    return all(isinstance(getattr(m, n, None), torch.nn.Module) for n in ("gate_proj", "up_proj", "down_proj")) \
         and hasattr(m, "act_fn")
 
 
 def _is_packed_gated_mlp(m):
-    """Phi-3's MLP: one gate_up_proj Linear of 2 I outputs, down_proj, activation_fn."""
-    return all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("gate_up_proj", "down_proj")) \
+    """Phi-3's MLP: one gate_up_proj module of 2 I outputs, down_proj, activation_fn."""
+    return all(isinstance(getattr(m, n, None), torch.nn.Module) for n in ("gate_up_proj", "down_proj")) \
         and hasattr(m, "activation_fn")
 
 
@@ -1963,6 +1971,10 @@ def kernelize(model, mode=None, kernel_config=None, use_liger_kernel=True, liger
 
 def _swap(model, state):
     slots = state.slots
+    # A PEFT model (get_peft_model): its base model's layers and loss, the adapters inside them called as
+    # they are.
+    if callable(getattr(model, "get_base_model", None)):
+        model = model.get_base_model()
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in _DEFORMABLE_MODEL_TYPES:
         _swap_deformable(model, state)
