@@ -10,6 +10,8 @@ CPU, two micro-batches a step (gradient accumulation), AdamW, a checkpoint at th
   reference agree to rounding), every kernelized layer ran as a kernel, with no fallback.
 - The checkpoint Trainer saved loads in Transformers without kcpp (its config keeps no kcpp attention
   implementation) and gives the kernelized model's logits.
+- With gradient checkpointing (both of torch.utils.checkpoint's forms) the losses are the same and the
+  kernels run in the recomputed forwards too.
 
 Skipped where kcpp._core, transformers or accelerate (which Trainer needs; scripts/python-env.sh installs
 it) is missing; KCPP_REQUIRE_TORCH makes a missing one an error.
@@ -52,8 +54,9 @@ class Rows(torch.utils.data.Dataset if HAVE else object):
         return {"input_ids": ids, "labels": labels, "note": torch.tensor(i)}
 
 
-def train(family, kernels, out):
-    """The model Trainer trained, its logged losses, and the batches' keys its forward received."""
+def train(family, kernels, out, **extra):
+    """The model Trainer trained, its logged losses, and the batches' keys its forward received (`extra`:
+    more TrainingArguments)."""
     model = make_model(family)
     if kernels:
         kt.kernelize(model)
@@ -62,7 +65,7 @@ def train(family, kernels, out):
     args = transformers.TrainingArguments(
         output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=STEPS,
         learning_rate=1e-3, lr_scheduler_type="constant", optim="adamw_torch", logging_steps=1, save_steps=STEPS,
-        report_to=[], use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True)
+        report_to=[], use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True, **extra)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Rows())
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -98,6 +101,22 @@ class TrainerRuns(unittest.TestCase):
                 with torch.no_grad():
                     torch.testing.assert_close(model(input_ids=ids).logits, saved(input_ids=ids).logits,
                                                rtol=1e-5, atol=1e-5)
+
+    def test_gradient_checkpointing(self):
+        # Transformers' activation checkpointing runs each layer's forward again in the backward, the
+        # kernels inside it (both torch.utils.checkpoint forms).
+        for reentrant in (False, True):
+            extra = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            with self.subTest(use_reentrant=reentrant), tempfile.TemporaryDirectory() as tmp:
+                _, want, _ = train("llama", False, os.path.join(tmp, "plain"), **extra)
+                model, got, _ = train("llama", True, os.path.join(tmp, "kernels"), **extra)
+                for step, (g, w) in enumerate(zip(got, want)):
+                    self.assertAlmostEqual(g, w, delta=1e-4 * abs(w), msg=f"use_reentrant={reentrant}: step {step + 1}")
+                report = kt.report(model)
+                # Each layer's norms, MLP and attention ran twice a micro-batch: the forward and its recomputation.
+                micro = 2 * STEPS
+                self.assertEqual(report["MLP"]["kernel_calls"], 2 * micro * model.config.num_hidden_layers)
+                self.assertEqual(report["MLP"]["fallbacks"], 0)
 
 
 if __name__ == "__main__":
