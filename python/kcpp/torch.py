@@ -1521,11 +1521,13 @@ def _causal_lm_forward(model, slot, original, names, output_class, has_training,
         _refuse(slot.sid, "the router's auxiliary loss (output_router_logits): the fused loss does not add it")
         return original(labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     lm_head = model.get_output_embeddings()
-    if type(lm_head).forward is not torch.nn.Linear.forward:
-        # A PEFT adapter (LoRA on lm_head, modules_to_save) or another module whose output is not x W^T of
-        # its `weight`: the fused loss, which reads only that weight, would leave the rest out.
-        _refuse(slot.sid, f"lm_head is a {type(lm_head).__module__}.{type(lm_head).__qualname__}, not a Linear: "
-                          "the fused loss reads only its weight")
+    if type(lm_head).forward is not torch.nn.Linear.forward or "forward" in vars(lm_head):
+        # A PEFT adapter (LoRA on lm_head, modules_to_save), a forward replaced on the instance (accelerate's
+        # offloading hooks) or another module whose output may not be x W^T of its `weight`: the fused loss,
+        # which reads only that weight, would leave the rest out.
+        what = "its forward replaced" if "forward" in vars(lm_head) else "not a Linear"
+        _refuse(slot.sid, f"lm_head is a {type(lm_head).__module__}.{type(lm_head).__qualname__}, {what}: the fused "
+                          "loss reads only its weight")
         return original(labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     ignore_index = kwargs.pop("ignore_index", -100)
