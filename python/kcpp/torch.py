@@ -1741,13 +1741,13 @@ def _modeling_module(module):
 def _is_gated_mlp(m):
     """The families' gated MLP: gate_proj, up_proj and down_proj modules (Linear, or a PEFT adapter around
     one: the swapped forward calls them, reading no weight) and act_fn."""
-    return all(isinstance(getattr(m, n, None), torch.nn.Module) for n in ("gate_proj", "up_proj", "down_proj")) \
+    return all(isinstance(m._modules.get(n), torch.nn.Module) for n in ("gate_proj", "up_proj", "down_proj")) \
         and hasattr(m, "act_fn")
 
 
 def _is_packed_gated_mlp(m):
     """Phi-3's MLP: one gate_up_proj module of 2 I outputs, down_proj, activation_fn."""
-    return all(isinstance(getattr(m, n, None), torch.nn.Module) for n in ("gate_up_proj", "down_proj")) \
+    return all(isinstance(m._modules.get(n), torch.nn.Module) for n in ("gate_up_proj", "down_proj")) \
         and hasattr(m, "activation_fn")
 
 
@@ -1773,14 +1773,28 @@ def _swap_experts(model, state):
     state.restore.append(undo)
 
 
+def _target(model):
+    """The model kernelize works on: a PEFT model's base model (get_peft_model wraps it; its adapters stay
+    inside the base model's modules), else the model itself."""
+    base = getattr(model, "get_base_model", None)
+    return base() if callable(base) else model
+
+
+def _state_of(model):
+    """kernelize's state of `model` (of its base model for a PEFT model), None if not kernelized."""
+    return vars(_target(model)).get("_kcpp_state")
+
+
 def _set_forward(state, module, forward):
     had = "forward" in module.__dict__
     previous = module.__dict__.get("forward")
-    # The swapped forward answers inspect.signature as the module's own did: frameworks read it
-    # (Transformers' Trainer keeps only the dataset columns model.forward names; a signature of
-    # (*args, labels, **kwargs) would make it drop input_ids).
+    # A swapped forward that takes any call (*args, **kwargs: the model's) answers inspect.signature as the
+    # module's own did: frameworks read it (Transformers' Trainer keeps only the dataset columns
+    # model.forward names; (*args, labels, **kwargs) made it drop input_ids).  The others keep their own.
     try:
-        forward.__signature__ = inspect.signature(module.forward)
+        kinds = {p.kind for p in inspect.signature(forward).parameters.values()}
+        if {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} <= kinds:
+            forward.__signature__ = inspect.signature(module.forward)
     except (TypeError, ValueError):  # no signature to keep (a builtin)
         pass
     module.forward = forward
@@ -1924,7 +1938,7 @@ def kernelize(model, mode=None, kernel_config=None, use_liger_kernel=True, liger
     allow_all_kernels: load unsigned packages and packages of untrusted publishers named by
       kernel_config (this build's own packages always load).
     hub: a kcpp.Hub to load through (default: one from the environment with allow_all_kernels)."""
-    if getattr(model, "_kcpp_state", None) is not None:
+    if _state_of(model) is not None:
         unkernelize(model)
     if mode not in (None, "training", "inference"):
         raise ValueError(f"mode must be 'training', 'inference' or None, is {mode!r}")
@@ -1967,7 +1981,7 @@ def kernelize(model, mode=None, kernel_config=None, use_liger_kernel=True, liger
         for slot in state.slots.values():
             slot.release()
         raise
-    object.__setattr__(model, "_kcpp_state", state)
+    object.__setattr__(_target(model), "_kcpp_state", state)
     return model
 
 
@@ -1975,8 +1989,7 @@ def _swap(model, state):
     slots = state.slots
     # A PEFT model (get_peft_model): its base model's layers and loss, the adapters inside them called as
     # they are.
-    if callable(getattr(model, "get_base_model", None)):
-        model = model.get_base_model()
+    model = _target(model)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in _DEFORMABLE_MODEL_TYPES:
         _swap_deformable(model, state)
@@ -1991,7 +2004,12 @@ def _swap(model, state):
     names = {m: n for n, m in model.named_modules()}
     patched_modeling = set()
     attention_modules = []
+    # A module whose forward is replaced on the instance (accelerate's hooks of device_map and offloading
+    # move or load its weights there) is left as it is: a swapped forward would run without the hook.
+    hooked = [n or "the model" for n, m in model.named_modules() if "forward" in vars(m)]
     for module in model.modules():
+        if "forward" in vars(module):
+            continue
         where = names.get(module, type(module).__name__) or "model"
         spec = _rms_norm_spec(module)
         if spec is not None:
@@ -2024,6 +2042,10 @@ def _swap(model, state):
                 original = type(module).forward.__get__(module)
                 _set_forward(state, module, functools.partial(_attention_module_forward, slots["rotary_pos_emb"],
                                                               original))
+    if hooked:
+        warnings.warn(f"kcpp.torch.kernelize: {len(hooked)} module(s) have a forward replaced on the instance "
+                      f"(accelerate's device_map / offloading hooks?) and keep it, without kernels: "
+                      f"{', '.join(hooked[:6])}{' ...' if len(hooked) > 6 else ''}", stacklevel=3)
     _swap_attention(model, state, attention_modules)
     _swap_experts(model, state)
     is_causal_lm = hasattr(model, "lm_head") and hasattr(model, "model") and hasattr(type(model), "loss_function")
@@ -2044,7 +2066,7 @@ def _swap(model, state):
                 del model._loss_function
         state.restore.append(undo_loss)
     flce = slots["ForCausalLMLoss"]
-    if flce.kernels:
+    if flce.kernels and "forward" not in vars(model):
         from transformers.modeling_outputs import CausalLMOutputWithPast
         original = type(model).forward.__get__(model)
         names = [p for p in inspect.signature(original).parameters]
@@ -2084,14 +2106,14 @@ def _swap_attention(model, state, modules):
 def unkernelize(model):
     """Restores every forward, function, loss and attention implementation kernelize swapped; the model is
     as it was."""
-    state = getattr(model, "_kcpp_state", None)
+    state = _state_of(model)
     if state is None:
         return model
     for undo in reversed(state.restore):
         undo()
     for slot in state.slots.values():
         slot.release()
-    object.__delattr__(model, "_kcpp_state")
+    object.__delattr__(_target(model), "_kcpp_state")
     return model
 
 
@@ -2104,7 +2126,7 @@ def _entry(s, kernels):
 def report(model):
     """What each layer name got and its calls since kernelize (a Report; str() prints it).  A model that
     selects "kcpp" without kernelize reports the process's default Attention kernels."""
-    state = getattr(model, "_kcpp_state", None)
+    state = _state_of(model)
     if state is None:
         if getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION_NAME:
             s = _DEFAULT_ATTENTION

@@ -6,14 +6,14 @@ fused linear cross-entropy reads only lm_head's weight, so an adapted lm_head (L
 modules_to_save) makes it fall back, with the reason, instead of leaving the adapter out.
 
 Skipped where kcpp._core, transformers or peft (scripts/python-env.sh installs it) is missing;
-KCPP_REQUIRE_TORCH makes a missing one an error.
+KCPP_REQUIRE_TORCH (torch, transformers) and KCPP_REQUIRE_TRAINING_LIBS (accelerate, peft), which CTest sets
+where they import, make a missing one an error.
 """
 import os
 import unittest
 
 try:
     import torch
-    import peft
     import kcpp
     import kcpp.torch as kt
     HAVE = kcpp._core is not None
@@ -21,6 +21,13 @@ try:
 except ImportError as e:
     HAVE, WHY = False, str(e)
     if os.environ.get("KCPP_REQUIRE_TORCH"):
+        raise
+try:
+    import peft
+except ImportError as e:
+    if HAVE:
+        HAVE, WHY = False, f"{e} (scripts/python-env.sh installs peft)"
+    if os.environ.get("KCPP_REQUIRE_TRAINING_LIBS"):
         raise
 
 from test_torch import batch, make_model  # noqa: E402  (the same tiny models and batch)
@@ -85,6 +92,37 @@ class Lora(unittest.TestCase):
                 self.assertEqual(flce["kernel_calls"], 0, what)
                 self.assertEqual(flce["fallbacks"], 1, what)
                 self.assertIn("not a Linear: the fused loss reads only its weight", flce["last_refusal"], what)
+
+    def test_one_state_through_the_wrapper(self):
+        # kernelize before get_peft_model, then kernelize / report / unkernelize through the PEFT model: one
+        # state, the base model's.
+        base = kt.kernelize(make_model("llama"))
+        wrapped = peft.get_peft_model(base, lora(target_modules=["q_proj"]))
+        self.assertEqual(kt.report(wrapped).entries, kt.report(base).entries)
+        kt.kernelize(wrapped)
+        ids, labels = batch()
+        wrapped(input_ids=ids, labels=labels).loss.backward()
+        self.assertEqual(kt.report(wrapped)["MLP"]["kernel_calls"], 2)
+        self.assertEqual(kt.report(base)["MLP"]["kernel_calls"], 2)
+        kt.unkernelize(wrapped)
+        self.assertEqual(kt.report(base).entries, [])
+        self.assertEqual([n for n, m in base.named_modules() if "forward" in vars(m)], [])
+
+    def test_modules_to_save_of_a_swapped_module(self):
+        # PEFT wraps the MLP in a ModulesToSaveWrapper (which passes attribute reads through): the two MLPs
+        # inside it are swapped, the wrapper is not.  (Before kernelize only: PEFT deep-copies the module,
+        # which a kernelized module refuses.)
+        config = lora(target_modules=["q_proj"], modules_to_save=["mlp"])
+        torch.manual_seed(7)
+        ref = peft.get_peft_model(make_model("llama"), config)
+        got = peft.get_peft_model(make_model("llama"), config)
+        got.load_state_dict(ref.state_dict())
+        kt.kernelize(got)
+        layers = ref.config.num_hidden_layers
+        self.assertEqual(kt.report(got)["MLP"]["modules"], 2 * layers)
+        ids, labels = batch()
+        self.check("modules_to_save=['mlp']", loss_and_grads(ref, ids, labels), loss_and_grads(got, ids, labels))
+        self.assertEqual(kt.report(got)["MLP"]["kernel_calls"], layers)
 
 
 if __name__ == "__main__":

@@ -775,6 +775,21 @@ class BadInput(Base):
             got = model(input_ids=ids, labels=labels).loss
         self.assertLess(abs(got.item() - want.item()), 2e-2 * abs(want.item()))
 
+    def test_a_module_whose_forward_is_replaced_is_left_alone(self):
+        # As accelerate's device_map / offloading hooks replace a module's forward on the instance (to move or
+        # load its weights there): kernelize keeps that forward, and says so.
+        model = make_model("llama")
+        norm = model.model.norm
+        own = norm.forward
+        norm.forward = lambda *args, **kwargs: own(*args, **kwargs)
+        hook = vars(norm)["forward"]
+        with self.assertWarnsRegex(UserWarning, r"1 module\(s\) have a forward replaced on the instance .*model\.norm"):
+            kt.kernelize(model)
+        self.assertIs(vars(norm)["forward"], hook)
+        self.assertEqual(kt.report(model)["RMSNorm"]["modules"], 2 * COMMON["num_hidden_layers"])
+        kt.unkernelize(model)
+        self.assertIs(vars(norm)["forward"], hook)
+
     def test_second_order_gradients_raise(self):
         # The kernels' backward is first-order only: differentiating it again is an error, not a gradient
         # that leaves the kernels' part out.

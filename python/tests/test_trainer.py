@@ -14,7 +14,8 @@ CPU, two micro-batches a step (gradient accumulation), AdamW, a checkpoint at th
   kernels run in the recomputed forwards too.
 
 Skipped where kcpp._core, transformers or accelerate (which Trainer needs; scripts/python-env.sh installs
-it) is missing; KCPP_REQUIRE_TORCH makes a missing one an error.
+it) is missing; KCPP_REQUIRE_TORCH (torch, transformers) and KCPP_REQUIRE_TRAINING_LIBS (accelerate, peft),
+which CTest sets where they import, make a missing one an error.
 """
 import inspect
 import os
@@ -24,7 +25,6 @@ import unittest
 try:
     import torch
     import transformers
-    import accelerate  # noqa: F401  (Trainer's own requirement)
     import kcpp
     import kcpp.torch as kt
     HAVE = kcpp._core is not None
@@ -32,6 +32,13 @@ try:
 except ImportError as e:
     HAVE, WHY = False, str(e)
     if os.environ.get("KCPP_REQUIRE_TORCH"):
+        raise
+try:
+    import accelerate  # noqa: F401  (Trainer's own requirement)
+except ImportError as e:
+    if HAVE:
+        HAVE, WHY = False, f"{e} (scripts/python-env.sh installs accelerate)"
+    if os.environ.get("KCPP_REQUIRE_TRAINING_LIBS"):
         raise
 
 from test_torch import COMMON, make_model  # noqa: E402  (the same tiny models)
