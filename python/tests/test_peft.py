@@ -9,28 +9,14 @@ Skipped where kcpp._core, transformers or peft (scripts/python-env.sh installs i
 KCPP_REQUIRE_TORCH (torch, transformers) and KCPP_REQUIRE_TRAINING_LIBS (accelerate, peft), which CTest sets
 where they import, make a missing one an error.
 """
-import os
 import unittest
 
-try:
-    import torch
-    import kcpp
-    import kcpp.torch as kt
-    HAVE = kcpp._core is not None
-    WHY = "" if HAVE else "the extension kcpp._core is not built"
-except ImportError as e:
-    HAVE, WHY = False, str(e)
-    if os.environ.get("KCPP_REQUIRE_TORCH"):
-        raise
-try:
-    import peft
-except ImportError as e:
-    if HAVE:
-        HAVE, WHY = False, f"{e} (scripts/python-env.sh installs peft)"
-    if os.environ.get("KCPP_REQUIRE_TRAINING_LIBS"):
-        raise
+from test_torch import HAVE, WHY, batch, make_model, training_library  # the same tiny models and batch
 
-from test_torch import batch, make_model  # noqa: E402  (the same tiny models and batch)
+if HAVE:
+    import torch
+    import kcpp.torch as kt
+peft, HAVE, WHY = training_library("peft", HAVE, WHY)
 
 
 def lora(**kw):

@@ -33,6 +33,19 @@ except ImportError as e:  # torch / transformers absent
 SEED = int(os.environ.get("KCPP_SEED", "0")) or 1234
 CUDA = HAVE and torch.cuda.is_available()
 
+
+def training_library(name, have, why):
+    """(the module `name` or None, have, why) for a test module that also needs accelerate or peft: a missing
+    one skips its tests, or is an error under KCPP_REQUIRE_TRAINING_LIBS (CTest sets it where both import;
+    scripts/python-env.sh installs them)."""
+    import importlib
+    try:
+        return importlib.import_module(name), have, why
+    except ImportError as e:
+        if os.environ.get("KCPP_REQUIRE_TRAINING_LIBS"):
+            raise
+        return None, False, why if not have else f"{e} (scripts/python-env.sh installs {name})"
+
 # The fixture models' dimensions (tests/fixtures/make_fixtures.py): small, with grouped-query heads.
 COMMON = dict(vocab_size=97, bos_token_id=1, eos_token_id=2, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,

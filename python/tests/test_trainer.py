@@ -22,26 +22,13 @@ import os
 import tempfile
 import unittest
 
-try:
+from test_torch import COMMON, HAVE, WHY, make_model, training_library  # the same tiny models
+
+if HAVE:
     import torch
     import transformers
-    import kcpp
     import kcpp.torch as kt
-    HAVE = kcpp._core is not None
-    WHY = "" if HAVE else "the extension kcpp._core is not built"
-except ImportError as e:
-    HAVE, WHY = False, str(e)
-    if os.environ.get("KCPP_REQUIRE_TORCH"):
-        raise
-try:
-    import accelerate  # noqa: F401  (Trainer's own requirement)
-except ImportError as e:
-    if HAVE:
-        HAVE, WHY = False, f"{e} (scripts/python-env.sh installs accelerate)"
-    if os.environ.get("KCPP_REQUIRE_TRAINING_LIBS"):
-        raise
-
-from test_torch import COMMON, make_model  # noqa: E402  (the same tiny models)
+_, HAVE, WHY = training_library("accelerate", HAVE, WHY)  # Trainer's own requirement
 
 STEPS = 3
 
