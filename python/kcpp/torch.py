@@ -969,6 +969,13 @@ def _rope_dispatch(original, q, k, cos, sin, *args, **kwargs):
         return original(q, k, cos, sin, *args, **kwargs)
     training = _needs_grad(q, k)
     unsqueeze_dim = args[0] if args else kwargs.get("unsqueeze_dim", 1)
+    if (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and cos.dtype == sin.dtype == torch.float32
+            and torch.is_autocast_enabled(q.device.type) and not _needs_grad(cos, sin)):
+        # torch.autocast over f32 weights: q and k come 16-bit from autocast's Linear, cos / sin stay f32.
+        # They are rounded to q's dtype, as a model with 16-bit weights has them (its rotary embedding
+        # returns them in the hidden states' dtype), so the rotation and the attention after it run as
+        # kernels (Transformers' own rotation promotes q and k to f32 beside a 16-bit v).
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
     why = None
     if unsqueeze_dim != 1 or set(kwargs) - {"unsqueeze_dim"} or len(args) > 1:
         why = f"apply_rotary_pos_emb called with unsqueeze_dim={unsqueeze_dim} or other arguments"

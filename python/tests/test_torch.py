@@ -780,6 +780,9 @@ class BadInput(Base):
                          r"q torch.float32, k torch.float32, v torch.bfloat16: Attention/1 takes one dtype")
 
     def test_a_kernelized_model_under_autocast_gives_the_models_loss(self):
+        # torch.autocast over f32 weights (Trainer's bf16=True on a model loaded in f32): q and k come bf16
+        # from autocast's Linear beside f32 cos / sin, which the rotation takes in q's dtype, so it and the
+        # attention after it run as kernels.
         ref = make_model("llama", attn="sdpa")
         model = kt.kernelize(make_model("llama", attn="sdpa"))
         ids, labels = batch()
@@ -787,6 +790,10 @@ class BadInput(Base):
             want = ref(input_ids=ids, labels=labels).loss
             got = model(input_ids=ids, labels=labels).loss
         self.assertLess(abs(got.item() - want.item()), 2e-2 * abs(want.item()))
+        report = kt.report(model)
+        for layer in ("rotary_pos_emb", "Attention"):
+            self.assertEqual(report[layer]["kernel_calls"], COMMON["num_hidden_layers"], f"{layer}: {report[layer]}")
+            self.assertEqual(report[layer]["fallbacks"], 0, f"{layer}: {report[layer]['last_refusal']}")
 
     def test_a_module_whose_forward_is_replaced_is_left_alone(self):
         # As accelerate's device_map / offloading hooks replace a module's forward on the instance (to move or
