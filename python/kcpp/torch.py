@@ -2013,11 +2013,14 @@ def _swap(model, state):
     attention_modules = []
     # A module whose forward is replaced on the instance (accelerate's hooks of device_map and offloading
     # move or load its weights there) is left as it is: a swapped forward would run without the hook.
-    hooked = [n or "the model" for n, m in model.named_modules() if "forward" in vars(m)]
+    hooked = []
     for module in model.modules():
-        if "forward" in vars(module):
-            continue
         where = names.get(module, type(module).__name__) or "model"
+        if "forward" in vars(module):
+            if _rms_norm_spec(module) is not None or _is_gated_mlp(module) or _is_packed_gated_mlp(module) \
+                    or _is_attention(module):
+                hooked.append(where)
+            continue
         spec = _rms_norm_spec(module)
         if spec is not None:
             slots["RMSNorm"].modules += 1
@@ -2049,16 +2052,13 @@ def _swap(model, state):
                 original = type(module).forward.__get__(module)
                 _set_forward(state, module, functools.partial(_attention_module_forward, slots["rotary_pos_emb"],
                                                               original))
-    if hooked:
-        warnings.warn(f"kcpp.torch.kernelize: {len(hooked)} module(s) have a forward replaced on the instance "
-                      f"(accelerate's device_map / offloading hooks?) and keep it, without kernels: "
-                      f"{', '.join(hooked[:6])}{' ...' if len(hooked) > 6 else ''}", stacklevel=3)
     _swap_attention(model, state, attention_modules)
     _swap_experts(model, state)
     is_causal_lm = hasattr(model, "lm_head") and hasattr(model, "model") and hasattr(type(model), "loss_function")
     for name in ("CrossEntropyLoss", "ForCausalLMLoss"):
         slots[name].modules = 1 if is_causal_lm else 0
     if not is_causal_lm:
+        _warn_hooked(hooked)
         return
     ce = slots["CrossEntropyLoss"]
     if ce.kernels:
@@ -2073,12 +2073,23 @@ def _swap(model, state):
                 del model._loss_function
         state.restore.append(undo_loss)
     flce = slots["ForCausalLMLoss"]
-    if flce.kernels and "forward" not in vars(model):
+    if flce.kernels and "forward" in vars(model):
+        hooked.append("the model (its loss fused with lm_head)")
+    elif flce.kernels:
         from transformers.modeling_outputs import CausalLMOutputWithPast
         original = type(model).forward.__get__(model)
         names = [p for p in inspect.signature(original).parameters]
         _set_forward(state, model, functools.partial(_causal_lm_forward, model, flce, original, names,
                                                      CausalLMOutputWithPast, "training" in flce.ids))
+    _warn_hooked(hooked)
+
+
+def _warn_hooked(hooked):
+    """Says which modules kernelize left as they are because their forward is replaced on the instance."""
+    if hooked:
+        warnings.warn(f"kcpp.torch.kernelize: {len(hooked)} module(s) have a forward replaced on the instance "
+                      f"(accelerate's device_map / offloading hooks?) and keep it, without kernels: "
+                      f"{', '.join(hooked[:6])}{' ...' if len(hooked) > 6 else ''}", stacklevel=4)
 
 
 def _swap_attention(model, state, modules):

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 import unittest
 from pathlib import Path
@@ -31,6 +32,31 @@ def kcpp_binary():
         return Path(os.environ["KCPP_BINARY"])
     built = kcpp._core.BUILD_PACKAGES_DIR if HAVE else ""
     return Path(built).parent / "bin" / "kcpp" if built else None
+
+
+class Serve:
+    """`kcpp serve FOLDER` on loopback (an ephemeral port) for a test class: `endpoint` once it has printed
+    its address (within 60 s, else the server is killed and the start fails); stop() ends it."""
+
+    def __init__(self, exe, folder, cwd=None):
+        self.process = subprocess.Popen([str(exe), "serve", str(folder), "--port", "0", "--quiet"],
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
+        timer = threading.Timer(60, self.process.kill)  # a server that never prints its address ends the read
+        timer.start()
+        try:
+            line = self.process.stdout.readline()
+        finally:
+            timer.cancel()
+        m = re.search(r"http://127\.0\.0\.1:\d+", line)
+        if not m:
+            self.stop()
+            raise RuntimeError(f"kcpp serve did not start: {line!r}")
+        self.endpoint = m.group(0)
+
+    def stop(self):
+        self.process.terminate()
+        self.process.wait(timeout=10)
+        self.process.stdout.close()
 
 
 @unittest.skipUnless(HAVE, WHY)
@@ -61,20 +87,12 @@ class DefaultLoaderAgainstServe(unittest.TestCase):
         for name in ("liger", "activation"):
             version = kcpp.Hub(allow_all_kernels=True).inspect(cls.packages[name])["version"]
             shutil.copytree(cls.packages[name], root / "hub" / "kernels-cpp" / name / f"v{version}")
-        cls.server = subprocess.Popen([str(exe), "serve", str(root / "hub"), "--port", "0", "--quiet"],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        line = cls.server.stdout.readline()
-        m = re.search(r"http://127\.0\.0\.1:\d+", line)
-        if not m:
-            cls.server.kill()
-            raise RuntimeError(f"kcpp serve did not start: {line!r}")
-        cls.endpoint = m.group(0)
+        cls.server = Serve(exe, root / "hub")
+        cls.endpoint = cls.server.endpoint
 
     @classmethod
     def tearDownClass(cls):
-        cls.server.terminate()
-        cls.server.wait(timeout=10)
-        cls.server.stdout.close()
+        cls.server.stop()
         cls.tmp.cleanup()
 
     def cache(self):

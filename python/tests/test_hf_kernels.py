@@ -28,7 +28,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import unittest
 from pathlib import Path
 
@@ -411,6 +410,7 @@ class FromAHub(unittest.TestCase):
 
     @classmethod
     def start(cls):
+        from test_default_mapping import Serve
         root = Path(cls.tmp.name)
         cls.version = kcpp.Hub(allow_all_kernels=True).inspect(packages()["liger"])["version"]
         cls.env = {k: v for k, v in os.environ.items()
@@ -428,25 +428,13 @@ class FromAHub(unittest.TestCase):
         shutil.copytree(packages()["liger"], signed)
         subprocess.run([str(cls.exe), "package", "sign", str(signed), "--key", str(root / "keys" / "kcpp-test.key")], **run)
         shutil.copytree(packages()["liger"], root / "hub" / "kernels-cpp" / "liger-unsigned" / f"v{cls.version}")
-        cls.server = subprocess.Popen([str(cls.exe), "serve", str(root / "hub"), "--port", "0", "--quiet"],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root)
-        timer = threading.Timer(60, cls.server.kill)  # a server that never prints its address ends the read
-        timer.start()
-        try:
-            line = cls.server.stdout.readline()
-        finally:
-            timer.cancel()
-        m = re.search(r"http://127\.0\.0\.1:\d+", line)
-        if not m:
-            raise RuntimeError(f"kcpp serve did not start: {line!r}")
-        cls.env["HF_ENDPOINT"] = m.group(0)
+        cls.server = Serve(cls.exe, root / "hub", cwd=root)
+        cls.env["HF_ENDPOINT"] = cls.server.endpoint
 
     @classmethod
     def tearDownClass(cls):
         if cls.server is not None:
-            cls.server.terminate()
-            cls.server.wait(timeout=10)
-            cls.server.stdout.close()
+            cls.server.stop()
         cls.tmp.cleanup()
 
     def get_kernel(self, repo):
