@@ -77,6 +77,7 @@ import math
 import operator
 import os
 import sys
+import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -1587,8 +1588,7 @@ def _fused_loss(model, slot, output_class, outputs, hidden, lm_head, head, label
         return reference()
     if num_items_in_batch is not None:
         loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
-    return output_class(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                        hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    return _output(output_class, outputs, loss, None)
 
 
 def _finish_reference(model, output_class, outputs, hidden, head, labels, logits_to_keep, num_items_in_batch,
@@ -1603,8 +1603,17 @@ def _finish_reference(model, output_class, outputs, hidden, head, labels, logits
     loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size,
                                num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
                                shift_labels=shift_labels)
-    return output_class(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-                        hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    return _output(output_class, outputs, loss, logits)
+
+
+def _output(output_class, outputs, loss, logits):
+    """*ForCausalLM's output from the body's `outputs`: the cache goes by the name the output classes have —
+    `cache` since Transformers 5.24 (reading or passing `past_key_values` there warns of its deprecation),
+    `past_key_values` before."""
+    fields = getattr(output_class, "__dataclass_fields__", {})
+    cache = {name: getattr(outputs, name, None) for name in ("cache", "past_key_values") if name in fields}
+    return output_class(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+                        **dict(list(cache.items())[:1]))
 
 
 # ---- MultiScaleDeformableAttention/1 (Deformable DETR's sampling core) -------------------------------------------
@@ -1793,18 +1802,33 @@ def _state_of(model):
 
 
 def _set_forward(state, module, forward):
+    """Installs `forward` (a callable of the module's arguments) as `module.forward`, undone by state.restore.
+
+    It is installed as a method bound to the module, as the class's own forward is: frameworks that wrap a
+    model's forward take `forward.__func__` and bind their wrapper again (accelerate's mixed-precision
+    `prepare`), and unwrap it to that function and bind it (`unwrap_model(keep_fp32_wrapper=False)`); a
+    plain callable there would be bound as a method and receive the model as its first argument."""
     had = "forward" in module.__dict__
     previous = module.__dict__.get("forward")
-    # A swapped forward that takes any call (*args, **kwargs: the model's) answers inspect.signature as the
-    # module's own did: frameworks read it (Transformers' Trainer keeps only the dataset columns
-    # model.forward names; (*args, labels, **kwargs) made it drop input_ids).  The others keep their own.
+
+    def method(self, *args, **kwargs):
+        return forward(*args, **kwargs)
+
+    # The method answers inspect.signature as the module's own forward did where `forward` takes any call
+    # (*args, **kwargs: the model's), else as `forward`: frameworks read it (Transformers' Trainer keeps only
+    # the dataset columns model.forward names; (*args, labels, **kwargs) made it drop input_ids).
     try:
-        kinds = {p.kind for p in inspect.signature(forward).parameters.values()}
+        signature = inspect.signature(forward)
+        kinds = {p.kind for p in signature.parameters.values()}
         if {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} <= kinds:
-            forward.__signature__ = inspect.signature(module.forward)
+            signature = inspect.signature(module.forward)
+        self_ = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+        method.__signature__ = signature.replace(parameters=[self_, *signature.parameters.values()])
     except (TypeError, ValueError):  # no signature to keep (a builtin)
         pass
-    module.forward = forward
+    method.__name__ = method.__qualname__ = "forward"
+    method._kcpp_forward = forward  # what the method calls (tests read the slot from its arguments)
+    module.forward = types.MethodType(method, module)
 
     def undo():
         if had:

@@ -783,17 +783,20 @@ class BadInput(Base):
         # torch.autocast over f32 weights (Trainer's bf16=True on a model loaded in f32): q and k come bf16
         # from autocast's Linear beside f32 cos / sin, which the rotation takes in q's dtype, so it and the
         # attention after it run as kernels.
-        ref = make_model("llama", attn="sdpa")
-        model = kt.kernelize(make_model("llama", attn="sdpa"))
-        ids, labels = batch()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            want = ref(input_ids=ids, labels=labels).loss
-            got = model(input_ids=ids, labels=labels).loss
-        self.assertLess(abs(got.item() - want.item()), 2e-2 * abs(want.item()))
-        report = kt.report(model)
-        for layer in ("rotary_pos_emb", "Attention"):
-            self.assertEqual(report[layer]["kernel_calls"], COMMON["num_hidden_layers"], f"{layer}: {report[layer]}")
-            self.assertEqual(report[layer]["fallbacks"], 0, f"{layer}: {report[layer]['last_refusal']}")
+        # On CUDA too where there is one: its autocast lists differ from the CPU's.
+        for device in ("cpu", "cuda") if CUDA else ("cpu",):
+            with self.subTest(device=device):
+                ref = make_model("llama", attn="sdpa").to(device)
+                model = kt.kernelize(make_model("llama", attn="sdpa").to(device))
+                ids, labels = (t.to(device) for t in batch())
+                with torch.autocast(device, dtype=torch.bfloat16):
+                    want = ref(input_ids=ids, labels=labels).loss
+                    got = model(input_ids=ids, labels=labels).loss
+                self.assertLess(abs(got.item() - want.item()), 2e-2 * abs(want.item()))
+                report = kt.report(model)
+                for layer in ("rotary_pos_emb", "Attention"):
+                    self.assertEqual(report[layer]["kernel_calls"], COMMON["num_hidden_layers"], f"{device} {layer}: {report[layer]}")
+                    self.assertEqual(report[layer]["fallbacks"], 0, f"{device} {layer}: {report[layer]['last_refusal']}")
 
     def test_a_module_whose_forward_is_replaced_is_left_alone(self):
         # As accelerate's device_map / offloading hooks replace a module's forward on the instance (to move or
@@ -844,7 +847,7 @@ class BadInput(Base):
         self.assertEqual(kt.report(model)["MLP"]["kernel_calls"], 1)
         # ... and the op itself, given what the contract forbids, names the layer, the argument and why.
         layer = kt.report(model)["MLP"]
-        lid = model.model.layers[0].mlp.forward.args[2].ids["inference"]
+        lid = model.model.layers[0].mlp.forward._kcpp_forward.args[2].ids["inference"]
         gate = torch.randn(6, 64)[:, ::2]
         with self.assertRaisesRegex(kcpp.KcppError, r"LigerGLU.*'gate'.*contiguous"):
             torch.ops.kcpp.glu(gate, gate.contiguous(), "silu", lid, False)
@@ -859,7 +862,7 @@ class BadInput(Base):
 
     def test_a_gone_kernel(self):
         model = kt.kernelize(make_model("llama"))
-        lid = model.model.norm.forward.args[2].ids["inference"]
+        lid = model.model.norm.forward._kcpp_forward.args[2].ids["inference"]
         kt.unkernelize(model)
         with self.assertRaisesRegex(RuntimeError, "unkernelized"):
             torch.ops.kcpp.rms_norm(torch.randn(2, 32), torch.ones(32), 1e-5, 0.0, "llama", lid, False)
@@ -872,7 +875,7 @@ class HostTime(unittest.TestCase):
         torch.library op through the dispatcher (printed; the kernel itself is a few hundred ns)."""
         model = kt.kernelize(make_model("llama"), attention=False)
         norm = model.model.norm
-        slot = norm.forward.args[2]
+        slot = norm.forward._kcpp_forward.args[2]
         layer, lid = slot.kernels["inference"], slot.ids["inference"]
         x, w = torch.randn(4, 32), norm.weight.detach()
 

@@ -100,7 +100,10 @@ class TrainerRuns(unittest.TestCase):
         # Transformers' activation checkpointing runs each layer's forward again in the backward, the
         # kernels inside it (both torch.utils.checkpoint forms).
         for reentrant in (False, True):
-            extra = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            # Transformers 5.24 renamed the arguments activation_checkpointing*; the older names warn there.
+            name = ("activation_checkpointing" if "activation_checkpointing" in transformers.TrainingArguments.__dataclass_fields__
+                    else "gradient_checkpointing")
+            extra = {name: True, f"{name}_kwargs": {"use_reentrant": reentrant}}
             with self.subTest(use_reentrant=reentrant), tempfile.TemporaryDirectory() as tmp:
                 _, want, _ = train("llama", False, os.path.join(tmp, "plain"), **extra)
                 model, got, _ = train("llama", True, os.path.join(tmp, "kernels"), **extra)
@@ -111,6 +114,33 @@ class TrainerRuns(unittest.TestCase):
                 micro = 2 * STEPS
                 self.assertEqual(report["MLP"]["kernel_calls"], 2 * micro * model.config.num_hidden_layers)
                 self.assertEqual(report["MLP"]["fallbacks"], 0)
+
+
+@unittest.skipUnless(HAVE, WHY)
+class AccelerateRuns(unittest.TestCase):
+    def test_unwrap_model_without_the_fp32_wrapper(self):
+        # accelerate's mixed-precision prepare wraps the model's forward (autocast, outputs to f32) around
+        # forward.__func__ and binds it again; unwrap_model(keep_fp32_wrapper=False) binds the innermost
+        # function back to the model. The kernelized model's loss stays the model's through both.
+        import accelerate
+        from test_torch import batch
+        ids, labels = batch()
+        plain = make_model("llama")
+        want = plain(input_ids=ids, labels=labels).loss.item()
+        model = make_model("llama")
+        kt.kernelize(model)
+        try:
+            acc = accelerate.Accelerator(mixed_precision="bf16", cpu=True)
+            prepared = acc.prepare(model)
+            self.assertEqual(prepared(input_ids=ids, labels=labels).loss.dtype, torch.float32)  # outputs made f32
+            unwrapped = acc.unwrap_model(prepared, keep_fp32_wrapper=False)
+            calls = kt.report(unwrapped)["ForCausalLMLoss"]["kernel_calls"]
+            got = unwrapped(input_ids=ids, labels=labels).loss.item()  # no autocast: the f32 model's loss
+            self.assertAlmostEqual(got, want, delta=1e-5 * abs(want))
+            self.assertEqual(kt.report(unwrapped)["ForCausalLMLoss"]["kernel_calls"], calls + 1)
+            self.assertEqual(inspect.signature(unwrapped.forward), inspect.signature(type(plain).forward.__get__(plain)))
+        finally:
+            accelerate.state.AcceleratorState._reset_state(True)
 
 
 if __name__ == "__main__":
