@@ -21,6 +21,8 @@ What the bridge does, per call:
   bool / int / float / str map to the ABI's INT / FLOAT / STRING kinds;
 - the stream: for CUDA tensors from PyTorch the current stream of their device (the exporter is told
   it is the consumer's stream, so PyTorch inserts no synchronisation), or the `stream=` given;
+- the device: for CUDA tensors from PyTorch their device is made current for the call (packages launch
+  on the current device); with other frameworks' tensors the caller keeps their device current;
 - the workspace (scratch memory a kernel asks the host for): PyTorch's caching allocator for CUDA
   tensors (freed after the call in stream order, as the ABI requires), host memory for CPU tensors;
 - a status other than KCPP_OK raises `InvalidArgument` (also a ValueError), `Unsupported` or
@@ -29,6 +31,7 @@ What the bridge does, per call:
 Nothing here holds state between calls but the loaded library; a `Package` is safe to share between
 threads as far as the package itself is (kernels.cpp's are: they keep no state).
 """
+import contextlib
 import ctypes
 import threading
 from ctypes import (CFUNCTYPE, POINTER, Structure, Union, c_char, c_char_p, c_double, c_int, c_int32,
@@ -127,6 +130,15 @@ def _device_of(obj):
 def _torch_stream(device_id):
     import torch
     return torch.cuda.current_stream(device_id).cuda_stream
+
+
+def _current_device(device, torch_tensors):
+    """The call's CUDA device made current while it runs (PyTorch's tensors: PyTorch keeps cuda:0 current
+    for a model on cuda:1); nothing to do otherwise."""
+    if device[0] == DL_CUDA and torch_tensors:
+        import torch
+        return torch.cuda.device(device[1])
+    return contextlib.nullcontext()
 
 
 # PyTorch dtypes as DLPack (code, bits): kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4, kDLBool 6.
@@ -271,7 +283,8 @@ def _call(where, entry, args, mode, deterministic, stream):
     workspace.device, workspace.torch, workspace.stream = device, torch_tensors, stream
     state.busy = True
     try:
-        status = entry(ctypes.byref(ctx), array, len(args))
+        with _current_device(device, torch_tensors):
+            status = entry(ctypes.byref(ctx), array, len(args))
     finally:
         state.busy = False
         workspace.release()

@@ -256,16 +256,17 @@ def _as_forward_of(module, fn, *args):
     """fn(*args) run as `module`'s forward: the hooks a framework keeps around it run too, so the
     parameters fn reads from `module` are whole inside fn and their gradients reach the framework's
     post-backward hooks (FSDP2 reduce-scatters them; ZeRO-3 partitions them again)."""
-    had = "forward" in module.__dict__
-    previous = module.__dict__.get("forward")
-    module.forward = fn
+    attribute = _forward_attribute(module)  # inside accelerate's hook: it moves args and loads the weights
+    had = attribute in module.__dict__
+    previous = module.__dict__.get(attribute)
+    setattr(module, attribute, fn)
     try:
         return module(*args)
     finally:
         if had:
-            module.forward = previous
+            setattr(module, attribute, previous)
         else:
-            del module.forward
+            delattr(module, attribute)
 
 
 # Why the reference runs a call instead of the kernel, where more than one place refuses for the same reason
@@ -1529,10 +1530,10 @@ def _causal_lm_forward(model, slot, original, names, output_class, has_training,
         _refuse(slot.sid, "the router's auxiliary loss (output_router_logits): the fused loss does not add it")
         return original(labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     lm_head = model.get_output_embeddings()
-    if type(lm_head).forward is not torch.nn.Linear.forward or "forward" in vars(lm_head):
-        # A PEFT adapter (LoRA on lm_head, modules_to_save), a forward replaced on the instance (accelerate's
-        # offloading hooks) or another module whose output may not be x W^T of its `weight`: the fused loss,
-        # which reads only that weight, would leave the rest out.
+    if type(lm_head).forward is not torch.nn.Linear.forward or _replaced_forward(lm_head):
+        # A PEFT adapter (LoRA on lm_head, modules_to_save), a forward replaced on the instance by a wrapper
+        # other than accelerate's device hook, or another module whose output may not be x W^T of its
+        # `weight`: the fused loss, which reads only that weight, would leave the rest out.
         what = "its forward replaced" if "forward" in vars(lm_head) else "not a Linear"
         _refuse(slot.sid, f"lm_head is a {type(lm_head).__module__}.{type(lm_head).__qualname__}, {what}: the fused "
                           "loss reads only its weight")
@@ -1542,10 +1543,12 @@ def _causal_lm_forward(model, slot, original, names, output_class, has_training,
     shift_labels = kwargs.pop("shift_labels", None)
     outputs = model.model(**kwargs)
     hidden = outputs.last_hidden_state
-    if _holds_a_shard(lm_head):
-        # lm_head's weight is whole only inside its own forward (FSDP2, ZeRO-3): the fused loss runs there,
-        # and a fallback computes the logits with lm_head's own forward (its hooks are already running).
-        # Under torch.compile too: FSDP2's hooks run outside the graph, and `inside` is traced on its own.
+    if _holds_a_shard(lm_head) or _in_accelerate_hook(lm_head):
+        # lm_head's weight is whole only inside its own forward (FSDP2, ZeRO-3), or on its device and loaded
+        # there (accelerate's device_map / offload hook, which also moves the hidden states to it): the fused
+        # loss runs there, and a fallback computes the logits with lm_head's own forward (its hooks are
+        # already running).  Under torch.compile too: FSDP2's hooks run outside the graph, and `inside` is
+        # traced on its own.
         def inside(h):
             return _fused_loss(model, slot, output_class, outputs, h, lm_head, lambda x: type(lm_head).forward(lm_head, x),
                                labels, logits_to_keep, num_items_in_batch, ignore_index, shift_labels)
@@ -1743,9 +1746,11 @@ def _swap_deformable(model, state):
         if not _is_msda(module):
             continue
         slot.modules += 1
-        if slot.kernels:
-            original = type(module).forward.__get__(module)
-            _set_forward(state, module, functools.partial(_msda_forward, names.get(module) or "model", slot, original))
+        if _replaced_forward(module):
+            _warn_hooked([names.get(module) or "model"])
+        elif slot.kernels:
+            _set_forward(state, module, functools.partial(_msda_forward, names.get(module) or "model", slot,
+                                                          _own_forward(module)))
 
 
 # ---- finding the layers -------------------------------------------------------------------------------------
@@ -1801,15 +1806,44 @@ def _state_of(model):
     return vars(_target(model)).get("_kcpp_state")
 
 
+def _in_accelerate_hook(module):
+    """Whether `module`'s forward is accelerate's hook around the module's own forward (add_hook_to_module,
+    which dispatch_model uses for device_map="auto" over several devices and for CPU / disk offload): the
+    hook moves the inputs to the module's execution device, loads offloaded weights, then calls
+    `module._old_forward`, the forward it wrapped.  kernelize swaps that inner forward and keeps the hook."""
+    inner = vars(module).get("_old_forward")
+    return (getattr(module, "_hf_hook", None) is not None and "forward" in vars(module)
+            and getattr(inner, "__func__", None) is type(module).forward and getattr(inner, "__self__", None) is module)
+
+
+def _replaced_forward(module):
+    """Whether `module`'s forward is replaced on the instance by a wrapper kernelize does not know (not
+    accelerate's hook around the module's own forward): kernelize leaves such a module as it is."""
+    return "forward" in vars(module) and not _in_accelerate_hook(module)
+
+
+def _forward_attribute(module):
+    """The attribute that holds the forward kernelize swaps: accelerate's `_old_forward` inside its hook,
+    else `forward`."""
+    return "_old_forward" if _in_accelerate_hook(module) else "forward"
+
+
+def _own_forward(module):
+    """The module's own forward, bound: what a swapped forward falls back to."""
+    return type(module).forward.__get__(module)
+
+
 def _set_forward(state, module, forward):
-    """Installs `forward` (a callable of the module's arguments) as `module.forward`, undone by state.restore.
+    """Installs `forward` (a callable of the module's arguments) as `module.forward` (as the `_old_forward`
+    inside accelerate's hook, _in_accelerate_hook), undone by state.restore.
 
     It is installed as a method bound to the module, as the class's own forward is: frameworks that wrap a
     model's forward take `forward.__func__` and bind their wrapper again (accelerate's mixed-precision
     `prepare`), and unwrap it to that function and bind it (`unwrap_model(keep_fp32_wrapper=False)`); a
     plain callable there would be bound as a method and receive the model as its first argument."""
-    had = "forward" in module.__dict__
-    previous = module.__dict__.get("forward")
+    attribute = _forward_attribute(module)
+    had = attribute in module.__dict__
+    previous = module.__dict__.get(attribute)
 
     def method(self, *args, **kwargs):
         return forward(*args, **kwargs)
@@ -1828,13 +1862,17 @@ def _set_forward(state, module, forward):
         pass
     method.__name__ = method.__qualname__ = "forward"
     method._kcpp_forward = forward  # what the method calls (tests read the slot from its arguments)
-    module.forward = types.MethodType(method, module)
+    bound = types.MethodType(method, module)
+    setattr(module, attribute, bound)
 
     def undo():
-        if had:
-            module.forward = previous
-        else:
+        if attribute == "_old_forward" and vars(module).get("forward") == bound:
+            # accelerate's remove_hook_from_module made the swapped inner forward the module's forward
             del module.forward
+        elif had:
+            setattr(module, attribute, previous)
+        elif attribute in vars(module):
+            delattr(module, attribute)
     state.restore.append(undo)
 
 
@@ -2035,12 +2073,13 @@ def _swap(model, state):
     names = {m: n for n, m in model.named_modules()}
     patched_modeling = set()
     attention_modules = []
-    # A module whose forward is replaced on the instance (accelerate's hooks of device_map and offloading
-    # move or load its weights there) is left as it is: a swapped forward would run without the hook.
+    # A module inside accelerate's device hook (device_map over several devices, CPU / disk offload) gets its
+    # inner forward swapped, the hook kept; one whose forward another wrapper replaced on the instance is
+    # left as it is: a swapped forward would run without that wrapper.
     hooked = []
     for module in model.modules():
         where = names.get(module, type(module).__name__) or "model"
-        if "forward" in vars(module):
+        if _replaced_forward(module):
             if _rms_norm_spec(module) is not None or _is_gated_mlp(module) or _is_packed_gated_mlp(module) \
                     or _is_attention(module):
                 hooked.append(where)
@@ -2049,19 +2088,19 @@ def _swap(model, state):
         if spec is not None:
             slots["RMSNorm"].modules += 1
             if slots["RMSNorm"].kernels:
-                original = type(module).forward.__get__(module)
+                original = _own_forward(module)
                 _set_forward(state, module, functools.partial(_rms_norm_forward, where, module, slots["RMSNorm"],
                                                               original, spec))
         elif _is_gated_mlp(module):
             slots["MLP"].modules += 1
             if slots["MLP"].kernels:
-                original = type(module).forward.__get__(module)
+                original = _own_forward(module)
                 _set_forward(state, module, functools.partial(_mlp_forward, where, module, slots["MLP"], original,
                                                               _glu_activation(module)))
         elif _is_packed_gated_mlp(module):
             slots["MLP"].modules += 1
             if slots["MLP"].kernels:
-                original = type(module).forward.__get__(module)
+                original = _own_forward(module)
                 _set_forward(state, module, functools.partial(_packed_mlp_forward, where, module, slots["MLP"], original,
                                                               _glu_activation(module)))
         elif _is_attention(module):
@@ -2073,7 +2112,7 @@ def _swap(model, state):
                     patched_modeling.add(modeling.__name__)
                     # Undone by unkernelize, or when the model is collected without it.
                     state.restore.append(weakref.finalize(model, _patch_rope(modeling)))
-                original = type(module).forward.__get__(module)
+                original = _own_forward(module)
                 _set_forward(state, module, functools.partial(_attention_module_forward, slots["rotary_pos_emb"],
                                                               original))
     _swap_attention(model, state, attention_modules)
@@ -2097,11 +2136,11 @@ def _swap(model, state):
                 del model._loss_function
         state.restore.append(undo_loss)
     flce = slots["ForCausalLMLoss"]
-    if flce.kernels and "forward" in vars(model):
+    if flce.kernels and _replaced_forward(model):
         hooked.append("the model (its loss fused with lm_head)")
     elif flce.kernels:
         from transformers.modeling_outputs import CausalLMOutputWithPast
-        original = type(model).forward.__get__(model)
+        original = _own_forward(model)
         names = [p for p in inspect.signature(original).parameters]
         _set_forward(state, model, functools.partial(_causal_lm_forward, model, flce, original, names,
                                                      CausalLMOutputWithPast, "training" in flce.ids))
@@ -2112,7 +2151,7 @@ def _warn_hooked(hooked):
     """Says which modules kernelize left as they are because their forward is replaced on the instance."""
     if hooked:
         warnings.warn(f"kcpp.torch.kernelize: {len(hooked)} module(s) have a forward replaced on the instance "
-                      f"(accelerate's device_map / offloading hooks?) and keep it, without kernels: "
+                      f"by a wrapper other than accelerate's device hook, and keep it, without kernels: "
                       f"{', '.join(hooked[:6])}{' ...' if len(hooked) > 6 else ''}", stacklevel=4)
 
 

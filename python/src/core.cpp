@@ -12,7 +12,8 @@
 //     stream is the framework's current one (`current_work_stream`);
 //   - anything else with `__dlpack__` (NumPy, JAX, CuPy, ...) is imported by nanobind's ndarray
 //     caster (the DLPack protocol, versioned or not), kept alive for the call.
-// The call's device and stream are those of the first tensor; the package checks that the rest agree.
+// The call's device and stream are those of the first tensor (that device current for the call); the
+// package checks that the rest agree.
 // The GIL is released while a kernel runs (the arguments are kept alive by references held here).
 //
 // Workspace (scratch memory a kernel asks for): host memory for CPU calls; for CUDA calls the
@@ -35,6 +36,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/cuda_runtime.h"
 #include "core/error.h"
 #include "hub/hub.h"
 #include "hub/package.h"
@@ -342,6 +344,13 @@ int call_entry(kcpp_entry_fn fn, nb::handle args, uint32_t mode, bool determinis
   ctx.error_size = sizeof t_error;
   int status;
   {
+#if KCPP_WITH_CUDA
+    // The tensors' device is current for the call, as for the C++ runtime's calls (nn/kernel_call.cpp):
+    // packages launch on the current device, and PyTorch leaves cuda:0 current for a model on cuda:1 or
+    // spread over several GPUs by accelerate's device_map.
+    std::optional<kcpp::cuda::DeviceGuard> guard;
+    if (st.device.device_type == kDLCUDA) guard.emplace(static_cast<int>(st.device.device_id));
+#endif
     nb::gil_scoped_release nogil;
     status = fn(&ctx, st.args, st.n);
   }

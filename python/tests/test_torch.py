@@ -188,6 +188,22 @@ class Kernelize(Base):
                     self.assertGreater(r[layer]["kernel_calls"], 0, f"{family}: {r}")
                     self.assertEqual(r[layer]["fallbacks"], 0, f"{family}: {r}")
 
+    @unittest.skipUnless(CUDA and torch.cuda.device_count() >= 2, "needs two CUDA devices")
+    def test_a_model_on_the_second_gpu(self):
+        # PyTorch leaves cuda:0 current for a model on cuda:1: each call makes its tensors' device current
+        # (the packages launch on the current device, with cuda:1's stream).
+        model = make_model("llama", attn="sdpa").to("cuda:1")
+        ids, labels = (t.to("cuda:1") for t in batch())
+        ref = run(model, ids, labels)
+        kt.kernelize(model)
+        self.assertEqual(torch.cuda.current_device(), 0)
+        self.assert_close(run(model, ids, labels), ref, "llama on cuda:1", tol=1e-4)
+        self.assertEqual(torch.cuda.current_device(), 0)
+        r = kt.report(model)
+        for layer in ("RMSNorm", "MLP", "Attention", "ForCausalLMLoss"):
+            self.assertGreater(r[layer]["kernel_calls"], 0, f"{layer}: {r}")
+            self.assertEqual(r[layer]["fallbacks"], 0, f"{layer}: {r}")
+
     def test_an_unknown_model_type_keeps_its_layers(self):
         model = make_model("llama")
         model.config.model_type = "llama_like_but_unchecked"
@@ -799,8 +815,8 @@ class BadInput(Base):
                     self.assertEqual(report[layer]["fallbacks"], 0, f"{device} {layer}: {report[layer]['last_refusal']}")
 
     def test_a_module_whose_forward_is_replaced_is_left_alone(self):
-        # As accelerate's device_map / offloading hooks replace a module's forward on the instance (to move or
-        # load its weights there): kernelize keeps that forward, and says so.
+        # A forward replaced on the instance by a wrapper kernelize does not know (accelerate's device hooks,
+        # which it does know, are test_trainer.AccelerateRuns'): kernelize keeps that forward, and says so.
         model = make_model("llama")
         norm = model.model.norm
         own = norm.forward

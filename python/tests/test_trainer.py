@@ -12,6 +12,9 @@ CPU, two micro-batches a step (gradient accumulation), AdamW, a checkpoint at th
   implementation) and gives the kernelized model's logits.
 - With gradient checkpointing (both of torch.utils.checkpoint's forms) the losses are the same and the
   kernels run in the recomputed forwards too.
+- accelerate, which Trainer runs on: its mixed-precision `prepare` and `unwrap_model(keep_fp32_wrapper=
+  False)` keep the kernelized forward working; a model dispatched with its device hooks (device_map over
+  several devices, disk offload) runs its kernels inside them, the fused loss inside lm_head's.
 
 Skipped where kcpp._core, transformers or accelerate (which Trainer needs; scripts/python-env.sh installs
 it) is missing; KCPP_REQUIRE_TORCH (torch, transformers) and KCPP_REQUIRE_TRAINING_LIBS (accelerate, peft),
@@ -21,6 +24,7 @@ import inspect
 import os
 import tempfile
 import unittest
+import warnings
 
 from test_torch import COMMON, HAVE, WHY, make_model, training_library  # the same tiny models
 
@@ -141,6 +145,81 @@ class AccelerateRuns(unittest.TestCase):
             self.assertEqual(inspect.signature(unwrapped.forward), inspect.signature(type(plain).forward.__get__(plain)))
         finally:
             accelerate.state.AcceleratorState._reset_state(True)
+
+    def test_kernels_run_inside_accelerates_device_hooks(self):
+        # from_pretrained(device_map="auto") over several devices, or with CPU / disk offload, dispatches the
+        # model with accelerate's hooks on every module (they move the inputs to the module's device and load
+        # offloaded weights, then call the module's own forward): kernelize swaps that inner forward and keeps
+        # the hooks.  Here every block's device is the CPU (force_hooks), lm_head's and a layer's weights
+        # offloaded to disk in the second case.
+        import accelerate
+        from test_torch import batch, rel_l2
+        ids, labels = batch()
+        plain = make_model("llama")
+        with torch.no_grad():
+            want_logits = plain(input_ids=ids).logits
+        want = plain(input_ids=ids, labels=labels).loss
+        want.backward()
+        layers = plain.config.num_hidden_layers
+        for offload in (False, True):
+            with self.subTest(offload=offload), tempfile.TemporaryDirectory() as tmp:
+                model = make_model("llama")
+                far = "disk" if offload else "cpu"
+                device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": far,
+                              **{f"model.layers.{i}": far if i == 0 else "cpu" for i in range(layers)}}
+                accelerate.dispatch_model(model, device_map=device_map, main_device="cpu", force_hooks=True, offload_dir=tmp)
+                self.assertIsNotNone(getattr(model.model.norm, "_hf_hook", None))
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")  # no module left alone
+                    kt.kernelize(model)
+                with torch.no_grad():
+                    got_logits = model(input_ids=ids).logits
+                self.assertLess(rel_l2(got_logits, want_logits), 1e-5)
+                if not offload:  # training through the hooks: the fused loss inside lm_head's
+                    loss = model(input_ids=ids, labels=labels).loss
+                    loss.backward()
+                    self.assertAlmostEqual(loss.item(), want.item(), delta=1e-5 * abs(want.item()))
+                    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+                        self.assertLess(rel_l2(p.grad, q.grad), 1e-4, name)
+                report = kt.report(model)
+                for layer in ("RMSNorm", "MLP", "Attention") + (() if offload else ("ForCausalLMLoss",)):
+                    self.assertGreater(report[layer]["kernel_calls"], 0, layer)
+                    self.assertEqual(report[layer]["fallbacks"], 0, f"{layer}: {report[layer]['last_refusal']}")
+                kt.unkernelize(model)
+                norm = model.model.norm
+                self.assertEqual(norm._old_forward, type(norm).forward.__get__(norm))
+                with torch.no_grad():
+                    self.assertLess(rel_l2(model(input_ids=ids).logits, want_logits), 1e-5)
+
+    @unittest.skipUnless(HAVE and torch.cuda.device_count() >= 2, "needs two CUDA devices")
+    def test_device_map_over_two_gpus(self):
+        # The layers split over cuda:0 and cuda:1 as device_map="auto" splits a model too large for one GPU:
+        # each kernel runs on its module's GPU, the fused loss on lm_head's (cuda:1), the loss back on cuda:0.
+        import accelerate
+        from test_torch import batch, rel_l2
+        ids, labels = (t.cuda(0) for t in batch())
+        plain = make_model("llama", attn="sdpa").cuda(0)
+        want = plain(input_ids=ids, labels=labels).loss
+        want.backward()
+        model = make_model("llama", attn="sdpa")
+        layers = model.config.num_hidden_layers
+        device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 1, "lm_head": 1,
+                      **{f"model.layers.{i}": 0 if i < layers // 2 else 1 for i in range(layers)}}
+        accelerate.dispatch_model(model, device_map=device_map)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            kt.kernelize(model)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        self.assertEqual(loss.device, ids.device)
+        self.assertAlmostEqual(loss.item(), want.item(), delta=1e-4 * abs(want.item()))
+        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+            self.assertLess(rel_l2(p.grad.to(q.device), q.grad), 1e-4, name)
+        self.assertEqual(model.lm_head.weight.device, torch.device("cuda", 1))
+        report = kt.report(model)
+        for layer in ("RMSNorm", "MLP", "Attention", "ForCausalLMLoss"):
+            self.assertGreater(report[layer]["kernel_calls"], 0, layer)
+            self.assertEqual(report[layer]["fallbacks"], 0, f"{layer}: {report[layer]['last_refusal']}")
 
 
 if __name__ == "__main__":
