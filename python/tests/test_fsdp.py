@@ -1,4 +1,5 @@
-"""kcpp.torch under PyTorch FSDP2 (fully_shard), on the CPU with two gloo processes.
+"""kcpp.torch under PyTorch FSDP2 (fully_shard) and DistributedDataParallel, on the CPU with two gloo
+processes.
 
 Kernelized Llama and Qwen3 models, each decoder layer, lm_head and the root sharded over two ranks
 (and Qwen2, whose lm_head is tied to the embedding: its layers and the root), train a few SGD steps,
@@ -11,6 +12,10 @@ cross-entropy runs as lm_head's forward, where lm_head's own hooks gathered its 
 sharded on its own: a loss fused with lm_head, called outside lm_head's forward, would see a shard of
 its weight).  The same under torch.compile (backend aot_eager on the CPU, inductor on CUDA; FSDP2's
 hooks break the graphs) for Llama, every kernel an op of its graphs.
+
+Under DistributedDataParallel (what Trainer and accelerate wrap a model in on several GPUs by default)
+the kernelized models train as one process does on the whole batch, every layer a kernel: DDP's
+gradient hooks see the kernels' weight gradients as any other.
 
 Under FSDP2's bf16 mixed precision (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32), the
 configuration most training uses) a kernelized Llama's kernels run every call in bf16, and its losses
@@ -38,6 +43,7 @@ try:
     import kcpp.torch as kt
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
     BACKEND = "nccl" if DEVICE == "cuda" else "gloo"
@@ -163,6 +169,18 @@ def sharded(family, kernels, rank, device, compiled=False, mp_policy=None):
     return got
 
 
+def data_parallel(family, rank, device):
+    """`family`, kernelized, trained under DistributedDataParallel, each rank on its row of the batch."""
+    model = make_model(family).to(device)
+    kt.kernelize(model)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ids, labels = full_batch()
+    mine = slice(rank, rank + 1)
+    got = train(model, lambda: (ids[mine].to(device), labels[mine].to(device)), ddp)
+    got["report"] = kt.report(model).entries
+    return got
+
+
 def kernel_dtypes(model):
     """Per layer name: the dtypes of the floating-point tensors of the calls its kernels were chosen for."""
     dtypes = {}
@@ -211,6 +229,7 @@ def rank_main(rank, port, out_dir, device_type):
         saved = {(family, kernels): sharded(family, kernels, rank, device)
                  for family in FSDP_FAMILIES for kernels in (True, False)}
         saved["compiled"] = sharded("llama", True, rank, device, compiled=True)
+        saved.update({("ddp", family): data_parallel(family, rank, device) for family in FSDP_FAMILIES})
         saved["tensor_parallel"] = tensor_parallel(rank, device)
         bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for kernels in (True, False):
@@ -276,6 +295,14 @@ class Fsdp2(unittest.TestCase):
             for r, saved in enumerate(self.ranks):
                 self.assert_sharded(saved[(family, True)], f"{family}, rank {r}")
                 check_kernels_ran(self, saved[(family, True)]["report"], f"{family}, rank {r}")
+
+    def test_kernelized_models_train_under_ddp(self):
+        for family in FSDP_FAMILIES:
+            initial, whole = self.whole[family]
+            got = self.ranks[0][("ddp", family)]
+            check_trained_alike(self, got, whole, initial, f"{family} under DDP, kernels against one process")
+            for r, saved in enumerate(self.ranks):
+                check_kernels_ran(self, saved[("ddp", family)]["report"], f"{family} under DDP, rank {r}")
 
     def test_compiled_kernelized_llama_trains_under_fully_shard(self):
         initial, whole = self.whole["llama"]
