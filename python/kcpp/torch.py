@@ -77,7 +77,6 @@ import math
 import operator
 import os
 import sys
-import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -1530,11 +1529,15 @@ def _causal_lm_forward(model, slot, original, names, output_class, has_training,
         _refuse(slot.sid, "the router's auxiliary loss (output_router_logits): the fused loss does not add it")
         return original(labels=labels, logits_to_keep=logits_to_keep, **kwargs)
     lm_head = model.get_output_embeddings()
-    if type(lm_head).forward is not torch.nn.Linear.forward or _replaced_forward(lm_head):
+    hooked = _in_accelerate_hook(lm_head)
+    if type(lm_head).forward is not torch.nn.Linear.forward or _replaced_forward(lm_head) or (hooked and not _moves_only(lm_head)):
         # A PEFT adapter (LoRA on lm_head, modules_to_save), a forward replaced on the instance by a wrapper
-        # other than accelerate's device hook, or another module whose output may not be x W^T of its
-        # `weight`: the fused loss, which reads only that weight, would leave the rest out.
-        what = "its forward replaced" if "forward" in vars(lm_head) else "not a Linear"
+        # other than accelerate's device hook, an accelerate hook that may transform lm_head's output, or
+        # another module whose output may not be x W^T of its `weight`: the fused loss, which reads only
+        # that weight, would leave the rest out.
+        what = ("not a Linear" if type(lm_head).forward is not torch.nn.Linear.forward else
+                "its forward replaced" if _replaced_forward(lm_head) else
+                f"inside an accelerate hook ({type(lm_head._hf_hook).__name__}) that may change its output")
         _refuse(slot.sid, f"lm_head is a {type(lm_head).__module__}.{type(lm_head).__qualname__}, {what}: the fused "
                           "loss reads only its weight")
         return original(labels=labels, logits_to_keep=logits_to_keep, **kwargs)
@@ -1543,7 +1546,7 @@ def _causal_lm_forward(model, slot, original, names, output_class, has_training,
     shift_labels = kwargs.pop("shift_labels", None)
     outputs = model.model(**kwargs)
     hidden = outputs.last_hidden_state
-    if _holds_a_shard(lm_head) or _in_accelerate_hook(lm_head):
+    if _holds_a_shard(lm_head) or hooked:
         # lm_head's weight is whole only inside its own forward (FSDP2, ZeRO-3), or on its device and loaded
         # there (accelerate's device_map / offload hook, which also moves the hidden states to it): the fused
         # loss runs there, and a fallback computes the logits with lm_head's own forward (its hooks are
@@ -1742,15 +1745,18 @@ def _swap_deformable(model, state):
     """Every MultiScaleDeformableAttention module of a Deformable DETR model through the slot's kernels."""
     slot = state.slots["MultiScaleDeformableAttention"]
     names = {m: n for n, m in model.named_modules()}
+    hooked = []
     for module in model.modules():
         if not _is_msda(module):
             continue
-        slot.modules += 1
         if _replaced_forward(module):
-            _warn_hooked([names.get(module) or "model"])
-        elif slot.kernels:
+            hooked.append(names.get(module) or "model")
+            continue
+        slot.modules += 1
+        if slot.kernels:
             _set_forward(state, module, functools.partial(_msda_forward, names.get(module) or "model", slot,
                                                           _own_forward(module)))
+    _warn_hooked(hooked, stacklevel=5)  # kernelize -> _swap -> here
 
 
 # ---- finding the layers -------------------------------------------------------------------------------------
@@ -1806,20 +1812,48 @@ def _state_of(model):
     return vars(_target(model)).get("_kcpp_state")
 
 
+def _default_device(model):
+    """Where `model` runs: the execution device of accelerate's hook on it (dispatch_model; its offloaded
+    parameters are on the meta device until their module runs), else its first parameter's device that is
+    not the meta device, else the meta device (no data yet) or, without parameters, the CPU."""
+    execution = getattr(getattr(model, "_hf_hook", None), "execution_device", None)
+    if execution is not None:
+        return torch.device("cuda", execution) if isinstance(execution, int) else torch.device(execution)
+    devices = [p.device for p in model.parameters()]
+    return next((d for d in devices if d.type != "meta"), devices[0] if devices else torch.device("cpu"))
+
+
 def _in_accelerate_hook(module):
     """Whether `module`'s forward is accelerate's hook around the module's own forward (add_hook_to_module,
     which dispatch_model uses for device_map="auto" over several devices and for CPU / disk offload): the
     hook moves the inputs to the module's execution device, loads offloaded weights, then calls
     `module._old_forward`, the forward it wrapped.  kernelize swaps that inner forward and keeps the hook."""
-    inner = vars(module).get("_old_forward")
     return (getattr(module, "_hf_hook", None) is not None and "forward" in vars(module)
-            and getattr(inner, "__func__", None) is type(module).forward and getattr(inner, "__self__", None) is module)
+            and _is_own_forward(vars(module).get("_old_forward"), module))
+
+
+def _is_own_forward(f, module):
+    """Whether `f` is the module's own forward, bound to it (what accelerate's remove_hook_from_module leaves
+    on the instance)."""
+    return getattr(f, "__func__", None) is type(module).forward and getattr(f, "__self__", None) is module
 
 
 def _replaced_forward(module):
-    """Whether `module`'s forward is replaced on the instance by a wrapper kernelize does not know (not
-    accelerate's hook around the module's own forward): kernelize leaves such a module as it is."""
-    return "forward" in vars(module) and not _in_accelerate_hook(module)
+    """Whether `module`'s forward is replaced on the instance by a wrapper kernelize does not know (neither
+    accelerate's hook around the module's own forward nor that forward itself): kernelize leaves such a
+    module as it is."""
+    forward = vars(module).get("forward")
+    return forward is not None and not _in_accelerate_hook(module) and not _is_own_forward(forward, module)
+
+
+def _moves_only(module):
+    """Whether the accelerate hook of `module` only moves tensors and loads weights (AlignDevicesHook,
+    CpuOffload, a SequentialHook of those): the fused loss may run inside lm_head's hook, which then passes
+    on the model's output instead of lm_head's logits.  Another ModelHook may transform lm_head's output."""
+    hook = getattr(module, "_hf_hook", None)
+    hooks = getattr(hook, "hooks", None) if type(hook).__name__ == "SequentialHook" else (hook,)
+    return bool(hooks) and all(type(h).__name__ in ("AlignDevicesHook", "CpuOffload")
+                               and type(h).__module__.startswith("accelerate.") for h in hooks)
 
 
 def _forward_attribute(module):
@@ -1833,46 +1867,75 @@ def _own_forward(module):
     return type(module).forward.__get__(module)
 
 
+class _SwappedForward:
+    """A swapped forward bound to its module, as the class's own forward is: called with the module's
+    arguments, it calls `forward`; `__func__` (a function of the module and those arguments) and `__self__`
+    (the module) are what frameworks that wrap a model's forward take apart and bind again (accelerate's
+    mixed-precision `prepare` wraps `forward.__func__` and binds the wrapper; `unwrap_model(
+    keep_fp32_wrapper=False)` binds the innermost function back).  A plain callable there would be bound as
+    a method and receive the model as its first argument.  `__signature__` is what inspect.signature
+    answers.  Like the rest of kernelize's state it refuses deep copies and pickling (a copy of the module
+    would run the original module's forward), and `__func__` refuses a module other than its own (a copy
+    made of a forward bound again)."""
+    __slots__ = ("__func__", "__self__", "__signature__", "_kcpp_forward")
+
+    def __init__(self, func, module, signature, forward):
+        self.__func__, self.__self__, self.__signature__, self._kcpp_forward = func, module, signature, forward
+
+    def __call__(self, *args, **kwargs):
+        return self._kcpp_forward(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        raise TypeError(_NO_COPY)
+
+    def __reduce__(self):
+        raise TypeError(_NO_COPY)
+
+
 def _set_forward(state, module, forward):
     """Installs `forward` (a callable of the module's arguments) as `module.forward` (as the `_old_forward`
-    inside accelerate's hook, _in_accelerate_hook), undone by state.restore.
-
-    It is installed as a method bound to the module, as the class's own forward is: frameworks that wrap a
-    model's forward take `forward.__func__` and bind their wrapper again (accelerate's mixed-precision
-    `prepare`), and unwrap it to that function and bind it (`unwrap_model(keep_fp32_wrapper=False)`); a
-    plain callable there would be bound as a method and receive the model as its first argument."""
+    inside accelerate's hook, _in_accelerate_hook) bound to the module (_SwappedForward), undone by
+    state.restore."""
     attribute = _forward_attribute(module)
     had = attribute in module.__dict__
     previous = module.__dict__.get(attribute)
 
-    def method(self, *args, **kwargs):
+    def func(self, *args, **kwargs):
+        if self is not module:
+            raise TypeError(_NO_COPY)
         return forward(*args, **kwargs)
 
-    # The method answers inspect.signature as the module's own forward did where `forward` takes any call
-    # (*args, **kwargs: the model's), else as `forward`: frameworks read it (Transformers' Trainer keeps only
-    # the dataset columns model.forward names; (*args, labels, **kwargs) made it drop input_ids).
+    # It answers inspect.signature as the module's own forward did where `forward` takes any call (*args,
+    # **kwargs: the model's), else as `forward`: frameworks read it (Transformers' Trainer keeps only the
+    # dataset columns model.forward names; (*args, labels, **kwargs) made it drop input_ids).
+    signature = None
     try:
         signature = inspect.signature(forward)
         kinds = {p.kind for p in signature.parameters.values()}
         if {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} <= kinds:
             signature = inspect.signature(module.forward)
         self_ = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
-        method.__signature__ = signature.replace(parameters=[self_, *signature.parameters.values()])
+        func.__signature__ = signature.replace(parameters=[self_, *signature.parameters.values()])
     except (TypeError, ValueError):  # no signature to keep (a builtin)
         pass
-    method.__name__ = method.__qualname__ = "forward"
-    method._kcpp_forward = forward  # what the method calls (tests read the slot from its arguments)
-    bound = types.MethodType(method, module)
+    func.__name__ = func.__qualname__ = "forward"
+    bound = _SwappedForward(func, module, signature, forward)
     setattr(module, attribute, bound)
 
     def undo():
-        if attribute == "_old_forward" and vars(module).get("forward") == bound:
+        d = vars(module)
+        if d.get(attribute) is bound:
+            if had:
+                setattr(module, attribute, previous)
+            else:
+                delattr(module, attribute)
+        elif d.get("_old_forward") is bound:
+            # a hook added after kernelize (dispatch_model) wraps the swapped forward: it gets the module's own
+            module._old_forward = _own_forward(module)
+        elif d.get("forward") is bound:
             # accelerate's remove_hook_from_module made the swapped inner forward the module's forward
             del module.forward
-        elif had:
-            setattr(module, attribute, previous)
-        elif attribute in vars(module):
-            delattr(module, attribute)
+        # else another wrapper replaced it since: left as it is, with what it wraps
     state.restore.append(undo)
 
 
@@ -2012,10 +2075,7 @@ def kernelize(model, mode=None, kernel_config=None, use_liger_kernel=True, liger
     if mode not in (None, "training", "inference"):
         raise ValueError(f"mode must be 'training', 'inference' or None, is {mode!r}")
     modes = _MODES if mode is None else (mode,)
-    if device is None:
-        param = next(model.parameters(), None)
-        device = param.device if param is not None else torch.device("cpu")
-    device = torch.device(device)
+    device = torch.device(_default_device(model) if device is None else device)
     if device.type == "meta":
         raise ValueError("kcpp.torch.kernelize: the model is on the meta device (no data yet): pass the device it will "
                          "run on (device='cuda' or 'cpu'), or kernelize after its weights are loaded (to_empty / "
@@ -2147,12 +2207,13 @@ def _swap(model, state):
     _warn_hooked(hooked)
 
 
-def _warn_hooked(hooked):
-    """Says which modules kernelize left as they are because their forward is replaced on the instance."""
+def _warn_hooked(hooked, stacklevel=4):
+    """Says which modules kernelize left as they are because their forward is replaced on the instance
+    (`stacklevel`: the caller of kernelize, from the function that calls this)."""
     if hooked:
         warnings.warn(f"kcpp.torch.kernelize: {len(hooked)} module(s) have a forward replaced on the instance "
                       f"by a wrapper other than accelerate's device hook, and keep it, without kernels: "
-                      f"{', '.join(hooked[:6])}{' ...' if len(hooked) > 6 else ''}", stacklevel=4)
+                      f"{', '.join(hooked[:6])}{' ...' if len(hooked) > 6 else ''}", stacklevel=stacklevel)
 
 
 def _swap_attention(model, state, modules):

@@ -845,6 +845,14 @@ class BadInput(Base):
             copy.deepcopy(model)
         with self.assertRaisesRegex(TypeError, "cannot be deep-copied or pickled"):
             torch.save(model, io.BytesIO())
+        # A swapped module on its own too (PEFT's modules_to_save deep-copies one): a copy would run the
+        # original's forward; and its forward's function bound to another module (a framework unwrapping
+        # and binding it again on a copy) refuses to run.
+        norm = model.model.norm
+        for what in (lambda: copy.deepcopy(norm), lambda: torch.save(norm, io.BytesIO()),
+                     lambda: norm.forward.__func__(make_model("llama").model.norm, torch.ones(2, COMMON["hidden_size"]))):
+            with self.assertRaisesRegex(TypeError, "cannot be deep-copied or pickled"):
+                what()
         with torch.device("meta"):
             meta = make_model("llama")
         with self.assertRaisesRegex(ValueError, "meta device"):

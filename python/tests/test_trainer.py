@@ -136,7 +136,7 @@ class AccelerateRuns(unittest.TestCase):
         try:
             acc = accelerate.Accelerator(mixed_precision="bf16", cpu=True)
             prepared = acc.prepare(model)
-            self.assertEqual(prepared(input_ids=ids, labels=labels).loss.dtype, torch.float32)  # outputs made f32
+            prepared(input_ids=ids, labels=labels).loss.backward()  # under bf16 autocast
             unwrapped = acc.unwrap_model(prepared, keep_fp32_wrapper=False)
             calls = kt.report(unwrapped)["ForCausalLMLoss"]["kernel_calls"]
             got = unwrapped(input_ids=ids, labels=labels).loss.item()  # no autocast: the f32 model's loss
@@ -150,8 +150,10 @@ class AccelerateRuns(unittest.TestCase):
         # from_pretrained(device_map="auto") over several devices, or with CPU / disk offload, dispatches the
         # model with accelerate's hooks on every module (they move the inputs to the module's device and load
         # offloaded weights, then call the module's own forward): kernelize swaps that inner forward and keeps
-        # the hooks.  Here every block's device is the CPU (force_hooks), lm_head's and a layer's weights
-        # offloaded to disk in the second case.
+        # the hooks.  Here every block's device is the CPU (force_hooks); in the second case the embedding's,
+        # a layer's and lm_head's weights are offloaded to disk (the model's first parameter on the meta
+        # device: kernelize takes the hook's execution device), trained through (the loss, as offloaded
+        # weights are loaded anew at each call and keep no gradient).
         import accelerate
         from test_torch import batch, rel_l2
         ids, labels = batch()
@@ -165,7 +167,7 @@ class AccelerateRuns(unittest.TestCase):
             with self.subTest(offload=offload), tempfile.TemporaryDirectory() as tmp:
                 model = make_model("llama")
                 far = "disk" if offload else "cpu"
-                device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": far,
+                device_map = {"model.embed_tokens": far, "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": far,
                               **{f"model.layers.{i}": far if i == 0 else "cpu" for i in range(layers)}}
                 accelerate.dispatch_model(model, device_map=device_map, main_device="cpu", force_hooks=True, offload_dir=tmp)
                 self.assertIsNotNone(getattr(model.model.norm, "_hf_hook", None))
@@ -175,14 +177,15 @@ class AccelerateRuns(unittest.TestCase):
                 with torch.no_grad():
                     got_logits = model(input_ids=ids).logits
                 self.assertLess(rel_l2(got_logits, want_logits), 1e-5)
-                if not offload:  # training through the hooks: the fused loss inside lm_head's
-                    loss = model(input_ids=ids, labels=labels).loss
-                    loss.backward()
-                    self.assertAlmostEqual(loss.item(), want.item(), delta=1e-5 * abs(want.item()))
+                # Training through the hooks: the fused loss inside lm_head's.
+                loss = model(input_ids=ids, labels=labels).loss
+                loss.backward()
+                self.assertAlmostEqual(loss.item(), want.item(), delta=1e-5 * abs(want.item()))
+                if not offload:
                     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
                         self.assertLess(rel_l2(p.grad, q.grad), 1e-4, name)
                 report = kt.report(model)
-                for layer in ("RMSNorm", "MLP", "Attention") + (() if offload else ("ForCausalLMLoss",)):
+                for layer in ("RMSNorm", "MLP", "Attention", "ForCausalLMLoss"):
                     self.assertGreater(report[layer]["kernel_calls"], 0, layer)
                     self.assertEqual(report[layer]["fallbacks"], 0, f"{layer}: {report[layer]['last_refusal']}")
                 kt.unkernelize(model)
@@ -190,6 +193,40 @@ class AccelerateRuns(unittest.TestCase):
                 self.assertEqual(norm._old_forward, type(norm).forward.__get__(norm))
                 with torch.no_grad():
                     self.assertLess(rel_l2(model(input_ids=ids).logits, want_logits), 1e-5)
+
+    def test_hooks_added_or_removed_around_kernelize(self):
+        # dispatch_model after kernelize wraps the swapped forwards; unkernelize then gives the hooks the
+        # modules' own forwards back.  remove_hook_from_module leaves each module's own forward bound on the
+        # instance, which kernelize swaps as any other (not a wrapper to leave alone).
+        import accelerate
+        from accelerate.hooks import remove_hook_from_module
+        from test_torch import batch, rel_l2
+        ids, labels = batch()
+        plain = make_model("llama")
+        want = plain(input_ids=ids, labels=labels).loss.item()
+        layers = plain.config.num_hidden_layers
+        device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu",
+                      **{f"model.layers.{i}": "cpu" for i in range(layers)}}
+        model = kt.kernelize(make_model("llama"))
+        accelerate.dispatch_model(model, device_map=device_map, main_device="cpu", force_hooks=True)
+        self.assertAlmostEqual(model(input_ids=ids, labels=labels).loss.item(), want, delta=1e-5 * abs(want))
+        self.assertGreater(kt.report(model)["RMSNorm"]["kernel_calls"], 0)
+        kt.unkernelize(model)
+        norm = model.model.norm
+        self.assertIsNotNone(norm._hf_hook)
+        self.assertEqual(norm._old_forward, type(norm).forward.__get__(norm))
+        self.assertIsNot(vars(norm)["forward"], norm._old_forward)  # the hook's wrapper kept
+        self.assertAlmostEqual(model(input_ids=ids, labels=labels).loss.item(), want, delta=1e-5 * abs(want))
+        remove_hook_from_module(model, recurse=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no module left alone
+            kt.kernelize(model)
+        self.assertAlmostEqual(model(input_ids=ids, labels=labels).loss.item(), want, delta=1e-5 * abs(want))
+        report = kt.report(model)
+        for layer, modules in (("RMSNorm", 2 * layers + 1), ("MLP", layers), ("ForCausalLMLoss", 1)):
+            self.assertEqual(report[layer]["modules"], modules, layer)
+            self.assertGreater(report[layer]["kernel_calls"], 0, layer)
+            self.assertEqual(report[layer]["fallbacks"], 0, f"{layer}: {report[layer]['last_refusal']}")
 
     @unittest.skipUnless(HAVE and torch.cuda.device_count() >= 2, "needs two CUDA devices")
     def test_device_map_over_two_gpus(self):
