@@ -679,7 +679,8 @@ template <typename T> const char* forward_t(const AttentionParams& p, const char
 template <typename T> const char* backward_t(const AttentionParams& p, const char* path, cudaStream_t stream) {
   // rows: of lse, delta and the dq accumulator (lse_row); grid: the generic kernels' queries (query_row).
   const auto rows = static_cast<size_t>(lse_rows(p));
-  if (rows == 0) path = "generic";  // no queries: dk = dv = 0 on any path, the generic one needs no tensor map
+  // No queries: dk = dv = 0 on any path, and the generic one needs no tensor map.
+  const bool generic = rows == 0 || std::strcmp(path, "generic") == 0;
   const int64_t grid = p.batch * p.heads_q * p.seq_q;
   float* delta = static_cast<float*>(p.workspace);
   auto aligned = [](size_t n) { return (n + 255) / 256 * 256; };  // attention_backward_workspace's layout
@@ -688,7 +689,7 @@ template <typename T> const char* backward_t(const AttentionParams& p, const cha
   if (rows > 0) delta_kernel<T><<<blocks_for(static_cast<int64_t>(rows), 8), 256, 0, stream>>>(p, delta);
   if (const char* e = kc::launch_error("attention_backward (delta)")) return e;
   if constexpr (!std::is_same_v<T, float>)
-    if (std::strcmp(path, "generic") != 0) {
+    if (!generic) {
     if (cudaMemsetAsync(dq_acc, 0, rows * static_cast<size_t>(p.head_dim) * sizeof(float), stream) != cudaSuccess)
       return "attention_backward: cudaMemsetAsync of the dq accumulator failed";
     const char* e = std::strcmp(path, "hopper") == 0 ? attention_backward_sm90(p, delta, dq_acc, stream)

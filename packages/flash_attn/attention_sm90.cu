@@ -289,10 +289,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   // none is left).  Each call scans the items without tiles up to the next one with, so the scans of a
   // block cover its rounds about once.
   auto tiles_after = [&](int64_t r) {
-    if constexpr (!V) return item_of_round(r + 1) < n_items;  // every batched item has tiles
-    for (int64_t w = item_of_round(++r); w < n_items; w = item_of_round(++r))
-      if (item(w).n_tiles > 0) return true;
-    return false;
+    if constexpr (!V) {
+      return item_of_round(r + 1) < n_items;  // every batched item has tiles
+    } else {
+      for (int64_t w = item_of_round(++r); w < n_items; w = item_of_round(++r))
+        if (item(w).n_tiles > 0) return true;
+      return false;
+    }
   };
   if constexpr (PP)
     if (cw == 1 && tiles_after(-1)) bar_arrive(1, 256);
