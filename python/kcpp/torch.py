@@ -1892,14 +1892,16 @@ class _SwappedForward:
         raise TypeError(_NO_COPY)
 
 
-def _set_forward(state, module, forward):
-    """Installs `forward` (a callable of the module's arguments) as `module.forward` (as the `_old_forward`
-    inside accelerate's hook, _in_accelerate_hook) bound to the module (_SwappedForward), undone by
-    state.restore."""
-    attribute = _forward_attribute(module)
-    had = attribute in module.__dict__
-    previous = module.__dict__.get(attribute)
+def _rebound(forward, module, replica):
+    """`forward` (a functools.partial of one of the swapped forwards) for `replica` instead of `module`: the
+    arguments naming the module name the replica, and the module's own forward is the replica's."""
+    def swap(a):
+        return replica if a is module else _own_forward(replica) if _is_own_forward(a, module) else a
+    return functools.partial(forward.func, *map(swap, forward.args), **{k: swap(v) for k, v in forward.keywords.items()})
 
+
+def _bind(module, attribute, forward):
+    """`forward` bound to `module` as its `attribute` (_SwappedForward); returns what was set."""
     def func(self, *args, **kwargs):
         if self is not module:
             raise TypeError(_NO_COPY)
@@ -1913,7 +1915,7 @@ def _set_forward(state, module, forward):
         signature = inspect.signature(forward)
         kinds = {p.kind for p in signature.parameters.values()}
         if {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} <= kinds:
-            signature = inspect.signature(module.forward)
+            signature = inspect.signature(_own_forward(module))
         self_ = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
         func.__signature__ = signature.replace(parameters=[self_, *signature.parameters.values()])
     except (TypeError, ValueError):  # no signature to keep (a builtin)
@@ -1921,9 +1923,30 @@ def _set_forward(state, module, forward):
     func.__name__ = func.__qualname__ = "forward"
     bound = _SwappedForward(func, module, signature, forward)
     setattr(module, attribute, bound)
+    if attribute == "forward" and isinstance(forward, functools.partial):
+        # torch.nn.DataParallel's replicas copy the module's __dict__, this forward with it, which would run
+        # the module (its weights on the first GPU) instead of the replica: each replica gets it bound anew.
+        def replicate_for_data_parallel():
+            replica = type(module)._replicate_for_data_parallel(module)
+            _bind(replica, "forward", _rebound(forward, module, replica))
+            return replica
+        module._replicate_for_data_parallel = replicate_for_data_parallel
+    return bound
+
+
+def _set_forward(state, module, forward):
+    """Installs `forward` (a callable of the module's arguments) as `module.forward` (as the `_old_forward`
+    inside accelerate's hook, _in_accelerate_hook) bound to the module (_SwappedForward, _bind), undone by
+    state.restore."""
+    attribute = _forward_attribute(module)
+    had = attribute in module.__dict__
+    previous = module.__dict__.get(attribute)
+
+    bound = _bind(module, attribute, forward)
 
     def undo():
         d = vars(module)
+        d.pop("_replicate_for_data_parallel", None)
         if d.get(attribute) is bound:
             if had:
                 setattr(module, attribute, previous)

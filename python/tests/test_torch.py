@@ -12,11 +12,14 @@ scripts/python-env.sh).
 """
 import copy
 import gc
+import importlib
 import io
+import math
 import os
 import tempfile
 import time
 import unittest
+from unittest import mock
 
 try:
     import torch
@@ -203,6 +206,34 @@ class Kernelize(Base):
         for layer in ("RMSNorm", "MLP", "Attention", "ForCausalLMLoss"):
             self.assertGreater(r[layer]["kernel_calls"], 0, f"{layer}: {r}")
             self.assertEqual(r[layer]["fallbacks"], 0, f"{layer}: {r}")
+
+    def test_data_parallel_replicas_run_their_own_weights(self):
+        # torch.nn.DataParallel (Trainer's choice with several GPUs in one process) replicates the model for
+        # each GPU: a replica's modules are shallow copies holding copies of the weights, and each runs its own
+        # (the swapped forwards are bound anew to each replica).  The replication on the CPU: its broadcast
+        # of the weights made copies on one device.
+        replication = importlib.import_module("torch.nn.parallel.replicate")  # the module, not its function
+        model = kt.kernelize(make_model("llama"))
+        ids, labels = batch()
+        want = make_model("llama")(input_ids=ids, labels=labels).loss
+
+        def copies(tensors, devices, detach=False):
+            return [[t.detach().clone() if detach else t.clone() for t in tensors] for _ in devices]
+        with mock.patch.object(replication, "_broadcast_coalesced_reshape", copies), \
+                mock.patch.object(replication, "_get_device_index", lambda device, optional=False: 0):
+            replicas = replication.replicate(model, [0, 0])
+        with torch.no_grad():
+            replicas[1].model.norm.weight.zero_()  # the second replica's copy only: its logits are all 0
+        losses = [r(input_ids=ids, labels=labels).loss for r in replicas]
+        self.assertAlmostEqual(losses[0].item(), want.item(), delta=1e-5 * want.item())
+        self.assertAlmostEqual(losses[1].item(), math.log(COMMON["vocab_size"]), delta=1e-5)
+        losses[0].backward()  # through the copies to the model's parameters
+        self.assertIsNotNone(model.model.norm.weight.grad)
+        r = kt.report(model)
+        for layer in ("RMSNorm", "MLP", "ForCausalLMLoss"):
+            self.assertEqual(r[layer]["fallbacks"], 0, f"{layer}: {r}")
+            self.assertGreater(r[layer]["kernel_calls"], 0, f"{layer}: {r}")
+        self.assertNotIn("_replicate_for_data_parallel", vars(kt.unkernelize(model).model.norm))
 
     def test_an_unknown_model_type_keeps_its_layers(self):
         model = make_model("llama")
