@@ -1801,8 +1801,11 @@ def _swap_experts(model, state):
 
 
 def _target(model):
-    """The model kernelize works on: a PEFT model's base model (get_peft_model wraps it; its adapters stay
-    inside the base model's modules), else the model itself."""
+    """The model kernelize works on: the model inside torch.nn.DataParallel or DistributedDataParallel
+    (which call it), then a PEFT model's base model (get_peft_model wraps it; its adapters stay inside the
+    base model's modules), else the model itself."""
+    if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+        model = model.module
     base = getattr(model, "get_base_model", None)
     return base() if callable(base) else model
 
@@ -2103,7 +2106,7 @@ def kernelize(model, mode=None, kernel_config=None, use_liger_kernel=True, liger
         raise ValueError("kcpp.torch.kernelize: the model is on the meta device (no data yet): pass the device it will "
                          "run on (device='cuda' or 'cpu'), or kernelize after its weights are loaded (to_empty / "
                          "from_pretrained)")
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    model_type = getattr(getattr(_target(model), "config", None), "model_type", None)
     config, hub_options, note = _kernel_config(model_type, kernel_config, use_liger_kernel, liger_kernel_config,
                                                attention, allow_all_kernels)
 

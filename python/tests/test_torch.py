@@ -235,6 +235,20 @@ class Kernelize(Base):
             self.assertGreater(r[layer]["kernel_calls"], 0, f"{layer}: {r}")
         self.assertNotIn("_replicate_for_data_parallel", vars(kt.unkernelize(model).model.norm))
 
+    def test_a_model_inside_data_parallel(self):
+        # kernelize of the torch.nn.DataParallel wrapping a model kernelizes the model it calls (on the CPU,
+        # DataParallel calls it directly).
+        ids, labels = batch()
+        want = make_model("llama")(input_ids=ids, labels=labels).loss
+        dp = kt.kernelize(torch.nn.DataParallel(make_model("llama")))
+        self.assertAlmostEqual(dp(input_ids=ids, labels=labels).loss.item(), want.item(), delta=1e-5 * want.item())
+        r = kt.report(dp)
+        for layer in ("RMSNorm", "MLP", "ForCausalLMLoss"):
+            self.assertEqual(r[layer]["fallbacks"], 0, f"{layer}: {r}")
+            self.assertGreater(r[layer]["kernel_calls"], 0, f"{layer}: {r}")
+        kt.unkernelize(dp)
+        self.assertNotIn("forward", vars(dp.module.model.norm))
+
     def test_an_unknown_model_type_keeps_its_layers(self):
         model = make_model("llama")
         model.config.model_type = "llama_like_but_unchecked"
