@@ -1903,37 +1903,35 @@ def _rebound(forward, module, replica):
     return functools.partial(forward.func, *map(swap, forward.args), **{k: swap(v) for k, v in forward.keywords.items()})
 
 
-def _bind(module, attribute, forward):
-    """`forward` bound to `module` as its `attribute` (_SwappedForward); returns what was set."""
-    def func(self, *args, **kwargs):
-        if self is not module:
-            raise TypeError(_NO_COPY)
-        return forward(*args, **kwargs)
-
-    # It answers inspect.signature as the module's own forward did where `forward` takes any call (*args,
-    # **kwargs: the model's), else as `forward`: frameworks read it (Transformers' Trainer keeps only the
-    # dataset columns model.forward names; (*args, labels, **kwargs) made it drop input_ids).
-    signature = None
+def _signatures(module, forward):
+    """(what inspect.signature answers for the swapped forward, the same with a leading `self` for its
+    `__func__`), or (None, None): the module's own forward's where `forward` takes any call (*args,
+    **kwargs: the model's), else `forward`'s.  Frameworks read it (Transformers' Trainer keeps only the
+    dataset columns model.forward names; (*args, labels, **kwargs) made it drop input_ids)."""
     try:
         signature = inspect.signature(forward)
         kinds = {p.kind for p in signature.parameters.values()}
         if {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} <= kinds:
             signature = inspect.signature(_own_forward(module))
-        self_ = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
-        func.__signature__ = signature.replace(parameters=[self_, *signature.parameters.values()])
     except (TypeError, ValueError):  # no signature to keep (a builtin)
-        pass
+        return None, None
+    self_ = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    return signature, signature.replace(parameters=[self_, *signature.parameters.values()])
+
+
+def _bind(module, attribute, forward, signatures):
+    """`forward` bound to `module` as its `attribute` (_SwappedForward, answering `signatures`, _signatures);
+    returns what was set."""
+    def func(self, *args, **kwargs):
+        if self is not module:
+            raise TypeError(_NO_COPY)
+        return forward(*args, **kwargs)
+
+    if signatures[1] is not None:
+        func.__signature__ = signatures[1]
     func.__name__ = func.__qualname__ = "forward"
-    bound = _SwappedForward(func, module, signature, forward)
+    bound = _SwappedForward(func, module, signatures[0], forward)
     setattr(module, attribute, bound)
-    if attribute == "forward" and isinstance(forward, functools.partial):
-        # torch.nn.DataParallel's replicas copy the module's __dict__, this forward with it, which would run
-        # the module (its weights on the first GPU) instead of the replica: each replica gets it bound anew.
-        def replicate_for_data_parallel():
-            replica = type(module)._replicate_for_data_parallel(module)
-            _bind(replica, "forward", _rebound(forward, module, replica))
-            return replica
-        module._replicate_for_data_parallel = replicate_for_data_parallel
     return bound
 
 
@@ -1945,7 +1943,18 @@ def _set_forward(state, module, forward):
     had = attribute in module.__dict__
     previous = module.__dict__.get(attribute)
 
-    bound = _bind(module, attribute, forward)
+    signatures = _signatures(module, forward)
+    bound = _bind(module, attribute, forward, signatures)
+    if attribute == "forward" and isinstance(forward, functools.partial):
+        # torch.nn.DataParallel's replicas (made at every call) copy the module's __dict__, this forward with
+        # it, which would run the module (its weights on the first GPU) instead of the replica: each replica
+        # gets it bound anew.
+        def replicate_for_data_parallel():
+            replica = type(module)._replicate_for_data_parallel(module)
+            _bind(replica, "forward", _rebound(forward, module, replica), signatures)
+            del replica._replicate_for_data_parallel  # the module's, copied with its __dict__
+            return replica
+        module._replicate_for_data_parallel = replicate_for_data_parallel
 
     def undo():
         d = vars(module)
