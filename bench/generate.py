@@ -171,7 +171,8 @@ def main():
                     "the weights are made on the GPU, which takes seconds where the CPU takes a minute at 7B")
     ap.add_argument("--prefill", type=int, default=2048, help="prompt tokens of the prefill run (0: none)")
     ap.add_argument("--variants", default="", help="also time kcpp with these settings, e.g. "
-                    "unfused:KCPP_DECODE_FUSED=0,cublas:KCPP_GEMV=0")
+                    "unfused:KCPP_DECODE_FUSED=0,cublas:KCPP_GEMV=0 (marked '(ids differ)' where its greedy ids are "
+                    "not the default run's)")
     a = ap.parse_args()
     import torch
     import transformers
@@ -233,6 +234,7 @@ def main():
                     u, verr = kcpp_run(a.kcpp, folder, ids.tolist(), a.new, env={var: value})
                     if u is not None:
                         line += f" | {label} decode {u['decode_tokens'] / max(u['decode_seconds'], 1e-9):8.0f}"
+                        line += "" if u["ids"] == stats["ids"] else " (ids differ)"
                     else:
                         line += f" | {label} failed: {verr}"
                 # In bf16 near ties part the rows early; the f32 parity below is the check.

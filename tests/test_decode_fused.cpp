@@ -197,7 +197,10 @@ TEST_P(DecodeFused, AddRmsNormLinearMatchesTheOracle) {
                                   {2, 1000, 333, true, false, 1.0},  {3, 2056, 7, true, true, 1.0},
                                   {4, 8, 129, true, false, 0.0},     {4, 3072, 1024, true, false, 0.0},
                                   {3, 136, 4099, false, true, 1.0},  {5, 64, 33, true, false, 0.0},
-                                  {2, 333, 17, true, false, 0.0}};
+                                  {2, 333, 17, true, false, 0.0},
+                                  // a warp's row in three passes and a block's several columns: the next
+                                  // pass (or column) loaded ahead of the products
+                                  {2, 4104, 4500, true, false, 0.0}};
   for (DType dt : test::float_dtypes(dev))
     for (const NormLinearCase& c : cases) {
       const std::string cfg = fmt::format("{} n={} k={} o={} delta={} gemma={} offset={}", config_name(dev, dt), c.n, c.k,
@@ -239,7 +242,8 @@ TEST_P(DecodeFused, GluLinearMatchesTheOracle) {
           std::tuple{3, 8, 5, ops::GluActivation::GeluTanh, oracle::Act::GeluTanh},
           std::tuple{4, 2056, 2049, ops::GluActivation::Silu, oracle::Act::Silu},
           std::tuple{1, 77, 9, ops::GluActivation::Silu, oracle::Act::Silu},
-          std::tuple{6, 64, 11, ops::GluActivation::Gelu, oracle::Act::Gelu}}) {
+          std::tuple{6, 64, 11, ops::GluActivation::Gelu, oracle::Act::Gelu},
+          std::tuple{1, 4104, 4500, ops::GluActivation::Silu, oracle::Act::Silu}}) {
       const std::string cfg = fmt::format("{} n={} inter={} o={}", config_name(dev, dt), n, inter, o);
       const Tensor gu = Tensor::randn({n, 2 * inter}, dt, dev, gen), w = Tensor::randn({o, inter}, dt, dev, gen);
       const Tensor out = ops::glu_linear(gu, act, w);

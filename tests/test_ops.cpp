@@ -226,11 +226,13 @@ TEST_P(Ops, MatmulMatchesOracle) {
                         {4, 5, 3, 19, true, true, false},     {3, 6, 10, 7, false, false, true},
                         {2, 9, 4, 5, true, false, true},
                         // a few rows times a weight [N, K] (on CUDA in 16-bit types: ops/cuda/gemv.cu), K
-                        // one warp's step, several, with a tail, K split over 1 to 8 warps, and not a multiple of 8 (cuBLAS)
+                        // one warp's step, several, with a tail, K split over 1 to 8 warps, and not a multiple of 8 (cuBLAS);
+                        // a warp's row in several passes (the next pass loaded ahead), the last one partial
                         {1, 1, 4096, 1024, false, true, true}, {1, 3, 37, 1000, false, true, true},
                         {2, 4, 100, 264, false, true, true},   {1, 8, 5, 8, false, true, true},
                         {1, 5, 129, 4104, false, true, true},  {1, 2, 9, 33, false, true, true},
-                        {1, 9, 17, 64, false, true, true},     {1, 6, 70, 1032, false, true, true}};
+                        {1, 9, 17, 64, false, true, true},     {1, 6, 70, 1032, false, true, true},
+                        {1, 1, 4500, 4104, false, true, true}, {1, 3, 4300, 2312, false, true, true}};
   for (DType dt : test::float_dtypes(dev)) {
     for (const Case& c : cases) {
       const Tensor a = Tensor::randn(c.ta ? Shape{c.batch, c.k, c.m} : Shape{c.batch, c.m, c.k}, dt, dev, gen);
