@@ -19,6 +19,7 @@ import os
 import tempfile
 import time
 import unittest
+import warnings
 from unittest import mock
 
 try:
@@ -234,6 +235,32 @@ class Kernelize(Base):
             self.assertEqual(r[layer]["fallbacks"], 0, f"{layer}: {r}")
             self.assertGreater(r[layer]["kernel_calls"], 0, f"{layer}: {r}")
         self.assertNotIn("_replicate_for_data_parallel", vars(kt.unkernelize(model).model.norm))
+
+    @unittest.skipUnless(CUDA and torch.cuda.device_count() >= 2, "needs two CUDA devices")
+    def test_data_parallel_on_two_gpus(self):
+        # torch.nn.DataParallel over cuda:0 and cuda:1: each replica runs the kernels on its own device and its
+        # own copy of the weights, on its half of the batch.  Against the unkernelized model on each half: the
+        # two losses (gathered as a vector) and the gradients of their sum, reduced onto cuda:0's parameters.
+        ids, labels = (t.cuda() for t in batch())
+        plain = make_model("llama", attn="sdpa").cuda()
+        plain.zero_grad(set_to_none=True)
+        want = torch.stack([plain(input_ids=ids[i:i + 1], labels=labels[i:i + 1]).loss for i in range(2)])
+        want.sum().backward()
+        dp = kt.kernelize(torch.nn.DataParallel(make_model("llama", attn="sdpa").cuda(), device_ids=[0, 1]))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DataParallel's note that it gathers the scalar losses into a vector
+            got = dp(input_ids=ids, labels=labels).loss
+        self.assertEqual(tuple(got.shape), (2,))
+        self.assertLess(rel_l2(got.detach(), want.detach()), 1e-5)
+        got.sum().backward()
+        ref = dict(plain.named_parameters())
+        for name, p in dp.module.named_parameters():
+            with self.subTest(parameter=name):
+                self.assertLess(rel_l2(p.grad, ref[name].grad), 1e-4)
+        r = kt.report(dp)
+        for layer in ("RMSNorm", "MLP", "Attention", "ForCausalLMLoss"):
+            self.assertEqual(r[layer]["fallbacks"], 0, f"{layer}: {r}")
+            self.assertGreaterEqual(r[layer]["kernel_calls"], 2, f"{layer}: {r}")  # one a replica at least
 
     def test_a_model_inside_data_parallel(self):
         # kernelize of the torch.nn.DataParallel wrapping a model kernelizes the model it calls (on the CPU,

@@ -35,6 +35,18 @@ template <typename T> KCPP_HD T unary(Unary op, T x, T alpha) {
   return x;
 }
 
+// A gated activation chosen at run time (Silu, Gelu, GeluTanh; NaN for any other op), each case unary()
+// with its op a constant.  A kernel that inlines unary()'s whole switch for a runtime op gets a stack
+// frame and a body too large for the instruction cache (bench/RESULTS.md, 2026-11-27 and -28).
+template <typename T> KCPP_HD T gated(Unary op, T x) {
+  switch (op) {
+    case Unary::Silu: return unary(Unary::Silu, x, T(0));
+    case Unary::Gelu: return unary(Unary::Gelu, x, T(0));
+    case Unary::GeluTanh: return unary(Unary::GeluTanh, x, T(0));
+    default: return T(NAN);
+  }
+}
+
 template <typename T> KCPP_HD T binary(Binary op, T a, T b) {
   constexpr T kSqrt2OverPi = T(0.7978845608028654), kInvSqrt2 = T(0.7071067811865476), kC = T(0.044715);
   constexpr T kInvSqrt2Pi = T(0.3989422804014327);

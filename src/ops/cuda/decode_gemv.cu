@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -67,7 +68,7 @@ using kcpp::kernel::cuda::warp_sum;
 
 // AddNorm and Glu make the rows; MambaNorm makes them as AddNorm and ends each column with the Mamba
 // epilogue (a template case of its own, so that the other kernels keep no epilogue registers).
-enum class Prologue { AddNorm, Glu, MambaNorm };
+enum class Prologue { AddNorm, Glu, MambaNorm, GluSwitch };  // GluSwitch: TEMPORARY, the measurement's old form
 
 template <typename T> struct FusedGemvParams {
   T* out;              // [M, N]
@@ -99,7 +100,7 @@ constexpr int kMaxConv = 4;  // the most convolution taps and state entries the 
 template <typename T, int M, Prologue P>
 __device__ __forceinline__ void make_rows(const FusedGemvParams<T>& p, T* rows) {
   const int k = p.k;
-  if constexpr (P == Prologue::Glu) {
+  if constexpr (P == Prologue::GluSwitch) {
     for (int m = 0; m < M; ++m)
       for (int e = threadIdx.x * 8; e < k; e += kThreads * 8) {
         const T* r = p.x + static_cast<int64_t>(m) * 2 * k;  // [2K]: gate, then up
@@ -110,6 +111,25 @@ __device__ __forceinline__ void make_rows(const FusedGemvParams<T>& p, T* rows) 
         for (int i = 0; i < 8; ++i) h[i] = round_to<T>(math::unary<float>(p.act, g[i], 0.f)) * u[i];
         store_f32<T, 8>(rows + m * k + e, h);
       }
+  } else if constexpr (P == Prologue::Glu) {
+    // The activation a constant in each loop (one branch a block, not unary()'s whole switch an element).
+    auto glu = [&]<Unary A>() {
+      for (int m = 0; m < M; ++m)
+        for (int e = threadIdx.x * 8; e < k; e += kThreads * 8) {
+          const T* r = p.x + static_cast<int64_t>(m) * 2 * k;  // [2K]: gate, then up
+          float g[8], u[8], h[8];
+          load_f32<T, 8>(r + e, g);
+          load_f32<T, 8>(r + k + e, u);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) h[i] = round_to<T>(math::unary<float>(A, g[i], 0.f)) * u[i];
+          store_f32<T, 8>(rows + m * k + e, h);
+        }
+    };
+    switch (p.act) {
+      case Unary::Gelu: glu.template operator()<Unary::Gelu>(); break;
+      case Unary::GeluTanh: glu.template operator()<Unary::GeluTanh>(); break;
+      default: glu.template operator()<Unary::Silu>(); break;  // glu_linear passes these three only
+    }
   } else {
     __shared__ float red[kWarps][M];
     float ss[M] = {};
@@ -182,7 +202,7 @@ __device__ __forceinline__ void make_rows(const FusedGemvParams<T>& p, T* rows) 
 }
 
 // Columns (kWarps / KS a group) blockIdx.x, blockIdx.x + gridDim.x, ... of out.
-template <typename T, int M, int KS, Prologue P, int U, bool Ahead>
+template <typename T, int M, int KS, Prologue P>
 __global__ void __launch_bounds__(kThreads) fused_gemv_kernel(const __grid_constant__ FusedGemvParams<T> p) {
   extern __shared__ __align__(16) unsigned char smem[];
   T* rows = reinterpret_cast<T*>(smem);  // [M, K]
@@ -190,36 +210,35 @@ __global__ void __launch_bounds__(kThreads) fused_gemv_kernel(const __grid_const
   constexpr int cols = kWarps / KS;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % KS, n = p.n, k = p.k;
   const int groups = (n + cols - 1) / cols;
-  auto row = [&](int g) { return p.w + static_cast<int64_t>(min(g * cols + warp / KS, n - 1)) * k; };  // [K]
-  uint4 wv[U];
-  load_pass<T, KS, U>(row(blockIdx.x), slice * kStep, k, lane, wv);
+  float wv[kUnroll][8];
+  int col = blockIdx.x * cols + warp / KS;
+  load_pass<T, KS>(p.w + static_cast<int64_t>(min(col, n - 1)) * k, slice * kStep, k, lane, wv);
   pdl_wait();
   pdl_trigger();
   make_rows<T, M, P>(p, rows);
   constexpr bool mamba = P == Prologue::MambaNorm;
-  // The Mamba epilogue's operands, loaded at a column's start while its products run: lane m < M
-  // of the column's first warp takes row m's convolution.
-  bool conv = false;
-  T* st = nullptr;
-  float taps[kMaxConv] = {}, state[kMaxConv] = {}, cbias = 0.f, obias = 0.f;
-  auto start = [&](int g) {
-    if constexpr (mamba) {
-      const int col = g * cols + warp / KS;
-      conv = col < p.conv_d && warp % KS == 0 && lane < M;
-      st = conv && p.conv_k > 0 ? p.conv_state + (static_cast<int64_t>(lane) * p.conv_d + col) * p.conv_k : nullptr;
-      if (warp % KS == 0 && lane < M && col < n && p.bias != nullptr) obias = to_f32(p.bias[col]);
-      if (conv) {
+  for (int g = blockIdx.x; g < groups; g += gridDim.x) {
+    col = g * cols + warp / KS;
+    const T* row = p.w + static_cast<int64_t>(min(col, n - 1)) * k;  // [K]
+    // The Mamba epilogue's operands, loaded while the product runs: lane m < M of the column's
+    // first warp takes row m's convolution.
+    const bool conv = mamba && col < p.conv_d && warp % KS == 0 && lane < M;
+    T* st = conv && p.conv_k > 0 ? p.conv_state + (static_cast<int64_t>(lane) * p.conv_d + col) * p.conv_k : nullptr;
+    float taps[kMaxConv] = {}, state[kMaxConv] = {}, cbias = 0.f, obias = 0.f;
+    if (mamba && warp % KS == 0 && lane < M && col < n && p.bias != nullptr) obias = to_f32(p.bias[col]);
+    if (conv) {
 #pragma unroll
-        for (int j = 0; j < kMaxConv; ++j) {
-          if (j < p.width) taps[j] = to_f32(p.conv_w[static_cast<int64_t>(col) * p.width + j]);
-          if (j < p.conv_k) state[j] = to_f32(st[j]);
-        }
-        if (p.conv_b != nullptr) cbias = to_f32(p.conv_b[col]);
+      for (int j = 0; j < kMaxConv; ++j) {
+        if (j < p.width) taps[j] = to_f32(p.conv_w[static_cast<int64_t>(col) * p.width + j]);
+        if (j < p.conv_k) state[j] = to_f32(st[j]);
       }
+      if (p.conv_b != nullptr) cbias = to_f32(p.conv_b[col]);
     }
-  };
-  auto finish = [&](int g, float(&acc)[M]) {
-    const int col = g * cols + warp / KS;
+    float acc[M] = {};
+    for (int base = slice * kStep; base < k; base += kStep * KS * kUnroll) {
+      if (g != static_cast<int>(blockIdx.x) || base != slice * kStep) load_pass<T, KS>(row, base, k, lane, wv);
+      dot_pass<T, M, KS>(rows, k, base, k, lane, wv, acc);
+    }
     if constexpr (!mamba) {
       finish_column<T, M, KS>(p.out, n, col, warp, lane, acc, part);
     } else {
@@ -255,21 +274,18 @@ __global__ void __launch_bounds__(kThreads) fused_gemv_kernel(const __grid_const
       }
     }
     if constexpr (KS > 1) __syncthreads();  // part is read before the next group writes it
-  };
-  walk<T, M, KS, U, Ahead>(rows, k, k, lane, slice, blockIdx.x, gridDim.x, groups, wv, row, start, finish);
+  }
 }
 
 // False (nothing launched) when the rows do not fit in a block's shared memory.
 template <typename T, int M, int KS, Prologue P> bool launch(const char* op, const FusedGemvParams<T>& p) {
-  return with_scheme([&]<int U, bool Ahead>() {
-    auto kernel = fused_gemv_kernel<T, M, KS, P, U, Ahead>;
-    const size_t smem = sizeof(T) * M * static_cast<size_t>(p.k);
-    const int fit = resident_blocks(reinterpret_cast<const void*>(kernel), kThreads, smem);
-    if (fit == 0) return false;
-    const int groups = (p.n + kWarps / KS - 1) / (kWarps / KS);
-    launch_pdl(op, kernel, dim3(std::min(groups, fit)), dim3(kThreads), smem, p);
-    return true;
-  });
+  auto kernel = fused_gemv_kernel<T, M, KS, P>;
+  const size_t smem = sizeof(T) * M * static_cast<size_t>(p.k);
+  const int fit = resident_blocks(reinterpret_cast<const void*>(kernel), kThreads, smem);
+  if (fit == 0) return false;
+  const int groups = (p.n + kWarps / KS - 1) / (kWarps / KS);
+  launch_pdl(op, kernel, dim3(std::min(groups, fit)), dim3(kThreads), smem, p);
+  return true;
 }
 
 template <typename T, Prologue P> bool dispatch(const char* op, int64_t m, const FusedGemvParams<T>& p) {
@@ -371,7 +387,8 @@ bool glu_linear(const Tensor& out, const Tensor& gu, GluActivation act, const Te
       p.w = static_cast<const T*>(weight.data());
       p.n = static_cast<int>(weight.size(0)), p.k = static_cast<int>(gu.size(1) / 2);
       p.act = act == GluActivation::Silu ? Unary::Silu : act == GluActivation::Gelu ? Unary::Gelu : Unary::GeluTanh;
-      done = dispatch<T, Prologue::Glu>(op, gu.size(0), p);
+      const char* e = std::getenv("KCPP_GLU_SWITCH");
+      done = e && e[0] == '1' ? dispatch<T, Prologue::GluSwitch>(op, gu.size(0), p) : dispatch<T, Prologue::Glu>(op, gu.size(0), p);
     }
   });
   return done;

@@ -315,7 +315,7 @@ __device__ void gemv(const Gemv<T>& g, const T* act, T* out, const T* ring, uint
         v[m] = warp_sum(acc[0][m]);
         if (g.halves == 2) {
           const float up = round_to<T>(warp_sum(acc[1][m]));
-          v[m] = round_to<T>(math::unary<float>(fn, round_to<T>(v[m]), 0.f)) * up;
+          v[m] = round_to<T>(math::gated<float>(fn, round_to<T>(v[m]))) * up;
         }
       }
       if (lane < M) {

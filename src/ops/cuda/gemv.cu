@@ -4,7 +4,7 @@
 //
 // One warp (or KS warps over slices of K, for narrow weights) per output column n: each lane reads 8
 // consecutive elements of w's row n (one 16-byte load) and the same 8 elements of every row of a
-// (through L1: a is small and every warp reads it), several loads in flight before the first
+// (through L1: a is small and every warp reads it), kUnroll loads in flight before the first
 // product, and keeps M f32 sums; the sums are added by shuffles (and across the slices in shared
 // memory) and rounded once to the dtype, as cuBLAS rounds its f32 accumulator.  Launched with
 // programmatic dependent launch (ops/cuda/pdl.cuh): the first weight loads overlap the end of the
@@ -29,31 +29,29 @@ using namespace gemv;
 // KS warps of a block share a column, each over its own K / KS slice (8 / KS columns a block), so
 // that narrow weights still put enough loads in flight; their sums meet in shared memory.  The first
 // pass of weight loads is issued before pdl_wait(): the weights are no kernel's output.
-template <typename T, int M, int KS, int U, bool Ahead>
+template <typename T, int M, int KS>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(T* __restrict__ out, const T* __restrict__ a,
                                                         const T* __restrict__ w, int n, int k) {
   __shared__ float part[kWarps][M];
-  constexpr int cols = kWarps / KS;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % KS;
-  auto row = [&](int g) { return w + static_cast<int64_t>(min(g * cols + warp / KS, n - 1)) * k; };  // [K]
-  uint4 wv[U];
-  load_pass<T, KS, U>(row(blockIdx.x), slice * kStep, k, lane, wv);
+  const int col = blockIdx.x * (kWarps / KS) + warp / KS;
+  const T* row = w + static_cast<int64_t>(min(col, n - 1)) * k;  // [K]
+  float wv[kUnroll][8];
+  load_pass<T, KS>(row, slice * kStep, k, lane, wv);
   pdl_wait();
   pdl_trigger();
-  walk<T, M, KS, U, Ahead>(
-      a, k, k, lane, slice, blockIdx.x, gridDim.x, gridDim.x, wv, row, [](int) {},
-      [&](int g, float(&acc)[M]) { finish_column<T, M, KS>(out, n, g * cols + warp / KS, warp, lane, acc, part); });
+  float acc[M] = {};
+  for (int base = slice * kStep; base < k; base += kStep * KS * kUnroll) {
+    if (base != slice * kStep) load_pass<T, KS>(row, base, k, lane, wv);
+    dot_pass<T, M, KS>(a, k, base, k, lane, wv, acc);
+  }
+  finish_column<T, M, KS>(out, n, col, warp, lane, acc, part);
 }
 
 template <typename T, int M, int KS> void launch(const Tensor& out, const Tensor& a, const Tensor& w, int n, int k) {
   constexpr int cols = kWarps / KS;
-  const dim3 grid((n + cols - 1) / cols);
-  auto* o = static_cast<T*>(out.data());
-  const auto* ap = static_cast<const T*>(a.data());
-  const auto* wp = static_cast<const T*>(w.data());
-  with_scheme([&]<int U, bool Ahead>() {
-    launch_pdl("matmul (gemv)", gemv_kernel<T, M, KS, U, Ahead>, grid, dim3(kThreads), 0, o, ap, wp, n, k);
-  });
+  launch_pdl("matmul (gemv)", gemv_kernel<T, M, KS>, dim3((n + cols - 1) / cols), dim3(kThreads), 0,
+             static_cast<T*>(out.data()), static_cast<const T*>(a.data()), static_cast<const T*>(w.data()), n, k);
 }
 
 template <typename T, int M> void launch_split(const Tensor& out, const Tensor& a, const Tensor& w, int n, int k) {
