@@ -231,6 +231,54 @@ TEST_P(DecodeFused, AddRmsNormLinearMatchesTheOracle) {
     }
 }
 
+// The gate/up projection with the gated activation after it.  Against the f64 oracle: the stored
+// normed row's product rounded to the dtype (as add_rms_norm_linear stores gu), then the activation
+// of the rounded halves; and the same bits as the composition it replaces.
+TEST_P(DecodeFused, AddRmsNormLinearGluMatchesTheOracle) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test_generator();
+  struct Case {
+    int64_t n, k, inter;
+    bool delta, gemma;
+    ops::GluActivation act;
+    oracle::Act oact;
+  };
+  const Case cases[] = {{1, 1024, 3072, true, false, ops::GluActivation::Silu, oracle::Act::Silu},
+                        {1, 2048, 8192, false, false, ops::GluActivation::Silu, oracle::Act::Silu},
+                        {2, 1000, 77, true, true, ops::GluActivation::Gelu, oracle::Act::Gelu},
+                        {3, 2056, 1, true, false, ops::GluActivation::GeluTanh, oracle::Act::GeluTanh},
+                        {4, 136, 4099, true, false, ops::GluActivation::Silu, oracle::Act::Silu},
+                        {5, 64, 33, true, false, ops::GluActivation::Gelu, oracle::Act::Gelu},  // composed on CUDA (5 rows)
+                        {2, 4104, 2300, true, false, ops::GluActivation::Silu, oracle::Act::Silu}};
+  for (DType dt : test::float_dtypes(dev))
+    for (const Case& c : cases) {
+      const std::string cfg = fmt::format("{} n={} k={} inter={} delta={} gemma={}", config_name(dev, dt), c.n, c.k,
+                                          c.inter, c.delta, c.gemma);
+      const Tensor x = Tensor::randn({c.n, c.k}, dt, dev, gen);
+      const Tensor delta = c.delta ? Tensor::randn({c.n, c.k}, dt, dev, gen) : Tensor();
+      const Tensor wn = Tensor::randn({c.k}, dt, dev, gen), w = Tensor::randn({2 * c.inter, c.k}, dt, dev, gen);
+      ops::RMSNormOptions opt;
+      opt.eps = 1e-6, opt.offset = c.gemma ? 1.0 : 0.0;
+      opt.casting = c.gemma ? ops::RMSNormCasting::Gemma : ops::RMSNormCasting::Llama;
+      const auto [s, h] = ops::add_rms_norm_linear_glu(x, delta, wn, opt, w, c.act);
+      ASSERT_EQ(s.shape(), x.shape()) << cfg;
+      ASSERT_EQ(h.shape(), (Shape{c.n, c.inter})) << cfg;
+      const auto [s_ref, gu] = ops::add_rms_norm_linear(x, delta, wn, opt, w);
+      EXPECT_TRUE(test::close_elementwise(s, values(s_ref), 0.0, 0.0)) << cfg << " (sum: exact)";
+      EXPECT_TRUE(test::close_elementwise(h, values(ops::glu_packed(gu, c.act)), 0.0, 0.0)) << cfg << " (the composition: exact)";
+      const Tensor a = ops::rms_norm_forward(s.to(Device::cpu()), wn.to(Device::cpu()), opt).y;
+      const V g = rounded(product(values(a), values(w.narrow(0, 0, c.inter).contiguous()), c.n, c.k, c.inter), dt);
+      const V u = rounded(product(values(a), values(w.narrow(0, c.inter, c.inter).contiguous()), c.n, c.k, c.inter), dt);
+      EXPECT_TRUE(test::close_l2(h, oracle::glu(g, u, c.oact), test::composite_rel_l2(dt))) << cfg << " (oracle)";
+    }
+  // Bad input: an odd number of weight rows.
+  const Tensor x = Tensor::randn({1, 16}, DType::f32, dev, gen), wn = Tensor::randn({16}, DType::f32, dev, gen);
+  EXPECT_THROW((void)ops::add_rms_norm_linear_glu(x, Tensor(), wn, {}, Tensor::randn({5, 16}, DType::f32, dev, gen),
+                                                  ops::GluActivation::Silu),
+               Error);
+}
+
 TEST_P(DecodeFused, GluLinearMatchesTheOracle) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);

@@ -679,8 +679,8 @@ bool CausalLM::decode_fused_possible() const {
 // Per layer, with the fused projections (ops::decode_linear_fused: bf16 / f16 on CUDA, rows the gemv
 // takes): the residual add + input norm + qkv GEMV (one op; the first layer's has no add), q/k norms +
 // RoPE + the cache append (one op), the attention, the o GEMV, the residual add + post norm + gate/up
-// GEMV (one op), the gated activation + down GEMV (one op); after the last layer the residual add +
-// final norm.  Without them (KCPP_DECODE_FUSED=1, other dtypes, more rows, a qkv bias, separate
+// GEMV + the gated activation (one op), the down GEMV; after the last layer the residual add + final
+// norm.  Without them (KCPP_DECODE_FUSED=1, other dtypes, more rows, a qkv bias, separate
 // gate and up weights) each add + norm and each gated activation is its own op before its GEMM.
 // The residual stream is x + delta: delta, the last down projection, is added by the next norm.
 Tensor CausalLM::decode_layers(const Tensor& h0, const ops::RopeCosSin& cs, KVCache& cache) {
@@ -717,9 +717,20 @@ Tensor CausalLM::decode_layers(const Tensor& h0, const ops::RopeCosSin& cs, KVCa
     const Tensor o = cached_attention(li, q, cache).view({b, hq * d});
     delta = linear(o, l.wo);
     if (fused_linear && l.w_gate_up.defined()) {
-      Tensor gu;
-      std::tie(x, gu) = ops::add_rms_norm_linear(x, delta, l.post_norm->weight, l.post_norm->options, l.w_gate_up);
-      delta = ops::glu_linear(gu, l.mlp->activation, l.w_down);
+      static const bool epilogue = [] {  // TEMPORARY (one measurement): KCPP_DECODE_GLU_EPILOGUE=0, the glu_linear form
+        const char* e = std::getenv("KCPP_DECODE_GLU_EPILOGUE");
+        return !(e && e[0] == '0');
+      }();
+      if (epilogue) {
+        Tensor h;
+        std::tie(x, h) = ops::add_rms_norm_linear_glu(x, delta, l.post_norm->weight, l.post_norm->options, l.w_gate_up,
+                                                      l.mlp->activation);
+        delta = linear(h, l.w_down);
+      } else {
+        Tensor gu;
+        std::tie(x, gu) = ops::add_rms_norm_linear(x, delta, l.post_norm->weight, l.post_norm->options, l.w_gate_up);
+        delta = ops::glu_linear(gu, l.mlp->activation, l.w_down);
+      }
     } else {
       const Tensor m = add_norm(*l.post_norm);
       delta = Tensor();

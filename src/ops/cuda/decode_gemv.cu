@@ -1,5 +1,6 @@
 // The fused decode projections (ops/nn/decode_fused.h): a prologue that makes the M <= 4 input rows
-// of a projection, then the few-row product of ops/cuda/gemv.cu (gemv.cuh) over them.
+// of a projection, then the few-row product of ops/cuda/gemv.cu (gemv.cuh) over them
+// (add_rms_norm_linear_glu: with the gated activation of each gate / up pair of columns after it).
 //
 // Each block makes the rows itself, in shared memory [M, K] rounded to T (what the eager
 // composition stores): add_rms_norm_linear adds the residual and normalizes (one block also writes
@@ -277,6 +278,80 @@ __global__ void __launch_bounds__(kThreads) fused_gemv_kernel(const __grid_const
   }
 }
 
+// add_rms_norm_linear_glu: the AddNorm prologue, then output column c < I = n / 2 from weight rows c
+// (gate) and I + c (up) of W [2I, K]: KS warps take the gate row's passes, then the up row's, and lane
+// m < M of the column's first warp writes h[m, c] = r(r(act(r(gate))) * r(up)), the roundings of
+// add_rms_norm_linear's gu followed by glu_packed.  The passes and sums are the AddNorm kernel's, row
+// for row, so h has the bits of that composition.
+template <typename T, int M, int KS>
+__global__ void __launch_bounds__(kThreads) fused_gemv_glu_kernel(const __grid_constant__ FusedGemvParams<T> p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* rows = reinterpret_cast<T*>(smem);  // [M, K]
+  __shared__ float part[kWarps][2 * M];
+  constexpr int cols = kWarps / KS;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % KS, inter = p.n / 2, k = p.k;
+  const int groups = (inter + cols - 1) / cols;
+  float wv[kUnroll][8];
+  int col = blockIdx.x * cols + warp / KS;
+  load_pass<T, KS>(p.w + static_cast<int64_t>(min(col, inter - 1)) * k, slice * kStep, k, lane, wv);
+  pdl_wait();
+  pdl_trigger();
+  make_rows<T, M, Prologue::AddNorm>(p, rows);
+  for (int g = blockIdx.x; g < groups; g += gridDim.x) {
+    col = g * cols + warp / KS;
+    const int c = min(col, inter - 1);
+    float gate[M] = {}, up[M] = {};
+    auto row_sums = [&](const T* row, float(&acc)[M], bool first) {
+      for (int base = slice * kStep; base < k; base += kStep * KS * kUnroll) {
+        if (!first || base != slice * kStep) load_pass<T, KS>(row, base, k, lane, wv);
+        dot_pass<T, M, KS>(rows, k, base, k, lane, wv, acc);
+      }
+    };
+    row_sums(p.w + static_cast<int64_t>(c) * k, gate, g == static_cast<int>(blockIdx.x));
+    row_sums(p.w + (static_cast<int64_t>(inter) + c) * k, up, false);
+    float acc[2 * M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = gate[m], acc[M + m] = up[m];
+    sum_column<2 * M, KS>(warp, lane, acc, part);
+    if (warp % KS == 0 && col < inter && lane < M) {
+      float gv = acc[0], uv = acc[M];
+#pragma unroll
+      for (int m = 1; m < M; ++m)
+        if (lane == m) gv = acc[m], uv = acc[M + m];
+      const float h = round_to<T>(math::gated<float>(p.act, round_to<T>(gv))) * round_to<T>(uv);
+      p.out[static_cast<int64_t>(lane) * inter + col] = from_f32<T>(h);
+    }
+    if constexpr (KS > 1) __syncthreads();  // part is read before the next group writes it
+  }
+}
+
+template <typename T, int M, int KS> bool launch_glu(const char* op, const FusedGemvParams<T>& p) {
+  auto kernel = fused_gemv_glu_kernel<T, M, KS>;
+  const size_t smem = sizeof(T) * M * static_cast<size_t>(p.k);
+  const int fit = resident_blocks(reinterpret_cast<const void*>(kernel), kThreads, smem);
+  if (fit == 0) return false;
+  const int groups = (p.n / 2 + kWarps / KS - 1) / (kWarps / KS);
+  launch_pdl(op, kernel, dim3(std::min(groups, fit)), dim3(kThreads), smem, p);
+  return true;
+}
+
+template <typename T> bool dispatch_glu(const char* op, int64_t m, const FusedGemvParams<T>& p) {
+  auto with_rows = [&]<int M>() {
+    switch (slices_for(p.n, p.k)) {  // as add_rms_norm_linear over the 2I rows: the same sums
+      case 1: return launch_glu<T, M, 1>(op, p);
+      case 2: return launch_glu<T, M, 2>(op, p);
+      case 4: return launch_glu<T, M, 4>(op, p);
+      default: return launch_glu<T, M, 8>(op, p);
+    }
+  };
+  switch (m) {
+    case 1: return with_rows.template operator()<1>();
+    case 2: return with_rows.template operator()<2>();
+    case 3: return with_rows.template operator()<3>();
+    default: return with_rows.template operator()<4>();
+  }
+}
+
 // False (nothing launched) when the rows do not fit in a block's shared memory.
 template <typename T, int M, int KS, Prologue P> bool launch(const char* op, const FusedGemvParams<T>& p) {
   auto kernel = fused_gemv_kernel<T, M, KS, P>;
@@ -344,6 +419,23 @@ bool add_rms_norm_linear(const Tensor& out, const Tensor& s, const Tensor& x, co
       KCPP_FAIL("op {}: f32 has no fused CUDA kernel (the caller composes it)", op);
     } else {
       done = dispatch<T, Prologue::AddNorm>(op, x.size(0), norm_params<T>(out, s, x, delta, norm_weight, opt, weight));
+    }
+  });
+  return done;
+}
+
+bool add_rms_norm_linear_glu(const Tensor& out, const Tensor& s, const Tensor& x, const Tensor& delta,
+                             const Tensor& norm_weight, const RMSNormOptions& opt, const Tensor& weight, GluActivation act) {
+  constexpr const char* op = "add_rms_norm_linear_glu";
+  kcpp::cuda::DeviceGuard guard(x.device().index);
+  bool done = false;
+  visit_cuda_float(weight.dtype(), op, [&]<typename T>(std::type_identity<T>) {
+    if constexpr (std::is_same_v<T, float>) {
+      KCPP_FAIL("op {}: f32 has no fused CUDA kernel (the caller composes it)", op);
+    } else {
+      FusedGemvParams<T> p = norm_params<T>(out, s, x, delta, norm_weight, opt, weight);
+      p.act = act == GluActivation::Silu ? Unary::Silu : act == GluActivation::Gelu ? Unary::Gelu : Unary::GeluTanh;
+      done = dispatch_glu<T>(op, x.size(0), p);
     }
   });
   return done;

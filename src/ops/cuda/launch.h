@@ -50,6 +50,8 @@ void glu_packed(const Tensor& h, const Tensor& gu, GluActivation act);
 bool add_rms_norm_linear(const Tensor& out, const Tensor& s, const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
                          const RMSNormOptions& opt, const Tensor& weight);
 bool glu_linear(const Tensor& out, const Tensor& gu, GluActivation act, const Tensor& weight);
+bool add_rms_norm_linear_glu(const Tensor& out, const Tensor& s, const Tensor& x, const Tensor& delta,
+                             const Tensor& norm_weight, const RMSNormOptions& opt, const Tensor& weight, GluActivation act);
 // The blocks of `kernel` (launched with `threads` threads) resident on the current device at once with
 // `smem` bytes of dynamic shared memory, the kernel's limit raised above the default 48 KiB where
 // needed; 0 when `smem` does not fit (ops/cuda/decode_gemv.cu).  Cached: decode steps ask every layer.

@@ -165,16 +165,17 @@ bool decode_linear_fused(Device device, DType dtype, int64_t rows) {
 #endif
 }
 
-std::pair<Tensor, Tensor> add_rms_norm_linear(const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
-                                              const RMSNormOptions& opt, const Tensor& weight) {
-  constexpr const char* op = "add_rms_norm_linear";
+namespace {
+
+// add_rms_norm_linear(_glu)'s arguments checked; true for an f32 residual x beside 16-bit weights
+// (Mamba's residual_in_fp32: delta and the weights in the 16-bit dtype, s in f32, the norm reading s
+// rounded).
+bool check_norm_linear(const char* op, const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
+                       const RMSNormOptions& opt, const Tensor& weight) {
   check_float(x, op, "x");
   check_dims(x, 2, op, "x");
-  [[maybe_unused]] const int64_t n = x.size(0);  // the CUDA path's
   const int64_t k = x.size(1);
   check_defined(weight, op, "weight");
-  // An f32 residual stream beside 16-bit weights (Mamba's residual_in_fp32): delta and the weights
-  // in the 16-bit dtype, s in f32, the norm reading s rounded.
   const bool wide = x.dtype() == DType::f32 && (weight.dtype() == DType::bf16 || weight.dtype() == DType::f16);
   const Tensor& ref = wide ? weight : x;
   const char* ref_name = wide ? "weight" : "x";
@@ -191,6 +192,17 @@ std::pair<Tensor, Tensor> add_rms_norm_linear(const Tensor& x, const Tensor& del
   KCPP_CHECK(weight.size(1) == k, "op {}: weight {} must be [out features, {}] to take rows of x {}", op,
              shape_str(weight.shape()), k, shape_str(x.shape()));
   KCPP_CHECK(opt.eps >= 0, "op {}: eps {} < 0", op, opt.eps);
+  return wide;
+}
+
+}  // namespace
+
+std::pair<Tensor, Tensor> add_rms_norm_linear(const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
+                                              const RMSNormOptions& opt, const Tensor& weight) {
+  constexpr const char* op = "add_rms_norm_linear";
+  const bool wide = check_norm_linear(op, x, delta, norm_weight, opt, weight);
+  [[maybe_unused]] const int64_t n = x.size(0);  // the CUDA path's
+  const int64_t k = x.size(1);
   if (fused_casting(opt) && weight.size(0) <= (int64_t{1} << 30) &&
       fused_linear_on_cuda(x, weight.dtype(), k, {&x, &delta, &norm_weight, &weight})) {
 #if KCPP_WITH_CUDA
@@ -207,6 +219,28 @@ std::pair<Tensor, Tensor> add_rms_norm_linear(const Tensor& x, const Tensor& del
   if (!delta.defined()) return {x, matmul(rms_norm_forward(x, norm_weight, opt).y, weight, false, true)};
   const auto [s, a] = add_rms_norm(x, delta, norm_weight, opt);
   return {s, matmul(a, weight, false, true)};
+}
+
+std::pair<Tensor, Tensor> add_rms_norm_linear_glu(const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
+                                                  const RMSNormOptions& opt, const Tensor& weight, GluActivation act) {
+  constexpr const char* op = "add_rms_norm_linear_glu";
+  check_norm_linear(op, x, delta, norm_weight, opt, weight);
+  KCPP_CHECK(weight.size(0) % 2 == 0, "op {}: weight {} must have an even number of rows (gate rows, then up rows)", op,
+             shape_str(weight.shape()));
+  [[maybe_unused]] const int64_t n = x.size(0);  // the CUDA path's
+  const int64_t k = x.size(1);
+  if (fused_casting(opt) && weight.size(0) <= (int64_t{1} << 30) &&
+      fused_linear_on_cuda(x, weight.dtype(), k, {&x, &delta, &norm_weight, &weight})) {
+#if KCPP_WITH_CUDA
+    const Tensor s = delta.defined() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : x;
+    const Tensor h = Tensor::empty({n, weight.size(0) / 2}, weight.dtype(), x.device());
+    if (h.numel() == 0 ||
+        cuda::add_rms_norm_linear_glu(h, delta.defined() ? s : Tensor(), x, delta, norm_weight, opt, weight, act))
+      return {s, h};
+#endif
+  }
+  const auto [s, gu] = add_rms_norm_linear(x, delta, norm_weight, opt, weight);
+  return {s, glu_packed(gu, act)};
 }
 
 Tensor glu_linear(const Tensor& gu, GluActivation act, const Tensor& weight) {

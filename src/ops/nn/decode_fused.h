@@ -28,13 +28,20 @@
 // With an f32 residual x beside bf16 / f16 delta and weights (Mamba's residual_in_fp32): s = x +
 // delta in f32, unrounded, and a = rms_norm(r(s), w); out in the weights' dtype.
 //
+// add_rms_norm_linear_glu — add_rms_norm_linear into a packed gate/up projection W [2I, K], then its
+// gated activation: (s, glu_packed(out, act)), out [N, 2I] as add_rms_norm_linear makes it:
+//   h[n, i] = r(r(act(out[n, i])) * out[n, I + i]),  returns (s, h [N, I])
+// so that the down projection reads h with no activation of its own to make (a decode step's MLP).
+//
 // glu_linear — the gated activation of a packed gate/up row and the projection that reads it:
 // gu [N, 2I], W [O, I]:
 //   h = glu_packed(gu, act)  (rounded to the dtype),  out[n, o] = r(sum_i h[n, i] W[o, i])
 //
 // On CUDA (bf16, f16; N <= kFusedLinearMaxRows; K % 8 == 0 and 16-byte aligned rows) each is one
 // kernel: every block recomputes the norm or the activation of the rows (a few K elements) into
-// shared memory and streams its share of W, as ops/cuda/gemv.cu does; one block writes s.  There
+// shared memory and streams its share of W, as ops/cuda/gemv.cu does; one block writes s.
+// add_rms_norm_linear_glu's warps take a gate row, then its up row, and apply the activation to the
+// two sums: no block recomputes an activation row, which glu_linear's blocks each do (K of them).  There
 // the kernels are launched with programmatic dependent launch (ops/cuda/pdl.cuh), so that the
 // weights are read while the previous kernel ends.  Elsewhere (f32, more rows, a CPU tensor, odd
 // widths) the composition add_rms_norm + ops::matmul, glu_packed + ops::matmul.
@@ -80,10 +87,14 @@ constexpr int64_t kFusedLinearMaxRows = 4;
 std::pair<Tensor, Tensor> add_rms_norm_linear(const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
                                               const RMSNormOptions& opt, const Tensor& weight);
 
+// As add_rms_norm_linear with weight [2I, K] (gate rows, then up rows).  Returns (s, h [N, I]).
+std::pair<Tensor, Tensor> add_rms_norm_linear_glu(const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
+                                                  const RMSNormOptions& opt, const Tensor& weight, GluActivation act);
+
 // gu [N, 2I], weight [O, I].  Returns [N, O].
 Tensor glu_linear(const Tensor& gu, GluActivation act, const Tensor& weight);
 
-// Whether add_rms_norm_linear / glu_linear run as one kernel for `rows` rows of `dtype` on `device`
+// Whether add_rms_norm_linear(_glu) / glu_linear run as one kernel for `rows` rows of `dtype` on `device`
 // (the shapes and alignment aside), and the gemv path of ops::matmul takes that many rows
 // (KCPP_GEMV, default 1; a decode step uses the fused projections only then).
 bool decode_linear_fused(Device device, DType dtype, int64_t rows);
