@@ -53,7 +53,8 @@ if not per_step:
     print(f"{len(rows)} kernels; no repeating decode step found"); sys.exit(0)
 def us(r):
     v = float(r["Metric Value"].replace(",", ""))
-    return v / 1e3 if r["Metric Unit"] == "nsecond" else v * (1e3 if r["Metric Unit"] == "msecond" else 1)
+    unit = r["Metric Unit"]  # Nsight Compute 2025 writes ns / us / ms, older versions nsecond / usecond / msecond
+    return v / 1e3 if unit in ("ns", "nsecond") else v * 1e3 if unit in ("ms", "msecond") else v
 sums, counts = collections.defaultdict(float), collections.Counter()
 for r in rows[-per_step * steps:]:
     sums[r["Kernel Name"][:90]] += us(r) / steps

@@ -717,20 +717,10 @@ Tensor CausalLM::decode_layers(const Tensor& h0, const ops::RopeCosSin& cs, KVCa
     const Tensor o = cached_attention(li, q, cache).view({b, hq * d});
     delta = linear(o, l.wo);
     if (fused_linear && l.w_gate_up.defined()) {
-      static const bool epilogue = [] {  // TEMPORARY (one measurement): KCPP_DECODE_GLU_EPILOGUE=0, the glu_linear form
-        const char* e = std::getenv("KCPP_DECODE_GLU_EPILOGUE");
-        return !(e && e[0] == '0');
-      }();
-      if (epilogue) {
-        Tensor h;
-        std::tie(x, h) = ops::add_rms_norm_linear_glu(x, delta, l.post_norm->weight, l.post_norm->options, l.w_gate_up,
-                                                      l.mlp->activation);
-        delta = linear(h, l.w_down);
-      } else {
-        Tensor gu;
-        std::tie(x, gu) = ops::add_rms_norm_linear(x, delta, l.post_norm->weight, l.post_norm->options, l.w_gate_up);
-        delta = ops::glu_linear(gu, l.mlp->activation, l.w_down);
-      }
+      Tensor h;
+      std::tie(x, h) = ops::add_rms_norm_linear_glu(x, delta, l.post_norm->weight, l.post_norm->options, l.w_gate_up,
+                                                    l.mlp->activation);
+      delta = linear(h, l.w_down);
     } else {
       const Tensor m = add_norm(*l.post_norm);
       delta = Tensor();

@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -69,7 +68,7 @@ using kcpp::kernel::cuda::warp_sum;
 
 // AddNorm and Glu make the rows; MambaNorm makes them as AddNorm and ends each column with the Mamba
 // epilogue (a template case of its own, so that the other kernels keep no epilogue registers).
-enum class Prologue { AddNorm, Glu, MambaNorm, GluSwitch };  // GluSwitch: TEMPORARY, the measurement's old form
+enum class Prologue { AddNorm, Glu, MambaNorm };
 
 template <typename T> struct FusedGemvParams {
   T* out;              // [M, N]
@@ -101,18 +100,7 @@ constexpr int kMaxConv = 4;  // the most convolution taps and state entries the 
 template <typename T, int M, Prologue P>
 __device__ __forceinline__ void make_rows(const FusedGemvParams<T>& p, T* rows) {
   const int k = p.k;
-  if constexpr (P == Prologue::GluSwitch) {
-    for (int m = 0; m < M; ++m)
-      for (int e = threadIdx.x * 8; e < k; e += kThreads * 8) {
-        const T* r = p.x + static_cast<int64_t>(m) * 2 * k;  // [2K]: gate, then up
-        float g[8], u[8], h[8];
-        load_f32<T, 8>(r + e, g);
-        load_f32<T, 8>(r + k + e, u);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) h[i] = round_to<T>(math::unary<float>(p.act, g[i], 0.f)) * u[i];
-        store_f32<T, 8>(rows + m * k + e, h);
-      }
-  } else if constexpr (P == Prologue::Glu) {
+  if constexpr (P == Prologue::Glu) {
     // The activation a constant in each loop (one branch a block, not unary()'s whole switch an element).
     auto glu = [&]<Unary A>() {
       for (int m = 0; m < M; ++m)
@@ -479,8 +467,7 @@ bool glu_linear(const Tensor& out, const Tensor& gu, GluActivation act, const Te
       p.w = static_cast<const T*>(weight.data());
       p.n = static_cast<int>(weight.size(0)), p.k = static_cast<int>(gu.size(1) / 2);
       p.act = act == GluActivation::Silu ? Unary::Silu : act == GluActivation::Gelu ? Unary::Gelu : Unary::GeluTanh;
-      const char* e = std::getenv("KCPP_GLU_SWITCH");
-      done = e && e[0] == '1' ? dispatch<T, Prologue::GluSwitch>(op, gu.size(0), p) : dispatch<T, Prologue::Glu>(op, gu.size(0), p);
+      done = dispatch<T, Prologue::Glu>(op, gu.size(0), p);
     }
   });
   return done;
