@@ -250,7 +250,10 @@ TEST_P(DecodeFused, AddRmsNormLinearGluMatchesTheOracle) {
                         {3, 2056, 1, true, false, ops::GluActivation::GeluTanh, oracle::Act::GeluTanh},
                         {4, 136, 4099, true, false, ops::GluActivation::Silu, oracle::Act::Silu},
                         {5, 64, 33, true, false, ops::GluActivation::Gelu, oracle::Act::Gelu},  // composed on CUDA (5 rows)
-                        {2, 4104, 2300, true, false, ops::GluActivation::Silu, oracle::Act::Silu}};
+                        {2, 4104, 2300, true, false, ops::GluActivation::Silu, oracle::Act::Silu},
+                        // K split over warps: 8 a column at four rows, 4 at one
+                        {4, 2056, 64, true, false, ops::GluActivation::GeluTanh, oracle::Act::GeluTanh},
+                        {1, 1024, 1000, true, true, ops::GluActivation::Silu, oracle::Act::Silu}};
   for (DType dt : test::float_dtypes(dev))
     for (const Case& c : cases) {
       const std::string cfg = fmt::format("{} n={} k={} inter={} delta={} gemma={}", config_name(dev, dt), c.n, c.k,
@@ -272,6 +275,22 @@ TEST_P(DecodeFused, AddRmsNormLinearGluMatchesTheOracle) {
       const V u = rounded(product(values(a), values(w.narrow(0, c.inter, c.inter).contiguous()), c.n, c.k, c.inter), dt);
       EXPECT_TRUE(test::close_l2(h, oracle::glu(g, u, c.oact), test::composite_rel_l2(dt))) << cfg << " (oracle)";
     }
+  // An f32 residual beside 16-bit weights (s in f32, h in the weights' dtype); an empty product still
+  // makes s.
+  for (DType dt : test::float_dtypes(dev)) {
+    if (dt != DType::bf16 && dt != DType::f16) continue;
+    const std::string cfg = fmt::format("{} f32 residual", config_name(dev, dt));
+    const Tensor x = Tensor::randn({2, 1024}, DType::f32, dev, gen), delta = Tensor::randn({2, 1024}, dt, dev, gen);
+    const Tensor wn = Tensor::randn({1024}, dt, dev, gen), w = Tensor::randn({2 * 300, 1024}, dt, dev, gen);
+    const auto [s, h] = ops::add_rms_norm_linear_glu(x, delta, wn, {}, w, ops::GluActivation::Silu);
+    const auto [s_ref, gu] = ops::add_rms_norm_linear(x, delta, wn, {}, w);
+    ASSERT_EQ(s.dtype(), DType::f32) << cfg;
+    EXPECT_TRUE(test::close_elementwise(s, values(s_ref), 0.0, 0.0)) << cfg << " (sum: exact)";
+    EXPECT_TRUE(test::close_elementwise(h, values(ops::glu_packed(gu, ops::GluActivation::Silu)), 0.0, 0.0)) << cfg;
+    const auto [s0, h0] = ops::add_rms_norm_linear_glu(x, delta, wn, {}, w.narrow(0, 0, 0), ops::GluActivation::Silu);
+    ASSERT_EQ(h0.shape(), (Shape{2, 0})) << cfg;
+    EXPECT_TRUE(test::close_elementwise(s0, values(s_ref), 0.0, 0.0)) << cfg << " (empty product: the sum still made)";
+  }
   // Bad input: an odd number of weight rows.
   const Tensor x = Tensor::randn({1, 16}, DType::f32, dev, gen), wn = Tensor::randn({16}, DType::f32, dev, gen);
   EXPECT_THROW((void)ops::add_rms_norm_linear_glu(x, Tensor(), wn, {}, Tensor::randn({5, 16}, DType::f32, dev, gen),

@@ -251,7 +251,7 @@ class Kernelize(Base):
             warnings.simplefilter("ignore")  # DataParallel's note that it gathers the scalar losses into a vector
             got = dp(input_ids=ids, labels=labels).loss
         self.assertEqual(tuple(got.shape), (2,))
-        self.assertLess(rel_l2(got.detach(), want.detach()), 1e-5)
+        self.assertLess(rel_l2(got.detach(), want.detach()), 1e-4)  # as test_families_on_cuda
         got.sum().backward()
         ref = dict(plain.named_parameters())
         for name, p in dp.module.named_parameters():

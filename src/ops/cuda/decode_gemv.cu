@@ -1,6 +1,7 @@
 // The fused decode projections (ops/nn/decode_fused.h): a prologue that makes the M <= 4 input rows
 // of a projection, then the few-row product of ops/cuda/gemv.cu (gemv.cuh) over them
-// (add_rms_norm_linear_glu: with the gated activation of each gate / up pair of columns after it).
+// (add_rms_norm_linear_glu: the AddNorm prologue, and the gated activation of each gate / up pair of
+// columns after their sums).
 //
 // Each block makes the rows itself, in shared memory [M, K] rounded to T (what the eager
 // composition stores): add_rms_norm_linear adds the residual and normalizes (one block also writes
@@ -71,7 +72,7 @@ using kcpp::kernel::cuda::warp_sum;
 enum class Prologue { AddNorm, Glu, MambaNorm };
 
 template <typename T> struct FusedGemvParams {
-  T* out;              // [M, N]
+  T* out;              // [M, N]; add_rms_norm_linear_glu: [M, N / 2]
   T* s;                // AddNorm: [M, K], x + delta, written by block 0; null without delta
   const T* x;          // AddNorm: x [M, K]; Glu: gu [M, 2K]
   const T* delta;      // AddNorm: [M, K] or null
@@ -80,7 +81,7 @@ template <typename T> struct FusedGemvParams {
   int n, k;
   float eps, offset;   // AddNorm: the norm's options
   bool gemma;
-  Unary act;           // Glu
+  Unary act;           // Glu and add_rms_norm_linear_glu: Silu, Gelu or GeluTanh
   const float* xw;     // AddNorm with an f32 residual: x [M, K] (x above unused) and its sum sw [M, K]
   float* sw;
   // The Mamba epilogue (mamba_norm_in_proj): out's bias [N] or null; the convolution of columns
@@ -117,7 +118,7 @@ __device__ __forceinline__ void make_rows(const FusedGemvParams<T>& p, T* rows) 
     switch (p.act) {
       case Unary::Gelu: glu.template operator()<Unary::Gelu>(); break;
       case Unary::GeluTanh: glu.template operator()<Unary::GeluTanh>(); break;
-      default: glu.template operator()<Unary::Silu>(); break;  // glu_linear passes these three only
+      default: glu.template operator()<Unary::Silu>(); break;  // Silu (glu_linear sets no other op)
     }
   } else {
     __shared__ float red[kWarps][M];
@@ -190,6 +191,17 @@ __device__ __forceinline__ void make_rows(const FusedGemvParams<T>& p, T* rows) 
   __syncthreads();
 }
 
+// A fused kernel's start: the first pass of the warp's first weight row loaded (the weights are no
+// kernel's output), the wait for the kernel before, then the input rows made in shared memory.
+template <typename T, int M, int KS, Prologue P>
+__device__ __forceinline__ void begin_block(const FusedGemvParams<T>& p, int64_t first_row, int slice, int lane, T* rows,
+                                      float (&wv)[kUnroll][8]) {
+  load_pass<T, KS>(p.w + first_row * p.k, slice * kStep, p.k, lane, wv);
+  pdl_wait();
+  pdl_trigger();
+  make_rows<T, M, P>(p, rows);
+}
+
 // Columns (kWarps / KS a group) blockIdx.x, blockIdx.x + gridDim.x, ... of out.
 template <typename T, int M, int KS, Prologue P>
 __global__ void __launch_bounds__(kThreads) fused_gemv_kernel(const __grid_constant__ FusedGemvParams<T> p) {
@@ -201,10 +213,7 @@ __global__ void __launch_bounds__(kThreads) fused_gemv_kernel(const __grid_const
   const int groups = (n + cols - 1) / cols;
   float wv[kUnroll][8];
   int col = blockIdx.x * cols + warp / KS;
-  load_pass<T, KS>(p.w + static_cast<int64_t>(min(col, n - 1)) * k, slice * kStep, k, lane, wv);
-  pdl_wait();
-  pdl_trigger();
-  make_rows<T, M, P>(p, rows);
+  begin_block<T, M, KS, P>(p, min(col, n - 1), slice, lane, rows, wv);
   constexpr bool mamba = P == Prologue::MambaNorm;
   for (int g = blockIdx.x; g < groups; g += gridDim.x) {
     col = g * cols + warp / KS;
@@ -281,10 +290,7 @@ __global__ void __launch_bounds__(kThreads) fused_gemv_glu_kernel(const __grid_c
   const int groups = (inter + cols - 1) / cols;
   float wv[kUnroll][8];
   int col = blockIdx.x * cols + warp / KS;
-  load_pass<T, KS>(p.w + static_cast<int64_t>(min(col, inter - 1)) * k, slice * kStep, k, lane, wv);
-  pdl_wait();
-  pdl_trigger();
-  make_rows<T, M, Prologue::AddNorm>(p, rows);
+  begin_block<T, M, KS, Prologue::AddNorm>(p, min(col, inter - 1), slice, lane, rows, wv);
   for (int g = blockIdx.x; g < groups; g += gridDim.x) {
     col = g * cols + warp / KS;
     const int c = min(col, inter - 1);
@@ -302,10 +308,9 @@ __global__ void __launch_bounds__(kThreads) fused_gemv_glu_kernel(const __grid_c
     for (int m = 0; m < M; ++m) acc[m] = gate[m], acc[M + m] = up[m];
     sum_column<2 * M, KS>(warp, lane, acc, part);
     if (warp % KS == 0 && col < inter && lane < M) {
-      float gv = acc[0], uv = acc[M];
 #pragma unroll
-      for (int m = 1; m < M; ++m)
-        if (lane == m) gv = acc[m], uv = acc[M + m];
+      for (int m = 0; m < M; ++m) gate[m] = acc[m], up[m] = acc[M + m];
+      const float gv = lane_sum<M>(gate, lane), uv = lane_sum<M>(up, lane);
       const float h = round_to<T>(math::gated<float>(p.act, round_to<T>(gv))) * round_to<T>(uv);
       p.out[static_cast<int64_t>(lane) * inter + col] = from_f32<T>(h);
     }
@@ -313,51 +318,28 @@ __global__ void __launch_bounds__(kThreads) fused_gemv_glu_kernel(const __grid_c
   }
 }
 
-template <typename T, int M, int KS> bool launch_glu(const char* op, const FusedGemvParams<T>& p) {
-  auto kernel = fused_gemv_glu_kernel<T, M, KS>;
+// False (nothing launched) when the rows do not fit in a block's shared memory.  GluOut: the
+// add_rms_norm_linear_glu kernel (P AddNorm), out's N / 2 columns from the weight's N rows.
+template <typename T, int M, int KS, Prologue P, bool GluOut>
+bool launch(const char* op, const FusedGemvParams<T>& p) {
+  const auto kernel = GluOut ? fused_gemv_glu_kernel<T, M, KS> : fused_gemv_kernel<T, M, KS, P>;
   const size_t smem = sizeof(T) * M * static_cast<size_t>(p.k);
   const int fit = resident_blocks(reinterpret_cast<const void*>(kernel), kThreads, smem);
   if (fit == 0) return false;
-  const int groups = (p.n / 2 + kWarps / KS - 1) / (kWarps / KS);
+  const int columns = GluOut ? p.n / 2 : p.n;
+  const int groups = (columns + kWarps / KS - 1) / (kWarps / KS);
   launch_pdl(op, kernel, dim3(std::min(groups, fit)), dim3(kThreads), smem, p);
   return true;
 }
 
-template <typename T> bool dispatch_glu(const char* op, int64_t m, const FusedGemvParams<T>& p) {
-  auto with_rows = [&]<int M>() {
-    switch (slices_for(p.n, p.k)) {  // as add_rms_norm_linear over the 2I rows: the same sums
-      case 1: return launch_glu<T, M, 1>(op, p);
-      case 2: return launch_glu<T, M, 2>(op, p);
-      case 4: return launch_glu<T, M, 4>(op, p);
-      default: return launch_glu<T, M, 8>(op, p);
-    }
-  };
-  switch (m) {
-    case 1: return with_rows.template operator()<1>();
-    case 2: return with_rows.template operator()<2>();
-    case 3: return with_rows.template operator()<3>();
-    default: return with_rows.template operator()<4>();
-  }
-}
-
-// False (nothing launched) when the rows do not fit in a block's shared memory.
-template <typename T, int M, int KS, Prologue P> bool launch(const char* op, const FusedGemvParams<T>& p) {
-  auto kernel = fused_gemv_kernel<T, M, KS, P>;
-  const size_t smem = sizeof(T) * M * static_cast<size_t>(p.k);
-  const int fit = resident_blocks(reinterpret_cast<const void*>(kernel), kThreads, smem);
-  if (fit == 0) return false;
-  const int groups = (p.n + kWarps / KS - 1) / (kWarps / KS);
-  launch_pdl(op, kernel, dim3(std::min(groups, fit)), dim3(kThreads), smem, p);
-  return true;
-}
-
-template <typename T, Prologue P> bool dispatch(const char* op, int64_t m, const FusedGemvParams<T>& p) {
+// KS from the weight's N rows (for GluOut too, so that its sums are add_rms_norm_linear's).
+template <typename T, Prologue P, bool GluOut = false> bool dispatch(const char* op, int64_t m, const FusedGemvParams<T>& p) {
   auto with_rows = [&]<int M>() {
     switch (slices_for(p.n, p.k)) {
-      case 1: return launch<T, M, 1, P>(op, p);
-      case 2: return launch<T, M, 2, P>(op, p);
-      case 4: return launch<T, M, 4, P>(op, p);
-      default: return launch<T, M, 8, P>(op, p);
+      case 1: return launch<T, M, 1, P, GluOut>(op, p);
+      case 2: return launch<T, M, 2, P, GluOut>(op, p);
+      case 4: return launch<T, M, 4, P, GluOut>(op, p);
+      default: return launch<T, M, 8, P, GluOut>(op, p);
     }
   };
   static_assert(kFusedLinearMaxRows == 4);
@@ -397,80 +379,75 @@ FusedGemvParams<T> norm_params(const Tensor& out, const Tensor& s, const Tensor&
 
 }  // namespace
 
-bool add_rms_norm_linear(const Tensor& out, const Tensor& s, const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
-                         const RMSNormOptions& opt, const Tensor& weight) {
-  constexpr const char* op = "add_rms_norm_linear";
-  kcpp::cuda::DeviceGuard guard(x.device().index);
+namespace {
+
+// f(std::type_identity<T>{}) for a 16-bit dtype T of the weights, on `device`; f32 has no fused kernel
+// (the callers compose it).  Returns what f returns: whether a kernel was launched.
+template <typename F> bool with_16bit(const char* op, DType dtype, const Device& device, F&& f) {
+  kcpp::cuda::DeviceGuard guard(device.index);
   bool done = false;
-  visit_cuda_float(weight.dtype(), op, [&]<typename T>(std::type_identity<T>) {
+  visit_cuda_float(dtype, op, [&]<typename T>(std::type_identity<T> t) {
     if constexpr (std::is_same_v<T, float>) {
       KCPP_FAIL("op {}: f32 has no fused CUDA kernel (the caller composes it)", op);
     } else {
-      done = dispatch<T, Prologue::AddNorm>(op, x.size(0), norm_params<T>(out, s, x, delta, norm_weight, opt, weight));
+      done = f(t);
     }
   });
   return done;
 }
 
+Unary glu_op(GluActivation act) {
+  return act == GluActivation::Silu ? Unary::Silu : act == GluActivation::Gelu ? Unary::Gelu : Unary::GeluTanh;
+}
+
+}  // namespace
+
+bool add_rms_norm_linear(const Tensor& out, const Tensor& s, const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
+                         const RMSNormOptions& opt, const Tensor& weight) {
+  constexpr const char* op = "add_rms_norm_linear";
+  return with_16bit(op, weight.dtype(), x.device(), [&]<typename T>(std::type_identity<T>) {
+    return dispatch<T, Prologue::AddNorm>(op, x.size(0), norm_params<T>(out, s, x, delta, norm_weight, opt, weight));
+  });
+}
+
 bool add_rms_norm_linear_glu(const Tensor& out, const Tensor& s, const Tensor& x, const Tensor& delta,
                              const Tensor& norm_weight, const RMSNormOptions& opt, const Tensor& weight, GluActivation act) {
   constexpr const char* op = "add_rms_norm_linear_glu";
-  kcpp::cuda::DeviceGuard guard(x.device().index);
-  bool done = false;
-  visit_cuda_float(weight.dtype(), op, [&]<typename T>(std::type_identity<T>) {
-    if constexpr (std::is_same_v<T, float>) {
-      KCPP_FAIL("op {}: f32 has no fused CUDA kernel (the caller composes it)", op);
-    } else {
-      FusedGemvParams<T> p = norm_params<T>(out, s, x, delta, norm_weight, opt, weight);
-      p.act = act == GluActivation::Silu ? Unary::Silu : act == GluActivation::Gelu ? Unary::Gelu : Unary::GeluTanh;
-      done = dispatch_glu<T>(op, x.size(0), p);
-    }
+  return with_16bit(op, weight.dtype(), x.device(), [&]<typename T>(std::type_identity<T>) {
+    FusedGemvParams<T> p = norm_params<T>(out, s, x, delta, norm_weight, opt, weight);
+    p.act = glu_op(act);
+    return dispatch<T, Prologue::AddNorm, true>(op, x.size(0), p);
   });
-  return done;
 }
 
 bool mamba_norm_in_proj(const Tensor& out, const Tensor& s, const Tensor& xc, const Tensor& x, const Tensor& delta,
                         const Tensor& norm_weight, const RMSNormOptions& opt, const Tensor& weight, const Tensor& bias,
                         const Tensor& conv_state, const Tensor& conv_w, const Tensor& conv_b) {
   constexpr const char* op = "mamba_norm_in_proj";
-  kcpp::cuda::DeviceGuard guard(x.device().index);
-  bool done = false;
-  visit_cuda_float(weight.dtype(), op, [&]<typename T>(std::type_identity<T>) {
-    if constexpr (std::is_same_v<T, float>) {
-      KCPP_FAIL("op {}: f32 has no fused CUDA kernel", op);
-    } else {
-      FusedGemvParams<T> p = norm_params<T>(out, s, x, delta, norm_weight, opt, weight);
-      p.bias = bias.defined() ? static_cast<const T*>(bias.data()) : nullptr;
-      p.conv_state = static_cast<T*>(conv_state.data());
-      p.conv_w = static_cast<const T*>(conv_w.data());
-      p.conv_b = conv_b.defined() ? static_cast<const T*>(conv_b.data()) : nullptr;
-      p.xc = static_cast<T*>(xc.data());
-      p.conv_d = static_cast<int>(conv_state.size(1)), p.conv_k = static_cast<int>(conv_state.size(2));
-      p.width = static_cast<int>(conv_w.size(1));
-      done = dispatch<T, Prologue::MambaNorm>(op, x.size(0), p);
-    }
+  return with_16bit(op, weight.dtype(), x.device(), [&]<typename T>(std::type_identity<T>) {
+    FusedGemvParams<T> p = norm_params<T>(out, s, x, delta, norm_weight, opt, weight);
+    p.bias = bias.defined() ? static_cast<const T*>(bias.data()) : nullptr;
+    p.conv_state = static_cast<T*>(conv_state.data());
+    p.conv_w = static_cast<const T*>(conv_w.data());
+    p.conv_b = conv_b.defined() ? static_cast<const T*>(conv_b.data()) : nullptr;
+    p.xc = static_cast<T*>(xc.data());
+    p.conv_d = static_cast<int>(conv_state.size(1)), p.conv_k = static_cast<int>(conv_state.size(2));
+    p.width = static_cast<int>(conv_w.size(1));
+    return dispatch<T, Prologue::MambaNorm>(op, x.size(0), p);
   });
-  return done;
 }
 
 bool glu_linear(const Tensor& out, const Tensor& gu, GluActivation act, const Tensor& weight) {
   constexpr const char* op = "glu_linear";
-  kcpp::cuda::DeviceGuard guard(gu.device().index);
-  bool done = false;
-  visit_cuda_float(gu.dtype(), op, [&]<typename T>(std::type_identity<T>) {
-    if constexpr (std::is_same_v<T, float>) {
-      KCPP_FAIL("op {}: f32 has no fused CUDA kernel (the caller composes it)", op);
-    } else {
-      FusedGemvParams<T> p{};
-      p.out = static_cast<T*>(out.data());
-      p.x = static_cast<const T*>(gu.data());
-      p.w = static_cast<const T*>(weight.data());
-      p.n = static_cast<int>(weight.size(0)), p.k = static_cast<int>(gu.size(1) / 2);
-      p.act = act == GluActivation::Silu ? Unary::Silu : act == GluActivation::Gelu ? Unary::Gelu : Unary::GeluTanh;
-      done = dispatch<T, Prologue::Glu>(op, gu.size(0), p);
-    }
+  return with_16bit(op, gu.dtype(), gu.device(), [&]<typename T>(std::type_identity<T>) {
+    FusedGemvParams<T> p{};
+    p.out = static_cast<T*>(out.data());
+    p.x = static_cast<const T*>(gu.data());
+    p.w = static_cast<const T*>(weight.data());
+    p.n = static_cast<int>(weight.size(0)), p.k = static_cast<int>(gu.size(1) / 2);
+    p.act = glu_op(act);
+    return dispatch<T, Prologue::Glu>(op, gu.size(0), p);
   });
-  return done;
 }
 
 }  // namespace kcpp::ops::cuda

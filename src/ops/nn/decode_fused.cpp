@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <optional>
 
 #include "ops/check.h"
 #include "ops/cuda/launch.h"
@@ -195,23 +196,36 @@ bool check_norm_linear(const char* op, const Tensor& x, const Tensor& delta, con
   return wide;
 }
 
+#if KCPP_WITH_CUDA
+// The one-kernel path of add_rms_norm_linear(_glu): (s, out [N, cols]) from launch(out, s or undefined)
+// where the arguments suit it and the kernel takes the call; nothing otherwise (the caller composes).
+// An empty product composes too, so that s is still made.
+template <typename Launch>
+std::optional<std::pair<Tensor, Tensor>> norm_linear_on_cuda(const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
+                                                             const RMSNormOptions& opt, const Tensor& weight, int64_t cols,
+                                                             Launch&& launch) {
+  if (cols == 0 || !fused_casting(opt) || weight.size(0) > (int64_t{1} << 30) ||
+      !fused_linear_on_cuda(x, weight.dtype(), x.size(1), {&x, &delta, &norm_weight, &weight}))
+    return std::nullopt;
+  const Tensor s = delta.defined() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : x;
+  const Tensor out = Tensor::empty({x.size(0), cols}, weight.dtype(), x.device());
+  if (out.numel() > 0 && !launch(out, delta.defined() ? s : Tensor())) return std::nullopt;
+  return std::pair{s, out};
+}
+#endif
+
 }  // namespace
 
 std::pair<Tensor, Tensor> add_rms_norm_linear(const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
                                               const RMSNormOptions& opt, const Tensor& weight) {
   constexpr const char* op = "add_rms_norm_linear";
   const bool wide = check_norm_linear(op, x, delta, norm_weight, opt, weight);
-  [[maybe_unused]] const int64_t n = x.size(0);  // the CUDA path's
-  const int64_t k = x.size(1);
-  if (fused_casting(opt) && weight.size(0) <= (int64_t{1} << 30) &&
-      fused_linear_on_cuda(x, weight.dtype(), k, {&x, &delta, &norm_weight, &weight})) {
 #if KCPP_WITH_CUDA
-    const Tensor s = delta.defined() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : x;
-    const Tensor out = Tensor::empty({n, weight.size(0)}, weight.dtype(), x.device());
-    if (out.numel() == 0 || cuda::add_rms_norm_linear(out, delta.defined() ? s : Tensor(), x, delta, norm_weight, opt, weight))
-      return {s, out};
+  if (auto r = norm_linear_on_cuda(x, delta, norm_weight, opt, weight, weight.size(0), [&](const Tensor& out, const Tensor& s) {
+        return cuda::add_rms_norm_linear(out, s, x, delta, norm_weight, opt, weight);
+      }))
+    return *r;
 #endif
-  }
   if (wide) {
     const Tensor s = delta.defined() ? add(x, delta.to(DType::f32)) : x;
     return {s, matmul(rms_norm_forward(s.to(weight.dtype()), norm_weight, opt).y, weight, false, true)};
@@ -227,18 +241,13 @@ std::pair<Tensor, Tensor> add_rms_norm_linear_glu(const Tensor& x, const Tensor&
   check_norm_linear(op, x, delta, norm_weight, opt, weight);
   KCPP_CHECK(weight.size(0) % 2 == 0, "op {}: weight {} must have an even number of rows (gate rows, then up rows)", op,
              shape_str(weight.shape()));
-  [[maybe_unused]] const int64_t n = x.size(0);  // the CUDA path's
-  const int64_t k = x.size(1);
-  if (fused_casting(opt) && weight.size(0) <= (int64_t{1} << 30) &&
-      fused_linear_on_cuda(x, weight.dtype(), k, {&x, &delta, &norm_weight, &weight})) {
 #if KCPP_WITH_CUDA
-    const Tensor s = delta.defined() ? Tensor::empty(x.shape(), x.dtype(), x.device()) : x;
-    const Tensor h = Tensor::empty({n, weight.size(0) / 2}, weight.dtype(), x.device());
-    if (h.numel() == 0 ||
-        cuda::add_rms_norm_linear_glu(h, delta.defined() ? s : Tensor(), x, delta, norm_weight, opt, weight, act))
-      return {s, h};
+  if (auto r = norm_linear_on_cuda(x, delta, norm_weight, opt, weight, weight.size(0) / 2,
+                                   [&](const Tensor& out, const Tensor& s) {
+                                     return cuda::add_rms_norm_linear_glu(out, s, x, delta, norm_weight, opt, weight, act);
+                                   }))
+    return *r;
 #endif
-  }
   const auto [s, gu] = add_rms_norm_linear(x, delta, norm_weight, opt, weight);
   return {s, glu_packed(gu, act)};
 }

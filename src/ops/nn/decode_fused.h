@@ -44,7 +44,8 @@
 // two sums: no block recomputes an activation row, which glu_linear's blocks each do (K of them).  There
 // the kernels are launched with programmatic dependent launch (ops/cuda/pdl.cuh), so that the
 // weights are read while the previous kernel ends.  Elsewhere (f32, more rows, a CPU tensor, odd
-// widths) the composition add_rms_norm + ops::matmul, glu_packed + ops::matmul.
+// widths, an empty product) the composition add_rms_norm + ops::matmul (add_rms_norm_linear_glu:
+// add_rms_norm_linear + glu_packed), glu_packed + ops::matmul.
 //
 // On CUDA (f32, bf16, f16) each of the three ops above is one kernel; elsewhere, and for what the kernels don't cover, the
 // composition of the reference ops.  Rows and positions on the device are not read back by the host:
