@@ -27,7 +27,7 @@ void check_range(const std::vector<int64_t>& v, int64_t limit, int64_t ignore, b
 
 }  // namespace
 
-Tensor embedding(const Tensor& weight, const Tensor& ids, bool check_ids) {
+Tensor embedding(const Tensor& weight, const Tensor& ids, [[maybe_unused]] bool check_ids) {  // (the CUDA path's)
   check_float(weight, "embedding", "weight");
   check_index(ids, "embedding", "ids");
   check_device(ids, weight, "embedding", "ids", "weight");
@@ -57,7 +57,8 @@ Tensor embedding(const Tensor& weight, const Tensor& ids, bool check_ids) {
   return out;
 }
 
-Tensor embedding_backward(const Tensor& grad, const Tensor& ids, int64_t num_embeddings, bool check_ids) {
+Tensor embedding_backward(const Tensor& grad, const Tensor& ids, int64_t num_embeddings,
+                          [[maybe_unused]] bool check_ids) {  // (the CUDA path's)
   // Floor: read the gradient, write the [V, H] result once.
   const profile::Region region("embedding_backward", grad.device(), 0,
                                profile::enabled() && grad.dim() > 0
