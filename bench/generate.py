@@ -171,8 +171,8 @@ def main():
                     "the weights are made on the GPU, which takes seconds where the CPU takes a minute at 7B")
     ap.add_argument("--prefill", type=int, default=2048, help="prompt tokens of the prefill run (0: none)")
     ap.add_argument("--variants", default="", help="also time kcpp with these settings, e.g. "
-                    "unfused:KCPP_DECODE_FUSED=0,cublas:KCPP_GEMV=0 (marked '(ids differ)' where its greedy ids are "
-                    "not the default run's)")
+                    "unfused:KCPP_DECODE_FUSED=0,cublas:KCPP_GEMV=0+KCPP_PDL=0 ('+' joins the settings of one variant; "
+                    "marked '(ids differ)' where its greedy ids are not the default run's)")
     a = ap.parse_args()
     import torch
     import transformers
@@ -229,9 +229,9 @@ def main():
                          f"first token {1e3 * stats['first_token_seconds']:6.1f} ms; "
                          f"{stats.get('graph_replays', 0)} graph replays)")
                 for variant in filter(None, a.variants.split(",")):  # the same run with a switch of kcpp's set
-                    label, _, setting = variant.partition(":")
-                    var, _, value = setting.partition("=")
-                    u, verr = kcpp_run(a.kcpp, folder, ids.tolist(), a.new, env={var: value})
+                    label, _, settings = variant.partition(":")
+                    env = dict(setting.partition("=")[::2] for setting in settings.split("+"))
+                    u, verr = kcpp_run(a.kcpp, folder, ids.tolist(), a.new, env=env)
                     if u is not None:
                         line += f" | {label} decode {u['decode_tokens'] / max(u['decode_seconds'], 1e-9):8.0f}"
                         line += "" if u["ids"] == stats["ids"] else " (ids differ)"
