@@ -772,9 +772,10 @@ TEST(CausalLMGeneration, LongRowsGrowTheCacheAndStopAtTheContext) {
 }
 
 // On the GPU a batch size's decode step runs eagerly once, is captured as a CUDA graph and then
-// replayed (KCPP_DECODE_GRAPHS=0 turns that off).  The ids equal those of eager steps exactly, as
-// rows stop at different steps and the batch shrinks (a capture per size), in f32 and bf16, with
-// sliding windows; in f32 each token is also the greedy pick of a full forward.
+// replayed (KCPP_DECODE_GRAPHS=0 turns that off), its steps pipelined (each queued from the last
+// one's picks on the device).  The ids equal those of eager steps exactly, as rows stop at different
+// steps and the batch shrinks (a capture per size), as rows outgrow the storage, in f32 and bf16,
+// with sliding windows; in f32 each token is also the greedy pick of a full forward.
 TEST(CausalLMGeneration, GraphDecodeEqualsEagerStepsOnTheGpu) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "skipped: no CUDA device";
   const std::vector<std::vector<int64_t>> prompts = {{3, 4, 5}, {7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17}, {20}, {5, 6}};
@@ -800,6 +801,18 @@ TEST(CausalLMGeneration, GraphDecodeEqualsEagerStepsOnTheGpu) {
         if (dt == DType::f32) expect_greedy_continuation(*model, graphed[p].ids, prompts[p].size(), what);
       }
     }
+  // Rows that outgrow the storage (the longest prompt + 256 positions): the pipelined steps stop
+  // short of the doubling, which the next step makes, then go on.
+  ModelConfig c = ModelConfig::from_folder(fs::path(test::fixtures_dir()) / "llama");
+  c.max_position_embeddings = 400;
+  const auto model = models::CausalLM::random(c, DType::bf16, Device::cuda(0), 11, 0.5);
+  const std::vector<int64_t> none;
+  const std::vector<std::vector<int64_t>> rows = {{3, 4, 5}, {7, 8}};
+  ::setenv("KCPP_DECODE_GRAPHS", "0", 1);
+  const auto eager = model->generate_batch(rows, 300, models::Sampling(), &none);
+  ::unsetenv("KCPP_DECODE_GRAPHS");
+  const auto graphed = model->generate_batch(rows, 300, models::Sampling(), &none);
+  for (size_t p = 0; p < rows.size(); ++p) EXPECT_EQ(graphed[p].ids, eager[p].ids) << "long row " << p;
 }
 
 // Logits of a few ragged decode steps (one given token a row) after each prompt is prefilled into

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "core/pending_copy.h"
 #include "ops/nn/sampling.h"
 #include "ops/ops.h"
 #include "test_util.h"
@@ -128,6 +129,37 @@ TEST_P(Sampling, BadInputIsRefusedOrReported) {
   EXPECT_ERROR(ops::sample_checked(ok, {1.0, 0, 0.0}, {1, 2}, {0, 0}), "top_p is 0");
   EXPECT_ERROR(ops::sample_checked(ok, {1.0, 0, 1.0}, {1}, {0, 0}), "1 seeds and 2 positions for 2 rows");
   EXPECT_ERROR(ops::sample_checked(Tensor::zeros({2, 0}, DType::f32, dev), {1.0, 0, 1.0}, {1, 2}, {0, 0}), "empty vocabulary");
+}
+
+// A decode step's inputs made from the picks on their device (ids, positions + 1, lengths + 1), the
+// picks read back through a PendingCopy queued behind it; bad operands refused by name.
+TEST_P(Sampling, DecodeInputsAdvanceFromThePicks) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  const Tensor picks = Tensor::from_i64(std::vector<int64_t>{5, -1, 7, -1, 9, 3}, {3, 2}, DType::i64, dev);
+  const Tensor ids = Tensor::zeros({3, 1}, DType::i64, dev);
+  const Tensor positions = Tensor::from_i64(std::vector<int64_t>{1, 20, 300}, {3}, DType::i32, dev);
+  const Tensor lengths = Tensor::from_i64(std::vector<int64_t>{2, 21, 301}, {3}, DType::i32, dev);
+  PendingCopy copy;
+  EXPECT_FALSE(copy.pending());
+  for (int step = 1; step <= 2; ++step) {
+    ops::advance_decode_inputs(picks, ids, positions, lengths);
+    copy.start(picks);
+    EXPECT_TRUE(copy.pending());
+    EXPECT_EQ(copy.wait(), (std::vector<int64_t>{5, -1, 7, -1, 9, 3})) << "step " << step;
+    EXPECT_EQ(ids.to_i64_vector(), (std::vector<int64_t>{5, 7, 9})) << "step " << step;
+    EXPECT_EQ(positions.to_i64_vector(), (std::vector<int64_t>{1 + step, 20 + step, 300 + step})) << "step " << step;
+    EXPECT_EQ(lengths.to_i64_vector(), (std::vector<int64_t>{2 + step, 21 + step, 301 + step})) << "step " << step;
+  }
+  EXPECT_ERROR(copy.wait(), "no copy started");
+  copy.start(picks);
+  EXPECT_ERROR(copy.start(picks), "in flight");
+  (void)copy.wait();
+  EXPECT_ERROR(copy.start(positions), "i64");
+  EXPECT_ERROR(ops::advance_decode_inputs(ids, ids, positions, lengths), "picks must be [B, 2] i64");
+  EXPECT_ERROR(ops::advance_decode_inputs(picks, positions, positions, lengths), "ids must be [3, 1] i64");
+  EXPECT_ERROR(ops::advance_decode_inputs(picks, ids, lengths.to(DType::i64), lengths), "positions must be [3] i32");
+  EXPECT_ERROR(ops::advance_decode_inputs(picks, ids, positions, lengths.narrow(0, 0, 2)), "lengths must be [3] i32");
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, Sampling, ::testing::Values(Device::cpu(), Device::cuda(0)),

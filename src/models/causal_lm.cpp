@@ -14,6 +14,7 @@
 #include <numeric>
 
 #include "core/cuda_graph.h"
+#include "core/pending_copy.h"
 #include "nn/module.h"
 #include "core/error.h"
 #include "core/profile.h"
@@ -704,10 +705,12 @@ Tensor CausalLM::decode_layers(const Tensor& h0, const ops::RopeCosSin& cs, KVCa
   const int64_t b = h0.size(0), hq = c.num_attention_heads, hkv = c.num_key_value_heads, d = c.head_dim;
   const char* env = std::getenv("KCPP_DECODE_FUSED");
   const bool fused_linear = !(env && std::string(env) == "1") && ops::decode_linear_fused(device_, dtype_, b);
-  // KCPP_DECODE_QK_EPILOGUE=0: the q/k norms, RoPE and the cache append as their own op after the qkv projection.
+  // KCPP_DECODE_QK_EPILOGUE=1: the q/k norms, RoPE and the cache append in the qkv projection's
+  // epilogue (ops::add_rms_norm_linear_qk) instead of their own op after it: slower in the step on an
+  // H200 (bench/RESULTS.md), where the separate kernel starts early and costs 1.7-2.8 us a layer.
   static const bool qk_epilogue = [] {
     const char* e = std::getenv("KCPP_DECODE_QK_EPILOGUE");
-    return !(e && std::string(e) == "0");
+    return e && std::string(e) == "1";
   }();
   Tensor x = h0, delta;
   // s = x + delta (x without delta) and rms_norm(s) through `norm`, as separate ops.
@@ -949,6 +952,22 @@ Tensor CausalLM::graph_step(DecodeGraphs& g, KVCache& cache, const std::vector<i
       return next_token_logits(st.ids, &cache);
     }
   }
+  return replay_step(g, cache, a, replays);
+}
+
+bool CausalLM::graph_replays_next(const DecodeGraphs& g, const KVCache& cache, int64_t a) const {
+  const auto it = g.by_batch.find(a);
+  if (g.failed || it == g.by_batch.end() || it->second.eager_runs == 0 || !it->second.graph.captured() ||
+      cache.k.empty() || cache.k[0].data() != g.storage)
+    return false;
+  for (int64_t i = 0; i < a; ++i)  // the step's new keys fit the storage (else it doubles and the graphs go)
+    if (cache.rows[static_cast<size_t>(cache.active.empty() ? i : cache.active[static_cast<size_t>(i)])] >= cache.k[0].size(2))
+      return false;
+  return true;
+}
+
+Tensor CausalLM::replay_step(DecodeGraphs& g, KVCache& cache, int64_t a, int64_t& replays) {
+  DecodeGraphs::Step& st = g.by_batch.at(a);
   st.graph.replay();
   ++replays;
   for (int64_t i = 0; i < a; ++i) ++cache.rows[static_cast<size_t>(cache.active.empty() ? i : cache.active[static_cast<size_t>(i)])];
@@ -1074,30 +1093,107 @@ std::vector<CausalLM::Generated> CausalLM::generate_batch(const std::vector<std:
     r0 = r1;
   }
   st.prefill_seconds = since(t0);
-  // Decode: every unfinished row, one token a step, in slot order.
+  // Decode: every unfinished row, one token a step, in slot order.  Greedy steps that replay a
+  // captured graph are pipelined: while step N's picks travel to the host, step N + 1 is already
+  // queued from them on the device (ops::advance_decode_inputs writes its ids, positions and
+  // lengths), so the host's work between steps overlaps the device's.  Step N + 1 is queued only
+  // where no row reaches its token limit at step N and every row's next key fits the storage; a row
+  // that stops at step N (a stop token) has its pick of step N + 1 dropped, and the rows left go on
+  // as a smaller batch.  KCPP_DECODE_PIPELINE=0 waits for each step's picks before the next.
+  static const bool pipeline = [] {
+    const char* e = std::getenv("KCPP_DECODE_PIPELINE");
+    return !(e && std::string(e) == "0");
+  }();
+  struct Flight {  // a queued greedy step whose picks are on their way to the host
+    std::vector<size_t> active;      // prompt indices, in slot order
+    std::vector<int64_t> positions;  // of each row's last token
+    Tensor picks;                    // [rows, 2] on the device
+    PendingCopy copy;
+  };
+  const int64_t vocab = cfg_.vocab_size;
+  auto queue_picks = [&](const Tensor& logits, std::unique_ptr<Flight>& f) {
+    f->picks = ops::argmax_checked(logits.size(1) > vocab ? logits.narrow(1, 0, vocab) : logits);
+    f->copy.start(f->picks);
+  };
+  // The picks of a queued step, as pick_tokens reads them (the logits' values are gone by then: the
+  // error names the token id and position).  A row stopped at the step before is skipped.
+  auto take = [&](Flight& f) {
+    const std::vector<int64_t> picked = f.copy.wait();
+    for (size_t j = 0; j < f.active.size(); ++j) {
+      const size_t p = f.active[j];
+      if (done[p]) continue;
+      const int64_t bad = picked[2 * j + 1];
+      KCPP_CHECK(bad < 0, "generate: the model produced non-finite logits (NaN or infinite, for token id {}) at position "
+                 "{}{}; check the weights (NaN or infinite values in the safetensors) and config.json (rope_theta, "
+                 "rms_norm_eps, ...)", bad, f.positions[j], many ? fmt::format(" of prompt {}", p) : "");
+      done[p] = emit(p, picked[2 * j]);
+      next[p] = picked[2 * j];
+      ++st.decode_tokens;
+    }
+  };
+  std::unique_ptr<Flight> flight;
   const auto t1 = clock::now();
   for (;;) {
-    std::vector<size_t> active;
-    std::vector<int64_t> ids, positions;
-    cache.active.clear();
-    for (size_t r = 0; r < n; ++r) {
-      const size_t p = order[r];
-      if (done[p]) continue;
-      active.push_back(p);
-      cache.active.push_back(static_cast<int64_t>(r));
-      ids.push_back(next[p]);
-      positions.push_back(static_cast<int64_t>(out[p].ids.size()) - 1);
+    if (!flight) {
+      std::vector<size_t> active;
+      std::vector<int64_t> ids, positions;
+      cache.active.clear();
+      for (size_t r = 0; r < n; ++r) {
+        const size_t p = order[r];
+        if (done[p]) continue;
+        active.push_back(p);
+        cache.active.push_back(static_cast<int64_t>(r));
+        ids.push_back(next[p]);
+        positions.push_back(static_cast<int64_t>(out[p].ids.size()) - 1);
+      }
+      if (active.empty()) break;
+      const int64_t a = static_cast<int64_t>(active.size());
+      const bool replay = graphs && !graphs->failed && graph_replays_next(*graphs, cache, a);
+      const Tensor logits = graphs && !graphs->failed ? graph_step(*graphs, cache, ids, st.graph_replays) :
+                                                        next_token_logits(Tensor::from_i64(ids, {a, 1}, DType::i64, device_), &cache);
+      if (!(pipeline && replay && sampling.temperature <= 0.0)) {
+        const std::vector<int64_t> tokens = pick_tokens(logits, sampling, many, active, positions);
+        for (size_t j = 0; j < active.size(); ++j) {
+          done[active[j]] = emit(active[j], tokens[j]);
+          next[active[j]] = tokens[j];
+        }
+        st.decode_tokens += a;
+        continue;
+      }
+      flight = std::make_unique<Flight>();
+      flight->active = std::move(active), flight->positions = std::move(positions);
+      queue_picks(logits, flight);
     }
-    if (active.empty()) break;
-    const int64_t a = static_cast<int64_t>(active.size());
-    const Tensor logits = graphs && !graphs->failed ? graph_step(*graphs, cache, ids, st.graph_replays) :
-                                                      next_token_logits(Tensor::from_i64(ids, {a, 1}, DType::i64, device_), &cache);
-    const std::vector<int64_t> tokens = pick_tokens(logits, sampling, many, active, positions);
-    for (size_t j = 0; j < active.size(); ++j) {
-      done[active[j]] = emit(active[j], tokens[j]);
-      next[active[j]] = tokens[j];
+    // Step N + 1 from step N's picks, where it can be queued before they are read.
+    const int64_t a = static_cast<int64_t>(flight->active.size());
+    bool chain = true;
+    for (size_t j = 0; j < flight->active.size(); ++j) {
+      const size_t p = flight->active[j];
+      const int64_t made = static_cast<int64_t>(out[p].ids.size() - prompts[p].size()) + 1;  // with step N's
+      const int64_t slot = cache.active[j];
+      chain = chain && made < steps[p] && cache.rows[static_cast<size_t>(slot)] < cache.k[0].size(2);
     }
-    st.decode_tokens += a;
+    std::unique_ptr<Flight> following;
+    if (chain) {
+      DecodeGraphs::Step& stp = graphs->by_batch.at(a);
+      ops::advance_decode_inputs(flight->picks, stp.ids, stp.positions, stp.lengths);
+      const Tensor logits = replay_step(*graphs, cache, a, st.graph_replays);
+      following = std::make_unique<Flight>();
+      following->active = flight->active;
+      following->positions = flight->positions;
+      for (int64_t& q : following->positions) ++q;
+      queue_picks(logits, following);
+    }
+    take(*flight);
+    flight = std::move(following);
+    if (flight) {  // a row stopped at step N: step N + 1's picks of the others stand, the next step is rebuilt
+      bool all = true;
+      for (size_t p : flight->active) all = all && !done[p];
+      if (!all) {
+        take(*flight);
+        flight.reset();
+      }
+    }
   }
   st.decode_seconds = since(t1);
   if (stats) *stats = st;

@@ -280,6 +280,12 @@ class CausalLM : public nn::Module {
   // One decode step of the rows cache.active with input `ids` through g's graph for that many rows
   // (run eagerly the first time, captured the second, replayed after): the logits [rows, V].
   Tensor graph_step(DecodeGraphs& g, KVCache& cache, const std::vector<int64_t>& ids, int64_t& replays);
+  // Whether graph_step would replay a captured graph for `a` rows now (the storage unchanged and the
+  // rows' new keys fitting it).
+  bool graph_replays_next(const DecodeGraphs& g, const KVCache& cache, int64_t a) const;
+  // Replays the captured step of `a` rows over the inputs as they are on the device (graph_step's
+  // last part, and a pipelined step's whole): the logits.
+  Tensor replay_step(DecodeGraphs& g, KVCache& cache, int64_t a, int64_t& replays);
   // The token each row picks from its logits [R, V], on their device (argmax when greedy, else
   // ops::sample_checked); non-finite logits are an error naming the row's position (and prompt when
   // `many`).  rows: each row's prompt index; positions: the position of each row's last token.

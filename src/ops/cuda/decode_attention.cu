@@ -15,6 +15,7 @@
 #include <atomic>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -249,9 +250,14 @@ void launch(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& 
   const int b = static_cast<int>(q.size(0)), hq = static_cast<int>(q.size(1)), d = static_cast<int>(q.size(2));
   const int r_count = static_cast<int>(kc.size(0)), hkv = static_cast<int>(kc.size(1)), capacity = static_cast<int>(kc.size(2));
   const int blocks_per_split = b * (hq / gc);
-  // Enough blocks for two waves over the SMs, and at least 32 keys a split at the longest length.
+  // Enough blocks for two waves over the SMs, and at least 32 keys a split at the longest length
+  // (KCPP_ATTN_SPLIT_KEYS: another least number of keys a split).
+  static const int64_t least = [] {
+    const char* e = std::getenv("KCPP_ATTN_SPLIT_KEYS");
+    return e && std::atoll(e) > 0 ? static_cast<int64_t>(std::atoll(e)) : int64_t{32};
+  }();
   const int64_t want = (2 * sm_count(q.device().index) + blocks_per_split - 1) / blocks_per_split;
-  const int splits = static_cast<int>(std::clamp<int64_t>(want, 1, std::max<int64_t>(1, max_length / 32)));
+  const int splits = static_cast<int>(std::clamp<int64_t>(want, 1, std::max<int64_t>(1, max_length / least)));
   Tensor part_o, part_ml;
   if (splits > 1) {
     part_o = Tensor::empty({b, hq, splits, d}, DType::f32, q.device());

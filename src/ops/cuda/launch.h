@@ -82,6 +82,8 @@ bool decode_layers_persistent(const Tensor& x_out, const Tensor& delta_out, cons
                               const Tensor& lengths);
 int64_t decode_persistent_launches();
 // ops/nn/sampling.h: logits [B, V] contiguous, out [B, 2] i64; options sampling_on_device() takes.
+// ops/nn/sampling.h: picks [B, 2] i64, ids [B, 1] i64, positions and lengths [B] i32, all contiguous.
+void advance_decode_inputs(const Tensor& picks, const Tensor& ids, const Tensor& positions, const Tensor& lengths);
 void sample_checked(const Tensor& out, const Tensor& logits, const SampleOptions& opt, const std::vector<uint64_t>& seeds,
                     const std::vector<int64_t>& positions);
 

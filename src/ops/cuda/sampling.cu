@@ -174,7 +174,26 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(int64_t* __restrict__ 
   out[2 * row] = static_cast<int64_t>(cand[pick] & 0xffffffffu), out[2 * row + 1] = -1;
 }
 
+// The next decode step's inputs from the picks [B, 2]: a thread a row.
+__global__ void advance_kernel(const int64_t* __restrict__ picks, int64_t* __restrict__ ids, int* __restrict__ positions,
+                               int* __restrict__ lengths, int b) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= b) return;
+  ids[j] = picks[2 * j];
+  ++positions[j], ++lengths[j];
+}
+
 }  // namespace
+
+void advance_decode_inputs(const Tensor& picks, const Tensor& ids, const Tensor& positions, const Tensor& lengths) {
+  kcpp::cuda::DeviceGuard guard(picks.device().index);
+  const int b = static_cast<int>(picks.size(0));
+  if (b == 0) return;
+  advance_kernel<<<(b + 255) / 256, 256, 0, kcpp::cuda::current_stream()>>>(
+      static_cast<const int64_t*>(picks.data()), static_cast<int64_t*>(ids.data()), static_cast<int*>(positions.data()),
+      static_cast<int*>(lengths.data()), b);
+  KCPP_CUDA_CHECK_LAUNCH("advance_decode_inputs");
+}
 
 void sample_checked(const Tensor& out, const Tensor& logits, const SampleOptions& opt, const std::vector<uint64_t>& seeds,
                     const std::vector<int64_t>& positions) {

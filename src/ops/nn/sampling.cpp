@@ -56,6 +56,32 @@ void sample_row(const double* x, int64_t v, const SampleOptions& opt, uint64_t s
 
 }  // namespace
 
+void advance_decode_inputs(const Tensor& picks, const Tensor& ids, const Tensor& positions, const Tensor& lengths) {
+  constexpr const char* op = "advance_decode_inputs";
+  KCPP_CHECK(picks.defined() && picks.dtype() == DType::i64 && picks.dim() == 2 && picks.size(1) == 2,
+             "op {}: picks must be [B, 2] i64 (what argmax_checked and sample_checked return)", op);
+  const int64_t b = picks.size(0);
+  KCPP_CHECK(ids.defined() && ids.dtype() == DType::i64 && ids.shape() == Shape({b, 1}), "op {}: ids must be [{}, 1] i64", op, b);
+  for (const auto& [t, name] : {std::pair{&positions, "positions"}, std::pair{&lengths, "lengths"}})
+    KCPP_CHECK(t->defined() && t->dtype() == DType::i32 && t->shape() == Shape({b}), "op {}: {} must be [{}] i32", op, name, b);
+  for (const Tensor* t : {&picks, &ids, &positions, &lengths}) {
+    KCPP_CHECK(t->is_contiguous(), "op {}: every tensor must be contiguous", op);
+    KCPP_CHECK(t->device() == picks.device(), "op {}: every tensor must be on the picks' device {}, got {}", op,
+               picks.device().str(), t->device().str());
+  }
+  if (picks.device().is_cuda()) {
+#if KCPP_WITH_CUDA
+    cuda::advance_decode_inputs(picks, ids, positions, lengths);
+    return;
+#endif
+  }
+  const int64_t* pk = picks.data_ptr<int64_t>();
+  int64_t* id = ids.data_ptr<int64_t>();
+  int32_t* ps = positions.data_ptr<int32_t>();
+  int32_t* ln = lengths.data_ptr<int32_t>();
+  for (int64_t j = 0; j < b; ++j) id[j] = pk[2 * j], ++ps[j], ++ln[j];
+}
+
 bool sampling_on_device(const SampleOptions& opt) {
   return (opt.top_k >= 1 && opt.top_k <= kDeviceTopK) || (opt.top_k == 0 && opt.top_p >= 1.0);
 }

@@ -44,6 +44,12 @@ struct SampleOptions {
 Tensor sample_checked(const Tensor& logits, const SampleOptions& opt, const std::vector<uint64_t>& seeds,
                       const std::vector<int64_t>& positions);
 
+// The next decode step's inputs from this step's picks ([B, 2] i64, as sample_checked and
+// ops::argmax_checked return them), in place on their device, without the host: ids [B, 1] i64 =
+// picks[:, 0]; positions and lengths [B] i32 each + 1.  A decode loop queues its next step with it
+// before it reads the picks back.  Every tensor contiguous, on one device.
+void advance_decode_inputs(const Tensor& picks, const Tensor& ids, const Tensor& positions, const Tensor& lengths);
+
 // Whether sample_checked runs on the GPU for these options (else the logits go to the host): top_k
 // from 1 to 1024, or neither top_k nor top_p.
 bool sampling_on_device(const SampleOptions& opt);
