@@ -2,8 +2,7 @@
 // ragged rows read through a row index, lengths from 1 to a few hundred keys, grouped-query heads
 // (g = 1 .. 8, not powers of two), head dims 8 .. 256 not all powers of two, sliding windows, a
 // capacity bound below the storage's, and cache positions past every length filled with NaN so
-// that reading one shows; the splits merged by their last blocks (a counts workspace) give the bits
-// of the merge kernel.
+// that reading one shows.
 #include <cmath>
 
 #include "oracle.h"
@@ -86,15 +85,6 @@ TEST_P(DecodeAttention, MatchesTheOracleOnRaggedRows) {
       const std::string cfg = fmt::format("{} hq={} hkv={} d={} lengths={} window={} capacity={}", config_name(dev, dt), c.hq,
                                           c.hkv, d, fmt::join(c.lengths, ","), c.window, cap);
       EXPECT_TRUE(test::close_l2(out, ref, tol)) << cfg;
-      // With a workspace the splits' last block merges them: the same bits, and the workspace is left
-      // zero for the next call (twice on one).
-      const Tensor counts = Tensor::zeros({b * c.hq}, DType::i32, dev);
-      for (int call = 0; call < 2; ++call) {
-        const Tensor again = ops::decode_attention(q, k_cache, v_cache, i32(rows, dev), i32(lengths, dev), scale, c.window,
-                                                   c.bound_by_capacity ? 0 : max_length, counts);
-        EXPECT_TRUE(test::close_elementwise(again, out.to_f64_vector(), 0.0, 0.0)) << cfg << " (counts, call " << call << ")";
-        EXPECT_EQ(counts.to_f64_vector(), std::vector<double>(static_cast<size_t>(b * c.hq), 0.0)) << cfg << " (counts left zero)";
-      }
     }
 }
 
@@ -131,8 +121,6 @@ TEST_P(DecodeAttention, BadInputIsRefusedOrMarked) {
   EXPECT_ERROR(ops::decode_attention(ones({2, 3, 16}, dev), kc, vc, rows, lengths, 0.25), "not a multiple");
   EXPECT_ERROR(ops::decode_attention(q, kc, vc, rows, lengths, 0.25, 0, 9), "max_length 9");
   EXPECT_ERROR(ops::decode_attention(q, kc, vc, rows, lengths, -1.0), "scale");
-  EXPECT_ERROR(ops::decode_attention(q, kc, vc, rows, lengths, 0.25, 0, 0, Tensor::zeros({7}, DType::i32, dev)), "counts");
-  EXPECT_ERROR(ops::decode_attention(q, kc, vc, rows, lengths, 0.25, 0, 0, Tensor::zeros({8}, DType::f32, dev)), "'counts'");
   EXPECT_ERROR(ops::cache_write(kc, vc, ones({2, 3, 16}, dev), ones({2, 3, 16}, dev),
                                     rows, lengths), "does not fit the cache");
   const Tensor bad_rows = i32({0, 3}, dev), bad_lengths = i32({0, 8}, dev);
@@ -146,10 +134,6 @@ TEST_P(DecodeAttention, BadInputIsRefusedOrMarked) {
     const Tensor long_k = ones({3, 2, 300, 16}, dev), long_v = ones({3, 2, 300, 16}, dev);
     for (const auto& [rw, ln] : {std::pair{i32({0, 3}, dev), i32({3, 250}, dev)}, std::pair{i32({0, 1}, dev), i32({301, 250}, dev)}}) {
       const auto o = ops::decode_attention(q, long_k, long_v, rw, ln, 0.25).to_f64_vector();
-      const auto merged = ops::decode_attention(q, long_k, long_v, rw, ln, 0.25, 0, 0, Tensor::zeros({8}, DType::i32, dev));
-      const auto m = merged.to_f64_vector();
-      for (size_t e = 0; e < o.size(); ++e)
-        EXPECT_TRUE(m[e] == o[e] || (std::isnan(m[e]) && std::isnan(o[e]))) << "split cache, merged by the last blocks: " << e;
       for (int64_t e = 0; e < 64; ++e) {
         const bool first_bad = ln.to_i64_vector()[0] == 301;
         EXPECT_EQ(std::isnan(o[static_cast<size_t>(e)]), first_bad) << "row 0, split cache";

@@ -2,8 +2,7 @@
 // Gemma casting, an offset), RoPE in both pair layouts and over part of the head, the cache append
 // at ragged rows and positions (every other cache entry unchanged), head dims that are not powers of
 // two; the residual add with the norm on awkward widths; the gated activation of a packed gate/up;
-// the fused projections (add + norm + GEMV, gated activation + GEMV, the qkv GEMV with the q/k norms,
-// RoPE and the cache append in its epilogue) on 1 to 4 rows (the CUDA kernel
+// the fused projections (add + norm + GEMV, gated activation + GEMV) on 1 to 4 rows (the CUDA kernel
 // in bf16 / f16: K a multiple of 8 but not of a warp's 256, odd N) and on what they leave to the
 // composition (f32, 5 rows, K not a multiple of 8), and chained without synchronizing (dependent
 // launches on sm_90); the f32 residual of add_rms_norm_linear; the Mamba step's fused ops
@@ -11,7 +10,6 @@
 #include <cmath>
 
 #include "oracle.h"
-#include "ops/cuda/launch.h"
 #include "ops/nn/decode_fused.h"
 #include "ops/nn/decode_persistent.h"
 #include "ops/nn/mamba_decode.h"
@@ -301,129 +299,6 @@ TEST_P(DecodeFused, AddRmsNormLinearGluMatchesTheOracle) {
   EXPECT_THROW((void)ops::add_rms_norm_linear_glu(x, Tensor(), wn, {}, Tensor::randn({5, 16}, DType::f32, dev, gen),
                                                   ops::GluActivation::Silu),
                Error);
-}
-
-// The qkv projection with qk_norm_rope_cache in its epilogue: the same bits as the composition
-// add_rms_norm_linear + qk_norm_rope_cache (q, both caches, s), and q against the f64 oracle of the
-// stored qkv's norm and RoPE; a workspace reused across calls stays zero.  CUDA's one kernel takes
-// 1 to 4 rows of 16-bit heads of 8k elements up to 256 (d 40: five 16-byte chunks in a group of
-// eight lanes; d 256: all 32); the rest composes.
-TEST_P(DecodeFused, AddRmsNormLinearQkMatchesTheComposition) {
-  const Device dev = GetParam();
-  KCPP_REQUIRE_DEVICE(dev);
-  Generator gen = test_generator();
-  struct Case {
-    int64_t n, k, hq, hkv, d, rd;
-    bool delta, norm, gemma, interleaved;
-  };
-  const Case cases[] = {{1, 1024, 16, 8, 128, 128, true, true, false, false},  // Qwen3-0.6B's layer
-                        {1, 2048, 32, 8, 64, 64, false, false, false, false},  // Llama-3.2-1B's (first layer: no delta)
-                        {3, 136, 4, 2, 64, 32, true, true, true, true},        {4, 520, 6, 2, 256, 256, true, true, false, false},
-                        {2, 64, 3, 1, 40, 40, true, true, false, false},       {2, 1000, 5, 1, 24, 16, true, false, false, true},
-                        // a partial rotary part that ends inside a lane's 16-byte chunk (cos / sin element by element)
-                        {3, 256, 4, 2, 80, 20, true, true, false, false},
-                        {5, 64, 2, 1, 64, 64, true, true, false, false},       // composed on CUDA (5 rows)
-                        {2, 64, 2, 1, 12, 12, true, true, false, false}};      // composed (not 16-byte chunks)
-  for (DType dt : test::float_dtypes(dev))
-    for (const Case& c : cases) {
-      const std::string cfg = fmt::format("{} n={} k={} hq={} hkv={} d={} rd={} norm={} gemma={} interleaved={}",
-                                          config_name(dev, dt), c.n, c.k, c.hq, c.hkv, c.d, c.rd, c.norm, c.gemma, c.interleaved);
-      const int64_t heads = c.hq + 2 * c.hkv, r = c.n + 2, cap = 9, d = c.d, rd = c.rd;
-      const Tensor x = Tensor::randn({c.n, c.k}, dt, dev, gen);
-      const Tensor delta = c.delta ? Tensor::randn({c.n, c.k}, dt, dev, gen) : Tensor();
-      const Tensor wn = Tensor::randn({c.k}, dt, dev, gen);
-      const Tensor w = ops::scale(Tensor::randn({heads * d, c.k}, dt, dev, gen), 1.0 / std::sqrt(static_cast<double>(c.k)));
-      ops::RMSNormOptions opt;
-      opt.eps = 1e-6, opt.offset = c.gemma ? 1.0 : 0.0;
-      opt.casting = c.gemma ? ops::RMSNormCasting::Gemma : ops::RMSNormCasting::Llama;
-      std::vector<int64_t> positions(static_cast<size_t>(c.n)), rows(static_cast<size_t>(c.n));
-      for (int64_t i = 0; i < c.n; ++i) positions[i] = (i * 4 + 2) % cap, rows[i] = r - 1 - i;
-      // Out of range on CUDA (the CPU refuses it by name): that row's keys and values are not written.
-      if (c.n == 3 && dev.is_cuda()) positions[2] = cap;
-      V cs(static_cast<size_t>(c.n * rd)), sn(cs.size());
-      for (int64_t i = 0; i < c.n; ++i)
-        for (int64_t j = 0; j < rd; ++j) {
-          const int64_t pair = c.interleaved ? j / 2 : j % (rd / 2);
-          const double a = (positions[i] + 700.0 * i) * std::pow(10000.0, -2.0 * pair / rd);
-          cs[i * rd + j] = std::cos(a), sn[i * rd + j] = std::sin(a);
-        }
-      const Tensor cos = Tensor::from_f64(cs, {c.n, 1, rd}, dt, dev), sin = Tensor::from_f64(sn, {c.n, 1, rd}, dt, dev);
-      ops::QkNormRopeCache qo;
-      qo.q_heads = c.hq, qo.kv_heads = c.hkv;
-      qo.layout = c.interleaved ? ops::RopeLayout::Interleaved : ops::RopeLayout::RotateHalf;
-      if (c.norm) {
-        qo.q_norm = Tensor::randn({d}, dt, dev, gen), qo.k_norm = Tensor::randn({d}, dt, dev, gen);
-        qo.norm.eps = 1e-6, qo.norm.offset = opt.offset, qo.norm.casting = opt.casting;
-      }
-      const Tensor rw = i32(rows, dev), ps = i32(positions, dev);
-      const double sentinel = 5.0;
-      auto caches = [&] {
-        return std::pair{Tensor::full({r, c.hkv, cap, d}, sentinel, dt, dev), Tensor::full({r, c.hkv, cap, d}, sentinel, dt, dev)};
-      };
-      const auto [kc_ref, vc_ref] = caches();
-      const auto [s_ref, qkv] = ops::add_rms_norm_linear(x, delta, wn, opt, w);
-      const Tensor q_ref = ops::qk_norm_rope_cache(qkv.view({c.n, heads, d}), qo, cos, sin, kc_ref, vc_ref, rw, ps);
-      const Tensor counts = Tensor::zeros({heads}, DType::i32, dev);
-      for (int call = 0; call < 3; ++call) {  // twice on one workspace, then without one
-        const std::string what = fmt::format("{} call {}", cfg, call);
-        const auto [kc, vc] = caches();
-        const auto [s, q] = ops::add_rms_norm_linear_qk(x, delta, wn, opt, w, qo, cos, sin, kc, vc, rw, ps,
-                                                        call < 2 ? counts : Tensor());
-        ASSERT_EQ(q.shape(), (Shape{c.n, c.hq, d})) << what;
-        EXPECT_TRUE(test::close_elementwise(s, values(s_ref), 0.0, 0.0)) << what << " (sum: exact)";
-        EXPECT_TRUE(test::close_elementwise(q, values(q_ref), 0.0, 0.0)) << what << " (q: the composition's bits)";
-        EXPECT_TRUE(test::close_elementwise(kc, values(kc_ref), 0.0, 0.0)) << what << " (k cache: the composition's bits)";
-        EXPECT_TRUE(test::close_elementwise(vc, values(vc_ref), 0.0, 0.0)) << what << " (v cache: the composition's bits)";
-        EXPECT_EQ(values(counts), V(static_cast<size_t>(heads), 0.0)) << what << " (the workspace left zero)";
-      }
-#if KCPP_WITH_CUDA
-      // The one kernel itself where it takes the call (it must: the op would otherwise compose and
-      // pass the checks above), three launches on one workspace with nothing synchronizing them.
-      if (dev.is_cuda() && dt != DType::f32 && c.n <= ops::kFusedLinearMaxRows && d % 8 == 0) {
-        const auto [kc, vc] = caches();
-        const Tensor out = Tensor::empty({c.n, heads * d}, dt, dev), q = Tensor::empty({c.n, c.hq, d}, dt, dev);
-        const Tensor s = c.delta ? Tensor::empty({c.n, c.k}, dt, dev) : Tensor();
-        for (int launch = 0; launch < 3; ++launch)
-          ASSERT_TRUE(ops::cuda::add_rms_norm_linear_qk(out, s, q, x, delta, wn, opt, w, qo, cos, sin, kc, vc, rw, ps, counts))
-              << cfg;
-        EXPECT_TRUE(test::close_elementwise(q, values(q_ref), 0.0, 0.0)) << cfg << " (the kernel: q)";
-        EXPECT_TRUE(test::close_elementwise(kc, values(kc_ref), 0.0, 0.0)) << cfg << " (the kernel: k cache)";
-        EXPECT_TRUE(test::close_elementwise(vc, values(vc_ref), 0.0, 0.0)) << cfg << " (the kernel: v cache)";
-        EXPECT_TRUE(test::close_elementwise(out, values(qkv), 0.0, 0.0)) << cfg << " (the kernel: qkv)";
-        EXPECT_EQ(values(counts), V(static_cast<size_t>(heads), 0.0)) << cfg << " (the kernel: the workspace left zero)";
-      }
-#endif
-      // q against the f64 oracle of the stored qkv's norm and RoPE (the projection's own oracle test
-      // is AddRmsNormLinearMatchesTheOracle).
-      const V qv = values(qkv), cv = values(cos), sv = values(sin), qw = c.norm ? values(qo.q_norm) : V{};
-      V want;
-      for (int64_t i = 0; i < c.n; ++i)
-        for (int64_t h = 0; h < c.hq; ++h) {
-          const V in(qv.begin() + (i * heads + h) * d, qv.begin() + (i * heads + h + 1) * d);
-          const V y = c.norm ? oracle::rms_norm(in, qw, 1, d, 1e-6, opt.offset).y : in;
-          const V cb(cv.begin() + i * rd, cv.begin() + (i + 1) * rd), sb(sv.begin() + i * rd, sv.begin() + (i + 1) * rd);
-          const V o = oracle::rope(y, cb, sb, 1, 1, 1, d, rd, 1, false, c.interleaved);
-          want.insert(want.end(), o.begin(), o.end());
-        }
-      EXPECT_TRUE(test::close_l2(q_ref, want, test::composite_rel_l2(dt))) << cfg << " (q: oracle)";
-    }
-  // Bad input: a weight of the wrong number of rows, a workspace of the wrong size or dtype.
-  const DType dt = test::float_dtypes(dev).back();
-  const Tensor x = Tensor::randn({1, 16}, dt, dev, gen), wn = Tensor::randn({16}, dt, dev, gen);
-  ops::QkNormRopeCache qo;
-  qo.q_heads = 2, qo.kv_heads = 1;
-  const Tensor kc = Tensor::zeros({1, 1, 4, 8}, dt, dev), vc = Tensor::zeros({1, 1, 4, 8}, dt, dev);
-  const Tensor cos = Tensor::zeros({1, 1, 8}, dt, dev), rw = i32({0}, dev), ps = i32({0}, dev);
-  const Tensor w = Tensor::randn({4 * 8, 16}, dt, dev, gen);
-  EXPECT_NO_THROW((void)ops::add_rms_norm_linear_qk(x, Tensor(), wn, {}, w, qo, cos, cos, kc, vc, rw, ps));
-  EXPECT_ERROR(ops::add_rms_norm_linear_qk(x, Tensor(), wn, {}, w.narrow(0, 0, 24), qo, cos, cos, kc, vc, rw, ps),
-               "must have 32 rows");
-  EXPECT_ERROR(ops::add_rms_norm_linear_qk(x, Tensor(), wn, {}, w, qo, cos, cos, kc, vc, rw, ps,
-                                           Tensor::zeros({3}, DType::i32, dev)),
-               "counts");
-  EXPECT_ERROR(ops::add_rms_norm_linear_qk(x, Tensor(), wn, {}, w, qo, cos, cos, kc, vc, rw, ps,
-                                           Tensor::zeros({4}, DType::f32, dev)),
-               "'counts' must be a contiguous i32 tensor");
 }
 
 TEST_P(DecodeFused, GluLinearMatchesTheOracle) {

@@ -625,14 +625,6 @@ void CausalLM::prepare_ragged_step(KVCache& c, int64_t b) {
   set(c.step_positions, positions);
   set(c.step_lengths, lengths);
   c.step_max_length = longest;
-  const int64_t heads = cfg_.num_attention_heads + 2 * cfg_.num_key_value_heads;
-  if (!c.step_counts.defined() || c.step_counts.size(0) != heads || c.step_counts.device() != device_)
-    c.step_counts = Tensor::zeros({heads}, DType::i32, device_);
-  // Sized for every row of the storage, so that a step of fewer rows (a captured graph's too) uses
-  // the same buffer: a graph holds the pointer it was captured with.
-  const int64_t splits = c.k[0].size(0) * cfg_.num_attention_heads;
-  if (!c.step_splits.defined() || c.step_splits.size(0) < splits || c.step_splits.device() != device_)
-    c.step_splits = Tensor::zeros({splits}, DType::i32, device_);
 }
 
 Tensor CausalLM::rope_inv_freq(int64_t seq_len) {
@@ -675,16 +667,8 @@ Tensor CausalLM::cached_attention(size_t li, const Tensor& q, KVCache& c) {
   const ops::AttentionOptions& opt = layers_[li].attn->options;
   const double scale = opt.scale != 0.0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
   // A captured step is replayed as the rows grow: its bound is the storage's capacity.
-  // KCPP_ATTN_SPLITS_KERNEL=1: the splits merged by a second kernel.
-  static const bool merge_kernel = [] {
-    const char* e = std::getenv("KCPP_ATTN_SPLITS_KERNEL");
-    return e && std::string(e) == "1";
-  }();
   return ops::decode_attention(q, c.k[li], c.v[li], c.step_rows, c.step_lengths, scale, opt.window,
-                               c.step_ready ? 0 : c.step_max_length,
-                               !merge_kernel && c.step_splits.defined() && c.step_splits.size(0) >= q.size(0) * q.size(1)
-                                   ? c.step_splits.narrow(0, 0, q.size(0) * q.size(1))
-                                   : Tensor());
+                               c.step_ready ? 0 : c.step_max_length);
 }
 
 bool CausalLM::decode_fused_possible() const {
@@ -694,8 +678,8 @@ bool CausalLM::decode_fused_possible() const {
 }
 
 // Per layer, with the fused projections (ops::decode_linear_fused: bf16 / f16 on CUDA, rows the gemv
-// takes): the residual add + input norm + qkv GEMV + q/k norms + RoPE + the cache append (one op; the
-// first layer's has no add), the attention, the o GEMV, the residual add + post norm + gate/up
+// takes): the residual add + input norm + qkv GEMV (one op; the first layer's has no add), q/k norms +
+// RoPE + the cache append (one op), the attention, the o GEMV, the residual add + post norm + gate/up
 // GEMV + the gated activation (one op), the down GEMV; after the last layer the residual add + final
 // norm.  Without them (KCPP_DECODE_FUSED=1, other dtypes, more rows, a qkv bias, separate
 // gate and up weights) each add + norm and each gated activation is its own op before its GEMM.
@@ -705,13 +689,6 @@ Tensor CausalLM::decode_layers(const Tensor& h0, const ops::RopeCosSin& cs, KVCa
   const int64_t b = h0.size(0), hq = c.num_attention_heads, hkv = c.num_key_value_heads, d = c.head_dim;
   const char* env = std::getenv("KCPP_DECODE_FUSED");
   const bool fused_linear = !(env && std::string(env) == "1") && ops::decode_linear_fused(device_, dtype_, b);
-  // KCPP_DECODE_QK_EPILOGUE=1: the q/k norms, RoPE and the cache append in the qkv projection's
-  // epilogue (ops::add_rms_norm_linear_qk) instead of their own op after it: slower in the step on an
-  // H200 (bench/RESULTS.md), where the separate kernel starts early and costs 1.7-2.8 us a layer.
-  static const bool qk_epilogue = [] {
-    const char* e = std::getenv("KCPP_DECODE_QK_EPILOGUE");
-    return e && std::string(e) == "1";
-  }();
   Tensor x = h0, delta;
   // s = x + delta (x without delta) and rms_norm(s) through `norm`, as separate ops.
   auto add_norm = [&](nn::RMSNorm& norm) {
@@ -730,21 +707,14 @@ Tensor CausalLM::decode_layers(const Tensor& h0, const ops::RopeCosSin& cs, KVCa
     ops::QkNormRopeCache qo;
     qo.q_heads = hq, qo.kv_heads = hkv, qo.layout = l.rope->style;
     if (l.q_norm) qo.q_norm = l.q_norm->weight, qo.k_norm = l.k_norm->weight, qo.norm = l.q_norm->options;
-    Tensor q;
-    if (fused_linear && !l.bqkv.defined() && qk_epilogue) {
-      std::tie(x, q) = ops::add_rms_norm_linear_qk(x, delta, l.input_norm->weight, l.input_norm->options, l.wqkv, qo, cs.cos,
-                                                   cs.sin, cache.k[li], cache.v[li], cache.step_rows, cache.step_positions,
-                                                   cache.step_counts);
-    } else {
-      Tensor qkv;
-      if (fused_linear && !l.bqkv.defined())
-        std::tie(x, qkv) = ops::add_rms_norm_linear(x, delta, l.input_norm->weight, l.input_norm->options, l.wqkv);
-      else
-        qkv = linear(add_norm(*l.input_norm), l.wqkv, l.bqkv);
-      q = ops::qk_norm_rope_cache(qkv.view({b, hq + 2 * hkv, d}), qo, cs.cos, cs.sin, cache.k[li], cache.v[li],
-                                  cache.step_rows, cache.step_positions);
-    }
+    Tensor qkv;
+    if (fused_linear && !l.bqkv.defined())
+      std::tie(x, qkv) = ops::add_rms_norm_linear(x, delta, l.input_norm->weight, l.input_norm->options, l.wqkv);
+    else
+      qkv = linear(add_norm(*l.input_norm), l.wqkv, l.bqkv);
     delta = Tensor();
+    const Tensor q = ops::qk_norm_rope_cache(qkv.view({b, hq + 2 * hkv, d}), qo, cs.cos, cs.sin, cache.k[li], cache.v[li],
+                                             cache.step_rows, cache.step_positions);
     const Tensor o = cached_attention(li, q, cache).view({b, hq * d});
     delta = linear(o, l.wo);
     if (fused_linear && l.w_gate_up.defined()) {

@@ -107,10 +107,6 @@ class CausalLM : public nn::Module {
     int64_t reserve = 0;
     std::vector<int64_t> rows, active;
     Tensor step_rows, step_positions, step_lengths;
-    // Workspaces of the step's kernels, i32 zeros that each kernel leaves zeroed: the fused qkv
-    // projection's [Hq + 2 Hkv] (ops::add_rms_norm_linear_qk's counts) and the decode attention's
-    // [R * Hq] for the storage's R rows (ops::decode_attention's, of which a step of B rows uses B * Hq).
-    Tensor step_counts, step_splits;
     int64_t step_max_length = 0;
     // Set for the steps of a captured generation (graph_step), eager ones included: the step
     // tensors above were filled in place before the step, nothing in it waits for the device (its
@@ -119,7 +115,7 @@ class CausalLM : public nn::Module {
     bool step_ready = false;
     void clear() {
       k.clear(), v.clear(), length = 0, rows.clear(), active.clear();
-      step_rows = step_positions = step_lengths = step_counts = step_splits = Tensor(), step_max_length = 0;
+      step_rows = step_positions = step_lengths = Tensor(), step_max_length = 0;
       step_ready = false;
     }
   };

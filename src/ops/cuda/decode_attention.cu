@@ -7,23 +7,18 @@
 // 2 (scores pre-scaled by log2 e): running maximum m, sum l and the weighted sum of its 8 value
 // elements.  At the end the lanes of a warp, then the warps, merge their (m, l, acc) exactly as
 // two partial softmaxes merge: m = max(m1, m2), l = l1 2^(m1-m) + l2 2^(m2-m), acc likewise.  One
-// split writes o = acc / l; several write (acc, m, l), and the last of a head block's splits to finish
-// merges them (with a counts workspace; else a second kernel does).
+// split writes o = acc / l; several write (acc, m, l) and a second kernel merges the splits.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cstdint>
-#include <cstdlib>
 #include <cmath>
-#include <string>
 #include <type_traits>
-#include <utility>
 
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/launch.h"
-#include "ops/cuda/pdl.cuh"
 
 namespace kcpp::ops::cuda {
 namespace {
@@ -53,36 +48,16 @@ __device__ __forceinline__ bool bad_row(const int* rows, const int* lengths, int
 }
 
 
-// Merges the splits' partial softmaxes of (row, query head) bh into out, elements e0, e0 + stride, ...
-// of D (read past L1: in decode_kernel's last block they are other blocks' writes).
-template <typename T>
-__device__ __forceinline__ void combine_head(const float* __restrict__ part_o, const float* __restrict__ part_ml, bool bad,
-                                             T* __restrict__ out, int bh, int d, int splits, int e0, int stride) {
-  const float* ml = part_ml + static_cast<size_t>(bh) * splits * 2;
-  float mm = -INFINITY;
-  for (int s = 0; s < splits; ++s) mm = fmaxf(mm, __ldcg(ml + 2 * s));
-  for (int e = e0; e < d; e += stride) {
-    float ls = 0.f, as = 0.f;
-    for (int s = 0; s < splits; ++s) {
-      const float ms = __ldcg(ml + 2 * s), w = ms == -INFINITY ? 0.f : exp2f(ms - mm);
-      ls += __ldcg(ml + 2 * s + 1) * w, as += __ldcg(part_o + (static_cast<size_t>(bh) * splits + s) * d + e) * w;
-    }
-    out[static_cast<size_t>(bh) * d + e] = from_f32<T>(bad || ls == 0.f ? NAN : as / ls);
-  }
-}
-
 template <typename T, int LPK, int GMAX>
 __global__ void __launch_bounds__(kWarps * 32)
     decode_kernel(const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc, const int* __restrict__ rows,
                   const int* __restrict__ lengths, T* __restrict__ out, float* __restrict__ part_o,
                   float* __restrict__ part_ml, int hq, int hkv, int gc, int d, int r_count, int capacity, int max_length,
-                  float scale_log2, int window, int splits, int* __restrict__ counts) {
+                  float scale_log2, int window, int splits) {
   constexpr int KPI = 32 / LPK;  // keys a warp reads at a time
   __shared__ float sm_m[kWarps][GMAX], sm_l[kWarps][GMAX];
   __shared__ float sm_a[kWarps][GMAX][LPK * 8];
   const int split = blockIdx.x, hb = blockIdx.y, b = blockIdx.z;
-  pdl_wait();  // q and the cache's new entries are the previous kernel's output
-  pdl_trigger();
   const int g = hq / hkv, h0 = hb * gc, kvh = h0 / g;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sub = lane / LPK, sl = lane % LPK, e0 = sl * 8;
   const bool lane_on = e0 < d;
@@ -174,34 +149,26 @@ __global__ void __launch_bounds__(kWarps * 32)
       if (e == 0) part_ml[(bh * splits + split) * 2] = mm, part_ml[(bh * splits + split) * 2 + 1] = ls;
     }
   }
-  if (splits == 1 || counts == nullptr) return;
-  // The splits' last block to finish merges them (the CUDA programming guide's last-block pattern:
-  // write, fence, count; count, fence, read); its count wraps back to zero for the next launch.
-  // Entry b Hq + h0 of the workspace counts the block's gc heads.
-  __shared__ bool last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned limit = static_cast<unsigned>(splits - 1);
-    last = atomicInc(reinterpret_cast<unsigned*>(counts) + static_cast<size_t>(b) * hq + h0, limit) == limit;
-    __threadfence();
-  }
-  __syncthreads();
-  if (!last) return;
-  for (int gi = 0; gi < gc; ++gi)
-    combine_head(part_o, part_ml, bad, out, b * hq + h0 + gi, d, splits, threadIdx.x, blockDim.x);
 }
 
-// One block per (row, query head), a thread per element of D: merges the splits' partial softmaxes
-// (where decode_kernel's last blocks do not: no counts).
+// One block per (row, query head), a thread per element of D: merges the splits' partial softmaxes.
 template <typename T>
 __global__ void combine_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml, const int* rows,
                                const int* lengths, T* __restrict__ out, int hq, int d, int r_count, int max_length,
                                int splits) {
   const int bh = blockIdx.x, b = bh / hq;
-  pdl_wait();  // the splits' partial softmaxes
-  pdl_trigger();
-  combine_head(part_o, part_ml, bad_row(rows, lengths, b, r_count, max_length), out, bh, d, splits, threadIdx.x, blockDim.x);
+  const bool bad = bad_row(rows, lengths, b, r_count, max_length);
+  const float* ml = part_ml + static_cast<size_t>(bh) * splits * 2;
+  float mm = -INFINITY;
+  for (int s = 0; s < splits; ++s) mm = fmaxf(mm, ml[2 * s]);
+  for (int e = threadIdx.x; e < d; e += blockDim.x) {
+    float ls = 0.f, as = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      const float w = ml[2 * s] == -INFINITY ? 0.f : exp2f(ml[2 * s] - mm);
+      ls += ml[2 * s + 1] * w, as += part_o[(static_cast<size_t>(bh) * splits + s) * d + e] * w;
+    }
+    out[static_cast<size_t>(bh) * d + e] = from_f32<T>(bad || ls == 0.f ? NAN : as / ls);
+  }
 }
 
 template <typename T>
@@ -228,70 +195,51 @@ int sm_count(int device) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// Both kernels start with pdl_wait(): launched as programmatic dependents (ops/cuda/pdl.cuh), their
-// blocks are resident when the kernel before them ends.  KCPP_ATTN_PDL=0: ordinary launches.
-template <typename... Params, typename... Args>
-void launch_attention(const char* op, void (*kernel)(Params...), dim3 grid, int threads, Args&&... args) {
-  static const bool pdl = [] {
-    const char* e = std::getenv("KCPP_ATTN_PDL");
-    return !(e && std::string(e) == "0");
-  }();
-  if (pdl) {
-    launch_pdl(op, kernel, grid, dim3(threads), 0, std::forward<Args>(args)...);
-  } else {
-    kernel<<<grid, threads, 0, kcpp::cuda::current_stream()>>>(std::forward<Args>(args)...);
-    KCPP_CUDA_CHECK_LAUNCH(op);
-  }
-}
-
 template <typename T, int LPK, int GMAX>
 void launch(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& rows, const Tensor& lengths,
-            double scale, int64_t window, int64_t max_length, int gc, const Tensor& counts) {
+            double scale, int64_t window, int64_t max_length, int gc) {
   const int b = static_cast<int>(q.size(0)), hq = static_cast<int>(q.size(1)), d = static_cast<int>(q.size(2));
   const int r_count = static_cast<int>(kc.size(0)), hkv = static_cast<int>(kc.size(1)), capacity = static_cast<int>(kc.size(2));
   const int blocks_per_split = b * (hq / gc);
-  // Enough blocks for two waves over the SMs, and at least 32 keys a split at the longest length
-  // (KCPP_ATTN_SPLIT_KEYS: another least number of keys a split).
-  static const int64_t least = [] {
-    const char* e = std::getenv("KCPP_ATTN_SPLIT_KEYS");
-    return e && std::atoll(e) > 0 ? static_cast<int64_t>(std::atoll(e)) : int64_t{32};
-  }();
+  // Enough blocks for two waves over the SMs, and at least 32 keys a split at the longest length.
   const int64_t want = (2 * sm_count(q.device().index) + blocks_per_split - 1) / blocks_per_split;
-  const int splits = static_cast<int>(std::clamp<int64_t>(want, 1, std::max<int64_t>(1, max_length / least)));
+  const int splits = static_cast<int>(std::clamp<int64_t>(want, 1, std::max<int64_t>(1, max_length / 32)));
   Tensor part_o, part_ml;
   if (splits > 1) {
     part_o = Tensor::empty({b, hq, splits, d}, DType::f32, q.device());
     part_ml = Tensor::empty({b, hq, splits, 2}, DType::f32, q.device());
   }
-  launch_attention("decode_attention", decode_kernel<T, LPK, GMAX>, dim3(splits, hq / gc, b), kWarps * 32,
+  const cudaStream_t stream = kcpp::cuda::current_stream();
+  decode_kernel<T, LPK, GMAX><<<dim3(splits, hq / gc, b), kWarps * 32, 0, stream>>>(
       static_cast<const T*>(q.data()), static_cast<const T*>(kc.data()), static_cast<const T*>(vc.data()),
       static_cast<const int*>(rows.data()), static_cast<const int*>(lengths.data()), static_cast<T*>(out.data()),
       splits > 1 ? static_cast<float*>(part_o.data()) : nullptr, splits > 1 ? static_cast<float*>(part_ml.data()) : nullptr,
       hq, hkv, gc, d, r_count, capacity, static_cast<int>(max_length), static_cast<float>(scale) * kLog2e,
-      static_cast<int>(std::min<int64_t>(window, INT32_MAX)), splits,
-      counts.defined() ? static_cast<int*>(counts.data()) : nullptr);
-  if (splits > 1 && !counts.defined()) {
-    launch_attention("decode_attention (combine)", combine_kernel<T>, dim3(b * hq), std::min(d, 256),
+      static_cast<int>(std::min<int64_t>(window, INT32_MAX)), splits);
+  KCPP_CUDA_CHECK_LAUNCH("decode_attention");
+  if (splits > 1) {
+    combine_kernel<T><<<b * hq, std::min(d, 256), 0, stream>>>(
         static_cast<const float*>(part_o.data()), static_cast<const float*>(part_ml.data()),
         static_cast<const int*>(rows.data()), static_cast<const int*>(lengths.data()), static_cast<T*>(out.data()), hq, d,
         r_count, static_cast<int>(max_length), splits);
+    KCPP_CUDA_CHECK_LAUNCH("decode_attention (combine)");
   }
 }
 
 template <typename T, int LPK>
 void launch_lpk(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& rows,
-                const Tensor& lengths, double scale, int64_t window, int64_t max_length, int g, const Tensor& counts) {
+                const Tensor& lengths, double scale, int64_t window, int64_t max_length, int g) {
   // The largest divisor of g that fits a block's GMAX heads.
   int gc = std::min(g, 8);
   while (g % gc != 0) --gc;
-  if (gc <= 4) launch<T, LPK, 4>(out, q, kc, vc, rows, lengths, scale, window, max_length, gc, counts);
-  else launch<T, LPK, 8>(out, q, kc, vc, rows, lengths, scale, window, max_length, gc, counts);
+  if (gc <= 4) launch<T, LPK, 4>(out, q, kc, vc, rows, lengths, scale, window, max_length, gc);
+  else launch<T, LPK, 8>(out, q, kc, vc, rows, lengths, scale, window, max_length, gc);
 }
 
 }  // namespace
 
 void decode_attention(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& rows,
-                      const Tensor& lengths, double scale, int64_t window, int64_t max_length, const Tensor& counts) {
+                      const Tensor& lengths, double scale, int64_t window, int64_t max_length) {
   const int64_t d = q.size(2);
   KCPP_CHECK(aligned16(kc.data()) && aligned16(vc.data()),
              "op decode_attention: the cache storage must start on a 16-byte boundary (a view of a row at an odd offset?)");
@@ -299,10 +247,10 @@ void decode_attention(const Tensor& out, const Tensor& q, const Tensor& kc, cons
   kcpp::cuda::DeviceGuard guard(q.device().index);
   const int g = static_cast<int>(q.size(1) / kc.size(1));
   visit_cuda_float(q.dtype(), "decode_attention", [&]<typename T>(std::type_identity<T>) {
-    if (d <= 32) launch_lpk<T, 4>(out, q, kc, vc, rows, lengths, scale, window, max_length, g, counts);
-    else if (d <= 64) launch_lpk<T, 8>(out, q, kc, vc, rows, lengths, scale, window, max_length, g, counts);
-    else if (d <= 128) launch_lpk<T, 16>(out, q, kc, vc, rows, lengths, scale, window, max_length, g, counts);
-    else launch_lpk<T, 32>(out, q, kc, vc, rows, lengths, scale, window, max_length, g, counts);
+    if (d <= 32) launch_lpk<T, 4>(out, q, kc, vc, rows, lengths, scale, window, max_length, g);
+    else if (d <= 64) launch_lpk<T, 8>(out, q, kc, vc, rows, lengths, scale, window, max_length, g);
+    else if (d <= 128) launch_lpk<T, 16>(out, q, kc, vc, rows, lengths, scale, window, max_length, g);
+    else launch_lpk<T, 32>(out, q, kc, vc, rows, lengths, scale, window, max_length, g);
   });
 }
 

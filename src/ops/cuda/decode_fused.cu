@@ -21,7 +21,6 @@
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/launch.h"
 #include "ops/cuda/pdl.cuh"
-#include "ops/cuda/qk_head.cuh"
 #include "ops/math.h"
 
 namespace kcpp::ops::cuda {
@@ -34,6 +33,27 @@ using kcpp::kernel::cuda::warp_sum;
 
 constexpr int kHeadsPerBlock = 4;
 constexpr int kMaxPerLane = 8;  // D <= 256
+
+// RoPE of element e (< rd) of a head whose normed values are in sh, each product rounded before the
+// add, as the eager ops store them (no fused multiply-add in f32).
+template <typename T>
+__device__ __forceinline__ float rope_at(float x, const float* sh, int e, int half, bool interleaved, const T* c, const T* s) {
+  const float rot = interleaved ? ((e & 1) ? sh[e - 1] : -sh[e + 1]) : (e < half ? -sh[e + half] : sh[e - half]);
+  return round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(x, to_f32(c[e]))), round_to<T>(__fmul_rn(rot, to_f32(s[e])))));
+}
+
+// Where head `head` of row b goes: its row of q, or its slot of the k or v cache; nullptr for a row or
+// position out of range (decode_attention then reports that row as NaN).
+template <typename T>
+__device__ __forceinline__ T* qk_destination(T* q_out, T* k_cache, T* v_cache, const int* rows, const int* positions, int b,
+                                             int head, int hq, int hkv, int d, int r_count, int capacity) {
+  if (head < hq) return q_out + (static_cast<int64_t>(b) * hq + head) * d;
+  const int row = rows[b], pos = positions[b];
+  if (row < 0 || row >= r_count || pos < 0 || pos >= capacity) return nullptr;
+  const bool is_v = head >= hq + hkv;
+  const int h = is_v ? head - hq - hkv : head - hq;
+  return (is_v ? v_cache : k_cache) + ((static_cast<int64_t>(row) * hkv + h) * capacity + pos) * d;
+}
 
 template <typename T>
 __global__ void qk_norm_rope_cache_kernel(T* __restrict__ q_out, const T* __restrict__ qkv, const T* __restrict__ q_norm,
@@ -81,10 +101,10 @@ __global__ void qk_norm_rope_cache_kernel(T* __restrict__ q_out, const T* __rest
 #pragma unroll
     for (int i = 0; i < kMaxPerLane; ++i) {
       const int e = lane + 32 * i;
-      if (e < rd) v[i] = qk::rope_at(v[i], sh, e, half, interleaved, c, s);
+      if (e < rd) v[i] = rope_at(v[i], sh, e, half, interleaved, c, s);
     }
   }
-  T* dst = qk::destination(q_out, k_cache, v_cache, rows, positions, b, head, hq, hkv, d, r_count, capacity);
+  T* dst = qk_destination(q_out, k_cache, v_cache, rows, positions, b, head, hq, hkv, d, r_count, capacity);
   if (dst == nullptr) return;
 #pragma unroll
   for (int i = 0; i < kMaxPerLane; ++i) {
@@ -112,7 +132,7 @@ __global__ void qk_norm_rope_cache_vec_kernel(T* __restrict__ q_out, const T* __
                                               const int* __restrict__ rows, const int* __restrict__ positions, int hq, int hkv,
                                               int d, int rd, int n, int r_count, int capacity, float eps, float offset, bool gemma,
                                               bool interleaved, int p, bool wide) {
-  using Chunk = qk::Chunk<T, V>;
+  struct alignas(16) Chunk { T v[V]; };
   __shared__ float buf[kHeadsPerBlock * 32 * V];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = lane / p, gl = lane % p;
   const int per_warp = 32 / p, heads = hq + 2 * hkv, b0 = blockIdx.y * R;
@@ -121,6 +141,7 @@ __global__ void qk_norm_rope_cache_vec_kernel(T* __restrict__ q_out, const T* __
   pdl_trigger();
   const bool in_head = head < heads, active = in_head && gl * V < d;
   const bool is_q = head < hq, is_v = head >= hq + hkv;
+  const int e0 = gl * V;
   Chunk in[R];
 #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -128,8 +149,18 @@ __global__ void qk_norm_rope_cache_vec_kernel(T* __restrict__ q_out, const T* __
   const T* w = is_q ? q_norm : k_norm;
   const bool normed = active && !is_v && w != nullptr;
   float wt[V];
-  if (normed) qk::load_weights<T, V>(w, gl, gl * V, offset, gemma, wide, wt);
+  if (normed) {
+    if (wide) {
+      const Chunk c = reinterpret_cast<const Chunk*>(w)[gl];
+#pragma unroll
+      for (int j = 0; j < V; ++j) wt[j] = norm_weight_value<T>(to_f32(c.v[j]), offset, gemma);
+    } else {
+#pragma unroll
+      for (int j = 0; j < V; ++j) wt[j] = norm_weight(w, e0 + j, offset, gemma);
+    }
+  }
   float* sh = buf + (warp * 32 + group * p) * V;  // the head's D elements
+  const int half = rd / 2;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int b = b0 + r;
@@ -137,11 +168,42 @@ __global__ void qk_norm_rope_cache_vec_kernel(T* __restrict__ q_out, const T* __
     float v[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) v[j] = live ? to_f32(in[r].v[j]) : 0.f;
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < V; ++j) ss += v[j] * v[j];
+    for (int o = p / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);  // within the group
+    if (normed) {  // RMSNorm over the head: rstd in f32, as ops::rms_norm_forward
+      const float rstd = 1.f / sqrtf(ss / static_cast<float>(d) + eps);
+#pragma unroll
+      for (int j = 0; j < V; ++j) v[j] = gemma ? round_to<T>(v[j] * rstd * wt[j]) : round_to<T>(wt[j] * round_to<T>(v[j] * rstd));
+    }
     if (r > 0) __syncwarp();  // the previous row's partners have been read
-    qk::row<T, V>(v, wt, normed, live && !is_v, active, p, gl, d, rd, eps, gemma, interleaved, wide,
-                  cos_ + static_cast<int64_t>(b) * rd, sin_ + static_cast<int64_t>(b) * rd, sh);
+    if (active) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) sh[e0 + j] = v[j];
+    }
+    __syncwarp();
     if (!live) continue;
-    T* dst = qk::destination(q_out, k_cache, v_cache, rows, positions, b, head, hq, hkv, d, r_count, capacity);
+    if (!is_v && e0 < rd) {
+      const T* c = cos_ + static_cast<int64_t>(b) * rd;
+      const T* s = sin_ + static_cast<int64_t>(b) * rd;
+      if (wide) {  // all V elements below rd; the partners from shared memory
+        const Chunk cc = reinterpret_cast<const Chunk*>(c)[gl], sc = reinterpret_cast<const Chunk*>(s)[gl];
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const int e = e0 + j;
+          const float rot = interleaved ? ((e & 1) ? sh[e - 1] : -sh[e + 1]) : (e < half ? -sh[e + half] : sh[e - half]);
+          v[j] = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(v[j], to_f32(cc.v[j]))), round_to<T>(__fmul_rn(rot, to_f32(sc.v[j])))));
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const int e = e0 + j;
+          if (e < rd) v[j] = rope_at(v[j], sh, e, half, interleaved, c, s);
+        }
+      }
+    }
+    T* dst = qk_destination(q_out, k_cache, v_cache, rows, positions, b, head, hq, hkv, d, r_count, capacity);
     if (dst == nullptr) continue;
     Chunk out;
 #pragma unroll

@@ -28,7 +28,6 @@
 #include "ops/cuda/gemv.cuh"
 #include "ops/cuda/launch.h"
 #include "ops/cuda/pdl.cuh"
-#include "ops/cuda/qk_head.cuh"
 #include "ops/math.h"
 
 namespace kcpp::ops::cuda {
@@ -69,29 +68,8 @@ using kcpp::kernel::cuda::to_f32;
 using kcpp::kernel::cuda::warp_sum;
 
 // AddNorm and Glu make the rows; MambaNorm makes them as AddNorm and ends each column with the Mamba
-// epilogue, AddNormQk as AddNorm and ends each head of qkv with qk_norm_rope_cache (each a template
-// case of its own, so that the other kernels keep no epilogue registers).
-enum class Prologue { AddNorm, Glu, MambaNorm, AddNormQk };
-
-// The qk epilogue's operands (add_rms_norm_linear_qk; out is qkv [M, (hq + 2 hkv) d]): what
-// qk_norm_rope_cache takes, with `counts` [hq + 2 hkv], each head's columns written so far (zero
-// before the launch, zero again after it).  p: the lanes of a head (d / V, a power of two <= 32, V
-// the elements of 16 bytes); wide: cos, sin and the norm weights are read as 16-byte chunks.
-template <typename T> struct QkParams {
-  T* q_out;            // [M, hq, d]
-  const T* q_norm;     // [d] each, or both null
-  const T* k_norm;
-  const T* cos;        // [M, rd] each
-  const T* sin;
-  T* k_cache;          // [r_count, hkv, capacity, d] each
-  T* v_cache;
-  const int* rows;     // [M] each
-  const int* positions;
-  int* counts;
-  int hq, hkv, d, rd, r_count, capacity, p;
-  float eps, offset;
-  bool gemma, interleaved, wide;
-};
+// epilogue (a template case of its own, so that the other kernels keep no epilogue registers).
+enum class Prologue { AddNorm, Glu, MambaNorm };
 
 template <typename T> struct FusedGemvParams {
   T* out;              // [M, N]; add_rms_norm_linear_glu: [M, N / 2]
@@ -115,7 +93,6 @@ template <typename T> struct FusedGemvParams {
   const T* conv_b;
   T* xc;
   int conv_d, conv_k, width;
-  QkParams<T> qk;      // AddNormQk
 };
 
 constexpr int kMaxConv = 4;  // the most convolution taps and state entries the epilogue takes
@@ -225,61 +202,9 @@ __device__ __forceinline__ void begin_block(const FusedGemvParams<T>& p, int64_t
   make_rows<T, M, P>(p, rows);
 }
 
-// add_rms_norm_linear_qk's epilogue, once the block has written qkv's columns [first, first + cols)
-// (one head's: d is a multiple of cols): the block adds them to the head's count, and the block that
-// completes the head applies qk_norm_rope_cache to it (row m by warp m, qk::row as that op's kernel
-// computes it, from the values as stored: read from L2, past this SM's L1) and zeroes the count for
-// the next launch.  The write, fence, count / count, fence, read order is the CUDA programming guide's
-// last-block pattern.  Every thread of the block calls it.
-template <typename T, int M>
-__device__ __forceinline__ void qk_epilogue(const FusedGemvParams<T>& p, int first, int cols, int warp, int lane) {
-  constexpr int V = 16 / sizeof(T);
-  static_assert(kWarps <= V, "a group of kWarps / KS columns must lie in one head (d is a multiple of V)");
-  __shared__ bool complete;
-  __shared__ float head_buf[M][32 * V];
-  const QkParams<T>& q = p.qk;
-  const int head = first / q.d;
-  __threadfence();  // this thread's columns, if it wrote any, before the block's count
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    // The head's d / cols groups counted; the last one wraps the count back to zero for the next launch.
-    const unsigned groups = static_cast<unsigned>(q.d / cols);
-    complete = atomicInc(reinterpret_cast<unsigned*>(q.counts) + head, groups - 1) == groups - 1;
-    __threadfence();  // the other blocks' columns are read after their counts were seen
-  }
-  __syncthreads();
-  if (!complete) return;
-  if (warp < M) {
-    using Chunk = qk::Chunk<T, V>;
-    const int b = warp, gl = lane % q.p, heads = q.hq + 2 * q.hkv;
-    const bool active = lane < q.p && gl * V < q.d, is_q = head < q.hq, is_v = head >= q.hq + q.hkv;
-    float v[V] = {}, wt[V] = {};
-    if (active) {
-      const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.out + (static_cast<int64_t>(b) * heads + head) * q.d) + gl);
-      const Chunk in = *reinterpret_cast<const Chunk*>(&raw);
-#pragma unroll
-      for (int j = 0; j < V; ++j) v[j] = to_f32(in.v[j]);
-    }
-    const T* w = is_q ? q.q_norm : q.k_norm;
-    const bool normed = active && !is_v && w != nullptr;
-    if (normed) qk::load_weights<T, V>(w, gl, gl * V, q.offset, q.gemma, q.wide, wt);
-    qk::row<T, V>(v, wt, normed, active && !is_v, active, q.p, gl, q.d, q.rd, q.eps, q.gemma, q.interleaved, q.wide,
-                  q.cos + static_cast<int64_t>(b) * q.rd, q.sin + static_cast<int64_t>(b) * q.rd, head_buf[b]);
-    T* dst = active ? qk::destination(q.q_out, q.k_cache, q.v_cache, q.rows, q.positions, b, head, q.hq, q.hkv, q.d,
-                                      q.r_count, q.capacity)
-                    : nullptr;
-    if (dst != nullptr) {
-      Chunk out;
-#pragma unroll
-      for (int j = 0; j < V; ++j) out.v[j] = from_f32<T>(v[j]);
-      reinterpret_cast<Chunk*>(dst)[gl] = out;
-    }
-  }
-}
-
 // Columns (kWarps / KS a group) blockIdx.x, blockIdx.x + gridDim.x, ... of out.
 template <typename T, int M, int KS, Prologue P>
-__global__ void __launch_bounds__(kThreads, P == Prologue::AddNormQk ? 4 : 1) fused_gemv_kernel(const __grid_constant__ FusedGemvParams<T> p) {
+__global__ void __launch_bounds__(kThreads) fused_gemv_kernel(const __grid_constant__ FusedGemvParams<T> p) {
   extern __shared__ __align__(16) unsigned char smem[];
   T* rows = reinterpret_cast<T*>(smem);  // [M, K]
   __shared__ float part[kWarps][M];
@@ -312,10 +237,7 @@ __global__ void __launch_bounds__(kThreads, P == Prologue::AddNormQk ? 4 : 1) fu
       if (g != static_cast<int>(blockIdx.x) || base != slice * kStep) load_pass<T, KS>(row, base, k, lane, wv);
       dot_pass<T, M, KS>(rows, k, base, k, lane, wv, acc);
     }
-    if constexpr (P == Prologue::AddNormQk) {
-      finish_column<T, M, KS>(p.out, n, col, warp, lane, acc, part);
-      qk_epilogue<T, M>(p, g * cols, cols, warp, lane);
-    } else if constexpr (!mamba) {
+    if constexpr (!mamba) {
       finish_column<T, M, KS>(p.out, n, col, warp, lane, acc, part);
     } else {
       sum_column<M, KS>(warp, lane, acc, part);
@@ -495,36 +417,6 @@ bool add_rms_norm_linear_glu(const Tensor& out, const Tensor& s, const Tensor& x
     FusedGemvParams<T> p = norm_params<T>(out, s, x, delta, norm_weight, opt, weight);
     p.act = glu_op(act);
     return dispatch<T, Prologue::AddNorm, true>(op, x.size(0), p);
-  });
-}
-
-bool add_rms_norm_linear_qk(const Tensor& out, const Tensor& s, const Tensor& q, const Tensor& x, const Tensor& delta,
-                            const Tensor& norm_weight, const RMSNormOptions& opt, const Tensor& weight,
-                            const QkNormRopeCache& qk, const Tensor& cos, const Tensor& sin, const Tensor& k_cache,
-                            const Tensor& v_cache, const Tensor& rows, const Tensor& positions, const Tensor& counts) {
-  constexpr const char* op = "add_rms_norm_linear_qk";
-  const auto a16 = [](const Tensor& t) { return !t.defined() || reinterpret_cast<uintptr_t>(t.data()) % 16 == 0; };
-  const int d = static_cast<int>(k_cache.size(3)), rd = static_cast<int>(cos.size(2));
-  return with_16bit(op, weight.dtype(), x.device(), [&]<typename T>(std::type_identity<T>) {
-    constexpr int kV = 16 / sizeof(T);
-    int lanes = 1;
-    while (lanes * kV < d) lanes <<= 1;
-    if (d % kV != 0 || lanes > 32 || !a16(out) || !a16(q) || !a16(k_cache) || !a16(v_cache)) return false;
-    FusedGemvParams<T> p = norm_params<T>(out, s, x, delta, norm_weight, opt, weight);
-    QkParams<T>& o = p.qk;
-    o.q_out = static_cast<T*>(q.data());
-    o.q_norm = qk.q_norm.defined() ? static_cast<const T*>(qk.q_norm.data()) : nullptr;
-    o.k_norm = qk.k_norm.defined() ? static_cast<const T*>(qk.k_norm.data()) : nullptr;
-    o.cos = static_cast<const T*>(cos.data()), o.sin = static_cast<const T*>(sin.data());
-    o.k_cache = static_cast<T*>(k_cache.data()), o.v_cache = static_cast<T*>(v_cache.data());
-    o.rows = static_cast<const int*>(rows.data()), o.positions = static_cast<const int*>(positions.data());
-    o.counts = static_cast<int*>(counts.data());
-    o.hq = static_cast<int>(qk.q_heads), o.hkv = static_cast<int>(qk.kv_heads), o.d = d, o.rd = rd;
-    o.r_count = static_cast<int>(k_cache.size(0)), o.capacity = static_cast<int>(k_cache.size(2)), o.p = lanes;
-    o.eps = static_cast<float>(qk.norm.eps), o.offset = static_cast<float>(qk.norm.offset);
-    o.gemma = qk.norm.casting == RMSNormCasting::Gemma, o.interleaved = qk.layout == RopeLayout::Interleaved;
-    o.wide = rd % kV == 0 && a16(cos) && a16(sin) && a16(qk.q_norm) && a16(qk.k_norm);
-    return dispatch<T, Prologue::AddNormQk>(op, x.size(0), p);
   });
 }
 

@@ -33,9 +33,8 @@ void gather_last(const Tensor& out, const Tensor& x, const Tensor& idx, int64_t 
 void scatter_last(const Tensor& out, const Tensor& values, const Tensor& idx, int64_t ignore_index);
 void valid_mask(const Tensor& out, const Tensor& idx, int64_t ignore_index);
 // ops/nn/decode_attention.h: q [B, Hq, D] contiguous, caches [R, Hkv, C, D], rows / lengths [B] i32.
-// counts: undefined or [B * Hq] i32 zeros (left zero).
 void decode_attention(const Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows,
-                      const Tensor& lengths, double scale, int64_t window, int64_t max_length, const Tensor& counts);
+                      const Tensor& lengths, double scale, int64_t window, int64_t max_length);
 void cache_write(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k, const Tensor& v, const Tensor& rows,
                  const Tensor& positions);
 // ops/nn/decode_fused.h: every tensor contiguous; q [B, Hq, D] written.
@@ -53,14 +52,6 @@ bool add_rms_norm_linear(const Tensor& out, const Tensor& s, const Tensor& x, co
 bool glu_linear(const Tensor& out, const Tensor& gu, GluActivation act, const Tensor& weight);
 bool add_rms_norm_linear_glu(const Tensor& out, const Tensor& s, const Tensor& x, const Tensor& delta,
                              const Tensor& norm_weight, const RMSNormOptions& opt, const Tensor& weight, GluActivation act);
-// add_rms_norm_linear into qkv (out), then qk_norm_rope_cache of it into q and the caches, in one kernel;
-// the qk operands checked as qk_norm_rope_cache checks them, counts [Hq + 2 Hkv] i32 zeros.  False,
-// nothing launched, where the heads are not 16-byte chunks a lane (head dim % 8 (16-bit), at most 256)
-// or a pointer is not 16-byte aligned, or the rows do not fit (the caller composes the op).
-bool add_rms_norm_linear_qk(const Tensor& out, const Tensor& s, const Tensor& q, const Tensor& x, const Tensor& delta,
-                            const Tensor& norm_weight, const RMSNormOptions& opt, const Tensor& weight,
-                            const QkNormRopeCache& qk, const Tensor& cos, const Tensor& sin, const Tensor& k_cache,
-                            const Tensor& v_cache, const Tensor& rows, const Tensor& positions, const Tensor& counts);
 // The blocks of `kernel` (launched with `threads` threads) resident on the current device at once with
 // `smem` bytes of dynamic shared memory, the kernel's limit raised above the default 48 KiB where
 // needed; 0 when `smem` does not fit (ops/cuda/decode_gemv.cu).  Cached: decode steps ask every layer.
@@ -81,9 +72,9 @@ bool decode_layers_persistent(const Tensor& x_out, const Tensor& delta_out, cons
                               const Tensor& cos, const Tensor& sin, const Tensor& rows, const Tensor& positions,
                               const Tensor& lengths);
 int64_t decode_persistent_launches();
-// ops/nn/sampling.h: logits [B, V] contiguous, out [B, 2] i64; options sampling_on_device() takes.
 // ops/nn/sampling.h: picks [B, 2] i64, ids [B, 1] i64, positions and lengths [B] i32, all contiguous.
 void advance_decode_inputs(const Tensor& picks, const Tensor& ids, const Tensor& positions, const Tensor& lengths);
+// ops/nn/sampling.h: logits [B, V] contiguous, out [B, 2] i64; options sampling_on_device() takes.
 void sample_checked(const Tensor& out, const Tensor& logits, const SampleOptions& opt, const std::vector<uint64_t>& seeds,
                     const std::vector<int64_t>& positions);
 

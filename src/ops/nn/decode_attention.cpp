@@ -44,7 +44,7 @@ bool decode_attention_supported(Device device, int64_t head_dim) {
 }
 
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows,
-                        const Tensor& lengths, double scale, int64_t window, int64_t max_length, const Tensor& counts) {
+                        const Tensor& lengths, double scale, int64_t window, int64_t max_length) {
   constexpr const char* op = "decode_attention";
   check_float(q, op, "q");
   check_dims(q, 3, op, "q");
@@ -60,12 +60,6 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
              max_length, c);
   check_index_vector(rows, b, q.device(), op, "rows");
   check_index_vector(lengths, b, q.device(), op, "lengths");
-  if (counts.defined()) {
-    KCPP_CHECK(counts.dtype() == DType::i32 && counts.device() == q.device() && counts.is_contiguous(),
-               "op {}: argument 'counts' must be a contiguous i32 tensor on {}, got {} on {}", op, q.device().str(),
-               dtype_name(counts.dtype()), counts.device().str());
-    check_shape(counts, {b * hq}, op, "counts");
-  }
   KCPP_CHECK(decode_attention_supported(q.device(), d),
              "op {}: head dim {} is not supported on {} (a multiple of 8, at most 256)", op, d, q.device().str());
   // The GPU loads 16 bytes at a time: a q that does not start on such a boundary is copied.
@@ -75,7 +69,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
   if (q.device().is_cuda()) {
 #if KCPP_WITH_CUDA
     cuda::decode_attention(out, qc, k_cache, v_cache, rows.contiguous(), lengths.contiguous(), scale, window,
-                           max_length > 0 ? max_length : c, counts);
+                           max_length > 0 ? max_length : c);
 #endif
     return out;
   }

@@ -27,14 +27,9 @@ namespace kcpp::ops {
 
 // q [B, Hq, D]; k_cache, v_cache [R, Hkv, C, D], same dtype and device as q, contiguous; rows and
 // lengths [B] i32 on q's device.  max_length (<= C; 0: C) bounds every length: the GPU splits the
-// keys by it, so a smaller bound means fewer idle blocks.  counts: undefined, or [B * Hq] i32 zeros
-// on q's device, which the GPU leaves zeroed: a workspace a caller keeps for its steps, with which
-// the last block of a head block's splits merges them (else a second kernel does; the same bits
-// either way; entry b Hq + h counts the block whose first head is h); one call at a time may use it.
-// Returns o [B, Hq, D] in q's dtype.
+// keys by it, so a smaller bound means fewer idle blocks.  Returns o [B, Hq, D] in q's dtype.
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows,
-                        const Tensor& lengths, double scale, int64_t window = 0, int64_t max_length = 0,
-                        const Tensor& counts = Tensor());
+                        const Tensor& lengths, double scale, int64_t window = 0, int64_t max_length = 0);
 
 // Whether decode_attention runs on `device` for this head dim: any on the CPU; on CUDA a multiple of
 // 8 up to 256.

@@ -52,51 +52,6 @@ bool fused_linear_on_cuda(const Tensor& x, DType dtype, int64_t k, std::initiali
 
 }  // namespace
 
-namespace {
-
-// qk_norm_rope_cache's operands beside its b rows of heads of d elements in ref's dtype and device.
-void check_qk(const char* op, const Tensor& ref, const char* ref_name, int64_t b, int64_t d, const QkNormRopeCache& opt,
-              const Tensor& cos, const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows,
-              const Tensor& positions) {
-  const int64_t hkv = opt.kv_heads;
-  KCPP_CHECK(opt.q_norm.defined() == opt.k_norm.defined(), "op {}: give both q_norm and k_norm, or neither", op);
-  if (opt.q_norm.defined()) {
-    check_same(opt.q_norm, ref, op, "q_norm", ref_name);
-    check_same(opt.k_norm, ref, op, "k_norm", ref_name);
-    check_shape(opt.q_norm, {d}, op, "q_norm");
-    check_shape(opt.k_norm, {d}, op, "k_norm");
-  }
-  check_same(cos, ref, op, "cos", ref_name);
-  check_same(sin, ref, op, "sin", ref_name);
-  check_dims(cos, 3, op, "cos");
-  check_shape(sin, cos.shape(), op, "sin");
-  const int64_t rd = cos.size(2);
-  KCPP_CHECK(cos.size(0) == b && cos.size(1) == 1, "op {}: cos must be [{}, 1, rotary dims] (one position a row), got {}",
-             op, b, shape_str(cos.shape()));
-  KCPP_CHECK(rd > 0 && rd % 2 == 0 && rd <= d, "op {}: rotary dim {} must be even, > 0 and <= head dim {}", op, rd, d);
-  check_same(k_cache, ref, op, "k_cache", ref_name);
-  check_same(v_cache, ref, op, "v_cache", ref_name);
-  check_dims(k_cache, 4, op, "k_cache");
-  check_shape(v_cache, k_cache.shape(), op, "v_cache");
-  KCPP_CHECK(k_cache.size(1) == hkv && k_cache.size(3) == d, "op {}: the cache {} does not hold {} heads of {}", op,
-             shape_str(k_cache.shape()), hkv, d);
-  for (const auto& [t, arg] : {std::pair{&rows, "rows"}, std::pair{&positions, "positions"}}) {
-    check_defined(*t, op, arg);
-    KCPP_CHECK(t->dtype() == DType::i32, "op {}: argument '{}' must be i32, got {}", op, arg, dtype_name(t->dtype()));
-    check_shape(*t, {b}, op, arg);
-    KCPP_CHECK(t->device() == ref.device(), "op {}: argument '{}' is on {} but {} is on {}", op, arg, t->device().str(),
-               ref_name, ref.device().str());
-  }
-}
-
-// The CUDA kernel of qk_norm_rope_cache covers these operands (checked).
-bool qk_on_cuda(const Tensor& ref, const QkNormRopeCache& opt, int64_t d, const Tensor& k_cache, const Tensor& v_cache) {
-  return fused_on_cuda(ref) && (!opt.q_norm.defined() || fused_casting(opt.norm)) && d <= 256 && k_cache.is_contiguous() &&
-         v_cache.is_contiguous();
-}
-
-}  // namespace
-
 Tensor qk_norm_rope_cache(const Tensor& qkv, const QkNormRopeCache& opt, const Tensor& cos, const Tensor& sin,
                           const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows, const Tensor& positions) {
   constexpr const char* op = "qk_norm_rope_cache";
@@ -106,9 +61,37 @@ Tensor qk_norm_rope_cache(const Tensor& qkv, const QkNormRopeCache& opt, const T
   KCPP_CHECK(hq > 0 && hkv > 0 && qkv.size(1) == hq + 2 * hkv,
              "op {}: qkv has {} heads; with {} query and {} key/value heads it must have {}", op, qkv.size(1), hq, hkv,
              hq + 2 * hkv);
-  check_qk(op, qkv, "qkv", b, d, opt, cos, sin, k_cache, v_cache, rows, positions);
+  KCPP_CHECK(opt.q_norm.defined() == opt.k_norm.defined(), "op {}: give both q_norm and k_norm, or neither", op);
+  if (opt.q_norm.defined()) {
+    check_same(opt.q_norm, qkv, op, "q_norm", "qkv");
+    check_same(opt.k_norm, qkv, op, "k_norm", "qkv");
+    check_shape(opt.q_norm, {d}, op, "q_norm");
+    check_shape(opt.k_norm, {d}, op, "k_norm");
+  }
+  check_same(cos, qkv, op, "cos", "qkv");
+  check_same(sin, qkv, op, "sin", "qkv");
+  check_dims(cos, 3, op, "cos");
+  check_shape(sin, cos.shape(), op, "sin");
+  const int64_t rd = cos.size(2);
+  KCPP_CHECK(cos.size(0) == b && cos.size(1) == 1, "op {}: cos must be [{}, 1, rotary dims] (one position a row), got {}",
+             op, b, shape_str(cos.shape()));
+  KCPP_CHECK(rd > 0 && rd % 2 == 0 && rd <= d, "op {}: rotary dim {} must be even, > 0 and <= head dim {}", op, rd, d);
+  check_same(k_cache, qkv, op, "k_cache", "qkv");
+  check_same(v_cache, qkv, op, "v_cache", "qkv");
+  check_dims(k_cache, 4, op, "k_cache");
+  check_shape(v_cache, k_cache.shape(), op, "v_cache");
+  KCPP_CHECK(k_cache.size(1) == hkv && k_cache.size(3) == d, "op {}: the cache {} does not hold {} heads of {}", op,
+             shape_str(k_cache.shape()), hkv, d);
+  for (const auto& [t, arg] : {std::pair{&rows, "rows"}, std::pair{&positions, "positions"}}) {
+    check_defined(*t, op, arg);
+    KCPP_CHECK(t->dtype() == DType::i32, "op {}: argument '{}' must be i32, got {}", op, arg, dtype_name(t->dtype()));
+    check_shape(*t, {b}, op, arg);
+    KCPP_CHECK(t->device() == qkv.device(), "op {}: argument '{}' is on {} but qkv is on {}", op, arg,
+               t->device().str(), qkv.device().str());
+  }
   if (b == 0) return Tensor::empty({0, hq, d}, qkv.dtype(), qkv.device());
-  if (qk_on_cuda(qkv, opt, d, k_cache, v_cache)) {
+  if (fused_on_cuda(qkv) && (!opt.q_norm.defined() || fused_casting(opt.norm)) && d <= 256 && k_cache.is_contiguous() &&
+      v_cache.is_contiguous()) {
 #if KCPP_WITH_CUDA
     const Tensor q = Tensor::empty({b, hq, d}, qkv.dtype(), qkv.device());
     QkNormRopeCache o = opt;
@@ -267,46 +250,6 @@ std::pair<Tensor, Tensor> add_rms_norm_linear_glu(const Tensor& x, const Tensor&
 #endif
   const auto [s, gu] = add_rms_norm_linear(x, delta, norm_weight, opt, weight);
   return {s, glu_packed(gu, act)};
-}
-
-std::pair<Tensor, Tensor> add_rms_norm_linear_qk(const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
-                                                 const RMSNormOptions& opt, const Tensor& weight, const QkNormRopeCache& qk,
-                                                 const Tensor& cos, const Tensor& sin, const Tensor& k_cache,
-                                                 const Tensor& v_cache, const Tensor& rows, const Tensor& positions,
-                                                 const Tensor& counts) {
-  constexpr const char* op = "add_rms_norm_linear_qk";
-  check_norm_linear(op, x, delta, norm_weight, opt, weight);
-  const int64_t b = x.size(0), hq = qk.q_heads, hkv = qk.kv_heads;
-  KCPP_CHECK(hq > 0 && hkv > 0, "op {}: {} query and {} key/value heads; both must be positive", op, hq, hkv);
-  check_dims(k_cache, 4, op, "k_cache");
-  const int64_t d = k_cache.size(3), heads = hq + 2 * hkv;
-  KCPP_CHECK(weight.size(0) == heads * d,
-             "op {}: weight {} must have {} rows: {} query and 2 x {} key/value heads of {} (the cache's head dim)", op,
-             shape_str(weight.shape()), heads * d, hq, hkv, d);
-  check_qk(op, weight, "weight", b, d, qk, cos, sin, k_cache, v_cache, rows, positions);
-  if (counts.defined()) {
-    KCPP_CHECK(counts.dtype() == DType::i32 && counts.device() == x.device() && counts.is_contiguous(),
-               "op {}: argument 'counts' must be a contiguous i32 tensor on {}, got {} on {}", op, x.device().str(),
-               dtype_name(counts.dtype()), counts.device().str());
-    check_shape(counts, {heads}, op, "counts");
-  }
-#if KCPP_WITH_CUDA
-  if (b > 0 && qk_on_cuda(weight, qk, d, k_cache, v_cache)) {
-    QkNormRopeCache o = qk;
-    if (o.q_norm.defined()) o.q_norm = o.q_norm.contiguous(), o.k_norm = o.k_norm.contiguous();
-    const Tensor c = cos.contiguous(), sn = sin.contiguous(), rw = rows.contiguous(), ps = positions.contiguous();
-    Tensor q;
-    if (auto r = norm_linear_on_cuda(x, delta, norm_weight, opt, weight, weight.size(0), [&](const Tensor& out, const Tensor& s) {
-          q = Tensor::empty({b, hq, d}, weight.dtype(), x.device());
-          const Tensor work = counts.defined() ? counts : Tensor::zeros({heads}, DType::i32, x.device());
-          return cuda::add_rms_norm_linear_qk(out, s, q, x, delta, norm_weight, opt, weight, o, c, sn, k_cache, v_cache, rw,
-                                              ps, work);
-        }))
-      return {r->first, q};
-  }
-#endif
-  const auto [s, qkv] = add_rms_norm_linear(x, delta, norm_weight, opt, weight);
-  return {s, qk_norm_rope_cache(qkv.view({b, heads, d}), qk, cos, sin, k_cache, v_cache, rows, positions)};
 }
 
 Tensor glu_linear(const Tensor& gu, GluActivation act, const Tensor& weight) {

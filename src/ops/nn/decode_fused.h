@@ -33,16 +33,6 @@
 //   h[n, i] = r(r(act(out[n, i])) * out[n, I + i]),  returns (s, h [N, I])
 // so that the down projection reads h with no activation of its own to make (a decode step's MLP).
 //
-// add_rms_norm_linear_qk — add_rms_norm_linear into a packed qkv projection W [(Hq + 2 Hkv) D, K], then
-// qk_norm_rope_cache of its output: (s, qkv) = add_rms_norm_linear(x, delta, w, W), returns
-// (s, qk_norm_rope_cache(qkv [N, Hq + 2 Hkv, D], ...)), the caches written as that op writes them.
-// On CUDA one kernel (the shapes as add_rms_norm_linear's and qk_norm_rope_cache's 16-byte path
-// need: D a multiple of 16 bytes, at most 32 such chunks): the block that writes a head's last
-// columns of qkv (the heads' counts in `counts`, [Hq + 2 Hkv] i32 zeros, which the kernel leaves
-// zeroed: a workspace a caller keeps for its steps; one is made per call without it) applies
-// qk_norm_rope_cache to that head, with that op's arithmetic, so q and the caches have its bits.
-// One kernel at a time may use a workspace.
-//
 // glu_linear — the gated activation of a packed gate/up row and the projection that reads it:
 // gu [N, 2I], W [O, I]:
 //   h = glu_packed(gu, act)  (rounded to the dtype),  out[n, o] = r(sum_i h[n, i] W[o, i])
@@ -101,15 +91,6 @@ std::pair<Tensor, Tensor> add_rms_norm_linear(const Tensor& x, const Tensor& del
 // As add_rms_norm_linear with weight [2I, K] (gate rows, then up rows).  Returns (s, h [N, I]).
 std::pair<Tensor, Tensor> add_rms_norm_linear_glu(const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
                                                   const RMSNormOptions& opt, const Tensor& weight, GluActivation act);
-
-// x, delta, norm_weight, opt, weight as add_rms_norm_linear with weight [(Hq + 2 Hkv) D, K]; the rest as
-// qk_norm_rope_cache (D the caches' head dim) and counts: undefined, or [Hq + 2 Hkv] i32 zeros on x's
-// device.  Returns (s, q [N, Hq, D]).
-std::pair<Tensor, Tensor> add_rms_norm_linear_qk(const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
-                                                 const RMSNormOptions& opt, const Tensor& weight, const QkNormRopeCache& qk,
-                                                 const Tensor& cos, const Tensor& sin, const Tensor& k_cache,
-                                                 const Tensor& v_cache, const Tensor& rows, const Tensor& positions,
-                                                 const Tensor& counts = Tensor());
 
 // gu [N, 2I], weight [O, I].  Returns [N, O].
 Tensor glu_linear(const Tensor& gu, GluActivation act, const Tensor& weight);
