@@ -336,12 +336,20 @@ class Fsdp2(unittest.TestCase):
                                     ("plain cross-entropy", ("bf16", "plain_ce"), KERNELIZED_PLAIN_CE)):
             got = self.ranks[0][key]
             # Each step's loss and each parameter's update is its own subtest, so that a failing run reports
-            # them all (on two GPUs over NCCL, 2026-11-28, Liger's defaults: steps 1 and 2's losses off by
-            # 2.8 times the run without kernels' error, every update within the bound).
-            for step, (a, b, o) in enumerate(zip(got["losses"].tolist(), plain["losses"].tolist(),
-                                                 oracle["losses"].tolist())):
+            # them all.  Step 0's loss (the same parameters) is held to twice the run without kernels' error.
+            # A later step's loss also carries the bf16 rounding of every update before it, whose sum over
+            # the parameters is not the sum of per-element bounds: on two GPUs (2026-11-28), kernelizing one
+            # family at a time, each within its own bf16 bound, moved step 1's loss error from the run
+            # without kernels' 2.6e-4 to 1.7e-5 (RoPE alone) or 6.9e-4 (SwiGLU alone), and all of them gave
+            # 7.2e-4, while every update passed its bound below (bench/RESULTS.md, twentieth session).  There
+            # the bound is the larger of twice that error and one bf16 unit roundoff (2^-8) of the f32 run's
+            # loss decrease since step 0: a gradient or update off by more than bf16's precision still fails.
+            losses = got["losses"].tolist(), plain["losses"].tolist(), oracle["losses"].tolist()
+            start = losses[2][0]
+            for step, (a, b, o) in enumerate(zip(*losses)):
                 with self.subTest(config=config, loss_of_step=step):
-                    self.assertLessEqual(abs(a - o), 2 * abs(b - o), f"bf16, {config}: loss of step {step}: {a}, "
+                    bound = 2 * abs(b - o) if step == 0 else max(2 * abs(b - o), 2.0 ** -8 * abs(o - start))
+                    self.assertLessEqual(abs(a - o), bound, f"bf16, {config}: loss of step {step}: {a}, "
                                          f"without kernels {b}, f32 {o}")
             self.assertEqual(set(got["params"]), set(oracle["params"]))
             for name, p in oracle["params"].items():
