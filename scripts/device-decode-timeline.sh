@@ -15,18 +15,7 @@ echo "== commit ${KCPP_COMMIT:-unknown}, $(date -u +%F)"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 export KCPP_PACKAGES_DIR="$PWD/.devlibs/kernels"
 model=${KCPP_PROFILE_MODEL:-qwen3} rows=${KCPP_PROFILE_BATCH:-1} steps=48
-folder=$(python3 - "$model" <<'PY'
-import sys, tempfile, torch, transformers
-sys.path.insert(0, "bench")
-from generate import MODELS
-_, cfg, cls, dims = MODELS[sys.argv[1]]
-torch.manual_seed(0)
-m = getattr(transformers, cls)(getattr(transformers, cfg)(**dims)).to(torch.bfloat16)
-d = tempfile.mkdtemp(prefix="kcpp-profile-")
-m.save_pretrained(d)
-print(d)
-PY
-)
+folder=$(random_model_folder "$model")
 ids=$(python3 -c "print(','.join(str(7 + i % 1000) for i in range(16)))")
 : > "$OUT/prompts.txt"
 for _ in $(seq "$rows"); do echo "$ids" >> "$OUT/prompts.txt"; done
