@@ -17,6 +17,7 @@ struct PendingCopy::Impl {
   cudaEvent_t done = nullptr;
   int device = -1;
   ~Impl() {
+    if (done) (void)cudaEventSynchronize(done);  // a copy still in flight lands before its memory goes
     if (pinned) (void)cudaFreeHost(pinned);
     if (done) (void)cudaEventDestroy(done);
   }
