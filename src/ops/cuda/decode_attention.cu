@@ -1,20 +1,25 @@
 // Decoding attention over a ragged KV cache (ops/nn/decode_attention.h), split across the keys.
 //
-// Grid (split, query-head block, batch row); 4 warps a block.  A key's D elements are spread over
-// LPK lanes, 8 consecutive elements each (one 16-byte load in 16-bit dtypes), so a warp reads
-// 32 / LPK keys at a time, every element once for the `gc` query heads of the block (a divisor of
-// the group size g = Hq / Hkv, at most GMAX).  Each lane keeps an online softmax per head in base
-// 2 (scores pre-scaled by log2 e): running maximum m, sum l and the weighted sum of its 8 value
-// elements.  At the end the lanes of a warp, then the warps, merge their (m, l, acc) exactly as
-// two partial softmaxes merge: m = max(m1, m2), l = l1 2^(m1-m) + l2 2^(m2-m), acc likewise.  One
-// split writes o = acc / l; several write (acc, m, l) and a second kernel merges the splits.
+// Grid (split, query-head block, batch row); 4 warps a block.  Rows short enough (at most 16 keys a
+// warp) that would be split instead run one block of 8 or 16 warps a query-head block, whose warps
+// take the keys the splits' blocks would and merge in shared memory: no partial results in global
+// memory and no second kernel.  A key's D elements are spread over LPK lanes, 8 consecutive elements
+// each (one 16-byte load in 16-bit dtypes), so a warp reads 32 / LPK keys at a time, every element
+// once for the `gc` query heads of the block (a divisor of the group size g = Hq / Hkv, at most
+// GMAX).  Each lane keeps an online softmax per head in base 2 (scores pre-scaled by log2 e):
+// running maximum m, sum l and the weighted sum of its 8 value elements.  At the end the lanes of a
+// warp, then the warps, merge their (m, l, acc) exactly as two partial softmaxes merge: m = max(m1,
+// m2), l = l1 2^(m1-m) + l2 2^(m2-m), acc likewise.  One split writes o = acc / l; several write
+// (acc, m, l) and a second kernel merges the splits.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <cmath>
+#include <string>
 #include <type_traits>
 
 #include "ops/cuda/common.cuh"
@@ -48,15 +53,15 @@ __device__ __forceinline__ bool bad_row(const int* rows, const int* lengths, int
 }
 
 
-template <typename T, int LPK, int GMAX>
-__global__ void __launch_bounds__(kWarps * 32)
+template <typename T, int LPK, int GMAX, int W>
+__global__ void __launch_bounds__(W * 32)
     decode_kernel(const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc, const int* __restrict__ rows,
                   const int* __restrict__ lengths, T* __restrict__ out, float* __restrict__ part_o,
                   float* __restrict__ part_ml, int hq, int hkv, int gc, int d, int r_count, int capacity, int max_length,
                   float scale_log2, int window, int splits) {
   constexpr int KPI = 32 / LPK;  // keys a warp reads at a time
-  __shared__ float sm_m[kWarps][GMAX], sm_l[kWarps][GMAX];
-  __shared__ float sm_a[kWarps][GMAX][LPK * 8];
+  __shared__ float sm_m[W][GMAX], sm_l[W][GMAX];
+  __shared__ float sm_a[W][GMAX][LPK * 8];
   const int split = blockIdx.x, hb = blockIdx.y, b = blockIdx.z;
   const int g = hq / hkv, h0 = hb * gc, kvh = h0 / g;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sub = lane / LPK, sl = lane % LPK, e0 = sl * 8;
@@ -83,7 +88,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
   }
   // Two keys a lane group per iteration, both loaded before either is used.
-  constexpr int kStep = kWarps * KPI;
+  constexpr int kStep = W * KPI;
   for (int j0 = start + warp * KPI; j0 < end; j0 += 2 * kStep) {
     const int j[2] = {j0 + sub, j0 + kStep + sub};
     float kx[2][8], vx[2][8];
@@ -135,9 +140,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   for (int t = threadIdx.x; t < gc * d; t += blockDim.x) {
     const int gi = t / d, e = t % d;
     float mm = -INFINITY;
-    for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, sm_m[w][gi]);
+    for (int w = 0; w < W; ++w) mm = fmaxf(mm, sm_m[w][gi]);
     float ls = 0.f, as = 0.f;
-    for (int w = 0; w < kWarps; ++w) {
+    for (int w = 0; w < W; ++w) {
       const float s = sm_m[w][gi] == -INFINITY ? 0.f : exp2f(sm_m[w][gi] - mm);
       ls += sm_l[w][gi] * s, as += sm_a[w][gi][e] * s;
     }
@@ -195,6 +200,20 @@ int sm_count(int device) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// The warps of the one-block path for short rows: 16 where their merge buffers fit a block's 48 KiB of
+// static shared memory, else 8, else none (the split path).
+template <int GMAX, int LPK>
+constexpr int kShortWarps = 16 * GMAX * LPK * 8 * 4 <= 48 * 1024 ? 16 : 8 * GMAX * LPK * 8 * 4 <= 48 * 1024 ? 8 : 0;
+
+// KCPP_ATTN_SHORT=0: short rows split over blocks as long ones are (for comparison).
+bool short_off() {
+  static const bool off = [] {
+    const char* e = std::getenv("KCPP_ATTN_SHORT");
+    return e && std::string(e) == "0";
+  }();
+  return off;
+}
+
 template <typename T, int LPK, int GMAX>
 void launch(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& rows, const Tensor& lengths,
             double scale, int64_t window, int64_t max_length, int gc) {
@@ -204,13 +223,27 @@ void launch(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& 
   // Enough blocks for two waves over the SMs, and at least 32 keys a split at the longest length.
   const int64_t want = (2 * sm_count(q.device().index) + blocks_per_split - 1) / blocks_per_split;
   const int splits = static_cast<int>(std::clamp<int64_t>(want, 1, std::max<int64_t>(1, max_length / 32)));
+  // Short rows that would be split (at most 16 keys a warp): one block of kShortWarps<GMAX, LPK> warps a
+  // head group instead, merged in shared memory (no partials, no second kernel).
+  constexpr int short_warps = kShortWarps<GMAX, LPK>;
+  if constexpr (short_warps > 0) {
+    if (splits > 1 && max_length <= 16 * short_warps && !short_off()) {
+      decode_kernel<T, LPK, GMAX, short_warps><<<dim3(1, hq / gc, b), short_warps * 32, 0, kcpp::cuda::current_stream()>>>(
+          static_cast<const T*>(q.data()), static_cast<const T*>(kc.data()), static_cast<const T*>(vc.data()),
+          static_cast<const int*>(rows.data()), static_cast<const int*>(lengths.data()), static_cast<T*>(out.data()), nullptr,
+          nullptr, hq, hkv, gc, d, r_count, capacity, static_cast<int>(max_length), static_cast<float>(scale) * kLog2e,
+          static_cast<int>(std::min<int64_t>(window, INT32_MAX)), 1);
+      KCPP_CUDA_CHECK_LAUNCH("decode_attention");
+      return;
+    }
+  }
   Tensor part_o, part_ml;
   if (splits > 1) {
     part_o = Tensor::empty({b, hq, splits, d}, DType::f32, q.device());
     part_ml = Tensor::empty({b, hq, splits, 2}, DType::f32, q.device());
   }
   const cudaStream_t stream = kcpp::cuda::current_stream();
-  decode_kernel<T, LPK, GMAX><<<dim3(splits, hq / gc, b), kWarps * 32, 0, stream>>>(
+  decode_kernel<T, LPK, GMAX, kWarps><<<dim3(splits, hq / gc, b), kWarps * 32, 0, stream>>>(
       static_cast<const T*>(q.data()), static_cast<const T*>(kc.data()), static_cast<const T*>(vc.data()),
       static_cast<const int*>(rows.data()), static_cast<const int*>(lengths.data()), static_cast<T*>(out.data()),
       splits > 1 ? static_cast<float*>(part_o.data()) : nullptr, splits > 1 ? static_cast<float*>(part_ml.data()) : nullptr,
