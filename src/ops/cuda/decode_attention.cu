@@ -24,6 +24,7 @@
 
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/launch.h"
+#include "ops/cuda/pdl.cuh"
 
 namespace kcpp::ops::cuda {
 namespace {
@@ -63,6 +64,8 @@ __global__ void __launch_bounds__(W * 32)
   __shared__ float sm_m[W][GMAX], sm_l[W][GMAX];
   __shared__ float sm_a[W][GMAX][LPK * 8];
   const int split = blockIdx.x, hb = blockIdx.y, b = blockIdx.z;
+  pdl_wait();  // q and the cache's new keys are the previous kernel's output (a no-op unless launched with PDL)
+  pdl_trigger();
   const int g = hq / hkv, h0 = hb * gc, kvh = h0 / g;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sub = lane / LPK, sl = lane % LPK, e0 = sl * 8;
   const bool lane_on = e0 < d;
@@ -205,6 +208,15 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 template <int GMAX, int LPK>
 constexpr int kShortWarps = 16 * GMAX * LPK * 8 * 4 <= 48 * 1024 ? 16 : 8 * GMAX * LPK * 8 * 4 <= 48 * 1024 ? 8 : 0;
 
+// KCPP_ATTN_PDL=0: the one-block path launched without programmatic dependent launch.
+bool short_pdl() {
+  static const bool on = [] {
+    const char* e = std::getenv("KCPP_ATTN_PDL");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
+
 // KCPP_ATTN_SHORT=0: short rows split over blocks as long ones are (for comparison).
 bool short_off() {
   static const bool off = [] {
@@ -228,12 +240,24 @@ void launch(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& 
   constexpr int short_warps = kShortWarps<GMAX, LPK>;
   if constexpr (short_warps > 0) {
     if (splits > 1 && max_length <= 16 * short_warps && !short_off()) {
-      decode_kernel<T, LPK, GMAX, short_warps><<<dim3(1, hq / gc, b), short_warps * 32, 0, kcpp::cuda::current_stream()>>>(
-          static_cast<const T*>(q.data()), static_cast<const T*>(kc.data()), static_cast<const T*>(vc.data()),
-          static_cast<const int*>(rows.data()), static_cast<const int*>(lengths.data()), static_cast<T*>(out.data()), nullptr,
-          nullptr, hq, hkv, gc, d, r_count, capacity, static_cast<int>(max_length), static_cast<float>(scale) * kLog2e,
-          static_cast<int>(std::min<int64_t>(window, INT32_MAX)), 1);
-      KCPP_CUDA_CHECK_LAUNCH("decode_attention");
+      auto kernel = decode_kernel<T, LPK, GMAX, short_warps>;
+      const auto* qp = static_cast<const T*>(q.data());
+      const auto* kp = static_cast<const T*>(kc.data());
+      const auto* vp = static_cast<const T*>(vc.data());
+      const auto* rp = static_cast<const int*>(rows.data());
+      const auto* lp = static_cast<const int*>(lengths.data());
+      T* op = static_cast<T*>(out.data());
+      float* none = nullptr;
+      const float sl = static_cast<float>(scale) * kLog2e;
+      const int win = static_cast<int>(std::min<int64_t>(window, INT32_MAX)), ml = static_cast<int>(max_length);
+      if (short_pdl()) {
+        launch_pdl("decode_attention", kernel, dim3(1, hq / gc, b), dim3(short_warps * 32), 0, qp, kp, vp, rp, lp, op, none,
+                   none, hq, hkv, gc, d, r_count, capacity, ml, sl, win, 1);
+      } else {
+        kernel<<<dim3(1, hq / gc, b), short_warps * 32, 0, kcpp::cuda::current_stream()>>>(
+            qp, kp, vp, rp, lp, op, none, none, hq, hkv, gc, d, r_count, capacity, ml, sl, win, 1);
+        KCPP_CUDA_CHECK_LAUNCH("decode_attention");
+      }
       return;
     }
   }
