@@ -161,7 +161,7 @@ TEST_P(Ops, ArgmaxCheckedFindsTheFirstLargestAndTheFirstNonFinite) {
   KCPP_REQUIRE_DEVICE(dev);
   Generator gen = test_generator();
   for (DType dt : test::float_dtypes(dev)) {
-    for (int64_t n : {1, 5, 33, 600, 4096, 4097, 151936}) {  // CUDA splits rows into parts of 4096
+    for (int64_t n : {1, 5, 33, 600, 1024, 1025, 2047, 4097, 151936}) {  // CUDA splits rows into parts of 1024
       const int64_t rows = 6;
       std::vector<double> v(static_cast<size_t>(rows * n));
       gen.fill_uniform(v, -4, 4);
