@@ -13,8 +13,9 @@
 //
 // On the GPU the keys of a row are split into chunks handled by separate blocks and the partial
 // softmaxes are merged (flash-decoding: Dao et al., "Flash-Decoding for long-context inference",
-// 2023): with a single row the GPU still runs many blocks.  Every K and V element is read once for
-// all g query heads of its group.
+// 2023): with a single row the GPU still runs many blocks.  Short rows (at most 16 keys a warp of
+// one block) run one block of 8 or 16 warps a group of query heads instead, merged in shared memory.
+// Every K and V element is read once for all g query heads of its group.
 //
 // Row indices and lengths on the device are not read by the host: a row outside [0, R) or a length
 // outside [1, max_length] makes that query's output NaN (never an out-of-bounds read).  On the CPU
