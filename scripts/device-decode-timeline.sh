@@ -19,7 +19,9 @@ folder=$(random_model_folder "$model")
 ids=$(python3 -c "print(','.join(str(7 + i % 1000) for i in range(16)))")
 : > "$OUT/prompts.txt"
 for _ in $(seq "$rows"); do echo "$ids" >> "$OUT/prompts.txt"; done
-cupti=$(dirname "$(find / -name 'libcupti.so.13' -not -path '/proc/*' 2>/dev/null | head -n 1)")
+cupti_lib=$(find / -name 'libcupti.so.13' -not -path '/proc/*' 2>/dev/null | head -n 1)
+[ -n "$cupti_lib" ] || { echo "no libcupti.so.13 on this machine"; exit 1; }
+cupti=$(dirname "$cupti_lib")
 rep="$OUT/timeline-$model-b$rows${KCPP_TIMELINE_TAG:-}.tsv"
 LD_LIBRARY_PATH="$cupti:$LD_LIBRARY_PATH" CUDA_INJECTION64_PATH="$PWD/.devlibs/bin/libkcpp_kernel_trace.so" KCPP_TRACE_OUT="$rep" \
   timeout 300 .devlibs/bin/kcpp generate --model "$folder" --prompt-ids-file "$OUT/prompts.txt" --max-new-tokens "$steps" \

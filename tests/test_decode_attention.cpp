@@ -1,8 +1,9 @@
 // ops::decode_attention and ops::cache_write (ops/nn/decode_attention.h) against the f64 oracle:
 // ragged rows read through a row index, lengths from 1 to a few hundred keys, grouped-query heads
 // (g = 1 .. 8, not powers of two), head dims 8 .. 256 not all powers of two, sliding windows, a
-// capacity bound below the storage's, and cache positions past every length filled with NaN so
-// that reading one shows.
+// capacity bound below the storage's, short rows (one block of 8 or 16 warps a head group) and long
+// ones (split over blocks), and cache positions past every length filled with NaN so that reading
+// one shows.
 #include <cmath>
 
 #include "oracle.h"
@@ -38,6 +39,8 @@ TEST_P(DecodeAttention, MatchesTheOracleOnRaggedRows) {
                         {14, 2, 64, {1000, 1}, 0, 24},
                         // g = 16, 12, 9: several query-head blocks per kv head (8, 6 and 3 heads a block)
                         {16, 1, 64, {33, 70}, 0, 5},      {12, 1, 32, {50}, 0, 0},          {9, 1, 16, {20, 3}, 0, 2},
+                        // short rows in one block: 16 warps (g = 3, above too), 8 warps (g = 8, d = 128)
+                        {8, 1, 128, {100, 7}, 0, 3},      {16, 2, 64, {120, 1}, 0, 0},
                         // sized for a capacity far beyond the lengths: most splits have no keys
                         {8, 2, 128, {5, 40, 1}, 0, 600, true}, {4, 2, 64, {130}, 16, 900, true}};
   for (DType dt : test::float_dtypes(dev))

@@ -811,8 +811,24 @@ TEST(CausalLMGeneration, GraphDecodeEqualsEagerStepsOnTheGpu) {
   ::setenv("KCPP_DECODE_GRAPHS", "0", 1);
   const auto eager = model->generate_batch(rows, 300, models::Sampling(), &none);
   ::unsetenv("KCPP_DECODE_GRAPHS");
-  const auto graphed = model->generate_batch(rows, 300, models::Sampling(), &none);
-  for (size_t p = 0; p < rows.size(); ++p) EXPECT_EQ(graphed[p].ids, eager[p].ids) << "long row " << p;
+  models::CausalLM::GenerationStats st;
+  const auto graphed = model->generate_batch(rows, 300, models::Sampling(), &none, {}, &st);
+  EXPECT_GT(st.graph_replays, 0) << "long rows";
+  for (size_t p = 0; p < rows.size(); ++p) {
+    EXPECT_EQ(graphed[p].ids, eager[p].ids) << "long row " << p;
+    EXPECT_EQ(graphed[p].reason, eager[p].reason) << "long row " << p;
+  }
+  // A capacity (16 + 100 keys) that the decode attention splits when sized by it: the captured steps
+  // take its one-block path for short rows (f32, where the merge orders' roundings cannot part ties).
+  const auto f32 = models::CausalLM::random(c, DType::f32, Device::cuda(0), 11, 0.5);
+  const std::vector<std::vector<int64_t>> medium = {{3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3}};
+  ::setenv("KCPP_DECODE_GRAPHS", "0", 1);
+  const auto medium_eager = f32->generate_batch(medium, 100, models::Sampling(), &none);
+  ::unsetenv("KCPP_DECODE_GRAPHS");
+  const auto medium_graphed = f32->generate_batch(medium, 100, models::Sampling(), &none, {}, &st);
+  EXPECT_GT(st.graph_replays, 0) << "medium row";
+  EXPECT_EQ(medium_graphed[0].ids, medium_eager[0].ids) << "medium row";
+  expect_greedy_continuation(*f32, medium_graphed[0].ids, medium[0].size(), "medium row");
 }
 
 // Logits of a few ragged decode steps (one given token a row) after each prompt is prefilled into

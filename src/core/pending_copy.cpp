@@ -33,9 +33,9 @@ void PendingCopy::start(const Tensor& t) {
   KCPP_CHECK(!impl_->pending, "PendingCopy: start() while a copy is in flight (wait() for it first)");
   KCPP_CHECK(t.defined() && t.dtype() == DType::i64 && t.is_contiguous(), "PendingCopy: needs a contiguous i64 tensor");
   Impl& m = *impl_;
-  m.pending = true;
   if (!t.device().is_cuda()) {
     m.values = t.to_i64_vector();
+    m.pending = true;
     return;
   }
 #if KCPP_WITH_CUDA
@@ -56,6 +56,7 @@ void PendingCopy::start(const Tensor& t) {
     KCPP_CUDA_CHECK(cudaMemcpyAsync(m.pinned, t.data(), n * sizeof(int64_t), cudaMemcpyDeviceToHost, cuda::current_stream()));
   KCPP_CUDA_CHECK(cudaEventRecord(m.done, cuda::current_stream()));
   m.source = t;
+  m.pending = true;
 #endif
 }
 

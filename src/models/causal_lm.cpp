@@ -1078,24 +1078,33 @@ std::vector<CausalLM::Generated> CausalLM::generate_batch(const std::vector<std:
     std::vector<size_t> active;      // prompt indices, in slot order
     std::vector<int64_t> positions;  // of each row's last token
     Tensor picks;                    // [rows, 2] on the device
-    PendingCopy copy;
+    PendingCopy* copy = nullptr;     // one of `copies`
   };
+  // At most two steps are in flight: two copies, made once (pinned memory is slow to allocate and its
+  // allocation and release synchronize the device), used in turn.
+  PendingCopy copies[2];
+  int turn = 0;
   const int64_t vocab = cfg_.vocab_size;
   auto queue_picks = [&](const Tensor& logits, std::unique_ptr<Flight>& f) {
     f->picks = ops::argmax_checked(logits.size(1) > vocab ? logits.narrow(1, 0, vocab) : logits);
-    f->copy.start(f->picks);
+    f->copy = &copies[turn];
+    turn ^= 1;
+    f->copy->start(f->picks);
   };
   // The picks of a queued step, as pick_tokens reads them (the logits' values are gone by then: the
   // error names the token id and position).  A row stopped at the step before is skipped.
   auto take = [&](Flight& f) {
-    const std::vector<int64_t> picked = f.copy.wait();
+    const std::vector<int64_t> picked = f.copy->wait();
+    for (size_t j = 0; j < f.active.size(); ++j) {  // every row checked before any is emitted, as pick_tokens does
+      const size_t p = f.active[j];
+      const int64_t bad = picked[2 * j + 1];
+      KCPP_CHECK(done[p] || bad < 0, "generate: the model produced non-finite logits (NaN or infinite, for token id {}) at "
+                 "position {}{}; check the weights (NaN or infinite values in the safetensors) and config.json "
+                 "(rope_theta, rms_norm_eps, ...)", bad, f.positions[j], many ? fmt::format(" of prompt {}", p) : "");
+    }
     for (size_t j = 0; j < f.active.size(); ++j) {
       const size_t p = f.active[j];
       if (done[p]) continue;
-      const int64_t bad = picked[2 * j + 1];
-      KCPP_CHECK(bad < 0, "generate: the model produced non-finite logits (NaN or infinite, for token id {}) at position "
-                 "{}{}; check the weights (NaN or infinite values in the safetensors) and config.json (rope_theta, "
-                 "rms_norm_eps, ...)", bad, f.positions[j], many ? fmt::format(" of prompt {}", p) : "");
       done[p] = emit(p, picked[2 * j]);
       next[p] = picked[2 * j];
       ++st.decode_tokens;

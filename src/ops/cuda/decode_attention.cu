@@ -203,10 +203,15 @@ int sm_count(int device) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The warps of the one-block path for short rows: 16 where their merge buffers fit a block's 48 KiB of
-// static shared memory, else 8, else none (the split path).
+// The shared memory of decode_kernel's merge buffers for W warps, in bytes.
+template <int GMAX, int LPK> constexpr int merge_bytes(int w) { return w * GMAX * (2 + LPK * 8) * 4; }
+// The warps of the one-block path for short rows: 16 where the merge buffers fit a block's 48 KiB of
+// static shared memory and a thread's 128 registers hold 4 heads' state (8 heads spill there), else 8
+// where the buffers fit, else none (the split path).
 template <int GMAX, int LPK>
-constexpr int kShortWarps = 16 * GMAX * LPK * 8 * 4 <= 48 * 1024 ? 16 : 8 * GMAX * LPK * 8 * 4 <= 48 * 1024 ? 8 : 0;
+constexpr int kShortWarps = GMAX <= 4 && merge_bytes<GMAX, LPK>(16) <= 48 * 1024 ? 16
+                            : merge_bytes<GMAX, LPK>(8) <= 48 * 1024         ? 8
+                                                                              : 0;
 
 // KCPP_ATTN_PDL=0: the one-block path launched without programmatic dependent launch.
 bool short_pdl() {
