@@ -839,14 +839,23 @@ std::vector<int64_t> CausalLM::generate(const std::vector<int64_t>& prompt, int6
   return std::move(r[0].ids);
 }
 
+namespace {
+
+// The error of a non-finite logit (`value` as text) for token `id` at `position` of prompt `prompt`.
+[[noreturn]] void non_finite_logits(const std::string& value, int64_t id, int64_t position, bool many, size_t prompt) {
+  KCPP_FAIL("generate: the model produced non-finite logits ({} for token id {}) at position {}{}; check the weights "
+            "(NaN or infinite values in the safetensors) and config.json (rope_theta, rms_norm_eps, ...)", value, id,
+            position, many ? fmt::format(" of prompt {}", prompt) : "");
+}
+
+}  // namespace
+
 std::vector<int64_t> CausalLM::pick_tokens(const Tensor& logits_all, const Sampling& sampling, bool many,
                                            const std::vector<size_t>& rows, const std::vector<int64_t>& positions) {
   const int64_t n = logits_all.size(0), v = cfg_.vocab_size;
   const Tensor logits = logits_all.size(1) > v ? logits_all.narrow(1, 0, v) : logits_all;
   auto bad_logits = [&](int64_t j, int64_t id, double value) {
-    KCPP_FAIL("generate: the model produced non-finite logits ({} for token id {}) at position {}{}; check the weights "
-              "(NaN or infinite values in the safetensors) and config.json (rope_theta, rms_norm_eps, ...)", value, id,
-              positions[static_cast<size_t>(j)], many ? fmt::format(" of prompt {}", rows[static_cast<size_t>(j)]) : "");
+    non_finite_logits(fmt::format("{}", value), id, positions[static_cast<size_t>(j)], many, rows[static_cast<size_t>(j)]);
   };
   // On the logits' device, two ids a row back: greedy's argmax, or a draw (ops/nn/sampling.h) keyed
   // by the row's seed (sampling.seed + its prompt's index) and the position of the token it makes.
@@ -1095,13 +1104,9 @@ std::vector<CausalLM::Generated> CausalLM::generate_batch(const std::vector<std:
   // error names the token id and position).  A row stopped at the step before is skipped.
   auto take = [&](Flight& f) {
     const std::vector<int64_t> picked = f.copy->wait();
-    for (size_t j = 0; j < f.active.size(); ++j) {  // every row checked before any is emitted, as pick_tokens does
-      const size_t p = f.active[j];
-      const int64_t bad = picked[2 * j + 1];
-      KCPP_CHECK(done[p] || bad < 0, "generate: the model produced non-finite logits (NaN or infinite, for token id {}) at "
-                 "position {}{}; check the weights (NaN or infinite values in the safetensors) and config.json "
-                 "(rope_theta, rms_norm_eps, ...)", bad, f.positions[j], many ? fmt::format(" of prompt {}", p) : "");
-    }
+    for (size_t j = 0; j < f.active.size(); ++j)  // every row checked before any is emitted, as pick_tokens does
+      if (!done[f.active[j]] && picked[2 * j + 1] >= 0)
+        non_finite_logits("NaN or infinite", picked[2 * j + 1], f.positions[j], many, f.active[j]);
     for (size_t j = 0; j < f.active.size(); ++j) {
       const size_t p = f.active[j];
       if (done[p]) continue;
@@ -1145,13 +1150,9 @@ std::vector<CausalLM::Generated> CausalLM::generate_batch(const std::vector<std:
     }
     // Step N + 1 from step N's picks, where it can be queued before they are read.
     const int64_t a = static_cast<int64_t>(flight->active.size());
-    bool chain = true;
-    for (size_t j = 0; j < flight->active.size(); ++j) {
-      const size_t p = flight->active[j];
-      const int64_t made = static_cast<int64_t>(out[p].ids.size() - prompts[p].size()) + 1;  // with step N's
-      const int64_t slot = cache.active[j];
-      chain = chain && made < steps[p] && cache.rows[static_cast<size_t>(slot)] < cache.k[0].size(2);
-    }
+    bool chain = graph_replays_next(*graphs, cache, a);
+    for (size_t p : flight->active)
+      chain = chain && static_cast<int64_t>(out[p].ids.size() - prompts[p].size()) + 1 < steps[p];  // with step N's
     std::unique_ptr<Flight> following;
     if (chain) {
       DecodeGraphs::Step& stp = graphs->by_batch.at(a);

@@ -213,15 +213,6 @@ constexpr int kShortWarps = GMAX <= 4 && merge_bytes<GMAX, LPK>(16) <= 48 * 1024
                             : merge_bytes<GMAX, LPK>(8) <= 48 * 1024         ? 8
                                                                               : 0;
 
-// KCPP_ATTN_PDL=0: the one-block path launched without programmatic dependent launch.
-bool short_pdl() {
-  static const bool on = [] {
-    const char* e = std::getenv("KCPP_ATTN_PDL");
-    return !(e && std::string(e) == "0");
-  }();
-  return on;
-}
-
 // KCPP_ATTN_SHORT=0: short rows split over blocks as long ones are (for comparison).
 bool short_off() {
   static const bool off = [] {
@@ -245,24 +236,13 @@ void launch(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& 
   constexpr int short_warps = kShortWarps<GMAX, LPK>;
   if constexpr (short_warps > 0) {
     if (splits > 1 && max_length <= 16 * short_warps && !short_off()) {
-      auto kernel = decode_kernel<T, LPK, GMAX, short_warps>;
-      const auto* qp = static_cast<const T*>(q.data());
-      const auto* kp = static_cast<const T*>(kc.data());
-      const auto* vp = static_cast<const T*>(vc.data());
-      const auto* rp = static_cast<const int*>(rows.data());
-      const auto* lp = static_cast<const int*>(lengths.data());
-      T* op = static_cast<T*>(out.data());
-      float* none = nullptr;
-      const float sl = static_cast<float>(scale) * kLog2e;
-      const int win = static_cast<int>(std::min<int64_t>(window, INT32_MAX)), ml = static_cast<int>(max_length);
-      if (short_pdl()) {
-        launch_pdl("decode_attention", kernel, dim3(1, hq / gc, b), dim3(short_warps * 32), 0, qp, kp, vp, rp, lp, op, none,
-                   none, hq, hkv, gc, d, r_count, capacity, ml, sl, win, 1);
-      } else {
-        kernel<<<dim3(1, hq / gc, b), short_warps * 32, 0, kcpp::cuda::current_stream()>>>(
-            qp, kp, vp, rp, lp, op, none, none, hq, hkv, gc, d, r_count, capacity, ml, sl, win, 1);
-        KCPP_CUDA_CHECK_LAUNCH("decode_attention");
-      }
+      // A programmatic dependent of the kernel before (ops/cuda/pdl.cuh; KCPP_PDL=0: an ordinary launch).
+      launch_pdl("decode_attention", decode_kernel<T, LPK, GMAX, short_warps>, dim3(1, hq / gc, b), dim3(short_warps * 32), 0,
+                 static_cast<const T*>(q.data()), static_cast<const T*>(kc.data()), static_cast<const T*>(vc.data()),
+                 static_cast<const int*>(rows.data()), static_cast<const int*>(lengths.data()), static_cast<T*>(out.data()),
+                 static_cast<float*>(nullptr), static_cast<float*>(nullptr), hq, hkv, gc, d, r_count, capacity,
+                 static_cast<int>(max_length), static_cast<float>(scale) * kLog2e,
+                 static_cast<int>(std::min<int64_t>(window, INT32_MAX)), 1);
       return;
     }
   }
