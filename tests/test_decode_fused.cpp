@@ -7,9 +7,11 @@
 // composition (f32, 5 rows, K not a multiple of 8), and chained without synchronizing (dependent
 // launches on sm_90); the f32 residual of add_rms_norm_linear; the Mamba step's fused ops
 // (ops/nn/mamba_decode.h) on awkward widths, ranks and state counts, with Falcon-Mamba's norms.
+// qk_norm_rope_attention against the oracle and against the composition it fuses.
 #include <cmath>
 
 #include "oracle.h"
+#include "ops/nn/decode_attention.h"
 #include "ops/nn/decode_fused.h"
 #include "ops/nn/decode_persistent.h"
 #include "ops/nn/mamba_decode.h"
@@ -115,6 +117,168 @@ TEST_P(DecodeFused, QkNormRopeCacheMatchesTheOracle) {
           ASSERT_EQ(kv[e], sentinel) << cfg << ": cache entry " << e << " was written";
         }
     }
+}
+
+// Equal element by element, NaN equal to NaN (a bad row's output).
+::testing::AssertionResult same_values(const V& a, const V& b) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << a.size() << " values against " << b.size();
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i]))))
+      return ::testing::AssertionFailure() << "element " << i << ": " << a[i] << " against " << b[i];
+  return ::testing::AssertionSuccess();
+}
+
+struct QkAttentionCase {
+  int64_t hq, hkv, d, rd;
+  bool norm, gemma, interleaved;
+  std::vector<int64_t> lengths;
+  int64_t window, capacity;
+  bool bound_by_capacity;  // max_length 0 (the capacity), as a captured decode step passes
+  // Row 0's new key at position lengths[0] - 1 - back (0: the last key, as decoding writes it).
+  int64_t back = 0;
+  bool bad_row = false, bad_position = false;  // row 1's row index / position out of range (CUDA only)
+};
+
+// qk_norm_rope_attention is qk_norm_rope_cache followed by decode_attention: against the f64 oracle,
+// and against that composition (on CUDA in bf16 / f16 the same bits: the fused kernel's prologue
+// rounds as qk_norm_rope_cache does; in f32 its sum of squares adds in another order).  The cases
+// take every path: short rows in one block of 16 or 8 warps (Qwen3-0.6B's and Llama-3.2-1B's heads,
+// g = 8, head dim 256), one split of 4 warps (a bound of 30 keys; 70 rows), a group of 12 query
+// heads that a block does not hold (the composition), a window, a new key written before the last
+// position, a row index and a position out of range.  Cache positions past each length hold NaN.
+TEST_P(DecodeFused, QkNormRopeAttentionIsTheComposition) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test_generator();
+  std::vector<int64_t> many(70);
+  for (size_t i = 0; i < many.size(); ++i) many[i] = 1 + static_cast<int64_t>(i * 37 % 300);
+  const QkAttentionCase cases[] = {
+      {16, 8, 128, 128, true, false, false, {100}, 0, 144, true},
+      {32, 8, 64, 64, false, false, false, {1, 17, 60}, 0, 144, true},
+      {8, 1, 128, 128, true, true, false, {5, 90}, 0, 100, false},
+      {4, 2, 256, 256, true, false, false, {50, 3}, 0, 60, false},
+      {6, 2, 96, 32, true, false, true, {3, 20}, 0, 30, false},
+      {16, 4, 32, 16, true, false, true, many, 0, 301, false},
+      {12, 1, 64, 64, false, false, false, {33, 7}, 0, 40, false},
+      {8, 2, 64, 64, true, false, false, {40, 100}, 16, 110, false},
+      {8, 2, 64, 64, true, false, false, {40, 9}, 0, 50, false, 3},
+      {16, 8, 128, 128, true, false, false, {20, 30, 25}, 0, 144, true, 0, true},
+      {16, 8, 128, 128, true, false, false, {20, 30}, 0, 144, true, 0, false, true}};
+  for (DType dt : test::float_dtypes(dev))
+    for (const QkAttentionCase& c : cases) {
+      if ((c.bad_row || c.bad_position) && !dev.is_cuda()) continue;  // refused by name on the CPU
+      const int64_t b = static_cast<int64_t>(c.lengths.size()), heads = c.hq + 2 * c.hkv, d = c.d, rd = c.rd;
+      const int64_t r = b + 1, cap = c.capacity;
+      const std::string cfg = fmt::format("{} hq={} hkv={} d={} rd={} lengths={} window={} capacity={} back={} bad row={} "
+                                          "bad position={}",
+                                          config_name(dev, dt), c.hq, c.hkv, d, rd, fmt::join(c.lengths, ","), c.window, cap,
+                                          c.back, c.bad_row, c.bad_position);
+      std::vector<int64_t> rows(static_cast<size_t>(b)), positions(rows.size());
+      for (int64_t i = 0; i < b; ++i) rows[i] = r - 1 - i, positions[i] = c.lengths[i] - 1 - (i == 0 ? c.back : 0);
+      if (c.bad_row) rows[1] = r;
+      if (c.bad_position) positions[1] = cap;
+      // The caches: noise at every row's keys, NaN past them.
+      V kc0(static_cast<size_t>(r * c.hkv * cap * d), NAN), vc0 = kc0, noise(kc0.size());
+      gen.fill_uniform(noise, -2, 2);
+      for (int64_t i = 0; i < b; ++i)
+        for (int64_t h = 0; h < c.hkv; ++h)
+          for (int64_t j = 0; j < c.lengths[i]; ++j)
+            for (int64_t e = 0; e < d; ++e) {
+              const int64_t row = std::min(rows[i], r - 1);
+              const auto at = static_cast<size_t>(((row * c.hkv + h) * cap + j) * d + e);
+              kc0[at] = noise[at], vc0[at] = noise[(at * 7 + 3) % noise.size()];
+            }
+      const Tensor qkv = Tensor::randn({b, heads, d}, dt, dev, gen);
+      V cs(static_cast<size_t>(b * rd)), sn(cs.size());
+      for (int64_t i = 0; i < b; ++i)
+        for (int64_t j = 0; j < rd; ++j) {
+          const int64_t pair = c.interleaved ? j / 2 : j % (rd / 2);
+          const double a = positions[i] * std::pow(10000.0, -2.0 * pair / rd);
+          cs[i * rd + j] = std::cos(a), sn[i * rd + j] = std::sin(a);
+        }
+      const Tensor cos = Tensor::from_f64(cs, {b, 1, rd}, dt, dev), sin = Tensor::from_f64(sn, {b, 1, rd}, dt, dev);
+      ops::QkNormRopeCache opt;
+      opt.q_heads = c.hq, opt.kv_heads = c.hkv;
+      opt.layout = c.interleaved ? ops::RopeLayout::Interleaved : ops::RopeLayout::RotateHalf;
+      if (c.norm) {
+        opt.q_norm = Tensor::randn({d}, dt, dev, gen), opt.k_norm = Tensor::randn({d}, dt, dev, gen);
+        opt.norm.eps = 1e-6, opt.norm.offset = c.gemma ? 1.0 : 0.0;
+        opt.norm.casting = c.gemma ? ops::RMSNormCasting::Gemma : ops::RMSNormCasting::Llama;
+      }
+      const Tensor kc = Tensor::from_f64(kc0, {r, c.hkv, cap, d}, dt, dev), vc = Tensor::from_f64(vc0, {r, c.hkv, cap, d}, dt, dev);
+      const Tensor kc2 = kc.clone(), vc2 = vc.clone();
+      const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+      const int64_t max_length = c.bound_by_capacity ? 0 : *std::max_element(c.lengths.begin(), c.lengths.end());
+      const Tensor rows_t = i32(rows, dev), positions_t = i32(positions, dev), lengths_t = i32(c.lengths, dev);
+      const Tensor out = ops::qk_norm_rope_attention(qkv, opt, cos, sin, kc, vc, rows_t, positions_t, lengths_t, scale,
+                                                     c.window, max_length);
+      const Tensor q = ops::qk_norm_rope_cache(qkv, opt, cos, sin, kc2, vc2, rows_t, positions_t);
+      const Tensor composed = ops::decode_attention(q, kc2, vc2, rows_t, lengths_t, scale, c.window, max_length);
+      ASSERT_EQ(out.shape(), (Shape{b, c.hq, d})) << cfg;
+      if (dt == DType::f32 && dev.is_cuda()) {
+        const double tol = 64 * test::unit_roundoff(DType::f32);
+        EXPECT_TRUE(test::close_l2(out, values(composed), tol)) << cfg << " (against the composition)";
+        EXPECT_TRUE(test::close_l2(kc, values(kc2), tol)) << cfg << " (k cache against the composition)";
+      } else {
+        EXPECT_TRUE(same_values(values(out), values(composed))) << cfg << " (against the composition)";
+        EXPECT_TRUE(same_values(values(kc), values(kc2))) << cfg << " (k cache against the composition)";
+      }
+      EXPECT_TRUE(same_values(values(vc), values(vc2))) << cfg << " (v cache against the composition)";
+      // The f64 oracle: q and the new key normed and rotated, the new value as is, then each good
+      // row's query heads attend over its keys (the caches as stored, the new key and value in place).
+      const V x = values(qkv), cv = values(cos), sv = values(sin);
+      const V qw = c.norm ? values(opt.q_norm) : V{}, kw = c.norm ? values(opt.k_norm) : V{};
+      // The caches' values as stored in the dtype.
+      const V ks = values(Tensor::from_f64(kc0, {r, c.hkv, cap, d}, dt, Device::cpu()));
+      const V vs = values(Tensor::from_f64(vc0, {r, c.hkv, cap, d}, dt, Device::cpu()));
+      auto head = [&](int64_t i, int64_t h) { return V(x.begin() + (i * heads + h) * d, x.begin() + (i * heads + h + 1) * d); };
+      auto prep = [&](const V& in, const V& w, int64_t i) {
+        V y = c.norm ? oracle::rms_norm(in, w, 1, d, 1e-6, opt.norm.offset).y : in;
+        const V cb(cv.begin() + i * rd, cv.begin() + (i + 1) * rd), sb(sv.begin() + i * rd, sv.begin() + (i + 1) * rd);
+        return oracle::rope(y, cb, sb, 1, 1, 1, d, rd, 1, false, c.interleaved);
+      };
+      const V got = values(out);
+      for (int64_t i = 0; i < b; ++i) {
+        const auto first = static_cast<size_t>(i * c.hq * d);
+        if (i == 1 && c.bad_row) {
+          for (size_t e = first; e < first + static_cast<size_t>(c.hq * d); ++e) ASSERT_TRUE(std::isnan(got[e])) << cfg;
+          continue;
+        }
+        const int64_t len = c.lengths[i];
+        V qi, ki, vi;
+        for (int64_t h = 0; h < c.hq; ++h) {
+          const V y = prep(head(i, h), qw, i);
+          qi.insert(qi.end(), y.begin(), y.end());
+        }
+        for (int64_t h = 0; h < c.hkv; ++h) {
+          const auto from = static_cast<size_t>((rows[i] * c.hkv + h) * cap * d);
+          V kh(ks.begin() + from, ks.begin() + from + len * d), vh(vs.begin() + from, vs.begin() + from + len * d);
+          if (!(i == 1 && c.bad_position)) {
+            const V kn = prep(head(i, c.hq + h), kw, i), vn = head(i, c.hq + c.hkv + h);
+            std::copy(kn.begin(), kn.end(), kh.begin() + positions[i] * d);
+            std::copy(vn.begin(), vn.end(), vh.begin() + positions[i] * d);
+          }
+          ki.insert(ki.end(), kh.begin(), kh.end());
+          vi.insert(vi.end(), vh.begin(), vh.end());
+        }
+        const auto o = oracle::attention(qi, ki, vi, nullptr, 1, c.hq, c.hkv, 1, len, d, scale, true, c.window);
+        const Tensor row_out = out.narrow(0, i, 1);
+        EXPECT_TRUE(test::close_l2(row_out, o.out, test::composite_rel_l2(dt))) << cfg << " row " << i;
+      }
+    }
+  // Checked by name, as both ops check.
+  const Tensor qkv = Tensor::zeros({1, 4, 16}, DType::f32, dev), cs = Tensor::zeros({1, 1, 16}, DType::f32, dev);
+  const Tensor kc = Tensor::zeros({1, 1, 8, 16}, DType::f32, dev);
+  ops::QkNormRopeCache opt;
+  opt.q_heads = 2, opt.kv_heads = 1;
+  const Tensor zero = i32({0}, dev), one = i32({1}, dev);
+  EXPECT_ERROR(ops::qk_norm_rope_attention(qkv, opt, cs, cs, kc, kc.clone(), zero, zero, one.to(DType::i64), 0.25),
+               "op qk_norm_rope_attention: argument 'lengths' must be i32");
+  EXPECT_ERROR(ops::qk_norm_rope_attention(qkv, opt, cs, cs, kc, kc.clone(), zero, zero, one, 0.25, -1), "window is -1");
+  EXPECT_ERROR(ops::qk_norm_rope_attention(qkv, opt, cs, cs, kc, kc.clone(), zero, zero, one, 0.25, 0, 9), "max_length 9");
+  EXPECT_ERROR(ops::qk_norm_rope_attention(Tensor::zeros({1, 3, 16}, DType::f32, dev), opt, cs, cs, kc, kc.clone(), zero, zero,
+                                           one, 0.25),
+               "it must have 4");
 }
 
 TEST_P(DecodeFused, AddRmsNormMatchesTheOracle) {

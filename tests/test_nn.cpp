@@ -118,6 +118,16 @@ TEST_P(Nn, RopeForwardBackward) {
           ASSERT_NEAR(cv[i * c.rd + j], std::cos(f), bound) << config_name(dev, dt);
           ASSERT_NEAR(sv[i * c.rd + j], std::sin(f), bound) << config_name(dev, dt);
         }
+      // The same bits as the composition that defines it (ops/nn/rope.h; one kernel on CUDA), with i32
+      // positions and a scaling too.
+      for (const double scaling : {1.0, 0.7}) {
+        const Tensor inv = ops::rope_inv_freq(c.rd, 10000.0, dev), p32 = position_ids.to(DType::i32);
+        const auto got = ops::rope_cos_sin(p32, inv, scaling, dt);
+        const Tensor f = ops::mul(p32.to(DType::f32).unsqueeze(-1), inv.reshape({1, 1, c.rd / 2}));
+        const Tensor emb = ops::cat({f, f}, -1);
+        EXPECT_EQ(got.cos.to_f64_vector(), ops::scale(ops::cos(emb), scaling).to(dt).to_f64_vector()) << config_name(dev, dt);
+        EXPECT_EQ(got.sin.to_f64_vector(), ops::scale(ops::sin(emb), scaling).to(dt).to_f64_vector()) << config_name(dev, dt);
+      }
       const Tensor x = Tensor::randn({c.b, c.h, c.s, c.d}, dt, dev, gen);
       const Tensor dy = Tensor::randn({c.b, c.h, c.s, c.d}, dt, dev, gen);
       const auto ref = oracle::rope(x.to_f64_vector(), cv, sv, c.b, c.h, c.s, c.d, c.rd, c.b, false);

@@ -663,12 +663,15 @@ Tensor CausalLM::ragged_attention(size_t li, const Tensor& q, const Tensor& k, c
   return cached_attention(li, q.reshape({b, hq, d}), c).view({b, hq, 1, d});
 }
 
-Tensor CausalLM::cached_attention(size_t li, const Tensor& q, KVCache& c) {
+double CausalLM::attention_scale(size_t li) const {
   const ops::AttentionOptions& opt = layers_[li].attn->options;
-  const double scale = opt.scale != 0.0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(q.size(2)));
+  return opt.scale != 0.0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(cfg_.head_dim));
+}
+
+Tensor CausalLM::cached_attention(size_t li, const Tensor& q, KVCache& c) {
   // A captured step is replayed as the rows grow: its bound is the storage's capacity.
-  return ops::decode_attention(q, c.k[li], c.v[li], c.step_rows, c.step_lengths, scale, opt.window,
-                               c.step_ready ? 0 : c.step_max_length);
+  return ops::decode_attention(q, c.k[li], c.v[li], c.step_rows, c.step_lengths, attention_scale(li),
+                               layers_[li].attn->options.window, c.step_ready ? 0 : c.step_max_length);
 }
 
 bool CausalLM::decode_fused_possible() const {
@@ -679,7 +682,8 @@ bool CausalLM::decode_fused_possible() const {
 
 // Per layer, with the fused projections (ops::decode_linear_fused: bf16 / f16 on CUDA, rows the gemv
 // takes): the residual add + input norm + qkv GEMV (one op; the first layer's has no add), q/k norms +
-// RoPE + the cache append (one op), the attention, the o GEMV, the residual add + post norm + gate/up
+// RoPE + the cache append + the attention (one op, ops::qk_norm_rope_attention: one kernel where the
+// attention is one block a head group), the o GEMV, the residual add + post norm + gate/up
 // GEMV + the gated activation (one op), the down GEMV; after the last layer the residual add + final
 // norm.  Without them (KCPP_DECODE_FUSED=1, other dtypes, more rows, a qkv bias, separate
 // gate and up weights) each add + norm and each gated activation is its own op before its GEMM.
@@ -689,6 +693,10 @@ Tensor CausalLM::decode_layers(const Tensor& h0, const ops::RopeCosSin& cs, KVCa
   const int64_t b = h0.size(0), hq = c.num_attention_heads, hkv = c.num_key_value_heads, d = c.head_dim;
   const char* env = std::getenv("KCPP_DECODE_FUSED");
   const bool fused_linear = !(env && std::string(env) == "1") && ops::decode_linear_fused(device_, dtype_, b);
+  // KCPP_DECODE_ATTN_FUSED=0: the q/k norms, RoPE and the cache append as their own kernel before the
+  // attention (for comparison).
+  const char* attn_env = std::getenv("KCPP_DECODE_ATTN_FUSED");
+  const bool attention_fused = !(attn_env && std::string(attn_env) == "0");
   Tensor x = h0, delta;
   // s = x + delta (x without delta) and rms_norm(s) through `norm`, as separate ops.
   auto add_norm = [&](nn::RMSNorm& norm) {
@@ -713,9 +721,16 @@ Tensor CausalLM::decode_layers(const Tensor& h0, const ops::RopeCosSin& cs, KVCa
     else
       qkv = linear(add_norm(*l.input_norm), l.wqkv, l.bqkv);
     delta = Tensor();
-    const Tensor q = ops::qk_norm_rope_cache(qkv.view({b, hq + 2 * hkv, d}), qo, cs.cos, cs.sin, cache.k[li], cache.v[li],
-                                             cache.step_rows, cache.step_positions);
-    const Tensor o = cached_attention(li, q, cache).view({b, hq * d});
+    const Tensor heads = qkv.view({b, hq + 2 * hkv, d});
+    const Tensor o =
+        (attention_fused
+             ? ops::qk_norm_rope_attention(heads, qo, cs.cos, cs.sin, cache.k[li], cache.v[li], cache.step_rows,
+                                           cache.step_positions, cache.step_lengths, attention_scale(li),
+                                           l.attn->options.window, cache.step_ready ? 0 : cache.step_max_length)
+             : cached_attention(li, ops::qk_norm_rope_cache(heads, qo, cs.cos, cs.sin, cache.k[li], cache.v[li],
+                                                            cache.step_rows, cache.step_positions),
+                                cache))
+            .view({b, hq * d});
     delta = linear(o, l.wo);
     if (fused_linear && l.w_gate_up.defined()) {
       Tensor h;

@@ -258,6 +258,8 @@ class CausalLM : public nn::Module {
   Tensor ragged_attention(size_t li, const Tensor& q, const Tensor& k, const Tensor& v, KVCache& cache);
   // ... of q [B, Hq, D] against the cache, this step's keys already written.
   Tensor cached_attention(size_t li, const Tensor& q, KVCache& cache);
+  // Layer li's attention scale (its option, else 1 / sqrt(head dim)).
+  double attention_scale(size_t li) const;
   // A decode step's layers (one token per row of a ragged cache, no tape) through the fused decode
   // ops (ops/nn/decode_fused.h): h [B, H] embedded; returns the final norm's output [B, H].
   Tensor decode_layers(const Tensor& h, const ops::RopeCosSin& cs, KVCache& cache);

@@ -11,6 +11,15 @@
 // warp, then the warps, merge their (m, l, acc) exactly as two partial softmaxes merge: m = max(m1,
 // m2), l = l1 2^(m1-m) + l2 2^(m2-m), acc likewise.  One split writes o = acc / l; several write
 // (acc, m, l) and a second kernel merges the splits.
+//
+// qk_norm_rope_attention (ops/nn/decode_fused.h) runs the same kernel with a prologue wherever a head
+// group is one block (the one-block path for short rows, or a single split) and holds a whole group
+// of Hq / Hkv query heads: the block's lane groups take its query heads, its key head and its value
+// head from the projection's output, apply the per-head norm and RoPE exactly as
+// qk_norm_rope_cache's 16-byte kernel does (ops/cuda/decode_fused.cu: a head over LPK lanes of 8
+// elements, the same sums and roundings), keep them in shared memory and write the key and value to
+// the cache.  The new position's key and value are then taken from shared memory, not read back, and
+// the first keys' loads are issued before the prologue so that they are in flight during it.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -30,6 +39,8 @@ namespace kcpp::ops::cuda {
 namespace {
 
 using kcpp::kernel::cuda::from_f32;
+using kcpp::kernel::cuda::round_to;
+using kcpp::kernel::cuda::store_f32;
 using kcpp::kernel::cuda::to_f32;
 
 constexpr int kWarps = 4;
@@ -47,6 +58,15 @@ template <typename T> __device__ __forceinline__ void load8(const T* p, float (&
   }
 }
 
+template <typename T> __device__ __forceinline__ void store8(T* p, const float (&x)[8]) {
+  if constexpr (std::is_same_v<T, float>) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(x[0], x[1], x[2], x[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(x[4], x[5], x[6], x[7]);
+  } else {
+    store_f32<T, 8>(p, x);
+  }
+}
+
 // A row index outside the cache or a length outside [1, max_length]: the row's output is NaN.
 __device__ __forceinline__ bool bad_row(const int* rows, const int* lengths, int b, int r_count, int max_length) {
   const int row = rows[b], len = lengths[b];
@@ -54,15 +74,37 @@ __device__ __forceinline__ bool bad_row(const int* rows, const int* lengths, int
 }
 
 
-template <typename T, int LPK, int GMAX, int W>
+// qk_norm_rope_attention's prologue: where the block takes q, the new key and the new value from
+// (ops/nn/decode_fused.h: qkv [B, Hq + 2 Hkv, D], the norms' weights [D] or null, cos / sin [B, rd]).
+template <typename T> struct QkPrologue {
+  const T* qkv = nullptr;
+  const T* q_norm = nullptr;
+  const T* k_norm = nullptr;
+  const T* cos = nullptr;
+  const T* sin = nullptr;
+  const int* positions = nullptr;  // [B]: the new key's slot in the cache row
+  T* k_cache = nullptr;            // where the new key and value are written (the caches read as kc, vc;
+  T* v_cache = nullptr;            // the kernel never reads the slots it writes)
+  int rd = 0;
+  float eps = 0.f, offset = 0.f;
+  bool gemma = false, interleaved = false;
+};
+
+// Shared memory rows of the prologue: the block's query heads (GMAX), then the new key and value.
+template <int GMAX> constexpr int kProKey = GMAX;
+template <int GMAX> constexpr int kProValue = GMAX + 1;
+
+// FUSED: the prologue (QkPrologue) makes q and the new key and value; q is unused.
+template <typename T, int LPK, int GMAX, int W, bool FUSED>
 __global__ void __launch_bounds__(W * 32)
     decode_kernel(const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc, const int* __restrict__ rows,
                   const int* __restrict__ lengths, T* __restrict__ out, float* __restrict__ part_o,
                   float* __restrict__ part_ml, int hq, int hkv, int gc, int d, int r_count, int capacity, int max_length,
-                  float scale_log2, int window, int splits) {
+                  float scale_log2, int window, int splits, const __grid_constant__ QkPrologue<T> pro) {
   constexpr int KPI = 32 / LPK;  // keys a warp reads at a time
   __shared__ float sm_m[W][GMAX], sm_l[W][GMAX];
   __shared__ float sm_a[W][GMAX][LPK * 8];
+  __shared__ float sm_pro[FUSED ? GMAX + 2 : 1][FUSED ? LPK * 8 : 1];
   const int split = blockIdx.x, hb = blockIdx.y, b = blockIdx.z;
   pdl_wait();  // q and the cache's new keys are the previous kernel's output (a no-op unless launched with PDL)
   pdl_trigger();
@@ -77,6 +119,91 @@ __global__ void __launch_bounds__(W * 32)
   const int chunk = (len - lo + splits - 1) / splits;
   const int start = lo + split * chunk, end = ::min(len, start + chunk);
   const size_t base = bad ? 0 : (static_cast<size_t>(rows[b]) * hkv + kvh) * capacity;
+  // FUSED: the new key's position where the prologue writes it to the cache (else -1); that key and
+  // value come from shared memory.
+  int fresh = -1;
+  size_t fresh_at = 0;  // its element offset in the caches
+  if constexpr (FUSED) {
+    const int row = rows[b], pos = pro.positions[b];
+    if (row >= 0 && row < r_count && pos >= 0 && pos < capacity)
+      fresh = pos, fresh_at = ((static_cast<size_t>(row) * hkv + kvh) * capacity + pos) * d;
+  }
+
+  // Two keys a lane group per iteration, both loaded before either is used.
+  constexpr int kStep = W * KPI;
+  float kx[2][8], vx[2][8];
+  auto load_keys = [&](int j0) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int j = j0 + u * kStep + sub;
+      if (j < end && lane_on && j != fresh) {
+        load8(kc + (base + j) * d + e0, kx[u]);
+        load8(vc + (base + j) * d + e0, vx[u]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) kx[u][i] = 0.f, vx[u][i] = 0.f;
+      }
+    }
+  };
+  const int j_first = start + warp * KPI;
+  load_keys(j_first);  // in flight during the prologue and q's loads
+
+  if constexpr (FUSED) {
+    // A lane group (LPK lanes, 8 elements each) a head: the query heads h0 .. h0 + gc - 1, then the
+    // key and the value head kvh.  Every lane of a warp runs each round (the sums shuffle over the warp).
+    const int heads = hq + 2 * hkv, tasks = gc + 2, groups = W * KPI;
+    for (int t0 = 0; t0 < tasks; t0 += groups) {
+      const int task = t0 + warp * KPI + sub;
+      const bool on = task < tasks && lane_on;
+      const bool is_k = task == gc, is_v = task == gc + 1;
+      const int slot = task < gc ? task : task == gc ? kProKey<GMAX> : kProValue<GMAX>;
+      const int head = task < gc ? h0 + task : is_k ? hq + kvh : hq + hkv + kvh;
+      float v[8];
+      if (on) {
+        load8(pro.qkv + (static_cast<size_t>(b) * heads + head) * d + e0, v);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = 0.f;
+      }
+      float ss = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) ss += v[i] * v[i];
+#pragma unroll
+      for (int o = LPK / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);  // within the group
+      const T* w = is_k ? pro.k_norm : pro.q_norm;
+      if (on && !is_v && w != nullptr) {  // RMSNorm over the head, as qk_norm_rope_cache
+        const float rstd = 1.f / sqrtf(ss / static_cast<float>(d) + pro.eps);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = norm_apply<T>(v[i], rstd, norm_weight(w, e0 + i, pro.offset, pro.gemma), pro.gemma);
+      }
+      float* sh = sm_pro[on ? slot : 0];
+      if (on) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sh[e0 + i] = v[i];
+      }
+      __syncwarp();
+      if (on && !is_v && e0 < pro.rd) {  // RoPE, each element's partner from shared memory
+        const T* c = pro.cos + static_cast<size_t>(b) * pro.rd;
+        const T* s = pro.sin + static_cast<size_t>(b) * pro.rd;
+        const int half = pro.rd / 2;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int e = e0 + i;
+          if (e >= pro.rd) break;
+          const float rot = pro.interleaved ? ((e & 1) ? sh[e - 1] : -sh[e + 1]) : (e < half ? -sh[e + half] : sh[e - half]);
+          v[i] = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(v[i], to_f32(c[e]))), round_to<T>(__fmul_rn(rot, to_f32(s[e])))));
+        }
+      }
+      __syncwarp();  // every partner read before the rotated values replace them
+      if (on) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sh[e0 + i] = v[i];
+        if (task >= gc && fresh >= 0)
+          store8((is_k ? pro.k_cache : pro.v_cache) + fresh_at + e0, v);
+      }
+    }
+    __syncthreads();
+  }
 
   float qr[GMAX][8], acc[GMAX][8], m[GMAX], l[GMAX];
 #pragma unroll
@@ -85,25 +212,25 @@ __global__ void __launch_bounds__(W * 32)
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[gi][i] = 0.f, qr[gi][i] = 0.f;
     if (gi < gc && lane_on) {
-      load8(q + (static_cast<size_t>(b) * hq + h0 + gi) * d + e0, qr[gi]);
+      if constexpr (FUSED) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) qr[gi][i] = sm_pro[gi][e0 + i];
+      } else {
+        load8(q + (static_cast<size_t>(b) * hq + h0 + gi) * d + e0, qr[gi]);
+      }
 #pragma unroll
       for (int i = 0; i < 8; ++i) qr[gi][i] *= scale_log2;
     }
   }
-  // Two keys a lane group per iteration, both loaded before either is used.
-  constexpr int kStep = W * KPI;
-  for (int j0 = start + warp * KPI; j0 < end; j0 += 2 * kStep) {
+  for (int j0 = j_first; j0 < end; j0 += 2 * kStep) {
     const int j[2] = {j0 + sub, j0 + kStep + sub};
-    float kx[2][8], vx[2][8];
+    if (j0 != j_first) load_keys(j0);
+    if constexpr (FUSED) {
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      if (j[u] < end && lane_on) {
-        load8(kc + (base + j[u]) * d + e0, kx[u]);
-        load8(vc + (base + j[u]) * d + e0, vx[u]);
-      } else {
+      for (int u = 0; u < 2; ++u)
+        if (j[u] == fresh && lane_on)
 #pragma unroll
-        for (int i = 0; i < 8; ++i) kx[u][i] = 0.f, vx[u][i] = 0.f;
-      }
+          for (int i = 0; i < 8; ++i) kx[u][i] = sm_pro[kProKey<GMAX>][e0 + i], vx[u][i] = sm_pro[kProValue<GMAX>][e0 + i];
     }
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
@@ -203,8 +330,10 @@ int sm_count(int device) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The shared memory of decode_kernel's merge buffers for W warps, in bytes.
+// The shared memory of decode_kernel's merge buffers for W warps, and of the fused prologue's rows,
+// in bytes.
 template <int GMAX, int LPK> constexpr int merge_bytes(int w) { return w * GMAX * (2 + LPK * 8) * 4; }
+template <int GMAX, int LPK> constexpr int kPrologueBytes = (GMAX + 2) * LPK * 8 * 4;
 // The warps of the one-block path for short rows: 16 where the merge buffers fit a block's 48 KiB of
 // static shared memory and a thread's 128 registers hold 4 heads' state (8 heads spill there), else 8
 // where the buffers fit, else none (the split path).
@@ -212,6 +341,9 @@ template <int GMAX, int LPK>
 constexpr int kShortWarps = GMAX <= 4 && merge_bytes<GMAX, LPK>(16) <= 48 * 1024 ? 16
                             : merge_bytes<GMAX, LPK>(8) <= 48 * 1024         ? 8
                                                                               : 0;
+// The fused kernel of W warps fits the 48 KiB.
+template <int GMAX, int LPK, int W>
+constexpr bool kFusedFits = W > 0 && merge_bytes<GMAX, LPK>(W) + kPrologueBytes<GMAX, LPK> <= 48 * 1024;
 
 // KCPP_ATTN_SHORT=0: short rows split over blocks as long ones are (for comparison).
 bool short_off() {
@@ -222,42 +354,73 @@ bool short_off() {
   return off;
 }
 
+// The largest divisor of the group size g that fits a block's 8 heads: the query heads a block takes.
+int heads_a_block(int g) {
+  int gc = std::min(g, 8);
+  while (g % gc != 0) --gc;
+  return gc;
+}
+
+// out [B, Hq, D]: the attention of the call, q from `q`, or (pro != nullptr) made by the fused
+// prologue.  The prologue needs one block a head group holding the whole group (gc == g) and the
+// shared memory for its rows; false, with nothing launched, where the call does not allow it.
 template <typename T, int LPK, int GMAX>
-void launch(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& rows, const Tensor& lengths,
-            double scale, int64_t window, int64_t max_length, int gc) {
-  const int b = static_cast<int>(q.size(0)), hq = static_cast<int>(q.size(1)), d = static_cast<int>(q.size(2));
+bool launch(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& rows, const Tensor& lengths,
+            double scale, int64_t window, int64_t max_length, int gc, const QkPrologue<T>* pro) {
+  const int b = static_cast<int>(out.size(0)), hq = static_cast<int>(out.size(1)), d = static_cast<int>(out.size(2));
   const int r_count = static_cast<int>(kc.size(0)), hkv = static_cast<int>(kc.size(1)), capacity = static_cast<int>(kc.size(2));
   const int blocks_per_split = b * (hq / gc);
   // Enough blocks for two waves over the SMs, and at least 32 keys a split at the longest length.
-  const int64_t want = (2 * sm_count(q.device().index) + blocks_per_split - 1) / blocks_per_split;
+  const int64_t want = (2 * sm_count(out.device().index) + blocks_per_split - 1) / blocks_per_split;
   const int splits = static_cast<int>(std::clamp<int64_t>(want, 1, std::max<int64_t>(1, max_length / 32)));
+  const T* qp = pro != nullptr ? nullptr : static_cast<const T*>(q.data());
+  const float scale_log2 = static_cast<float>(scale) * kLog2e;
+  const int win = static_cast<int>(std::min<int64_t>(window, INT32_MAX));
+  // One block a head group: no partials; a programmatic dependent of the kernel before
+  // (ops/cuda/pdl.cuh; KCPP_PDL=0: an ordinary launch).
+  auto one_block = [&]<int W, bool FUSED>() {
+    launch_pdl("decode_attention", decode_kernel<T, LPK, GMAX, W, FUSED>, dim3(1, hq / gc, b), dim3(W * 32), 0, qp,
+               static_cast<const T*>(kc.data()), static_cast<const T*>(vc.data()), static_cast<const int*>(rows.data()),
+               static_cast<const int*>(lengths.data()), static_cast<T*>(out.data()), static_cast<float*>(nullptr),
+               static_cast<float*>(nullptr), hq, hkv, gc, d, r_count, capacity, static_cast<int>(max_length), scale_log2, win, 1,
+               pro != nullptr ? *pro : QkPrologue<T>{});
+  };
   // Short rows that would be split (at most 16 keys a warp): one block of kShortWarps<GMAX, LPK> warps a
   // head group instead, merged in shared memory (no partials, no second kernel).
   constexpr int short_warps = kShortWarps<GMAX, LPK>;
+  const bool short_rows = short_warps > 0 && splits > 1 && max_length <= 16 * short_warps && !short_off();
+  if (pro != nullptr) {
+    if (gc != hq / hkv) return false;
+    if (short_rows) {
+      if constexpr (kFusedFits<GMAX, LPK, short_warps>) {
+        one_block.template operator()<short_warps, true>();
+        return true;
+      }
+    } else if (splits == 1) {
+      if constexpr (kFusedFits<GMAX, LPK, kWarps>) {
+        one_block.template operator()<kWarps, true>();
+        return true;
+      }
+    }
+    return false;
+  }
   if constexpr (short_warps > 0) {
-    if (splits > 1 && max_length <= 16 * short_warps && !short_off()) {
-      // A programmatic dependent of the kernel before (ops/cuda/pdl.cuh; KCPP_PDL=0: an ordinary launch).
-      launch_pdl("decode_attention", decode_kernel<T, LPK, GMAX, short_warps>, dim3(1, hq / gc, b), dim3(short_warps * 32), 0,
-                 static_cast<const T*>(q.data()), static_cast<const T*>(kc.data()), static_cast<const T*>(vc.data()),
-                 static_cast<const int*>(rows.data()), static_cast<const int*>(lengths.data()), static_cast<T*>(out.data()),
-                 static_cast<float*>(nullptr), static_cast<float*>(nullptr), hq, hkv, gc, d, r_count, capacity,
-                 static_cast<int>(max_length), static_cast<float>(scale) * kLog2e,
-                 static_cast<int>(std::min<int64_t>(window, INT32_MAX)), 1);
-      return;
+    if (short_rows) {
+      one_block.template operator()<short_warps, false>();
+      return true;
     }
   }
   Tensor part_o, part_ml;
   if (splits > 1) {
-    part_o = Tensor::empty({b, hq, splits, d}, DType::f32, q.device());
-    part_ml = Tensor::empty({b, hq, splits, 2}, DType::f32, q.device());
+    part_o = Tensor::empty({b, hq, splits, d}, DType::f32, out.device());
+    part_ml = Tensor::empty({b, hq, splits, 2}, DType::f32, out.device());
   }
   const cudaStream_t stream = kcpp::cuda::current_stream();
-  decode_kernel<T, LPK, GMAX, kWarps><<<dim3(splits, hq / gc, b), kWarps * 32, 0, stream>>>(
-      static_cast<const T*>(q.data()), static_cast<const T*>(kc.data()), static_cast<const T*>(vc.data()),
-      static_cast<const int*>(rows.data()), static_cast<const int*>(lengths.data()), static_cast<T*>(out.data()),
+  decode_kernel<T, LPK, GMAX, kWarps, false><<<dim3(splits, hq / gc, b), kWarps * 32, 0, stream>>>(
+      qp, static_cast<const T*>(kc.data()), static_cast<const T*>(vc.data()), static_cast<const int*>(rows.data()),
+      static_cast<const int*>(lengths.data()), static_cast<T*>(out.data()),
       splits > 1 ? static_cast<float*>(part_o.data()) : nullptr, splits > 1 ? static_cast<float*>(part_ml.data()) : nullptr,
-      hq, hkv, gc, d, r_count, capacity, static_cast<int>(max_length), static_cast<float>(scale) * kLog2e,
-      static_cast<int>(std::min<int64_t>(window, INT32_MAX)), splits);
+      hq, hkv, gc, d, r_count, capacity, static_cast<int>(max_length), scale_log2, win, splits, QkPrologue<T>{});
   KCPP_CUDA_CHECK_LAUNCH("decode_attention");
   if (splits > 1) {
     combine_kernel<T><<<b * hq, std::min(d, 256), 0, stream>>>(
@@ -266,34 +429,61 @@ void launch(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& 
         r_count, static_cast<int>(max_length), splits);
     KCPP_CUDA_CHECK_LAUNCH("decode_attention (combine)");
   }
+  return true;
 }
 
 template <typename T, int LPK>
-void launch_lpk(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& rows,
-                const Tensor& lengths, double scale, int64_t window, int64_t max_length, int g) {
-  // The largest divisor of g that fits a block's GMAX heads.
-  int gc = std::min(g, 8);
-  while (g % gc != 0) --gc;
-  if (gc <= 4) launch<T, LPK, 4>(out, q, kc, vc, rows, lengths, scale, window, max_length, gc);
-  else launch<T, LPK, 8>(out, q, kc, vc, rows, lengths, scale, window, max_length, gc);
+bool launch_lpk(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& rows,
+                const Tensor& lengths, double scale, int64_t window, int64_t max_length, const QkPrologue<T>* pro) {
+  const int gc = heads_a_block(static_cast<int>(out.size(1) / kc.size(1)));
+  if (gc <= 4) return launch<T, LPK, 4>(out, q, kc, vc, rows, lengths, scale, window, max_length, gc, pro);
+  return launch<T, LPK, 8>(out, q, kc, vc, rows, lengths, scale, window, max_length, gc, pro);
+}
+
+// By the head dim: LPK lanes a key.
+template <typename T>
+bool launch_d(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& rows,
+              const Tensor& lengths, double scale, int64_t window, int64_t max_length, const QkPrologue<T>* pro) {
+  const int64_t d = out.size(2);
+  if (d <= 32) return launch_lpk<T, 4>(out, q, kc, vc, rows, lengths, scale, window, max_length, pro);
+  if (d <= 64) return launch_lpk<T, 8>(out, q, kc, vc, rows, lengths, scale, window, max_length, pro);
+  if (d <= 128) return launch_lpk<T, 16>(out, q, kc, vc, rows, lengths, scale, window, max_length, pro);
+  return launch_lpk<T, 32>(out, q, kc, vc, rows, lengths, scale, window, max_length, pro);
 }
 
 }  // namespace
 
 void decode_attention(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& rows,
                       const Tensor& lengths, double scale, int64_t window, int64_t max_length) {
-  const int64_t d = q.size(2);
   KCPP_CHECK(aligned16(kc.data()) && aligned16(vc.data()),
              "op decode_attention: the cache storage must start on a 16-byte boundary (a view of a row at an odd offset?)");
   KCPP_CHECK(q.size(0) <= 65535, "op decode_attention: at most 65535 rows a call on CUDA, got {}", q.size(0));
   kcpp::cuda::DeviceGuard guard(q.device().index);
-  const int g = static_cast<int>(q.size(1) / kc.size(1));
   visit_cuda_float(q.dtype(), "decode_attention", [&]<typename T>(std::type_identity<T>) {
-    if (d <= 32) launch_lpk<T, 4>(out, q, kc, vc, rows, lengths, scale, window, max_length, g);
-    else if (d <= 64) launch_lpk<T, 8>(out, q, kc, vc, rows, lengths, scale, window, max_length, g);
-    else if (d <= 128) launch_lpk<T, 16>(out, q, kc, vc, rows, lengths, scale, window, max_length, g);
-    else launch_lpk<T, 32>(out, q, kc, vc, rows, lengths, scale, window, max_length, g);
+    launch_d<T>(out, q, kc, vc, rows, lengths, scale, window, max_length, nullptr);
   });
+}
+
+bool qk_norm_rope_attention(const Tensor& out, const Tensor& qkv, const QkNormRopeCache& opt, const Tensor& cos,
+                            const Tensor& sin, const Tensor& kc, const Tensor& vc, const Tensor& rows, const Tensor& positions,
+                            const Tensor& lengths, double scale, int64_t window, int64_t max_length) {
+  if (!aligned16(kc.data()) || !aligned16(vc.data()) || !aligned16(qkv.data()) || qkv.size(0) > 65535) return false;
+  kcpp::cuda::DeviceGuard guard(qkv.device().index);
+  bool done = false;
+  visit_cuda_float(qkv.dtype(), "qk_norm_rope_attention", [&]<typename T>(std::type_identity<T>) {
+    QkPrologue<T> pro;
+    pro.qkv = static_cast<const T*>(qkv.data());
+    if (opt.q_norm.defined())
+      pro.q_norm = static_cast<const T*>(opt.q_norm.data()), pro.k_norm = static_cast<const T*>(opt.k_norm.data());
+    pro.cos = static_cast<const T*>(cos.data()), pro.sin = static_cast<const T*>(sin.data());
+    pro.positions = static_cast<const int*>(positions.data());
+    pro.k_cache = static_cast<T*>(kc.data()), pro.v_cache = static_cast<T*>(vc.data());
+    pro.rd = static_cast<int>(cos.size(2));
+    pro.eps = static_cast<float>(opt.norm.eps), pro.offset = static_cast<float>(opt.norm.offset);
+    pro.gemma = opt.norm.casting == RMSNormCasting::Gemma, pro.interleaved = opt.layout == RopeLayout::Interleaved;
+    done = launch_d<T>(out, Tensor(), kc, vc, rows, lengths, scale, window, max_length, &pro);
+  });
+  return done;
 }
 
 void cache_write(const Tensor& kc, const Tensor& vc, const Tensor& k, const Tensor& v, const Tensor& rows,

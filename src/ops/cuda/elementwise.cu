@@ -54,7 +54,40 @@ __global__ void binary_flat_kernel(int64_t n, T* out, const T* a, const T* b, Bi
     out[i] = kcpp::kernel::cuda::from_f32<T>(math::binary<float>(op, kcpp::kernel::cuda::to_f32(a[i]), kcpp::kernel::cuda::to_f32(b[i])));
 }
 
+// ops/nn/rope.h's rope_cos_sin, a thread an element of [N, rd]: the composition it replaces (the
+// position converted to f32 times inv_freq, the angles repeated for both halves, cos and sin, the
+// scaling, the conversion to T) through the same functions of ops/math.h, so the same bits.
+template <typename T, typename I>
+__global__ void rope_cos_sin_kernel(T* cos_out, T* sin_out, const I* pos, const float* inv_freq, int64_t n, int rd,
+                                    float scaling) {
+  const int half = rd / 2;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float angle = math::binary<float>(Binary::Mul, static_cast<float>(pos[i / rd]), inv_freq[i % rd % half]);
+    cos_out[i] = kcpp::kernel::cuda::from_f32<T>(
+        math::unary<float>(Unary::Scale, math::unary<float>(Unary::Cos, angle, 0.f), scaling));
+    sin_out[i] = kcpp::kernel::cuda::from_f32<T>(
+        math::unary<float>(Unary::Scale, math::unary<float>(Unary::Sin, angle, 0.f), scaling));
+  }
+}
+
 }  // namespace
+
+void rope_cos_sin(const Tensor& cos, const Tensor& sin, const Tensor& positions, const Tensor& inv_freq, double scaling) {
+  const int64_t n = cos.numel();
+  if (n == 0) return;
+  kcpp::cuda::DeviceGuard g(cos.device().index);
+  const int rd = static_cast<int>(2 * inv_freq.numel());
+  visit_cuda_float(cos.dtype(), "rope_cos_sin", [&]<typename T>(std::type_identity<T>) {
+    const auto launch = [&]<typename I>(const I* pos) {
+      rope_cos_sin_kernel<T, I><<<kcpp::cuda::grid_for(n, kBlock), kBlock, 0, kcpp::cuda::current_stream()>>>(
+          static_cast<T*>(cos.data()), static_cast<T*>(sin.data()), pos, static_cast<const float*>(inv_freq.data()), n, rd,
+          static_cast<float>(scaling));
+    };
+    if (positions.dtype() == DType::i32) launch(static_cast<const int32_t*>(positions.data()));
+    else launch(static_cast<const int64_t*>(positions.data()));
+  });
+  KCPP_CUDA_CHECK_LAUNCH("rope_cos_sin");
+}
 
 void unary(Unary op, const Tensor& out, const Tensor& x, double alpha) {
   const int64_t n = out.numel();

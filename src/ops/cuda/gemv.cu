@@ -29,38 +29,68 @@ using namespace gemv;
 // KS warps of a block share a column, each over its own K / KS slice (8 / KS columns a block), so
 // that narrow weights still put enough loads in flight; their sums meet in shared memory.  The first
 // pass of weight loads is issued before pdl_wait(): the weights are no kernel's output.
-template <typename T, int M, int KS>
+template <typename T, int M, int KS, int U>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(T* __restrict__ out, const T* __restrict__ a,
                                                         const T* __restrict__ w, int n, int k) {
   __shared__ float part[kWarps][M];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % KS;
   const int col = blockIdx.x * (kWarps / KS) + warp / KS;
   const T* row = w + static_cast<int64_t>(min(col, n - 1)) * k;  // [K]
-  float wv[kUnroll][8];
+  float wv[U][8];
   load_pass<T, KS>(row, slice * kStep, k, lane, wv);
   pdl_wait();
   pdl_trigger();
   float acc[M] = {};
-  for (int base = slice * kStep; base < k; base += kStep * KS * kUnroll) {
+  for (int base = slice * kStep; base < k; base += kStep * KS * U) {
     if (base != slice * kStep) load_pass<T, KS>(row, base, k, lane, wv);
     dot_pass<T, M, KS>(a, k, base, k, lane, wv, acc);
   }
   finish_column<T, M, KS>(out, n, col, warp, lane, acc, part);
 }
 
-template <typename T, int M, int KS> void launch(const Tensor& out, const Tensor& a, const Tensor& w, int n, int k) {
+template <typename T, int M, int KS, int U> void launch(const Tensor& out, const Tensor& a, const Tensor& w, int n, int k) {
   constexpr int cols = kWarps / KS;
-  launch_pdl("matmul (gemv)", gemv_kernel<T, M, KS>, dim3((n + cols - 1) / cols), dim3(kThreads), 0,
+  launch_pdl("matmul (gemv)", gemv_kernel<T, M, KS, U>, dim3((n + cols - 1) / cols), dim3(kThreads), 0,
              static_cast<T*>(out.data()), static_cast<const T*>(a.data()), static_cast<const T*>(w.data()), n, k);
 }
 
-template <typename T, int M> void launch_split(const Tensor& out, const Tensor& a, const Tensor& w, int n, int k) {
-  switch (slices_for(n, k)) {
-    case 1: launch<T, M, 1>(out, a, w, n, k); break;
-    case 2: launch<T, M, 2>(out, a, w, n, k); break;
-    case 4: launch<T, M, 4>(out, a, w, n, k); break;
-    default: launch<T, M, 8>(out, a, w, n, k); break;
+// Measuring switches (bench/RESULTS.md, 2026-11-28, twenty-first session): KCPP_GEMV_WARPS, the most
+// warps a launch (0: slices_for's rule), KCPP_GEMV_UNROLL, the loads a lane issues before its first
+// product (4 or 8).
+int env_int(const char* name, int fallback) {
+  const char* e = std::getenv(name);
+  return e != nullptr && *e != 0 ? std::atoi(e) : fallback;
+}
+int gemv_warps() {
+  static const int v = env_int("KCPP_GEMV_WARPS", 0);
+  return v;
+}
+int gemv_unroll() {
+  static const int v = env_int("KCPP_GEMV_UNROLL", kUnroll) == 8 ? 8 : kUnroll;
+  return v;
+}
+
+// The fewest slices a column whose warps each load their slice in one pass, while the launch keeps
+// to `most` warps; slices_for's rule where `most` is 0.
+int plain_slices(int64_t n, int64_t k, int unroll, int most) {
+  if (most <= 0) return slices_for(n, k);
+  int ks = 1;
+  while (ks < kWarps && k > int64_t{ks} * kStep * unroll && n * ks * 2 <= most) ks *= 2;
+  return ks;
+}
+
+template <typename T, int M, int U> void launch_split(const Tensor& out, const Tensor& a, const Tensor& w, int n, int k) {
+  switch (plain_slices(n, k, U, gemv_warps())) {
+    case 1: launch<T, M, 1, U>(out, a, w, n, k); break;
+    case 2: launch<T, M, 2, U>(out, a, w, n, k); break;
+    case 4: launch<T, M, 4, U>(out, a, w, n, k); break;
+    default: launch<T, M, 8, U>(out, a, w, n, k); break;
   }
+}
+
+template <typename T, int M> void launch_split(const Tensor& out, const Tensor& a, const Tensor& w, int n, int k) {
+  if (M == 1 && gemv_unroll() == 8) launch_split<T, M, 8>(out, a, w, n, k);
+  else launch_split<T, M, kUnroll>(out, a, w, n, k);
 }
 
 template <typename T> void dispatch(int64_t m, const Tensor& out, const Tensor& a, const Tensor& w, int n, int k) {

@@ -26,12 +26,12 @@ inline int slices_for(int64_t n, int64_t k) {
   return ks;
 }
 
-// The kUnroll weight loads of one pass: slice `slice` of KS takes the warp steps slice, slice + KS,
+// The U (kUnroll unless the kernel says otherwise) weight loads of one pass: slice `slice` of KS takes the warp steps slice, slice + KS,
 // ... (each kStep elements); the pass starting at `base` reads base + u * kStep * KS.  Zeros past k.
-template <typename T, int KS>
-__device__ __forceinline__ void load_pass(const T* row, int base, int k, int lane, float (&wv)[kUnroll][8]) {
+template <typename T, int KS, int U>
+__device__ __forceinline__ void load_pass(const T* row, int base, int k, int lane, float (&wv)[U][8]) {
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < U; ++u) {
     const int e = base + u * kStep * KS + lane * 8;
     if (e < k) {
       load_f32<T, 8>(row + e, wv[u]);
@@ -43,11 +43,11 @@ __device__ __forceinline__ void load_pass(const T* row, int base, int k, int lan
 }
 
 // acc[m] += a[m, e..e+8) . wv for the pass at `base`; a's rows are `lda` apart (global or shared).
-template <typename T, int M, int KS>
-__device__ __forceinline__ void dot_pass(const T* a, int64_t lda, int base, int k, int lane, const float (&wv)[kUnroll][8],
+template <typename T, int M, int KS, int U>
+__device__ __forceinline__ void dot_pass(const T* a, int64_t lda, int base, int k, int lane, const float (&wv)[U][8],
                                          float (&acc)[M]) {
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < U; ++u) {
     const int e = base + u * kStep * KS + lane * 8;
     if (e >= k) break;
 #pragma unroll

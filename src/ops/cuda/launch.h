@@ -37,6 +37,14 @@ void decode_attention(const Tensor& out, const Tensor& q, const Tensor& k_cache,
                       const Tensor& lengths, double scale, int64_t window, int64_t max_length);
 void cache_write(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k, const Tensor& v, const Tensor& rows,
                  const Tensor& positions);
+// ops/nn/rope.h's rope_cos_sin in one kernel: cos, sin [N, rd] (f32 / bf16 / f16) written from positions [N]
+// (i32 / i64) and inv_freq [rd / 2] f32, every tensor contiguous.
+void rope_cos_sin(const Tensor& cos, const Tensor& sin, const Tensor& positions, const Tensor& inv_freq, double scaling);
+// ops/nn/decode_fused.h, operands checked and contiguous: out [B, Hq, D] written.  False, with nothing
+// launched, where the call's attention is not one block a whole head group (the caller composes).
+bool qk_norm_rope_attention(const Tensor& out, const Tensor& qkv, const QkNormRopeCache& opt, const Tensor& cos,
+                            const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows,
+                            const Tensor& positions, const Tensor& lengths, double scale, int64_t window, int64_t max_length);
 // ops/nn/decode_fused.h: every tensor contiguous; q [B, Hq, D] written.
 void qk_norm_rope_cache(const Tensor& q, const Tensor& qkv, const QkNormRopeCache& opt, const Tensor& cos, const Tensor& sin,
                         const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows, const Tensor& positions);

@@ -43,25 +43,36 @@ bool decode_attention_supported(Device device, int64_t head_dim) {
   return !device.is_cuda() || (head_dim > 0 && head_dim % 8 == 0 && head_dim <= 256);
 }
 
-Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows,
-                        const Tensor& lengths, double scale, int64_t window, int64_t max_length) {
-  constexpr const char* op = "decode_attention";
-  check_float(q, op, "q");
-  check_dims(q, 3, op, "q");
-  check_cache(k_cache, v_cache, q, op);
-  check_cuda_available(q, op);
-  const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
-  const int64_t r = k_cache.size(0), hkv = k_cache.size(1), c = k_cache.size(2);
-  KCPP_CHECK(k_cache.size(3) == d, "op {}: q has head dim {} but the cache {}", op, d, k_cache.size(3));
+void check_decode_attention(const Tensor& like, const char* like_name, int64_t b, int64_t hq, int64_t d,
+                            const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows, const Tensor& lengths,
+                            double scale, int64_t window, int64_t max_length, const char* op) {
+  check_same(k_cache, like, op, "k_cache", like_name);
+  check_same(v_cache, like, op, "v_cache", like_name);
+  check_dims(k_cache, 4, op, "k_cache");
+  check_shape(v_cache, k_cache.shape(), op, "v_cache");
+  KCPP_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "op {}: the cache storage must be contiguous", op);
+  check_cuda_available(like, op);
+  const int64_t hkv = k_cache.size(1), c = k_cache.size(2);
+  KCPP_CHECK(k_cache.size(3) == d, "op {}: {} has head dim {} but the cache {}", op, like_name, d, k_cache.size(3));
   KCPP_CHECK(hkv > 0 && hq % hkv == 0, "op {}: {} query heads are not a multiple of the cache's {} kv heads", op, hq, hkv);
   KCPP_CHECK(window >= 0, "op {}: window is {}; it must be 0 (none) or a positive number of keys", op, window);
   KCPP_CHECK(std::isfinite(scale) && scale > 0, "op {}: scale is {}; it must be a positive number", op, scale);
   KCPP_CHECK(max_length >= 0 && max_length <= c, "op {}: max_length {} is outside [0, {}] (the cache's capacity)", op,
              max_length, c);
-  check_index_vector(rows, b, q.device(), op, "rows");
-  check_index_vector(lengths, b, q.device(), op, "lengths");
-  KCPP_CHECK(decode_attention_supported(q.device(), d),
-             "op {}: head dim {} is not supported on {} (a multiple of 8, at most 256)", op, d, q.device().str());
+  check_index_vector(rows, b, like.device(), op, "rows");
+  check_index_vector(lengths, b, like.device(), op, "lengths");
+  KCPP_CHECK(decode_attention_supported(like.device(), d),
+             "op {}: head dim {} is not supported on {} (a multiple of 8, at most 256)", op, d, like.device().str());
+}
+
+Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows,
+                        const Tensor& lengths, double scale, int64_t window, int64_t max_length) {
+  constexpr const char* op = "decode_attention";
+  check_float(q, op, "q");
+  check_dims(q, 3, op, "q");
+  const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
+  check_decode_attention(q, "q", b, hq, d, k_cache, v_cache, rows, lengths, scale, window, max_length, op);
+  const int64_t r = k_cache.size(0), hkv = k_cache.size(1), c = k_cache.size(2);
   // The GPU loads 16 bytes at a time: a q that does not start on such a boundary is copied.
   const Tensor qc = q.is_contiguous() && reinterpret_cast<uintptr_t>(q.data()) % 16 == 0 ? q : q.clone();
   Tensor out = Tensor::empty({b, hq, d}, q.dtype(), q.device());

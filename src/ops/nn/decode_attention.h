@@ -32,6 +32,12 @@ namespace kcpp::ops {
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows,
                         const Tensor& lengths, double scale, int64_t window = 0, int64_t max_length = 0);
 
+// decode_attention's checks of everything but q, for ops that make q [b, hq, d] themselves
+// (ops/nn/decode_fused.h): `like` gives the dtype and device the caches must have, named `like_name`.
+void check_decode_attention(const Tensor& like, const char* like_name, int64_t b, int64_t hq, int64_t d,
+                            const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows, const Tensor& lengths,
+                            double scale, int64_t window, int64_t max_length, const char* op);
+
 // Whether decode_attention runs on `device` for this head dim: any on the CPU; on CUDA a multiple of
 // 8 up to 256.
 bool decode_attention_supported(Device device, int64_t head_dim);

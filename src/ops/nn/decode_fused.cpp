@@ -50,11 +50,10 @@ bool fused_linear_on_cuda(const Tensor& x, DType dtype, int64_t k, std::initiali
 #endif
 }
 
-}  // namespace
-
-Tensor qk_norm_rope_cache(const Tensor& qkv, const QkNormRopeCache& opt, const Tensor& cos, const Tensor& sin,
-                          const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows, const Tensor& positions) {
-  constexpr const char* op = "qk_norm_rope_cache";
+// qk_norm_rope_cache's arguments, checked by name for `op`.
+void check_qk_norm_rope_cache(const Tensor& qkv, const QkNormRopeCache& opt, const Tensor& cos, const Tensor& sin,
+                              const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows, const Tensor& positions,
+                              const char* op) {
   check_float(qkv, op, "qkv");
   check_dims(qkv, 3, op, "qkv");
   const int64_t b = qkv.size(0), hq = opt.q_heads, hkv = opt.kv_heads, d = qkv.size(2);
@@ -89,15 +88,33 @@ Tensor qk_norm_rope_cache(const Tensor& qkv, const QkNormRopeCache& opt, const T
     KCPP_CHECK(t->device() == qkv.device(), "op {}: argument '{}' is on {} but qkv is on {}", op, arg,
                t->device().str(), qkv.device().str());
   }
+}
+
+// qk_norm_rope_cache's CUDA kernel (and qk_norm_rope_attention's prologue) covers this call.
+bool qk_on_cuda(const Tensor& qkv, const QkNormRopeCache& opt, const Tensor& k_cache, const Tensor& v_cache) {
+  return fused_on_cuda(qkv) && (!opt.q_norm.defined() || fused_casting(opt.norm)) && qkv.size(2) <= 256 &&
+         k_cache.is_contiguous() && v_cache.is_contiguous();
+}
+
+// The norms' weights contiguous, for the kernels.
+QkNormRopeCache contiguous_norms(const QkNormRopeCache& opt) {
+  QkNormRopeCache o = opt;
+  if (o.q_norm.defined()) o.q_norm = o.q_norm.contiguous(), o.k_norm = o.k_norm.contiguous();
+  return o;
+}
+
+}  // namespace
+
+Tensor qk_norm_rope_cache(const Tensor& qkv, const QkNormRopeCache& opt, const Tensor& cos, const Tensor& sin,
+                          const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows, const Tensor& positions) {
+  check_qk_norm_rope_cache(qkv, opt, cos, sin, k_cache, v_cache, rows, positions, "qk_norm_rope_cache");
+  const int64_t b = qkv.size(0), hq = opt.q_heads, hkv = opt.kv_heads, d = qkv.size(2);
   if (b == 0) return Tensor::empty({0, hq, d}, qkv.dtype(), qkv.device());
-  if (fused_on_cuda(qkv) && (!opt.q_norm.defined() || fused_casting(opt.norm)) && d <= 256 && k_cache.is_contiguous() &&
-      v_cache.is_contiguous()) {
+  if (qk_on_cuda(qkv, opt, k_cache, v_cache)) {
 #if KCPP_WITH_CUDA
     const Tensor q = Tensor::empty({b, hq, d}, qkv.dtype(), qkv.device());
-    QkNormRopeCache o = opt;
-    if (o.q_norm.defined()) o.q_norm = o.q_norm.contiguous(), o.k_norm = o.k_norm.contiguous();
-    cuda::qk_norm_rope_cache(q, qkv.contiguous(), o, cos.contiguous(), sin.contiguous(), k_cache, v_cache,
-                             rows.contiguous(), positions.contiguous());
+    cuda::qk_norm_rope_cache(q, qkv.contiguous(), contiguous_norms(opt), cos.contiguous(), sin.contiguous(), k_cache,
+                             v_cache, rows.contiguous(), positions.contiguous());
     return q;
 #endif
   }
@@ -111,6 +128,26 @@ Tensor qk_norm_rope_cache(const Tensor& qkv, const QkNormRopeCache& opt, const T
   k = rope_forward(k.view({b, hkv, 1, d}), cos, sin, opt.layout).view({b, hkv, d});
   cache_write(k_cache, v_cache, k, qkv.narrow(1, hq + hkv, hkv).contiguous(), rows, positions);
   return q;
+}
+
+Tensor qk_norm_rope_attention(const Tensor& qkv, const QkNormRopeCache& opt, const Tensor& cos, const Tensor& sin,
+                              const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows, const Tensor& positions,
+                              const Tensor& lengths, double scale, int64_t window, int64_t max_length) {
+  constexpr const char* op = "qk_norm_rope_attention";
+  check_qk_norm_rope_cache(qkv, opt, cos, sin, k_cache, v_cache, rows, positions, op);
+  const int64_t b = qkv.size(0), hq = opt.q_heads, d = qkv.size(2);
+  check_decode_attention(qkv, "qkv", b, hq, d, k_cache, v_cache, rows, lengths, scale, window, max_length, op);
+  if (b > 0 && qk_on_cuda(qkv, opt, k_cache, v_cache)) {
+#if KCPP_WITH_CUDA
+    const Tensor out = Tensor::empty({b, hq, d}, qkv.dtype(), qkv.device());
+    if (cuda::qk_norm_rope_attention(out, qkv.contiguous(), contiguous_norms(opt), cos.contiguous(), sin.contiguous(),
+                                     k_cache, v_cache, rows.contiguous(), positions.contiguous(), lengths.contiguous(), scale,
+                                     window, max_length > 0 ? max_length : k_cache.size(2)))
+      return out;
+#endif
+  }
+  return decode_attention(qk_norm_rope_cache(qkv, opt, cos, sin, k_cache, v_cache, rows, positions), k_cache, v_cache, rows,
+                          lengths, scale, window, max_length);
 }
 
 std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& w, const RMSNormOptions& opt) {

@@ -13,6 +13,16 @@
 // rope: ops::rope_forward with cos / sin [B, 1, rd] (ops/nn/rope.h), the eager roundings
 //   y = r(r(x cos) + r(rot(x) sin)) on the rotary part, the rest as is (r: rounding to the dtype).
 //
+// qk_norm_rope_attention — qk_norm_rope_cache, then the attention of its q over the caches
+// (ops/nn/decode_attention.h), lengths [B] i32 the keys of each row (the new one included):
+//   o = decode_attention(qk_norm_rope_cache(qkv, ...), k_cache, v_cache, rows, lengths, scale, window, max_length)
+// On CUDA, where decode_attention runs one block a head group (short rows, or rows few enough for a
+// single split of the keys) and that block holds the group's Hq / Hkv query heads (at most 8), one
+// kernel: the block makes its q, key and value as qk_norm_rope_cache does (the same bits in bf16 and
+// f16; in f32 the norm's sum of squares adds in another order), writes the key and value to the cache
+// and attends, the new key taken from shared memory (ops/cuda/decode_attention.cu).  Elsewhere the
+// two ops.
+//
 // add_rms_norm — the residual add and the next norm: s = r(x + delta), y = rms_norm(s, w); returns
 // (s, y).  x, delta [N, H].
 //
@@ -73,6 +83,12 @@ struct QkNormRopeCache {
 // rows, positions [B] i32 on qkv's device.  Returns q [B, Hq, D].
 Tensor qk_norm_rope_cache(const Tensor& qkv, const QkNormRopeCache& opt, const Tensor& cos, const Tensor& sin,
                           const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows, const Tensor& positions);
+
+// qk_norm_rope_cache's arguments, then decode_attention's (lengths, scale, window, max_length).
+// Returns o [B, Hq, D].
+Tensor qk_norm_rope_attention(const Tensor& qkv, const QkNormRopeCache& opt, const Tensor& cos, const Tensor& sin,
+                              const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows, const Tensor& positions,
+                              const Tensor& lengths, double scale, int64_t window = 0, int64_t max_length = 0);
 
 // x, delta [N, H] of one dtype, w [H].  Returns (x + delta, rms_norm(x + delta, w)).
 std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& w, const RMSNormOptions& opt);

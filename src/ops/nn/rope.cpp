@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "ops/check.h"
+#include "ops/cuda/launch.h"
 #include "ops/ops.h"
 
 namespace kcpp::ops {
@@ -65,6 +66,18 @@ RopeCosSin rope_cos_sin(const Tensor& position_ids, const Tensor& inv_freq, doub
   check_float(inv_freq, "rope_cos_sin", "inv_freq");
   check_dims(inv_freq, 1, "rope_cos_sin", "inv_freq");
   check_device(position_ids, inv_freq, "rope_cos_sin", "position_ids", "inv_freq");
+  if (position_ids.device().is_cuda() && inv_freq.dtype() == DType::f32 &&
+      (dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16)) {
+#if KCPP_WITH_CUDA
+    // One kernel (a decode step's table is one row a sequence: the composition's eight launches cost
+    // more than its work), the same bits as the composition below.
+    const int64_t rd = 2 * inv_freq.size(0);
+    RopeCosSin cs{Tensor::empty({position_ids.size(0), position_ids.size(1), rd}, dtype, position_ids.device()),
+                  Tensor::empty({position_ids.size(0), position_ids.size(1), rd}, dtype, position_ids.device())};
+    cuda::rope_cos_sin(cs.cos, cs.sin, position_ids.contiguous(), inv_freq.contiguous(), attention_scaling);
+    return cs;
+#endif
+  }
   const Tensor pos = position_ids.to(DType::f32).unsqueeze(-1);                            // [B, S, 1]
   const Tensor freqs = mul(pos, inv_freq.to(DType::f32).reshape({1, 1, inv_freq.size(0)}));  // [B, S, rd/2]
   const Tensor emb = cat({freqs, freqs}, -1);

@@ -4,6 +4,7 @@
 //   inv_freq[i] = theta^(-2i / rd),  i < rd/2                       (rd = rotary dims, even)
 //   freqs[b,s,i] = pos[b,s] * inv_freq[i];  emb = cat(freqs, freqs)  [B, S, rd], in f32
 //   cos = (cos(emb) * attention_scaling).to(dtype), sin likewise
+//   (on CUDA one kernel that computes each element through the same functions: the same bits)
 //   rotate_half(x) = cat(-x[..., rd/2:rd], x[..., :rd/2])          (RotateHalf)
 //   rotate_every_two(x)[2i, 2i+1] = (-x[2i+1], x[2i])              (Interleaved; cos/sin then hold
 //                                                                     each angle twice: [c0 c0 c1 c1 ...])
