@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -195,7 +196,7 @@ __device__ __forceinline__ void make_rows(const FusedGemvParams<T>& p, T* rows) 
 // kernel's output), the wait for the kernel before, then the input rows made in shared memory.
 template <typename T, int M, int KS, Prologue P>
 __device__ __forceinline__ void begin_block(const FusedGemvParams<T>& p, int64_t first_row, int slice, int lane, T* rows,
-                                      float (&wv)[kUnroll][8]) {
+                                      uint4 (&wv)[kUnroll]) {
   load_pass<T, KS>(p.w + first_row * p.k, slice * kStep, p.k, lane, wv);
   pdl_wait();
   pdl_trigger();
@@ -211,7 +212,7 @@ __global__ void __launch_bounds__(kThreads) fused_gemv_kernel(const __grid_const
   constexpr int cols = kWarps / KS;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % KS, n = p.n, k = p.k;
   const int groups = (n + cols - 1) / cols;
-  float wv[kUnroll][8];
+  uint4 wv[kUnroll];
   int col = blockIdx.x * cols + warp / KS;
   begin_block<T, M, KS, P>(p, min(col, n - 1), slice, lane, rows, wv);
   constexpr bool mamba = P == Prologue::MambaNorm;
@@ -288,7 +289,7 @@ __global__ void __launch_bounds__(kThreads) fused_gemv_glu_kernel(const __grid_c
   constexpr int cols = kWarps / KS;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % KS, inter = p.n / 2, k = p.k;
   const int groups = (inter + cols - 1) / cols;
-  float wv[kUnroll][8];
+  uint4 wv[kUnroll];
   int col = blockIdx.x * cols + warp / KS;
   begin_block<T, M, KS, Prologue::AddNorm>(p, min(col, inter - 1), slice, lane, rows, wv);
   for (int g = blockIdx.x; g < groups; g += gridDim.x) {
@@ -328,7 +329,14 @@ bool launch(const char* op, const FusedGemvParams<T>& p) {
   if (fit == 0) return false;
   const int columns = GluOut ? p.n / 2 : p.n;
   const int groups = (columns + kWarps / KS - 1) / (kWarps / KS);
-  launch_pdl(op, kernel, dim3(std::min(groups, fit)), dim3(kThreads), smem, p);
+  // KCPP_FUSED_GRID: the grid as a percentage of the blocks that fit (a measuring switch, bench/RESULTS.md,
+  // 2026-11-28, twenty-first session; default 100).
+  static const int percent = [] {
+    const char* e = std::getenv("KCPP_FUSED_GRID");
+    const int v = e != nullptr && *e != 0 ? std::atoi(e) : 100;
+    return std::clamp(v, 1, 100);
+  }();
+  launch_pdl(op, kernel, dim3(std::min(groups, std::max(1, fit * percent / 100))), dim3(kThreads), smem, p);
   return true;
 }
 

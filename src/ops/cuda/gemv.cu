@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/gemv.cuh"
@@ -36,7 +37,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(T* __restrict__ out, con
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % KS;
   const int col = blockIdx.x * (kWarps / KS) + warp / KS;
   const T* row = w + static_cast<int64_t>(min(col, n - 1)) * k;  // [K]
-  float wv[U][8];
+  uint4 wv[U];
   load_pass<T, KS>(row, slice * kStep, k, lane, wv);
   pdl_wait();
   pdl_trigger();
@@ -54,15 +55,15 @@ template <typename T, int M, int KS, int U> void launch(const Tensor& out, const
              static_cast<T*>(out.data()), static_cast<const T*>(a.data()), static_cast<const T*>(w.data()), n, k);
 }
 
-// Measuring switches (bench/RESULTS.md, 2026-11-28, twenty-first session): KCPP_GEMV_WARPS, the most
-// warps a launch (0: slices_for's rule), KCPP_GEMV_UNROLL, the loads a lane issues before its first
-// product (4 or 8).
+// Measuring switches (bench/RESULTS.md, 2026-11-28, twenty-first session): KCPP_GEMV_FIT, the most
+// warps of a launch whose warps each load their whole slice before the first product (0: none, every
+// launch as slices_for says); KCPP_GEMV_UNROLL, the loads a lane issues at once in such a launch (4 or 8).
 int env_int(const char* name, int fallback) {
   const char* e = std::getenv(name);
   return e != nullptr && *e != 0 ? std::atoi(e) : fallback;
 }
-int gemv_warps() {
-  static const int v = env_int("KCPP_GEMV_WARPS", 0);
+int gemv_fit_warps() {
+  static const int v = env_int("KCPP_GEMV_FIT", 0);
   return v;
 }
 int gemv_unroll() {
@@ -70,17 +71,22 @@ int gemv_unroll() {
   return v;
 }
 
-// The fewest slices a column whose warps each load their slice in one pass, while the launch keeps
-// to `most` warps; slices_for's rule where `most` is 0.
-int plain_slices(int64_t n, int64_t k, int unroll, int most) {
-  if (most <= 0) return slices_for(n, k);
-  int ks = 1;
-  while (ks < kWarps && k > int64_t{ks} * kStep * unroll && n * ks * 2 <= most) ks *= 2;
-  return ks;
+// The launch's slices a column and loads a lane a pass: where the weights fit one pass of at most
+// `fit` warps (each slice of K at most kStep * U elements), the fewest slices that do; else
+// slices_for's and kUnroll.
+std::pair<int, int> plain_shape(int64_t n, int64_t k, int64_t m) {
+  const int fit = gemv_fit_warps(), u = m == 1 ? gemv_unroll() : kUnroll;
+  if (fit > 0)
+    for (int ks = 1; ks <= kWarps; ks *= 2)
+      if (k <= int64_t{ks} * kStep * u) {
+        if (n * ks <= fit) return {ks, u};
+        break;
+      }
+  return {slices_for(n, k), kUnroll};
 }
 
-template <typename T, int M, int U> void launch_split(const Tensor& out, const Tensor& a, const Tensor& w, int n, int k) {
-  switch (plain_slices(n, k, U, gemv_warps())) {
+template <typename T, int M, int U> void launch_split(const Tensor& out, const Tensor& a, const Tensor& w, int n, int k, int ks) {
+  switch (ks) {
     case 1: launch<T, M, 1, U>(out, a, w, n, k); break;
     case 2: launch<T, M, 2, U>(out, a, w, n, k); break;
     case 4: launch<T, M, 4, U>(out, a, w, n, k); break;
@@ -89,8 +95,11 @@ template <typename T, int M, int U> void launch_split(const Tensor& out, const T
 }
 
 template <typename T, int M> void launch_split(const Tensor& out, const Tensor& a, const Tensor& w, int n, int k) {
-  if (M == 1 && gemv_unroll() == 8) launch_split<T, M, 8>(out, a, w, n, k);
-  else launch_split<T, M, kUnroll>(out, a, w, n, k);
+  const auto [ks, u] = plain_shape(n, k, M);
+  if constexpr (M == 1) {
+    if (u == 8) return launch_split<T, M, 8>(out, a, w, n, k, ks);
+  }
+  launch_split<T, M, kUnroll>(out, a, w, n, k, ks);
 }
 
 template <typename T> void dispatch(int64_t m, const Tensor& out, const Tensor& a, const Tensor& w, int n, int k) {

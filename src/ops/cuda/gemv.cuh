@@ -1,7 +1,8 @@
 // The pieces of the few-row matrix product y [M, N] = a [M, K] w [N, K]^T that the plain gemv
 // (ops/cuda/gemv.cu) and the fused decode projections (ops/cuda/decode_gemv.cu) share: one warp, or
 // KS warps over slices of K, a weight row; each lane reads 8 consecutive elements of the row (one
-// 16-byte load) kUnroll times before the first product, and keeps M f32 sums.
+// 16-byte load) kUnroll times before the first product, keeps them as loaded until their products,
+// and keeps M f32 sums.
 #pragma once
 
 #include <cstdint>
@@ -26,36 +27,41 @@ inline int slices_for(int64_t n, int64_t k) {
   return ks;
 }
 
-// The U (kUnroll unless the kernel says otherwise) weight loads of one pass: slice `slice` of KS takes the warp steps slice, slice + KS,
-// ... (each kStep elements); the pass starting at `base` reads base + u * kStep * KS.  Zeros past k.
+// A lane's weights stay as loaded until their products, 16 bytes (8 elements of the 16-bit T) in
+// four registers: half of what they take widened to f32, so twice the loads fit in flight.
+template <typename T> __device__ __forceinline__ void widen8(const uint4& raw, float (&out)[8]) {
+  kcpp::kernel::cuda::Vec<T, 8> v;
+  memcpy(&v, &raw, sizeof(v));
+  kcpp::kernel::cuda::widen(v, out);
+}
+
+// The U weight loads of one pass: slice `slice` of KS takes the warp steps slice, slice + KS, ...
+// (each kStep elements); the pass starting at `base` reads base + u * kStep * KS.  Zeros past k.
 template <typename T, int KS, int U>
-__device__ __forceinline__ void load_pass(const T* row, int base, int k, int lane, float (&wv)[U][8]) {
+__device__ __forceinline__ void load_pass(const T* row, int base, int k, int lane, uint4 (&wv)[U]) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int e = base + u * kStep * KS + lane * 8;
-    if (e < k) {
-      load_f32<T, 8>(row + e, wv[u]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) wv[u][i] = 0.f;
-    }
+    wv[u] = e < k ? *reinterpret_cast<const uint4*>(row + e) : make_uint4(0, 0, 0, 0);
   }
 }
 
 // acc[m] += a[m, e..e+8) . wv for the pass at `base`; a's rows are `lda` apart (global or shared).
 template <typename T, int M, int KS, int U>
-__device__ __forceinline__ void dot_pass(const T* a, int64_t lda, int base, int k, int lane, const float (&wv)[U][8],
+__device__ __forceinline__ void dot_pass(const T* a, int64_t lda, int base, int k, int lane, const uint4 (&wv)[U],
                                          float (&acc)[M]) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int e = base + u * kStep * KS + lane * 8;
     if (e >= k) break;
+    float w[8];
+    widen8<T>(wv[u], w);
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       float av[8];
       load_f32<T, 8>(a + m * lda + e, av);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[m] = fmaf(av[i], wv[u][i], acc[m]);
+      for (int i = 0; i < 8; ++i) acc[m] = fmaf(av[i], w[i], acc[m]);
     }
   }
 }
