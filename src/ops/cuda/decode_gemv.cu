@@ -19,7 +19,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -329,14 +328,7 @@ bool launch(const char* op, const FusedGemvParams<T>& p) {
   if (fit == 0) return false;
   const int columns = GluOut ? p.n / 2 : p.n;
   const int groups = (columns + kWarps / KS - 1) / (kWarps / KS);
-  // KCPP_FUSED_GRID: the grid as a percentage of the blocks that fit (a measuring switch, bench/RESULTS.md,
-  // 2026-11-28, twenty-first session; default 100).
-  static const int percent = [] {
-    const char* e = std::getenv("KCPP_FUSED_GRID");
-    const int v = e != nullptr && *e != 0 ? std::atoi(e) : 100;
-    return std::clamp(v, 1, 100);
-  }();
-  launch_pdl(op, kernel, dim3(std::min(groups, std::max(1, fit * percent / 100))), dim3(kThreads), smem, p);
+  launch_pdl(op, kernel, dim3(std::min(groups, fit)), dim3(kThreads), smem, p);
   return true;
 }
 

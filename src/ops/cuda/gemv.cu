@@ -15,7 +15,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <utility>
 
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/gemv.cuh"
@@ -30,76 +29,56 @@ using namespace gemv;
 // KS warps of a block share a column, each over its own K / KS slice (8 / KS columns a block), so
 // that narrow weights still put enough loads in flight; their sums meet in shared memory.  The first
 // pass of weight loads is issued before pdl_wait(): the weights are no kernel's output.
-template <typename T, int M, int KS, int U>
+template <typename T, int M, int KS>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(T* __restrict__ out, const T* __restrict__ a,
                                                         const T* __restrict__ w, int n, int k) {
   __shared__ float part[kWarps][M];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % KS;
   const int col = blockIdx.x * (kWarps / KS) + warp / KS;
   const T* row = w + static_cast<int64_t>(min(col, n - 1)) * k;  // [K]
-  uint4 wv[U];
+  uint4 wv[kUnroll];
   load_pass<T, KS>(row, slice * kStep, k, lane, wv);
   pdl_wait();
   pdl_trigger();
   float acc[M] = {};
-  for (int base = slice * kStep; base < k; base += kStep * KS * U) {
+  for (int base = slice * kStep; base < k; base += kStep * KS * kUnroll) {
     if (base != slice * kStep) load_pass<T, KS>(row, base, k, lane, wv);
     dot_pass<T, M, KS>(a, k, base, k, lane, wv, acc);
   }
   finish_column<T, M, KS>(out, n, col, warp, lane, acc, part);
 }
 
-template <typename T, int M, int KS, int U> void launch(const Tensor& out, const Tensor& a, const Tensor& w, int n, int k) {
+template <typename T, int M, int KS> void launch(const Tensor& out, const Tensor& a, const Tensor& w, int n, int k) {
   constexpr int cols = kWarps / KS;
-  launch_pdl("matmul (gemv)", gemv_kernel<T, M, KS, U>, dim3((n + cols - 1) / cols), dim3(kThreads), 0,
+  launch_pdl("matmul (gemv)", gemv_kernel<T, M, KS>, dim3((n + cols - 1) / cols), dim3(kThreads), 0,
              static_cast<T*>(out.data()), static_cast<const T*>(a.data()), static_cast<const T*>(w.data()), n, k);
 }
 
-// Measuring switches (bench/RESULTS.md, 2026-11-28, twenty-first session): KCPP_GEMV_FIT, the most
-// warps of a launch whose warps each load their whole slice before the first product (0: none, every
-// launch as slices_for says); KCPP_GEMV_UNROLL, the loads a lane issues at once in such a launch (4 or 8).
-int env_int(const char* name, int fallback) {
-  const char* e = std::getenv(name);
-  return e != nullptr && *e != 0 ? std::atoi(e) : fallback;
-}
-int gemv_fit_warps() {
-  static const int v = env_int("KCPP_GEMV_FIT", 0);
-  return v;
-}
-int gemv_unroll() {
-  static const int v = env_int("KCPP_GEMV_UNROLL", kUnroll) == 8 ? 8 : kUnroll;
-  return v;
-}
-
-// The launch's slices a column and loads a lane a pass: where the weights fit one pass of at most
-// `fit` warps (each slice of K at most kStep * U elements), the fewest slices that do; else
-// slices_for's and kUnroll.
-std::pair<int, int> plain_shape(int64_t n, int64_t k, int64_t m) {
-  const int fit = gemv_fit_warps(), u = m == 1 ? gemv_unroll() : kUnroll;
-  if (fit > 0)
-    for (int ks = 1; ks <= kWarps; ks *= 2)
-      if (k <= int64_t{ks} * kStep * u) {
-        if (n * ks <= fit) return {ks, u};
-        break;
-      }
-  return {slices_for(n, k), kUnroll};
-}
-
-template <typename T, int M, int U> void launch_split(const Tensor& out, const Tensor& a, const Tensor& w, int n, int k, int ks) {
-  switch (ks) {
-    case 1: launch<T, M, 1, U>(out, a, w, n, k); break;
-    case 2: launch<T, M, 2, U>(out, a, w, n, k); break;
-    case 4: launch<T, M, 4, U>(out, a, w, n, k); break;
-    default: launch<T, M, 8, U>(out, a, w, n, k); break;
-  }
+// The slices a column: where the weights fit one pass (kUnroll loads a lane) of at most half the
+// device's warps (16 an SM: two blocks of kThreads), the fewest slices that do, so that every block
+// is resident beside the kernel before it (a programmatic dependent launch) and has loaded all its
+// weights before pdl_wait(); else slices_for's (larger weights: as many loads in flight as fit).
+// Of a decode step's projections this takes Qwen3-0.6B's o (4 MB; slices_for's launch was two waves):
+// its step measured 1-3% faster (bench/RESULTS.md, 2026-11-28).
+int plain_slices(int64_t n, int64_t k) {
+  int device = 0;
+  KCPP_CUDA_CHECK(cudaGetDevice(&device));
+  const int64_t half = 16 * int64_t{kcpp::kernel::cuda::sm_count(device)};
+  for (int ks = 1; ks <= kWarps; ks *= 2)
+    if (k <= int64_t{ks} * kStep * kUnroll) {
+      if (n * ks <= half) return ks;
+      break;
+    }
+  return slices_for(n, k);
 }
 
 template <typename T, int M> void launch_split(const Tensor& out, const Tensor& a, const Tensor& w, int n, int k) {
-  const auto [ks, u] = plain_shape(n, k, M);
-  if constexpr (M == 1) {
-    if (u == 8) return launch_split<T, M, 8>(out, a, w, n, k, ks);
+  switch (plain_slices(n, k)) {
+    case 1: launch<T, M, 1>(out, a, w, n, k); break;
+    case 2: launch<T, M, 2>(out, a, w, n, k); break;
+    case 4: launch<T, M, 4>(out, a, w, n, k); break;
+    default: launch<T, M, 8>(out, a, w, n, k); break;
   }
-  launch_split<T, M, kUnroll>(out, a, w, n, k, ks);
 }
 
 template <typename T> void dispatch(int64_t m, const Tensor& out, const Tensor& a, const Tensor& w, int n, int k) {
