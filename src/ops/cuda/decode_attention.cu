@@ -67,6 +67,39 @@ template <typename T> __device__ __forceinline__ void store8(T* p, const float (
   }
 }
 
+// Eight consecutive elements as loaded (16-bit T: one 16-byte vector in four registers; f32: two),
+// widened where they are used: the prologue's loads are all issued before the first is used.
+template <typename T> struct Raw8 {
+  static constexpr int kWords = sizeof(T) * 8 / 16;
+  uint4 w[kWords];
+};
+template <typename T> __device__ __forceinline__ Raw8<T> load_raw8(const T* p) {
+  Raw8<T> r;
+#pragma unroll
+  for (int i = 0; i < Raw8<T>::kWords; ++i) r.w[i] = reinterpret_cast<const uint4*>(p)[i];
+  return r;
+}
+template <typename T> __device__ __forceinline__ void widen_raw8(const Raw8<T>& r, float (&x)[8]) {
+  if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = __uint_as_float(reinterpret_cast<const uint32_t*>(r.w)[i]);
+  } else {
+    const T* h = reinterpret_cast<const T*>(r.w);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = to_f32(h[i]);
+  }
+}
+// Elements e0 .. e0 + 7 of a row of n (n - e0 may be below 8: zeros past it), as Raw8: one vector
+// load where `vec` (the row 16-byte aligned and n % 8 == 0), else element by element.
+template <typename T> __device__ __forceinline__ Raw8<T> load_row8(const T* row, int e0, int n, bool vec) {
+  if (vec) return load_raw8(row + e0);
+  Raw8<T> r;
+  T* h = reinterpret_cast<T*>(r.w);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) h[i] = e0 + i < n ? row[e0 + i] : T(0.f);
+  return r;
+}
+
 // A row index outside the cache or a length outside [1, max_length]: the row's output is NaN.
 __device__ __forceinline__ bool bad_row(const int* rows, const int* lengths, int b, int r_count, int max_length) {
   const int row = rows[b], len = lengths[b];
@@ -88,6 +121,7 @@ template <typename T> struct QkPrologue {
   int rd = 0;
   float eps = 0.f, offset = 0.f;
   bool gemma = false, interleaved = false;
+  bool vec_norm = false, vec_rope = false;  // 16-byte loads of the norms' weights, of cos and sin
 };
 
 // Shared memory rows of the prologue: the block's query heads (GMAX), then the new key and value.
@@ -106,11 +140,34 @@ __global__ void __launch_bounds__(W * 32)
   __shared__ float sm_a[W][GMAX][LPK * 8];
   __shared__ float sm_pro[FUSED ? GMAX + 2 : 1][FUSED ? LPK * 8 : 1];
   const int split = blockIdx.x, hb = blockIdx.y, b = blockIdx.z;
-  pdl_wait();  // q and the cache's new keys are the previous kernel's output (a no-op unless launched with PDL)
-  pdl_trigger();
   const int g = hq / hkv, h0 = hb * gc, kvh = h0 / g;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, sub = lane / LPK, sl = lane % LPK, e0 = sl * 8;
   const bool lane_on = e0 < d;
+  // FUSED: a lane group (LPK lanes, 8 elements each) a head in rounds of W * KPI heads: the query heads
+  // h0 .. h0 + gc - 1, then the key and the value head kvh.  The first round's loads are issued
+  // together: its norm weights (no kernel's output) before the wait, its head and its cos / sin right
+  // after it, beside the row's indices.
+  const int heads = hq + 2 * hkv, tasks = gc + 2;
+  Raw8<T> x_first{}, w_first{}, c_first{}, s_first{};
+  auto norm_of = [&](int task) { return task == gc ? pro.k_norm : pro.q_norm; };
+  auto roped = [&](int task) { return task < gc + 1 && lane_on && e0 < pro.rd; };
+  if constexpr (FUSED) {
+    const int task = warp * KPI + sub;
+    if (task < gc + 1 && lane_on && norm_of(task) != nullptr) w_first = load_row8(norm_of(task), e0, d, pro.vec_norm);
+  }
+  pdl_wait();  // q and the cache's new keys are the previous kernel's output (a no-op unless launched with PDL)
+  pdl_trigger();
+  if constexpr (FUSED) {
+    const int task = warp * KPI + sub;
+    if (task < tasks && lane_on) {
+      const int head = task < gc ? h0 + task : task == gc ? hq + kvh : hq + hkv + kvh;
+      x_first = load_raw8(pro.qkv + (static_cast<size_t>(b) * heads + head) * d + e0);
+    }
+    if (roped(task)) {
+      c_first = load_row8(pro.cos + static_cast<size_t>(b) * pro.rd, e0, pro.rd, pro.vec_rope);
+      s_first = load_row8(pro.sin + static_cast<size_t>(b) * pro.rd, e0, pro.rd, pro.vec_rope);
+    }
+  }
   const bool bad = bad_row(rows, lengths, b, r_count, max_length);
   const int len = bad ? 0 : lengths[b];
   // The row's own keys [lo, len) split evenly over the splits, so that every split works whatever
@@ -149,18 +206,27 @@ __global__ void __launch_bounds__(W * 32)
   load_keys(j_first);  // in flight during the prologue and q's loads
 
   if constexpr (FUSED) {
-    // A lane group (LPK lanes, 8 elements each) a head: the query heads h0 .. h0 + gc - 1, then the
-    // key and the value head kvh.  Every lane of a warp runs each round (the sums shuffle over the warp).
-    const int heads = hq + 2 * hkv, tasks = gc + 2, groups = W * KPI;
-    for (int t0 = 0; t0 < tasks; t0 += groups) {
+    // Every lane of a warp runs each round (the norm's sums shuffle over the warp).
+    for (int t0 = 0; t0 < tasks; t0 += W * KPI) {
       const int task = t0 + warp * KPI + sub;
       const bool on = task < tasks && lane_on;
       const bool is_k = task == gc, is_v = task == gc + 1;
-      const int slot = task < gc ? task : task == gc ? kProKey<GMAX> : kProValue<GMAX>;
-      const int head = task < gc ? h0 + task : is_k ? hq + kvh : hq + hkv + kvh;
+      const int slot = task < gc ? task : is_k ? kProKey<GMAX> : kProValue<GMAX>;
+      Raw8<T> xr = x_first, wr = w_first, cr = c_first, sr = s_first;
+      if (t0 > 0) {  // rounds after the first (more heads than lane groups) load theirs here
+        if (on) {
+          const int head = task < gc ? h0 + task : is_k ? hq + kvh : hq + hkv + kvh;
+          xr = load_raw8(pro.qkv + (static_cast<size_t>(b) * heads + head) * d + e0);
+        }
+        if (task < gc + 1 && lane_on && norm_of(task) != nullptr) wr = load_row8(norm_of(task), e0, d, pro.vec_norm);
+        if (roped(task)) {
+          cr = load_row8(pro.cos + static_cast<size_t>(b) * pro.rd, e0, pro.rd, pro.vec_rope);
+          sr = load_row8(pro.sin + static_cast<size_t>(b) * pro.rd, e0, pro.rd, pro.vec_rope);
+        }
+      }
       float v[8];
       if (on) {
-        load8(pro.qkv + (static_cast<size_t>(b) * heads + head) * d + e0, v);
+        widen_raw8(xr, v);
       } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i) v[i] = 0.f;
@@ -170,11 +236,13 @@ __global__ void __launch_bounds__(W * 32)
       for (int i = 0; i < 8; ++i) ss += v[i] * v[i];
 #pragma unroll
       for (int o = LPK / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);  // within the group
-      const T* w = is_k ? pro.k_norm : pro.q_norm;
-      if (on && !is_v && w != nullptr) {  // RMSNorm over the head, as qk_norm_rope_cache
+      if (on && !is_v && norm_of(task) != nullptr) {  // RMSNorm over the head, as qk_norm_rope_cache
         const float rstd = 1.f / sqrtf(ss / static_cast<float>(d) + pro.eps);
+        float wt[8];
+        widen_raw8(wr, wt);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = norm_apply<T>(v[i], rstd, norm_weight(w, e0 + i, pro.offset, pro.gemma), pro.gemma);
+        for (int i = 0; i < 8; ++i)
+          v[i] = norm_apply<T>(v[i], rstd, norm_weight_value<T>(wt[i], pro.offset, pro.gemma), pro.gemma);
       }
       float* sh = sm_pro[on ? slot : 0];
       if (on) {
@@ -182,24 +250,24 @@ __global__ void __launch_bounds__(W * 32)
         for (int i = 0; i < 8; ++i) sh[e0 + i] = v[i];
       }
       __syncwarp();
-      if (on && !is_v && e0 < pro.rd) {  // RoPE, each element's partner from shared memory
-        const T* c = pro.cos + static_cast<size_t>(b) * pro.rd;
-        const T* s = pro.sin + static_cast<size_t>(b) * pro.rd;
+      if (on && roped(task)) {  // RoPE, each element's partner from shared memory
+        float cv[8], sv[8];
+        widen_raw8(cr, cv);
+        widen_raw8(sr, sv);
         const int half = pro.rd / 2;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
           const int e = e0 + i;
           if (e >= pro.rd) break;
           const float rot = pro.interleaved ? ((e & 1) ? sh[e - 1] : -sh[e + 1]) : (e < half ? -sh[e + half] : sh[e - half]);
-          v[i] = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(v[i], to_f32(c[e]))), round_to<T>(__fmul_rn(rot, to_f32(s[e])))));
+          v[i] = round_to<T>(__fadd_rn(round_to<T>(__fmul_rn(v[i], cv[i])), round_to<T>(__fmul_rn(rot, sv[i]))));
         }
       }
       __syncwarp();  // every partner read before the rotated values replace them
       if (on) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) sh[e0 + i] = v[i];
-        if (task >= gc && fresh >= 0)
-          store8((is_k ? pro.k_cache : pro.v_cache) + fresh_at + e0, v);
+        if (task >= gc && fresh >= 0) store8((is_k ? pro.k_cache : pro.v_cache) + fresh_at + e0, v);
       }
     }
     __syncthreads();
@@ -481,6 +549,8 @@ bool qk_norm_rope_attention(const Tensor& out, const Tensor& qkv, const QkNormRo
     pro.rd = static_cast<int>(cos.size(2));
     pro.eps = static_cast<float>(opt.norm.eps), pro.offset = static_cast<float>(opt.norm.offset);
     pro.gemma = opt.norm.casting == RMSNormCasting::Gemma, pro.interleaved = opt.layout == RopeLayout::Interleaved;
+    pro.vec_norm = pro.q_norm == nullptr || (aligned16(pro.q_norm) && aligned16(pro.k_norm));  // D % 8 == 0 here
+    pro.vec_rope = pro.rd % 8 == 0 && aligned16(pro.cos) && aligned16(pro.sin);
     done = launch_d<T>(out, Tensor(), kc, vc, rows, lengths, scale, window, max_length, &pro);
   });
   return done;
