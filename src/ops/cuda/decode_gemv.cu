@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -332,10 +333,36 @@ bool launch(const char* op, const FusedGemvParams<T>& p) {
   return true;
 }
 
-// KS from the weight's N rows (for GluOut too, so that its sums are add_rms_norm_linear's).
+// KCPP_FUSED_ONE_PASS=0: every fused projection takes slices_for's slices (a measuring switch).
+bool one_pass_off() {
+  static const bool off = [] {
+    const char* e = std::getenv("KCPP_FUSED_ONE_PASS");
+    return e != nullptr && e[0] == '0';
+  }();
+  return off;
+}
+
+// KS from the weight's N rows (for GluOut too, so that its sums are add_rms_norm_linear's).  Without
+// GluOut, where every column's warps fit at once (four blocks an SM: the kernels keep to 64
+// registers) with a single pass of loads each, the fewest slices that do: each warp then has loaded
+// its whole slice before pdl_wait() (bench/RESULTS.md, 2026-11-28: Qwen3-0.6B's qkv).
+template <bool GluOut> int fused_slices(int n, int k) {
+  if (!GluOut && !one_pass_off()) {
+    int device = 0;
+    KCPP_CUDA_CHECK(cudaGetDevice(&device));
+    const int64_t resident_warps = 4 * kWarps * int64_t{kcpp::kernel::cuda::sm_count(device)};
+    for (int ks = 1; ks <= kWarps; ks *= 2)
+      if (k <= ks * kStep * kUnroll) {
+        if (int64_t{n} * ks <= resident_warps) return ks;
+        break;
+      }
+  }
+  return slices_for(n, k);
+}
+
 template <typename T, Prologue P, bool GluOut = false> bool dispatch(const char* op, int64_t m, const FusedGemvParams<T>& p) {
   auto with_rows = [&]<int M>() {
-    switch (slices_for(p.n, p.k)) {
+    switch (fused_slices<GluOut>(p.n, p.k)) {
       case 1: return launch<T, M, 1, P, GluOut>(op, p);
       case 2: return launch<T, M, 2, P, GluOut>(op, p);
       case 4: return launch<T, M, 4, P, GluOut>(op, p);
