@@ -94,7 +94,6 @@ template <typename T> struct FusedGemvParams {
   const T* conv_b;
   T* xc;
   int conv_d, conv_k, width;
-  bool glu_paired;  // add_rms_norm_linear_glu: a gate row's pass and its up row's loaded together
 };
 
 constexpr int kMaxConv = 4;  // the most convolution taps and state entries the epilogue takes
@@ -278,11 +277,10 @@ __global__ void __launch_bounds__(kThreads) fused_gemv_kernel(const __grid_const
 }
 
 // add_rms_norm_linear_glu: the AddNorm prologue, then output column c < I = n / 2 from weight rows c
-// (gate) and I + c (up) of W [2I, K]: KS warps take a pass of the gate row and the same pass of the up
-// row together (both loaded before either's products; the first pair before pdl_wait()), and lane
+// (gate) and I + c (up) of W [2I, K]: KS warps take the gate row's passes, then the up row's, and lane
 // m < M of the column's first warp writes h[m, c] = r(r(act(r(gate))) * r(up)), the roundings of
-// add_rms_norm_linear's gu followed by glu_packed.  Each row's passes and sums are the AddNorm
-// kernel's, so h has the bits of that composition.
+// add_rms_norm_linear's gu followed by glu_packed.  The passes and sums are the AddNorm kernel's, row
+// for row, so h has the bits of that composition.
 template <typename T, int M, int KS>
 __global__ void __launch_bounds__(kThreads) fused_gemv_glu_kernel(const __grid_constant__ FusedGemvParams<T> p) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -291,36 +289,21 @@ __global__ void __launch_bounds__(kThreads) fused_gemv_glu_kernel(const __grid_c
   constexpr int cols = kWarps / KS;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % KS, inter = p.n / 2, k = p.k;
   const int groups = (inter + cols - 1) / cols;
-  uint4 wg[kUnroll], wu[kUnroll];  // a pass of the gate row and of the up row, loaded together
+  uint4 wv[kUnroll];
   int col = blockIdx.x * cols + warp / KS;
-  if (p.glu_paired)
-    load_pass<T, KS>(p.w + (static_cast<int64_t>(inter) + min(col, inter - 1)) * k, slice * kStep, k, lane, wu);
-  begin_block<T, M, KS, Prologue::AddNorm>(p, min(col, inter - 1), slice, lane, rows, wg);
+  begin_block<T, M, KS, Prologue::AddNorm>(p, min(col, inter - 1), slice, lane, rows, wv);
   for (int g = blockIdx.x; g < groups; g += gridDim.x) {
     col = g * cols + warp / KS;
     const int c = min(col, inter - 1);
-    const T* gate_row = p.w + static_cast<int64_t>(c) * k;
-    const T* up_row = p.w + (static_cast<int64_t>(inter) + c) * k;
     float gate[M] = {}, up[M] = {};
-    if (p.glu_paired) {
+    auto row_sums = [&](const T* row, float(&acc)[M], bool first) {
       for (int base = slice * kStep; base < k; base += kStep * KS * kUnroll) {
-        if (g != static_cast<int>(blockIdx.x) || base != slice * kStep) {
-          load_pass<T, KS>(gate_row, base, k, lane, wg);
-          load_pass<T, KS>(up_row, base, k, lane, wu);
-        }
-        dot_pass<T, M, KS>(rows, k, base, k, lane, wg, gate);
-        dot_pass<T, M, KS>(rows, k, base, k, lane, wu, up);
+        if (!first || base != slice * kStep) load_pass<T, KS>(row, base, k, lane, wv);
+        dot_pass<T, M, KS>(rows, k, base, k, lane, wv, acc);
       }
-    } else {  // KCPP_GLU_PAIRED=0: the gate row's passes, then the up row's (a measuring switch)
-      for (int base = slice * kStep; base < k; base += kStep * KS * kUnroll) {
-        if (g != static_cast<int>(blockIdx.x) || base != slice * kStep) load_pass<T, KS>(gate_row, base, k, lane, wg);
-        dot_pass<T, M, KS>(rows, k, base, k, lane, wg, gate);
-      }
-      for (int base = slice * kStep; base < k; base += kStep * KS * kUnroll) {
-        load_pass<T, KS>(up_row, base, k, lane, wg);
-        dot_pass<T, M, KS>(rows, k, base, k, lane, wg, up);
-      }
-    }
+    };
+    row_sums(p.w + static_cast<int64_t>(c) * k, gate, g == static_cast<int>(blockIdx.x));
+    row_sums(p.w + (static_cast<int64_t>(inter) + c) * k, up, false);
     float acc[2 * M];
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m] = gate[m], acc[M + m] = up[m];
@@ -359,12 +342,12 @@ bool one_pass_off() {
   return off;
 }
 
-// KS from the weight's N rows (for GluOut too, so that its sums are add_rms_norm_linear's).  Without
-// GluOut, where every column's warps fit at once (four blocks an SM: the kernels keep to 64
-// registers) with a single pass of loads each, the fewest slices that do: each warp then has loaded
-// its whole slice before pdl_wait() (bench/RESULTS.md, 2026-11-28: Qwen3-0.6B's qkv).
-template <bool GluOut> int fused_slices(int n, int k) {
-  if (!GluOut && !one_pass_off()) {
+// KS from the weight's N rows (for GluOut too, so that its sums are add_rms_norm_linear's): where
+// every row's warps fit at once (four blocks an SM: the kernels keep to 64 registers at one row) with
+// a single pass of loads each, the fewest slices that do, so that each warp has loaded its whole
+// slice before pdl_wait() (bench/RESULTS.md, 2026-11-28: Qwen3-0.6B's qkv); else slices_for's.
+int fused_slices(int n, int k) {
+  if (!one_pass_off()) {
     int device = 0;
     KCPP_CUDA_CHECK(cudaGetDevice(&device));
     const int64_t resident_warps = 4 * kWarps * int64_t{kcpp::kernel::cuda::sm_count(device)};
@@ -379,7 +362,7 @@ template <bool GluOut> int fused_slices(int n, int k) {
 
 template <typename T, Prologue P, bool GluOut = false> bool dispatch(const char* op, int64_t m, const FusedGemvParams<T>& p) {
   auto with_rows = [&]<int M>() {
-    switch (fused_slices<GluOut>(p.n, p.k)) {
+    switch (fused_slices(p.n, p.k)) {
       case 1: return launch<T, M, 1, P, GluOut>(op, p);
       case 2: return launch<T, M, 2, P, GluOut>(op, p);
       case 4: return launch<T, M, 4, P, GluOut>(op, p);
@@ -460,11 +443,6 @@ bool add_rms_norm_linear_glu(const Tensor& out, const Tensor& s, const Tensor& x
   return with_16bit(op, weight.dtype(), x.device(), [&]<typename T>(std::type_identity<T>) {
     FusedGemvParams<T> p = norm_params<T>(out, s, x, delta, norm_weight, opt, weight);
     p.act = glu_op(act);
-    static const bool paired = [] {
-      const char* e = std::getenv("KCPP_GLU_PAIRED");
-      return !(e != nullptr && e[0] == '0');
-    }();
-    p.glu_paired = paired;
     return dispatch<T, Prologue::AddNorm, true>(op, x.size(0), p);
   });
 }

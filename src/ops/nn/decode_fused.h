@@ -50,8 +50,8 @@
 // On CUDA (bf16, f16; N <= kFusedLinearMaxRows; K % 8 == 0 and 16-byte aligned rows) each is one
 // kernel: every block recomputes the norm or the activation of the rows (a few K elements) into
 // shared memory and streams its share of W, as ops/cuda/gemv.cu does; one block writes s.
-// add_rms_norm_linear_glu's warps take a gate row and its up row together and apply the activation
-// to the two sums: no block recomputes an activation row, which glu_linear's blocks each do (K of them).  There
+// add_rms_norm_linear_glu's warps take a gate row, then its up row, and apply the activation to the
+// two sums: no block recomputes an activation row, which glu_linear's blocks each do (K of them).  There
 // the kernels are launched with programmatic dependent launch (ops/cuda/pdl.cuh), so that the
 // weights are read while the previous kernel ends.  Elsewhere (f32, more rows, a CPU tensor, odd
 // widths, an empty product) the composition add_rms_norm + ops::matmul (add_rms_norm_linear_glu:
