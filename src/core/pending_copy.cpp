@@ -1,5 +1,6 @@
 #include "core/pending_copy.h"
 
+#include <cstdlib>
 #include <cstring>
 
 #include "core/cuda_runtime.h"
@@ -14,12 +15,20 @@ struct PendingCopy::Impl {
 #if KCPP_WITH_CUDA
   int64_t* pinned = nullptr;
   size_t capacity = 0;  // elements
-  cudaEvent_t done = nullptr;
+  cudaEvent_t ready = nullptr;  // the source written, on the caller's stream
+  cudaEvent_t done = nullptr;   // the copy landed, on `side`
+  cudaStream_t side = nullptr;  // the copies' own stream (of `device`)
   int device = -1;
-  ~Impl() {
+  void release() {
     if (done) (void)cudaEventSynchronize(done);  // a copy still in flight lands before its memory goes
-    if (pinned) (void)cudaFreeHost(pinned);
+    if (side) (void)cudaStreamDestroy(side);
+    if (ready) (void)cudaEventDestroy(ready);
     if (done) (void)cudaEventDestroy(done);
+    side = nullptr, ready = nullptr, done = nullptr;
+  }
+  ~Impl() {
+    release();
+    if (pinned) (void)cudaFreeHost(pinned);
   }
 #endif
 };
@@ -41,20 +50,38 @@ void PendingCopy::start(const Tensor& t) {
 #if KCPP_WITH_CUDA
   cuda::DeviceGuard guard(t.device().index);
   const size_t n = static_cast<size_t>(t.numel());
-  if (m.device != t.device().index) {  // the event belongs to its device
-    if (m.done) KCPP_CUDA_CHECK(cudaEventDestroy(m.done));
-    m.done = nullptr, m.device = t.device().index;
+  if (m.device != t.device().index) {  // the events and the stream belong to their device
+    m.release();
+    m.device = t.device().index;
   }
-  if (!m.done) KCPP_CUDA_CHECK(cudaEventCreateWithFlags(&m.done, cudaEventDisableTiming));
+  if (!m.done) {
+    KCPP_CUDA_CHECK(cudaEventCreateWithFlags(&m.ready, cudaEventDisableTiming));
+    KCPP_CUDA_CHECK(cudaEventCreateWithFlags(&m.done, cudaEventDisableTiming));
+    KCPP_CUDA_CHECK(cudaStreamCreateWithFlags(&m.side, cudaStreamNonBlocking));
+  }
   if (n > m.capacity) {
     if (m.pinned) KCPP_CUDA_CHECK(cudaFreeHost(m.pinned));
     m.pinned = nullptr;
     KCPP_CUDA_CHECK(cudaMallocHost(&m.pinned, n * sizeof(int64_t)));
     m.capacity = n;
   }
-  if (n > 0)
-    KCPP_CUDA_CHECK(cudaMemcpyAsync(m.pinned, t.data(), n * sizeof(int64_t), cudaMemcpyDeviceToHost, cuda::current_stream()));
-  KCPP_CUDA_CHECK(cudaEventRecord(m.done, cuda::current_stream()));
+  // On the side stream once the caller's stream has written the source, so that the caller's next
+  // kernels do not wait behind the copy; under stream capture, on the caller's stream.
+  const cudaStream_t caller = cuda::current_stream();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  KCPP_CUDA_CHECK(cudaStreamIsCapturing(caller, &capture));
+  // KCPP_COPY_SIDE=0: on the caller's stream always (a measuring switch).
+  static const bool side_off = [] {
+    const char* e = std::getenv("KCPP_COPY_SIDE");
+    return e != nullptr && e[0] == '0';
+  }();
+  const cudaStream_t on = capture == cudaStreamCaptureStatusNone && !side_off ? m.side : caller;
+  if (on != caller) {
+    KCPP_CUDA_CHECK(cudaEventRecord(m.ready, caller));
+    KCPP_CUDA_CHECK(cudaStreamWaitEvent(on, m.ready, 0));
+  }
+  if (n > 0) KCPP_CUDA_CHECK(cudaMemcpyAsync(m.pinned, t.data(), n * sizeof(int64_t), cudaMemcpyDeviceToHost, on));
+  KCPP_CUDA_CHECK(cudaEventRecord(m.done, on));
   m.source = t;
   m.pending = true;
 #endif

@@ -6,8 +6,10 @@
 //   std::vector<int64_t> v = c.wait();   // blocks until the copy has landed
 //
 // A decode loop reads one step's picks this way while the next step already runs on the device.
-// start() keeps the tensor alive until wait(); a CPU tensor (or a build without CUDA) is read at
-// start().  One copy in flight at a time.
+// The copy runs on a stream of its own once the current stream has written the tensor, so the
+// current stream's next kernels do not wait behind it: the caller does not write the tensor again
+// before wait().  start() keeps the tensor alive until wait(); a CPU tensor (or a build without
+// CUDA) is read at start().  One copy in flight at a time.
 #pragma once
 
 #include <cstdint>
