@@ -137,15 +137,18 @@ struct QkAttentionCase {
   // Row 0's new key at position lengths[0] - 1 - back (0: the last key, as decoding writes it).
   int64_t back = 0;
   bool bad_row = false, bad_position = false;  // row 1's row index / position out of range (CUDA only)
+  bool offset_norms = false;  // the norms' weights one element into their storage (no 16-byte loads)
 };
 
 // qk_norm_rope_attention is qk_norm_rope_cache followed by decode_attention: against the f64 oracle,
 // and against that composition (on CUDA in bf16 / f16 the same bits: the fused kernel's prologue
 // rounds as qk_norm_rope_cache does; in f32 its sum of squares adds in another order).  The cases
 // take every path: short rows in one block of 16 or 8 warps (Qwen3-0.6B's and Llama-3.2-1B's heads,
-// g = 8, head dim 256), one split of 4 warps (a bound of 30 keys; 70 rows), a group of 12 query
-// heads that a block does not hold (the composition), a window, a new key written before the last
-// position, a row index and a position out of range.  Cache positions past each length hold NaN.
+// g = 8, head dim 256), one split of 4 warps (a bound of 30 keys; 70 rows; more heads than lane
+// groups), a group of 12 query heads that a block does not hold (the composition), a window, a new
+// key written before the last position, a row index and a position out of range, part of the head
+// rotated in both layouts, element-wise loads of cos / sin and of the norms.  Cache positions past
+// each length hold NaN.
 TEST_P(DecodeFused, QkNormRopeAttentionIsTheComposition) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
@@ -163,7 +166,14 @@ TEST_P(DecodeFused, QkNormRopeAttentionIsTheComposition) {
       {8, 2, 64, 64, true, false, false, {40, 100}, 16, 110, false},
       {8, 2, 64, 64, true, false, false, {40, 9}, 0, 50, false, 3},
       {16, 8, 128, 128, true, false, false, {20, 30, 25}, 0, 144, true, 0, true},
-      {16, 8, 128, 128, true, false, false, {20, 30}, 0, 144, true, 0, false, true}};
+      {16, 8, 128, 128, true, false, false, {20, 30}, 0, 144, true, 0, false, true},
+      // One split of 4 warps with more heads than lane groups (gc + 2 = 5 heads, 4 groups: two
+      // rounds); 8 heads of 256 (GMAX 8, 32 lanes a head); RotateHalf over part of the head; a
+      // rotary dim that is not a multiple of 8 and norms that are not 16-byte aligned (element loads).
+      {12, 4, 256, 256, true, false, false, {40, 7}, 0, 50, false},
+      {8, 1, 256, 256, true, true, false, {20}, 0, 30, false},
+      {8, 2, 128, 64, true, false, false, {60, 5}, 0, 80, false},
+      {8, 2, 64, 36, true, false, false, {30, 12}, 0, 40, false, 0, false, false, true}};
   for (DType dt : test::float_dtypes(dev))
     for (const QkAttentionCase& c : cases) {
       if ((c.bad_row || c.bad_position) && !dev.is_cuda()) continue;  // refused by name on the CPU
@@ -202,6 +212,8 @@ TEST_P(DecodeFused, QkNormRopeAttentionIsTheComposition) {
       opt.layout = c.interleaved ? ops::RopeLayout::Interleaved : ops::RopeLayout::RotateHalf;
       if (c.norm) {
         opt.q_norm = Tensor::randn({d}, dt, dev, gen), opt.k_norm = Tensor::randn({d}, dt, dev, gen);
+        if (c.offset_norms)
+          opt.q_norm = Tensor::randn({d + 1}, dt, dev, gen).narrow(0, 1, d), opt.k_norm = Tensor::randn({d + 1}, dt, dev, gen).narrow(0, 1, d);
         opt.norm.eps = 1e-6, opt.norm.offset = c.gemma ? 1.0 : 0.0;
         opt.norm.casting = c.gemma ? ops::RMSNormCasting::Gemma : ops::RMSNormCasting::Llama;
       }
@@ -415,9 +427,12 @@ TEST_P(DecodeFused, AddRmsNormLinearGluMatchesTheOracle) {
                         {4, 136, 4099, true, false, ops::GluActivation::Silu, oracle::Act::Silu},
                         {5, 64, 33, true, false, ops::GluActivation::Gelu, oracle::Act::Gelu},  // composed on CUDA (5 rows)
                         {2, 4104, 2300, true, false, ops::GluActivation::Silu, oracle::Act::Silu},
-                        // K split over warps: 8 a column at four rows, 4 at one
+                        // K split over warps: one pass of 4 slices, of 2, of 1; 8 slices of several
+                        // passes (K beyond one pass of 8)
                         {4, 2056, 64, true, false, ops::GluActivation::GeluTanh, oracle::Act::GeluTanh},
-                        {1, 1024, 1000, true, true, ops::GluActivation::Silu, oracle::Act::Silu}};
+                        {1, 1500, 100, true, false, ops::GluActivation::Gelu, oracle::Act::Gelu},
+                        {1, 1024, 1000, true, true, ops::GluActivation::Silu, oracle::Act::Silu},
+                        {2, 8200, 32, true, false, ops::GluActivation::Silu, oracle::Act::Silu}};
   for (DType dt : test::float_dtypes(dev))
     for (const Case& c : cases) {
       const std::string cfg = fmt::format("{} n={} k={} inter={} delta={} gemma={}", config_name(dev, dt), c.n, c.k,

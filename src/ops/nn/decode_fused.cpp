@@ -137,10 +137,13 @@ Tensor qk_norm_rope_attention(const Tensor& qkv, const QkNormRopeCache& opt, con
   check_qk_norm_rope_cache(qkv, opt, cos, sin, k_cache, v_cache, rows, positions, op);
   const int64_t b = qkv.size(0), hq = opt.q_heads, d = qkv.size(2);
   check_decode_attention(qkv, "qkv", b, hq, d, k_cache, v_cache, rows, lengths, scale, window, max_length, op);
-  if (b > 0 && qk_on_cuda(qkv, opt, k_cache, v_cache)) {
+  // The kernel reads the norms' weights before it waits for the kernel before it (no kernel writes
+  // weights): strided ones, which a copy just before would make contiguous, take the composition.
+  const bool norms_as_stored = !opt.q_norm.defined() || (opt.q_norm.is_contiguous() && opt.k_norm.is_contiguous());
+  if (b > 0 && norms_as_stored && qk_on_cuda(qkv, opt, k_cache, v_cache)) {
 #if KCPP_WITH_CUDA
     const Tensor out = Tensor::empty({b, hq, d}, qkv.dtype(), qkv.device());
-    if (cuda::qk_norm_rope_attention(out, qkv.contiguous(), contiguous_norms(opt), cos.contiguous(), sin.contiguous(),
+    if (cuda::qk_norm_rope_attention(out, qkv.contiguous(), opt, cos.contiguous(), sin.contiguous(),
                                      k_cache, v_cache, rows.contiguous(), positions.contiguous(), lengths.contiguous(), scale,
                                      window, max_length > 0 ? max_length : k_cache.size(2)))
       return out;

@@ -21,7 +21,8 @@
 // kernel: the block makes its q, key and value as qk_norm_rope_cache does (the same bits in bf16 and
 // f16; in f32 the norm's sum of squares adds in another order), writes the key and value to the cache
 // and attends, the new key taken from shared memory (ops/cuda/decode_attention.cu).  Elsewhere the
-// two ops.
+// two ops.  Rows must name distinct cache rows (as a decode batch's do): a block reads its row's
+// keys while the others write theirs.
 //
 // add_rms_norm — the residual add and the next norm: s = r(x + delta), y = rms_norm(s, w); returns
 // (s, y).  x, delta [N, H].
