@@ -23,7 +23,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
@@ -384,18 +383,6 @@ __global__ void cache_write_kernel(T* __restrict__ kc, T* __restrict__ vc, const
   for (int e = threadIdx.x; e < d; e += blockDim.x) kc[dst + e] = k[src + e], vc[dst + e] = v[src + e];
 }
 
-int sm_count(int device) {
-  static std::atomic<int> counts[64] = {};
-  if (device < 0 || device >= 64) return 132;
-  int n = counts[device].load(std::memory_order_relaxed);
-  if (n == 0) {
-    KCPP_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    n = std::max(n, 1);
-    counts[device].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
-
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // The shared memory of decode_kernel's merge buffers for W warps, and of the fused prologue's rows,
@@ -439,7 +426,7 @@ bool launch(const Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& 
   const int r_count = static_cast<int>(kc.size(0)), hkv = static_cast<int>(kc.size(1)), capacity = static_cast<int>(kc.size(2));
   const int blocks_per_split = b * (hq / gc);
   // Enough blocks for two waves over the SMs, and at least 32 keys a split at the longest length.
-  const int64_t want = (2 * sm_count(out.device().index) + blocks_per_split - 1) / blocks_per_split;
+  const int64_t want = (2 * kcpp::kernel::cuda::sm_count(out.device().index) + blocks_per_split - 1) / blocks_per_split;
   const int splits = static_cast<int>(std::clamp<int64_t>(want, 1, std::max<int64_t>(1, max_length / 32)));
   const T* qp = pro != nullptr ? nullptr : static_cast<const T*>(q.data());
   const float scale_log2 = static_cast<float>(scale) * kLog2e;

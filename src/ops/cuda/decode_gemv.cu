@@ -347,17 +347,8 @@ bool one_pass_off() {
 // a single pass of loads each, the fewest slices that do, so that each warp has loaded its whole
 // slice before pdl_wait() (bench/RESULTS.md, 2026-11-28: Qwen3-0.6B's qkv); else slices_for's.
 int fused_slices(int n, int k) {
-  if (!one_pass_off()) {
-    int device = 0;
-    KCPP_CUDA_CHECK(cudaGetDevice(&device));
-    const int64_t resident_warps = 4 * kWarps * int64_t{kcpp::kernel::cuda::sm_count(device)};
-    for (int ks = 1; ks <= kWarps; ks *= 2)
-      if (k <= ks * kStep * kUnroll) {
-        if (int64_t{n} * ks <= resident_warps) return ks;
-        break;
-      }
-  }
-  return slices_for(n, k);
+  const int ks = one_pass_off() ? 0 : one_pass_slices(n, k, 4 * kWarps);
+  return ks > 0 ? ks : slices_for(n, k);
 }
 
 template <typename T, Prologue P, bool GluOut = false> bool dispatch(const char* op, int64_t m, const FusedGemvParams<T>& p) {

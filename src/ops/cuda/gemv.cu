@@ -61,15 +61,8 @@ template <typename T, int M, int KS> void launch(const Tensor& out, const Tensor
 // Of a decode step's projections this takes Qwen3-0.6B's o (4 MB; slices_for's launch was two waves):
 // its step measured 1-3% faster (bench/RESULTS.md, 2026-11-28).
 int plain_slices(int64_t n, int64_t k) {
-  int device = 0;
-  KCPP_CUDA_CHECK(cudaGetDevice(&device));
-  const int64_t half = 16 * int64_t{kcpp::kernel::cuda::sm_count(device)};
-  for (int ks = 1; ks <= kWarps; ks *= 2)
-    if (k <= int64_t{ks} * kStep * kUnroll) {
-      if (n * ks <= half) return ks;
-      break;
-    }
-  return slices_for(n, k);
+  const int ks = one_pass_slices(n, k, 16);
+  return ks > 0 ? ks : slices_for(n, k);
 }
 
 template <typename T, int M> void launch_split(const Tensor& out, const Tensor& a, const Tensor& w, int n, int k) {

@@ -35,6 +35,18 @@ template <typename T> __device__ __forceinline__ void widen8(const uint4& raw, f
   kcpp::kernel::cuda::widen(v, out);
 }
 
+// The fewest slices a column (a power of two up to kWarps) whose warps each cover their slice of K
+// with one pass of kUnroll loads, while the n * slices warps stay within warps_an_sm a multiprocessor
+// of the current device; 0 where no such launch exists.
+inline int one_pass_slices(int64_t n, int64_t k, int warps_an_sm) {
+  int device = 0;
+  KCPP_CUDA_CHECK(cudaGetDevice(&device));
+  const int64_t most_warps = int64_t{warps_an_sm} * kcpp::kernel::cuda::sm_count(device);
+  for (int ks = 1; ks <= kWarps; ks *= 2)
+    if (k <= int64_t{ks} * kStep * kUnroll) return n * ks <= most_warps ? ks : 0;
+  return 0;
+}
+
 // The U weight loads of one pass: slice `slice` of KS takes the warp steps slice, slice + KS, ...
 // (each kStep elements); the pass starting at `base` reads base + u * kStep * KS.  Zeros past k.
 template <typename T, int KS, int U>
