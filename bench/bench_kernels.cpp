@@ -7,7 +7,7 @@
 //
 // Run: build/release/bin/kcpp_bench_kernels [--json FILE] [--only SECTION[,SECTION...]] [--sweep]
 // Sections: rms_norm layer_norm swiglu rope cross_entropy activation flce attention decode_attention
-// gemv decode_fused embedding (gemv runs decode_fused too).
+// gemv decode_fused embedding prefill (gemv runs decode_fused too).
 // KCPP_TIMING_FLUSH=clean times with a clean L2 instead of do_bench's dirty one (core/timing.h).
 #include <cstdio>
 #include <cstring>
@@ -851,6 +851,46 @@ void bench_decode_fused() {
   }
 }
 
+// The prefill's elementwise kernels (ops/nn/decode_fused.h) at one 2,048-token prompt of the
+// Qwen3-0.6B and Llama-3.2-1B dimensions, bf16: the q / k norms + RoPE + cache append, the gated
+// activation of the fused gate/up and the residual add + norm.  Traffic: every input read once and
+// every output written once.  Timed as do_bench does (the L2 dirty, as after the projection that
+// feeds each kernel in a prefill).
+void bench_prefill() {
+  Generator gen(12);
+  struct Model {
+    const char* name;
+    int64_t hidden, hq, hkv, d, inter;
+    bool qk_norm;
+  };
+  ops::RMSNormOptions opt;
+  opt.eps = 1e-6;
+  const int64_t n = 2048;
+  for (const Model& m : {Model{"qwen3", 1024, 16, 8, 128, 3072, true}, Model{"llama", 2048, 32, 8, 64, 8192, false}}) {
+    const int64_t heads = m.hq + 2 * m.hkv;
+    const Tensor qkv = Tensor::randn({n, heads, m.d}, DType::bf16, kDev, gen);
+    ops::QkNormRopeCache qo;
+    qo.q_heads = m.hq, qo.kv_heads = m.hkv;
+    if (m.qk_norm) qo.q_norm = Tensor::randn({m.d}, DType::bf16, kDev, gen), qo.k_norm = Tensor::randn({m.d}, DType::bf16, kDev, gen);
+    qo.norm = opt;
+    const Tensor cos = Tensor::randn({n, 1, m.d}, DType::bf16, kDev, gen), sin = Tensor::randn({n, 1, m.d}, DType::bf16, kDev, gen);
+    const Tensor kc = Tensor::empty({1, m.hkv, n, m.d}, DType::bf16, kDev), vc = Tensor::empty({1, m.hkv, n, m.d}, DType::bf16, kDev);
+    std::vector<int64_t> pos(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) pos[static_cast<size_t>(i)] = i;
+    const Tensor rows = Tensor::zeros({n}, DType::i32, kDev), positions = Tensor::from_i64(pos, {n}, DType::i32, kDev);
+    row(fmt::format("prefill qk_norm_rope_cache {}", m.name), "kcpp",
+        [&] { (void)ops::qk_norm_rope_cache(qkv, qo, cos, sin, kc, vc, rows, positions); },
+        (2.0 * 2 * n * heads * m.d + 2.0 * 2 * n * m.d) / 1e9);
+    const Tensor gu = Tensor::randn({n, 2 * m.inter}, DType::bf16, kDev, gen);
+    row(fmt::format("prefill glu_packed {}", m.name), "kcpp", [&] { (void)ops::glu_packed(gu, ops::GluActivation::Silu); },
+        2.0 * 3 * n * m.inter / 1e9);
+    const Tensor x = Tensor::randn({n, m.hidden}, DType::bf16, kDev, gen), delta = Tensor::randn({n, m.hidden}, DType::bf16, kDev, gen);
+    const Tensor w = Tensor::randn({m.hidden}, DType::bf16, kDev, gen);
+    row(fmt::format("prefill add_rms_norm {}", m.name), "kcpp", [&] { (void)ops::add_rms_norm(x, delta, w, opt); },
+        2.0 * 4 * n * m.hidden / 1e9);
+  }
+}
+
 // The embedding's backward at the data-parallel trainer's sparse path: 16,384 gradient rows of
 // 4096 bf16 summed into Llama-3's 128,256 rows.  Ids: uniform over the vocabulary (mostly
 // singletons); byte-level text (256 distinct ids, Zipf-like: the r-th most frequent has weight
@@ -923,6 +963,7 @@ int main(int argc, char** argv) {
     if (want("gemv")) bench_gemv();
     if (want("gemv") || want("decode_fused")) bench_decode_fused();
     if (want("embedding")) bench_embedding();
+    if (want("prefill")) bench_prefill();
     if (sweep) {
       if (want("rms_norm")) sweep_rms_norm();
       if (want("swiglu")) sweep_swiglu();

@@ -1,10 +1,12 @@
 // core/: dtype conversions, tensor views and copies, DLPack, the allocator, platform detection.
 #include <dlpack/dlpack.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <vector>
 #include <nlohmann/json.hpp>
 
 #include "core/allocator.h"
@@ -168,6 +170,28 @@ TEST_P(TensorOnDevice, CastsAndCopiesAcrossDtypes) {
   const auto dv = dst.to_f64_vector();
   for (int64_t r = 0; r < 7; ++r)
     for (int64_t c = 0; c < 13; ++c) ASSERT_EQ(dv[r * 13 + c], bf16_to_f32(f32_to_bf16(static_cast<float>(xv[c]))));
+}
+
+// A copy from host memory to the device does not wait for the stream (Tensor::copy_): the host may
+// rewrite or free its buffer as soon as the copy returns, while the stream is still busy with work
+// queued before it.  Sizes from a few bytes to 64 MiB (the driver stages pageable copies in pieces).
+TEST_P(TensorOnDevice, HostBufferIsFreeOnceTheCopyReturns) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  if (!dev.is_cuda()) GTEST_SKIP() << "on the host, to() returns the buffer itself";
+  Generator gen = test_generator();
+  const Tensor busy = Tensor::randn({2048, 2048}, DType::f32, dev, gen);
+  for (int64_t n : {int64_t{3}, int64_t{4096}, int64_t{1} << 20, int64_t{16} << 20}) {
+    std::vector<int32_t> host(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) host[static_cast<size_t>(i)] = static_cast<int32_t>(i * 7 + 1);
+    for (int r = 0; r < 4; ++r) (void)ops::matmul(busy, busy, false, false);  // work ahead of the copy
+    Tensor d = Tensor::from_blob(host.data(), {n}, DType::i32, Device::cpu()).to(dev);
+    std::fill(host.begin(), host.end(), -1);
+    host.clear();
+    host.shrink_to_fit();
+    const auto got = d.to_i64_vector();
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(got[static_cast<size_t>(i)], i * 7 + 1) << "n=" << n << " at " << i;
+  }
 }
 
 TEST_P(TensorOnDevice, DlpackRoundTripSharesMemory) {

@@ -329,8 +329,8 @@ TEST_P(DecodeFused, GluPackedMatchesTheOracle) {
          {std::tuple{1, 3072, ops::GluActivation::Silu, oracle::Act::Silu}, std::tuple{5, 77, ops::GluActivation::Gelu, oracle::Act::Gelu},
           std::tuple{3, 1000, ops::GluActivation::GeluTanh, oracle::Act::GeluTanh},
           std::tuple{70000, 16, ops::GluActivation::Silu, oracle::Act::Silu},
-          std::tuple{270000, 8, ops::GluActivation::Silu, oracle::Act::Silu},  // more row groups than a CUDA grid's y
-          // Prefill-sized: several rows a thread, a partial last group; a row split over blocks unevenly.
+          std::tuple{270000, 8, ops::GluActivation::Silu, oracle::Act::Silu},  // more rows than a CUDA grid's y
+          // Prefill-sized; a row split over blocks unevenly.
           std::tuple{2049, 3072, ops::GluActivation::Silu, oracle::Act::Silu}, std::tuple{301, 77, ops::GluActivation::Gelu, oracle::Act::Gelu},
           std::tuple{258, 2056, ops::GluActivation::GeluTanh, oracle::Act::GeluTanh}}) {
       const std::string cfg = fmt::format("{} n={} inter={}", config_name(dev, dt), n, inter);

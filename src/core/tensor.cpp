@@ -404,8 +404,17 @@ void Tensor::copy_(const Tensor& src) const {
   if (target.nbytes()) {
     KCPP_CUDA_CHECK(cudaMemcpyAsync(target.data(), staged.data(), target.nbytes(), cudaMemcpyDefault,
                                     cuda::current_stream()));
-    // The host side may reuse or free its buffer as soon as we return.
-    KCPP_CUDA_CHECK(cudaStreamSynchronize(cuda::current_stream()));
+    // The host side may reuse or free its buffer as soon as we return.  From pageable memory to the
+    // device, cudaMemcpyAsync has already taken the bytes (staged by the driver) when it returns, so
+    // the stream runs on: the GPU keeps its queue (a prefill's ids and positions used to drain it).
+    // A copy to the host, or from page-locked memory the caller may rewrite, waits for the stream.
+    bool wait = true;
+    if (device().is_cuda() && !s.device().is_cuda()) {
+      cudaPointerAttributes attr{};
+      KCPP_CUDA_CHECK(cudaPointerGetAttributes(&attr, staged.data()));
+      wait = attr.type != cudaMemoryTypeUnregistered;
+    }
+    if (wait) KCPP_CUDA_CHECK(cudaStreamSynchronize(cuda::current_stream()));
   }
   if (!target.shares_storage(*this)) detail::copy_same_device(*this, target);
 #else

@@ -524,8 +524,17 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache, In
   {
     InUse embedding(*this, ParameterGroup::Kind::Embedding);
     embedding.acquire();
-    // In a captured step the ids are the previous step's picks (in range), and checking them would wait.
-    h = ops::embedding(embed_, ids.device() == device_ ? ids : ids.to(device_), !(cache && cache->step_ready));
+    // Ids from the host are checked there and copied without waiting for the device; ids on the
+    // device are checked by the kernel (which waits), except in a captured step, whose ids are the
+    // previous step's picks (in range).
+    const bool host_ids = ids.device() != device_;
+    if (host_ids) {
+      const std::vector<int64_t> v = ids.to_i64_vector();
+      for (size_t i = 0; i < v.size(); ++i)
+        KCPP_CHECK(v[i] >= 0 && v[i] < c.vocab_size, "op embedding: argument 'ids'[{}] = {} is out of range [0, {})", i,
+                   v[i], c.vocab_size);
+    }
+    h = ops::embedding(embed_, host_ids ? ids.to(device_) : ids, !host_ids && !(cache && cache->step_ready));
   }
   if (c.scale_embeddings)  // Gemma: times sqrt(hidden) rounded to the model's dtype, as Transformers does
     h = ops::scale(h, Tensor::full({}, std::sqrt(static_cast<double>(hdim)), dtype_, Device::cpu()).item());
@@ -1070,7 +1079,7 @@ std::vector<CausalLM::Generated> CausalLM::generate_batch(const std::vector<std:
       group.k.push_back(cache.k[l].narrow(0, static_cast<int64_t>(r0), g));
       group.v.push_back(cache.v[l].narrow(0, static_cast<int64_t>(r0), g));
     }
-    const Tensor h = hidden_states(Tensor::from_i64(ids, {g, width}, DType::i64, device_), nullptr, &group);
+    const Tensor h = hidden_states(Tensor::from_i64(ids, {g, width}, DType::i64, Device::cpu()), nullptr, &group);
     const Tensor rows_last = g == 1 && width == static_cast<int64_t>(prompts[which[0]].size())
                                  ? h.narrow(1, width - 1, 1).contiguous().view({1, cfg_.hidden_size})
                                  : ops::embedding(h.view({g * width, cfg_.hidden_size}), Tensor::from_i64(last, {g}, DType::i64, device_), false);

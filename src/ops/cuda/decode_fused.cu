@@ -5,14 +5,14 @@
 // qk_norm_rope_cache: where D and the pointers allow 16-byte accesses, a group of lanes per (row,
 // head), each lane holding 16 bytes of the head; else one warp per (row, head), 4 heads a block, the
 // head's D <= 256 elements in registers (8 a lane).  Either way RoPE reads each element's partner
-// from shared memory.  Launched with
-// programmatic dependent launch (ops/cuda/pdl.cuh), so that its blocks are resident when the
-// projection before it ends.
+// from shared memory.
 // add_rms_norm: one block per row; a thread keeps its sums in registers for the normalization where
 // the row has at most a chunk a thread (else reads back what it wrote; never a second read of x and
 // delta).  16-byte accesses where the row allows.
 // glu_packed: elementwise over [N, I], gate and up read from the two halves of each row, 16 bytes a
-// thread where the row allows, four rows a thread for prefill's many rows.
+// thread where the row allows.
+// All three are launched with programmatic dependent launch (add_rms_norm loads its norm weights
+// before the wait).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -234,8 +234,6 @@ __global__ void __launch_bounds__(1024) add_rms_norm_kernel(T* __restrict__ s_ou
   if constexpr (kOne) {
     const int c = threadIdx.x;
     const bool live = c < chunks;
-    Chunk a{}, b{};
-    if (live) a = xc[c], b = dc[c];
     float wt[V] = {};
     if (live) {
       if (wvec) {
@@ -247,6 +245,10 @@ __global__ void __launch_bounds__(1024) add_rms_norm_kernel(T* __restrict__ s_ou
         for (int j = 0; j < V; ++j) wt[j] = norm_weight(w, c * V + j, offset, gemma);
       }
     }
+    pdl_wait();  // x and delta are earlier kernels' outputs; the weights are not
+    pdl_trigger();
+    Chunk a{}, b{};
+    if (live) a = xc[c], b = dc[c];
     float sum[V];
     Chunk out;
 #pragma unroll
@@ -262,6 +264,8 @@ __global__ void __launch_bounds__(1024) add_rms_norm_kernel(T* __restrict__ s_ou
     for (int j = 0; j < V; ++j) out.v[j] = from_f32<T>(gemma ? sum[j] * rstd * wt[j] : wt[j] * round_to<T>(sum[j] * rstd));
     yc[c] = out;
   } else {
+    pdl_wait();
+    pdl_trigger();
     for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
       const Chunk a = xc[c], b = dc[c];
       Chunk out;
@@ -289,36 +293,30 @@ __global__ void __launch_bounds__(1024) add_rms_norm_kernel(T* __restrict__ s_ou
   }
 }
 
-// Over [N, I] by V-element chunks of a row: blockIdx.x and the thread pick the chunk, blockIdx.y a
-// group of R rows (walking on by gridDim.y groups), gate and up read from the two halves of each row.
-// A thread issues its R rows' loads before the first is used, so R gate / up pairs are in flight.  The
-// activation is a template parameter: the unrolled body holds only its code (a runtime switch over
-// every unary op, sin and cos with their slow paths among them, made the kernel's code too big).
-template <typename T, int V, int R, Unary A>
+// Over [N, I] by V-element chunks of a row: blockIdx.x and the thread pick the chunk, blockIdx.y the
+// row (walking on by gridDim.y rows), gate and up read from the two halves of the row.  A thread a
+// chunk of a row: at prefill's 2,048 x 3,072 that is 60% of the copy rate in a kernel timed alone,
+// where four rows a thread (their eight loads in flight, 92 registers) was 48% (bench/RESULTS.md).
+// The activation is a template parameter: the unrolled body holds only its code (a runtime switch
+// over every unary op, sin and cos with their slow paths among them, made the kernel's code too big).
+template <typename T, int V, Unary A>
 __global__ void glu_packed_kernel(T* __restrict__ out, const T* __restrict__ gu, int64_t n, int64_t inter) {
   struct alignas(V * sizeof(T)) Chunk { T v[V]; };
   const int64_t chunks = inter / V;
   const int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  pdl_wait();  // gu is the projection's output
+  pdl_trigger();
   if (c >= chunks) return;
-  for (int64_t row0 = static_cast<int64_t>(blockIdx.y) * R; row0 < n; row0 += static_cast<int64_t>(gridDim.y) * R) {
-    Chunk g[R], u[R];
+  for (int64_t row = blockIdx.y; row < n; row += gridDim.y) {
+    const Chunk* src = reinterpret_cast<const Chunk*>(gu + row * 2 * inter);
+    const Chunk g = src[c], u = src[chunks + c];
+    Chunk o;
 #pragma unroll
-    for (int r = 0; r < R; ++r)
-      if (row0 + r < n) {
-        const Chunk* src = reinterpret_cast<const Chunk*>(gu + (row0 + r) * 2 * inter);
-        g[r] = src[c], u[r] = src[chunks + c];
-      }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      if (row0 + r >= n) break;
-      Chunk o;
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const float a = round_to<T>(math::unary<float>(A, to_f32(g[r].v[j]), 0.f));
-        o.v[j] = from_f32<T>(a * to_f32(u[r].v[j]));
-      }
-      reinterpret_cast<Chunk*>(out + (row0 + r) * inter)[c] = o;
+    for (int j = 0; j < V; ++j) {
+      const float a = round_to<T>(math::unary<float>(A, to_f32(g.v[j]), 0.f));
+      o.v[j] = from_f32<T>(a * to_f32(u.v[j]));
     }
+    reinterpret_cast<Chunk*>(out + row * inter)[c] = o;
   }
 }
 
@@ -388,13 +386,11 @@ void add_rms_norm(const Tensor& s, const Tensor& y, const Tensor& x, const Tenso
     auto kernel = vec ? (one ? add_rms_norm_kernel<T, kV, true> : add_rms_norm_kernel<T, kV, false>)
                       : (one ? add_rms_norm_kernel<T, 1, true> : add_rms_norm_kernel<T, 1, false>);
     const int t = one ? static_cast<int>(std::max<int64_t>(32, (chunks + 31) / 32 * 32)) : threads;
-    kernel<<<static_cast<unsigned>(n), t, 0, kcpp::cuda::current_stream()>>>(
-        static_cast<T*>(s.data()), static_cast<T*>(y.data()), static_cast<const T*>(x.data()),
-        static_cast<const T*>(delta.data()), static_cast<const T*>(w.data()), static_cast<int>(h),
-        static_cast<float>(opt.eps), static_cast<float>(opt.offset), opt.casting == RMSNormCasting::Gemma,
-        !vec || aligned16(w.data()));
+    launch_pdl("add_rms_norm", kernel, dim3(static_cast<unsigned>(n)), dim3(t), 0, static_cast<T*>(s.data()),
+               static_cast<T*>(y.data()), static_cast<const T*>(x.data()), static_cast<const T*>(delta.data()),
+               static_cast<const T*>(w.data()), static_cast<int>(h), static_cast<float>(opt.eps),
+               static_cast<float>(opt.offset), opt.casting == RMSNormCasting::Gemma, !vec || aligned16(w.data()));
   });
-  KCPP_CUDA_CHECK_LAUNCH("add_rms_norm");
 }
 
 void glu_packed(const Tensor& h, const Tensor& gu, GluActivation act) {
@@ -403,26 +399,23 @@ void glu_packed(const Tensor& h, const Tensor& gu, GluActivation act) {
   const Unary op = act == GluActivation::Silu ? Unary::Silu : act == GluActivation::Gelu ? Unary::Gelu : Unary::GeluTanh;
   visit_cuda_float(gu.dtype(), "glu_packed", [&]<typename T>(std::type_identity<T>) {
     constexpr int kV = Pack<T>::kVec;
-    // Prefill's many rows: 4 rows a thread; decode's few: one.  The blocks of a row split its chunks
-    // evenly (a multiple of 32 threads each, at most 256), so few threads idle at the row's end.
-    const bool vec = inter % kV == 0 && aligned16(h.data()) && aligned16(gu.data()), many = n >= 256;
-    const int64_t chunks = inter / (vec ? kV : 1), rows_per_block = many ? 4 : 1;
+    // The blocks of a row split its chunks evenly (a multiple of 32 threads each, at most 256), so
+    // few threads idle at the row's end.
+    const bool vec = inter % kV == 0 && aligned16(h.data()) && aligned16(gu.data());
+    const int64_t chunks = inter / (vec ? kV : 1);
     if (n == 0 || chunks == 0) return;
     const int64_t blocks_x = (chunks + 255) / 256;
     const int threads = static_cast<int>(((chunks + blocks_x - 1) / blocks_x + 31) / 32 * 32);
-    const dim3 grid(static_cast<unsigned>(blocks_x),
-                    static_cast<unsigned>(std::min<int64_t>((n + rows_per_block - 1) / rows_per_block, 65535)));
-    auto launch = [&]<int V, int R>() {
-      auto kernel = op == Unary::Silu ? glu_packed_kernel<T, V, R, Unary::Silu>
-                    : op == Unary::Gelu ? glu_packed_kernel<T, V, R, Unary::Gelu>
-                                        : glu_packed_kernel<T, V, R, Unary::GeluTanh>;
-      kernel<<<grid, threads, 0, kcpp::cuda::current_stream()>>>(static_cast<T*>(h.data()), static_cast<const T*>(gu.data()), n,
-                                                                 inter);
+    const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(std::min<int64_t>(n, 65535)));
+    auto launch = [&]<int V>() {
+      auto kernel = op == Unary::Silu ? glu_packed_kernel<T, V, Unary::Silu>
+                    : op == Unary::Gelu ? glu_packed_kernel<T, V, Unary::Gelu>
+                                        : glu_packed_kernel<T, V, Unary::GeluTanh>;
+      launch_pdl("glu_packed", kernel, grid, dim3(threads), 0, static_cast<T*>(h.data()), static_cast<const T*>(gu.data()), n,
+                 inter);
     };
-    if (vec) many ? launch.template operator()<kV, 4>() : launch.template operator()<kV, 1>();
-    else many ? launch.template operator()<1, 4>() : launch.template operator()<1, 1>();
+    vec ? launch.template operator()<kV>() : launch.template operator()<1>();
   });
-  KCPP_CUDA_CHECK_LAUNCH("glu_packed");
 }
 
 }  // namespace kcpp::ops::cuda
