@@ -212,6 +212,124 @@ __global__ void qk_norm_rope_cache_vec_kernel(T* __restrict__ q_out, const T* __
   }
 }
 
+// The 16-bit types two elements at a time.  A product of two values of T is exact in f32 (8 or 11
+// significant bits each), so T's paired multiply, which rounds the exact product once, gives what
+// r(a * b) in f32 gives; a sum of two values of T is exact in f32 or, where their exponents lie too
+// far apart for that, too far from a tie of T for the second rounding to matter, so the paired add
+// gives r(a + b) too.  Both are the explicitly rounded forms (_rn), which the compiler does not
+// contract into a fused multiply-add.
+template <typename T> struct Pair;
+template <> struct Pair<__nv_bfloat16> {
+  using T2 = __nv_bfloat162;
+  static __device__ __forceinline__ T2 make(float a, float b) { return __floats2bfloat162_rn(a, b); }
+  static __device__ __forceinline__ float2 split(T2 v) { return __bfloat1622float2(v); }
+};
+template <> struct Pair<__half> {
+  using T2 = __half2;
+  static __device__ __forceinline__ T2 make(float a, float b) { return __floats2half2_rn(a, b); }
+  static __device__ __forceinline__ float2 split(T2 v) { return __half22float2(v); }
+};
+
+// qk_norm_rope_cache_vec_kernel's work for bf16 / f16 where `wide` holds and a lane's 8 elements
+// rotate with one other lane's (RotateHalf with rd a multiple of 16; Interleaved pairs within the
+// lane): the same bits in about a third of the instructions.  The norm's f32 product by rstd is
+// rounded in pairs; the weight's product (Llama casting: the weight is a value of T, as
+// norm_weight_value rounds it), RoPE's products and its sum are paired operations; the partner
+// element comes from the partner lane by shuffle.  G: Gemma casting (r(s rstd w) in f32).
+template <typename T, int R, bool G>
+__global__ void qk_norm_rope_cache_pairs_kernel(T* __restrict__ q_out, const T* __restrict__ qkv, const T* __restrict__ q_norm,
+                                                const T* __restrict__ k_norm, const T* __restrict__ cos_,
+                                                const T* __restrict__ sin_, T* __restrict__ k_cache, T* __restrict__ v_cache,
+                                                const int* __restrict__ rows, const int* __restrict__ positions, int hq, int hkv,
+                                                int d, int rd, int n, int r_count, int capacity, float eps, float offset,
+                                                bool interleaved, int p) {
+  constexpr int V = 8, W = V / 2;  // elements and pairs a lane
+  using P = Pair<T>;
+  using T2 = typename P::T2;
+  struct alignas(16) Chunk { T2 v[W]; };
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = lane / p, gl = lane % p;
+  const int per_warp = 32 / p, heads = hq + 2 * hkv, b0 = blockIdx.y * R;
+  const int head = (blockIdx.x * kHeadsPerBlock + warp) * per_warp + group;
+  pdl_wait();  // every input but the norm weights is an earlier kernel's output
+  pdl_trigger();
+  const bool in_head = head < heads, active = in_head && gl * V < d;
+  const bool is_q = head < hq, is_v = head >= hq + hkv;
+  const int e0 = gl * V, half = rd / 2;
+  Chunk in[R] = {};  // (lanes past the head or the rows shuffle these)
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (active && b0 + r < n) in[r] = reinterpret_cast<const Chunk*>(qkv + (static_cast<int64_t>(b0 + r) * heads + head) * d)[gl];
+  const T* w = is_q ? q_norm : k_norm;
+  const bool normed = active && !is_v && w != nullptr, rotated = active && !is_v && e0 < rd;
+  // RotateHalf: the lane holding elements e0 + half (for e0 < half) or e0 - half.
+  const int partner = interleaved || e0 >= rd ? lane : e0 < half ? lane + half / V : lane - half / V;
+  T2 w2[G ? 1 : W];
+  float wf[G ? V : 1];
+  if (normed) {
+    const Chunk c = reinterpret_cast<const Chunk*>(w)[gl];
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      const float2 f = P::split(c.v[k]);
+      const float a = norm_weight_value<T>(f.x, offset, G), b = norm_weight_value<T>(f.y, offset, G);
+      if constexpr (G) wf[2 * k] = a, wf[2 * k + 1] = b;
+      else w2[k] = P::make(a, b);  // exact: a and b are values of T
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int b = b0 + r;
+    const bool live = active && b < n;
+    T2 x[W];
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      x[k] = in[r].v[k];
+      const float2 f = live ? P::split(x[k]) : make_float2(0.f, 0.f);
+      ss += f.x * f.x;
+      ss += f.y * f.y;
+    }
+    for (int o = p / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);  // within the group
+    if (normed) {  // RMSNorm over the head: rstd in f32, as ops::rms_norm_forward
+      const float rstd = 1.f / sqrtf(ss / static_cast<float>(d) + eps);
+#pragma unroll
+      for (int k = 0; k < W; ++k) {
+        const float2 f = P::split(x[k]);
+        if constexpr (G) x[k] = P::make(f.x * rstd * wf[2 * k], f.y * rstd * wf[2 * k + 1]);
+        else x[k] = __hmul2_rn(w2[k], P::make(f.x * rstd, f.y * rstd));
+      }
+    }
+    T2 other[W];  // the partner lane's pairs (every lane takes part in the shuffles)
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      const unsigned u = __shfl_sync(0xffffffffu, *reinterpret_cast<const unsigned*>(&x[k]), partner);
+      other[k] = *reinterpret_cast<const T2*>(&u);
+    }
+    if (!live) continue;
+    if (rotated) {
+      const Chunk cc = reinterpret_cast<const Chunk*>(cos_ + static_cast<int64_t>(b) * rd)[gl];
+      const Chunk sc = reinterpret_cast<const Chunk*>(sin_ + static_cast<int64_t>(b) * rd)[gl];
+#pragma unroll
+      for (int k = 0; k < W; ++k) {
+        const T2 xc = __hmul2_rn(x[k], cc.v[k]);
+        if (interleaved) {  // (x0, x1) -> (x0 c0 - x1 s0, x1 c1 + x0 s1)
+          T2 rs = __hmul2_rn(__lowhigh2highlow(x[k]), sc.v[k]);
+          *reinterpret_cast<unsigned*>(&rs) ^= 0x8000u;  // negate the first element: exact
+          x[k] = __hadd2_rn(xc, rs);
+        } else {  // x c - x[e + half] s below half, x c + x[e - half] s above
+          const T2 rs = __hmul2_rn(other[k], sc.v[k]);
+          x[k] = e0 < half ? __hsub2_rn(xc, rs) : __hadd2_rn(xc, rs);
+        }
+      }
+    }
+    T* dst = qk_destination(q_out, k_cache, v_cache, rows, positions, b, head, hq, hkv, d, r_count, capacity);
+    if (dst == nullptr) continue;
+    Chunk out;
+#pragma unroll
+    for (int k = 0; k < W; ++k) out.v[k] = x[k];
+    reinterpret_cast<Chunk*>(dst)[gl] = out;
+  }
+}
+
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // V: elements a thread reads at once (Pack<T>::kVec when the row and the pointers allow 16-byte
@@ -351,6 +469,20 @@ void qk_norm_rope_cache(const Tensor& q, const Tensor& qkv, const QkNormRopeCach
       const T* s = static_cast<const T*>(sin.data()) + r0 * rd;
       const int* rw = static_cast<const int*>(rows.data()) + r0;
       const int* ps = static_cast<const int*>(positions.data()) + r0;
+      const bool interleaved = opt.layout == RopeLayout::Interleaved;
+      if constexpr (sizeof(T) == 2) {
+        if (vec && wide && (interleaved || rd % (2 * kV) == 0)) {
+          const int per_block = kHeadsPerBlock * (32 / p);
+          auto kernel = rows_per_block == 4 ? (gemma ? qk_norm_rope_cache_pairs_kernel<T, 4, true> : qk_norm_rope_cache_pairs_kernel<T, 4, false>)
+                                            : (gemma ? qk_norm_rope_cache_pairs_kernel<T, 1, true> : qk_norm_rope_cache_pairs_kernel<T, 1, false>);
+          launch_pdl("qk_norm_rope_cache", kernel, dim3((heads + per_block - 1) / per_block, rows_now), dim3(kHeadsPerBlock * 32), 0,
+                     q_out, in, qn, kn, c, s, static_cast<T*>(k_cache.data()), static_cast<T*>(v_cache.data()), rw, ps,
+                     static_cast<int>(opt.q_heads), static_cast<int>(opt.kv_heads), d, rd, static_cast<int>(n_now),
+                     static_cast<int>(k_cache.size(0)), static_cast<int>(k_cache.size(2)), static_cast<float>(opt.norm.eps),
+                     static_cast<float>(opt.norm.offset), interleaved, p);
+          continue;
+        }
+      }
       if (vec) {
         const int per_block = kHeadsPerBlock * (32 / p);
         auto kernel = rows_per_block == 4 ? qk_norm_rope_cache_vec_kernel<T, kV, 4> : qk_norm_rope_cache_vec_kernel<T, kV, 1>;
