@@ -102,9 +102,11 @@ def gemm_tflops(torch):
     return 10 * 2 * 8192**3 / (time.perf_counter() - t) / 1e12
 
 
-def prefill(kcpp, model, folder, name, dims, tokens, ceiling):
+def prefill(kcpp, model, folder, name, dims, tokens, ceiling, variants=""):
     """One prompt of `tokens` tokens to its first new token: Transformers' forward (last logits only)
-    beside kcpp's time to first token, as tokens/s and as a share of the bf16 GEMM ceiling."""
+    beside kcpp's time to first token (the median of three runs, each its own process after a
+    warm-up prefill; the three listed), as tokens/s and as a share of the bf16 GEMM ceiling; then
+    kcpp once with each of `variants` (as --variants gives them)."""
     import torch
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, dims["vocab_size"], (1, tokens), generator=g)
@@ -121,13 +123,27 @@ def prefill(kcpp, model, folder, name, dims, tokens, ceiling):
         hf = time.perf_counter() - t
     line = (f"{name:13s} prefill {tokens} | GEMM ceiling {ceiling:5.0f} TFLOP/s | hf {tokens / hf:8.0f} tok/s "
             f"({flops / hf / 1e12:5.0f} TFLOP/s)")
-    stats, err = kcpp_run(kcpp, folder, ids.tolist(), 1)
-    if stats is None:
+    times, err = [], None
+    for _ in range(3):
+        stats, err = kcpp_run(kcpp, folder, ids.tolist(), 1)
+        if stats is None:
+            break
+        times.append(stats["first_token_seconds"])
+    if len(times) < 3:
         line += f" | kcpp failed: {err}"
     else:
-        s = stats["first_token_seconds"]
+        s = sorted(times)[1]
         line += (f" | kcpp {tokens / s:8.0f} tok/s ({flops / s / 1e12:5.0f} TFLOP/s = "
-                 f"{100 * flops / s / 1e12 / ceiling:4.1f}% of the ceiling; first token {1e3 * s:6.1f} ms)")
+                 f"{100 * flops / s / 1e12 / ceiling:4.1f}% of the ceiling; first token {1e3 * s:6.2f} ms, the median of "
+                 + ", ".join(f"{1e3 * t:.2f}" for t in times) + ")")
+        for label, _, settings in [v.partition(":") for v in filter(None, variants.split(","))]:
+            env = dict(setting.partition("=")[::2] for setting in filter(None, settings.split("+")))
+            u, verr = kcpp_run(kcpp, folder, ids.tolist(), 1, env=env)
+            if u is None:
+                line += f" | {label} failed: {verr}"
+            else:
+                s = u["first_token_seconds"]
+                line += f" | {label} {100 * flops / s / 1e12 / ceiling:4.1f}% ({1e3 * s:5.2f} ms)"
     print(line, flush=True)
 
 
@@ -243,7 +259,7 @@ def main():
                     line += f" | bf16 rows equal to hf eager: {same}/{batch}"
             print(line, flush=True)
         if a.prefill and not ssm:
-            prefill(a.kcpp, model, folder, name, dims, a.prefill, ceiling)
+            prefill(a.kcpp, model, folder, name, dims, a.prefill, ceiling, a.variants)
         del model
         torch.cuda.empty_cache()
         if not a.skip_parity:

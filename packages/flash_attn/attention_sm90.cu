@@ -148,6 +148,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
+  // Launched with programmatic dependent launch: the set-up above may overlap the kernel before;
+  // every read of q, k, v and every write comes after that kernel has finished.
+  kernel::cuda::griddep_wait();
 
   if (tid < 128) {
     // Producer: one thread issues every copy; the warpgroup keeps few registers.
@@ -447,8 +450,22 @@ template <typename T, int D, bool PP, bool V> const char* launch(const Attention
   // Persistent: a block an SM, each looping over the work items.
   const int64_t items = (p.seq_q + kBr - 1) / kBr * p.batch * p.heads_q;
   const auto grid = static_cast<unsigned>(std::min<int64_t>(items, sm_count()));
-  fwd_sm90_kernel<T, D, PP, V><<<grid, kThreads, C::kSmem, stream>>>(p, tq, tk, tv, to);
-  return kernel::cuda::launch_error("attention_forward (hopper)");
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = C::kSmem;
+  cfg.stream = stream;
+  cudaLaunchAttribute pdl[1];
+  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = pdl;
+  cfg.numAttrs = 1;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, fwd_sm90_kernel<T, D, PP, V>, p, tq, tk, tv, to);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return kernel::errorf("attention_forward (hopper): kernel launch failed: %s", cudaGetErrorString(e));
+  }
+  return nullptr;
 }
 
 }  // namespace

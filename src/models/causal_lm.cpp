@@ -553,10 +553,24 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache, In
   } else {
     for (int64_t i = 0; i < b * s; ++i) pos[static_cast<size_t>(i)] = past + i % s;
   }
-  // A ragged step's positions are its rows' lengths before the step, already on the device.
-  ops::RopeCosSin cs =
-      ops::rope_cos_sin(ragged ? cache->step_positions.view({b, 1}) : Tensor::from_i64(pos, {b, s}, DType::i64, device_),
-                        rope_inv_freq(end), 1.0, dtype_);
+  // An inference prefill into a cache whose storage holds its positions takes the fused layers; their
+  // cache rows and positions and RoPE's positions go to the device in one copy of [2, b * s] i32.
+  const bool fused_prefill = cache && !ragged && !tape && decode_fused_possible() && !cache->k.empty() &&
+                             cache->k[0].defined() && cache->k[0].size(0) == b && cache->k[0].size(2) >= past + s;
+  Tensor prefill_index, position_ids;
+  if (ragged) {  // a ragged step's positions are its rows' lengths before the step, already on the device
+    position_ids = cache->step_positions.view({b, 1});
+  } else if (fused_prefill) {
+    std::vector<int32_t> index(static_cast<size_t>(2 * b * s));
+    for (int64_t i = 0; i < b * s; ++i)
+      index[static_cast<size_t>(i)] = static_cast<int32_t>(i / s), index[static_cast<size_t>(b * s + i)] = static_cast<int32_t>(past + i % s);
+    const Tensor host = Tensor::from_blob(index.data(), {2, b * s}, DType::i32, Device::cpu());
+    prefill_index = device_.is_cpu() ? host.clone() : host.to(device_);
+    position_ids = prefill_index.narrow(0, 1, 1).view({b, s});
+  } else {
+    position_ids = Tensor::from_i64(pos, {b, s}, DType::i64, device_);
+  }
+  ops::RopeCosSin cs = ops::rope_cos_sin(position_ids, rope_inv_freq(end), 1.0, dtype_);
   Tensor temp_scales;
   if (c.is_llama4()) {
     cs = interleaved(cs);
@@ -579,10 +593,8 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache, In
     for (int64_t i = 0; i < b; ++i) ++cache->rows[static_cast<size_t>(cache->active.empty() ? i : cache->active[static_cast<size_t>(i)])];
     return out.view({b, 1, hdim});
   }
-  // An inference prefill into a cache whose storage holds its positions: the fused layers.
-  if (cache && !ragged && !tape && decode_fused_possible() && !cache->k.empty() && cache->k[0].defined() &&
-      cache->k[0].size(0) == b && cache->k[0].size(2) >= past + s) {
-    const Tensor out = prefill_layers(h.view({b * s, hdim}), b, s, cs, *cache);
+  if (fused_prefill) {
+    const Tensor out = prefill_layers(h.view({b * s, hdim}), b, s, cs, prefill_index, *cache);
     cache->length += s;
     return out.view({b, s, hdim});
   }
@@ -802,14 +814,12 @@ std::optional<std::pair<Tensor, Tensor>> CausalLM::decode_layers_persistent(cons
 // prefill's causal attention over the cache's positions 0 .. length + S - 1.  Returns the final
 // norm's output [B * S, H].  The attention reads q and writes its output as [B, S, heads, D]
 // buffers through transposed views, so no layout copies remain.
-Tensor CausalLM::prefill_layers(const Tensor& h0, int64_t b, int64_t s, const ops::RopeCosSin& cs, KVCache& cache) {
+Tensor CausalLM::prefill_layers(const Tensor& h0, int64_t b, int64_t s, const ops::RopeCosSin& cs, const Tensor& index,
+                                KVCache& cache) {
   const ModelConfig& c = cfg_;
   const int64_t n = b * s, hq = c.num_attention_heads, hkv = c.num_key_value_heads, d = c.head_dim;
   const int64_t past = cache.length, rd = cs.cos.size(2);
-  std::vector<int64_t> rows(static_cast<size_t>(n)), positions(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) rows[static_cast<size_t>(i)] = i / s, positions[static_cast<size_t>(i)] = past + i % s;
-  const Tensor rows_t = Tensor::from_i64(rows, {n}, DType::i32, device_);
-  const Tensor positions_t = Tensor::from_i64(positions, {n}, DType::i32, device_);
+  const Tensor rows_t = index.select(0, 0), positions_t = index.select(0, 1);
   const Tensor cos = cs.cos.contiguous().view({n, 1, rd}), sin = cs.sin.contiguous().view({n, 1, rd});
   Tensor x = h0;
   Tensor a = layers_[0].input_norm->forward(x);

@@ -266,7 +266,8 @@ class CausalLM : public nn::Module {
   // ... as one persistent kernel (ops/nn/decode_persistent.h): (x, delta) before the final norm, or
   // nothing where the layers or the call are not ones it covers.
   std::optional<std::pair<Tensor, Tensor>> decode_layers_persistent(const Tensor& h, const ops::RopeCosSin& cs, KVCache& cache);
-  Tensor prefill_layers(const Tensor& h, int64_t b, int64_t s, const ops::RopeCosSin& cs, KVCache& cache);
+  // index [2, b * s] i32: each token's cache row, then its position.
+  Tensor prefill_layers(const Tensor& h, int64_t b, int64_t s, const ops::RopeCosSin& cs, const Tensor& index, KVCache& cache);
   bool decode_fused_possible() const;
   // Before a ragged step: doubles every layer's storage when a row is full, and makes the step's
   // row, position and length tensors (overwritten in place when they exist for b rows: a captured

@@ -3,9 +3,10 @@
 // composition gives up to the order of the f32 sums of squares.
 //
 // qk_norm_rope_cache: where D and the pointers allow 16-byte accesses, a group of lanes per (row,
-// head), each lane holding 16 bytes of the head; else one warp per (row, head), 4 heads a block, the
-// head's D <= 256 elements in registers (8 a lane).  Either way RoPE reads each element's partner
-// from shared memory.
+// head), each lane holding 16 bytes of the head; in bf16 / f16, where each lane's elements rotate
+// with one other lane's, in pairs of elements with the partners by shuffle (the pairs kernel), else
+// with the partners from shared memory; elsewhere one warp per (row, head), 4 heads a block, the
+// head's D <= 256 elements in registers (8 a lane), the partners from shared memory.
 // add_rms_norm: one block per row; a thread keeps its sums in registers for the normalization where
 // the row has at most a chunk a thread (else reads back what it wrote; never a second read of x and
 // delta).  16-byte accesses where the row allows.
