@@ -138,6 +138,7 @@ struct QkAttentionCase {
   int64_t back = 0;
   bool bad_row = false, bad_position = false;  // row 1's row index / position out of range (CUDA only)
   bool offset_norms = false;  // the norms' weights one element into their storage (no 16-byte loads)
+  int expect_fused = -1;      // on CUDA in bf16 / f16: 1 the one kernel runs, 0 the composition (-1: not checked)
 };
 
 // qk_norm_rope_attention is qk_norm_rope_cache followed by decode_attention: against the f64 oracle,
@@ -148,7 +149,8 @@ struct QkAttentionCase {
 // groups), a group of 12 query heads that a block does not hold (the composition), a window, a new
 // key written before the last position, a row index and a position out of range, part of the head
 // rotated in both layouts, element-wise loads of cos / sin and of the norms.  Cache positions past
-// each length hold NaN.
+// each length hold NaN.  On CUDA the cases that name their path (the two models' heads: the one
+// kernel; the group of 12: the composition) check that it was the one taken.
 TEST_P(DecodeFused, QkNormRopeAttentionIsTheComposition) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
@@ -156,13 +158,13 @@ TEST_P(DecodeFused, QkNormRopeAttentionIsTheComposition) {
   std::vector<int64_t> many(70);
   for (size_t i = 0; i < many.size(); ++i) many[i] = 1 + static_cast<int64_t>(i * 37 % 300);
   const QkAttentionCase cases[] = {
-      {16, 8, 128, 128, true, false, false, {100}, 0, 144, true},
-      {32, 8, 64, 64, false, false, false, {1, 17, 60}, 0, 144, true},
+      {16, 8, 128, 128, true, false, false, {100}, 0, 144, true, 0, false, false, false, 1},
+      {32, 8, 64, 64, false, false, false, {1, 17, 60}, 0, 144, true, 0, false, false, false, 1},
       {8, 1, 128, 128, true, true, false, {5, 90}, 0, 100, false},
       {4, 2, 256, 256, true, false, false, {50, 3}, 0, 60, false},
       {6, 2, 96, 32, true, false, true, {3, 20}, 0, 30, false},
       {16, 4, 32, 16, true, false, true, many, 0, 301, false},
-      {12, 1, 64, 64, false, false, false, {33, 7}, 0, 40, false},
+      {12, 1, 64, 64, false, false, false, {33, 7}, 0, 40, false, 0, false, false, false, 0},
       {8, 2, 64, 64, true, false, false, {40, 100}, 16, 110, false},
       {8, 2, 64, 64, true, false, false, {40, 9}, 0, 50, false, 3},
       {16, 8, 128, 128, true, false, false, {20, 30, 25}, 0, 144, true, 0, true},
@@ -222,8 +224,12 @@ TEST_P(DecodeFused, QkNormRopeAttentionIsTheComposition) {
       const double scale = 1.0 / std::sqrt(static_cast<double>(d));
       const int64_t max_length = c.bound_by_capacity ? 0 : *std::max_element(c.lengths.begin(), c.lengths.end());
       const Tensor rows_t = i32(rows, dev), positions_t = i32(positions, dev), lengths_t = i32(c.lengths, dev);
+      const int64_t fused_before = ops::qk_norm_rope_attention_fused_runs();
       const Tensor out = ops::qk_norm_rope_attention(qkv, opt, cos, sin, kc, vc, rows_t, positions_t, lengths_t, scale,
                                                      c.window, max_length);
+      if (dev.is_cuda() && dt != DType::f32 && c.expect_fused >= 0)
+        EXPECT_EQ(ops::qk_norm_rope_attention_fused_runs() - fused_before, c.expect_fused)
+            << cfg << " (the path: 1 the one kernel, 0 the composition)";
       const Tensor q = ops::qk_norm_rope_cache(qkv, opt, cos, sin, kc2, vc2, rows_t, positions_t);
       const Tensor composed = ops::decode_attention(q, kc2, vc2, rows_t, lengths_t, scale, c.window, max_length);
       ASSERT_EQ(out.shape(), (Shape{b, c.hq, d})) << cfg;

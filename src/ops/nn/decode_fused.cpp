@@ -1,6 +1,7 @@
 #include "ops/nn/decode_fused.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <optional>
 
@@ -130,6 +131,12 @@ Tensor qk_norm_rope_cache(const Tensor& qkv, const QkNormRopeCache& opt, const T
   return q;
 }
 
+namespace {
+std::atomic<int64_t> qk_norm_rope_attention_fused{0};  // calls that took the one kernel
+}  // namespace
+
+int64_t qk_norm_rope_attention_fused_runs() { return qk_norm_rope_attention_fused.load(std::memory_order_relaxed); }
+
 Tensor qk_norm_rope_attention(const Tensor& qkv, const QkNormRopeCache& opt, const Tensor& cos, const Tensor& sin,
                               const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows, const Tensor& positions,
                               const Tensor& lengths, double scale, int64_t window, int64_t max_length) {
@@ -145,8 +152,10 @@ Tensor qk_norm_rope_attention(const Tensor& qkv, const QkNormRopeCache& opt, con
     const Tensor out = Tensor::empty({b, hq, d}, qkv.dtype(), qkv.device());
     if (cuda::qk_norm_rope_attention(out, qkv.contiguous(), opt, cos.contiguous(), sin.contiguous(),
                                      k_cache, v_cache, rows.contiguous(), positions.contiguous(), lengths.contiguous(), scale,
-                                     window, max_length > 0 ? max_length : k_cache.size(2)))
+                                     window, max_length > 0 ? max_length : k_cache.size(2))) {
+      qk_norm_rope_attention_fused.fetch_add(1, std::memory_order_relaxed);
       return out;
+    }
 #endif
   }
   return decode_attention(qk_norm_rope_cache(qkv, opt, cos, sin, k_cache, v_cache, rows, positions), k_cache, v_cache, rows,

@@ -91,6 +91,10 @@ Tensor qk_norm_rope_attention(const Tensor& qkv, const QkNormRopeCache& opt, con
                               const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows, const Tensor& positions,
                               const Tensor& lengths, double scale, int64_t window = 0, int64_t max_length = 0);
 
+// How many calls of qk_norm_rope_attention in this process ran it as the one kernel (a CUDA graph's
+// replays not counted): the tests' way to see which path a case took.
+int64_t qk_norm_rope_attention_fused_runs();
+
 // x, delta [N, H] of one dtype, w [H].  Returns (x + delta, rms_norm(x + delta, w)).
 std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, const Tensor& w, const RMSNormOptions& opt);
 
