@@ -29,22 +29,9 @@ LD_LIBRARY_PATH="$cupti:$LD_LIBRARY_PATH" CUDA_INJECTION64_PATH="$PWD/.devlibs/b
 echo "trace rc $? ($(wc -l < "$rep") kernels)"
 python3 - "$rep" "$model" <<'PY'
 import collections, sys
-def short(n):  # the demangled name without its parameter list and namespaces
-    n = n.replace("(anonymous namespace)::", "")
-    if n.endswith(")"):
-        depth = 0
-        for i in range(len(n) - 1, -1, -1):
-            depth += {")": 1, "(": -1}.get(n[i], 0)
-            if depth == 0:
-                n = n[:i]
-                break
-    for prefix in ("void ", "kcpp::ops::cuda::", "kcpp::kernel::cuda::", "kcpp::"):
-        n = n.replace(prefix, "")
-    return n[:90]
-rows = []
-for line in open(sys.argv[1]):
-    start, end, _stream, _graph, name = line.rstrip("\n").split("\t", 4)
-    rows.append((int(start), int(end), short(name)))
+sys.path.insert(0, "scripts")
+import kernel_trace
+rows = [(start, end, name) for start, end, _stream, _graph, name in kernel_trace.read(sys.argv[1], 90)]
 names = [r[2] for r in rows]
 # A decode step launches the same kernels in the same order: find the period from the end.
 per = next((n for n in range(1, len(rows) // 8) if all(names[-1 - i] == names[-1 - i - n] for i in range(4 * n))), None)

@@ -29,22 +29,9 @@ env $(echo "${variant#*:}" | tr '+' ' ') \
 echo "== $tag: trace rc $? ($(wc -l < "$rep") kernels); $(grep -i 'first token' "$OUT/prefill-generate-$model-$tag.txt" | head -n 1 | cut -c1-100)"
 python3 - "$rep" "$model" "$tokens" <<'PY'
 import collections, sys
-def short(n):  # the demangled name without its parameter list and namespaces
-    n = n.replace("(anonymous namespace)::", "")
-    if n.endswith(")"):
-        depth = 0
-        for i in range(len(n) - 1, -1, -1):
-            depth += {")": 1, "(": -1}.get(n[i], 0)
-            if depth == 0:
-                n = n[:i]
-                break
-    for prefix in ("void ", "kcpp::ops::cuda::", "kcpp::kernel::cuda::", "kcpp::"):
-        n = n.replace(prefix, "")
-    return n[:100]
-rows = []
-for line in open(sys.argv[1]):
-    start, end, _stream, _graph, name = line.rstrip("\n").split("\t", 4)
-    rows.append((int(start), int(end), short(name)))
+sys.path.insert(0, "scripts")
+import kernel_trace
+rows = [(start, end, name) for start, end, _stream, _graph, name in kernel_trace.read(sys.argv[1], 100)]
 rows.sort()
 # The two prefills run the same kernels: the second is the last half.
 run = rows[len(rows) // 2:]

@@ -450,22 +450,11 @@ template <typename T, int D, bool PP, bool V> const char* launch(const Attention
   // Persistent: a block an SM, each looping over the work items.
   const int64_t items = (p.seq_q + kBr - 1) / kBr * p.batch * p.heads_q;
   const auto grid = static_cast<unsigned>(std::min<int64_t>(items, sm_count()));
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = C::kSmem;
-  cfg.stream = stream;
-  cudaLaunchAttribute pdl[1];
-  pdl[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = pdl;
-  cfg.numAttrs = 1;
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, fwd_sm90_kernel<T, D, PP, V>, p, tq, tk, tv, to);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return kernel::errorf("attention_forward (hopper): kernel launch failed: %s", cudaGetErrorString(e));
-  }
-  return nullptr;
+  // A programmatic dependent of the kernel before (the kernel's barrier set-up overlaps its end).
+  const cudaLaunchAttribute pdl = kernel::cuda::dependent_launch();
+  const cudaError_t e =
+      kernel::cuda::launch_ex(&pdl, 1, fwd_sm90_kernel<T, D, PP, V>, dim3(grid), dim3(kThreads), C::kSmem, stream, p, tq, tk, tv, to);
+  return e == cudaSuccess ? nullptr : kernel::errorf("attention_forward (hopper): kernel launch failed: %s", cudaGetErrorString(e));
 }
 
 }  // namespace

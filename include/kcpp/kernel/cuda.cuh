@@ -166,6 +166,33 @@ __device__ __forceinline__ void griddep_launch_dependents() {
 #endif
 }
 
+// kernel<<<grid, block, smem, stream>>>(args...) with the launch attributes attrs[0 .. n) (n may be
+// 0).  The launch's error (nothing is left in the sticky error).
+template <typename... Params, typename... Args>
+cudaError_t launch_ex(const cudaLaunchAttribute* attrs, unsigned n, void (*kernel)(Params...), dim3 grid, dim3 block,
+                      size_t smem, cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = const_cast<cudaLaunchAttribute*>(attrs);
+  cfg.numAttrs = n;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, static_cast<Args&&>(args)...);
+  if (e != cudaSuccess) (void)cudaGetLastError();
+  return e;
+}
+
+// The launch attribute that makes a kernel a programmatic dependent of the kernel before it in the
+// stream: the kernel calls griddep_wait() before its first read of what an earlier kernel wrote and
+// before its first write.
+inline cudaLaunchAttribute dependent_launch() {
+  cudaLaunchAttribute a{};
+  a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a.val.programmaticStreamSerializationAllowed = 1;
+  return a;
+}
+
 // A device attribute (cached per thread, device and attribute): e.g. cudaDevAttrComputeCapabilityMajor,
 // cudaDevAttrMaxSharedMemoryPerBlockOptin.  0 when the query fails (not cached: asked again next time).
 inline int device_attribute(cudaDeviceAttr attr, int device) {

@@ -114,6 +114,17 @@ __global__ void qk_norm_rope_cache_kernel(T* __restrict__ q_out, const T* __rest
   }
 }
 
+// A thread's place in the 16-byte qk_norm_rope_cache kernels: its lane, its group of p lanes (one
+// head of the block's rows), its place gl in the group, that head, and the block's first row (R rows
+// a block).
+struct QkLane {
+  int lane, group, gl, head, b0;
+  __device__ QkLane(int p, int rows_a_block)
+      : lane(threadIdx.x % 32), group(lane / p), gl(lane % p),
+        head((blockIdx.x * kHeadsPerBlock + static_cast<int>(threadIdx.x / 32)) * (32 / p) + group),
+        b0(blockIdx.y * rows_a_block) {}
+};
+
 // kVec consecutive elements of T in 16 bytes: the unit of the vectorized loads and stores below.
 template <typename T> struct alignas(16) Pack {
   static constexpr int kVec = 16 / sizeof(T);
@@ -135,9 +146,8 @@ __global__ void qk_norm_rope_cache_vec_kernel(T* __restrict__ q_out, const T* __
                                               bool interleaved, int p, bool wide) {
   struct alignas(16) Chunk { T v[V]; };
   __shared__ float buf[kHeadsPerBlock * 32 * V];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = lane / p, gl = lane % p;
-  const int per_warp = 32 / p, heads = hq + 2 * hkv, b0 = blockIdx.y * R;
-  const int head = (blockIdx.x * kHeadsPerBlock + warp) * per_warp + group;
+  const QkLane at(p, R);
+  const int warp = threadIdx.x / 32, group = at.group, gl = at.gl, head = at.head, b0 = at.b0, heads = hq + 2 * hkv;
   pdl_wait();  // every input but the norm weights is an earlier kernel's output
   pdl_trigger();
   const bool in_head = head < heads, active = in_head && gl * V < d;
@@ -248,9 +258,8 @@ __global__ void qk_norm_rope_cache_pairs_kernel(T* __restrict__ q_out, const T* 
   using P = Pair<T>;
   using T2 = typename P::T2;
   struct alignas(16) Chunk { T2 v[W]; };
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = lane / p, gl = lane % p;
-  const int per_warp = 32 / p, heads = hq + 2 * hkv, b0 = blockIdx.y * R;
-  const int head = (blockIdx.x * kHeadsPerBlock + warp) * per_warp + group;
+  const QkLane at(p, R);
+  const int lane = at.lane, gl = at.gl, head = at.head, b0 = at.b0, heads = hq + 2 * hkv;
   pdl_wait();  // every input but the norm weights is an earlier kernel's output
   pdl_trigger();
   const bool in_head = head < heads, active = in_head && gl * V < d;

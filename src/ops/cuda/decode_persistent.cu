@@ -869,21 +869,13 @@ template <typename T, int M> bool run(Params<T> p, const std::vector<PersistentD
       L.window = static_cast<int>(std::min<int64_t>(l.window, INT32_MAX));
     }
     KCPP_CUDA_CHECK(cudaMemsetAsync(p.arrived, 0, sizeof(unsigned) * (1 + p.hkv), stream));
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(static_cast<unsigned>(sms));
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute la[1];
-    la[0].id = cudaLaunchAttributeCooperative;
-    la[0].val.cooperative = 1;
-    cfg.attrs = la;
-    cfg.numAttrs = 1;
-    const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, p);
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
+    cudaLaunchAttribute la{};
+    la.id = cudaLaunchAttributeCooperative;
+    la.val.cooperative = 1;
+    const cudaError_t err =
+        kcpp::kernel::cuda::launch_ex(&la, 1, kernel, dim3(static_cast<unsigned>(sms)), dim3(kThreads), smem, stream, p);
+    if (err != cudaSuccess)
       KCPP_FAIL("op decode_layers_persistent: kernel launch failed: {}: {}", cudaGetErrorName(err), cudaGetErrorString(err));
-    }
     if (p.trace != nullptr) print_trace(p.trace, p.layers, stream);
   }
   return true;

@@ -23,6 +23,7 @@
 #include <utility>
 
 #include "core/cuda_runtime.h"
+#include "kcpp/kernel/cuda.cuh"
 
 namespace kcpp::ops::cuda {
 
@@ -66,21 +67,11 @@ inline bool pdl_usable(const void* kernel) {
 // where pdl_usable(kernel).  Throws naming `op` if the launch fails.
 template <typename... Params, typename... Args>
 void launch_pdl(const char* op, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = kcpp::cuda::current_stream();
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl_usable(reinterpret_cast<const void*>(kernel)) ? 1 : 0;
-  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
+  const cudaLaunchAttribute attr = kcpp::kernel::cuda::dependent_launch();
+  const cudaError_t err = kcpp::kernel::cuda::launch_ex(&attr, pdl_usable(reinterpret_cast<const void*>(kernel)) ? 1 : 0, kernel,
+                                                        grid, block, smem, kcpp::cuda::current_stream(), std::forward<Args>(args)...);
+  if (err != cudaSuccess)
     KCPP_FAIL("op {}: kernel launch failed: {}: {}", op, cudaGetErrorName(err), cudaGetErrorString(err));
-  }
 }
 
 }  // namespace kcpp::ops::cuda
