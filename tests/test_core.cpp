@@ -1,5 +1,8 @@
 // core/: dtype conversions, tensor views and copies, DLPack, the allocator, platform detection.
 #include <dlpack/dlpack.h>
+#if KCPP_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 #include <algorithm>
 #include <cstdlib>
@@ -172,9 +175,11 @@ TEST_P(TensorOnDevice, CastsAndCopiesAcrossDtypes) {
     for (int64_t c = 0; c < 13; ++c) ASSERT_EQ(dv[r * 13 + c], bf16_to_f32(f32_to_bf16(static_cast<float>(xv[c]))));
 }
 
-// A copy from host memory to the device does not wait for the stream (Tensor::copy_): the host may
+// A copy from host memory to the device returns without waiting for the stream where the memory is
+// pageable (Tensor::copy_), and after the copy where it is page-locked: either way the host may
 // rewrite or free its buffer as soon as the copy returns, while the stream is still busy with work
-// queued before it.  Sizes from a few bytes to 64 MiB (the driver stages pageable copies in pieces).
+// queued before it.  Sizes from a few bytes to 64 MiB (the driver stages pageable copies in pieces);
+// the page-locked buffer is registered with the driver.
 TEST_P(TensorOnDevice, HostBufferIsFreeOnceTheCopyReturns) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
@@ -192,6 +197,18 @@ TEST_P(TensorOnDevice, HostBufferIsFreeOnceTheCopyReturns) {
     const auto got = d.to_i64_vector();
     for (int64_t i = 0; i < n; ++i) ASSERT_EQ(got[static_cast<size_t>(i)], i * 7 + 1) << "n=" << n << " at " << i;
   }
+#if KCPP_WITH_CUDA
+  const int64_t n = int64_t{4} << 20;
+  std::vector<int32_t> locked(static_cast<size_t>(n));
+  ASSERT_EQ(cudaHostRegister(locked.data(), locked.size() * sizeof(int32_t), cudaHostRegisterDefault), cudaSuccess);
+  for (int64_t i = 0; i < n; ++i) locked[static_cast<size_t>(i)] = static_cast<int32_t>(i * 3 + 2);
+  for (int r = 0; r < 4; ++r) (void)ops::matmul(busy, busy, false, false);
+  const Tensor d = Tensor::from_blob(locked.data(), {n}, DType::i32, Device::cpu()).to(dev);
+  std::fill(locked.begin(), locked.end(), -1);
+  const auto got = d.to_i64_vector();
+  ASSERT_EQ(cudaHostUnregister(locked.data()), cudaSuccess);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(got[static_cast<size_t>(i)], i * 3 + 2) << "page-locked, at " << i;
+#endif
 }
 
 TEST_P(TensorOnDevice, DlpackRoundTripSharesMemory) {

@@ -408,8 +408,12 @@ void Tensor::copy_(const Tensor& src) const {
     // device, cudaMemcpyAsync has already taken the bytes (staged by the driver) when it returns, so
     // the stream runs on: the GPU keeps its queue (a prefill's ids and positions used to drain it).
     // A copy to the host, or from page-locked memory the caller may rewrite, waits for the stream.
+    // Under stream capture the copy would be a graph node that reads the host buffer at every replay:
+    // the wait stays, and fails the capture.
     bool wait = true;
-    if (device().is_cuda() && !s.device().is_cuda()) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    KCPP_CUDA_CHECK(cudaStreamIsCapturing(cuda::current_stream(), &capturing));
+    if (device().is_cuda() && !s.device().is_cuda() && capturing == cudaStreamCaptureStatusNone) {
       cudaPointerAttributes attr{};
       KCPP_CUDA_CHECK(cudaPointerGetAttributes(&attr, staged.data()));
       wait = attr.type != cudaMemoryTypeUnregistered;

@@ -171,10 +171,12 @@ std::pair<Tensor, Tensor> add_rms_norm(const Tensor& x, const Tensor& delta, con
   check_same(w, x, op, "weight", "x");
   check_shape(w, {x.size(1)}, op, "weight");
   KCPP_CHECK(opt.eps >= 0, "op {}: eps {} < 0", op, opt.eps);
-  if (fused_on_cuda(x) && fused_casting(opt) && x.numel() > 0) {
+  // The kernel reads the weights before it waits for the kernel before it (no kernel writes weights):
+  // strided ones, which a copy just before would make contiguous, take the composition.
+  if (fused_on_cuda(x) && fused_casting(opt) && x.numel() > 0 && w.is_contiguous()) {
 #if KCPP_WITH_CUDA
     const Tensor s = Tensor::empty(x.shape(), x.dtype(), x.device()), y = Tensor::empty(x.shape(), x.dtype(), x.device());
-    cuda::add_rms_norm(s, y, x.contiguous(), delta.contiguous(), w.contiguous(), opt);
+    cuda::add_rms_norm(s, y, x.contiguous(), delta.contiguous(), w, opt);
     return {s, y};
 #endif
   }

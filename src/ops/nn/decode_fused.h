@@ -25,7 +25,9 @@
 // keys while the others write theirs.
 //
 // add_rms_norm — the residual add and the next norm: s = r(x + delta), y = rms_norm(s, w); returns
-// (s, y).  x, delta [N, H].
+// (s, y).  x, delta [N, H].  On CUDA one kernel, a programmatic dependent of the kernel before that
+// reads w before it waits: w must not be that kernel's output (weights never are; a strided w takes
+// the composition, since the copy that would make it contiguous would be).
 //
 // glu_packed — the gated activation of a fused gate/up projection gu [N, 2I] (gate columns first):
 //   h[n, i] = r(r(act(gu[n, i])) * gu[n, I + i])   (ops::glu_forward of the two halves)
