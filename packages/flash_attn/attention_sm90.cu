@@ -452,12 +452,9 @@ template <typename T, int D, bool PP, bool V> const char* launch(const Attention
   const auto grid = static_cast<unsigned>(std::min<int64_t>(items, sm_count()));
   // A programmatic dependent of the kernel before (the kernel's barrier set-up overlaps its end);
   // KCPP_PDL=0, the library's switch for every such launch, makes it an ordinary one.
-  static const bool dependent = [] {
-    const char* e = std::getenv("KCPP_PDL");
-    return !(e && std::strcmp(e, "0") == 0);
-  }();
   const cudaLaunchAttribute pdl = kernel::cuda::dependent_launch();
-  const cudaError_t e = kernel::cuda::launch_ex(&pdl, dependent ? 1 : 0, fwd_sm90_kernel<T, D, PP, V>, dim3(grid), dim3(kThreads),
+  const cudaError_t e = kernel::cuda::launch_ex(&pdl, kernel::cuda::dependent_launch_enabled() ? 1 : 0, fwd_sm90_kernel<T, D, PP, V>,
+                                                dim3(grid), dim3(kThreads),
                                                 C::kSmem, stream, p, tq, tk, tv, to);
   return e == cudaSuccess ? nullptr : kernel::errorf("attention_forward (hopper): kernel launch failed: %s", cudaGetErrorString(e));
 }

@@ -411,12 +411,12 @@ void Tensor::copy_(const Tensor& src) const {
     // Under stream capture the copy would be a graph node that reads the host buffer at every replay:
     // the wait stays, and fails the capture.
     bool wait = true;
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    KCPP_CUDA_CHECK(cudaStreamIsCapturing(cuda::current_stream(), &capturing));
-    if (device().is_cuda() && !s.device().is_cuda() && capturing == cudaStreamCaptureStatusNone) {
+    if (device().is_cuda() && !s.device().is_cuda()) {
+      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+      KCPP_CUDA_CHECK(cudaStreamIsCapturing(cuda::current_stream(), &capturing));
       cudaPointerAttributes attr{};
       KCPP_CUDA_CHECK(cudaPointerGetAttributes(&attr, staged.data()));
-      wait = attr.type != cudaMemoryTypeUnregistered;
+      wait = capturing != cudaStreamCaptureStatusNone || attr.type != cudaMemoryTypeUnregistered;
     }
     if (wait) KCPP_CUDA_CHECK(cudaStreamSynchronize(cuda::current_stream()));
   }

@@ -25,6 +25,7 @@
 #include "ops/nn/decode_persistent.h"
 #include "ops/nn/decode_fused.h"
 #include "ops/nn/sampling.h"
+#include "ops/check.h"
 #include "ops/ops.h"
 
 namespace kcpp::models {
@@ -528,12 +529,7 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache, In
     // device are checked by the kernel (which waits), except in a captured step, whose ids are the
     // previous step's picks (in range).
     const bool host_ids = ids.device() != device_;
-    if (host_ids) {
-      const std::vector<int64_t> v = ids.to_i64_vector();
-      for (size_t i = 0; i < v.size(); ++i)
-        KCPP_CHECK(v[i] >= 0 && v[i] < c.vocab_size, "op embedding: argument 'ids'[{}] = {} is out of range [0, {})", i,
-                   v[i], c.vocab_size);
-    }
+    if (host_ids) ops::check_range(ids.to_i64_vector(), c.vocab_size, 0, false, "embedding", "ids");
     h = ops::embedding(embed_, host_ids ? ids.to(device_) : ids, !host_ids && !(cache && cache->step_ready));
   }
   if (c.scale_embeddings)  // Gemma: times sqrt(hidden) rounded to the model's dtype, as Transformers does
@@ -563,7 +559,7 @@ Tensor CausalLM::hidden_states(const Tensor& ids, Tape* tape, KVCache* cache, In
   } else if (fused_prefill) {
     std::vector<int32_t> index(static_cast<size_t>(2 * b * s));
     for (int64_t i = 0; i < b * s; ++i)
-      index[static_cast<size_t>(i)] = static_cast<int32_t>(i / s), index[static_cast<size_t>(b * s + i)] = static_cast<int32_t>(past + i % s);
+      index[static_cast<size_t>(i)] = static_cast<int32_t>(i / s), index[static_cast<size_t>(b * s + i)] = static_cast<int32_t>(pos[static_cast<size_t>(i)]);
     const Tensor host = Tensor::from_blob(index.data(), {2, b * s}, DType::i32, Device::cpu());
     prefill_index = device_.is_cpu() ? host.clone() : host.to(device_);
     position_ids = prefill_index.narrow(0, 1, 1).view({b, s});

@@ -22,6 +22,14 @@ void check_index(const Tensor& t, std::string_view op, std::string_view arg) {
   check_cuda_available(t, op);
 }
 
+void check_range(const std::vector<int64_t>& v, int64_t limit, int64_t ignore, bool allow_ignore, std::string_view op,
+                 std::string_view arg) {
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (allow_ignore && v[i] == ignore) continue;
+    KCPP_CHECK(v[i] >= 0 && v[i] < limit, "op {}: argument '{}'[{}] = {} is out of range [0, {})", op, arg, i, v[i], limit);
+  }
+}
+
 void check_dims(const Tensor& t, int64_t ndim, std::string_view op, std::string_view arg) {
   KCPP_CHECK(t.dim() == ndim, "op {}: argument '{}': expected {} dims, got shape {}", op, arg, ndim,
              shape_str(t.shape()));

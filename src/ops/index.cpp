@@ -16,15 +16,6 @@ constexpr int64_t kParallelMin = 1 << 15;
 // Host copy of the ids as i64, row-major.
 std::vector<int64_t> host_ids(const Tensor& ids) { return ids.to_i64_vector(); }
 
-void check_range(const std::vector<int64_t>& v, int64_t limit, int64_t ignore, bool allow_ignore, const char* op,
-                 const char* arg) {
-  for (size_t i = 0; i < v.size(); ++i) {
-    if (allow_ignore && v[i] == ignore) continue;
-    KCPP_CHECK(v[i] >= 0 && v[i] < limit, "op {}: argument '{}'[{}] = {} is out of range [0, {})", op, arg, i, v[i],
-               limit);
-  }
-}
-
 }  // namespace
 
 Tensor embedding(const Tensor& weight, const Tensor& ids, [[maybe_unused]] bool check_ids) {  // (the CUDA path's)

@@ -4,7 +4,8 @@
 // turns on CUPTI's kernel activity records (kernels replayed from CUDA graphs too, each node its own
 // record).  At exit the records go to KCPP_TRACE_OUT (default kernel-trace.tsv), one line a kernel
 // in the order they started: start and end in ns (the GPU's clock), the stream, the graph id (0
-// outside graphs) and the demangled name.  scripts/device-decode-timeline.sh reads it.  With
+// outside graphs) and the name as CUPTI gives it (mangled; scripts/kernel_trace.py demangles it for
+// the timeline scripts).  With
 // KCPP_TRACE_API=1 the host's CUDA runtime calls (start and end on the same clock; the name
 // "api:<call>") and the copies ("memcpy:<direction>:<bytes>", on the GPU) go to KCPP_TRACE_OUT.api.tsv
 // in the same format, which says where the host held the GPU up (scripts/device-prefill-timeline.sh).

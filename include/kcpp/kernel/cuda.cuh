@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "kcpp/kernel/error.h"
@@ -181,6 +182,16 @@ cudaError_t launch_ex(const cudaLaunchAttribute* attrs, unsigned n, void (*kerne
   const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, static_cast<Args&&>(args)...);
   if (e != cudaSuccess) (void)cudaGetLastError();
   return e;
+}
+
+// Whether programmatic dependent launches are allowed: not where KCPP_PDL=0 (the process-wide switch
+// for comparing with ordinary launches; read once).
+inline bool dependent_launch_enabled() {
+  static const bool enabled = [] {
+    const char* e = std::getenv("KCPP_PDL");
+    return !(e != nullptr && std::strcmp(e, "0") == 0);
+  }();
+  return enabled;
 }
 
 // The launch attribute that makes a kernel a programmatic dependent of the kernel before it in the

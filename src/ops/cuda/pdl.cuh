@@ -16,8 +16,6 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -42,11 +40,7 @@ __device__ __forceinline__ void pdl_trigger() {
 // Whether `kernel`, as loaded for the current device, waits in pdl_wait() (its binary is for sm_90
 // or later) and KCPP_PDL is not 0.  Cached a (device, kernel).
 inline bool pdl_usable(const void* kernel) {
-  static const bool enabled = [] {
-    const char* e = std::getenv("KCPP_PDL");
-    return !(e && std::strcmp(e, "0") == 0);
-  }();
-  if (!enabled) return false;
+  if (!kcpp::kernel::cuda::dependent_launch_enabled()) return false;
   static std::mutex mu;
   static std::map<std::pair<int, const void*>, bool> known;
   int dev = 0;
