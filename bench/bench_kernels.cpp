@@ -853,7 +853,8 @@ void bench_decode_fused() {
 
 // The prefill's elementwise kernels (ops/nn/decode_fused.h) at one 2,048-token prompt of the
 // Qwen3-0.6B and Llama-3.2-1B dimensions, bf16: the q / k norms + RoPE + cache append, the gated
-// activation of the fused gate/up and the residual add + norm.  Traffic: every input read once and
+// activation of the fused gate/up and the residual add + norm; then the gate/up product with its
+// activation (linear_glu) beside cuBLAS at 256 to 2,048 rows.  Traffic: every input read once and
 // every output written once.  Timed as do_bench does (the L2 dirty, as after the projection that
 // feeds each kernel in a prefill).
 void bench_prefill() {
@@ -888,6 +889,20 @@ void bench_prefill() {
     const Tensor w = Tensor::randn({m.hidden}, DType::bf16, kDev, gen);
     row(fmt::format("prefill add_rms_norm {}", m.name), "kcpp", [&] { (void)ops::add_rms_norm(x, delta, w, opt); },
         2.0 * 4 * n * m.hidden / 1e9);
+    // The MLP's gate/up projection and its activation: linear_glu's one kernel (the Hopper GEMM with
+    // the activation in its epilogue) against cuBLAS's product + glu_packed, and cuBLAS's product
+    // alone, at a prompt's rows.
+    const Tensor wgu = ops::scale(Tensor::randn({2 * m.inter, m.hidden}, DType::bf16, kDev, gen), 0.03);
+    for (const int64_t rows : {int64_t{256}, int64_t{512}, int64_t{1024}, n}) {
+      const Tensor xr = x.narrow(0, 0, rows);
+      const double tflop = 2.0 * rows * m.hidden * 2 * m.inter / 1e12;
+      const std::string op = fmt::format("prefill gate_up {} {}", m.name, rows);
+      flop_row(op, "linear_glu", [&] { (void)ops::linear_glu(xr, wgu, ops::GluActivation::Silu, ops::LinearGluPath::Kernel); },
+               tflop, 0.0);
+      flop_row(op, "cublas+glu", [&] { (void)ops::glu_packed(ops::matmul(xr, wgu, false, true), ops::GluActivation::Silu); },
+               tflop, 0.0);
+      flop_row(op, "cublas", [&] { (void)ops::matmul(xr, wgu, false, true); }, tflop, 0.0);
+    }
   }
 }
 

@@ -7,7 +7,8 @@
 // composition (f32, 5 rows, K not a multiple of 8), and chained without synchronizing (dependent
 // launches on sm_90); the f32 residual of add_rms_norm_linear; the Mamba step's fused ops
 // (ops/nn/mamba_decode.h) on awkward widths, ranks and state counts, with Falcon-Mamba's norms.
-// qk_norm_rope_attention against the oracle and against the composition it fuses.
+// qk_norm_rope_attention against the oracle and against the composition it fuses.  linear_glu (the
+// packed gate/up product and its activation, the Hopper GEMM on sm_90) against the oracle.
 #include <cmath>
 
 #include "oracle.h"
@@ -268,9 +269,10 @@ TEST_P(DecodeFused, QkNormRopeAttentionIsTheComposition) {
       const Tensor out = ops::qk_norm_rope_attention(qkv, opt, cos, sin, kc, vc, rows_t, positions_t, lengths_t, scale,
                                                      c.window, max_length);
       const char* short_env = std::getenv("KCPP_ATTN_SHORT");  // =0 sends short rows to the split path
-      if (dev.is_cuda() && dt != DType::f32 && c.expect_fused >= 0 && !(short_env && std::string(short_env) == "0"))
+      if (dev.is_cuda() && dt != DType::f32 && c.expect_fused >= 0 && !(short_env && std::string(short_env) == "0")) {
         EXPECT_EQ(ops::qk_norm_rope_attention_fused_runs() - fused_before, c.expect_fused)
             << cfg << " (the path: 1 the one kernel, 0 the composition)";
+      }
       const Tensor q = ops::qk_norm_rope_cache(qkv, opt, cos, sin, kc2, vc2, rows_t, positions_t);
       const Tensor composed = ops::decode_attention(q, kc2, vc2, rows_t, lengths_t, scale, c.window, max_length);
       ASSERT_EQ(out.shape(), (Shape{b, c.hq, d})) << cfg;
@@ -550,6 +552,66 @@ TEST_P(DecodeFused, GluLinearMatchesTheOracle) {
                                  test::composite_rel_l2(dt)))
           << cfg;
     }
+}
+
+// linear_glu: the packed gate/up product and its activation, on path Kernel.  On a CUDA device where
+// the Hopper kernel runs (linear_glu_kernel_unavailable), the bf16 / f16 cases take it: partial tiles
+// of rows (past 128 and 256), of K (not a multiple of the 64 a k-step reads) and of the intermediate
+// size (a 128-column tile's part, down to 8), a row stride past K; the others (K not a multiple of 8,
+// f32, the CPU) the composition.  Path Auto leaves these few tiles to the composition; its rule on
+// the measured shapes.
+TEST_P(DecodeFused, LinearGluMatchesTheOracle) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test_generator();
+  const bool kernel_here = ops::linear_glu_kernel_unavailable(dev) == nullptr;
+  struct Case {
+    int64_t n, k, inter, ld;
+    ops::GluActivation act;
+    oracle::Act oact;
+    bool kernel;  // the Hopper kernel takes it where it runs (bf16 / f16)
+  };
+  const Case cases[] = {{257, 136, 200, 136, ops::GluActivation::Silu, oracle::Act::Silu, true},
+                        {520, 1032, 264, 1032, ops::GluActivation::GeluTanh, oracle::Act::GeluTanh, true},
+                        {300, 64, 8, 72, ops::GluActivation::Gelu, oracle::Act::Gelu, true},
+                        {256, 200, 136, 200, ops::GluActivation::Silu, oracle::Act::Silu, true},
+                        {5, 64, 64, 64, ops::GluActivation::Silu, oracle::Act::Silu, true},
+                        {300, 100, 64, 100, ops::GluActivation::Silu, oracle::Act::Silu, false}};  // K % 8
+  for (DType dt : test::float_dtypes(dev))
+    for (const Case& c : cases) {
+      const std::string cfg = fmt::format("{} n={} k={} inter={} ld={}", config_name(dev, dt), c.n, c.k, c.inter, c.ld);
+      const Tensor x = Tensor::randn({c.n, c.ld}, dt, dev, gen).narrow(1, 0, c.k);
+      // Weights of a model's scale (1 / sqrt(K)): gate sums of order 1 (see AddRmsNormLinearGlu...).
+      const Tensor w = ops::scale(Tensor::randn({2 * c.inter, c.k}, dt, dev, gen), 1.0 / std::sqrt(static_cast<double>(c.k)));
+      const V xv = values(x.contiguous());
+      const V g = rounded(product(xv, values(w.narrow(0, 0, c.inter).contiguous()), c.n, c.k, c.inter), dt);
+      const V u = rounded(product(xv, values(w.narrow(0, c.inter, c.inter).contiguous()), c.n, c.k, c.inter), dt);
+      const V ref = oracle::glu(g, u, c.oact);
+      const bool fused = kernel_here && c.kernel && (dt == DType::bf16 || dt == DType::f16);
+      for (const ops::LinearGluPath path : {ops::LinearGluPath::Kernel, ops::LinearGluPath::Auto}) {
+        const bool kernel_path = path == ops::LinearGluPath::Kernel;
+        const int64_t before = ops::linear_glu_fused_runs();
+        const Tensor h = ops::linear_glu(x, w, c.act, path);
+        ASSERT_EQ(h.shape(), (Shape{c.n, c.inter})) << cfg;
+        EXPECT_EQ(ops::linear_glu_fused_runs() - before, fused && kernel_path ? 1 : 0)
+            << cfg << " path " << (kernel_path ? "Kernel" : "Auto (few tiles: the composition)");
+        EXPECT_TRUE(test::close_l2(h, ref, test::composite_rel_l2(dt))) << cfg << " (oracle)";
+      }
+    }
+  // Auto's rule at the shapes it was measured on (132 multiprocessors): Qwen3-0.6B's intermediate
+  // 3,072 takes the kernel at 2,048 rows, not at 256 to 1,024; Llama-3.2-1B's 8,192 at 256 and up.
+  EXPECT_TRUE(ops::linear_glu_fills_waves(2048, 3072, 132));
+  for (int64_t rows : {256, 512, 1024}) EXPECT_FALSE(ops::linear_glu_fills_waves(rows, 3072, 132)) << rows;
+  for (int64_t rows : {256, 512, 1024, 2048}) EXPECT_TRUE(ops::linear_glu_fills_waves(rows, 8192, 132)) << rows;
+  EXPECT_FALSE(ops::linear_glu_fills_waves(0, 8192, 132));
+  // Bad input: an odd number of weight rows, K unlike x's, an integer x.
+  const Tensor x = Tensor::randn({4, 16}, DType::f32, dev, gen);
+  EXPECT_ERROR(ops::linear_glu(x, Tensor::randn({5, 16}, DType::f32, dev, gen), ops::GluActivation::Silu),
+               "gate rows, then up rows");
+  EXPECT_ERROR(ops::linear_glu(x, Tensor::randn({6, 8}, DType::f32, dev, gen), ops::GluActivation::Silu), "must be [2 x intermediate, 16]");
+  EXPECT_THROW((void)ops::linear_glu(Tensor::zeros({4, 16}, DType::i32, dev), Tensor::randn({6, 16}, DType::f32, dev, gen),
+                                     ops::GluActivation::Silu),
+               Error);
 }
 
 // An f32 residual stream beside bf16 / f16 weights (Mamba's residual_in_fp32): s = x + delta in f32,

@@ -197,18 +197,6 @@ KCPP_MOE_HD inline int64_t padded_rows_cap(int64_t slots, int64_t experts, bool 
 KCPP_MOE_HD inline bool auto_always_loop(int64_t hidden, int64_t inter, int64_t sms) {
   return ((hidden + 127) / 128) * ((inter + 127) / 128) >= sms;
 }
-// The Hopper grouped GEMM's work order (moe_gemm_sm90.cuh): item w of m_tiles x n_tiles runs in
-// panels of `panel` m tiles (the last one holding what is left), n tiles outer and the panel's m
-// tiles inner.  Writes item w's m tile and n tile; every (m, n) pair is the item of exactly one w in
-// [0, m_tiles n_tiles).
-KCPP_MOE_HD inline void panel_item(int64_t w, int m_tiles, int n_tiles, int panel, int* mt, int* nt) {
-  const int64_t per_panel = static_cast<int64_t>(panel) * n_tiles;
-  const int first = static_cast<int>(w / per_panel) * panel;  // the panel's first m tile
-  const int rows = m_tiles - first < panel ? m_tiles - first : panel;  // its m tiles
-  const int rem = static_cast<int>(w % per_panel);
-  *mt = first + rem % rows;
-  *nt = rem / rows;
-}
 // Whether the expert offsets group the S slots: expert_offsets[0] = 0, never decreasing,
 // expert_offsets[E] <= S.  The host refuses other offsets once read back; the planning kernel
 // gathers no rows for them meanwhile.

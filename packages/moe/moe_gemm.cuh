@@ -41,6 +41,7 @@
 
 #include "kcpp/kernel/activation.h"
 #include "kcpp/kernel/cuda.cuh"
+#include "kcpp/kernel/tile_order.h"
 
 namespace kcpp::moe::gemm {
 
@@ -143,16 +144,7 @@ template <typename T> __device__ __forceinline__ float act_eval(Activation a, fl
   }
 }
 
-// MGroup: the group of m tile mt, the last g with tile_offsets[g] <= mt (a binary search).
-__device__ __forceinline__ int group_of_tile(const int32_t* tile_offsets, int groups, int mt) {
-  int lo = 0, hi = groups - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (tile_offsets[mid] <= mt) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
-}
+using kernel::group_of_tile;  // MGroup: the group of m tile mt
 
 // Where this block works: its group, the rows (positions) of the grouped dim, and the k range.
 struct Place {

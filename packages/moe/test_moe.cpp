@@ -22,6 +22,7 @@
 #include <tuple>
 
 #include "core/cuda_runtime.h"
+#include "kcpp/kernel/tile_order.h"
 #include "moe.h"
 #include "ops/nn/glu.h"
 #include "ops/ops.h"
@@ -1141,9 +1142,9 @@ TEST(MoeWorkspace, OverwriteGateUpFreesTheGradientRows) {
 }
 #endif
 
-// The Hopper GEMM's work order (moe.h: panel_item): every (m tile, n tile) pair is the item of exactly
-// one index, at tile counts below, at and past a panel's (16) and its multiples, and within a panel
-// the n tiles go outer (the panel's m tiles inner).
+// The Hopper GEMM's work order (kernel/tile_order.h: panel_item): every (m tile, n tile) pair is the
+// item of exactly one index, at tile counts below, at and past a panel's (16) and its multiples, and
+// within a panel the n tiles go outer (the panel's m tiles inner).
 // The offsets' check that the host runs once they are read back and the planning kernel on the device.
 TEST(MoeGemmOrder, OffsetsGroupTheSlots) {
   const std::vector<int32_t> good{0, 3, 3, 8, 12}, empty{0, 0, 0}, short_of_s{0, 2, 5};
@@ -1164,7 +1165,7 @@ TEST(MoeGemmOrder, PanelItemsCoverEveryTileOnce) {
         int prev_mt = -1, prev_nt = -1;
         for (int64_t w = 0; w < static_cast<int64_t>(m_tiles) * n_tiles; ++w) {
           int mt = -1, nt = -1;
-          moe::panel_item(w, m_tiles, n_tiles, panel, &mt, &nt);
+          kernel::panel_item(w, m_tiles, n_tiles, panel, &mt, &nt);
           ASSERT_TRUE(mt >= 0 && mt < m_tiles && nt >= 0 && nt < n_tiles)
               << "panel " << panel << " " << m_tiles << " x " << n_tiles << " item " << w << ": (" << mt << ", " << nt << ")";
           ++seen[static_cast<size_t>(mt) * static_cast<size_t>(n_tiles) + static_cast<size_t>(nt)];

@@ -757,7 +757,7 @@ Tensor CausalLM::decode_layers(const Tensor& h0, const ops::RopeCosSin& cs, KVCa
     } else {
       const Tensor m = add_norm(*l.post_norm);
       delta = Tensor();
-      const Tensor act = l.w_gate_up.defined() ? ops::glu_packed(linear(m, l.w_gate_up), l.mlp->activation)
+      const Tensor act = l.w_gate_up.defined() ? ops::linear_glu(m, l.w_gate_up, l.mlp->activation)
                                                : l.mlp->forward(linear(m, l.w_gate), linear(m, l.w_up));
       delta = linear(act, l.w_down);
     }
@@ -831,7 +831,7 @@ Tensor CausalLM::prefill_layers(const Tensor& h0, int64_t b, int64_t s, const op
     l.attn->forward(q.view({b, s, hq, d}).transpose(1, 2), k, v, nullptr, o.transpose(1, 2));
     Tensor m;
     std::tie(x, m) = ops::add_rms_norm(x, linear(o.view({n, hq * d}), l.wo), l.post_norm->weight, l.post_norm->options);
-    const Tensor act = l.w_gate_up.defined() ? ops::glu_packed(linear(m, l.w_gate_up), l.mlp->activation)
+    const Tensor act = l.w_gate_up.defined() ? ops::linear_glu(m, l.w_gate_up, l.mlp->activation)
                                              : l.mlp->forward(linear(m, l.w_gate), linear(m, l.w_up));
     const nn::RMSNorm& next = li + 1 < layers_.size() ? *layers_[li + 1].input_norm : *final_norm_;
     std::tie(x, a) = ops::add_rms_norm(x, linear(act, l.w_down), next.weight, next.options);

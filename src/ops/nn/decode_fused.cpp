@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <optional>
+#include <string_view>
 
 #include "ops/check.h"
 #include "ops/cuda/launch.h"
@@ -301,6 +302,63 @@ std::pair<Tensor, Tensor> add_rms_norm_linear_glu(const Tensor& x, const Tensor&
 #endif
   const auto [s, gu] = add_rms_norm_linear(x, delta, norm_weight, opt, weight);
   return {s, glu_packed(gu, act)};
+}
+
+namespace {
+std::atomic<int64_t> linear_glu_fused{0};
+
+// KCPP_LINEAR_GLU=0 turns the one kernel off (the composition, for comparing the two); read once.
+bool linear_glu_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("KCPP_LINEAR_GLU");
+    return !(e && std::string_view(e) == "0");
+  }();
+  return on;
+}
+}  // namespace
+
+int64_t linear_glu_fused_runs() { return linear_glu_fused.load(std::memory_order_relaxed); }
+
+const char* linear_glu_kernel_unavailable(Device device) {
+  if (!device.is_cuda()) return "not a CUDA device";
+  if (!linear_glu_enabled()) return "KCPP_LINEAR_GLU=0";
+#if KCPP_WITH_CUDA
+  return cuda::linear_glu_unavailable(device);
+#else
+  return "a build without CUDA";
+#endif
+}
+
+bool linear_glu_fills_waves(int64_t rows, int64_t inter, int64_t sms) {
+  const int64_t tiles = ((rows + 127) / 128) * ((inter + 127) / 128);
+  if (tiles <= 0 || sms <= 0) return false;
+  const int64_t waves = (tiles + sms - 1) / sms;
+  return 5 * tiles >= 4 * waves * sms;
+}
+
+Tensor linear_glu(const Tensor& x, const Tensor& weight, GluActivation act, LinearGluPath path) {
+  constexpr const char* op = "linear_glu";
+  check_float(x, op, "x");
+  check_dims(x, 2, op, "x");
+  check_same(weight, x, op, "weight", "x");
+  check_dims(weight, 2, op, "weight");
+  KCPP_CHECK(weight.size(1) == x.size(1) && weight.size(0) % 2 == 0,
+             "op {}: weight {} must be [2 x intermediate, {}] (gate rows, then up rows) for x {}", op,
+             shape_str(weight.shape()), x.size(1), shape_str(x.shape()));
+  const int64_t n = x.size(0), inter = weight.size(0) / 2;
+  if (x.device().is_cuda() && (x.dtype() == DType::bf16 || x.dtype() == DType::f16) && n > 0 && inter > 0 &&
+      path != LinearGluPath::Composition && linear_glu_enabled()) {
+#if KCPP_WITH_CUDA
+    if (path == LinearGluPath::Auto && !linear_glu_fills_waves(n, inter, cuda::multiprocessors(x.device())))
+      return glu_packed(matmul(x, weight, false, true), act);
+    const Tensor h = Tensor::empty({n, inter}, x.dtype(), x.device());
+    if (cuda::linear_glu(h, x, weight, act) == nullptr) {
+      linear_glu_fused.fetch_add(1, std::memory_order_relaxed);
+      return h;
+    }
+#endif
+  }
+  return glu_packed(matmul(x, weight, false, true), act);
 }
 
 Tensor glu_linear(const Tensor& gu, GluActivation act, const Tensor& weight) {

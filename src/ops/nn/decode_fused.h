@@ -46,6 +46,20 @@
 //   h[n, i] = r(r(act(out[n, i])) * out[n, I + i]),  returns (s, h [N, I])
 // so that the down projection reads h with no activation of its own to make (a decode step's MLP).
 //
+// linear_glu — a packed gate/up projection and its gated activation (a prefill's MLP up to the down
+// projection): x [N, K], W [2I, K] (gate rows, then up rows):
+//   gu = r(x W^T)  (f32 sums),  h[n, i] = r(r(act(gu[n, i])) * gu[n, I + i])   (glu_packed(matmul(x, W^T)))
+// On CUDA devices of compute capability 9.0 (bf16 / f16, a build with sm_90a code, K and I multiples
+// of 8, x's rows and W contiguous along K and 16-byte aligned) one kernel: kernel/grouped_gemm_sm90.cuh's
+// persistent TMA / wgmma GEMM as one group, the activation in its epilogue on the accumulators (gu is
+// never written; the activation in the hardware exp and division, kernel/activation.h's Fast mode,
+// before it is rounded).  Elsewhere, and under KCPP_LINEAR_GLU=0, the composition
+// glu_packed(matmul(x, W^T)).  Path Auto takes the kernel only where its 128 x 128 tiles of h fill
+// at least 80% of the multiprocessors' last wave (linear_glu_fills_waves): measured on an H200
+// (bench/RESULTS.md), it was ahead of cuBLAS + glu_packed at every such shape and behind at the
+// others (Qwen3-0.6B's 1,024 rows: 192 tiles on 132 multiprocessors); Kernel takes it wherever it
+// can run.
+//
 // glu_linear — the gated activation of a packed gate/up row and the projection that reads it:
 // gu [N, 2I], W [O, I]:
 //   h = glu_packed(gu, act)  (rounded to the dtype),  out[n, o] = r(sum_i h[n, i] W[o, i])
@@ -114,6 +128,22 @@ std::pair<Tensor, Tensor> add_rms_norm_linear(const Tensor& x, const Tensor& del
 // As add_rms_norm_linear with weight [2I, K] (gate rows, then up rows).  Returns (s, h [N, I]).
 std::pair<Tensor, Tensor> add_rms_norm_linear_glu(const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
                                                   const RMSNormOptions& opt, const Tensor& weight, GluActivation act);
+
+enum class LinearGluPath { Auto, Kernel, Composition };
+
+// x [N, K], weight [2I, K] of one dtype.  Returns h [N, I].
+Tensor linear_glu(const Tensor& x, const Tensor& weight, GluActivation act, LinearGluPath path = LinearGluPath::Auto);
+
+// Whether linear_glu's tiles of h, ceil(rows / 128) x ceil(inter / 128), fill at least 80% of the
+// last of the waves that `sms` multiprocessors run them in (path Auto's rule).
+bool linear_glu_fills_waves(int64_t rows, int64_t inter, int64_t sms);
+
+// How many calls of linear_glu in this process ran as the one kernel: the tests' way to see the path.
+int64_t linear_glu_fused_runs();
+
+// Null when linear_glu's one kernel can run on `device` (given the shapes and alignment), else why not:
+// not a CUDA device, KCPP_LINEAR_GLU=0, a build without sm_90a code, compute capability other than 9.0.
+const char* linear_glu_kernel_unavailable(Device device);
 
 // gu [N, 2I], weight [O, I].  Returns [N, O].
 Tensor glu_linear(const Tensor& gu, GluActivation act, const Tensor& weight);
