@@ -854,7 +854,8 @@ void bench_decode_fused() {
 // The prefill's elementwise kernels (ops/nn/decode_fused.h) at one 2,048-token prompt of the
 // Qwen3-0.6B and Llama-3.2-1B dimensions, bf16: the q / k norms + RoPE + cache append, the gated
 // activation of the fused gate/up and the residual add + norm; then the gate/up product with its
-// activation (linear_glu) beside cuBLAS at 256 to 2,048 rows.  Traffic: every input read once and
+// activation (linear_glu) beside cuBLAS at 256 to 2,048 rows, and the q / k / v product with the
+// norms, RoPE and the cache write (linear_qk_norm_rope_cache) beside cuBLAS + qk_norm_rope_cache.  Traffic: every input read once and
 // every output written once.  Timed as do_bench does (the L2 dirty, as after the projection that
 // feeds each kernel in a prefill).
 void bench_prefill() {
@@ -897,12 +898,24 @@ void bench_prefill() {
       const Tensor xr = x.narrow(0, 0, rows);
       const double tflop = 2.0 * rows * m.hidden * 2 * m.inter / 1e12;
       const std::string op = fmt::format("prefill gate_up {} {}", m.name, rows);
-      flop_row(op, "linear_glu", [&] { (void)ops::linear_glu(xr, wgu, ops::GluActivation::Silu, ops::LinearGluPath::Kernel); },
+      flop_row(op, "linear_glu", [&] { (void)ops::linear_glu(xr, wgu, ops::GluActivation::Silu, ops::FusedGemmPath::Kernel); },
                tflop, 0.0);
       flop_row(op, "cublas+glu", [&] { (void)ops::glu_packed(ops::matmul(xr, wgu, false, true), ops::GluActivation::Silu); },
                tflop, 0.0);
       flop_row(op, "cublas", [&] { (void)ops::matmul(xr, wgu, false, true); }, tflop, 0.0);
     }
+    // The attention's q / k / v product with the norms, RoPE and the cache write: one kernel
+    // (linear_qk_norm_rope_cache) against cuBLAS + qk_norm_rope_cache, and cuBLAS alone.
+    const Tensor wqkv = ops::scale(Tensor::randn({heads * m.d, m.hidden}, DType::bf16, kDev, gen), 0.03);
+    const double qkv_tflop = 2.0 * n * m.hidden * heads * m.d / 1e12;
+    const std::string qop = fmt::format("prefill qkv {} {}", m.name, n);
+    flop_row(qop, "fused", [&] {
+      (void)ops::linear_qk_norm_rope_cache(x, wqkv, qo, cos, sin, kc, vc, rows, positions, ops::FusedGemmPath::Kernel);
+    }, qkv_tflop, 0.0);
+    flop_row(qop, "cublas+qk", [&] {
+      (void)ops::qk_norm_rope_cache(ops::matmul(x, wqkv, false, true).view({n, heads, m.d}), qo, cos, sin, kc, vc, rows, positions);
+    }, qkv_tflop, 0.0);
+    flop_row(qop, "cublas", [&] { (void)ops::matmul(x, wqkv, false, true); }, qkv_tflop, 0.0);
   }
 }
 

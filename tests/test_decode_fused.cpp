@@ -8,7 +8,9 @@
 // launches on sm_90); the f32 residual of add_rms_norm_linear; the Mamba step's fused ops
 // (ops/nn/mamba_decode.h) on awkward widths, ranks and state counts, with Falcon-Mamba's norms.
 // qk_norm_rope_attention against the oracle and against the composition it fuses.  linear_glu (the
-// packed gate/up product and its activation, the Hopper GEMM on sm_90) against the oracle.
+// packed gate/up product and its activation, the Hopper GEMM on sm_90) against the oracle;
+// linear_qk_norm_rope_cache (the q / k / v product with the norms, RoPE and the cache write in its
+// epilogue) against its composition.
 #include <cmath>
 
 #include "oracle.h"
@@ -555,7 +557,7 @@ TEST_P(DecodeFused, GluLinearMatchesTheOracle) {
 }
 
 // linear_glu: the packed gate/up product and its activation, on path Kernel.  On a CUDA device where
-// the Hopper kernel runs (linear_glu_kernel_unavailable), the bf16 / f16 cases take it: partial tiles
+// the Hopper kernel runs (fused_gemm_unavailable), the bf16 / f16 cases take it: partial tiles
 // of rows (past 128 and 256), of K (not a multiple of the 64 a k-step reads) and of the intermediate
 // size (a 128-column tile's part, down to 8), a row stride past K; the others (K not a multiple of 8,
 // f32, the CPU) the composition.  Path Auto leaves these few tiles to the composition; its rule on
@@ -564,7 +566,7 @@ TEST_P(DecodeFused, LinearGluMatchesTheOracle) {
   const Device dev = GetParam();
   KCPP_REQUIRE_DEVICE(dev);
   Generator gen = test_generator();
-  const bool kernel_here = ops::linear_glu_kernel_unavailable(dev) == nullptr;
+  const bool kernel_here = ops::fused_gemm_unavailable(dev, ops::FusedGemm::LinearGlu) == nullptr;
   struct Case {
     int64_t n, k, inter, ld;
     ops::GluActivation act;
@@ -588,22 +590,22 @@ TEST_P(DecodeFused, LinearGluMatchesTheOracle) {
       const V u = rounded(product(xv, values(w.narrow(0, c.inter, c.inter).contiguous()), c.n, c.k, c.inter), dt);
       const V ref = oracle::glu(g, u, c.oact);
       const bool fused = kernel_here && c.kernel && (dt == DType::bf16 || dt == DType::f16);
-      for (const ops::LinearGluPath path : {ops::LinearGluPath::Kernel, ops::LinearGluPath::Auto}) {
-        const bool kernel_path = path == ops::LinearGluPath::Kernel;
-        const int64_t before = ops::linear_glu_fused_runs();
+      for (const ops::FusedGemmPath path : {ops::FusedGemmPath::Kernel, ops::FusedGemmPath::Auto}) {
+        const bool kernel_path = path == ops::FusedGemmPath::Kernel;
+        const int64_t before = ops::fused_gemm_runs(ops::FusedGemm::LinearGlu);
         const Tensor h = ops::linear_glu(x, w, c.act, path);
         ASSERT_EQ(h.shape(), (Shape{c.n, c.inter})) << cfg;
-        EXPECT_EQ(ops::linear_glu_fused_runs() - before, fused && kernel_path ? 1 : 0)
+        EXPECT_EQ(ops::fused_gemm_runs(ops::FusedGemm::LinearGlu) - before, fused && kernel_path ? 1 : 0)
             << cfg << " path " << (kernel_path ? "Kernel" : "Auto (few tiles: the composition)");
         EXPECT_TRUE(test::close_l2(h, ref, test::composite_rel_l2(dt))) << cfg << " (oracle)";
       }
     }
   // Auto's rule at the shapes it was measured on (132 multiprocessors): Qwen3-0.6B's intermediate
   // 3,072 takes the kernel at 2,048 rows, not at 256 to 1,024; Llama-3.2-1B's 8,192 at 256 and up.
-  EXPECT_TRUE(ops::linear_glu_fills_waves(2048, 3072, 132));
-  for (int64_t rows : {256, 512, 1024}) EXPECT_FALSE(ops::linear_glu_fills_waves(rows, 3072, 132)) << rows;
-  for (int64_t rows : {256, 512, 1024, 2048}) EXPECT_TRUE(ops::linear_glu_fills_waves(rows, 8192, 132)) << rows;
-  EXPECT_FALSE(ops::linear_glu_fills_waves(0, 8192, 132));
+  EXPECT_TRUE(ops::fused_gemm_fills_waves(2048, 3072, 128, 132));
+  for (int64_t rows : {256, 512, 1024}) EXPECT_FALSE(ops::fused_gemm_fills_waves(rows, 3072, 128, 132)) << rows;
+  for (int64_t rows : {256, 512, 1024, 2048}) EXPECT_TRUE(ops::fused_gemm_fills_waves(rows, 8192, 128, 132)) << rows;
+  EXPECT_FALSE(ops::fused_gemm_fills_waves(0, 8192, 128, 132));
   // Bad input: an odd number of weight rows, K unlike x's, an integer x.
   const Tensor x = Tensor::randn({4, 16}, DType::f32, dev, gen);
   EXPECT_ERROR(ops::linear_glu(x, Tensor::randn({5, 16}, DType::f32, dev, gen), ops::GluActivation::Silu),
@@ -612,6 +614,91 @@ TEST_P(DecodeFused, LinearGluMatchesTheOracle) {
   EXPECT_THROW((void)ops::linear_glu(Tensor::zeros({4, 16}, DType::i32, dev), Tensor::randn({6, 16}, DType::f32, dev, gen),
                                      ops::GluActivation::Silu),
                Error);
+}
+
+// linear_qk_norm_rope_cache against the composition it fuses (qk_norm_rope_cache of matmul's output,
+// itself tested against the oracle above), on path Kernel: partial tiles of rows, of K and of the
+// heads' columns (a 256-column tile past the last head), head dims 128 and 64, no norms, Llama and
+// Gemma casting with an offset, tokens scattered over cache rows and positions.  q and the cache
+// entries written agree to the dtype's rounding; every other cache entry is unchanged, bit for bit.
+TEST_P(DecodeFused, LinearQkNormRopeCacheIsTheComposition) {
+  const Device dev = GetParam();
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test_generator();
+  const bool kernel_here = ops::fused_gemm_unavailable(dev, ops::FusedGemm::LinearQkNormRopeCache) == nullptr;
+  struct Case {
+    int64_t n, k, hq, hkv, d;
+    bool norm, gemma;
+    double offset;
+  };
+  const Case cases[] = {{300, 136, 4, 2, 128, true, false, 0.0},
+                        {257, 200, 6, 2, 64, false, false, 0.0},
+                        {130, 64, 3, 1, 128, true, true, 1.0},
+                        {64, 1032, 2, 1, 64, true, false, 0.0}};
+  for (DType dt : test::float_dtypes(dev))
+    for (const Case& c : cases) {
+      const std::string cfg = fmt::format("{} n={} k={} hq={} hkv={} d={} norm={} gemma={}", config_name(dev, dt), c.n,
+                                          c.k, c.hq, c.hkv, c.d, c.norm, c.gemma);
+      const int64_t heads = c.hq + 2 * c.hkv, r = 3, cap = c.n / 3 + 5;
+      const Tensor x = Tensor::randn({c.n, c.k}, dt, dev, gen);
+      const Tensor w = ops::scale(Tensor::randn({heads * c.d, c.k}, dt, dev, gen), 1.0 / std::sqrt(static_cast<double>(c.k)));
+      ops::QkNormRopeCache qo;
+      qo.q_heads = c.hq, qo.kv_heads = c.hkv;
+      if (c.norm) {
+        qo.q_norm = Tensor::randn({c.d}, dt, dev, gen), qo.k_norm = Tensor::randn({c.d}, dt, dev, gen);
+        qo.norm.eps = 1e-6, qo.norm.offset = c.offset;
+        qo.norm.casting = c.gemma ? ops::RMSNormCasting::Gemma : ops::RMSNormCasting::Llama;
+      }
+      // Angles of a real RoPE (position x frequency), as cos / sin in the dtype.
+      std::vector<double> cv(static_cast<size_t>(c.n * c.d)), sv(cv.size());
+      for (int64_t j = 0; j < c.n; ++j)
+        for (int64_t e = 0; e < c.d; ++e) {
+          const double ang = static_cast<double>(j) * std::pow(10000.0, -2.0 * static_cast<double>(e % (c.d / 2)) / c.d);
+          cv[static_cast<size_t>(j * c.d + e)] = std::cos(ang), sv[static_cast<size_t>(j * c.d + e)] = std::sin(ang);
+        }
+      const Tensor cos = Tensor::from_f64(cv, {c.n, 1, c.d}, dt, dev), sin = Tensor::from_f64(sv, {c.n, 1, c.d}, dt, dev);
+      std::vector<int64_t> rows(static_cast<size_t>(c.n)), positions(rows.size());
+      for (int64_t j = 0; j < c.n; ++j) rows[static_cast<size_t>(j)] = (j * 2) % r, positions[static_cast<size_t>(j)] = j / r + 2;
+      const Tensor rows_t = i32(rows, dev), positions_t = i32(positions, dev);
+      const Tensor kc0 = Tensor::randn({r, c.hkv, cap, c.d}, dt, dev, gen), vc0 = Tensor::randn({r, c.hkv, cap, c.d}, dt, dev, gen);
+      const Tensor kc = kc0.clone(), vc = vc0.clone(), kc2 = kc0.clone(), vc2 = vc0.clone();
+      const int64_t before = ops::fused_gemm_runs(ops::FusedGemm::LinearQkNormRopeCache);
+      const Tensor q = ops::linear_qk_norm_rope_cache(x, w, qo, cos, sin, kc, vc, rows_t, positions_t, ops::FusedGemmPath::Kernel);
+      const bool fused = kernel_here && (dt == DType::bf16 || dt == DType::f16);
+      EXPECT_EQ(ops::fused_gemm_runs(ops::FusedGemm::LinearQkNormRopeCache) - before, fused ? 1 : 0) << cfg << " (the path)";
+      const Tensor q2 = ops::linear_qk_norm_rope_cache(x, w, qo, cos, sin, kc2, vc2, rows_t, positions_t,
+                                                       ops::FusedGemmPath::Composition);
+      ASSERT_EQ(q.shape(), (Shape{c.n, c.hq, c.d})) << cfg;
+      EXPECT_TRUE(test::close_l2(q, values(q2), test::composite_rel_l2(dt))) << cfg << " (q)";
+      // The cache: the entries the tokens wrote, and every other one unchanged.
+      for (const auto& [got, want, orig, name] : {std::tuple{&kc, &kc2, &kc0, "k"}, std::tuple{&vc, &vc2, &vc0, "v"}}) {
+        const V g = values(*got), wv = values(*want), o = values(*orig);
+        std::vector<char> written(g.size(), 0);
+        for (int64_t j = 0; j < c.n; ++j)
+          for (int64_t h = 0; h < c.hkv; ++h)
+            for (int64_t e = 0; e < c.d; ++e)
+              written[static_cast<size_t>(((rows[static_cast<size_t>(j)] * c.hkv + h) * cap + positions[static_cast<size_t>(j)]) * c.d + e)] = 1;
+        V gw, ww;
+        int64_t changed = 0;
+        for (size_t i = 0; i < g.size(); ++i) {
+          if (written[i]) gw.push_back(g[i]), ww.push_back(wv[i]);
+          else changed += g[i] != o[i];
+        }
+        EXPECT_EQ(changed, 0) << cfg << " (" << name << " cache entries no token writes)";
+        EXPECT_TRUE(test::close_l2(Tensor::from_f64(gw, {static_cast<int64_t>(gw.size())}, DType::f64, Device::cpu()), ww,
+                                   test::composite_rel_l2(dt)))
+            << cfg << " (" << name << " cache entries written)";
+      }
+    }
+  // Bad input: weight rows that are no whole number of heads.
+  const Tensor x = Tensor::randn({4, 16}, DType::f32, dev, gen);
+  ops::QkNormRopeCache qo;
+  qo.q_heads = 2, qo.kv_heads = 1;
+  const Tensor cache = Tensor::zeros({1, 1, 8, 8}, DType::f32, dev);
+  EXPECT_ERROR(ops::linear_qk_norm_rope_cache(x, Tensor::randn({33, 16}, DType::f32, dev, gen), qo,
+                                              Tensor::zeros({4, 1, 8}, DType::f32, dev), Tensor::zeros({4, 1, 8}, DType::f32, dev),
+                                              cache, cache, i32({0, 0, 0, 0}, dev), i32({0, 1, 2, 3}, dev)),
+               "(q, k and v heads)");
 }
 
 // An f32 residual stream beside bf16 / f16 weights (Mamba's residual_in_fp32): s = x + delta in f32,

@@ -74,10 +74,12 @@ template <typename T> struct Pair;
 template <> struct Pair<__nv_bfloat16> {
   using type = __nv_bfloat162;
   static __device__ __forceinline__ type round(float lo, float hi) { return __floats2bfloat162_rn(lo, hi); }
+  static __device__ __forceinline__ float2 split(type v) { return __bfloat1622float2(v); }
 };
 template <> struct Pair<__half> {
   using type = __half2;
   static __device__ __forceinline__ type round(float lo, float hi) { return __floats2half2_rn(lo, hi); }
+  static __device__ __forceinline__ float2 split(type v) { return __half22float2(v); }
 };
 
 // True when a pointer allows 16-byte vector access.

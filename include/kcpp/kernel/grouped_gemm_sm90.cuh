@@ -8,6 +8,10 @@
 //   Glu    [g | u] = A [Wg; Wu]^T of the group's rows, then gate_up (saved, optional) = r([g, u])
 //          and h = r(act(r g) r u), or with round_act h = r(r(act(r g)) r u)  (r: round to T)
 //   Store  C = r(A W^T)
+//   QkNormRope  the attention's fused q / k / v projection (one group): C = r(A W^T) as heads of D
+//          (64 or 128) columns, q heads then k heads then v heads; the q and k heads RMS-normed per
+//          head and rotated (rotate-half RoPE), q written out, k and v into a KV cache at each row's
+//          cache row and position (qk_norm_rope_epilogue below has the maths)
 //
 // A is contiguous along K; W_g [N, K] contiguous along K (Glu: Wg and Wu [inter, K], e.g. the two
 // halves of one [2 inter, K] stack: Transformers' gate_up_proj [E, 2I, H], a dense MLP's fused
@@ -57,7 +61,7 @@ namespace kcpp::kernel::sm90gemm {
 using namespace kernel::sm90;
 using cuda::round_to;
 
-enum class GemmEpilogue : int { Store = 0, Glu = 1 };
+enum class GemmEpilogue : int { Store = 0, Glu = 1, QkNormRope = 2 };
 
 constexpr int kBM = 128, kBN = 256, kBK = 64, kThreads = 384;
 // Work items run in panels of kPanel m tiles, n tiles outer (see the head comment).
@@ -89,6 +93,19 @@ template <typename T> struct GemmParams {
   T* h = nullptr;       // [rows, inter]
   T* gu_out = nullptr;  // [rows, 2 inter], optional
   bool round_act = false;
+  // QkNormRope (N = (hq + 2 hkv) D columns: the heads q, then k, then v)
+  T* q_out = nullptr;                     // [rows, hq, D]
+  T* k_cache = nullptr;                   // [cache_rows, hkv, capacity, D]
+  T* v_cache = nullptr;
+  const int32_t* rows_of = nullptr;       // [rows]: each row's cache row
+  const int32_t* positions = nullptr;     // [rows]: each row's position
+  const T* q_norm = nullptr;              // [D] each, or both null
+  const T* k_norm = nullptr;
+  const T* cos = nullptr;                 // [rows, D] each (rotate-half RoPE over the whole head), or both null
+  const T* sin = nullptr;
+  int hq = 0, hkv = 0, cache_rows = 0, capacity = 0;
+  float eps = 0.f, norm_offset = 0.f;
+  bool gemma = false;
 };
 
 #if KCPP_SM90_DEVICE || !defined(__CUDA_ARCH__)
@@ -104,9 +121,110 @@ __device__ __forceinline__ uint4 quad_transpose(const uint32_t (&v)[4], int t) {
   }
   return make_uint4(pick4(g, t), pick4(g, t ^ 1), pick4(g, t ^ 2), pick4(g, t ^ 3));
 }
+// The QkNormRope epilogue on a consumer thread's accumulators: rows m = row0 + 16 warp + g4 + 8 r
+// (r = 0, 1) of the tile, columns col0 + 8 i + 2 t + e (i < 32 pairs).  A tile's 256 columns are
+// kBN / D whole heads; a head's D columns of one row lie in the four threads of a quad (D / 8 pairs
+// each), so the head's sum of squares is the thread's sum and two shuffles, and RoPE's rotate-half
+// partner of column c (c +- D / 2: pair i +- D / 16, same t and e) is in the same thread.  Each row of
+// a head: v = r(acc); for q and k heads with norm weights, v = r(wt r(v rstd)) (Llama casting;
+// Gemma: r(v rstd wt)), rstd = 1 / sqrt(sum v^2 / D + eps) in f32, wt = w + offset (rounded to T under
+// Llama casting with an offset); then with cos / sin, y1 = r(r(x1 cos1) - r(x2 sin1)) and
+// y2 = r(r(x2 cos2) + r(x1 sin2)) over the halves (x1, x2); q rows go to q_out, k and v rows to the
+// caches at (rows_of[m], positions[m]) where those lie inside them (else nothing is written).
+template <typename T, int D>
+__device__ __forceinline__ void qk_norm_rope_epilogue(float (&acc)[kBN / 2], const GemmParams<T>& p, int64_t row0,
+                                                      int64_t m_end, int64_t col0, int warp, int g4, int t) {
+  constexpr int kHeads = kBN / D, kPairs = D / 8, kHalf = D / 16;
+  static_assert(kBN % D == 0 && kPairs % 4 == 0, "QkNormRope: D of 64 or 128");
+  using P = cuda::Pair<T>;
+  using T2 = typename P::type;
+  const int heads = p.hq + 2 * p.hkv, head0 = static_cast<int>(col0 / D);
+  // A pair of T at the thread's columns 8 i + 2 t of a head: one 4-byte load.
+  auto pair_at = [t](const T* base, int i) { return *reinterpret_cast<const T2*>(base + 8 * i + 2 * t); };
+  // The paired multiplies and adds of two values of T round once, as r(f32 op) does (see
+  // ops/cuda/decode_fused.cu's Pair), so the rotation runs on pairs.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t m = row0 + warp * 16 + g4 + 8 * r;
+    const bool live = m < m_end;
+    const int crow = live ? p.rows_of[m] : -1, cpos = live ? p.positions[m] : -1;
+    T2 cs[kPairs], sn[kPairs];  // this row's cos / sin at the thread's columns (every head of the tile)
+    const bool rotate = p.cos != nullptr && live;
+    if (rotate) {
+#pragma unroll
+      for (int i = 0; i < kPairs; ++i) cs[i] = pair_at(p.cos + m * D, i), sn[i] = pair_at(p.sin + m * D, i);
+    }
+#pragma unroll
+    for (int hh = 0; hh < kHeads; ++hh) {
+      const int head = head0 + hh;  // the same in every thread of the warpgroup
+      if (head >= heads) break;
+      const bool is_q = head < p.hq, is_v = head >= p.hq + p.hkv;
+      T2 x[kPairs];
+#pragma unroll
+      for (int i = 0; i < kPairs; ++i) {
+        const int k = 4 * (hh * kPairs + i) + 2 * r;
+        x[i] = P::round(acc[k], acc[k + 1]);
+      }
+      if (!is_v) {
+        const T* w = is_q ? p.q_norm : p.k_norm;
+        if (w != nullptr) {
+          T2 w2[kPairs];
+#pragma unroll
+          for (int i = 0; i < kPairs; ++i) w2[i] = pair_at(w, i);
+          float ss = 0.f;
+#pragma unroll
+          for (int i = 0; i < kPairs; ++i) {
+            const float2 f = P::split(x[i]);
+            ss += f.x * f.x + f.y * f.y;
+          }
+          ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+          ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+          const float rstd = 1.f / sqrtf(ss / static_cast<float>(D) + p.eps);
+#pragma unroll
+          for (int i = 0; i < kPairs; ++i) {
+            const float2 f = P::split(x[i]), wf = P::split(w2[i]);
+            if (p.gemma) {
+              x[i] = P::round(f.x * rstd * (wf.x + p.norm_offset), f.y * rstd * (wf.y + p.norm_offset));
+            } else {
+              const T2 wt = p.norm_offset == 0.f ? w2[i] : P::round(wf.x + p.norm_offset, wf.y + p.norm_offset);
+              x[i] = __hmul2_rn(wt, P::round(f.x * rstd, f.y * rstd));
+            }
+          }
+        }
+        if (rotate) {
+#pragma unroll
+          for (int i = 0; i < kHalf; ++i) {
+            const T2 x1 = x[i], x2 = x[i + kHalf];
+            x[i] = __hsub2_rn(__hmul2_rn(x1, cs[i]), __hmul2_rn(x2, sn[i]));
+            x[i + kHalf] = __hadd2_rn(__hmul2_rn(x2, cs[i + kHalf]), __hmul2_rn(x1, sn[i + kHalf]));
+          }
+        }
+      }
+      // 16 bytes a thread: each quad exchanges its column pairs (quad_transpose), thread t then holds
+      // the head's columns 8 (i0 + t) .. + 7.
+      T* dst = nullptr;
+      if (live) {
+        if (is_q) {
+          dst = p.q_out + (m * p.hq + head) * D;
+        } else if (crow >= 0 && crow < p.cache_rows && cpos >= 0 && cpos < p.capacity) {
+          const int kv = head - p.hq - (is_v ? p.hkv : 0);
+          dst = (is_v ? p.v_cache : p.k_cache) + ((static_cast<int64_t>(crow) * p.hkv + kv) * p.capacity + cpos) * D;
+        }
+      }
+#pragma unroll
+      for (int i0 = 0; i0 < kPairs; i0 += 4) {
+        uint32_t v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[j] = *reinterpret_cast<const uint32_t*>(&x[i0 + j]);
+        const uint4 q = quad_transpose(v, t);
+        if (dst != nullptr) *reinterpret_cast<uint4*>(dst + 8 * (i0 + t)) = q;
+      }
+    }
+  }
+}
 #endif
 
-template <typename T, GemmEpilogue E, Activation A>
+template <typename T, GemmEpilogue E, Activation A, int D = 0>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ GemmParams<T> p, const __grid_constant__ CUtensorMap ta,
                       const __grid_constant__ CUtensorMap tb0, const __grid_constant__ CUtensorMap tb1,
@@ -228,6 +346,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t row0 = static_cast<int64_t>(x.m0) + cw * 64;  // the warpgroup's first row
     const int64_t n = p.n;
     const int64_t col0 = static_cast<int64_t>(x.nt) * (kBN / (E == GemmEpilogue::Glu ? 2 : 1));
+    if constexpr (E == GemmEpilogue::QkNormRope) {
+      qk_norm_rope_epilogue<T, D>(acc, p, row0, x.m_end, col0, warp, g4, t);
+      continue;
+    }
     if (row0 + 64 <= x.m_end) {
       // All 64 rows are the group's: through the staging tile and a bulk tensor store (columns past
       // n are dropped by the tensor map), which runs on while the warpgroup goes on to its next item.
@@ -323,6 +445,16 @@ template <typename T> struct GroupedGemm {
   int64_t ldc = 0;
   T* h = nullptr;       // Glu: [a_rows, inter], contiguous
   T* gu_out = nullptr;  // Glu: [a_rows, 2 inter], contiguous, optional
+  // QkNormRope (one group; n = (hq + 2 hkv) head_dim): GemmParams' fields of that name, every tensor
+  // contiguous, head_dim 64 or 128.
+  int head_dim = 0;
+  T* q_out = nullptr;
+  T *k_cache = nullptr, *v_cache = nullptr;
+  const int32_t *rows_of = nullptr, *positions = nullptr;
+  const T *q_norm = nullptr, *k_norm = nullptr, *cos = nullptr, *sin = nullptr;
+  int hq = 0, hkv = 0, cache_rows = 0, capacity = 0;
+  float eps = 0.f, norm_offset = 0.f;
+  bool gemma = false;
   bool dependent = false;  // launched as a programmatic dependent of the stream's previous kernel
 };
 
@@ -349,6 +481,16 @@ template <typename T> const char* unsupported(const GroupedGemm<T>& g) {
     if (!g.b1 || !g.h) return "not a gate / up product into h";
     if (!aligned16(g.b1) || g.n % 8 || !aligned16(g.h) || (g.gu_out && !aligned16(g.gu_out)))
       return "the up weight, h or gate_up is not 16-byte aligned, or the intermediate size not a multiple of 8";
+    return nullptr;
+  }
+  if (g.epilogue == GemmEpilogue::QkNormRope) {
+    if (g.head_dim != 64 && g.head_dim != 128) return "a head dim other than 64 or 128";
+    if (g.offsets || g.n != static_cast<int64_t>(g.hq + 2 * g.hkv) * g.head_dim || g.hq < 1 || g.hkv < 1)
+      return "not one group of q, k and v heads";
+    if (!g.q_out || !g.k_cache || !g.v_cache || !g.rows_of || !g.positions || (g.q_norm == nullptr) != (g.k_norm == nullptr) ||
+        (g.cos == nullptr) != (g.sin == nullptr))
+      return "an output or index is missing";
+    if (!aligned16(g.q_out) || !aligned16(g.k_cache) || !aligned16(g.v_cache)) return "an output is not 16-byte aligned";
     return nullptr;
   }
   if (!g.c || !aligned16(g.c) || g.n % 8 || g.ldc % 8) return "the output's base or stride is not a multiple of 16 bytes";
@@ -392,6 +534,14 @@ template <typename T> bool launch(const GroupedGemm<T>& g, cudaStream_t st, cuda
       return false;
     p.n_tiles = static_cast<int>((g.n + kBN / 2 - 1) / (kBN / 2));
     p.h = g.h, p.gu_out = g.gu_out, p.round_act = g.round_act;
+  } else if (g.epilogue == GemmEpilogue::QkNormRope) {
+    if (!make_map(&tb0, g.b0, bf16, g.k, g.n, g.groups, g.ldb, g.b_gstride, kBN)) return false;
+    tb1 = tout = tb0;  // the epilogue stores from registers
+    p.n_tiles = static_cast<int>((g.n + kBN - 1) / kBN);
+    p.q_out = g.q_out, p.k_cache = g.k_cache, p.v_cache = g.v_cache, p.rows_of = g.rows_of, p.positions = g.positions;
+    p.q_norm = g.q_norm, p.k_norm = g.k_norm, p.cos = g.cos, p.sin = g.sin;
+    p.hq = g.hq, p.hkv = g.hkv, p.cache_rows = g.cache_rows, p.capacity = g.capacity;
+    p.eps = g.eps, p.norm_offset = g.norm_offset, p.gemma = g.gemma;
   } else {
     if (!make_map(&tb0, g.b0, bf16, g.k, g.n, g.groups, g.ldb, g.b_gstride, kBN) ||
         !make_map(&tout, g.c, bf16, g.n, g.a_rows, 1, g.ldc, 0, 64))
@@ -407,6 +557,9 @@ template <typename T> bool launch(const GroupedGemm<T>& g, cudaStream_t st, cuda
       case Activation::QuickGelu: kern = grouped_gemm_kernel<T, GemmEpilogue::Glu, Activation::QuickGelu>; break;
       default: kern = grouped_gemm_kernel<T, GemmEpilogue::Glu, Activation::Silu>;
     }
+  if (g.epilogue == GemmEpilogue::QkNormRope)
+    kern = g.head_dim == 64 ? grouped_gemm_kernel<T, GemmEpilogue::QkNormRope, Activation::Silu, 64>
+                            : grouped_gemm_kernel<T, GemmEpilogue::QkNormRope, Activation::Silu, 128>;
   const int smem = smem_bytes(g.epilogue);
   if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
     cudaGetLastError();

@@ -58,12 +58,17 @@ void glu_packed(const Tensor& h, const Tensor& gu, GluActivation act);
 bool add_rms_norm_linear(const Tensor& out, const Tensor& s, const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
                          const RMSNormOptions& opt, const Tensor& weight);
 bool glu_linear(const Tensor& out, const Tensor& gu, GluActivation act, const Tensor& weight);
-// ops/nn/decode_fused.h's linear_glu on the Hopper grouped GEMM (ops/cuda/linear_glu.cu): x [N, K]
+// ops/nn/decode_fused.h's linear_glu on the Hopper grouped GEMM (ops/cuda/fused_gemm.cu): x [N, K]
 // with rows contiguous along K, weight [2I, K] contiguous, h [N, I] contiguous, bf16 / f16.  Null when
 // it launched; else why it cannot (the device, the build, a size or an alignment), nothing launched.
 const char* linear_glu(const Tensor& h, const Tensor& x, const Tensor& weight, GluActivation act);
-// Null when that kernel can run on `device` (the build, the compute capability, the driver), else why not.
-const char* linear_glu_unavailable(Device device);
+// ops/nn/decode_fused.h's linear_qk_norm_rope_cache on the same GEMM: arguments checked; null when it
+// launched, else why it cannot (nothing launched).
+const char* linear_qk_norm_rope_cache(const Tensor& q, const Tensor& x, const Tensor& weight, const QkNormRopeCache& opt,
+                                      const Tensor& cos, const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache,
+                                      const Tensor& rows, const Tensor& positions);
+// Null when that GEMM can run on `device` (the build, the compute capability, the driver), else why not.
+const char* fused_gemm_unavailable(Device device);
 // The multiprocessors of a CUDA device (cached).
 int multiprocessors(Device device);
 bool add_rms_norm_linear_glu(const Tensor& out, const Tensor& s, const Tensor& x, const Tensor& delta,

@@ -305,38 +305,60 @@ std::pair<Tensor, Tensor> add_rms_norm_linear_glu(const Tensor& x, const Tensor&
 }
 
 namespace {
-std::atomic<int64_t> linear_glu_fused{0};
+std::atomic<int64_t> fused_runs[2]{};
 
-// KCPP_LINEAR_GLU=0 turns the one kernel off (the composition, for comparing the two); read once.
-bool linear_glu_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("KCPP_LINEAR_GLU");
-    return !(e && std::string_view(e) == "0");
-  }();
-  return on;
+// KCPP_LINEAR_GLU=0 / KCPP_LINEAR_QK=0 turn the one kernel off (the composition, for comparing the
+// two); read once.
+bool fused_gemm_enabled(FusedGemm which) {
+  static const bool on[2] = {[] {
+                               const char* e = std::getenv("KCPP_LINEAR_GLU");
+                               return !(e && std::string_view(e) == "0");
+                             }(),
+                             [] {
+                               const char* e = std::getenv("KCPP_LINEAR_QK");
+                               return !(e && std::string_view(e) == "0");
+                             }()};
+  return on[static_cast<int>(which)];
+}
+
+// Whether the one kernel of `which` is tried for this call (x's dtype and device, the path, the
+// switch, the tiles against the device's multiprocessors under Auto).
+bool fused_gemm_tried(FusedGemm which, const Tensor& x, FusedGemmPath path, int64_t rows, int64_t cols, int64_t tile_cols) {
+  if (!x.device().is_cuda() || (x.dtype() != DType::bf16 && x.dtype() != DType::f16) || rows <= 0 || cols <= 0 ||
+      path == FusedGemmPath::Composition || !fused_gemm_enabled(which))
+    return false;
+#if KCPP_WITH_CUDA
+  if (path == FusedGemmPath::Kernel) return true;
+  // Auto: linear_qk_norm_rope_cache's kernel measured behind cuBLAS + qk_norm_rope_cache even where
+  // its tiles fill the waves (its epilogue, bench/RESULTS.md): the composition.
+  return which == FusedGemm::LinearGlu && fused_gemm_fills_waves(rows, cols, tile_cols, cuda::multiprocessors(x.device()));
+#else
+  (void)tile_cols;
+  return false;
+#endif
 }
 }  // namespace
 
-int64_t linear_glu_fused_runs() { return linear_glu_fused.load(std::memory_order_relaxed); }
+int64_t fused_gemm_runs(FusedGemm which) { return fused_runs[static_cast<int>(which)].load(std::memory_order_relaxed); }
 
-const char* linear_glu_kernel_unavailable(Device device) {
+const char* fused_gemm_unavailable(Device device, FusedGemm which) {
   if (!device.is_cuda()) return "not a CUDA device";
-  if (!linear_glu_enabled()) return "KCPP_LINEAR_GLU=0";
+  if (!fused_gemm_enabled(which)) return which == FusedGemm::LinearGlu ? "KCPP_LINEAR_GLU=0" : "KCPP_LINEAR_QK=0";
 #if KCPP_WITH_CUDA
-  return cuda::linear_glu_unavailable(device);
+  return cuda::fused_gemm_unavailable(device);
 #else
   return "a build without CUDA";
 #endif
 }
 
-bool linear_glu_fills_waves(int64_t rows, int64_t inter, int64_t sms) {
-  const int64_t tiles = ((rows + 127) / 128) * ((inter + 127) / 128);
-  if (tiles <= 0 || sms <= 0) return false;
+bool fused_gemm_fills_waves(int64_t rows, int64_t cols, int64_t tile_cols, int64_t sms) {
+  if (rows <= 0 || cols <= 0 || tile_cols <= 0 || sms <= 0) return false;
+  const int64_t tiles = ((rows + 127) / 128) * ((cols + tile_cols - 1) / tile_cols);
   const int64_t waves = (tiles + sms - 1) / sms;
   return 5 * tiles >= 4 * waves * sms;
 }
 
-Tensor linear_glu(const Tensor& x, const Tensor& weight, GluActivation act, LinearGluPath path) {
+Tensor linear_glu(const Tensor& x, const Tensor& weight, GluActivation act, FusedGemmPath path) {
   constexpr const char* op = "linear_glu";
   check_float(x, op, "x");
   check_dims(x, 2, op, "x");
@@ -346,19 +368,48 @@ Tensor linear_glu(const Tensor& x, const Tensor& weight, GluActivation act, Line
              "op {}: weight {} must be [2 x intermediate, {}] (gate rows, then up rows) for x {}", op,
              shape_str(weight.shape()), x.size(1), shape_str(x.shape()));
   const int64_t n = x.size(0), inter = weight.size(0) / 2;
-  if (x.device().is_cuda() && (x.dtype() == DType::bf16 || x.dtype() == DType::f16) && n > 0 && inter > 0 &&
-      path != LinearGluPath::Composition && linear_glu_enabled()) {
+  if (fused_gemm_tried(FusedGemm::LinearGlu, x, path, n, inter, 128)) {
 #if KCPP_WITH_CUDA
-    if (path == LinearGluPath::Auto && !linear_glu_fills_waves(n, inter, cuda::multiprocessors(x.device())))
-      return glu_packed(matmul(x, weight, false, true), act);
     const Tensor h = Tensor::empty({n, inter}, x.dtype(), x.device());
     if (cuda::linear_glu(h, x, weight, act) == nullptr) {
-      linear_glu_fused.fetch_add(1, std::memory_order_relaxed);
+      fused_runs[static_cast<int>(FusedGemm::LinearGlu)].fetch_add(1, std::memory_order_relaxed);
       return h;
     }
 #endif
   }
   return glu_packed(matmul(x, weight, false, true), act);
+}
+
+Tensor linear_qk_norm_rope_cache(const Tensor& x, const Tensor& weight, const QkNormRopeCache& opt, const Tensor& cos,
+                                 const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows,
+                                 const Tensor& positions, FusedGemmPath path) {
+  constexpr const char* op = "linear_qk_norm_rope_cache";
+  check_float(x, op, "x");
+  check_dims(x, 2, op, "x");
+  check_same(weight, x, op, "weight", "x");
+  check_dims(weight, 2, op, "weight");
+  const int64_t heads = opt.q_heads + 2 * opt.kv_heads, n = x.size(0);
+  KCPP_CHECK(opt.q_heads > 0 && opt.kv_heads > 0 && weight.size(1) == x.size(1) && weight.size(0) % heads == 0,
+             "op {}: weight {} must be [({} + 2 x {}) x head dim, {}] (q, k and v heads) for x {}", op,
+             shape_str(weight.shape()), opt.q_heads, opt.kv_heads, x.size(1), shape_str(x.shape()));
+  const int64_t d = weight.size(0) / heads;
+  // qk_norm_rope_cache's checks, on qkv's shape without making it (a view of one element).
+  const Tensor qkv_shape = Tensor::empty({1, 1, 1}, x.dtype(), x.device()).expand({n, heads, d});
+  check_qk_norm_rope_cache(qkv_shape, opt, cos, sin, k_cache, v_cache, rows, positions, op);
+  const bool rotary_whole = cos.size(2) == d && opt.layout == RopeLayout::RotateHalf;
+  if (rotary_whole && (!opt.q_norm.defined() || fused_casting(opt.norm)) &&
+      fused_gemm_tried(FusedGemm::LinearQkNormRopeCache, x, path, n, heads * d, 256)) {
+#if KCPP_WITH_CUDA
+    const Tensor q = Tensor::empty({n, opt.q_heads, d}, x.dtype(), x.device());
+    if (cuda::linear_qk_norm_rope_cache(q, x, weight, contiguous_norms(opt), cos, sin, k_cache, v_cache, rows, positions) ==
+        nullptr) {
+      fused_runs[static_cast<int>(FusedGemm::LinearQkNormRopeCache)].fetch_add(1, std::memory_order_relaxed);
+      return q;
+    }
+#endif
+  }
+  return qk_norm_rope_cache(matmul(x, weight, false, true).view({n, heads, d}), opt, cos, sin, k_cache, v_cache, rows,
+                            positions);
 }
 
 Tensor glu_linear(const Tensor& gu, GluActivation act, const Tensor& weight) {

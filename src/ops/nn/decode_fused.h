@@ -55,10 +55,23 @@
 // never written; the activation in the hardware exp and division, kernel/activation.h's Fast mode,
 // before it is rounded).  Elsewhere, and under KCPP_LINEAR_GLU=0, the composition
 // glu_packed(matmul(x, W^T)).  Path Auto takes the kernel only where its 128 x 128 tiles of h fill
-// at least 80% of the multiprocessors' last wave (linear_glu_fills_waves): measured on an H200
+// at least 80% of the multiprocessors' last wave (fused_gemm_fills_waves): measured on an H200
 // (bench/RESULTS.md), it was ahead of cuBLAS + glu_packed at every such shape and behind at the
 // others (Qwen3-0.6B's 1,024 rows: 192 tiles on 132 multiprocessors); Kernel takes it wherever it
 // can run.
+//
+// linear_qk_norm_rope_cache — the attention's fused q / k / v projection and qk_norm_rope_cache of its
+// output (a prefill's attention input): x [N, K], W [(Hq + 2 Hkv) D, K]:
+//   qk_norm_rope_cache(r(x W^T) as [N, Hq + 2 Hkv, D], opt, cos, sin, k_cache, v_cache, rows, positions)
+// On CUDA devices of compute capability 9.0 (bf16 / f16, a build with sm_90a code, D 64 or 128,
+// rotate-half RoPE over the whole head, norms of Llama or Gemma casting, every tensor contiguous but
+// x's row stride, 16-byte aligned) path Kernel runs one kernel: kernel/grouped_gemm_sm90.cuh's GEMM
+// with the norms, RoPE and the cache write in its epilogue (qkv is never written).  Path Auto takes
+// the composition: on an H200 the kernel measured 0.046 ms against cuBLAS + qk_norm_rope_cache's
+// 0.041 at Qwen3-0.6B's 2,048 rows (its epilogue runs on two consumer warpgroups with nothing to hide
+// its latency; bench/RESULTS.md).  The norm's sum of squares adds in another order than
+// qk_norm_rope_cache's, and the product's sums in another than cuBLAS's: the values agree to the
+// dtype's rounding, not bit for bit.  Elsewhere, and under KCPP_LINEAR_QK=0, the composition.
 //
 // glu_linear — the gated activation of a packed gate/up row and the projection that reads it:
 // gu [N, 2I], W [O, I]:
@@ -129,21 +142,34 @@ std::pair<Tensor, Tensor> add_rms_norm_linear(const Tensor& x, const Tensor& del
 std::pair<Tensor, Tensor> add_rms_norm_linear_glu(const Tensor& x, const Tensor& delta, const Tensor& norm_weight,
                                                   const RMSNormOptions& opt, const Tensor& weight, GluActivation act);
 
-enum class LinearGluPath { Auto, Kernel, Composition };
+// The products with a fused epilogue (linear_glu, linear_qk_norm_rope_cache): Auto takes the one
+// kernel where it measured faster (linear_glu: where it runs and its tiles fill the GPU's waves,
+// fused_gemm_fills_waves; linear_qk_norm_rope_cache: nowhere yet), Kernel wherever it runs,
+// Composition never.
+enum class FusedGemmPath { Auto, Kernel, Composition };
+enum class FusedGemm { LinearGlu, LinearQkNormRopeCache };
 
 // x [N, K], weight [2I, K] of one dtype.  Returns h [N, I].
-Tensor linear_glu(const Tensor& x, const Tensor& weight, GluActivation act, LinearGluPath path = LinearGluPath::Auto);
+Tensor linear_glu(const Tensor& x, const Tensor& weight, GluActivation act, FusedGemmPath path = FusedGemmPath::Auto);
 
-// Whether linear_glu's tiles of h, ceil(rows / 128) x ceil(inter / 128), fill at least 80% of the
-// last of the waves that `sms` multiprocessors run them in (path Auto's rule).
-bool linear_glu_fills_waves(int64_t rows, int64_t inter, int64_t sms);
+// x [N, K], weight [(Hq + 2 Hkv) D, K] of one dtype (D from the weight's rows); the rest as
+// qk_norm_rope_cache takes them for qkv [N, Hq + 2 Hkv, D].  Returns q [N, Hq, D].
+Tensor linear_qk_norm_rope_cache(const Tensor& x, const Tensor& weight, const QkNormRopeCache& opt, const Tensor& cos,
+                                 const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache, const Tensor& rows,
+                                 const Tensor& positions, FusedGemmPath path = FusedGemmPath::Auto);
 
-// How many calls of linear_glu in this process ran as the one kernel: the tests' way to see the path.
-int64_t linear_glu_fused_runs();
+// Whether a product's output tiles of 128 rows x tile_cols columns, ceil(rows / 128) x ceil(cols /
+// tile_cols) of them, fill at least 80% of the last of the waves that `sms` multiprocessors run them
+// in (path Auto's rule; linear_glu's tiles are 128 columns of h, linear_qk_norm_rope_cache's 256).
+bool fused_gemm_fills_waves(int64_t rows, int64_t cols, int64_t tile_cols, int64_t sms);
 
-// Null when linear_glu's one kernel can run on `device` (given the shapes and alignment), else why not:
-// not a CUDA device, KCPP_LINEAR_GLU=0, a build without sm_90a code, compute capability other than 9.0.
-const char* linear_glu_kernel_unavailable(Device device);
+// How many calls of `which` in this process ran as the one kernel: the tests' way to see the path.
+int64_t fused_gemm_runs(FusedGemm which);
+
+// Null when the one kernel of `which` can run on `device` (given the shapes and alignment), else why
+// not: not a CUDA device, its switch off (KCPP_LINEAR_GLU=0, KCPP_LINEAR_QK=0), a build without
+// sm_90a code, compute capability other than 9.0.
+const char* fused_gemm_unavailable(Device device, FusedGemm which);
 
 // gu [N, 2I], weight [O, I].  Returns [N, O].
 Tensor glu_linear(const Tensor& gu, GluActivation act, const Tensor& weight);
