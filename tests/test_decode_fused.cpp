@@ -618,8 +618,8 @@ TEST_P(DecodeFused, LinearGluMatchesTheOracle) {
 
 // linear_qk_norm_rope_cache against the composition it fuses (qk_norm_rope_cache of matmul's output,
 // itself tested against the oracle above), on path Kernel: partial tiles of rows, of K and of the
-// heads' columns (a 256-column tile past the last head), head dims 128 and 64, no norms, Llama and
-// Gemma casting with an offset, tokens scattered over cache rows and positions.  q and the cache
+// heads' columns (a 256-column tile past the last head, one holding a k head), head dims 128 and 64,
+// no norms, Llama and Gemma casting with an offset, tokens scattered over cache rows and positions.  q and the cache
 // entries written agree to the dtype's rounding; every other cache entry is unchanged, bit for bit.
 TEST_P(DecodeFused, LinearQkNormRopeCacheIsTheComposition) {
   const Device dev = GetParam();
@@ -634,7 +634,9 @@ TEST_P(DecodeFused, LinearQkNormRopeCacheIsTheComposition) {
   const Case cases[] = {{300, 136, 4, 2, 128, true, false, 0.0},
                         {257, 200, 6, 2, 64, false, false, 0.0},
                         {130, 64, 3, 1, 128, true, true, 1.0},
-                        {64, 1032, 2, 1, 64, true, false, 0.0}};
+                        {64, 1032, 2, 1, 64, true, false, 0.0},
+                        // One partial tile holding q, k and v heads of 64; Llama casting with an offset.
+                        {150, 72, 1, 1, 64, true, false, 1.0}};
   for (DType dt : test::float_dtypes(dev))
     for (const Case& c : cases) {
       const std::string cfg = fmt::format("{} n={} k={} hq={} hkv={} d={} norm={} gemma={}", config_name(dev, dt), c.n,

@@ -757,7 +757,7 @@ Tensor CausalLM::decode_layers(const Tensor& h0, const ops::RopeCosSin& cs, KVCa
     } else {
       const Tensor m = add_norm(*l.post_norm);
       delta = Tensor();
-      const Tensor act = l.w_gate_up.defined() ? ops::linear_glu(m, l.w_gate_up, l.mlp->activation)
+      const Tensor act = l.w_gate_up.defined() ? ops::glu_packed(linear(m, l.w_gate_up), l.mlp->activation)
                                                : l.mlp->forward(linear(m, l.w_gate), linear(m, l.w_up));
       delta = linear(act, l.w_down);
     }
@@ -824,8 +824,10 @@ Tensor CausalLM::prefill_layers(const Tensor& h0, int64_t b, int64_t s, const op
     ops::QkNormRopeCache qo;
     qo.q_heads = hq, qo.kv_heads = hkv, qo.layout = l.rope->style;
     if (l.q_norm) qo.q_norm = l.q_norm->weight, qo.k_norm = l.k_norm->weight, qo.norm = l.q_norm->options;
-    const Tensor qkv = linear(a, l.wqkv, l.bqkv).view({n, hq + 2 * hkv, d});
-    const Tensor q = ops::qk_norm_rope_cache(qkv, qo, cos, sin, cache.k[li], cache.v[li], rows_t, positions_t);
+    const Tensor q = l.bqkv.defined()
+                         ? ops::qk_norm_rope_cache(linear(a, l.wqkv, l.bqkv).view({n, hq + 2 * hkv, d}), qo, cos, sin,
+                                                   cache.k[li], cache.v[li], rows_t, positions_t)
+                         : ops::linear_qk_norm_rope_cache(a, l.wqkv, qo, cos, sin, cache.k[li], cache.v[li], rows_t, positions_t);
     const Tensor k = cache.k[li].narrow(2, 0, past + s), v = cache.v[li].narrow(2, 0, past + s);
     const Tensor o = Tensor::empty({b, s, hq, d}, dtype_, device_);
     l.attn->forward(q.view({b, s, hq, d}).transpose(1, 2), k, v, nullptr, o.transpose(1, 2));

@@ -3,7 +3,7 @@
 // [G, N, K], with warpgroup MMA (wgmma) on tiles that the tensor memory accelerator (TMA) brings into
 // shared memory.  The moe package's experts run on it (group g = expert g, its rows the tokens routed
 // there, by position: packages/moe/moe_gemm_sm90.cuh); a dense product is its one-group case, given
-// without offsets (the library's ops::linear_glu).
+// without offsets (the library's ops::linear_glu and ops::linear_qk_norm_rope_cache).
 //
 //   Glu    [g | u] = A [Wg; Wu]^T of the group's rows, then gate_up (saved, optional) = r([g, u])
 //          and h = r(act(r g) r u), or with round_act h = r(r(act(r g)) r u)  (r: round to T)
@@ -69,12 +69,14 @@ constexpr int kPanel = 16;
 constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;
 // Per epilogue: the ring's stages, and each consumer warpgroup's staging tile of its 64 output rows
 // (Glu: h's 128 columns; Store: 256 columns), in boxes of 64 x 64 (8 KiB, 128-byte swizzle).
+// QkNormRope stores from registers and takes Store's sizes (its staging unused).
 constexpr int stages(GemmEpilogue e) { return e == GemmEpilogue::Glu ? 4 : 3; }
 constexpr int staging_bytes(GemmEpilogue e) { return 64 * (e == GemmEpilogue::Glu ? kBN / 2 : kBN) * 2; }
 constexpr int smem_bytes(GemmEpilogue e) {
   return 1024 /* alignment slack */ + stages(e) * kStageBytes + 2 * staging_bytes(e) + 16 * stages(e);
 }
-static_assert(smem_bytes(GemmEpilogue::Glu) <= 227 * 1024 && smem_bytes(GemmEpilogue::Store) <= 227 * 1024,
+static_assert(smem_bytes(GemmEpilogue::Glu) <= 227 * 1024 && smem_bytes(GemmEpilogue::Store) <= 227 * 1024 &&
+                  smem_bytes(GemmEpilogue::QkNormRope) <= 227 * 1024,
               "sm90 grouped GEMM: shared memory");
 
 // The kernel's parameters (the host's GroupedGemm below, with the tensor maps made).
@@ -135,21 +137,35 @@ template <typename T, int D>
 __device__ __forceinline__ void qk_norm_rope_epilogue(float (&acc)[kBN / 2], const GemmParams<T>& p, int64_t row0,
                                                       int64_t m_end, int64_t col0, int warp, int g4, int t) {
   constexpr int kHeads = kBN / D, kPairs = D / 8, kHalf = D / 16;
-  static_assert(kBN % D == 0 && kPairs % 4 == 0, "QkNormRope: D of 64 or 128");
+  static_assert(kBN % D == 0 && kPairs % 2 == 0, "QkNormRope: D of 64 or 128");
   using P = cuda::Pair<T>;
   using T2 = typename P::type;
   const int heads = p.hq + 2 * p.hkv, head0 = static_cast<int>(col0 / D);
-  // A pair of T at the thread's columns 8 i + 2 t of a head: one 4-byte load.
-  auto pair_at = [t](const T* base, int i) { return *reinterpret_cast<const T2*>(base + 8 * i + 2 * t); };
+  // A pair of T at the thread's columns 8 i + 2 t of a head: one 4-byte load through the read-only
+  // path (the inputs are not written by this kernel, so the loads may be issued ahead of the stores).
+  auto pair_at = [t](const T* base, int i) {
+    const unsigned u = __ldg(reinterpret_cast<const unsigned*>(base + 8 * i + 2 * t));
+    return *reinterpret_cast<const T2*>(&u);
+  };
   // The paired multiplies and adds of two values of T round once, as r(f32 op) does (see
   // ops/cuda/decode_fused.cu's Pair), so the rotation runs on pairs.
+  // Both rows' cache places are loaded first; each row's cos / sin (every head of the tile) at the
+  // row's start (both rows' at once would not fit the consumers' registers beside the accumulators).
+  int64_t ms[2];
+  bool lives[2];
+  int crows[2], cposs[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int64_t m = row0 + warp * 16 + g4 + 8 * r;
-    const bool live = m < m_end;
-    const int crow = live ? p.rows_of[m] : -1, cpos = live ? p.positions[m] : -1;
-    T2 cs[kPairs], sn[kPairs];  // this row's cos / sin at the thread's columns (every head of the tile)
-    const bool rotate = p.cos != nullptr && live;
+    ms[r] = row0 + warp * 16 + g4 + 8 * r;
+    lives[r] = ms[r] < m_end;
+    crows[r] = lives[r] ? __ldg(p.rows_of + ms[r]) : -1, cposs[r] = lives[r] ? __ldg(p.positions + ms[r]) : -1;
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t m = ms[r];
+    const bool live = lives[r], rotate = p.cos != nullptr && live;
+    const int crow = crows[r], cpos = cposs[r];
+    T2 cs[kPairs], sn[kPairs];
     if (rotate) {
 #pragma unroll
       for (int i = 0; i < kPairs; ++i) cs[i] = pair_at(p.cos + m * D, i), sn[i] = pair_at(p.sin + m * D, i);
@@ -200,8 +216,8 @@ __device__ __forceinline__ void qk_norm_rope_epilogue(float (&acc)[kBN / 2], con
           }
         }
       }
-      // 16 bytes a thread: each quad exchanges its column pairs (quad_transpose), thread t then holds
-      // the head's columns 8 (i0 + t) .. + 7.
+      // Each thread stores its own pairs (4 bytes at columns 8 i + 2 t): a quad's four stores of one i
+      // cover 16 contiguous bytes of the row, and no shuffles are spent to make wider stores.
       T* dst = nullptr;
       if (live) {
         if (is_q) {
@@ -211,13 +227,9 @@ __device__ __forceinline__ void qk_norm_rope_epilogue(float (&acc)[kBN / 2], con
           dst = (is_v ? p.v_cache : p.k_cache) + ((static_cast<int64_t>(crow) * p.hkv + kv) * p.capacity + cpos) * D;
         }
       }
+      if (dst != nullptr) {
 #pragma unroll
-      for (int i0 = 0; i0 < kPairs; i0 += 4) {
-        uint32_t v[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) v[j] = *reinterpret_cast<const uint32_t*>(&x[i0 + j]);
-        const uint4 q = quad_transpose(v, t);
-        if (dst != nullptr) *reinterpret_cast<uint4*>(dst + 8 * (i0 + t)) = q;
+        for (int i = 0; i < kPairs; ++i) *reinterpret_cast<T2*>(dst + 8 * i + 2 * t) = x[i];
       }
     }
   }
@@ -240,6 +252,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto full = [&](int st) { return bars + 8u * st; };
   auto empty = [&](int st) { return bars + 8u * (kStages + st); };
 
+  // Launched as a programmatic dependent (GroupedGemm::dependent), the block may start while the
+  // previous kernel ends: nothing in memory (tile_offsets included) is read or written before that
+  // kernel has completed.
+  cuda::griddep_wait();
   const int tid = threadIdx.x;
   const int m_tiles = p.offsets ? p.tile_offsets[p.groups] : (p.rows + kBM - 1) / kBM;
   const int64_t items = static_cast<int64_t>(m_tiles) * p.n_tiles;
@@ -268,9 +284,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  // Launched as a programmatic dependent (p.dependent): the set-up above overlapped the previous
-  // kernel's end; nothing in memory is read or written before that kernel has completed.
-  cuda::griddep_wait();
 
   if (tid < 128) {
     // Producer: one thread issues every copy; the warpgroup keeps few registers.
@@ -472,7 +485,8 @@ inline const char* device_unavailable(bool built_for_sm90a) {
 // bases and strides multiples of 16 bytes (TMA), N (Glu: inter) a multiple of 8.
 template <typename T> const char* unsupported(const GroupedGemm<T>& g) {
   static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "sm90 grouped GEMM: bf16 or f16");
-  if (g.a_rows <= 0 || g.a_rows > INT32_MAX || g.groups < 1) return "not 1 to 2^31 - 1 rows in one or more groups";
+  if (g.a_rows <= 0 || g.a_rows > INT32_MAX - kBM || g.groups < 1 || g.k <= 0)
+    return "not 1 to 2^31 - 129 rows in one or more groups, or no K";
   if ((g.offsets == nullptr) != (g.tile_offsets == nullptr) || (!g.offsets && g.groups != 1))
     return "offsets and tile offsets go together (neither: one group)";
   if (g.k % 8 || g.lda % 8 || g.ldb % 8 || g.b_gstride % 8 || !aligned16(g.a) || !aligned16(g.b0))
@@ -491,6 +505,9 @@ template <typename T> const char* unsupported(const GroupedGemm<T>& g) {
         (g.cos == nullptr) != (g.sin == nullptr))
       return "an output or index is missing";
     if (!aligned16(g.q_out) || !aligned16(g.k_cache) || !aligned16(g.v_cache)) return "an output is not 16-byte aligned";
+    for (const void* in : {static_cast<const void*>(g.q_norm), static_cast<const void*>(g.k_norm), static_cast<const void*>(g.cos),
+                           static_cast<const void*>(g.sin)})
+      if (reinterpret_cast<uintptr_t>(in) % 4 != 0) return "a norm weight, cos or sin is not 4-byte aligned (read in pairs)";
     return nullptr;
   }
   if (!g.c || !aligned16(g.c) || g.n % 8 || g.ldc % 8) return "the output's base or stride is not a multiple of 16 bytes";

@@ -2,7 +2,8 @@
 // and the driver's tensor-map encoder, warpgroup MMA (wgmma) with shared-memory descriptors in the
 // 128-byte swizzle, named barriers, and cached device queries.  Used by flash_attn's Hopper attention
 // (attention_sm90.cu's head comment has the swizzle, the descriptor strides and the fragment layouts)
-// and the persistent grouped GEMM (grouped_gemm_sm90.cuh: moe's experts, ops::linear_glu).
+// and the persistent grouped GEMM (grouped_gemm_sm90.cuh: moe's experts, ops::linear_glu and
+// ops::linear_qk_norm_rope_cache).
 //
 // The device functions exist in the sm_90a pass and on the host side of a CUDA translation unit
 // (wgmma and setmaxnreg are sm_90a instructions); KCPP_SM90_DEVICE says whether this pass may use

@@ -2,8 +2,10 @@
 // kernel/grouped_gemm_sm90.cuh's grouped GEMM: linear_glu (the packed gate/up product and its gated
 // activation, the activation rounded to the dtype before the product with up, as glu_packed rounds
 // it) and linear_qk_norm_rope_cache (the q / k / v product with the heads' norms, RoPE and the cache
-// write).  Launched as programmatic dependents: in a prefill they follow add_rms_norm; the kernel
-// waits before it touches memory.
+// write).  Launched as programmatic dependents (in a prefill linear_glu follows add_rms_norm); the
+// kernel waits before it touches memory.
+#include <climits>
+
 #include "kcpp/kernel/grouped_gemm_sm90.cuh"
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/launch.h"
@@ -73,6 +75,8 @@ const char* linear_qk_norm_rope_cache(const Tensor& q, const Tensor& x, const Te
     if (t->defined() && !t->is_contiguous()) return "an operand is not contiguous";
   if (x.stride(1) != 1) return "x is not contiguous along K";
   const int64_t n = x.size(0), k = x.size(1), heads = opt.q_heads + 2 * opt.kv_heads, d = weight.size(0) / heads;
+  if (k_cache.size(0) > INT32_MAX || k_cache.size(2) > INT32_MAX || heads > INT32_MAX)
+    return "a cache of more than 2^31 - 1 rows or positions";
   return visit_16bit(x.dtype(), [&]<typename T>(std::type_identity<T>) {
     g90::GroupedGemm<T> p;
     p.epilogue = g90::GemmEpilogue::QkNormRope;

@@ -307,22 +307,25 @@ std::pair<Tensor, Tensor> add_rms_norm_linear_glu(const Tensor& x, const Tensor&
 namespace {
 std::atomic<int64_t> fused_runs[2]{};
 
-// KCPP_LINEAR_GLU=0 / KCPP_LINEAR_QK=0 turn the one kernel off (the composition, for comparing the
-// two); read once.
-bool fused_gemm_enabled(FusedGemm which) {
-  static const bool on[2] = {[] {
-                               const char* e = std::getenv("KCPP_LINEAR_GLU");
-                               return !(e && std::string_view(e) == "0");
-                             }(),
-                             [] {
-                               const char* e = std::getenv("KCPP_LINEAR_QK");
-                               return !(e && std::string_view(e) == "0");
-                             }()};
-  return on[static_cast<int>(which)];
+// The environment's switch of `which` (KCPP_LINEAR_GLU, KCPP_LINEAR_QK), read once: "0", "1" or
+// anything else (unset).
+const char* fused_gemm_switch(FusedGemm which) {
+  static const char* const value[2] = {[] {
+                                         const char* e = std::getenv("KCPP_LINEAR_GLU");
+                                         return e ? e : "";
+                                       }(),
+                                       [] {
+                                         const char* e = std::getenv("KCPP_LINEAR_QK");
+                                         return e ? e : "";
+                                       }()};
+  return value[static_cast<int>(which)];
 }
 
+// "0" turns the one kernel off (the composition, for comparing the two).
+bool fused_gemm_enabled(FusedGemm which) { return std::string_view(fused_gemm_switch(which)) != "0"; }
+
 // Whether the one kernel of `which` is tried for this call (x's dtype and device, the path, the
-// switch, the tiles against the device's multiprocessors under Auto).
+// switch, under Auto the tiles against the device's multiprocessors).
 bool fused_gemm_tried(FusedGemm which, const Tensor& x, FusedGemmPath path, int64_t rows, int64_t cols, int64_t tile_cols) {
   if (!x.device().is_cuda() || (x.dtype() != DType::bf16 && x.dtype() != DType::f16) || rows <= 0 || cols <= 0 ||
       path == FusedGemmPath::Composition || !fused_gemm_enabled(which))
@@ -330,8 +333,10 @@ bool fused_gemm_tried(FusedGemm which, const Tensor& x, FusedGemmPath path, int6
 #if KCPP_WITH_CUDA
   if (path == FusedGemmPath::Kernel) return true;
   // Auto: linear_qk_norm_rope_cache's kernel measured behind cuBLAS + qk_norm_rope_cache even where
-  // its tiles fill the waves (its epilogue, bench/RESULTS.md): the composition.
-  return which == FusedGemm::LinearGlu && fused_gemm_fills_waves(rows, cols, tile_cols, cuda::multiprocessors(x.device()));
+  // its tiles fill the waves (its epilogue, bench/RESULTS.md): the composition, unless KCPP_LINEAR_QK=1
+  // asks for the kernel where the tiles fill the waves (for measuring it in a prefill).
+  if (which == FusedGemm::LinearQkNormRopeCache && std::string_view(fused_gemm_switch(which)) != "1") return false;
+  return fused_gemm_fills_waves(rows, cols, tile_cols, cuda::multiprocessors(x.device()));
 #else
   (void)tile_cols;
   return false;

@@ -69,7 +69,8 @@
 // with the norms, RoPE and the cache write in its epilogue (qkv is never written).  Path Auto takes
 // the composition: on an H200 the kernel measured 0.046 ms against cuBLAS + qk_norm_rope_cache's
 // 0.041 at Qwen3-0.6B's 2,048 rows (its epilogue runs on two consumer warpgroups with nothing to hide
-// its latency; bench/RESULTS.md).  The norm's sum of squares adds in another order than
+// its latency; bench/RESULTS.md); KCPP_LINEAR_QK=1 makes Auto take it where its 128 x 256 tiles fill
+// the waves (prefill_layers calls this op).  The norm's sum of squares adds in another order than
 // qk_norm_rope_cache's, and the product's sums in another than cuBLAS's: the values agree to the
 // dtype's rounding, not bit for bit.  Elsewhere, and under KCPP_LINEAR_QK=0, the composition.
 //
