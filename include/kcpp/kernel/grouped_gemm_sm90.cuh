@@ -147,8 +147,6 @@ __device__ __forceinline__ void qk_norm_rope_epilogue(float (&acc)[kBN / 2], con
     const unsigned u = __ldg(reinterpret_cast<const unsigned*>(base + 8 * i + 2 * t));
     return *reinterpret_cast<const T2*>(&u);
   };
-  // The paired multiplies and adds of two values of T round once, as r(f32 op) does (see
-  // ops/cuda/decode_fused.cu's Pair), so the rotation runs on pairs.
   // Both rows' cache places are loaded first; each row's cos / sin (every head of the tile) at the
   // row's start (both rows' at once would not fit the consumers' registers beside the accumulators).
   int64_t ms[2];
@@ -207,7 +205,7 @@ __device__ __forceinline__ void qk_norm_rope_epilogue(float (&acc)[kBN / 2], con
             }
           }
         }
-        if (rotate) {
+        if (rotate) {  // a paired multiply or add of two values of T rounds once, as r(f32 op) does
 #pragma unroll
           for (int i = 0; i < kHalf; ++i) {
             const T2 x1 = x[i], x2 = x[i + kHalf];
