@@ -69,7 +69,12 @@ template <int N> __device__ __forceinline__ void widen(const Vec<__nv_bfloat16, 
   }
 }
 
-// Two 16-bit values in one register, for the packed instructions (__hmul2 and kin).
+// Two 16-bit values in one register, for the packed instructions (__hmul2 and kin).  A product of two
+// values of T is exact in f32 (8 or 11 significant bits each), so T's paired multiply, which rounds
+// the exact product once, gives what r(a * b) in f32 gives; a sum of two values of T is exact in f32
+// or, where their exponents lie too far apart for that, too far from a tie of T for the second
+// rounding to matter, so the paired add gives r(a + b) too.  Both are the explicitly rounded forms
+// (_rn), which the compiler does not contract into a fused multiply-add.
 template <typename T> struct Pair;
 template <> struct Pair<__nv_bfloat16> {
   using type = __nv_bfloat162;

@@ -223,24 +223,6 @@ __global__ void qk_norm_rope_cache_vec_kernel(T* __restrict__ q_out, const T* __
   }
 }
 
-// The 16-bit types two elements at a time.  A product of two values of T is exact in f32 (8 or 11
-// significant bits each), so T's paired multiply, which rounds the exact product once, gives what
-// r(a * b) in f32 gives; a sum of two values of T is exact in f32 or, where their exponents lie too
-// far apart for that, too far from a tie of T for the second rounding to matter, so the paired add
-// gives r(a + b) too.  Both are the explicitly rounded forms (_rn), which the compiler does not
-// contract into a fused multiply-add.
-template <typename T> struct Pair;
-template <> struct Pair<__nv_bfloat16> {
-  using T2 = __nv_bfloat162;
-  static __device__ __forceinline__ T2 make(float a, float b) { return __floats2bfloat162_rn(a, b); }
-  static __device__ __forceinline__ float2 split(T2 v) { return __bfloat1622float2(v); }
-};
-template <> struct Pair<__half> {
-  using T2 = __half2;
-  static __device__ __forceinline__ T2 make(float a, float b) { return __floats2half2_rn(a, b); }
-  static __device__ __forceinline__ float2 split(T2 v) { return __half22float2(v); }
-};
-
 // qk_norm_rope_cache_vec_kernel's work for bf16 / f16 where `wide` holds and a lane's 8 elements
 // rotate with one other lane's (RotateHalf with rd a multiple of 16; Interleaved pairs within the
 // lane): the same bits in about a third of the instructions.  The norm's f32 product by rstd is
@@ -255,8 +237,8 @@ __global__ void qk_norm_rope_cache_pairs_kernel(T* __restrict__ q_out, const T* 
                                                 int d, int rd, int n, int r_count, int capacity, float eps, float offset,
                                                 bool interleaved, int p) {
   constexpr int V = 8, W = V / 2;  // elements and pairs a lane
-  using P = Pair<T>;
-  using T2 = typename P::T2;
+  using P = kcpp::kernel::cuda::Pair<T>;
+  using T2 = typename P::type;
   struct alignas(16) Chunk { T2 v[W]; };
   const QkLane at(p, R);
   const int lane = at.lane, gl = at.gl, head = at.head, b0 = at.b0, heads = hq + 2 * hkv;
@@ -282,7 +264,7 @@ __global__ void qk_norm_rope_cache_pairs_kernel(T* __restrict__ q_out, const T* 
       const float2 f = P::split(c.v[k]);
       const float a = norm_weight_value<T>(f.x, offset, G), b = norm_weight_value<T>(f.y, offset, G);
       if constexpr (G) wf[2 * k] = a, wf[2 * k + 1] = b;
-      else w2[k] = P::make(a, b);  // exact: a and b are values of T
+      else w2[k] = P::round(a, b);  // exact: a and b are values of T
     }
   }
 #pragma unroll
@@ -304,8 +286,8 @@ __global__ void qk_norm_rope_cache_pairs_kernel(T* __restrict__ q_out, const T* 
 #pragma unroll
       for (int k = 0; k < W; ++k) {
         const float2 f = P::split(x[k]);
-        if constexpr (G) x[k] = P::make(f.x * rstd * wf[2 * k], f.y * rstd * wf[2 * k + 1]);
-        else x[k] = __hmul2_rn(w2[k], P::make(f.x * rstd, f.y * rstd));
+        if constexpr (G) x[k] = P::round(f.x * rstd * wf[2 * k], f.y * rstd * wf[2 * k + 1]);
+        else x[k] = __hmul2_rn(w2[k], P::round(f.x * rstd, f.y * rstd));
       }
     }
     T2 other[W];  // the partner lane's pairs (every lane takes part in the shuffles)

@@ -310,14 +310,11 @@ std::atomic<int64_t> fused_runs[2]{};
 // The environment's switch of `which` (KCPP_LINEAR_GLU, KCPP_LINEAR_QK), read once: "0", "1" or
 // anything else (unset).
 const char* fused_gemm_switch(FusedGemm which) {
-  static const char* const value[2] = {[] {
-                                         const char* e = std::getenv("KCPP_LINEAR_GLU");
-                                         return e ? e : "";
-                                       }(),
-                                       [] {
-                                         const char* e = std::getenv("KCPP_LINEAR_QK");
-                                         return e ? e : "";
-                                       }()};
+  auto read = [](const char* name) {
+    const char* e = std::getenv(name);
+    return e ? e : "";
+  };
+  static const char* const value[2] = {read("KCPP_LINEAR_GLU"), read("KCPP_LINEAR_QK")};
   return value[static_cast<int>(which)];
 }
 
