@@ -1636,9 +1636,9 @@ const char* experts_forward_kernel(const MoeParams& p, const Bufs& b, const int3
     const char* why = sm90::unsupported(rows, Epi::Glu, s);
     if (!why) {
       if (!input) launch_gather<T>(s, h, k, Pad{}, sorted, nullptr, x, p.x_stride, static_cast<T*>(b.y), st);
-      done = sm90::launch(rows, Epi::Glu, s, st);
+      why = sm90::launch(rows, Epi::Glu, s, st);
+      done = why == nullptr;
       if (!done && !input) a = rows;  // gathered already: the mma.sync kernel reads the rows
-      if (!done) why = "the driver refused a tensor map, the shared memory or the launch";
     }
     if (!done && sm90::mode() == sm90::Mode::Required)
       return errorf("moe forward: KCPP_MOE_SM90=1 asks for the Hopper grouped GEMM, which cannot run the gate / up product: %s. "
@@ -1656,7 +1656,7 @@ const char* experts_forward_kernel(const MoeParams& p, const Bufs& b, const int3
     b_from(a, p.down, false);
     a.c = b.y, a.ldc = h;
     const char* why = sm90::unsupported(a, Epi::Store, s);
-    if (!why && !sm90::launch(a, Epi::Store, s, st)) why = "the driver refused a tensor map, the shared memory or the launch";
+    if (!why) why = sm90::launch(a, Epi::Store, s, st);
     if (why && sm90::mode() == sm90::Mode::Required)
       return errorf("moe forward: KCPP_MOE_SM90=1 asks for the Hopper grouped GEMM, which cannot run the down product: %s. "
                     "Unset KCPP_MOE_SM90 to let the package's other GEMM run it", why);

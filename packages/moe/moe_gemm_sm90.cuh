@@ -16,6 +16,7 @@
 #pragma once
 
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -86,12 +87,18 @@ template <typename T> const char* unsupported(const Args<T>& a, Epi e, int64_t a
   return sm90gemm::unsupported(product(a, e, a_rows));
 }
 
-// Launches the product (unsupported must have said null).  False when nothing was launched: the
-// driver refused a tensor map, the kernel's shared-memory size or the launch (the caller then runs
-// the mma.sync kernel, or under KCPP_MOE_SM90=1 fails the call).
-template <typename T> bool launch(const Args<T>& a, Epi e, int64_t a_rows, cudaStream_t st) {
+// Launches the product (unsupported must have said null).  Null when it launched; else why nothing
+// runs: the driver refused a tensor map or the kernel's shared-memory size, or the launch failed (its
+// CUDA error named).  The caller then runs the mma.sync kernel, or under KCPP_MOE_SM90=1 fails the
+// call with that reason.
+template <typename T> const char* launch(const Args<T>& a, Epi e, int64_t a_rows, cudaStream_t st) {
   cudaError_t err = cudaSuccess;
-  return sm90gemm::launch(product(a, e, a_rows), st, &err) && err == cudaSuccess;
+  if (!sm90gemm::launch(product(a, e, a_rows), st, &err))
+    return "the driver refused a tensor map or the kernel's shared-memory size";
+  if (err == cudaSuccess) return nullptr;
+  static thread_local char why[192];
+  std::snprintf(why, sizeof(why), "the launch failed: %s: %s", cudaGetErrorName(err), cudaGetErrorString(err));
+  return why;
 }
 
 }  // namespace kcpp::moe::gemm::sm90

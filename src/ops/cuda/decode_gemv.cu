@@ -13,8 +13,9 @@
 // grid is one wave (the blocks that fit on the device at once) and a block walks its columns
 // blockIdx.x, blockIdx.x + gridDim.x, ...
 //
-// Programmatic dependent launch (ops/cuda/pdl.cuh): the block's first pass of weight loads is issued
-// before pdl_wait(); the rows (the previous kernels' outputs) are read, and s written, after it.
+// Programmatic dependent launch (ops/cuda/pdl.cuh): the block's first pass of weight loads, and its
+// threads' first norm weights, are issued before pdl_wait(); the rows (the previous kernels' outputs)
+// are read, and s written, after it.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -98,9 +99,30 @@ template <typename T> struct FusedGemvParams {
 
 constexpr int kMaxConv = 4;  // the most convolution taps and state entries the epilogue takes
 
-// rows [M, K] in shared memory: the projection's input rows as the composition stores them.
+// The norm's weights a thread applies in make_rows (AddNorm, MambaNorm): its first kNormPre chunks of 8,
+// loaded before pdl_wait() (weights are no kernel's output), so that the normalization after the
+// rows' sums does not wait for memory (a norm's 2-8 KiB are long out of the L2 by the next step).
+constexpr int kNormPre = 2;
+struct NormPre {
+  uint4 v[kNormPre];
+};
+
+template <typename T, Prologue P> __device__ __forceinline__ NormPre preload_norm(const FusedGemvParams<T>& p) {
+  NormPre pre{};
+  if constexpr (P != Prologue::Glu) {
+#pragma unroll
+    for (int j = 0; j < kNormPre; ++j) {
+      const int e = static_cast<int>(threadIdx.x) * 8 + j * kThreads * 8;
+      if (e < p.k) pre.v[j] = *reinterpret_cast<const uint4*>(p.norm_w + e);
+    }
+  }
+  return pre;
+}
+
+// rows [M, K] in shared memory: the projection's input rows as the composition stores them (`pre`:
+// preload_norm's weights).
 template <typename T, int M, Prologue P>
-__device__ __forceinline__ void make_rows(const FusedGemvParams<T>& p, T* rows) {
+__device__ __forceinline__ void make_rows(const FusedGemvParams<T>& p, T* rows, const NormPre& pre) {
   const int k = p.k;
   if constexpr (P == Prologue::Glu) {
     // The activation a constant in each loop (one branch a block, not unary()'s whole switch an element).
@@ -174,9 +196,13 @@ __device__ __forceinline__ void make_rows(const FusedGemvParams<T>& p, T* rows) 
       rstd[m] = 1.f / sqrtf(t / static_cast<float>(k) + p.eps);
     }
     // Each thread normalizes the elements it stored above.
-    for (int e = threadIdx.x * 8; e < k; e += kThreads * 8) {
+    int chunk = 0;
+    for (int e = threadIdx.x * 8; e < k; e += kThreads * 8, ++chunk) {
       float wt[8];
-      load_f32<T, 8>(p.norm_w + e, wt);
+      static_assert(kNormPre == 2);  // each preloaded chunk by its own branch (no indexed register array)
+      if (chunk == 0) widen8<T>(pre.v[0], wt);
+      else if (chunk == 1) widen8<T>(pre.v[1], wt);
+      else load_f32<T, 8>(p.norm_w + e, wt);
 #pragma unroll
       for (int i = 0; i < 8; ++i) wt[i] = norm_weight_value<T>(wt[i], p.offset, p.gemma);
 #pragma unroll
@@ -192,15 +218,17 @@ __device__ __forceinline__ void make_rows(const FusedGemvParams<T>& p, T* rows) 
   __syncthreads();
 }
 
-// A fused kernel's start: the first pass of the warp's first weight row loaded (the weights are no
-// kernel's output), the wait for the kernel before, then the input rows made in shared memory.
+// A fused kernel's start: the first pass of the warp's first weight row and the thread's norm weights
+// loaded (the weights are no kernel's output), the wait for the kernel before, then the input rows
+// made in shared memory.
 template <typename T, int M, int KS, Prologue P>
 __device__ __forceinline__ void begin_block(const FusedGemvParams<T>& p, int64_t first_row, int slice, int lane, T* rows,
                                       uint4 (&wv)[kUnroll]) {
   load_pass<T, KS>(p.w + first_row * p.k, slice * kStep, p.k, lane, wv);
+  const NormPre pre = preload_norm<T, P>(p);
   pdl_wait();
   pdl_trigger();
-  make_rows<T, M, P>(p, rows);
+  make_rows<T, M, P>(p, rows, pre);
 }
 
 // Columns (kWarps / KS a group) blockIdx.x, blockIdx.x + gridDim.x, ... of out.

@@ -84,7 +84,8 @@
 // add_rms_norm_linear_glu's warps take a gate row, then its up row, and apply the activation to the
 // two sums: no block recomputes an activation row, which glu_linear's blocks each do (K of them).  There
 // the kernels are launched with programmatic dependent launch (ops/cuda/pdl.cuh), so that the
-// weights are read while the previous kernel ends.  Elsewhere (f32, more rows, a CPU tensor, odd
+// weights (W, and the norm's weight) are read while the previous kernel ends: neither may be that
+// kernel's output (a model's weights never are).  Elsewhere (f32, more rows, a CPU tensor, odd
 // widths, an empty product) the composition add_rms_norm + ops::matmul (add_rms_norm_linear_glu:
 // add_rms_norm_linear + glu_packed), glu_packed + ops::matmul.
 //
