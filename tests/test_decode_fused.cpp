@@ -275,6 +275,19 @@ TEST_P(DecodeFused, QkNormRopeAttentionIsTheComposition) {
         EXPECT_EQ(ops::qk_norm_rope_attention_fused_runs() - fused_before, c.expect_fused)
             << cfg << " (the path: 1 the one kernel, 0 the composition)";
       }
+      // Settled (a decode step's promise: only qkv is the previous kernel's output): the indices, cos /
+      // sin and the first keys are read before the wait, with the same result.
+      {
+        const Tensor kc3 = Tensor::from_f64(kc0, {r, c.hkv, cap, d}, dt, dev), vc3 = Tensor::from_f64(vc0, {r, c.hkv, cap, d}, dt, dev);
+        const Tensor qkv3 = qkv.clone();  // the kernel just before
+        ops::QkNormRopeCache settled = opt;
+        settled.settled = true;
+        const Tensor out3 = ops::qk_norm_rope_attention(qkv3, settled, cos, sin, kc3, vc3, rows_t, positions_t, lengths_t,
+                                                        scale, c.window, max_length);
+        EXPECT_TRUE(same_values(values(out3), values(out))) << cfg << " (settled: the same as unsettled)";
+        EXPECT_TRUE(same_values(values(kc3), values(kc))) << cfg << " (settled: the k cache)";
+        EXPECT_TRUE(same_values(values(vc3), values(vc))) << cfg << " (settled: the v cache)";
+      }
       const Tensor q = ops::qk_norm_rope_cache(qkv, opt, cos, sin, kc2, vc2, rows_t, positions_t);
       const Tensor composed = ops::decode_attention(q, kc2, vc2, rows_t, lengths_t, scale, c.window, max_length);
       ASSERT_EQ(out.shape(), (Shape{b, c.hq, d})) << cfg;

@@ -731,6 +731,7 @@ Tensor CausalLM::decode_layers(const Tensor& h0, const ops::RopeCosSin& cs, KVCa
     Layer& l = layers_[li];
     ops::QkNormRopeCache qo;
     qo.q_heads = hq, qo.kv_heads = hkv, qo.layout = l.rope->style;
+    qo.settled = true;  // the step's rows, positions, lengths and cos / sin are made at its start
     if (l.q_norm) qo.q_norm = l.q_norm->weight, qo.k_norm = l.k_norm->weight, qo.norm = l.q_norm->options;
     Tensor qkv;
     if (fused_linear && !l.bqkv.defined())

@@ -121,6 +121,9 @@ template <typename T> struct QkPrologue {
   float eps = 0.f, offset = 0.f;
   bool gemma = false, interleaved = false;
   bool vec_norm = false, vec_rope = false;  // 16-byte loads of the norms' weights, of cos and sin
+  // The caller's QkNormRopeCache::settled: rows, lengths, positions, cos / sin and the caches' other
+  // keys are no output of the kernel just before, so they are read before the PDL wait.
+  bool settled = false;
 };
 
 // Shared memory rows of the prologue: the block's query heads (GMAX), then the new key and value.
@@ -146,22 +149,24 @@ __global__ void __launch_bounds__(W * 32)
   // h0 .. h0 + gc - 1, then the key and the value head kvh.  The first round's loads are issued
   // together: its norm weights (no kernel's output) before the wait, its head and its cos / sin right
   // after it, beside the row's indices.
+  // With pro.settled the row's indices, cos / sin and the first keys are loaded before the wait too:
+  // only qkv is the previous kernel's output, and every kernel before that one has finished when
+  // this one starts (ops/cuda/pdl.cuh).  Otherwise all of them after it.
   const int heads = hq + 2 * hkv, tasks = gc + 2;
   Raw8<T> x_first{}, w_first{}, c_first{}, s_first{};
   auto norm_of = [&](int task) { return task == gc ? pro.k_norm : pro.q_norm; };
   auto roped = [&](int task) { return task < gc + 1 && lane_on && e0 < pro.rd; };
+  const bool early = FUSED && pro.settled;
   if constexpr (FUSED) {
     const int task = warp * KPI + sub;
     if (task < gc + 1 && lane_on && norm_of(task) != nullptr) w_first = load_row8(norm_of(task), e0, d, pro.vec_norm);
   }
-  pdl_wait();  // q and the cache's new keys are the previous kernel's output (a no-op unless launched with PDL)
-  pdl_trigger();
+  if (!early) {
+    pdl_wait();  // q and the cache's new keys are the previous kernel's output (a no-op unless launched with PDL)
+    pdl_trigger();
+  }
   if constexpr (FUSED) {
     const int task = warp * KPI + sub;
-    if (task < tasks && lane_on) {
-      const int head = task < gc ? h0 + task : task == gc ? hq + kvh : hq + hkv + kvh;
-      x_first = load_raw8(pro.qkv + (static_cast<size_t>(b) * heads + head) * d + e0);
-    }
     if (roped(task)) {
       c_first = load_row8(pro.cos + static_cast<size_t>(b) * pro.rd, e0, pro.rd, pro.vec_rope);
       s_first = load_row8(pro.sin + static_cast<size_t>(b) * pro.rd, e0, pro.rd, pro.vec_rope);
@@ -203,6 +208,17 @@ __global__ void __launch_bounds__(W * 32)
   };
   const int j_first = start + warp * KPI;
   load_keys(j_first);  // in flight during the prologue and q's loads
+  if (early) {
+    pdl_wait();  // qkv is the previous kernel's output
+    pdl_trigger();
+  }
+  if constexpr (FUSED) {
+    const int task = warp * KPI + sub;
+    if (task < tasks && lane_on) {
+      const int head = task < gc ? h0 + task : task == gc ? hq + kvh : hq + hkv + kvh;
+      x_first = load_raw8(pro.qkv + (static_cast<size_t>(b) * heads + head) * d + e0);
+    }
+  }
 
   if constexpr (FUSED) {
     // Every lane of a warp runs each round (the norm's sums shuffle over the warp).
@@ -532,6 +548,7 @@ bool qk_norm_rope_attention(const Tensor& out, const Tensor& qkv, const QkNormRo
       pro.q_norm = static_cast<const T*>(opt.q_norm.data()), pro.k_norm = static_cast<const T*>(opt.k_norm.data());
     pro.cos = static_cast<const T*>(cos.data()), pro.sin = static_cast<const T*>(sin.data());
     pro.positions = static_cast<const int*>(positions.data());
+    pro.settled = opt.settled;
     pro.k_cache = static_cast<T*>(kc.data()), pro.v_cache = static_cast<T*>(vc.data());
     pro.rd = static_cast<int>(cos.size(2));
     pro.eps = static_cast<float>(opt.norm.eps), pro.offset = static_cast<float>(opt.norm.offset);

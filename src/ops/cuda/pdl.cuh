@@ -6,7 +6,11 @@
 // of the stream wrote; what nobody writes during the step (weights) it may read before, which is the
 // point: the weights of a projection stream in while the previous kernel finishes.  pdl_wait()
 // returns once the previous kernel has finished and its writes are visible, and every kernel here
-// calls it in every thread, so a finished kernel implies that all before it finished too.
+// calls it in every thread, so a finished kernel implies that all before it finished too.  And every
+// kernel here calls pdl_trigger() only after its pdl_wait() (a kernel launched without the attribute
+// starts once the one before has finished), so when a kernel starts, every kernel before the previous
+// one has finished: what those wrote may be read before the wait too (qk_norm_rope_attention's
+// settled inputs, ops/nn/decode_fused.h).
 //
 // Where PDL is not available the launch is an ordinary one and both calls do nothing: devices below
 // sm_90, a kernel whose loaded binary is built for an architecture below sm_90 (its pdl_wait() is

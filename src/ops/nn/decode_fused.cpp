@@ -151,7 +151,12 @@ Tensor qk_norm_rope_attention(const Tensor& qkv, const QkNormRopeCache& opt, con
   if (b > 0 && norms_as_stored && qk_on_cuda(qkv, opt, k_cache, v_cache)) {
 #if KCPP_WITH_CUDA
     const Tensor out = Tensor::empty({b, hq, d}, qkv.dtype(), qkv.device());
-    if (cuda::qk_norm_rope_attention(out, qkv.contiguous(), opt, cos.contiguous(), sin.contiguous(),
+    // opt.settled holds only for the tensors as given: a copy made contiguous here would be the
+    // kernel just before.
+    QkNormRopeCache o = opt;
+    o.settled = opt.settled && cos.is_contiguous() && sin.is_contiguous() && rows.is_contiguous() &&
+                positions.is_contiguous() && lengths.is_contiguous();
+    if (cuda::qk_norm_rope_attention(out, qkv.contiguous(), o, cos.contiguous(), sin.contiguous(),
                                      k_cache, v_cache, rows.contiguous(), positions.contiguous(), lengths.contiguous(), scale,
                                      window, max_length > 0 ? max_length : k_cache.size(2))) {
       qk_norm_rope_attention_fused.fetch_add(1, std::memory_order_relaxed);

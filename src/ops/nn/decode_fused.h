@@ -109,6 +109,12 @@ struct QkNormRopeCache {
   Tensor q_norm, k_norm;      // [D] each, or both undefined (no per-head norm)
   RMSNormOptions norm;        // their options (casting Llama or Gemma)
   RopeLayout layout = RopeLayout::RotateHalf;
+  // qk_norm_rope_attention's one kernel reads rows, positions, lengths, cos / sin and the caches' keys
+  // at other positions before its programmatic-dependent-launch wait where the caller says that none
+  // of them is the output of the kernel just before the op (a decode step's are written at its
+  // start, its layers' attention follows the qkv projection): the first keys' loads then overlap
+  // the end of that kernel.  Otherwise (the default) they are read after the wait.
+  bool settled = false;
 };
 
 // qkv [B, Hq + 2 Hkv, D] contiguous; cos, sin [B, 1, rd] in qkv's dtype; caches [R, Hkv, C, D];
