@@ -148,15 +148,22 @@ __global__ void __launch_bounds__(W * 32)
   // FUSED: a lane group (LPK lanes, 8 elements each) a head in rounds of W * KPI heads: the query heads
   // h0 .. h0 + gc - 1, then the key and the value head kvh.  The first round's loads are issued
   // together: its norm weights (no kernel's output) before the wait, its head and its cos / sin right
-  // after it, beside the row's indices.
-  // With pro.settled the row's indices, cos / sin and the first keys are loaded before the wait too:
-  // only qkv is the previous kernel's output, and every kernel before that one has finished when
-  // this one starts (ops/cuda/pdl.cuh).  Otherwise all of them after it.
+  // after it, beside the row's indices and the first keys.  With pro.settled the indices, cos / sin
+  // and the first keys are loaded before the wait too, the head after it: only qkv is the previous
+  // kernel's output, and every kernel before that one has finished when this one starts
+  // (ops/cuda/pdl.cuh).
   const int heads = hq + 2 * hkv, tasks = gc + 2;
   Raw8<T> x_first{}, w_first{}, c_first{}, s_first{};
   auto norm_of = [&](int task) { return task == gc ? pro.k_norm : pro.q_norm; };
   auto roped = [&](int task) { return task < gc + 1 && lane_on && e0 < pro.rd; };
   const bool early = FUSED && pro.settled;
+  auto load_head = [&] {  // the first round's head of qkv (FUSED)
+    const int task = warp * KPI + sub;
+    if (task < tasks && lane_on) {
+      const int head = task < gc ? h0 + task : task == gc ? hq + kvh : hq + hkv + kvh;
+      x_first = load_raw8(pro.qkv + (static_cast<size_t>(b) * heads + head) * d + e0);
+    }
+  };
   if constexpr (FUSED) {
     const int task = warp * KPI + sub;
     if (task < gc + 1 && lane_on && norm_of(task) != nullptr) w_first = load_row8(norm_of(task), e0, d, pro.vec_norm);
@@ -164,6 +171,7 @@ __global__ void __launch_bounds__(W * 32)
   if (!early) {
     pdl_wait();  // q and the cache's new keys are the previous kernel's output (a no-op unless launched with PDL)
     pdl_trigger();
+    if constexpr (FUSED) load_head();
   }
   if constexpr (FUSED) {
     const int task = warp * KPI + sub;
@@ -211,13 +219,7 @@ __global__ void __launch_bounds__(W * 32)
   if (early) {
     pdl_wait();  // qkv is the previous kernel's output
     pdl_trigger();
-  }
-  if constexpr (FUSED) {
-    const int task = warp * KPI + sub;
-    if (task < tasks && lane_on) {
-      const int head = task < gc ? h0 + task : task == gc ? hq + kvh : hq + hkv + kvh;
-      x_first = load_raw8(pro.qkv + (static_cast<size_t>(b) * heads + head) * d + e0);
-    }
+    load_head();
   }
 
   if constexpr (FUSED) {
