@@ -25,12 +25,12 @@
 //        one writer each).
 //   CUDA forward, Hopper (sm_90a, attention_sm90.cu): FlashAttention-3's scheme, wgmma on tiles brought
 //        in by TMA, producer / consumer warpgroups, softmax overlapped with the matrix products: bf16 /
-//        f16, D in {64, 128, 256}, no sliding window, scale > 0, 16-byte aligned rows and strides, on a
+//        f16, D in {64, 128, 256}, causal or not, sliding windows, scale > 0, 16-byte aligned rows and strides, on a
 //        compute capability 9.0 device of a build that includes sm_90a.  It writes the same lse, so the
 //        backward below consumes it.
 //   CUDA backward, Hopper (attention_sm90_bwd.cu): FlashAttention-3's backward, a block per 128 keys of a
 //        kv head, dk / dv in registers, wgmma on tiles brought in by TMA, dq added in f32 into the
-//        workspace: bf16 / f16, D 128, no sliding window, scale > 0, 16-byte aligned rows and strides.
+//        workspace: bf16 / f16, D in {64, 128}, sliding windows, scale > 0, 16-byte aligned rows and strides.
 //   CUDA, tensor cores (mma.sync m16n8k16, f32 accumulate): bf16 / f16, D in {64, 128}, scale > 0, 16-byte
 //        aligned rows.  Forward: a block of 4 warps per 64 queries, K / V tiles of 64 keys
 //        double-buffered in shared memory by cp.async.  Backward: a block per 64 keys of a kv head,
@@ -58,7 +58,7 @@
 // on the device (the host never waits for them), so there a bad cu_seqlens is not reported: every entry
 // is clamped into [0, total] and each length to max_seqlen, which keeps every access inside the tensors
 // but leaves the result unspecified.  Every path takes varlen, the Hopper ones within their limits
-// above (no sliding window; the backward at head dim 128).
+// above (the backward at head dims 64 and 128).
 #pragma once
 
 #include <cstddef>

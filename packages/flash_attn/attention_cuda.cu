@@ -756,8 +756,19 @@ const char* attention_backward_path(const AttentionParams& p, const char** error
                    p.dtype != DType::f32 && attention_fast_path(p), error);
 }
 
-const char* attention_forward_cuda(const AttentionParams& p, cudaStream_t stream) {
-  if (const char* e = cuda_check(p, false)) return e;
+namespace {
+// A window of at least the longest key sequence hides nothing (a query's position minus a key's is
+// below seq_kv, or max_seqlen_k for varlen): dropped, so that no path masks for it.
+AttentionParams without_idle_window(const AttentionParams& p) {
+  AttentionParams r = p;
+  if (r.window >= r.seq_kv) r.window = 0;
+  return r;
+}
+}  // namespace
+
+const char* attention_forward_cuda(const AttentionParams& params, cudaStream_t stream) {
+  if (const char* e = cuda_check(params, false)) return e;
+  const AttentionParams p = without_idle_window(params);
   if (p.batch == 0 || p.seq_q == 0) return nullptr;
   const char* error = nullptr;
   const char* path = attention_forward_path(p, &error);
@@ -770,8 +781,9 @@ const char* attention_forward_cuda(const AttentionParams& p, cudaStream_t stream
   return "attention_forward: unknown dtype";
 }
 
-const char* attention_backward_cuda(const AttentionParams& p, cudaStream_t stream) {
-  if (const char* e = cuda_check(p, true)) return e;
+const char* attention_backward_cuda(const AttentionParams& params, cudaStream_t stream) {
+  if (const char* e = cuda_check(params, true)) return e;
+  const AttentionParams p = without_idle_window(params);
   if (p.batch == 0) return nullptr;
   if (p.seq_kv == 0) {  // no keys: batched, no queries either; varlen, queries whose dq is 0 (dk, dv are empty)
     if (!p.varlen() || p.seq_q == 0) return nullptr;

@@ -1,7 +1,7 @@
 // Attention forward on Hopper (sm_90a): warpgroup MMA (wgmma) on tiles that the tensor memory
 // accelerator (TMA) brings into shared memory, producer / consumer warp specialization, and the
 // softmax of one key tile overlapped with the matrix products of the next.  The maths, the layout
-// and the log-sum-exp it saves are attention.h's; the backward is attention_sm90_bwd.cu's (head dim 128)
+// and the log-sum-exp it saves are attention.h's; the backward is attention_sm90_bwd.cu's (head dims 64 and 128)
 // or attention_cuda.cu's; the building blocks shared with it are sm90_common.cuh's.
 //
 // The algorithm is FlashAttention-3's (Shah, Bikshandi, Zhang, Thakkar, Ramani, Dao, "FlashAttention-3:
@@ -19,7 +19,8 @@
 //   for one after the other), then O is rescaled by the change of the running maximum;
 // and the two warpgroups take turns to issue (ping-pong), so that one's softmax overlaps the other's
 // products.  Key tiles are visited from the last to the first, so the tiles that need a mask come
-// first.  Items are ordered heads-fastest with the heaviest (last) query tiles first and dealt out
+// first; a sliding window bounds the tiles from below as causal does from above, and the tiles at its
+// edge are masked as the diagonal's are.  Items are ordered heads-fastest with the heaviest (last) query tiles first and dealt out
 // in a snake, which balances the causal triangle and keeps the query heads of one kv head close in
 // time (their K / V stay in L2).  The output goes through a staging tile and a bulk tensor store
 // (head dims 64 and 128) or straight from registers (256, where the staging tile does not fit).
@@ -113,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int b, h, hk, q0;
     int qb, kb, sq, skv, off;  // the sequence's first query / key token, its lengths, skv - sq
     int mb;                    // the tensor maps' batch coordinate
-    int n_tiles;
+    int t_hi, n_tiles;         // key tiles t_hi - n_tiles .. t_hi - 1 are visited, the last first
   };
   auto item = [&](int64_t w) {
     Item x;
@@ -134,7 +135,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       return x;
     }
     const int pos_hi = min(x.q0 + kBr, x.sq) - 1 + x.off;
-    x.n_tiles = p.causal ? (pos_hi < 0 ? 0 : pos_hi / kBc + 1) : (x.skv + kBc - 1) / kBc;
+    x.t_hi = p.causal ? (pos_hi < 0 ? 0 : pos_hi / kBc + 1) : (x.skv + kBc - 1) / kBc;
+    // A sliding window: no row sees a key below the first row's position - window + 1.
+    const int t_lo = p.window > 0 ? static_cast<int>(max(int64_t{0}, x.q0 + x.off - p.window + 1) / kBc) : 0;
+    x.n_tiles = max(0, x.t_hi - t_lo);
     return x;
   };
 
@@ -180,8 +184,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             tma_load(ring + st * C::kKVBytes + c * kBc * 128, map, full, c * 64, x.kb + n * kBc, hk, b);
         };
         for (int it = 0; it <= x.n_tiles; ++it) {
-          if (it < x.n_tiles) load(&tk, sK, kSK, kfull(kc % kSK), kempty(kc % kSK), x.n_tiles - 1 - it, kc), ++kc;
-          if (it > 0) load(&tv, sV, kSV, vfull(vc % kSV), vempty(vc % kSV), x.n_tiles - it, vc), ++vc;
+          if (it < x.n_tiles) load(&tk, sK, kSK, kfull(kc % kSK), kempty(kc % kSK), x.t_hi - 1 - it, kc), ++kc;
+          if (it > 0) load(&tv, sV, kSV, vfull(vc % kSV), vempty(vc % kSV), x.t_hi - it, vc), ++vc;
         }
         ++i;
       }
@@ -220,14 +224,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if (masked) {
-        // Column c = 8 i + e of the tile (key j0 + c + 2 t) is visible when c < limit.
+        // Column c = 8 i + e of the tile (key j0 + c + 2 t) is visible when first <= c < limit.
         const int64_t lim = min(skv, p.causal ? pos0 + 8 * r + 1 : skv) - j0 - 2 * t;
         const int limit = static_cast<int>(max(int64_t{-1}, min(int64_t{kBc}, lim)));
+        const int64_t fst = p.window > 0 ? pos0 + 8 * r - p.window + 1 - j0 - 2 * t : 0;
+        const int first = static_cast<int>(max(int64_t{0}, min(int64_t{kBc}, fst)));
 #pragma unroll
         for (int i = 0; i < kBc / 8; ++i)
 #pragma unroll
           for (int e = 0; e < 2; ++e)
-            if (8 * i + e >= limit) s[4 * i + 2 * r + e] = -INFINITY;
+            if (8 * i + e >= limit || 8 * i + e < first) s[4 * i + 2 * r + e] = -INFINITY;
       }
       // The maximum of the raw scores (scale > 0 on this path), then p = 2^(s sl2 - max sl2); both
       // reductions as trees of four chains (a chain of kBc / 4 dependent operations would be latency).
@@ -317,8 +323,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     const bool last_item = !tiles_after(r);
     const int64_t pos0 = row0 + x.off, pos_wg = x.q0 + cw * 64 + x.off;
-    auto tile_j0 = [&](int it) { return static_cast<int64_t>(x.n_tiles - 1 - it) * kBc; };
-    auto tile_masked = [&](int64_t j0) { return (p.causal && j0 + kBc - 1 > pos_wg) || j0 + kBc > x.skv; };
+    auto tile_j0 = [&](int it) { return static_cast<int64_t>(x.t_hi - 1 - it) * kBc; };
+    // A tile needs the mask where it holds a key after the warpgroup's first row (causal), past the
+    // end, or before its last row's window.
+    auto tile_masked = [&](int64_t j0) {
+      return (p.causal && j0 + kBc - 1 > pos_wg) || j0 + kBc > x.skv || (p.window > 0 && j0 < pos_wg + 63 - p.window + 1);
+    };
 
     mbar_wait(qfull, i & 1);
     // Tile 0: its scores alone.
@@ -469,7 +479,6 @@ const char* attention_sm90_unsupported(const AttentionParams& p) {
   if (device_cc() != 90) return "the device is not compute capability 9.0";
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "the dtype is not bf16 or f16";
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return "head_dim is not 64, 128 or 256";
-  if (p.window > 0) return "sliding windows are not on this path";
   if (!(p.scale > 0.0f)) return "scale is not positive";
   for (const Operand* o : {&p.q, &p.k, &p.v, &p.out})  // the tensor maps' 16-byte rule
     if ((reinterpret_cast<uintptr_t>(o->data) & 15u) != 0 || o->sb % 8 != 0 || o->sh % 8 != 0 || o->ss % 8 != 0)

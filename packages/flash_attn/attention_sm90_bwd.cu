@@ -23,13 +23,15 @@
 // named barrier an iteration orders both warpgroups' writes before either's dQ product (and, its issuer
 // having waited, the dQ tile's last reduction before the tile is rewritten); a second, on which only
 // the issuing warp waits, orders both halves of the dQ tile before its reductions.
+// A sliding window ends each block's query tiles where the last key leaves the window of the queries,
+// and masks the tiles at its edge as the causal diagonal is masked.
 // Varlen (cu_seqlens): a block per 128 keys of a kv head of one sequence, the grid over max_seqlen_k
 // (the blocks past the sequence's keys leave at once); the tensor maps span the packed tokens (batch
 // coordinate 0) with tiles from the sequence's first token.  Rows past the sequence's end are the next
 // sequence's tokens: its keys are masked, its queries get lse +inf (probabilities 0, so dS 0 and their
 // dQ rows exact zeros, which the reductions add harmlessly), and dK / dV are written for the sequence's
 // keys only.
-// Head dim 128, bf16 / f16.
+// Head dims 64 and 128 (each warpgroup's dK and dV of 64 keys x D in registers), bf16 / f16.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -41,33 +43,48 @@
 namespace kcpp::flash {
 namespace {
 
-constexpr int kD = 128;           // head dim
 constexpr int kBk = 128;          // keys a block: two consumer warpgroups of 64
 constexpr int kBq = 64;           // queries a tile
 constexpr int kStages = 2;        // Q / dO ring depth
 constexpr int kThreadsB = 3 * 128;
-constexpr int kKVBytes = kBk * kD * 2;   // K or V
-constexpr int kQBytes = kBq * kD * 2;    // one Q or dO tile
 constexpr int kDSBytes = kBk * kBq * 2;  // dS^T, [keys][queries]
-constexpr int kDQBytes = kBq * kD * 4;   // a tile's dQ, f32 [queries][D]
-// K, V, the ring of Q and dO, two dS^T buffers, the dQ tile, lse and delta per slot, the barriers.
-constexpr int kSmemB =
-    1024 + 2 * kKVBytes + kStages * 2 * kQBytes + 2 * kDSBytes + kDQBytes + kStages * 2 * kBq * 4 + 8 * (1 + 2 * kStages);
-static_assert(kSmemB <= 227 * 1024, "attention_sm90_bwd: the tiles do not fit in shared memory");
+// The tiles of head dim D.
+template <int D> struct Bwd {
+  static constexpr int kKVBytes = kBk * D * 2;  // K or V
+  static constexpr int kQBytes = kBq * D * 2;   // one Q or dO tile
+  static constexpr int kDQBytes = kBq * D * 4;  // a tile's dQ, f32 [queries][D]
+  static constexpr int kDQCols = D / 2;         // the dQ columns of a consumer warpgroup
+  // K, V, the ring of Q and dO, two dS^T buffers, the dQ tile, lse and delta per slot, the barriers.
+  static constexpr int kSmem =
+      1024 + 2 * kKVBytes + kStages * 2 * kQBytes + 2 * kDSBytes + kDQBytes + kStages * 2 * kBq * 4 + 8 * (1 + 2 * kStages);
+  static_assert(kSmem <= 227 * 1024, "attention_sm90_bwd: the tiles do not fit in shared memory");
+};
 
 #if KCPP_SM90_DEVICE || !defined(__CUDA_ARCH__)
-// d (64 x 64, f32) = (scale_d ? d : 0) + A B, A (64 x 16) and B (16 x 64) both MN-major in shared memory.
-template <typename T> __device__ __forceinline__ void wgmma_ss_mn(float (&d)[32], uint64_t a, uint64_t b, int scale_d);
-template <> __device__ __forceinline__ void wgmma_ss_mn<__nv_bfloat16>(float (&d)[32], uint64_t a, uint64_t b, int scale_d) {
+// d (64 x N, f32) = (scale_d ? d : 0) + A B, A (64 x 16) and B (16 x N) both MN-major in shared memory.
+template <typename T, int N> __device__ __forceinline__ void wgmma_ss_mn(float (&d)[N / 2], uint64_t a, uint64_t b, int scale_d);
+template <> __device__ __forceinline__ void wgmma_ss_mn<__nv_bfloat16, 64>(float (&d)[32], uint64_t a, uint64_t b, int scale_d) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                : "l"(a), "l"(b), "r"(scale_d));
 }
-template <> __device__ __forceinline__ void wgmma_ss_mn<__half>(float (&d)[32], uint64_t a, uint64_t b, int scale_d) {
+template <> __device__ __forceinline__ void wgmma_ss_mn<__half, 64>(float (&d)[32], uint64_t a, uint64_t b, int scale_d) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
                "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+               : "l"(a), "l"(b), "r"(scale_d));
+}
+template <> __device__ __forceinline__ void wgmma_ss_mn<__nv_bfloat16, 32>(float (&d)[16], uint64_t a, uint64_t b, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 1, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+               : "l"(a), "l"(b), "r"(scale_d));
+}
+template <> __device__ __forceinline__ void wgmma_ss_mn<__half, 32>(float (&d)[16], uint64_t a, uint64_t b, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 1, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
                : "l"(a), "l"(b), "r"(scale_d));
 }
 // Adds box {32, 64, 1} of f32 from shared `src` into a 3-d tensor map at (c0, c1, c2); rows past the
@@ -80,19 +97,21 @@ __device__ __forceinline__ void tma_reduce_add(const CUtensorMap* map, uint32_t 
 }
 #endif
 
-template <typename T>
+template <typename T, int D>
 __global__ void __launch_bounds__(kThreadsB, 1)
     bwd_sm90_kernel(const __grid_constant__ AttentionParams p, int head_group, const float* __restrict__ delta, float* __restrict__ dq_acc,
                     const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
                     const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
                     const __grid_constant__ CUtensorMap tdq) {
 #if KCPP_SM90_DEVICE
+  using C = Bwd<D>;
+  constexpr int kKVBytes = C::kKVBytes, kQBytes = C::kQBytes, kDQBytes = C::kDQBytes, kDQCols = C::kDQCols;
   constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sV = sK + kKVBytes, sQ = sV + kKVBytes;  // slot s: Q at sQ + 2 s kQBytes, dO after it
   const uint32_t sDS = sQ + kStages * 2 * kQBytes;         // two dS^T buffers
-  const uint32_t sDQ = sDS + 2 * kDSBytes;  // the dQ tile: 4 boxes of [64 rows][32 columns] f32, 128-byte swizzle
+  const uint32_t sDQ = sDS + 2 * kDSBytes;  // the dQ tile: D / 32 boxes of [64 rows][32 columns] f32, 128-byte swizzle
   float* s_stats = reinterpret_cast<float*>(smem_raw + (sDQ + kDQBytes - smem_addr(smem_raw)));  // [slot][lse | delta][64]
   const uint32_t bars = smem_addr(s_stats + kStages * 2 * kBq);
   const uint32_t kvfull = bars;
@@ -121,8 +140,11 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   if (k0 >= skv) return;  // varlen: past this sequence's keys (the whole block, before any barrier)
   const int mb = varlen ? 0 : static_cast<int>(b);  // the tensor maps' batch coordinate
   const int kb = static_cast<int>(seq.k_begin), qb = static_cast<int>(seq.q_begin);
+  // The queries that see a key of the block: from the first whose position reaches k0 (causal) to
+  // the last whose window still holds the block's last key.
   const int64_t i_lo = p.causal ? max(int64_t{0}, k0 - off) : 0;
-  const int64_t m_begin = i_lo / kBq, m_end = i_lo < sq ? (sq + kBq - 1) / kBq : m_begin;
+  const int64_t i_end = p.window > 0 ? min(sq, min(k0 + kBk, skv) - 1 + p.window - off) : sq;
+  const int64_t m_begin = i_lo / kBq, m_end = i_lo < i_end ? (i_end + kBq - 1) / kBq : m_begin;
   const int64_t tiles = m_end - m_begin;
   const int n_items = static_cast<int>(group * tiles);  // (query head, query tile) pairs
   auto item_h = [&](int it) { return hk * group + it / tiles; };
@@ -141,7 +163,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       // K and V once, then Q and dO of each item into the ring.
       mbar_expect_tx(kvfull, 2 * kKVBytes);
 #pragma unroll
-      for (int c = 0; c < kD / 64; ++c) {
+      for (int c = 0; c < D / 64; ++c) {
         tma_load(sK + c * kBk * 128, &tk, kvfull, c * 64, kb + static_cast<int>(k0), static_cast<int>(hk), mb);
         tma_load(sV + c * kBk * 128, &tv, kvfull, c * 64, kb + static_cast<int>(k0), static_cast<int>(hk), mb);
       }
@@ -152,7 +174,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         const int h = static_cast<int>(item_h(it)), q0 = static_cast<int>(item_q0(it));
         const uint32_t q_dst = sQ + st * 2 * kQBytes;
 #pragma unroll
-        for (int c = 0; c < kD / 64; ++c) {
+        for (int c = 0; c < D / 64; ++c) {
           tma_load(q_dst + c * kBq * 128, &tq, full(st), c * 64, qb + q0, h, mb);
           tma_load(q_dst + kQBytes + c * kBq * 128, &tdo, full(st), c * 64, qb + q0, h, mb);
         }
@@ -192,10 +214,13 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 
   // The operands' descriptors (desc_at steps them): K and V as S^T's and dP^T's A (K-major), slot 0's Q
   // as S^T's B (K-major, dO a tile after it) and as dK's B (MN-major, likewise for dV), dS^T buffer 0 as
-  // dQ's A, and the keys of this warpgroup's head-dim columns of dQ as its B.
+  // dQ's A, and the keys of this warpgroup's head-dim columns of dQ as its B: columns kDQCols cw on, in
+  // K's 64-column block kDQCols cw / 64 from byte 2 (kDQCols cw % 64) of its rows (at head dim 64 each
+  // warpgroup reads 32 columns, half of each swizzled 128-byte row).
   const uint64_t k_desc = desc(k_wg, 16, 1024), v_desc = desc(v_wg, 16, 1024);
   const uint64_t q_desc0 = desc(sQ, 16, 1024), q_mn0 = desc(sQ, kBq * 128, 1024);
-  const uint64_t ds_desc0 = desc(sDS, kBq * 128, 1024), kq_desc = desc(sK + cw * kBk * 128, kBk * 128, 1024);
+  const uint32_t kq_at = sK + (kDQCols * cw / 64) * kBk * 128 + (kDQCols * cw % 64) * 2;
+  const uint64_t ds_desc0 = desc(sDS, kBq * 128, 1024), kq_desc = desc(kq_at, kBk * 128, 1024);
   // X (64 keys x kBq queries, f32 in the accumulator layout) rounded into A fragments, k-steps of 16 queries.
   auto pack = [&](uint32_t(&frag)[kBq / 16][4], const float(&x)[32]) {
 #pragma unroll
@@ -205,15 +230,15 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   };
   // acc += X B in one commit group, X from the fragments `frag` (which neither the wgmma's issuer nor
   // anyone else may touch until a wait covers the group), B from `b` (MN-major).
-  auto rs_product = [&](float(&acc)[kD / 2], const uint32_t(&frag)[kBq / 16][4], uint64_t b) {
+  auto rs_product = [&](float(&acc)[D / 2], const uint32_t(&frag)[kBq / 16][4], uint64_t b) {
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBq / 16; ++kk) wgmma_rs<T, kD>(acc, frag[kk], desc_at(b, kk * 16 * 128));
+    for (int kk = 0; kk < kBq / 16; ++kk) wgmma_rs<T, D>(acc, frag[kk], desc_at(b, kk * 16 * 128));
     wg_commit();
   };
-  float dk[kD / 2], dv[kD / 2];
+  float dk[D / 2], dv[D / 2];
 #pragma unroll
-  for (int e = 0; e < kD / 2; ++e) dk[e] = dv[e] = 0.0f;
+  for (int e = 0; e < D / 2; ++e) dk[e] = dv[e] = 0.0f;
 
   mbar_wait(kvfull, 0);
   for (int it = 0; it < n_items; ++it) {
@@ -231,12 +256,12 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     // and its shared-memory stores while dK is.
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk)
+    for (int kk = 0; kk < D / 16; ++kk)
       wgmma_ss<T, 64>(s, desc_at(k_desc, (kk / 4) * kBk * 128 + (kk % 4) * 32), desc_at(q_desc, (kk / 4) * kBq * 128 + (kk % 4) * 32),
                       kk > 0);
     wg_commit();
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk)
+    for (int kk = 0; kk < D / 16; ++kk)
       wgmma_ss<T, 64>(dp, desc_at(v_desc, (kk / 4) * kBk * 128 + (kk % 4) * 32), desc_at(do_desc, (kk / 4) * kBq * 128 + (kk % 4) * 32),
                       kk > 0);
     wg_commit();
@@ -249,9 +274,12 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     wg_wait<1>();  // S^T
     pin(s);
     // P^T: row r of the thread is key key0 + 8 r, column 8 i + 2 t + e is query q0 + that.
-    const bool masked = (p.causal && k0 + kBk - 1 > q0 + off) || k0 + kBk > skv;
+    const bool masked = (p.causal && k0 + kBk - 1 > q0 + off) || k0 + kBk > skv || (p.window > 0 && q0 + kBq - 1 + off - k0 >= p.window);
     // Key key0 + 8 r lies past the end when 8 r >= kv_left, after query q0 + c when 8 r + ahead > c.
     const int kv_left = static_cast<int>(min(skv - key0, int64_t{64})), ahead = static_cast<int>(key0 - q0 - off);
+    // Query q0 + c lies outside key key0 + 8 r's window when c - 8 r >= window + ahead (clamped into
+    // [-64, 2^20]: c - 8 r lies in [-8, 63]).
+    const int win = p.window > 0 ? static_cast<int>(max(int64_t{-64}, min(p.window + ahead, int64_t{1} << 20))) : 1 << 20;
     uint32_t pf[kBq / 16][4], df[kBq / 16][4];
 #pragma unroll
     for (int i = 0; i < kBq / 8; ++i)
@@ -266,7 +294,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         for (int e = 0; e < 2; ++e)
 #pragma unroll
           for (int r = 0; r < 2; ++r)
-            if (8 * r >= kv_left || (p.causal && 8 * r + ahead > 8 * i + 2 * t + e)) s[4 * i + 2 * r + e] = 0.0f;
+            if (8 * r >= kv_left || (p.causal && 8 * r + ahead > 8 * i + 2 * t + e) ||
+                8 * i + 2 * t + e - 8 * r >= win)
+              s[4 * i + 2 * r + e] = 0.0f;
     // dV += P^T dO (dO MN-major as loaded).
     pack(pf, s);
     rs_product(dv, pf, do_mn);
@@ -303,11 +333,11 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     if (tid == 128) bulk_wait_read();
     bar_sync(1, 256);
     wg_fence();
-    // dQ[:, 64 cw ..] = dS K[:, 64 cw ..] over the 128 keys (k-steps of 16 keys).
-    float dq[32];
+    // dQ[:, kDQCols cw ..] = dS K[:, kDQCols cw ..] over the 128 keys (k-steps of 16 keys).
+    float dq[kDQCols / 2];
 #pragma unroll
     for (int kk = 0; kk < kBk / 16; ++kk)
-      wgmma_ss_mn<T>(dq, desc_at(ds_desc, kk * 16 * 128), desc_at(kq_desc, kk * 16 * 128), kk > 0);
+      wgmma_ss_mn<T, kDQCols>(dq, desc_at(ds_desc, kk * 16 * 128), desc_at(kq_desc, kk * 16 * 128), kk > 0);
     wg_commit();
     wg_wait<0>();
     pin(dv);
@@ -316,15 +346,17 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     pin(df);
     pin(dq);
     if (lane == 0) mbar_arrive(empty(st));
-    // dQ into the tile (row warp * 16 + g + 8 r, columns 64 cw + 8 i + 2 t: box 2 cw + i / 4, 16-byte
-    // chunk 2 (i % 4) + t / 2 of the row, swizzled), then the bulk tensor reductions of its four boxes
-    // into the accumulator, issued by thread 128 once both halves are written.
+    // dQ into the tile (row warp * 16 + g + 8 r, columns kDQCols cw + 8 i + 2 t, kDQCols a multiple of
+    // 32: box kDQCols cw / 32 + i / 4, 16-byte chunk 2 (i % 4) + t / 2 of the row, swizzled), then the
+    // bulk tensor reductions of its D / 32 boxes into the accumulator, issued by thread 128 once both
+    // halves are written.
+    const uint32_t dq_wg = sDQ + (kDQCols / 32) * cw * (kBq * 128);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = warp * 16 + g + 8 * r;
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(sDQ + (2 * cw + i / 4) * (kBq * 128) + row * 128 +
+      for (int i = 0; i < kDQCols / 8; ++i)
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(dq_wg + (i / 4) * (kBq * 128) + row * 128 +
                                                                  (((2 * (i % 4) + t / 2) ^ (row % 8)) << 4) + 8 * (t % 2)),
                      "f"(dq[4 * i + 2 * r]), "f"(dq[4 * i + 2 * r + 1])
                      : "memory");
@@ -334,7 +366,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       bar_sync(2, 256);
       if (tid == 128) {
 #pragma unroll
-        for (int j = 0; j < kD / 32; ++j)
+        for (int j = 0; j < D / 32; ++j)
           tma_reduce_add(&tdq, sDQ + j * (kBq * 128), 32 * j, static_cast<int>(varlen ? qb + q0 : q0),
                          static_cast<int>(varlen ? h : b * p.heads_q + h));
         bulk_commit();
@@ -353,7 +385,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     T* kg = static_cast<T*>(const_cast<void*>(p.dk.data)) + b * p.dk.sb + hk * p.dk.sh + (kb + key) * p.dk.ss;
     T* vg = static_cast<T*>(const_cast<void*>(p.dv.data)) + b * p.dv.sb + hk * p.dv.sh + (kb + key) * p.dv.ss;
 #pragma unroll
-    for (int c = 0; c < kD / 8; ++c) {
+    for (int c = 0; c < D / 8; ++c) {
       *reinterpret_cast<uint32_t*>(kg + 8 * c + 2 * t) = pack2<T>(dk[4 * c + 2 * r] * p.scale, dk[4 * c + 2 * r + 1] * p.scale);
       *reinterpret_cast<uint32_t*>(vg + 8 * c + 2 * t) = pack2<T>(dv[4 * c + 2 * r], dv[4 * c + 2 * r + 1]);
     }
@@ -391,16 +423,17 @@ int backward_head_group(const AttentionParams& p) {
   return grouped;
 }
 
-template <typename T> const char* launch_bwd(const AttentionParams& p, const float* delta, float* dq_acc, cudaStream_t stream) {
+template <typename T, int D> const char* launch_bwd(const AttentionParams& p, const float* delta, float* dq_acc, cudaStream_t stream) {
   // Varlen: the maps span the packed tokens, one "batch".
   const bool varlen = p.varlen();
   const int64_t nq = varlen ? p.total_q : p.seq_q, nk = varlen ? p.total_kv : p.seq_kv, nb = varlen ? 1 : p.batch;
   CUtensorMap tq, tdo, tk, tv;
-  if (!make_map(&tq, p.q, p.dtype, kD, nq, p.heads_q, nb, kBq) || !make_map(&tdo, p.dout, p.dtype, kD, nq, p.heads_q, nb, kBq) ||
-      !make_map(&tk, p.k, p.dtype, kD, nk, p.heads_kv, nb, kBk) || !make_map(&tv, p.v, p.dtype, kD, nk, p.heads_kv, nb, kBk))
+  if (!make_map(&tq, p.q, p.dtype, D, nq, p.heads_q, nb, kBq) || !make_map(&tdo, p.dout, p.dtype, D, nq, p.heads_q, nb, kBq) ||
+      !make_map(&tk, p.k, p.dtype, D, nk, p.heads_kv, nb, kBk) || !make_map(&tv, p.v, p.dtype, D, nk, p.heads_kv, nb, kBk))
     return "attention_backward (hopper): the driver refused a tensor map of these strides "
            "(KCPP_FLASH_ATTN_BACKWARD=ampere takes the mma.sync kernel instead)";
-  const cudaError_t attr = cudaFuncSetAttribute(bwd_sm90_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemB);
+  constexpr int kSmemB = Bwd<D>::kSmem;
+  const cudaError_t attr = cudaFuncSetAttribute(bwd_sm90_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemB);
   if (attr != cudaSuccess)
     return kernel::errorf("attention_backward (hopper): cannot reserve %d bytes of shared memory: %s", kSmemB,
                           cudaGetErrorString(attr));
@@ -408,8 +441,8 @@ template <typename T> const char* launch_bwd(const AttentionParams& p, const flo
   // columns x 64 rows, 128-byte swizzle.
   CUtensorMap tdq;
   const int64_t planes = varlen ? p.heads_q : p.batch * p.heads_q;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(nq), static_cast<cuuint64_t>(planes)};
-  const cuuint64_t strides[2] = {kD * 4, static_cast<cuuint64_t>(nq) * kD * 4};
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(D), static_cast<cuuint64_t>(nq), static_cast<cuuint64_t>(planes)};
+  const cuuint64_t strides[2] = {D * 4, static_cast<cuuint64_t>(nq) * D * 4};
   const cuuint32_t box[3] = {32, kBq, 1}, estr[3] = {1, 1, 1};
   if (encode_fn()(&tdq, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, dq_acc, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
                   CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
@@ -417,7 +450,7 @@ template <typename T> const char* launch_bwd(const AttentionParams& p, const flo
   const auto key_blocks = static_cast<unsigned>((p.seq_kv + kBk - 1) / kBk), bh = static_cast<unsigned>(p.batch * p.heads_kv);
   const int head_group = backward_head_group(p);
   const dim3 grid = head_group == 0 ? dim3(key_blocks, bh) : dim3(key_blocks * bh);
-  bwd_sm90_kernel<T><<<grid, kThreadsB, kSmemB, stream>>>(p, head_group, delta, dq_acc, tq, tdo, tk, tv, tdq);
+  bwd_sm90_kernel<T, D><<<grid, kThreadsB, kSmemB, stream>>>(p, head_group, delta, dq_acc, tq, tdo, tk, tv, tdq);
   return kernel::cuda::launch_error("attention_backward (hopper)");
 }
 
@@ -430,8 +463,7 @@ const char* attention_sm90_backward_unsupported(const AttentionParams& p) {
 #else
   if (device_cc() != 90) return "the device is not compute capability 9.0";
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "the dtype is not bf16 or f16";
-  if (p.head_dim != kD) return "head_dim is not 128";
-  if (p.window > 0) return "sliding windows are not on this path";
+  if (p.head_dim != 64 && p.head_dim != 128) return "head_dim is not 64 or 128";
   if (!(p.scale > 0.0f)) return "scale is not positive";
   for (const Operand* o : {&p.q, &p.k, &p.v, &p.dout})  // the tensor maps' 16-byte rule
     if ((reinterpret_cast<uintptr_t>(o->data) & 15u) != 0 || o->sb % 8 != 0 || o->sh % 8 != 0 || o->ss % 8 != 0)
@@ -452,7 +484,9 @@ const char* attention_sm90_backward_unsupported(const AttentionParams& p) {
 
 const char* attention_backward_sm90(const AttentionParams& p, const float* delta, float* dq_acc, cudaStream_t stream) {
   if (p.batch == 0 || p.seq_kv == 0) return nullptr;
-  return p.dtype == DType::bf16 ? launch_bwd<__nv_bfloat16>(p, delta, dq_acc, stream) : launch_bwd<__half>(p, delta, dq_acc, stream);
+  if (p.head_dim == 64)
+    return p.dtype == DType::bf16 ? launch_bwd<__nv_bfloat16, 64>(p, delta, dq_acc, stream) : launch_bwd<__half, 64>(p, delta, dq_acc, stream);
+  return p.dtype == DType::bf16 ? launch_bwd<__nv_bfloat16, 128>(p, delta, dq_acc, stream) : launch_bwd<__half, 128>(p, delta, dq_acc, stream);
 }
 
 }  // namespace kcpp::flash

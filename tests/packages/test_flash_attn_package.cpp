@@ -152,8 +152,8 @@ using test::ScopedEnv;
 // fallback to another path fails the call: lengths that are no multiple of its 128-row tiles (1, 127,
 // 257, 4097), fewer queries than keys, grouped-query heads (32 / 8), causal or not, head_dim 64 / 128 / 256,
 // bf16 / f16, the [B, S, H, D] layout, and more work items than SMs (the persistent blocks take
-// several each).  The backward (the Hopper one at head dim 128, else mma.sync or generic) consumes the lse
-// it writes.
+// several each); sliding windows.  The backward (the Hopper one at head dims 64 and 128, else the generic
+// one) consumes the lse it writes.
 TEST(FlashAttnHopper, ForwardOnAwkwardLengths) {
   const Device dev = Device::cuda(0);
   KCPP_REQUIRE_DEVICE(dev);
@@ -169,6 +169,10 @@ TEST(FlashAttnHopper, ForwardOnAwkwardLengths) {
       {8, 16, 4, 129, 129, 64, true, 0},  {8, 16, 4, 200, 333, 128, false, 0}, {150, 2, 1, 1, 1, 128, true, 0},
       // Head dim 256 (64-key tiles; the backward is the generic one).
       {1, 4, 2, 127, 300, 256, true, 0},  {2, 2, 1, 200, 200, 256, false, 0},  {1, 2, 1, 129, 129, 256, true, 0},
+      // Sliding windows: narrower than a tile, of one key, over several tiles with fewer queries than
+      // keys, without the causal mask (then keys after the query count), at every head dim.
+      {1, 4, 2, 300, 300, 128, true, 17}, {1, 2, 1, 200, 200, 128, true, 1},   {1, 2, 1, 129, 700, 64, true, 200},
+      {2, 2, 1, 257, 257, 128, false, 100}, {1, 4, 2, 300, 300, 256, true, 65}, {1, 2, 1, 4097, 4097, 64, true, 1000},
   };
   for (DType dt : {DType::bf16, DType::f16})
     for (const Case& c : cases)
@@ -180,9 +184,9 @@ TEST(FlashAttnHopper, ForwardOnAwkwardLengths) {
 }
 
 // The Hopper backward (wgmma + TMA, sm_90a), required through KCPP_FLASH_ATTN_BACKWARD=hopper: head_dim
-// 128, lengths that are no multiple of its 128-key blocks or 64-query tiles (1, 127, 129, 190, 4097),
+// 128 and 64, lengths that are no multiple of its 128-key blocks or 64-query tiles (1, 127, 129, 190, 4097),
 // fewer queries than keys (a KV cache), grouped-query heads (32 / 8, dk / dv summed over the group),
-// causal or not, bf16 / f16, the [B, S, H, D] layout, more blocks than SMs.
+// causal or not, sliding windows, bf16 / f16, the [B, S, H, D] layout, more blocks than SMs.
 TEST(FlashAttnHopper, BackwardOnAwkwardLengths) {
   const Device dev = Device::cuda(0);
   KCPP_REQUIRE_DEVICE(dev);
@@ -195,6 +199,13 @@ TEST(FlashAttnHopper, BackwardOnAwkwardLengths) {
       {1, 4, 2, 127, 300, 128, true, 0},   {1, 2, 1, 64, 200, 128, true, 0},   {2, 2, 1, 257, 257, 128, false, 0},
       {1, 2, 2, 1, 200, 128, false, 0},    {1, 4, 1, 190, 190, 128, false, 0}, {8, 16, 4, 200, 333, 128, false, 0},
       {1, 2, 1, 4097, 4097, 128, true, 0},
+      // Windows: within a query tile, of one key, across blocks with fewer queries than keys, non-causal.
+      {1, 4, 2, 300, 300, 128, true, 17},  {1, 2, 1, 200, 200, 128, true, 1},  {1, 2, 1, 129, 700, 128, true, 200},
+      {2, 2, 1, 257, 257, 128, false, 100}, {1, 2, 1, 4097, 4097, 128, true, 1000},
+      // Head dim 64: each consumer warpgroup's dQ is 32 columns, half of K's swizzled rows.
+      {2, 4, 1, 1, 1, 64, true, 0},        {1, 32, 8, 127, 127, 64, true, 0},  {1, 4, 2, 127, 300, 64, true, 0},
+      {2, 2, 1, 257, 257, 64, false, 0},   {8, 16, 4, 200, 333, 64, false, 0}, {1, 2, 1, 4097, 4097, 64, true, 0},
+      {1, 4, 2, 300, 300, 64, true, 17},   {2, 2, 1, 257, 257, 64, false, 100},
   };
   for (DType dt : {DType::bf16, DType::f16})
     for (const Case& c : cases)
@@ -222,31 +233,38 @@ TEST(FlashAttnHopper, RequiredPathIsRefusedWhereItCannotRun) {
   const Tensor out = Tensor::empty(q.shape(), q.dtype(), dev);
   KernelArgs a;
   a.tensor("q", q).tensor("k", kv).tensor("v", kv).tensor("out", out).integer("window", 4);
-  {
-    const ScopedEnv env("KCPP_FLASH_ATTN_FORWARD", "hopper");
-    EXPECT_TRUE(test::refused(k.supports(a, dev, test::kInference), KCPP_ERROR_UNSUPPORTED, "KCPP_FLASH_ATTN_FORWARD=hopper"));
+  // f32 is on neither tensor-core forward: the generic kernel takes it, a required one is refused.
+  const Tensor qf = q.to(DType::f32), kvf = kv.to(DType::f32), outf = Tensor::empty(q.shape(), DType::f32, dev);
+  KernelArgs af;
+  af.tensor("q", qf).tensor("k", kvf).tensor("v", kvf).tensor("out", outf);
+  for (const char* path : {"hopper", "ampere"}) {
+    const ScopedEnv env("KCPP_FLASH_ATTN_FORWARD", path);
+    EXPECT_TRUE(k.supports(a, dev, test::kInference).ok()) << path;  // a window is on both
+    EXPECT_TRUE(test::refused(k.supports(af, dev, test::kInference), KCPP_ERROR_UNSUPPORTED, "KCPP_FLASH_ATTN_FORWARD=")) << path;
   }
   {
-    const ScopedEnv env("KCPP_FLASH_ATTN_FORWARD", "ampere");
-    EXPECT_TRUE(k.supports(a, dev, test::kInference).ok());
+    const ScopedEnv env("KCPP_FLASH_ATTN_FORWARD", "generic");
+    EXPECT_TRUE(k.supports(af, dev, test::kInference).ok());
   }
   {
     const ScopedEnv env("KCPP_FLASH_ATTN_FORWARD", "fastest");
     EXPECT_TRUE(test::refused(k.supports(a, dev, test::kInference), KCPP_ERROR_UNSUPPORTED, "'fastest'"));
   }
-  // The backward likewise (head_dim 64 is not on the Hopper backward), once the call has dout.
-  const Tensor lse = Tensor::empty({1, 2, 8}, DType::f32, dev), dq = Tensor::empty(q.shape(), q.dtype(), dev);
-  const Tensor dk = Tensor::empty(kv.shape(), kv.dtype(), dev), dv = Tensor::empty(kv.shape(), kv.dtype(), dev);
+  // The backward likewise (head dim 96 is on neither tensor-core backward), once the call has dout.
+  const Tensor q96 = Tensor::randn({1, 2, 8, 96}, DType::bf16, dev, gen), kv96 = Tensor::randn({1, 1, 8, 96}, DType::bf16, dev, gen);
+  const Tensor out96 = Tensor::empty(q96.shape(), q96.dtype(), dev), lse = Tensor::empty({1, 2, 8}, DType::f32, dev);
+  const Tensor dq = Tensor::empty(q96.shape(), q96.dtype(), dev);
+  const Tensor dk = Tensor::empty(kv96.shape(), kv96.dtype(), dev), dv = Tensor::empty(kv96.shape(), kv96.dtype(), dev);
   KernelArgs bw;
-  bw.tensor("dout", out).tensor("q", q).tensor("k", kv).tensor("v", kv).tensor("out", out).tensor("lse", lse);
+  bw.tensor("dout", out96).tensor("q", q96).tensor("k", kv96).tensor("v", kv96).tensor("out", out96).tensor("lse", lse);
   bw.tensor("dq", dq).tensor("dk", dk).tensor("dv", dv);
-  {
-    const ScopedEnv env("KCPP_FLASH_ATTN_BACKWARD", "hopper");
-    EXPECT_TRUE(test::refused(k.supports(bw, dev, test::kTraining), KCPP_ERROR_UNSUPPORTED, "KCPP_FLASH_ATTN_BACKWARD=hopper"));
+  for (const char* path : {"hopper", "ampere"}) {
+    const ScopedEnv env("KCPP_FLASH_ATTN_BACKWARD", path);
+    EXPECT_TRUE(test::refused(k.supports(bw, dev, test::kTraining), KCPP_ERROR_UNSUPPORTED, "KCPP_FLASH_ATTN_BACKWARD=")) << path;
     EXPECT_TRUE(k.supports(a, dev, test::kInference).ok());  // a forward call does not ask for the backward
   }
   {
-    const ScopedEnv env("KCPP_FLASH_ATTN_BACKWARD", "ampere");
+    const ScopedEnv env("KCPP_FLASH_ATTN_BACKWARD", "generic");
     EXPECT_TRUE(k.supports(bw, dev, test::kTraining).ok());
   }
   {
@@ -531,7 +549,8 @@ TEST(FlashAttnVarlen, GenericCudaKernels) {
 // inside the next sequence (its rows must not be written), fewer queries than keys and more (the first
 // see no key under causal), sequences without keys and with no keys at all, grouped-query heads (32 /
 // 8), causal or not, 300 short sequences (many work items without rows), bf16 / f16, the backward's
-// three block orders; the forward at head dims 64 and 256 too (their backward then mma.sync or generic).
+// three block orders; sliding windows; head dim 64 both ways, and the forward at head dim 256 (its backward
+// the generic one).
 TEST(FlashAttnHopper, VarlenOnAwkwardLengths) {
   const Device dev = Device::cuda(0);
   KCPP_REQUIRE_DEVICE(dev);
@@ -549,12 +568,19 @@ TEST(FlashAttnHopper, VarlenOnAwkwardLengths) {
       {{200, 70}, {130, 190}, 2, 1, 128, false, 0},
       {{3, 2}, {0, 0}, 2, 1, 128, true, 0},
       {many, many, 4, 2, 128, true, 0},
-  };
-  const VarlenCase forward_only[] = {
+      // Sliding windows: narrower than a tile, non-causal, and across tiles with a 32 / 8 head group.
+      {{7, 0, 1, 129, 33}, {7, 0, 1, 129, 33}, 4, 2, 128, true, 5},
+      {{200, 70}, {130, 190}, 2, 1, 128, false, 50},
+      {{300, 65, 1000}, {300, 65, 1000}, 32, 8, 128, true, 257},
+      // Head dim 64.
       {{7, 0, 1, 129, 33}, {7, 0, 1, 129, 33}, 4, 2, 64, true, 0},
       {{300, 65}, {300, 100}, 2, 1, 64, false, 0},
+      {{300, 65}, {300, 100}, 2, 1, 64, true, 70},
+  };
+  const VarlenCase forward_only[] = {
       {{1, 7, 129, 0, 70}, {5, 7, 200, 3, 64}, 2, 1, 256, true, 0},
       {{130, 3}, {130, 3}, 2, 2, 256, false, 0},
+      {{1, 7, 129, 0, 70}, {5, 7, 200, 3, 64}, 2, 1, 256, true, 33},
   };
   for (DType dt : {DType::bf16, DType::f16}) {
     for (const char* order : {"keys", "heads", "grouped", "3"}) {  // the backward's block orders
@@ -565,25 +591,6 @@ TEST(FlashAttnHopper, VarlenOnAwkwardLengths) {
     const ScopedEnv fwd("KCPP_FLASH_ATTN_FORWARD", "hopper");
     for (const VarlenCase& c : forward_only) check_varlen(k, c, dt, dev, gen);
   }
-}
-
-// Varlen with a sliding window is not on the Hopper paths: required through the environment, the call
-// is refused naming why; without the window it is taken.
-TEST(FlashAttnVarlen, HopperRefusesAWindow) {
-  const Device dev = Device::cuda(0);
-  KCPP_REQUIRE_DEVICE(dev);
-  if (!hopper_here()) GTEST_SKIP() << "skipped: needs a compute capability 9.0 GPU and a build with sm_90a";
-  Generator gen = test::test_generator();
-  const KernelLayer k = layer();
-  const Tensor q = Tensor::randn({10, 2, 128}, DType::bf16, dev, gen), kv = Tensor::randn({10, 1, 128}, DType::bf16, dev, gen);
-  const Tensor out = Tensor::empty(q.shape(), q.dtype(), dev), cu = cu_seqlens({3, 7}, dev);
-  KernelArgs a;
-  a.tensor("q", q).tensor("k", kv).tensor("v", kv).tensor("out", out).tensor("cu_seqlens_q", cu).tensor("cu_seqlens_k", cu);
-  a.integer("max_seqlen_q", 7).integer("max_seqlen_k", 7);
-  const ScopedEnv env("KCPP_FLASH_ATTN_FORWARD", "hopper");
-  EXPECT_TRUE(k.supports(a, dev, test::kInference).ok());
-  a.integer("window", 4);
-  EXPECT_TRUE(test::refused(k.supports(a, dev, test::kInference), KCPP_ERROR_UNSUPPORTED, "KCPP_FLASH_ATTN_FORWARD=hopper"));
 }
 
 // max_seqlen_q / max_seqlen_k are bounds: any value at least the longest sequence gives the same
