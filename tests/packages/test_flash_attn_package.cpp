@@ -267,6 +267,16 @@ TEST(FlashAttnHopper, RequiredPathIsRefusedWhereItCannotRun) {
     const ScopedEnv env("KCPP_FLASH_ATTN_BACKWARD", "generic");
     EXPECT_TRUE(k.supports(bw, dev, test::kTraining).ok());
   }
+  // Head dim 64 in bf16 is on both.
+  const Tensor lse64 = Tensor::empty({1, 2, 8}, DType::f32, dev), dq64 = Tensor::empty(q.shape(), q.dtype(), dev);
+  const Tensor dk64 = Tensor::empty(kv.shape(), kv.dtype(), dev), dv64 = Tensor::empty(kv.shape(), kv.dtype(), dev);
+  KernelArgs bw64;
+  bw64.tensor("dout", out).tensor("q", q).tensor("k", kv).tensor("v", kv).tensor("out", out).tensor("lse", lse64);
+  bw64.tensor("dq", dq64).tensor("dk", dk64).tensor("dv", dv64).integer("window", 4);
+  for (const char* path : {"hopper", "ampere"}) {
+    const ScopedEnv env("KCPP_FLASH_ATTN_BACKWARD", path);
+    EXPECT_TRUE(k.supports(bw64, dev, test::kTraining).ok()) << path;
+  }
   {
     const ScopedEnv env("KCPP_FLASH_ATTN_BACKWARD", "fastest");
     EXPECT_TRUE(test::refused(k.supports(bw, dev, test::kTraining), KCPP_ERROR_UNSUPPORTED, "'fastest'"));
