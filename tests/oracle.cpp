@@ -315,7 +315,7 @@ V cross_entropy_backward(const V& logits, const std::vector<int64_t>& t, const V
 }
 
 Attn attention(const V& q, const V& k, const V& v, const V* dout, int64_t b, int64_t hq, int64_t hkv, int64_t sq,
-               int64_t skv, int64_t d, double scale, bool causal, int64_t window, int64_t chunk) {
+               int64_t skv, int64_t d, double scale, bool causal, int64_t window, int64_t chunk, double softcap) {
   Attn r{V(q.size()), V(q.size()), V(k.size()), V(v.size())};
   const int64_t g = hq / hkv;
   // A task per (batch, kv head): it alone writes that head's dk, dv and its query heads' out, dq, in
@@ -323,7 +323,7 @@ Attn attention(const V& q, const V& k, const V& v, const V* dout, int64_t b, int
 #pragma omp parallel for schedule(dynamic)
   for (int64_t bk = 0; bk < b * hkv; ++bk) {
     const int64_t bi = bk / hkv, kh = bk % hkv;
-    V p(static_cast<size_t>(skv)), dp(static_cast<size_t>(skv));
+    V p(static_cast<size_t>(skv)), dp(static_cast<size_t>(skv)), slope(static_cast<size_t>(skv), 1.0);
     for (int64_t h = kh * g; h < (kh + 1) * g; ++h) {
       for (int64_t i = 0; i < sq; ++i) {
         const int64_t pos = i + skv - sq;
@@ -339,6 +339,10 @@ Attn attention(const V& q, const V& k, const V& v, const V* dout, int64_t b, int
           double s = 0;
           for (int64_t c = 0; c < d; ++c) s += qi[c] * kj[c];
           p[j] = s * scale;
+          if (softcap > 0) {
+            const double u = std::tanh(p[j] / softcap);
+            p[j] = softcap * u, slope[j] = 1 - u * u;
+          }
           mx = std::max(mx, p[j]);
         }
         double sum = 0;
@@ -361,7 +365,7 @@ Attn attention(const V& q, const V& k, const V& v, const V* dout, int64_t b, int
         }
         double* dqi = r.dq.data() + ((bi * hq + h) * sq + i) * d;
         for (int64_t j = 0; j < skv; ++j) {
-          const double ds = p[j] * (dp[j] - dot) * scale;
+          const double ds = p[j] * (dp[j] - dot) * slope[j] * scale;
           const double* kj = k.data() + ((bi * hkv + kh) * skv + j) * d;
           double* dkj = r.dk.data() + ((bi * hkv + kh) * skv + j) * d;
           double* dvj = r.dv.data() + ((bi * hkv + kh) * skv + j) * d;

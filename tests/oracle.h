@@ -83,8 +83,9 @@ struct Attn {
 };
 // q [B, Hq, Sq, D], k/v [B, Hkv, Skv, D]; with dout given, also the gradients.  chunk > 0: key j is
 // visible to the query at position p only when j / chunk == p / chunk (Llama 4's chunked attention).
+// softcap c > 0: the scores are c tanh(scale q.k / c) (Gemma 2).
 Attn attention(const V& q, const V& k, const V& v, const V* dout, int64_t b, int64_t hq, int64_t hkv, int64_t sq,
-               int64_t skv, int64_t d, double scale, bool causal, int64_t window, int64_t chunk = 0);
+               int64_t skv, int64_t d, double scale, bool causal, int64_t window, int64_t chunk = 0, double softcap = 0);
 
 // A mixture-of-experts block (docs/contracts/MoE.md) in f64, without the kernels' intermediate
 // roundings.  Routing ids are an input: the caller checks the kernel's choice with moe_route first

@@ -226,24 +226,30 @@ TEST_P(Nn, AttentionForwardBackward) {
     int64_t b, hq, hkv, sq, skv, d;
     bool causal;
     int64_t window, chunk = 0;
+    double softcap = 0;
   };
-  // The last three: Llama 4's chunked attention (chunks of 4 over 13 positions; 5 queries at the end of 23
-  // keys, the chunk boundary at 20 among them; a chunk longer than the sequence).
+  // Then three of Llama 4's chunked attention (chunks of 4 over 13 positions; 5 queries at the end of 23
+  // keys, the chunk boundary at 20 among them; a chunk longer than the sequence) and three of Gemma 2's
+  // soft-capping (caps of 1 and 2 bend the scores of queries of standard deviation 3).
   const Case cases[] = {{1, 1, 1, 1, 1, 8, true, 0},    {2, 4, 2, 13, 13, 16, true, 0}, {1, 6, 2, 7, 19, 32, true, 0},
                         {2, 3, 3, 11, 11, 8, false, 0}, {1, 4, 1, 17, 17, 16, true, 5}, {1, 2, 1, 5, 23, 64, true, 9},
-                        {2, 4, 2, 13, 13, 16, true, 0, 4}, {1, 2, 1, 5, 23, 8, true, 0, 5}, {1, 2, 2, 7, 7, 8, true, 0, 64}};
+                        {2, 4, 2, 13, 13, 16, true, 0, 4}, {1, 2, 1, 5, 23, 8, true, 0, 5}, {1, 2, 2, 7, 7, 8, true, 0, 64},
+                        {2, 4, 2, 13, 13, 16, true, 0, 0, 1.0}, {1, 2, 1, 5, 23, 32, false, 0, 0, 2.0},
+                        {1, 4, 1, 17, 17, 16, true, 5, 0, 1.0}};
   for (DType dt : test::float_dtypes(dev))
     for (const Case& c : cases) {
-      const Tensor q = Tensor::randn({c.b, c.hq, c.sq, c.d}, dt, dev, gen);
+      const Tensor q = Tensor::randn({c.b, c.hq, c.sq, c.d}, dt, dev, gen, 0.0, c.softcap > 0 ? 3.0 : 1.0);
       const Tensor k = Tensor::randn({c.b, c.hkv, c.skv, c.d}, dt, dev, gen);
       const Tensor v = Tensor::randn({c.b, c.hkv, c.skv, c.d}, dt, dev, gen);
       const Tensor dout = Tensor::randn({c.b, c.hq, c.sq, c.d}, dt, dev, gen);
-      const ops::AttentionOptions opt{0.0, c.causal, c.window, c.chunk};
+      const ops::AttentionOptions opt{0.0, c.causal, c.window, c.chunk, c.softcap};
       const auto dv = dout.to_f64_vector();
       const auto ref = oracle::attention(q.to_f64_vector(), k.to_f64_vector(), v.to_f64_vector(), &dv, c.b, c.hq,
-                                         c.hkv, c.sq, c.skv, c.d, 1.0 / std::sqrt(double(c.d)), c.causal, c.window, c.chunk);
-      const std::string cfg = fmt::format("{} hq={} hkv={} sq={} skv={} d={} causal={} window={} chunk={}", config_name(dev, dt),
-                                          c.hq, c.hkv, c.sq, c.skv, c.d, c.causal, c.window, c.chunk);
+                                         c.hkv, c.sq, c.skv, c.d, 1.0 / std::sqrt(double(c.d)), c.causal, c.window, c.chunk,
+                                         c.softcap);
+      const std::string cfg = fmt::format("{} hq={} hkv={} sq={} skv={} d={} causal={} window={} chunk={} softcap={}",
+                                          config_name(dev, dt), c.hq, c.hkv, c.sq, c.skv, c.d, c.causal, c.window, c.chunk,
+                                          c.softcap);
       const auto fwd = ops::attention_forward(q, k, v, opt);
       const double tol = test::composite_rel_l2(dt);
       EXPECT_TRUE(close_l2(fwd.out, ref.out, tol)) << cfg;

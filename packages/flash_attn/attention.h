@@ -5,7 +5,8 @@
 // Maths, per batch b and query head h (kv head h / (Hq / Hkv), grouped-query attention), query i at
 // position pos_i = i + Skv - Sq (the queries are the last Sq positions of the keys):
 //   visible(i, j) = (!causal || j <= pos_i) && (window <= 0 || pos_i - j < window)
-//   s_ij  = scale * q_i . k_j                          (f32 accumulation)
+//   t_ij  = scale * q_i . k_j                          (f32 accumulation)
+//   s_ij  = c tanh(t_ij / c) with softcap c > 0 (Gemma 2's logit soft-capping), else t_ij
 //   lse_i = log sum_{j visible} exp(s_ij)              (-inf when no key is visible)
 //   out_i = sum_j exp(s_ij - lse_i) v_j                 (0 when no key is visible)
 // Forward streams the keys in tiles with the running maximum and sum of the online softmax
@@ -13,10 +14,15 @@
 // Backward recomputes p_ij = exp(s_ij - lse_i) tile by tile:
 //   delta_i = dout_i . out_i
 //   dv_j = sum_i p_ij dout_i                dp_ij = dout_i . v_j
-//   ds_ij = p_ij (dp_ij - delta_i)
+//   ds_ij = p_ij (dp_ij - delta_i) (1 - (s_ij / c)^2)    (the last factor, ds / dt, only with softcap)
 //   dq_i = scale sum_j ds_ij k_j            dk_j = scale sum_i ds_ij q_i
 // dk and dv summed over each kv head's query heads.  Everything is accumulated in f32; p and ds are
 // rounded to the dtype before they meet v, dout, q and k on the tensor cores (as FlashAttention-2).
+// Soft-capping on the tensor-core paths takes tanh as 1 - 2 / (2^(2 log2(e) x) + 1) from the special
+// function unit's 2^x and reciprocal (kernel::tanh_approx: an absolute error about 2^-21, so the capped
+// score's error is c 2^-21, against c 2^-11 for tanh.approx.f32); the generic CUDA and CPU paths take
+// tanh in their accumulation type.  The backward recomputes tanh from the scores, so it needs no extra
+// saved state: lse is still the only one.
 //
 // Layout: every tensor is [B, H, S, D] with D contiguous and any strides for B, H and S (so the
 // projections' [B, S, H, D] output needs no transpose copy); lse is contiguous [B, Hq, Sq] f32.
@@ -25,12 +31,13 @@
 //        one writer each).
 //   CUDA forward, Hopper (sm_90a, attention_sm90.cu): FlashAttention-3's scheme, wgmma on tiles brought
 //        in by TMA, producer / consumer warpgroups, softmax overlapped with the matrix products: bf16 /
-//        f16, D in {64, 128, 256}, causal or not, sliding windows, scale > 0, 16-byte aligned rows and strides, on a
-//        compute capability 9.0 device of a build that includes sm_90a.  It writes the same lse, so the
+//        f16, D in {64, 128, 256}, causal or not, sliding windows, soft-capping, scale > 0, 16-byte aligned
+//        rows and strides, on a compute capability 9.0 device of a build that includes sm_90a.  It writes the same lse, so the
 //        backward below consumes it.
 //   CUDA backward, Hopper (attention_sm90_bwd.cu): FlashAttention-3's backward, a block per 128 keys of a
 //        kv head, dk / dv in registers, wgmma on tiles brought in by TMA, dq added in f32 into the
-//        workspace: bf16 / f16, D in {64, 128}, sliding windows, scale > 0, 16-byte aligned rows and strides.
+//        workspace: bf16 / f16, D in {64, 128}, sliding windows, soft-capping, scale > 0, 16-byte aligned
+//        rows and strides.
 //   CUDA, tensor cores (mma.sync m16n8k16, f32 accumulate): bf16 / f16, D in {64, 128}, scale > 0, 16-byte
 //        aligned rows.  Forward: a block of 4 warps per 64 queries, K / V tiles of 64 keys
 //        double-buffered in shared memory by cp.async.  Backward: a block per 64 keys of a kv head,
@@ -38,6 +45,7 @@
 //        registers, dq added in f32 into a workspace (then scaled and rounded by a last pass).
 //   CUDA, generic: everything else (f32, other D up to 256, unaligned rows): a warp per query row
 //        (forward, dq) or per key row (dk, dv); correct, not fast.
+//   Every path takes every mask and soft-capping.
 // Memory: forward none beyond out and lse; backward (CUDA) attention_backward_workspace(p) bytes:
 // delta [B, Hq, Sq] f32 and the dq accumulator [B, Hq, Sq, D] f32 (varlen: [Hq, total_q] and
 // [Hq, total_q, D]).
@@ -97,6 +105,7 @@ struct AttentionParams {
   float scale = 0.0f;  // required (> 0 is not required: any finite value)
   bool causal = true;
   int64_t window = 0;  // > 0: a sliding window of this many keys, the query's own included
+  float softcap = 0.0f;  // c > 0: logit soft-capping, s = c tanh(scale q.k / c); 0: none
   Operand q, k, v;
   Operand out;          // forward: written; backward: read (delta)
   float* lse = nullptr; // forward: written when non-null; backward: read (required)

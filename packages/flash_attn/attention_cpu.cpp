@@ -37,6 +37,11 @@ const char* attention_check(const AttentionParams& p, bool backward) {
                         static_cast<long long>(p.seq_q), static_cast<long long>(p.seq_kv));
   KCPP_KERNEL_REQUIRE(p.window >= 0, "%s: window %lld < 0", op, static_cast<long long>(p.window));
   KCPP_KERNEL_REQUIRE(std::isfinite(p.scale), "%s: scale is not finite", op);
+  KCPP_KERNEL_REQUIRE(p.softcap >= 0.0f && std::isfinite(p.softcap), "%s: softcap %g must be >= 0 and finite (0: none)", op,
+                      static_cast<double>(p.softcap));
+  // The tensor-core paths scale the scores by scale / softcap in f32.
+  KCPP_KERNEL_REQUIRE(p.softcap == 0.0f || std::isfinite(p.scale / p.softcap), "%s: scale %g / softcap %g overflows a float", op,
+                      static_cast<double>(p.scale), static_cast<double>(p.softcap));
   // No keys: batched, no queries either (nothing to check); varlen may still have queries (out / dq zero).
   const bool keys = p.batch > 0 && p.seq_kv > 0, queries = p.batch > 0 && p.seq_q > 0;
   if (backward && keys) KCPP_KERNEL_REQUIRE(p.dk.data && p.dv.data, "%s: dk or dv is null", op);
@@ -112,6 +117,11 @@ Range visible(const AttentionParams& p, const Sequence& sq, int64_t i) {
 // oracle, leaves no room for the different summation order of a tiled algorithm), f32 for 16-bit.
 template <typename T> using Acc = std::conditional_t<std::is_same_v<T, float>, double, float>;
 
+// The score of t = scale q.k (attention.h): c tanh(t / c) with softcap c, else t.
+template <typename A> inline A capped(A t, A c) { return c > A(0) ? c * std::tanh(t / c) : t; }
+// d score / d t at score s: 1 - (s / c)^2 with softcap c, else 1.
+template <typename A> inline A cap_slope(A s, A c) { return c > A(0) ? A(1) - (s / c) * (s / c) : A(1); }
+
 template <typename A> inline A dot(const A* a, const A* b, int64_t n) {
   A s = 0;
 #pragma omp simd reduction(+ : s)
@@ -134,6 +144,7 @@ template <typename T> KCPP_CPU_MULTIVERSION void forward(const AttentionParams& 
   const A ninf = -std::numeric_limits<A>::infinity();
   const int64_t d = p.head_dim, group = p.heads_q / p.heads_kv, blocks = (p.seq_q + kRows - 1) / kRows;
   const int64_t tasks = p.batch * p.heads_q * blocks;
+  const A cap = A(p.softcap);
 #pragma omp parallel
   {
     std::vector<A> q(kRows * d), o(kRows * d), kv(d), s(kRows * p.seq_kv);
@@ -154,7 +165,7 @@ template <typename T> KCPP_CPU_MULTIVERSION void forward(const AttentionParams& 
       for (int64_t j = lo; j <= hi; ++j) {  // scores
         load(p.k.at<T>(b, hk, kb + j), d, kv.data());
         for (int64_t a = 0; a < rows; ++a)
-          s[a * p.seq_kv + j] = j >= r[a].lo && j <= r[a].hi ? A(p.scale) * dot(q.data() + a * d, kv.data(), d) : ninf;
+          s[a * p.seq_kv + j] = j >= r[a].lo && j <= r[a].hi ? capped(A(p.scale) * dot(q.data() + a * d, kv.data(), d), cap) : ninf;
       }
       A inv[kRows];
       for (int64_t a = 0; a < rows; ++a) {  // softmax of each row, lse
@@ -184,6 +195,7 @@ template <typename T> KCPP_CPU_MULTIVERSION void forward(const AttentionParams& 
 template <typename T> KCPP_CPU_MULTIVERSION void backward(const AttentionParams& p) {
   using A = Acc<T>;
   const int64_t d = p.head_dim, group = p.heads_q / p.heads_kv, tasks = p.batch * p.heads_kv;
+  const A cap = A(p.softcap);
 #pragma omp parallel
   {
     std::vector<A> dk(p.seq_kv * d), dv(p.seq_kv * d), q(kRows * d), dout(kRows * d), dq(kRows * d), kr(d), vr(d), tmp(d);
@@ -217,7 +229,7 @@ template <typename T> KCPP_CPU_MULTIVERSION void backward(const AttentionParams&
               A mx = -std::numeric_limits<A>::infinity(), sum = 0;
               for (int64_t j = r[a].lo; j <= r[a].hi; ++j) {  // online: one dot per key
                 load(p.k.at<T>(b, hk, kb + j), d, kr.data());
-                const A x = A(p.scale) * dot(q.data() + a * d, kr.data(), d);
+                const A x = capped(A(p.scale) * dot(q.data() + a * d, kr.data(), d), cap);
                 if (x > mx) sum = sum * std::exp(mx - x) + 1, mx = x;
                 else sum += std::exp(x - mx);
               }
@@ -232,8 +244,8 @@ template <typename T> KCPP_CPU_MULTIVERSION void backward(const AttentionParams&
               if (j < r[a].lo || j > r[a].hi || lse[a] == -std::numeric_limits<A>::infinity()) continue;
               const A* qa = q.data() + a * d;
               const A* da = dout.data() + a * d;
-              const A pj = std::exp(A(p.scale) * dot(qa, kr.data(), d) - lse[a]);
-              const A ds = pj * (dot(da, vr.data(), d) - delta[a]);
+              const A sj = capped(A(p.scale) * dot(qa, kr.data(), d), cap), pj = std::exp(sj - lse[a]);
+              const A ds = pj * (dot(da, vr.data(), d) - delta[a]) * cap_slope(sj, cap);
               axpy(ds, kr.data(), dq.data() + a * d, d);
               axpy(ds, qa, dk.data() + j * d, d);
               axpy(pj, da, dv.data() + j * d, d);

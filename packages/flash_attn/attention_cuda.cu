@@ -176,7 +176,10 @@ template <typename T, int D> __global__ void __launch_bounds__(kThreads) fwd_ker
   if (n_begin < n_end) load_kv(n_begin, 0);
   cp_async_commit();
 
-  const float sl2 = p.scale * kLog2e;
+  // Soft-capping: the scores become tanh(scale q.k / c) in [-1, 1], and c log2(e) takes the place of
+  // scale log2(e) below (both positive: the maximum is taken before the factor).
+  const bool cap = p.softcap > 0.0f;
+  const float t_scale = cap ? p.scale / p.softcap : 0.0f, sl2 = (cap ? p.softcap : p.scale) * kLog2e;
   float o[D / 8][4] = {};
   float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   uint32_t qf[D / 16][4];
@@ -204,13 +207,18 @@ template <typename T, int D> __global__ void __launch_bounds__(kThreads) fwd_ker
         mma<T>(s[2 * np], qf[kk], r[0], r[1]);
         mma<T>(s[2 * np + 1], qf[kk], r[2], r[3]);
       }
+    if (cap)
+#pragma unroll
+      for (int nt = 0; nt < kBc / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = kernel::tanh_approx(s[nt][e] * t_scale);
     const int64_t j0 = n * kBc;
     const bool masked = (p.causal && j0 + kBc - 1 > pos_lo) || (p.window > 0 && j0 <= pos_hi - p.window) ||
                         j0 + kBc > skv;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      // The maximum of the raw scores (scale > 0 on this path), then p = 2^(s scale log2(e) - max
-      // scale log2(e)): one FFMA and one MUFU per score.  mx holds the scaled running maximum.
+      // The maximum of the scores before the factor sl2 (> 0 on this path), then p = 2^(s sl2 - max sl2):
+      // one FFMA and one MUFU per score.  mx holds the scaled running maximum.
       float m_raw = -INFINITY;
       if (masked) {
         const int64_t pos = q0 + warp * 16 + g + 8 * hf + off;
@@ -300,7 +308,10 @@ template <typename T, int D> constexpr int bwd_smem() {
          2 * kBr * static_cast<int>(sizeof(float));
 }
 
-template <typename T, int D>
+// Cap: soft-capping (p.softcap > 0).  ds then needs tanh itself (its slope 1 - tanh^2), so dP^T is
+// computed before P^T and both come out of one pass over the scores (without the cap, dP^T is computed
+// after dV's product, which keeps fewer accumulators live at once).
+template <typename T, int D, bool Cap>
 __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, const float* delta, float* dq_acc) {
   extern __shared__ __align__(128) unsigned char smem[];
   T* sK = reinterpret_cast<T*>(smem);
@@ -349,7 +360,7 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, 
   if (iters > 0) load_q(0);
   else cp_async_commit();
 
-  const float sl2 = p.scale * kLog2e;
+  const float t_scale = Cap ? p.scale / p.softcap : 0.0f, sl2 = (Cap ? p.softcap : p.scale) * kLog2e;
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   for (int64_t it = 0; it < iters; ++it) {
     {
@@ -360,8 +371,9 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, 
       __syncthreads();
 
       // s^T = k q^T: this warp's 16 keys x the tile's 64 queries; then p^T.
-      float st[kBr / 8][4] = {};
+      float st[kBr / 8][4] = {}, dpt[kBr / 8][4] = {};
       mma_rows_bt<T, D, kBr>(st, sK, warp * 16, sQ, lane);
+      if constexpr (Cap) mma_rows_bt<T, D, kBr>(dpt, sV, warp * 16, sO, lane);  // dp^T = v dout^T
       const bool masked = (p.causal && k0 + kBc - 1 > i0 + off) || (p.window > 0 && i0 + kBr - 1 + off - k0 >= p.window) ||
                           k0 + kBc > skv;
 #pragma unroll
@@ -369,9 +381,11 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, 
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qi = nt * 8 + 2 * t + (e & 1);
-          float x = exp2_approx(fmaf(st[nt][e], sl2, -sL[qi]));
+          const float u = Cap ? kernel::tanh_approx(st[nt][e] * t_scale) : st[nt][e];
+          float x = exp2_approx(fmaf(u, sl2, -sL[qi]));
           if (masked && !visible(i0 + qi + off, k0 + warp * 16 + g + 8 * (e >> 1), skv, p.causal, p.window)) x = 0.0f;
           st[nt][e] = x;
+          if constexpr (Cap) dpt[nt][e] = x * (dpt[nt][e] - sD[qi]) * fmaf(-u, u, 1.0f);  // ds^T
         }
       // dv += p^T dout
 #pragma unroll
@@ -380,18 +394,20 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, 
         to_a<T>(a, st[2 * kq], st[2 * kq + 1]);
         mma_frag_b<T, D>(dv, a, sO, kq, lane);
       }
-      // dp^T = v dout^T, then ds^T = p^T (dp^T - delta)
-      float dpt[kBr / 8][4] = {};
-      mma_rows_bt<T, D, kBr>(dpt, sV, warp * 16, sO, lane);
+      // Without the cap: dp^T = v dout^T, then ds^T = p^T (dp^T - delta), in st.
+      if constexpr (!Cap) {
+        mma_rows_bt<T, D, kBr>(dpt, sV, warp * 16, sO, lane);
 #pragma unroll
-      for (int nt = 0; nt < kBr / 8; ++nt)
+        for (int nt = 0; nt < kBr / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) st[nt][e] *= dpt[nt][e] - sD[nt * 8 + 2 * t + (e & 1)];
+          for (int e = 0; e < 4; ++e) st[nt][e] *= dpt[nt][e] - sD[nt * 8 + 2 * t + (e & 1)];
+      }
+      float (&ds)[kBr / 8][4] = Cap ? dpt : st;
       // dk += ds^T q; ds^T to shared memory for dq.
 #pragma unroll
       for (int kq = 0; kq < kBr / 16; ++kq) {
         uint32_t a[4];
-        to_a<T>(a, st[2 * kq], st[2 * kq + 1]);
+        to_a<T>(a, ds[2 * kq], ds[2 * kq + 1]);
         const int r0 = warp * 16 + g;
         *reinterpret_cast<uint32_t*>(sS + swz<kBr>(r0, 2 * kq) + 2 * t) = a[0];
         *reinterpret_cast<uint32_t*>(sS + swz<kBr>(r0 + 8, 2 * kq) + 2 * t) = a[1];
@@ -471,6 +487,11 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, 
 
 constexpr int kMaxPerLane = 8;  // head_dim <= 32 * 8
 
+// The score of t = scale q.k in f64 (attention.h): c tanh(t / c) with softcap c, else t; and its slope
+// d score / d t at score s.
+__device__ __forceinline__ double capped64(double t, double c) { return c > 0.0 ? c * tanh(t / c) : t; }
+__device__ __forceinline__ double cap_slope64(double s, double c) { return c > 0.0 ? 1.0 - (s / c) * (s / c) : 1.0; }
+
 __device__ __forceinline__ double warp_sum_f64(double v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -535,7 +556,7 @@ template <typename T> __global__ void fwd_generic_kernel(const AttentionParams p
   const T* vb = static_cast<const T*>(p.v.data) + b * p.v.sb + hk * p.v.sh + r.kb * p.v.ss;
   double mx = -INFINITY, l = 0.0;
   for (int64_t j = lo; j <= hi; ++j) {
-    const double s = dot_lane(q, kb + j * p.k.ss, d, lane) * p.scale;
+    const double s = capped64(dot_lane(q, kb + j * p.k.ss, d, lane) * p.scale, p.softcap);
     const double m_new = fmax(mx, s), corr = exp(mx - m_new), e = exp(s - m_new);
     mx = m_new;
     l = l * corr + e;
@@ -566,7 +587,7 @@ template <typename T> __global__ void lse64_generic_kernel(const AttentionParams
   const T* kb = static_cast<const T*>(p.k.data) + b * p.k.sb + hk * p.k.sh + r.kb * p.k.ss;
   double mx = -INFINITY, l = 0.0;
   for (int64_t j = lo; j <= hi; ++j) {
-    const double s = dot_lane(q, kb + j * p.k.ss, d, lane) * p.scale;
+    const double s = capped64(dot_lane(q, kb + j * p.k.ss, d, lane) * p.scale, p.softcap);
     if (s > mx) l = l * exp(mx - s) + 1.0, mx = s;
     else l += exp(s - mx);
   }
@@ -594,8 +615,8 @@ template <typename T> __global__ void dq_generic_kernel(const AttentionParams p,
   if (lse != -INFINITY)
     for (int64_t j = lo; j <= hi; ++j) {
       const T* kr = kb + j * p.k.ss;
-      const double pr = exp(dot_lane(q, kr, d, lane) * p.scale - lse);
-      const double ds = pr * (dot_lane(dout, vb + j * p.v.ss, d, lane) - dl);
+      const double sc = capped64(dot_lane(q, kr, d, lane) * p.scale, p.softcap), pr = exp(sc - lse);
+      const double ds = pr * (dot_lane(dout, vb + j * p.v.ss, d, lane) - dl) * cap_slope64(sc, p.softcap);
 #pragma unroll
       for (int u = 0; u < kMaxPerLane; ++u) {
         const int64_t c = lane + 32 * u;
@@ -628,8 +649,8 @@ template <typename T> __global__ void dkdv_generic_kernel(const AttentionParams 
       if (lse == -INFINITY) continue;
       const T* qr = static_cast<const T*>(p.q.data) + b * p.q.sb + h * p.q.sh + i * p.q.ss;
       const T* dr = static_cast<const T*>(p.dout.data) + b * p.dout.sb + h * p.dout.sh + i * p.dout.ss;
-      const double pr = exp(dot_lane(k, qr, d, lane) * p.scale - lse);
-      const double ds = pr * (dot_lane(v, dr, d, lane) - lse64[lse_rows(p) + r]);
+      const double sc = capped64(dot_lane(k, qr, d, lane) * p.scale, p.softcap), pr = exp(sc - lse);
+      const double ds = pr * (dot_lane(v, dr, d, lane) - lse64[lse_rows(p) + r]) * cap_slope64(sc, p.softcap);
 #pragma unroll
       for (int u = 0; u < kMaxPerLane; ++u) {
         const int64_t c = lane + 32 * u;
@@ -656,15 +677,19 @@ template <typename T, int D> const char* launch_fwd(const AttentionParams& p, cu
   return kc::launch_error("attention_forward");
 }
 
-template <typename T, int D>
-const char* launch_bwd(const AttentionParams& p, const float* delta, float* dq_acc, cudaStream_t stream) {
+template <typename T, int D, bool Cap>
+const char* launch_bwd_as(const AttentionParams& p, const float* delta, float* dq_acc, cudaStream_t stream) {
   constexpr int smem = bwd_smem<T, D>();
-  const cudaError_t attr = cudaFuncSetAttribute(bwd_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  const cudaError_t attr = cudaFuncSetAttribute(bwd_kernel<T, D, Cap>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return kernel::errorf("attention_backward: cannot reserve %d bytes of shared memory: %s", smem,
                                                  cudaGetErrorString(attr));
   const dim3 grid(static_cast<unsigned>((p.seq_kv + kBc - 1) / kBc), static_cast<unsigned>(p.batch * p.heads_kv));
-  bwd_kernel<T, D><<<grid, kThreads, smem, stream>>>(p, delta, dq_acc);
+  bwd_kernel<T, D, Cap><<<grid, kThreads, smem, stream>>>(p, delta, dq_acc);
   return kc::launch_error("attention_backward");
+}
+template <typename T, int D>
+const char* launch_bwd(const AttentionParams& p, const float* delta, float* dq_acc, cudaStream_t stream) {
+  return p.softcap > 0.0f ? launch_bwd_as<T, D, true>(p, delta, dq_acc, stream) : launch_bwd_as<T, D, false>(p, delta, dq_acc, stream);
 }
 
 template <typename T> const char* forward_t(const AttentionParams& p, const char* path, cudaStream_t stream) {

@@ -20,7 +20,8 @@
 // and the two warpgroups take turns to issue (ping-pong), so that one's softmax overlaps the other's
 // products.  Key tiles are visited from the last to the first, so the tiles that need a mask come
 // first; a sliding window bounds the tiles from below as causal does from above, and the tiles at its
-// edge are masked as the diagonal's are.  Items are ordered heads-fastest with the heaviest (last) query tiles first and dealt out
+// edge are masked as the diagonal's are.  Soft-capping maps each tile's scores through tanh
+// (kernel::tanh_approx) at the start of its softmax.  Items are ordered heads-fastest with the heaviest (last) query tiles first and dealt out
 // in a snake, which balances the causal triangle and keeps the query heads of one kv head close in
 // time (their K / V stay in L2).  The output goes through a staging tile and a bulk tensor store
 // (head dims 64 and 128) or straight from registers (256, where the staging tile does not fit).
@@ -196,7 +197,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Consumers.
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
   const int cw = tid / 128 - 1, tw = tid % 128, lane = tid % 32, warp = tw / 32, g = lane / 4, t = lane % 4;
-  const float sl2 = p.scale * kLog2e;
+  // Soft-capping: the scores become tanh(scale q.k / c) in [-1, 1], and c log2(e) takes the place of
+  // scale log2(e) in the exponent (both positive: the softmax takes the maximum before the factor).
+  const bool cap = p.softcap > 0.0f;
+  const float t_scale = cap ? p.scale / p.softcap : 0.0f, sl2 = (cap ? p.softcap : p.scale) * kLog2e;
   const uint32_t q_base = sQ + cw * 64 * 128;
   const uint32_t o_base = sO + cw * (C::kQBytes / 2);  // this warpgroup's [D / 64][64][64] staging tile
 
@@ -221,6 +225,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The online softmax of the tile of keys from j0: s becomes the probabilities (f32, relative to the
   // new maximum), corr the factor that rescales what was accumulated before.
   auto softmax = [&](int64_t j0, int64_t pos0, int64_t skv, bool masked, float (&corr)[2]) {
+    if (cap)
+#pragma unroll
+      for (int e = 0; e < kNS; ++e) s[e] = kernel::tanh_approx(s[e] * t_scale);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if (masked) {
@@ -235,7 +242,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int e = 0; e < 2; ++e)
             if (8 * i + e >= limit || 8 * i + e < first) s[4 * i + 2 * r + e] = -INFINITY;
       }
-      // The maximum of the raw scores (scale > 0 on this path), then p = 2^(s sl2 - max sl2); both
+      // The maximum of the scores before the factor sl2 (> 0 on this path), then p = 2^(s sl2 - max sl2); both
       // reductions as trees of four chains (a chain of kBc / 4 dependent operations would be latency).
       float m4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll

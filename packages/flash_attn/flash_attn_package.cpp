@@ -1,7 +1,7 @@
 // Package "flash_attn": the ABI table (include/kcpp/abi.h) over attention.h.
 //
-//   FlashAttention   Attention/1   attention.h   (causal / sliding window, grouped-query heads, lse saved,
-//                                                 variable-length packed sequences)
+//   FlashAttention   Attention/1   attention.h   (causal / sliding window, grouped-query heads, logit
+//                                                 soft-capping, lse saved, variable-length packed sequences)
 //
 // On CUDA the forward runs the first path of attention.h's that takes the call (Hopper, then the
 // mma.sync kernel, then the generic one); KCPP_FLASH_ATTN_FORWARD names one to require, and supports()
@@ -13,11 +13,12 @@
 // running it, from the tensors' descriptions alone: it never reads a tensor's memory (a host such as
 // kcpp.torch asks it over tensors with no memory behind them), so the contents of the cu_seqlens are
 // checked by the CPU forward and backward (attention_check_varlen), which refuse bad ones naming them; on
-// CUDA they stay on the device, unchecked (attention.h).  varlen runs on every path (the Hopper ones
-// without a sliding window, as for the batched layout).
+// CUDA they stay on the device, unchecked (attention.h).  Every path takes varlen, windows and
+// soft-capping (the Hopper backward at head dims 64 and 128).
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
+#include <limits>
 #include <utility>
 
 #include "attention.h"
@@ -148,10 +149,17 @@ bool attention_args(kk::Call& c, bool bwd, fa::AttentionParams& p) {
   const double scale = c.real("scale", 1.0 / std::sqrt(static_cast<double>(p.head_dim > 0 ? p.head_dim : 1)));
   const int64_t causal = c.integer("causal", 1);
   p.window = c.integer("window", 0);
+  const double softcap = c.real("softcap", 0.0);
   if (!c.ok()) return false;
   if (!std::isfinite(scale)) return c.require(false, "argument 'scale' is not finite");
   if (causal != 0 && causal != 1) return c.require(false, "argument 'causal' is %lld; expected 0 or 1", static_cast<long long>(causal));
   if (p.window < 0) return c.require(false, "argument 'window' is %lld; expected >= 0", static_cast<long long>(p.window));
+  // A cap must be a normal float (as a subnormal or an overflow it would be 0 or infinite).
+  if (!(softcap == 0.0 || (softcap >= std::numeric_limits<float>::min() && softcap <= std::numeric_limits<float>::max())))
+    return c.require(false, "argument 'softcap' is %g; expected 0 (none) or a positive finite value (Gemma 2: 50)", softcap);
+  p.softcap = static_cast<float>(softcap);
+  if (p.softcap > 0.0f && !std::isfinite(static_cast<float>(scale) / p.softcap))
+    return c.require(false, "argument 'softcap' is %g: scale %g / softcap overflows a float", softcap, scale);
   p.scale = static_cast<float>(scale);
   p.causal = causal == 1;
   if (lse) {
@@ -254,9 +262,9 @@ constexpr uint32_t kModes = KCPP_MODE_INFERENCE | KCPP_MODE_TRAINING | KCPP_MODE
 
 const kcpp_layer kLayers[] = {
     {sizeof(kcpp_layer), kModes, kDevices, 0, "FlashAttention", "Attention/1",
-     "FlashAttention-2: causal / sliding-window attention with grouped-query heads, no score matrix; saves lse; "
-     "variable-length packed sequences (cu_seqlens); "
-     "tensor cores for bf16 / f16 head_dim 64 / 128 on CUDA (the forward on wgmma and TMA on sm_90a, also head_dim 256; the backward at head_dim 128)",
+     "FlashAttention-2: causal / sliding-window attention with grouped-query heads and logit soft-capping, no score "
+     "matrix; saves lse; variable-length packed sequences (cu_seqlens); "
+     "tensor cores for bf16 / f16 head_dim 64 / 128 on CUDA (on sm_90a wgmma and TMA, the forward also at head_dim 256)",
      attention_supports, attention_forward, attention_backward},
 };
 

@@ -13,6 +13,7 @@
 #include "attention.h"
 #include "kcpp/kernel/cuda.cuh"
 #include "kcpp/kernel/error.h"
+#include "kcpp/kernel/fast_math.h"
 #include "kcpp/kernel/sm90.cuh"
 
 namespace kcpp::flash {

@@ -19,10 +19,10 @@ Phi-3, Gemma 1 / 2 / 3 text, Mixtral, Qwen2-MoE, Qwen3-MoE):
                     modules                                                                       rotary_pos_emb/1
   Attention         the attention function, registered in Transformers' AttentionInterface as
                     "kcpp" (kernelize selects it; `attn_implementation="kcpp"` in
-                    from_pretrained too): causal / sliding-window masks; packed sequences
-                    (cu_seq_lens_q / _k, as FlashAttention's varlen API) through its varlen call;
-                    a padding or custom mask, dropout, or soft-capping runs Transformers' own
-                    function                                                                    Attention/1
+                    from_pretrained too): causal / sliding-window masks, Gemma 2's logit
+                    soft-capping; packed sequences (cu_seq_lens_q / _k, as FlashAttention's
+                    varlen API) through its varlen call; a padding or custom mask or dropout
+                    runs Transformers' own function                                             Attention/1
   CrossEntropyLoss  the causal-LM loss of the logits (the model's `loss_function`)                 CrossEntropyLoss/1
   ForCausalLMLoss   the causal-LM loss fused with `lm_head` (the logits never exist): training
                     calls with labels return no logits, as Liger's                                  ForCausalLMLoss/1
@@ -705,39 +705,41 @@ _ROPE_BWD = _Op("rotary_pos_emb_backward", "(Tensor dq_out, Tensor dk_out, Tenso
 
 # Attention/1: q [B, Hq, Sq, D], k / v [B, Hkv, Skv, D] (D contiguous); the output is made [B, Sq, Hq, D], what
 # Transformers' attention functions return, and handed to the kernel as its [B, Hq, Sq, D] view.
-def _attention_build(q, k, v, scale, causal, window, layer, training):
+def _attention_build(q, k, v, scale, causal, window, softcap, layer, training):
     b, h, s, d = q.shape
     out = torch.empty((b, s, h, d), dtype=q.dtype, device=q.device)
-    return {"q": q, "k": k, "v": v, "scale": scale, "causal": int(causal), "window": window,
+    return {"q": q, "k": k, "v": v, "scale": scale, "causal": int(causal), "window": window, "softcap": softcap,
             "out": out.transpose(1, 2), "lse": _f32((b, h, s), q.device) if training else None}
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, scale, causal, window, layer, training = inputs
+    q, k, v, scale, causal, window, softcap, layer, training = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1])
-    ctx.kcpp = (scale, causal, window, layer)
+    ctx.kcpp = (scale, causal, window, softcap, layer)
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
 
 
 def _attention_backward(ctx, eager, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    scale, causal, window, layer = ctx.kcpp
+    scale, causal, window, softcap, layer = ctx.kcpp
     if dout is None:
-        return (None,) * 8
-    dq, dk, dv = _call(_ATTENTION_BWD, eager, _last_contig(dout), q, k, v, out, lse, scale, causal, window, layer)
-    return dq, dk, dv, None, None, None, None, None
+        return (None,) * 9
+    dq, dk, dv = _call(_ATTENTION_BWD, eager, _last_contig(dout), q, k, v, out, lse, scale, causal, window, softcap,
+                       layer)
+    return (dq, dk, dv) + (None,) * 6
 
 
-_ATTENTION = _Op("attention", "(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, int layer, "
-                 "bool training) -> (Tensor, Tensor)", _attention_build,
+# softcap: Gemma 2's logit soft-capping, 0.0 for none (the argument the contract added in flash_attn 0.2.0).
+_ATTENTION = _Op("attention", "(Tensor q, Tensor k, Tensor v, float scale, bool causal, int window, float softcap, "
+                 "int layer, bool training) -> (Tensor, Tensor)", _attention_build,
                  lambda a, light: (a["out"].transpose(1, 2), _made(a["lse"], a["q"], light)),
                  setup=_attention_setup, backward=_attention_backward)
 _ATTENTION_BWD = _Op("attention_backward", "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-                     "float scale, bool causal, int window, int layer) -> (Tensor, Tensor, Tensor)",
-                     lambda dout, q, k, v, out, lse, scale, causal, window, layer: {
+                     "float scale, bool causal, int window, float softcap, int layer) -> (Tensor, Tensor, Tensor)",
+                     lambda dout, q, k, v, out, lse, scale, causal, window, softcap, layer: {
                          "dout": dout.transpose(1, 2), "q": q, "k": k, "v": v, "out": out.transpose(1, 2), "lse": lse,
-                         "scale": scale, "causal": int(causal), "window": window,
+                         "scale": scale, "causal": int(causal), "window": window, "softcap": softcap,
                          "dq": torch.empty(q.shape, dtype=q.dtype, device=q.device),
                          "dk": torch.empty(k.shape, dtype=k.dtype, device=k.device),
                          "dv": torch.empty(v.shape, dtype=v.dtype, device=v.device)},
@@ -748,43 +750,44 @@ _ATTENTION_BWD = _Op("attention_backward", "(Tensor dout, Tensor q, Tensor k, Te
 # [Tk, Hkv, D] (D contiguous), cu_seqlens_q / cu_seqlens_k [B + 1] i32 and max_seqlen_q / max_seqlen_k as the
 # contract names them; out [Tq, Hq, D] (what Transformers' attention functions return, [B, S, H, D], once
 # the batch row is put back) and lse [Hq, Tq].  The package checks the cu_seqlens (their entries on the CPU).
-def _attention_varlen_build(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, layer, training):
+def _attention_varlen_build(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap, layer, training):
     return {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max_q,
-            "max_seqlen_k": max_k, "scale": scale, "causal": int(causal), "window": window,
+            "max_seqlen_k": max_k, "scale": scale, "causal": int(causal), "window": window, "softcap": softcap,
             "out": torch.empty(q.shape, dtype=q.dtype, device=q.device),
             "lse": _f32((q.shape[1], q.shape[0]), q.device) if training else None}
 
 
 def _attention_varlen_setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, layer, training = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap, layer, training = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k)
-    ctx.kcpp = (max_q, max_k, scale, causal, window, layer)
+    ctx.kcpp = (max_q, max_k, scale, causal, window, softcap, layer)
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
 
 
 def _attention_varlen_backward(ctx, eager, dout, _dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    max_q, max_k, scale, causal, window, layer = ctx.kcpp
+    max_q, max_k, scale, causal, window, softcap, layer = ctx.kcpp
     if dout is None:
-        return (None,) * 12
+        return (None,) * 13
     dq, dk, dv = _call(_ATTENTION_VARLEN_BWD, eager, _last_contig(dout), q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
-                       scale, causal, window, layer)
-    return (dq, dk, dv) + (None,) * 9
+                       scale, causal, window, softcap, layer)
+    return (dq, dk, dv) + (None,) * 10
 
 
 _ATTENTION_VARLEN = _Op("attention_varlen", "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-                        "int max_seqlen_q, int max_seqlen_k, float scale, bool causal, int window, int layer, "
-                        "bool training) -> (Tensor, Tensor)", _attention_varlen_build,
+                        "int max_seqlen_q, int max_seqlen_k, float scale, bool causal, int window, float softcap, "
+                        "int layer, bool training) -> (Tensor, Tensor)", _attention_varlen_build,
                         lambda a, light: (a["out"], _made(a["lse"], a["q"], light)),
                         setup=_attention_varlen_setup, backward=_attention_varlen_backward)
 _ATTENTION_VARLEN_BWD = _Op(
     "attention_varlen_backward", "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
     "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float scale, bool causal, "
-    "int window, int layer) -> (Tensor, Tensor, Tensor)",
-    lambda dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window, layer: {
+    "int window, float softcap, int layer) -> (Tensor, Tensor, Tensor)",
+    lambda dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap, layer: {
         "dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
         "max_seqlen_q": max_q, "max_seqlen_k": max_k, "scale": scale, "causal": int(causal), "window": window,
+        "softcap": softcap,
         "dq": torch.empty(q.shape, dtype=q.dtype, device=q.device),
         "dk": torch.empty(k.shape, dtype=k.dtype, device=k.device),
         "dv": torch.empty(v.shape, dtype=v.dtype, device=v.device)},
@@ -1134,7 +1137,7 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
         why = "an attention mask (padding, packed sequences, a cache or a custom mask): Attention/1 takes causal and " \
               "sliding-window masks"
     else:
-        why = _attention_features_missing(dropout, softcap, kwargs) or \
+        why = _attention_features_missing(dropout, kwargs) or \
             _attention_shapes_missing(query, key, value, causal, sliding_window)
     if why is not None:
         _refuse(slot.sid, why)
@@ -1145,14 +1148,16 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     q, k, v = _last_contig(query), _last_contig(key), _last_contig(value)
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(q.shape[-1])
     window = operator.index(sliding_window) if sliding_window else 0
+    cap = float(softcap) if softcap else 0.0
     training = _needs_grad(q, k, v)
     traced = torch.compiler.is_compiling()
-    desc = (_desc(q, traced, (1, 3)), _desc(k, traced, (1, 3)), _desc(v, traced, (1, 3)), scale, bool(causal), window)
+    desc = (_desc(q, traced, (1, 3)), _desc(k, traced, (1, 3)), _desc(v, traced, (1, 3)), scale, bool(causal), window,
+            cap)
     lid = _decide(slot.sid, training, "attention", desc, where)
     if lid < 0:
         return reference()
     try:
-        return _invoke(_ATTENTION, training, traced, q, k, v, scale, bool(causal), window, lid, training), None
+        return _invoke(_ATTENTION, training, traced, q, k, v, scale, bool(causal), window, cap, lid, training), None
     except kcpp.Unsupported as e:
         _refuse(slot.sid, str(e))
         return reference()
@@ -1227,12 +1232,10 @@ def _flat_mask(mask, q_len, kv_len):
     return m if tuple(m.shape) == (q_len, kv_len) else None
 
 
-def _attention_features_missing(dropout, softcap, kwargs):
-    """Why Attention/1 cannot take a call for what it asks beyond the mask (None when it can)."""
+def _attention_features_missing(dropout, kwargs):
+    """Why Attention/1 cannot take a call for what it asks beyond the mask and soft-capping (None when it can)."""
     if dropout:
         return f"dropout {dropout}: Attention/1 has none"
-    if softcap is not None:
-        return f"soft-capping {softcap}: Attention/1 has none"
     if kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None:
         return "attention sinks or a position bias: Attention/1 has none"
     return None
@@ -1292,7 +1295,7 @@ def _packed_attention(module, query, key, value, attention_mask, dropout, scalin
         _refuse(slot.sid, why)
         return reference()
 
-    why = _attention_features_missing(dropout, softcap, kwargs)
+    why = _attention_features_missing(dropout, kwargs)
     if why is None and any(kwargs.get(n) is not None for n in ("block_table", "k_cache", "v_cache")):
         why = "a paged cache (block_table): Attention/1 has none"
     why = why or _attention_shapes_missing(query, key, value, causal, sliding_window)
@@ -1305,10 +1308,11 @@ def _packed_attention(module, query, key, value, attention_mask, dropout, scalin
         return fall_back("packed sequences without max_length_q / max_length_k as ints while torch.compile traces "
                          "(reading them from the cu_seq_lens would read a tensor)")
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(q.shape[-1])
+    cap = float(softcap) if softcap else 0.0
     training = _needs_grad(q, k, v)
     desc = (_desc(q, traced, (1, 2)), _desc(k, traced, (1, 2)), _desc(v, traced, (1, 2)),
             cu_q if cu_q is None else _desc(cu_q, traced, ()), cu_k if cu_k is None else _desc(cu_k, traced, ()),
-            _ANY, _ANY, scale, bool(causal), window)
+            _ANY, _ANY, scale, bool(causal), window, cap)
     lid = _decide(slot.sid, training, "attention_varlen", desc, where)  # a refusal is counted here
     if lid < 0:
         return reference()
@@ -1323,7 +1327,7 @@ def _packed_attention(module, query, key, value, attention_mask, dropout, scalin
                              "or a custom mask)")
     try:
         out = _invoke(_ATTENTION_VARLEN, training, traced, q, k, v, cu_q, cu_k, max_q, max_k, scale, bool(causal),
-                      window, lid, training)
+                      window, cap, lid, training)
     except kcpp.Unsupported as e:
         return fall_back(str(e))
     return out.reshape(query.shape[0], query.shape[2], *out.shape[1:]), None

@@ -65,7 +65,7 @@ class DefaultMapping(unittest.TestCase):
         m = kcpp.default_kernel_mapping()
         self.assertEqual(kcpp.DEFAULT_KERNEL_ORG, kcpp._core.DEFAULT_KERNEL_ORG)
         self.assertEqual(m["RMSNorm"], "kernels-cpp/liger@^0.1:LigerRMSNorm")
-        self.assertEqual(m["Attention"], {"cuda": "kernels-cpp/flash_attn@^0.1:FlashAttention", "cpu": ""})
+        self.assertEqual(m["Attention"], {"cuda": "kernels-cpp/flash_attn@^0.2:FlashAttention", "cpu": ""})
         self.assertEqual(m["MultiScaleDeformableAttention"],
                          "kernels-cpp/deformable_attention@^0.1:MultiScaleDeformableAttention")
         config = kcpp.default_kernel_config()
@@ -109,7 +109,7 @@ class DefaultLoaderAgainstServe(unittest.TestCase):
         self.assertEqual(p.default_layer, "LigerRMSNorm")
         # flash_attn is not published here: this build's stands in (where it was built).
         if "flash_attn" in self.packages:
-            fa = loader.load("kernels-cpp/flash_attn@^0.1:FlashAttention")
+            fa = loader.load("kernels-cpp/flash_attn@^0.2:FlashAttention")
             self.assertIn("this build's flash_attn", fa.substituted)
             self.assertIn("not found", fa.substituted)
 

@@ -682,6 +682,8 @@ Tensor CausalLM::ragged_attention(size_t li, const Tensor& q, const Tensor& k, c
 
 double CausalLM::attention_scale(size_t li) const {
   const ops::AttentionOptions& opt = layers_[li].attn->options;
+  // The decode kernels (ops::decode_attention and the fused ones that call this) have no soft-capping.
+  KCPP_CHECK(opt.softcap == 0, "layer {}: the decode attention has no soft-capping (softcap {})", li, opt.softcap);
   return opt.scale != 0.0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(cfg_.head_dim));
 }
 
@@ -800,6 +802,7 @@ std::optional<std::pair<Tensor, Tensor>> CausalLM::decode_layers_persistent(cons
     if (l.q_norm && l.k_norm) p.q_norm = l.q_norm->weight, p.k_norm = l.k_norm->weight;
     p.wo = l.wo, p.w_gate_up = l.w_gate_up, p.w_down = l.w_down;
     p.k_cache = cache.k[li], p.v_cache = cache.v[li];
+    if (l.attn->options.softcap > 0) return std::nullopt;  // (the persistent kernel has no soft-capping)
     p.scale = l.attn->options.scale, p.window = l.attn->options.window;
   }
   return ops::decode_layers_persistent(h0, Tensor(), pl, po, cs.cos, cs.sin, cache.step_rows, cache.step_positions,

@@ -231,7 +231,7 @@ const std::map<std::string, std::string>& default_package_constraints() {
   // The packages' versions, as packages/*/CMakeLists.txt set them (tests/packages checks that they
   // agree with the built manifests).
   static const std::map<std::string, std::string> c = {
-      {"liger", "^0.1"}, {"activation", "^0.1"}, {"flash_attn", "^0.1"}, {"moe", "^0.1"}, {"mamba", "^0.1"},
+      {"liger", "^0.1"}, {"activation", "^0.1"}, {"flash_attn", "^0.2"}, {"moe", "^0.1"}, {"mamba", "^0.1"},
       {"deformable_attention", "^0.1"}};
   return c;
 }

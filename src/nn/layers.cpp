@@ -630,6 +630,7 @@ constexpr const char* kChunkRefusal = "chunked attention (Llama 4's attention_ch
 void attention_options(KernelArgs& a, const ops::AttentionOptions& o, int64_t head_dim) {
   a.real("scale", o.scale > 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(head_dim)));
   a.integer("causal", o.causal ? 1 : 0).integer("window", o.window);
+  if (o.softcap > 0) a.real("softcap", o.softcap);
 }
 }  // namespace
 

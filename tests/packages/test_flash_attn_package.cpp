@@ -35,6 +35,7 @@ struct Case {
   int64_t b, hq, hkv, sq, skv, d;
   bool causal;
   int64_t window;
+  double softcap = 0;  // > 0: logit soft-capping (Gemma 2)
 };
 
 // q [B, Hq, Sq, D] etc.; `bshd`: made as [B, S, H, D] and viewed as [B, H, S, D] (strided).
@@ -56,6 +57,7 @@ Result run_both(const KernelLayer& k, const Tensor& q, const Tensor& kk, const T
   KernelArgs f;
   f.tensor("q", q).tensor("k", kk).tensor("v", v).tensor("out", r.out).tensor("lse", r.lse);
   f.real("scale", scale).integer("causal", c.causal ? 1 : 0).integer("window", c.window);
+  if (c.softcap > 0) f.real("softcap", c.softcap);
   EXPECT_TRUE(k.supports(f, dev, test::kTraining).ok());
   k.forward(f, dev, test::kTraining);
   r.dq = Tensor::empty(q.shape(), q.dtype(), dev);
@@ -64,6 +66,7 @@ Result run_both(const KernelLayer& k, const Tensor& q, const Tensor& kk, const T
   KernelArgs b;
   b.tensor("dout", dout).tensor("q", q).tensor("k", kk).tensor("v", v).tensor("out", r.out).tensor("lse", r.lse);
   b.real("scale", scale).integer("causal", c.causal ? 1 : 0).integer("window", c.window);
+  if (c.softcap > 0) b.real("softcap", c.softcap);
   b.tensor("dq", r.dq).tensor("dk", r.dk).tensor("dv", r.dv);
   k.backward(b, dev, test::kTraining);
   return r;
@@ -71,17 +74,20 @@ Result run_both(const KernelLayer& k, const Tensor& q, const Tensor& kk, const T
 
 // Runs case `c` in `dt` through the package and holds out, dq, dk, dv and lse to the bounds.
 void check_case(const KernelLayer& k, const Case& c, DType dt, Device dev, Generator& gen, bool bshd) {
-  const std::string cfg = fmt::format("{} b={} hq={} hkv={} sq={} skv={} d={} causal={} window={} bshd={}",
+  const std::string cfg = fmt::format("{} b={} hq={} hkv={} sq={} skv={} d={} causal={} window={} softcap={} bshd={}",
                                       test::config_name(dev, dt), c.b, c.hq, c.hkv, c.sq, c.skv, c.d, c.causal, c.window,
-                                      bshd);
-  const Tensor q = make(c.b, c.hq, c.sq, c.d, dt, dev, gen, bshd), kk = make(c.b, c.hkv, c.skv, c.d, dt, dev, gen, bshd);
+                                      c.softcap, bshd);
+  // With a cap, queries of standard deviation 4: scale q.k reaches several times the cap, where tanh
+  // bends and its slope (the backward's factor) is far from 1.
+  const double q_sd = c.softcap > 0 ? 4.0 : 1.0;
+  const Tensor q = make(c.b, c.hq, c.sq, c.d, dt, dev, gen, bshd, q_sd), kk = make(c.b, c.hkv, c.skv, c.d, dt, dev, gen, bshd);
   const Tensor v = make(c.b, c.hkv, c.skv, c.d, dt, dev, gen, bshd), dout = make(c.b, c.hq, c.sq, c.d, dt, dev, gen, bshd);
   const Result r = run_both(k, q, kk, v, dout, c, dev);
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
   const auto dov = dout.to_f64_vector();
   const oracle::Attn o = oracle::attention(q.to_f64_vector(), kk.to_f64_vector(), v.to_f64_vector(), &dov, c.b, c.hq, c.hkv,
-                                           c.sq, c.skv, c.d, scale, c.causal, c.window);
-  const ops::AttentionOptions opt{scale, c.causal, c.window};
+                                           c.sq, c.skv, c.d, scale, c.causal, c.window, 0, c.softcap);
+  const ops::AttentionOptions opt{scale, c.causal, c.window, 0, c.softcap};
   const ops::AttentionForward rf = ops::attention_forward(q, kk, v, opt);
   const ops::AttentionBackward rb = ops::attention_backward(dout, q, kk, v, rf, opt);
   const std::pair<const char*, std::pair<Tensor, Tensor>> outs[] = {
@@ -108,8 +114,10 @@ void check_case(const KernelLayer& k, const Case& c, DType dt, Device dev, Gener
           double x = 0;
           for (int64_t e = 0; e < c.d; ++e)
             x += qv[((bi * c.hq + h) * c.sq + i) * c.d + e] * kv[((bi * c.hkv + hk) * c.skv + j) * c.d + e];
-          s.push_back(x * scale);
-          mx = std::max(mx, x * scale);
+          x *= scale;
+          if (c.softcap > 0) x = c.softcap * std::tanh(x / c.softcap);
+          s.push_back(x);
+          mx = std::max(mx, x);
         }
         for (double x : s) sum += std::exp(x - mx);
         worst = std::max(worst, std::abs(lse[(bi * c.hq + h) * c.sq + i] - (mx + std::log(sum))));
@@ -129,6 +137,10 @@ TEST_P(FlashAttnPackage, WithinTwiceTheReferenceError) {
       {2, 2, 2, 5, 70, 128, true, 0},    {1, 2, 1, 130, 130, 64, false, 0}, {1, 2, 2, 100, 100, 64, true, 17},
       {1, 3, 1, 9, 9, 8, true, 0},       {1, 2, 1, 33, 33, 111, true, 0},   {2, 8, 2, 200, 200, 128, true, 0},
       {1, 2, 1, 3, 150, 64, false, 40},  {1, 1, 1, 1, 129, 128, true, 0},
+      // Soft-capping (Gemma 2's 50, and caps of 2 and 5 that bend most scores): the tensor-core
+      // shapes (head dim 64 / 128, partial tiles, grouped heads, a window) and generic ones (d 8, 111).
+      {2, 4, 2, 37, 37, 64, true, 0, 2.0}, {1, 4, 1, 77, 77, 128, true, 0, 5.0}, {1, 2, 2, 100, 100, 64, true, 17, 50.0},
+      {1, 2, 1, 130, 130, 64, false, 0, 5.0}, {1, 3, 1, 9, 9, 8, true, 0, 2.0}, {1, 2, 1, 33, 33, 111, true, 0, 5.0},
   };
   for (DType dt : {DType::f32, DType::bf16, DType::f16})
     for (const Case& c : cases)
@@ -173,6 +185,9 @@ TEST(FlashAttnHopper, ForwardOnAwkwardLengths) {
       // keys, without the causal mask (then keys after the query count), at every head dim.
       {1, 4, 2, 300, 300, 128, true, 17}, {1, 2, 1, 200, 200, 128, true, 1},   {1, 2, 1, 129, 700, 64, true, 200},
       {2, 2, 1, 257, 257, 128, false, 100}, {1, 4, 2, 300, 300, 256, true, 65}, {1, 2, 1, 4097, 4097, 64, true, 1000},
+      // Soft-capping at every head dim, with a window, without the causal mask, with fewer queries than keys.
+      {1, 32, 8, 127, 127, 128, true, 0, 5.0}, {1, 4, 2, 127, 300, 256, true, 0, 50.0}, {1, 2, 1, 129, 129, 64, true, 0, 2.0},
+      {2, 2, 1, 257, 257, 128, false, 100, 5.0}, {1, 4, 2, 300, 300, 256, true, 65, 5.0},
   };
   for (DType dt : {DType::bf16, DType::f16})
     for (const Case& c : cases)
@@ -206,6 +221,9 @@ TEST(FlashAttnHopper, BackwardOnAwkwardLengths) {
       {2, 4, 1, 1, 1, 64, true, 0},        {1, 32, 8, 127, 127, 64, true, 0},  {1, 4, 2, 127, 300, 64, true, 0},
       {2, 2, 1, 257, 257, 64, false, 0},   {8, 16, 4, 200, 333, 64, false, 0}, {1, 2, 1, 4097, 4097, 64, true, 0},
       {1, 4, 2, 300, 300, 64, true, 17},   {2, 2, 1, 257, 257, 64, false, 100},
+      // Soft-capping: head dims 128 and 64, grouped heads, a window, non-causal, a KV cache.
+      {1, 32, 8, 127, 127, 128, true, 0, 5.0}, {1, 4, 2, 127, 300, 128, true, 0, 50.0}, {2, 2, 1, 257, 257, 128, false, 100, 2.0},
+      {1, 4, 2, 300, 300, 64, true, 17, 5.0},  {8, 16, 4, 200, 333, 64, false, 0, 5.0},
   };
   for (DType dt : {DType::bf16, DType::f16})
     for (const Case& c : cases)
@@ -283,6 +301,24 @@ TEST(FlashAttnHopper, RequiredPathIsRefusedWhereItCannotRun) {
   }
 }
 
+// Soft-capping on the mma.sync and generic CUDA paths, each pinned for both passes (on a Hopper GPU the
+// automatic choice is the Hopper one, which the FlashAttnHopper tests hold).
+TEST(FlashAttnCuda, SoftCappingOnThePinnedPaths) {
+  const Device dev = Device::cuda(0);
+  KCPP_REQUIRE_DEVICE(dev);
+  Generator gen = test::test_generator();
+  const KernelLayer k = layer();
+  const Case cases[] = {
+      {2, 4, 2, 37, 37, 64, true, 0, 2.0},    {1, 4, 1, 77, 77, 128, true, 0, 5.0},  {1, 2, 2, 100, 100, 64, true, 17, 50.0},
+      {1, 2, 1, 130, 130, 64, false, 0, 5.0}, {2, 8, 2, 200, 200, 128, true, 0, 2.0}, {1, 2, 1, 3, 150, 64, false, 40, 5.0},
+  };
+  for (const char* path : {"ampere", "generic"}) {
+    const ScopedEnv fwd("KCPP_FLASH_ATTN_FORWARD", path), bwd("KCPP_FLASH_ATTN_BACKWARD", path);
+    for (DType dt : {DType::bf16, DType::f16})
+      for (const Case& c : cases) check_case(k, c, dt, dev, gen, false);
+  }
+}
+
 // A query that sees no key (a window of keys that all lie ahead of it cannot happen; here: no
 // queries at all, and sequences of one) and empty batches run and write what the contract says.
 TEST_P(FlashAttnPackage, EmptyShapes) {
@@ -336,6 +372,14 @@ TEST_P(FlashAttnPackage, BadInputIsRefusedNamingTheArgument) {
   KernelArgs& s = args(q, kv, kv, out);
   s.real("scale", std::numeric_limits<double>::infinity());
   EXPECT_TRUE(test::refused(k.supports(s, dev, test::kInference), KCPP_ERROR_INVALID_ARGUMENT, "'scale'"));
+  for (double cap : {-1.0, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN(), 1e-40, 1e39}) {
+    KernelArgs& c = args(q, kv, kv, out);
+    c.real("softcap", cap);
+    EXPECT_TRUE(test::refused(k.supports(c, dev, test::kInference), KCPP_ERROR_INVALID_ARGUMENT, "'softcap'")) << cap;
+  }
+  KernelArgs& cs = args(q, kv, kv, out);  // scale / softcap beyond a float
+  cs.real("scale", 1e30).real("softcap", 1e-20);
+  EXPECT_TRUE(test::refused(k.supports(cs, dev, test::kInference), KCPP_ERROR_INVALID_ARGUMENT, "overflows"));
   // Backward without lse.
   KernelArgs& b = args(q, kv, kv, out);
   const Tensor dq = Tensor::empty(q.shape(), q.dtype(), dev), dk = Tensor::empty(kv.shape(), kv.dtype(), dev),
@@ -352,6 +396,7 @@ struct VarlenCase {
   int64_t hq, hkv, d;
   bool causal;
   int64_t window;
+  double softcap = 0;
 };
 
 // int32 prefix sums [B + 1] on `dev`.
@@ -384,6 +429,7 @@ Result run_varlen(const KernelLayer& k, const Tensor& q, const Tensor& kk, const
     a.tensor("cu_seqlens_q", cuq).tensor("cu_seqlens_k", cuk);
     a.integer("max_seqlen_q", max_of(c.lq)).integer("max_seqlen_k", max_of(c.lk));
     a.real("scale", scale).integer("causal", c.causal ? 1 : 0).integer("window", c.window);
+    if (c.softcap > 0) a.real("softcap", c.softcap);
   };
   KernelArgs f;
   common(f);
@@ -415,8 +461,8 @@ void check_varlen(const KernelLayer& k, const VarlenCase& c, DType dt, Device de
   }
   std::string lens;
   for (size_t b = 0; b < c.lq.size(); ++b) lens += fmt::format("{}{}/{}", b ? "," : "", c.lq[b], c.lk[b]);
-  const std::string cfg = fmt::format("{} varlen q/k=[{}] hq={} hkv={} d={} causal={} window={}", test::config_name(dev, dt), lens,
-                                      c.hq, c.hkv, c.d, c.causal, c.window);
+  const std::string cfg = fmt::format("{} varlen q/k=[{}] hq={} hkv={} d={} causal={} window={} softcap={}",
+                                      test::config_name(dev, dt), lens, c.hq, c.hkv, c.d, c.causal, c.window, c.softcap);
   int64_t tq = 0, tk = 0;
   for (size_t b = 0; b < c.lq.size(); ++b) tq += c.lq[b], tk += c.lk[b];
   const Tensor q = Tensor::randn({tq, c.hq, c.d}, dt, dev, gen), kk = Tensor::randn({tk, c.hkv, c.d}, dt, dev, gen);
@@ -439,7 +485,7 @@ void check_varlen(const KernelLayer& k, const VarlenCase& c, DType dt, Device de
       const auto dv_seq = batched_view(dout, q0 + skip, n).to_f64_vector();
       const oracle::Attn o = oracle::attention(batched_view(q, q0 + skip, n).to_f64_vector(), batched_view(kk, k0, skv).to_f64_vector(),
                                                batched_view(v, k0, skv).to_f64_vector(), &dv_seq, 1, c.hq, c.hkv, n, skv, c.d,
-                                               scale, c.causal, c.window);
+                                               scale, c.causal, c.window, 0, c.softcap);
       for (int64_t h = 0; h < c.hq; ++h)
         for (int64_t i = 0; i < n; ++i)
           for (int64_t e = 0; e < c.d; ++e) {
@@ -464,7 +510,9 @@ void check_varlen(const KernelLayer& k, const VarlenCase& c, DType dt, Device de
           double x = 0;
           for (int64_t e = 0; e < c.d; ++e)
             x += qv[static_cast<size_t>(((q0 + i) * c.hq + h) * c.d + e)] * kv[static_cast<size_t>(((k0 + j) * c.hkv + hk) * c.d + e)];
-          sc.push_back(x * scale), mx = std::max(mx, x * scale);
+          x *= scale;
+          if (c.softcap > 0) x = c.softcap * std::tanh(x / c.softcap);
+          sc.push_back(x), mx = std::max(mx, x);
         }
         for (double x : sc) sum += std::exp(x - mx);
         ref_lse[static_cast<size_t>(h * tq + q0 + i)] = sc.empty() ? ninf : mx + std::log(sum);
@@ -501,7 +549,7 @@ void check_varlen(const KernelLayer& k, const VarlenCase& c, DType dt, Device de
   for (size_t b = 0; b < c.lq.size(); q0 += c.lq[b], k0 += c.lk[b], ++b) {
     const int64_t sq = c.lq[b], skv = c.lk[b];
     if (sq > skv || skv == 0) continue;
-    const Case one{1, c.hq, c.hkv, sq, skv, c.d, c.causal, c.window};
+    const Case one{1, c.hq, c.hkv, sq, skv, c.d, c.causal, c.window, c.softcap};
     const Result a = run_both(k, batched_view(q, q0, sq), batched_view(kk, k0, skv), batched_view(v, k0, skv),
                               batched_view(dout, q0, sq), one, dev);
     const std::string where = fmt::format("{} sequence {} against the batched layout", cfg, b);
@@ -537,6 +585,8 @@ TEST_P(FlashAttnPackage, VarlenMatchesTheOracleAndTheBatchedLayout) {
       {{4, 7}, {2, 7}, 2, 1, 64, false, 0},
       {{3, 2}, {0, 0}, 2, 1, 64, true, 0},
       {{1, 4}, {0, 0}, 2, 2, 8, false, 0},
+      {{7, 0, 1, 129, 33}, {7, 0, 1, 129, 33}, 4, 2, 64, true, 17, 2.0},  // soft-capping
+      {{9, 0, 20, 1}, {9, 4, 20, 1}, 3, 1, 8, true, 0, 2.0},
   };
   for (DType dt : {DType::f32, DType::bf16, DType::f16})
     for (const VarlenCase& c : cases) check_varlen(k, c, dt, dev, gen);
@@ -586,9 +636,13 @@ TEST(FlashAttnHopper, VarlenOnAwkwardLengths) {
       {{7, 0, 1, 129, 33}, {7, 0, 1, 129, 33}, 4, 2, 64, true, 0},
       {{300, 65}, {300, 100}, 2, 1, 64, false, 0},
       {{300, 65}, {300, 100}, 2, 1, 64, true, 70},
+      // Soft-capping.
+      {{7, 0, 1, 129, 33}, {7, 0, 1, 129, 33}, 4, 2, 128, true, 0, 2.0},
+      {{300, 65}, {300, 100}, 2, 1, 64, true, 70, 5.0},
   };
   const VarlenCase forward_only[] = {
       {{1, 7, 129, 0, 70}, {5, 7, 200, 3, 64}, 2, 1, 256, true, 0},
+      {{130, 3}, {130, 3}, 2, 2, 256, true, 0, 50.0},
       {{130, 3}, {130, 3}, 2, 2, 256, false, 0},
       {{1, 7, 129, 0, 70}, {5, 7, 200, 3, 64}, 2, 1, 256, true, 33},
   };
