@@ -11,6 +11,7 @@
 
 #include "kcpp/kernel/abi_args.h"
 #include "kcpp/kernel/activation.h"
+#include "kcpp/kernel/fast_math.h"
 #include "oracle.h"
 
 namespace kcpp {
@@ -62,6 +63,21 @@ TEST(KernelHelpers, TanhWithinThreeUlpsOfTheLibrary) {
 
 // Phi(x) against the f64 one (erfc, no cancellation), walked by bit pattern over [2^-40, 16] and its
 // negatives: Phi from 0.5 down to its f32 underflow (x = -14) and up to 1.
+// The soft-capped attention's tanh (packages/flash_attn/softcap.cuh): 1 - 2 / (e^2x + 1) within 1e-6
+// of tanh everywhere and exactly +-1 far out.  (On the host 2^x and the reciprocal are the library's, so
+// this holds the formula in f32; the device tests hold its use.)
+TEST(KernelHelpers, SoftcapTanhWithinItsBound) {
+  double worst_approx = 0;
+  for (int i = -100000; i <= 100000; ++i) {
+    const float x = static_cast<float>(i) / 1000.0f;  // [-100, 100]
+    worst_approx = std::max(worst_approx, std::abs(static_cast<double>(kk::tanh_approx(x)) - std::tanh(static_cast<double>(x))));
+  }
+  EXPECT_LE(worst_approx, 1e-6);
+  EXPECT_EQ(kk::tanh_approx(std::numeric_limits<float>::infinity()), 1.0f);
+  EXPECT_EQ(kk::tanh_approx(-std::numeric_limits<float>::infinity()), -1.0f);
+  EXPECT_EQ(kk::tanh_approx(100.0f), 1.0f);
+}
+
 TEST(KernelHelpers, NormalCdfWithinEightUlps) {
   int64_t worst = 0;
   float worst_x = 0;

@@ -18,10 +18,10 @@
 //   dq_i = scale sum_j ds_ij k_j            dk_j = scale sum_i ds_ij q_i
 // dk and dv summed over each kv head's query heads.  Everything is accumulated in f32; p and ds are
 // rounded to the dtype before they meet v, dout, q and k on the tensor cores (as FlashAttention-2).
-// Soft-capping on the tensor-core paths takes tanh as 1 - 2 / (2^(2 log2(e) x) + 1) from the special
-// function unit's 2^x and reciprocal (kernel::tanh_approx: an absolute error about 2^-21, so the capped
-// score's error is c 2^-21, against c 2^-11 for tanh.approx.f32); the generic CUDA and CPU paths take
-// tanh in their accumulation type.  The backward recomputes tanh from the scores, so it needs no extra
+// Soft-capping on the tensor-core paths (softcap.cuh) takes tanh as 1 - 2 / (2^(2 log2(e) x) + 1) from
+// the special function unit's 2^x and reciprocal (kernel::tanh_approx: an absolute error about 2^-21,
+// so the capped score's error is c 2^-21, against c 2^-11 for tanh.approx.f32); the generic CUDA and
+// CPU paths take tanh in their accumulation type.  The backward recomputes tanh from the scores, so it needs no extra
 // saved state: lse is still the only one.
 //
 // Layout: every tensor is [B, H, S, D] with D contiguous and any strides for B, H and S (so the

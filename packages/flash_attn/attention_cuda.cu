@@ -25,6 +25,7 @@
 #include "kcpp/kernel/cuda.cuh"
 #include "kcpp/kernel/fast_math.h"
 #include "kcpp/kernel/error.h"
+#include "softcap.cuh"
 
 namespace kcpp::flash {
 namespace {
@@ -207,11 +208,7 @@ template <typename T, int D> __global__ void __launch_bounds__(kThreads) fwd_ker
         mma<T>(s[2 * np], qf[kk], r[0], r[1]);
         mma<T>(s[2 * np + 1], qf[kk], r[2], r[3]);
       }
-    if (cap)
-#pragma unroll
-      for (int nt = 0; nt < kBc / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] = kernel::tanh_approx(s[nt][e] * t_scale);
+    if (cap) cap_scores(s, t_scale);
     const int64_t j0 = n * kBc;
     const bool masked = (p.causal && j0 + kBc - 1 > pos_lo) || (p.window > 0 && j0 <= pos_hi - p.window) ||
                         j0 + kBc > skv;
@@ -373,7 +370,10 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, 
       // s^T = k q^T: this warp's 16 keys x the tile's 64 queries; then p^T.
       float st[kBr / 8][4] = {}, dpt[kBr / 8][4] = {};
       mma_rows_bt<T, D, kBr>(st, sK, warp * 16, sQ, lane);
-      if constexpr (Cap) mma_rows_bt<T, D, kBr>(dpt, sV, warp * 16, sO, lane);  // dp^T = v dout^T
+      if constexpr (Cap) {
+        mma_rows_bt<T, D, kBr>(dpt, sV, warp * 16, sO, lane);  // dp^T = v dout^T
+        cap_scores(st, t_scale);
+      }
       const bool masked = (p.causal && k0 + kBc - 1 > i0 + off) || (p.window > 0 && i0 + kBr - 1 + off - k0 >= p.window) ||
                           k0 + kBc > skv;
 #pragma unroll
@@ -381,7 +381,7 @@ __global__ void __launch_bounds__(kThreads) bwd_kernel(const AttentionParams p, 
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int qi = nt * 8 + 2 * t + (e & 1);
-          const float u = Cap ? kernel::tanh_approx(st[nt][e] * t_scale) : st[nt][e];
+          const float u = st[nt][e];  // with the cap, tanh(scale q.k / c)
           float x = exp2_approx(fmaf(u, sl2, -sL[qi]));
           if (masked && !visible(i0 + qi + off, k0 + warp * 16 + g + 8 * (e >> 1), skv, p.causal, p.window)) x = 0.0f;
           st[nt][e] = x;

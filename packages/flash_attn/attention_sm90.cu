@@ -21,7 +21,7 @@
 // products.  Key tiles are visited from the last to the first, so the tiles that need a mask come
 // first; a sliding window bounds the tiles from below as causal does from above, and the tiles at its
 // edge are masked as the diagonal's are.  Soft-capping maps each tile's scores through tanh
-// (kernel::tanh_approx) at the start of its softmax.  Items are ordered heads-fastest with the heaviest (last) query tiles first and dealt out
+// (softcap.cuh) at the start of its softmax.  Items are ordered heads-fastest with the heaviest (last) query tiles first and dealt out
 // in a snake, which balances the causal triangle and keeps the query heads of one kv head close in
 // time (their K / V stay in L2).  The output goes through a staging tile and a bulk tensor store
 // (head dims 64 and 128) or straight from registers (256, where the staging tile does not fit).
@@ -225,9 +225,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The online softmax of the tile of keys from j0: s becomes the probabilities (f32, relative to the
   // new maximum), corr the factor that rescales what was accumulated before.
   auto softmax = [&](int64_t j0, int64_t pos0, int64_t skv, bool masked, float (&corr)[2]) {
-    if (cap)
-#pragma unroll
-      for (int e = 0; e < kNS; ++e) s[e] = kernel::tanh_approx(s[e] * t_scale);
+    if (cap) cap_scores(s, t_scale);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if (masked) {

@@ -307,6 +307,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       // P^T and dS^T = P^T o (dP^T - delta) o (1 - tanh^2) come out of one pass over the scores.
       wg_wait<0>();
       pin(dp);
+      cap_scores(s, t_scale);
 #pragma unroll
       for (int i = 0; i < kBq / 8; ++i)
 #pragma unroll
@@ -315,7 +316,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const int x = 4 * i + 2 * r + e;
-            const float u = kernel::tanh_approx(s[x] * t_scale);
+            const float u = s[x];  // tanh(scale q.k / c)
             float pr = ex2(fmaf(u, sl2, -l2[i][e]));
             if (masked && hidden(i, e, r)) pr = 0.0f;
             s[x] = pr;

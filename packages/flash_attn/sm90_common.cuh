@@ -14,6 +14,7 @@
 #include "kcpp/kernel/cuda.cuh"
 #include "kcpp/kernel/error.h"
 #include "kcpp/kernel/fast_math.h"
+#include "softcap.cuh"
 #include "kcpp/kernel/sm90.cuh"
 
 namespace kcpp::flash {
