@@ -2,8 +2,9 @@
 
   python3 bench/hf_bridge.py parity        # Llama-3.2-1B and Qwen3-0.6B dimensions, random weights
   python3 bench/hf_bridge.py step [CONFIG] # the training step of ../shared/anchors/e2e.py, kernelized
+  python3 bench/hf_bridge.py gemma2 [CONFIG] # Gemma 2's step (soft-capped attention) beside its peers
 
-parity: each model with and without kcpp.torch.kernelize (this build's liger and flash_attn; the
+parity (KCPP_PARITY_MODELS: a comma-separated subset): each model with and without kcpp.torch.kernelize (this build's liger and flash_attn; the
 attention as attn_implementation="kcpp"): f32 logits (relative L2 over the whole [B, S, V], TF32 off),
 then in bf16 the loss and the cosine of every parameter's gradient.  Issue 22's bar: logits within
 1e-5, loss within 1e-2, every cosine >= 0.999.  Two bf16 runs differ by their rounding, so each bf16
@@ -19,6 +20,13 @@ cross-entropy), kcpp_compile (kcpp, then torch.compile of forward); each in a pr
 Lines print as e2e.py prints them, so the two scripts' output reads as one table: run e2e.py's
 configurations in the same call for the ratios.
 
+gemma2: Gemma2ForCausalLM at Gemma-2-27B's dimensions (heads of 128, attention logits capped at 50,
+final logits at 30, sliding windows of 4096 on alternate layers), 4 layers, 4 x 2048 tokens, bf16,
+forward + backward, measured as step's.  CONFIG: gemma2_eager (Transformers' eager attention, what
+Gemma 2 needs for the cap), gemma2_flex (attn_implementation="flex_attention", the cap as its score
+mod), gemma2_kcpp (kernelized: flash_attn with the cap, Liger's defaults for the rest); each in a process
+of its own, the loss printed beside the time.
+
 Needs kcpp importable (PYTHONPATH with the built package; on the lent machine .devlibs/python, see
 scripts/device-python.sh) and KCPP_PACKAGES_DIR where the built packages are.
 """
@@ -28,8 +36,15 @@ import sys
 import time
 
 STEP_CONFIGS = ["kcpp", "kcpp_ce", "kcpp_compile"]
+GEMMA_CONFIGS = ["gemma2_eager", "gemma2_flex", "gemma2_kcpp"]
 LABELS = {"kcpp": "hf + kcpp (default, FLCE)", "kcpp_ce": "hf + kcpp (CE, not FLCE)",
-          "kcpp_compile": "hf + kcpp + torch.compile"}
+          "kcpp_compile": "hf + kcpp + torch.compile", "gemma2_eager": "gemma2 eager attention",
+          "gemma2_flex": "gemma2 flex_attention", "gemma2_kcpp": "gemma2 + kcpp"}
+# Gemma-2-27B's config.json, 4 layers.
+GEMMA2_27B = dict(hidden_size=4608, intermediate_size=36864, num_hidden_layers=4, num_attention_heads=32,
+                  num_key_value_heads=16, head_dim=128, vocab_size=256000, query_pre_attn_scalar=144,
+                  sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                  max_position_embeddings=8192, rms_norm_eps=1e-6)
 H, I, V, L, B, S = 4096, 14336, 128256, 4, 4, 2048
 DEVICE = os.environ.get("KCPP_BENCH_DEVICE", "cuda")  # parity only; "cpu" for a smoke test
 
@@ -43,6 +58,12 @@ PARITY_MODELS = {
                    dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                         num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
                         rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True)),
+    # Gemma-2-2B: heads of 256, attention logits capped at 50 (Transformers' reference is then eager).
+    "Gemma-2-2B": ("Gemma2Config", "Gemma2ForCausalLM",
+                   dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+                        num_key_value_heads=4, head_dim=256, vocab_size=256000, query_pre_attn_scalar=256,
+                        sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                        max_position_embeddings=8192, rms_norm_eps=1e-6)),
 }
 
 
@@ -63,9 +84,12 @@ def parity():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     ok = True
+    only = os.environ.get("KCPP_PARITY_MODELS")  # a comma-separated subset of PARITY_MODELS' names
     for name, (cfg_name, model_name, dims) in PARITY_MODELS.items():
+        if only and name not in only.split(","):
+            continue
         config = getattr(transformers, cfg_name)(**dims)
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = "eager" if dims.get("attn_logit_softcapping") else "sdpa"  # SDPA has no cap
         torch.manual_seed(0)
         model = getattr(transformers, model_name)(config).to(DEVICE, torch.float32)
         gen = torch.Generator(device=DEVICE).manual_seed(1)
@@ -169,18 +193,62 @@ def step(which):
     return 0
 
 
+def gemma2_step(which):
+    import torch
+    import triton
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    kt = _kcpp()
+
+    cfg = Gemma2Config(**GEMMA2_27B)
+    cfg._attn_implementation = "flex_attention" if which == "gemma2_flex" else "eager"
+    torch.manual_seed(0)
+    v = GEMMA2_27B["vocab_size"]
+    ids = torch.randint(0, v, (B, S), device="cuda")
+    model = Gemma2ForCausalLM(cfg).to("cuda", torch.bfloat16)
+    if which == "gemma2_kcpp":
+        kt.kernelize(model)
+    losses = []
+
+    def one():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        model.zero_grad(set_to_none=True)
+
+    t0 = time.time()
+    for _ in range(3):
+        one()
+    torch.cuda.synchronize()
+    warm = time.time() - t0
+    ms = triton.testing.do_bench(one, warmup=1, rep=10, return_mode="median")
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    one()
+    torch.cuda.synchronize()
+    mib = (torch.cuda.max_memory_allocated() - base) / 2**20
+    print(f"{LABELS[which]:28s} {ms:8.1f} ms  {B * S / (ms / 1e3):8.0f} tok/s  peak {mib:8.0f} MiB"
+          f"  loss {losses[0].item():.5f}  (warm-up {warm:.0f} s)", flush=True)
+    if which == "gemma2_kcpp":
+        print(f"{'':28s} calls: {_calls(kt.report(model))}", flush=True)
+    return 0
+
+
 def main(argv):
-    if not argv or argv[0] not in ("parity", "step"):
-        sys.exit("usage: hf_bridge.py parity | step [" + " | ".join(STEP_CONFIGS) + "]")
+    if not argv or argv[0] not in ("parity", "step", "gemma2"):
+        sys.exit("usage: hf_bridge.py parity | step [" + " | ".join(STEP_CONFIGS) + "] | gemma2 ["
+                 + " | ".join(GEMMA_CONFIGS) + "]")
     if argv[0] == "parity":
         return parity()
+    configs = GEMMA_CONFIGS if argv[0] == "gemma2" else STEP_CONFIGS
+    run_one = gemma2_step if argv[0] == "gemma2" else step
     if len(argv) > 1:
-        if argv[1] not in STEP_CONFIGS:
-            sys.exit(f"unknown configuration {argv[1]!r}; one of: {', '.join(STEP_CONFIGS)}")
-        return step(argv[1])
+        if argv[1] not in configs:
+            sys.exit(f"unknown configuration {argv[1]!r}; one of: {', '.join(configs)}")
+        return run_one(argv[1])
     rc = 0
-    for c in STEP_CONFIGS:
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "step", c])
+    for c in configs:
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), argv[0], c])
         if r.returncode != 0:
             print(f"{LABELS[c]:28s} failed (exit {r.returncode})", flush=True)
             rc = 1
