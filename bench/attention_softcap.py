@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, HERE)
 import kcpp  # noqa: E402
-from deep_timer import bench_deep  # noqa: E402
+from deep_timer import bench_both_orders  # noqa: E402
 
 lib = sys.argv[1]
 shapes = [tuple(float(x) if i == 5 else int(x) for i, x in enumerate(a.split("x"))) for a in sys.argv[2:]] or [
@@ -137,14 +137,10 @@ for B, S, HQ, HKV, D, CAP in shapes:
             torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True).backward(do)
     impls.append(("sdpa-cudnn (no cap)", cudnn_f, cudnn_fb if backward else None, float("nan")))
     # Two passes, the second in reverse order; each figure the mean of its two.
-    times = {}
-    runs = [(i, kind) for i in range(len(impls)) for kind in (1, 2) if impls[i][kind] is not None]
-    for order in (runs, runs[::-1]):
-        for i, kind in order:
-            times.setdefault((i, kind), []).append(bench_deep(impls[i][kind]))
+    passes = bench_both_orders([fn for impl in impls for fn in impl[1:3]])
     for i, (name, _, _, gerr) in enumerate(impls):
-        tf = sum(times[(i, 1)]) / 2
-        tfb = sum(times[(i, 2)]) / 2 if (i, 2) in times else float("nan")
+        tf = sum(passes[2 * i]) / 2
+        tfb = sum(passes[2 * i + 1]) / 2 if passes[2 * i + 1] is not None else float("nan")
         rows.append((B, S, HQ, HKV, D, CAP, name, tf, fl / tf * 1e3, tfb, 3.5 * fl / tfb * 1e3, gerr))
         print(rows[-1], flush=True)
     for var in ("KCPP_FLASH_ATTN_FORWARD", "KCPP_FLASH_ATTN_BACKWARD"):

@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, HERE)
 import kcpp  # noqa: E402
-from deep_timer import bench_deep  # noqa: E402
+from deep_timer import bench_both_orders  # noqa: E402
 
 lib = sys.argv[1]
 shapes = [tuple(int(x) for x in a.split("x")) for a in sys.argv[2:]] or [
@@ -122,11 +122,8 @@ for B, S, D, W in shapes:
             torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True).backward(do)
     impls.append(("sdpa-cudnn" + (" (no window)" if W > 0 else ""), cudnn_f, cudnn_fb, float("nan"), float("nan")))
     # Two passes, the second in reverse order; each figure the mean of its two.
-    times = {}
-    runs = [(i, kind) for i in range(len(impls)) for kind in (1, 2)]
-    for order in (runs, runs[::-1]):
-        for i, kind in order:
-            times.setdefault((i, kind), []).append(bench_deep(impls[i][kind]))
+    passes = bench_both_orders([fn for impl in impls for fn in impl[1:3]])
+    times = {(i, kind): passes[2 * i + kind - 1] for i in range(len(impls)) for kind in (1, 2)}
     for i, (name, _, _, e1, e2) in enumerate(impls):
         tf, tfb = (sum(times[(i, kk)]) / 2 for kk in (1, 2))
         flp = 4 * B * HQ * (S * (S + 1) // 2) * D / 1e12 if "(no window)" in name else fl

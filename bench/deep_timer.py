@@ -36,6 +36,17 @@ def bench_deep(fn, warmup=10, rep=40):
     return statistics.median(a.elapsed_time(b) for a, b in zip(starts, ends))
 
 
+def bench_both_orders(fns):
+    """bench_deep of each callable of `fns` twice, all in order and then in reverse order (so a call's
+    position after another's does not bias one of them); per callable the list of its two figures, or
+    None where `fns` has None."""
+    times = [[] if f is not None else None for f in fns]
+    order = [i for i, f in enumerate(fns) if f is not None]
+    for i in order + order[::-1]:
+        times[i].append(bench_deep(fns[i]))
+    return times
+
+
 def back_to_back(fn, reps):
     """ms a call of `reps` calls timed together between two events, no L2 flush between them (after
     one untimed call): for slow references and for comparing with bench_deep's flushed figure."""

@@ -153,7 +153,6 @@ def parity():
 
 def step(which):
     import torch
-    import triton
     from transformers import LlamaConfig, LlamaForCausalLM
     kt = _kcpp()
 
@@ -171,42 +170,16 @@ def step(which):
     if which.endswith("compile"):
         model.forward = torch.compile(model.forward)
 
-    def one():
-        model(input_ids=ids, labels=ids).loss.backward()
-        model.zero_grad(set_to_none=True)
-
-    t0 = time.time()
-    for _ in range(3):
-        one()
-    torch.cuda.synchronize()
-    warm = time.time() - t0
-    ms = triton.testing.do_bench(one, warmup=1, rep=10, return_mode="median")
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    one()
-    torch.cuda.synchronize()
-    mib = (torch.cuda.max_memory_allocated() - base) / 2**20
-    print(f"{LABELS[which]:28s} {ms:8.1f} ms  {B * S / (ms / 1e3):8.0f} tok/s  peak {mib:8.0f} MiB"
-          f"  (warm-up {warm:.0f} s)", flush=True)
-    print(f"{'':28s} calls: {_calls(kt.report(model))}", flush=True)
+    _time_step(model, ids, LABELS[which], kt, show_loss=False)
     return 0
 
 
-def gemma2_step(which):
+def _time_step(model, ids, label, kt, show_loss):
+    """Times the training step of `model` on `ids` (labels = ids): three warm-up steps, do_bench's median of
+    10, then the step's peak memory beyond what was allocated before it; prints e2e.py's line (with the
+    first step's loss when `show_loss`) and, with `kt`, the report's call counts."""
     import torch
     import triton
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-    kt = _kcpp()
-
-    cfg = Gemma2Config(**GEMMA2_27B)
-    cfg._attn_implementation = "flex_attention" if which == "gemma2_flex" else "eager"
-    torch.manual_seed(0)
-    v = GEMMA2_27B["vocab_size"]
-    ids = torch.randint(0, v, (B, S), device="cuda")
-    model = Gemma2ForCausalLM(cfg).to("cuda", torch.bfloat16)
-    if which == "gemma2_kcpp":
-        kt.kernelize(model)
     losses = []
 
     def one():
@@ -227,10 +200,28 @@ def gemma2_step(which):
     one()
     torch.cuda.synchronize()
     mib = (torch.cuda.max_memory_allocated() - base) / 2**20
-    print(f"{LABELS[which]:28s} {ms:8.1f} ms  {B * S / (ms / 1e3):8.0f} tok/s  peak {mib:8.0f} MiB"
-          f"  loss {losses[0].item():.5f}  (warm-up {warm:.0f} s)", flush=True)
-    if which == "gemma2_kcpp":
+    loss = f"  loss {losses[0].item():.5f}" if show_loss else ""
+    print(f"{label:28s} {ms:8.1f} ms  {B * S / (ms / 1e3):8.0f} tok/s  peak {mib:8.0f} MiB{loss}"
+          f"  (warm-up {warm:.0f} s)", flush=True)
+    if kt is not None:
         print(f"{'':28s} calls: {_calls(kt.report(model))}", flush=True)
+
+
+def gemma2_step(which):
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    kt = _kcpp()
+
+    cfg = Gemma2Config(**GEMMA2_27B)
+    cfg._attn_implementation = "flex_attention" if which == "gemma2_flex" else "eager"
+    torch.manual_seed(0)
+    v = GEMMA2_27B["vocab_size"]
+    ids = torch.randint(0, v, (B, S), device="cuda")
+    model = Gemma2ForCausalLM(cfg).to("cuda", torch.bfloat16)
+    kernelized = which == "gemma2_kcpp"
+    if kernelized:
+        kt.kernelize(model)
+    _time_step(model, ids, LABELS[which], kt if kernelized else None, show_loss=True)
     return 0
 
 
