@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <limits>
+#include <string>
 
 #include "kcpp/kernel/abi_args.h"
 #include "kcpp/kernel/activation.h"
@@ -245,6 +246,28 @@ TEST(KernelHelpers, RowsCollapsesLeadingDims) {
       EXPECT_NE(std::string(err).find("tensor 'x'"), std::string::npos) << err;
     }
   }
+}
+
+// Call::all_read names the first argument that no lookup asked for; NONE arguments do not count.
+TEST(KernelHelpers, AllReadNamesAnArgumentNoLookupAskedFor) {
+  char err[256];
+  kcpp_context ctx{};
+  ctx.struct_size = sizeof ctx;
+  ctx.error = err;
+  ctx.error_size = sizeof err;
+  kcpp_arg a[3]{};
+  a[0].name = "scale", a[0].kind = KCPP_ARG_FLOAT, a[0].value.f = 0.5;
+  a[1].name = "sofcap", a[1].kind = KCPP_ARG_FLOAT, a[1].value.f = 50.0;
+  a[2].name = "lse", a[2].kind = KCPP_ARG_NONE;
+  kk::Call partial(&ctx, a, 3, "t");
+  EXPECT_EQ(partial.real("scale", 1.0), 0.5);
+  EXPECT_EQ(partial.real("softcap", 0.0), 0.0);  // absent under its right name
+  EXPECT_FALSE(partial.all_read());
+  EXPECT_EQ(partial.status(), KCPP_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(err).find("argument 'sofcap' is not one this call reads"), std::string::npos) << err;
+  kk::Call full(&ctx, a, 3, "t");
+  full.real("scale", 1.0), full.real("sofcap", 0.0);
+  EXPECT_TRUE(full.all_read());  // 'lse' is NONE
 }
 
 TEST(KernelHelpers, ChoiceNamesTheAlternatives) {

@@ -5,7 +5,9 @@
 //
 // On CUDA the forward runs the first path of attention.h's that takes the call (Hopper, then the
 // mma.sync kernel, then the generic one); KCPP_FLASH_ATTN_FORWARD names one to require, and supports()
-// refuses a call it cannot take.
+// refuses a call it cannot take.  An argument the call does not read (a misspelt name, max_seqlen_q
+// without cu_seqlens, a backward argument in a forward call) is refused naming it (Call::all_read), so
+// that a host's argument is never ignored without a word.
 //
 // The named arguments are those of docs/contracts/Attention.md.  Every tensor is [B, H, S, D] with D
 // contiguous and any other strides; with cu_seqlens_q / cu_seqlens_k (variable-length packed sequences)
@@ -178,7 +180,7 @@ bool attention_args(kk::Call& c, bool bwd, fa::AttentionParams& p) {
     p.lse = static_cast<float*>(kk::data_ptr(lse));
   }
   if (!bwd) return distinct(c, p.out.data, "out", {p.q.data, p.k.data, p.v.data}) &&
-                   (!p.lse || distinct(c, p.lse, "lse", {p.q.data, p.k.data, p.v.data, p.out.data}));
+                   (!p.lse || distinct(c, p.lse, "lse", {p.q.data, p.k.data, p.v.data, p.out.data})) && c.all_read();
   DLTensor* dout = c.tensor("dout");
   DLTensor* dq = c.tensor("dq");
   DLTensor* dk = c.tensor("dk");
@@ -198,7 +200,7 @@ bool attention_args(kk::Call& c, bool bwd, fa::AttentionParams& p) {
   if (c.ok() && nk > 0 && p.dk.data == p.dv.data) c.require(false, "'dk' and 'dv' must be different tensors");
   if (c.ok() && nq > 0 && (p.dq.data == p.dk.data || p.dq.data == p.dv.data))
     c.require(false, "'dq' must differ from 'dk' and 'dv'");
-  return c.ok();
+  return c.all_read();
 }
 
 // On CUDA, the forward path that KCPP_FLASH_ATTN_FORWARD asks for must be able to run (attention.h).

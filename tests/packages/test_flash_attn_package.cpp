@@ -377,6 +377,14 @@ TEST_P(FlashAttnPackage, BadInputIsRefusedNamingTheArgument) {
     c.real("softcap", cap);
     EXPECT_TRUE(test::refused(k.supports(c, dev, test::kInference), KCPP_ERROR_INVALID_ARGUMENT, "'softcap'")) << cap;
   }
+  // An argument the call does not read is refused naming it, not ignored: a misspelt one, and
+  // max_seqlen_q without the cu_seqlens that give it a meaning.
+  KernelArgs& typo = args(q, kv, kv, out);
+  typo.real("softcapping", 50.0);
+  EXPECT_TRUE(test::refused(k.supports(typo, dev, test::kInference), KCPP_ERROR_INVALID_ARGUMENT, "'softcapping'"));
+  KernelArgs& lone = args(q, kv, kv, out);
+  lone.integer("max_seqlen_q", 8);
+  EXPECT_TRUE(test::refused(k.supports(lone, dev, test::kInference), KCPP_ERROR_INVALID_ARGUMENT, "'max_seqlen_q'"));
   KernelArgs& cs = args(q, kv, kv, out);  // scale / softcap beyond a float
   cs.real("scale", 1e30).real("softcap", 1e-20);
   EXPECT_TRUE(test::refused(k.supports(cs, dev, test::kInference), KCPP_ERROR_INVALID_ARGUMENT, "overflows"));

@@ -137,10 +137,27 @@ class Call {
     return false;
   }
 
+  // The argument named `name` (nullptr when absent); every lookup is remembered for all_read().
   const kcpp_arg* find(const char* name) const {
     for (int32_t i = 0; i < n_; ++i)
-      if (args_[i].name && std::strcmp(args_[i].name, name) == 0) return &args_[i];
+      if (args_[i].name && std::strcmp(args_[i].name, name) == 0) {
+        if (i < 64) read_ |= uint64_t{1} << i;
+        return &args_[i];
+      }
     return nullptr;
+  }
+
+  // Called once a call's arguments have all been read: fails, naming it, on an argument that no lookup
+  // asked for (a misspelt name, one meaningless for this call, or one that a later version of the
+  // contract added and this kernel does not know), which would otherwise be ignored without a word.
+  // KCPP_ARG_NONE arguments and those past the 64th are not checked.
+  bool all_read() {
+    for (int32_t i = 0; i < n_ && i < 64 && ok(); ++i)
+      if (!(read_ >> i & 1u) && args_[i].name && args_[i].kind != KCPP_ARG_NONE)
+        fail(KCPP_ERROR_INVALID_ARGUMENT,
+             "argument '%s' is not one this call reads (misspelt, meaningless without another argument, or added "
+             "to the contract after this kernel's version)", args_[i].name);
+    return ok();
   }
 
   // A tensor argument on the context's device.  Optional ones return nullptr when absent or NONE.
@@ -363,6 +380,7 @@ class Call {
   int32_t n_;
   const char* what_;
   kcpp_status status_ = KCPP_OK;
+  mutable uint64_t read_ = 0;  // bit i: args_[i] was looked up (find)
 };
 
 }  // namespace kcpp::kernel
