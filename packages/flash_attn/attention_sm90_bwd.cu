@@ -98,8 +98,8 @@ __device__ __forceinline__ void tma_reduce_add(const CUtensorMap* map, uint32_t 
 }
 #endif
 
-// Cap: soft-capping (p.softcap > 0), a kernel of its own: with the cap's branches in one kernel the
-// uncapped backward ran 19% slower (3.80 against 3.20 ms at B4 S4096 32/8 heads of 128, H200).
+// Cap: soft-capping (p.softcap > 0), a kernel of its own so that the uncapped one keeps its code (with
+// both in one kernel behind a run-time branch the uncapped backward ran markedly slower: bench/RESULTS.md).
 template <typename T, int D, bool Cap>
 __global__ void __launch_bounds__(kThreadsB, 1)
     bwd_sm90_kernel(const __grid_constant__ AttentionParams p, int head_group, const float* __restrict__ delta, float* __restrict__ dq_acc,
