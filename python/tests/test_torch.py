@@ -769,13 +769,14 @@ class Compile(Base):
         return model
 
     def test_fullgraph_cpu(self):
-        # Gemma 2: the (1 + w) norms, the capped logits, the soft-capped attention's fallback in the graph;
-        # Phi-3: GLU/1 on the halves of its packed gate_up (kcpp.glu_packed and its backward).
+        # Gemma 2: the (1 + w) norms, the capped logits, the soft-capped attention (its softcap an argument
+        # of kcpp.attention in the graph); Phi-3: GLU/1 on the halves of its packed gate_up (kcpp.glu_packed
+        # and its backward).
         for family, lengths in (("llama", (9, 13)), ("gemma2", (9,)), ("phi3", (9,))):
             with self.subTest(family=family):
                 model = self.compiled_matches_eager(family, "aot_eager", lengths=lengths)
                 r = kt.report(model)
-                for layer in ("RMSNorm", "MLP", "rotary_pos_emb", "ForCausalLMLoss"):
+                for layer in ("RMSNorm", "MLP", "rotary_pos_emb", "ForCausalLMLoss", "Attention"):
                     self.assertGreater(r[layer]["kernel_calls"], 0, str(r))
 
     def test_explain_finds_no_graph_break(self):
