@@ -73,7 +73,7 @@ bool msda_args(kk::Call& c, bool bwd, km::MsdaParams& p) {
   if (!bwd) {
     p.out = const_cast<void*>(like_value(c, c.tensor("out"), "out", value, {B, Q, M * C}));
     if (B * Q * M * C > 0) distinct(c, p.out, "out", {p.value, p.loc, p.attn});
-    return c.ok();
+    return c.all_read();  // an argument the call does not read is refused, naming it
   }
   p.dout = like_value(c, c.tensor("dout"), "dout", value, {B, Q, M * C});
   p.dvalue = const_cast<void*>(like_value(c, c.tensor("dvalue"), "dvalue", value, {B, p.seq, M, C}));
@@ -85,7 +85,7 @@ bool msda_args(kk::Call& c, bool bwd, km::MsdaParams& p) {
   if (B * Q * M * P > 0)
     distinct(c, p.dloc, "dsampling_locations", ins), distinct(c, p.dattn, "dattention_weights", ins),
         distinct(c, p.dloc, "dsampling_locations", {p.dattn});
-  return c.ok();
+  return c.all_read();
 }
 
 kcpp_status msda_supports(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {

@@ -116,6 +116,12 @@ TEST_P(DeformableAttentionPackage, BadArgumentsAreRefusedByName) {
     a.tensor("attention_weights", Tensor::zeros({1, 3, 2, 2, 1}, DType::bf16, dev));
     refused(a, KCPP_ERROR_INVALID_ARGUMENT, "tensor 'attention_weights' is bf16 but 'value' is f32");
   }
+  {  // an argument the call does not read (misspelt) is refused naming it, not ignored
+    KernelArgs a;
+    base(a);
+    a.integer("im2col_steps", 64);
+    refused(a, KCPP_ERROR_INVALID_ARGUMENT, "argument 'im2col_steps' is not one this call reads");
+  }
   {
     KernelArgs a;
     base(a, "out");
