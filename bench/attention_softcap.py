@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, HERE)
 import kcpp  # noqa: E402
-from deep_timer import bench_both_orders  # noqa: E402
+from deep_timer import bench_both_orders, sdpa_cudnn_causal  # noqa: E402
 
 lib = sys.argv[1]
 shapes = [tuple(float(x) if i == 5 else int(x) for i, x in enumerate(a.split("x"))) for a in sys.argv[2:]] or [
@@ -128,13 +128,7 @@ for B, S, HQ, HKV, D, CAP in shapes:
             layer.backward(ba)
         impls.append((f"kcpp {path}" + ("" if cap else " (no cap)"), f, fb if backward else None, gerr))
 
-    def cudnn_f():
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION), torch.no_grad():
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-    def cudnn_fb():
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-            torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True).backward(do)
+    cudnn_f, cudnn_fb = sdpa_cudnn_causal(q, k, v, qg, kg, vg, do)
     impls.append(("sdpa-cudnn (no cap)", cudnn_f, cudnn_fb if backward else None, float("nan")))
     # Two passes, the second in reverse order; each figure the mean of its two.
     passes = bench_both_orders([fn for impl in impls for fn in impl[1:3]])

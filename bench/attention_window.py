@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, HERE)
 import kcpp  # noqa: E402
-from deep_timer import bench_both_orders  # noqa: E402
+from deep_timer import bench_both_orders, sdpa_cudnn_causal  # noqa: E402
 
 lib = sys.argv[1]
 shapes = [tuple(int(x) for x in a.split("x")) for a in sys.argv[2:]] or [
@@ -113,13 +113,7 @@ for B, S, D, W in shapes:
             layer.forward(fa)
             layer.backward(ba)
         impls.append((f"kcpp {path}" + (" (no window)" if window != W else ""), f, fb, err, gerr))
-    def cudnn_f():
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION), torch.no_grad():
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-    def cudnn_fb():
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-            torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True).backward(do)
+    cudnn_f, cudnn_fb = sdpa_cudnn_causal(q, k, v, qg, kg, vg, do)
     impls.append(("sdpa-cudnn" + (" (no window)" if W > 0 else ""), cudnn_f, cudnn_fb, float("nan"), float("nan")))
     # Two passes, the second in reverse order; each figure the mean of its two.
     passes = bench_both_orders([fn for impl in impls for fn in impl[1:3]])

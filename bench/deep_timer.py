@@ -47,6 +47,22 @@ def bench_both_orders(fns):
     return times
 
 
+def sdpa_cudnn_causal(q, k, v, qg, kg, vg, do):
+    """The causal cuDNN attention through SDPA (grouped heads), the peer the attention benches time: its
+    forward on q, k, v without autograd, and its forward + backward on the leaves qg, kg, vg with dout do."""
+    backend = torch.nn.attention.SDPBackend.CUDNN_ATTENTION
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def forward():
+        with torch.nn.attention.sdpa_kernel(backend), torch.no_grad():
+            sdpa(q, k, v, is_causal=True, enable_gqa=True)
+
+    def forward_backward():
+        with torch.nn.attention.sdpa_kernel(backend):
+            sdpa(qg, kg, vg, is_causal=True, enable_gqa=True).backward(do)
+    return forward, forward_backward
+
+
 def back_to_back(fn, reps):
     """ms a call of `reps` calls timed together between two events, no L2 flush between them (after
     one untimed call): for slow references and for comparing with bench_deep's flushed figure."""

@@ -161,7 +161,8 @@ bool attention_args(kk::Call& c, bool bwd, fa::AttentionParams& p) {
     return c.require(false, "argument 'softcap' is %g; expected 0 (none) or a positive finite value (Gemma 2: 50)", softcap);
   p.softcap = static_cast<float>(softcap);
   if (p.softcap > 0.0f && !std::isfinite(static_cast<float>(scale) / p.softcap))
-    return c.require(false, "argument 'softcap' is %g: scale %g / softcap overflows a float", softcap, scale);
+    return c.require(false, "argument 'softcap' is %g: scale %g / softcap overflows a float; give a larger softcap or a smaller scale",
+                     softcap, scale);
   p.scale = static_cast<float>(scale);
   p.causal = causal == 1;
   if (lse) {

@@ -683,7 +683,8 @@ Tensor CausalLM::ragged_attention(size_t li, const Tensor& q, const Tensor& k, c
 double CausalLM::attention_scale(size_t li) const {
   const ops::AttentionOptions& opt = layers_[li].attn->options;
   // The decode kernels (ops::decode_attention and the fused ones that call this) have no soft-capping.
-  KCPP_CHECK(opt.softcap == 0, "layer {}: the decode attention has no soft-capping (softcap {})", li, opt.softcap);
+  KCPP_CHECK(opt.softcap == 0, "layer {}: the decode attention has no soft-capping (softcap {}): this model cannot generate "
+             "in the C++ runtime yet", li, opt.softcap);
   return opt.scale != 0.0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(cfg_.head_dim));
 }
 
