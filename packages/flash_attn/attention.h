@@ -178,6 +178,8 @@ const char* attention_backward_cuda(const AttentionParams& p, cudaStream_t strea
 const char* attention_forward_sm90(const AttentionParams& p, cudaStream_t stream);
 // delta and dq_acc: attention_backward_cuda's parts of the workspace (dq_acc zeroed, finished by it).
 const char* attention_backward_sm90(const AttentionParams& p, const float* delta, float* dq_acc, cudaStream_t stream);
+// The same at head dim 256 (attention_sm90_bwd256.cu), which attention_backward_sm90 calls.
+const char* attention_backward_sm90_d256(const AttentionParams& p, const float* delta, float* dq_acc, cudaStream_t stream);
 #endif
 
 }  // namespace kcpp::flash

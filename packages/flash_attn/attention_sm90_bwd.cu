@@ -32,7 +32,8 @@
 // sequence's tokens: its keys are masked, its queries get lse +inf (probabilities 0, so dS 0 and their
 // dQ rows exact zeros, which the reductions add harmlessly), and dK / dV are written for the sequence's
 // keys only.
-// Head dims 64 and 128 (each warpgroup's dK and dV of 64 keys x D in registers), bf16 / f16.
+// Head dims 64 and 128 (each warpgroup's dK and dV of 64 keys x D in registers), bf16 / f16; head dim
+// 256, whose dK and dV do not fit so, is attention_sm90_bwd256.cu's.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -88,14 +89,6 @@ template <> __device__ __forceinline__ void wgmma_ss_mn<__half, 32>(float (&d)[1
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
                : "l"(a), "l"(b), "r"(scale_d));
 }
-// Adds box {32, 64, 1} of f32 from shared `src` into a 3-d tensor map at (c0, c1, c2); rows past the
-// tensor's end are left alone.  A bulk async-group of the issuing thread.
-__device__ __forceinline__ void tma_reduce_add(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2) {
-  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(src), "r"(c0), "r"(c1), "r"(c2)
-               : "memory");
-}
 #endif
 
 // Cap: soft-capping (p.softcap > 0), a kernel of its own so that the uncapped one keeps its code (with
@@ -122,36 +115,13 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   auto empty = [&](int s) { return bars + 8u * (1 + kStages + s); };
 
   const int tid = threadIdx.x;
-  // The block order (backward_head_group below).  head_group 0: grid (key blocks, B Hkv), each head's
-  // key blocks together, the last first.  head_group G >= 1: a grid of B Hkv x key blocks in groups of
-  // G heads, each group's blocks first key block first (under causal the longest), heads fastest
-  // within it.
+  BwdBlock blk;
+  if (!backward_block<kBk, kBq>(p, head_group, blk)) return;  // varlen: past this sequence's keys
   const bool varlen = p.varlen();
-  int64_t bh, kblk;
-  if (head_group == 0) {
-    bh = blockIdx.y, kblk = gridDim.x - 1 - blockIdx.x;
-  } else {
-    const int64_t heads = p.batch * p.heads_kv, blocks = (p.seq_kv + kBk - 1) / kBk, per = head_group * blocks;
-    const int64_t gi = blockIdx.x / per, r = blockIdx.x - gi * per;
-    const int64_t in_group = min(static_cast<int64_t>(head_group), heads - gi * head_group);
-    kblk = r / in_group, bh = gi * head_group + r % in_group;
-  }
-  const int64_t group = p.heads_q / p.heads_kv, b = bh / p.heads_kv, hk = bh % p.heads_kv;
-  const Sequence seq = sequence(p, b);
-  const int64_t sq = seq.seq_q, skv = seq.seq_kv, off = skv - sq;
-  const int64_t k0 = kblk * kBk;
-  if (k0 >= skv) return;  // varlen: past this sequence's keys (the whole block, before any barrier)
-  const int mb = varlen ? 0 : static_cast<int>(b);  // the tensor maps' batch coordinate
-  const int kb = static_cast<int>(seq.k_begin), qb = static_cast<int>(seq.q_begin);
-  // The queries that see a key of the block: from the first whose position reaches k0 (causal) to
-  // the last whose window still holds the block's last key.
-  const int64_t i_lo = p.causal ? max(int64_t{0}, k0 - off) : 0;
-  const int64_t i_end = p.window > 0 ? min(sq, min(k0 + kBk, skv) - 1 + p.window - off) : sq;
-  const int64_t m_begin = i_lo / kBq, m_end = i_lo < i_end ? (i_end + kBq - 1) / kBq : m_begin;
-  const int64_t tiles = m_end - m_begin;
-  const int n_items = static_cast<int>(group * tiles);  // (query head, query tile) pairs
-  auto item_h = [&](int it) { return hk * group + it / tiles; };
-  auto item_q0 = [&](int it) { return (m_begin + it % tiles) * kBq; };
+  const int64_t b = blk.b, hk = blk.hk, k0 = blk.k0, skv = blk.skv, off = blk.off;
+  const int n_items = blk.n_items, qb = blk.qb, kb = blk.kb;
+  auto item_h = [&](int it) { return blk.item_h(it); };
+  auto item_q0 = [&](int it) { return blk.item_q0(it, kBq); };
 
   if (tid == 0) {
     mbar_init(kvfull, 1);
@@ -162,45 +132,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 
   if (tid < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-    if (tid == 0) {
-      // K and V once, then Q and dO of each item into the ring.
-      mbar_expect_tx(kvfull, 2 * kKVBytes);
-#pragma unroll
-      for (int c = 0; c < D / 64; ++c) {
-        tma_load(sK + c * kBk * 128, &tk, kvfull, c * 64, kb + static_cast<int>(k0), static_cast<int>(hk), mb);
-        tma_load(sV + c * kBk * 128, &tv, kvfull, c * 64, kb + static_cast<int>(k0), static_cast<int>(hk), mb);
-      }
-      for (int it = 0; it < n_items; ++it) {
-        const int st = it % kStages;
-        mbar_wait(empty(st), ((it / kStages) & 1) ^ 1);
-        mbar_expect_tx(full(st), 2 * kQBytes);
-        const int h = static_cast<int>(item_h(it)), q0 = static_cast<int>(item_q0(it));
-        const uint32_t q_dst = sQ + st * 2 * kQBytes;
-#pragma unroll
-        for (int c = 0; c < D / 64; ++c) {
-          tma_load(q_dst + c * kBq * 128, &tq, full(st), c * 64, qb + q0, h, mb);
-          tma_load(q_dst + kQBytes + c * kBq * 128, &tdo, full(st), c * 64, qb + q0, h, mb);
-        }
-      }
-    } else if (tid >= 32 && tid < 64) {
-      // lse (base 2; +inf where the row sees no key or lies past the end: its probabilities are 0) and delta.
-      const int lane = tid - 32;
-      for (int it = 0; it < n_items; ++it) {
-        const int st = it % kStages;
-        mbar_wait(empty(st), ((it / kStages) & 1) ^ 1);
-        const int64_t row0 = lse_row(p, b, item_h(it), qb), q0 = item_q0(it);
-        float* dst = s_stats + st * 2 * kBq;
-#pragma unroll
-        for (int u = 0; u < kBq / 32; ++u) {
-          const int64_t i = q0 + lane + 32 * u;
-          const float l = i < sq ? p.lse[row0 + i] : -INFINITY;
-          dst[lane + 32 * u] = l == -INFINITY ? INFINITY : l * kLog2e;
-          dst[kBq + lane + 32 * u] = i < sq ? delta[row0 + i] : 0.0f;
-        }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(full(st));
-      }
-    }
+    backward_producer<D, kBk, kBq, kStages>(p, blk, delta, tid, &tq, &tdo, &tk, &tv, sK, sV, sQ, s_stats, kvfull, full(0), empty(0));
     return;
   }
 
@@ -422,64 +354,17 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 #endif
 }
 
-// The order of the blocks: the group of kv heads whose blocks run first key block first (0: each
-// head's blocks together, the last key block first).  Each head's blocks together lets the blocks that
-// run at once share their Q / dO tiles in L2; every head's first key blocks first (a group of all
-// heads) starts the longest causal blocks first and ends the grid on short ones, but spreads the
-// blocks that run at once over every head.  Groups of about a wave of blocks (the default) keep most
-// of both, of a size that divides the heads where one lies within a factor of two below a wave: a
-// short last group starts its longest blocks near the end of the grid.  On an H200 at B2 S8192 (16
-// heads) groups of 5 heads (5, 5, 5, 1) ran fwd+bwd at 460.7 TFLOP/s, of 2 or 4 at 496.7 / 493.2, all
-// in one group at 476.9 (bench/RESULTS.md, 2026-11-27, twelfth session).  Where no such divisor
-// exists, the groups are as even as groups of one size get (13 heads in fours: 4, 4, 4, 1).
-// KCPP_FLASH_ATTN_SM90_BWD_ORDER = keys | heads | grouped pins one, a number N groups of N heads (for
-// measuring).
-int backward_head_group(const AttentionParams& p) {
-  const int64_t key_blocks = std::max<int64_t>((p.seq_kv + kBk - 1) / kBk, 1), heads = p.batch * p.heads_kv;
-  const int64_t per_wave = std::clamp<int64_t>((sm_count() + key_blocks / 2) / key_blocks, 1, heads);
-  int64_t size = 0;
-  for (int64_t c = per_wave; c >= std::max<int64_t>(1, per_wave / 2) && size == 0; --c)
-    if (heads % c == 0) size = c;
-  if (size == 0) {
-    const int64_t groups = (heads + per_wave - 1) / per_wave;
-    size = (heads + groups - 1) / groups;
-  }
-  const auto grouped = static_cast<int>(size);
-  const char* order = std::getenv("KCPP_FLASH_ATTN_SM90_BWD_ORDER");
-  if (order && std::strcmp(order, "heads") == 0) return static_cast<int>(heads);
-  if (order && std::strcmp(order, "keys") == 0 && heads <= 65535) return 0;  // its grid (key blocks, B Hkv)
-  if (order && order[0] >= '1' && order[0] <= '9') return static_cast<int>(std::clamp<int64_t>(std::atoll(order), 1, heads));
-  return grouped;
-}
-
 template <typename T, int D, bool Cap>
 const char* launch_bwd(const AttentionParams& p, const float* delta, float* dq_acc, cudaStream_t stream) {
-  // Varlen: the maps span the packed tokens, one "batch".
-  const bool varlen = p.varlen();
-  const int64_t nq = varlen ? p.total_q : p.seq_q, nk = varlen ? p.total_kv : p.seq_kv, nb = varlen ? 1 : p.batch;
-  CUtensorMap tq, tdo, tk, tv;
-  if (!make_map(&tq, p.q, p.dtype, D, nq, p.heads_q, nb, kBq) || !make_map(&tdo, p.dout, p.dtype, D, nq, p.heads_q, nb, kBq) ||
-      !make_map(&tk, p.k, p.dtype, D, nk, p.heads_kv, nb, kBk) || !make_map(&tv, p.v, p.dtype, D, nk, p.heads_kv, nb, kBk))
-    return "attention_backward (hopper): the driver refused a tensor map of these strides "
-           "(KCPP_FLASH_ATTN_BACKWARD=ampere takes the mma.sync kernel instead)";
+  CUtensorMap tq, tdo, tk, tv, tdq;
+  if (const char* e = backward_maps(p, dq_acc, kBk, kBq, &tq, &tdo, &tk, &tv, &tdq)) return e;
   constexpr int kSmemB = Bwd<D>::kSmem;
   const cudaError_t attr = cudaFuncSetAttribute(bwd_sm90_kernel<T, D, Cap>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemB);
   if (attr != cudaSuccess)
     return kernel::errorf("attention_backward (hopper): cannot reserve %d bytes of shared memory: %s", kSmemB,
                           cudaGetErrorString(attr));
-  // The dq accumulator, f32 [B Hq, Sq, D] (varlen [Hq, total_q, D]: lse_row's numbering): boxes of 32
-  // columns x 64 rows, 128-byte swizzle.
-  CUtensorMap tdq;
-  const int64_t planes = varlen ? p.heads_q : p.batch * p.heads_q;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(D), static_cast<cuuint64_t>(nq), static_cast<cuuint64_t>(planes)};
-  const cuuint64_t strides[2] = {D * 4, static_cast<cuuint64_t>(nq) * D * 4};
-  const cuuint32_t box[3] = {32, kBq, 1}, estr[3] = {1, 1, 1};
-  if (encode_fn()(&tdq, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, dq_acc, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
-    return "attention_backward (hopper): the driver refused the tensor map of the dq accumulator";
-  const auto key_blocks = static_cast<unsigned>((p.seq_kv + kBk - 1) / kBk), bh = static_cast<unsigned>(p.batch * p.heads_kv);
-  const int head_group = backward_head_group(p);
-  const dim3 grid = head_group == 0 ? dim3(key_blocks, bh) : dim3(key_blocks * bh);
+  const int head_group = backward_head_group(p, kBk);
+  const dim3 grid = backward_grid(p, kBk, head_group);
   bwd_sm90_kernel<T, D, Cap><<<grid, kThreadsB, kSmemB, stream>>>(p, head_group, delta, dq_acc, tq, tdo, tk, tv, tdq);
   return kernel::cuda::launch_error("attention_backward (hopper)");
 }
@@ -493,7 +378,7 @@ const char* attention_sm90_backward_unsupported(const AttentionParams& p) {
 #else
   if (device_cc() != 90) return "the device is not compute capability 9.0";
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return "the dtype is not bf16 or f16";
-  if (p.head_dim != 64 && p.head_dim != 128) return "head_dim is not 64 or 128";
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return "head_dim is not 64, 128 or 256";
   if (!(p.scale > 0.0f)) return "scale is not positive";
   for (const Operand* o : {&p.q, &p.k, &p.v, &p.dout})  // the tensor maps' 16-byte rule
     if ((reinterpret_cast<uintptr_t>(o->data) & 15u) != 0 || o->sb % 8 != 0 || o->sh % 8 != 0 || o->ss % 8 != 0)
@@ -502,7 +387,8 @@ const char* attention_sm90_backward_unsupported(const AttentionParams& p) {
     if ((reinterpret_cast<uintptr_t>(o->data) & 3u) != 0 || o->sb % 2 != 0 || o->sh % 2 != 0 || o->ss % 2 != 0)
       return "dk or dv is not 4-byte aligned";
   constexpr int64_t kMaxRows = (int64_t{1} << 31) - 256;  // the tensor maps' 32-bit row coordinates
-  const int64_t key_blocks = (p.seq_kv + kBk - 1) / kBk, bh = p.batch * p.heads_kv;
+  const int64_t block_keys = p.head_dim == 256 ? 64 : kBk;  // attention_sm90_bwd256.cu's blocks are of 64 keys
+  const int64_t key_blocks = (p.seq_kv + block_keys - 1) / block_keys, bh = p.batch * p.heads_kv;
   const bool grid_fits = bh * key_blocks <= 0x7fffffff;  // the grouped orders' grid (backward_head_group)
   if (p.seq_q > kMaxRows || p.seq_kv > kMaxRows || p.total_q > kMaxRows || p.total_kv > kMaxRows ||
       p.batch * p.heads_q > 0x7fffffff || !grid_fits)
@@ -515,6 +401,7 @@ const char* attention_sm90_backward_unsupported(const AttentionParams& p) {
 const char* attention_backward_sm90(const AttentionParams& p, const float* delta, float* dq_acc, cudaStream_t stream) {
   if (p.batch == 0 || p.seq_kv == 0) return nullptr;
   const bool bf = p.dtype == DType::bf16, cap = p.softcap > 0.0f;
+  if (p.head_dim == 256) return attention_backward_sm90_d256(p, delta, dq_acc, stream);
   if (p.head_dim == 64) {
     if (cap) return bf ? launch_bwd<__nv_bfloat16, 64, true>(p, delta, dq_acc, stream) : launch_bwd<__half, 64, true>(p, delta, dq_acc, stream);
     return bf ? launch_bwd<__nv_bfloat16, 64, false>(p, delta, dq_acc, stream) : launch_bwd<__half, 64, false>(p, delta, dq_acc, stream);

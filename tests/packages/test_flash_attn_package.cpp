@@ -164,8 +164,8 @@ using test::ScopedEnv;
 // fallback to another path fails the call: lengths that are no multiple of its 128-row tiles (1, 127,
 // 257, 4097), fewer queries than keys, grouped-query heads (32 / 8), causal or not, head_dim 64 / 128 / 256,
 // bf16 / f16, the [B, S, H, D] layout, and more work items than SMs (the persistent blocks take
-// several each); sliding windows.  The backward (the Hopper one at head dims 64 and 128, else the generic
-// one) consumes the lse it writes.
+// several each); sliding windows.  The backward (the Hopper one on a Hopper GPU) consumes the lse it
+// writes.
 TEST(FlashAttnHopper, ForwardOnAwkwardLengths) {
   const Device dev = Device::cuda(0);
   KCPP_REQUIRE_DEVICE(dev);
@@ -179,7 +179,7 @@ TEST(FlashAttnHopper, ForwardOnAwkwardLengths) {
       {1, 2, 2, 1, 200, 128, false, 0},
       // More work items (query tiles x heads) than an H100 or H200 has SMs: blocks loop over several.
       {8, 16, 4, 129, 129, 64, true, 0},  {8, 16, 4, 200, 333, 128, false, 0}, {150, 2, 1, 1, 1, 128, true, 0},
-      // Head dim 256 (64-key tiles; the backward is the generic one).
+      // Head dim 256 (64-key tiles).
       {1, 4, 2, 127, 300, 256, true, 0},  {2, 2, 1, 200, 200, 256, false, 0},  {1, 2, 1, 129, 129, 256, true, 0},
       // Sliding windows: narrower than a tile, of one key, over several tiles with fewer queries than
       // keys, without the causal mask (then keys after the query count), at every head dim.
@@ -199,7 +199,9 @@ TEST(FlashAttnHopper, ForwardOnAwkwardLengths) {
 }
 
 // The Hopper backward (wgmma + TMA, sm_90a), required through KCPP_FLASH_ATTN_BACKWARD=hopper: head_dim
-// 128 and 64, lengths that are no multiple of its 128-key blocks or 64-query tiles (1, 127, 129, 190, 4097),
+// 128, 64 and 256 (attention_sm90_bwd256.cu: 64-key blocks, the head dim split between the consumer
+// warpgroups, dQ staged in the ring's slots), lengths that are no multiple of its 128-key (64-key) blocks
+// or 64-query tiles (1, 63, 65, 127, 129, 190, 4097),
 // fewer queries than keys (a KV cache), grouped-query heads (32 / 8, dk / dv summed over the group),
 // causal or not, sliding windows, bf16 / f16, the [B, S, H, D] layout, more blocks than SMs.
 TEST(FlashAttnHopper, BackwardOnAwkwardLengths) {
@@ -224,6 +226,12 @@ TEST(FlashAttnHopper, BackwardOnAwkwardLengths) {
       // Soft-capping: head dims 128 and 64, grouped heads, a window, non-causal, a KV cache.
       {1, 32, 8, 127, 127, 128, true, 0, 5.0}, {1, 4, 2, 127, 300, 128, true, 0, 50.0}, {2, 2, 1, 257, 257, 128, false, 100, 2.0},
       {1, 4, 2, 300, 300, 64, true, 17, 5.0},  {8, 16, 4, 200, 333, 64, false, 0, 5.0},
+      // Head dim 256: one key, one block and a part, a KV cache, grouped heads, non-causal, more blocks
+      // than SMs, a long causal sequence, windows, soft-capping.
+      {2, 4, 1, 1, 1, 256, true, 0},       {1, 8, 2, 65, 65, 256, true, 0},    {1, 4, 2, 63, 300, 256, true, 0},
+      {2, 2, 1, 257, 257, 256, false, 0},  {8, 16, 4, 200, 333, 256, false, 0}, {1, 2, 1, 4097, 4097, 256, true, 0},
+      {1, 4, 2, 300, 300, 256, true, 17},  {2, 2, 1, 257, 257, 256, false, 100}, {1, 4, 2, 127, 300, 256, true, 0, 50.0},
+      {1, 4, 2, 300, 300, 256, true, 65, 5.0}, {2, 2, 1, 129, 129, 256, false, 0, 2.0},
   };
   for (DType dt : {DType::bf16, DType::f16})
     for (const Case& c : cases)
@@ -617,8 +625,7 @@ TEST(FlashAttnVarlen, GenericCudaKernels) {
 // inside the next sequence (its rows must not be written), fewer queries than keys and more (the first
 // see no key under causal), sequences without keys and with no keys at all, grouped-query heads (32 /
 // 8), causal or not, 300 short sequences (many work items without rows), bf16 / f16, the backward's
-// three block orders; sliding windows; head dim 64 both ways, and the forward at head dim 256 (its backward
-// the generic one).
+// three block orders; sliding windows; head dims 64 and 256.
 TEST(FlashAttnHopper, VarlenOnAwkwardLengths) {
   const Device dev = Device::cuda(0);
   KCPP_REQUIRE_DEVICE(dev);
@@ -647,8 +654,7 @@ TEST(FlashAttnHopper, VarlenOnAwkwardLengths) {
       // Soft-capping.
       {{7, 0, 1, 129, 33}, {7, 0, 1, 129, 33}, 4, 2, 128, true, 0, 2.0},
       {{300, 65}, {300, 100}, 2, 1, 64, true, 70, 5.0},
-  };
-  const VarlenCase forward_only[] = {
+      // Head dim 256.
       {{1, 7, 129, 0, 70}, {5, 7, 200, 3, 64}, 2, 1, 256, true, 0},
       {{130, 3}, {130, 3}, 2, 2, 256, true, 0, 50.0},
       {{130, 3}, {130, 3}, 2, 2, 256, false, 0},
@@ -660,8 +666,6 @@ TEST(FlashAttnHopper, VarlenOnAwkwardLengths) {
       const ScopedEnv by("KCPP_FLASH_ATTN_SM90_BWD_ORDER", order);
       for (const VarlenCase& c : both) check_varlen(k, c, dt, dev, gen);
     }
-    const ScopedEnv fwd("KCPP_FLASH_ATTN_FORWARD", "hopper");
-    for (const VarlenCase& c : forward_only) check_varlen(k, c, dt, dev, gen);
   }
 }
 
