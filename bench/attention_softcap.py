@@ -53,7 +53,7 @@ for B, S, HQ, HKV, D, CAP in shapes:
     do = torch.randn_like(q)
     scale = 1 / math.sqrt(D)
     fl = 4 * B * HQ * (S * (S + 1) // 2) * D / 1e12
-    backward = D in (64, 128)  # the tensor-core backwards' head dims
+    backward = D in (64, 128, 256)  # the tensor-core backwards' head dims
 
     # The f32 reference on batch row 0, query heads 0-3 (their kv heads), in full.
     group = HQ // HKV

@@ -21,7 +21,8 @@ Lines print as e2e.py prints them, so the two scripts' output reads as one table
 configurations in the same call for the ratios.
 
 gemma2: Gemma2ForCausalLM at Gemma-2-27B's dimensions (heads of 128, attention logits capped at 50,
-final logits at 30, sliding windows of 4096 on alternate layers), 4 layers, 4 x 2048 tokens, bf16,
+final logits at 30, sliding windows of 4096 on alternate layers; KCPP_GEMMA2_DIMS=9b: Gemma-2-9B's,
+16 / 8 heads of 256), 4 layers, 4 x 2048 tokens, bf16,
 forward + backward, measured as step's.  CONFIG: gemma2_eager (Transformers' eager attention, what
 Gemma 2 needs for the cap), gemma2_flex (attn_implementation="flex_attention", the cap as its score
 mod), gemma2_kcpp (kernelized: flash_attn with the cap, Liger's defaults for the rest); each in a process
@@ -45,6 +46,11 @@ GEMMA2_27B = dict(hidden_size=4608, intermediate_size=36864, num_hidden_layers=4
                   num_key_value_heads=16, head_dim=128, vocab_size=256000, query_pre_attn_scalar=144,
                   sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                   max_position_embeddings=8192, rms_norm_eps=1e-6)
+# Gemma-2-9B's config.json, 4 layers: heads of 256 (flash_attn's Hopper backward at head dim 256).
+GEMMA2_9B = dict(hidden_size=3584, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=256, vocab_size=256000, query_pre_attn_scalar=256,
+                 sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                 max_position_embeddings=8192, rms_norm_eps=1e-6)
 H, I, V, L, B, S = 4096, 14336, 128256, 4, 4, 2048
 DEVICE = os.environ.get("KCPP_BENCH_DEVICE", "cuda")  # parity only; "cpu" for a smoke test
 
@@ -212,10 +218,13 @@ def gemma2_step(which):
     from transformers import Gemma2Config, Gemma2ForCausalLM
     kt = _kcpp()
 
-    cfg = Gemma2Config(**GEMMA2_27B)
+    dims = {"27b": GEMMA2_27B, "9b": GEMMA2_9B}.get(os.environ.get("KCPP_GEMMA2_DIMS", "27b"))
+    if dims is None:
+        sys.exit("KCPP_GEMMA2_DIMS is 27b or 9b")
+    cfg = Gemma2Config(**dims)
     cfg._attn_implementation = "flex_attention" if which == "gemma2_flex" else "eager"
     torch.manual_seed(0)
-    v = GEMMA2_27B["vocab_size"]
+    v = dims["vocab_size"]
     ids = torch.randint(0, v, (B, S), device="cuda")
     model = Gemma2ForCausalLM(cfg).to("cuda", torch.bfloat16)
     kernelized = which == "gemma2_kcpp"
