@@ -81,7 +81,7 @@ bool act_args(kk::Call& c, const Kind& k, bool bwd, ka::ActParams& p) {
     p.rows = 1;
     p.x_stride = p.y_stride = p.dy_stride = p.dx_stride = p.d;
   }
-  return c.ok();
+  return c.all_read();  // an argument the call does not read is refused, naming it
 }
 
 #if KCPP_WITH_CUDA

@@ -66,7 +66,8 @@ kcpp_status silu_forward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
   c.same_shape(y, "y", x, "x");
   c.row_major(x, "x");
   c.row_major(y, "y");
-  if (!c.ok()) return c.status();
+  // An argument this call does not read (a misspelt name, "dy" in a forward call) is refused, naming it.
+  if (!c.ok() || !c.all_read()) return c.status();
   const int64_t count = kk::numel(x);
   dispatch(t, [&]<typename T>() {
     const T* xs = static_cast<const T*>(kk::data_ptr(x));
@@ -93,7 +94,7 @@ kcpp_status silu_backward(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
   c.row_major(x, "x");
   c.row_major(dy, "dy");
   c.row_major(dx, "dx");
-  if (!c.ok()) return c.status();
+  if (!c.ok() || !c.all_read()) return c.status();
   const int64_t count = kk::numel(x);
   dispatch(t, [&]<typename T>() {
     const T* xs = static_cast<const T*>(kk::data_ptr(x));
@@ -123,7 +124,7 @@ kcpp_status scale_call(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
   if (x && x->device.device_type != kDLCPU && !(KCPP_WITH_CUDA && on_cuda))
     c.fail(KCPP_ERROR_UNSUPPORTED, "runs on the CPU%s only, not on %s", KCPP_WITH_CUDA ? " and CUDA" : "",
            kk::dl_device_name(x->device.device_type));
-  if (!c.ok()) return c.status();
+  if (!c.ok() || !c.all_read()) return c.status();
   const int64_t count = kk::numel(x);
   const float a = static_cast<float>(alpha);
 #if KCPP_WITH_CUDA

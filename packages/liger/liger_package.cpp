@@ -12,7 +12,9 @@
 // kcpp::kernel::Call (the first problem is reported, naming the argument), fills the kernel's params
 // struct and runs the CPU or CUDA kernel on the context's stream.  Nothing here synchronizes with the
 // host.  supports() runs the same argument checks without running anything, so a refusal and its
-// reason are exactly what the call would have said.
+// reason are exactly what the call would have said.  An argument that the call does not read (a
+// misspelt "epsilon", a backward argument in a forward call, "dbias" without "bias") is refused,
+// naming it (Call::all_read), instead of being ignored.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -115,7 +117,7 @@ bool rms_norm_args(kk::Call& c, bool bwd, bool add, lg::RMSNormParams& p) {
     }
     if (c.ok() && !rstd && (c.context()->mode & KCPP_MODE_TRAINING))
       c.require(false, "missing tensor argument 'rstd' (required in training mode: backward needs it)");
-    return c.ok();
+    return c.all_read();
   }
   DLTensor* dy = c.tensor("dy");
   DLTensor* dx = c.tensor("dx");
@@ -140,7 +142,7 @@ bool rms_norm_args(kk::Call& c, bool bwd, bool add, lg::RMSNormParams& p) {
     c.row_major(dw, "dweight");
     if (c.ok()) p.dw = kk::data_ptr(dw);
   }
-  return c.ok();
+  return c.all_read();
 }
 
 template <bool Add> kcpp_status rms_norm_supports(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
@@ -211,7 +213,7 @@ bool layer_norm_args(kk::Call& c, bool bwd, lg::LayerNormParams& p) {
     if (c.rows(y, "y", &r2, &h2, &p.y_stride)) p.y = kk::data_ptr(y);
     if (c.ok() && (!mean || !rstd) && (c.context()->mode & KCPP_MODE_TRAINING))
       c.require(false, "missing tensor arguments 'mean' and 'rstd' (required in training mode: backward needs them)");
-    return c.ok();
+    return c.all_read();
   }
   DLTensor* dy = c.tensor("dy");
   DLTensor* dx = c.tensor("dx");
@@ -230,7 +232,7 @@ bool layer_norm_args(kk::Call& c, bool bwd, lg::LayerNormParams& p) {
     c.row_major(t, n);
     if (c.ok()) *out = kk::data_ptr(t);
   }
-  return c.ok();
+  return c.all_read();
 }
 
 kcpp_status layer_norm_supports(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
@@ -304,7 +306,7 @@ bool glu_args(kk::Call& c, bool bwd, lg::GluParams& p) {
     p.dup = kk::data_ptr(t[4]), p.dup_ld = ld[4];
     if (p.n > 0 && p.dgate == p.dup) c.require(false, "'dgate' and 'dup' must be different tensors");
   }
-  return c.ok();
+  return c.all_read();
 }
 
 kcpp_status glu_supports(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
@@ -402,7 +404,7 @@ bool rope_args(kk::Call& c, bool bwd, lg::RopeParams& p) {
   p.sin = kk::data_ptr(sin);
   p.cs_stride_b = cb == 1 ? 0 : cs * rd;
   p.cs_stride_s = rd;
-  return c.ok();
+  return c.all_read();
 }
 
 kcpp_status rope_supports(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
@@ -520,7 +522,7 @@ bool ce_forward_args(kk::Call& c, lg::CrossEntropyParams& p) {
   } else if (c.ok() && (c.context()->mode & KCPP_MODE_TRAINING)) {
     c.require(false, "missing tensor argument 'grad' (required in training mode: backward needs it)");
   }
-  return c.ok();
+  return c.all_read();
 }
 
 bool ce_backward_args(kk::Call& c, lg::CEScaleParams& p) {
@@ -553,7 +555,7 @@ bool ce_backward_args(kk::Call& c, lg::CEScaleParams& p) {
   p.grad = kk::data_ptr(grad);
   p.dlogits = kk::data_ptr(dlogits);
   if (p.grad == p.dlogits && p.grad_stride != p.dlogits_stride) c.require(false, "in-place 'dlogits' must have the strides of 'grad'");
-  return c.ok();
+  return c.all_read();
 }
 
 kcpp_status ce_supports(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
@@ -670,7 +672,7 @@ bool flce_forward_args(kk::Call& c, lg::FusedLinearCEParams& p) {
                   "reduction 'none' with gradients: they would need each row's upstream gradient (the host runs the reference)");
   if (c.ok())
     if (const char* e = lg::fused_linear_ce_check(p)) c.require(false, "%s", e);
-  return c.ok();
+  return c.all_read();
 }
 
 bool flce_backward_args(kk::Call& c, lg::FusedLinearCEScaleParams& p) {
@@ -714,7 +716,7 @@ bool flce_backward_args(kk::Call& c, lg::FusedLinearCEScaleParams& p) {
   }
   if (!c.ok()) return false;
   p.dhidden = kk::data_ptr(dhidden);
-  return c.ok();
+  return c.all_read();
 }
 
 kcpp_status flce_supports(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {

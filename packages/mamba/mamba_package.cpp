@@ -6,7 +6,9 @@
 //   CausalConv1dUpdate     CausalConv1dUpdate/1     causal_conv1d/causal_conv1d.h     inference
 //
 // The named arguments are those of docs/contracts/SelectiveScan.md, SelectiveStateUpdate.md and
-// CausalConv1d.md.  supports() runs the same checks as the call without running it.
+// CausalConv1d.md.  supports() runs the same checks as the call without running it; an argument that
+// the call does not read (misspelt, or meaningless without another) is refused, naming it
+// (Call::all_read).
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -167,7 +169,7 @@ bool scan_args(kk::Call& c, bool bwd, km::SelectiveScanParams& p) {
     if (any) distinct(c, p.out.data, "out", ins);
     if (any) distinct(c, p.states, "states", ins), distinct(c, p.states, "states", {p.out.data});
     if (b * d > 0) distinct(c, p.last_state, "last_state", ins), distinct(c, p.last_state, "last_state", {p.out.data, p.states});
-    return c.ok();
+    return c.all_read();
   }
   DLTensor* dout = c.tensor("dout");
   DLTensor* du = c.tensor("du");
@@ -213,7 +215,7 @@ bool scan_args(kk::Call& c, bool bwd, km::SelectiveScanParams& p) {
     distinct(c, p.dA, "dA", {p.dD, p.ddelta_bias});
     distinct(c, p.dD, "dD", {p.ddelta_bias});
   }
-  return c.ok();
+  return c.all_read();
 }
 
 // On CUDA, the kernels' limits (N <= 16) are UNSUPPORTED: the host runs the reference for that call.
@@ -343,7 +345,7 @@ bool update_args(kk::Call& c, km::StateUpdateParams& p) {
     distinct(c, p.out, "out", {p.x, p.dt, p.A, p.B, p.C, p.D, p.z, p.dt_bias, p.state});
     distinct(c, p.state, "state", {p.x, p.dt, p.A, p.B, p.C, p.D, p.z, p.dt_bias});
   }
-  return c.ok();
+  return c.all_read();
 }
 
 kcpp_status update_supports(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
@@ -411,7 +413,7 @@ bool conv_args(kk::Call& c, bool bwd, km::CausalConv1dParams& p) {
   if (!bwd) {
     seq(c, c.tensor("out"), "out", p.dtype, "x", b, d, l, p.out);
     if (any) distinct(c, p.out.data, "out", {p.x.data, p.weight, p.bias});
-    return c.ok();
+    return c.all_read();
   }
   DLTensor* dout = c.tensor("dout");
   DLTensor* dx = c.tensor("dx");
@@ -433,7 +435,7 @@ bool conv_args(kk::Call& c, bool bwd, km::CausalConv1dParams& p) {
   if (any) distinct(c, p.dx.data, "dx", ins), distinct(c, p.dx.data, "dx", {p.dweight, p.dbias});
   if (d > 0)
     distinct(c, p.dweight, "dweight", ins), distinct(c, p.dbias, "dbias", ins), distinct(c, p.dweight, "dweight", {p.dbias});
-  return c.ok();
+  return c.all_read();
 }
 
 kcpp_status conv_supports(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
@@ -508,7 +510,7 @@ bool conv_update_args(kk::Call& c, km::ConvUpdateParams& p) {
   p.weight = kk::data_ptr(w), p.bias = bias ? kk::data_ptr(bias) : nullptr;
   if (b * d * p.seqlen > 0) distinct(c, p.out, "out", {p.x, p.conv_state, p.weight, p.bias});
   if (b * d > 0) distinct(c, p.conv_state, "conv_state", {p.x, p.weight, p.bias});
-  return c.ok();
+  return c.all_read();
 }
 
 kcpp_status conv_update_supports(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {

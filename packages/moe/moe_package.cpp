@@ -6,7 +6,8 @@
 //
 // Each entry point reads its named arguments, checks them with kcpp::kernel::Call (the first problem
 // is reported, naming the argument), fills moe::MoeParams and runs the CPU or CUDA kernel on the
-// context's stream.  supports() runs the same checks without running anything.
+// context's stream.  supports() runs the same checks without running anything.  An argument that the
+// call does not read (misspelt, or meaningless without another) is refused, naming it (Call::all_read).
 #include <cstring>
 #include <initializer_list>
 #include <utility>
@@ -366,7 +367,7 @@ bool moe_args(kk::Call& c, bool bwd, km::MoeParams& p) {
     if (const char* e = km::moe_check(p, bwd)) c.require(false, "%s", e);
   if (c.ok() && c.on_cuda())
     if (const char* e = km::moe_cuda_unsupported(p, bwd)) c.fail(KCPP_ERROR_UNSUPPORTED, "%s", e);
-  return c.ok();
+  return c.all_read();  // an argument the call does not read is refused, naming it
 }
 
 kcpp_status moe_supports(kcpp_context* ctx, const kcpp_arg* args, int32_t n) {
@@ -461,7 +462,7 @@ kcpp_status load_balancing_loss(kcpp_context* ctx, const kcpp_arg* args, int32_t
     p.dlogits = kk::data_ptr(dlogits);
     p.dlogits_f32 = is_f32(dlogits);
   }
-  if (!c.ok()) return c.status();
+  if (!c.ok() || !c.all_read()) return c.status();
   if (const char* e = km::load_balancing_check(p)) return c.fail(KCPP_ERROR_INVALID_ARGUMENT, "%s", e), c.status();
   if (c.on_cuda())
     if (const char* e = km::load_balancing_cuda_unsupported(p)) return c.fail(KCPP_ERROR_UNSUPPORTED, "%s", e), c.status();

@@ -974,6 +974,11 @@ TEST(Package, BadCallsGetErrorsNamingTheArgument) {
   tc.t.device = {kDLCUDA, 0};
   EXPECT_EQ(call(silu->forward, {tensor_arg("x", &tc.t), tensor_arg("y", &tgood.t)}), KCPP_ERROR_INVALID_ARGUMENT);
   EXPECT_STREQ(err, "SiLU.forward: tensor 'x' is on cuda:0 but the call runs on cpu:0");
+  // An argument the call does not read: refused naming it, not ignored.
+  EXPECT_EQ(call(silu->forward, {tensor_arg("x", &tx.t), tensor_arg("y", &tgood.t), tensor_arg("dx", &tgood.t)}),
+            KCPP_ERROR_INVALID_ARGUMENT);
+  EXPECT_STREQ(err, "SiLU.forward: argument 'dx' is not one this call reads (misspelt, meaningless without another "
+                    "argument, or added to the contract after this kernel's version)");
   // A tiny error buffer truncates, never overflows; a missing one is tolerated.
   char small[8];
   ctx.error = small, ctx.error_size = sizeof small;

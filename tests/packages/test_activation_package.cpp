@@ -196,6 +196,9 @@ TEST_P(ActivationPackage, NaNPropagatesAndBadInputIsRefused) {
     KernelArgs missing;
     missing.tensor("x", x);
     refused(missing, KCPP_ERROR_INVALID_ARGUMENT, "missing tensor argument 'y'");
+    KernelArgs unread;  // a backward argument in a forward call is refused naming it, not ignored
+    unread.tensor("x", x).tensor("y", y).tensor("dx", Tensor::empty({1, xw}, DType::bf16, dev));
+    refused(unread, KCPP_ERROR_INVALID_ARGUMENT, "argument 'dx' is not one this call reads");
     if (l.gated) {
       KernelArgs odd;
       odd.tensor("x", Tensor::zeros({1, 7}, DType::bf16, dev)).tensor("y", Tensor::empty({1, 3}, DType::bf16, dev));

@@ -155,6 +155,17 @@ TEST_P(LigerPackage, RMSNormOptionalOutputsAndRefusals) {
   missing.tensor("x", x).tensor("y", y);
   EXPECT_TRUE(test::refused(norm.supports(missing, dev, test::kInference), KCPP_ERROR_INVALID_ARGUMENT,
                             "missing tensor argument 'weight'"));
+  // An argument the call does not read is refused naming it, not ignored: a misspelt "eps" (the norm
+  // would otherwise run with the default), and a backward output in a forward call.
+  for (const char* unread : {"epsilon", "dx"}) {
+    KernelArgs a;
+    args(a, x, w, y, "llama");
+    if (std::string(unread) == "dx") a.tensor("dx", Tensor::empty({5, 64}, DType::bf16, dev));
+    else a.real(unread, 1e-5);
+    const std::string needle = std::string("argument '") + unread + "' is not one this call reads";
+    EXPECT_TRUE(test::refused(norm.supports(a, dev, test::kTraining), KCPP_ERROR_INVALID_ARGUMENT, needle));
+    EXPECT_THROW(norm.forward(a, dev, test::kTraining), Error) << unread;
+  }
   if (dev.is_cpu()) {  // a tensor on the wrong device
     KernelArgs a;
     args(a, x, w, y, "llama");

@@ -193,6 +193,12 @@ TEST_P(MambaPackage, SelectiveScanRefusesBadInputByName) {
     EXPECT_TRUE(k.supports(a, dev, test::kInference).ok());
     refused(a, test::kTraining, KCPP_ERROR_INVALID_ARGUMENT, "missing tensor argument 'states' (required in training mode");
   }
+  {  // an argument the call does not read (misspelt) is refused naming it, not ignored
+    KernelArgs a;
+    base(a);
+    a.integer("softplus", 1);
+    refused(a, test::kInference, KCPP_ERROR_INVALID_ARGUMENT, "argument 'softplus' is not one this call reads");
+  }
   {
     KernelArgs a;
     a.tensor("u", u)

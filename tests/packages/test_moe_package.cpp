@@ -323,6 +323,12 @@ TEST_P(MoePackage, Refusals) {
   expect([](Base&, KernelArgs& a) { a.string("apply_router_weight", "both"); }, kInference, KCPP_ERROR_INVALID_ARGUMENT,
          "'apply_router_weight'");
   expect([](Base&, KernelArgs& a) { a.string("activation", "relu"); }, kInference, KCPP_ERROR_INVALID_ARGUMENT, "'activation'");
+  // An argument the call does not read is refused naming it, not ignored: a misspelt option, and a
+  // backward output in a forward call.
+  expect([](Base&, KernelArgs& a) { a.integer("normalise", 1); }, kInference, KCPP_ERROR_INVALID_ARGUMENT,
+         "argument 'normalise' is not one this call reads");
+  expect([&](Base&, KernelArgs& a) { a.tensor("dhidden", Tensor::empty({t, h}, dt, dev)); }, kInference,
+         KCPP_ERROR_INVALID_ARGUMENT, "argument 'dhidden' is not one this call reads");
   expect([&](Base& b, KernelArgs&) { b.out = hidden; }, kInference, KCPP_ERROR_INVALID_ARGUMENT, "'out' must not be 'hidden'");
   expect([&](Base&, KernelArgs& a) { a.tensor("topk_ids", Tensor::empty({t, k}, DType::i64, dev)); }, kInference,
          KCPP_ERROR_INVALID_ARGUMENT, "'topk_ids' is i64");
