@@ -437,3 +437,92 @@ for i, target in enumerate([
 # symbolic links at the org or repo, a revision that is not UTF-8.)
 for method in ["POST", "PUT", "DELETE", "OPTIONS", "PATCH", "TRACE", "CONNECT", "get"]:
     request(f"edge-method-{method}", "/api/models/acme/example/refs", method)
+
+# ---- package_calls: one call of each layer and op of the packages, in fuzz_package_calls.cpp's encoding
+# (the names and strings are that file's kNames / kStrings, in order; the entries are the packages'
+# tables in the order it lists them).
+CALL_NAMES = ['x', 'y', 'dy', 'dx', 'weight', 'dweight', 'bias', 'dbias', 'eps', 'offset', 'casting', 'rstd', 'mean', 'residual', 'residual_out', 'dresidual_out', 'gate', 'up', 'out', 'dout', 'dgate', 'dup', 'activation', 'q', 'k', 'v', 'q_out', 'k_out', 'dq_out', 'dk_out', 'dq', 'dk', 'dv', 'cos', 'sin', 'layout', 'style', 'logits', 'targets', 'loss', 'grad', 'lse', 'bad_targets', 'ignore_index', 'label_smoothing', 'reduction', 'lse_square_scale', 'softcap', 'token_weight', 'class_weight', 'dlogits', 'dloss', 'hidden', 'dhidden', 'grad_scale', 'accumulate', 'accum_dtype', 'chunk_rows', 'scale', 'causal', 'window', 'cu_seqlens_q', 'cu_seqlens_k', 'max_seqlen_q', 'max_seqlen_k', 'routing', 'apply_router_weight', 'normalize', 'top_k', 'router_weight', 'router_logits', 'drouter_weight', 'drouter_logits', 'gate_up_proj', 'gate_proj', 'up_proj', 'down_proj', 'dgate_up_proj', 'dgate_proj', 'dup_proj', 'ddown_proj', 'shared_gate_up_proj', 'shared_gate_proj', 'shared_up_proj', 'shared_down_proj', 'shared_expert_gate', 'dshared_gate_up_proj', 'dshared_gate_proj', 'dshared_up_proj', 'dshared_down_proj', 'dshared_expert_gate', 'topk_ids', 'topk_weights', 'dtopk_weights', 'expert_offsets', 'sorted_slots', 'overwrite_gate_up', 'gate_up', 'attention_mask', 'u', 'delta', 'A', 'B', 'C', 'D', 'z', 'delta_bias', 'delta_softplus', 'bc_rms_eps', 'states', 'last_state', 'du', 'ddelta', 'dA', 'dB', 'dC', 'dD', 'dz', 'ddelta_bias', 'state', 'dt', 'dt_bias', 'dt_softplus', 'conv_state', 'value', 'value_spatial_shapes', 'value_level_start_index', 'sampling_locations', 'attention_weights', 'im2col_step', 'dvalue', 'dsampling_locations', 'dattention_weights', 'alpha']
+CALL_STRINGS = ['llama', 'gemma', 'none', 'silu', 'swish', 'gelu', 'gelu_tanh', 'quick_gelu', 'bhsd', 'bshd', 'rotate_half', 'interleaved', 'mean', 'sum', 'same', 'f32', 'softmax', 'sigmoid', 'given', 'output', 'input', '', 'relu']
+CALL_DTYPES = {"f32": 0, "bf16": 1, "f16": 2, "i32": 3, "i64": 4, "f64": 5, "u8": 6, "i8": 7}
+CALL_ENTRIES = ["SiLU", "scale", "LigerRMSNorm", "LigerAddRMSNorm", "LigerLayerNorm", "LigerGLU", "LigerRotaryEmbedding",
+                "LigerCrossEntropy", "LigerFusedLinearCrossEntropy", "SiLU/1", "GeLU/1", "GeluTanh/1", "FastGELU/1",
+                "NewGELU/1", "QuickGELU/1", "SiluAndMul/1", "GeluAndMul/1", "GeluTanhAndMul/1", "FlashAttention",
+                "MegaBlocksMoeMLP", "Llama4TextMoe", "load_balancing_loss", "SelectiveScan", "SelectiveStateUpdate",
+                "CausalConv1d", "CausalConv1dUpdate", "MultiScaleDeformableAttention"]
+
+
+def call(entry, how, *args):
+    """entry: CALL_ENTRIES' name; how: 0 supports, 1 forward, 2 backward (+4 training); args: encoded."""
+    return bytes([CALL_ENTRIES.index(entry), how]) + b"".join(args)
+
+
+def t(name, dtype, shape, seed=7):
+    return bytes([CALL_NAMES.index(name), 4, CALL_DTYPES[dtype], len(shape)] + list(shape) + [0, seed])
+
+
+def i(name, v):
+    return bytes([CALL_NAMES.index(name), 1]) + struct.pack("<q", v)
+
+
+def f(name, v):
+    return bytes([CALL_NAMES.index(name), 2]) + struct.pack("<d", v)
+
+
+def s(name, v):
+    return bytes([CALL_NAMES.index(name), 3, CALL_STRINGS.index(v)])
+
+
+TRAIN = 4
+calls = {
+    "example-silu": call("SiLU", 1, t("x", "f32", [2, 3]), t("y", "f32", [2, 3])),
+    "example-silu-bwd": call("SiLU", 2, t("dy", "f32", [2, 3]), t("x", "f32", [2, 3]), t("dx", "f32", [2, 3])),
+    "example-scale": call("scale", 1, t("x", "f32", [5]), t("y", "f32", [5]), f("alpha", -2.0)),
+    "rms-norm": call("LigerRMSNorm", 1 + TRAIN, t("x", "bf16", [3, 8]), t("weight", "bf16", [8]), t("y", "bf16", [3, 8]),
+                     t("rstd", "f32", [3]), f("eps", 1e-6), s("casting", "gemma"), f("offset", 1.0)),
+    "rms-norm-bwd": call("LigerRMSNorm", 2 + TRAIN, t("dy", "bf16", [3, 8]), t("x", "bf16", [3, 8]), t("weight", "bf16", [8]),
+                         t("rstd", "f32", [3]), t("dx", "bf16", [3, 8]), t("dweight", "bf16", [8])),
+    "add-rms-norm": call("LigerAddRMSNorm", 1, t("x", "f32", [3, 8]), t("residual", "f32", [3, 8]), t("weight", "f32", [8]),
+                         t("y", "f32", [3, 8]), t("residual_out", "f32", [3, 8])),
+    "layer-norm": call("LigerLayerNorm", 1 + TRAIN, t("x", "f32", [3, 8]), t("weight", "f32", [8]), t("bias", "f32", [8]),
+                       t("y", "f32", [3, 8]), t("mean", "f32", [3]), t("rstd", "f32", [3])),
+    "glu": call("LigerGLU", 1, t("gate", "bf16", [4, 6]), t("up", "bf16", [4, 6]), t("out", "bf16", [4, 6]),
+                s("activation", "gelu_tanh")),
+    "glu-bwd": call("LigerGLU", 2, t("dout", "f32", [4, 6]), t("gate", "f32", [4, 6]), t("up", "f32", [4, 6]),
+                    t("dgate", "f32", [4, 6]), t("dup", "f32", [4, 6])),
+    "rope": call("LigerRotaryEmbedding", 1, t("q", "f32", [1, 2, 3, 8]), t("k", "f32", [1, 1, 3, 8]), t("cos", "f32", [3, 8]),
+                 t("sin", "f32", [3, 8]), t("q_out", "f32", [1, 2, 3, 8]), t("k_out", "f32", [1, 1, 3, 8])),
+    "cross-entropy": call("LigerCrossEntropy", 1 + TRAIN, t("logits", "f32", [4, 9]), t("targets", "i64", [4], 3),
+                          t("loss", "f32", []), t("grad", "f32", [4, 9]), f("label_smoothing", 0.1)),
+    "flce": call("LigerFusedLinearCrossEntropy", 1 + TRAIN, t("hidden", "f32", [4, 8]), t("weight", "f32", [9, 8]),
+                 t("targets", "i64", [4], 3), t("loss", "f32", []), t("dhidden", "f32", [4, 8]), t("dweight", "f32", [9, 8]),
+                 i("chunk_rows", 3)),
+    "attention": call("FlashAttention", 1 + TRAIN, t("q", "f32", [1, 2, 5, 8]), t("k", "f32", [1, 1, 5, 8]),
+                      t("v", "f32", [1, 1, 5, 8]), t("out", "f32", [1, 2, 5, 8]), t("lse", "f32", [1, 2, 5]), i("causal", 1),
+                      f("scale", 0.35), i("window", 3), f("softcap", 5.0)),
+    "attention-bwd": call("FlashAttention", 2 + TRAIN, t("dout", "f32", [1, 2, 5, 8]), t("q", "f32", [1, 2, 5, 8]),
+                          t("k", "f32", [1, 1, 5, 8]), t("v", "f32", [1, 1, 5, 8]), t("out", "f32", [1, 2, 5, 8]),
+                          t("lse", "f32", [1, 2, 5]), t("dq", "f32", [1, 2, 5, 8]), t("dk", "f32", [1, 1, 5, 8]),
+                          t("dv", "f32", [1, 1, 5, 8]), i("causal", 1)),
+    "moe": call("MegaBlocksMoeMLP", 1, t("hidden", "f32", [4, 8]), t("router_weight", "f32", [4, 8]),
+                t("gate_up_proj", "f32", [4, 6, 8]), t("down_proj", "f32", [4, 8, 3]), t("out", "f32", [4, 8]), i("top_k", 2)),
+    "load-balancing": call("load_balancing_loss", 1, t("router_logits", "f32", [6, 4]), t("loss", "f32", []), i("top_k", 2),
+                           t("drouter_logits", "f32", [6, 4])),
+    "scan": call("SelectiveScan", 1, t("u", "f32", [1, 4, 6]), t("delta", "f32", [1, 4, 6]), t("A", "f32", [4, 3]),
+                 t("B", "f32", [1, 3, 6]), t("C", "f32", [1, 3, 6]), t("D", "f32", [4]), t("z", "f32", [1, 4, 6]),
+                 t("out", "f32", [1, 4, 6]), i("delta_softplus", 1)),
+    "state-update": call("SelectiveStateUpdate", 1, t("state", "f32", [1, 4, 3]), t("x", "f32", [1, 4]), t("dt", "f32", [1, 4]),
+                         t("A", "f32", [4, 3]), t("B", "f32", [1, 3]), t("C", "f32", [1, 3]), t("out", "f32", [1, 4])),
+    "conv1d": call("CausalConv1d", 1, t("x", "f32", [1, 4, 6]), t("weight", "f32", [4, 3]), t("bias", "f32", [4]),
+                   t("out", "f32", [1, 4, 6]), s("activation", "silu")),
+    "conv1d-update": call("CausalConv1dUpdate", 1, t("x", "f32", [1, 4]), t("conv_state", "f32", [1, 4, 3]),
+                          t("weight", "f32", [4, 3]), t("out", "f32", [1, 4])),
+    "msda": call("MultiScaleDeformableAttention", 1, t("value", "f32", [1, 6, 2, 4]), t("value_spatial_shapes", "i64", [1, 2], 2),
+                 t("value_level_start_index", "i64", [1], 2), t("sampling_locations", "f32", [1, 3, 2, 1, 2, 2]),
+                 t("attention_weights", "f32", [1, 3, 2, 1, 2]), t("out", "f32", [1, 3, 8]), i("im2col_step", 64)),
+}
+for k, name in enumerate(["SiLU/1", "GeLU/1", "GeluTanh/1", "FastGELU/1", "NewGELU/1", "QuickGELU/1"]):
+    calls[f"act-{k}"] = call(name, 1, t("x", "bf16", [2, 8]), t("y", "bf16", [2, 8]))
+for k, name in enumerate(["SiluAndMul/1", "GeluAndMul/1", "GeluTanhAndMul/1"]):
+    calls[f"glu-act-{k}"] = call(name, 1, t("x", "f16", [2, 8]), t("y", "f16", [2, 4]))
+for name, data in calls.items():
+    write("package_calls", f"seed-{name}", data)

@@ -8,9 +8,10 @@
 #include "kcpp/kernel/types.h"
 
 // A hot CPU function built twice, for baseline x86-64 and for AVX2, the loader choosing by the CPU it
-// runs on (GCC / Clang target_clones): one package binary, 8-wide float loops where the machine
-// allows.  Elsewhere (not x86-64) the plain build.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// runs on (GCC's target_clones): one package binary, 8-wide float loops where the machine allows.
+// Elsewhere (not x86-64, or clang, which takes no target_clones on function templates: the fuzz
+// build) the plain build.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define KCPP_CPU_MULTIVERSION __attribute__((target_clones("avx2", "default")))
 #else
 #define KCPP_CPU_MULTIVERSION

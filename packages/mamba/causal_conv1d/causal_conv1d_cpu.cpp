@@ -89,6 +89,7 @@ KCPP_CPU_MULTIVERSION void backward(const CausalConv1dParams& p) {
 template <typename T>
 void update(const ConvUpdateParams& p) {
   const int64_t S = p.seqlen, W = p.width, K = p.state_len;
+  if (S == 0) return;  // no new positions: the state stays (and x, empty, may have no data at all)
 #pragma omp parallel
   {
     std::vector<float> s(static_cast<size_t>(K + S)), w(static_cast<size_t>(W));
