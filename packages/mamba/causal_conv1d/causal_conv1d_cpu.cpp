@@ -99,7 +99,8 @@ void update(const ConvUpdateParams& p) {
       const int64_t b = i / p.dim, d = i % p.dim;
       kernel::cpu::load_row(static_cast<const T*>(p.weight) + d * W, W, w.data());
       const float bias = p.bias ? to_f32(static_cast<const T*>(p.bias)[d]) : 0.0f;
-      T* state = static_cast<T*>(p.conv_state) + b * p.state_sb + d * p.state_sd;
+      // (A width-1 filter keeps no state: conv_state is empty and may have no data at all.)
+      T* state = K > 0 ? static_cast<T*>(p.conv_state) + b * p.state_sb + d * p.state_sd : nullptr;
       const T* x = static_cast<const T*>(p.x) + b * p.x_sb + d * p.x_sd;
       kernel::cpu::load_row(state, K, s.data());
       for (int64_t t = 0; t < S; ++t) s[K + t] = to_f32(x[t * p.x_sl]);

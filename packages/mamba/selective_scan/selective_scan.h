@@ -81,13 +81,14 @@ namespace kcpp::mamba {
 constexpr int64_t kStateChunk = 256;
 KCPP_KERNEL_INLINE int64_t state_chunks(int64_t seqlen) { return (seqlen + kStateChunk - 1) / kStateChunk; }
 
-// A [batch, rows, L] tensor with L contiguous: element (b, r, l) at data + b * sb + r * sr + l.
+// A [batch, rows, L] tensor with L contiguous: element (b, r, l) at data + b * sb + r * sr + l.  An
+// empty tensor (L = 0) may come with no data at all: its rows are then null, never an offset from null.
 struct Seq {
   const void* data = nullptr;
   int64_t sb = 0, sr = 0;
   template <typename T>
   KCPP_KERNEL_INLINE const T* at(int64_t b, int64_t r) const {
-    return static_cast<const T*>(data) + b * sb + r * sr;
+    return data ? static_cast<const T*>(data) + b * sb + r * sr : nullptr;
   }
   template <typename T>
   KCPP_KERNEL_INLINE T* mut(int64_t b, int64_t r) const {
@@ -95,13 +96,14 @@ struct Seq {
   }
 };
 
-// A [batch, groups, N, L] tensor with L contiguous ([batch, N, L] is one group, sg unused).
+// A [batch, groups, N, L] tensor with L contiguous ([batch, N, L] is one group, sg unused); null rows
+// for an empty one without data, as Seq's.
 struct GroupSeq {
   const void* data = nullptr;
   int64_t sb = 0, sg = 0, sn = 0;
   template <typename T>
   KCPP_KERNEL_INLINE const T* at(int64_t b, int64_t g, int64_t n) const {
-    return static_cast<const T*>(data) + b * sb + g * sg + n * sn;
+    return data ? static_cast<const T*>(data) + b * sb + g * sg + n * sn : nullptr;
   }
   template <typename T>
   KCPP_KERNEL_INLINE T* mut(int64_t b, int64_t g, int64_t n) const {
