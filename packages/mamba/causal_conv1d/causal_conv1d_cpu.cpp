@@ -34,7 +34,7 @@ KCPP_CPU_MULTIVERSION void forward(const CausalConv1dParams& p) {
       const int64_t b = i / p.dim, d = i % p.dim;
       kernel::cpu::load_row(static_cast<const T*>(p.weight) + d * W, W, w.data());
       const float bias = p.bias ? to_f32(static_cast<const T*>(p.bias)[d]) : 0.0f;
-      kernel::cpu::load_row(p.x.at<T>(b, d), L, xp.data() + W - 1);
+      kernel::cpu::load_row(p.x.at<T>(b, d), L, xp.data() + (W - 1));
       conv_row(xp.data(), w.data(), bias, L, W, pre.data());
       T* out = p.out.mut<T>(b, d);
       for (int64_t l = 0; l < L; ++l) out[l] = from_f32<T>(p.silu ? silu(pre[l]) : pre[l]);
@@ -57,7 +57,7 @@ KCPP_CPU_MULTIVERSION void backward(const CausalConv1dParams& p) {
       std::fill(dw.begin(), dw.end(), 0.0);
       double db = 0.0;
       for (int64_t b = 0; b < p.batch; ++b) {
-        kernel::cpu::load_row(p.x.at<T>(b, d), L, xp.data() + W - 1);
+        kernel::cpu::load_row(p.x.at<T>(b, d), L, xp.data() + (W - 1));
         const T* dout = p.dout.at<T>(b, d);
         // dpre = [dpre_0 .. dpre_{L-1}, W - 1 zeros]
         if (p.silu) {
