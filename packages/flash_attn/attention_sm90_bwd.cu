@@ -118,8 +118,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   BwdBlock blk;
   if (!backward_block<kBk, kBq>(p, head_group, blk)) return;  // varlen: past this sequence's keys
   const bool varlen = p.varlen();
-  const int64_t b = blk.b, hk = blk.hk, k0 = blk.k0, skv = blk.skv, off = blk.off;
-  const int n_items = blk.n_items, qb = blk.qb, kb = blk.kb;
+  const int64_t b = blk.b, k0 = blk.k0, skv = blk.skv, off = blk.off;
+  const int n_items = blk.n_items, qb = blk.qb;
   auto item_h = [&](int it) { return blk.item_h(it); };
   auto item_q0 = [&](int it) { return blk.item_q0(it, kBq); };
 
@@ -339,18 +339,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   if (tid == 128) bulk_wait();
 
   // dK (times the scale) and dV, straight from the accumulators.
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t key = key0 + 8 * r;
-    if (key >= skv) continue;
-    T* kg = static_cast<T*>(const_cast<void*>(p.dk.data)) + b * p.dk.sb + hk * p.dk.sh + (kb + key) * p.dk.ss;
-    T* vg = static_cast<T*>(const_cast<void*>(p.dv.data)) + b * p.dv.sb + hk * p.dv.sh + (kb + key) * p.dv.ss;
-#pragma unroll
-    for (int c = 0; c < D / 8; ++c) {
-      *reinterpret_cast<uint32_t*>(kg + 8 * c + 2 * t) = pack2<T>(dk[4 * c + 2 * r] * p.scale, dk[4 * c + 2 * r + 1] * p.scale);
-      *reinterpret_cast<uint32_t*>(vg + 8 * c + 2 * t) = pack2<T>(dv[4 * c + 2 * r], dv[4 * c + 2 * r + 1]);
-    }
-  }
+  store_dkdv<T, D>(p, blk, key0, 0, t, dk, dv);
 #endif
 }
 

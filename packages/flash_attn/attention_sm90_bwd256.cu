@@ -290,18 +290,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tw == 0) bulk_wait();
 
   // dK (times the scale) and dV over this warpgroup's columns, straight from the accumulators.
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t key = key0 + 8 * r;
-    if (key >= skv) continue;
-    T* kg = static_cast<T*>(const_cast<void*>(p.dk.data)) + blk.b * p.dk.sb + blk.hk * p.dk.sh + (blk.kb + key) * p.dk.ss + 128 * cw;
-    T* vg = static_cast<T*>(const_cast<void*>(p.dv.data)) + blk.b * p.dv.sb + blk.hk * p.dv.sh + (blk.kb + key) * p.dv.ss + 128 * cw;
-#pragma unroll
-    for (int c = 0; c < 16; ++c) {
-      *reinterpret_cast<uint32_t*>(kg + 8 * c + 2 * t) = pack2<T>(dk[4 * c + 2 * r] * p.scale, dk[4 * c + 2 * r + 1] * p.scale);
-      *reinterpret_cast<uint32_t*>(vg + 8 * c + 2 * t) = pack2<T>(dv[4 * c + 2 * r], dv[4 * c + 2 * r + 1]);
-    }
-  }
+  store_dkdv<T, 128>(p, blk, key0, 128 * cw, t, dk, dv);
 #endif
 }
 

@@ -154,6 +154,26 @@ __device__ __forceinline__ bool backward_block(const AttentionParams& p, int hea
   return true;
 }
 
+// A consumer warpgroup's dK (times the scale) and dV at the end of a block: N columns from col0 of the
+// thread's keys key0 and key0 + 8 (the m64nN accumulator layout, t the thread's index in its quad),
+// keys past the sequence's end skipped.
+template <typename T, int N>
+__device__ __forceinline__ void store_dkdv(const AttentionParams& p, const BwdBlock& k, int64_t key0, int col0, int t,
+                                           const float (&dk)[N / 2], const float (&dv)[N / 2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t key = key0 + 8 * r;
+    if (key >= k.skv) continue;
+    T* kg = static_cast<T*>(const_cast<void*>(p.dk.data)) + k.b * p.dk.sb + k.hk * p.dk.sh + (k.kb + key) * p.dk.ss + col0;
+    T* vg = static_cast<T*>(const_cast<void*>(p.dv.data)) + k.b * p.dv.sb + k.hk * p.dv.sh + (k.kb + key) * p.dv.ss + col0;
+#pragma unroll
+    for (int c = 0; c < N / 8; ++c) {
+      *reinterpret_cast<uint32_t*>(kg + 8 * c + 2 * t) = pack2<T>(dk[4 * c + 2 * r] * p.scale, dk[4 * c + 2 * r + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(vg + 8 * c + 2 * t) = pack2<T>(dv[4 * c + 2 * r], dv[4 * c + 2 * r + 1]);
+    }
+  }
+}
+
 #if KCPP_SM90_DEVICE || !defined(__CUDA_ARCH__)
 // Adds box {32, 64, 1} of f32 from shared `src` into a 3-d tensor map at (c0, c1, c2); rows past the
 // tensor's end are left alone.  A bulk async-group of the issuing thread.
