@@ -978,7 +978,8 @@ TEST(Package, BadCallsGetErrorsNamingTheArgument) {
   EXPECT_EQ(call(silu->forward, {tensor_arg("x", &tx.t), tensor_arg("y", &tgood.t), tensor_arg("dx", &tgood.t)}),
             KCPP_ERROR_INVALID_ARGUMENT);
   EXPECT_STREQ(err, "SiLU.forward: argument 'dx' is not one this call reads (misspelt, meaningless without another "
-                    "argument, or added to the contract after this kernel's version)");
+                    "argument, or added to the contract after this kernel's version): correct its name, drop it, or ask "
+                    "for a newer version of the package");
   // A tiny error buffer truncates, never overflows; a missing one is tolerated.
   char small[8];
   ctx.error = small, ctx.error_size = sizeof small;

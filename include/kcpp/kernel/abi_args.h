@@ -156,7 +156,8 @@ class Call {
       if (!(read_ >> i & 1u) && args_[i].name && args_[i].kind != KCPP_ARG_NONE)
         fail(KCPP_ERROR_INVALID_ARGUMENT,
              "argument '%s' is not one this call reads (misspelt, meaningless without another argument, or added "
-             "to the contract after this kernel's version)", args_[i].name);
+             "to the contract after this kernel's version): correct its name, drop it, or ask for a newer version "
+             "of the package", args_[i].name);
     return ok();
   }
 
