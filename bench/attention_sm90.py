@@ -13,7 +13,10 @@ ran 8% slower: bench/RESULTS.md).
 Run on the GPU machine: python3 bench/attention_sm90.py <path to libflash_attn.so of the CUDA variant>
 [BxSxD ...] [--bwd=hopper:grouped,hopper:4,ampere] (the backward paths to time, path:order, an order
 being keys, heads, grouped or a number of heads a group; default keys, heads, grouped and ampere;
---no-sdpa-flash2 skips that backend).
+--no-sdpa-flash2 skips that backend; --also=<path to another libflash_attn.so> times that library's
+forward + backward too, on the first backward path, in the same process (a build against the one before
+it); --kernels prints, for one forward + backward of every row, each GPU kernel's time under
+torch.profiler: where a pass's time goes, the peers' included).
 """
 import math
 import os
@@ -38,8 +41,14 @@ HQ, HKV = 32, 8
 bwd_paths = [("hopper", "keys"), ("hopper", "heads"), ("hopper", "grouped"), ("ampere", "")]
 sdpa_backends = [("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash2", SDPBackend.FLASH_ATTENTION)]
 given = []
+also = []
+kernels = False
 for a in sys.argv[2:]:
-    if a.startswith("--bwd="):
+    if a.startswith("--also="):
+        also.append(a[len("--also="):])
+    elif a == "--kernels":
+        kernels = True
+    elif a.startswith("--bwd="):
         bwd_paths = [tuple((x + ":").split(":")[:2]) for x in a[len("--bwd="):].split(",")]
     elif a == "--no-sdpa-flash2":
         sdpa_backends = sdpa_backends[:1]
@@ -47,6 +56,7 @@ for a in sys.argv[2:]:
         given.append(tuple(int(x) for x in a.split("x")))
 shapes = given or shapes
 layer = kcpp.Package(lib).layer("FlashAttention")
+also_layers = [(f"kcpp@{os.path.basename(os.path.dirname(a)) or a}", kcpp.Package(a).layer("FlashAttention")) for a in also]
 
 
 def bench(fn, what=""):
@@ -141,8 +151,22 @@ for B, S, D in shapes:
             layer.backward(ba)
 
         # The forward is timed with the first backward path only (it does not depend on it).
-        impls.append((f"kcpp hopper fwd, {label} bwd", (lambda: layer.forward(fa)) if not any(
-            n.startswith("kcpp") for n, *_ in impls) else None, fb, err, gerr))
+        first = not any(n.startswith("kcpp") for n, *_ in impls)
+        impls.append((f"kcpp hopper fwd, {label} bwd", (lambda: layer.forward(fa)) if first else None, fb, err, gerr))
+        for name, other in also_layers if first else []:
+            for t in (dq, dk, dv):
+                t.fill_(float("nan"))
+            other.forward(fa)
+            other.backward(ba)
+            torch.cuda.synchronize()
+            ogerr = max(rel(a, b) for a, b in zip((dq, dk, dv), grads))
+
+            def ofb(env=env, other=other):
+                env()
+                other.forward(fa)
+                other.backward(ba)
+
+            impls.append((f"{name} {label} bwd", lambda other=other: other.forward(fa), ofb, rel(out, ref), ogerr))
 
     # The timings in two passes, the second in the reverse order, each figure the mean of its two: what
     # ran just before (a peer's backward heats the GPU, and a forward timed after it runs slower) then
@@ -163,6 +187,19 @@ for B, S, D in shapes:
         spread = " / ".join(f"{t:.3f}" for t in times.get((i, 1), [])) + " | " + " / ".join(f"{t:.3f}" for t in times[(i, 2)])
         print(rows[-1], f"passes {spread}", f"backward alone ~{tfb - tfi:.3f} ms, {2.5 * fl / (tfb - tfi) * 1e3:.1f} TFLOP/s",
               flush=True)
+    if kernels:  # one forward + backward of each row under the profiler, its kernels by time
+        from torch.profiler import ProfilerActivity, profile
+        for name, _, fb_, *_ in impls:
+            fb_()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fb_()
+                torch.cuda.synchronize()
+            evs = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA") and e.device_time_total > 0]
+            total = sum(e.device_time_total for e in evs)
+            print(f"  kernels of {name} fwd+bwd, B{B} S{S} D{D}: {total / 1e3:.3f} ms in all", flush=True)
+            for e in sorted(evs, key=lambda e: -e.device_time_total)[:8]:
+                print(f"    {e.device_time_total / 1e3:8.3f} ms  x{e.count:<3d} {e.key[:100]}", flush=True)
     for var in ("KCPP_FLASH_ATTN_BACKWARD", "KCPP_FLASH_ATTN_SM90_BWD_ORDER"):
         os.environ.pop(var, None)
     del q, k, v, do, out, dq, dk, dv, qg, kg, vg, ke, ve, ref, impls

@@ -272,7 +272,8 @@ template <typename T, int D> __global__ void __launch_bounds__(kThreads) fwd_ker
 
 // ---- backward (tensor cores) -------------------------------------------------------------------
 
-// delta_i = dout_i . out_i, one warp per row of lse_row's numbering (f32).
+// delta_i = dout_i . out_i, one warp per row of lse_row's numbering (f32): the form for any head dim
+// and layout (the tensor-core paths take vector_passes()'s below where they apply).
 template <typename T> __global__ void delta_kernel(const AttentionParams p, float* delta) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   if (row >= lse_rows(p)) return;
@@ -287,7 +288,8 @@ template <typename T> __global__ void delta_kernel(const AttentionParams p, floa
 }
 
 // dq = scale * the f32 accumulator, rounded to T; 0 without one (acc null: varlen with no keys at all,
-// max_seqlen_k 0, where no other backward kernel runs, their grids over the keys being empty).
+// max_seqlen_k 0, where no other backward kernel runs, their grids over the keys being empty).  An
+// element a thread: the form for any head dim and layout.
 template <typename T> __global__ void dq_finish_kernel(const AttentionParams p, const float* acc) {
   const int64_t n = lse_rows(p) * p.head_dim;
   for (int64_t x = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; x < n;
@@ -298,6 +300,58 @@ template <typename T> __global__ void dq_finish_kernel(const AttentionParams p, 
     static_cast<T*>(const_cast<void*>(p.dq.data))[b * p.dq.sb + h * p.dq.sh + i * p.dq.ss + c] =
         kc::from_f32<T>(acc ? acc[x] * p.scale : 0.0f);
   }
+}
+
+// The same two passes 16 bytes a thread, L = head_dim / 8 threads a row (head dims 64, 128 and 256),
+// where out, dout and dq allow 16-byte access and the rows are numbered in 32 bits (vector_passes()).
+// The first also zeroes the row's f32 dq accumulator, which the tensor-core kernels add into, so the
+// accumulator costs no pass of its own.  Per element they do the arithmetic of the forms above, in
+// another order of delta's sum (eight products a thread, then across the row's threads).
+bool vector_passes(const AttentionParams& p) {
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return false;
+  if (lse_rows(p) > int64_t{0xffffffff}) return false;
+  for (const Operand* o : {&p.out, &p.dout, &p.dq})
+    if (!kc::aligned16(o->data) || o->sb % 8 != 0 || o->sh % 8 != 0 || o->ss % 8 != 0) return false;
+  return true;
+}
+
+// Row `row` of lse_row's numbering (rows < 2^32) to the element offset of its (b, h, s) in `o`.
+__device__ __forceinline__ int64_t row_offset(const AttentionParams& p, const Operand& o, uint32_t row) {
+  const auto per_head = static_cast<uint32_t>(p.varlen() ? p.total_q : p.seq_q), hq = static_cast<uint32_t>(p.heads_q);
+  const uint32_t s = row % per_head, bh = row / per_head, h = bh % hq, b = p.varlen() ? 0u : bh / hq;
+  return b * o.sb + h * o.sh + s * o.ss;
+}
+
+template <typename T, int L>
+__global__ void __launch_bounds__(256) delta_zero_kernel(const AttentionParams p, float* __restrict__ delta,
+                                                        float* __restrict__ dq_acc, uint32_t rows) {
+  const uint32_t row = blockIdx.x * (256 / L) + threadIdx.x / L;
+  const int c = static_cast<int>(threadIdx.x % L) * 8;
+  float s = 0.0f;
+  if (row < rows) {
+    float o[8], d[8];
+    kc::load_f32<T, 8>(static_cast<const T*>(p.out.data) + row_offset(p, p.out, row) + c, o);
+    kc::load_f32<T, 8>(static_cast<const T*>(p.dout.data) + row_offset(p, p.dout, row) + c, d);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s = fmaf(o[i], d[i], s);
+    auto* z = reinterpret_cast<float4*>(dq_acc + static_cast<int64_t>(row) * (8 * L) + c);
+    z[0] = z[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+#pragma unroll
+  for (int m = L / 2; m > 0; m >>= 1) s += __shfl_xor_sync(0xffffffffu, s, m);  // L divides 32: no row spans warps
+  if (row < rows && threadIdx.x % L == 0) delta[row] = s;
+}
+
+template <typename T, int L>
+__global__ void __launch_bounds__(256) dq_finish_vec_kernel(const AttentionParams p, const float* __restrict__ acc, uint32_t rows) {
+  const uint32_t row = blockIdx.x * (256 / L) + threadIdx.x / L;
+  if (row >= rows) return;
+  const int c = static_cast<int>(threadIdx.x % L) * 8;
+  const auto* a = reinterpret_cast<const float4*>(acc + static_cast<int64_t>(row) * (8 * L) + c);
+  const float4 lo = a[0], hi = a[1];
+  const float v[8] = {lo.x * p.scale, lo.y * p.scale, lo.z * p.scale, lo.w * p.scale,
+                      hi.x * p.scale, hi.y * p.scale, hi.z * p.scale, hi.w * p.scale};
+  kc::store_f32<T, 8>(static_cast<T*>(const_cast<void*>(p.dq.data)) + row_offset(p, p.dq, row) + c, v);
 }
 
 template <typename T, int D> constexpr int bwd_smem() {
@@ -701,6 +755,45 @@ template <typename T> const char* forward_t(const AttentionParams& p, const char
   return kc::launch_error("attention_forward");
 }
 
+// delta (and the zeroed accumulator, dq_acc non-null) by the vector pass, else by the forms for any
+// layout (and a memset).
+template <typename T>
+const char* launch_delta(const AttentionParams& p, bool vec, float* delta, float* dq_acc, cudaStream_t stream) {
+  const int64_t rows = lse_rows(p);
+  if (rows == 0) return nullptr;
+  if (vec) {
+    const auto r = static_cast<uint32_t>(rows);
+    const int lanes = static_cast<int>(p.head_dim / 8);
+    const auto blocks = static_cast<unsigned>((rows + 256 / lanes - 1) / (256 / lanes));
+    if (lanes == 8) delta_zero_kernel<T, 8><<<blocks, 256, 0, stream>>>(p, delta, dq_acc, r);
+    else if (lanes == 16) delta_zero_kernel<T, 16><<<blocks, 256, 0, stream>>>(p, delta, dq_acc, r);
+    else delta_zero_kernel<T, 32><<<blocks, 256, 0, stream>>>(p, delta, dq_acc, r);
+    return kc::launch_error("attention_backward (delta)");
+  }
+  delta_kernel<T><<<blocks_for(rows, 8), 256, 0, stream>>>(p, delta);
+  if (const char* e = kc::launch_error("attention_backward (delta)")) return e;
+  if (cudaMemsetAsync(dq_acc, 0, static_cast<size_t>(rows) * static_cast<size_t>(p.head_dim) * sizeof(float), stream) != cudaSuccess)
+    return "attention_backward: cudaMemsetAsync of the dq accumulator failed";
+  return nullptr;
+}
+
+template <typename T> const char* launch_dq_finish(const AttentionParams& p, bool vec, const float* dq_acc, cudaStream_t stream) {
+  const int64_t rows = lse_rows(p);
+  if (rows == 0) return nullptr;
+  if (vec) {
+    const auto r = static_cast<uint32_t>(rows);
+    const int lanes = static_cast<int>(p.head_dim / 8);
+    const auto blocks = static_cast<unsigned>((rows + 256 / lanes - 1) / (256 / lanes));
+    if (lanes == 8) dq_finish_vec_kernel<T, 8><<<blocks, 256, 0, stream>>>(p, dq_acc, r);
+    else if (lanes == 16) dq_finish_vec_kernel<T, 16><<<blocks, 256, 0, stream>>>(p, dq_acc, r);
+    else dq_finish_vec_kernel<T, 32><<<blocks, 256, 0, stream>>>(p, dq_acc, r);
+  } else {
+    const int64_t n = rows * p.head_dim;
+    dq_finish_kernel<T><<<static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65536)), 256, 0, stream>>>(p, dq_acc);
+  }
+  return kc::launch_error("attention_backward (dq)");
+}
+
 template <typename T> const char* backward_t(const AttentionParams& p, const char* path, cudaStream_t stream) {
   // rows: of lse, delta and the dq accumulator (lse_row); grid: the generic kernels' queries (query_row).
   const auto rows = static_cast<size_t>(lse_rows(p));
@@ -711,22 +804,16 @@ template <typename T> const char* backward_t(const AttentionParams& p, const cha
   auto aligned = [](size_t n) { return (n + 255) / 256 * 256; };  // attention_backward_workspace's layout
   auto* lse64 = reinterpret_cast<double*>(static_cast<unsigned char*>(p.workspace) + aligned(rows * sizeof(float)));
   auto* dq_acc = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(lse64) + aligned(2 * rows * sizeof(double)));
-  if (rows > 0) delta_kernel<T><<<blocks_for(static_cast<int64_t>(rows), 8), 256, 0, stream>>>(p, delta);
-  if (const char* e = kc::launch_error("attention_backward (delta)")) return e;
   if constexpr (!std::is_same_v<T, float>)
     if (!generic) {
-    if (cudaMemsetAsync(dq_acc, 0, rows * static_cast<size_t>(p.head_dim) * sizeof(float), stream) != cudaSuccess)
-      return "attention_backward: cudaMemsetAsync of the dq accumulator failed";
-    const char* e = std::strcmp(path, "hopper") == 0 ? attention_backward_sm90(p, delta, dq_acc, stream)
-                    : p.head_dim == 64                ? launch_bwd<T, 64>(p, delta, dq_acc, stream)
-                                                      : launch_bwd<T, 128>(p, delta, dq_acc, stream);
-    if (e) return e;
-    if (rows > 0) {
-      const int64_t n = static_cast<int64_t>(rows) * p.head_dim;
-      dq_finish_kernel<T><<<static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65536)), 256, 0, stream>>>(p, dq_acc);
+      const bool vec = vector_passes(p);
+      if (const char* e = launch_delta<T>(p, vec, delta, dq_acc, stream)) return e;
+      const char* e = std::strcmp(path, "hopper") == 0 ? attention_backward_sm90(p, delta, dq_acc, stream)
+                      : p.head_dim == 64                ? launch_bwd<T, 64>(p, delta, dq_acc, stream)
+                                                        : launch_bwd<T, 128>(p, delta, dq_acc, stream);
+      if (e) return e;
+      return launch_dq_finish<T>(p, vec, dq_acc, stream);
     }
-    return kc::launch_error("attention_backward (dq)");
-  }
   if (rows > 0 && grid > 0) {
     lse64_generic_kernel<T><<<blocks_for(grid, 4), 128, 0, stream>>>(p, lse64);
     dq_generic_kernel<T><<<blocks_for(grid, 4), 128, 0, stream>>>(p, lse64);

@@ -48,10 +48,16 @@ struct Result {
   Tensor out, lse, dq, dk, dv;
 };
 
+// `narrow`: out and dq are views of columns 1..D of wider rows (2-byte aligned, strides no multiple of
+// 8 elements), so the backward's passes around its tensor-core kernels take their any-layout forms.
 Result run_both(const KernelLayer& k, const Tensor& q, const Tensor& kk, const Tensor& v, const Tensor& dout, const Case& c,
-        Device dev) {
+        Device dev, bool narrow = false) {
+  auto like_q = [&] {
+    if (!narrow) return Tensor::empty(q.shape(), q.dtype(), dev);
+    return Tensor::empty({c.b, c.hq, c.sq, c.d + 1}, q.dtype(), dev).narrow(3, 1, c.d);
+  };
   Result r;
-  r.out = Tensor::empty(q.shape(), q.dtype(), dev);
+  r.out = like_q();
   r.lse = Tensor::empty({c.b, c.hq, c.sq}, DType::f32, dev);
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
   KernelArgs f;
@@ -60,7 +66,7 @@ Result run_both(const KernelLayer& k, const Tensor& q, const Tensor& kk, const T
   if (c.softcap > 0) f.real("softcap", c.softcap);
   EXPECT_TRUE(k.supports(f, dev, test::kTraining).ok());
   k.forward(f, dev, test::kTraining);
-  r.dq = Tensor::empty(q.shape(), q.dtype(), dev);
+  r.dq = like_q();
   r.dk = Tensor::empty(kk.shape(), kk.dtype(), dev);
   r.dv = Tensor::empty(v.shape(), v.dtype(), dev);
   KernelArgs b;
@@ -73,16 +79,16 @@ Result run_both(const KernelLayer& k, const Tensor& q, const Tensor& kk, const T
 }
 
 // Runs case `c` in `dt` through the package and holds out, dq, dk, dv and lse to the bounds.
-void check_case(const KernelLayer& k, const Case& c, DType dt, Device dev, Generator& gen, bool bshd) {
-  const std::string cfg = fmt::format("{} b={} hq={} hkv={} sq={} skv={} d={} causal={} window={} softcap={} bshd={}",
+void check_case(const KernelLayer& k, const Case& c, DType dt, Device dev, Generator& gen, bool bshd, bool narrow = false) {
+  const std::string cfg = fmt::format("{} b={} hq={} hkv={} sq={} skv={} d={} causal={} window={} softcap={} bshd={} narrow={}",
                                       test::config_name(dev, dt), c.b, c.hq, c.hkv, c.sq, c.skv, c.d, c.causal, c.window,
-                                      c.softcap, bshd);
+                                      c.softcap, bshd, narrow);
   // With a cap, queries of standard deviation 4: scale q.k reaches several times the cap, where tanh
   // bends and its slope (the backward's factor) is far from 1.
   const double q_sd = c.softcap > 0 ? 4.0 : 1.0;
   const Tensor q = make(c.b, c.hq, c.sq, c.d, dt, dev, gen, bshd, q_sd), kk = make(c.b, c.hkv, c.skv, c.d, dt, dev, gen, bshd);
   const Tensor v = make(c.b, c.hkv, c.skv, c.d, dt, dev, gen, bshd), dout = make(c.b, c.hq, c.sq, c.d, dt, dev, gen, bshd);
-  const Result r = run_both(k, q, kk, v, dout, c, dev);
+  const Result r = run_both(k, q, kk, v, dout, c, dev, narrow);
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
   const auto dov = dout.to_f64_vector();
   const oracle::Attn o = oracle::attention(q.to_f64_vector(), kk.to_f64_vector(), v.to_f64_vector(), &dov, c.b, c.hq, c.hkv,
@@ -203,7 +209,8 @@ TEST(FlashAttnHopper, ForwardOnAwkwardLengths) {
 // warpgroups, dQ staged in the ring's slots), lengths that are no multiple of its 128-key (64-key) blocks
 // or 64-query tiles (1, 63, 65, 127, 129, 190, 4097),
 // fewer queries than keys (a KV cache), grouped-query heads (32 / 8, dk / dv summed over the group),
-// causal or not, sliding windows, bf16 / f16, the [B, S, H, D] layout, more blocks than SMs.
+// causal or not, sliding windows, bf16 / f16, the [B, S, H, D] layout, more blocks than SMs; out and
+// dq in rows that allow no 16-byte access.
 TEST(FlashAttnHopper, BackwardOnAwkwardLengths) {
   const Device dev = Device::cuda(0);
   KCPP_REQUIRE_DEVICE(dev);
@@ -247,6 +254,11 @@ TEST(FlashAttnHopper, BackwardOnAwkwardLengths) {
     for (const Case& c : cases)
       if (c.sq <= 1000) check_case(k, c, DType::bf16, dev, gen, false);
   }
+  // out and dq 2-byte aligned with strides of D + 1 elements: the passes around the kernel (delta, the
+  // accumulator's zeros, dq's rounding) in their any-layout forms (the forward then runs on the generic path).
+  for (const Case& c : {Case{1, 4, 2, 127, 300, 128, true, 0}, Case{2, 2, 1, 257, 257, 64, false, 100},
+                        Case{1, 4, 2, 63, 300, 256, true, 0}, Case{1, 4, 2, 300, 300, 128, true, 17, 5.0}})
+    check_case(k, c, DType::bf16, dev, gen, false, true);
 }
 
 // Asking for a forward path that cannot take the call is refused in supports(), naming why.
