@@ -209,8 +209,7 @@ TEST(FlashAttnHopper, ForwardOnAwkwardLengths) {
 // warpgroups, dQ staged in the ring's slots), lengths that are no multiple of its 128-key (64-key) blocks
 // or 64-query tiles (1, 63, 65, 127, 129, 190, 4097),
 // fewer queries than keys (a KV cache), grouped-query heads (32 / 8, dk / dv summed over the group),
-// causal or not, sliding windows, bf16 / f16, the [B, S, H, D] layout, more blocks than SMs; out and
-// dq in rows that allow no 16-byte access.
+// causal or not, sliding windows, bf16 / f16, the [B, S, H, D] layout, more blocks than SMs.
 TEST(FlashAttnHopper, BackwardOnAwkwardLengths) {
   const Device dev = Device::cuda(0);
   KCPP_REQUIRE_DEVICE(dev);
@@ -254,11 +253,21 @@ TEST(FlashAttnHopper, BackwardOnAwkwardLengths) {
     for (const Case& c : cases)
       if (c.sq <= 1000) check_case(k, c, DType::bf16, dev, gen, false);
   }
-  // out and dq 2-byte aligned with strides of D + 1 elements: the passes around the kernel (delta, the
-  // accumulator's zeros, dq's rounding) in their any-layout forms (the forward then runs on the generic path).
+}
+
+// out and dq 2-byte aligned with strides of D + 1 elements: the Hopper backward takes them (its tensor
+// maps read q, k, v and dout only), and the passes around its kernel (delta, the accumulator's zeros,
+// dq's rounding) run in their any-layout forms (the forward then runs on the generic path).
+TEST(FlashAttnHopper, BackwardOnNarrowOutAndDq) {
+  const Device dev = Device::cuda(0);
+  KCPP_REQUIRE_DEVICE(dev);
+  if (!hopper_here()) GTEST_SKIP() << "skipped: needs a compute capability 9.0 GPU and a build with sm_90a";
+  const ScopedEnv env("KCPP_FLASH_ATTN_BACKWARD", "hopper");
+  Generator gen = test::test_generator();
+  const KernelLayer k = layer();
   for (const Case& c : {Case{1, 4, 2, 127, 300, 128, true, 0}, Case{2, 2, 1, 257, 257, 64, false, 100},
                         Case{1, 4, 2, 63, 300, 256, true, 0}, Case{1, 4, 2, 300, 300, 128, true, 17, 5.0}})
-    check_case(k, c, DType::bf16, dev, gen, false, true);
+    for (DType dt : {DType::bf16, DType::f16}) check_case(k, c, dt, dev, gen, false, true);
 }
 
 // Asking for a forward path that cannot take the call is refused in supports(), naming why.
