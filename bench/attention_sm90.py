@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, os.path.join(HERE, "..", "bench"))
 sys.path.insert(0, HERE)
 import kcpp  # noqa: E402
-from deep_timer import bench_deep, host_us  # noqa: E402
+from deep_timer import bench_deep, host_us, kernel_table  # noqa: E402
 
 lib = sys.argv[1]
 shapes = [(4, 4096, 128), (2, 8192, 128), (16, 1024, 128)]  # B, S, head dim
@@ -188,18 +188,8 @@ for B, S, D in shapes:
         print(rows[-1], f"passes {spread}", f"backward alone ~{tfb - tfi:.3f} ms, {2.5 * fl / (tfb - tfi) * 1e3:.1f} TFLOP/s",
               flush=True)
     if kernels:  # one forward + backward of each row under the profiler, its kernels by time
-        from torch.profiler import ProfilerActivity, profile
         for name, _, fb_, *_ in impls:
-            fb_()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                fb_()
-                torch.cuda.synchronize()
-            evs = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA") and e.device_time_total > 0]
-            total = sum(e.device_time_total for e in evs)
-            print(f"  kernels of {name} fwd+bwd, B{B} S{S} D{D}: {total / 1e3:.3f} ms in all", flush=True)
-            for e in sorted(evs, key=lambda e: -e.device_time_total)[:8]:
-                print(f"    {e.device_time_total / 1e3:8.3f} ms  x{e.count:<3d} {e.key[:100]}", flush=True)
+            kernel_table(fb_, f"{name} fwd+bwd, B{B} S{S} D{D}")
     for var in ("KCPP_FLASH_ATTN_BACKWARD", "KCPP_FLASH_ATTN_SM90_BWD_ORDER"):
         os.environ.pop(var, None)
     del q, k, v, do, out, dq, dk, dv, qg, kg, vg, ke, ve, ref, impls

@@ -87,3 +87,20 @@ def host_us(fn, n=50):
     t = time.perf_counter() - t
     torch.cuda.synchronize()
     return t / n * 1e6
+
+
+def kernel_table(fn, title, top=8):
+    """Prints the GPU kernels of one call of fn (after one unprofiled call), by total time, under
+    torch.profiler: where a call's time goes (a single call: figures within a few percent of the timed ones)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    evs = [e for e in prof.key_averages() if str(getattr(e, "device_type", "")).endswith("CUDA") and e.device_time_total > 0]
+    total = sum(e.device_time_total for e in evs)
+    print(f"  kernels of {title}: {total / 1e3:.3f} ms in all", flush=True)
+    for e in sorted(evs, key=lambda e: -e.device_time_total)[:top]:
+        print(f"    {e.device_time_total / 1e3:8.3f} ms  x{e.count:<3d} {e.key[:100]}", flush=True)
+

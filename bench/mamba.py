@@ -27,7 +27,7 @@ anything is timed; the PyTorch path runs in f32 (the bf16 one rounds the state a
 
 Run on the GPU machine:
   python3 bench/mamba.py build/release/kernels/mamba/build/kcpp1-cu130-x86_64-linux/libmamba.so
-  [--batch 8 --dim 4096 --seqlen 2048 --dstate 16 --falcon --ref-reps 3 --paths default,lanes,chunked]
+  [--batch 8 --dim 4096 --seqlen 2048 --dstate 16 --falcon --ref-reps 3 --paths default,lanes,chunked --kernels]
 """
 import argparse
 import inspect
@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, HERE)
 import kcpp  # noqa: E402
-from deep_timer import back_to_back, bench_deep, host_us  # noqa: E402
+from deep_timer import back_to_back, bench_deep, host_us, kernel_table  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("lib", help="libmamba.so of the CUDA variant")
@@ -55,6 +55,7 @@ ap.add_argument("--ref-reps", type=int, default=3, help="timed calls of the PyTo
 ap.add_argument("--paths", default="default,lanes,chunked",
                 help="the CUDA kernels to time, comma-separated: default, lanes (KCPP_SCAN_LANES=1), chunked "
                      "(KCPP_SCAN_CHUNKED=1), legacy (KCPP_SCAN_LEGACY=1); the first is the speed-ups' base")
+ap.add_argument("--kernels", action="store_true", help="print each path's kernels by time (one fwd+bwd under torch.profiler)")
 args = ap.parse_args()
 Bn, D, L, N = args.batch, args.dim, args.seqlen, args.dstate
 dev, dt = "cuda", torch.bfloat16
@@ -235,6 +236,8 @@ for name, path in paths:
     use_path(path)
     f, fb = ms(kcpp_fwd, f"{name} fwd"), ms(kcpp_fwd_bwd, f"{name} fwd+bwd")
     rows.append((name, f, fb))
+    if args.kernels:
+        kernel_table(kcpp_fwd_bwd, f"{name} fwd+bwd")
 use_path("default")
 t_f, t_fb = rows[0][1], rows[0][2]
 
