@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, os.path.join(HERE, "..", "bench"))
 sys.path.insert(0, HERE)
 import kcpp  # noqa: E402
-from deep_timer import bench_deep, host_us, kernel_table  # noqa: E402
+from deep_timer import backward_fresh, bench_deep, host_us, kernel_table  # noqa: E402
 
 lib = sys.argv[1]
 shapes = [(4, 4096, 128), (2, 8192, 128), (16, 1024, 128)]  # B, S, head dim
@@ -118,7 +118,7 @@ for B, S, D in shapes:
 
         def fb(be=be, kk_=kk_, vv_=vv_, gqa=gqa):
             with sdpa_kernel(be):
-                F.scaled_dot_product_attention(qg, kk_, vv_, is_causal=True, enable_gqa=gqa).backward(do)
+                backward_fresh(F.scaled_dot_product_attention(qg, kk_, vv_, is_causal=True, enable_gqa=gqa), do, (qg, kk_, vv_))
 
         impls.append((f"{name} ({how})", f, fb, rel(o, ref), gerr))
     os.environ["KCPP_FLASH_ATTN_FORWARD"] = "hopper"

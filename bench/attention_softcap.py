@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, HERE)
 import kcpp  # noqa: E402
-from deep_timer import bench_both_orders, sdpa_cudnn_causal  # noqa: E402
+from deep_timer import backward_fresh, bench_both_orders, sdpa_cudnn_causal  # noqa: E402
 
 lib = sys.argv[1]
 shapes = [tuple(float(x) if i == 5 else int(x) for i, x in enumerate(a.split("x"))) for a in sys.argv[2:]] or [
@@ -92,7 +92,7 @@ for B, S, HQ, HKV, D, CAP in shapes:
                 flex(q, k, v, score_mod=softcap_mod, block_mask=bm, enable_gqa=True)
 
         def flex_fb():
-            flex(qg, kg, vg, score_mod=softcap_mod, block_mask=bm, enable_gqa=True).backward(do)
+            backward_fresh(flex(qg, kg, vg, score_mod=softcap_mod, block_mask=bm, enable_gqa=True), do, (qg, kg, vg))
         impls.append(("flex_attention (compiled)", flex_f, flex_fb if backward else None, float("nan")))
     except Exception as e:  # noqa: BLE001 (a peer that cannot run this shape is reported, not fatal)
         print(f"!! flex_attention B{B} S{S} D{D}: {type(e).__name__}: {str(e)[:200]}", flush=True)

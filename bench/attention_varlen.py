@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, HERE)
 import kcpp  # noqa: E402
-from deep_timer import bench_deep  # noqa: E402
+from deep_timer import backward_fresh, bench_deep  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("lib")
@@ -106,7 +106,7 @@ for name, be in (("sdpa cuDNN, padded", SDPBackend.CUDNN_ATTENTION), ("sdpa FA2,
                 F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
 
         def fb():
-            F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True).backward(dop)
+            backward_fresh(F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True), dop, (qg, kg, vg))
 
         row(name, f, fb, out, grads)
         del qg, kg, vg, o
@@ -166,7 +166,7 @@ try:  # its keywords changed between torch versions: causal as is_causal or wind
             varlen_attn(q, kv[0], kv[1], cu, cu, S, S, **kw)
 
     def fb():
-        varlen_attn(qg, kg, vg, cu, cu, S, S, **kw).backward(do)
+        backward_fresh(varlen_attn(qg, kg, vg, cu, cu, S, S, **kw), do, (qg, kg, vg))
 
     row("torch varlen_attn", f, fb, o.detach(), g)
 except Exception as e:  # not in this torch, or these arguments refused

@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 sys.path.insert(0, HERE)
 import kcpp  # noqa: E402
-from deep_timer import bench_both_orders, sdpa_cudnn_causal  # noqa: E402
+from deep_timer import backward_fresh, bench_both_orders, sdpa_cudnn_causal  # noqa: E402
 
 lib = sys.argv[1]
 shapes = [tuple(int(x) for x in a.split("x")) for a in sys.argv[2:]] or [
@@ -81,7 +81,7 @@ for B, S, D, W in shapes:
             flex(q, k, v, block_mask=bm, enable_gqa=True)
 
     def flex_fb():
-        flex(qg, kg, vg, block_mask=bm, enable_gqa=True).backward(do)
+        backward_fresh(flex(qg, kg, vg, block_mask=bm, enable_gqa=True), do, (qg, kg, vg))
 
     impls = [("flex_attention (compiled)", flex_f, flex_fb, 0.0, 0.0)]
     out, lse = torch.empty_like(q), torch.empty(B, HQ, S, dtype=torch.float32, device="cuda")
