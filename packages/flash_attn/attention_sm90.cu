@@ -6,27 +6,27 @@
 //
 // The algorithm is FlashAttention-3's (Shah, Bikshandi, Zhang, Thakkar, Ramani, Dao, "FlashAttention-3:
 // Fast and Accurate Attention with Asynchrony and Low-precision", 2024, section 3), written here from
-// the paper: persistent blocks of three warpgroups, one block an SM, each looping over work items
-// (128 queries of one head).  Warpgroup 0 is the producer: one thread issues the bulk tensor copies
+// the paper: persistent blocks of three (or four) warpgroups, one block an SM, each looping over work
+// items (128, or 192, queries of one head).  Warpgroup 0 is the producer: one thread issues the bulk tensor copies
 // of each item's Q tile and of its K and V tiles into rings of slots that run on across items, each
 // slot guarded by a "full" mbarrier (the copy engine completes it with the bytes it wrote) and an
 // "empty" one (every consumer warp arrives once it no longer reads the slot), so the next item's
 // loads overlap the last one's tail; the producer gives up registers (setmaxnreg) to the consumers.
-// Warpgroups 1 and 2 each own 64 query rows and run, per key tile j:
+// Warpgroups 1 and 2 (and 3: the head-dim-64 tiles of long sequences) each own 64 query rows and run, per key tile j:
 //   S_j = Q K_j^T                   wgmma, A and B from shared memory (both K-major)
 //   O  += P_{j-1} V_{j-1}           wgmma, A (the probabilities) from registers, B = V (MN-major)
 //   softmax of S_j in registers while the O product runs (the two are issued together and waited
 //   for one after the other), then O is rescaled by the change of the running maximum;
-// and the two warpgroups take turns to issue (ping-pong), so that one's softmax overlaps the other's
-// products.  Key tiles are visited from the last to the first, so the tiles that need a mask come
+// and the warpgroups take turns to issue (ping-pong, round the warpgroups), so that one's softmax
+// overlaps the others' products.  Key tiles are visited from the last to the first, so the tiles that need a mask come
 // first; a sliding window bounds the tiles from below as causal does from above, and the tiles at its
 // edge are masked as the diagonal's are.  Soft-capping maps each tile's scores through tanh
 // (softcap.cuh) at the start of its softmax.  Items are ordered heads-fastest with the heaviest (last) query tiles first and dealt out
 // in a snake, which balances the causal triangle and keeps the query heads of one kv head close in
 // time (their K / V stay in L2).  The output goes through a staging tile and a bulk tensor store
 // (head dims 64 and 128) or straight from registers (256, where the staging tile does not fit).
-// Tiles: 128 queries x 128 keys (64 keys at head dim 256); rings of 4 K and 4 V slots at head dim 64,
-// 3 and 2 at 128, 2 and 2 at 256.
+// Tiles: 128 queries (192 with three warpgroups) x 128 keys (64 keys at head dim 256); rings of 4 K
+// and 4 V slots at head dim 64, 3 and 2 at 128, 2 and 2 at 256.
 //
 // Shared memory: every tile is stored as D / 64 column blocks of [rows][64] elements (128 bytes a
 // row) in the 128-byte swizzle that both TMA (CU_TENSOR_MAP_SWIZZLE_128B) and wgmma's descriptors
@@ -53,11 +53,16 @@ namespace {
 
 using kernel::DType;
 
-constexpr int kBr = 128;           // queries a block: two consumer warpgroups of 64
-constexpr int kThreads = 3 * 128;  // producer warpgroup + two consumer warpgroups
+// NW consumer warpgroups of 64 queries each: kBr = 64 NW queries an item, 128 (NW + 1) threads a
+// block with the producer warpgroup.  Two, or at head dim 64 three (FlashAttention-3's tiles there:
+// 192 queries x 128 keys), where a tile's products are short beside its softmax and each warpgroup's
+// softmax then has two others' products to run under.  Three warpgroups leave a thread 160 registers
+// by setmaxnreg, but ptxas allocates for the launch's 128 a thread: about 30 registers a thread spill
+// (bench/RESULTS.md has what that costs and gains).
 
 // Tile sizes and ring depths by head dim: a K or V tile is kBc keys x D.
-template <int D> struct Tile {
+template <int D, int NW> struct Tile {
+  static constexpr int kBr = 64 * NW;
   static constexpr int kBc = D == 256 ? 64 : 128;
   // Ring depths: K is needed a step before V, so it gets the deeper ring where shared memory allows.
   static constexpr int kStagesK = D == 64 ? 4 : D == 128 ? 3 : 2, kStagesV = D == 64 ? 4 : 2;
@@ -79,13 +84,14 @@ template <int D> struct Tile {
 // matrix products only after the other has issued its own, so one's softmax runs while the other's
 // products occupy the tensor cores.  Named barriers 1 and 2 pass the turn.  V: varlen (cu_seqlens), a
 // kernel of its own so that the batched one keeps its lengths in the parameters, not in registers.
-template <typename T, int D, bool PP, bool V>
-__global__ void __launch_bounds__(kThreads, 1)
+template <typename T, int D, bool PP, bool V, int NW>
+__global__ void __launch_bounds__(128 * (NW + 1), 1)
     fwd_sm90_kernel(const __grid_constant__ AttentionParams p, const __grid_constant__ CUtensorMap tq,
                     const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
                     const __grid_constant__ CUtensorMap to) {
 #if KCPP_SM90_DEVICE
-  using C = Tile<D>;
+  using C = Tile<D, NW>;
+  constexpr int kBr = C::kBr;
   constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
   constexpr int kCols = D / 64;  // 64-column (128-byte) blocks of a row
   constexpr int kBc = C::kBc, kSK = C::kStagesK, kSV = C::kStagesV, kNS = kBc / 2, kNO = D / 2;
@@ -147,9 +153,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto item_of_round = [&](int64_t r) { return r * G + ((r & 1) ? G - 1 - blockIdx.x : blockIdx.x); };
 
   if (tid == 0) {
-    mbar_init(qfull, 1), mbar_init(qempty, 8);
-    for (int s = 0; s < kSK; ++s) mbar_init(kfull(s), 1), mbar_init(kempty(s), 8);  // every consumer warp arrives
-    for (int s = 0; s < kSV; ++s) mbar_init(vfull(s), 1), mbar_init(vempty(s), 8);
+    mbar_init(qfull, 1), mbar_init(qempty, 4 * NW);
+    for (int s = 0; s < kSK; ++s) mbar_init(kfull(s), 1), mbar_init(kempty(s), 4 * NW);  // every consumer warp arrives
+    for (int s = 0; s < kSV; ++s) mbar_init(vfull(s), 1), mbar_init(vempty(s), 4 * NW);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -195,14 +201,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // Consumers.
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+  // The registers the producer gave up: 128 (24 + NW R) <= 65536.
+  if constexpr (NW == 2)
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+  else
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n" ::: "memory");
   const int cw = tid / 128 - 1, tw = tid % 128, lane = tid % 32, warp = tw / 32, g = lane / 4, t = lane % 4;
   // Soft-capping: the scores become tanh(scale q.k / c) in [-1, 1], and c log2(e) takes the place of
   // scale log2(e) in the exponent (both positive: the softmax takes the maximum before the factor).
   const bool cap = p.softcap > 0.0f;
   const float t_scale = cap ? p.scale / p.softcap : 0.0f, sl2 = (cap ? p.softcap : p.scale) * kLog2e;
   const uint32_t q_base = sQ + cw * 64 * 128;
-  const uint32_t o_base = sO + cw * (C::kQBytes / 2);  // this warpgroup's [D / 64][64][64] staging tile
+  const uint32_t o_base = sO + cw * (C::kQBytes / NW);  // this warpgroup's [D / 64][64][64] staging tile
 
   float o[kNO], s[kNS];
   uint32_t pf[kBc / 16][4];  // P as the A operand of k-steps of 16 keys
@@ -273,13 +283,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) o[4 * i] *= corr[0], o[4 * i + 1] *= corr[0], o[4 * i + 2] *= corr[1], o[4 * i + 3] *= corr[1];
   };
-  // The turn to issue matrix products (PP): warpgroup 0 first, then strictly alternating.
+  // The turn to issue matrix products (PP): warpgroup 0 first, then each after the one before, round
+  // the NW warpgroups (named barrier 1 + w is warpgroup w's turn; 1 + NW + w its staging tile's).
   auto my_turn = [&] {
     if constexpr (PP) bar_sync(1 + cw, 256);
   };
   auto your_turn = [&](bool last) {
     if constexpr (PP)
-      if (!(last && cw == 1)) bar_arrive(2 - cw, 256);  // warpgroup 1's very last would be one arrival too many
+      if (!(last && cw == NW - 1)) bar_arrive(1 + (cw + 1) % NW, 256);  // the last warpgroup's very last would be one arrival too many
   };
   // out = o / l straight from the accumulators (pairs of columns) for the rows of x's sequence, lse =
   // (max + log2 l) ln 2 (0 and -inf where l is 0: no visible key).
@@ -312,7 +323,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
   if constexpr (PP)
-    if (cw == 1 && tiles_after(-1)) bar_arrive(1, 256);
+    if (cw == NW - 1 && tiles_after(-1)) bar_arrive(1, 256);
 
   int kc = 0, vc = 0, i = 0;  // K and V tiles consumed, items with tiles begun
   for (int64_t r = 0, w = item_of_round(0); w < n_items; w = item_of_round(++r)) {
@@ -410,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // out = o / l through the staging tile (same swizzle as the loads: a conflict-free scatter) and
     // one bulk tensor store a 64-column block; lse = (max + log2 l) ln 2.
     if (tw == 0) bulk_wait_read();  // the previous item's store has read the staging tile
-    bar_sync(3 + cw, 128);
+    bar_sync(1 + NW + cw, 128);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float sum = l[r];
@@ -430,7 +441,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         p.lse[lse_row(p, x.b, x.h, x.qb + row)] = sum > 0.0f ? (mx[r] + log2f(sum)) * kLn2 : -INFINITY;
     }
     fence_async_smem();
-    bar_sync(3 + cw, 128);
+    bar_sync(1 + NW + cw, 128);
     if (tw == 0) {
 #pragma unroll
       for (int c = 0; c < kCols; ++c)
@@ -445,8 +456,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ---- host ------------------------------------------------------------------------------------------
 
 
-template <typename T, int D, bool PP, bool V> const char* launch(const AttentionParams& p, cudaStream_t stream) {
-  using C = Tile<D>;
+template <typename T, int D, bool PP, bool V, int NW = 2>
+const char* launch(const AttentionParams& p, cudaStream_t stream) {
+  using C = Tile<D, NW>;
+  constexpr int kBr = C::kBr;
   // Varlen: the maps span the packed tokens, one "batch".  Varlen without keys (no key tokens, or
   // max_seqlen_k 0) gives every item no tiles: no K / V map exists to be made, none is read.
   const int64_t nq = p.varlen() ? p.total_q : p.seq_q, nk = p.varlen() ? p.total_kv : p.seq_kv, nb = p.varlen() ? 1 : p.batch;
@@ -458,7 +471,7 @@ template <typename T, int D, bool PP, bool V> const char* launch(const Attention
     return "attention_forward (hopper): the driver refused a tensor map of these strides "
            "(KCPP_FLASH_ATTN_FORWARD=ampere takes the mma.sync kernel instead)";
   if (no_keys) tk = tv = tq;  // never read
-  const cudaError_t attr = cudaFuncSetAttribute(fwd_sm90_kernel<T, D, PP, V>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+  const cudaError_t attr = cudaFuncSetAttribute(fwd_sm90_kernel<T, D, PP, V, NW>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
   if (attr != cudaSuccess)
     return kernel::errorf("attention_forward (hopper): cannot reserve %d bytes of shared memory: %s", C::kSmem,
                           cudaGetErrorString(attr));
@@ -468,8 +481,8 @@ template <typename T, int D, bool PP, bool V> const char* launch(const Attention
   // A programmatic dependent of the kernel before (the kernel's barrier set-up overlaps its end);
   // KCPP_PDL=0, the library's switch for every such launch, makes it an ordinary one.
   const cudaLaunchAttribute pdl = kernel::cuda::dependent_launch();
-  const cudaError_t e = kernel::cuda::launch_ex(&pdl, kernel::cuda::dependent_launch_enabled() ? 1 : 0, fwd_sm90_kernel<T, D, PP, V>,
-                                                dim3(grid), dim3(kThreads),
+  const cudaError_t e = kernel::cuda::launch_ex(&pdl, kernel::cuda::dependent_launch_enabled() ? 1 : 0, fwd_sm90_kernel<T, D, PP, V, NW>,
+                                                dim3(grid), dim3(128 * (NW + 1)),
                                                 C::kSmem, stream, p, tq, tk, tv, to);
   return e == cudaSuccess ? nullptr : kernel::errorf("attention_forward (hopper): kernel launch failed: %s", cudaGetErrorString(e));
 }
@@ -509,6 +522,13 @@ const char* attention_forward_sm90(const AttentionParams& p, cudaStream_t stream
     return bf ? launch<__nv_bfloat16, 128, true, true>(p, stream) : launch<__half, 128, true, true>(p, stream);
   }
   if (p.head_dim == 64) {
+    // Three consumer warpgroups (192-query items) from 2,048 queries on: measured faster at 4,096 and
+    // 8,192, slower at 1,024, where a 192-query tiling wastes more of its last tile and leaves fewer
+    // items to balance (2,048 itself unmeasured).  KCPP_FLASH_ATTN_SM90_FWD_WGS = 2 | 3 pins it.
+    const char* wgs = std::getenv("KCPP_FLASH_ATTN_SM90_FWD_WGS");
+    const bool three = wgs && *wgs ? std::strcmp(wgs, "3") == 0 : p.seq_q >= 2048;
+    if (pp && three)
+      return bf ? launch<__nv_bfloat16, 64, true, false, 3>(p, stream) : launch<__half, 64, true, false, 3>(p, stream);
     if (pp) return bf ? launch<__nv_bfloat16, 64, true, false>(p, stream) : launch<__half, 64, true, false>(p, stream);
     return bf ? launch<__nv_bfloat16, 64, false, false>(p, stream) : launch<__half, 64, false, false>(p, stream);
   }

@@ -202,6 +202,14 @@ TEST(FlashAttnHopper, ForwardOnAwkwardLengths) {
         if (dt == DType::f16 && c.sq > 1000) continue;
         check_case(k, c, dt, dev, gen, bshd);
       }
+  // Head dim 64 on three consumer warpgroups (192-query items; the default from 2,048 queries, pinned
+  // here for the short cases too: a last item of 1 to 191 rows, items past a warpgroup's rows) and on
+  // two (the default below 2,048 queries, pinned for the long ones).
+  for (const char* wgs : {"3", "2"}) {
+    const ScopedEnv pin("KCPP_FLASH_ATTN_SM90_FWD_WGS", wgs);
+    for (const Case& c : cases)
+      if (c.d == 64) check_case(k, c, DType::bf16, dev, gen, false);
+  }
 }
 
 // The Hopper backward (wgmma + TMA, sm_90a), required through KCPP_FLASH_ATTN_BACKWARD=hopper: head_dim
