@@ -234,16 +234,19 @@ __global__ void __launch_bounds__(128 * (NW + 1), 1)
   };
   // The online softmax of the tile of keys from j0: s becomes the probabilities (f32, relative to the
   // new maximum), corr the factor that rescales what was accumulated before.
-  auto softmax = [&](int64_t j0, int64_t pos0, int64_t skv, bool masked, float (&corr)[2]) {
+  // Positions and key indices in 32 bits (attention_sm90_unsupported bounds them below 2^31 - 256),
+  // the window clamped to 2^30 (a wider one masks nothing more): fewer registers than 64-bit ones.
+  const int win = static_cast<int>(min(p.window, int64_t{1} << 30));
+  auto softmax = [&](int j0, int pos0, int skv, bool masked, float (&corr)[2]) {
     if (cap) cap_scores(s, t_scale);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if (masked) {
         // Column c = 8 i + e of the tile (key j0 + c + 2 t) is visible when first <= c < limit.
-        const int64_t lim = min(skv, p.causal ? pos0 + 8 * r + 1 : skv) - j0 - 2 * t;
-        const int limit = static_cast<int>(max(int64_t{-1}, min(int64_t{kBc}, lim)));
-        const int64_t fst = p.window > 0 ? pos0 + 8 * r - p.window + 1 - j0 - 2 * t : 0;
-        const int first = static_cast<int>(max(int64_t{0}, min(int64_t{kBc}, fst)));
+        const int lim = min(skv, p.causal ? pos0 + 8 * r + 1 : skv) - j0 - 2 * t;
+        const int limit = max(-1, min(kBc, lim));
+        const int fst = win > 0 ? pos0 + 8 * r - win + 1 - j0 - 2 * t : 0;
+        const int first = max(0, min(kBc, fst));
 #pragma unroll
         for (int i = 0; i < kBc / 8; ++i)
 #pragma unroll
@@ -338,12 +341,12 @@ __global__ void __launch_bounds__(128 * (NW + 1), 1)
       continue;
     }
     const bool last_item = !tiles_after(r);
-    const int64_t pos0 = row0 + x.off, pos_wg = x.q0 + cw * 64 + x.off;
-    auto tile_j0 = [&](int it) { return static_cast<int64_t>(x.t_hi - 1 - it) * kBc; };
+    const int pos0 = static_cast<int>(row0) + x.off, pos_wg = x.q0 + cw * 64 + x.off;
+    auto tile_j0 = [&](int it) { return (x.t_hi - 1 - it) * kBc; };
     // A tile needs the mask where it holds a key after the warpgroup's first row (causal), past the
     // end, or before its last row's window.
-    auto tile_masked = [&](int64_t j0) {
-      return (p.causal && j0 + kBc - 1 > pos_wg) || j0 + kBc > x.skv || (p.window > 0 && j0 < pos_wg + 63 - p.window + 1);
+    auto tile_masked = [&](int j0) {
+      return (p.causal && j0 + kBc - 1 > pos_wg) || j0 + kBc > x.skv || (win > 0 && j0 < pos_wg + 63 - win + 1);
     };
 
     mbar_wait(qfull, i & 1);
@@ -386,7 +389,7 @@ __global__ void __launch_bounds__(128 * (NW + 1), 1)
         if (it == x.n_tiles - 1) mbar_arrive(qempty);  // the item's last read of Q
       }
       float corr[2];
-      const int64_t j0 = tile_j0(it);
+      const int j0 = tile_j0(it);
       softmax(j0, pos0, x.skv, tile_masked(j0), corr);
       wg_wait<0>();
       pin(o);
