@@ -56,9 +56,9 @@ using kernel::DType;
 // NW consumer warpgroups of 64 queries each: kBr = 64 NW queries an item, 128 (NW + 1) threads a
 // block with the producer warpgroup.  Two, or at head dim 64 three (FlashAttention-3's tiles there:
 // 192 queries x 128 keys), where a tile's products are short beside its softmax and each warpgroup's
-// softmax then has two others' products to run under.  Three warpgroups leave a thread 160 registers
-// by setmaxnreg, but ptxas allocates for the launch's 128 a thread: about 30 registers a thread spill
-// (bench/RESULTS.md has what that costs and gains).
+// softmax then has two others' products to run under.  Three warpgroups leave a consumer thread 160
+// registers by setmaxnreg, but ptxas allocates for the launch's average, 128 a thread: the kernel fits
+// them (positions in 32 bits below) with no spill; keep it so (ptxas -v).
 
 // Tile sizes and ring depths by head dim: a K or V tile is kBc keys x D.
 template <int D, int NW> struct Tile {
