@@ -58,7 +58,7 @@ using kernel::DType;
 // 192 queries x 128 keys), where a tile's products are short beside its softmax and each warpgroup's
 // softmax then has two others' products to run under.  Three warpgroups leave a consumer thread 160
 // registers by setmaxnreg, but ptxas allocates for the launch's average, 128 a thread: the kernel fits
-// them (positions in 32 bits below) with no spill; keep it so (ptxas -v).
+// them (positions held in 32 bits, below) with no spill; keep it so (ptxas -v).
 
 // Tile sizes and ring depths by head dim: a K or V tile is kBc keys x D.
 template <int D, int NW> struct Tile {
@@ -234,10 +234,13 @@ __global__ void __launch_bounds__(128 * (NW + 1), 1)
   };
   // The online softmax of the tile of keys from j0: s becomes the probabilities (f32, relative to the
   // new maximum), corr the factor that rescales what was accumulated before.
-  // Positions and key indices in 32 bits (attention_sm90_unsupported bounds them below 2^31 - 256),
-  // the window clamped to 2^30 (a wider one masks nothing more): fewer registers than 64-bit ones.
-  const int win = static_cast<int>(min(p.window, int64_t{1} << 30));
-  auto softmax = [&](int j0, int pos0, int skv, bool masked, float (&corr)[2]) {
+  // Positions and key indices are 32-bit: 64-bit ones held through the loop took registers that three
+  // warpgroups do not have.  attention_sm90_unsupported bounds every count below 2^31 - 256; a query's
+  // position pos0 (its row + skv - sq) may be negative, but under causal every visited key tile starts
+  // at most a tile of queries after it, so min(skv, pos0 + 9) - j0 stays small; the window's first
+  // visible key, pos0 + 1 - window, is taken once an item in 64 bits and floored at -16 (below -8 it
+  // hides no key of either row r), first_key below.
+  auto softmax = [&](int j0, int pos0, int first_key, int skv, bool masked, float (&corr)[2]) {
     if (cap) cap_scores(s, t_scale);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -245,7 +248,7 @@ __global__ void __launch_bounds__(128 * (NW + 1), 1)
         // Column c = 8 i + e of the tile (key j0 + c + 2 t) is visible when first <= c < limit.
         const int lim = min(skv, p.causal ? pos0 + 8 * r + 1 : skv) - j0 - 2 * t;
         const int limit = max(-1, min(kBc, lim));
-        const int fst = win > 0 ? pos0 + 8 * r - win + 1 - j0 - 2 * t : 0;
+        const int fst = p.window > 0 ? first_key + 8 * r - j0 - 2 * t : 0;
         const int first = max(0, min(kBc, fst));
 #pragma unroll
         for (int i = 0; i < kBc / 8; ++i)
@@ -342,11 +345,14 @@ __global__ void __launch_bounds__(128 * (NW + 1), 1)
     }
     const bool last_item = !tiles_after(r);
     const int pos0 = static_cast<int>(row0) + x.off, pos_wg = x.q0 + cw * 64 + x.off;
+    const int first_key = static_cast<int>(max(int64_t{pos0} + 1 - p.window, int64_t{-16}));
+    // The warpgroup's last row's first visible key: tiles that start below it need the window's mask.
+    const int edge = static_cast<int>(max(int64_t{pos_wg} + 64 - p.window, int64_t{-1}));
     auto tile_j0 = [&](int it) { return (x.t_hi - 1 - it) * kBc; };
     // A tile needs the mask where it holds a key after the warpgroup's first row (causal), past the
     // end, or before its last row's window.
     auto tile_masked = [&](int j0) {
-      return (p.causal && j0 + kBc - 1 > pos_wg) || j0 + kBc > x.skv || (win > 0 && j0 < pos_wg + 63 - win + 1);
+      return (p.causal && j0 + kBc - 1 > pos_wg) || j0 + kBc > x.skv || (p.window > 0 && j0 < edge);
     };
 
     mbar_wait(qfull, i & 1);
@@ -367,7 +373,7 @@ __global__ void __launch_bounds__(128 * (NW + 1), 1)
       }
       ++kc;
       float corr[2];
-      softmax(tile_j0(0), pos0, x.skv, tile_masked(tile_j0(0)), corr);
+      softmax(tile_j0(0), pos0, first_key, x.skv, tile_masked(tile_j0(0)), corr);
       to_p();
     }
     // Tile it's scores with tile it - 1's P V in flight.
@@ -390,7 +396,7 @@ __global__ void __launch_bounds__(128 * (NW + 1), 1)
       }
       float corr[2];
       const int j0 = tile_j0(it);
-      softmax(j0, pos0, x.skv, tile_masked(j0), corr);
+      softmax(j0, pos0, first_key, x.skv, tile_masked(j0), corr);
       wg_wait<0>();
       pin(o);
       pin(pf);
