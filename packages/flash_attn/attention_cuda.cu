@@ -755,6 +755,16 @@ template <typename T> const char* forward_t(const AttentionParams& p, const char
   return kc::launch_error("attention_forward");
 }
 
+// f(L, blocks) with L = head_dim / 8 threads a row (std::integral_constant 8, 16 or 32: head dims 64,
+// 128 and 256) and the count of 256-thread blocks that covers `rows` rows so: the vector passes' launch.
+template <typename F> void by_row_lanes(const AttentionParams& p, int64_t rows, F&& f) {
+  const int lanes = static_cast<int>(p.head_dim / 8);
+  const auto blocks = static_cast<unsigned>((rows + 256 / lanes - 1) / (256 / lanes));
+  if (lanes == 8) f(std::integral_constant<int, 8>{}, blocks);
+  else if (lanes == 16) f(std::integral_constant<int, 16>{}, blocks);
+  else f(std::integral_constant<int, 32>{}, blocks);
+}
+
 // delta (and the zeroed accumulator, dq_acc non-null) by the vector pass, else by the forms for any
 // layout (and a memset).
 template <typename T>
@@ -762,12 +772,9 @@ const char* launch_delta(const AttentionParams& p, bool vec, float* delta, float
   const int64_t rows = lse_rows(p);
   if (rows == 0) return nullptr;
   if (vec) {
-    const auto r = static_cast<uint32_t>(rows);
-    const int lanes = static_cast<int>(p.head_dim / 8);
-    const auto blocks = static_cast<unsigned>((rows + 256 / lanes - 1) / (256 / lanes));
-    if (lanes == 8) delta_zero_kernel<T, 8><<<blocks, 256, 0, stream>>>(p, delta, dq_acc, r);
-    else if (lanes == 16) delta_zero_kernel<T, 16><<<blocks, 256, 0, stream>>>(p, delta, dq_acc, r);
-    else delta_zero_kernel<T, 32><<<blocks, 256, 0, stream>>>(p, delta, dq_acc, r);
+    by_row_lanes(p, rows, [&](auto lanes, unsigned blocks) {
+      delta_zero_kernel<T, decltype(lanes)::value><<<blocks, 256, 0, stream>>>(p, delta, dq_acc, static_cast<uint32_t>(rows));
+    });
     return kc::launch_error("attention_backward (delta)");
   }
   delta_kernel<T><<<blocks_for(rows, 8), 256, 0, stream>>>(p, delta);
@@ -781,12 +788,9 @@ template <typename T> const char* launch_dq_finish(const AttentionParams& p, boo
   const int64_t rows = lse_rows(p);
   if (rows == 0) return nullptr;
   if (vec) {
-    const auto r = static_cast<uint32_t>(rows);
-    const int lanes = static_cast<int>(p.head_dim / 8);
-    const auto blocks = static_cast<unsigned>((rows + 256 / lanes - 1) / (256 / lanes));
-    if (lanes == 8) dq_finish_vec_kernel<T, 8><<<blocks, 256, 0, stream>>>(p, dq_acc, r);
-    else if (lanes == 16) dq_finish_vec_kernel<T, 16><<<blocks, 256, 0, stream>>>(p, dq_acc, r);
-    else dq_finish_vec_kernel<T, 32><<<blocks, 256, 0, stream>>>(p, dq_acc, r);
+    by_row_lanes(p, rows, [&](auto lanes, unsigned blocks) {
+      dq_finish_vec_kernel<T, decltype(lanes)::value><<<blocks, 256, 0, stream>>>(p, dq_acc, static_cast<uint32_t>(rows));
+    });
   } else {
     const int64_t n = rows * p.head_dim;
     dq_finish_kernel<T><<<static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 65536)), 256, 0, stream>>>(p, dq_acc);
