@@ -303,12 +303,14 @@ template <typename T> __global__ void dq_finish_kernel(const AttentionParams p, 
 }
 
 // The same two passes 16 bytes a thread, L = head_dim / 8 threads a row (head dims 64, 128 and 256),
-// where out, dout and dq allow 16-byte access and the rows are numbered in 32 bits (vector_passes()).
+// where out, dout, dq and the workspace allow 16-byte access and the rows are numbered in 32 bits
+// (vector_passes()).
 // The first also zeroes the row's f32 dq accumulator, which the tensor-core kernels add into, so the
 // accumulator costs no pass of its own.  Per element they do the arithmetic of the forms above, in
 // another order of delta's sum (eight products a thread, then across the row's threads).
 bool vector_passes(const AttentionParams& p) {
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return false;
+  if (!kc::aligned16(p.workspace)) return false;  // the accumulator's float4s (the workspace's 256-byte rule is not checked)
   if (lse_rows(p) > int64_t{0xffffffff}) return false;
   for (const Operand* o : {&p.out, &p.dout, &p.dq})
     if (!kc::aligned16(o->data) || o->sb % 8 != 0 || o->sh % 8 != 0 || o->ss % 8 != 0) return false;

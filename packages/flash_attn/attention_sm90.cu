@@ -81,8 +81,8 @@ template <int D, int NW> struct Tile {
 // ---- the kernel -----------------------------------------------------------------------------------
 
 // PP: ping-pong between the consumer warpgroups (FlashAttention-3, section 3.1): each issues its
-// matrix products only after the other has issued its own, so one's softmax runs while the other's
-// products occupy the tensor cores.  Named barriers 1 and 2 pass the turn.  V: varlen (cu_seqlens), a
+// matrix products only after the one before it (round the NW warpgroups) has issued its own, so one's
+// softmax runs while the others' products occupy the tensor cores.  Named barriers 1 to NW pass the turn.  V: varlen (cu_seqlens), a
 // kernel of its own so that the batched one keeps its lengths in the parameters, not in registers.
 template <typename T, int D, bool PP, bool V, int NW>
 __global__ void __launch_bounds__(128 * (NW + 1), 1)
@@ -533,7 +533,8 @@ const char* attention_forward_sm90(const AttentionParams& p, cudaStream_t stream
   if (p.head_dim == 64) {
     // Three consumer warpgroups (192-query items) from 2,048 queries on: measured faster at 4,096 and
     // 8,192, slower at 1,024, where a 192-query tiling wastes more of its last tile and leaves fewer
-    // items to balance (2,048 itself unmeasured).  KCPP_FLASH_ATTN_SM90_FWD_WGS = 2 | 3 pins it.
+    // items to balance (2,048 itself unmeasured).  KCPP_FLASH_ATTN_SM90_FWD_WGS = 2 | 3 pins it (with
+    // the ping-pong; without it, KCPP_FLASH_ATTN_SM90_PINGPONG=0, two warpgroups run).
     const char* wgs = std::getenv("KCPP_FLASH_ATTN_SM90_FWD_WGS");
     const bool three = wgs && *wgs ? std::strcmp(wgs, "3") == 0 : p.seq_q >= 2048;
     if (pp && three)
