@@ -331,5 +331,17 @@ TEST(MambaConfig, HugeSizesAreNamedAndIdListsWriteBack) {
   EXPECT_EQ(back.eos_token_id, (std::vector<int64_t>{2, 3}));
 }
 
+// Integers past int64 (JSON gives them unsigned) are refused by name, not wrapped negative: the reader
+// ModelConfig uses (models/config_json.h).
+TEST(MambaConfig, IntegersPastInt64AreNamed) {
+  const nlohmann::json base = {{"model_type", "mamba"}, {"hidden_size", 32}, {"vocab_size", 50}};
+  nlohmann::json big = base;
+  big["num_hidden_layers"] = uint64_t{1} << 63;
+  EXPECT_ERROR(models::MambaConfig::from_json(big), "'num_hidden_layers' is 9223372036854775808, past any size this library handles");
+  nlohmann::json ids = base;
+  ids["eos_token_id"] = {1, uint64_t{1} << 63};
+  EXPECT_ERROR(models::MambaConfig::from_json(ids), "'eos_token_id' must hold token ids, holds 9223372036854775808");
+}
+
 }  // namespace
 }  // namespace kcpp

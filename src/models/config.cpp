@@ -10,8 +10,11 @@
 
 #include "core/error.h"
 #include "core/files.h"
+#include "models/config_json.h"
 
 namespace kcpp::models {
+
+using config_json::Reader;
 
 namespace {
 
@@ -19,72 +22,6 @@ constexpr const char* kFamilies[] = {"llama",   "mistral",   "qwen2",     "qwen3
                                      "phi3",    "mixtral",   "qwen3_moe", "qwen2_moe", "llama4_text"};
 
 bool is_moe_family(const std::string& t) { return t == "mixtral" || t == "qwen3_moe" || t == "qwen2_moe"; }
-
-// Typed reads of config keys, each error naming the file and the key.
-struct Reader {
-  const nlohmann::json& j;
-  const std::string& where;
-
-  bool has(const char* key) const { return j.contains(key) && !j[key].is_null(); }
-  int64_t integer(const char* key) const {
-    KCPP_CHECK(has(key), "{}: missing key '{}'", where, key);
-    const nlohmann::json& v = j[key];
-    KCPP_CHECK(v.is_number_integer(), "{}: '{}' must be an integer, is {}", where, key, v.dump());
-    // JSON integers past int64 arrive unsigned; they are out of every range validate() allows.
-    KCPP_CHECK(!v.is_number_unsigned() || v.get<uint64_t>() <= uint64_t{std::numeric_limits<int64_t>::max()},
-               "{}: '{}' is {}, past any size this library handles", where, key, v.dump());
-    return v.get<int64_t>();
-  }
-  int64_t integer(const char* key, int64_t fallback) const { return has(key) ? integer(key) : fallback; }
-  double real(const char* key, double fallback) const {
-    if (!has(key)) return fallback;
-    KCPP_CHECK(j[key].is_number(), "{}: '{}' must be a number, is {}", where, key, j[key].dump());
-    return j[key].get<double>();
-  }
-  bool boolean(const char* key, bool fallback) const {
-    if (!has(key)) return fallback;
-    KCPP_CHECK(j[key].is_boolean(), "{}: '{}' must be true or false, is {}", where, key, j[key].dump());
-    return j[key].get<bool>();
-  }
-  std::string string(const char* key, const std::string& fallback) const {
-    if (!has(key)) return fallback;
-    KCPP_CHECK(j[key].is_string(), "{}: '{}' must be a string, is {}", where, key, j[key].dump());
-    return j[key].get<std::string>();
-  }
-  std::vector<int64_t> ids(const char* key) const {  // an integer or a list of them
-    std::vector<int64_t> out;
-    if (!has(key)) return out;
-    if (j[key].is_number_integer()) return {integer(key)};
-    KCPP_CHECK(j[key].is_array(), "{}: '{}' must be a token id or a list of them", where, key);
-    for (const auto& v : j[key]) {
-      KCPP_CHECK(v.is_number_integer() && (!v.is_number_unsigned() || v.get<uint64_t>() <= uint64_t{std::numeric_limits<int64_t>::max()}),
-                 "{}: '{}' must hold token ids, holds {}", where, key, v.dump());
-      out.push_back(v.get<int64_t>());
-    }
-    return out;
-  }
-  std::vector<int64_t> indices(const char* key) const {  // a list of integers (layer indices, flags)
-    std::vector<int64_t> out;
-    if (!has(key)) return out;
-    KCPP_CHECK(j[key].is_array(), "{}: '{}' must be a list of integers, is {}", where, key, j[key].dump());
-    for (const auto& v : j[key]) {
-      KCPP_CHECK(v.is_number_integer() && (!v.is_number_unsigned() || v.get<uint64_t>() <= uint64_t{std::numeric_limits<int64_t>::max()}),
-                 "{}: '{}' must hold integers, holds {}", where, key, v.dump());
-      out.push_back(v.get<int64_t>());
-    }
-    return out;
-  }
-  std::vector<std::string> strings(const char* key) const {
-    std::vector<std::string> out;
-    if (!has(key)) return out;
-    KCPP_CHECK(j[key].is_array(), "{}: '{}' must be a list of strings, is {}", where, key, j[key].dump());
-    for (const auto& v : j[key]) {
-      KCPP_CHECK(v.is_string(), "{}: '{}' must hold strings, holds {}", where, key, v.dump());
-      out.push_back(v.get<std::string>());
-    }
-    return out;
-  }
-};
 
 // "in [lo, hi]", or ">= lo" when nothing above is out of range.
 std::string range(int64_t lo, int64_t hi) {
@@ -480,15 +417,9 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& w
 }
 
 ModelConfig ModelConfig::from_folder(const std::filesystem::path& folder) {
-  const auto path = folder / "config.json";
-  const std::string text = read_whole_file(path, "the model's config");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    KCPP_FAIL("{}: not JSON: {}", path.string(), e.what());
-  }
-  return from_json(j, path.string());
+  std::string where;
+  const nlohmann::json j = config_json::read(folder, &where);
+  return from_json(j, where);
 }
 
 nlohmann::json ModelConfig::to_json() const {

@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "core/files.h"
 #include "core/profile.h"
+#include "models/config_json.h"
 #include "models/safetensors.h"
 #include "ops/nn/decode_fused.h"
 #include "ops/nn/mamba_decode.h"
@@ -20,6 +21,8 @@
 #include "ops/ops.h"
 
 namespace kcpp::models {
+
+using config_json::Reader;
 
 namespace {
 
@@ -32,43 +35,6 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& b = {}) {
 Tensor col_sum(const Tensor& dy) {
   return ops::matmul(Tensor::full({1, dy.size(0)}, 1.0, dy.dtype(), dy.device()), dy).view({dy.size(1)});
 }
-
-struct Reader {
-  const nlohmann::json& j;
-  const std::string& where;
-  bool has(const char* key) const { return j.contains(key) && !j[key].is_null(); }
-  int64_t integer(const char* key, int64_t fallback) const {
-    if (!has(key)) return fallback;
-    KCPP_CHECK(j[key].is_number_integer(), "{}: '{}' must be an integer, is {}", where, key, j[key].dump());
-    return j[key].get<int64_t>();
-  }
-  double real(const char* key, double fallback) const {
-    if (!has(key)) return fallback;
-    KCPP_CHECK(j[key].is_number(), "{}: '{}' must be a number, is {}", where, key, j[key].dump());
-    return j[key].get<double>();
-  }
-  bool boolean(const char* key, bool fallback) const {
-    if (!has(key)) return fallback;
-    KCPP_CHECK(j[key].is_boolean(), "{}: '{}' must be true or false, is {}", where, key, j[key].dump());
-    return j[key].get<bool>();
-  }
-  std::string string(const char* key, const std::string& fallback) const {
-    if (!has(key)) return fallback;
-    KCPP_CHECK(j[key].is_string(), "{}: '{}' must be a string, is {}", where, key, j[key].dump());
-    return j[key].get<std::string>();
-  }
-  std::vector<int64_t> ids(const char* key) const {
-    if (!has(key)) return {};
-    if (j[key].is_number_integer()) return {j[key].get<int64_t>()};
-    KCPP_CHECK(j[key].is_array(), "{}: '{}' must be a token id or a list of them", where, key);
-    std::vector<int64_t> out;
-    for (const auto& v : j[key]) {
-      KCPP_CHECK(v.is_number_integer(), "{}: '{}' must hold token ids, holds {}", where, key, v.dump());
-      out.push_back(v.get<int64_t>());
-    }
-    return out;
-  }
-};
 
 }  // namespace
 
@@ -143,15 +109,9 @@ MambaConfig MambaConfig::from_json(const nlohmann::json& j, const std::string& w
 }
 
 MambaConfig MambaConfig::from_folder(const std::filesystem::path& folder) {
-  const auto path = folder / "config.json";
-  const std::string text = read_whole_file(path, "the model's config");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    KCPP_FAIL("{}: not valid JSON ({})", path.string(), e.what());
-  }
-  return from_json(j, path.string());
+  std::string where;
+  const nlohmann::json j = config_json::read(folder, &where);
+  return from_json(j, where);
 }
 
 nlohmann::json MambaConfig::to_json() const {
