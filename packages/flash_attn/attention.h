@@ -143,9 +143,10 @@ KCPP_FLASH_HD int64_t lse_rows(const AttentionParams& p) {
   return p.varlen() ? p.heads_q * p.total_q : p.batch * p.heads_q * p.seq_q;
 }
 // Row `row` of lse_row's numbering back to (b, h, s); b is 0 for varlen (its operands ignore b: sb = 0).
-KCPP_FLASH_HD void lse_row_index(const AttentionParams& p, int64_t row, int64_t& b, int64_t& h, int64_t& s) {
-  const int64_t per_head = p.varlen() ? p.total_q : p.seq_q;
-  s = row % per_head, h = row / per_head % p.heads_q, b = p.varlen() ? 0 : row / (per_head * p.heads_q);
+// I: the index type, int64_t, or uint32_t where every row number fits it (cheaper divisions on a GPU).
+template <typename I> KCPP_FLASH_HD void lse_row_index(const AttentionParams& p, I row, I& b, I& h, I& s) {
+  const auto per_head = static_cast<I>(p.varlen() ? p.total_q : p.seq_q), hq = static_cast<I>(p.heads_q);
+  s = row % per_head, h = row / per_head % hq, b = p.varlen() ? 0 : row / (per_head * hq);  // per_head * hq <= the rows
 }
 
 // Checks shapes, strides and pointers; nullptr or the message naming what is wrong.

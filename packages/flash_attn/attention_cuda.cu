@@ -319,8 +319,8 @@ bool vector_passes(const AttentionParams& p) {
 
 // Row `row` of lse_row's numbering (rows < 2^32) to the element offset of its (b, h, s) in `o`.
 __device__ __forceinline__ int64_t row_offset(const AttentionParams& p, const Operand& o, uint32_t row) {
-  const auto per_head = static_cast<uint32_t>(p.varlen() ? p.total_q : p.seq_q), hq = static_cast<uint32_t>(p.heads_q);
-  const uint32_t s = row % per_head, bh = row / per_head, h = bh % hq, b = p.varlen() ? 0u : bh / hq;
+  uint32_t b, h, s;
+  lse_row_index(p, row, b, h, s);
   return b * o.sb + h * o.sh + s * o.ss;
 }
 

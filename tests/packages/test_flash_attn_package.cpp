@@ -163,6 +163,14 @@ bool hopper_here() {
          pl.cuda_archs_compiled.find("90a") != std::string::npos;
 }
 
+// Skips the current test where hopper_here() does not hold (no GPU, another compute capability, or a
+// build without sm_90a).
+#define KCPP_REQUIRE_HOPPER(dev)                                                                                  \
+  do {                                                                                                            \
+    KCPP_REQUIRE_DEVICE(dev);                                                                                     \
+    if (!hopper_here()) GTEST_SKIP() << "skipped: needs a compute capability 9.0 GPU and a build with sm_90a"; \
+  } while (0)
+
 // For a scope's KCPP_FLASH_ATTN_* settings (the package reads them at each call).
 using test::ScopedEnv;
 
@@ -174,8 +182,7 @@ using test::ScopedEnv;
 // writes.
 TEST(FlashAttnHopper, ForwardOnAwkwardLengths) {
   const Device dev = Device::cuda(0);
-  KCPP_REQUIRE_DEVICE(dev);
-  if (!hopper_here()) GTEST_SKIP() << "skipped: needs a compute capability 9.0 GPU and a build with sm_90a";
+  KCPP_REQUIRE_HOPPER(dev);
   const ScopedEnv env("KCPP_FLASH_ATTN_FORWARD", "hopper");
   Generator gen = test::test_generator();
   const KernelLayer k = layer();
@@ -220,8 +227,7 @@ TEST(FlashAttnHopper, ForwardOnAwkwardLengths) {
 // causal or not, sliding windows, bf16 / f16, the [B, S, H, D] layout, more blocks than SMs.
 TEST(FlashAttnHopper, BackwardOnAwkwardLengths) {
   const Device dev = Device::cuda(0);
-  KCPP_REQUIRE_DEVICE(dev);
-  if (!hopper_here()) GTEST_SKIP() << "skipped: needs a compute capability 9.0 GPU and a build with sm_90a";
+  KCPP_REQUIRE_HOPPER(dev);
   const ScopedEnv env("KCPP_FLASH_ATTN_BACKWARD", "hopper");
   Generator gen = test::test_generator();
   const KernelLayer k = layer();
@@ -268,8 +274,7 @@ TEST(FlashAttnHopper, BackwardOnAwkwardLengths) {
 // dq's rounding) run in their any-layout forms (the forward then runs on the generic path).
 TEST(FlashAttnHopper, BackwardOnNarrowOutAndDq) {
   const Device dev = Device::cuda(0);
-  KCPP_REQUIRE_DEVICE(dev);
-  if (!hopper_here()) GTEST_SKIP() << "skipped: needs a compute capability 9.0 GPU and a build with sm_90a";
+  KCPP_REQUIRE_HOPPER(dev);
   const ScopedEnv env("KCPP_FLASH_ATTN_BACKWARD", "hopper");
   Generator gen = test::test_generator();
   const KernelLayer k = layer();
@@ -657,8 +662,7 @@ TEST(FlashAttnVarlen, GenericCudaKernels) {
 // three block orders; sliding windows; head dims 64 and 256.
 TEST(FlashAttnHopper, VarlenOnAwkwardLengths) {
   const Device dev = Device::cuda(0);
-  KCPP_REQUIRE_DEVICE(dev);
-  if (!hopper_here()) GTEST_SKIP() << "skipped: needs a compute capability 9.0 GPU and a build with sm_90a";
+  KCPP_REQUIRE_HOPPER(dev);
   Generator gen = test::test_generator();
   const KernelLayer k = layer();
   std::vector<int64_t> many;  // 300 sequences of 1 to 40 tokens
