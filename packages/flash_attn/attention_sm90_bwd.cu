@@ -7,23 +7,31 @@
 // per 128 keys of one kv head, K and V loaded once and kept in shared memory, dK and dV accumulated in
 // registers over the group's query heads and the query tiles that see the keys; dQ accumulated in f32
 // in the workspace by bulk reductions (order-dependent rounding: not bit-reproducible run to run).  Each consumer warpgroup owns 64 of the
-// keys and works in the transposed frame (keys as the M dimension), per query tile of 64:
+// keys and works in the transposed frame (keys as the M dimension), per sub-tile of 64 queries (a query
+// tile is one sub-tile at head dim 128, two at 64: see below):
 //   S^T  = K Q^T, dP^T = V dO^T           wgmma, A and B from shared memory (K-major)
 //   P^T  = exp(scale S^T - lse)           dS^T = P^T o (dP^T - delta)      (in registers; with soft-
 //                                          capping S^T is capped first and dS^T takes the factor 1 - tanh^2)
 //   dV  += P^T dO, dK += dS^T Q            wgmma, A from registers, B MN-major (dO, Q as loaded)
-//   dQ   = dS K over all 128 keys          wgmma, A = dS^T as written to shared memory by both
-//                                          warpgroups (MN-major), B = K (MN-major); each warpgroup
-//                                          takes 64 of the head dim's columns into a shared f32
-//                                          tile (128-byte swizzle) that bulk tensor reductions
-//                                          (cp.reduce.async.bulk.tensor .add) add to the accumulator.
+//   dQ   = dS K over all 128 keys          wgmma, once a query tile, A = dS^T as written to shared
+//                                          memory by both warpgroups (MN-major), B = K (MN-major),
+//                                          into a shared f32 tile (128-byte swizzle) that bulk tensor
+//                                          reductions (cp.reduce.async.bulk.tensor .add) add to the
+//                                          accumulator: of a tile of 64 queries each warpgroup takes
+//                                          half of the head dim's columns; of 128, every column of
+//                                          its own 64 queries, and issues their reductions itself.
+// Tiles of 128 queries at head dim 64 halve what a tile costs beyond its products (the dQ product's
+// barrier and drain, its reductions, the ring's waits) against products half the size of head dim
+// 128's; their sub-tiles keep the registers of 64-query tiles (S^T and dP^T of all 128 queries at once
+// with dK and dV would exceed them: ptxas then serializes every wgmma).
 // Warpgroup 0 is the producer: thread 0 issues the copies of K and V and of each query tile's Q and dO
 // into a ring of slots ("full" mbarriers completed by the copy engine, "empty" ones by the consumer
 // warps); warp 1 fills each slot's lse (scaled to base 2, +inf for rows that see no key or lie past
 // the end) and delta beside it and arrives on the same "full" barrier.  dS^T is double-buffered, so one
 // named barrier an iteration orders both warpgroups' writes before either's dQ product (and, its issuer
 // having waited, the dQ tile's last reduction before the tile is rewritten); a second, on which only
-// the issuing warp waits, orders both halves of the dQ tile before its reductions.
+// the issuing warp waits, orders both halves of the dQ tile before its reductions (with tiles of 128,
+// one a warpgroup, over its own rows).
 // A sliding window ends each block's query tiles where the last key leaves the window of the queries,
 // and masks the tiles at its edge as the causal diagonal is masked.
 // Varlen (cu_seqlens): a block per 128 keys of a kv head of one sequence, the grid over max_seqlen_k
@@ -46,19 +54,22 @@ namespace kcpp::flash {
 namespace {
 
 constexpr int kBk = 128;          // keys a block: two consumer warpgroups of 64
-constexpr int kBq = 64;           // queries a tile
 constexpr int kStages = 2;        // Q / dO ring depth
 constexpr int kThreadsB = 3 * 128;
-constexpr int kDSBytes = kBk * kBq * 2;  // dS^T, [keys][queries]
-// The tiles of head dim D.
-template <int D> struct Bwd {
-  static constexpr int kKVBytes = kBk * D * 2;  // K or V
-  static constexpr int kQBytes = kBq * D * 2;   // one Q or dO tile
-  static constexpr int kDQBytes = kBq * D * 4;  // a tile's dQ, f32 [queries][D]
-  static constexpr int kDQCols = D / 2;         // the dQ columns of a consumer warpgroup
+// The tiles of head dim D and query tiles of BQ: 64 at head dim 128, 128 at 64 (see the head comment).
+template <int D, int BQ> struct Bwd {
+  static_assert(BQ == 64 || (BQ == 128 && D == 64), "attention_sm90_bwd: query tiles of 64, or of 128 at head dim 64");
+  static constexpr int kKVBytes = kBk * D * 2;   // K or V
+  static constexpr int kQBytes = BQ * D * 2;     // one Q or dO tile
+  static constexpr int kDSBytes = kBk * BQ * 2;  // dS^T, [query block of 64][keys][64 queries]
+  static constexpr int kDQBytes = BQ * D * 4;    // a tile's dQ, f32 [queries][D]
+  // The split of a tile's dQ between the consumer warpgroups: of 64 queries, half of the head dim's
+  // columns each; of 128, all columns of its own 64 queries (kSplitRows).
+  static constexpr bool kSplitRows = BQ == 128;
+  static constexpr int kDQCols = kSplitRows ? D : D / 2;
   // K, V, the ring of Q and dO, two dS^T buffers, the dQ tile, lse and delta per slot, the barriers.
   static constexpr int kSmem =
-      1024 + 2 * kKVBytes + kStages * 2 * kQBytes + 2 * kDSBytes + kDQBytes + kStages * 2 * kBq * 4 + 8 * (1 + 2 * kStages);
+      1024 + 2 * kKVBytes + kStages * 2 * kQBytes + 2 * kDSBytes + kDQBytes + kStages * 2 * BQ * 4 + 8 * (1 + 2 * kStages);
   static_assert(kSmem <= 227 * 1024, "attention_sm90_bwd: the tiles do not fit in shared memory");
 };
 
@@ -77,31 +88,22 @@ template <> __device__ __forceinline__ void wgmma_ss_mn<__half, 64>(float (&d)[3
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                : "l"(a), "l"(b), "r"(scale_d));
 }
-template <> __device__ __forceinline__ void wgmma_ss_mn<__nv_bfloat16, 32>(float (&d)[16], uint64_t a, uint64_t b, int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 1, 1;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-               : "l"(a), "l"(b), "r"(scale_d));
-}
-template <> __device__ __forceinline__ void wgmma_ss_mn<__half, 32>(float (&d)[16], uint64_t a, uint64_t b, int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 1, 1;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-               : "l"(a), "l"(b), "r"(scale_d));
-}
 #endif
 
 // Cap: soft-capping (p.softcap > 0), a kernel of its own so that the uncapped one keeps its code (with
 // both in one kernel behind a run-time branch the uncapped backward ran markedly slower: bench/RESULTS.md).
-template <typename T, int D, bool Cap>
+template <typename T, int D, int BQ, bool Cap>
 __global__ void __launch_bounds__(kThreadsB, 1)
     bwd_sm90_kernel(const __grid_constant__ AttentionParams p, int head_group, const float* __restrict__ delta, float* __restrict__ dq_acc,
                     const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
                     const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
                     const __grid_constant__ CUtensorMap tdq) {
 #if KCPP_SM90_DEVICE
-  using C = Bwd<D>;
-  constexpr int kKVBytes = C::kKVBytes, kQBytes = C::kQBytes, kDQBytes = C::kDQBytes, kDQCols = C::kDQCols;
+  using C = Bwd<D, BQ>;
+  constexpr int kBq = BQ, kKVBytes = C::kKVBytes, kQBytes = C::kQBytes, kDSBytes = C::kDSBytes, kDQBytes = C::kDQBytes;
+  constexpr int kDQCols = C::kDQCols;
+  constexpr bool kSplitRows = C::kSplitRows;
+  constexpr int kSub = kBq / 64;  // a tile's sub-tiles of 64 queries
   constexpr float kLog2e = 1.4426950408889634f;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
@@ -149,26 +151,27 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 
   // The operands' descriptors (desc_at steps them): K and V as S^T's and dP^T's A (K-major), slot 0's Q
   // as S^T's B (K-major, dO a tile after it) and as dK's B (MN-major, likewise for dV), dS^T buffer 0 as
-  // dQ's A, and the keys of this warpgroup's head-dim columns of dQ as its B: columns kDQCols cw on, in
-  // K's 64-column block kDQCols cw / 64 from byte 2 (kDQCols cw % 64) of its rows (at head dim 64 each
-  // warpgroup reads 32 columns, half of each swizzled 128-byte row).
+  // dQ's A, and K as dQ's B.  With query tiles of 64, dQ's A is all of dS^T and its B the keys of this
+  // warpgroup's kDQCols columns (kDQCols cw on: K's 64-column block kDQCols cw / 64, from byte
+  // 2 (kDQCols cw % 64) of its rows); of 128 (kSplitRows), its A is this warpgroup's block of 64
+  // queries of dS^T and its B all of K's columns.
   const uint64_t k_desc = desc(k_wg, 16, 1024), v_desc = desc(v_wg, 16, 1024);
   const uint64_t q_desc0 = desc(sQ, 16, 1024), q_mn0 = desc(sQ, kBq * 128, 1024);
-  const uint32_t kq_at = sK + (kDQCols * cw / 64) * kBk * 128 + (kDQCols * cw % 64) * 2;
-  const uint64_t ds_desc0 = desc(sDS, kBq * 128, 1024), kq_desc = desc(kq_at, kBk * 128, 1024);
-  // X (64 keys x kBq queries, f32 in the accumulator layout) rounded into A fragments, k-steps of 16 queries.
-  auto pack = [&](uint32_t(&frag)[kBq / 16][4], const float(&x)[32]) {
+  const uint32_t kq_at = kSplitRows ? sK : sK + (kDQCols * cw / 64) * kBk * 128 + (kDQCols * cw % 64) * 2;
+  const uint64_t ds_desc0 = desc(sDS + (kSplitRows ? cw * kBk * 128 : 0), 64 * 128, 1024), kq_desc = desc(kq_at, kBk * 128, 1024);
+  // X (64 keys x 64 queries, f32 in the accumulator layout) rounded into A fragments, k-steps of 16 queries.
+  auto pack = [&](uint32_t(&frag)[4][4], const float(&x)[32]) {
 #pragma unroll
-    for (int kk = 0; kk < kBq / 16; ++kk)
+    for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
       for (int e = 0; e < 4; ++e) frag[kk][e] = pack2<T>(x[8 * kk + 2 * e], x[8 * kk + 2 * e + 1]);
   };
   // acc += X B in one commit group, X from the fragments `frag` (which neither the wgmma's issuer nor
   // anyone else may touch until a wait covers the group), B from `b` (MN-major).
-  auto rs_product = [&](float(&acc)[D / 2], const uint32_t(&frag)[kBq / 16][4], uint64_t b) {
+  auto rs_product = [&](float(&acc)[D / 2], const uint32_t(&frag)[4][4], uint64_t b) {
     wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBq / 16; ++kk) wgmma_rs<T, D>(acc, frag[kk], desc_at(b, kk * 16 * 128));
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs<T, D>(acc, frag[kk], desc_at(b, kk * 16 * 128));
     wg_commit();
   };
   float dk[D / 2], dv[D / 2];
@@ -180,121 +183,135 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     const int st = it % kStages;
     const int64_t h = item_h(it), q0 = item_q0(it);
     const uint32_t slot = st * 2 * kQBytes, ds_s = sDS + (it & 1) * kDSBytes;
-    const uint64_t q_desc = desc_at(q_desc0, slot), do_desc = desc_at(q_desc0, slot + kQBytes);
-    const uint64_t q_mn = desc_at(q_mn0, slot), do_mn = desc_at(q_mn0, slot + kQBytes), ds_desc = desc_at(ds_desc0, (it & 1) * kDSBytes);
-    const float* lse_s = s_stats + st * 2 * kBq;
-    const float* dl_s = lse_s + kBq;
-    float s[32], dp[32];
+    const uint64_t ds_desc = desc_at(ds_desc0, (it & 1) * kDSBytes);
+    uint32_t pf[4][4], df[4][4];
     mbar_wait(full(st), (it / kStages) & 1);
-    // Five commit groups an item (S^T, dP^T, dV, dK, dQ), each waited for only when its result is
-    // needed: P's exponentials run while dP^T is on the tensor cores, dS^T's arithmetic while dV is,
+    // The tile's sub-tiles of 64 queries (one, or two with tiles of 128), each in four commit groups
+    // (S^T, dP^T, dV, dK), then the tile's dQ in a fifth; each group is waited for only when its result
+    // is needed: P's exponentials run while dP^T is on the tensor cores, dS^T's arithmetic while dV is,
     // and its shared-memory stores while dK is.
-    wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss<T, 64>(s, desc_at(k_desc, (kk / 4) * kBk * 128 + (kk % 4) * 32), desc_at(q_desc, (kk / 4) * kBq * 128 + (kk % 4) * 32),
-                      kk > 0);
-    wg_commit();
+    for (int sub = 0; sub < kSub; ++sub) {
+      const int64_t qs = q0 + 64 * sub;  // the sub-tile's first query
+      const uint32_t rows = sub * 64 * 128;  // its first row's offset in the Q and dO tiles
+      const uint64_t q_desc = desc_at(q_desc0, slot + rows), do_desc = desc_at(q_desc0, slot + kQBytes + rows);
+      const uint64_t q_mn = desc_at(q_mn0, slot + rows), do_mn = desc_at(q_mn0, slot + kQBytes + rows);
+      const float* lse_s = s_stats + st * 2 * kBq + 64 * sub;
+      const float* dl_s = lse_s + kBq;
+      float s[32], dp[32];
+      wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss<T, 64>(dp, desc_at(v_desc, (kk / 4) * kBk * 128 + (kk % 4) * 32), desc_at(do_desc, (kk / 4) * kBq * 128 + (kk % 4) * 32),
-                      kk > 0);
-    wg_commit();
-    // The tile's lse while the products run (the exponentials wait for neither).
-    float l2[kBq / 8][2];
+      for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_ss<T, 64>(s, desc_at(k_desc, (kk / 4) * kBk * 128 + (kk % 4) * 32), desc_at(q_desc, (kk / 4) * kBq * 128 + (kk % 4) * 32),
+                        kk > 0);
+      wg_commit();
 #pragma unroll
-    for (int i = 0; i < kBq / 8; ++i)
+      for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_ss<T, 64>(dp, desc_at(v_desc, (kk / 4) * kBk * 128 + (kk % 4) * 32), desc_at(do_desc, (kk / 4) * kBq * 128 + (kk % 4) * 32),
+                        kk > 0);
+      wg_commit();
+      // The sub-tile's lse while the products run (the exponentials wait for neither).
+      float l2[8][2];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) l2[i][e] = lse_s[8 * i + 2 * t + e];
-    wg_wait<1>();  // S^T
-    pin(s);
-    // P^T: row r of the thread is key key0 + 8 r, column 8 i + 2 t + e is query q0 + that.
-    const bool masked = (p.causal && k0 + kBk - 1 > q0 + off) || k0 + kBk > skv || (p.window > 0 && q0 + kBq - 1 + off - k0 >= p.window);
-    // Key key0 + 8 r lies past the end when 8 r >= kv_left, after query q0 + c when 8 r + ahead > c.
-    const int kv_left = static_cast<int>(min(skv - key0, int64_t{64})), ahead = static_cast<int>(key0 - q0 - off);
-    // Query q0 + c lies outside key key0 + 8 r's window when c - 8 r >= window + ahead (clamped into
-    // [-64, 2^20]: c - 8 r lies in [-8, 63]).
-    const int win = p.window > 0 ? static_cast<int>(max(int64_t{-64}, min(p.window + ahead, int64_t{1} << 20))) : 1 << 20;
-    auto hidden = [&](int i, int e, int r) {
-      return 8 * r >= kv_left || (p.causal && 8 * r + ahead > 8 * i + 2 * t + e) || 8 * i + 2 * t + e - 8 * r >= win;
-    };
-    uint32_t pf[kBq / 16][4], df[kBq / 16][4];
-    if constexpr (!Cap) {
+      for (int i = 0; i < 8; ++i)
 #pragma unroll
-      for (int i = 0; i < kBq / 8; ++i)
+        for (int e = 0; e < 2; ++e) l2[i][e] = lse_s[8 * i + 2 * t + e];
+      wg_wait<1>();  // S^T (and the previous sub-tile's dV and dK)
+      pin(s);
+      if (sub > 0) {  // their fragments are free now
+        pin(pf);
+        pin(df);
+      }
+      // P^T: row r of the thread is key key0 + 8 r, column 8 i + 2 t + e is query qs + that.
+      const bool masked = (p.causal && k0 + kBk - 1 > qs + off) || k0 + kBk > skv || (p.window > 0 && qs + 63 + off - k0 >= p.window);
+      // Key key0 + 8 r lies past the end when 8 r >= kv_left, after query qs + c when 8 r + ahead > c.
+      const int kv_left = static_cast<int>(min(skv - key0, int64_t{64})), ahead = static_cast<int>(key0 - qs - off);
+      // Query qs + c lies outside key key0 + 8 r's window when c - 8 r >= window + ahead (clamped into
+      // [-64, 2^20]: c - 8 r lies in [-8, 63]).
+      const int win = p.window > 0 ? static_cast<int>(max(int64_t{-64}, min(p.window + ahead, int64_t{1} << 20))) : 1 << 20;
+      auto hidden = [&](int i, int e, int r) {
+        return 8 * r >= kv_left || (p.causal && 8 * r + ahead > 8 * i + 2 * t + e) || 8 * i + 2 * t + e - 8 * r >= win;
+      };
+      if constexpr (!Cap) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) s[4 * i + 2 * r + e] = ex2(fmaf(s[4 * i + 2 * r + e], sl2, -l2[i][e]));
-      if (masked)  // the tiles on the causal diagonal or past the last key only (a branch of the warpgroup)
-#pragma unroll
-        for (int i = 0; i < kBq / 8; ++i)
+        for (int i = 0; i < 8; ++i)
 #pragma unroll
           for (int e = 0; e < 2; ++e)
 #pragma unroll
-            for (int r = 0; r < 2; ++r)
-              if (hidden(i, e, r)) s[4 * i + 2 * r + e] = 0.0f;
-    } else {
-      // Soft-capping: dS^T needs tanh itself (its slope 1 - tanh^2), so dP^T is waited for here and
-      // P^T and dS^T = P^T o (dP^T - delta) o (1 - tanh^2) come out of one pass over the scores.
-      wg_wait<0>();
-      pin(dp);
-      cap_scores(s, t_scale);
+            for (int r = 0; r < 2; ++r) s[4 * i + 2 * r + e] = ex2(fmaf(s[4 * i + 2 * r + e], sl2, -l2[i][e]));
+        if (masked)  // the tiles on the causal diagonal or past the last key only (a branch of the warpgroup)
 #pragma unroll
-      for (int i = 0; i < kBq / 8; ++i)
+          for (int i = 0; i < 8; ++i)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float dl = dl_s[8 * i + 2 * t + e];
+            for (int e = 0; e < 2; ++e)
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int x = 4 * i + 2 * r + e;
-            const float u = s[x];  // tanh(scale q.k / c)
-            float pr = ex2(fmaf(u, sl2, -l2[i][e]));
-            if (masked && hidden(i, e, r)) pr = 0.0f;
-            s[x] = pr;
-            dp[x] = pr * (dp[x] - dl) * fmaf(-u, u, 1.0f);
+              for (int r = 0; r < 2; ++r)
+                if (hidden(i, e, r)) s[4 * i + 2 * r + e] = 0.0f;
+      } else {
+        // Soft-capping: dS^T needs tanh itself (its slope 1 - tanh^2), so dP^T is waited for here and
+        // P^T and dS^T = P^T o (dP^T - delta) o (1 - tanh^2) come out of one pass over the scores.
+        wg_wait<0>();
+        pin(dp);
+        cap_scores(s, t_scale);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float dl = dl_s[8 * i + 2 * t + e];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const int x = 4 * i + 2 * r + e;
+              const float u = s[x];  // tanh(scale q.k / c)
+              float pr = ex2(fmaf(u, sl2, -l2[i][e]));
+              if (masked && hidden(i, e, r)) pr = 0.0f;
+              s[x] = pr;
+              dp[x] = pr * (dp[x] - dl) * fmaf(-u, u, 1.0f);
+            }
           }
-        }
-    }
-    // dV += P^T dO (dO MN-major as loaded).
-    pack(pf, s);
-    rs_product(dv, pf, do_mn);
-    if constexpr (!Cap) {
-      wg_wait<1>();  // dP^T (dV may still run)
-      pin(dp);
-      // dS^T = P^T o (dP^T - delta).
+      }
+      // dV += P^T dO (dO MN-major as loaded).
+      pack(pf, s);
+      rs_product(dv, pf, do_mn);
+      if constexpr (!Cap) {
+        wg_wait<1>();  // dP^T (dV may still run)
+        pin(dp);
+        // dS^T = P^T o (dP^T - delta).
 #pragma unroll
-      for (int i = 0; i < kBq / 8; ++i)
+        for (int i = 0; i < 8; ++i)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float dl = dl_s[8 * i + 2 * t + e];
+          for (int e = 0; e < 2; ++e) {
+            const float dl = dl_s[8 * i + 2 * t + e];
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int x = 4 * i + 2 * r + e;
-            dp[x] = s[x] * (dp[x] - dl);
+            for (int r = 0; r < 2; ++r) {
+              const int x = 4 * i + 2 * r + e;
+              dp[x] = s[x] * (dp[x] - dl);
+            }
           }
-        }
-    }
-    // dK += dS^T Q (Q MN-major as loaded).
-    pack(df, dp);
-    rs_product(dk, df, q_mn);
-    // dS^T into shared memory while dK runs, [keys][queries] in the 128-byte swizzle (the A operand of
-    // dQ, MN-major): rounded again from dp, since df may not be read before a wait covers dK.
+      }
+      // dK += dS^T Q (Q MN-major as loaded).
+      pack(df, dp);
+      rs_product(dk, df, q_mn);
+      // dS^T into shared memory while dK runs, [keys][queries] in the 128-byte swizzle (the A operand
+      // of dQ, MN-major; a sub-tile's block of 64 queries after the other's): rounded again from dp,
+      // since df may not be read before a wait covers dK.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int rl = cw * 64 + warp * 16 + g + 8 * r;
+      for (int r = 0; r < 2; ++r) {
+        const int rl = cw * 64 + warp * 16 + g + 8 * r;
 #pragma unroll
-      for (int i = 0; i < kBq / 8; ++i)
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_s + rl * 128 + ((i ^ (rl % 8)) << 4) + 4 * t),
-                     "r"(pack2<T>(dp[4 * i + 2 * r], dp[4 * i + 2 * r + 1]))
-                     : "memory");
+        for (int i = 0; i < 8; ++i)
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_s + sub * (kBk * 128) + rl * 128 + ((i ^ (rl % 8)) << 4) + 4 * t),
+                       "r"(pack2<T>(dp[4 * i + 2 * r], dp[4 * i + 2 * r + 1]))
+                       : "memory");
+      }
     }
     fence_async_smem();
-    // Both warpgroups' dS^T written; the dQ tile's last bulk reduction has read it (its issuer waited).
-    if (tid == 128) bulk_wait_read();
+    // Both warpgroups' dS^T written; the dQ tile's last bulk reductions have read it (their issuers
+    // waited).
+    if (kSplitRows ? tw == 0 : tid == 128) bulk_wait_read();
     bar_sync(1, 256);
     wg_fence();
-    // dQ[:, kDQCols cw ..] = dS K[:, kDQCols cw ..] over the 128 keys (k-steps of 16 keys).
+    // dQ = dS K over the 128 keys (k-steps of 16 keys): with tiles of 64 queries, columns kDQCols cw on
+    // of all of them; of 128, all columns of queries 64 cw on.
     float dq[kDQCols / 2];
 #pragma unroll
     for (int kk = 0; kk < kBk / 16; ++kk)
@@ -307,11 +324,12 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     pin(df);
     pin(dq);
     if (lane == 0) mbar_arrive(empty(st));
-    // dQ into the tile (row warp * 16 + g + 8 r, columns kDQCols cw + 8 i + 2 t, kDQCols a multiple of
-    // 32: box kDQCols cw / 32 + i / 4, 16-byte chunk 2 (i % 4) + t / 2 of the row, swizzled), then the
-    // bulk tensor reductions of its D / 32 boxes into the accumulator, issued by thread 128 once both
-    // halves are written.
-    const uint32_t dq_wg = sDQ + (kDQCols / 32) * cw * (kBq * 128);
+    // dQ into the tile (tiles of 64 queries: row warp * 16 + g + 8 r, columns kDQCols cw + 8 i + 2 t,
+    // kDQCols a multiple of 32: box kDQCols cw / 32 + i / 4, 16-byte chunk 2 (i % 4) + t / 2 of the row,
+    // swizzled; of 128: row 64 cw + that, box i / 4), then the bulk tensor reductions of its D / 32
+    // boxes into the accumulator: of the whole tile by thread 128 once both halves are written, or
+    // (kSplitRows) of each warpgroup's 64 rows by its own first thread.
+    const uint32_t dq_wg = sDQ + (kSplitRows ? cw * 64 * 128 : (kDQCols / 32) * cw * (kBq * 128));
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = warp * 16 + g + 8 * r;
@@ -323,7 +341,21 @@ __global__ void __launch_bounds__(kThreadsB, 1)
                      : "memory");
     }
     fence_async_smem();
-    if (warp == 0 && cw == 0) {
+    if constexpr (kSplitRows) {
+      if (warp == 0) {
+        bar_sync(2 + cw, 128);
+        if (tw == 0) {
+          const int64_t row = q0 + 64 * cw;
+#pragma unroll
+          for (int j = 0; j < D / 32; ++j)
+            tma_reduce_add(&tdq, dq_wg + j * (kBq * 128), 32 * j, static_cast<int>(varlen ? qb + row : row),
+                           static_cast<int>(varlen ? h : b * p.heads_q + h));
+          bulk_commit();
+        }
+      } else {
+        bar_arrive(2 + cw, 128);
+      }
+    } else if (warp == 0 && cw == 0) {
       bar_sync(2, 256);
       if (tid == 128) {
 #pragma unroll
@@ -336,25 +368,25 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       bar_arrive(2, 256);
     }
   }
-  if (tid == 128) bulk_wait();
+  if (kSplitRows ? tw == 0 : tid == 128) bulk_wait();
 
   // dK (times the scale) and dV, straight from the accumulators.
   store_dkdv<T, D>(p, blk, key0, 0, t, dk, dv);
 #endif
 }
 
-template <typename T, int D, bool Cap>
+template <typename T, int D, int BQ, bool Cap>
 const char* launch_bwd(const AttentionParams& p, const float* delta, float* dq_acc, cudaStream_t stream) {
   CUtensorMap tq, tdo, tk, tv, tdq;
-  if (const char* e = backward_maps(p, dq_acc, kBk, kBq, &tq, &tdo, &tk, &tv, &tdq)) return e;
-  constexpr int kSmemB = Bwd<D>::kSmem;
-  const cudaError_t attr = cudaFuncSetAttribute(bwd_sm90_kernel<T, D, Cap>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemB);
+  if (const char* e = backward_maps(p, dq_acc, kBk, BQ, &tq, &tdo, &tk, &tv, &tdq)) return e;
+  constexpr int kSmemB = Bwd<D, BQ>::kSmem;
+  const cudaError_t attr = cudaFuncSetAttribute(bwd_sm90_kernel<T, D, BQ, Cap>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemB);
   if (attr != cudaSuccess)
     return kernel::errorf("attention_backward (hopper): cannot reserve %d bytes of shared memory: %s", kSmemB,
                           cudaGetErrorString(attr));
   const int head_group = backward_head_group(p, kBk);
   const dim3 grid = backward_grid(p, kBk, head_group);
-  bwd_sm90_kernel<T, D, Cap><<<grid, kThreadsB, kSmemB, stream>>>(p, head_group, delta, dq_acc, tq, tdo, tk, tv, tdq);
+  bwd_sm90_kernel<T, D, BQ, Cap><<<grid, kThreadsB, kSmemB, stream>>>(p, head_group, delta, dq_acc, tq, tdo, tk, tv, tdq);
   return kernel::cuda::launch_error("attention_backward (hopper)");
 }
 
@@ -392,11 +424,11 @@ const char* attention_backward_sm90(const AttentionParams& p, const float* delta
   const bool bf = p.dtype == DType::bf16, cap = p.softcap > 0.0f;
   if (p.head_dim == 256) return attention_backward_sm90_d256(p, delta, dq_acc, stream);
   if (p.head_dim == 64) {
-    if (cap) return bf ? launch_bwd<__nv_bfloat16, 64, true>(p, delta, dq_acc, stream) : launch_bwd<__half, 64, true>(p, delta, dq_acc, stream);
-    return bf ? launch_bwd<__nv_bfloat16, 64, false>(p, delta, dq_acc, stream) : launch_bwd<__half, 64, false>(p, delta, dq_acc, stream);
+    if (cap) return bf ? launch_bwd<__nv_bfloat16, 64, 128, true>(p, delta, dq_acc, stream) : launch_bwd<__half, 64, 128, true>(p, delta, dq_acc, stream);
+    return bf ? launch_bwd<__nv_bfloat16, 64, 128, false>(p, delta, dq_acc, stream) : launch_bwd<__half, 64, 128, false>(p, delta, dq_acc, stream);
   }
-  if (cap) return bf ? launch_bwd<__nv_bfloat16, 128, true>(p, delta, dq_acc, stream) : launch_bwd<__half, 128, true>(p, delta, dq_acc, stream);
-  return bf ? launch_bwd<__nv_bfloat16, 128, false>(p, delta, dq_acc, stream) : launch_bwd<__half, 128, false>(p, delta, dq_acc, stream);
+  if (cap) return bf ? launch_bwd<__nv_bfloat16, 128, 64, true>(p, delta, dq_acc, stream) : launch_bwd<__half, 128, 64, true>(p, delta, dq_acc, stream);
+  return bf ? launch_bwd<__nv_bfloat16, 128, 64, false>(p, delta, dq_acc, stream) : launch_bwd<__half, 128, 64, false>(p, delta, dq_acc, stream);
 }
 
 }  // namespace kcpp::flash
