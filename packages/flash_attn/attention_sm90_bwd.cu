@@ -9,7 +9,8 @@
 // in the workspace by bulk reductions (order-dependent rounding: not bit-reproducible run to run).  Each consumer warpgroup owns 64 of the
 // keys and works in the transposed frame (keys as the M dimension), per sub-tile of 64 queries (a query
 // tile is one sub-tile at head dim 128, two at 64: see below):
-//   S^T  = K Q^T, dP^T = V dO^T           wgmma, A and B from shared memory (K-major)
+//   S^T  = K Q^T, dP^T = V dO^T           wgmma, A and B from shared memory (K-major); at head dim
+//                                          64, A (K, V) from registers, loaded once a block
 //   P^T  = exp(scale S^T - lse)           dS^T = P^T o (dP^T - delta)      (in registers; with soft-
 //                                          capping S^T is capped first and dS^T takes the factor 1 - tanh^2)
 //   dV  += P^T dO, dK += dS^T Q            wgmma, A from registers, B MN-major (dO, Q as loaded)
@@ -23,7 +24,10 @@
 // Tiles of 128 queries at head dim 64 halve what a tile costs beyond its products (the dQ product's
 // barrier and drain, its reductions, the ring's waits) against products half the size of head dim
 // 128's; their sub-tiles keep the registers of 64-query tiles (S^T and dP^T of all 128 queries at once
-// with dK and dV would exceed them: ptxas then serializes every wgmma).
+// with dK and dV would exceed them: ptxas then serializes every wgmma).  What bounds head dim 64 is
+// shared memory's bandwidth more than the tensor cores (by count: about 3,070 cycles of its traffic
+// against 2,560 of products a tile, bench/RESULTS.md), hence K and V in registers there: S^T and dP^T
+// then read only Q and dO.
 // Warpgroup 0 is the producer: thread 0 issues the copies of K and V and of each query tile's Q and dO
 // into a ring of slots ("full" mbarriers completed by the copy engine, "empty" ones by the consumer
 // warps); warp 1 fills each slot's lse (scaled to base 2, +inf for rows that see no key or lie past
@@ -87,6 +91,21 @@ template <> __device__ __forceinline__ void wgmma_ss_mn<__half, 64>(float (&d)[3
                "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                : "l"(a), "l"(b), "r"(scale_d));
+}
+// d (64 x 64, f32) = (scale_d ? d : 0) + A B, A (64 x 16) from registers (the A fragment layout), B
+// (16 x 64) K-major in shared memory.
+template <typename T> __device__ __forceinline__ void wgmma_rs_kb(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int scale_d);
+template <> __device__ __forceinline__ void wgmma_rs_kb<__nv_bfloat16>(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+}
+template <> __device__ __forceinline__ void wgmma_rs_kb<__half>(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int scale_d) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
 }
 #endif
 
@@ -179,6 +198,22 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   for (int e = 0; e < D / 2; ++e) dk[e] = dv[e] = 0.0f;
 
   mbar_wait(kvfull, 0);
+  // At head dim 64, this warpgroup's K and V as A fragments in registers (kKVRegs: 32 registers, four
+  // k-steps of 16 columns each), so that S^T and dP^T read only Q and dO from shared memory: key rows
+  // warp * 16 + g (+ 8) of the warpgroup's 64, columns 16 kk + 2 t (+ 8), from the 128-byte swizzle.
+  constexpr bool kKVRegs = D == 64;
+  uint32_t kf[kKVRegs ? 4 : 1][4], vf[kKVRegs ? 4 : 1][4];
+  if constexpr (kKVRegs) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = cw * 64 + warp * 16 + g + 8 * (e % 2), chunk = 2 * kk + e / 2;
+        const uint32_t at = row * 128 + ((chunk ^ (row % 8)) << 4) + 4 * t;
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(kf[kk][e]) : "r"(sK + at));
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(vf[kk][e]) : "r"(sV + at));
+      }
+  }
   for (int it = 0; it < n_items; ++it) {
     const int st = it % kStages;
     const int64_t h = item_h(it), q0 = item_q0(it);
@@ -200,16 +235,25 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       const float* dl_s = lse_s + kBq;
       float s[32], dp[32];
       wg_fence();
+      if constexpr (kKVRegs) {
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_ss<T, 64>(s, desc_at(k_desc, (kk / 4) * kBk * 128 + (kk % 4) * 32), desc_at(q_desc, (kk / 4) * kBq * 128 + (kk % 4) * 32),
-                        kk > 0);
-      wg_commit();
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs_kb<T>(s, kf[kk], desc_at(q_desc, kk * 32), kk > 0);
+        wg_commit();
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_ss<T, 64>(dp, desc_at(v_desc, (kk / 4) * kBk * 128 + (kk % 4) * 32), desc_at(do_desc, (kk / 4) * kBq * 128 + (kk % 4) * 32),
-                        kk > 0);
-      wg_commit();
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs_kb<T>(dp, vf[kk], desc_at(do_desc, kk * 32), kk > 0);
+        wg_commit();
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+          wgmma_ss<T, 64>(s, desc_at(k_desc, (kk / 4) * kBk * 128 + (kk % 4) * 32), desc_at(q_desc, (kk / 4) * kBq * 128 + (kk % 4) * 32),
+                          kk > 0);
+        wg_commit();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+          wgmma_ss<T, 64>(dp, desc_at(v_desc, (kk / 4) * kBk * 128 + (kk % 4) * 32), desc_at(do_desc, (kk / 4) * kBq * 128 + (kk % 4) * 32),
+                          kk > 0);
+        wg_commit();
+      }
       // The sub-tile's lse while the products run (the exponentials wait for neither).
       float l2[8][2];
 #pragma unroll
