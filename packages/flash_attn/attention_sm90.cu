@@ -13,7 +13,8 @@
 // "empty" one (every consumer warp arrives once it no longer reads the slot), so the next item's
 // loads overlap the last one's tail; the producer gives up registers (setmaxnreg) to the consumers.
 // Warpgroups 1 and 2 (and 3: the head-dim-64 tiles of long sequences) each own 64 query rows and run, per key tile j:
-//   S_j = Q K_j^T                   wgmma, A and B from shared memory (both K-major)
+//   S_j = Q K_j^T                   wgmma, A and B from shared memory (both K-major); with two
+//                                   warpgroups at head dims 64 and 128, A (Q) from registers
 //   O  += P_{j-1} V_{j-1}           wgmma, A (the probabilities) from registers, B = V (MN-major)
 //   softmax of S_j in registers while the O product runs (the two are issued together and waited
 //   for one after the other), then O is rescaled by the change of the running maximum;
@@ -220,12 +221,23 @@ __global__ void __launch_bounds__(128 * (NW + 1), 1)
 
   // The operands' descriptors, stepped by desc_at: this warpgroup's Q rows, ring slot 0's K (K-major) and V (MN-major).
   const uint64_t q_desc = desc(q_base, 16, 1024), k_desc = desc(sK, 16, 1024), v_desc = desc(sV, kBc * 128, 1024);
+  // With two consumer warpgroups at head dims 64 and 128 (kQRegs), the warpgroup's Q rows are held in
+  // registers as A fragments for the item (16 or 32 registers), so that Q K^T reads only K from shared
+  // memory: there, a tile's products and its copies move about 112 bytes of shared memory a cycle
+  // against the 128 it serves (bench/RESULTS.md), Q's reads a third of the score product's.  Three
+  // warpgroups have no registers to spare, nor has the varlen kernel at head dim 128 (ptxas spills).
+  constexpr bool kQRegs = NW == 2 && (D == 64 || (D == 128 && !V));
+  uint32_t qf[kQRegs ? D / 16 : 1][4];
   auto qk = [&](int st) {  // s = Q K^T for ring slot st (issued, not waited for)
     const uint64_t k_st = desc_at(k_desc, st * C::kKVBytes);
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss<T, kBc>(s, desc_at(q_desc, (kk / 4) * kBr * 128 + (kk % 4) * 32), desc_at(k_st, (kk / 4) * kBc * 128 + (kk % 4) * 32),
-                       kk > 0);
+    for (int kk = 0; kk < D / 16; ++kk) {
+      if constexpr (kQRegs)
+        wgmma_rs_kb<T, kBc>(s, qf[kk], desc_at(k_st, (kk / 4) * kBc * 128 + (kk % 4) * 32), kk > 0);
+      else
+        wgmma_ss<T, kBc>(s, desc_at(q_desc, (kk / 4) * kBr * 128 + (kk % 4) * 32), desc_at(k_st, (kk / 4) * kBc * 128 + (kk % 4) * 32),
+                         kk > 0);
+    }
   };
   auto pv = [&](int st) {  // o += P V for ring slot st
     const uint64_t v_st = desc_at(v_desc, st * C::kKVBytes);
@@ -356,6 +368,9 @@ __global__ void __launch_bounds__(128 * (NW + 1), 1)
     };
 
     mbar_wait(qfull, i & 1);
+    if constexpr (kQRegs)
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) load_a_fragment(qf[kk], sQ, kBr * 128, cw * 64 + warp * 16 + g, kk, t);
     // Tile 0: its scores alone.
     {
       const int st = kc % kSK;

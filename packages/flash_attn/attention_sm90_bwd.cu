@@ -92,21 +92,6 @@ template <> __device__ __forceinline__ void wgmma_ss_mn<__half, 64>(float (&d)[3
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
                : "l"(a), "l"(b), "r"(scale_d));
 }
-// d (64 x 64, f32) = (scale_d ? d : 0) + A B, A (64 x 16) from registers (the A fragment layout), B
-// (16 x 64) K-major in shared memory.
-template <typename T> __device__ __forceinline__ void wgmma_rs_kb(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int scale_d);
-template <> __device__ __forceinline__ void wgmma_rs_kb<__nv_bfloat16>(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
-}
-template <> __device__ __forceinline__ void wgmma_rs_kb<__half>(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int scale_d) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
-}
 #endif
 
 // Cap: soft-capping (p.softcap > 0), a kernel of its own so that the uncapped one keeps its code (with
@@ -199,20 +184,15 @@ __global__ void __launch_bounds__(kThreadsB, 1)
 
   mbar_wait(kvfull, 0);
   // At head dim 64, this warpgroup's K and V as A fragments in registers (kKVRegs: 32 registers, four
-  // k-steps of 16 columns each), so that S^T and dP^T read only Q and dO from shared memory: key rows
-  // warp * 16 + g (+ 8) of the warpgroup's 64, columns 16 kk + 2 t (+ 8), from the 128-byte swizzle.
+  // k-steps of 16 columns each), so that S^T and dP^T read only Q and dO from shared memory.
   constexpr bool kKVRegs = D == 64;
   uint32_t kf[kKVRegs ? 4 : 1][4], vf[kKVRegs ? 4 : 1][4];
   if constexpr (kKVRegs) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = cw * 64 + warp * 16 + g + 8 * (e % 2), chunk = 2 * kk + e / 2;
-        const uint32_t at = row * 128 + ((chunk ^ (row % 8)) << 4) + 4 * t;
-        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(kf[kk][e]) : "r"(sK + at));
-        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(vf[kk][e]) : "r"(sV + at));
-      }
+    for (int kk = 0; kk < 4; ++kk) {
+      load_a_fragment(kf[kk], sK, kBk * 128, cw * 64 + warp * 16 + g, kk, t);
+      load_a_fragment(vf[kk], sV, kBk * 128, cw * 64 + warp * 16 + g, kk, t);
+    }
   }
   for (int it = 0; it < n_items; ++it) {
     const int st = it % kStages;
@@ -237,10 +217,10 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       wg_fence();
       if constexpr (kKVRegs) {
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wgmma_rs_kb<T>(s, kf[kk], desc_at(q_desc, kk * 32), kk > 0);
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs_kb<T, 64>(s, kf[kk], desc_at(q_desc, kk * 32), kk > 0);
         wg_commit();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wgmma_rs_kb<T>(dp, vf[kk], desc_at(do_desc, kk * 32), kk > 0);
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs_kb<T, 64>(dp, vf[kk], desc_at(do_desc, kk * 32), kk > 0);
         wg_commit();
       } else {
 #pragma unroll
