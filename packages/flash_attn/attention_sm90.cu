@@ -407,7 +407,7 @@ __global__ void __launch_bounds__(128 * (NW + 1), 1)
       pin(s);
       if (lane == 0) {
         mbar_arrive(kempty(st));
-        if (it == x.n_tiles - 1) mbar_arrive(qempty);  // the item's last read of Q
+        if (it == x.n_tiles - 1) mbar_arrive(qempty);  // the item's last read of Q (or, kQRegs, after it)
       }
       float corr[2];
       const int j0 = tile_j0(it);

@@ -66,7 +66,7 @@ template <int D, int BQ> struct Bwd {
   static constexpr int kKVBytes = kBk * D * 2;   // K or V
   static constexpr int kQBytes = BQ * D * 2;     // one Q or dO tile
   static constexpr int kDSBytes = kBk * BQ * 2;  // dS^T, [query block of 64][keys][64 queries]
-  static constexpr int kDQBytes = BQ * D * 4;    // a tile's dQ, f32 [queries][D]
+  static constexpr int kDQBytes = BQ * D * 4;    // a tile's dQ, f32 [D / 32][BQ rows][32 columns]
   // The split of a tile's dQ between the consumer warpgroups: of 64 queries, half of the head dim's
   // columns each; of 128, all columns of its own 64 queries (kSplitRows).
   static constexpr bool kSplitRows = BQ == 128;
@@ -113,8 +113,10 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const uint32_t sK = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sV = sK + kKVBytes, sQ = sV + kKVBytes;  // slot s: Q at sQ + 2 s kQBytes, dO after it
   const uint32_t sDS = sQ + kStages * 2 * kQBytes;         // two dS^T buffers
-  const uint32_t sDQ = sDS + 2 * kDSBytes;  // the dQ tile: D / 32 boxes of [64 rows][32 columns] f32, 128-byte swizzle
-  float* s_stats = reinterpret_cast<float*>(smem_raw + (sDQ + kDQBytes - smem_addr(smem_raw)));  // [slot][lse | delta][64]
+  // The dQ tile: D / 32 column blocks of [kBq rows][32 columns] f32, 128-byte swizzle (the reductions
+  // take boxes of 64 of those rows).
+  const uint32_t sDQ = sDS + 2 * kDSBytes;
+  float* s_stats = reinterpret_cast<float*>(smem_raw + (sDQ + kDQBytes - smem_addr(smem_raw)));  // [slot][lse | delta][kBq]
   const uint32_t bars = smem_addr(s_stats + kStages * 2 * kBq);
   const uint32_t kvfull = bars;
   auto full = [&](int s) { return bars + 8u * (1 + s); };

@@ -240,7 +240,7 @@ TEST(FlashAttnHopper, BackwardOnAwkwardLengths) {
       {1, 4, 2, 300, 300, 128, true, 17},  {1, 2, 1, 200, 200, 128, true, 1},  {1, 2, 1, 129, 700, 128, true, 200},
       {2, 2, 1, 257, 257, 128, false, 100}, {1, 2, 1, 4097, 4097, 128, true, 1000},
       // Head dim 64: query tiles of 128 (two sub-tiles of 64), each consumer warpgroup's dQ its own 64
-      // queries; the second sub-tile past the last query (1, 127 and 257 queries), a KV cache.
+      // queries; the second sub-tile wholly past the last query (1 and 257 queries) or partly (127), a KV cache.
       {2, 4, 1, 1, 1, 64, true, 0},        {1, 32, 8, 127, 127, 64, true, 0},  {1, 4, 2, 127, 300, 64, true, 0},
       {2, 2, 1, 257, 257, 64, false, 0},   {8, 16, 4, 200, 333, 64, false, 0}, {1, 2, 1, 4097, 4097, 64, true, 0},
       {1, 4, 2, 300, 300, 64, true, 17},   {2, 2, 1, 257, 257, 64, false, 100},
