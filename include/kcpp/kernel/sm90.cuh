@@ -126,9 +126,9 @@ template <typename T, int N> __device__ __forceinline__ void wgmma_rs_kb(float (
 // The A fragment of k-step kk (columns 16 kk .. 16 kk + 15) of a warp's 16 rows of a K-major tile in
 // the 128-byte swizzle (64-column blocks of [rows][128 bytes], block_bytes apart, the tile on a 1024-byte
 // boundary), as wgmma_rs / wgmma_rs_kb take it: row = the warp's first row + g (g = lane / 4, t = lane
-// % 4); registers 0-3 hold rows row, row + 8, row, row + 8 at columns 16 kk + 2 t (+ 1), the same, then
-// 16 kk + 8 + 2 t (+ 1) twice.  Plain shared-memory loads (generic proxy): the tile must be complete
-// and visible to the thread (an mbarrier wait on its copy).
+// % 4); register e holds row row + 8 (e % 2), columns 16 kk + 8 (e / 2) + 2 t and the one after.
+// Plain shared-memory loads (generic proxy): the tile must be complete and visible to the thread (an
+// mbarrier wait on its copy).
 __device__ __forceinline__ void load_a_fragment(uint32_t (&a)[4], uint32_t tile, uint32_t block_bytes, int row, int kk, int t) {
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
