@@ -215,6 +215,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       const uint64_t q_mn = desc_at(q_mn0, slot + rows), do_mn = desc_at(q_mn0, slot + kQBytes + rows);
       const float* lse_s = s_stats + st * 2 * kBq + 64 * sub;
       const float* dl_s = lse_s + kBq;
+      auto delta_at = [&](int i, int e) { return dl_s[8 * i + 2 * t + e]; };  // query column 8 i + 2 t + e's delta
       float s[32], dp[32];
       wg_fence();
       if constexpr (kKVRegs) {
@@ -279,21 +280,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
         wg_wait<0>();
         pin(dp);
         cap_scores(s, t_scale);
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float dl = dl_s[8 * i + 2 * t + e];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const int x = 4 * i + 2 * r + e;
-              const float u = s[x];  // tanh(scale q.k / c)
-              float pr = ex2(fmaf(u, sl2, -l2[i][e]));
-              if (masked && hidden(i, e, r)) pr = 0.0f;
-              s[x] = pr;
-              dp[x] = pr * (dp[x] - dl) * fmaf(-u, u, 1.0f);
-            }
-          }
+        backward_capped_p_ds<8>(s, dp, sl2, masked, [&](int i, int e) { return l2[i][e]; }, delta_at, hidden);
       }
       // dV += P^T dO (dO MN-major as loaded).
       pack(pf, s);
@@ -301,18 +288,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       if constexpr (!Cap) {
         wg_wait<1>();  // dP^T (dV may still run)
         pin(dp);
-        // dS^T = P^T o (dP^T - delta).
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float dl = dl_s[8 * i + 2 * t + e];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const int x = 4 * i + 2 * r + e;
-              dp[x] = s[x] * (dp[x] - dl);
-            }
-          }
+        backward_ds<8>(s, dp, delta_at);
       }
       // dK += dS^T Q (Q MN-major as loaded).
       pack(df, dp);

@@ -153,6 +153,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint64_t q_desc = desc_at(q_desc0, slot), do_desc = desc_at(q_desc0, slot + kQBytes);
     const float* lse_s = s_stats + st * 2 * kBq;
     const float* dl_s = lse_s + kBq;
+    auto delta_at = [&](int i, int e) { return dl_s[qc + 8 * i + 2 * t + e]; };  // query column qc + 8 i + 2 t + e's delta
     float s[16], dp[16];
     mbar_wait(full(st), (it / kStages) & 1);
     wg_fence();
@@ -204,33 +205,12 @@ __global__ void __launch_bounds__(kThreads, 1)
               if (hidden(i, e, r)) s[4 * i + 2 * r + e] = 0.0f;
       wg_wait<0>();  // dP^T
       pin(dp);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float dl = dl_s[qc + 8 * i + 2 * t + e];
-#pragma unroll
-          for (int r = 0; r < 2; ++r) dp[4 * i + 2 * r + e] = s[4 * i + 2 * r + e] * (dp[4 * i + 2 * r + e] - dl);
-        }
+      backward_ds<4>(s, dp, delta_at);
     } else {
       wg_wait<0>();
       pin(dp);
       cap_scores(s, t_scale);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float dl = dl_s[qc + 8 * i + 2 * t + e];
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int x = 4 * i + 2 * r + e;
-            const float u = s[x];  // tanh(scale q.k / c)
-            float pr = ex2(fmaf(u, sl2, -l2[i][e]));
-            if (masked && hidden(i, e, r)) pr = 0.0f;
-            s[x] = pr;
-            dp[x] = pr * (dp[x] - dl) * fmaf(-u, u, 1.0f);
-          }
-        }
+      backward_capped_p_ds<4>(s, dp, sl2, masked, [&](int i, int e) { return l2[i][e]; }, delta_at, hidden);
     }
     // This warpgroup's 32 columns of P^T and dS^T into the shared tiles (row = key, 16-byte chunk
     // 4 cw + i of the row, swizzled).

@@ -184,6 +184,44 @@ __device__ __forceinline__ void tma_reduce_add(const CUtensorMap* map, uint32_t 
                : "memory");
 }
 
+// The backward's dS^T = P^T o (dP^T - delta), in place over dp, on NI groups of 8 columns of m64nN
+// accumulator fragments (element 4 i + 2 r + e: key row g + 8 r, query column 8 i + 2 t + e);
+// delta(i, e) is that column's delta.
+template <int NI, typename Delta>
+__device__ __forceinline__ void backward_ds(const float (&s)[4 * NI], float (&dp)[4 * NI], Delta delta) {
+#pragma unroll
+  for (int i = 0; i < NI; ++i)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float dl = delta(i, e);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) dp[4 * i + 2 * r + e] = s[4 * i + 2 * r + e] * (dp[4 * i + 2 * r + e] - dl);
+    }
+}
+
+// The same with soft-capping, P^T with it: s holds u = tanh(scale q.k / c) (cap_scores) and becomes
+// P^T = 2^(u sl2 - lse2(i, e)), 0 where masked and hidden(i, e, r); dp becomes dS^T = P^T o (dP^T -
+// delta) o (1 - u^2), the cap's slope.
+template <int NI, typename Lse, typename Delta, typename Hidden>
+__device__ __forceinline__ void backward_capped_p_ds(float (&s)[4 * NI], float (&dp)[4 * NI], float sl2, bool masked, Lse lse2,
+                                                     Delta delta, Hidden hidden) {
+#pragma unroll
+  for (int i = 0; i < NI; ++i)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float dl = delta(i, e);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int x = 4 * i + 2 * r + e;
+        const float u = s[x];
+        float pr = ex2(fmaf(u, sl2, -lse2(i, e)));
+        if (masked && hidden(i, e, r)) pr = 0.0f;
+        s[x] = pr;
+        dp[x] = pr * (dp[x] - dl) * fmaf(-u, u, 1.0f);
+      }
+    }
+}
+
 // The backward's producer warpgroup (thread index tid < 128).  Thread 0 issues the copies of the block's
 // K and V (boxes of 64 columns, completing kvfull) and of each item's Q and dO tiles into a ring of
 // Stages slots (slot s: Q at sQ + 2 s Q bytes, dO after it; "full" barrier full0 + 8 s, "empty" empty0
