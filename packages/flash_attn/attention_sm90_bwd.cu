@@ -20,7 +20,7 @@
 //                                          reductions (cp.reduce.async.bulk.tensor .add) add to the
 //                                          accumulator: of a tile of 64 queries each warpgroup takes
 //                                          half of the head dim's columns; of 128, every column of
-//                                          its own 64 queries, and issues their reductions itself.
+//                                          its own 64 queries.
 // Tiles of 128 queries at head dim 64 halve what a tile costs beyond its products (the dQ product's
 // barrier and drain, its reductions, the ring's waits) against products half the size of head dim
 // 128's; their sub-tiles keep the registers of 64-query tiles (S^T and dP^T of all 128 queries at once
@@ -32,10 +32,14 @@
 // into a ring of slots ("full" mbarriers completed by the copy engine, "empty" ones by the consumer
 // warps); warp 1 fills each slot's lse (scaled to base 2, +inf for rows that see no key or lie past
 // the end) and delta beside it and arrives on the same "full" barrier.  dS^T is double-buffered, so one
-// named barrier an iteration orders both warpgroups' writes before either's dQ product (and, its issuer
-// having waited, the dQ tile's last reduction before the tile is rewritten); a second, on which only
-// the issuing warp waits, orders both halves of the dQ tile before its reductions (with tiles of 128,
-// one a warpgroup, over its own rows).
+// named barrier an iteration orders both warpgroups' writes before either's dQ product (and, with tiles
+// of 64, its issuer having waited, the dQ tile's last reduction before the tile is rewritten).  The dQ
+// tile's reductions: with tiles of 64, thread 128 issues them once a second named barrier, on which only
+// its warp waits, has ordered both halves; with tiles of 128, the consumers' 8 warps arrive on an
+// mbarrier (dq_full) for the producer warpgroup's thread 64, which issues them and hands the tile back
+// (dq_empty) once the copy engine has read it, so no consumer warp waits for the copy engine
+// (backward_dq_reducer; 5.5-7.7% faster forward + backward at head dim 64 than each warpgroup's first
+// thread issuing its own rows', bench/RESULTS.md; at head dim 128 the same scheme was 2-3% slower).
 // A sliding window ends each block's query tiles where the last key leaves the window of the queries,
 // and masks the tiles at its edge as the causal diagonal is masked.
 // Varlen (cu_seqlens): a block per 128 keys of a kv head of one sequence, the grid over max_seqlen_k
@@ -71,9 +75,10 @@ template <int D, int BQ> struct Bwd {
   // columns each; of 128, all columns of its own 64 queries (kSplitRows).
   static constexpr bool kSplitRows = BQ == 128;
   static constexpr int kDQCols = kSplitRows ? D : D / 2;
-  // K, V, the ring of Q and dO, two dS^T buffers, the dQ tile, lse and delta per slot, the barriers.
-  static constexpr int kSmem =
-      1024 + 2 * kKVBytes + kStages * 2 * kQBytes + 2 * kDSBytes + kDQBytes + kStages * 2 * BQ * 4 + 8 * (1 + 2 * kStages);
+  // K, V, the ring of Q and dO, two dS^T buffers, the dQ tile, lse and delta per slot, the barriers (K /
+  // V's, the ring's and, of 128, dq_full / dq_empty).
+  static constexpr int kSmem = 1024 + 2 * kKVBytes + kStages * 2 * kQBytes + 2 * kDSBytes + kDQBytes + kStages * 2 * BQ * 4 +
+                               8 * (1 + 2 * kStages + (kSplitRows ? 2 : 0));
   static_assert(kSmem <= 227 * 1024, "attention_sm90_bwd: the tiles do not fit in shared memory");
 };
 
@@ -121,6 +126,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   const uint32_t kvfull = bars;
   auto full = [&](int s) { return bars + 8u * (1 + s); };
   auto empty = [&](int s) { return bars + 8u * (1 + kStages + s); };
+  // Tiles of 128: the dQ tile handed to the producer warpgroup's thread 64 and back.
+  const uint32_t dq_full = bars + 8u * (1 + 2 * kStages), dq_empty = dq_full + 8;
 
   const int tid = threadIdx.x;
   BwdBlock blk;
@@ -134,6 +141,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   if (tid == 0) {
     mbar_init(kvfull, 1);
     for (int s = 0; s < kStages; ++s) mbar_init(full(s), 2), mbar_init(empty(s), 8);
+    if constexpr (kSplitRows) mbar_init(dq_full, 8), mbar_init(dq_empty, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -141,6 +149,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   if (tid < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
     backward_producer<D, kBk, kBq, kStages>(p, blk, delta, tid, &tq, &tdo, &tk, &tv, sK, sV, sQ, s_stats, kvfull, full(0), empty(0));
+    if constexpr (kSplitRows)
+      if (tid == 64) backward_dq_reducer<D, kBq>(p, blk, &tdq, sDQ, dq_full, dq_empty);
     return;
   }
 
@@ -309,7 +319,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     fence_async_smem();
     // Both warpgroups' dS^T written; the dQ tile's last bulk reductions have read it (their issuers
     // waited).
-    if (kSplitRows ? tw == 0 : tid == 128) bulk_wait_read();
+    if (!kSplitRows && tid == 128) bulk_wait_read();
     bar_sync(1, 256);
     wg_fence();
     // dQ = dS K over the 128 keys (k-steps of 16 keys): with tiles of 64 queries, columns kDQCols cw on
@@ -330,8 +340,9 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     // kDQCols a multiple of 32: box kDQCols cw / 32 + i / 4, 16-byte chunk 2 (i % 4) + t / 2 of the row,
     // swizzled; of 128: row 64 cw + that, box i / 4), then the bulk tensor reductions of its D / 32
     // boxes into the accumulator: of the whole tile by thread 128 once both halves are written, or
-    // (kSplitRows) of each warpgroup's 64 rows by its own first thread.
+    // (kSplitRows) by thread 64 once the 8 warps have arrived on dq_full.
     const uint32_t dq_wg = sDQ + (kSplitRows ? cw * 64 * 128 : (kDQCols / 32) * cw * (kBq * 128));
+    if constexpr (kSplitRows) mbar_wait(dq_empty, (it & 1) ^ 1);  // thread 64 has handed the last tile on
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = warp * 16 + g + 8 * r;
@@ -344,19 +355,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     }
     fence_async_smem();
     if constexpr (kSplitRows) {
-      if (warp == 0) {
-        bar_sync(2 + cw, 128);
-        if (tw == 0) {
-          const int64_t row = q0 + 64 * cw;
-#pragma unroll
-          for (int j = 0; j < D / 32; ++j)
-            tma_reduce_add(&tdq, dq_wg + j * (kBq * 128), 32 * j, static_cast<int>(varlen ? qb + row : row),
-                           static_cast<int>(varlen ? h : b * p.heads_q + h));
-          bulk_commit();
-        }
-      } else {
-        bar_arrive(2 + cw, 128);
-      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(dq_full);
     } else if (warp == 0 && cw == 0) {
       bar_sync(2, 256);
       if (tid == 128) {
@@ -370,7 +370,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       bar_arrive(2, 256);
     }
   }
-  if (kSplitRows ? tw == 0 : tid == 128) bulk_wait();
+  if (!kSplitRows && tid == 128) bulk_wait();
 
   // dK (times the scale) and dV, straight from the accumulators.
   store_dkdv<T, D>(p, blk, key0, 0, t, dk, dv);

@@ -184,6 +184,33 @@ __device__ __forceinline__ void tma_reduce_add(const CUtensorMap* map, uint32_t 
                : "memory");
 }
 
+// Thread 64 of the producer warpgroup, where the consumers hand it their dQ tiles (attention_sm90_bwd.cu
+// at head dim 64): each item's tile (BQ rows x D f32 in shared memory at sDQ, D / 32 column blocks of
+// [BQ rows][32 columns], 128-byte swizzle) added into the accumulator once the consumers' 8 warps arrive
+// on dq_full, and dq_empty arrived once the copy engine has read it.
+template <int D, int BQ>
+__device__ __forceinline__ void backward_dq_reducer(const AttentionParams& p, const BwdBlock& k, const CUtensorMap* tdq, uint32_t sDQ,
+                                                    uint32_t dq_full, uint32_t dq_empty) {
+  const bool varlen = p.varlen();
+  // The items' (plane, tile) by steps (item_h / item_q0 without their divisions): the group's heads in
+  // turn, each over tiles m_begin .. m_begin + tiles - 1.
+  int plane = static_cast<int>((varlen ? 0 : k.b * p.heads_q) + k.hk * k.group), m = static_cast<int>(k.m_begin);
+  const int m_last = static_cast<int>(k.m_begin + k.tiles - 1), qb = varlen ? k.qb : 0;
+  for (int it = 0; it < k.n_items; ++it) {
+    mbar_wait(dq_full, it & 1);
+#pragma unroll
+    for (int r = 0; r < BQ / 64; ++r)
+#pragma unroll
+      for (int j = 0; j < D / 32; ++j) tma_reduce_add(tdq, sDQ + j * (BQ * 128) + r * (64 * 128), 32 * j, qb + m * BQ + 64 * r, plane);
+    bulk_commit();
+    bulk_wait_read();
+    mbar_arrive(dq_empty);
+    if (m == m_last) m = static_cast<int>(k.m_begin), ++plane;
+    else ++m;
+  }
+  bulk_wait();
+}
+
 // The backward's dS^T = P^T o (dP^T - delta), in place over dp, on NI groups of 8 columns of m64nN
 // accumulator fragments (element 4 i + 2 r + e: key row g + 8 r, query column 8 i + 2 t + e);
 // delta(i, e) is that column's delta.
