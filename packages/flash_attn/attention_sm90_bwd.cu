@@ -38,7 +38,7 @@
 // its warp waits, has ordered both halves; with tiles of 128, the consumers' 8 warps arrive on an
 // mbarrier (dq_full) for the producer warpgroup's thread 64, which issues them and hands the tile back
 // (dq_empty) once the copy engine has read it, so no consumer warp waits for the copy engine
-// (backward_dq_reducer; 5.5-7.7% faster forward + backward at head dim 64 than each warpgroup's first
+// (backward_dq_reducer; 7-9% less time a forward + backward at head dim 64 than each warpgroup's first
 // thread issuing its own rows', bench/RESULTS.md; at head dim 128 the same scheme was 2-3% slower).
 // A sliding window ends each block's query tiles where the last key leaves the window of the queries,
 // and masks the tiles at its edge as the causal diagonal is masked.
