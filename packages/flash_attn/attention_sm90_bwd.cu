@@ -317,8 +317,8 @@ __global__ void __launch_bounds__(kThreadsB, 1)
       }
     }
     fence_async_smem();
-    // Both warpgroups' dS^T written; the dQ tile's last bulk reductions have read it (their issuers
-    // waited).
+    // Both warpgroups' dS^T written; with tiles of 64, the dQ tile's last bulk reductions have read it
+    // (their issuer waited; with tiles of 128, dq_empty below says so).
     if (!kSplitRows && tid == 128) bulk_wait_read();
     bar_sync(1, 256);
     wg_fence();
