@@ -6,10 +6,12 @@ settings of one build, are timed in one process; gradients are checked against c
 changes of a few percent (bench/attention_fwd_ab.py does the same for the forward alone).
 
 Run on the GPU machine:
-  python3 bench/attention_bwd_ab.py LIB NAME[@LIB2][:VAR=VALUE[,VAR=VALUE...]] ... -- BxSxD [BxSxD ...]
+  python3 bench/attention_bwd_ab.py LIB NAME[@LIB2][:VAR=VALUE[,VAR=VALUE...]] ... -- BxSxD [BxSxD ...] [--fwd]
 e.g. python3 bench/attention_bwd_ab.py NEW.so new old@OLD.so heads:KCPP_FLASH_ATTN_SM90_BWD_ORDER=heads -- 2x8192x64
 (LIB: libflash_attn.so of the CUDA variant; a variant's @LIB2 names another library for it.)
-TFLOP/s count the causal half, forward + backward 3.5 times the forward's 4 B H S^2 D / 2.
+TFLOP/s count the causal half, forward + backward 3.5 times the forward's 4 B H S^2 D / 2.  --fwd also
+times each one's forward alone in the same rounds and prints the backward alone (the medians' difference,
+2.5 times the forward's FLOP).
 """
 import math
 import os
@@ -32,7 +34,8 @@ HQ, HKV, ROUNDS = 32, 8, 6
 if "--" not in sys.argv or len(sys.argv) < 5:
     sys.exit(__doc__)
 cut = sys.argv.index("--")
-lib, specs, shapes = sys.argv[1], sys.argv[2:cut], sys.argv[cut + 1:]
+lib, specs, shapes = sys.argv[1], sys.argv[2:cut], [a for a in sys.argv[cut + 1:] if a != "--fwd"]
+with_fwd = "--fwd" in sys.argv[cut + 1:]
 layers = {}
 variants = []  # (name, layer, {VAR: value})
 for spec in specs:
@@ -74,7 +77,11 @@ for shape in shapes:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             backward_fresh(F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True), do, (qg, kg, vg))
 
-    fns = {}
+    def cudnn_fwd():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    fns, fwds = {}, {}
     for name, layer, env in variants:
         def setenv(env=env):
             for var in known:
@@ -92,15 +99,28 @@ for shape in shapes:
         torch.cuda.synchronize()
         print(f"B{B} S{S} D{D} {name}: grads vs cuDNN {max(rel(a, b) for a, b in zip((dq, dk, dv), grads)):.2e}", flush=True)
         fns[name] = fb
+
+        def fwd(layer=layer, setenv=setenv):
+            setenv()
+            layer.forward(fa)
+
+        fwds[name + " fwd"] = fwd
     fns["cudnn"] = cudnn
-    times = {name: [] for name in fns}
+    fwds["cudnn fwd"] = cudnn_fwd
+    pairs = list(fns.items()) + (list(fwds.items()) if with_fwd else [])
+    times = {name: [] for name, _ in pairs}
     for r in range(ROUNDS):
-        for name in (list(fns) if r % 2 == 0 else list(reversed(fns))):
-            times[name].append(bench_deep(fns[name]))
+        for name, fn in (pairs if r % 2 == 0 else pairs[::-1]):
+            times[name].append(bench_deep(fn))
     med = {name: statistics.median(t) for name, t in times.items()}
     figures = ", ".join(f"{name} {med[name]:.4f} ms ({tflop / med[name] * 1e3:.1f} TFLOP/s, {med['cudnn'] / med[name]:.3f}x cuDNN)"
                         for name in fns)
     print(f"B{B} S{S} D{D} forward + backward, medians: {figures}", flush=True)
+    if with_fwd:  # the backward alone: the medians' difference, 2.5 / 3.5 of the forward + backward's FLOP
+        bwd = {name: med[name] - med[name + " fwd"] for name in fns}
+        figures = ", ".join(f"{name} {bwd[name]:.4f} ms ({tflop * 2.5 / 3.5 / bwd[name] * 1e3:.1f} TFLOP/s, "
+                            f"{bwd['cudnn'] / bwd[name]:.3f}x cuDNN; forward {med[name + ' fwd']:.4f})" for name in fns)
+        print(f"B{B} S{S} D{D} backward alone, medians' difference: {figures}", flush=True)
     for name, t in times.items():
         print(f"  {name} rounds: {' '.join(f'{x:.4f}' for x in t)}", flush=True)
     for var in known:
