@@ -101,7 +101,12 @@ template <> __device__ __forceinline__ void wgmma_ss_mn<__half, 64>(float (&d)[3
 
 // Cap: soft-capping (p.softcap > 0), a kernel of its own so that the uncapped one keeps its code (with
 // both in one kernel behind a run-time branch the uncapped backward ran markedly slower: bench/RESULTS.md).
-template <typename T, int D, int BQ, bool Cap>
+// Red (head dim 128, KCPP_FLASH_ATTN_SM90_BWD_DQ=red, for measuring; not the default): each consumer
+// thread adds its dQ rows into the accumulator from its registers (red.global.add.v4.f32) in place of
+// the shared dQ tile and its bulk reductions, which take 64 KB of the 368 KB of shared-memory traffic a
+// tile has against its 2,560 cycles of products (bench/RESULTS.md, the thirtieth session): a test of
+// whether shared memory or the L2's reductions bound the backward there.  Not yet run on a GPU.
+template <typename T, int D, int BQ, bool Cap, bool Red>
 __global__ void __launch_bounds__(kThreadsB, 1)
     bwd_sm90_kernel(const __grid_constant__ AttentionParams p, int head_group, const float* __restrict__ delta, float* __restrict__ dq_acc,
                     const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tdo,
@@ -149,7 +154,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
   if (tid < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
     backward_producer<D, kBk, kBq, kStages>(p, blk, delta, tid, &tq, &tdo, &tk, &tv, sK, sV, sQ, s_stats, kvfull, full(0), empty(0));
-    if constexpr (kSplitRows)
+    if constexpr (kSplitRows && !Red)
       if (tid == 64) backward_dq_reducer<D, kBq>(p, blk, &tdq, sDQ, dq_full, dq_empty);
     return;
   }
@@ -319,7 +324,7 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     fence_async_smem();
     // Both warpgroups' dS^T written; with tiles of 64, the dQ tile's last bulk reductions have read it
     // (their issuer waited; with tiles of 128, dq_empty below says so).
-    if (!kSplitRows && tid == 128) bulk_wait_read();
+    if (!Red && !kSplitRows && tid == 128) bulk_wait_read();
     bar_sync(1, 256);
     wg_fence();
     // dQ = dS K over the 128 keys (k-steps of 16 keys): with tiles of 64 queries, columns kDQCols cw on
@@ -336,60 +341,93 @@ __global__ void __launch_bounds__(kThreadsB, 1)
     pin(df);
     pin(dq);
     if (lane == 0) mbar_arrive(empty(st));
-    // dQ into the tile (tiles of 64 queries: row warp * 16 + g + 8 r, columns kDQCols cw + 8 i + 2 t,
-    // kDQCols a multiple of 32: box kDQCols cw / 32 + i / 4, 16-byte chunk 2 (i % 4) + t / 2 of the row,
-    // swizzled; of 128: row 64 cw + that, box i / 4), then the bulk tensor reductions of its D / 32
-    // boxes into the accumulator: of the whole tile by thread 128 once both halves are written, or
-    // (kSplitRows) by thread 64 once the 8 warps have arrived on dq_full.
-    const uint32_t dq_wg = sDQ + (kSplitRows ? cw * 64 * 128 : (kDQCols / 32) * cw * (kBq * 128));
-    if constexpr (kSplitRows) mbar_wait(dq_empty, (it & 1) ^ 1);  // thread 64 has handed the last tile on
+    if constexpr (Red) {
+      // Each thread's dQ straight into the accumulator, four columns of one row a vector add: lanes t
+      // and t ^ 1 swap a pair, so that an even t holds row g's columns 8 i + 2 t .. + 3 and an odd t row
+      // g + 8's from 8 i + 2 (t - 1) (fragment element 4 i + 2 r + e: row g + 8 r, column 8 i + 2 t + e);
+      // rows past the sequence's queries are left out.
+      const bool odd = t & 1;
+      const int64_t plane = varlen ? h : b * p.heads_q + h, nq = varlen ? p.total_q : p.seq_q;
+      const int64_t qi = q0 + (kSplitRows ? 64 * cw : 0) + warp * 16 + g + (odd ? 8 : 0);
+      float* dst = dq_acc + (plane * nq + (varlen ? qb : 0) + qi) * D + (kSplitRows ? 0 : kDQCols * cw) + 2 * (t & ~1);
+      const bool live = qi < blk.sq;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = warp * 16 + g + 8 * r;
-#pragma unroll
-      for (int i = 0; i < kDQCols / 8; ++i)
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(dq_wg + (i / 4) * (kBq * 128) + row * 128 +
-                                                                 (((2 * (i % 4) + t / 2) ^ (row % 8)) << 4) + 8 * (t % 2)),
-                     "f"(dq[4 * i + 2 * r]), "f"(dq[4 * i + 2 * r + 1])
-                     : "memory");
-    }
-    fence_async_smem();
-    if constexpr (kSplitRows) {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(dq_full);
-    } else if (warp == 0 && cw == 0) {
-      bar_sync(2, 256);
-      if (tid == 128) {
-#pragma unroll
-        for (int j = 0; j < D / 32; ++j)
-          tma_reduce_add(&tdq, sDQ + j * (kBq * 128), 32 * j, static_cast<int>(varlen ? qb + q0 : q0),
-                         static_cast<int>(varlen ? h : b * p.heads_q + h));
-        bulk_commit();
+      for (int i = 0; i < kDQCols / 8; ++i) {
+        const float x0 = __shfl_xor_sync(0xffffffffu, odd ? dq[4 * i] : dq[4 * i + 2], 1);
+        const float x1 = __shfl_xor_sync(0xffffffffu, odd ? dq[4 * i + 1] : dq[4 * i + 3], 1);
+        const float a0 = odd ? x0 : dq[4 * i], a1 = odd ? x1 : dq[4 * i + 1];
+        const float a2 = odd ? dq[4 * i + 2] : x0, a3 = odd ? dq[4 * i + 3] : x1;
+        if (live)
+          asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst + 8 * i), "f"(a0), "f"(a1), "f"(a2), "f"(a3)
+                       : "memory");
       }
     } else {
-      bar_arrive(2, 256);
+      // dQ into the tile (tiles of 64 queries: row warp * 16 + g + 8 r, columns kDQCols cw + 8 i + 2 t,
+      // kDQCols a multiple of 32: box kDQCols cw / 32 + i / 4, 16-byte chunk 2 (i % 4) + t / 2 of the row,
+      // swizzled; of 128: row 64 cw + that, box i / 4), then the bulk tensor reductions of its D / 32
+      // boxes into the accumulator: of the whole tile by thread 128 once both halves are written, or
+      // (kSplitRows) by thread 64 once the 8 warps have arrived on dq_full.
+      const uint32_t dq_wg = sDQ + (kSplitRows ? cw * 64 * 128 : (kDQCols / 32) * cw * (kBq * 128));
+      if constexpr (kSplitRows) mbar_wait(dq_empty, (it & 1) ^ 1);  // thread 64 has handed the last tile on
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = warp * 16 + g + 8 * r;
+#pragma unroll
+        for (int i = 0; i < kDQCols / 8; ++i)
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(dq_wg + (i / 4) * (kBq * 128) + row * 128 +
+                                                                   (((2 * (i % 4) + t / 2) ^ (row % 8)) << 4) + 8 * (t % 2)),
+                       "f"(dq[4 * i + 2 * r]), "f"(dq[4 * i + 2 * r + 1])
+                       : "memory");
+      }
+      fence_async_smem();
+      if constexpr (kSplitRows) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(dq_full);
+      } else if (warp == 0 && cw == 0) {
+        bar_sync(2, 256);
+        if (tid == 128) {
+#pragma unroll
+          for (int j = 0; j < D / 32; ++j)
+            tma_reduce_add(&tdq, sDQ + j * (kBq * 128), 32 * j, static_cast<int>(varlen ? qb + q0 : q0),
+                           static_cast<int>(varlen ? h : b * p.heads_q + h));
+          bulk_commit();
+        }
+      } else {
+        bar_arrive(2, 256);
+      }
     }
   }
-  if (!kSplitRows && tid == 128) bulk_wait();
+  if (!Red && !kSplitRows && tid == 128) bulk_wait();
 
   // dK (times the scale) and dV, straight from the accumulators.
   store_dkdv<T, D>(p, blk, key0, 0, t, dk, dv);
 #endif
 }
 
-template <typename T, int D, int BQ, bool Cap>
-const char* launch_bwd(const AttentionParams& p, const float* delta, float* dq_acc, cudaStream_t stream) {
+template <typename T, int D, int BQ, bool Cap, bool Red>
+const char* launch_bwd_as(const AttentionParams& p, const float* delta, float* dq_acc, cudaStream_t stream) {
   CUtensorMap tq, tdo, tk, tv, tdq;
   if (const char* e = backward_maps(p, dq_acc, kBk, BQ, &tq, &tdo, &tk, &tv, &tdq)) return e;
   constexpr int kSmemB = Bwd<D, BQ>::kSmem;
-  const cudaError_t attr = cudaFuncSetAttribute(bwd_sm90_kernel<T, D, BQ, Cap>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemB);
+  const cudaError_t attr = cudaFuncSetAttribute(bwd_sm90_kernel<T, D, BQ, Cap, Red>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemB);
   if (attr != cudaSuccess)
     return kernel::errorf("attention_backward (hopper): cannot reserve %d bytes of shared memory: %s", kSmemB,
                           cudaGetErrorString(attr));
   const int head_group = backward_head_group(p, kBk);
   const dim3 grid = backward_grid(p, kBk, head_group);
-  bwd_sm90_kernel<T, D, BQ, Cap><<<grid, kThreadsB, kSmemB, stream>>>(p, head_group, delta, dq_acc, tq, tdo, tk, tv, tdq);
+  bwd_sm90_kernel<T, D, BQ, Cap, Red><<<grid, kThreadsB, kSmemB, stream>>>(p, head_group, delta, dq_acc, tq, tdo, tk, tv, tdq);
   return kernel::cuda::launch_error("attention_backward (hopper)");
+}
+
+// KCPP_FLASH_ATTN_SM90_BWD_DQ=red takes the kernels that add dQ from registers (Red), for measuring, at
+// head dim 128 (at 64 they would spill in the consumers' loop).
+template <typename T, int D, int BQ, bool Cap>
+const char* launch_bwd(const AttentionParams& p, const float* delta, float* dq_acc, cudaStream_t stream) {
+  if constexpr (D == 128) {
+    const char* how = std::getenv("KCPP_FLASH_ATTN_SM90_BWD_DQ");
+    if (how && std::strcmp(how, "red") == 0) return launch_bwd_as<T, D, BQ, Cap, true>(p, delta, dq_acc, stream);
+  }
+  return launch_bwd_as<T, D, BQ, Cap, false>(p, delta, dq_acc, stream);
 }
 
 }  // namespace

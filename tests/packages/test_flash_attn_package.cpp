@@ -268,6 +268,14 @@ TEST(FlashAttnHopper, BackwardOnAwkwardLengths) {
     for (const Case& c : cases)
       if (c.sq <= 1000) check_case(k, c, DType::bf16, dev, gen, false);
   }
+  // Head dim 128's dQ added from registers (KCPP_FLASH_ATTN_SM90_BWD_DQ=red, a variant for measuring),
+  // in both dtypes, the long case too (its rows past a tile's end within a sequence of 4097).
+  {
+    const ScopedEnv red("KCPP_FLASH_ATTN_SM90_BWD_DQ", "red");
+    for (DType dt : {DType::bf16, DType::f16})
+      for (const Case& c : cases)
+        if (c.d == 128 && (dt == DType::bf16 || c.sq <= 1000)) check_case(k, c, dt, dev, gen, false);
+  }
 }
 
 // out and dq 2-byte aligned with strides of D + 1 elements: the Hopper backward takes them (its tensor
