@@ -23,9 +23,16 @@ for lib in libopenblas.so.0 libgfortran.so.5 libquadmath.so.0 libgomp.so.1 libso
   [ -n "$path" ] || continue  # none of the packed binaries uses it
   cp -L "$path" "$stage/lib/"
 done
-# The built kernel packages and the hub tests' fixture libraries.
+# The built kernel packages and the hub tests' fixture libraries (a build of only some targets may
+# lack the fixtures: built here, they take seconds).
 cp -r build/"$preset"/kernels "$stage/kernels"
 mkdir -p "$stage/fixtures"
+if ! compgen -G "build/$preset/tests/hub/*.so" >/dev/null; then
+  fixtures=$(cmake --build build/"$preset" --target help | awk -F: '/^kcpp_fixture_[^.]*:/ { print $1 }')
+  [ -n "$fixtures" ] || { echo "pack-device: build/$preset has no hub fixture targets (configure it with the tests)" >&2; exit 1; }
+  # shellcheck disable=SC2086  # one target a word
+  cmake --build build/"$preset" --target $fixtures >/dev/null
+fi
 cp build/"$preset"/tests/hub/*.so "$stage/fixtures/"
 # With KCPP_DEVICE_PYTHON (a Python of the GPU machine's minor version with nanobind, e.g. a venv of
 # pyenv's 3.12): the package kcpp with its extension built for that Python against this build's
